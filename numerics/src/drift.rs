@@ -43,7 +43,11 @@ impl DriftReport {
             return 0.0;
         }
         let se = self.spread / (self.trials as f64).sqrt();
-        if se == 0.0 { f64::INFINITY } else { self.bias.abs() / se }
+        if se == 0.0 {
+            f64::INFINITY
+        } else {
+            self.bias.abs() / se
+        }
     }
 }
 
@@ -94,7 +98,11 @@ where
         rel_bias,
         rel_spread,
         rel_worst,
-        mean_exact: if trials > 0 { exact_total / trials as f64 } else { 0.0 },
+        mean_exact: if trials > 0 {
+            exact_total / trials as f64
+        } else {
+            0.0
+        },
     }
 }
 

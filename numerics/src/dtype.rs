@@ -336,7 +336,11 @@ pub fn stochastic_round<T: StochasticTarget, R: Rng + ?Sized>(x: f32, rng: &mut 
     let ax = f64::from(x.abs());
     // `down` is |x| rounded toward zero; `up` the next value away from zero.
     let nb = nearest.bits16() & 0x7fff;
-    let down_bits = if nearest.abs().to_f64() > ax { nb - 1 } else { nb };
+    let down_bits = if nearest.abs().to_f64() > ax {
+        nb - 1
+    } else {
+        nb
+    };
     let down = T::from_bits16(down_bits).to_f64();
     let up_t = T::from_bits16(down_bits + 1);
     if !up_t.is_finite() {
@@ -346,7 +350,11 @@ pub fn stochastic_round<T: StochasticTarget, R: Rng + ?Sized>(x: f32, rng: &mut 
     // Exact: ax, down and up are close dyadic rationals well within f64.
     let frac = (ax - down) / (up - down);
     let draw = (rng.next_u64() >> 11) as f64 * (-53f64).exp2();
-    let mag = if draw < frac { down_bits + 1 } else { down_bits };
+    let mag = if draw < frac {
+        down_bits + 1
+    } else {
+        down_bits
+    };
     let sign = if x.is_sign_negative() { 0x8000 } else { 0 };
     T::from_bits16(mag | sign)
 }
@@ -376,8 +384,8 @@ pub fn stochastic_round_slice<T: StochasticTarget, R: Rng + ?Sized>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use rand_pcg::Pcg64;
     use rand_core::SeedableRng;
+    use rand_pcg::Pcg64;
 
     #[test]
     fn parse_and_display_round_trip() {
@@ -425,7 +433,8 @@ mod tests {
         let mut rng = Pcg64::seed_from_u64(7);
         for _ in 0..20_000 {
             let bits = rng.next_u64();
-            let mag = ((bits >> 40) as f64 / (1u64 << 24) as f64) * 2f64.powi((bits % 60) as i32 - 30);
+            let mag =
+                ((bits >> 40) as f64 / (1u64 << 24) as f64) * 2f64.powi((bits % 60) as i32 - 30);
             let x = if bits & 1 == 1 { -mag } else { mag };
             check_rne::<f16>(x);
             check_rne::<bf16>(x);
@@ -449,7 +458,11 @@ mod tests {
         let mut short = [f16::ZERO; 2];
         assert!(matches!(
             convert(&src, &mut short),
-            Err(Error::LengthMismatch { expected: 3, got: 2, .. })
+            Err(Error::LengthMismatch {
+                expected: 3,
+                got: 2,
+                ..
+            })
         ));
     }
 
@@ -468,7 +481,10 @@ mod tests {
         }
         let mean = sum / f64::from(n);
         let gap = hi - lo;
-        assert!(lo <= f64::from(x) && f64::from(x) <= hi, "{x}: range {lo}..{hi}");
+        assert!(
+            lo <= f64::from(x) && f64::from(x) <= hi,
+            "{x}: range {lo}..{hi}"
+        );
         assert!(gap <= (nearest.abs() * T::DTYPE.unit_roundoff() * 4.0).max(1e-7));
         // Bernoulli(p) with p(1-p) <= 1/4: standard error <= gap / (2 sqrt n).
         let se = gap / (2.0 * f64::from(n).sqrt());
@@ -482,7 +498,9 @@ mod tests {
     #[test]
     fn stochastic_rounding_is_unbiased() {
         let mut rng = Pcg64::seed_from_u64(42);
-        for &x in &[1.0001f32, -3.14159, 2049.0, 0.1, 1e-6, 6.0e-8, -70000.5, 1.5e30] {
+        for &x in &[
+            1.0001f32, -3.14159, 2049.0, 0.1, 1e-6, 6.0e-8, -70000.5, 1.5e30,
+        ] {
             if x.abs() < 65504.0 {
                 check_unbiased::<f16>(x, &mut rng);
             }

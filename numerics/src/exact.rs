@@ -165,12 +165,14 @@ impl ExactSum {
             Dtype::F32 => {
                 // SAFETY: T::DTYPE == F32 means T is f32 (the trait is
                 // sealed); f32 and u32 have the same size and alignment.
-                let bits = unsafe { std::slice::from_raw_parts(xs.as_ptr().cast::<u32>(), xs.len()) };
+                let bits =
+                    unsafe { std::slice::from_raw_parts(xs.as_ptr().cast::<u32>(), xs.len()) };
                 add_f32_bits(self, bits);
             }
             Dtype::F64 => {
                 // SAFETY: T is f64, which has the layout of u64.
-                let bits = unsafe { std::slice::from_raw_parts(xs.as_ptr().cast::<u64>(), xs.len()) };
+                let bits =
+                    unsafe { std::slice::from_raw_parts(xs.as_ptr().cast::<u64>(), xs.len()) };
                 add_f64_bits(self, bits);
             }
             Dtype::F16 => {
@@ -310,7 +312,9 @@ impl ExactSum {
             // Exact conversions: the value is already representable in T.
             Dtype::F32 => T::from_f32(self.to_f32()),
             Dtype::F16 => T::from_f32(f16::from_bits(self.round_bits(round::F16) as u16).to_f32()),
-            Dtype::BF16 => T::from_f32(bf16::from_bits(self.round_bits(round::BF16) as u16).to_f32()),
+            Dtype::BF16 => {
+                T::from_f32(bf16::from_bits(self.round_bits(round::BF16) as u16).to_f32())
+            }
         }
     }
 
@@ -327,10 +331,17 @@ impl ExactSum {
         let first = self.limbs.iter().position(|&l| l != 0).unwrap_or(0);
         // Keep the limb that carries the sign: trim only redundant extension limbs.
         let mut end = LIMBS;
-        while end > first + 1 && self.limbs[end - 1] == ext && (self.limbs[end - 2] >> 63 == ext >> 63) {
+        while end > first + 1
+            && self.limbs[end - 1] == ext
+            && (self.limbs[end - 2] >> 63 == ext >> 63)
+        {
             end -= 1;
         }
-        let n = if self.limbs.iter().all(|&l| l == 0) { 0 } else { end - first };
+        let n = if self.limbs.iter().all(|&l| l == 0) {
+            0
+        } else {
+            end - first
+        };
         let mut out = Vec::with_capacity(4 + 1 + 8 + 2 + 8 * n);
         out.extend_from_slice(MAGIC);
         out.push(self.flags);
@@ -354,10 +365,17 @@ impl ExactSum {
             reason,
         };
         if bytes.len() < 15 {
-            return Err(fail(format!("{} bytes is shorter than the 15-byte header", bytes.len())));
+            return Err(fail(format!(
+                "{} bytes is shorter than the 15-byte header",
+                bytes.len()
+            )));
         }
         if &bytes[..4] != MAGIC {
-            return Err(fail(format!("magic is {:?}, expected {:?}", &bytes[..4], MAGIC)));
+            return Err(fail(format!(
+                "magic is {:?}, expected {:?}",
+                &bytes[..4],
+                MAGIC
+            )));
         }
         let flags = bytes[4];
         if flags & !(NAN | POS_INF | NEG_INF | NOT_ALL_NEG_ZERO) != 0 {
@@ -367,11 +385,18 @@ impl ExactSum {
         let first = usize::from(bytes[13]);
         let n = usize::from(bytes[14]);
         if first + n > LIMBS {
-            return Err(fail(format!("limbs {first}..{} exceed the {LIMBS} limbs", first + n)));
+            return Err(fail(format!(
+                "limbs {first}..{} exceed the {LIMBS} limbs",
+                first + n
+            )));
         }
         let body = &bytes[15..];
         if body.len() != 8 * n {
-            return Err(fail(format!("{} limb bytes, expected {}", body.len(), 8 * n)));
+            return Err(fail(format!(
+                "{} limb bytes, expected {}",
+                body.len(),
+                8 * n
+            )));
         }
         let mut limbs = [0u64; LIMBS];
         for (i, c) in body.chunks_exact(8).enumerate() {
@@ -382,7 +407,11 @@ impl ExactSum {
                 *l = u64::MAX;
             }
         }
-        Ok(Self { limbs, count, flags })
+        Ok(Self {
+            limbs,
+            count,
+            flags,
+        })
     }
 }
 
@@ -435,7 +464,11 @@ fn window_f32<const ALL: bool>(c: &[u32], base: u32) -> i64 {
         let e = (b >> 23) & 0xff;
         let m = i64::from((b & 0x007f_ffff) | (u32::from(e != 0) << 23));
         let sh = e.max(1).wrapping_sub(base);
-        let v = if ALL || sh < W32 { m.wrapping_shl(sh) } else { 0 };
+        let v = if ALL || sh < W32 {
+            m.wrapping_shl(sh)
+        } else {
+            0
+        };
         let s = i64::from((b as i32) >> 31);
         acc.wrapping_add((v ^ s) - s)
     })
@@ -478,7 +511,11 @@ fn scan_f64(c: &[u64]) -> (u64, u64, bool) {
     for &b in c {
         let e = (b >> 52) & 0x7ff;
         emax = emax.max(e);
-        emin = emin.min(if b & 0x7fff_ffff_ffff_ffff == 0 { 0x7ff } else { e });
+        emin = emin.min(if b & 0x7fff_ffff_ffff_ffff == 0 {
+            0x7ff
+        } else {
+            e
+        });
         not_neg_zero |= b ^ 0x8000_0000_0000_0000;
     }
     (emin, emax, not_neg_zero != 0)
@@ -495,8 +532,16 @@ fn window_f64(c: &[u64], base: u64) -> i64 {
         let hi = (m >> 26) as i64;
         let sh_lo = e.max(1).wrapping_sub(base);
         let sh_hi = sh_lo.wrapping_add(26);
-        let v_lo = if sh_lo < u64::from(W64) { lo.wrapping_shl(sh_lo as u32) } else { 0 };
-        let v_hi = if sh_hi < u64::from(W64) { hi.wrapping_shl(sh_hi as u32) } else { 0 };
+        let v_lo = if sh_lo < u64::from(W64) {
+            lo.wrapping_shl(sh_lo as u32)
+        } else {
+            0
+        };
+        let v_hi = if sh_hi < u64::from(W64) {
+            hi.wrapping_shl(sh_hi as u32)
+        } else {
+            0
+        };
         let s = (b as i64) >> 63;
         acc.wrapping_add(((v_lo + v_hi) ^ s) - s)
     })
@@ -596,7 +641,12 @@ mod tests {
 
     #[test]
     fn bytes_round_trip_and_reject_garbage() {
-        for xs in [vec![], vec![-3.5f64, 1e-310], vec![1e300, -1e-300], vec![-0.0]] {
+        for xs in [
+            vec![],
+            vec![-3.5f64, 1e-310],
+            vec![1e300, -1e-300],
+            vec![-0.0],
+        ] {
             let mut s = ExactSum::new();
             s.add_slice(&xs);
             let b = s.to_bytes();
@@ -634,7 +684,11 @@ mod tests {
             slow.add(x);
         }
         assert_eq!(fast, slow);
-        let ys: Vec<f64> = xs.iter().map(|&x| f64::from(x) * 2f64.powi(700)).chain([1e-320, -5e-324]).collect();
+        let ys: Vec<f64> = xs
+            .iter()
+            .map(|&x| f64::from(x) * 2f64.powi(700))
+            .chain([1e-320, -5e-324])
+            .collect();
         let mut fast = ExactSum::new();
         fast.add_slice(&ys);
         let mut slow = ExactSum::new();

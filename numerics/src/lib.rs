@@ -63,10 +63,14 @@ pub mod simd;
 mod sum;
 
 pub use drift::{DriftReport, measure};
-pub use dtype::{Dtype, Element, StochasticTarget, convert, stochastic_round, stochastic_round_slice};
+pub use dtype::{
+    Dtype, Element, StochasticTarget, convert, stochastic_round, stochastic_round_slice,
+};
 pub use exact::ExactSum;
 pub use half::{bf16, f16};
-pub use scaler::{DynamicLossScaler, LossScalerConfig, LossScalerState, StepDecision, count_nonfinite};
+pub use scaler::{
+    DynamicLossScaler, LossScalerConfig, LossScalerState, StepDecision, count_nonfinite,
+};
 pub use sum::{Strategy, sum_kahan, sum_naive, sum_neumaier, sum_pairwise};
 
 /// Errors of this crate.

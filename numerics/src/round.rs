@@ -9,10 +9,22 @@ pub(crate) struct Format {
     pub exp_bits: u32,
 }
 
-pub(crate) const F64: Format = Format { mant_bits: 52, exp_bits: 11 };
-pub(crate) const F32: Format = Format { mant_bits: 23, exp_bits: 8 };
-pub(crate) const F16: Format = Format { mant_bits: 10, exp_bits: 5 };
-pub(crate) const BF16: Format = Format { mant_bits: 7, exp_bits: 8 };
+pub(crate) const F64: Format = Format {
+    mant_bits: 52,
+    exp_bits: 11,
+};
+pub(crate) const F32: Format = Format {
+    mant_bits: 23,
+    exp_bits: 8,
+};
+pub(crate) const F16: Format = Format {
+    mant_bits: 10,
+    exp_bits: 5,
+};
+pub(crate) const BF16: Format = Format {
+    mant_bits: 7,
+    exp_bits: 8,
+};
 
 impl Format {
     pub fn bias(self) -> i32 {
@@ -117,7 +129,14 @@ mod tests {
             assert_eq!(F32.round_f64(x) as u32, (x as f32).to_bits(), "{x:e}");
             assert_eq!(F64.round_f64(x), x.to_bits());
         }
-        for x in [0.0, -0.0, f64::INFINITY, f64::MIN_POSITIVE, 5e-324, f64::MAX] {
+        for x in [
+            0.0,
+            -0.0,
+            f64::INFINITY,
+            f64::MIN_POSITIVE,
+            5e-324,
+            f64::MAX,
+        ] {
             assert_eq!(F32.round_f64(x) as u32, (x as f32).to_bits(), "{x:e}");
         }
         assert!(f32::from_bits(F32.round_f64(f64::NAN) as u32).is_nan());

@@ -92,23 +92,43 @@ impl DynamicLossScaler {
     /// [`Error::InvalidConfig`] naming the first setting out of its range.
     pub fn new(config: LossScalerConfig) -> Result<Self, Error> {
         let bad = |field: &'static str, value: f64, expected: &'static str| {
-            Err(Error::InvalidConfig { field, value: value.to_string(), expected })
+            Err(Error::InvalidConfig {
+                field,
+                value: value.to_string(),
+                expected,
+            })
         };
         let c = &config;
         if !(c.min_scale.is_finite() && c.min_scale > 0.0) {
             return bad("min_scale", f64::from(c.min_scale), "a finite value > 0");
         }
         if !(c.max_scale.is_finite() && c.max_scale >= c.min_scale) {
-            return bad("max_scale", f64::from(c.max_scale), "a finite value >= min_scale");
+            return bad(
+                "max_scale",
+                f64::from(c.max_scale),
+                "a finite value >= min_scale",
+            );
         }
         if !(c.init_scale >= c.min_scale && c.init_scale <= c.max_scale) {
-            return bad("init_scale", f64::from(c.init_scale), "a value in [min_scale, max_scale]");
+            return bad(
+                "init_scale",
+                f64::from(c.init_scale),
+                "a value in [min_scale, max_scale]",
+            );
         }
         if !(c.growth_factor > 1.0 && c.growth_factor.is_finite()) {
-            return bad("growth_factor", f64::from(c.growth_factor), "a finite value > 1");
+            return bad(
+                "growth_factor",
+                f64::from(c.growth_factor),
+                "a finite value > 1",
+            );
         }
         if !(c.backoff_factor > 0.0 && c.backoff_factor < 1.0) {
-            return bad("backoff_factor", f64::from(c.backoff_factor), "a value in (0, 1)");
+            return bad(
+                "backoff_factor",
+                f64::from(c.backoff_factor),
+                "a value in (0, 1)",
+            );
         }
         if c.growth_interval == 0 {
             return bad("growth_interval", 0.0, "an integer >= 1");
@@ -234,7 +254,16 @@ mod tests {
 
     #[test]
     fn counts_nonfinite_in_every_dtype() {
-        let xs = [1.0f32, f32::NAN, f32::INFINITY, -f32::INFINITY, f32::MAX, 0.0, -0.0, 1e-45];
+        let xs = [
+            1.0f32,
+            f32::NAN,
+            f32::INFINITY,
+            -f32::INFINITY,
+            f32::MAX,
+            0.0,
+            -0.0,
+            1e-45,
+        ];
         assert_eq!(count_nonfinite(&xs), 3);
         let d: Vec<f64> = xs.iter().map(|&x| f64::from(x)).collect();
         assert_eq!(count_nonfinite(&d), 3);
@@ -263,7 +292,11 @@ mod tests {
         assert_eq!(s.scale(), 131072.0, "clamped at max_scale");
         assert_eq!(s.update(true), StepDecision::Skip);
         assert_eq!(s.scale(), 65536.0);
-        assert_eq!(s.inv_scale(), 1.0 / 131072.0, "inverse of the scale that step used");
+        assert_eq!(
+            s.inv_scale(),
+            1.0 / 131072.0,
+            "inverse of the scale that step used"
+        );
         // An overflow resets the run of good steps.
         s.update(false);
         s.update(false);
@@ -293,12 +326,48 @@ mod tests {
     #[test]
     fn rejects_bad_settings() {
         let cases = [
-            (LossScalerConfig { init_scale: f32::NAN, ..Default::default() }, "init_scale"),
-            (LossScalerConfig { growth_factor: 1.0, ..Default::default() }, "growth_factor"),
-            (LossScalerConfig { backoff_factor: 1.5, ..Default::default() }, "backoff_factor"),
-            (LossScalerConfig { growth_interval: 0, ..Default::default() }, "growth_interval"),
-            (LossScalerConfig { min_scale: 0.0, ..Default::default() }, "min_scale"),
-            (LossScalerConfig { max_scale: 0.5, ..Default::default() }, "max_scale"),
+            (
+                LossScalerConfig {
+                    init_scale: f32::NAN,
+                    ..Default::default()
+                },
+                "init_scale",
+            ),
+            (
+                LossScalerConfig {
+                    growth_factor: 1.0,
+                    ..Default::default()
+                },
+                "growth_factor",
+            ),
+            (
+                LossScalerConfig {
+                    backoff_factor: 1.5,
+                    ..Default::default()
+                },
+                "backoff_factor",
+            ),
+            (
+                LossScalerConfig {
+                    growth_interval: 0,
+                    ..Default::default()
+                },
+                "growth_interval",
+            ),
+            (
+                LossScalerConfig {
+                    min_scale: 0.0,
+                    ..Default::default()
+                },
+                "min_scale",
+            ),
+            (
+                LossScalerConfig {
+                    max_scale: 0.5,
+                    ..Default::default()
+                },
+                "max_scale",
+            ),
         ];
         for (c, field) in cases {
             let err = DynamicLossScaler::new(c).unwrap_err();

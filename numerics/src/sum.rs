@@ -40,7 +40,8 @@ const BLOCK: usize = 256;
 /// assert_eq!(sum_naive::<f16, f16>(&ones).to_f32(), 2048.0);
 /// ```
 pub fn sum_naive<T: Element, A: Element>(xs: &[T]) -> A {
-    xs.iter().fold(A::ZERO, |s, &x| s.add(A::from_f64(x.to_f64())))
+    xs.iter()
+        .fold(A::ZERO, |s, &x| s.add(A::from_f64(x.to_f64())))
 }
 
 /// Kahan's compensated summation in accumulator type `A`: each step
@@ -181,10 +182,34 @@ impl Strategy {
             }
         }
         match self {
-            Strategy::Naive(a) => by_acc(a, Summer { xs, kind: Kind::Naive }),
-            Strategy::Kahan(a) => by_acc(a, Summer { xs, kind: Kind::Kahan }),
-            Strategy::Neumaier(a) => by_acc(a, Summer { xs, kind: Kind::Neumaier }),
-            Strategy::Pairwise(a) => by_acc(a, Summer { xs, kind: Kind::Pairwise }),
+            Strategy::Naive(a) => by_acc(
+                a,
+                Summer {
+                    xs,
+                    kind: Kind::Naive,
+                },
+            ),
+            Strategy::Kahan(a) => by_acc(
+                a,
+                Summer {
+                    xs,
+                    kind: Kind::Kahan,
+                },
+            ),
+            Strategy::Neumaier(a) => by_acc(
+                a,
+                Summer {
+                    xs,
+                    kind: Kind::Neumaier,
+                },
+            ),
+            Strategy::Pairwise(a) => by_acc(
+                a,
+                Summer {
+                    xs,
+                    kind: Kind::Pairwise,
+                },
+            ),
             Strategy::Exact => {
                 let mut e = ExactSum::new();
                 e.add_slice(xs);
@@ -248,21 +273,39 @@ mod tests {
     fn the_fp16_stall() {
         // 2048 + 1 = 2049 is a tie between 2048 and 2050 in f16; ties go to
         // even, 2048: the sum stops growing.
-        assert_eq!(Strategy::Naive(Dtype::F16).sum(&ones::<f16>(10_000)), 2048.0);
+        assert_eq!(
+            Strategy::Naive(Dtype::F16).sum(&ones::<f16>(10_000)),
+            2048.0
+        );
         // bf16 has 8 significand bits: it stalls at 256.
-        assert_eq!(Strategy::Naive(Dtype::BF16).sum(&ones::<bf16>(10_000)), 256.0);
+        assert_eq!(
+            Strategy::Naive(Dtype::BF16).sum(&ones::<bf16>(10_000)),
+            256.0
+        );
         // f32 stalls at 2^24.
         let n: usize = (1 << 24) + 1000;
         assert_eq!(sum_naive::<f32, f32>(&ones::<f32>(n)), 16_777_216.0);
         // Widening the accumulator fixes it...
-        assert_eq!(Strategy::Naive(Dtype::F32).sum(&ones::<f16>(10_000)), 10_000.0);
+        assert_eq!(
+            Strategy::Naive(Dtype::F32).sum(&ones::<f16>(10_000)),
+            10_000.0
+        );
         // ...and so does compensation fed back every step, even in f16
         // (10,000 is representable)...
-        assert_eq!(Strategy::Kahan(Dtype::F16).sum(&ones::<f16>(10_000)), 10_000.0);
+        assert_eq!(
+            Strategy::Kahan(Dtype::F16).sum(&ones::<f16>(10_000)),
+            10_000.0
+        );
         // ...but not a compensation that itself accumulates in f16: it
         // stalls at 2048 beside the sum's 2048.
-        assert_eq!(Strategy::Neumaier(Dtype::F16).sum(&ones::<f16>(10_000)), 4096.0);
-        assert_eq!(Strategy::Pairwise(Dtype::F16).sum(&ones::<f16>(10_000)), 10_000.0);
+        assert_eq!(
+            Strategy::Neumaier(Dtype::F16).sum(&ones::<f16>(10_000)),
+            4096.0
+        );
+        assert_eq!(
+            Strategy::Pairwise(Dtype::F16).sum(&ones::<f16>(10_000)),
+            10_000.0
+        );
         assert_eq!(Strategy::Exact.sum(&ones::<f16>(10_000)), 10_000.0);
     }
 
@@ -286,7 +329,9 @@ mod tests {
         // The f32 SIMD build and the generic build follow the same tree:
         // compare against the generic path through f32 → f32 with f64
         // elements widened exactly.
-        let xs: Vec<f32> = (0..100_003).map(|i| ((i * 7919) % 1000) as f32 * 0.001 - 0.3).collect();
+        let xs: Vec<f32> = (0..100_003)
+            .map(|i| ((i * 7919) % 1000) as f32 * 0.001 - 0.3)
+            .collect();
         let fast: f32 = sum_pairwise::<f32, f32>(&xs);
         let generic: f32 = pairwise::<f32, f32>(&xs);
         assert_eq!(fast.to_bits(), generic.to_bits());
@@ -296,7 +341,9 @@ mod tests {
     fn error_bounds_hold() {
         // Uniform positive data: the worst case for naive summation's bias.
         let n: usize = 1 << 20;
-        let xs: Vec<f32> = (0..n).map(|i| 0.5 + ((i * 7919) % 10_007) as f32 / 10_007.0).collect();
+        let xs: Vec<f32> = (0..n)
+            .map(|i| 0.5 + ((i * 7919) % 10_007) as f32 / 10_007.0)
+            .collect();
         let mut e = ExactSum::new();
         e.add_slice(&xs);
         let exact = e.to_f64();
