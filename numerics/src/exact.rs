@@ -381,7 +381,7 @@ impl ExactSum {
         if flags & !(NAN | POS_INF | NEG_INF | NOT_ALL_NEG_ZERO) != 0 {
             return Err(fail(format!("unknown flag bits {flags:#010b}")));
         }
-        let count = u64::from_le_bytes(bytes[5..13].try_into().expect("8 bytes"));
+        let count = le_u64(&bytes[5..13]);
         let first = usize::from(bytes[13]);
         let n = usize::from(bytes[14]);
         if first + n > LIMBS {
@@ -400,7 +400,7 @@ impl ExactSum {
         }
         let mut limbs = [0u64; LIMBS];
         for (i, c) in body.chunks_exact(8).enumerate() {
-            limbs[first + i] = u64::from_le_bytes(c.try_into().expect("8 bytes"));
+            limbs[first + i] = le_u64(c);
         }
         if n > 0 && limbs[first + n - 1] >> 63 == 1 {
             for l in &mut limbs[first + n..] {
@@ -413,6 +413,13 @@ impl ExactSum {
             flags,
         })
     }
+}
+
+/// Little-endian u64 from exactly 8 bytes.
+fn le_u64(b: &[u8]) -> u64 {
+    let mut a = [0u8; 8];
+    a.copy_from_slice(b);
+    u64::from_le_bytes(a)
 }
 
 fn highest_bit(m: &[u64; LIMBS]) -> Option<usize> {

@@ -9,13 +9,13 @@
 //! it is not.
 //!
 //! # Overview
-//! * [`Dtype`] and [`Element`]: `f64`, `f32`, [`half::f16`], [`half::bf16`];
+//! * [`Dtype`] and [`Element`]: `f64`, `f32`, [`half::f16`](struct@half::f16), [`half::bf16`];
 //!   round-to-nearest-even [`convert`]sion and unbiased
 //!   [`stochastic_round`]ing driven by a caller's seeded RNG.
-//! * Summation strategies, each with its documented error bound
-//!   ([`sum` module docs](sum_naive)): [`sum_naive`] in any accumulator dtype
-//!   (to reproduce the failure), [`sum_kahan`] (Kahan–Babuška–Neumaier),
-//!   [`sum_pairwise`] (blocked, SIMD), chosen at run time with [`Strategy`].
+//! * Summation strategies, each with its documented error bound (see
+//!   [`Strategy`]): [`sum_naive`] in any accumulator dtype (to reproduce the
+//!   failure), [`sum_kahan`] and [`sum_neumaier`] (compensated),
+//!   [`sum_pairwise`] (blocked, SIMD).
 //! * [`ExactSum`]: a superaccumulator that adds with no rounding at all,
 //!   merges partial sums exactly, and rounds once, correctly, at the end. Its
 //!   result is bitwise independent of order and partitioning — the basis of

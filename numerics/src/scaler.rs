@@ -217,26 +217,29 @@ impl DynamicLossScaler {
 /// Number of infinities and NaNs in `xs`, by exponent bits (vectorized).
 pub fn count_nonfinite<T: Element>(xs: &[T]) -> usize {
     use crate::Dtype;
-    // SAFETY (all arms): T is the primitive named by its dtype (the Element
-    // trait is sealed), whose layout is that of the unsigned integer of the
-    // same width.
+    let (ptr, n) = (xs.as_ptr(), xs.len());
     match T::DTYPE {
-        Dtype::F64 => count_exp_all_ones(
-            unsafe { std::slice::from_raw_parts(xs.as_ptr().cast::<u64>(), xs.len()) },
-            0x7ff0_0000_0000_0000,
-        ),
-        Dtype::F32 => count_exp_all_ones(
-            unsafe { std::slice::from_raw_parts(xs.as_ptr().cast::<u32>(), xs.len()) },
-            0x7f80_0000,
-        ),
-        Dtype::F16 => count_exp_all_ones(
-            unsafe { std::slice::from_raw_parts(xs.as_ptr().cast::<u16>(), xs.len()) },
-            0x7c00,
-        ),
-        Dtype::BF16 => count_exp_all_ones(
-            unsafe { std::slice::from_raw_parts(xs.as_ptr().cast::<u16>(), xs.len()) },
-            0x7f80,
-        ),
+        Dtype::F64 => {
+            // SAFETY: T is f64 (the Element trait is sealed), which has the
+            // layout of u64.
+            let bits = unsafe { std::slice::from_raw_parts(ptr.cast::<u64>(), n) };
+            count_exp_all_ones(bits, 0x7ff0_0000_0000_0000)
+        }
+        Dtype::F32 => {
+            // SAFETY: T is f32, which has the layout of u32.
+            let bits = unsafe { std::slice::from_raw_parts(ptr.cast::<u32>(), n) };
+            count_exp_all_ones(bits, 0x7f80_0000)
+        }
+        Dtype::F16 => {
+            // SAFETY: T is half::f16, a repr(transparent) u16.
+            let bits = unsafe { std::slice::from_raw_parts(ptr.cast::<u16>(), n) };
+            count_exp_all_ones(bits, 0x7c00)
+        }
+        Dtype::BF16 => {
+            // SAFETY: T is half::bf16, a repr(transparent) u16.
+            let bits = unsafe { std::slice::from_raw_parts(ptr.cast::<u16>(), n) };
+            count_exp_all_ones(bits, 0x7f80)
+        }
     }
 }
 

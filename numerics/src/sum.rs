@@ -154,6 +154,21 @@ fn pairwise<T: Element, A: Element>(xs: &[T]) -> A {
 }
 
 /// A summation strategy: the algorithm and the dtype it accumulates in.
+///
+/// Error bounds, with `u` the unit roundoff of the accumulator dtype
+/// ([`Dtype::unit_roundoff`]), `n` values, exact sum `S` and `A = Σ|xᵢ|`
+/// (Higham, *Accuracy and Stability of Numerical Algorithms*, 2nd ed.,
+/// §4.2–4.3; Neumaier 1974). Values are first rounded into the accumulator
+/// dtype if it is narrower than the element type, as hardware would; the
+/// bounds are for the sum of the rounded values.
+///
+/// | strategy | error bound | notes |
+/// |---|---|---|
+/// | [`Naive`](Strategy::Naive) | `(n − 1)·u·A` | one running sum; once its spacing exceeds twice the addends they are lost entirely (f16 stalls at 2048 adding ones) — biased |
+/// | [`Pairwise`](Strategy::Pairwise) | `(12 + ⌈log₂(n/256)⌉)·u·A` | 32 interleaved sums over blocks of 256, trees above; the fast one |
+/// | [`Kahan`](Strategy::Kahan) | `2u·A + O(n·u²)·A` | compensation fed back every step |
+/// | [`Neumaier`](Strategy::Neumaier) | `u·|S| + O(n·u²)·A` | compensation kept apart; survives addends larger than the sum |
+/// | [`Exact`](Strategy::Exact) | `u·|S|` (the final rounding only) | order-independent, bitwise reproducible |
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Strategy {
     /// [`sum_naive`] accumulating in the given dtype.
