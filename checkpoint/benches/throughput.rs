@@ -1,0 +1,2 @@
+//! Save/load throughput against raw disk bandwidth (filled in below).
+fn main() {}

@@ -1,0 +1,195 @@
+//! Corrupt, truncated and malicious checkpoints are clear errors.
+
+use std::fs;
+use std::path::{Path, PathBuf};
+
+use weft_checkpoint::{
+    Checkpoint, Error, Layout, SaveOptions, TrainerState, VerifyLevel, load_latest, save,
+};
+
+use crate::util::{borrow, model, shard_rows};
+
+fn two_checkpoints(root: &Path) -> (PathBuf, PathBuf) {
+    let opts = SaveOptions {
+        chunk_bytes: 64,
+        ..Default::default()
+    };
+    let a = save(
+        root,
+        1,
+        &Layout::flat("dp", 2),
+        &borrow(&shard_rows(&model(1), 2)),
+        &TrainerState::default(),
+        &opts,
+    )
+    .unwrap();
+    let b = save(
+        root,
+        2,
+        &Layout::flat("dp", 2),
+        &borrow(&shard_rows(&model(2), 2)),
+        &TrainerState::default(),
+        &opts,
+    )
+    .unwrap();
+    (a.path, b.path)
+}
+
+fn edit_manifest(dir: &Path, f: impl FnOnce(&mut serde_json::Value)) {
+    let p = dir.join("manifest.json");
+    let mut v: serde_json::Value = serde_json::from_slice(&fs::read(&p).unwrap()).unwrap();
+    f(&mut v);
+    fs::write(&p, serde_json::to_vec(&v).unwrap()).unwrap();
+}
+
+#[test]
+fn flipped_byte_is_a_checksum_error_and_load_falls_back() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_, b) = two_checkpoints(dir.path());
+    let ck = Checkpoint::open(&b).unwrap();
+    let s = &ck.manifest().tensors["wte.weight"].shards[1];
+    let file = b.join(&s.file);
+    let mut bytes = fs::read(&file).unwrap();
+    bytes[(s.byte_offset + 70) as usize] ^= 0x10;
+    fs::write(&file, bytes).unwrap();
+
+    let err = ck.verify().unwrap_err();
+    let msg = err.to_string();
+    assert!(matches!(err, Error::Checksum { chunk: 1, .. }), "{msg}");
+    assert!(
+        msg.contains("rank-00001.safetensors") && msg.contains("wte.weight"),
+        "{msg}"
+    );
+    assert!(ck.read_tensor("wte.weight").is_err());
+    // A read that does not touch the corrupt chunk still works.
+    assert!(ck.read_tensor("h.0.ln_1.bias").is_ok());
+
+    let l = load_latest(dir.path(), VerifyLevel::Full).unwrap().unwrap();
+    assert_eq!(l.checkpoint.step(), 1);
+    assert_eq!(l.skipped.len(), 1);
+    assert!(l.skipped[0].1.to_string().contains("checksum mismatch"));
+}
+
+#[test]
+fn truncated_file_is_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_, b) = two_checkpoints(dir.path());
+    let file = b.join("rank-00000.safetensors");
+    let len = fs::metadata(&file).unwrap().len();
+    fs::OpenOptions::new()
+        .write(true)
+        .open(&file)
+        .unwrap()
+        .set_len(len - 10)
+        .unwrap();
+    let err = Checkpoint::open(&b).unwrap_err();
+    assert!(matches!(err, Error::Truncated { .. }), "{err}");
+    assert!(err.to_string().contains("rank-00000.safetensors"), "{err}");
+    let l = load_latest(dir.path(), VerifyLevel::Structure)
+        .unwrap()
+        .unwrap();
+    assert_eq!(l.checkpoint.step(), 1);
+}
+
+#[test]
+fn all_corrupt_is_no_valid_checkpoint() {
+    let dir = tempfile::tempdir().unwrap();
+    let (a, b) = two_checkpoints(dir.path());
+    fs::write(a.join("manifest.json"), b"{").unwrap();
+    fs::remove_file(b.join("rank-00001.safetensors")).unwrap();
+    let err = load_latest(dir.path(), VerifyLevel::Full).unwrap_err();
+    let msg = err.to_string();
+    assert!(matches!(err, Error::NoValidCheckpoint { .. }));
+    assert!(
+        msg.contains("step-00000001") && msg.contains("step-00000002"),
+        "{msg}"
+    );
+}
+
+#[test]
+fn path_traversal_in_manifest_is_rejected() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_, b) = two_checkpoints(dir.path());
+    edit_manifest(&b, |v| {
+        v["files"][0]["name"] = "../../etc/passwd".into();
+    });
+    let err = Checkpoint::open(&b).unwrap_err();
+    assert!(matches!(err, Error::Manifest { .. }), "{err}");
+    assert!(err.to_string().contains("files[0].name"), "{err}");
+}
+
+#[test]
+fn manifest_lies_are_caught() {
+    type Edit = Box<dyn Fn(&mut serde_json::Value)>;
+    let cases: Vec<(&str, Edit)> = vec![
+        (
+            "at byte 1",
+            Box::new(|v| v["tensors"]["wte.weight"]["shards"][0]["byte_offset"] = 1u64.into()),
+        ),
+        (
+            "gap",
+            Box::new(|v| {
+                v["tensors"]["wte.weight"]["shards"]
+                    .as_array_mut()
+                    .unwrap()
+                    .pop();
+            }),
+        ),
+        (
+            "outside global shape",
+            Box::new(|v| v["tensors"]["wte.weight"]["shape"] = serde_json::json!([3, 8])),
+        ),
+        (
+            "crc32c",
+            Box::new(|v| {
+                v["tensors"]["wte.weight"]["shards"][0]["crc32c"]
+                    .as_array_mut()
+                    .unwrap()
+                    .pop();
+            }),
+        ),
+        ("version", Box::new(|v| v["version"] = 99.into())),
+        (
+            "world_size",
+            Box::new(|v| v["layout"]["world_size"] = 0.into()),
+        ),
+        (
+            "dtype",
+            Box::new(|v| v["tensors"]["wte.weight"]["dtype"] = "F8".into()),
+        ),
+        (
+            "does not match the manifest",
+            Box::new(|v| v["tensors"]["wte.weight"]["dtype"] = "I32".into()),
+        ),
+    ];
+    for (want, edit) in cases {
+        let dir = tempfile::tempdir().unwrap();
+        let (_, b) = two_checkpoints(dir.path());
+        edit_manifest(&b, edit);
+        let err = Checkpoint::open(&b).unwrap_err().to_string();
+        assert!(err.contains(want), "case {want}: {err}");
+    }
+}
+
+#[test]
+fn bad_header_is_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_, b) = two_checkpoints(dir.path());
+    let file = b.join("rank-00000.safetensors");
+    let mut bytes = fs::read(&file).unwrap();
+    bytes[..8].copy_from_slice(&(1u64 << 40).to_le_bytes());
+    fs::write(&file, bytes).unwrap();
+    let err = Checkpoint::open(&b).unwrap_err();
+    assert!(matches!(err, Error::Header { .. }), "{err}");
+    assert!(err.to_string().contains("rank-00000.safetensors"));
+}
+
+#[test]
+fn bad_latest_pointer_does_not_stop_loading() {
+    let dir = tempfile::tempdir().unwrap();
+    two_checkpoints(dir.path());
+    fs::write(dir.path().join("latest"), b"../../../etc\n").unwrap();
+    assert!(weft_checkpoint::read_latest_pointer(dir.path()).is_err());
+    let l = load_latest(dir.path(), VerifyLevel::Full).unwrap().unwrap();
+    assert_eq!(l.checkpoint.step(), 2);
+}

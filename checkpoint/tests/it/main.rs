@@ -1,0 +1,6 @@
+//! Integration tests of weft-checkpoint, one binary.
+
+mod corrupt;
+mod faults;
+mod roundtrip;
+mod util;
