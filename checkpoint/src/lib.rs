@@ -158,6 +158,7 @@ mod error;
 mod manifest;
 mod read;
 mod region;
+mod reshard;
 mod safetensors;
 mod write;
 
@@ -173,6 +174,7 @@ pub use read::{
     read_latest_pointer,
 };
 pub use region::Region;
+pub use reshard::{TargetLayout, load_shards, reshard};
 pub use safetensors::{HeaderEntry, MAX_HEADER_BYTES, SafetensorsHeader, header_len, parse_header};
 pub use write::{
     Committed, FaultHook, FaultPoint, LATEST_FILE, OwnedShard, RankReport, ReportedShard,

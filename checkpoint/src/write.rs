@@ -261,8 +261,9 @@ pub struct ReportedShard {
     pub dtype: Dtype,
     /// Global shape.
     pub global_shape: Vec<u64>,
-    /// Where it is.
-    pub entry: ShardEntry,
+    /// Where it is; `None` for an empty piece (reported so that tensors
+    /// with zero elements still appear in the manifest).
+    pub entry: Option<ShardEntry>,
 }
 
 /// Step 1 of a save, on the coordinator: (re)creates the empty staging folder
@@ -343,6 +344,16 @@ pub fn write_rank_file(
             kept.push(s);
         }
     }
+    let mut out: Vec<ReportedShard> = shards
+        .iter()
+        .filter(|s| s.data.is_empty())
+        .map(|s| ReportedShard {
+            name: s.name.to_owned(),
+            dtype: s.dtype,
+            global_shape: s.global_shape.to_vec(),
+            entry: None,
+        })
+        .collect();
     // Widest dtypes first keeps every tensor aligned to its element size.
     kept.sort_by(|a, b| {
         b.dtype
@@ -370,7 +381,6 @@ pub fn write_rank_file(
     let path = staging.join(&name);
     let mut f = File::create(&path).ctx("create", &path)?;
     opts.write(&mut f, &path, 0, &header)?;
-    let mut out = Vec::with_capacity(kept.len());
     for (s, &start) in kept.iter().zip(&starts) {
         let mut crcs = Vec::with_capacity(s.data.len().div_ceil(chunk as usize));
         for (i, piece) in s.data.chunks(chunk as usize).enumerate() {
@@ -381,14 +391,14 @@ pub fn write_rank_file(
             name: s.name.to_owned(),
             dtype: s.dtype,
             global_shape: s.global_shape.to_vec(),
-            entry: ShardEntry {
+            entry: Some(ShardEntry {
                 file: name.clone(),
                 offsets: s.region.offsets.clone(),
                 shape: s.region.shape.clone(),
                 byte_offset: start,
                 byte_len: s.data.len() as u64,
                 crc32c: crcs,
-            },
+            }),
         });
     }
     opts.sync_file(&f, &path)?;
@@ -452,7 +462,7 @@ pub fn build_manifest(
                     ),
                 });
             }
-            t.shards.push(s.entry.clone());
+            t.shards.extend(s.entry.clone());
         }
     }
     files.sort_by_key(|f| f.rank);

@@ -2,5 +2,6 @@
 
 mod corrupt;
 mod faults;
+mod props;
 mod roundtrip;
 mod util;
