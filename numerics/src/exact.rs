@@ -15,8 +15,6 @@ const LIMBS: usize = 36;
 const LOW: i32 = -1088;
 /// Elements per chunk of the fast paths: bounds the i64 window sums.
 const CHUNK: usize = 4096;
-/// Exponent window of the f32 fast path: 4096 · (2^24 − 1) · 2^27 < 2^63.
-const W32: u32 = 28;
 /// Exponent window of the f64 fast path, whose 53-bit significands are split
 /// into 27 + 26 bits: 4096 · (2^27 + 2^26) · 2^23 < 2^63.
 const W64: u32 = 24;
@@ -61,12 +59,16 @@ const MAGIC: &[u8; 4] = b"WXS1";
 ///   round-to-nearest does.
 ///
 /// # Speed
-/// [`add_slice`](Self::add_slice) processes chunks of 4096 values: it finds
-/// the chunk's exponent range, then sums the integer significands, shifted
-/// into windows of 28 binades (f32; 24 for f64), in `i64` lanes with SIMD,
-/// and adds each window's total into the wide accumulator once. Data whose
-/// exponents span less than a window per chunk (typical gradients) take a
-/// single pass. See `cargo bench -p weft-numerics` for figures.
+/// [`add_slice`](Self::add_slice) processes chunks of 4096 values. For f32
+/// (and f16/bf16, widened to f32 exactly) it finds the chunk's exponent
+/// range, then splits each value exactly as `x = h·2^s + r` with an integer
+/// `|h| <= 2^50`, using one float addition of a magic constant per value,
+/// and sums the `h` in `i64` SIMD lanes; the wide accumulator is touched
+/// once per chunk. A chunk whose exponents span at most 26 binades takes one
+/// such split; up to 76 binades (nearly all gradients and activations), two
+/// splits in the same pass; wider chunks peel 50 binades per extra pass. f64 values are split into two integer halves and
+/// summed per exponent window of 24 binades. See
+/// `cargo bench -p weft-numerics` for figures.
 ///
 /// # Serialization
 /// [`to_bytes`](Self::to_bytes) writes a compact, versioned little-endian
@@ -463,26 +465,65 @@ fn scan_f32(c: &[u32]) -> (u32, u32, bool) {
     (emin, emax, not_neg_zero != 0)
 }
 
-/// Σ ±m·2^(e − base) over the values whose (effective) exponent field `e`
-/// lies in `[base, base + W32)`; with `ALL`, every nonzero value is known to.
+/// Binades covered by one level of the f32 path: each value is split as
+/// `x = h·2^s + r` with `|h| <= 2^50` an integer and `|r| <= 2^(s-1)`.
+const LEVEL: i32 = 50;
+
+/// One level of the f32 path: returns `Σ h` for `h = round(x / 2^s)`,
+/// exact for `|x| < 2^(s + LEVEL)`. Adding `M = 1.5·2^(52+s)` rounds `x` to a
+/// multiple of `2^s` and leaves `t = M + h·2^s` in the binade of `M`, where
+/// `t`'s bit pattern is `bits(M) + h`: one float add and one integer add per
+/// value, in SIMD lanes, with no data-dependent shifts. The i64 sum wraps
+/// harmlessly: the true total, at most 4096·2^50 in magnitude, fits.
 #[inline(always)]
-fn window_f32<const ALL: bool>(c: &[u32], base: u32) -> i64 {
-    c.iter().fold(0i64, |acc, &b| {
-        let e = (b >> 23) & 0xff;
-        let m = i64::from((b & 0x007f_ffff) | (u32::from(e != 0) << 23));
-        let sh = e.max(1).wrapping_sub(base);
-        let v = if ALL || sh < W32 {
-            m.wrapping_shl(sh)
-        } else {
-            0
-        };
-        let s = i64::from((b as i32) >> 31);
-        acc.wrapping_add((v ^ s) - s)
-    })
+fn level_f32(c: &[f32], s: i32) -> i64 {
+    let m = 1.5 * f64::from(s + 52).exp2();
+    let sum = c.iter().fold(0i64, |acc, &x| {
+        acc.wrapping_add((f64::from(x) + m).to_bits() as i64)
+    });
+    sum.wrapping_sub((m.to_bits() as i64).wrapping_mul(c.len() as i64))
+}
+
+/// Two levels in one pass, for chunks whose spread needs two: returns
+/// `(Σ h₁, Σ h₂)` for `x = h₁·2^s + h₂·2^(s−LEVEL) + r` where the final
+/// remainder `r` is known to be zero.
+#[inline(always)]
+fn two_levels_f32(c: &[f32], s: i32) -> (i64, i64) {
+    let m1 = 1.5 * f64::from(s + 52).exp2();
+    let m2 = 1.5 * f64::from(s - LEVEL + 52).exp2();
+    let (a, b) = c.iter().fold((0i64, 0i64), |(a, b), &x| {
+        let x = f64::from(x);
+        let t1 = x + m1;
+        let t2 = (x - (t1 - m1)) + m2;
+        (
+            a.wrapping_add(t1.to_bits() as i64),
+            b.wrapping_add(t2.to_bits() as i64),
+        )
+    });
+    let n = c.len() as i64;
+    (
+        a.wrapping_sub((m1.to_bits() as i64).wrapping_mul(n)),
+        b.wrapping_sub((m2.to_bits() as i64).wrapping_mul(n)),
+    )
+}
+
+/// As [`level_f32`] over f64 values (the remainders of earlier levels),
+/// replacing each value by its remainder `r = x − h·2^s` (exact: it is the
+/// part of `x` below `2^s`).
+#[inline(always)]
+fn level_rem(r: &mut [f64], s: i32) -> i64 {
+    let m = 1.5 * f64::from(s + 52).exp2();
+    let sum = r.iter_mut().fold(0i64, |acc, x| {
+        let t = *x + m;
+        *x -= t - m;
+        acc.wrapping_add(t.to_bits() as i64)
+    });
+    sum.wrapping_sub((m.to_bits() as i64).wrapping_mul(r.len() as i64))
 }
 
 multiversion! {
     fn add_f32_bits(acc: &mut ExactSum, bits: &[u32]) {
+        let mut rem = [0f64; CHUNK];
         for c in bits.chunks(CHUNK) {
             let (emin, emax, not_neg_zero) = scan_f32(c);
             if emax == 255 {
@@ -498,15 +539,35 @@ multiversion! {
             if emin == 255 {
                 continue; // all zeros
             }
-            let (lo, hi) = (emin.max(1), emax.max(1));
-            if hi - lo < W32 {
-                acc.add_int(window_f32::<true>(c, lo), lo as i32 - 150);
-            } else {
-                let mut base = lo;
-                while base <= hi {
-                    acc.add_int(window_f32::<false>(c, base), base as i32 - 150);
-                    base += W32;
+            // Every |x| < 2^(emax' − 126) and every bit of every x is worth
+            // at least 2^(emin' − 150), where e' = max(e, 1).
+            let mut s = emax.max(1) as i32 - 126 - LEVEL;
+            let lowest = emin.max(1) as i32 - 150;
+            // SAFETY: u32 and f32 have the same size and alignment, and every
+            // bit pattern is a valid f32.
+            let xs = unsafe { std::slice::from_raw_parts(c.as_ptr().cast::<f32>(), c.len()) };
+            if lowest >= s {
+                acc.add_int(level_f32(xs, s), s);
+                continue;
+            }
+            if lowest >= s - LEVEL {
+                let (h1, h2) = two_levels_f32(xs, s);
+                acc.add_int(h1, s);
+                acc.add_int(h2, s - LEVEL);
+                continue;
+            }
+            // Wide exponent spread: peel LEVEL binades at a time, keeping
+            // the exact remainders.
+            let r = &mut rem[..c.len()];
+            for (d, &x) in r.iter_mut().zip(xs) {
+                *d = f64::from(x);
+            }
+            loop {
+                acc.add_int(level_rem(r, s), s);
+                if lowest >= s {
+                    break;
                 }
+                s -= LEVEL;
             }
         }
     }
