@@ -1,9 +1,130 @@
-//! The math of one device.
+//! The math of one device: forward and backward kernels for a GPT-2-style
+//! transformer, on the CPU (multi-threaded, SIMD), with a place for CUDA.
 //!
-//! This crate will own forward and backward kernels for matmul, layernorm,
-//! GELU, causal self-attention, softmax, cross-entropy, embeddings and the
-//! AdamW update, written as plain functions over slices with explicit shapes
-//! (in the spirit of llm.c), multi-threaded and SIMD on the CPU by default,
-//! with CUDA kernels behind a `cuda` feature, and a batch-invariant mode.
+//! # Overview
 //!
-//! Nothing is implemented yet. See the kernels-and-model issue for the plan.
+//! Every op is a pair of plain functions over slices with explicit shapes,
+//! in the spirit of llm.c: arguments go outputs, inputs, weights, then
+//! dimensions (B batch, T sequence, C channels, OC output channels, NH
+//! heads, V vocabulary); a forward saves what its backward needs (layernorm
+//! saves `mean` and `rstd`, attention its probabilities); a backward
+//! *accumulates* (`+=`) into gradient buffers. The caller owns every
+//! activation and gradient buffer, so the hot path allocates nothing of its
+//! own (the GEMM library keeps a per-thread packing buffer). Each function
+//! checks its buffers' lengths first and returns [`Error::ShapeMismatch`]
+//! naming the op and the argument instead of panicking.
+//!
+//! | op | forward | backward |
+//! |---|---|---|
+//! | linear (`[in, out]` weight, optional bias) | [`matmul_forward`] | [`matmul_backward`] |
+//! | layernorm | [`layernorm_forward`] | [`layernorm_backward`] |
+//! | GELU, tanh approximation | [`gelu_forward`] | [`gelu_backward`] |
+//! | causal multi-head attention | [`attention_forward`] | [`attention_backward`] |
+//! | softmax | [`softmax_forward`] | [`softmax_backward`] |
+//! | cross-entropy | [`crossentropy_forward`] | [`crossentropy_softmax_backward`] |
+//! | softmax + cross-entropy, fused, in place | [`fused_classifier`] | (same call) |
+//! | token + position embedding | [`encoder_forward`] | [`encoder_backward`] |
+//! | residual add | [`residual_forward`] | [`residual_backward`] |
+//! | AdamW update | [`adamw_update`] with [`AdamW`] | |
+//!
+//! All kernels are generic over [`Real`] (`f32` or `f64`). Training uses
+//! `f32`; the tests run the same code in `f64` and compare every backward
+//! with central finite differences.
+//!
+//! GEMMs go to the `gemm` crate (AVX-512 kernels selected at run time, split
+//! over the rayon pool); element-wise and row-wise loops are compiled for
+//! AVX-512, AVX2 and baseline and dispatched at run time, split over rayon.
+//!
+//! # Batch invariance
+//!
+//! [`Mode::BatchInvariant`] (the default) makes every per-sequence result
+//! bitwise identical whether the sequence is computed alone or anywhere in
+//! a batch of any size: linear layers run one GEMM per sequence (the GEMM
+//! library never splits the reduction dimension across threads, and its
+//! blocking depends only on the matrix shape), attention is per (sequence,
+//! head), and row-wise ops are per row. [`Mode::Throughput`] runs one GEMM
+//! over the whole batch instead. See the `kernels` bench for what the
+//! invariant mode costs.
+//!
+//! # Example
+//!
+//! ```
+//! use weft_kernels::{Mode, gelu_forward, matmul_forward};
+//!
+//! // out (B=1, T=2, OC=3) = inp (1, 2, C=2) · weight (2, 3) + bias (3)
+//! let inp = [1.0f32, 2.0, 3.0, 4.0];
+//! let weight = [1.0f32, 0.0, 1.0, 0.0, 1.0, 1.0];
+//! let bias = [0.5f32, 0.5, 0.5];
+//! let mut out = [0.0f32; 6];
+//! matmul_forward(&mut out, &inp, &weight, Some(&bias), 1, 2, 2, 3, Mode::BatchInvariant)?;
+//! assert_eq!(out, [1.5, 2.5, 3.5, 3.5, 4.5, 7.5]);
+//!
+//! let mut act = [0.0f32; 6];
+//! gelu_forward(&mut act, &out, 6)?;
+//! assert!((act[0] - 1.3996).abs() < 1e-3);
+//!
+//! // A wrong length is an error naming the op and the buffer.
+//! let err = gelu_forward(&mut act, &out[..5], 6).unwrap_err();
+//! assert_eq!(err.to_string(), "gelu_forward: buffer `inp` has 5 elements, expected 6");
+//! # Ok::<(), weft_kernels::Error>(())
+//! ```
+//!
+//! # Crate features
+//!
+//! * `cuda` (off by default): reserves the CUDA backend. It compiles
+//!   without a CUDA toolkit and contains no GPU kernels yet; [`cuda`]'s
+//!   entry points return [`Error::NotCompiled`] without the feature and
+//!   [`Error::Unavailable`] with it. The CPU signatures above (slices plus
+//!   dimensions) are what a CUDA version will mirror over device buffers.
+#![deny(missing_docs)]
+
+mod adamw;
+mod attention;
+pub mod cuda;
+mod embedding;
+mod error;
+mod gemm;
+mod layernorm;
+mod matmul;
+mod pointwise;
+mod real;
+mod simd;
+mod softmax;
+#[cfg(test)]
+mod testutil;
+
+pub use adamw::{AdamW, adamw_update};
+pub use attention::{attention_backward, attention_forward};
+pub use embedding::{check_tokens, encoder_backward, encoder_forward};
+pub use error::{Error, Result};
+pub use layernorm::{layernorm_backward, layernorm_forward};
+pub use matmul::{matmul_backward, matmul_forward};
+pub use pointwise::{gelu_backward, gelu_forward, residual_backward, residual_forward};
+pub use real::{Real, exp_f32, tanh_f32};
+pub use softmax::{
+    crossentropy_forward, crossentropy_softmax_backward, fused_classifier, softmax_backward,
+    softmax_forward,
+};
+
+/// How linear layers split their work (see the crate docs on batch
+/// invariance).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Mode {
+    /// One GEMM per sequence: each sequence's result is bitwise identical
+    /// whatever batch it is computed in.
+    #[default]
+    BatchInvariant,
+    /// One GEMM per batch: results may differ in the last bits between
+    /// batch sizes.
+    Throughput,
+}
+
+/// `dst += src` element-wise, in parallel (for merging gradient buffers).
+///
+/// # Errors
+/// [`Error::ShapeMismatch`] if the lengths differ.
+pub fn accumulate<T: Real>(dst: &mut [T], src: &[T]) -> Result<()> {
+    error::check("accumulate", "src", src, dst.len())?;
+    pointwise::accumulate(dst, src);
+    Ok(())
+}
