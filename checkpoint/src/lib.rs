@@ -153,15 +153,18 @@
 
 #![deny(missing_docs)]
 
+mod async_save;
 mod dtype;
 mod error;
 mod manifest;
 mod read;
 mod region;
 mod reshard;
+mod retention;
 mod safetensors;
 mod write;
 
+pub use async_save::{AsyncSaver, SaveOutcome, Snapshot};
 pub use dtype::{Dtype, UnknownDtype};
 pub use error::{Error, Result};
 pub use manifest::{
@@ -175,6 +178,7 @@ pub use read::{
 };
 pub use region::Region;
 pub use reshard::{TargetLayout, load_shards, reshard};
+pub use retention::{Retention, RetentionReport};
 pub use safetensors::{HeaderEntry, MAX_HEADER_BYTES, SafetensorsHeader, header_len, parse_header};
 pub use write::{
     Committed, FaultHook, FaultPoint, LATEST_FILE, OwnedShard, RankReport, ReportedShard,

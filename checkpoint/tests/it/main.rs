@@ -2,6 +2,7 @@
 
 mod corrupt;
 mod faults;
+mod lifecycle;
 mod props;
 mod roundtrip;
 mod util;
