@@ -8,7 +8,7 @@
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use std::hint::black_box;
-use weft_numerics::{Dtype, Element, Strategy, bf16, f16};
+use weft_numerics::{Dtype, Element, Strategy, bf16, count_nonfinite, f16};
 
 fn data<T: Element>(n: usize) -> Vec<T> {
     // Gradient-like: mostly small values of both signs, occasional large ones.
@@ -50,7 +50,24 @@ fn bench_dtype<T: Element>(c: &mut Criterion) {
     }
 }
 
+fn bench_nonfinite(c: &mut Criterion) {
+    let n = 1usize << 24;
+    let xs = data::<f32>(n);
+    let mut g = c.benchmark_group("count_nonfinite/f32/16Mi");
+    g.throughput(Throughput::Elements(n as u64));
+    g.sample_size(20);
+    g.bench_function("count_nonfinite", |b| {
+        b.iter(|| black_box(count_nonfinite(black_box(&xs))))
+    });
+    // The obvious scalar-looking loop, for comparison.
+    g.bench_function("iter_filter_is_finite", |b| {
+        b.iter(|| black_box(black_box(&xs).iter().filter(|x| !x.is_finite()).count()));
+    });
+    g.finish();
+}
+
 fn benches(c: &mut Criterion) {
+    bench_nonfinite(c);
     bench_dtype::<f32>(c);
     bench_dtype::<f64>(c);
     bench_dtype::<f16>(c);

@@ -223,32 +223,44 @@ pub fn count_nonfinite<T: Element>(xs: &[T]) -> usize {
             // SAFETY: T is f64 (the Element trait is sealed), which has the
             // layout of u64.
             let bits = unsafe { std::slice::from_raw_parts(ptr.cast::<u64>(), n) };
-            count_exp_all_ones(bits, 0x7ff0_0000_0000_0000)
+            count_u64(bits, 0x7ff0_0000_0000_0000)
         }
         Dtype::F32 => {
             // SAFETY: T is f32, which has the layout of u32.
             let bits = unsafe { std::slice::from_raw_parts(ptr.cast::<u32>(), n) };
-            count_exp_all_ones(bits, 0x7f80_0000)
+            count_u32(bits, 0x7f80_0000)
         }
         Dtype::F16 => {
             // SAFETY: T is half::f16, a repr(transparent) u16.
             let bits = unsafe { std::slice::from_raw_parts(ptr.cast::<u16>(), n) };
-            count_exp_all_ones(bits, 0x7c00)
+            count_u16(bits, 0x7c00)
         }
         Dtype::BF16 => {
             // SAFETY: T is half::bf16, a repr(transparent) u16.
             let bits = unsafe { std::slice::from_raw_parts(ptr.cast::<u16>(), n) };
-            count_exp_all_ones(bits, 0x7f80)
+            count_u16(bits, 0x7f80)
         }
     }
 }
 
-fn count_exp_all_ones<U>(bits: &[U], mask: U) -> usize
-where
-    U: Copy + std::ops::BitAnd<Output = U> + PartialEq,
-{
-    bits.iter().map(|&b| usize::from((b & mask) == mask)).sum()
+macro_rules! count_exp_all_ones {
+    ($name:ident, $u:ty) => {
+        crate::simd::multiversion! {
+            /// Number of elements whose exponent field (`mask`) is all ones.
+            fn $name(bits: &[$u], mask: $u) -> usize {
+                // Sum in a narrow counter per block so the compare results
+                // stay in wide SIMD lanes; blocks keep it from overflowing.
+                bits.chunks(1 << 15)
+                    .map(|c| c.iter().map(|&b| u32::from((b & mask) == mask)).sum::<u32>() as usize)
+                    .sum()
+            }
+        }
+    };
 }
+
+count_exp_all_ones!(count_u64, u64);
+count_exp_all_ones!(count_u32, u32);
+count_exp_all_ones!(count_u16, u16);
 
 #[cfg(test)]
 mod tests {
