@@ -57,7 +57,7 @@ fn bench_nonfinite(c: &mut Criterion) {
     g.throughput(Throughput::Elements(n as u64));
     g.sample_size(20);
     g.bench_function("count_nonfinite", |b| {
-        b.iter(|| black_box(count_nonfinite(black_box(&xs))))
+        b.iter(|| black_box(count_nonfinite(black_box(&xs))));
     });
     // The obvious scalar-looking loop, for comparison.
     g.bench_function("iter_filter_is_finite", |b| {
