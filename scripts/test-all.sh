@@ -55,6 +55,9 @@ step fmt cargo fmt --all --check
 step clippy cargo clippy --workspace --all-targets --locked -- -D warnings
 step doc env RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --locked
 step test cargo test --workspace --locked
+# The same numerics tests on the baseline (non-AVX) code paths the run-time
+# dispatch would pick on an older CPU; the binaries are already built.
+step test-simd-baseline env WEFT_SIMD=baseline cargo test -p weft-numerics --locked
 
 # ----------------------------------------------------------------- summary
 passed=0
