@@ -156,6 +156,7 @@
 mod async_save;
 mod dtype;
 mod error;
+mod export;
 mod manifest;
 mod read;
 mod region;
@@ -167,6 +168,7 @@ mod write;
 pub use async_save::{AsyncSaver, SaveOutcome, Snapshot};
 pub use dtype::{Dtype, UnknownDtype};
 pub use error::{Error, Result};
+pub use export::{ExportReport, Gpt2Export, export_hf_gpt2};
 pub use manifest::{
     ChecksumSpec, DEFAULT_CHUNK_BYTES, FORMAT_NAME, FORMAT_VERSION, FileEntry, HexBytes, Layout,
     MANIFEST_FILE, MAX_MANIFEST_BYTES, Manifest, MeshDim, ShardEntry, TensorEntry, TrainerState,

@@ -4,5 +4,6 @@ mod corrupt;
 mod faults;
 mod lifecycle;
 mod props;
+mod python;
 mod roundtrip;
 mod util;
