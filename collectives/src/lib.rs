@@ -1,13 +1,108 @@
 //! How the ranks of a weft run talk to each other.
 //!
-//! This crate will own the `Communicator` trait that every parallel strategy
-//! programs against (all-reduce, reduce-scatter, all-gather, broadcast,
-//! all-to-all(v), send/recv, barrier, sub-groups), the ring, tree and
-//! hierarchical algorithms behind it, an N-dimensional device mesh, per-link
-//! traffic counters, timeouts and peer-loss errors instead of hangs, and three
-//! backends: threads in one process (default), MPI and NCCL (cargo features).
-//! Reductions accumulate in f32 or wider whatever the wire dtype, and a
-//! reproducible mode builds on `weft_numerics::ExactSum`.
+//! Every parallel strategy in weft (data, FSDP, pipeline, tensor and expert
+//! parallelism) programs against one trait, [`Communicator`], and this crate
+//! runs it over threads of one process ([`LocalCluster`], the default, so
+//! everything can be tested on a laptop).
 //!
-//! Nothing is implemented yet: the crate exists so the workspace has its final
-//! shape. See the collectives issue for the plan.
+//! # Overview
+//! - [`Communicator`]: rank, size, the transport primitive
+//!   [`exchange`](Communicator::exchange), point-to-point bytes,
+//!   [`split`](Communicator::split), traffic counters; collectives as
+//!   provided methods.
+//! - [`CommunicatorExt`]: the typed collectives — [`all_reduce`](CommunicatorExt::all_reduce),
+//!   [`reduce_scatter`](CommunicatorExt::reduce_scatter), [`all_gather`](CommunicatorExt::all_gather),
+//!   [`broadcast`](CommunicatorExt::broadcast), [`reduce`](CommunicatorExt::reduce),
+//!   [`all_to_all`](CommunicatorExt::all_to_all), [`all_to_all_v`](CommunicatorExt::all_to_all_v),
+//!   [`send`](CommunicatorExt::send)/[`recv`](CommunicatorExt::recv), non-blocking
+//!   [`all_reduce_async`](CommunicatorExt::all_reduce_async) and friends returning a [`Pending`].
+//! - [`ReduceOp`] (sum, avg, max, min), [`ReduceOptions`] (algorithm, wire
+//!   dtype, reproducible mode), [`Algorithm`] (ring, recursive doubling,
+//!   hierarchical, and the size/topology policy).
+//! - [`Topology`] (ranks per domain) and [`Traffic`] (bytes per operation
+//!   and [`LinkClass`]).
+//! - [`Mesh`]: named N-d device mesh, tp fastest.
+//! - [`repro`]: the exact, compact encoding behind the reproducible mode.
+//! - [`LocalCluster`] / [`LocalComm`]: the thread backend.
+//!
+//! # The Communicator design
+//! The trait has a handful of *required* primitives and builds every
+//! collective as a *provided* method on top of them, as grep-matcher's
+//! `Matcher` does:
+//!
+//! - `exchange(ctx, tag, sends, recvs)` is the one transport primitive:
+//!   post some messages, consume some messages, return when both sides are
+//!   done. Incoming bytes are handed to a *sink* closure instead of being
+//!   copied into a buffer the caller provides. On the local backend the sink
+//!   reads straight from the sender's memory, so a ring step reduces the
+//!   peer's chunk into its own with zero intermediate copies; a
+//!   message-passing backend receives into scratch and calls the same sink.
+//!   Every algorithm (ring, recursive doubling, hierarchical, reproducible)
+//!   is written once over `exchange` and runs unchanged on every backend;
+//!   a backend with native collectives (MPI, NCCL) overrides the provided
+//!   methods instead.
+//! - `begin(signature)` gives each collective call a sequence number and
+//!   records that this rank arrived. Messages carry the signature (op,
+//!   dtype, length, root, reduction, algorithm), so mismatched calls are
+//!   reported as [`Error::Mismatch`], and a timed-out rank can name the
+//!   ranks that never arrived.
+//! - The object-safe methods take dtype-tagged byte views ([`Buf`],
+//!   [`BufMut`]) so the trait can be used as `&dyn Communicator` by crates
+//!   that do not want to be generic over the backend; the generic, typed
+//!   API lives in [`CommunicatorExt`], implemented for every communicator
+//!   including `dyn Communicator`.
+//!
+//! # Precision
+//! Reductions accumulate in f32 or wider whatever the wire dtype: every
+//! addition widens both operands to f32 (f64 for f64) and rounds once.
+//! [`ReduceOptions::wire`] chooses the dtype in which *partial sums* travel
+//! (e.g. f32 for a bf16 buffer, so only the final result is rounded to
+//! bf16). [`ReduceOptions::reproducible`] makes all-reduce and
+//! reduce-scatter return the correctly rounded exact sum, bitwise identical
+//! for any world size, algorithm or order (see [`repro`]).
+//!
+//! # Failures
+//! Nothing hangs: every wait has the communicator's timeout, and the
+//! error names the operation, the group and the ranks that did not
+//! arrive ([`Error::Timeout`]). A rank that returns, panics or is failed by
+//! fault injection ([`LocalCluster::fail_rank_at`]) makes its peers' waits
+//! fail with [`Error::PeerLost`] naming it.
+//!
+//! # Example
+//! ```
+//! use weft_collectives::{Algorithm, Communicator, CommunicatorExt, LocalCluster, ReduceOp, ReduceOptions, bf16};
+//!
+//! let out = LocalCluster::run(4, |comm| -> Result<Vec<bf16>, weft_collectives::Error> {
+//!     let mut g = vec![bf16::from_f32(comm.rank() as f32); 1000];
+//!     let opts = ReduceOptions::new(ReduceOp::Avg).algorithm(Algorithm::Ring);
+//!     comm.all_reduce_with(&mut g, &opts)?;
+//!     Ok(g)
+//! })?;
+//! for r in out {
+//!     assert!(r?.iter().all(|x| x.to_f32() == 1.5));
+//! }
+//! # Ok::<(), weft_collectives::Error>(())
+//! ```
+//!
+//! # Crate features
+//! - *(default)*: the `local` thread backend only; no native dependencies.
+#![deny(missing_docs)]
+
+mod algo;
+mod comm;
+mod error;
+mod local;
+mod mesh;
+mod reduce;
+pub mod repro;
+mod types;
+
+pub use comm::{Communicator, CommunicatorExt, Pending};
+pub use error::{Error, LossCause, Result};
+pub use local::{DEFAULT_TIMEOUT, LocalCluster, LocalComm};
+pub use mesh::Mesh;
+pub use types::{
+    Algorithm, Buf, BufMut, Incoming, LinkClass, OpCtx, OpKind, Outgoing, ReduceOp, ReduceOptions,
+    SMALL_MESSAGE_BYTES, Signature, Sink, Topology, Traffic, TrafficCounters, shard_range,
+};
+pub use weft_numerics::{Dtype, Element, bf16, f16};

@@ -1,0 +1,1055 @@
+//! The collective algorithms, written once over [`Communicator::exchange`].
+//!
+//! Every algorithm works on a list of `members` (group ranks, in ring or
+//! butterfly order) and this rank's position `me` in it, so that the
+//! hierarchical algorithm can run rings inside a domain and across domains
+//! within one call. Buffers are dtype-erased bytes; chunk `i` of a buffer of
+//! `len` elements over `m` members is [`shard_range`]`(len, m, i)`.
+
+use std::ops::Range;
+
+use weft_numerics::Dtype;
+
+use crate::comm::Communicator;
+use crate::error::{Error, Result};
+use crate::reduce::{AlignedBuf, convert, finish_avg, reduce_into};
+use crate::repro;
+use crate::types::{
+    Algorithm, Buf, BufMut, Incoming, OpCtx, OpKind, Outgoing, ReduceOp, ReduceOptions, Signature,
+    shard_range,
+};
+
+/// Tag spaces of the phases of one call.
+const PHASE: u32 = 1 << 20;
+
+fn byte_range(len: usize, m: usize, i: usize, es: usize) -> Range<usize> {
+    let r = shard_range(len, m, i);
+    r.start * es..r.end * es
+}
+
+/// A shared view of range `a` and a mutable view of range `b` of `buf`;
+/// the ranges must not overlap.
+pub(crate) fn split_two(buf: &mut [u8], a: Range<usize>, b: Range<usize>) -> (&[u8], &mut [u8]) {
+    if b.is_empty() {
+        return (&buf[a], &mut []);
+    }
+    if a.is_empty() {
+        return (&[], &mut buf[b]);
+    }
+    if a.end <= b.start {
+        let (x, y) = buf.split_at_mut(b.start);
+        (&x[a], &mut y[..b.end - b.start])
+    } else {
+        assert!(
+            b.end <= a.start,
+            "split_two: overlapping ranges {a:?} and {b:?}"
+        );
+        let (x, y) = buf.split_at_mut(a.start);
+        (&y[..a.end - a.start], &mut x[b])
+    }
+}
+
+/// One send and one receive whose bytes are reduced into `into`.
+#[allow(clippy::too_many_arguments)]
+fn send_recv_reduce<C: Communicator + ?Sized>(
+    c: &C,
+    ctx: &OpCtx,
+    tag: u32,
+    to: usize,
+    data: &[u8],
+    from: usize,
+    into: &mut [u8],
+    dtype: Dtype,
+    op: ReduceOp,
+) -> Result<()> {
+    let len = into.len();
+    let mut sink = |src: &[u8]| {
+        reduce_into(dtype, op, into, src);
+        Ok(())
+    };
+    c.exchange(
+        ctx,
+        tag,
+        &[Outgoing { to, data }],
+        &mut [Incoming {
+            from,
+            len: Some(len),
+            sink: &mut sink,
+        }],
+    )
+}
+
+/// One send and one receive whose bytes are copied into `into`.
+fn send_recv_copy<C: Communicator + ?Sized>(
+    c: &C,
+    ctx: &OpCtx,
+    tag: u32,
+    send: Option<(usize, &[u8])>,
+    recv: Option<(usize, &mut [u8])>,
+) -> Result<()> {
+    let sends: Vec<Outgoing<'_>> = send
+        .map(|(to, data)| Outgoing { to, data })
+        .into_iter()
+        .collect();
+    match recv {
+        Some((from, into)) => {
+            let len = into.len();
+            let mut sink = |src: &[u8]| {
+                into.copy_from_slice(src);
+                Ok(())
+            };
+            c.exchange(
+                ctx,
+                tag,
+                &sends,
+                &mut [Incoming {
+                    from,
+                    len: Some(len),
+                    sink: &mut sink,
+                }],
+            )
+        }
+        None => c.exchange(ctx, tag, &sends, &mut []),
+    }
+}
+
+/// Ring reduce-scatter: afterwards member `me` holds the reduced chunk `me`.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn ring_reduce_scatter<C: Communicator + ?Sized>(
+    c: &C,
+    ctx: &OpCtx,
+    tag0: u32,
+    members: &[usize],
+    me: usize,
+    buf: &mut [u8],
+    dtype: Dtype,
+    op: ReduceOp,
+) -> Result<()> {
+    let m = members.len();
+    if m <= 1 {
+        return Ok(());
+    }
+    let es = dtype.size_bytes();
+    let len = buf.len() / es;
+    let right = members[(me + 1) % m];
+    let left = members[(me + m - 1) % m];
+    for s in 0..m - 1 {
+        let send_c = (me + 2 * m - s - 1) % m;
+        let recv_c = (me + 2 * m - s - 2) % m;
+        let (sb, rb) = split_two(
+            buf,
+            byte_range(len, m, send_c, es),
+            byte_range(len, m, recv_c, es),
+        );
+        send_recv_reduce(c, ctx, tag0 + s as u32, right, sb, left, rb, dtype, op)?;
+    }
+    Ok(())
+}
+
+/// Ring all-gather: member `me` starts with chunk `me`, ends with all.
+pub(crate) fn ring_all_gather<C: Communicator + ?Sized>(
+    c: &C,
+    ctx: &OpCtx,
+    tag0: u32,
+    members: &[usize],
+    me: usize,
+    buf: &mut [u8],
+    es: usize,
+) -> Result<()> {
+    let m = members.len();
+    if m <= 1 {
+        return Ok(());
+    }
+    let len = buf.len() / es;
+    let right = members[(me + 1) % m];
+    let left = members[(me + m - 1) % m];
+    for s in 0..m - 1 {
+        let send_c = (me + m - s) % m;
+        let recv_c = (me + 2 * m - s - 1) % m;
+        let (sb, rb) = split_two(
+            buf,
+            byte_range(len, m, send_c, es),
+            byte_range(len, m, recv_c, es),
+        );
+        send_recv_copy(c, ctx, tag0 + s as u32, Some((right, sb)), Some((left, rb)))?;
+    }
+    Ok(())
+}
+
+/// Recursive-doubling all-reduce over any number of members: the first
+/// `2·(m − p)` members fold pairwise into `p` (a power of two), those run
+/// log₂ p exchange-and-reduce rounds, and the folded-out members get the
+/// result back.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn rd_all_reduce<C: Communicator + ?Sized>(
+    c: &C,
+    ctx: &OpCtx,
+    tag0: u32,
+    members: &[usize],
+    me: usize,
+    buf: &mut [u8],
+    dtype: Dtype,
+    op: ReduceOp,
+) -> Result<()> {
+    let m = members.len();
+    if m <= 1 {
+        return Ok(());
+    }
+    let p = 1usize << (usize::BITS - 1 - m.leading_zeros());
+    let rem = m - p;
+    let v = if me < 2 * rem {
+        if me.is_multiple_of(2) {
+            send_recv_copy(c, ctx, tag0, Some((members[me + 1], &*buf)), None)?;
+            None
+        } else {
+            let left = members[me - 1];
+            let len = buf.len();
+            let mut sink = |src: &[u8]| {
+                reduce_into(dtype, op, buf, src);
+                Ok(())
+            };
+            c.exchange(
+                ctx,
+                tag0,
+                &[],
+                &mut [Incoming {
+                    from: left,
+                    len: Some(len),
+                    sink: &mut sink,
+                }],
+            )?;
+            Some(me / 2)
+        }
+    } else {
+        Some(me - rem)
+    };
+    if let Some(v) = v {
+        let mut tmp = AlignedBuf::zeroed(buf.len());
+        let mut mask = 1;
+        let mut step = 1;
+        while mask < p {
+            let pv = v ^ mask;
+            let partner = members[if pv < rem { pv * 2 + 1 } else { pv + rem }];
+            send_recv_copy(
+                c,
+                ctx,
+                tag0 + step,
+                Some((partner, &*buf)),
+                Some((partner, tmp.bytes_mut())),
+            )?;
+            reduce_into(dtype, op, buf, tmp.bytes());
+            mask <<= 1;
+            step += 1;
+        }
+    }
+    if me < 2 * rem {
+        let tag = tag0 + 64;
+        if me.is_multiple_of(2) {
+            send_recv_copy(c, ctx, tag, None, Some((members[me + 1], buf)))?;
+        } else {
+            send_recv_copy(c, ctx, tag, Some((members[me - 1], &*buf)), None)?;
+        }
+    }
+    Ok(())
+}
+
+/// Recursive-halving reduce-scatter for a power-of-two number of members.
+#[allow(clippy::too_many_arguments)]
+fn rh_reduce_scatter<C: Communicator + ?Sized>(
+    c: &C,
+    ctx: &OpCtx,
+    tag0: u32,
+    members: &[usize],
+    me: usize,
+    buf: &mut [u8],
+    dtype: Dtype,
+    op: ReduceOp,
+) -> Result<()> {
+    let m = members.len();
+    debug_assert!(m.is_power_of_two());
+    let es = dtype.size_bytes();
+    let len = buf.len() / es;
+    let bytes_of =
+        |lo: usize, hi: usize| byte_range(len, m, lo, es).start..byte_range(len, m, hi - 1, es).end;
+    let (mut lo, mut hi) = (0, m);
+    let mut mask = m / 2;
+    let mut step = 0;
+    while mask >= 1 {
+        let partner = members[me ^ mask];
+        let mid = lo + (hi - lo) / 2;
+        let (keep, send) = if me < mid {
+            ((lo, mid), (mid, hi))
+        } else {
+            ((mid, hi), (lo, mid))
+        };
+        let (sb, rb) = split_two(buf, bytes_of(send.0, send.1), bytes_of(keep.0, keep.1));
+        send_recv_reduce(c, ctx, tag0 + step, partner, sb, partner, rb, dtype, op)?;
+        (lo, hi) = keep;
+        mask /= 2;
+        step += 1;
+    }
+    Ok(())
+}
+
+/// Recursive-doubling all-gather for a power-of-two number of members.
+fn rd_all_gather<C: Communicator + ?Sized>(
+    c: &C,
+    ctx: &OpCtx,
+    tag0: u32,
+    members: &[usize],
+    me: usize,
+    buf: &mut [u8],
+    es: usize,
+) -> Result<()> {
+    let m = members.len();
+    debug_assert!(m.is_power_of_two());
+    let len = buf.len() / es;
+    let bytes_of =
+        |lo: usize, hi: usize| byte_range(len, m, lo, es).start..byte_range(len, m, hi - 1, es).end;
+    let mut mask = 1;
+    let mut step = 0;
+    while mask < m {
+        let partner = me ^ mask;
+        let mine = me & !(mask - 1);
+        let theirs = partner & !(mask - 1);
+        let (sb, rb) = split_two(
+            buf,
+            bytes_of(mine, mine + mask),
+            bytes_of(theirs, theirs + mask),
+        );
+        send_recv_copy(
+            c,
+            ctx,
+            tag0 + step,
+            Some((members[partner], sb)),
+            Some((members[partner], rb)),
+        )?;
+        mask <<= 1;
+        step += 1;
+    }
+    Ok(())
+}
+
+/// The two-level layout of a group: this rank's domain members, its index
+/// among them, and the members with the same local index in every domain.
+pub(crate) struct HierLayout {
+    pub(crate) local: Vec<usize>,
+    pub(crate) local_index: usize,
+    pub(crate) cross: Vec<usize>,
+    pub(crate) cross_index: usize,
+}
+
+/// `Some` when the group spans ≥ 2 domains with the same number (≥ 1) of
+/// its ranks in each.
+pub(crate) fn hier_layout<C: Communicator + ?Sized>(c: &C) -> Option<HierLayout> {
+    let n = c.size();
+    let topo = c.topology();
+    let mut domains: Vec<(usize, Vec<usize>)> = Vec::new();
+    for r in 0..n {
+        let d = topo.domain_of(c.world_rank_of(r));
+        match domains.iter_mut().find(|(dd, _)| *dd == d) {
+            Some((_, v)) => v.push(r),
+            None => domains.push((d, vec![r])),
+        }
+    }
+    if domains.len() < 2 {
+        return None;
+    }
+    let k = domains[0].1.len();
+    if domains.iter().any(|(_, v)| v.len() != k) {
+        return None;
+    }
+    domains.sort_by_key(|(d, _)| *d);
+    let me = c.rank();
+    let (di, local) = domains
+        .iter()
+        .enumerate()
+        .find_map(|(i, (_, v))| v.contains(&me).then(|| (i, v.clone())))?;
+    let local_index = local.iter().position(|&r| r == me)?;
+    let cross = domains.iter().map(|(_, v)| v[local_index]).collect();
+    Some(HierLayout {
+        local,
+        local_index,
+        cross,
+        cross_index: di,
+    })
+}
+
+fn invalid(op: OpKind, arg: &'static str, reason: String) -> Error {
+    Error::InvalidArgument { op, arg, reason }
+}
+
+/// Validates a reduction's options and resolves its algorithm.
+pub(crate) fn reduce_signature<C: Communicator + ?Sized>(
+    c: &C,
+    op: OpKind,
+    buf: &BufMut<'_>,
+    opts: &ReduceOptions,
+) -> Result<Signature> {
+    let dtype = buf.dtype();
+    let wire = opts.wire.unwrap_or(dtype);
+    if wire.precision() < dtype.precision() || wire.size_bytes() < dtype.size_bytes() {
+        return Err(invalid(
+            op,
+            "wire",
+            format!("wire dtype {wire} is narrower than the buffer's {dtype}"),
+        ));
+    }
+    if opts.reproducible && matches!(opts.op, ReduceOp::Max | ReduceOp::Min) {
+        return Err(invalid(
+            op,
+            "reproducible",
+            format!(
+                "reproducible mode applies to sum and avg; {} is already order-independent",
+                opts.op.name()
+            ),
+        ));
+    }
+    let layout = hier_layout(c).filter(|l| l.local.len() >= 2);
+    let bytes = buf.len() * wire.size_bytes();
+    let algorithm = match opts.algorithm.resolve(bytes, layout.is_some()) {
+        Algorithm::Hierarchical if hier_layout(c).is_none() => {
+            return Err(invalid(
+                op,
+                "algorithm",
+                format!(
+                    "hierarchical needs the group {} to span two or more domains of {:?} with the same number of ranks in each",
+                    c.group_name(),
+                    c.topology()
+                ),
+            ));
+        }
+        a => a,
+    };
+    Ok(Signature {
+        op,
+        dtype: Some(dtype),
+        len: buf.len() as u64,
+        root: None,
+        reduce: Some(opts.op),
+        algorithm: Some(algorithm),
+        wire: opts.wire.filter(|w| *w != dtype),
+        reproducible: opts.reproducible,
+    })
+}
+
+/// Runs an all-reduce whose call has begun.
+pub(crate) fn all_reduce<C: Communicator + ?Sized>(
+    c: &C,
+    ctx: &OpCtx,
+    mut buf: BufMut<'_>,
+    opts: &ReduceOptions,
+) -> Result<()> {
+    let dtype = buf.dtype();
+    let n = c.size();
+    if opts.reproducible {
+        return repro::all_reduce(c, ctx, buf, opts.op);
+    }
+    let wire = ctx.sig.wire.unwrap_or(dtype);
+    let algorithm = ctx.sig.algorithm.unwrap_or(Algorithm::Ring);
+    if wire == dtype {
+        all_reduce_native(c, ctx, buf.bytes(), dtype, opts.op, algorithm)?;
+        if opts.op == ReduceOp::Avg {
+            finish_avg(dtype, buf.bytes(), n);
+        }
+    } else {
+        let mut tmp = AlignedBuf::zeroed(buf.len() * wire.size_bytes());
+        convert(dtype, buf.bytes(), wire, tmp.bytes_mut());
+        all_reduce_native(c, ctx, tmp.bytes_mut(), wire, opts.op, algorithm)?;
+        if opts.op == ReduceOp::Avg {
+            finish_avg(wire, tmp.bytes_mut(), n);
+        }
+        convert(wire, tmp.bytes(), dtype, buf.bytes());
+    }
+    Ok(())
+}
+
+fn all_reduce_native<C: Communicator + ?Sized>(
+    c: &C,
+    ctx: &OpCtx,
+    buf: &mut [u8],
+    dtype: Dtype,
+    op: ReduceOp,
+    algorithm: Algorithm,
+) -> Result<()> {
+    let n = c.size();
+    let all: Vec<usize> = (0..n).collect();
+    let me = c.rank();
+    match algorithm {
+        Algorithm::RecursiveDoubling => rd_all_reduce(c, ctx, 0, &all, me, buf, dtype, op),
+        Algorithm::Hierarchical => {
+            let l = hier_layout(c)
+                .ok_or_else(|| invalid(ctx.sig.op, "algorithm", "no hierarchical layout".into()))?;
+            let es = dtype.size_bytes();
+            let len = buf.len() / es;
+            let k = l.local.len();
+            ring_reduce_scatter(c, ctx, 0, &l.local, l.local_index, buf, dtype, op)?;
+            let shard = byte_range(len, k, l.local_index, es);
+            ring_reduce_scatter(
+                c,
+                ctx,
+                PHASE,
+                &l.cross,
+                l.cross_index,
+                &mut buf[shard.clone()],
+                dtype,
+                op,
+            )?;
+            ring_all_gather(
+                c,
+                ctx,
+                2 * PHASE,
+                &l.cross,
+                l.cross_index,
+                &mut buf[shard],
+                es,
+            )?;
+            ring_all_gather(c, ctx, 3 * PHASE, &l.local, l.local_index, buf, es)
+        }
+        Algorithm::Ring | Algorithm::Auto => {
+            ring_reduce_scatter(c, ctx, 0, &all, me, buf, dtype, op)?;
+            ring_all_gather(c, ctx, PHASE, &all, me, buf, dtype.size_bytes())
+        }
+    }
+}
+
+/// Validates a reduce-scatter call.
+pub(crate) fn reduce_scatter_signature<C: Communicator + ?Sized>(
+    c: &C,
+    input: &Buf<'_>,
+    output: &BufMut<'_>,
+    opts: &ReduceOptions,
+) -> Result<Signature> {
+    let op = OpKind::ReduceScatter;
+    let want = shard_range(input.len(), c.size(), c.rank()).len();
+    if output.dtype() != input.dtype() {
+        return Err(invalid(
+            op,
+            "output",
+            format!(
+                "dtype {} differs from the input's {}",
+                output.dtype(),
+                input.dtype()
+            ),
+        ));
+    }
+    if output.len() != want {
+        return Err(invalid(
+            op,
+            "output",
+            format!(
+                "{} elements, expected {want} (shard {} of {} input elements over {} ranks)",
+                output.len(),
+                c.rank(),
+                input.len(),
+                c.size()
+            ),
+        ));
+    }
+    let dtype = input.dtype();
+    let wire = opts.wire.unwrap_or(dtype);
+    if wire.precision() < dtype.precision() || wire.size_bytes() < dtype.size_bytes() {
+        return Err(invalid(
+            op,
+            "wire",
+            format!("wire dtype {wire} is narrower than the buffer's {dtype}"),
+        ));
+    }
+    if opts.reproducible && matches!(opts.op, ReduceOp::Max | ReduceOp::Min) {
+        return Err(invalid(
+            op,
+            "reproducible",
+            "reproducible mode applies to sum and avg".into(),
+        ));
+    }
+    let bytes = input.len() * wire.size_bytes();
+    let algorithm = match opts.algorithm {
+        Algorithm::Auto if bytes <= crate::SMALL_MESSAGE_BYTES && c.size().is_power_of_two() => {
+            Algorithm::RecursiveDoubling
+        }
+        Algorithm::Auto | Algorithm::Hierarchical => Algorithm::Ring,
+        a => a,
+    };
+    Ok(Signature {
+        op,
+        dtype: Some(dtype),
+        len: input.len() as u64,
+        root: None,
+        reduce: Some(opts.op),
+        algorithm: Some(algorithm),
+        wire: opts.wire.filter(|w| *w != dtype),
+        reproducible: opts.reproducible,
+    })
+}
+
+/// Runs a reduce-scatter whose call has begun.
+pub(crate) fn reduce_scatter<C: Communicator + ?Sized>(
+    c: &C,
+    ctx: &OpCtx,
+    input: Buf<'_>,
+    mut output: BufMut<'_>,
+    opts: &ReduceOptions,
+) -> Result<()> {
+    let dtype = input.dtype();
+    let n = c.size();
+    let me = c.rank();
+    if opts.reproducible {
+        return repro::reduce_scatter(c, ctx, input, output, opts.op);
+    }
+    let wire = ctx.sig.wire.unwrap_or(dtype);
+    let es = wire.size_bytes();
+    let mut work = AlignedBuf::zeroed(input.len() * es);
+    convert(dtype, input.bytes(), wire, work.bytes_mut());
+    let all: Vec<usize> = (0..n).collect();
+    let shard = byte_range(input.len(), n, me, es);
+    match ctx.sig.algorithm.unwrap_or(Algorithm::Ring) {
+        Algorithm::RecursiveDoubling if n.is_power_of_two() => {
+            rh_reduce_scatter(c, ctx, 0, &all, me, work.bytes_mut(), wire, opts.op)?;
+        }
+        Algorithm::RecursiveDoubling => {
+            rd_all_reduce(c, ctx, 0, &all, me, work.bytes_mut(), wire, opts.op)?;
+        }
+        _ => ring_reduce_scatter(c, ctx, 0, &all, me, work.bytes_mut(), wire, opts.op)?,
+    }
+    let part = &mut work.bytes_mut()[shard];
+    if opts.op == ReduceOp::Avg {
+        finish_avg(wire, part, n);
+    }
+    convert(wire, part, dtype, output.bytes());
+    Ok(())
+}
+
+/// Validates an all-gather call.
+pub(crate) fn all_gather_signature<C: Communicator + ?Sized>(
+    c: &C,
+    input: &Buf<'_>,
+    output: &BufMut<'_>,
+    algorithm: Algorithm,
+) -> Result<Signature> {
+    let op = OpKind::AllGather;
+    let want = shard_range(output.len(), c.size(), c.rank()).len();
+    if output.dtype() != input.dtype() {
+        return Err(invalid(
+            op,
+            "output",
+            format!(
+                "dtype {} differs from the input's {}",
+                output.dtype(),
+                input.dtype()
+            ),
+        ));
+    }
+    if input.len() != want {
+        return Err(invalid(
+            op,
+            "input",
+            format!(
+                "{} elements, expected {want} (shard {} of {} output elements over {} ranks)",
+                input.len(),
+                c.rank(),
+                output.len(),
+                c.size()
+            ),
+        ));
+    }
+    let bytes = output.len() * output.dtype().size_bytes();
+    let algorithm = match algorithm {
+        Algorithm::Auto if bytes <= crate::SMALL_MESSAGE_BYTES && c.size().is_power_of_two() => {
+            Algorithm::RecursiveDoubling
+        }
+        Algorithm::Auto | Algorithm::Hierarchical => Algorithm::Ring,
+        a => a,
+    };
+    Ok(Signature {
+        op,
+        dtype: Some(input.dtype()),
+        len: output.len() as u64,
+        root: None,
+        reduce: None,
+        algorithm: Some(algorithm),
+        wire: None,
+        reproducible: false,
+    })
+}
+
+/// Runs an all-gather whose call has begun.
+pub(crate) fn all_gather<C: Communicator + ?Sized>(
+    c: &C,
+    ctx: &OpCtx,
+    input: Buf<'_>,
+    mut output: BufMut<'_>,
+) -> Result<()> {
+    let n = c.size();
+    let me = c.rank();
+    let es = input.dtype().size_bytes();
+    let total = output.len();
+    let out = output.bytes();
+    out[byte_range(total, n, me, es)].copy_from_slice(input.bytes());
+    let all: Vec<usize> = (0..n).collect();
+    match ctx.sig.algorithm {
+        Some(Algorithm::RecursiveDoubling) if n.is_power_of_two() => {
+            rd_all_gather(c, ctx, 0, &all, me, out, es)
+        }
+        _ => ring_all_gather(c, ctx, 0, &all, me, out, es),
+    }
+}
+
+/// Validates a broadcast or reduce call.
+pub(crate) fn rooted_signature<C: Communicator + ?Sized>(
+    c: &C,
+    op: OpKind,
+    buf: &BufMut<'_>,
+    root: usize,
+    reduce: Option<ReduceOp>,
+    algorithm: Algorithm,
+) -> Result<Signature> {
+    if root >= c.size() {
+        return Err(invalid(
+            op,
+            "root",
+            format!("root {root} is outside the group of {} ranks", c.size()),
+        ));
+    }
+    let bytes = buf.len() * buf.dtype().size_bytes();
+    let algorithm = match algorithm.resolve(bytes, false) {
+        Algorithm::Hierarchical => Algorithm::Ring,
+        a => a,
+    };
+    Ok(Signature {
+        op,
+        dtype: Some(buf.dtype()),
+        len: buf.len() as u64,
+        root: Some(root),
+        reduce,
+        algorithm: Some(algorithm),
+        wire: None,
+        reproducible: false,
+    })
+}
+
+/// Runs a broadcast whose call has begun.
+pub(crate) fn broadcast<C: Communicator + ?Sized>(
+    c: &C,
+    ctx: &OpCtx,
+    mut buf: BufMut<'_>,
+    root: usize,
+) -> Result<()> {
+    let n = c.size();
+    let me = c.rank();
+    let es = buf.dtype().size_bytes();
+    let len = buf.len();
+    let buf = buf.bytes();
+    if n == 1 {
+        return Ok(());
+    }
+    if ctx.sig.algorithm == Some(Algorithm::Ring) {
+        // Scatter from the root, then a ring all-gather (van de Geijn).
+        if me == root {
+            let sends: Vec<Outgoing<'_>> = (0..n)
+                .filter(|&r| r != root)
+                .map(|r| Outgoing {
+                    to: r,
+                    data: &buf[byte_range(len, n, r, es)],
+                })
+                .collect();
+            c.exchange(ctx, 0, &sends, &mut [])?;
+        } else {
+            let r = byte_range(len, n, me, es);
+            send_recv_copy(c, ctx, 0, None, Some((root, &mut buf[r])))?;
+        }
+        let all: Vec<usize> = (0..n).collect();
+        return ring_all_gather(c, ctx, PHASE, &all, me, buf, es);
+    }
+    // Binomial tree rooted at `root`.
+    let vr = (me + n - root) % n;
+    let mut mask = 1;
+    let mut round = 0;
+    while mask < n {
+        if vr < mask {
+            let dst = vr + mask;
+            if dst < n {
+                send_recv_copy(c, ctx, round, Some(((dst + root) % n, &*buf)), None)?;
+            }
+        } else if vr < 2 * mask {
+            send_recv_copy(
+                c,
+                ctx,
+                round,
+                None,
+                Some(((vr - mask + root) % n, &mut *buf)),
+            )?;
+        }
+        mask <<= 1;
+        round += 1;
+    }
+    Ok(())
+}
+
+/// Runs a reduce whose call has begun.
+pub(crate) fn reduce<C: Communicator + ?Sized>(
+    c: &C,
+    ctx: &OpCtx,
+    mut buf: BufMut<'_>,
+    root: usize,
+    op: ReduceOp,
+) -> Result<()> {
+    let n = c.size();
+    let me = c.rank();
+    let dtype = buf.dtype();
+    let es = dtype.size_bytes();
+    let len = buf.len();
+    let buf = buf.bytes();
+    if ctx.sig.algorithm == Some(Algorithm::Ring) && n > 1 {
+        let all: Vec<usize> = (0..n).collect();
+        ring_reduce_scatter(c, ctx, 0, &all, me, buf, dtype, op)?;
+        // Gather the reduced shards at the root.
+        if me == root {
+            let mut parts: Vec<(usize, &mut [u8])> = Vec::with_capacity(n);
+            let mut rest: &mut [u8] = buf;
+            let mut offset = 0;
+            for r in 0..n {
+                let br = byte_range(len, n, r, es);
+                let (head, tail) = std::mem::take(&mut rest).split_at_mut(br.end - offset);
+                offset = br.end;
+                rest = tail;
+                if r != root {
+                    parts.push((r, head));
+                }
+            }
+            let mut sinks: Vec<_> = parts
+                .into_iter()
+                .map(|(r, part)| {
+                    let l = part.len();
+                    (r, l, move |src: &[u8]| {
+                        part.copy_from_slice(src);
+                        Ok(())
+                    })
+                })
+                .collect();
+            let mut incoming: Vec<Incoming<'_>> = sinks
+                .iter_mut()
+                .map(|(r, l, s)| Incoming {
+                    from: *r,
+                    len: Some(*l),
+                    sink: s,
+                })
+                .collect();
+            c.exchange(ctx, PHASE, &[], &mut incoming)?;
+        } else {
+            send_recv_copy(
+                c,
+                ctx,
+                PHASE,
+                Some((root, &buf[byte_range(len, n, me, es)])),
+                None,
+            )?;
+        }
+    } else {
+        let vr = (me + n - root) % n;
+        let mut mask = 1;
+        let mut round = 0;
+        while mask < n {
+            if vr & mask != 0 {
+                send_recv_copy(c, ctx, round, Some((((vr - mask) + root) % n, &*buf)), None)?;
+                break;
+            } else if vr + mask < n {
+                let from = (vr + mask + root) % n;
+                let blen = buf.len();
+                let mut sink = |src: &[u8]| {
+                    reduce_into(dtype, op, buf, src);
+                    Ok(())
+                };
+                c.exchange(
+                    ctx,
+                    round,
+                    &[],
+                    &mut [Incoming {
+                        from,
+                        len: Some(blen),
+                        sink: &mut sink,
+                    }],
+                )?;
+            }
+            mask <<= 1;
+            round += 1;
+        }
+    }
+    if me == root && op == ReduceOp::Avg {
+        finish_avg(dtype, buf, n);
+    }
+    Ok(())
+}
+
+/// Validates an all-to-all-v call.
+pub(crate) fn all_to_all_v_signature<C: Communicator + ?Sized>(
+    c: &C,
+    send: &Buf<'_>,
+    send_counts: &[usize],
+    recv: &BufMut<'_>,
+    recv_counts: &[usize],
+) -> Result<Signature> {
+    let op = OpKind::AllToAllV;
+    let n = c.size();
+    for (name, counts, len) in [
+        ("send_counts", send_counts, send.len()),
+        ("recv_counts", recv_counts, recv.len()),
+    ] {
+        if counts.len() != n {
+            return Err(invalid(
+                op,
+                name,
+                format!("{} counts for a group of {n} ranks", counts.len()),
+            ));
+        }
+        let total: usize = counts.iter().sum();
+        if total != len {
+            return Err(invalid(
+                op,
+                name,
+                format!("counts sum to {total} but the buffer holds {len} elements"),
+            ));
+        }
+    }
+    if send.dtype() != recv.dtype() {
+        return Err(invalid(
+            op,
+            "recv",
+            format!(
+                "dtype {} differs from send's {}",
+                recv.dtype(),
+                send.dtype()
+            ),
+        ));
+    }
+    if send_counts[c.rank()] != recv_counts[c.rank()] {
+        return Err(invalid(
+            op,
+            "recv_counts",
+            format!(
+                "this rank sends itself {} elements but expects {}",
+                send_counts[c.rank()],
+                recv_counts[c.rank()]
+            ),
+        ));
+    }
+    let mut sig = Signature::new(op);
+    sig.dtype = Some(send.dtype());
+    Ok(sig)
+}
+
+/// Runs an all-to-all-v whose call has begun.
+pub(crate) fn all_to_all_v<C: Communicator + ?Sized>(
+    c: &C,
+    ctx: &OpCtx,
+    send: Buf<'_>,
+    send_counts: &[usize],
+    mut recv: BufMut<'_>,
+    recv_counts: &[usize],
+) -> Result<()> {
+    let n = c.size();
+    let me = c.rank();
+    let es = send.dtype().size_bytes();
+    let sb = send.bytes();
+    let rb = recv.bytes();
+    let mut sends = Vec::with_capacity(n);
+    let mut off = 0;
+    let mut own: &[u8] = &[];
+    for (j, &cnt) in send_counts.iter().enumerate() {
+        let part = &sb[off..off + cnt * es];
+        off += cnt * es;
+        if j == me {
+            own = part;
+        } else {
+            sends.push(Outgoing { to: j, data: part });
+        }
+    }
+    let mut parts: Vec<(usize, &mut [u8])> = Vec::with_capacity(n);
+    let mut rest: &mut [u8] = rb;
+    for (j, &cnt) in recv_counts.iter().enumerate() {
+        let (head, tail) = std::mem::take(&mut rest).split_at_mut(cnt * es);
+        rest = tail;
+        if j == me {
+            head.copy_from_slice(own);
+        } else {
+            parts.push((j, head));
+        }
+    }
+    let mut sinks: Vec<_> = parts
+        .into_iter()
+        .map(|(j, part)| {
+            let l = part.len();
+            (j, l, move |src: &[u8]| {
+                part.copy_from_slice(src);
+                Ok(())
+            })
+        })
+        .collect();
+    let mut incoming: Vec<Incoming<'_>> = sinks
+        .iter_mut()
+        .map(|(j, l, s)| Incoming {
+            from: *j,
+            len: Some(*l),
+            sink: s,
+        })
+        .collect();
+    c.exchange(ctx, 0, &sends, &mut incoming)
+}
+
+/// Dissemination barrier: ⌈log₂ n⌉ rounds of empty messages.
+pub(crate) fn barrier<C: Communicator + ?Sized>(c: &C, ctx: &OpCtx) -> Result<()> {
+    let n = c.size();
+    let me = c.rank();
+    let mut dist = 1;
+    let mut round = 0;
+    while dist < n {
+        send_recv_copy(
+            c,
+            ctx,
+            round,
+            Some(((me + dist) % n, &[])),
+            Some(((me + n - dist) % n, &mut [])),
+        )?;
+        dist <<= 1;
+        round += 1;
+    }
+    Ok(())
+}
+
+/// Gathers 16 bytes from every rank (used by `split`), in rank order.
+pub(crate) fn gather_u64_pairs<C: Communicator + ?Sized>(
+    c: &C,
+    ctx: &OpCtx,
+    mine: [u64; 2],
+) -> Result<Vec<[u64; 2]>> {
+    let n = c.size();
+    let mut buf = vec![0u8; 16 * n];
+    buf[16 * c.rank()..16 * c.rank() + 8].copy_from_slice(&mine[0].to_le_bytes());
+    buf[16 * c.rank() + 8..16 * c.rank() + 16].copy_from_slice(&mine[1].to_le_bytes());
+    let all: Vec<usize> = (0..n).collect();
+    ring_all_gather(c, ctx, 0, &all, c.rank(), &mut buf, 16)?;
+    Ok(buf
+        .chunks_exact(16)
+        .map(|ch| {
+            [
+                u64::from_le_bytes(ch[..8].try_into().expect("8 bytes")),
+                u64::from_le_bytes(ch[8..].try_into().expect("8 bytes")),
+            ]
+        })
+        .collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn split_two_gives_disjoint_views() {
+        let mut b: Vec<u8> = (0..10).collect();
+        let (a, m) = split_two(&mut b, 6..9, 1..3);
+        assert_eq!(a, &[6, 7, 8]);
+        m[0] = 100;
+        let (a, m) = split_two(&mut b, 0..2, 5..5);
+        assert_eq!(a, &[0, 100]);
+        assert!(m.is_empty());
+    }
+}

@@ -1,0 +1,573 @@
+//! The [`Communicator`] trait and its typed extension [`CommunicatorExt`].
+
+use std::time::Duration;
+
+use weft_numerics::Element;
+
+use crate::algo;
+use crate::error::{Error, Result};
+use crate::types::{
+    Algorithm, Buf, BufMut, Incoming, OpCtx, OpKind, Outgoing, ReduceOp, ReduceOptions, Signature,
+    Topology, Traffic,
+};
+
+/// A group of ranks that run collectives together.
+///
+/// See the [crate documentation](crate#the-communicator-design) for why the
+/// trait is split into a few required primitives and many provided
+/// collectives. Ranks passed to and returned by methods are ranks *in this
+/// group* (`0..size()`), except in errors, which name world ranks.
+///
+/// The trait is object safe: other crates hold a `&dyn Communicator` or
+/// `Box<dyn Communicator>` and call the typed methods of
+/// [`CommunicatorExt`], which every communicator (and `dyn Communicator`)
+/// implements.
+pub trait Communicator: Send + Sync {
+    // ---- required primitives -------------------------------------------
+
+    /// This rank's position in the group.
+    fn rank(&self) -> usize;
+
+    /// Number of ranks in the group.
+    fn size(&self) -> usize;
+
+    /// The world rank of group rank `rank`.
+    fn world_rank_of(&self, rank: usize) -> usize;
+
+    /// The domains of the world ranks (for hierarchical algorithms and link classes).
+    fn topology(&self) -> Topology;
+
+    /// A human-readable name of the group with its world ranks, for errors.
+    fn group_name(&self) -> String;
+
+    /// The per-operation timeout of the watchdog.
+    fn timeout(&self) -> Duration;
+
+    /// Starts a collective call: checks this rank is healthy, takes the next
+    /// sequence number of the group and records that this rank arrived.
+    ///
+    /// # Errors
+    /// [`Error::InjectedFault`] if this rank was told to fail,
+    /// [`Error::Aborted`] if the group was aborted.
+    fn begin(&self, sig: Signature) -> Result<OpCtx>;
+
+    /// The transport primitive every algorithm is built from: posts `sends`,
+    /// hands every message of `recvs` to its sink as it arrives, and returns
+    /// once all messages are consumed on both sides. Messages are matched by
+    /// (`ctx.seq`, `tag`, source); the receiver compares the sender's
+    /// signature with its own.
+    ///
+    /// # Errors
+    /// [`Error::PeerLost`], [`Error::Timeout`], [`Error::Mismatch`],
+    /// [`Error::Aborted`], or what a sink returned.
+    fn exchange(
+        &self,
+        ctx: &OpCtx,
+        tag: u32,
+        sends: &[Outgoing<'_>],
+        recvs: &mut [Incoming<'_>],
+    ) -> Result<()>;
+
+    /// Point-to-point send of raw bytes to group rank `peer` with a user
+    /// `tag`. Returns once the message is buffered or delivered; messages
+    /// with the same (peer, tag) arrive in order.
+    ///
+    /// # Errors
+    /// [`Error::PeerLost`], [`Error::InvalidArgument`] for a bad peer.
+    fn send_bytes(&self, peer: usize, tag: u64, data: &[u8]) -> Result<()>;
+
+    /// Receives the next message from `peer` with `tag` into `out`, whose
+    /// length must equal the message's.
+    ///
+    /// # Errors
+    /// [`Error::PeerLost`], [`Error::Timeout`], [`Error::Mismatch`] on a
+    /// length mismatch, [`Error::InvalidArgument`] for a bad peer.
+    fn recv_bytes(&self, peer: usize, tag: u64, out: &mut [u8]) -> Result<()>;
+
+    /// Splits the group: ranks passing the same `color` form a new group,
+    /// ordered by `key` (ties by rank). Collective over this group.
+    ///
+    /// # Errors
+    /// As for any collective.
+    fn split(&self, color: u32, key: u32) -> Result<Box<dyn Communicator>>;
+
+    /// This rank's traffic counters (all groups of this rank together).
+    fn traffic(&self) -> Traffic;
+
+    /// A handle to the same group usable from another thread, for
+    /// non-blocking operations; `None` if the backend cannot (then the
+    /// non-blocking forms complete before returning).
+    fn detach(&self) -> Option<Box<dyn Communicator>>;
+
+    // ---- provided collectives (dtype-erased, object safe) -------------
+
+    /// All-reduce of a dtype-erased buffer; see [`CommunicatorExt::all_reduce_with`].
+    ///
+    /// # Errors
+    /// As [`CommunicatorExt::all_reduce_with`].
+    fn all_reduce_buf(&self, buf: BufMut<'_>, opts: &ReduceOptions) -> Result<()> {
+        let ctx = self.begin(algo::reduce_signature(self, OpKind::AllReduce, &buf, opts)?)?;
+        algo::all_reduce(self, &ctx, buf, opts)
+    }
+
+    /// Reduce-scatter of a dtype-erased buffer; see [`CommunicatorExt::reduce_scatter_with`].
+    ///
+    /// # Errors
+    /// As [`CommunicatorExt::reduce_scatter_with`].
+    fn reduce_scatter_buf(
+        &self,
+        input: Buf<'_>,
+        output: BufMut<'_>,
+        opts: &ReduceOptions,
+    ) -> Result<()> {
+        let ctx = self.begin(algo::reduce_scatter_signature(self, &input, &output, opts)?)?;
+        algo::reduce_scatter(self, &ctx, input, output, opts)
+    }
+
+    /// All-gather of dtype-erased buffers; see [`CommunicatorExt::all_gather`].
+    ///
+    /// # Errors
+    /// As [`CommunicatorExt::all_gather`].
+    fn all_gather_buf(
+        &self,
+        input: Buf<'_>,
+        output: BufMut<'_>,
+        algorithm: Algorithm,
+    ) -> Result<()> {
+        let ctx = self.begin(algo::all_gather_signature(
+            self, &input, &output, algorithm,
+        )?)?;
+        algo::all_gather(self, &ctx, input, output)
+    }
+
+    /// Broadcast of a dtype-erased buffer; see [`CommunicatorExt::broadcast`].
+    ///
+    /// # Errors
+    /// As [`CommunicatorExt::broadcast`].
+    fn broadcast_buf(&self, buf: BufMut<'_>, root: usize, algorithm: Algorithm) -> Result<()> {
+        let ctx = self.begin(algo::rooted_signature(
+            self,
+            OpKind::Broadcast,
+            &buf,
+            root,
+            None,
+            algorithm,
+        )?)?;
+        algo::broadcast(self, &ctx, buf, root)
+    }
+
+    /// Reduce to a root of a dtype-erased buffer; see [`CommunicatorExt::reduce`].
+    ///
+    /// # Errors
+    /// As [`CommunicatorExt::reduce`].
+    fn reduce_buf(
+        &self,
+        buf: BufMut<'_>,
+        root: usize,
+        op: ReduceOp,
+        algorithm: Algorithm,
+    ) -> Result<()> {
+        let ctx = self.begin(algo::rooted_signature(
+            self,
+            OpKind::Reduce,
+            &buf,
+            root,
+            Some(op),
+            algorithm,
+        )?)?;
+        algo::reduce(self, &ctx, buf, root, op)
+    }
+
+    /// All-to-all with per-peer element counts; see [`CommunicatorExt::all_to_all_v`].
+    ///
+    /// # Errors
+    /// As [`CommunicatorExt::all_to_all_v`].
+    fn all_to_all_v_buf(
+        &self,
+        send: Buf<'_>,
+        send_counts: &[usize],
+        recv: BufMut<'_>,
+        recv_counts: &[usize],
+    ) -> Result<()> {
+        let sig = algo::all_to_all_v_signature(self, &send, send_counts, &recv, recv_counts)?;
+        let ctx = self.begin(sig)?;
+        algo::all_to_all_v(self, &ctx, send, send_counts, recv, recv_counts)
+    }
+
+    /// Blocks until every rank of the group has called `barrier`.
+    ///
+    /// # Errors
+    /// [`Error::PeerLost`], [`Error::Timeout`], [`Error::Mismatch`].
+    fn barrier(&self) -> Result<()> {
+        let ctx = self.begin(Signature::new(OpKind::Barrier))?;
+        algo::barrier(self, &ctx)
+    }
+}
+
+/// A non-blocking operation in flight; [`wait`](Self::wait) for its result.
+#[derive(Debug)]
+pub struct Pending<T> {
+    state: PendingState<T>,
+}
+
+#[derive(Debug)]
+enum PendingState<T> {
+    Ready(Result<T>),
+    Running(std::thread::JoinHandle<Result<T>>),
+}
+
+impl<T> Pending<T> {
+    /// `true` once the operation has finished (successfully or not).
+    pub fn is_finished(&self) -> bool {
+        match &self.state {
+            PendingState::Ready(_) => true,
+            PendingState::Running(h) => h.is_finished(),
+        }
+    }
+
+    /// Waits for the operation and returns its buffer.
+    ///
+    /// # Errors
+    /// The operation's error; [`Error::RankPanicked`] if its worker panicked.
+    pub fn wait(self) -> Result<T> {
+        match self.state {
+            PendingState::Ready(r) => r,
+            PendingState::Running(h) => h.join().unwrap_or_else(|p| {
+                Err(Error::RankPanicked {
+                    rank: usize::MAX,
+                    message: crate::local::panic_message(&*p),
+                })
+            }),
+        }
+    }
+}
+
+fn start<C, S, T, F, G>(comm: &C, sig: Signature, state: S, run: F, finish: G) -> Result<Pending<T>>
+where
+    C: Communicator + ?Sized,
+    S: Send + 'static,
+    T: Send + 'static,
+    F: FnOnce(&dyn Communicator, &OpCtx, &mut S) -> Result<()> + Send + 'static,
+    G: FnOnce(S) -> T + Send + 'static,
+{
+    let ctx = comm.begin(sig)?;
+    let mut state = state;
+    match comm.detach() {
+        Some(detached) => {
+            let handle = std::thread::Builder::new()
+                .name(format!("weft-{}-{}", sig.op, ctx.seq))
+                .spawn(move || {
+                    run(&*detached, &ctx, &mut state)?;
+                    Ok(finish(state))
+                })
+                .map_err(|e| Error::Backend {
+                    backend: "local",
+                    op: sig.op,
+                    message: format!("cannot spawn a progress thread: {e}"),
+                })?;
+            Ok(Pending {
+                state: PendingState::Running(handle),
+            })
+        }
+        None => {
+            // Not detachable: the backend cannot progress in the background,
+            // so run to completion now.
+            let inner: &dyn Communicator = &DynRef(comm);
+            let r = run(inner, &ctx, &mut state).map(|()| finish(state));
+            Ok(Pending {
+                state: PendingState::Ready(r),
+            })
+        }
+    }
+}
+
+/// Adapts `&C` (possibly unsized) to `&dyn Communicator`.
+struct DynRef<'a, C: ?Sized>(&'a C);
+
+impl<C: Communicator + ?Sized> Communicator for DynRef<'_, C> {
+    fn rank(&self) -> usize {
+        self.0.rank()
+    }
+    fn size(&self) -> usize {
+        self.0.size()
+    }
+    fn world_rank_of(&self, rank: usize) -> usize {
+        self.0.world_rank_of(rank)
+    }
+    fn topology(&self) -> Topology {
+        self.0.topology()
+    }
+    fn group_name(&self) -> String {
+        self.0.group_name()
+    }
+    fn timeout(&self) -> Duration {
+        self.0.timeout()
+    }
+    fn begin(&self, sig: Signature) -> Result<OpCtx> {
+        self.0.begin(sig)
+    }
+    fn exchange(
+        &self,
+        ctx: &OpCtx,
+        tag: u32,
+        sends: &[Outgoing<'_>],
+        recvs: &mut [Incoming<'_>],
+    ) -> Result<()> {
+        self.0.exchange(ctx, tag, sends, recvs)
+    }
+    fn send_bytes(&self, peer: usize, tag: u64, data: &[u8]) -> Result<()> {
+        self.0.send_bytes(peer, tag, data)
+    }
+    fn recv_bytes(&self, peer: usize, tag: u64, out: &mut [u8]) -> Result<()> {
+        self.0.recv_bytes(peer, tag, out)
+    }
+    fn split(&self, color: u32, key: u32) -> Result<Box<dyn Communicator>> {
+        self.0.split(color, key)
+    }
+    fn traffic(&self) -> Traffic {
+        self.0.traffic()
+    }
+    fn detach(&self) -> Option<Box<dyn Communicator>> {
+        self.0.detach()
+    }
+}
+
+/// Typed collectives over any [`Communicator`] (including `dyn Communicator`).
+///
+/// Buffers are slices of `f32`, `f16`, `bf16` or `f64` (any
+/// [`weft_numerics::Element`]). Every rank of the group must make the same
+/// calls in the same order with the same lengths, dtypes, roots and options;
+/// a mismatch is reported as [`Error::Mismatch`].
+pub trait CommunicatorExt: Communicator {
+    /// Replaces `buf` on every rank by the elementwise reduction of all
+    /// ranks' `buf`s, with the default options for `op`.
+    ///
+    /// # Errors
+    /// [`Error::PeerLost`], [`Error::Timeout`], [`Error::Mismatch`],
+    /// [`Error::InvalidArgument`].
+    fn all_reduce<T: Element>(&self, buf: &mut [T], op: ReduceOp) -> Result<()> {
+        self.all_reduce_buf(BufMut::new(buf), &ReduceOptions::new(op))
+    }
+
+    /// [`all_reduce`](Self::all_reduce) with explicit options (algorithm,
+    /// wire dtype, reproducible mode).
+    ///
+    /// # Errors
+    /// As [`all_reduce`](Self::all_reduce); [`Error::InvalidArgument`] for a
+    /// wire dtype narrower than the buffer, a hierarchical algorithm on a
+    /// group whose domains hold different numbers of ranks, or a
+    /// reproducible `Max`/`Min`.
+    fn all_reduce_with<T: Element>(&self, buf: &mut [T], opts: &ReduceOptions) -> Result<()> {
+        self.all_reduce_buf(BufMut::new(buf), opts)
+    }
+
+    /// Reduces `input` (the same length on every rank) and leaves shard
+    /// [`shard_range`](crate::shard_range)`(input.len(), size, rank)` of the
+    /// result in `output`.
+    ///
+    /// # Errors
+    /// As [`all_reduce`](Self::all_reduce); [`Error::InvalidArgument`] if
+    /// `output` has the wrong length.
+    fn reduce_scatter<T: Element>(
+        &self,
+        input: &[T],
+        output: &mut [T],
+        op: ReduceOp,
+    ) -> Result<()> {
+        self.reduce_scatter_buf(
+            Buf::new(input),
+            BufMut::new(output),
+            &ReduceOptions::new(op),
+        )
+    }
+
+    /// [`reduce_scatter`](Self::reduce_scatter) with explicit options.
+    ///
+    /// # Errors
+    /// As [`reduce_scatter`](Self::reduce_scatter).
+    fn reduce_scatter_with<T: Element>(
+        &self,
+        input: &[T],
+        output: &mut [T],
+        opts: &ReduceOptions,
+    ) -> Result<()> {
+        self.reduce_scatter_buf(Buf::new(input), BufMut::new(output), opts)
+    }
+
+    /// Concatenates every rank's `input` in rank order into `output`; rank
+    /// `r`'s input must have length `shard_range(output.len(), size, r).len()`.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] on a wrong input length, and as for any
+    /// collective.
+    fn all_gather<T: Element>(&self, input: &[T], output: &mut [T]) -> Result<()> {
+        self.all_gather_buf(Buf::new(input), BufMut::new(output), Algorithm::Auto)
+    }
+
+    /// [`all_gather`](Self::all_gather) with an explicit algorithm.
+    ///
+    /// # Errors
+    /// As [`all_gather`](Self::all_gather).
+    fn all_gather_with<T: Element>(
+        &self,
+        input: &[T],
+        output: &mut [T],
+        algorithm: Algorithm,
+    ) -> Result<()> {
+        self.all_gather_buf(Buf::new(input), BufMut::new(output), algorithm)
+    }
+
+    /// Copies `root`'s `buf` into every rank's `buf`.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for a root outside the group, and as for
+    /// any collective.
+    fn broadcast<T: Element>(&self, buf: &mut [T], root: usize) -> Result<()> {
+        self.broadcast_buf(BufMut::new(buf), root, Algorithm::Auto)
+    }
+
+    /// Reduces every rank's `buf` into `root`'s `buf`. The contents of the
+    /// other ranks' buffers are unspecified afterwards (they hold partial
+    /// results).
+    ///
+    /// # Errors
+    /// As [`broadcast`](Self::broadcast).
+    fn reduce<T: Element>(&self, buf: &mut [T], root: usize, op: ReduceOp) -> Result<()> {
+        self.reduce_buf(BufMut::new(buf), root, op, Algorithm::Auto)
+    }
+
+    /// Equal-split all-to-all: `send` and `recv` hold `size` blocks of equal
+    /// length; block `j` of `send` goes to rank `j` and arrives as block
+    /// `rank` of its `recv`.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] if the lengths differ or are not multiples
+    /// of the group size, and as for any collective.
+    fn all_to_all<T: Element>(&self, send: &[T], recv: &mut [T]) -> Result<()> {
+        let n = self.size();
+        if send.len() != recv.len() || !send.len().is_multiple_of(n) {
+            return Err(Error::InvalidArgument {
+                op: OpKind::AllToAll,
+                arg: "send/recv",
+                reason: format!(
+                    "lengths {} and {} must be equal multiples of the group size {n}",
+                    send.len(),
+                    recv.len()
+                ),
+            });
+        }
+        let counts = vec![send.len() / n; n];
+        self.all_to_all_v_buf(Buf::new(send), &counts, BufMut::new(recv), &counts)
+    }
+
+    /// All-to-all with per-peer counts (MoE dispatch/combine): `send` is the
+    /// concatenation of `send_counts[j]` elements for each rank `j`, `recv`
+    /// receives `recv_counts[j]` elements from each rank `j`, in rank order.
+    /// `recv_counts[j]` on this rank must equal `send_counts[rank]` on `j`.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] if counts do not sum to the buffer lengths,
+    /// [`Error::Mismatch`] if a peer sends a different count than expected,
+    /// and as for any collective.
+    fn all_to_all_v<T: Element>(
+        &self,
+        send: &[T],
+        send_counts: &[usize],
+        recv: &mut [T],
+        recv_counts: &[usize],
+    ) -> Result<()> {
+        self.all_to_all_v_buf(Buf::new(send), send_counts, BufMut::new(recv), recv_counts)
+    }
+
+    /// Sends `data` to group rank `peer` (buffered: returns without waiting
+    /// for the receiver).
+    ///
+    /// # Errors
+    /// As [`Communicator::send_bytes`].
+    fn send<T: Element>(&self, peer: usize, tag: u64, data: &[T]) -> Result<()> {
+        self.send_bytes(peer, tag, Buf::new(data).bytes())
+    }
+
+    /// Receives the next message with `tag` from `peer` into `out`.
+    ///
+    /// # Errors
+    /// As [`Communicator::recv_bytes`].
+    fn recv<T: Element>(&self, peer: usize, tag: u64, out: &mut [T]) -> Result<()> {
+        self.recv_bytes(peer, tag, BufMut::new(out).into_bytes())
+    }
+
+    /// Starts an all-reduce that progresses in the background (on the local
+    /// backend, on its own thread) while the caller computes. The operation
+    /// takes its place in the group's call order now; later calls may run
+    /// before it completes.
+    ///
+    /// # Errors
+    /// Errors detectable at the start ([`Error::InjectedFault`],
+    /// [`Error::InvalidArgument`]); the rest come from [`Pending::wait`].
+    fn all_reduce_async<T: Element>(
+        &self,
+        buf: Vec<T>,
+        opts: ReduceOptions,
+    ) -> Result<Pending<Vec<T>>> {
+        let mut b = buf;
+        let sig = algo::reduce_signature(self, OpKind::AllReduce, &BufMut::new(&mut b), &opts)?;
+        start(
+            self,
+            sig,
+            b,
+            move |c, ctx, b: &mut Vec<T>| algo::all_reduce(c, ctx, BufMut::new(b), &opts),
+            |b| b,
+        )
+    }
+
+    /// Starts a reduce-scatter in the background; the result is the shard
+    /// (see [`reduce_scatter`](Self::reduce_scatter)).
+    ///
+    /// # Errors
+    /// As [`all_reduce_async`](Self::all_reduce_async).
+    fn reduce_scatter_async<T: Element>(
+        &self,
+        input: Vec<T>,
+        opts: ReduceOptions,
+    ) -> Result<Pending<Vec<T>>> {
+        let r = crate::shard_range(input.len(), self.size(), self.rank());
+        let mut out = vec![T::ZERO; r.len()];
+        let sig =
+            algo::reduce_scatter_signature(self, &Buf::new(&input), &BufMut::new(&mut out), &opts)?;
+        start(
+            self,
+            sig,
+            (input, out),
+            move |c, ctx, (i, o): &mut (Vec<T>, Vec<T>)| {
+                algo::reduce_scatter(c, ctx, Buf::new(i), BufMut::new(o), &opts)
+            },
+            |(_, o)| o,
+        )
+    }
+
+    /// Starts an all-gather in the background; the result is the gathered
+    /// buffer of `total` elements (see [`all_gather`](Self::all_gather)).
+    ///
+    /// # Errors
+    /// As [`all_reduce_async`](Self::all_reduce_async).
+    fn all_gather_async<T: Element>(&self, input: Vec<T>, total: usize) -> Result<Pending<Vec<T>>> {
+        let mut out = vec![T::ZERO; total];
+        let sig = algo::all_gather_signature(
+            self,
+            &Buf::new(&input),
+            &BufMut::new(&mut out),
+            Algorithm::Auto,
+        )?;
+        start(
+            self,
+            sig,
+            (input, out),
+            move |c, ctx, (i, o): &mut (Vec<T>, Vec<T>)| {
+                algo::all_gather(c, ctx, Buf::new(i), BufMut::new(o))
+            },
+            |(_, o)| o,
+        )
+    }
+}
+
+impl<C: Communicator + ?Sized> CommunicatorExt for C {}

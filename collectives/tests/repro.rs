@@ -1,0 +1,199 @@
+//! Reproducible mode: bitwise identical sums for any world size, algorithm
+//! and order, equal to numerics' ExactSum rounded once.
+
+use proptest::prelude::*;
+use weft_collectives::{
+    Algorithm, Communicator, CommunicatorExt, Element, LocalCluster, ReduceOp, ReduceOptions,
+    Topology, bf16, shard_range,
+};
+use weft_numerics::ExactSum;
+
+fn data(seed: u64, k: usize, len: usize) -> Vec<Vec<f32>> {
+    let mut s = seed | 1;
+    let mut next = move || {
+        s ^= s << 13;
+        s ^= s >> 7;
+        s ^= s << 17;
+        s
+    };
+    (0..k)
+        .map(|_| {
+            (0..len)
+                .map(|_| {
+                    let u = next();
+                    // wide exponent spread, both signs, some exact zeros
+                    let mant = ((u >> 40) as f32) / (1u64 << 24) as f32;
+                    let e = ((u >> 8) % 40) as i32 - 30;
+                    let v = mant * 2f32.powi(e);
+                    if u % 17 == 0 {
+                        0.0
+                    } else if u % 2 == 0 {
+                        v
+                    } else {
+                        -v
+                    }
+                })
+                .collect()
+        })
+        .collect()
+}
+
+fn exact<T: Element>(cols: &[Vec<T>]) -> Vec<T> {
+    (0..cols[0].len())
+        .map(|i| {
+            let mut s = ExactSum::new();
+            for c in cols {
+                s.add(c[i]);
+            }
+            s.round_to::<T>()
+        })
+        .collect()
+}
+
+fn repro_all_reduce<T: Element>(
+    cols: &[Vec<T>],
+    algorithm: Algorithm,
+    topo: Topology,
+) -> Vec<Vec<T>> {
+    let n = cols.len();
+    LocalCluster::builder(n)
+        .topology(topo)
+        .run_each(|comm| {
+            let mut b = cols[comm.rank()].clone();
+            let opts = ReduceOptions::new(ReduceOp::Sum)
+                .algorithm(algorithm)
+                .reproducible(true);
+            comm.all_reduce_with(&mut b, &opts)?;
+            // reduce-scatter too
+            let r = shard_range(b.len(), n, comm.rank());
+            let mut out = vec![T::ZERO; r.len()];
+            comm.reduce_scatter_with(&cols[comm.rank()], &mut out, &opts)?;
+            assert_eq!(bits(&out), bits(&b[r]));
+            Ok::<_, weft_collectives::Error>(b)
+        })
+        .into_iter()
+        .map(|r| r.unwrap().unwrap())
+        .collect()
+}
+
+fn bits<T: Element>(xs: &[T]) -> Vec<u64> {
+    xs.iter().map(|x| x.to_f64().to_bits()).collect()
+}
+
+const ALGOS: [Algorithm; 3] = [
+    Algorithm::Ring,
+    Algorithm::RecursiveDoubling,
+    Algorithm::Hierarchical,
+];
+
+#[test]
+fn equals_exact_sum_for_every_world_size_and_algorithm() {
+    let len = 301;
+    for n in 1..=8 {
+        let cols = data(n as u64 * 77, n, len);
+        let want = bits(&exact(&cols));
+        for alg in ALGOS {
+            let topo = if alg == Algorithm::Hierarchical {
+                match (2..n).find(|k| n % k == 0) {
+                    Some(k) => Topology::new(k),
+                    None => continue,
+                }
+            } else {
+                Topology::flat()
+            };
+            for (r, got) in repro_all_reduce(&cols, alg, topo).iter().enumerate() {
+                assert_eq!(bits(got), want, "n={n} {alg:?} rank {r}");
+            }
+        }
+    }
+}
+
+#[test]
+fn same_contributions_on_more_ranks_give_the_same_bits() {
+    // {a, b, c} on 3 ranks vs {c, 0, a, 0, 0, b, 0, 0} on 8 ranks.
+    let cols = data(5, 3, 1000);
+    let zeros = vec![0.0f32; 1000];
+    let eight = vec![
+        cols[2].clone(),
+        zeros.clone(),
+        cols[0].clone(),
+        zeros.clone(),
+        zeros.clone(),
+        cols[1].clone(),
+        zeros.clone(),
+        zeros,
+    ];
+    let a = repro_all_reduce(&cols, Algorithm::Ring, Topology::flat());
+    let b = repro_all_reduce(&eight, Algorithm::RecursiveDoubling, Topology::flat());
+    let c = repro_all_reduce(&eight, Algorithm::Hierarchical, Topology::new(4));
+    assert_eq!(bits(&a[0]), bits(&b[5]));
+    assert_eq!(bits(&a[1]), bits(&c[7]));
+    // while the plain ring's result does depend on the grouping
+    let plain = |cols: &[Vec<f32>]| {
+        LocalCluster::run(cols.len(), |comm| {
+            let mut b = cols[comm.rank()].clone();
+            comm.all_reduce_with(
+                &mut b,
+                &ReduceOptions::new(ReduceOp::Sum).algorithm(Algorithm::Ring),
+            )?;
+            Ok::<_, weft_collectives::Error>(b)
+        })
+        .unwrap()
+        .remove(0)
+        .unwrap()
+    };
+    assert_ne!(bits(&plain(&cols)), bits(&plain(&eight)));
+}
+
+#[test]
+fn bf16_repro_matches_exact_sum() {
+    let cols: Vec<Vec<bf16>> = data(9, 5, 200)
+        .iter()
+        .map(|c| c.iter().map(|&x| bf16::from_f32(x)).collect())
+        .collect();
+    let want = bits(&exact(&cols));
+    for got in repro_all_reduce(&cols, Algorithm::Ring, Topology::flat()) {
+        assert_eq!(bits(&got), want);
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 16, ..ProptestConfig::default() })]
+
+    #[test]
+    fn any_rank_order_gives_the_same_bits(
+        n in 2usize..=6,
+        len in 0usize..200,
+        seed in any::<u64>(),
+        rot in 0usize..6,
+        alg in 0usize..2,
+    ) {
+        let cols = data(seed, n, len);
+        let mut rotated = cols.clone();
+        rotated.rotate_left(rot % n);
+        rotated.swap(0, n - 1);
+        let a = repro_all_reduce(&cols, ALGOS[alg], Topology::flat());
+        let b = repro_all_reduce(&rotated, ALGOS[1 - alg], Topology::flat());
+        prop_assert_eq!(bits(&a[0]), bits(&b[n - 1]));
+        prop_assert_eq!(bits(&a[0]), bits(&exact(&cols)));
+    }
+}
+
+#[test]
+fn max_is_refused_in_reproducible_mode() {
+    let out = LocalCluster::run(2, |comm| {
+        let mut x = vec![1.0f32; 3];
+        comm.all_reduce_with(
+            &mut x,
+            &ReduceOptions::new(ReduceOp::Max).reproducible(true),
+        )
+    })
+    .unwrap();
+    assert!(
+        out[0]
+            .as_ref()
+            .unwrap_err()
+            .to_string()
+            .contains("reproducible")
+    );
+}
