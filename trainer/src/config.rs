@@ -1,0 +1,514 @@
+//! Job configuration: TOML files plus `--set key=value` overrides, in the
+//! style of torchtitan's job configs.
+//!
+//! Every key has a default, so `weft train` with no file runs a meaningful
+//! job. A file overrides the defaults it names; `--set section.key=value`
+//! overrides both (the value is parsed as a TOML value, so strings that are
+//! not bare words need quotes: `--set run.name='"my run"'`). Unknown keys
+//! and ill-typed values are errors that name the key, the file and line, and
+//! the expected type.
+
+use std::fmt;
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use crate::synthetic::SyntheticSpec;
+
+/// The whole job configuration.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Config {
+    /// Where the run writes and what it is called.
+    pub run: RunConfig,
+    /// Model shape.
+    pub model: ModelConfig,
+    /// Training data.
+    pub data: DataConfig,
+    /// Steps, batch and evaluation.
+    pub train: TrainConfig,
+    /// Optimizer and learning-rate schedule.
+    pub optim: OptimConfig,
+}
+
+/// `[run]`: the run folder.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RunConfig {
+    /// Run name; the folder is `<dir>/<name>`. Empty: a timestamped name.
+    pub name: String,
+    /// Parent folder of run folders.
+    pub dir: PathBuf,
+}
+
+impl Default for RunConfig {
+    fn default() -> Self {
+        Self {
+            name: String::new(),
+            dir: PathBuf::from("runs"),
+        }
+    }
+}
+
+/// `[model]`: a GPT-2-style decoder.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ModelConfig {
+    /// Transformer blocks (L).
+    pub n_layer: usize,
+    /// Attention heads (NH); must divide `n_embd`.
+    pub n_head: usize,
+    /// Channels (C).
+    pub n_embd: usize,
+    /// Context length (T): tokens per training sequence.
+    pub block_size: usize,
+}
+
+impl Default for ModelConfig {
+    fn default() -> Self {
+        Self {
+            n_layer: 2,
+            n_head: 4,
+            n_embd: 128,
+            block_size: 128,
+        }
+    }
+}
+
+/// `[data]`: where tokens come from.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct DataConfig {
+    /// `"synthetic"` for the built-in corpus with a known loss floor, or the
+    /// path of a `.txt` file or a folder of them (GPT-2 BPE).
+    pub source: String,
+    /// Fraction of the data held out for validation, in (0, 0.5].
+    pub val_fraction: f64,
+    /// The synthetic language, when `source = "synthetic"`.
+    pub synthetic: SyntheticSpec,
+}
+
+impl Default for DataConfig {
+    fn default() -> Self {
+        Self {
+            source: "synthetic".into(),
+            val_fraction: 0.1,
+            synthetic: SyntheticSpec::default(),
+        }
+    }
+}
+
+/// `[train]`: the loop.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TrainConfig {
+    /// Optimizer steps.
+    pub steps: u64,
+    /// Sequences per optimizer step (B × accumulation).
+    pub batch_size: usize,
+    /// Micro-batches the batch is split into (gradient accumulation).
+    pub grad_accum: usize,
+    /// Seed of initialization and data order.
+    pub seed: u64,
+    /// Evaluate every this many steps (0: only at the end).
+    pub eval_every: u64,
+    /// Validation sequences per evaluation.
+    pub eval_sequences: usize,
+}
+
+impl Default for TrainConfig {
+    fn default() -> Self {
+        Self {
+            steps: 600,
+            batch_size: 16,
+            grad_accum: 1,
+            seed: 42,
+            eval_every: 100,
+            eval_sequences: 64,
+        }
+    }
+}
+
+/// `[optim]`: AdamW with linear warmup and cosine decay.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct OptimConfig {
+    /// Peak learning rate.
+    pub lr: f64,
+    /// Final learning rate as a fraction of `lr`.
+    pub min_lr_ratio: f64,
+    /// Linear warmup steps.
+    pub warmup_steps: u64,
+    /// Decoupled weight decay (not applied to biases and layernorms).
+    pub weight_decay: f64,
+    /// Adam β₁.
+    pub beta1: f64,
+    /// Adam β₂.
+    pub beta2: f64,
+    /// Adam ε.
+    pub eps: f64,
+    /// Global gradient-norm clip (0: off).
+    pub grad_clip: f64,
+}
+
+impl Default for OptimConfig {
+    fn default() -> Self {
+        Self {
+            lr: 3e-3,
+            min_lr_ratio: 0.1,
+            warmup_steps: 50,
+            weight_decay: 0.1,
+            beta1: 0.9,
+            beta2: 0.95,
+            eps: 1e-8,
+            grad_clip: 1.0,
+        }
+    }
+}
+
+/// A configuration error, with where it came from.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ConfigError {
+    /// The file, or `--set KEY=VALUE` for an override.
+    pub origin: String,
+    /// 1-based line and column in the file, when known.
+    pub position: Option<(usize, usize)>,
+    /// The dotted key, when known.
+    pub key: Option<String>,
+    /// What is wrong, including the expected type.
+    pub message: String,
+}
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.origin)?;
+        if let Some((line, col)) = self.position {
+            write!(f, ":{line}:{col}")?;
+        }
+        f.write_str(": ")?;
+        if let Some(key) = &self.key {
+            write!(f, "key `{key}`: ")?;
+        }
+        f.write_str(&self.message)
+    }
+}
+
+impl std::error::Error for ConfigError {}
+
+impl Config {
+    /// Loads the defaults, then `file` (if any), then each `KEY=VALUE`
+    /// override, then validates the result.
+    ///
+    /// # Errors
+    /// A [`ConfigError`] for an unreadable file, invalid TOML, an unknown
+    /// key, a value of the wrong type, a malformed override, or a value out
+    /// of range.
+    pub fn load(file: Option<&Path>, overrides: &[String]) -> Result<Self, ConfigError> {
+        let mut config = match file {
+            None => Config::default(),
+            Some(path) => {
+                let origin = path.display().to_string();
+                let text = std::fs::read_to_string(path).map_err(|e| ConfigError {
+                    origin: origin.clone(),
+                    position: None,
+                    key: None,
+                    message: format!("cannot read: {e}"),
+                })?;
+                Self::from_toml(&text, &origin)?
+            }
+        };
+        for o in overrides {
+            config = config.with_override(o)?;
+        }
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// Parses TOML text (`origin` names it in errors), without validation.
+    ///
+    /// # Errors
+    /// A [`ConfigError`] with the line, column and key of the problem.
+    pub fn from_toml(text: &str, origin: &str) -> Result<Self, ConfigError> {
+        toml::from_str(text).map_err(|e| {
+            let position = e.span().map(|s| line_col(text, s.start));
+            ConfigError {
+                origin: origin.to_owned(),
+                position,
+                key: position.and_then(|(line, _)| key_at_line(text, line)),
+                message: e.message().trim().to_owned(),
+            }
+        })
+    }
+
+    /// Applies one `section.key=value` override.
+    ///
+    /// # Errors
+    /// A [`ConfigError`] naming the override for a missing `=`, an unknown
+    /// key, an unparsable value or a value of the wrong type.
+    pub fn with_override(&self, assignment: &str) -> Result<Self, ConfigError> {
+        let err = |key: Option<&str>, message: String| ConfigError {
+            origin: format!("--set {assignment}"),
+            position: None,
+            key: key.map(str::to_owned),
+            message,
+        };
+        let Some((key, value)) = assignment.split_once('=') else {
+            return Err(err(None, "expected KEY=VALUE, e.g. optim.lr=1e-3".into()));
+        };
+        let key = key.trim();
+        let value = value.trim();
+        let mut table = toml::Table::try_from(self).map_err(|e| err(None, e.to_string()))?;
+        let parts: Vec<&str> = key.split('.').collect();
+        let Some((last, sections)) = parts.split_last() else {
+            return Err(err(None, "empty key".into()));
+        };
+        let mut node = &mut table;
+        for (i, part) in sections.iter().enumerate() {
+            let path = parts[..=i].join(".");
+            if !node.contains_key(*part) {
+                return Err(err(
+                    Some(key),
+                    format!("unknown section `{path}`; known: {}", known(node)),
+                ));
+            }
+            node = match node.get_mut(*part) {
+                Some(toml::Value::Table(t)) => t,
+                _ => return Err(err(Some(key), format!("`{path}` is not a section"))),
+            };
+        }
+        if !node.contains_key(*last) {
+            return Err(err(
+                Some(key),
+                format!("unknown key; known keys here: {}", known(node)),
+            ));
+        }
+        // A TOML value, or failing that a bare string (`run.name=foo`).
+        let parsed = toml::from_str::<toml::Table>(&format!("v = {value}"))
+            .ok()
+            .and_then(|mut t| t.remove("v"))
+            .unwrap_or_else(|| toml::Value::String(value.to_owned()));
+        node.insert((*last).to_owned(), parsed);
+        toml::Value::Table(table)
+            .try_into::<Config>()
+            .map_err(|e| err(Some(key), e.message().trim().to_owned()))
+    }
+
+    /// Checks ranges and relations between settings.
+    ///
+    /// # Errors
+    /// A [`ConfigError`] naming the first key out of range.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let bad = |key: &str, message: String| {
+            Err(ConfigError {
+                origin: "config".into(),
+                position: None,
+                key: Some(key.into()),
+                message,
+            })
+        };
+        let m = &self.model;
+        if m.n_layer == 0 {
+            return bad("model.n_layer", "must be at least 1".into());
+        }
+        if m.n_head == 0 || m.n_embd == 0 || !m.n_embd.is_multiple_of(m.n_head) {
+            return bad(
+                "model.n_head",
+                format!(
+                    "must be at least 1 and divide model.n_embd = {} (got {})",
+                    m.n_embd, m.n_head
+                ),
+            );
+        }
+        if m.block_size < 2 {
+            return bad(
+                "model.block_size",
+                format!("must be at least 2 (got {})", m.block_size),
+            );
+        }
+        let t = &self.train;
+        if t.batch_size == 0 || t.grad_accum == 0 || !t.batch_size.is_multiple_of(t.grad_accum) {
+            return bad(
+                "train.grad_accum",
+                format!(
+                    "must be at least 1 and divide train.batch_size = {} (got {})",
+                    t.batch_size, t.grad_accum
+                ),
+            );
+        }
+        if t.eval_sequences == 0 {
+            return bad("train.eval_sequences", "must be at least 1".into());
+        }
+        let o = &self.optim;
+        if !(o.lr.is_finite() && o.lr > 0.0) {
+            return bad(
+                "optim.lr",
+                format!("must be a finite value > 0 (got {})", o.lr),
+            );
+        }
+        if !(0.0..=1.0).contains(&o.min_lr_ratio) {
+            return bad(
+                "optim.min_lr_ratio",
+                format!("must be in [0, 1] (got {})", o.min_lr_ratio),
+            );
+        }
+        for (key, b) in [("optim.beta1", o.beta1), ("optim.beta2", o.beta2)] {
+            if !(0.0..1.0).contains(&b) {
+                return bad(key, format!("must be in [0, 1) (got {b})"));
+            }
+        }
+        for (key, v, min_exclusive) in [
+            ("optim.eps", o.eps, true),
+            ("optim.weight_decay", o.weight_decay, false),
+            ("optim.grad_clip", o.grad_clip, false),
+        ] {
+            let ok = v.is_finite() && if min_exclusive { v > 0.0 } else { v >= 0.0 };
+            if !ok {
+                let bound = if min_exclusive { "> 0" } else { ">= 0" };
+                return bad(key, format!("must be a finite value {bound} (got {v})"));
+            }
+        }
+        let d = &self.data;
+        if !(d.val_fraction > 0.0 && d.val_fraction <= 0.5) {
+            return bad(
+                "data.val_fraction",
+                format!("must be in (0, 0.5] (got {})", d.val_fraction),
+            );
+        }
+        if d.source.is_empty() {
+            return bad(
+                "data.source",
+                "must be \"synthetic\" or a path to .txt data".into(),
+            );
+        }
+        Ok(())
+    }
+
+    /// The configuration as TOML, as written to the run folder.
+    ///
+    /// # Panics
+    /// Never for a `Config`: every field serializes.
+    pub fn to_toml(&self) -> String {
+        toml::to_string_pretty(self).expect("a Config always serializes")
+    }
+}
+
+fn known(t: &toml::Table) -> String {
+    let mut keys: Vec<&str> = t.keys().map(String::as_str).collect();
+    keys.sort_unstable();
+    keys.join(", ")
+}
+
+/// 1-based line and column of byte offset `at`.
+fn line_col(text: &str, at: usize) -> (usize, usize) {
+    let before = &text[..at.min(text.len())];
+    let line = before.matches('\n').count() + 1;
+    let col = before
+        .rfind('\n')
+        .map_or(before.len(), |nl| before.len() - nl - 1)
+        + 1;
+    (line, col)
+}
+
+/// The dotted key assigned on `line` (1-based), with its `[section]`.
+fn key_at_line(text: &str, line: usize) -> Option<String> {
+    let lines: Vec<&str> = text.lines().collect();
+    let this = lines.get(line - 1)?.trim();
+    let (key, _) = this.split_once('=')?;
+    let key = key.trim().trim_matches('"');
+    let section = lines[..line - 1].iter().rev().find_map(|l| {
+        let l = l.trim();
+        (l.starts_with('[') && l.ends_with(']'))
+            .then(|| l.trim_matches(|c| c == '[' || c == ']').trim())
+    });
+    Some(match section {
+        Some(s) => format!("{s}.{key}"),
+        None => key.to_owned(),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_are_valid_and_round_trip() {
+        let c = Config::default();
+        c.validate().unwrap();
+        let back = Config::from_toml(&c.to_toml(), "x").unwrap();
+        assert_eq!(back, c);
+    }
+
+    #[test]
+    fn file_overrides_defaults() {
+        let c =
+            Config::from_toml("[optim]\nlr = 1e-4\n[model]\nn_layer = 6\n", "run.toml").unwrap();
+        assert_eq!(c.optim.lr, 1e-4);
+        assert_eq!(c.model.n_layer, 6);
+        assert_eq!(c.model.n_embd, ModelConfig::default().n_embd);
+    }
+
+    #[test]
+    fn unknown_key_names_key_file_and_line() {
+        let e =
+            Config::from_toml("[optim]\nlr = 1e-4\nlearning_rate = 3\n", "run.toml").unwrap_err();
+        let s = e.to_string();
+        assert_eq!(e.position.map(|p| p.0), Some(3), "{s}");
+        assert!(s.starts_with("run.toml:3:"), "{s}");
+        assert!(s.contains("optim.learning_rate"), "{s}");
+        assert!(s.contains("unknown field"), "{s}");
+    }
+
+    #[test]
+    fn ill_typed_value_names_expected_type() {
+        let e = Config::from_toml("[train]\nsteps = \"many\"\n", "run.toml").unwrap_err();
+        let s = e.to_string();
+        assert!(s.starts_with("run.toml:2:"), "{s}");
+        assert!(s.contains("train.steps"), "{s}");
+        assert!(s.contains("u64"), "{s}");
+    }
+
+    #[test]
+    fn overrides_apply_and_are_checked() {
+        let c = Config::default().with_override("optim.lr=0.01").unwrap();
+        assert_eq!(c.optim.lr, 0.01);
+        let c = c.with_override("run.name=trial").unwrap();
+        assert_eq!(c.run.name, "trial");
+        let c = c
+            .with_override("data.synthetic.copy_offsets=[20, 40]")
+            .unwrap();
+        assert_eq!(c.data.synthetic.copy_offsets, vec![20, 40]);
+        let e = c.with_override("optim.lrr=1").unwrap_err().to_string();
+        assert!(
+            e.contains("--set optim.lrr=1") && e.contains("unknown key") && e.contains("lr"),
+            "{e}"
+        );
+        let e = c
+            .with_override("model.n_layer=two")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("model.n_layer") && e.contains("usize"), "{e}");
+        let e = c.with_override("optim").unwrap_err().to_string();
+        assert!(e.contains("KEY=VALUE"), "{e}");
+        let e = c.with_override("nosuch.key=1").unwrap_err().to_string();
+        assert!(e.contains("unknown section `nosuch`"), "{e}");
+    }
+
+    #[test]
+    fn validation_names_the_key() {
+        let e = Config::load(None, &["model.n_head=3".into()])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("model.n_head") && e.contains("divide"), "{e}");
+        let e = Config::load(None, &["train.grad_accum=5".into()])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("train.grad_accum"), "{e}");
+        let e = Config::load(Some(Path::new("/nonexistent/run.toml")), &[])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("/nonexistent/run.toml") && e.contains("cannot read"),
+            "{e}"
+        );
+    }
+}

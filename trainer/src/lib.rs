@@ -1,0 +1,32 @@
+//! The weft trainer: the thin composer behind the `weft` command.
+//!
+//! The libraries own the math, the communication and the formats; this
+//! crate turns a job configuration into a run. What is here so far:
+//!
+//! * [`config`]: the job configuration — TOML files plus `--set key=value`
+//!   overrides, with errors that name the key, the file, the line and the
+//!   expected type.
+//! * [`synthetic`]: the built-in corpus, a seeded synthetic language whose
+//!   loss floor (the Bayes-optimal cross-entropy) is known exactly.
+//!
+//! The training loop arrives with the trainer issue.
+//!
+//! # Example
+//! ```
+//! use weft_trainer::config::Config;
+//! use weft_trainer::synthetic::SyntheticLanguage;
+//!
+//! let config = Config::load(None, &["optim.lr=1e-3".to_string()])?;
+//! assert_eq!(config.optim.lr, 1e-3);
+//! let lang = SyntheticLanguage::new(config.data.synthetic.clone())?;
+//! assert_eq!(lang.vocab_size(), 256);
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+//!
+//! # Crate features
+//! None yet.
+
+#![deny(missing_docs)]
+
+pub mod config;
+pub mod synthetic;
