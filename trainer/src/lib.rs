@@ -8,6 +8,9 @@
 //!   expected type.
 //! * [`synthetic`]: the built-in corpus, a seeded synthetic language whose
 //!   loss floor (the Bayes-optimal cross-entropy) is known exactly.
+//! * [`data`]: batches from that corpus or from text files tokenized with
+//!   GPT-2's BPE (cached), as pure functions of (seed, step, micro-batch).
+//! * [`schedule`]: linear warmup and cosine decay of the learning rate.
 //!
 //! The training loop arrives with the trainer issue.
 //!
@@ -29,4 +32,6 @@
 #![deny(missing_docs)]
 
 pub mod config;
+pub mod data;
+pub mod schedule;
 pub mod synthetic;

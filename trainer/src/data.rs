@@ -1,0 +1,487 @@
+//! Training data: the synthetic corpus, or text tokenized with GPT-2's BPE.
+//!
+//! Both sources hand out batches by *position*, not by iterator state: the
+//! training batch of optimizer step `s`, micro-batch `k` is a pure function
+//! of `(seed, s, k)`. A resumed run therefore sees exactly the batches an
+//! uninterrupted one would, with nothing to save but the step.
+
+use std::path::{Path, PathBuf};
+
+use rand_core::{Rng, SeedableRng};
+use rand_pcg::Pcg64;
+
+use crate::config::Config;
+use crate::synthetic::{SpecError, SyntheticLanguage};
+
+/// GPT-2's end-of-text token, placed between documents.
+pub const END_OF_TEXT: u32 = 50256;
+/// GPT-2's vocabulary size.
+pub const GPT2_VOCAB: usize = 50257;
+
+/// Token sequences for one micro-batch: `inputs[b·T + t]` is followed by
+/// `targets[b·T + t]`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Batch {
+    /// (B, T) input token ids.
+    pub inputs: Vec<u32>,
+    /// (B, T) next-token targets.
+    pub targets: Vec<u32>,
+    /// B.
+    pub batch: usize,
+    /// T.
+    pub seq: usize,
+}
+
+impl Batch {
+    fn from_windows(windows: &[Vec<u32>], seq: usize) -> Self {
+        let mut inputs = Vec::with_capacity(windows.len() * seq);
+        let mut targets = Vec::with_capacity(windows.len() * seq);
+        for w in windows {
+            inputs.extend_from_slice(&w[..seq]);
+            targets.extend_from_slice(&w[1..=seq]);
+        }
+        Self {
+            inputs,
+            targets,
+            batch: windows.len(),
+            seq,
+        }
+    }
+}
+
+/// Errors reading or preparing data.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum DataError {
+    /// The data path does not exist or cannot be read.
+    #[error("cannot read data {path}: {source}")]
+    Read {
+        /// The path.
+        path: PathBuf,
+        /// The underlying error.
+        source: std::io::Error,
+    },
+    /// A folder holds no `.txt` file.
+    #[error("no .txt files in folder {0}")]
+    NoTextFiles(PathBuf),
+    /// The data has no text in it.
+    #[error("data {0} is empty")]
+    Empty(PathBuf),
+    /// A text file is not UTF-8.
+    #[error("{path} is not UTF-8 text (invalid byte at offset {offset})")]
+    NotUtf8 {
+        /// The file.
+        path: PathBuf,
+        /// Byte offset of the first invalid byte.
+        offset: usize,
+    },
+    /// A split has fewer tokens than one training sequence needs.
+    #[error(
+        "the {split} split of {path} has {tokens} tokens, fewer than model.block_size + 1 = {needed}: \
+         use a smaller block size or more data"
+    )]
+    TooShort {
+        /// The data path.
+        path: PathBuf,
+        /// `train` or `validation`.
+        split: &'static str,
+        /// Tokens in the split.
+        tokens: usize,
+        /// Tokens needed.
+        needed: usize,
+    },
+    /// The synthetic corpus settings are invalid.
+    #[error(transparent)]
+    Synthetic(#[from] SpecError),
+    /// The tokenizer could not be built.
+    #[error("GPT-2 tokenizer: {0}")]
+    Tokenizer(String),
+}
+
+/// Where batches come from.
+#[derive(Debug)]
+pub enum Data {
+    /// The synthetic language.
+    Synthetic(SyntheticData),
+    /// Tokenized text.
+    Text(TextData),
+}
+
+impl Data {
+    /// Opens the data source the configuration names.
+    ///
+    /// # Errors
+    /// [`DataError`] for unreadable, empty or too-short data, or invalid
+    /// synthetic settings.
+    pub fn open(config: &Config) -> Result<Self, DataError> {
+        let seq = config.model.block_size;
+        if config.data.source == "synthetic" {
+            let lang = SyntheticLanguage::new(config.data.synthetic.clone())?;
+            Ok(Data::Synthetic(SyntheticData {
+                lang,
+                seq,
+                seed: config.train.seed,
+            }))
+        } else {
+            let path = PathBuf::from(&config.data.source);
+            TextData::open(&path, seq, config.data.val_fraction, config.train.seed).map(Data::Text)
+        }
+    }
+
+    /// Size of the token id space.
+    pub fn vocab_size(&self) -> usize {
+        match self {
+            Data::Synthetic(s) => s.lang.vocab_size(),
+            Data::Text(_) => GPT2_VOCAB,
+        }
+    }
+
+    /// The training micro-batch of `batch` sequences for optimizer step
+    /// `step`, micro-batch `micro`.
+    pub fn train_batch(&self, step: u64, micro: usize, batch: usize) -> Batch {
+        match self {
+            Data::Synthetic(s) => s.train_batch(step, micro, batch),
+            Data::Text(t) => t.train_batch(step, micro, batch),
+        }
+    }
+
+    /// The first `n` validation sequences (fewer if the text's validation
+    /// split holds fewer), in batches of at most `batch`.
+    pub fn val_batches(&self, n: usize, batch: usize) -> Vec<Batch> {
+        match self {
+            Data::Synthetic(s) => s.val_batches(n, batch),
+            Data::Text(t) => t.val_batches(n, batch),
+        }
+    }
+
+    /// The best achievable mean loss (nats per token) on
+    /// [`val_batches`](Self::val_batches)`(n, _)`, when known.
+    pub fn val_floor(&self, n: usize) -> Option<f64> {
+        match self {
+            Data::Synthetic(s) => Some(s.val_floor(n)),
+            Data::Text(_) => None,
+        }
+    }
+}
+
+/// Mixes a seed, a stream name and indices into an RNG seed (SplitMix64).
+fn stream(seed: u64, name: u64, a: u64, b: u64) -> Pcg64 {
+    let mut z = seed;
+    for v in [name, a, b] {
+        z = z.wrapping_add(0x9e37_79b9_7f4a_7c15).wrapping_add(v);
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^= z >> 31;
+    }
+    Pcg64::seed_from_u64(z)
+}
+
+const TRAIN: u64 = 1;
+const VAL: u64 = 2;
+
+/// Batches from the synthetic language: every sequence is a fresh sample.
+#[derive(Debug)]
+pub struct SyntheticData {
+    /// The language.
+    pub lang: SyntheticLanguage,
+    seq: usize,
+    seed: u64,
+}
+
+impl SyntheticData {
+    fn train_batch(&self, step: u64, micro: usize, batch: usize) -> Batch {
+        let windows: Vec<Vec<u32>> = (0..batch)
+            .map(|b| {
+                let mut rng = stream(self.seed, TRAIN, step, (micro * batch + b) as u64);
+                self.lang.sample(self.seq + 1, &mut rng).tokens
+            })
+            .collect();
+        Batch::from_windows(&windows, self.seq)
+    }
+
+    fn val_sequence(&self, i: usize) -> crate::synthetic::Sequence {
+        self.lang
+            .sample(self.seq + 1, &mut stream(self.seed, VAL, i as u64, 0))
+    }
+
+    fn val_batches(&self, n: usize, batch: usize) -> Vec<Batch> {
+        let all: Vec<Vec<u32>> = (0..n).map(|i| self.val_sequence(i).tokens).collect();
+        all.chunks(batch.max(1))
+            .map(|w| Batch::from_windows(w, self.seq))
+            .collect()
+    }
+
+    /// Mean over the targets of the first `n` validation sequences of the
+    /// exact entropy of each target given its prefix.
+    fn val_floor(&self, n: usize) -> f64 {
+        let total: f64 = (0..n)
+            .map(|i| self.val_sequence(i).entropy[1..].iter().sum::<f64>())
+            .sum();
+        total / (n * self.seq) as f64
+    }
+}
+
+/// Text tokenized with GPT-2's BPE, split into train and validation tokens.
+#[derive(Debug)]
+pub struct TextData {
+    path: PathBuf,
+    train: Vec<u16>,
+    val: Vec<u16>,
+    seq: usize,
+    seed: u64,
+}
+
+impl TextData {
+    /// Reads a `.txt` file or every `.txt` file of a folder (sorted by name,
+    /// joined by `<|endoftext|>`), tokenizes it (using the token cache when it
+    /// holds this exact text), and holds out the last `val_fraction` of the
+    /// tokens for validation.
+    ///
+    /// # Errors
+    /// [`DataError`] if the path is missing, holds no text, is not UTF-8, or
+    /// a split is shorter than `seq + 1` tokens.
+    pub fn open(path: &Path, seq: usize, val_fraction: f64, seed: u64) -> Result<Self, DataError> {
+        let read = |p: &Path| {
+            std::fs::read(p).map_err(|source| DataError::Read {
+                path: p.to_owned(),
+                source,
+            })
+        };
+        let meta = std::fs::metadata(path).map_err(|source| DataError::Read {
+            path: path.to_owned(),
+            source,
+        })?;
+        let files: Vec<PathBuf> = if meta.is_dir() {
+            let mut v: Vec<PathBuf> = std::fs::read_dir(path)
+                .map_err(|source| DataError::Read {
+                    path: path.to_owned(),
+                    source,
+                })?
+                .filter_map(|e| e.ok().map(|e| e.path()))
+                .filter(|p| p.extension().is_some_and(|x| x == "txt"))
+                .collect();
+            v.sort();
+            if v.is_empty() {
+                return Err(DataError::NoTextFiles(path.to_owned()));
+            }
+            v
+        } else {
+            vec![path.to_owned()]
+        };
+        let mut docs = Vec::with_capacity(files.len());
+        for f in &files {
+            let bytes = read(f)?;
+            let text = String::from_utf8(bytes).map_err(|e| DataError::NotUtf8 {
+                path: f.clone(),
+                offset: e.utf8_error().valid_up_to(),
+            })?;
+            docs.push(text);
+        }
+        if docs.iter().all(|d| d.trim().is_empty()) {
+            return Err(DataError::Empty(path.to_owned()));
+        }
+        let tokens = tokenize_cached(&docs)?;
+        let n_val = ((tokens.len() as f64) * val_fraction).ceil() as usize;
+        let split = tokens.len() - n_val.min(tokens.len());
+        let (train, val) = (tokens[..split].to_vec(), tokens[split..].to_vec());
+        for (name, part) in [("train", &train), ("validation", &val)] {
+            if part.len() < seq + 1 {
+                return Err(DataError::TooShort {
+                    path: path.to_owned(),
+                    split: name,
+                    tokens: part.len(),
+                    needed: seq + 1,
+                });
+            }
+        }
+        Ok(Self {
+            path: path.to_owned(),
+            train,
+            val,
+            seq,
+            seed,
+        })
+    }
+
+    /// The data path.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Tokens in the (train, validation) splits.
+    pub fn split_sizes(&self) -> (usize, usize) {
+        (self.train.len(), self.val.len())
+    }
+
+    fn train_batch(&self, step: u64, micro: usize, batch: usize) -> Batch {
+        let span = (self.train.len() - self.seq) as u64; // > 0 by construction
+        let windows: Vec<Vec<u32>> = (0..batch)
+            .map(|b| {
+                let mut rng = stream(self.seed, TRAIN, step, (micro * batch + b) as u64);
+                let start = (rng.next_u64() % span) as usize;
+                self.train[start..=start + self.seq]
+                    .iter()
+                    .map(|&t| u32::from(t))
+                    .collect()
+            })
+            .collect();
+        Batch::from_windows(&windows, self.seq)
+    }
+
+    fn val_batches(&self, n: usize, batch: usize) -> Vec<Batch> {
+        let windows: Vec<Vec<u32>> = self
+            .val
+            .windows(self.seq + 1)
+            .step_by(self.seq)
+            .take(n)
+            .map(|w| w.iter().map(|&t| u32::from(t)).collect())
+            .collect();
+        windows
+            .chunks(batch.max(1))
+            .map(|w| Batch::from_windows(w, self.seq))
+            .collect()
+    }
+}
+
+/// Where tokenized text is cached: `$WEFT_CACHE`, else
+/// `$XDG_CACHE_HOME/weft`, else `~/.cache/weft`.
+pub fn cache_dir() -> PathBuf {
+    if let Some(d) = std::env::var_os("WEFT_CACHE") {
+        return PathBuf::from(d);
+    }
+    if let Some(d) = std::env::var_os("XDG_CACHE_HOME") {
+        return PathBuf::from(d).join("weft");
+    }
+    std::env::var_os("HOME").map_or_else(
+        || std::env::temp_dir().join("weft"),
+        |h| PathBuf::from(h).join(".cache/weft"),
+    )
+}
+
+/// Tokenizes the documents with GPT-2's BPE, joined by `<|endoftext|>`.
+/// Results are cached under [`cache_dir`]`/tokens/<xxh3 of the text>.u16`
+/// (little-endian u16 token ids); a damaged cache file is ignored and
+/// rewritten.
+fn tokenize_cached(docs: &[String]) -> Result<Vec<u16>, DataError> {
+    let mut h = xxhash_rust::xxh3::Xxh3::new();
+    h.update(b"weft-gpt2-bpe-v1");
+    for d in docs {
+        h.update(&(d.len() as u64).to_le_bytes());
+        h.update(d.as_bytes());
+    }
+    let file = cache_dir()
+        .join("tokens")
+        .join(format!("{:032x}.u16", h.digest128()));
+    if let Ok(bytes) = std::fs::read(&file)
+        && bytes.len() % 2 == 0
+        && !bytes.is_empty()
+    {
+        return Ok(bytes
+            .chunks_exact(2)
+            .map(|c| u16::from_le_bytes([c[0], c[1]]))
+            .collect());
+    }
+    let bpe = tiktoken_rs::r50k_base().map_err(|e| DataError::Tokenizer(e.to_string()))?;
+    let mut tokens: Vec<u16> = Vec::new();
+    for (i, d) in docs.iter().enumerate() {
+        if i > 0 {
+            tokens.push(END_OF_TEXT as u16);
+        }
+        // Every GPT-2 token id is below 50257 < 2^16.
+        tokens.extend(bpe.encode_ordinary(d).into_iter().map(|t| t as u16));
+    }
+    // Write atomically; a failure to cache is not an error.
+    if let Some(dir) = file.parent()
+        && std::fs::create_dir_all(dir).is_ok()
+    {
+        let tmp = file.with_extension(format!("tmp{}", std::process::id()));
+        let bytes: Vec<u8> = tokens.iter().flat_map(|t| t.to_le_bytes()).collect();
+        if std::fs::write(&tmp, bytes).is_ok() {
+            let _ = std::fs::rename(&tmp, &file);
+        }
+    }
+    Ok(tokens)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(source: &str, block: usize) -> Config {
+        let mut c = Config::default();
+        c.data.source = source.to_owned();
+        c.model.block_size = block;
+        c
+    }
+
+    #[test]
+    fn synthetic_batches_are_pure_functions_of_position() {
+        let d = Data::open(&config("synthetic", 32)).unwrap();
+        let a = d.train_batch(7, 1, 4);
+        assert_eq!(a, d.train_batch(7, 1, 4));
+        assert_ne!(a, d.train_batch(8, 1, 4));
+        assert_ne!(a, d.train_batch(7, 0, 4));
+        assert_eq!((a.batch, a.seq, a.inputs.len()), (4, 32, 128));
+        // Targets are inputs shifted by one.
+        assert_eq!(a.inputs[1..32], a.targets[..31]);
+        let floor = d.val_floor(16).unwrap();
+        assert!(floor > 0.5 && floor < 2.0, "{floor}");
+        let val = d.val_batches(10, 4);
+        assert_eq!(
+            val.iter().map(|b| b.batch).collect::<Vec<_>>(),
+            vec![4, 4, 2]
+        );
+    }
+
+    #[test]
+    fn text_is_tokenized_with_gpt2_bpe_and_split() {
+        let dir = std::env::temp_dir().join(format!("weft-data-test-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let text = "Hello world. ".repeat(200);
+        std::fs::write(dir.join("a.txt"), &text).unwrap();
+        std::fs::write(dir.join("b.txt"), &text).unwrap();
+        std::fs::write(dir.join("ignored.md"), "not text data").unwrap();
+        let t = TextData::open(&dir, 16, 0.1, 1).unwrap();
+        let (train, val) = t.split_sizes();
+        // "Hello world." = [15496, 995, 13]; a space joins "Hello" → " Hello" = 18435.
+        assert_eq!(&t.train[..4], &[15496, 995, 13, 18435]);
+        assert!(t.train.contains(&(END_OF_TEXT as u16)));
+        // Each document: 200 × ["Hello"|" Hello", " world", "."] and a final " ".
+        assert_eq!(train + val, 2 * 601 + 1);
+        assert_eq!(val, ((train + val) as f64 * 0.1).ceil() as usize);
+        // Cached: a second open reads the same tokens.
+        let again = TextData::open(&dir, 16, 0.1, 1).unwrap();
+        assert_eq!(again.train, t.train);
+        let b = t.train_batch(3, 0, 2);
+        assert_eq!(b.inputs.len(), 32);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn bad_text_inputs_are_clear_errors() {
+        let dir = std::env::temp_dir().join(format!("weft-data-bad-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let missing = dir.join("missing.txt");
+        let e = TextData::open(&missing, 8, 0.1, 0).unwrap_err().to_string();
+        assert!(e.contains("missing.txt"), "{e}");
+        let empty = dir.join("empty.txt");
+        std::fs::write(&empty, "  \n").unwrap();
+        let e = TextData::open(&empty, 8, 0.1, 0).unwrap_err().to_string();
+        assert!(e.contains("empty"), "{e}");
+        let short = dir.join("short.txt");
+        std::fs::write(&short, "a few words only, not enough for a block").unwrap();
+        let e = TextData::open(&short, 64, 0.1, 0).unwrap_err().to_string();
+        assert!(e.contains("block_size") && e.contains("short.txt"), "{e}");
+        let binary = dir.join("bin.txt");
+        std::fs::write(&binary, [b'o', b'k', 0xff, 0xfe]).unwrap();
+        let e = TextData::open(&binary, 8, 0.1, 0).unwrap_err().to_string();
+        assert!(e.contains("UTF-8") && e.contains("offset 2"), "{e}");
+        let empty_dir = dir.join("nothing");
+        std::fs::create_dir_all(&empty_dir).unwrap();
+        let e = TextData::open(&empty_dir, 8, 0.1, 0)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("no .txt"), "{e}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
