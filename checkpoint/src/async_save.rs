@@ -58,6 +58,9 @@ pub struct SaveOutcome {
     pub write_seconds: f64,
 }
 
+/// The background task: its result and the buffers to reuse.
+type Writer = tokio::task::JoinHandle<(Result<SaveOutcome>, Snapshot)>;
+
 /// Writes [`Snapshot`]s on a background tokio runtime, one at a time: a new
 /// save first waits for the previous one (the trainer's step stalls only
 /// then), and hands back its result. Dropping the saver waits for the save
@@ -68,7 +71,9 @@ pub struct AsyncSaver {
     root: PathBuf,
     opts: SaveOptions,
     retention: Option<Retention>,
-    pending: Option<(u64, tokio::task::JoinHandle<Result<SaveOutcome>>)>,
+    pending: Option<(u64, Writer)>,
+    /// Host buffers of the last finished save, reused by the next capture.
+    pool: Vec<Vec<u8>>,
 }
 
 impl AsyncSaver {
@@ -91,6 +96,7 @@ impl AsyncSaver {
             opts,
             retention: None,
             pending: None,
+            pool: Vec::new(),
         })
     }
 
@@ -121,26 +127,29 @@ impl AsyncSaver {
         let step = snapshot.step;
         let handle = self.rt.spawn_blocking(move || {
             let t0 = Instant::now();
-            let ranks: Vec<Vec<ShardData<'_>>> = snapshot
-                .ranks
-                .iter()
-                .map(|r| r.iter().map(OwnedShard::as_data).collect())
-                .collect();
-            let committed = save(
-                &root,
-                snapshot.step,
-                &snapshot.layout,
-                &ranks,
-                &snapshot.state,
-                &opts,
-            )?;
-            let write_seconds = t0.elapsed().as_secs_f64();
-            let retention = retention.map(|r| r.apply(&root)).transpose()?;
-            Ok(SaveOutcome {
-                committed,
-                retention,
-                write_seconds,
-            })
+            let run = |snapshot: &Snapshot| {
+                let ranks: Vec<Vec<ShardData<'_>>> = snapshot
+                    .ranks
+                    .iter()
+                    .map(|r| r.iter().map(OwnedShard::as_data).collect())
+                    .collect();
+                let committed = save(
+                    &root,
+                    snapshot.step,
+                    &snapshot.layout,
+                    &ranks,
+                    &snapshot.state,
+                    &opts,
+                )?;
+                let write_seconds = t0.elapsed().as_secs_f64();
+                let retention = retention.map(|r| r.apply(&root)).transpose()?;
+                Ok(SaveOutcome {
+                    committed,
+                    retention,
+                    write_seconds,
+                })
+            };
+            (run(&snapshot), snapshot)
         });
         self.pending = Some((step, handle));
         prev
@@ -150,12 +159,66 @@ impl AsyncSaver {
     pub fn wait(&mut self) -> Option<Result<SaveOutcome>> {
         let (step, handle) = self.pending.take()?;
         Some(match self.rt.block_on(handle) {
-            Ok(r) => r,
+            Ok((r, snapshot)) => {
+                self.pool = snapshot
+                    .ranks
+                    .into_iter()
+                    .flatten()
+                    .map(|s| s.data)
+                    .collect();
+                self.pool.reverse();
+                r
+            }
             Err(e) => Err(Error::Background {
                 step,
                 reason: format!("the writer task died: {e}"),
             }),
         })
+    }
+
+    /// Waits for the previous save, copies `ranks` into host buffers (reusing
+    /// the previous save's buffers, so that after the first save the copy
+    /// runs at memory speed without page faults) and starts writing them in
+    /// the background. Returns the previous save's result, as
+    /// [`AsyncSaver::save`]. This is the call to make from a training loop:
+    /// it returns as soon as the copy is done.
+    pub fn save_from(
+        &mut self,
+        step: u64,
+        layout: &Layout,
+        ranks: &[Vec<ShardData<'_>>],
+        state: &TrainerState,
+    ) -> Option<Result<SaveOutcome>> {
+        let prev = self.wait();
+        let mut pool = std::mem::take(&mut self.pool);
+        let ranks = ranks
+            .iter()
+            .map(|r| {
+                r.iter()
+                    .map(|s| {
+                        let mut data = pool.pop().unwrap_or_default();
+                        data.clear();
+                        data.extend_from_slice(s.data);
+                        OwnedShard {
+                            name: s.name.to_owned(),
+                            dtype: s.dtype,
+                            global_shape: s.global_shape.to_vec(),
+                            region: s.region.clone(),
+                            data,
+                        }
+                    })
+                    .collect()
+            })
+            .collect();
+        let snapshot = Snapshot {
+            step,
+            layout: layout.clone(),
+            ranks,
+            state: state.clone(),
+        };
+        let none = self.save(snapshot);
+        debug_assert!(none.is_none());
+        prev
     }
 }
 

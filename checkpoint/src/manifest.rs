@@ -536,7 +536,8 @@ impl Manifest {
                 if vol == 0 {
                     return Err(err(sf(".shape"), "empty shards are not stored".into()));
                 }
-                if Some(s.byte_len) != vol.checked_mul(t.dtype.size_bytes() as u64) {
+                let need = vol.checked_mul(t.dtype.size_bytes() as u64);
+                if Some(s.byte_len) != need {
                     return Err(err(
                         sf(".byte_len"),
                         format!(
@@ -544,7 +545,7 @@ impl Manifest {
                             s.byte_len,
                             s.shape,
                             t.dtype,
-                            vol * t.dtype.size_bytes() as u64
+                            need.map_or("more than 2^64".to_owned(), |n| n.to_string())
                         ),
                     ));
                 }

@@ -174,26 +174,54 @@ impl Checkpoint {
     /// [`Error::UnknownTensor`], [`Error::RegionOutOfBounds`],
     /// [`Error::Checksum`], [`Error::Truncated`], [`Error::Io`].
     pub fn read_region(&self, name: &str, region: &Region) -> Result<Vec<u8>> {
+        let n = self.region_bytes(name, region)?;
+        let mut out = vec![0u8; n];
+        self.read_region_into(name, region, &mut out)?;
+        Ok(out)
+    }
+
+    /// Bytes that [`Checkpoint::read_region`] of `region` returns.
+    ///
+    /// # Errors
+    /// [`Error::UnknownTensor`], [`Error::RegionOutOfBounds`].
+    pub fn region_bytes(&self, name: &str, region: &Region) -> Result<usize> {
         let t = self.tensor(name)?;
-        let oob = || Error::RegionOutOfBounds {
-            tensor: name.to_owned(),
-            offsets: region.offsets.clone(),
-            shape: region.shape.clone(),
-            global: t.shape.clone(),
-        };
-        if !region.within(&t.shape) {
-            return Err(oob());
+        region
+            .within(&t.shape)
+            .then(|| region.volume())
+            .flatten()
+            .and_then(|v| v.checked_mul(t.dtype.size_bytes() as u64))
+            .and_then(|b| usize::try_from(b).ok())
+            .ok_or_else(|| Error::RegionOutOfBounds {
+                tensor: name.to_owned(),
+                offsets: region.offsets.clone(),
+                shape: region.shape.clone(),
+                global: t.shape.clone(),
+            })
+    }
+
+    /// As [`Checkpoint::read_region`], into a caller's buffer (e.g. the
+    /// parameter memory being restored) of exactly
+    /// [`Checkpoint::region_bytes`] bytes.
+    ///
+    /// # Errors
+    /// As [`Checkpoint::read_region`], and [`Error::RegionOutOfBounds`] if
+    /// `out` has the wrong length.
+    pub fn read_region_into(&self, name: &str, region: &Region, out: &mut [u8]) -> Result<()> {
+        let n = self.region_bytes(name, region)?;
+        let t = self.tensor(name)?;
+        if out.len() != n {
+            return Err(Error::RegionOutOfBounds {
+                tensor: format!("{name} (output buffer of {} bytes, need {n})", out.len()),
+                offsets: region.offsets.clone(),
+                shape: region.shape.clone(),
+                global: t.shape.clone(),
+            });
+        }
+        if n == 0 {
+            return Ok(());
         }
         let es = t.dtype.size_bytes() as u64;
-        let n = region
-            .volume()
-            .and_then(|v| v.checked_mul(es))
-            .and_then(|b| usize::try_from(b).ok())
-            .ok_or_else(oob)?;
-        let mut out = vec![0u8; n];
-        if n == 0 {
-            return Ok(out);
-        }
         for s in &t.shards {
             let sr = s.region();
             let Some(inter) = sr.intersect(region) else {
@@ -208,7 +236,7 @@ impl Checkpoint {
                 r.copy(run.src * es, &mut out[d..d + len])
             })?;
         }
-        Ok(out)
+        Ok(())
     }
 
     fn tensor(&self, name: &str) -> Result<&crate::manifest::TensorEntry> {

@@ -101,6 +101,9 @@ pub struct SaveOptions {
     pub fsync: bool,
     /// Fault-injection hook (default none).
     pub fault: Option<Arc<dyn FaultHook>>,
+    /// How many rank files [`save`] writes at once (default: the number of
+    /// CPUs, at least 1), as ranks in separate processes would.
+    pub threads: usize,
 }
 
 impl Default for SaveOptions {
@@ -109,6 +112,7 @@ impl Default for SaveOptions {
             chunk_bytes: manifest::DEFAULT_CHUNK_BYTES,
             fsync: true,
             fault: None,
+            threads: std::thread::available_parallelism().map_or(1, usize::from),
         }
     }
 }
@@ -119,6 +123,7 @@ impl fmt::Debug for SaveOptions {
             .field("chunk_bytes", &self.chunk_bytes)
             .field("fsync", &self.fsync)
             .field("fault", &self.fault.is_some())
+            .field("threads", &self.threads)
             .finish()
     }
 }
@@ -577,9 +582,46 @@ pub fn save(
         });
     }
     let staging = prepare(root, step, opts)?;
+    let threads = opts.threads.clamp(1, ranks.len().max(1));
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let results: Vec<Vec<(usize, Result<RankReport>)>> = std::thread::scope(|sc| {
+        let workers: Vec<_> = (0..threads)
+            .map(|_| {
+                sc.spawn(|| {
+                    let mut done = Vec::new();
+                    loop {
+                        let r = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        if r >= ranks.len() {
+                            return done;
+                        }
+                        let res = write_rank_file(&staging, r as u32, &ranks[r], opts);
+                        let failed = res.is_err();
+                        done.push((r, res));
+                        if failed {
+                            // Stop handing out work, as a crash would.
+                            next.store(ranks.len(), std::sync::atomic::Ordering::Relaxed);
+                            return done;
+                        }
+                    }
+                })
+            })
+            .collect();
+        workers
+            .into_iter()
+            .map(|w| w.join().unwrap_or_default())
+            .collect()
+    });
+    let mut all: Vec<(usize, Result<RankReport>)> = results.into_iter().flatten().collect();
+    all.sort_by_key(|r| r.0);
     let mut reports = Vec::with_capacity(ranks.len());
-    for (r, shards) in ranks.iter().enumerate() {
-        reports.push(write_rank_file(&staging, r as u32, shards, opts)?);
+    for (_, r) in all {
+        reports.push(r?);
+    }
+    if reports.len() != ranks.len() {
+        return Err(Error::Background {
+            step,
+            reason: "a rank writer thread panicked".into(),
+        });
     }
     opts.sync_dir(&staging)?;
     commit(root, step, layout, &reports, state, opts)

@@ -2,6 +2,7 @@
 
 mod corrupt;
 mod faults;
+mod fuzz;
 mod lifecycle;
 mod props;
 mod python;
