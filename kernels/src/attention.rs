@@ -20,7 +20,7 @@ use crate::softmax::softmax_in_place;
 const BLOCK: usize = 64;
 
 fn dims(op: &'static str, c: usize, nh: usize) -> Result<usize> {
-    if nh == 0 || c % nh != 0 {
+    if nh == 0 || !c.is_multiple_of(nh) {
         return Err(Error::InvalidArgument {
             op,
             reason: format!("channels C={c} not divisible by heads NH={nh}"),

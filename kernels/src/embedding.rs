@@ -40,7 +40,7 @@ pub fn encoder_forward<T: Real>(
     check(OP, "out", out, b * t * c)?;
     check(OP, "tokens", tokens, b * t)?;
     positions_fit(OP, wpe, t, c)?;
-    if c == 0 || wte.len() % c != 0 {
+    if c == 0 || !wte.len().is_multiple_of(c) {
         return Err(Error::InvalidArgument {
             op: OP,
             reason: format!("wte has {} elements, not a multiple of C={c}", wte.len()),
@@ -63,7 +63,7 @@ pub fn encoder_forward<T: Real>(
 }
 
 fn positions_fit<T>(op: &'static str, wpe: &[T], t: usize, c: usize) -> Result<()> {
-    if c == 0 || wpe.len() % c != 0 || wpe.len() / c < t {
+    if c == 0 || !wpe.len().is_multiple_of(c) || wpe.len() / c < t {
         return Err(Error::InvalidArgument {
             op,
             reason: format!(
@@ -94,7 +94,7 @@ pub fn encoder_backward<T: Real>(
     check(OP, "dout", dout, b * t * c)?;
     check(OP, "tokens", tokens, b * t)?;
     positions_fit(OP, dwpe, t, c)?;
-    if dwte.len() % c != 0 {
+    if !dwte.len().is_multiple_of(c) {
         return Err(Error::InvalidArgument {
             op: OP,
             reason: format!("dwte has {} elements, not a multiple of C={c}", dwte.len()),

@@ -17,6 +17,7 @@
 //! | op | forward | backward |
 //! |---|---|---|
 //! | linear (`[in, out]` weight, optional bias) | [`matmul_forward`] | [`matmul_backward`] |
+//! | linear (`[out, in]` weight, e.g. a tied `lm_head`) | [`matmul_forward_wt`] | [`matmul_backward_wt`] |
 //! | layernorm | [`layernorm_forward`] | [`layernorm_backward`] |
 //! | GELU, tanh approximation | [`gelu_forward`] | [`gelu_backward`] |
 //! | causal multi-head attention | [`attention_forward`] | [`attention_backward`] |
@@ -98,7 +99,7 @@ pub use attention::{attention_backward, attention_forward};
 pub use embedding::{check_tokens, encoder_backward, encoder_forward};
 pub use error::{Error, Result};
 pub use layernorm::{layernorm_backward, layernorm_forward};
-pub use matmul::{matmul_backward, matmul_forward};
+pub use matmul::{matmul_backward, matmul_backward_wt, matmul_forward, matmul_forward_wt};
 pub use pointwise::{gelu_backward, gelu_forward, residual_backward, residual_forward};
 pub use real::{Real, exp_f32, tanh_f32};
 pub use softmax::{

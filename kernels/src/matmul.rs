@@ -129,6 +129,124 @@ pub fn matmul_backward<T: Real>(
     Ok(())
 }
 
+/// Like [`matmul_forward`] but with the weight in `[out, in]` layout
+/// (PyTorch `nn.Linear`, GPT-2's `lm_head` and tied `wte`):
+/// `out (B,T,OC) = inp (B,T,C) · weightᵀ`, `weight (OC,C)`.
+///
+/// # Errors
+/// [`Error::ShapeMismatch`](crate::Error::ShapeMismatch) on a wrong buffer length.
+#[allow(clippy::too_many_arguments)]
+pub fn matmul_forward_wt<T: Real>(
+    out: &mut [T],
+    inp: &[T],
+    weight: &[T],
+    bias: Option<&[T]>,
+    b: usize,
+    t: usize,
+    c: usize,
+    oc: usize,
+    mode: Mode,
+) -> Result<()> {
+    const OP: &str = "matmul_forward_wt";
+    check(OP, "out", out, b * t * oc)?;
+    check(OP, "inp", inp, b * t * c)?;
+    check(OP, "weight", weight, c * oc)?;
+    if let Some(bias) = bias {
+        check(OP, "bias", bias, oc)?;
+    }
+    let (groups, rows) = match mode {
+        Mode::BatchInvariant => (b, t),
+        Mode::Throughput => (1, b * t),
+    };
+    for g in 0..groups {
+        let o = &mut out[g * rows * oc..(g + 1) * rows * oc];
+        let x = &inp[g * rows * c..(g + 1) * rows * c];
+        if let Some(bias) = bias {
+            for row in o.chunks_exact_mut(oc) {
+                row.copy_from_slice(bias);
+            }
+        }
+        gemm(
+            rows,
+            oc,
+            c,
+            o,
+            oc,
+            bias.is_some(),
+            View::rows(x, c),
+            View::t(weight, c),
+            T::ONE,
+            true,
+        );
+    }
+    Ok(())
+}
+
+/// Backward of [`matmul_forward_wt`] (`weight (OC,C)`), accumulating:
+/// `dinp += dout · weight`, `dweight += doutᵀ · inp`, `dbias += Σ dout`.
+///
+/// # Errors
+/// [`Error::ShapeMismatch`](crate::Error::ShapeMismatch) on a wrong buffer length.
+#[allow(clippy::too_many_arguments)]
+pub fn matmul_backward_wt<T: Real>(
+    dinp: &mut [T],
+    dweight: &mut [T],
+    dbias: Option<&mut [T]>,
+    dout: &[T],
+    inp: &[T],
+    weight: &[T],
+    b: usize,
+    t: usize,
+    c: usize,
+    oc: usize,
+    mode: Mode,
+) -> Result<()> {
+    const OP: &str = "matmul_backward_wt";
+    check(OP, "dinp", dinp, b * t * c)?;
+    check(OP, "dweight", dweight, c * oc)?;
+    check(OP, "dout", dout, b * t * oc)?;
+    check(OP, "inp", inp, b * t * c)?;
+    check(OP, "weight", weight, c * oc)?;
+    if let Some(db) = &dbias {
+        check(OP, "dbias", db, oc)?;
+    }
+    let (groups, rows) = match mode {
+        Mode::BatchInvariant => (b, t),
+        Mode::Throughput => (1, b * t),
+    };
+    for g in 0..groups {
+        gemm(
+            rows,
+            c,
+            oc,
+            &mut dinp[g * rows * c..(g + 1) * rows * c],
+            c,
+            true,
+            View::rows(&dout[g * rows * oc..(g + 1) * rows * oc], oc),
+            View::rows(weight, c),
+            T::ONE,
+            true,
+        );
+    }
+    let n = b * t;
+    gemm(
+        oc,
+        c,
+        n,
+        dweight,
+        c,
+        true,
+        View::t(dout, oc),
+        View::rows(inp, c),
+        T::ONE,
+        true,
+    );
+    if let Some(db) = dbias {
+        bias_backward(db, dout);
+    }
+    Ok(())
+}
+
 crate::simd::multiversion! {
     fn bias_backward<T: Real>(db: &mut [T], dout: &[T]) {
         let oc = db.len();
@@ -207,6 +325,47 @@ mod tests {
                 },
             );
         }
+    }
+
+    #[test]
+    fn transposed_weight_gradients_match_finite_differences() {
+        let (b, t, c, oc) = (2, 2, 3, 4);
+        let inputs = vec![rand_vec(b * t * c, 7), rand_vec(c * oc, 8), rand_vec(oc, 9)];
+        check_grads(
+            &inputs,
+            b * t * oc,
+            |ins, out| {
+                matmul_forward_wt(
+                    out,
+                    &ins[0],
+                    &ins[1],
+                    Some(&ins[2]),
+                    b,
+                    t,
+                    c,
+                    oc,
+                    Mode::Throughput,
+                )
+                .unwrap();
+            },
+            |ins, dout, grads| {
+                let [gx, gw, gb] = grads else { unreachable!() };
+                matmul_backward_wt(
+                    gx,
+                    gw,
+                    Some(gb),
+                    dout,
+                    &ins[0],
+                    &ins[1],
+                    b,
+                    t,
+                    c,
+                    oc,
+                    Mode::BatchInvariant,
+                )
+                .unwrap();
+            },
+        );
     }
 
     #[test]

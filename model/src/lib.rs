@@ -1,7 +1,71 @@
-//! A GPT-2-style transformer built from `weft-kernels` ops.
+//! A GPT-2-style transformer built from `weft-kernels` ops, with the
+//! Hugging Face GPT-2 format for weights.
 //!
-//! This crate will own the parameter layout (one allocation, HF GPT-2 names),
-//! forward and backward passes for dense and mixture-of-experts blocks,
-//! tensor-parallel layers and safetensors import/export.
+//! # Overview
 //!
-//! Nothing is implemented yet. See the kernels-and-model issue for the plan.
+//! * [`GptConfig`]: n_layer, n_head, n_embd, vocab_size, block_size, tied
+//!   embeddings.
+//! * [`ParamLayout`] / [`ParamSpec`]: every parameter lives in one
+//!   contiguous `Vec<f32>` ([`Gpt::params`]) under its Hugging Face name
+//!   (`transformer.h.0.attn.c_attn.weight`, `Conv1D` `[in, out]` layout),
+//!   a block's tensors contiguous, so the buffer shards cleanly for FSDP
+//!   and tensor parallelism. Gradients ([`Gpt::grads`]) and AdamW moments
+//!   ([`AdamWState`]) share the layout.
+//! * [`Gpt`]: forward (logits and mean cross-entropy), backward (every
+//!   parameter gradient), AdamW step. [`Activations`] are planned up front
+//!   for a batch shape; [`Activations::bytes_per_token`] reports the cost.
+//! * [`FeedForward`]: the extension point for the feed-forward block
+//!   ([`Mlp`] is GPT-2's; a mixture of experts implements the same trait).
+//! * [`hf`]: load and save a Hugging Face folder (`config.json` +
+//!   `model.safetensors`); [`eval`]: the computation behind `weft eval`.
+//!
+//! Correctness is checked against PyTorch/transformers: `tests/` compares
+//! the loss and every gradient with fixtures made by
+//! `model/reference/make_fixtures.py` (f64 PyTorch), for several small
+//! random configurations.
+//!
+//! # Example
+//!
+//! ```
+//! use weft_model::{AdamWState, Gpt, GptConfig};
+//! use weft_kernels::AdamW;
+//!
+//! let cfg = GptConfig { n_layer: 2, n_head: 2, n_embd: 16, vocab_size: 50, block_size: 8,
+//!                       tied_embeddings: true, layer_norm_epsilon: 1e-5 };
+//! let mut model = Gpt::new(cfg)?;
+//! model.init_gpt2(42);
+//! let mut acts = model.activations(2, 8)?; // B=2, T=8
+//! let tokens: Vec<u32> = (0..16).map(|i| i % 50).collect();
+//! let targets: Vec<u32> = (1..17).map(|i| i % 50).collect();
+//! let mut opt = AdamWState::new(&model);
+//! let mut first = 0.0;
+//! for step in 0..5 {
+//!     let loss = model.forward(&mut acts, &tokens, Some(&targets))?.unwrap();
+//!     if step == 0 { first = loss; }
+//!     model.zero_grad();
+//!     model.backward(&mut acts)?;
+//!     model.adamw_step(&mut opt, &AdamW { lr: 1e-2, ..AdamW::default() })?;
+//! }
+//! let last = model.forward(&mut acts, &tokens, Some(&targets))?.unwrap();
+//! assert!(last < first);
+//! # Ok::<(), weft_model::Error>(())
+//! ```
+//!
+//! # Crate features
+//!
+//! None. (CUDA lives behind `weft-kernels`' `cuda` feature.)
+#![deny(missing_docs)]
+
+mod config;
+mod error;
+pub mod eval;
+mod ffn;
+mod gpt;
+pub mod hf;
+mod params;
+
+pub use config::GptConfig;
+pub use error::{Error, Result};
+pub use ffn::{Dims, FeedForward, Mlp, ParamShape};
+pub use gpt::{Activations, AdamWState, Gpt};
+pub use params::{ParamLayout, ParamSpec};

@@ -1,0 +1,133 @@
+//! Training-step throughput (forward, backward, AdamW) of the two
+//! configurations of the kernels-and-model issue, printed as a table:
+//!
+//! * (a) n_layer 4, n_embd 256, n_head 4, seq 256, batch 8, vocab 50304
+//! * (b) GPT-2 small (124M), seq 256, batch 4
+//!
+//! Achieved GFLOP/s counts 6·N per token (N = all parameters, tied head
+//! once) plus 6·L·T·C per token for causal attention. PyTorch's numbers come
+//! from `model/reference/bench_torch.py`; `model/reference/bench_compare.sh`
+//! runs both in one go and prints the ratios.
+//!
+//! `cargo bench -p weft-model --bench train_step -- [a|b]... [--steps N] [--mode invariant|throughput]`
+
+use std::time::Instant;
+
+use weft_kernels::{AdamW, Mode};
+use weft_model::{AdamWState, Gpt, GptConfig};
+
+struct Case {
+    name: &'static str,
+    cfg: GptConfig,
+    b: usize,
+    t: usize,
+}
+
+fn cases() -> Vec<Case> {
+    vec![
+        Case {
+            name: "a",
+            cfg: GptConfig {
+                n_layer: 4,
+                n_head: 4,
+                n_embd: 256,
+                vocab_size: 50304,
+                block_size: 1024,
+                tied_embeddings: true,
+                layer_norm_epsilon: 1e-5,
+            },
+            b: 8,
+            t: 256,
+        },
+        Case {
+            name: "b",
+            cfg: GptConfig::gpt2_small(),
+            b: 4,
+            t: 256,
+        },
+    ]
+}
+
+#[allow(clippy::print_stdout, clippy::cast_precision_loss)]
+fn main() {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let mut steps = 5usize;
+    let mut mode = Mode::BatchInvariant;
+    let mut which: Vec<String> = Vec::new();
+    let mut i = 0;
+    while i < args.len() {
+        match args[i].as_str() {
+            "--steps" => {
+                steps = args
+                    .get(i + 1)
+                    .and_then(|s| s.parse().ok())
+                    .expect("--steps N");
+                i += 1;
+            }
+            "--mode" => {
+                mode = match args.get(i + 1).map(String::as_str) {
+                    Some("throughput") => Mode::Throughput,
+                    _ => Mode::BatchInvariant,
+                };
+                i += 1;
+            }
+            a if a.starts_with("--") => {}
+            a => which.push(a.to_string()),
+        }
+        i += 1;
+    }
+    println!(
+        "threads: {}, mode: {mode:?}, steps: {steps} (after 1 warm-up)",
+        rayon::current_num_threads()
+    );
+    println!("| config | params | B | T | act bytes/token | s/step | tokens/s | GFLOP/s |");
+    println!("|---|---|---|---|---|---|---|---|");
+    for case in cases() {
+        if !which.is_empty() && !which.iter().any(|w| w == case.name) {
+            continue;
+        }
+        let mut model = Gpt::new(case.cfg.clone()).unwrap();
+        model.set_mode(mode);
+        model.init_gpt2(1);
+        let mut acts = model.activations(case.b, case.t).unwrap();
+        let mut opt = AdamWState::new(&model);
+        let hp = AdamW {
+            lr: 1e-4,
+            weight_decay: 0.1,
+            ..AdamW::default()
+        };
+        let n = case.b * case.t;
+        let v = u32::try_from(case.cfg.vocab_size).unwrap();
+        let tokens: Vec<u32> = (0..n as u32)
+            .map(|i| i.wrapping_mul(2_654_435_761) % v)
+            .collect();
+        let targets: Vec<u32> = (0..n as u32)
+            .map(|i| (i + 1).wrapping_mul(2_654_435_761) % v)
+            .collect();
+        let mut step = || {
+            model.forward(&mut acts, &tokens, Some(&targets)).unwrap();
+            model.zero_grad();
+            model.backward(&mut acts).unwrap();
+            model.adamw_step(&mut opt, &hp).unwrap();
+        };
+        step();
+        let start = Instant::now();
+        for _ in 0..steps {
+            step();
+        }
+        let secs = start.elapsed().as_secs_f64() / steps as f64;
+        let params = model.params.len();
+        let c = &case.cfg;
+        let flops_per_token = 6.0 * params as f64 + 6.0 * (c.n_layer * case.t * c.n_embd) as f64;
+        let tps = n as f64 / secs;
+        println!(
+            "| {} | {:.1}M | {} | {} | {} | {secs:.3} | {tps:.0} | {:.1} |",
+            case.name,
+            params as f64 / 1e6,
+            case.b,
+            case.t,
+            acts.bytes_per_token(),
+            tps * flops_per_token / 1e9
+        );
+    }
+}

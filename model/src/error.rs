@@ -1,0 +1,85 @@
+//! The model crate's error type.
+
+use std::path::PathBuf;
+
+/// What went wrong building, running, loading or saving a model.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// A kernel rejected its arguments.
+    #[error(transparent)]
+    Kernel(#[from] weft_kernels::Error),
+    /// A configuration value is invalid.
+    #[error("invalid config: `{field}` {reason}")]
+    Config {
+        /// The field, e.g. `n_head`.
+        field: &'static str,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// Reading or writing a file failed.
+    #[error("{path}: {source}")]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// The OS error.
+        source: std::io::Error,
+    },
+    /// A model folder or file is malformed.
+    #[error("{path}: {reason}")]
+    Format {
+        /// The offending file.
+        path: PathBuf,
+        /// What was expected and found, with a hint.
+        reason: String,
+    },
+    /// A tensor the configuration requires is absent from the weights file.
+    #[error(
+        "{path}: missing tensor `{tensor}` (looked for it with and without the `transformer.` prefix)"
+    )]
+    MissingTensor {
+        /// The weights file.
+        path: PathBuf,
+        /// The Hugging Face name.
+        tensor: String,
+    },
+    /// A tensor has the wrong shape for the configuration.
+    #[error("{path}: tensor `{tensor}` has shape {got:?}, expected {expected:?} from config.json")]
+    TensorShape {
+        /// The weights file.
+        path: PathBuf,
+        /// The tensor's name as stored.
+        tensor: String,
+        /// Shape implied by the configuration.
+        expected: Vec<usize>,
+        /// Shape found.
+        got: Vec<usize>,
+    },
+    /// A tensor holds a dtype weft cannot read (or a tensor weft does not
+    /// know, which suggests a config/weights mismatch).
+    #[error("{path}: tensor `{tensor}`: {reason}")]
+    Tensor {
+        /// The weights file.
+        path: PathBuf,
+        /// The tensor's name as stored.
+        tensor: String,
+        /// What is wrong.
+        reason: String,
+    },
+    /// A batch does not fit the model or the planned activations.
+    #[error("batch: {reason}")]
+    Batch {
+        /// What is wrong, with the numbers.
+        reason: String,
+    },
+}
+
+/// `Result` with this crate's [`Error`].
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+pub(crate) fn io(path: &std::path::Path) -> impl FnOnce(std::io::Error) -> Error + '_ {
+    move |source| Error::Io {
+        path: path.to_path_buf(),
+        source,
+    }
+}

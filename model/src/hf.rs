@@ -1,0 +1,361 @@
+//! Import and export of the Hugging Face GPT-2 format: a folder with
+//! `config.json` and `model.safetensors`.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use safetensors::{Dtype, SafeTensors, tensor::TensorView};
+use serde_json::{Value, json};
+
+use crate::config::GptConfig;
+use crate::error::{Error, Result, io};
+use crate::gpt::Gpt;
+
+fn fmt_err(path: &Path, reason: impl Into<String>) -> Error {
+    Error::Format {
+        path: path.to_path_buf(),
+        reason: reason.into(),
+    }
+}
+
+/// Reads a GPT-2 `config.json` (transformers' `GPT2Config`).
+///
+/// Required: `n_layer`, `n_head`, `n_embd`, `vocab_size`, `n_positions` (or
+/// `n_ctx`). Optional: `layer_norm_epsilon` (1e-5), `tie_word_embeddings`
+/// (true). Settings weft does not implement are rejected rather than
+/// silently ignored: an activation other than the tanh GELU, `n_inner`
+/// other than 4·n_embd, `scale_attn_by_inverse_layer_idx`.
+///
+/// # Errors
+/// [`Error::Io`] if unreadable, [`Error::Format`] naming the field otherwise.
+pub fn read_config(path: &Path) -> Result<GptConfig> {
+    let text = std::fs::read_to_string(path).map_err(io(path))?;
+    let v: Value = serde_json::from_str(&text)
+        .map_err(|e| fmt_err(path, format!("not valid JSON ({e}); expected a GPT2Config")))?;
+    let obj = v
+        .as_object()
+        .ok_or_else(|| fmt_err(path, "expected a JSON object"))?;
+    let uint = |names: &[&str]| -> Result<usize> {
+        for n in names {
+            if let Some(x) = obj.get(*n) {
+                return x
+                    .as_u64()
+                    .and_then(|x| usize::try_from(x).ok())
+                    .ok_or_else(|| {
+                        fmt_err(
+                            path,
+                            format!("field `{n}` = {x} is not a non-negative integer"),
+                        )
+                    });
+            }
+        }
+        Err(fmt_err(
+            path,
+            format!(
+                "missing field `{}` (is this a GPT-2 config.json?)",
+                names[0]
+            ),
+        ))
+    };
+    if let Some(t) = obj.get("model_type").and_then(Value::as_str)
+        && t != "gpt2"
+    {
+        return Err(fmt_err(
+            path,
+            format!("model_type is \"{t}\", expected \"gpt2\""),
+        ));
+    }
+    let act = obj
+        .get("activation_function")
+        .and_then(Value::as_str)
+        .unwrap_or("gelu_new");
+    if !matches!(act, "gelu_new" | "gelu_pytorch_tanh" | "gelu_fast") {
+        return Err(fmt_err(
+            path,
+            format!(
+                "activation_function \"{act}\" is not supported; weft implements the tanh GELU (\"gelu_new\")"
+            ),
+        ));
+    }
+    let n_embd = uint(&["n_embd"])?;
+    if let Some(inner) = obj.get("n_inner")
+        && !inner.is_null()
+        && inner.as_u64() != Some(4 * n_embd as u64)
+    {
+        return Err(fmt_err(
+            path,
+            format!(
+                "n_inner = {inner}: only null or 4*n_embd = {} is supported",
+                4 * n_embd
+            ),
+        ));
+    }
+    if obj
+        .get("scale_attn_by_inverse_layer_idx")
+        .and_then(Value::as_bool)
+        == Some(true)
+    {
+        return Err(fmt_err(
+            path,
+            "scale_attn_by_inverse_layer_idx = true is not supported",
+        ));
+    }
+    if obj.get("scale_attn_weights").and_then(Value::as_bool) == Some(false) {
+        return Err(fmt_err(path, "scale_attn_weights = false is not supported"));
+    }
+    #[allow(clippy::cast_possible_truncation)]
+    let eps = match obj.get("layer_norm_epsilon") {
+        None => 1e-5,
+        Some(x) => x.as_f64().ok_or_else(|| {
+            fmt_err(
+                path,
+                format!("field `layer_norm_epsilon` = {x} is not a number"),
+            )
+        })? as f32,
+    };
+    let tied = match obj.get("tie_word_embeddings") {
+        None => true,
+        Some(x) => x.as_bool().ok_or_else(|| {
+            fmt_err(
+                path,
+                format!("field `tie_word_embeddings` = {x} is not a boolean"),
+            )
+        })?,
+    };
+    let cfg = GptConfig {
+        n_layer: uint(&["n_layer"])?,
+        n_head: uint(&["n_head"])?,
+        n_embd,
+        vocab_size: uint(&["vocab_size"])?,
+        block_size: uint(&["n_positions", "n_ctx"])?,
+        tied_embeddings: tied,
+        layer_norm_epsilon: eps,
+    };
+    cfg.validate().map_err(|e| fmt_err(path, e.to_string()))?;
+    Ok(cfg)
+}
+
+fn to_f32(path: &Path, name: &str, t: &TensorView<'_>) -> Result<Vec<f32>> {
+    let d = t.data();
+    Ok(match t.dtype() {
+        Dtype::F32 => d
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect(),
+        #[allow(clippy::cast_possible_truncation)]
+        Dtype::F64 => d
+            .chunks_exact(8)
+            .map(|b| f64::from_le_bytes([b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]]) as f32)
+            .collect(),
+        Dtype::F16 => d
+            .chunks_exact(2)
+            .map(|b| weft_numerics::f16::from_le_bytes([b[0], b[1]]).to_f32())
+            .collect(),
+        Dtype::BF16 => d
+            .chunks_exact(2)
+            .map(|b| weft_numerics::bf16::from_le_bytes([b[0], b[1]]).to_f32())
+            .collect(),
+        other => {
+            return Err(Error::Tensor {
+                path: path.to_path_buf(),
+                tensor: name.into(),
+                reason: format!(
+                    "dtype {other:?} is not a floating-point type weft reads (F32, F64, F16, BF16)"
+                ),
+            });
+        }
+    })
+}
+
+/// Loads a Hugging Face GPT-2 folder (`config.json` + `model.safetensors`).
+///
+/// Tensor names may carry the `transformer.` prefix or not (both
+/// conventions exist); the causal-mask buffers `attn.bias` /
+/// `attn.masked_bias` of old checkpoints are ignored; with tied
+/// embeddings a stored `lm_head.weight` must equal `wte`.
+///
+/// # Errors
+/// [`Error::Io`], [`Error::Format`] for a malformed folder or file,
+/// [`Error::MissingTensor`], [`Error::TensorShape`] (which tensor, which
+/// shape expected, which found), [`Error::Tensor`] for an unsupported dtype
+/// or a tensor that does not belong to the configured model.
+pub fn load(dir: &Path) -> Result<Gpt> {
+    if !dir.is_dir() {
+        return Err(fmt_err(
+            dir,
+            "not a directory; expected a Hugging Face GPT-2 folder with config.json and model.safetensors",
+        ));
+    }
+    let cfg = read_config(&dir.join("config.json"))?;
+    let wpath = dir.join("model.safetensors");
+    if !wpath.exists() {
+        let hint = if dir.join("model.safetensors.index.json").exists() {
+            "sharded checkpoints (model.safetensors.index.json) are not supported; merge the shards into one file"
+        } else if dir.join("pytorch_model.bin").exists() {
+            "only pytorch_model.bin is present; re-save with `model.save_pretrained(dir, safe_serialization=True)`"
+        } else {
+            "the folder has no weights"
+        };
+        return Err(fmt_err(&wpath, format!("file not found: {hint}")));
+    }
+    let bytes = std::fs::read(&wpath).map_err(io(&wpath))?;
+    let st = SafeTensors::deserialize(&bytes)
+        .map_err(|e| fmt_err(&wpath, format!("not a valid safetensors file: {e}")))?;
+    let mut model = Gpt::new(cfg)?;
+    let stored: HashMap<String, TensorView<'_>> = st.tensors().into_iter().collect();
+    let mut used = std::collections::HashSet::new();
+    for spec in model.layout().specs().to_vec() {
+        let short = spec
+            .name
+            .strip_prefix("transformer.")
+            .unwrap_or(&spec.name)
+            .to_string();
+        let (name, view) = match (stored.get(&spec.name), stored.get(&short)) {
+            (Some(v), _) => (spec.name.clone(), v),
+            (None, Some(v)) => (short, v),
+            (None, None) => {
+                return Err(Error::MissingTensor {
+                    path: wpath.clone(),
+                    tensor: spec.name.clone(),
+                });
+            }
+        };
+        if view.shape() != spec.shape.as_slice() {
+            return Err(Error::TensorShape {
+                path: wpath.clone(),
+                tensor: name,
+                expected: spec.shape.clone(),
+                got: view.shape().to_vec(),
+            });
+        }
+        let data = to_f32(&wpath, &name, view)?;
+        model.params[spec.range()].copy_from_slice(&data);
+        used.insert(name);
+    }
+    let mut extra: Vec<&String> = stored.keys().filter(|k| !used.contains(*k)).collect();
+    extra.sort();
+    for name in extra {
+        if name.ends_with(".attn.bias") || name.ends_with(".attn.masked_bias") {
+            continue;
+        }
+        if name == "lm_head.weight" && model.config().tied_embeddings {
+            let data = to_f32(&wpath, name, &stored[name])?;
+            if model
+                .param("transformer.wte.weight")
+                .is_some_and(|w| w == data.as_slice())
+            {
+                continue;
+            }
+            return Err(Error::Tensor {
+                path: wpath.clone(),
+                tensor: name.clone(),
+                reason: "config.json ties embeddings (tie_word_embeddings = true) but lm_head.weight differs from transformer.wte.weight".into(),
+            });
+        }
+        return Err(Error::Tensor {
+            path: wpath.clone(),
+            tensor: name.clone(),
+            reason: format!(
+                "not a parameter of the model config.json describes (n_layer = {}); config and weights do not match",
+                model.config().n_layer
+            ),
+        });
+    }
+    Ok(model)
+}
+
+/// The `config.json` weft writes for a configuration (a complete
+/// `GPT2Config` with dropout 0).
+pub fn config_json(cfg: &GptConfig) -> Value {
+    json!({
+        "architectures": ["GPT2LMHeadModel"],
+        "model_type": "gpt2",
+        "activation_function": "gelu_new",
+        "attn_pdrop": 0.0,
+        "embd_pdrop": 0.0,
+        "resid_pdrop": 0.0,
+        "initializer_range": 0.02,
+        "layer_norm_epsilon": cfg.layer_norm_epsilon,
+        "n_ctx": cfg.block_size,
+        "n_embd": cfg.n_embd,
+        "n_head": cfg.n_head,
+        "n_inner": null,
+        "n_layer": cfg.n_layer,
+        "n_positions": cfg.block_size,
+        "reorder_and_upcast_attn": false,
+        "scale_attn_by_inverse_layer_idx": false,
+        "scale_attn_weights": true,
+        "tie_word_embeddings": cfg.tied_embeddings,
+        "torch_dtype": "float32",
+        "use_cache": true,
+        "vocab_size": cfg.vocab_size,
+    })
+}
+
+/// Writes named f32 tensors to a safetensors file atomically (a temporary
+/// file in the same folder, then a rename), with `{"format": "pt"}`
+/// metadata as transformers expects.
+///
+/// # Errors
+/// [`Error::Io`] or [`Error::Format`] if writing fails.
+pub fn write_safetensors<'a>(
+    path: &Path,
+    tensors: impl IntoIterator<Item = (String, Vec<usize>, &'a [f32])>,
+) -> Result<()> {
+    let owned: Vec<(String, Vec<usize>, Vec<u8>)> = tensors
+        .into_iter()
+        .map(|(n, s, d)| (n, s, d.iter().flat_map(|x| x.to_le_bytes()).collect()))
+        .collect();
+    let mut views = Vec::with_capacity(owned.len());
+    for (n, s, b) in &owned {
+        let v = TensorView::new(Dtype::F32, s.clone(), b)
+            .map_err(|e| fmt_err(path, format!("tensor `{n}`: {e}")))?;
+        views.push((n.clone(), v));
+    }
+    let meta = HashMap::from([("format".to_string(), "pt".to_string())]);
+    let bytes =
+        safetensors::serialize(views, Some(meta)).map_err(|e| fmt_err(path, e.to_string()))?;
+    write_atomic(path, &bytes)
+}
+
+fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
+    let mut tmp = PathBuf::from(path);
+    tmp.set_extension("tmp-weft");
+    std::fs::write(&tmp, bytes).map_err(io(&tmp))?;
+    std::fs::rename(&tmp, path).map_err(io(path))
+}
+
+/// Saves `model` as a Hugging Face GPT-2 folder that
+/// `transformers.GPT2LMHeadModel.from_pretrained(dir)` loads: names with
+/// the `transformer.` prefix, `lm_head.weight` only when untied, f32.
+/// Creates `dir` if needed.
+///
+/// # Errors
+/// [`Error::Io`] if the folder or files cannot be written.
+pub fn save(model: &Gpt, dir: &Path) -> Result<()> {
+    std::fs::create_dir_all(dir).map_err(io(dir))?;
+    let tensors = model
+        .layout()
+        .specs()
+        .iter()
+        .map(|s| (s.name.clone(), s.shape.clone(), &model.params[s.range()]));
+    write_safetensors(&dir.join("model.safetensors"), tensors)?;
+    let text = serde_json::to_string_pretty(&config_json(model.config()))
+        .map_err(|e| fmt_err(dir, e.to_string()))?;
+    write_atomic(&dir.join("config.json"), text.as_bytes())
+}
+
+/// Writes every parameter's gradient under its Hugging Face name (with
+/// tied embeddings, the single `transformer.wte.weight` gradient includes
+/// the `lm_head` contribution).
+///
+/// # Errors
+/// [`Error::Io`] if the file cannot be written.
+pub fn save_grads(model: &Gpt, path: &Path) -> Result<()> {
+    let tensors = model
+        .layout()
+        .specs()
+        .iter()
+        .map(|s| (s.name.clone(), s.shape.clone(), &model.grads[s.range()]));
+    write_safetensors(path, tensors)
+}

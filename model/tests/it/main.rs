@@ -1,0 +1,5 @@
+//! weft-model integration tests, compiled into one binary (fixtures in `tests/fixtures`).
+
+mod hf_io;
+mod invariance;
+mod reference;

@@ -1,0 +1,134 @@
+//! Loss and every gradient against PyTorch/transformers (float64), on the
+//! fixtures made by `model/reference/make_fixtures.py`.
+//!
+//! Tolerances (from the kernels-and-model issue): loss to a relative 1e-5;
+//! each gradient tensor to a max error of 1e-4 relative to that tensor's
+//! largest reference magnitude.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result};
+use safetensors::SafeTensors;
+use weft_model::{eval::read_tokens, hf};
+
+fn fixtures() -> Vec<PathBuf> {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
+    let mut dirs: Vec<PathBuf> = std::fs::read_dir(&root)
+        .expect("tests/fixtures exists")
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.join("grads.safetensors").exists())
+        .collect();
+    dirs.sort();
+    assert!(
+        dirs.len() >= 4,
+        "expected the committed fixtures in {}",
+        root.display()
+    );
+    dirs
+}
+
+fn f32s(bytes: &[u8]) -> Vec<f32> {
+    bytes
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .collect()
+}
+
+#[test]
+fn loss_and_every_gradient_match_pytorch() -> Result<()> {
+    for dir in fixtures() {
+        let name = dir.file_name().unwrap().to_string_lossy().to_string();
+        let mut model = hf::load(&dir).with_context(|| format!("loading {name}"))?;
+        let tokens = read_tokens(&dir.join("tokens.json"))?;
+        let meta: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("tokens.json"))?)?;
+        let want_loss = meta["loss"].as_f64().unwrap();
+        let mut acts = model.activations(tokens.b, tokens.t)?;
+        let loss = model
+            .forward(&mut acts, &tokens.inputs, Some(&tokens.targets))?
+            .unwrap();
+        model.zero_grad();
+        model.backward(&mut acts)?;
+        let loss_rel = (loss - want_loss).abs() / want_loss.abs();
+        #[allow(clippy::print_stderr)]
+        {
+            eprintln!(
+                "{name}: loss {loss:.9} vs {want_loss:.9} (rel {loss_rel:.2e}); activations {} B/token",
+                acts.bytes_per_token()
+            );
+        }
+        assert!(loss_rel < 1e-5, "{name}: loss relative error {loss_rel:e}");
+
+        let bytes = std::fs::read(dir.join("grads.safetensors"))?;
+        let st = SafeTensors::deserialize(&bytes)?;
+        let names = st.names();
+        assert_eq!(
+            names.len(),
+            model.layout().specs().len(),
+            "{name}: one reference gradient per parameter"
+        );
+        let mut worst = (0.0f64, String::new());
+        for spec in model.layout().specs() {
+            let r = st
+                .tensor(&spec.name)
+                .with_context(|| format!("{name}: reference lacks {}", spec.name))?;
+            assert_eq!(r.shape(), spec.shape.as_slice(), "{}", spec.name);
+            let want = f32s(r.data());
+            let got = model.grad(&spec.name).unwrap();
+            let scale = want.iter().fold(0.0f64, |m, &x| m.max(f64::from(x).abs()));
+            let err = got
+                .iter()
+                .zip(&want)
+                .map(|(&a, &b)| (f64::from(a) - f64::from(b)).abs())
+                .fold(0.0, f64::max);
+            let rel = err / scale.max(f64::MIN_POSITIVE);
+            #[allow(clippy::print_stderr)]
+            {
+                eprintln!(
+                    "  {:<40} max|ref| {scale:.3e}  max rel err {rel:.2e}",
+                    spec.name
+                );
+            }
+            assert!(
+                rel < 1e-4,
+                "{name}: {} max relative error {rel:e}",
+                spec.name
+            );
+            if rel > worst.0 {
+                worst = (rel, spec.name.clone());
+            }
+        }
+        #[allow(clippy::print_stderr)]
+        {
+            eprintln!("{name}: worst gradient {} at {:.2e}", worst.1, worst.0);
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn eval_hf_dumps_gradients_under_hf_names() -> Result<()> {
+    let dir = &fixtures()[0];
+    let tokens = read_tokens(&dir.join("tokens.json"))?;
+    let tmp = std::env::temp_dir().join(format!(
+        "weft-model-grads-{}.safetensors",
+        std::process::id()
+    ));
+    let loss = weft_model::eval::eval_hf(dir, &tokens, Some(&tmp))?;
+    let meta: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("tokens.json"))?)?;
+    assert!((loss - meta["loss"].as_f64().unwrap()).abs() < 1e-4);
+    let ours = std::fs::read(&tmp)?;
+    std::fs::remove_file(&tmp)?;
+    let theirs = std::fs::read(dir.join("grads.safetensors"))?;
+    let (ours, theirs) = (
+        SafeTensors::deserialize(&ours)?,
+        SafeTensors::deserialize(&theirs)?,
+    );
+    let mut a = ours.names();
+    let mut b = theirs.names();
+    a.sort();
+    b.sort();
+    assert_eq!(a, b);
+    Ok(())
+}
