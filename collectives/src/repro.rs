@@ -102,8 +102,72 @@ fn put_header(out: &mut Vec<u8>, e: i32, w: usize, special: bool, bits: u32) {
     out.extend_from_slice(&(bits as u16).to_le_bytes());
 }
 
+/// Binades below a block's largest f32 ulp that the f32 fast path keeps
+/// (leaving 64 − 1 − 24 − 30 = 9 bits of headroom for carries, i.e. up to
+/// 512 merges before a block widens to three words).
+const FAST_SPREAD: i32 = 30;
+
+/// Encodes one block of f32 values with `w = 2` and `e` = (largest ulp
+/// exponent − [`FAST_SPREAD`]), if every value is finite and exact at that
+/// `e`; returns `false` (writing nothing) otherwise.
+fn encode_f32_fast(bits: &[u32], out: &mut Vec<u8>) -> bool {
+    let mut emax = 0u32;
+    let mut emin = u32::MAX;
+    for &b in bits {
+        let ex = (b >> 23) & 0xff;
+        emax = emax.max(ex);
+        if b & 0x7fff_ffff != 0 {
+            emin = emin.min(ex.max(1));
+        }
+    }
+    if emax == 0xff || emin == u32::MAX || (emax.max(1) - emin) as i32 > FAST_SPREAD {
+        return false;
+    }
+    // element value = m · 2^(max(E,1) − 150); block exponent e:
+    let e = emax.max(1) as i32 - 150 - FAST_SPREAD;
+    let start = out.len();
+    put_header(out, e, 2, false, 0);
+    let at = out.len();
+    out.resize(at + 8 * bits.len(), 0);
+    let mut acc = 0u64;
+    let mut negzero = false;
+    for (o, &b) in out[at..].chunks_exact_mut(8).zip(bits) {
+        let ex = (b >> 23) & 0xff;
+        let m = u64::from((b & 0x7f_ffff) | (u32::from(ex != 0) << 23));
+        // in 0..=FAST_SPREAD for nonzero values (zeros may be lower: m = 0)
+        let sh = (ex.max(1) as i32 - 150 - e).max(0);
+        let v = (m << sh) as i64;
+        let v = if b >> 31 == 1 { -v } else { v };
+        negzero |= b == 0x8000_0000;
+        acc |= v.unsigned_abs();
+        o.copy_from_slice(&v.to_le_bytes());
+    }
+    if negzero {
+        // −0.0 needs the flag bytes: take the general path.
+        out.truncate(start);
+        return false;
+    }
+    let nbits = bitlen64(acc);
+    out[start + 6..start + 8].copy_from_slice(&(nbits as u16).to_le_bytes());
+    true
+}
+
 /// Appends the exact encoding of `xs` to `out`.
 pub fn encode<T: Element>(xs: &[T], out: &mut Vec<u8>) {
+    if T::DTYPE == Dtype::F32 {
+        // SAFETY: T is f32 (the trait is sealed), which has u32's layout.
+        let bits = unsafe { std::slice::from_raw_parts(xs.as_ptr().cast::<u32>(), xs.len()) };
+        for (k, blk) in bits.chunks(BLOCK).enumerate() {
+            if !encode_f32_fast(blk, out) {
+                encode_general(&xs[k * BLOCK..k * BLOCK + blk.len()], out);
+            }
+        }
+        return;
+    }
+    encode_general(xs, out);
+}
+
+fn encode_general<T: Element>(xs: &[T], out: &mut Vec<u8>) {
     let mut neg = [false; BLOCK];
     let mut ms = [0u64; BLOCK];
     let mut qs = [0i32; BLOCK];
@@ -142,6 +206,9 @@ pub fn encode<T: Element>(xs: &[T], out: &mut Vec<u8>) {
             out.extend_from_slice(&fl[..bl]);
         }
         if w <= 2 {
+            let start = out.len();
+            out.resize(start + 4 * w * bl, 0);
+            let dst = &mut out[start..];
             for i in 0..bl {
                 let v = if ms[i] == 0 {
                     0
@@ -149,7 +216,7 @@ pub fn encode<T: Element>(xs: &[T], out: &mut Vec<u8>) {
                     (ms[i] << (qs[i] - e)) as i64
                 };
                 let v = if neg[i] { -v } else { v };
-                put_words_i64(out, v, w);
+                dst[4 * w * i..4 * w * (i + 1)].copy_from_slice(&v.to_le_bytes()[..4 * w]);
             }
         } else {
             for i in 0..bl {
@@ -323,6 +390,10 @@ fn read_block<'a>(bytes: &'a [u8], pos: &mut usize, bl: usize) -> Result<BlockRe
 
 /// Merges two encodings of `len` elements into `out` (cleared first).
 ///
+/// # Panics
+/// Never: the `expect`s convert slices of exactly 8 bytes (from
+/// `chunks_exact(8)`) into arrays.
+///
 /// # Errors
 /// [`Error::Decode`] if either input is not a valid encoding of `len` elements.
 pub fn merge(a: &[u8], b: &[u8], len: usize, out: &mut Vec<u8>) -> Result<()> {
@@ -366,6 +437,30 @@ pub fn merge(a: &[u8], b: &[u8], len: usize, out: &mut Vec<u8>) -> Result<()> {
             return Err(corrupt(format!(
                 "merged block needs {w} words (more than {WMAX})"
             )));
+        }
+        if x.w == 2 && y.w == 2 && w == 2 {
+            // The common case: two words in and out: shift and add i64 lanes.
+            let start = out.len();
+            put_header(out, e, 2, special, 0);
+            if special {
+                out.extend_from_slice(&flags[..bl]);
+            }
+            let at = out.len();
+            out.resize(at + 8 * bl, 0);
+            let mut acc = 0u64;
+            for ((o, a), b) in out[at..]
+                .chunks_exact_mut(8)
+                .zip(x.data.chunks_exact(8))
+                .zip(y.data.chunks_exact(8))
+            {
+                let s = (i64::from_le_bytes(a.try_into().expect("8 bytes")) << sa)
+                    + (i64::from_le_bytes(b.try_into().expect("8 bytes")) << sb);
+                acc |= (s ^ (s >> 63)) as u64;
+                o.copy_from_slice(&s.to_le_bytes());
+            }
+            let bits = bitlen64(acc);
+            out[start + 6..start + 8].copy_from_slice(&(bits as u16).to_le_bytes());
+            continue;
         }
         if w <= 2 {
             let mut acc = 0u64;
@@ -476,6 +571,36 @@ fn round_mag(neg: bool, mag: u64, e: i32, sticky: bool, d: Dtype) -> f64 {
     sign * ldexp_exact(kept, q)
 }
 
+/// `v · 2^e` rounded once to dtype `d`, as an f64. For targets narrower than
+/// f64 the integer is first rounded *to odd* at 53 bits (truncate, set the
+/// last bit if anything was cut), which makes the second rounding to
+/// p ≤ 51 bits correct (Boldo & Melquiond, "When double rounding is odd").
+#[inline]
+fn fast_round(v: i64, e: i32, d: Dtype) -> f64 {
+    let mag = v.unsigned_abs();
+    if d == Dtype::F64 || !(-900..=900).contains(&e) {
+        return round_mag(v < 0, mag, e, false, d);
+    }
+    let l = bitlen64(mag) as i32;
+    let (m, k) = if l > 53 {
+        let shift = (l - 53) as u32;
+        let t = mag >> shift;
+        let odd = u64::from(mag & ((1u64 << shift) - 1) != 0);
+        (t | odd, e + shift as i32)
+    } else {
+        (mag, e)
+    };
+    // exact: m < 2^53 and 2^k is a normal f64 for |k| ≤ 960
+    let x = (m as f64) * f64::from_bits(((k + 1023) as u64) << 52);
+    let x = if v < 0 { -x } else { x };
+    match d {
+        Dtype::F32 => f64::from(x as f32),
+        Dtype::F16 => <f16 as Element>::from_f64(x).to_f64(),
+        Dtype::BF16 => <bf16 as Element>::from_f64(x).to_f64(),
+        Dtype::F64 => x,
+    }
+}
+
 /// `kept · 2^q` for kept < 2^53 and a result representable in f64, built from bits.
 fn ldexp_exact(kept: u64, q: i32) -> f64 {
     let l = bitlen64(kept) as i32;
@@ -514,10 +639,7 @@ pub fn decode<T: Element>(bytes: &[u8], out: &mut [T]) -> Result<()> {
             }
             let v = match x.w {
                 0 => 0.0,
-                1 | 2 => {
-                    let v = get_i64(x.data, i, x.w);
-                    round_mag(v < 0, v.unsigned_abs(), x.e, false, T::DTYPE)
-                }
+                1 | 2 => fast_round(get_i64(x.data, i, x.w), x.e, T::DTYPE),
                 w => {
                     let (neg, m) = magnitude(&load_big(x.data, i, w));
                     let l = big_bitlen(&m);
@@ -606,7 +728,7 @@ fn exact_ring_rs<C: Communicator + ?Sized>(
     let m = members.len();
     let right = members[(me + 1) % m];
     let left = members[(me + m - 1) % m];
-    let mut scratch = Vec::new();
+    let mut scratch = take_buf(enc.iter().map(Vec::len).max().unwrap_or(0) * 2);
     for s in 0..m.saturating_sub(1) {
         let send_c = (me + 2 * m - s - 1) % m;
         let recv_c = (me + 2 * m - s - 2) % m;
@@ -628,6 +750,7 @@ fn exact_ring_rs<C: Communicator + ?Sized>(
         )?;
         enc[recv_c] = std::mem::replace(&mut scratch, mine);
     }
+    give_back(scratch);
     Ok(())
 }
 
@@ -729,6 +852,34 @@ fn exact_rd_all_reduce<C: Communicator + ?Sized>(
     Ok(())
 }
 
+thread_local! {
+    /// Byte buffers reused across calls on this thread (each local rank is
+    /// a thread), so that encodings do not page-fault fresh memory per call.
+    static POOL: std::cell::RefCell<Vec<Vec<u8>>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+fn take_buf(cap: usize) -> Vec<u8> {
+    let mut v = POOL.with(|p| {
+        let mut p = p.borrow_mut();
+        match p.iter().position(|b| b.capacity() >= cap) {
+            Some(i) => p.swap_remove(i),
+            None => p.pop().unwrap_or_default(),
+        }
+    });
+    v.clear();
+    v.reserve(cap);
+    v
+}
+
+fn give_back(v: Vec<u8>) {
+    POOL.with(|p| {
+        let mut p = p.borrow_mut();
+        if p.len() < 8 {
+            p.push(v);
+        }
+    });
+}
+
 fn encode_chunks(dtype: Dtype, bytes: &[u8], m: usize) -> (Vec<Vec<u8>>, Vec<usize>) {
     let es = dtype.size_bytes();
     let len = bytes.len() / es;
@@ -736,7 +887,7 @@ fn encode_chunks(dtype: Dtype, bytes: &[u8], m: usize) -> (Vec<Vec<u8>>, Vec<usi
     let mut lens = Vec::with_capacity(m);
     for i in 0..m {
         let r = shard_range(len, m, i);
-        let mut v = Vec::with_capacity(r.len() * 8 + 64);
+        let mut v = take_buf(r.len() * 8 + 64);
         encode_buf(dtype, &bytes[r.start * es..r.end * es], &mut v);
         enc.push(v);
         lens.push(r.len());
@@ -804,6 +955,7 @@ pub(crate) fn all_reduce<C: Communicator + ?Sized>(
             if op == ReduceOp::Avg {
                 finish_avg(dtype, part, n);
             }
+            enc.into_iter().for_each(give_back);
             ring_all_gather(c, ctx, 1 << 20, &all, me, bytes, es)?;
         }
     }
@@ -839,6 +991,7 @@ pub(crate) fn reduce_scatter<C: Communicator + ?Sized>(
             let (mut enc, lens) = encode_chunks(dtype, input.bytes(), n);
             exact_ring_rs(c, ctx, 0, &all, me, &mut enc, &lens)?;
             decode_buf(dtype, &enc[me], out)?;
+            enc.into_iter().for_each(give_back);
         }
     }
     if op == ReduceOp::Avg {
