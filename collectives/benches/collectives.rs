@@ -164,10 +164,10 @@ fn main() {
             );
             if op == Op::AllReduce(Algorithm::Ring, false) {
                 ring.insert(bytes, t);
-            } else if op == Op::AllReduce(Algorithm::Ring, true) {
-                if let Some(tr) = ring.get(&bytes) {
-                    println!("{:<28} reproducible / plain ring time = {:.2}x", "", t / tr);
-                }
+            } else if op == Op::AllReduce(Algorithm::Ring, true)
+                && let Some(tr) = ring.get(&bytes)
+            {
+                println!("{:<28} reproducible / plain ring time = {:.2}x", "", t / tr);
             }
             bytes *= 4;
         }
