@@ -190,15 +190,15 @@ impl AsyncSaver {
         state: &TrainerState,
     ) -> Option<Result<SaveOutcome>> {
         let prev = self.wait();
+        let src = ranks;
         let mut pool = std::mem::take(&mut self.pool);
-        let ranks = ranks
+        let mut ranks: Vec<Vec<OwnedShard>> = ranks
             .iter()
             .map(|r| {
                 r.iter()
                     .map(|s| {
                         let mut data = pool.pop().unwrap_or_default();
-                        data.clear();
-                        data.extend_from_slice(s.data);
+                        data.resize(s.data.len(), 0);
                         OwnedShard {
                             name: s.name.to_owned(),
                             dtype: s.dtype,
@@ -210,6 +210,24 @@ impl AsyncSaver {
                     .collect()
             })
             .collect();
+        // The copy itself, on as many threads as the writer may use.
+        let mut pairs: Vec<(&mut [u8], &[u8])> = ranks
+            .iter_mut()
+            .flatten()
+            .zip(src.iter().flatten())
+            .map(|(d, s)| (d.data.as_mut_slice(), s.data))
+            .collect();
+        let threads = self.opts.threads.clamp(1, pairs.len().max(1));
+        let per = pairs.len().div_ceil(threads).max(1);
+        std::thread::scope(|sc| {
+            for group in pairs.chunks_mut(per) {
+                sc.spawn(move || {
+                    for (d, s) in group.iter_mut() {
+                        d.copy_from_slice(s);
+                    }
+                });
+            }
+        });
         let snapshot = Snapshot {
             step,
             layout: layout.clone(),
