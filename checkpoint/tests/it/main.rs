@@ -3,6 +3,7 @@
 mod corrupt;
 mod faults;
 mod fuzz;
+mod kill;
 mod lifecycle;
 mod props;
 mod python;
