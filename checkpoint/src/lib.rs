@@ -148,6 +148,49 @@
 //! `rank-NNNNN.safetensors` (no separators, so no path leaves the folder);
 //! tensors have at most 16 dimensions; all sizes are checked for overflow.
 //!
+//! # Tools
+//! The `weft ckpt` subcommands (in the trainer binary) are thin wrappers:
+//! * `verify DIR`: [`Checkpoint::open`] then [`Checkpoint::verify`]; the
+//!   error names the file, tensor and byte range of any corruption.
+//! * `info DIR`: print [`Checkpoint::info`].
+//! * `reshard DIR --to LAYOUT OUT`: [`TargetLayout::parse`] (`N` or
+//!   `N:dimD`) then [`reshard`].
+//! * `export DIR --hf OUT`: [`export_hf_gpt2`].
+//!
+//! # Saving from a training loop
+//! ```no_run
+//! # use weft_checkpoint::*;
+//! # fn shards() -> Vec<Vec<ShardData<'static>>> { vec![] }
+//! let mut saver = AsyncSaver::new("run/checkpoints".as_ref(), SaveOptions::default())?
+//!     .with_retention(Retention::new(3, Some(1000)));
+//! for step in 1..=10_000u64 {
+//!     // ... forward, backward, optimizer step ...
+//!     if step % 500 == 0 {
+//!         let state = TrainerState { optimizer_step: step, ..Default::default() };
+//!         // Blocks only to copy into host buffers (and if the previous save
+//!         // is still writing); returns the previous save's result.
+//!         if let Some(prev) = saver.save_from(step, &Layout::flat("dp", 1), &shards(), &state) {
+//!             prev?;
+//!         }
+//!     }
+//! }
+//! saver.wait().transpose()?;
+//! # Ok::<(), weft_checkpoint::Error>(())
+//! ```
+//!
+//! # Testing, fuzzing, benchmarks
+//! * `cargo test -p weft-checkpoint`: unit, property, fault-injection,
+//!   SIGKILL, corruption and bounded fuzz tests. Two interop tests run an
+//!   independent Python reader (`tests/python/weft_ckpt_check.py`: the
+//!   `safetensors` package, and `transformers` for the GPT-2 export); they
+//!   use `$WEFT_PYTHON`, else `~/.cache/weft-venv/bin/python`, else
+//!   `python3`, and print `SKIPPED` when the modules are missing.
+//! * `cd checkpoint/fuzz && cargo +nightly fuzz run manifest` (also
+//!   `safetensors_header`, `open_checkpoint`).
+//! * `cargo bench -p weft-checkpoint --bench throughput`: save and load
+//!   GB/s next to the disk's raw sequential write and read measured in the
+//!   same run, and the step stall of async vs sync saves.
+//!
 //! # Crate features
 //! None. Saving in the background uses a private tokio runtime.
 
