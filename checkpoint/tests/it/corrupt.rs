@@ -193,3 +193,25 @@ fn bad_latest_pointer_does_not_stop_loading() {
     let l = load_latest(dir.path(), VerifyLevel::Full).unwrap().unwrap();
     assert_eq!(l.checkpoint.step(), 2);
 }
+
+#[test]
+fn reads_touch_only_the_shards_they_need() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_, b) = two_checkpoints(dir.path());
+    let ck = Checkpoint::open(&b).unwrap();
+    // Corrupt rank 1's rows of wte (rows 6..13); rows 0..6 live on rank 0.
+    let s = &ck.manifest().tensors["wte.weight"].shards[1];
+    assert_eq!(s.offsets, vec![6, 0]);
+    let file = b.join(&s.file);
+    let mut bytes = fs::read(&file).unwrap();
+    bytes[s.byte_offset as usize] ^= 1;
+    fs::write(&file, bytes).unwrap();
+    let top = weft_checkpoint::Region::new(vec![0, 0], vec![6, 8]);
+    assert_eq!(
+        ck.read_region("wte.weight", &top).unwrap(),
+        crate::util::slice(&model(2)[0], &top)
+    );
+    let bottom = weft_checkpoint::Region::new(vec![5, 0], vec![2, 8]);
+    let err = ck.read_region("wte.weight", &bottom).unwrap_err();
+    assert!(matches!(err, Error::Checksum { chunk: 0, .. }), "{err}");
+}
