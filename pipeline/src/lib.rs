@@ -1,8 +1,19 @@
-//! Pipeline parallelism: schedules and the bubble.
+//! Pipeline parallelism: schedules, their validation, and their bubble.
 //!
-//! This crate will own schedule generators (GPipe, 1F1B, interleaved 1F1B,
-//! zero-bubble ZB-H1/ZB-H2 and a bidirectional schedule), a validator, a
-//! simulator that predicts bubble fraction and peak activation memory, a stage
-//! partitioner, trace export and an executor over real stages.
-//!
-//! Nothing is implemented yet. See the pipeline issue for the plan.
+//! (crate docs are completed below)
+
+#![deny(missing_docs)]
+
+mod error;
+mod generate;
+mod schedule;
+mod simulate;
+mod validate;
+
+pub use error::{Error, Result, Wait};
+pub use generate::{
+    ScheduleKind, gpipe, interleaved, list_schedule, one_f_one_b, zb_h1, zb_h2, zb_v,
+};
+pub use schedule::{Action, ActionKind, Placement, Schedule};
+pub use simulate::{ChunkCost, Costs, Slot, Timeline, simulate, steady_state_period};
+pub use validate::{validate, validate_with_limit};
