@@ -126,3 +126,11 @@ proptest! {
         }
     }
 }
+
+#[test]
+fn fuzz_seed_manifest_is_valid() {
+    let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz/seeds/manifest/two-ranks.json");
+    let m = Manifest::from_json(&fs::read(&p).unwrap(), &p).unwrap();
+    assert_eq!(m.tensors.len(), 4);
+    assert_eq!(Manifest::from_json(&m.to_json(), &p).unwrap(), m);
+}
