@@ -26,6 +26,9 @@ impl<'a, T> View<'a, T> {
     }
 }
 
+/// Widest column block passed to `gemm` in one call.
+const N_BLOCK: usize = 4096;
+
 fn last_index(rows: usize, cols: usize, rs: usize, cs: usize) -> usize {
     (rows - 1) * rs + (cols - 1) * cs
 }
@@ -60,6 +63,36 @@ pub(crate) fn gemm<T: Real>(
         last_index(m, n, dst_rs, 1) < dst.len(),
         "gemm: dst out of bounds"
     );
+    if n > N_BLOCK && k > 0 {
+        // `gemm` packs a kc × n panel of the right-hand side into a buffer it
+        // allocates on every call; for n in the tens of thousands (the
+        // vocabulary) that is a fresh 50–100 MB mapping per call, and the
+        // kernel spends much of its time zeroing new pages. Column blocks
+        // keep the buffer small enough for the allocator to reuse. Each
+        // output element is still one dot product over all of k in the same
+        // order, so results do not change.
+        for j0 in (0..n).step_by(N_BLOCK) {
+            let nb = N_BLOCK.min(n - j0);
+            let bb = View {
+                data: &b.data[j0 * b.cs..],
+                rs: b.rs,
+                cs: b.cs,
+            };
+            gemm(
+                m,
+                nb,
+                k,
+                &mut dst[j0..],
+                dst_rs,
+                accumulate,
+                a,
+                bb,
+                scale,
+                threads,
+            );
+        }
+        return;
+    }
     if k == 0 {
         if !accumulate {
             for i in 0..m {

@@ -283,6 +283,22 @@ mod tests {
     }
 
     #[test]
+    fn wide_outputs_are_computed_in_column_blocks_exactly() {
+        // oc above the 4096-column block of the gemm wrapper.
+        let (b, t, c, oc) = (2, 2, 3, 4100);
+        let x = rand_vec(b * t * c, 11);
+        let w = rand_vec(c * oc, 12);
+        let mut out = vec![0.0; b * t * oc];
+        matmul_forward_wt(&mut out, &x, &w, None, b, t, c, oc, Mode::BatchInvariant).unwrap();
+        for r in 0..b * t {
+            for o in 0..oc {
+                let want: f64 = (0..c).map(|i| x[r * c + i] * w[o * c + i]).sum();
+                assert!((out[r * oc + o] - want).abs() < 1e-12);
+            }
+        }
+    }
+
+    #[test]
     fn gradients_match_finite_differences() {
         let (b, t, c, oc) = (2, 3, 4, 5);
         for with_bias in [true, false] {

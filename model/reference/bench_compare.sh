@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Runs weft's train_step bench and the PyTorch baseline back to back on the
+# same machine with the same thread count, then prints tokens/s ratios.
+#
+#   PYTHON=/path/to/venv/bin/python model/reference/bench_compare.sh [a|b]... [--steps N]
+#
+# Needs a Python with torch and transformers (see make_fixtures.py).
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+PYTHON=${PYTHON:-python3}
+THREADS=${RAYON_NUM_THREADS:-$(nproc)}
+export RAYON_NUM_THREADS=$THREADS
+weft=$(cargo bench -q -p weft-model --bench train_step -- "$@")
+torch=$("$PYTHON" model/reference/bench_torch.py --threads "$THREADS" "$@")
+echo "## weft"; echo "$weft"; echo; echo "## PyTorch"; echo "$torch"; echo
+echo "| config | weft tokens/s | PyTorch tokens/s | ratio | weft GFLOP/s |"
+echo "|---|---|---|---|---|"
+join -t'|' <(echo "$weft" | awk -F'|' '/^\| [ab] /{gsub(/ /,"",$2); print $2"|"$9"|"$10}' | sort) \
+           <(echo "$torch" | awk -F'|' '/^\| [ab] /{gsub(/ /,"",$2); print $2"|"$8}' | sort) |
+  awk -F'|' '{printf "| %s | %s | %s | %.2fx | %s |\n", $1, $2, $4, $2/$4, $3}'

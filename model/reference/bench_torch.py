@@ -1,0 +1,67 @@
+"""PyTorch baseline for weft's train_step bench: the same two configurations,
+transformers' GPT2LMHeadModel (dropout 0, default attention implementation), AdamW, on the
+CPU with the same thread count.
+
+    python model/reference/bench_torch.py [a|b]... [--steps N] [--threads N]
+
+Prints a table in the same format as `cargo bench -p weft-model --bench
+train_step`, counting FLOPs the same way (6·N per token, N = all
+parameters with the tied head once, plus 6·L·T·C per token for causal
+attention). Tokens/s use the best (shortest) timed step, as weft's bench.
+"""
+
+import argparse
+import time
+
+import torch
+import torch.nn.functional as F
+from transformers import GPT2Config, GPT2LMHeadModel
+
+CASES = {
+    "a": dict(n_layer=4, n_head=4, n_embd=256, vocab_size=50304, n_positions=1024, b=8, t=256),
+    "b": dict(n_layer=12, n_head=12, n_embd=768, vocab_size=50257, n_positions=1024, b=4, t=256),
+}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("cases", nargs="*", default=["a", "b"])
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    print(f"torch {torch.__version__}, threads: {torch.get_num_threads()}, steps: {args.steps} (after 1 warm-up)")
+    print("| config | params | B | T | best s/step | mean s/step | tokens/s | GFLOP/s |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name in args.cases:
+        c = dict(CASES[name])
+        b, t = c.pop("b"), c.pop("t")
+        cfg = GPT2Config(**c, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, activation_function="gelu_new")
+        torch.manual_seed(0)
+        model = GPT2LMHeadModel(cfg).train()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
+        x = torch.randint(0, cfg.vocab_size, (b, t))
+        y = torch.randint(0, cfg.vocab_size, (b, t))
+
+        def step():
+            opt.zero_grad(set_to_none=True)
+            logits = model(x).logits
+            loss = F.cross_entropy(logits.reshape(-1, cfg.vocab_size), y.reshape(-1))
+            loss.backward()
+            opt.step()
+
+        step()
+        times = []
+        for _ in range(args.steps):
+            start = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - start)
+        secs, mean = min(times), sum(times) / len(times)
+        n = sum(p.numel() for p in model.parameters())
+        flops_per_token = 6 * n + 6 * cfg.n_layer * t * cfg.n_embd
+        tps = b * t / secs
+        print(f"| {name} | {n / 1e6:.1f}M | {b} | {t} | {secs:.3f} | {mean:.3f} | {tps:.0f} | {tps * flops_per_token / 1e9:.1f} |")
+
+
+if __name__ == "__main__":
+    main()
