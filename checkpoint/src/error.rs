@@ -49,10 +49,13 @@ pub enum Error {
         reason: String,
     },
     /// A shard file is shorter than the manifest says.
-    #[error("{path}: truncated: manifest records {expected} bytes, file has {actual}")]
+    #[error("{path}: truncated: manifest records {expected} bytes, file has {actual}{}",
+        if tensors.is_empty() { String::new() } else { format!("; tensors cut: {}", tensors.join(", ")) })]
     Truncated {
         /// The shard file.
         path: PathBuf,
+        /// Tensors whose bytes run past the end of the file (first few).
+        tensors: Vec<String>,
         /// Size recorded in the manifest.
         expected: u64,
         /// Size found on disk.

@@ -71,8 +71,8 @@ impl Checkpoint {
         }
         for fe in &manifest.files {
             let path = dir.join(&fe.name);
-            let header = read_file_header(&path, fe)?;
             let expected = by_file.remove(fe.name.as_str()).unwrap_or_default();
+            let header = read_file_header(&path, fe, &expected)?;
             if header.entries.len() != expected.len() {
                 return Err(Error::Mismatch {
                     path,
@@ -273,12 +273,22 @@ impl Checkpoint {
     }
 }
 
-fn read_file_header(path: &Path, fe: &FileEntry) -> Result<SafetensorsHeader> {
+fn read_file_header(
+    path: &Path,
+    fe: &FileEntry,
+    shards: &[(&str, Dtype, &ShardEntry)],
+) -> Result<SafetensorsHeader> {
     let mut f = File::open(path).ctx("open", path)?;
     let len = f.metadata().ctx("stat", path)?.len();
     if len < fe.bytes {
         return Err(Error::Truncated {
             path: path.to_owned(),
+            tensors: shards
+                .iter()
+                .filter(|s| s.2.byte_offset + s.2.byte_len > len)
+                .take(8)
+                .map(|s| s.0.to_owned())
+                .collect(),
             expected: fe.bytes,
             actual: len,
         });
@@ -336,6 +346,7 @@ impl<'a> ShardReader<'a> {
                 let actual = self.file.metadata().map(|m| m.len()).unwrap_or(0);
                 Error::Truncated {
                     path: self.path.to_owned(),
+                    tensors: vec![self.tensor.to_owned()],
                     expected: self.entry.byte_offset + start + buf.len() as u64,
                     actual,
                 }

@@ -85,6 +85,7 @@ fn truncated_file_is_named() {
     let err = Checkpoint::open(&b).unwrap_err();
     assert!(matches!(err, Error::Truncated { .. }), "{err}");
     assert!(err.to_string().contains("rank-00000.safetensors"), "{err}");
+    assert!(err.to_string().contains("tensors cut: "), "{err}");
     let l = load_latest(dir.path(), VerifyLevel::Structure)
         .unwrap()
         .unwrap();
