@@ -580,3 +580,71 @@ impl Manifest {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn r(o: &[u64], s: &[u64]) -> Region {
+        Region::new(o.to_vec(), s.to_vec())
+    }
+
+    #[test]
+    fn tiling_accepts_rows_columns_and_grids() {
+        let mut b = u64::MAX;
+        let g = [4u64, 6];
+        assert!(check_tiling(&g, &[r(&[0, 0], &[2, 6]), r(&[2, 0], &[2, 6])], &mut b).is_ok());
+        assert!(check_tiling(&g, &[r(&[0, 0], &[4, 3]), r(&[0, 3], &[4, 3])], &mut b).is_ok());
+        let grid: Vec<Region> = (0..2)
+            .flat_map(|i| (0..3).map(move |j| r(&[2 * i, 2 * j], &[2, 2])))
+            .collect();
+        assert!(check_tiling(&g, &grid, &mut b).is_ok());
+        assert!(check_tiling(&[], &[r(&[], &[])], &mut b).is_ok());
+        assert!(check_tiling(&[0, 3], &[], &mut b).is_ok());
+    }
+
+    #[test]
+    fn tiling_rejects_overlap_gap_and_duplicates() {
+        let mut b = u64::MAX;
+        let g = [4u64, 6];
+        let e = check_tiling(&g, &[r(&[0, 0], &[3, 6]), r(&[2, 0], &[2, 6])], &mut b).unwrap_err();
+        assert!(e.contains("overlaps"), "{e}");
+        let e = check_tiling(&g, &[r(&[0, 0], &[2, 6]), r(&[3, 0], &[1, 6])], &mut b).unwrap_err();
+        assert!(e.contains("gap at index [2, 0]"), "{e}");
+        // A replicated tensor saved by two ranks.
+        let e = check_tiling(&g, &[r(&[0, 0], &[4, 6]), r(&[0, 0], &[4, 6])], &mut b).unwrap_err();
+        assert!(e.contains("overlaps"), "{e}");
+        assert!(check_tiling(&g, &[], &mut b).is_err());
+        let mut small = 3;
+        let e = check_tiling(&g, &[r(&[0, 0], &[2, 6]), r(&[2, 0], &[2, 6])], &mut small);
+        assert!(e.is_ok(), "two cells fit a budget of three");
+        assert!(check_tiling(&g, &[r(&[0, 0], &[2, 6]), r(&[2, 0], &[2, 6])], &mut small).is_err());
+    }
+
+    #[test]
+    fn file_names_cannot_escape() {
+        assert!(valid_file_name("rank-00000.safetensors"));
+        assert!(valid_file_name("rank-1234567.safetensors"));
+        for bad in [
+            "../rank-00000.safetensors",
+            "rank-0000.safetensors",
+            "rank-00000.safetensors/..",
+            "rank-0000a.safetensors",
+            "/etc/passwd",
+            "",
+        ] {
+            assert!(!valid_file_name(bad), "{bad}");
+        }
+        assert_eq!(file_name(7), "rank-00007.safetensors");
+    }
+
+    #[test]
+    fn hex_bytes_round_trip() {
+        let h = HexBytes(vec![0, 1, 0xab, 0xff]);
+        let j = serde_json::to_string(&h).unwrap();
+        assert_eq!(j, "\"0001abff\"");
+        assert_eq!(serde_json::from_str::<HexBytes>(&j).unwrap(), h);
+        assert!(serde_json::from_str::<HexBytes>("\"abc\"").is_err());
+        assert!(serde_json::from_str::<HexBytes>("\"zz\"").is_err());
+    }
+}
