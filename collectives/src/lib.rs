@@ -24,6 +24,8 @@
 //! - [`Mesh`]: named N-d device mesh, tp fastest.
 //! - [`repro`]: the exact, compact encoding behind the reproducible mode.
 //! - [`LocalCluster`] / [`LocalComm`]: the thread backend.
+//! - `MpiComm` (feature `mpi`): MPI processes; `NcclComm` (feature `nccl`):
+//!   NCCL on GPUs.
 //!
 //! # The Communicator design
 //! The trait has a handful of *required* primitives and builds every
@@ -86,6 +88,12 @@
 //!
 //! # Crate features
 //! - *(default)*: the `local` thread backend only; no native dependencies.
+//! - `mpi`: `MpiComm`, the backend over MPI processes (the `mpi` crate; needs
+//!   an MPI library, `mpicc` and libclang to build — on Debian
+//!   `libopenmpi-dev openmpi-bin libclang-dev`). Every algorithm of this
+//!   crate runs over MPI point-to-point; `Auto` f32/f64 sums use the
+//!   library's own all-reduce. `tests/mpi.rs` runs the suite under
+//!   `mpirun -np 4`.
 #![deny(missing_docs)]
 
 mod algo;
@@ -93,6 +101,8 @@ mod comm;
 mod error;
 mod local;
 mod mesh;
+#[cfg(feature = "mpi")]
+mod mpi_backend;
 mod reduce;
 pub mod repro;
 mod types;
@@ -101,6 +111,8 @@ pub use comm::{Communicator, CommunicatorExt, Pending};
 pub use error::{Error, LossCause, Result};
 pub use local::{DEFAULT_TIMEOUT, LocalCluster, LocalComm};
 pub use mesh::Mesh;
+#[cfg(feature = "mpi")]
+pub use mpi_backend::{MPI_DEFAULT_TIMEOUT, MPI_MAX_TAG, MpiComm, MpiCommBuilder};
 pub use types::{
     Algorithm, Buf, BufMut, Incoming, LinkClass, OpCtx, OpKind, Outgoing, ReduceOp, ReduceOptions,
     SMALL_MESSAGE_BYTES, Signature, Sink, Topology, Traffic, TrafficCounters, shard_range,

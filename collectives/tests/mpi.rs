@@ -1,0 +1,389 @@
+//! The collectives over MPI processes (feature `mpi`), against a serial
+//! reference computed by every rank.
+//!
+//! Run by `cargo test -p weft-collectives --features mpi`: when started
+//! outside `mpirun`, this binary relaunches itself as
+//! `mpirun --allow-run-as-root --oversubscribe -np 4 <itself>` (set
+//! `WEFT_MPIRUN` to use another launcher, `WEFT_MPI_NP` for another rank
+//! count). Or run it directly under `mpirun`; every rank checks its own
+//! results and exits non-zero on the first failure, which fails the job.
+#![allow(clippy::print_stdout, clippy::print_stderr)]
+
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use weft_collectives::{
+    Algorithm, Communicator, CommunicatorExt, Element, Error, Mesh, MpiComm, ReduceOp,
+    ReduceOptions, Topology, bf16, f16, shard_range,
+};
+use weft_numerics::ExactSum;
+
+fn under_mpirun() -> bool {
+    [
+        "OMPI_COMM_WORLD_SIZE",
+        "PMI_SIZE",
+        "PMIX_RANK",
+        "MPI_LOCALNRANKS",
+    ]
+    .iter()
+    .any(|v| std::env::var_os(v).is_some())
+}
+
+fn main() {
+    if !under_mpirun() {
+        let me = std::env::current_exe().expect("own path");
+        let launcher = std::env::var("WEFT_MPIRUN").unwrap_or_else(|_| "mpirun".into());
+        let np = std::env::var("WEFT_MPI_NP").unwrap_or_else(|_| "4".into());
+        eprintln!("mpi tests: launching {launcher} -np {np} {}", me.display());
+        let status = Command::new(&launcher)
+            .args(["--allow-run-as-root", "--oversubscribe", "-np", &np])
+            .arg(&me)
+            .status()
+            .unwrap_or_else(|e| panic!("cannot start `{launcher}` (install openmpi-bin): {e}"));
+        assert!(status.success(), "{launcher} -np {np}: {status}");
+        return;
+    }
+    let t0 = Instant::now();
+    let comm = MpiComm::builder()
+        .topology(Topology::new(2))
+        .timeout(Duration::from_secs(60))
+        .init()
+        .expect("MPI initialises");
+    let mut checks = 0usize;
+    every_op_matches_the_serial_reference(&comm, &mut checks);
+    native_all_reduce_and_its_traffic(&comm, &mut checks);
+    reproducible_mode_equals_exact_sum(&comm, &mut checks);
+    split_mesh_send_recv_and_non_blocking(&comm, &mut checks);
+    mismatches_and_timeouts_are_errors(&comm, &mut checks);
+    comm.barrier().expect("final barrier");
+    if comm.rank() == 0 {
+        println!(
+            "mpi tests: {checks} checks passed on each of {} ranks in {:.1?}",
+            comm.size(),
+            t0.elapsed()
+        );
+    }
+}
+
+/// Small integers: every partial sum is exact in every dtype, so every
+/// algorithm must match the reference bit for bit.
+fn contribution(seed: u64, rank: usize, len: usize) -> Vec<f64> {
+    let mut s = seed ^ (rank as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    (0..len)
+        .map(|_| {
+            s = s
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((s >> 33) % 17) as f64 - 8.0
+        })
+        .collect()
+}
+
+fn reference(op: ReduceOp, cols: &[Vec<f64>]) -> Vec<f64> {
+    let n = cols.len();
+    (0..cols[0].len())
+        .map(|i| {
+            let it = cols.iter().map(|c| c[i]);
+            match op {
+                ReduceOp::Sum => it.sum(),
+                ReduceOp::Avg => it.sum::<f64>() / n as f64,
+                ReduceOp::Max => it.fold(f64::NEG_INFINITY, f64::max),
+                ReduceOp::Min => it.fold(f64::INFINITY, f64::min),
+            }
+        })
+        .collect()
+}
+
+fn conv<T: Element>(xs: &[f64]) -> Vec<T> {
+    xs.iter().map(|&x| T::from_f64(x)).collect()
+}
+
+fn bits<T: Element>(xs: &[T]) -> Vec<u64> {
+    xs.iter().map(|x| x.to_f64().to_bits()).collect()
+}
+
+fn check_dtype<T: Element>(c: &dyn Communicator, len: usize, seed: u64, alg: Algorithm) -> usize {
+    let (n, r) = (c.size(), c.rank());
+    let cols: Vec<Vec<f64>> = (0..n).map(|q| contribution(seed, q, len)).collect();
+    let mine: Vec<T> = conv(&cols[r]);
+    let what = |op: &str| format!("{op} {} len {len} {alg:?} on rank {r}", T::DTYPE);
+    let mut k = 0;
+    for op in [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max, ReduceOp::Min] {
+        let want: Vec<T> = conv(&reference(op, &cols));
+        let opts = ReduceOptions::new(op).algorithm(alg);
+        let mut b = mine.clone();
+        c.all_reduce_with(&mut b, &opts)
+            .unwrap_or_else(|e| panic!("{}: {e}", what("all_reduce")));
+        assert_eq!(bits(&b), bits(&want), "{} {op:?}", what("all_reduce"));
+        let sr = shard_range(len, n, r);
+        let mut out = vec![T::ZERO; sr.len()];
+        c.reduce_scatter_with(&mine, &mut out, &opts)
+            .unwrap_or_else(|e| panic!("{}: {e}", what("reduce_scatter")));
+        assert_eq!(
+            bits(&out),
+            bits(&want[sr]),
+            "{} {op:?}",
+            what("reduce_scatter")
+        );
+        k += 2;
+    }
+    // all-gather of each rank's shard of its contribution
+    let full: Vec<T> = (0..n)
+        .flat_map(|q| conv::<T>(&cols[q][shard_range(len, n, q)]))
+        .collect();
+    let mut out = vec![T::ZERO; len];
+    c.all_gather_with(&mine[shard_range(len, n, r)], &mut out, alg)
+        .unwrap_or_else(|e| panic!("{}: {e}", what("all_gather")));
+    assert_eq!(bits(&out), bits(&full), "{}", what("all_gather"));
+    let root = (seed as usize) % n;
+    let mut b = mine.clone();
+    c.broadcast(&mut b, root)
+        .unwrap_or_else(|e| panic!("{}: {e}", what("broadcast")));
+    assert_eq!(
+        bits(&b),
+        bits(&conv::<T>(&cols[root])),
+        "{}",
+        what("broadcast")
+    );
+    let mut b = mine.clone();
+    c.reduce(&mut b, root, ReduceOp::Sum)
+        .unwrap_or_else(|e| panic!("{}: {e}", what("reduce")));
+    if r == root {
+        let want: Vec<T> = conv(&reference(ReduceOp::Sum, &cols));
+        assert_eq!(bits(&b), bits(&want), "{}", what("reduce"));
+    }
+    // all-to-all-v: rank i sends (seed + 3i + 5j) % 4 elements to rank j
+    let count = |i: usize, j: usize| ((seed as usize) + 3 * i + 5 * j) % 4;
+    let send_counts: Vec<usize> = (0..n).map(|j| count(r, j)).collect();
+    let recv_counts: Vec<usize> = (0..n).map(|i| count(i, r)).collect();
+    let value = |i: usize, j: usize, e: usize| T::from_f64((100 * i + 10 * j + e) as f64);
+    let send: Vec<T> = (0..n)
+        .flat_map(|j| (0..count(r, j)).map(move |e| value(r, j, e)))
+        .collect();
+    let want: Vec<T> = (0..n)
+        .flat_map(|i| (0..count(i, r)).map(move |e| value(i, r, e)))
+        .collect();
+    let mut recv = vec![T::ZERO; want.len()];
+    c.all_to_all_v(&send, &send_counts, &mut recv, &recv_counts)
+        .unwrap_or_else(|e| panic!("{}: {e}", what("all_to_all_v")));
+    assert_eq!(bits(&recv), bits(&want), "{}", what("all_to_all_v"));
+    k + 4
+}
+
+fn every_op_matches_the_serial_reference(c: &MpiComm, checks: &mut usize) {
+    let algs = [
+        Algorithm::Auto,
+        Algorithm::Ring,
+        Algorithm::RecursiveDoubling,
+        Algorithm::Hierarchical,
+    ];
+    for (i, &len) in [0usize, 1, 7, 1000, 40_003].iter().enumerate() {
+        for (j, &alg) in algs.iter().enumerate() {
+            if alg == Algorithm::Hierarchical && !c.size().is_multiple_of(2) {
+                continue; // domains of 2 ranks need an even world
+            }
+            let seed = (i * 10 + j) as u64;
+            *checks += check_dtype::<f32>(c, len, seed, alg);
+            *checks += check_dtype::<f64>(c, len, seed, alg);
+            *checks += check_dtype::<f16>(c, len, seed, alg);
+            *checks += check_dtype::<bf16>(c, len, seed, alg);
+        }
+    }
+}
+
+fn native_all_reduce_and_its_traffic(c: &MpiComm, checks: &mut usize) {
+    let (n, r) = (c.size(), c.rank());
+    let len = 1 << 18;
+    let cols: Vec<Vec<f64>> = (0..n).map(|q| contribution(99, q, len)).collect();
+    let mut b: Vec<f32> = conv(&cols[r]);
+    let before = c.traffic();
+    c.all_reduce(&mut b, ReduceOp::Avg)
+        .expect("native all_reduce");
+    assert_eq!(
+        bits(&b),
+        bits(&conv::<f32>(&reference(ReduceOp::Avg, &cols)))
+    );
+    let t = c.traffic().since(&before);
+    let s = 4 * len;
+    assert_eq!(
+        t.sent_by(weft_collectives::OpKind::AllReduce) as usize,
+        2 * (n - 1) * s / n,
+        "native all-reduce traffic is the textbook volume"
+    );
+    // an explicit ring over exchange moves exactly the textbook volume
+    let before = c.traffic();
+    let mut b: Vec<f32> = conv(&cols[r]);
+    c.all_reduce_with(
+        &mut b,
+        &ReduceOptions::new(ReduceOp::Sum).algorithm(Algorithm::Ring),
+    )
+    .expect("ring all_reduce");
+    let t = c.traffic().since(&before);
+    let sent = t.sent_by(weft_collectives::OpKind::AllReduce) as usize;
+    let per_step: usize = (0..n).map(|q| shard_range(len, n, q).len() * 4).sum();
+    assert_eq!(per_step, s);
+    assert!(
+        sent.abs_diff(2 * (n - 1) * s / n) <= 2 * n * 4,
+        "ring sent {sent} bytes, textbook {}",
+        2 * (n - 1) * s / n
+    );
+    *checks += 3;
+}
+
+fn reproducible_mode_equals_exact_sum(c: &MpiComm, checks: &mut usize) {
+    let (n, r) = (c.size(), c.rank());
+    let len = 5001;
+    let col = |q: usize| -> Vec<f32> {
+        let mut s = 0x1234_5678_9abc_def1u64 ^ (q as u64 * 7919);
+        (0..len)
+            .map(|_| {
+                s ^= s << 13;
+                s ^= s >> 7;
+                s ^= s << 17;
+                let m = ((s >> 40) as f32) / (1u64 << 24) as f32;
+                let e = ((s >> 8) % 40) as i32 - 30;
+                if s.is_multiple_of(2) {
+                    m * 2f32.powi(e)
+                } else {
+                    -m * 2f32.powi(e)
+                }
+            })
+            .collect()
+    };
+    let want: Vec<f32> = (0..len)
+        .map(|i| {
+            let mut s = ExactSum::new();
+            for q in 0..n {
+                s.add(col(q)[i]);
+            }
+            s.round_to::<f32>()
+        })
+        .collect();
+    for alg in [
+        Algorithm::Ring,
+        Algorithm::RecursiveDoubling,
+        Algorithm::Hierarchical,
+    ] {
+        if alg == Algorithm::Hierarchical && !n.is_multiple_of(2) {
+            continue;
+        }
+        let opts = ReduceOptions::new(ReduceOp::Sum)
+            .algorithm(alg)
+            .reproducible(true);
+        let mut b = col(r);
+        c.all_reduce_with(&mut b, &opts)
+            .expect("reproducible all_reduce");
+        assert_eq!(bits(&b), bits(&want), "reproducible {alg:?}");
+        let sr = shard_range(len, n, r);
+        let mut out = vec![0f32; sr.len()];
+        c.reduce_scatter_with(&col(r), &mut out, &opts)
+            .expect("reproducible reduce_scatter");
+        assert_eq!(bits(&out), bits(&want[sr]), "reproducible rs {alg:?}");
+        *checks += 2;
+    }
+}
+
+fn split_mesh_send_recv_and_non_blocking(c: &MpiComm, checks: &mut usize) {
+    let (n, r) = (c.size(), c.rank());
+    // split into even and odd ranks, ordered by descending rank
+    let sub = c
+        .split((r % 2) as u32, (n - r) as u32)
+        .expect("split by parity");
+    let members: Vec<usize> = (0..n).rev().filter(|q| q % 2 == r % 2).collect();
+    assert_eq!(sub.size(), members.len());
+    assert_eq!(sub.world_rank_of(sub.rank()), r);
+    assert_eq!(
+        (0..sub.size())
+            .map(|q| sub.world_rank_of(q))
+            .collect::<Vec<_>>(),
+        members
+    );
+    let mut x = vec![r as f64; 3];
+    sub.all_reduce(&mut x, ReduceOp::Sum)
+        .expect("sub all_reduce");
+    assert_eq!(x[0], members.iter().sum::<usize>() as f64);
+    *checks += 2;
+    if n.is_multiple_of(2) {
+        let mesh = Mesh::new(c, &[("dp", n / 2), ("tp", 2)]).expect("mesh");
+        let tp = mesh.dim("tp").expect("tp");
+        let mut y = vec![r as f32; 5];
+        tp.all_reduce(&mut y, ReduceOp::Max).expect("tp all_reduce");
+        assert_eq!(y[0], (r | 1) as f32, "tp varies fastest");
+        *checks += 1;
+    }
+    // send/recv around the ring, buffered: send before receiving
+    let right = (r + 1) % n;
+    let left = (r + n - 1) % n;
+    for tag in [0u64, 7, 1 << 30] {
+        c.send(right, tag, &[r as f32, tag as f32])
+            .expect("send is buffered");
+    }
+    for tag in [0u64, 7, 1 << 30] {
+        let mut got = [0f32; 2];
+        c.recv(left, tag, &mut got).expect("recv");
+        assert_eq!(got, [left as f32, tag as f32]);
+    }
+    *checks += 1;
+    // a non-blocking all-reduce progresses while this rank does other work
+    let len = 1 << 16;
+    let p = c
+        .all_reduce_async(vec![1f32; len], ReduceOptions::new(ReduceOp::Sum))
+        .expect("start");
+    let mut z = vec![r as f32; 4];
+    c.all_reduce_with(
+        &mut z,
+        &ReduceOptions::new(ReduceOp::Sum).algorithm(Algorithm::Ring),
+    )
+    .expect("a later blocking op while the first is in flight");
+    assert_eq!(z[0], (n * (n - 1) / 2) as f32);
+    let v = p.wait().expect("wait");
+    assert!(v.iter().all(|&e| e == n as f32));
+    *checks += 2;
+}
+
+fn mismatches_and_timeouts_are_errors(c: &MpiComm, checks: &mut usize) {
+    let r = c.rank();
+    if c.size() < 2 {
+        return; // one rank cannot disagree with or wait for another
+    }
+    // native path: different lengths are caught by the signature exchange
+    let sub = c
+        .split_mpi(0, 0)
+        .expect("dup")
+        .with_timeout(Duration::from_secs(5));
+    let mut b = vec![1f32; if r == 0 { 10 } else { 11 }];
+    match sub.all_reduce(&mut b, ReduceOp::Sum) {
+        Err(Error::Mismatch { peer, .. }) => assert!(r == 0 || peer == 0),
+        other => panic!("rank {r}: expected a mismatch, got {other:?}"),
+    }
+    *checks += 1;
+    // exchange path: rank 0 skips the call; rank 1 waits for it and says so
+    let sub = c
+        .split_mpi(0, 0)
+        .expect("dup")
+        .with_timeout(Duration::from_secs(2));
+    if r != 0 {
+        let mut b = vec![1f32; 100];
+        let e = sub
+            .all_reduce_with(
+                &mut b,
+                &ReduceOptions::new(ReduceOp::Sum).algorithm(Algorithm::Ring),
+            )
+            .expect_err("rank 0 never arrives");
+        match e {
+            Error::Timeout { waiting_for, .. } => {
+                if r == 1 {
+                    assert_eq!(waiting_for, vec![0], "rank 1 waits for rank 0");
+                }
+            }
+            other => panic!("rank {r}: expected a timeout, got {other}"),
+        }
+    }
+    *checks += 1;
+    let e = c.send(c.size(), 0, &[1f32]).expect_err("bad peer");
+    assert!(matches!(e, Error::InvalidArgument { .. }));
+    let e = c.send(0, 1 << 40, &[1f32]).expect_err("tag too large");
+    assert!(e.to_string().contains("tag"), "{e}");
+    *checks += 2;
+    c.barrier().expect("barrier after the failures");
+}
