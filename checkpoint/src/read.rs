@@ -15,6 +15,8 @@ use crate::write::{LATEST_FILE, parse_step_dir};
 
 /// Bytes read per I/O call when a read does not land on whole chunks.
 const WINDOW_BYTES: u64 = 8 * 1024 * 1024;
+/// Reads of at least two pieces of this size are pipelined (read ‖ verify).
+const PIPELINE_PIECE_BYTES: u64 = 4 * 1024 * 1024;
 
 fn read_at(file: &File, offset: u64, buf: &mut [u8]) -> io::Result<()> {
     #[cfg(unix)]
@@ -341,6 +343,42 @@ impl<'a> ShardReader<'a> {
     /// Reads shard bytes `start..start+buf.len()` (chunk-aligned start,
     /// ending on a chunk boundary or at the shard's end) and verifies them.
     fn read_verified(&self, start: u64, buf: &mut [u8]) -> Result<()> {
+        let piece = ((PIPELINE_PIECE_BYTES / self.chunk).max(1) * self.chunk) as usize;
+        if buf.len() < 2 * piece {
+            self.read_raw(start, buf)?;
+            return self.verify(start, buf);
+        }
+        // Large reads: one thread reads piece k+1 while this one checksums
+        // piece k, so verification hides behind I/O.
+        std::thread::scope(|sc| {
+            let (tx, rx) = std::sync::mpsc::sync_channel::<(u64, &mut [u8])>(2);
+            let reader = sc.spawn(move || -> Result<()> {
+                let mut off = start;
+                for p in buf.chunks_mut(piece) {
+                    self.read_raw(off, p)?;
+                    let n = p.len() as u64;
+                    if tx.send((off, p)).is_err() {
+                        break; // the verifier stopped on an error
+                    }
+                    off += n;
+                }
+                Ok(())
+            });
+            let mut verified = Ok(());
+            for (off, p) in rx {
+                verified = self.verify(off, p);
+                if verified.is_err() {
+                    break;
+                }
+            }
+            let read = reader
+                .join()
+                .unwrap_or_else(|panic| std::panic::resume_unwind(panic));
+            verified.and(read)
+        })
+    }
+
+    fn read_raw(&self, start: u64, buf: &mut [u8]) -> Result<()> {
         read_at(self.file, self.entry.byte_offset + start, buf).map_err(|e| {
             if e.kind() == io::ErrorKind::UnexpectedEof {
                 let actual = self.file.metadata().map(|m| m.len()).unwrap_or(0);
@@ -357,7 +395,11 @@ impl<'a> ShardReader<'a> {
                     source: e,
                 }
             }
-        })?;
+        })
+    }
+
+    /// Checks `buf`, the shard's bytes from `start` (chunk-aligned).
+    fn verify(&self, start: u64, buf: &[u8]) -> Result<()> {
         let first = start / self.chunk;
         for (i, piece) in buf.chunks(self.chunk as usize).enumerate() {
             let k = first as usize + i;

@@ -216,3 +216,52 @@ fn reads_touch_only_the_shards_they_need() {
     let err = ck.read_region("wte.weight", &bottom).unwrap_err();
     assert!(matches!(err, Error::Checksum { chunk: 0, .. }), "{err}");
 }
+
+#[test]
+fn large_pipelined_reads_verify_every_piece() {
+    use weft_checkpoint::Dtype;
+    let dir = tempfile::tempdir().unwrap();
+    // 12 MiB in one shard: read in three 4 MiB pieces, read and verified in parallel.
+    let t = crate::util::tensor("big", Dtype::F32, &[3 * 1024, 1024], 77);
+    let opts = SaveOptions {
+        chunk_bytes: 1 << 20,
+        ..Default::default()
+    };
+    let c = save(
+        dir.path(),
+        1,
+        &Layout::flat("dp", 1),
+        &[vec![weft_checkpoint::ShardData::full(
+            "big",
+            Dtype::F32,
+            &t.shape,
+            &t.data,
+        )]],
+        &TrainerState::default(),
+        &opts,
+    )
+    .unwrap();
+    let ck = Checkpoint::open(&c.path).unwrap();
+    assert_eq!(ck.read_tensor("big").unwrap(), t.data);
+    let s = &ck.manifest().tensors["big"].shards[0];
+    let file = c.path.join(&s.file);
+    let mut bytes = fs::read(&file).unwrap();
+    bytes[(s.byte_offset + 9 * (1 << 20) + 5) as usize] ^= 4;
+    fs::write(&file, &bytes).unwrap();
+    let err = ck.read_tensor("big").unwrap_err();
+    assert!(matches!(err, Error::Checksum { chunk: 9, .. }), "{err}");
+    assert!(matches!(
+        ck.verify().unwrap_err(),
+        Error::Checksum { chunk: 9, .. }
+    ));
+    // Truncated after opening: the read names the tensor.
+    fs::OpenOptions::new()
+        .write(true)
+        .open(&file)
+        .unwrap()
+        .set_len(s.byte_offset + (6 << 20))
+        .unwrap();
+    let err = ck.read_tensor("big").unwrap_err();
+    assert!(matches!(err, Error::Truncated { .. }), "{err}");
+    assert!(err.to_string().contains("big"), "{err}");
+}
