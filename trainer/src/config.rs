@@ -114,6 +114,11 @@ pub struct TrainConfig {
     pub eval_every: u64,
     /// Validation sequences per evaluation.
     pub eval_sequences: usize,
+    /// A step whose loss exceeds this factor times the rolling median of
+    /// recent losses is logged as a spike.
+    pub spike_factor: f64,
+    /// Steps in the rolling window of the spike detector.
+    pub spike_window: usize,
 }
 
 impl Default for TrainConfig {
@@ -125,6 +130,8 @@ impl Default for TrainConfig {
             seed: 42,
             eval_every: 100,
             eval_sequences: 64,
+            spike_factor: 2.0,
+            spike_window: 50,
         }
     }
 }
@@ -338,6 +345,12 @@ impl Config {
         if t.eval_sequences == 0 {
             return bad("train.eval_sequences", "must be at least 1".into());
         }
+        if t.spike_factor.is_nan() || t.spike_factor <= 1.0 {
+            return bad(
+                "train.spike_factor",
+                format!("must be > 1 (got {})", t.spike_factor),
+            );
+        }
         let o = &self.optim;
         if !(o.lr.is_finite() && o.lr > 0.0) {
             return bad(
@@ -473,10 +486,8 @@ mod tests {
         assert_eq!(c.optim.lr, 0.01);
         let c = c.with_override("run.name=trial").unwrap();
         assert_eq!(c.run.name, "trial");
-        let c = c
-            .with_override("data.synthetic.copy_offsets=[20, 40]")
-            .unwrap();
-        assert_eq!(c.data.synthetic.copy_offsets, vec![20, 40]);
+        let c = c.with_override("data.synthetic.copy_length=12").unwrap();
+        assert_eq!(c.data.synthetic.copy_length, 12);
         let e = c.with_override("optim.lrr=1").unwrap_err().to_string();
         assert!(
             e.contains("--set optim.lrr=1") && e.contains("unknown key") && e.contains("lr"),

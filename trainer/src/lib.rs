@@ -11,8 +11,7 @@
 //! * [`data`]: batches from that corpus or from text files tokenized with
 //!   GPT-2's BPE (cached), as pure functions of (seed, step, micro-batch).
 //! * [`schedule`]: linear warmup and cosine decay of the learning rate.
-//!
-//! The training loop arrives with the trainer issue.
+//! * [`train`]: the single-process training loop and its run folder.
 //!
 //! # Example
 //! ```
@@ -35,3 +34,4 @@ pub mod config;
 pub mod data;
 pub mod schedule;
 pub mod synthetic;
+pub mod train;

@@ -7,19 +7,20 @@
 //! printed beside the model's loss ("loss 1.93 nats, floor 1.87").
 //!
 //! # The process
-//! The vocabulary has `regular` tokens and one *copy* token for each pair
-//! `(d, ℓ)` of [`SyntheticSpec::copy_offsets`] × [`SyntheticSpec::copy_lengths`].
+//! The vocabulary has `regular` tokens and `copy_tokens` *marker* tokens.
 //! A sequence starts with a uniformly random regular token. At every later
-//! position that is not inside a copy, the next token is
-//! * with probability `copy_prob`, one of the copy tokens whose offset fits
-//!   (`d <= t`), uniformly; the `ℓ` tokens after a copy token at position `t`
-//!   repeat positions `t+1−d .. t+ℓ−d` exactly (so attention has something
-//!   to learn: look back `d` tokens);
-//! * otherwise (or always, when no copy fits yet) a successor of the previous
-//!   token drawn from a sparse Markov chain: each token has
-//!   `successors` possible regular successors with Dirichlet(1) weights.
+//! position that is not inside a repeat, the next token is
+//! * with probability `copy_prob`, a marker, uniformly. If the same marker
+//!   occurred earlier in the sequence, the `copy_length` tokens after it
+//!   repeat the tokens that followed its previous occurrence — a repeated
+//!   span, which a model predicts by looking back for the marker and copying
+//!   what came next (the "induction head" pattern, so attention has something
+//!   to learn). After a marker's first occurrence, generation goes on as usual;
+//! * otherwise a successor of the previous token drawn from a sparse Markov
+//!   chain: each token has `successors` possible regular successors with
+//!   Dirichlet(1) weights.
 //!
-//! Copy tokens are distinct from regular ones and every choice is visible in
+//! Markers are distinct from regular tokens and every choice is visible in
 //! the tokens, so the conditional distribution of each token given all
 //! earlier ones is exactly the generator's: [`Sequence::entropy`] records its
 //! entropy at every position, and their mean over a validation set is the
@@ -36,12 +37,12 @@ pub struct SyntheticSpec {
     pub regular: u32,
     /// Possible successors of each token in the Markov chain (1 ..= regular).
     pub successors: u32,
-    /// Probability of starting a copy at a position where one fits, in [0, 1).
+    /// Probability of emitting a marker at a position outside a repeat, in [0, 1).
     pub copy_prob: f64,
-    /// How far back copies reach, in tokens; each must exceed every length.
-    pub copy_offsets: Vec<u32>,
-    /// How many tokens a copy repeats.
-    pub copy_lengths: Vec<u32>,
+    /// Number of marker tokens (≥ 1 when `copy_prob > 0`).
+    pub copy_tokens: u32,
+    /// How many tokens a repeat copies (≥ 1).
+    pub copy_length: u32,
     /// Seed of the language itself (its transition table).
     pub seed: u64,
 }
@@ -52,8 +53,8 @@ impl Default for SyntheticSpec {
             regular: 250,
             successors: 6,
             copy_prob: 0.08,
-            copy_offsets: vec![16, 32, 48],
-            copy_lengths: vec![4, 8],
+            copy_tokens: 6,
+            copy_length: 8,
             seed: 1234,
         }
     }
@@ -83,10 +84,8 @@ pub struct Sequence {
 #[derive(Clone, Debug)]
 pub struct SyntheticLanguage {
     spec: SyntheticSpec,
-    /// Per token (regular and copy tokens alike): (successor, probability).
+    /// Per token (regular and marker tokens alike): (successor, probability).
     successors: Vec<Vec<(u32, f64)>>,
-    /// Copy tokens' (offset, length), indexed by `token − regular`.
-    copies: Vec<(u32, u32)>,
 }
 
 fn uniform(rng: &mut Pcg64) -> f64 {
@@ -122,28 +121,16 @@ impl SyntheticLanguage {
                 format!("is {}, must be in [0, 1)", spec.copy_prob),
             );
         }
-        if spec.copy_prob > 0.0 && (spec.copy_offsets.is_empty() || spec.copy_lengths.is_empty()) {
+        if spec.copy_prob > 0.0 && spec.copy_tokens == 0 {
             return bad(
-                "copy_offsets",
-                "copies need at least one offset and one length".into(),
+                "copy_tokens",
+                "must be at least 1 when copy_prob > 0".into(),
             );
         }
-        let max_len = spec.copy_lengths.iter().copied().max().unwrap_or(0);
-        if spec.copy_lengths.contains(&0) {
-            return bad("copy_lengths", "lengths must be at least 1".into());
+        if spec.copy_length == 0 {
+            return bad("copy_length", "must be at least 1".into());
         }
-        if let Some(&d) = spec.copy_offsets.iter().find(|&&d| d <= max_len) {
-            return bad(
-                "copy_offsets",
-                format!("offset {d} must exceed the longest copy length {max_len}"),
-            );
-        }
-        let copies: Vec<(u32, u32)> = spec
-            .copy_offsets
-            .iter()
-            .flat_map(|&d| spec.copy_lengths.iter().map(move |&l| (d, l)))
-            .collect();
-        let vocab = spec.regular as usize + copies.len();
+        let vocab = (spec.regular + spec.copy_tokens) as usize;
         let mut rng = Pcg64::seed_from_u64(spec.seed);
         let mut pool: Vec<u32> = (0..spec.regular).collect();
         let successors = (0..vocab)
@@ -166,11 +153,7 @@ impl SyntheticLanguage {
                 row
             })
             .collect();
-        Ok(Self {
-            spec,
-            successors,
-            copies,
-        })
+        Ok(Self { spec, successors })
     }
 
     /// The settings this language was built from.
@@ -193,41 +176,40 @@ impl SyntheticLanguage {
         let regular = self.spec.regular;
         tokens.push((rng.next_u64() % u64::from(regular)) as u32);
         entropy.push(f64::from(regular).ln());
-        // (source offset, tokens left) of the copy in progress.
+        // (source position of the next token, tokens left) of the repeat in progress.
         let mut copying: Option<(usize, u32)> = None;
+        let markers = self.spec.copy_tokens;
+        let p_copy = if markers == 0 {
+            0.0
+        } else {
+            self.spec.copy_prob
+        };
+        let each_marker = if markers == 0 {
+            0.0
+        } else {
+            p_copy / f64::from(markers)
+        };
         while tokens.len() < len {
             let t = tokens.len();
-            if let Some((d, left)) = copying {
-                tokens.push(tokens[t - d]);
+            if let Some((src, left)) = copying {
+                tokens.push(tokens[src]);
                 entropy.push(0.0);
-                copying = (left > 1).then_some((d, left - 1));
+                copying = (left > 1).then_some((src + 1, left - 1));
                 continue;
             }
-            let valid: Vec<usize> = (0..self.copies.len())
-                .filter(|&i| self.copies[i].0 as usize <= t)
-                .collect();
-            let p_copy = if valid.is_empty() {
-                0.0
-            } else {
-                self.spec.copy_prob
-            };
             let row = &self.successors[tokens[t - 1] as usize];
-            let each_copy = if valid.is_empty() {
-                0.0
-            } else {
-                p_copy / valid.len() as f64
-            };
             entropy.push(entropy_of(
                 row.iter()
                     .map(|&(_, p)| (1.0 - p_copy) * p)
-                    .chain(valid.iter().map(|_| each_copy)),
+                    .chain((0..markers).map(|_| each_marker)),
             ));
             let u = uniform(rng);
             if u < p_copy {
-                let i = valid[((u / p_copy) * valid.len() as f64) as usize % valid.len()];
-                let (d, l) = self.copies[i];
-                tokens.push(regular + i as u32);
-                copying = Some((d as usize, l));
+                let marker = regular + ((u / p_copy) * f64::from(markers)) as u32 % markers;
+                if let Some(prev) = tokens.iter().rposition(|&x| x == marker) {
+                    copying = Some((prev + 1, self.spec.copy_length));
+                }
+                tokens.push(marker);
             } else {
                 let mut v = (u - p_copy) / (1.0 - p_copy);
                 let mut next = row[row.len() - 1].0;
@@ -255,15 +237,17 @@ impl SyntheticLanguage {
                 0.0
             };
         }
-        // Replay the prefix to find whether position t is inside a copy.
+        // Replay the prefix to find whether position t is inside a repeat.
+        let regular = self.spec.regular;
         let mut i = 1;
         while i < t {
             let tok = prefix[i];
-            if tok >= self.spec.regular {
-                let (d, l) = self.copies[(tok - self.spec.regular) as usize];
-                let end = i + l as usize; // last copied position
+            if tok >= regular
+                && let Some(prev) = prefix[..i].iter().rposition(|&x| x == tok)
+            {
+                let end = i + self.spec.copy_length as usize; // last copied position
                 if end >= t {
-                    return if next == prefix[t - d as usize] {
+                    return if next == prefix[prev + (t - i)] {
                         1.0
                     } else {
                         0.0
@@ -274,16 +258,15 @@ impl SyntheticLanguage {
                 i += 1;
             }
         }
-        let valid = self
-            .copies
-            .iter()
-            .filter(|&&(d, _)| d as usize <= t)
-            .count();
-        let p_copy = if valid == 0 { 0.0 } else { self.spec.copy_prob };
-        if next >= self.spec.regular {
-            let (d, _) = self.copies[(next - self.spec.regular) as usize];
-            return if d as usize <= t {
-                p_copy / valid as f64
+        let markers = self.spec.copy_tokens;
+        let p_copy = if markers == 0 {
+            0.0
+        } else {
+            self.spec.copy_prob
+        };
+        if next >= regular {
+            return if next < regular + markers {
+                p_copy / f64::from(markers)
             } else {
                 0.0
             };
@@ -325,18 +308,17 @@ mod tests {
             ),
             (
                 SyntheticSpec {
-                    copy_offsets: vec![8],
-                    copy_lengths: vec![8],
+                    copy_tokens: 0,
                     ..Default::default()
                 },
-                "copy_offsets",
+                "copy_tokens",
             ),
             (
                 SyntheticSpec {
-                    copy_lengths: vec![0],
+                    copy_length: 0,
                     ..Default::default()
                 },
-                "copy_lengths",
+                "copy_length",
             ),
         ];
         for (spec, field) in cases {
@@ -409,27 +391,32 @@ mod tests {
     }
 
     #[test]
-    fn copies_repeat_the_source() {
+    fn markers_repeat_what_followed_their_previous_occurrence() {
         let lang = SyntheticLanguage::new(SyntheticSpec {
-            copy_prob: 0.5,
+            copy_prob: 0.3,
             ..Default::default()
         })
         .unwrap();
         let s = lang.sample(2000, &mut Pcg64::seed_from_u64(8));
         let regular = lang.spec().regular;
-        let mut copies = 0;
+        let l = lang.spec().copy_length as usize;
+        let mut repeats = 0;
         for (t, &tok) in s.tokens.iter().enumerate() {
-            if tok >= regular && s.entropy[t] > 0.0 {
-                let (d, l) = lang.copies[(tok - regular) as usize];
-                for k in 1..=l as usize {
+            // A marker emitted by choice (positive entropy) with an earlier
+            // occurrence starts a repeat.
+            if tok >= regular
+                && s.entropy[t] > 0.0
+                && let Some(prev) = s.tokens[..t].iter().rposition(|&x| x == tok)
+            {
+                for k in 1..=l {
                     if t + k < s.tokens.len() {
-                        assert_eq!(s.tokens[t + k], s.tokens[t + k - d as usize]);
+                        assert_eq!(s.tokens[t + k], s.tokens[prev + k], "t={t} k={k}");
                         assert_eq!(s.entropy[t + k], 0.0);
                     }
                 }
-                copies += 1;
+                repeats += 1;
             }
         }
-        assert!(copies > 50, "{copies}");
+        assert!(repeats > 50, "{repeats}");
     }
 }

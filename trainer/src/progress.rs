@@ -1,0 +1,176 @@
+//! How `weft train` shows progress: a progress bar on a terminal, plain log
+//! lines otherwise (CI logs, pipes, files).
+
+#![allow(clippy::print_stdout)] // this module is the binary's output
+
+use std::io::IsTerminal;
+
+use indicatif::{ProgressBar, ProgressStyle};
+use weft_trainer::train::{EvalReport, HealthEvent, Observer, RunInfo, StepReport, Summary};
+
+/// Renders training progress for a person.
+pub struct Terminal {
+    bar: Option<ProgressBar>,
+    steps: u64,
+    log_every: u64,
+    floor: Option<f64>,
+}
+
+impl Terminal {
+    /// A bar when stdout is a terminal, log lines otherwise.
+    pub fn new() -> Self {
+        Self {
+            bar: None,
+            steps: 0,
+            log_every: 1,
+            floor: None,
+        }
+    }
+
+    fn line(&self, s: &str) {
+        match &self.bar {
+            Some(bar) => bar.println(s),
+            None => println!("{s}"),
+        }
+    }
+}
+
+fn si(x: f64) -> String {
+    if x >= 1e12 {
+        format!("{:.2} T", x / 1e12)
+    } else if x >= 1e9 {
+        format!("{:.1} G", x / 1e9)
+    } else if x >= 1e6 {
+        format!("{:.1} M", x / 1e6)
+    } else {
+        format!("{x:.0} ")
+    }
+}
+
+fn with_floor(loss: f64, floor: Option<f64>) -> String {
+    match floor {
+        Some(f) => format!("{loss:.4} nats, floor {f:.4}"),
+        None => format!("{loss:.4} nats"),
+    }
+}
+
+impl Observer for Terminal {
+    fn start(&mut self, info: &RunInfo) {
+        self.steps = info.steps;
+        self.floor = info.floor;
+        self.log_every = (info.steps / 20).max(1);
+        println!("run folder      {}", info.run_dir.display());
+        println!(
+            "model           {} parameters, vocabulary {}, activations {} B per micro-batch",
+            si(info.params as f64).trim(),
+            info.vocab,
+            si(info.activation_bytes as f64).trim()
+        );
+        println!(
+            "work            {} tokens/step, {}FLOP/token (6N + attention), {} steps",
+            info.tokens_per_step,
+            si(info.flops_per_token),
+            info.steps
+        );
+        println!(
+            "matmul peak     {}FLOP/s measured on this machine",
+            si(info.peak_flops)
+        );
+        if std::io::stdout().is_terminal() {
+            let bar = ProgressBar::new(info.steps);
+            let style = ProgressStyle::with_template(
+                "{bar:30.cyan/blue} step {pos}/{len} {msg} [{elapsed_precise} < {eta_precise}]",
+            )
+            .unwrap_or_else(|_| ProgressStyle::default_bar());
+            bar.set_style(style);
+            self.bar = Some(bar);
+        }
+    }
+
+    fn step(&mut self, r: &StepReport) {
+        let rec = &r.record;
+        let msg = format!(
+            "loss {:.4} | lr {:.2e} | {:.0} tok/s | {}FLOP/s ({:.0}% of peak)",
+            rec.loss,
+            rec.lr,
+            rec.tokens_per_s,
+            si(r.flops_per_s),
+            100.0 * r.utilisation
+        );
+        match &self.bar {
+            Some(bar) => {
+                bar.set_position(rec.step);
+                bar.set_message(msg);
+            }
+            None => {
+                if rec.step.is_multiple_of(self.log_every) || rec.step == 1 || rec.step == self.steps {
+                    println!(
+                        "step {:>6}/{} {msg} | {:.1} s",
+                        rec.step, self.steps, rec.time_s
+                    );
+                }
+            }
+        }
+    }
+
+    fn eval(&mut self, r: &EvalReport) {
+        self.line(&format!(
+            "eval  step {:>6}: val loss {}",
+            r.step,
+            with_floor(r.loss, r.floor)
+        ));
+    }
+
+    fn event(&mut self, e: &HealthEvent) {
+        let s = match e {
+            HealthEvent::Skipped {
+                step,
+                loss,
+                grad_norm,
+            } => {
+                format!(
+                    "health step {step}: non-finite (loss {loss}, grad norm {grad_norm}): update skipped"
+                )
+            }
+            HealthEvent::Spike {
+                step,
+                loss,
+                median,
+                batch,
+            } => format!(
+                "health step {step}: loss spike {loss:.4} vs rolling median {median:.4} (data step {}, {} micro-batches)",
+                batch.0, batch.1
+            ),
+        };
+        self.line(&s);
+    }
+
+    fn finish(&mut self, s: &Summary) {
+        if let Some(bar) = self.bar.take() {
+            bar.finish_and_clear();
+        }
+        println!(
+            "done            {} steps in {:.1} s; val loss {:.4} -> {}",
+            s.steps,
+            s.wall_s,
+            s.initial_eval_loss,
+            with_floor(s.final_eval_loss, s.floor)
+        );
+        if let Some(f) = s.floor {
+            println!("gap to floor    {:.4} nats", s.final_eval_loss - f);
+        }
+        println!(
+            "throughput      {:.0} tokens/s, {}FLOP/s, {:.0}% of the measured matmul peak",
+            s.tokens_per_s,
+            si(s.flops_per_s),
+            100.0 * s.utilisation
+        );
+        if s.skipped_steps > 0 {
+            println!("skipped steps   {}", s.skipped_steps);
+        }
+        println!(
+            "written         {}/{{config.toml, metrics.jsonl, summary.json}}",
+            s.run_dir.display()
+        );
+    }
+}

@@ -1,0 +1,461 @@
+//! The single-process training loop.
+//!
+//! [`train`] runs a job described by a [`Config`]: it opens the data, builds
+//! and initialises the model, and for each optimizer step accumulates
+//! gradients over the micro-batches, checks them (a non-finite loss or
+//! gradient skips the update), clips the global norm, and takes an AdamW
+//! step at the scheduled learning rate. It evaluates on the validation split
+//! periodically and writes the run folder:
+//!
+//! * `config.toml` — the resolved configuration;
+//! * `metrics.jsonl` — one [`MetricsRecord`] per step, plus event lines
+//!   (`{"step":…, "event":"skip"|"spike"|"eval", …}`) for health events and
+//!   evaluations;
+//! * `summary.json` — the final figures.
+//!
+//! The library never prints: progress goes to an [`Observer`], which the
+//! `weft` binary renders as a progress bar or log lines.
+
+use std::fs::File;
+use std::io::{BufWriter, Write};
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use weft_kernels::{AdamW, Mode, matmul_forward};
+use weft_model::{AdamWState, Gpt, GptConfig};
+use weft_trace::MetricsRecord;
+
+use crate::config::Config;
+use crate::data::{Batch, Data, DataError};
+use crate::schedule::lr_at;
+
+/// Errors that stop a training run.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum TrainError {
+    /// The data could not be opened.
+    #[error(transparent)]
+    Data(#[from] DataError),
+    /// The model rejected its configuration or a batch.
+    #[error("model: {0}")]
+    Model(#[from] weft_model::Error),
+    /// The run folder already exists: runs are never overwritten.
+    #[error("run folder {0} already exists: pick another run.name (or remove the folder)")]
+    RunExists(PathBuf),
+    /// Writing the run folder failed.
+    #[error("writing {path}: {source}")]
+    Io {
+        /// The file or folder.
+        path: PathBuf,
+        /// The underlying error.
+        source: std::io::Error,
+    },
+}
+
+/// What a run is about to do, reported once at the start.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RunInfo {
+    /// The run folder.
+    pub run_dir: PathBuf,
+    /// Model parameters (tied embedding counted once).
+    pub params: usize,
+    /// Vocabulary size.
+    pub vocab: usize,
+    /// Tokens per optimizer step.
+    pub tokens_per_step: usize,
+    /// Training FLOPs per token: 6·N for the matmuls plus 6·L·T·C for causal
+    /// attention (forward and backward).
+    pub flops_per_token: f64,
+    /// The machine's measured f32 matmul throughput (FLOP/s), the
+    /// denominator of utilisation.
+    pub peak_flops: f64,
+    /// Best achievable validation loss, when the data has one.
+    pub floor: Option<f64>,
+    /// Optimizer steps.
+    pub steps: u64,
+    /// Bytes of activations planned for one micro-batch.
+    pub activation_bytes: usize,
+}
+
+/// One optimizer step, as reported to the observer.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct StepReport {
+    /// The record written to `metrics.jsonl`.
+    pub record: MetricsRecord,
+    /// Model FLOP/s achieved over the step.
+    pub flops_per_s: f64,
+    /// `flops_per_s / peak_flops`.
+    pub utilisation: f64,
+    /// Whether the update was applied (false: skipped as non-finite).
+    pub applied: bool,
+}
+
+/// A health event.
+#[derive(Clone, Debug, PartialEq)]
+pub enum HealthEvent {
+    /// A non-finite loss or gradient: the update was skipped.
+    Skipped {
+        /// Step (from 1).
+        step: u64,
+        /// The step's loss.
+        loss: f64,
+        /// The gradient norm.
+        grad_norm: f64,
+    },
+    /// The loss jumped above `factor` × the rolling median.
+    Spike {
+        /// Step (from 1).
+        step: u64,
+        /// The step's loss.
+        loss: f64,
+        /// Median of the recent window.
+        median: f64,
+        /// Position of the step's data: (step, micro-batches).
+        batch: (u64, usize),
+    },
+}
+
+/// An evaluation on the validation split.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct EvalReport {
+    /// After this many steps.
+    pub step: u64,
+    /// Mean validation loss, nats per token.
+    pub loss: f64,
+    /// The data's loss floor, if known.
+    pub floor: Option<f64>,
+}
+
+/// The outcome of a run.
+#[derive(Clone, Debug, PartialEq, serde::Serialize)]
+pub struct Summary {
+    /// The run folder.
+    pub run_dir: PathBuf,
+    /// Steps taken.
+    pub steps: u64,
+    /// Steps whose update was skipped.
+    pub skipped_steps: u64,
+    /// Mean training loss of the last step.
+    pub final_train_loss: f64,
+    /// Validation loss at the end.
+    pub final_eval_loss: f64,
+    /// First validation loss (before training).
+    pub initial_eval_loss: f64,
+    /// The data's loss floor, if known.
+    pub floor: Option<f64>,
+    /// Mean training throughput, tokens per second.
+    pub tokens_per_s: f64,
+    /// Mean model FLOP/s.
+    pub flops_per_s: f64,
+    /// Mean utilisation of the measured matmul peak.
+    pub utilisation: f64,
+    /// Wall-clock seconds.
+    pub wall_s: f64,
+}
+
+/// Receives progress; every method has a no-op default.
+pub trait Observer {
+    /// Once, before the first step.
+    fn start(&mut self, _info: &RunInfo) {}
+    /// After every optimizer step.
+    fn step(&mut self, _report: &StepReport) {}
+    /// After every evaluation.
+    fn eval(&mut self, _report: &EvalReport) {}
+    /// On a health event.
+    fn event(&mut self, _event: &HealthEvent) {}
+    /// Once, at the end.
+    fn finish(&mut self, _summary: &Summary) {}
+}
+
+/// An observer that ignores everything (for tests and embedding).
+pub struct Silent;
+impl Observer for Silent {}
+
+/// Measures this machine's f32 matmul throughput with the kernels' GEMM on
+/// a GPT-2-sized product (1024×768 · 768×3072), best of a few runs.
+pub fn measure_matmul_peak() -> f64 {
+    let (m, k, n) = (1024, 768, 3072);
+    let a = vec![0.5f32; m * k];
+    let w = vec![0.25f32; k * n];
+    let mut out = vec![0f32; m * n];
+    let mut best = f64::INFINITY;
+    for _ in 0..4 {
+        let t = Instant::now();
+        // Shapes are consistent by construction; an error would mean a bug.
+        if matmul_forward(&mut out, &a, &w, None, 1, m, k, n, Mode::Throughput).is_err() {
+            return f64::NAN;
+        }
+        best = best.min(t.elapsed().as_secs_f64());
+    }
+    2.0 * (m * k * n) as f64 / best
+}
+
+fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> TrainError + '_ {
+    move |source| TrainError::Io {
+        path: path.to_owned(),
+        source,
+    }
+}
+
+/// A run name from the current UTC time, `YYYYMMDD-HHMMSS`.
+fn timestamp_name() -> String {
+    let secs = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    let (days, rem) = ((secs / 86_400) as i64, secs % 86_400);
+    // Civil date from days since 1970-01-01 (Howard Hinnant's algorithm).
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    format!(
+        "{y:04}{m:02}{d:02}-{:02}{:02}{:02}",
+        rem / 3600,
+        rem % 3600 / 60,
+        rem % 60
+    )
+}
+
+/// The model configuration a job trains.
+pub fn model_config(config: &Config, vocab: usize) -> GptConfig {
+    GptConfig {
+        n_layer: config.model.n_layer,
+        n_head: config.model.n_head,
+        n_embd: config.model.n_embd,
+        vocab_size: vocab,
+        block_size: config.model.block_size,
+        tied_embeddings: true,
+        layer_norm_epsilon: 1e-5,
+    }
+}
+
+fn eval_loss(model: &Gpt, batches: &[Batch]) -> Result<f64, TrainError> {
+    let (mut total, mut tokens) = (0.0, 0usize);
+    let mut acts: Option<weft_model::Activations> = None;
+    for b in batches {
+        if acts.as_ref().is_none_or(|a| a.batch() != b.batch) {
+            acts = Some(model.activations(b.batch, b.seq)?);
+        }
+        let a = acts.as_mut().expect("just planned");
+        let loss = model
+            .forward(a, &b.inputs, Some(&b.targets))?
+            .unwrap_or(f64::NAN);
+        total += loss * (b.batch * b.seq) as f64;
+        tokens += b.batch * b.seq;
+    }
+    Ok(total / tokens.max(1) as f64)
+}
+
+/// Runs the job. Creates `<run.dir>/<run.name>/` (never overwriting one),
+/// reports progress to `observer`, and returns the summary.
+///
+/// # Errors
+/// [`TrainError`] if the data cannot be opened, the model rejects the
+/// configuration, the run folder exists, or writing it fails.
+///
+/// # Panics
+/// Never: internal invariants only.
+pub fn train(config: &Config, observer: &mut dyn Observer) -> Result<Summary, TrainError> {
+    let data = Data::open(config)?;
+    let vocab = data.vocab_size();
+    let cfg = model_config(config, vocab);
+    let mut model = Gpt::new(cfg.clone())?;
+    model.init_gpt2(config.train.seed);
+
+    let name = if config.run.name.is_empty() {
+        timestamp_name()
+    } else {
+        config.run.name.clone()
+    };
+    let run_dir = config.run.dir.join(name);
+    if run_dir.exists() {
+        return Err(TrainError::RunExists(run_dir));
+    }
+    std::fs::create_dir_all(&run_dir).map_err(io_err(&run_dir))?;
+    let config_path = run_dir.join("config.toml");
+    std::fs::write(&config_path, config.to_toml()).map_err(io_err(&config_path))?;
+    let metrics_path = run_dir.join("metrics.jsonl");
+    let mut metrics = BufWriter::new(File::create(&metrics_path).map_err(io_err(&metrics_path))?);
+
+    let t = &config.train;
+    let micro = t.batch_size / t.grad_accum;
+    let seq = config.model.block_size;
+    let mut acts = model.activations(micro, seq)?;
+    let mut opt = AdamWState::new(&model);
+    let val = data.val_batches(t.eval_sequences, micro);
+    let floor = data.val_floor(t.eval_sequences);
+    let (l, c) = (cfg.n_layer, cfg.n_embd);
+    let matmul_params = model.params.len() - cfg.block_size * c; // wpe does no matmul
+    let flops_per_token = 6.0 * matmul_params as f64 + 6.0 * (l * seq * c) as f64;
+    let info = RunInfo {
+        run_dir: run_dir.clone(),
+        params: model.params.len(),
+        vocab,
+        tokens_per_step: t.batch_size * seq,
+        flops_per_token,
+        peak_flops: measure_matmul_peak(),
+        floor,
+        steps: t.steps,
+        activation_bytes: acts.bytes(),
+    };
+    observer.start(&info);
+
+    let write_line = |w: &mut BufWriter<File>, line: String| -> Result<(), TrainError> {
+        writeln!(w, "{line}").map_err(io_err(&metrics_path))
+    };
+    let log_eval = |w: &mut BufWriter<File>, obs: &mut dyn Observer, step: u64, loss: f64| {
+        let report = EvalReport { step, loss, floor };
+        obs.eval(&report);
+        let line =
+            serde_json::json!({ "step": step, "event": "eval", "val_loss": loss, "floor": floor });
+        write_line(w, line.to_string())
+    };
+
+    let start = Instant::now();
+    let initial_eval = eval_loss(&model, &val)?;
+    log_eval(&mut metrics, observer, 0, initial_eval)?;
+    let mut last_eval = initial_eval;
+    let (mut skipped, mut last_loss) = (0u64, f64::NAN);
+    let (mut sum_tps, mut sum_flops) = (0.0, 0.0);
+    let mut recent: Vec<f64> = Vec::new();
+    let inv_accum = 1.0 / t.grad_accum as f32;
+    for step in 0..t.steps {
+        let step_start = Instant::now();
+        let lr = lr_at(&config.optim, step, t.steps);
+        model.zero_grad();
+        let mut loss = 0.0;
+        for m in 0..t.grad_accum {
+            let b = data.train_batch(step, m, micro);
+            loss += model
+                .forward(&mut acts, &b.inputs, Some(&b.targets))?
+                .unwrap_or(f64::NAN);
+            model.backward(&mut acts)?;
+        }
+        loss /= t.grad_accum as f64;
+        // Gradients of the mean over micro-batches.
+        if t.grad_accum > 1 {
+            model.grads.iter_mut().for_each(|g| *g *= inv_accum);
+        }
+        let grad_norm = model
+            .grads
+            .iter()
+            .map(|&g| f64::from(g) * f64::from(g))
+            .sum::<f64>()
+            .sqrt();
+        let applied = loss.is_finite() && grad_norm.is_finite();
+        if applied {
+            let clip = config.optim.grad_clip;
+            if clip > 0.0 && grad_norm > clip {
+                let s = (clip / grad_norm) as f32;
+                model.grads.iter_mut().for_each(|g| *g *= s);
+            }
+            let hp = AdamW {
+                lr: lr as f32,
+                beta1: config.optim.beta1 as f32,
+                beta2: config.optim.beta2 as f32,
+                eps: config.optim.eps as f32,
+                weight_decay: config.optim.weight_decay as f32,
+            };
+            model.adamw_step(&mut opt, &hp)?;
+        } else {
+            skipped += 1;
+            let event = HealthEvent::Skipped {
+                step: step + 1,
+                loss,
+                grad_norm,
+            };
+            observer.event(&event);
+            let line = serde_json::json!({ "step": step + 1, "event": "skip", "loss": loss, "grad_norm": grad_norm });
+            write_line(&mut metrics, line.to_string())?;
+        }
+        if loss.is_finite() {
+            let window = t.spike_window.max(1);
+            if recent.len() >= window.min(10) {
+                let mut sorted = recent.clone();
+                sorted.sort_by(f64::total_cmp);
+                let median = sorted[sorted.len() / 2];
+                if loss > t.spike_factor * median {
+                    let event = HealthEvent::Spike {
+                        step: step + 1,
+                        loss,
+                        median,
+                        batch: (step, t.grad_accum),
+                    };
+                    observer.event(&event);
+                    let line = serde_json::json!({ "step": step + 1, "event": "spike", "loss": loss, "median": median,
+                        "batch": { "step": step, "micro_batches": t.grad_accum } });
+                    write_line(&mut metrics, line.to_string())?;
+                }
+            }
+            recent.push(loss);
+            if recent.len() > window {
+                recent.remove(0);
+            }
+        }
+        last_loss = loss;
+        let dt = step_start.elapsed().as_secs_f64();
+        let tps = info.tokens_per_step as f64 / dt;
+        let flops = tps * flops_per_token;
+        sum_tps += tps;
+        sum_flops += flops;
+        let record = MetricsRecord {
+            step: step + 1,
+            loss,
+            lr,
+            grad_norm,
+            tokens_per_s: tps,
+            time_s: start.elapsed().as_secs_f64(),
+        };
+        let line = serde_json::to_string(&record).unwrap_or_default();
+        write_line(&mut metrics, line)?;
+        observer.step(&StepReport {
+            record,
+            flops_per_s: flops,
+            utilisation: flops / info.peak_flops,
+            applied,
+        });
+        let done = step + 1 == t.steps;
+        if done || (t.eval_every > 0 && (step + 1) % t.eval_every == 0) {
+            last_eval = eval_loss(&model, &val)?;
+            log_eval(&mut metrics, observer, step + 1, last_eval)?;
+        }
+    }
+    metrics.flush().map_err(io_err(&metrics_path))?;
+    let n = t.steps.max(1) as f64;
+    let summary = Summary {
+        run_dir: run_dir.clone(),
+        steps: t.steps,
+        skipped_steps: skipped,
+        final_train_loss: last_loss,
+        final_eval_loss: last_eval,
+        initial_eval_loss: initial_eval,
+        floor,
+        tokens_per_s: sum_tps / n,
+        flops_per_s: sum_flops / n,
+        utilisation: sum_flops / n / info.peak_flops,
+        wall_s: start.elapsed().as_secs_f64(),
+    };
+    let summary_path = run_dir.join("summary.json");
+    let json = serde_json::to_string_pretty(&summary).unwrap_or_default();
+    std::fs::write(&summary_path, json + "\n").map_err(io_err(&summary_path))?;
+    observer.finish(&summary);
+    Ok(summary)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn timestamp_names_sort_and_parse() {
+        let n = timestamp_name();
+        assert_eq!(n.len(), 15, "{n}");
+        assert_eq!(&n[8..9], "-");
+        assert!(n[..4].parse::<u32>().unwrap() >= 2024);
+    }
+}
