@@ -44,6 +44,38 @@ enum Command {
         #[arg(long)]
         print_config: bool,
     },
+    /// Generate a pipeline schedule, validate and simulate it: prints the
+    /// bubble, makespan and per-stage memory, and writes a Chrome trace
+    /// (open it in Perfetto).
+    Pipeline {
+        /// gpipe, 1f1b, interleaved, zb-h1, zb-h2 or zb-v.
+        #[arg(long)]
+        schedule: String,
+        /// Pipeline stages p.
+        #[arg(long)]
+        stages: usize,
+        /// Micro-batches m.
+        #[arg(long)]
+        microbatches: usize,
+        /// Model chunks per stage v (interleaved, zb-v).
+        #[arg(long)]
+        chunks: Option<usize>,
+        /// Forward time of a stage per micro-batch (units).
+        #[arg(long, default_value_t = 1.0)]
+        forward: f64,
+        /// Backward (input gradient) time.
+        #[arg(long, default_value_t = 1.0)]
+        backward_input: f64,
+        /// Backward (weight gradient) time.
+        #[arg(long, default_value_t = 1.0)]
+        backward_weight: f64,
+        /// Point-to-point latency between stages.
+        #[arg(long, default_value_t = 0.0)]
+        latency: f64,
+        /// Write the Chrome trace here (e.g. trace.json).
+        #[arg(long)]
+        out: Option<PathBuf>,
+    },
     /// Loss (and optionally every gradient) of a Hugging Face GPT-2 folder on
     /// a token file; prints `{"loss": …}` as JSON.
     Eval {
@@ -81,6 +113,41 @@ fn run(cli: Cli) -> Result<()> {
                 return Ok(());
             }
             weft_trainer::train::train(&cfg, &mut progress::Terminal::new())?;
+            Ok(())
+        }
+        Command::Pipeline {
+            schedule,
+            stages,
+            microbatches,
+            chunks,
+            forward,
+            backward_input,
+            backward_weight,
+            latency,
+            out,
+        } => {
+            let kind: weft_pipeline::ScheduleKind = schedule.parse()?;
+            let mut req = weft_pipeline::PlanRequest::new(kind, stages, microbatches);
+            req.chunks = chunks;
+            req.forward = forward;
+            req.backward_input = backward_input;
+            req.backward_weight = backward_weight;
+            req.p2p_latency = latency;
+            let plan = weft_pipeline::plan(&req)?;
+            #[allow(clippy::print_stdout)]
+            {
+                print!("{}", plan.table());
+            }
+            if let Some(out) = out {
+                let file = std::fs::File::create(&out)
+                    .with_context(|| format!("creating {}", out.display()))?;
+                serde_json::to_writer(std::io::BufWriter::new(file), &plan.trace)
+                    .with_context(|| format!("writing {}", out.display()))?;
+                #[allow(clippy::print_stdout)]
+                {
+                    println!("trace written to {}", out.display());
+                }
+            }
             Ok(())
         }
         Command::Eval {

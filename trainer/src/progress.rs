@@ -103,7 +103,10 @@ impl Observer for Terminal {
                 bar.set_message(msg);
             }
             None => {
-                if rec.step.is_multiple_of(self.log_every) || rec.step == 1 || rec.step == self.steps {
+                if rec.step.is_multiple_of(self.log_every)
+                    || rec.step == 1
+                    || rec.step == self.steps
+                {
                     println!(
                         "step {:>6}/{} {msg} | {:.1} s",
                         rec.step, self.steps, rec.time_s
