@@ -15,8 +15,8 @@ fn script() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/python/weft_ckpt_check.py")
 }
 
-/// A Python with the given modules, or None (reason printed).
-#[allow(clippy::print_stderr)]
+/// A Python with the given modules, or None (reason printed to stderr,
+/// bypassing the test harness's capture so that it shows in CI logs).
 fn python(modules: &str) -> Option<PathBuf> {
     let mut candidates = Vec::new();
     if let Some(p) = std::env::var_os("WEFT_PYTHON") {
@@ -35,7 +35,12 @@ fn python(modules: &str) -> Option<PathBuf> {
             return Some(c);
         }
     }
-    eprintln!("SKIPPED: no Python with `{modules}` (set WEFT_PYTHON or create ~/.cache/weft-venv)");
+    // Written to the stderr handle directly, past the harness's capture, so
+    // that the reason shows in CI logs.
+    let msg = format!(
+        "SKIPPED: no Python with `{modules}` (set WEFT_PYTHON or create ~/.cache/weft-venv)\n"
+    );
+    let _ = std::io::Write::write_all(&mut std::io::stderr(), msg.as_bytes());
     None
 }
 
