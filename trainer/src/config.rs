@@ -29,6 +29,30 @@ pub struct Config {
     pub train: TrainConfig,
     /// Optimizer and learning-rate schedule.
     pub optim: OptimConfig,
+    /// Periodic checkpoints.
+    pub checkpoint: CheckpointConfig,
+}
+
+/// `[checkpoint]`: periodic, atomic checkpoints in `<run folder>/checkpoints/`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct CheckpointConfig {
+    /// Save every this many steps, and at the end (0: never).
+    pub every: u64,
+    /// Keep the newest this many checkpoints.
+    pub keep_last: usize,
+    /// Also keep every checkpoint whose step is a multiple of this (0: none).
+    pub keep_every: u64,
+}
+
+impl Default for CheckpointConfig {
+    fn default() -> Self {
+        Self {
+            every: 200,
+            keep_last: 2,
+            keep_every: 0,
+        }
+    }
 }
 
 /// `[run]`: the run folder.

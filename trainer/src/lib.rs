@@ -12,6 +12,7 @@
 //!   GPT-2's BPE (cached), as pure functions of (seed, step, micro-batch).
 //! * [`schedule`]: linear warmup and cosine decay of the learning rate.
 //! * [`train`]: the single-process training loop and its run folder.
+//! * [`ckpt`]: periodic checkpoints (weft-checkpoint) and bit-for-bit resume.
 //!
 //! # Example
 //! ```
@@ -30,6 +31,7 @@
 
 #![deny(missing_docs)]
 
+pub mod ckpt;
 pub mod config;
 pub mod data;
 pub mod schedule;

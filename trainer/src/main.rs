@@ -20,6 +20,40 @@ struct Cli {
 }
 
 #[derive(Subcommand, Debug)]
+enum CkptCommand {
+    /// Check every checksum of a checkpoint folder.
+    Verify {
+        /// A `step-NNNNNNNN` folder.
+        dir: PathBuf,
+    },
+    /// Tensors, layout, step and sizes of a checkpoint folder.
+    Info {
+        /// A `step-NNNNNNNN` folder.
+        dir: PathBuf,
+    },
+    /// Write a consolidated Hugging Face GPT-2 folder (config.json +
+    /// model.safetensors) that `transformers` loads.
+    Export {
+        /// A `step-NNNNNNNN` folder.
+        dir: PathBuf,
+        /// Output folder.
+        #[arg(long)]
+        hf: PathBuf,
+    },
+    /// Rewrite a checkpoint for another layout (`N` ranks splitting rows, or
+    /// `N:dimD` splitting dimension D) under a new checkpoints root.
+    Reshard {
+        /// A `step-NNNNNNNN` folder.
+        dir: PathBuf,
+        /// Target layout, e.g. `4` or `2:dim1`.
+        #[arg(long)]
+        to: String,
+        /// Output checkpoints root.
+        out: PathBuf,
+    },
+}
+
+#[derive(Subcommand, Debug)]
 enum Command {
     /// Train a GPT-2-style model. With no options: a small model on the
     /// built-in synthetic corpus (about two minutes on 2 cores), its loss
@@ -43,6 +77,16 @@ enum Command {
         /// Print the resolved configuration and exit.
         #[arg(long)]
         print_config: bool,
+        /// Continue a run from its newest valid checkpoint: the run named by
+        /// run.dir/run.name, or the run folder given. Its config.toml is the
+        /// base configuration (unless --config is given).
+        #[arg(long, value_name = "RUN_DIR", num_args = 0..=1)]
+        resume: Option<Option<PathBuf>>,
+    },
+    /// Inspect and convert checkpoints (`<run>/checkpoints/step-NNNNNNNN`).
+    Ckpt {
+        #[command(subcommand)]
+        command: CkptCommand,
     },
     /// Generate a pipeline schedule, validate and simulate it: prints the
     /// bubble, makespan and per-stage memory, and writes a Chrome trace
@@ -98,13 +142,53 @@ fn run(cli: Cli) -> Result<()> {
             sets,
             data,
             print_config,
+            resume,
         } => {
             let mut sets = sets;
             if let Some(d) = data {
                 let path = d.to_str().context("--data: the path is not valid UTF-8")?;
                 sets.push(format!("data.source={}", toml_string(path)));
             }
-            let cfg = weft_trainer::config::Config::load(config.as_deref(), &sets)?;
+            let resuming = resume.is_some();
+            let cfg = match resume {
+                None => weft_trainer::config::Config::load(config.as_deref(), &sets)?,
+                Some(dir) => {
+                    // Find the run folder, then load its config (or --config)
+                    // and pin run.dir/run.name to that folder.
+                    let run_dir = match dir {
+                        Some(d) => d,
+                        None => {
+                            let c = weft_trainer::config::Config::load(config.as_deref(), &sets)?;
+                            if c.run.name.is_empty() {
+                                anyhow::bail!(
+                                    "--resume without a folder needs run.name (e.g. --set run.name=NAME)"
+                                );
+                            }
+                            c.run.dir.join(&c.run.name)
+                        }
+                    };
+                    let base = config.unwrap_or_else(|| run_dir.join("config.toml"));
+                    let name = run_dir
+                        .file_name()
+                        .and_then(|n| n.to_str())
+                        .with_context(|| {
+                            format!("--resume {}: not a run folder", run_dir.display())
+                        })?;
+                    let parent = run_dir
+                        .parent()
+                        .map(std::path::Path::to_path_buf)
+                        .unwrap_or_default();
+                    let parent = parent
+                        .to_str()
+                        .context("--resume: the path is not valid UTF-8")?;
+                    sets.push(format!(
+                        "run.dir={}",
+                        toml_string(if parent.is_empty() { "." } else { parent })
+                    ));
+                    sets.push(format!("run.name={}", toml_string(name)));
+                    weft_trainer::config::Config::load(Some(&base), &sets)?
+                }
+            };
             if print_config {
                 #[allow(clippy::print_stdout)]
                 {
@@ -112,9 +196,10 @@ fn run(cli: Cli) -> Result<()> {
                 }
                 return Ok(());
             }
-            weft_trainer::train::train(&cfg, &mut progress::Terminal::new())?;
+            weft_trainer::train::train(&cfg, resuming, &mut progress::Terminal::new())?;
             Ok(())
         }
+        Command::Ckpt { command } => ckpt(command),
         Command::Pipeline {
             schedule,
             stages,
@@ -165,6 +250,64 @@ fn run(cli: Cli) -> Result<()> {
             Ok(())
         }
     }
+}
+
+fn ckpt(command: CkptCommand) -> Result<()> {
+    use weft_checkpoint::{
+        Checkpoint, Gpt2Export, SaveOptions, TargetLayout, export_hf_gpt2, reshard,
+    };
+    let open = |dir: &std::path::Path| {
+        Checkpoint::open(dir).with_context(|| format!("opening checkpoint {}", dir.display()))
+    };
+    #[allow(clippy::print_stdout)]
+    match command {
+        CkptCommand::Verify { dir } => {
+            let report = open(&dir)?
+                .verify()
+                .with_context(|| format!("verifying {}", dir.display()))?;
+            println!(
+                "ok: {} — {} tensors, {} shards in {} files, {} bytes checksummed",
+                dir.display(),
+                report.tensors,
+                report.shards,
+                report.files,
+                report.bytes
+            );
+        }
+        CkptCommand::Info { dir } => print!("{}", open(&dir)?.info()),
+        CkptCommand::Export { dir, hf } => {
+            let ckpt = open(&dir)?;
+            let model = ckpt.state().extra.get("model").cloned().unwrap_or_default();
+            let n_head = model["n_head"].as_u64().with_context(|| {
+                format!("{}: the checkpoint does not record the model's n_head (not saved by weft train?)", dir.display())
+            })?;
+            let mut opts = Gpt2Export::new("transformer.", n_head);
+            if let Some(eps) = model["layer_norm_epsilon"].as_f64() {
+                opts.layer_norm_epsilon = eps;
+            }
+            let report = export_hf_gpt2(&ckpt, &hf, &opts)
+                .with_context(|| format!("exporting to {}", hf.display()))?;
+            println!(
+                "wrote {} ({} tensors, {} bytes) and config.json",
+                hf.join("model.safetensors").display(),
+                report.tensors,
+                report.bytes
+            );
+        }
+        CkptCommand::Reshard { dir, to, out } => {
+            let target = TargetLayout::parse(&to)?;
+            let ckpt = open(&dir)?;
+            let committed = reshard(&ckpt, &target, &out, &SaveOptions::default())
+                .with_context(|| format!("resharding {} into {}", dir.display(), out.display()))?;
+            println!(
+                "wrote {} (step {}, {} ranks)",
+                committed.path.display(),
+                committed.manifest.step,
+                committed.manifest.layout.world_size
+            );
+        }
+    }
+    Ok(())
 }
 
 /// `s` as a TOML basic string.

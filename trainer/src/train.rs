@@ -16,7 +16,6 @@
 //! The library never prints: progress goes to an [`Observer`], which the
 //! `weft` binary renders as a progress bar or log lines.
 
-use std::fs::File;
 use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -42,6 +41,12 @@ pub enum TrainError {
     /// The run folder already exists: runs are never overwritten.
     #[error("run folder {0} already exists: pick another run.name (or remove the folder)")]
     RunExists(PathBuf),
+    /// Saving or restoring a checkpoint failed.
+    #[error(transparent)]
+    Checkpoint(#[from] crate::ckpt::CkptError),
+    /// `--resume` named a run folder that does not exist.
+    #[error("cannot resume: run folder {0} does not exist")]
+    NothingToResume(PathBuf),
     /// Writing the run folder failed.
     #[error("writing {path}: {source}")]
     Io {
@@ -163,6 +168,9 @@ pub trait Observer {
     fn eval(&mut self, _report: &EvalReport) {}
     /// On a health event.
     fn event(&mut self, _event: &HealthEvent) {}
+    /// When a run resumes from a checkpoint after `step` steps; `skipped`
+    /// lists newer checkpoints that failed verification.
+    fn resumed(&mut self, _step: u64, _skipped: &[String]) {}
     /// Once, at the end.
     fn finish(&mut self, _summary: &Summary) {}
 }
@@ -252,15 +260,23 @@ fn eval_loss(model: &Gpt, batches: &[Batch]) -> Result<f64, TrainError> {
 }
 
 /// Runs the job. Creates `<run.dir>/<run.name>/` (never overwriting one),
-/// reports progress to `observer`, and returns the summary.
+/// reports progress to `observer`, and returns the summary. With `resume`,
+/// continues that existing run from its newest valid checkpoint instead:
+/// `metrics.jsonl` is cut back to the checkpoint's step and the run goes on
+/// exactly as if it had never stopped.
 ///
 /// # Errors
 /// [`TrainError`] if the data cannot be opened, the model rejects the
-/// configuration, the run folder exists, or writing it fails.
+/// configuration, the run folder exists (or, resuming, does not), a
+/// checkpoint cannot be saved or restored, or writing the folder fails.
 ///
 /// # Panics
 /// Never: internal invariants only.
-pub fn train(config: &Config, observer: &mut dyn Observer) -> Result<Summary, TrainError> {
+pub fn train(
+    config: &Config,
+    resume: bool,
+    observer: &mut dyn Observer,
+) -> Result<Summary, TrainError> {
     let data = Data::open(config)?;
     let vocab = data.vocab_size();
     let cfg = model_config(config, vocab);
@@ -273,20 +289,55 @@ pub fn train(config: &Config, observer: &mut dyn Observer) -> Result<Summary, Tr
         config.run.name.clone()
     };
     let run_dir = config.run.dir.join(name);
-    if run_dir.exists() {
-        return Err(TrainError::RunExists(run_dir));
-    }
-    std::fs::create_dir_all(&run_dir).map_err(io_err(&run_dir))?;
-    let config_path = run_dir.join("config.toml");
-    std::fs::write(&config_path, config.to_toml()).map_err(io_err(&config_path))?;
     let metrics_path = run_dir.join("metrics.jsonl");
-    let mut metrics = BufWriter::new(File::create(&metrics_path).map_err(io_err(&metrics_path))?);
+    let mut opt = AdamWState::new(&model);
+    let ckpt_root = run_dir.join("checkpoints");
+    // Resuming: the state, and the metrics lines up to the checkpoint.
+    let mut kept_lines: Vec<String> = Vec::new();
+    let mut start_step = 0;
+    if resume {
+        if !run_dir.is_dir() {
+            return Err(TrainError::NothingToResume(run_dir));
+        }
+        let restored = crate::ckpt::restore(&ckpt_root, config, &mut model, &mut opt)?;
+        start_step = restored.step;
+        observer.resumed(start_step, &restored.skipped);
+        let text = std::fs::read_to_string(&metrics_path).map_err(io_err(&metrics_path))?;
+        kept_lines = text
+            .lines()
+            .filter(|l| {
+                serde_json::from_str::<serde_json::Value>(l)
+                    .ok()
+                    .and_then(|v| v["step"].as_u64())
+                    .is_some_and(|s| s <= start_step)
+            })
+            .map(str::to_owned)
+            .collect();
+    } else {
+        if run_dir.exists() {
+            return Err(TrainError::RunExists(run_dir));
+        }
+        std::fs::create_dir_all(&run_dir).map_err(io_err(&run_dir))?;
+        let config_path = run_dir.join("config.toml");
+        std::fs::write(&config_path, config.to_toml()).map_err(io_err(&config_path))?;
+    }
+    // (Re)write the metrics file with the kept lines, atomically.
+    let tmp = run_dir.join("metrics.jsonl.tmp");
+    let kept: String = kept_lines.iter().map(|l| format!("{l}\n")).collect();
+    std::fs::write(&tmp, kept).map_err(io_err(&tmp))?;
+    std::fs::rename(&tmp, &metrics_path).map_err(io_err(&metrics_path))?;
+    let file = std::fs::OpenOptions::new().append(true).open(&metrics_path);
+    let mut metrics = BufWriter::new(file.map_err(io_err(&metrics_path))?);
+    let mut saver = if config.checkpoint.every > 0 {
+        Some(crate::ckpt::Saver::new(&ckpt_root, config)?)
+    } else {
+        None
+    };
 
     let t = &config.train;
     let micro = t.batch_size / t.grad_accum;
     let seq = config.model.block_size;
     let mut acts = model.activations(micro, seq)?;
-    let mut opt = AdamWState::new(&model);
     let val = data.val_batches(t.eval_sequences, micro);
     let floor = data.val_floor(t.eval_sequences);
     let (l, c) = (cfg.n_layer, cfg.n_embd);
@@ -305,10 +356,13 @@ pub fn train(config: &Config, observer: &mut dyn Observer) -> Result<Summary, Tr
     };
     observer.start(&info);
 
-    let write_line = |w: &mut BufWriter<File>, line: String| -> Result<(), TrainError> {
+    let write_line = |w: &mut BufWriter<std::fs::File>, line: String| -> Result<(), TrainError> {
         writeln!(w, "{line}").map_err(io_err(&metrics_path))
     };
-    let log_eval = |w: &mut BufWriter<File>, obs: &mut dyn Observer, step: u64, loss: f64| {
+    let log_eval = |w: &mut BufWriter<std::fs::File>,
+                    obs: &mut dyn Observer,
+                    step: u64,
+                    loss: f64| {
         let report = EvalReport { step, loss, floor };
         obs.eval(&report);
         let line =
@@ -317,14 +371,34 @@ pub fn train(config: &Config, observer: &mut dyn Observer) -> Result<Summary, Tr
     };
 
     let start = Instant::now();
-    let initial_eval = eval_loss(&model, &val)?;
-    log_eval(&mut metrics, observer, 0, initial_eval)?;
+    let parse = |l: &String| serde_json::from_str::<serde_json::Value>(l).ok();
+    let initial_eval = if resume {
+        kept_lines
+            .iter()
+            .filter_map(parse)
+            .find(|v| v["event"] == "eval" && v["step"] == 0)
+            .and_then(|v| v["val_loss"].as_f64())
+            .unwrap_or(f64::NAN)
+    } else {
+        let e = eval_loss(&model, &val)?;
+        log_eval(&mut metrics, observer, 0, e)?;
+        e
+    };
     let mut last_eval = initial_eval;
     let (mut skipped, mut last_loss) = (0u64, f64::NAN);
     let (mut sum_tps, mut sum_flops) = (0.0, 0.0);
-    let mut recent: Vec<f64> = Vec::new();
+    // The spike detector's window, refilled from the kept lines on resume.
+    let mut recent: Vec<f64> = kept_lines
+        .iter()
+        .filter_map(parse)
+        .filter(|v| v.get("event").is_none())
+        .filter_map(|v| v["loss"].as_f64())
+        .filter(|l| l.is_finite())
+        .collect();
+    let excess = recent.len().saturating_sub(t.spike_window.max(1));
+    recent.drain(..excess);
     let inv_accum = 1.0 / t.grad_accum as f32;
-    for step in 0..t.steps {
+    for step in start_step..t.steps {
         let step_start = Instant::now();
         let lr = lr_at(&config.optim, step, t.steps);
         model.zero_grad();
@@ -424,9 +498,19 @@ pub fn train(config: &Config, observer: &mut dyn Observer) -> Result<Summary, Tr
             last_eval = eval_loss(&model, &val)?;
             log_eval(&mut metrics, observer, step + 1, last_eval)?;
         }
+        if let Some(saver) = saver.as_mut()
+            && (done || (step + 1) % config.checkpoint.every == 0)
+        {
+            // Everything logged so far belongs to the checkpoint.
+            metrics.flush().map_err(io_err(&metrics_path))?;
+            saver.save(step + 1, &model, &opt)?;
+        }
     }
     metrics.flush().map_err(io_err(&metrics_path))?;
-    let n = t.steps.max(1) as f64;
+    if let Some(saver) = saver.as_mut() {
+        saver.finish()?;
+    }
+    let n = t.steps.saturating_sub(start_step).max(1) as f64;
     let summary = Summary {
         run_dir: run_dir.clone(),
         steps: t.steps,

@@ -49,7 +49,7 @@ fn losses(run: &std::path::Path) -> Vec<String> {
 fn loss_falls_toward_the_floor_and_runs_are_reproducible() {
     let dir = std::env::temp_dir().join(format!("weft-train-test-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
-    let a = train(&tiny(&dir, "a"), &mut Silent).unwrap();
+    let a = train(&tiny(&dir, "a"), false, &mut Silent).unwrap();
     let floor = a.floor.unwrap();
     // Far above the floor at initialisation (uniform over the vocabulary),
     // much closer after 60 steps.
@@ -72,12 +72,12 @@ fn loss_falls_toward_the_floor_and_runs_are_reproducible() {
     .unwrap();
     assert_eq!(resolved, tiny(&dir, "a"));
     // Same seed: bitwise the same losses.
-    let b = train(&tiny(&dir, "b"), &mut Silent).unwrap();
+    let b = train(&tiny(&dir, "b"), false, &mut Silent).unwrap();
     let (la, lb) = (losses(&a.run_dir), losses(&b.run_dir));
     assert_eq!(la.len(), 60);
     assert_eq!(la, lb);
     // Runs are never overwritten.
-    let err = train(&tiny(&dir, "a"), &mut Silent)
+    let err = train(&tiny(&dir, "a"), false, &mut Silent)
         .unwrap_err()
         .to_string();
     assert!(err.contains("already exists"), "{err}");
@@ -89,10 +89,66 @@ fn bad_data_is_a_clear_error() {
     let dir = std::env::temp_dir().join(format!("weft-train-bad-{}", std::process::id()));
     let mut c = tiny(&dir, "x");
     c.data.source = dir.join("no-such-file.txt").display().to_string();
-    let err = train(&c, &mut Silent).unwrap_err().to_string();
+    let err = train(&c, false, &mut Silent).unwrap_err().to_string();
     assert!(err.contains("no-such-file.txt"), "{err}");
     assert!(
         !dir.join("x").exists(),
         "no run folder for a run that never started"
     );
+}
+
+/// Panics after a given step, like a process dying mid-run.
+struct CrashAfter(u64);
+impl weft_trainer::train::Observer for CrashAfter {
+    fn step(&mut self, r: &weft_trainer::train::StepReport) {
+        assert!(
+            r.record.step < self.0,
+            "simulated crash after step {}",
+            self.0 - 1
+        );
+    }
+}
+
+#[test]
+fn a_resumed_run_continues_bit_for_bit() {
+    let dir = std::env::temp_dir().join(format!("weft-resume-test-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let with_ckpt = |name: &str| {
+        let mut c = tiny(&dir, name);
+        c.checkpoint.every = 20;
+        c
+    };
+    let whole = train(&with_ckpt("whole"), false, &mut Silent).unwrap();
+    // Dies during step 46: the newest checkpoint is step 40.
+    let crashed = std::panic::catch_unwind(|| {
+        let _ = train(&with_ckpt("crashy"), false, &mut CrashAfter(46));
+    });
+    assert!(crashed.is_err());
+    let run = dir.join("crashy");
+    assert!(
+        run.join("checkpoints/step-00000040/manifest.json")
+            .is_file()
+    );
+    assert!(!run.join("checkpoints/step-00000060").exists());
+    let resumed = train(&with_ckpt("crashy"), true, &mut Silent).unwrap();
+    assert_eq!(losses(&whole.run_dir), losses(&resumed.run_dir));
+    assert_eq!(losses(&resumed.run_dir).len(), 60);
+    assert_eq!(
+        whole.final_eval_loss.to_bits(),
+        resumed.final_eval_loss.to_bits()
+    );
+    // Retention kept the newest two checkpoints.
+    let mut kept: Vec<String> = std::fs::read_dir(run.join("checkpoints"))
+        .unwrap()
+        .filter_map(|e| e.ok()?.file_name().into_string().ok())
+        .filter(|n| n.starts_with("step-"))
+        .collect();
+    kept.sort();
+    assert_eq!(kept, ["step-00000040", "step-00000060"]);
+    // Resuming under another configuration is refused.
+    let mut other = with_ckpt("crashy");
+    other.optim.lr = 5e-3;
+    let err = train(&other, true, &mut Silent).unwrap_err().to_string();
+    assert!(err.contains("another configuration"), "{err}");
+    std::fs::remove_dir_all(&dir).unwrap();
 }
