@@ -67,7 +67,7 @@ fn matmul(c: &mut Criterion) {
                     T,
                     ic,
                     oc,
-                    Mode::BatchInvariant,
+                    Mode::Throughput,
                 )
                 .unwrap();
             });

@@ -4,13 +4,21 @@
 #
 #   PYTHON=/path/to/venv/bin/python model/reference/bench_compare.sh [a|b]... [--steps N]
 #
+# Tokens/s are from the best timed step of each (the least disturbed on a
+# shared machine); run it twice and compare if the machine is busy.
+#
 # Needs a Python with torch and transformers (see make_fixtures.py).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PYTHON=${PYTHON:-python3}
 THREADS=${RAYON_NUM_THREADS:-$(nproc)}
 export RAYON_NUM_THREADS=$THREADS
-weft=$(cargo bench -q -p weft-model --bench train_step -- "$@")
+# WEFT_BENCH: an already built train_step bench binary (else cargo builds it).
+if [ -n "${WEFT_BENCH:-}" ]; then
+  weft=$("$WEFT_BENCH" "$@")
+else
+  weft=$(cargo bench -q -p weft-model --bench train_step -- "$@")
+fi
 torch=$("$PYTHON" model/reference/bench_torch.py --threads "$THREADS" "$@")
 echo "## weft"; echo "$weft"; echo; echo "## PyTorch"; echo "$torch"; echo
 echo "| config | weft tokens/s | PyTorch tokens/s | ratio | weft GFLOP/s |"

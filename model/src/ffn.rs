@@ -128,7 +128,9 @@ impl FeedForward for Mlp {
         params: &[f32],
         d: Dims,
     ) -> Result<()> {
-        let Dims { b, t, c, mode } = d;
+        let Dims { b, t, c, .. } = d;
+        // Backward GEMMs run over the whole batch (see `Gpt::set_mode`).
+        let mode = Mode::Throughput;
         let n = b * t;
         let (fw, fb, pw, pb) = split(params, c);
         let (fch, fch_gelu) = saved.split_at_mut(n * 4 * c);

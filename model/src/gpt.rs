@@ -200,7 +200,10 @@ impl Gpt {
         &self.layout
     }
 
-    /// How linear layers split their work (default: batch-invariant).
+    /// How the forward's linear layers split their work (default:
+    /// batch-invariant, so logits and per-token losses of a sequence are
+    /// bitwise the same in any batch). The backward always runs whole-batch
+    /// GEMMs: parameter gradients are sums over the batch anyway.
     pub fn set_mode(&mut self, mode: Mode) {
         self.mode = mode;
     }
@@ -495,7 +498,9 @@ impl Gpt {
             vocab_size: v,
             ..
         } = self.config;
-        let mode = self.mode;
+        // Parameter gradients sum over the batch whatever the mode, and input
+        // gradients need no invariance: whole-batch GEMMs are faster.
+        let mode = Mode::Throughput;
         let d = Dims { b, t, c, mode };
         let nc = n * c;
         #[allow(clippy::cast_precision_loss)]
