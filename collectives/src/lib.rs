@@ -94,6 +94,12 @@
 //!   crate runs over MPI point-to-point; `Auto` f32/f64 sums use the
 //!   library's own all-reduce. `tests/mpi.rs` runs the suite under
 //!   `mpirun -np 4`.
+//! - `nccl`: `NcclComm`, the backend over NCCL on GPUs (cudarc, loaded at
+//!   run time, so it builds without CUDA). Host buffers are staged through
+//!   the GPU; `*_device` methods work on device buffers. Without the driver
+//!   or NCCL, constructors return [`Error::BackendUnavailable`] (cudarc
+//!   itself would panic). `tests/nccl.rs` checks it against a CPU
+//!   reference on one GPU; `collectives/gpu-check.sh` runs that check.
 #![deny(missing_docs)]
 
 mod algo;
@@ -103,6 +109,8 @@ mod local;
 mod mesh;
 #[cfg(feature = "mpi")]
 mod mpi_backend;
+#[cfg(feature = "nccl")]
+mod nccl_backend;
 mod reduce;
 pub mod repro;
 mod types;
@@ -113,6 +121,8 @@ pub use local::{DEFAULT_TIMEOUT, LocalCluster, LocalComm};
 pub use mesh::Mesh;
 #[cfg(feature = "mpi")]
 pub use mpi_backend::{MPI_DEFAULT_TIMEOUT, MPI_MAX_TAG, MpiComm, MpiCommBuilder};
+#[cfg(feature = "nccl")]
+pub use nccl_backend::{NCCL_DEFAULT_TIMEOUT, NcclComm, NcclId, nccl_available};
 pub use types::{
     Algorithm, Buf, BufMut, Incoming, LinkClass, OpCtx, OpKind, Outgoing, ReduceOp, ReduceOptions,
     SMALL_MESSAGE_BYTES, Signature, Sink, Topology, Traffic, TrafficCounters, shard_range,

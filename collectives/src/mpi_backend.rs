@@ -262,7 +262,7 @@ impl MpiCommBuilder {
     }
 }
 
-/// A group of MPI processes; see the [module documentation](self).
+/// A group of MPI processes: the `mpi` backend (feature `mpi`).
 ///
 /// # Example
 /// ```no_run
