@@ -62,10 +62,12 @@ pub mod eval;
 mod ffn;
 mod gpt;
 pub mod hf;
+mod moe_ffn;
 mod params;
 
 pub use config::GptConfig;
 pub use error::{Error, Result};
 pub use ffn::{Dims, FeedForward, Mlp, ParamShape};
 pub use gpt::{Activations, AdamWState, Gpt};
+pub use moe_ffn::{MoeFfn, MoeStats};
 pub use params::{ParamLayout, ParamSpec};
