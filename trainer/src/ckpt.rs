@@ -58,12 +58,23 @@ pub enum CkptError {
     },
 }
 
-/// A hash of everything in the configuration that affects the computation
-/// (all of it except `[run]` and `[checkpoint]`), as 16 hex digits.
+/// A hash of the configuration that defines the run's computation, as 16
+/// hex digits: everything except `[run]`, `[checkpoint]` and the settings
+/// that only decide how long to go on and what to watch (`train.steps`,
+/// `train.eval_every`, `train.eval_sequences`, `train.spike_*`), so a run
+/// can be resumed to train longer. (Changing `train.steps` changes the
+/// learning-rate schedule from the resume point on: the run is then no
+/// longer the uninterrupted run of either length.)
 pub fn config_hash(config: &Config) -> String {
     let mut c = config.clone();
     c.run = Default::default();
     c.checkpoint = Default::default();
+    let d = crate::config::TrainConfig::default();
+    c.train.steps = d.steps;
+    c.train.eval_every = d.eval_every;
+    c.train.eval_sequences = d.eval_sequences;
+    c.train.spike_factor = d.spike_factor;
+    c.train.spike_window = d.spike_window;
     format!(
         "{:016x}",
         xxhash_rust::xxh3::xxh3_64(c.to_toml().as_bytes())

@@ -190,10 +190,7 @@ fn run(cli: Cli) -> Result<()> {
                 }
             };
             if print_config {
-                #[allow(clippy::print_stdout)]
-                {
-                    print!("{}", cfg.to_toml());
-                }
+                progress::out(&cfg.to_toml());
                 return Ok(());
             }
             weft_trainer::train::train(&cfg, resuming, &mut progress::Terminal::new())?;
@@ -219,19 +216,13 @@ fn run(cli: Cli) -> Result<()> {
             req.backward_weight = backward_weight;
             req.p2p_latency = latency;
             let plan = weft_pipeline::plan(&req)?;
-            #[allow(clippy::print_stdout)]
-            {
-                print!("{}", plan.table());
-            }
+            progress::out(&plan.table());
             if let Some(out) = out {
                 let file = std::fs::File::create(&out)
                     .with_context(|| format!("creating {}", out.display()))?;
                 serde_json::to_writer(std::io::BufWriter::new(file), &plan.trace)
                     .with_context(|| format!("writing {}", out.display()))?;
-                #[allow(clippy::print_stdout)]
-                {
-                    println!("trace written to {}", out.display());
-                }
+                progress::say(&format!("trace written to {}", out.display()));
             }
             Ok(())
         }
@@ -243,10 +234,7 @@ fn run(cli: Cli) -> Result<()> {
             let batch = weft_model::eval::read_tokens(&tokens)?;
             let loss = weft_model::eval::eval_hf(&hf_model, &batch, dump_grads.as_deref())
                 .with_context(|| format!("evaluating {}", hf_model.display()))?;
-            #[allow(clippy::print_stdout)]
-            {
-                println!("{}", serde_json::json!({ "loss": loss }));
-            }
+            progress::say(&serde_json::json!({ "loss": loss }).to_string());
             Ok(())
         }
     }
@@ -259,22 +247,21 @@ fn ckpt(command: CkptCommand) -> Result<()> {
     let open = |dir: &std::path::Path| {
         Checkpoint::open(dir).with_context(|| format!("opening checkpoint {}", dir.display()))
     };
-    #[allow(clippy::print_stdout)]
     match command {
         CkptCommand::Verify { dir } => {
             let report = open(&dir)?
                 .verify()
                 .with_context(|| format!("verifying {}", dir.display()))?;
-            println!(
+            progress::say(&format!(
                 "ok: {} — {} tensors, {} shards in {} files, {} bytes checksummed",
                 dir.display(),
                 report.tensors,
                 report.shards,
                 report.files,
                 report.bytes
-            );
+            ));
         }
-        CkptCommand::Info { dir } => print!("{}", open(&dir)?.info()),
+        CkptCommand::Info { dir } => progress::out(&open(&dir)?.info().to_string()),
         CkptCommand::Export { dir, hf } => {
             let ckpt = open(&dir)?;
             let model = ckpt.state().extra.get("model").cloned().unwrap_or_default();
@@ -287,24 +274,24 @@ fn ckpt(command: CkptCommand) -> Result<()> {
             }
             let report = export_hf_gpt2(&ckpt, &hf, &opts)
                 .with_context(|| format!("exporting to {}", hf.display()))?;
-            println!(
+            progress::say(&format!(
                 "wrote {} ({} tensors, {} bytes) and config.json",
                 hf.join("model.safetensors").display(),
                 report.tensors,
                 report.bytes
-            );
+            ));
         }
         CkptCommand::Reshard { dir, to, out } => {
             let target = TargetLayout::parse(&to)?;
             let ckpt = open(&dir)?;
             let committed = reshard(&ckpt, &target, &out, &SaveOptions::default())
                 .with_context(|| format!("resharding {} into {}", dir.display(), out.display()))?;
-            println!(
+            progress::say(&format!(
                 "wrote {} (step {}, {} ranks)",
                 committed.path.display(),
                 committed.manifest.step,
                 committed.manifest.layout.world_size
-            );
+            ));
         }
     }
     Ok(())

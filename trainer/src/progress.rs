@@ -1,12 +1,21 @@
 //! How `weft train` shows progress: a progress bar on a terminal, plain log
 //! lines otherwise (CI logs, pipes, files).
 
-#![allow(clippy::print_stdout)] // this module is the binary's output
-
-use std::io::IsTerminal;
+use std::io::{IsTerminal, Write};
 
 use indicatif::{ProgressBar, ProgressStyle};
 use weft_trainer::train::{EvalReport, HealthEvent, Observer, RunInfo, StepReport, Summary};
+
+/// Writes a line to stdout; a closed pipe (`weft … | head`) is not an error
+/// worth dying for, so write failures are ignored.
+pub fn say(s: &str) {
+    let _ = writeln!(std::io::stdout().lock(), "{s}");
+}
+
+/// Writes text to stdout as is, ignoring a closed pipe.
+pub fn out(s: &str) {
+    let _ = write!(std::io::stdout().lock(), "{s}");
+}
 
 /// Renders training progress for a person.
 pub struct Terminal {
@@ -30,7 +39,7 @@ impl Terminal {
     fn line(&self, s: &str) {
         match &self.bar {
             Some(bar) => bar.println(s),
-            None => println!("{s}"),
+            None => say(s),
         }
     }
 }
@@ -59,23 +68,23 @@ impl Observer for Terminal {
         self.steps = info.steps;
         self.floor = info.floor;
         self.log_every = (info.steps / 20).max(1);
-        println!("run folder      {}", info.run_dir.display());
-        println!(
+        say(&format!("run folder      {}", info.run_dir.display()));
+        say(&format!(
             "model           {} parameters, vocabulary {}, activations {} B per micro-batch",
             si(info.params as f64).trim(),
             info.vocab,
             si(info.activation_bytes as f64).trim()
-        );
-        println!(
+        ));
+        say(&format!(
             "work            {} tokens/step, {}FLOP/token (6N + attention), {} steps",
             info.tokens_per_step,
             si(info.flops_per_token),
             info.steps
-        );
-        println!(
+        ));
+        say(&format!(
             "matmul peak     {}FLOP/s measured on this machine",
             si(info.peak_flops)
-        );
+        ));
         if std::io::stdout().is_terminal() {
             let bar = ProgressBar::new(info.steps);
             let style = ProgressStyle::with_template(
@@ -107,10 +116,10 @@ impl Observer for Terminal {
                     || rec.step == 1
                     || rec.step == self.steps
                 {
-                    println!(
+                    say(&format!(
                         "step {:>6}/{} {msg} | {:.1} s",
                         rec.step, self.steps, rec.time_s
-                    );
+                    ));
                 }
             }
         }
@@ -152,28 +161,31 @@ impl Observer for Terminal {
         if let Some(bar) = self.bar.take() {
             bar.finish_and_clear();
         }
-        println!(
+        say(&format!(
             "done            {} steps in {:.1} s; val loss {:.4} -> {}",
             s.steps,
             s.wall_s,
             s.initial_eval_loss,
             with_floor(s.final_eval_loss, s.floor)
-        );
+        ));
         if let Some(f) = s.floor {
-            println!("gap to floor    {:.4} nats", s.final_eval_loss - f);
+            say(&format!(
+                "gap to floor    {:.4} nats",
+                s.final_eval_loss - f
+            ));
         }
-        println!(
+        say(&format!(
             "throughput      {:.0} tokens/s, {}FLOP/s, {:.0}% of the measured matmul peak",
             s.tokens_per_s,
             si(s.flops_per_s),
             100.0 * s.utilisation
-        );
+        ));
         if s.skipped_steps > 0 {
-            println!("skipped steps   {}", s.skipped_steps);
+            say(&format!("skipped steps   {}", s.skipped_steps));
         }
-        println!(
+        say(&format!(
             "written         {}/{{config.toml, metrics.jsonl, summary.json}}",
             s.run_dir.display()
-        );
+        ));
     }
 }
