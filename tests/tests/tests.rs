@@ -1,0 +1,59 @@
+//! Integration tests that cross crates, compiled into one binary.
+
+use weft_checkpoint::{Checkpoint, Gpt2Export, export_hf_gpt2};
+use weft_trainer::config::Config;
+use weft_trainer::data::Data;
+use weft_trainer::train::{Silent, train};
+
+/// A checkpoint written by the trainer, exported by weft-checkpoint as a
+/// Hugging Face folder and loaded by weft-model, is the trained model: its
+/// validation loss is bitwise the trainer's final one.
+#[test]
+fn trainer_checkpoint_exports_to_a_loadable_hf_model() {
+    let dir = std::env::temp_dir().join(format!("weft-it-export-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let sets: Vec<String> = [
+        "model.n_layer=2",
+        "model.n_head=2",
+        "model.n_embd=32",
+        "model.block_size=16",
+        "train.batch_size=4",
+        "train.steps=10",
+        "train.eval_sequences=8",
+        "checkpoint.every=10",
+        "run.name=export",
+    ]
+    .iter()
+    .map(|s| (*s).to_owned())
+    .chain([format!("run.dir={:?}", dir.display().to_string())])
+    .collect();
+    let config = Config::load(None, &sets).unwrap();
+    let summary = train(&config, false, &mut Silent).unwrap();
+
+    let ckpt = Checkpoint::open(&summary.run_dir.join("checkpoints/step-00000010")).unwrap();
+    let hf = dir.join("hf");
+    let report = export_hf_gpt2(&ckpt, &hf, &Gpt2Export::new("transformer.", 2)).unwrap();
+    assert_eq!(
+        report.tensors,
+        2 + 12 * 2 + 2,
+        "wte, wpe; 12 per block; ln_f"
+    );
+
+    let model = weft_model::hf::load(&hf).unwrap();
+    let data = Data::open(&config).unwrap();
+    let (mut total, mut n) = (0.0, 0usize);
+    for b in data.val_batches(config.train.eval_sequences, 4) {
+        let mut acts = model.activations(b.batch, b.seq).unwrap();
+        let loss = model
+            .forward(&mut acts, &b.inputs, Some(&b.targets))
+            .unwrap()
+            .unwrap();
+        total += loss * (b.batch * b.seq) as f64;
+        n += b.batch * b.seq;
+    }
+    assert_eq!(
+        (total / n as f64).to_bits(),
+        summary.final_eval_loss.to_bits()
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
