@@ -20,6 +20,28 @@ struct Cli {
 }
 
 #[derive(Subcommand, Debug)]
+enum MoeCommand {
+    /// Check routers for causality: perturb or remove the tokens after
+    /// position n (and other sequences of the batch) and count how often
+    /// token n's experts or gate weights change. Prints the violation rate
+    /// of each router; causal routers must show 0.
+    Audit {
+        /// Experts E.
+        #[arg(long, default_value_t = 8)]
+        experts: usize,
+        /// Experts per token k.
+        #[arg(long, default_value_t = 2)]
+        top_k: usize,
+        /// Random trials per perturbation.
+        #[arg(long, default_value_t = 200)]
+        trials: usize,
+        /// RNG seed.
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+    },
+}
+
+#[derive(Subcommand, Debug)]
 enum CkptCommand {
     /// Check every checksum of a checkpoint folder.
     Verify {
@@ -82,6 +104,11 @@ enum Command {
         /// base configuration (unless --config is given).
         #[arg(long, value_name = "RUN_DIR", num_args = 0..=1)]
         resume: Option<Option<PathBuf>>,
+    },
+    /// Mixture-of-experts tools.
+    Moe {
+        #[command(subcommand)]
+        command: MoeCommand,
     },
     /// Inspect and convert checkpoints (`<run>/checkpoints/step-NNNNNNNN`).
     Ckpt {
@@ -197,6 +224,25 @@ fn run(cli: Cli) -> Result<()> {
             Ok(())
         }
         Command::Ckpt { command } => ckpt(command),
+        Command::Moe {
+            command:
+                MoeCommand::Audit {
+                    experts,
+                    top_k,
+                    trials,
+                    seed,
+                },
+        } => {
+            let opts = weft_moe::AuditOptions {
+                trials,
+                seed,
+                ..Default::default()
+            };
+            for report in weft_moe::audit_suite(experts, top_k, &opts)? {
+                progress::say(&report.to_string());
+            }
+            Ok(())
+        }
         Command::Pipeline {
             schedule,
             stages,
