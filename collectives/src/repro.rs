@@ -102,66 +102,142 @@ fn put_header(out: &mut Vec<u8>, e: i32, w: usize, special: bool, bits: u32) {
     out.extend_from_slice(&(bits as u16).to_le_bytes());
 }
 
-/// Binades below a block's largest f32 ulp that the f32 fast path keeps
-/// (leaving 64 − 1 − 24 − 30 = 9 bits of headroom for carries, i.e. up to
-/// 512 merges before a block widens to three words).
-const FAST_SPREAD: i32 = 30;
+/// Binades below a block's largest f32 ulp that the f32 fast path keeps:
+/// aligned integers then stay below 2^(24 + 27) = 2^51, the range of the
+/// magic-constant conversion, and leave 12 bits of headroom in two words
+/// for carries (4096 merges before a block widens to three words).
+const FAST_SPREAD: i32 = 27;
 
-/// Encodes one block of f32 values with `w = 2` and `e` = (largest ulp
-/// exponent − [`FAST_SPREAD`]), if every value is finite and exact at that
-/// `e`; returns `false` (writing nothing) otherwise.
+/// Defines a function whose body is compiled for the baseline, AVX2 and
+/// AVX-512 instruction sets and dispatched at run time on
+/// [`weft_numerics::simd::level`] (never `target-cpu=native`). The body is
+/// the same source in every version, so results are identical.
+macro_rules! multiversion {
+    (
+        $(#[$meta:meta])*
+        $vis:vis fn $name:ident $(<$($g:ident : $b:path),*>)? ($($a:ident : $t:ty),* $(,)?) $(-> $r:ty)? $body:block
+    ) => {
+        $(#[$meta])*
+        $vis fn $name $(<$($g: $b),*>)? ($($a: $t),*) $(-> $r)? {
+            #[inline(always)]
+            fn inner $(<$($g: $b),*>)? ($($a: $t),*) $(-> $r)? $body
+
+            #[cfg(target_arch = "x86_64")]
+            {
+                use weft_numerics::simd::{level, Level};
+                #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,bmi2")]
+                fn v4 $(<$($g: $b),*>)? ($($a: $t),*) $(-> $r)? {
+                    inner $(::<$($g),*>)? ($($a),*)
+                }
+                #[target_feature(enable = "avx2,fma,bmi2")]
+                fn v3 $(<$($g: $b),*>)? ($($a: $t),*) $(-> $r)? {
+                    inner $(::<$($g),*>)? ($($a),*)
+                }
+                match level() {
+                    // SAFETY: `level()` reported that the CPU supports every
+                    // feature enabled on `v4`.
+                    Level::Avx512 => return unsafe { v4 $(::<$($g),*>)? ($($a),*) },
+                    // SAFETY: as above, for `v3`'s features.
+                    Level::Avx2 => return unsafe { v3 $(::<$($g),*>)? ($($a),*) },
+                    Level::Baseline => {}
+                }
+            }
+            inner $(::<$($g),*>)? ($($a),*)
+        }
+    };
+}
+
+/// Appends `n` little-endian i64 words, word `i` being `f(i)`, writing
+/// straight into `out`'s spare capacity (no zero fill, no copy).
+#[inline(always)]
+fn push_i64s(out: &mut Vec<u8>, n: usize, mut f: impl FnMut(usize) -> i64) {
+    out.reserve(8 * n);
+    let at = out.len();
+    let dst = out.spare_capacity_mut()[..8 * n].as_mut_ptr().cast::<u8>();
+    for i in 0..n {
+        let v = f(i).to_le();
+        // SAFETY: `dst` points to at least 8·n spare bytes reserved above;
+        // word i lies within them; unaligned writes are allowed.
+        unsafe { dst.add(8 * i).cast::<i64>().write_unaligned(v) };
+    }
+    // SAFETY: the 8·n bytes after `at` were all written by the loop.
+    unsafe { out.set_len(at + 8 * n) };
+}
+
+/// Word `i` of little-endian i64 words.
+///
+/// # Panics
+/// If `data` has fewer than 8·(i + 1) bytes.
+#[inline(always)]
+fn word(data: &[u8], i: usize) -> i64 {
+    assert!(8 * i + 8 <= data.len(), "word {i} of {} bytes", data.len());
+    // SAFETY: bounds checked above; unaligned reads are allowed.
+    i64::from_le(unsafe { data.as_ptr().add(8 * i).cast::<i64>().read_unaligned() })
+}
+
+/// Encodes one block of f32 bit patterns with `w = 2` and `e` = (largest
+/// ulp exponent − [`FAST_SPREAD`]) if every value is finite, not −0.0 and
+/// exact at that `e`; returns `false` (writing nothing) otherwise.
+///
+/// Each value becomes `round(x / 2^e)` by one float add of the magic
+/// constant `1.5·2^(52+e)` (exact here, as every value is a multiple of
+/// 2^e below 2^(e+51)) and one integer subtraction: no data-dependent
+/// shifts, so the loop runs in SIMD lanes.
+#[inline(always)]
 fn encode_f32_fast(bits: &[u32], out: &mut Vec<u8>) -> bool {
     let mut emax = 0u32;
-    let mut emin = u32::MAX;
+    let mut emin = 0x100u32;
+    let mut negzero = false;
     for &b in bits {
         let ex = (b >> 23) & 0xff;
         emax = emax.max(ex);
-        if b & 0x7fff_ffff != 0 {
-            emin = emin.min(ex.max(1));
-        }
+        emin = emin.min(if b & 0x7fff_ffff != 0 {
+            ex.max(1)
+        } else {
+            0x100
+        });
+        negzero |= b == 0x8000_0000;
     }
-    if emax == 0xff || emin == u32::MAX || (emax.max(1) - emin) as i32 > FAST_SPREAD {
+    if emax == 0xff || emin == 0x100 || negzero || (emax.max(1) - emin) as i32 > FAST_SPREAD {
         return false;
     }
     // element value = m · 2^(max(E,1) − 150); block exponent e:
     let e = emax.max(1) as i32 - 150 - FAST_SPREAD;
+    // 1.5 · 2^(52+e), built from bits (52 + e is a normal exponent here)
+    let m = f64::from_bits(((1023 + 52 + e) as u64) << 52 | 1 << 51);
+    let m_bits = m.to_bits() as i64;
     let start = out.len();
     put_header(out, e, 2, false, 0);
-    let at = out.len();
-    out.resize(at + 8 * bits.len(), 0);
     let mut acc = 0u64;
-    let mut negzero = false;
-    for (o, &b) in out[at..].chunks_exact_mut(8).zip(bits) {
-        let ex = (b >> 23) & 0xff;
-        let m = u64::from((b & 0x7f_ffff) | (u32::from(ex != 0) << 23));
-        // in 0..=FAST_SPREAD for nonzero values (zeros may be lower: m = 0)
-        let sh = (ex.max(1) as i32 - 150 - e).max(0);
-        let v = (m << sh) as i64;
-        let v = if b >> 31 == 1 { -v } else { v };
-        negzero |= b == 0x8000_0000;
-        acc |= v.unsigned_abs();
-        o.copy_from_slice(&v.to_le_bytes());
-    }
-    if negzero {
-        // −0.0 needs the flag bytes: take the general path.
-        out.truncate(start);
-        return false;
-    }
-    let nbits = bitlen64(acc);
-    out[start + 6..start + 8].copy_from_slice(&(nbits as u16).to_le_bytes());
+    push_i64s(out, bits.len(), |i| {
+        let t = f64::from(f32::from_bits(bits[i])) + m;
+        let h = t.to_bits() as i64 - m_bits;
+        acc |= (h ^ (h >> 63)) as u64;
+        h
+    });
+    let nb = bitlen64(acc) as u16;
+    out[start + 6..start + 8].copy_from_slice(&nb.to_le_bytes());
     true
+}
+
+multiversion! {
+    /// The f32 encoder: the fast path per block, else the general one.
+    fn encode_f32(xs: &[f32], out: &mut Vec<u8>) {
+        for blk in xs.chunks(BLOCK) {
+            let bits: [u32; BLOCK] = std::array::from_fn(|i| blk.get(i).map_or(0, |x| x.to_bits()));
+            if !encode_f32_fast(&bits[..blk.len()], out) {
+                encode_general(blk, out);
+            }
+        }
+    }
 }
 
 /// Appends the exact encoding of `xs` to `out`.
 pub fn encode<T: Element>(xs: &[T], out: &mut Vec<u8>) {
     if T::DTYPE == Dtype::F32 {
-        // SAFETY: T is f32 (the trait is sealed), which has u32's layout.
-        let bits = unsafe { std::slice::from_raw_parts(xs.as_ptr().cast::<u32>(), xs.len()) };
-        for (k, blk) in bits.chunks(BLOCK).enumerate() {
-            if !encode_f32_fast(blk, out) {
-                encode_general(&xs[k * BLOCK..k * BLOCK + blk.len()], out);
-            }
-        }
+        // SAFETY: T is f32 (the trait is sealed), the same type.
+        let f = unsafe { std::slice::from_raw_parts(xs.as_ptr().cast::<f32>(), xs.len()) };
+        encode_f32(f, out);
         return;
     }
     encode_general(xs, out);
@@ -397,6 +473,11 @@ fn read_block<'a>(bytes: &'a [u8], pos: &mut usize, bl: usize) -> Result<BlockRe
 /// # Errors
 /// [`Error::Decode`] if either input is not a valid encoding of `len` elements.
 pub fn merge(a: &[u8], b: &[u8], len: usize, out: &mut Vec<u8>) -> Result<()> {
+    merge_mv(a, b, len, out)
+}
+
+multiversion! {
+fn merge_mv(a: &[u8], b: &[u8], len: usize, out: &mut Vec<u8>) -> Result<()> {
     out.clear();
     out.reserve(a.len().max(b.len()) + 64);
     let (mut pa, mut pb) = (0, 0);
@@ -445,19 +526,13 @@ pub fn merge(a: &[u8], b: &[u8], len: usize, out: &mut Vec<u8>) -> Result<()> {
             if special {
                 out.extend_from_slice(&flags[..bl]);
             }
-            let at = out.len();
-            out.resize(at + 8 * bl, 0);
+            let (xd, yd) = (&x.data[..8 * bl], &y.data[..8 * bl]);
             let mut acc = 0u64;
-            for ((o, a), b) in out[at..]
-                .chunks_exact_mut(8)
-                .zip(x.data.chunks_exact(8))
-                .zip(y.data.chunks_exact(8))
-            {
-                let s = (i64::from_le_bytes(a.try_into().expect("8 bytes")) << sa)
-                    + (i64::from_le_bytes(b.try_into().expect("8 bytes")) << sb);
+            push_i64s(out, bl, |i| {
+                let s = (word(xd, i) << sa) + (word(yd, i) << sb);
                 acc |= (s ^ (s >> 63)) as u64;
-                o.copy_from_slice(&s.to_le_bytes());
-            }
+                s
+            });
             let bits = bitlen64(acc);
             out[start + 6..start + 8].copy_from_slice(&(bits as u16).to_le_bytes());
             continue;
@@ -516,6 +591,7 @@ pub fn merge(a: &[u8], b: &[u8], len: usize, out: &mut Vec<u8>) -> Result<()> {
         )));
     }
     Ok(())
+}
 }
 
 /// Target format parameters: precision p (with the implicit bit), lowest
@@ -618,11 +694,32 @@ fn ldexp_exact(kept: u64, q: i32) -> f64 {
 /// # Errors
 /// [`Error::Decode`] if `bytes` is not a valid encoding of that many elements.
 pub fn decode<T: Element>(bytes: &[u8], out: &mut [T]) -> Result<()> {
+    decode_mv(bytes, out)
+}
+
+multiversion! {
+fn decode_mv<T: Element>(bytes: &[u8], out: &mut [T]) -> Result<()> {
     let len = out.len();
     let mut pos = 0;
     for blk in out.chunks_mut(BLOCK) {
         let bl = blk.len();
         let x = read_block(bytes, &mut pos, bl)?;
+        if x.flags.is_none() && x.w <= 2 && x.bits <= 52 && (-1022..=900).contains(&x.e) {
+            // Every |v| ≤ 2^52: v → f64 exactly, times 2^e exactly (a
+            // normal f64), then one rounding to T.
+            let scale = f64::from_bits(((x.e + 1023) as u64) << 52);
+            if x.w == 2 {
+                let d = &x.data[..8 * bl];
+                for (i, o) in blk.iter_mut().enumerate() {
+                    *o = T::from_f64(word(d, i) as f64 * scale);
+                }
+            } else {
+                for (i, o) in blk.iter_mut().enumerate() {
+                    *o = T::from_f64(get_i64(x.data, i, x.w) as f64 * scale);
+                }
+            }
+            continue;
+        }
         for (i, o) in blk.iter_mut().enumerate() {
             let f = x.flags.map_or(0, |v| v[i]);
             if f & F_NAN != 0 || f & (F_PINF | F_NINF) == F_PINF | F_NINF {
@@ -669,6 +766,7 @@ pub fn decode<T: Element>(bytes: &[u8], out: &mut [T]) -> Result<()> {
         )));
     }
     Ok(())
+}
 }
 
 fn shr_take64(m: &Big, s: u32) -> u64 {
@@ -880,6 +978,12 @@ fn give_back(v: Vec<u8>) {
     });
 }
 
+/// Bytes of a two-word encoding of `len` elements (headers included), so
+/// typical encodings never reallocate while being written.
+fn encoded_capacity(len: usize) -> usize {
+    len * 8 + len.div_ceil(BLOCK) * HEADER + 64
+}
+
 fn encode_chunks(dtype: Dtype, bytes: &[u8], m: usize) -> (Vec<Vec<u8>>, Vec<usize>) {
     let es = dtype.size_bytes();
     let len = bytes.len() / es;
@@ -887,7 +991,7 @@ fn encode_chunks(dtype: Dtype, bytes: &[u8], m: usize) -> (Vec<Vec<u8>>, Vec<usi
     let mut lens = Vec::with_capacity(m);
     for i in 0..m {
         let r = shard_range(len, m, i);
-        let mut v = take_buf(r.len() * 8 + 64);
+        let mut v = take_buf(encoded_capacity(r.len()));
         encode_buf(dtype, &bytes[r.start * es..r.end * es], &mut v);
         enc.push(v);
         lens.push(r.len());
@@ -911,7 +1015,7 @@ pub(crate) fn all_reduce<C: Communicator + ?Sized>(
     let all: Vec<usize> = (0..n).collect();
     match ctx.sig.algorithm.unwrap_or(Algorithm::Ring) {
         Algorithm::RecursiveDoubling => {
-            let mut enc = Vec::with_capacity(len * 8 + 64);
+            let mut enc = Vec::with_capacity(encoded_capacity(len));
             encode_buf(dtype, bytes, &mut enc);
             exact_rd_all_reduce(c, ctx, 0, &all, me, &mut enc, len)?;
             decode_buf(dtype, &enc, bytes)?;
@@ -978,7 +1082,7 @@ pub(crate) fn reduce_scatter<C: Communicator + ?Sized>(
     let out = output.bytes();
     match ctx.sig.algorithm.unwrap_or(Algorithm::Ring) {
         Algorithm::RecursiveDoubling => {
-            let mut whole = Vec::with_capacity(len * 8 + 64);
+            let mut whole = Vec::with_capacity(encoded_capacity(len));
             encode_buf(dtype, input.bytes(), &mut whole);
             exact_rd_all_reduce(c, ctx, 0, &all, me, &mut whole, len)?;
             let mut tmp = crate::reduce::AlignedBuf::zeroed(input.bytes().len());
@@ -1080,6 +1184,74 @@ mod tests {
             vec![bf16::from_f32(1.0)],
         ];
         assert!(same_bits(&merged(&h), &exact_of(&h)));
+    }
+
+    /// f32 columns whose blocks of 64 each span at most `spread` binades
+    /// below a base exponent drawn from the whole f32 range (subnormals and
+    /// near-overflow included), with both signs and some zeros.
+    fn blocky(seed: u64, k: usize, len: usize, spread: u32) -> Vec<Vec<f32>> {
+        let mut s = seed | 1;
+        let mut next = move || {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            s
+        };
+        let bases: Vec<u32> = (0..len.div_ceil(BLOCK))
+            .map(|_| (next() % 254) as u32 + 1)
+            .collect();
+        (0..k)
+            .map(|_| {
+                (0..len)
+                    .map(|i| {
+                        let u = next();
+                        if u % 23 == 0 {
+                            return 0.0;
+                        }
+                        let base = bases[i / BLOCK];
+                        let ex = base.saturating_sub((u >> 8) as u32 % (spread + 1));
+                        let frac = (u >> 32) as u32 & 0x7f_ffff;
+                        f32::from_bits((u32::from(u % 2 == 0) << 31) | (ex << 23) | frac)
+                    })
+                    .collect()
+            })
+            .collect()
+    }
+
+    #[test]
+    fn fast_paths_match_exact_sum_at_every_exponent_and_spread() {
+        for (seed, spread) in (1..40u64).zip([0u32, 5, 26, 27, 28, 40].into_iter().cycle()) {
+            let k = 2 + (seed as usize % 7);
+            let cols = blocky(seed, k, 5 * BLOCK + 9, spread);
+            let got = merged(&cols);
+            let want = exact_of(&cols);
+            assert!(
+                same_bits(&got, &want),
+                "seed {seed} spread {spread}: {:?}",
+                got.iter()
+                    .zip(&want)
+                    .find(|(a, b)| a.to_bits() != b.to_bits())
+            );
+        }
+    }
+
+    #[test]
+    fn narrow_f32_blocks_take_the_two_word_fast_path() {
+        let cols = blocky(3, 1, 4 * BLOCK, FAST_SPREAD as u32);
+        let mut e = Vec::new();
+        encode(&cols[0], &mut e);
+        assert_eq!(e.len(), 4 * (HEADER + 8 * BLOCK));
+    }
+
+    #[test]
+    fn thousands_of_merges_widen_blocks_and_stay_exact() {
+        // 5000 contributions at the top of the fast path's range carry
+        // past its 12 bits of headroom: blocks widen to three words.
+        let one = blocky(11, 1, BLOCK + 3, FAST_SPREAD as u32).remove(0);
+        let one: Vec<f32> = one.iter().map(|x| x.abs().min(1e30)).collect();
+        let cols = vec![one; 5000];
+        let got = merged(&cols);
+        assert!(same_bits(&got, &exact_of(&cols)));
     }
 
     #[test]

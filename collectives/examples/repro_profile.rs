@@ -1,0 +1,58 @@
+//! Times the phases of the reproducible mode (encode, merge, decode) on one
+//! thread, per element, beside a plain f32 add of the same length:
+//! `cargo run --release -p weft-collectives --example repro_profile [-- LEN]`.
+#![allow(clippy::print_stdout, missing_docs)]
+use std::time::Instant;
+use weft_collectives::repro;
+
+fn main() {
+    let n: usize = std::env::args()
+        .nth(1)
+        .and_then(|a| a.parse().ok())
+        .unwrap_or(1 << 20);
+    let reps: u32 = 20;
+    let a: Vec<f32> = (0..n)
+        .map(|i| ((i * 31) as f32 * 1e-3).sin() * 1e-20)
+        .collect();
+    let b: Vec<f32> = (0..n)
+        .map(|i| ((i * 31 + 7) as f32 * 1e-3).sin() * 1e-20)
+        .collect();
+    let mut ea = Vec::new();
+    let mut eb = Vec::new();
+    let t = Instant::now();
+    for _ in 0..reps {
+        ea.clear();
+        repro::encode(&a, &mut ea);
+    }
+    let te = t.elapsed().as_secs_f64() / f64::from(reps);
+    repro::encode(&b, &mut eb);
+    let mut m = Vec::new();
+    let t = Instant::now();
+    for _ in 0..reps {
+        repro::merge(&ea, &eb, n, &mut m).unwrap();
+    }
+    let tm = t.elapsed().as_secs_f64() / f64::from(reps);
+    let mut out = vec![0f32; n];
+    let t = Instant::now();
+    for _ in 0..reps {
+        repro::decode(&m, &mut out).unwrap();
+    }
+    let td = t.elapsed().as_secs_f64() / f64::from(reps);
+    let t = Instant::now();
+    for _ in 0..reps {
+        for (o, (x, y)) in out.iter_mut().zip(a.iter().zip(&b)) {
+            *o = x + y;
+        }
+        std::hint::black_box(&out);
+    }
+    let ta = t.elapsed().as_secs_f64() / f64::from(reps);
+    let ns = |t: f64| t * 1e9 / n as f64;
+    println!(
+        "n {n}: encode {:.2} ns/elem ({} B/elem), merge {:.2}, decode {:.2}, plain add {:.2}",
+        ns(te),
+        ea.len() as f64 / n as f64,
+        ns(tm),
+        ns(td),
+        ns(ta)
+    );
+}
