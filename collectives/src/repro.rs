@@ -147,32 +147,36 @@ macro_rules! multiversion {
     };
 }
 
-/// Appends `n` little-endian i64 words, word `i` being `f(i)`, writing
-/// straight into `out`'s spare capacity (no zero fill, no copy).
-#[inline(always)]
-fn push_i64s(out: &mut Vec<u8>, n: usize, mut f: impl FnMut(usize) -> i64) {
-    out.reserve(8 * n);
-    let at = out.len();
-    let dst = out.spare_capacity_mut()[..8 * n].as_mut_ptr().cast::<u8>();
-    for i in 0..n {
-        let v = f(i).to_le();
-        // SAFETY: `dst` points to at least 8·n spare bytes reserved above;
-        // word i lies within them; unaligned writes are allowed.
-        unsafe { dst.add(8 * i).cast::<i64>().write_unaligned(v) };
-    }
-    // SAFETY: the 8·n bytes after `at` were all written by the loop.
-    unsafe { out.set_len(at + 8 * n) };
-}
-
-/// Word `i` of little-endian i64 words.
+/// Appends `(a[i] << sa) + (b[i] << sb)` for the first `n` little-endian
+/// i64 words of `a` and `b`; returns the OR of the results' magnitudes
+/// (as `s ^ (s >> 63)`), whose bit length bounds them.
 ///
 /// # Panics
-/// If `data` has fewer than 8·(i + 1) bytes.
+/// If `a` or `b` holds fewer than `n` words.
 #[inline(always)]
-fn word(data: &[u8], i: usize) -> i64 {
-    assert!(8 * i + 8 <= data.len(), "word {i} of {} bytes", data.len());
-    // SAFETY: bounds checked above; unaligned reads are allowed.
-    i64::from_le(unsafe { data.as_ptr().add(8 * i).cast::<i64>().read_unaligned() })
+fn merge_words(a: &[u8], b: &[u8], sa: u32, sb: u32, n: usize, out: &mut Vec<u8>) -> u64 {
+    let (a, b) = (&a[..8 * n], &b[..8 * n]);
+    out.reserve(8 * n);
+    let at = out.len();
+    let dst = out.spare_capacity_mut()[..8 * n].as_mut_ptr().cast::<i64>();
+    let pa = a.as_ptr().cast::<i64>();
+    let pb = b.as_ptr().cast::<i64>();
+    let mut acc = 0u64;
+    for i in 0..n {
+        // SAFETY: `a` and `b` hold 8·n bytes (sliced above) and `dst` 8·n
+        // spare bytes (reserved above), so word i is in bounds of each;
+        // unaligned access is allowed.
+        let s = unsafe {
+            let s = (i64::from_le(pa.add(i).read_unaligned()) << sa)
+                + (i64::from_le(pb.add(i).read_unaligned()) << sb);
+            dst.add(i).write_unaligned(s.to_le());
+            s
+        };
+        acc |= (s ^ (s >> 63)) as u64;
+    }
+    // SAFETY: the 8·n bytes after `at` were written by the loop.
+    unsafe { out.set_len(at + 8 * n) };
+    acc
 }
 
 /// Encodes one block of f32 bit patterns with `w = 2` and `e` = (largest
@@ -208,13 +212,21 @@ fn encode_f32_fast(bits: &[u32], out: &mut Vec<u8>) -> bool {
     let m_bits = m.to_bits() as i64;
     let start = out.len();
     put_header(out, e, 2, false, 0);
+    let n = bits.len();
+    out.reserve(8 * n);
+    let at = out.len();
+    let dst = out.spare_capacity_mut()[..8 * n].as_mut_ptr().cast::<i64>();
     let mut acc = 0u64;
-    push_i64s(out, bits.len(), |i| {
-        let t = f64::from(f32::from_bits(bits[i])) + m;
+    for (i, &b) in bits.iter().enumerate() {
+        let t = f64::from(f32::from_bits(b)) + m;
         let h = t.to_bits() as i64 - m_bits;
         acc |= (h ^ (h >> 63)) as u64;
-        h
-    });
+        // SAFETY: `dst` has 8·n spare bytes reserved above and i < n;
+        // unaligned writes are allowed.
+        unsafe { dst.add(i).write_unaligned(h.to_le()) };
+    }
+    // SAFETY: the 8·n bytes after `at` were written by the loop.
+    unsafe { out.set_len(at + 8 * n) };
     let nb = bitlen64(acc) as u16;
     out[start + 6..start + 8].copy_from_slice(&nb.to_le_bytes());
     true
@@ -526,14 +538,7 @@ fn merge_mv(a: &[u8], b: &[u8], len: usize, out: &mut Vec<u8>) -> Result<()> {
             if special {
                 out.extend_from_slice(&flags[..bl]);
             }
-            let (xd, yd) = (&x.data[..8 * bl], &y.data[..8 * bl]);
-            let mut acc = 0u64;
-            push_i64s(out, bl, |i| {
-                let s = (word(xd, i) << sa) + (word(yd, i) << sb);
-                acc |= (s ^ (s >> 63)) as u64;
-                s
-            });
-            let bits = bitlen64(acc);
+            let bits = bitlen64(merge_words(x.data, y.data, sa, sb, bl, out));
             out[start + 6..start + 8].copy_from_slice(&(bits as u16).to_le_bytes());
             continue;
         }
@@ -710,8 +715,12 @@ fn decode_mv<T: Element>(bytes: &[u8], out: &mut [T]) -> Result<()> {
             let scale = f64::from_bits(((x.e + 1023) as u64) << 52);
             if x.w == 2 {
                 let d = &x.data[..8 * bl];
+                let p = d.as_ptr().cast::<i64>();
                 for (i, o) in blk.iter_mut().enumerate() {
-                    *o = T::from_f64(word(d, i) as f64 * scale);
+                    // SAFETY: `d` holds 8·bl bytes and i < bl; unaligned
+                    // reads are allowed.
+                    let v = i64::from_le(unsafe { p.add(i).read_unaligned() });
+                    *o = T::from_f64(v as f64 * scale);
                 }
             } else {
                 for (i, o) in blk.iter_mut().enumerate() {
