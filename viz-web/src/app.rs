@@ -1,0 +1,971 @@
+//! The yew components: the app shell and its four views.
+
+use std::rc::Rc;
+
+use yew::prelude::*;
+
+use crate::chart::{self, Frame};
+use crate::error::LoadError;
+use crate::expert::{ExpertLoad, LayerSel};
+use crate::load::{FileKind, HealthEvent, MetricsLog};
+use crate::run::{Run, Slot};
+use crate::timeline::{self, SliceKind, Timeline};
+use crate::web;
+
+/// Width of the drawings in SVG user units (they scale to the page).
+const W: f64 = 1200.0;
+/// Width of the lane-name column of the timeline.
+const LEFT: f64 = 96.0;
+/// Height of one lane.
+const LANE_H: f64 = 26.0;
+/// Height of the time axis.
+const AXIS_H: f64 = 20.0;
+
+/// A message to the run reducer: a file arrived.
+struct Ingest(String, String);
+
+#[derive(Default, PartialEq)]
+struct RunState(Run);
+
+impl Reducible for RunState {
+    type Action = Ingest;
+    fn reduce(self: Rc<Self>, a: Ingest) -> Rc<Self> {
+        let mut run = self.0.clone();
+        run.ingest(&a.0, &a.1);
+        Rc::new(Self(run))
+    }
+}
+
+/// The page's tabs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Tab {
+    /// Config, summary and file status.
+    Overview,
+    /// The pipeline timeline.
+    Pipeline,
+    /// The expert-load heatmap.
+    Experts,
+    /// Loss, learning rate, grad norm, throughput.
+    Metrics,
+}
+
+impl Tab {
+    const ALL: [Self; 4] = [Self::Overview, Self::Pipeline, Self::Experts, Self::Metrics];
+    fn label(self) -> &'static str {
+        match self {
+            Self::Overview => "Overview",
+            Self::Pipeline => "Pipeline",
+            Self::Experts => "Expert load",
+            Self::Metrics => "Metrics",
+        }
+    }
+    fn id(self) -> &'static str {
+        match self {
+            Self::Overview => "tab-overview",
+            Self::Pipeline => "tab-pipeline",
+            Self::Experts => "tab-experts",
+            Self::Metrics => "tab-metrics",
+        }
+    }
+}
+
+/// Properties of [`App`].
+#[derive(Properties, PartialEq, Clone)]
+pub struct AppProps {
+    /// Files already loaded (tests render a prepared run).
+    #[prop_or_default]
+    pub initial: Run,
+    /// Fetch the run's files from the server on start.
+    #[prop_or(true)]
+    pub fetch: bool,
+    /// Tab to open; by default the first view that has data.
+    #[prop_or_default]
+    pub tab: Option<Tab>,
+}
+
+/// The whole page.
+#[component]
+pub fn App(props: &AppProps) -> Html {
+    let run = {
+        let initial = props.initial.clone();
+        use_reducer(move || RunState(initial))
+    };
+    let tab = use_state(|| props.tab);
+    let on_file = {
+        let run = run.dispatcher();
+        Callback::from(move |(name, text): (String, String)| run.dispatch(Ingest(name, text)))
+    };
+    {
+        let on_file = on_file.clone();
+        let fetch = props.fetch;
+        use_effect_with((), move |()| {
+            if fetch {
+                web::fetch_run(on_file);
+            }
+        });
+    }
+    let r = &run.0;
+    let auto = if r.trace.get().is_some() {
+        Tab::Pipeline
+    } else if r.expert.get().is_some() {
+        Tab::Experts
+    } else if r.metrics.get().is_some() {
+        Tab::Metrics
+    } else {
+        Tab::Overview
+    };
+    let current = tab.unwrap_or(auto);
+    let ondrop = {
+        let on_file = on_file.clone();
+        Callback::from(move |e: DragEvent| web::read_dropped(&e, on_file.clone()))
+    };
+    let ondragover = Callback::from(|e: DragEvent| e.prevent_default());
+    let onchange = {
+        let on_file = on_file.clone();
+        Callback::from(move |e: Event| web::read_input(&e, on_file.clone()))
+    };
+    let tabs = Tab::ALL.iter().map(|t| {
+        let tab = tab.clone();
+        let t = *t;
+        let class = if t == current { "tab active" } else { "tab" };
+        html! { <button id={t.id()} class={class} onclick={move |_| tab.set(Some(t))}>{ t.label() }</button> }
+    });
+    let errors = r.errors();
+    let warnings = r.warnings();
+    let body = match current {
+        Tab::Overview => html! { <OverviewView run={Rc::new(r.clone())} /> },
+        Tab::Pipeline => match (&r.trace, r.compare.get()) {
+            (Slot::Loaded(a, _), b) => html! { <PipelineView a={a.clone()} b={b.cloned()} /> },
+            (Slot::Failed(e), _) => missing_view("pipeline", Some(e)),
+            (Slot::Absent, _) => missing_view("trace.json", None),
+        },
+        Tab::Experts => match &r.expert {
+            Slot::Loaded(x, _) => html! { <ExpertView data={x.clone()} /> },
+            Slot::Failed(e) => missing_view("expert load", Some(e)),
+            Slot::Absent => missing_view("expert_load.jsonl", None),
+        },
+        Tab::Metrics => match &r.metrics {
+            Slot::Loaded(m, _) => {
+                html! { <MetricsView data={m.clone()} floor={r.entropy_floor()} /> }
+            }
+            Slot::Failed(e) => missing_view("metrics", Some(e)),
+            Slot::Absent => missing_view("metrics.jsonl", None),
+        },
+    };
+    html! {
+        <div class="app" {ondrop} {ondragover}>
+            <header>
+                <span class="brand">{ "weft viz" }</span>
+                <nav>{ for tabs }</nav>
+                <label class="open">{ "Open files…" }
+                    <input id="file-input" type="file" multiple=true {onchange} />
+                </label>
+            </header>
+            if !errors.is_empty() {
+                <div class="errors">
+                    { for errors.iter().map(|e| html! { <div class="error" data-file={e.file().to_owned()}>{ e.to_string() }</div> }) }
+                </div>
+            }
+            if !warnings.is_empty() {
+                <div class="warnings">
+                    { for warnings.iter().map(|w| html! { <div class="warning">{ w.to_string() }</div> }) }
+                </div>
+            }
+            <main>{ body }</main>
+            <footer>
+                <span>{ "Drop run files anywhere on the page: trace.json, metrics.jsonl, expert_load.jsonl, config.toml, summary.json. A second trace is drawn below the first for comparison." }</span>
+                <span id="perf"></span>
+            </footer>
+        </div>
+    }
+}
+
+fn missing_view(what: &str, err: Option<&LoadError>) -> Html {
+    match err {
+        Some(e) => html! {
+            <div class="empty failed"><p>{ format!("The {what} could not be loaded:") }</p><pre class="error">{ e.to_string() }</pre></div>
+        },
+        None => html! {
+            <div class="empty"><p>{ format!("No {what} in this run. Drop one onto the page or use “Open files…”.") }</p></div>
+        },
+    }
+}
+
+// ---------------------------------------------------------------- overview
+
+#[derive(Properties, PartialEq)]
+struct OverviewProps {
+    run: Rc<Run>,
+}
+
+#[component]
+fn OverviewView(p: &OverviewProps) -> Html {
+    let r = &p.run;
+    let status = |name: &str, s: Option<Result<String, String>>| {
+        let (class, text) = match s {
+            None => ("absent", "not loaded".to_owned()),
+            Some(Ok(t)) => ("ok", t),
+            Some(Err(e)) => ("bad", e),
+        };
+        html! { <tr class={class}><td>{ name.to_owned() }</td><td>{ text }</td></tr> }
+    };
+    fn st<T>(s: &Slot<T>, f: impl Fn(&T) -> String) -> Option<Result<String, String>> {
+        match s {
+            Slot::Absent => None,
+            Slot::Loaded(v, w) if w.is_empty() => Some(Ok(f(v))),
+            Slot::Loaded(v, w) => Some(Ok(format!("{} ({} warning(s))", f(v), w.len()))),
+            Slot::Failed(e) => Some(Err(e.to_string())),
+        }
+    }
+    let rows = [
+        status(
+            FileKind::RUN_FILES[0],
+            st(&r.trace, |t| {
+                format!(
+                    "{} lanes, {} slices, makespan {}, bubble {:.1}%",
+                    t.lanes.len(),
+                    t.work_slices(),
+                    timeline::format_us(t.makespan()),
+                    100.0 * t.bubble_fraction
+                )
+            }),
+        ),
+        status(
+            FileKind::RUN_FILES[1],
+            st(&r.metrics, |m| {
+                format!(
+                    "{} steps, {} health events",
+                    m.records.len(),
+                    m.events.len()
+                )
+            }),
+        ),
+        status(
+            FileKind::RUN_FILES[2],
+            st(&r.expert, |x| {
+                format!(
+                    "{} steps × {} experts × {} layers",
+                    x.steps.len(),
+                    x.experts,
+                    x.layers.len()
+                )
+            }),
+        ),
+        status(
+            FileKind::RUN_FILES[3],
+            st(&r.config, |c| format!("{} lines", c.lines().count())),
+        ),
+        status(
+            FileKind::RUN_FILES[4],
+            st(&r.summary, |s| format!("{} entries", s.len())),
+        ),
+    ];
+    let last = r.metrics.get().and_then(|m| m.records.last().copied());
+    html! {
+        <div class="overview">
+            <section class="card">
+                <h2>{ "Run files" }</h2>
+                <table class="files">{ for rows }</table>
+                if let Some(m) = last {
+                    <p class="kv">{ format!("Last step {}: loss {:.4}, lr {:.3e}, grad norm {:.3}, {:.0} tokens/s, {:.1} s", m.step, m.loss, m.lr, m.grad_norm, m.tokens_per_s, m.time_s) }</p>
+                }
+                if let Some(f) = r.entropy_floor() {
+                    <p class="kv">{ format!("Entropy floor of the corpus: {f:.4} nats/token") }</p>
+                }
+            </section>
+            if let Some(s) = r.summary.get() {
+                <section class="card">
+                    <h2>{ "summary.json" }</h2>
+                    <table class="summary">
+                        { for s.iter().map(|(k, v)| html! { <tr><td>{ k.clone() }</td><td>{ v.clone() }</td></tr> }) }
+                    </table>
+                </section>
+            }
+            if let Some(c) = r.config.get() {
+                <section class="card">
+                    <h2>{ "config.toml" }</h2>
+                    <pre class="config">{ c.as_str().to_owned() }</pre>
+                </section>
+            }
+        </div>
+    }
+}
+
+// ---------------------------------------------------------------- replay
+
+/// Playback state shared by the replaying views.
+#[derive(Debug, Clone, PartialEq)]
+struct Replay {
+    /// Cursor position in [0, 1] of the whole range.
+    pos: f64,
+    playing: bool,
+    speed: f64,
+}
+
+enum ReplayMsg {
+    Toggle,
+    Tick,
+    Seek(f64),
+    Speed(f64),
+}
+
+/// Timer period of playback, ms.
+const TICK_MS: u32 = 40;
+/// At 1× a replay takes this many seconds end to end.
+const REPLAY_S: f64 = 10.0;
+
+impl Reducible for Replay {
+    type Action = ReplayMsg;
+    fn reduce(self: Rc<Self>, m: ReplayMsg) -> Rc<Self> {
+        let mut s = (*self).clone();
+        match m {
+            ReplayMsg::Toggle => {
+                s.playing = !s.playing;
+                if s.playing && s.pos >= 1.0 {
+                    s.pos = 0.0;
+                }
+            }
+            ReplayMsg::Tick if s.playing => {
+                s.pos += f64::from(TICK_MS) / 1000.0 / REPLAY_S * s.speed;
+                if s.pos >= 1.0 {
+                    s.pos = 1.0;
+                    s.playing = false;
+                }
+            }
+            ReplayMsg::Tick => return self,
+            ReplayMsg::Seek(p) => s.pos = p.clamp(0.0, 1.0),
+            ReplayMsg::Speed(v) => s.speed = v,
+        }
+        Rc::new(s)
+    }
+}
+
+#[hook]
+fn use_replay() -> UseReducerHandle<Replay> {
+    let replay = use_reducer(|| Replay {
+        pos: 0.0,
+        playing: false,
+        speed: 1.0,
+    });
+    {
+        let d = replay.dispatcher();
+        use_effect_with(replay.playing, move |playing| {
+            let t = playing.then(|| {
+                web::ticker(
+                    TICK_MS,
+                    Callback::from(move |()| d.dispatch(ReplayMsg::Tick)),
+                )
+            });
+            move || {
+                let _stop = t;
+            }
+        });
+    }
+    replay
+}
+
+fn replay_controls(replay: &UseReducerHandle<Replay>, position: String) -> Html {
+    let d = replay.dispatcher();
+    let toggle = Callback::from(move |_: MouseEvent| d.dispatch(ReplayMsg::Toggle));
+    let d = replay.dispatcher();
+    let oninput = Callback::from(move |e: InputEvent| {
+        let v: web_sys::HtmlInputElement = e.target_unchecked_into();
+        d.dispatch(ReplayMsg::Seek(
+            v.value().parse::<f64>().unwrap_or(0.0) / 1000.0,
+        ));
+    });
+    let d = replay.dispatcher();
+    let onchange = Callback::from(move |e: Event| {
+        let v: web_sys::HtmlInputElement = e.target_unchecked_into();
+        d.dispatch(ReplayMsg::Speed(v.value().parse::<f64>().unwrap_or(1.0)));
+    });
+    #[allow(clippy::cast_possible_truncation)]
+    let scrub = (replay.pos * 1000.0).round() as i64;
+    html! {
+        <div class="replay">
+            <button id="play" onclick={toggle}>{ if replay.playing { "❚❚ Pause" } else { "▶ Play" } }</button>
+            <label>{ "speed " }
+                <select id="speed" {onchange}>
+                    { for [0.25, 0.5, 1.0, 2.0, 4.0, 8.0].iter().map(|s| html! {
+                        <option value={s.to_string()} selected={(*s - replay.speed).abs() < 1e-9}>{ format!("{s}×") }</option>
+                    }) }
+                </select>
+            </label>
+            <input id="scrub" class="scrub" type="range" min="0" max="1000" value={scrub.to_string()} {oninput} />
+            <span id="cursor-pos" class="mono">{ position }</span>
+        </div>
+    }
+}
+
+#[hook]
+fn use_render_timer(view: &'static str) {
+    let start = web::now_ms();
+    use_effect(move || web::report_perf(view, web::now_ms() - start));
+}
+
+// ---------------------------------------------------------------- pipeline
+
+#[derive(Properties, PartialEq)]
+struct PipelineProps {
+    a: Rc<Timeline>,
+    b: Option<Rc<Timeline>>,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+struct Hover {
+    which: usize,
+    lane: usize,
+    event: usize,
+}
+
+#[component]
+fn PipelineView(p: &PipelineProps) -> Html {
+    use_render_timer("pipeline");
+    let (lo, hi) = match &p.b {
+        Some(b) => (p.a.start.min(b.start), p.a.end.max(b.end)),
+        None => (p.a.start, p.a.end),
+    };
+    let full = (lo, if hi > lo { hi } else { lo + 1.0 });
+    let window = use_state(|| full);
+    {
+        let window = window.clone();
+        use_effect_with(full_key(full), move |_| window.set(full));
+    }
+    let replay = use_replay();
+    let hover = use_state(|| None::<Hover>);
+    let drag = use_mut_ref(|| None::<(f64, (f64, f64))>);
+    let (t0, t1) = *window;
+    let cursor = full.0 + replay.pos * (full.1 - full.0);
+
+    let zoom = |factor: f64, at: f64| {
+        let window = window.clone();
+        move |_: MouseEvent| {
+            let (t0, t1) = *window;
+            window.set(zoomed((t0, t1), full, factor, at));
+        }
+    };
+    let mid = (t0 + t1) / 2.0;
+    let timelines: Vec<(usize, Rc<Timeline>)> = std::iter::once(p.a.clone())
+        .chain(p.b.clone())
+        .enumerate()
+        .collect();
+    let charts = timelines.iter().map(|(which, tl)| {
+        let which = *which;
+        let lanes_h = AXIS_H + LANE_H * tl.lanes.len() as f64;
+        let onmousemove = {
+            let hover = hover.clone();
+            let window = window.clone();
+            let drag = drag.clone();
+            let tl = tl.clone();
+            move |e: MouseEvent| {
+                let Some((fx, fy)) = web::relative_pos(&e) else { return };
+                let (t0, t1) = *window;
+                let t = t0 + (fx * W - LEFT) / (W - LEFT) * (t1 - t0);
+                if let Some((start_t, w0)) = *drag.borrow() {
+                    let dt = start_t - t;
+                    let span = w0.1 - w0.0;
+                    let s = (w0.0 + dt).clamp(full.0, (full.1 - span).max(full.0));
+                    window.set((s, s + span));
+                    return;
+                }
+                #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+                let lane = ((fy * lanes_h - AXIS_H) / LANE_H).floor();
+                let found = (lane >= 0.0)
+                    .then_some(lane as usize)
+                    .and_then(|l| tl.lanes.get(l).map(|ln| (l, ln)))
+                    .and_then(|(l, ln)| ln.slice_at(t).map(|s| Hover { which, lane: l, event: s.event }));
+                if *hover != found {
+                    hover.set(found);
+                }
+            }
+        };
+        let onmousedown = {
+            let drag = drag.clone();
+            let window = window.clone();
+            move |e: MouseEvent| {
+                if let Some((fx, _)) = web::relative_pos(&e) {
+                    let (t0, t1) = *window;
+                    *drag.borrow_mut() = Some((t0 + (fx * W - LEFT) / (W - LEFT) * (t1 - t0), (t0, t1)));
+                }
+            }
+        };
+        let onmouseup = {
+            let drag = drag.clone();
+            move |_: MouseEvent| *drag.borrow_mut() = None
+        };
+        let onwheel = {
+            let window = window.clone();
+            move |e: WheelEvent| {
+                let dy = web::wheel_delta(&e);
+                let m: &MouseEvent = &e;
+                let Some((fx, _)) = web::relative_pos(m) else { return };
+                let (t0, t1) = *window;
+                let at = t0 + ((fx * W - LEFT) / (W - LEFT)).clamp(0.0, 1.0) * (t1 - t0);
+                window.set(zoomed((t0, t1), full, if dy < 0.0 { 0.8 } else { 1.25 }, at));
+            }
+        };
+        let title = format!(
+            "{}{} — {} lanes, makespan {}, bubble {:.1}%{}",
+            tl.schedule.as_deref().map(|s| format!("{s} · ")).unwrap_or_default(),
+            tl.file,
+            tl.lanes.len(),
+            timeline::format_us(tl.makespan()),
+            100.0 * tl.bubble_fraction,
+            if tl.bubble_from_file { "" } else { " (computed)" },
+        );
+        html! {
+            <section class="card">
+                <h2 class="tl-title" data-which={which.to_string()}>{ title }</h2>
+                <div class="stats mono">
+                    <span id={format!("makespan-{which}")}>{ format!("makespan {}", timeline::format_us(tl.makespan())) }</span>
+                    <span id={format!("bubble-{which}")}>{ format!("bubble {:.2}%", 100.0 * tl.bubble_fraction) }</span>
+                    { for tl.counts.iter().map(|(k, n)| html! { <span>{ format!("{}: {n}", k.label()) }</span> }) }
+                </div>
+                <div {onmousemove} {onmousedown} {onmouseup} {onwheel} class="svg-wrap">
+                    { timeline_svg(tl, which, (t0, t1), cursor, hover.as_ref().filter(|h| h.which == which)) }
+                </div>
+            </section>
+        }
+    });
+    let running = timelines.iter().map(|(which, tl)| {
+        let rows = tl.lanes.iter().map(|l| {
+            let text = match l.slice_at(cursor) {
+                Some(s) if s.kind != SliceKind::Idle => {
+                    let name = &tl.trace.trace_events[s.event].name;
+                    match (s.microbatch, s.chunk) {
+                        (Some(m), Some(c)) if tl.chunked => format!("{name} mb {m} chunk {c}"),
+                        (Some(m), _) => format!("{name} mb {m}"),
+                        _ => name.clone(),
+                    }
+                }
+                _ => "idle".to_owned(),
+            };
+            html! { <tr class="running-row"><td>{ l.name.clone() }</td><td class="mono">{ text }</td></tr> }
+        });
+        html! { <table class="running" data-which={which.to_string()}><tr><th colspan="2">{ if *which == 0 { "running at cursor" } else { "compare: running at cursor" } }</th></tr>{ for rows }</table> }
+    });
+    let details = hover.as_ref().and_then(|h| {
+        let tl = &timelines.get(h.which)?.1;
+        let lane = tl.lanes.get(h.lane)?;
+        Some(html! {
+            <table id="details" class="details">
+                <tr><th colspan="2">{ lane.name.clone() }</th></tr>
+                { for tl.details(h.event).into_iter().map(|(k, v)| html! { <tr><td>{ k }</td><td class="mono">{ v }</td></tr> }) }
+            </table>
+        })
+    });
+    let reset = {
+        let window = window.clone();
+        move |_: MouseEvent| window.set(full)
+    };
+    html! {
+        <div class="pipeline">
+            <div class="toolbar">
+                { replay_controls(&replay, format!("t = {}", timeline::format_us(cursor - full.0))) }
+                <div class="zoom">
+                    <button id="zoom-in" onclick={zoom(0.5, mid)}>{ "+" }</button>
+                    <button id="zoom-out" onclick={zoom(2.0, mid)}>{ "−" }</button>
+                    <button id="zoom-fit" onclick={reset}>{ "fit" }</button>
+                    <span class="mono">{ format!("{} – {}", timeline::format_us(t0 - full.0), timeline::format_us(t1 - full.0)) }</span>
+                </div>
+            </div>
+            <div class="legend">
+                { for [SliceKind::Forward, SliceKind::BackwardInput, SliceKind::BackwardWeight, SliceKind::Backward, SliceKind::Comm, SliceKind::Other, SliceKind::Idle]
+                    .into_iter().filter(|k| *k == SliceKind::Idle || timelines.iter().any(|(_, t)| t.counts.contains_key(k)))
+                    .map(|k| html! { <span class="key"><i class={classes!("sw", k.class())}></i>{ k.label() }</span> }) }
+                <span class="hint">{ "wheel: zoom · drag: pan · hover: details · labels: micro-batch[.chunk]" }</span>
+            </div>
+            { for charts }
+            <div class="below">
+                { for running }
+                { details.unwrap_or_default() }
+            </div>
+        </div>
+    }
+}
+
+fn full_key(full: (f64, f64)) -> (u64, u64) {
+    (full.0.to_bits(), full.1.to_bits())
+}
+
+/// `window` scaled by `factor` around `at`, kept inside `full`.
+fn zoomed(window: (f64, f64), full: (f64, f64), factor: f64, at: f64) -> (f64, f64) {
+    let span = ((window.1 - window.0) * factor).clamp((full.1 - full.0) * 1e-6, full.1 - full.0);
+    let u = if window.1 > window.0 {
+        (at - window.0) / (window.1 - window.0)
+    } else {
+        0.5
+    };
+    let mut s = at - u * span;
+    s = s.clamp(full.0, full.1 - span);
+    (s, s + span)
+}
+
+fn timeline_svg(
+    tl: &Timeline,
+    which: usize,
+    (t0, t1): (f64, f64),
+    cursor: f64,
+    hover: Option<&Hover>,
+) -> Html {
+    let inner = W - LEFT;
+    let rects = tl.layout(t0, t1, inner);
+    #[allow(clippy::cast_precision_loss)]
+    let h = AXIS_H + LANE_H * tl.lanes.len() as f64;
+    let drawn: usize = rects.iter().map(Vec::len).sum();
+    let ticks = timeline::ticks(t0 - tl.start.min(t0), t1 - tl.start.min(t0), 8);
+    let base = tl.start.min(t0);
+    let px = |t: f64| LEFT + (t - t0) / (t1 - t0) * inner;
+    let axis = ticks.iter().map(|&t| {
+        let x = px(t + base);
+        html! { <g class="tick"><line x1={f(x)} x2={f(x)} y1={f(AXIS_H - 4.0)} y2={f(h)} /><text x={f(x + 2.0)} y="12">{ timeline::format_us(t) }</text></g> }
+    });
+    let lanes = tl.lanes.iter().zip(&rects).enumerate().map(|(i, (lane, rs))| {
+        #[allow(clippy::cast_precision_loss)]
+        let y = AXIS_H + LANE_H * i as f64;
+        let slices = rs.iter().map(|r| {
+            let hovered = hover.is_some_and(|h| h.lane == i && Some(h.event) == r.slice);
+            let class = classes!("slice", r.kind.class(), hovered.then_some("hover"), (r.merged > 1).then_some("merged"));
+            let label = r.label.as_ref().map(|l| html! {
+                <text class="slice-label" x={f(LEFT + r.x + r.w / 2.0)} y={f(y + LANE_H / 2.0 + 4.0)}>{ l.clone() }</text>
+            });
+            html! { <>
+                <rect class={class} x={f(LEFT + r.x)} y={f(y + 2.0)} width={f(r.w)} height={f(LANE_H - 4.0)}
+                      data-n={r.merged.to_string()} />
+                { label.unwrap_or_default() }
+            </> }
+        });
+        html! {
+            <g class="lane" data-lane={i.to_string()} data-slices={rs.len().to_string()}>
+                <rect class="lane-bg" x={f(LEFT)} y={f(y + 2.0)} width={f(inner)} height={f(LANE_H - 4.0)} />
+                <text class="lane-name" x="4" y={f(y + LANE_H / 2.0 + 4.0)}>{ lane.name.clone() }</text>
+                { for slices }
+            </g>
+        }
+    });
+    let cx = px(cursor);
+    let cursor_html = (LEFT..=W).contains(&cx).then(|| html! {
+        <line id={format!("cursor-{which}")} class="cursor" x1={f(cx)} x2={f(cx)} y1="0" y2={f(h)} />
+    });
+    html! {
+        <svg class="timeline" viewBox={format!("0 0 {W} {h}")} preserveAspectRatio="none"
+             data-lanes={tl.lanes.len().to_string()} data-drawn={drawn.to_string()} data-which={which.to_string()}>
+            <defs>
+                <pattern id="idle-hatch" width="6" height="6" patternUnits="userSpaceOnUse" patternTransform="rotate(45)">
+                    <rect width="6" height="6" fill="#eceff3" /><line x1="0" y1="0" x2="0" y2="6" stroke="#cfd5dd" stroke-width="2" />
+                </pattern>
+            </defs>
+            { for axis }
+            { for lanes }
+            { cursor_html.unwrap_or_default() }
+        </svg>
+    }
+}
+
+/// An SVG coordinate with one decimal.
+fn f(x: f64) -> String {
+    format!("{x:.1}")
+}
+
+// ---------------------------------------------------------------- experts
+
+#[derive(Properties, PartialEq)]
+struct ExpertProps {
+    data: Rc<ExpertLoad>,
+}
+
+/// Height of one expert row in the heatmap when there are few experts.
+const HEAT_H: f64 = 260.0;
+
+#[component]
+fn ExpertView(p: &ExpertProps) -> Html {
+    use_render_timer("experts");
+    let x = &p.data;
+    let sel = use_state(|| LayerSel::All);
+    let replay = use_replay();
+    let image = {
+        let x = x.clone();
+        use_memo((*sel, Rc::as_ptr(&x) as usize), move |(s, _)| {
+            let h = x.heatmap(*s);
+            (h.cols, h.rows, h.data_url())
+        })
+    };
+    let curves = {
+        let x = x.clone();
+        use_memo((*sel, Rc::as_ptr(&x) as usize), move |(s, _)| x.curves(*s))
+    };
+    let ns = x.steps.len();
+    #[allow(
+        clippy::cast_possible_truncation,
+        clippy::cast_sign_loss,
+        clippy::cast_precision_loss
+    )]
+    let si = ((replay.pos * ns.saturating_sub(1) as f64).round() as usize).min(ns - 1);
+    let step = x.steps[si];
+    let onchange = {
+        let sel = sel.clone();
+        Callback::from(move |e: Event| {
+            let v: web_sys::HtmlInputElement = e.target_unchecked_into();
+            sel.set(
+                v.value()
+                    .parse::<usize>()
+                    .map_or(LayerSel::All, LayerSel::One),
+            );
+        })
+    };
+    let inner = W - LEFT;
+    #[allow(clippy::cast_precision_loss)]
+    let cx = LEFT
+        + if ns > 1 {
+            si as f64 / (ns - 1) as f64
+        } else {
+            0.0
+        } * inner;
+    #[allow(clippy::cast_precision_loss)]
+    let row_h = HEAT_H / x.experts as f64;
+    let label_every = (x.experts / 16).max(1);
+    let expert_labels = (0..x.experts).step_by(label_every).map(|e| {
+        #[allow(clippy::cast_precision_loss)]
+        let y = row_h * (e as f64 + 0.5) + 4.0;
+        html! { <text class="axis-label" x={f(LEFT - 6.0)} y={f(y)} text-anchor="end">{ format!("e{e}") }</text> }
+    });
+    let loads = x.at(*sel, si);
+    let max_load = loads.iter().copied().max().unwrap_or(0).max(1);
+    #[allow(clippy::cast_precision_loss)]
+    let bar_w = inner / x.experts as f64;
+    let total: u64 = loads.iter().sum();
+    #[allow(clippy::cast_precision_loss)]
+    let mean = total as f64 / x.experts as f64;
+    let bars = loads.iter().enumerate().map(|(e, v)| {
+        #[allow(clippy::cast_precision_loss)]
+        let hgt = 110.0 * (*v as f64) / (max_load as f64);
+        #[allow(clippy::cast_precision_loss)]
+        let rel = if mean > 0.0 { *v as f64 / mean } else { 0.0 };
+        let [r, g, b] = crate::expert::colour(rel);
+        #[allow(clippy::cast_precision_loss)]
+        let bx = LEFT + bar_w * e as f64;
+        html! { <rect class="bar" x={f(bx + 0.5)} y={f(120.0 - hgt)} width={f((bar_w - 1.0).max(0.5))} height={f(hgt)}
+                     fill={format!("rgb({r},{g},{b})")} stroke="#888" stroke-width="0.3"><title>{ format!("expert {e}: {v} tokens ({rel:.2}× mean)") }</title></rect> }
+    });
+    let mean_y = 120.0 - 110.0 * mean / max_load as f64;
+    let steps_f: Rc<Vec<f64>> = {
+        let x = x.clone();
+        use_memo(Rc::as_ptr(&x) as usize, move |_| {
+            x.steps.iter().map(|s| *s as f64).collect()
+        })
+    };
+    let dropped_f: Vec<f64> = curves.dropped.iter().map(|d| *d as f64).collect();
+    let any_dropped = curves.dropped.iter().any(|d| *d > 0);
+    let cur_step = Some(step as f64);
+    let layer_opts = x.layers.iter().enumerate().map(|(i, l)| {
+        html! { <option value={i.to_string()} selected={*sel == LayerSel::One(i)}>{ format!("layer {l}") }</option> }
+    });
+    html! {
+        <div class="experts">
+            <div class="toolbar">
+                { replay_controls(&replay, format!("step {step} ({} of {ns})", si + 1)) }
+                <label>{ "layer " }
+                    <select id="layer" {onchange}>
+                        <option value="all" selected={*sel == LayerSel::All}>{ "all layers (sum)" }</option>
+                        { for layer_opts }
+                    </select>
+                </label>
+            </div>
+            <section class="card">
+                <h2>{ format!("{} — tokens per expert relative to the step's mean: {} steps × {} experts × {} layers", x.file, ns, x.experts, x.layers.len()) }</h2>
+                <svg class="heatmap" viewBox={format!("0 0 {W} {}", HEAT_H + 18.0)} preserveAspectRatio="none"
+                     data-steps={ns.to_string()} data-experts={x.experts.to_string()}
+                     data-cols={image.0.to_string()} data-rows={image.1.to_string()}>
+                    <image class="heat" href={image.2.clone()} x={f(LEFT)} y="0" width={f(inner)} height={f(HEAT_H)} preserveAspectRatio="none" />
+                    { for expert_labels }
+                    <text class="axis-label" x={f(LEFT)} y={f(HEAT_H + 14.0)}>{ format!("step {}", x.steps[0]) }</text>
+                    <text class="axis-label" x={f(W)} y={f(HEAT_H + 14.0)} text-anchor="end">{ format!("step {}", x.steps[ns - 1]) }</text>
+                    <line id="step-cursor" class="cursor" x1={f(cx)} x2={f(cx)} y1="0" y2={f(HEAT_H)} />
+                </svg>
+                <div class="legend"><span class="key"><i class="sw" style="background:#2166ac"></i>{ "≤ ¼ of mean" }</span>
+                    <span class="key"><i class="sw" style="background:#f7f7f7"></i>{ "= mean" }</span>
+                    <span class="key"><i class="sw" style="background:#b2182b"></i>{ "≥ 4× mean" }</span>
+                    if image.0 < ns { <span class="hint">{ format!("{} steps per column (mean)", ns.div_ceil(image.0)) }</span> }
+                </div>
+            </section>
+            <section class="card">
+                <h2>{ format!("step {step}: tokens per expert (max/mean {:.3}, dropped {})", curves.max_over_mean[si], curves.dropped[si]) }</h2>
+                <svg class="bars" viewBox={format!("0 0 {W} 124")} preserveAspectRatio="none" data-bars={loads.len().to_string()}>
+                    { for bars }
+                    <line class="mean-line" x1={f(LEFT)} x2={f(W)} y1={f(mean_y)} y2={f(mean_y)} />
+                    <text class="axis-label" x={f(LEFT - 6.0)} y={f(mean_y + 4.0)} text-anchor="end">{ "mean" }</text>
+                </svg>
+            </section>
+            <div class="grid2">
+                { line_chart("max / mean load (1 = balanced)", &steps_f, &curves.max_over_mean, &ChartOpts { cursor: cur_step, floor: Some(1.0), ..ChartOpts::default() }) }
+                { line_chart("MaxVio = max/mean − 1", &steps_f, &curves.max_vio, &ChartOpts { cursor: cur_step, ..ChartOpts::default() }) }
+                if any_dropped {
+                    { line_chart("dropped token assignments", &steps_f, &dropped_f, &ChartOpts { cursor: cur_step, ..ChartOpts::default() }) }
+                } else {
+                    <section class="card chart"><h3>{ "dropped token assignments" }</h3><p class="hint">{ "none: no token was dropped in any step" }</p></section>
+                }
+            </div>
+        </div>
+    }
+}
+
+// ---------------------------------------------------------------- charts
+
+#[derive(Default)]
+struct ChartOpts<'a> {
+    cursor: Option<f64>,
+    floor: Option<f64>,
+    floor_label: Option<&'a str>,
+    log_y: bool,
+    events: &'a [HealthEvent],
+    points: &'a [(f64, f64)],
+}
+
+const CH_W: f64 = 580.0;
+const CH_H: f64 = 170.0;
+const CH_L: f64 = 56.0;
+
+fn line_chart(title: &str, xs: &[f64], ys: &[f64], o: &ChartOpts<'_>) -> Html {
+    let extra: Vec<f64> = o
+        .floor
+        .into_iter()
+        .chain(o.points.iter().map(|p| p.1))
+        .collect();
+    let frame = Frame::fit(CH_W - CH_L, CH_H - 22.0, xs, ys, &extra, o.log_y);
+    let (d, n) = chart::path(&frame, xs, ys);
+    let yt = if o.log_y {
+        let (a, b) = (
+            frame.y.0.log10().ceil() as i32,
+            frame.y.1.log10().floor() as i32,
+        );
+        (a..=b).map(|k| 10f64.powi(k)).collect()
+    } else {
+        timeline::ticks(frame.y.0, frame.y.1, 4)
+    };
+    let yticks = yt.into_iter().filter_map(|v| {
+        let y = frame.py(v)? + 6.0;
+        Some(html! { <g class="tick"><line x1={f(CH_L)} x2={f(CH_W)} y1={f(y)} y2={f(y)} /><text x={f(CH_L - 4.0)} y={f(y + 4.0)} text-anchor="end">{ chart::fmt_value(v) }</text></g> })
+    });
+    let xt = timeline::ticks(frame.x.0, frame.x.1, 6).into_iter().map(|v| {
+        let x = CH_L + frame.px(v);
+        html! { <text class="axis-label" x={f(x)} y={f(CH_H - 2.0)} text-anchor="middle">{ chart::fmt_value(v) }</text> }
+    });
+    let bad: Vec<f64> = xs
+        .iter()
+        .zip(ys)
+        .filter(|(_, y)| !y.is_finite())
+        .map(|(x, _)| *x)
+        .collect();
+    let bad_marks = bad.iter().take(500).map(|x| {
+        let px = CH_L + frame.px(*x);
+        html! { <line class="nonfinite" x1={f(px)} x2={f(px)} y1="6" y2="14"><title>{ format!("step {x}: not finite") }</title></line> }
+    });
+    let events = o.events.iter().map(|e| {
+        #[allow(clippy::cast_precision_loss)]
+        let px = CH_L + frame.px(e.step as f64);
+        let detail: Vec<String> = e.detail.iter().map(|(k, v)| format!("{k}={v}")).collect();
+        html! { <line class={classes!("event", format!("ev-{}", e.kind))} x1={f(px)} x2={f(px)} y1="6" y2={f(CH_H - 16.0)}>
+            <title>{ format!("step {}: {} {}", e.step, e.kind, detail.join(" ")) }</title></line> }
+    });
+    let floor = o.floor.and_then(|v| frame.py(v)).map(|y| html! {
+        <g><line class="floor" x1={f(CH_L)} x2={f(CH_W)} y1={f(y + 6.0)} y2={f(y + 6.0)} />
+        <text class="floor-label" x={f(CH_W - 4.0)} y={f(y + 2.0)} text-anchor="end">{ o.floor_label.unwrap_or("") }</text></g>
+    });
+    let points = o.points.iter().filter_map(|(x, y)| {
+        let py = frame.py(*y)? + 6.0;
+        Some(html! { <circle class="point" cx={f(CH_L + frame.px(*x))} cy={f(py)} r="3" /> })
+    });
+    let cursor = o.cursor.map(|c| {
+        let x = CH_L + frame.px(c);
+        html! { <line class="cursor" x1={f(x)} x2={f(x)} y1="6" y2={f(CH_H - 16.0)} /> }
+    });
+    let last = ys
+        .iter()
+        .rev()
+        .find(|y| y.is_finite())
+        .map(|y| chart::fmt_value(*y))
+        .unwrap_or_default();
+    html! {
+        <section class="card chart">
+            <h3>{ title.to_owned() }<span class="last mono">{ last }</span></h3>
+            <svg viewBox={format!("0 0 {CH_W} {CH_H}")} data-points={n.to_string()} data-nonfinite={bad.len().to_string()} data-events={o.events.len().to_string()}>
+                { for yticks }
+                { for xt }
+                { floor.unwrap_or_default() }
+                { for events }
+                <g transform="translate(56 6)"><path class="series" d={d} /></g>
+                { for points }
+                { for bad_marks }
+                { cursor.unwrap_or_default() }
+            </svg>
+        </section>
+    }
+}
+
+// ---------------------------------------------------------------- metrics
+
+#[derive(Properties, PartialEq)]
+struct MetricsProps {
+    data: Rc<MetricsLog>,
+    floor: Option<f64>,
+}
+
+#[component]
+fn MetricsView(p: &MetricsProps) -> Html {
+    use_render_timer("metrics");
+    let m = &p.data;
+    #[allow(clippy::cast_precision_loss)]
+    let xs: Vec<f64> = m.records.iter().map(|r| r.step as f64).collect();
+    let col =
+        |g: fn(&weft_trace::MetricsRecord) -> f64| m.records.iter().map(g).collect::<Vec<f64>>();
+    #[allow(clippy::cast_precision_loss)]
+    let evals: Vec<(f64, f64)> = m
+        .events
+        .iter()
+        .filter(|e| e.kind == "eval")
+        .filter_map(|e| {
+            let v = e
+                .detail
+                .iter()
+                .find(|(k, _)| k.contains("loss"))?
+                .1
+                .parse::<f64>()
+                .ok()?;
+            Some((e.step as f64, v))
+        })
+        .collect();
+    let floor_label = p.floor.map(|v| format!("entropy floor {v:.3}"));
+    let loss_title = if evals.is_empty() {
+        "loss (nats/token)"
+    } else {
+        "loss (nats/token); dots: eval"
+    };
+    let mut kinds: Vec<&str> = m.events.iter().map(|e| e.kind.as_str()).collect();
+    kinds.sort_unstable();
+    kinds.dedup();
+    html! {
+        <div class="metrics">
+            <div class="legend">
+                { for kinds.iter().map(|k| html! { <span class="key"><i class={classes!("sw", format!("ev-{k}"))}></i>{ format!("{k} ({})", m.events.iter().filter(|e| e.kind == *k).count()) }</span> }) }
+                <span class="hint">{ "vertical lines: health events (hover for details) · red ticks: non-finite values" }</span>
+            </div>
+            <div class="grid2">
+                { line_chart(loss_title, &xs, &col(|r| r.loss), &ChartOpts { floor: p.floor, floor_label: floor_label.as_deref(), events: &m.events, points: &evals, ..ChartOpts::default() }) }
+                { line_chart("learning rate", &xs, &col(|r| r.lr), &ChartOpts { events: &m.events, ..ChartOpts::default() }) }
+                { line_chart("gradient norm (log scale)", &xs, &col(|r| r.grad_norm), &ChartOpts { events: &m.events, log_y: true, ..ChartOpts::default() }) }
+                { line_chart("tokens / s", &xs, &col(|r| r.tokens_per_s), &ChartOpts { events: &m.events, ..ChartOpts::default() }) }
+            </div>
+            if !m.events.is_empty() {
+                <section class="card">
+                    <h2>{ format!("health events ({})", m.events.len()) }</h2>
+                    <table class="events">
+                        { for m.events.iter().take(200).map(|e| html! {
+                            <tr class={format!("ev-row ev-{}", e.kind)}><td class="mono">{ e.step }</td><td>{ e.kind.clone() }</td>
+                                <td class="mono">{ e.detail.iter().map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>().join("  ") }</td></tr>
+                        }) }
+                    </table>
+                </section>
+            }
+        </div>
+    }
+}

@@ -1,0 +1,172 @@
+//! What the page knows about a run: one slot per file, filled by
+//! [`Run::ingest`] from a name and its text (fetched from the server or
+//! dropped onto the page).
+
+use std::rc::Rc;
+
+use crate::error::{LoadError, Warning};
+use crate::expert::ExpertLoad;
+use crate::load::{self, FileKind, MetricsLog};
+use crate::timeline::Timeline;
+
+/// The state of one file of the run.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub enum Slot<T> {
+    /// Not given (yet).
+    #[default]
+    Absent,
+    /// Loaded, with the warnings of loading it.
+    Loaded(Rc<T>, Vec<Warning>),
+    /// Given but unusable.
+    Failed(LoadError),
+}
+
+impl<T> Slot<T> {
+    /// The value, when loaded.
+    #[must_use]
+    pub fn get(&self) -> Option<&Rc<T>> {
+        match self {
+            Self::Loaded(v, _) => Some(v),
+            _ => None,
+        }
+    }
+}
+
+fn slot<T>(r: Result<(T, Vec<Warning>), LoadError>) -> Slot<T> {
+    match r {
+        Ok((v, w)) => Slot::Loaded(Rc::new(v), w),
+        Err(e) => Slot::Failed(e),
+    }
+}
+
+/// Every run file the page has been given.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct Run {
+    /// `trace.json`.
+    pub trace: Slot<Timeline>,
+    /// A second trace, drawn below the first for comparison.
+    pub compare: Slot<Timeline>,
+    /// `metrics.jsonl`.
+    pub metrics: Slot<MetricsLog>,
+    /// `expert_load.jsonl`.
+    pub expert: Slot<ExpertLoad>,
+    /// `config.toml`, as text.
+    pub config: Slot<String>,
+    /// `summary.json`, flattened.
+    pub summary: Slot<Vec<(String, String)>>,
+    /// Files that matched no slot.
+    pub rejected: Vec<LoadError>,
+    /// Names given, in order.
+    pub files: Vec<String>,
+}
+
+impl Run {
+    /// Parse `text` as the run file `name` and put it in its slot. A
+    /// second trace goes to [`Run::compare`] (a third replaces it).
+    pub fn ingest(&mut self, name: &str, text: &str) {
+        self.files.push(name.to_owned());
+        match FileKind::detect(name, text) {
+            Some(FileKind::Trace) => {
+                let s = slot(
+                    load::parse_trace(name, text).map(|t| (Timeline::new(name, t), Vec::new())),
+                );
+                if matches!(self.trace, Slot::Loaded(..)) && matches!(s, Slot::Loaded(..)) {
+                    self.compare = s;
+                } else {
+                    self.trace = s;
+                }
+            }
+            Some(FileKind::Metrics) => self.metrics = slot(load::parse_metrics(name, text)),
+            Some(FileKind::ExpertLoad) => {
+                self.expert = slot(
+                    load::parse_expert_load(name, text)
+                        .and_then(|(r, w)| ExpertLoad::new(name, &r).map(|x| (x, w))),
+                );
+            }
+            Some(FileKind::Config) => {
+                self.config = Slot::Loaded(Rc::new(text.to_owned()), Vec::new());
+            }
+            Some(FileKind::Summary) => {
+                self.summary = slot(load::parse_summary(name, text).map(|s| (s, Vec::new())));
+            }
+            None => self.rejected.push(LoadError::Unrecognized {
+                file: name.to_owned(),
+            }),
+        }
+    }
+
+    /// The corpus' loss floor, if the summary or config gives one.
+    #[must_use]
+    pub fn entropy_floor(&self) -> Option<f64> {
+        let summary: &[(String, String)] = self.summary.get().map_or(&[], |s| s.as_slice());
+        load::entropy_floor(summary, self.config.get().map(|c| c.as_str()))
+    }
+
+    /// Every load error, for the banner.
+    #[must_use]
+    pub fn errors(&self) -> Vec<LoadError> {
+        let mut out = Vec::new();
+        let mut take = |e: Option<&LoadError>| out.extend(e.cloned());
+        fn err<T>(s: &Slot<T>) -> Option<&LoadError> {
+            match s {
+                Slot::Failed(e) => Some(e),
+                _ => None,
+            }
+        }
+        take(err(&self.trace));
+        take(err(&self.compare));
+        take(err(&self.metrics));
+        take(err(&self.expert));
+        take(err(&self.summary));
+        out.extend(self.rejected.iter().cloned());
+        out
+    }
+
+    /// Every warning, for the banner.
+    #[must_use]
+    pub fn warnings(&self) -> Vec<Warning> {
+        fn w<T>(s: &Slot<T>) -> &[Warning] {
+            match s {
+                Slot::Loaded(_, w) => w,
+                _ => &[],
+            }
+        }
+        [w(&self.metrics), w(&self.expert)].concat()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ingest_routes_and_keeps_errors() {
+        let mut r = Run::default();
+        r.ingest(
+            "trace.json",
+            "{\"traceEvents\":[{\"name\":\"F\",\"ph\":\"X\",\"ts\":0,\"dur\":1}]}",
+        );
+        r.ingest(
+            "other.trace.json",
+            "{\"traceEvents\":[{\"name\":\"B\",\"ph\":\"X\",\"ts\":0,\"dur\":2}]}",
+        );
+        assert!(r.trace.get().is_some() && r.compare.get().is_some());
+        r.ingest(
+            "expert_load.jsonl",
+            "{\"step\":1,\"layer\":0,\"tokens_per_expert\":[1,2],\"dropped\":0}\n{\"step\"",
+        );
+        assert_eq!(r.expert.get().unwrap().experts, 2);
+        assert_eq!(r.warnings().len(), 1);
+        r.ingest("metrics.jsonl", "{\"step\":1,\"loss\":[]}\n");
+        assert!(matches!(
+            &r.metrics,
+            Slot::Failed(LoadError::Schema { line: 1, .. })
+        ));
+        r.ingest("summary.json", "{\"entropy_floor\": 1.5}");
+        r.ingest("photo.png", "\u{89}PNG");
+        assert_eq!(r.entropy_floor(), Some(1.5));
+        let errs = r.errors();
+        assert_eq!(errs.len(), 2);
+        assert_eq!(errs[1].file(), "photo.png");
+    }
+}

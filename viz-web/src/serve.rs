@@ -1,0 +1,386 @@
+//! A small std-only HTTP server for one run folder and the built page.
+//!
+//! It answers `GET` (and `HEAD`) on 127.0.0.1 only:
+//! * `/` and `/<asset>`: files of the assets folder (`index.html`, the
+//!   wasm-bindgen output, `style.css`), looked up by exact file name, so no
+//!   path can leave the folder;
+//! * `/run/files.json`: the run files present, as a JSON array of names;
+//! * `/run/<name>`: one of [`FileKind::RUN_FILES`], read from the run
+//!   folder; any other name is 404.
+//!
+//! No request path is ever joined onto a folder: names are matched against
+//! the entries of a fixed list or of the assets folder itself.
+
+use std::fs;
+use std::io::{BufRead, BufReader, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::thread;
+use std::time::Duration;
+
+use thiserror::Error;
+
+use crate::load::FileKind;
+
+/// Files the assets folder must hold (what `viz-web/build.sh` writes).
+pub const REQUIRED_ASSETS: [&str; 3] = ["index.html", "weft_viz_web.js", "weft_viz_web_bg.wasm"];
+
+/// Why the server could not start.
+#[derive(Debug, Error)]
+#[non_exhaustive]
+pub enum ServeError {
+    /// The run folder does not exist or is not a folder.
+    #[error(
+        "run folder {path} not found (expected a folder such as runs/<name> holding trace.json, metrics.jsonl, ...)"
+    )]
+    RunDirMissing {
+        /// The path given.
+        path: PathBuf,
+    },
+    /// The built page is not there.
+    #[error(
+        "the viz assets are missing: {path} has no {missing}. Build them with `viz-web/build.sh` (it writes viz-web/dist/; set WEFT_VIZ_ASSETS to use another folder)"
+    )]
+    AssetsMissing {
+        /// The assets folder looked in.
+        path: PathBuf,
+        /// The first missing file.
+        missing: &'static str,
+    },
+    /// The address is not a loopback address.
+    #[error("refusing to serve on {addr}: the visualizer only listens on 127.0.0.1 (or ::1)")]
+    NotLoopback {
+        /// The address given.
+        addr: SocketAddr,
+    },
+    /// Binding the socket failed (port in use, ...).
+    #[error("cannot listen on {addr}: {source}")]
+    Bind {
+        /// The address given.
+        addr: SocketAddr,
+        /// The OS error.
+        source: std::io::Error,
+    },
+    /// Accepting connections failed.
+    #[error("accepting a connection failed: {0}")]
+    Accept(#[source] std::io::Error),
+}
+
+/// A bound server; call [`Server::run`] to serve.
+#[derive(Debug)]
+pub struct Server {
+    listener: TcpListener,
+    run_dir: PathBuf,
+    assets_dir: PathBuf,
+}
+
+impl Server {
+    /// Check both folders and bind `addr` (port 0 picks a free port).
+    ///
+    /// # Errors
+    /// [`ServeError::RunDirMissing`], [`ServeError::AssetsMissing`] (its
+    /// message says how to build the assets), [`ServeError::NotLoopback`],
+    /// [`ServeError::Bind`].
+    pub fn bind(run_dir: &Path, assets_dir: &Path, addr: SocketAddr) -> Result<Self, ServeError> {
+        if !addr.ip().is_loopback() {
+            return Err(ServeError::NotLoopback { addr });
+        }
+        if !run_dir.is_dir() {
+            return Err(ServeError::RunDirMissing {
+                path: run_dir.to_owned(),
+            });
+        }
+        if let Some(missing) = REQUIRED_ASSETS
+            .into_iter()
+            .find(|f| !assets_dir.join(f).is_file())
+        {
+            return Err(ServeError::AssetsMissing {
+                path: assets_dir.to_owned(),
+                missing,
+            });
+        }
+        let listener =
+            TcpListener::bind(addr).map_err(|source| ServeError::Bind { addr, source })?;
+        Ok(Self {
+            listener,
+            run_dir: run_dir.to_owned(),
+            assets_dir: assets_dir.to_owned(),
+        })
+    }
+
+    /// The bound address (with the real port when 0 was asked for).
+    ///
+    /// # Errors
+    /// The OS error, if the socket has gone.
+    pub fn local_addr(&self) -> std::io::Result<SocketAddr> {
+        self.listener.local_addr()
+    }
+
+    /// The page's URL, e.g. `http://127.0.0.1:8080/`.
+    ///
+    /// # Errors
+    /// The OS error, if the socket has gone.
+    pub fn url(&self) -> std::io::Result<String> {
+        Ok(format!("http://{}/", self.local_addr()?))
+    }
+
+    /// Serve until the process ends: one thread per connection. A failed
+    /// connection only ends that connection.
+    ///
+    /// # Errors
+    /// [`ServeError::Accept`] when the listening socket fails.
+    pub fn run(self) -> Result<(), ServeError> {
+        let run_dir = self.run_dir;
+        let assets_dir = self.assets_dir;
+        for stream in self.listener.incoming() {
+            let stream = stream.map_err(ServeError::Accept)?;
+            let (r, a) = (run_dir.clone(), assets_dir.clone());
+            thread::spawn(move || {
+                // A client that hangs up mid-response is not the server's
+                // problem; the error has nowhere useful to go.
+                let _ = handle(stream, &r, &a);
+            });
+        }
+        Ok(())
+    }
+}
+
+/// Bind and serve `run_dir` with the page from `assets_dir` on `addr`;
+/// blocks. Equivalent to `Server::bind(..)?.run()`.
+///
+/// # Errors
+/// As [`Server::bind`] and [`Server::run`].
+pub fn serve(run_dir: &Path, assets_dir: &Path, addr: SocketAddr) -> Result<(), ServeError> {
+    Server::bind(run_dir, assets_dir, addr)?.run()
+}
+
+/// The response to a request path: status, content type, body.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Response {
+    /// HTTP status code.
+    pub status: u16,
+    /// `Content-Type`.
+    pub content_type: &'static str,
+    /// Body bytes.
+    pub body: Vec<u8>,
+}
+
+fn content_type(name: &str) -> &'static str {
+    match name.rsplit('.').next().unwrap_or("") {
+        "html" => "text/html; charset=utf-8",
+        "js" => "text/javascript; charset=utf-8",
+        "wasm" => "application/wasm",
+        "css" => "text/css; charset=utf-8",
+        "json" => "application/json",
+        "toml" | "jsonl" => "text/plain; charset=utf-8",
+        "png" => "image/png",
+        "svg" => "image/svg+xml",
+        _ => "application/octet-stream",
+    }
+}
+
+fn not_found(what: &str) -> Response {
+    Response {
+        status: 404,
+        content_type: "text/plain; charset=utf-8",
+        body: format!("not found: {what}\n").into_bytes(),
+    }
+}
+
+/// Answer a `GET` of `path` (without query): the routing of [`Server`],
+/// exposed for tests and other front ends.
+#[must_use]
+pub fn respond(path: &str, run_dir: &Path, assets_dir: &Path) -> Response {
+    let path = path.split(['?', '#']).next().unwrap_or("");
+    if path == "/run/files.json" {
+        let names: Vec<&str> = FileKind::RUN_FILES
+            .into_iter()
+            .filter(|n| run_dir.join(n).is_file())
+            .collect();
+        let body = serde_json::to_vec(&names).unwrap_or_else(|_| b"[]".to_vec());
+        return Response {
+            status: 200,
+            content_type: "application/json",
+            body,
+        };
+    }
+    let (dir, name) = if let Some(name) = path.strip_prefix("/run/") {
+        match FileKind::RUN_FILES.into_iter().find(|n| *n == name) {
+            Some(n) => (run_dir, n.to_owned()),
+            None => return not_found(path),
+        }
+    } else {
+        let name = path.strip_prefix('/').unwrap_or(path);
+        let name = if name.is_empty() { "index.html" } else { name };
+        // Only a plain file name that is an entry of the assets folder.
+        let listed = fs::read_dir(assets_dir)
+            .into_iter()
+            .flatten()
+            .flatten()
+            .any(|e| {
+                e.file_name().to_str() == Some(name) && e.file_type().is_ok_and(|t| t.is_file())
+            });
+        if !listed {
+            return not_found(path);
+        }
+        (assets_dir, name.to_owned())
+    };
+    match fs::read(dir.join(&name)) {
+        Ok(body) => Response {
+            status: 200,
+            content_type: content_type(&name),
+            body,
+        },
+        Err(_) => not_found(path),
+    }
+}
+
+fn handle(stream: TcpStream, run_dir: &Path, assets_dir: &Path) -> std::io::Result<()> {
+    stream.set_read_timeout(Some(Duration::from_secs(30)))?;
+    let mut reader = BufReader::new(stream.try_clone()?);
+    let mut out = stream;
+    loop {
+        let mut request = String::new();
+        if reader.read_line(&mut request)? == 0 {
+            return Ok(());
+        }
+        let mut keep_alive = request.contains("HTTP/1.1");
+        loop {
+            let mut h = String::new();
+            if reader.read_line(&mut h)? == 0 || h.trim().is_empty() {
+                break;
+            }
+            let lower = h.to_ascii_lowercase();
+            if lower.starts_with("connection:") && lower.contains("close") {
+                keep_alive = false;
+            }
+        }
+        let mut parts = request.split_whitespace();
+        let method = parts.next().unwrap_or("");
+        let target = parts.next().unwrap_or("/");
+        let resp = match method {
+            "GET" | "HEAD" => respond(target, run_dir, assets_dir),
+            _ => Response {
+                status: 405,
+                content_type: "text/plain; charset=utf-8",
+                body: b"only GET and HEAD\n".to_vec(),
+            },
+        };
+        let reason = match resp.status {
+            200 => "OK",
+            404 => "Not Found",
+            _ => "Method Not Allowed",
+        };
+        write!(
+            out,
+            "HTTP/1.1 {} {reason}\r\nContent-Type: {}\r\nContent-Length: {}\r\nCache-Control: no-store\r\nConnection: {}\r\n\r\n",
+            resp.status,
+            resp.content_type,
+            resp.body.len(),
+            if keep_alive { "keep-alive" } else { "close" }
+        )?;
+        if method != "HEAD" {
+            out.write_all(&resp.body)?;
+        }
+        out.flush()?;
+        if !keep_alive {
+            return Ok(());
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Read;
+
+    fn dirs(tag: &str) -> (PathBuf, PathBuf) {
+        let base =
+            std::env::temp_dir().join(format!("weft-viz-serve-{tag}-{}", std::process::id()));
+        let (run, assets) = (base.join("run"), base.join("assets"));
+        fs::create_dir_all(&run).unwrap();
+        fs::create_dir_all(&assets).unwrap();
+        fs::write(base.join("secret.txt"), "secret").unwrap();
+        (run, assets)
+    }
+
+    #[test]
+    fn routes_and_traversal() {
+        let (run, assets) = dirs("routes");
+        for a in REQUIRED_ASSETS {
+            fs::write(assets.join(a), a).unwrap();
+        }
+        fs::write(run.join("trace.json"), "{}").unwrap();
+        fs::write(run.join("notes.txt"), "x").unwrap();
+        let r = respond("/", &run, &assets);
+        assert_eq!(
+            (r.status, r.body.as_slice()),
+            (200, b"index.html".as_slice())
+        );
+        assert_eq!(
+            respond("/weft_viz_web_bg.wasm", &run, &assets).content_type,
+            "application/wasm"
+        );
+        let r = respond("/run/files.json?x=1", &run, &assets);
+        assert_eq!(r.body, br#"["trace.json"]"#);
+        assert_eq!(respond("/run/trace.json", &run, &assets).status, 200);
+        assert_eq!(
+            respond("/run/metrics.jsonl", &run, &assets).status,
+            404,
+            "absent run file"
+        );
+        for bad in [
+            "/run/notes.txt",
+            "/../secret.txt",
+            "/run/../../secret.txt",
+            "/%2e%2e/secret.txt",
+            "/run/../assets/index.html",
+            "//etc/passwd",
+            "/assets/../secret.txt",
+        ] {
+            assert_eq!(respond(bad, &run, &assets).status, 404, "{bad}");
+        }
+    }
+
+    #[test]
+    fn bind_checks_folders_and_address_then_serves_over_tcp() {
+        let (run, assets) = dirs("bind");
+        let local: SocketAddr = "127.0.0.1:0".parse().unwrap();
+        let err = Server::bind(&run, &assets, local).unwrap_err();
+        assert!(err.to_string().contains("viz-web/build.sh"), "{err}");
+        assert!(matches!(
+            err,
+            ServeError::AssetsMissing {
+                missing: "index.html",
+                ..
+            }
+        ));
+        for a in REQUIRED_ASSETS {
+            fs::write(assets.join(a), a).unwrap();
+        }
+        let err = Server::bind(&run.join("nope"), &assets, local).unwrap_err();
+        assert!(matches!(err, ServeError::RunDirMissing { .. }), "{err}");
+        let err = Server::bind(&run, &assets, "0.0.0.0:0".parse().unwrap()).unwrap_err();
+        assert!(matches!(err, ServeError::NotLoopback { .. }), "{err}");
+        fs::write(run.join("metrics.jsonl"), "{\"step\":1}\n").unwrap();
+        let server = Server::bind(&run, &assets, local).unwrap();
+        let addr = server.local_addr().unwrap();
+        assert!(server.url().unwrap().starts_with("http://127.0.0.1:"));
+        thread::spawn(move || server.run());
+        let get = |path: &str| {
+            let mut s = TcpStream::connect(addr).unwrap();
+            write!(
+                s,
+                "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+            )
+            .unwrap();
+            let mut text = String::new();
+            s.read_to_string(&mut text).unwrap();
+            text
+        };
+        let r = get("/run/metrics.jsonl");
+        assert!(r.starts_with("HTTP/1.1 200 OK\r\n"), "{r}");
+        assert!(r.ends_with("\r\n\r\n{\"step\":1}\n"), "{r}");
+        assert!(get("/run/../../x").starts_with("HTTP/1.1 404"));
+    }
+}

@@ -1,0 +1,151 @@
+//! The components rendered to HTML with yew's server-side renderer: what
+//! the page draws for a prepared run.
+
+use weft_viz_web::app::{App, AppProps, Tab};
+use weft_viz_web::run::Run;
+
+async fn render(run: Run, tab: Option<Tab>) -> String {
+    yew::LocalServerRenderer::<App>::with_props(AppProps {
+        initial: run,
+        fetch: false,
+        tab,
+    })
+    .render()
+    .await
+}
+
+fn count(html: &str, needle: &str) -> usize {
+    html.matches(needle).count()
+}
+
+/// A 2-stage 1F1B-like trace: 2 micro-batches, F and B each.
+const TRACE: &str = r#"{"traceEvents":[
+ {"name":"process_name","ph":"M","pid":0,"args":{"name":"stage 0"}},
+ {"name":"process_name","ph":"M","pid":1,"args":{"name":"stage 1"}},
+ {"name":"F","ph":"X","ts":0,"dur":10,"pid":0,"args":{"microbatch":0,"chunk":0}},
+ {"name":"F","ph":"X","ts":10,"dur":10,"pid":0,"args":{"microbatch":1,"chunk":0}},
+ {"name":"F","ph":"X","ts":10,"dur":10,"pid":1,"args":{"microbatch":0,"chunk":0}},
+ {"name":"B","ph":"X","ts":20,"dur":10,"pid":1,"args":{"microbatch":0,"chunk":0}},
+ {"name":"W","ph":"X","ts":30,"dur":10,"pid":1,"args":{"microbatch":0,"chunk":0}},
+ {"name":"B","ph":"X","ts":30,"dur":10,"pid":0,"args":{"microbatch":0,"chunk":0}},
+ {"name":"idle","ph":"X","ts":0,"dur":10,"pid":1,"cat":"idle"}],
+ "otherData":{"schedule":"ZB-H1","bubble_fraction":0.25}}"#;
+
+#[tokio::test]
+async fn pipeline_lanes_slices_labels_and_cursor() {
+    let mut run = Run::default();
+    run.ingest("trace.json", TRACE);
+    let html = render(run, None).await;
+    assert_eq!(count(&html, "class=\"lane\""), 2, "{html}");
+    assert_eq!(
+        count(&html, "class=\"slice k-"),
+        6,
+        "idle is background, not a slice"
+    );
+    assert_eq!(count(&html, "slice k-f"), 3);
+    assert_eq!(count(&html, "slice k-b"), 2);
+    assert_eq!(count(&html, "slice k-w"), 1);
+    assert_eq!(count(&html, "class=\"slice-label\""), 6);
+    assert!(html.contains("bubble 25.00%"), "bubble from otherData");
+    assert!(html.contains("makespan 40.0 µs"));
+    assert!(html.contains("ZB-H1"));
+    assert!(html.contains("id=\"cursor-0\""));
+    assert!(html.contains("id=\"play\""));
+    assert!(html.contains("stage 1"));
+}
+
+#[tokio::test]
+async fn compare_draws_a_second_timeline() {
+    let mut run = Run::default();
+    run.ingest("a.trace.json", TRACE);
+    run.ingest("b.trace.json", TRACE);
+    let html = render(run, Some(Tab::Pipeline)).await;
+    assert_eq!(count(&html, "class=\"timeline\""), 2);
+    assert!(html.contains("id=\"cursor-1\""));
+}
+
+#[tokio::test]
+async fn malformed_trace_is_a_message_naming_file_and_line() {
+    let mut run = Run::default();
+    run.ingest("trace.json", &TRACE[..200]);
+    let html = render(run, None).await;
+    assert!(html.contains("class=\"error\""), "{html}");
+    assert!(html.contains("trace.json, line 4, column"), "{html}");
+    assert!(html.contains("truncated"), "{html}");
+    assert!(html.contains("<nav>"), "the shell still renders");
+}
+
+#[tokio::test]
+async fn heatmap_bars_and_curves() {
+    let mut run = Run::default();
+    let mut text = String::new();
+    for step in 1..=30 {
+        for layer in 0..2 {
+            text.push_str(&format!(
+                "{{\"step\":{step},\"layer\":{layer},\"tokens_per_expert\":[8,4,2,2],\"dropped\":{}}}\n",
+                u32::from(step < 5)
+            ));
+        }
+    }
+    run.ingest("expert_load.jsonl", &text);
+    let html = render(run, None).await;
+    for attr in [
+        "data-steps=\"30\"",
+        "data-experts=\"4\"",
+        "data-cols=\"30\"",
+        "data-rows=\"4\"",
+    ] {
+        assert!(html.contains(attr), "{attr}");
+    }
+    assert!(
+        html.contains("href=\"data:image/bmp;base64,Qk"),
+        "a BMP image"
+    );
+    assert_eq!(count(&html, "class=\"bar\""), 4);
+    assert!(html.contains("max/mean 2.000"), "8 over a mean of 4");
+    assert!(html.contains("dropped token assignments"));
+    assert!(html.contains("layer 1"));
+}
+
+#[tokio::test]
+async fn metrics_charts_events_and_floor() {
+    let mut run = Run::default();
+    let mut text = String::new();
+    for step in 1..=20 {
+        let loss = if step == 7 {
+            "\"NaN\"".to_owned()
+        } else {
+            format!("{}", 3.0 - f64::from(step) * 0.05)
+        };
+        text.push_str(&format!(
+            "{{\"step\":{step},\"loss\":{loss},\"lr\":0.001,\"grad_norm\":1.5,\"tokens_per_s\":900,\"time_s\":{step}}}\n"
+        ));
+    }
+    text.push_str("{\"step\":7,\"event\":\"skip\",\"reason\":\"nan\"}\n{\"step\":10,\"event\":\"eval\",\"val_loss\":2.6}\n");
+    run.ingest("metrics.jsonl", &text);
+    run.ingest("summary.json", "{\"data\":{\"entropy_floor\":1.9}}");
+    let html = render(run, Some(Tab::Metrics)).await;
+    assert_eq!(count(&html, "class=\"card chart\""), 4);
+    assert_eq!(count(&html, "class=\"event ev-skip\""), 4, "on every chart");
+    assert_eq!(count(&html, "class=\"event ev-eval\""), 4);
+    assert!(html.contains("data-nonfinite=\"1\""));
+    assert!(html.contains("entropy floor 1.900"));
+    assert_eq!(count(&html, "class=\"point\""), 1, "the eval loss");
+    assert!(html.contains("health events (2)"));
+}
+
+#[tokio::test]
+async fn overview_lists_files_config_and_summary() {
+    let mut run = Run::default();
+    run.ingest("config.toml", "[train]\nsteps = 10\n");
+    run.ingest("summary.json", "{\"steps\":10}");
+    run.ingest("metrics.jsonl", "{\"step\":1}\n{\"step\":2}\n");
+    let html = render(run, None).await;
+    assert!(html.contains("steps = 10"));
+    assert!(html.contains("<td>steps</td><td>10</td>"), "{html}");
+    assert!(
+        html.contains("metrics.jsonl, line 1: missing field `loss`"),
+        "{html}"
+    );
+    assert!(html.contains("not loaded"));
+}
