@@ -37,6 +37,18 @@
 //! Typical f32 gradients need 2 words (8 bytes) per element, bf16 ones 1–2,
 //! so partial sums travel at about 2× the native size; the final all-gather
 //! moves native elements.
+//!
+//! # Speed
+//! An f32 block whose values span at most 27 binades (gradients almost
+//! always do) is encoded without per-element shifts: with the block
+//! exponent `e`, adding `M = 1.5·2^(52+e)` to a value `x` (as f64) gives a
+//! float whose bit pattern minus `bits(M)` is `x / 2^e` exactly, as in
+//! `weft_numerics::ExactSum`'s f32 path. Merging two such blocks shifts and
+//! adds i64 lanes; decoding a block whose integers stay below 2^52 converts
+//! them to f64 exactly, scales by 2^e and rounds once. These loops are
+//! compiled for baseline, AVX2 and AVX-512 and picked at run time
+//! (`WEFT_SIMD` caps the level). Other blocks take the general path, which
+//! is exact for any input. `examples/repro_profile.rs` times the phases.
 
 use weft_numerics::{Dtype, Element, bf16, f16};
 
