@@ -86,6 +86,52 @@ pub struct ModelConfig {
     pub n_embd: usize,
     /// Context length (T): tokens per training sequence.
     pub block_size: usize,
+    /// Mixture-of-experts feed-forward blocks (`experts = 0`: dense).
+    pub moe: MoeSection,
+}
+
+/// `[model.moe]`: mixture-of-experts feed-forward blocks in every layer.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct MoeSection {
+    /// Experts per layer, E (0: a dense GPT-2 MLP).
+    pub experts: usize,
+    /// Experts per token, k.
+    pub top_k: usize,
+    /// Gate: `"softmax"` or `"sigmoid"`.
+    pub gate: String,
+    /// Normalise the gate weights over the chosen k.
+    pub normalize: bool,
+    /// Load balancing: `"none"`, `"aux"` (Switch/GShard auxiliary loss) or
+    /// `"bias"` (DeepSeek-V3's auxiliary-loss-free bias).
+    pub balance: String,
+    /// Coefficient of the auxiliary loss (`balance = "aux"`).
+    pub aux_coef: f64,
+    /// Update rate of the selection bias (`balance = "bias"`).
+    pub bias_rate: f64,
+    /// Add a shared expert that sees every token.
+    pub shared_expert: bool,
+    /// Capacity factor (0: dropless, the default and the causal choice).
+    pub capacity_factor: f64,
+    /// With a capacity: drop by `"position"` (causal) or `"score"` (not).
+    pub drop: String,
+}
+
+impl Default for MoeSection {
+    fn default() -> Self {
+        Self {
+            experts: 0,
+            top_k: 2,
+            gate: "softmax".into(),
+            normalize: true,
+            balance: "bias".into(),
+            aux_coef: 0.01,
+            bias_rate: 1e-3,
+            shared_expert: false,
+            capacity_factor: 0.0,
+            drop: "position".into(),
+        }
+    }
 }
 
 impl Default for ModelConfig {
@@ -95,6 +141,7 @@ impl Default for ModelConfig {
             n_head: 4,
             n_embd: 128,
             block_size: 128,
+            moe: MoeSection::default(),
         }
     }
 }
@@ -349,6 +396,39 @@ impl Config {
                     m.n_embd, m.n_head
                 ),
             );
+        }
+        let e = &m.moe;
+        if e.experts > 0 {
+            if e.top_k == 0 || e.top_k > e.experts {
+                return bad(
+                    "model.moe.top_k",
+                    format!("must be in 1..={} (got {})", e.experts, e.top_k),
+                );
+            }
+            for (key, v, allowed) in [
+                ("model.moe.gate", &e.gate, &["softmax", "sigmoid"][..]),
+                (
+                    "model.moe.balance",
+                    &e.balance,
+                    &["none", "aux", "bias"][..],
+                ),
+                ("model.moe.drop", &e.drop, &["position", "score"][..]),
+            ] {
+                if !allowed.contains(&v.as_str()) {
+                    return bad(
+                        key,
+                        format!("must be one of {} (got {v:?})", allowed.join(", ")),
+                    );
+                }
+            }
+            if !(e.capacity_factor == 0.0
+                || e.capacity_factor.is_finite() && e.capacity_factor > 0.0)
+            {
+                return bad(
+                    "model.moe.capacity_factor",
+                    format!("must be 0 (dropless) or > 0 (got {})", e.capacity_factor),
+                );
+            }
         }
         if m.block_size < 2 {
             return bad(

@@ -106,6 +106,10 @@ impl Observer for Terminal {
             si(r.flops_per_s),
             100.0 * r.utilisation
         );
+        let msg = match r.max_vio {
+            Some(v) => format!("{msg} | MaxVio {v:.2}"),
+            None => msg,
+        };
         match &self.bar {
             Some(bar) => {
                 bar.set_position(rec.step);
@@ -180,6 +184,11 @@ impl Observer for Terminal {
             si(s.flops_per_s),
             100.0 * s.utilisation
         ));
+        if let Some(v) = s.final_max_vio {
+            say(&format!(
+                "expert load     MaxVio {v:.3} at the last step (expert_load.jsonl)"
+            ));
+        }
         if s.skipped_steps > 0 {
             say(&format!("skipped steps   {}", s.skipped_steps));
         }

@@ -44,6 +44,9 @@ pub enum TrainError {
     /// Saving or restoring a checkpoint failed.
     #[error(transparent)]
     Checkpoint(#[from] crate::ckpt::CkptError),
+    /// The mixture-of-experts balancer failed.
+    #[error("mixture of experts: {0}")]
+    Moe(String),
     /// `--resume` named a run folder that does not exist.
     #[error("cannot resume: run folder {0} does not exist")]
     NothingToResume(PathBuf),
@@ -68,8 +71,10 @@ pub struct RunInfo {
     pub vocab: usize,
     /// Tokens per optimizer step.
     pub tokens_per_step: usize,
-    /// Training FLOPs per token: 6·N for the matmuls plus 6·L·T·C for causal
-    /// attention (forward and backward).
+    /// Training FLOPs per token: 6·N for the matmuls (N: the parameters a
+    /// token is multiplied by — not the position table, and only the k of E
+    /// routed experts) plus 6·L·T·C for causal attention (forward and
+    /// backward).
     pub flops_per_token: f64,
     /// The machine's measured f32 matmul throughput (FLOP/s), the
     /// denominator of utilisation.
@@ -93,6 +98,9 @@ pub struct StepReport {
     pub utilisation: f64,
     /// Whether the update was applied (false: skipped as non-finite).
     pub applied: bool,
+    /// Mixture-of-experts load imbalance of the step, MaxVio =
+    /// (max − mean)/mean tokens per expert, averaged over layers.
+    pub max_vio: Option<f64>,
 }
 
 /// A health event.
@@ -156,6 +164,8 @@ pub struct Summary {
     pub utilisation: f64,
     /// Wall-clock seconds.
     pub wall_s: f64,
+    /// MaxVio of the last step (mixture-of-experts models).
+    pub final_max_vio: Option<f64>,
 }
 
 /// Receives progress; every method has a no-op default.
@@ -243,6 +253,59 @@ pub fn model_config(config: &Config, vocab: usize) -> GptConfig {
     }
 }
 
+/// The mixture-of-experts side of a model: its statistics handle and
+/// balancing settings.
+struct MoeRun {
+    stats: weft_model::MoeStats,
+    layers: usize,
+    bias_rate: Option<f64>,
+}
+
+fn build_model(config: &Config, cfg: &GptConfig) -> Result<(Gpt, Option<MoeRun>), TrainError> {
+    let m = &config.model.moe;
+    if m.experts == 0 {
+        return Ok((Gpt::new(cfg.clone())?, None));
+    }
+    use weft_moe::{AuxLoss, AuxScope, DropPolicy, Gate, MoeConfig, Router};
+    let gate = if m.gate == "sigmoid" {
+        Gate::Sigmoid
+    } else {
+        Gate::Softmax
+    };
+    let mut router = Router::top_k(m.experts, m.top_k)
+        .with_gate(gate)
+        .with_normalize(m.normalize);
+    if m.capacity_factor > 0.0 {
+        let drop = if m.drop == "score" {
+            DropPolicy::ByScore
+        } else {
+            DropPolicy::ByPosition
+        };
+        router = router.with_capacity(m.capacity_factor, drop);
+    }
+    let moe_cfg = MoeConfig {
+        channels: cfg.n_embd,
+        hidden: 4 * cfg.n_embd,
+        router,
+        shared_expert: m.shared_expert,
+        aux: (m.balance == "aux").then_some(AuxLoss {
+            coef: m.aux_coef,
+            scope: AuxScope::Batch,
+        }),
+    };
+    let (ffn, stats) = weft_model::MoeFfn::new(moe_cfg)?;
+    let model = Gpt::with_ffn(cfg.clone(), Box::new(ffn))?;
+    let bias_rate = (m.balance == "bias").then_some(m.bias_rate);
+    Ok((
+        model,
+        Some(MoeRun {
+            stats,
+            layers: cfg.n_layer,
+            bias_rate,
+        }),
+    ))
+}
+
 fn eval_loss(model: &Gpt, batches: &[Batch]) -> Result<f64, TrainError> {
     let (mut total, mut tokens) = (0.0, 0usize);
     let mut acts: Option<weft_model::Activations> = None;
@@ -281,7 +344,7 @@ pub fn train(
     let data = Data::open(config)?;
     let vocab = data.vocab_size();
     let cfg = model_config(config, vocab);
-    let mut model = Gpt::new(cfg.clone())?;
+    let (mut model, moe) = build_model(config, &cfg)?;
     model.init_gpt2(config.train.seed);
 
     let name = if config.run.name.is_empty() {
@@ -342,8 +405,24 @@ pub fn train(
     let val = data.val_batches(t.eval_sequences, micro);
     let floor = data.val_floor(t.eval_sequences);
     let (l, c) = (cfg.n_layer, cfg.n_embd);
-    let matmul_params = model.params.len() - cfg.block_size * c; // wpe does no matmul
-    let flops_per_token = 6.0 * matmul_params as f64 + 6.0 * (l * seq * c) as f64;
+    // Parameters each token multiplies by: not the position table, and of
+    // the routed experts only the k of E a token is sent to.
+    let moe_active = |name: &str| {
+        let m = &config.model.moe;
+        if m.experts > 0 && name.contains(".mlp.experts.") {
+            m.top_k as f64 / m.experts as f64
+        } else {
+            1.0
+        }
+    };
+    let matmul_params: f64 = model
+        .layout()
+        .specs()
+        .iter()
+        .filter(|p| p.name != "transformer.wpe.weight")
+        .map(|p| p.numel() as f64 * moe_active(&p.name))
+        .sum();
+    let flops_per_token = 6.0 * matmul_params + 6.0 * (l * seq * c) as f64;
     let info = RunInfo {
         run_dir: run_dir.clone(),
         params: model.params.len(),
@@ -399,10 +478,33 @@ pub fn train(
     let excess = recent.len().saturating_sub(t.spike_window.max(1));
     recent.drain(..excess);
     let inv_accum = 1.0 / t.grad_accum as f32;
+    let mut last_max_vio = None;
+    let expert_path = run_dir.join("expert_load.jsonl");
+    let mut expert_log = match &moe {
+        None => None,
+        Some(_) => {
+            // Keep the records up to a resumed checkpoint.
+            let kept: String = std::fs::read_to_string(&expert_path)
+                .unwrap_or_default()
+                .lines()
+                .filter(|l| {
+                    serde_json::from_str::<weft_trace::ExpertLoadRecord>(l)
+                        .is_ok_and(|r| r.step <= start_step)
+                })
+                .map(|l| format!("{l}\n"))
+                .collect();
+            std::fs::write(&expert_path, kept).map_err(io_err(&expert_path))?;
+            let f = std::fs::OpenOptions::new().append(true).open(&expert_path);
+            Some(BufWriter::new(f.map_err(io_err(&expert_path))?))
+        }
+    };
     for step in start_step..t.steps {
         let step_start = Instant::now();
         let lr = lr_at(&config.optim, step, t.steps);
         model.zero_grad();
+        if let Some(moe) = &moe {
+            moe.stats.take(); // forget evaluation forwards
+        }
         let mut loss = 0.0;
         for m in 0..t.grad_accum {
             let b = data.train_batch(step, m, micro);
@@ -448,6 +550,40 @@ pub fn train(
             let line = serde_json::json!({ "step": step + 1, "event": "skip", "loss": loss, "grad_norm": grad_norm });
             write_line(&mut metrics, line.to_string())?;
         }
+        let mut max_vio = None;
+        if let Some(moe) = &moe {
+            // One record per layer per forward, in layer order: merge the
+            // micro-batches per layer.
+            let mut per_layer: Vec<Option<weft_moe::LoadStats>> = vec![None; moe.layers];
+            for (i, f) in moe.stats.take().into_iter().enumerate() {
+                match &mut per_layer[i % moe.layers] {
+                    Some(s) => s.merge(&f.stats),
+                    slot @ None => *slot = Some(f.stats),
+                }
+            }
+            let mut vios = Vec::new();
+            for (l, st) in per_layer.iter().enumerate() {
+                let Some(st) = st else { continue };
+                let rec = st.to_record(step + 1, l as u32);
+                let line = serde_json::to_string(&rec).unwrap_or_default();
+                writeln!(expert_log.as_mut().expect("opened with MoE"), "{line}")
+                    .map_err(io_err(&expert_path))?;
+                vios.extend(st.max_vio());
+                if let (Some(rate), true) = (moe.bias_rate, applied) {
+                    let name = format!("transformer.h.{l}.mlp.router.selection_bias");
+                    if let Some(spec) = model.layout().get(&name) {
+                        let r = spec.range();
+                        weft_moe::BiasBalancer::new(rate)
+                            .update(&mut model.params[r], &st.tokens_per_expert)
+                            .map_err(|e| TrainError::Moe(e.to_string()))?;
+                    }
+                }
+            }
+            if !vios.is_empty() {
+                max_vio = Some(vios.iter().sum::<f64>() / vios.len() as f64);
+            }
+        }
+        last_max_vio = max_vio;
         if loss.is_finite() {
             let window = t.spike_window.max(1);
             if recent.len() >= window.min(10) {
@@ -493,6 +629,7 @@ pub fn train(
             flops_per_s: flops,
             utilisation: flops / info.peak_flops,
             applied,
+            max_vio,
         });
         let done = step + 1 == t.steps;
         if done || (t.eval_every > 0 && (step + 1) % t.eval_every == 0) {
@@ -504,10 +641,16 @@ pub fn train(
         {
             // Everything logged so far belongs to the checkpoint.
             metrics.flush().map_err(io_err(&metrics_path))?;
+            if let Some(log) = expert_log.as_mut() {
+                log.flush().map_err(io_err(&expert_path))?;
+            }
             saver.save(step + 1, &model, &opt)?;
         }
     }
     metrics.flush().map_err(io_err(&metrics_path))?;
+    if let Some(log) = expert_log.as_mut() {
+        log.flush().map_err(io_err(&expert_path))?;
+    }
     if let Some(saver) = saver.as_mut() {
         saver.finish()?;
     }
@@ -524,6 +667,7 @@ pub fn train(
         flops_per_s: sum_flops / n,
         utilisation: sum_flops / n / info.peak_flops,
         wall_s: start.elapsed().as_secs_f64(),
+        final_max_vio: last_max_vio,
     };
     let summary_path = run_dir.join("summary.json");
     let json = serde_json::to_string_pretty(&summary).unwrap_or_default();

@@ -152,3 +152,44 @@ fn a_resumed_run_continues_bit_for_bit() {
     assert!(err.contains("another configuration"), "{err}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+#[test]
+fn moe_runs_log_expert_load_and_balance_with_the_bias() {
+    let dir = std::env::temp_dir().join(format!("weft-moe-test-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let mut c = tiny(&dir, "moe");
+    c.train.steps = 12;
+    c.model.moe.experts = 4;
+    c.model.moe.top_k = 2;
+    c.model.moe.balance = "bias".into();
+    c.model.moe.bias_rate = 0.05;
+    c.checkpoint.every = 6;
+    let s = train(&c, false, &mut Silent).unwrap();
+    assert!(s.final_max_vio.is_some());
+    let text = std::fs::read_to_string(s.run_dir.join("expert_load.jsonl")).unwrap();
+    let recs: Vec<weft_trace::ExpertLoadRecord> = text
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(recs.len(), 12, "one record per layer (1) per step");
+    // Dropless top-2: every token lands on exactly two experts.
+    let tokens = (c.train.batch_size * c.model.block_size) as u64;
+    for r in &recs {
+        assert_eq!(r.tokens_per_expert.iter().sum::<u64>(), 2 * tokens, "{r:?}");
+        assert_eq!(r.dropped, 0);
+    }
+    // The balancer moved the selection bias, and the checkpoint carries it.
+    let ckpt =
+        weft_checkpoint::Checkpoint::open(&s.run_dir.join("checkpoints/step-00000012")).unwrap();
+    let bias = ckpt
+        .read_region(
+            "transformer.h.0.mlp.router.selection_bias",
+            &weft_checkpoint::Region::full(&[4]),
+        )
+        .unwrap();
+    assert!(
+        bias.chunks(4)
+            .any(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]) != 0.0)
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
