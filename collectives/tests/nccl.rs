@@ -11,8 +11,8 @@
 #![allow(clippy::print_stdout, clippy::print_stderr)]
 
 use weft_collectives::{
-    Algorithm, Communicator, CommunicatorExt, Element, Error, NcclComm, ReduceOp, ReduceOptions,
-    bf16, f16, nccl_available,
+    Algorithm, Communicator, CommunicatorExt, Element, Error, Incoming, NcclComm, OpKind, Outgoing,
+    ReduceOp, ReduceOptions, Signature, bf16, f16, nccl_available,
 };
 
 fn main() {
@@ -51,6 +51,7 @@ fn main() {
         checks += host_ops::<bf16>(&comm, len);
     }
     checks += device_ops(&comm);
+    checks += self_exchange(&comm);
     checks += errors(&comm);
     println!("nccl GPU check: {checks} checks passed");
 }
@@ -157,6 +158,31 @@ fn device_ops(c: &NcclComm) -> usize {
     );
     assert_eq!(s.clone_dtoh(&d).expect("download"), big);
     5
+}
+
+/// The transport primitive over grouped ncclSend/ncclRecv, to this rank
+/// itself (NCCL allows self-sends inside a group, as all-to-all uses them).
+fn self_exchange(c: &NcclComm) -> usize {
+    let data: Vec<u8> = (0..100_003u32).map(|i| (i * 7 % 251) as u8).collect();
+    let mut got = Vec::new();
+    let ctx = c.begin(Signature::new(OpKind::SendRecv)).expect("begin");
+    let mut sink = |b: &[u8]| {
+        got.extend_from_slice(b);
+        Ok(())
+    };
+    c.exchange(
+        &ctx,
+        0,
+        &[Outgoing { to: 0, data: &data }],
+        &mut [Incoming {
+            from: 0,
+            len: Some(data.len()),
+            sink: &mut sink,
+        }],
+    )
+    .expect("exchange with itself");
+    assert_eq!(got, data, "self exchange");
+    1
 }
 
 fn errors(c: &NcclComm) -> usize {
