@@ -434,6 +434,7 @@ fn PipelineView(p: &PipelineProps) -> Html {
     let replay = use_replay();
     let hover = use_state(|| None::<Hover>);
     let drag = use_mut_ref(|| None::<(f64, (f64, f64))>);
+    let wraps = [use_node_ref(), use_node_ref()];
     let (t0, t1) = *window;
     let cursor = full.0 + replay.pos * (full.1 - full.0);
 
@@ -451,14 +452,16 @@ fn PipelineView(p: &PipelineProps) -> Html {
         .collect();
     let charts = timelines.iter().map(|(which, tl)| {
         let which = *which;
+        let node = wraps[which.min(1)].clone();
         let lanes_h = AXIS_H + LANE_H * tl.lanes.len() as f64;
         let onmousemove = {
             let hover = hover.clone();
             let window = window.clone();
             let drag = drag.clone();
             let tl = tl.clone();
+            let node = node.clone();
             move |e: MouseEvent| {
-                let Some((fx, fy)) = web::relative_pos(&e) else { return };
+                let Some((fx, fy)) = web::relative_pos(&e, &node) else { return };
                 let (t0, t1) = *window;
                 let t = t0 + (fx * W - LEFT) / (W - LEFT) * (t1 - t0);
                 if let Some((start_t, w0)) = *drag.borrow() {
@@ -482,8 +485,9 @@ fn PipelineView(p: &PipelineProps) -> Html {
         let onmousedown = {
             let drag = drag.clone();
             let window = window.clone();
+            let node = node.clone();
             move |e: MouseEvent| {
-                if let Some((fx, _)) = web::relative_pos(&e) {
+                if let Some((fx, _)) = web::relative_pos(&e, &node) {
                     let (t0, t1) = *window;
                     *drag.borrow_mut() = Some((t0 + (fx * W - LEFT) / (W - LEFT) * (t1 - t0), (t0, t1)));
                 }
@@ -495,10 +499,11 @@ fn PipelineView(p: &PipelineProps) -> Html {
         };
         let onwheel = {
             let window = window.clone();
+            let node = node.clone();
             move |e: WheelEvent| {
                 let dy = web::wheel_delta(&e);
                 let m: &MouseEvent = &e;
-                let Some((fx, _)) = web::relative_pos(m) else { return };
+                let Some((fx, _)) = web::relative_pos(m, &node) else { return };
                 let (t0, t1) = *window;
                 let at = t0 + ((fx * W - LEFT) / (W - LEFT)).clamp(0.0, 1.0) * (t1 - t0);
                 window.set(zoomed((t0, t1), full, if dy < 0.0 { 0.8 } else { 1.25 }, at));
@@ -521,7 +526,7 @@ fn PipelineView(p: &PipelineProps) -> Html {
                     <span id={format!("bubble-{which}")}>{ format!("bubble {:.2}%", 100.0 * tl.bubble_fraction) }</span>
                     { for tl.counts.iter().map(|(k, n)| html! { <span>{ format!("{}: {n}", k.label()) }</span> }) }
                 </div>
-                <div {onmousemove} {onmousedown} {onmouseup} {onwheel} class="svg-wrap">
+                <div ref={node} {onmousemove} {onmousedown} {onmouseup} {onwheel} class="svg-wrap">
                     { timeline_svg(tl, which, (t0, t1), cursor, hover.as_ref().filter(|h| h.which == which)) }
                 </div>
             </section>

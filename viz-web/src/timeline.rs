@@ -416,8 +416,9 @@ impl Timeline {
     }
 }
 
-/// Slices narrower than this many pixels are merged with their neighbours.
-pub const MIN_PX: f64 = 1.0;
+/// Slices narrower than this many pixels are merged with their neighbours
+/// (bounds a lane to about width / 3 rectangles).
+pub const MIN_PX: f64 = 3.0;
 
 /// A rectangle of the layout: `x` and `w` in pixels from the window start.
 #[derive(Debug, Clone, PartialEq)]

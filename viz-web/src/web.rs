@@ -134,11 +134,12 @@ mod imp {
         input.set_value("");
     }
 
-    /// The pointer position as fractions `(x, y)` of the event's current
-    /// target (an `<svg>` drawn with a `viewBox`).
+    /// The pointer position as fractions `(x, y)` of the element `node`
+    /// refers to. (yew delegates events to the document root, so the
+    /// event's `current_target` is not the element the handler is on.)
     #[must_use]
-    pub fn relative_pos(e: &MouseEvent) -> Option<(f64, f64)> {
-        let el: Element = e.current_target()?.dyn_into().ok()?;
+    pub fn relative_pos(e: &MouseEvent, node: &yew::NodeRef) -> Option<(f64, f64)> {
+        let el: Element = node.cast::<Element>()?;
         let r = el.get_bounding_client_rect();
         if r.width() <= 0.0 || r.height() <= 0.0 {
             return None;
@@ -177,7 +178,7 @@ mod imp {
     pub fn read_dropped(_e: &DragEvent, _cb: Callback<(String, String)>) {}
     pub fn read_input(_e: &Event, _cb: Callback<(String, String)>) {}
     #[must_use]
-    pub fn relative_pos(_e: &MouseEvent) -> Option<(f64, f64)> {
+    pub fn relative_pos(_e: &MouseEvent, _node: &yew::NodeRef) -> Option<(f64, f64)> {
         None
     }
     #[must_use]
