@@ -853,7 +853,7 @@ fn line_chart(title: &str, xs: &[f64], ys: &[f64], o: &ChartOpts<'_>) -> Html {
     });
     let xt = timeline::ticks(frame.x.0, frame.x.1, 6).into_iter().map(|v| {
         let x = CH_L + frame.px(v);
-        html! { <text class="axis-label" x={f(x)} y={f(CH_H - 2.0)} text-anchor="middle">{ chart::fmt_value(v) }</text> }
+        html! { <text class="axis-label" x={f(x.min(CH_W - 2.0))} y={f(CH_H - 2.0)} text-anchor={if x > CH_W - 16.0 { "end" } else { "middle" }}>{ chart::fmt_value(v) }</text> }
     });
     let bad: Vec<f64> = xs
         .iter()

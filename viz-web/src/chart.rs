@@ -156,6 +156,8 @@ pub fn fmt_value(v: f64) -> String {
     let a = v.abs();
     if v == 0.0 {
         "0".into()
+    } else if v.fract() == 0.0 && a < 1e5 {
+        format!("{v:.0}")
     } else if !(1e-3..1e5).contains(&a) {
         format!("{v:.1e}")
     } else if a >= 100.0 {
@@ -205,5 +207,6 @@ mod tests {
         assert_eq!(path(&f, &xs, &ys).1, 2);
         assert_eq!(fmt_value(0.0003), "3.0e-4");
         assert_eq!(fmt_value(2.5), "2.50");
+        assert_eq!(fmt_value(50.0), "50");
     }
 }
