@@ -33,6 +33,27 @@ for component in rustfmt clippy; do
         rustup component add "$component" || { echo "cannot install $component" >&2; exit 1; }
     fi
 done
+# Debian packages: OpenMPI (the collectives' mpi feature; libclang for its
+# bindings) and Chromium (the visualizer's browser test).
+apt_needed=()
+for pkg in libopenmpi-dev openmpi-bin libclang-dev chromium chromium-driver; do
+    dpkg -s "$pkg" >/dev/null 2>&1 || apt_needed+=("$pkg")
+done
+if [ ${#apt_needed[@]} -gt 0 ]; then
+    echo "installing: ${apt_needed[*]}"
+    SUDO=""
+    [ "$(id -u)" -ne 0 ] && SUDO=sudo
+    $SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${apt_needed[@]}" >/dev/null \
+        || { echo "cannot install ${apt_needed[*]}" >&2; exit 1; }
+fi
+# Python with safetensors and numpy: an independent reader of our checkpoint
+# files (checkpoint's interop test uses it through WEFT_PYTHON).
+venv="${WEFT_VENV:-$HOME/.cache/weft-venv}"
+if ! "$venv/bin/python" -c "import safetensors, numpy" >/dev/null 2>&1; then
+    python3 -m venv "$venv" && "$venv/bin/pip" install -q safetensors numpy \
+        || { echo "cannot set up $venv" >&2; exit 1; }
+fi
+export WEFT_PYTHON="$venv/bin/python"
 cargo --version
 echo "target dir: $CARGO_TARGET_DIR"
 
@@ -53,8 +74,20 @@ step() {
 
 step fmt cargo fmt --all --check
 step clippy cargo clippy --workspace --all-targets --locked -- -D warnings
+# Optional hardware backends must compile (and lint) without the hardware.
+step clippy-features cargo clippy --locked -p weft-collectives -p weft-kernels --all-targets \
+    --features weft-collectives/mpi,weft-collectives/nccl,weft-kernels/cuda -- -D warnings
 step doc env RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --locked
 step test cargo test --workspace --locked
+# The collectives suite over 4 MPI processes (the test relaunches itself
+# under mpirun), and the NCCL backend's typed "not available" path.
+step test-mpi env OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 \
+    cargo test --locked -p weft-collectives --features mpi,nccl
+# The browser visualizer: build the WebAssembly page (installing the wasm32
+# target and the wasm-bindgen-cli matching Cargo.lock when missing), then
+# drive it in headless Chromium against a served run folder; screenshots go
+# to viz-web/e2e-out/.
+step viz-e2e bash viz-web/e2e.sh
 # The same numerics tests on the baseline (non-AVX) code paths the run-time
 # dispatch would pick on an older CPU; the binaries are already built.
 step test-simd-baseline env WEFT_SIMD=baseline cargo test -p weft-numerics --locked

@@ -105,6 +105,20 @@ enum Command {
         #[arg(long, value_name = "RUN_DIR", num_args = 0..=1)]
         resume: Option<Option<PathBuf>>,
     },
+    /// Serve a run folder to the browser visualizer on 127.0.0.1: pipeline
+    /// timeline, expert load, metrics. (Build the page once with
+    /// `bash viz-web/build.sh`.)
+    Viz {
+        /// The run folder (e.g. runs/NAME).
+        run: PathBuf,
+        /// Port on 127.0.0.1 (0: any free port).
+        #[arg(long, default_value_t = 8080)]
+        port: u16,
+        /// The built page (default: viz-web/dist of this source tree, or
+        /// $WEFT_VIZ_ASSETS).
+        #[arg(long)]
+        assets: Option<PathBuf>,
+    },
     /// Mixture-of-experts tools.
     Moe {
         #[command(subcommand)]
@@ -224,6 +238,22 @@ fn run(cli: Cli) -> Result<()> {
             Ok(())
         }
         Command::Ckpt { command } => ckpt(command),
+        Command::Viz { run, port, assets } => {
+            let assets = assets
+                .or_else(|| std::env::var_os("WEFT_VIZ_ASSETS").map(PathBuf::from))
+                .unwrap_or_else(|| {
+                    PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../viz-web/dist"))
+                });
+            let addr = std::net::SocketAddr::from(([127, 0, 0, 1], port));
+            let server = weft_viz_web::serve::Server::bind(&run, &assets, addr)?;
+            progress::say(&format!(
+                "serving {} at {}  (Ctrl-C to stop)",
+                run.display(),
+                server.url()?
+            ));
+            server.run()?;
+            Ok(())
+        }
         Command::Moe {
             command:
                 MoeCommand::Audit {
