@@ -197,6 +197,7 @@
 #![deny(missing_docs)]
 
 mod async_save;
+mod checksum;
 mod dtype;
 mod error;
 mod export;
@@ -218,8 +219,8 @@ pub use manifest::{
     file_name, valid_file_name,
 };
 pub use read::{
-    Checkpoint, Info, Loaded, TensorInfo, VerifyLevel, VerifyReport, list_checkpoints, load_latest,
-    read_latest_pointer,
+    Checkpoint, Info, Loaded, ReadRequest, TensorInfo, VerifyLevel, VerifyReport, list_checkpoints,
+    load_latest, read_latest_pointer,
 };
 pub use region::Region;
 pub use reshard::{TargetLayout, load_shards, reshard};

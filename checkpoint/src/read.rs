@@ -5,18 +5,24 @@ use std::fmt;
 use std::fs::{self, File};
 use std::io::{self, Read};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Mutex, PoisonError};
 
+use crate::checksum::Crc32c;
 use crate::dtype::Dtype;
 use crate::error::{Error, IoContext, Result};
-use crate::manifest::{FileEntry, Layout, Manifest, ShardEntry, TrainerState};
-use crate::region::{Region, for_each_run};
+use crate::manifest::{FileEntry, Layout, Manifest, ShardEntry, TensorEntry, TrainerState};
+use crate::region::{Region, Run, for_each_run};
 use crate::safetensors::{SafetensorsHeader, header_len, parse_header};
 use crate::write::{LATEST_FILE, parse_step_dir};
 
-/// Bytes read per I/O call when a read does not land on whole chunks.
-const WINDOW_BYTES: u64 = 8 * 1024 * 1024;
-/// Reads of at least two pieces of this size are pipelined (read ‖ verify).
-const PIPELINE_PIECE_BYTES: u64 = 4 * 1024 * 1024;
+/// Bytes read per `pread` within a checksum chunk: small enough that each
+/// piece is still in the core's cache when it is checksummed right after.
+const PIECE_BYTES: usize = 256 * 1024;
+/// Reads smaller than this many bytes per thread stay on one thread.
+const PARALLEL_MIN_BYTES: u64 = 1024 * 1024;
+/// Default reading threads: the CPUs, at most this many.
+const MAX_DEFAULT_THREADS: usize = 8;
 
 fn read_at(file: &File, offset: u64, buf: &mut [u8]) -> io::Result<()> {
     #[cfg(unix)]
@@ -40,6 +46,7 @@ fn read_at(file: &File, offset: u64, buf: &mut [u8]) -> io::Result<()> {
 pub struct Checkpoint {
     dir: PathBuf,
     manifest: Manifest,
+    threads: usize,
 }
 
 /// What [`Checkpoint::verify`] checked.
@@ -106,6 +113,9 @@ impl Checkpoint {
         Ok(Checkpoint {
             dir: dir.to_owned(),
             manifest,
+            threads: std::thread::available_parallelism()
+                .map_or(1, usize::from)
+                .min(MAX_DEFAULT_THREADS),
         })
     }
 
@@ -129,6 +139,22 @@ impl Checkpoint {
         &self.manifest.state
     }
 
+    /// Threads [`Checkpoint::read_many`], [`Checkpoint::read_region_into`]
+    /// and [`Checkpoint::verify`] use (default: the number of CPUs, at most
+    /// 8).
+    pub fn threads(&self) -> usize {
+        self.threads
+    }
+
+    /// Sets the number of reading threads (at least 1). Each thread reads a
+    /// contiguous part of the work with its own file handles, so that the
+    /// kernel sees sequential streams.
+    #[must_use]
+    pub fn with_threads(mut self, threads: usize) -> Self {
+        self.threads = threads.max(1);
+        self
+    }
+
     /// Reads every shard and checks every checksum.
     ///
     /// # Errors
@@ -141,21 +167,27 @@ impl Checkpoint {
             shards: 0,
             bytes: 0,
         };
+        let chunk = self.manifest.checksum.chunk_bytes;
+        let mut work = Vec::new();
         for (name, t) in &self.manifest.tensors {
             for s in &t.shards {
-                let path = self.dir.join(&s.file);
-                let file = File::open(&path).ctx("open", &path)?;
-                let mut r =
-                    ShardReader::new(&file, &path, name, s, self.manifest.checksum.chunk_bytes);
-                let mut pos = 0;
-                while pos < s.byte_len {
-                    r.load_window(pos)?;
-                    pos = r.win_start + r.win.len() as u64;
+                let src = self.source(name, s);
+                for k in 0..s.byte_len.div_ceil(chunk) {
+                    let lo = k * chunk;
+                    let hi = (lo + chunk).min(s.byte_len);
+                    work.push(Work::Chunk {
+                        src: src.clone(),
+                        k,
+                        lo,
+                        hi,
+                        dst: None,
+                    });
                 }
                 rep.shards += 1;
                 rep.bytes += s.byte_len;
             }
         }
+        self.run(work)?;
         Ok(rep)
     }
 
@@ -210,8 +242,50 @@ impl Checkpoint {
     /// As [`Checkpoint::read_region`], and [`Error::RegionOutOfBounds`] if
     /// `out` has the wrong length.
     pub fn read_region_into(&self, name: &str, region: &Region, out: &mut [u8]) -> Result<()> {
+        self.read_many(&mut [ReadRequest {
+            name,
+            region: region.clone(),
+            out,
+        }])
+    }
+
+    /// Reads many regions at once, each into its caller's buffer (of
+    /// exactly [`Checkpoint::region_bytes`] bytes): what a rank restoring
+    /// all its parameters calls. The work is cut into checksum chunks and
+    /// shared among [`Checkpoint::threads`] threads; each chunk is read in
+    /// pieces of 256 KiB straight into the destination and checksummed
+    /// right after each piece is read, while it is still in cache. Regions
+    /// that are not contiguous in their shards (column slices) are read
+    /// through a verified window and copied.
+    ///
+    /// # Errors
+    /// As [`Checkpoint::read_region_into`]; with several errors, the one a
+    /// sequential read in request order would have met first.
+    pub fn read_many(&self, requests: &mut [ReadRequest<'_>]) -> Result<()> {
+        let mut work = Vec::new();
+        for req in requests.iter_mut() {
+            self.plan(req.name, &req.region, &mut *req.out, &mut work)?;
+        }
+        self.run(work)
+    }
+
+    /// Appends the work of reading `region` of `name` into `out`.
+    fn plan<'c, 'o>(
+        &'c self,
+        name: &'c str,
+        region: &Region,
+        out: &'o mut [u8],
+        work: &mut Vec<Work<'c, 'o>>,
+    ) -> Result<()> {
         let n = self.region_bytes(name, region)?;
-        let t = self.tensor(name)?;
+        let (name, t) =
+            self.manifest
+                .tensors
+                .get_key_value(name)
+                .ok_or_else(|| Error::UnknownTensor {
+                    path: self.dir.clone(),
+                    tensor: name.to_owned(),
+                })?;
         if out.len() != n {
             return Err(Error::RegionOutOfBounds {
                 tensor: format!("{name} (output buffer of {} bytes, need {n})", out.len()),
@@ -224,24 +298,153 @@ impl Checkpoint {
             return Ok(());
         }
         let es = t.dtype.size_bytes() as u64;
+        // Each overlapping shard's part as one run (src, dst, len) in bytes,
+        // or None when some shard's part is strided.
+        let mut runs: Vec<(&ShardEntry, Run)> = Vec::new();
+        let mut contiguous = true;
         for s in &t.shards {
             let sr = s.region();
             let Some(inter) = sr.intersect(region) else {
                 continue;
             };
-            let path = self.dir.join(&s.file);
-            let file = File::open(&path).ctx("open", &path)?;
-            let mut r = ShardReader::new(&file, &path, name, s, self.manifest.checksum.chunk_bytes);
-            for_each_run(&sr, region, &inter, |run| {
-                let d = (run.dst * es) as usize;
-                let len = (run.len * es) as usize;
-                r.copy(run.src * es, &mut out[d..d + len])
-            })?;
+            let mut first = None;
+            let single = for_each_run(&sr, region, &inter, |run| {
+                if first.is_some() {
+                    return Err(());
+                }
+                first = Some(run);
+                Ok(())
+            });
+            match (single, first) {
+                (Ok(()), Some(r)) => runs.push((
+                    s,
+                    Run {
+                        src: r.src * es,
+                        dst: r.dst * es,
+                        len: r.len * es,
+                    },
+                )),
+                _ => {
+                    contiguous = false;
+                    break;
+                }
+            }
+        }
+        if !contiguous {
+            work.push(Work::Strided {
+                name,
+                tensor: t,
+                region: region.clone(),
+                out,
+            });
+            return Ok(());
+        }
+        runs.sort_by_key(|r| r.1.dst);
+        let chunk = self.manifest.checksum.chunk_bytes;
+        let mut rest = out;
+        let mut at = 0u64;
+        for (s, run) in runs {
+            // Shards tile the tensor, so runs are disjoint and cover `out`.
+            let skip = (run.dst - at) as usize;
+            let (_, tail) = std::mem::take(&mut rest).split_at_mut(skip);
+            let (mut piece, tail) = tail.split_at_mut(run.len as usize);
+            rest = tail;
+            at = run.dst + run.len;
+            let src = self.source(name, s);
+            let end = run.src + run.len;
+            let mut lo = run.src;
+            while lo < end {
+                let k = lo / chunk;
+                let hi = ((k + 1) * chunk).min(end);
+                let (d, tail) = std::mem::take(&mut piece).split_at_mut((hi - lo) as usize);
+                piece = tail;
+                work.push(Work::Chunk {
+                    src: src.clone(),
+                    k,
+                    lo,
+                    hi,
+                    dst: Some(d),
+                });
+                lo = hi;
+            }
         }
         Ok(())
     }
 
-    fn tensor(&self, name: &str) -> Result<&crate::manifest::TensorEntry> {
+    fn source<'c>(&'c self, tensor: &'c str, entry: &'c ShardEntry) -> Source<'c> {
+        Source {
+            file: &entry.file,
+            tensor,
+            entry,
+            chunk: self.manifest.checksum.chunk_bytes,
+        }
+    }
+
+    /// Does `work` on up to [`Checkpoint::threads`] threads, each taking a
+    /// contiguous run of items of about equal bytes (so each reads its
+    /// files sequentially, with its own handles).
+    fn run(&self, work: Vec<Work<'_, '_>>) -> Result<()> {
+        let total: u64 = work.iter().map(Work::bytes).sum();
+        let threads = (self.threads as u64)
+            .min(work.len() as u64)
+            .min(total.div_ceil(PARALLEL_MIN_BYTES))
+            .max(1);
+        if threads == 1 {
+            let mut w = Worker::new(&self.dir, self.manifest.checksum.chunk_bytes);
+            for item in work {
+                w.run(item)?;
+            }
+            return Ok(());
+        }
+        // Contiguous groups of about total/threads bytes each.
+        let mut groups: Vec<Vec<(usize, Work<'_, '_>)>> = vec![Vec::new()];
+        let mut acc = 0u64;
+        let mut g = 0u64;
+        for (i, item) in work.into_iter().enumerate() {
+            let b = item.bytes();
+            if acc >= total * (g + 1) / threads && g + 1 < threads {
+                g += 1;
+                groups.push(Vec::new());
+            }
+            acc += b;
+            if let Some(v) = groups.last_mut() {
+                v.push((i, item));
+            }
+        }
+        // The first failing item (in order) wins, as in a sequential read:
+        // a thread stops only once a failure precedes its next item.
+        let first_bad = AtomicUsize::new(usize::MAX);
+        let errors: Mutex<Vec<(usize, Error)>> = Mutex::new(Vec::new());
+        std::thread::scope(|sc| {
+            for group in groups {
+                let (first_bad, errors, dir) = (&first_bad, &errors, &self.dir);
+                let chunk = self.manifest.checksum.chunk_bytes;
+                sc.spawn(move || {
+                    let mut w = Worker::new(dir, chunk);
+                    for (i, item) in group {
+                        if i > first_bad.load(Ordering::Relaxed) {
+                            return;
+                        }
+                        if let Err(e) = w.run(item) {
+                            first_bad.fetch_min(i, Ordering::Relaxed);
+                            errors
+                                .lock()
+                                .unwrap_or_else(PoisonError::into_inner)
+                                .push((i, e));
+                            return;
+                        }
+                    }
+                });
+            }
+        });
+        let errors = errors.into_inner().unwrap_or_else(PoisonError::into_inner);
+        match errors.into_iter().min_by_key(|e| e.0) {
+            Some((_, e)) => Err(e),
+            None => Ok(()),
+        }
+    }
+
+    fn tensor(&self, name: &str) -> Result<&TensorEntry> {
         self.manifest
             .tensors
             .get(name)
@@ -310,15 +513,193 @@ fn read_file_header(
     parse_header(&buf, len, path)
 }
 
-/// Reads byte ranges of one shard, verifying every chunk it touches.
+/// One request of [`Checkpoint::read_many`]: the part `region` of tensor
+/// `name`, into `out` ([`Checkpoint::region_bytes`] bytes, row-major).
+#[derive(Debug)]
+pub struct ReadRequest<'a> {
+    /// The tensor's global name.
+    pub name: &'a str,
+    /// Which part of it.
+    pub region: Region,
+    /// Where its bytes go.
+    pub out: &'a mut [u8],
+}
+
+/// One shard as a source of bytes.
+#[derive(Clone)]
+struct Source<'c> {
+    file: &'c str,
+    tensor: &'c str,
+    entry: &'c ShardEntry,
+    chunk: u64,
+}
+
+/// A unit of reading work.
+enum Work<'c, 'o> {
+    /// Shard bytes `lo..hi`, all inside checksum chunk `k`, into `dst`
+    /// (`None`: only verify chunk `k`).
+    Chunk {
+        src: Source<'c>,
+        k: u64,
+        lo: u64,
+        hi: u64,
+        dst: Option<&'o mut [u8]>,
+    },
+    /// A region that is strided in some shard: read through a window.
+    Strided {
+        name: &'c str,
+        tensor: &'c TensorEntry,
+        region: Region,
+        out: &'o mut [u8],
+    },
+}
+
+impl Work<'_, '_> {
+    fn bytes(&self) -> u64 {
+        match self {
+            Work::Chunk { lo, hi, .. } => hi - lo,
+            Work::Strided { out, .. } => out.len() as u64,
+        }
+    }
+}
+
+/// One reading thread: its own file handles and scratch buffer.
+struct Worker<'d> {
+    dir: &'d Path,
+    chunk: u64,
+    files: BTreeMap<String, (PathBuf, File)>,
+    scratch: Vec<u8>,
+}
+
+impl<'d> Worker<'d> {
+    fn new(dir: &'d Path, chunk: u64) -> Self {
+        Worker {
+            dir,
+            chunk,
+            files: BTreeMap::new(),
+            scratch: Vec::new(),
+        }
+    }
+
+    fn file(&mut self, name: &str) -> Result<(&Path, &File)> {
+        if !self.files.contains_key(name) {
+            let path = self.dir.join(name);
+            let f = File::open(&path).ctx("open", &path)?;
+            self.files.insert(name.to_owned(), (path, f));
+        }
+        let (p, f) = &self.files[name];
+        Ok((p, f))
+    }
+
+    fn run(&mut self, item: Work<'_, '_>) -> Result<()> {
+        match item {
+            Work::Chunk {
+                src,
+                k,
+                lo,
+                hi,
+                dst,
+            } => {
+                let cs = k * src.chunk;
+                let ce = (cs + src.chunk).min(src.entry.byte_len);
+                let mut scratch = std::mem::take(&mut self.scratch);
+                let (path, file) = self.file(src.file)?;
+                let reader = ShardReader::new(file, path, src.tensor, src.entry, src.chunk);
+                let res = match dst {
+                    Some(d) if lo == cs && hi == ce => reader.read_chunk(k, Dest::Into(d)),
+                    Some(d) => reader
+                        .read_chunk(k, Dest::Scratch(&mut scratch, true))
+                        .map(|()| {
+                            d.copy_from_slice(&scratch[(lo - cs) as usize..(hi - cs) as usize]);
+                        }),
+                    None => reader.read_chunk(k, Dest::Scratch(&mut scratch, false)),
+                };
+                self.scratch = scratch;
+                res
+            }
+            Work::Strided {
+                name,
+                tensor,
+                region,
+                out,
+            } => {
+                let mut scratch = std::mem::take(&mut self.scratch);
+                let res = self.strided(name, tensor, &region, out, &mut scratch);
+                self.scratch = scratch;
+                res
+            }
+        }
+    }
+
+    /// Reads `region` of `t` into `out` run by run, through a one-chunk
+    /// window in `scratch` (chunks wholly inside a run go straight to
+    /// `out`).
+    fn strided(
+        &mut self,
+        name: &str,
+        t: &TensorEntry,
+        region: &Region,
+        out: &mut [u8],
+        scratch: &mut Vec<u8>,
+    ) -> Result<()> {
+        let es = t.dtype.size_bytes() as u64;
+        for s in &t.shards {
+            let sr = s.region();
+            let Some(inter) = sr.intersect(region) else {
+                continue;
+            };
+            let chunk = self.chunk;
+            let (path, file) = self.file(&s.file)?;
+            let reader = ShardReader::new(file, path, name, s, chunk);
+            let mut cached: Option<u64> = None;
+            for_each_run(&sr, region, &inter, |run| {
+                let (mut src, end) = (run.src * es, (run.src + run.len) * es);
+                let mut d = (run.dst * es) as usize;
+                while src < end {
+                    let k = src / chunk;
+                    let cs = k * chunk;
+                    let ce = (cs + chunk).min(s.byte_len);
+                    let hi = ce.min(end);
+                    let n = (hi - src) as usize;
+                    if cached != Some(k) {
+                        if src == cs && hi == ce {
+                            reader.read_chunk(k, Dest::Into(&mut out[d..d + n]))?;
+                            src = hi;
+                            d += n;
+                            continue;
+                        }
+                        cached = None;
+                        reader.read_chunk(k, Dest::Scratch(scratch, true))?;
+                        cached = Some(k);
+                    }
+                    let off = (src - cs) as usize;
+                    out[d..d + n].copy_from_slice(&scratch[off..off + n]);
+                    src = hi;
+                    d += n;
+                }
+                Ok(())
+            })?;
+        }
+        Ok(())
+    }
+}
+
+/// Where [`ShardReader::read_chunk`] puts a chunk.
+enum Dest<'b> {
+    /// Exactly the chunk's bytes.
+    Into(&'b mut [u8]),
+    /// A scratch buffer: the whole chunk (`true`), or only a piece at a
+    /// time (`false`, when only the checksum matters).
+    Scratch(&'b mut Vec<u8>, bool),
+}
+
+/// Reads and verifies the chunks of one shard.
 struct ShardReader<'a> {
     file: &'a File,
     path: &'a Path,
     tensor: &'a str,
     entry: &'a ShardEntry,
     chunk: u64,
-    win_start: u64,
-    win: Vec<u8>,
 }
 
 impl<'a> ShardReader<'a> {
@@ -335,46 +716,60 @@ impl<'a> ShardReader<'a> {
             tensor,
             entry,
             chunk,
-            win_start: 0,
-            win: Vec::new(),
         }
     }
 
-    /// Reads shard bytes `start..start+buf.len()` (chunk-aligned start,
-    /// ending on a chunk boundary or at the shard's end) and verifies them.
-    fn read_verified(&self, start: u64, buf: &mut [u8]) -> Result<()> {
-        let piece = ((PIPELINE_PIECE_BYTES / self.chunk).max(1) * self.chunk) as usize;
-        if buf.len() < 2 * piece {
-            self.read_raw(start, buf)?;
-            return self.verify(start, buf);
-        }
-        // Large reads: one thread reads piece k+1 while this one checksums
-        // piece k, so verification hides behind I/O.
-        std::thread::scope(|sc| {
-            let (tx, rx) = std::sync::mpsc::sync_channel::<(u64, &mut [u8])>(2);
-            let reader = sc.spawn(move || -> Result<()> {
+    /// Reads checksum chunk `k` into `dest` in pieces of [`PIECE_BYTES`],
+    /// checksumming each piece right after reading it, and checks the
+    /// chunk's checksum.
+    fn read_chunk(&self, k: u64, dest: Dest<'_>) -> Result<()> {
+        let start = k * self.chunk;
+        let len = (self.chunk.min(self.entry.byte_len - start)) as usize;
+        let mut crc = Crc32c::new();
+        match dest {
+            Dest::Into(buf) => {
+                debug_assert_eq!(buf.len(), len);
                 let mut off = start;
-                for p in buf.chunks_mut(piece) {
-                    self.read_raw(off, p)?;
-                    let n = p.len() as u64;
-                    if tx.send((off, p)).is_err() {
-                        break; // the verifier stopped on an error
-                    }
-                    off += n;
-                }
-                Ok(())
-            });
-            let mut verified = Ok(());
-            for (off, p) in rx {
-                verified = self.verify(off, p);
-                if verified.is_err() {
-                    break;
+                for piece in buf.chunks_mut(PIECE_BYTES) {
+                    self.read_raw(off, piece)?;
+                    crc.update(piece);
+                    off += piece.len() as u64;
                 }
             }
-            let read = reader
-                .join()
-                .unwrap_or_else(|panic| std::panic::resume_unwind(panic));
-            verified.and(read)
+            Dest::Scratch(buf, whole) => {
+                let mut off = start;
+                let end = start + len as u64;
+                buf.resize(if whole { len } else { len.min(PIECE_BYTES) }, 0);
+                let mut at = 0;
+                while off < end {
+                    let n = ((end - off) as usize).min(PIECE_BYTES);
+                    let piece = &mut buf[at..at + n];
+                    self.read_raw(off, piece)?;
+                    crc.update(piece);
+                    off += n as u64;
+                    if whole {
+                        at += n;
+                    }
+                }
+            }
+        }
+        self.check(k, len as u64, crc.value())
+    }
+
+    fn check(&self, k: u64, len: u64, actual: u32) -> Result<()> {
+        let expected = self.entry.crc32c[k as usize];
+        if actual == expected {
+            return Ok(());
+        }
+        let s = self.entry.byte_offset + k * self.chunk;
+        Err(Error::Checksum {
+            path: self.path.to_owned(),
+            tensor: self.tensor.to_owned(),
+            chunk: k as usize,
+            start: s,
+            end: s + len,
+            expected,
+            actual,
         })
     }
 
@@ -396,76 +791,6 @@ impl<'a> ShardReader<'a> {
                 }
             }
         })
-    }
-
-    /// Checks `buf`, the shard's bytes from `start` (chunk-aligned).
-    fn verify(&self, start: u64, buf: &[u8]) -> Result<()> {
-        let first = start / self.chunk;
-        for (i, piece) in buf.chunks(self.chunk as usize).enumerate() {
-            let k = first as usize + i;
-            let actual = crc32c::crc32c(piece);
-            let expected = self.entry.crc32c[k];
-            if actual != expected {
-                let s = self.entry.byte_offset + k as u64 * self.chunk;
-                return Err(Error::Checksum {
-                    path: self.path.to_owned(),
-                    tensor: self.tensor.to_owned(),
-                    chunk: k,
-                    start: s,
-                    end: s + piece.len() as u64,
-                    expected,
-                    actual,
-                });
-            }
-        }
-        Ok(())
-    }
-
-    fn load_window(&mut self, pos: u64) -> Result<()> {
-        let start = pos / self.chunk * self.chunk;
-        let span = (WINDOW_BYTES / self.chunk).max(1) * self.chunk;
-        let len = span.min(self.entry.byte_len - start) as usize;
-        let mut win = std::mem::take(&mut self.win);
-        win.resize(len, 0);
-        self.win_start = start;
-        let res = self.read_verified(start, &mut win);
-        self.win = win;
-        if res.is_err() {
-            self.win.clear();
-        }
-        res
-    }
-
-    /// Copies shard bytes `src..src+dst.len()` into `dst`.
-    fn copy(&mut self, mut src: u64, mut dst: &mut [u8]) -> Result<()> {
-        while !dst.is_empty() {
-            let in_window = src >= self.win_start && src < self.win_start + self.win.len() as u64;
-            let remaining = dst.len() as u64;
-            if !in_window && src / self.chunk * self.chunk == src {
-                let n = if src + remaining == self.entry.byte_len {
-                    remaining
-                } else {
-                    remaining / self.chunk * self.chunk
-                };
-                if n > 0 {
-                    let (head, tail) = std::mem::take(&mut dst).split_at_mut(n as usize);
-                    self.read_verified(src, head)?;
-                    src += n;
-                    dst = tail;
-                    continue;
-                }
-            }
-            if !in_window {
-                self.load_window(src)?;
-            }
-            let off = (src - self.win_start) as usize;
-            let n = dst.len().min(self.win.len() - off);
-            let (head, tail) = std::mem::take(&mut dst).split_at_mut(n);
-            head.copy_from_slice(&self.win[off..off + n]);
-            src += n as u64;
-            dst = tail;
-        }
-        Ok(())
     }
 }
 

@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use crate::error::{Error, Result};
 use crate::manifest::{Layout, TensorEntry};
-use crate::read::Checkpoint;
+use crate::read::{Checkpoint, ReadRequest};
 use crate::region::Region;
 use crate::write::{Committed, OwnedShard, SaveOptions, commit, prepare, write_rank_file};
 
@@ -134,15 +134,25 @@ pub fn load_shards(src: &Checkpoint, target: &TargetLayout, rank: u32) -> Result
             };
             region
         };
-        let data = src.read_region(name, &region)?;
+        let n = src.region_bytes(name, &region)?;
         out.push(OwnedShard {
             name: name.clone(),
             dtype: t.dtype,
             global_shape: t.shape.clone(),
             region,
-            data,
+            data: vec![0; n],
         });
     }
+    // One batch: the reads of all tensors are shared among the threads.
+    let mut requests: Vec<ReadRequest<'_>> = out
+        .iter_mut()
+        .map(|s| ReadRequest {
+            name: &s.name,
+            region: s.region.clone(),
+            out: &mut s.data,
+        })
+        .collect();
+    src.read_many(&mut requests)?;
     Ok(out)
 }
 

@@ -389,7 +389,7 @@ pub fn write_rank_file(
     for (s, &start) in kept.iter().zip(&starts) {
         let mut crcs = Vec::with_capacity(s.data.len().div_ceil(chunk as usize));
         for (i, piece) in s.data.chunks(chunk as usize).enumerate() {
-            crcs.push(crc32c::crc32c(piece));
+            crcs.push(crate::checksum::crc32c(piece));
             opts.write(&mut f, &path, start + (i as u64) * chunk, piece)?;
         }
         out.push(ReportedShard {

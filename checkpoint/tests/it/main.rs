@@ -5,6 +5,7 @@ mod faults;
 mod fuzz;
 mod kill;
 mod lifecycle;
+mod parallel;
 mod props;
 mod python;
 mod roundtrip;
