@@ -59,7 +59,8 @@ pub enum CkptError {
 }
 
 /// A hash of the configuration that defines the run's computation, as 16
-/// hex digits: everything except `[run]`, `[checkpoint]` and the settings
+/// hex digits: everything except `[run]`, `[checkpoint]`, the layout in
+/// `[parallel]` (but not `parallel.reproducible`), and the settings
 /// that only decide how long to go on and what to watch (`train.steps`,
 /// `train.eval_every`, `train.eval_sequences`, `train.spike_*`), so a run
 /// can be resumed to train longer. (Changing `train.steps` changes the
@@ -69,6 +70,13 @@ pub fn config_hash(config: &Config) -> String {
     let mut c = config.clone();
     c.run = Default::default();
     c.checkpoint = Default::default();
+    // The layout over ranks does not define the computation (with
+    // reproducible reductions not even its rounding): a run may resume on
+    // another layout.
+    c.parallel = crate::config::ParallelConfig {
+        reproducible: config.parallel.reproducible,
+        ..Default::default()
+    };
     let d = crate::config::TrainConfig::default();
     c.train.steps = d.steps;
     c.train.eval_every = d.eval_every;

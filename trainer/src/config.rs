@@ -31,6 +31,68 @@ pub struct Config {
     pub optim: OptimConfig,
     /// Periodic checkpoints.
     pub checkpoint: CheckpointConfig,
+    /// How the job is split over ranks.
+    pub parallel: ParallelConfig,
+}
+
+/// `[parallel]`: how the job is split over ranks (threads of this process,
+/// on collectives' local backend). The world size is `dp · tp · pp`.
+///
+/// The global batch is the same whatever the split: `train.batch_size`
+/// sequences in `train.grad_accum` micro-batches per optimizer step. With
+/// `dp = N` each data-parallel rank computes `grad_accum / N` of the
+/// micro-batches; with `pp = P` the micro-batches flow through the stages.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ParallelConfig {
+    /// Data-parallel degree: ranks that each compute a share of the
+    /// micro-batches.
+    pub dp: usize,
+    /// Sharding over the data-parallel group: `"none"` (replicas,
+    /// all-reduced gradients), `"optimizer"` (ZeRO-1), `"grad_op"`
+    /// (ZeRO-2), `"full"` (ZeRO-3) or `"hybrid"` (shard within a domain of
+    /// `hybrid_shard` ranks, replicate across domains).
+    pub fsdp: String,
+    /// Ranks per sharding domain with `fsdp = "hybrid"`.
+    pub hybrid_shard: usize,
+    /// Tensor-parallel degree.
+    pub tp: usize,
+    /// Pipeline stages.
+    pub pp: usize,
+    /// Pipeline schedule: `"gpipe"`, `"1f1b"`, `"interleaved"` or `"zb-h1"`.
+    pub pp_schedule: String,
+    /// Model chunks per stage for the interleaved schedule (v).
+    pub pp_chunks: usize,
+    /// Expert-parallel degree (mixture-of-experts models): experts are
+    /// sharded over groups of `ep` data-parallel ranks.
+    pub ep: usize,
+    /// Reproducible reductions: micro-batch gradients are summed exactly and
+    /// rounded once, so every split of the global batch over ranks gives
+    /// bitwise the same result. Off: plain f32 accumulation (faster).
+    pub reproducible: bool,
+}
+
+impl Default for ParallelConfig {
+    fn default() -> Self {
+        Self {
+            dp: 1,
+            fsdp: "none".into(),
+            hybrid_shard: 1,
+            tp: 1,
+            pp: 1,
+            pp_schedule: "1f1b".into(),
+            pp_chunks: 2,
+            ep: 1,
+            reproducible: true,
+        }
+    }
+}
+
+impl ParallelConfig {
+    /// Ranks in the job: `dp · tp · pp`.
+    pub fn world_size(&self) -> usize {
+        self.dp * self.tp * self.pp
+    }
 }
 
 /// `[checkpoint]`: periodic, atomic checkpoints in `<run folder>/checkpoints/`.
@@ -483,6 +545,74 @@ impl Config {
                 let bound = if min_exclusive { "> 0" } else { ">= 0" };
                 return bad(key, format!("must be a finite value {bound} (got {v})"));
             }
+        }
+        let p = &self.parallel;
+        for (key, v) in [
+            ("parallel.dp", p.dp),
+            ("parallel.tp", p.tp),
+            ("parallel.pp", p.pp),
+            ("parallel.ep", p.ep),
+            ("parallel.pp_chunks", p.pp_chunks),
+            ("parallel.hybrid_shard", p.hybrid_shard),
+        ] {
+            if v == 0 || v > 64 {
+                return bad(key, format!("must be in 1..=64 (got {v})"));
+            }
+        }
+        for (key, v, allowed) in [
+            (
+                "parallel.fsdp",
+                &p.fsdp,
+                &["none", "optimizer", "grad_op", "full", "hybrid"][..],
+            ),
+            (
+                "parallel.pp_schedule",
+                &p.pp_schedule,
+                &["gpipe", "1f1b", "interleaved", "zb-h1"][..],
+            ),
+        ] {
+            if !allowed.contains(&v.as_str()) {
+                return bad(
+                    key,
+                    format!("must be one of {} (got {v:?})", allowed.join(", ")),
+                );
+            }
+        }
+        if !t.grad_accum.is_multiple_of(p.dp) {
+            return bad(
+                "parallel.dp",
+                format!(
+                    "must divide train.grad_accum = {} (each data-parallel rank computes an equal share of the micro-batches; got {})",
+                    t.grad_accum, p.dp
+                ),
+            );
+        }
+        if p.fsdp == "hybrid" && !p.dp.is_multiple_of(p.hybrid_shard) {
+            return bad(
+                "parallel.hybrid_shard",
+                format!(
+                    "must divide parallel.dp = {} (got {})",
+                    p.dp, p.hybrid_shard
+                ),
+            );
+        }
+        if p.ep > 1 && (m.moe.experts == 0 || !m.moe.experts.is_multiple_of(p.ep)) {
+            return bad(
+                "parallel.ep",
+                format!(
+                    "needs a mixture-of-experts model whose model.moe.experts (= {}) it divides (got {})",
+                    m.moe.experts, p.ep
+                ),
+            );
+        }
+        if p.ep > 1 && !p.dp.is_multiple_of(p.ep) {
+            return bad(
+                "parallel.ep",
+                format!(
+                    "must divide parallel.dp = {} (experts are sharded over data-parallel ranks; got {})",
+                    p.dp, p.ep
+                ),
+            );
         }
         let d = &self.data;
         if !(d.val_fraction > 0.0 && d.val_fraction <= 0.5) {

@@ -13,6 +13,8 @@
 //! * [`schedule`]: linear warmup and cosine decay of the learning rate.
 //! * [`train`]: the single-process training loop and its run folder.
 //! * [`ckpt`]: periodic checkpoints (weft-checkpoint) and bit-for-bit resume.
+//! * [`sample`]: `weft sample`, generation from a run's last checkpoint
+//!   with the model's key/value-cache decoder.
 //!
 //! # Example
 //! ```
@@ -34,6 +36,8 @@
 pub mod ckpt;
 pub mod config;
 pub mod data;
+pub mod parallel;
+pub mod sample;
 pub mod schedule;
 pub mod synthetic;
 pub mod train;

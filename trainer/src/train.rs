@@ -1,6 +1,8 @@
-//! The single-process training loop.
+//! The training loop.
 //!
-//! [`train`] runs a job described by a [`Config`]: it opens the data, builds
+//! [`train`] runs a job described by a [`Config`] on one rank, or on
+//! `parallel.dp` data-parallel ranks (threads; see [`crate::parallel`]). It
+//! opens the data, builds
 //! and initialises the model, and for each optimizer step accumulates
 //! gradients over the micro-batches, checks them (a non-finite loss or
 //! gradient skips the update), clips the global norm, and takes an AdamW
@@ -26,6 +28,7 @@ use weft_trace::MetricsRecord;
 
 use crate::config::Config;
 use crate::data::{Batch, Data, DataError};
+use crate::parallel::{Dp, Forward, GradAccum};
 use crate::schedule::lr_at;
 
 /// Errors that stop a training run.
@@ -50,6 +53,12 @@ pub enum TrainError {
     /// `--resume` named a run folder that does not exist.
     #[error("cannot resume: run folder {0} does not exist")]
     NothingToResume(PathBuf),
+    /// A collective operation between ranks failed.
+    #[error("communication: {0}")]
+    Comm(#[from] weft_collectives::Error),
+    /// The configuration asks for a parallel layout `weft train` cannot run.
+    #[error("{0}")]
+    Unsupported(String),
     /// Writing the run folder failed.
     #[error("writing {path}: {source}")]
     Io {
@@ -306,10 +315,16 @@ fn build_model(config: &Config, cfg: &GptConfig) -> Result<(Gpt, Option<MoeRun>)
     ))
 }
 
-fn eval_loss(model: &Gpt, batches: &[Batch]) -> Result<f64, TrainError> {
-    let (mut total, mut tokens) = (0.0, 0usize);
+/// Mean validation loss over `batches`. With `dp`, each rank evaluates a
+/// contiguous share of the batches and the per-batch figures are gathered
+/// and summed in batch order — the same sum, bit for bit, as one rank's.
+fn eval_loss(model: &Gpt, batches: &[Batch], dp: Option<&Dp>) -> Result<f64, TrainError> {
+    let (rank, ranks) = dp.map_or((0, 1), |d| (d.rank(), d.size()));
+    let per = batches.len().div_ceil(ranks);
+    let mine = (rank * per).min(batches.len())..((rank + 1) * per).min(batches.len());
+    let mut local = vec![0.0; per];
     let mut acts: Option<weft_model::Activations> = None;
-    for b in batches {
+    for (slot, b) in local.iter_mut().zip(&batches[mine]) {
         if acts.as_ref().is_none_or(|a| a.batch() != b.batch) {
             acts = Some(model.activations(b.batch, b.seq)?);
         }
@@ -317,10 +332,42 @@ fn eval_loss(model: &Gpt, batches: &[Batch]) -> Result<f64, TrainError> {
         let loss = model
             .forward(a, &b.inputs, Some(&b.targets))?
             .unwrap_or(f64::NAN);
-        total += loss * (b.batch * b.seq) as f64;
+        *slot = loss * (b.batch * b.seq) as f64;
+    }
+    let all = match dp {
+        Some(d) => d.gather(&local)?,
+        None => local,
+    };
+    let (mut total, mut tokens) = (0.0, 0usize);
+    for (x, b) in all.iter().zip(batches) {
+        total += x;
         tokens += b.batch * b.seq;
     }
     Ok(total / tokens.max(1) as f64)
+}
+
+/// Sums each layer's expert-load statistics over the data-parallel group,
+/// so every rank balances (and rank 0 logs) the whole global batch.
+fn sum_load_stats(
+    dp: &Dp,
+    per_layer: &mut [Option<weft_moe::LoadStats>],
+) -> Result<(), TrainError> {
+    let mut flat = Vec::new();
+    for s in per_layer.iter().flatten() {
+        flat.extend(s.tokens_per_expert.iter().map(|&x| x as f64));
+        flat.extend([s.dropped as f64, s.tokens as f64, s.entropy_sum]);
+    }
+    dp.sum_counts(&mut flat)?;
+    let mut it = flat.into_iter();
+    for s in per_layer.iter_mut().flatten() {
+        for x in &mut s.tokens_per_expert {
+            *x = it.next().unwrap_or(0.0) as u64;
+        }
+        s.dropped = it.next().unwrap_or(0.0) as u64;
+        s.tokens = it.next().unwrap_or(0.0) as u64;
+        s.entropy_sum = it.next().unwrap_or(0.0);
+    }
+    Ok(())
 }
 
 /// Runs the job. Creates `<run.dir>/<run.name>/` (never overwriting one),
@@ -341,6 +388,99 @@ pub fn train(
     resume: bool,
     observer: &mut dyn Observer,
 ) -> Result<Summary, TrainError> {
+    let p = &config.parallel;
+    let unsupported = |what: &str| {
+        Err(TrainError::Unsupported(format!(
+            "{what} is not available in weft train yet; run with parallel.dp only"
+        )))
+    };
+    if p.tp > 1 {
+        return unsupported("tensor parallelism (parallel.tp > 1)");
+    }
+    if p.pp > 1 {
+        return unsupported("pipeline parallelism (parallel.pp > 1)");
+    }
+    if p.ep > 1 {
+        return unsupported("expert parallelism (parallel.ep > 1)");
+    }
+    if p.fsdp != "none" {
+        return unsupported("sharded data parallelism (parallel.fsdp other than \"none\")");
+    }
+    let world = p.world_size();
+    if world == 1 {
+        return run_rank(config, resume, None, observer);
+    }
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::scope(|s| {
+        let ranks = s.spawn(move || {
+            let tx = tx;
+            weft_collectives::LocalCluster::builder(world).run_each(|comm| {
+                let dp = Dp::new(Box::new(comm));
+                if dp.rank() == 0 {
+                    run_rank(config, resume, Some(&dp), &mut Forward(tx.clone()))
+                } else {
+                    run_rank(config, resume, Some(&dp), &mut Silent)
+                }
+            })
+        });
+        for report in rx {
+            report.deliver(observer);
+        }
+        let results = ranks.join().unwrap_or_else(|_| {
+            vec![Err(weft_collectives::Error::RankPanicked {
+                rank: 0,
+                message: "the rank launcher panicked".into(),
+            })]
+        });
+        pick_result(results)
+    })
+}
+
+/// Rank 0's summary, or the most telling error: a rank's own failure
+/// before the "peer lost" errors it caused in the others.
+fn pick_result(
+    results: Vec<weft_collectives::Result<Result<Summary, TrainError>>>,
+) -> Result<Summary, TrainError> {
+    let mut first_err: Option<TrainError> = None;
+    let mut summary = None;
+    for r in results {
+        let e = match r {
+            Ok(Ok(s)) => {
+                summary.get_or_insert(s);
+                continue;
+            }
+            Ok(Err(e)) => e,
+            Err(e) => TrainError::Comm(e),
+        };
+        let secondary = matches!(
+            e,
+            TrainError::Comm(weft_collectives::Error::PeerLost { .. })
+        );
+        match &first_err {
+            None => first_err = Some(e),
+            Some(TrainError::Comm(weft_collectives::Error::PeerLost { .. })) if !secondary => {
+                first_err = Some(e);
+            }
+            Some(_) => {}
+        }
+    }
+    match (first_err, summary) {
+        (Some(e), _) => Err(e),
+        (None, Some(s)) => Ok(s),
+        (None, None) => Err(TrainError::Unsupported("no rank returned a result".into())),
+    }
+}
+
+/// One rank's run: the whole job with `dp` absent, else this rank's share
+/// of it. Only the rank with `dp` rank 0 (or the single rank) writes the
+/// run folder and checkpoints.
+fn run_rank(
+    config: &Config,
+    resume: bool,
+    dp: Option<&Dp>,
+    observer: &mut dyn Observer,
+) -> Result<Summary, TrainError> {
+    let writer = dp.is_none_or(|d| d.rank() == 0);
     let data = Data::open(config)?;
     let vocab = data.vocab_size();
     let cfg = model_config(config, vocab);
@@ -377,7 +517,7 @@ pub fn train(
             })
             .map(str::to_owned)
             .collect();
-    } else {
+    } else if writer {
         if run_dir.exists() {
             return Err(TrainError::RunExists(run_dir));
         }
@@ -385,14 +525,19 @@ pub fn train(
         let config_path = run_dir.join("config.toml");
         std::fs::write(&config_path, config.to_toml()).map_err(io_err(&config_path))?;
     }
-    // (Re)write the metrics file with the kept lines, atomically.
-    let tmp = run_dir.join("metrics.jsonl.tmp");
-    let kept: String = kept_lines.iter().map(|l| format!("{l}\n")).collect();
-    std::fs::write(&tmp, kept).map_err(io_err(&tmp))?;
-    std::fs::rename(&tmp, &metrics_path).map_err(io_err(&metrics_path))?;
-    let file = std::fs::OpenOptions::new().append(true).open(&metrics_path);
-    let mut metrics = BufWriter::new(file.map_err(io_err(&metrics_path))?);
-    let mut saver = if config.checkpoint.every > 0 {
+    // Only the writer's logs reach the disk.
+    let mut metrics: BufWriter<Box<dyn Write>> = if writer {
+        // (Re)write the metrics file with the kept lines, atomically.
+        let tmp = run_dir.join("metrics.jsonl.tmp");
+        let kept: String = kept_lines.iter().map(|l| format!("{l}\n")).collect();
+        std::fs::write(&tmp, kept).map_err(io_err(&tmp))?;
+        std::fs::rename(&tmp, &metrics_path).map_err(io_err(&metrics_path))?;
+        let file = std::fs::OpenOptions::new().append(true).open(&metrics_path);
+        BufWriter::new(Box::new(file.map_err(io_err(&metrics_path))?))
+    } else {
+        BufWriter::new(Box::new(std::io::sink()))
+    };
+    let mut saver = if writer && config.checkpoint.every > 0 {
         Some(crate::ckpt::Saver::new(&ckpt_root, config)?)
     } else {
         None
@@ -429,17 +574,23 @@ pub fn train(
         vocab,
         tokens_per_step: t.batch_size * seq,
         flops_per_token,
-        peak_flops: measure_matmul_peak(),
+        // Measured by the writer alone: ranks measuring at once would
+        // share the cores and report a fraction of the peak.
+        peak_flops: if writer {
+            measure_matmul_peak()
+        } else {
+            f64::NAN
+        },
         floor,
         steps: t.steps,
         activation_bytes: acts.bytes(),
     };
     observer.start(&info);
 
-    let write_line = |w: &mut BufWriter<std::fs::File>, line: String| -> Result<(), TrainError> {
+    let write_line = |w: &mut BufWriter<Box<dyn Write>>, line: String| -> Result<(), TrainError> {
         writeln!(w, "{line}").map_err(io_err(&metrics_path))
     };
-    let log_eval = |w: &mut BufWriter<std::fs::File>,
+    let log_eval = |w: &mut BufWriter<Box<dyn Write>>,
                     obs: &mut dyn Observer,
                     step: u64,
                     loss: f64| {
@@ -460,7 +611,7 @@ pub fn train(
             .and_then(|v| v["val_loss"].as_f64())
             .unwrap_or(f64::NAN)
     } else {
-        let e = eval_loss(&model, &val)?;
+        let e = eval_loss(&model, &val, dp)?;
         log_eval(&mut metrics, observer, 0, e)?;
         e
     };
@@ -478,10 +629,13 @@ pub fn train(
     let excess = recent.len().saturating_sub(t.spike_window.max(1));
     recent.drain(..excess);
     let inv_accum = 1.0 / t.grad_accum as f32;
+    let share = dp.map_or(0..t.grad_accum, |d| d.share(t.grad_accum));
+    let mut accum = GradAccum::new(config.parallel.reproducible);
     let mut last_max_vio = None;
     let expert_path = run_dir.join("expert_load.jsonl");
-    let mut expert_log = match &moe {
+    let mut expert_log: Option<BufWriter<Box<dyn Write>>> = match &moe {
         None => None,
+        Some(_) if !writer => Some(BufWriter::new(Box::new(std::io::sink()))),
         Some(_) => {
             // Keep the records up to a resumed checkpoint.
             let kept: String = std::fs::read_to_string(&expert_path)
@@ -495,7 +649,7 @@ pub fn train(
                 .collect();
             std::fs::write(&expert_path, kept).map_err(io_err(&expert_path))?;
             let f = std::fs::OpenOptions::new().append(true).open(&expert_path);
-            Some(BufWriter::new(f.map_err(io_err(&expert_path))?))
+            Some(BufWriter::new(Box::new(f.map_err(io_err(&expert_path))?)))
         }
     };
     for step in start_step..t.steps {
@@ -505,13 +659,22 @@ pub fn train(
         if let Some(moe) = &moe {
             moe.stats.take(); // forget evaluation forwards
         }
-        let mut loss = 0.0;
-        for m in 0..t.grad_accum {
+        let mut micro_losses = Vec::with_capacity(share.len());
+        for m in share.clone() {
             let b = data.train_batch(step, m, micro);
-            loss += model
-                .forward(&mut acts, &b.inputs, Some(&b.targets))?
-                .unwrap_or(f64::NAN);
+            let l = model.forward(&mut acts, &b.inputs, Some(&b.targets))?;
+            micro_losses.push(l.unwrap_or(f64::NAN));
             model.backward(&mut acts)?;
+            accum.add(&mut model.grads)?;
+        }
+        accum.finish(&mut model.grads, dp)?;
+        if let Some(dp) = dp {
+            micro_losses = dp.gather(&micro_losses)?;
+        }
+        // Summed in micro-batch order on every rank, as one rank sums them.
+        let mut loss = 0.0;
+        for l in micro_losses {
+            loss += l;
         }
         loss /= t.grad_accum as f64;
         // Gradients of the mean over micro-batches.
@@ -560,6 +723,9 @@ pub fn train(
                     Some(s) => s.merge(&f.stats),
                     slot @ None => *slot = Some(f.stats),
                 }
+            }
+            if let Some(dp) = dp {
+                sum_load_stats(dp, &mut per_layer)?;
             }
             let mut vios = Vec::new();
             for (l, st) in per_layer.iter().enumerate() {
@@ -633,11 +799,11 @@ pub fn train(
         });
         let done = step + 1 == t.steps;
         if done || (t.eval_every > 0 && (step + 1) % t.eval_every == 0) {
-            last_eval = eval_loss(&model, &val)?;
+            last_eval = eval_loss(&model, &val, dp)?;
             log_eval(&mut metrics, observer, step + 1, last_eval)?;
         }
         if let Some(saver) = saver.as_mut()
-            && (done || (step + 1) % config.checkpoint.every == 0)
+            && (done || (step + 1).is_multiple_of(config.checkpoint.every))
         {
             // Everything logged so far belongs to the checkpoint.
             metrics.flush().map_err(io_err(&metrics_path))?;
@@ -669,9 +835,11 @@ pub fn train(
         wall_s: start.elapsed().as_secs_f64(),
         final_max_vio: last_max_vio,
     };
-    let summary_path = run_dir.join("summary.json");
-    let json = serde_json::to_string_pretty(&summary).unwrap_or_default();
-    std::fs::write(&summary_path, json + "\n").map_err(io_err(&summary_path))?;
+    if writer {
+        let summary_path = run_dir.join("summary.json");
+        let json = serde_json::to_string_pretty(&summary).unwrap_or_default();
+        std::fs::write(&summary_path, json + "\n").map_err(io_err(&summary_path))?;
+    }
     observer.finish(&summary);
     Ok(summary)
 }
