@@ -394,6 +394,72 @@ pub trait CommunicatorExt: Communicator {
         self.reduce_scatter_buf(Buf::new(input), BufMut::new(output), opts)
     }
 
+    /// Reduces every rank's [`ExactPartial`](crate::repro::ExactPartial)
+    /// into `out` on every rank: the exact sum of all contributions of all
+    /// ranks, rounded once to `T` (`Sum`), or that sum divided by the total
+    /// number of contributions ([`ExactPartial::count`](crate::repro::ExactPartial::count)
+    /// summed over the group), rounded once (`Avg`). The bits depend only
+    /// on the multiset of contributions, not on how they were split over
+    /// ranks or ordered; on one rank this equals
+    /// [`ExactPartial::round_to`](crate::repro::ExactPartial::round_to) /
+    /// [`mean_to`](crate::repro::ExactPartial::mean_to).
+    ///
+    /// A ring reduce-scatter of the encoded partials (sent straight from
+    /// the partial's memory, about 2× the native bytes for f32 gradients)
+    /// rounding into the output, then a ring all-gather of native values.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] if `out.len()` differs from the partial's
+    /// length or `op` is `Max`/`Min`; [`Error::Mismatch`] if ranks' lengths
+    /// differ; and as for any collective.
+    fn all_reduce_exact<T: Element>(
+        &self,
+        partial: &crate::repro::ExactPartial,
+        out: &mut [T],
+        op: ReduceOp,
+    ) -> Result<()> {
+        exact_check(OpKind::AllReduce, partial.len(), out.len(), op)?;
+        let ctx = self.begin(exact_signature::<T>(OpKind::AllReduce, partial.len(), op))?;
+        let n = self.size();
+        let me = self.rank();
+        let r = crate::shard_range(out.len(), n, me);
+        crate::repro::reduce_scatter_exact(self, &ctx, 1 << 20, partial, &mut out[r], op)?;
+        let all: Vec<usize> = (0..n).collect();
+        let es = T::DTYPE.size_bytes();
+        algo::ring_all_gather(
+            self,
+            &ctx,
+            2 << 20,
+            &all,
+            me,
+            BufMut::new(out).into_bytes(),
+            es,
+        )
+    }
+
+    /// Like [`all_reduce_exact`](Self::all_reduce_exact) but leaves only
+    /// shard [`shard_range`](crate::shard_range)`(partial.len(), size, rank)`
+    /// of the result in `out_shard` (no all-gather).
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] if `out_shard` has the wrong length or
+    /// `op` is `Max`/`Min`; and as for any collective.
+    fn reduce_scatter_exact<T: Element>(
+        &self,
+        partial: &crate::repro::ExactPartial,
+        out_shard: &mut [T],
+        op: ReduceOp,
+    ) -> Result<()> {
+        let want = crate::shard_range(partial.len(), self.size(), self.rank()).len();
+        exact_check(OpKind::ReduceScatter, want, out_shard.len(), op)?;
+        let ctx = self.begin(exact_signature::<T>(
+            OpKind::ReduceScatter,
+            partial.len(),
+            op,
+        ))?;
+        crate::repro::reduce_scatter_exact(self, &ctx, 1 << 20, partial, out_shard, op)
+    }
+
     /// Concatenates every rank's `input` in rank order into `output`; rank
     /// `r`'s input must have length `shard_range(output.len(), size, r).len()`.
     ///
@@ -571,3 +637,34 @@ pub trait CommunicatorExt: Communicator {
 }
 
 impl<C: Communicator + ?Sized> CommunicatorExt for C {}
+
+fn exact_check(op: OpKind, want: usize, got: usize, reduce: ReduceOp) -> Result<()> {
+    if want != got {
+        return Err(Error::InvalidArgument {
+            op,
+            arg: "out",
+            reason: format!("{got} elements, expected {want}"),
+        });
+    }
+    if matches!(reduce, ReduceOp::Max | ReduceOp::Min) {
+        return Err(Error::InvalidArgument {
+            op,
+            arg: "op",
+            reason: format!("exact reductions are sum or avg, not {}", reduce.name()),
+        });
+    }
+    Ok(())
+}
+
+fn exact_signature<T: Element>(op: OpKind, len: usize, reduce: ReduceOp) -> Signature {
+    Signature {
+        op,
+        dtype: Some(T::DTYPE),
+        len: len as u64,
+        root: None,
+        reduce: Some(reduce),
+        algorithm: Some(Algorithm::Ring),
+        wire: None,
+        reproducible: true,
+    }
+}

@@ -55,7 +55,6 @@ use weft_numerics::{Dtype, Element, bf16, f16};
 use crate::algo::ring_all_gather;
 use crate::comm::Communicator;
 use crate::error::{Error, Result};
-use crate::reduce::finish_avg;
 use crate::types::{
     Algorithm, Buf, BufMut, Incoming, OpCtx, OpKind, Outgoing, ReduceOp, shard_range,
 };
@@ -159,6 +158,12 @@ macro_rules! multiversion {
     };
 }
 
+mod fused;
+mod partial;
+
+pub use partial::ExactPartial;
+pub(crate) use partial::reduce_scatter_exact;
+
 /// Appends `(a[i] << sa) + (b[i] << sb)` for the first `n` little-endian
 /// i64 words of `a` and `b`; returns the OR of the results' magnitudes
 /// (as `s ^ (s >> 63)`), whose bit length bounds them.
@@ -191,16 +196,11 @@ fn merge_words(a: &[u8], b: &[u8], sa: u32, sb: u32, n: usize, out: &mut Vec<u8>
     acc
 }
 
-/// Encodes one block of f32 bit patterns with `w = 2` and `e` = (largest
-/// ulp exponent − [`FAST_SPREAD`]) if every value is finite, not −0.0 and
-/// exact at that `e`; returns `false` (writing nothing) otherwise.
-///
-/// Each value becomes `round(x / 2^e)` by one float add of the magic
-/// constant `1.5·2^(52+e)` (exact here, as every value is a multiple of
-/// 2^e below 2^(e+51)) and one integer subtraction: no data-dependent
-/// shifts, so the loop runs in SIMD lanes.
+/// One pass over a block of f32 bit patterns: the largest biased
+/// exponent, the smallest biased exponent of a nonzero value (subnormals
+/// count as 1; `0x100` if every value is zero) and whether a −0.0 occurs.
 #[inline(always)]
-fn encode_f32_fast(bits: &[u32], out: &mut Vec<u8>) -> bool {
+fn scan_f32(bits: &[u32]) -> (u32, u32, bool) {
     let mut emax = 0u32;
     let mut emin = 0x100u32;
     let mut negzero = false;
@@ -214,14 +214,36 @@ fn encode_f32_fast(bits: &[u32], out: &mut Vec<u8>) -> bool {
         });
         negzero |= b == 0x8000_0000;
     }
+    (emax, emin, negzero)
+}
+
+/// The magic constant `1.5·2^(52+e)` (built from bits; 52 + e must be a
+/// normal f64 exponent) and its bit pattern: for an f32 value `x` that is
+/// a multiple of 2^e below 2^(e+51) in magnitude, `bits(x + M) − bits(M)`
+/// is `x / 2^e` exactly.
+#[inline(always)]
+fn magic(e: i32) -> (f64, i64) {
+    let m = f64::from_bits(((1023 + 52 + e) as u64) << 52 | 1 << 51);
+    (m, m.to_bits() as i64)
+}
+
+/// Encodes one block of f32 bit patterns with `w = 2` and `e` = (largest
+/// ulp exponent − [`FAST_SPREAD`]) if every value is finite, not −0.0 and
+/// exact at that `e`; returns `false` (writing nothing) otherwise.
+///
+/// Each value becomes `round(x / 2^e)` by one float add of the magic
+/// constant `1.5·2^(52+e)` (exact here, as every value is a multiple of
+/// 2^e below 2^(e+51)) and one integer subtraction: no data-dependent
+/// shifts, so the loop runs in SIMD lanes.
+#[inline(always)]
+fn encode_f32_fast(bits: &[u32], out: &mut Vec<u8>) -> bool {
+    let (emax, emin, negzero) = scan_f32(bits);
     if emax == 0xff || emin == 0x100 || negzero || (emax.max(1) - emin) as i32 > FAST_SPREAD {
         return false;
     }
     // element value = m · 2^(max(E,1) − 150); block exponent e:
     let e = emax.max(1) as i32 - 150 - FAST_SPREAD;
-    // 1.5 · 2^(52+e), built from bits (52 + e is a normal exponent here)
-    let m = f64::from_bits(((1023 + 52 + e) as u64) << 52 | 1 << 51);
-    let m_bits = m.to_bits() as i64;
+    let (m, m_bits) = magic(e);
     let start = out.len();
     put_header(out, e, 2, false, 0);
     let n = bits.len();
@@ -505,98 +527,11 @@ fn merge_mv(a: &[u8], b: &[u8], len: usize, out: &mut Vec<u8>) -> Result<()> {
     out.clear();
     out.reserve(a.len().max(b.len()) + 64);
     let (mut pa, mut pb) = (0, 0);
-    let mut vals = [0i64; BLOCK];
     for start in (0..len).step_by(BLOCK) {
         let bl = BLOCK.min(len - start);
         let x = read_block(a, &mut pa, bl)?;
         let y = read_block(b, &mut pb, bl)?;
-        // Flags: NaN/∞ accumulate, "only −0.0" needs both.
-        let mut flags = [0u8; BLOCK];
-        let mut special = false;
-        if x.flags.is_some() || y.flags.is_some() {
-            for (i, f) in flags.iter_mut().enumerate().take(bl) {
-                let fa = x.flags.map_or(0, |v| v[i]);
-                let fb = y.flags.map_or(0, |v| v[i]);
-                // A nonzero contribution never carries F_NEGZERO, so the
-                // flag survives only if both sides saw nothing but −0.0.
-                let neg0 = fa & fb & F_NEGZERO;
-                *f = ((fa | fb) & (F_NAN | F_PINF | F_NINF)) | neg0;
-                special |= *f != 0;
-            }
-        }
-        if x.w == 0 || y.w == 0 {
-            let z = if x.w == 0 { &y } else { &x };
-            put_header(out, z.e, z.w, special, z.bits);
-            if special {
-                out.extend_from_slice(&flags[..bl]);
-            }
-            out.extend_from_slice(z.data);
-            continue;
-        }
-        let e = x.e.min(y.e);
-        let sa = (x.e - e) as u32;
-        let sb = (y.e - e) as u32;
-        let need = (x.bits + sa).max(y.bits + sb) + 1;
-        let w = words_for(need);
-        if w > WMAX {
-            return Err(corrupt(format!(
-                "merged block needs {w} words (more than {WMAX})"
-            )));
-        }
-        if x.w == 2 && y.w == 2 && w == 2 {
-            // The common case: two words in and out: shift and add i64 lanes.
-            let start = out.len();
-            put_header(out, e, 2, special, 0);
-            if special {
-                out.extend_from_slice(&flags[..bl]);
-            }
-            let bits = bitlen64(merge_words(x.data, y.data, sa, sb, bl, out));
-            out[start + 6..start + 8].copy_from_slice(&(bits as u16).to_le_bytes());
-            continue;
-        }
-        if w <= 2 {
-            let mut acc = 0u64;
-            for (i, v) in vals.iter_mut().enumerate().take(bl) {
-                let s = (get_i64(x.data, i, x.w) << sa) + (get_i64(y.data, i, y.w) << sb);
-                acc |= (s ^ (s >> 63)) as u64;
-                *v = s;
-            }
-            let bits = bitlen64(acc);
-            if bits == 0 {
-                put_header(out, 0, 0, special, 0);
-                if special {
-                    out.extend_from_slice(&flags[..bl]);
-                }
-                continue;
-            }
-            let w = words_for(bits);
-            put_header(out, e, w, special, bits);
-            if special {
-                out.extend_from_slice(&flags[..bl]);
-            }
-            for &v in &vals[..bl] {
-                put_words_i64(out, v, w);
-            }
-        } else {
-            let mut sums: Vec<Big> = Vec::with_capacity(bl);
-            let mut bits = 0;
-            for i in 0..bl {
-                let mut s = shl_big(&load_big(x.data, i, x.w), sa);
-                add_big(&mut s, &shl_big(&load_big(y.data, i, y.w), sb));
-                bits = bits.max(big_bitlen(&magnitude(&s).1));
-                sums.push(s);
-            }
-            let w = if bits == 0 { 0 } else { words_for(bits) };
-            put_header(out, if w == 0 { 0 } else { e }, w, special, bits);
-            if special {
-                out.extend_from_slice(&flags[..bl]);
-            }
-            for s in &sums {
-                for wd in &s[..w] {
-                    out.extend_from_slice(&wd.to_le_bytes());
-                }
-            }
-        }
+        merge_block(&x, &y, bl, out)?;
     }
     if pa != a.len() || pb != b.len() {
         return Err(corrupt(format!(
@@ -609,6 +544,100 @@ fn merge_mv(a: &[u8], b: &[u8], len: usize, out: &mut Vec<u8>) -> Result<()> {
     }
     Ok(())
 }
+}
+
+/// Appends the exact sum of two blocks of `bl` elements to `out`.
+#[inline(always)]
+fn merge_block(x: &BlockRef<'_>, y: &BlockRef<'_>, bl: usize, out: &mut Vec<u8>) -> Result<()> {
+    let mut vals = [0i64; BLOCK];
+    // Flags: NaN/∞ accumulate, "only −0.0" needs both.
+    let mut flags = [0u8; BLOCK];
+    let mut special = false;
+    if x.flags.is_some() || y.flags.is_some() {
+        for (i, f) in flags.iter_mut().enumerate().take(bl) {
+            let fa = x.flags.map_or(0, |v| v[i]);
+            let fb = y.flags.map_or(0, |v| v[i]);
+            // A nonzero contribution never carries F_NEGZERO, so the
+            // flag survives only if both sides saw nothing but −0.0.
+            let neg0 = fa & fb & F_NEGZERO;
+            *f = ((fa | fb) & (F_NAN | F_PINF | F_NINF)) | neg0;
+            special |= *f != 0;
+        }
+    }
+    if x.w == 0 || y.w == 0 {
+        let z = if x.w == 0 { &y } else { &x };
+        put_header(out, z.e, z.w, special, z.bits);
+        if special {
+            out.extend_from_slice(&flags[..bl]);
+        }
+        out.extend_from_slice(z.data);
+        return Ok(());
+    }
+    let e = x.e.min(y.e);
+    let sa = (x.e - e) as u32;
+    let sb = (y.e - e) as u32;
+    let need = (x.bits + sa).max(y.bits + sb) + 1;
+    let w = words_for(need);
+    if w > WMAX {
+        return Err(corrupt(format!(
+            "merged block needs {w} words (more than {WMAX})"
+        )));
+    }
+    if x.w == 2 && y.w == 2 && w == 2 {
+        // The common case: two words in and out: shift and add i64 lanes.
+        let start = out.len();
+        put_header(out, e, 2, special, 0);
+        if special {
+            out.extend_from_slice(&flags[..bl]);
+        }
+        let bits = bitlen64(merge_words(x.data, y.data, sa, sb, bl, out));
+        out[start + 6..start + 8].copy_from_slice(&(bits as u16).to_le_bytes());
+        return Ok(());
+    }
+    if w <= 2 {
+        let mut acc = 0u64;
+        for (i, v) in vals.iter_mut().enumerate().take(bl) {
+            let s = (get_i64(x.data, i, x.w) << sa) + (get_i64(y.data, i, y.w) << sb);
+            acc |= (s ^ (s >> 63)) as u64;
+            *v = s;
+        }
+        let bits = bitlen64(acc);
+        if bits == 0 {
+            put_header(out, 0, 0, special, 0);
+            if special {
+                out.extend_from_slice(&flags[..bl]);
+            }
+            return Ok(());
+        }
+        let w = words_for(bits);
+        put_header(out, e, w, special, bits);
+        if special {
+            out.extend_from_slice(&flags[..bl]);
+        }
+        for &v in &vals[..bl] {
+            put_words_i64(out, v, w);
+        }
+    } else {
+        let mut sums: Vec<Big> = Vec::with_capacity(bl);
+        let mut bits = 0;
+        for i in 0..bl {
+            let mut s = shl_big(&load_big(x.data, i, x.w), sa);
+            add_big(&mut s, &shl_big(&load_big(y.data, i, y.w), sb));
+            bits = bits.max(big_bitlen(&magnitude(&s).1));
+            sums.push(s);
+        }
+        let w = if bits == 0 { 0 } else { words_for(bits) };
+        put_header(out, if w == 0 { 0 } else { e }, w, special, bits);
+        if special {
+            out.extend_from_slice(&flags[..bl]);
+        }
+        for s in &sums {
+            for wd in &s[..w] {
+                out.extend_from_slice(&wd.to_le_bytes());
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Target format parameters: precision p (with the implicit bit), lowest
@@ -721,64 +750,7 @@ fn decode_mv<T: Element>(bytes: &[u8], out: &mut [T]) -> Result<()> {
     for blk in out.chunks_mut(BLOCK) {
         let bl = blk.len();
         let x = read_block(bytes, &mut pos, bl)?;
-        if x.flags.is_none() && x.w <= 2 && x.bits <= 52 && (-1022..=900).contains(&x.e) {
-            // Every |v| ≤ 2^52: v → f64 exactly, times 2^e exactly (a
-            // normal f64), then one rounding to T.
-            let scale = f64::from_bits(((x.e + 1023) as u64) << 52);
-            if x.w == 2 {
-                let d = &x.data[..8 * bl];
-                let p = d.as_ptr().cast::<i64>();
-                for (i, o) in blk.iter_mut().enumerate() {
-                    // SAFETY: `d` holds 8·bl bytes and i < bl; unaligned
-                    // reads are allowed.
-                    let v = i64::from_le(unsafe { p.add(i).read_unaligned() });
-                    *o = T::from_f64(v as f64 * scale);
-                }
-            } else {
-                for (i, o) in blk.iter_mut().enumerate() {
-                    *o = T::from_f64(get_i64(x.data, i, x.w) as f64 * scale);
-                }
-            }
-            continue;
-        }
-        for (i, o) in blk.iter_mut().enumerate() {
-            let f = x.flags.map_or(0, |v| v[i]);
-            if f & F_NAN != 0 || f & (F_PINF | F_NINF) == F_PINF | F_NINF {
-                *o = T::from_f64(f64::NAN);
-                continue;
-            }
-            if f & F_PINF != 0 {
-                *o = T::from_f64(f64::INFINITY);
-                continue;
-            }
-            if f & F_NINF != 0 {
-                *o = T::from_f64(f64::NEG_INFINITY);
-                continue;
-            }
-            let v = match x.w {
-                0 => 0.0,
-                1 | 2 => fast_round(get_i64(x.data, i, x.w), x.e, T::DTYPE),
-                w => {
-                    let (neg, m) = magnitude(&load_big(x.data, i, w));
-                    let l = big_bitlen(&m);
-                    if l <= 64 {
-                        let v = u64::from(m[0]) | (u64::from(m[1]) << 32);
-                        round_mag(neg, v, x.e, false, T::DTYPE)
-                    } else {
-                        // top 64 bits and a sticky bit for the rest
-                        let s = l - 64;
-                        let hi = shr_take64(&m, s);
-                        let sticky = any_below(&m, s);
-                        round_mag(neg, hi, x.e + s as i32, sticky, T::DTYPE)
-                    }
-                }
-            };
-            *o = if v == 0.0 {
-                T::from_f64(if f & F_NEGZERO != 0 { -0.0 } else { 0.0 })
-            } else {
-                T::from_f64(v)
-            };
-        }
+        decode_block(&x, blk);
     }
     if pos != bytes.len() {
         return Err(corrupt(format!(
@@ -788,6 +760,96 @@ fn decode_mv<T: Element>(bytes: &[u8], out: &mut [T]) -> Result<()> {
     }
     Ok(())
 }
+}
+
+/// Rounds one block to `T`, once, to nearest-even.
+#[inline(always)]
+fn decode_block<T: Element>(x: &BlockRef<'_>, blk: &mut [T]) {
+    let bl = blk.len();
+    if x.flags.is_none()
+        && x.w == 2
+        && x.bits > 52
+        && T::DTYPE != Dtype::F64
+        && (-1022..=900).contains(&x.e)
+    {
+        // |v| < 2^63: round |v| to odd at bit 11 when it is 2^53 or more
+        // (keep bits 11.., set bit 11 if anything below was nonzero); the
+        // result has at most 53 significant bits and at least 42, so it
+        // converts to f64 exactly, and one rounding to T (p ≤ 24 ≤ 42 − 2)
+        // is then correct (Boldo & Melquiond, "When double rounding is odd").
+        let scale = f64::from_bits(((x.e + 1023) as u64) << 52);
+        let d = &x.data[..8 * bl];
+        let p = d.as_ptr().cast::<i64>();
+        for (i, o) in blk.iter_mut().enumerate() {
+            // SAFETY: `d` holds 8·bl bytes and i < bl; unaligned reads are
+            // allowed.
+            let v = i64::from_le(unsafe { p.add(i).read_unaligned() });
+            let a = v.unsigned_abs();
+            let odd = (a & !0x7ff) | (u64::from(a & 0x7ff != 0) << 11);
+            let a = if a >> 53 != 0 { odd } else { a };
+            let f = a as f64 * scale;
+            *o = T::from_f64(if v < 0 { -f } else { f });
+        }
+        return;
+    }
+    if x.flags.is_none() && x.w <= 2 && x.bits <= 52 && (-1022..=900).contains(&x.e) {
+        // Every |v| ≤ 2^52: v → f64 exactly, times 2^e exactly (a
+        // normal f64), then one rounding to T.
+        let scale = f64::from_bits(((x.e + 1023) as u64) << 52);
+        if x.w == 2 {
+            let d = &x.data[..8 * bl];
+            let p = d.as_ptr().cast::<i64>();
+            for (i, o) in blk.iter_mut().enumerate() {
+                // SAFETY: `d` holds 8·bl bytes and i < bl; unaligned
+                // reads are allowed.
+                let v = i64::from_le(unsafe { p.add(i).read_unaligned() });
+                *o = T::from_f64(v as f64 * scale);
+            }
+        } else {
+            for (i, o) in blk.iter_mut().enumerate() {
+                *o = T::from_f64(get_i64(x.data, i, x.w) as f64 * scale);
+            }
+        }
+        return;
+    }
+    for (i, o) in blk.iter_mut().enumerate() {
+        let f = x.flags.map_or(0, |v| v[i]);
+        if f & F_NAN != 0 || f & (F_PINF | F_NINF) == F_PINF | F_NINF {
+            *o = T::from_f64(f64::NAN);
+            continue;
+        }
+        if f & F_PINF != 0 {
+            *o = T::from_f64(f64::INFINITY);
+            continue;
+        }
+        if f & F_NINF != 0 {
+            *o = T::from_f64(f64::NEG_INFINITY);
+            continue;
+        }
+        let v = match x.w {
+            0 => 0.0,
+            1 | 2 => fast_round(get_i64(x.data, i, x.w), x.e, T::DTYPE),
+            w => {
+                let (neg, m) = magnitude(&load_big(x.data, i, w));
+                let l = big_bitlen(&m);
+                if l <= 64 {
+                    let v = u64::from(m[0]) | (u64::from(m[1]) << 32);
+                    round_mag(neg, v, x.e, false, T::DTYPE)
+                } else {
+                    // top 64 bits and a sticky bit for the rest
+                    let s = l - 64;
+                    let hi = shr_take64(&m, s);
+                    let sticky = any_below(&m, s);
+                    round_mag(neg, hi, x.e + s as i32, sticky, T::DTYPE)
+                }
+            }
+        };
+        *o = if v == 0.0 {
+            T::from_f64(if f & F_NEGZERO != 0 { -0.0 } else { 0.0 })
+        } else {
+            T::from_f64(v)
+        };
+    }
 }
 
 fn shr_take64(m: &Big, s: u32) -> u64 {
@@ -819,18 +881,116 @@ fn encode_buf(dtype: Dtype, bytes: &[u8], out: &mut Vec<u8>) {
     }
 }
 
-fn decode_buf(dtype: Dtype, enc: &[u8], out: &mut [u8]) -> Result<()> {
-    fn go<T: Element>(enc: &[u8], out: &mut [u8]) -> Result<()> {
+fn decode_buf(dtype: Dtype, enc: &[u8], out: &mut [u8], d: fused::Div) -> Result<()> {
+    fn go<T: Element>(enc: &[u8], out: &mut [u8], d: fused::Div) -> Result<()> {
         let mut r = Ok(());
-        crate::reduce::with_typed_mut::<T>(out, |xs| r = decode(enc, xs));
+        crate::reduce::with_typed_mut::<T>(out, |xs| r = fused::decode_div(enc, xs, d));
         r
     }
     match dtype {
-        Dtype::F32 => go::<f32>(enc, out),
-        Dtype::F64 => go::<f64>(enc, out),
-        Dtype::F16 => go::<f16>(enc, out),
-        Dtype::BF16 => go::<bf16>(enc, out),
+        Dtype::F32 => go::<f32>(enc, out, d),
+        Dtype::F64 => go::<f64>(enc, out, d),
+        Dtype::F16 => go::<f16>(enc, out, d),
+        Dtype::BF16 => go::<bf16>(enc, out, d),
     }
+}
+
+/// The divisor of the final rounding: the group size for `Avg` (the
+/// exact sum divided by n, rounded once), else 1.
+fn avg_div(op: ReduceOp, n: usize) -> fused::Div {
+    fused::Div(if op == ReduceOp::Avg { n as u32 } else { 1 })
+}
+
+/// A rank's own contributions outside the chunk it reduces into.
+struct Own<'a, T> {
+    head: &'a [T],
+    tail: &'a [T],
+    tail_start: usize,
+}
+
+impl<'a, T> Own<'a, T> {
+    fn get(&self, r: std::ops::Range<usize>) -> &'a [T] {
+        if r.is_empty() {
+            &[]
+        } else if r.end <= self.head.len() {
+            &self.head[r]
+        } else {
+            &self.tail[r.start - self.tail_start..r.end - self.tail_start]
+        }
+    }
+}
+
+/// Reproducible ring reduce-scatter of native contributions: afterwards
+/// `io` (chunk `rank`, holding this rank's own contribution on entry)
+/// holds the exact sum of chunk `rank` over the group (divided by n for
+/// `Avg`), rounded once.
+///
+/// The first step sends native values (the receiver adds two native
+/// chunks: exactly, or, on the last step, as one native addition in f64,
+/// which is correctly rounded); later steps send the exact encoding of the
+/// partial sum, which the receiver merges with its own native chunk
+/// directly; the last step rounds block by block into `io`.
+fn ring_rs_raw<T: Element, C: Communicator + ?Sized>(
+    c: &C,
+    ctx: &OpCtx,
+    tag0: u32,
+    own: &Own<'_, T>,
+    len: usize,
+    io: &mut [T],
+    op: ReduceOp,
+) -> Result<()> {
+    let n = c.size();
+    let me = c.rank();
+    if n == 1 {
+        return Ok(());
+    }
+    let d = avg_div(op, n);
+    let es = T::DTYPE.size_bytes();
+    let right = (me + 1) % n;
+    let left = (me + n - 1) % n;
+    let mut trav = take_buf(0);
+    let mut next = take_buf(0);
+    let mut result = Ok(());
+    for s in 0..n - 1 {
+        let send_c = (me + 2 * n - s - 1) % n;
+        let recv_c = (me + 2 * n - s - 2) % n;
+        let last = s == n - 2;
+        let rr = shard_range(len, n, recv_c);
+        let want = rr.len() * es;
+        let mine: &[T] = if last { &[] } else { own.get(rr) };
+        let data: &[u8] = if s == 0 {
+            Buf::new(own.get(shard_range(len, n, send_c))).bytes()
+        } else {
+            &trav
+        };
+        let io = &mut *io;
+        let nx = &mut next;
+        let mut sink = |src: &[u8]| -> Result<()> {
+            match (s == 0, last) {
+                (true, true) => fused::sum_raw_round(&crate::reduce::typed::<T>(src), io, d),
+                (true, false) => fused::sum_raw(&crate::reduce::typed::<T>(src), mine, nx),
+                (false, true) => fused::merge_raw_round(src, io, d),
+                (false, false) => fused::merge_raw(src, mine, nx),
+            }
+        };
+        result = c.exchange(
+            ctx,
+            tag0 + s as u32,
+            &[Outgoing { to: right, data }],
+            &mut [Incoming {
+                from: left,
+                len: (s == 0).then_some(want),
+                sink: &mut sink,
+            }],
+        );
+        if result.is_err() {
+            break;
+        }
+        std::mem::swap(&mut trav, &mut next);
+    }
+    give_back(trav);
+    give_back(next);
+    result
 }
 
 /// Exact ring reduce-scatter over encoded chunks: afterwards `enc[me]` holds
@@ -1039,10 +1199,7 @@ pub(crate) fn all_reduce<C: Communicator + ?Sized>(
             let mut enc = Vec::with_capacity(encoded_capacity(len));
             encode_buf(dtype, bytes, &mut enc);
             exact_rd_all_reduce(c, ctx, 0, &all, me, &mut enc, len)?;
-            decode_buf(dtype, &enc, bytes)?;
-            if op == ReduceOp::Avg {
-                finish_avg(dtype, bytes, n);
-            }
+            decode_buf(dtype, &enc, bytes, avg_div(op, n))?;
         }
         Algorithm::Hierarchical => {
             let l = crate::algo::hier_layout(c).ok_or_else(|| Error::InvalidArgument {
@@ -1065,22 +1222,38 @@ pub(crate) fn all_reduce<C: Communicator + ?Sized>(
             )?;
             let r = shard_range(len, k, li);
             let part = &mut bytes[r.start * es..r.end * es];
-            decode_buf(dtype, &enc[li], part)?;
-            if op == ReduceOp::Avg {
-                finish_avg(dtype, part, n);
-            }
+            decode_buf(dtype, &enc[li], part, avg_div(op, n))?;
             ring_all_gather(c, ctx, 2 << 20, &l.local, li, bytes, es)?;
         }
         _ => {
-            let (mut enc, lens) = encode_chunks(dtype, bytes, n);
-            exact_ring_rs(c, ctx, 0, &all, me, &mut enc, &lens)?;
             let r = shard_range(len, n, me);
-            let part = &mut bytes[r.start * es..r.end * es];
-            decode_buf(dtype, &enc[me], part)?;
-            if op == ReduceOp::Avg {
-                finish_avg(dtype, part, n);
+            fn go<T: Element, C: Communicator + ?Sized>(
+                c: &C,
+                ctx: &OpCtx,
+                bytes: &mut [u8],
+                r: std::ops::Range<usize>,
+                op: ReduceOp,
+            ) -> Result<()> {
+                let mut res = Ok(());
+                crate::reduce::with_typed_mut::<T>(bytes, |xs| {
+                    let len = xs.len();
+                    let (head, rest) = xs.split_at_mut(r.start);
+                    let (mine, tail) = rest.split_at_mut(r.len());
+                    let own = Own {
+                        head,
+                        tail,
+                        tail_start: r.end,
+                    };
+                    res = ring_rs_raw(c, ctx, 0, &own, len, mine, op);
+                });
+                res
             }
-            enc.into_iter().for_each(give_back);
+            match dtype {
+                Dtype::F32 => go::<f32, C>(c, ctx, bytes, r, op)?,
+                Dtype::F64 => go::<f64, C>(c, ctx, bytes, r, op)?,
+                Dtype::F16 => go::<f16, C>(c, ctx, bytes, r, op)?,
+                Dtype::BF16 => go::<bf16, C>(c, ctx, bytes, r, op)?,
+            }
             ring_all_gather(c, ctx, 1 << 20, &all, me, bytes, es)?;
         }
     }
@@ -1107,20 +1280,41 @@ pub(crate) fn reduce_scatter<C: Communicator + ?Sized>(
             encode_buf(dtype, input.bytes(), &mut whole);
             exact_rd_all_reduce(c, ctx, 0, &all, me, &mut whole, len)?;
             let mut tmp = crate::reduce::AlignedBuf::zeroed(input.bytes().len());
-            decode_buf(dtype, &whole, tmp.bytes_mut())?;
+            decode_buf(dtype, &whole, tmp.bytes_mut(), avg_div(op, n))?;
             let es = dtype.size_bytes();
             let r = shard_range(len, n, me);
             out.copy_from_slice(&tmp.bytes()[r.start * es..r.end * es]);
         }
         _ => {
-            let (mut enc, lens) = encode_chunks(dtype, input.bytes(), n);
-            exact_ring_rs(c, ctx, 0, &all, me, &mut enc, &lens)?;
-            decode_buf(dtype, &enc[me], out)?;
-            enc.into_iter().for_each(give_back);
+            let es = dtype.size_bytes();
+            let r = shard_range(len, n, me);
+            out.copy_from_slice(&input.bytes()[r.start * es..r.end * es]);
+            fn go<T: Element, C: Communicator + ?Sized>(
+                c: &C,
+                ctx: &OpCtx,
+                input: &[u8],
+                out: &mut [u8],
+                op: ReduceOp,
+            ) -> Result<()> {
+                let xs = crate::reduce::typed::<T>(input);
+                let own = Own {
+                    head: &xs,
+                    tail: &[],
+                    tail_start: xs.len(),
+                };
+                let mut res = Ok(());
+                crate::reduce::with_typed_mut::<T>(out, |mine| {
+                    res = ring_rs_raw(c, ctx, 0, &own, xs.len(), mine, op);
+                });
+                res
+            }
+            match dtype {
+                Dtype::F32 => go::<f32, C>(c, ctx, input.bytes(), out, op)?,
+                Dtype::F64 => go::<f64, C>(c, ctx, input.bytes(), out, op)?,
+                Dtype::F16 => go::<f16, C>(c, ctx, input.bytes(), out, op)?,
+                Dtype::BF16 => go::<bf16, C>(c, ctx, input.bytes(), out, op)?,
+            }
         }
-    }
-    if op == ReduceOp::Avg {
-        finish_avg(dtype, out, n);
     }
     Ok(())
 }
@@ -1273,6 +1467,71 @@ mod tests {
         let cols = vec![one; 5000];
         let got = merged(&cols);
         assert!(same_bits(&got, &exact_of(&cols)));
+    }
+
+    /// The f32 nearest to v/d (ties to even) by exact i128 comparison of
+    /// the residuals of the neighbours of an approximation.
+    fn div_ref(v: i64, d: u32) -> f32 {
+        let approx = (v as f64 / f64::from(d)) as f32;
+        let resid = |c: f32| -> i128 {
+            // |c·d − v| scaled by 2^k so that c·2^k is an integer
+            let b = c.to_bits();
+            let ex = ((b >> 23) & 0xff) as i32;
+            let mant = i128::from(if ex == 0 {
+                b & 0x7f_ffff
+            } else {
+                (b & 0x7f_ffff) | 0x80_0000
+            });
+            let q = ex.max(1) - 150;
+            let mant = if c < 0.0 { -mant } else { mant };
+            if q >= 0 {
+                (mant * i128::from(d) * (1i128 << q) - i128::from(v)).abs()
+            } else {
+                (mant * i128::from(d) - (i128::from(v) << -q)).abs()
+            }
+        };
+        let up = f32::from_bits(approx.to_bits() + 1);
+        let down = f32::from_bits(approx.to_bits() - 1);
+        let mut best = down;
+        for c in [approx, up] {
+            let (rb, rc) = (resid(best), resid(c));
+            if rc < rb || (rc == rb && c.to_bits().is_multiple_of(2)) {
+                best = c;
+            }
+        }
+        best
+    }
+
+    #[test]
+    fn exact_division_rounds_once() {
+        let mut s = 0x1234_5678_9abc_def1u64;
+        let mut next = move || {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            s
+        };
+        let ds = [3u32, 5, 7, 1000, 2047, 2049, 65_537, 1 << 20 | 1, u32::MAX];
+        for k in 0..20_000 {
+            let d = ds[k % ds.len()];
+            let bits = 33 + (next() % 30) as u32;
+            let mut v = (next() >> (64 - bits)) as i64;
+            if k % 3 == 0 {
+                // a quotient on or next to an f32 tie: v = d·(tie + small)
+                let tie = ((next() >> 40) | 1 << 24) | 1;
+                v = (i64::try_from(tie).unwrap() << 6) * i64::from(d) + (k as i64 % 3) - 1;
+            }
+            if v <= 0 || v >= 1 << 62 {
+                continue;
+            }
+            let v = if k % 2 == 0 { v } else { -v };
+            let (narrow, big) = fused::div_both::<f32>(v, 0, d);
+            let want = div_ref(v, d);
+            assert_eq!(narrow as f32, want, "narrow {v} / {d}");
+            assert_eq!(big as f32, want, "big {v} / {d}");
+            let (nb, bb) = fused::div_both::<bf16>(v, -40, d);
+            assert_eq!(nb.to_bits(), bb.to_bits(), "bf16 {v} / {d}");
+        }
     }
 
     #[test]

@@ -1,0 +1,505 @@
+//! Fused kernels of the reproducible mode: a rank's own contribution is
+//! merged straight from its native values into the partial sum it receives
+//! (no encoding of its own buffer first), and the last merge rounds block by
+//! block into the output (no encoded result is ever written out). Blocks
+//! live in L1-sized scratch between the steps of one block.
+
+use weft_numerics::{Dtype, Element};
+
+use super::{
+    BLOCK, BlockRef, F_NEGZERO, HEADER, WMAX, bitlen64, corrupt, decode_block, encode_f32_fast,
+    encode_general, encoded_capacity, get_i64, load_big, magic, magnitude, merge_block, put_header,
+    read_block, round_mag, scan_f32,
+};
+use crate::error::Result;
+
+/// f32 bit patterns of a block of at most [`BLOCK`] values (exact widening
+/// for f16 and bf16; only called for those and f32).
+#[inline(always)]
+fn f32_bits<T: Element>(ys: &[T]) -> [u32; BLOCK] {
+    std::array::from_fn(|i| ys.get(i).map_or(0, |y| y.to_f32().to_bits()))
+}
+
+/// Appends the exact encoding of one block (the f32 fast path when it
+/// applies, else the general encoder).
+#[inline(always)]
+pub(super) fn encode_block<T: Element>(xs: &[T], out: &mut Vec<u8>) {
+    if T::DTYPE != Dtype::F64 {
+        let b = f32_bits(xs);
+        if encode_f32_fast(&b[..xs.len()], out) {
+            return;
+        }
+    }
+    encode_general(xs, out);
+}
+
+/// How a two-word block `x` and a block of f32 values `y` add in i64
+/// lanes: the common exponent `e`, the left shift of `x`'s integers, and
+/// the magic constant that converts `y` at exponent `e`.
+struct Plan {
+    e: i32,
+    sa: u32,
+    m: f64,
+    mb: i64,
+}
+
+/// `Some` when `x` is a two-word block without flags and every `y` is
+/// finite, a multiple of 2^e below 2^(e+51) (so the magic conversion is
+/// exact) and `x`'s integers shifted to `e` stay below 2^62 (so the sum
+/// fits two words). A −0.0 in `y` is a plain zero here: `x` carries no
+/// "only −0.0" flags, so the sum cannot be −0.0.
+#[inline(always)]
+fn plan(x: &BlockRef<'_>, ybits: &[u32]) -> Option<Plan> {
+    if x.flags.is_some() || x.w != 2 {
+        return None;
+    }
+    let (emax, emin, _) = scan_f32(ybits);
+    if emax == 0xff {
+        return None;
+    }
+    let e = if emin == 0x100 {
+        x.e
+    } else {
+        let e = x.e.min(emin as i32 - 150);
+        // largest |y| < 2^(max(E,1) − 150 + 24) must be below 2^(e+51)
+        if emax.max(1) as i32 - 150 + 24 > e + 51 {
+            return None;
+        }
+        e
+    };
+    if !(-1000..=900).contains(&e) {
+        return None;
+    }
+    let sa = (x.e - e) as u32;
+    if x.bits + sa > 62 {
+        return None;
+    }
+    let (m, mb) = magic(e);
+    Some(Plan { e, sa, m, mb })
+}
+
+/// `dst[i] = (src[i] << sa) + y[i] / 2^e` for every lane; returns the OR
+/// of the results' magnitudes. `src` and `dst` may be the same memory.
+///
+/// # Safety
+/// `src` and `dst` must be valid for `ybits.len()` unaligned i64 reads
+/// and writes respectively.
+#[inline(always)]
+unsafe fn lanes(src: *const i64, dst: *mut i64, ybits: &[u32], p: &Plan) -> u64 {
+    let mut acc = 0u64;
+    for (i, &b) in ybits.iter().enumerate() {
+        let y = (f64::from(f32::from_bits(b)) + p.m).to_bits() as i64 - p.mb;
+        // SAFETY: i < ybits.len(), in bounds of both by the contract.
+        let s = unsafe {
+            let s = (i64::from_le(src.add(i).read_unaligned()) << p.sa) + y;
+            dst.add(i).write_unaligned(s.to_le());
+            s
+        };
+        acc |= (s ^ (s >> 63)) as u64;
+    }
+    acc
+}
+
+/// Appends the exact encoding of block `x` plus the native values `ys`
+/// (the same `bl` elements) to `out`. `tmp` is scratch.
+#[inline(always)]
+pub(super) fn merge_raw_block<T: Element>(
+    x: &BlockRef<'_>,
+    ys: &[T],
+    out: &mut Vec<u8>,
+    tmp: &mut Vec<u8>,
+) -> Result<()> {
+    let bl = ys.len();
+    if T::DTYPE != Dtype::F64 {
+        let yb = f32_bits(ys);
+        if let Some(p) = plan(x, &yb[..bl]) {
+            let start = out.len();
+            put_header(out, p.e, 2, false, 0);
+            out.reserve(8 * bl);
+            let at = out.len();
+            let dst = out.spare_capacity_mut()[..8 * bl]
+                .as_mut_ptr()
+                .cast::<i64>();
+            let src = x.data[..8 * bl].as_ptr().cast::<i64>();
+            // SAFETY: `x.data` holds 8·bl bytes (w = 2, sliced above) and
+            // `dst` 8·bl spare bytes (reserved above).
+            let acc = unsafe { lanes(src, dst, &yb[..bl], &p) };
+            // SAFETY: the loop wrote the 8·bl bytes after `at`.
+            unsafe { out.set_len(at + 8 * bl) };
+            let nb = bitlen64(acc) as u16;
+            out[start + 6..start + 8].copy_from_slice(&nb.to_le_bytes());
+            return Ok(());
+        }
+    }
+    tmp.clear();
+    encode_block(ys, tmp);
+    let mut q = 0;
+    let y = read_block(tmp, &mut q, bl)?;
+    merge_block(x, &y, bl, out)
+}
+
+/// A divisor applied once, in the final rounding: 1, 2^k or any other
+/// count below 2^32.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Div(pub(crate) u32);
+
+/// `±a·2^e / d` (a ≠ 0) rounded once to `T`, as an f64 holding a value of
+/// `T`, for `T` narrower than f64: the quotient of `a` shifted to 64 bits
+/// by a 32-bit `d` has ≥ 32 bits; it is rounded to odd (sticky remainder)
+/// and to odd again at 53 bits, which keeps ≥ p + 2 bits, so the one
+/// rounding to `T` is correct (Boldo & Melquiond).
+#[inline(always)]
+fn div_round_narrow<T: Element>(v: i64, e: i32, d: u32) -> f64 {
+    let a = v.unsigned_abs();
+    let lz = a.leading_zeros();
+    let a = a << lz;
+    let q = a / u64::from(d);
+    let r = a % u64::from(d);
+    let q = q | u64::from(r != 0);
+    let q = if q >> 53 != 0 {
+        (q & !0x7ff) | (u64::from(q & 0x7ff != 0) << 11)
+    } else {
+        q
+    };
+    let f = q as f64 * f64::from_bits(((e - lz as i32 + 1023) as u64) << 52);
+    T::from_f64(if v < 0 { -f } else { f }).to_f64()
+}
+
+/// `±m·2^e / d` rounded once to `T` for any magnitude (little-endian 32-bit
+/// words, at most [`WMAX`]): long division of `m·2^64` by `d`, then the top
+/// 64 bits of the quotient and a sticky bit.
+fn div_round_big<T: Element>(neg: bool, m: &[u32], e: i32, d: u32) -> f64 {
+    let mut num = [0u32; WMAX + 2];
+    num[2..2 + m.len()].copy_from_slice(m);
+    let mut rem = 0u64;
+    for w in num.iter_mut().rev() {
+        let cur = (rem << 32) | u64::from(*w);
+        *w = (cur / u64::from(d)) as u32;
+        rem = cur % u64::from(d);
+    }
+    let Some(top) = num.iter().rposition(|&w| w != 0) else {
+        return if neg { -0.0 } else { 0.0 };
+    };
+    let l = 32 * top as u32 + (32 - num[top].leading_zeros());
+    let s = l.saturating_sub(64);
+    let mut hi = 0u64;
+    for k in 0..64.min(l) {
+        let b = s + k;
+        hi |= u64::from((num[(b / 32) as usize] >> (b % 32)) & 1) << k;
+    }
+    let full = (s / 32) as usize;
+    let below = num[..full].iter().any(|&w| w != 0)
+        || (!s.is_multiple_of(32) && num[full] & ((1u32 << (s % 32)) - 1) != 0);
+    round_mag(neg, hi, e - 64 + s as i32, below || rem != 0, T::DTYPE)
+}
+
+/// Rounds block `x` divided by `d` once into `blk`.
+#[inline(always)]
+pub(super) fn finish_block<T: Element>(x: &BlockRef<'_>, blk: &mut [T], d: Div) {
+    let d = d.0;
+    if d <= 1 {
+        decode_block(x, blk);
+        return;
+    }
+    if d.is_power_of_two() {
+        let y = BlockRef {
+            e: x.e - d.trailing_zeros() as i32,
+            ..*x
+        };
+        decode_block(&y, blk);
+        return;
+    }
+    for (i, o) in blk.iter_mut().enumerate() {
+        let f = x.flags.map_or(0, |v| v[i]);
+        if f & !F_NEGZERO != 0 || x.w == 0 {
+            // NaN, ±∞ and zeros are unchanged by the division
+            let mut one = [T::ZERO];
+            decode_block(
+                &BlockRef {
+                    flags: x.flags.map(|v| &v[i..=i]),
+                    data: if x.w == 0 {
+                        &[]
+                    } else {
+                        &x.data[4 * x.w * i..4 * x.w * (i + 1)]
+                    },
+                    ..*x
+                },
+                &mut one,
+            );
+            *o = one[0];
+            continue;
+        }
+        let v = if x.w <= 2 {
+            let v = get_i64(x.data, i, x.w);
+            if v == 0 {
+                0.0
+            } else if T::DTYPE != Dtype::F64 && (-900..=900).contains(&x.e) {
+                div_round_narrow::<T>(v, x.e, d)
+            } else {
+                let a = v.unsigned_abs();
+                div_round_big::<T>(v < 0, &[a as u32, (a >> 32) as u32], x.e, d)
+            }
+        } else {
+            let (neg, m) = magnitude(&load_big(x.data, i, x.w));
+            div_round_big::<T>(neg, &m[..x.w], x.e, d)
+        };
+        *o = if v == 0.0 {
+            T::from_f64(if f & F_NEGZERO != 0 { -0.0 } else { 0.0 })
+        } else {
+            T::from_f64(v)
+        };
+    }
+}
+
+/// Rounds an encoding of `out.len()` elements divided by `d` into `out`.
+pub(super) fn decode_div<T: Element>(bytes: &[u8], out: &mut [T], d: Div) -> Result<()> {
+    decode_div_mv(bytes, out, d)
+}
+
+multiversion! {
+fn decode_div_mv<T: Element>(bytes: &[u8], out: &mut [T], d: Div) -> Result<()> {
+    let mut pos = 0;
+    for blk in out.chunks_mut(BLOCK) {
+        let bl = blk.len();
+        let x = read_block(bytes, &mut pos, bl)?;
+        finish_block(&x, blk, d);
+    }
+    trailing(bytes, pos)
+}
+}
+
+fn trailing(bytes: &[u8], pos: usize) -> Result<()> {
+    if pos != bytes.len() {
+        return Err(corrupt(format!(
+            "{} trailing bytes after {pos}",
+            bytes.len() - pos
+        )));
+    }
+    Ok(())
+}
+
+multiversion! {
+/// `out` = the encoding of `a` (an encoding of `ys.len()` elements) plus
+/// the native values `ys`.
+pub(super) fn merge_raw<T: Element>(a: &[u8], ys: &[T], out: &mut Vec<u8>) -> Result<()> {
+    out.clear();
+    out.reserve(encoded_capacity(ys.len()).max(a.len() + 64));
+    let mut tmp = Vec::new();
+    let mut pos = 0;
+    for blk in ys.chunks(BLOCK) {
+        let x = read_block(a, &mut pos, blk.len())?;
+        merge_raw_block(&x, blk, out, &mut tmp)?;
+    }
+    trailing(a, pos)
+}
+}
+
+multiversion! {
+/// `out` = the encoding of `xs + ys` (native values of the same length).
+pub(super) fn sum_raw<T: Element>(xs: &[T], ys: &[T], out: &mut Vec<u8>) -> Result<()> {
+    out.clear();
+    out.reserve(encoded_capacity(ys.len()));
+    let mut tmp = Vec::new();
+    let mut enc = Vec::new();
+    for (xb, yb) in xs.chunks(BLOCK).zip(ys.chunks(BLOCK)) {
+        enc.clear();
+        encode_block(xb, &mut enc);
+        let mut q = 0;
+        let x = read_block(&enc, &mut q, xb.len())?;
+        merge_raw_block(&x, yb, out, &mut tmp)?;
+    }
+    Ok(())
+}
+}
+
+multiversion! {
+/// `io` = (`a` + `io`) / `d`, rounded once per element, where `a` is an
+/// encoding of `io.len()` elements.
+pub(super) fn merge_raw_round<T: Element>(a: &[u8], io: &mut [T], d: Div) -> Result<()> {
+    let mut tmp = Vec::new();
+    let mut blkenc = Vec::with_capacity(HEADER + 8 * BLOCK);
+    let mut pos = 0;
+    for blk in io.chunks_mut(BLOCK) {
+        let bl = blk.len();
+        let x = read_block(a, &mut pos, bl)?;
+        let mut ys = [T::ZERO; BLOCK];
+        ys[..bl].copy_from_slice(blk);
+        blkenc.clear();
+        merge_raw_block(&x, &ys[..bl], &mut blkenc, &mut tmp)?;
+        let mut q = 0;
+        let z = read_block(&blkenc, &mut q, bl)?;
+        finish_block(&z, blk, d);
+    }
+    trailing(a, pos)
+}
+}
+
+multiversion! {
+/// `io` = (`xs` + `io`) / `d`, rounded once per element. A sum of two
+/// values rounded once is the native addition in a format at least
+/// 2p + 1 bits wide (f64 for f32, f16 and bf16; f64 itself adds
+/// correctly rounded), so without a divisor no encoding is needed.
+pub(super) fn sum_raw_round<T: Element>(xs: &[T], io: &mut [T], d: Div) -> Result<()> {
+    if d.0 <= 1 {
+        for (o, x) in io.iter_mut().zip(xs) {
+            *o = T::from_f64(x.to_f64() + o.to_f64());
+        }
+        return Ok(());
+    }
+    let mut tmp = Vec::new();
+    let mut enc = Vec::with_capacity(HEADER + 8 * BLOCK);
+    let mut blkenc = Vec::with_capacity(HEADER + 8 * BLOCK);
+    for (blk, xb) in io.chunks_mut(BLOCK).zip(xs.chunks(BLOCK)) {
+        let bl = blk.len();
+        enc.clear();
+        encode_block(xb, &mut enc);
+        let mut q = 0;
+        let x = read_block(&enc, &mut q, bl)?;
+        blkenc.clear();
+        merge_raw_block(&x, blk, &mut blkenc, &mut tmp)?;
+        let mut q = 0;
+        let z = read_block(&blkenc, &mut q, bl)?;
+        finish_block(&z, blk, d);
+    }
+    Ok(())
+}
+}
+
+multiversion! {
+/// Rounds elements `[skip, skip + out.len())` of `(a + b) / d` into `out`,
+/// where `a` and `b` are encodings of `blen` elements.
+pub(super) fn merge_round_range<T: Element>(
+    a: &[u8],
+    b: &[u8],
+    blen: usize,
+    skip: usize,
+    out: &mut [T],
+    d: Div,
+) -> Result<()> {
+    let (mut pa, mut pb) = (0, 0);
+    let mut blkenc = Vec::with_capacity(HEADER + 8 * BLOCK);
+    let mut vals = [T::ZERO; BLOCK];
+    let end = skip + out.len();
+    for start in (0..blen).step_by(BLOCK) {
+        let bl = BLOCK.min(blen - start);
+        let x = read_block(a, &mut pa, bl)?;
+        let y = read_block(b, &mut pb, bl)?;
+        let lo = skip.max(start);
+        let hi = end.min(start + bl);
+        if lo >= hi {
+            continue;
+        }
+        blkenc.clear();
+        merge_block(&x, &y, bl, &mut blkenc)?;
+        let mut q = 0;
+        let z = read_block(&blkenc, &mut q, bl)?;
+        if lo == start && hi == start + bl {
+            finish_block(&z, &mut out[start - skip..hi - skip], d);
+        } else {
+            finish_block(&z, &mut vals[..bl], d);
+            out[lo - skip..hi - skip].copy_from_slice(&vals[lo - start..hi - start]);
+        }
+    }
+    trailing(a, pa)?;
+    trailing(b, pb)
+}
+}
+
+multiversion! {
+/// Rounds elements `[skip, skip + out.len())` of `a / d` into `out`, where
+/// `a` encodes `blen` elements.
+pub(super) fn round_range<T: Element>(
+    a: &[u8],
+    blen: usize,
+    skip: usize,
+    out: &mut [T],
+    d: Div,
+) -> Result<()> {
+    let mut pa = 0;
+    let mut vals = [T::ZERO; BLOCK];
+    let end = skip + out.len();
+    for start in (0..blen).step_by(BLOCK) {
+        let bl = BLOCK.min(blen - start);
+        let x = read_block(a, &mut pa, bl)?;
+        let lo = skip.max(start);
+        let hi = end.min(start + bl);
+        if lo >= hi {
+            continue;
+        }
+        if lo == start && hi == start + bl {
+            finish_block(&x, &mut out[start - skip..hi - skip], d);
+        } else {
+            finish_block(&x, &mut vals[..bl], d);
+            out[lo - skip..hi - skip].copy_from_slice(&vals[lo - start..hi - start]);
+        }
+    }
+    trailing(a, pa)
+}
+}
+
+multiversion! {
+/// Adds the native values `ys` to the encoding `enc` of `ys.len()`
+/// elements in place: blocks that keep their size are rewritten where they
+/// are (the common case: two words, no flags); from the first block that
+/// changes size on, the rest is written to `spill`, which then replaces
+/// `enc`.
+pub(super) fn add_in_place<T: Element>(
+    enc: &mut Vec<u8>,
+    ys: &[T],
+    spill: &mut Vec<u8>,
+) -> Result<()> {
+    let mut tmp = Vec::new();
+    let mut blkenc = Vec::with_capacity(HEADER + 8 * BLOCK);
+    let mut pos = 0;
+    let mut chunks = ys.chunks(BLOCK);
+    while let Some(blk) = chunks.next() {
+        let bl = blk.len();
+        let p0 = pos;
+        let x = read_block(enc, &mut pos, bl)?;
+        if T::DTYPE != Dtype::F64 {
+            let yb = f32_bits(blk);
+            if let Some(p) = plan(&x, &yb[..bl]) {
+                let data = &mut enc[p0 + HEADER..p0 + HEADER + 8 * bl];
+                let ptr = data.as_mut_ptr().cast::<i64>();
+                // SAFETY: `data` holds 8·bl bytes (a two-word block of bl
+                // elements, checked by `read_block`); reading and writing
+                // lane i through the same pointer is allowed.
+                let acc = unsafe { lanes(ptr, ptr, &yb[..bl], &p) };
+                enc[p0..p0 + 4].copy_from_slice(&p.e.to_le_bytes());
+                enc[p0 + 6..p0 + 8].copy_from_slice(&(bitlen64(acc) as u16).to_le_bytes());
+                continue;
+            }
+        }
+        blkenc.clear();
+        merge_raw_block(&x, blk, &mut blkenc, &mut tmp)?;
+        if blkenc.len() == pos - p0 {
+            enc[p0..pos].copy_from_slice(&blkenc);
+            continue;
+        }
+        // The block changes size: write it and the rest out of place.
+        spill.clear();
+        spill.reserve(enc.len() + blkenc.len());
+        spill.extend_from_slice(&enc[..p0]);
+        spill.extend_from_slice(&blkenc);
+        for blk in chunks.by_ref() {
+            let x = read_block(enc, &mut pos, blk.len())?;
+            merge_raw_block(&x, blk, spill, &mut tmp)?;
+        }
+        trailing(enc, pos)?;
+        std::mem::swap(enc, spill);
+        return Ok(());
+    }
+    trailing(enc, pos)
+}
+}
+
+/// Decodes a value of one element for tests of [`finish_block`]'s
+/// divisions: `v·2^e / d` through the narrow fast path and the big path.
+#[cfg(test)]
+pub(super) fn div_both<T: Element>(v: i64, e: i32, d: u32) -> (f64, f64) {
+    let a = v.unsigned_abs();
+    (
+        div_round_narrow::<T>(v, e, d),
+        div_round_big::<T>(v < 0, &[a as u32, (a >> 32) as u32], e, d),
+    )
+}
