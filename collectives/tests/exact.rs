@@ -323,13 +323,19 @@ fn traffic_counts_the_encoded_partials() {
             enc,
             (0..len.div_ceil(BLOCK)).map(block_bytes).sum::<usize>()
         );
-        // reduce-scatter: n − 1 encoded chunk covers; all-gather: native
+        // reduce-scatter: n − 1 encoded chunk covers; all-gather: native;
         let rs: usize = (0..n - 1).map(|s| cover((me + 2 * n - s - 1) % n)).sum();
         let ag: usize = (0..n - 1)
             .map(|s| 4 * shard_range(len, n, (me + n - s) % n).len())
             .sum();
-        assert_eq!(t.sent_by(OpKind::AllReduce), (rs + ag) as u64, "rank {me}");
-        assert_eq!(t.total_sent(), (rs + ag) as u64);
+        // and the all-gather of the ranks' counts: 16 bytes per step
+        let counts = 16 * (n - 1);
+        assert_eq!(
+            t.sent_by(OpKind::AllReduce),
+            (rs + ag + counts) as u64,
+            "rank {me}"
+        );
+        assert_eq!(t.total_sent(), (rs + ag + counts) as u64);
     }
 }
 

@@ -4,7 +4,7 @@
 use weft_numerics::Element;
 
 use super::fused::{Div, add_in_place, decode_div, merge_round_range, round_range};
-use super::{BLOCK, encode, encoded_capacity, merge, read_block};
+use super::{BLOCK, F_NEGZERO, encode, encoded_capacity, merge, read_block};
 use crate::comm::Communicator;
 use crate::error::{Error, Result};
 use crate::types::{Incoming, OpCtx, OpKind, Outgoing, ReduceOp, shard_range};
@@ -146,6 +146,10 @@ impl ExactPartial {
     /// [`Error::InvalidArgument`] if `out.len()` differs from [`len`](Self::len).
     pub fn round_to<T: Element>(&self, out: &mut [T]) -> Result<()> {
         self.check_len(OpKind::AllReduce, "out", out.len())?;
+        if self.count == 0 {
+            out.fill(T::ZERO);
+            return Ok(());
+        }
         decode_div(&self.enc, out, Div(1))
     }
 
@@ -157,6 +161,10 @@ impl ExactPartial {
     /// or the count exceeds 2^32 − 1.
     pub fn mean_to<T: Element>(&self, out: &mut [T]) -> Result<()> {
         self.check_len(OpKind::AllReduce, "out", out.len())?;
+        if self.count == 0 {
+            out.fill(T::ZERO);
+            return Ok(());
+        }
         let d = divisor(OpKind::AllReduce, self.count)?;
         decode_div(&self.enc, out, d)
     }
@@ -185,11 +193,15 @@ impl ExactPartial {
     }
 }
 
-/// The encoding of `len` zeros: one empty header per block.
+/// The encoding of the empty sum, the identity of merging: zero with the
+/// "only −0.0 so far" flag on every element (so that a rank without
+/// contributions leaves a −0.0 total of the others unchanged). Rounding an
+/// accumulator that saw no contribution at all gives +0.0 instead.
 fn zero_encoding(len: usize, out: &mut Vec<u8>) {
     out.clear();
-    for _ in 0..len.div_ceil(BLOCK) {
-        super::put_header(out, 0, 0, false, 0);
+    for start in (0..len).step_by(BLOCK) {
+        super::put_header(out, 0, 0, true, 0);
+        out.extend(std::iter::repeat_n(F_NEGZERO, BLOCK.min(len - start)));
     }
 }
 
@@ -215,6 +227,7 @@ fn blocks_of(r: &std::ops::Range<usize>) -> std::ops::Range<usize> {
 /// Reproducible reduction of exact partials: afterwards `out` (the
 /// elements `shard_range(len, n, rank)`) holds the exact sum over every
 /// rank's partial (divided by the total count for `Avg`), rounded once.
+/// The ranks first all-gather their counts (16 bytes each).
 ///
 /// A ring reduce-scatter whose chunks are the whole encoded blocks covering
 /// each rank's shard, sent straight from the partial's memory: neighbouring
@@ -232,20 +245,27 @@ pub(crate) fn reduce_scatter_exact<T: Element, C: Communicator + ?Sized>(
     let me = c.rank();
     let len = p.len;
     let opk = ctx.sig.op;
-    let d = match op {
-        ReduceOp::Sum => Div(1),
-        ReduceOp::Avg => {
-            // the global number of contributions: sum of every rank's count
-            let counts = crate::algo::gather_u64_pairs(c, ctx, [p.count, len as u64])?;
-            divisor(opk, counts.iter().map(|x| x[0]).sum())?
-        }
-        ReduceOp::Max | ReduceOp::Min => {
-            return Err(Error::InvalidArgument {
-                op: opk,
-                arg: "op",
-                reason: format!("exact reductions are sum or avg, not {}", op.name()),
-            });
-        }
+    if matches!(op, ReduceOp::Max | ReduceOp::Min) {
+        return Err(Error::InvalidArgument {
+            op: opk,
+            arg: "op",
+            reason: format!("exact reductions are sum or avg, not {}", op.name()),
+        });
+    }
+    // the global number of contributions: the divisor of `Avg`, and 0
+    // means an empty sum (+0.0)
+    let total: u64 = crate::algo::gather_u64_pairs(c, ctx, [p.count, len as u64])?
+        .iter()
+        .map(|x| x[0])
+        .sum();
+    if total == 0 {
+        out.fill(T::ZERO);
+        return Ok(());
+    }
+    let d = if op == ReduceOp::Avg {
+        divisor(opk, total)?
+    } else {
+        Div(1)
     };
     let off = p.offsets()?;
     let mine = shard_range(len, n, me);
