@@ -12,19 +12,100 @@
 //!
 //! The experts run grouped over the whole batch, so the block is not
 //! batch-invariant whatever [`Dims::mode`] says.
+//!
+//! # Expert parallelism
+//! [`MoeFfn::with_expert_parallel`] builds the block with its experts
+//! sharded over an `ep` communicator ([`weft_moe::ExpertParallel`]): rank
+//! `r` of the group holds experts `r·E/ep .. (r+1)·E/ep`, so its
+//! `mlp.experts.*` tensors have `E/ep` rows in their first dimension; the
+//! router, the selection bias and the shared expert are replicated. Each
+//! forward and backward is collective over the group (tokens travel to
+//! their expert's rank and back with `all_to_all_v`), so every rank of the
+//! group must run the same number of forwards and backwards, in the same
+//! order, with the same `B·T`-independent call pattern (their batches may
+//! differ in content). Activations are a fixed
+//! [`saved_per_token`](FeedForward::saved_per_token) per token: the
+//! backward recomputes the experts' hidden activations (one more dispatch
+//! and expert forward). Results equal those of the unsharded block run on
+//! each rank's tokens (test `model/tests/moe_ep.rs`).
+//!
+//! What a training loop does with it, for `W` ranks that all train on
+//! different data (data parallel over all of them) grouped into expert
+//! groups of `ep` consecutive ranks (`ep` divides `E` and `W`):
+//! 1. **Communicators**: the expert group,
+//!    `world.split(rank / ep, rank % ep)`, goes to
+//!    [`with_expert_parallel`](MoeFfn::with_expert_parallel); the replica
+//!    group of ranks holding the same experts is
+//!    `world.split(rank % ep, rank / ep)`. Build one `MoeFfn` per rank
+//!    (one model per rank).
+//! 2. **Initialisation**: build an unsharded model with the same
+//!    configuration, `init_gpt2(seed)` it on every rank, and copy it into
+//!    the sharded one with [`MoeFfn::shard_params`]; every rank then starts
+//!    from exactly the ep = 1 model's weights.
+//! 3. **Gradients**: for the global mean loss `(1/W) Σ_r L_r`,
+//!    - every tensor for which [`MoeFfn::is_expert_param`] is false
+//!      (embeddings, attention, layernorms, the router, the shared expert)
+//!      holds `∂L_r/∂θ` of this rank's tokens: all-reduce-average it over
+//!      the world, as in plain data parallelism;
+//!    - expert tensors already hold `Σ_{r ∈ expert group} ∂L_r/∂θ`, the
+//!      contributions of every token the group routed to this rank's
+//!      experts: all-reduce-*sum* them over the replica group and divide by
+//!      `W` (with a single group, `W = ep`: just divide by `ep`).
+//! 4. **Gradient norm** (clipping): replicated tensors count once (their
+//!    averaged squares are equal on every rank); expert shards are
+//!    distinct, so sum their squares over the expert group
+//!    (all-reduce-sum) before adding.
+//! 5. **Optimizer**: AdamW is elementwise, so each rank steps its own
+//!    buffer; the replicated tensors stay identical.
+//! 6. **Load statistics and the selection bias**: [`MoeStats`] holds this
+//!    rank's tokens only; sum each layer's [`weft_moe::LoadStats`] over the
+//!    world with [`weft_moe::LoadStats::all_reduce`] before writing
+//!    `expert_load.jsonl` and before
+//!    [`weft_moe::BiasBalancer::update`], so every rank applies the same
+//!    bias update.
+//! 7. **Checkpoints**: an `mlp.experts.*` tensor of the full model is the
+//!    concatenation of the group's shards in rank order (an all-gather over
+//!    the expert group); every other tensor is any rank's copy.
+//! 8. **Evaluation** forwards are collective too: run them on every rank
+//!    of the group.
 
 use std::sync::{Arc, Mutex};
 
-use weft_moe::{MoeBlock, MoeConfig, MoeForward};
+use weft_moe::weft_collectives::Communicator;
+use weft_moe::{ExpertParallel, MoeBlock, MoeConfig, MoeForward};
 
 use crate::error::{Error, Result};
 use crate::ffn::{Dims, FeedForward, ParamShape};
+use crate::gpt::Gpt;
 
 /// A mixture-of-experts block implementing [`FeedForward`].
 #[derive(Debug)]
 pub struct MoeFfn {
-    block: MoeBlock,
+    engine: Engine,
     log: Arc<Mutex<Vec<MoeForward>>>,
+}
+
+/// The unsharded block, or this rank's shard with its expert group.
+enum Engine {
+    Local(MoeBlock),
+    Sharded {
+        ep: ExpertParallel,
+        comm: Arc<dyn Communicator>,
+    },
+}
+
+impl std::fmt::Debug for Engine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Engine::Local(b) => f.debug_tuple("Local").field(b).finish(),
+            Engine::Sharded { ep, comm } => f
+                .debug_struct("Sharded")
+                .field("ep", ep)
+                .field("rank", &comm.rank())
+                .field("size", &comm.size())
+                .finish(),
+        }
+    }
 }
 
 /// The trainer's handle on the statistics every [`MoeFfn`] forward logs.
@@ -62,23 +143,129 @@ impl MoeFfn {
     /// [`Error::Config`] if the MoE configuration is invalid.
     pub fn new(cfg: MoeConfig) -> Result<(Self, MoeStats)> {
         let block = MoeBlock::new(cfg).map_err(moe_err)?;
+        Ok(Self::with_engine(Engine::Local(block)))
+    }
+
+    /// This rank's shard of a block whose experts are sharded over the
+    /// expert group `comm` (its size is `ep`, its rank this rank's place in
+    /// the group); see the module docs for what the training loop does
+    /// around it.
+    ///
+    /// # Errors
+    /// [`Error::Config`] if the MoE configuration is invalid or the group's
+    /// size does not divide the number of experts.
+    pub fn with_expert_parallel(
+        cfg: MoeConfig,
+        comm: Arc<dyn Communicator>,
+    ) -> Result<(Self, MoeStats)> {
+        let ep = ExpertParallel::new(cfg, comm.size(), comm.rank()).map_err(moe_err)?;
+        Ok(Self::with_engine(Engine::Sharded { ep, comm }))
+    }
+
+    fn with_engine(engine: Engine) -> (Self, MoeStats) {
         let log = Arc::new(Mutex::new(Vec::new()));
-        Ok((
+        (
             MoeFfn {
-                block,
+                engine,
                 log: Arc::clone(&log),
             },
             MoeStats(log),
-        ))
+        )
     }
 
     /// The MoE configuration.
     pub fn config(&self) -> &MoeConfig {
-        self.block.config()
+        match &self.engine {
+            Engine::Local(b) => b.config(),
+            Engine::Sharded { ep, .. } => ep.config(),
+        }
+    }
+
+    /// Size of the expert group (1 without expert parallelism).
+    pub fn ep_size(&self) -> usize {
+        match &self.engine {
+            Engine::Local(_) => 1,
+            Engine::Sharded { comm, .. } => comm.size(),
+        }
+    }
+
+    /// This rank's place in the expert group (0 without expert
+    /// parallelism).
+    pub fn ep_rank(&self) -> usize {
+        match &self.engine {
+            Engine::Local(_) => 0,
+            Engine::Sharded { comm, .. } => comm.rank(),
+        }
+    }
+
+    /// Experts whose parameters this rank holds (`E / ep`).
+    pub fn local_experts(&self) -> usize {
+        self.config().router.experts / self.ep_size()
+    }
+
+    /// Whether the model tensor `name` is an expert tensor, sharded under
+    /// expert parallelism (`transformer.h.{l}.mlp.experts.*`) rather than
+    /// replicated (see the module docs for how their gradients are
+    /// reduced).
+    pub fn is_expert_param(name: &str) -> bool {
+        name.contains(".mlp.experts.")
+    }
+
+    /// Copies the unsharded model `full` into `local`, the model of rank
+    /// `ep_rank` of an `ep_size`-way expert group: expert tensors
+    /// ([`is_expert_param`](Self::is_expert_param)) take the rank's
+    /// contiguous block of experts (their first dimension), every other
+    /// tensor is copied whole.
+    ///
+    /// # Errors
+    /// [`Error::Config`] if a tensor of `local` is missing from `full` or
+    /// their shapes do not correspond (naming the tensor).
+    pub fn shard_params(full: &Gpt, local: &mut Gpt, ep_rank: usize, ep_size: usize) -> Result<()> {
+        let bad = |name: &str, why: String| Error::Config {
+            field: "parallel.ep",
+            reason: format!("sharding `{name}`: {why}"),
+        };
+        if ep_size == 0 || ep_rank >= ep_size {
+            return Err(bad("*", format!("rank {ep_rank} of {ep_size} ranks")));
+        }
+        for spec in local.layout().specs().to_vec() {
+            let name = spec.name.as_str();
+            let src = full
+                .layout()
+                .get(name)
+                .ok_or_else(|| bad(name, "not in the unsharded model".into()))?;
+            let dst = &mut local.params[spec.range()];
+            let all = &full.params[src.range()];
+            if Self::is_expert_param(name) {
+                let ok = !spec.shape.is_empty()
+                    && spec.shape.len() == src.shape.len()
+                    && spec.shape[1..] == src.shape[1..]
+                    && spec.shape[0] * ep_size == src.shape[0];
+                if !ok {
+                    return Err(bad(
+                        name,
+                        format!(
+                            "shape {:?} is not 1/{ep_size} of the experts of {:?}",
+                            spec.shape, src.shape
+                        ),
+                    ));
+                }
+                let per = dst.len();
+                dst.copy_from_slice(&all[ep_rank * per..(ep_rank + 1) * per]);
+            } else if spec.shape == src.shape {
+                dst.copy_from_slice(all);
+            } else {
+                return Err(bad(
+                    name,
+                    format!("shape {:?} but {:?} unsharded", spec.shape, src.shape),
+                ));
+            }
+        }
+        Ok(())
     }
 
     fn check(&self, d: Dims) -> Result<Vec<usize>> {
-        let c = self.block.config().channels;
+        let c = self.config().channels;
         if d.c != c {
             return Err(Error::Config {
                 field: "model.moe",
@@ -91,8 +278,8 @@ impl MoeFfn {
 
 impl FeedForward for MoeFfn {
     fn params(&self, _c: usize) -> Vec<ParamShape> {
-        let cfg = self.block.config();
-        cfg.tensors(cfg.router.experts)
+        self.config()
+            .tensors(self.local_experts())
             .into_iter()
             .map(|t| ParamShape {
                 suffix: format!("mlp.{}", t.name),
@@ -103,7 +290,10 @@ impl FeedForward for MoeFfn {
     }
 
     fn saved_per_token(&self, _c: usize) -> usize {
-        self.block.config().saved_per_token()
+        match &self.engine {
+            Engine::Local(b) => b.config().saved_per_token(),
+            Engine::Sharded { ep, .. } => ep.saved_per_token(),
+        }
     }
 
     fn scratch_per_token(&self, _c: usize) -> usize {
@@ -119,10 +309,13 @@ impl FeedForward for MoeFfn {
         d: Dims,
     ) -> Result<()> {
         let lens = self.check(d)?;
-        let f = self
-            .block
-            .forward(out, saved, inp, params, &lens)
-            .map_err(moe_err)?;
+        let f = match &self.engine {
+            Engine::Local(b) => b.forward(out, saved, inp, params, &lens),
+            Engine::Sharded { ep, comm } => {
+                ep.forward_flat(comm.as_ref(), out, saved, inp, params, &lens)
+            }
+        }
+        .map_err(moe_err)?;
         self.log
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
@@ -142,9 +335,20 @@ impl FeedForward for MoeFfn {
         d: Dims,
     ) -> Result<()> {
         let lens = self.check(d)?;
-        self.block
-            .backward(dinp, dparams, dout, inp, saved, params, &lens)
-            .map_err(moe_err)
+        match &self.engine {
+            Engine::Local(b) => b.backward(dinp, dparams, dout, inp, saved, params, &lens),
+            Engine::Sharded { ep, comm } => ep.backward_flat(
+                comm.as_ref(),
+                dinp,
+                dparams,
+                dout,
+                inp,
+                saved,
+                params,
+                &lens,
+            ),
+        }
+        .map_err(moe_err)
     }
 }
 

@@ -16,6 +16,20 @@
 //! The backward mirrors it: gate-weighted output gradients go out, input
 //! gradients come back; each rank accumulates the gradients of its own
 //! experts over every rank's tokens.
+//!
+//! Two ways to keep activations for the backward:
+//! - [`forward`](ExpertParallel::forward) returns an [`EpSaved`] holding
+//!   everything, including the rows this rank's experts received (their
+//!   number varies from step to step);
+//! - [`forward_flat`](ExpertParallel::forward_flat) writes a fixed
+//!   [`saved_per_token`](ExpertParallel::saved_per_token) values per token
+//!   into a caller-owned buffer (router logits, the expert outputs per
+//!   slot, the shared expert's activations), as a model's activation
+//!   planner needs, and [`backward_flat`](ExpertParallel::backward_flat)
+//!   recomputes the experts' hidden activations: one more dispatch
+//!   (`all_to_all_v` of the routed rows) and one more expert forward per
+//!   backward, in exchange for not storing `2H` values per received row.
+//!   Both give bitwise the same results.
 
 use weft_collectives::{Communicator, CommunicatorExt, Element};
 use weft_kernels::{Mode, Real, matmul_forward};
@@ -339,6 +353,123 @@ impl ExpertParallel {
             mlp_backward(dinp, dw, dout, inp, sh, sa, w, n, c, h)?;
         }
         Ok(())
+    }
+
+    /// Activation values per token that [`forward_flat`](Self::forward_flat)
+    /// saves: router logits (E), each slot's expert output (k·C), then the
+    /// shared expert's pre-activation and GELU output (2H) if it has one.
+    #[must_use]
+    pub fn saved_per_token(&self) -> usize {
+        let cfg = self.block.config();
+        let shared = if cfg.shared_expert { 2 * cfg.hidden } else { 0 };
+        cfg.router.experts + cfg.router.top_k * cfg.channels + shared
+    }
+
+    /// [`forward`](Self::forward) keeping its activations in
+    /// `saved (N, saved_per_token)` instead of an [`EpSaved`] (see the
+    /// module docs). Collective.
+    ///
+    /// # Errors
+    /// As [`forward`](Self::forward), and [`Error::ShapeMismatch`] for
+    /// `saved`.
+    pub fn forward_flat<T: Real + Element, C: Communicator + ?Sized>(
+        &self,
+        comm: &C,
+        out: &mut [T],
+        saved: &mut [T],
+        inp: &[T],
+        params: &[T],
+        seq_lens: &[usize],
+    ) -> Result<MoeForward> {
+        let n: usize = seq_lens.iter().sum();
+        check("ep_forward", "saved", saved, n * self.saved_per_token())?;
+        let (fwd, full) = self.forward(comm, out, inp, params, seq_lens)?;
+        let (a, rest) = saved.split_at_mut(full.logits.len());
+        let (b, c) = rest.split_at_mut(full.slot_y.len());
+        a.copy_from_slice(&full.logits);
+        b.copy_from_slice(&full.slot_y);
+        c.copy_from_slice(&full.shared);
+        Ok(fwd)
+    }
+
+    /// Backward of [`forward_flat`](Self::forward_flat): recomputes the
+    /// experts' hidden activations (one dispatch and one expert forward),
+    /// then proceeds as [`backward`](Self::backward), with the same
+    /// gradients. Collective.
+    ///
+    /// # Errors
+    /// As [`backward`](Self::backward), and [`Error::ShapeMismatch`] for
+    /// `saved`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn backward_flat<T: Real + Element, C: Communicator + ?Sized>(
+        &self,
+        comm: &C,
+        dinp: &mut [T],
+        dparams: &mut [T],
+        dout: &[T],
+        inp: &[T],
+        saved: &[T],
+        params: &[T],
+        seq_lens: &[usize],
+    ) -> Result<()> {
+        const OP: &str = "ep_backward";
+        self.check_comm(comm)?;
+        let cfg = self.block.config();
+        let (c, h, e, k) = (
+            cfg.channels,
+            cfg.hidden,
+            cfg.router.experts,
+            cfg.router.top_k,
+        );
+        let el = self.local_experts();
+        let n: usize = seq_lens.iter().sum();
+        check(OP, "inp", inp, n * c)?;
+        check(OP, "saved", saved, n * self.saved_per_token())?;
+        check(OP, "params", params, self.num_local_params())?;
+        let (logits, rest) = saved.split_at(n * e);
+        let (slot_y, shared) = rest.split_at(n * k * c);
+        let p = cfg.split(params, el);
+        let routing = self.block.route(logits, p.bias, seq_lens)?;
+        let (order, offsets) = group(&routing);
+        let mut send = vec![<T as Real>::ZERO; order.len() * c];
+        for (r, &slot) in order.iter().enumerate() {
+            let tok = slot / k;
+            send[r * c..(r + 1) * c].copy_from_slice(&inp[tok * c..(tok + 1) * c]);
+        }
+        let (counts, _) = self.exchange_counts(comm, &offsets)?;
+        let x_recv = self.dispatch(comm, &send, &offsets, &counts, c)?;
+        let x = self.regroup(&x_recv, &counts, c, true);
+        let rows = x.len() / c;
+        let mut hpre = vec![<T as Real>::ZERO; rows * h];
+        let mut act = vec![<T as Real>::ZERO; rows * h];
+        let mut y = vec![<T as Real>::ZERO; rows * c];
+        let mut start = 0;
+        for j in 0..el {
+            let nj: usize = (0..self.ep).map(|s| counts[s * el + j]).sum();
+            if nj > 0 {
+                mlp_forward(
+                    &mut y[start * c..(start + nj) * c],
+                    &mut hpre[start * h..(start + nj) * h],
+                    &mut act[start * h..(start + nj) * h],
+                    &x[start * c..(start + nj) * c],
+                    expert_weights(&p, j, c, h),
+                    nj,
+                    c,
+                    h,
+                )?;
+            }
+            start += nj;
+        }
+        let full = EpSaved {
+            logits: logits.to_vec(),
+            slot_y: slot_y.to_vec(),
+            counts,
+            x,
+            hpre,
+            act,
+            shared: shared.to_vec(),
+        };
+        self.backward(comm, dinp, dparams, dout, inp, &full, params, seq_lens)
     }
 
     /// Sends each rank the row counts of its experts; returns

@@ -28,10 +28,15 @@
 //!   `f32`/`f64`), experts computed grouped with no padding.
 //! - [`ExpertParallel`]: the same block with experts sharded over an `ep`
 //!   group of a [`weft_collectives::Communicator`], tokens dispatched and
-//!   combined with `all_to_all_v`.
+//!   combined with `all_to_all_v`; activations kept in an [`EpSaved`] or,
+//!   for a model's fixed-size activation buffers, in a flat buffer with
+//!   the experts' hidden activations recomputed in the backward.
 //! - [`LoadStats`]: tokens per expert, max/mean, MaxVio, dropped, router
-//!   entropy; [`LoadStats::to_record`] gives the `expert_load.jsonl` line
-//!   ([`weft_trace::ExpertLoadRecord`]).
+//!   entropy (mean per-token entropy of the router's distribution over
+//!   experts, in nats; defined in [`LoadStats`]);
+//!   [`LoadStats::to_record`] gives the `expert_load.jsonl` line
+//!   ([`weft_trace::ExpertLoadRecord`]); [`LoadStats::all_reduce`] sums
+//!   it over data- or expert-parallel ranks.
 //!
 //! # Why the bias lives in the parameter buffer
 //! The balancer's per-expert bias is state a resumed run must restore bit
@@ -86,6 +91,12 @@ mod ep;
 mod error;
 mod router;
 mod stats;
+
+/// The collectives crate that expert parallelism runs over, re-exported so
+/// that dependents (weft-model's `MoeFfn`) name the same
+/// [`Communicator`](weft_collectives::Communicator) without a direct
+/// dependency.
+pub use weft_collectives;
 
 pub use audit::{AuditOptions, AuditReport, Perturbation, PerturbationResult, audit, audit_suite};
 pub use balance::{AuxLoss, AuxScope, BiasBalancer};

@@ -1,5 +1,6 @@
 //! Expert-load statistics per step and layer.
 
+use weft_collectives::{Communicator, CommunicatorExt, ReduceOp};
 use weft_kernels::Real;
 use weft_trace::ExpertLoadRecord;
 
@@ -7,7 +8,18 @@ use crate::balance::{probs, usize_f64};
 use crate::router::Routing;
 
 /// Load of one MoE layer over one or more routings (micro-batches, ranks):
-/// merge them with [`merge`](Self::merge).
+/// merge them with [`merge`](Self::merge), or sum them over ranks with
+/// [`all_reduce`](Self::all_reduce).
+///
+/// **Router entropy.** For token `t` the router's probability
+/// distribution over experts is `q_t = softmax(logits_t)` for softmax
+/// gates and `q_t,e = σ(logits_t,e) / Σ_j σ(logits_t,j)` for sigmoid gates
+/// (the `q` of the auxiliary loss; the selection bias is not part of it).
+/// Its entropy is `H_t = −Σ_e q_t,e ln q_t,e` nats (terms with `q = 0`
+/// count 0), between 0 (certain) and `ln E` (uniform). A layer's router
+/// entropy for a step is the mean `(1/N) Σ_t H_t` over the step's tokens
+/// (all micro-batches and ranks). [`LoadStats`] keeps the sum and the
+/// count, so merging routings is exact up to the f64 addition of the sums.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct LoadStats {
     /// Kept assignments per expert (E).
@@ -107,5 +119,37 @@ impl LoadStats {
             tokens_per_expert: self.tokens_per_expert.clone(),
             dropped: self.dropped,
         }
+    }
+
+    /// Sums the statistics over every rank of `comm` (data- or
+    /// expert-parallel ranks that routed different tokens), so that every
+    /// rank logs the global load and applies the same
+    /// [`BiasBalancer`](crate::BiasBalancer) update. Collective: every rank
+    /// must call it with the same number of experts. Counts travel as f64,
+    /// exact below 2^53.
+    ///
+    /// # Errors
+    /// [`Error::Comm`](crate::Error::Comm) if the all-reduce fails (also
+    /// when ranks disagree on the number of experts).
+    pub fn all_reduce<C: Communicator + ?Sized>(&mut self, comm: &C) -> crate::Result<()> {
+        #[allow(clippy::cast_precision_loss)]
+        let mut buf: Vec<f64> = self
+            .tokens_per_expert
+            .iter()
+            .chain([&self.dropped, &self.tokens])
+            .map(|&x| x as f64)
+            .chain([self.entropy_sum])
+            .collect();
+        comm.all_reduce(&mut buf, ReduceOp::Sum)?;
+        let e = self.tokens_per_expert.len();
+        #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+        let count = |x: f64| x as u64;
+        for (t, &x) in self.tokens_per_expert.iter_mut().zip(&buf) {
+            *t = count(x);
+        }
+        self.dropped = count(buf[e]);
+        self.tokens = count(buf[e + 1]);
+        self.entropy_sum = buf[e + 2];
+        Ok(())
     }
 }

@@ -159,3 +159,70 @@ fn load_statistics() {
     assert_eq!(m.tokens_per_expert, vec![12, 4, 0, 8]);
     assert_eq!(m.max_vio(), Some(1.0));
 }
+
+/// Router entropy against hand-computed values: the mean over tokens of
+/// `−Σ_e q_e ln q_e`, with `q` the softmax (or the sigmoid scores
+/// normalised over experts), ignoring the selection bias.
+#[test]
+fn router_entropy_matches_hand_computed_values() {
+    let ln = f64::ln;
+    // Softmax: [ln 2, 0, 0] gives q = (1/2, 1/4, 1/4), entropy
+    // ½ln2 + 2·¼ln4 = 1.5 ln 2; [0, 0, 0] is uniform, ln 3.
+    let logits = [ln(2.0), 0.0, 0.0, 0.0, 0.0, 0.0];
+    let want = (1.5 * ln(2.0) + ln(3.0)) / 2.0;
+    let r = Router::top_k(3, 1).route(&logits, &[2], None).unwrap();
+    let s = LoadStats::from_routing(&r);
+    assert_eq!(s.tokens, 2);
+    assert!(
+        (s.entropy() - want).abs() < 1e-15,
+        "{} vs {want}",
+        s.entropy()
+    );
+    // The selection bias changes the choice, not the router's distribution.
+    let biased = Router::top_k(3, 1)
+        .route(&logits, &[2], Some(&[0.0, 0.0, 5.0]))
+        .unwrap();
+    assert_ne!(biased.chosen, r.chosen);
+    assert_eq!(LoadStats::from_routing(&biased).entropy_sum, s.entropy_sum);
+    // Sigmoid: [ln 3, −ln 3, 0] gives scores (3/4, 1/4, 1/2), normalised
+    // q = (1/2, 1/6, 1/3): entropy ½ln2 + ⅙ln6 + ⅓ln3.
+    let sig = Router::top_k(3, 2).with_gate(Gate::Sigmoid);
+    let r = sig.route(&[ln(3.0), -ln(3.0), 0.0], &[1], None).unwrap();
+    let want_sig = 0.5 * ln(2.0) + ln(6.0) / 6.0 + ln(3.0) / 3.0;
+    let s_sig = LoadStats::from_routing(&r);
+    assert!((s_sig.entropy() - want_sig).abs() < 1e-15);
+    // Merging keeps sum and count: the mean over all three tokens.
+    let mut m = s.clone();
+    m.merge(&s_sig);
+    assert_eq!(m.tokens, 3);
+    let want_all = (1.5 * ln(2.0) + ln(3.0) + want_sig) / 3.0;
+    assert!((m.entropy() - want_all).abs() < 1e-15);
+    // f32 routing agrees to f32 precision.
+    let l32: Vec<f32> = logits.iter().map(|&x| x as f32).collect();
+    let r32 = Router::top_k(3, 1).route(&l32, &[2], None).unwrap();
+    assert!((LoadStats::from_routing(&r32).entropy() - want).abs() < 1e-6);
+}
+
+/// Statistics summed over ranks: every rank ends with the global load.
+#[test]
+fn load_stats_all_reduce_over_ranks() {
+    let per_rank = |r: usize| LoadStats {
+        tokens_per_expert: vec![r as u64, 2 * r as u64 + 1, 7],
+        dropped: r as u64,
+        tokens: 5,
+        entropy_sum: 0.5 + r as f64,
+    };
+    let mut want = LoadStats::default();
+    for r in 0..3 {
+        want.merge(&per_rank(r));
+    }
+    let got = weft_collectives::LocalCluster::run(3, |comm| {
+        let mut s = per_rank(weft_collectives::Communicator::rank(&comm));
+        s.all_reduce(&comm).unwrap();
+        s
+    })
+    .unwrap();
+    for s in got {
+        assert_eq!(s, want);
+    }
+}

@@ -102,3 +102,78 @@ fn ep_must_divide_experts() {
     let err = ExpertParallel::new(MoeConfig::new(4, 6, 2), 4, 0).unwrap_err();
     assert!(err.to_string().contains("parallel.ep"), "{err}");
 }
+
+/// The flat-buffer forward/backward (fixed activation size per token,
+/// experts' hidden activations recomputed) gives bitwise the results of
+/// the one keeping everything, in f32 and for every rank.
+#[test]
+fn flat_saved_recompute_is_bitwise_the_full_save() {
+    let cfg = MoeConfig {
+        channels: 8,
+        hidden: 12,
+        router: Router::top_k(8, 3)
+            .with_gate(weft_moe::Gate::Sigmoid)
+            .with_normalize(true),
+        shared_expert: true,
+        aux: Some(AuxLoss::new(0.01)),
+    };
+    let block = MoeBlock::new(cfg).unwrap();
+    let mut full = vec![0.0f32; block.num_params()];
+    block.init(&mut full, 5, 1.0).unwrap();
+    for p in &mut full {
+        *p *= 20.0;
+    }
+    let lens = [4, 7];
+    let n = 11;
+    let c = cfg.channels;
+    let results = LocalCluster::run(4, |comm| {
+        let rank = weft_collectives::Communicator::rank(&comm);
+        let epb = ExpertParallel::new(cfg, 4, rank).unwrap();
+        let params = epb.shard(&full).unwrap();
+        let mut rng = Rng::new(7 + rank as u64);
+        let inp: Vec<f32> = rng.vec(n * c, 1.0).iter().map(|&x| x as f32).collect();
+        let dout: Vec<f32> = rng.vec(n * c, 1.0).iter().map(|&x| x as f32).collect();
+        let mut out_a = vec![0.0f32; n * c];
+        let (fa, saved) = epb
+            .forward(&comm, &mut out_a, &inp, &params, &lens)
+            .unwrap();
+        let mut dinp_a = vec![0.0f32; n * c];
+        let mut dp_a = vec![0.0f32; params.len()];
+        epb.backward(
+            &comm,
+            &mut dinp_a,
+            &mut dp_a,
+            &dout,
+            &inp,
+            &saved,
+            &params,
+            &lens,
+        )
+        .unwrap();
+        let mut out_b = vec![0.0f32; n * c];
+        let mut flat = vec![0.0f32; n * epb.saved_per_token()];
+        let fb = epb
+            .forward_flat(&comm, &mut out_b, &mut flat, &inp, &params, &lens)
+            .unwrap();
+        let mut dinp_b = vec![0.0f32; n * c];
+        let mut dp_b = vec![0.0f32; params.len()];
+        epb.backward_flat(
+            &comm,
+            &mut dinp_b,
+            &mut dp_b,
+            &dout,
+            &inp,
+            &flat,
+            &params,
+            &lens,
+        )
+        .unwrap();
+        let short = epb.forward_flat(&comm, &mut out_b, &mut flat[1..], &inp, &params, &lens);
+        assert!(short.unwrap_err().to_string().contains("saved"));
+        (out_a == out_b, dinp_a == dinp_b, dp_a == dp_b, fa == fb)
+    })
+    .unwrap();
+    for (rank, r) in results.into_iter().enumerate() {
+        assert_eq!(r, (true, true, true, true), "rank {rank}");
+    }
+}
