@@ -12,8 +12,9 @@
 //! split; with `parallel.dp = N` rank r computes micro-batches
 //! `r·M/N .. (r+1)·M/N`. With `parallel.reproducible` on (the default) a
 //! rank does not add its micro-batch gradients in f32: it folds each into
-//! an exact, mergeable partial sum ([`weft_collectives::repro`]), the
-//! ranks merge their partials exactly, and the total is rounded once. The
+//! an exact, mergeable partial sum ([`weft_collectives::repro::ExactPartial`]),
+//! the ranks reduce their partials exactly
+//! ([`CommunicatorExt::all_reduce_exact`]), and the mean is rounded once. The
 //! gradient — and so every later parameter — has the same bits for any
 //! `dp` that divides `grad_accum`, including the single-rank run. Losses are
 //! gathered per micro-batch and summed in micro-batch order, as the single
@@ -24,7 +25,7 @@
 use std::ops::Range;
 use std::sync::mpsc;
 
-use weft_collectives::{Communicator, CommunicatorExt, repro};
+use weft_collectives::{Communicator, CommunicatorExt, ReduceOp, repro};
 
 use crate::train::{EvalReport, HealthEvent, Observer, RunInfo, StepReport, Summary, TrainError};
 
@@ -77,9 +78,6 @@ impl Observer for Forward {
     }
 }
 
-/// Tag of the exact-partial exchange (distinct from any collective's).
-const TAG_PARTIAL: u64 = 0x5746_5450; // "WFTP"
-
 /// The data-parallel group of one rank.
 pub(crate) struct Dp {
     comm: Box<dyn Communicator>,
@@ -118,49 +116,13 @@ impl Dp {
     /// Elementwise sum over ranks of small integer-valued counts (exact
     /// below 2^53 whatever the order).
     pub(crate) fn sum_counts(&self, values: &mut [f64]) -> Result<(), TrainError> {
-        self.comm
-            .all_reduce(values, weft_collectives::ReduceOp::Sum)?;
+        self.comm.all_reduce(values, ReduceOp::Sum)?;
         Ok(())
     }
 
     /// Plain f32 sum of `grads` over the group (ring or the policy's pick).
     pub(crate) fn sum_f32(&self, grads: &mut [f32]) -> Result<(), TrainError> {
-        self.comm
-            .all_reduce(grads, weft_collectives::ReduceOp::Sum)?;
-        Ok(())
-    }
-
-    /// Merges every rank's exact partial (`repro` encoding of `len`
-    /// elements) into `acc`, in rank order; every rank ends with the same
-    /// encoding of the group's exact sum. Each rank sends its encoding to
-    /// every peer: (n−1)·|partial| bytes per rank.
-    fn merge_partials(&self, acc: &mut Vec<u8>, len: usize) -> Result<(), TrainError> {
-        let (me, n) = (self.rank(), self.size());
-        for peer in (0..n).filter(|&p| p != me) {
-            self.comm
-                .send_bytes(peer, TAG_PARTIAL, &(acc.len() as u64).to_le_bytes())?;
-            self.comm.send_bytes(peer, TAG_PARTIAL, acc)?;
-        }
-        let mut parts: Vec<Vec<u8>> = Vec::with_capacity(n);
-        for peer in 0..n {
-            if peer == me {
-                parts.push(std::mem::take(acc));
-                continue;
-            }
-            let mut len_bytes = [0u8; 8];
-            self.comm.recv_bytes(peer, TAG_PARTIAL, &mut len_bytes)?;
-            let bytes = usize::try_from(u64::from_le_bytes(len_bytes)).unwrap_or(usize::MAX);
-            let mut buf = vec![0u8; bytes];
-            self.comm.recv_bytes(peer, TAG_PARTIAL, &mut buf)?;
-            parts.push(buf);
-        }
-        let mut out = Vec::new();
-        let mut it = parts.into_iter();
-        *acc = it.next().unwrap_or_default();
-        for p in it {
-            repro::merge(acc, &p, len, &mut out).map_err(TrainError::from)?;
-            std::mem::swap(acc, &mut out);
-        }
+        self.comm.all_reduce(grads, ReduceOp::Sum)?;
         Ok(())
     }
 }
@@ -168,22 +130,16 @@ impl Dp {
 /// Sums micro-batch gradients: exactly (order- and split-independent) or
 /// in place in f32.
 pub(crate) struct GradAccum {
-    exact: bool,
-    acc: Vec<u8>,
-    tmp: Vec<u8>,
-    out: Vec<u8>,
-    count: usize,
+    /// The exact partial sum (reproducible mode).
+    exact: Option<repro::ExactPartial>,
 }
 
 impl GradAccum {
-    /// An empty accumulator; `exact` selects the reproducible sum.
-    pub(crate) fn new(exact: bool) -> Self {
+    /// An empty accumulator for `len` gradients; `exact` selects the
+    /// reproducible sum.
+    pub(crate) fn new(len: usize, exact: bool) -> Self {
         Self {
-            exact,
-            acc: Vec::new(),
-            tmp: Vec::new(),
-            out: Vec::new(),
-            count: 0,
+            exact: exact.then(|| repro::ExactPartial::new(len)),
         }
     }
 
@@ -191,43 +147,42 @@ impl GradAccum {
     /// the partial and zeroes them for the next micro-batch. Plain: leaves
     /// them to accumulate in place.
     pub(crate) fn add(&mut self, grads: &mut [f32]) -> Result<(), TrainError> {
-        if !self.exact {
-            return Ok(());
+        if let Some(partial) = &mut self.exact {
+            partial.add(grads)?;
+            grads.fill(0.0);
         }
-        self.tmp.clear();
-        repro::encode(grads, &mut self.tmp);
-        if self.count == 0 {
-            std::mem::swap(&mut self.acc, &mut self.tmp);
-        } else {
-            self.out.clear();
-            repro::merge(&self.acc, &self.tmp, grads.len(), &mut self.out)?;
-            std::mem::swap(&mut self.acc, &mut self.out);
-        }
-        self.count += 1;
-        grads.fill(0.0);
         Ok(())
     }
 
-    /// Writes the sum over this rank's micro-batches — and over the data
-    /// parallel group's, with `dp` — into `grads`, rounded once (exact) or
-    /// all-reduced in f32 (plain), and resets the accumulator.
-    pub(crate) fn finish(&mut self, grads: &mut [f32], dp: Option<&Dp>) -> Result<(), TrainError> {
-        if !self.exact {
-            if let Some(dp) = dp {
-                dp.sum_f32(grads)?;
+    /// Writes the mean over the `micro_batches` of the global batch — this
+    /// rank's, and with `dp` the whole group's — into `grads`, and resets
+    /// the accumulator. Exact: the exact sum divided by the count, rounded
+    /// once; plain: the f32 sum (all-reduced over `dp`) times
+    /// `1/micro_batches`.
+    pub(crate) fn finish(
+        &mut self,
+        grads: &mut [f32],
+        dp: Option<&Dp>,
+        micro_batches: usize,
+    ) -> Result<(), TrainError> {
+        match &mut self.exact {
+            Some(partial) => {
+                match dp {
+                    Some(dp) => dp.comm.all_reduce_exact(partial, grads, ReduceOp::Avg)?,
+                    None => partial.mean_to(grads)?,
+                }
+                partial.clear();
             }
-            return Ok(());
+            None => {
+                if let Some(dp) = dp {
+                    dp.sum_f32(grads)?;
+                }
+                if micro_batches > 1 {
+                    let inv = 1.0 / micro_batches as f32;
+                    grads.iter_mut().for_each(|g| *g *= inv);
+                }
+            }
         }
-        if self.count == 0 {
-            // No micro-batch on this rank: an exact zero contribution.
-            self.acc.clear();
-            repro::encode(grads, &mut self.acc);
-        }
-        if let Some(dp) = dp {
-            dp.merge_partials(&mut self.acc, grads.len())?;
-        }
-        repro::decode(&self.acc, grads)?;
-        self.count = 0;
         Ok(())
     }
 }

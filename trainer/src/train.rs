@@ -628,9 +628,9 @@ fn run_rank(
         .collect();
     let excess = recent.len().saturating_sub(t.spike_window.max(1));
     recent.drain(..excess);
-    let inv_accum = 1.0 / t.grad_accum as f32;
     let share = dp.map_or(0..t.grad_accum, |d| d.share(t.grad_accum));
-    let mut accum = GradAccum::new(config.parallel.reproducible);
+    // Gradients of the mean over the global batch's micro-batches.
+    let mut accum = GradAccum::new(model.grads.len(), config.parallel.reproducible);
     let mut last_max_vio = None;
     let expert_path = run_dir.join("expert_load.jsonl");
     let mut expert_log: Option<BufWriter<Box<dyn Write>>> = match &moe {
@@ -667,7 +667,7 @@ fn run_rank(
             model.backward(&mut acts)?;
             accum.add(&mut model.grads)?;
         }
-        accum.finish(&mut model.grads, dp)?;
+        accum.finish(&mut model.grads, dp, t.grad_accum)?;
         if let Some(dp) = dp {
             micro_losses = dp.gather(&micro_losses)?;
         }
@@ -677,10 +677,6 @@ fn run_rank(
             loss += l;
         }
         loss /= t.grad_accum as f64;
-        // Gradients of the mean over micro-batches.
-        if t.grad_accum > 1 {
-            model.grads.iter_mut().for_each(|g| *g *= inv_accum);
-        }
         let grad_norm = model
             .grads
             .iter()
