@@ -9,6 +9,7 @@
 
 use std::time::{Duration, Instant};
 
+use weft_collectives::repro::ExactPartial;
 use weft_collectives::{
     Algorithm, Communicator, CommunicatorExt, LocalCluster, ReduceOp, ReduceOptions, shard_range,
 };
@@ -106,6 +107,69 @@ fn memcpy_bw(bytes: usize, threads: usize) -> f64 {
     bytes as f64 / best
 }
 
+/// Per-call seconds of the plain ring all-reduce, the reproducible ring
+/// all-reduce and the exact-partial all-reduce (`all_reduce_exact`) of the
+/// same f32 buffer, measured side by side: the three alternate in `ROUNDS`
+/// rounds inside one cluster and each keeps its fastest round, so that a
+/// load spike on the shared machine hits all three alike. Also the time of
+/// `ExactPartial::add` per element on rank 0.
+fn repro_vs_ring(n: usize, bytes: usize) -> [f64; 4] {
+    const ROUNDS: usize = 5;
+    let elems = bytes / 4;
+    let est = (bytes as f64 / 2e9).max(20e-6);
+    let iters = ((0.08 / est) as usize).clamp(2, 50);
+    let out = LocalCluster::builder(n)
+        .timeout(Duration::from_secs(600))
+        .run_each(|comm| -> weft_collectives::Result<[f64; 4]> {
+            let r = comm.rank();
+            let grad: Vec<f32> = (0..elems)
+                .map(|i| ((i * 31 + r * 7) as f32 * 1e-3).sin() * 1e-20)
+                .collect();
+            let mut buf = grad.clone();
+            let mut out = vec![0f32; elems];
+            let mut partial = ExactPartial::new(elems);
+            partial.add(&grad)?;
+            let ring = ReduceOptions::new(ReduceOp::Sum).algorithm(Algorithm::Ring);
+            let repro = ring.reproducible(true);
+            let mut best = [f64::MAX; 4];
+            for round in 0..=ROUNDS {
+                for (k, best) in best.iter_mut().enumerate().take(3) {
+                    comm.barrier()?;
+                    let mut t = 0.0;
+                    for _ in 0..iters {
+                        // the input is restored between calls (outside the
+                        // timed span) so that every call sees the same values
+                        buf.copy_from_slice(&grad);
+                        let t0 = Instant::now();
+                        match k {
+                            0 => comm.all_reduce_with(&mut buf, &ring)?,
+                            1 => comm.all_reduce_with(&mut buf, &repro)?,
+                            _ => comm.all_reduce_exact(&partial, &mut out, ReduceOp::Sum)?,
+                        }
+                        t += t0.elapsed().as_secs_f64();
+                    }
+                    comm.barrier()?;
+                    // round 0 warms up (page faults, thread wake-ups)
+                    if round > 0 {
+                        *best = best.min(t / iters as f64);
+                    }
+                }
+                // one accumulation step of a micro-batch, per element
+                let t0 = Instant::now();
+                partial.add(&grad)?;
+                if round > 0 {
+                    best[3] = best[3].min(t0.elapsed().as_secs_f64() / elems.max(1) as f64);
+                }
+            }
+            Ok(best)
+        });
+    out.into_iter()
+        .next()
+        .expect("rank 0")
+        .expect("rank panicked")
+        .expect("collective failed")
+}
+
 fn main() {
     let args: Vec<String> = std::env::args()
         .skip(1)
@@ -169,6 +233,31 @@ fn main() {
             {
                 println!("{:<28} reproducible / plain ring time = {:.2}x", "", t / tr);
             }
+            bytes *= 4;
+        }
+    }
+    if filter.is_empty() || "repro".contains(filter.as_str()) || filter.contains("repro") {
+        println!();
+        println!(
+            "# reproducible vs plain ring all-reduce, {n} ranks, f32, side by side (each the best of 5 alternating rounds); exact = all_reduce_exact of an ExactPartial of the same values; add = ExactPartial::add of one micro-batch"
+        );
+        println!(
+            "{:>12} {:>12} {:>12} {:>8} {:>12} {:>8} {:>14}",
+            "bytes", "ring(us)", "repro(us)", "repro/x", "exact(us)", "exact/x", "add(ns/elem)"
+        );
+        let mut bytes = 64 << 10;
+        while bytes <= max_mib << 20 {
+            let [ring, repro, exact, add] = repro_vs_ring(n, bytes);
+            println!(
+                "{:>12} {:>12.1} {:>12.1} {:>8.2} {:>12.1} {:>8.2} {:>14.2}",
+                bytes,
+                ring * 1e6,
+                repro * 1e6,
+                repro / ring,
+                exact * 1e6,
+                exact / ring,
+                add * 1e9
+            );
             bytes *= 4;
         }
     }

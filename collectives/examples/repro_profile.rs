@@ -1,9 +1,12 @@
-//! Times the phases of the reproducible mode (encode, merge, decode) on one
-//! thread, per element, beside a plain f32 add of the same length:
-//! `cargo run --release -p weft-collectives --example repro_profile [-- LEN]`.
+//! Times the phases of the reproducible mode (encode, merge, decode) and
+//! of [`ExactPartial`](weft_collectives::repro::ExactPartial) (add, round,
+//! mean) on one thread, per element, beside a plain f32 add of the same
+//! length; then `REPS` exact all-reduces on 2 thread ranks (for profilers):
+//! `cargo run --release -p weft-collectives --example repro_profile [-- LEN [REPS]]`.
 #![allow(clippy::print_stdout, missing_docs)]
 use std::time::Instant;
-use weft_collectives::repro;
+use weft_collectives::repro::{self, ExactPartial};
+use weft_collectives::{CommunicatorExt, LocalCluster, ReduceOp};
 
 fn main() {
     let n: usize = std::env::args()
@@ -55,4 +58,48 @@ fn main() {
         ns(td),
         ns(ta)
     );
+    let mut p = ExactPartial::new(n);
+    p.add(&a).unwrap();
+    let t = Instant::now();
+    for _ in 0..reps {
+        p.add(&b).unwrap();
+    }
+    let tadd = t.elapsed().as_secs_f64() / f64::from(reps);
+    let t = Instant::now();
+    for _ in 0..reps {
+        p.round_to(&mut out).unwrap();
+    }
+    let tround = t.elapsed().as_secs_f64() / f64::from(reps);
+    let t = Instant::now();
+    for _ in 0..reps {
+        p.mean_to(&mut out).unwrap();
+    }
+    let tmean = t.elapsed().as_secs_f64() / f64::from(reps);
+    println!(
+        "ExactPartial: add {:.2} ns/elem ({} B/elem), round {:.2}, mean (/{}) {:.2}",
+        ns(tadd),
+        p.encoded_bytes() as f64 / n as f64,
+        ns(tround),
+        p.count(),
+        ns(tmean)
+    );
+    let ar_reps: u32 = std::env::args()
+        .nth(2)
+        .and_then(|a| a.parse().ok())
+        .unwrap_or(0);
+    if ar_reps > 0 {
+        let t = Instant::now();
+        LocalCluster::run(2, |comm| {
+            let mut out = vec![0f32; n];
+            for _ in 0..ar_reps {
+                comm.all_reduce_exact(&p, &mut out, ReduceOp::Sum)?;
+            }
+            Ok::<_, weft_collectives::Error>(())
+        })
+        .unwrap();
+        println!(
+            "all_reduce_exact, 2 ranks: {:.2} ns/elem",
+            ns(t.elapsed().as_secs_f64() / f64::from(ar_reps))
+        );
+    }
 }

@@ -463,6 +463,8 @@ struct BlockRef<'a> {
     data: &'a [u8],
 }
 
+#[cold]
+#[inline(never)]
 fn corrupt(reason: String) -> Error {
     Error::Decode {
         op: OpKind::AllReduce,
@@ -470,6 +472,7 @@ fn corrupt(reason: String) -> Error {
     }
 }
 
+#[inline(always)]
 fn read_block<'a>(bytes: &'a [u8], pos: &mut usize, bl: usize) -> Result<BlockRef<'a>> {
     let p = *pos;
     if bytes.len() < p + HEADER {

@@ -78,6 +78,25 @@ fn plan(x: &BlockRef<'_>, ybits: &[u32]) -> Option<Plan> {
     Some(Plan { e, sa, m, mb })
 }
 
+/// Rounds `v·2^e` (|v| < 2^63) once to `T` (narrower than f64; `e` in
+/// −1022..=900): |v| is rounded to odd at bit 11 when it is 2^53 or more,
+/// which keeps 42 to 53 bits, so the conversion to f64 is exact and the one
+/// rounding to `T` correct (Boldo & Melquiond).
+#[inline(always)]
+fn round_lane<T: Element>(v: i64, scale: f64) -> T {
+    let a = v.unsigned_abs();
+    let odd = (a & !0x7ff) | (u64::from(a & 0x7ff != 0) << 11);
+    let a = if a >> 53 != 0 { odd } else { a };
+    let f = a as f64 * scale;
+    T::from_f64(if v < 0 { -f } else { f })
+}
+
+/// Whether a two-word block at exponent `e` rounds by [`round_lane`].
+#[inline(always)]
+fn lanes_round<T: Element>(e: i32) -> bool {
+    T::DTYPE != Dtype::F64 && (-1022..=900).contains(&e)
+}
+
 /// `dst[i] = (src[i] << sa) + y[i] / 2^e` for every lane; returns the OR
 /// of the results' magnitudes. `src` and `dst` may be the same memory.
 ///
@@ -150,11 +169,43 @@ pub(crate) struct Div(pub(crate) u32);
 /// rounding to `T` is correct (Boldo & Melquiond).
 #[inline(always)]
 fn div_round_narrow<T: Element>(v: i64, e: i32, d: u32) -> f64 {
+    div_round_narrow_by::<T>(v, e, Recip::new(d))
+}
+
+/// A divisor `d` (2 ≤ d < 2^32) and `⌊(2^64 − 1)/d⌋`, so that the quotient
+/// of a u64 by `d` is one multiply-high away (off by at most one, fixed by
+/// the remainder).
+#[derive(Clone, Copy)]
+struct Recip {
+    d: u64,
+    m: u64,
+}
+
+impl Recip {
+    fn new(d: u32) -> Self {
+        let d = u64::from(d.max(2));
+        Self { d, m: u64::MAX / d }
+    }
+
+    /// (⌊a/d⌋, a mod d): a·m/2^64 > a/d − 1, so the estimate is q or q − 1.
+    #[inline(always)]
+    fn div_rem(self, a: u64) -> (u64, u64) {
+        let mut q = ((u128::from(a) * u128::from(self.m)) >> 64) as u64;
+        let mut r = a - q * self.d;
+        if r >= self.d {
+            q += 1;
+            r -= self.d;
+        }
+        (q, r)
+    }
+}
+
+#[inline(always)]
+fn div_round_narrow_by<T: Element>(v: i64, e: i32, rc: Recip) -> f64 {
     let a = v.unsigned_abs();
     let lz = a.leading_zeros();
     let a = a << lz;
-    let q = a / u64::from(d);
-    let r = a % u64::from(d);
+    let (q, r) = rc.div_rem(a);
     let q = q | u64::from(r != 0);
     let q = if q >> 53 != 0 {
         (q & !0x7ff) | (u64::from(q & 0x7ff != 0) << 11)
@@ -207,6 +258,20 @@ pub(super) fn finish_block<T: Element>(x: &BlockRef<'_>, blk: &mut [T], d: Div) 
             ..*x
         };
         decode_block(&y, blk);
+        return;
+    }
+    if x.flags.is_none() && x.w == 2 && T::DTYPE != Dtype::F64 && (-900..=900).contains(&x.e) {
+        let rc = Recip::new(d);
+        let p = x.data[..8 * blk.len()].as_ptr().cast::<i64>();
+        for (i, o) in blk.iter_mut().enumerate() {
+            // SAFETY: `x.data` holds 8·bl bytes (two words per element).
+            let v = i64::from_le(unsafe { p.add(i).read_unaligned() });
+            *o = if v == 0 {
+                T::ZERO
+            } else {
+                T::from_f64(div_round_narrow_by::<T>(v, x.e, rc))
+            };
+        }
         return;
     }
     for (i, o) in blk.iter_mut().enumerate() {
@@ -324,6 +389,20 @@ pub(super) fn merge_raw_round<T: Element>(a: &[u8], io: &mut [T], d: Div) -> Res
         let x = read_block(a, &mut pos, bl)?;
         let mut ys = [T::ZERO; BLOCK];
         ys[..bl].copy_from_slice(blk);
+        if d.0 <= 1 && T::DTYPE != Dtype::F64 {
+            let yb = f32_bits(&ys[..bl]);
+            if let Some(p) = plan(&x, &yb[..bl]).filter(|p| lanes_round::<T>(p.e)) {
+                let mut vals = [0i64; BLOCK];
+                // SAFETY: `x.data` holds 8·bl bytes (w = 2) and `vals` BLOCK
+                // ≥ bl lanes.
+                unsafe { lanes(x.data.as_ptr().cast(), vals.as_mut_ptr(), &yb[..bl], &p) };
+                let scale = f64::from_bits(((p.e + 1023) as u64) << 52);
+                for (o, &v) in blk.iter_mut().zip(&vals) {
+                    *o = round_lane(v, scale);
+                }
+                continue;
+            }
+        }
         blkenc.clear();
         merge_raw_block(&x, &ys[..bl], &mut blkenc, &mut tmp)?;
         let mut q = 0;
@@ -388,6 +467,24 @@ pub(super) fn merge_round_range<T: Element>(
         let hi = end.min(start + bl);
         if lo >= hi {
             continue;
+        }
+        if d.0 <= 1 && x.flags.is_none() && y.flags.is_none() && x.w == 2 && y.w == 2 {
+            let e = x.e.min(y.e);
+            let (sa, sb) = ((x.e - e) as u32, (y.e - e) as u32);
+            if (x.bits + sa).max(y.bits + sb) <= 61 && lanes_round::<T>(e) {
+                let scale = f64::from_bits(((e + 1023) as u64) << 52);
+                let (pa, pb) = (x.data.as_ptr().cast::<i64>(), y.data.as_ptr().cast::<i64>());
+                for (i, o) in out[lo - skip..hi - skip].iter_mut().enumerate() {
+                    let k = lo - start + i;
+                    // SAFETY: both blocks hold 8·bl bytes and k < bl.
+                    let v = unsafe {
+                        (i64::from_le(pa.add(k).read_unaligned()) << sa)
+                            + (i64::from_le(pb.add(k).read_unaligned()) << sb)
+                    };
+                    *o = round_lane(v, scale);
+                }
+                continue;
+            }
         }
         blkenc.clear();
         merge_block(&x, &y, bl, &mut blkenc)?;
