@@ -23,7 +23,7 @@
 //! rounding.
 
 use std::ops::Range;
-use std::sync::mpsc;
+use std::sync::{Arc, mpsc};
 
 use weft_collectives::{Communicator, CommunicatorExt, ReduceOp, repro};
 
@@ -78,15 +78,42 @@ impl Observer for Forward {
     }
 }
 
-/// The data-parallel group of one rank.
+/// The expert-parallel groups of one rank (`parallel.ep > 1`): ranks
+/// `g·ep .. (g+1)·ep` of the data-parallel world form expert group `g`
+/// and share out the experts; the ranks holding the same experts (one per
+/// group) form a replica group.
+pub(crate) struct Ep {
+    /// The expert group, handed to the model's mixture-of-experts blocks.
+    pub(crate) group: Arc<dyn Communicator>,
+    /// The ranks that hold this rank's experts.
+    replica: Box<dyn Communicator>,
+}
+
+/// The data-parallel group of one rank, and its expert-parallel groups.
 pub(crate) struct Dp {
     comm: Box<dyn Communicator>,
+    ep: Option<Ep>,
 }
 
 impl Dp {
-    /// The group over `comm`.
-    pub(crate) fn new(comm: Box<dyn Communicator>) -> Self {
-        Self { comm }
+    /// The group over `comm`; with `ep > 1`, also its expert groups of `ep`
+    /// consecutive ranks.
+    pub(crate) fn new(comm: Box<dyn Communicator>, ep: usize) -> Result<Self, TrainError> {
+        let ep = if ep > 1 {
+            let r = comm.rank();
+            let (g, i) = ((r / ep) as u32, (r % ep) as u32);
+            let group: Arc<dyn Communicator> = Arc::from(comm.split(g, i)?);
+            let replica = comm.split(i, g)?;
+            Some(Ep { group, replica })
+        } else {
+            None
+        };
+        Ok(Self { comm, ep })
+    }
+
+    /// The expert-parallel groups, if any.
+    pub(crate) fn ep(&self) -> Option<&Ep> {
+        self.ep.as_ref()
     }
 
     /// This rank's index in the group.
@@ -120,69 +147,233 @@ impl Dp {
         Ok(())
     }
 
-    /// Plain f32 sum of `grads` over the group (ring or the policy's pick).
-    pub(crate) fn sum_f32(&self, grads: &mut [f32]) -> Result<(), TrainError> {
-        self.comm.all_reduce(grads, ReduceOp::Sum)?;
+    /// Sum over the expert group (distinct expert shards' figures).
+    pub(crate) fn sum_over_experts(&self, value: f64) -> Result<f64, TrainError> {
+        let mut v = [value];
+        if let Some(ep) = &self.ep {
+            ep.group.all_reduce(&mut v, ReduceOp::Sum)?;
+        }
+        Ok(v[0])
+    }
+
+    /// Assembles the unsharded buffer `full` (laid out by `full_layout`;
+    /// `None` on ranks that do not keep one) from `src` (laid out by
+    /// `local`): expert tensors are gathered over the expert group — a
+    /// collective every rank of the group joins — and other tensors copied.
+    pub(crate) fn gather_experts(
+        &self,
+        local: &weft_model::ParamLayout,
+        full_layout: &weft_model::ParamLayout,
+        src: &[f32],
+        mut full: Option<&mut [f32]>,
+    ) -> Result<(), TrainError> {
+        let mut scratch = Vec::new();
+        for spec in local.specs() {
+            let Some(dst) = full_layout.get(&spec.name) else {
+                continue;
+            };
+            let part = &src[spec.range()];
+            match (&self.ep, full.as_deref_mut()) {
+                (Some(ep), out) if weft_model::MoeFfn::is_expert_param(&spec.name) => {
+                    let out = match out {
+                        Some(f) => &mut f[dst.range()],
+                        None => {
+                            scratch.resize(dst.numel(), 0.0);
+                            &mut scratch[..]
+                        }
+                    };
+                    ep.group.all_gather(part, out)?;
+                }
+                (_, Some(f)) => f[dst.range()].copy_from_slice(part),
+                (_, None) => {}
+            }
+        }
         Ok(())
+    }
+}
+
+/// Where a gradient part is reduced.
+#[derive(Clone, Copy, PartialEq)]
+enum Over {
+    /// Replicated tensors: the mean over every micro-batch of the world.
+    World,
+    /// Expert shards, which already hold their expert group's sum: summed
+    /// over the replica group, then divided by the micro-batches.
+    Replicas,
+}
+
+/// A set of gradient elements reduced the same way.
+struct Part {
+    /// Element ranges in the gradient buffer (empty: the whole buffer).
+    ranges: Vec<Range<usize>>,
+    over: Over,
+    exact: Option<repro::ExactPartial>,
+    /// The part's elements, gathered (unless it is the whole buffer).
+    buf: Vec<f32>,
+}
+
+/// Copies the elements of `ranges` of `grads` into `buf`, in order.
+fn gather_ranges(ranges: &[Range<usize>], grads: &[f32], buf: &mut Vec<f32>) {
+    buf.clear();
+    for r in ranges {
+        buf.extend_from_slice(&grads[r.clone()]);
+    }
+}
+
+/// The inverse of [`gather_ranges`].
+fn scatter_ranges(ranges: &[Range<usize>], buf: &[f32], grads: &mut [f32]) {
+    let mut at = 0;
+    for r in ranges {
+        grads[r.clone()].copy_from_slice(&buf[at..at + r.len()]);
+        at += r.len();
     }
 }
 
 /// Sums micro-batch gradients: exactly (order- and split-independent) or
 /// in place in f32.
 pub(crate) struct GradAccum {
-    /// The exact partial sum (reproducible mode).
-    exact: Option<repro::ExactPartial>,
+    parts: Vec<Part>,
+    exact: bool,
 }
 
 impl GradAccum {
-    /// An empty accumulator for `len` gradients; `exact` selects the
-    /// reproducible sum.
-    pub(crate) fn new(len: usize, exact: bool) -> Self {
-        Self {
-            exact: exact.then(|| repro::ExactPartial::new(len)),
-        }
+    /// An empty accumulator for the gradients of `layout`; `exact` selects
+    /// the reproducible sum; with `expert_parallel` the expert tensors are
+    /// reduced over their replica group.
+    pub(crate) fn new(layout: &weft_model::ParamLayout, exact: bool, expert_parallel: bool) -> Self {
+        let new_part = |ranges: Vec<Range<usize>>, over: Over| {
+            let len = if ranges.is_empty() {
+                layout.len()
+            } else {
+                ranges.iter().map(Range::len).sum()
+            };
+            Part {
+                ranges,
+                over,
+                exact: exact.then(|| repro::ExactPartial::new(len)),
+                buf: Vec::new(),
+            }
+        };
+        let parts = if expert_parallel {
+            let (experts, dense): (Vec<_>, Vec<_>) = layout
+                .specs()
+                .iter()
+                .partition(|s| weft_model::MoeFfn::is_expert_param(&s.name));
+            let ranges = |v: Vec<&weft_model::ParamSpec>| v.iter().map(|s| s.range()).collect();
+            vec![
+                new_part(ranges(dense), Over::World),
+                new_part(ranges(experts), Over::Replicas),
+            ]
+        } else {
+            vec![new_part(Vec::new(), Over::World)]
+        };
+        Self { parts, exact }
     }
 
     /// Call after each micro-batch's backward. Exact: folds `grads` into
-    /// the partial and zeroes them for the next micro-batch. Plain: leaves
+    /// the partials and zeroes them for the next micro-batch. Plain: leaves
     /// them to accumulate in place.
     pub(crate) fn add(&mut self, grads: &mut [f32]) -> Result<(), TrainError> {
-        if let Some(partial) = &mut self.exact {
-            partial.add(grads)?;
-            grads.fill(0.0);
+        if !self.exact {
+            return Ok(());
         }
+        for part in &mut self.parts {
+            let Some(partial) = &mut part.exact else {
+                continue;
+            };
+            if part.ranges.is_empty() {
+                partial.add(grads)?;
+            } else {
+                gather_ranges(&part.ranges, grads, &mut part.buf);
+                partial.add(&part.buf)?;
+            }
+        }
+        grads.fill(0.0);
         Ok(())
     }
 
-    /// Writes the mean over the `micro_batches` of the global batch — this
-    /// rank's, and with `dp` the whole group's — into `grads`, and resets
-    /// the accumulator. Exact: the exact sum divided by the count, rounded
-    /// once; plain: the f32 sum (all-reduced over `dp`) times
-    /// `1/micro_batches`.
+    /// Writes the gradient of the global batch's mean loss over its
+    /// `micro_batches` into `grads` and resets the accumulator. Replicated
+    /// tensors: exact — the exact sum over every rank's micro-batches
+    /// divided by their count, rounded once; plain — the f32 sum
+    /// all-reduced over `dp`, times `1/micro_batches`. Expert shards (with
+    /// expert parallelism): the sum over the replica group (exact, rounded
+    /// once, or plain) times `1/micro_batches`.
     pub(crate) fn finish(
         &mut self,
         grads: &mut [f32],
         dp: Option<&Dp>,
         micro_batches: usize,
     ) -> Result<(), TrainError> {
-        match &mut self.exact {
-            Some(partial) => {
-                match dp {
-                    Some(dp) => dp.comm.all_reduce_exact(partial, grads, ReduceOp::Avg)?,
-                    None => partial.mean_to(grads)?,
-                }
-                partial.clear();
+        let inv = 1.0 / micro_batches as f32;
+        for part in &mut self.parts {
+            let whole = part.ranges.is_empty();
+            if !whole {
+                gather_ranges(&part.ranges, grads, &mut part.buf);
             }
-            None => {
-                if let Some(dp) = dp {
-                    dp.sum_f32(grads)?;
+            let out: &mut [f32] = if whole { grads } else { &mut part.buf };
+            let comm: Option<&dyn Communicator> = match (dp, part.over) {
+                (None, _) => None,
+                (Some(d), Over::World) => Some(&*d.comm),
+                (Some(d), Over::Replicas) => d.ep.as_ref().map(|e| &*e.replica),
+            };
+            let scale = match (&mut part.exact, part.over) {
+                (Some(partial), Over::World) => {
+                    match comm {
+                        Some(c) => c.all_reduce_exact(partial, out, ReduceOp::Avg)?,
+                        None => partial.mean_to(out)?,
+                    }
+                    partial.clear();
+                    false
                 }
-                if micro_batches > 1 {
-                    let inv = 1.0 / micro_batches as f32;
-                    grads.iter_mut().for_each(|g| *g *= inv);
+                (Some(partial), Over::Replicas) => {
+                    match comm {
+                        Some(c) => c.all_reduce_exact(partial, out, ReduceOp::Sum)?,
+                        None => partial.round_to(out)?,
+                    }
+                    partial.clear();
+                    true
                 }
+                (None, _) => {
+                    if let Some(c) = comm {
+                        c.all_reduce(out, ReduceOp::Sum)?;
+                    }
+                    true
+                }
+            };
+            if scale && micro_batches > 1 {
+                out.iter_mut().for_each(|g| *g *= inv);
+            }
+            if !whole {
+                scatter_ranges(&part.ranges, &part.buf, grads);
             }
         }
         Ok(())
+    }
+}
+
+/// Copies the unsharded buffer `full` (laid out by `full_layout`) into
+/// `local` (laid out by `local_layout`, whose expert tensors hold `1/ep` of
+/// the experts): expert tensors take block `ep_rank` of their first
+/// dimension — contiguous in memory — and other tensors are copied whole.
+/// Tensors missing from `full` are left alone.
+pub(crate) fn take_experts(
+    full_layout: &weft_model::ParamLayout,
+    full: &[f32],
+    local_layout: &weft_model::ParamLayout,
+    local: &mut [f32],
+    ep_rank: usize,
+) {
+    for spec in local_layout.specs() {
+        let Some(src) = full_layout.get(&spec.name) else {
+            continue;
+        };
+        let n = spec.numel();
+        let start = if weft_model::MoeFfn::is_expert_param(&spec.name) {
+            src.range().start + ep_rank * n
+        } else {
+            src.range().start
+        };
+        local[spec.range()].copy_from_slice(&full[start..start + n]);
     }
 }

@@ -270,7 +270,13 @@ struct MoeRun {
     bias_rate: Option<f64>,
 }
 
-fn build_model(config: &Config, cfg: &GptConfig) -> Result<(Gpt, Option<MoeRun>), TrainError> {
+/// The model of one rank: with `ep`, its mixture-of-experts blocks hold
+/// this rank's share of the experts.
+fn build_model(
+    config: &Config,
+    cfg: &GptConfig,
+    ep: Option<&crate::parallel::Ep>,
+) -> Result<(Gpt, Option<MoeRun>), TrainError> {
     let m = &config.model.moe;
     if m.experts == 0 {
         return Ok((Gpt::new(cfg.clone())?, None));
@@ -302,7 +308,10 @@ fn build_model(config: &Config, cfg: &GptConfig) -> Result<(Gpt, Option<MoeRun>)
             scope: AuxScope::Batch,
         }),
     };
-    let (ffn, stats) = weft_model::MoeFfn::new(moe_cfg)?;
+    let (ffn, stats) = match ep {
+        Some(ep) => weft_model::MoeFfn::with_expert_parallel(moe_cfg, ep.group.clone())?,
+        None => weft_model::MoeFfn::new(moe_cfg)?,
+    };
     let model = Gpt::with_ffn(cfg.clone(), Box::new(ffn))?;
     let bias_rate = (m.balance == "bias").then_some(m.bias_rate);
     Ok((
@@ -324,7 +333,16 @@ fn eval_loss(model: &Gpt, batches: &[Batch], dp: Option<&Dp>) -> Result<f64, Tra
     let mine = (rank * per).min(batches.len())..((rank + 1) * per).min(batches.len());
     let mut local = vec![0.0; per];
     let mut acts: Option<weft_model::Activations> = None;
-    for (slot, b) in local.iter_mut().zip(&batches[mine]) {
+    // With expert parallelism forwards are collective over the expert
+    // group: a rank short of batches runs (and discards) stand-ins so that
+    // every rank runs `per` forwards.
+    let collective = dp.is_some_and(|d| d.ep().is_some());
+    for (i, slot) in local.iter_mut().enumerate() {
+        let (b, real) = match batches[mine.clone()].get(i) {
+            Some(b) => (b, true),
+            None if collective && !batches.is_empty() => (&batches[0], false),
+            None => break,
+        };
         if acts.as_ref().is_none_or(|a| a.batch() != b.batch) {
             acts = Some(model.activations(b.batch, b.seq)?);
         }
@@ -332,7 +350,9 @@ fn eval_loss(model: &Gpt, batches: &[Batch], dp: Option<&Dp>) -> Result<f64, Tra
         let loss = model
             .forward(a, &b.inputs, Some(&b.targets))?
             .unwrap_or(f64::NAN);
-        *slot = loss * (b.batch * b.seq) as f64;
+        if real {
+            *slot = loss * (b.batch * b.seq) as f64;
+        }
     }
     let all = match dp {
         Some(d) => d.gather(&local)?,
@@ -400,9 +420,6 @@ pub fn train(
     if p.pp > 1 {
         return unsupported("pipeline parallelism (parallel.pp > 1)");
     }
-    if p.ep > 1 {
-        return unsupported("expert parallelism (parallel.ep > 1)");
-    }
     if p.fsdp != "none" {
         return unsupported("sharded data parallelism (parallel.fsdp other than \"none\")");
     }
@@ -415,7 +432,10 @@ pub fn train(
         let ranks = s.spawn(move || {
             let tx = tx;
             weft_collectives::LocalCluster::builder(world).run_each(|comm| {
-                let dp = Dp::new(Box::new(comm));
+                let dp = match Dp::new(Box::new(comm), p.ep) {
+                    Ok(dp) => dp,
+                    Err(e) => return Err(e),
+                };
                 if dp.rank() == 0 {
                     run_rank(config, resume, Some(&dp), &mut Forward(tx.clone()))
                 } else {
@@ -484,8 +504,21 @@ fn run_rank(
     let data = Data::open(config)?;
     let vocab = data.vocab_size();
     let cfg = model_config(config, vocab);
-    let (mut model, moe) = build_model(config, &cfg)?;
-    model.init_gpt2(config.train.seed);
+    let ep = dp.and_then(Dp::ep);
+    let (mut model, moe) = build_model(config, &cfg, ep)?;
+    // With expert parallelism every rank starts from its share of the
+    // unsharded model's initialisation; the writer keeps the unsharded
+    // model to assemble checkpoints in.
+    let mut full = None;
+    if ep.is_some() {
+        let (mut whole, _) = build_model(config, &cfg, None)?;
+        whole.init_gpt2(config.train.seed);
+        let d = dp.expect("ep implies dp");
+        weft_model::MoeFfn::shard_params(&whole, &mut model, d.rank() % config.parallel.ep, config.parallel.ep)?;
+        full = Some(whole);
+    } else {
+        model.init_gpt2(config.train.seed);
+    }
 
     let name = if config.run.name.is_empty() {
         timestamp_name()
@@ -503,7 +536,26 @@ fn run_rank(
         if !run_dir.is_dir() {
             return Err(TrainError::NothingToResume(run_dir));
         }
-        let restored = crate::ckpt::restore(&ckpt_root, config, &mut model, &mut opt)?;
+        let restored = match full.as_mut() {
+            None => crate::ckpt::restore(&ckpt_root, config, &mut model, &mut opt)?,
+            Some(whole) => {
+                // The checkpoint is unsharded: restore it whole, then take
+                // this rank's experts (parameters and moments).
+                let mut whole_opt = AdamWState::new(whole);
+                let r = crate::ckpt::restore(&ckpt_root, config, whole, &mut whole_opt)?;
+                let ep_rank = dp.map_or(0, |d| d.rank() % config.parallel.ep);
+                let (fl, ll) = (whole.layout().clone(), model.layout().clone());
+                for (src, dst) in [
+                    (&whole.params, &mut model.params),
+                    (&whole_opt.m, &mut opt.m),
+                    (&whole_opt.v, &mut opt.v),
+                ] {
+                    crate::parallel::take_experts(&fl, src, &ll, dst, ep_rank);
+                }
+                opt.step = whole_opt.step;
+                r
+            }
+        };
         start_step = restored.step;
         observer.resumed(start_step, &restored.skipped);
         let text = std::fs::read_to_string(&metrics_path).map_err(io_err(&metrics_path))?;
@@ -543,6 +595,12 @@ fn run_rank(
         None
     };
 
+    // The unsharded model's layout (to assemble checkpoints in); its
+    // buffers stay on the writer only.
+    let cfg_full_layout = full.as_ref().map(|f| f.layout().clone());
+    if !writer {
+        full = None;
+    }
     let t = &config.train;
     let micro = t.batch_size / t.grad_accum;
     let seq = config.model.block_size;
@@ -560,8 +618,9 @@ fn run_rank(
             1.0
         }
     };
-    let matmul_params: f64 = model
-        .layout()
+    let matmul_params: f64 = full
+        .as_ref()
+        .map_or(model.layout(), Gpt::layout)
         .specs()
         .iter()
         .filter(|p| p.name != "transformer.wpe.weight")
@@ -630,7 +689,7 @@ fn run_rank(
     recent.drain(..excess);
     let share = dp.map_or(0..t.grad_accum, |d| d.share(t.grad_accum));
     // Gradients of the mean over the global batch's micro-batches.
-    let mut accum = GradAccum::new(model.grads.len(), config.parallel.reproducible);
+    let mut accum = GradAccum::new(model.layout(), config.parallel.reproducible, ep.is_some());
     let mut last_max_vio = None;
     let expert_path = run_dir.join("expert_load.jsonl");
     let mut expert_log: Option<BufWriter<Box<dyn Write>>> = match &moe {
@@ -677,12 +736,31 @@ fn run_rank(
             loss += l;
         }
         loss /= t.grad_accum as f64;
-        let grad_norm = model
-            .grads
-            .iter()
-            .map(|&g| f64::from(g) * f64::from(g))
-            .sum::<f64>()
-            .sqrt();
+        let grad_norm = match (dp, ep) {
+            (Some(d), Some(_)) => {
+                // Replicated tensors count once; the expert shards of the
+                // group are distinct and their squares add up.
+                let (mut dense, mut experts) = (0.0, 0.0);
+                for spec in model.layout().specs() {
+                    let sq: f64 = model.grads[spec.range()]
+                        .iter()
+                        .map(|&g| f64::from(g) * f64::from(g))
+                        .sum();
+                    if weft_model::MoeFfn::is_expert_param(&spec.name) {
+                        experts += sq;
+                    } else {
+                        dense += sq;
+                    }
+                }
+                (dense + d.sum_over_experts(experts)?).sqrt()
+            }
+            _ => model
+                .grads
+                .iter()
+                .map(|&g| f64::from(g) * f64::from(g))
+                .sum::<f64>()
+                .sqrt(),
+        };
         let applied = loss.is_finite() && grad_norm.is_finite();
         if applied {
             let clip = config.optim.grad_clip;
@@ -798,15 +876,35 @@ fn run_rank(
             last_eval = eval_loss(&model, &val, dp)?;
             log_eval(&mut metrics, observer, step + 1, last_eval)?;
         }
+        let save_now = config.checkpoint.every > 0
+            && (done || (step + 1).is_multiple_of(config.checkpoint.every));
+        // Expert shards are assembled into the unsharded model on the
+        // writer first: a collective, so every rank of the group joins.
+        let mut whole_opt = None;
+        if save_now && let (Some(d), Some(_)) = (dp, ep) {
+            let mut assembled = full.as_ref().map(AdamWState::new);
+            let fl = cfg_full_layout.as_ref().expect("kept with expert parallelism");
+            let ll = model.layout();
+            d.gather_experts(ll, fl, &model.params, full.as_mut().map(|f| &mut f.params[..]))?;
+            d.gather_experts(ll, fl, &opt.m, assembled.as_mut().map(|o| &mut o.m[..]))?;
+            d.gather_experts(ll, fl, &opt.v, assembled.as_mut().map(|o| &mut o.v[..]))?;
+            if let Some(o) = assembled.as_mut() {
+                o.step = opt.step;
+            }
+            whole_opt = assembled;
+        }
         if let Some(saver) = saver.as_mut()
-            && (done || (step + 1).is_multiple_of(config.checkpoint.every))
+            && save_now
         {
             // Everything logged so far belongs to the checkpoint.
             metrics.flush().map_err(io_err(&metrics_path))?;
             if let Some(log) = expert_log.as_mut() {
                 log.flush().map_err(io_err(&expert_path))?;
             }
-            saver.save(step + 1, &model, &opt)?;
+            match (&full, &whole_opt) {
+                (Some(f), Some(o)) => saver.save(step + 1, f, o)?,
+                _ => saver.save(step + 1, &model, &opt)?,
+            }
         }
     }
     metrics.flush().map_err(io_err(&metrics_path))?;

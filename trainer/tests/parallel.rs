@@ -151,3 +151,64 @@ fn bad_layouts_are_clear_errors() {
     assert!(matches!(e, TrainError::RunExists(_)), "{e}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for e in std::fs::read_dir(from).unwrap() {
+        let e = e.unwrap();
+        let target = to.join(e.file_name());
+        if e.file_type().unwrap().is_dir() {
+            copy_dir(&e.path(), &target);
+        } else {
+            std::fs::copy(e.path(), target).unwrap();
+        }
+    }
+}
+
+#[test]
+fn expert_parallel_matches_and_resumes_bit_for_bit() {
+    let dir = tmp("ep");
+    let moe = [
+        "model.moe.experts=4",
+        "model.moe.top_k=2",
+        "parallel.dp=2",
+        "checkpoint.every=3",
+    ];
+    let replicated = train(&config(&dir, "ep1", &moe), false, &mut Silent).unwrap();
+    let with_ep: Vec<&str> = moe.iter().copied().chain(["parallel.ep=2"]).collect();
+    let sharded = train(&config(&dir, "ep2", &with_ep), false, &mut Silent).unwrap();
+    // Experts on other ranks sum their tokens' gradients in another order:
+    // equal to rounding, not bitwise.
+    let num = |run: &Path| -> Vec<f64> {
+        trace(run)
+            .iter()
+            .flat_map(|l| {
+                l.split(' ')
+                    .skip(1)
+                    .map(|x| x.parse::<f64>().unwrap_or(0.0))
+            })
+            .collect()
+    };
+    let (a, b) = (num(&replicated.run_dir), num(&sharded.run_dir));
+    assert_eq!(a.len(), b.len());
+    for (x, y) in a.iter().zip(&b) {
+        assert!((x - y).abs() <= 1e-4 * x.abs().max(1.0), "{x} vs {y}");
+    }
+    // The checkpoint holds the whole model (every expert), as a single
+    // rank's would.
+    let ckpt =
+        weft_checkpoint::Checkpoint::open(&sharded.run_dir.join("checkpoints/step-00000006"))
+            .unwrap();
+    ckpt.verify().unwrap();
+    let experts = &ckpt.manifest().tensors["transformer.h.0.mlp.experts.c_fc.weight"];
+    assert_eq!(experts.shape[0], 4, "all four experts saved");
+    // Lose the last checkpoint and resume from step 3: bit for bit.
+    let again = dir.join("ep2-again");
+    copy_dir(&sharded.run_dir, &again);
+    std::fs::remove_dir_all(again.join("checkpoints/step-00000006")).unwrap();
+    let mut c = config(&dir, "ep2-again", &with_ep);
+    c.run.name = "ep2-again".into();
+    let resumed = train(&c, true, &mut Silent).unwrap();
+    assert_eq!(trace(&resumed.run_dir), trace(&sharded.run_dir));
+    let _ = std::fs::remove_dir_all(&dir);
+}
