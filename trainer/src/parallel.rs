@@ -240,7 +240,11 @@ impl GradAccum {
     /// An empty accumulator for the gradients of `layout`; `exact` selects
     /// the reproducible sum; with `expert_parallel` the expert tensors are
     /// reduced over their replica group.
-    pub(crate) fn new(layout: &weft_model::ParamLayout, exact: bool, expert_parallel: bool) -> Self {
+    pub(crate) fn new(
+        layout: &weft_model::ParamLayout,
+        exact: bool,
+        expert_parallel: bool,
+    ) -> Self {
         let new_part = |ranges: Vec<Range<usize>>, over: Over| {
             let len = if ranges.is_empty() {
                 layout.len()

@@ -514,7 +514,12 @@ fn run_rank(
         let (mut whole, _) = build_model(config, &cfg, None)?;
         whole.init_gpt2(config.train.seed);
         let d = dp.expect("ep implies dp");
-        weft_model::MoeFfn::shard_params(&whole, &mut model, d.rank() % config.parallel.ep, config.parallel.ep)?;
+        weft_model::MoeFfn::shard_params(
+            &whole,
+            &mut model,
+            d.rank() % config.parallel.ep,
+            config.parallel.ep,
+        )?;
         full = Some(whole);
     } else {
         model.init_gpt2(config.train.seed);
@@ -883,9 +888,16 @@ fn run_rank(
         let mut whole_opt = None;
         if save_now && let (Some(d), Some(_)) = (dp, ep) {
             let mut assembled = full.as_ref().map(AdamWState::new);
-            let fl = cfg_full_layout.as_ref().expect("kept with expert parallelism");
+            let fl = cfg_full_layout
+                .as_ref()
+                .expect("kept with expert parallelism");
             let ll = model.layout();
-            d.gather_experts(ll, fl, &model.params, full.as_mut().map(|f| &mut f.params[..]))?;
+            d.gather_experts(
+                ll,
+                fl,
+                &model.params,
+                full.as_mut().map(|f| &mut f.params[..]),
+            )?;
             d.gather_experts(ll, fl, &opt.m, assembled.as_mut().map(|o| &mut o.m[..]))?;
             d.gather_experts(ll, fl, &opt.v, assembled.as_mut().map(|o| &mut o.v[..]))?;
             if let Some(o) = assembled.as_mut() {
