@@ -15,6 +15,7 @@ use rayon::prelude::*;
 use crate::Real;
 use crate::error::{Error, Result, check};
 use crate::gemm::{View, gemm};
+use crate::matmul::gemm_row_invariant;
 use crate::softmax::softmax_in_place;
 
 const BLOCK: usize = 64;
@@ -91,7 +92,7 @@ pub fn attention_forward<T: Real>(
                     rs: 1,
                     cs: 3 * c,
                 };
-                gemm(
+                gemm_row_invariant(
                     i1 - i0,
                     i1,
                     hs,
@@ -113,7 +114,7 @@ pub fn attention_forward<T: Real>(
                     rs: 3 * c,
                     cs: 1,
                 };
-                gemm(
+                gemm_row_invariant(
                     i1 - i0,
                     hs,
                     i1,
@@ -128,6 +129,83 @@ pub fn attention_forward<T: Real>(
             }
         }
     });
+    Ok(())
+}
+
+/// One position of [`attention_forward`] from a key/value cache, for
+/// incremental decoding: the output `out (C)` and probabilities
+/// `att (NH, pos+1)` of the query `q (C)` at position `pos` over the keys
+/// and values `kv (pos+1, 2C)` (rows `[k | v]`, head `h` owning channels
+/// `h*HS..(h+1)*HS` of each) of positions `0..=pos`.
+///
+/// The result is bitwise equal to row `pos` of [`attention_forward`] over
+/// any sequence with the same queries, keys and values up to `pos`: both
+/// compute each score and each output element with the same row-invariant
+/// GEMM (see the `matmul` module's docs on row invariance), summing over
+/// keys in position order; the forward's block of 64 query rows and the
+/// zero probabilities of later keys change no bit.
+///
+/// # Errors
+/// [`Error::ShapeMismatch`] on a wrong buffer length,
+/// [`Error::InvalidArgument`] if `NH` does not divide `C`.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_decode<T: Real>(
+    out: &mut [T],
+    att: &mut [T],
+    q: &[T],
+    kv: &[T],
+    pos: usize,
+    c: usize,
+    nh: usize,
+) -> Result<()> {
+    const OP: &str = "attention_decode";
+    let hs = dims(OP, c, nh)?;
+    let n = pos + 1;
+    check(OP, "out", out, c)?;
+    check(OP, "att", att, nh * n)?;
+    check(OP, "q", q, c)?;
+    check(OP, "kv", kv, n * 2 * c)?;
+    if c == 0 {
+        return Ok(());
+    }
+    #[allow(clippy::cast_precision_loss)]
+    let scale = T::from_f64(1.0 / (hs as f64).sqrt());
+    for h in 0..nh {
+        let row = &mut att[h * n..(h + 1) * n];
+        gemm_row_invariant(
+            1,
+            n,
+            hs,
+            row,
+            n,
+            false,
+            View::rows(&q[h * hs..], c),
+            View {
+                data: &kv[h * hs..],
+                rs: 1,
+                cs: 2 * c,
+            },
+            scale,
+            true,
+        );
+        softmax_in_place(row);
+        gemm_row_invariant(
+            1,
+            hs,
+            n,
+            &mut out[h * hs..],
+            c,
+            false,
+            View::rows(row, n),
+            View {
+                data: &kv[c + h * hs..],
+                rs: 2 * c,
+                cs: 1,
+            },
+            T::ONE,
+            true,
+        );
+    }
     Ok(())
 }
 
@@ -362,6 +440,61 @@ mod tests {
                         .unwrap();
                 },
             );
+        }
+    }
+
+    /// The decode step gives bitwise the last row of the forward over the
+    /// prefix, and the same row of the forward over the whole sequence, at
+    /// every position across several 64-row blocks (and past 512 keys, where
+    /// sums are chunked), for several head sizes.
+    #[test]
+    fn decode_matches_the_forwards_last_row_bitwise() {
+        for (c, nh, t) in [
+            (32, 4, 140),
+            (24, 1, 70),
+            (12, 3, 20),
+            (128, 2, 131),
+            (8, 2, 530),
+        ] {
+            let qkv: Vec<f32> = rand_vec(t * 3 * c, 31)
+                .into_iter()
+                .map(|x| (x * 3.0) as f32)
+                .collect();
+            let mut kv = vec![0.0f32; t * 2 * c];
+            for i in 0..t {
+                kv[i * 2 * c..(i + 1) * 2 * c]
+                    .copy_from_slice(&qkv[i * 3 * c + c..(i + 1) * 3 * c]);
+            }
+            let mut full = vec![0.0f32; t * c];
+            let mut full_att = vec![0.0f32; nh * t * t];
+            attention_forward(&mut full, &mut full_att, &qkv, 1, t, c, nh).unwrap();
+            let checked =
+                (0..t).filter(|&p| t < 200 || p < 70 || (505..520).contains(&p) || p + 1 == t);
+            for pos in checked {
+                let n = pos + 1;
+                let mut out = vec![0.0f32; n * c];
+                let mut att = vec![0.0f32; nh * n * n];
+                attention_forward(&mut out, &mut att, &qkv[..n * 3 * c], 1, n, c, nh).unwrap();
+                let mut o1 = vec![0.0f32; c];
+                let mut a1 = vec![0.0f32; nh * n];
+                let q = &qkv[pos * 3 * c..pos * 3 * c + c];
+                attention_decode(&mut o1, &mut a1, q, &kv[..n * 2 * c], pos, c, nh).unwrap();
+                let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+                assert_eq!(
+                    bits(&o1),
+                    bits(&out[pos * c..]),
+                    "C={c} NH={nh} pos={pos}: out"
+                );
+                for h in 0..nh {
+                    let row = &att[h * n * n + pos * n..h * n * n + (pos + 1) * n];
+                    assert_eq!(bits(&a1[h * n..(h + 1) * n]), bits(row), "pos={pos} h={h}");
+                }
+                assert_eq!(
+                    bits(&o1),
+                    bits(&full[pos * c..(pos + 1) * c]),
+                    "pos={pos}: full"
+                );
+            }
         }
     }
 

@@ -20,7 +20,7 @@
 //! | linear (`[out, in]` weight, e.g. a tied `lm_head`) | [`matmul_forward_wt`] | [`matmul_backward_wt`] |
 //! | layernorm | [`layernorm_forward`] | [`layernorm_backward`] |
 //! | GELU, tanh approximation | [`gelu_forward`] | [`gelu_backward`] |
-//! | causal multi-head attention | [`attention_forward`] | [`attention_backward`] |
+//! | causal multi-head attention | [`attention_forward`] (one position from a key/value cache: [`attention_decode`]) | [`attention_backward`] |
 //! | softmax | [`softmax_forward`] | [`softmax_backward`] |
 //! | cross-entropy | [`crossentropy_forward`] | [`crossentropy_softmax_backward`] |
 //! | softmax + cross-entropy, fused, in place | [`fused_classifier`] | (same call) |
@@ -95,7 +95,7 @@ mod softmax;
 mod testutil;
 
 pub use adamw::{AdamW, adamw_update};
-pub use attention::{attention_backward, attention_forward};
+pub use attention::{attention_backward, attention_decode, attention_forward};
 pub use embedding::{check_tokens, encoder_backward, encoder_forward};
 pub use error::{Error, Result};
 pub use layernorm::{layernorm_backward, layernorm_forward};

@@ -1,5 +1,20 @@
 //! Linear layers: `out = inp · weight + bias`, weight in `[in, out]`
 //! layout (Hugging Face GPT-2's `Conv1D`).
+//!
+//! # Row invariance
+//!
+//! The forwards give every output row bitwise the same value whatever the
+//! number of rows computed with it: one token alone, the same token as row
+//! 37 of a sequence, or as one of the few tokens routed to an expert. The
+//! GEMM library sums each element in one fixed order — sequentially over
+//! `k` with one fused multiply-add per term — *on its main path*, but it
+//! takes other paths for some shapes (a matrix–vector kernel for one row
+//! or column, dot-product kernels when `rows · n <= 256` and the weight is
+//! read column-wise, another kernel for `k <= 2`) and blocks long
+//! reductions by a depth that depends on the shape. `gemm_row_invariant`
+//! keeps every call on the main path and chunks `k` itself; attention uses
+//! it too. (This is what lets a key/value-cache decoder reproduce the
+//! training forward's logits bit for bit.)
 
 use crate::error::{Result, check};
 use crate::gemm::{View, gemm};
@@ -45,7 +60,7 @@ pub fn matmul_forward<T: Real>(
                 row.copy_from_slice(bias);
             }
         }
-        gemm(
+        gemm_row_invariant(
             rows,
             oc,
             c,
@@ -59,6 +74,160 @@ pub fn matmul_forward<T: Real>(
         );
     }
     Ok(())
+}
+
+/// Output columns of the narrowest call the `gemm` wrapper makes for an
+/// output `n` wide (it splits wide outputs into column blocks).
+fn narrowest_block(n: usize) -> usize {
+    // The column block of `crate::gemm::gemm` (the row-invariance test
+    // covers an output wider than it, with a narrow remainder).
+    const N_BLOCK: usize = 4096;
+    if n > N_BLOCK && !n.is_multiple_of(N_BLOCK) {
+        n % N_BLOCK
+    } else {
+        n.min(N_BLOCK)
+    }
+}
+
+/// Depth of one GEMM call in [`gemm_row_invariant`]: a longer reduction is
+/// summed in chunks of this many terms, so the GEMM library's own blocking
+/// of `k` (which depends on the shape) never splits it.
+const K_CHUNK: usize = 512;
+
+/// `dst (m×n) = [dst +] scale · a (m×k) · b (k×n)` (as
+/// [`gemm`](crate::gemm::gemm)) with every element's bits determined by its
+/// row of `a`, its column of `b` and `k` alone — not by `m`, `n`, the
+/// layouts or the other rows (see the module docs on row invariance). Zero
+/// terms appended to a dot product do not change it either, except for
+/// the sign of an exact zero.
+///
+/// Shapes that the GEMM library would send down another path are padded:
+/// too few rows (one, or `m·n <= 256` with `a` read along rows and `b`
+/// along columns) with zero rows of `a` and `dst`; one output column or
+/// `k <= 2` on zero-padded row-major copies of all three. A reduction
+/// deeper than [`K_CHUNK`] runs as calls of at most that depth,
+/// accumulating.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn gemm_row_invariant<T: Real>(
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: &mut [T],
+    dst_rs: usize,
+    accumulate: bool,
+    a: View<'_, T>,
+    b: View<'_, T>,
+    scale: T,
+    threads: bool,
+) {
+    if m == 0 || n == 0 {
+        return;
+    }
+    if k > K_CHUNK {
+        for k0 in (0..k).step_by(K_CHUNK) {
+            gemm_row_invariant(
+                m,
+                n,
+                K_CHUNK.min(k - k0),
+                dst,
+                dst_rs,
+                accumulate || k0 > 0,
+                View {
+                    data: &a.data[k0 * a.cs..],
+                    ..a
+                },
+                View {
+                    data: &b.data[k0 * b.rs..],
+                    ..b
+                },
+                scale,
+                threads,
+            );
+        }
+        return;
+    }
+    // The GEMM library's dot-product kernels take small products whose `a`
+    // is read along rows and `b` along columns; the wrapper splits a wide
+    // output into column blocks, the narrowest of which decides.
+    let nb = narrowest_block(n);
+    let m_min = |a_cs: usize| {
+        if a_cs == 1 && b.rs == 1 {
+            (256 / nb + 1).max(2)
+        } else {
+            2
+        }
+    };
+    if k < 3 || n < 2 || (b.rs == 1 && nb < 2) {
+        // Vector-like `b` or a tiny reduction: zero-padded row-major copies.
+        let (mp, np, kp) = (m.max(2), n.max(2), k.max(3));
+        let mut ap = vec![T::ZERO; mp * kp];
+        for i in 0..m {
+            for l in 0..k {
+                ap[i * kp + l] = a.data[i * a.rs + l * a.cs];
+            }
+        }
+        let mut bp = vec![T::ZERO; kp * np];
+        for l in 0..k {
+            for j in 0..n {
+                bp[l * np + j] = b.data[l * b.rs + j * b.cs];
+            }
+        }
+        let mut dp = vec![T::ZERO; mp * np];
+        if accumulate {
+            for i in 0..m {
+                dp[i * np..i * np + n].copy_from_slice(&dst[i * dst_rs..i * dst_rs + n]);
+            }
+        }
+        gemm_row_invariant(
+            mp,
+            np,
+            kp,
+            &mut dp,
+            np,
+            accumulate,
+            View::rows(&ap, kp),
+            View::rows(&bp, np),
+            scale,
+            threads,
+        );
+        for i in 0..m {
+            dst[i * dst_rs..i * dst_rs + n].copy_from_slice(&dp[i * np..i * np + n]);
+        }
+        return;
+    }
+    if m < m_min(a.cs) {
+        // Too few rows: pad `a` and `dst` with zero rows (`b` is read as is).
+        let mp = m_min(1);
+        let mut ap = vec![T::ZERO; mp * k];
+        for i in 0..m {
+            for l in 0..k {
+                ap[i * k + l] = a.data[i * a.rs + l * a.cs];
+            }
+        }
+        let mut dp = vec![T::ZERO; mp * n];
+        if accumulate {
+            for i in 0..m {
+                dp[i * n..(i + 1) * n].copy_from_slice(&dst[i * dst_rs..i * dst_rs + n]);
+            }
+        }
+        gemm(
+            mp,
+            n,
+            k,
+            &mut dp,
+            n,
+            accumulate,
+            View::rows(&ap, k),
+            b,
+            scale,
+            threads,
+        );
+        for i in 0..m {
+            dst[i * dst_rs..i * dst_rs + n].copy_from_slice(&dp[i * n..(i + 1) * n]);
+        }
+        return;
+    }
+    gemm(m, n, k, dst, dst_rs, accumulate, a, b, scale, threads);
 }
 
 /// Backward of [`matmul_forward`], accumulating (`+=`):
@@ -166,7 +335,7 @@ pub fn matmul_forward_wt<T: Real>(
                 row.copy_from_slice(bias);
             }
         }
-        gemm(
+        gemm_row_invariant(
             rows,
             oc,
             c,
@@ -382,6 +551,64 @@ mod tests {
                 .unwrap();
             },
         );
+    }
+
+    /// Row invariance (module docs): a row's output is bitwise the same
+    /// alone, in any prefix of a sequence and inside the whole sequence, for
+    /// shapes that reach each of the GEMM library's paths when unpadded.
+    #[test]
+    fn each_row_is_bitwise_the_same_whatever_rows_surround_it() {
+        let f32s =
+            |n, seed| -> Vec<f32> { rand_vec(n, seed).into_iter().map(|x| x as f32).collect() };
+        // (C, OC): main path; one output column; narrow outputs (dot-product
+        // kernels when read column-wise); a deep reduction into a narrow
+        // output (other k blocking); an output wider than the column block
+        // with a narrow remainder; a reduction of 3.
+        let shapes = [
+            (16, 48),
+            (64, 1),
+            (16, 8),
+            (600, 8),
+            (24, 4100),
+            (3, 5),
+            (96, 384),
+        ];
+        let rows = 70;
+        for (c, oc) in shapes {
+            let x = f32s(rows * c, 21);
+            let w = f32s(c * oc, 22);
+            let bias = f32s(oc, 23);
+            for (wt, with_bias) in [(false, true), (true, false), (true, true)] {
+                let run = |x: &[f32], t: usize| {
+                    let mut out = vec![0.0f32; t * oc];
+                    let bias = with_bias.then_some(&bias[..]);
+                    let mode = Mode::BatchInvariant;
+                    if wt {
+                        matmul_forward_wt(&mut out, x, &w, bias, 1, t, c, oc, mode).unwrap();
+                    } else {
+                        matmul_forward(&mut out, x, &w, bias, 1, t, c, oc, mode).unwrap();
+                    }
+                    out
+                };
+                let full = run(&x, rows);
+                for t in [1, 2, 3, 5, 16, 17, 48, 64, 65, 69] {
+                    let part = run(&x[..t * c], t);
+                    let same = part
+                        .iter()
+                        .zip(&full)
+                        .all(|(a, b)| a.to_bits() == b.to_bits());
+                    assert!(same, "C={c} OC={oc} wt={wt}: first {t} rows differ");
+                }
+                for i in [0, 1, 7, 33, 64, 69] {
+                    let one = run(&x[i * c..(i + 1) * c], 1);
+                    let same = one
+                        .iter()
+                        .zip(&full[i * oc..])
+                        .all(|(a, b)| a.to_bits() == b.to_bits());
+                    assert!(same, "C={c} OC={oc} wt={wt}: row {i} alone differs");
+                }
+            }
+        }
     }
 
     #[test]
