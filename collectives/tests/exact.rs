@@ -240,6 +240,21 @@ fn thousands_of_micro_batches_widen_blocks_exactly() {
     p.round_to(&mut got).unwrap();
     let want: Vec<f64> = s.iter().map(|x| x.to_f64()).collect();
     assert_eq!(bits(&got), bits(&want));
+    // the widened partial reduces like any other (one rank adds nothing)
+    let outs = LocalCluster::run(2, |comm| {
+        let mut out = vec![0f64; len];
+        let mine = if comm.rank() == 0 {
+            p.clone()
+        } else {
+            ExactPartial::new(len)
+        };
+        comm.all_reduce_exact(&mine, &mut out, ReduceOp::Sum)?;
+        Ok::<_, weft_collectives::Error>(out)
+    })
+    .unwrap();
+    for out in outs {
+        assert_eq!(bits(&out.unwrap()), bits(&want));
+    }
 }
 
 #[test]

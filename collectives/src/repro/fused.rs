@@ -544,14 +544,17 @@ pub(super) fn add_in_place<T: Element>(
     enc: &mut Vec<u8>,
     ys: &[T],
     spill: &mut Vec<u8>,
+    offs: &mut Vec<usize>,
 ) -> Result<()> {
     let mut tmp = Vec::new();
     let mut blkenc = Vec::with_capacity(HEADER + 8 * BLOCK);
     let mut pos = 0;
+    offs.clear();
     let mut chunks = ys.chunks(BLOCK);
     while let Some(blk) = chunks.next() {
         let bl = blk.len();
         let p0 = pos;
+        offs.push(p0);
         let x = read_block(enc, &mut pos, bl)?;
         if T::DTYPE != Dtype::F64 {
             let yb = f32_bits(blk);
@@ -579,14 +582,32 @@ pub(super) fn add_in_place<T: Element>(
         spill.extend_from_slice(&enc[..p0]);
         spill.extend_from_slice(&blkenc);
         for blk in chunks.by_ref() {
+            offs.push(spill.len());
             let x = read_block(enc, &mut pos, blk.len())?;
             merge_raw_block(&x, blk, spill, &mut tmp)?;
         }
         trailing(enc, pos)?;
+        offs.push(spill.len());
         std::mem::swap(enc, spill);
         return Ok(());
     }
+    offs.push(pos);
     trailing(enc, pos)
+}
+}
+
+multiversion! {
+/// Appends the exact encoding of `xs` to `out` (cleared first) and the
+/// byte offset of every block, then the end, to `offs` (cleared first).
+pub(super) fn encode_with_offsets<T: Element>(xs: &[T], out: &mut Vec<u8>, offs: &mut Vec<usize>) {
+    out.clear();
+    offs.clear();
+    out.reserve(encoded_capacity(xs.len()));
+    for blk in xs.chunks(BLOCK) {
+        offs.push(out.len());
+        encode_block(blk, out);
+    }
+    offs.push(out.len());
 }
 }
 

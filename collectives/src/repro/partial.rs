@@ -3,8 +3,10 @@
 
 use weft_numerics::Element;
 
-use super::fused::{Div, add_in_place, decode_div, merge_round_range, round_range};
-use super::{BLOCK, F_NEGZERO, encode, encoded_capacity, merge, read_block};
+use super::fused::{
+    Div, add_in_place, decode_div, encode_with_offsets, merge_round_range, round_range,
+};
+use super::{BLOCK, F_NEGZERO, merge, read_block};
 use crate::comm::Communicator;
 use crate::error::{Error, Result};
 use crate::types::{Incoming, OpCtx, OpKind, Outgoing, ReduceOp, shard_range};
@@ -62,6 +64,8 @@ pub struct ExactPartial {
     len: usize,
     count: u64,
     enc: Vec<u8>,
+    /// Byte offset of every block of `enc`, then its length.
+    offs: Vec<usize>,
     spill: Vec<u8>,
 }
 
@@ -69,14 +73,15 @@ impl ExactPartial {
     /// An empty accumulator (every element zero, no contributions) for
     /// slices of `len` elements.
     pub fn new(len: usize) -> Self {
-        let mut enc = Vec::new();
-        zero_encoding(len, &mut enc);
-        Self {
+        let mut p = Self {
             len,
             count: 0,
-            enc,
+            enc: Vec::new(),
+            offs: Vec::new(),
             spill: Vec::new(),
-        }
+        };
+        p.clear();
+        p
     }
 
     /// Elements per contribution.
@@ -101,7 +106,7 @@ impl ExactPartial {
 
     /// Forgets every contribution, keeping the memory.
     pub fn clear(&mut self) {
-        zero_encoding(self.len, &mut self.enc);
+        zero_encoding(self.len, &mut self.enc, &mut self.offs);
         self.count = 0;
     }
 
@@ -117,11 +122,9 @@ impl ExactPartial {
     pub fn add<T: Element>(&mut self, xs: &[T]) -> Result<()> {
         self.check_len(OpKind::AllReduce, "xs", xs.len())?;
         if self.count == 0 {
-            self.enc.clear();
-            self.enc.reserve(encoded_capacity(xs.len()));
-            encode(xs, &mut self.enc);
+            encode_with_offsets(xs, &mut self.enc, &mut self.offs);
         } else {
-            add_in_place(&mut self.enc, xs, &mut self.spill)?;
+            add_in_place(&mut self.enc, xs, &mut self.spill, &mut self.offs)?;
         }
         self.count += 1;
         Ok(())
@@ -137,6 +140,7 @@ impl ExactPartial {
         merge(&self.enc, &other.enc, self.len, &mut self.spill)?;
         std::mem::swap(&mut self.enc, &mut self.spill);
         self.count += other.count;
+        self.offs = block_offsets(&self.enc, self.len)?;
         Ok(())
     }
 
@@ -179,30 +183,34 @@ impl ExactPartial {
         }
         Ok(())
     }
-
-    /// Byte offsets of every block boundary of the encoding.
-    fn offsets(&self) -> Result<Vec<usize>> {
-        let mut off = Vec::with_capacity(self.len.div_ceil(BLOCK) + 1);
-        let mut pos = 0;
-        for start in (0..self.len).step_by(BLOCK) {
-            off.push(pos);
-            read_block(&self.enc, &mut pos, BLOCK.min(self.len - start))?;
-        }
-        off.push(pos);
-        Ok(off)
-    }
 }
 
 /// The encoding of the empty sum, the identity of merging: zero with the
 /// "only −0.0 so far" flag on every element (so that a rank without
 /// contributions leaves a −0.0 total of the others unchanged). Rounding an
 /// accumulator that saw no contribution at all gives +0.0 instead.
-fn zero_encoding(len: usize, out: &mut Vec<u8>) {
+fn zero_encoding(len: usize, out: &mut Vec<u8>, offs: &mut Vec<usize>) {
     out.clear();
+    offs.clear();
     for start in (0..len).step_by(BLOCK) {
+        offs.push(out.len());
         super::put_header(out, 0, 0, true, 0);
         out.extend(std::iter::repeat_n(F_NEGZERO, BLOCK.min(len - start)));
     }
+    offs.push(out.len());
+}
+
+/// Byte offsets of every block of an encoding of `len` elements, then its
+/// length.
+fn block_offsets(enc: &[u8], len: usize) -> Result<Vec<usize>> {
+    let mut off = Vec::with_capacity(len.div_ceil(BLOCK) + 1);
+    let mut pos = 0;
+    for start in (0..len).step_by(BLOCK) {
+        off.push(pos);
+        read_block(enc, &mut pos, BLOCK.min(len - start))?;
+    }
+    off.push(pos);
+    Ok(off)
 }
 
 fn divisor(op: OpKind, count: u64) -> Result<Div> {
@@ -267,7 +275,8 @@ pub(crate) fn reduce_scatter_exact<T: Element, C: Communicator + ?Sized>(
     } else {
         Div(1)
     };
-    let off = p.offsets()?;
+    let off = &p.offs;
+    debug_assert_eq!(Some(off), block_offsets(&p.enc, len).ok().as_ref());
     let mine = shard_range(len, n, me);
     let piece = |ch: usize| {
         let br = blocks_of(&shard_range(len, n, ch));
