@@ -64,6 +64,7 @@ mod gpt;
 pub mod hf;
 mod moe_ffn;
 mod params;
+pub mod tp;
 
 pub use config::GptConfig;
 pub use error::{Error, Result};

@@ -1,0 +1,110 @@
+//! Step time of a tensor-parallel GPT-2 at tp = 1 vs tp = 2 (and 4 with
+//! `--tp4`) on the thread backend, and the fraction of each rank's step
+//! spent inside tp collectives (which on threads includes waiting for the
+//! slowest peer).
+//!
+//! `cargo run --release -p weft-model --example tp_step -- [steps] [--sp] [--tp4]`
+//!
+//! The degrees are interleaved (tp=1, tp=2, tp=1, ...) so that a noisy
+//! machine affects them alike; the table reports medians.
+
+use std::time::Instant;
+
+use weft_collectives::{Communicator, LocalCluster};
+use weft_kernels::AdamW;
+use weft_model::tp::{TpGpt, TpOptions};
+use weft_model::{Gpt, GptConfig};
+
+const B: usize = 4;
+const T: usize = 128;
+
+#[allow(clippy::print_stdout, clippy::cast_precision_loss)]
+fn main() -> anyhow::Result<()> {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let steps: usize = args.iter().find_map(|a| a.parse().ok()).unwrap_or(5);
+    let sp = args.iter().any(|a| a == "--sp");
+    let mut degrees = vec![1usize, 2];
+    if args.iter().any(|a| a == "--tp4") {
+        degrees.push(4);
+    }
+    let cfg = GptConfig {
+        n_layer: 4,
+        n_head: 8,
+        n_embd: 256,
+        vocab_size: 8192,
+        block_size: T,
+        tied_embeddings: true,
+        layer_norm_epsilon: 1e-5,
+    };
+    let mut full = Gpt::new(cfg.clone())?;
+    full.init_gpt2(1);
+    let tokens: Vec<u32> = (0..B * T).map(|i| (i * 7919 % 8192) as u32).collect();
+    let targets: Vec<u32> = (0..B * T).map(|i| ((i + 1) * 7919 % 8192) as u32).collect();
+    let opts = TpOptions {
+        sequence_parallel: sp,
+        ..TpOptions::default()
+    };
+    // per degree: (step seconds, comm seconds of the slowest-communicating rank)
+    let mut samples: Vec<Vec<(f64, f64)>> = vec![Vec::new(); degrees.len()];
+    for _ in 0..steps {
+        for (di, &tp) in degrees.iter().enumerate() {
+            let out = LocalCluster::run(tp, |comm| -> anyhow::Result<(f64, f64, usize)> {
+                let c: &dyn Communicator = &comm;
+                let mut m = TpGpt::from_full(&full, tp, c.rank(), opts)?;
+                let mut acts = m.activations(B, T)?;
+                let mut adam = m.adamw_state();
+                // One warm-up step, then the timed one.
+                let mut run = |m: &mut TpGpt| -> anyhow::Result<f64> {
+                    m.reset_comm_nanos();
+                    let t0 = Instant::now();
+                    m.forward(c, &mut acts, &tokens, Some(&targets))?;
+                    m.zero_grad();
+                    m.backward(c, &mut acts)?;
+                    m.adamw_step(&mut adam, &AdamW::default())?;
+                    Ok(t0.elapsed().as_secs_f64())
+                };
+                run(&mut m)?;
+                let dt = run(&mut m)?;
+                #[allow(clippy::cast_precision_loss)]
+                let comm_s = m.comm_nanos() as f64 * 1e-9;
+                Ok((dt, comm_s, m.memory().params))
+            })?;
+            let mut step = 0.0f64;
+            let mut comm_s = 0.0f64;
+            for r in out {
+                let (dt, cs, _) = r?;
+                step = step.max(dt);
+                comm_s = comm_s.max(cs);
+            }
+            samples[di].push((step, comm_s));
+        }
+    }
+    let median = |xs: &mut Vec<f64>| {
+        xs.sort_by(f64::total_cmp);
+        xs[xs.len() / 2]
+    };
+    println!(
+        "GPT-2 L={} C={} heads={} V={} B={B} T={T}, sequence parallel: {sp}, {steps} interleaved samples (medians)",
+        cfg.n_layer, cfg.n_embd, cfg.n_head, cfg.vocab_size
+    );
+    println!("| tp | step ms | vs tp=1 | tp comm ms | comm fraction | params/rank MiB |");
+    println!("|---|---|---|---|---|---|");
+    let mut base = None;
+    for (di, &tp) in degrees.iter().enumerate() {
+        let mut st: Vec<f64> = samples[di].iter().map(|s| s.0).collect();
+        let mut cm: Vec<f64> = samples[di].iter().map(|s| s.1).collect();
+        let (st, cm) = (median(&mut st), median(&mut cm));
+        let b = *base.get_or_insert(st);
+        let m = TpGpt::new(cfg.clone(), tp, 0, opts)?;
+        #[allow(clippy::cast_precision_loss)]
+        let mib = m.memory().params as f64 / f64::from(1u32 << 20);
+        println!(
+            "| {tp} | {:.1} | {:.2}x | {:.1} | {:.0}% | {mib:.2} |",
+            st * 1e3,
+            b / st,
+            cm * 1e3,
+            100.0 * cm / st
+        );
+    }
+    Ok(())
+}

@@ -1,0 +1,632 @@
+//! Tensor parallelism against the unsplit model, over collectives'
+//! `LocalCluster` (one thread per rank).
+//!
+//! What holds, and the tolerances:
+//!
+//! * `tp = 1` is **bitwise** [`Gpt`] (loss and every gradient), with and
+//!   without sequence parallelism: the same kernel calls in the same order.
+//! * `tp ∈ {2, 3, 4}` agrees with `Gpt` to rounding, not bitwise: each
+//!   row-parallel layer sums `tp` partial dot products (each rounded) where
+//!   the unsplit GEMM runs one fused chain, the cross-entropy sums
+//!   exponentials per vocabulary shard, and the input gradients of the
+//!   column-parallel layers are sums of partials. Every tensor is compared
+//!   with a tolerance of `2e-5 ·` its largest magnitude (`TOL`): f32 has a
+//!   unit roundoff of 6e-8 and the longest reductions here (4C = 192 terms,
+//!   B·T = 24 rows) make worst-case relative errors of ~1e-5 in small
+//!   elements of a tensor; measured worst errors are printed with
+//!   `--nocapture` and stay near 1e-6. The loss agrees to 1e-6 relative.
+//! * With the reproducible reduction mode, every sum is the correctly
+//!   rounded exact sum, so a run is **bitwise** independent of the
+//!   collective algorithm (ring vs recursive doubling, tested) — but the
+//!   partial sums still depend on tp, so tp = 2 and tp = 4 remain equal to
+//!   tp = 1 only to rounding.
+
+use weft_collectives::{Algorithm, Communicator, LocalCluster, OpKind, Traffic};
+use weft_kernels::{Mode, encoder_forward, fused_classifier, matmul_backward, matmul_forward};
+use weft_model::tp::{
+    ColumnParallelLinear, Error, RowParallelLinear, Split, TpGpt, TpLayout, TpOptions, VocabShard,
+    param_split,
+};
+use weft_model::{Gpt, GptConfig};
+
+const TOL: f32 = 5e-6;
+const B: usize = 3;
+const T: usize = 8;
+
+fn cfg(tied: bool) -> GptConfig {
+    GptConfig {
+        n_layer: 2,
+        n_head: 12,
+        n_embd: 48,
+        vocab_size: 37,
+        block_size: T,
+        tied_embeddings: tied,
+        layer_norm_epsilon: 1e-5,
+    }
+}
+
+struct Lcg(u64);
+impl Lcg {
+    fn next(&mut self) -> u64 {
+        self.0 = self
+            .0
+            .wrapping_mul(6_364_136_223_846_793_005)
+            .wrapping_add(1_442_695_040_888_963_407);
+        self.0 >> 33
+    }
+    fn uniform(&mut self) -> f32 {
+        (self.next() % 1_000_000) as f32 / 1_000_000.0 * 2.0 - 1.0
+    }
+    fn vec(&mut self, n: usize, scale: f32) -> Vec<f32> {
+        (0..n).map(|_| self.uniform() * scale).collect()
+    }
+    fn tokens(&mut self, n: usize, v: usize) -> Vec<u32> {
+        (0..n).map(|_| (self.next() % v as u64) as u32).collect()
+    }
+}
+
+/// A model with GPT-2 init and random (non-trivial) biases and layernorm
+/// parameters, so that every bias path carries a signal.
+fn model(cfg: &GptConfig, seed: u64) -> Gpt {
+    let mut m = Gpt::new(cfg.clone()).unwrap();
+    m.init_gpt2(seed);
+    let mut r = Lcg(seed ^ 0xabc);
+    for spec in m.layout().specs().to_vec() {
+        if spec.shape.len() == 1 {
+            let base = if spec.name.contains("ln_") && spec.name.ends_with("weight") {
+                1.0
+            } else {
+                0.0
+            };
+            for x in &mut m.params[spec.range()] {
+                *x = base + 0.1 * r.uniform();
+            }
+        }
+    }
+    m
+}
+
+struct Run {
+    loss: f64,
+    grads: Vec<f32>,
+    local_grads: Vec<f32>,
+    traffic: Traffic,
+    layout: TpLayout,
+}
+
+fn run_tp(full: &Gpt, tp: usize, opts: TpOptions, tokens: &[u32], targets: &[u32]) -> Vec<Run> {
+    LocalCluster::run(tp, |comm| {
+        let c: &dyn Communicator = &comm;
+        let mut m = TpGpt::from_full(full, tp, c.rank(), opts).unwrap();
+        let mut acts = m.activations(B, T).unwrap();
+        let before = c.traffic();
+        let loss = m
+            .forward(c, &mut acts, tokens, Some(targets))
+            .unwrap()
+            .unwrap();
+        m.zero_grad();
+        m.backward(c, &mut acts).unwrap();
+        let traffic = c.traffic().since(&before);
+        let grads = m.gather_grads(c).unwrap();
+        Run {
+            loss,
+            grads,
+            local_grads: m.grads.clone(),
+            traffic,
+            layout: m.layout().clone(),
+        }
+    })
+    .unwrap()
+}
+
+fn reference(full: &mut Gpt, tokens: &[u32], targets: &[u32]) -> f64 {
+    let mut acts = full.activations(B, T).unwrap();
+    let loss = full
+        .forward(&mut acts, tokens, Some(targets))
+        .unwrap()
+        .unwrap();
+    full.zero_grad();
+    full.backward(&mut acts).unwrap();
+    loss
+}
+
+/// Worst error of each tensor relative to the tensor's largest magnitude.
+fn worst(full: &Gpt, got: &[f32]) -> (f32, String) {
+    let mut w = (0.0f32, String::new());
+    for spec in full.layout().specs() {
+        let r = spec.range();
+        let (a, b) = (&full.grads[r.clone()], &got[r]);
+        let scale = a.iter().fold(0.0f32, |m, x| m.max(x.abs())).max(1e-30);
+        let e = a
+            .iter()
+            .zip(b)
+            .fold(0.0f32, |m, (x, y)| m.max((x - y).abs()))
+            / scale;
+        if e > w.0 || w.1.is_empty() {
+            w = (e, spec.name.clone());
+        }
+    }
+    w
+}
+
+fn batch(seed: u64, v: usize) -> (Vec<u32>, Vec<u32>) {
+    let mut r = Lcg(seed);
+    (r.tokens(B * T, v), r.tokens(B * T, v))
+}
+
+#[test]
+fn tp1_is_bitwise_the_unsplit_gpt() {
+    for (tied, sp) in [(true, false), (true, true), (false, false)] {
+        let c = cfg(tied);
+        let mut full = model(&c, 1);
+        let (x, y) = batch(2, c.vocab_size);
+        let opts = TpOptions {
+            sequence_parallel: sp,
+            ..TpOptions::default()
+        };
+        let run = run_tp(&full, 1, opts, &x, &y);
+        let loss = reference(&mut full, &x, &y);
+        assert_eq!(run[0].loss.to_bits(), loss.to_bits(), "tied={tied} sp={sp}");
+        let same = full
+            .grads
+            .iter()
+            .zip(&run[0].grads)
+            .all(|(a, b)| a.to_bits() == b.to_bits());
+        let (e, name) = worst(&full, &run[0].grads);
+        assert!(same, "tied={tied} sp={sp}: {name} differs by {e}");
+    }
+}
+
+#[test]
+#[allow(clippy::print_stdout)]
+fn tp_2_3_4_match_the_unsplit_gpt() {
+    for (i, tp) in [2usize, 3, 4].into_iter().enumerate() {
+        for sp in [false, true] {
+            let tied = (i + usize::from(sp)) % 2 == 0;
+            let c = cfg(tied);
+            let mut full = model(&c, 10 + tp as u64);
+            let (x, y) = batch(20 + tp as u64, c.vocab_size);
+            let opts = TpOptions {
+                sequence_parallel: sp,
+                ..TpOptions::default()
+            };
+            let runs = run_tp(&full, tp, opts, &x, &y);
+            let loss = reference(&mut full, &x, &y);
+            for (r, run) in runs.iter().enumerate() {
+                let rel = (run.loss - loss).abs() / loss;
+                assert!(
+                    rel < 1e-6,
+                    "tp={tp} sp={sp} rank {r}: loss {} vs {loss}",
+                    run.loss
+                );
+                let (e, name) = worst(&full, &run.grads);
+                println!(
+                    "tp={tp} sp={sp} tied={tied} rank {r}: worst gradient error {e:.2e} ({name})"
+                );
+                assert!(e < TOL, "tp={tp} sp={sp} rank {r}: {name} off by {e}");
+            }
+        }
+    }
+}
+
+#[test]
+fn replicated_gradients_are_identical_on_every_rank() {
+    for sp in [false, true] {
+        let c = cfg(true);
+        let full = model(&c, 5);
+        let (x, y) = batch(6, c.vocab_size);
+        let opts = TpOptions {
+            sequence_parallel: sp,
+            ..TpOptions::default()
+        };
+        let runs = run_tp(&full, 3, opts, &x, &y);
+        for t in runs[0].layout.tensors() {
+            if t.split != Split::Replicated {
+                continue;
+            }
+            for run in &runs[1..] {
+                // Offsets differ between ranks (their vocabulary shares do).
+                let a = &runs[0].local_grads[t.range()];
+                let b = &run.local_grads[run.layout.get(&t.name).unwrap().range()];
+                assert!(
+                    a.iter().zip(b).all(|(p, q)| p.to_bits() == q.to_bits()),
+                    "sp={sp}: {} differs between ranks",
+                    t.name
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn reproducible_mode_is_bitwise_across_algorithms() {
+    let c = cfg(true);
+    let full = model(&c, 7);
+    let (x, y) = batch(8, c.vocab_size);
+    for sp in [false, true] {
+        let go = |algorithm| {
+            let opts = TpOptions {
+                sequence_parallel: sp,
+                reproducible: true,
+                algorithm,
+            };
+            run_tp(&full, 4, opts, &x, &y)
+        };
+        let ring = go(Algorithm::Ring);
+        let rd = go(Algorithm::RecursiveDoubling);
+        for (a, b) in ring.iter().zip(&rd) {
+            assert_eq!(a.loss.to_bits(), b.loss.to_bits(), "sp={sp}");
+            assert!(
+                a.grads
+                    .iter()
+                    .zip(&b.grads)
+                    .all(|(p, q)| p.to_bits() == q.to_bits()),
+                "sp={sp}: gradients differ between ring and recursive doubling"
+            );
+        }
+    }
+}
+
+#[test]
+fn traffic_per_step_equals_the_formula() {
+    for tp in [2usize, 3, 4] {
+        for sp in [false, true] {
+            let c = cfg(false);
+            let full = model(&c, 3);
+            let (x, y) = batch(4, c.vocab_size);
+            let opts = TpOptions {
+                sequence_parallel: sp,
+                ..TpOptions::default()
+            };
+            let runs = run_tp(&full, tp, opts, &x, &y);
+            let sum = |op| runs.iter().map(|r| r.traffic.sent_by(op)).sum::<u64>();
+            let want = TpGpt::new(c.clone(), tp, 0, opts)
+                .unwrap()
+                .traffic_per_step(B, T);
+            assert_eq!(sum(OpKind::AllReduce), want.all_reduce, "tp={tp} sp={sp}");
+            assert_eq!(
+                sum(OpKind::ReduceScatter),
+                want.reduce_scatter,
+                "tp={tp} sp={sp}"
+            );
+            assert_eq!(sum(OpKind::AllGather), want.all_gather, "tp={tp} sp={sp}");
+            if sp {
+                // Same bytes as the all-reduce version, up to the few
+                // floats of the layernorm-gradient sum.
+                let plain = TpGpt::new(c.clone(), tp, 0, TpOptions::default())
+                    .unwrap()
+                    .traffic_per_step(B, T);
+                let ln = 2 * (tp as u64 - 1) * 4 * 2 * 48 * 5;
+                assert_eq!(want.total(), plain.total() + ln);
+            }
+        }
+    }
+}
+
+#[test]
+fn split_memory_falls_as_one_over_tp() {
+    let mut c = cfg(false);
+    c.vocab_size = 48; // divisible by 1..=4
+    // At tp = 1 the "split" tensors are whole; with the replicated ones
+    // they make up the model.
+    let (s1, r1) = param_split(&c, 1, 0).unwrap();
+    assert_eq!(s1 + r1, c.num_params());
+    assert!(s1 > 10 * r1, "the split tensors hold almost everything");
+    for tp in [2usize, 3, 4] {
+        for rank in 0..tp {
+            let l = TpLayout::new(&c, tp, rank).unwrap();
+            assert_eq!(l.split_len() * tp, s1, "tp={tp}");
+            assert_eq!(l.replicated_len(), r1, "tp={tp}");
+            let m = TpGpt::new(c.clone(), tp, rank, TpOptions::default()).unwrap();
+            let mem = m.memory();
+            assert_eq!(mem.split_params * tp, 4 * s1);
+            assert_eq!(mem.params, 4 * (s1 / tp + r1));
+            assert_eq!((mem.grads, mem.adam), (mem.params, 2 * mem.params));
+        }
+    }
+}
+
+#[test]
+fn shard_and_gather_round_trip_and_pieces_tile_each_tensor() {
+    for tied in [true, false] {
+        let c = cfg(tied);
+        let mut full = Gpt::new(c.clone()).unwrap();
+        let mut r = Lcg(99);
+        full.params = r.vec(full.params.len(), 1.0);
+        for tp in [1usize, 2, 3, 4] {
+            let back = LocalCluster::run(tp, |comm| {
+                let m = TpGpt::from_full(&full, tp, comm.rank(), TpOptions::default()).unwrap();
+                let mut g = Gpt::new(c.clone()).unwrap();
+                m.gather_into(&comm, &mut g).unwrap();
+                g.params
+            })
+            .unwrap();
+            for p in back {
+                assert!(
+                    p.iter()
+                        .zip(&full.params)
+                        .all(|(a, b)| a.to_bits() == b.to_bits())
+                );
+            }
+            // Every element of every tensor is covered by exactly one
+            // rank's pieces (replicated tensors: by each rank once).
+            for spec in full.layout().specs() {
+                let mut count = vec![0usize; spec.numel()];
+                let cols = *spec.shape.last().unwrap();
+                let mut repl = false;
+                for rank in 0..tp {
+                    let l = TpLayout::new(&c, tp, rank).unwrap();
+                    let t = l.get(&spec.name).unwrap();
+                    repl = t.split == Split::Replicated;
+                    let m = TpGpt::from_full(&full, tp, rank, TpOptions::default()).unwrap();
+                    let local = m.param(&spec.name).unwrap();
+                    for piece in t.pieces() {
+                        let data = t.piece_data(local, &piece);
+                        let (r0, c0) = if piece.offsets.len() == 2 {
+                            (piece.offsets[0], piece.offsets[1])
+                        } else {
+                            (0, piece.offsets[0])
+                        };
+                        let pc = *piece.shape.last().unwrap();
+                        for (k, &x) in data.iter().enumerate() {
+                            let at = (r0 + k / pc) * cols + c0 + k % pc;
+                            count[at] += 1;
+                            assert_eq!(x.to_bits(), full.params[spec.range()][at].to_bits());
+                        }
+                    }
+                }
+                let want = if repl { tp } else { 1 };
+                assert!(count.iter().all(|&k| k == want), "{} tp={tp}", spec.name);
+            }
+        }
+    }
+}
+
+#[test]
+fn qkv_shard_holds_whole_heads_of_q_k_and_v() {
+    let c = cfg(true);
+    let (ch, tp) = (c.n_embd, 4);
+    let cl = ch / tp;
+    for rank in 0..tp {
+        let l = TpLayout::new(&c, tp, rank).unwrap();
+        let t = l.get("transformer.h.1.attn.c_attn.weight").unwrap();
+        assert_eq!(t.shape, vec![ch, 3 * cl]);
+        assert_eq!(
+            t.split,
+            Split::Columns(vec![
+                rank * cl..(rank + 1) * cl,
+                ch + rank * cl..ch + (rank + 1) * cl,
+                2 * ch + rank * cl..2 * ch + (rank + 1) * cl,
+            ])
+        );
+        let p = l.get("transformer.h.0.attn.c_proj.weight").unwrap();
+        assert_eq!(p.split, Split::Rows(rank * cl..(rank + 1) * cl));
+    }
+}
+
+/// Unsplit reference of a two-layer stack `y = (x·W1 + b1)·W2 + b2` and the
+/// gradients of `Σ y ⊙ dy`.
+#[allow(clippy::type_complexity)]
+fn unsplit_mlp(
+    x: &[f32],
+    w1: &[f32],
+    b1: &[f32],
+    w2: &[f32],
+    b2: &[f32],
+    dy: &[f32],
+    (n, c, h): (usize, usize, usize),
+) -> (Vec<f32>, [Vec<f32>; 5]) {
+    let mut hid = vec![0.0; n * h];
+    matmul_forward(&mut hid, x, w1, Some(b1), 1, n, c, h, Mode::Throughput).unwrap();
+    let mut y = vec![0.0; n * c];
+    matmul_forward(&mut y, &hid, w2, Some(b2), 1, n, h, c, Mode::Throughput).unwrap();
+    let (mut dh, mut dw2, mut db2) = (vec![0.0; n * h], vec![0.0; h * c], vec![0.0; c]);
+    matmul_backward(
+        &mut dh,
+        &mut dw2,
+        Some(&mut db2),
+        dy,
+        &hid,
+        w2,
+        1,
+        n,
+        h,
+        c,
+        Mode::Throughput,
+    )
+    .unwrap();
+    let (mut dx, mut dw1, mut db1) = (vec![0.0; n * c], vec![0.0; c * h], vec![0.0; h]);
+    matmul_backward(
+        &mut dx,
+        &mut dw1,
+        Some(&mut db1),
+        &dh,
+        x,
+        w1,
+        1,
+        n,
+        c,
+        h,
+        Mode::Throughput,
+    )
+    .unwrap();
+    (y, [dx, dw1, db1, dw2, db2])
+}
+
+fn close(what: &str, a: &[f32], b: &[f32]) {
+    let scale = a.iter().fold(0.0f32, |m, x| m.max(x.abs())).max(1e-30);
+    let e = a
+        .iter()
+        .zip(b)
+        .fold(0.0f32, |m, (x, y)| m.max((x - y).abs()))
+        / scale;
+    assert!(e < TOL, "{what}: off by {e} of the largest magnitude");
+}
+
+#[test]
+fn column_then_row_parallel_layers_match_unsplit_for_random_shapes() {
+    let mut r = Lcg(2024);
+    for case in 0..12 {
+        let tp = [1usize, 2, 3, 4][case % 4];
+        let n = 1 + (r.next() % 9) as usize;
+        let c = 3 + (r.next() % 20) as usize;
+        let h = tp * (1 + (r.next() % 12) as usize);
+        let x = r.vec(n * c, 1.0);
+        let (w1, b1) = (r.vec(c * h, 0.5), r.vec(h, 0.5));
+        let (w2, b2) = (r.vec(h * c, 0.5), r.vec(c, 0.5));
+        let dy = r.vec(n * c, 1.0);
+        let (y, grads) = unsplit_mlp(&x, &w1, &b1, &w2, &b2, &dy, (n, c, h));
+        let out = LocalCluster::run(tp, |comm| {
+            let rank = comm.rank();
+            let opts = TpOptions::default();
+            let col = ColumnParallelLinear::new(c, h, tp, rank).unwrap();
+            let row = RowParallelLinear::new(h, c, tp, rank).unwrap();
+            let (w1l, b1l) = (col.shard_weight(&w1).unwrap(), col.shard_bias(&b1).unwrap());
+            let w2l = row.shard_weight(&w2).unwrap();
+            let hl = col.local_out();
+            let mut hid = vec![0.0; n * hl];
+            col.forward(&mut hid, &x, &w1l, Some(&b1l), n).unwrap();
+            let mut yl = vec![0.0; n * c];
+            row.forward(&comm, &opts, &mut yl, &hid, &w2l, Some(&b2), n)
+                .unwrap();
+            let (mut dh, mut dw2, mut db2) = (vec![0.0; n * hl], vec![0.0; hl * c], vec![0.0; c]);
+            row.backward(&mut dh, &mut dw2, Some(&mut db2), &dy, &hid, &w2l, n)
+                .unwrap();
+            let (mut dx, mut dw1, mut db1) = (vec![0.0; n * c], vec![0.0; c * hl], vec![0.0; hl]);
+            col.backward(
+                &comm,
+                &opts,
+                &mut dx,
+                &mut dw1,
+                Some(&mut db1),
+                &dh,
+                &x,
+                &w1l,
+                n,
+            )
+            .unwrap();
+            (rank, yl, dx, dw1, db1, dw2, db2, col.columns(), row.rows())
+        })
+        .unwrap();
+        for (rank, yl, dx, dw1, db1, dw2, db2, cols, rows) in out {
+            let what = format!("case {case} tp={tp} rank {rank} (n={n}, c={c}, h={h})");
+            if tp == 1 {
+                // The unsplit layers' exact arithmetic.
+                assert_eq!(yl, y, "{what}");
+                assert_eq!(dx, grads[0], "{what}");
+            }
+            close(&format!("{what} y"), &y, &yl);
+            close(&format!("{what} dx"), &grads[0], &dx);
+            let dw1_ref: Vec<f32> = grads[1]
+                .chunks_exact(h)
+                .flat_map(|row| row[cols.clone()].to_vec())
+                .collect();
+            close(&format!("{what} dW1"), &dw1_ref, &dw1);
+            close(&format!("{what} db1"), &grads[2][cols.clone()], &db1);
+            close(
+                &format!("{what} dW2"),
+                &grads[3][rows.start * c..rows.end * c],
+                &dw2,
+            );
+            assert_eq!(
+                db2, grads[4],
+                "{what}: the row-parallel bias gradient is complete"
+            );
+        }
+    }
+}
+
+#[test]
+fn vocab_parallel_embedding_and_cross_entropy_match_unsplit() {
+    let mut r = Lcg(77);
+    for tp in [1usize, 2, 3, 4] {
+        let (n, v, c, t) = (10, 23, 5, 5);
+        let logits = r.vec(n * v, 4.0);
+        let targets = r.tokens(n, v);
+        let wte = r.vec(v * c, 1.0);
+        let wpe = vec![0.0f32; t * c];
+        let mut want_l = logits.clone();
+        let mut want_loss = vec![0.0; n];
+        fused_classifier(&mut want_l, &mut want_loss, &targets, Some(0.5), n, v, v).unwrap();
+        let mut want_emb = vec![0.0; n * c];
+        encoder_forward(&mut want_emb, &targets, &wte, &wpe, 2, t, c).unwrap();
+        let out = LocalCluster::run(tp, |comm| {
+            let vs = VocabShard::new(v, tp, comm.rank()).unwrap();
+            let cols = vs.range();
+            let mut mine: Vec<f32> = logits
+                .chunks_exact(v)
+                .flat_map(|row| row[cols.clone()].to_vec())
+                .collect();
+            let (mut losses, mut stats) = (vec![0.0; n], vec![0.0; 2 * n]);
+            vs.cross_entropy(
+                &comm,
+                &TpOptions::default(),
+                &mine,
+                &targets,
+                &mut losses,
+                &mut stats,
+            )
+            .unwrap();
+            vs.cross_entropy_backward(&mut mine, &targets, &stats, 0.5)
+                .unwrap();
+            let mut emb = vec![0.0; n * c];
+            vs.embed(&mut emb, &targets, &wte[cols.start * c..cols.end * c], c)
+                .unwrap();
+            weft_model::tp::g_forward(&comm, &TpOptions::default(), &mut emb).unwrap();
+            (cols, losses, mine, emb)
+        })
+        .unwrap();
+        for (cols, losses, grad, emb) in out {
+            close(&format!("tp={tp} losses"), &want_loss, &losses);
+            let want: Vec<f32> = want_l
+                .chunks_exact(v)
+                .flat_map(|row| row[cols.clone()].to_vec())
+                .collect();
+            close(&format!("tp={tp} dlogits"), &want, &grad);
+            // One non-zero term per element: the embedding sum is exact.
+            assert_eq!(emb, want_emb, "tp={tp}");
+        }
+    }
+}
+
+#[test]
+fn bad_degrees_and_shapes_are_typed_errors() {
+    let c = cfg(true);
+    let e = TpGpt::new(c.clone(), 5, 0, TpOptions::default()).unwrap_err();
+    assert!(matches!(e, Error::Shape { what: "n_head", .. }), "{e}");
+    assert!(e.to_string().contains("n_head = 12"), "{e}");
+    let sp = TpOptions {
+        sequence_parallel: true,
+        ..TpOptions::default()
+    };
+    let m = TpGpt::new(c.clone(), 4, 0, sp).unwrap();
+    let e = m.activations(1, 7).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            Error::Shape {
+                what: "sequence parallelism",
+                ..
+            }
+        ),
+        "{e}"
+    );
+    // A communicator of the wrong size is an error, not a hang.
+    let res = LocalCluster::run(2, |comm| {
+        let m = TpGpt::new(c.clone(), 4, comm.rank(), TpOptions::default()).unwrap();
+        let mut acts = m.activations(1, 4).unwrap();
+        m.forward(&comm, &mut acts, &[1, 2, 3, 4], None).map(|_| ())
+    })
+    .unwrap();
+    for r in res {
+        assert!(matches!(
+            r,
+            Err(Error::Shape {
+                what: "communicator",
+                ..
+            })
+        ));
+    }
+    assert!(ColumnParallelLinear::new(8, 6, 4, 0).is_err());
+    assert!(RowParallelLinear::new(6, 8, 4, 1).is_err());
+}
