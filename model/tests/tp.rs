@@ -267,6 +267,44 @@ fn reproducible_mode_is_bitwise_across_algorithms() {
     }
 }
 
+/// With reproducible sums, sequence parallelism changes nothing but the
+/// layernorm parameters' gradients: all-reduce and reduce-scatter both give
+/// the correctly rounded exact sum, and every op in the sequence-parallel
+/// regions is row-wise, so the loss and every other gradient are bitwise
+/// those of the plain tp run. The layernorm gradients are sums over tokens,
+/// which SP splits into per-rank partial sums (then all-reduced), so they
+/// agree to rounding.
+#[test]
+fn sequence_parallel_is_bitwise_plain_tp_under_reproducible_sums() {
+    let c = cfg(false);
+    let full = model(&c, 31);
+    let (x, y) = batch(32, c.vocab_size);
+    for tp in [2usize, 3] {
+        let go = |sp| {
+            let opts = TpOptions {
+                sequence_parallel: sp,
+                reproducible: true,
+                ..TpOptions::default()
+            };
+            run_tp(&full, tp, opts, &x, &y).remove(0)
+        };
+        let (plain, sp) = (go(false), go(true));
+        assert_eq!(plain.loss.to_bits(), sp.loss.to_bits(), "tp={tp}");
+        for spec in full.layout().specs() {
+            let (a, b) = (&plain.grads[spec.range()], &sp.grads[spec.range()]);
+            if spec.name.contains("ln_") {
+                close(&format!("tp={tp} {}", spec.name), a, b);
+            } else {
+                assert!(
+                    a.iter().zip(b).all(|(p, q)| p.to_bits() == q.to_bits()),
+                    "tp={tp}: {} differs with sequence parallelism",
+                    spec.name
+                );
+            }
+        }
+    }
+}
+
 #[test]
 fn traffic_per_step_equals_the_formula() {
     for tp in [2usize, 3, 4] {
@@ -378,6 +416,22 @@ fn shard_and_gather_round_trip_and_pieces_tile_each_tensor() {
                 let want = if repl { tp } else { 1 };
                 assert!(count.iter().all(|&k| k == want), "{} tp={tp}", spec.name);
             }
+            // The checkpoint regions (replicated tensors from rank 0 only)
+            // tile the whole model exactly once.
+            let mut covered = 0;
+            for rank in 0..tp {
+                let m = TpGpt::from_full(&full, tp, rank, TpOptions::default()).unwrap();
+                for (t, piece, data) in m.checkpoint_pieces(&m.params, rank == 0).unwrap() {
+                    assert_eq!(
+                        data.len(),
+                        piece.shape.iter().product::<usize>(),
+                        "{}",
+                        t.name
+                    );
+                    covered += data.len();
+                }
+            }
+            assert_eq!(covered, full.params.len(), "tp={tp}");
         }
     }
 }

@@ -96,6 +96,42 @@
 //! exact sum, so a run is bitwise independent of the collective algorithm
 //! and of the rank order — but the partial sums themselves still depend on
 //! the tp degree, so different tp degrees are still not bitwise equal.
+//! In that mode sequence parallelism is bitwise the plain split except for
+//! the layernorm parameters' gradients (sums over tokens that SP splits).
+//!
+//! # Example
+//!
+//! Two thread ranks, each holding half of every split tensor, give the
+//! whole model's loss; each has the gradient of its own shard.
+//!
+//! ```
+//! use weft_collectives::{Communicator, LocalCluster};
+//! use weft_model::tp::{TpGpt, TpOptions};
+//! use weft_model::{Gpt, GptConfig};
+//!
+//! let cfg = GptConfig { n_layer: 1, n_head: 4, n_embd: 16, vocab_size: 50, block_size: 8,
+//!                       tied_embeddings: true, layer_norm_epsilon: 1e-5 };
+//! let mut full = Gpt::new(cfg)?;
+//! full.init_gpt2(1);
+//! let tokens: Vec<u32> = (0..8).collect();
+//! let targets: Vec<u32> = (1..9).collect();
+//! let mut acts = full.activations(1, 8)?;
+//! let want = full.forward(&mut acts, &tokens, Some(&targets))?.unwrap();
+//! let out = LocalCluster::run(2, |comm| -> weft_model::tp::Result<(f64, usize)> {
+//!     let mut m = TpGpt::from_full(&full, 2, comm.rank(), TpOptions::default())?;
+//!     let mut acts = m.activations(1, 8)?;
+//!     let loss = m.forward(&comm, &mut acts, &tokens, Some(&targets))?.unwrap();
+//!     m.zero_grad();
+//!     m.backward(&comm, &mut acts)?;
+//!     Ok((loss, m.grads.len()))
+//! })?;
+//! for r in out {
+//!     let (loss, shard) = r?;
+//!     assert!((loss - want).abs() < 1e-6 * want);
+//!     assert!(shard < full.grads.len() * 3 / 5);
+//! }
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
 
 mod block;
 mod linear;

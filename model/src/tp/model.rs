@@ -734,6 +734,36 @@ impl TpGpt {
         Ok(())
     }
 
+    /// The checkpoint regions of a shard buffer (parameters, gradients or an
+    /// AdamW moment, all in [`TpLayout`] order): for each tensor, each
+    /// [`Piece`](super::Piece) of the global tensor this rank holds with its
+    /// data, row-major — one distributed-checkpoint shard entry each (name,
+    /// global shape, offsets, shape, bytes). Replicated tensors are included
+    /// only when `replicated` is set (pass `rank == 0`, so that the regions
+    /// of all ranks tile every tensor exactly once).
+    ///
+    /// # Errors
+    /// [`Error::Shape`](super::Error::Shape) if `buf` is not a shard buffer
+    /// of this layout.
+    pub fn checkpoint_pieces<'a>(
+        &'a self,
+        buf: &[f32],
+        replicated: bool,
+    ) -> Result<Vec<(&'a super::TpTensor, super::Piece, Vec<f32>)>> {
+        check_len("shard buffer", buf.len(), self.layout.len())?;
+        let mut out = Vec::new();
+        for t in self.layout.tensors() {
+            if t.split == super::Split::Replicated && !replicated {
+                continue;
+            }
+            for piece in t.pieces() {
+                let data = t.piece_data(&buf[t.range()], &piece);
+                out.push((t, piece, data));
+            }
+        }
+        Ok(out)
+    }
+
     /// The bytes the group sends (summed over its ranks) for one forward +
     /// backward of a `b×t` micro-batch with the ring algorithm and the
     /// plain (non-reproducible) sum, as counted by the collectives' traffic
