@@ -1,7 +1,10 @@
 //! The GPT-2 model: parameters, planned activations, forward, backward,
-//! and the AdamW step.
+//! and the AdamW step — built from the per-block functions of
+//! [`GptBlocks`], which pipeline stages and FSDP units call directly with
+//! their own parameter and gradient slices.
 
 use std::ops::Range;
+use std::sync::Arc;
 
 use weft_kernels::{
     AdamW, Mode, adamw_update, attention_backward, attention_forward, encoder_backward,
@@ -14,7 +17,7 @@ use crate::error::{Error, Result};
 use crate::ffn::{Dims, FeedForward, Mlp};
 use crate::params::ParamLayout;
 
-/// Offsets of one block's tensors in the flat buffer.
+/// Offsets of one block's tensors relative to the block's first parameter.
 #[derive(Clone, Debug)]
 struct Block {
     ln1_w: Range<usize>,
@@ -28,58 +31,1112 @@ struct Block {
     ffn: Range<usize>,
 }
 
+impl Block {
+    fn new(c: usize, ffn_len: usize) -> Self {
+        let mut at = 0;
+        let mut next = |n: usize| {
+            let r = at..at + n;
+            at += n;
+            r
+        };
+        Block {
+            ln1_w: next(c),
+            ln1_b: next(c),
+            qkv_w: next(3 * c * c),
+            qkv_b: next(3 * c),
+            proj_w: next(c * c),
+            proj_b: next(c),
+            ln2_w: next(c),
+            ln2_b: next(c),
+            ffn: next(ffn_len),
+        }
+    }
+    fn len(&self) -> usize {
+        self.ffn.end
+    }
+}
+
+/// The computation of a GPT-2, separated from its parameters: the
+/// embedding, one transformer block and the head as functions over
+/// explicit parameter, gradient and activation slices.
+///
+/// This is what [`Gpt`] runs, and what a pipeline stage
+/// ([`GptStage`](crate::GptStage)) or an FSDP unit runs with its own (or a
+/// just-gathered) parameter slice. Calling these functions in the order
+/// [`Gpt::forward`] / [`Gpt::backward`] do gives bitwise their results.
+///
+/// # Parameter slices
+///
+/// The slices are cut from the flat [`ParamLayout`] buffer (or any buffer
+/// with the same order):
+///
+/// * embedding, [`embed_range`](Self::embed_range): `wte (V,C)` then
+///   `wpe (maxT,C)`, [`embed_len`](Self::embed_len) floats;
+/// * block `l`, [`block_range`](Self::block_range): `ln_1.weight (C)`,
+///   `ln_1.bias (C)`, `attn.c_attn.weight (C,3C)`, `attn.c_attn.bias
+///   (3C)`, `attn.c_proj.weight (C,C)`, `attn.c_proj.bias (C)`,
+///   `ln_2.weight (C)`, `ln_2.bias (C)`, then the feed-forward block's
+///   tensors in [`FeedForward::params`] order (for [`Mlp`]: `mlp.c_fc.weight
+///   (C,4C)`, `mlp.c_fc.bias (4C)`, `mlp.c_proj.weight (4C,C)`,
+///   `mlp.c_proj.bias (C)`), [`block_len`](Self::block_len) floats;
+/// * final layernorm, [`lnf_range`](Self::lnf_range): `ln_f.weight (C)`,
+///   `ln_f.bias (C)`;
+/// * language-model head, [`lm_head_range`](Self::lm_head_range): `wte`
+///   itself when embeddings are tied, else `lm_head.weight (V,C)` at the
+///   end of the buffer.
+///
+/// Gradient slices have the same shapes; every backward function
+/// *accumulates* (`+=`) into them, with the same kernel calls on the same
+/// buffer as [`Gpt::backward`], so accumulating micro-batches in place
+/// gives bitwise the bits of a model doing the same.
+///
+/// # Backward split
+///
+/// [`block_backward`](Self::block_backward) is the whole backward of a
+/// block. For zero-bubble schedules it splits into
+/// [`block_backward_input`](Self::block_backward_input) (B: the gradient
+/// of the block's input, saving in a [`WeightInputs`] what the weight
+/// gradients need) and [`block_backward_weight`](Self::block_backward_weight)
+/// (W: the parameter gradients). B then W gives bitwise the gradients of
+/// the whole backward. The kernels fuse each linear layer's input and
+/// weight gradients (and [`FeedForward::backward`] is one call), so B runs
+/// the fused kernels with the weight gradients going to a scratch sink, and
+/// W runs them again with the input gradients going to a sink: each of B
+/// and W costs about a whole backward, so B+W is about twice the whole
+/// backward. (The forward kernel on the transposed weight is the same GEMM
+/// as the input-gradient half, but writing instead of accumulating into a
+/// zeroed buffer does not give the same bits.) Split kernels
+/// (`matmul_backward_input` / `_weight` and a split `FeedForward`) would
+/// remove the waste without changing any result.
+#[derive(Clone, Debug)]
+pub struct GptBlocks {
+    config: GptConfig,
+    ffn: Arc<dyn FeedForward>,
+    blk: Block,
+    mode: Mode,
+}
+
+/// What one block's forward keeps for its backward, for one micro-batch of
+/// `B` sequences of `T` tokens; plan it with [`GptBlocks::block_acts`].
+/// The block's output (the residual stream after the block) is
+/// [`out`](Self::out); its input is not stored here (it is the previous
+/// block's output, or the embedding, or what a pipeline stage received).
+#[derive(Clone, Debug)]
+pub struct BlockActs {
+    b: usize,
+    t: usize,
+    ln1: Vec<f32>,            // (B,T,C)
+    ln1_mean: Vec<f32>,       // (B,T)
+    ln1_rstd: Vec<f32>,       // (B,T)
+    qkv: Vec<f32>,            // (B,T,3C)
+    atty: Vec<f32>,           // (B,T,C)
+    att: Vec<f32>,            // (B,NH,T,T)
+    res2: Vec<f32>,           // (B,T,C)
+    ln2: Vec<f32>,            // (B,T,C)
+    ln2_mean: Vec<f32>,       // (B,T)
+    ln2_rstd: Vec<f32>,       // (B,T)
+    ffn_saved: Vec<f32>,      // (B,T,ffn.saved_per_token)
+    pub(crate) out: Vec<f32>, // (B,T,C)
+}
+
+impl BlockActs {
+    /// The block's output `(B,T,C)` after [`GptBlocks::block_forward`].
+    pub fn out(&self) -> &[f32] {
+        &self.out
+    }
+    /// Batch size these buffers were planned for.
+    pub fn batch(&self) -> usize {
+        self.b
+    }
+    /// Sequence length these buffers were planned for.
+    pub fn seq_len(&self) -> usize {
+        self.t
+    }
+    /// Bytes held.
+    pub fn bytes(&self) -> usize {
+        4 * [
+            &self.ln1,
+            &self.ln1_mean,
+            &self.ln1_rstd,
+            &self.qkv,
+            &self.atty,
+            &self.att,
+            &self.res2,
+            &self.ln2,
+            &self.ln2_mean,
+            &self.ln2_rstd,
+            &self.ffn_saved,
+            &self.out,
+        ]
+        .iter()
+        .map(|v| v.len())
+        .sum::<usize>()
+    }
+}
+
+/// What the head's forward keeps for its backward (final layernorm,
+/// logits, per-token losses, targets); plan it with
+/// [`GptBlocks::head_acts`].
+#[derive(Clone, Debug)]
+pub struct HeadActs {
+    b: usize,
+    t: usize,
+    targets: Vec<u32>, // (B,T)
+    has_targets: bool,
+    lnf: Vec<f32>,      // (B,T,C)
+    lnf_mean: Vec<f32>, // (B,T)
+    lnf_rstd: Vec<f32>, // (B,T)
+    logits: Vec<f32>,   // (B,T,V); holds dlogits after backward
+    losses: Vec<f32>,   // (B,T)
+}
+
+impl HeadActs {
+    /// Logits `(B,T,V)` of the last forward (after a backward they hold the
+    /// logits' gradient instead).
+    pub fn logits(&self) -> &[f32] {
+        &self.logits
+    }
+    /// Per-token losses `(B,T)` of the last forward with targets.
+    pub fn losses(&self) -> &[f32] {
+        &self.losses
+    }
+    /// Bytes held.
+    pub fn bytes(&self) -> usize {
+        4 * (self.targets.len()
+            + self.lnf.len()
+            + self.lnf_mean.len()
+            + self.lnf_rstd.len()
+            + self.logits.len()
+            + self.losses.len())
+    }
+}
+
+/// Working buffers of one block's forward and backward, reusable across
+/// blocks and micro-batches of the same shape; plan it with
+/// [`GptBlocks::scratch`].
+#[derive(Clone, Debug)]
+pub struct BlockScratch {
+    tmp: Vec<f32>,         // (B,T,C) block outputs before the residual add
+    dln: Vec<f32>,         // (B,T,C)
+    datty: Vec<f32>,       // (B,T,C)
+    dqkv: Vec<f32>,        // (B,T,3C)
+    datt: Vec<f32>,        // (B,NH,T,T)
+    ffn_scratch: Vec<f32>, // (B,T,ffn.scratch_per_token)
+    /// Sinks for the half a split backward discards: an input gradient
+    /// (B,T,C) and one block's parameter gradients. Empty until a split
+    /// backward first needs them.
+    sink_x: Vec<f32>,
+    sink_p: Vec<f32>,
+}
+
+impl BlockScratch {
+    /// Bytes held.
+    pub fn bytes(&self) -> usize {
+        4 * [
+            &self.tmp,
+            &self.dln,
+            &self.datty,
+            &self.dqkv,
+            &self.datt,
+            &self.ffn_scratch,
+            &self.sink_x,
+            &self.sink_p,
+        ]
+        .iter()
+        .map(|v| v.len())
+        .sum::<usize>()
+    }
+}
+
+/// What [`GptBlocks::block_backward_input`] (B) saves for
+/// [`GptBlocks::block_backward_weight`] (W): the gradients flowing into
+/// each parameterised op of the block, five `(B,T,·)` buffers (7·B·T·C
+/// floats). Plan one per micro-batch whose W is pending with
+/// [`GptBlocks::weight_inputs`].
+#[derive(Clone, Debug)]
+pub struct WeightInputs {
+    dres3: Vec<f32>, // d(block output) = d(ffn output)
+    dln2: Vec<f32>,  // d(ln_2 output)
+    dres2: Vec<f32>, // d(attention residual) = d(attn proj output)
+    dqkv: Vec<f32>,  // d(qkv)
+    dln1: Vec<f32>,  // d(ln_1 output)
+    ready: bool,
+}
+
+impl WeightInputs {
+    /// Bytes held.
+    pub fn bytes(&self) -> usize {
+        4 * (self.dres3.len()
+            + self.dln2.len()
+            + self.dres2.len()
+            + self.dqkv.len()
+            + self.dln1.len())
+    }
+}
+
+fn two_mut(buf: &mut [f32], a: Range<usize>, b: Range<usize>) -> (&mut [f32], &mut [f32]) {
+    debug_assert!(a.end <= b.start);
+    let (lo, hi) = buf.split_at_mut(b.start);
+    (&mut lo[a], &mut hi[..b.end - b.start])
+}
+
+fn check_len(what: &str, got: usize, want: usize) -> Result<()> {
+    if got == want {
+        Ok(())
+    } else {
+        Err(Error::Batch {
+            reason: format!("{what} holds {got} floats, expected {want}"),
+        })
+    }
+}
+
+impl GptBlocks {
+    /// The per-block functions of a model with this configuration and
+    /// feed-forward block.
+    ///
+    /// # Errors
+    /// [`Error::Config`] if the configuration is inconsistent.
+    pub fn new(config: GptConfig, ffn: Arc<dyn FeedForward>) -> Result<Self> {
+        config.validate()?;
+        let ffn_len = ffn
+            .params(config.n_embd)
+            .iter()
+            .map(|s| s.shape.iter().product::<usize>())
+            .sum();
+        let blk = Block::new(config.n_embd, ffn_len);
+        Ok(GptBlocks {
+            config,
+            ffn,
+            blk,
+            mode: Mode::default(),
+        })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &GptConfig {
+        &self.config
+    }
+
+    /// The feed-forward block.
+    pub fn ffn(&self) -> &Arc<dyn FeedForward> {
+        &self.ffn
+    }
+
+    /// How the forward's linear layers split their work (see
+    /// [`Gpt::set_mode`]).
+    pub fn mode(&self) -> Mode {
+        self.mode
+    }
+
+    /// Sets the forward's [`Mode`].
+    pub fn set_mode(&mut self, mode: Mode) {
+        self.mode = mode;
+    }
+
+    /// Floats in the embedding slice (`wte` then `wpe`).
+    pub fn embed_len(&self) -> usize {
+        (self.config.vocab_size + self.config.block_size) * self.config.n_embd
+    }
+
+    /// Floats in one block's slice.
+    pub fn block_len(&self) -> usize {
+        self.blk.len()
+    }
+
+    /// Floats in the language-model head's weight (`V·C`).
+    pub fn lm_head_len(&self) -> usize {
+        self.config.vocab_size * self.config.n_embd
+    }
+
+    /// Floats in the `wte` weight (`V·C`), the first part of the embedding slice.
+    pub fn wte_len(&self) -> usize {
+        self.lm_head_len()
+    }
+
+    /// The embedding's range in the full [`ParamLayout`] buffer.
+    pub fn embed_range(&self) -> Range<usize> {
+        0..self.embed_len()
+    }
+
+    /// Block `l`'s range in the full [`ParamLayout`] buffer.
+    pub fn block_range(&self, l: usize) -> Range<usize> {
+        let s = self.embed_len() + l * self.block_len();
+        s..s + self.block_len()
+    }
+
+    /// The final layernorm's range (`ln_f.weight` then `ln_f.bias`).
+    pub fn lnf_range(&self) -> Range<usize> {
+        let s = self.embed_len() + self.config.n_layer * self.block_len();
+        s..s + 2 * self.config.n_embd
+    }
+
+    /// The head weight's range: `wte`'s when tied, else `lm_head.weight`'s.
+    pub fn lm_head_range(&self) -> Range<usize> {
+        if self.config.tied_embeddings {
+            0..self.lm_head_len()
+        } else {
+            let s = self.lnf_range().end;
+            s..s + self.lm_head_len()
+        }
+    }
+
+    fn check_shape(&self, b: usize, t: usize) -> Result<()> {
+        if b == 0 || t == 0 || t > self.config.block_size {
+            return Err(Error::Batch {
+                reason: format!(
+                    "B={b}, T={t}: need B >= 1 and 1 <= T <= block_size = {}",
+                    self.config.block_size
+                ),
+            });
+        }
+        Ok(())
+    }
+
+    /// Plans one block's activations for `b` sequences of `t` tokens.
+    ///
+    /// # Errors
+    /// [`Error::Batch`] if `t` exceeds `block_size` or `b*t` is 0.
+    pub fn block_acts(&self, b: usize, t: usize) -> Result<BlockActs> {
+        self.check_shape(b, t)?;
+        let (c, nh) = (self.config.n_embd, self.config.n_head);
+        let n = b * t;
+        let z = |k: usize| vec![0.0f32; k];
+        Ok(BlockActs {
+            b,
+            t,
+            ln1: z(n * c),
+            ln1_mean: z(n),
+            ln1_rstd: z(n),
+            qkv: z(n * 3 * c),
+            atty: z(n * c),
+            att: z(b * nh * t * t),
+            res2: z(n * c),
+            ln2: z(n * c),
+            ln2_mean: z(n),
+            ln2_rstd: z(n),
+            ffn_saved: z(n * self.ffn.saved_per_token(c)),
+            out: z(n * c),
+        })
+    }
+
+    /// Plans the head's activations.
+    ///
+    /// # Errors
+    /// [`Error::Batch`] as for [`block_acts`](Self::block_acts).
+    pub fn head_acts(&self, b: usize, t: usize) -> Result<HeadActs> {
+        self.check_shape(b, t)?;
+        let (c, v) = (self.config.n_embd, self.config.vocab_size);
+        let n = b * t;
+        Ok(HeadActs {
+            b,
+            t,
+            targets: vec![0; n],
+            has_targets: false,
+            lnf: vec![0.0; n * c],
+            lnf_mean: vec![0.0; n],
+            lnf_rstd: vec![0.0; n],
+            logits: vec![0.0; n * v],
+            losses: vec![0.0; n],
+        })
+    }
+
+    /// Plans the shared working buffers.
+    ///
+    /// # Errors
+    /// [`Error::Batch`] as for [`block_acts`](Self::block_acts).
+    pub fn scratch(&self, b: usize, t: usize) -> Result<BlockScratch> {
+        self.check_shape(b, t)?;
+        let (c, nh) = (self.config.n_embd, self.config.n_head);
+        let n = b * t;
+        Ok(BlockScratch {
+            tmp: vec![0.0; n * c],
+            dln: vec![0.0; n * c],
+            datty: vec![0.0; n * c],
+            dqkv: vec![0.0; n * 3 * c],
+            datt: vec![0.0; b * nh * t * t],
+            ffn_scratch: vec![0.0; n * self.ffn.scratch_per_token(c)],
+            sink_x: Vec::new(),
+            sink_p: Vec::new(),
+        })
+    }
+
+    /// Plans what a block's B saves for its W.
+    ///
+    /// # Errors
+    /// [`Error::Batch`] as for [`block_acts`](Self::block_acts).
+    pub fn weight_inputs(&self, b: usize, t: usize) -> Result<WeightInputs> {
+        self.check_shape(b, t)?;
+        let nc = b * t * self.config.n_embd;
+        Ok(WeightInputs {
+            dres3: vec![0.0; nc],
+            dln2: vec![0.0; nc],
+            dres2: vec![0.0; nc],
+            dqkv: vec![0.0; 3 * nc],
+            dln1: vec![0.0; nc],
+            ready: false,
+        })
+    }
+
+    fn dims(&self, b: usize, t: usize, mode: Mode) -> Dims {
+        Dims {
+            b,
+            t,
+            c: self.config.n_embd,
+            mode,
+        }
+    }
+
+    /// Token plus position embedding: `out (B,T,C) = wte[tokens] + wpe[pos]`;
+    /// `params` is the embedding slice (`wte` then `wpe`).
+    ///
+    /// # Errors
+    /// [`Error::Batch`] on a wrong slice length; a kernel error for a token
+    /// outside the vocabulary.
+    pub fn embed_forward(
+        &self,
+        out: &mut [f32],
+        tokens: &[u32],
+        params: &[f32],
+        b: usize,
+        t: usize,
+    ) -> Result<()> {
+        check_len("embedding parameters", params.len(), self.embed_len())?;
+        self.check_shape(b, t)?;
+        let (wte, wpe) = params.split_at(self.wte_len());
+        encoder_forward(out, tokens, wte, wpe, b, t, self.config.n_embd)?;
+        Ok(())
+    }
+
+    /// Backward of [`embed_forward`](Self::embed_forward), accumulating into
+    /// the embedding's gradient slice (`dwte` then `dwpe`). The embedding
+    /// has no input gradient, so this is a weight-only (W) step.
+    ///
+    /// # Errors
+    /// [`Error::Batch`] on a wrong slice length; a kernel error for a token
+    /// outside the vocabulary.
+    pub fn embed_backward(
+        &self,
+        grads: &mut [f32],
+        dout: &[f32],
+        tokens: &[u32],
+        b: usize,
+        t: usize,
+    ) -> Result<()> {
+        check_len("embedding gradients", grads.len(), self.embed_len())?;
+        self.check_shape(b, t)?;
+        let (dwte, dwpe) = grads.split_at_mut(self.wte_len());
+        encoder_backward(dwte, dwpe, dout, tokens, b, t, self.config.n_embd)?;
+        Ok(())
+    }
+
+    /// One transformer block: `x + attn(ln_1(x))`, then `y + ffn(ln_2(y))`,
+    /// over `inp (B,T,C)` with the block's parameter slice; the output is
+    /// [`acts.out()`](BlockActs::out).
+    ///
+    /// # Errors
+    /// [`Error::Batch`] on a wrong parameter slice length; a kernel error
+    /// if `inp` or `scratch` does not fit `acts`' shape.
+    pub fn block_forward(
+        &self,
+        acts: &mut BlockActs,
+        inp: &[f32],
+        params: &[f32],
+        scratch: &mut BlockScratch,
+    ) -> Result<()> {
+        check_len("block parameters", params.len(), self.block_len())?;
+        let (b, t) = (acts.b, acts.t);
+        let n = b * t;
+        let GptConfig {
+            n_head: nh,
+            n_embd: c,
+            layer_norm_epsilon: eps,
+            ..
+        } = self.config;
+        let (p, blk, mode) = (params, &self.blk, self.mode);
+        layernorm_forward(
+            &mut acts.ln1,
+            &mut acts.ln1_mean,
+            &mut acts.ln1_rstd,
+            inp,
+            &p[blk.ln1_w.clone()],
+            &p[blk.ln1_b.clone()],
+            n,
+            c,
+            eps,
+        )?;
+        matmul_forward(
+            &mut acts.qkv,
+            &acts.ln1,
+            &p[blk.qkv_w.clone()],
+            Some(&p[blk.qkv_b.clone()]),
+            b,
+            t,
+            c,
+            3 * c,
+            mode,
+        )?;
+        attention_forward(&mut acts.atty, &mut acts.att, &acts.qkv, b, t, c, nh)?;
+        matmul_forward(
+            &mut scratch.tmp,
+            &acts.atty,
+            &p[blk.proj_w.clone()],
+            Some(&p[blk.proj_b.clone()]),
+            b,
+            t,
+            c,
+            c,
+            mode,
+        )?;
+        residual_forward(&mut acts.res2, inp, &scratch.tmp, n * c)?;
+        layernorm_forward(
+            &mut acts.ln2,
+            &mut acts.ln2_mean,
+            &mut acts.ln2_rstd,
+            &acts.res2,
+            &p[blk.ln2_w.clone()],
+            &p[blk.ln2_b.clone()],
+            n,
+            c,
+            eps,
+        )?;
+        self.ffn.forward(
+            &mut scratch.tmp,
+            &mut acts.ffn_saved,
+            &acts.ln2,
+            &p[blk.ffn.clone()],
+            self.dims(b, t, mode),
+        )?;
+        residual_forward(&mut acts.out, &acts.res2, &scratch.tmp, n * c)?;
+        Ok(())
+    }
+
+    /// The whole backward of a block: on entry `dres (B,T,C)` holds the
+    /// gradient of the block's output, on return the gradient of its input
+    /// `inp` (the same `inp` the forward saw); the block's parameter
+    /// gradients are accumulated into `grads` (its gradient slice).
+    ///
+    /// # Errors
+    /// [`Error::Batch`] on a wrong slice length; a kernel error on a shape
+    /// mismatch.
+    pub fn block_backward(
+        &self,
+        dres: &mut [f32],
+        grads: &mut [f32],
+        acts: &BlockActs,
+        inp: &[f32],
+        params: &[f32],
+        scratch: &mut BlockScratch,
+    ) -> Result<()> {
+        check_len("block parameters", params.len(), self.block_len())?;
+        check_len("block gradients", grads.len(), self.block_len())?;
+        let (b, t) = (acts.b, acts.t);
+        let n = b * t;
+        let GptConfig {
+            n_head: nh,
+            n_embd: c,
+            ..
+        } = self.config;
+        // Parameter gradients sum over the batch whatever the mode, and input
+        // gradients need no invariance: whole-batch GEMMs are faster.
+        let mode = Mode::Throughput;
+        let (p, g, blk) = (params, grads, &self.blk);
+        // Feed-forward block: dres is d(res3) = d(ffn out) and part of d(res2).
+        scratch.dln.fill(0.0);
+        self.ffn.backward(
+            &mut scratch.dln,
+            &mut g[blk.ffn.clone()],
+            &mut scratch.ffn_scratch,
+            dres,
+            &acts.ln2,
+            &acts.ffn_saved,
+            &p[blk.ffn.clone()],
+            self.dims(b, t, mode),
+        )?;
+        let (dw, db) = two_mut(g, blk.ln2_w.clone(), blk.ln2_b.clone());
+        layernorm_backward(
+            dres,
+            dw,
+            db,
+            &scratch.dln,
+            &acts.res2,
+            &p[blk.ln2_w.clone()],
+            &acts.ln2_mean,
+            &acts.ln2_rstd,
+            n,
+            c,
+        )?;
+        // Attention: dres is now d(res2) = d(attn proj out) and part of d(inp).
+        scratch.datty.fill(0.0);
+        let (dw, db) = two_mut(g, blk.proj_w.clone(), blk.proj_b.clone());
+        matmul_backward(
+            &mut scratch.datty,
+            dw,
+            Some(db),
+            dres,
+            &acts.atty,
+            &p[blk.proj_w.clone()],
+            b,
+            t,
+            c,
+            c,
+            mode,
+        )?;
+        scratch.dqkv.fill(0.0);
+        attention_backward(
+            &mut scratch.dqkv,
+            &mut scratch.datt,
+            &scratch.datty,
+            &acts.qkv,
+            &acts.att,
+            b,
+            t,
+            c,
+            nh,
+        )?;
+        scratch.dln.fill(0.0);
+        let (dw, db) = two_mut(g, blk.qkv_w.clone(), blk.qkv_b.clone());
+        matmul_backward(
+            &mut scratch.dln,
+            dw,
+            Some(db),
+            &scratch.dqkv,
+            &acts.ln1,
+            &p[blk.qkv_w.clone()],
+            b,
+            t,
+            c,
+            3 * c,
+            mode,
+        )?;
+        let (dw, db) = two_mut(g, blk.ln1_w.clone(), blk.ln1_b.clone());
+        layernorm_backward(
+            dres,
+            dw,
+            db,
+            &scratch.dln,
+            inp,
+            &p[blk.ln1_w.clone()],
+            &acts.ln1_mean,
+            &acts.ln1_rstd,
+            n,
+            c,
+        )?;
+        Ok(())
+    }
+
+    fn sinks(&self, scratch: &mut BlockScratch, nc: usize) {
+        if scratch.sink_x.len() != nc {
+            scratch.sink_x = vec![0.0; nc];
+        }
+        if scratch.sink_p.len() != self.block_len() {
+            scratch.sink_p = vec![0.0; self.block_len()];
+        }
+    }
+
+    /// Backward-for-input (B) of a block: like
+    /// [`block_backward`](Self::block_backward) for `dres`, but leaves the
+    /// parameter gradients for [`block_backward_weight`](Self::block_backward_weight),
+    /// saving what it needs in `saved`.
+    ///
+    /// # Errors
+    /// [`Error::Batch`] on a wrong slice length; a kernel error on a shape
+    /// mismatch.
+    pub fn block_backward_input(
+        &self,
+        dres: &mut [f32],
+        saved: &mut WeightInputs,
+        acts: &BlockActs,
+        inp: &[f32],
+        params: &[f32],
+        scratch: &mut BlockScratch,
+    ) -> Result<()> {
+        check_len("block parameters", params.len(), self.block_len())?;
+        let (b, t) = (acts.b, acts.t);
+        let n = b * t;
+        let GptConfig {
+            n_head: nh,
+            n_embd: c,
+            ..
+        } = self.config;
+        check_len("B's saved gradients", saved.dres3.len(), n * c)?;
+        let mode = Mode::Throughput;
+        let (p, blk) = (params, &self.blk);
+        self.sinks(scratch, n * c);
+        saved.dres3.copy_from_slice(dres);
+        // The feed-forward block's backward computes both halves; its
+        // parameter gradients go to the sink here and are redone in W.
+        saved.dln2.fill(0.0);
+        scratch.sink_p.fill(0.0);
+        let sink = &mut scratch.sink_p[blk.ffn.clone()];
+        self.ffn.backward(
+            &mut saved.dln2,
+            sink,
+            &mut scratch.ffn_scratch,
+            dres,
+            &acts.ln2,
+            &acts.ffn_saved,
+            &p[blk.ffn.clone()],
+            self.dims(b, t, mode),
+        )?;
+        let (dw, db) = scratch.sink_p[..2 * c].split_at_mut(c);
+        dw.fill(0.0);
+        db.fill(0.0);
+        layernorm_backward(
+            dres,
+            dw,
+            db,
+            &saved.dln2,
+            &acts.res2,
+            &p[blk.ln2_w.clone()],
+            &acts.ln2_mean,
+            &acts.ln2_rstd,
+            n,
+            c,
+        )?;
+        saved.dres2.copy_from_slice(dres);
+        // The fused kernel, its weight gradients going to the sink: the
+        // input gradient is then the very bits the whole backward computes.
+        scratch.datty.fill(0.0);
+        let (dw, db) = two_mut(&mut scratch.sink_p, blk.proj_w.clone(), blk.proj_b.clone());
+        matmul_backward(
+            &mut scratch.datty,
+            dw,
+            Some(db),
+            dres,
+            &acts.atty,
+            &p[blk.proj_w.clone()],
+            b,
+            t,
+            c,
+            c,
+            mode,
+        )?;
+        saved.dqkv.fill(0.0);
+        attention_backward(
+            &mut saved.dqkv,
+            &mut scratch.datt,
+            &scratch.datty,
+            &acts.qkv,
+            &acts.att,
+            b,
+            t,
+            c,
+            nh,
+        )?;
+        saved.dln1.fill(0.0);
+        let (dw, db) = two_mut(&mut scratch.sink_p, blk.qkv_w.clone(), blk.qkv_b.clone());
+        matmul_backward(
+            &mut saved.dln1,
+            dw,
+            Some(db),
+            &saved.dqkv,
+            &acts.ln1,
+            &p[blk.qkv_w.clone()],
+            b,
+            t,
+            c,
+            3 * c,
+            mode,
+        )?;
+        let (dw, db) = scratch.sink_p[..2 * c].split_at_mut(c);
+        dw.fill(0.0);
+        db.fill(0.0);
+        layernorm_backward(
+            dres,
+            dw,
+            db,
+            &saved.dln1,
+            inp,
+            &p[blk.ln1_w.clone()],
+            &acts.ln1_mean,
+            &acts.ln1_rstd,
+            n,
+            c,
+        )?;
+        saved.ready = true;
+        Ok(())
+    }
+
+    /// Backward-for-weights (W) of a block: accumulates the block's
+    /// parameter gradients into `grads` from what
+    /// [`block_backward_input`](Self::block_backward_input) saved.
+    /// `acts`, `inp` and `params` must be those B saw.
+    ///
+    /// # Errors
+    /// [`Error::Batch`] on a wrong slice length or if `saved` holds no B
+    /// result (each B's result feeds exactly one W); a kernel error on a
+    /// shape mismatch.
+    pub fn block_backward_weight(
+        &self,
+        grads: &mut [f32],
+        saved: &mut WeightInputs,
+        acts: &BlockActs,
+        inp: &[f32],
+        params: &[f32],
+        scratch: &mut BlockScratch,
+    ) -> Result<()> {
+        check_len("block parameters", params.len(), self.block_len())?;
+        check_len("block gradients", grads.len(), self.block_len())?;
+        if !saved.ready {
+            return Err(Error::Batch {
+                reason: "backward-for-weights needs a backward-for-input of the same block first"
+                    .into(),
+            });
+        }
+        saved.ready = false;
+        let (b, t) = (acts.b, acts.t);
+        let n = b * t;
+        let c = self.config.n_embd;
+        let mode = Mode::Throughput;
+        let (p, g, blk) = (params, grads, &self.blk);
+        self.sinks(scratch, n * c);
+        let sink = &mut scratch.sink_x;
+        self.ffn.backward(
+            sink,
+            &mut g[blk.ffn.clone()],
+            &mut scratch.ffn_scratch,
+            &saved.dres3,
+            &acts.ln2,
+            &acts.ffn_saved,
+            &p[blk.ffn.clone()],
+            self.dims(b, t, mode),
+        )?;
+        let (dw, db) = two_mut(g, blk.ln2_w.clone(), blk.ln2_b.clone());
+        layernorm_backward(
+            sink,
+            dw,
+            db,
+            &saved.dln2,
+            &acts.res2,
+            &p[blk.ln2_w.clone()],
+            &acts.ln2_mean,
+            &acts.ln2_rstd,
+            n,
+            c,
+        )?;
+        let (dw, db) = two_mut(g, blk.proj_w.clone(), blk.proj_b.clone());
+        matmul_backward(
+            sink,
+            dw,
+            Some(db),
+            &saved.dres2,
+            &acts.atty,
+            &p[blk.proj_w.clone()],
+            b,
+            t,
+            c,
+            c,
+            mode,
+        )?;
+        let (dw, db) = two_mut(g, blk.qkv_w.clone(), blk.qkv_b.clone());
+        matmul_backward(
+            sink,
+            dw,
+            Some(db),
+            &saved.dqkv,
+            &acts.ln1,
+            &p[blk.qkv_w.clone()],
+            b,
+            t,
+            c,
+            3 * c,
+            mode,
+        )?;
+        let (dw, db) = two_mut(g, blk.ln1_w.clone(), blk.ln1_b.clone());
+        layernorm_backward(
+            sink,
+            dw,
+            db,
+            &saved.dln1,
+            inp,
+            &p[blk.ln1_w.clone()],
+            &acts.ln1_mean,
+            &acts.ln1_rstd,
+            n,
+            c,
+        )?;
+        // The sink accumulates garbage; keep it finite.
+        sink.fill(0.0);
+        Ok(())
+    }
+
+    /// The head: final layernorm over `inp (B,T,C)`, logits through
+    /// `lm_head (V,C)`, and with `targets (B,T)` the per-token
+    /// cross-entropy and the mean loss (accumulated in f64), returned;
+    /// without targets it returns `None` and only the logits are
+    /// meaningful. `lnf` is `ln_f.weight` then `ln_f.bias`.
+    ///
+    /// # Errors
+    /// [`Error::Batch`] on a wrong slice length; a kernel error for a
+    /// target outside the vocabulary or a shape mismatch.
+    pub fn head_forward(
+        &self,
+        acts: &mut HeadActs,
+        inp: &[f32],
+        lnf: &[f32],
+        lm_head: &[f32],
+        targets: Option<&[u32]>,
+    ) -> Result<Option<f64>> {
+        let GptConfig {
+            n_embd: c,
+            vocab_size: v,
+            layer_norm_epsilon: eps,
+            ..
+        } = self.config;
+        check_len("ln_f parameters", lnf.len(), 2 * c)?;
+        check_len("lm_head", lm_head.len(), self.lm_head_len())?;
+        let (b, t) = (acts.b, acts.t);
+        let n = b * t;
+        if let Some(tg) = targets {
+            check_len("targets", tg.len(), n)?;
+        }
+        let (lw, lb) = lnf.split_at(c);
+        layernorm_forward(
+            &mut acts.lnf,
+            &mut acts.lnf_mean,
+            &mut acts.lnf_rstd,
+            inp,
+            lw,
+            lb,
+            n,
+            c,
+            eps,
+        )?;
+        matmul_forward_wt(
+            &mut acts.logits,
+            &acts.lnf,
+            lm_head,
+            None,
+            b,
+            t,
+            c,
+            v,
+            self.mode,
+        )?;
+        match targets {
+            None => {
+                acts.has_targets = false;
+                Ok(None)
+            }
+            Some(tg) => {
+                acts.targets.copy_from_slice(tg);
+                acts.has_targets = true;
+                fused_classifier(&mut acts.logits, &mut acts.losses, tg, None, n, v, v)?;
+                let sum: f64 = acts.losses.iter().map(|&x| f64::from(x)).sum();
+                #[allow(clippy::cast_precision_loss)]
+                Ok(Some(sum / n as f64))
+            }
+        }
+    }
+
+    /// Backward of the head for the mean loss of the last
+    /// [`head_forward`](Self::head_forward) (which must have had targets):
+    /// overwrites `dinp (B,T,C)` with the gradient of the head's input,
+    /// accumulates `dlnf` (`ln_f` weight then bias) and `dlm_head (V,C)`,
+    /// and turns the logits into their gradient. `inp` is the input the
+    /// forward saw; `dln` is a `(B,T,C)` working buffer.
+    ///
+    /// # Errors
+    /// [`Error::Batch`] on a wrong slice length or if the last forward had
+    /// no targets; a kernel error on a shape mismatch.
+    #[allow(clippy::too_many_arguments)]
+    pub fn head_backward(
+        &self,
+        dinp: &mut [f32],
+        dlnf: &mut [f32],
+        dlm_head: &mut [f32],
+        acts: &mut HeadActs,
+        inp: &[f32],
+        lnf: &[f32],
+        lm_head: &[f32],
+        scratch: &mut BlockScratch,
+    ) -> Result<()> {
+        let GptConfig {
+            n_embd: c,
+            vocab_size: v,
+            ..
+        } = self.config;
+        check_len("ln_f parameters", lnf.len(), 2 * c)?;
+        check_len("ln_f gradients", dlnf.len(), 2 * c)?;
+        check_len("lm_head", lm_head.len(), self.lm_head_len())?;
+        check_len("lm_head gradient", dlm_head.len(), self.lm_head_len())?;
+        if !acts.has_targets {
+            return Err(Error::Batch {
+                reason: "backward needs a forward with targets first".into(),
+            });
+        }
+        acts.has_targets = false; // logits become dlogits below
+        let (b, t) = (acts.b, acts.t);
+        let n = b * t;
+        let mode = Mode::Throughput;
+        #[allow(clippy::cast_precision_loss)]
+        let dloss = 1.0 / n as f32;
+        fused_classifier(
+            &mut acts.logits,
+            &mut acts.losses,
+            &acts.targets,
+            Some(dloss),
+            n,
+            v,
+            v,
+        )?;
+        scratch.dln.fill(0.0);
+        matmul_backward_wt(
+            &mut scratch.dln,
+            dlm_head,
+            None,
+            &acts.logits,
+            &acts.lnf,
+            lm_head,
+            b,
+            t,
+            c,
+            v,
+            mode,
+        )?;
+        dinp.fill(0.0);
+        let (dlw, dlb) = dlnf.split_at_mut(c);
+        layernorm_backward(
+            dinp,
+            dlw,
+            dlb,
+            &scratch.dln,
+            inp,
+            &lnf[..c],
+            &acts.lnf_mean,
+            &acts.lnf_rstd,
+            n,
+            c,
+        )?;
+        Ok(())
+    }
+}
+
 /// A GPT-2-style transformer: configuration, the flat parameter and
 /// gradient buffers (same [`ParamLayout`]), and the feed-forward block.
 #[derive(Debug)]
 pub struct Gpt {
-    config: GptConfig,
+    blocks: GptBlocks,
     layout: ParamLayout,
-    ffn: Box<dyn FeedForward>,
-    blocks: Vec<Block>,
-    mode: Mode,
     /// All parameters in one allocation, in [`ParamLayout`] order.
     pub params: Vec<f32>,
     /// Gradients, same layout; [`Gpt::backward`] accumulates into them.
     pub grads: Vec<f32>,
 }
 
-/// Activation buffers for one batch shape, allocated once up front.
-///
-/// Shapes (L layers, B batch, T sequence, C channels, NH heads, V vocab):
-/// everything the backward needs is kept per layer; the backward's own
-/// working buffers are one layer's worth, reused.
+/// Activation buffers for one batch shape, allocated once up front: one
+/// [`BlockActs`] per layer, the head's [`HeadActs`], and one layer's worth
+/// of backward working buffers, reused.
 #[derive(Debug)]
 pub struct Activations {
     b: usize,
     t: usize,
     tokens: Vec<u32>,  // (B,T)
-    targets: Vec<u32>, // (B,T)
-    has_targets: bool,
-    encoded: Vec<f32>,     // (B,T,C)
-    ln1: Vec<f32>,         // (L,B,T,C)
-    ln1_mean: Vec<f32>,    // (L,B,T)
-    ln1_rstd: Vec<f32>,    // (L,B,T)
-    qkv: Vec<f32>,         // (L,B,T,3C)
-    atty: Vec<f32>,        // (L,B,T,C)
-    att: Vec<f32>,         // (L,B,NH,T,T)
-    res2: Vec<f32>,        // (L,B,T,C)
-    ln2: Vec<f32>,         // (L,B,T,C)
-    ln2_mean: Vec<f32>,    // (L,B,T)
-    ln2_rstd: Vec<f32>,    // (L,B,T)
-    ffn_saved: Vec<f32>,   // (L,B,T,ffn.saved_per_token)
-    res3: Vec<f32>,        // (L,B,T,C)
-    lnf: Vec<f32>,         // (B,T,C)
-    lnf_mean: Vec<f32>,    // (B,T)
-    lnf_rstd: Vec<f32>,    // (B,T)
-    logits: Vec<f32>,      // (B,T,V); holds dlogits after backward
-    losses: Vec<f32>,      // (B,T)
-    tmp: Vec<f32>,         // (B,T,C) block outputs before the residual add
-    dres: Vec<f32>,        // (B,T,C) gradient of the residual stream
-    dln: Vec<f32>,         // (B,T,C)
-    datty: Vec<f32>,       // (B,T,C)
-    dqkv: Vec<f32>,        // (B,T,3C)
-    datt: Vec<f32>,        // (B,NH,T,T)
-    ffn_scratch: Vec<f32>, // (B,T,ffn.scratch_per_token)
+    encoded: Vec<f32>, // (B,T,C)
+    layers: Vec<BlockActs>,
+    head: HeadActs,
+    scratch: BlockScratch,
+    dres: Vec<f32>, // (B,T,C) gradient of the residual stream
 }
 
 impl Activations {
@@ -93,34 +1150,10 @@ impl Activations {
     }
     /// Total bytes of all activation and backward buffers.
     pub fn bytes(&self) -> usize {
-        let f = [
-            &self.encoded,
-            &self.ln1,
-            &self.ln1_mean,
-            &self.ln1_rstd,
-            &self.qkv,
-            &self.atty,
-            &self.att,
-            &self.res2,
-            &self.ln2,
-            &self.ln2_mean,
-            &self.ln2_rstd,
-            &self.ffn_saved,
-            &self.res3,
-            &self.lnf,
-            &self.lnf_mean,
-            &self.lnf_rstd,
-            &self.logits,
-            &self.losses,
-            &self.tmp,
-            &self.dres,
-            &self.dln,
-            &self.datty,
-            &self.dqkv,
-            &self.datt,
-            &self.ffn_scratch,
-        ];
-        f.iter().map(|v| v.len()).sum::<usize>() * 4 + (self.tokens.len() + self.targets.len()) * 4
+        self.layers.iter().map(BlockActs::bytes).sum::<usize>()
+            + self.head.bytes()
+            + self.scratch.bytes()
+            + 4 * (self.tokens.len() + self.encoded.len() + self.dres.len())
     }
     /// [`bytes`](Self::bytes) divided by the B·T tokens of the batch.
     pub fn bytes_per_token(&self) -> usize {
@@ -129,18 +1162,12 @@ impl Activations {
     /// Logits `(B,T,V)` of the last forward (after a backward they hold the
     /// logits' gradient instead).
     pub fn logits(&self) -> &[f32] {
-        &self.logits
+        self.head.logits()
     }
     /// Per-token losses `(B,T)` of the last forward with targets.
     pub fn losses(&self) -> &[f32] {
-        &self.losses
+        self.head.losses()
     }
-}
-
-fn two_mut(buf: &mut [f32], a: Range<usize>, b: Range<usize>) -> (&mut [f32], &mut [f32]) {
-    debug_assert!(a.end <= b.start);
-    let (lo, hi) = buf.split_at_mut(b.start);
-    (&mut lo[a], &mut hi[..b.end - b.start])
 }
 
 impl Gpt {
@@ -159,32 +1186,19 @@ impl Gpt {
     pub fn with_ffn(config: GptConfig, ffn: Box<dyn FeedForward>) -> Result<Self> {
         config.validate()?;
         let layout = ParamLayout::with_ffn(&config, ffn.as_ref());
-        let blocks = (0..config.n_layer)
-            .map(|l| {
-                let r = |s: &str| layout.range(&format!("transformer.h.{l}.{s}"));
-                let ffn_specs = ffn.params(config.n_embd);
-                let first = r(&ffn_specs[0].suffix).start;
-                let last = r(&ffn_specs[ffn_specs.len() - 1].suffix).end;
-                Block {
-                    ln1_w: r("ln_1.weight"),
-                    ln1_b: r("ln_1.bias"),
-                    qkv_w: r("attn.c_attn.weight"),
-                    qkv_b: r("attn.c_attn.bias"),
-                    proj_w: r("attn.c_proj.weight"),
-                    proj_b: r("attn.c_proj.bias"),
-                    ln2_w: r("ln_2.weight"),
-                    ln2_b: r("ln_2.bias"),
-                    ffn: first..last,
-                }
-            })
-            .collect();
+        let blocks = GptBlocks::new(config, Arc::from(ffn))?;
+        debug_assert_eq!(
+            layout.range("transformer.h.0.ln_1.weight").start,
+            blocks.block_range(0).start
+        );
+        debug_assert_eq!(
+            layout.range("transformer.ln_f.weight").start,
+            blocks.lnf_range().start
+        );
         let n = layout.len();
         Ok(Gpt {
-            config,
-            layout,
-            ffn,
             blocks,
-            mode: Mode::default(),
+            layout,
             params: vec![0.0; n],
             grads: vec![0.0; n],
         })
@@ -192,7 +1206,13 @@ impl Gpt {
 
     /// The configuration.
     pub fn config(&self) -> &GptConfig {
-        &self.config
+        self.blocks.config()
+    }
+
+    /// The per-block functions this model runs (and their parameter
+    /// ranges).
+    pub fn blocks(&self) -> &GptBlocks {
+        &self.blocks
     }
 
     /// The parameter layout (names, shapes, offsets).
@@ -205,7 +1225,7 @@ impl Gpt {
     /// bitwise the same in any batch). The backward always runs whole-batch
     /// GEMMs: parameter gradients are sums over the batch anyway.
     pub fn set_mode(&mut self, mode: Mode) {
-        self.mode = mode;
+        self.blocks.set_mode(mode);
     }
 
     /// A named parameter tensor.
@@ -237,7 +1257,7 @@ impl Gpt {
             (-2.0 * a.ln()).sqrt() * (std::f64::consts::TAU * b).cos()
         };
         #[allow(clippy::cast_precision_loss)]
-        let proj_std = 0.02 / (2.0 * self.config.n_layer as f64).sqrt();
+        let proj_std = 0.02 / (2.0 * self.config().n_layer as f64).sqrt();
         for spec in self.layout.specs().to_vec() {
             let p = &mut self.params[spec.range()];
             if spec.shape.len() == 1 {
@@ -261,64 +1281,22 @@ impl Gpt {
     /// # Errors
     /// [`Error::Batch`] if `t` exceeds the model's `block_size` or `b*t` is 0.
     pub fn activations(&self, b: usize, t: usize) -> Result<Activations> {
-        if b == 0 || t == 0 || t > self.config.block_size {
-            return Err(Error::Batch {
-                reason: format!(
-                    "B={b}, T={t}: need B >= 1 and 1 <= T <= block_size = {}",
-                    self.config.block_size
-                ),
-            });
-        }
-        let GptConfig {
-            n_layer: l,
-            n_head: nh,
-            n_embd: c,
-            vocab_size: v,
-            ..
-        } = self.config;
+        let bl = &self.blocks;
+        let layers = (0..self.config().n_layer)
+            .map(|_| bl.block_acts(b, t))
+            .collect::<Result<Vec<_>>>()?;
         let n = b * t;
-        let z = |k: usize| vec![0.0f32; k];
+        let c = self.config().n_embd;
         Ok(Activations {
             b,
             t,
             tokens: vec![0; n],
-            targets: vec![0; n],
-            has_targets: false,
-            encoded: z(n * c),
-            ln1: z(l * n * c),
-            ln1_mean: z(l * n),
-            ln1_rstd: z(l * n),
-            qkv: z(l * n * 3 * c),
-            atty: z(l * n * c),
-            att: z(l * b * nh * t * t),
-            res2: z(l * n * c),
-            ln2: z(l * n * c),
-            ln2_mean: z(l * n),
-            ln2_rstd: z(l * n),
-            ffn_saved: z(l * n * self.ffn.saved_per_token(c)),
-            res3: z(l * n * c),
-            lnf: z(n * c),
-            lnf_mean: z(n),
-            lnf_rstd: z(n),
-            logits: z(n * v),
-            losses: z(n),
-            tmp: z(n * c),
-            dres: z(n * c),
-            dln: z(n * c),
-            datty: z(n * c),
-            dqkv: z(n * 3 * c),
-            datt: z(b * nh * t * t),
-            ffn_scratch: z(n * self.ffn.scratch_per_token(c)),
+            encoded: vec![0.0; n * c],
+            layers,
+            head: bl.head_acts(b, t)?,
+            scratch: bl.scratch(b, t)?,
+            dres: vec![0.0; n * c],
         })
-    }
-
-    fn lm_head(&self) -> Range<usize> {
-        let name = if self.config.tied_embeddings {
-            "transformer.wte.weight"
-        } else {
-            "lm_head.weight"
-        };
-        self.layout.range(name)
     }
 
     /// Forward pass over `tokens (B,T)`. With `targets (B,T)` it also
@@ -338,13 +1316,6 @@ impl Gpt {
     ) -> Result<Option<f64>> {
         let (b, t) = (acts.b, acts.t);
         let n = b * t;
-        let GptConfig {
-            n_head: nh,
-            n_embd: c,
-            vocab_size: v,
-            layer_norm_epsilon: eps,
-            ..
-        } = self.config;
         if tokens.len() != n || targets.is_some_and(|x| x.len() != n) {
             return Err(Error::Batch {
                 reason: format!(
@@ -355,121 +1326,25 @@ impl Gpt {
             });
         }
         acts.tokens.copy_from_slice(tokens);
-        let p = &self.params;
-        let mode = self.mode;
-        encoder_forward(
-            &mut acts.encoded,
-            tokens,
-            &p[self.layout.range("transformer.wte.weight")],
-            &p[self.layout.range("transformer.wpe.weight")],
-            b,
-            t,
-            c,
-        )?;
-        let d = Dims { b, t, c, mode };
-        for (l, blk) in self.blocks.iter().enumerate() {
-            let nc = n * c;
-            let (prev, cur) = acts.res3.split_at_mut(l * nc);
-            let res_in: &[f32] = if l == 0 {
+        let (bl, p) = (&self.blocks, &self.params);
+        bl.embed_forward(&mut acts.encoded, tokens, &p[bl.embed_range()], b, t)?;
+        for l in 0..acts.layers.len() {
+            let (prev, cur) = acts.layers.split_at_mut(l);
+            let inp: &[f32] = if l == 0 {
                 &acts.encoded
             } else {
-                &prev[(l - 1) * nc..]
+                &prev[l - 1].out
             };
-            let ln1 = &mut acts.ln1[l * nc..(l + 1) * nc];
-            layernorm_forward(
-                ln1,
-                &mut acts.ln1_mean[l * n..(l + 1) * n],
-                &mut acts.ln1_rstd[l * n..(l + 1) * n],
-                res_in,
-                &p[blk.ln1_w.clone()],
-                &p[blk.ln1_b.clone()],
-                n,
-                c,
-                eps,
-            )?;
-            let qkv = &mut acts.qkv[l * 3 * nc..(l + 1) * 3 * nc];
-            matmul_forward(
-                qkv,
-                ln1,
-                &p[blk.qkv_w.clone()],
-                Some(&p[blk.qkv_b.clone()]),
-                b,
-                t,
-                c,
-                3 * c,
-                mode,
-            )?;
-            let atty = &mut acts.atty[l * nc..(l + 1) * nc];
-            let att = &mut acts.att[l * b * nh * t * t..(l + 1) * b * nh * t * t];
-            attention_forward(atty, att, qkv, b, t, c, nh)?;
-            matmul_forward(
-                &mut acts.tmp,
-                atty,
-                &p[blk.proj_w.clone()],
-                Some(&p[blk.proj_b.clone()]),
-                b,
-                t,
-                c,
-                c,
-                mode,
-            )?;
-            let res2 = &mut acts.res2[l * nc..(l + 1) * nc];
-            residual_forward(res2, res_in, &acts.tmp, nc)?;
-            let ln2 = &mut acts.ln2[l * nc..(l + 1) * nc];
-            layernorm_forward(
-                ln2,
-                &mut acts.ln2_mean[l * n..(l + 1) * n],
-                &mut acts.ln2_rstd[l * n..(l + 1) * n],
-                res2,
-                &p[blk.ln2_w.clone()],
-                &p[blk.ln2_b.clone()],
-                n,
-                c,
-                eps,
-            )?;
-            let fs = n * self.ffn.saved_per_token(c);
-            let saved = &mut acts.ffn_saved[l * fs..(l + 1) * fs];
-            self.ffn
-                .forward(&mut acts.tmp, saved, ln2, &p[blk.ffn.clone()], d)?;
-            residual_forward(&mut cur[..nc], res2, &acts.tmp, nc)?;
+            bl.block_forward(&mut cur[0], inp, &p[bl.block_range(l)], &mut acts.scratch)?;
         }
-        let last = &acts.res3[(self.config.n_layer - 1) * n * c..];
-        layernorm_forward(
-            &mut acts.lnf,
-            &mut acts.lnf_mean,
-            &mut acts.lnf_rstd,
+        let last = &acts.layers[acts.layers.len() - 1].out;
+        bl.head_forward(
+            &mut acts.head,
             last,
-            &p[self.layout.range("transformer.ln_f.weight")],
-            &p[self.layout.range("transformer.ln_f.bias")],
-            n,
-            c,
-            eps,
-        )?;
-        matmul_forward_wt(
-            &mut acts.logits,
-            &acts.lnf,
-            &p[self.lm_head()],
-            None,
-            b,
-            t,
-            c,
-            v,
-            mode,
-        )?;
-        match targets {
-            None => {
-                acts.has_targets = false;
-                Ok(None)
-            }
-            Some(tg) => {
-                acts.targets.copy_from_slice(tg);
-                acts.has_targets = true;
-                fused_classifier(&mut acts.logits, &mut acts.losses, tg, None, n, v, v)?;
-                let sum: f64 = acts.losses.iter().map(|&x| f64::from(x)).sum();
-                #[allow(clippy::cast_precision_loss)]
-                Ok(Some(sum / n as f64))
-            }
-        }
+            &p[bl.lnf_range()],
+            &p[bl.lm_head_range()],
+            targets,
+        )
     }
 
     /// Sets every gradient to zero.
@@ -484,169 +1359,50 @@ impl Gpt {
     /// # Errors
     /// [`Error::Batch`] if the last forward had no targets.
     pub fn backward(&mut self, acts: &mut Activations) -> Result<()> {
-        if !acts.has_targets {
-            return Err(Error::Batch {
-                reason: "backward needs a forward with targets first".into(),
-            });
-        }
-        acts.has_targets = false; // logits become dlogits below
-        let (b, t) = (acts.b, acts.t);
-        let n = b * t;
-        let GptConfig {
-            n_head: nh,
-            n_embd: c,
-            vocab_size: v,
-            ..
-        } = self.config;
-        // Parameter gradients sum over the batch whatever the mode, and input
-        // gradients need no invariance: whole-batch GEMMs are faster.
-        let mode = Mode::Throughput;
-        let d = Dims { b, t, c, mode };
-        let nc = n * c;
-        #[allow(clippy::cast_precision_loss)]
-        let dloss = 1.0 / n as f32;
-        fused_classifier(
-            &mut acts.logits,
-            &mut acts.losses,
-            &acts.targets,
-            Some(dloss),
-            n,
-            v,
-            v,
-        )?;
-        let lm = self.lm_head();
-        let p = &self.params;
-        let g = &mut self.grads;
-        acts.dln.fill(0.0);
-        matmul_backward_wt(
-            &mut acts.dln,
-            &mut g[lm.clone()],
-            None,
-            &acts.logits,
-            &acts.lnf,
-            &p[lm],
-            b,
-            t,
-            c,
-            v,
-            mode,
-        )?;
-        acts.dres.fill(0.0);
-        let last = &acts.res3[(self.config.n_layer - 1) * nc..];
-        let (lw, lb) = (
-            self.layout.range("transformer.ln_f.weight"),
-            self.layout.range("transformer.ln_f.bias"),
-        );
-        let (dlw, dlb) = two_mut(g, lw.clone(), lb);
-        layernorm_backward(
+        let bl = &self.blocks;
+        let (p, g) = (&self.params, &mut self.grads);
+        let nl = acts.layers.len();
+        let lm = bl.lm_head_range();
+        // The head's weight: `lm_head` after ln_f, or `wte` at the start.
+        let (dlnf, dlm) = if bl.config().tied_embeddings {
+            let (lo, hi) = g.split_at_mut(lm.end);
+            let lnf = bl.lnf_range();
+            (&mut hi[lnf.start - lm.end..lnf.end - lm.end], lo)
+        } else {
+            two_mut(g, bl.lnf_range(), lm.clone())
+        };
+        bl.head_backward(
             &mut acts.dres,
-            dlw,
-            dlb,
-            &acts.dln,
-            last,
-            &p[lw],
-            &acts.lnf_mean,
-            &acts.lnf_rstd,
-            n,
-            c,
+            dlnf,
+            dlm,
+            &mut acts.head,
+            &acts.layers[nl - 1].out,
+            &p[bl.lnf_range()],
+            &p[lm.clone()],
+            &mut acts.scratch,
         )?;
-        for (l, blk) in self.blocks.iter().enumerate().rev() {
-            let res_in: &[f32] = if l == 0 {
+        for l in (0..nl).rev() {
+            let inp: &[f32] = if l == 0 {
                 &acts.encoded
             } else {
-                &acts.res3[(l - 1) * nc..l * nc]
+                &acts.layers[l - 1].out
             };
-            let fs = n * self.ffn.saved_per_token(c);
-            // Feed-forward block: dres is d(res3) = d(ffn out) and part of d(res2).
-            acts.dln.fill(0.0);
-            self.ffn.backward(
-                &mut acts.dln,
-                &mut g[blk.ffn.clone()],
-                &mut acts.ffn_scratch,
-                &acts.dres,
-                &acts.ln2[l * nc..(l + 1) * nc],
-                &acts.ffn_saved[l * fs..(l + 1) * fs],
-                &p[blk.ffn.clone()],
-                d,
-            )?;
-            let (dw, db) = two_mut(g, blk.ln2_w.clone(), blk.ln2_b.clone());
-            layernorm_backward(
+            bl.block_backward(
                 &mut acts.dres,
-                dw,
-                db,
-                &acts.dln,
-                &acts.res2[l * nc..(l + 1) * nc],
-                &p[blk.ln2_w.clone()],
-                &acts.ln2_mean[l * n..(l + 1) * n],
-                &acts.ln2_rstd[l * n..(l + 1) * n],
-                n,
-                c,
-            )?;
-            // Attention: dres is now d(res2) = d(attn proj out) and part of d(res_in).
-            acts.datty.fill(0.0);
-            let (dw, db) = two_mut(g, blk.proj_w.clone(), blk.proj_b.clone());
-            matmul_backward(
-                &mut acts.datty,
-                dw,
-                Some(db),
-                &acts.dres,
-                &acts.atty[l * nc..(l + 1) * nc],
-                &p[blk.proj_w.clone()],
-                b,
-                t,
-                c,
-                c,
-                mode,
-            )?;
-            acts.dqkv.fill(0.0);
-            let att = &acts.att[l * b * nh * t * t..(l + 1) * b * nh * t * t];
-            let qkv = &acts.qkv[l * 3 * nc..(l + 1) * 3 * nc];
-            attention_backward(
-                &mut acts.dqkv,
-                &mut acts.datt,
-                &acts.datty,
-                qkv,
-                att,
-                b,
-                t,
-                c,
-                nh,
-            )?;
-            acts.dln.fill(0.0);
-            let (dw, db) = two_mut(g, blk.qkv_w.clone(), blk.qkv_b.clone());
-            matmul_backward(
-                &mut acts.dln,
-                dw,
-                Some(db),
-                &acts.dqkv,
-                &acts.ln1[l * nc..(l + 1) * nc],
-                &p[blk.qkv_w.clone()],
-                b,
-                t,
-                c,
-                3 * c,
-                mode,
-            )?;
-            let (dw, db) = two_mut(g, blk.ln1_w.clone(), blk.ln1_b.clone());
-            layernorm_backward(
-                &mut acts.dres,
-                dw,
-                db,
-                &acts.dln,
-                res_in,
-                &p[blk.ln1_w.clone()],
-                &acts.ln1_mean[l * n..(l + 1) * n],
-                &acts.ln1_rstd[l * n..(l + 1) * n],
-                n,
-                c,
+                &mut g[bl.block_range(l)],
+                &acts.layers[l],
+                inp,
+                &p[bl.block_range(l)],
+                &mut acts.scratch,
             )?;
         }
-        let (we, pe) = (
-            self.layout.range("transformer.wte.weight"),
-            self.layout.range("transformer.wpe.weight"),
-        );
-        let (dwte, dwpe) = two_mut(g, we, pe);
-        encoder_backward(dwte, dwpe, &acts.dres, &acts.tokens, b, t, c)?;
+        bl.embed_backward(
+            &mut g[bl.embed_range()],
+            &acts.dres,
+            &acts.tokens,
+            acts.b,
+            acts.t,
+        )?;
         Ok(())
     }
 

@@ -64,11 +64,15 @@ mod gpt;
 pub mod hf;
 mod moe_ffn;
 mod params;
+mod stage;
 pub mod tp;
 
 pub use config::GptConfig;
 pub use error::{Error, Result};
 pub use ffn::{Dims, FeedForward, Mlp, ParamShape};
-pub use gpt::{Activations, AdamWState, Gpt};
+pub use gpt::{
+    Activations, AdamWState, BlockActs, BlockScratch, Gpt, GptBlocks, HeadActs, WeightInputs,
+};
 pub use moe_ffn::{MoeFfn, MoeStats};
 pub use params::{ParamLayout, ParamSpec};
+pub use stage::{GptStage, StageInput, StageSpec};

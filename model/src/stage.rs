@@ -1,0 +1,842 @@
+//! A pipeline stage of a GPT: a contiguous range of layers, with the
+//! embedding on the first stage and the head and loss on the last, owning
+//! only its own parameters.
+//!
+//! # Tied embeddings across stages
+//!
+//! With `tied_embeddings`, `wte` is both the first stage's embedding and
+//! the last stage's `lm_head`. The embedding stage owns `wte` (it is in its
+//! [`params`](GptStage::params) under `transformer.wte.weight`, so the
+//! stages' parameter sets partition the model's exactly once); the head
+//! stage keeps a read-only *copy* outside its parameters
+//! ([`GptStage::tied_wte`]). Per micro-batch the head stage computes its
+//! part of `wte`'s gradient into a zeroed buffer
+//! ([`GptStage::tied_wte_grad`]) during its (input) backward; the
+//! pipeline sends it to the embedding stage, which stores it with
+//! [`GptStage::tied_wte_grad_mut`] before that micro-batch's embedding
+//! backward (its `W`, or its whole backward) adds it to `wte`'s gradient
+//! and then accumulates the embedding's own part on top — the order a
+//! single [`Gpt`](crate::Gpt) uses, so the micro-batch's `wte` gradient has
+//! the bits of the single model's. After the optimizer step the embedding
+//! stage's `wte` must be copied back to the head stage
+//! ([`GptStage::tied_wte_mut`]). The cost is one `V·C` message per
+//! micro-batch from the last stage to the first.
+
+use std::ops::Range;
+
+use crate::config::GptConfig;
+use crate::error::{Error, Result};
+use crate::gpt::{BlockActs, BlockScratch, GptBlocks, HeadActs, WeightInputs};
+use crate::params::{ParamLayout, ParamSpec};
+
+/// Which part of the model a stage holds.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StageSpec {
+    /// The transformer blocks, a contiguous range of layer indices (may be
+    /// empty for an embedding-only or head-only stage).
+    pub layers: Range<usize>,
+    /// Whether the stage starts with the embedding (`wte`, `wpe`); then
+    /// `layers` must start at 0.
+    pub embed: bool,
+    /// Whether the stage ends with the head (`ln_f`, `lm_head`, loss); then
+    /// `layers` must end at `n_layer`.
+    pub head: bool,
+}
+
+impl StageSpec {
+    /// The `stage`-th of the contiguous stages holding `layers_per_stage[i]`
+    /// layers each (e.g. a [`Partition`]'s layers per chunk, in model
+    /// order): the embedding on the first, the head on the last.
+    ///
+    /// # Errors
+    /// [`Error::Config`] if `stage` is out of range.
+    pub fn nth(layers_per_stage: &[usize], stage: usize) -> Result<Self> {
+        if stage >= layers_per_stage.len() {
+            return Err(Error::Config {
+                field: "pipeline stage",
+                reason: format!(
+                    "stage {stage} out of range for {} stages",
+                    layers_per_stage.len()
+                ),
+            });
+        }
+        let start: usize = layers_per_stage[..stage].iter().sum();
+        Ok(StageSpec {
+            layers: start..start + layers_per_stage[stage],
+            embed: stage == 0,
+            head: stage + 1 == layers_per_stage.len(),
+        })
+    }
+}
+
+/// What a stage's forward takes in.
+#[derive(Clone, Copy, Debug)]
+pub enum StageInput<'a> {
+    /// Token ids `(B,T)` (the embedding stage).
+    Tokens(&'a [u32]),
+    /// The previous stage's output `(B,T,C)`.
+    Hidden(&'a [f32]),
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum SlotState {
+    Free,
+    Forwarded,
+    InputDone,
+}
+
+#[derive(Debug)]
+struct Slot {
+    mb: usize,
+    state: SlotState,
+    tokens: Vec<u32>,
+    input: Vec<f32>, // (B,T,C): received activations or the embedding's output
+    layers: Vec<BlockActs>,
+    head: Option<HeadActs>,
+    saved: Vec<WeightInputs>,
+    dres: Vec<f32>,      // (B,T,C): d(input) after B
+    tied_dwte: Vec<f32>, // (V,C) when the tied-embedding exchange applies
+    tied_ready: bool,
+    loss: Option<f64>,
+}
+
+/// One pipeline stage of a GPT (see the module docs): its parameters and
+/// gradients (HF-named, [`specs`](Self::specs)), and activation storage
+/// for `slots` micro-batches in flight, each of `B` sequences of `T`
+/// tokens.
+///
+/// Micro-batches are named by their index; [`forward`](Self::forward)
+/// takes a free slot for it, and the last backward step
+/// ([`backward`](Self::backward), or [`backward_weight`](Self::backward_weight)
+/// after [`backward_input`](Self::backward_input)) frees it. Gradients
+/// accumulate (`+=`) into [`grads`](Self::grads) with the same kernel calls
+/// as [`Gpt::backward`](crate::Gpt::backward).
+///
+/// The head's weight gradients (`ln_f`, `lm_head`) are computed in
+/// `backward_input`: splitting them would cost a second `V`-wide GEMM.
+#[derive(Debug)]
+pub struct GptStage {
+    blocks: GptBlocks,
+    spec: StageSpec,
+    specs: Vec<ParamSpec>,
+    /// (local range, range in the full layout) of each piece.
+    segments: Vec<(Range<usize>, Range<usize>)>,
+    embed: Option<Range<usize>>,
+    layer_ranges: Vec<Range<usize>>,
+    lnf: Option<Range<usize>>,
+    lm_head: Option<Range<usize>>, // local; None for the tied copy
+    tied_copy: Option<Vec<f32>>,
+    /// Head side of the tied exchange: the latest micro-batch's head `wte`
+    /// gradient, and which micro-batch it belongs to.
+    tied_out: Vec<f32>,
+    tied_out_mb: Option<usize>,
+    /// This stage's parameters, in model order.
+    pub params: Vec<f32>,
+    /// Their gradients (same order).
+    pub grads: Vec<f32>,
+    slots: Vec<Slot>,
+    scratch: BlockScratch,
+    b: usize,
+    t: usize,
+}
+
+impl GptStage {
+    /// A stage of a model whose full parameters follow `layout` (made from
+    /// the same configuration and feed-forward block as `blocks`), planned
+    /// for `slots` micro-batches of `b`×`t` tokens in flight; `split`
+    /// plans what [`backward_input`](Self::backward_input) saves for
+    /// [`backward_weight`](Self::backward_weight) (7·B·T·C floats per layer
+    /// per slot). Parameters start at zero: copy them in with
+    /// [`load_from_full`](Self::load_from_full).
+    ///
+    /// # Errors
+    /// [`Error::Config`] if the spec does not fit the model (layers out of
+    /// range, embedding not at layer 0, head not after the last layer, no
+    /// slots), [`Error::Batch`] for a bad `b`, `t`.
+    pub fn new(
+        blocks: GptBlocks,
+        layout: &ParamLayout,
+        spec: StageSpec,
+        b: usize,
+        t: usize,
+        slots: usize,
+        split: bool,
+    ) -> Result<Self> {
+        let cfg: GptConfig = blocks.config().clone();
+        let nl = cfg.n_layer;
+        let bad = |reason: String| {
+            Err(Error::Config {
+                field: "pipeline stage",
+                reason,
+            })
+        };
+        if spec.layers.start > spec.layers.end || spec.layers.end > nl {
+            return bad(format!(
+                "layers {:?} outside the model's 0..{nl}",
+                spec.layers
+            ));
+        }
+        if spec.embed && spec.layers.start != 0 {
+            return bad(format!(
+                "the embedding stage must start at layer 0, not {}",
+                spec.layers.start
+            ));
+        }
+        if spec.head && spec.layers.end != nl {
+            return bad(format!(
+                "the head stage must end at layer {nl}, not {}",
+                spec.layers.end
+            ));
+        }
+        if spec.layers.is_empty() && !spec.embed && !spec.head {
+            return bad("a stage with no layers, embedding or head".into());
+        }
+        if slots == 0 {
+            return bad("at least one micro-batch slot is needed".into());
+        }
+        if layout.len()
+            != blocks.lnf_range().end
+                + if cfg.tied_embeddings {
+                    0
+                } else {
+                    blocks.lm_head_len()
+                }
+        {
+            return bad("the layout does not match the per-block functions".into());
+        }
+        // Local pieces in model order.
+        let mut segments = Vec::new();
+        let mut at = 0;
+        let mut push = |global: Range<usize>| {
+            let local = at..at + global.len();
+            at += global.len();
+            segments.push((local.clone(), global));
+            local
+        };
+        let embed = spec.embed.then(|| push(blocks.embed_range()));
+        let layer_ranges: Vec<_> = spec
+            .layers
+            .clone()
+            .map(|l| push(blocks.block_range(l)))
+            .collect();
+        let lnf = spec.head.then(|| push(blocks.lnf_range()));
+        let tied = cfg.tied_embeddings;
+        let lm_head = if !spec.head {
+            None
+        } else if tied {
+            embed.as_ref().map(|e| e.start..e.start + blocks.wte_len())
+        } else {
+            Some(push(blocks.lm_head_range()))
+        };
+        let n = at;
+        let tied_copy = (spec.head && tied && !spec.embed).then(|| vec![0.0; blocks.wte_len()]);
+        let specs = layout
+            .specs()
+            .iter()
+            .filter_map(|s| {
+                let r = s.range();
+                segments
+                    .iter()
+                    .find(|(_, g)| g.start <= r.start && r.end <= g.end)
+                    .map(|(l, g)| ParamSpec {
+                        offset: l.start + (r.start - g.start),
+                        ..s.clone()
+                    })
+            })
+            .collect();
+        let exchange = tied && (spec.embed != spec.head);
+        let c = cfg.n_embd;
+        let slots = (0..slots)
+            .map(|_| -> Result<Slot> {
+                Ok(Slot {
+                    mb: 0,
+                    state: SlotState::Free,
+                    tokens: vec![0; b * t],
+                    input: vec![0.0; b * t * c],
+                    layers: spec
+                        .layers
+                        .clone()
+                        .map(|_| blocks.block_acts(b, t))
+                        .collect::<Result<_>>()?,
+                    head: if spec.head {
+                        Some(blocks.head_acts(b, t)?)
+                    } else {
+                        None
+                    },
+                    saved: if split {
+                        spec.layers
+                            .clone()
+                            .map(|_| blocks.weight_inputs(b, t))
+                            .collect::<Result<_>>()?
+                    } else {
+                        Vec::new()
+                    },
+                    dres: vec![0.0; b * t * c],
+                    tied_dwte: if exchange && spec.embed {
+                        vec![0.0; blocks.wte_len()]
+                    } else {
+                        Vec::new()
+                    },
+                    tied_ready: false,
+                    loss: None,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let scratch = blocks.scratch(b, t)?;
+        let tied_out = if exchange && spec.head {
+            vec![0.0; blocks.wte_len()]
+        } else {
+            Vec::new()
+        };
+        Ok(GptStage {
+            blocks,
+            spec,
+            specs,
+            segments,
+            embed,
+            layer_ranges,
+            lnf,
+            lm_head,
+            tied_out,
+            tied_out_mb: None,
+            tied_copy,
+            params: vec![0.0; n],
+            grads: vec![0.0; n],
+            slots,
+            scratch,
+            b,
+            t,
+        })
+    }
+
+    /// A stage cut from `model`, with a copy of its parameters (and, for a
+    /// head stage with tied embeddings, of `wte`).
+    ///
+    /// # Errors
+    /// As for [`new`](Self::new).
+    pub fn from_gpt(
+        model: &crate::Gpt,
+        spec: StageSpec,
+        b: usize,
+        t: usize,
+        slots: usize,
+        split: bool,
+    ) -> Result<Self> {
+        let mut s = Self::new(
+            model.blocks().clone(),
+            model.layout(),
+            spec,
+            b,
+            t,
+            slots,
+            split,
+        )?;
+        s.load_from_full(&model.params)?;
+        Ok(s)
+    }
+
+    /// Copies this stage's parameters (and the tied `wte` copy) out of a
+    /// full-model buffer in [`ParamLayout`] order.
+    ///
+    /// # Errors
+    /// [`Error::Batch`] if `full` is shorter than the layout.
+    pub fn load_from_full(&mut self, full: &[f32]) -> Result<()> {
+        let need = self.segments.last().map_or(0, |(_, g)| g.end);
+        let need = need.max(self.blocks.wte_len());
+        if full.len() < need {
+            return Err(Error::Batch {
+                reason: format!(
+                    "full parameter buffer holds {} floats, the stage reads up to {need}",
+                    full.len()
+                ),
+            });
+        }
+        for (l, g) in &self.segments {
+            self.params[l.clone()].copy_from_slice(&full[g.clone()]);
+        }
+        if let Some(copy) = &mut self.tied_copy {
+            let n = copy.len();
+            copy.copy_from_slice(&full[..n]);
+        }
+        Ok(())
+    }
+
+    /// Copies `local` (this stage's parameters or gradients, or anything
+    /// else in their order) into its place in a full-model buffer.
+    ///
+    /// # Errors
+    /// [`Error::Batch`] on a length mismatch.
+    pub fn store_to_full(&self, local: &[f32], full: &mut [f32]) -> Result<()> {
+        if local.len() != self.params.len() {
+            return Err(Error::Batch {
+                reason: format!(
+                    "stage buffer holds {} floats, the stage has {}",
+                    local.len(),
+                    self.params.len()
+                ),
+            });
+        }
+        for (l, g) in &self.segments {
+            let dst = full.get_mut(g.clone()).ok_or_else(|| Error::Batch {
+                reason: format!("full buffer too short for range {g:?}"),
+            })?;
+            dst.copy_from_slice(&local[l.clone()]);
+        }
+        Ok(())
+    }
+
+    /// (range in [`params`](Self::params), range in the full layout) of
+    /// each contiguous piece this stage holds, in model order.
+    pub fn segments(&self) -> &[(Range<usize>, Range<usize>)] {
+        &self.segments
+    }
+
+    /// This stage's tensors under their Hugging Face names, with offsets
+    /// into [`params`](Self::params) (for checkpoints and the optimizer's
+    /// decay mask).
+    pub fn specs(&self) -> &[ParamSpec] {
+        &self.specs
+    }
+
+    /// What this stage holds.
+    pub fn spec(&self) -> &StageSpec {
+        &self.spec
+    }
+
+    /// The per-block functions.
+    pub fn blocks(&self) -> &GptBlocks {
+        &self.blocks
+    }
+
+    /// Micro-batch shape `(B, T)`.
+    pub fn batch_shape(&self) -> (usize, usize) {
+        (self.b, self.t)
+    }
+
+    /// Floats of one activation or activation-gradient message `(B·T·C)`.
+    pub fn message_len(&self) -> usize {
+        self.b * self.t * self.blocks.config().n_embd
+    }
+
+    /// Number of micro-batch slots planned.
+    pub fn slots(&self) -> usize {
+        self.slots.len()
+    }
+
+    /// Bytes of activation storage (all slots plus the shared scratch).
+    pub fn activation_bytes(&self) -> usize {
+        self.slots
+            .iter()
+            .map(|s| {
+                s.layers.iter().map(BlockActs::bytes).sum::<usize>()
+                    + s.head.as_ref().map_or(0, HeadActs::bytes)
+                    + s.saved.iter().map(WeightInputs::bytes).sum::<usize>()
+                    + 4 * (s.tokens.len() + s.input.len() + s.dres.len() + s.tied_dwte.len())
+            })
+            .sum::<usize>()
+            + self.scratch.bytes()
+    }
+
+    /// Whether this stage takes part in the tied-embedding gradient
+    /// exchange (tied embeddings, and the embedding and head on different
+    /// stages): the head stage sends [`tied_wte_grad`](Self::tied_wte_grad),
+    /// the embedding stage receives into [`tied_wte_grad_mut`](Self::tied_wte_grad_mut).
+    pub fn tied_exchange(&self) -> bool {
+        self.blocks.config().tied_embeddings && self.spec.embed != self.spec.head
+    }
+
+    /// The head stage's copy of `wte` (tied embeddings, head without
+    /// embedding), to refresh from the embedding stage after each update.
+    pub fn tied_wte_mut(&mut self) -> Option<&mut [f32]> {
+        self.tied_copy.as_deref_mut()
+    }
+
+    /// Read access to the tied copy of `wte`.
+    pub fn tied_wte(&self) -> Option<&[f32]> {
+        self.tied_copy.as_deref()
+    }
+
+    /// The embedding stage's `wte` (the first part of its parameters).
+    pub fn wte(&self) -> Option<&[f32]> {
+        self.embed
+            .as_ref()
+            .map(|e| &self.params[e.start..e.start + self.blocks.wte_len()])
+    }
+
+    fn slot_of(&self, mb: usize, state: SlotState, what: &str) -> Result<usize> {
+        self.slots
+            .iter()
+            .position(|s| s.state == state && s.mb == mb)
+            .ok_or_else(|| Error::Batch {
+                reason: format!(
+                    "stage {:?}: {what} of micro-batch {mb}, which is not in the expected state ({state:?})",
+                    self.spec.layers
+                ),
+            })
+    }
+
+    /// The head stage's `wte` gradient of micro-batch `mb` (zero-started),
+    /// after its [`backward`](Self::backward) or
+    /// [`backward_input`](Self::backward_input) and until the next one (the
+    /// stage keeps only the latest); `None` otherwise, and unless this is
+    /// the head side of a [`tied_exchange`](Self::tied_exchange).
+    pub fn tied_wte_grad(&self, mb: usize) -> Option<&[f32]> {
+        (self.tied_out_mb == Some(mb)).then_some(self.tied_out.as_slice())
+    }
+
+    /// Where the embedding stage stores the head's `wte` gradient of
+    /// micro-batch `mb` before its embedding backward; `None` unless this
+    /// is the embedding side of a [`tied_exchange`](Self::tied_exchange)
+    /// with `mb` in flight. Marks the gradient as present.
+    pub fn tied_wte_grad_mut(&mut self, mb: usize) -> Option<&mut [f32]> {
+        if !(self.tied_exchange() && self.spec.embed) {
+            return None;
+        }
+        let s = self
+            .slots
+            .iter_mut()
+            .find(|s| s.state != SlotState::Free && s.mb == mb)?;
+        s.tied_ready = true;
+        Some(&mut s.tied_dwte)
+    }
+
+    /// The mean loss of micro-batch `mb`'s forward (head stage with targets).
+    pub fn loss(&self, mb: usize) -> Option<f64> {
+        self.slots
+            .iter()
+            .find(|s| s.state != SlotState::Free && s.mb == mb)
+            .and_then(|s| s.loss)
+    }
+
+    /// Forward of micro-batch `mb`: `input` is the tokens on the embedding
+    /// stage and the previous stage's output elsewhere; the head stage
+    /// needs `targets` and returns the mean loss. Takes a free slot.
+    ///
+    /// # Errors
+    /// [`Error::Batch`] if no slot is free, `mb` is already in flight, the
+    /// input kind or a length is wrong, or the head stage gets no targets;
+    /// a kernel error for an id outside the vocabulary.
+    pub fn forward(
+        &mut self,
+        mb: usize,
+        input: StageInput<'_>,
+        targets: Option<&[u32]>,
+    ) -> Result<Option<f64>> {
+        if self
+            .slots
+            .iter()
+            .any(|s| s.state != SlotState::Free && s.mb == mb)
+        {
+            return Err(Error::Batch {
+                reason: format!("micro-batch {mb} is already in flight on this stage"),
+            });
+        }
+        if self.spec.head && targets.is_none() {
+            return Err(Error::Batch {
+                reason: "the head stage's forward needs targets".into(),
+            });
+        }
+        let free = self
+            .slots
+            .iter()
+            .position(|s| s.state == SlotState::Free)
+            .ok_or_else(|| Error::Batch {
+                reason: format!(
+                    "stage {:?}: all {} micro-batch slots in flight (plan more slots for this schedule)",
+                    self.spec.layers,
+                    self.slots.len()
+                ),
+            })?;
+        let (b, t) = (self.b, self.t);
+        let bl = &self.blocks;
+        let p = &self.params;
+        let slot = &mut self.slots[free];
+        match (input, &self.embed) {
+            (StageInput::Tokens(tok), Some(e)) => {
+                if tok.len() != b * t {
+                    return Err(Error::Batch {
+                        reason: format!("{} tokens for B*T = {}", tok.len(), b * t),
+                    });
+                }
+                slot.tokens.copy_from_slice(tok);
+                bl.embed_forward(&mut slot.input, tok, &p[e.clone()], b, t)?;
+            }
+            (StageInput::Hidden(x), None) => {
+                if x.len() != slot.input.len() {
+                    return Err(Error::Batch {
+                        reason: format!(
+                            "stage input holds {} floats, expected B*T*C = {}",
+                            x.len(),
+                            slot.input.len()
+                        ),
+                    });
+                }
+                slot.input.copy_from_slice(x);
+            }
+            (StageInput::Tokens(_), None) => {
+                return Err(Error::Batch {
+                    reason: "tokens given to a stage without the embedding".into(),
+                });
+            }
+            (StageInput::Hidden(_), Some(_)) => {
+                return Err(Error::Batch {
+                    reason: "hidden states given to the embedding stage".into(),
+                });
+            }
+        }
+        for (i, r) in self.layer_ranges.iter().enumerate() {
+            let (prev, cur) = slot.layers.split_at_mut(i);
+            let inp: &[f32] = if i == 0 {
+                &slot.input
+            } else {
+                &prev[i - 1].out
+            };
+            bl.block_forward(&mut cur[0], inp, &p[r.clone()], &mut self.scratch)?;
+        }
+        slot.loss = None;
+        if let (Some(head), Some(lnf)) = (&mut slot.head, &self.lnf) {
+            let last = slot.layers.last().map_or(&slot.input, |a| &a.out);
+            let lm = match (&self.lm_head, &self.tied_copy) {
+                (Some(r), _) => &p[r.clone()],
+                (None, Some(copy)) => copy.as_slice(),
+                (None, None) => unreachable!("a head stage has a head weight"),
+            };
+            slot.loss = bl.head_forward(head, last, &p[lnf.clone()], lm, targets)?;
+        }
+        slot.mb = mb;
+        slot.state = SlotState::Forwarded;
+        slot.tied_ready = false;
+        Ok(slot.loss)
+    }
+
+    /// The output `(B,T,C)` of micro-batch `mb`'s forward (to send to the
+    /// next stage); `None` if `mb` is not in flight.
+    pub fn output(&self, mb: usize) -> Option<&[f32]> {
+        self.slots
+            .iter()
+            .find(|s| s.state != SlotState::Free && s.mb == mb)
+            .map(|s| s.layers.last().map_or(s.input.as_slice(), |a| &a.out))
+    }
+
+    /// The gradient `(B,T,C)` of micro-batch `mb`'s input after its
+    /// [`backward_input`](Self::backward_input) (to send to the previous
+    /// stage); `None` if it is not available.
+    pub fn input_grad(&self, mb: usize) -> Option<&[f32]> {
+        self.slots
+            .iter()
+            .find(|s| s.state == SlotState::InputDone && s.mb == mb)
+            .map(|s| s.dres.as_slice())
+    }
+
+    /// Head backward (when this is the head stage) or loading `dout`,
+    /// leaving d(last layer's output) in the slot's `dres`.
+    fn start_backward(&mut self, i: usize, dout: Option<&[f32]>) -> Result<()> {
+        let bl = &self.blocks;
+        let exchange = self.tied_exchange();
+        let slot = &mut self.slots[i];
+        match (dout, &mut slot.head) {
+            (None, Some(head)) => {
+                let lnf = self.lnf.clone().expect("head stage has ln_f");
+                let last = slot.layers.last().map_or(&slot.input, |a| &a.out);
+                let (params, grads) = (&self.params, &mut self.grads);
+                let (dlnf, dlm, lm): (&mut [f32], &mut [f32], &[f32]) =
+                    match (&self.lm_head, &self.tied_copy) {
+                        (Some(r), _) if !exchange => {
+                            if r.start < lnf.start {
+                                // Tied on a single stage: wte at the start.
+                                let (lo, hi) = grads.split_at_mut(lnf.start);
+                                (&mut hi[..lnf.len()], &mut lo[r.clone()], &params[r.clone()])
+                            } else {
+                                let (lo, hi) = grads.split_at_mut(r.start);
+                                (&mut lo[lnf.clone()], &mut hi[..r.len()], &params[r.clone()])
+                            }
+                        }
+                        (_, Some(copy)) => {
+                            self.tied_out.fill(0.0);
+                            self.tied_out_mb = Some(slot.mb);
+                            (&mut grads[lnf.clone()], &mut self.tied_out, copy.as_slice())
+                        }
+                        _ => unreachable!("a head stage has a head weight"),
+                    };
+                bl.head_backward(
+                    &mut slot.dres,
+                    dlnf,
+                    dlm,
+                    head,
+                    last,
+                    &params[lnf],
+                    lm,
+                    &mut self.scratch,
+                )?;
+            }
+            (Some(d), None) => {
+                if d.len() != slot.dres.len() {
+                    return Err(Error::Batch {
+                        reason: format!(
+                            "output gradient holds {} floats, expected B*T*C = {}",
+                            d.len(),
+                            slot.dres.len()
+                        ),
+                    });
+                }
+                slot.dres.copy_from_slice(d);
+            }
+            (None, None) => {
+                return Err(Error::Batch {
+                    reason: "a stage without the head needs its output's gradient".into(),
+                });
+            }
+            (Some(_), Some(_)) => {
+                return Err(Error::Batch {
+                    reason: "the head stage starts its backward from the loss, not a gradient"
+                        .into(),
+                });
+            }
+        }
+        Ok(())
+    }
+
+    fn embed_backward(&mut self, i: usize) -> Result<()> {
+        let Some(e) = self.embed.clone() else {
+            return Ok(());
+        };
+        let exchange = self.tied_exchange();
+        let slot = &mut self.slots[i];
+        let g = &mut self.grads[e];
+        if exchange {
+            if !slot.tied_ready {
+                return Err(Error::Batch {
+                    reason: format!(
+                        "embedding backward of micro-batch {} before the head's wte gradient arrived (tied embeddings)",
+                        slot.mb
+                    ),
+                });
+            }
+            weft_kernels::accumulate(&mut g[..slot.tied_dwte.len()], &slot.tied_dwte)?;
+        }
+        self.blocks
+            .embed_backward(g, &slot.dres, &slot.tokens, self.b, self.t)
+    }
+
+    /// Whole backward of micro-batch `mb`: from the loss on the head
+    /// stage (`dout = None`), else from `dout`, the gradient of this
+    /// stage's output. Accumulates every parameter gradient and frees the
+    /// slot; on a stage without the embedding the input's gradient is
+    /// returned through `send`, called before the slot is freed.
+    ///
+    /// # Errors
+    /// [`Error::Batch`] if `mb` was not forwarded, `dout` is missing or
+    /// has the wrong length, or (tied exchange) the head's `wte` gradient
+    /// has not been stored; a kernel error on a shape mismatch; `send`'s error.
+    pub fn backward(
+        &mut self,
+        mb: usize,
+        dout: Option<&[f32]>,
+        send: &mut dyn FnMut(&[f32]) -> Result<()>,
+    ) -> Result<()> {
+        let i = self.slot_of(mb, SlotState::Forwarded, "backward")?;
+        self.start_backward(i, dout)?;
+        let bl = &self.blocks;
+        let slot = &mut self.slots[i];
+        for (k, r) in self.layer_ranges.iter().enumerate().rev() {
+            let inp: &[f32] = if k == 0 {
+                &slot.input
+            } else {
+                &slot.layers[k - 1].out
+            };
+            bl.block_backward(
+                &mut slot.dres,
+                &mut self.grads[r.clone()],
+                &slot.layers[k],
+                inp,
+                &self.params[r.clone()],
+                &mut self.scratch,
+            )?;
+        }
+        if self.embed.is_some() {
+            self.embed_backward(i)?;
+        } else {
+            send(&self.slots[i].dres)?;
+        }
+        let slot = &mut self.slots[i];
+        slot.state = SlotState::Free;
+        slot.tied_ready = false;
+        Ok(())
+    }
+
+    /// Backward-for-input (B) of micro-batch `mb` (see
+    /// [`backward`](Self::backward) for `dout`): the input's gradient is
+    /// then [`input_grad`](Self::input_grad); the layers' weight gradients
+    /// wait for [`backward_weight`](Self::backward_weight). The head's
+    /// weight gradients are accumulated here.
+    ///
+    /// # Errors
+    /// As for [`backward`](Self::backward), and [`Error::Batch`] if the
+    /// stage was not planned with `split`.
+    pub fn backward_input(&mut self, mb: usize, dout: Option<&[f32]>) -> Result<()> {
+        let i = self.slot_of(mb, SlotState::Forwarded, "backward-for-input")?;
+        if self.slots[i].saved.len() != self.layer_ranges.len() {
+            return Err(Error::Batch {
+                reason: "backward_input on a stage planned without split backward".into(),
+            });
+        }
+        self.start_backward(i, dout)?;
+        let bl = &self.blocks;
+        let slot = &mut self.slots[i];
+        for (k, r) in self.layer_ranges.iter().enumerate().rev() {
+            let inp: &[f32] = if k == 0 {
+                &slot.input
+            } else {
+                &slot.layers[k - 1].out
+            };
+            bl.block_backward_input(
+                &mut slot.dres,
+                &mut slot.saved[k],
+                &slot.layers[k],
+                inp,
+                &self.params[r.clone()],
+                &mut self.scratch,
+            )?;
+        }
+        slot.state = SlotState::InputDone;
+        Ok(())
+    }
+
+    /// Backward-for-weights (W) of micro-batch `mb` after its
+    /// [`backward_input`](Self::backward_input): accumulates the layers'
+    /// (and the embedding's) parameter gradients and frees the slot.
+    ///
+    /// # Errors
+    /// [`Error::Batch`] if `mb`'s B has not run, or (tied exchange) the
+    /// head's `wte` gradient has not been stored; a kernel error.
+    pub fn backward_weight(&mut self, mb: usize) -> Result<()> {
+        let i = self.slot_of(mb, SlotState::InputDone, "backward-for-weights")?;
+        let bl = &self.blocks;
+        let slot = &mut self.slots[i];
+        for (k, r) in self.layer_ranges.iter().enumerate() {
+            let inp: &[f32] = if k == 0 {
+                &slot.input
+            } else {
+                &slot.layers[k - 1].out
+            };
+            bl.block_backward_weight(
+                &mut self.grads[r.clone()],
+                &mut slot.saved[k],
+                &slot.layers[k],
+                inp,
+                &self.params[r.clone()],
+                &mut self.scratch,
+            )?;
+        }
+        self.embed_backward(i)?;
+        let slot = &mut self.slots[i];
+        slot.state = SlotState::Free;
+        slot.tied_ready = false;
+        Ok(())
+    }
+
+    /// Sets every gradient to zero.
+    pub fn zero_grad(&mut self) {
+        self.grads.fill(0.0);
+    }
+}

@@ -1,0 +1,337 @@
+//! The per-block API and pipeline stages against the whole model, bitwise:
+//! the split backward (B then W) gives the whole backward's bits, and a
+//! model cut into stages gives the whole model's losses and accumulated
+//! gradients, for tied and untied embeddings and every kind of cut.
+
+use weft_model::{Gpt, GptConfig, GptStage, StageInput, StageSpec};
+
+type R = Result<(), Box<dyn std::error::Error>>;
+
+fn model(tied: bool, layers: usize, seed: u64) -> Gpt {
+    let cfg = GptConfig {
+        n_layer: layers,
+        n_head: 2,
+        n_embd: 16,
+        vocab_size: 37,
+        block_size: 12,
+        tied_embeddings: tied,
+        layer_norm_epsilon: 1e-5,
+    };
+    let mut m = Gpt::new(cfg).unwrap();
+    m.init_gpt2(seed);
+    m
+}
+
+/// Deterministic pseudo-random (tokens, targets) for micro-batch `mb`.
+fn batch(n: usize, v: u32, mb: u64) -> (Vec<u32>, Vec<u32>) {
+    let mut s = 0x9E37_79B9_7F4A_7C15u64 ^ (mb + 1).wrapping_mul(0xD1B5_4A32_D192_ED03);
+    let mut next = move || {
+        s ^= s << 13;
+        s ^= s >> 7;
+        s ^= s << 17;
+        u32::try_from(s % u64::from(v)).unwrap()
+    };
+    let tokens = (0..n).map(|_| next()).collect();
+    let targets = (0..n).map(|_| next()).collect();
+    (tokens, targets)
+}
+
+fn bits(x: &[f32]) -> Vec<u32> {
+    x.iter().map(|v| v.to_bits()).collect()
+}
+
+#[test]
+fn split_backward_equals_whole_backward_bitwise() -> R {
+    let (b, t) = (2, 8);
+    for tied in [true, false] {
+        let mut full = model(tied, 3, 11);
+        let bl = full.blocks().clone();
+        let c = bl.config().n_embd;
+        let mut acts = full.activations(b, t)?;
+        // Manual run with its own gradient buffer, two micro-batches
+        // accumulated without zeroing (as the model does).
+        let mut g = vec![0.0f32; full.params.len()];
+        let p = full.params.clone();
+        let mut layers: Vec<_> = (0..3).map(|_| bl.block_acts(b, t).unwrap()).collect();
+        let mut saved: Vec<_> = (0..3).map(|_| bl.weight_inputs(b, t).unwrap()).collect();
+        let mut head = bl.head_acts(b, t)?;
+        let mut scratch = bl.scratch(b, t)?;
+        let mut emb = vec![0.0f32; b * t * c];
+        let mut dres = vec![0.0f32; b * t * c];
+        for mb in 0..2 {
+            let (tok, tg) = batch(b * t, 37, mb);
+            let want = full.forward(&mut acts, &tok, Some(&tg))?.unwrap();
+            full.backward(&mut acts)?;
+
+            bl.embed_forward(&mut emb, &tok, &p[bl.embed_range()], b, t)?;
+            for l in 0..3 {
+                let (prev, cur) = layers.split_at_mut(l);
+                let inp = if l == 0 {
+                    &emb
+                } else {
+                    &prev[l - 1].out().to_vec()
+                };
+                bl.block_forward(&mut cur[0], inp, &p[bl.block_range(l)], &mut scratch)?;
+            }
+            let got = bl
+                .head_forward(
+                    &mut head,
+                    layers[2].out(),
+                    &p[bl.lnf_range()],
+                    &p[bl.lm_head_range()],
+                    Some(&tg),
+                )?
+                .unwrap();
+            assert_eq!(got.to_bits(), want.to_bits(), "loss, tied={tied}");
+            let mut dlnf = g[bl.lnf_range()].to_vec();
+            let mut dlm = g[bl.lm_head_range()].to_vec();
+            bl.head_backward(
+                &mut dres,
+                &mut dlnf,
+                &mut dlm,
+                &mut head,
+                layers[2].out(),
+                &p[bl.lnf_range()],
+                &p[bl.lm_head_range()],
+                &mut scratch,
+            )?;
+            g[bl.lnf_range()].copy_from_slice(&dlnf);
+            g[bl.lm_head_range()].copy_from_slice(&dlm);
+            // All B first (last layer to first), then all W in forward order.
+            for l in (0..3).rev() {
+                let inp = if l == 0 {
+                    emb.clone()
+                } else {
+                    layers[l - 1].out().to_vec()
+                };
+                bl.block_backward_input(
+                    &mut dres,
+                    &mut saved[l],
+                    &layers[l],
+                    &inp,
+                    &p[bl.block_range(l)],
+                    &mut scratch,
+                )?;
+            }
+            for l in 0..3 {
+                let inp = if l == 0 {
+                    emb.clone()
+                } else {
+                    layers[l - 1].out().to_vec()
+                };
+                bl.block_backward_weight(
+                    &mut g[bl.block_range(l)],
+                    &mut saved[l],
+                    &layers[l],
+                    &inp,
+                    &p[bl.block_range(l)],
+                    &mut scratch,
+                )?;
+            }
+            let r = bl.embed_range();
+            bl.embed_backward(&mut g[r], &dres, &tok, b, t)?;
+        }
+        for spec in full.layout().specs() {
+            assert_eq!(
+                bits(&g[spec.range()]),
+                bits(full.grad(&spec.name).unwrap()),
+                "{} (tied={tied})",
+                spec.name
+            );
+        }
+        // A W without its B is an error, not a silent zero.
+        let inp = emb.clone();
+        let e = bl.block_backward_weight(
+            &mut g[bl.block_range(0)],
+            &mut saved[0],
+            &layers[0],
+            &inp,
+            &p[bl.block_range(0)],
+            &mut scratch,
+        );
+        assert!(e.is_err());
+    }
+    Ok(())
+}
+
+/// Runs `mbs` micro-batches through `stages` one after another (the
+/// sequential order every schedule is equivalent to), passing activations
+/// and gradients by hand; with `split`, W of a micro-batch is deferred
+/// until after the next micro-batch's forward.
+fn run_stages(
+    stages: &mut [GptStage],
+    mbs: u64,
+    split: bool,
+) -> Result<Vec<f64>, weft_model::Error> {
+    let (b, t) = stages[0].batch_shape();
+    let v = u32::try_from(stages[0].blocks().config().vocab_size).unwrap();
+    let n = stages.len();
+    let mut losses = Vec::new();
+    let mut pending: Option<usize> = None;
+    for mb in 0..mbs {
+        let (tok, tg) = batch(b * t, v, mb);
+        let m = usize::try_from(mb).unwrap();
+        let mut x: Vec<f32> = Vec::new();
+        for (i, s) in stages.iter_mut().enumerate() {
+            let input = if i == 0 {
+                StageInput::Tokens(&tok)
+            } else {
+                StageInput::Hidden(&x)
+            };
+            let loss = s.forward(m, input, (i + 1 == n).then_some(tg.as_slice()))?;
+            if let Some(l) = loss {
+                losses.push(l);
+            }
+            x = s.output(m).unwrap().to_vec();
+        }
+        if let Some(prev) = pending.take() {
+            for s in stages.iter_mut() {
+                s.backward_weight(prev)?;
+            }
+        }
+        let mut d: Option<Vec<f32>> = None;
+        let mut tied: Option<Vec<f32>> = None;
+        for s in stages.iter_mut().rev() {
+            if s.spec().embed
+                && let (Some(dst), Some(src)) = (s.tied_wte_grad_mut(m), &tied)
+            {
+                dst.copy_from_slice(src);
+            }
+            let mut sent = None;
+            if split {
+                s.backward_input(m, d.as_deref())?;
+                sent = s.input_grad(m).map(<[f32]>::to_vec);
+            } else {
+                s.backward(m, d.as_deref(), &mut |g| {
+                    sent = Some(g.to_vec());
+                    Ok(())
+                })?;
+            }
+            if let Some(g) = s.tied_wte_grad(m) {
+                tied = Some(g.to_vec());
+            }
+            d = sent;
+        }
+        if split {
+            pending = Some(m);
+        }
+    }
+    if let Some(prev) = pending {
+        for s in stages.iter_mut() {
+            s.backward_weight(prev)?;
+        }
+    }
+    Ok(losses)
+}
+
+#[test]
+fn stages_give_the_whole_models_losses_and_gradients_bitwise() -> R {
+    let (b, t, mbs) = (2, 8, 3u64);
+    for tied in [true, false] {
+        let mut full = model(tied, 3, 5);
+        let mut acts = full.activations(b, t)?;
+        let mut want = Vec::new();
+        for mb in 0..mbs {
+            let (tok, tg) = batch(b * t, 37, mb);
+            want.push(full.forward(&mut acts, &tok, Some(&tg))?.unwrap());
+            full.backward(&mut acts)?;
+        }
+        for cut in [&[3][..], &[1, 2], &[1, 1, 1], &[0, 3], &[3, 0], &[0, 3, 0]] {
+            for split in [false, true] {
+                let mut stages = (0..cut.len())
+                    .map(|i| GptStage::from_gpt(&full, StageSpec::nth(cut, i)?, b, t, 2, split))
+                    .collect::<Result<Vec<_>, _>>()?;
+                let got = run_stages(&mut stages, mbs, split)?;
+                let what = format!("tied={tied} cut={cut:?} split={split}");
+                assert_eq!(
+                    got.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                    want.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                    "losses, {what}"
+                );
+                let mut g = vec![f32::NAN; full.params.len()];
+                let mut covered = 0;
+                for s in &stages {
+                    s.store_to_full(&s.grads, &mut g)?;
+                    covered += s.params.len();
+                    for spec in s.specs() {
+                        assert_eq!(
+                            bits(&s.grads[spec.range()]),
+                            bits(full.grad(&spec.name).unwrap()),
+                            "{} {what}",
+                            spec.name
+                        );
+                    }
+                }
+                assert_eq!(
+                    covered,
+                    full.params.len(),
+                    "stages partition the parameters, {what}"
+                );
+                assert_eq!(bits(&g), bits(&full.grads), "{what}");
+            }
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn stage_misuse_is_a_typed_error() -> R {
+    let full = model(true, 2, 1);
+    let bad = |spec: StageSpec| GptStage::from_gpt(&full, spec, 1, 4, 1, false).is_err();
+    assert!(
+        bad(StageSpec {
+            layers: 1..3,
+            embed: false,
+            head: true
+        }),
+        "layers beyond the model"
+    );
+    assert!(
+        bad(StageSpec {
+            layers: 1..2,
+            embed: true,
+            head: false
+        }),
+        "embedding not at layer 0"
+    );
+    assert!(
+        bad(StageSpec {
+            layers: 0..1,
+            embed: false,
+            head: true
+        }),
+        "head before the end"
+    );
+    assert!(StageSpec::nth(&[1, 1], 2).is_err());
+    assert!(GptStage::from_gpt(&full, StageSpec::nth(&[2], 0)?, 1, 4, 0, false).is_err());
+
+    let mut s = GptStage::from_gpt(&full, StageSpec::nth(&[1, 1], 0)?, 1, 4, 1, false)?;
+    let tok = [1u32, 2, 3, 4];
+    assert!(
+        s.forward(0, StageInput::Hidden(&[0.0; 64]), None).is_err(),
+        "wrong input kind"
+    );
+    assert!(
+        s.forward(0, StageInput::Tokens(&tok[..3]), None).is_err(),
+        "wrong length"
+    );
+    s.forward(0, StageInput::Tokens(&tok), None)?;
+    assert!(
+        s.forward(1, StageInput::Tokens(&tok), None).is_err(),
+        "no free slot"
+    );
+    assert!(s.backward_weight(0).is_err(), "W before B");
+    assert!(
+        s.backward_input(0, Some(&[0.0; 64])).is_err(),
+        "not planned for split"
+    );
+    // The embedding stage of a tied pair needs the head's wte gradient.
+    assert!(s.backward(0, Some(&[0.0; 64]), &mut |_| Ok(())).is_err());
+    s.tied_wte_grad_mut(0).unwrap().fill(0.0);
+    s.backward(0, Some(&[0.0; 64]), &mut |_| Ok(()))?;
+    assert!(
+        s.backward(0, Some(&[0.0; 64]), &mut |_| Ok(())).is_err(),
+        "backward twice"
+    );
+    Ok(())
+}
