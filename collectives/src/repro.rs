@@ -38,6 +38,28 @@
 //! so partial sums travel at about 2× the native size; the final all-gather
 //! moves native elements.
 //!
+//! # The reproducible ring
+//! The ring reduce-scatter never encodes a rank's own buffer. Step 0 sends
+//! *native* values; the receiver adds the two native chunks into an
+//! encoding (or, when that is already the last step — two ranks — rounds
+//! the two-term sum at once: the sum of two values computed in f64 and
+//! rounded to f32, f16 or bf16 is the correctly rounded exact sum, since
+//! 53 ≥ 2p + 1). Each later step merges the received encoding with the
+//! receiver's own native values straight into the next encoding, and the
+//! last step rounds block by block into the output, never writing the
+//! final encoding. Recursive doubling and the hierarchical algorithm encode
+//! whole chunks and merge encodings. `Avg` divides the *exact* sum by the
+//! group size and rounds once (a power of two is an exponent shift; other
+//! divisors a multiply-high reciprocal with a sticky remainder).
+//!
+//! # Exact partials
+//! [`ExactPartial`] holds this encoding for a whole gradient and adds
+//! micro-batches into it in place; the collectives
+//! [`all_reduce_exact`](crate::CommunicatorExt::all_reduce_exact) and
+//! [`reduce_scatter_exact`](crate::CommunicatorExt::reduce_scatter_exact)
+//! reduce such partials across ranks, so that a global batch split over any
+//! number of ranks in any proportion gives the bits of one rank.
+//!
 //! # Speed
 //! An f32 block whose values span at most 27 binades (gradients almost
 //! always do) is encoded without per-element shifts: with the block
@@ -45,7 +67,11 @@
 //! float whose bit pattern minus `bits(M)` is `x / 2^e` exactly, as in
 //! `weft_numerics::ExactSum`'s f32 path. Merging two such blocks shifts and
 //! adds i64 lanes; decoding a block whose integers stay below 2^52 converts
-//! them to f64 exactly, scales by 2^e and rounds once. These loops are
+//! them to f64 exactly, scales by 2^e and rounds once; larger two-word
+//! integers are first rounded to odd at bit 11 (exact in f64, ≥ 42 bits, so
+//! the one rounding to f32/f16/bf16 stays correct). Merging native f32
+//! values into a two-word block converts them at the block's exponent with
+//! the same magic constant, in place for [`ExactPartial::add`]. These loops are
 //! compiled for baseline, AVX2 and AVX-512 and picked at run time
 //! (`WEFT_SIMD` caps the level). Other blocks take the general path, which
 //! is exact for any input. `examples/repro_profile.rs` times the phases.

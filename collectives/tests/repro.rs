@@ -197,3 +197,68 @@ fn max_is_refused_in_reproducible_mode() {
             .contains("reproducible")
     );
 }
+
+/// Blocks of 64 values spanning at most `spread` binades below a base
+/// exponent drawn from the whole f32 range (subnormals included): with
+/// `spread` ≤ 27 every step of the ring takes the two-word fast paths.
+fn narrow_blocks(seed: u64, k: usize, len: usize, spread: u32) -> Vec<Vec<f32>> {
+    let mut s = seed | 1;
+    let mut next = move || {
+        s ^= s << 13;
+        s ^= s >> 7;
+        s ^= s << 17;
+        s
+    };
+    let bases: Vec<u32> = (0..len.div_ceil(64))
+        .map(|_| (next() % 250) as u32 + 1)
+        .collect();
+    (0..k)
+        .map(|_| {
+            (0..len)
+                .map(|i| {
+                    let u = next();
+                    let ex = bases[i / 64].saturating_sub((u >> 8) as u32 % (spread + 1));
+                    let frac = (u >> 32) as u32 & 0x7f_ffff;
+                    f32::from_bits((u32::from(u.is_multiple_of(2)) << 31) | (ex << 23) | frac)
+                })
+                .collect()
+        })
+        .collect()
+}
+
+#[test]
+fn narrow_blocks_take_the_fast_paths_and_stay_exact() {
+    for (n, spread) in [(2, 27), (3, 27), (4, 20), (5, 27), (3, 28), (4, 40)] {
+        let cols = narrow_blocks(n as u64 * 1000 + u64::from(spread), n, 64 * 7 + 5, spread);
+        let want = bits(&exact(&cols));
+        for (r, got) in repro_all_reduce(&cols, Algorithm::Ring, Topology::flat())
+            .iter()
+            .enumerate()
+        {
+            assert_eq!(bits(got), want, "n={n} spread {spread} rank {r}");
+        }
+        // and the exact mean: the sum divided by n, rounded once
+        let avg = LocalCluster::run(n, |comm| {
+            let mut b = cols[comm.rank()].clone();
+            let opts = ReduceOptions::new(ReduceOp::Avg)
+                .algorithm(Algorithm::Ring)
+                .reproducible(true);
+            comm.all_reduce_with(&mut b, &opts)?;
+            Ok::<_, weft_collectives::Error>(b)
+        })
+        .unwrap();
+        let rd = LocalCluster::run(n, |comm| {
+            let mut b = cols[comm.rank()].clone();
+            let opts = ReduceOptions::new(ReduceOp::Avg)
+                .algorithm(Algorithm::RecursiveDoubling)
+                .reproducible(true);
+            comm.all_reduce_with(&mut b, &opts)?;
+            Ok::<_, weft_collectives::Error>(b)
+        })
+        .unwrap();
+        assert_eq!(
+            bits(avg[0].as_ref().unwrap()),
+            bits(rd[n - 1].as_ref().unwrap())
+        );
+    }
+}
