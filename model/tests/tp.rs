@@ -306,6 +306,30 @@ fn sequence_parallel_is_bitwise_plain_tp_under_reproducible_sums() {
 }
 
 #[test]
+fn sequence_parallel_stores_fewer_activation_bytes() {
+    let mut c = cfg(true);
+    c.n_layer = 6;
+    for tp in [2usize, 4] {
+        let bytes = |sp| {
+            let opts = TpOptions {
+                sequence_parallel: sp,
+                ..TpOptions::default()
+            };
+            let m = TpGpt::new(c.clone(), tp, 0, opts).unwrap();
+            m.activations(B, T).unwrap().bytes()
+        };
+        let (plain, sp) = (bytes(false), bytes(true));
+        // Per block, the residual stream after attention and the block
+        // output (2·B·T·C floats) shrink to 1/tp; the working buffers gain
+        // three (B·T·C)-sized ones at most, once.
+        let n_c = B * T * c.n_embd * 4;
+        let saved = c.n_layer * 2 * n_c * (tp - 1) / tp;
+        assert!(sp + saved <= plain + 3 * n_c, "tp={tp}: {sp} vs {plain}");
+        assert!(sp < plain, "tp={tp}: {sp} vs {plain}");
+    }
+}
+
+#[test]
 fn traffic_per_step_equals_the_formula() {
     for tp in [2usize, 3, 4] {
         for sp in [false, true] {
