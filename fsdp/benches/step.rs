@@ -1,0 +1,233 @@
+//! Step time of ZeRO-3 against DDP and a single rank at the same per-rank
+//! batch, on the thread backend, and how much communication is hidden.
+//!
+//! `cargo bench -p weft-fsdp --bench step [-- --steps N --ranks N --layers L --embd C]`
+//!
+//! Every row runs the same per-rank work: one micro-batch of B·T tokens per
+//! rank per step. "comm" is the time collectives were in flight (summed
+//! over operations), "exposed" the time the training thread was blocked on
+//! them; hidden = 1 − exposed / comm. Each step's time is the slowest
+//! rank's; a round runs every configuration for `--steps` steps (after two
+//! warm-up steps) and takes the median; the table shows the median over
+//! `--rounds` rounds, so that load on a shared machine hits every row
+//! alike.
+#![allow(
+    clippy::print_stdout,
+    clippy::print_stderr,
+    clippy::cast_precision_loss,
+    missing_docs
+)]
+
+use std::sync::Arc;
+
+use weft_collectives::LocalCluster;
+use weft_fsdp::{Fsdp, FsdpConfig, MicroBatch, Precision, Strategy};
+use weft_model::{Gpt, GptConfig, Mlp};
+
+struct Row {
+    name: String,
+    ranks: usize,
+    step: f64,
+    comm: f64,
+    exposed: f64,
+    sent_mb: f64,
+}
+
+fn arg(args: &[String], name: &str, default: usize) -> usize {
+    args.iter()
+        .position(|a| a == name)
+        .and_then(|i| args.get(i + 1))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+#[allow(clippy::too_many_arguments)]
+fn bench(
+    name: &str,
+    cfg: &GptConfig,
+    params: &[f32],
+    ranks: usize,
+    fc: &FsdpConfig,
+    b: usize,
+    t: usize,
+    warmup: usize,
+    steps: usize,
+) -> anyhow::Result<Row> {
+    let out = LocalCluster::run(ranks, |comm| -> anyhow::Result<Vec<(f64, f64, f64, u64)>> {
+        let mut f = Fsdp::new(&comm, cfg.clone(), Arc::new(Mlp), fc.clone(), params)?;
+        let v = cfg.vocab_size as u32;
+        let mut rows = Vec::new();
+        for s in 0..warmup + steps {
+            let seed = (s * ranks + f.dp_rank()) as u32;
+            let tokens: Vec<u32> = (0..(b * t) as u32)
+                .map(|i| (i.wrapping_mul(2_654_435_761) ^ seed.wrapping_mul(40_503)) % v)
+                .collect();
+            let targets: Vec<u32> = tokens.iter().map(|x| (x * 7 + 3) % v).collect();
+            let r = f.step(
+                b,
+                t,
+                &[MicroBatch {
+                    tokens: &tokens,
+                    targets: &targets,
+                }],
+                1e-4,
+            )?;
+            f.spans_mut().clear();
+            if s >= warmup {
+                rows.push((
+                    r.seconds,
+                    r.comm_seconds,
+                    r.exposed_comm_seconds,
+                    r.traffic.total_sent(),
+                ));
+            }
+        }
+        Ok(rows)
+    })?;
+    let per_rank: Vec<Vec<(f64, f64, f64, u64)>> = out.into_iter().collect::<Result<_, _>>()?;
+    // per step: the slowest rank
+    let slowest = |k: usize| -> Vec<f64> {
+        (0..steps)
+            .map(|s| {
+                per_rank
+                    .iter()
+                    .map(|r| match k {
+                        0 => r[s].0,
+                        1 => r[s].1,
+                        _ => r[s].2,
+                    })
+                    .fold(0.0, f64::max)
+            })
+            .collect()
+    };
+    Ok(Row {
+        name: name.into(),
+        ranks,
+        step: median(slowest(0)),
+        comm: median(slowest(1)),
+        exposed: median(slowest(2)),
+        sent_mb: per_rank[0][0].3 as f64 / 1e6,
+    })
+}
+
+fn main() -> anyhow::Result<()> {
+    let args: Vec<String> = std::env::args().collect();
+    let steps = arg(&args, "--steps", 4);
+    let rounds = arg(&args, "--rounds", 3);
+    let ranks = arg(&args, "--ranks", 2);
+    let layers = arg(&args, "--layers", 6);
+    let embd = arg(&args, "--embd", 192);
+    let (b, t) = (arg(&args, "--batch", 4), arg(&args, "--seq", 64));
+    let cfg = GptConfig {
+        n_layer: layers,
+        n_head: 6,
+        n_embd: embd,
+        vocab_size: 4096,
+        block_size: t,
+        tied_embeddings: true,
+        layer_norm_epsilon: 1e-5,
+    };
+    let mut g = Gpt::new(cfg.clone())?;
+    g.init_gpt2(1);
+    println!(
+        "GPT L={layers} C={embd} V={} ({:.2} M params), per-rank batch B={b} T={t}, {rounds} rounds of {steps} steps after 2 warm-up",
+        cfg.vocab_size,
+        g.params.len() as f64 / 1e6
+    );
+    let plain = |s: Strategy| FsdpConfig {
+        strategy: s,
+        reproducible: false,
+        ..FsdpConfig::default()
+    };
+    let runs: Vec<(&str, usize, FsdpConfig)> = vec![
+        ("single rank", 1, plain(Strategy::None)),
+        ("DDP", ranks, plain(Strategy::None)),
+        ("ZeRO-3, prefetch 1", ranks, plain(Strategy::Full)),
+        (
+            "ZeRO-3, prefetch 0",
+            ranks,
+            FsdpConfig {
+                prefetch: 0,
+                ..plain(Strategy::Full)
+            },
+        ),
+        (
+            "ZeRO-3, prefetch 2",
+            ranks,
+            FsdpConfig {
+                prefetch: 2,
+                ..plain(Strategy::Full)
+            },
+        ),
+        (
+            "ZeRO-3, bf16 params+grads",
+            ranks,
+            FsdpConfig {
+                precision: Precision::BF16,
+                ..plain(Strategy::Full)
+            },
+        ),
+        ("ZeRO-2", ranks, plain(Strategy::GradOp)),
+        (
+            "DDP, reproducible",
+            ranks,
+            FsdpConfig {
+                reproducible: true,
+                ..plain(Strategy::None)
+            },
+        ),
+        (
+            "ZeRO-3, reproducible",
+            ranks,
+            FsdpConfig {
+                reproducible: true,
+                ..plain(Strategy::Full)
+            },
+        ),
+    ];
+    let mut per_round: Vec<Vec<Row>> = runs.iter().map(|_| Vec::new()).collect();
+    for round in 0..rounds {
+        for (i, (name, n, fc)) in runs.iter().enumerate() {
+            eprintln!("round {round}: {name} on {n} rank(s)");
+            per_round[i].push(bench(name, &cfg, &g.params, *n, fc, b, t, 2, steps)?);
+        }
+    }
+    let rows: Vec<Row> = per_round
+        .into_iter()
+        .map(|rs| Row {
+            name: rs[0].name.clone(),
+            ranks: rs[0].ranks,
+            step: median(rs.iter().map(|r| r.step).collect()),
+            comm: median(rs.iter().map(|r| r.comm).collect()),
+            exposed: median(rs.iter().map(|r| r.exposed).collect()),
+            sent_mb: rs[0].sent_mb,
+        })
+        .collect();
+    let ddp = rows[1].step;
+    println!("\n| run | ranks | step ms | vs DDP | comm ms | exposed ms | hidden | sent MB/step |");
+    println!("|---|---|---|---|---|---|---|---|");
+    for r in &rows {
+        let hidden = if r.comm > 0.0 {
+            format!("{:.0}%", 100.0 * (1.0 - r.exposed / r.comm).max(0.0))
+        } else {
+            "-".into()
+        };
+        println!(
+            "| {} | {} | {:.1} | {:.2}× | {:.1} | {:.1} | {} | {:.2} |",
+            r.name,
+            r.ranks,
+            r.step * 1e3,
+            r.step / ddp,
+            r.comm * 1e3,
+            r.exposed * 1e3,
+            hidden,
+            r.sent_mb
+        );
+    }
+    Ok(())
+}

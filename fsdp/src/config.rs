@@ -1,0 +1,228 @@
+//! Strategies, the mixed-precision policy and the runner's settings.
+
+use std::fmt;
+use std::str::FromStr;
+
+use weft_collectives::Algorithm;
+use weft_kernels::AdamW;
+use weft_numerics::Dtype;
+
+use crate::error::{Error, Result};
+
+/// What is sharded over the data-parallel group.
+///
+/// | strategy | parameters | gradients | optimizer state (master, m, v) |
+/// |---|---|---|---|
+/// | [`None`](Self::None) (DDP) | replicated | replicated, all-reduced | replicated |
+/// | [`Optimizer`](Self::Optimizer) (ZeRO-1) | replicated | accumulated whole, reduce-scattered once per step | sharded |
+/// | [`GradOp`](Self::GradOp) (ZeRO-2) | replicated | reduce-scattered per unit as soon as ready, shard kept | sharded |
+/// | [`Full`](Self::Full) (ZeRO-3) | sharded, gathered per unit | as ZeRO-2 | sharded |
+/// | [`Hybrid`](Self::Hybrid) (HSDP) | as ZeRO-3 within a shard group | intra-group reduce-scatter, then inter-group all-reduce of the shard | sharded within a group, replicated across groups |
+///
+/// ZeRO-1 and ZeRO-2 all-gather the updated parameter shards after the
+/// optimizer step so every rank holds the full (compute-dtype) parameters
+/// again.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub enum Strategy {
+    /// No sharding: DDP-style all-reduce of gradients.
+    None,
+    /// ZeRO-1: optimizer state sharded.
+    Optimizer,
+    /// ZeRO-2: optimizer state and gradients sharded.
+    GradOp,
+    /// ZeRO-3 / full shard: parameters too.
+    #[default]
+    Full,
+    /// HSDP: full sharding within groups of
+    /// [`FsdpConfig::hybrid_shard`] ranks, replication across groups.
+    Hybrid,
+}
+
+impl Strategy {
+    /// Every strategy.
+    pub const ALL: [Strategy; 5] = [
+        Strategy::None,
+        Strategy::Optimizer,
+        Strategy::GradOp,
+        Strategy::Full,
+        Strategy::Hybrid,
+    ];
+
+    /// The name used in `parallel.fsdp`: `none`, `optimizer`, `grad_op`, `full`, `hybrid`.
+    pub const fn name(self) -> &'static str {
+        match self {
+            Strategy::None => "none",
+            Strategy::Optimizer => "optimizer",
+            Strategy::GradOp => "grad_op",
+            Strategy::Full => "full",
+            Strategy::Hybrid => "hybrid",
+        }
+    }
+
+    /// Whether parameters are sharded (gathered per unit before use).
+    pub const fn shards_params(self) -> bool {
+        matches!(self, Strategy::Full | Strategy::Hybrid)
+    }
+
+    /// Whether gradients are reduce-scattered per unit and only the shard kept.
+    pub const fn shards_grads(self) -> bool {
+        matches!(self, Strategy::GradOp | Strategy::Full | Strategy::Hybrid)
+    }
+
+    /// Whether the optimizer state (f32 master, m, v) is sharded.
+    pub const fn shards_optimizer(self) -> bool {
+        !matches!(self, Strategy::None)
+    }
+}
+
+impl fmt::Display for Strategy {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for Strategy {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        Strategy::ALL
+            .into_iter()
+            .find(|x| x.name() == s)
+            .ok_or_else(|| Error::Config {
+                field: "strategy",
+                reason: format!(
+                    "{s:?} is not a strategy; expected one of \"full\", \"grad_op\", \"optimizer\", \"none\", \"hybrid\""
+                ),
+            })
+    }
+}
+
+/// The mixed-precision policy. Master weights and AdamW moments are always
+/// f32 on the shard; the kernels compute in f32.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Precision {
+    /// Dtype of the parameters that are all-gathered and computed with
+    /// (widened to f32 for the kernels): `F32` or `BF16`. With `BF16` each
+    /// rank keeps a bf16 copy of its shard (or of the whole model when
+    /// parameters are not sharded), rounded to nearest-even from the f32
+    /// master after every step.
+    pub param: Dtype,
+    /// Dtype of the gradients on the wire and of the kept gradient shard:
+    /// `F32`, or `BF16` (partial sums travel in bf16, every addition is
+    /// computed in f32 and rounded once — the collectives' precision rule).
+    pub reduce: Dtype,
+}
+
+impl Precision {
+    /// Everything in f32.
+    pub const F32: Precision = Precision {
+        param: Dtype::F32,
+        reduce: Dtype::F32,
+    };
+    /// bf16 parameters and gradients (f32 master and moments): the
+    /// 16 bytes per parameter of the ZeRO paper.
+    pub const BF16: Precision = Precision {
+        param: Dtype::BF16,
+        reduce: Dtype::BF16,
+    };
+    /// bf16 parameters, f32 gradient reduction.
+    pub const BF16_PARAMS: Precision = Precision {
+        param: Dtype::BF16,
+        reduce: Dtype::F32,
+    };
+
+    pub(crate) fn check(&self) -> Result<()> {
+        for (field, d) in [
+            ("precision.param", self.param),
+            ("precision.reduce", self.reduce),
+        ] {
+            if !matches!(d, Dtype::F32 | Dtype::BF16) {
+                return Err(Error::Config {
+                    field,
+                    reason: format!("= {d:?}; expected f32 or bf16"),
+                });
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Default for Precision {
+    fn default() -> Self {
+        Precision::F32
+    }
+}
+
+/// Settings of an [`Fsdp`](crate::Fsdp) runner.
+#[derive(Clone, Debug, PartialEq)]
+pub struct FsdpConfig {
+    /// What is sharded.
+    pub strategy: Strategy,
+    /// Parameter and gradient dtypes.
+    pub precision: Precision,
+    /// Reproducible gradient reduction: every strategy and group size gives
+    /// bitwise the same gradients, losses and parameters as one rank with
+    /// the same global batch (see the crate docs for the exact conditions).
+    pub reproducible: bool,
+    /// How many units ahead the forward (and backward) all-gathers run
+    /// (0: gather each unit just before use, nothing overlaps).
+    pub prefetch: usize,
+    /// Free a unit's gathered parameters after its forward (ZeRO-3's
+    /// default) instead of keeping them until its backward.
+    pub reshard_after_forward: bool,
+    /// Ranks per shard group under [`Strategy::Hybrid`] (0: the
+    /// communicator topology's ranks per domain, capped at the group size).
+    pub hybrid_shard: usize,
+    /// AdamW hyper-parameters (the learning rate is given per step).
+    pub adamw: AdamW,
+    /// Clip the global gradient norm to this value (`None`: no clipping;
+    /// the norm is still computed and reported).
+    pub max_grad_norm: Option<f32>,
+    /// Algorithm of the gradient all-reduces (the traffic formula assumes
+    /// [`Algorithm::Ring`]).
+    pub algorithm: Algorithm,
+}
+
+impl Default for FsdpConfig {
+    fn default() -> Self {
+        FsdpConfig {
+            strategy: Strategy::Full,
+            precision: Precision::F32,
+            reproducible: true,
+            prefetch: 1,
+            reshard_after_forward: true,
+            hybrid_shard: 0,
+            adamw: AdamW::default(),
+            max_grad_norm: Some(1.0),
+            algorithm: Algorithm::Ring,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn strategy_names_round_trip() {
+        for s in Strategy::ALL {
+            assert_eq!(s.name().parse::<Strategy>().unwrap(), s);
+        }
+        let e = "zero3".parse::<Strategy>().unwrap_err();
+        assert!(e.to_string().contains("zero3"), "{e}");
+    }
+
+    #[test]
+    fn precision_rejects_f16() {
+        let p = Precision {
+            param: Dtype::F16,
+            reduce: Dtype::F32,
+        };
+        assert!(matches!(
+            p.check(),
+            Err(Error::Config {
+                field: "precision.param",
+                ..
+            })
+        ));
+    }
+}
