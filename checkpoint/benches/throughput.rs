@@ -1,23 +1,57 @@
 //! Save and load throughput against the disk's own sequential bandwidth,
-//! measured in the same run, and the training-step stall of an async save
-//! against a synchronous one.
+//! measured in the same run on a same-sized file, and the training-step
+//! stall of an async save against a synchronous one, on a real model step.
 //!
 //! `cargo bench -p weft-checkpoint --bench throughput` (env:
 //! `WEFT_BENCH_MB` data size, default 512; `WEFT_BENCH_DIR` where to write,
-//! default the temp dir). Prints a table; nothing is asserted.
+//! default the temp dir; `WEFT_BENCH_MODEL` `small` (GPT-2 small, default),
+//! `tiny` (4 layers, 256 wide) or `none`). Prints tables; nothing is
+//! asserted.
+//!
+//! Throughput is measured twice, with the same page-cache state for the
+//! raw baseline and the checkpoint:
+//! * **cold**: every file is fsynced and dropped from the page cache
+//!   (`posix_fadvise(DONTNEED)`) just before it is read, so reads come from
+//!   the disk;
+//! * **warm**: the files were just written and are in the page cache, so
+//!   reads are memory copies (the ceiling for the checksum and copy work).
+//!
+//! The raw read baseline is the faster of one thread reading the file
+//! sequentially in 4 MiB blocks and T threads (T = the loader's threads)
+//! each reading a contiguous part; the checkpoint is compared with it.
 #![allow(clippy::print_stdout)]
 
 use std::fs::{self, File};
 use std::io::{Read, Write};
+use std::os::unix::fs::FileExt;
+use std::os::unix::io::AsRawFd;
 use std::path::Path;
 use std::time::Instant;
 
 use weft_checkpoint::{
-    AsyncSaver, Checkpoint, Dtype, Layout, OwnedShard, Region, SaveOptions, ShardData,
+    AsyncSaver, Checkpoint, Dtype, Layout, OwnedShard, ReadRequest, Region, SaveOptions, ShardData,
     TargetLayout, TrainerState, load_shards, save,
 };
+use weft_kernels::AdamW;
+use weft_model::{AdamWState, Gpt, GptConfig};
 
 const MB: usize = 1 << 20;
+
+/// Flushes `path` (a file, or every file in a folder) and drops it from the
+/// page cache, so that the next read comes from the disk.
+fn evict(path: &Path) {
+    if path.is_dir() {
+        for e in fs::read_dir(path).unwrap() {
+            evict(&e.unwrap().path());
+        }
+        return;
+    }
+    let f = File::open(path).unwrap();
+    f.sync_all().unwrap();
+    // SAFETY: a plain syscall on an open descriptor; no memory is passed.
+    let rc = unsafe { libc::posix_fadvise(f.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
+    assert_eq!(rc, 0, "posix_fadvise on {}", path.display());
+}
 
 fn raw_write(path: &Path, data: &[u8]) -> f64 {
     let t = Instant::now();
@@ -29,12 +63,33 @@ fn raw_write(path: &Path, data: &[u8]) -> f64 {
     t.elapsed().as_secs_f64()
 }
 
+/// One thread, sequential 4 MiB reads.
 fn raw_read(path: &Path, buf: &mut [u8]) -> f64 {
     let t = Instant::now();
     let mut f = File::open(path).unwrap();
     for block in buf.chunks_mut(4 * MB) {
         f.read_exact(block).unwrap();
     }
+    t.elapsed().as_secs_f64()
+}
+
+/// `threads` threads, each reading a contiguous part in 4 MiB blocks with
+/// its own handle.
+fn raw_read_par(path: &Path, buf: &mut [u8], threads: usize) -> f64 {
+    let t = Instant::now();
+    let per = buf.len().div_ceil(threads);
+    std::thread::scope(|sc| {
+        for (i, part) in buf.chunks_mut(per).enumerate() {
+            sc.spawn(move || {
+                let f = File::open(path).unwrap();
+                let mut off = (i * per) as u64;
+                for block in part.chunks_mut(4 * MB) {
+                    f.read_exact_at(block, off).unwrap();
+                    off += block.len() as u64;
+                }
+            });
+        }
+    });
     t.elapsed().as_secs_f64()
 }
 
@@ -84,25 +139,43 @@ fn fsdp(ts: &[(String, Vec<u64>, Vec<u8>)], world: usize) -> Vec<Vec<OwnedShard>
         .collect()
 }
 
-/// A fixed amount of arithmetic standing in for a training step.
-fn step_work(buf: &mut [f32]) {
-    for _ in 0..12 {
-        for x in buf.iter_mut() {
-            *x = x.mul_add(1.000_001, 1e-7);
-        }
+/// Restores every rank's shards into preallocated (already touched)
+/// buffers, one `read_many` per rank, as ranks restoring their parameters.
+fn load_in_place(ck: &Checkpoint, ranks: &[Vec<OwnedShard>], bufs: &mut [Vec<Vec<u8>>]) -> f64 {
+    let t = Instant::now();
+    for (r, b) in ranks.iter().zip(bufs.iter_mut()) {
+        let mut reqs: Vec<ReadRequest<'_>> = r
+            .iter()
+            .zip(b.iter_mut())
+            .map(|(s, out)| ReadRequest {
+                name: &s.name,
+                region: s.region.clone(),
+                out,
+            })
+            .collect();
+        ck.read_many(&mut reqs).unwrap();
+    }
+    t.elapsed().as_secs_f64()
+}
+
+#[derive(Default)]
+struct Best {
+    w_raw: f64,
+    w_ck: f64,
+    raw1: [f64; 2],
+    rawt: [f64; 2],
+    load: [f64; 2],
+    reshard: f64,
+    fresh: f64,
+}
+
+fn min(a: &mut f64, b: f64) {
+    if *a == 0.0 || b < *a {
+        *a = b;
     }
 }
 
-fn main() {
-    let mb: usize = std::env::var("WEFT_BENCH_MB")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(512);
-    let base = std::env::var_os("WEFT_BENCH_DIR")
-        .map(Into::into)
-        .unwrap_or_else(std::env::temp_dir);
-    let dir = base.join(format!("weft-ckpt-bench-{}", std::process::id()));
-    fs::create_dir_all(&dir).unwrap();
+fn throughput(dir: &Path, mb: usize) {
     let ts = tensors(mb * MB);
     let bytes: usize = ts.iter().map(|t| t.2.len()).sum();
     let gb = bytes as f64 / 1e9;
@@ -114,24 +187,33 @@ fn main() {
         .map(|r| r.iter().map(OwnedShard::as_data).collect())
         .collect();
     let flat: Vec<u8> = ts.iter().flat_map(|t| t.2.iter().copied()).collect();
-    let mut readbuf = vec![0u8; flat.len()];
+    drop(ts);
+    let mut readbuf = vec![1u8; flat.len()];
+    let mut bufs: Vec<Vec<Vec<u8>>> = ranks
+        .iter()
+        .map(|r| r.iter().map(|s| vec![1u8; s.data.len()]).collect())
+        .collect();
     let opts = SaveOptions::default();
-
+    let probe = tempfile_ck(dir, &layout, &borrowed, &opts);
+    let threads = probe.threads();
+    drop(probe);
     println!(
-        "weft-checkpoint throughput: {:.0} MiB of f32 tensors, {world} ranks, fsync on, dir {}",
+        "weft-checkpoint throughput: {:.0} MiB of f32 tensors in {world} rank files, fsync on, \
+         loader threads {threads}, dir {}",
         bytes as f64 / MB as f64,
         dir.display()
     );
-    println!(
-        "(reads are from the page cache for both raw and checkpoint: this machine cannot drop caches)"
-    );
-    let reps = 3;
-    let (mut w_raw, mut w_ck, mut r_raw, mut r_ck, mut r_re) =
-        (f64::MAX, f64::MAX, f64::MAX, f64::MAX, f64::MAX);
-    for rep in 0..reps {
+    let mut b = Best::default();
+    for rep in 0..3 {
         let raw = dir.join("raw.bin");
-        w_raw = w_raw.min(raw_write(&raw, &flat));
-        r_raw = r_raw.min(raw_read(&raw, &mut readbuf));
+        min(&mut b.w_raw, raw_write(&raw, &flat));
+        // Warm (just written), then cold (evicted before each read).
+        min(&mut b.raw1[0], raw_read(&raw, &mut readbuf));
+        min(&mut b.rawt[0], raw_read_par(&raw, &mut readbuf, threads));
+        evict(&raw);
+        min(&mut b.raw1[1], raw_read(&raw, &mut readbuf));
+        evict(&raw);
+        min(&mut b.rawt[1], raw_read_par(&raw, &mut readbuf, threads));
         fs::remove_file(&raw).unwrap();
 
         let root = dir.join(format!("ck{rep}"));
@@ -145,29 +227,22 @@ fn main() {
             &opts,
         )
         .unwrap();
-        w_ck = w_ck.min(t.elapsed().as_secs_f64());
-
-        // Into preallocated memory, as a trainer restores its parameters.
-        let t = Instant::now();
+        min(&mut b.w_ck, t.elapsed().as_secs_f64());
         let ck = Checkpoint::open(&c.path).unwrap();
-        let mut pos = 0;
-        for r in &ranks {
-            for sh in r {
-                let n = sh.data.len();
-                ck.read_region_into(&sh.name, &sh.region, &mut readbuf[pos..pos + n])
-                    .unwrap();
-                pos += n;
+        min(&mut b.load[0], load_in_place(&ck, &ranks, &mut bufs));
+        evict(&c.path);
+        min(&mut b.load[1], load_in_place(&ck, &ranks, &mut bufs));
+        for (r, bb) in ranks.iter().zip(&bufs) {
+            for (s, got) in r.iter().zip(bb) {
+                assert!(s.data == *got, "{} read back wrong", s.name);
             }
         }
-        r_ck = r_ck.min(t.elapsed().as_secs_f64());
-        assert_eq!(pos, bytes);
-
-        // Another layout, into new buffers.
+        // Another layout, into new buffers (warm).
         let t = Instant::now();
         for r in 0..3u32 {
             load_shards(&ck, &TargetLayout::split_rows(3), r).unwrap();
         }
-        r_re = r_re.min(t.elapsed().as_secs_f64());
+        min(&mut b.reshard, t.elapsed().as_secs_f64());
         fs::remove_dir_all(&root).unwrap();
     }
     // Raw read into a new buffer: the fair baseline for loads into new memory.
@@ -175,141 +250,258 @@ fn main() {
     raw_write(&raw, &flat);
     let t = Instant::now();
     let mut fresh = vec![0u8; flat.len()];
-    raw_read(&raw, &mut fresh);
-    let r_fresh = t.elapsed().as_secs_f64();
+    raw_read_par(&raw, &mut fresh, threads);
+    b.fresh = t.elapsed().as_secs_f64();
     drop(fresh);
     fs::remove_file(&raw).unwrap();
-    let t = Instant::now();
-    let crc = crc32c::crc32c(&flat);
-    let crc_s = t.elapsed().as_secs_f64();
-    println!();
-    println!("crc32c alone: {:.2} GB/s (checksum {crc:08x})", gb / crc_s);
-    println!("| operation                          | GB/s   | vs raw |");
-    println!("|------------------------------------|--------|--------|");
-    println!(
-        "| raw sequential write + fsync       | {:6.2} |  1.00  |",
-        gb / w_raw
-    );
-    println!(
-        "| checkpoint save (4 files, fsync)   | {:6.2} |  {:.2}  |",
-        gb / w_ck,
-        w_raw / w_ck
-    );
-    println!(
-        "| raw sequential read                | {:6.2} |  1.00  |",
-        gb / r_raw
-    );
-    println!(
-        "| checkpoint load into place (4)     | {:6.2} |  {:.2}  |",
-        gb / r_ck,
-        r_raw / r_ck
-    );
-    println!(
-        "| load resharded 4 -> 3, new buffers | {:6.2} |  {:.2}  |",
-        gb / r_re,
-        r_raw / r_re
-    );
-    println!(
-        "| raw read into a new buffer         | {:6.2} |  {:.2}  |",
-        gb / r_fresh,
-        r_raw / r_fresh
-    );
 
-    // Step stall: a save every `every` steps, sync vs async.
-    let mut work = vec![1.0f32; 8 * MB];
-    let steps: u32 = 12;
-    let every: u32 = 4;
-    let t = Instant::now();
-    for _ in 0..steps {
-        step_work(&mut work);
+    let base = [b.raw1[0].min(b.rawt[0]), b.raw1[1].min(b.rawt[1])];
+    println!(
+        "best of 3 runs; \"vs raw\" is raw time / checkpoint time (same bytes, same cache state)"
+    );
+    println!("| operation                                     | GB/s   | vs raw |");
+    println!("|-----------------------------------------------|--------|--------|");
+    let row = |name: &str, s: f64, base: f64| {
+        println!("| {name:45} | {:6.2} | {:6.2} |", gb / s, base / s);
+    };
+    row("raw sequential write + fsync", b.w_raw, b.w_raw);
+    row("checkpoint save (4 files, fsync)", b.w_ck, b.w_raw);
+    for (i, state) in ["warm", "cold"].iter().enumerate() {
+        row(&format!("raw read, 1 thread ({state})"), b.raw1[i], base[i]);
+        row(
+            &format!("raw read, {threads} threads ({state})"),
+            b.rawt[i],
+            base[i],
+        );
+        row(
+            &format!("checkpoint load into place ({state})"),
+            b.load[i],
+            base[i],
+        );
     }
-    let step = t.elapsed().as_secs_f64() / f64::from(steps);
+    row(
+        "load resharded 4 -> 3, new buffers (warm)",
+        b.reshard,
+        base[0],
+    );
+    row("raw read into a new buffer (warm)", b.fresh, base[0]);
+}
 
-    let root = dir.join("sync");
-    let mut sync_stall = 0.0;
-    for s in 0..steps {
-        step_work(&mut work);
-        if s % every == every - 1 {
-            let t = Instant::now();
-            save(
-                &root,
-                u64::from(s),
-                &layout,
-                &borrowed,
-                &TrainerState::default(),
-                &opts,
-            )
-            .unwrap();
-            sync_stall += t.elapsed().as_secs_f64();
+/// Saves once so that the loader's default thread count can be read.
+fn tempfile_ck(
+    dir: &Path,
+    layout: &Layout,
+    ranks: &[Vec<ShardData<'_>>],
+    opts: &SaveOptions,
+) -> Checkpoint {
+    let small: Vec<Vec<ShardData<'_>>> = ranks
+        .iter()
+        .map(|r| {
+            r.iter()
+                .filter(|s| s.data.len() < 64 * 1024)
+                .cloned()
+                .collect()
+        })
+        .collect();
+    let root = dir.join("probe");
+    let c = save(&root, 0, layout, &small, &TrainerState::default(), opts).unwrap();
+    let ck = Checkpoint::open(&c.path).unwrap();
+    fs::remove_dir_all(&root).unwrap();
+    ck
+}
+
+fn f32_bytes(x: &[f32]) -> &[u8] {
+    // SAFETY: f32 has no padding and every bit pattern is a valid u8; the
+    // slice covers exactly the same memory with the same lifetime, and u8
+    // has alignment 1.
+    unsafe { std::slice::from_raw_parts(x.as_ptr().cast::<u8>(), size_of_val(x)) }
+}
+
+/// The training state a checkpoint holds: parameters and AdamW moments.
+fn model_state<'a>(
+    model: &'a Gpt,
+    opt: &'a AdamWState,
+    names: &'a [(String, String, String, Vec<u64>)],
+) -> Vec<ShardData<'a>> {
+    let mut out = Vec::new();
+    for (spec, (p, m, v, shape)) in model.layout().specs().iter().zip(names) {
+        let r = spec.range();
+        for (name, data) in [
+            (p, model.param(&spec.name).unwrap()),
+            (m, &opt.m[r.clone()]),
+            (v, &opt.v[r.clone()]),
+        ] {
+            out.push(ShardData::full(name, Dtype::F32, shape, f32_bytes(data)));
         }
     }
-    fs::remove_dir_all(&root).unwrap();
+    out
+}
+
+fn step_stall(dir: &Path, which: &str) {
+    let (cfg, b, t) = match which {
+        "tiny" => (
+            GptConfig {
+                n_layer: 4,
+                n_head: 4,
+                n_embd: 256,
+                vocab_size: 50304,
+                block_size: 1024,
+                tied_embeddings: true,
+                layer_norm_epsilon: 1e-5,
+            },
+            8,
+            256,
+        ),
+        _ => (GptConfig::gpt2_small(), 4, 256),
+    };
+    let mut model = Gpt::new(cfg.clone()).unwrap();
+    model.init_gpt2(1);
+    let mut acts = model.activations(b, t).unwrap();
+    let mut opt = AdamWState::new(&model);
+    let hp = AdamW {
+        lr: 1e-4,
+        weight_decay: 0.1,
+        ..AdamW::default()
+    };
+    let v = u32::try_from(cfg.vocab_size).unwrap();
+    let n = (b * t) as u32;
+    let tokens: Vec<u32> = (0..n).map(|i| i.wrapping_mul(2_654_435_761) % v).collect();
+    let targets: Vec<u32> = (0..n)
+        .map(|i| (i + 1).wrapping_mul(2_654_435_761) % v)
+        .collect();
+    let names: Vec<(String, String, String, Vec<u64>)> = model
+        .layout()
+        .specs()
+        .iter()
+        .map(|s| {
+            (
+                format!("model.{}", s.name),
+                format!("optim.m.{}", s.name),
+                format!("optim.v.{}", s.name),
+                s.shape.iter().map(|&d| d as u64).collect(),
+            )
+        })
+        .collect();
+    let mut step = |model: &mut Gpt, opt: &mut AdamWState| {
+        let t0 = Instant::now();
+        model.forward(&mut acts, &tokens, Some(&targets)).unwrap();
+        model.zero_grad();
+        model.backward(&mut acts).unwrap();
+        model.adamw_step(opt, &hp).unwrap();
+        t0.elapsed().as_secs_f64()
+    };
+    step(&mut model, &mut opt); // warm-up
+    let layout = Layout::flat("dp", 1);
+    let state = TrainerState::default();
+    let opts = SaveOptions::default();
+    let bytes: usize = model_state(&model, &opt, &names)
+        .iter()
+        .map(|s| s.data.len())
+        .sum();
+    let plain: Vec<f64> = (0..2).map(|_| step(&mut model, &mut opt)).collect();
+    let base = plain.iter().copied().fold(f64::MAX, f64::min);
 
     let root = dir.join("async");
     let mut saver = AsyncSaver::new(&root, opts.clone()).unwrap();
-    let mut async_stall = 0.0;
     let mut stalls = Vec::new();
-    let t_all = Instant::now();
-    for s in 0..steps {
-        step_work(&mut work);
-        if s % every == every - 1 {
-            let t = Instant::now();
-            if let Some(prev) =
-                saver.save_from(u64::from(s), &layout, &borrowed, &TrainerState::default())
-            {
-                prev.unwrap();
+    let mut during = Vec::new();
+    for s in 0..2u64 {
+        let shards = model_state(&model, &opt, &names);
+        let t0 = Instant::now();
+        if let Some(prev) = saver.save_from(s, &layout, &[shards], &state) {
+            prev.unwrap();
+        }
+        stalls.push(t0.elapsed().as_secs_f64());
+        // The steps that run while the save is written.
+        for _ in 0..2 {
+            let busy = !saver.is_idle();
+            let d = step(&mut model, &mut opt);
+            if busy {
+                during.push(d);
             }
-            stalls.push(t.elapsed().as_secs_f64());
-            async_stall += t.elapsed().as_secs_f64();
         }
     }
-    let t_wait = Instant::now();
-    saver.wait().unwrap().unwrap();
-    let tail = t_wait.elapsed().as_secs_f64();
-    let async_total = t_all.elapsed().as_secs_f64();
+    let outcome = saver.wait().unwrap().unwrap();
     drop(saver);
     fs::remove_dir_all(&root).unwrap();
-    let saves = f64::from(steps / every);
+
+    let root = dir.join("sync");
+    let shards = model_state(&model, &opt, &names);
+    let t0 = Instant::now();
+    save(&root, 9, &layout, &[shards], &state, &opts).unwrap();
+    let sync = t0.elapsed().as_secs_f64();
+    fs::remove_dir_all(&root).unwrap();
+
+    let mean_during = if during.is_empty() {
+        base
+    } else {
+        during.iter().sum::<f64>() / during.len() as f64
+    };
     println!();
     println!(
-        "step stall per save ({} saves of {:.0} MiB, step = {:.1} ms of compute):",
-        saves,
-        bytes as f64 / MB as f64,
-        step * 1e3
+        "step stall: {} ({} layers, {} wide), batch {b} x {t}, one step = forward + backward + \
+         AdamW = {:.0} ms (best of {}); a save holds parameters + AdamW moments = {:.0} MiB",
+        if which == "tiny" {
+            "tiny GPT"
+        } else {
+            "GPT-2 small"
+        },
+        cfg.n_layer,
+        cfg.n_embd,
+        base * 1e3,
+        plain.len(),
+        bytes as f64 / MB as f64
     );
-    println!("| mode  | stall per save (ms) | stall / step |");
-    println!("|-------|---------------------|--------------|");
+    println!("| save                                   | stall (ms) | % of a step |");
+    println!("|----------------------------------------|------------|-------------|");
+    let row = |name: &str, s: f64| {
+        println!(
+            "| {name:38} | {:10.1} | {:10.2}% |",
+            s * 1e3,
+            s / base * 100.0
+        );
+    };
+    row("synchronous save", sync);
+    row("async, first save (allocates buffers)", stalls[0]);
+    row("async, later saves (reused buffers)", stalls[1]);
     println!(
-        "| sync  | {:19.1} | {:11.1}% |",
-        sync_stall / saves * 1e3,
-        sync_stall / saves / step * 100.0
+        "async copy into reused buffers: {:.2} GB/s; background write {:.2} s; steps run while \
+         writing: {} of mean {:.0} ms ({:+.1}% vs a quiet step)",
+        bytes as f64 / 1e9 / stalls[1],
+        outcome.write_seconds,
+        during.len(),
+        mean_during * 1e3,
+        (mean_during / base - 1.0) * 100.0
     );
+}
+
+fn main() {
+    let mb: usize = std::env::var("WEFT_BENCH_MB")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(512);
+    let base = std::env::var_os("WEFT_BENCH_DIR")
+        .map(Into::into)
+        .unwrap_or_else(std::env::temp_dir);
+    let model = std::env::var("WEFT_BENCH_MODEL").unwrap_or_else(|_| "small".into());
+    let dir = base.join(format!("weft-ckpt-bench-{}", std::process::id()));
+    fs::create_dir_all(&dir).unwrap();
     println!(
-        "| async | {:19.1} | {:11.1}% |",
-        async_stall / saves * 1e3,
-        async_stall / saves / step * 100.0
+        "CPUs {}, load average at start: {}",
+        std::thread::available_parallelism().map_or(1, usize::from),
+        fs::read_to_string("/proc/loadavg")
+            .unwrap_or_default()
+            .trim()
     );
+    throughput(&dir, mb);
+    if model != "none" {
+        step_stall(&dir, &model);
+    }
     println!(
-        "async run: {:.2} s total for {steps} steps, final wait {:.2} s; async/sync stall ratio {:.3}",
-        async_total,
-        tail,
-        async_stall / sync_stall
-    );
-    let steady = stalls[1..].iter().copied().fold(f64::MAX, f64::min);
-    println!(
-        "async stall: first save {:.1} ms (allocates host buffers), later saves {:.1} ms \
-         = {:.2} GB/s snapshot copy into reused buffers",
-        stalls[0] * 1e3,
-        steady * 1e3,
-        gb / steady
-    );
-    // GPT-2 small with mixed-precision AdamW keeps ~16 B/parameter; on this
-    // machine PyTorch trains it at ~200 tokens/s (batch 4 x 256 -> ~5.1 s/step).
-    let state = 124e6 * 16.0 / 1e9;
-    println!(
-        "extrapolated: GPT-2 small ({state:.1} GB of state, ~5.1 s step): async stall ~{:.0} ms = {:.1}% of a step",
-        state / (gb / steady) * 1e3,
-        state / (gb / steady) / 5.12 * 100.0
+        "load average at end: {}",
+        fs::read_to_string("/proc/loadavg")
+            .unwrap_or_default()
+            .trim()
     );
     fs::remove_dir_all(&dir).ok();
 }

@@ -211,23 +211,13 @@ impl AsyncSaver {
             })
             .collect();
         // The copy itself, on as many threads as the writer may use.
-        let mut pairs: Vec<(&mut [u8], &[u8])> = ranks
+        let pairs: Vec<(&mut [u8], &[u8])> = ranks
             .iter_mut()
             .flatten()
             .zip(src.iter().flatten())
             .map(|(d, s)| (d.data.as_mut_slice(), s.data))
             .collect();
-        let threads = self.opts.threads.clamp(1, pairs.len().max(1));
-        let per = pairs.len().div_ceil(threads).max(1);
-        std::thread::scope(|sc| {
-            for group in pairs.chunks_mut(per) {
-                sc.spawn(move || {
-                    for (d, s) in group.iter_mut() {
-                        d.copy_from_slice(s);
-                    }
-                });
-            }
-        });
+        parallel_copy(pairs, self.opts.threads);
         let snapshot = Snapshot {
             step,
             layout: layout.clone(),
@@ -240,8 +230,85 @@ impl AsyncSaver {
     }
 }
 
+/// Copies below this many bytes per thread stay on one thread.
+const COPY_MIN_BYTES: usize = 4 << 20;
+
+/// Copies each source into its destination (of equal lengths) on up to
+/// `threads` threads, cutting the work into contiguous parts of equal bytes
+/// regardless of tensor boundaries (one large embedding does not leave the
+/// other threads idle).
+fn parallel_copy(pairs: Vec<(&mut [u8], &[u8])>, threads: usize) {
+    let total: usize = pairs.iter().map(|p| p.1.len()).sum();
+    let threads = threads.clamp(1, total.div_ceil(COPY_MIN_BYTES).max(1));
+    if threads == 1 {
+        for (d, s) in pairs {
+            d.copy_from_slice(s);
+        }
+        return;
+    }
+    let per = total.div_ceil(threads);
+    let mut groups: Vec<Vec<(&mut [u8], &[u8])>> = vec![Vec::new()];
+    let mut room = per;
+    for (mut d, mut s) in pairs {
+        while !s.is_empty() {
+            if room == 0 {
+                groups.push(Vec::new());
+                room = per;
+            }
+            let n = room.min(s.len());
+            let (d0, d1) = std::mem::take(&mut d).split_at_mut(n);
+            let (s0, s1) = s.split_at(n);
+            if let Some(g) = groups.last_mut() {
+                g.push((d0, s0));
+            }
+            d = d1;
+            s = s1;
+            room -= n;
+        }
+    }
+    std::thread::scope(|sc| {
+        let mut groups = groups.into_iter();
+        let mine = groups.next();
+        for group in groups {
+            sc.spawn(move || {
+                for (d, s) in group {
+                    d.copy_from_slice(s);
+                }
+            });
+        }
+        for (d, s) in mine.into_iter().flatten() {
+            d.copy_from_slice(s);
+        }
+    });
+}
+
 impl Drop for AsyncSaver {
     fn drop(&mut self) {
         let _ = self.wait();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parallel_copy;
+
+    #[test]
+    fn parallel_copy_copies_every_byte_at_every_thread_count() {
+        let sizes = [0usize, 1, 5 << 20, 3, 9 << 20, 1 << 20, 7];
+        let srcs: Vec<Vec<u8>> = sizes
+            .iter()
+            .enumerate()
+            .map(|(i, &n)| (0..n).map(|k| (k * 31 + i * 7) as u8).collect())
+            .collect();
+        for threads in [1, 2, 3, 8] {
+            let mut dsts: Vec<Vec<u8>> = sizes.iter().map(|&n| vec![0xEE; n]).collect();
+            let pairs = dsts
+                .iter_mut()
+                .zip(&srcs)
+                .map(|(d, s)| (d.as_mut_slice(), s.as_slice()))
+                .collect();
+            parallel_copy(pairs, threads);
+            assert!(dsts == srcs, "{threads} threads");
+        }
     }
 }

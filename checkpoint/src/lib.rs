@@ -7,10 +7,12 @@
 //! (2 ranks, or tensor parallelism 2 → 1).
 //!
 //! # Overview
-//! * Saving: [`save`] does it all from one process; with ranks in separate
-//!   processes the steps are [`prepare`] (coordinator), [`write_rank_file`]
-//!   (each rank, returns a serializable [`RankReport`]) and [`commit`]
-//!   (coordinator, with every report). [`ShardData`] is one rank's piece of
+//! * Saving: [`save`] does it all from one process; [`SharedSave`] lets
+//!   rank *threads* each save their own shards into one staging folder and
+//!   a coordinator commit (see "Sharded training" below); with ranks in
+//!   separate processes the steps are [`prepare`] (coordinator),
+//!   [`write_rank_file`] (each rank, returns a serializable [`RankReport`])
+//!   and [`commit`] (coordinator, with every report). [`ShardData`] is one rank's piece of
 //!   one tensor: a [`Region`] (row range, column range, or any box) of the
 //!   global tensor. [`SaveOptions`] carries the checksum chunk size and a
 //!   [`FaultHook`] for fault injection.
@@ -22,6 +24,11 @@
 //!   only the overlapping shards' byte ranges and verifying their checksums;
 //!   [`load_latest`] picks the newest checkpoint that verifies and reports
 //!   the ones it skipped. [`Checkpoint::verify`] checks every byte.
+//!   [`Checkpoint::read_many`] restores many regions at once (a rank's
+//!   parameters) on [`Checkpoint::threads`] threads: every checksum chunk
+//!   is read straight into its destination in 256 KiB pieces, each
+//!   checksummed while still in cache, the next chunk prefetched from disk
+//!   meanwhile.
 //! * [`reshard`]: rewrites a checkpoint for another layout, described by a
 //!   [`TargetLayout`] (e.g. [`TargetLayout::split_rows`]).
 //! * [`Retention`]: keep the last K and every N-th; never delete the only
@@ -157,6 +164,42 @@
 //!   `N:dimD`) then [`reshard`].
 //! * `export DIR --hf OUT`: [`export_hf_gpt2`].
 //!
+//! # Sharded training (FSDP, tensor parallelism)
+//! Every rank saves only what it holds, under the tensor's global name and
+//! shape, with a [`Region`] saying where its piece sits:
+//! * **FSDP / ZeRO flat parameters**: save each unit's flat buffer as a
+//!   1-d tensor (e.g. `fsdp.h.3`, shape `[len]` without padding); rank `r`
+//!   of `n` holding elements `r·s .. (r+1)·s` (`s = ceil(len/n)`) saves
+//!   `Region::new(vec![a], vec![b - a])` with `a, b` clipped to `len`, so
+//!   the padding is never stored (a rank whose range is all padding saves
+//!   an empty shard, or nothing). A model tensor at elements
+//!   `off .. off+numel` of the unit is
+//!   `read_region("fsdp.h.3", &Region::new(vec![off], vec![numel]))`,
+//!   whichever ranks hold it. AdamW moments: the same, under other names.
+//! * **Tensor parallelism**: column-parallel weights are
+//!   `Region::split(shape, 1, tp, t)`, row-parallel ones
+//!   `Region::split(shape, 0, tp, t)`; with data parallelism on top only
+//!   one replica (dp = 0) saves them. Replicated tensors are saved by one
+//!   rank ([`ShardData::full`]); [`commit`] refuses a tensor tiled twice.
+//! * **Layout**: [`Layout`] records the mesh (`[{"name":"dp","size":2},
+//!   {"name":"tp","size":2}]`); it is informational: loading never needs
+//!   it, since the manifest says where every piece is.
+//! * **Saving from rank threads**: the coordinator calls
+//!   [`SharedSave::begin`] (creates `step-N.tmp/`), shares it by reference
+//!   with the rank threads, each calls [`SharedSave::write_rank`]
+//!   concurrently (its own `rank-NNNNN.safetensors`, fsynced), then the
+//!   coordinator calls [`SharedSave::commit`], which merges the reports
+//!   into one manifest, checks that every tensor is tiled exactly once and
+//!   commits atomically; a rank that did not report means nothing is
+//!   committed. Ranks in other processes use [`write_rank_file`] on
+//!   [`SharedSave::staging`] and send their [`RankReport`] (serde) for
+//!   [`SharedSave::add_report`].
+//! * **Loading on another layout** (n → m ranks, FSDP ↔ TP): each rank
+//!   reads its new regions with [`Checkpoint::read_many`] or
+//!   [`load_shards`] (with [`TargetLayout::custom`] for any rule); only
+//!   the overlapping byte ranges of the old shards are read. [`reshard`]
+//!   rewrites a whole checkpoint for a new layout.
+//!
 //! # Saving from a training loop
 //! ```no_run
 //! # use weft_checkpoint::*;
@@ -228,6 +271,6 @@ pub use retention::{Retention, RetentionReport};
 pub use safetensors::{HeaderEntry, MAX_HEADER_BYTES, SafetensorsHeader, header_len, parse_header};
 pub use write::{
     Committed, FaultHook, FaultPoint, LATEST_FILE, OwnedShard, RankReport, ReportedShard,
-    SaveOptions, ShardData, build_manifest, commit, parse_step_dir, prepare, save, step_dir_name,
-    write_rank_file,
+    SaveOptions, ShardData, SharedSave, build_manifest, commit, parse_step_dir, prepare, save,
+    step_dir_name, write_rank_file,
 };

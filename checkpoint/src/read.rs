@@ -38,6 +38,24 @@ fn read_at(file: &File, offset: u64, buf: &mut [u8]) -> io::Result<()> {
     }
 }
 
+/// `posix_fadvise(WILLNEED)`: start reading `len` bytes at `offset` into the
+/// page cache in the background. Advice only: failures are ignored.
+#[cfg(target_os = "linux")]
+fn will_need(file: &File, offset: u64, len: u64) {
+    use std::os::unix::io::AsRawFd;
+    let (Ok(offset), Ok(len)) = (i64::try_from(offset), i64::try_from(len)) else {
+        return;
+    };
+    // SAFETY: a plain syscall on a descriptor that `file` keeps open; no
+    // memory is passed.
+    unsafe {
+        libc::posix_fadvise(file.as_raw_fd(), offset, len, libc::POSIX_FADV_WILLNEED);
+    }
+}
+
+#[cfg(not(target_os = "linux"))]
+fn will_need(_file: &File, _offset: u64, _len: u64) {}
+
 /// An opened checkpoint folder whose manifest is valid and whose shard files
 /// exist, have the recorded sizes, and have headers agreeing with the
 /// manifest. Tensor bytes are checked against their checksums as they are
@@ -391,7 +409,9 @@ impl Checkpoint {
             .max(1);
         if threads == 1 {
             let mut w = Worker::new(&self.dir, self.manifest.checksum.chunk_bytes);
-            for item in work {
+            let mut items = work.into_iter().peekable();
+            while let Some(item) = items.next() {
+                w.prefetch(items.peek());
                 w.run(item)?;
             }
             return Ok(());
@@ -421,10 +441,12 @@ impl Checkpoint {
                 let chunk = self.manifest.checksum.chunk_bytes;
                 sc.spawn(move || {
                     let mut w = Worker::new(dir, chunk);
-                    for (i, item) in group {
+                    let mut items = group.into_iter().peekable();
+                    while let Some((i, item)) = items.next() {
                         if i > first_bad.load(Ordering::Relaxed) {
                             return;
                         }
+                        w.prefetch(items.peek().map(|n| &n.1));
                         if let Err(e) = w.run(item) {
                             first_bad.fetch_min(i, Ordering::Relaxed);
                             errors
@@ -589,6 +611,20 @@ impl<'d> Worker<'d> {
         }
         let (p, f) = &self.files[name];
         Ok((p, f))
+    }
+
+    /// Asks the kernel to start reading `next`'s chunk from the disk now,
+    /// so that it arrives while this thread checksums the current one (a
+    /// no-op for data already in the page cache, and off Linux).
+    fn prefetch(&mut self, next: Option<&Work<'_, '_>>) {
+        let Some(Work::Chunk { src, k, .. }) = next else {
+            return;
+        };
+        let start = k * src.chunk;
+        let len = src.chunk.min(src.entry.byte_len - start);
+        if let Ok((_, file)) = self.file(src.file) {
+            will_need(file, src.entry.byte_offset + start, len);
+        }
     }
 
     fn run(&mut self, item: Work<'_, '_>) -> Result<()> {

@@ -626,3 +626,232 @@ pub fn save(
     opts.sync_dir(&staging)?;
     commit(root, step, layout, &reports, state, opts)
 }
+
+/// A save whose ranks are threads of one process (or processes that send
+/// their [`RankReport`]s), all writing into the same staging folder
+/// `root/step-NNNNNNNN.tmp/`, committed by a coordinator once every rank
+/// has reported. It is [`Sync`]: share it by reference with the rank
+/// threads.
+///
+/// The steps are those of [`save`]: [`SharedSave::begin`] ([`prepare`], on
+/// the coordinator, before any rank writes), [`SharedSave::write_rank`]
+/// (each rank, concurrently: [`write_rank_file`] and keeps the report) or
+/// [`SharedSave::add_report`] (a report from another process), then
+/// [`SharedSave::commit`] (merges the reports into the manifest, checks that
+/// every tensor is tiled exactly once, and commits atomically). Until the
+/// commit nothing is a checkpoint: a crash or a missing rank leaves only
+/// the `.tmp` folder, which readers ignore and the next save of the step
+/// replaces.
+///
+/// ```
+/// use weft_checkpoint::{Checkpoint, Dtype, Layout, Region, SaveOptions, ShardData,
+///     SharedSave, TrainerState};
+///
+/// let root = std::env::temp_dir().join(format!("weft-ckpt-shared-{}", std::process::id()));
+/// // An FSDP flat parameter of 10 f32 over 4 ranks: shards of ceil(10/4) = 3
+/// // elements, the last rank holding 1 real element (its padding is not saved).
+/// let flat: Vec<u8> = (0..10).flat_map(|i| (i as f32).to_le_bytes()).collect();
+/// let shape = [10u64];
+/// let save = SharedSave::begin(&root, 7, &Layout::flat("fsdp", 4), &SaveOptions::default())?;
+/// std::thread::scope(|sc| {
+///     for r in 0..4u64 {
+///         let (save, flat) = (&save, &flat);
+///         sc.spawn(move || {
+///             let (a, b) = ((3 * r).min(10), (3 * r + 3).min(10));
+///             let shard = ShardData {
+///                 name: "fsdp.h.0",
+///                 dtype: Dtype::F32,
+///                 global_shape: &shape,
+///                 region: Region::new(vec![a], vec![b - a]),
+///                 data: &flat[4 * a as usize..4 * b as usize],
+///             };
+///             save.write_rank(r as u32, &[shard])
+///         });
+///     }
+/// });
+/// let committed = save.commit(&TrainerState::default())?;
+/// let ck = Checkpoint::open(&committed.path)?;
+/// assert_eq!(ck.read_tensor("fsdp.h.0")?, flat);
+/// # std::fs::remove_dir_all(&root).ok();
+/// # Ok::<(), weft_checkpoint::Error>(())
+/// ```
+#[derive(Debug)]
+pub struct SharedSave {
+    root: PathBuf,
+    step: u64,
+    layout: Layout,
+    opts: SaveOptions,
+    staging: PathBuf,
+    /// Per rank: not started, being written, or written (its report).
+    ranks: std::sync::Mutex<Vec<RankSlot>>,
+}
+
+#[derive(Debug, Clone)]
+enum RankSlot {
+    Waiting,
+    Writing,
+    Done(RankReport),
+}
+
+impl SharedSave {
+    /// Creates the empty staging folder for `step` (deleting a stale one
+    /// left by a crash). Call it on the coordinator before any rank writes.
+    ///
+    /// # Errors
+    /// [`Error::InvalidShard`] for a layout of no ranks; [`Error::Io`].
+    pub fn begin(root: &Path, step: u64, layout: &Layout, opts: &SaveOptions) -> Result<Self> {
+        if layout.world_size == 0 {
+            return Err(Error::InvalidShard {
+                tensor: String::new(),
+                reason: "a layout of 0 ranks".into(),
+            });
+        }
+        let staging = prepare(root, step, opts)?;
+        Ok(SharedSave {
+            root: root.to_owned(),
+            step,
+            layout: layout.clone(),
+            opts: opts.clone(),
+            staging,
+            ranks: std::sync::Mutex::new(vec![RankSlot::Waiting; layout.world_size as usize]),
+        })
+    }
+
+    /// The staging folder ranks write into (for ranks in other processes:
+    /// pass it to [`write_rank_file`]).
+    pub fn staging(&self) -> &Path {
+        &self.staging
+    }
+
+    /// The step being saved.
+    pub fn step(&self) -> u64 {
+        self.step
+    }
+
+    /// Ranks that have not reported yet.
+    pub fn missing(&self) -> Vec<u32> {
+        self.slots()
+            .iter()
+            .enumerate()
+            .filter(|(_, s)| !matches!(s, RankSlot::Done(_)))
+            .map(|(r, _)| r as u32)
+            .collect()
+    }
+
+    fn slots(&self) -> std::sync::MutexGuard<'_, Vec<RankSlot>> {
+        self.ranks
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Marks `rank` as being written, refusing a rank outside the layout or
+    /// one already written or being written.
+    fn claim(&self, rank: u32) -> Result<()> {
+        let mut slots = self.slots();
+        let bad = |reason: String| Error::InvalidShard {
+            tensor: String::new(),
+            reason,
+        };
+        match slots.get_mut(rank as usize) {
+            None => Err(bad(format!(
+                "rank {rank} is outside the layout's {} ranks",
+                self.layout.world_size
+            ))),
+            Some(RankSlot::Waiting) => {
+                slots[rank as usize] = RankSlot::Writing;
+                Ok(())
+            }
+            Some(_) => Err(bad(format!(
+                "rank {rank} saved twice in step {}",
+                self.step
+            ))),
+        }
+    }
+
+    fn finish(&self, rank: u32, report: Result<RankReport>) -> Result<()> {
+        let mut slots = self.slots();
+        match report {
+            Ok(r) => {
+                slots[rank as usize] = RankSlot::Done(r);
+                Ok(())
+            }
+            Err(e) => {
+                slots[rank as usize] = RankSlot::Waiting;
+                Err(e)
+            }
+        }
+    }
+
+    /// Rank `rank` writes its file `rank-NNNNN.safetensors` into the
+    /// staging folder (fsynced) and records its report. Safe to call from
+    /// every rank's thread at once.
+    ///
+    /// # Errors
+    /// [`Error::InvalidShard`] for a rank outside the layout, a rank saved
+    /// twice, or a bad shard; [`Error::Io`]. A failed rank may try again.
+    pub fn write_rank(&self, rank: u32, shards: &[ShardData<'_>]) -> Result<()> {
+        self.claim(rank)?;
+        let report = write_rank_file(&self.staging, rank, shards, &self.opts);
+        self.finish(rank, report)
+    }
+
+    /// Records the report of a rank that wrote its file itself (another
+    /// process calling [`write_rank_file`] on [`SharedSave::staging`], and
+    /// sending the report, e.g. as JSON).
+    ///
+    /// # Errors
+    /// [`Error::InvalidShard`] for a rank outside the layout, a rank
+    /// reported twice, or a report naming another file than the rank's.
+    pub fn add_report(&self, report: RankReport) -> Result<()> {
+        let rank = report.rank;
+        if report.file.name != manifest::file_name(rank) || report.file.rank != rank {
+            return Err(Error::InvalidShard {
+                tensor: String::new(),
+                reason: format!(
+                    "report of rank {rank} names file {} of rank {}",
+                    report.file.name, report.file.rank
+                ),
+            });
+        }
+        self.claim(rank)?;
+        self.finish(rank, Ok(report))
+    }
+
+    /// Merges every rank's report into the manifest and commits (see
+    /// [`commit`]): fsyncs the staging folder, writes the manifest last,
+    /// renames the folder into place and moves `latest`.
+    ///
+    /// # Errors
+    /// [`Error::InvalidShard`] naming the ranks that have not reported (the
+    /// staging folder stays, and is not a checkpoint), or tensors whose
+    /// shards do not tile them exactly once; [`Error::Io`].
+    pub fn commit(self, state: &TrainerState) -> Result<Committed> {
+        let missing = self.missing();
+        if !missing.is_empty() {
+            return Err(Error::InvalidShard {
+                tensor: String::new(),
+                reason: format!(
+                    "ranks {missing:?} of {} have not saved step {}; nothing committed",
+                    self.layout.world_size, self.step
+                ),
+            });
+        }
+        let reports: Vec<RankReport> = self
+            .slots()
+            .drain(..)
+            .filter_map(|s| match s {
+                RankSlot::Done(r) => Some(r),
+                _ => None,
+            })
+            .collect();
+        self.opts.sync_dir(&self.staging)?;
+        commit(
+            &self.root,
+            self.step,
+            &self.layout,
+            &reports,
+            state,
+            &self.opts,
+        )
+    }
+}

@@ -9,4 +9,5 @@ mod parallel;
 mod props;
 mod python;
 mod roundtrip;
+mod shared;
 mod util;
