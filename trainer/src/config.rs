@@ -55,8 +55,12 @@ pub struct ParallelConfig {
     pub fsdp: String,
     /// Ranks per sharding domain with `fsdp = "hybrid"`.
     pub hybrid_shard: usize,
-    /// Tensor-parallel degree.
+    /// Tensor-parallel degree: each layer's matrices split over `tp`
+    /// consecutive ranks (Megatron-LM style); must divide `model.n_head`.
     pub tp: usize,
+    /// With `tp > 1`: sequence parallelism (layernorm regions sharded along
+    /// the tokens; reduce-scatter and all-gather instead of all-reduce).
+    pub sequence_parallel: bool,
     /// Pipeline stages.
     pub pp: usize,
     /// Pipeline schedule: `"gpipe"`, `"1f1b"`, `"interleaved"` or `"zb-h1"`.
@@ -79,6 +83,7 @@ impl Default for ParallelConfig {
             fsdp: "none".into(),
             hybrid_shard: 1,
             tp: 1,
+            sequence_parallel: false,
             pp: 1,
             pp_schedule: "1f1b".into(),
             pp_chunks: 2,
@@ -202,7 +207,7 @@ impl Default for ModelConfig {
             n_layer: 2,
             n_head: 4,
             n_embd: 128,
-            block_size: 128,
+            block_size: 64,
             moe: MoeSection::default(),
         }
     }
@@ -257,8 +262,8 @@ pub struct TrainConfig {
 impl Default for TrainConfig {
     fn default() -> Self {
         Self {
-            steps: 600,
-            batch_size: 16,
+            steps: 1000,
+            batch_size: 32,
             grad_accum: 1,
             seed: 42,
             eval_every: 100,
@@ -294,7 +299,7 @@ pub struct OptimConfig {
 impl Default for OptimConfig {
     fn default() -> Self {
         Self {
-            lr: 3e-3,
+            lr: 4e-3,
             min_lr_ratio: 0.1,
             warmup_steps: 50,
             weight_decay: 0.1,
@@ -584,6 +589,26 @@ impl Config {
                 format!(
                     "must divide train.grad_accum = {} (each data-parallel rank computes an equal share of the micro-batches; got {})",
                     t.grad_accum, p.dp
+                ),
+            );
+        }
+        if !m.n_head.is_multiple_of(p.tp) {
+            return bad(
+                "parallel.tp",
+                format!(
+                    "must divide model.n_head = {} (heads stay whole on a rank; got {})",
+                    m.n_head, p.tp
+                ),
+            );
+        }
+        if p.sequence_parallel && !(t.batch_size / t.grad_accum * m.block_size).is_multiple_of(p.tp)
+        {
+            return bad(
+                "parallel.sequence_parallel",
+                format!(
+                    "needs parallel.tp = {} to divide the tokens of a micro-batch ({})",
+                    p.tp,
+                    t.batch_size / t.grad_accum * m.block_size
                 ),
             );
         }

@@ -36,6 +36,7 @@
 pub mod ckpt;
 pub mod config;
 pub mod data;
+pub mod net;
 pub mod parallel;
 pub mod sample;
 pub mod schedule;

@@ -89,16 +89,38 @@ pub(crate) struct Ep {
     replica: Box<dyn Communicator>,
 }
 
-/// The data-parallel group of one rank, and its expert-parallel groups.
+/// The groups of one rank: its data-parallel group, and where asked its
+/// expert-parallel and tensor-parallel groups.
+///
+/// World ranks are laid out as a `dp × tp` mesh with tp varying fastest
+/// (`rank = dp_index · tp + tp_index`), so a tensor-parallel group is `tp`
+/// consecutive ranks — the ranks that must share the fastest links. The
+/// data-parallel group of a rank is the ranks with its tp index.
 pub(crate) struct Dp {
     comm: Box<dyn Communicator>,
+    world_rank: usize,
     ep: Option<Ep>,
+    tp: Option<Box<dyn Communicator>>,
 }
 
 impl Dp {
-    /// The group over `comm`; with `ep > 1`, also its expert groups of `ep`
-    /// consecutive ranks.
-    pub(crate) fn new(comm: Box<dyn Communicator>, ep: usize) -> Result<Self, TrainError> {
+    /// The groups of world rank `world.rank()`: with `tp > 1`, tp groups of
+    /// `tp` consecutive ranks and data-parallel groups across them; with
+    /// `ep > 1`, expert groups of `ep` consecutive data-parallel ranks.
+    pub(crate) fn new(
+        world: Box<dyn Communicator>,
+        ep: usize,
+        tp: usize,
+    ) -> Result<Self, TrainError> {
+        let world_rank = world.rank();
+        let (comm, tp) = if tp > 1 {
+            let (d, t) = ((world_rank / tp) as u32, (world_rank % tp) as u32);
+            let dp = world.split(t, d)?;
+            let tp = world.split(d, t)?;
+            (dp, Some(tp))
+        } else {
+            (world, None)
+        };
         let ep = if ep > 1 {
             let r = comm.rank();
             let (g, i) = ((r / ep) as u32, (r % ep) as u32);
@@ -108,7 +130,12 @@ impl Dp {
         } else {
             None
         };
-        Ok(Self { comm, ep })
+        Ok(Self {
+            comm,
+            world_rank,
+            ep,
+            tp,
+        })
     }
 
     /// The expert-parallel groups, if any.
@@ -116,12 +143,27 @@ impl Dp {
         self.ep.as_ref()
     }
 
-    /// This rank's index in the group.
+    /// This rank's index in its expert group, if any.
+    pub(crate) fn ep_rank(&self) -> Option<usize> {
+        self.ep.as_ref().map(|e| e.group.rank())
+    }
+
+    /// The tensor-parallel group, if any.
+    pub(crate) fn tp(&self) -> Option<&dyn Communicator> {
+        self.tp.as_deref()
+    }
+
+    /// This rank's index in the world.
+    pub(crate) fn world_rank(&self) -> usize {
+        self.world_rank
+    }
+
+    /// This rank's index in its data-parallel group.
     pub(crate) fn rank(&self) -> usize {
         self.comm.rank()
     }
 
-    /// Ranks in the group.
+    /// Ranks in the data-parallel group.
     pub(crate) fn size(&self) -> usize {
         self.comm.size()
     }
@@ -237,39 +279,37 @@ pub(crate) struct GradAccum {
 }
 
 impl GradAccum {
-    /// An empty accumulator for the gradients of `layout`; `exact` selects
-    /// the reproducible sum; with `expert_parallel` the expert tensors are
-    /// reduced over their replica group.
-    pub(crate) fn new(
-        layout: &weft_model::ParamLayout,
-        exact: bool,
-        expert_parallel: bool,
-    ) -> Self {
+    /// An empty accumulator for `len` gradients; `exact` selects the
+    /// reproducible sum; with `experts` (expert parallelism: the rank's
+    /// whole-model layout) the expert tensors are reduced over their
+    /// replica group.
+    pub(crate) fn new(len: usize, exact: bool, experts: Option<&weft_model::ParamLayout>) -> Self {
         let new_part = |ranges: Vec<Range<usize>>, over: Over| {
-            let len = if ranges.is_empty() {
-                layout.len()
+            let n = if ranges.is_empty() {
+                len
             } else {
                 ranges.iter().map(Range::len).sum()
             };
             Part {
                 ranges,
                 over,
-                exact: exact.then(|| repro::ExactPartial::new(len)),
+                exact: exact.then(|| repro::ExactPartial::new(n)),
                 buf: Vec::new(),
             }
         };
-        let parts = if expert_parallel {
-            let (experts, dense): (Vec<_>, Vec<_>) = layout
-                .specs()
-                .iter()
-                .partition(|s| weft_model::MoeFfn::is_expert_param(&s.name));
-            let ranges = |v: Vec<&weft_model::ParamSpec>| v.iter().map(|s| s.range()).collect();
-            vec![
-                new_part(ranges(dense), Over::World),
-                new_part(ranges(experts), Over::Replicas),
-            ]
-        } else {
-            vec![new_part(Vec::new(), Over::World)]
+        let parts = match experts {
+            Some(layout) => {
+                let (experts, dense): (Vec<_>, Vec<_>) = layout
+                    .specs()
+                    .iter()
+                    .partition(|s| weft_model::MoeFfn::is_expert_param(&s.name));
+                let ranges = |v: Vec<&weft_model::ParamSpec>| v.iter().map(|s| s.range()).collect();
+                vec![
+                    new_part(ranges(dense), Over::World),
+                    new_part(ranges(experts), Over::Replicas),
+                ]
+            }
+            None => vec![new_part(Vec::new(), Over::World)],
         };
         Self { parts, exact }
     }

@@ -28,6 +28,7 @@ use weft_trace::MetricsRecord;
 
 use crate::config::Config;
 use crate::data::{Batch, Data, DataError};
+use crate::net::{Net, NetActs};
 use crate::parallel::{Dp, Forward, GradAccum};
 use crate::schedule::lr_at;
 
@@ -56,6 +57,9 @@ pub enum TrainError {
     /// A collective operation between ranks failed.
     #[error("communication: {0}")]
     Comm(#[from] weft_collectives::Error),
+    /// The tensor-parallel model failed.
+    #[error(transparent)]
+    TensorParallel(weft_model::tp::Error),
     /// The configuration asks for a parallel layout `weft train` cannot run.
     #[error("{0}")]
     Unsupported(String),
@@ -327,12 +331,12 @@ fn build_model(
 /// Mean validation loss over `batches`. With `dp`, each rank evaluates a
 /// contiguous share of the batches and the per-batch figures are gathered
 /// and summed in batch order — the same sum, bit for bit, as one rank's.
-fn eval_loss(model: &Gpt, batches: &[Batch], dp: Option<&Dp>) -> Result<f64, TrainError> {
+fn eval_loss(model: &Net, batches: &[Batch], dp: Option<&Dp>) -> Result<f64, TrainError> {
     let (rank, ranks) = dp.map_or((0, 1), |d| (d.rank(), d.size()));
     let per = batches.len().div_ceil(ranks);
     let mine = (rank * per).min(batches.len())..((rank + 1) * per).min(batches.len());
     let mut local = vec![0.0; per];
-    let mut acts: Option<weft_model::Activations> = None;
+    let mut acts: Option<NetActs> = None;
     // With expert parallelism forwards are collective over the expert
     // group: a rank short of batches runs (and discards) stand-ins so that
     // every rank runs `per` forwards.
@@ -348,7 +352,7 @@ fn eval_loss(model: &Gpt, batches: &[Batch], dp: Option<&Dp>) -> Result<f64, Tra
         }
         let a = acts.as_mut().expect("just planned");
         let loss = model
-            .forward(a, &b.inputs, Some(&b.targets))?
+            .forward(dp, a, &b.inputs, Some(&b.targets))?
             .unwrap_or(f64::NAN);
         if real {
             *slot = loss * (b.batch * b.seq) as f64;
@@ -414,8 +418,10 @@ pub fn train(
             "{what} is not available in weft train yet; run with parallel.dp only"
         )))
     };
-    if p.tp > 1 {
-        return unsupported("tensor parallelism (parallel.tp > 1)");
+    if p.tp > 1 && config.model.moe.experts > 0 {
+        return unsupported(
+            "tensor parallelism of mixture-of-experts models (parallel.tp > 1 with model.moe.experts > 0)",
+        );
     }
     if p.pp > 1 {
         return unsupported("pipeline parallelism (parallel.pp > 1)");
@@ -432,11 +438,11 @@ pub fn train(
         let ranks = s.spawn(move || {
             let tx = tx;
             weft_collectives::LocalCluster::builder(world).run_each(|comm| {
-                let dp = match Dp::new(Box::new(comm), p.ep) {
+                let dp = match Dp::new(Box::new(comm), p.ep, p.tp) {
                     Ok(dp) => dp,
                     Err(e) => return Err(e),
                 };
-                if dp.rank() == 0 {
+                if dp.world_rank() == 0 {
                     run_rank(config, resume, Some(&dp), &mut Forward(tx.clone()))
                 } else {
                     run_rank(config, resume, Some(&dp), &mut Silent)
@@ -500,30 +506,46 @@ fn run_rank(
     dp: Option<&Dp>,
     observer: &mut dyn Observer,
 ) -> Result<Summary, TrainError> {
-    let writer = dp.is_none_or(|d| d.rank() == 0);
+    let writer = dp.is_none_or(|d| d.world_rank() == 0);
     let data = Data::open(config)?;
     let vocab = data.vocab_size();
     let cfg = model_config(config, vocab);
     let ep = dp.and_then(Dp::ep);
-    let (mut model, moe) = build_model(config, &cfg, ep)?;
-    // With expert parallelism every rank starts from its share of the
-    // unsharded model's initialisation; the writer keeps the unsharded
-    // model to assemble checkpoints in.
+    let tp = dp.and_then(Dp::tp).map(|c| (c.size(), c.rank()));
+    let (whole_model, moe) = build_model(config, &cfg, ep)?;
+    // With expert or tensor parallelism every rank starts from its share
+    // of the unsharded model's initialisation (the same as one rank's); the
+    // writer keeps the unsharded model to assemble checkpoints in.
     let mut full = None;
-    if ep.is_some() {
+    let mut model = if ep.is_some() || tp.is_some() {
         let (mut whole, _) = build_model(config, &cfg, None)?;
         whole.init_gpt2(config.train.seed);
-        let d = dp.expect("ep implies dp");
-        weft_model::MoeFfn::shard_params(
-            &whole,
-            &mut model,
-            d.rank() % config.parallel.ep,
-            config.parallel.ep,
-        )?;
+        let net = match tp {
+            Some((size, rank)) => {
+                let opts = weft_model::tp::TpOptions {
+                    sequence_parallel: config.parallel.sequence_parallel,
+                    reproducible: config.parallel.reproducible,
+                    ..Default::default()
+                };
+                Net::Tp(
+                    weft_model::tp::TpGpt::from_full(&whole, size, rank, opts)
+                        .map_err(TrainError::TensorParallel)?,
+                )
+            }
+            None => {
+                let mut m = whole_model;
+                let ep_rank = dp.and_then(Dp::ep_rank).unwrap_or(0);
+                weft_model::MoeFfn::shard_params(&whole, &mut m, ep_rank, config.parallel.ep)?;
+                Net::Whole(m)
+            }
+        };
         full = Some(whole);
+        net
     } else {
-        model.init_gpt2(config.train.seed);
-    }
+        let mut m = whole_model;
+        m.init_gpt2(config.train.seed);
+        Net::Whole(m)
+    };
 
     let name = if config.run.name.is_empty() {
         timestamp_name()
@@ -532,7 +554,7 @@ fn run_rank(
     };
     let run_dir = config.run.dir.join(name);
     let metrics_path = run_dir.join("metrics.jsonl");
-    let mut opt = AdamWState::new(&model);
+    let mut opt = model.adamw_state();
     let ckpt_root = run_dir.join("checkpoints");
     // Resuming: the state, and the metrics lines up to the checkpoint.
     let mut kept_lines: Vec<String> = Vec::new();
@@ -541,25 +563,17 @@ fn run_rank(
         if !run_dir.is_dir() {
             return Err(TrainError::NothingToResume(run_dir));
         }
-        let restored = match full.as_mut() {
-            None => crate::ckpt::restore(&ckpt_root, config, &mut model, &mut opt)?,
-            Some(whole) => {
+        let restored = match (full.as_mut(), &mut model) {
+            (None, Net::Whole(m)) => crate::ckpt::restore(&ckpt_root, config, m, &mut opt)?,
+            (Some(whole), _) => {
                 // The checkpoint is unsharded: restore it whole, then take
-                // this rank's experts (parameters and moments).
+                // this rank's share (parameters and moments).
                 let mut whole_opt = AdamWState::new(whole);
                 let r = crate::ckpt::restore(&ckpt_root, config, whole, &mut whole_opt)?;
-                let ep_rank = dp.map_or(0, |d| d.rank() % config.parallel.ep);
-                let (fl, ll) = (whole.layout().clone(), model.layout().clone());
-                for (src, dst) in [
-                    (&whole.params, &mut model.params),
-                    (&whole_opt.m, &mut opt.m),
-                    (&whole_opt.v, &mut opt.v),
-                ] {
-                    crate::parallel::take_experts(&fl, src, &ll, dst, ep_rank);
-                }
-                opt.step = whole_opt.step;
+                model.take_share(dp, whole, &whole_opt, &mut opt)?;
                 r
             }
+            (None, Net::Tp(_)) => unreachable!("a tensor-parallel rank keeps the whole model"),
         };
         start_step = restored.step;
         observer.resumed(start_step, &restored.skipped);
@@ -600,16 +614,20 @@ fn run_rank(
         None
     };
 
-    // The unsharded model's layout (to assemble checkpoints in); its
-    // buffers stay on the writer only.
-    let cfg_full_layout = full.as_ref().map(|f| f.layout().clone());
-    if !writer {
-        full = None;
-    }
     let t = &config.train;
     let micro = t.batch_size / t.grad_accum;
     let seq = config.model.block_size;
     let mut acts = model.activations(micro, seq)?;
+    let full_layout = match (&full, &model) {
+        (Some(f), _) => f.layout().clone(),
+        (None, Net::Whole(m)) => m.layout().clone(),
+        (None, Net::Tp(m)) => m.full_layout().clone(),
+    };
+    // The unsharded model's buffers stay on the writer only.
+    if !writer {
+        full = None;
+    }
+
     let val = data.val_batches(t.eval_sequences, micro);
     let floor = data.val_floor(t.eval_sequences);
     let (l, c) = (cfg.n_layer, cfg.n_embd);
@@ -623,9 +641,7 @@ fn run_rank(
             1.0
         }
     };
-    let matmul_params: f64 = full
-        .as_ref()
-        .map_or(model.layout(), Gpt::layout)
+    let matmul_params: f64 = full_layout
         .specs()
         .iter()
         .filter(|p| p.name != "transformer.wpe.weight")
@@ -634,7 +650,7 @@ fn run_rank(
     let flops_per_token = 6.0 * matmul_params + 6.0 * (l * seq * c) as f64;
     let info = RunInfo {
         run_dir: run_dir.clone(),
-        params: model.params.len(),
+        params: full_layout.len(),
         vocab,
         tokens_per_step: t.batch_size * seq,
         flops_per_token,
@@ -694,7 +710,15 @@ fn run_rank(
     recent.drain(..excess);
     let share = dp.map_or(0..t.grad_accum, |d| d.share(t.grad_accum));
     // Gradients of the mean over the global batch's micro-batches.
-    let mut accum = GradAccum::new(model.layout(), config.parallel.reproducible, ep.is_some());
+    let experts = match (&model, ep) {
+        (Net::Whole(m), Some(_)) => Some(m.layout().clone()),
+        _ => None,
+    };
+    let mut accum = GradAccum::new(
+        model.grads().len(),
+        config.parallel.reproducible,
+        experts.as_ref(),
+    );
     let mut last_max_vio = None;
     let expert_path = run_dir.join("expert_load.jsonl");
     let mut expert_log: Option<BufWriter<Box<dyn Write>>> = match &moe {
@@ -726,12 +750,12 @@ fn run_rank(
         let mut micro_losses = Vec::with_capacity(share.len());
         for m in share.clone() {
             let b = data.train_batch(step, m, micro);
-            let l = model.forward(&mut acts, &b.inputs, Some(&b.targets))?;
+            let l = model.forward(dp, &mut acts, &b.inputs, Some(&b.targets))?;
             micro_losses.push(l.unwrap_or(f64::NAN));
-            model.backward(&mut acts)?;
-            accum.add(&mut model.grads)?;
+            model.backward(dp, &mut acts)?;
+            accum.add(model.grads_mut())?;
         }
-        accum.finish(&mut model.grads, dp, t.grad_accum)?;
+        accum.finish(model.grads_mut(), dp, t.grad_accum)?;
         if let Some(dp) = dp {
             micro_losses = dp.gather(&micro_losses)?;
         }
@@ -741,37 +765,13 @@ fn run_rank(
             loss += l;
         }
         loss /= t.grad_accum as f64;
-        let grad_norm = match (dp, ep) {
-            (Some(d), Some(_)) => {
-                // Replicated tensors count once; the expert shards of the
-                // group are distinct and their squares add up.
-                let (mut dense, mut experts) = (0.0, 0.0);
-                for spec in model.layout().specs() {
-                    let sq: f64 = model.grads[spec.range()]
-                        .iter()
-                        .map(|&g| f64::from(g) * f64::from(g))
-                        .sum();
-                    if weft_model::MoeFfn::is_expert_param(&spec.name) {
-                        experts += sq;
-                    } else {
-                        dense += sq;
-                    }
-                }
-                (dense + d.sum_over_experts(experts)?).sqrt()
-            }
-            _ => model
-                .grads
-                .iter()
-                .map(|&g| f64::from(g) * f64::from(g))
-                .sum::<f64>()
-                .sqrt(),
-        };
+        let grad_norm = model.grad_norm_sq(dp)?.sqrt();
         let applied = loss.is_finite() && grad_norm.is_finite();
         if applied {
             let clip = config.optim.grad_clip;
             if clip > 0.0 && grad_norm > clip {
                 let s = (clip / grad_norm) as f32;
-                model.grads.iter_mut().for_each(|g| *g *= s);
+                model.grads_mut().iter_mut().for_each(|g| *g *= s);
             }
             let hp = AdamW {
                 lr: lr as f32,
@@ -814,7 +814,8 @@ fn run_rank(
                 writeln!(expert_log.as_mut().expect("opened with MoE"), "{line}")
                     .map_err(io_err(&expert_path))?;
                 vios.extend(st.max_vio());
-                if let (Some(rate), true) = (moe.bias_rate, applied) {
+                if let (Some(rate), true, Net::Whole(model)) = (moe.bias_rate, applied, &mut model)
+                {
                     let name = format!("transformer.h.{l}.mlp.router.selection_bias");
                     if let Some(spec) = model.layout().get(&name) {
                         let r = spec.range();
@@ -883,27 +884,14 @@ fn run_rank(
         }
         let save_now = config.checkpoint.every > 0
             && (done || (step + 1).is_multiple_of(config.checkpoint.every));
-        // Expert shards are assembled into the unsharded model on the
-        // writer first: a collective, so every rank of the group joins.
+        // Sharded models are assembled whole on the writer first: a
+        // collective, so every rank of the group joins.
         let mut whole_opt = None;
-        if save_now && let (Some(d), Some(_)) = (dp, ep) {
-            let mut assembled = full.as_ref().map(AdamWState::new);
-            let fl = cfg_full_layout
-                .as_ref()
-                .expect("kept with expert parallelism");
-            let ll = model.layout();
-            d.gather_experts(
-                ll,
-                fl,
-                &model.params,
-                full.as_mut().map(|f| &mut f.params[..]),
-            )?;
-            d.gather_experts(ll, fl, &opt.m, assembled.as_mut().map(|o| &mut o.m[..]))?;
-            d.gather_experts(ll, fl, &opt.v, assembled.as_mut().map(|o| &mut o.v[..]))?;
-            if let Some(o) = assembled.as_mut() {
-                o.step = opt.step;
-            }
-            whole_opt = assembled;
+        if save_now && (ep.is_some() || tp.is_some()) {
+            let mut o = full.as_ref().map(AdamWState::new);
+            let dest = full.as_mut().zip(o.as_mut());
+            model.assemble(dp, &opt, &full_layout, dest)?;
+            whole_opt = o;
         }
         if let Some(saver) = saver.as_mut()
             && save_now
@@ -913,9 +901,10 @@ fn run_rank(
             if let Some(log) = expert_log.as_mut() {
                 log.flush().map_err(io_err(&expert_path))?;
             }
-            match (&full, &whole_opt) {
-                (Some(f), Some(o)) => saver.save(step + 1, f, o)?,
-                _ => saver.save(step + 1, &model, &opt)?,
+            match (&full, &whole_opt, &model) {
+                (Some(f), Some(o), _) => saver.save(step + 1, f, o)?,
+                (_, _, Net::Whole(m)) => saver.save(step + 1, m, &opt)?,
+                (_, _, Net::Tp(_)) => unreachable!("the writer keeps the whole model"),
             }
         }
     }

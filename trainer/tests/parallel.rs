@@ -137,7 +137,8 @@ fn bad_layouts_are_clear_errors() {
         .unwrap_err()
         .to_string();
     assert!(e.contains("parallel.ep") && e.contains("experts"), "{e}");
-    let e = train(&config(&dir, "tp", &["parallel.tp=2"]), false, &mut Silent).unwrap_err();
+    let moe_tp = ["parallel.tp=2", "model.moe.experts=4"];
+    let e = train(&config(&dir, "tp", &moe_tp), false, &mut Silent).unwrap_err();
     assert!(matches!(e, TrainError::Unsupported(_)), "{e}");
     assert!(e.to_string().contains("tensor parallelism"), "{e}");
     // A rank that fails takes the others down with its own error, not a hang.
@@ -210,5 +211,62 @@ fn expert_parallel_matches_and_resumes_bit_for_bit() {
     c.run.name = "ep2-again".into();
     let resumed = train(&c, true, &mut Silent).unwrap();
     assert_eq!(trace(&resumed.run_dir), trace(&sharded.run_dir));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+fn close(a: &Path, b: &Path, tol: f64) {
+    let num = |run: &Path| -> Vec<f64> {
+        trace(run)
+            .iter()
+            .flat_map(|l| {
+                l.split(' ')
+                    .skip(1)
+                    .map(|x| x.parse::<f64>().unwrap_or(0.0))
+            })
+            .collect()
+    };
+    let (x, y) = (num(a), num(b));
+    assert_eq!(x.len(), y.len());
+    for (p, q) in x.iter().zip(&y) {
+        assert!((p - q).abs() <= tol * p.abs().max(1.0), "{p} vs {q}");
+    }
+}
+
+#[test]
+fn tensor_parallel_matches_and_resumes_bit_for_bit() {
+    let dir = tmp("tp");
+    let base = ["checkpoint.every=3"];
+    let one = train(&config(&dir, "tp1", &base), false, &mut Silent).unwrap();
+    // Split reductions round differently: equal to rounding (the layers'
+    // own tests bound the difference per tensor), not bitwise.
+    let two = train(
+        &config(&dir, "tp2", &["checkpoint.every=3", "parallel.tp=2"]),
+        false,
+        &mut Silent,
+    )
+    .unwrap();
+    close(&one.run_dir, &two.run_dir, 1e-4);
+    // tp × dp: the data-parallel replicas of a tp=2 model.
+    let mesh = ["checkpoint.every=3", "parallel.tp=2", "parallel.dp=2"];
+    let four = train(&config(&dir, "tp2dp2", &mesh), false, &mut Silent).unwrap();
+    close(&one.run_dir, &four.run_dir, 1e-4);
+    // With sequence parallelism: the same to rounding.
+    let sp = [
+        "checkpoint.every=3",
+        "parallel.tp=2",
+        "parallel.sequence_parallel=true",
+    ];
+    let seq = train(&config(&dir, "tp2sp", &sp), false, &mut Silent).unwrap();
+    close(&one.run_dir, &seq.run_dir, 1e-4);
+    // The checkpoint is whole, and a resumed tp run continues bit for bit.
+    let again = dir.join("tp2dp2-again");
+    copy_dir(&four.run_dir, &again);
+    std::fs::remove_dir_all(again.join("checkpoints/step-00000006")).unwrap();
+    let resumed = train(&config(&dir, "tp2dp2-again", &mesh), true, &mut Silent).unwrap();
+    assert_eq!(trace(&resumed.run_dir), trace(&four.run_dir));
+    let e = Config::load(None, &["parallel.tp=3".into()])
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("parallel.tp") && e.contains("n_head"), "{e}");
     let _ = std::fs::remove_dir_all(&dir);
 }
