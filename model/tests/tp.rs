@@ -10,16 +10,19 @@
 //!   the unsplit GEMM runs one fused chain, the cross-entropy sums
 //!   exponentials per vocabulary shard, and the input gradients of the
 //!   column-parallel layers are sums of partials. Every tensor is compared
-//!   with a tolerance of `2e-5 ·` its largest magnitude (`TOL`): f32 has a
-//!   unit roundoff of 6e-8 and the longest reductions here (4C = 192 terms,
-//!   B·T = 24 rows) make worst-case relative errors of ~1e-5 in small
-//!   elements of a tensor; measured worst errors are printed with
-//!   `--nocapture` and stay near 1e-6. The loss agrees to 1e-6 relative.
+//!   with a tolerance of `5e-6 ·` its largest magnitude (`TOL`): f32 has a
+//!   unit roundoff of 6e-8, the longest reductions here (4C = 192 terms,
+//!   B·T = 24 rows) can lose a few units of 1e-6 relative in the small
+//!   elements of a tensor, and the measured worst errors (printed with
+//!   `--nocapture`) are 3e-7 to 6e-7 — ten times below the tolerance. The
+//!   loss agrees to 1e-6 relative. Against PyTorch (the committed HF
+//!   fixtures) the unsplit model's own tolerances hold at every tp.
 //! * With the reproducible reduction mode, every sum is the correctly
 //!   rounded exact sum, so a run is **bitwise** independent of the
 //!   collective algorithm (ring vs recursive doubling, tested) — but the
 //!   partial sums still depend on tp, so tp = 2 and tp = 4 remain equal to
-//!   tp = 1 only to rounding.
+//!   tp = 1 only to rounding. Sequence parallelism under reproducible sums
+//!   is bitwise the plain split except for the layernorm gradients (tested).
 
 use weft_collectives::{Algorithm, Communicator, LocalCluster, OpKind, Traffic};
 use weft_kernels::{Mode, encoder_forward, fused_classifier, matmul_backward, matmul_forward};
