@@ -423,6 +423,26 @@ impl GptStage {
         self.slots.len()
     }
 
+    /// Whether the stage was planned for the split backward
+    /// ([`backward_input`](Self::backward_input) then
+    /// [`backward_weight`](Self::backward_weight)).
+    pub fn splits(&self) -> bool {
+        self.slots
+            .first()
+            .is_some_and(|s| s.saved.len() == self.layer_ranges.len())
+    }
+
+    /// The part of [`grads`](Self::grads) that the head's backward writes
+    /// (`ln_f`, and `lm_head` when untied), at the end of the buffer; `None`
+    /// on a stage without the head. With the split backward it is written
+    /// by [`backward_input`](Self::backward_input), the rest by
+    /// [`backward_weight`](Self::backward_weight) — except on a single
+    /// stage with tied embeddings, where the head's part of `wte` lies in
+    /// the rest and is completed by `backward_weight`.
+    pub fn head_grad_range(&self) -> Option<Range<usize>> {
+        self.lnf.as_ref().map(|l| l.start..self.params.len())
+    }
+
     /// Bytes of activation storage (all slots plus the shared scratch).
     pub fn activation_bytes(&self) -> usize {
         self.slots

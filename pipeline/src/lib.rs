@@ -67,6 +67,7 @@
 #![deny(missing_docs)]
 
 mod error;
+mod execute;
 mod export;
 mod generate;
 mod partition;
@@ -76,6 +77,10 @@ mod simulate;
 mod validate;
 
 pub use error::{Error, Result, Wait};
+pub use execute::{
+    ExecError, ExecResult, Executor, GradEvent, Measured, MicroBatch, RankTimeline, StepReport,
+    peak_in_flight_per_chunk,
+};
 pub use generate::{
     ScheduleKind, gpipe, interleaved, list_schedule, one_f_one_b, zb_h1, zb_h2, zb_v,
 };

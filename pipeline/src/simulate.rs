@@ -347,6 +347,23 @@ pub fn steady_state_period(schedule: &Schedule, costs: &Costs) -> Result<f64> {
 }
 
 impl Timeline {
+    /// A timeline from its parts (the executor's measured timelines).
+    pub(crate) fn from_parts(
+        name: String,
+        microbatches: usize,
+        chunks: usize,
+        stages: Vec<Vec<Slot>>,
+        memory: Vec<Vec<f64>>,
+    ) -> Self {
+        Timeline {
+            name,
+            microbatches,
+            chunks,
+            stages,
+            memory,
+        }
+    }
+
     /// Name of the simulated schedule.
     #[must_use]
     pub fn name(&self) -> &str {
