@@ -176,6 +176,36 @@ impl AsyncSaver {
         })
     }
 
+    /// Allocates (and touches, on several threads) the host buffers that
+    /// saving `ranks` will need, so that even the first
+    /// [`AsyncSaver::save_from`] copies into memory that is already mapped
+    /// instead of taking a page fault every 4 KiB inside the training
+    /// step. Call it once at start-up with the shards the loop will save
+    /// (their contents are not read). Waits for a save in flight first and
+    /// returns its result, as [`AsyncSaver::wait`].
+    pub fn reserve(&mut self, ranks: &[Vec<ShardData<'_>>]) -> Option<Result<SaveOutcome>> {
+        let prev = self.wait();
+        let mut pool = std::mem::take(&mut self.pool);
+        let mut bufs: Vec<Vec<u8>> = ranks
+            .iter()
+            .flatten()
+            .map(|s| match pool.pop() {
+                // A buffer of a previous save is already mapped.
+                Some(mut b) if b.len() == s.data.len() => {
+                    b.truncate(s.data.len());
+                    b
+                }
+                // Zeroed by the allocator without touching the pages.
+                _ => vec![0u8; s.data.len()],
+            })
+            .collect();
+        let parts: Vec<&mut [u8]> = bufs.iter_mut().map(Vec::as_mut_slice).collect();
+        parallel_fill(parts, self.opts.threads);
+        bufs.reverse();
+        self.pool = bufs;
+        prev
+    }
+
     /// Waits for the previous save, copies `ranks` into host buffers (reusing
     /// the previous save's buffers, so that after the first save the copy
     /// runs at memory speed without page faults) and starts writing them in
@@ -282,6 +312,40 @@ fn parallel_copy(pairs: Vec<(&mut [u8], &[u8])>, threads: usize) {
     });
 }
 
+/// Writes every byte of `bufs` (touching their pages) on up to `threads`
+/// threads, in contiguous parts of equal bytes.
+fn parallel_fill(bufs: Vec<&mut [u8]>, threads: usize) {
+    let total: usize = bufs.iter().map(|b| b.len()).sum();
+    let threads = threads.clamp(1, total.div_ceil(COPY_MIN_BYTES).max(1));
+    let per = total.div_ceil(threads).max(1);
+    let mut groups: Vec<Vec<&mut [u8]>> = vec![Vec::new()];
+    let mut room = per;
+    for mut b in bufs {
+        while !b.is_empty() {
+            if room == 0 {
+                groups.push(Vec::new());
+                room = per;
+            }
+            let n = room.min(b.len());
+            let (b0, b1) = std::mem::take(&mut b).split_at_mut(n);
+            if let Some(g) = groups.last_mut() {
+                g.push(b0);
+            }
+            b = b1;
+            room -= n;
+        }
+    }
+    std::thread::scope(|sc| {
+        for group in groups {
+            sc.spawn(move || {
+                for b in group {
+                    b.fill(0);
+                }
+            });
+        }
+    });
+}
+
 impl Drop for AsyncSaver {
     fn drop(&mut self) {
         let _ = self.wait();
@@ -309,6 +373,9 @@ mod tests {
                 .collect();
             parallel_copy(pairs, threads);
             assert!(dsts == srcs, "{threads} threads");
+            let parts = dsts.iter_mut().map(Vec::as_mut_slice).collect();
+            super::parallel_fill(parts, threads);
+            assert!(dsts.iter().flatten().all(|&b| b == 0), "{threads} threads");
         }
     }
 }

@@ -18,7 +18,9 @@
 //!   [`FaultHook`] for fault injection.
 //! * [`AsyncSaver`]: copies the state to host buffers ([`OwnedShard`]) and
 //!   writes it on a background tokio runtime while training continues; the
-//!   next save waits for the previous one.
+//!   next save waits for the previous one. The copy is split by bytes over
+//!   [`SaveOptions::threads`] threads into buffers reused from save to save
+//!   ([`AsyncSaver::reserve`] maps them before the first).
 //! * Loading: [`Checkpoint::open`] validates the manifest and every file's
 //!   header, [`Checkpoint::read_region`] reads any box of any tensor, touching
 //!   only the overlapping shards' byte ranges and verifying their checksums;
@@ -206,6 +208,9 @@
 //! # fn shards() -> Vec<Vec<ShardData<'static>>> { vec![] }
 //! let mut saver = AsyncSaver::new("run/checkpoints".as_ref(), SaveOptions::default())?
 //!     .with_retention(Retention::new(3, Some(1000)));
+//! // Map the host buffers once, outside the loop, so that even the first
+//! // save's copy does not take page faults inside a step.
+//! saver.reserve(&shards());
 //! for step in 1..=10_000u64 {
 //!     // ... forward, backward, optimizer step ...
 //!     if step % 500 == 0 {

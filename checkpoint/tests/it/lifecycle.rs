@@ -152,3 +152,38 @@ fn failed_background_save_is_reported_and_old_checkpoint_stays() {
     assert_eq!(l.checkpoint.step(), 1);
     Checkpoint::open(l.checkpoint.dir()).unwrap();
 }
+
+#[test]
+fn reserved_buffers_are_used_and_saves_are_exact() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut saver = AsyncSaver::new(dir.path(), opts()).unwrap();
+    let layout = Layout::flat("dp", 2);
+    let first = shard_rows(&model(3), 2);
+    assert!(saver.reserve(&borrow(&first)).is_none());
+    for (step, seed) in [(1u64, 3u64), (2, 4)] {
+        let ranks = shard_rows(&model(seed), 2);
+        if let Some(prev) =
+            saver.save_from(step, &layout, &borrow(&ranks), &TrainerState::default())
+        {
+            prev.unwrap();
+        }
+        // Reserving while a save is in flight waits for it and reports it.
+        if step == 1 {
+            let done = saver.reserve(&borrow(&ranks)).unwrap().unwrap();
+            assert_eq!(done.committed.manifest.step, 1);
+        }
+    }
+    saver.wait().unwrap().unwrap();
+    for (step, seed) in [(1u64, 3u64), (2, 4)] {
+        let ck = Checkpoint::open(&dir.path().join(format!("step-{step:08}"))).unwrap();
+        ck.verify().unwrap();
+        for t in model(seed) {
+            assert_eq!(
+                ck.read_tensor(&t.name).unwrap(),
+                t.data,
+                "step {step} {}",
+                t.name
+            );
+        }
+    }
+}
