@@ -18,6 +18,10 @@
 //!   ([`Mlp`] is GPT-2's; a mixture of experts implements the same trait).
 //! * [`hf`]: load and save a Hugging Face folder (`config.json` +
 //!   `model.safetensors`); [`eval`]: the computation behind `weft eval`.
+//! * [`Decoder`] ([`infer`]): the inference engine — incremental decoding
+//!   with a key/value cache planned up front for `block_size` positions,
+//!   whose logits are bitwise the training forward's for the same prefix
+//!   (example below).
 //!
 //! Correctness is checked against PyTorch/transformers: `tests/` compares
 //! the loss and every gradient with fixtures made by
@@ -51,6 +55,33 @@
 //! # Ok::<(), weft_model::Error>(())
 //! ```
 //!
+//! # Inference
+//!
+//! Greedy decoding from a prompt with [`Decoder`]: the prompt is prefilled
+//! in one pass, then each token costs one position's work.
+//!
+//! ```
+//! use weft_model::{Decoder, Gpt, GptConfig};
+//!
+//! let cfg = GptConfig { n_layer: 2, n_head: 2, n_embd: 16, vocab_size: 50, block_size: 16,
+//!                       tied_embeddings: true, layer_norm_epsilon: 1e-5 };
+//! let mut model = Gpt::new(cfg)?;
+//! model.init_gpt2(3);
+//! let mut dec = Decoder::new(&model);
+//! let argmax = |l: &[f32]| {
+//!     (0..l.len()).fold(0, |best, i| if l[i] > l[best] { i } else { best }) as u32
+//! };
+//! let mut text = vec![1u32, 2, 3];
+//! let mut next = argmax(dec.prefill(&text)?);
+//! for _ in 0..10 {
+//!     text.push(next);
+//!     next = argmax(dec.step(next)?);
+//! }
+//! assert_eq!((text.len(), dec.len()), (13, 13));
+//! println!("KV cache: {} bytes, decoder total {} bytes", dec.kv_bytes(), dec.bytes());
+//! # Ok::<(), weft_model::Error>(())
+//! ```
+//!
 //! # Crate features
 //!
 //! None. (CUDA lives behind `weft-kernels`' `cuda` feature.)
@@ -62,6 +93,7 @@ pub mod eval;
 mod ffn;
 mod gpt;
 pub mod hf;
+pub mod infer;
 mod moe_ffn;
 mod params;
 mod stage;
@@ -73,6 +105,7 @@ pub use ffn::{Dims, FeedForward, Mlp, ParamShape};
 pub use gpt::{
     Activations, AdamWState, BlockActs, BlockScratch, Gpt, GptBlocks, HeadActs, WeightInputs,
 };
+pub use infer::Decoder;
 pub use moe_ffn::{MoeFfn, MoeStats};
 pub use params::{ParamLayout, ParamSpec};
 pub use stage::{GptStage, StageInput, StageSpec};

@@ -105,6 +105,34 @@ enum Command {
         #[arg(long, value_name = "RUN_DIR", num_args = 0..=1)]
         resume: Option<Option<PathBuf>>,
     },
+    /// Generate from the last saved weights of a run folder. Decodes
+    /// incrementally with a key/value cache whose logits are bitwise the
+    /// training forward's. Text runs read and print text (GPT-2 BPE);
+    /// synthetic-corpus runs read and print token ids, markers as <M0>,
+    /// <M1>, ...
+    Sample {
+        /// The run folder (e.g. runs/NAME), with config.toml and checkpoints/.
+        #[arg(long, value_name = "DIR")]
+        run: PathBuf,
+        /// What to continue: text, or for a synthetic run token ids separated
+        /// by spaces or commas (default: <|endoftext|>, or token 0). At most
+        /// model.block_size tokens.
+        #[arg(long, value_name = "TEXT")]
+        prompt: Option<String>,
+        /// Tokens to generate (past block_size the context slides by half a
+        /// block).
+        #[arg(long, value_name = "N", default_value_t = 100)]
+        tokens: usize,
+        /// Softmax temperature; 0 always picks the most likely token (greedy).
+        #[arg(long, value_name = "T", default_value_t = 1.0)]
+        temperature: f64,
+        /// Draw only among the K most likely tokens (0: all of them).
+        #[arg(long, value_name = "K", default_value_t = 0)]
+        top_k: usize,
+        /// Seed of the sampling generator: the same seed gives the same text.
+        #[arg(long, value_name = "S", default_value_t = 0)]
+        seed: u64,
+    },
     /// Serve a run folder to the browser visualizer on 127.0.0.1: pipeline
     /// timeline, expert load, metrics. (Build the page once with
     /// `bash viz-web/build.sh`.)
@@ -238,6 +266,47 @@ fn run(cli: Cli) -> Result<()> {
             Ok(())
         }
         Command::Ckpt { command } => ckpt(command),
+        Command::Sample {
+            run,
+            prompt,
+            tokens,
+            temperature,
+            top_k,
+            seed,
+        } => {
+            use weft_trainer::sample::{SampleOptions, Sampler};
+            let sampler = Sampler::open(&run)?;
+            let prompt = sampler.encode_prompt(prompt.as_deref())?;
+            let opts = SampleOptions {
+                tokens,
+                temperature,
+                top_k,
+                seed,
+            };
+            let out = sampler.generate(&prompt, &opts)?;
+            let (kv, total) = sampler.memory();
+            progress::say(&format!(
+                "{}: step {} checkpoint, {} prompt tokens, {} generated (temperature {temperature}{}); \
+                 key/value cache {:.1} KiB, decoder {:.1} KiB",
+                run.display(),
+                sampler.step(),
+                prompt.len(),
+                out.len(),
+                if top_k > 0 {
+                    format!(", top-k {top_k}")
+                } else {
+                    String::new()
+                },
+                kv as f64 / 1024.0,
+                total as f64 / 1024.0
+            ));
+            progress::out(&format!(
+                "{}{}\n",
+                sampler.render(&prompt),
+                sampler.render(&out)
+            ));
+            Ok(())
+        }
         Command::Viz { run, port, assets } => {
             let assets = assets
                 .or_else(|| std::env::var_os("WEFT_VIZ_ASSETS").map(PathBuf::from))

@@ -70,6 +70,19 @@ pub struct SpecError {
     pub problem: String,
 }
 
+/// A prompt item that is not a token of the language
+/// ([`SyntheticLanguage::parse`]).
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[error("item {index} `{text}`: {reason}")]
+pub struct ParseError {
+    /// 0-based index of the item among those separated by spaces or commas.
+    pub index: usize,
+    /// The item.
+    pub text: String,
+    /// What is wrong with it.
+    pub reason: String,
+}
+
 /// A sampled sequence and the exact entropy of each of its tokens given the
 /// tokens before it.
 #[derive(Clone, Debug, PartialEq)]
@@ -164,6 +177,68 @@ impl SyntheticLanguage {
     /// Number of token ids (regular plus copy tokens).
     pub fn vocab_size(&self) -> usize {
         self.successors.len()
+    }
+
+    /// `tokens` in a readable form: regular tokens as their ids, marker
+    /// `i` (id `regular + i`) as `<Mi>`, separated by spaces; ids outside
+    /// the vocabulary as `<?id>`.
+    pub fn render(&self, tokens: &[u32]) -> String {
+        let regular = self.spec.regular;
+        let words: Vec<String> = tokens
+            .iter()
+            .map(|&t| {
+                if t < regular {
+                    t.to_string()
+                } else if (t as usize) < self.vocab_size() {
+                    format!("<M{}>", t - regular)
+                } else {
+                    format!("<?{t}>")
+                }
+            })
+            .collect();
+        words.join(" ")
+    }
+
+    /// Reads tokens written as [`render`](Self::render) does (ids or
+    /// `<Mi>` markers, separated by spaces or commas).
+    ///
+    /// # Errors
+    /// [`ParseError`] naming the first item that is not a number or
+    /// marker of this language.
+    pub fn parse(&self, text: &str) -> Result<Vec<u32>, ParseError> {
+        let regular = self.spec.regular;
+        let vocab = self.vocab_size();
+        text.split(|c: char| c.is_whitespace() || c == ',')
+            .filter(|w| !w.is_empty())
+            .enumerate()
+            .map(|(index, w)| {
+                let bad = |reason: String| ParseError {
+                    index,
+                    text: w.to_string(),
+                    reason,
+                };
+                let id = match w.strip_prefix("<M").and_then(|r| r.strip_suffix('>')) {
+                    Some(m) => m
+                        .parse::<u32>()
+                        .ok()
+                        .filter(|&m| m < self.spec.copy_tokens)
+                        .map(|m| regular + m)
+                        .ok_or_else(|| {
+                            bad(format!(
+                                "markers are <M0> .. <M{}>",
+                                self.spec.copy_tokens.saturating_sub(1)
+                            ))
+                        })?,
+                    None => w.parse::<u32>().map_err(|_| {
+                        bad("not a token id (a number, or a marker like <M0>)".into())
+                    })?,
+                };
+                if id as usize >= vocab {
+                    return Err(bad(format!("the vocabulary has {vocab} ids")));
+                }
+                Ok(id)
+            })
+            .collect()
     }
 
     /// Samples a sequence of `len` tokens with `rng`.
@@ -388,6 +463,20 @@ mod tests {
         assert!((nll - ent).abs() < 0.05, "nll {nll} vs entropy {ent}");
         // Copies lower the rate below the Markov rows' entropy.
         assert!(ent > 0.5 && ent < 2.0, "{ent}");
+    }
+
+    #[test]
+    fn render_and_parse_round_trip() {
+        let lang = SyntheticLanguage::new(SyntheticSpec::default()).unwrap();
+        let tokens = [0, 17, 249, 250, 255, 3];
+        let text = lang.render(&tokens);
+        assert_eq!(text, "0 17 249 <M0> <M5> 3");
+        assert_eq!(lang.parse(&text).unwrap(), tokens);
+        assert_eq!(lang.parse("1,2, <M1>").unwrap(), [1, 2, 251]);
+        let e = lang.parse("1 x").unwrap_err();
+        assert_eq!((e.index, e.text.as_str()), (1, "x"));
+        assert_eq!(lang.parse("<M6>").unwrap_err().index, 0);
+        assert!(lang.parse("256").unwrap_err().to_string().contains("256"));
     }
 
     #[test]

@@ -1,0 +1,404 @@
+//! Incremental decoding with a key/value cache: the inference engine.
+//!
+//! A [`Decoder`] borrows a [`Gpt`] and keeps, for every layer, the key and
+//! value vectors of the positions fed so far (`(L, block_size, 2C)` floats,
+//! allocated up front with every working buffer; [`Decoder::bytes`] reports
+//! the total). [`Decoder::prefill`] runs a prompt through the model in one
+//! pass — its linear layers as GEMMs over the prompt's rows — and
+//! [`Decoder::step`] then appends one token at a time, each computing only
+//! the new position: its projections, and its attention over the cached
+//! keys and values.
+//!
+//! # Same bits as training
+//!
+//! The logits a decoder returns for a position are **bitwise equal** to
+//! the training forward's ([`Gpt::forward`], [`Activations::logits`]) for
+//! the same prefix, so text sampled from a model is sampled from exactly
+//! the distribution training sees (anything trained on sampled tokens, as
+//! in reinforcement learning, is then on-policy to the bit). This holds
+//! because every kernel on the path is row-invariant: layernorm, GELU,
+//! residual adds and embeddings work row by row, the linear layers give a
+//! row the same bits whatever rows are computed with it (see
+//! `weft_kernels`' matmul docs), and [`weft_kernels::attention_decode`]
+//! reproduces one row of [`weft_kernels::attention_forward`], summing over
+//! keys in the same order. The feed-forward block must compute each token
+//! on its own: GPT-2's [`Mlp`](crate::Mlp), or a [`MoeFfn`](crate::MoeFfn)
+//! with a dropless token-choice router (a capacity limit or expert choice
+//! makes a token's output depend on other tokens, which a decoder cannot
+//! see). `tests/infer.rs` checks the equality for dense and MoE models,
+//! every prompt length and greedy continuations to the full block.
+//!
+//! [`Activations::logits`]: crate::Activations::logits
+//!
+//! # Example
+//!
+//! ```
+//! use weft_model::{Decoder, Gpt, GptConfig};
+//!
+//! let cfg = GptConfig { n_layer: 2, n_head: 2, n_embd: 16, vocab_size: 50, block_size: 8,
+//!                       tied_embeddings: true, layer_norm_epsilon: 1e-5 };
+//! let mut model = Gpt::new(cfg)?;
+//! model.init_gpt2(7);
+//! let mut dec = Decoder::new(&model);
+//! assert!(dec.bytes() > 0);
+//! // Greedy decoding: prefill a prompt, then feed back the argmax.
+//! let mut tokens = vec![3u32, 14, 15];
+//! let mut next = argmax(dec.prefill(&tokens)?);
+//! while dec.len() < dec.capacity() {
+//!     tokens.push(next);
+//!     next = argmax(dec.step(next)?);
+//! }
+//! assert_eq!(tokens.len(), 8);
+//!
+//! // The last logits are the training forward's for the same prefix, bit for bit.
+//! let mut acts = model.activations(1, 8)?;
+//! model.forward(&mut acts, &tokens, None)?;
+//! let full = &acts.logits()[7 * 50..];
+//! assert!(dec.logits().iter().zip(full).all(|(a, b)| a.to_bits() == b.to_bits()));
+//!
+//! fn argmax(logits: &[f32]) -> u32 {
+//!     let mut best = 0;
+//!     for (i, &x) in logits.iter().enumerate() {
+//!         if x > logits[best] { best = i; }
+//!     }
+//!     best as u32
+//! }
+//! # Ok::<(), weft_model::Error>(())
+//! ```
+
+use std::ops::Range;
+
+use weft_kernels::{
+    attention_decode, encoder_forward, layernorm_forward, matmul_forward, matmul_forward_wt,
+    residual_forward,
+};
+
+use crate::config::GptConfig;
+use crate::error::{Error, Result};
+use crate::ffn::Dims;
+use crate::gpt::Gpt;
+
+/// Offsets of one block's tensors in the parameter buffer.
+#[derive(Clone, Debug)]
+struct Layer {
+    ln1_w: Range<usize>,
+    ln1_b: Range<usize>,
+    qkv_w: Range<usize>,
+    qkv_b: Range<usize>,
+    proj_w: Range<usize>,
+    proj_b: Range<usize>,
+    ln2_w: Range<usize>,
+    ln2_b: Range<usize>,
+    ffn: Range<usize>,
+}
+
+/// Incremental decoding over a [`Gpt`] with a key/value cache (see the
+/// module docs).
+#[derive(Debug)]
+pub struct Decoder<'m> {
+    model: &'m Gpt,
+    layers: Vec<Layer>,
+    wte: Range<usize>,
+    wpe: Range<usize>,
+    lnf_w: Range<usize>,
+    lnf_b: Range<usize>,
+    lm_head: Range<usize>,
+    /// Positions held in the cache.
+    len: usize,
+    kv: Vec<f32>,        // (L, maxT, 2C): rows [k | v]
+    x: Vec<f32>,         // (maxT, C) residual stream
+    res2: Vec<f32>,      // (maxT, C) residual after attention
+    ln: Vec<f32>,        // (maxT, C)
+    mean: Vec<f32>,      // (maxT)
+    rstd: Vec<f32>,      // (maxT)
+    qkv: Vec<f32>,       // (maxT, 3C)
+    atty: Vec<f32>,      // (maxT, C)
+    att: Vec<f32>,       // (NH, maxT) probabilities of one position
+    tmp: Vec<f32>,       // (maxT, C)
+    ffn_saved: Vec<f32>, // (maxT, ffn.saved_per_token)
+    logits: Vec<f32>,    // (V)
+}
+
+fn range(model: &Gpt, name: &str) -> Range<usize> {
+    // Every name used here is in every model's layout.
+    model
+        .layout()
+        .get(name)
+        .map_or(0..0, crate::params::ParamSpec::range)
+}
+
+impl<'m> Decoder<'m> {
+    /// An empty cache for `model`, with room for `block_size` positions.
+    /// Allocates everything it will use.
+    pub fn new(model: &'m Gpt) -> Self {
+        let GptConfig {
+            n_layer: l,
+            n_head: nh,
+            n_embd: c,
+            vocab_size: v,
+            block_size: t,
+            tied_embeddings,
+            ..
+        } = *model.config();
+        let ffn_specs = model.blocks().ffn().params(c);
+        let layers = (0..l)
+            .map(|l| {
+                let r = |s: &str| range(model, &format!("transformer.h.{l}.{s}"));
+                let first = ffn_specs.first().map_or(0, |f| r(&f.suffix).start);
+                let last = ffn_specs.last().map_or(0, |f| r(&f.suffix).end);
+                Layer {
+                    ln1_w: r("ln_1.weight"),
+                    ln1_b: r("ln_1.bias"),
+                    qkv_w: r("attn.c_attn.weight"),
+                    qkv_b: r("attn.c_attn.bias"),
+                    proj_w: r("attn.c_proj.weight"),
+                    proj_b: r("attn.c_proj.bias"),
+                    ln2_w: r("ln_2.weight"),
+                    ln2_b: r("ln_2.bias"),
+                    ffn: first..last,
+                }
+            })
+            .collect();
+        let lm_head = if tied_embeddings {
+            "transformer.wte.weight"
+        } else {
+            "lm_head.weight"
+        };
+        let z = |k: usize| vec![0.0f32; k];
+        Decoder {
+            model,
+            layers,
+            wte: range(model, "transformer.wte.weight"),
+            wpe: range(model, "transformer.wpe.weight"),
+            lnf_w: range(model, "transformer.ln_f.weight"),
+            lnf_b: range(model, "transformer.ln_f.bias"),
+            lm_head: range(model, lm_head),
+            len: 0,
+            kv: z(l * t * 2 * c),
+            x: z(t * c),
+            res2: z(t * c),
+            ln: z(t * c),
+            mean: z(t),
+            rstd: z(t),
+            qkv: z(t * 3 * c),
+            atty: z(t * c),
+            att: z(nh * t),
+            tmp: z(t * c),
+            ffn_saved: z(t * model.blocks().ffn().saved_per_token(c)),
+            logits: z(v),
+        }
+    }
+
+    /// Positions in the cache (prompt plus generated tokens fed so far).
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether nothing has been fed yet.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Positions the cache holds at most: the model's `block_size`.
+    pub fn capacity(&self) -> usize {
+        self.model.config().block_size
+    }
+
+    /// Bytes of the key/value cache alone: `L · block_size · 2C` floats.
+    pub fn kv_bytes(&self) -> usize {
+        self.kv.len() * 4
+    }
+
+    /// Bytes of everything the decoder allocated: the key/value cache and
+    /// the working buffers (sized for a prompt of `block_size` tokens).
+    pub fn bytes(&self) -> usize {
+        [
+            &self.kv,
+            &self.x,
+            &self.res2,
+            &self.ln,
+            &self.mean,
+            &self.rstd,
+            &self.qkv,
+            &self.atty,
+            &self.att,
+            &self.tmp,
+            &self.ffn_saved,
+            &self.logits,
+        ]
+        .iter()
+        .map(|b| b.len() * 4)
+        .sum()
+    }
+
+    /// Empties the cache (keeping its memory) to start a new sequence.
+    pub fn reset(&mut self) {
+        self.len = 0;
+    }
+
+    /// The logits `(V)` of the last position fed.
+    pub fn logits(&self) -> &[f32] {
+        &self.logits
+    }
+
+    /// Feeds a prompt (appended after whatever the cache holds) in one pass
+    /// and returns the logits `(V)` of its last position.
+    ///
+    /// # Errors
+    /// [`Error::Batch`] if `tokens` is empty or the cache cannot hold them
+    /// (more than `block_size` positions in all); a kernel error
+    /// ([`weft_kernels::Error::TokenOutOfRange`]) for an id outside the
+    /// vocabulary. After an error the cache is unchanged.
+    pub fn prefill(&mut self, tokens: &[u32]) -> Result<&[f32]> {
+        self.feed(tokens)?;
+        Ok(&self.logits)
+    }
+
+    /// Feeds one token and returns the logits `(V)` of its position.
+    ///
+    /// # Errors
+    /// As [`prefill`](Self::prefill).
+    pub fn step(&mut self, token: u32) -> Result<&[f32]> {
+        self.feed(&[token])?;
+        Ok(&self.logits)
+    }
+
+    fn feed(&mut self, tokens: &[u32]) -> Result<()> {
+        let model = self.model;
+        let GptConfig {
+            n_head: nh,
+            n_embd: c,
+            vocab_size: v,
+            block_size: max_t,
+            layer_norm_epsilon: eps,
+            ..
+        } = *model.config();
+        let (start, n) = (self.len, tokens.len());
+        if n == 0 || start + n > max_t {
+            return Err(Error::Batch {
+                reason: format!(
+                    "cannot feed {n} token(s) after {start}: need 1 or more, and at most \
+                     block_size = {max_t} positions in all"
+                ),
+            });
+        }
+        let p = &model.params;
+        let mode = model.blocks().mode();
+        let nc = n * c;
+        encoder_forward(
+            &mut self.x[..nc],
+            tokens,
+            &p[self.wte.clone()],
+            &p[self.wpe.start + start * c..self.wpe.end],
+            1,
+            n,
+            c,
+        )?;
+        let ffn = model.blocks().ffn();
+        let spt = ffn.saved_per_token(c);
+        let d = Dims {
+            b: 1,
+            t: n,
+            c,
+            mode,
+        };
+        for (l, layer) in self.layers.iter().enumerate() {
+            let ln = &mut self.ln[..nc];
+            layernorm_forward(
+                ln,
+                &mut self.mean[..n],
+                &mut self.rstd[..n],
+                &self.x[..nc],
+                &p[layer.ln1_w.clone()],
+                &p[layer.ln1_b.clone()],
+                n,
+                c,
+                eps,
+            )?;
+            let qkv = &mut self.qkv[..3 * nc];
+            matmul_forward(
+                qkv,
+                ln,
+                &p[layer.qkv_w.clone()],
+                Some(&p[layer.qkv_b.clone()]),
+                1,
+                n,
+                c,
+                3 * c,
+                mode,
+            )?;
+            let kv = &mut self.kv[l * max_t * 2 * c..(l + 1) * max_t * 2 * c];
+            for (i, row) in qkv.chunks_exact(3 * c).enumerate() {
+                kv[(start + i) * 2 * c..(start + i + 1) * 2 * c].copy_from_slice(&row[c..]);
+            }
+            for (i, row) in qkv.chunks_exact(3 * c).enumerate() {
+                let pos = start + i;
+                attention_decode(
+                    &mut self.atty[i * c..(i + 1) * c],
+                    &mut self.att[..nh * (pos + 1)],
+                    &row[..c],
+                    &kv[..(pos + 1) * 2 * c],
+                    pos,
+                    c,
+                    nh,
+                )?;
+            }
+            matmul_forward(
+                &mut self.tmp[..nc],
+                &self.atty[..nc],
+                &p[layer.proj_w.clone()],
+                Some(&p[layer.proj_b.clone()]),
+                1,
+                n,
+                c,
+                c,
+                mode,
+            )?;
+            residual_forward(&mut self.res2[..nc], &self.x[..nc], &self.tmp[..nc], nc)?;
+            layernorm_forward(
+                &mut self.ln[..nc],
+                &mut self.mean[..n],
+                &mut self.rstd[..n],
+                &self.res2[..nc],
+                &p[layer.ln2_w.clone()],
+                &p[layer.ln2_b.clone()],
+                n,
+                c,
+                eps,
+            )?;
+            ffn.forward(
+                &mut self.tmp[..nc],
+                &mut self.ffn_saved[..n * spt],
+                &self.ln[..nc],
+                &p[layer.ffn.clone()],
+                d,
+            )?;
+            residual_forward(&mut self.x[..nc], &self.res2[..nc], &self.tmp[..nc], nc)?;
+        }
+        // Only the last position's logits are wanted: its own rows suffice.
+        layernorm_forward(
+            &mut self.ln[..c],
+            &mut self.mean[..1],
+            &mut self.rstd[..1],
+            &self.x[nc - c..nc],
+            &p[self.lnf_w.clone()],
+            &p[self.lnf_b.clone()],
+            1,
+            c,
+            eps,
+        )?;
+        matmul_forward_wt(
+            &mut self.logits,
+            &self.ln[..c],
+            &p[self.lm_head.clone()],
+            None,
+            1,
+            1,
+            c,
+            v,
+            mode,
+        )?;
+        self.len = start + n;
+        Ok(())
+    }
+}

@@ -1,0 +1,446 @@
+//! `weft sample`: text from the last saved weights of a run folder.
+//!
+//! [`Sampler::open`] reads a run's `config.toml` (the model's shape and its
+//! data) and loads the newest checkpoint under `checkpoints/` that
+//! verifies. [`Sampler::generate`] then decodes incrementally with
+//! [`weft_model::Decoder`]'s key/value cache — whose logits are bitwise
+//! the training forward's — greedily (`temperature = 0`) or by sampling
+//! from the softmax of `logits / temperature`, optionally limited to the
+//! `top_k` most likely tokens, with a seeded generator: the same options
+//! give the same tokens.
+//!
+//! Runs on text (GPT-2 BPE) take and print text; runs on the synthetic
+//! corpus take and print token ids, markers written `<M0>`, `<M1>`, ...
+//! (see [`SyntheticLanguage::render`]). Past `block_size` positions, the
+//! context slides: the newest half of the block is fed again and decoding
+//! goes on from there.
+//!
+//! # Example
+//! ```no_run
+//! use weft_trainer::sample::{SampleOptions, Sampler};
+//!
+//! let sampler = Sampler::open(std::path::Path::new("runs/demo"))?;
+//! let prompt = sampler.encode_prompt(Some("12 7 <M3>"))?;
+//! let opts = SampleOptions { tokens: 50, temperature: 0.8, top_k: 20, seed: 1 };
+//! let out = sampler.generate(&prompt, &opts)?;
+//! println!("{}{}", sampler.render(&prompt), sampler.render(&out));
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+
+use std::path::{Path, PathBuf};
+
+use rand_core::{Rng, SeedableRng};
+use rand_pcg::Pcg64;
+use weft_model::{AdamWState, Decoder, Gpt, MoeStats};
+
+use crate::ckpt::CkptError;
+use crate::config::{Config, ConfigError};
+use crate::synthetic::{SpecError, SyntheticLanguage};
+
+/// GPT-2's `<|endoftext|>`, the prompt of a text run when none is given.
+const GPT2_EOT: u32 = 50256;
+
+/// Why sampling failed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum SampleError {
+    /// The run folder does not exist or has no `config.toml`.
+    #[error("{0}: not a run folder (no config.toml; runs are written by `weft train`)")]
+    NoRun(PathBuf),
+    /// The run's `config.toml` is invalid.
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    /// The run saved no checkpoint.
+    #[error(
+        "{0}: no checkpoint to sample from (the run saves every checkpoint.every steps and at \
+         the end; was it stopped before its first save, or run with checkpoint.every = 0?)"
+    )]
+    NoCheckpoint(PathBuf),
+    /// Loading the checkpoint failed.
+    #[error(transparent)]
+    Checkpoint(CkptError),
+    /// The model rejected the configuration or the input.
+    #[error("model: {0}")]
+    Model(#[from] weft_model::Error),
+    /// The run's synthetic language settings are invalid.
+    #[error(transparent)]
+    Synthetic(#[from] SpecError),
+    /// The GPT-2 tokenizer could not be built.
+    #[error("GPT-2 tokenizer: {0}")]
+    Tokenizer(String),
+    /// The prompt could not be read or does not fit.
+    #[error("--prompt: {0}")]
+    Prompt(String),
+    /// A sampling option is out of range.
+    #[error("--{option}: {reason}")]
+    Option {
+        /// The option.
+        option: &'static str,
+        /// What is wrong.
+        reason: String,
+    },
+    /// The model cannot be decoded token by token.
+    #[error("{0}")]
+    Unsupported(String),
+}
+
+/// How to continue a prompt.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SampleOptions {
+    /// Tokens to generate.
+    pub tokens: usize,
+    /// Softmax temperature; 0 picks the most likely token (greedy).
+    pub temperature: f64,
+    /// Sample only among the `top_k` most likely tokens (0: all).
+    pub top_k: usize,
+    /// Seed of the sampling generator.
+    pub seed: u64,
+}
+
+impl Default for SampleOptions {
+    fn default() -> Self {
+        SampleOptions {
+            tokens: 100,
+            temperature: 1.0,
+            top_k: 0,
+            seed: 0,
+        }
+    }
+}
+
+/// How tokens are read and written.
+enum Vocab {
+    Gpt2(Box<tiktoken_rs::CoreBPE>),
+    Synthetic(SyntheticLanguage),
+}
+
+impl std::fmt::Debug for Vocab {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Vocab::Gpt2(_) => f.write_str("Gpt2Bpe"),
+            Vocab::Synthetic(lang) => f.debug_tuple("Synthetic").field(lang).finish(),
+        }
+    }
+}
+
+/// A trained model loaded from a run folder, ready to generate.
+#[derive(Debug)]
+pub struct Sampler {
+    config: Config,
+    model: Gpt,
+    vocab: Vocab,
+    step: u64,
+    moe: Option<MoeStats>,
+}
+
+impl Sampler {
+    /// Loads the newest valid checkpoint of the run folder `run_dir`.
+    ///
+    /// # Errors
+    /// [`SampleError::NoRun`] without a `config.toml`,
+    /// [`SampleError::Config`] if it is invalid,
+    /// [`SampleError::NoCheckpoint`] if no checkpoint was saved,
+    /// [`SampleError::Checkpoint`] if loading fails,
+    /// [`SampleError::Unsupported`] for a mixture of experts whose router
+    /// has a capacity limit (a token's experts then depend on other tokens).
+    pub fn open(run_dir: &Path) -> Result<Self, SampleError> {
+        let config_path = run_dir.join("config.toml");
+        if !config_path.is_file() {
+            return Err(SampleError::NoRun(run_dir.to_owned()));
+        }
+        let config = Config::load(Some(&config_path), &[])?;
+        let vocab = if config.data.source == "synthetic" {
+            Vocab::Synthetic(SyntheticLanguage::new(config.data.synthetic.clone())?)
+        } else {
+            let bpe =
+                tiktoken_rs::r50k_base().map_err(|e| SampleError::Tokenizer(e.to_string()))?;
+            Vocab::Gpt2(Box::new(bpe))
+        };
+        let vocab_size = match &vocab {
+            Vocab::Gpt2(_) => crate::data::GPT2_VOCAB,
+            Vocab::Synthetic(lang) => lang.vocab_size(),
+        };
+        let (mut model, moe) = build_model(&config, vocab_size)?;
+        let root = run_dir.join("checkpoints");
+        if !root.is_dir() {
+            return Err(SampleError::NoCheckpoint(run_dir.to_owned()));
+        }
+        let mut opt = AdamWState::new(&model);
+        let restored = match crate::ckpt::restore(&root, &config, &mut model, &mut opt) {
+            Ok(r) => r,
+            Err(CkptError::Missing(_)) => {
+                return Err(SampleError::NoCheckpoint(run_dir.to_owned()));
+            }
+            Err(e) => return Err(SampleError::Checkpoint(e)),
+        };
+        Ok(Sampler {
+            config,
+            model,
+            vocab,
+            step: restored.step,
+            moe,
+        })
+    }
+
+    /// The run's configuration.
+    pub fn config(&self) -> &Config {
+        &self.config
+    }
+
+    /// The loaded model.
+    pub fn model(&self) -> &Gpt {
+        &self.model
+    }
+
+    /// The training step of the loaded checkpoint.
+    pub fn step(&self) -> u64 {
+        self.step
+    }
+
+    /// Bytes a generation allocates up front: `(key/value cache, everything
+    /// the decoder holds)` (see [`Decoder::bytes`]).
+    pub fn memory(&self) -> (usize, usize) {
+        let dec = Decoder::new(&self.model);
+        (dec.kv_bytes(), dec.bytes())
+    }
+
+    /// Whether the run's tokens are GPT-2 BPE text (else synthetic ids).
+    pub fn is_text(&self) -> bool {
+        matches!(self.vocab, Vocab::Gpt2(_))
+    }
+
+    /// The prompt's token ids: text encoded with GPT-2's BPE, or for a
+    /// synthetic run ids separated by spaces or commas (markers also as
+    /// `<M3>`). Without a prompt: `<|endoftext|>` for text, and for a
+    /// synthetic run the token 0 (a regular token, as every sequence
+    /// starts with one).
+    ///
+    /// # Errors
+    /// [`SampleError::Prompt`] if the prompt is empty, holds an id outside
+    /// the vocabulary or something that is not an id, or is longer than
+    /// `block_size` tokens.
+    pub fn encode_prompt(&self, prompt: Option<&str>) -> Result<Vec<u32>, SampleError> {
+        let tokens = match (&self.vocab, prompt) {
+            (Vocab::Gpt2(_), None) => vec![GPT2_EOT],
+            (Vocab::Synthetic(_), None) => vec![0],
+            (Vocab::Gpt2(bpe), Some(p)) => bpe.encode_with_special_tokens(p),
+            (Vocab::Synthetic(lang), Some(p)) => lang
+                .parse(p)
+                .map_err(|e| SampleError::Prompt(e.to_string()))?,
+        };
+        let block = self.config.model.block_size;
+        if tokens.is_empty() {
+            return Err(SampleError::Prompt("is empty".into()));
+        }
+        if tokens.len() > block {
+            return Err(SampleError::Prompt(format!(
+                "is {} tokens, longer than the model's block_size = {block}",
+                tokens.len()
+            )));
+        }
+        Ok(tokens)
+    }
+
+    /// `tokens` as text (GPT-2 runs; invalid UTF-8 is replaced) or as ids
+    /// (synthetic runs, see [`SyntheticLanguage::render`]).
+    pub fn render(&self, tokens: &[u32]) -> String {
+        match &self.vocab {
+            Vocab::Gpt2(bpe) => match bpe.decode_bytes(tokens) {
+                Ok(bytes) => String::from_utf8_lossy(&bytes).into_owned(),
+                Err(e) => format!("<undecodable: {e}>"),
+            },
+            Vocab::Synthetic(lang) => {
+                let mut s = lang.render(tokens);
+                s.push(' ');
+                s
+            }
+        }
+    }
+
+    /// Generates `opts.tokens` tokens after `prompt` (not repeated in the
+    /// result).
+    ///
+    /// # Errors
+    /// [`SampleError::Option`] for a negative or non-finite temperature;
+    /// [`SampleError::Prompt`] for an empty prompt, one longer than
+    /// `block_size`, or an id outside the vocabulary.
+    pub fn generate(&self, prompt: &[u32], opts: &SampleOptions) -> Result<Vec<u32>, SampleError> {
+        if !(opts.temperature >= 0.0 && opts.temperature.is_finite()) {
+            return Err(SampleError::Option {
+                option: "temperature",
+                reason: format!("is {}, must be 0 (greedy) or positive", opts.temperature),
+            });
+        }
+        let block = self.config.model.block_size;
+        let v = self.model.config().vocab_size;
+        if prompt.is_empty() || prompt.len() > block {
+            return Err(SampleError::Prompt(format!(
+                "has {} tokens; need 1 to block_size = {block}",
+                prompt.len()
+            )));
+        }
+        if let Some(&bad) = prompt.iter().find(|&&t| t as usize >= v) {
+            return Err(SampleError::Prompt(format!(
+                "token {bad} is outside the vocabulary of {v}"
+            )));
+        }
+        let mut rng = Pcg64::seed_from_u64(opts.seed);
+        let mut dec = Decoder::new(&self.model);
+        let mut context: Vec<u32> = prompt.to_vec();
+        let mut out = Vec::with_capacity(opts.tokens);
+        let mut logits = dec.prefill(&context)?.to_vec();
+        self.drain_moe_log();
+        for i in 0..opts.tokens {
+            let next = pick(&logits, opts, &mut rng);
+            out.push(next);
+            if i + 1 == opts.tokens {
+                break;
+            }
+            context.push(next);
+            if dec.len() == block {
+                // Slide: keep the newest half of the block as context.
+                let keep = (block / 2).max(1);
+                context.drain(..context.len() - keep);
+                dec.reset();
+                logits = dec.prefill(&context)?.to_vec();
+            } else {
+                logits = dec.step(next)?.to_vec();
+            }
+            self.drain_moe_log();
+        }
+        Ok(out)
+    }
+
+    fn drain_moe_log(&self) {
+        if let Some(stats) = &self.moe {
+            stats.take();
+        }
+    }
+}
+
+/// The next token: the argmax of `logits` (lowest id on ties) at
+/// temperature 0, else a draw from `softmax(logits / T)` over the `top_k`
+/// most likely tokens.
+fn pick(logits: &[f32], opts: &SampleOptions, rng: &mut Pcg64) -> u32 {
+    let id = |i: usize| u32::try_from(i).unwrap_or(u32::MAX);
+    if opts.temperature == 0.0 {
+        let mut best = 0;
+        for (i, &x) in logits.iter().enumerate() {
+            if x > logits[best] {
+                best = i;
+            }
+        }
+        return id(best);
+    }
+    let mut order: Vec<usize> = (0..logits.len()).collect();
+    if opts.top_k > 0 && opts.top_k < logits.len() {
+        // Most likely first; ties by id, so the choice is deterministic.
+        order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]).then(a.cmp(&b)));
+        order.truncate(opts.top_k);
+    }
+    let max = order
+        .iter()
+        .map(|&i| f64::from(logits[i]))
+        .fold(f64::NEG_INFINITY, f64::max);
+    let weights: Vec<f64> = order
+        .iter()
+        .map(|&i| ((f64::from(logits[i]) - max) / opts.temperature).exp())
+        .collect();
+    let total: f64 = weights.iter().sum();
+    #[allow(clippy::cast_precision_loss)]
+    let mut u = (rng.next_u64() >> 11) as f64 * (-53f64).exp2() * total;
+    for (&i, &w) in order.iter().zip(&weights) {
+        if u < w {
+            return id(i);
+        }
+        u -= w;
+    }
+    id(order[order.len() - 1])
+}
+
+/// The model a run trains (as `train` builds it: dense, or mixture of
+/// experts per `[model.moe]`), with its MoE statistics handle.
+fn build_model(config: &Config, vocab: usize) -> Result<(Gpt, Option<MoeStats>), SampleError> {
+    let cfg = crate::train::model_config(config, vocab);
+    let m = &config.model.moe;
+    if m.experts == 0 {
+        return Ok((Gpt::new(cfg)?, None));
+    }
+    if m.capacity_factor > 0.0 {
+        return Err(SampleError::Unsupported(format!(
+            "model.moe.capacity_factor = {}: with a capacity limit a token's experts depend on \
+             the other tokens of the batch, so the model cannot be decoded token by token \
+             (sampling supports dropless routers)",
+            m.capacity_factor
+        )));
+    }
+    use weft_moe::{Gate, MoeConfig, Router};
+    let gate = if m.gate == "sigmoid" {
+        Gate::Sigmoid
+    } else {
+        Gate::Softmax
+    };
+    let router = Router::top_k(m.experts, m.top_k)
+        .with_gate(gate)
+        .with_normalize(m.normalize);
+    // The auxiliary loss only adds a gradient; the forward does not need it.
+    let moe_cfg = MoeConfig {
+        channels: cfg.n_embd,
+        hidden: 4 * cfg.n_embd,
+        router,
+        shared_expert: m.shared_expert,
+        aux: None,
+    };
+    let (ffn, stats) = weft_model::MoeFfn::new(moe_cfg)?;
+    Ok((Gpt::with_ffn(cfg, Box::new(ffn))?, Some(stats)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn greedy_picks_the_first_maximum_and_top_k_one_is_greedy() {
+        let logits = [0.5f32, 2.0, -1.0, 2.0, 1.9];
+        let mut rng = Pcg64::seed_from_u64(0);
+        let greedy = SampleOptions {
+            temperature: 0.0,
+            ..SampleOptions::default()
+        };
+        assert_eq!(pick(&logits, &greedy, &mut rng), 1);
+        let top1 = SampleOptions {
+            temperature: 5.0,
+            top_k: 1,
+            ..SampleOptions::default()
+        };
+        for _ in 0..20 {
+            assert_eq!(pick(&logits, &top1, &mut rng), 1);
+        }
+    }
+
+    /// Draws follow softmax(logits / T) restricted to the top k (a
+    /// chi-square-free check: frequencies within 5 standard errors).
+    #[test]
+    fn draws_follow_the_tempered_softmax_of_the_top_k() {
+        let logits = [1.0f32, 0.0, 2.0, -3.0];
+        let opts = SampleOptions {
+            temperature: 2.0,
+            top_k: 3,
+            ..SampleOptions::default()
+        };
+        let w: Vec<f64> = [1.0f64, 0.0, 2.0].iter().map(|x| (x / 2.0).exp()).collect();
+        let total: f64 = w.iter().sum();
+        let want = [w[0] / total, w[1] / total, w[2] / total, 0.0];
+        let mut rng = Pcg64::seed_from_u64(9);
+        let n = 40_000;
+        let mut counts = [0usize; 4];
+        for _ in 0..n {
+            counts[pick(&logits, &opts, &mut rng) as usize] += 1;
+        }
+        for (i, (&c, &p)) in counts.iter().zip(&want).enumerate() {
+            let f = c as f64 / n as f64;
+            let se = (p * (1.0 - p) / n as f64).sqrt().max(1e-9);
+            assert!((f - p).abs() <= 5.0 * se, "token {i}: {f} vs {p}");
+        }
+    }
+}
