@@ -495,12 +495,20 @@ impl Fsdp {
         Ok(out)
     }
 
+    /// Plans (allocates) the activations for micro-batches of `b`
+    /// sequences of `t` tokens now, so [`memory`](Self::memory) can be
+    /// reported at start-up with every resident category; [`step`](Self::step)
+    /// does it on first use otherwise. Not collective.
+    ///
+    /// # Errors
+    /// [`Error::Model`] if `t` exceeds the model's `block_size` or `b·t` is 0.
+    pub fn prepare(&mut self, b: usize, t: usize) -> Result<()> {
+        self.ensure_acts(b, t)
+    }
+
     fn ensure_acts(&mut self, b: usize, t: usize) -> Result<()> {
         if self.acts.as_ref().is_some_and(|a| a.b == b && a.t == t) {
             return Ok(());
-        }
-        if let Some(a) = self.acts.take() {
-            self.mem.free(Category::Activations, a.bytes());
         }
         let bl = &self.blocks;
         let nc = b * t * bl.config().n_embd;
@@ -516,6 +524,9 @@ impl Fsdp {
             scratch: bl.scratch(b, t)?,
             dres: vec![0.0; nc],
         };
+        if let Some(a) = self.acts.take() {
+            self.mem.free(Category::Activations, a.bytes());
+        }
         self.mem.alloc(Category::Activations, acts.bytes());
         self.acts = Some(acts);
         Ok(())

@@ -296,6 +296,14 @@ fn one_step(c: &GptConfig, n: usize, fc: &FsdpConfig) -> Vec<OneStep> {
     let p0 = init(c);
     LocalCluster::run(n, |comm| {
         let mut f = Fsdp::new(&comm, c.clone(), ffn(), fc.clone(), &p0).unwrap();
+        // start-up report: resident state and planned activations
+        f.prepare(B, T).unwrap();
+        let m0 = f.memory();
+        assert!(m0.current(Category::Activations) > 0);
+        assert_eq!(m0.current(Category::GatheredParams), 0);
+        assert_eq!(m0.current(Category::Gradients), 0);
+        assert!(m0.current(Category::OptimizerState) > 0);
+        assert!(f.prepare(B, T + 1).is_err());
         let (x, y) = batch(c, 0, f.dp_rank());
         let r = f
             .step(
