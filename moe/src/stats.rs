@@ -110,7 +110,8 @@ impl LoadStats {
         }
     }
 
-    /// The `expert_load.jsonl` line for this layer and step.
+    /// The `expert_load.jsonl` line for this layer and step (router
+    /// entropy `None` when no token was routed).
     #[must_use]
     pub fn to_record(&self, step: u64, layer: u32) -> ExpertLoadRecord {
         ExpertLoadRecord {
@@ -118,6 +119,7 @@ impl LoadStats {
             layer,
             tokens_per_expert: self.tokens_per_expert.clone(),
             dropped: self.dropped,
+            router_entropy: (self.tokens > 0).then(|| self.entropy()),
         }
     }
 

@@ -18,7 +18,7 @@
 //! * [`MetricsRecord`] — one line of `metrics.jsonl` per optimizer step:
 //!   step, loss, learning rate, gradient norm, tokens/s, elapsed time.
 //! * [`ExpertLoadRecord`] — one line of `expert_load.jsonl` per (step, MoE
-//!   layer): tokens per expert and tokens dropped.
+//!   layer): tokens per expert, tokens dropped and the router's entropy.
 //!
 //! # Schema
 //! `*.jsonl` files hold one JSON object per line, each a complete record;

@@ -103,6 +103,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 layer,
                 tokens_per_expert: load,
                 dropped,
+                router_entropy: None,
             };
             writeln!(e, "{}", serde_json::to_string(&r)?)?;
         }

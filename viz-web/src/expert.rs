@@ -331,6 +331,7 @@ mod tests {
             layer,
             tokens_per_expert: load.to_vec(),
             dropped,
+            router_entropy: None,
         }
     }
 

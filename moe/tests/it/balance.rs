@@ -197,6 +197,9 @@ fn router_entropy_matches_hand_computed_values() {
     assert_eq!(m.tokens, 3);
     let want_all = (1.5 * ln(2.0) + ln(3.0) + want_sig) / 3.0;
     assert!((m.entropy() - want_all).abs() < 1e-15);
+    // The expert_load.jsonl line carries it; an empty layer has none.
+    assert_eq!(m.to_record(4, 1).router_entropy, Some(m.entropy()));
+    assert_eq!(LoadStats::default().to_record(4, 1).router_entropy, None);
     // f32 routing agrees to f32 precision.
     let l32: Vec<f32> = logits.iter().map(|&x| x as f32).collect();
     let r32 = Router::top_k(3, 1).route(&l32, &[2], None).unwrap();
