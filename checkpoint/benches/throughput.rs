@@ -477,7 +477,7 @@ fn step_stall(dir: &Path, which: &str) {
     };
     row("synchronous save", sync);
     row("async, first save without reserve()", unreserved);
-    row("reserve() once at start-up (not a stall)", reserve);
+    row("reserve() at start-up (not in a step)", reserve);
     row("async, first save after reserve()", stalls[0]);
     row("async, later saves (reused buffers)", stalls[1]);
     println!(
