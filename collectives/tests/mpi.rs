@@ -12,6 +12,7 @@
 use std::process::Command;
 use std::time::{Duration, Instant};
 
+use weft_collectives::repro::ExactPartial;
 use weft_collectives::{
     Algorithm, Communicator, CommunicatorExt, Element, Error, Mesh, MpiComm, ReduceOp,
     ReduceOptions, Topology, bf16, f16, shard_range,
@@ -279,6 +280,39 @@ fn reproducible_mode_equals_exact_sum(c: &MpiComm, checks: &mut usize) {
         c.reduce_scatter_with(&col(r), &mut out, &opts)
             .expect("reproducible reduce_scatter");
         assert_eq!(bits(&out), bits(&want[sr]), "reproducible rs {alg:?}");
+        *checks += 2;
+    }
+    // exact partials: contributions 0..n+2 spread unevenly over the ranks
+    // (rank r takes contribution r, rank 0 also the last two) give the
+    // bits of one ExactPartial holding them all
+    let m = n + 2;
+    let mine: Vec<usize> = (0..m)
+        .filter(|&q| if q < n { q == r } else { r == 0 })
+        .collect();
+    let mut p = ExactPartial::new(len);
+    for &q in &mine {
+        p.add(&col(q)).expect("add");
+    }
+    let mut all = ExactPartial::new(len);
+    for q in (0..m).rev() {
+        all.add(&col(q)).expect("add");
+    }
+    for op in [ReduceOp::Sum, ReduceOp::Avg] {
+        let mut want = vec![0f32; len];
+        if op == ReduceOp::Sum {
+            all.round_to(&mut want).expect("round");
+        } else {
+            all.mean_to(&mut want).expect("mean");
+        }
+        let mut got = vec![0f32; len];
+        c.all_reduce_exact(&p, &mut got, op)
+            .expect("all_reduce_exact");
+        assert_eq!(bits(&got), bits(&want), "all_reduce_exact {op:?}");
+        let sr = shard_range(len, n, r);
+        let mut out = vec![0f32; sr.len()];
+        c.reduce_scatter_exact(&p, &mut out, op)
+            .expect("reduce_scatter_exact");
+        assert_eq!(bits(&out), bits(&want[sr]), "reduce_scatter_exact {op:?}");
         *checks += 2;
     }
 }
