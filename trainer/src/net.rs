@@ -108,6 +108,14 @@ impl Net {
         }
     }
 
+    /// Parameters on this rank.
+    pub(crate) fn params_len(&self) -> usize {
+        match self {
+            Net::Whole(m) => m.params.len(),
+            Net::Tp(m) => m.params.len(),
+        }
+    }
+
     /// This rank's gradient buffer.
     pub(crate) fn grads(&self) -> &[f32] {
         match self {

@@ -85,6 +85,16 @@ impl Observer for Terminal {
             "matmul peak     {}FLOP/s measured on this machine",
             si(info.peak_flops)
         ));
+        let m = &info.memory;
+        say(&format!(
+            "ranks           {}; per rank: params {}B, grads {}B, AdamW {}B, activations {}B (total {}B)",
+            info.layout,
+            si(m.params as f64),
+            si(m.grads as f64),
+            si(m.optimizer as f64),
+            si(m.activations as f64),
+            si(m.total() as f64)
+        ));
         if std::io::stdout().is_terminal() {
             let bar = ProgressBar::new(info.steps);
             let style = ProgressStyle::with_template(

@@ -98,6 +98,33 @@ pub struct RunInfo {
     pub steps: u64,
     /// Bytes of activations planned for one micro-batch.
     pub activation_bytes: usize,
+    /// The split over ranks, e.g. `dp=2 tp=2` (`single rank` alone).
+    pub layout: String,
+    /// Memory of one rank (rank 0), from the buffers it allocated.
+    pub memory: RankMemory,
+}
+
+/// Bytes one rank holds, by category — counted from the buffers actually
+/// allocated, so sharding shows: with `parallel.tp = N` the split layers'
+/// parameters, gradients and moments are `1/N` of the model's, with
+/// `parallel.ep = N` the experts'.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RankMemory {
+    /// Parameters (f32).
+    pub params: usize,
+    /// Gradients (f32).
+    pub grads: usize,
+    /// AdamW moments (two f32 per parameter).
+    pub optimizer: usize,
+    /// Activations planned for one micro-batch.
+    pub activations: usize,
+}
+
+impl RankMemory {
+    /// All categories together.
+    pub fn total(&self) -> usize {
+        self.params + self.grads + self.optimizer + self.activations
+    }
 }
 
 /// One optimizer step, as reported to the observer.
@@ -462,6 +489,31 @@ pub fn train(
     })
 }
 
+/// `dp=2 tp=2 ...` for the degrees above 1.
+fn layout_name(config: &Config) -> String {
+    let p = &config.parallel;
+    let mut parts: Vec<String> = [("dp", p.dp), ("tp", p.tp), ("pp", p.pp), ("ep", p.ep)]
+        .iter()
+        .filter(|(_, n)| *n > 1)
+        .map(|(k, n)| format!("{k}={n}"))
+        .collect();
+    if p.tp > 1 && p.sequence_parallel {
+        parts.push("sequence-parallel".into());
+    }
+    if p.world_size() > 1 {
+        parts.push(if p.reproducible {
+            "reproducible sums".into()
+        } else {
+            "plain f32 sums".into()
+        });
+    }
+    if parts.is_empty() {
+        "single rank".into()
+    } else {
+        parts.join(" ")
+    }
+}
+
 /// Rank 0's summary, or the most telling error: a rank's own failure
 /// before the "peer lost" errors it caused in the others.
 fn pick_result(
@@ -664,6 +716,13 @@ fn run_rank(
         floor,
         steps: t.steps,
         activation_bytes: acts.bytes(),
+        layout: layout_name(config),
+        memory: RankMemory {
+            params: 4 * model.params_len(),
+            grads: 4 * model.grads().len(),
+            optimizer: 4 * (opt.m.len() + opt.v.len()),
+            activations: acts.bytes(),
+        },
     };
     observer.start(&info);
 

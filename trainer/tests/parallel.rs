@@ -4,7 +4,16 @@
 use std::path::Path;
 
 use weft_trainer::config::Config;
-use weft_trainer::train::{Silent, TrainError, train};
+use weft_trainer::train::{Observer, RunInfo, Silent, TrainError, train};
+
+/// Keeps the start-up report.
+#[derive(Default)]
+struct Info(Option<RunInfo>);
+impl Observer for Info {
+    fn start(&mut self, info: &RunInfo) {
+        self.0 = Some(info.clone());
+    }
+}
 
 fn config(dir: &Path, name: &str, extra: &[&str]) -> Config {
     let sets: Vec<String> = [
@@ -236,16 +245,26 @@ fn close(a: &Path, b: &Path, tol: f64) {
 fn tensor_parallel_matches_and_resumes_bit_for_bit() {
     let dir = tmp("tp");
     let base = ["checkpoint.every=3"];
-    let one = train(&config(&dir, "tp1", &base), false, &mut Silent).unwrap();
+    let mut info1 = Info::default();
+    let one = train(&config(&dir, "tp1", &base), false, &mut info1).unwrap();
     // Split reductions round differently: equal to rounding (the layers'
     // own tests bound the difference per tensor), not bitwise.
+    let mut info2 = Info::default();
     let two = train(
         &config(&dir, "tp2", &["checkpoint.every=3", "parallel.tp=2"]),
         false,
-        &mut Silent,
+        &mut info2,
     )
     .unwrap();
     close(&one.run_dir, &two.run_dir, 1e-4);
+    // Per-rank memory: the split layers halve, the replicated ones stay.
+    let (m1, m2) = (info1.0.unwrap(), info2.0.unwrap());
+    assert_eq!(m2.layout, "tp=2 reproducible sums");
+    assert_eq!(m1.params, m2.params, "the same model");
+    let (p1, p2) = (m1.memory.params, m2.memory.params);
+    assert!(p2 < p1 * 6 / 10 && p2 > p1 / 2, "{p1} -> {p2}");
+    assert_eq!(m2.memory.grads, p2);
+    assert_eq!(m2.memory.optimizer, 2 * p2);
     // tp × dp: the data-parallel replicas of a tp=2 model.
     let mesh = ["checkpoint.every=3", "parallel.tp=2", "parallel.dp=2"];
     let four = train(&config(&dir, "tp2dp2", &mesh), false, &mut Silent).unwrap();
