@@ -371,3 +371,44 @@ proptest! {
         check_split(&cols, &split);
     }
 }
+
+#[test]
+fn merged_partials_equal_one_partial() {
+    let cols = contributions(77, 5, 333, true, true);
+    let mut a = ExactPartial::new(333);
+    let mut b = ExactPartial::new(333);
+    let mut all = ExactPartial::new(333);
+    for (k, c) in cols.iter().enumerate() {
+        if k % 2 == 0 { a.add(c) } else { b.add(c) }.unwrap();
+        all.add(c).unwrap();
+    }
+    a.merge_from(&b).unwrap();
+    a.merge_from(&ExactPartial::new(333)).unwrap();
+    assert_eq!(a.count(), 5);
+    let (mut x, mut y) = (vec![0f32; 333], vec![0f32; 333]);
+    a.round_to(&mut x).unwrap();
+    all.round_to(&mut y).unwrap();
+    assert_eq!(bits(&x), bits(&y));
+    a.mean_to(&mut x).unwrap();
+    all.mean_to(&mut y).unwrap();
+    assert_eq!(bits(&x), bits(&y));
+    // and it still accumulates and reduces afterwards
+    a.add(&cols[0]).unwrap();
+    all.add(&cols[0]).unwrap();
+    let outs = LocalCluster::run(2, |comm| {
+        let mut out = vec![0f32; 333];
+        let p = if comm.rank() == 1 {
+            a.clone()
+        } else {
+            ExactPartial::new(333)
+        };
+        comm.all_reduce_exact(&p, &mut out, ReduceOp::Sum)?;
+        Ok::<_, weft_collectives::Error>(out)
+    })
+    .unwrap();
+    all.round_to(&mut y).unwrap();
+    for out in outs {
+        assert_eq!(bits(&out.unwrap()), bits(&y));
+    }
+    assert!(a.merge_from(&ExactPartial::new(3)).is_err());
+}

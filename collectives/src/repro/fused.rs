@@ -630,6 +630,8 @@ pub(super) fn add_in_place<T: Element>(
         trailing(enc, pos)?;
         offs.push(spill.len());
         std::mem::swap(enc, spill);
+        // keep one encoding's worth of memory, not two
+        *spill = Vec::new();
         return Ok(());
     }
     offs.push(pos);

@@ -14,7 +14,9 @@ use crate::types::{Incoming, OpCtx, OpKind, Outgoing, ReduceOp, shard_range};
 /// The exact elementwise sum of any number of contributions (slices of
 /// f32, bf16, f16 or f64 of one length), held in the compact encoding of
 /// [`crate::repro`]: about 8 bytes per element for typical f32 or bf16
-/// gradients (more only for blocks whose values span a very wide range).
+/// gradients (more only for blocks whose values span a very wide range),
+/// updated in place; a block that must widen rewrites the encoding from
+/// that block on once, without keeping a second copy.
 ///
 /// This is what makes data-parallel training bitwise independent of how a
 /// global batch is split: accumulate each rank's micro-batch gradients
@@ -139,6 +141,7 @@ impl ExactPartial {
         self.check_len(OpKind::AllReduce, "other", other.len)?;
         merge(&self.enc, &other.enc, self.len, &mut self.spill)?;
         std::mem::swap(&mut self.enc, &mut self.spill);
+        self.spill = Vec::new();
         self.count += other.count;
         self.offs = block_offsets(&self.enc, self.len)?;
         Ok(())
