@@ -5,7 +5,8 @@
 //! *bubble*, the time stages sit idle waiting for each other. This crate
 //! generates the known schedules, proves a schedule runnable, predicts its
 //! bubble, makespan and activation memory before anything runs, chooses
-//! where to cut the layers, and exports the timeline as a trace.
+//! where to cut the layers, exports the timeline as a trace, and runs a
+//! schedule over real GPT stages.
 //!
 //! # Overview
 //! * [`Schedule`]: per stage, the ordered [`Action`]s — forward `F`, whole
@@ -34,8 +35,23 @@
 //! * [`plan`]: from command-line parameters ([`PlanRequest`]) to the table
 //!   and trace that `weft pipeline` prints and writes.
 //!
-//! Not here yet: the executor that runs a schedule over real stages with
-//! send/recv (it needs `weft-collectives` and the trainer).
+//! * [`Executor`]: runs a schedule for real. Each rank (a thread of the
+//!   local backend, or a process) owns one [`weft_model::GptStage`] per
+//!   chunk — a contiguous range of layers, the embedding on the first
+//!   virtual stage, the head and loss on the last — and
+//!   [`Executor::step`] runs its action list, activations and gradients
+//!   flowing by send/recv. Micro-batch losses and gradients are bitwise
+//!   the single model's (in place, or handed per micro-batch to a hook for
+//!   exact accumulation). Each step's measured timeline
+//!   ([`RankTimeline`], gathered with [`Executor::gather_timelines`])
+//!   becomes a [`Measured`]: the measured bubble, the mean action costs,
+//!   the simulator's prediction from those costs
+//!   ([`Measured::predicted`]), and a Chrome trace with the receive waits
+//!   ([`Measured::to_trace`]).
+//!
+//! `cargo run --release -p weft-pipeline --example pipeline_bubble` runs
+//! 1F1B and ZB-H1 at p = 2, m = 8 and prints measured beside predicted
+//! bubble.
 //!
 //! # Example
 //! ```
