@@ -268,3 +268,33 @@ fn bad_setups_are_typed_errors() {
     .unwrap();
     assert_eq!(r, vec![true, true]);
 }
+
+#[test]
+fn a_failing_stage_fails_its_peers_instead_of_hanging() {
+    let full = model(false);
+    let s = ScheduleKind::OneFOneB.generate(2, 3, 1).unwrap();
+    let mut d = data(3);
+    d[1].0[5] = 1000; // a token outside the vocabulary, seen by stage 0 only
+    let mbs: Vec<MicroBatch<'_>> = d
+        .iter()
+        .map(|(x, y)| MicroBatch {
+            tokens: x,
+            targets: y,
+        })
+        .collect();
+    let r = LocalCluster::builder(2)
+        .timeout(std::time::Duration::from_secs(20))
+        .run_each(|comm| {
+            let mut ex = Executor::from_gpt(&full, s.clone(), comm.rank(), &[2, 2], B, T).unwrap();
+            ex.step(&comm, &mbs, None)
+                .map(|_| ())
+                .map_err(|e| e.to_string())
+        });
+    let errs: Vec<String> = r.into_iter().map(|x| x.unwrap().unwrap_err()).collect();
+    assert!(
+        errs[0].contains("rank 0") && errs[0].contains("F1"),
+        "stage 0 names its action: {}",
+        errs[0]
+    );
+    assert!(errs[1].contains("rank 1"), "stage 1 fails too: {}", errs[1]);
+}
