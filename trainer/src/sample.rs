@@ -432,14 +432,14 @@ mod tests {
         let total: f64 = w.iter().sum();
         let want = [w[0] / total, w[1] / total, w[2] / total, 0.0];
         let mut rng = Pcg64::seed_from_u64(9);
-        let n = 40_000;
+        let n: u32 = 40_000;
         let mut counts = [0usize; 4];
         for _ in 0..n {
             counts[pick(&logits, &opts, &mut rng) as usize] += 1;
         }
         for (i, (&c, &p)) in counts.iter().zip(&want).enumerate() {
-            let f = c as f64 / n as f64;
-            let se = (p * (1.0 - p) / n as f64).sqrt().max(1e-9);
+            let f = c as f64 / f64::from(n);
+            let se = (p * (1.0 - p) / f64::from(n)).sqrt().max(1e-9);
             assert!((f - p).abs() <= 5.0 * se, "token {i}: {f} vs {p}");
         }
     }
