@@ -44,6 +44,10 @@ pub struct StepReport {
     pub grad_norm: f64,
     /// The factor the gradient was multiplied by (1 when not clipped).
     pub clip_coef: f32,
+    /// Whether the update was applied: a non-finite gradient norm (or
+    /// loss) skips the AdamW step — parameters, moments and the optimizer
+    /// step stay as they were — as a training loop's health check expects.
+    pub applied: bool,
     /// The optimizer step just taken (counts from 1).
     pub optimizer_step: u32,
     /// Bytes this rank sent and received during the step, by operation.
@@ -933,7 +937,8 @@ impl Fsdp {
         #[allow(clippy::cast_precision_loss)]
         let loss = all.iter().sum::<f64>() / global_m as f64;
         let memory_at_update = self.mem.clone();
-        let (grad_norm, clip_coef) = self.update(&mut grads, global_m, lr)?;
+        let skip = !loss.is_finite();
+        let (grad_norm, clip_coef, applied) = self.update(&mut grads, global_m, lr, skip)?;
         let traffic = self.world.traffic().since(&traffic0);
         let new = &self.spans.spans()[spans0..];
         let sum = |tr: Track| -> f64 {
@@ -947,6 +952,7 @@ impl Fsdp {
             micro_losses: all,
             grad_norm,
             clip_coef,
+            applied,
             optimizer_step: self.step,
             traffic,
             seconds: t_start.elapsed().as_secs_f64(),
@@ -1207,8 +1213,17 @@ impl Fsdp {
         Ok(g)
     }
 
-    /// Global norm, clipping and the AdamW update of this rank's ranges.
-    fn update(&mut self, grads: &mut [GradAcc], global_m: usize, lr: f32) -> Result<(f64, f32)> {
+    /// Global norm, clipping and the AdamW update of this rank's ranges;
+    /// skipped (gradients dropped) when `skip` is set or the norm is not
+    /// finite. Returns the norm, the clip coefficient and whether the
+    /// update was applied.
+    fn update(
+        &mut self,
+        grads: &mut [GradAcc],
+        global_m: usize,
+        lr: f32,
+        skip: bool,
+    ) -> Result<(f64, f32, bool)> {
         let t0 = Instant::now();
         let nu = self.plan.units().len();
         // Pass 1: the exact sum of squares over this rank's ranges.
@@ -1238,6 +1253,7 @@ impl Fsdp {
                 .push(Track::Comm, "norm_exchange", None, None, t1, Instant::now());
         }
         let norm = sq.to_f64().sqrt();
+        let apply = !skip && norm.is_finite();
         let coef = match self.cfg.max_grad_norm {
             #[allow(clippy::cast_possible_truncation)]
             Some(max) if norm.is_finite() && norm > f64::from(max) => {
@@ -1246,7 +1262,9 @@ impl Fsdp {
             _ => 1.0,
         };
         // Pass 2: AdamW on this rank's ranges, unit by unit.
-        self.step += 1;
+        if apply {
+            self.step += 1;
+        }
         let hp = AdamW {
             lr,
             ..self.cfg.adamw
@@ -1263,6 +1281,10 @@ impl Fsdp {
                 _ => {}
             }
             drop(acc);
+            if !apply {
+                self.mem.free(Category::Gradients, gb);
+                continue;
+            }
             if coef != 1.0 {
                 g.iter_mut().for_each(|x| *x *= coef);
             }
@@ -1293,7 +1315,7 @@ impl Fsdp {
         for u in 0..nu {
             self.refresh_compute_params(u)?;
         }
-        Ok((norm, coef))
+        Ok((norm, coef, apply))
     }
 
     /// Mean loss of one batch `(B,T)` without gradients (evaluation).

@@ -1,16 +1,19 @@
 //! One rank's model: the whole GPT (whose mixture-of-experts blocks may
-//! hold a share of the experts), or its tensor-parallel shard.
+//! hold a share of the experts), its tensor-parallel shard, or its fully
+//! sharded data-parallel state (`weft-fsdp`).
 //!
-//! The training loop talks to a [`Net`] only: forward, backward, the
-//! gradient buffer, the squared gradient norm of the whole model, the AdamW
-//! step, and assembling the whole model for a checkpoint.
+//! The training loop talks to a [`Net`] only: a training step over this
+//! rank's micro-batches (forward, backward, gradient reduction, global-norm
+//! clipping, AdamW — or a skip on a non-finite gradient), evaluation, and
+//! assembling / sharding the whole model for checkpoints.
 
 use weft_collectives::{Communicator, CommunicatorExt};
 use weft_kernels::AdamW;
 use weft_model::tp::{TpActivations, TpGpt, TpLayout};
 use weft_model::{Activations, AdamWState, Gpt, ParamLayout};
 
-use crate::parallel::Dp;
+use crate::data::{Batch, Data};
+use crate::parallel::{Dp, GradAccum};
 use crate::train::TrainError;
 
 /// One rank's model.
@@ -19,6 +22,9 @@ pub(crate) enum Net {
     Whole(Gpt),
     /// This rank's tensor-parallel shard.
     Tp(TpGpt),
+    /// This rank's sharded data-parallel state; the runner does the whole
+    /// step (its own reductions, clipping and sharded AdamW).
+    Fsdp(Box<weft_fsdp::Fsdp>),
 }
 
 /// Activation buffers for a [`Net`].
@@ -27,6 +33,9 @@ pub(crate) enum NetActs {
     Whole(Activations),
     /// For [`Net::Tp`], with the batch size they were planned for.
     Tp(TpActivations, usize),
+    /// For [`Net::Fsdp`] (the runner owns its buffers): the batch size
+    /// and the bytes it planned.
+    Fsdp(usize, usize),
 }
 
 impl NetActs {
@@ -35,6 +44,7 @@ impl NetActs {
         match self {
             NetActs::Whole(a) => a.bytes(),
             NetActs::Tp(a, _) => a.bytes(),
+            NetActs::Fsdp(_, bytes) => *bytes,
         }
     }
 
@@ -42,9 +52,61 @@ impl NetActs {
     pub(crate) fn batch(&self) -> usize {
         match self {
             NetActs::Whole(a) => a.batch(),
-            NetActs::Tp(_, b) => *b,
+            NetActs::Tp(_, b) | NetActs::Fsdp(b, _) => *b,
         }
     }
+}
+
+/// What a training step did.
+pub(crate) struct StepOutcome {
+    /// Mean loss over the global batch.
+    pub(crate) loss: f64,
+    /// Global gradient norm (before clipping).
+    pub(crate) grad_norm: f64,
+    /// Whether the update was applied (false: skipped as non-finite).
+    pub(crate) applied: bool,
+}
+
+/// `Σ g²` over `grads`: exact in f64 per term, summed exactly, rounded once.
+fn exact_sum_of_squares(grads: &[f32]) -> f64 {
+    let mut sum = weft_numerics::ExactSum::new();
+    let mut buf = Vec::with_capacity(4096);
+    for c in grads.chunks(4096) {
+        buf.clear();
+        buf.extend(c.iter().map(|&x| f64::from(x) * f64::from(x)));
+        sum.add_slice(&buf);
+    }
+    sum.to_f64()
+}
+
+/// Gathers the sharded runner's `(master, m, v)[which]` of every unit into
+/// the whole-model buffer `out` (on ranks that pass one). Collective over
+/// the data-parallel group when the optimizer state is sharded: the shards
+/// of the first shard group, in rank order, tile each padded unit.
+fn gather_fsdp(
+    dp: &Dp,
+    f: &weft_fsdp::Fsdp,
+    which: usize,
+    mut out: Option<&mut [f32]>,
+) -> Result<(), TrainError> {
+    for (u, unit) in f.plan().units().iter().enumerate() {
+        let state = f.shard_state(u);
+        let mine = [state.0, state.1, state.2][which];
+        let whole_unit =
+            f.optimizer_range(u).len() >= unit.len() && f.optimizer_range(u).start == 0;
+        if whole_unit {
+            if let Some(o) = out.as_deref_mut() {
+                o[unit.range.clone()].copy_from_slice(&mine[..unit.len()]);
+            }
+            continue;
+        }
+        let mut all = vec![0.0f32; mine.len() * dp.size()];
+        dp.comm().all_gather(mine, &mut all)?;
+        if let Some(o) = out.as_deref_mut() {
+            o[unit.range.clone()].copy_from_slice(&all[..unit.len()]);
+        }
+    }
+    Ok(())
 }
 
 fn tp_err(e: weft_model::tp::Error) -> TrainError {
@@ -59,11 +121,132 @@ fn tp_comm(dp: Option<&Dp>) -> Result<&dyn Communicator, TrainError> {
 
 impl Net {
     /// Activation buffers for micro-batches of `b` sequences of `t` tokens.
-    pub(crate) fn activations(&self, b: usize, t: usize) -> Result<NetActs, TrainError> {
+    pub(crate) fn activations(&mut self, b: usize, t: usize) -> Result<NetActs, TrainError> {
         Ok(match self {
             Net::Whole(m) => NetActs::Whole(m.activations(b, t)?),
             Net::Tp(m) => NetActs::Tp(m.activations(b, t).map_err(tp_err)?, b),
+            Net::Fsdp(f) => {
+                f.prepare(b, t)?;
+                let bytes = f.memory().current(weft_fsdp::Category::Activations);
+                NetActs::Fsdp(b, bytes)
+            }
         })
+    }
+
+    /// Mean loss of one batch, without gradients (evaluation). Collective
+    /// for sharded models.
+    pub(crate) fn eval_batch(
+        &mut self,
+        dp: Option<&Dp>,
+        acts: &mut NetActs,
+        b: &Batch,
+    ) -> Result<f64, TrainError> {
+        if let Net::Fsdp(f) = self {
+            let mb = weft_fsdp::MicroBatch {
+                tokens: &b.inputs,
+                targets: &b.targets,
+            };
+            return Ok(f.eval_loss(b.batch, b.seq, mb)?);
+        }
+        Ok(self
+            .forward(dp, acts, &b.inputs, Some(&b.targets))?
+            .unwrap_or(f64::NAN))
+    }
+
+    /// One training step over micro-batches `share` of step `step` (each
+    /// `micro` sequences): forward and backward, the gradient of the global
+    /// batch's mean loss (through `accum` over `dp`), the global norm, and
+    /// — unless the loss or the norm is not finite — clipping to
+    /// `clip` (`clip / (norm + 1e-6)`, as PyTorch's `clip_grad_norm_`) and
+    /// AdamW with `hp`.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn train_step(
+        &mut self,
+        dp: Option<&Dp>,
+        data: &Data,
+        step: u64,
+        share: std::ops::Range<usize>,
+        micro: usize,
+        acts: &mut NetActs,
+        accum: &mut GradAccum,
+        opt: &mut AdamWState,
+        hp: &AdamW,
+        clip: f64,
+        micro_batches: usize,
+    ) -> Result<StepOutcome, TrainError> {
+        if let Net::Fsdp(f) = self {
+            let batches: Vec<Batch> = share.map(|m| data.train_batch(step, m, micro)).collect();
+            let mbs: Vec<weft_fsdp::MicroBatch<'_>> = batches
+                .iter()
+                .map(|b| weft_fsdp::MicroBatch {
+                    tokens: &b.inputs,
+                    targets: &b.targets,
+                })
+                .collect();
+            let seq = batches.first().map_or(0, |b| b.seq);
+            let r = f.step(micro, seq, &mbs, hp.lr)?;
+            return Ok(StepOutcome {
+                loss: r.loss,
+                grad_norm: r.grad_norm,
+                applied: r.applied,
+            });
+        }
+        self.zero_grad();
+        let mut micro_losses = Vec::with_capacity(share.len());
+        for m in share {
+            let b = data.train_batch(step, m, micro);
+            let l = self.forward(dp, acts, &b.inputs, Some(&b.targets))?;
+            micro_losses.push(l.unwrap_or(f64::NAN));
+            self.backward(dp, acts)?;
+            accum.add(self.grads_mut())?;
+        }
+        accum.finish(self.grads_mut(), dp, micro_batches)?;
+        if let Some(dp) = dp {
+            micro_losses = dp.gather(&micro_losses)?;
+        }
+        // Summed in micro-batch order on every rank, as one rank sums them.
+        let mut loss = 0.0;
+        for l in micro_losses {
+            loss += l;
+        }
+        loss /= micro_batches as f64;
+        let grad_norm = self.grad_norm_sq(dp)?.sqrt();
+        let applied = loss.is_finite() && grad_norm.is_finite();
+        if applied {
+            if clip > 0.0 && grad_norm > clip {
+                #[allow(clippy::cast_possible_truncation)]
+                let s = (clip / (grad_norm + 1e-6)) as f32;
+                self.grads_mut().iter_mut().for_each(|g| *g *= s);
+            }
+            self.adamw_step(opt, hp)?;
+        }
+        Ok(StepOutcome {
+            loss,
+            grad_norm,
+            applied,
+        })
+    }
+
+    /// Bytes this rank holds, by category.
+    pub(crate) fn memory(&self, opt: &AdamWState, acts: &NetActs) -> crate::train::RankMemory {
+        use weft_fsdp::Category as C;
+        match self {
+            Net::Fsdp(f) => {
+                let m = f.memory();
+                crate::train::RankMemory {
+                    params: m.current(C::ParamShards) + m.current(C::GatheredParams),
+                    grads: m.current(C::Gradients),
+                    optimizer: m.current(C::OptimizerState),
+                    activations: m.current(C::Activations),
+                }
+            }
+            _ => crate::train::RankMemory {
+                params: 4 * self.params_len(),
+                grads: 4 * self.grads().len(),
+                optimizer: 4 * (opt.m.len() + opt.v.len()),
+                activations: acts.bytes(),
+            },
+        }
     }
 
     /// Forward over one batch; the mean loss with `targets`.
@@ -80,7 +263,7 @@ impl Net {
                 m.forward(tp_comm(dp)?, a, tokens, targets).map_err(tp_err)
             }
             _ => Err(TrainError::Unsupported(
-                "activations planned for another model".into(),
+                "forward of a model that runs whole steps only".into(),
             )),
         }
     }
@@ -95,7 +278,7 @@ impl Net {
             (Net::Whole(m), NetActs::Whole(a)) => Ok(m.backward(a)?),
             (Net::Tp(m), NetActs::Tp(a, _)) => m.backward(tp_comm(dp)?, a).map_err(tp_err),
             _ => Err(TrainError::Unsupported(
-                "activations planned for another model".into(),
+                "backward of a model that runs whole steps only".into(),
             )),
         }
     }
@@ -105,6 +288,7 @@ impl Net {
         match self {
             Net::Whole(m) => m.zero_grad(),
             Net::Tp(m) => m.zero_grad(),
+            Net::Fsdp(_) => {}
         }
     }
 
@@ -113,6 +297,7 @@ impl Net {
         match self {
             Net::Whole(m) => m.params.len(),
             Net::Tp(m) => m.params.len(),
+            Net::Fsdp(f) => f.plan().shard_params(),
         }
     }
 
@@ -121,6 +306,7 @@ impl Net {
         match self {
             Net::Whole(m) => &m.grads,
             Net::Tp(m) => &m.grads,
+            Net::Fsdp(_) => &[],
         }
     }
 
@@ -129,6 +315,7 @@ impl Net {
         match self {
             Net::Whole(m) => &mut m.grads,
             Net::Tp(m) => &mut m.grads,
+            Net::Fsdp(_) => &mut [],
         }
     }
 
@@ -137,6 +324,12 @@ impl Net {
         match self {
             Net::Whole(m) => AdamWState::new(m),
             Net::Tp(m) => m.adamw_state(),
+            // The runner keeps its own sharded moments.
+            Net::Fsdp(_) => AdamWState {
+                m: Vec::new(),
+                v: Vec::new(),
+                step: 0,
+            },
         }
     }
 
@@ -149,6 +342,9 @@ impl Net {
         match self {
             Net::Whole(m) => Ok(m.adamw_step(opt, hp)?),
             Net::Tp(m) => m.adamw_step(opt, hp).map_err(tp_err),
+            Net::Fsdp(_) => Err(TrainError::Unsupported(
+                "the sharded runner steps its own optimizer".into(),
+            )),
         }
     }
 
@@ -158,6 +354,9 @@ impl Net {
     pub(crate) fn grad_norm_sq(&self, dp: Option<&Dp>) -> Result<f64, TrainError> {
         match self {
             Net::Tp(m) => m.grad_norm_sq(tp_comm(dp)?).map_err(tp_err),
+            Net::Fsdp(_) => Err(TrainError::Unsupported(
+                "the sharded runner computes its own norm".into(),
+            )),
             Net::Whole(m) => match dp {
                 Some(d) if d.ep().is_some() => {
                     let (mut dense, mut experts) = (0.0, 0.0);
@@ -174,11 +373,9 @@ impl Net {
                     }
                     Ok(dense + d.sum_over_experts(experts)?)
                 }
-                _ => Ok(m
-                    .grads
-                    .iter()
-                    .map(|&g| f64::from(g) * f64::from(g))
-                    .sum::<f64>()),
+                // Squares of f32 are exact in f64; their exact sum, rounded
+                // once, is what the sharded runner computes over shards.
+                _ => Ok(exact_sum_of_squares(&m.grads)),
             },
         }
     }
@@ -211,6 +408,20 @@ impl Net {
                 opt.v = lay.shard(fl, &whole_opt.v).map_err(tp_err)?;
                 Ok(())
             }
+            Net::Fsdp(f) => {
+                let units = f.plan().units().to_vec();
+                for (u, unit) in units.iter().enumerate() {
+                    let r = f.optimizer_range(u);
+                    let pad = |buf: &[f32]| -> Vec<f32> {
+                        let mut padded = vec![0.0f32; r.end.max(unit.len())];
+                        padded[..unit.len()].copy_from_slice(&buf[unit.range.clone()]);
+                        padded[r.clone()].to_vec()
+                    };
+                    let (p, m, v) = (pad(&whole.params), pad(&whole_opt.m), pad(&whole_opt.v));
+                    f.load_shard_state(u, &p, &m, &v, whole_opt.step)?;
+                }
+                Ok(())
+            }
         }
     }
 
@@ -226,7 +437,10 @@ impl Net {
     ) -> Result<(), TrainError> {
         let (mut p, mut mo, mut vo) = (None, None, None);
         if let Some((g, o)) = whole {
-            o.step = opt.step;
+            o.step = match self {
+                Net::Fsdp(f) => f.optimizer_step(),
+                _ => opt.step,
+            };
             p = Some(&mut g.params[..]);
             mo = Some(&mut o.m[..]);
             vo = Some(&mut o.v[..]);
@@ -243,6 +457,13 @@ impl Net {
                 let comm = tp_comm(dp)?;
                 for (local, out) in [(&m.params[..], p), (&opt.m[..], mo), (&opt.v[..], vo)] {
                     gather_tp(comm, m, local, full_layout, out)?;
+                }
+                Ok(())
+            }
+            Net::Fsdp(f) => {
+                let d = dp.ok_or_else(|| TrainError::Unsupported("no groups".into()))?;
+                for (which, out) in [(0, p), (1, mo), (2, vo)] {
+                    gather_fsdp(d, f, which, out)?;
                 }
                 Ok(())
             }

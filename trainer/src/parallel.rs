@@ -138,6 +138,11 @@ impl Dp {
         })
     }
 
+    /// The data-parallel group.
+    pub(crate) fn comm(&self) -> &dyn Communicator {
+        &*self.comm
+    }
+
     /// The expert-parallel groups, if any.
     pub(crate) fn ep(&self) -> Option<&Ep> {
         self.ep.as_ref()

@@ -57,6 +57,9 @@ pub enum TrainError {
     /// A collective operation between ranks failed.
     #[error("communication: {0}")]
     Comm(#[from] weft_collectives::Error),
+    /// The sharded data-parallel runner failed.
+    #[error("fsdp: {0}")]
+    Fsdp(#[from] weft_fsdp::Error),
     /// The tensor-parallel model failed.
     #[error(transparent)]
     TensorParallel(weft_model::tp::Error),
@@ -358,7 +361,7 @@ fn build_model(
 /// Mean validation loss over `batches`. With `dp`, each rank evaluates a
 /// contiguous share of the batches and the per-batch figures are gathered
 /// and summed in batch order — the same sum, bit for bit, as one rank's.
-fn eval_loss(model: &Net, batches: &[Batch], dp: Option<&Dp>) -> Result<f64, TrainError> {
+fn eval_loss(model: &mut Net, batches: &[Batch], dp: Option<&Dp>) -> Result<f64, TrainError> {
     let (rank, ranks) = dp.map_or((0, 1), |d| (d.rank(), d.size()));
     let per = batches.len().div_ceil(ranks);
     let mine = (rank * per).min(batches.len())..((rank + 1) * per).min(batches.len());
@@ -367,7 +370,7 @@ fn eval_loss(model: &Net, batches: &[Batch], dp: Option<&Dp>) -> Result<f64, Tra
     // With expert parallelism forwards are collective over the expert
     // group: a rank short of batches runs (and discards) stand-ins so that
     // every rank runs `per` forwards.
-    let collective = dp.is_some_and(|d| d.ep().is_some());
+    let collective = dp.is_some_and(|d| d.ep().is_some()) || matches!(model, Net::Fsdp(_));
     for (i, slot) in local.iter_mut().enumerate() {
         let (b, real) = match batches[mine.clone()].get(i) {
             Some(b) => (b, true),
@@ -378,9 +381,7 @@ fn eval_loss(model: &Net, batches: &[Batch], dp: Option<&Dp>) -> Result<f64, Tra
             acts = Some(model.activations(b.batch, b.seq)?);
         }
         let a = acts.as_mut().expect("just planned");
-        let loss = model
-            .forward(dp, a, &b.inputs, Some(&b.targets))?
-            .unwrap_or(f64::NAN);
+        let loss = model.eval_batch(dp, a, b)?;
         if real {
             *slot = loss * (b.batch * b.seq) as f64;
         }
@@ -453,11 +454,14 @@ pub fn train(
     if p.pp > 1 {
         return unsupported("pipeline parallelism (parallel.pp > 1)");
     }
-    if p.fsdp != "none" {
-        return unsupported("sharded data parallelism (parallel.fsdp other than \"none\")");
+    let sharded = p.fsdp != "none";
+    if sharded && (p.tp > 1 || p.ep > 1 || config.model.moe.experts > 0) {
+        return unsupported(
+            "parallel.fsdp other than \"none\" with tensor parallelism, expert parallelism or a mixture-of-experts model",
+        );
     }
     let world = p.world_size();
-    if world == 1 {
+    if world == 1 && !sharded {
         return run_rank(config, resume, None, observer);
     }
     let (tx, rx) = std::sync::mpsc::channel();
@@ -569,10 +573,39 @@ fn run_rank(
     // of the unsharded model's initialisation (the same as one rank's); the
     // writer keeps the unsharded model to assemble checkpoints in.
     let mut full = None;
-    let mut model = if ep.is_some() || tp.is_some() {
+    let sharded = config.parallel.fsdp != "none";
+    let mut model = if ep.is_some() || tp.is_some() || sharded {
         let (mut whole, _) = build_model(config, &cfg, None)?;
         whole.init_gpt2(config.train.seed);
         let net = match tp {
+            None if sharded => {
+                let d = dp.ok_or_else(|| TrainError::Unsupported("fsdp needs its group".into()))?;
+                let p = &config.parallel;
+                let o = &config.optim;
+                let fc = weft_fsdp::FsdpConfig {
+                    strategy: p.fsdp.parse()?,
+                    reproducible: p.reproducible,
+                    hybrid_shard: p.hybrid_shard,
+                    adamw: AdamW {
+                        lr: 0.0,
+                        beta1: o.beta1 as f32,
+                        beta2: o.beta2 as f32,
+                        eps: o.eps as f32,
+                        weight_decay: o.weight_decay as f32,
+                    },
+                    max_grad_norm: (o.grad_clip > 0.0).then_some(o.grad_clip as f32),
+                    ..Default::default()
+                };
+                let ffn: std::sync::Arc<dyn weft_model::FeedForward> =
+                    std::sync::Arc::new(weft_model::Mlp);
+                Net::Fsdp(Box::new(weft_fsdp::Fsdp::new(
+                    d.comm(),
+                    cfg.clone(),
+                    ffn,
+                    fc,
+                    &whole.params,
+                )?))
+            }
             Some((size, rank)) => {
                 let opts = weft_model::tp::TpOptions {
                     sequence_parallel: config.parallel.sequence_parallel,
@@ -625,7 +658,7 @@ fn run_rank(
                 model.take_share(dp, whole, &whole_opt, &mut opt)?;
                 r
             }
-            (None, Net::Tp(_)) => unreachable!("a tensor-parallel rank keeps the whole model"),
+            (None, _) => unreachable!("a sharded rank keeps the whole model"),
         };
         start_step = restored.step;
         observer.resumed(start_step, &restored.skipped);
@@ -674,6 +707,7 @@ fn run_rank(
         (Some(f), _) => f.layout().clone(),
         (None, Net::Whole(m)) => m.layout().clone(),
         (None, Net::Tp(m)) => m.full_layout().clone(),
+        (None, Net::Fsdp(_)) => unreachable!("a sharded rank keeps the whole model"),
     };
     // The unsharded model's buffers stay on the writer only.
     if !writer {
@@ -717,12 +751,7 @@ fn run_rank(
         steps: t.steps,
         activation_bytes: acts.bytes(),
         layout: layout_name(config),
-        memory: RankMemory {
-            params: 4 * model.params_len(),
-            grads: 4 * model.grads().len(),
-            optimizer: 4 * (opt.m.len() + opt.v.len()),
-            activations: acts.bytes(),
-        },
+        memory: model.memory(&opt, &acts),
     };
     observer.start(&info);
 
@@ -750,7 +779,7 @@ fn run_rank(
             .and_then(|v| v["val_loss"].as_f64())
             .unwrap_or(f64::NAN)
     } else {
-        let e = eval_loss(&model, &val, dp)?;
+        let e = eval_loss(&mut model, &val, dp)?;
         log_eval(&mut metrics, observer, 0, e)?;
         e
     };
@@ -802,45 +831,31 @@ fn run_rank(
     for step in start_step..t.steps {
         let step_start = Instant::now();
         let lr = lr_at(&config.optim, step, t.steps);
-        model.zero_grad();
         if let Some(moe) = &moe {
             moe.stats.take(); // forget evaluation forwards
         }
-        let mut micro_losses = Vec::with_capacity(share.len());
-        for m in share.clone() {
-            let b = data.train_batch(step, m, micro);
-            let l = model.forward(dp, &mut acts, &b.inputs, Some(&b.targets))?;
-            micro_losses.push(l.unwrap_or(f64::NAN));
-            model.backward(dp, &mut acts)?;
-            accum.add(model.grads_mut())?;
-        }
-        accum.finish(model.grads_mut(), dp, t.grad_accum)?;
-        if let Some(dp) = dp {
-            micro_losses = dp.gather(&micro_losses)?;
-        }
-        // Summed in micro-batch order on every rank, as one rank sums them.
-        let mut loss = 0.0;
-        for l in micro_losses {
-            loss += l;
-        }
-        loss /= t.grad_accum as f64;
-        let grad_norm = model.grad_norm_sq(dp)?.sqrt();
-        let applied = loss.is_finite() && grad_norm.is_finite();
-        if applied {
-            let clip = config.optim.grad_clip;
-            if clip > 0.0 && grad_norm > clip {
-                let s = (clip / grad_norm) as f32;
-                model.grads_mut().iter_mut().for_each(|g| *g *= s);
-            }
-            let hp = AdamW {
-                lr: lr as f32,
-                beta1: config.optim.beta1 as f32,
-                beta2: config.optim.beta2 as f32,
-                eps: config.optim.eps as f32,
-                weight_decay: config.optim.weight_decay as f32,
-            };
-            model.adamw_step(&mut opt, &hp)?;
-        } else {
+        let hp = AdamW {
+            lr: lr as f32,
+            beta1: config.optim.beta1 as f32,
+            beta2: config.optim.beta2 as f32,
+            eps: config.optim.eps as f32,
+            weight_decay: config.optim.weight_decay as f32,
+        };
+        let out = model.train_step(
+            dp,
+            &data,
+            step,
+            share.clone(),
+            micro,
+            &mut acts,
+            &mut accum,
+            &mut opt,
+            &hp,
+            config.optim.grad_clip,
+            t.grad_accum,
+        )?;
+        let (loss, grad_norm, applied) = (out.loss, out.grad_norm, out.applied);
+        if !applied {
             skipped += 1;
             let event = HealthEvent::Skipped {
                 step: step + 1,
@@ -938,7 +953,7 @@ fn run_rank(
         });
         let done = step + 1 == t.steps;
         if done || (t.eval_every > 0 && (step + 1) % t.eval_every == 0) {
-            last_eval = eval_loss(&model, &val, dp)?;
+            last_eval = eval_loss(&mut model, &val, dp)?;
             log_eval(&mut metrics, observer, step + 1, last_eval)?;
         }
         let save_now = config.checkpoint.every > 0
@@ -946,7 +961,7 @@ fn run_rank(
         // Sharded models are assembled whole on the writer first: a
         // collective, so every rank of the group joins.
         let mut whole_opt = None;
-        if save_now && (ep.is_some() || tp.is_some()) {
+        if save_now && (ep.is_some() || tp.is_some() || sharded) {
             let mut o = full.as_ref().map(AdamWState::new);
             let dest = full.as_mut().zip(o.as_mut());
             model.assemble(dp, &opt, &full_layout, dest)?;
@@ -963,7 +978,9 @@ fn run_rank(
             match (&full, &whole_opt, &model) {
                 (Some(f), Some(o), _) => saver.save(step + 1, f, o)?,
                 (_, _, Net::Whole(m)) => saver.save(step + 1, m, &opt)?,
-                (_, _, Net::Tp(_)) => unreachable!("the writer keeps the whole model"),
+                (_, _, Net::Tp(_) | Net::Fsdp(_)) => {
+                    unreachable!("the writer keeps the whole model")
+                }
             }
         }
     }

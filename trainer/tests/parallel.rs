@@ -289,3 +289,48 @@ fn tensor_parallel_matches_and_resumes_bit_for_bit() {
     assert!(e.contains("parallel.tp") && e.contains("n_head"), "{e}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn sharded_data_parallel_is_bitwise_the_single_rank_run() {
+    let dir = tmp("fsdp");
+    let one = train(&config(&dir, "single", &[]), false, &mut Silent).unwrap();
+    let reference = trace(&one.run_dir);
+    for (name, sets) in [
+        ("full1", &["parallel.fsdp=\"full\""][..]),
+        ("full2", &["parallel.fsdp=\"full\"", "parallel.dp=2"][..]),
+        ("full4", &["parallel.fsdp=\"full\"", "parallel.dp=4"][..]),
+        (
+            "grad_op2",
+            &["parallel.fsdp=\"grad_op\"", "parallel.dp=2"][..],
+        ),
+        (
+            "optimizer4",
+            &["parallel.fsdp=\"optimizer\"", "parallel.dp=4"][..],
+        ),
+        (
+            "hybrid4",
+            &[
+                "parallel.fsdp=\"hybrid\"",
+                "parallel.dp=4",
+                "parallel.hybrid_shard=2",
+            ][..],
+        ),
+    ] {
+        let s = train(&config(&dir, name, sets), false, &mut Silent).unwrap();
+        assert_eq!(trace(&s.run_dir), reference, "{name}");
+    }
+    // A sharded checkpoint is saved whole and resumes bit for bit.
+    let sets = [
+        "parallel.fsdp=\"full\"",
+        "parallel.dp=2",
+        "checkpoint.every=3",
+    ];
+    let run = train(&config(&dir, "ckpt", &sets), false, &mut Silent).unwrap();
+    let again = dir.join("ckpt-again");
+    copy_dir(&run.run_dir, &again);
+    std::fs::remove_dir_all(again.join("checkpoints/step-00000006")).unwrap();
+    let resumed = train(&config(&dir, "ckpt-again", &sets), true, &mut Silent).unwrap();
+    assert_eq!(trace(&resumed.run_dir), trace(&run.run_dir));
+    assert_eq!(trace(&run.run_dir), reference);
+    let _ = std::fs::remove_dir_all(&dir);
+}
