@@ -227,6 +227,25 @@ impl Net {
         })
     }
 
+    /// The communication and computation spans recorded since the last
+    /// call (sharded runner only), as Chrome trace events of process `pid`
+    /// — with the track names when `names` is set.
+    pub(crate) fn take_trace_events(
+        &mut self,
+        pid: u64,
+        names: bool,
+    ) -> Vec<weft_trace::TraceEvent> {
+        let Net::Fsdp(f) = self else {
+            return Vec::new();
+        };
+        let mut events = f.spans().trace_events(pid, 0.0);
+        if !names {
+            events.retain(|e| e.ph == weft_trace::Phase::Complete);
+        }
+        f.spans_mut().clear();
+        events
+    }
+
     /// Bytes this rank holds, by category.
     pub(crate) fn memory(&self, opt: &AdamWState, acts: &NetActs) -> crate::train::RankMemory {
         use weft_fsdp::Category as C;

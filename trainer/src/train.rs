@@ -232,6 +232,9 @@ pub trait Observer {
 pub struct Silent;
 impl Observer for Silent {}
 
+/// Steps whose timeline goes to the run's `trace.json`.
+pub const TRACE_STEPS: u64 = 20;
+
 /// Measures this machine's f32 matmul throughput with the kernels' GEMM on
 /// a GPT-2-sized product (1024×768 · 768×3072), best of ten runs (the
 /// best, because a shared machine only ever makes a run slower).
@@ -828,6 +831,7 @@ fn run_rank(
             Some(BufWriter::new(Box::new(f.map_err(io_err(&expert_path))?)))
         }
     };
+    let mut trace = weft_trace::Trace::new();
     for step in start_step..t.steps {
         let step_start = Instant::now();
         let lr = lr_at(&config.optim, step, t.steps);
@@ -929,6 +933,21 @@ fn run_rank(
             }
         }
         last_loss = loss;
+        // The sharded runner's compute and communication tracks, for the
+        // first TRACE_STEPS steps (a trace of every step would grow without
+        // bound on long runs).
+        if step < start_step + TRACE_STEPS {
+            let events = model.take_trace_events(0, trace.trace_events.is_empty());
+            if writer && !events.is_empty() {
+                if trace.trace_events.is_empty() {
+                    let name = format!("rank 0 (fsdp {})", config.parallel.fsdp);
+                    trace.push(weft_trace::TraceEvent::process_name(0, name));
+                }
+                trace.trace_events.extend(events);
+            }
+        } else {
+            let _ = model.take_trace_events(0, false);
+        }
         let dt = step_start.elapsed().as_secs_f64();
         let tps = info.tokens_per_step as f64 / dt;
         let flops = tps * flops_per_token;
@@ -1006,6 +1025,11 @@ fn run_rank(
         wall_s: start.elapsed().as_secs_f64(),
         final_max_vio: last_max_vio,
     };
+    if writer && !trace.trace_events.is_empty() {
+        let path = run_dir.join("trace.json");
+        let json = serde_json::to_string(&trace).unwrap_or_default();
+        std::fs::write(&path, json).map_err(io_err(&path))?;
+    }
     if writer {
         let summary_path = run_dir.join("summary.json");
         let json = serde_json::to_string_pretty(&summary).unwrap_or_default();

@@ -332,5 +332,11 @@ fn sharded_data_parallel_is_bitwise_the_single_rank_run() {
     let resumed = train(&config(&dir, "ckpt-again", &sets), true, &mut Silent).unwrap();
     assert_eq!(trace(&resumed.run_dir), trace(&run.run_dir));
     assert_eq!(trace(&run.run_dir), reference);
+    // Its trace has the communication beside the computation.
+    let text = std::fs::read_to_string(run.run_dir.join("trace.json")).unwrap();
+    let t: weft_trace::Trace = serde_json::from_str(&text).unwrap();
+    t.check().unwrap();
+    let tracks: std::collections::BTreeSet<u64> = t.complete_events().map(|e| e.tid).collect();
+    assert!(tracks.len() >= 2, "{tracks:?}");
     let _ = std::fs::remove_dir_all(&dir);
 }
