@@ -86,10 +86,15 @@ enum Command {
         config: Option<PathBuf>,
         /// Override one key, e.g. `--set optim.lr=1e-3` (repeatable; applied
         /// after the file). Keys: run.{name,dir}; model.{n_layer,n_head,
-        /// n_embd,block_size}; data.{source,val_fraction,synthetic.*};
-        /// train.{steps,batch_size,grad_accum,seed,eval_every,eval_sequences,
-        /// spike_factor,spike_window}; optim.{lr,min_lr_ratio,warmup_steps,
-        /// weight_decay,beta1,beta2,eps,grad_clip}.
+        /// n_embd,block_size}; model.moe.{experts,top_k,gate,normalize,
+        /// balance,aux_coef,bias_rate,shared_expert,capacity_factor,drop};
+        /// data.{source,val_fraction,synthetic.*}; train.{steps,batch_size,
+        /// grad_accum,seed,eval_every,eval_sequences,spike_factor,
+        /// spike_window}; optim.{lr,min_lr_ratio,warmup_steps,weight_decay,
+        /// beta1,beta2,eps,grad_clip}; checkpoint.{every,keep_last,
+        /// keep_every}; parallel.{dp,fsdp,hybrid_shard,tp,sequence_parallel,
+        /// ep,pp,pp_schedule,pp_chunks,reproducible} (ranks are threads;
+        /// `--print-config` shows every key with its default).
         #[arg(long = "set", value_name = "KEY=VALUE")]
         sets: Vec<String>,
         /// Train on text: a .txt file or a folder of them (GPT-2 BPE);

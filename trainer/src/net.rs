@@ -12,6 +12,9 @@ use weft_kernels::AdamW;
 use weft_model::tp::{TpActivations, TpGpt, TpLayout};
 use weft_model::{Activations, AdamWState, Gpt, ParamLayout};
 
+use weft_collectives::repro;
+use weft_model::GptStage;
+
 use crate::data::{Batch, Data};
 use crate::parallel::{Dp, GradAccum};
 use crate::train::TrainError;
@@ -25,6 +28,51 @@ pub(crate) enum Net {
     /// This rank's sharded data-parallel state; the runner does the whole
     /// step (its own reductions, clipping and sharded AdamW).
     Fsdp(Box<weft_fsdp::Fsdp>),
+    /// This rank's pipeline stages (one per model chunk it holds) and
+    /// their optimizer state.
+    Pp(Box<Pipe>),
+}
+
+/// One rank's share of a pipeline: the executor, AdamW moments per chunk,
+/// exact per-micro-batch gradient sums, and the last step's measured
+/// timeline (for the run's trace and its bubble).
+pub(crate) struct Pipe {
+    pub(crate) ex: weft_pipeline::Executor,
+    opt: Vec<AdamWState>,
+    /// Exact sums keyed by (chunk, gradient range), reproducible mode.
+    partials: Option<std::collections::BTreeMap<(usize, usize, usize), repro::ExactPartial>>,
+    pub(crate) timeline: Option<weft_pipeline::RankTimeline>,
+}
+
+impl Pipe {
+    /// Rank `rank`'s stages of `schedule` over the whole model `whole`,
+    /// `layers` per virtual stage, micro-batches of `b`×`t` tokens.
+    pub(crate) fn new(
+        whole: &Gpt,
+        schedule: weft_pipeline::Schedule,
+        rank: usize,
+        layers: &[usize],
+        b: usize,
+        t: usize,
+        exact: bool,
+    ) -> Result<Self, TrainError> {
+        let ex = weft_pipeline::Executor::from_gpt(whole, schedule, rank, layers, b, t)?;
+        let opt = ex
+            .stages()
+            .iter()
+            .map(|s| AdamWState {
+                m: vec![0.0; s.params.len()],
+                v: vec![0.0; s.params.len()],
+                step: 0,
+            })
+            .collect();
+        Ok(Self {
+            ex,
+            opt,
+            partials: exact.then(std::collections::BTreeMap::new),
+            timeline: None,
+        })
+    }
 }
 
 /// Activation buffers for a [`Net`].
@@ -33,8 +81,8 @@ pub(crate) enum NetActs {
     Whole(Activations),
     /// For [`Net::Tp`], with the batch size they were planned for.
     Tp(TpActivations, usize),
-    /// For [`Net::Fsdp`] (the runner owns its buffers): the batch size
-    /// and the bytes it planned.
+    /// For [`Net::Fsdp`] and [`Net::Pp`] (which own their buffers): the
+    /// batch size and the bytes planned.
     Fsdp(usize, usize),
 }
 
@@ -130,6 +178,10 @@ impl Net {
                 let bytes = f.memory().current(weft_fsdp::Category::Activations);
                 NetActs::Fsdp(b, bytes)
             }
+            Net::Pp(p) => {
+                let bytes = p.ex.stages().iter().map(|s| s.activation_bytes()).sum();
+                NetActs::Fsdp(b, bytes)
+            }
         })
     }
 
@@ -191,6 +243,10 @@ impl Net {
                 applied: r.applied,
             });
         }
+        if let Net::Pp(p) = self {
+            let batches: Vec<Batch> = share.map(|m| data.train_batch(step, m, micro)).collect();
+            return pipe_step(p, dp, &batches, hp, clip, micro_batches);
+        }
         self.zero_grad();
         let mut micro_losses = Vec::with_capacity(share.len());
         for m in share {
@@ -250,6 +306,15 @@ impl Net {
     pub(crate) fn memory(&self, opt: &AdamWState, acts: &NetActs) -> crate::train::RankMemory {
         use weft_fsdp::Category as C;
         match self {
+            Net::Pp(p) => {
+                let n: usize = p.ex.stages().iter().map(|s| s.params.len()).sum();
+                crate::train::RankMemory {
+                    params: 4 * n,
+                    grads: 4 * n,
+                    optimizer: 8 * n,
+                    activations: acts.bytes(),
+                }
+            }
             Net::Fsdp(f) => {
                 let m = f.memory();
                 crate::train::RankMemory {
@@ -308,6 +373,7 @@ impl Net {
             Net::Whole(m) => m.zero_grad(),
             Net::Tp(m) => m.zero_grad(),
             Net::Fsdp(_) => {}
+            Net::Pp(p) => p.ex.stages_mut().iter_mut().for_each(GptStage::zero_grad),
         }
     }
 
@@ -317,6 +383,7 @@ impl Net {
             Net::Whole(m) => m.params.len(),
             Net::Tp(m) => m.params.len(),
             Net::Fsdp(f) => f.plan().shard_params(),
+            Net::Pp(p) => p.ex.stages().iter().map(|s| s.params.len()).sum(),
         }
     }
 
@@ -325,7 +392,7 @@ impl Net {
         match self {
             Net::Whole(m) => &m.grads,
             Net::Tp(m) => &m.grads,
-            Net::Fsdp(_) => &[],
+            Net::Fsdp(_) | Net::Pp(_) => &[],
         }
     }
 
@@ -334,7 +401,7 @@ impl Net {
         match self {
             Net::Whole(m) => &mut m.grads,
             Net::Tp(m) => &mut m.grads,
-            Net::Fsdp(_) => &mut [],
+            Net::Fsdp(_) | Net::Pp(_) => &mut [],
         }
     }
 
@@ -343,8 +410,8 @@ impl Net {
         match self {
             Net::Whole(m) => AdamWState::new(m),
             Net::Tp(m) => m.adamw_state(),
-            // The runner keeps its own sharded moments.
-            Net::Fsdp(_) => AdamWState {
+            // The runner (or each stage) keeps its own moments.
+            Net::Fsdp(_) | Net::Pp(_) => AdamWState {
                 m: Vec::new(),
                 v: Vec::new(),
                 step: 0,
@@ -361,8 +428,8 @@ impl Net {
         match self {
             Net::Whole(m) => Ok(m.adamw_step(opt, hp)?),
             Net::Tp(m) => m.adamw_step(opt, hp).map_err(tp_err),
-            Net::Fsdp(_) => Err(TrainError::Unsupported(
-                "the sharded runner steps its own optimizer".into(),
+            Net::Fsdp(_) | Net::Pp(_) => Err(TrainError::Unsupported(
+                "sharded and pipelined models step their own optimizer".into(),
             )),
         }
     }
@@ -373,8 +440,8 @@ impl Net {
     pub(crate) fn grad_norm_sq(&self, dp: Option<&Dp>) -> Result<f64, TrainError> {
         match self {
             Net::Tp(m) => m.grad_norm_sq(tp_comm(dp)?).map_err(tp_err),
-            Net::Fsdp(_) => Err(TrainError::Unsupported(
-                "the sharded runner computes its own norm".into(),
+            Net::Fsdp(_) | Net::Pp(_) => Err(TrainError::Unsupported(
+                "sharded and pipelined models compute their own norm".into(),
             )),
             Net::Whole(m) => match dp {
                 Some(d) if d.ep().is_some() => {
@@ -427,6 +494,20 @@ impl Net {
                 opt.v = lay.shard(fl, &whole_opt.v).map_err(tp_err)?;
                 Ok(())
             }
+            Net::Pp(p) => {
+                for (st, o) in p.ex.stages_mut().iter_mut().zip(&mut p.opt) {
+                    st.load_from_full(&whole.params)?;
+                    for (l, g) in st.segments().to_vec() {
+                        o.m[l.clone()].copy_from_slice(&whole_opt.m[g.clone()]);
+                        o.v[l].copy_from_slice(&whole_opt.v[g]);
+                    }
+                    o.step = whole_opt.step;
+                }
+                if let Some(d) = dp.and_then(Dp::pp) {
+                    p.ex.sync_tied_embeddings(d)?;
+                }
+                Ok(())
+            }
             Net::Fsdp(f) => {
                 let units = f.plan().units().to_vec();
                 for (u, unit) in units.iter().enumerate() {
@@ -458,6 +539,7 @@ impl Net {
         if let Some((g, o)) = whole {
             o.step = match self {
                 Net::Fsdp(f) => f.optimizer_step(),
+                Net::Pp(p) => p.opt.first().map_or(0, |o| o.step),
                 _ => opt.step,
             };
             p = Some(&mut g.params[..]);
@@ -478,6 +560,12 @@ impl Net {
                     gather_tp(comm, m, local, full_layout, out)?;
                 }
                 Ok(())
+            }
+            Net::Pp(pipe) => {
+                let comm = dp
+                    .and_then(Dp::pp)
+                    .ok_or_else(|| TrainError::Unsupported("no pipeline group".into()))?;
+                gather_stages(comm, pipe, [p, mo, vo])
             }
             Net::Fsdp(f) => {
                 let d = dp.ok_or_else(|| TrainError::Unsupported("no groups".into()))?;
@@ -510,6 +598,196 @@ fn gather_tp(
         comm.broadcast(&mut buf, r)?;
         if let Some(o) = out.as_deref_mut() {
             lay.place(&buf, full_layout, o, r == 0).map_err(tp_err)?;
+        }
+    }
+    Ok(())
+}
+
+/// One pipelined training step over all `batches` of the global batch: the
+/// schedule (micro-batch gradients summed exactly when reproducible, in
+/// place otherwise), the mean loss broadcast from the head's rank, the
+/// exact global norm over every stage, clipping and AdamW per stage, and
+/// the tied embedding's refresh.
+fn pipe_step(
+    p: &mut Pipe,
+    dp: Option<&Dp>,
+    batches: &[Batch],
+    hp: &AdamW,
+    clip: f64,
+    micro_batches: usize,
+) -> Result<StepOutcome, TrainError> {
+    let comm = dp
+        .and_then(Dp::pp)
+        .ok_or_else(|| TrainError::Unsupported("no pipeline group".into()))?;
+    let mbs: Vec<weft_pipeline::MicroBatch<'_>> = batches
+        .iter()
+        .map(|b| weft_pipeline::MicroBatch {
+            tokens: &b.inputs,
+            targets: &b.targets,
+        })
+        .collect();
+    p.ex.stages_mut().iter_mut().for_each(GptStage::zero_grad);
+    let report = match &mut p.partials {
+        Some(parts) => {
+            let mut failed = None;
+            let mut hook = |ev: weft_pipeline::GradEvent<'_>| {
+                let key = (ev.chunk, ev.range.start, ev.range.end);
+                let part = parts
+                    .entry(key)
+                    .or_insert_with(|| repro::ExactPartial::new(ev.range.len()));
+                if let Err(e) = part.add(ev.grads) {
+                    failed.get_or_insert(e);
+                }
+            };
+            let r = p.ex.step(comm, &mbs, Some(&mut hook))?;
+            if let Some(e) = failed {
+                return Err(e.into());
+            }
+            for ((chunk, a, b), part) in parts.iter_mut() {
+                part.mean_to(&mut p.ex.stages_mut()[*chunk].grads[*a..*b])?;
+                part.clear();
+            }
+            r
+        }
+        None => {
+            let r = p.ex.step(comm, &mbs, None)?;
+            let inv = 1.0 / micro_batches as f32;
+            for st in p.ex.stages_mut() {
+                st.grads.iter_mut().for_each(|g| *g *= inv);
+            }
+            r
+        }
+    };
+    // The losses live on the head's rank; every rank gets them.
+    let pl = p.ex.schedule().placement();
+    let (head, _) = pl.location(pl.virtual_stages() - 1);
+    let mut losses: Vec<f64> = report
+        .losses
+        .iter()
+        .map(|l| l.unwrap_or(f64::NAN))
+        .collect();
+    comm.broadcast(&mut losses, head)?;
+    p.timeline = Some(report.timeline);
+    let mut loss = 0.0;
+    for l in &losses {
+        loss += l;
+    }
+    loss /= micro_batches as f64;
+    // The exact sum of squares over every stage of every rank.
+    let mut sq = weft_numerics::ExactSum::new();
+    let mut buf = Vec::with_capacity(4096);
+    for st in p.ex.stages() {
+        for c in st.grads.chunks(4096) {
+            buf.clear();
+            buf.extend(c.iter().map(|&x| f64::from(x) * f64::from(x)));
+            sq.add_slice(&buf);
+        }
+    }
+    let sq = crate::parallel::merge_exact_sums(comm, &sq)?;
+    let grad_norm = sq.to_f64().sqrt();
+    let applied = loss.is_finite() && grad_norm.is_finite();
+    if applied {
+        #[allow(clippy::cast_possible_truncation)]
+        let coef = if clip > 0.0 && grad_norm > clip {
+            (clip / (grad_norm + 1e-6)) as f32
+        } else {
+            1.0
+        };
+        for (st, o) in p.ex.stages_mut().iter_mut().zip(&mut p.opt) {
+            if coef != 1.0 {
+                st.grads.iter_mut().for_each(|g| *g *= coef);
+            }
+            o.step += 1;
+            for spec in st.specs().to_vec() {
+                let r = spec.range();
+                weft_kernels::adamw_update(
+                    &mut st.params[r.clone()],
+                    &st.grads[r.clone()],
+                    &mut o.m[r.clone()],
+                    &mut o.v[r],
+                    hp,
+                    o.step,
+                    spec.decay,
+                )?;
+            }
+        }
+        p.ex.sync_tied_embeddings(comm)?;
+    }
+    Ok(StepOutcome {
+        loss,
+        grad_norm,
+        applied,
+    })
+}
+
+/// Assembles every rank's stage buffers (parameters, first and second
+/// moments) into the whole-model buffers on rank 0 of `comm` (the others
+/// pass `None`): each rank sends its pieces' full-layout ranges and data.
+fn gather_stages(
+    comm: &dyn Communicator,
+    pipe: &Pipe,
+    mut out: [Option<&mut [f32]>; 3],
+) -> Result<(), TrainError> {
+    const TAG: u64 = 0x5746_5047; // "WFPG"
+    // (full range, data) of every piece this rank holds, per buffer.
+    let mut pieces: Vec<(std::ops::Range<usize>, [Vec<f32>; 3])> = Vec::new();
+    for (st, o) in pipe.ex.stages().iter().zip(&pipe.opt) {
+        for (l, g) in st.segments() {
+            pieces.push((
+                g.clone(),
+                [
+                    st.params[l.clone()].to_vec(),
+                    o.m[l.clone()].to_vec(),
+                    o.v[l.clone()].to_vec(),
+                ],
+            ));
+        }
+    }
+    let place =
+        |out: &mut [Option<&mut [f32]>; 3], g: &std::ops::Range<usize>, data: [&[f32]; 3]| {
+            for (o, d) in out.iter_mut().zip(data) {
+                if let Some(o) = o.as_deref_mut() {
+                    o[g.clone()].copy_from_slice(d);
+                }
+            }
+        };
+    if comm.rank() != 0 {
+        #[allow(clippy::cast_precision_loss)]
+        let header: Vec<f64> = pieces
+            .iter()
+            .flat_map(|(g, _)| [g.start as f64, g.end as f64])
+            .collect();
+        #[allow(clippy::cast_precision_loss)]
+        comm.send(0, TAG, &[header.len() as f64])?;
+        comm.send(0, TAG + 1, &header)?;
+        for (_, data) in &pieces {
+            for d in data {
+                comm.send(0, TAG + 2, d)?;
+            }
+        }
+        return Ok(());
+    }
+    for (g, data) in &pieces {
+        place(&mut out, g, [&data[0], &data[1], &data[2]]);
+    }
+    for peer in 1..comm.size() {
+        let mut n = [0.0f64];
+        comm.recv(peer, TAG, &mut n)?;
+        #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+        let mut header = vec![0.0f64; n[0] as usize];
+        comm.recv(peer, TAG + 1, &mut header)?;
+        for pair in header.chunks_exact(2) {
+            #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+            let g = pair[0] as usize..pair[1] as usize;
+            let mut data = [
+                vec![0.0f32; g.len()],
+                vec![0.0f32; g.len()],
+                vec![0.0f32; g.len()],
+            ];
+            for d in &mut data {
+                comm.recv(peer, TAG + 2, d)?;
+            }
+            place(&mut out, &g, [&data[0], &data[1], &data[2]]);
         }
     }
     Ok(())

@@ -101,18 +101,33 @@ pub(crate) struct Dp {
     world_rank: usize,
     ep: Option<Ep>,
     tp: Option<Box<dyn Communicator>>,
+    pp: Option<Box<dyn Communicator>>,
 }
 
 impl Dp {
     /// The groups of world rank `world.rank()`: with `tp > 1`, tp groups of
     /// `tp` consecutive ranks and data-parallel groups across them; with
     /// `ep > 1`, expert groups of `ep` consecutive data-parallel ranks.
+    /// With `pp > 1` (the other degrees 1) the whole world is the
+    /// pipeline group, rank `i` holding stage `i`, and each rank is its own
+    /// data-parallel group.
     pub(crate) fn new(
         world: Box<dyn Communicator>,
         ep: usize,
         tp: usize,
+        pp: usize,
     ) -> Result<Self, TrainError> {
         let world_rank = world.rank();
+        if pp > 1 {
+            let comm = world.split(world_rank as u32, 0)?;
+            return Ok(Self {
+                comm,
+                world_rank,
+                ep: None,
+                tp: None,
+                pp: Some(world),
+            });
+        }
         let (comm, tp) = if tp > 1 {
             let (d, t) = ((world_rank / tp) as u32, (world_rank % tp) as u32);
             let dp = world.split(t, d)?;
@@ -135,6 +150,7 @@ impl Dp {
             world_rank,
             ep,
             tp,
+            pp: None,
         })
     }
 
@@ -151,6 +167,11 @@ impl Dp {
     /// This rank's index in its expert group, if any.
     pub(crate) fn ep_rank(&self) -> Option<usize> {
         self.ep.as_ref().map(|e| e.group.rank())
+    }
+
+    /// The pipeline group, if any.
+    pub(crate) fn pp(&self) -> Option<&dyn Communicator> {
+        self.pp.as_deref()
     }
 
     /// The tensor-parallel group, if any.
@@ -425,4 +446,33 @@ pub(crate) fn take_experts(
         };
         local[spec.range()].copy_from_slice(&full[start..start + n]);
     }
+}
+
+/// The exact sum of every rank's `local` exact sum over `comm`, the same
+/// on every rank: each rank sends its state to every other and merges all
+/// of them (merging is exact, so the order does not matter).
+pub(crate) fn merge_exact_sums(
+    comm: &dyn Communicator,
+    local: &weft_numerics::ExactSum,
+) -> Result<weft_numerics::ExactSum, TrainError> {
+    const TAG: u64 = 0x5746_4e53; // "WFNS"
+    let mine = local.to_bytes();
+    let me = comm.rank();
+    for peer in (0..comm.size()).filter(|&p| p != me) {
+        comm.send_bytes(peer, TAG, &(mine.len() as u64).to_le_bytes())?;
+        comm.send_bytes(peer, TAG + 1, &mine)?;
+    }
+    let mut total = local.clone();
+    for peer in (0..comm.size()).filter(|&p| p != me) {
+        let mut n = [0u8; 8];
+        comm.recv_bytes(peer, TAG, &mut n)?;
+        let len = usize::try_from(u64::from_le_bytes(n)).unwrap_or(0);
+        let mut buf = vec![0u8; len];
+        comm.recv_bytes(peer, TAG + 1, &mut buf)?;
+        let other = weft_numerics::ExactSum::from_bytes(&buf).map_err(|e| {
+            TrainError::Unsupported(format!("a peer's gradient-norm state is corrupt: {e}"))
+        })?;
+        total.merge(&other);
+    }
+    Ok(total)
 }

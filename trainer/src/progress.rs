@@ -194,6 +194,14 @@ impl Observer for Terminal {
             si(s.flops_per_s),
             100.0 * s.utilisation
         ));
+        if let Some(b) = s.pipeline_bubble {
+            say(&format!(
+                "pipeline        {} bubble {:.1}% measured, {:.1}% predicted by the simulator from the measured costs (trace.json)",
+                b.schedule,
+                100.0 * b.measured,
+                100.0 * b.predicted
+            ));
+        }
         if let Some(v) = s.final_max_vio {
             say(&format!(
                 "expert load     MaxVio {v:.3} at the last step (expert_load.jsonl)"

@@ -22,6 +22,7 @@ use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
+use weft_collectives::CommunicatorExt;
 use weft_kernels::{AdamW, Mode, matmul_forward};
 use weft_model::{AdamWState, Gpt, GptConfig};
 use weft_trace::MetricsRecord;
@@ -57,6 +58,12 @@ pub enum TrainError {
     /// A collective operation between ranks failed.
     #[error("communication: {0}")]
     Comm(#[from] weft_collectives::Error),
+    /// The pipeline executor failed (names the stage, step and action).
+    #[error("pipeline: {0}")]
+    Pipeline(#[from] weft_pipeline::ExecError),
+    /// A kernel rejected its arguments.
+    #[error("kernel: {0}")]
+    Kernel(#[from] weft_kernels::Error),
     /// The sharded data-parallel runner failed.
     #[error("fsdp: {0}")]
     Fsdp(#[from] weft_fsdp::Error),
@@ -209,6 +216,21 @@ pub struct Summary {
     pub wall_s: f64,
     /// MaxVio of the last step (mixture-of-experts models).
     pub final_max_vio: Option<f64>,
+    /// Pipeline runs: the bubble fraction measured over the traced steps
+    /// (after the first), and the simulator's prediction for the same
+    /// schedule with the measured mean action costs.
+    pub pipeline_bubble: Option<PipelineBubble>,
+}
+
+/// Measured and predicted pipeline bubble (fractions of the makespan).
+#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize)]
+pub struct PipelineBubble {
+    /// The schedule.
+    pub schedule: &'static str,
+    /// Mean measured bubble fraction.
+    pub measured: f64,
+    /// Mean bubble fraction the simulator predicts from the measured costs.
+    pub predicted: f64,
 }
 
 /// Receives progress; every method has a no-op default.
@@ -401,6 +423,47 @@ fn eval_loss(model: &mut Net, batches: &[Batch], dp: Option<&Dp>) -> Result<f64,
     Ok(total / tokens.max(1) as f64)
 }
 
+/// Mean validation loss: [`eval_loss`], or for a pipeline the whole model
+/// assembled on rank 0, evaluated there and broadcast (the stages hold no
+/// forward-only schedule).
+fn evaluate(
+    model: &mut Net,
+    full: &mut Option<Gpt>,
+    full_layout: &weft_model::ParamLayout,
+    batches: &[Batch],
+    dp: Option<&Dp>,
+) -> Result<f64, TrainError> {
+    let Some(comm) = dp.and_then(Dp::pp).filter(|_| matches!(model, Net::Pp(_))) else {
+        return eval_loss(model, batches, dp);
+    };
+    let no_moments = AdamWState {
+        m: Vec::new(),
+        v: Vec::new(),
+        step: 0,
+    };
+    let mut loss = [f64::NAN];
+    match full.take() {
+        Some(mut whole) => {
+            let mut moments = AdamWState::new(&whole);
+            model.assemble(
+                dp,
+                &no_moments,
+                full_layout,
+                Some((&mut whole, &mut moments)),
+            )?;
+            let mut net = Net::Whole(whole);
+            let r = eval_loss(&mut net, batches, None);
+            if let Net::Whole(w) = net {
+                *full = Some(w);
+            }
+            loss[0] = r?;
+        }
+        None => model.assemble(dp, &no_moments, full_layout, None)?,
+    }
+    comm.broadcast(&mut loss, 0)?;
+    Ok(loss[0])
+}
+
 /// Sums each layer's expert-load statistics over the data-parallel group,
 /// so every rank balances (and rank 0 logs) the whole global batch.
 fn sum_load_stats(
@@ -454,8 +517,13 @@ pub fn train(
             "tensor parallelism of mixture-of-experts models (parallel.tp > 1 with model.moe.experts > 0)",
         );
     }
-    if p.pp > 1 {
-        return unsupported("pipeline parallelism (parallel.pp > 1)");
+    if p.pp > 1 && (p.dp > 1 || p.tp > 1 || p.ep > 1 || sharded_cfg(config)) {
+        return unsupported(
+            "pipeline parallelism combined with other axes (parallel.pp > 1 with dp, tp, ep or fsdp)",
+        );
+    }
+    if p.pp > 1 && config.model.moe.experts > 0 {
+        return unsupported("pipeline parallelism of mixture-of-experts models");
     }
     let sharded = p.fsdp != "none";
     if sharded && (p.tp > 1 || p.ep > 1 || config.model.moe.experts > 0) {
@@ -472,7 +540,7 @@ pub fn train(
         let ranks = s.spawn(move || {
             let tx = tx;
             weft_collectives::LocalCluster::builder(world).run_each(|comm| {
-                let dp = match Dp::new(Box::new(comm), p.ep, p.tp) {
+                let dp = match Dp::new(Box::new(comm), p.ep, p.tp, p.pp) {
                     Ok(dp) => dp,
                     Err(e) => return Err(e),
                 };
@@ -494,6 +562,51 @@ pub fn train(
         });
         pick_result(results)
     })
+}
+
+fn sharded_cfg(config: &Config) -> bool {
+    config.parallel.fsdp != "none"
+}
+
+/// The configured pipeline schedule's name.
+fn pp_schedule_name(config: &Config) -> &'static str {
+    match config.parallel.pp_schedule.as_str() {
+        "gpipe" => "gpipe",
+        "interleaved" => "interleaved",
+        "zb-h1" => "zb-h1",
+        _ => "1f1b",
+    }
+}
+
+/// The pipeline schedule of a run: `parallel.pp` stages, the global
+/// batch's `train.grad_accum` micro-batches, `parallel.pp_chunks` chunks
+/// per stage for the interleaved schedule; and the layers of each virtual
+/// stage (an even split, earlier stages taking the remainder).
+fn pp_plan(config: &Config) -> Result<(weft_pipeline::Schedule, Vec<usize>), TrainError> {
+    let p = &config.parallel;
+    let kind: weft_pipeline::ScheduleKind = pp_schedule_name(config)
+        .parse()
+        .map_err(|e: weft_pipeline::Error| TrainError::Unsupported(e.to_string()))?;
+    let chunks = if p.pp_schedule == "interleaved" {
+        p.pp_chunks
+    } else {
+        1
+    };
+    let schedule = kind
+        .generate(p.pp, config.train.grad_accum, chunks)
+        .map_err(|e| TrainError::Unsupported(format!("parallel.pp_schedule: {e}")))?;
+    let nvs = p.pp * chunks;
+    let l = config.model.n_layer;
+    if l < nvs {
+        return Err(TrainError::Unsupported(format!(
+            "parallel.pp = {} with {chunks} chunks needs at least {nvs} layers (model.n_layer = {l})",
+            p.pp
+        )));
+    }
+    let layers = (0..nvs)
+        .map(|i| l / nvs + usize::from(i < l % nvs))
+        .collect();
+    Ok((schedule, layers))
 }
 
 /// `dp=2 tp=2 ...` for the degrees above 1.
@@ -577,10 +690,25 @@ fn run_rank(
     // writer keeps the unsharded model to assemble checkpoints in.
     let mut full = None;
     let sharded = config.parallel.fsdp != "none";
-    let mut model = if ep.is_some() || tp.is_some() || sharded {
+    let pp = dp.and_then(Dp::pp).is_some();
+    let mut model = if ep.is_some() || tp.is_some() || sharded || pp {
         let (mut whole, _) = build_model(config, &cfg, None)?;
         whole.init_gpt2(config.train.seed);
         let net = match tp {
+            None if pp => {
+                let (schedule, layers) = pp_plan(config)?;
+                let rank = dp.map_or(0, Dp::world_rank);
+                let t = &config.train;
+                Net::Pp(Box::new(crate::net::Pipe::new(
+                    &whole,
+                    schedule,
+                    rank,
+                    &layers,
+                    t.batch_size / t.grad_accum,
+                    config.model.block_size,
+                    config.parallel.reproducible,
+                )?))
+            }
             None if sharded => {
                 let d = dp.ok_or_else(|| TrainError::Unsupported("fsdp needs its group".into()))?;
                 let p = &config.parallel;
@@ -710,7 +838,7 @@ fn run_rank(
         (Some(f), _) => f.layout().clone(),
         (None, Net::Whole(m)) => m.layout().clone(),
         (None, Net::Tp(m)) => m.full_layout().clone(),
-        (None, Net::Fsdp(_)) => unreachable!("a sharded rank keeps the whole model"),
+        (None, Net::Fsdp(_) | Net::Pp(_)) => unreachable!("a sharded rank keeps the whole model"),
     };
     // The unsharded model's buffers stay on the writer only.
     if !writer {
@@ -782,7 +910,7 @@ fn run_rank(
             .and_then(|v| v["val_loss"].as_f64())
             .unwrap_or(f64::NAN)
     } else {
-        let e = eval_loss(&mut model, &val, dp)?;
+        let e = evaluate(&mut model, &mut full, &full_layout, &val, dp)?;
         log_eval(&mut metrics, observer, 0, e)?;
         e
     };
@@ -832,6 +960,7 @@ fn run_rank(
         }
     };
     let mut trace = weft_trace::Trace::new();
+    let mut bubble_sum: Option<(f64, f64, usize)> = None;
     for step in start_step..t.steps {
         let step_start = Instant::now();
         let lr = lr_at(&config.optim, step, t.steps);
@@ -948,6 +1077,37 @@ fn run_rank(
         } else {
             let _ = model.take_trace_events(0, false);
         }
+        // A pipeline's measured timeline (rank 0 gathers every stage's),
+        // and its bubble beside the simulator's prediction.
+        if step < start_step + TRACE_STEPS
+            && let (Net::Pp(pipe), Some(comm)) = (&mut model, dp.and_then(Dp::pp))
+            && let Some(local) = pipe.timeline.take()
+            && let Some(ranks) = pipe.ex.gather_timelines(comm, &local)?
+        {
+            let schedule = pipe.ex.schedule();
+            let measured = weft_pipeline::Measured::new(schedule, ranks)
+                .map_err(|e| TrainError::Unsupported(format!("pipeline timeline: {e}")))?;
+            if step > start_step {
+                let predicted = measured
+                    .predicted(schedule)
+                    .map_err(|e| TrainError::Unsupported(format!("pipeline simulation: {e}")))?;
+                let (m, p, n) = bubble_sum.get_or_insert((0.0, 0.0, 0));
+                *m += measured.timeline.bubble_fraction();
+                *p += predicted.bubble_fraction();
+                *n += 1;
+            }
+            let offset = step_start.duration_since(start).as_secs_f64() * 1e6;
+            for mut e in measured.to_trace().trace_events {
+                let metadata = e.ph != weft_trace::Phase::Complete;
+                if metadata && !trace.trace_events.is_empty() {
+                    continue;
+                }
+                if !metadata {
+                    e.ts += offset;
+                }
+                trace.trace_events.push(e);
+            }
+        }
         let dt = step_start.elapsed().as_secs_f64();
         let tps = info.tokens_per_step as f64 / dt;
         let flops = tps * flops_per_token;
@@ -972,7 +1132,7 @@ fn run_rank(
         });
         let done = step + 1 == t.steps;
         if done || (t.eval_every > 0 && (step + 1) % t.eval_every == 0) {
-            last_eval = eval_loss(&mut model, &val, dp)?;
+            last_eval = evaluate(&mut model, &mut full, &full_layout, &val, dp)?;
             log_eval(&mut metrics, observer, step + 1, last_eval)?;
         }
         let save_now = config.checkpoint.every > 0
@@ -980,7 +1140,7 @@ fn run_rank(
         // Sharded models are assembled whole on the writer first: a
         // collective, so every rank of the group joins.
         let mut whole_opt = None;
-        if save_now && (ep.is_some() || tp.is_some() || sharded) {
+        if save_now && (ep.is_some() || tp.is_some() || sharded || pp) {
             let mut o = full.as_ref().map(AdamWState::new);
             let dest = full.as_mut().zip(o.as_mut());
             model.assemble(dp, &opt, &full_layout, dest)?;
@@ -997,7 +1157,7 @@ fn run_rank(
             match (&full, &whole_opt, &model) {
                 (Some(f), Some(o), _) => saver.save(step + 1, f, o)?,
                 (_, _, Net::Whole(m)) => saver.save(step + 1, m, &opt)?,
-                (_, _, Net::Tp(_) | Net::Fsdp(_)) => {
+                (_, _, Net::Tp(_) | Net::Fsdp(_) | Net::Pp(_)) => {
                     unreachable!("the writer keeps the whole model")
                 }
             }
@@ -1024,6 +1184,13 @@ fn run_rank(
         utilisation: sum_flops / n / info.peak_flops,
         wall_s: start.elapsed().as_secs_f64(),
         final_max_vio: last_max_vio,
+        pipeline_bubble: bubble_sum.and_then(|(m, p, n)| {
+            (n > 0).then(|| PipelineBubble {
+                schedule: pp_schedule_name(config),
+                measured: m / n as f64,
+                predicted: p / n as f64,
+            })
+        }),
     };
     if writer && !trace.trace_events.is_empty() {
         let path = run_dir.join("trace.json");

@@ -340,3 +340,66 @@ fn sharded_data_parallel_is_bitwise_the_single_rank_run() {
     assert!(tracks.len() >= 2, "{tracks:?}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn pipeline_parallel_is_bitwise_the_single_rank_run() {
+    let dir = tmp("pp");
+    let four = "model.n_layer=4";
+    let one = train(&config(&dir, "single", &[four]), false, &mut Silent).unwrap();
+    let reference = trace(&one.run_dir);
+    for (name, sets) in [
+        (
+            "gpipe2",
+            &["parallel.pp=2", "parallel.pp_schedule=\"gpipe\""][..],
+        ),
+        (
+            "1f1b4",
+            &["parallel.pp=4", "parallel.pp_schedule=\"1f1b\""][..],
+        ),
+        (
+            "zbh1-2",
+            &["parallel.pp=2", "parallel.pp_schedule=\"zb-h1\""][..],
+        ),
+        (
+            "interleaved2",
+            &[
+                "parallel.pp=2",
+                "parallel.pp_schedule=\"interleaved\"",
+                "parallel.pp_chunks=2",
+            ][..],
+        ),
+    ] {
+        let sets: Vec<&str> = sets.iter().copied().chain([four]).collect();
+        let s = train(&config(&dir, name, &sets), false, &mut Silent).unwrap();
+        assert_eq!(trace(&s.run_dir), reference, "{name}");
+        // The measured timeline, and its bubble beside the prediction.
+        let b = s
+            .pipeline_bubble
+            .expect("a pipeline run reports its bubble");
+        assert!(
+            (0.0..1.0).contains(&b.measured) && (0.0..1.0).contains(&b.predicted),
+            "{b:?}"
+        );
+        let text = std::fs::read_to_string(s.run_dir.join("trace.json")).unwrap();
+        let t: weft_trace::Trace = serde_json::from_str(&text).unwrap();
+        t.check().unwrap();
+        let stages: std::collections::BTreeSet<u64> = t.complete_events().map(|e| e.pid).collect();
+        assert!(stages.len() >= 2, "{name}: {stages:?}");
+    }
+    // A pipelined checkpoint is saved whole and resumes bit for bit.
+    let sets = ["parallel.pp=2", "checkpoint.every=3", four];
+    let run = train(&config(&dir, "ckpt", &sets), false, &mut Silent).unwrap();
+    let again = dir.join("ckpt-again");
+    copy_dir(&run.run_dir, &again);
+    std::fs::remove_dir_all(again.join("checkpoints/step-00000006")).unwrap();
+    let resumed = train(&config(&dir, "ckpt-again", &sets), true, &mut Silent).unwrap();
+    assert_eq!(trace(&resumed.run_dir), trace(&run.run_dir));
+    let e = train(
+        &config(&dir, "too-many", &["parallel.pp=4", "model.n_layer=2"]),
+        false,
+        &mut Silent,
+    )
+    .unwrap_err();
+    assert!(e.to_string().contains("at least 4 layers"), "{e}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
