@@ -578,11 +578,19 @@ fn pp_schedule_name(config: &Config) -> &'static str {
     }
 }
 
-/// The pipeline schedule of a run: `parallel.pp` stages, the global
+/// The pipeline schedule of a run — `parallel.pp` stages, the global
 /// batch's `train.grad_accum` micro-batches, `parallel.pp_chunks` chunks
-/// per stage for the interleaved schedule; and the layers of each virtual
-/// stage (an even split, earlier stages taking the remainder).
-fn pp_plan(config: &Config) -> Result<(weft_pipeline::Schedule, Vec<usize>), TrainError> {
+/// per stage for the interleaved schedule — and the layers of each virtual
+/// stage, chosen by `weft-pipeline`'s partitioner to minimise the simulated
+/// makespan. Per-layer costs are the model's FLOPs per token (a block:
+/// 24·C² for its matmuls plus 2·T·C for causal attention, forward;
+/// backward-for-input and backward-for-weights each as much); the head's
+/// 2·C·V is charged to the last block and the embedding's lookup is free,
+/// so the last stage takes fewer blocks when the vocabulary is large.
+fn pp_plan(
+    config: &Config,
+    vocab: usize,
+) -> Result<(weft_pipeline::Schedule, Vec<usize>), TrainError> {
     let p = &config.parallel;
     let kind: weft_pipeline::ScheduleKind = pp_schedule_name(config)
         .parse()
@@ -603,9 +611,44 @@ fn pp_plan(config: &Config) -> Result<(weft_pipeline::Schedule, Vec<usize>), Tra
             p.pp
         )));
     }
-    let layers = (0..nvs)
-        .map(|i| l / nvs + usize::from(i < l % nvs))
+    let (c, t, v) = (
+        config.model.n_embd as f64,
+        config.model.block_size as f64,
+        vocab as f64,
+    );
+    let block = 24.0 * c * c + 2.0 * t * c;
+    let profiles: Vec<weft_pipeline::LayerProfile> = (0..l)
+        .map(|i| {
+            let f = if i + 1 == l {
+                block + 2.0 * c * v
+            } else {
+                block
+            };
+            weft_pipeline::LayerProfile {
+                forward: f,
+                backward_input: f,
+                backward_weight: f,
+                activation: 1.0,
+                weight_grad_memory: 1.0,
+                static_memory: 0.0,
+            }
+        })
         .collect();
+    let part = weft_pipeline::partition(
+        &schedule,
+        &profiles,
+        &weft_pipeline::PartitionOptions {
+            p2p_latency: 0.0,
+            memory_limit: None,
+        },
+    )
+    .map_err(|e| TrainError::Unsupported(format!("pipeline partition: {e}")))?;
+    let layers = part.layers_per_chunk();
+    if layers.contains(&0) {
+        return Err(TrainError::Unsupported(format!(
+            "pipeline partition left a stage without layers ({layers:?}); use fewer stages"
+        )));
+    }
     Ok((schedule, layers))
 }
 
@@ -619,6 +662,9 @@ fn layout_name(config: &Config) -> String {
         .collect();
     if p.tp > 1 && p.sequence_parallel {
         parts.push("sequence-parallel".into());
+    }
+    if p.pp > 1 {
+        parts.push(format!("schedule {}", pp_schedule_name(config)));
     }
     if p.world_size() > 1 {
         parts.push(if p.reproducible {
@@ -696,7 +742,7 @@ fn run_rank(
         whole.init_gpt2(config.train.seed);
         let net = match tp {
             None if pp => {
-                let (schedule, layers) = pp_plan(config)?;
+                let (schedule, layers) = pp_plan(config, vocab)?;
                 let rank = dp.map_or(0, Dp::world_rank);
                 let t = &config.train;
                 Net::Pp(Box::new(crate::net::Pipe::new(
@@ -1209,6 +1255,25 @@ fn run_rank(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn pipeline_stages_are_partitioned_by_cost() {
+        let sets = [
+            "model.n_layer=8",
+            "model.n_embd=64",
+            "parallel.pp=2",
+            "train.grad_accum=8",
+        ];
+        let c = Config::load(None, &sets.map(String::from)).unwrap();
+        // A small vocabulary: the blocks dominate, an even split.
+        let (_, even) = pp_plan(&c, 256).unwrap();
+        assert_eq!(even, [4, 4]);
+        // GPT-2's vocabulary: the head costs several blocks, so the last
+        // stage gets fewer of them.
+        let (_, skewed) = pp_plan(&c, 50257).unwrap();
+        assert_eq!(skewed.iter().sum::<usize>(), 8);
+        assert!(skewed[1] < skewed[0], "{skewed:?}");
+    }
 
     #[test]
     fn timestamp_names_sort_and_parse() {
