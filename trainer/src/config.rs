@@ -174,7 +174,11 @@ pub struct MoeSection {
     pub balance: String,
     /// Coefficient of the auxiliary loss (`balance = "aux"`).
     pub aux_coef: f64,
-    /// Update rate of the selection bias (`balance = "bias"`).
+    /// Update rate of the selection bias (`balance = "bias"`). The
+    /// default, 0.01, suits runs of hundreds to thousands of steps: at
+    /// DeepSeek-V3's 0.001 (set for a run of trillions of tokens) a
+    /// 200-step run on the default corpus still ends at MaxVio 2.06 — no
+    /// better than no balancing — against 0.28 at 0.01.
     pub bias_rate: f64,
     /// Add a shared expert that sees every token.
     pub shared_expert: bool,
@@ -193,7 +197,7 @@ impl Default for MoeSection {
             normalize: true,
             balance: "bias".into(),
             aux_coef: 0.01,
-            bias_rate: 1e-3,
+            bias_rate: 1e-2,
             shared_expert: false,
             capacity_factor: 0.0,
             drop: "position".into(),

@@ -70,7 +70,7 @@ impl Observer for Terminal {
         self.log_every = (info.steps / 20).max(1);
         say(&format!("run folder      {}", info.run_dir.display()));
         say(&format!(
-            "model           {} parameters, vocabulary {}, activations {} B per micro-batch",
+            "model           {} parameters, vocabulary {}, activations {}B per micro-batch",
             si(info.params as f64).trim(),
             info.vocab,
             si(info.activation_bytes as f64).trim()
