@@ -89,6 +89,49 @@ pub fn config_hash(config: &Config) -> String {
     )
 }
 
+/// Every tensor of a checkpoint: the parameters under their HF names and
+/// the AdamW moments, with shapes and little-endian bytes.
+fn tensors(model: &Gpt, opt: &AdamWState) -> (Vec<String>, Vec<Vec<u64>>, Vec<Vec<u8>>) {
+    let specs = model.layout().specs();
+    let mut names = Vec::with_capacity(3 * specs.len());
+    let mut shapes = Vec::with_capacity(3 * specs.len());
+    let mut bytes = Vec::with_capacity(3 * specs.len());
+    for spec in specs {
+        let r = spec.range();
+        let shape: Vec<u64> = spec.shape.iter().map(|&d| d as u64).collect();
+        for (prefix, buf) in [
+            ("", &model.params),
+            ("optimizer.exp_avg.", &opt.m),
+            ("optimizer.exp_avg_sq.", &opt.v),
+        ] {
+            names.push(format!("{prefix}{}", spec.name));
+            shapes.push(shape.clone());
+            bytes.push(le_bytes(&buf[r.clone()]));
+        }
+    }
+    (names, shapes, bytes)
+}
+
+/// The whole-tensor shards of [`tensors`]' output.
+fn shard_data<'a>(
+    names: &'a [String],
+    shapes: &'a [Vec<u64>],
+    bytes: &'a [Vec<u8>],
+) -> Vec<ShardData<'a>> {
+    names
+        .iter()
+        .zip(shapes)
+        .zip(bytes)
+        .map(|((name, shape), data)| ShardData {
+            name,
+            dtype: Dtype::F32,
+            global_shape: shape,
+            region: Region::full(shape),
+            data,
+        })
+        .collect()
+}
+
 fn le_bytes(xs: &[f32]) -> Vec<u8> {
     xs.iter().flat_map(|x| x.to_le_bytes()).collect()
 }
@@ -128,35 +171,8 @@ impl Saver {
     /// [`CkptError::Checkpoint`] if the previous save failed or this one
     /// could not start.
     pub fn save(&mut self, step: u64, model: &Gpt, opt: &AdamWState) -> Result<(), CkptError> {
-        let specs = model.layout().specs();
-        let mut names = Vec::with_capacity(3 * specs.len());
-        let mut shapes = Vec::with_capacity(3 * specs.len());
-        let mut bytes = Vec::with_capacity(3 * specs.len());
-        for spec in specs {
-            let r = spec.range();
-            let shape: Vec<u64> = spec.shape.iter().map(|&d| d as u64).collect();
-            for (prefix, buf) in [
-                ("", &model.params),
-                ("optimizer.exp_avg.", &opt.m),
-                ("optimizer.exp_avg_sq.", &opt.v),
-            ] {
-                names.push(format!("{prefix}{}", spec.name));
-                shapes.push(shape.clone());
-                bytes.push(le_bytes(&buf[r.clone()]));
-            }
-        }
-        let shards: Vec<ShardData<'_>> = names
-            .iter()
-            .zip(&shapes)
-            .zip(&bytes)
-            .map(|((name, shape), data)| ShardData {
-                name,
-                dtype: Dtype::F32,
-                global_shape: shape,
-                region: Region::full(shape),
-                data,
-            })
-            .collect();
+        let (names, shapes, bytes) = tensors(model, opt);
+        let shards = shard_data(&names, &shapes, &bytes);
         let mut state = TrainerState {
             optimizer_step: step,
             config_hash: Some(self.hash.clone()),
@@ -179,6 +195,26 @@ impl Saver {
             .inner
             .save_from(step, &Layout::flat("dp", 1), &[shards], &state);
         match previous {
+            Some(Err(source)) => Err(CkptError::Checkpoint {
+                root: self.root.clone(),
+                source,
+            }),
+            _ => Ok(()),
+        }
+    }
+
+    /// Maps the host buffers that saving `model` and `opt` will copy into,
+    /// once at start-up, so that even the first save's copy inside the
+    /// training step does not take a page fault every 4 KiB (measured on
+    /// GPT-2 small: the first save's stall falls from about 45% of a step
+    /// to a few percent).
+    ///
+    /// # Errors
+    /// [`CkptError::Checkpoint`] if a save in flight failed.
+    pub fn reserve(&mut self, model: &Gpt, opt: &AdamWState) -> Result<(), CkptError> {
+        let (names, shapes, bytes) = tensors(model, opt);
+        let shards = shard_data(&names, &shapes, &bytes);
+        match self.inner.reserve(&[shards]) {
             Some(Err(source)) => Err(CkptError::Checkpoint {
                 root: self.root.clone(),
                 source,

@@ -875,6 +875,14 @@ fn run_rank(
     } else {
         None
     };
+    // Map the saver's host buffers now, not inside the first save's step.
+    if let Some(saver) = saver.as_mut() {
+        match (&full, &model) {
+            (Some(f), _) => saver.reserve(f, &AdamWState::new(f))?,
+            (None, Net::Whole(m)) => saver.reserve(m, &opt)?,
+            _ => {}
+        }
+    }
 
     let t = &config.train;
     let micro = t.batch_size / t.grad_accum;
