@@ -45,7 +45,7 @@ pub struct StageSpec {
 
 impl StageSpec {
     /// The `stage`-th of the contiguous stages holding `layers_per_stage[i]`
-    /// layers each (e.g. a [`Partition`]'s layers per chunk, in model
+    /// layers each (e.g. a `weft_pipeline::Partition`'s layers per chunk, in model
     /// order): the embedding on the first, the head on the last.
     ///
     /// # Errors

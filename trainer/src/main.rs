@@ -113,8 +113,8 @@ enum Command {
     /// Generate from the last saved weights of a run folder. Decodes
     /// incrementally with a key/value cache whose logits are bitwise the
     /// training forward's. Text runs read and print text (GPT-2 BPE);
-    /// synthetic-corpus runs read and print token ids, markers as <M0>,
-    /// <M1>, ...
+    /// synthetic-corpus runs read and print token ids, markers as `<M0>`,
+    /// `<M1>`, ...
     Sample {
         /// The run folder (e.g. runs/NAME), with config.toml and checkpoints/.
         #[arg(long, value_name = "DIR")]

@@ -2,7 +2,7 @@
 //! hold a share of the experts), its tensor-parallel shard, or its fully
 //! sharded data-parallel state (`weft-fsdp`).
 //!
-//! The training loop talks to a [`Net`] only: a training step over this
+//! The training loop talks to a `Net` only: a training step over this
 //! rank's micro-batches (forward, backward, gradient reduction, global-norm
 //! clipping, AdamW — or a skip on a non-finite gradient), evaluation, and
 //! assembling / sharding the whole model for checkpoints.
