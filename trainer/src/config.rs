@@ -266,7 +266,7 @@ pub struct TrainConfig {
 impl Default for TrainConfig {
     fn default() -> Self {
         Self {
-            steps: 1000,
+            steps: 2000,
             batch_size: 32,
             grad_accum: 1,
             seed: 42,
