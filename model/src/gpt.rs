@@ -15,7 +15,7 @@ use weft_kernels::{
 use crate::config::GptConfig;
 use crate::error::{Error, Result};
 use crate::ffn::{Dims, FeedForward, Mlp};
-use crate::params::ParamLayout;
+use crate::params::{ParamLayout, ParamSpec};
 
 /// Offsets of one block's tensors relative to the block's first parameter.
 #[derive(Clone, Debug)]
@@ -1413,20 +1413,7 @@ impl Gpt {
     /// # Errors
     /// A kernel error if `state` was made for another model size.
     pub fn adamw_step(&mut self, state: &mut AdamWState, hp: &AdamW) -> Result<()> {
-        state.step += 1;
-        for spec in self.layout.specs() {
-            let r = spec.range();
-            adamw_update(
-                &mut self.params[r.clone()],
-                &self.grads[r.clone()],
-                &mut state.m[r.clone()],
-                &mut state.v[r],
-                hp,
-                state.step,
-                spec.decay,
-            )?;
-        }
-        Ok(())
+        state.step_over(self.layout.specs(), &mut self.params, &self.grads, hp)
     }
 }
 
@@ -1442,6 +1429,45 @@ pub struct AdamWState {
 }
 
 impl AdamWState {
+    /// One AdamW step of `params` (with `grads`, both laid out like these
+    /// moments), tensor by tensor of `specs`: weight decay where
+    /// [`ParamSpec::decay`] is set (not on biases and layernorms). Counts
+    /// the step.
+    ///
+    /// # Errors
+    /// A kernel error if a spec's range lies outside the buffers.
+    pub fn step_over(
+        &mut self,
+        specs: &[ParamSpec],
+        params: &mut [f32],
+        grads: &[f32],
+        hp: &AdamW,
+    ) -> Result<()> {
+        self.step += 1;
+        for spec in specs {
+            let r = spec.range();
+            if r.end > params.len() || r.end > grads.len() || r.end > self.m.len() {
+                return Err(Error::Batch {
+                    reason: format!(
+                        "AdamW: tensor {} ({r:?}) outside buffers of {} parameters",
+                        spec.name,
+                        params.len()
+                    ),
+                });
+            }
+            adamw_update(
+                &mut params[r.clone()],
+                &grads[r.clone()],
+                &mut self.m[r.clone()],
+                &mut self.v[r],
+                hp,
+                self.step,
+                spec.decay,
+            )?;
+        }
+        Ok(())
+    }
+
     /// Zero moments for `model`.
     pub fn new(model: &Gpt) -> Self {
         AdamWState {

@@ -118,13 +118,18 @@ pub(crate) struct StepOutcome {
 /// `Σ g²` over `grads`: exact in f64 per term, summed exactly, rounded once.
 fn exact_sum_of_squares(grads: &[f32]) -> f64 {
     let mut sum = weft_numerics::ExactSum::new();
+    add_squares(&mut sum, grads);
+    sum.to_f64()
+}
+
+/// Adds every `g²` of `grads` (exact in f64) to `sum`.
+fn add_squares(sum: &mut weft_numerics::ExactSum, grads: &[f32]) {
     let mut buf = Vec::with_capacity(4096);
     for c in grads.chunks(4096) {
         buf.clear();
         buf.extend(c.iter().map(|&x| f64::from(x) * f64::from(x)));
         sum.add_slice(&buf);
     }
-    sum.to_f64()
 }
 
 /// Gathers the sharded runner's `(master, m, v)[which]` of every unit into
@@ -675,13 +680,8 @@ fn pipe_step(
     loss /= micro_batches as f64;
     // The exact sum of squares over every stage of every rank.
     let mut sq = weft_numerics::ExactSum::new();
-    let mut buf = Vec::with_capacity(4096);
     for st in p.ex.stages() {
-        for c in st.grads.chunks(4096) {
-            buf.clear();
-            buf.extend(c.iter().map(|&x| f64::from(x) * f64::from(x)));
-            sq.add_slice(&buf);
-        }
+        add_squares(&mut sq, &st.grads);
     }
     let sq = crate::parallel::merge_exact_sums(comm, &sq)?;
     let grad_norm = sq.to_f64().sqrt();
@@ -697,19 +697,8 @@ fn pipe_step(
             if coef != 1.0 {
                 st.grads.iter_mut().for_each(|g| *g *= coef);
             }
-            o.step += 1;
-            for spec in st.specs().to_vec() {
-                let r = spec.range();
-                weft_kernels::adamw_update(
-                    &mut st.params[r.clone()],
-                    &st.grads[r.clone()],
-                    &mut o.m[r.clone()],
-                    &mut o.v[r],
-                    hp,
-                    o.step,
-                    spec.decay,
-                )?;
-            }
+            let specs = st.specs().to_vec();
+            o.step_over(&specs, &mut st.params, &st.grads, hp)?;
         }
         p.ex.sync_tied_embeddings(comm)?;
     }

@@ -363,10 +363,7 @@ fn pick(logits: &[f32], opts: &SampleOptions, rng: &mut Pcg64) -> u32 {
 fn build_model(config: &Config, vocab: usize) -> Result<(Gpt, Option<MoeStats>), SampleError> {
     let cfg = crate::train::model_config(config, vocab);
     let m = &config.model.moe;
-    if m.experts == 0 {
-        return Ok((Gpt::new(cfg)?, None));
-    }
-    if m.capacity_factor > 0.0 {
+    if m.experts > 0 && m.capacity_factor > 0.0 {
         return Err(SampleError::Unsupported(format!(
             "model.moe.capacity_factor = {}: with a capacity limit a token's experts depend on \
              the other tokens of the batch, so the model cannot be decoded token by token \
@@ -374,22 +371,8 @@ fn build_model(config: &Config, vocab: usize) -> Result<(Gpt, Option<MoeStats>),
             m.capacity_factor
         )));
     }
-    use weft_moe::{Gate, MoeConfig, Router};
-    let gate = if m.gate == "sigmoid" {
-        Gate::Sigmoid
-    } else {
-        Gate::Softmax
-    };
-    let router = Router::top_k(m.experts, m.top_k)
-        .with_gate(gate)
-        .with_normalize(m.normalize);
-    // The auxiliary loss only adds a gradient; the forward does not need it.
-    let moe_cfg = MoeConfig {
-        channels: cfg.n_embd,
-        hidden: 4 * cfg.n_embd,
-        router,
-        shared_expert: m.shared_expert,
-        aux: None,
+    let Some(moe_cfg) = crate::train::moe_config(config, &cfg) else {
+        return Ok((Gpt::new(cfg)?, None));
     };
     let (ffn, stats) = weft_model::MoeFfn::new(moe_cfg)?;
     Ok((Gpt::with_ffn(cfg, Box::new(ffn))?, Some(stats)))

@@ -329,18 +329,14 @@ struct MoeRun {
     bias_rate: Option<f64>,
 }
 
-/// The model of one rank: with `ep`, its mixture-of-experts blocks hold
-/// this rank's share of the experts.
-fn build_model(
-    config: &Config,
-    cfg: &GptConfig,
-    ep: Option<&crate::parallel::Ep>,
-) -> Result<(Gpt, Option<MoeRun>), TrainError> {
+/// The mixture-of-experts block of a job per `[model.moe]` (router, gate,
+/// capacity, shared expert, auxiliary loss), or `None` for a dense model.
+pub(crate) fn moe_config(config: &Config, cfg: &GptConfig) -> Option<weft_moe::MoeConfig> {
+    use weft_moe::{AuxLoss, AuxScope, DropPolicy, Gate, MoeConfig, Router};
     let m = &config.model.moe;
     if m.experts == 0 {
-        return Ok((Gpt::new(cfg.clone())?, None));
+        return None;
     }
-    use weft_moe::{AuxLoss, AuxScope, DropPolicy, Gate, MoeConfig, Router};
     let gate = if m.gate == "sigmoid" {
         Gate::Sigmoid
     } else {
@@ -357,7 +353,7 @@ fn build_model(
         };
         router = router.with_capacity(m.capacity_factor, drop);
     }
-    let moe_cfg = MoeConfig {
+    Some(MoeConfig {
         channels: cfg.n_embd,
         hidden: 4 * cfg.n_embd,
         router,
@@ -366,7 +362,20 @@ fn build_model(
             coef: m.aux_coef,
             scope: AuxScope::Batch,
         }),
+    })
+}
+
+/// The model of one rank: with `ep`, its mixture-of-experts blocks hold
+/// this rank's share of the experts.
+fn build_model(
+    config: &Config,
+    cfg: &GptConfig,
+    ep: Option<&crate::parallel::Ep>,
+) -> Result<(Gpt, Option<MoeRun>), TrainError> {
+    let Some(moe_cfg) = moe_config(config, cfg) else {
+        return Ok((Gpt::new(cfg.clone())?, None));
     };
+    let m = &config.model.moe;
     let (ffn, stats) = match ep {
         Some(ep) => weft_model::MoeFfn::with_expert_parallel(moe_cfg, ep.group.clone())?,
         None => weft_model::MoeFfn::new(moe_cfg)?,
