@@ -1070,7 +1070,7 @@ impl Fsdp {
                 } else {
                     prev[l - 1].out()
                 };
-                bl.block_forward(&mut cur[0], inp, p, &mut acts.scratch)?;
+                bl.block_forward(l, &mut cur[0], inp, p, &mut acts.scratch)?;
             }
             UnitKind::Head => {
                 let lnf_len = 2 * bl.config().n_embd;

@@ -36,6 +36,10 @@ pub struct Dims {
     pub c: usize,
     /// How linear layers split their work.
     pub mode: Mode,
+    /// Index of the transformer layer the block belongs to (0-based, in the
+    /// whole model: a pipeline stage passes its layers' global indices), for
+    /// blocks that keep per-layer statistics.
+    pub layer: usize,
 }
 
 /// A feed-forward block of a transformer layer (see the module docs).
@@ -151,7 +155,7 @@ impl FeedForward for Mlp {
         params: &[f32],
         d: Dims,
     ) -> Result<()> {
-        let Dims { b, t, c, mode } = d;
+        let Dims { b, t, c, mode, .. } = d;
         let n = b * t;
         let (fw, _, pw, _) = split(params, c);
         let (dfw, dfb, dpw, dpb) = split_mut(dparams, c);

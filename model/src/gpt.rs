@@ -125,6 +125,7 @@ pub struct GptBlocks {
 pub struct BlockActs {
     b: usize,
     t: usize,
+    layer: usize,             // set by the forward, read by the backward
     ln1: Vec<f32>,            // (B,T,C)
     ln1_mean: Vec<f32>,       // (B,T)
     ln1_rstd: Vec<f32>,       // (B,T)
@@ -404,6 +405,7 @@ impl GptBlocks {
         Ok(BlockActs {
             b,
             t,
+            layer: 0,
             ln1: z(n * c),
             ln1_mean: z(n),
             ln1_rstd: z(n),
@@ -477,12 +479,13 @@ impl GptBlocks {
         })
     }
 
-    fn dims(&self, b: usize, t: usize, mode: Mode) -> Dims {
+    fn dims(&self, b: usize, t: usize, mode: Mode, layer: usize) -> Dims {
         Dims {
             b,
             t,
             c: self.config.n_embd,
             mode,
+            layer,
         }
     }
 
@@ -530,20 +533,24 @@ impl GptBlocks {
     }
 
     /// One transformer block: `x + attn(ln_1(x))`, then `y + ffn(ln_2(y))`,
-    /// over `inp (B,T,C)` with the block's parameter slice; the output is
-    /// [`acts.out()`](BlockActs::out).
+    /// over `inp (B,T,C)` with the parameter slice of layer `layer` (its
+    /// index in the whole model, which the feed-forward block sees in
+    /// [`Dims::layer`]; the backward passes on the same index); the output
+    /// is [`acts.out()`](BlockActs::out).
     ///
     /// # Errors
     /// [`Error::Batch`] on a wrong parameter slice length; a kernel error
     /// if `inp` or `scratch` does not fit `acts`' shape.
     pub fn block_forward(
         &self,
+        layer: usize,
         acts: &mut BlockActs,
         inp: &[f32],
         params: &[f32],
         scratch: &mut BlockScratch,
     ) -> Result<()> {
         check_len("block parameters", params.len(), self.block_len())?;
+        acts.layer = layer;
         let (b, t) = (acts.b, acts.t);
         let n = b * t;
         let GptConfig {
@@ -604,7 +611,7 @@ impl GptBlocks {
             &mut acts.ffn_saved,
             &acts.ln2,
             &p[blk.ffn.clone()],
-            self.dims(b, t, mode),
+            self.dims(b, t, mode, layer),
         )?;
         residual_forward(&mut acts.out, &acts.res2, &scratch.tmp, n * c)?;
         Ok(())
@@ -650,7 +657,7 @@ impl GptBlocks {
             &acts.ln2,
             &acts.ffn_saved,
             &p[blk.ffn.clone()],
-            self.dims(b, t, mode),
+            self.dims(b, t, mode, acts.layer),
         )?;
         let (dw, db) = two_mut(g, blk.ln2_w.clone(), blk.ln2_b.clone());
         layernorm_backward(
@@ -776,7 +783,7 @@ impl GptBlocks {
             &acts.ln2,
             &acts.ffn_saved,
             &p[blk.ffn.clone()],
-            self.dims(b, t, mode),
+            self.dims(b, t, mode, acts.layer),
         )?;
         let (dw, db) = scratch.sink_p[..2 * c].split_at_mut(c);
         dw.fill(0.0);
@@ -899,7 +906,7 @@ impl GptBlocks {
             &acts.ln2,
             &acts.ffn_saved,
             &p[blk.ffn.clone()],
-            self.dims(b, t, mode),
+            self.dims(b, t, mode, acts.layer),
         )?;
         let (dw, db) = two_mut(g, blk.ln2_w.clone(), blk.ln2_b.clone());
         layernorm_backward(
@@ -1335,7 +1342,13 @@ impl Gpt {
             } else {
                 &prev[l - 1].out
             };
-            bl.block_forward(&mut cur[0], inp, &p[bl.block_range(l)], &mut acts.scratch)?;
+            bl.block_forward(
+                l,
+                &mut cur[0],
+                inp,
+                &p[bl.block_range(l)],
+                &mut acts.scratch,
+            )?;
         }
         let last = &acts.layers[acts.layers.len() - 1].out;
         bl.head_forward(

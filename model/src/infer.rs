@@ -296,11 +296,12 @@ impl<'m> Decoder<'m> {
         )?;
         let ffn = model.blocks().ffn();
         let spt = ffn.saved_per_token(c);
-        let d = Dims {
+        let dims = |layer| Dims {
             b: 1,
             t: n,
             c,
             mode,
+            layer,
         };
         for (l, layer) in self.layers.iter().enumerate() {
             let ln = &mut self.ln[..nc];
@@ -371,7 +372,7 @@ impl<'m> Decoder<'m> {
                 &mut self.ffn_saved[..n * spt],
                 &self.ln[..nc],
                 &p[layer.ffn.clone()],
-                d,
+                dims(l),
             )?;
             residual_forward(&mut self.x[..nc], &self.res2[..nc], &self.tmp[..nc], nc)?;
         }

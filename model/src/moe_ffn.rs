@@ -6,9 +6,11 @@
 //! selection bias is never decayed and its gradient is always 0, so AdamW
 //! leaves it alone; the trainer sets it with
 //! [`weft_moe::BiasBalancer::update`] after each step from the load that
-//! [`MoeStats::take`] returns. Each forward (one per layer, in layer
-//! order) appends its [`weft_moe::MoeForward`] (load statistics and the
-//! auxiliary loss value) to the shared log behind [`MoeStats`].
+//! [`MoeStats::take`] returns. Each forward appends its layer index
+//! ([`Dims::layer`]) and its [`weft_moe::MoeForward`] (load statistics and
+//! the auxiliary loss value) to the shared log behind [`MoeStats`]; a
+//! pipeline stage's log holds its own layers only, in the order its
+//! schedule ran them.
 //!
 //! The experts run grouped over the whole batch, so the block is not
 //! batch-invariant whatever [`Dims::mode`] says.
@@ -82,7 +84,7 @@ use crate::gpt::Gpt;
 #[derive(Debug)]
 pub struct MoeFfn {
     engine: Engine,
-    log: Arc<Mutex<Vec<MoeForward>>>,
+    log: Arc<Mutex<Vec<(usize, MoeForward)>>>,
 }
 
 /// The unsharded block, or this rank's shard with its expert group.
@@ -110,12 +112,12 @@ impl std::fmt::Debug for Engine {
 
 /// The trainer's handle on the statistics every [`MoeFfn`] forward logs.
 #[derive(Clone, Debug)]
-pub struct MoeStats(Arc<Mutex<Vec<MoeForward>>>);
+pub struct MoeStats(Arc<Mutex<Vec<(usize, MoeForward)>>>);
 
 impl MoeStats {
-    /// Takes the logged forwards, oldest first (one per MoE layer per
-    /// forward pass, in layer order).
-    pub fn take(&self) -> Vec<MoeForward> {
+    /// Takes the logged forwards as `(layer, forward)` pairs, oldest first
+    /// (one per MoE layer per forward pass).
+    pub fn take(&self) -> Vec<(usize, MoeForward)> {
         std::mem::take(
             &mut *self
                 .0
@@ -319,7 +321,7 @@ impl FeedForward for MoeFfn {
         self.log
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .push(f);
+            .push((d.layer, f));
         Ok(())
     }
 
@@ -407,7 +409,8 @@ mod tests {
                 .unwrap();
             let log = stats.take();
             assert_eq!(log.len(), 2);
-            for f in &log {
+            assert_eq!(log.iter().map(|(l, _)| *l).collect::<Vec<_>>(), [0, 1]);
+            for (_, f) in &log {
                 assert_eq!(f.stats.tokens_per_expert.iter().sum::<u64>(), 32);
             }
         }

@@ -611,7 +611,13 @@ impl GptStage {
             } else {
                 &prev[i - 1].out
             };
-            bl.block_forward(&mut cur[0], inp, &p[r.clone()], &mut self.scratch)?;
+            bl.block_forward(
+                self.spec.layers.start + i,
+                &mut cur[0],
+                inp,
+                &p[r.clone()],
+                &mut self.scratch,
+            )?;
         }
         slot.loss = None;
         if let (Some(head), Some(lnf)) = (&mut slot.head, &self.lnf) {

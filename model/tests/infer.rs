@@ -139,7 +139,7 @@ fn moe_models_decode_the_forwards_logits_bitwise() {
         let log = stats.take();
         let used = log
             .iter()
-            .flat_map(|f| f.stats.tokens_per_expert.iter().enumerate())
+            .flat_map(|(_, f)| f.stats.tokens_per_expert.iter().enumerate())
             .filter(|&(_, &n)| n > 0)
             .map(|(e, _)| e)
             .collect::<std::collections::BTreeSet<_>>();

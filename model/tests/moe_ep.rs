@@ -149,7 +149,7 @@ fn moe_gpt_with_ep_2_and_4_matches_ep_1() {
             );
             // One forward per layer, each over this rank's B·T tokens.
             assert_eq!(load.len(), 2);
-            assert!(load.iter().all(|f| f.stats.tokens == (B * T) as u64));
+            assert!(load.iter().all(|(_, f)| f.stats.tokens == (B * T) as u64));
             for spec in local.layout().specs() {
                 let name = &spec.name;
                 let got = &s.grads[spec.range()];

@@ -130,13 +130,14 @@ fn check_case(path: &Path) -> TestResult {
         t,
         c,
         mode: Mode::default(),
+        layer: 0,
     };
     let mut out = vec![0.0f32; n * c];
     let mut saved = vec![0.0f32; n * ffn.saved_per_token(c)];
     ffn.forward(&mut out, &mut saved, &inp, &params, d)?;
     let err = rel_err(&out, &read(&st, "out")?);
     assert!(err < 1e-5, "{name}: output relative error {err:.2e}");
-    let fwd = stats.take().pop().ok_or("no statistics logged")?;
+    let (_, fwd) = stats.take().pop().ok_or("no statistics logged")?;
     let aux_ref = read(&st, "aux_loss")?[0];
     assert!(
         (fwd.aux_loss - aux_ref).abs() <= 1e-5 * aux_ref.abs().max(1e-3),

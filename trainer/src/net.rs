@@ -382,6 +382,23 @@ impl Net {
         }
     }
 
+    /// This rank's copy of the parameter tensor `name` (Hugging Face name),
+    /// if it holds it whole: the whole model's, or the pipeline stage's
+    /// that owns it; `None` for a tensor held elsewhere or sharded.
+    pub(crate) fn param_mut(&mut self, name: &str) -> Option<&mut [f32]> {
+        match self {
+            Net::Whole(m) => {
+                let r = m.layout().get(name)?.range();
+                Some(&mut m.params[r])
+            }
+            Net::Tp(_) | Net::Fsdp(_) => None,
+            Net::Pp(p) => p.ex.stages_mut().iter_mut().find_map(|s| {
+                let r = s.specs().iter().find(|spec| spec.name == name)?.range();
+                Some(&mut s.params[r])
+            }),
+        }
+    }
+
     /// Parameters on this rank.
     pub(crate) fn params_len(&self) -> usize {
         match self {

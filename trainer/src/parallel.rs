@@ -208,10 +208,14 @@ impl Dp {
         Ok(all)
     }
 
-    /// Elementwise sum over ranks of small integer-valued counts (exact
-    /// below 2^53 whatever the order).
+    /// Elementwise sum over the data-parallel ranks, then over the pipeline
+    /// stages, of small integer-valued counts (exact below 2^53 whatever
+    /// the order).
     pub(crate) fn sum_counts(&self, values: &mut [f64]) -> Result<(), TrainError> {
         self.comm.all_reduce(values, ReduceOp::Sum)?;
+        if let Some(pp) = &self.pp {
+            pp.all_reduce(values, ReduceOp::Sum)?;
+        }
         Ok(())
     }
 

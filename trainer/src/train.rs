@@ -326,6 +326,7 @@ pub fn model_config(config: &Config, vocab: usize) -> GptConfig {
 struct MoeRun {
     stats: weft_model::MoeStats,
     layers: usize,
+    experts: usize,
     bias_rate: Option<f64>,
 }
 
@@ -387,6 +388,7 @@ fn build_model(
         Some(MoeRun {
             stats,
             layers: cfg.n_layer,
+            experts: m.experts,
             bias_rate,
         }),
     ))
@@ -473,20 +475,34 @@ fn evaluate(
     Ok(loss[0])
 }
 
-/// Sums each layer's expert-load statistics over the data-parallel group,
-/// so every rank balances (and rank 0 logs) the whole global batch.
+/// Every layer's expert-load statistics (`experts` per layer), summed over
+/// the data-parallel group and gathered over the pipeline group (a layer
+/// this rank does not hold counts as zero here), so that every rank
+/// balances (and rank 0 logs) every layer over the whole global batch.
 fn sum_load_stats(
     dp: &Dp,
-    per_layer: &mut [Option<weft_moe::LoadStats>],
-) -> Result<(), TrainError> {
+    per_layer: Vec<Option<weft_moe::LoadStats>>,
+    experts: usize,
+) -> Result<Vec<weft_moe::LoadStats>, TrainError> {
+    let mut per_layer: Vec<_> = per_layer
+        .into_iter()
+        .map(|s| {
+            s.unwrap_or_else(|| weft_moe::LoadStats {
+                tokens_per_expert: vec![0; experts],
+                dropped: 0,
+                tokens: 0,
+                entropy_sum: 0.0,
+            })
+        })
+        .collect();
     let mut flat = Vec::new();
-    for s in per_layer.iter().flatten() {
+    for s in &per_layer {
         flat.extend(s.tokens_per_expert.iter().map(|&x| x as f64));
         flat.extend([s.dropped as f64, s.tokens as f64, s.entropy_sum]);
     }
     dp.sum_counts(&mut flat)?;
     let mut it = flat.into_iter();
-    for s in per_layer.iter_mut().flatten() {
+    for s in &mut per_layer {
         for x in &mut s.tokens_per_expert {
             *x = it.next().unwrap_or(0.0) as u64;
         }
@@ -494,7 +510,7 @@ fn sum_load_stats(
         s.tokens = it.next().unwrap_or(0.0) as u64;
         s.entropy_sum = it.next().unwrap_or(0.0);
     }
-    Ok(())
+    Ok(per_layer)
 }
 
 /// Runs the job. Creates `<run.dir>/<run.name>/` (never overwriting one),
@@ -530,9 +546,6 @@ pub fn train(
         return unsupported(
             "pipeline parallelism combined with other axes (parallel.pp > 1 with dp, tp, ep or fsdp)",
         );
-    }
-    if p.pp > 1 && config.model.moe.experts > 0 {
-        return unsupported("pipeline parallelism of mixture-of-experts models");
     }
     let sharded = p.fsdp != "none";
     if sharded && (p.tp > 1 || p.ep > 1 || config.model.moe.experts > 0) {
@@ -739,7 +752,7 @@ fn run_rank(
     let cfg = model_config(config, vocab);
     let ep = dp.and_then(Dp::ep);
     let tp = dp.and_then(Dp::tp).map(|c| (c.size(), c.rank()));
-    let (whole_model, moe) = build_model(config, &cfg, ep)?;
+    let (whole_model, mut moe) = build_model(config, &cfg, ep)?;
     // With expert or tensor parallelism every rank starts from its share
     // of the unsharded model's initialisation (the same as one rank's); the
     // writer keeps the unsharded model to assemble checkpoints in.
@@ -747,10 +760,12 @@ fn run_rank(
     let sharded = config.parallel.fsdp != "none";
     let pp = dp.and_then(Dp::pp).is_some();
     let mut model = if ep.is_some() || tp.is_some() || sharded || pp {
-        let (mut whole, _) = build_model(config, &cfg, None)?;
+        let (mut whole, whole_moe) = build_model(config, &cfg, None)?;
         whole.init_gpt2(config.train.seed);
         let net = match tp {
             None if pp => {
+                // The stages run the whole model's feed-forward blocks.
+                moe = whole_moe;
                 let (schedule, layers) = pp_plan(config, vocab)?;
                 let rank = dp.map_or(0, Dp::world_rank);
                 let t = &config.train;
@@ -1064,33 +1079,37 @@ fn run_rank(
         }
         let mut max_vio = None;
         if let Some(moe) = &moe {
-            // One record per layer per forward, in layer order: merge the
-            // micro-batches per layer.
+            // One record per layer per forward (a pipeline stage logs its
+            // own layers only): merge the micro-batches per layer.
             let mut per_layer: Vec<Option<weft_moe::LoadStats>> = vec![None; moe.layers];
-            for (i, f) in moe.stats.take().into_iter().enumerate() {
-                match &mut per_layer[i % moe.layers] {
-                    Some(s) => s.merge(&f.stats),
-                    slot @ None => *slot = Some(f.stats),
+            for (l, f) in moe.stats.take() {
+                match per_layer.get_mut(l) {
+                    Some(Some(s)) => s.merge(&f.stats),
+                    Some(slot @ None) => *slot = Some(f.stats),
+                    None => {
+                        return Err(TrainError::Moe(format!(
+                            "statistics logged for layer {l} of a {}-layer model",
+                            moe.layers
+                        )));
+                    }
                 }
             }
-            if let Some(dp) = dp {
-                sum_load_stats(dp, &mut per_layer)?;
-            }
+            let per_layer = match dp {
+                Some(dp) => sum_load_stats(dp, per_layer, moe.experts)?,
+                None => per_layer.into_iter().flatten().collect(),
+            };
             let mut vios = Vec::new();
             for (l, st) in per_layer.iter().enumerate() {
-                let Some(st) = st else { continue };
                 let rec = st.to_record(step + 1, l as u32);
                 let line = serde_json::to_string(&rec).unwrap_or_default();
                 writeln!(expert_log.as_mut().expect("opened with MoE"), "{line}")
                     .map_err(io_err(&expert_path))?;
                 vios.extend(st.max_vio());
-                if let (Some(rate), true, Net::Whole(model)) = (moe.bias_rate, applied, &mut model)
-                {
+                if let (Some(rate), true) = (moe.bias_rate, applied) {
                     let name = format!("transformer.h.{l}.mlp.router.selection_bias");
-                    if let Some(spec) = model.layout().get(&name) {
-                        let r = spec.range();
+                    if let Some(bias) = model.param_mut(&name) {
                         weft_moe::BiasBalancer::new(rate)
-                            .update(&mut model.params[r], &st.tokens_per_expert)
+                            .update(bias, &st.tokens_per_expert)
                             .map_err(|e| TrainError::Moe(e.to_string()))?;
                     }
                 }

@@ -403,3 +403,50 @@ fn pipeline_parallel_is_bitwise_the_single_rank_run() {
     assert!(e.to_string().contains("at least 4 layers"), "{e}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn pipeline_parallel_moe_is_bitwise_the_single_rank_run() {
+    let dir = tmp("pp-moe");
+    let moe = [
+        "model.n_layer=4",
+        "model.moe.experts=4",
+        "model.moe.top_k=2",
+        "model.moe.balance=\"bias\"",
+        "model.moe.bias_rate=0.05",
+    ];
+    let one = train(&config(&dir, "single", &moe), false, &mut Silent).unwrap();
+    // Every layer's record, every field (entropy sums included), per step.
+    let load = |run: &Path| std::fs::read_to_string(run.join("expert_load.jsonl")).unwrap();
+    let reference = load(&one.run_dir);
+    assert_eq!(reference.lines().count(), 6 * 4);
+    for (name, sets) in [
+        ("1f1b2", &["parallel.pp=2"][..]),
+        (
+            "interleaved2",
+            &[
+                "parallel.pp=2",
+                "parallel.pp_schedule=\"interleaved\"",
+                "parallel.pp_chunks=2",
+            ][..],
+        ),
+        (
+            "zbh1-4",
+            &["parallel.pp=4", "parallel.pp_schedule=\"zb-h1\""][..],
+        ),
+    ] {
+        let sets: Vec<&str> = moe.iter().chain(sets).copied().collect();
+        let s = train(&config(&dir, name, &sets), false, &mut Silent).unwrap();
+        assert_eq!(trace(&s.run_dir), trace(&one.run_dir), "{name}");
+        assert_eq!(load(&s.run_dir), reference, "{name}");
+    }
+    // Without the stages' bias updates the run would differ: the
+    // balancer moves the routing.
+    let sets: Vec<&str> = moe[..4]
+        .iter()
+        .copied()
+        .chain(["model.moe.balance=\"none\""])
+        .collect();
+    let unbalanced = train(&config(&dir, "none", &sets), false, &mut Silent).unwrap();
+    assert_ne!(load(&unbalanced.run_dir), reference);
+    let _ = std::fs::remove_dir_all(&dir);
+}
