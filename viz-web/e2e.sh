@@ -1,13 +1,17 @@
 #!/usr/bin/env bash
 # End-to-end test of weft viz in headless chromium:
 #  1. installs chromium + chromium-driver with apt if missing, builds the
-#     page (build.sh), the pipeline example's real ZB-H1 trace and synthetic
-#     metrics / expert-load files into a run folder;
-#  2. serves it on 127.0.0.1 and checks lanes, slices, heatmap and bars are
-#     drawn with the right counts, play moves the cursors, hover and zoom
-#     work, health events and the torn last line are shown;
-#  3. serves a truncated trace and checks the page names file and line;
-#  4. with E2E_PERF=1, measures a 100k-event trace and 10k steps × 64
+#     page (build.sh) and the weft binary;
+#  2. trains a real run with `weft train` (pipeline parallel, ZB-H1 over 2
+#     stages, and a mixture of experts), serves it with `weft viz`, and
+#     checks against the run's own files that the pipeline lanes, their
+#     slices, the expert heatmap, the bars and the metrics are drawn with
+#     the right counts, that play moves the cursors, hover and zoom work;
+#  3. serves a run folder with the pipeline example's trace and synthetic
+#     logs holding what a short real run does not (skips, spikes, a NaN
+#     loss, a torn last line) and checks they are shown;
+#  4. serves a truncated trace and checks the page names file and line;
+#  5. with E2E_PERF=1, measures a 100k-event trace and 10k steps × 64
 #     experts.
 # Screenshots go to $E2E_OUT (default viz-web/e2e-out/).
 set -euo pipefail
@@ -24,7 +28,9 @@ fi
 "$here/build.sh"
 cargo build -p weft-viz-web --examples
 cargo build -p weft-pipeline --example schedules
+cargo build -p weft-trainer --bin weft
 ex="$CARGO_TARGET_DIR/debug/examples"
+weft="$CARGO_TARGET_DIR/debug/weft"
 
 work="$(mktemp -d)"
 pids=()
@@ -32,13 +38,21 @@ cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; rm -r
 trace_exit() { cleanup; }
 trap trace_exit EXIT
 
-# A run folder: the real ZB-H1 trace (p = 4, m = 8) + synthetic logs.
+# A real run: 4 layers over 2 pipeline stages (ZB-H1, 4 micro-batches),
+# 8 experts top-2 with bias balancing; the timeline of its first 2 steps.
+"$weft" train --set "run.dir=\"$work\"" --set run.name=pp-moe --set run.trace_steps=2 \
+  --set model.n_layer=4 --set model.n_head=2 --set model.n_embd=32 --set model.block_size=32 \
+  --set train.batch_size=8 --set train.grad_accum=4 --set train.steps=60 --set train.eval_every=20 \
+  --set model.moe.experts=8 --set model.moe.top_k=2 \
+  --set parallel.pp=2 --set 'parallel.pp_schedule="zb-h1"' >"$out/train.log" 2>&1
+real="$work/pp-moe"
+
+# A run folder with the pipeline example's ZB-H1 trace (p = 4, m = 8) and
+# synthetic logs.
 run="$work/run"
 mkdir -p "$run"
 (cd "$work" && "$ex/schedules" --trace >/dev/null && mv zb-h1.trace.json "$run/trace.json")
-steps=300 experts=16 layers=2
-"$ex/synth_run" "$run" $steps $experts $layers
-events=$(grep -c '"event"' "$run/metrics.jsonl")
+"$ex/synth_run" "$run" 300 16 2
 
 port() { python3 -c 'import socket;s=socket.socket();s.bind(("127.0.0.1",0));print(s.getsockname()[1])'; }
 dport=$(port)
@@ -46,16 +60,17 @@ chromedriver --port="$dport" --allowed-ips=127.0.0.1 >"$out/chromedriver.log" 2>
 pids+=($!)
 serve() { # RUN_DIR -> prints URL
   local p; p=$(port)
-  "$ex/serve" "$1" "$here/dist" "$p" >"$out/serve-$p.log" 2>&1 &
+  "$weft" viz "$1" --port "$p" --assets "$here/dist" >"$out/serve-$p.log" 2>&1 &
   pids+=($!)
   for _ in $(seq 50); do curl -sf "http://127.0.0.1:$p/" >/dev/null && break; sleep 0.1; done
   echo "http://127.0.0.1:$p/"
 }
 for _ in $(seq 50); do curl -sf "http://127.0.0.1:$dport/status" >/dev/null && break; sleep 0.1; done
 
+url=$(serve "$real")
+python3 "$here/e2e.py" "http://127.0.0.1:$dport" "$url" "$out" train "$real"
 url=$(serve "$run")
-E2E_LANES=4 E2E_SLICES=96 E2E_STEPS=$steps E2E_EXPERTS=$experts E2E_EVENTS=$events \
-  python3 "$here/e2e.py" "http://127.0.0.1:$dport" "$url" "$out" run
+python3 "$here/e2e.py" "http://127.0.0.1:$dport" "$url" "$out" run "$run"
 
 bad="$work/bad"
 mkdir -p "$bad"

@@ -130,6 +130,11 @@ pub struct RunConfig {
     pub name: String,
     /// Parent folder of run folders.
     pub dir: PathBuf,
+    /// Steps (from the start, or from a resumed checkpoint) whose measured
+    /// timeline — pipeline stages, or the sharded runner's compute and
+    /// communication tracks — goes to `trace.json`; a trace of every step
+    /// would grow without bound on long runs.
+    pub trace_steps: u64,
 }
 
 impl Default for RunConfig {
@@ -137,6 +142,7 @@ impl Default for RunConfig {
         Self {
             name: String::new(),
             dir: PathBuf::from("runs"),
+            trace_steps: 20,
         }
     }
 }

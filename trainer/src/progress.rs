@@ -210,9 +210,20 @@ impl Observer for Terminal {
         if s.skipped_steps > 0 {
             say(&format!("skipped steps   {}", s.skipped_steps));
         }
+        let files: Vec<&str> = [
+            "config.toml",
+            "metrics.jsonl",
+            "summary.json",
+            "trace.json",
+            "expert_load.jsonl",
+        ]
+        .into_iter()
+        .filter(|f| s.run_dir.join(f).is_file())
+        .collect();
         say(&format!(
-            "written         {}/{{config.toml, metrics.jsonl, summary.json}}",
-            s.run_dir.display()
+            "written         {}/{{{}}}  (weft viz {0})",
+            s.run_dir.display(),
+            files.join(", ")
         ));
     }
 }

@@ -254,9 +254,6 @@ pub trait Observer {
 pub struct Silent;
 impl Observer for Silent {}
 
-/// Steps whose timeline goes to the run's `trace.json`.
-pub const TRACE_STEPS: u64 = 20;
-
 /// Measures this machine's f32 matmul throughput with the kernels' GEMM on
 /// a GPT-2-sized product (1024×768 · 768×3072), best of ten runs (the
 /// best, because a shared machine only ever makes a run slower).
@@ -1145,9 +1142,9 @@ fn run_rank(
         }
         last_loss = loss;
         // The sharded runner's compute and communication tracks, for the
-        // first TRACE_STEPS steps (a trace of every step would grow without
-        // bound on long runs).
-        if step < start_step + TRACE_STEPS {
+        // first `run.trace_steps` steps.
+        let traced = step < start_step + config.run.trace_steps;
+        if traced {
             let events = model.take_trace_events(0, trace.trace_events.is_empty());
             if writer && !events.is_empty() {
                 if trace.trace_events.is_empty() {
@@ -1161,7 +1158,7 @@ fn run_rank(
         }
         // A pipeline's measured timeline (rank 0 gathers every stage's),
         // and its bubble beside the simulator's prediction.
-        if step < start_step + TRACE_STEPS
+        if traced
             && let (Net::Pp(pipe), Some(comm)) = (&mut model, dp.and_then(Dp::pp))
             && let Some(local) = pipe.timeline.take()
             && let Some(ranks) = pipe.ex.gather_timelines(comm, &local)?
@@ -1179,9 +1176,11 @@ fn run_rank(
                 *n += 1;
             }
             let offset = step_start.duration_since(start).as_secs_f64() * 1e6;
+            // Stage names and sort order once, from the first traced step.
+            let first = step == start_step;
             for mut e in measured.to_trace().trace_events {
                 let metadata = e.ph != weft_trace::Phase::Complete;
-                if metadata && !trace.trace_events.is_empty() {
+                if metadata && !first {
                     continue;
                 }
                 if !metadata {

@@ -15,7 +15,7 @@ use crate::web;
 /// Width of the drawings in SVG user units (they scale to the page).
 const W: f64 = 1200.0;
 /// Width of the lane-name column of the timeline.
-const LEFT: f64 = 96.0;
+const LEFT: f64 = 132.0;
 /// Height of one lane.
 const LANE_H: f64 = 26.0;
 /// Height of the time axis.
