@@ -635,7 +635,17 @@ fn pp_plan(
         config.model.block_size as f64,
         vocab as f64,
     );
-    let block = 24.0 * c * c + 2.0 * t * c;
+    // Forward FLOPs per token: attention's projections 8C², its scores
+    // 2TC, and the feed-forward block's 16C² per active expert (top-k plus
+    // a shared one) and 2CE for the router — or 16C² dense.
+    let m = &config.model.moe;
+    let ffn = if m.experts == 0 {
+        16.0 * c * c
+    } else {
+        let active = (m.top_k + usize::from(m.shared_expert)) as f64;
+        16.0 * c * c * active + 2.0 * c * m.experts as f64
+    };
+    let block = 8.0 * c * c + ffn + 2.0 * t * c;
     let profiles: Vec<weft_pipeline::LayerProfile> = (0..l)
         .map(|i| {
             let f = if i + 1 == l {
