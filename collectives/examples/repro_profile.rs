@@ -3,12 +3,61 @@
 //! mean) on one thread, per element, beside a plain f32 add of the same
 //! length; then `REPS` exact all-reduces on 2 thread ranks (for profilers):
 //! `cargo run --release -p weft-collectives --example repro_profile [-- LEN [REPS]]`.
+//!
+//! `… repro_profile -- ring|repro LEN RANKS REPS` instead runs only `REPS`
+//! plain ring or reproducible ring all-reduces of `LEN` f32 on `RANKS`
+//! thread ranks, so that `perf stat -e task-clock` compares the total CPU
+//! work of the two (the figure that matters when ranks outnumber cores).
 #![allow(clippy::print_stdout, missing_docs)]
 use std::time::Instant;
 use weft_collectives::repro::{self, ExactPartial};
-use weft_collectives::{CommunicatorExt, LocalCluster, ReduceOp};
+use weft_collectives::{
+    Algorithm, Communicator, CommunicatorExt, LocalCluster, ReduceOp, ReduceOptions,
+};
+
+/// Runs `reps` all-reduces of `len` f32 on `ranks` thread ranks; prints
+/// the wall time per call.
+fn all_reduce_only(repro: bool, len: usize, ranks: usize, reps: u32) {
+    let opts = ReduceOptions::new(ReduceOp::Sum)
+        .algorithm(Algorithm::Ring)
+        .reproducible(repro);
+    let t = LocalCluster::run(ranks, |comm| {
+        let r = comm.rank();
+        let mut buf: Vec<f32> = (0..len)
+            .map(|i| ((i * 31 + r * 7) as f32 * 1e-3).sin() * 1e-20)
+            .collect();
+        comm.all_reduce_with(&mut buf, &opts)?;
+        comm.barrier()?;
+        let t0 = Instant::now();
+        for _ in 0..reps {
+            comm.all_reduce_with(&mut buf, &opts)?;
+        }
+        comm.barrier()?;
+        Ok::<_, weft_collectives::Error>(t0.elapsed().as_secs_f64())
+    })
+    .unwrap()
+    .remove(0)
+    .unwrap();
+    println!(
+        "{} all-reduce, {ranks} ranks, {len} f32: {:.1} us per call",
+        if repro { "reproducible" } else { "plain ring" },
+        t * 1e6 / f64::from(reps)
+    );
+}
 
 fn main() {
+    let mode = std::env::args().nth(1).unwrap_or_default();
+    if mode == "ring" || mode == "repro" {
+        let arg = |i: usize, d: usize| {
+            std::env::args()
+                .nth(i)
+                .and_then(|a| a.parse().ok())
+                .unwrap_or(d)
+        };
+        let reps = u32::try_from(arg(4, 20)).unwrap_or(20);
+        all_reduce_only(mode == "repro", arg(2, 1 << 20), arg(3, 4), reps);
+        return;
+    }
     let n: usize = std::env::args()
         .nth(1)
         .and_then(|a| a.parse().ok())

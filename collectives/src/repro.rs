@@ -184,6 +184,7 @@ macro_rules! multiversion {
     };
 }
 
+mod fixed;
 mod fused;
 mod partial;
 
@@ -977,8 +978,12 @@ fn ring_rs_raw<T: Element, C: Communicator + ?Sized>(
     let es = T::DTYPE.size_bytes();
     let right = (me + 1) % n;
     let left = (me + n - 1) % n;
-    let mut trav = take_buf(0);
-    let mut next = take_buf(0);
+    // The fixed-lane path (see `fixed`): from 3 ranks on (with 2, the one
+    // step adds natives) for f32, f16 and bf16.
+    let fixed = (3..=fixed::MAX_RANKS).contains(&n) && T::DTYPE != Dtype::F64;
+    let chunk = encoded_capacity(len.div_ceil(n));
+    let mut trav = take_buf(chunk);
+    let mut next = take_buf(chunk);
     let mut result = Ok(());
     for s in 0..n - 1 {
         let send_c = (me + 2 * n - s - 1) % n;
@@ -995,6 +1000,13 @@ fn ring_rs_raw<T: Element, C: Communicator + ?Sized>(
         let io = &mut *io;
         let nx = &mut next;
         let mut sink = |src: &[u8]| -> Result<()> {
+            if fixed {
+                return match (s == 0, last) {
+                    (true, _) => fixed::sum_fixed(&crate::reduce::typed::<T>(src), mine, nx),
+                    (false, true) => fixed::merge_fixed_round(src, io, d, n),
+                    (false, false) => fixed::merge_fixed(src, mine, nx),
+                };
+            }
             match (s == 0, last) {
                 (true, true) => fused::sum_raw_round(&crate::reduce::typed::<T>(src), io, d),
                 (true, false) => fused::sum_raw(&crate::reduce::typed::<T>(src), mine, nx),
@@ -1166,12 +1178,19 @@ thread_local! {
     static POOL: std::cell::RefCell<Vec<Vec<u8>>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
+/// A cleared pooled buffer of at least `cap` bytes: the smallest that is
+/// large enough, else the largest (grown), so that small requests do not
+/// take the buffers that large ones need.
 fn take_buf(cap: usize) -> Vec<u8> {
     let mut v = POOL.with(|p| {
         let mut p = p.borrow_mut();
-        match p.iter().position(|b| b.capacity() >= cap) {
+        let fit = (0..p.len())
+            .filter(|&i| p[i].capacity() >= cap)
+            .min_by_key(|&i| p[i].capacity());
+        let pick = fit.or_else(|| (0..p.len()).max_by_key(|&i| p[i].capacity()));
+        match pick {
             Some(i) => p.swap_remove(i),
-            None => p.pop().unwrap_or_default(),
+            None => Vec::new(),
         }
     });
     v.clear();

@@ -262,3 +262,61 @@ fn narrow_blocks_take_the_fast_paths_and_stay_exact() {
         );
     }
 }
+
+/// The fixed-lane ring (3 or more ranks): narrow gradient-like blocks take
+/// it; specials (±∞, NaN, −0.0, subnormals, f32::MAX), blocks spanning
+/// wide ranges and ranks far above or below the others fall back to the
+/// general encoding block by block; every result is the exact sum (or
+/// mean) rounded once, the same bits as recursive doubling.
+#[test]
+fn fixed_lane_ring_is_exact_with_specials_and_odd_lengths() {
+    let specials = [
+        f32::INFINITY,
+        f32::NEG_INFINITY,
+        f32::NAN,
+        -0.0,
+        f32::from_bits(1),
+        -f32::MIN_POSITIVE,
+        f32::MAX,
+        1e30,
+        1e-30,
+    ];
+    for n in 3..=8usize {
+        for len in [0, 1, 5, 64 * n + 3, 64 * 3 * n] {
+            let mut cols = narrow_blocks(n as u64 * 7 + len as u64, n, len, 12);
+            if len > 0 {
+                // a special per rank at a different place; rank 1 a
+                // thousand times larger in its second block
+                for (r, c) in cols.iter_mut().enumerate() {
+                    c[(r * 37 + 11) % len] = specials[(r + n) % specials.len()];
+                }
+                for x in cols[1].iter_mut().skip(64).take(64) {
+                    *x *= 1024.0;
+                }
+            }
+            let want = bits(&exact(&cols));
+            for (r, got) in repro_all_reduce(&cols, Algorithm::Ring, Topology::flat())
+                .iter()
+                .enumerate()
+            {
+                assert_eq!(bits(got), want, "n={n} len={len} rank {r}");
+            }
+            let mean = |alg: Algorithm| {
+                LocalCluster::run(n, |comm| {
+                    let mut b = cols[comm.rank()].clone();
+                    let opts = ReduceOptions::new(ReduceOp::Avg)
+                        .algorithm(alg)
+                        .reproducible(true);
+                    comm.all_reduce_with(&mut b, &opts)?;
+                    Ok::<_, weft_collectives::Error>(bits(&b))
+                })
+                .unwrap()
+                .into_iter()
+                .map(|r| r.unwrap())
+                .collect::<Vec<_>>()
+            };
+            let (ring, rd) = (mean(Algorithm::Ring), mean(Algorithm::RecursiveDoubling));
+            assert!(ring.iter().all(|b| *b == rd[0]), "avg n={n} len={len}");
+        }
+    }
+}

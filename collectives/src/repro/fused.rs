@@ -83,7 +83,7 @@ fn plan(x: &BlockRef<'_>, ybits: &[u32]) -> Option<Plan> {
 /// which keeps 42 to 53 bits, so the conversion to f64 is exact and the one
 /// rounding to `T` correct (Boldo & Melquiond).
 #[inline(always)]
-fn round_lane<T: Element>(v: i64, scale: f64) -> T {
+pub(super) fn round_lane<T: Element>(v: i64, scale: f64) -> T {
     let a = v.unsigned_abs();
     let odd = (a & !0x7ff) | (u64::from(a & 0x7ff != 0) << 11);
     let a = if a >> 53 != 0 { odd } else { a };
@@ -176,13 +176,13 @@ fn div_round_narrow<T: Element>(v: i64, e: i32, d: u32) -> f64 {
 /// of a u64 by `d` is one multiply-high away (off by at most one, fixed by
 /// the remainder).
 #[derive(Clone, Copy)]
-struct Recip {
+pub(super) struct Recip {
     d: u64,
     m: u64,
 }
 
 impl Recip {
-    fn new(d: u32) -> Self {
+    pub(super) fn new(d: u32) -> Self {
         let d = u64::from(d.max(2));
         Self { d, m: u64::MAX / d }
     }
@@ -201,7 +201,7 @@ impl Recip {
 }
 
 #[inline(always)]
-fn div_round_narrow_by<T: Element>(v: i64, e: i32, rc: Recip) -> f64 {
+pub(super) fn div_round_narrow_by<T: Element>(v: i64, e: i32, rc: Recip) -> f64 {
     let a = v.unsigned_abs();
     let lz = a.leading_zeros();
     let a = a << lz;
@@ -333,7 +333,7 @@ fn decode_div_mv<T: Element>(bytes: &[u8], out: &mut [T], d: Div) -> Result<()> 
 }
 }
 
-fn trailing(bytes: &[u8], pos: usize) -> Result<()> {
+pub(super) fn trailing(bytes: &[u8], pos: usize) -> Result<()> {
     if pos != bytes.len() {
         return Err(corrupt(format!(
             "{} trailing bytes after {pos}",

@@ -1,0 +1,578 @@
+//! The fixed-lane reproducible ring (3 to [`MAX_RANKS`] ranks; f32, f16
+//! and bf16 buffers): partial sums travel as bare i64 lanes at one
+//! exponent per block, chosen once, at the first step.
+//!
+//! The receiver of a ring's first step holds two native blocks. It picks
+//! the block exponent `e` from their largest biased f32 exponent `E`:
+//! `e = max(E, 1) − 150 − 27 + 6`, so that every value of those two
+//! blocks within 21 binades below the largest, and every later value up to
+//! 2^6 times larger, is a multiple of 2^e below 2^(e+51) — the range in
+//! which one float add of a magic constant converts it to the integer
+//! `x / 2^e` exactly. Every later step adds its own values to the lanes in
+//! that same way: no realignment, no carry tracking (n ≤ 2048 terms below
+//! 2^51 stay below 2^62), no scan — each conversion checks itself (the
+//! integer is in range and the float add was exact; −0.0, ±∞ and NaN
+//! fail), and a block with any failing value is rewritten in the general,
+//! self-describing encoding of [`crate::repro`], which then carries it to
+//! the end. The last step rounds each lane once.
+//!
+//! A message of steps after the first is one code byte per block (0: the
+//! block is in the general encoding; else `max(E, 1)`, from which `e`
+//! follows), padded to 8 bytes, then the blocks in order: `8·bl` bytes of
+//! little-endian i64 lanes for a fixed block, the general encoding
+//! otherwise. Results are exact either way, so they are the same bits as
+//! every other path of the reproducible mode.
+
+use weft_numerics::Element;
+
+use super::fused::{
+    Div, Recip, div_round_narrow_by, encode_block, finish_block, merge_raw_block, round_lane,
+    trailing,
+};
+use super::{BLOCK, BlockRef, HEADER, bitlen64, corrupt, magic, read_block};
+use crate::error::Result;
+
+/// Elements ahead of the current block that the kernels prefetch.
+const PREFETCH: usize = 4 * BLOCK;
+
+/// Most ranks the fixed path serves: n values below 2^51 sum below 2^62.
+pub(super) const MAX_RANKS: usize = 2048;
+
+/// `e = code − CODE_BIAS` for a block code `max(E, 1)`: 27 binades below
+/// the largest f32 ulp (the magic conversion's 51-bit range minus 24),
+/// raised by 6 binades of headroom for larger values on later ranks.
+const CODE_BIAS: i32 = 150 + 27 - 6;
+
+/// One pass over a block, jointly over `xs` and the same number of `ys`
+/// (pass `xs` twice for one block): the largest and the smallest (minus
+/// one, wrapping) of `bits.rotate_left(1)`, the bit pattern with the sign
+/// moved to the bottom — its top byte is the biased exponent, +0.0 is 0
+/// (and wraps to `u32::MAX`, never the minimum), −0.0 is 1 (and gives a
+/// minimum of 0, which no block [`fits`]).
+#[inline(always)]
+fn scan<T: Element>(xs: &[T], ys: &[T]) -> (u32, u32) {
+    let (mut mx, mut mn) = (0u32, u32::MAX);
+    for (&x, &y) in xs.iter().zip(ys) {
+        let u = x.to_f32().to_bits().rotate_left(1);
+        let v = y.to_f32().to_bits().rotate_left(1);
+        mx = mx.max(u).max(v);
+        mn = mn.min(u.wrapping_sub(1)).min(v.wrapping_sub(1));
+    }
+    (mx, mn)
+}
+
+/// Whether every value of a block scanned as `(mx, mn)` converts exactly
+/// at the exponent of block code `c`: no −0.0, and every nonzero
+/// magnitude has a biased exponent `E` with `max(E, 1)` in
+/// `c − 21 ..= min(c + 6, 254)` (so it is a multiple of 2^e below
+/// 2^(e+51); ±∞ and NaN are above).
+#[inline(always)]
+fn fits(c: u8, (mx, mn): (u32, u32)) -> bool {
+    let c = i32::from(c);
+    let hi = ((c + 6).min(254) as u32 + 1) << 24;
+    // subnormals (E = 0) count as E = 1: then any nonzero value is in
+    // (rotated, its pattern is at least 2; −0.0's is 1)
+    let lo = if c - 21 <= 1 {
+        2
+    } else {
+        ((c - 21) as u32) << 24
+    };
+    mx < hi && mn >= lo - 1
+}
+
+/// `y / 2^e` as an integer, exact for a value that [`fits`] (`m`, `mb`
+/// from [`magic`]`(e)`).
+#[inline(always)]
+fn conv<T: Element>(y: T, m: f64, mb: i64) -> i64 {
+    ((f64::from(y.to_f32()) + m).to_bits() as i64).wrapping_sub(mb)
+}
+
+/// Reserves the code bytes of `nb` blocks (padded to 8) at the start of
+/// `out` (cleared first), and room for two-word blocks after them.
+fn start_message(out: &mut Vec<u8>, nb: usize, len: usize) {
+    out.clear();
+    out.reserve(nb.next_multiple_of(8) + 8 * len + 64);
+    out.resize(nb.next_multiple_of(8), 0);
+}
+
+/// Appends `bl` i64 lanes written by `f(i)` to `out`.
+#[inline(always)]
+fn push_lanes(out: &mut Vec<u8>, bl: usize, mut f: impl FnMut(usize) -> i64) {
+    out.reserve(8 * bl);
+    let at = out.len();
+    let dst = out.spare_capacity_mut()[..8 * bl]
+        .as_mut_ptr()
+        .cast::<i64>();
+    for i in 0..bl {
+        // SAFETY: `dst` has 8·bl spare bytes (reserved above) and i < bl;
+        // unaligned writes are allowed.
+        unsafe { dst.add(i).write_unaligned(f(i).to_le()) };
+    }
+    // SAFETY: the loop wrote the 8·bl bytes after `at`.
+    unsafe { out.set_len(at + 8 * bl) };
+}
+
+/// The code bytes and the block data of a message for `nb` blocks.
+fn split_message(a: &[u8], nb: usize) -> Result<(&[u8], usize)> {
+    let head = nb.next_multiple_of(8);
+    if a.len() < head {
+        return Err(corrupt(format!(
+            "fixed-lane message of {} bytes, shorter than its {nb} block codes",
+            a.len()
+        )));
+    }
+    Ok((&a[..nb], head))
+}
+
+/// The fixed block of `bl` lanes at byte `pos` of `a` as a general
+/// [`BlockRef`] (two words, exponent `e`), for merging it with values
+/// that do not fit its lanes.
+fn as_block(a: &[u8], pos: usize, bl: usize, e: i32) -> BlockRef<'_> {
+    let data = &a[pos..pos + 8 * bl];
+    let mut acc = 0u64;
+    for w in data.chunks_exact(8) {
+        let s = i64::from_le_bytes(w.try_into().expect("8 bytes"));
+        acc |= (s ^ (s >> 63)) as u64;
+    }
+    BlockRef {
+        e,
+        w: 2,
+        bits: bitlen64(acc),
+        flags: None,
+        data,
+    }
+}
+
+/// Checks that a fixed block of `bl` lanes starts at byte `pos` of `a`;
+/// returns a pointer to its lanes.
+#[inline(always)]
+fn lanes_at(a: &[u8], pos: usize, bl: usize) -> Result<*const i64> {
+    if a.len() < pos + 8 * bl {
+        return Err(corrupt(format!("truncated fixed block at byte {pos}")));
+    }
+    Ok(a[pos..pos + 8 * bl].as_ptr().cast::<i64>())
+}
+
+/// Asks for the cache lines `ahead` bytes past `p` (one per 64 bytes,
+/// `lines` of them): streams through L3 keep more misses in flight than
+/// the hardware prefetcher alone does.
+#[inline(always)]
+fn prefetch<T>(p: *const T, ahead: usize, lines: usize) {
+    #[cfg(target_arch = "x86_64")]
+    for l in 0..lines {
+        // SAFETY: prefetching never faults, whatever the address.
+        unsafe {
+            std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
+                p.cast::<i8>().wrapping_add(ahead + 64 * l),
+            );
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (p, ahead, lines);
+}
+
+/// The exponent of a block code (`None` for a general block).
+#[inline(always)]
+fn code_exp(c: u8) -> Option<i32> {
+    (c != 0).then(|| i32::from(c) - CODE_BIAS)
+}
+
+multiversion! {
+    /// `out` = the message for `xs + ys` (native values of one chunk).
+    pub(super) fn sum_fixed<T: Element>(xs: &[T], ys: &[T], out: &mut Vec<u8>) -> Result<()> {
+        let nb = ys.len().div_ceil(BLOCK);
+        start_message(out, nb, ys.len());
+        let mut tmp = Vec::new();
+        let mut enc = Vec::new();
+        for (k, (xb, yb)) in xs.chunks(BLOCK).zip(ys.chunks(BLOCK)).enumerate() {
+            let bl = xb.len();
+            let (xb, yb) = (&xb[..bl], &yb[..bl]);
+            prefetch(xb.as_ptr(), PREFETCH * 4, 4);
+            prefetch(yb.as_ptr(), PREFETCH * 4, 4);
+            let sc = scan(xb, yb);
+            let ex = sc.0 >> 24;
+            if ex < 255 {
+                let c = ex.max(1) as u8;
+                if fits(c, sc) {
+                    let (m, mb) = magic(i32::from(c) - CODE_BIAS);
+                    push_lanes(out, bl, |i| conv(xb[i], m, mb).wrapping_add(conv(yb[i], m, mb)));
+                    out[k] = c;
+                    continue;
+                }
+            }
+            enc.clear();
+            encode_block(xb, &mut enc);
+            let mut q = 0;
+            let x = read_block(&enc, &mut q, bl)?;
+            merge_raw_block(&x, yb, out, &mut tmp)?;
+        }
+        Ok(())
+    }
+}
+
+multiversion! {
+    /// `out` = the message `a` (of a chunk of `ys.len()` elements) plus
+    /// the native values `ys`.
+    pub(super) fn merge_fixed<T: Element>(a: &[u8], ys: &[T], out: &mut Vec<u8>) -> Result<()> {
+        let nb = ys.len().div_ceil(BLOCK);
+        let (codes, mut pos) = split_message(a, nb)?;
+        start_message(out, nb, ys.len());
+        let mut tmp = Vec::new();
+        for (k, yb) in ys.chunks(BLOCK).enumerate() {
+            let bl = yb.len();
+            if let Some(e) = code_exp(codes[k]) {
+                let src = lanes_at(a, pos, bl)?;
+                prefetch(src, PREFETCH * 8, 8);
+                prefetch(yb.as_ptr(), PREFETCH * 4, 4);
+                if fits(codes[k], scan(yb, yb)) {
+                    let (m, mb) = magic(e);
+                    push_lanes(out, bl, |i| {
+                        // SAFETY: `lanes_at` checked that `a` holds bl lanes
+                        // from `src`; i < bl; unaligned reads are allowed.
+                        let v = i64::from_le(unsafe { src.add(i).read_unaligned() });
+                        v.wrapping_add(conv(yb[i], m, mb))
+                    });
+                    out[k] = codes[k];
+                } else {
+                    merge_raw_block(&as_block(a, pos, bl, e), yb, out, &mut tmp)?;
+                }
+                pos += 8 * bl;
+            } else {
+                let x = read_block(a, &mut pos, bl)?;
+                merge_raw_block(&x, yb, out, &mut tmp)?;
+            }
+        }
+        trailing(a, pos)
+    }
+}
+
+multiversion! {
+    /// `io` = (`a` + `io`) / `d`, rounded once per element, where `a` is
+    /// the message of the chunk `io` (the last step of the ring of
+    /// `ranks`).
+    pub(super) fn merge_fixed_round<T: Element>(a: &[u8], io: &mut [T], d: Div, ranks: usize) -> Result<()> {
+        // n terms in [−2^51, 2^51) sum to at most 2^53 in magnitude for
+        // n ≤ 4: exact in f64, so one conversion rounds once
+        let small = ranks <= 4;
+        let nb = io.len().div_ceil(BLOCK);
+        let (codes, mut pos) = split_message(a, nb)?;
+        let mut tmp = Vec::new();
+        let mut blkenc = Vec::with_capacity(HEADER + 8 * BLOCK);
+        let pow2 = d.0 <= 1 || d.0.is_power_of_two();
+        let shift = if d.0 > 1 { d.0.trailing_zeros() as i32 } else { 0 };
+        let rc = Recip::new(d.0);
+        for (k, blk) in io.chunks_mut(BLOCK).enumerate() {
+            let bl = blk.len();
+            let general = if let Some(e) = code_exp(codes[k]) {
+                let src = lanes_at(a, pos, bl)?;
+                prefetch(src, PREFETCH * 8, 8);
+                prefetch(blk.as_ptr(), PREFETCH * 4, 4);
+                if fits(codes[k], scan(blk, blk)) {
+                    let (m, mb) = magic(e);
+                    if pow2 {
+                        // e − shift ≥ −170 − 11: a normal f64 power of two
+                        let scale = f64::from_bits(((e - shift + 1023) as u64) << 52);
+                        for (i, o) in blk.iter_mut().enumerate() {
+                            // SAFETY: as in `merge_fixed`.
+                            let x = i64::from_le(unsafe { src.add(i).read_unaligned() });
+                            let v = x.wrapping_add(conv(*o, m, mb));
+                            *o = if small {
+                                // |v| ≤ 4·2^51: exact in f64, one rounding
+                                T::from_f64(v as f64 * scale)
+                            } else {
+                                round_lane(v, scale)
+                            };
+                        }
+                    } else {
+                        for (i, o) in blk.iter_mut().enumerate() {
+                            // SAFETY: as in `merge_fixed`.
+                            let x = i64::from_le(unsafe { src.add(i).read_unaligned() });
+                            let v = x.wrapping_add(conv(*o, m, mb));
+                            *o = if v == 0 {
+                                T::ZERO
+                            } else {
+                                T::from_f64(div_round_narrow_by::<T>(v, e, rc))
+                            };
+                        }
+                    }
+                    pos += 8 * bl;
+                    continue;
+                }
+                let x = as_block(a, pos, bl, e);
+                pos += 8 * bl;
+                x
+            } else {
+                read_block(a, &mut pos, bl)?
+            };
+            blkenc.clear();
+            merge_raw_block(&general, blk, &mut blkenc, &mut tmp)?;
+            let mut q = 0;
+            let z = read_block(&blkenc, &mut q, bl)?;
+            finish_block(&z, blk, d);
+        }
+        trailing(a, pos)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use weft_numerics::{ExactSum, bf16, f16};
+
+    /// Runs the fixed-lane kernels as the ring does for one chunk: the
+    /// first two columns are summed, the middle ones merged, the last one
+    /// rounded into (divided by `d`); returns the result and the messages'
+    /// share of fixed blocks after each step.
+    fn chain<T: Element>(cols: &[Vec<T>], d: u32) -> (Vec<T>, Vec<f64>) {
+        let n = cols.len();
+        assert!(n >= 3);
+        let nb = cols[0].len().div_ceil(BLOCK);
+        let share = |m: &[u8]| {
+            if nb == 0 {
+                1.0
+            } else {
+                m[..nb].iter().filter(|&&c| c != 0).count() as f64 / nb as f64
+            }
+        };
+        let mut msg = Vec::new();
+        sum_fixed(&cols[0], &cols[1], &mut msg).unwrap();
+        let mut shares = vec![share(&msg)];
+        for c in &cols[2..n - 1] {
+            let mut next = Vec::new();
+            merge_fixed(&msg, c, &mut next).unwrap();
+            msg = next;
+            shares.push(share(&msg));
+        }
+        let mut io = cols[n - 1].clone();
+        merge_fixed_round(&msg, &mut io, Div(d), n).unwrap();
+        (io, shares)
+    }
+
+    /// The exact sum of each element divided by `d`, rounded once: by
+    /// `ExactSum` for `d` = 1 or a power of two (scaling the terms is
+    /// exact away from underflow, which these tests stay clear of when
+    /// `d` > 1), else compared through the general path's own division.
+    fn exact<T: Element>(cols: &[Vec<T>], d: u32) -> Vec<T> {
+        (0..cols[0].len())
+            .map(|i| {
+                let mut s = ExactSum::new();
+                for c in cols {
+                    s.add(c[i].to_f64() / f64::from(d));
+                }
+                s.round_to::<T>()
+            })
+            .collect()
+    }
+
+    fn bits<T: Element>(xs: &[T]) -> Vec<u64> {
+        xs.iter()
+            .map(|x| {
+                let v = x.to_f64();
+                if v.is_nan() { u64::MAX } else { v.to_bits() }
+            })
+            .collect()
+    }
+
+    fn rng(seed: u64) -> impl FnMut() -> u64 {
+        let mut s = seed | 1;
+        move || {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            s
+        }
+    }
+
+    /// Columns of f32 whose blocks span `spread` binades below a per-block
+    /// base exponent (10..240, subnormals below), the first value of each
+    /// block at the base, each column's values scaled by 2^`lift[r]`.
+    fn cols(seed: u64, lift: &[i32], len: usize, spread: u32) -> Vec<Vec<f32>> {
+        let mut next = rng(seed);
+        let bases: Vec<i32> = (0..len.div_ceil(BLOCK))
+            .map(|_| (next() % 230) as i32 + 10)
+            .collect();
+        lift.iter()
+            .map(|&l| {
+                (0..len)
+                    .map(|i| {
+                        let u = next();
+                        // the first value of a block sits at the top of its range
+                        let off = if i % BLOCK == 0 {
+                            0
+                        } else {
+                            (u >> 8) % (u64::from(spread) + 1)
+                        };
+                        let ex = (bases[i / BLOCK] + l - off as i32).clamp(0, 254) as u32;
+                        let frac = (u >> 32) as u32 & 0x7f_ffff;
+                        f32::from_bits((u32::from(u.is_multiple_of(2)) << 31) | (ex << 23) | frac)
+                    })
+                    .collect()
+            })
+            .collect()
+    }
+
+    #[test]
+    fn narrow_blocks_stay_fixed_and_exact_for_every_group_size() {
+        for n in 3..=9 {
+            for len in [0, 1, 63, 64, 65, 64 * 5 + 17] {
+                let c = cols(n as u64 * 31 + len as u64, &vec![0; n], len, 15);
+                let (got, shares) = chain(&c, 1);
+                assert_eq!(bits(&got), bits(&exact(&c, 1)), "n {n} len {len}");
+                assert!(
+                    shares.iter().all(|&s| s == 1.0),
+                    "n {n} len {len}: {shares:?}"
+                );
+                // the fixed message is the code bytes and 8 bytes a lane
+                let mut m = Vec::new();
+                sum_fixed(&c[0], &c[1], &mut m).unwrap();
+                assert_eq!(m.len(), len.div_ceil(BLOCK).next_multiple_of(8) + 8 * len);
+            }
+        }
+    }
+
+    #[test]
+    fn blocks_that_do_not_fit_fall_back_exactly_at_every_step() {
+        // (lifts per rank, spread): the first step's blocks too wide; a
+        // later rank 2^7 above the first two (beyond the 6 binades of
+        // headroom); a later rank 2^22 below; the last rank out of range
+        for (k, (lift, spread)) in [
+            (vec![0, 0, 0, 0], 22),
+            (vec![0, 0, 7, 0], 10),
+            (vec![0, 0, 0, 7], 10),
+            (vec![0, 0, -22, 0, 0], 0),
+            (vec![0, 0, 0, 0, -30], 5),
+            (vec![0, 0, 6, 6, 6], 15),
+            (vec![-5, 0, 3, -8, 1, 0, 2], 12),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let c = cols(k as u64 + 5, &lift, 64 * 6 + 3, spread);
+            let (got, shares) = chain(&c, 1);
+            assert_eq!(
+                bits(&got),
+                bits(&exact(&c, 1)),
+                "case {k}: {lift:?} {spread}"
+            );
+            // cases 2 and 4 fall back in the last step, which sends nothing
+            if [0, 1, 3].contains(&k) {
+                assert!(shares.iter().any(|&s| s < 1.0), "case {k}: {shares:?}");
+            } else {
+                assert!(shares.iter().all(|&s| s == 1.0), "case {k}: {shares:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn specials_zeros_and_subnormals_fall_back_exactly() {
+        let tiny = f32::from_bits(1);
+        let specials = [
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            f32::NAN,
+            -0.0,
+            0.0,
+            tiny,
+            -tiny,
+            f32::MIN_POSITIVE,
+            f32::MAX,
+            -f32::MAX,
+        ];
+        let mut next = rng(99);
+        for n in 3..=6 {
+            for step in 0..n {
+                for &sp in &specials {
+                    let mut c = cols(next(), &vec![0; n], 2 * BLOCK + 5, 8);
+                    let at = (next() % (2 * BLOCK as u64 + 5)) as usize;
+                    c[step][at] = sp;
+                    let (got, _) = chain(&c, 1);
+                    assert_eq!(bits(&got), bits(&exact(&c, 1)), "n {n} step {step} {sp:?}");
+                }
+            }
+            // all zeros of both signs; all −0.0 stays −0.0
+            let mut c = vec![vec![0.0f32; 70]; n];
+            c[0][3] = -0.0;
+            for col in &mut c {
+                col[5] = -0.0;
+                col[69] = tiny;
+            }
+            let (got, _) = chain(&c, 1);
+            assert_eq!(bits(&got), bits(&exact(&c, 1)), "zeros n {n}");
+            assert_eq!(got[5].to_bits(), (-0.0f32).to_bits());
+            assert_eq!(got[3].to_bits(), 0);
+        }
+    }
+
+    #[test]
+    fn averages_round_once() {
+        for n in [3usize, 4, 5, 6, 8] {
+            let c = cols(n as u64 + 100, &vec![0; n], 64 * 4 + 9, 14);
+            // keep clear of the subnormal range, where dividing each term
+            // first would round
+            let c: Vec<Vec<f32>> = c
+                .into_iter()
+                .map(|v| {
+                    v.into_iter()
+                        .map(|x| if x.abs() < 1e-30 { 1.0 } else { x })
+                        .collect()
+                })
+                .collect();
+            let (got, _) = chain(&c, n as u32);
+            let want = exact(&c, n as u32);
+            if n.is_power_of_two() {
+                assert_eq!(bits(&got), bits(&want), "n {n}");
+            } else {
+                // the general path divides the exact sum with its own,
+                // separately tested, division: compare with it
+                let mut enc = Vec::new();
+                super::super::encode(&c[0], &mut enc);
+                for col in &c[1..] {
+                    let mut e = Vec::new();
+                    super::super::encode(col, &mut e);
+                    let mut m = Vec::new();
+                    super::super::merge(&enc, &e, col.len(), &mut m).unwrap();
+                    enc = m;
+                }
+                let mut via = vec![0f32; got.len()];
+                super::super::fused::decode_div(&enc, &mut via, Div(n as u32)).unwrap();
+                assert_eq!(bits(&got), bits(&via), "n {n}");
+            }
+        }
+    }
+
+    #[test]
+    fn half_precision_contributions_are_exact() {
+        let c = cols(7, &[0, 1, -1, 0, 2], 64 * 3 + 1, 10);
+        let b: Vec<Vec<bf16>> = c
+            .iter()
+            .map(|v| v.iter().map(|&x| bf16::from_f32(x * 1e-30)).collect())
+            .collect();
+        let (got, shares) = chain(&b, 1);
+        assert_eq!(bits(&got), bits(&exact(&b, 1)));
+        assert!(shares.iter().all(|&s| s > 0.5), "{shares:?}");
+        let h: Vec<Vec<f16>> = c
+            .iter()
+            .map(|v| {
+                v.iter()
+                    .map(|&x| f16::from_f32((x * 1e-37).clamp(-6e4, 6e4)))
+                    .collect()
+            })
+            .collect();
+        let (got, _) = chain(&h, 1);
+        assert_eq!(bits(&got), bits(&exact(&h, 1)));
+    }
+
+    #[test]
+    fn corrupt_messages_are_errors() {
+        let c = cols(3, &[0, 0, 0], 100, 5);
+        let mut m = Vec::new();
+        sum_fixed(&c[0], &c[1], &mut m).unwrap();
+        let mut out = Vec::new();
+        assert!(merge_fixed(&m[..m.len() - 1], &c[2], &mut out).is_err());
+        assert!(merge_fixed(&m[..3], &c[2], &mut out).is_err());
+        let mut long = m.clone();
+        long.push(0);
+        let mut io = c[2].clone();
+        assert!(merge_fixed_round(&long, &mut io, Div(1), 3).is_err());
+    }
+}
