@@ -978,6 +978,16 @@ fn ring_rs_raw<T: Element, C: Communicator + ?Sized>(
     let es = T::DTYPE.size_bytes();
     let right = (me + 1) % n;
     let left = (me + n - 1) % n;
+    // Direct (see `direct_rs`) when every rank is in one domain, for 3 to
+    // 16 ranks and f32, f16 and bf16.
+    let topo = c.topology();
+    let dom = |p: usize| topo.domain_of(c.world_rank_of(p));
+    if (3..=fixed::MAX_DIRECT).contains(&n)
+        && T::DTYPE != Dtype::F64
+        && (1..n).all(|p| dom(p) == dom(0))
+    {
+        return direct_rs(c, ctx, tag0, own, len, io, d);
+    }
     // The fixed-lane path (see `fixed`): from 3 ranks on (with 2, the one
     // step adds natives) for f32, f16 and bf16.
     let fixed = (3..=fixed::MAX_RANKS).contains(&n) && T::DTYPE != Dtype::F64;
@@ -1032,6 +1042,81 @@ fn ring_rs_raw<T: Element, C: Communicator + ?Sized>(
     give_back(trav);
     give_back(next);
     result
+}
+
+/// Reproducible direct reduce-scatter of native contributions: every rank
+/// sends chunk k of its buffer straight to rank k — (n−1)/n of the buffer,
+/// the bytes the ring sends, in one step instead of n − 1 — and holds the
+/// n − 1 chunks it receives at once (nested exchanges, so that every
+/// sender's memory stays readable), then sums each block of all n
+/// contributions exactly in registers and rounds it into `io`
+/// ([`fixed::sum_all_round`]): one pass over the data, no partial sums in
+/// memory.
+fn direct_rs<T: Element, C: Communicator + ?Sized>(
+    c: &C,
+    ctx: &OpCtx,
+    tag0: u32,
+    own: &Own<'_, T>,
+    len: usize,
+    io: &mut [T],
+    d: fused::Div,
+) -> Result<()> {
+    let n = c.size();
+    let me = c.rank();
+    let es = T::DTYPE.size_bytes();
+    let sends: Vec<Outgoing<'_>> = (0..n)
+        .filter(|&k| k != me)
+        .map(|k| Outgoing {
+            to: k,
+            data: Buf::new(own.get(shard_range(len, n, k))).bytes(),
+        })
+        .collect();
+    let want = shard_range(len, n, me).len() * es;
+    let from: Vec<(usize, usize)> = (1..n).map(|s| ((me + s) % n, want)).collect();
+    let mut f = |views: &[&[u8]]| -> Result<()> {
+        let typed: Vec<std::borrow::Cow<'_, [T]>> =
+            views.iter().map(|v| crate::reduce::typed::<T>(v)).collect();
+        let peers: Vec<&[T]> = typed.iter().map(|v| &v[..]).collect();
+        fixed::sum_all_round(&peers, io, d)
+    };
+    gather_nested(c, ctx, tag0, &sends, &from, &[], &mut f)
+}
+
+/// Receives one message from each `(rank, bytes)` of `from` by nested
+/// exchanges (the first also posting `sends`), so that all of them stay
+/// readable at once, and hands them to `f`.
+fn gather_nested<C: Communicator + ?Sized>(
+    c: &C,
+    ctx: &OpCtx,
+    tag: u32,
+    sends: &[Outgoing<'_>],
+    from: &[(usize, usize)],
+    views: &[&[u8]],
+    f: &mut (dyn FnMut(&[&[u8]]) -> Result<()> + Send),
+) -> Result<()> {
+    let Some((&(p, want), rest)) = from.split_first() else {
+        if !sends.is_empty() {
+            c.exchange(ctx, tag, sends, &mut [])?;
+        }
+        return f(views);
+    };
+    let mut sink = |src: &[u8]| -> Result<()> {
+        let mut v = Vec::with_capacity(views.len() + 1);
+        v.extend_from_slice(views);
+        v.push(src);
+        // every message was sent with the first exchange's tag
+        gather_nested(c, ctx, tag, &[], rest, &v, &mut *f)
+    };
+    c.exchange(
+        ctx,
+        tag,
+        sends,
+        &mut [Incoming {
+            from: p,
+            len: Some(want),
+            sink: &mut sink,
+        }],
+    )
 }
 
 /// Exact ring reduce-scatter over encoded chunks: afterwards `enc[me]` holds

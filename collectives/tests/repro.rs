@@ -263,13 +263,15 @@ fn narrow_blocks_take_the_fast_paths_and_stay_exact() {
     }
 }
 
-/// The fixed-lane ring (3 or more ranks): narrow gradient-like blocks take
-/// it; specials (±∞, NaN, −0.0, subnormals, f32::MAX), blocks spanning
-/// wide ranges and ranks far above or below the others fall back to the
-/// general encoding block by block; every result is the exact sum (or
-/// mean) rounded once, the same bits as recursive doubling.
+/// The direct reduce-scatter (3 to 16 ranks in one domain) and the
+/// fixed-lane ring (ranks in several domains, or more than 16): narrow
+/// gradient-like blocks take i64 lanes; specials (±∞, NaN, −0.0,
+/// subnormals, f32::MAX), blocks spanning wide ranges and ranks far above
+/// or below the others fall back to the general encoding block by block;
+/// every result is the exact sum (or mean) rounded once, the same bits as
+/// recursive doubling.
 #[test]
-fn fixed_lane_ring_is_exact_with_specials_and_odd_lengths() {
+fn lane_paths_are_exact_with_specials_and_odd_lengths() {
     let specials = [
         f32::INFINITY,
         f32::NEG_INFINITY,
@@ -281,8 +283,13 @@ fn fixed_lane_ring_is_exact_with_specials_and_odd_lengths() {
         1e30,
         1e-30,
     ];
-    for n in 3..=8usize {
-        for len in [0, 1, 5, 64 * n + 3, 64 * 3 * n] {
+    for n in (3..=8usize).chain([17]) {
+        let lens = if n > 8 {
+            vec![3, 64 * n + 5]
+        } else {
+            vec![0, 1, 5, 64 * n + 3, 64 * 3 * n]
+        };
+        for len in lens {
             let mut cols = narrow_blocks(n as u64 * 7 + len as u64, n, len, 12);
             if len > 0 {
                 // a special per rank at a different place; rank 1 a
@@ -295,11 +302,14 @@ fn fixed_lane_ring_is_exact_with_specials_and_odd_lengths() {
                 }
             }
             let want = bits(&exact(&cols));
-            for (r, got) in repro_all_reduce(&cols, Algorithm::Ring, Topology::flat())
-                .iter()
-                .enumerate()
-            {
-                assert_eq!(bits(got), want, "n={n} len={len} rank {r}");
+            // one domain: direct; a domain per rank: the fixed-lane ring
+            for topo in [Topology::flat(), Topology::new(1)] {
+                for (r, got) in repro_all_reduce(&cols, Algorithm::Ring, topo)
+                    .iter()
+                    .enumerate()
+                {
+                    assert_eq!(bits(got), want, "n={n} len={len} {topo:?} rank {r}");
+                }
             }
             let mean = |alg: Algorithm| {
                 LocalCluster::run(n, |comm| {

@@ -117,3 +117,38 @@ fn auto_policy_picks_by_size_and_topology() {
     });
     assert!(t.iter().all(|t| t.sent_by(OpKind::AllReduce) == 3 * s));
 }
+
+#[test]
+fn reproducible_ring_in_one_domain_sends_the_ring_volume() {
+    // The direct reduce-scatter of the reproducible mode (3 to 16 ranks in
+    // one domain) sends each rank's (n−1)/n of the buffer once, as native
+    // values: the ring's bytes, so all-reduce stays at 2(n−1)/n·S.
+    for n in [3usize, 4, 8] {
+        let elems = 1024 * n;
+        let s = (elems * 4) as u64;
+        let per_rank = run_counted(n, Topology::flat(), |comm| {
+            let mut x: Vec<f32> = (0..elems).map(|i| (i as f32).sin()).collect();
+            let opts = ReduceOptions::new(ReduceOp::Sum)
+                .algorithm(Algorithm::Ring)
+                .reproducible(true);
+            let mut out = vec![0f32; elems / n];
+            comm.reduce_scatter_with(&x, &mut out, &opts)?;
+            comm.all_reduce_with(&mut x, &opts)?;
+            Ok(())
+        });
+        let n64 = n as u64;
+        for t in &per_rank {
+            assert_eq!(
+                t.sent_by(OpKind::ReduceScatter),
+                (n64 - 1) * s / n64,
+                "n={n}"
+            );
+            assert_eq!(
+                t.sent_by(OpKind::AllReduce),
+                2 * (n64 - 1) * s / n64,
+                "n={n}"
+            );
+            assert_eq!(t.received_by(OpKind::AllReduce), 2 * (n64 - 1) * s / n64);
+        }
+    }
+}

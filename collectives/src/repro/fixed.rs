@@ -38,6 +38,9 @@ const PREFETCH: usize = 4 * BLOCK;
 /// Most ranks the fixed path serves: n values below 2^51 sum below 2^62.
 pub(super) const MAX_RANKS: usize = 2048;
 
+/// Most ranks whose contributions [`sum_all_round`] takes at once.
+pub(super) const MAX_DIRECT: usize = 16;
+
 /// `e = code − CODE_BIAS` for a block code `max(E, 1)`: 27 binades below
 /// the largest f32 ulp (the magic conversion's 51-bit range minus 24),
 /// raised by 6 binades of headroom for larger values on later ranks.
@@ -62,20 +65,27 @@ fn scan<T: Element>(xs: &[T], ys: &[T]) -> (u32, u32) {
 }
 
 /// Whether every value of a block scanned as `(mx, mn)` converts exactly
-/// at the exponent of block code `c`: no −0.0, and every nonzero
-/// magnitude has a biased exponent `E` with `max(E, 1)` in
+/// at the exponent of block code `c` of the ring: no −0.0, and every
+/// nonzero magnitude has a biased exponent `E` with `max(E, 1)` in
 /// `c − 21 ..= min(c + 6, 254)` (so it is a multiple of 2^e below
 /// 2^(e+51); ±∞ and NaN are above).
 #[inline(always)]
-fn fits(c: u8, (mx, mn): (u32, u32)) -> bool {
-    let c = i32::from(c);
-    let hi = ((c + 6).min(254) as u32 + 1) << 24;
+fn fits(c: u8, sc: (u32, u32)) -> bool {
+    fits_window(i32::from(c), 21, 6, sc)
+}
+
+/// Whether every value of a block scanned as `(mx, mn)` is +0.0 or has a
+/// biased exponent `E` with `max(E, 1)` in `c − below ..= min(c + above,
+/// 254)`.
+#[inline(always)]
+fn fits_window(c: i32, below: i32, above: i32, (mx, mn): (u32, u32)) -> bool {
+    let hi = ((c + above).min(254) as u32 + 1) << 24;
     // subnormals (E = 0) count as E = 1: then any nonzero value is in
     // (rotated, its pattern is at least 2; −0.0's is 1)
-    let lo = if c - 21 <= 1 {
+    let lo = if c - below <= 1 {
         2
     } else {
-        ((c - 21) as u32) << 24
+        ((c - below) as u32) << 24
     };
     mx < hi && mn >= lo - 1
 }
@@ -311,6 +321,86 @@ multiversion! {
             finish_block(&z, blk, d);
         }
         trailing(a, pos)
+    }
+}
+
+multiversion! {
+    /// `io` = (`io` + Σ `peers`) / `d`, rounded once per element: the exact
+    /// sum of a chunk's native contributions from every rank at once (at
+    /// most [`MAX_DIRECT`]), each block in i64 lanes at the exponent 27
+    /// binades below its largest ulp when every value fits that window
+    /// (the sum stays below 2^55), else by the general encoding.
+    pub(super) fn sum_all_round<T: Element>(peers: &[&[T]], io: &mut [T], d: Div) -> Result<()> {
+        let n = peers.len() + 1;
+        // n terms in [−2^51, 2^51) sum to at most 2^53 in magnitude for
+        // n ≤ 4: exact in f64, so one conversion rounds once
+        let small = n <= 4;
+        let pow2 = d.0 <= 1 || d.0.is_power_of_two();
+        let shift = if d.0 > 1 { d.0.trailing_zeros() as i32 } else { 0 };
+        let rc = Recip::new(d.0);
+        let mut vals = [0i64; BLOCK];
+        let (mut cur, mut nxt, mut tmp) = (Vec::new(), Vec::new(), Vec::new());
+        for (k, blk) in io.chunks_mut(BLOCK).enumerate() {
+            let (start, bl) = (k * BLOCK, blk.len());
+            for p in peers {
+                prefetch(p[start..].as_ptr(), PREFETCH * 4, 4);
+            }
+            let (mut mx, mut mn) = scan(blk, blk);
+            for p in peers {
+                let pb = &p[start..start + bl];
+                let (a, b) = scan(pb, pb);
+                mx = mx.max(a);
+                mn = mn.min(b);
+            }
+            let top = (mx >> 24) as i32;
+            if top < 255 && fits_window(top.max(1), 27, 0, (mx, mn)) {
+                let e = top.max(1) - 150 - 27;
+                let (m, mb) = magic(e);
+                let vals = &mut vals[..bl];
+                for (v, &y) in vals.iter_mut().zip(&*blk) {
+                    *v = conv(y, m, mb);
+                }
+                for p in peers {
+                    for (v, &y) in vals.iter_mut().zip(&p[start..start + bl]) {
+                        *v = v.wrapping_add(conv(y, m, mb));
+                    }
+                }
+                if pow2 {
+                    // e − shift ≥ −176 − 4: a normal f64 power of two
+                    let scale = f64::from_bits(((e - shift + 1023) as u64) << 52);
+                    for (o, &v) in blk.iter_mut().zip(&*vals) {
+                        *o = if small {
+                            // |v| ≤ 2^53: exact in f64, one rounding
+                            T::from_f64(v as f64 * scale)
+                        } else {
+                            round_lane(v, scale)
+                        };
+                    }
+                } else {
+                    for (o, &v) in blk.iter_mut().zip(&*vals) {
+                        *o = if v == 0 {
+                            T::ZERO
+                        } else {
+                            T::from_f64(div_round_narrow_by::<T>(v, e, rc))
+                        };
+                    }
+                }
+                continue;
+            }
+            cur.clear();
+            encode_block(blk, &mut cur);
+            for p in peers {
+                let mut q = 0;
+                let x = read_block(&cur, &mut q, bl)?;
+                nxt.clear();
+                merge_raw_block(&x, &p[start..start + bl], &mut nxt, &mut tmp)?;
+                std::mem::swap(&mut cur, &mut nxt);
+            }
+            let mut q = 0;
+            let z = read_block(&cur, &mut q, bl)?;
+            finish_block(&z, blk, d);
+        }
+        Ok(())
     }
 }
 
@@ -560,6 +650,67 @@ mod tests {
             .collect();
         let (got, _) = chain(&h, 1);
         assert_eq!(bits(&got), bits(&exact(&h, 1)));
+    }
+
+    /// [`sum_all_round`] of all columns into the last one.
+    fn direct<T: Element>(cols: &[Vec<T>], d: u32) -> Vec<T> {
+        let (last, peers) = cols.split_last().unwrap();
+        let peers: Vec<&[T]> = peers.iter().map(|v| &v[..]).collect();
+        let mut io = last.clone();
+        sum_all_round(&peers, &mut io, Div(d)).unwrap();
+        io
+    }
+
+    #[test]
+    fn direct_sums_are_exact_in_lanes_and_in_fallbacks() {
+        let tiny = f32::from_bits(1);
+        let specials = [f32::INFINITY, f32::NAN, -0.0, tiny, f32::MAX, 1e-38];
+        let mut next = rng(5);
+        for n in 2..=MAX_DIRECT {
+            for len in [0, 1, 64, 64 * 3 + 7] {
+                // narrow blocks (lanes), then a rank 2^30 above (fallback)
+                let mut lift = vec![0; n];
+                let c = cols(next(), &lift, len, 26);
+                assert_eq!(bits(&direct(&c, 1)), bits(&exact(&c, 1)), "n {n} len {len}");
+                lift[n / 2] = 30;
+                let mut c = cols(next(), &lift, len, 10);
+                assert_eq!(
+                    bits(&direct(&c, 1)),
+                    bits(&exact(&c, 1)),
+                    "n {n} len {len} lifted"
+                );
+                if len > 0 {
+                    for (r, col) in c.iter_mut().enumerate() {
+                        col[(r * 13) % len] = specials[r % specials.len()];
+                    }
+                    assert_eq!(bits(&direct(&c, 1)), bits(&exact(&c, 1)), "n {n} specials");
+                }
+            }
+            // the mean: a power of two is exact on the scaled terms
+            if n.is_power_of_two() {
+                let c: Vec<Vec<f32>> = cols(next(), &vec![0; n], 200, 20)
+                    .into_iter()
+                    .map(|v| {
+                        v.into_iter()
+                            .map(|x| if x.abs() < 1e-30 { 1.0 } else { x })
+                            .collect()
+                    })
+                    .collect();
+                assert_eq!(
+                    bits(&direct(&c, n as u32)),
+                    bits(&exact(&c, n as u32)),
+                    "avg n {n}"
+                );
+            }
+        }
+        // the same contributions through the ring kernels give the same bits
+        let c = cols(77, &[0, 3, -2, 1, 0], 64 * 4 + 1, 12);
+        assert_eq!(bits(&direct(&c, 5)), bits(&chain(&c, 5).0));
+        let h: Vec<Vec<bf16>> = c
+            .iter()
+            .map(|v| v.iter().map(|&x| bf16::from_f32(x * 1e-30)).collect())
+            .collect();
+        assert_eq!(bits(&direct(&h, 1)), bits(&exact(&h, 1)));
     }
 
     #[test]
