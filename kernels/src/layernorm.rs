@@ -68,7 +68,8 @@ crate::simd::multiversion! {
 }
 
 /// Backward of [`layernorm_forward`], accumulating into `dinp`, `dweight`
-/// and `dbias`.
+/// and `dbias`: [`layernorm_backward_input`] then
+/// [`layernorm_backward_weight`], bit for bit.
 ///
 /// # Errors
 /// [`Error::ShapeMismatch`](crate::Error::ShapeMismatch) on a wrong buffer length.
@@ -86,9 +87,30 @@ pub fn layernorm_backward<T: Real>(
     c: usize,
 ) -> Result<()> {
     const OP: &str = "layernorm_backward";
-    check(OP, "dinp", dinp, n * c)?;
     check(OP, "dweight", dweight, c)?;
     check(OP, "dbias", dbias, c)?;
+    layernorm_backward_input(dinp, dout, inp, weight, mean, rstd, n, c)?;
+    layernorm_backward_weight(dweight, dbias, dout, inp, mean, rstd, n, c)
+}
+
+/// The input-gradient half of [`layernorm_backward`]: accumulates `dinp`
+/// only.
+///
+/// # Errors
+/// [`Error::ShapeMismatch`](crate::Error::ShapeMismatch) on a wrong buffer length.
+#[allow(clippy::too_many_arguments)]
+pub fn layernorm_backward_input<T: Real>(
+    dinp: &mut [T],
+    dout: &[T],
+    inp: &[T],
+    weight: &[T],
+    mean: &[T],
+    rstd: &[T],
+    n: usize,
+    c: usize,
+) -> Result<()> {
+    const OP: &str = "layernorm_backward_input";
+    check(OP, "dinp", dinp, n * c)?;
     check(OP, "dout", dout, n * c)?;
     check(OP, "inp", inp, n * c)?;
     check(OP, "weight", weight, c)?;
@@ -102,6 +124,35 @@ pub fn layernorm_backward<T: Real>(
         .zip(mean.par_iter().zip(rstd.par_iter()))
         .with_min_len(16)
         .for_each(|((di, (g, x)), (&m, &r))| ln_back_row(di, g, x, weight, m, r));
+    Ok(())
+}
+
+/// The parameter-gradient half of [`layernorm_backward`]: accumulates
+/// `dweight` and `dbias`, summed over the `n` rows.
+///
+/// # Errors
+/// [`Error::ShapeMismatch`](crate::Error::ShapeMismatch) on a wrong buffer length.
+#[allow(clippy::too_many_arguments)]
+pub fn layernorm_backward_weight<T: Real>(
+    dweight: &mut [T],
+    dbias: &mut [T],
+    dout: &[T],
+    inp: &[T],
+    mean: &[T],
+    rstd: &[T],
+    n: usize,
+    c: usize,
+) -> Result<()> {
+    const OP: &str = "layernorm_backward_weight";
+    check(OP, "dweight", dweight, c)?;
+    check(OP, "dbias", dbias, c)?;
+    check(OP, "dout", dout, n * c)?;
+    check(OP, "inp", inp, n * c)?;
+    check(OP, "mean", mean, n)?;
+    check(OP, "rstd", rstd, n)?;
+    if c == 0 {
+        return Ok(());
+    }
     ln_back_params(dweight, dbias, dout, inp, mean, rstd);
     Ok(())
 }

@@ -16,14 +16,15 @@
 //!
 //! | op | forward | backward |
 //! |---|---|---|
-//! | linear (`[in, out]` weight, optional bias) | [`matmul_forward`] | [`matmul_backward`] |
-//! | linear (`[out, in]` weight, e.g. a tied `lm_head`) | [`matmul_forward_wt`] | [`matmul_backward_wt`] |
-//! | layernorm | [`layernorm_forward`] | [`layernorm_backward`] |
+//! | linear (`[in, out]` weight, optional bias) | [`matmul_forward`] | [`matmul_backward`] = [`matmul_backward_input`] + [`matmul_backward_weight`] |
+//! | linear (`[out, in]` weight, e.g. a tied `lm_head`) | [`matmul_forward_wt`] | [`matmul_backward_wt`] = [`matmul_backward_wt_input`] + [`matmul_backward_wt_weight`] |
+//! | layernorm | [`layernorm_forward`] | [`layernorm_backward`] = [`layernorm_backward_input`] + [`layernorm_backward_weight`] |
 //! | GELU, tanh approximation | [`gelu_forward`] | [`gelu_backward`] |
 //! | causal multi-head attention | [`attention_forward`] (one position from a key/value cache: [`attention_decode`]) | [`attention_backward`] |
 //! | softmax | [`softmax_forward`] | [`softmax_backward`] |
 //! | cross-entropy | [`crossentropy_forward`] | [`crossentropy_softmax_backward`] |
 //! | softmax + cross-entropy, fused, in place | [`fused_classifier`] | (same call) |
+//! | the same, the backward in one pass from saved row statistics | [`fused_classifier_forward`] | [`fused_classifier_backward`] |
 //! | token + position embedding | [`encoder_forward`] | [`encoder_backward`] |
 //! | residual add | [`residual_forward`] | [`residual_backward`] |
 //! | AdamW update | [`adamw_update`] with [`AdamW`] | |
@@ -40,12 +41,14 @@
 //!
 //! [`Mode::BatchInvariant`] (the default) makes every per-sequence result
 //! bitwise identical whether the sequence is computed alone or anywhere in
-//! a batch of any size: linear layers run one GEMM per sequence (the GEMM
-//! library never splits the reduction dimension across threads, and its
-//! blocking depends only on the matrix shape), attention is per (sequence,
-//! head), and row-wise ops are per row. [`Mode::Throughput`] runs one GEMM
-//! over the whole batch instead. See the `kernels` bench for what the
-//! invariant mode costs.
+//! a batch of any size: the forward of a linear layer gives every output
+//! row bits that depend on its input row alone (the GEMM library never
+//! splits the reduction dimension across threads, and the matmul module
+//! keeps every call on one kernel path with a fixed reduction blocking),
+//! so it runs one GEMM over the whole batch in either mode; attention is
+//! per (sequence, head), and row-wise ops are per row. The modes differ in
+//! the input-gradient GEMMs ([`matmul_backward_input`]): one per sequence
+//! in [`Mode::BatchInvariant`], one over the batch in [`Mode::Throughput`].
 //!
 //! # Example
 //!
@@ -98,25 +101,31 @@ pub use adamw::{AdamW, adamw_update};
 pub use attention::{attention_backward, attention_decode, attention_forward};
 pub use embedding::{check_tokens, encoder_backward, encoder_forward};
 pub use error::{Error, Result};
-pub use layernorm::{layernorm_backward, layernorm_forward};
-pub use matmul::{matmul_backward, matmul_backward_wt, matmul_forward, matmul_forward_wt};
+pub use layernorm::{
+    layernorm_backward, layernorm_backward_input, layernorm_backward_weight, layernorm_forward,
+};
+pub use matmul::{
+    matmul_backward, matmul_backward_input, matmul_backward_weight, matmul_backward_wt,
+    matmul_backward_wt_input, matmul_backward_wt_weight, matmul_forward, matmul_forward_wt,
+};
 pub use pointwise::{gelu_backward, gelu_forward, residual_backward, residual_forward};
 pub use real::{Real, exp_f32, tanh_f32};
 pub use softmax::{
-    crossentropy_forward, crossentropy_softmax_backward, fused_classifier, softmax_backward,
-    softmax_forward,
+    crossentropy_forward, crossentropy_softmax_backward, fused_classifier,
+    fused_classifier_backward, fused_classifier_forward, softmax_backward, softmax_forward,
 };
 
 /// How linear layers split their work (see the crate docs on batch
 /// invariance).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Mode {
-    /// One GEMM per sequence: each sequence's result is bitwise identical
-    /// whatever batch it is computed in.
+    /// Each sequence's result is bitwise identical whatever batch it is
+    /// computed in (input-gradient GEMMs run one per sequence).
     #[default]
     BatchInvariant,
-    /// One GEMM per batch: results may differ in the last bits between
-    /// batch sizes.
+    /// Input-gradient GEMMs run one per batch: those results may differ in
+    /// the last bits between batch sizes (forwards are the same as in
+    /// [`Mode::BatchInvariant`]).
     Throughput,
 }
 

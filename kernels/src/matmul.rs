@@ -22,9 +22,9 @@ use crate::{Mode, Real};
 
 /// `out (B,T,OC) = inp (B,T,C) · weight (C,OC) + bias (OC)`.
 ///
-/// In [`Mode::BatchInvariant`] each sequence is one GEMM of `T` rows, so a
-/// sequence's output does not depend on the batch around it; in
-/// [`Mode::Throughput`] the whole batch is one GEMM.
+/// Every output row's bits depend on its input row alone (see the module
+/// docs on row invariance), so one GEMM over the whole batch is batch
+/// invariant: both modes compute the same bits, the same way.
 ///
 /// # Errors
 /// [`Error::ShapeMismatch`](crate::Error::ShapeMismatch) if a buffer's
@@ -48,31 +48,8 @@ pub fn matmul_forward<T: Real>(
     if let Some(bias) = bias {
         check(OP, "bias", bias, oc)?;
     }
-    let (groups, rows) = match mode {
-        Mode::BatchInvariant => (b, t),
-        Mode::Throughput => (1, b * t),
-    };
-    for g in 0..groups {
-        let o = &mut out[g * rows * oc..(g + 1) * rows * oc];
-        let x = &inp[g * rows * c..(g + 1) * rows * c];
-        if let Some(bias) = bias {
-            for row in o.chunks_exact_mut(oc) {
-                row.copy_from_slice(bias);
-            }
-        }
-        gemm_row_invariant(
-            rows,
-            oc,
-            c,
-            o,
-            oc,
-            bias.is_some(),
-            View::rows(x, c),
-            View::rows(weight, oc),
-            T::ONE,
-            true,
-        );
-    }
+    let _ = mode; // row invariance makes one GEMM over the batch invariant
+    forward_rows(out, inp, View::rows(weight, oc), bias, b * t, c, oc);
     Ok(())
 }
 
@@ -233,8 +210,9 @@ pub(crate) fn gemm_row_invariant<T: Real>(
 /// Backward of [`matmul_forward`], accumulating (`+=`):
 /// `dinp += dout · weightᵀ`, `dweight += inpᵀ · dout`, `dbias += Σ dout`.
 ///
-/// `dinp` is computed per sequence in [`Mode::BatchInvariant`], like the
-/// forward; `dweight` and `dbias` sum over the batch by nature.
+/// The same as [`matmul_backward_input`] then [`matmul_backward_weight`]
+/// (bit for bit: a split backward, such as a zero-bubble pipeline's B and
+/// W steps, gives the bits of this one).
 ///
 /// # Errors
 /// [`Error::ShapeMismatch`](crate::Error::ShapeMismatch) on a wrong buffer length.
@@ -261,10 +239,34 @@ pub fn matmul_backward<T: Real>(
     if let Some(db) = &dbias {
         check(OP, "dbias", db, oc)?;
     }
-    let (groups, rows) = match mode {
-        Mode::BatchInvariant => (b, t),
-        Mode::Throughput => (1, b * t),
-    };
+    matmul_backward_input(dinp, dout, weight, b, t, c, oc, mode)?;
+    matmul_backward_weight(dweight, dbias, dout, inp, b, t, c, oc)
+}
+
+/// The input-gradient half of [`matmul_backward`]:
+/// `dinp (B,T,C) += dout (B,T,OC) · weightᵀ`, `weight (C,OC)`.
+///
+/// In [`Mode::BatchInvariant`] it is one GEMM per sequence, in
+/// [`Mode::Throughput`] one over the batch.
+///
+/// # Errors
+/// [`Error::ShapeMismatch`](crate::Error::ShapeMismatch) on a wrong buffer length.
+#[allow(clippy::too_many_arguments)]
+pub fn matmul_backward_input<T: Real>(
+    dinp: &mut [T],
+    dout: &[T],
+    weight: &[T],
+    b: usize,
+    t: usize,
+    c: usize,
+    oc: usize,
+    mode: Mode,
+) -> Result<()> {
+    const OP: &str = "matmul_backward_input";
+    check(OP, "dinp", dinp, b * t * c)?;
+    check(OP, "dout", dout, b * t * oc)?;
+    check(OP, "weight", weight, c * oc)?;
+    let (groups, rows) = groups(mode, b, t);
     for g in 0..groups {
         gemm(
             rows,
@@ -279,11 +281,37 @@ pub fn matmul_backward<T: Real>(
             true,
         );
     }
-    let n = b * t;
+    Ok(())
+}
+
+/// The parameter-gradient half of [`matmul_backward`]:
+/// `dweight (C,OC) += inpᵀ · dout`, `dbias (OC) += Σ dout`, summed over
+/// all `B·T` rows.
+///
+/// # Errors
+/// [`Error::ShapeMismatch`](crate::Error::ShapeMismatch) on a wrong buffer length.
+#[allow(clippy::too_many_arguments)]
+pub fn matmul_backward_weight<T: Real>(
+    dweight: &mut [T],
+    dbias: Option<&mut [T]>,
+    dout: &[T],
+    inp: &[T],
+    b: usize,
+    t: usize,
+    c: usize,
+    oc: usize,
+) -> Result<()> {
+    const OP: &str = "matmul_backward_weight";
+    check(OP, "dweight", dweight, c * oc)?;
+    check(OP, "dout", dout, b * t * oc)?;
+    check(OP, "inp", inp, b * t * c)?;
+    if let Some(db) = &dbias {
+        check(OP, "dbias", db, oc)?;
+    }
     gemm(
         c,
         oc,
-        n,
+        b * t,
         dweight,
         oc,
         true,
@@ -301,6 +329,9 @@ pub fn matmul_backward<T: Real>(
 /// Like [`matmul_forward`] but with the weight in `[out, in]` layout
 /// (PyTorch `nn.Linear`, GPT-2's `lm_head` and tied `wte`):
 /// `out (B,T,OC) = inp (B,T,C) · weightᵀ`, `weight (OC,C)`.
+///
+/// Rows are computed as in [`matmul_forward`]: each row's bits depend on
+/// that row alone, whatever the mode.
 ///
 /// # Errors
 /// [`Error::ShapeMismatch`](crate::Error::ShapeMismatch) on a wrong buffer length.
@@ -323,36 +354,16 @@ pub fn matmul_forward_wt<T: Real>(
     if let Some(bias) = bias {
         check(OP, "bias", bias, oc)?;
     }
-    let (groups, rows) = match mode {
-        Mode::BatchInvariant => (b, t),
-        Mode::Throughput => (1, b * t),
-    };
-    for g in 0..groups {
-        let o = &mut out[g * rows * oc..(g + 1) * rows * oc];
-        let x = &inp[g * rows * c..(g + 1) * rows * c];
-        if let Some(bias) = bias {
-            for row in o.chunks_exact_mut(oc) {
-                row.copy_from_slice(bias);
-            }
-        }
-        gemm_row_invariant(
-            rows,
-            oc,
-            c,
-            o,
-            oc,
-            bias.is_some(),
-            View::rows(x, c),
-            View::t(weight, c),
-            T::ONE,
-            true,
-        );
-    }
+    let _ = mode; // row invariance makes one GEMM over the batch invariant
+    forward_rows(out, inp, View::t(weight, c), bias, b * t, c, oc);
     Ok(())
 }
 
 /// Backward of [`matmul_forward_wt`] (`weight (OC,C)`), accumulating:
 /// `dinp += dout · weight`, `dweight += doutᵀ · inp`, `dbias += Σ dout`.
+///
+/// The same as [`matmul_backward_wt_input`] then
+/// [`matmul_backward_wt_weight`], bit for bit.
 ///
 /// # Errors
 /// [`Error::ShapeMismatch`](crate::Error::ShapeMismatch) on a wrong buffer length.
@@ -379,10 +390,31 @@ pub fn matmul_backward_wt<T: Real>(
     if let Some(db) = &dbias {
         check(OP, "dbias", db, oc)?;
     }
-    let (groups, rows) = match mode {
-        Mode::BatchInvariant => (b, t),
-        Mode::Throughput => (1, b * t),
-    };
+    matmul_backward_wt_input(dinp, dout, weight, b, t, c, oc, mode)?;
+    matmul_backward_wt_weight(dweight, dbias, dout, inp, b, t, c, oc)
+}
+
+/// The input-gradient half of [`matmul_backward_wt`]:
+/// `dinp (B,T,C) += dout (B,T,OC) · weight`, `weight (OC,C)`.
+///
+/// # Errors
+/// [`Error::ShapeMismatch`](crate::Error::ShapeMismatch) on a wrong buffer length.
+#[allow(clippy::too_many_arguments)]
+pub fn matmul_backward_wt_input<T: Real>(
+    dinp: &mut [T],
+    dout: &[T],
+    weight: &[T],
+    b: usize,
+    t: usize,
+    c: usize,
+    oc: usize,
+    mode: Mode,
+) -> Result<()> {
+    const OP: &str = "matmul_backward_wt_input";
+    check(OP, "dinp", dinp, b * t * c)?;
+    check(OP, "dout", dout, b * t * oc)?;
+    check(OP, "weight", weight, c * oc)?;
+    let (groups, rows) = groups(mode, b, t);
     for g in 0..groups {
         gemm(
             rows,
@@ -397,23 +429,98 @@ pub fn matmul_backward_wt<T: Real>(
             true,
         );
     }
-    let n = b * t;
-    gemm(
-        oc,
-        c,
-        n,
-        dweight,
-        c,
-        true,
-        View::t(dout, oc),
-        View::rows(inp, c),
-        T::ONE,
-        true,
-    );
+    Ok(())
+}
+
+/// The parameter-gradient half of [`matmul_backward_wt`]:
+/// `dweight (OC,C) += doutᵀ · inp`, `dbias (OC) += Σ dout`.
+///
+/// # Errors
+/// [`Error::ShapeMismatch`](crate::Error::ShapeMismatch) on a wrong buffer length.
+#[allow(clippy::too_many_arguments)]
+pub fn matmul_backward_wt_weight<T: Real>(
+    dweight: &mut [T],
+    dbias: Option<&mut [T]>,
+    dout: &[T],
+    inp: &[T],
+    b: usize,
+    t: usize,
+    c: usize,
+    oc: usize,
+) -> Result<()> {
+    const OP: &str = "matmul_backward_wt_weight";
+    check(OP, "dweight", dweight, c * oc)?;
+    check(OP, "dout", dout, b * t * oc)?;
+    check(OP, "inp", inp, b * t * c)?;
+    if let Some(db) = &dbias {
+        check(OP, "dbias", db, oc)?;
+    }
+    // A tall `dweight` (the vocabulary's rows) is computed in row blocks,
+    // so that the block being accumulated stays in cache while the GEMM
+    // walks the whole reduction over B·T rows (one call would stream all of
+    // `dweight` through memory once per reduction block of the GEMM).
+    for r0 in (0..oc).step_by(WT_ROW_BLOCK) {
+        let rows = WT_ROW_BLOCK.min(oc - r0);
+        gemm(
+            rows,
+            c,
+            b * t,
+            &mut dweight[r0 * c..(r0 + rows) * c],
+            c,
+            true,
+            View::t(&dout[r0..], oc),
+            View::rows(inp, c),
+            T::ONE,
+            true,
+        );
+    }
     if let Some(db) = dbias {
         bias_backward(db, dout);
     }
     Ok(())
+}
+
+/// Rows of `dweight` per GEMM call in [`matmul_backward_wt_weight`]
+/// (measured best of 512..16384 for GPT-2's vocabulary at C = 256 and 768
+/// with `model/benches/step_profile.rs`).
+const WT_ROW_BLOCK: usize = 4096;
+
+/// `(groups, rows per group)` of an input-gradient GEMM in `mode`.
+fn groups(mode: Mode, b: usize, t: usize) -> (usize, usize) {
+    match mode {
+        Mode::BatchInvariant => (b, t),
+        Mode::Throughput => (1, b * t),
+    }
+}
+
+/// `out (n,oc) = x (n,c) · w (c,oc) [+ bias]` through
+/// [`gemm_row_invariant`], in one call over all `n` rows.
+fn forward_rows<T: Real>(
+    out: &mut [T],
+    x: &[T],
+    w: View<'_, T>,
+    bias: Option<&[T]>,
+    n: usize,
+    c: usize,
+    oc: usize,
+) {
+    if let Some(bias) = bias {
+        for row in out.chunks_exact_mut(oc) {
+            row.copy_from_slice(bias);
+        }
+    }
+    gemm_row_invariant(
+        n,
+        oc,
+        c,
+        out,
+        oc,
+        bias.is_some(),
+        View::rows(x, c),
+        w,
+        T::ONE,
+        true,
+    );
 }
 
 crate::simd::multiversion! {

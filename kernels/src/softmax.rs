@@ -212,6 +212,121 @@ crate::simd::multiversion! {
     }
 }
 
+/// The forward of [`fused_classifier`] (with `dloss = None`: `losses`
+/// written, `logits` left intact) that also saves each row's maximum and
+/// sum of exponentials in `stats (n, 2)`, so that
+/// [`fused_classifier_backward`] needs one pass over the logits instead of
+/// three. `losses` get the same bits as from [`fused_classifier`].
+///
+/// # Errors
+/// As [`fused_classifier`]; also a wrong `stats` length.
+pub fn fused_classifier_forward<T: Real>(
+    logits: &[T],
+    losses: &mut [T],
+    stats: &mut [T],
+    targets: &[u32],
+    n: usize,
+    v: usize,
+    v_real: usize,
+) -> Result<()> {
+    const OP: &str = "fused_classifier_forward";
+    check(OP, "logits", logits, n * v)?;
+    check(OP, "losses", losses, n)?;
+    check(OP, "stats", stats, 2 * n)?;
+    check(OP, "targets", targets, n)?;
+    check_v_real(OP, v, v_real)?;
+    check_tokens(OP, targets, v_real)?;
+    logits
+        .par_chunks(v)
+        .zip(losses.par_iter_mut().zip(stats.par_chunks_mut(2)))
+        .zip(targets.par_iter())
+        .for_each(|((row, (loss, st)), &tgt)| {
+            let (m, s) = row_max_expsum(&row[..v_real]);
+            *loss = s.ln() - (row[tgt as usize] - m);
+            st[0] = m;
+            st[1] = s;
+        });
+    Ok(())
+}
+
+/// The backward of [`fused_classifier_forward`]: overwrites `logits` (the
+/// very logits the forward saw) with the gradient of `dloss · Σ losses`,
+/// `(softmax(logits[i]) - onehot(t_i)) · dloss`, from the saved `stats`,
+/// in one pass. Bit for bit what [`fused_classifier`] with `Some(dloss)`
+/// writes.
+///
+/// # Errors
+/// As [`fused_classifier_forward`].
+pub fn fused_classifier_backward<T: Real>(
+    logits: &mut [T],
+    stats: &[T],
+    targets: &[u32],
+    dloss: T,
+    n: usize,
+    v: usize,
+    v_real: usize,
+) -> Result<()> {
+    const OP: &str = "fused_classifier_backward";
+    check(OP, "logits", logits, n * v)?;
+    check(OP, "stats", stats, 2 * n)?;
+    check(OP, "targets", targets, n)?;
+    check_v_real(OP, v, v_real)?;
+    check_tokens(OP, targets, v_real)?;
+    logits
+        .par_chunks_mut(v)
+        .zip(stats.par_chunks(2).zip(targets.par_iter()))
+        .for_each(|(row, (st, &tgt))| {
+            classifier_back_row(row, st[0], st[1], tgt as usize, dloss, v_real);
+        });
+    Ok(())
+}
+
+fn check_v_real(op: &'static str, v: usize, v_real: usize) -> Result<()> {
+    if v_real > v || v_real == 0 {
+        return Err(crate::Error::InvalidArgument {
+            op,
+            reason: format!("v_real = {v_real} must be in 1..={v}"),
+        });
+    }
+    Ok(())
+}
+
+crate::simd::multiversion! {
+    /// `(max, Σ exp(x - max))`, summed in the order of [`sum_lanes`] (so
+    /// the sum has the bits `softmax_in_place` computes).
+    fn row_max_expsum<T: Real>(x: &[T]) -> (T, T) {
+        let m = max_lanes(x);
+        let mut acc = [T::ZERO; 16];
+        let chunks = x.chunks_exact(16);
+        let rest = chunks.remainder();
+        for c in chunks {
+            for i in 0..16 {
+                acc[i] += (c[i] - m).exp();
+            }
+        }
+        let mut s = T::ZERO;
+        for &r in rest {
+            s += (r - m).exp();
+        }
+        (m, sum_lanes(&acc) + s)
+    }
+}
+
+crate::simd::multiversion! {
+    fn classifier_back_row<T: Real>(row: &mut [T], m: T, s: T, tgt: usize, g: T, v_real: usize) {
+        let (x, pad) = row.split_at_mut(v_real);
+        let inv = T::ONE / s;
+        // The operations of `softmax_in_place` then the scaling by `g`, in
+        // one pass: exp, times 1/s, times g, each rounded as there.
+        for v in x.iter_mut() {
+            let p = (*v - m).exp() * inv;
+            *v = p * g;
+        }
+        x[tgt] -= g;
+        pad.fill(T::ZERO);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -300,6 +415,45 @@ mod tests {
                 crate::Error::TokenOutOfRange {
                     position: 1,
                     token: 4,
+                    ..
+                }
+            ),
+            "{err}"
+        );
+    }
+
+    /// The split classifier (forward saving row statistics, one-pass
+    /// backward) gives bit for bit the losses and gradient of the fused
+    /// one, with padding columns and a row length that is not a multiple
+    /// of the 16 lanes.
+    #[test]
+    fn split_classifier_is_bitwise_the_fused_one() {
+        let (n, v, v_real) = (5, 103, 97);
+        let targets = [0u32, 96, 50, 7, 7];
+        let x: Vec<f32> = rand_vec(n * v, 9)
+            .iter()
+            .map(|&x| (x * 8.0) as f32)
+            .collect();
+        let g = 1.0f32 / 3.0;
+        let (mut fused, mut l_fused) = (x.clone(), vec![0.0f32; n]);
+        fused_classifier(&mut fused, &mut l_fused, &targets, Some(g), n, v, v_real).unwrap();
+        let (mut split, mut l_split, mut stats) = (x.clone(), vec![0.0f32; n], vec![0.0f32; 2 * n]);
+        fused_classifier_forward(&split, &mut l_split, &mut stats, &targets, n, v, v_real).unwrap();
+        let mut l_none = vec![0.0f32; n];
+        let mut untouched = x.clone();
+        fused_classifier(&mut untouched, &mut l_none, &targets, None, n, v, v_real).unwrap();
+        let bits = |a: &[f32]| a.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&l_split), bits(&l_fused));
+        assert_eq!(bits(&l_split), bits(&l_none));
+        fused_classifier_backward(&mut split, &stats, &targets, g, n, v, v_real).unwrap();
+        assert_eq!(bits(&split), bits(&fused));
+        let err = fused_classifier_backward(&mut split, &stats[1..], &targets, g, n, v, v_real)
+            .unwrap_err();
+        assert!(
+            matches!(
+                err,
+                crate::Error::ShapeMismatch {
+                    buffer: "stats",
                     ..
                 }
             ),

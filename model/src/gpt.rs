@@ -8,8 +8,10 @@ use std::sync::Arc;
 
 use weft_kernels::{
     AdamW, Mode, adamw_update, attention_backward, attention_forward, encoder_backward,
-    encoder_forward, fused_classifier, layernorm_backward, layernorm_forward, matmul_backward,
-    matmul_backward_wt, matmul_forward, matmul_forward_wt, residual_forward,
+    encoder_forward, fused_classifier_backward, fused_classifier_forward, layernorm_backward,
+    layernorm_backward_input, layernorm_backward_weight, layernorm_forward, matmul_backward,
+    matmul_backward_input, matmul_backward_weight, matmul_backward_wt, matmul_forward,
+    matmul_forward_wt, residual_forward,
 };
 
 use crate::config::GptConfig;
@@ -98,16 +100,17 @@ impl Block {
 /// of the block's input, saving in a [`WeightInputs`] what the weight
 /// gradients need) and [`block_backward_weight`](Self::block_backward_weight)
 /// (W: the parameter gradients). B then W gives bitwise the gradients of
-/// the whole backward. The kernels fuse each linear layer's input and
-/// weight gradients (and [`FeedForward::backward`] is one call), so B runs
-/// the fused kernels with the weight gradients going to a scratch sink, and
-/// W runs them again with the input gradients going to a sink: each of B
-/// and W costs about a whole backward, so B+W is about twice the whole
-/// backward. (The forward kernel on the transposed weight is the same GEMM
-/// as the input-gradient half, but writing instead of accumulating into a
-/// zeroed buffer does not give the same bits.) Split kernels
-/// (`matmul_backward_input` / `_weight` and a split `FeedForward`) would
-/// remove the waste without changing any result.
+/// the whole backward. The attention half and the layernorms run the
+/// split kernels ([`matmul_backward_input`](weft_kernels::matmul_backward_input)
+/// in B, [`matmul_backward_weight`](weft_kernels::matmul_backward_weight) in
+/// W, likewise for layernorm), which are the whole backward's kernels cut
+/// in two, so nothing is computed twice there. The feed-forward block's
+/// [`FeedForward::backward`] is one call computing both halves: B runs it
+/// with the parameter gradients going to a scratch sink and W runs it
+/// again with the input gradient going to a sink, so the feed-forward
+/// backward (two thirds of a dense block's backward FLOPs) is still paid
+/// twice; a split `FeedForward` would remove that without changing any
+/// result.
 #[derive(Clone, Debug)]
 pub struct GptBlocks {
     config: GptConfig,
@@ -189,6 +192,7 @@ pub struct HeadActs {
     lnf_rstd: Vec<f32>, // (B,T)
     logits: Vec<f32>,   // (B,T,V); holds dlogits after backward
     losses: Vec<f32>,   // (B,T)
+    stats: Vec<f32>,    // (B,T,2) each row's max logit and sum of exponentials
 }
 
 impl HeadActs {
@@ -208,7 +212,8 @@ impl HeadActs {
             + self.lnf_mean.len()
             + self.lnf_rstd.len()
             + self.logits.len()
-            + self.losses.len())
+            + self.losses.len()
+            + self.stats.len())
     }
 }
 
@@ -439,6 +444,7 @@ impl GptBlocks {
             lnf_rstd: vec![0.0; n],
             logits: vec![0.0; n * v],
             losses: vec![0.0; n],
+            stats: vec![0.0; 2 * n],
         })
     }
 
@@ -785,13 +791,8 @@ impl GptBlocks {
             &p[blk.ffn.clone()],
             self.dims(b, t, mode, acts.layer),
         )?;
-        let (dw, db) = scratch.sink_p[..2 * c].split_at_mut(c);
-        dw.fill(0.0);
-        db.fill(0.0);
-        layernorm_backward(
+        layernorm_backward_input(
             dres,
-            dw,
-            db,
             &saved.dln2,
             &acts.res2,
             &p[blk.ln2_w.clone()],
@@ -801,16 +802,10 @@ impl GptBlocks {
             c,
         )?;
         saved.dres2.copy_from_slice(dres);
-        // The fused kernel, its weight gradients going to the sink: the
-        // input gradient is then the very bits the whole backward computes.
         scratch.datty.fill(0.0);
-        let (dw, db) = two_mut(&mut scratch.sink_p, blk.proj_w.clone(), blk.proj_b.clone());
-        matmul_backward(
+        matmul_backward_input(
             &mut scratch.datty,
-            dw,
-            Some(db),
             dres,
-            &acts.atty,
             &p[blk.proj_w.clone()],
             b,
             t,
@@ -831,13 +826,9 @@ impl GptBlocks {
             nh,
         )?;
         saved.dln1.fill(0.0);
-        let (dw, db) = two_mut(&mut scratch.sink_p, blk.qkv_w.clone(), blk.qkv_b.clone());
-        matmul_backward(
+        matmul_backward_input(
             &mut saved.dln1,
-            dw,
-            Some(db),
             &saved.dqkv,
-            &acts.ln1,
             &p[blk.qkv_w.clone()],
             b,
             t,
@@ -845,13 +836,8 @@ impl GptBlocks {
             3 * c,
             mode,
         )?;
-        let (dw, db) = scratch.sink_p[..2 * c].split_at_mut(c);
-        dw.fill(0.0);
-        db.fill(0.0);
-        layernorm_backward(
+        layernorm_backward_input(
             dres,
-            dw,
-            db,
             &saved.dln1,
             inp,
             &p[blk.ln1_w.clone()],
@@ -908,62 +894,33 @@ impl GptBlocks {
             &p[blk.ffn.clone()],
             self.dims(b, t, mode, acts.layer),
         )?;
+        sink.fill(0.0);
         let (dw, db) = two_mut(g, blk.ln2_w.clone(), blk.ln2_b.clone());
-        layernorm_backward(
-            sink,
+        layernorm_backward_weight(
             dw,
             db,
             &saved.dln2,
             &acts.res2,
-            &p[blk.ln2_w.clone()],
             &acts.ln2_mean,
             &acts.ln2_rstd,
             n,
             c,
         )?;
         let (dw, db) = two_mut(g, blk.proj_w.clone(), blk.proj_b.clone());
-        matmul_backward(
-            sink,
-            dw,
-            Some(db),
-            &saved.dres2,
-            &acts.atty,
-            &p[blk.proj_w.clone()],
-            b,
-            t,
-            c,
-            c,
-            mode,
-        )?;
+        matmul_backward_weight(dw, Some(db), &saved.dres2, &acts.atty, b, t, c, c)?;
         let (dw, db) = two_mut(g, blk.qkv_w.clone(), blk.qkv_b.clone());
-        matmul_backward(
-            sink,
-            dw,
-            Some(db),
-            &saved.dqkv,
-            &acts.ln1,
-            &p[blk.qkv_w.clone()],
-            b,
-            t,
-            c,
-            3 * c,
-            mode,
-        )?;
+        matmul_backward_weight(dw, Some(db), &saved.dqkv, &acts.ln1, b, t, c, 3 * c)?;
         let (dw, db) = two_mut(g, blk.ln1_w.clone(), blk.ln1_b.clone());
-        layernorm_backward(
-            sink,
+        layernorm_backward_weight(
             dw,
             db,
             &saved.dln1,
             inp,
-            &p[blk.ln1_w.clone()],
             &acts.ln1_mean,
             &acts.ln1_rstd,
             n,
             c,
         )?;
-        // The sink accumulates garbage; keep it finite.
-        sink.fill(0.0);
         Ok(())
     }
 
@@ -1028,7 +985,15 @@ impl GptBlocks {
             Some(tg) => {
                 acts.targets.copy_from_slice(tg);
                 acts.has_targets = true;
-                fused_classifier(&mut acts.logits, &mut acts.losses, tg, None, n, v, v)?;
+                fused_classifier_forward(
+                    &acts.logits,
+                    &mut acts.losses,
+                    &mut acts.stats,
+                    tg,
+                    n,
+                    v,
+                    v,
+                )?;
                 let sum: f64 = acts.losses.iter().map(|&x| f64::from(x)).sum();
                 #[allow(clippy::cast_precision_loss)]
                 Ok(Some(sum / n as f64))
@@ -1078,15 +1043,9 @@ impl GptBlocks {
         let mode = Mode::Throughput;
         #[allow(clippy::cast_precision_loss)]
         let dloss = 1.0 / n as f32;
-        fused_classifier(
-            &mut acts.logits,
-            &mut acts.losses,
-            &acts.targets,
-            Some(dloss),
-            n,
-            v,
-            v,
-        )?;
+        // One pass from the forward's row statistics: the bits
+        // `fused_classifier` would write.
+        fused_classifier_backward(&mut acts.logits, &acts.stats, &acts.targets, dloss, n, v, v)?;
         scratch.dln.fill(0.0);
         matmul_backward_wt(
             &mut scratch.dln,

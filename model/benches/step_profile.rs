@@ -1,0 +1,368 @@
+//! Per-op profile of one training step: every kernel call of the step of a
+//! GPT-2-style model, timed on its own at the step's shapes (best of a few
+//! runs), with its count per step, milliseconds per step and GFLOP/s, and
+//! the sum beside a measured whole step.
+//!
+//! `cargo bench -p weft-model --bench step_profile -- [a|b] [--reps N] [--cpu]`
+//!
+//! `--cpu` times each op by the CPU time of all threads divided by the
+//! thread count rather than by the wall clock: steadier on a shared
+//! machine (time spent descheduled does not count).
+//!
+//! Configurations as in `train_step`: (a) n_layer 4, n_embd 256, n_head 4,
+//! seq 256, batch 8, vocab 50304; (b) GPT-2 small at seq 256, batch 4. The
+//! forward's linear layers run in the model's default (batch-invariant)
+//! mode, the backward's as whole-batch GEMMs, as [`weft_model::Gpt`] does.
+
+use std::time::Instant;
+
+use weft_kernels::{
+    AdamW, Mode, attention_backward, attention_forward, encoder_backward, encoder_forward,
+    fused_classifier_backward, fused_classifier_forward, gelu_backward, gelu_forward,
+    layernorm_backward, layernorm_forward, matmul_backward_input, matmul_backward_weight,
+    matmul_backward_wt_input, matmul_backward_wt_weight, matmul_forward, matmul_forward_wt,
+    residual_forward,
+};
+use weft_model::{AdamWState, Gpt, GptConfig};
+
+struct Shape {
+    l: usize,
+    nh: usize,
+    c: usize,
+    v: usize,
+    b: usize,
+    t: usize,
+}
+
+/// Pseudo-random values uniform in [-0.5, 0.5) times `scale` (weights
+/// scaled like GPT-2's initialisation keep the logits in a realistic range:
+/// correlated or large inputs would make the softmax underflow into
+/// subnormals, which are slow).
+fn data(n: usize, seed: usize, scale: f32) -> Vec<f32> {
+    let mut s = (seed as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            ((s >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * scale
+        })
+        .collect()
+}
+
+struct Row {
+    op: String,
+    count: usize,
+    ms: f64,
+    flops: f64,
+}
+
+/// CPU time (seconds) of all threads of this process so far, from
+/// `/proc/self/task/*/schedstat` (nanoseconds on the CPU), or `None` where
+/// that is unavailable.
+fn cpu_secs() -> Option<f64> {
+    let mut total = 0u64;
+    for e in std::fs::read_dir("/proc/self/task").ok()? {
+        let p = e.ok()?.path().join("schedstat");
+        let s = std::fs::read_to_string(p).ok()?;
+        total += s.split_whitespace().next()?.parse::<u64>().ok()?;
+    }
+    Some(total as f64 * 1e-9)
+}
+
+/// Whether [`time`] reports CPU time divided by the thread count instead
+/// of wall time (`--cpu`: on a machine shared with other jobs, time spent
+/// descheduled then does not count; idle spinning of the pool does).
+static CPU: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Best time (ms) of `reps` runs of `f` after one warm-up.
+fn time(reps: usize, mut f: impl FnMut()) -> f64 {
+    f();
+    let cpu = CPU.load(std::sync::atomic::Ordering::Relaxed);
+    let threads = rayon::current_num_threads() as f64;
+    let mut best = f64::INFINITY;
+    for _ in 0..reps {
+        let c0 = if cpu { cpu_secs() } else { None };
+        let s = Instant::now();
+        f();
+        let wall = s.elapsed().as_secs_f64();
+        let t = match (c0, if cpu { cpu_secs() } else { None }) {
+            (Some(a), Some(b)) => (b - a) / threads,
+            _ => wall,
+        };
+        best = best.min(t);
+    }
+    best * 1e3
+}
+
+#[allow(clippy::too_many_lines, clippy::cast_precision_loss)]
+fn profile(s: &Shape, reps: usize) -> Vec<Row> {
+    let Shape { l, nh, c, v, b, t } = *s;
+    let n = b * t;
+    let inv = Mode::BatchInvariant;
+    let thr = Mode::Throughput;
+    let mut rows = Vec::new();
+    let mut push = |op: String, count: usize, ms: f64, flops: f64| {
+        #[allow(clippy::print_stderr)]
+        {
+            eprintln!("  {op}: {ms:.2} ms");
+        }
+        rows.push(Row {
+            op,
+            count,
+            ms,
+            flops,
+        });
+    };
+    // Linear layers: (name, in, out, forward mode as the model runs it).
+    let linears = [
+        ("attn.c_attn", c, 3 * c, inv),
+        ("attn.c_proj", c, c, inv),
+        ("mlp.c_fc", c, 4 * c, thr),
+        ("mlp.c_proj", 4 * c, c, thr),
+    ];
+    for (name, ic, oc, mode) in linears {
+        let x = data(n * ic, 1, 1.0);
+        let w = data(ic * oc, 2, 0.04);
+        let bias = data(oc, 3, 1.0);
+        let dout = data(n * oc, 4, 1.0);
+        let mut out = vec![0.0f32; n * oc];
+        let mut dx = vec![0.0f32; n * ic];
+        let mut dw = vec![0.0f32; ic * oc];
+        let mut db = vec![0.0f32; oc];
+        let f = 2.0 * (n * ic * oc) as f64;
+        let ms = time(reps, || {
+            matmul_forward(&mut out, &x, &w, Some(&bias), b, t, ic, oc, mode).unwrap();
+        });
+        push(format!("fwd {name} {n}x{ic}x{oc}"), l, ms, f);
+        let ms = time(reps, || {
+            matmul_backward_input(&mut dx, &dout, &w, b, t, ic, oc, thr).unwrap();
+        });
+        push(format!("bwd {name} dx"), l, ms, f);
+        let ms = time(reps, || {
+            matmul_backward_weight(&mut dw, Some(&mut db), &dout, &x, b, t, ic, oc).unwrap();
+        });
+        push(format!("bwd {name} dw+db"), l, ms, f);
+    }
+    // Head.
+    {
+        let x = data(n * c, 5, 1.0);
+        let w = data(v * c, 6, 0.04);
+        let mut logits = vec![0.0f32; n * v];
+        let mut losses = vec![0.0f32; n];
+        let targets: Vec<u32> = (0..n).map(|i| (i * 31 % v) as u32).collect();
+        let f = 2.0 * (n * c * v) as f64;
+        let ms = time(reps, || {
+            matmul_forward_wt(&mut logits, &x, &w, None, b, t, c, v, inv).unwrap();
+        });
+        push(format!("fwd lm_head {n}x{c}x{v}"), 1, ms, f);
+        let mut stats = vec![0.0f32; 2 * n];
+        let ms = time(reps, || {
+            fused_classifier_forward(&logits, &mut losses, &mut stats, &targets, n, v, v).unwrap();
+        });
+        push("softmax+CE fwd (saving row stats)".into(), 1, ms, 0.0);
+        let base = logits.clone();
+        let ms = time(reps, || {
+            logits.copy_from_slice(&base);
+            fused_classifier_backward(&mut logits, &stats, &targets, 1.0, n, v, v).unwrap();
+        });
+        let copy = time(reps, || logits.copy_from_slice(&base));
+        push("softmax+CE bwd (one pass)".into(), 1, ms - copy, 0.0);
+        let mut dx = vec![0.0f32; n * c];
+        let mut dw = vec![0.0f32; v * c];
+        let ms = time(reps, || {
+            matmul_backward_wt_input(&mut dx, &logits, &w, b, t, c, v, thr).unwrap();
+        });
+        push("bwd lm_head dx".into(), 1, ms, f);
+        let ms = time(reps, || {
+            matmul_backward_wt_weight(&mut dw, None, &logits, &x, b, t, c, v).unwrap();
+        });
+        push("bwd lm_head dw".into(), 1, ms, f);
+    }
+    // Attention.
+    {
+        let qkv = data(n * 3 * c, 7, 1.0);
+        let mut out = vec![0.0f32; n * c];
+        let mut att = vec![0.0f32; b * nh * t * t];
+        let f = 2.0 * (b * nh * t * t * (c / nh)) as f64; // causal: half of 2 GEMMs
+        let ms = time(reps, || {
+            attention_forward(&mut out, &mut att, &qkv, b, t, c, nh).unwrap();
+        });
+        push(format!("attention fwd T={t} NH={nh}"), l, ms, f);
+        let dout = data(n * c, 8, 1.0);
+        let mut dqkv = vec![0.0f32; n * 3 * c];
+        let mut datt = vec![0.0f32; b * nh * t * t];
+        let ms = time(reps, || {
+            attention_backward(&mut dqkv, &mut datt, &dout, &qkv, &att, b, t, c, nh).unwrap();
+        });
+        push("attention bwd".into(), l, ms, 2.0 * f);
+    }
+    // Row-wise and element-wise.
+    {
+        let x = data(n * c, 9, 1.0);
+        let w = data(c, 10, 1.0);
+        let bb = data(c, 11, 1.0);
+        let mut out = vec![0.0f32; n * c];
+        let mut mean = vec![0.0f32; n];
+        let mut rstd = vec![0.0f32; n];
+        let ms = time(reps, || {
+            layernorm_forward(&mut out, &mut mean, &mut rstd, &x, &w, &bb, n, c, 1e-5).unwrap();
+        });
+        push("layernorm fwd".into(), 2 * l + 1, ms, 0.0);
+        let mut dx = vec![0.0f32; n * c];
+        let mut dw = vec![0.0f32; c];
+        let mut db = vec![0.0f32; c];
+        let ms = time(reps, || {
+            layernorm_backward(&mut dx, &mut dw, &mut db, &x, &x, &w, &mean, &rstd, n, c).unwrap();
+        });
+        push("layernorm bwd".into(), 2 * l + 1, ms, 0.0);
+        let ms = time(reps, || residual_forward(&mut out, &x, &dx, n * c).unwrap());
+        push("residual fwd".into(), 2 * l, ms, 0.0);
+        let h = data(n * 4 * c, 12, 1.0);
+        let mut g = vec![0.0f32; n * 4 * c];
+        let ms = time(reps, || gelu_forward(&mut g, &h, n * 4 * c).unwrap());
+        push("gelu fwd".into(), l, ms, 0.0);
+        let mut dg = vec![0.0f32; n * 4 * c];
+        let ms = time(reps, || gelu_backward(&mut dg, &h, &g, n * 4 * c).unwrap());
+        push("gelu bwd".into(), l, ms, 0.0);
+        // Backward buffer zeroing per block (dln x2, datty, dqkv, MLP scratch).
+        let mut z = vec![0.0f32; n * (2 * c + c + 3 * c + 8 * c)];
+        let ms = time(reps, || z.fill(0.0));
+        push("zero fills (bwd scratch)".into(), l, ms, 0.0);
+        let tokens: Vec<u32> = (0..n).map(|i| (i * 31 % v) as u32).collect();
+        let wte = data(v * c, 13, 0.04);
+        let wpe = data(1024 * c, 14, 0.04);
+        let ms = time(reps, || {
+            encoder_forward(&mut out, &tokens, &wte, &wpe, b, t, c).unwrap();
+        });
+        push("embedding fwd".into(), 1, ms, 0.0);
+        let mut dwte = vec![0.0f32; v * c];
+        let mut dwpe = vec![0.0f32; 1024 * c];
+        let ms = time(reps, || {
+            encoder_backward(&mut dwte, &mut dwpe, &x, &tokens, b, t, c).unwrap();
+        });
+        push("embedding bwd".into(), 1, ms, 0.0);
+    }
+    rows
+}
+
+fn config(which: &str) -> (GptConfig, usize, usize) {
+    match which {
+        "a" => (
+            GptConfig {
+                n_layer: 4,
+                n_head: 4,
+                n_embd: 256,
+                vocab_size: 50304,
+                block_size: 1024,
+                tied_embeddings: true,
+                layer_norm_epsilon: 1e-5,
+            },
+            8,
+            256,
+        ),
+        _ => (GptConfig::gpt2_small(), 4, 256),
+    }
+}
+
+#[allow(clippy::print_stdout, clippy::cast_precision_loss)]
+fn main() {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let mut reps = 3usize;
+    let mut which = Vec::new();
+    let mut i = 0;
+    while i < args.len() {
+        match args[i].as_str() {
+            "--reps" => {
+                reps = args[i + 1].parse().expect("--reps N");
+                i += 1;
+            }
+            "--cpu" => CPU.store(true, std::sync::atomic::Ordering::Relaxed),
+            a if a.starts_with("--") => {}
+            a => which.push(a.to_string()),
+        }
+        i += 1;
+    }
+    if which.is_empty() {
+        which = vec!["a".into(), "b".into()];
+    }
+    println!("threads: {}, reps: {reps}", rayon::current_num_threads());
+    let peak = {
+        let n = 1024;
+        let a = data(n * n, 1, 1.0);
+        let w = data(n * n, 2, 1.0);
+        let mut out = vec![0.0f32; n * n];
+        let ms = time(reps.max(5), || {
+            matmul_forward(&mut out, &a, &w, None, 1, n, n, n, Mode::Throughput).unwrap();
+        });
+        2.0 * (n * n * n) as f64 / ms / 1e6
+    };
+    println!("GEMM peak (1024^3 f32 through matmul_forward): {peak:.1} GFLOP/s");
+    for w in which {
+        let (cfg, b, t) = config(&w);
+        let s = Shape {
+            l: cfg.n_layer,
+            nh: cfg.n_head,
+            c: cfg.n_embd,
+            v: cfg.vocab_size,
+            b,
+            t,
+        };
+        let mut rows = profile(&s, reps);
+        // AdamW and zero_grad over the whole model, as the step runs them.
+        let mut model = Gpt::new(cfg.clone()).unwrap();
+        model.init_gpt2(1);
+        let mut st = AdamWState::new(&model);
+        let hp = AdamW::default();
+        let np = model.params.len();
+        let ms = time(reps, || model.zero_grad());
+        rows.push(Row {
+            op: format!("zero_grad ({:.1}M)", np as f64 / 1e6),
+            count: 1,
+            ms,
+            flops: 0.0,
+        });
+        let ms = time(reps, || model.adamw_step(&mut st, &hp).unwrap());
+        rows.push(Row {
+            op: "adamw step".into(),
+            count: 1,
+            ms,
+            flops: 0.0,
+        });
+        // The whole step, for the sum's reference.
+        let mut acts = model.activations(b, t).unwrap();
+        let v = u32::try_from(cfg.vocab_size).unwrap();
+        let tokens: Vec<u32> = (0..(b * t) as u32)
+            .map(|i| i.wrapping_mul(2_654_435_761) % v)
+            .collect();
+        let step_ms = time(reps, || {
+            model.forward(&mut acts, &tokens, Some(&tokens)).unwrap();
+            model.zero_grad();
+            model.backward(&mut acts).unwrap();
+            model.adamw_step(&mut st, &hp).unwrap();
+        });
+        println!("\n## ({w}) L={} C={} V={} B={b} T={t}", s.l, s.c, s.v);
+        println!("| op | per step | ms each | ms/step | % of step | GFLOP/s | % of peak |");
+        println!("|---|---|---|---|---|---|---|");
+        let total: f64 = rows.iter().map(|r| r.ms * r.count as f64).sum();
+        for r in &rows {
+            let per = r.ms * r.count as f64;
+            let gf = if r.flops > 0.0 {
+                let g = r.flops / r.ms / 1e6;
+                format!("{g:.1} | {:.0}", 100.0 * g / peak)
+            } else {
+                " | ".into()
+            };
+            println!(
+                "| {} | {} | {:.2} | {:.1} | {:.1} | {gf} |",
+                r.op,
+                r.count,
+                r.ms,
+                per,
+                100.0 * per / total
+            );
+        }
+        println!("| **sum of ops** | | | {total:.1} | | | |");
+        println!("| **measured step** | | | {step_ms:.1} | | | |");
+    }
+}
