@@ -523,11 +523,30 @@ fn forward_rows<T: Real>(
     );
 }
 
+/// `db (OC) += Σ_rows dout (rows, OC)`, split over the rayon pool by
+/// column ranges: every element still sums the rows in order, so the bits
+/// do not depend on the thread count.
+fn bias_backward<T: Real>(db: &mut [T], dout: &[T]) {
+    use rayon::prelude::*;
+    let oc = db.len();
+    if oc == 0 {
+        return;
+    }
+    // Columns per task: a multiple of 16 lanes, about one task per thread
+    // for a GPT-2-sized output, none for a small one.
+    let cols = (oc / (4 * rayon::current_num_threads()))
+        .max(256)
+        .next_multiple_of(16);
+    db.par_chunks_mut(cols)
+        .enumerate()
+        .for_each(|(i, d)| bias_backward_cols(d, dout, oc, i * cols));
+}
+
 crate::simd::multiversion! {
-    fn bias_backward<T: Real>(db: &mut [T], dout: &[T]) {
-        let oc = db.len();
+    fn bias_backward_cols<T: Real>(db: &mut [T], dout: &[T], oc: usize, j0: usize) {
+        let w = db.len();
         for row in dout.chunks_exact(oc) {
-            for (d, &g) in db.iter_mut().zip(row) {
+            for (d, &g) in db.iter_mut().zip(&row[j0..j0 + w]) {
                 *d += g;
             }
         }
