@@ -5,13 +5,17 @@
 //! (defaults: 2 ranks, 256 MiB; `WEFT_BENCH_OPS=all_reduce/ring` keeps only
 //! the ops whose name contains that text). busbw = algbw × 2(n−1)/n for all-reduce
 //! and × (n−1)/n for reduce-scatter and all-gather, as nccl-tests reports.
+//! `WEFT_BENCH_RANKS_PER_DOMAIN=k` runs the reproducible-vs-ring table over
+//! domains of k ranks (with k < RANKS the reproducible mode keeps the ring
+//! pattern instead of its direct one-domain reduce-scatter).
 #![allow(clippy::print_stdout, missing_docs)]
 
 use std::time::{Duration, Instant};
 
 use weft_collectives::repro::ExactPartial;
 use weft_collectives::{
-    Algorithm, Communicator, CommunicatorExt, LocalCluster, ReduceOp, ReduceOptions, shard_range,
+    Algorithm, Communicator, CommunicatorExt, LocalCluster, ReduceOp, ReduceOptions, Topology,
+    shard_range,
 };
 
 #[derive(Clone, Copy, PartialEq)]
@@ -120,6 +124,7 @@ fn repro_vs_ring(n: usize, bytes: usize) -> [f64; 4] {
     let iters = ((0.08 / est) as usize).clamp(2, 50);
     let out = LocalCluster::builder(n)
         .timeout(Duration::from_secs(600))
+        .topology(topology())
         .run_each(|comm| -> weft_collectives::Result<[f64; 4]> {
             let r = comm.rank();
             let grad: Vec<f32> = (0..elems)
@@ -168,6 +173,15 @@ fn repro_vs_ring(n: usize, bytes: usize) -> [f64; 4] {
         .expect("rank 0")
         .expect("rank panicked")
         .expect("collective failed")
+}
+
+/// The topology of the reproducible-vs-ring table: flat, or domains of
+/// `WEFT_BENCH_RANKS_PER_DOMAIN` ranks.
+fn topology() -> Topology {
+    std::env::var("WEFT_BENCH_RANKS_PER_DOMAIN")
+        .ok()
+        .and_then(|k| k.parse().ok())
+        .map_or_else(Topology::flat, Topology::new)
 }
 
 fn main() {
@@ -239,7 +253,8 @@ fn main() {
     if filter.is_empty() || "repro".contains(filter.as_str()) || filter.contains("repro") {
         println!();
         println!(
-            "# reproducible vs plain ring all-reduce, {n} ranks, f32, side by side (each the best of 5 alternating rounds); exact = all_reduce_exact of an ExactPartial of the same values; add = ExactPartial::add of one micro-batch"
+            "# reproducible vs plain ring all-reduce, {n} ranks ({:?}), f32, side by side (each the best of 5 alternating rounds); exact = all_reduce_exact of an ExactPartial of the same values; add = ExactPartial::add of one micro-batch",
+            topology()
         );
         println!(
             "{:>12} {:>12} {:>12} {:>8} {:>12} {:>8} {:>14}",

@@ -109,34 +109,41 @@
 //! ```
 //!
 //! # Cost of the reproducible mode
-//! Measured with `cargo bench -p weft-collectives --bench collectives --
-//! RANKS 64` (`WEFT_BENCH_OPS=repro-table` prints only the side-by-side
-//! table: ring, reproducible and exact all-reduce alternate in one cluster,
-//! each keeping its best of 5 rounds), f32, on the shared 2-core
-//! development machine *under heavy load* (load average 12–17 from other
-//! builds), so single figures are noisy; the ratios are the point:
+//! Measured with `WEFT_BENCH_OPS=repro-table cargo bench -p weft-collectives
+//! --bench collectives -- RANKS 64` (ring, reproducible and exact
+//! all-reduce alternate in one cluster, each keeping its best of 5
+//! rounds), f32, thread ranks, on the shared 2-core development machine
+//! while other builds ran (load average 3.4–5), so single figures are
+//! noisy; the ratios of one run are the point. Two runs each; "4 ranks,
+//! ring pattern" is the same table over one-rank domains
+//! (`WEFT_BENCH_RANKS_PER_DOMAIN=1`), where the reproducible mode keeps the
+//! ring's neighbour-only pattern (see [`repro`]):
 //!
-//! | bytes | 2 ranks repro / ring | 2 ranks exact / ring | 4 ranks repro / ring | 4 ranks exact / ring |
+//! | bytes | 2 ranks repro / ring | 4 ranks repro / ring | 4 ranks, ring pattern | 4 ranks exact / ring |
 //! |---|---|---|---|---|
-//! | 64 KiB | 0.98 | 5.29 | 2.09 | 3.31 |
-//! | 256 KiB | 0.64 | 2.80 | 2.04 | 2.34 |
-//! | 1 MiB | 0.98 | 2.25 | 1.53 | 1.75 |
-//! | 4 MiB | 0.95 | 2.04 | 3.36 | 5.09 |
-//! | 16 MiB | 0.81 | 2.07 | 2.49 | 2.80 |
-//! | 64 MiB | 0.88 | 1.75 | 1.90 | 2.18 |
+//! | 64 KiB | 0.92, 1.06 | 1.08, 1.09 | 1.36, 1.37 | 2.02, 2.04 |
+//! | 256 KiB | 1.05, 0.96 | 1.32, 1.29 | 1.68, 1.66 | 2.77, 2.66 |
+//! | 1 MiB | 0.88, 0.96 | 1.16, 1.02 | 1.52, 1.49 | 1.96, 1.80 |
+//! | 4 MiB | 1.08, 0.99 | 1.13, 0.94 | 1.45, 1.49 | 2.07, 1.62 |
+//! | 16 MiB | 0.95, 0.95 | 1.08, 1.08 | 1.60, 1.76 | 2.91, 3.02 |
+//! | 64 MiB | 0.95, 0.85 | 1.22, 0.88 | 1.81, 1.49 | 2.72, 2.11 |
 //!
 //! With two ranks the reproducible all-reduce costs what the plain ring
 //! does (ratios below 1 are noise): the two-term sum computed in f64 and
-//! rounded once is already the correctly rounded exact sum. With more
-//! ranks partial sums travel as two-word encodings (2× the native bytes)
-//! merged at every step, about 1.5–2.5× the plain ring here (4 ranks on 2
-//! loaded cores are oversubscribed; the 4 MiB row shows the noise). Before
-//! the fused ring (own values merged straight into the received partial,
-//! the last merge rounding into the output) it was 4–7.5× with two ranks. "exact" is [`all_reduce_exact`](CommunicatorExt::all_reduce_exact)
-//! of an `ExactPartial`, whose every step moves encodings; one
-//! [`ExactPartial::add`](repro::ExactPartial::add) of a micro-batch costs
-//! about 0.6 ns per element when the partial fits in cache and is bound by
-//! memory bandwidth beyond (20 bytes per element).
+//! rounded once is already the correctly rounded exact sum. With 3 to 16
+//! ranks in one domain, the direct reduce-scatter sums all n contributions
+//! of a block in registers in one pass, with no partial sums in memory,
+//! so it costs about what the plain ring's n − 1 reduction steps do; total
+//! CPU time per call (`perf stat` of `examples/repro_profile.rs ring|repro
+//! LEN 4 REPS`, which counts work, not waiting) was 1.0–1.13× the plain
+//! ring's from 1 MiB to 64 MiB. Over several domains the fixed-lane ring
+//! moves two-term-and-up partial sums as 8-byte lanes: 1.4–1.8×. Before
+//! this design (per-block headers and realignment at every step) 4 ranks
+//! cost 1.8–2.7×. "exact" is [`all_reduce_exact`](CommunicatorExt::all_reduce_exact)
+//! of an `ExactPartial`, whose every step moves and merges general
+//! encodings; one [`ExactPartial::add`](repro::ExactPartial::add) of a
+//! micro-batch costs about 0.6 ns per element when the partial fits in
+//! cache and is bound by memory bandwidth beyond (20 bytes per element).
 //!
 //! # Failures
 //! Nothing hangs: every wait has the communicator's timeout, and the

@@ -39,18 +39,53 @@
 //! moves native elements.
 //!
 //! # The reproducible ring
-//! The ring reduce-scatter never encodes a rank's own buffer. Step 0 sends
-//! *native* values; the receiver adds the two native chunks into an
-//! encoding (or, when that is already the last step — two ranks — rounds
-//! the two-term sum at once: the sum of two values computed in f64 and
-//! rounded to f32, f16 or bf16 is the correctly rounded exact sum, since
-//! 53 ≥ 2p + 1). Each later step merges the received encoding with the
-//! receiver's own native values straight into the next encoding, and the
-//! last step rounds block by block into the output, never writing the
-//! final encoding. Recursive doubling and the hierarchical algorithm encode
-//! whole chunks and merge encodings. `Avg` divides the *exact* sum by the
-//! group size and rounds once (a power of two is an exponent shift; other
-//! divisors a multiply-high reciprocal with a sticky remainder).
+//! The reduce-scatter phase of [`Algorithm::Ring`] takes one of three
+//! routes; the all-gather that follows moves native elements. None of them encodes a rank's whole buffer up front.
+//!
+//! - **Two ranks**: one step. Each rank receives the peer's native chunk
+//!   and rounds the two-term sum at once: the sum of two values computed in
+//!   f64 and rounded to f32, f16 or bf16 is the correctly rounded exact sum
+//!   (53 ≥ 2p + 1). Same cost as the plain ring.
+//! - **3 to 16 ranks in one [`Topology`](crate::Topology) domain, f32 / f16
+//!   / bf16: direct.** Every rank sends chunk k of its buffer straight to
+//!   rank k — (n−1)/n of the buffer, exactly the bytes the ring sends, in
+//!   one step instead of n − 1 — and receives the n − 1 chunks of its own
+//!   range through *nested* exchanges (each incoming message's sink runs
+//!   the next receive), so that all n contributions are readable at once
+//!   (on the thread backend: in the senders' own memory, no copy). Each
+//!   block of [`BLOCK`] elements is then summed in one pass: scan the n
+//!   blocks for the largest and smallest exponents; if every value lies
+//!   within 27 binades below the largest ulp (and none is ±∞, NaN or
+//!   −0.0), convert each to the integer `x / 2^e` with the magic constant
+//!   below, add the n integers in i64 lanes in registers (below 2^55 for
+//!   16 ranks) and round once; otherwise sum that block through the
+//!   general encoding. No partial sum is ever written to memory, so the
+//!   pass costs about what the plain ring's n − 1 reduction steps do.
+//!   Within one domain the link pattern does not matter; across domains
+//!   the ring's neighbour-only pattern does, hence:
+//! - **Otherwise (several domains, more than 16 ranks, or f64): the
+//!   ring.** Step 0 sends native values; its receiver picks one exponent
+//!   per block from the two native blocks it holds (27 binades below their
+//!   largest ulp, raised by 6 binades of headroom for larger values on
+//!   later ranks) and writes the two-term sums as bare i64 lanes behind one
+//!   code byte per block; every later step converts its own values at that
+//!   exponent and adds them to the lanes (no realignment, no carry
+//!   tracking: n ≤ 2048 terms below 2^51 stay below 2^62), and the last
+//!   step rounds each lane into the output. A block whose values do not
+//!   fit (checked per block by one scan of the rank's own values) switches
+//!   to the general, self-describing encoding for the rest of the ring.
+//!   f64 buffers, and groups beyond 2048 ranks, use the general encoding
+//!   throughout (step 0 adds native values into it; later steps merge
+//!   their native values straight into the received encoding).
+//!
+//! Recursive doubling and the hierarchical algorithm encode whole chunks
+//! and merge encodings. Every route computes the exact sum, so all give the
+//! same bits. `Avg` divides the *exact* sum by the group size and rounds
+//! once (a power of two is an exponent shift; other divisors a
+//! multiply-high reciprocal with a sticky remainder).
+//!
+//! The measured cost against the plain ring is in the crate documentation
+//! ("Cost of the reproducible mode").
 //!
 //! # Exact partials
 //! [`ExactPartial`] holds this encoding for a whole gradient and adds
@@ -71,10 +106,15 @@
 //! integers are first rounded to odd at bit 11 (exact in f64, ≥ 42 bits, so
 //! the one rounding to f32/f16/bf16 stays correct). Merging native f32
 //! values into a two-word block converts them at the block's exponent with
-//! the same magic constant, in place for [`ExactPartial::add`]. These loops are
+//! the same magic constant, in place for [`ExactPartial::add`]. The direct
+//! and fixed-lane routes of the ring (above) use the same conversion with
+//! the exponent fixed per block, so their inner loops are a float add, an
+//! integer subtract and an integer add per value. These loops are
 //! compiled for baseline, AVX2 and AVX-512 and picked at run time
 //! (`WEFT_SIMD` caps the level). Other blocks take the general path, which
-//! is exact for any input. `examples/repro_profile.rs` times the phases.
+//! is exact for any input. `examples/repro_profile.rs` times the phases
+//! and, with `ring|repro LEN RANKS REPS`, runs only plain or reproducible
+//! all-reduces for `perf stat`.
 
 use weft_numerics::{Dtype, Element, bf16, f16};
 
