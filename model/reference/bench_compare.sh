@@ -5,24 +5,41 @@
 #   PYTHON=/path/to/venv/bin/python model/reference/bench_compare.sh [a|b]... [--steps N]
 #
 # Tokens/s are from the best timed step of each (the least disturbed on a
-# shared machine); run it twice and compare if the machine is busy.
+# shared machine). REPEAT=N (default 1) alternates the two N times and
+# keeps each one's best tokens/s per configuration, so a burst of load
+# from other jobs on a shared machine hits both alike; the load average
+# before and after each run is printed.
 #
 # Needs a Python with torch and transformers (see make_fixtures.py).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PYTHON=${PYTHON:-python3}
 THREADS=${RAYON_NUM_THREADS:-$(nproc)}
+REPEAT=${REPEAT:-1}
 export RAYON_NUM_THREADS=$THREADS
 # WEFT_BENCH: an already built train_step bench binary (else cargo builds it).
-if [ -n "${WEFT_BENCH:-}" ]; then
-  weft=$("$WEFT_BENCH" "$@")
-else
-  weft=$(cargo bench -q -p weft-model --bench train_step -- "$@")
+if [ -z "${WEFT_BENCH:-}" ]; then
+  cargo bench -q -p weft-model --bench train_step --no-run
 fi
-torch=$("$PYTHON" model/reference/bench_torch.py --threads "$THREADS" "$@")
-echo "## weft"; echo "$weft"; echo; echo "## PyTorch"; echo "$torch"; echo
+load() { cut -d' ' -f1-3 /proc/loadavg; }
+weft_all=""
+torch_all=""
+for i in $(seq "$REPEAT"); do
+  echo "## run $i, load average before: $(load)"
+  if [ -n "${WEFT_BENCH:-}" ]; then
+    weft=$("$WEFT_BENCH" "$@")
+  else
+    weft=$(cargo bench -q -p weft-model --bench train_step -- "$@")
+  fi
+  torch=$("$PYTHON" model/reference/bench_torch.py --threads "$THREADS" "$@")
+  echo "### weft"; echo "$weft"; echo; echo "### PyTorch"; echo "$torch"; echo
+  echo "load average after: $(load)"; echo
+  weft_all+="$weft"$'\n'
+  torch_all+="$torch"$'\n'
+done
+# Best tokens/s per configuration: weft's column 9 (GFLOP/s in 10), PyTorch's 8.
+best() { awk -F'|' -v col="$1" -v gcol="$2" '/^\| [ab] /{gsub(/ /,"",$2); if ($col+0 > best[$2]+0) {best[$2]=$col+0; g[$2]=$gcol+0}} END {for (k in best) print k"|"best[k]"|"g[k]}' | sort; }
 echo "| config | weft tokens/s | PyTorch tokens/s | ratio | weft GFLOP/s |"
 echo "|---|---|---|---|---|"
-join -t'|' <(echo "$weft" | awk -F'|' '/^\| [ab] /{gsub(/ /,"",$2); print $2"|"$9"|"$10}' | sort) \
-           <(echo "$torch" | awk -F'|' '/^\| [ab] /{gsub(/ /,"",$2); print $2"|"$8}' | sort) |
+join -t'|' <(echo "$weft_all" | best 9 10) <(echo "$torch_all" | best 8 9) |
   awk -F'|' '{printf "| %s | %s | %s | %.2fx | %s |\n", $1, $2, $4, $2/$4, $3}'
