@@ -1112,7 +1112,7 @@ fn direct_rs<T: Element, C: Communicator + ?Sized>(
         })
         .collect();
     let want = shard_range(len, n, me).len() * es;
-    let from: Vec<(usize, usize)> = (1..n).map(|s| ((me + s) % n, want)).collect();
+    let from: Vec<(usize, Option<usize>)> = (1..n).map(|s| ((me + s) % n, Some(want))).collect();
     let mut f = |views: &[&[u8]]| -> Result<()> {
         let typed: Vec<std::borrow::Cow<'_, [T]>> =
             views.iter().map(|v| crate::reduce::typed::<T>(v)).collect();
@@ -1122,15 +1122,15 @@ fn direct_rs<T: Element, C: Communicator + ?Sized>(
     gather_nested(c, ctx, tag0, &sends, &from, &[], &mut f)
 }
 
-/// Receives one message from each `(rank, bytes)` of `from` by nested
-/// exchanges (the first also posting `sends`), so that all of them stay
-/// readable at once, and hands them to `f`.
+/// Receives one message from each `(rank, bytes if known)` of `from` by
+/// nested exchanges (the first also posting `sends`), so that all of them
+/// stay readable at once, and hands them to `f`.
 fn gather_nested<C: Communicator + ?Sized>(
     c: &C,
     ctx: &OpCtx,
     tag: u32,
     sends: &[Outgoing<'_>],
-    from: &[(usize, usize)],
+    from: &[(usize, Option<usize>)],
     views: &[&[u8]],
     f: &mut (dyn FnMut(&[&[u8]]) -> Result<()> + Send),
 ) -> Result<()> {
@@ -1153,7 +1153,7 @@ fn gather_nested<C: Communicator + ?Sized>(
         sends,
         &mut [Incoming {
             from: p,
-            len: Some(want),
+            len: want,
             sink: &mut sink,
         }],
     )

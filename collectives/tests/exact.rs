@@ -412,3 +412,17 @@ fn merged_partials_equal_one_partial() {
     }
     assert!(a.merge_from(&ExactPartial::new(3)).is_err());
 }
+
+#[test]
+fn direct_reduction_of_partials_matches_for_larger_groups() {
+    // 5 to 16 ranks in one domain reduce partials directly (every piece at
+    // once); 17 take the ring; specials and wide blocks included
+    let mut next = rng(7);
+    for (k, n) in [5usize, 8, 16, 17].into_iter().enumerate() {
+        let m = n + 3;
+        let len = [3usize, 130, 64 * n + 5][k % 3];
+        let cols = contributions(k as u64 + 90, m, len, k % 2 == 1, k == 2);
+        let split = random_split(&mut next, m, n);
+        check_split(&cols, &split);
+    }
+}

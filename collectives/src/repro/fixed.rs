@@ -29,7 +29,7 @@ use super::fused::{
     Div, Recip, div_round_narrow_by, encode_block, finish_block, merge_raw_block, round_lane,
     trailing,
 };
-use super::{BLOCK, BlockRef, HEADER, bitlen64, corrupt, magic, read_block};
+use super::{BLOCK, BlockRef, HEADER, bitlen64, corrupt, magic, merge_block, read_block};
 use crate::error::Result;
 
 /// Elements ahead of the current block that the kernels prefetch.
@@ -399,6 +399,110 @@ multiversion! {
             let mut q = 0;
             let z = read_block(&cur, &mut q, bl)?;
             finish_block(&z, blk, d);
+        }
+        Ok(())
+    }
+}
+
+multiversion! {
+    /// Rounds elements `[skip, skip + out.len())` of (Σ `pieces`) / `d`
+    /// into `out`, where every piece encodes the same `blen` elements (the
+    /// direct reduction of exact partials). A block that is two words
+    /// without flags in every piece, and whose aligned sum stays below
+    /// 2^62, adds in i64 lanes and rounds once; others merge through the
+    /// general encoding.
+    ///
+    /// # Panics
+    /// With fewer than two pieces.
+    pub(super) fn merge_all_round_range<T: Element>(
+        pieces: &[&[u8]],
+        blen: usize,
+        skip: usize,
+        out: &mut [T],
+        d: Div,
+    ) -> Result<()> {
+        let n = pieces.len() as u32;
+        // carries of n terms: ⌈log₂ n⌉ bits
+        let carry = u32::BITS - n.saturating_sub(1).leading_zeros();
+        let pow2 = d.0 <= 1 || d.0.is_power_of_two();
+        let shift = if d.0 > 1 { d.0.trailing_zeros() as i32 } else { 0 };
+        let rc = Recip::new(d.0);
+        let mut pos = vec![0usize; pieces.len()];
+        let mut blocks: Vec<BlockRef<'_>> = Vec::with_capacity(pieces.len());
+        let (mut cur, mut nxt) = (Vec::new(), Vec::new());
+        let mut lanes = [0i64; BLOCK];
+        let mut vals = [T::ZERO; BLOCK];
+        let end = skip + out.len();
+        for start in (0..blen).step_by(BLOCK) {
+            let bl = BLOCK.min(blen - start);
+            blocks.clear();
+            for (p, q) in pieces.iter().zip(pos.iter_mut()) {
+                blocks.push(read_block(p, q, bl)?);
+            }
+            let (lo, hi) = (skip.max(start), end.min(start + bl));
+            if lo >= hi {
+                continue;
+            }
+            let dst = &mut out[lo - skip..hi - skip];
+            let lanes_ok = T::DTYPE != weft_numerics::Dtype::F64
+                && blocks.iter().all(|b| b.flags.is_none() && b.w == 2);
+            let e = blocks.iter().map(|b| b.e).min().unwrap_or(0);
+            let top = blocks
+                .iter()
+                .map(|b| b.bits + (b.e - e) as u32)
+                .max()
+                .unwrap_or(0);
+            if lanes_ok && top + carry <= 62 && (-900..=900).contains(&e) {
+                let lanes = &mut lanes[..bl];
+                lanes.fill(0);
+                for b in &blocks {
+                    let sh = (b.e - e) as u32;
+                    let p = b.data[..8 * bl].as_ptr().cast::<i64>();
+                    for (i, v) in lanes.iter_mut().enumerate() {
+                        // SAFETY: a two-word block holds 8·bl bytes (sliced
+                        // above) and i < bl; unaligned reads are allowed.
+                        let x = i64::from_le(unsafe { p.add(i).read_unaligned() });
+                        *v = v.wrapping_add(x << sh);
+                    }
+                }
+                let lanes = &lanes[lo - start..hi - start];
+                if pow2 {
+                    let scale = f64::from_bits(((e - shift + 1023) as u64) << 52);
+                    for (o, &v) in dst.iter_mut().zip(lanes) {
+                        *o = round_lane(v, scale);
+                    }
+                } else {
+                    for (o, &v) in dst.iter_mut().zip(lanes) {
+                        *o = if v == 0 {
+                            T::ZERO
+                        } else {
+                            T::from_f64(div_round_narrow_by::<T>(v, e, rc))
+                        };
+                    }
+                }
+                continue;
+            }
+            // the general path: merge the pieces' blocks one by one
+            cur.clear();
+            merge_block(&blocks[0], &blocks[1], bl, &mut cur)?;
+            for b in &blocks[2..] {
+                let mut q = 0;
+                let x = read_block(&cur, &mut q, bl)?;
+                nxt.clear();
+                merge_block(&x, b, bl, &mut nxt)?;
+                std::mem::swap(&mut cur, &mut nxt);
+            }
+            let mut q = 0;
+            let z = read_block(&cur, &mut q, bl)?;
+            if lo == start && hi == start + bl {
+                finish_block(&z, dst, d);
+            } else {
+                finish_block(&z, &mut vals[..bl], d);
+                dst.copy_from_slice(&vals[lo - start..hi - start]);
+            }
+        }
+        for (p, &q) in pieces.iter().zip(&pos) {
+            trailing(p, q)?;
         }
         Ok(())
     }

@@ -290,6 +290,29 @@ pub(crate) fn reduce_scatter_exact<T: Element, C: Communicator + ?Sized>(
         let (bytes, el) = piece(me);
         return round_range(bytes, el.len(), mine.start - el.start, out, d);
     }
+    // Direct in one domain (as the reproducible ring, see `crate::repro`):
+    // every rank sends the blocks covering chunk k straight to rank k, the
+    // owner holds all n pieces at once and sums them block by block.
+    let topo = c.topology();
+    let dom = |r: usize| topo.domain_of(c.world_rank_of(r));
+    if (3..=super::fixed::MAX_DIRECT).contains(&n) && (1..n).all(|r| dom(r) == dom(0)) {
+        let sends: Vec<Outgoing<'_>> = (0..n)
+            .filter(|&k| k != me)
+            .map(|k| Outgoing {
+                to: k,
+                data: piece(k).0,
+            })
+            .collect();
+        let (own, el) = piece(me);
+        let from: Vec<(usize, Option<usize>)> = (1..n).map(|s| ((me + s) % n, None)).collect();
+        let mut f = |views: &[&[u8]]| -> Result<()> {
+            let mut all = Vec::with_capacity(n);
+            all.push(own);
+            all.extend_from_slice(views);
+            super::fixed::merge_all_round_range(&all, el.len(), mine.start - el.start, out, d)
+        };
+        return super::gather_nested(c, ctx, tag0, &sends, &from, &[], &mut f);
+    }
     let right = (me + 1) % n;
     let left = (me + n - 1) % n;
     let mut trav = super::take_buf(0);
