@@ -113,20 +113,20 @@
 //! --bench collectives -- RANKS 64` (ring, reproducible and exact
 //! all-reduce alternate in one cluster, each keeping its best of 5
 //! rounds), f32, thread ranks, on the shared 2-core development machine
-//! while other builds ran (load average 3.4–5), so single figures are
-//! noisy; the ratios of one run are the point. Two runs each; "4 ranks,
-//! ring pattern" is the same table over one-rank domains
-//! (`WEFT_BENCH_RANKS_PER_DOMAIN=1`), where the reproducible mode keeps the
-//! ring's neighbour-only pattern (see [`repro`]):
+//! while other builds ran (load average 3.6–4.9), so single figures are
+//! noisy; the ratios of one run are the point. Two runs each; "ring
+//! pattern" is the same table over one-rank domains
+//! (`WEFT_BENCH_RANKS_PER_DOMAIN=1`), where both reproducible reductions
+//! keep the ring's neighbour-only pattern (see [`repro`]):
 //!
-//! | bytes | 2 ranks repro / ring | 4 ranks repro / ring | 4 ranks, ring pattern | 4 ranks exact / ring |
+//! | bytes | 2 ranks repro / ring | 4 ranks repro / ring | 4 ranks exact / ring | 4 ranks, ring pattern: repro / ring |
 //! |---|---|---|---|---|
-//! | 64 KiB | 0.92, 1.06 | 1.08, 1.09 | 1.36, 1.37 | 2.02, 2.04 |
-//! | 256 KiB | 1.05, 0.96 | 1.32, 1.29 | 1.68, 1.66 | 2.77, 2.66 |
-//! | 1 MiB | 0.88, 0.96 | 1.16, 1.02 | 1.52, 1.49 | 1.96, 1.80 |
-//! | 4 MiB | 1.08, 0.99 | 1.13, 0.94 | 1.45, 1.49 | 2.07, 1.62 |
-//! | 16 MiB | 0.95, 0.95 | 1.08, 1.08 | 1.60, 1.76 | 2.91, 3.02 |
-//! | 64 MiB | 0.95, 0.85 | 1.22, 0.88 | 1.81, 1.49 | 2.72, 2.11 |
+//! | 64 KiB | 0.96, 0.97 | 1.09, 1.10 | 1.66, 1.64 | 1.29, 1.26 |
+//! | 256 KiB | 1.04, 1.03 | 1.29, 1.29 | 2.33, 2.27 | 1.67 (once; 0.67 in a noisy run) |
+//! | 1 MiB | 0.99, 1.00 | 1.17, 1.19 | 1.70, 1.67 | 1.50, 1.49 |
+//! | 4 MiB | 1.00, 1.01 | 1.13, 1.11 | 1.59, 1.58 | 1.44, 1.42 |
+//! | 16 MiB | 1.00, 1.00 | 1.04, 1.01 | 2.04, 2.07 | 1.70, 1.90 |
+//! | 64 MiB | 0.83, 0.95 | 0.93, 0.89 | 1.59, 1.57 | 1.88, 1.77 |
 //!
 //! With two ranks the reproducible all-reduce costs what the plain ring
 //! does (ratios below 1 are noise): the two-term sum computed in f64 and
@@ -137,13 +137,16 @@
 //! CPU time per call (`perf stat` of `examples/repro_profile.rs ring|repro
 //! LEN 4 REPS`, which counts work, not waiting) was 1.0–1.13× the plain
 //! ring's from 1 MiB to 64 MiB. Over several domains the fixed-lane ring
-//! moves two-term-and-up partial sums as 8-byte lanes: 1.4–1.8×. Before
-//! this design (per-block headers and realignment at every step) 4 ranks
-//! cost 1.8–2.7×. "exact" is [`all_reduce_exact`](CommunicatorExt::all_reduce_exact)
-//! of an `ExactPartial`, whose every step moves and merges general
-//! encodings; one [`ExactPartial::add`](repro::ExactPartial::add) of a
-//! micro-batch costs about 0.6 ns per element when the partial fits in
-//! cache and is bound by memory bandwidth beyond (20 bytes per element).
+//! moves partial sums as 8-byte lanes: 1.3–1.9×. Before this design
+//! (per-block headers and realignment at every step) 4 ranks cost
+//! 1.8–2.7×. "exact" is [`all_reduce_exact`](CommunicatorExt::all_reduce_exact)
+//! of an `ExactPartial` (the data-parallel trainer's reduction), which
+//! moves general encodings (8 bytes and a header per 64 elements): in one
+//! domain the owner of each chunk sums all n encoded pieces at once (it
+//! was 2.0–3.0× with the ring; over one-rank domains it still is 1.9–3.0×).
+//! One [`ExactPartial::add`](repro::ExactPartial::add) of a micro-batch
+//! costs about 0.6 ns per element when the partial fits in cache and is
+//! bound by memory bandwidth beyond (20 bytes per element).
 //!
 //! # Failures
 //! Nothing hangs: every wait has the communicator's timeout, and the
