@@ -99,6 +99,17 @@ pub trait Communicator: Send + Sync {
     /// non-blocking forms complete before returning).
     fn detach(&self) -> Option<Box<dyn Communicator>>;
 
+    /// Marks the group broken after a collective failed part-way, so that
+    /// peers still waiting in it, and every later call in the group, fail
+    /// at once with [`Error::Aborted`](crate::Error::Aborted) instead of
+    /// waiting out the timeout. Called by algorithms whose failure can
+    /// strand peers waiting for a message it withdrew (the nested
+    /// exchanges of the reproducible mode's direct reductions). The
+    /// default does nothing (the peers' timeouts still apply).
+    fn abort_group(&self, reason: &str) {
+        let _ = reason;
+    }
+
     // ---- provided collectives (dtype-erased, object safe) -------------
 
     /// All-reduce of a dtype-erased buffer; see [`CommunicatorExt::all_reduce_with`].
@@ -329,6 +340,9 @@ impl<C: Communicator + ?Sized> Communicator for DynRef<'_, C> {
     }
     fn detach(&self) -> Option<Box<dyn Communicator>> {
         self.0.detach()
+    }
+    fn abort_group(&self, reason: &str) {
+        self.0.abort_group(reason);
     }
 }
 

@@ -153,7 +153,11 @@
 //! error names the operation, the group and the ranks that did not
 //! arrive ([`Error::Timeout`]). A rank that returns, panics or is failed by
 //! fault injection ([`LocalCluster::fail_rank_at`]) makes its peers' waits
-//! fail with [`Error::PeerLost`] naming it.
+//! fail with [`Error::PeerLost`] naming it. The reproducible mode's direct
+//! reductions, which hold every peer's message at once, abort the group
+//! when they fail ([`Communicator::abort_group`]), so that peers waiting
+//! for a message the failing rank withdrew fail at once with
+//! [`Error::Aborted`] rather than at their timeout.
 //!
 //! # Example
 //! ```

@@ -802,6 +802,10 @@ impl Communicator for LocalComm {
         self.world.traffic[self.me()].snapshot()
     }
 
+    fn abort_group(&self, reason: &str) {
+        self.world.abort(self.group.id, reason.to_string());
+    }
+
     fn detach(&self) -> Option<Box<dyn Communicator>> {
         Some(Box::new(LocalComm {
             world: self.world.clone(),

@@ -1124,7 +1124,17 @@ fn direct_rs<T: Element, C: Communicator + ?Sized>(
         let peers: Vec<&[T]> = typed.iter().map(|v| &v[..]).collect();
         fixed::sum_all_round(&peers, io, d)
     };
-    gather_nested(c, ctx, tag0, &sends, &from, &[], &mut f)
+    gather_nested(c, ctx, tag0, &sends, &from, &[], &mut f).map_err(|e| abort_on(c, e))
+}
+
+/// Aborts the group after a failed direct reduction (whose withdrawn
+/// messages would strand peers until their timeout) and returns `e`.
+pub(crate) fn abort_on<C: Communicator + ?Sized>(c: &C, e: Error) -> Error {
+    c.abort_group(&format!(
+        "rank {} could not finish a direct reproducible reduction: {e}",
+        c.rank()
+    ));
+    e
 }
 
 /// Receives one message from each `(rank, bytes if known)` of `from` by

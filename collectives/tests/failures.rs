@@ -291,3 +291,37 @@ fn a_receiver_that_dies_does_not_strand_the_sender() {
     );
     let _ = |c: &dyn Communicator| c.rank();
 }
+
+#[test]
+fn a_failed_rank_ends_the_nested_reproducible_reductions_of_its_peers() {
+    // The reproducible all-reduce of 4 ranks in one domain holds every
+    // incoming chunk through nested exchanges: a rank that fails makes each peer's call fail too, at
+    // once (a peer whose message was withdrawn by a failing rank is
+    // released by the group abort, not by its 20 s timeout).
+    let start = Instant::now();
+    let out = LocalCluster::builder(4)
+        .timeout(Duration::from_secs(20))
+        .fail_rank_at(2, 1)
+        .run_each(|comm| {
+            let opts = weft_collectives::ReduceOptions::new(ReduceOp::Sum).reproducible(true);
+            let mut results = Vec::new();
+            for _ in 0..3 {
+                let mut x: Vec<f32> = (0..1000).map(|i| (i as f32).sin()).collect();
+                results.push(comm.all_reduce_with(&mut x, &opts).map(|()| x[7]));
+                let mut y: Vec<f32> = (0..1000).map(|i| (i as f32).cos()).collect();
+                results.push(comm.all_reduce_with(&mut y, &opts).map(|()| y[7]));
+            }
+            results
+        });
+    assert!(
+        start.elapsed() < Duration::from_secs(15),
+        "{:?}",
+        start.elapsed()
+    );
+    for (r, rr) in out.iter().enumerate() {
+        let rr = rr.as_ref().unwrap();
+        // the first reproducible all-reduce completes everywhere
+        assert!(rr[0].is_ok(), "rank {r}: {rr:?}");
+        assert!(rr[2..].iter().all(Result::is_err), "rank {r}: {rr:?}");
+    }
+}

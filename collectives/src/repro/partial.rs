@@ -311,7 +311,8 @@ pub(crate) fn reduce_scatter_exact<T: Element, C: Communicator + ?Sized>(
             all.extend_from_slice(views);
             super::fixed::merge_all_round_range(&all, el.len(), mine.start - el.start, out, d)
         };
-        return super::gather_nested(c, ctx, tag0, &sends, &from, &[], &mut f);
+        return super::gather_nested(c, ctx, tag0, &sends, &from, &[], &mut f)
+            .map_err(|e| super::abort_on(c, e));
     }
     let right = (me + 1) % n;
     let left = (me + n - 1) % n;
