@@ -10,7 +10,10 @@
 //! parameter and gradient buffers. [`Mlp`] is GPT-2's dense block; the MoE
 //! issue adds a router + experts implementation of the same trait.
 
-use weft_kernels::{Mode, gelu_backward, gelu_forward, matmul_backward, matmul_forward};
+use weft_kernels::{
+    Mode, gelu_backward, gelu_forward, matmul_backward_input, matmul_backward_weight,
+    matmul_forward,
+};
 
 use crate::error::Result;
 
@@ -80,6 +83,69 @@ pub trait FeedForward: Send + Sync + std::fmt::Debug {
         params: &[f32],
         d: Dims,
     ) -> Result<()>;
+
+    /// Floats per token that [`backward_input`](Self::backward_input)
+    /// saves for [`backward_weight`](Self::backward_weight); 0 (the
+    /// default) for a block whose halves each run the whole
+    /// [`backward`](Self::backward).
+    fn split_saved_per_token(&self, _c: usize) -> usize {
+        0
+    }
+
+    /// The input half of [`backward`](Self::backward), a zero-bubble
+    /// pipeline's B: accumulates `dinp` from `dout` and saves in `wsaved`
+    /// (`B*T*split_saved_per_token` floats) what
+    /// [`backward_weight`](Self::backward_weight) needs. `sink` (as long as
+    /// the block's gradient range) takes parameter gradients the block
+    /// cannot help computing: the default runs the whole backward with its
+    /// parameter gradients going to `sink`.
+    ///
+    /// # Errors
+    /// A kernel error on inconsistent shapes.
+    #[allow(clippy::too_many_arguments)]
+    fn backward_input(
+        &self,
+        dinp: &mut [f32],
+        wsaved: &mut [f32],
+        sink: &mut [f32],
+        scratch: &mut [f32],
+        dout: &[f32],
+        inp: &[f32],
+        saved: &[f32],
+        params: &[f32],
+        d: Dims,
+    ) -> Result<()> {
+        let _ = wsaved;
+        sink.fill(0.0);
+        self.backward(dinp, sink, scratch, dout, inp, saved, params, d)
+    }
+
+    /// The weight half of [`backward`](Self::backward), a zero-bubble
+    /// pipeline's W: accumulates `dparams` from the `dout`, `inp` and
+    /// `saved` the matching [`backward_input`](Self::backward_input) saw
+    /// and what it saved in `wsaved`. `sink` (`B*T*C` floats) takes an
+    /// input gradient the block cannot help computing: the default runs the
+    /// whole backward with its input gradient going to `sink`.
+    ///
+    /// # Errors
+    /// A kernel error on inconsistent shapes.
+    #[allow(clippy::too_many_arguments)]
+    fn backward_weight(
+        &self,
+        dparams: &mut [f32],
+        wsaved: &[f32],
+        sink: &mut [f32],
+        scratch: &mut [f32],
+        dout: &[f32],
+        inp: &[f32],
+        saved: &[f32],
+        params: &[f32],
+        d: Dims,
+    ) -> Result<()> {
+        let _ = wsaved;
+        sink.fill(0.0);
+        self.backward(sink, dparams, scratch, dout, inp, saved, params, d)
+    }
 }
 
 /// GPT-2's dense MLP: `c_proj(gelu(c_fc(x)))`, hidden width 4C.
@@ -132,9 +198,9 @@ impl FeedForward for Mlp {
         params: &[f32],
         d: Dims,
     ) -> Result<()> {
-        let Dims { b, t, c, .. } = d;
-        // Backward GEMMs run over the whole batch (see `Gpt::set_mode`).
-        let mode = Mode::Throughput;
+        // Forward GEMMs compute each row from its own input row alone, so
+        // the mode does not change their bits.
+        let Dims { b, t, c, mode, .. } = d;
         let n = b * t;
         let (fw, fb, pw, pb) = split(params, c);
         let (fch, fch_gelu) = saved.split_at_mut(n * 4 * c);
@@ -155,29 +221,61 @@ impl FeedForward for Mlp {
         params: &[f32],
         d: Dims,
     ) -> Result<()> {
+        // The two halves in turn: each gradient is computed from the same
+        // operands as by a fused backward, so the bits are the same.
+        let (dgelu, dfch) = scratch.split_at_mut(d.b * d.t * 4 * d.c);
+        self.backward_input(dinp, dfch, &mut [], dgelu, dout, inp, saved, params, d)?;
+        self.backward_weight(dparams, dfch, &mut [], &mut [], dout, inp, saved, params, d)
+    }
+
+    fn split_saved_per_token(&self, c: usize) -> usize {
+        4 * c // d fch
+    }
+
+    fn backward_input(
+        &self,
+        dinp: &mut [f32],
+        wsaved: &mut [f32],
+        _sink: &mut [f32],
+        scratch: &mut [f32],
+        dout: &[f32],
+        _inp: &[f32],
+        saved: &[f32],
+        params: &[f32],
+        d: Dims,
+    ) -> Result<()> {
         let Dims { b, t, c, mode, .. } = d;
         let n = b * t;
         let (fw, _, pw, _) = split(params, c);
-        let (dfw, dfb, dpw, dpb) = split_mut(dparams, c);
-        let (fch, fch_gelu) = saved.split_at(n * 4 * c);
-        let (dgelu, dfch) = scratch.split_at_mut(n * 4 * c);
+        let fch = &saved[..n * 4 * c];
+        let dgelu = &mut scratch[..n * 4 * c];
         dgelu.fill(0.0);
+        matmul_backward_input(dgelu, dout, pw, b, t, 4 * c, c, mode)?;
+        let dfch = wsaved;
         dfch.fill(0.0);
-        matmul_backward(
-            dgelu,
-            dpw,
-            Some(dpb),
-            dout,
-            fch_gelu,
-            pw,
-            b,
-            t,
-            4 * c,
-            c,
-            mode,
-        )?;
         gelu_backward(dfch, fch, dgelu, n * 4 * c)?;
-        matmul_backward(dinp, dfw, Some(dfb), dfch, inp, fw, b, t, c, 4 * c, mode)?;
+        matmul_backward_input(dinp, dfch, fw, b, t, c, 4 * c, mode)?;
+        Ok(())
+    }
+
+    fn backward_weight(
+        &self,
+        dparams: &mut [f32],
+        wsaved: &[f32],
+        _sink: &mut [f32],
+        _scratch: &mut [f32],
+        dout: &[f32],
+        inp: &[f32],
+        saved: &[f32],
+        _params: &[f32],
+        d: Dims,
+    ) -> Result<()> {
+        let Dims { b, t, c, .. } = d;
+        let n = b * t;
+        let (dfw, dfb, dpw, dpb) = split_mut(dparams, c);
+        let fch_gelu = &saved[n * 4 * c..];
+        matmul_backward_weight(dpw, Some(dpb), dout, fch_gelu, b, t, 4 * c, c)?;
+        matmul_backward_weight(dfw, Some(dfb), wsaved, inp, b, t, c, 4 * c)?;
         Ok(())
     }
 }

@@ -257,7 +257,9 @@ impl BlockScratch {
 /// What [`GptBlocks::block_backward_input`] (B) saves for
 /// [`GptBlocks::block_backward_weight`] (W): the gradients flowing into
 /// each parameterised op of the block, five `(B,T,·)` buffers (7·B·T·C
-/// floats). Plan one per micro-batch whose W is pending with
+/// floats), and what the feed-forward block's input half saves for its
+/// weight half ([`FeedForward::split_saved_per_token`] per token: 4·B·T·C
+/// for the dense MLP). Plan one per micro-batch whose W is pending with
 /// [`GptBlocks::weight_inputs`].
 #[derive(Clone, Debug)]
 pub struct WeightInputs {
@@ -266,6 +268,7 @@ pub struct WeightInputs {
     dres2: Vec<f32>, // d(attention residual) = d(attn proj output)
     dqkv: Vec<f32>,  // d(qkv)
     dln1: Vec<f32>,  // d(ln_1 output)
+    dffn: Vec<f32>,  // the feed-forward block's own
     ready: bool,
 }
 
@@ -276,7 +279,8 @@ impl WeightInputs {
             + self.dln2.len()
             + self.dres2.len()
             + self.dqkv.len()
-            + self.dln1.len())
+            + self.dln1.len()
+            + self.dffn.len())
     }
 }
 
@@ -474,13 +478,15 @@ impl GptBlocks {
     /// [`Error::Batch`] as for [`block_acts`](Self::block_acts).
     pub fn weight_inputs(&self, b: usize, t: usize) -> Result<WeightInputs> {
         self.check_shape(b, t)?;
-        let nc = b * t * self.config.n_embd;
+        let (n, c) = (b * t, self.config.n_embd);
+        let nc = n * c;
         Ok(WeightInputs {
             dres3: vec![0.0; nc],
             dln2: vec![0.0; nc],
             dres2: vec![0.0; nc],
             dqkv: vec![0.0; 3 * nc],
             dln1: vec![0.0; nc],
+            dffn: vec![0.0; n * self.ffn.split_saved_per_token(c)],
             ready: false,
         })
     }
@@ -737,12 +743,19 @@ impl GptBlocks {
         Ok(())
     }
 
+    /// Sizes the sinks for the feed-forward block's discarded halves:
+    /// empty for a block that splits its backward.
     fn sinks(&self, scratch: &mut BlockScratch, nc: usize) {
-        if scratch.sink_x.len() != nc {
-            scratch.sink_x = vec![0.0; nc];
+        let (x, p) = if self.ffn.split_saved_per_token(self.config.n_embd) == 0 {
+            (nc, self.blk.ffn.len())
+        } else {
+            (0, 0)
+        };
+        if scratch.sink_x.len() != x {
+            scratch.sink_x = vec![0.0; x];
         }
-        if scratch.sink_p.len() != self.block_len() {
-            scratch.sink_p = vec![0.0; self.block_len()];
+        if scratch.sink_p.len() != p {
+            scratch.sink_p = vec![0.0; p];
         }
     }
 
@@ -776,13 +789,13 @@ impl GptBlocks {
         let (p, blk) = (params, &self.blk);
         self.sinks(scratch, n * c);
         saved.dres3.copy_from_slice(dres);
-        // The feed-forward block's backward computes both halves; its
-        // parameter gradients go to the sink here and are redone in W.
+        // A feed-forward block that cannot split its backward sends its
+        // parameter gradients to the sink here and computes them again in W.
         saved.dln2.fill(0.0);
-        scratch.sink_p.fill(0.0);
-        let sink = &mut scratch.sink_p[blk.ffn.clone()];
-        self.ffn.backward(
+        let sink = &mut scratch.sink_p;
+        self.ffn.backward_input(
             &mut saved.dln2,
+            &mut saved.dffn,
             sink,
             &mut scratch.ffn_scratch,
             dres,
@@ -883,10 +896,10 @@ impl GptBlocks {
         let mode = Mode::Throughput;
         let (p, g, blk) = (params, grads, &self.blk);
         self.sinks(scratch, n * c);
-        let sink = &mut scratch.sink_x;
-        self.ffn.backward(
-            sink,
+        self.ffn.backward_weight(
             &mut g[blk.ffn.clone()],
+            &saved.dffn,
+            &mut scratch.sink_x,
             &mut scratch.ffn_scratch,
             &saved.dres3,
             &acts.ln2,
@@ -894,7 +907,6 @@ impl GptBlocks {
             &p[blk.ffn.clone()],
             self.dims(b, t, mode, acts.layer),
         )?;
-        sink.fill(0.0);
         let (dw, db) = two_mut(g, blk.ln2_w.clone(), blk.ln2_b.clone());
         layernorm_backward_weight(
             dw,

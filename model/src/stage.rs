@@ -145,8 +145,9 @@ impl GptStage {
     /// the same configuration and feed-forward block as `blocks`), planned
     /// for `slots` micro-batches of `b`×`t` tokens in flight; `split`
     /// plans what [`backward_input`](Self::backward_input) saves for
-    /// [`backward_weight`](Self::backward_weight) (7·B·T·C floats per layer
-    /// per slot). Parameters start at zero: copy them in with
+    /// [`backward_weight`](Self::backward_weight) (per layer per slot,
+    /// 7·B·T·C floats plus the feed-forward block's own: 11·B·T·C with the
+    /// dense MLP). Parameters start at zero: copy them in with
     /// [`load_from_full`](Self::load_from_full).
     ///
     /// # Errors
