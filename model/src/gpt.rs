@@ -104,13 +104,11 @@ impl Block {
 /// split kernels ([`matmul_backward_input`](weft_kernels::matmul_backward_input)
 /// in B, [`matmul_backward_weight`](weft_kernels::matmul_backward_weight) in
 /// W, likewise for layernorm), which are the whole backward's kernels cut
-/// in two, so nothing is computed twice there. The feed-forward block's
-/// [`FeedForward::backward`] is one call computing both halves: B runs it
-/// with the parameter gradients going to a scratch sink and W runs it
-/// again with the input gradient going to a sink, so the feed-forward
-/// backward (two thirds of a dense block's backward FLOPs) is still paid
-/// twice; a split `FeedForward` would remove that without changing any
-/// result.
+/// in two, so nothing is computed twice there. The feed-forward block runs
+/// [`FeedForward::backward_input`] in B and
+/// [`FeedForward::backward_weight`] in W: the dense MLP splits like the
+/// attention half; a block that cannot split (the mixture of experts) runs
+/// its whole backward in each, the unwanted half going to a scratch sink.
 #[derive(Clone, Debug)]
 pub struct GptBlocks {
     config: GptConfig,
@@ -228,9 +226,9 @@ pub struct BlockScratch {
     dqkv: Vec<f32>,        // (B,T,3C)
     datt: Vec<f32>,        // (B,NH,T,T)
     ffn_scratch: Vec<f32>, // (B,T,ffn.scratch_per_token)
-    /// Sinks for the half a split backward discards: an input gradient
-    /// (B,T,C) and one block's parameter gradients. Empty until a split
-    /// backward first needs them.
+    /// Sinks for the half a feed-forward block that cannot split its
+    /// backward discards in B and W: an input gradient (B,T,C) and the
+    /// block's parameter gradients. Empty unless such a block needs them.
     sink_x: Vec<f32>,
     sink_p: Vec<f32>,
 }
