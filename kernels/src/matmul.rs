@@ -266,6 +266,24 @@ pub fn matmul_backward_input<T: Real>(
     check(OP, "dinp", dinp, b * t * c)?;
     check(OP, "dout", dout, b * t * oc)?;
     check(OP, "weight", weight, c * oc)?;
+    input_grad(dinp, dout, View::t(weight, oc), b, t, c, oc, mode);
+    Ok(())
+}
+
+/// `dinp (B,T,C) += dout (B,T,OC) · w` for a `(OC, C)` view `w` of the
+/// weight: one GEMM per sequence in [`Mode::BatchInvariant`], one over the
+/// batch in [`Mode::Throughput`]. Lengths are checked by the caller.
+#[allow(clippy::too_many_arguments)]
+fn input_grad<T: Real>(
+    dinp: &mut [T],
+    dout: &[T],
+    w: View<'_, T>,
+    b: usize,
+    t: usize,
+    c: usize,
+    oc: usize,
+    mode: Mode,
+) {
     let (groups, rows) = groups(mode, b, t);
     for g in 0..groups {
         gemm(
@@ -276,12 +294,11 @@ pub fn matmul_backward_input<T: Real>(
             c,
             true,
             View::rows(&dout[g * rows * oc..(g + 1) * rows * oc], oc),
-            View::t(weight, oc),
+            w,
             T::ONE,
             true,
         );
     }
-    Ok(())
 }
 
 /// The parameter-gradient half of [`matmul_backward`]:
@@ -414,21 +431,7 @@ pub fn matmul_backward_wt_input<T: Real>(
     check(OP, "dinp", dinp, b * t * c)?;
     check(OP, "dout", dout, b * t * oc)?;
     check(OP, "weight", weight, c * oc)?;
-    let (groups, rows) = groups(mode, b, t);
-    for g in 0..groups {
-        gemm(
-            rows,
-            c,
-            oc,
-            &mut dinp[g * rows * c..(g + 1) * rows * c],
-            c,
-            true,
-            View::rows(&dout[g * rows * oc..(g + 1) * rows * oc], oc),
-            View::rows(weight, c),
-            T::ONE,
-            true,
-        );
-    }
+    input_grad(dinp, dout, View::rows(weight, c), b, t, c, oc, mode);
     Ok(())
 }
 
