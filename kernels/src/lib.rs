@@ -90,6 +90,7 @@ mod error;
 mod gemm;
 mod layernorm;
 mod matmul;
+mod peak;
 mod pointwise;
 mod real;
 mod simd;
@@ -108,6 +109,7 @@ pub use matmul::{
     matmul_backward, matmul_backward_input, matmul_backward_weight, matmul_backward_wt,
     matmul_backward_wt_input, matmul_backward_wt_weight, matmul_forward, matmul_forward_wt,
 };
+pub use peak::fma_peak_gflops;
 pub use pointwise::{gelu_backward, gelu_forward, residual_backward, residual_forward};
 pub use real::{Real, exp_f32, tanh_f32};
 pub use softmax::{
@@ -137,4 +139,18 @@ pub fn accumulate<T: Real>(dst: &mut [T], src: &[T]) -> Result<()> {
     error::check("accumulate", "src", src, dst.len())?;
     pointwise::accumulate(dst, src);
     Ok(())
+}
+
+/// Sets every element of `buf` to zero, over the thread pool for large
+/// buffers (one core's stores reach about half the memory bandwidth of
+/// two): for gradient buffers and the scratch that backward kernels
+/// accumulate into.
+///
+/// ```
+/// let mut g = vec![1.0f32; 1 << 20];
+/// weft_kernels::zero(&mut g);
+/// assert!(g.iter().all(|&x| x == 0.0));
+/// ```
+pub fn zero<T: Real>(buf: &mut [T]) {
+    pointwise::zero(buf);
 }

@@ -117,6 +117,19 @@ pub(crate) fn accumulate<T: Real>(dst: &mut [T], src: &[T]) {
         .for_each(|(d, s)| acc_chunk(d, s));
 }
 
+/// Elements per task of [`zero`]: 256 KiB of f32, large enough that the
+/// pool's scheduling cost is negligible beside the stores.
+const ZERO_CHUNK: usize = 1 << 16;
+
+/// Every element to zero, in parallel when there is more than one chunk.
+pub(crate) fn zero<T: Real>(buf: &mut [T]) {
+    if buf.len() <= ZERO_CHUNK {
+        buf.fill(T::ZERO);
+    } else {
+        buf.par_chunks_mut(ZERO_CHUNK).for_each(|c| c.fill(T::ZERO));
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -11,7 +11,10 @@
 //!
 //! `cargo bench -p weft-model --bench train_step -- [a|b]... [--steps N] [--mode invariant|throughput] [--peak]`
 //!
-//! Tokens/s use the best (shortest) of the timed steps; the mean is shown too.
+//! Tokens/s use the best (shortest) of the timed steps; the mean is shown
+//! too. The last column divides the achieved GFLOP/s by the FMA peak
+//! measured at start ([`weft_kernels::fma_peak_gflops`]); `--peak` also
+//! prints what the GEMM reaches on a 1024³ product.
 
 use std::time::Instant;
 
@@ -104,10 +107,17 @@ fn main() {
         let g = gemm_peak();
         println!("GEMM peak (1024x1024x1024 f32, best of 10): {g:.1} GFLOP/s");
     }
+    // The denominator of the last column: what the cores' FMA units
+    // sustain now (a lower bound on a shared machine).
+    let fma_peak = weft_kernels::fma_peak_gflops(rayon::current_num_threads(), 5);
     println!(
-        "| config | params | B | T | act bytes/token | best s/step | mean s/step | tokens/s | GFLOP/s |"
+        "FMA peak ({} threads, measured): {fma_peak:.1} GFLOP/s",
+        rayon::current_num_threads()
     );
-    println!("|---|---|---|---|---|---|---|---|---|");
+    println!(
+        "| config | params | B | T | act bytes/token | best s/step | mean s/step | tokens/s | GFLOP/s | % of FMA peak |"
+    );
+    println!("|---|---|---|---|---|---|---|---|---|---|");
     for case in cases() {
         if !which.is_empty() && !which.iter().any(|w| w == case.name) {
             continue;
@@ -154,13 +164,14 @@ fn main() {
         let flops_per_token = 6.0 * params as f64 + 6.0 * (c.n_layer * case.t * c.n_embd) as f64;
         let tps = n as f64 / secs;
         println!(
-            "| {} | {:.1}M | {} | {} | {} | {secs:.3} | {mean:.3} | {tps:.0} | {:.1} |",
+            "| {} | {:.1}M | {} | {} | {} | {secs:.3} | {mean:.3} | {tps:.0} | {:.1} | {:.0} |",
             case.name,
             params as f64 / 1e6,
             case.b,
             case.t,
             acts.bytes_per_token(),
-            tps * flops_per_token / 1e9
+            tps * flops_per_token / 1e9,
+            100.0 * tps * flops_per_token / 1e9 / fma_peak
         );
     }
 }

@@ -116,7 +116,7 @@ pub trait FeedForward: Send + Sync + std::fmt::Debug {
         d: Dims,
     ) -> Result<()> {
         let _ = wsaved;
-        sink.fill(0.0);
+        weft_kernels::zero(sink);
         self.backward(dinp, sink, scratch, dout, inp, saved, params, d)
     }
 
@@ -143,7 +143,7 @@ pub trait FeedForward: Send + Sync + std::fmt::Debug {
         d: Dims,
     ) -> Result<()> {
         let _ = wsaved;
-        sink.fill(0.0);
+        weft_kernels::zero(sink);
         self.backward(sink, dparams, scratch, dout, inp, saved, params, d)
     }
 }
@@ -249,10 +249,10 @@ impl FeedForward for Mlp {
         let (fw, _, pw, _) = split(params, c);
         let fch = &saved[..n * 4 * c];
         let dgelu = &mut scratch[..n * 4 * c];
-        dgelu.fill(0.0);
+        weft_kernels::zero(dgelu);
         matmul_backward_input(dgelu, dout, pw, b, t, 4 * c, c, mode)?;
         let dfch = wsaved;
-        dfch.fill(0.0);
+        weft_kernels::zero(dfch);
         gelu_backward(dfch, fch, dgelu, n * 4 * c)?;
         matmul_backward_input(dinp, dfch, fw, b, t, c, 4 * c, mode)?;
         Ok(())

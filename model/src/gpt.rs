@@ -658,7 +658,7 @@ impl GptBlocks {
         let mode = Mode::Throughput;
         let (p, g, blk) = (params, grads, &self.blk);
         // Feed-forward block: dres is d(res3) = d(ffn out) and part of d(res2).
-        scratch.dln.fill(0.0);
+        weft_kernels::zero(&mut scratch.dln);
         self.ffn.backward(
             &mut scratch.dln,
             &mut g[blk.ffn.clone()],
@@ -683,7 +683,7 @@ impl GptBlocks {
             c,
         )?;
         // Attention: dres is now d(res2) = d(attn proj out) and part of d(inp).
-        scratch.datty.fill(0.0);
+        weft_kernels::zero(&mut scratch.datty);
         let (dw, db) = two_mut(g, blk.proj_w.clone(), blk.proj_b.clone());
         matmul_backward(
             &mut scratch.datty,
@@ -698,7 +698,7 @@ impl GptBlocks {
             c,
             mode,
         )?;
-        scratch.dqkv.fill(0.0);
+        weft_kernels::zero(&mut scratch.dqkv);
         attention_backward(
             &mut scratch.dqkv,
             &mut scratch.datt,
@@ -710,7 +710,7 @@ impl GptBlocks {
             c,
             nh,
         )?;
-        scratch.dln.fill(0.0);
+        weft_kernels::zero(&mut scratch.dln);
         let (dw, db) = two_mut(g, blk.qkv_w.clone(), blk.qkv_b.clone());
         matmul_backward(
             &mut scratch.dln,
@@ -789,7 +789,7 @@ impl GptBlocks {
         saved.dres3.copy_from_slice(dres);
         // A feed-forward block that cannot split its backward sends its
         // parameter gradients to the sink here and computes them again in W.
-        saved.dln2.fill(0.0);
+        weft_kernels::zero(&mut saved.dln2);
         let sink = &mut scratch.sink_p;
         self.ffn.backward_input(
             &mut saved.dln2,
@@ -813,7 +813,7 @@ impl GptBlocks {
             c,
         )?;
         saved.dres2.copy_from_slice(dres);
-        scratch.datty.fill(0.0);
+        weft_kernels::zero(&mut scratch.datty);
         matmul_backward_input(
             &mut scratch.datty,
             dres,
@@ -824,7 +824,7 @@ impl GptBlocks {
             c,
             mode,
         )?;
-        saved.dqkv.fill(0.0);
+        weft_kernels::zero(&mut saved.dqkv);
         attention_backward(
             &mut saved.dqkv,
             &mut scratch.datt,
@@ -836,7 +836,7 @@ impl GptBlocks {
             c,
             nh,
         )?;
-        saved.dln1.fill(0.0);
+        weft_kernels::zero(&mut saved.dln1);
         matmul_backward_input(
             &mut saved.dln1,
             &saved.dqkv,
@@ -1056,7 +1056,7 @@ impl GptBlocks {
         // One pass from the forward's row statistics: the bits
         // `fused_classifier` would write.
         fused_classifier_backward(&mut acts.logits, &acts.stats, &acts.targets, dloss, n, v, v)?;
-        scratch.dln.fill(0.0);
+        weft_kernels::zero(&mut scratch.dln);
         matmul_backward_wt(
             &mut scratch.dln,
             dlm_head,
@@ -1070,7 +1070,7 @@ impl GptBlocks {
             v,
             mode,
         )?;
-        dinp.fill(0.0);
+        weft_kernels::zero(dinp);
         let (dlw, dlb) = dlnf.split_at_mut(c);
         layernorm_backward(
             dinp,
@@ -1331,7 +1331,7 @@ impl Gpt {
 
     /// Sets every gradient to zero.
     pub fn zero_grad(&mut self) {
-        self.grads.fill(0.0);
+        weft_kernels::zero(&mut self.grads);
     }
 
     /// Backward pass of the mean loss of the last [`forward`](Self::forward)

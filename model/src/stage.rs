@@ -679,7 +679,7 @@ impl GptStage {
                             }
                         }
                         (_, Some(copy)) => {
-                            self.tied_out.fill(0.0);
+                            weft_kernels::zero(&mut self.tied_out);
                             self.tied_out_mb = Some(slot.mb);
                             (&mut grads[lnf.clone()], &mut self.tied_out, copy.as_slice())
                         }
@@ -864,6 +864,6 @@ impl GptStage {
 
     /// Sets every gradient to zero.
     pub fn zero_grad(&mut self) {
-        self.grads.fill(0.0);
+        weft_kernels::zero(&mut self.grads);
     }
 }

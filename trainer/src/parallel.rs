@@ -362,7 +362,7 @@ impl GradAccum {
                 partial.add(&part.buf)?;
             }
         }
-        grads.fill(0.0);
+        weft_kernels::zero(grads);
         Ok(())
     }
 

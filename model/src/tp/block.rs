@@ -446,8 +446,8 @@ impl TpBlock {
         }
         {
             let dout: &[f32] = if s.sp { &scratch.dfull } else { dres };
-            scratch.dgelu.fill(0.0);
-            scratch.dfch.fill(0.0);
+            weft_kernels::zero(&mut scratch.dgelu);
+            weft_kernels::zero(&mut scratch.dfch);
             let (dw, db) = two_mut(g, self.fcp_w.clone(), self.fcp_b.clone());
             matmul_backward(
                 &mut scratch.dgelu,
@@ -469,7 +469,7 @@ impl TpBlock {
             &scratch.dgelu,
             s.n() * self.fl,
         )?;
-        scratch.dln.fill(0.0);
+        weft_kernels::zero(&mut scratch.dln);
         let (dw, db) = two_mut(g, self.fc_w.clone(), self.fc_b.clone());
         matmul_backward(
             &mut scratch.dln,
@@ -505,7 +505,7 @@ impl TpBlock {
         }
         {
             let dout: &[f32] = if s.sp { &scratch.dfull } else { dres };
-            scratch.datty.fill(0.0);
+            weft_kernels::zero(&mut scratch.datty);
             let (dw, db) = two_mut(g, self.proj_w.clone(), self.proj_b.clone());
             matmul_backward(
                 &mut scratch.datty,
@@ -521,7 +521,7 @@ impl TpBlock {
                 mode,
             )?;
         }
-        scratch.dqkv.fill(0.0);
+        weft_kernels::zero(&mut scratch.dqkv);
         attention_backward(
             &mut scratch.dqkv,
             &mut scratch.datt,
@@ -533,7 +533,7 @@ impl TpBlock {
             self.cl,
             self.nh_l,
         )?;
-        scratch.dln.fill(0.0);
+        weft_kernels::zero(&mut scratch.dln);
         let (dw, db) = two_mut(g, self.qkv_w.clone(), self.qkv_b.clone());
         matmul_backward(
             &mut scratch.dln,

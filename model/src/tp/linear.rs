@@ -143,7 +143,7 @@ impl ColumnParallelLinear {
     ) -> Result<()> {
         check_comm(comm, self.tp, self.rank)?;
         let (c, oc) = (self.in_features, self.local_out());
-        dinp.fill(0.0);
+        weft_kernels::zero(dinp);
         matmul_backward(dinp, dw, db, dout, inp, w, 1, n, c, oc, Mode::Throughput)?;
         f_backward(comm, opts, dinp)
     }

@@ -468,7 +468,7 @@ impl TpGpt {
 
     /// Sets every gradient to zero.
     pub fn zero_grad(&mut self) {
-        self.grads.fill(0.0);
+        weft_kernels::zero(&mut self.grads);
     }
 
     /// Backward of the mean loss of the last [`forward`](Self::forward)
@@ -532,7 +532,7 @@ impl TpGpt {
         }
         // Head weight gradient and the partial gradient of ln_f's output.
         let sc = &mut acts.scratch;
-        sc.dln.fill(0.0);
+        weft_kernels::zero(&mut sc.dln);
         matmul_backward_wt(
             &mut sc.dln,
             &mut g[head.clone()],
@@ -547,7 +547,7 @@ impl TpGpt {
             Mode::Throughput,
         )?;
         let dln = block.reduce_dln(&link, s, sc)?;
-        acts.dres.fill(0.0);
+        weft_kernels::zero(&mut acts.dres);
         let (dlw, dlb) = g[lnf_r.clone()].split_at_mut(c);
         let last = &acts.layers[acts.layers.len() - 1].out;
         layernorm_backward(
