@@ -1425,18 +1425,51 @@ impl AdamWState {
         grads: &[f32],
         hp: &AdamW,
     ) -> Result<()> {
+        self.step_tensors(
+            specs.iter().map(|s| (s.name.as_str(), s.range(), s.decay)),
+            params,
+            grads,
+            hp,
+        )
+    }
+
+    /// One AdamW step of `params` (with `grads`, both laid out like these
+    /// moments) over tensors given as `(name, range, decay)`: the one loop
+    /// behind [`step_over`](Self::step_over) and the sharded models'
+    /// steps. Every range is checked before anything is updated, so a bad
+    /// layout changes nothing. Counts the step.
+    ///
+    /// # Errors
+    /// [`Error::Batch`] naming the first tensor whose range lies outside
+    /// the buffers; a kernel error otherwise.
+    pub fn step_tensors<'a, I>(
+        &mut self,
+        tensors: I,
+        params: &mut [f32],
+        grads: &[f32],
+        hp: &AdamW,
+    ) -> Result<()>
+    where
+        I: IntoIterator<Item = (&'a str, Range<usize>, bool)> + Clone,
+    {
+        let len = params
+            .len()
+            .min(grads.len())
+            .min(self.m.len())
+            .min(self.v.len());
+        if let Some((name, r, _)) = tensors.clone().into_iter().find(|(_, r, _)| r.end > len) {
+            return Err(Error::Batch {
+                reason: format!(
+                    "AdamW: tensor {name} ({r:?}) outside buffers of {} parameters, {} gradients and {}/{} moments",
+                    params.len(),
+                    grads.len(),
+                    self.m.len(),
+                    self.v.len()
+                ),
+            });
+        }
         self.step += 1;
-        for spec in specs {
-            let r = spec.range();
-            if r.end > params.len() || r.end > grads.len() || r.end > self.m.len() {
-                return Err(Error::Batch {
-                    reason: format!(
-                        "AdamW: tensor {} ({r:?}) outside buffers of {} parameters",
-                        spec.name,
-                        params.len()
-                    ),
-                });
-            }
+        for (_, r, decay) in tensors {
             adamw_update(
                 &mut params[r.clone()],
                 &grads[r.clone()],
@@ -1444,7 +1477,7 @@ impl AdamWState {
                 &mut self.v[r],
                 hp,
                 self.step,
-                spec.decay,
+                decay,
             )?;
         }
         Ok(())

@@ -4,8 +4,7 @@ use std::ops::Range;
 
 use weft_collectives::{Communicator, CommunicatorExt};
 use weft_kernels::{
-    AdamW, Mode, adamw_update, fused_classifier, layernorm_backward, matmul_backward_wt,
-    matmul_forward_wt,
+    AdamW, Mode, fused_classifier, layernorm_backward, matmul_backward_wt, matmul_forward_wt,
 };
 
 use super::block::{Link, Shape, TpBlock, TpBlockActs, TpScratch};
@@ -633,21 +632,18 @@ impl TpGpt {
     /// replicas stay identical without communication.
     ///
     /// # Errors
-    /// A kernel error if `state` was made for another layout.
+    /// [`Error::Model`](super::Error::Model) naming the tensor if `state`
+    /// was made for another layout (nothing is updated then).
     pub fn adamw_step(&mut self, state: &mut crate::AdamWState, hp: &AdamW) -> Result<()> {
-        state.step += 1;
-        for t in self.layout.tensors() {
-            let r = t.range();
-            adamw_update(
-                &mut self.params[r.clone()],
-                &self.grads[r.clone()],
-                &mut state.m[r.clone()],
-                &mut state.v[r],
-                hp,
-                state.step,
-                t.decay,
-            )?;
-        }
+        state.step_tensors(
+            self.layout
+                .tensors()
+                .iter()
+                .map(|t| (t.name.as_str(), t.range(), t.decay)),
+            &mut self.params,
+            &self.grads,
+            hp,
+        )?;
         Ok(())
     }
 

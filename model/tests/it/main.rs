@@ -2,4 +2,5 @@
 
 mod hf_io;
 mod invariance;
+mod optim;
 mod reference;
