@@ -222,11 +222,11 @@ fn OverviewView(p: &OverviewProps) -> Html {
             FileKind::RUN_FILES[0],
             st(&r.trace, |t| {
                 format!(
-                    "{} lanes, {} slices, makespan {}, bubble {:.1}%",
+                    "{} lanes, {} slices, makespan {}, {}",
                     t.lanes.len(),
                     t.work_slices(),
                     timeline::format_us(t.makespan()),
-                    100.0 * t.bubble_fraction
+                    t.bubble_label()
                 )
             }),
         ),
@@ -509,23 +509,40 @@ fn PipelineView(p: &PipelineProps) -> Html {
                 window.set(zoomed((t0, t1), full, if dy < 0.0 { 0.8 } else { 1.25 }, at));
             }
         };
+        let per_step = if tl.steps.is_empty() { "" } else { " per step" };
         let title = format!(
-            "{}{} — {} lanes, makespan {}, bubble {:.1}%{}",
+            "{}{} — {} lanes, makespan {}{per_step}, bubble {:.1}%{per_step}{}",
             tl.schedule.as_deref().map(|s| format!("{s} · ")).unwrap_or_default(),
             tl.file,
             tl.lanes.len(),
-            timeline::format_us(tl.makespan()),
+            timeline::format_us(tl.step_makespan()),
             100.0 * tl.bubble_fraction,
-            if tl.bubble_from_file { "" } else { " (computed)" },
+            match tl.bubble_disagreement() {
+                _ if !tl.bubble_from_file => " (computed)".to_owned(),
+                Some(c) => format!(" (the events give {:.1}%)", 100.0 * c),
+                None => String::new(),
+            },
         );
+        let makespan = if tl.steps.is_empty() {
+            format!("makespan {}", timeline::format_us(tl.makespan()))
+        } else {
+            format!(
+                "makespan {} per step (trace {})",
+                timeline::format_us(tl.step_makespan()),
+                timeline::format_us(tl.makespan())
+            )
+        };
         html! {
             <section class="card">
                 <h2 class="tl-title" data-which={which.to_string()}>{ title }</h2>
                 <div class="stats mono">
-                    <span id={format!("makespan-{which}")}>{ format!("makespan {}", timeline::format_us(tl.makespan())) }</span>
-                    <span id={format!("bubble-{which}")}>{ format!("bubble {:.2}%", 100.0 * tl.bubble_fraction) }</span>
+                    <span id={format!("makespan-{which}")}>{ makespan }</span>
+                    <span id={format!("bubble-{which}")}>{ tl.bubble_label() }</span>
                     { for tl.counts.iter().map(|(k, n)| html! { <span>{ format!("{}: {n}", k.label()) }</span> }) }
                 </div>
+                if let Some(steps) = tl.steps_label(12) {
+                    <div id={format!("step-bubbles-{which}")} class="stats mono">{ steps }</div>
+                }
                 <div ref={node} {onmousemove} {onmousedown} {onmouseup} {onwheel} class="svg-wrap">
                     { timeline_svg(tl, which, (t0, t1), cursor, hover.as_ref().filter(|h| h.which == which)) }
                 </div>

@@ -5,6 +5,35 @@
 //! one rectangle per pixel run, so the number of drawn rectangles is bounded
 //! by lanes × width however many events the trace holds (a 100k-event trace
 //! draws as fast as a 1k-event one once zoomed out).
+//!
+//! # The bubble
+//!
+//! [`Timeline::bubble_fraction`] means what `weft train` and
+//! `weft-pipeline` mean by it, so the page and the trainer's summary agree:
+//!
+//! * **One step** (`weft_pipeline::Timeline::bubble_fraction`, in
+//!   `pipeline/src/simulate.rs`): the idle time of all stages divided by
+//!   `p × makespan`, for one iteration that ends with a synchronisation of
+//!   all stages (Megatron-LM's accounting). A stage is busy only while it
+//!   computes (`F`, `B`, `W`, `BW`); receive waits and p2p latency are idle.
+//!   Here a stage is a lane holding any work slice (not `idle`, not
+//!   communication), and the step's window runs from the earliest start to
+//!   the latest end of the step's slices of any kind (the trainer's explicit
+//!   `idle` slices tile each stage from the step's origin to its makespan,
+//!   so the window is exactly the trainer's).
+//! * **Several steps** (`weft_trainer::train::Summary::pipeline_bubble`,
+//!   in `trainer/src/train.rs`): each step's bubble within its own window,
+//!   so the optimizer and everything else between steps is not counted,
+//!   then the plain mean over steps (not weighted by their durations). The
+//!   trainer leaves its first step (warm-up) out of the mean and names the
+//!   steps it averaged in `otherData.bubble_steps`; the page averages the
+//!   same ones.
+//!
+//! Steps are told apart by an integer `args.step` on the complete events
+//! (`weft train` writes it on every slice of a traced step; any writer may).
+//! When some slices carry a step, slices without one lie outside every
+//! step's window and do not count; when none does, the whole trace is one
+//! step.
 
 use std::collections::BTreeMap;
 
@@ -93,6 +122,8 @@ pub struct Slice {
     pub microbatch: Option<i64>,
     /// `chunk` arg, if any.
     pub chunk: Option<i64>,
+    /// `step` arg, if any: the optimizer step the slice belongs to.
+    pub step: Option<i64>,
 }
 
 impl Slice {
@@ -119,6 +150,33 @@ pub struct Lane {
     max_dur: f64,
     /// Time covered by non-idle slices (union of intervals).
     pub busy: f64,
+}
+
+/// One step's pipeline window and bubble, from the slices whose `args.step`
+/// is [`StepBubble::step`] (see the [module docs](self) for the
+/// definition).
+#[derive(Debug, Clone, PartialEq)]
+pub struct StepBubble {
+    /// The step number (`args.step`; `weft train` counts from 1, as in
+    /// `metrics.jsonl`).
+    pub step: i64,
+    /// Start of the step's window: earliest start of its slices, µs.
+    pub start: f64,
+    /// End of the step's window: latest end of its slices, µs.
+    pub end: f64,
+    /// Idle time of the stages within the window over `stages × (end −
+    /// start)`; 0 for an empty window.
+    pub bubble_fraction: f64,
+    /// Whether the step is in [`Timeline::computed_bubble`]'s mean.
+    pub in_mean: bool,
+}
+
+impl StepBubble {
+    /// The step's makespan, `end − start`, µs.
+    #[must_use]
+    pub fn makespan(&self) -> f64 {
+        self.end - self.start
+    }
 }
 
 impl Lane {
@@ -158,11 +216,21 @@ pub struct Timeline {
     pub end: f64,
     /// Schedule name from `otherData.schedule`, if any.
     pub schedule: Option<String>,
-    /// Bubble fraction: `otherData.bubble_fraction` when the writer gave
-    /// it, else idle time over lanes × makespan.
+    /// Bubble fraction per step (see the [module docs](self)):
+    /// `otherData.bubble_fraction` when the writer gave it, else
+    /// [`Timeline::computed_bubble`].
     pub bubble_fraction: f64,
     /// Whether [`Timeline::bubble_fraction`] came from the file.
     pub bubble_from_file: bool,
+    /// The bubble computed from the events: the mean of the per-step
+    /// bubbles of [`Timeline::steps`] marked `in_mean`, or the whole
+    /// trace's bubble when no slice carries a step.
+    pub computed_bubble: f64,
+    /// Per-step windows and bubbles, by step; empty when no slice carries
+    /// `args.step`.
+    pub steps: Vec<StepBubble>,
+    /// Number of lanes counted as pipeline stages (lanes holding work).
+    pub stages: usize,
     /// Number of slices of each kind.
     pub counts: BTreeMap<SliceKind, usize>,
     /// Whether any slice has a `chunk` other than 0 (interleaved
@@ -217,6 +285,7 @@ impl Timeline {
                 event: i,
                 microbatch: arg_i64(e.args.get("microbatch")),
                 chunk: arg_i64(e.args.get("chunk")),
+                step: arg_i64(e.args.get("step")),
             });
         }
         let mut threads_per_pid: BTreeMap<u64, usize> = BTreeMap::new();
@@ -269,19 +338,15 @@ impl Timeline {
             start = 0.0;
             end = 0.0;
         }
-        let makespan = end - start;
-        let computed = if makespan > 0.0 && !lanes.is_empty() {
-            let busy: f64 = lanes.iter().map(|l| l.busy).sum();
-            #[allow(clippy::cast_precision_loss)]
-            let total = makespan * lanes.len() as f64;
-            1.0 - busy / total
-        } else {
-            0.0
-        };
         let from_file = trace
             .other_data
             .get("bubble_fraction")
             .and_then(ArgValue::as_f64);
+        let mean_over: Option<Vec<i64>> = match trace.other_data.get("bubble_steps") {
+            Some(ArgValue::List(v)) => Some(v.iter().filter_map(ArgValue::as_i64).collect()),
+            _ => None,
+        };
+        let (steps, computed, stages) = pipeline_bubble(&lanes, (start, end), mean_over.as_deref());
         let schedule = trace
             .other_data
             .get("schedule")
@@ -300,6 +365,9 @@ impl Timeline {
             schedule,
             bubble_fraction: from_file.unwrap_or(computed),
             bubble_from_file: from_file.is_some(),
+            computed_bubble: computed,
+            steps,
+            stages,
             counts,
             trace,
         }
@@ -309,6 +377,82 @@ impl Timeline {
     #[must_use]
     pub fn makespan(&self) -> f64 {
         self.end - self.start
+    }
+
+    /// The steps in the bubble's mean.
+    #[must_use]
+    pub fn averaged_steps(&self) -> usize {
+        self.steps.iter().filter(|s| s.in_mean).count()
+    }
+
+    /// Mean makespan of the steps in the bubble's mean, µs; the whole
+    /// trace's when no slice carries a step.
+    #[must_use]
+    pub fn step_makespan(&self) -> f64 {
+        let (sum, n) = self
+            .steps
+            .iter()
+            .filter(|s| s.in_mean)
+            .fold((0.0, 0usize), |(a, n), s| (a + s.makespan(), n + 1));
+        if n == 0 {
+            return self.makespan();
+        }
+        #[allow(clippy::cast_precision_loss)]
+        let n = n as f64;
+        sum / n
+    }
+
+    /// The bubble computed from the events when it differs from the file's
+    /// `otherData.bubble_fraction` by more than 0.05 percentage points
+    /// (the writer and its events disagree); `None` otherwise.
+    #[must_use]
+    pub fn bubble_disagreement(&self) -> Option<f64> {
+        (self.bubble_from_file
+            && self.stages > 0
+            && (self.computed_bubble - self.bubble_fraction).abs() > 5e-4)
+            .then_some(self.computed_bubble)
+    }
+
+    /// The bubble as the page shows it: `bubble 25.00%` for one step;
+    /// `bubble 10.23% per step (2 steps)` over several, or `(mean of 1 of
+    /// 2 steps)` when the writer named the steps to average.
+    #[must_use]
+    pub fn bubble_label(&self) -> String {
+        let pct = format!("bubble {:.2}%", 100.0 * self.bubble_fraction);
+        let (n, all) = (self.averaged_steps(), self.steps.len());
+        let plural = |k: usize| if k == 1 { "" } else { "s" };
+        match (n, all) {
+            (_, 0) => pct,
+            (n, all) if n == all => format!("{pct} per step ({all} step{})", plural(all)),
+            (n, all) => format!("{pct} per step (mean of {n} of {all} step{})", plural(all)),
+        }
+    }
+
+    /// Each step's bubble, `step 1 35.10% (not in the mean) · step 2
+    /// 10.23%`, at most `max` of them (then `… N more`); `None` without
+    /// step marks.
+    #[must_use]
+    pub fn steps_label(&self, max: usize) -> Option<String> {
+        if self.steps.is_empty() {
+            return None;
+        }
+        let mut parts: Vec<String> = self
+            .steps
+            .iter()
+            .take(max)
+            .map(|s| {
+                format!(
+                    "step {} {:.2}%{}",
+                    s.step,
+                    100.0 * s.bubble_fraction,
+                    if s.in_mean { "" } else { " (not in the mean)" }
+                )
+            })
+            .collect();
+        if self.steps.len() > max {
+            parts.push(format!("… {} more", self.steps.len() - max));
+        }
+        Some(parts.join(" · "))
     }
 
     /// Number of non-idle slices.
@@ -414,6 +558,95 @@ impl Timeline {
         }
         rows
     }
+}
+
+/// Whether a slice is stage work for the bubble: everything but `idle`
+/// and communication (receive waits and p2p latency are idle time in the
+/// trainer's and the simulator's accounting).
+fn is_work(kind: SliceKind) -> bool {
+    !matches!(kind, SliceKind::Idle | SliceKind::Comm)
+}
+
+/// Per-step bubbles, the bubble to show, and the number of stages (see
+/// the module docs). `whole` is the trace's `(start, end)`, the window
+/// when no slice carries a step; `mean_over` the steps to average
+/// (`otherData.bubble_steps`), all when `None` or when it names none of
+/// the trace's steps.
+fn pipeline_bubble(
+    lanes: &[Lane],
+    whole: (f64, f64),
+    mean_over: Option<&[i64]>,
+) -> (Vec<StepBubble>, f64, usize) {
+    let stage_lanes: Vec<&Lane> = lanes
+        .iter()
+        .filter(|l| l.slices.iter().any(|s| is_work(s.kind)))
+        .collect();
+    #[allow(clippy::cast_precision_loss)]
+    let p = stage_lanes.len() as f64;
+    let bubble = |busy: f64, (t0, t1): (f64, f64)| {
+        let span = t1 - t0;
+        if span > 0.0 && p > 0.0 {
+            1.0 - busy / (p * span)
+        } else {
+            0.0
+        }
+    };
+    // Step windows over slices of any kind, on any lane.
+    let mut windows: BTreeMap<i64, (f64, f64)> = BTreeMap::new();
+    for s in lanes.iter().flat_map(|l| &l.slices) {
+        if let Some(k) = s.step {
+            let w = windows
+                .entry(k)
+                .or_insert((f64::INFINITY, f64::NEG_INFINITY));
+            *w = (w.0.min(s.start), w.1.max(s.end()));
+        }
+    }
+    // Busy time: each stage's union of work slices, per step (slices are
+    // sorted by start within a lane, so also within a step).
+    let stepped = !windows.is_empty();
+    let mut busy: BTreeMap<Option<i64>, f64> = BTreeMap::new();
+    for lane in &stage_lanes {
+        let mut covered: BTreeMap<Option<i64>, f64> = BTreeMap::new();
+        for s in lane.slices.iter().filter(|s| is_work(s.kind)) {
+            let key = if stepped {
+                match s.step {
+                    Some(k) => Some(k),
+                    None => continue,
+                }
+            } else {
+                None
+            };
+            let to = covered.entry(key).or_insert(f64::NEG_INFINITY);
+            let from = s.start.max(*to);
+            if s.end() > from {
+                *busy.entry(key).or_insert(0.0) += s.end() - from;
+                *to = s.end();
+            }
+        }
+    }
+    if !stepped {
+        let b = busy.get(&None).copied().unwrap_or(0.0);
+        return (Vec::new(), bubble(b, whole), stage_lanes.len());
+    }
+    let chosen = |k: i64| mean_over.is_none_or(|m| m.contains(&k));
+    let any_chosen = windows.keys().any(|k| chosen(*k));
+    let steps: Vec<StepBubble> = windows
+        .into_iter()
+        .map(|(step, (start, end))| StepBubble {
+            step,
+            start,
+            end,
+            bubble_fraction: bubble(busy.get(&Some(step)).copied().unwrap_or(0.0), (start, end)),
+            in_mean: !any_chosen || chosen(step),
+        })
+        .collect();
+    let (sum, n) = steps
+        .iter()
+        .filter(|s| s.in_mean)
+        .fold((0.0, 0usize), |(a, n), s| (a + s.bubble_fraction, n + 1));
+    #[allow(clippy::cast_precision_loss)]
+    let mean = sum / n.max(1) as f64;
+    (steps, mean, stage_lanes.len())
 }
 
 /// Slices narrower than this many pixels are merged with their neighbours
@@ -587,6 +820,136 @@ mod tests {
         let tl = Timeline::new("t.json", t);
         assert_eq!(tl.bubble_fraction, 0.25);
         assert_eq!(tl.schedule.as_deref(), Some("1F1B"));
+    }
+
+    /// GPipe over 2 stages, 2 micro-batches, `F = B = 10` µs (stage 0's
+    /// first `F` takes `f00`), at `t0`, every slice tagged with `step`; a
+    /// `p2p` track per stage with a receive wait, the trainer's explicit
+    /// idle tiles up to the step's makespan, and an `optimizer` slice after
+    /// the step that carries no step.
+    fn gpipe_step(t: &mut Trace, step: i64, t0: f64, f00: f64) -> f64 {
+        let s0 = [("F", 0, 0.0, f00), ("F", 1, f00, 10.0)];
+        let f1 = f00 + 10.0; // stage 0's F1 ends, stage 1's F1 may start
+        let s1 = [
+            ("F", 0, f00, 10.0),
+            ("F", 1, f1, 10.0),
+            ("B", 1, f1 + 10.0, 10.0),
+            ("B", 0, f1 + 20.0, 10.0),
+        ];
+        let s0b = [("B", 1, f1 + 20.0, 10.0), ("B", 0, f1 + 30.0, 10.0)];
+        let end = f1 + 40.0;
+        for (pid, slices) in [(0u64, [&s0[..], &s0b[..]].concat()), (1, s1.to_vec())] {
+            let mut clock = 0.0;
+            for (name, mb, start, dur) in slices {
+                if start > clock {
+                    t.push(
+                        TraceEvent::complete("idle", t0 + clock, start - clock, pid, 0)
+                            .with_cat("idle")
+                            .with_arg("step", step),
+                    );
+                }
+                t.push(
+                    TraceEvent::complete(name, t0 + start, dur, pid, 0)
+                        .with_arg("microbatch", mb)
+                        .with_arg("step", step),
+                );
+                clock = start + dur;
+            }
+            if end > clock {
+                t.push(
+                    TraceEvent::complete("idle", t0 + clock, end - clock, pid, 0)
+                        .with_cat("idle")
+                        .with_arg("step", step),
+                );
+            }
+            t.push(
+                TraceEvent::complete("recv wait", t0 + 1.0, 2.0, pid, 1)
+                    .with_cat("p2p")
+                    .with_arg("step", step),
+            );
+        }
+        t.push(TraceEvent::complete("optimizer", t0 + end, 100.0, 0, 0));
+        end
+    }
+
+    #[test]
+    fn multi_step_bubble_is_per_step_and_skips_the_gap() {
+        let mut t = Trace::new();
+        // Step 1 (warm-up): stage 0's first F takes 30 µs, makespan 80;
+        // busy 60 + 40 of 2 × 80: bubble 1 − 100/160 = 0.375.
+        let m1 = gpipe_step(&mut t, 1, 0.0, 30.0);
+        assert_eq!(m1, 80.0);
+        // 100 µs of optimizer between the steps, then step 2 with uniform
+        // costs: GPipe's bubble (p − 1)/(m + p − 1) = 1/3.
+        let t2 = m1 + 100.0;
+        let m2 = gpipe_step(&mut t, 2, t2, 10.0);
+        assert_eq!(m2, 60.0);
+        let (p, m) = (2.0, 2.0);
+        let gpipe = (p - 1.0) / (m + p - 1.0);
+        let tl = Timeline::new("t.json", t.clone());
+        assert_eq!(tl.stages, 2, "p2p tracks are not stages");
+        assert_eq!(tl.steps.len(), 2);
+        let (s1, s2) = (&tl.steps[0], &tl.steps[1]);
+        assert_eq!((s1.step, s1.start, s1.end), (1, 0.0, 80.0));
+        assert_eq!((s2.step, s2.start, s2.end), (2, t2, t2 + 60.0));
+        assert!((s1.bubble_fraction - 0.375).abs() < 1e-12, "{s1:?}");
+        assert!((s2.bubble_fraction - gpipe).abs() < 1e-12, "{s2:?}");
+        assert_eq!(tl.bubble_label(), "bubble 35.42% per step (2 steps)");
+        assert_eq!(tl.steps_label(1).unwrap(), "step 1 37.50% · … 1 more");
+        // No `bubble_steps`: the plain mean over both steps.
+        assert!(s1.in_mean && s2.in_mean);
+        let mean = (0.375 + gpipe) / 2.0;
+        assert!((tl.bubble_fraction - mean).abs() < 1e-12);
+        assert!(!tl.bubble_from_file);
+        assert!((tl.step_makespan() - 70.0).abs() < 1e-12);
+        // The optimizer after each step is in the trace but in no window.
+        assert_eq!(tl.makespan(), t2 + 60.0 + 100.0);
+
+        // The trainer names the steps it averaged (after its warm-up) and
+        // gives its own figure: the page averages the same steps.
+        t.other_data.insert(
+            "bubble_steps".into(),
+            ArgValue::List(vec![ArgValue::Int(2)]),
+        );
+        let tl = Timeline::new("t.json", t.clone());
+        assert!(!tl.steps[0].in_mean && tl.steps[1].in_mean);
+        assert!((tl.computed_bubble - gpipe).abs() < 1e-12);
+        assert_eq!(tl.averaged_steps(), 1);
+        assert_eq!(
+            tl.bubble_label(),
+            "bubble 33.33% per step (mean of 1 of 2 steps)"
+        );
+        assert_eq!(
+            tl.steps_label(10).unwrap(),
+            "step 1 37.50% (not in the mean) · step 2 33.33%"
+        );
+        assert_eq!(tl.step_makespan(), 60.0);
+        t.other_data
+            .insert("bubble_fraction".into(), ArgValue::Float(gpipe));
+        let tl = Timeline::new("t.json", t.clone());
+        assert!(tl.bubble_from_file);
+        assert_eq!(tl.bubble_disagreement(), None);
+        t.other_data
+            .insert("bubble_fraction".into(), ArgValue::Float(0.5));
+        let tl = Timeline::new("t.json", t);
+        let d = tl.bubble_disagreement().unwrap();
+        assert!((d - gpipe).abs() < 1e-12);
+    }
+
+    #[test]
+    fn without_step_marks_the_whole_trace_is_one_step() {
+        let mut t = Trace::new();
+        gpipe_step(&mut t, 1, 0.0, 10.0);
+        for e in &mut t.trace_events {
+            e.args.remove("step");
+        }
+        let tl = Timeline::new("t.json", t);
+        assert!(tl.steps.is_empty());
+        // The optimizer slice now counts as stage 0's work, up to 160 µs:
+        // busy 40 + 100 + 40 over 2 × 160.
+        assert_eq!(tl.makespan(), 160.0);
+        assert!((tl.bubble_fraction - (1.0 - 180.0 / 320.0)).abs() < 1e-12);
+        assert_eq!(tl.step_makespan(), 160.0);
     }
 
     #[test]

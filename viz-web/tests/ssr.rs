@@ -54,6 +54,36 @@ async fn pipeline_lanes_slices_labels_and_cursor() {
     assert!(html.contains("stage 1"));
 }
 
+/// Two steps of 2 stages with 70 µs between them; the writer averages
+/// step 2 only. Step 1: one F each, window 20, bubble 1 − 20/40 = 50%;
+/// step 2: two F each, window 30, bubble 1 − 40/60 = 33.33%.
+const STEPS: &str = r#"{"traceEvents":[
+ {"name":"F","ph":"X","ts":0,"dur":10,"pid":0,"args":{"microbatch":0,"step":1}},
+ {"name":"F","ph":"X","ts":10,"dur":10,"pid":1,"args":{"microbatch":0,"step":1}},
+ {"name":"optimizer","ph":"X","ts":20,"dur":80,"pid":0},
+ {"name":"F","ph":"X","ts":100,"dur":10,"pid":0,"args":{"microbatch":0,"step":2}},
+ {"name":"F","ph":"X","ts":110,"dur":10,"pid":0,"args":{"microbatch":1,"step":2}},
+ {"name":"F","ph":"X","ts":110,"dur":10,"pid":1,"args":{"microbatch":0,"step":2}},
+ {"name":"F","ph":"X","ts":120,"dur":10,"pid":1,"args":{"microbatch":1,"step":2}}],
+ "otherData":{"bubble_steps":[2]}}"#;
+
+#[tokio::test]
+async fn multi_step_bubble_is_shown_per_step() {
+    let mut run = Run::default();
+    run.ingest("trace.json", STEPS);
+    let html = render(run, None).await;
+    assert!(
+        html.contains("bubble 33.33% per step (mean of 1 of 2 steps)"),
+        "{html}"
+    );
+    assert!(
+        html.contains("step 1 50.00% (not in the mean) · step 2 33.33%"),
+        "{html}"
+    );
+    assert!(html.contains("makespan 30.0 µs per step (trace 130.0 µs)"));
+    assert!(html.contains("(computed)"));
+}
+
 #[tokio::test]
 async fn compare_draws_a_second_timeline() {
     let mut run = Run::default();
