@@ -280,8 +280,17 @@ pub fn convert<S: Element, D: Element>(src: &[S], dst: &mut [D]) -> Result<(), E
             got: dst.len(),
         });
     }
-    for (d, &s) in dst.iter_mut().zip(src) {
-        *d = D::from_f64(s.to_f64());
+    if S::DTYPE == Dtype::F64 {
+        for (d, &s) in dst.iter_mut().zip(src) {
+            *d = D::from_f64(s.to_f64());
+        }
+    } else {
+        // Every f32, f16 and bf16 is an f32: rounding from f32 rounds once,
+        // as from f64 would, and is 10-15x faster than the f64 route's
+        // software rounding (f32 -> bf16, 16M elements).
+        for (d, &s) in dst.iter_mut().zip(src) {
+            *d = D::from_f32(s.to_f32());
+        }
     }
     Ok(())
 }
