@@ -196,7 +196,7 @@ impl Observer for Terminal {
         ));
         if let Some(b) = s.pipeline_bubble {
             say(&format!(
-                "pipeline        {} bubble {:.1}% measured, {:.1}% predicted by the simulator from the measured costs (trace.json)",
+                "pipeline        {} bubble {:.1}% per step measured, {:.1}% predicted by the simulator from the measured costs (trace.json)",
                 b.schedule,
                 100.0 * b.measured,
                 100.0 * b.predicted

@@ -218,7 +218,9 @@ pub struct Summary {
     pub final_max_vio: Option<f64>,
     /// Pipeline runs: the bubble fraction measured over the traced steps
     /// (after the first), and the simulator's prediction for the same
-    /// schedule with the measured mean action costs.
+    /// schedule with the measured mean action costs. Also in `trace.json`'s
+    /// `otherData` (`bubble_fraction`, `bubble_steps`, per step
+    /// `step_bubble_fractions`), where `weft viz` shows it.
     pub pipeline_bubble: Option<PipelineBubble>,
 }
 
@@ -227,7 +229,10 @@ pub struct Summary {
 pub struct PipelineBubble {
     /// The schedule.
     pub schedule: &'static str,
-    /// Mean measured bubble fraction.
+    /// Mean measured bubble fraction: the plain mean over the steps of
+    /// each step's `weft_pipeline::Timeline::bubble_fraction` (the stages'
+    /// idle time within that step's window, over `p × makespan`), so the
+    /// time between steps is not bubble.
     pub measured: f64,
     /// Mean bubble fraction the simulator predicts from the measured costs.
     pub predicted: f64,
@@ -1046,6 +1051,9 @@ fn run_rank(
     };
     let mut trace = weft_trace::Trace::new();
     let mut bubble_sum: Option<(f64, f64, usize)> = None;
+    // Every traced pipeline step: (step number, measured bubble, makespan
+    // in µs, whether it is in `bubble_sum`), for trace.json's otherData.
+    let mut step_bubbles: Vec<(u64, f64, f64, bool)> = Vec::new();
     for step in start_step..t.steps {
         let step_start = Instant::now();
         let lr = lr_at(&config.optim, step, t.steps);
@@ -1176,25 +1184,46 @@ fn run_rank(
             let schedule = pipe.ex.schedule();
             let measured = weft_pipeline::Measured::new(schedule, ranks)
                 .map_err(|e| TrainError::Unsupported(format!("pipeline timeline: {e}")))?;
-            if step > start_step {
+            let bubble = measured.timeline.bubble_fraction();
+            let averaged = step > start_step;
+            step_bubbles.push((
+                step + 1,
+                bubble,
+                measured.timeline.makespan() * 1e6,
+                averaged,
+            ));
+            if averaged {
                 let predicted = measured
                     .predicted(schedule)
                     .map_err(|e| TrainError::Unsupported(format!("pipeline simulation: {e}")))?;
                 let (m, p, n) = bubble_sum.get_or_insert((0.0, 0.0, 0));
-                *m += measured.timeline.bubble_fraction();
+                *m += bubble;
                 *p += predicted.bubble_fraction();
                 *n += 1;
             }
             let offset = step_start.duration_since(start).as_secs_f64() * 1e6;
-            // Stage names and sort order once, from the first traced step.
+            // Stage names, sort order and the schedule once, from the first
+            // traced step; every slice carries its step number (the
+            // viewer's step windows).
             let first = step == start_step;
-            for mut e in measured.to_trace().trace_events {
+            let exported = measured.to_trace();
+            if first {
+                for key in ["schedule", "stages", "microbatches", "chunks"] {
+                    if let Some(v) = exported.other_data.get(key) {
+                        trace.other_data.insert(key.to_owned(), v.clone());
+                    }
+                }
+            }
+            for mut e in exported.trace_events {
                 let metadata = e.ph != weft_trace::Phase::Complete;
                 if metadata && !first {
                     continue;
                 }
                 if !metadata {
                     e.ts += offset;
+                }
+                if e.ph == weft_trace::Phase::Complete {
+                    e.args.insert("step".to_owned(), (step + 1).into());
                 }
                 trace.trace_events.push(e);
             }
@@ -1283,6 +1312,13 @@ fn run_rank(
             })
         }),
     };
+    if !step_bubbles.is_empty() {
+        bubble_other_data(
+            &mut trace.other_data,
+            &step_bubbles,
+            summary.pipeline_bubble,
+        );
+    }
     if writer && !trace.trace_events.is_empty() {
         let path = run_dir.join("trace.json");
         let json = serde_json::to_string(&trace).unwrap_or_default();
@@ -1295,6 +1331,42 @@ fn run_rank(
     }
     observer.finish(&summary);
     Ok(summary)
+}
+
+/// The pipeline bubble in `trace.json`'s `otherData`, as the summary
+/// reports it (see [`Summary::pipeline_bubble`]): `bubble_fraction` and
+/// `bubble_predicted`, the means over the steps listed in `bubble_steps`
+/// (the traced steps after the first, which is warm-up), and
+/// `step_bubble_fractions`, one `{step, bubble_fraction, makespan_us}` per
+/// traced step. Each step's bubble is the `bubble_fraction` of its
+/// measured `weft_pipeline::Timeline`: the stages' idle time within the
+/// step's own window over `p × makespan`, so the time between steps
+/// (optimizer, evaluation) is not bubble. The slices carry their step in
+/// `args.step`, so a viewer can recompute it (weft viz does).
+fn bubble_other_data(
+    other: &mut std::collections::BTreeMap<String, weft_trace::ArgValue>,
+    steps: &[(u64, f64, f64, bool)],
+    mean: Option<PipelineBubble>,
+) {
+    use weft_trace::ArgValue;
+    if let Some(b) = mean {
+        other.insert("bubble_fraction".into(), b.measured.into());
+        other.insert("bubble_predicted".into(), b.predicted.into());
+        let averaged = steps.iter().filter(|s| s.3).map(|s| s.0.into());
+        other.insert("bubble_steps".into(), ArgValue::List(averaged.collect()));
+    }
+    let per_step = steps.iter().map(|&(step, bubble, makespan_us, _)| {
+        let fields = [
+            ("step", step.into()),
+            ("bubble_fraction", bubble.into()),
+            ("makespan_us", makespan_us.into()),
+        ];
+        ArgValue::Map(fields.into_iter().map(|(k, v)| (k.to_owned(), v)).collect())
+    });
+    other.insert(
+        "step_bubble_fractions".into(),
+        ArgValue::List(per_step.collect()),
+    );
 }
 
 #[cfg(test)]

@@ -341,6 +341,79 @@ fn sharded_data_parallel_is_bitwise_the_single_rank_run() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// `trace.json` of a 6-step pipeline run (every step traced) holds the
+/// summary's bubble, `measured`, in its `otherData`, with the steps it
+/// averages (2 to 6: the first is warm-up) and each step's own figure; and
+/// the viewer, recomputing each step's bubble from the slices' step
+/// windows alone, gets the same figures.
+fn check_trace_bubble(name: &str, t: &weft_trace::Trace, measured: f64) {
+    use weft_trace::ArgValue;
+    let other = &t.other_data;
+    // serde_json reads floats back to within an ulp (its exact parser is
+    // a feature this workspace leaves off).
+    let written = other.get("bubble_fraction").and_then(ArgValue::as_f64);
+    assert!(
+        written.is_some_and(|w| (w - measured).abs() <= 1e-15),
+        "{name}: otherData.bubble_fraction {written:?}, summary {measured}"
+    );
+    let steps = |key: &str| match other.get(key) {
+        Some(ArgValue::List(v)) => v.clone(),
+        v => panic!("{name}: otherData.{key} = {v:?}"),
+    };
+    let averaged: Vec<i64> = steps("bubble_steps")
+        .iter()
+        .filter_map(ArgValue::as_i64)
+        .collect();
+    assert_eq!(averaged, [2, 3, 4, 5, 6], "{name}");
+    let per_step: Vec<(i64, f64, f64)> = steps("step_bubble_fractions")
+        .iter()
+        .map(|v| {
+            let ArgValue::Map(m) = v else {
+                panic!("{name}: {v:?}")
+            };
+            let num = |k: &str| m.get(k).and_then(ArgValue::as_f64).unwrap();
+            (
+                m["step"].as_i64().unwrap(),
+                num("bubble_fraction"),
+                num("makespan_us"),
+            )
+        })
+        .collect();
+    assert_eq!(per_step.len(), 6, "{name}");
+    let mean = per_step[1..].iter().map(|s| s.1).sum::<f64>() / 5.0;
+    assert!((mean - measured).abs() < 1e-12, "{name}: {mean} {measured}");
+    let tl = weft_viz_web::timeline::Timeline::new("trace.json", t.clone());
+    assert!(tl.bubble_from_file, "{name}");
+    assert_eq!(tl.stages, stages_of(t), "{name}: p2p tracks are not stages");
+    assert_eq!(tl.steps.len(), 6, "{name}");
+    for (shown, (step, bubble, makespan)) in tl.steps.iter().zip(&per_step) {
+        assert_eq!(shown.step, *step, "{name}");
+        assert_eq!(shown.in_mean, *step > 1, "{name}");
+        assert!(
+            (shown.bubble_fraction - bubble).abs() < 1e-9,
+            "{name} step {step}: viewer {} trainer {bubble}",
+            shown.bubble_fraction
+        );
+        assert!((shown.makespan() - makespan).abs() < 1e-6, "{name}");
+    }
+    assert!(
+        (tl.computed_bubble - measured).abs() < 1e-9,
+        "{name}: viewer {} trainer {measured}",
+        tl.computed_bubble
+    );
+    assert_eq!(tl.bubble_disagreement(), None, "{name}");
+}
+
+/// Pipeline stages in a trace: processes with an `F` slice.
+fn stages_of(t: &weft_trace::Trace) -> usize {
+    let pids: std::collections::BTreeSet<u64> = t
+        .complete_events()
+        .filter(|e| e.name == "F")
+        .map(|e| e.pid)
+        .collect();
+    pids.len()
+}
+
 #[test]
 fn pipeline_parallel_is_bitwise_the_single_rank_run() {
     let dir = tmp("pp");
@@ -385,6 +458,7 @@ fn pipeline_parallel_is_bitwise_the_single_rank_run() {
         t.check().unwrap();
         let stages: std::collections::BTreeSet<u64> = t.complete_events().map(|e| e.pid).collect();
         assert!(stages.len() >= 2, "{name}: {stages:?}");
+        check_trace_bubble(name, &t, b.measured);
     }
     // A pipelined checkpoint is saved whole and resumes bit for bit.
     let sets = ["parallel.pp=2", "checkpoint.every=3", four];
