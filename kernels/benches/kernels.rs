@@ -4,7 +4,7 @@
 //! Run with `cargo bench -p weft-kernels --bench kernels`. Groups:
 //! `matmul` (forward and backward of every linear layer of GPT-2, both
 //! modes side by side, so the cost of batch invariance is a ratio within
-//! one run) and `attention` (forward + backward).
+//! one run) and `attention` (forward + backward at T=256 and T=1024).
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use weft_kernels::{Mode, attention_backward, attention_forward, matmul_backward, matmul_forward};
@@ -79,24 +79,29 @@ fn matmul(c: &mut Criterion) {
 fn attention(c: &mut Criterion) {
     let mut g = c.benchmark_group("attention");
     g.sample_size(10);
-    let qkv = data(B * T * 3 * C);
-    let mut out = vec![0.0f32; B * T * C];
-    let mut att = vec![0.0f32; B * NH * T * T];
-    // Causal: QKᵀ and PV each 2·T²·HS/2 per head; backward twice that.
-    let fwd_flops = 2 * B * NH * T * T * (C / NH);
-    g.throughput(Throughput::Elements(fwd_flops as u64));
-    g.bench_function("fwd", |bch| {
-        bch.iter(|| attention_forward(&mut out, &mut att, &qkv, B, T, C, NH).unwrap());
-    });
-    let dout = data(B * T * C);
-    let mut dqkv = vec![0.0f32; B * T * 3 * C];
-    let mut scratch = vec![0.0f32; B * NH * T * T];
-    g.throughput(Throughput::Elements(2 * fwd_flops as u64));
-    g.bench_function("bwd", |bch| {
-        bch.iter(|| {
-            attention_backward(&mut dqkv, &mut scratch, &dout, &qkv, &att, B, T, C, NH).unwrap();
+    // GPT-2 small's heads (HS=64) at two sequence lengths; B·T fixed at
+    // 1024 tokens so the T=1024 case is one sequence.
+    for (b, t) in [(B, T), (1, 4 * T)] {
+        let qkv = data(b * t * 3 * C);
+        let mut out = vec![0.0f32; b * t * C];
+        let mut att = vec![0.0f32; b * NH * t * t];
+        // Causal: QKᵀ and PV each 2·T²·HS/2 per head; backward twice that.
+        let fwd_flops = 2 * b * NH * t * t * (C / NH);
+        g.throughput(Throughput::Elements(fwd_flops as u64));
+        g.bench_function(format!("fwd/B={b}/T={t}"), |bch| {
+            bch.iter(|| attention_forward(&mut out, &mut att, &qkv, b, t, C, NH).unwrap());
         });
-    });
+        let dout = data(b * t * C);
+        let mut dqkv = vec![0.0f32; b * t * 3 * C];
+        let mut scratch = vec![0.0f32; b * NH * t * t];
+        g.throughput(Throughput::Elements(2 * fwd_flops as u64));
+        g.bench_function(format!("bwd/B={b}/T={t}"), |bch| {
+            bch.iter(|| {
+                attention_backward(&mut dqkv, &mut scratch, &dout, &qkv, &att, b, t, C, NH)
+                    .unwrap();
+            });
+        });
+    }
     g.finish();
 }
 

@@ -6,19 +6,48 @@
 //! The forward saves the attention probabilities `att (B,NH,T,T)` (zero
 //! above the diagonal) for the backward.
 //!
-//! Each (batch, head) pair is a handful of GEMMs over row blocks of 64, so
-//! the work above the diagonal is mostly skipped, and nothing about one
-//! sequence's arithmetic depends on the batch it is in.
+//! # How it runs
+//!
+//! Every product (`QKᵀ`, `PV` and the four of the backward) is a sequence
+//! of register tiles — up to 6 rows by 64 columns, 24 AVX-512 accumulators
+//! — over the causal part only: a block of query rows meets only the keys
+//! at or before its last row, and a block of keys only the queries at or
+//! after its first. The work is split over the rayon pool by (sequence,
+//! head, block of 64 rows), so it needs no GEMM library, no packing buffer
+//! beyond a 64×64 stack tile (keys transposed for `QKᵀ` and `dO·Vᵀ`), and
+//! allocates nothing.
+//!
+//! # Summation order
+//!
+//! Each element of each product is one running sum over its reduction index
+//! in increasing order (`acc = a·b + acc`, fused on AVX-512 for `f32`,
+//! separate multiply and add otherwise), started from zero, then scaled
+//! (scores by `1/sqrt(HS)`) or added to the gradient buffer. Nothing else
+//! enters it: not the batch, the head count, the tile it sits in or the
+//! thread that runs it; zero probabilities above the diagonal leave the
+//! sums they enter unchanged. So one sequence gives the same bits alone or
+//! anywhere in a batch, and [`attention_decode`], which runs the very same
+//! tile code on one query row, reproduces the forward's row bit for bit.
+//! (The AVX-512 kernel and the portable one differ in the last bits, as any
+//! two machines with and without FMA would; the choice is made once per
+//! process by [`weft_numerics::simd::level`], so a trainer and a decoder in
+//! the same process always agree.)
 
 use rayon::prelude::*;
 
 use crate::Real;
 use crate::error::{Error, Result, check};
-use crate::gemm::{View, gemm};
-use crate::matmul::gemm_row_invariant;
 use crate::softmax::softmax_in_place;
 
+/// Rows (queries, or keys in the dK/dV pass) of one parallel work item.
 const BLOCK: usize = 64;
+/// Rows of a register tile.
+// The forward packs the keys of row block `blk` as key block `blk`.
+const _: () = assert!(BLOCK == NR);
+const MR: usize = 6;
+/// Widest register tile (four 16-lane vectors), and the keys of a packed
+/// transposed tile.
+const NR: usize = 64;
 
 fn dims(op: &'static str, c: usize, nh: usize) -> Result<usize> {
     if nh == 0 || !c.is_multiple_of(nh) {
@@ -30,20 +59,448 @@ fn dims(op: &'static str, c: usize, nh: usize) -> Result<usize> {
     Ok(c / nh)
 }
 
-fn blocks(t: usize) -> impl Iterator<Item = (usize, usize)> {
-    (0..t)
-        .step_by(BLOCK)
-        .map(move |i0| (i0, (i0 + BLOCK).min(t)))
+/// What a tile does with its sums.
+#[derive(Clone, Copy)]
+enum Fin<T> {
+    /// `c = scale · acc`.
+    Store(T),
+    /// `c += acc`.
+    Add,
 }
 
-/// Runs `f(batch_index, items)` for every batch element, in parallel over
-/// the batch when there are enough sequences to occupy the pool (GEMMs
-/// single-threaded), else one after another with multi-threaded GEMMs.
-fn for_each_batch<I: Send>(items: Vec<I>, f: impl Fn(I, bool) + Sync) {
-    if items.len() >= rayon::current_num_threads() {
-        items.into_par_iter().for_each(|it| f(it, false));
-    } else {
-        items.into_iter().for_each(|it| f(it, true));
+/// `c[r, j] (m×w) = fin(init + Σ_{l<k} a(r, l) · b[l, j])`, with
+/// `a(r, l) = a[r·ars + l·acs]`, `b[l, j] = b[l·ldb + j]` and
+/// `c[r, j] = c[r·ldc + j]`; `1 ≤ m ≤ MR`, `1 ≤ w ≤ NR`. The sum runs over
+/// `l` in order, one running sum per element (see the module docs).
+#[derive(Clone, Copy)]
+struct Tile<T> {
+    m: usize,
+    w: usize,
+    k: usize,
+    a: *const T,
+    ars: usize,
+    acs: usize,
+    b: *const T,
+    ldb: usize,
+    c: *mut T,
+    ldc: usize,
+    fin: Fin<T>,
+}
+
+/// Runs one tile with the best kernel for `T` on this CPU.
+///
+/// # Safety
+/// Every `a(r, l)` and `b[l, j]` the tile reads (`r < m`, `l < k`,
+/// `j < w`) must be readable, every `c[r, j]` writable, and no other
+/// thread may access those `c` elements meanwhile.
+unsafe fn run_tile<T: Real>(t: &Tile<T>) {
+    #[cfg(target_arch = "x86_64")]
+    if fast::<T>() {
+        // SAFETY: `T` is `f32`, so `Tile<T>` is `Tile<f32>`.
+        let t32 = unsafe { &*std::ptr::from_ref(t).cast::<Tile<f32>>() };
+        // SAFETY: the CPU supports AVX-512 F (`level()`); the pointers'
+        // validity is this function's contract.
+        unsafe { avx512::tile(t32) };
+        return;
+    }
+    // SAFETY: this function's contract.
+    unsafe { tile_generic(t) }
+}
+
+/// The portable kernel: the same sums as [`avx512::tile`], with separate
+/// multiplies and adds.
+///
+/// # Safety
+/// As [`run_tile`].
+unsafe fn tile_generic<T: Real>(t: &Tile<T>) {
+    let (m, w) = (t.m.min(MR), t.w.min(NR));
+    let mut acc = [[T::ZERO; NR]; MR];
+    for l in 0..t.k {
+        // SAFETY: row `l` of `b`, `w` elements, is in the tile.
+        let b = unsafe { std::slice::from_raw_parts(t.b.add(l * t.ldb), w) };
+        for (r, acc) in acc.iter_mut().enumerate().take(m) {
+            // SAFETY: `a(r, l)` is in the tile.
+            let a = unsafe { *t.a.add(r * t.ars + l * t.acs) };
+            for (x, &y) in acc[..w].iter_mut().zip(b) {
+                *x += a * y;
+            }
+        }
+    }
+    for (r, acc) in acc.iter().enumerate().take(m) {
+        for (j, &x) in acc.iter().enumerate().take(w) {
+            // SAFETY: `c[r, j]` is in the tile, ours alone.
+            let c = unsafe { &mut *t.c.add(r * t.ldc + j) };
+            match t.fin {
+                Fin::Store(s) => *c = x * s,
+                Fin::Add => *c += x,
+            }
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    #[allow(clippy::wildcard_imports)]
+    use std::arch::x86_64::*;
+
+    use super::{Fin, Tile};
+
+    /// [`super::run_tile`] for `f32` on AVX-512: one fused multiply-add per
+    /// term and element, partial vectors masked.
+    ///
+    /// # Safety
+    /// As [`super::run_tile`], on a CPU with AVX-512 F.
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn tile(t: &Tile<f32>) {
+        let nv = t.w.div_ceil(16);
+        let tail = t.w + 16 - 16 * nv.max(1);
+        let last: __mmask16 = if tail >= 16 {
+            0xffff
+        } else {
+            (1u16 << tail) - 1
+        };
+        macro_rules! go {
+            ($($m:literal)*) => {
+                match (t.m, nv) {
+                    $(
+                        // SAFETY: the caller's contract; `m` and `nv` match.
+                        ($m, 1) => unsafe { body::<$m, 1>(t, last) },
+                        // SAFETY: as above.
+                        ($m, 2) => unsafe { body::<$m, 2>(t, last) },
+                        // SAFETY: as above.
+                        ($m, 3) => unsafe { body::<$m, 3>(t, last) },
+                        // SAFETY: as above.
+                        ($m, 4) => unsafe { body::<$m, 4>(t, last) },
+                    )*
+                    // SAFETY: as above (shapes the tile code never makes).
+                    _ => unsafe { super::tile_generic(t) },
+                }
+            };
+        }
+        go!(1 2 3 4 5 6);
+    }
+
+    /// Replaces `x` by its softmax: the maximum, `e^(x - max)` (the
+    /// polynomial of [`crate::real::exp_f32`], with fused multiply-adds),
+    /// their sum over 16 lanes and a reciprocal; the last partial vector
+    /// masked.
+    #[target_feature(enable = "avx512f")]
+    #[allow(clippy::cast_possible_truncation, clippy::excessive_precision)]
+    pub(super) fn softmax(x: &mut [f32]) {
+        let n = x.len();
+        let p = x.as_mut_ptr();
+        let lanes = |i: usize| -> __mmask16 {
+            if i + 16 <= n {
+                0xffff
+            } else {
+                (1u16 << (n - i)) - 1
+            }
+        };
+        let mut m = _mm512_set1_ps(f32::NEG_INFINITY);
+        for i in (0..n).step_by(16) {
+            let k = lanes(i);
+            // SAFETY: the unmasked lanes are `x[i..]`, in bounds.
+            let v = unsafe { _mm512_maskz_loadu_ps(k, p.add(i)) };
+            m = _mm512_mask_max_ps(m, k, m, v);
+        }
+        let m = _mm512_set1_ps(_mm512_reduce_max_ps(m));
+        let mut s = _mm512_setzero_ps();
+        for i in (0..n).step_by(16) {
+            let k = lanes(i);
+            // SAFETY: as above.
+            let v = unsafe { _mm512_maskz_loadu_ps(k, p.add(i)) };
+            let e = exp(_mm512_sub_ps(v, m));
+            s = _mm512_mask_add_ps(s, k, s, e);
+            // SAFETY: as above; `x` is ours.
+            unsafe { _mm512_mask_storeu_ps(p.add(i), k, e) };
+        }
+        let inv = _mm512_set1_ps(1.0 / _mm512_reduce_add_ps(s));
+        for i in (0..n).step_by(16) {
+            let k = lanes(i);
+            // SAFETY: as above.
+            unsafe {
+                let v = _mm512_maskz_loadu_ps(k, p.add(i));
+                _mm512_mask_storeu_ps(p.add(i), k, _mm512_mul_ps(v, inv));
+            }
+        }
+    }
+
+    /// `e^x` per lane (see [`softmax`]).
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    #[allow(clippy::excessive_precision)]
+    fn exp(x: __m512) -> __m512 {
+        let c = _mm512_set1_ps;
+        let x = _mm512_min_ps(_mm512_max_ps(x, c(-87.0)), c(88.0));
+        let magic = c(12_582_912.0);
+        let z = _mm512_fmadd_ps(x, c(std::f32::consts::LOG2_E), magic);
+        let n = _mm512_sub_ps(z, magic);
+        let ni = _mm512_sub_epi32(_mm512_castps_si512(z), _mm512_castps_si512(magic));
+        let r = _mm512_fnmadd_ps(n, c(0.693_359_4), x);
+        let r = _mm512_fnmadd_ps(n, c(-2.121_944_4e-4), r);
+        let mut q = c(1.987_569_1e-4);
+        q = _mm512_fmadd_ps(q, r, c(1.398_199_9e-3));
+        q = _mm512_fmadd_ps(q, r, c(8.333_452e-3));
+        q = _mm512_fmadd_ps(q, r, c(4.166_579_6e-2));
+        q = _mm512_fmadd_ps(q, r, c(1.666_666_5e-1));
+        q = _mm512_fmadd_ps(q, r, c(5.000_000_1e-1));
+        let y = _mm512_add_ps(_mm512_fmadd_ps(q, _mm512_mul_ps(r, r), r), c(1.0));
+        let scale = _mm512_slli_epi32::<23>(_mm512_add_epi32(ni, _mm512_set1_epi32(127)));
+        _mm512_mul_ps(y, _mm512_castsi512_ps(scale))
+    }
+
+    /// `dst[e·ldd + k] = src[k·lds + e]` for `k, e < 16`.
+    ///
+    /// # Safety
+    /// Both 16×16 blocks must be in bounds; AVX-512 F.
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn transpose16(dst: *mut f32, ldd: usize, src: *const f32, lds: usize) {
+        let mut r = [_mm512_setzero_ps(); 16];
+        for (k, r) in r.iter_mut().enumerate() {
+            // SAFETY: row `k` of the source block.
+            *r = unsafe { _mm512_loadu_ps(src.add(k * lds)) };
+        }
+        // Per 128-bit lane L: pairs of rows interleaved...
+        let mut t = [_mm512_setzero_ps(); 16];
+        for a in 0..8 {
+            t[2 * a] = _mm512_unpacklo_ps(r[2 * a], r[2 * a + 1]);
+            t[2 * a + 1] = _mm512_unpackhi_ps(r[2 * a], r[2 * a + 1]);
+        }
+        // ...then x[4b + e] holds, in lane L, column 4L+e of rows 4b..4b+4.
+        let mut x = [_mm512_setzero_ps(); 16];
+        let pd = _mm512_castps_pd;
+        for b in 0..4 {
+            let (lo0, hi0, lo1, hi1) = (t[4 * b], t[4 * b + 1], t[4 * b + 2], t[4 * b + 3]);
+            x[4 * b] = _mm512_castpd_ps(_mm512_unpacklo_pd(pd(lo0), pd(lo1)));
+            x[4 * b + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(pd(lo0), pd(lo1)));
+            x[4 * b + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(pd(hi0), pd(hi1)));
+            x[4 * b + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(pd(hi0), pd(hi1)));
+        }
+        // A 4×4 transpose of 128-bit lanes gives column 4L+e.
+        for e in 0..4 {
+            let (x0, x1, x2, x3) = (x[e], x[4 + e], x[8 + e], x[12 + e]);
+            let y0 = _mm512_shuffle_f32x4::<0x44>(x0, x1);
+            let y1 = _mm512_shuffle_f32x4::<0xEE>(x0, x1);
+            let y2 = _mm512_shuffle_f32x4::<0x44>(x2, x3);
+            let y3 = _mm512_shuffle_f32x4::<0xEE>(x2, x3);
+            let cols = [
+                _mm512_shuffle_f32x4::<0x88>(y0, y2),
+                _mm512_shuffle_f32x4::<0xDD>(y0, y2),
+                _mm512_shuffle_f32x4::<0x88>(y1, y3),
+                _mm512_shuffle_f32x4::<0xDD>(y1, y3),
+            ];
+            for (l, col) in cols.into_iter().enumerate() {
+                // SAFETY: row `4L+e` of the destination block.
+                unsafe { _mm512_storeu_ps(dst.add((4 * l + e) * ldd), col) };
+            }
+        }
+    }
+
+    /// One `M`×`16·NV` tile; `last` masks the last vector's lanes.
+    ///
+    /// # Safety
+    /// As [`tile`], with `t.m == M` and `t.w` in `16·(NV-1)+1..=16·NV`.
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    unsafe fn body<const M: usize, const NV: usize>(t: &Tile<f32>, last: __mmask16) {
+        let mask = |v: usize| if v + 1 == NV { last } else { 0xffff };
+        let mut acc = [[_mm512_setzero_ps(); NV]; M];
+        let (mut a, mut b) = (t.a, t.b);
+        for _ in 0..t.k {
+            let mut bv = [_mm512_setzero_ps(); NV];
+            for (v, x) in bv.iter_mut().enumerate() {
+                // SAFETY: the unmasked lanes are `b[l, j]`, `j < w`.
+                *x = unsafe { _mm512_maskz_loadu_ps(mask(v), b.add(16 * v)) };
+            }
+            for (r, acc) in acc.iter_mut().enumerate() {
+                // SAFETY: `a(r, l)` is in the tile.
+                let av = _mm512_set1_ps(unsafe { *a.add(r * t.ars) });
+                for (x, &y) in acc.iter_mut().zip(&bv) {
+                    *x = _mm512_fmadd_ps(av, y, *x);
+                }
+            }
+            a = a.wrapping_add(t.acs);
+            b = b.wrapping_add(t.ldb);
+        }
+        for (r, acc) in acc.iter().enumerate() {
+            for (v, &x) in acc.iter().enumerate() {
+                let c = t.c.wrapping_add(r * t.ldc + 16 * v);
+                let y = match t.fin {
+                    Fin::Store(s) => _mm512_mul_ps(x, _mm512_set1_ps(s)),
+                    // SAFETY: the unmasked lanes are `c[r, j]`, `j < w`.
+                    Fin::Add => _mm512_add_ps(x, unsafe { _mm512_maskz_loadu_ps(mask(v), c) }),
+                };
+                // SAFETY: as above, and ours alone.
+                unsafe { _mm512_mask_storeu_ps(c, mask(v), y) };
+            }
+        }
+    }
+}
+
+/// `kt[d·NR + j] = keys[j·ldk + d]` for `j < kw`, `d < hs`: a block of
+/// `kw ≤ NR` keys (or values), transposed into `hs` rows of [`NR`].
+fn pack_block<T: Real>(kt: &mut [T], keys: &[T], ldk: usize, kw: usize, hs: usize) {
+    let (mut j16, mut d16) = (0, 0);
+    #[cfg(target_arch = "x86_64")]
+    if fast::<T>() && kw > 0 {
+        (j16, d16) = (kw / 16 * 16, hs / 16 * 16);
+        assert!(kt.len() >= hs * NR && keys.len() >= (kw - 1) * ldk + hs);
+        for j in (0..j16).step_by(16) {
+            for d in (0..d16).step_by(16) {
+                // SAFETY: `T` is `f32`; keys `j..j+16`, channels `d..d+16`
+                // are in `keys`, rows `d..d+16`, columns `j..j+16` in `kt`
+                // (asserted above); the CPU has AVX-512 F (`fast`).
+                unsafe {
+                    avx512::transpose16(
+                        kt.as_mut_ptr().cast::<f32>().add(d * NR + j),
+                        NR,
+                        keys.as_ptr().cast::<f32>().add(j * ldk + d),
+                        ldk,
+                    );
+                }
+            }
+        }
+    }
+    for j in 0..kw {
+        let row = &keys[j * ldk..j * ldk + hs];
+        let d_from = if j < j16 { d16 } else { 0 };
+        for (d, &x) in row.iter().enumerate().skip(d_from) {
+            kt[d * NR + j] = x;
+        }
+    }
+}
+
+/// Scores (or `dO·Vᵀ`) of the query rows `ia..ib` against the block of
+/// keys `k0..k0+kw` packed in `kt` ([`pack_block`]):
+/// `c[i, j] = scale · Σ_d a_i[d] · key_j[d]` over `hs` channels, each row
+/// tile only as wide as the keys at or before its last row (`k0 < ib`).
+/// `a` and `c` point at row `ia` (strides `ars`, `ldc`), `c` at column `k0`.
+///
+/// # Safety
+/// `a` must be readable for rows `ia..ib` of `hs` channels, `c` writable
+/// for rows `ia..ib` of `kw` columns, ours alone.
+#[allow(clippy::too_many_arguments)]
+unsafe fn dots<T: Real>(
+    kt: &[T],
+    k0: usize,
+    kw: usize,
+    hs: usize,
+    (ia, ib): (usize, usize),
+    (a, ars): (*const T, usize),
+    (c, ldc): (*mut T, usize),
+    scale: T,
+) {
+    assert!(kt.len() >= hs * NR);
+    for r0 in (ia..ib).step_by(MR) {
+        let m = MR.min(ib - r0);
+        let tile = Tile {
+            m,
+            w: kw.min(r0 + m - k0),
+            k: hs,
+            a: a.wrapping_add((r0 - ia) * ars),
+            ars,
+            acs: 1,
+            b: kt.as_ptr(),
+            ldb: NR,
+            c: c.wrapping_add((r0 - ia) * ldc),
+            ldc,
+            fin: Fin::Store(scale),
+        };
+        // SAFETY: rows `r0..r0+m` of `a` and of `c` (at most `kw` columns)
+        // are in the caller's ranges; `kt` holds `hs` rows of `NR`.
+        unsafe { run_tile(&tile) };
+    }
+}
+
+/// `c[r, :hs] = fin(Σ_{l<k} a(r, l) · b[l, :hs])` for `m ≤ MR` rows, in
+/// column chunks of [`NR`] (columns are independent sums).
+///
+/// # Safety
+/// As [`run_tile`] for an `m`×`hs` tile.
+#[allow(clippy::too_many_arguments)]
+unsafe fn weighted<T: Real>(
+    m: usize,
+    k: usize,
+    (a, ars, acs): (*const T, usize, usize),
+    (b, ldb): (*const T, usize),
+    hs: usize,
+    (c, ldc): (*mut T, usize),
+    fin: Fin<T>,
+) {
+    for w0 in (0..hs).step_by(NR) {
+        let tile = Tile {
+            m,
+            w: NR.min(hs - w0),
+            k,
+            a,
+            ars,
+            acs,
+            b: b.wrapping_add(w0),
+            ldb,
+            c: c.wrapping_add(w0),
+            ldc,
+            fin,
+        };
+        // SAFETY: the caller's contract, columns `w0..w0+w` of it.
+        unsafe { run_tile(&tile) };
+    }
+}
+
+/// Whether `T` is `f32` and the CPU has AVX-512 (the fast kernels).
+fn fast<T: Real>() -> bool {
+    cfg!(target_arch = "x86_64")
+        && std::any::TypeId::of::<T>() == std::any::TypeId::of::<f32>()
+        && weft_numerics::simd::level() == weft_numerics::simd::Level::Avx512
+}
+
+/// Replaces a row of scores by its softmax.
+fn softmax_row<T: Real>(x: &mut [T]) {
+    #[cfg(target_arch = "x86_64")]
+    if fast::<T>() {
+        // SAFETY: `T` is `f32`.
+        let x = unsafe { std::slice::from_raw_parts_mut(x.as_mut_ptr().cast::<f32>(), x.len()) };
+        // SAFETY: the CPU has AVX-512 F (`fast`).
+        unsafe { avx512::softmax(x) };
+        return;
+    }
+    softmax_in_place(x);
+}
+
+thread_local! {
+    /// Each thread's buffer for the transposed keys (or values) of the
+    /// head it works on; it grows to the longest sequence seen, once.
+    static PACK: std::cell::RefCell<Vec<f64>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// Runs `f` on a buffer of `len` elements (contents unspecified): this
+/// thread's [`PACK`] buffer, or a fresh one should it be in use.
+fn with_pack<T: Real, R>(len: usize, f: impl FnOnce(&mut [T]) -> R) -> R {
+    let words = (len * size_of::<T>()).div_ceil(size_of::<f64>());
+    PACK.with(|cell| {
+        let mut own = Vec::new();
+        let mut guard = cell.try_borrow_mut().ok();
+        let v = guard.as_deref_mut().unwrap_or(&mut own);
+        if v.len() < words {
+            v.resize(words, 0.0);
+        }
+        // SAFETY: `T` is `f32` or `f64` (sealed): no stricter alignment than
+        // `f64`, every bit pattern valid; `words` words hold `len` of them.
+        let buf = unsafe { std::slice::from_raw_parts_mut(v.as_mut_ptr().cast::<T>(), len) };
+        f(buf)
+    })
+}
+
+/// A pointer shared by the parallel work items, each of which touches
+/// only its own elements.
+#[derive(Clone, Copy)]
+struct Shared<T>(*mut T);
+// SAFETY: the items write disjoint elements (argued at each use).
+unsafe impl<T: Send> Send for Shared<T> {}
+// SAFETY: as above.
+unsafe impl<T: Send> Sync for Shared<T> {}
+impl<T> Shared<T> {
+    fn get(self) -> *mut T {
+        self.0
     }
 }
 
@@ -73,61 +530,62 @@ pub fn attention_forward<T: Real>(
     }
     #[allow(clippy::cast_precision_loss)]
     let scale = T::from_f64(1.0 / (hs as f64).sqrt());
-    let items: Vec<_> = out
-        .chunks_mut(t * c)
-        .zip(att.chunks_mut(nh * t * t))
-        .zip(qkv.chunks(t * 3 * c))
-        .collect();
-    for_each_batch(items, |((o, a), x), threads| {
-        for h in 0..nh {
-            let p = &mut a[h * t * t..(h + 1) * t * t];
-            for (i0, i1) in blocks(t) {
-                let q = View {
-                    data: &x[i0 * 3 * c + h * hs..],
-                    rs: 3 * c,
-                    cs: 1,
-                };
-                let kt = View {
-                    data: &x[c + h * hs..],
-                    rs: 1,
-                    cs: 3 * c,
-                };
-                gemm_row_invariant(
-                    i1 - i0,
-                    i1,
-                    hs,
-                    &mut p[i0 * t..],
-                    t,
-                    false,
-                    q,
-                    kt,
-                    scale,
-                    threads,
-                );
+    let nblocks = t.div_ceil(BLOCK);
+    let out = Shared(out.as_mut_ptr());
+    att.par_chunks_mut(t * t).enumerate().for_each(|(bh, p)| {
+        let (bb, h) = (bh / nh, bh % nh);
+        let x = &qkv[bb * t * 3 * c..(bb + 1) * t * 3 * c];
+        let pp = p.as_mut_ptr();
+        with_pack(nblocks * hs * NR, |kt: &mut [T]| {
+            for blk in 0..nblocks {
+                let (i0, i1) = (blk * BLOCK, (blk * BLOCK + BLOCK).min(t));
+                let keys = &x[i0 * 3 * c + c + h * hs..];
+                pack_block(&mut kt[blk * hs * NR..], keys, 3 * c, i1 - i0, hs);
+                for kb in 0..=blk {
+                    let k0 = kb * NR;
+                    let ia = i0.max(k0);
+                    // SAFETY: rows `ia..i1` of the queries and of `p` are
+                    // in bounds; `p` is ours.
+                    unsafe {
+                        dots(
+                            &kt[kb * hs * NR..],
+                            k0,
+                            NR.min(i1 - k0),
+                            hs,
+                            (ia, i1),
+                            (x[ia * 3 * c + h * hs..].as_ptr(), 3 * c),
+                            (pp.wrapping_add(ia * t + k0), t),
+                            scale,
+                        );
+                    }
+                }
                 for i in i0..i1 {
-                    let row = &mut p[i * t..(i + 1) * t];
-                    softmax_in_place(&mut row[..=i]);
+                    // SAFETY: row `i` of `p`, ours (no tile is running).
+                    let row = unsafe { std::slice::from_raw_parts_mut(pp.add(i * t), t) };
+                    softmax_row(&mut row[..=i]);
                     row[i + 1..].fill(T::ZERO);
                 }
-                let v = View {
-                    data: &x[2 * c + h * hs..],
-                    rs: 3 * c,
-                    cs: 1,
-                };
-                gemm_row_invariant(
-                    i1 - i0,
-                    hs,
-                    i1,
-                    &mut o[i0 * c + h * hs..],
-                    c,
-                    false,
-                    View::rows(&p[i0 * t..], t),
-                    v,
-                    T::ONE,
-                    threads,
-                );
+                let v = x[2 * c + h * hs..].as_ptr();
+                for r0 in (i0..i1).step_by(MR) {
+                    let m = MR.min(i1 - r0);
+                    // SAFETY: rows `r0..r0+m` of `p` hold `r0+m ≤ T`
+                    // terms; the values' rows `0..r0+m` are in `x`;
+                    // `out`'s rows `r0..r0+m` of sequence `bb`, channels of
+                    // head `h`, are this item's alone.
+                    unsafe {
+                        weighted(
+                            m,
+                            r0 + m,
+                            (pp.wrapping_add(r0 * t), t, 1),
+                            (v, 3 * c),
+                            hs,
+                            (out.get().add((bb * t + r0) * c + h * hs), c),
+                            Fin::Store(T::ONE),
+                        );
+                    }
+                }
             }
-        }
+        });
     });
     Ok(())
 }
@@ -140,10 +598,10 @@ pub fn attention_forward<T: Real>(
 ///
 /// The result is bitwise equal to row `pos` of [`attention_forward`] over
 /// any sequence with the same queries, keys and values up to `pos`: both
-/// compute each score and each output element with the same row-invariant
-/// GEMM (see the `matmul` module's docs on row invariance), summing over
-/// keys in position order; the forward's block of 64 query rows and the
-/// zero probabilities of later keys change no bit.
+/// run the same tile code (see the module docs on summation order), each
+/// score one running sum over the channels, each output element one over
+/// the keys in position order; the forward's zero probabilities of later
+/// keys change no bit.
 ///
 /// # Errors
 /// [`Error::ShapeMismatch`] on a wrong buffer length,
@@ -170,42 +628,46 @@ pub fn attention_decode<T: Real>(
     }
     #[allow(clippy::cast_precision_loss)]
     let scale = T::from_f64(1.0 / (hs as f64).sqrt());
-    for h in 0..nh {
-        let row = &mut att[h * n..(h + 1) * n];
-        gemm_row_invariant(
-            1,
-            n,
-            hs,
-            row,
-            n,
-            false,
-            View::rows(&q[h * hs..], c),
-            View {
-                data: &kv[h * hs..],
-                rs: 1,
-                cs: 2 * c,
-            },
-            scale,
-            true,
-        );
-        softmax_in_place(row);
-        gemm_row_invariant(
-            1,
-            hs,
-            n,
-            &mut out[h * hs..],
-            c,
-            false,
-            View::rows(row, n),
-            View {
-                data: &kv[c + h * hs..],
-                rs: 2 * c,
-                cs: 1,
-            },
-            T::ONE,
-            true,
-        );
-    }
+    let nblocks = n.div_ceil(NR);
+    with_pack(nblocks * hs * NR, |kt: &mut [T]| {
+        for h in 0..nh {
+            let row = &mut att[h * n..(h + 1) * n];
+            for kb in 0..nblocks {
+                let k0 = kb * NR;
+                let kw = NR.min(n - k0);
+                let tile = &mut kt[kb * hs * NR..];
+                pack_block(tile, &kv[k0 * 2 * c + h * hs..], 2 * c, kw, hs);
+                // SAFETY: one query row of `hs` channels; `row` holds the
+                // keys `k0..k0+kw`.
+                unsafe {
+                    dots(
+                        tile,
+                        k0,
+                        kw,
+                        hs,
+                        (pos, n),
+                        (q[h * hs..].as_ptr(), c),
+                        (row[k0..].as_mut_ptr(), n),
+                        scale,
+                    );
+                }
+            }
+            softmax_row(row);
+            // SAFETY: `row` holds `n` terms, `kv` `n` value rows; `out`'s
+            // channels of head `h` are in bounds.
+            unsafe {
+                weighted(
+                    1,
+                    n,
+                    (row.as_ptr(), n, 1),
+                    (kv[c + h * hs..].as_ptr(), 2 * c),
+                    hs,
+                    (out[h * hs..].as_mut_ptr(), c),
+                    Fin::Store(T::ONE),
+                );
+            }
+        }
+    });
     Ok(())
 }
 
@@ -238,114 +700,107 @@ pub fn attention_backward<T: Real>(
     }
     #[allow(clippy::cast_precision_loss)]
     let scale = T::from_f64(1.0 / (hs as f64).sqrt());
-    let items: Vec<_> = dqkv
-        .chunks_mut(t * 3 * c)
-        .zip(scratch.chunks_mut(nh * t * t))
-        .zip(
-            dout.chunks(t * c)
-                .zip(qkv.chunks(t * 3 * c))
-                .zip(att.chunks(nh * t * t)),
-        )
-        .collect();
-    for_each_batch(items, |((dx, s), ((go, x), a)), threads| {
-        for h in 0..nh {
-            let p = &a[h * t * t..(h + 1) * t * t];
-            let d = &mut s[h * t * t..(h + 1) * t * t];
-            for (i0, i1) in blocks(t) {
-                // dP = dO · Vᵀ, then dS = P ⊙ (dP - rowsum(dP ⊙ P)) · scale.
-                let g = View {
-                    data: &go[i0 * c + h * hs..],
-                    rs: c,
-                    cs: 1,
-                };
-                let vt = View {
-                    data: &x[2 * c + h * hs..],
-                    rs: 1,
-                    cs: 3 * c,
-                };
-                gemm(
-                    i1 - i0,
-                    i1,
-                    hs,
-                    &mut d[i0 * t..],
-                    t,
-                    false,
-                    g,
-                    vt,
-                    T::ONE,
-                    threads,
-                );
-                for i in i0..i1 {
-                    let dr = &mut d[i * t..(i + 1) * t];
-                    let pr = &p[i * t..=i * t + i];
-                    ds_row(&mut dr[..=i], pr, scale);
-                    dr[i + 1..].fill(T::ZERO);
+    let nblocks = t.div_ceil(BLOCK);
+    let dx = Shared(dqkv.as_mut_ptr());
+    // Pass 1, per (sequence, head), by blocks of query rows: dP = dO·Vᵀ,
+    // then dS = P ⊙ (dP - rowsum(dP ⊙ P)) · scale, then dQ += dS·K.
+    scratch
+        .par_chunks_mut(t * t)
+        .enumerate()
+        .for_each(|(bh, d)| {
+            let (bb, h) = (bh / nh, bh % nh);
+            let x = &qkv[bb * t * 3 * c..(bb + 1) * t * 3 * c];
+            let go = &dout[bb * t * c..(bb + 1) * t * c];
+            let p = &att[bh * t * t..(bh + 1) * t * t];
+            let dp = d.as_mut_ptr();
+            with_pack(nblocks * hs * NR, |vt: &mut [T]| {
+                for blk in 0..nblocks {
+                    let (i0, i1) = (blk * BLOCK, (blk * BLOCK + BLOCK).min(t));
+                    let values = &x[i0 * 3 * c + 2 * c + h * hs..];
+                    pack_block(&mut vt[blk * hs * NR..], values, 3 * c, i1 - i0, hs);
+                    for kb in 0..=blk {
+                        let k0 = kb * NR;
+                        let ia = i0.max(k0);
+                        // SAFETY: rows `ia..i1` of `dout` and of `d` are in
+                        // bounds; `d` is ours.
+                        unsafe {
+                            dots(
+                                &vt[kb * hs * NR..],
+                                k0,
+                                NR.min(i1 - k0),
+                                hs,
+                                (ia, i1),
+                                (go[ia * c + h * hs..].as_ptr(), c),
+                                (dp.wrapping_add(ia * t + k0), t),
+                                T::ONE,
+                            );
+                        }
+                    }
+                    for i in i0..i1 {
+                        // SAFETY: row `i` of `d`, ours (no tile is running).
+                        let dr = unsafe { std::slice::from_raw_parts_mut(dp.add(i * t), t) };
+                        ds_row(&mut dr[..=i], &p[i * t..=i * t + i], scale);
+                        dr[i + 1..].fill(T::ZERO);
+                    }
+                    let k = x[c + h * hs..].as_ptr();
+                    for r0 in (i0..i1).step_by(MR) {
+                        let m = MR.min(i1 - r0);
+                        // SAFETY: rows `r0..r0+m` of `d` hold `r0+m ≤ T`
+                        // terms, the keys' rows `0..r0+m` are in `x`; dQ's rows
+                        // `r0..r0+m` of sequence `bb`, channels of head `h`,
+                        // are this item's alone.
+                        unsafe {
+                            weighted(
+                                m,
+                                r0 + m,
+                                (dp.wrapping_add(r0 * t), t, 1),
+                                (k, 3 * c),
+                                hs,
+                                (dx.get().add((bb * t + r0) * 3 * c + h * hs), 3 * c),
+                                Fin::Add,
+                            );
+                        }
+                    }
                 }
-            }
-            for (i0, i1) in blocks(t) {
-                // dQ[i] += Σ_{j ≤ i} dS[i, j] K[j]
-                let k = View {
-                    data: &x[c + h * hs..],
-                    rs: 3 * c,
-                    cs: 1,
-                };
-                gemm(
-                    i1 - i0,
+            });
+        });
+    let ds: &[T] = scratch;
+    // Pass 2, by blocks of key rows j:
+    // dK[j] += Σ_{i ≥ j} dS[i, j] Q[i];  dV[j] += Σ_{i ≥ j} P[i, j] dO[i].
+    (0..b * nh * nblocks).into_par_iter().for_each(|item| {
+        let (bh, blk) = (item / nblocks, item % nblocks);
+        let (bb, h) = (bh / nh, bh % nh);
+        let (j0, j1) = (blk * BLOCK, (blk * BLOCK + BLOCK).min(t));
+        let x = &qkv[bb * t * 3 * c..(bb + 1) * t * 3 * c];
+        let go = &dout[bb * t * c..(bb + 1) * t * c];
+        let p = &att[bh * t * t..(bh + 1) * t * t];
+        let d = &ds[bh * t * t..(bh + 1) * t * t];
+        for r0 in (j0..j1).step_by(MR) {
+            let m = MR.min(j1 - r0);
+            let row = (bb * t + r0) * 3 * c + h * hs;
+            // SAFETY: columns `r0..r0+m` of rows `r0..T` of the score
+            // gradients and probabilities are in bounds (`T - r0` terms),
+            // as are the queries' and output gradients' rows `r0..T`; dK's
+            // and dV's rows `r0..r0+m` of sequence `bb`, channels of head
+            // `h`, are this item's.
+            unsafe {
+                weighted(
+                    m,
+                    t - r0,
+                    (d[r0 * t + r0..].as_ptr(), 1, t),
+                    (x[r0 * 3 * c + h * hs..].as_ptr(), 3 * c),
                     hs,
-                    i1,
-                    &mut dx[i0 * 3 * c + h * hs..],
-                    3 * c,
-                    true,
-                    View::rows(&d[i0 * t..], t),
-                    k,
-                    T::ONE,
-                    threads,
+                    (dx.get().add(row + c), 3 * c),
+                    Fin::Add,
                 );
-                // dK[j] += Σ_{i ≥ j} dS[i, j] Q[i];  dV[j] += Σ_{i ≥ j} P[i, j] dO[i]
-                let (j0, j1) = (i0, i1);
-                let dst = View {
-                    data: &d[j0 * t + j0..],
-                    rs: 1,
-                    cs: t,
-                };
-                let q = View {
-                    data: &x[j0 * 3 * c + h * hs..],
-                    rs: 3 * c,
-                    cs: 1,
-                };
-                gemm(
-                    j1 - j0,
+                weighted(
+                    m,
+                    t - r0,
+                    (p[r0 * t + r0..].as_ptr(), 1, t),
+                    (go[r0 * c + h * hs..].as_ptr(), c),
                     hs,
-                    t - j0,
-                    &mut dx[j0 * 3 * c + c + h * hs..],
-                    3 * c,
-                    true,
-                    dst,
-                    q,
-                    T::ONE,
-                    threads,
-                );
-                let pt = View {
-                    data: &p[j0 * t + j0..],
-                    rs: 1,
-                    cs: t,
-                };
-                let g = View {
-                    data: &go[j0 * c + h * hs..],
-                    rs: c,
-                    cs: 1,
-                };
-                gemm(
-                    j1 - j0,
-                    hs,
-                    t - j0,
-                    &mut dx[j0 * 3 * c + 2 * c + h * hs..],
-                    3 * c,
-                    true,
-                    pt,
-                    g,
-                    T::ONE,
-                    threads,
+                    (dx.get().add(row + 2 * c), 3 * c),
+                    Fin::Add,
                 );
             }
         }
@@ -443,6 +898,95 @@ mod tests {
         }
     }
 
+    /// The `f32` path (the AVX-512 kernel where the CPU has it) agrees with
+    /// the `f64` one (the portable kernel) to `f32` rounding, forward and
+    /// backward: head sizes of a full tile (64), more than one channel
+    /// chunk (80) and a masked partial vector (7); rows across blocks.
+    #[test]
+    fn f32_agrees_with_f64() {
+        for (b, t, c, nh) in [(2, 150, 128, 2), (1, 70, 160, 2), (2, 67, 21, 3)] {
+            let qkv = rand_vec(b * t * 3 * c, 41);
+            let dout = rand_vec(b * t * c, 42);
+            let run64 = || {
+                let mut out = vec![0.0; b * t * c];
+                let mut att = vec![0.0; b * nh * t * t];
+                attention_forward(&mut out, &mut att, &qkv, b, t, c, nh).unwrap();
+                let mut g = vec![0.0; b * t * 3 * c];
+                let mut s = vec![0.0; b * nh * t * t];
+                attention_backward(&mut g, &mut s, &dout, &qkv, &att, b, t, c, nh).unwrap();
+                (out, g)
+            };
+            let run32 = || {
+                let f = |x: &[f64]| x.iter().map(|&v| v as f32).collect::<Vec<_>>();
+                let (qkv, dout) = (f(&qkv), f(&dout));
+                let mut out = vec![0.0f32; b * t * c];
+                let mut att = vec![0.0f32; b * nh * t * t];
+                attention_forward(&mut out, &mut att, &qkv, b, t, c, nh).unwrap();
+                let mut g = vec![0.0f32; b * t * 3 * c];
+                let mut s = vec![0.0f32; b * nh * t * t];
+                attention_backward(&mut g, &mut s, &dout, &qkv, &att, b, t, c, nh).unwrap();
+                (out, g)
+            };
+            let ((o64, g64), (o32, g32)) = (run64(), run32());
+            for (name, want, got) in [("out", &o64, &o32), ("dqkv", &g64, &g32)] {
+                let big = want.iter().fold(0.0f64, |m, x| m.max(x.abs()));
+                let worst = want
+                    .iter()
+                    .zip(got)
+                    .map(|(a, &b)| (a - f64::from(b)).abs())
+                    .fold(0.0, f64::max);
+                assert!(
+                    worst <= 1e-5 * big,
+                    "B={b} T={t} C={c} NH={nh} {name}: {worst} vs max {big}"
+                );
+            }
+        }
+    }
+
+    /// A sequence's output and probabilities have the same bits alone and
+    /// anywhere in a batch (rows across several blocks, a full head tile).
+    #[test]
+    fn sequence_alone_or_in_a_batch_same_bits() {
+        let (b, t, c, nh) = (3, 150, 128, 2);
+        let qkv: Vec<f32> = rand_vec(b * t * 3 * c, 43)
+            .iter()
+            .map(|&x| (x * 2.0) as f32)
+            .collect();
+        let mut out = vec![0.0f32; b * t * c];
+        let mut att = vec![0.0f32; b * nh * t * t];
+        attention_forward(&mut out, &mut att, &qkv, b, t, c, nh).unwrap();
+        let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+        for s in 0..b {
+            let mut o1 = vec![0.0f32; t * c];
+            let mut a1 = vec![0.0f32; nh * t * t];
+            let x = &qkv[s * t * 3 * c..(s + 1) * t * 3 * c];
+            attention_forward(&mut o1, &mut a1, x, 1, t, c, nh).unwrap();
+            assert_eq!(bits(&o1), bits(&out[s * t * c..(s + 1) * t * c]), "seq {s}");
+            let a = &att[s * nh * t * t..(s + 1) * nh * t * t];
+            assert_eq!(bits(&a1), bits(a), "seq {s} att");
+        }
+    }
+
+    /// The packed transposed tile equals the transpose, whatever the block
+    /// (the AVX-512 16×16 path and the scalar edges).
+    #[test]
+    fn pack_block_transposes() {
+        for (kw, hs, ldk) in [(64, 64, 200), (37, 40, 45), (16, 16, 16), (5, 3, 3)] {
+            let keys: Vec<f32> = (0..kw * ldk).map(|i| i as f32).collect();
+            let mut kt = vec![-1.0f32; hs * NR];
+            pack_block(&mut kt, &keys, ldk, kw, hs);
+            for j in 0..kw {
+                for d in 0..hs {
+                    assert_eq!(
+                        kt[d * NR + j],
+                        keys[j * ldk + d],
+                        "kw={kw} hs={hs} j={j} d={d}"
+                    );
+                }
+            }
+        }
+    }
+
     /// The decode step gives bitwise the last row of the forward over the
     /// prefix, and the same row of the forward over the whole sequence, at
     /// every position across several 64-row blocks (and past 512 keys, where
@@ -455,6 +999,7 @@ mod tests {
             (12, 3, 20),
             (128, 2, 131),
             (8, 2, 530),
+            (160, 2, 70),
         ] {
             let qkv: Vec<f32> = rand_vec(t * 3 * c, 31)
                 .into_iter()
