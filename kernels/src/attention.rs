@@ -10,12 +10,20 @@
 //!
 //! Every product (`QKᵀ`, `PV` and the four of the backward) is a sequence
 //! of register tiles — up to 6 rows by 64 columns, 24 AVX-512 accumulators
-//! — over the causal part only: a block of query rows meets only the keys
-//! at or before its last row, and a block of keys only the queries at or
-//! after its first. The work is split over the rayon pool by (sequence,
-//! head, block of 64 rows), so it needs no GEMM library, no packing buffer
-//! beyond a 64×64 stack tile (keys transposed for `QKᵀ` and `dO·Vᵀ`), and
-//! allocates nothing.
+//! — over the causal part only: a block of 64 query rows meets only the
+//! keys at or before its last row, and a block of 64 keys only the queries
+//! at or after its first. The forward and the first backward pass (`dO·Vᵀ`,
+//! the score gradients `dS`, `dQ`) run per (sequence, head) in parallel,
+//! row block after row block, each block's scores in cache from `QKᵀ`
+//! through the softmax to `PV`; the second backward pass (`dK`, `dV`) runs
+//! per (sequence, head, block of keys). The operand a tile reads as vectors
+//! must be contiguous along the tile's columns, so the keys (values for
+//! `dO·Vᵀ`) are transposed once per head, and the second pass transposes
+//! its block's columns of `dS` and `P` into strips (a column of a `(T,T)`
+//! matrix would walk a single cache set), both with 16×16 in-register
+//! transposes into a per-thread buffer that grows once to the longest
+//! sequence (`2·64·T` elements). Nothing else is allocated; no GEMM
+//! library is involved.
 //!
 //! # Summation order
 //!
@@ -41,9 +49,9 @@ use crate::softmax::softmax_in_place;
 
 /// Rows (queries, or keys in the dK/dV pass) of one parallel work item.
 const BLOCK: usize = 64;
-/// Rows of a register tile.
 // The forward packs the keys of row block `blk` as key block `blk`.
 const _: () = assert!(BLOCK == NR);
+/// Rows of a register tile.
 const MR: usize = 6;
 /// Widest register tile (four 16-lane vectors), and the keys of a packed
 /// transposed tile.
@@ -225,6 +233,46 @@ mod avx512 {
         }
     }
 
+    /// [`super::score_grad_row`] for `f32` (`d` and `p` of one length).
+    #[target_feature(enable = "avx512f")]
+    pub(super) fn score_grad_row(d: &mut [f32], p: &[f32], scale: f32) {
+        let n = d.len().min(p.len());
+        let (dp, pp) = (d.as_mut_ptr(), p.as_ptr());
+        let lanes = |i: usize| -> __mmask16 {
+            if i + 16 <= n {
+                0xffff
+            } else {
+                (1u16 << (n - i)) - 1
+            }
+        };
+        let mut acc = _mm512_setzero_ps();
+        for i in (0..n).step_by(16) {
+            let k = lanes(i);
+            // SAFETY: the unmasked lanes are `d[i..]`, `p[i..]`, in bounds.
+            let (x, y) = unsafe {
+                (
+                    _mm512_maskz_loadu_ps(k, dp.add(i)),
+                    _mm512_maskz_loadu_ps(k, pp.add(i)),
+                )
+            };
+            acc = _mm512_fmadd_ps(x, y, acc);
+        }
+        let dot = _mm512_set1_ps(_mm512_reduce_add_ps(acc));
+        let scale = _mm512_set1_ps(scale);
+        for i in (0..n).step_by(16) {
+            let k = lanes(i);
+            // SAFETY: as above; `d` is ours.
+            unsafe {
+                let (x, y) = (
+                    _mm512_maskz_loadu_ps(k, dp.add(i)),
+                    _mm512_maskz_loadu_ps(k, pp.add(i)),
+                );
+                let g = _mm512_mul_ps(_mm512_mul_ps(y, _mm512_sub_ps(x, dot)), scale);
+                _mm512_mask_storeu_ps(dp.add(i), k, g);
+            }
+        }
+    }
+
     /// `e^x` per lane (see [`softmax`]).
     #[target_feature(enable = "avx512f")]
     #[inline]
@@ -340,11 +388,16 @@ mod avx512 {
 /// `kt[d·NR + j] = keys[j·ldk + d]` for `j < kw`, `d < hs`: a block of
 /// `kw ≤ NR` keys (or values), transposed into `hs` rows of [`NR`].
 fn pack_block<T: Real>(kt: &mut [T], keys: &[T], ldk: usize, kw: usize, hs: usize) {
+    transpose(kt, NR, keys, ldk, kw, hs);
+}
+
+/// `dst[d·ldd + j] = src[j·lds + d]` for `j < n`, `d < w`.
+fn transpose<T: Real>(kt: &mut [T], ldd: usize, keys: &[T], ldk: usize, kw: usize, hs: usize) {
     let (mut j16, mut d16) = (0, 0);
     #[cfg(target_arch = "x86_64")]
     if fast::<T>() && kw > 0 {
         (j16, d16) = (kw / 16 * 16, hs / 16 * 16);
-        assert!(kt.len() >= hs * NR && keys.len() >= (kw - 1) * ldk + hs);
+        assert!(kt.len() >= (hs - 1) * ldd + kw && keys.len() >= (kw - 1) * ldk + hs);
         for j in (0..j16).step_by(16) {
             for d in (0..d16).step_by(16) {
                 // SAFETY: `T` is `f32`; keys `j..j+16`, channels `d..d+16`
@@ -352,8 +405,8 @@ fn pack_block<T: Real>(kt: &mut [T], keys: &[T], ldk: usize, kw: usize, hs: usiz
                 // (asserted above); the CPU has AVX-512 F (`fast`).
                 unsafe {
                     avx512::transpose16(
-                        kt.as_mut_ptr().cast::<f32>().add(d * NR + j),
-                        NR,
+                        kt.as_mut_ptr().cast::<f32>().add(d * ldd + j),
+                        ldd,
                         keys.as_ptr().cast::<f32>().add(j * ldk + d),
                         ldk,
                     );
@@ -365,7 +418,7 @@ fn pack_block<T: Real>(kt: &mut [T], keys: &[T], ldk: usize, kw: usize, hs: usiz
         let row = &keys[j * ldk..j * ldk + hs];
         let d_from = if j < j16 { d16 } else { 0 };
         for (d, &x) in row.iter().enumerate().skip(d_from) {
-            kt[d * NR + j] = x;
+            kt[d * ldd + j] = x;
         }
     }
 }
@@ -739,7 +792,7 @@ pub fn attention_backward<T: Real>(
                     for i in i0..i1 {
                         // SAFETY: row `i` of `d`, ours (no tile is running).
                         let dr = unsafe { std::slice::from_raw_parts_mut(dp.add(i * t), t) };
-                        ds_row(&mut dr[..=i], &p[i * t..=i * t + i], scale);
+                        score_grad_row(&mut dr[..=i], &p[i * t..=i * t + i], scale);
                         dr[i + 1..].fill(T::ZERO);
                     }
                     let k = x[c + h * hs..].as_ptr();
@@ -766,7 +819,10 @@ pub fn attention_backward<T: Real>(
         });
     let ds: &[T] = scratch;
     // Pass 2, by blocks of key rows j:
-    // dK[j] += Σ_{i ≥ j} dS[i, j] Q[i];  dV[j] += Σ_{i ≥ j} P[i, j] dO[i].
+    // dK[j] += Σ_{i ≥ j} dS[i, j] Q[i];  dV[j] += Σ_{i ≥ j} P[i, j] dO[i],
+    // over the block's columns of dS and P from row j0 on, transposed into
+    // strips (contiguous in i: a column of a (T,T) matrix would walk one
+    // cache set).
     (0..b * nh * nblocks).into_par_iter().for_each(|item| {
         let (bh, blk) = (item / nblocks, item % nblocks);
         let (bb, h) = (bh / nh, bh % nh);
@@ -775,37 +831,65 @@ pub fn attention_backward<T: Real>(
         let go = &dout[bb * t * c..(bb + 1) * t * c];
         let p = &att[bh * t * t..(bh + 1) * t * t];
         let d = &ds[bh * t * t..(bh + 1) * t * t];
-        for r0 in (j0..j1).step_by(MR) {
-            let m = MR.min(j1 - r0);
-            let row = (bb * t + r0) * 3 * c + h * hs;
-            // SAFETY: columns `r0..r0+m` of rows `r0..T` of the score
-            // gradients and probabilities are in bounds (`T - r0` terms),
-            // as are the queries' and output gradients' rows `r0..T`; dK's
-            // and dV's rows `r0..r0+m` of sequence `bb`, channels of head
-            // `h`, are this item's.
-            unsafe {
-                weighted(
-                    m,
-                    t - r0,
-                    (d[r0 * t + r0..].as_ptr(), 1, t),
-                    (x[r0 * 3 * c + h * hs..].as_ptr(), 3 * c),
-                    hs,
-                    (dx.get().add(row + c), 3 * c),
-                    Fin::Add,
-                );
-                weighted(
-                    m,
-                    t - r0,
-                    (p[r0 * t + r0..].as_ptr(), 1, t),
-                    (go[r0 * c + h * hs..].as_ptr(), c),
-                    hs,
-                    (dx.get().add(row + 2 * c), 3 * c),
-                    Fin::Add,
-                );
+        // Strip row r, column l: row j0 + l, column j0 + r of the matrix.
+        let ls = t - j0;
+        with_pack(2 * BLOCK * ls, |strips: &mut [T]| {
+            let (dst, pt) = strips.split_at_mut(BLOCK * ls);
+            transpose(dst, ls, &d[j0 * t + j0..], t, ls, j1 - j0);
+            transpose(pt, ls, &p[j0 * t + j0..], t, ls, j1 - j0);
+            for r0 in (j0..j1).step_by(MR) {
+                let m = MR.min(j1 - r0);
+                let row = (bb * t + r0) * 3 * c + h * hs;
+                let a = (r0 - j0) * ls + (r0 - j0);
+                // SAFETY: strip rows `r0-j0..r0-j0+m` hold the columns
+                // `r0..r0+m` of rows `r0..T` (`T - r0` terms), the queries'
+                // and output gradients' rows `r0..T` are in bounds; dK's
+                // and dV's rows `r0..r0+m` of sequence `bb`, channels of
+                // head `h`, are this item's alone.
+                unsafe {
+                    weighted(
+                        m,
+                        t - r0,
+                        (dst[a..].as_ptr(), ls, 1),
+                        (x[r0 * 3 * c + h * hs..].as_ptr(), 3 * c),
+                        hs,
+                        (dx.get().add(row + c), 3 * c),
+                        Fin::Add,
+                    );
+                    weighted(
+                        m,
+                        t - r0,
+                        (pt[a..].as_ptr(), ls, 1),
+                        (go[r0 * c + h * hs..].as_ptr(), c),
+                        hs,
+                        (dx.get().add(row + 2 * c), 3 * c),
+                        Fin::Add,
+                    );
+                }
             }
-        }
+        });
     });
     Ok(())
+}
+
+/// `d = p ⊙ (d - Σ d ⊙ p) · scale`: a row of score gradients from the
+/// probability gradients `d` and the probabilities `p`.
+fn score_grad_row<T: Real>(d: &mut [T], p: &[T], scale: T) {
+    #[cfg(target_arch = "x86_64")]
+    if fast::<T>() && d.len() == p.len() {
+        // SAFETY: `T` is `f32`.
+        let (d, p, scale) = unsafe {
+            (
+                std::slice::from_raw_parts_mut(d.as_mut_ptr().cast::<f32>(), d.len()),
+                std::slice::from_raw_parts(p.as_ptr().cast::<f32>(), p.len()),
+                *std::ptr::from_ref(&scale).cast::<f32>(),
+            )
+        };
+        // SAFETY: the CPU has AVX-512 F (`fast`).
+        unsafe { avx512::score_grad_row(d, p, scale) };
+        return;
+    }
+    ds_row(d, p, scale);
 }
 
 crate::simd::multiversion! {
@@ -972,6 +1056,14 @@ mod tests {
     #[test]
     fn pack_block_transposes() {
         for (kw, hs, ldk) in [(64, 64, 200), (37, 40, 45), (16, 16, 16), (5, 3, 3)] {
+            let keys: Vec<f32> = (0..kw * ldk).map(|i| i as f32).collect();
+            let mut t = vec![-1.0f32; hs * (kw + 3)];
+            transpose(&mut t, kw + 3, &keys, ldk, kw, hs);
+            for j in 0..kw {
+                for d in 0..hs {
+                    assert_eq!(t[d * (kw + 3) + j], keys[j * ldk + d]);
+                }
+            }
             let keys: Vec<f32> = (0..kw * ldk).map(|i| i as f32).collect();
             let mut kt = vec![-1.0f32; hs * NR];
             pack_block(&mut kt, &keys, ldk, kw, hs);
