@@ -8,22 +8,23 @@
 //!
 //! # How it runs
 //!
-//! Every product (`QKᵀ`, `PV` and the four of the backward) is a sequence
-//! of register tiles — up to 6 rows by 64 columns, 24 AVX-512 accumulators
-//! — over the causal part only: a block of 64 query rows meets only the
-//! keys at or before its last row, and a block of 64 keys only the queries
-//! at or after its first. The forward and the first backward pass (`dO·Vᵀ`,
-//! the score gradients `dS`, `dQ`) run per (sequence, head) in parallel,
-//! row block after row block, each block's scores in cache from `QKᵀ`
-//! through the softmax to `PV`; the second backward pass (`dK`, `dV`) runs
-//! per (sequence, head, block of keys). The operand a tile reads as vectors
+//! Every product (`QKᵀ`, `PV`; `dO·Vᵀ`, `dS·K`, `Qᵀ·dS`, `dOᵀ·P`) is a
+//! sequence of register tiles — up to 6 rows by 64 columns, 24 AVX-512
+//! accumulators — over the causal part only: a block of 64 query rows
+//! meets only the keys at or before its last row. Forward and backward run
+//! per (sequence, head) in parallel, block of query rows after block, each
+//! block's rows of the `(T,T)` matrices in cache from one product to the
+//! next: `QKᵀ`, the softmax and `PV` in the forward; `dO·Vᵀ`, the score
+//! gradients `dS`, `dQ += dS·K` and the block's share of `dKᵀ += Qᵀ·dS`
+//! and `dVᵀ += dOᵀ·P` in the backward. The last two go to per-head
+//! accumulators, added to `dK`, `dV` at the end, because they read rows of
+//! `dS` and `P` (contiguous along the keys; a column of a `(T,T)` matrix
+//! would walk a single cache set). The operand a tile reads as vectors
 //! must be contiguous along the tile's columns, so the keys (values for
-//! `dO·Vᵀ`) are transposed once per head, and the second pass transposes
-//! its block's columns of `dS` and `P` into strips (a column of a `(T,T)`
-//! matrix would walk a single cache set), both with 16×16 in-register
-//! transposes into a per-thread buffer that grows once to the longest
-//! sequence (`2·64·T` elements). Nothing else is allocated; no GEMM
-//! library is involved.
+//! `dO·Vᵀ`) are transposed once per head with 16×16 in-register
+//! transposes. The transposed keys and the two accumulators live in a
+//! per-thread buffer that grows once to the longest sequence (`3·HS·T`
+//! elements); nothing else is allocated, and no GEMM library is involved.
 //!
 //! # Summation order
 //!
@@ -423,6 +424,31 @@ fn transpose<T: Real>(kt: &mut [T], ldd: usize, keys: &[T], ldk: usize, kw: usiz
     }
 }
 
+/// `dst[j·ldd + d] += src[d·lds + j]` for `j < n`, `d < w`, in 16×16
+/// blocks (both sides' lines stay in cache).
+///
+/// # Safety
+/// `dst` must be writable at those elements, ours alone.
+unsafe fn transpose_add<T: Real>(
+    dst: *mut T,
+    ldd: usize,
+    src: &[T],
+    lds: usize,
+    n: usize,
+    w: usize,
+) {
+    for j0 in (0..n).step_by(16) {
+        for d0 in (0..w).step_by(16) {
+            for j in j0..(j0 + 16).min(n) {
+                for d in d0..(d0 + 16).min(w) {
+                    // SAFETY: the caller's contract.
+                    unsafe { *dst.add(j * ldd + d) += src[d * lds + j] };
+                }
+            }
+        }
+    }
+}
+
 /// Scores (or `dO·Vᵀ`) of the query rows `ia..ib` against the block of
 /// keys `k0..k0+kw` packed in `kt` ([`pack_block`]):
 /// `c[i, j] = scale · Σ_d a_i[d] · key_j[d]` over `hs` channels, each row
@@ -755,8 +781,13 @@ pub fn attention_backward<T: Real>(
     let scale = T::from_f64(1.0 / (hs as f64).sqrt());
     let nblocks = t.div_ceil(BLOCK);
     let dx = Shared(dqkv.as_mut_ptr());
-    // Pass 1, per (sequence, head), by blocks of query rows: dP = dO·Vᵀ,
-    // then dS = P ⊙ (dP - rowsum(dP ⊙ P)) · scale, then dQ += dS·K.
+    // Per (sequence, head), by blocks of query rows i: dP = dO·Vᵀ, then
+    // dS = P ⊙ (dP - rowsum(dP ⊙ P)) · scale, then dQ[i] += Σ_j dS[i,j] K[j]
+    // and, while the block's rows of dS and P are in cache,
+    // dKᵀ[:, j] += Σ_i Q[i] dS[i, j] and dVᵀ[:, j] += Σ_i dO[i] P[i, j] into
+    // per-head accumulators (rows of dS and P are contiguous in j; their
+    // columns would walk a single cache set), added to dK, dV at the end.
+    let tp = nblocks * NR;
     scratch
         .par_chunks_mut(t * t)
         .enumerate()
@@ -766,7 +797,11 @@ pub fn attention_backward<T: Real>(
             let go = &dout[bb * t * c..(bb + 1) * t * c];
             let p = &att[bh * t * t..(bh + 1) * t * t];
             let dp = d.as_mut_ptr();
-            with_pack(nblocks * hs * NR, |vt: &mut [T]| {
+            with_pack(3 * hs * tp, |buf: &mut [T]| {
+                let (vt, acc) = buf.split_at_mut(hs * tp);
+                let (dkt, dvt) = acc.split_at_mut(hs * tp);
+                dkt.fill(T::ZERO);
+                dvt.fill(T::ZERO);
                 for blk in 0..nblocks {
                     let (i0, i1) = (blk * BLOCK, (blk * BLOCK + BLOCK).min(t));
                     let values = &x[i0 * 3 * c + 2 * c + h * hs..];
@@ -814,61 +849,51 @@ pub fn attention_backward<T: Real>(
                             );
                         }
                     }
+                    for kb in 0..=blk {
+                        let k0 = kb * NR;
+                        let kw = NR.min(i1 - k0);
+                        for d0 in (0..hs).step_by(MR) {
+                            let m = MR.min(hs - d0);
+                            let q = &x[i0 * 3 * c + h * hs + d0..];
+                            let g = &go[i0 * c + h * hs + d0..];
+                            let tiles = [
+                                (q.as_ptr(), 3 * c, dp.cast_const(), &mut *dkt),
+                                (g.as_ptr(), c, p.as_ptr(), &mut *dvt),
+                            ];
+                            for (a, acs, b, out) in tiles {
+                                let tile = Tile {
+                                    m,
+                                    w: kw,
+                                    k: i1 - i0,
+                                    a,
+                                    ars: 1,
+                                    acs,
+                                    b: b.wrapping_add(i0 * t + k0),
+                                    ldb: t,
+                                    c: out[d0 * tp + k0..].as_mut_ptr(),
+                                    ldc: tp,
+                                    fin: Fin::Add,
+                                };
+                                // SAFETY: channels `d0..d0+m` of rows
+                                // `i0..i1` of the queries / output gradients,
+                                // columns `k0..k0+kw` of those rows of `d` /
+                                // `p`, and rows `d0..d0+m`, columns
+                                // `k0..k0+kw` of the accumulator (`hs`×`tp`,
+                                // ours) are in bounds.
+                                unsafe { run_tile(&tile) };
+                            }
+                        }
+                    }
+                }
+                let row = bb * t * 3 * c + h * hs;
+                // SAFETY: rows `0..T` of sequence `bb` of dK and dV,
+                // channels of head `h`, are this item's alone.
+                unsafe {
+                    transpose_add(dx.get().add(row + c), 3 * c, dkt, tp, t, hs);
+                    transpose_add(dx.get().add(row + 2 * c), 3 * c, dvt, tp, t, hs);
                 }
             });
         });
-    let ds: &[T] = scratch;
-    // Pass 2, by blocks of key rows j:
-    // dK[j] += Σ_{i ≥ j} dS[i, j] Q[i];  dV[j] += Σ_{i ≥ j} P[i, j] dO[i],
-    // over the block's columns of dS and P from row j0 on, transposed into
-    // strips (contiguous in i: a column of a (T,T) matrix would walk one
-    // cache set).
-    (0..b * nh * nblocks).into_par_iter().for_each(|item| {
-        let (bh, blk) = (item / nblocks, item % nblocks);
-        let (bb, h) = (bh / nh, bh % nh);
-        let (j0, j1) = (blk * BLOCK, (blk * BLOCK + BLOCK).min(t));
-        let x = &qkv[bb * t * 3 * c..(bb + 1) * t * 3 * c];
-        let go = &dout[bb * t * c..(bb + 1) * t * c];
-        let p = &att[bh * t * t..(bh + 1) * t * t];
-        let d = &ds[bh * t * t..(bh + 1) * t * t];
-        // Strip row r, column l: row j0 + l, column j0 + r of the matrix.
-        let ls = t - j0;
-        with_pack(2 * BLOCK * ls, |strips: &mut [T]| {
-            let (dst, pt) = strips.split_at_mut(BLOCK * ls);
-            transpose(dst, ls, &d[j0 * t + j0..], t, ls, j1 - j0);
-            transpose(pt, ls, &p[j0 * t + j0..], t, ls, j1 - j0);
-            for r0 in (j0..j1).step_by(MR) {
-                let m = MR.min(j1 - r0);
-                let row = (bb * t + r0) * 3 * c + h * hs;
-                let a = (r0 - j0) * ls + (r0 - j0);
-                // SAFETY: strip rows `r0-j0..r0-j0+m` hold the columns
-                // `r0..r0+m` of rows `r0..T` (`T - r0` terms), the queries'
-                // and output gradients' rows `r0..T` are in bounds; dK's
-                // and dV's rows `r0..r0+m` of sequence `bb`, channels of
-                // head `h`, are this item's alone.
-                unsafe {
-                    weighted(
-                        m,
-                        t - r0,
-                        (dst[a..].as_ptr(), ls, 1),
-                        (x[r0 * 3 * c + h * hs..].as_ptr(), 3 * c),
-                        hs,
-                        (dx.get().add(row + c), 3 * c),
-                        Fin::Add,
-                    );
-                    weighted(
-                        m,
-                        t - r0,
-                        (pt[a..].as_ptr(), ls, 1),
-                        (go[r0 * c + h * hs..].as_ptr(), c),
-                        hs,
-                        (dx.get().add(row + 2 * c), 3 * c),
-                        Fin::Add,
-                    );
-                }
-            }
-        });
-    });
     Ok(())
 }
 
