@@ -298,12 +298,17 @@ mod avx512 {
         _mm512_mul_ps(y, _mm512_castsi512_ps(scale))
     }
 
-    /// `dst[e·ldd + k] = src[k·lds + e]` for `k, e < 16`.
+    /// `dst[e·ldd + k] = src[k·lds + e]` for `k, e < 16` (`+=` with `ADD`).
     ///
     /// # Safety
     /// Both 16×16 blocks must be in bounds; AVX-512 F.
     #[target_feature(enable = "avx512f")]
-    pub(super) unsafe fn transpose16(dst: *mut f32, ldd: usize, src: *const f32, lds: usize) {
+    pub(super) unsafe fn transpose16<const ADD: bool>(
+        dst: *mut f32,
+        ldd: usize,
+        src: *const f32,
+        lds: usize,
+    ) {
         let mut r = [_mm512_setzero_ps(); 16];
         for (k, r) in r.iter_mut().enumerate() {
             // SAFETY: row `k` of the source block.
@@ -340,7 +345,15 @@ mod avx512 {
             ];
             for (l, col) in cols.into_iter().enumerate() {
                 // SAFETY: row `4L+e` of the destination block.
-                unsafe { _mm512_storeu_ps(dst.add((4 * l + e) * ldd), col) };
+                unsafe {
+                    let to = dst.add((4 * l + e) * ldd);
+                    let col = if ADD {
+                        _mm512_add_ps(col, _mm512_loadu_ps(to))
+                    } else {
+                        col
+                    };
+                    _mm512_storeu_ps(to, col);
+                }
             }
         }
     }
@@ -405,7 +418,7 @@ fn transpose<T: Real>(kt: &mut [T], ldd: usize, keys: &[T], ldk: usize, kw: usiz
                 // are in `keys`, rows `d..d+16`, columns `j..j+16` in `kt`
                 // (asserted above); the CPU has AVX-512 F (`fast`).
                 unsafe {
-                    avx512::transpose16(
+                    avx512::transpose16::<false>(
                         kt.as_mut_ptr().cast::<f32>().add(d * ldd + j),
                         ldd,
                         keys.as_ptr().cast::<f32>().add(j * ldk + d),
@@ -439,6 +452,22 @@ unsafe fn transpose_add<T: Real>(
 ) {
     for j0 in (0..n).step_by(16) {
         for d0 in (0..w).step_by(16) {
+            #[cfg(target_arch = "x86_64")]
+            if fast::<T>() && j0 + 16 <= n && d0 + 16 <= w {
+                assert!(src.len() >= (d0 + 15) * lds + j0 + 16);
+                // SAFETY: `T` is `f32`; the source block is in `src`
+                // (asserted), the destination block in the caller's range;
+                // the CPU has AVX-512 F (`fast`).
+                unsafe {
+                    avx512::transpose16::<true>(
+                        dst.cast::<f32>().add(j0 * ldd + d0),
+                        ldd,
+                        src.as_ptr().cast::<f32>().add(d0 * lds + j0),
+                        lds,
+                    );
+                }
+                continue;
+            }
             for j in j0..(j0 + 16).min(n) {
                 for d in d0..(d0 + 16).min(w) {
                     // SAFETY: the caller's contract.
@@ -615,11 +644,16 @@ pub fn attention_forward<T: Real>(
         let (bb, h) = (bh / nh, bh % nh);
         let x = &qkv[bb * t * 3 * c..(bb + 1) * t * 3 * c];
         let pp = p.as_mut_ptr();
-        with_pack(nblocks * hs * NR, |kt: &mut [T]| {
+        with_pack(2 * nblocks * hs * NR, |buf: &mut [T]| {
+            let (kt, vc) = buf.split_at_mut(nblocks * hs * NR);
             for blk in 0..nblocks {
                 let (i0, i1) = (blk * BLOCK, (blk * BLOCK + BLOCK).min(t));
                 let keys = &x[i0 * 3 * c + c + h * hs..];
                 pack_block(&mut kt[blk * hs * NR..], keys, 3 * c, i1 - i0, hs);
+                for j in i0..i1 {
+                    let src = &x[j * 3 * c + 2 * c + h * hs..j * 3 * c + 2 * c + h * hs + hs];
+                    vc[j * hs..(j + 1) * hs].copy_from_slice(src);
+                }
                 for kb in 0..=blk {
                     let k0 = kb * NR;
                     let ia = i0.max(k0);
@@ -644,7 +678,7 @@ pub fn attention_forward<T: Real>(
                     softmax_row(&mut row[..=i]);
                     row[i + 1..].fill(T::ZERO);
                 }
-                let v = x[2 * c + h * hs..].as_ptr();
+                let v = vc.as_ptr();
                 for r0 in (i0..i1).step_by(MR) {
                     let m = MR.min(i1 - r0);
                     // SAFETY: rows `r0..r0+m` of `p` hold `r0+m ≤ T`
@@ -656,7 +690,7 @@ pub fn attention_forward<T: Real>(
                             m,
                             r0 + m,
                             (pp.wrapping_add(r0 * t), t, 1),
-                            (v, 3 * c),
+                            (v, hs),
                             hs,
                             (out.get().add((bb * t + r0) * c + h * hs), c),
                             Fin::Store(T::ONE),
@@ -797,15 +831,27 @@ pub fn attention_backward<T: Real>(
             let go = &dout[bb * t * c..(bb + 1) * t * c];
             let p = &att[bh * t * t..(bh + 1) * t * t];
             let dp = d.as_mut_ptr();
-            with_pack(3 * hs * tp, |buf: &mut [T]| {
-                let (vt, acc) = buf.split_at_mut(hs * tp);
-                let (dkt, dvt) = acc.split_at_mut(hs * tp);
+            with_pack(4 * hs * tp + 2 * BLOCK * hs, |buf: &mut [T]| {
+                let (vt, rest) = buf.split_at_mut(hs * tp);
+                let (dkt, rest) = rest.split_at_mut(hs * tp);
+                let (dvt, rest) = rest.split_at_mut(hs * tp);
+                let (kc, rest) = rest.split_at_mut(hs * tp);
+                let (qc, gc) = rest.split_at_mut(BLOCK * hs);
                 dkt.fill(T::ZERO);
                 dvt.fill(T::ZERO);
                 for blk in 0..nblocks {
                     let (i0, i1) = (blk * BLOCK, (blk * BLOCK + BLOCK).min(t));
                     let values = &x[i0 * 3 * c + 2 * c + h * hs..];
                     pack_block(&mut vt[blk * hs * NR..], values, 3 * c, i1 - i0, hs);
+                    // This block's rows of K (all of them so far, for dQ),
+                    // Q and dO, head `h`, contiguous.
+                    for i in i0..i1 {
+                        let r = i * 3 * c + h * hs;
+                        kc[i * hs..(i + 1) * hs].copy_from_slice(&x[r + c..r + c + hs]);
+                        qc[(i - i0) * hs..(i - i0 + 1) * hs].copy_from_slice(&x[r..r + hs]);
+                        let g = &go[i * c + h * hs..i * c + h * hs + hs];
+                        gc[(i - i0) * hs..(i - i0 + 1) * hs].copy_from_slice(g);
+                    }
                     for kb in 0..=blk {
                         let k0 = kb * NR;
                         let ia = i0.max(k0);
@@ -830,7 +876,7 @@ pub fn attention_backward<T: Real>(
                         score_grad_row(&mut dr[..=i], &p[i * t..=i * t + i], scale);
                         dr[i + 1..].fill(T::ZERO);
                     }
-                    let k = x[c + h * hs..].as_ptr();
+                    let k = kc.as_ptr();
                     for r0 in (i0..i1).step_by(MR) {
                         let m = MR.min(i1 - r0);
                         // SAFETY: rows `r0..r0+m` of `d` hold `r0+m ≤ T`
@@ -842,7 +888,7 @@ pub fn attention_backward<T: Real>(
                                 m,
                                 r0 + m,
                                 (dp.wrapping_add(r0 * t), t, 1),
-                                (k, 3 * c),
+                                (k, hs),
                                 hs,
                                 (dx.get().add((bb * t + r0) * 3 * c + h * hs), 3 * c),
                                 Fin::Add,
@@ -854,11 +900,9 @@ pub fn attention_backward<T: Real>(
                         let kw = NR.min(i1 - k0);
                         for d0 in (0..hs).step_by(MR) {
                             let m = MR.min(hs - d0);
-                            let q = &x[i0 * 3 * c + h * hs + d0..];
-                            let g = &go[i0 * c + h * hs + d0..];
                             let tiles = [
-                                (q.as_ptr(), 3 * c, dp.cast_const(), &mut *dkt),
-                                (g.as_ptr(), c, p.as_ptr(), &mut *dvt),
+                                (qc[d0..].as_ptr(), hs, dp.cast_const(), &mut *dkt),
+                                (gc[d0..].as_ptr(), hs, p.as_ptr(), &mut *dvt),
                             ];
                             for (a, acs, b, out) in tiles {
                                 let tile = Tile {
@@ -874,8 +918,8 @@ pub fn attention_backward<T: Real>(
                                     ldc: tp,
                                     fin: Fin::Add,
                                 };
-                                // SAFETY: channels `d0..d0+m` of rows
-                                // `i0..i1` of the queries / output gradients,
+                                // SAFETY: channels `d0..d0+m` of the block's
+                                // rows of the queries / output gradients,
                                 // columns `k0..k0+kw` of those rows of `d` /
                                 // `p`, and rows `d0..d0+m`, columns
                                 // `k0..k0+kw` of the accumulator (`hs`×`tp`,
