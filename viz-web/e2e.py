@@ -7,7 +7,7 @@ checks, every expected count read from RUN_DIR's files; "bad" (malformed
 trace); "perf" (large inputs: render and replay times).
 Exits non-zero with a message on the first failed check.
 """
-import base64, json, os, sys, tempfile, time, urllib.request
+import base64, json, os, re, sys, tempfile, time, urllib.request
 
 driver, page, out, mode = sys.argv[1:5]
 
@@ -103,7 +103,23 @@ def expected(run):
             n_events += 1
         elif not isinstance(r.get("loss"), (int, float)) or r["loss"] != r["loss"]:
             nonfinite += 1
+    # The bubble: the trainer's own figure (summary.json: the mean over the
+    # traced steps after the first of each step's bubble in its own window)
+    # when a trainer wrote the run, else the trace writer's otherData; and
+    # each traced step's figure, where the trace has step marks.
+    other = trace.get("otherData", {}) if isinstance(trace, dict) else {}
+    bubble = other.get("bubble_fraction")
+    summary = os.path.join(run, "summary.json")
+    if os.path.exists(summary):
+        pb = json.load(open(summary)).get("pipeline_bubble")
+        if pb is not None:
+            bubble = pb["measured"]
+    marks = sorted({e["args"]["step"] for e in events
+                    if e.get("ph") == "X" and "step" in e.get("args", {})})
+    step_bubbles = {s["step"]: s["bubble_fraction"] for s in other.get("step_bubble_fractions", [])}
     return {"lane_events": [lanes[k] for k in sorted(lanes)], "steps": sorted(load),
+            "bubble": bubble, "marks": marks, "averaged": other.get("bubble_steps", marks),
+            "step_bubbles": step_bubbles,
             "load": load, "layers": len(layers), "experts": experts,
             "events": n_events, "nonfinite": nonfinite, "torn": torn}
 
@@ -130,6 +146,28 @@ try:
         check(labels > 0, f"slices labelled with their micro-batch ({labels})")
         bubble = js("return document.getElementById('bubble-0').textContent")
         check("bubble" in bubble, "bubble fraction shown: " + bubble)
+        shown = float(re.match(r"bubble ([0-9.]+)%", bubble).group(1))
+        if exp["bubble"] is not None:
+            check(abs(shown - 100 * exp["bubble"]) < 0.006,
+                  f"bubble {shown}% = {100 * exp['bubble']:.4f}% from the run folder")
+        marks = exp["marks"]
+        if marks:
+            n, m = len([s for s in exp["averaged"] if s in marks]), len(marks)
+            scope = f"({m} step{'s' if m > 1 else ''})" if n == m else f"(mean of {n} of {m} steps)"
+            check(bubble.endswith("per step " + scope), f"the bubble is per step, {scope}: {bubble}")
+            per = js("return document.getElementById('step-bubbles-0').textContent")
+            got = {int(a): float(b) for a, b in re.findall(r"step (\d+) ([0-9.]+)%", per)}
+            want = exp["step_bubbles"]
+            check(sorted(got) == marks[:len(got)] and len(got) == min(m, 12), f"per-step bubbles listed: {per}")
+            if want:
+                bad = {k: (v, 100 * want[k]) for k, v in got.items() if abs(v - 100 * want[k]) >= 0.006}
+                check(not bad, f"each step's bubble (from its events) = the trainer's per-step figure ({len(got)} steps)" + (f": {bad}" if bad else ""))
+            mean = sum(got[s] for s in exp["averaged"] if s in got) / max(1, n)
+            if exp["bubble"] is not None and n == len([s for s in exp["averaged"] if s in got]):
+                check(abs(mean - 100 * exp["bubble"]) < 0.01,
+                      f"the mean of the averaged steps' bubbles {mean:.3f}% = the trainer's {100 * exp['bubble']:.3f}%")
+        else:
+            check(not js("return document.getElementById('step-bubbles-0')"), "no per-step list without step marks")
         x0 = float(js("return document.getElementById('cursor-0').getAttribute('x1')"))
         click("#play")
         time.sleep(1.5)

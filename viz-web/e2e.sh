@@ -6,7 +6,9 @@
 #     stages, and a mixture of experts), serves it with `weft viz`, and
 #     checks against the run's own files that the pipeline lanes, their
 #     slices, the expert heatmap, the bars and the metrics are drawn with
-#     the right counts, that play moves the cursors, hover and zoom work;
+#     the right counts, that the bubble shown is the trainer's per-step
+#     figure (summary.json) and each traced step's bubble the one in
+#     trace.json, that play moves the cursors, hover and zoom work;
 #  3. serves a run folder with the pipeline example's trace and synthetic
 #     logs holding what a short real run does not (skips, spikes, a NaN
 #     loss, a torn last line) and checks they are shown;

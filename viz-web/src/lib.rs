@@ -12,9 +12,11 @@
 //! * [`load`] — parse `trace.json`, `metrics.jsonl` (records and health
 //!   events), `expert_load.jsonl`, `summary.json`; every error is a
 //!   [`LoadError`] naming file and line.
-//! * [`timeline::Timeline`] — trace events in lanes, bubble fraction,
-//!   makespan, and a level-of-detail layout whose rectangle count is bounded
-//!   by the pixel width, so 100k-event traces stay responsive.
+//! * [`timeline::Timeline`] — trace events in lanes, the pipeline bubble
+//!   per step (the trainer's and the simulator's definition, step windows
+//!   from the slices' `args.step`), makespan, and a level-of-detail layout
+//!   whose rectangle count is bounded by the pixel width, so 100k-event
+//!   traces stay responsive.
 //! * [`expert::ExpertLoad`] — the steps × experts matrices, max/mean and
 //!   MaxVio curves, and the heatmap as a BMP image.
 //! * [`chart`] — line charts downsampled to pixel columns (spikes kept).
