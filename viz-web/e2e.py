@@ -108,17 +108,17 @@ def expected(run):
     # when a trainer wrote the run, else the trace writer's otherData; and
     # each traced step's figure, where the trace has step marks.
     other = trace.get("otherData", {}) if isinstance(trace, dict) else {}
-    bubble = other.get("bubble_fraction")
+    bubble, predicted = other.get("bubble_fraction"), other.get("bubble_predicted")
     summary = os.path.join(run, "summary.json")
     if os.path.exists(summary):
         pb = json.load(open(summary)).get("pipeline_bubble")
         if pb is not None:
-            bubble = pb["measured"]
+            bubble, predicted = pb["measured"], pb["predicted"]
     marks = sorted({e["args"]["step"] for e in events
                     if e.get("ph") == "X" and "step" in e.get("args", {})})
     step_bubbles = {s["step"]: s["bubble_fraction"] for s in other.get("step_bubble_fractions", [])}
     return {"lane_events": [lanes[k] for k in sorted(lanes)], "steps": sorted(load),
-            "bubble": bubble, "marks": marks, "averaged": other.get("bubble_steps", marks),
+            "bubble": bubble, "predicted": predicted, "marks": marks, "averaged": other.get("bubble_steps", marks),
             "step_bubbles": step_bubbles,
             "load": load, "layers": len(layers), "experts": experts,
             "events": n_events, "nonfinite": nonfinite, "torn": torn}
@@ -150,6 +150,13 @@ try:
         if exp["bubble"] is not None:
             check(abs(shown - 100 * exp["bubble"]) < 0.006,
                   f"bubble {shown}% = {100 * exp['bubble']:.4f}% from the run folder")
+        pred = js("const p=document.getElementById('bubble-predicted-0');return p&&p.textContent")
+        if exp["predicted"] is not None:
+            got = float(re.search(r"([0-9.]+)%", pred or "nan%").group(1))
+            check(abs(got - 100 * exp["predicted"]) < 0.006,
+                  f"the simulator's prediction shown beside it: {pred} ({100 * exp['predicted']:.4f}%)")
+        else:
+            check(not pred, "no prediction shown when the run folder has none")
         marks = exp["marks"]
         if marks:
             n, m = len([s for s in exp["averaged"] if s in marks]), len(marks)

@@ -538,6 +538,9 @@ fn PipelineView(p: &PipelineProps) -> Html {
                 <div class="stats mono">
                     <span id={format!("makespan-{which}")}>{ makespan }</span>
                     <span id={format!("bubble-{which}")}>{ tl.bubble_label() }</span>
+                    if let Some(b) = tl.bubble_predicted {
+                        <span id={format!("bubble-predicted-{which}")}>{ format!("simulator predicts {:.2}%", 100.0 * b) }</span>
+                    }
                     { for tl.counts.iter().map(|(k, n)| html! { <span>{ format!("{}: {n}", k.label()) }</span> }) }
                 </div>
                 if let Some(steps) = tl.steps_label(12) {

@@ -231,6 +231,10 @@ pub struct Timeline {
     pub steps: Vec<StepBubble>,
     /// Number of lanes counted as pipeline stages (lanes holding work).
     pub stages: usize,
+    /// `otherData.bubble_predicted`: the bubble the writer's simulator
+    /// predicts for the same steps (`weft train`: from the measured mean
+    /// action costs).
+    pub bubble_predicted: Option<f64>,
     /// Number of slices of each kind.
     pub counts: BTreeMap<SliceKind, usize>,
     /// Whether any slice has a `chunk` other than 0 (interleaved
@@ -368,6 +372,10 @@ impl Timeline {
             computed_bubble: computed,
             steps,
             stages,
+            bubble_predicted: trace
+                .other_data
+                .get("bubble_predicted")
+                .and_then(ArgValue::as_f64),
             counts,
             trace,
         }

@@ -47,6 +47,10 @@ async fn pipeline_lanes_slices_labels_and_cursor() {
     assert_eq!(count(&html, "slice k-w"), 1);
     assert_eq!(count(&html, "class=\"slice-label\""), 6);
     assert!(html.contains("bubble 25.00%"), "bubble from otherData");
+    assert!(
+        !html.contains("simulator predicts"),
+        "no prediction in the file"
+    );
     assert!(html.contains("makespan 40.0 µs"));
     assert!(html.contains("ZB-H1"));
     assert!(html.contains("id=\"cursor-0\""));
@@ -65,7 +69,7 @@ const STEPS: &str = r#"{"traceEvents":[
  {"name":"F","ph":"X","ts":110,"dur":10,"pid":0,"args":{"microbatch":1,"step":2}},
  {"name":"F","ph":"X","ts":110,"dur":10,"pid":1,"args":{"microbatch":0,"step":2}},
  {"name":"F","ph":"X","ts":120,"dur":10,"pid":1,"args":{"microbatch":1,"step":2}}],
- "otherData":{"bubble_steps":[2]}}"#;
+ "otherData":{"bubble_steps":[2],"bubble_predicted":0.3}}"#;
 
 #[tokio::test]
 async fn multi_step_bubble_is_shown_per_step() {
@@ -82,6 +86,7 @@ async fn multi_step_bubble_is_shown_per_step() {
     );
     assert!(html.contains("makespan 30.0 µs per step (trace 130.0 µs)"));
     assert!(html.contains("(computed)"));
+    assert!(html.contains("simulator predicts 30.00%"), "{html}");
 }
 
 #[tokio::test]
