@@ -407,6 +407,8 @@ fn pack_block<T: Real>(kt: &mut [T], keys: &[T], ldk: usize, kw: usize, hs: usiz
 
 /// `dst[d·ldd + j] = src[j·lds + d]` for `j < n`, `d < w`.
 fn transpose<T: Real>(kt: &mut [T], ldd: usize, keys: &[T], ldk: usize, kw: usize, hs: usize) {
+    // Keys and channels done by the AVX-512 16×16 blocks.
+    #[cfg_attr(not(target_arch = "x86_64"), allow(unused_mut))]
     let (mut j16, mut d16) = (0, 0);
     #[cfg(target_arch = "x86_64")]
     if fast::<T>() && kw > 0 {
