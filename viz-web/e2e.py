@@ -162,6 +162,8 @@ try:
             n, m = len([s for s in exp["averaged"] if s in marks]), len(marks)
             scope = f"({m} step{'s' if m > 1 else ''})" if n == m else f"(mean of {n} of {m} steps)"
             check(bubble.endswith("per step " + scope), f"the bubble is per step, {scope}: {bubble}")
+            windows = js("return [...document.querySelectorAll('svg.timeline rect.step-window')].map(r=>+r.dataset.step)")
+            check(windows == marks, f"each step's window marked under the axis: {windows}")
             per = js("return document.getElementById('step-bubbles-0').textContent")
             got = {int(a): float(b) for a, b in re.findall(r"step (\d+) ([0-9.]+)%", per)}
             want = exp["step_bubbles"]

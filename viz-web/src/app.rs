@@ -645,6 +645,22 @@ fn timeline_svg(
         let x = px(t + base);
         html! { <g class="tick"><line x1={f(x)} x2={f(x)} y1={f(AXIS_H - 4.0)} y2={f(h)} /><text x={f(x + 2.0)} y="12">{ timeline::format_us(t) }</text></g> }
     });
+    // Each step's window (what its bubble is measured over) as a bar under
+    // the axis; the gaps between bars are outside every step.
+    let windows = tl.steps.iter().filter(|s| s.end >= t0 && s.start <= t1).map(|s| {
+        let (x0, x1) = (px(s.start).max(LEFT), px(s.end).min(W));
+        let title = format!(
+            "step {}: bubble {:.2}%{}, makespan {}",
+            s.step,
+            100.0 * s.bubble_fraction,
+            if s.in_mean { "" } else { " (not in the mean)" },
+            timeline::format_us(s.makespan())
+        );
+        html! {
+            <rect class={classes!("step-window", (!s.in_mean).then_some("excluded"))} data-step={s.step.to_string()}
+                  x={f(x0)} y={f(AXIS_H - 5.0)} width={f((x1 - x0).max(1.0))} height="3"><title>{ title }</title></rect>
+        }
+    });
     let lanes = tl.lanes.iter().zip(&rects).enumerate().map(|(i, (lane, rs))| {
         #[allow(clippy::cast_precision_loss)]
         let y = AXIS_H + LANE_H * i as f64;
@@ -681,6 +697,7 @@ fn timeline_svg(
                 </pattern>
             </defs>
             { for axis }
+            { for windows }
             { for lanes }
             { cursor_html.unwrap_or_default() }
         </svg>

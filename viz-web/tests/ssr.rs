@@ -51,6 +51,10 @@ async fn pipeline_lanes_slices_labels_and_cursor() {
         !html.contains("simulator predicts"),
         "no prediction in the file"
     );
+    assert!(
+        !html.contains("step-window"),
+        "no step marks, no step windows"
+    );
     assert!(html.contains("makespan 40.0 µs"));
     assert!(html.contains("ZB-H1"));
     assert!(html.contains("id=\"cursor-0\""));
@@ -87,6 +91,9 @@ async fn multi_step_bubble_is_shown_per_step() {
     assert!(html.contains("makespan 30.0 µs per step (trace 130.0 µs)"));
     assert!(html.contains("(computed)"));
     assert!(html.contains("simulator predicts 30.00%"), "{html}");
+    // The two step windows are marked under the axis, the gap is not.
+    assert_eq!(count(&html, "class=\"step-window"), 2, "{html}");
+    assert!(html.contains("step 2: bubble 33.33%, makespan 30.0 µs"));
 }
 
 #[tokio::test]
