@@ -787,7 +787,8 @@ pub fn attention_decode<T: Real>(
 }
 
 /// Backward of [`attention_forward`], accumulating into `dqkv (B,T,3C)`.
-/// `scratch (B,NH,T,T)` is overwritten (it holds the score gradients).
+/// `scratch (B,NH,T,T)` is overwritten: its lower triangle with the score
+/// gradients, the rest with unspecified values.
 ///
 /// # Errors
 /// As [`attention_forward`].
@@ -876,7 +877,8 @@ pub fn attention_backward<T: Real>(
                         // SAFETY: row `i` of `d`, ours (no tile is running).
                         let dr = unsafe { std::slice::from_raw_parts_mut(dp.add(i * t), t) };
                         score_grad_row(&mut dr[..=i], &p[i * t..=i * t + i], scale);
-                        dr[i + 1..].fill(T::ZERO);
+                        // The tiles of this block read up to column `i1`.
+                        dr[i + 1..i1].fill(T::ZERO);
                     }
                     let k = kc.as_ptr();
                     for r0 in (i0..i1).step_by(MR) {
