@@ -34,8 +34,13 @@
 //! with central finite differences.
 //!
 //! GEMMs go to the `gemm` crate (AVX-512 kernels selected at run time, split
-//! over the rayon pool); element-wise and row-wise loops are compiled for
-//! AVX-512, AVX2 and baseline and dispatched at run time, split over rayon.
+//! over the rayon pool). Attention has its own AVX-512 register tiles over
+//! the causal part only, parallel over (sequence, head), with a portable
+//! version for `f64` and other CPUs. Element-wise and row-wise loops are
+//! compiled for AVX-512, AVX2 and baseline and dispatched at run time,
+//! split over rayon. [`zero`] clears large gradient and scratch buffers
+//! over the pool, and [`fma_peak_gflops`] measures the cores' f32 peak, the
+//! denominator of the benches' "percent of peak".
 //!
 //! # Batch invariance
 //!

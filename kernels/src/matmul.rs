@@ -12,9 +12,9 @@
 //! or column, dot-product kernels when `rows · n <= 256` and the weight is
 //! read column-wise, another kernel for `k <= 2`) and blocks long
 //! reductions by a depth that depends on the shape. `gemm_row_invariant`
-//! keeps every call on the main path and chunks `k` itself; attention uses
-//! it too. (This is what lets a key/value-cache decoder reproduce the
-//! training forward's logits bit for bit.)
+//! keeps every call on the main path and chunks `k` itself. (This, with
+//! attention's own fixed-order tiles, is what lets a key/value-cache
+//! decoder reproduce the training forward's logits bit for bit.)
 
 use crate::error::{Result, check};
 use crate::gemm::{View, gemm};
