@@ -357,7 +357,7 @@ fn step_stall(dir: &Path, which: &str) {
     let mut model = Gpt::new(cfg.clone()).unwrap();
     model.init_gpt2(1);
     let mut acts = model.activations(b, t).unwrap();
-    let mut opt = AdamWState::new(&model);
+    let mut opt = model.adamw_state();
     let hp = AdamW {
         lr: 1e-4,
         weight_decay: 0.1,

@@ -432,23 +432,7 @@ pub trait CommunicatorExt: Communicator {
         out: &mut [T],
         op: ReduceOp,
     ) -> Result<()> {
-        exact_check(OpKind::AllReduce, partial.len(), out.len(), op)?;
-        let ctx = self.begin(exact_signature::<T>(OpKind::AllReduce, partial.len(), op))?;
-        let n = self.size();
-        let me = self.rank();
-        let r = crate::shard_range(out.len(), n, me);
-        crate::repro::reduce_scatter_exact(self, &ctx, 1 << 20, partial, &mut out[r], op)?;
-        let all: Vec<usize> = (0..n).collect();
-        let es = T::DTYPE.size_bytes();
-        algo::ring_all_gather(
-            self,
-            &ctx,
-            2 << 20,
-            &all,
-            me,
-            BufMut::new(out).into_bytes(),
-            es,
-        )
+        exact_all_reduce(self, partial, out, op, None)
     }
 
     /// Like [`all_reduce_exact`](Self::all_reduce_exact) but leaves only
@@ -471,7 +455,36 @@ pub trait CommunicatorExt: Communicator {
             partial.len(),
             op,
         ))?;
-        crate::repro::reduce_scatter_exact(self, &ctx, 1 << 20, partial, out_shard, op)
+        crate::repro::reduce_scatter_exact(self, &ctx, 1 << 20, partial, out_shard, op, None)
+    }
+
+    /// Like [`all_reduce_exact`](Self::all_reduce_exact) with `Avg`, but
+    /// the exact sum of every rank's contributions is divided by `divisor`
+    /// (the same on every rank) instead of by the number of contributions,
+    /// and rounded once: the mean over a count the caller knows and the
+    /// partials do not (gradients already summed over other ranks' tokens,
+    /// as an expert shard's are, or partial sums over a tensor-parallel
+    /// group). On one rank this equals
+    /// [`ExactPartial::div_to`](crate::repro::ExactPartial::div_to).
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] if `out.len()` differs from the partial's
+    /// length or `divisor` is 0 or exceeds 2^32 − 1; and as for any
+    /// collective.
+    fn all_reduce_exact_div<T: Element>(
+        &self,
+        partial: &crate::repro::ExactPartial,
+        out: &mut [T],
+        divisor: u64,
+    ) -> Result<()> {
+        if divisor == 0 {
+            return Err(Error::InvalidArgument {
+                op: OpKind::AllReduce,
+                arg: "divisor",
+                reason: "must be at least 1".into(),
+            });
+        }
+        exact_all_reduce(self, partial, out, ReduceOp::Avg, Some(divisor))
     }
 
     /// Concatenates every rank's `input` in rank order into `output`; rank
@@ -651,6 +664,35 @@ pub trait CommunicatorExt: Communicator {
 }
 
 impl<C: Communicator + ?Sized> CommunicatorExt for C {}
+
+/// The exact all-reduce: an exact reduce-scatter rounding into this
+/// rank's shard of `out` (`divide_by` overriding `Avg`'s divisor), then a
+/// ring all-gather of the rounded shards.
+fn exact_all_reduce<C: Communicator + ?Sized, T: Element>(
+    c: &C,
+    partial: &crate::repro::ExactPartial,
+    out: &mut [T],
+    op: ReduceOp,
+    divide_by: Option<u64>,
+) -> Result<()> {
+    exact_check(OpKind::AllReduce, partial.len(), out.len(), op)?;
+    let ctx = c.begin(exact_signature::<T>(OpKind::AllReduce, partial.len(), op))?;
+    let n = c.size();
+    let me = c.rank();
+    let r = crate::shard_range(out.len(), n, me);
+    crate::repro::reduce_scatter_exact(c, &ctx, 1 << 20, partial, &mut out[r], op, divide_by)?;
+    let all: Vec<usize> = (0..n).collect();
+    let es = T::DTYPE.size_bytes();
+    algo::ring_all_gather(
+        c,
+        &ctx,
+        2 << 20,
+        &all,
+        me,
+        BufMut::new(out).into_bytes(),
+        es,
+    )
+}
 
 fn exact_check(op: OpKind, want: usize, got: usize, reduce: ReduceOp) -> Result<()> {
     if want != got {

@@ -426,3 +426,53 @@ fn direct_reduction_of_partials_matches_for_larger_groups() {
         check_split(&cols, &split);
     }
 }
+
+#[test]
+fn explicit_divisors_round_the_exact_quotient_once() {
+    // The mean over a count the partials do not hold: dividing the exact
+    // sum of m contributions by k is the mean of those m plus k − m zero
+    // contributions, for any split over ranks.
+    let mut next = rng(7);
+    let (m, len) = (5, 3 * BLOCK + 9);
+    let cols = contributions(11, m, len, true, false);
+    for k in [m as u64, 8, 13] {
+        let mut padded = cols.clone();
+        padded.resize(k as usize, vec![0.0; len]);
+        let want: Vec<f32> = (0..len).map(|i| mean_ref(&padded, i)).collect();
+        let mut one = ExactPartial::new(len);
+        for c in &cols {
+            one.add(c).unwrap();
+        }
+        let mut got = vec![0f32; len];
+        one.div_to(&mut got, k).unwrap();
+        assert_eq!(bits(&got), bits(&want), "one rank, divisor {k}");
+        for n in [2, 3] {
+            let split = random_split(&mut next, m, n);
+            let outs = LocalCluster::run(n, |comm| {
+                let mut p = ExactPartial::new(len);
+                for &j in &split[comm.rank()] {
+                    p.add(&cols[j])?;
+                }
+                let mut out = vec![0f32; len];
+                comm.all_reduce_exact_div(&p, &mut out, k)?;
+                Ok::<_, weft_collectives::Error>(out)
+            })
+            .unwrap();
+            for out in outs {
+                assert_eq!(bits(&out.unwrap()), bits(&want), "{n} ranks, divisor {k}");
+            }
+        }
+    }
+    let p = ExactPartial::new(4);
+    let e = LocalCluster::run(1, |comm| comm.all_reduce_exact_div(&p, &mut [0f32; 4], 0))
+        .unwrap()
+        .remove(0)
+        .unwrap_err();
+    assert!(
+        matches!(
+            e,
+            weft_collectives::Error::InvalidArgument { arg: "divisor", .. }
+        ),
+        "{e}"
+    );
+}

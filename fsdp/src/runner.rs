@@ -8,9 +8,7 @@ use std::time::Instant;
 use weft_collectives::repro::ExactPartial;
 use weft_collectives::{Communicator, CommunicatorExt, Dtype, Mesh, Pending, Traffic};
 use weft_kernels::{AdamW, adamw_update};
-use weft_model::{
-    BlockActs, BlockScratch, FeedForward, GptBlocks, GptConfig, HeadActs, ParamLayout,
-};
+use weft_model::{BlockActs, BlockScratch, FeedForward, GptBlocks, GptConfig, HeadActs};
 use weft_numerics::ExactSum;
 
 use crate::config::{FsdpConfig, Strategy};
@@ -219,7 +217,7 @@ fn split_of(c: &dyn Communicator, what: &str) -> Result<Box<dyn Communicator>> {
 impl Fsdp {
     /// Builds the runner on every rank of `comm` (collective: every rank
     /// calls it with the same arguments). `params` is the whole initial
-    /// parameter buffer in [`ParamLayout`] order (the same on every rank,
+    /// parameter buffer in [`ParamLayout`](weft_model::ParamLayout) order (the same on every rank,
     /// e.g. from the same seed or checkpoint); each rank keeps only what
     /// its strategy needs.
     ///
@@ -236,9 +234,9 @@ impl Fsdp {
         params: &[f32],
     ) -> Result<Self> {
         cfg.precision.check()?;
-        let layout = ParamLayout::with_ffn(&model, ffn.as_ref());
         let n_layer = model.n_layer;
         let blocks = GptBlocks::new(model, ffn)?;
+        let layout = blocks.layout().clone();
         if params.len() != layout.len() {
             return Err(Error::StateShape {
                 what: "initial parameters".into(),
@@ -477,7 +475,7 @@ impl Fsdp {
         self.refresh_compute_params(u)
     }
 
-    /// The whole parameter buffer (f32 master weights, [`ParamLayout`]
+    /// The whole parameter buffer (f32 master weights, [`ParamLayout`](weft_model::ParamLayout)
     /// order) on every rank. Collective over the shard group.
     ///
     /// # Errors

@@ -375,7 +375,7 @@ mod tests {
     #[test]
     fn units_tile_the_buffer_and_shards_are_even() {
         for tied in [true, false] {
-            let layout = ParamLayout::new(&cfg(tied));
+            let layout = weft_model::dense_layout(&cfg(tied)).unwrap();
             for n in [1, 2, 3, 4, 7] {
                 let plan = UnitPlan::per_block(&layout, 3, n).unwrap();
                 assert_eq!(plan.units().len(), 5);
@@ -407,7 +407,7 @@ mod tests {
 
     #[test]
     fn block_units_hold_exactly_their_block() {
-        let layout = ParamLayout::new(&cfg(false));
+        let layout = weft_model::dense_layout(&cfg(false)).unwrap();
         let plan = UnitPlan::per_block(&layout, 3, 2).unwrap();
         let u = &plan.units()[2];
         assert_eq!(u.kind, UnitKind::Block(1));
@@ -425,7 +425,7 @@ mod tests {
 
     #[test]
     fn decay_runs_follow_the_layout_mask() {
-        let layout = ParamLayout::new(&cfg(true));
+        let layout = weft_model::dense_layout(&cfg(true)).unwrap();
         let plan = UnitPlan::per_block(&layout, 3, 4).unwrap();
         for (u, unit) in plan.units().iter().enumerate() {
             let runs = plan.decay_runs(u);
@@ -454,7 +454,7 @@ mod tests {
 
     #[test]
     fn shard_pieces_cover_every_tensor_once_as_boxes() {
-        let layout = ParamLayout::new(&cfg(false));
+        let layout = weft_model::dense_layout(&cfg(false)).unwrap();
         for n in [1, 2, 3, 5] {
             let plan = UnitPlan::per_block(&layout, 3, n).unwrap();
             // mark every element of every tensor covered by some box
@@ -502,7 +502,7 @@ mod tests {
 
     #[test]
     fn bad_plans_are_typed_errors() {
-        let layout = ParamLayout::new(&cfg(true));
+        let layout = weft_model::dense_layout(&cfg(true)).unwrap();
         assert!(matches!(
             UnitPlan::per_block(&layout, 3, 0),
             Err(Error::Config { field: "dp", .. })

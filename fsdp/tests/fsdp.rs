@@ -5,7 +5,7 @@ use std::sync::Arc;
 use weft_collectives::{LocalCluster, OpKind, Topology};
 use weft_fsdp::{Category, Fsdp, FsdpConfig, MicroBatch, Precision, Strategy, Track};
 use weft_kernels::AdamW;
-use weft_model::{AdamWState, FeedForward, Gpt, GptConfig, Mlp};
+use weft_model::{FeedForward, Gpt, GptConfig, Mlp};
 
 const B: usize = 2;
 const T: usize = 8;
@@ -129,7 +129,7 @@ fn one_rank_one_micro_batch_is_bitwise_the_serial_model() {
         let mut g = Gpt::new(c.clone()).unwrap();
         g.params = init(&c);
         let mut acts = g.activations(B, T).unwrap();
-        let mut st = AdamWState::new(&g);
+        let mut st = g.adamw_state();
         let mut losses = Vec::new();
         for s in 0..3 {
             let (x, y) = batch(&c, s, 0);
@@ -175,7 +175,7 @@ fn three_micro_batches_are_the_serial_model_with_an_exact_mean() {
     let mut g = Gpt::new(c.clone()).unwrap();
     g.params = init(&c);
     let mut acts = g.activations(B, T).unwrap();
-    let mut st = AdamWState::new(&g);
+    let mut st = g.adamw_state();
     let mut losses = Vec::new();
     let hp = AdamW {
         lr: 3e-3,

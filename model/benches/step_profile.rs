@@ -23,7 +23,7 @@ use weft_kernels::{
     matmul_backward_wt_input, matmul_backward_wt_weight, matmul_forward, matmul_forward_wt,
     residual_forward,
 };
-use weft_model::{AdamWState, Gpt, GptConfig};
+use weft_model::{Gpt, GptConfig};
 
 struct Shape {
     l: usize,
@@ -312,7 +312,7 @@ fn main() {
         // AdamW and zero_grad over the whole model, as the step runs them.
         let mut model = Gpt::new(cfg.clone()).unwrap();
         model.init_gpt2(1);
-        let mut st = AdamWState::new(&model);
+        let mut st = model.adamw_state();
         let hp = AdamW::default();
         let np = model.params.len();
         let ms = time(reps, || model.zero_grad());

@@ -19,7 +19,7 @@
 use std::time::Instant;
 
 use weft_kernels::{AdamW, Mode};
-use weft_model::{AdamWState, Gpt, GptConfig};
+use weft_model::{Gpt, GptConfig};
 
 struct Case {
     name: &'static str,
@@ -126,7 +126,7 @@ fn main() {
         model.set_mode(mode);
         model.init_gpt2(1);
         let mut acts = model.activations(case.b, case.t).unwrap();
-        let mut opt = AdamWState::new(&model);
+        let mut opt = model.adamw_state();
         let hp = AdamW {
             lr: 1e-4,
             weight_decay: 0.1,

@@ -74,6 +74,6 @@ impl GptConfig {
 
     /// Number of parameters (the tied `lm_head` counted once).
     pub fn num_params(&self) -> usize {
-        crate::params::ParamLayout::new(self).len()
+        crate::params::dense_layout(self).map_or(0, |l| l.len())
     }
 }

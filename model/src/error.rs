@@ -66,6 +66,10 @@ pub enum Error {
         /// What is wrong.
         reason: String,
     },
+    /// A layout, placement or placement-driven operation failed (the
+    /// optimizer over a layout, gathering or sharding a model).
+    #[error(transparent)]
+    Parallel(#[from] weft_parallel::Error),
     /// A batch does not fit the model or the planned activations.
     #[error("batch: {reason}")]
     Batch {

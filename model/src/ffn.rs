@@ -15,6 +15,8 @@ use weft_kernels::{
     matmul_forward,
 };
 
+use weft_parallel::{Placement, Placements};
+
 use crate::error::Result;
 
 /// A tensor a feed-forward block owns.
@@ -22,10 +24,13 @@ use crate::error::Result;
 pub struct ParamShape {
     /// Name under `transformer.h.{l}.`, e.g. `mlp.c_fc.weight`.
     pub suffix: String,
-    /// Shape (Hugging Face layout).
+    /// The whole tensor's shape (Hugging Face layout); a rank's part
+    /// follows from `placements`.
     pub shape: Vec<usize>,
     /// Whether AdamW decays it.
     pub decay: bool,
+    /// Where it sits on the tensor- and expert-parallel axes.
+    pub placements: Placements,
 }
 
 /// Batch dimensions passed to a block.
@@ -47,8 +52,14 @@ pub struct Dims {
 
 /// A feed-forward block of a transformer layer (see the module docs).
 pub trait FeedForward: Send + Sync + std::fmt::Debug {
-    /// The tensors of one layer's block, in buffer order.
+    /// The tensors of one layer's block, in buffer order, with their
+    /// whole shapes and placements.
     fn params(&self, c: usize) -> Vec<ParamShape>;
+    /// This block's `(index, size)` in its expert-parallel group: `(0, 1)`
+    /// (the default) for a block whose tensors no rank shares out.
+    fn expert_parallel(&self) -> (usize, usize) {
+        (0, 1)
+    }
     /// Activation floats saved per token by [`forward`](Self::forward).
     fn saved_per_token(&self, c: usize) -> usize;
     /// Scratch floats per token needed by [`backward`](Self::backward).
@@ -168,17 +179,26 @@ fn split_mut<T>(p: &mut [T], c: usize) -> (&mut [T], &mut [T], &mut [T], &mut [T
 }
 
 impl FeedForward for Mlp {
+    /// Megatron's split of the MLP over `tp`: `c_fc` column-parallel
+    /// (weight and bias by columns), `c_proj` row-parallel (weight by
+    /// rows, bias replicated).
     fn params(&self, c: usize) -> Vec<ParamShape> {
-        let p = |s: &str, shape: Vec<usize>, decay| ParamShape {
+        let p = |s: &str, shape: Vec<usize>, decay, tp: Placement| ParamShape {
             suffix: s.into(),
             shape,
             decay,
+            placements: Placements::tp(tp),
         };
         vec![
-            p("mlp.c_fc.weight", vec![c, 4 * c], true),
-            p("mlp.c_fc.bias", vec![4 * c], false),
-            p("mlp.c_proj.weight", vec![4 * c, c], true),
-            p("mlp.c_proj.bias", vec![c], false),
+            p("mlp.c_fc.weight", vec![c, 4 * c], true, Placement::shard(1)),
+            p("mlp.c_fc.bias", vec![4 * c], false, Placement::shard(0)),
+            p(
+                "mlp.c_proj.weight",
+                vec![4 * c, c],
+                true,
+                Placement::shard(0),
+            ),
+            p("mlp.c_proj.bias", vec![c], false, Placement::Replicate),
         ]
     }
 

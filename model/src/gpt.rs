@@ -7,56 +7,19 @@ use std::ops::Range;
 use std::sync::Arc;
 
 use weft_kernels::{
-    AdamW, Mode, adamw_update, attention_backward, attention_forward, encoder_backward,
-    encoder_forward, fused_classifier_backward, fused_classifier_forward, layernorm_backward,
+    AdamW, Mode, attention_backward, attention_forward, encoder_backward, encoder_forward,
+    fused_classifier_backward, fused_classifier_forward, layernorm_backward,
     layernorm_backward_input, layernorm_backward_weight, layernorm_forward, matmul_backward,
     matmul_backward_input, matmul_backward_weight, matmul_backward_wt, matmul_forward,
     matmul_forward_wt, residual_forward,
 };
 
+use weft_parallel::{AdamWState, Coords, ParamLayout};
+
 use crate::config::GptConfig;
 use crate::error::{Error, Result};
 use crate::ffn::{Dims, FeedForward, Mlp};
-use crate::params::{ParamLayout, ParamSpec};
-
-/// Offsets of one block's tensors relative to the block's first parameter.
-#[derive(Clone, Debug)]
-struct Block {
-    ln1_w: Range<usize>,
-    ln1_b: Range<usize>,
-    qkv_w: Range<usize>,
-    qkv_b: Range<usize>,
-    proj_w: Range<usize>,
-    proj_b: Range<usize>,
-    ln2_w: Range<usize>,
-    ln2_b: Range<usize>,
-    ffn: Range<usize>,
-}
-
-impl Block {
-    fn new(c: usize, ffn_len: usize) -> Self {
-        let mut at = 0;
-        let mut next = |n: usize| {
-            let r = at..at + n;
-            at += n;
-            r
-        };
-        Block {
-            ln1_w: next(c),
-            ln1_b: next(c),
-            qkv_w: next(3 * c * c),
-            qkv_b: next(3 * c),
-            proj_w: next(c * c),
-            proj_b: next(c),
-            ln2_w: next(c),
-            ln2_b: next(c),
-            ffn: next(ffn_len),
-        }
-    }
-    fn len(&self) -> usize {
-        self.ffn.end
-    }
-}
+use crate::params::{BlockLayout, Pieces, Sharding, param_layout};
 
 /// The computation of a GPT-2, separated from its parameters: the
 /// embedding, one transformer block and the head as functions over
@@ -113,7 +76,9 @@ impl Block {
 pub struct GptBlocks {
     config: GptConfig,
     ffn: Arc<dyn FeedForward>,
-    blk: Block,
+    layout: ParamLayout,
+    pieces: Pieces,
+    blk: BlockLayout,
     mode: Mode,
 }
 
@@ -305,19 +270,33 @@ impl GptBlocks {
     /// # Errors
     /// [`Error::Config`] if the configuration is inconsistent.
     pub fn new(config: GptConfig, ffn: Arc<dyn FeedForward>) -> Result<Self> {
-        config.validate()?;
-        let ffn_len = ffn
-            .params(config.n_embd)
-            .iter()
-            .map(|s| s.shape.iter().product::<usize>())
-            .sum();
-        let blk = Block::new(config.n_embd, ffn_len);
+        let sharding = Sharding {
+            coords: Coords {
+                ep: ffn.expert_parallel(),
+                ..Coords::SINGLE
+            },
+            sequence_parallel: false,
+        };
+        let layout = param_layout(&config, ffn.as_ref(), &sharding)?;
+        let pieces = Pieces::of(&layout, &config)?;
         Ok(GptBlocks {
+            blk: pieces.block.clone(),
             config,
             ffn,
-            blk,
+            layout,
+            pieces,
             mode: Mode::default(),
         })
+    }
+
+    /// This rank's parameter layout (names, shapes, offsets, placements).
+    pub fn layout(&self) -> &ParamLayout {
+        &self.layout
+    }
+
+    /// The offsets of a block's tensors inside its slice.
+    pub fn block_layout(&self) -> &BlockLayout {
+        &self.blk
     }
 
     /// The configuration.
@@ -343,7 +322,7 @@ impl GptBlocks {
 
     /// Floats in the embedding slice (`wte` then `wpe`).
     pub fn embed_len(&self) -> usize {
-        (self.config.vocab_size + self.config.block_size) * self.config.n_embd
+        self.pieces.embed.len()
     }
 
     /// Floats in one block's slice.
@@ -353,39 +332,35 @@ impl GptBlocks {
 
     /// Floats in the language-model head's weight (`V·C`).
     pub fn lm_head_len(&self) -> usize {
-        self.config.vocab_size * self.config.n_embd
+        self.pieces.lm_head.len()
     }
 
     /// Floats in the `wte` weight (`V·C`), the first part of the embedding slice.
     pub fn wte_len(&self) -> usize {
-        self.lm_head_len()
+        self.pieces.wte.len()
     }
 
-    /// The embedding's range in the full [`ParamLayout`] buffer.
+    /// The embedding's range in the [`layout`](Self::layout)'s buffer.
     pub fn embed_range(&self) -> Range<usize> {
-        0..self.embed_len()
+        self.pieces.embed.clone()
     }
 
-    /// Block `l`'s range in the full [`ParamLayout`] buffer.
+    /// Block `l`'s range in the [`layout`](Self::layout)'s buffer.
+    ///
+    /// # Panics
+    /// If `l` is not a layer of the model.
     pub fn block_range(&self, l: usize) -> Range<usize> {
-        let s = self.embed_len() + l * self.block_len();
-        s..s + self.block_len()
+        self.pieces.blocks[l].clone()
     }
 
     /// The final layernorm's range (`ln_f.weight` then `ln_f.bias`).
     pub fn lnf_range(&self) -> Range<usize> {
-        let s = self.embed_len() + self.config.n_layer * self.block_len();
-        s..s + 2 * self.config.n_embd
+        self.pieces.lnf.clone()
     }
 
     /// The head weight's range: `wte`'s when tied, else `lm_head.weight`'s.
     pub fn lm_head_range(&self) -> Range<usize> {
-        if self.config.tied_embeddings {
-            0..self.lm_head_len()
-        } else {
-            let s = self.lnf_range().end;
-            s..s + self.lm_head_len()
-        }
+        self.pieces.lm_head.clone()
     }
 
     fn check_shape(&self, b: usize, t: usize) -> Result<()> {
@@ -1093,7 +1068,6 @@ impl GptBlocks {
 #[derive(Debug)]
 pub struct Gpt {
     blocks: GptBlocks,
-    layout: ParamLayout,
     /// All parameters in one allocation, in [`ParamLayout`] order.
     pub params: Vec<f32>,
     /// Gradients, same layout; [`Gpt::backward`] accumulates into them.
@@ -1160,21 +1134,10 @@ impl Gpt {
     /// # Errors
     /// [`Error::Config`] if the configuration is inconsistent.
     pub fn with_ffn(config: GptConfig, ffn: Box<dyn FeedForward>) -> Result<Self> {
-        config.validate()?;
-        let layout = ParamLayout::with_ffn(&config, ffn.as_ref());
         let blocks = GptBlocks::new(config, Arc::from(ffn))?;
-        debug_assert_eq!(
-            layout.range("transformer.h.0.ln_1.weight").start,
-            blocks.block_range(0).start
-        );
-        debug_assert_eq!(
-            layout.range("transformer.ln_f.weight").start,
-            blocks.lnf_range().start
-        );
-        let n = layout.len();
+        let n = blocks.layout().len();
         Ok(Gpt {
             blocks,
-            layout,
             params: vec![0.0; n],
             grads: vec![0.0; n],
         })
@@ -1191,9 +1154,9 @@ impl Gpt {
         &self.blocks
     }
 
-    /// The parameter layout (names, shapes, offsets).
+    /// The parameter layout (names, shapes, offsets, placements).
     pub fn layout(&self) -> &ParamLayout {
-        &self.layout
+        self.blocks.layout()
     }
 
     /// How the forward's linear layers split their work (default:
@@ -1206,12 +1169,12 @@ impl Gpt {
 
     /// A named parameter tensor.
     pub fn param(&self, name: &str) -> Option<&[f32]> {
-        self.layout.get(name).map(|s| &self.params[s.range()])
+        self.layout().get(name).map(|s| &self.params[s.range()])
     }
 
     /// A named gradient tensor.
     pub fn grad(&self, name: &str) -> Option<&[f32]> {
-        self.layout.get(name).map(|s| &self.grads[s.range()])
+        self.layout().get(name).map(|s| &self.grads[s.range()])
     }
 
     /// GPT-2's initialisation: N(0, 0.02) weights (the residual projections
@@ -1234,7 +1197,7 @@ impl Gpt {
         };
         #[allow(clippy::cast_precision_loss)]
         let proj_std = 0.02 / (2.0 * self.config().n_layer as f64).sqrt();
-        for spec in self.layout.specs().to_vec() {
+        for spec in self.layout().specs().to_vec() {
             let p = &mut self.params[spec.range()];
             if spec.shape.len() == 1 {
                 let one = if spec.name.contains("ln_") { 1.0 } else { 0.0 };
@@ -1389,106 +1352,21 @@ impl Gpt {
     }
 
     /// One AdamW step over every parameter, decaying those whose
-    /// [`ParamSpec::decay`](crate::ParamSpec::decay) is set. `state` holds
-    /// the moments (create it with [`AdamWState::new`]).
+    /// [`ParamSpec::decay`](weft_parallel::ParamSpec::decay) is set.
+    /// `state` holds the moments (create it with
+    /// [`adamw_state`](Self::adamw_state)).
     ///
     /// # Errors
-    /// A kernel error if `state` was made for another model size.
+    /// [`Error::Parallel`] if `state` was made for another model size
+    /// (nothing is updated then).
     pub fn adamw_step(&mut self, state: &mut AdamWState, hp: &AdamW) -> Result<()> {
-        state.step_over(self.layout.specs(), &mut self.params, &self.grads, hp)
-    }
-}
-
-/// AdamW moments for a [`Gpt`] (same layout as its parameters).
-#[derive(Clone, Debug)]
-pub struct AdamWState {
-    /// First moments.
-    pub m: Vec<f32>,
-    /// Second moments.
-    pub v: Vec<f32>,
-    /// Steps taken so far.
-    pub step: u32,
-}
-
-impl AdamWState {
-    /// One AdamW step of `params` (with `grads`, both laid out like these
-    /// moments), tensor by tensor of `specs`: weight decay where
-    /// [`ParamSpec::decay`] is set (not on biases and layernorms). Counts
-    /// the step.
-    ///
-    /// # Errors
-    /// A kernel error if a spec's range lies outside the buffers.
-    pub fn step_over(
-        &mut self,
-        specs: &[ParamSpec],
-        params: &mut [f32],
-        grads: &[f32],
-        hp: &AdamW,
-    ) -> Result<()> {
-        self.step_tensors(
-            specs.iter().map(|s| (s.name.as_str(), s.range(), s.decay)),
-            params,
-            grads,
-            hp,
-        )
-    }
-
-    /// One AdamW step of `params` (with `grads`, both laid out like these
-    /// moments) over tensors given as `(name, range, decay)`: the one loop
-    /// behind [`step_over`](Self::step_over) and the sharded models'
-    /// steps. Every range is checked before anything is updated, so a bad
-    /// layout changes nothing. Counts the step.
-    ///
-    /// # Errors
-    /// [`Error::Batch`] naming the first tensor whose range lies outside
-    /// the buffers; a kernel error otherwise.
-    pub fn step_tensors<'a, I>(
-        &mut self,
-        tensors: I,
-        params: &mut [f32],
-        grads: &[f32],
-        hp: &AdamW,
-    ) -> Result<()>
-    where
-        I: IntoIterator<Item = (&'a str, Range<usize>, bool)> + Clone,
-    {
-        let len = params
-            .len()
-            .min(grads.len())
-            .min(self.m.len())
-            .min(self.v.len());
-        if let Some((name, r, _)) = tensors.clone().into_iter().find(|(_, r, _)| r.end > len) {
-            return Err(Error::Batch {
-                reason: format!(
-                    "AdamW: tensor {name} ({r:?}) outside buffers of {} parameters, {} gradients and {}/{} moments",
-                    params.len(),
-                    grads.len(),
-                    self.m.len(),
-                    self.v.len()
-                ),
-            });
-        }
-        self.step += 1;
-        for (_, r, decay) in tensors {
-            adamw_update(
-                &mut params[r.clone()],
-                &grads[r.clone()],
-                &mut self.m[r.clone()],
-                &mut self.v[r],
-                hp,
-                self.step,
-                decay,
-            )?;
-        }
+        let runs = self.blocks.layout.decay_runs();
+        state.step(runs, &mut self.params, &self.grads, hp)?;
         Ok(())
     }
 
-    /// Zero moments for `model`.
-    pub fn new(model: &Gpt) -> Self {
-        AdamWState {
-            m: vec![0.0; model.params.len()],
-            v: vec![0.0; model.params.len()],
-            step: 0,
-        }
+    /// Zero AdamW moments for this model's parameters.
+    pub fn adamw_state(&self) -> AdamWState {
+        AdamWState::zeros(self.params.len())
     }
 }

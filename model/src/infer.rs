@@ -66,8 +66,6 @@
 //! # Ok::<(), weft_model::Error>(())
 //! ```
 
-use std::ops::Range;
-
 use weft_kernels::{
     attention_decode, encoder_forward, layernorm_forward, matmul_forward, matmul_forward_wt,
     residual_forward,
@@ -78,31 +76,11 @@ use crate::error::{Error, Result};
 use crate::ffn::Dims;
 use crate::gpt::Gpt;
 
-/// Offsets of one block's tensors in the parameter buffer.
-#[derive(Clone, Debug)]
-struct Layer {
-    ln1_w: Range<usize>,
-    ln1_b: Range<usize>,
-    qkv_w: Range<usize>,
-    qkv_b: Range<usize>,
-    proj_w: Range<usize>,
-    proj_b: Range<usize>,
-    ln2_w: Range<usize>,
-    ln2_b: Range<usize>,
-    ffn: Range<usize>,
-}
-
 /// Incremental decoding over a [`Gpt`] with a key/value cache (see the
 /// module docs).
 #[derive(Debug)]
 pub struct Decoder<'m> {
     model: &'m Gpt,
-    layers: Vec<Layer>,
-    wte: Range<usize>,
-    wpe: Range<usize>,
-    lnf_w: Range<usize>,
-    lnf_b: Range<usize>,
-    lm_head: Range<usize>,
     /// Positions held in the cache.
     len: usize,
     kv: Vec<f32>,        // (L, maxT, 2C): rows [k | v]
@@ -119,14 +97,6 @@ pub struct Decoder<'m> {
     logits: Vec<f32>,    // (V)
 }
 
-fn range(model: &Gpt, name: &str) -> Range<usize> {
-    // Every name used here is in every model's layout.
-    model
-        .layout()
-        .get(name)
-        .map_or(0..0, crate::params::ParamSpec::range)
-}
-
 impl<'m> Decoder<'m> {
     /// An empty cache for `model`, with room for `block_size` positions.
     /// Allocates everything it will use.
@@ -137,42 +107,11 @@ impl<'m> Decoder<'m> {
             n_embd: c,
             vocab_size: v,
             block_size: t,
-            tied_embeddings,
             ..
         } = *model.config();
-        let ffn_specs = model.blocks().ffn().params(c);
-        let layers = (0..l)
-            .map(|l| {
-                let r = |s: &str| range(model, &format!("transformer.h.{l}.{s}"));
-                let first = ffn_specs.first().map_or(0, |f| r(&f.suffix).start);
-                let last = ffn_specs.last().map_or(0, |f| r(&f.suffix).end);
-                Layer {
-                    ln1_w: r("ln_1.weight"),
-                    ln1_b: r("ln_1.bias"),
-                    qkv_w: r("attn.c_attn.weight"),
-                    qkv_b: r("attn.c_attn.bias"),
-                    proj_w: r("attn.c_proj.weight"),
-                    proj_b: r("attn.c_proj.bias"),
-                    ln2_w: r("ln_2.weight"),
-                    ln2_b: r("ln_2.bias"),
-                    ffn: first..last,
-                }
-            })
-            .collect();
-        let lm_head = if tied_embeddings {
-            "transformer.wte.weight"
-        } else {
-            "lm_head.weight"
-        };
         let z = |k: usize| vec![0.0f32; k];
         Decoder {
             model,
-            layers,
-            wte: range(model, "transformer.wte.weight"),
-            wpe: range(model, "transformer.wpe.weight"),
-            lnf_w: range(model, "transformer.ln_f.weight"),
-            lnf_b: range(model, "transformer.ln_f.bias"),
-            lm_head: range(model, lm_head),
             len: 0,
             kv: z(l * t * 2 * c),
             x: z(t * c),
@@ -283,17 +222,11 @@ impl<'m> Decoder<'m> {
             });
         }
         let p = &model.params;
-        let mode = model.blocks().mode();
+        let bl = model.blocks();
+        let mode = bl.mode();
         let nc = n * c;
-        encoder_forward(
-            &mut self.x[..nc],
-            tokens,
-            &p[self.wte.clone()],
-            &p[self.wpe.start + start * c..self.wpe.end],
-            1,
-            n,
-            c,
-        )?;
+        let (wte, wpe) = p[bl.embed_range()].split_at(bl.wte_len());
+        encoder_forward(&mut self.x[..nc], tokens, wte, &wpe[start * c..], 1, n, c)?;
         let ffn = model.blocks().ffn();
         let spt = ffn.saved_per_token(c);
         let dims = |layer| Dims {
@@ -303,7 +236,9 @@ impl<'m> Decoder<'m> {
             mode,
             layer,
         };
-        for (l, layer) in self.layers.iter().enumerate() {
+        let layer = bl.block_layout();
+        for l in 0..model.config().n_layer {
+            let p = &p[bl.block_range(l)];
             let ln = &mut self.ln[..nc];
             layernorm_forward(
                 ln,
@@ -377,13 +312,14 @@ impl<'m> Decoder<'m> {
             residual_forward(&mut self.x[..nc], &self.res2[..nc], &self.tmp[..nc], nc)?;
         }
         // Only the last position's logits are wanted: its own rows suffice.
+        let (lnf_w, lnf_b) = p[bl.lnf_range()].split_at(c);
         layernorm_forward(
             &mut self.ln[..c],
             &mut self.mean[..1],
             &mut self.rstd[..1],
             &self.x[nc - c..nc],
-            &p[self.lnf_w.clone()],
-            &p[self.lnf_b.clone()],
+            lnf_w,
+            lnf_b,
             1,
             c,
             eps,
@@ -391,7 +327,7 @@ impl<'m> Decoder<'m> {
         matmul_forward_wt(
             &mut self.logits,
             &self.ln[..c],
-            &p[self.lm_head.clone()],
+            &p[bl.lm_head_range()],
             None,
             1,
             1,

@@ -31,7 +31,7 @@
 //! # Example
 //!
 //! ```
-//! use weft_model::{AdamWState, Gpt, GptConfig};
+//! use weft_model::{Gpt, GptConfig};
 //! use weft_kernels::AdamW;
 //!
 //! let cfg = GptConfig { n_layer: 2, n_head: 2, n_embd: 16, vocab_size: 50, block_size: 8,
@@ -41,7 +41,7 @@
 //! let mut acts = model.activations(2, 8)?; // B=2, T=8
 //! let tokens: Vec<u32> = (0..16).map(|i| i % 50).collect();
 //! let targets: Vec<u32> = (1..17).map(|i| i % 50).collect();
-//! let mut opt = AdamWState::new(&model);
+//! let mut opt = model.adamw_state();
 //! let mut first = 0.0;
 //! for step in 0..5 {
 //!     let loss = model.forward(&mut acts, &tokens, Some(&targets))?.unwrap();
@@ -102,10 +102,9 @@ pub mod tp;
 pub use config::GptConfig;
 pub use error::{Error, Result};
 pub use ffn::{Dims, FeedForward, Mlp, ParamShape};
-pub use gpt::{
-    Activations, AdamWState, BlockActs, BlockScratch, Gpt, GptBlocks, HeadActs, WeightInputs,
-};
+pub use gpt::{Activations, BlockActs, BlockScratch, Gpt, GptBlocks, HeadActs, WeightInputs};
 pub use infer::Decoder;
 pub use moe_ffn::{MoeFfn, MoeStats};
-pub use params::{ParamLayout, ParamSpec};
+pub use params::{BlockLayout, Sharding, dense_layout, param_layout};
 pub use stage::{GptStage, StageInput, StageSpec};
+pub use weft_parallel::{AdamWState, ParamLayout, ParamSpec};

@@ -77,6 +77,8 @@ use weft_moe::weft_collectives::Communicator;
 use weft_moe::{ExpertParallel, MoeBlock, MoeConfig, MoeForward};
 
 use crate::error::{Error, Result};
+use weft_parallel::{Placement, Placements};
+
 use crate::ffn::{Dims, FeedForward, ParamShape};
 use crate::gpt::Gpt;
 
@@ -279,16 +281,32 @@ impl MoeFfn {
 }
 
 impl FeedForward for MoeFfn {
+    /// The router, selection bias and shared expert replicated; the
+    /// experts' tensors sharded over the expert group by their first
+    /// dimension (a rank holds `E/ep` experts). Replicated over `tp`: the
+    /// block runs whole on every tensor-parallel rank.
     fn params(&self, _c: usize) -> Vec<ParamShape> {
+        let experts = self.config().router.experts;
         self.config()
-            .tensors(self.local_experts())
+            .tensors(experts)
             .into_iter()
-            .map(|t| ParamShape {
-                suffix: format!("mlp.{}", t.name),
-                shape: t.shape,
-                decay: t.decay,
+            .map(|t| {
+                let mut placements = Placements::REPLICATED;
+                if Self::is_expert_param(&format!(".mlp.{}", t.name)) {
+                    placements.ep = Placement::shard(0);
+                }
+                ParamShape {
+                    suffix: format!("mlp.{}", t.name),
+                    shape: t.shape,
+                    decay: t.decay,
+                    placements,
+                }
             })
             .collect()
+    }
+
+    fn expert_parallel(&self) -> (usize, usize) {
+        (self.ep_rank(), self.ep_size())
     }
 
     fn saved_per_token(&self, _c: usize) -> usize {
@@ -357,7 +375,7 @@ impl FeedForward for MoeFfn {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::{AdamWState, Gpt, GptConfig};
+    use crate::{Gpt, GptConfig};
     use weft_kernels::AdamW;
     use weft_moe::{BiasBalancer, Gate, Router};
 
@@ -387,7 +405,7 @@ mod tests {
         let mut acts = model.activations(2, 8).unwrap();
         let tokens: Vec<u32> = (0..16).map(|i| (i * 5 % 32) as u32).collect();
         let targets: Vec<u32> = (0..16).map(|i| ((i * 5 + 1) % 32) as u32).collect();
-        let mut opt = AdamWState::new(&model);
+        let mut opt = model.adamw_state();
         let mut losses = Vec::new();
         for _ in 0..8 {
             losses.push(

@@ -1,37 +1,42 @@
-//! The parameter layout: one contiguous buffer, named views.
+//! GPT-2's parameter layout: every tensor under its Hugging Face name in one
+//! flat buffer, with its placement on the tensor- and expert-parallel axes
+//! — the one description of the model's parameters that the blocks, the
+//! decoder, the checkpoints and every parallel layout read.
 
-use std::collections::HashMap;
 use std::ops::Range;
 
+use weft_parallel::{Coords, LayoutBuilder, ParamLayout, Placement, Placements};
+
 use crate::config::GptConfig;
-use crate::ffn::{Mlp, ParamShape};
+use crate::error::{Error, Result};
+use crate::ffn::{FeedForward, Mlp};
 
-/// One named tensor inside the flat parameter buffer.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct ParamSpec {
-    /// Hugging Face GPT-2 name, e.g. `transformer.h.0.attn.c_attn.weight`.
-    pub name: String,
-    /// Shape in Hugging Face's layout (`Conv1D` weights are `[in, out]`).
-    pub shape: Vec<usize>,
-    /// First element in the flat buffer.
-    pub offset: usize,
-    /// Whether AdamW's weight decay applies (matrices and embeddings yes;
-    /// biases and layernorm parameters no).
-    pub decay: bool,
+/// How a rank's share of the model is cut: its coordinates on the
+/// sharding axes, and whether tensor parallelism runs the layernorm
+/// regions sequence-parallel (their gradients are then partial over `tp`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Sharding {
+    /// Tensor- and expert-parallel coordinates.
+    pub coords: Coords,
+    /// Sequence parallelism (meaningful with `tp > 1`).
+    pub sequence_parallel: bool,
 }
 
-impl ParamSpec {
-    /// Number of elements.
-    pub fn numel(&self) -> usize {
-        self.shape.iter().product()
-    }
-    /// The element range in the flat buffer.
-    pub fn range(&self) -> Range<usize> {
-        self.offset..self.offset + self.numel()
+impl Sharding {
+    /// One rank holding the whole model.
+    pub const SINGLE: Sharding = Sharding {
+        coords: Coords::SINGLE,
+        sequence_parallel: false,
+    };
+
+    /// `(index, size)` of the tensor-parallel axis.
+    pub fn tp(&self) -> (usize, usize) {
+        self.coords.tp
     }
 }
 
-/// Where every parameter lives in the single flat buffer.
+/// The layout of a GPT with feed-forward block `ffn`, for a rank cut by
+/// `sharding`.
 ///
 /// Order: `transformer.wte.weight (V,C)`, `transformer.wpe.weight
 /// (maxT,C)`, then each block contiguously (`ln_1`, `attn.c_attn`,
@@ -40,105 +45,217 @@ impl ParamSpec {
 /// untied. A block's parameters are one contiguous range, which is what
 /// FSDP units and pipeline stages cut along. Gradients, AdamW moments and
 /// checkpoints use the same layout.
-#[derive(Clone, Debug)]
-pub struct ParamLayout {
-    specs: Vec<ParamSpec>,
-    index: HashMap<String, usize>,
-    len: usize,
+///
+/// Placements on `tp` (Megatron-LM's split; the `tp` module docs explain
+/// why): `wte` and `lm_head` by vocabulary rows; `attn.c_attn` by heads
+/// (each of Q, K, V by columns: a strided shard); `attn.c_proj.weight` by
+/// rows; the feed-forward block's own ([`Mlp`]: `c_fc` by columns,
+/// `c_proj.weight` by rows); everything else replicated, the layernorms'
+/// gradients partial under sequence parallelism.
+///
+/// # Errors
+/// [`Error::Config`] if the configuration is inconsistent or does not
+/// split over the coordinates (`tp` must divide `n_head`; the vocabulary
+/// must have at least `tp` tokens).
+pub fn param_layout(
+    cfg: &GptConfig,
+    ffn: &dyn FeedForward,
+    sharding: &Sharding,
+) -> Result<ParamLayout> {
+    cfg.validate()?;
+    let (c, v) = (cfg.n_embd, cfg.vocab_size);
+    let (_, tp) = sharding.tp();
+    if !cfg.n_head.is_multiple_of(tp) {
+        return Err(Error::Config {
+            field: "n_head",
+            reason: format!(
+                "= {} is not divisible by tp = {tp} (heads stay whole on one rank)",
+                cfg.n_head
+            ),
+        });
+    }
+    if v < tp {
+        return Err(Error::Config {
+            field: "vocab_size",
+            reason: format!("= {v} tokens cannot be split over tp = {tp}"),
+        });
+    }
+    let rep = Placements::REPLICATED;
+    let tp_ = |p: Placement| Placements::tp(p);
+    let ln_grad = if sharding.sequence_parallel && tp > 1 {
+        Placements::tp(Placement::Partial)
+    } else {
+        rep
+    };
+    let mut b = LayoutBuilder::new(sharding.coords);
+    let ln = |b: &mut LayoutBuilder, name: String| -> Result<()> {
+        b.push_with_grad(format!("{name}.weight"), &[c], false, rep, ln_grad)?;
+        b.push_with_grad(format!("{name}.bias"), &[c], false, rep, ln_grad)?;
+        Ok(())
+    };
+    b.push(
+        "transformer.wte.weight",
+        &[v, c],
+        true,
+        tp_(Placement::shard(0)),
+    )?;
+    b.push("transformer.wpe.weight", &[cfg.block_size, c], true, rep)?;
+    for l in 0..cfg.n_layer {
+        let p = format!("transformer.h.{l}.");
+        ln(&mut b, format!("{p}ln_1"))?;
+        b.push(
+            format!("{p}attn.c_attn.weight"),
+            &[c, 3 * c],
+            true,
+            tp_(Placement::strided(1, 3)),
+        )?;
+        b.push(
+            format!("{p}attn.c_attn.bias"),
+            &[3 * c],
+            false,
+            tp_(Placement::strided(0, 3)),
+        )?;
+        b.push(
+            format!("{p}attn.c_proj.weight"),
+            &[c, c],
+            true,
+            tp_(Placement::shard(0)),
+        )?;
+        b.push(format!("{p}attn.c_proj.bias"), &[c], false, rep)?;
+        ln(&mut b, format!("{p}ln_2"))?;
+        for s in ffn.params(c) {
+            b.push(format!("{p}{}", s.suffix), &s.shape, s.decay, s.placements)?;
+        }
+    }
+    ln(&mut b, "transformer.ln_f".into())?;
+    if !cfg.tied_embeddings {
+        b.push("lm_head.weight", &[v, c], true, tp_(Placement::shard(0)))?;
+    }
+    Ok(b.finish()?)
 }
 
-impl ParamLayout {
-    /// The layout of a dense GPT-2 with this configuration.
-    pub fn new(cfg: &GptConfig) -> Self {
-        Self::with_ffn(cfg, &Mlp)
-    }
+/// The layout of a dense GPT-2 on one rank.
+///
+/// # Errors
+/// As [`param_layout`].
+pub fn dense_layout(cfg: &GptConfig) -> Result<ParamLayout> {
+    param_layout(cfg, &Mlp, &Sharding::SINGLE)
+}
 
-    /// The layout with a custom feed-forward block (its tensors are named
-    /// `transformer.h.{l}.{suffix}`).
-    pub fn with_ffn(cfg: &GptConfig, ffn: &dyn crate::ffn::FeedForward) -> Self {
-        let (c, v) = (cfg.n_embd, cfg.vocab_size);
-        let mut specs = Vec::new();
-        let mut offset = 0;
-        let mut push = |name: String, shape: Vec<usize>, decay: bool| {
-            let n: usize = shape.iter().product();
-            specs.push(ParamSpec {
-                name,
-                shape,
-                offset,
-                decay,
-            });
-            offset += n;
-        };
-        push("transformer.wte.weight".into(), vec![v, c], true);
-        push(
-            "transformer.wpe.weight".into(),
-            vec![cfg.block_size, c],
-            true,
-        );
-        for l in 0..cfg.n_layer {
-            let p = format!("transformer.h.{l}.");
-            push(format!("{p}ln_1.weight"), vec![c], false);
-            push(format!("{p}ln_1.bias"), vec![c], false);
-            push(format!("{p}attn.c_attn.weight"), vec![c, 3 * c], true);
-            push(format!("{p}attn.c_attn.bias"), vec![3 * c], false);
-            push(format!("{p}attn.c_proj.weight"), vec![c, c], true);
-            push(format!("{p}attn.c_proj.bias"), vec![c], false);
-            push(format!("{p}ln_2.weight"), vec![c], false);
-            push(format!("{p}ln_2.bias"), vec![c], false);
-            for ParamShape {
-                suffix,
-                shape,
-                decay,
-            } in ffn.params(c)
-            {
-                push(format!("{p}{suffix}"), shape, decay);
-            }
-        }
-        push("transformer.ln_f.weight".into(), vec![c], false);
-        push("transformer.ln_f.bias".into(), vec![c], false);
-        if !cfg.tied_embeddings {
-            push("lm_head.weight".into(), vec![v, c], true);
-        }
-        let index = specs
-            .iter()
-            .enumerate()
-            .map(|(i, s)| (s.name.clone(), i))
-            .collect();
-        ParamLayout {
-            specs,
-            index,
-            len: offset,
-        }
-    }
+/// Offsets of one block's tensors relative to the block's first
+/// parameter (a rank's local sizes).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BlockLayout {
+    /// `ln_1.weight (C)`.
+    pub ln1_w: Range<usize>,
+    /// `ln_1.bias (C)`.
+    pub ln1_b: Range<usize>,
+    /// `attn.c_attn.weight (C, 3·C/tp)`.
+    pub qkv_w: Range<usize>,
+    /// `attn.c_attn.bias (3·C/tp)`.
+    pub qkv_b: Range<usize>,
+    /// `attn.c_proj.weight (C/tp, C)`.
+    pub proj_w: Range<usize>,
+    /// `attn.c_proj.bias (C)`.
+    pub proj_b: Range<usize>,
+    /// `ln_2.weight (C)`.
+    pub ln2_w: Range<usize>,
+    /// `ln_2.bias (C)`.
+    pub ln2_b: Range<usize>,
+    /// The feed-forward block's tensors, in its order.
+    pub ffn: Range<usize>,
+}
 
-    /// Every tensor, in buffer order.
-    pub fn specs(&self) -> &[ParamSpec] {
-        &self.specs
-    }
-
-    /// Total number of elements.
+impl BlockLayout {
+    /// Floats in the block.
     pub fn len(&self) -> usize {
-        self.len
+        self.ffn.end
     }
 
-    /// Whether the layout holds no elements (never, for a valid config).
+    /// Whether the block holds nothing (never).
     pub fn is_empty(&self) -> bool {
-        self.len == 0
+        self.len() == 0
     }
 
-    /// Looks a tensor up by its Hugging Face name.
-    pub fn get(&self, name: &str) -> Option<&ParamSpec> {
-        self.index.get(name).map(|&i| &self.specs[i])
+    /// The layernorm parameters' ranges (`ln_1` weight and bias, `ln_2`
+    /// weight and bias).
+    pub fn layernorms(&self) -> [Range<usize>; 2] {
+        [
+            self.ln1_w.start..self.ln1_b.end,
+            self.ln2_w.start..self.ln2_b.end,
+        ]
     }
+}
 
-    /// The element range of a tensor.
-    ///
-    /// # Panics
-    /// If `name` is not in the layout (a bug in the caller).
-    pub(crate) fn range(&self, name: &str) -> Range<usize> {
-        self.get(name)
-            .unwrap_or_else(|| panic!("no parameter named {name}"))
-            .range()
+/// Where the model's pieces lie in a rank's buffer, read from its layout.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Pieces {
+    /// `wte` then `wpe`.
+    pub(crate) embed: Range<usize>,
+    /// `wte` alone.
+    pub(crate) wte: Range<usize>,
+    /// Each block.
+    pub(crate) blocks: Vec<Range<usize>>,
+    /// `ln_f` weight then bias.
+    pub(crate) lnf: Range<usize>,
+    /// The head weight: `wte`'s range when tied, else `lm_head.weight`'s.
+    pub(crate) lm_head: Range<usize>,
+    /// Offsets inside every block (the same for each).
+    pub(crate) block: BlockLayout,
+}
+
+impl Pieces {
+    /// The pieces of a [`param_layout`].
+    pub(crate) fn of(layout: &ParamLayout, cfg: &GptConfig) -> Result<Self> {
+        let get = |name: &str| {
+            layout.range(name).ok_or_else(|| Error::Config {
+                field: "layout",
+                reason: format!("has no tensor {name}"),
+            })
+        };
+        let wte = get("transformer.wte.weight")?;
+        let wpe = get("transformer.wpe.weight")?;
+        let mut blocks = Vec::with_capacity(cfg.n_layer);
+        for l in 0..cfg.n_layer {
+            let start = get(&format!("transformer.h.{l}.ln_1.weight"))?.start;
+            let end = if l + 1 < cfg.n_layer {
+                get(&format!("transformer.h.{}.ln_1.weight", l + 1))?.start
+            } else {
+                get("transformer.ln_f.weight")?.start
+            };
+            blocks.push(start..end);
+        }
+        let lnf = get("transformer.ln_f.weight")?.start..get("transformer.ln_f.bias")?.end;
+        let lm_head = if cfg.tied_embeddings {
+            wte.clone()
+        } else {
+            get("lm_head.weight")?
+        };
+        let rel = |name: &str| -> Result<Range<usize>> {
+            let r = get(&format!("transformer.h.0.{name}"))?;
+            let b = blocks[0].start;
+            Ok(r.start - b..r.end - b)
+        };
+        let ln2_b = rel("ln_2.bias")?;
+        let block = BlockLayout {
+            ln1_w: rel("ln_1.weight")?,
+            ln1_b: rel("ln_1.bias")?,
+            qkv_w: rel("attn.c_attn.weight")?,
+            qkv_b: rel("attn.c_attn.bias")?,
+            proj_w: rel("attn.c_proj.weight")?,
+            proj_b: rel("attn.c_proj.bias")?,
+            ln2_w: rel("ln_2.weight")?,
+            ffn: ln2_b.end..blocks[0].len(),
+            ln2_b,
+        };
+        Ok(Pieces {
+            embed: wte.start..wpe.end,
+            wte,
+            blocks,
+            lnf,
+            lm_head,
+            block,
+        })
     }
 }
 
@@ -163,7 +280,7 @@ mod tests {
             tied_embeddings: false,
             layer_norm_epsilon: 1e-5,
         };
-        let l = ParamLayout::new(&cfg);
+        let l = dense_layout(&cfg).unwrap();
         let mut end = 0;
         for s in l.specs() {
             assert_eq!(s.offset, end);
@@ -179,5 +296,51 @@ mod tests {
             vec![32, 8]
         );
         assert_eq!(l.specs().last().unwrap().name, "lm_head.weight");
+        let p = Pieces::of(&l, &cfg).unwrap();
+        assert_eq!(p.block.len(), p.blocks[0].len());
+        assert_eq!(p.embed, 0..(11 + 5) * 8);
+    }
+
+    #[test]
+    fn a_tensor_parallel_rank_holds_its_heads_and_vocabulary_rows() {
+        let cfg = GptConfig {
+            n_layer: 1,
+            n_head: 4,
+            n_embd: 8,
+            vocab_size: 11,
+            block_size: 5,
+            tied_embeddings: true,
+            layer_norm_epsilon: 1e-5,
+        };
+        let sharding = Sharding {
+            coords: Coords {
+                tp: (1, 2),
+                ..Coords::SINGLE
+            },
+            sequence_parallel: true,
+        };
+        let l = param_layout(&cfg, &Mlp, &sharding).unwrap();
+        let shape = |n: &str| l.get(n).unwrap().shape.clone();
+        assert_eq!(shape("transformer.wte.weight"), [5, 8]); // 11 = 6 + 5
+        assert_eq!(shape("transformer.h.0.attn.c_attn.weight"), [8, 12]);
+        assert_eq!(shape("transformer.h.0.attn.c_proj.weight"), [4, 8]);
+        assert_eq!(shape("transformer.h.0.mlp.c_fc.weight"), [8, 16]);
+        assert_eq!(shape("transformer.h.0.mlp.c_proj.weight"), [16, 8]);
+        assert_eq!(shape("transformer.h.0.mlp.c_proj.bias"), [8]);
+        let ln = l.get("transformer.h.0.ln_2.bias").unwrap();
+        assert_eq!(ln.grad_placements.tp, Placement::Partial);
+        let e = param_layout(
+            &cfg,
+            &Mlp,
+            &Sharding {
+                coords: Coords {
+                    tp: (0, 3),
+                    ..Coords::SINGLE
+                },
+                sequence_parallel: false,
+            },
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("n_head"), "{e}");
     }
 }

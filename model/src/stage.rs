@@ -27,7 +27,7 @@ use std::ops::Range;
 use crate::config::GptConfig;
 use crate::error::{Error, Result};
 use crate::gpt::{BlockActs, BlockScratch, GptBlocks, HeadActs, WeightInputs};
-use crate::params::{ParamLayout, ParamSpec};
+use weft_parallel::{ParamLayout, ParamSpec};
 
 /// Which part of the model a stage holds.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -118,7 +118,7 @@ struct Slot {
 pub struct GptStage {
     blocks: GptBlocks,
     spec: StageSpec,
-    specs: Vec<ParamSpec>,
+    layout: ParamLayout,
     /// (local range, range in the full layout) of each piece.
     segments: Vec<(Range<usize>, Range<usize>)>,
     embed: Option<Range<usize>>,
@@ -231,20 +231,8 @@ impl GptStage {
         };
         let n = at;
         let tied_copy = (spec.head && tied && !spec.embed).then(|| vec![0.0; blocks.wte_len()]);
-        let specs = layout
-            .specs()
-            .iter()
-            .filter_map(|s| {
-                let r = s.range();
-                segments
-                    .iter()
-                    .find(|(_, g)| g.start <= r.start && r.end <= g.end)
-                    .map(|(l, g)| ParamSpec {
-                        offset: l.start + (r.start - g.start),
-                        ..s.clone()
-                    })
-            })
-            .collect();
+        let globals: Vec<Range<usize>> = segments.iter().map(|(_, g)| g.clone()).collect();
+        let own = layout.gather(&globals);
         let exchange = tied && (spec.embed != spec.head);
         let c = cfg.n_embd;
         let slots = (0..slots)
@@ -292,7 +280,7 @@ impl GptStage {
         Ok(GptStage {
             blocks,
             spec,
-            specs,
+            layout: own,
             segments,
             embed,
             layer_ranges,
@@ -396,7 +384,13 @@ impl GptStage {
     /// into [`params`](Self::params) (for checkpoints and the optimizer's
     /// decay mask).
     pub fn specs(&self) -> &[ParamSpec] {
-        &self.specs
+        self.layout.specs()
+    }
+
+    /// This stage's own layout (its tensors, offsets into
+    /// [`params`](Self::params)).
+    pub fn layout(&self) -> &ParamLayout {
+        &self.layout
     }
 
     /// What this stage holds.

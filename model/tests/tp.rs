@@ -228,7 +228,7 @@ fn adamw_on_shards_follows_the_unsplit_losses() {
     let steps = 5;
     let mut full = model(&c, 40);
     let start = full.params.clone();
-    let mut opt = weft_model::AdamWState::new(&full);
+    let mut opt = full.adamw_state();
     let mut want = Vec::new();
     for _ in 0..steps {
         want.push(reference(&mut full, &x, &y));

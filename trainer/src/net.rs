@@ -430,7 +430,7 @@ impl Net {
     /// Zero AdamW moments for this rank's parameters.
     pub(crate) fn adamw_state(&self) -> AdamWState {
         match self {
-            Net::Whole(m) => AdamWState::new(m),
+            Net::Whole(m) => m.adamw_state(),
             Net::Tp(m) => m.adamw_state(),
             // The runner (or each stage) keeps its own moments.
             Net::Fsdp(_) | Net::Pp(_) => AdamWState {
@@ -714,8 +714,9 @@ fn pipe_step(
             if coef != 1.0 {
                 st.grads.iter_mut().for_each(|g| *g *= coef);
             }
-            let specs = st.specs().to_vec();
-            o.step_over(&specs, &mut st.params, &st.grads, hp)?;
+            let runs: Vec<_> = st.layout().decay_runs().collect();
+            o.step(runs, &mut st.params, &st.grads, hp)
+                .map_err(weft_model::Error::from)?;
         }
         p.ex.sync_tied_embeddings(comm)?;
     }

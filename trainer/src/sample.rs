@@ -31,7 +31,7 @@ use std::path::{Path, PathBuf};
 
 use rand_core::{Rng, SeedableRng};
 use rand_pcg::Pcg64;
-use weft_model::{AdamWState, Decoder, Gpt, MoeStats};
+use weft_model::{Decoder, Gpt, MoeStats};
 
 use crate::ckpt::CkptError;
 use crate::config::{Config, ConfigError};
@@ -165,7 +165,7 @@ impl Sampler {
         if !root.is_dir() {
             return Err(SampleError::NoCheckpoint(run_dir.to_owned()));
         }
-        let mut opt = AdamWState::new(&model);
+        let mut opt = model.adamw_state();
         let restored = match crate::ckpt::restore(&root, &config, &mut model, &mut opt) {
             Ok(r) => r,
             Err(CkptError::Missing(_)) => {

@@ -457,7 +457,7 @@ fn evaluate(
     let mut loss = [f64::NAN];
     match full.take() {
         Some(mut whole) => {
-            let mut moments = AdamWState::new(&whole);
+            let mut moments = whole.adamw_state();
             model.assemble(
                 dp,
                 &no_moments,
@@ -866,7 +866,7 @@ fn run_rank(
             (Some(whole), _) => {
                 // The checkpoint is unsharded: restore it whole, then take
                 // this rank's share (parameters and moments).
-                let mut whole_opt = AdamWState::new(whole);
+                let mut whole_opt = whole.adamw_state();
                 let r = crate::ckpt::restore(&ckpt_root, config, whole, &mut whole_opt)?;
                 model.take_share(dp, whole, &whole_opt, &mut opt)?;
                 r
@@ -914,7 +914,7 @@ fn run_rank(
     // Map the saver's host buffers now, not inside the first save's step.
     if let Some(saver) = saver.as_mut() {
         match (&full, &model) {
-            (Some(f), _) => saver.reserve(f, &AdamWState::new(f))?,
+            (Some(f), _) => saver.reserve(f, &f.adamw_state())?,
             (None, Net::Whole(m)) => saver.reserve(m, &opt)?,
             _ => {}
         }
@@ -1261,7 +1261,7 @@ fn run_rank(
         // collective, so every rank of the group joins.
         let mut whole_opt = None;
         if save_now && (ep.is_some() || tp.is_some() || sharded || pp) {
-            let mut o = full.as_ref().map(AdamWState::new);
+            let mut o = full.as_ref().map(Gpt::adamw_state);
             let dest = full.as_mut().zip(o.as_mut());
             model.assemble(dp, &opt, &full_layout, dest)?;
             whole_opt = o;

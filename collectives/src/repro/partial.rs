@@ -176,6 +176,25 @@ impl ExactPartial {
         decode_div(&self.enc, out, d)
     }
 
+    /// Writes the exact sum divided by `divisor`, rounded once to
+    /// nearest-even, to `out` (zeros if nothing was added): what
+    /// [`mean_to`](Self::mean_to) writes when `divisor` equals the count,
+    /// for callers whose mean is over contributions counted elsewhere (a
+    /// gradient already summed over other ranks' tokens).
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] if `out.len()` differs from [`len`](Self::len)
+    /// or `divisor` exceeds 2^32 − 1.
+    pub fn div_to<T: Element>(&self, out: &mut [T], by: u64) -> Result<()> {
+        self.check_len(OpKind::AllReduce, "out", out.len())?;
+        if self.count == 0 {
+            out.fill(T::ZERO);
+            return Ok(());
+        }
+        let d = divisor(OpKind::AllReduce, by)?;
+        decode_div(&self.enc, out, d)
+    }
+
     fn check_len(&self, op: OpKind, arg: &'static str, len: usize) -> Result<()> {
         if len != self.len {
             return Err(Error::InvalidArgument {
@@ -251,6 +270,7 @@ pub(crate) fn reduce_scatter_exact<T: Element, C: Communicator + ?Sized>(
     p: &ExactPartial,
     out: &mut [T],
     op: ReduceOp,
+    divide_by: Option<u64>,
 ) -> Result<()> {
     let n = c.size();
     let me = c.rank();
@@ -273,10 +293,10 @@ pub(crate) fn reduce_scatter_exact<T: Element, C: Communicator + ?Sized>(
         out.fill(T::ZERO);
         return Ok(());
     }
-    let d = if op == ReduceOp::Avg {
-        divisor(opk, total)?
-    } else {
-        Div(1)
+    let d = match (divide_by, op) {
+        (Some(k), _) => divisor(opk, k)?,
+        (None, ReduceOp::Avg) => divisor(opk, total)?,
+        (None, _) => Div(1),
     };
     let off = &p.offs;
     debug_assert_eq!(Some(off), block_offsets(&p.enc, len).ok().as_ref());

@@ -12,7 +12,7 @@ use super::shard::check_config;
 use super::{CommClock, Result, TpLayout, TpOptions, VocabShard, check_len, shape_err};
 use crate::config::GptConfig;
 use crate::gpt::Gpt;
-use crate::params::ParamLayout;
+use weft_parallel::ParamLayout;
 
 /// Activation buffers of one rank for one micro-batch shape (plan with
 /// [`TpGpt::activations`]).
@@ -133,7 +133,7 @@ impl TpGpt {
     pub fn new(config: GptConfig, tp: usize, rank: usize, opts: TpOptions) -> Result<Self> {
         check_config(&config, tp, rank)?;
         let layout = TpLayout::new(&config, tp, rank)?;
-        let full_layout = ParamLayout::new(&config);
+        let full_layout = crate::params::dense_layout(&config)?;
         let block = TpBlock::new(&config, tp);
         let vocab = VocabShard::new(config.vocab_size, tp, rank)?;
         let n = layout.len();
@@ -635,25 +635,20 @@ impl TpGpt {
     /// [`Error::Model`](super::Error::Model) naming the tensor if `state`
     /// was made for another layout (nothing is updated then).
     pub fn adamw_step(&mut self, state: &mut crate::AdamWState, hp: &AdamW) -> Result<()> {
-        state.step_tensors(
-            self.layout
-                .tensors()
-                .iter()
-                .map(|t| (t.name.as_str(), t.range(), t.decay)),
-            &mut self.params,
-            &self.grads,
-            hp,
-        )?;
+        state
+            .step(
+                self.layout.tensors().iter().map(|t| (t.range(), t.decay)),
+                &mut self.params,
+                &self.grads,
+                hp,
+            )
+            .map_err(crate::Error::from)?;
         Ok(())
     }
 
     /// Zero AdamW moments for this rank's shard.
     pub fn adamw_state(&self) -> crate::AdamWState {
-        crate::AdamWState {
-            m: vec![0.0; self.params.len()],
-            v: vec![0.0; self.params.len()],
-            step: 0,
-        }
+        crate::AdamWState::zeros(self.params.len())
     }
 
     /// The squared L2 norm of the whole model's gradient (split tensors

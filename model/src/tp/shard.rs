@@ -6,7 +6,7 @@ use weft_collectives::shard_range;
 
 use super::{Result, check_len, shape_err};
 use crate::config::GptConfig;
-use crate::params::ParamLayout;
+use weft_parallel::ParamLayout;
 
 /// How a tensor is split over the tp group (the global tensor's shape is
 /// [`TpTensor::global_shape`]; a 1-D tensor is one row).
@@ -211,7 +211,7 @@ impl TpLayout {
     /// [`Error::Model`](super::Error::Model) for an invalid configuration.
     pub fn new(cfg: &GptConfig, tp: usize, rank: usize) -> Result<Self> {
         check_config(cfg, tp, rank)?;
-        let full = ParamLayout::new(cfg);
+        let full = crate::params::dense_layout(cfg)?;
         let (c, v) = (cfg.n_embd, cfg.vocab_size);
         let cl = c / tp;
         let fl = 4 * c / tp;

@@ -2,5 +2,4 @@
 
 mod hf_io;
 mod invariance;
-mod optim;
 mod reference;

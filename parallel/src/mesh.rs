@@ -1,0 +1,411 @@
+//! The parallel degrees of a job and the device mesh they build.
+
+use std::fmt;
+use std::sync::Arc;
+
+use weft_collectives::{Communicator, Mesh};
+
+use crate::error::{Error, Result};
+use crate::layout::ParamSpec;
+use crate::placement::{Axis, Coords, Placement};
+
+/// The degrees of a parallel layout: pipeline stages, data-parallel ranks
+/// (of which `ep` consecutive ones share out the experts), and
+/// tensor-parallel ranks. World size `pp · dp · tp`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct ParallelDims {
+    /// Pipeline stages.
+    pub pp: usize,
+    /// Data-parallel ranks (replicas, or FSDP's sharding group).
+    pub dp: usize,
+    /// Tensor-parallel ranks (consecutive ranks: the fastest links).
+    pub tp: usize,
+    /// Expert-parallel ranks, a divisor of `dp`: groups of `ep`
+    /// consecutive data-parallel ranks share out each layer's experts.
+    pub ep: usize,
+}
+
+impl Default for ParallelDims {
+    fn default() -> Self {
+        ParallelDims::SINGLE
+    }
+}
+
+impl ParallelDims {
+    /// One rank.
+    pub const SINGLE: ParallelDims = ParallelDims {
+        pp: 1,
+        dp: 1,
+        tp: 1,
+        ep: 1,
+    };
+
+    /// Ranks in the job: `pp · dp · tp`.
+    pub fn world_size(&self) -> usize {
+        self.pp * self.dp * self.tp
+    }
+
+    /// Checks the degrees against each other.
+    ///
+    /// # Errors
+    /// [`Error::Dims`] if a degree is 0 or `ep` does not divide `dp`.
+    pub fn validate(&self) -> Result<()> {
+        for (field, v) in [
+            ("pp", self.pp),
+            ("dp", self.dp),
+            ("tp", self.tp),
+            ("ep", self.ep),
+        ] {
+            if v == 0 {
+                return Err(Error::Dims {
+                    field,
+                    reason: "must be at least 1".into(),
+                });
+            }
+        }
+        if !self.dp.is_multiple_of(self.ep) {
+            return Err(Error::Dims {
+                field: "ep",
+                reason: format!(
+                    "= {} must divide dp = {} (experts are shared out over data-parallel ranks)",
+                    self.ep, self.dp
+                ),
+            });
+        }
+        Ok(())
+    }
+
+    /// The mesh dimensions, slowest first: `pp`, `edp` (the data-parallel
+    /// replicas of one expert group, `dp / ep`), `ep`, `tp`.
+    pub fn mesh_dims(&self) -> [(&'static str, usize); 4] {
+        [
+            ("pp", self.pp),
+            ("edp", self.dp / self.ep.max(1)),
+            ("ep", self.ep),
+            ("tp", self.tp),
+        ]
+    }
+
+    /// The coordinates of world rank `rank`: tensor parallel innermost
+    /// (consecutive ranks), then the expert group, then its replicas, the
+    /// pipeline outermost — Megatron's `tp-ep-dp-pp` order.
+    pub fn coords_of(&self, rank: usize) -> MeshCoords {
+        let tp = rank % self.tp;
+        let rest = rank / self.tp;
+        let ep = rest % self.ep;
+        let rest = rest / self.ep;
+        let edp = rest % (self.dp / self.ep);
+        let pp = rest / (self.dp / self.ep);
+        MeshCoords {
+            pp,
+            edp,
+            ep,
+            tp,
+            dims: *self,
+        }
+    }
+
+    /// Builds the mesh over `world` (collective: every rank calls it).
+    ///
+    /// # Errors
+    /// [`Error::Dims`] if the degrees are invalid or do not multiply to the
+    /// world's size; collective errors from the splits.
+    pub fn build(&self, world: &dyn Communicator) -> Result<ParallelMesh> {
+        self.validate()?;
+        if self.world_size() != world.size() {
+            return Err(Error::Dims {
+                field: "dp",
+                reason: format!(
+                    "pp · dp · tp = {} · {} · {} = {} ranks, but the world has {}",
+                    self.pp,
+                    self.dp,
+                    self.tp,
+                    self.world_size(),
+                    world.size()
+                ),
+            });
+        }
+        let dims = self.mesh_dims();
+        let mesh = Mesh::new(world, &dims)?;
+        let mut groups = Vec::with_capacity(16);
+        for mask in 0..16u8 {
+            let names: Vec<&str> = (0..4)
+                .filter(|b| mask & (1 << b) != 0)
+                .map(|b| dims[b].0)
+                .collect();
+            groups.push(Arc::from(mesh.group(&names)?));
+        }
+        Ok(ParallelMesh {
+            dims: *self,
+            coords: self.coords_of(world.rank()),
+            mesh,
+            groups,
+        })
+    }
+}
+
+impl fmt::Display for ParallelDims {
+    /// `pp=2 dp=4 (ep=2) tp=2`.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "pp={} dp={}", self.pp, self.dp)?;
+        if self.ep > 1 {
+            write!(f, " (ep={})", self.ep)?;
+        }
+        write!(f, " tp={}", self.tp)
+    }
+}
+
+/// A rank's place in the mesh.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct MeshCoords {
+    /// Pipeline stage.
+    pub pp: usize,
+    /// Replica index of the expert group (`dp / ep` of them).
+    pub edp: usize,
+    /// Index in the expert group.
+    pub ep: usize,
+    /// Index in the tensor-parallel group.
+    pub tp: usize,
+    /// The degrees.
+    pub dims: ParallelDims,
+}
+
+impl MeshCoords {
+    /// Index in the data-parallel group: `edp · ep + ep`.
+    pub fn dp(&self) -> usize {
+        self.edp * self.dims.ep + self.ep
+    }
+
+    /// The coordinates on the sharding axes, for layouts and placements.
+    pub fn sharding(&self) -> Coords {
+        Coords {
+            tp: (self.tp, self.dims.tp),
+            ep: (self.ep, self.dims.ep),
+        }
+    }
+
+    /// Whether this rank writes `spec`'s tensor when a whole model is
+    /// assembled: it is the first of the ranks holding the same part of
+    /// it (index 0 of every axis that replicates it — the data-parallel
+    /// ranks and, unless it is sharded there, the tp and ep ranks).
+    pub fn owns(&self, spec: &ParamSpec) -> bool {
+        let first = |axis: Axis, idx: usize| idx == 0 || spec.placements.get(axis).is_shard();
+        self.edp == 0 && first(Axis::Ep, self.ep) && first(Axis::Tp, self.tp)
+    }
+}
+
+impl fmt::Display for MeshCoords {
+    /// `pp 0, dp 1 (edp 0, ep 1), tp 1`.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "pp {}, dp {}", self.pp, self.dp())?;
+        if self.dims.ep > 1 {
+            write!(f, " (edp {}, ep {})", self.edp, self.ep)?;
+        }
+        write!(f, ", tp {}", self.tp)
+    }
+}
+
+/// A set of mesh dimensions, naming the group of ranks that differ only
+/// along them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct DimSet(u8);
+
+impl DimSet {
+    /// No dimension: this rank alone.
+    pub const NONE: DimSet = DimSet(0);
+    /// The pipeline stages.
+    pub const PP: DimSet = DimSet(1);
+    /// The replicas of an expert group.
+    pub const EDP: DimSet = DimSet(2);
+    /// The expert group.
+    pub const EP: DimSet = DimSet(4);
+    /// The tensor-parallel group.
+    pub const TP: DimSet = DimSet(8);
+    /// The data-parallel group (`edp` and `ep`).
+    pub const DP: DimSet = DimSet(2 | 4);
+    /// Every rank.
+    pub const ALL: DimSet = DimSet(15);
+
+    /// Both sets together.
+    #[must_use]
+    pub const fn with(self, other: DimSet) -> DimSet {
+        DimSet(self.0 | other.0)
+    }
+
+    /// Whether `other` is inside this set.
+    pub const fn contains(self, other: DimSet) -> bool {
+        self.0 & other.0 == other.0
+    }
+
+    /// The set of the sharding axis `axis`.
+    pub const fn of(axis: Axis) -> DimSet {
+        match axis {
+            Axis::Tp => DimSet::TP,
+            Axis::Ep => DimSet::EP,
+        }
+    }
+}
+
+/// The device mesh of a job: [`weft_collectives::Mesh`] over dimensions
+/// `pp`, `edp`, `ep`, `tp` (slowest first, so a tensor-parallel group is
+/// `tp` consecutive ranks), with the communicator of every group of
+/// dimensions built once.
+pub struct ParallelMesh {
+    dims: ParallelDims,
+    coords: MeshCoords,
+    mesh: Mesh,
+    groups: Vec<Arc<dyn Communicator>>,
+}
+
+impl fmt::Debug for ParallelMesh {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ParallelMesh")
+            .field("dims", &self.dims)
+            .field("coords", &self.coords)
+            .finish_non_exhaustive()
+    }
+}
+
+impl ParallelMesh {
+    /// The degrees.
+    pub fn dims(&self) -> ParallelDims {
+        self.dims
+    }
+
+    /// This rank's coordinates.
+    pub fn coords(&self) -> MeshCoords {
+        self.coords
+    }
+
+    /// The underlying named mesh.
+    pub fn mesh(&self) -> &Mesh {
+        &self.mesh
+    }
+
+    /// The group of ranks that differ from this one only along `dims`
+    /// (ordered by their coordinates, row-major in mesh order).
+    pub fn group(&self, dims: DimSet) -> &dyn Communicator {
+        &*self.groups[usize::from(dims.0)]
+    }
+
+    /// [`group`](Self::group) as a shared handle (for layers that keep
+    /// their group, like the expert-parallel feed-forward block).
+    pub fn group_arc(&self, dims: DimSet) -> Arc<dyn Communicator> {
+        Arc::clone(&self.groups[usize::from(dims.0)])
+    }
+
+    /// Every rank of the job, in mesh order.
+    pub fn world(&self) -> &dyn Communicator {
+        self.group(DimSet::ALL)
+    }
+
+    /// The data-parallel group.
+    pub fn dp(&self) -> &dyn Communicator {
+        self.group(DimSet::DP)
+    }
+
+    /// The tensor-parallel group.
+    pub fn tp(&self) -> &dyn Communicator {
+        self.group(DimSet::TP)
+    }
+
+    /// The pipeline group (rank `i` holds stage `i`).
+    pub fn pp(&self) -> &dyn Communicator {
+        self.group(DimSet::PP)
+    }
+
+    /// The expert group.
+    pub fn ep(&self) -> &dyn Communicator {
+        self.group(DimSet::EP)
+    }
+
+    /// The group whose ranks see different data and hold the same
+    /// elements of a tensor placed `placements` on `ep`: the whole
+    /// data-parallel group, or (for an expert shard) the replicas of the
+    /// expert group.
+    pub fn data_group_of(&self, ep: Placement) -> DimSet {
+        if ep.is_shard() {
+            DimSet::EDP
+        } else {
+            DimSet::DP
+        }
+    }
+
+    /// One line per dimension and this rank's coordinates, for a start-up
+    /// report: `mesh pp=1 × edp=2 × ep=1 × tp=2 (tp innermost); rank 3:
+    /// pp 0, dp 1, tp 1`.
+    pub fn describe(&self) -> String {
+        let dims = self.dims.mesh_dims();
+        let shape: Vec<String> = dims.iter().map(|(n, s)| format!("{n}={s}")).collect();
+        format!(
+            "mesh {} (tp innermost); rank {}: {}",
+            shape.join(" × "),
+            self.world().rank(),
+            self.coords
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use weft_collectives::{CommunicatorExt, LocalCluster, ReduceOp};
+
+    #[test]
+    fn ranks_are_laid_out_tp_innermost() {
+        let d = ParallelDims {
+            pp: 2,
+            dp: 4,
+            tp: 2,
+            ep: 2,
+        };
+        assert_eq!(d.world_size(), 16);
+        let c = d.coords_of(0b1011);
+        assert_eq!((c.pp, c.edp, c.ep, c.tp), (1, 0, 1, 1));
+        assert_eq!(c.dp(), 1);
+        for r in 0..16 {
+            let c = d.coords_of(r);
+            let back = ((c.pp * 2 + c.edp) * 2 + c.ep) * 2 + c.tp;
+            assert_eq!(back, r);
+        }
+        let bad = ParallelDims { ep: 3, ..d };
+        assert!(bad.validate().unwrap_err().to_string().contains("ep"));
+    }
+
+    #[test]
+    fn groups_hold_the_ranks_that_differ_along_their_dims() {
+        let d = ParallelDims {
+            pp: 2,
+            dp: 2,
+            tp: 2,
+            ep: 1,
+        };
+        let out = LocalCluster::run(8, |comm| {
+            let mesh = d.build(&comm)?;
+            let me = mesh.world().rank() as f64;
+            let sum = |g: DimSet| -> weft_collectives::Result<f64> {
+                let mut x = [me];
+                mesh.group(g).all_reduce(&mut x, ReduceOp::Sum)?;
+                Ok(x[0])
+            };
+            Ok::<_, Error>((
+                sum(DimSet::TP)?,
+                sum(DimSet::DP)?,
+                sum(DimSet::PP)?,
+                sum(DimSet::ALL)?,
+            ))
+        })
+        .unwrap();
+        for (r, o) in out.into_iter().enumerate() {
+            let (tp, dp, pp, all) = o.unwrap();
+            let r = r as f64;
+            let t = (r as usize % 2) as f64;
+            assert_eq!(tp, 2.0 * (r - t) + 1.0, "tp group of rank {r}");
+            let dpi = ((r as usize / 2) % 2) as f64;
+            assert_eq!(dp, 2.0 * (r - 2.0 * dpi) + 2.0);
+            let ppi = (r as usize / 4) as f64;
+            assert_eq!(pp, 2.0 * (r - 4.0 * ppi) + 4.0);
+            assert_eq!(all, 28.0);
+        }
+    }
+}

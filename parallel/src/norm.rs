@@ -1,0 +1,178 @@
+//! The global gradient norm, exactly, whatever the layout.
+
+use weft_collectives::{Communicator, CommunicatorExt};
+use weft_numerics::ExactSum;
+
+use crate::error::{Error, Result};
+use crate::layout::ParamLayout;
+use crate::mesh::{DimSet, ParallelMesh};
+use crate::placement::Placements;
+
+/// Adds every `g²` of `grads` (exact in f64) to `sum`.
+pub fn add_squares(sum: &mut ExactSum, grads: &[f32]) {
+    let mut buf = Vec::with_capacity(4096);
+    for c in grads.chunks(4096) {
+        buf.clear();
+        buf.extend(c.iter().map(|&x| f64::from(x) * f64::from(x)));
+        sum.add_slice(&buf);
+    }
+}
+
+/// The exact sum of every rank's `local` over `comm`, the same on every
+/// rank: each rank sends its state to every other and merges all of them
+/// (merging is exact, so the order does not matter).
+///
+/// # Errors
+/// A collective error; [`Error::Corrupt`] if a peer's state does not decode.
+pub fn merge_exact(comm: &dyn Communicator, local: &ExactSum) -> Result<ExactSum> {
+    let n = comm.size();
+    if n == 1 {
+        return Ok(local.clone());
+    }
+    let mine = local.to_bytes();
+    // lengths, then the states, all-gathered as bytes packed in f32 words
+    let words = |b: &[u8]| -> Vec<f32> {
+        b.chunks(4)
+            .map(|c| {
+                let mut w = [0u8; 4];
+                w[..c.len()].copy_from_slice(c);
+                f32::from_bits(u32::from_le_bytes(w))
+            })
+            .collect()
+    };
+    let len = u32::try_from(mine.len()).unwrap_or(u32::MAX);
+    let mut lens = vec![0.0f32; n];
+    comm.all_gather(&[f32::from_bits(len)], &mut lens)?;
+    let lens: Vec<usize> = lens.iter().map(|w| w.to_bits() as usize).collect();
+    let width = lens.iter().copied().max().unwrap_or(0).div_ceil(4);
+    let mut padded = words(&mine);
+    padded.resize(width, 0.0);
+    let mut all = vec![0.0f32; width * n];
+    comm.all_gather(&padded, &mut all)?;
+    let mut total = ExactSum::new();
+    for (r, chunk) in all.chunks(width.max(1)).enumerate().take(n) {
+        let bytes: Vec<u8> = chunk
+            .iter()
+            .flat_map(|w| w.to_bits().to_le_bytes())
+            .take(lens[r])
+            .collect();
+        let other = ExactSum::from_bytes(&bytes).map_err(|e| Error::Corrupt {
+            rank: r,
+            reason: format!("gradient-norm state: {e}"),
+        })?;
+        total.merge(&other);
+    }
+    Ok(total)
+}
+
+/// The index of a placement's class: bit 0 if `tp` shards it, bit 1 if
+/// `ep` does.
+fn class(p: &Placements) -> usize {
+    usize::from(p.tp.is_shard()) | (usize::from(p.ep.is_shard()) << 1)
+}
+
+/// Accumulates the squared gradient norm of a rank's tensors, classed by
+/// placement.
+///
+/// Squares of f32 values are exact in f64; [`ExactSum`] adds them without
+/// rounding, and exact sums merge exactly. So each rank sums the squares of
+/// the gradient elements it holds, per *class* — the set of sharding axes
+/// over which ranks hold different elements of a tensor — and each class is
+/// merged over the group of ranks holding its distinct parts (the pipeline
+/// stages, and the `tp` / `ep` ranks where the class is sharded there).
+/// Ranks that replicate elements hold identical sums and are counted once.
+/// The total, rounded once, is the bits one rank holding the whole model
+/// would compute, for every layout.
+///
+/// ```
+/// use weft_parallel::{GradNorm, Placements};
+///
+/// let mut n = GradNorm::new();
+/// n.add(&Placements::REPLICATED, &[3.0, 4.0]);
+/// assert_eq!(n.finish(None)?, 5.0);
+/// # Ok::<(), weft_parallel::Error>(())
+/// ```
+#[derive(Clone, Debug, Default)]
+pub struct GradNorm {
+    classes: [ExactSum; 4],
+}
+
+impl GradNorm {
+    /// Nothing added.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Adds the squares of `grads`, elements of tensors placed
+    /// `placements`.
+    pub fn add(&mut self, placements: &Placements, grads: &[f32]) {
+        add_squares(&mut self.classes[class(placements)], grads);
+    }
+
+    /// Adds an exact sum of squares of elements placed `placements` (an
+    /// FSDP shard's, already merged over its shard group).
+    pub fn add_exact(&mut self, placements: &Placements, sum: &ExactSum) {
+        self.classes[class(placements)].merge(sum);
+    }
+
+    /// Adds every tensor of a gradient buffer laid out by `layout`.
+    pub fn add_layout(&mut self, layout: &ParamLayout, grads: &[f32]) {
+        for s in layout.specs() {
+            if let Some(g) = grads.get(s.range()) {
+                self.add(&s.placements, g);
+            }
+        }
+    }
+
+    /// The global L2 norm: each class merged over the ranks holding its
+    /// distinct parts (pipeline stages, and `tp`/`ep` where sharded), the
+    /// classes added, rounded once, square-rooted. Collective over the mesh
+    /// (every rank calls it); `None` for one rank holding everything.
+    ///
+    /// # Errors
+    /// As [`merge_exact`].
+    pub fn finish(&self, mesh: Option<&ParallelMesh>) -> Result<f64> {
+        let mut total = ExactSum::new();
+        for (k, sum) in self.classes.iter().enumerate() {
+            match mesh {
+                None => total.merge(sum),
+                Some(m) => {
+                    let mut g = DimSet::PP;
+                    if k & 1 != 0 {
+                        g = g.with(DimSet::TP);
+                    }
+                    if k & 2 != 0 {
+                        g = g.with(DimSet::EP);
+                    }
+                    total.merge(&merge_exact(m.group(g), sum)?);
+                }
+            }
+        }
+        Ok(total.to_f64().sqrt())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use weft_collectives::LocalCluster;
+
+    #[test]
+    fn merged_sums_are_exact_in_any_order() {
+        let vals: Vec<f32> = (0..999)
+            .map(|i| ((i * 37) as f32).sin() * 10f32.powi(i % 9 - 4))
+            .collect();
+        let mut one = ExactSum::new();
+        add_squares(&mut one, &vals);
+        let out = LocalCluster::run(3, |c| {
+            let mut s = ExactSum::new();
+            let part: Vec<f32> = vals.iter().skip(c.rank()).step_by(3).copied().collect();
+            add_squares(&mut s, &part);
+            merge_exact(&c, &s).map(|t| t.to_f64())
+        })
+        .unwrap();
+        for o in out {
+            assert_eq!(o.unwrap().to_bits(), one.to_f64().to_bits());
+        }
+    }
+}

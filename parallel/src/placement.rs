@@ -1,0 +1,458 @@
+//! Placements: how a tensor is laid out over the sharding axes of the
+//! mesh, and the map between a rank's elements and the whole tensor's.
+
+use std::fmt;
+use std::ops::Range;
+
+use weft_collectives::shard_range;
+
+use crate::error::{Result, layout_err};
+
+/// A mesh axis a tensor can be sharded over.
+///
+/// The other axes of the mesh never split a tensor: the data-parallel axes
+/// replicate every parameter (their ranks see different data), and the
+/// pipeline axis holds each tensor whole on the one stage that owns it
+/// (a stage's [`ParamLayout`](crate::ParamLayout) lists only its own).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Axis {
+    /// Tensor parallelism: a layer's matrices split over `tp` ranks.
+    Tp,
+    /// Expert parallelism: a mixture-of-experts layer's experts split over
+    /// `ep` data-parallel ranks.
+    Ep,
+}
+
+impl Axis {
+    /// Both axes, in the order shards nest (`ep` outermost).
+    pub const ALL: [Axis; 2] = [Axis::Ep, Axis::Tp];
+
+    /// `tp` or `ep`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Axis::Tp => "tp",
+            Axis::Ep => "ep",
+        }
+    }
+}
+
+/// How a tensor (or its gradient) sits on one mesh axis.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub enum Placement {
+    /// Every rank of the axis holds the whole tensor, with the same values.
+    #[default]
+    Replicate,
+    /// Dimension `dim` is cut into `blocks` equal blocks, and each block is
+    /// split over the axis' ranks with [`shard_range`] (the first
+    /// `len mod n` ranks hold one more); a rank holds its part of every
+    /// block, concatenated in block order. `blocks = 1` is an ordinary
+    /// shard; `blocks = 3` shards each of Q, K and V of a fused
+    /// `[C, 3C]` projection by heads (a strided shard).
+    Shard {
+        /// The dimension cut.
+        dim: usize,
+        /// Equal blocks of the dimension, each sharded.
+        blocks: usize,
+    },
+    /// Every rank holds a tensor of the whole shape whose sum over the
+    /// axis is the value: a gradient that still needs a reduction over the
+    /// axis (layernorm gradients under sequence parallelism). Parameters
+    /// are never partial.
+    Partial,
+}
+
+impl Placement {
+    /// An ordinary shard of dimension `dim`.
+    pub const fn shard(dim: usize) -> Self {
+        Placement::Shard { dim, blocks: 1 }
+    }
+
+    /// A strided shard: `blocks` equal blocks of `dim`, each sharded.
+    pub const fn strided(dim: usize, blocks: usize) -> Self {
+        Placement::Shard { dim, blocks }
+    }
+
+    /// Whether ranks of the axis hold different elements.
+    pub fn is_shard(self) -> bool {
+        matches!(self, Placement::Shard { .. })
+    }
+}
+
+impl fmt::Display for Placement {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Placement::Replicate => f.write_str("Replicate"),
+            Placement::Shard { dim, blocks: 1 } => write!(f, "Shard({dim})"),
+            Placement::Shard { dim, blocks } => write!(f, "Shard({dim}, {blocks} blocks)"),
+            Placement::Partial => f.write_str("Partial"),
+        }
+    }
+}
+
+/// A tensor's placement on every sharding axis.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub struct Placements {
+    /// On the tensor-parallel axis.
+    pub tp: Placement,
+    /// On the expert-parallel axis.
+    pub ep: Placement,
+}
+
+impl Placements {
+    /// Replicated on every axis.
+    pub const REPLICATED: Placements = Placements {
+        tp: Placement::Replicate,
+        ep: Placement::Replicate,
+    };
+
+    /// Sharded (or replicated) on the tensor-parallel axis only.
+    pub const fn tp(p: Placement) -> Self {
+        Placements {
+            tp: p,
+            ep: Placement::Replicate,
+        }
+    }
+
+    /// The placement on `axis`.
+    pub fn get(&self, axis: Axis) -> Placement {
+        match axis {
+            Axis::Tp => self.tp,
+            Axis::Ep => self.ep,
+        }
+    }
+
+    /// Sets the placement on `axis`.
+    pub fn set(&mut self, axis: Axis, p: Placement) {
+        match axis {
+            Axis::Tp => self.tp = p,
+            Axis::Ep => self.ep = p,
+        }
+    }
+
+    /// Whether no axis shards the tensor.
+    pub fn is_replicated(&self) -> bool {
+        !self.tp.is_shard() && !self.ep.is_shard()
+    }
+}
+
+/// A rank's position on the sharding axes: `(index, size)` per axis.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Coords {
+    /// Index and size of the tensor-parallel axis.
+    pub tp: (usize, usize),
+    /// Index and size of the expert-parallel axis.
+    pub ep: (usize, usize),
+}
+
+impl Default for Coords {
+    fn default() -> Self {
+        Coords::SINGLE
+    }
+}
+
+impl Coords {
+    /// One rank: nothing is sharded.
+    pub const SINGLE: Coords = Coords {
+        tp: (0, 1),
+        ep: (0, 1),
+    };
+
+    /// `(index, size)` on `axis`.
+    pub fn get(&self, axis: Axis) -> (usize, usize) {
+        match axis {
+            Axis::Tp => self.tp,
+            Axis::Ep => self.ep,
+        }
+    }
+}
+
+/// A contiguous stretch of elements: `len` elements from `local` in a
+/// rank's tensor are elements `whole ..` of the whole tensor (both
+/// row-major, offsets from the tensors' first elements).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Run {
+    /// First element in the whole tensor.
+    pub whole: usize,
+    /// First element in the rank's tensor.
+    pub local: usize,
+    /// Elements.
+    pub len: usize,
+}
+
+/// Per dimension, the whole tensor's index ranges a rank holds, in the
+/// order it stores them.
+fn held(global: &[usize], p: &Placements, c: &Coords) -> Result<Vec<Vec<Range<usize>>>> {
+    let mut idx: Vec<Vec<Range<usize>>> = global
+        .iter()
+        .map(|&n| std::iter::once(0..n).collect())
+        .collect();
+    for axis in Axis::ALL {
+        let (rank, size) = c.get(axis);
+        if rank >= size {
+            return Err(layout_err(
+                format!("{} coordinate", axis.name()),
+                format!("rank {rank} of {size}"),
+            ));
+        }
+        let Placement::Shard { dim, blocks } = p.get(axis) else {
+            continue;
+        };
+        let cur = idx.get(dim).ok_or_else(|| {
+            layout_err(
+                format!("{} placement", axis.name()),
+                format!(
+                    "shards dimension {dim} of a {}-dimensional tensor",
+                    global.len()
+                ),
+            )
+        })?;
+        let total: usize = cur.iter().map(Range::len).sum();
+        if blocks == 0 || !total.is_multiple_of(blocks) {
+            return Err(layout_err(
+                format!("{} placement", axis.name()),
+                format!("{total} elements of dimension {dim} do not split into {blocks} blocks"),
+            ));
+        }
+        let blen = total / blocks;
+        let mut next = Vec::new();
+        for b in 0..blocks {
+            let part = shard_range(blen, size, rank);
+            let (start, end) = (b * blen + part.start, b * blen + part.end);
+            // positions start..end of the current local index space, mapped
+            // back to the whole tensor's indices
+            let mut at = 0;
+            for r in cur {
+                let (lo, hi) = (at, at + r.len());
+                let (a, e) = (start.max(lo), end.min(hi));
+                if a < e {
+                    next.push(r.start + (a - lo)..r.start + (e - lo));
+                }
+                at = hi;
+            }
+        }
+        idx[dim] = next;
+    }
+    Ok(idx)
+}
+
+/// The shape of a rank's part of a tensor of shape `global` placed by
+/// `p`, at coordinates `c`.
+///
+/// # Errors
+/// [`Error::Layout`](crate::Error::Layout) if a placement shards a
+/// dimension the tensor does not have, a dimension does not divide into its
+/// blocks, or a coordinate is out of range.
+pub fn local_shape(global: &[usize], p: &Placements, c: &Coords) -> Result<Vec<usize>> {
+    Ok(held(global, p, c)?
+        .iter()
+        .map(|rs| rs.iter().map(Range::len).sum())
+        .collect())
+}
+
+/// Where a rank's elements of a tensor of shape `global` placed by `p`
+/// sit in the whole tensor, as maximal runs in the rank's storage order
+/// (their `local` offsets tile the rank's part). A replicated tensor is
+/// one run.
+///
+/// # Errors
+/// As [`local_shape`].
+pub fn runs(global: &[usize], p: &Placements, c: &Coords) -> Result<Vec<Run>> {
+    let idx = held(global, p, c)?;
+    let d = global.len();
+    let mut out: Vec<Run> = Vec::new();
+    let mut push = |whole: usize, local: usize, len: usize| {
+        if len == 0 {
+            return;
+        }
+        if let Some(last) = out.last_mut()
+            && last.whole + last.len == whole
+            && last.local + last.len == local
+        {
+            last.len += len;
+            return;
+        }
+        out.push(Run { whole, local, len });
+    };
+    if d == 0 {
+        push(0, 0, 1);
+        return Ok(out);
+    }
+    let mut stride = vec![1usize; d];
+    for i in (0..d - 1).rev() {
+        stride[i] = stride[i + 1] * global[i + 1];
+    }
+    // the outer dimensions' held indices, expanded
+    let outer: Vec<Vec<usize>> = idx[..d - 1]
+        .iter()
+        .map(|rs| rs.iter().flat_map(Clone::clone).collect())
+        .collect();
+    let mut pos = vec![0usize; d - 1];
+    let mut local = 0;
+    if outer.iter().any(Vec::is_empty) {
+        return Ok(out);
+    }
+    loop {
+        let base: usize = pos
+            .iter()
+            .enumerate()
+            .map(|(i, &p)| outer[i][p] * stride[i])
+            .sum();
+        for r in &idx[d - 1] {
+            push(base + r.start, local, r.len());
+            local += r.len();
+        }
+        // next outer index, row-major
+        let mut i = d - 1;
+        loop {
+            if i == 0 {
+                return Ok(out);
+            }
+            i -= 1;
+            pos[i] += 1;
+            if pos[i] < outer[i].len() {
+                break;
+            }
+            pos[i] = 0;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn whole(n: usize) -> Vec<f32> {
+        (0..n).map(|i| i as f32).collect()
+    }
+
+    /// The rank's part, cut from a whole tensor by its runs.
+    fn cut(global: &[usize], p: &Placements, c: &Coords) -> Vec<f32> {
+        let w = whole(global.iter().product());
+        let n: usize = local_shape(global, p, c).unwrap().iter().product();
+        let mut out = vec![f32::NAN; n];
+        for r in runs(global, p, c).unwrap() {
+            out[r.local..r.local + r.len].copy_from_slice(&w[r.whole..r.whole + r.len]);
+        }
+        out
+    }
+
+    #[test]
+    fn a_replicated_tensor_is_one_run() {
+        let r = runs(&[4, 6], &Placements::REPLICATED, &Coords::SINGLE).unwrap();
+        assert_eq!(
+            r,
+            [Run {
+                whole: 0,
+                local: 0,
+                len: 24
+            }]
+        );
+    }
+
+    #[test]
+    fn row_and_column_shards_cut_what_megatron_cuts() {
+        let rows = Placements::tp(Placement::shard(0));
+        let c = Coords {
+            tp: (1, 2),
+            ..Coords::SINGLE
+        };
+        assert_eq!(local_shape(&[4, 3], &rows, &c).unwrap(), [2, 3]);
+        assert_eq!(cut(&[4, 3], &rows, &c), [6., 7., 8., 9., 10., 11.]);
+        let cols = Placements::tp(Placement::shard(1));
+        assert_eq!(cut(&[2, 4], &cols, &c), [2., 3., 6., 7.]);
+        // Q|K|V of [1, 6] split by heads over 2 ranks: q1 k1 v1 on rank 1
+        let qkv = Placements::tp(Placement::strided(1, 3));
+        assert_eq!(cut(&[1, 6], &qkv, &c), [1., 3., 5.]);
+        // a 1-d bias of the fused projection, strided likewise
+        assert_eq!(
+            cut(&[6], &Placements::tp(Placement::strided(0, 3)), &c),
+            [1., 3., 5.]
+        );
+        // uneven rows: 5 over 2 ranks is 3 + 2
+        let c0 = Coords {
+            tp: (0, 2),
+            ..Coords::SINGLE
+        };
+        assert_eq!(local_shape(&[5, 2], &rows, &c0).unwrap(), [3, 2]);
+        assert_eq!(local_shape(&[5, 2], &rows, &c).unwrap(), [2, 2]);
+    }
+
+    #[test]
+    fn expert_and_tensor_shards_nest() {
+        // (E=4, C=2, H=4): experts over ep=2, hidden columns over tp=2
+        let p = Placements {
+            ep: Placement::shard(0),
+            tp: Placement::shard(2),
+        };
+        let c = Coords {
+            ep: (1, 2),
+            tp: (0, 2),
+        };
+        assert_eq!(local_shape(&[4, 2, 4], &p, &c).unwrap(), [2, 2, 2]);
+        // experts 2 and 3, hidden columns 0 and 1
+        assert_eq!(
+            cut(&[4, 2, 4], &p, &c),
+            [16., 17., 20., 21., 24., 25., 28., 29.]
+        );
+    }
+
+    #[test]
+    fn every_element_is_held_once_over_the_shards() {
+        let cases: [(&[usize], Placements); 4] = [
+            (&[7, 6], Placements::tp(Placement::shard(0))),
+            (&[4, 12], Placements::tp(Placement::strided(1, 3))),
+            (&[12], Placements::tp(Placement::strided(0, 3))),
+            (
+                &[4, 3, 6],
+                Placements {
+                    ep: Placement::shard(0),
+                    tp: Placement::shard(2),
+                },
+            ),
+        ];
+        for (g, p) in cases {
+            let total: usize = g.iter().product();
+            for (tp, ep) in [(2, 1), (3, 1), (2, 2), (1, 4)] {
+                if !p.ep.is_shard() && ep > 1 {
+                    continue;
+                }
+                let mut seen = vec![0u8; total];
+                for t in 0..tp {
+                    for e in 0..ep {
+                        let c = Coords {
+                            tp: (t, tp),
+                            ep: (e, ep),
+                        };
+                        let Ok(rs) = runs(g, &p, &c) else { continue };
+                        let mut local = 0;
+                        for r in rs {
+                            assert_eq!(r.local, local);
+                            local += r.len;
+                            seen[r.whole..r.whole + r.len]
+                                .iter_mut()
+                                .for_each(|s| *s += 1);
+                        }
+                    }
+                }
+                assert!(seen.iter().all(|&s| s == 1), "{g:?} {p:?} tp={tp} ep={ep}");
+            }
+        }
+    }
+
+    #[test]
+    fn bad_placements_are_errors() {
+        let c = Coords {
+            tp: (0, 2),
+            ..Coords::SINGLE
+        };
+        let e = local_shape(&[4], &Placements::tp(Placement::shard(1)), &c).unwrap_err();
+        assert!(e.to_string().contains("dimension 1"), "{e}");
+        let e = local_shape(&[4], &Placements::tp(Placement::strided(0, 3)), &c).unwrap_err();
+        assert!(e.to_string().contains("3 blocks"), "{e}");
+        let bad = Coords {
+            tp: (2, 2),
+            ..Coords::SINGLE
+        };
+        assert!(local_shape(&[4], &Placements::REPLICATED, &bad).is_err());
+    }
+}

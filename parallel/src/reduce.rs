@@ -1,0 +1,281 @@
+//! The data-parallel gradient reducer of every layout.
+
+use std::collections::BTreeMap;
+use std::ops::Range;
+
+use weft_collectives::repro::ExactPartial;
+use weft_collectives::{CommunicatorExt, ReduceOp};
+
+use crate::error::Result;
+use crate::layout::ParamLayout;
+use crate::mesh::{DimSet, ParallelMesh};
+use crate::placement::{Placement, Placements};
+
+/// Where a gradient element is summed: the ranks that saw different data
+/// and hold the same element — the data-parallel group, or for an expert
+/// shard the replicas of its expert group — and, for a gradient left
+/// partial over `tp` (a layernorm under sequence parallelism), the
+/// tensor-parallel group too.
+pub fn reduce_group(grad_placements: &Placements) -> DimSet {
+    let data = if grad_placements.ep.is_shard() {
+        DimSet::EDP
+    } else {
+        DimSet::DP
+    };
+    if grad_placements.tp == Placement::Partial {
+        data.with(DimSet::TP)
+    } else {
+        data
+    }
+}
+
+/// The elements reduced over one group.
+#[derive(Debug)]
+struct Part {
+    group: DimSet,
+    /// Element ranges of the buffer, in order.
+    ranges: Vec<Range<usize>>,
+    /// Exact partial sums, one per contribution range (the ranges the
+    /// caller adds: a whole buffer, or the pieces a pipeline stage
+    /// finishes per micro-batch), of this part's elements inside it.
+    partials: BTreeMap<(usize, usize), ExactPartial>,
+    buf: Vec<f32>,
+}
+
+/// The elements of `ranges` inside `window`, as ranges of the buffer.
+fn within(ranges: &[Range<usize>], window: &Range<usize>) -> Vec<Range<usize>> {
+    ranges
+        .iter()
+        .filter_map(|r| {
+            let (a, b) = (r.start.max(window.start), r.end.min(window.end));
+            (a < b).then_some(a..b)
+        })
+        .collect()
+}
+
+fn gather(ranges: &[Range<usize>], grads: &[f32], buf: &mut Vec<f32>) {
+    buf.clear();
+    for r in ranges {
+        buf.extend_from_slice(&grads[r.clone()]);
+    }
+}
+
+fn scatter(ranges: &[Range<usize>], buf: &[f32], grads: &mut [f32]) {
+    let mut at = 0;
+    for r in ranges {
+        grads[r.clone()].copy_from_slice(&buf[at..at + r.len()]);
+        at += r.len();
+    }
+}
+
+/// Turns micro-batch gradients into the gradient of the global batch's
+/// mean loss, on every layout: summed over the ranks of each tensor's
+/// [`reduce_group`], divided by the global number of micro-batches.
+///
+/// Exact (the reproducible mode): every micro-batch's gradient is folded
+/// into an exact partial sum ([`ExactPartial`]) and the group's partials
+/// are reduced and divided exactly, rounded once
+/// ([`all_reduce_exact_div`](CommunicatorExt::all_reduce_exact_div)), so
+/// any split of the global batch over ranks and micro-batches gives the
+/// same bits. Plain: gradients accumulate in place in f32, are all-reduced
+/// with the ring and scaled by `1/M`.
+///
+/// ```
+/// use weft_parallel::{GradReducer, LayoutBuilder, Coords, Placements};
+///
+/// let mut b = LayoutBuilder::new(Coords::SINGLE);
+/// b.push("w", &[3], true, Placements::REPLICATED)?;
+/// let layout = b.finish()?;
+/// let mut r = GradReducer::new(&layout, true);
+/// let mut g = vec![1.0f32, 2.0, 3.0];
+/// r.add_all(&mut g)?; // micro-batch 1 (folded, then zeroed)
+/// g.copy_from_slice(&[3.0, 2.0, 1.0]);
+/// r.add_all(&mut g)?; // micro-batch 2
+/// r.finish(&mut g, None, 2)?;
+/// assert_eq!(g, [2.0, 2.0, 2.0]);
+/// # Ok::<(), weft_parallel::Error>(())
+/// ```
+#[derive(Debug)]
+pub struct GradReducer {
+    parts: Vec<Part>,
+    exact: bool,
+    len: usize,
+}
+
+impl GradReducer {
+    /// A reducer for gradient buffers laid out by `layout`; `exact`
+    /// selects the reproducible sums.
+    pub fn new(layout: &ParamLayout, exact: bool) -> Self {
+        let mut by_group: BTreeMap<DimSet, Vec<Range<usize>>> = BTreeMap::new();
+        for s in layout.specs() {
+            let rs = by_group
+                .entry(reduce_group(&s.grad_placements))
+                .or_default();
+            match rs.last_mut() {
+                Some(last) if last.end == s.offset => last.end = s.range().end,
+                _ => rs.push(s.range()),
+            }
+        }
+        let parts = by_group
+            .into_iter()
+            .map(|(group, ranges)| Part {
+                group,
+                ranges,
+                partials: BTreeMap::new(),
+                buf: Vec::new(),
+            })
+            .collect();
+        GradReducer {
+            parts,
+            exact,
+            len: layout.len(),
+        }
+    }
+
+    /// Whether the sums are exact.
+    pub fn exact(&self) -> bool {
+        self.exact
+    }
+
+    /// Call once per micro-batch when its gradients in `range` of `grads`
+    /// are final. Exact: folds them into the partial sums of `range` and
+    /// zeroes them for the next micro-batch. Plain: leaves them to
+    /// accumulate in place. A caller adds the same ranges every
+    /// micro-batch (the whole buffer, or a pipeline stage's pieces).
+    ///
+    /// # Errors
+    /// A length error if `range` lies outside the buffer.
+    pub fn add(&mut self, range: Range<usize>, grads: &mut [f32]) -> Result<()> {
+        if !self.exact {
+            return Ok(());
+        }
+        if range.end > grads.len() {
+            return Err(crate::error::layout_err(
+                "gradient contribution",
+                format!("range {range:?} outside a buffer of {}", grads.len()),
+            ));
+        }
+        for part in &mut self.parts {
+            let inside = within(&part.ranges, &range);
+            let n: usize = inside.iter().map(Range::len).sum();
+            if n == 0 {
+                continue;
+            }
+            gather(&inside, grads, &mut part.buf);
+            part.partials
+                .entry((range.start, range.end))
+                .or_insert_with(|| ExactPartial::new(n))
+                .add(&part.buf)?;
+        }
+        if let Some(g) = grads.get_mut(range) {
+            weft_kernels::zero(g);
+        }
+        Ok(())
+    }
+
+    /// [`add`](Self::add) of the whole buffer.
+    ///
+    /// # Errors
+    /// As [`add`](Self::add).
+    pub fn add_all(&mut self, grads: &mut [f32]) -> Result<()> {
+        let n = grads.len().min(self.len);
+        self.add(0..n, grads)
+    }
+
+    /// Writes the gradient of the global batch's mean loss over its
+    /// `micro_batches` into `grads` and resets the partial sums.
+    /// Collective over each part's group on `mesh` (every rank of the
+    /// data-parallel group calls it, with the same layout); `None` for a
+    /// single rank.
+    ///
+    /// # Errors
+    /// A collective error, or [`Error::Comm`](crate::Error::Comm) for a
+    /// divisor beyond 2^32 − 1.
+    pub fn finish(
+        &mut self,
+        grads: &mut [f32],
+        mesh: Option<&ParallelMesh>,
+        micro_batches: usize,
+    ) -> Result<()> {
+        let m = micro_batches.max(1);
+        #[allow(clippy::cast_precision_loss)]
+        let inv = 1.0 / m as f32;
+        for part in &mut self.parts {
+            let comm = mesh.map(|ms| ms.group(part.group)).filter(|c| c.size() > 1);
+            if self.exact {
+                for (&(a, b), partial) in &mut part.partials {
+                    let inside = within(&part.ranges, &(a..b));
+                    part.buf.resize(partial.len(), 0.0);
+                    match comm {
+                        Some(c) => c.all_reduce_exact_div(partial, &mut part.buf, m as u64)?,
+                        None => partial.div_to(&mut part.buf, m as u64)?,
+                    }
+                    scatter(&inside, &part.buf, grads);
+                    partial.clear();
+                }
+            } else {
+                gather(&part.ranges, grads, &mut part.buf);
+                if let Some(c) = comm {
+                    c.all_reduce(&mut part.buf, ReduceOp::Sum)?;
+                }
+                if m > 1 {
+                    part.buf.iter_mut().for_each(|g| *g *= inv);
+                }
+                scatter(&part.ranges, &part.buf, grads);
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{Coords, LayoutBuilder, ParallelDims};
+    use weft_collectives::{Communicator, LocalCluster};
+
+    fn grads(seed: usize, n: usize) -> Vec<f32> {
+        (0..n)
+            .map(|i| (((i * 31 + seed * 17) % 97) as f32 - 48.0) * 1e-3 * (1 + i % 5) as f32)
+            .collect()
+    }
+
+    #[test]
+    fn any_split_over_ranks_and_ranges_gives_the_bits_of_one_rank() {
+        let mut b = LayoutBuilder::new(Coords::SINGLE);
+        b.push("a", &[40], true, Placements::REPLICATED).unwrap();
+        b.push("b", &[25], false, Placements::REPLICATED).unwrap();
+        let layout = b.finish().unwrap();
+        let m = 4;
+        let mut one = GradReducer::new(&layout, true);
+        let mut g = vec![0.0; 65];
+        for k in 0..m {
+            g.copy_from_slice(&grads(k, 65));
+            one.add_all(&mut g).unwrap();
+        }
+        one.finish(&mut g, None, m).unwrap();
+        let want = g.clone();
+        let dims = ParallelDims {
+            dp: 2,
+            ..ParallelDims::SINGLE
+        };
+        let out = LocalCluster::run(2, |comm| {
+            let mesh = dims.build(&comm)?;
+            let mut r = GradReducer::new(&layout, true);
+            let mut g = vec![0.0; 65];
+            for k in (comm.rank()..m).step_by(2) {
+                g.copy_from_slice(&grads(k, 65));
+                // in two pieces, as a pipeline stage hands them over
+                r.add(50..65, &mut g)?;
+                r.add(0..50, &mut g)?;
+            }
+            r.finish(&mut g, Some(&mesh), m)?;
+            Ok::<_, crate::Error>(g)
+        })
+        .unwrap();
+        for o in out {
+            let o = o.unwrap();
+            assert!(o.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()));
+        }
+    }
+}
