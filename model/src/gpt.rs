@@ -1063,6 +1063,15 @@ impl GptBlocks {
     }
 }
 
+/// One micro-batch: `B·T` input tokens and their `B·T` next-token targets.
+#[derive(Clone, Copy, Debug)]
+pub struct MicroBatch<'a> {
+    /// Input token ids `(B,T)`.
+    pub tokens: &'a [u32],
+    /// Target token ids `(B,T)`.
+    pub targets: &'a [u32],
+}
+
 /// A GPT-2-style transformer: configuration, the flat parameter and
 /// gradient buffers (same [`ParamLayout`]), and the feed-forward block.
 #[derive(Debug)]

@@ -102,9 +102,11 @@ pub mod tp;
 pub use config::GptConfig;
 pub use error::{Error, Result};
 pub use ffn::{Dims, FeedForward, Mlp, ParamShape};
-pub use gpt::{Activations, BlockActs, BlockScratch, Gpt, GptBlocks, HeadActs, WeightInputs};
+pub use gpt::{
+    Activations, BlockActs, BlockScratch, Gpt, GptBlocks, HeadActs, MicroBatch, WeightInputs,
+};
 pub use infer::Decoder;
 pub use moe_ffn::{MoeFfn, MoeStats};
 pub use params::{BlockLayout, Sharding, dense_layout, param_layout};
-pub use stage::{GptStage, StageInput, StageSpec};
+pub use stage::{GptStage, StageSpec, pipeline_stages};
 pub use weft_parallel::{AdamWState, ParamLayout, ParamSpec};

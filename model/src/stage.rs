@@ -1,32 +1,33 @@
 //! A pipeline stage of a GPT: a contiguous range of layers, with the
 //! embedding on the first stage and the head and loss on the last, owning
-//! only its own parameters.
+//! only its own parameters — the GPT's adapter to `weft-pipeline`
+//! ([`weft_pipeline::Stage`]), whose executor knows nothing of GPTs.
 //!
 //! # Tied embeddings across stages
 //!
 //! With `tied_embeddings`, `wte` is both the first stage's embedding and
-//! the last stage's `lm_head`. The embedding stage owns `wte` (it is in its
-//! [`params`](GptStage::params) under `transformer.wte.weight`, so the
-//! stages' parameter sets partition the model's exactly once); the head
-//! stage keeps a read-only *copy* outside its parameters
-//! ([`GptStage::tied_wte`]). Per micro-batch the head stage computes its
-//! part of `wte`'s gradient into a zeroed buffer
-//! ([`GptStage::tied_wte_grad`]) during its (input) backward; the
-//! pipeline sends it to the embedding stage, which stores it with
-//! [`GptStage::tied_wte_grad_mut`] before that micro-batch's embedding
-//! backward (its `W`, or its whole backward) adds it to `wte`'s gradient
-//! and then accumulates the embedding's own part on top — the order a
-//! single [`Gpt`](crate::Gpt) uses, so the micro-batch's `wte` gradient has
-//! the bits of the single model's. After the optimizer step the embedding
-//! stage's `wte` must be copied back to the head stage
-//! ([`GptStage::tied_wte_mut`]). The cost is one `V·C` message per
-//! micro-batch from the last stage to the first.
+//! the last stage's `lm_head`: a [`weft_pipeline::Shared`] parameter. The
+//! embedding stage owns `wte` (it is in its [`params`](GptStage::params)
+//! under `transformer.wte.weight`, so the stages' parameter sets partition
+//! the model's exactly once); the head stage keeps a read-only *copy*
+//! outside its parameters. Per micro-batch the head stage computes its part
+//! of `wte`'s gradient into a zeroed buffer during its (input) backward
+//! ([`Stage::shared_grad`](weft_pipeline::Stage::shared_grad)); the
+//! executor sends it to the embedding stage, which stores it
+//! ([`Stage::add_shared_grad`](weft_pipeline::Stage::add_shared_grad))
+//! before that micro-batch's embedding backward (its `W`, or its whole
+//! backward) adds it to `wte`'s gradient and then accumulates the
+//! embedding's own part on top — the order a single [`Gpt`](crate::Gpt)
+//! uses, so the micro-batch's `wte` gradient has the bits of the single
+//! model's. After the optimizer step the executor's `sync_shared` copies
+//! the embedding stage's `wte` back to the head stage. The cost is one
+//! `V·C` message per micro-batch from the last stage to the first.
 
 use std::ops::Range;
 
 use crate::config::GptConfig;
 use crate::error::{Error, Result};
-use crate::gpt::{BlockActs, BlockScratch, GptBlocks, HeadActs, WeightInputs};
+use crate::gpt::{BlockActs, BlockScratch, GptBlocks, HeadActs, MicroBatch, WeightInputs};
 use weft_parallel::{ParamLayout, ParamSpec};
 
 /// Which part of the model a stage holds.
@@ -41,6 +42,11 @@ pub struct StageSpec {
     /// Whether the stage ends with the head (`ln_f`, `lm_head`, loss); then
     /// `layers` must end at `n_layer`.
     pub head: bool,
+    /// Its position among the model's stages (its virtual stage): the
+    /// embedding stage is 0.
+    pub index: usize,
+    /// The number of stages the model is cut into.
+    pub stages: usize,
 }
 
 impl StageSpec {
@@ -65,13 +71,15 @@ impl StageSpec {
             layers: start..start + layers_per_stage[stage],
             embed: stage == 0,
             head: stage + 1 == layers_per_stage.len(),
+            index: stage,
+            stages: layers_per_stage.len(),
         })
     }
 }
 
 /// What a stage's forward takes in.
 #[derive(Clone, Copy, Debug)]
-pub enum StageInput<'a> {
+enum StageInput<'a> {
     /// Token ids `(B,T)` (the embedding stage).
     Tokens(&'a [u32]),
     /// The previous stage's output `(B,T,C)`.
@@ -105,10 +113,10 @@ struct Slot {
 /// for `slots` micro-batches in flight, each of `B` sequences of `T`
 /// tokens.
 ///
-/// Micro-batches are named by their index; [`forward`](Self::forward)
+/// Micro-batches are named by their index; [`forward`](weft_pipeline::Stage::forward)
 /// takes a free slot for it, and the last backward step
-/// ([`backward`](Self::backward), or [`backward_weight`](Self::backward_weight)
-/// after [`backward_input`](Self::backward_input)) frees it. Gradients
+/// ([`backward`](weft_pipeline::Stage::backward), or [`backward_weight`](weft_pipeline::Stage::backward_weight)
+/// after [`backward_input`](weft_pipeline::Stage::backward_input)) frees it. Gradients
 /// accumulate (`+=`) into [`grads`](Self::grads) with the same kernel calls
 /// as [`Gpt::backward`](crate::Gpt::backward).
 ///
@@ -144,8 +152,8 @@ impl GptStage {
     /// A stage of a model whose full parameters follow `layout` (made from
     /// the same configuration and feed-forward block as `blocks`), planned
     /// for `slots` micro-batches of `b`×`t` tokens in flight; `split`
-    /// plans what [`backward_input`](Self::backward_input) saves for
-    /// [`backward_weight`](Self::backward_weight) (per layer per slot,
+    /// plans what [`backward_input`](weft_pipeline::Stage::backward_input) saves for
+    /// [`backward_weight`](weft_pipeline::Stage::backward_weight) (per layer per slot,
     /// 7·B·T·C floats plus the feed-forward block's own: 11·B·T·C with the
     /// dense MLP). Parameters start at zero: copy them in with
     /// [`load_from_full`](Self::load_from_full).
@@ -191,6 +199,15 @@ impl GptStage {
         }
         if spec.layers.is_empty() && !spec.embed && !spec.head {
             return bad("a stage with no layers, embedding or head".into());
+        }
+        if spec.index >= spec.stages
+            || spec.embed != (spec.index == 0)
+            || spec.head != (spec.index + 1 == spec.stages)
+        {
+            return bad(format!(
+                "stage {} of {} must hold the embedding exactly when first and the head exactly when last (embed={}, head={})",
+                spec.index, spec.stages, spec.embed, spec.head
+            ));
         }
         if slots == 0 {
             return bad("at least one micro-batch slot is needed".into());
@@ -419,8 +436,8 @@ impl GptStage {
     }
 
     /// Whether the stage was planned for the split backward
-    /// ([`backward_input`](Self::backward_input) then
-    /// [`backward_weight`](Self::backward_weight)).
+    /// ([`backward_input`](weft_pipeline::Stage::backward_input) then
+    /// [`backward_weight`](weft_pipeline::Stage::backward_weight)).
     pub fn splits(&self) -> bool {
         self.slots
             .first()
@@ -430,8 +447,8 @@ impl GptStage {
     /// The part of [`grads`](Self::grads) that the head's backward writes
     /// (`ln_f`, and `lm_head` when untied), at the end of the buffer; `None`
     /// on a stage without the head. With the split backward it is written
-    /// by [`backward_input`](Self::backward_input), the rest by
-    /// [`backward_weight`](Self::backward_weight) — except on a single
+    /// by [`backward_input`](weft_pipeline::Stage::backward_input), the rest by
+    /// [`backward_weight`](weft_pipeline::Stage::backward_weight) — except on a single
     /// stage with tied embeddings, where the head's part of `wte` lies in
     /// the rest and is completed by `backward_weight`.
     pub fn head_grad_range(&self) -> Option<Range<usize>> {
@@ -456,23 +473,18 @@ impl GptStage {
     /// exchange (tied embeddings, and the embedding and head on different
     /// stages): the head stage sends [`tied_wte_grad`](Self::tied_wte_grad),
     /// the embedding stage receives into [`tied_wte_grad_mut`](Self::tied_wte_grad_mut).
-    pub fn tied_exchange(&self) -> bool {
+    fn tied_exchange(&self) -> bool {
         self.blocks.config().tied_embeddings && self.spec.embed != self.spec.head
     }
 
     /// The head stage's copy of `wte` (tied embeddings, head without
     /// embedding), to refresh from the embedding stage after each update.
-    pub fn tied_wte_mut(&mut self) -> Option<&mut [f32]> {
+    fn tied_wte_mut(&mut self) -> Option<&mut [f32]> {
         self.tied_copy.as_deref_mut()
     }
 
-    /// Read access to the tied copy of `wte`.
-    pub fn tied_wte(&self) -> Option<&[f32]> {
-        self.tied_copy.as_deref()
-    }
-
     /// The embedding stage's `wte` (the first part of its parameters).
-    pub fn wte(&self) -> Option<&[f32]> {
+    fn wte(&self) -> Option<&[f32]> {
         self.embed
             .as_ref()
             .map(|e| &self.params[e.start..e.start + self.blocks.wte_len()])
@@ -491,11 +503,11 @@ impl GptStage {
     }
 
     /// The head stage's `wte` gradient of micro-batch `mb` (zero-started),
-    /// after its [`backward`](Self::backward) or
-    /// [`backward_input`](Self::backward_input) and until the next one (the
+    /// after its [`backward`](weft_pipeline::Stage::backward) or
+    /// [`backward_input`](weft_pipeline::Stage::backward_input) and until the next one (the
     /// stage keeps only the latest); `None` otherwise, and unless this is
     /// the head side of a [`tied_exchange`](Self::tied_exchange).
-    pub fn tied_wte_grad(&self, mb: usize) -> Option<&[f32]> {
+    fn tied_wte_grad(&self, mb: usize) -> Option<&[f32]> {
         (self.tied_out_mb == Some(mb)).then_some(self.tied_out.as_slice())
     }
 
@@ -503,7 +515,7 @@ impl GptStage {
     /// micro-batch `mb` before its embedding backward; `None` unless this
     /// is the embedding side of a [`tied_exchange`](Self::tied_exchange)
     /// with `mb` in flight. Marks the gradient as present.
-    pub fn tied_wte_grad_mut(&mut self, mb: usize) -> Option<&mut [f32]> {
+    fn tied_wte_grad_mut(&mut self, mb: usize) -> Option<&mut [f32]> {
         if !(self.tied_exchange() && self.spec.embed) {
             return None;
         }
@@ -515,23 +527,10 @@ impl GptStage {
         Some(&mut s.tied_dwte)
     }
 
-    /// The mean loss of micro-batch `mb`'s forward (head stage with targets).
-    pub fn loss(&self, mb: usize) -> Option<f64> {
-        self.slots
-            .iter()
-            .find(|s| s.state != SlotState::Free && s.mb == mb)
-            .and_then(|s| s.loss)
-    }
-
     /// Forward of micro-batch `mb`: `input` is the tokens on the embedding
     /// stage and the previous stage's output elsewhere; the head stage
     /// needs `targets` and returns the mean loss. Takes a free slot.
-    ///
-    /// # Errors
-    /// [`Error::Batch`] if no slot is free, `mb` is already in flight, the
-    /// input kind or a length is wrong, or the head stage gets no targets;
-    /// a kernel error for an id outside the vocabulary.
-    pub fn forward(
+    fn forward_mb(
         &mut self,
         mb: usize,
         input: StageInput<'_>,
@@ -632,21 +631,11 @@ impl GptStage {
 
     /// The output `(B,T,C)` of micro-batch `mb`'s forward (to send to the
     /// next stage); `None` if `mb` is not in flight.
-    pub fn output(&self, mb: usize) -> Option<&[f32]> {
+    fn output(&self, mb: usize) -> Option<&[f32]> {
         self.slots
             .iter()
             .find(|s| s.state != SlotState::Free && s.mb == mb)
             .map(|s| s.layers.last().map_or(s.input.as_slice(), |a| &a.out))
-    }
-
-    /// The gradient `(B,T,C)` of micro-batch `mb`'s input after its
-    /// [`backward_input`](Self::backward_input) (to send to the previous
-    /// stage); `None` if it is not available.
-    pub fn input_grad(&self, mb: usize) -> Option<&[f32]> {
-        self.slots
-            .iter()
-            .find(|s| s.state == SlotState::InputDone && s.mb == mb)
-            .map(|s| s.dres.as_slice())
     }
 
     /// Head backward (when this is the head stage) or loading `dout`,
@@ -739,22 +728,12 @@ impl GptStage {
             .embed_backward(g, &slot.dres, &slot.tokens, self.b, self.t)
     }
 
-    /// Whole backward of micro-batch `mb`: from the loss on the head
-    /// stage (`dout = None`), else from `dout`, the gradient of this
-    /// stage's output. Accumulates every parameter gradient and frees the
-    /// slot; on a stage without the embedding the input's gradient is
-    /// returned through `send`, called before the slot is freed.
-    ///
-    /// # Errors
-    /// [`Error::Batch`] if `mb` was not forwarded, `dout` is missing or
-    /// has the wrong length, or (tied exchange) the head's `wte` gradient
-    /// has not been stored; a kernel error on a shape mismatch; `send`'s error.
-    pub fn backward(
+    fn backward_mb(
         &mut self,
         mb: usize,
         dout: Option<&[f32]>,
-        send: &mut dyn FnMut(&[f32]) -> Result<()>,
-    ) -> Result<()> {
+        dinput: Option<&mut [f32]>,
+    ) -> Result<Vec<Range<usize>>> {
         let i = self.slot_of(mb, SlotState::Forwarded, "backward")?;
         self.start_backward(i, dout)?;
         let bl = &self.blocks;
@@ -777,28 +756,38 @@ impl GptStage {
         if self.embed.is_some() {
             self.embed_backward(i)?;
         } else {
-            send(&self.slots[i].dres)?;
+            copy_out(dinput, &self.slots[i].dres)?;
         }
         let slot = &mut self.slots[i];
         slot.state = SlotState::Free;
         slot.tied_ready = false;
-        Ok(())
+        Ok(std::iter::once(0..self.grads.len()).collect())
     }
 
-    /// Backward-for-input (B) of micro-batch `mb` (see
-    /// [`backward`](Self::backward) for `dout`): the input's gradient is
-    /// then [`input_grad`](Self::input_grad); the layers' weight gradients
-    /// wait for [`backward_weight`](Self::backward_weight). The head's
-    /// weight gradients are accumulated here.
-    ///
-    /// # Errors
-    /// As for [`backward`](Self::backward), and [`Error::Batch`] if the
-    /// stage was not planned with `split`.
-    pub fn backward_input(&mut self, mb: usize, dout: Option<&[f32]>) -> Result<()> {
+    fn backward_input_mb(
+        &mut self,
+        mb: usize,
+        dout: Option<&[f32]>,
+        dinput: Option<&mut [f32]>,
+    ) -> Result<Vec<Range<usize>>> {
         let i = self.slot_of(mb, SlotState::Forwarded, "backward-for-input")?;
         if self.slots[i].saved.len() != self.layer_ranges.len() {
             return Err(Error::Batch {
                 reason: "backward_input on a stage planned without split backward".into(),
+            });
+        }
+        if self.spec.embed
+            && self.spec.head
+            && self.blocks.config().tied_embeddings
+            && let Some(prev) = self.slots.iter().find(|s| s.state == SlotState::InputDone)
+        {
+            // The head's wte gradient lands in the embedding's range, which
+            // the pending W has not finished: the micro-batches would mix.
+            return Err(Error::Batch {
+                reason: format!(
+                    "with tied embeddings on one stage, W of micro-batch {} must run before the next B (micro-batch {mb})",
+                    prev.mb
+                ),
             });
         }
         self.start_backward(i, dout)?;
@@ -820,17 +809,13 @@ impl GptStage {
             )?;
         }
         slot.state = SlotState::InputDone;
-        Ok(())
+        if self.embed.is_none() {
+            copy_out(dinput, &self.slots[i].dres)?;
+        }
+        Ok(self.head_grad_range().into_iter().collect())
     }
 
-    /// Backward-for-weights (W) of micro-batch `mb` after its
-    /// [`backward_input`](Self::backward_input): accumulates the layers'
-    /// (and the embedding's) parameter gradients and frees the slot.
-    ///
-    /// # Errors
-    /// [`Error::Batch`] if `mb`'s B has not run, or (tied exchange) the
-    /// head's `wte` gradient has not been stored; a kernel error.
-    pub fn backward_weight(&mut self, mb: usize) -> Result<()> {
+    fn backward_weight_mb(&mut self, mb: usize) -> Result<Vec<Range<usize>>> {
         let i = self.slot_of(mb, SlotState::InputDone, "backward-for-weights")?;
         let bl = &self.blocks;
         let slot = &mut self.slots[i];
@@ -853,11 +838,239 @@ impl GptStage {
         let slot = &mut self.slots[i];
         slot.state = SlotState::Free;
         slot.tied_ready = false;
-        Ok(())
+        let end = self.head_grad_range().map_or(self.grads.len(), |r| r.start);
+        Ok(std::iter::once(0..end).collect())
     }
 
     /// Sets every gradient to zero.
     pub fn zero_grad(&mut self) {
         weft_kernels::zero(&mut self.grads);
     }
+}
+
+/// Copies a stage's input gradient to the executor's message buffer.
+fn copy_out(dinput: Option<&mut [f32]>, dres: &[f32]) -> Result<()> {
+    let Some(out) = dinput else {
+        return Err(Error::Batch {
+            reason:
+                "a stage without the embedding sends its input's gradient back: give it a buffer"
+                    .into(),
+        });
+    };
+    if out.len() != dres.len() {
+        return Err(Error::Batch {
+            reason: format!(
+                "input-gradient buffer of {} floats, expected B*T*C = {}",
+                out.len(),
+                dres.len()
+            ),
+        });
+    }
+    out.copy_from_slice(dres);
+    Ok(())
+}
+
+/// The id of the tied embedding as a [`weft_pipeline::Shared`] parameter.
+const TIED_WTE: u32 = 0;
+
+/// A GPT stage runs under `weft-pipeline`'s executor: the embedding stage
+/// reads a micro-batch's tokens, the head stage its targets; with tied
+/// embeddings across stages `wte` is a [`Shared`](weft_pipeline::Shared)
+/// parameter owned by the embedding stage (see the module docs).
+impl weft_pipeline::Stage for GptStage {
+    type Batch<'a> = MicroBatch<'a>;
+    type Error = Error;
+
+    fn input_len(&self) -> usize {
+        self.message_len()
+    }
+    fn output_len(&self) -> usize {
+        self.message_len()
+    }
+    fn slots(&self) -> usize {
+        self.slots.len()
+    }
+    fn splits_backward(&self) -> bool {
+        self.splits()
+    }
+
+    fn forward(
+        &mut self,
+        mb: usize,
+        batch: &MicroBatch<'_>,
+        input: Option<&[f32]>,
+        output: Option<&mut [f32]>,
+    ) -> Result<Option<f64>> {
+        let inp = match input {
+            None => StageInput::Tokens(batch.tokens),
+            Some(x) => StageInput::Hidden(x),
+        };
+        let loss = self.forward_mb(mb, inp, self.spec.head.then_some(batch.targets))?;
+        if let Some(out) = output {
+            let y = self.output(mb).unwrap_or_default();
+            if out.len() != y.len() {
+                return Err(Error::Batch {
+                    reason: format!(
+                        "output buffer of {} floats, expected B*T*C = {}",
+                        out.len(),
+                        y.len()
+                    ),
+                });
+            }
+            out.copy_from_slice(y);
+        }
+        Ok(loss)
+    }
+
+    fn backward(
+        &mut self,
+        mb: usize,
+        dout: Option<&[f32]>,
+        dinput: Option<&mut [f32]>,
+    ) -> Result<Vec<Range<usize>>> {
+        self.backward_mb(mb, dout, dinput)
+    }
+
+    fn backward_input(
+        &mut self,
+        mb: usize,
+        dout: Option<&[f32]>,
+        dinput: Option<&mut [f32]>,
+    ) -> Result<Vec<Range<usize>>> {
+        self.backward_input_mb(mb, dout, dinput)
+    }
+
+    fn backward_weight(&mut self, mb: usize) -> Result<Vec<Range<usize>>> {
+        self.backward_weight_mb(mb)
+    }
+
+    fn discard(&mut self, mb: usize) -> Result<()> {
+        let i = self.slot_of(mb, SlotState::Forwarded, "discard")?;
+        let slot = &mut self.slots[i];
+        slot.state = SlotState::Free;
+        slot.tied_ready = false;
+        Ok(())
+    }
+
+    fn grads(&self) -> &[f32] {
+        &self.grads
+    }
+
+    fn grads_mut(&mut self) -> &mut [f32] {
+        &mut self.grads
+    }
+
+    fn shared(&self) -> Vec<weft_pipeline::Shared> {
+        if !self.tied_exchange() {
+            return Vec::new();
+        }
+        vec![weft_pipeline::Shared {
+            id: TIED_WTE,
+            owner: 0,
+            user: self.spec.stages - 1,
+            len: self.blocks.wte_len(),
+        }]
+    }
+
+    fn shared_grad(&self, id: u32, mb: usize) -> Option<&[f32]> {
+        (id == TIED_WTE).then(|| self.tied_wte_grad(mb)).flatten()
+    }
+
+    fn add_shared_grad(&mut self, id: u32, mb: usize, grad: &[f32]) -> Result<()> {
+        let layers = self.spec.layers.clone();
+        let dst = (id == TIED_WTE)
+            .then(|| self.tied_wte_grad_mut(mb))
+            .flatten()
+            .ok_or_else(|| Error::Batch {
+                reason: format!(
+                    "stage {layers:?}: no tied wte gradient expected for micro-batch {mb} (shared parameter {id})"
+                ),
+            })?;
+        if dst.len() != grad.len() {
+            return Err(Error::Batch {
+                reason: format!(
+                    "tied wte gradient of {} floats, expected {}",
+                    grad.len(),
+                    dst.len()
+                ),
+            });
+        }
+        dst.copy_from_slice(grad);
+        Ok(())
+    }
+
+    fn shared_param(&self, id: u32) -> Option<&[f32]> {
+        (id == TIED_WTE && self.tied_exchange())
+            .then(|| self.wte())
+            .flatten()
+    }
+
+    fn set_shared_param(&mut self, id: u32, value: &[f32]) -> Result<()> {
+        let copy = (id == TIED_WTE)
+            .then(|| self.tied_wte_mut())
+            .flatten()
+            .ok_or_else(|| Error::Batch {
+                reason: format!("this stage holds no copy of shared parameter {id}"),
+            })?;
+        if copy.len() != value.len() {
+            return Err(Error::Batch {
+                reason: format!(
+                    "wte of {} floats, the copy holds {}",
+                    value.len(),
+                    copy.len()
+                ),
+            });
+        }
+        copy.copy_from_slice(value);
+        Ok(())
+    }
+}
+
+/// The stages `rank` holds of `schedule`, cut from `model`: virtual stage
+/// `s` holds `layers_per_virtual_stage[s]` layers (in model order, summing
+/// to `n_layer`; a `weft_pipeline::Partition`'s `layers_per_chunk`), with
+/// parameters copied from `model`, planned for micro-batches of `b`
+/// sequences of `t` tokens and the schedule's peak in-flight count (split
+/// backward when the schedule splits it). Hand them to
+/// [`weft_pipeline::Executor::new`].
+///
+/// # Errors
+/// [`Error::Config`] if the layer counts do not match the schedule's
+/// virtual stages or the model, or `rank` is outside the schedule; as
+/// [`GptStage::new`] otherwise.
+pub fn pipeline_stages(
+    model: &crate::Gpt,
+    schedule: &weft_pipeline::Schedule,
+    rank: usize,
+    layers_per_virtual_stage: &[usize],
+    b: usize,
+    t: usize,
+) -> Result<Vec<GptStage>> {
+    let pl = schedule.placement();
+    let nvs = pl.virtual_stages();
+    let total: usize = layers_per_virtual_stage.iter().sum();
+    if layers_per_virtual_stage.len() != nvs || total != model.config().n_layer {
+        return Err(Error::Config {
+            field: "pipeline stages",
+            reason: format!(
+                "layers per virtual stage {layers_per_virtual_stage:?}: need {nvs} counts summing to n_layer = {}",
+                model.config().n_layer
+            ),
+        });
+    }
+    if rank >= pl.stages() {
+        return Err(Error::Config {
+            field: "pipeline stages",
+            reason: format!("rank {rank} outside the schedule's {} stages", pl.stages()),
+        });
+    }
+    let peak = weft_pipeline::peak_in_flight_per_chunk(schedule, rank);
+    let split = schedule.splits_backward();
+    (0..pl.chunks())
+        .map(|c| {
+            let vs = pl.virtual_stage(rank, c);
+            let spec = StageSpec::nth(layers_per_virtual_stage, vs)?;
+            GptStage::from_gpt(model, spec, b, t, peak[c].max(1), split)
+        })
+        .collect()
 }

@@ -3,7 +3,8 @@
 //! model cut into stages gives the whole model's losses and accumulated
 //! gradients, for tied and untied embeddings and every kind of cut.
 
-use weft_model::{Gpt, GptConfig, GptStage, StageInput, StageSpec};
+use weft_model::{Gpt, GptConfig, GptStage, MicroBatch, StageSpec};
+use weft_pipeline::Stage;
 
 type R = Result<(), Box<dyn std::error::Error>>;
 
@@ -155,9 +156,10 @@ fn split_backward_equals_whole_backward_bitwise() -> R {
 }
 
 /// Runs `mbs` micro-batches through `stages` one after another (the
-/// sequential order every schedule is equivalent to), passing activations
-/// and gradients by hand; with `split`, W of a micro-batch is deferred
-/// until after the next micro-batch's forward.
+/// sequential order every schedule is equivalent to), passing activations,
+/// gradients and the tied embedding's gradient by hand (the executor's
+/// protocol); with `split`, W of a micro-batch is deferred until after the
+/// next micro-batch's forward.
 fn run_stages(
     stages: &mut [GptStage],
     mbs: u64,
@@ -166,58 +168,66 @@ fn run_stages(
     let (b, t) = stages[0].batch_shape();
     let v = u32::try_from(stages[0].blocks().config().vocab_size).unwrap();
     let n = stages.len();
+    let msg = stages[0].message_len();
     let mut losses = Vec::new();
-    let mut pending: Option<usize> = None;
+    let mut pending: Option<(usize, Option<Vec<f32>>)> = None;
+    let owner_takes = |s: &mut GptStage, m: usize, tied: &Option<Vec<f32>>| {
+        if let (Some(sh), Some(g)) = (s.shared().first(), tied)
+            && sh.owner == s.spec().index
+        {
+            s.add_shared_grad(sh.id, m, g)?;
+        }
+        Ok::<_, weft_model::Error>(())
+    };
     for mb in 0..mbs {
         let (tok, tg) = batch(b * t, v, mb);
         let m = usize::try_from(mb).unwrap();
+        let data = MicroBatch {
+            tokens: &tok,
+            targets: &tg,
+        };
         let mut x: Vec<f32> = Vec::new();
         for (i, s) in stages.iter_mut().enumerate() {
-            let input = if i == 0 {
-                StageInput::Tokens(&tok)
-            } else {
-                StageInput::Hidden(&x)
-            };
-            let loss = s.forward(m, input, (i + 1 == n).then_some(tg.as_slice()))?;
+            let mut out = vec![0.0; msg];
+            let input = (i > 0).then_some(x.as_slice());
+            let last = i + 1 == n;
+            let loss = s.forward(m, &data, input, (!last).then_some(&mut out[..]))?;
             if let Some(l) = loss {
                 losses.push(l);
             }
-            x = s.output(m).unwrap().to_vec();
+            x = out;
         }
-        if let Some(prev) = pending.take() {
+        if let Some((prev, tied)) = pending.take() {
             for s in stages.iter_mut() {
+                owner_takes(s, prev, &tied)?;
                 s.backward_weight(prev)?;
             }
         }
         let mut d: Option<Vec<f32>> = None;
         let mut tied: Option<Vec<f32>> = None;
-        for s in stages.iter_mut().rev() {
-            if s.spec().embed
-                && let (Some(dst), Some(src)) = (s.tied_wte_grad_mut(m), &tied)
-            {
-                dst.copy_from_slice(src);
-            }
-            let mut sent = None;
+        for (i, s) in stages.iter_mut().enumerate().rev() {
+            let mut dinp = vec![0.0; msg];
+            let dinput = (i > 0).then_some(&mut dinp[..]);
             if split {
-                s.backward_input(m, d.as_deref())?;
-                sent = s.input_grad(m).map(<[f32]>::to_vec);
+                s.backward_input(m, d.as_deref(), dinput)?;
             } else {
-                s.backward(m, d.as_deref(), &mut |g| {
-                    sent = Some(g.to_vec());
-                    Ok(())
-                })?;
+                owner_takes(s, m, &tied)?;
+                s.backward(m, d.as_deref(), dinput)?;
             }
-            if let Some(g) = s.tied_wte_grad(m) {
+            if let Some(sh) = s.shared().first()
+                && let Some(g) = s.shared_grad(sh.id, m)
+            {
                 tied = Some(g.to_vec());
             }
-            d = sent;
+            d = Some(dinp);
         }
         if split {
-            pending = Some(m);
+            pending = Some((m, tied));
         }
     }
-    if let Some(prev) = pending {
+    if let Some((prev, tied)) = pending {
         for s in stages.iter_mut() {
+            owner_takes(s, prev, &tied)?;
             s.backward_weight(prev)?;
         }
     }
@@ -278,60 +288,69 @@ fn stages_give_the_whole_models_losses_and_gradients_bitwise() -> R {
 fn stage_misuse_is_a_typed_error() -> R {
     let full = model(true, 2, 1);
     let bad = |spec: StageSpec| GptStage::from_gpt(&full, spec, 1, 4, 1, false).is_err();
+    let spec = |layers: std::ops::Range<usize>, index: usize, stages: usize| StageSpec {
+        layers,
+        embed: index == 0,
+        head: index + 1 == stages,
+        index,
+        stages,
+    };
+    assert!(bad(spec(1..3, 1, 2)), "layers beyond the model");
+    assert!(bad(spec(1..2, 0, 2)), "embedding not at layer 0");
+    assert!(bad(spec(0..1, 1, 2)), "head before the end");
     assert!(
         bad(StageSpec {
-            layers: 1..3,
             embed: false,
-            head: true
+            ..spec(0..1, 0, 2)
         }),
-        "layers beyond the model"
-    );
-    assert!(
-        bad(StageSpec {
-            layers: 1..2,
-            embed: true,
-            head: false
-        }),
-        "embedding not at layer 0"
-    );
-    assert!(
-        bad(StageSpec {
-            layers: 0..1,
-            embed: false,
-            head: true
-        }),
-        "head before the end"
+        "the first stage without the embedding"
     );
     assert!(StageSpec::nth(&[1, 1], 2).is_err());
     assert!(GptStage::from_gpt(&full, StageSpec::nth(&[2], 0)?, 1, 4, 0, false).is_err());
 
     let mut s = GptStage::from_gpt(&full, StageSpec::nth(&[1, 1], 0)?, 1, 4, 1, false)?;
     let tok = [1u32, 2, 3, 4];
+    let tg = [2u32, 3, 4, 5];
+    let mb = MicroBatch {
+        tokens: &tok,
+        targets: &tg,
+    };
+    let mut out = vec![0.0; 64];
     assert!(
-        s.forward(0, StageInput::Hidden(&[0.0; 64]), None).is_err(),
-        "wrong input kind"
+        s.forward(0, &mb, Some(&[0.0; 64]), Some(&mut out)).is_err(),
+        "hidden states into the embedding stage"
     );
+    let short = MicroBatch {
+        tokens: &tok[..3],
+        targets: &tg,
+    };
     assert!(
-        s.forward(0, StageInput::Tokens(&tok[..3]), None).is_err(),
+        s.forward(0, &short, None, Some(&mut out)).is_err(),
         "wrong length"
     );
-    s.forward(0, StageInput::Tokens(&tok), None)?;
+    s.forward(0, &mb, None, Some(&mut out))?;
     assert!(
-        s.forward(1, StageInput::Tokens(&tok), None).is_err(),
+        s.forward(1, &mb, None, Some(&mut out)).is_err(),
         "no free slot"
     );
     assert!(s.backward_weight(0).is_err(), "W before B");
     assert!(
-        s.backward_input(0, Some(&[0.0; 64])).is_err(),
+        s.backward_input(0, Some(&[0.0; 64]), None).is_err(),
         "not planned for split"
     );
     // The embedding stage of a tied pair needs the head's wte gradient.
-    assert!(s.backward(0, Some(&[0.0; 64]), &mut |_| Ok(())).is_err());
-    s.tied_wte_grad_mut(0).unwrap().fill(0.0);
-    s.backward(0, Some(&[0.0; 64]), &mut |_| Ok(()))?;
+    assert!(s.backward(0, Some(&[0.0; 64]), None).is_err());
+    let sh = s.shared()[0];
+    assert_eq!((sh.owner, sh.user), (0, 1));
+    s.add_shared_grad(sh.id, 0, &vec![0.0; sh.len])?;
+    s.backward(0, Some(&[0.0; 64]), None)?;
     assert!(
-        s.backward(0, Some(&[0.0; 64]), &mut |_| Ok(())).is_err(),
+        s.backward(0, Some(&[0.0; 64]), None).is_err(),
         "backward twice"
+    );
+    assert!(
+        s.add_shared_grad(sh.id, 0, &vec![0.0; sh.len]).is_err(),
+        "not in flight"
     );
     Ok(())
 }

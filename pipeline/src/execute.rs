@@ -1,16 +1,17 @@
-//! The executor: runs a [`Schedule`] over real GPT stages, one rank per
-//! pipeline stage, activations and gradients flowing by send/recv.
+//! The executor: runs a [`Schedule`] over the [`Stage`]s of one rank, one
+//! rank per pipeline stage, activations and gradients flowing by
+//! send/recv.
 
 use std::collections::HashMap;
 use std::ops::Range;
 use std::time::Instant;
 
 use weft_collectives::{Communicator, CommunicatorExt};
-use weft_model::{Gpt, GptStage, StageInput, StageSpec};
 use weft_trace::{Trace, TraceEvent};
 
 use crate::schedule::{Action, ActionKind, Schedule};
 use crate::simulate::{ChunkCost, Costs, Slot, Timeline, simulate};
+use crate::stage::{Shared, Stage};
 use crate::validate::validate;
 
 /// What went wrong running a schedule.
@@ -20,9 +21,9 @@ pub enum ExecError {
     /// The schedule is invalid (see [`validate`]) or the costs are.
     #[error(transparent)]
     Schedule(#[from] crate::Error),
-    /// A model call failed.
-    #[error("model: {0}")]
-    Model(#[from] weft_model::Error),
+    /// A stage failed (its own error inside).
+    #[error("stage: {0}")]
+    Stage(Box<dyn std::error::Error + Send + Sync>),
     /// A send or receive failed.
     #[error("communication: {0}")]
     Comm(#[from] weft_collectives::Error),
@@ -48,18 +49,22 @@ pub enum ExecError {
     },
 }
 
+impl ExecError {
+    /// The innermost error, below the [`Action`](Self::Action) that
+    /// failed.
+    pub fn root(&self) -> &ExecError {
+        match self {
+            ExecError::Action { source, .. } => source.root(),
+            e => e,
+        }
+    }
+}
+
 /// `Result` with [`ExecError`].
 pub type ExecResult<T> = Result<T, ExecError>;
 
-/// The data of one micro-batch: token ids and next-token targets, `B·T`
-/// each. Every rank passes all micro-batches of the step; the first
-/// virtual stage reads the tokens, the last the targets.
-#[derive(Clone, Copy, Debug)]
-pub struct MicroBatch<'a> {
-    /// Input token ids `(B,T)`.
-    pub tokens: &'a [u32],
-    /// Target ids `(B,T)`.
-    pub targets: &'a [u32],
+fn stage_err<E: std::error::Error + Send + Sync + 'static>(e: E) -> ExecError {
+    ExecError::Stage(Box::new(e))
 }
 
 /// One micro-batch's finished gradients of part of a stage, handed to the
@@ -72,8 +77,8 @@ pub struct GradEvent<'a> {
     pub chunk: usize,
     /// The virtual stage (position in the model).
     pub virtual_stage: usize,
-    /// The range of the stage's [`GptStage::grads`] (and
-    /// [`GptStage::params`]) these gradients cover.
+    /// The range of the stage's [`grads`](Stage::grads) these gradients
+    /// cover.
     pub range: Range<usize>,
     /// The gradients, `grads[range]`; zeroed after the hook returns.
     pub grads: &'a [f32],
@@ -95,8 +100,8 @@ pub struct RankTimeline {
 /// The outcome of one [`Executor::step`] on one rank.
 #[derive(Clone, Debug)]
 pub struct StepReport {
-    /// Mean loss of each micro-batch, on the rank holding the head (`None`
-    /// elsewhere).
+    /// Loss of each micro-batch, on the rank holding the last virtual
+    /// stage (`None` elsewhere).
     pub losses: Vec<Option<f64>>,
     /// The measured timeline of this rank.
     pub timeline: RankTimeline,
@@ -104,17 +109,26 @@ pub struct StepReport {
 
 const ACT: u64 = 0;
 const GRAD: u64 = 1;
-const TIED: u64 = 2;
-const SYNC: u64 = 3;
 const GATHER: u64 = 4;
 
-/// Runs a pipeline schedule over the [`GptStage`]s of one rank.
+/// Message kinds of shared parameter `id`: its gradient contributions, and
+/// its value after the optimizer step.
+fn shared_grad_kind(id: u32) -> u64 {
+    16 + 2 * u64::from(id)
+}
+fn shared_sync_kind(id: u32) -> u64 {
+    17 + 2 * u64::from(id)
+}
+
+/// Runs a pipeline schedule over the [`Stage`]s of one rank.
 ///
 /// Each rank (a thread of a `LocalCluster`, or a process) builds one
-/// `Executor` for its stage of the schedule, owning one [`GptStage`] per
-/// chunk (one for GPipe, 1F1B and ZB-H1; `v` non-contiguous ones for
-/// interleaved 1F1B), and calls [`step`](Self::step) once per optimizer
-/// step with the step's micro-batches, on every rank at once.
+/// `Executor` for its stage of the schedule, owning one stage per chunk
+/// (one for GPipe, 1F1B and ZB-H1; `v` non-contiguous ones for interleaved
+/// 1F1B), and calls [`step`](Self::step) once per optimizer step with the
+/// step's micro-batches, on every rank at once. The stages are any
+/// model's: the executor knows message lengths, slots and gradient ranges,
+/// never what a stage computes.
 ///
 /// * Forward activations go from virtual stage `s` to `s+1` and input
 ///   gradients back from `s+1` to `s` by `send`/`recv` on the pipeline
@@ -122,71 +136,110 @@ const GATHER: u64 = 4;
 ///   stay in memory). Sends are buffered, so the order of each rank's list
 ///   is all that matters; any schedule that [`validate`] accepts runs
 ///   without deadlock.
-/// * `F`, `BW` (whole backward), `B` and `W` map to [`GptStage::forward`],
-///   [`GptStage::backward`], [`GptStage::backward_input`] and
-///   [`GptStage::backward_weight`].
-/// * Tied embeddings (first and last virtual stage on different
-///   [`GptStage`]s): after the last stage's `BW`/`B` of a micro-batch its
-///   part of `wte`'s gradient goes to the first stage, which adds it
-///   before its own embedding backward (see [`GptStage`]);
-///   [`sync_tied_embeddings`](Self::sync_tied_embeddings) copies the
-///   updated `wte` back after the optimizer step.
+/// * `F`, `BW` (whole backward), `B` and `W` map to [`Stage::forward`],
+///   [`Stage::backward`], [`Stage::backward_input`] and
+///   [`Stage::backward_weight`]; a [forward-only](Schedule::forward_only)
+///   schedule's `F` is followed by [`Stage::discard`].
+/// * Shared parameters ([`Shared`], tied embeddings): after the user
+///   stage's `BW`/`B` of a micro-batch its gradient contribution goes to
+///   the owner, which takes it before its own `BW`/`W` of that
+///   micro-batch; [`sync_shared`](Self::sync_shared) copies the owner's
+///   value back after the optimizer step.
 /// * Gradient accumulation: without a hook, every micro-batch's gradients
-///   accumulate in place (`+=`) into each stage's
-///   [`grads`](GptStage::grads) — bitwise what one [`Gpt`] accumulating the
-///   same micro-batches in order holds (for every tensor; for a tied `wte`
-///   too whenever a micro-batch's `B·T` fits one GEMM depth block). With
-///   a hook, each micro-batch's gradients are handed over as soon as they
-///   are final (after `BW`, after `W`, and for the head's `ln_f`/`lm_head`
-///   after `B`) and then zeroed, so the caller can accumulate them exactly
-///   (e.g. with the collectives' exact partial sums): each piece is
-///   bitwise the single model's gradient of that micro-batch.
+///   accumulate in place (`+=`) into each stage's buffer. With a hook, each
+///   micro-batch's gradients are handed over as soon as they are final
+///   (the ranges each backward call returns) and then zeroed, so the
+///   caller can accumulate them exactly (with the collectives' exact
+///   partial sums, as `weft_parallel::GradReducer` does).
 ///
 /// # Example
 ///
-/// Two pipeline stages on threads, ZB-H1 over 4 micro-batches, checked
-/// against the whole model:
+/// A chain of scalings `y = w·x` over two stages on threads, 1F1B over 4
+/// micro-batches of 3 values, each stage with its own weight; the loss is
+/// the mean of `y`.
 ///
 /// ```
+/// use std::ops::Range;
 /// use weft_collectives::{Communicator, LocalCluster};
-/// use weft_model::{Gpt, GptConfig};
-/// use weft_pipeline::{Executor, MicroBatch, ScheduleKind};
+/// use weft_pipeline::{Executor, ScheduleKind, Stage};
 ///
-/// let cfg = GptConfig { n_layer: 2, n_head: 2, n_embd: 16, vocab_size: 40, block_size: 8,
-///                       tied_embeddings: true, layer_norm_epsilon: 1e-5 };
-/// let mut model = Gpt::new(cfg)?;
-/// model.init_gpt2(1);
-/// let (b, t, m) = (2, 8, 4);
-/// let data: Vec<(Vec<u32>, Vec<u32>)> = (0..m as u32)
-///     .map(|k| ((0..16).map(|i| (i * 7 + k) % 40).collect(), (0..16).map(|i| (i * 3 + k) % 40).collect()))
-///     .collect();
-/// let mbs: Vec<MicroBatch> = data.iter().map(|(x, y)| MicroBatch { tokens: x, targets: y }).collect();
-/// let schedule = ScheduleKind::ZbH1.generate(2, m, 1)?;
-/// let losses = LocalCluster::run(2, |comm| {
-///     let mut ex = Executor::from_gpt(&model, schedule.clone(), comm.rank(), &[1, 1], b, t)?;
-///     let report = ex.step(&comm, &mbs, None)?;
-///     Ok::<_, weft_pipeline::ExecError>(report.losses)
-/// })?;
-/// let last: Vec<f64> = losses[1].as_ref().unwrap().iter().map(|l| l.unwrap()).collect();
-/// let mut acts = model.activations(b, t)?;
-/// for (k, (x, y)) in data.iter().enumerate() {
-///     assert_eq!(model.forward(&mut acts, x, Some(y))?.unwrap().to_bits(), last[k].to_bits());
+/// #[derive(Debug)]
+/// struct Scale { w: f32, first: bool, last: bool, x: Vec<Vec<f32>>, g: Vec<f32> }
+/// #[derive(Debug, thiserror::Error)]
+/// #[error("scale stage")]
+/// struct E;
+///
+/// impl Stage for Scale {
+///     type Batch<'a> = Vec<f32>;
+///     type Error = E;
+///     fn input_len(&self) -> usize { 3 }
+///     fn output_len(&self) -> usize { 3 }
+///     fn slots(&self) -> usize { 4 }
+///     fn splits_backward(&self) -> bool { false }
+///     fn forward(&mut self, mb: usize, batch: &Vec<f32>, input: Option<&[f32]>,
+///                output: Option<&mut [f32]>) -> Result<Option<f64>, E> {
+///         let x = input.unwrap_or(batch).to_vec();
+///         let y: Vec<f32> = x.iter().map(|v| self.w * v).collect();
+///         self.x[mb] = x;
+///         match output {
+///             Some(out) => { out.copy_from_slice(&y); Ok(None) }
+///             None => Ok(Some(y.iter().map(|&v| f64::from(v)).sum::<f64>() / 3.0)),
+///         }
+///     }
+///     fn backward(&mut self, mb: usize, dout: Option<&[f32]>, dinput: Option<&mut [f32]>)
+///                 -> Result<Vec<Range<usize>>, E> {
+///         let dy = dout.map_or(vec![1.0 / 3.0; 3], <[f32]>::to_vec);
+///         self.g[0] += dy.iter().zip(&self.x[mb]).map(|(d, x)| d * x).sum::<f32>();
+///         if let Some(dx) = dinput {
+///             dx.iter_mut().zip(&dy).for_each(|(o, d)| *o = self.w * d);
+///         }
+///         Ok(vec![0..1])
+///     }
+///     fn backward_input(&mut self, _: usize, _: Option<&[f32]>, _: Option<&mut [f32]>)
+///                       -> Result<Vec<Range<usize>>, E> { Err(E) }
+///     fn backward_weight(&mut self, _: usize) -> Result<Vec<Range<usize>>, E> { Err(E) }
+///     fn discard(&mut self, _: usize) -> Result<(), E> { Ok(()) }
+///     fn grads(&self) -> &[f32] { &self.g }
+///     fn grads_mut(&mut self) -> &mut [f32] { &mut self.g }
 /// }
+///
+/// let data: Vec<Vec<f32>> = (0..4).map(|k| vec![k as f32, 1.0, 2.0]).collect();
+/// let schedule = ScheduleKind::OneFOneB.generate(2, 4, 1)?;
+/// let out = LocalCluster::run(2, |comm| {
+///     let r = comm.rank();
+///     let stage = Scale { w: 2.0 + r as f32, first: r == 0, last: r == 1,
+///                         x: vec![Vec::new(); 4], g: vec![0.0] };
+///     let mut ex = Executor::new(schedule.clone(), r, vec![stage])?;
+///     let report = ex.step(&comm, &data, None)?;
+///     Ok::<_, weft_pipeline::ExecError>((report.losses, ex.stages()[0].g[0]))
+/// })?;
+/// let (losses, _) = out[1].as_ref().unwrap();
+/// // micro-batch 1: mean of 6 · (1, 1, 2)
+/// assert_eq!(losses[1], Some(8.0));
+/// // d loss / d w₂ = Σ over micro-batches of mean(2·x)
+/// let (_, g1) = out[1].as_ref().unwrap();
+/// assert_eq!(*g1, (2.0 * (0.0 + 1.0 + 2.0 + 3.0) + 4.0 * 6.0) / 3.0);
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
 #[derive(Debug)]
-pub struct Executor {
+pub struct Executor<S> {
     schedule: Schedule,
     rank: usize,
-    chunks: Vec<GptStage>,
+    chunks: Vec<S>,
+    shared: Vec<Vec<Shared>>,
     mailbox: HashMap<u64, Vec<f32>>,
 }
 
 /// Micro-batches in flight on each chunk of `rank` at the schedule's
-/// peak (activations held from `F` until `BW`, or `W` after `B`).
+/// peak (activations held from `F` until `BW`, or `W` after `B`; one for a
+/// forward-only schedule, whose stages discard each micro-batch after its
+/// forward).
 #[must_use]
 pub fn peak_in_flight_per_chunk(schedule: &Schedule, rank: usize) -> Vec<usize> {
     let v = schedule.chunks();
+    if schedule.is_forward_only() {
+        return vec![1; v];
+    }
     let mut now = vec![0usize; v];
     let mut peak = vec![0usize; v];
     for a in schedule.stages().get(rank).map_or(&[][..], Vec::as_slice) {
@@ -207,18 +260,17 @@ pub fn peak_in_flight_per_chunk(schedule: &Schedule, rank: usize) -> Vec<usize> 
     peak
 }
 
-impl Executor {
+impl<S: Stage> Executor<S> {
     /// An executor for `rank` of `schedule` over its `chunks` (chunk `c`
     /// is virtual stage `schedule.placement().virtual_stage(rank, c)`).
     ///
     /// # Errors
     /// [`ExecError::Schedule`] if the schedule does not validate;
     /// [`ExecError::Setup`] if `rank` is out of range, the number of
-    /// chunks differs, a chunk's embedding/head flags do not match its
-    /// position, a split schedule meets a stage planned without the split
-    /// backward, or a chunk has fewer slots than the schedule keeps in
-    /// flight.
-    pub fn new(schedule: Schedule, rank: usize, chunks: Vec<GptStage>) -> ExecResult<Self> {
+    /// chunks differs, a split schedule meets a stage that cannot split its
+    /// backward, a chunk has fewer slots than the schedule keeps in flight,
+    /// or a shared parameter names virtual stages outside the schedule.
+    pub fn new(schedule: Schedule, rank: usize, chunks: Vec<S>) -> ExecResult<Self> {
         validate(&schedule)?;
         let setup = |reason: String| Err(ExecError::Setup { rank, reason });
         let p = schedule.num_stages();
@@ -235,18 +287,11 @@ impl Executor {
         }
         let peak = peak_in_flight_per_chunk(&schedule, rank);
         let nvs = pl.virtual_stages();
+        let mut shared = Vec::with_capacity(chunks.len());
         for (c, st) in chunks.iter().enumerate() {
-            let vs = pl.virtual_stage(rank, c);
-            let spec = st.spec();
-            if spec.embed != (vs == 0) || spec.head != (vs + 1 == nvs) {
+            if schedule.splits_backward() && !st.splits_backward() {
                 return setup(format!(
-                    "chunk {c} is virtual stage {vs} of {nvs} but its stage has embed={}, head={}",
-                    spec.embed, spec.head
-                ));
-            }
-            if schedule.splits_backward() && !st.splits() {
-                return setup(format!(
-                    "schedule {} splits the backward but chunk {c}'s stage was planned without it",
+                    "schedule {} splits the backward but chunk {c}'s stage cannot",
                     schedule.name()
                 ));
             }
@@ -257,61 +302,29 @@ impl Executor {
                     peak[c]
                 ));
             }
+            let vs = pl.virtual_stage(rank, c);
+            let mine = st.shared();
+            for sh in &mine {
+                if sh.owner >= nvs
+                    || sh.user >= nvs
+                    || sh.owner == sh.user
+                    || (sh.owner != vs && sh.user != vs)
+                {
+                    return setup(format!(
+                        "chunk {c} (virtual stage {vs} of {nvs}) declares shared parameter {} between virtual stages {} and {}",
+                        sh.id, sh.owner, sh.user
+                    ));
+                }
+            }
+            shared.push(mine);
         }
         Ok(Executor {
             schedule,
             rank,
             chunks,
+            shared,
             mailbox: HashMap::new(),
         })
-    }
-
-    /// Builds `rank`'s stages from a whole model: virtual stage `s` holds
-    /// `layers_per_virtual_stage[s]` layers (in model order, summing to
-    /// `n_layer`; a [`Partition`](crate::Partition)'s
-    /// [`layers_per_chunk`](crate::Partition::layers_per_chunk)), with
-    /// parameters copied from `model`, planned for micro-batches of `b`
-    /// sequences of `t` tokens and the schedule's peak in-flight count.
-    ///
-    /// # Errors
-    /// [`ExecError::Setup`] if the layer counts do not match the schedule's
-    /// virtual stages or the model; as [`new`](Self::new) otherwise.
-    pub fn from_gpt(
-        model: &Gpt,
-        schedule: Schedule,
-        rank: usize,
-        layers_per_virtual_stage: &[usize],
-        b: usize,
-        t: usize,
-    ) -> ExecResult<Self> {
-        let pl = schedule.placement();
-        let nvs = pl.virtual_stages();
-        let total: usize = layers_per_virtual_stage.iter().sum();
-        if layers_per_virtual_stage.len() != nvs || total != model.config().n_layer {
-            return Err(ExecError::Setup {
-                rank,
-                reason: format!(
-                    "layers per virtual stage {layers_per_virtual_stage:?}: need {nvs} counts summing to n_layer = {}",
-                    model.config().n_layer
-                ),
-            });
-        }
-        if rank >= pl.stages() {
-            return Err(ExecError::Setup {
-                rank,
-                reason: format!("rank {rank} outside the schedule's {} stages", pl.stages()),
-            });
-        }
-        let peak = peak_in_flight_per_chunk(&schedule, rank);
-        let split = schedule.splits_backward();
-        let chunks = (0..pl.chunks())
-            .map(|c| {
-                let vs = pl.virtual_stage(rank, c);
-                let spec = StageSpec::nth(layers_per_virtual_stage, vs)?;
-                GptStage::from_gpt(model, spec, b, t, peak[c].max(1), split)
-            })
-            .collect::<Result<Vec<_>, _>>()?;
-        Self::new(schedule, rank, chunks)
     }
 
     /// The schedule.
@@ -325,13 +338,50 @@ impl Executor {
     }
 
     /// This rank's stages, by chunk.
-    pub fn stages(&self) -> &[GptStage] {
+    pub fn stages(&self) -> &[S] {
         &self.chunks
     }
 
     /// This rank's stages, by chunk (to read gradients, update parameters).
-    pub fn stages_mut(&mut self) -> &mut [GptStage] {
+    pub fn stages_mut(&mut self) -> &mut [S] {
         &mut self.chunks
+    }
+
+    /// Replaces the schedule (the same placement and chunks: a
+    /// [forward-only](Schedule::forward_only) one for evaluation, or
+    /// another number of micro-batches), returning the old one.
+    ///
+    /// # Errors
+    /// As [`new`](Self::new), and [`ExecError::Setup`] if the placement
+    /// differs; the executor keeps its schedule then.
+    pub fn set_schedule(&mut self, schedule: Schedule) -> ExecResult<Schedule> {
+        validate(&schedule)?;
+        if schedule.placement() != self.schedule.placement() {
+            return Err(ExecError::Setup {
+                rank: self.rank,
+                reason: format!(
+                    "schedule {} places chunks as {:?}, the stages are placed as {:?}",
+                    schedule.name(),
+                    schedule.placement(),
+                    self.schedule.placement()
+                ),
+            });
+        }
+        let peak = peak_in_flight_per_chunk(&schedule, self.rank);
+        for (c, st) in self.chunks.iter().enumerate() {
+            if st.slots() < peak[c] || (schedule.splits_backward() && !st.splits_backward()) {
+                return Err(ExecError::Setup {
+                    rank: self.rank,
+                    reason: format!(
+                        "chunk {c} cannot run schedule {} ({} slots for {} in flight)",
+                        schedule.name(),
+                        st.slots(),
+                        peak[c]
+                    ),
+                });
+            }
+        }
+        Ok(std::mem::replace(&mut self.schedule, schedule))
     }
 
     fn tag(&self, kind: u64, mb: usize, vs: usize) -> u64 {
@@ -367,6 +417,16 @@ impl Executor {
                 rank: self.rank,
                 reason: format!("message {tag} to itself was never produced"),
             })?;
+            if got.len() != out.len() {
+                return Err(ExecError::Setup {
+                    rank: self.rank,
+                    reason: format!(
+                        "a local message of {} floats where {} were expected",
+                        got.len(),
+                        out.len()
+                    ),
+                });
+            }
             out.copy_from_slice(&got);
         } else {
             comm.recv(from, tag, out)?;
@@ -379,28 +439,24 @@ impl Executor {
     /// with a barrier on `comm` (so ranks share a time origin), which must
     /// be the pipeline group (rank `i` = pipeline stage `i`).
     ///
-    /// `hook`: `None` accumulates gradients in place; `Some(f)` calls `f`
-    /// with each micro-batch's final gradients of each part of a stage and
-    /// zeroes them afterwards (see the type docs). The stages' gradients are
-    /// not zeroed at the start: call [`GptStage::zero_grad`] between steps
-    /// when accumulating in place.
+    /// With `hook`, each micro-batch's final gradients are passed to it
+    /// piece by piece and zeroed in the stage (see the type docs).
     ///
     /// # Errors
     /// [`ExecError::Setup`] if `data` does not hold `m` micro-batches;
-    /// [`ExecError::Action`] naming the step and action for a model or
-    /// communication failure (a peer that fails makes the others' receives
-    /// fail with the communicator's error, or time out; nothing hangs).
+    /// [`ExecError::Action`] naming the rank, step and action that failed
+    /// (a stage error, or a lost peer).
     pub fn step(
         &mut self,
         comm: &dyn Communicator,
-        data: &[MicroBatch<'_>],
+        data: &[S::Batch<'_>],
         mut hook: Option<&mut dyn FnMut(GradEvent<'_>)>,
     ) -> ExecResult<StepReport> {
         let m = self.schedule.microbatches();
         if data.len() != m {
             return Err(ExecError::Setup {
                 rank: self.rank,
-                reason: format!("{} micro-batches given, the schedule runs {m}", data.len()),
+                reason: format!("{} micro-batches given for a schedule of {m}", data.len()),
             });
         }
         comm.barrier()?;
@@ -411,24 +467,14 @@ impl Executor {
             ..RankTimeline::default()
         };
         let actions = self.schedule.stage(self.rank).to_vec();
-        let mut pending_tied_w: Vec<Option<usize>> = vec![None; self.chunks.len()];
         for (step, a) in actions.iter().enumerate() {
-            self.run_action(
-                comm,
-                *a,
-                data,
-                &mut hook,
-                t0,
-                &mut losses,
-                &mut timeline,
-                &mut pending_tied_w,
-            )
-            .map_err(|e| ExecError::Action {
-                rank: self.rank,
-                step,
-                action: *a,
-                source: Box::new(e),
-            })?;
+            self.run_action(comm, *a, data, &mut hook, t0, &mut losses, &mut timeline)
+                .map_err(|e| ExecError::Action {
+                    rank: self.rank,
+                    step,
+                    action: *a,
+                    source: Box::new(e),
+                })?;
         }
         Ok(StepReport { losses, timeline })
     }
@@ -438,138 +484,125 @@ impl Executor {
         &mut self,
         comm: &dyn Communicator,
         a: Action,
-        data: &[MicroBatch<'_>],
+        data: &[S::Batch<'_>],
         hook: &mut Option<&mut dyn FnMut(GradEvent<'_>)>,
         t0: Instant,
         losses: &mut [Option<f64>],
         timeline: &mut RankTimeline,
-        pending_tied_w: &mut [Option<usize>],
     ) -> ExecResult<()> {
         let pl = self.schedule.placement();
         let nvs = pl.virtual_stages();
         let vs = pl.virtual_stage(self.rank, a.chunk);
         let (mb, c) = (a.microbatch, a.chunk);
-        let msg = self.chunks[c].message_len();
-        let exchange = self.chunks[c].tied_exchange();
-        let (is_embed, is_head) = (vs == 0, vs + 1 == nvs);
+        let (is_first, is_last) = (vs == 0, vs + 1 == nvs);
         let secs = |t: Instant| t.duration_since(t0).as_secs_f64();
         let (mm, nv) = (self.schedule.microbatches() as u64, nvs as u64);
         let tag = move |kind: u64, mb: usize, vs: usize| (kind * mm + mb as u64) * nv + vs as u64;
+        let forward_only = self.schedule.is_forward_only();
+        let rank = self.rank;
         let wait_start = Instant::now();
         // Receives this action needs.
         let mut buf = Vec::new();
         match a.kind {
-            ActionKind::Forward if !is_embed => {
-                buf = vec![0.0; msg];
+            ActionKind::Forward if !is_first => {
+                buf = vec![0.0; self.chunks[c].input_len()];
                 let from = pl.location(vs - 1).0;
-                self.recv(comm, from, self.tag(ACT, mb, vs - 1), &mut buf)?;
+                let tag = self.tag(ACT, mb, vs - 1);
+                self.recv(comm, from, tag, &mut buf)?;
             }
-            ActionKind::Backward | ActionKind::BackwardInput if !is_head => {
-                buf = vec![0.0; msg];
+            ActionKind::Backward | ActionKind::BackwardInput if !is_last => {
+                buf = vec![0.0; self.chunks[c].output_len()];
                 let from = pl.location(vs + 1).0;
-                self.recv(comm, from, self.tag(GRAD, mb, vs + 1), &mut buf)?;
+                let tag = self.tag(GRAD, mb, vs + 1);
+                self.recv(comm, from, tag, &mut buf)?;
             }
             _ => {}
         }
-        if exchange
-            && is_embed
-            && matches!(a.kind, ActionKind::Backward | ActionKind::BackwardWeight)
-        {
-            let from = pl.location(nvs - 1).0;
-            let tag = self.tag(TIED, mb, 0);
-            let mut g = vec![0.0; self.chunks[c].blocks().wte_len()];
-            self.recv(comm, from, tag, &mut g)?;
-            let dst = self.chunks[c]
-                .tied_wte_grad_mut(mb)
-                .ok_or_else(|| ExecError::Setup {
-                    rank: self.rank,
-                    reason: format!("micro-batch {mb} not in flight for the tied wte gradient"),
-                })?;
-            dst.copy_from_slice(&g);
+        // Shared-parameter gradients this owner takes before accumulating.
+        if matches!(a.kind, ActionKind::Backward | ActionKind::BackwardWeight) {
+            for sh in self.shared[c].clone() {
+                if sh.owner != vs {
+                    continue;
+                }
+                let mut g = vec![0.0; sh.len];
+                let tag = self.tag(shared_grad_kind(sh.id), mb, sh.owner);
+                self.recv(comm, pl.location(sh.user).0, tag, &mut g)?;
+                self.chunks[c]
+                    .add_shared_grad(sh.id, mb, &g)
+                    .map_err(stage_err)?;
+            }
         }
         let start = Instant::now();
         timeline.waits.push((secs(wait_start), secs(start)));
         let mut sends: Vec<(usize, u64, Vec<f32>)> = Vec::new();
-        let mut events: Vec<Range<usize>> = Vec::new();
         let stage = &mut self.chunks[c];
-        let tied_single = stage.blocks().config().tied_embeddings && is_embed && is_head;
-        match a.kind {
+        let done = match a.kind {
             ActionKind::Forward => {
-                let input = if is_embed {
-                    StageInput::Tokens(data[mb].tokens)
-                } else {
-                    StageInput::Hidden(&buf)
-                };
-                losses[mb] = stage.forward(mb, input, is_head.then_some(data[mb].targets))?;
-                if !is_head {
-                    let out = stage.output(mb).map(<[f32]>::to_vec).unwrap_or_default();
+                let mut out = (!is_last).then(|| vec![0.0; stage.output_len()]);
+                let input = (!is_first).then_some(buf.as_slice());
+                let loss = stage
+                    .forward(mb, &data[mb], input, out.as_deref_mut())
+                    .map_err(stage_err)?;
+                if is_last {
+                    losses[mb] = loss;
+                }
+                if let Some(out) = out {
                     sends.push((pl.location(vs + 1).0, tag(ACT, mb, vs), out));
                 }
+                if forward_only {
+                    stage.discard(mb).map_err(stage_err)?;
+                }
+                Vec::new()
             }
-            ActionKind::Backward => {
-                let dout = (!is_head).then_some(buf.as_slice());
-                let mut dinp = None;
-                stage.backward(mb, dout, &mut |g| {
-                    dinp = Some(g.to_vec());
-                    Ok(())
-                })?;
+            ActionKind::Backward | ActionKind::BackwardInput => {
+                let dout = (!is_last).then_some(buf.as_slice());
+                let mut dinp = (!is_first).then(|| vec![0.0; stage.input_len()]);
+                let done = if a.kind == ActionKind::Backward {
+                    stage.backward(mb, dout, dinp.as_deref_mut())
+                } else {
+                    stage.backward_input(mb, dout, dinp.as_deref_mut())
+                }
+                .map_err(stage_err)?;
                 if let Some(g) = dinp {
                     sends.push((pl.location(vs - 1).0, tag(GRAD, mb, vs), g));
                 }
-                events.push(0..stage.grads.len());
-            }
-            ActionKind::BackwardInput => {
-                if tied_single && hook.is_some() {
-                    if let Some(prev) = pending_tied_w[c] {
-                        return Err(ExecError::Setup {
-                            rank: self.rank,
+                for sh in &self.shared[c] {
+                    if sh.user == vs {
+                        let g = stage.shared_grad(sh.id, mb).ok_or_else(|| ExecError::Setup {
+                            rank,
                             reason: format!(
-                                "with tied embeddings on one stage, the per-micro-batch hook needs W of micro-batch {prev} before the next B"
+                                "virtual stage {vs} gave no gradient of shared parameter {} for micro-batch {mb}",
+                                sh.id
                             ),
-                        });
+                        })?;
+                        let tag = tag(shared_grad_kind(sh.id), mb, sh.owner);
+                        sends.push((pl.location(sh.owner).0, tag, g.to_vec()));
                     }
-                    pending_tied_w[c] = Some(mb);
                 }
-                let dout = (!is_head).then_some(buf.as_slice());
-                stage.backward_input(mb, dout)?;
-                if !is_embed {
-                    let g = stage
-                        .input_grad(mb)
-                        .map(<[f32]>::to_vec)
-                        .unwrap_or_default();
-                    sends.push((pl.location(vs - 1).0, tag(GRAD, mb, vs), g));
-                }
-                if let Some(r) = stage.head_grad_range() {
-                    events.push(r);
-                }
+                done
             }
-            ActionKind::BackwardWeight => {
-                stage.backward_weight(mb)?;
-                pending_tied_w[c] = None;
-                let end = stage
-                    .head_grad_range()
-                    .map_or(stage.grads.len(), |r| r.start);
-                events.push(0..end);
-            }
-        }
-        if exchange && is_head && matches!(a.kind, ActionKind::Backward | ActionKind::BackwardInput)
-        {
-            let g = stage
-                .tied_wte_grad(mb)
-                .map(<[f32]>::to_vec)
-                .unwrap_or_default();
-            sends.push((pl.location(0).0, tag(TIED, mb, 0), g));
-        }
+            ActionKind::BackwardWeight => stage.backward_weight(mb).map_err(stage_err)?,
+        };
         if let Some(h) = hook.as_deref_mut() {
-            for r in events {
+            for r in done {
+                let grads = stage.grads();
+                if r.end > grads.len() {
+                    return Err(ExecError::Setup {
+                        rank,
+                        reason: format!(
+                            "stage reported gradients {r:?} of a buffer of {}",
+                            grads.len()
+                        ),
+                    });
+                }
                 h(GradEvent {
                     microbatch: mb,
                     chunk: c,
                     virtual_stage: vs,
                     range: r.clone(),
-                    grads: &stage.grads[r.clone()],
+                    grads: &grads[r.clone()],
                 });
-                stage.grads[r].fill(0.0);
+                stage.grads_mut()[r].fill(0.0);
             }
         }
         let end = Instant::now();
@@ -585,35 +618,46 @@ impl Executor {
         Ok(())
     }
 
-    /// After the optimizer step, with tied embeddings split across ranks:
-    /// the rank holding the first virtual stage sends its updated `wte` to
-    /// the rank holding the last, which refreshes its copy. Call it on
-    /// every rank (the others return at once).
+    /// After the optimizer step: every shared parameter's owner sends its
+    /// updated value to the user, which replaces its copy. Call it on every
+    /// rank of the pipeline group (ranks without shared parameters return
+    /// at once).
     ///
     /// # Errors
-    /// A communication error.
-    pub fn sync_tied_embeddings(&mut self, comm: &dyn Communicator) -> ExecResult<()> {
+    /// A communication error; [`ExecError::Stage`] if a stage does not
+    /// hold what it declared.
+    pub fn sync_shared(&mut self, comm: &dyn Communicator) -> ExecResult<()> {
         let pl = self.schedule.placement();
-        let nvs = pl.virtual_stages();
-        let (first, c0) = pl.location(0);
-        let (last, cl) = pl.location(nvs - 1);
-        let tag = self.tag(SYNC, 0, 0);
-        if self.rank == first
-            && let Some(w) = self.chunks[c0].wte().map(<[f32]>::to_vec)
-            && self.chunks[c0].tied_exchange()
-        {
-            if first == last {
-                if let Some(dst) = self.chunks[cl].tied_wte_mut() {
-                    dst.copy_from_slice(&w);
+        // owners first (sends are buffered), then users
+        for c in 0..self.chunks.len() {
+            let vs = pl.virtual_stage(self.rank, c);
+            for sh in self.shared[c].clone() {
+                if sh.owner != vs {
+                    continue;
                 }
-            } else {
-                comm.send(last, tag, &w)?;
+                let w = self.chunks[c]
+                    .shared_param(sh.id)
+                    .ok_or_else(|| ExecError::Setup {
+                        rank: self.rank,
+                        reason: format!("owner of shared parameter {} holds no value", sh.id),
+                    })?
+                    .to_vec();
+                let tag = self.tag(shared_sync_kind(sh.id), 0, sh.user);
+                self.send(comm, pl.location(sh.user).0, tag, &w)?;
             }
         }
-        if self.rank == last && first != last && self.chunks[cl].tied_exchange() {
-            let dst = self.chunks[cl].tied_wte_mut();
-            if let Some(dst) = dst {
-                comm.recv(first, tag, dst)?;
+        for c in 0..self.chunks.len() {
+            let vs = pl.virtual_stage(self.rank, c);
+            for sh in self.shared[c].clone() {
+                if sh.user != vs {
+                    continue;
+                }
+                let mut w = vec![0.0; sh.len];
+                let tag = self.tag(shared_sync_kind(sh.id), 0, sh.user);
+                self.recv(comm, pl.location(sh.owner).0, tag, &mut w)?;
+                self.chunks[c]
+                    .set_shared_param(sh.id, &w)
+                    .map_err(stage_err)?;
             }
         }
         Ok(())
@@ -788,7 +832,7 @@ impl Measured {
     }
 }
 
-impl Executor {
+impl<S> Executor<S> {
     /// Sends `local` (this rank's [`StepReport::timeline`]) to group rank 0
     /// of `comm` and returns every rank's timeline there (`None` on the
     /// other ranks), for [`Measured::new`] and one trace of all stages.
@@ -801,8 +845,9 @@ impl Executor {
         comm: &dyn Communicator,
         local: &RankTimeline,
     ) -> ExecResult<Option<Vec<RankTimeline>>> {
-        let tag = self.tag(GATHER, 0, 0);
-        gather(comm, local, tag)
+        let m = self.schedule.microbatches() as u64;
+        let nvs = self.schedule.placement().virtual_stages() as u64;
+        gather(comm, local, GATHER * m * nvs)
     }
 }
 

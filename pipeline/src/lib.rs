@@ -1,4 +1,5 @@
-//! Pipeline parallelism: schedules, their validation, and their bubble.
+//! Pipeline parallelism for any model: schedules, their validation, their
+//! bubble, and an executor over stages of your own.
 //!
 //! Pipeline parallelism cuts the layer stack into stages on different
 //! devices and streams micro-batches through them; its enemy is the
@@ -6,7 +7,8 @@
 //! generates the known schedules, proves a schedule runnable, predicts its
 //! bubble, makespan and activation memory before anything runs, chooses
 //! where to cut the layers, exports the timeline as a trace, and runs a
-//! schedule over real GPT stages.
+//! schedule over real stages of any model (it does not depend on weft's
+//! model crate).
 //!
 //! # Overview
 //! * [`Schedule`]: per stage, the ordered [`Action`]s — forward `F`, whole
@@ -35,23 +37,28 @@
 //! * [`plan`]: from command-line parameters ([`PlanRequest`]) to the table
 //!   and trace that `weft pipeline` prints and writes.
 //!
-//! * [`Executor`]: runs a schedule for real. Each rank (a thread of the
-//!   local backend, or a process) owns one [`weft_model::GptStage`] per
-//!   chunk — a contiguous range of layers, the embedding on the first
-//!   virtual stage, the head and loss on the last — and
-//!   [`Executor::step`] runs its action list, activations and gradients
-//!   flowing by send/recv. Micro-batch losses and gradients are bitwise
-//!   the single model's (in place, or handed per micro-batch to a hook for
-//!   exact accumulation). Each step's measured timeline
+//! * [`Executor`]: runs a schedule for real over any model. Each rank (a
+//!   thread of the local backend, or a process) owns one [`Stage`] per
+//!   chunk — a contiguous range of the model's layers; the first virtual
+//!   stage reads the micro-batch's input, the last computes the loss —
+//!   and [`Executor::step`] runs its action list, activations and
+//!   gradients flowing by send/recv. Parameters two stages share (tied
+//!   embeddings) go through a generic hook ([`Shared`]); a
+//!   [forward-only](Schedule::forward_only) schedule evaluates a pipelined
+//!   model in place. Gradients accumulate in place, or are handed per
+//!   micro-batch to a hook for exact accumulation. weft's GPT implements
+//!   [`Stage`] in `weft-model` (`GptStage`); `examples/mlp_stack.rs` trains
+//!   a stack of MLP layers written in the example itself over 2 and 4
+//!   thread ranks and checks it against one rank. Each step's measured timeline
 //!   ([`RankTimeline`], gathered with [`Executor::gather_timelines`])
 //!   becomes a [`Measured`]: the measured bubble, the mean action costs,
 //!   the simulator's prediction from those costs
 //!   ([`Measured::predicted`]), and a Chrome trace with the receive waits
 //!   ([`Measured::to_trace`]).
 //!
-//! `cargo run --release -p weft-pipeline --example pipeline_bubble` runs
-//! 1F1B and ZB-H1 at p = 2, m = 8 and prints measured beside predicted
-//! bubble.
+//! `cargo run --release -p weft-model --example pipeline_bubble` runs
+//! 1F1B and ZB-H1 over GPT stages at p = 2, m = 8 and prints measured
+//! beside predicted bubble.
 //!
 //! # Example
 //! ```
@@ -90,11 +97,12 @@ mod partition;
 mod plan;
 mod schedule;
 mod simulate;
+mod stage;
 mod validate;
 
 pub use error::{Error, Result, Wait};
 pub use execute::{
-    ExecError, ExecResult, Executor, GradEvent, Measured, MicroBatch, RankTimeline, StepReport,
+    ExecError, ExecResult, Executor, GradEvent, Measured, RankTimeline, StepReport,
     peak_in_flight_per_chunk,
 };
 pub use generate::{
@@ -104,4 +112,5 @@ pub use partition::{LayerProfile, Partition, PartitionOptions, equal_split, eval
 pub use plan::{Plan, PlanRequest, plan};
 pub use schedule::{Action, ActionKind, Placement, Schedule};
 pub use simulate::{ChunkCost, Costs, Slot, Timeline, simulate, steady_state_period};
+pub use stage::{Shared, Stage};
 pub use validate::{validate, validate_with_limit};

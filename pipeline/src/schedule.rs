@@ -314,6 +314,44 @@ impl Schedule {
     pub fn stages(&self) -> &[Vec<Action>] {
         &self.stages
     }
+    /// A forward-only schedule (evaluation of a pipelined model, without
+    /// gathering it anywhere): on every stage the forwards of micro-batch
+    /// 0 through each of its `chunks`, then of micro-batch 1, and so on,
+    /// over the plain (interleaved, for `chunks > 1`) placement. Each
+    /// micro-batch's activations are dropped after its forward, so one
+    /// slot per chunk suffices.
+    ///
+    /// # Errors
+    /// [`Error::InvalidParameter`] for zero stages, chunks or micro-batches.
+    pub fn forward_only(stages: usize, chunks: usize, microbatches: usize) -> Result<Self> {
+        if microbatches == 0 {
+            return Err(Error::InvalidParameter {
+                name: "microbatches",
+                value: "0".into(),
+                expected: "at least 1".into(),
+            });
+        }
+        let list: Vec<Action> = (0..microbatches)
+            .flat_map(|mb| (0..chunks).map(move |c| Action::forward(mb, c)))
+            .collect();
+        Self::new(
+            "forward",
+            microbatches,
+            Placement::Interleaved { stages, chunks },
+            vec![list; stages],
+        )
+    }
+
+    /// Whether the schedule runs forwards only (no action is a backward):
+    /// the executor then drops each micro-batch after its forward.
+    #[must_use]
+    pub fn is_forward_only(&self) -> bool {
+        self.stages
+            .iter()
+            .flatten()
+            .all(|a| a.kind == ActionKind::Forward)
+    }
+
     /// Whether any action splits the backward into `B` and `W`.
     #[must_use]
     pub fn splits_backward(&self) -> bool {
@@ -331,6 +369,9 @@ impl Schedule {
     /// of a stage's layers, so for `v = 1` this is micro-batches in flight.
     #[must_use]
     pub fn peak_in_flight(&self) -> Vec<usize> {
+        if self.is_forward_only() {
+            return vec![usize::from(self.microbatches > 0); self.stages.len()];
+        }
         self.stages
             .iter()
             .map(|list| {

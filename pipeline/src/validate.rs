@@ -7,7 +7,9 @@ use crate::schedule::{Action, ActionKind, Schedule};
 ///
 /// 1. every action names a micro-batch `< m` and a chunk `< v`;
 /// 2. every micro-batch passes every chunk of every stage forward exactly
-///    once and backward exactly once (one `BW`, or one `B` and one `W`);
+///    once and backward exactly once (one `BW`, or one `B` and one `W`) —
+///    or, in a [forward-only](Schedule::forward_only) schedule, forward
+///    exactly once;
 /// 3. on each stage a backward comes after its forward and `W` after its
 ///    `B`;
 /// 4. it cannot deadlock: with sends buffered and receives blocking (see
@@ -73,6 +75,7 @@ struct Seen {
 pub(crate) fn check_structure(schedule: &Schedule) -> Result<()> {
     let m = schedule.microbatches();
     let v = schedule.chunks();
+    let forward_only = schedule.is_forward_only();
     for (stage, list) in schedule.stages().iter().enumerate() {
         let mut seen = vec![Seen::default(); m * v];
         for (step, a) in list.iter().enumerate() {
@@ -171,6 +174,9 @@ pub(crate) fn check_structure(schedule: &Schedule) -> Result<()> {
                 };
                 if s.f.is_none() {
                     return Err(missing(ActionKind::Forward));
+                }
+                if forward_only {
+                    continue;
                 }
                 match (s.bw, s.b, s.w) {
                     (Some(_), None, None) | (None, Some(_), Some(_)) => {}

@@ -1,269 +1,301 @@
-//! The executor over real stages on a `LocalCluster` against the whole
-//! model run serially: per-micro-batch losses and accumulated gradients
-//! bitwise, for GPipe, 1F1B, interleaved 1F1B and ZB-H1 at pp = 2 and 4,
-//! tied and untied embeddings, in-place accumulation and the
-//! per-micro-batch hook.
+//! The executor over stages that are not weft's GPT: the MLP stack of
+//! `examples/mlp_stack.rs` trained over 1, 2 and 4 thread ranks (bitwise
+//! the one-rank losses), a shared parameter between the first and last
+//! stage (tied weights), a forward-only schedule, and the errors.
+
+#[path = "../examples/mlp_stack.rs"]
+mod mlp_stack;
 
 use std::ops::Range;
 
 use weft_collectives::{Communicator, LocalCluster};
-use weft_model::{Gpt, GptConfig};
-use weft_pipeline::{ExecError, Executor, Measured, MicroBatch, RankTimeline, ScheduleKind};
+use weft_pipeline::{ExecError, Executor, Schedule, ScheduleKind, Shared, Stage};
 
-const B: usize = 2;
-const T: usize = 8;
-const V: usize = 40;
-
-fn model(tied: bool) -> Gpt {
-    let cfg = GptConfig {
-        n_layer: 4,
-        n_head: 2,
-        n_embd: 16,
-        vocab_size: V,
-        block_size: T,
-        tied_embeddings: tied,
-        layer_norm_epsilon: 1e-5,
-    };
-    let mut m = Gpt::new(cfg).unwrap();
-    m.init_gpt2(7);
-    m
+#[test]
+fn an_mlp_stack_trains_bitwise_like_one_rank_on_every_schedule() {
+    let rows = mlp_stack::run().unwrap();
+    assert_eq!(rows.len(), 6);
 }
 
-fn data(m: usize) -> Vec<(Vec<u32>, Vec<u32>)> {
-    let mut s = 0x2545_F491_4F6C_DD1Du64;
-    let mut next = move || {
-        s ^= s << 13;
-        s ^= s >> 7;
-        s ^= s << 17;
-        u32::try_from(s % V as u64).unwrap()
-    };
+/// `y = w·x` per element; the first virtual stage owns `w` (its parameter
+/// 0) and the last uses a copy of it as its own scale, so `w` is shared;
+/// the loss is `mean(y)` of the last stage.
+#[derive(Debug)]
+struct Scale {
+    first: bool,
+    last: bool,
+    nvs: usize,
+    vs: usize,
+    /// Own weight (the shared one on the first stage).
+    w: f32,
+    /// The last stage's copy of the shared weight.
+    copy: f32,
+    g: Vec<f32>,
+    x: Vec<Option<Vec<f32>>>,
+    shared_out: Vec<f32>,
+    shared_in: Option<f32>,
+    fail_on: Option<usize>,
+}
+
+#[derive(Debug, thiserror::Error)]
+#[error("scale stage: {0}")]
+struct ScaleError(String);
+
+const LEN: usize = 4;
+
+impl Scale {
+    fn new(vs: usize, nvs: usize, m: usize) -> Self {
+        Scale {
+            first: vs == 0,
+            last: vs + 1 == nvs,
+            nvs,
+            vs,
+            w: 1.5 + vs as f32 * 0.25,
+            copy: 1.5,
+            g: vec![0.0],
+            x: vec![None; m],
+            shared_out: vec![0.0],
+            shared_in: None,
+            fail_on: None,
+        }
+    }
+    fn scale(&self) -> f32 {
+        if self.last { self.copy } else { self.w }
+    }
+}
+
+impl Stage for Scale {
+    type Batch<'a> = Vec<f32>;
+    type Error = ScaleError;
+    fn input_len(&self) -> usize {
+        LEN
+    }
+    fn output_len(&self) -> usize {
+        LEN
+    }
+    fn slots(&self) -> usize {
+        self.x.len()
+    }
+    fn splits_backward(&self) -> bool {
+        false
+    }
+    fn forward(
+        &mut self,
+        mb: usize,
+        batch: &Vec<f32>,
+        input: Option<&[f32]>,
+        output: Option<&mut [f32]>,
+    ) -> Result<Option<f64>, ScaleError> {
+        if self.fail_on == Some(mb) {
+            return Err(ScaleError(format!("micro-batch {mb} refused")));
+        }
+        let x = input.unwrap_or(batch).to_vec();
+        let y: Vec<f32> = x.iter().map(|v| self.scale() * v).collect();
+        self.x[mb] = Some(x);
+        if let Some(o) = output {
+            o.copy_from_slice(&y);
+        }
+        Ok(self
+            .last
+            .then(|| y.iter().map(|&v| f64::from(v)).sum::<f64>() / LEN as f64))
+    }
+    fn backward(
+        &mut self,
+        mb: usize,
+        dout: Option<&[f32]>,
+        dinput: Option<&mut [f32]>,
+    ) -> Result<Vec<Range<usize>>, ScaleError> {
+        let x = self.x[mb]
+            .take()
+            .ok_or_else(|| ScaleError(format!("backward of {mb} without forward")))?;
+        let dy = dout.map_or(vec![1.0 / LEN as f32; LEN], <[f32]>::to_vec);
+        let dw: f32 = dy.iter().zip(&x).map(|(d, v)| d * v).sum();
+        if self.last {
+            self.shared_out[0] = dw; // the copy's gradient goes to the owner
+        } else {
+            if self.first {
+                let g = self
+                    .shared_in
+                    .take()
+                    .ok_or_else(|| ScaleError("the user's gradient did not arrive".into()))?;
+                self.g[0] += g;
+            }
+            self.g[0] += dw;
+        }
+        if let Some(d) = dinput {
+            d.iter_mut()
+                .zip(&dy)
+                .for_each(|(o, g)| *o = self.scale() * g);
+        }
+        Ok(std::iter::once(0..1).collect())
+    }
+    fn backward_input(
+        &mut self,
+        _: usize,
+        _: Option<&[f32]>,
+        _: Option<&mut [f32]>,
+    ) -> Result<Vec<Range<usize>>, ScaleError> {
+        Err(ScaleError("no split backward".into()))
+    }
+    fn backward_weight(&mut self, _: usize) -> Result<Vec<Range<usize>>, ScaleError> {
+        Err(ScaleError("no split backward".into()))
+    }
+    fn discard(&mut self, mb: usize) -> Result<(), ScaleError> {
+        self.x[mb] = None;
+        Ok(())
+    }
+    fn grads(&self) -> &[f32] {
+        &self.g
+    }
+    fn grads_mut(&mut self) -> &mut [f32] {
+        &mut self.g
+    }
+    fn shared(&self) -> Vec<Shared> {
+        if self.first || self.last {
+            vec![Shared {
+                id: 0,
+                owner: 0,
+                user: self.nvs - 1,
+                len: 1,
+            }]
+        } else {
+            Vec::new()
+        }
+    }
+    fn shared_grad(&self, _: u32, _: usize) -> Option<&[f32]> {
+        self.last.then_some(self.shared_out.as_slice())
+    }
+    fn add_shared_grad(&mut self, _: u32, _: usize, g: &[f32]) -> Result<(), ScaleError> {
+        self.shared_in = Some(g[0]);
+        Ok(())
+    }
+    fn shared_param(&self, _: u32) -> Option<&[f32]> {
+        self.first.then_some(std::slice::from_ref(&self.w))
+    }
+    fn set_shared_param(&mut self, _: u32, v: &[f32]) -> Result<(), ScaleError> {
+        if self.vs + 1 != self.nvs {
+            return Err(ScaleError("not the user".into()));
+        }
+        self.copy = v[0];
+        Ok(())
+    }
+}
+
+fn data(m: usize) -> Vec<Vec<f32>> {
     (0..m)
-        .map(|_| {
-            let x = (0..B * T).map(|_| next()).collect();
-            let y = (0..B * T).map(|_| next()).collect();
-            (x, y)
-        })
+        .map(|k| (0..LEN).map(|i| (k * LEN + i) as f32 * 0.1 - 0.3).collect())
         .collect()
 }
 
-fn bits(x: &[f32]) -> Vec<u32> {
-    x.iter().map(|v| v.to_bits()).collect()
-}
-
-/// The serial reference: losses, in-place accumulated gradients, and each
-/// micro-batch's own gradients.
-fn reference(tied: bool, d: &[(Vec<u32>, Vec<u32>)]) -> (Vec<f64>, Vec<f32>, Vec<Vec<f32>>) {
-    let mut full = model(tied);
-    let mut acts = full.activations(B, T).unwrap();
-    let mut losses = Vec::new();
-    let mut per_mb = Vec::new();
-    let mut acc = vec![0.0f32; full.params.len()];
-    full.zero_grad();
-    for (x, y) in d {
-        losses.push(full.forward(&mut acts, x, Some(y)).unwrap().unwrap());
-        full.backward(&mut acts).unwrap();
-        acc.clone_from(&full.grads);
-        // This micro-batch alone, from zero.
-        let mut solo = model(tied);
-        let mut a2 = solo.activations(B, T).unwrap();
-        solo.forward(&mut a2, x, Some(y)).unwrap();
-        solo.backward(&mut a2).unwrap();
-        per_mb.push(solo.grads.clone());
+/// The loss of micro-batch `x` through the scales `ws`, serially.
+fn serial(ws: &[f32], x: &[f32]) -> f64 {
+    let mut h = x.to_vec();
+    for &w in ws {
+        h.iter_mut().for_each(|v| *v *= w);
     }
-    (losses, acc, per_mb)
+    h.iter().map(|&v| f64::from(v)).sum::<f64>() / LEN as f64
 }
 
-/// What one rank reports: its losses, its stages' gradients as (global
-/// range, values), hook pieces as (micro-batch, global range, values),
-/// and its timeline.
-type RankOut = (
-    Vec<Option<f64>>,
-    Vec<(Range<usize>, Vec<f32>)>,
-    Vec<(usize, Range<usize>, Vec<f32>)>,
-    RankTimeline,
-);
-
-fn run(
-    kind: ScheduleKind,
-    p: usize,
-    v: usize,
-    tied: bool,
-    hook: bool,
-    d: &[(Vec<u32>, Vec<u32>)],
-) -> Vec<RankOut> {
-    let full = model(tied);
-    let m = d.len();
-    let schedule = kind.generate(p, m, v).unwrap();
-    let nvs = schedule.placement().virtual_stages();
-    let layers: Vec<usize> = weft_pipeline::equal_split(4, nvs)
-        .windows(2)
-        .map(|w| w[1] - w[0])
-        .collect();
-    let mbs: Vec<MicroBatch<'_>> = d
-        .iter()
-        .map(|(x, y)| MicroBatch {
-            tokens: x,
-            targets: y,
-        })
-        .collect();
-    LocalCluster::run(p, |comm| -> Result<RankOut, ExecError> {
-        let mut ex = Executor::from_gpt(&full, schedule.clone(), comm.rank(), &layers, B, T)?;
-        let mut pieces: Vec<(usize, usize, Range<usize>, Vec<f32>)> = Vec::new();
-        let mut f = |e: weft_pipeline::GradEvent<'_>| {
-            pieces.push((e.microbatch, e.chunk, e.range.clone(), e.grads.to_vec()));
-        };
-        let report = ex.step(
-            &comm,
-            &mbs,
-            if hook {
-                Some(&mut f as &mut dyn FnMut(weft_pipeline::GradEvent<'_>))
-            } else {
-                None
-            },
-        )?;
-        // Map local ranges to the full layout.
-        let to_global = |chunk: usize, r: Range<usize>| -> Vec<(Range<usize>, Range<usize>)> {
-            ex.stages()[chunk]
-                .segments()
-                .iter()
-                .filter_map(|(l, g)| {
-                    let (a, b) = (r.start.max(l.start), r.end.min(l.end));
-                    (a < b).then(|| (a..b, g.start + (a - l.start)..g.start + (b - l.start)))
-                })
-                .collect()
-        };
-        let mut grads = Vec::new();
-        for (c, st) in ex.stages().iter().enumerate() {
-            for (l, g) in to_global(c, 0..st.grads.len()) {
-                grads.push((g, st.grads[l].to_vec()));
-            }
-        }
-        let mut global_pieces = Vec::new();
-        for (mb, c, r, vals) in pieces {
-            for (l, g) in to_global(c, r.clone()) {
-                global_pieces.push((mb, g, vals[l.start - r.start..l.end - r.start].to_vec()));
-            }
-        }
-        Ok((report.losses, grads, global_pieces, report.timeline))
-    })
-    .unwrap()
-    .into_iter()
-    .map(Result::unwrap)
-    .collect()
-}
-
-fn check(kind: ScheduleKind, p: usize, v: usize) {
-    let m = 6;
+#[test]
+fn a_shared_parameter_gets_both_stages_gradients_and_is_synced_back() {
+    let (p, m) = (3, 4);
     let d = data(m);
-    for tied in [true, false] {
-        let (want_loss, want_acc, want_mb) = reference(tied, &d);
-        for hook in [false, true] {
-            let what = format!("{} p={p} v={v} tied={tied} hook={hook}", kind.name());
-            let out = run(kind, p, v, tied, hook, &d);
-            // Losses: exactly one rank holds each micro-batch's.
-            let mut losses = vec![None; m];
-            for (l, ..) in &out {
-                for (k, x) in l.iter().enumerate() {
-                    if let Some(x) = x {
-                        assert!(losses[k].is_none(), "{what}: two losses for {k}");
-                        losses[k] = Some(x.to_bits());
-                    }
-                }
+    let schedule = ScheduleKind::OneFOneB.generate(p, m, 1).unwrap();
+    let out = LocalCluster::run(
+        p,
+        |comm| -> Result<(Vec<Option<f64>>, f32, f32), ExecError> {
+            let mut ex = Executor::new(
+                schedule.clone(),
+                comm.rank(),
+                vec![Scale::new(comm.rank(), p, m)],
+            )?;
+            let report = ex.step(&comm, &d, None)?;
+            let g = ex.stages()[0].g[0];
+            // an optimizer step on the owner, then the copy follows
+            if comm.rank() == 0 {
+                ex.stages_mut()[0].w = 9.0;
             }
-            let want: Vec<_> = want_loss.iter().map(|x| Some(x.to_bits())).collect();
-            assert_eq!(losses, want, "{what}: losses");
-            if hook {
-                // Each micro-batch's pieces, summed per element in f64 (no
-                // element gets two pieces except a tied wte never split
-                // here), equal its serial gradient bitwise.
-                let mut seen = vec![vec![false; want_acc.len()]; m];
-                for (_, _, pieces, _) in &out {
-                    for (mb, g, vals) in pieces {
-                        assert_eq!(
-                            bits(vals),
-                            bits(&want_mb[*mb][g.clone()]),
-                            "{what}: mb {mb} {g:?}"
-                        );
-                        for i in g.clone() {
-                            assert!(!seen[*mb][i], "{what}: element {i} of mb {mb} twice");
-                            seen[*mb][i] = true;
-                        }
-                    }
-                }
-                assert!(
-                    seen.iter().all(|s| s.iter().all(|&x| x)),
-                    "{what}: every gradient delivered"
-                );
-                // And the stages' buffers are left zero.
-                for (_, grads, ..) in &out {
-                    assert!(
-                        grads.iter().all(|(_, v)| v.iter().all(|&x| x == 0.0)),
-                        "{what}"
-                    );
-                }
-            } else {
-                let mut got = vec![f32::NAN; want_acc.len()];
-                for (_, grads, ..) in &out {
-                    for (g, vals) in grads {
-                        got[g.clone()].copy_from_slice(vals);
-                    }
-                }
-                assert_eq!(bits(&got), bits(&want_acc), "{what}: accumulated gradients");
-            }
-            // The measured timeline assembles, exports and has a bubble.
-            let schedule = kind.generate(p, m, v).unwrap();
-            let measured =
-                Measured::new(&schedule, out.iter().map(|o| o.3.clone()).collect()).unwrap();
-            let bubble = measured.timeline.bubble_fraction();
-            assert!((0.0..1.0).contains(&bubble), "{what}: bubble {bubble}");
-            measured.to_trace().check().unwrap();
-            let predicted = measured.predicted(&schedule).unwrap();
-            assert!(predicted.makespan() > 0.0);
-        }
+            ex.sync_shared(&comm)?;
+            Ok((report.losses, g, ex.stages()[0].copy))
+        },
+    )
+    .unwrap();
+    let out: Vec<_> = out.into_iter().map(Result::unwrap).collect();
+    let ws = [1.5f32, 1.75, 1.5];
+    // d loss/d w0 = Σ_mb mean(dy · x) at both uses: at the first stage the
+    // upstream gradient is w1·w0/LEN, at the last the input is w0·w1·x.
+    let mut want_g0 = 0.0f32;
+    for (k, x) in d.iter().enumerate() {
+        let loss = serial(&ws, x);
+        assert_eq!(out[p - 1].0[k].map(f64::to_bits), Some(loss.to_bits()));
+        let first: f32 = x.iter().map(|v| (ws[2] * ws[1] / LEN as f32) * v).sum();
+        let last: f32 = x
+            .iter()
+            .map(|v| (1.0 / LEN as f32) * (ws[1] * (ws[0] * v)))
+            .sum();
+        want_g0 += last;
+        want_g0 += first;
     }
+    assert!(
+        (out[0].1 - want_g0).abs() <= 1e-6 * want_g0.abs(),
+        "{} vs {want_g0}",
+        out[0].1
+    );
+    assert_eq!(
+        out[p - 1].2,
+        9.0,
+        "the user's copy follows the owner after sync"
+    );
+    // the middle stage holds no shared parameter and is untouched
+    assert_eq!(out[1].2, 1.5);
 }
 
 #[test]
-fn gpipe_pp2() {
-    check(ScheduleKind::GPipe, 2, 1);
-}
-
-#[test]
-fn one_f_one_b_pp2_and_pp4() {
-    check(ScheduleKind::OneFOneB, 2, 1);
-    check(ScheduleKind::OneFOneB, 4, 1);
-}
-
-#[test]
-fn interleaved_pp2_v2() {
-    check(ScheduleKind::Interleaved, 2, 2);
-}
-
-#[test]
-fn zb_h1_pp2_and_pp4() {
-    check(ScheduleKind::ZbH1, 2, 1);
-    check(ScheduleKind::ZbH1, 4, 1);
+fn a_forward_only_schedule_evaluates_a_pipelined_model_in_place() {
+    let (p, m) = (2, 5);
+    let d = data(m);
+    let schedule = Schedule::forward_only(p, 1, m).unwrap();
+    weft_pipeline::validate(&schedule).unwrap();
+    assert!(schedule.is_forward_only());
+    assert_eq!(schedule.peak_in_flight(), [1, 1]);
+    let out = LocalCluster::run(p, |comm| -> Result<Vec<Option<f64>>, ExecError> {
+        let st = Scale::new(comm.rank(), p, m);
+        let mut ex = Executor::new(schedule.clone(), comm.rank(), vec![st])?;
+        let r = ex.step(&comm, &d, None)?;
+        assert!(ex.stages()[0].x.iter().all(Option::is_none), "discarded");
+        Ok(r.losses)
+    })
+    .unwrap();
+    let losses = out.into_iter().nth(p - 1).unwrap().unwrap();
+    for (k, x) in d.iter().enumerate() {
+        let want = serial(&[1.5, 1.5], x);
+        assert_eq!(losses[k].map(f64::to_bits), Some(want.to_bits()));
+    }
+    // and interleaved chunks: two per stage
+    let s = Schedule::forward_only(2, 2, 3).unwrap();
+    weft_pipeline::validate(&s).unwrap();
 }
 
 #[test]
 fn bad_setups_are_typed_errors() {
-    let full = model(true);
     let s = ScheduleKind::OneFOneB.generate(2, 4, 1).unwrap();
-    // Layer counts that do not sum to n_layer, a rank outside the schedule.
-    assert!(Executor::from_gpt(&full, s.clone(), 0, &[1, 1], B, T).is_err());
-    assert!(Executor::from_gpt(&full, s.clone(), 2, &[2, 2], B, T).is_err());
-    // Wrong number of micro-batches at step time.
-    let d = data(3);
-    let mbs: Vec<MicroBatch<'_>> = d
-        .iter()
-        .map(|(x, y)| MicroBatch {
-            tokens: x,
-            targets: y,
-        })
-        .collect();
+    let e = Executor::new(s.clone(), 2, vec![Scale::new(0, 2, 4)]).unwrap_err();
+    assert!(matches!(e, ExecError::Setup { .. }), "{e}");
+    let e =
+        Executor::new(s.clone(), 0, vec![Scale::new(0, 2, 4), Scale::new(1, 2, 4)]).unwrap_err();
+    assert!(e.to_string().contains("chunks"), "{e}");
+    let mut small = Scale::new(0, 2, 4);
+    small.x.truncate(1);
+    let e = Executor::new(s.clone(), 0, vec![small]).unwrap_err();
+    assert!(e.to_string().contains("slots"), "{e}");
+    let zb = ScheduleKind::ZbH1.generate(2, 4, 1).unwrap();
+    let e = Executor::new(zb, 0, vec![Scale::new(0, 2, 4)]).unwrap_err();
+    assert!(e.to_string().contains("splits the backward"), "{e}");
+    // a wrong number of micro-batches at step time, on every rank
     let r = LocalCluster::run(2, |comm| {
-        let mut ex = Executor::from_gpt(&full, s.clone(), comm.rank(), &[2, 2], B, T).unwrap();
-        ex.step(&comm, &mbs, None).is_err()
+        let mut ex =
+            Executor::new(s.clone(), comm.rank(), vec![Scale::new(comm.rank(), 2, 4)]).unwrap();
+        ex.step(&comm, &data(3), None).is_err()
     })
     .unwrap();
     assert_eq!(r, vec![true, true]);
@@ -271,29 +303,24 @@ fn bad_setups_are_typed_errors() {
 
 #[test]
 fn a_failing_stage_fails_its_peers_instead_of_hanging() {
-    let full = model(false);
     let s = ScheduleKind::OneFOneB.generate(2, 3, 1).unwrap();
-    let mut d = data(3);
-    d[1].0[5] = 1000; // a token outside the vocabulary, seen by stage 0 only
-    let mbs: Vec<MicroBatch<'_>> = d
-        .iter()
-        .map(|(x, y)| MicroBatch {
-            tokens: x,
-            targets: y,
-        })
-        .collect();
+    let d = data(3);
     let r = LocalCluster::builder(2)
         .timeout(std::time::Duration::from_secs(20))
         .run_each(|comm| {
-            let mut ex = Executor::from_gpt(&full, s.clone(), comm.rank(), &[2, 2], B, T).unwrap();
-            ex.step(&comm, &mbs, None)
+            let mut st = Scale::new(comm.rank(), 2, 3);
+            if comm.rank() == 0 {
+                st.fail_on = Some(1);
+            }
+            let mut ex = Executor::new(s.clone(), comm.rank(), vec![st]).unwrap();
+            ex.step(&comm, &d, None)
                 .map(|_| ())
                 .map_err(|e| e.to_string())
         });
     let errs: Vec<String> = r.into_iter().map(|x| x.unwrap().unwrap_err()).collect();
     assert!(
-        errs[0].contains("rank 0") && errs[0].contains("F1"),
-        "stage 0 names its action: {}",
+        errs[0].contains("rank 0") && errs[0].contains("F1") && errs[0].contains("refused"),
+        "stage 0 names its action and its stage's error: {}",
         errs[0]
     );
     assert!(errs[1].contains("rank 1"), "stage 1 fails too: {}", errs[1]);

@@ -37,7 +37,7 @@ pub(crate) enum Net {
 /// exact per-micro-batch gradient sums, and the last step's measured
 /// timeline (for the run's trace and its bubble).
 pub(crate) struct Pipe {
-    pub(crate) ex: weft_pipeline::Executor,
+    pub(crate) ex: weft_pipeline::Executor<GptStage>,
     opt: Vec<AdamWState>,
     /// Exact sums keyed by (chunk, gradient range), reproducible mode.
     partials: Option<std::collections::BTreeMap<(usize, usize, usize), repro::ExactPartial>>,
@@ -56,7 +56,8 @@ impl Pipe {
         t: usize,
         exact: bool,
     ) -> Result<Self, TrainError> {
-        let ex = weft_pipeline::Executor::from_gpt(whole, schedule, rank, layers, b, t)?;
+        let stages = weft_model::pipeline_stages(whole, &schedule, rank, layers, b, t)?;
+        let ex = weft_pipeline::Executor::new(schedule, rank, stages)?;
         let opt = ex
             .stages()
             .iter()
@@ -526,7 +527,7 @@ impl Net {
                     o.step = whole_opt.step;
                 }
                 if let Some(d) = dp.and_then(Dp::pp) {
-                    p.ex.sync_tied_embeddings(d)?;
+                    p.ex.sync_shared(d)?;
                 }
                 Ok(())
             }
@@ -641,9 +642,9 @@ fn pipe_step(
     let comm = dp
         .and_then(Dp::pp)
         .ok_or_else(|| TrainError::Unsupported("no pipeline group".into()))?;
-    let mbs: Vec<weft_pipeline::MicroBatch<'_>> = batches
+    let mbs: Vec<weft_model::MicroBatch<'_>> = batches
         .iter()
-        .map(|b| weft_pipeline::MicroBatch {
+        .map(|b| weft_model::MicroBatch {
             tokens: &b.inputs,
             targets: &b.targets,
         })
@@ -718,7 +719,7 @@ fn pipe_step(
             o.step(runs, &mut st.params, &st.grads, hp)
                 .map_err(weft_model::Error::from)?;
         }
-        p.ex.sync_tied_embeddings(comm)?;
+        p.ex.sync_shared(comm)?;
     }
     Ok(StepOutcome {
         loss,

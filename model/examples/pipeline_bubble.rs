@@ -3,7 +3,7 @@
 //! bubble beside the simulator's prediction from the measured mean action
 //! costs of the same step.
 //!
-//! `cargo run --release -p weft-pipeline --example pipeline_bubble [-- --trace DIR]`
+//! `cargo run --release -p weft-model --example pipeline_bubble [-- --trace DIR]`
 //! (`--trace` writes each schedule's measured `trace.json` into `DIR`).
 //! Run with `RAYON_NUM_THREADS=1` so each stage thread computes alone
 //! instead of sharing one kernel thread pool with the other stage.
@@ -12,8 +12,8 @@
 
 use anyhow::Context as _;
 use weft_collectives::{Communicator, LocalCluster};
-use weft_model::{Gpt, GptConfig};
-use weft_pipeline::{ExecError, Executor, Measured, MicroBatch, ScheduleKind};
+use weft_model::{Gpt, GptConfig, MicroBatch, pipeline_stages};
+use weft_pipeline::{ExecError, Executor, Measured, ScheduleKind};
 
 fn main() -> anyhow::Result<()> {
     let trace_dir = std::env::args()
@@ -67,7 +67,9 @@ fn main() -> anyhow::Result<()> {
         let schedule = kind.generate(p, m, 1)?;
         let steps = 6;
         let results = LocalCluster::run(p, |comm| -> Result<Vec<Option<Measured>>, ExecError> {
-            let mut ex = Executor::from_gpt(&model, schedule.clone(), comm.rank(), &[2, 2], b, t)?;
+            let stages = pipeline_stages(&model, &schedule, comm.rank(), &[2, 2], b, t)
+                .map_err(|e| ExecError::Stage(Box::new(e)))?;
+            let mut ex = Executor::new(schedule.clone(), comm.rank(), stages)?;
             let mut out = Vec::new();
             for _ in 0..steps {
                 for s in ex.stages_mut() {
