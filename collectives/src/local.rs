@@ -201,15 +201,30 @@ impl LocalCluster {
         self
     }
 
-    /// Runs `f` once per rank, each on its own thread, and returns each
-    /// rank's result, or [`Error::RankPanicked`] for a rank that panicked.
-    /// A rank whose closure returns (or panics) is marked lost, so peers
-    /// that still wait for it get [`Error::PeerLost`].
-    pub fn run_each<R, F>(&self, f: F) -> Vec<Result<R>>
-    where
-        R: Send,
-        F: Fn(LocalComm) -> R + Sync,
-    {
+    /// A world of one rank on the calling thread, with the default
+    /// settings: collectives over it return their input, so code written
+    /// for many ranks runs unchanged on one, without a thread of its own.
+    ///
+    /// ```
+    /// use weft_collectives::{Communicator, CommunicatorExt, LocalCluster, ReduceOp};
+    /// let comm = LocalCluster::single();
+    /// let mut x = [1.0f32, 2.0];
+    /// comm.all_reduce(&mut x, ReduceOp::Sum)?;
+    /// assert_eq!((comm.rank(), comm.size(), x), (0, 1, [1.0, 2.0]));
+    /// # Ok::<(), weft_collectives::Error>(())
+    /// ```
+    pub fn single() -> LocalComm {
+        let (world, group) = Self::builder(1).world();
+        LocalComm {
+            world,
+            group,
+            rank: 0,
+            seq: Arc::new(AtomicU64::new(0)),
+        }
+    }
+
+    /// The shared state of this cluster's ranks and their world group.
+    fn world(&self) -> (Arc<World>, Arc<Group>) {
         let n = self.n;
         let mut fail_at = vec![None; n];
         for &(r, c) in &self.faults {
@@ -242,6 +257,20 @@ impl LocalCluster {
             arrived: (0..n).map(|_| AtomicU64::new(0)).collect(),
             members,
         });
+        (world, group)
+    }
+
+    /// Runs `f` once per rank, each on its own thread, and returns each
+    /// rank's result, or [`Error::RankPanicked`] for a rank that panicked.
+    /// A rank whose closure returns (or panics) is marked lost, so peers
+    /// that still wait for it get [`Error::PeerLost`].
+    pub fn run_each<R, F>(&self, f: F) -> Vec<Result<R>>
+    where
+        R: Send,
+        F: Fn(LocalComm) -> R + Sync,
+    {
+        let n = self.n;
+        let (world, group) = self.world();
         let f = &f;
         std::thread::scope(|s| {
             let handles: Vec<_> = (0..n)
