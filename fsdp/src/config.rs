@@ -1,10 +1,9 @@
-//! Strategies, the mixed-precision policy and the runner's settings.
+//! Strategies, the mixed-precision policy and the other settings of a sharded layout.
 
 use std::fmt;
 use std::str::FromStr;
 
 use weft_collectives::Algorithm;
-use weft_kernels::AdamW;
 use weft_numerics::Dtype;
 
 use crate::error::{Error, Result};
@@ -13,7 +12,6 @@ use crate::error::{Error, Result};
 ///
 /// | strategy | parameters | gradients | optimizer state (master, m, v) |
 /// |---|---|---|---|
-/// | [`None`](Self::None) (DDP) | replicated | replicated, all-reduced | replicated |
 /// | [`Optimizer`](Self::Optimizer) (ZeRO-1) | replicated | accumulated whole, reduce-scattered once per step | sharded |
 /// | [`GradOp`](Self::GradOp) (ZeRO-2) | replicated | reduce-scattered per unit as soon as ready, shard kept | sharded |
 /// | [`Full`](Self::Full) (ZeRO-3) | sharded, gathered per unit | as ZeRO-2 | sharded |
@@ -21,11 +19,11 @@ use crate::error::{Error, Result};
 ///
 /// ZeRO-1 and ZeRO-2 all-gather the updated parameter shards after the
 /// optimizer step so every rank holds the full (compute-dtype) parameters
-/// again.
+/// again. Plain data parallelism (replicas, all-reduced gradients) is not a
+/// sharding strategy: `weft_parallel::GradReducer` does it for every
+/// layout.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
 pub enum Strategy {
-    /// No sharding: DDP-style all-reduce of gradients.
-    None,
     /// ZeRO-1: optimizer state sharded.
     Optimizer,
     /// ZeRO-2: optimizer state and gradients sharded.
@@ -40,18 +38,16 @@ pub enum Strategy {
 
 impl Strategy {
     /// Every strategy.
-    pub const ALL: [Strategy; 5] = [
-        Strategy::None,
+    pub const ALL: [Strategy; 4] = [
         Strategy::Optimizer,
         Strategy::GradOp,
         Strategy::Full,
         Strategy::Hybrid,
     ];
 
-    /// The name used in `parallel.fsdp`: `none`, `optimizer`, `grad_op`, `full`, `hybrid`.
+    /// The name used in `parallel.fsdp`: `optimizer`, `grad_op`, `full`, `hybrid`.
     pub const fn name(self) -> &'static str {
         match self {
-            Strategy::None => "none",
             Strategy::Optimizer => "optimizer",
             Strategy::GradOp => "grad_op",
             Strategy::Full => "full",
@@ -69,9 +65,10 @@ impl Strategy {
         matches!(self, Strategy::GradOp | Strategy::Full | Strategy::Hybrid)
     }
 
-    /// Whether the optimizer state (f32 master, m, v) is sharded.
+    /// Whether the optimizer state (f32 master, m, v) is sharded (every
+    /// strategy shards it).
     pub const fn shards_optimizer(self) -> bool {
-        !matches!(self, Strategy::None)
+        true
     }
 }
 
@@ -90,7 +87,7 @@ impl FromStr for Strategy {
             .ok_or_else(|| Error::Config {
                 field: "strategy",
                 reason: format!(
-                    "{s:?} is not a strategy; expected one of \"full\", \"grad_op\", \"optimizer\", \"none\", \"hybrid\""
+                    "{s:?} is not a strategy; expected one of \"full\", \"grad_op\", \"optimizer\", \"hybrid\""
                 ),
             })
     }
@@ -152,7 +149,7 @@ impl Default for Precision {
     }
 }
 
-/// Settings of an [`Fsdp`](crate::Fsdp) runner.
+/// Settings of an [`Fsdp`](crate::Fsdp).
 #[derive(Clone, Debug, PartialEq)]
 pub struct FsdpConfig {
     /// What is sharded.
@@ -172,11 +169,6 @@ pub struct FsdpConfig {
     /// Ranks per shard group under [`Strategy::Hybrid`] (0: the
     /// communicator topology's ranks per domain, capped at the group size).
     pub hybrid_shard: usize,
-    /// AdamW hyper-parameters (the learning rate is given per step).
-    pub adamw: AdamW,
-    /// Clip the global gradient norm to this value (`None`: no clipping;
-    /// the norm is still computed and reported).
-    pub max_grad_norm: Option<f32>,
     /// Algorithm of the gradient all-reduces (the traffic formula assumes
     /// [`Algorithm::Ring`]).
     pub algorithm: Algorithm,
@@ -191,8 +183,6 @@ impl Default for FsdpConfig {
             prefetch: 1,
             reshard_after_forward: true,
             hybrid_shard: 0,
-            adamw: AdamW::default(),
-            max_grad_norm: Some(1.0),
             algorithm: Algorithm::Ring,
         }
     }

@@ -1,6 +1,6 @@
 //! The fsdp crate's error type.
 
-/// What went wrong planning or running a sharded training step.
+/// What went wrong sharding parameters or running the hooks.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
@@ -12,10 +12,11 @@ pub enum Error {
         /// What is wrong with it, with the numbers.
         reason: String,
     },
-    /// A micro-batch does not fit the model or the planned activations.
-    #[error("batch: {reason}")]
-    Batch {
-        /// What is wrong, with the numbers.
+    /// A hook was called out of order (a forward hook outside a
+    /// micro-batch, parameters read before their gather, …).
+    #[error("fsdp hooks out of order: {reason}")]
+    Order {
+        /// What was called when, with the unit.
         reason: String,
     },
     /// A state buffer handed in (e.g. to restore a checkpoint) has the wrong size.
@@ -31,14 +32,14 @@ pub enum Error {
     /// A collective failed (peer lost, timeout, mismatch, ...).
     #[error("collective during {during}: {source}")]
     Collective {
-        /// What the runner was doing, e.g. `all_gather of unit h.3`.
+        /// What FSDP was doing, e.g. `all_gather of unit h.3`.
         during: String,
         /// The communicator's error (boxed: it is large).
         source: Box<weft_collectives::Error>,
     },
-    /// The model rejected its arguments.
+    /// The optimizer or the norm over the layout failed.
     #[error(transparent)]
-    Model(#[from] weft_model::Error),
+    Parallel(#[from] weft_parallel::Error),
     /// A kernel rejected its arguments.
     #[error(transparent)]
     Kernel(#[from] weft_kernels::Error),
@@ -50,7 +51,7 @@ pub enum Error {
 /// `Result` with this crate's [`Error`].
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
-/// Wraps a collectives error with what the runner was doing.
+/// Wraps a collectives error with what FSDP was doing.
 pub(crate) fn comm(during: impl Into<String>) -> impl FnOnce(weft_collectives::Error) -> Error {
     let during = during.into();
     move |source| Error::Collective {

@@ -1,46 +1,58 @@
-//! Fully sharded data parallelism: each rank keeps 1/N of every unit's
-//! parameters, gradients and optimizer state, gathers a unit just before
-//! using it, and hides the communication behind the computation.
+//! Fully sharded data parallelism for any model: each rank keeps 1/N of
+//! every unit's parameters, gradients and optimizer state, gathers a unit
+//! just before using it, and hides the communication behind the
+//! computation.
+//!
+//! This crate does not know the model. A model whose parameters live in
+//! one flat buffer ([`weft_parallel::ParamLayout`]) declares its units
+//! ([`UnitSpec`]: contiguous ranges, in forward order) and calls the hooks
+//! of [`Fsdp`] around each unit in its own forward and backward, the way
+//! PyTorch's FSDP2 hooks a module: gather before, free after, reduce-scatter
+//! the gradients when the unit's backward is done; then the sharded AdamW
+//! update. weft's GPT does this in `weft-model` (its FSDP adapter);
+//! `examples/mlp_sharded.rs` does it for a stack of MLP layers written in
+//! the example, in a few dozen lines.
 //!
 //! # Overview
-//! - [`UnitPlan`] / [`Unit`]: the model's single parameter buffer
-//!   ([`weft_model::ParamLayout`]) cut into flat units — `embed`, one per
-//!   transformer block, `head` — each sharded evenly over the group with
-//!   padding (see [`UnitPlan`] for padding and tied embeddings);
-//!   [`UnitPlan::shard_pieces`] names what a rank's shard holds as Hugging
-//!   Face tensors and row/column boxes, for checkpoints.
-//! - [`Strategy`]: `none` (DDP), `optimizer` (ZeRO-1), `grad_op` (ZeRO-2),
-//!   `full` (ZeRO-3), `hybrid` (HSDP over a 2-d mesh: shard within a group
-//!   of ranks, replicate across groups).
+//! - [`UnitPlan`] / [`Unit`]: the buffer cut into units, each sharded
+//!   evenly over the group with padding; [`UnitPlan::shard_pieces`] names
+//!   what a rank's shard holds as tensors and row/column boxes, for
+//!   checkpoints.
+//! - [`Strategy`]: `optimizer` (ZeRO-1), `grad_op` (ZeRO-2), `full`
+//!   (ZeRO-3), `hybrid` (HSDP over a 2-d mesh: shard within a group of
+//!   ranks, replicate across groups). Plain replicas (DDP) are not a
+//!   sharding: `weft_parallel::GradReducer` reduces them for every layout.
 //! - [`Precision`]: parameter dtype (f32 or bf16) for gathering and
 //!   compute, gradient reduction dtype (f32 or bf16 on the wire, every
 //!   addition in f32); master weights and AdamW moments are f32 on the shard.
-//! - [`Fsdp`]: the runner. [`Fsdp::step`] runs forward and backward of this
-//!   rank's micro-batches unit by unit with the model's per-block API
-//!   ([`weft_model::GptBlocks`]), prefetching the next units' all-gathers
-//!   and reducing each unit's gradients on a worker thread as soon as they
-//!   are ready, then clips by the global norm and runs AdamW on the shard.
-//!   [`StepReport`] gives the loss, the norm, the step's traffic and the
-//!   exposed communication time.
+//! - [`Fsdp`]: the sharded state and its hooks ([`Fsdp::pre_forward`],
+//!   [`Fsdp::post_forward`], [`Fsdp::pre_backward`],
+//!   [`Fsdp::post_backward`]), prefetching the next units' all-gathers and
+//!   reducing each unit's gradients on a worker thread as soon as they are
+//!   ready; [`Fsdp::grad_norm`] (this shard's exact part of the global
+//!   norm) and [`Fsdp::apply`] (AdamW on the shards, `weft_parallel`'s one
+//!   optimizer) end the step.
 //! - [`MemoryReport`]: bytes per [`Category`] from the buffers actually
 //!   allocated, current and peak.
 //! - [`SpanLog`]: compute, communication and wait spans, exported as
 //!   Chrome trace events on separate tracks ([`SpanLog::trace_events`]).
 //!
 //! # The step
-//! For each micro-batch, forward over the units in order: before unit `i`
-//! computes, the all-gathers of units `i+1 ..= i+prefetch` are issued
-//! (non-blocking), so they travel while `i` computes; after its forward a
-//! unit is freed (`reshard_after_forward`) unless its backward comes next
-//! (the last unit) or the head needs it (the tied embedding). Backward
-//! runs the units in reverse with the same prefetch; as soon as a unit's
-//! gradients are complete they go to the reducer thread, which
-//! reduce-scatters them (ZeRO-2/3, and for hybrid then all-reduces the
-//! shard across replicas) while the next unit's backward runs. Strategies
-//! that keep whole gradients (DDP, ZeRO-1) accumulate micro-batches
-//! locally and reduce each unit after its last backward. Then: the global
-//! gradient norm, clipping, AdamW on this rank's ranges, and (ZeRO-1/2) an
-//! all-gather of the updated shards.
+//! For each micro-batch, the model's forward walks the units in order:
+//! [`pre_forward`](Fsdp::pre_forward) of unit `i` waits for its gather and
+//! issues the all-gathers of units `i+1 ..= i+prefetch` (non-blocking), so
+//! they travel while `i` computes; [`post_forward`](Fsdp::post_forward)
+//! frees it (`reshard_after_forward`) unless its backward comes next (the
+//! last unit) or it is kept gathered for a later unit. The backward walks
+//! them in reverse with the same prefetch; as soon as a unit's gradients
+//! are complete ([`post_backward`](Fsdp::post_backward)) they go to the
+//! reducer thread, which reduce-scatters them (and for hybrid then
+//! all-reduces the shard across replicas) while the next unit's backward
+//! runs. ZeRO-1 accumulates whole gradients locally and reduce-scatters
+//! each unit after its last micro-batch. Then the exact gradient norm, the
+//! clipping coefficient (the caller's: it knows the rest of its model) and
+//! AdamW on this rank's shards, and (ZeRO-1/2) an all-gather of the
+//! updated shards.
 //!
 //! # Bitwise reproducibility
 //! With [`FsdpConfig::reproducible`] on, the gradient is the *exact* sum
@@ -50,11 +62,11 @@
 //! rounded values. The gradient is the exact sum divided by the number `M`
 //! of micro-batches of the global batch, rounded once — the rule of the
 //! collectives' [`ExactPartial::mean_to`](weft_collectives::repro::ExactPartial::mean_to)
-//! and `ReduceOp::Avg`, so a single rank accumulating its micro-batches in
-//! an `ExactPartial` gets the same bits. The norm's sum of squares is exact (f32 squares are
-//! exact in f64, summed in [`weft_numerics::ExactSum`] and merged across
-//! shards as bytes), losses are summed in global micro-batch order, and
-//! AdamW is elementwise. So:
+//! and `weft_parallel::GradReducer`, so a single rank accumulating its
+//! micro-batches exactly gets the same bits. The norm's sum of squares is
+//! exact (f32 squares are exact in f64, summed in
+//! [`weft_numerics::ExactSum`] and merged across shards), and AdamW is
+//! elementwise. So:
 //!
 //! - **Guaranteed bitwise equal** to one rank running the same global batch
 //!   (same micro-batch shape, micro-batch `k` of the global batch on rank
@@ -64,73 +76,79 @@
 //!   values are the same bits on every N (rounded from the same master),
 //!   so bf16 runs equal the one-rank bf16 run (not the f32 run).
 //!   bf16 gradient reduction rounds the exact sum to bf16 once, also the
-//!   same for any N. With one rank and one micro-batch the step is bitwise
-//!   [`weft_model::Gpt`]'s forward, backward and `adamw_step` (tested).
+//!   same for any N. Tested on the MLP stack here and on weft's GPT (whose
+//!   one-rank, one-micro-batch FSDP step is bitwise the plain model's).
 //! - **Not guaranteed**: `reproducible = false` (ring sums in an order that
-//!   depends on N; bf16 gradients are rounded before the reduction), and
-//!   different micro-batch shapes (the model's per-token losses are batch
-//!   invariant, but a micro-batch's gradient is summed over its tokens).
+//!   depends on N; bf16 gradients are rounded before the reduction).
 //!
 //! # Memory and traffic
 //! Per rank, ZeRO-3 with [`Precision::BF16`] keeps 2 (bf16 shard) + 12
 //! (f32 master, m, v) + 2 (bf16 gradient shard) = 16 bytes per parameter
 //! divided by N, plus at most `prefetch + 2` gathered units (prefetched,
-//! current, and the one kept for the head or for the next backward) —
+//! current, and one kept for a later unit or for the next backward) —
 //! tested exactly from the allocated buffers. Per micro-batch ZeRO-3
 //! sends `(N−1)/N` of the unit bytes per gather — two per unit (forward
-//! and backward) except the last unit and a tied embedding — and per
+//! and backward) except the last unit and a kept one — and per
 //! reduce-scatter, ≈ 3× the parameter bytes against DDP's 2× (ring
-//! all-reduce); tested against the collectives' byte counters.
-//! Reproducible mode sends exact partials, about 2× the bytes of f32
-//! gradients, through all-to-all (counted as `all_to_all_v`).
+//! all-reduce); tested against the collectives' byte counters in
+//! weft-model. Reproducible mode sends exact partials, about 2× the bytes
+//! of f32 gradients, through all-to-all (counted as `all_to_all_v`).
 //!
 //! # Speed
-//! `cargo bench -p weft-fsdp --bench step` prints a table of step times of
-//! a single rank, DDP and ZeRO-3 (prefetch 0, 1, 2; f32 and bf16;
-//! reproducible or not) at the same per-rank batch on the thread backend,
-//! with the communication in flight, the part the training thread waited
-//! for, and the share hidden behind compute.
+//! `cargo bench -p weft-model --bench fsdp_step` prints a table of step
+//! times of weft's GPT on a single rank, DDP and ZeRO-3 (prefetch 0, 1, 2;
+//! f32 and bf16; reproducible or not) at the same per-rank batch on the
+//! thread backend, with the communication in flight, the part the
+//! training thread waited for, and the share hidden behind compute.
 //!
 //! # Example
+//! Two ranks shard a two-unit model; each unit's gradient is the mean of
+//! the ranks' contributions, and AdamW updates the shards.
 //! ```
-//! use std::sync::Arc;
-//! use weft_collectives::LocalCluster;
-//! use weft_fsdp::{Fsdp, FsdpConfig, MicroBatch, Strategy};
-//! use weft_model::{Gpt, GptConfig, Mlp};
+//! use weft_collectives::{Communicator, LocalCluster};
+//! use weft_fsdp::{Fsdp, FsdpConfig, UnitSpec};
+//! use weft_kernels::AdamW;
+//! use weft_parallel::{Coords, LayoutBuilder, Placements};
 //!
-//! let cfg = GptConfig { n_layer: 2, n_head: 2, n_embd: 16, vocab_size: 50, block_size: 8,
-//!                       tied_embeddings: true, layer_norm_epsilon: 1e-5 };
-//! let mut init = Gpt::new(cfg.clone())?;
-//! init.init_gpt2(42);
-//! let (b, t) = (2, 8);
-//! let losses = LocalCluster::run(2, |comm| -> weft_fsdp::Result<Vec<f64>> {
-//!     let fc = FsdpConfig { strategy: Strategy::Full, ..FsdpConfig::default() };
-//!     let mut fsdp = Fsdp::new(&comm, cfg.clone(), Arc::new(Mlp), fc, &init.params)?;
-//!     let mut losses = Vec::new();
-//!     for step in 0..5 {
-//!         // this rank's micro-batch: global position dp_rank
-//!         let seed = (step * 2 + fsdp.dp_rank()) as u32;
-//!         let tokens: Vec<u32> = (0..16).map(|i| (i * 7 + seed) % 50).collect();
-//!         let targets: Vec<u32> = (0..16).map(|i| (i * 7 + seed + 1) % 50).collect();
-//!         let mb = MicroBatch { tokens: &tokens, targets: &targets };
-//!         losses.push(fsdp.step(b, t, &[mb], 1e-2)?.loss);
+//! let mut b = LayoutBuilder::new(Coords::SINGLE);
+//! let w = b.push("w", &[3], true, Placements::REPLICATED)?;
+//! let v = b.push("v", &[2], false, Placements::REPLICATED)?;
+//! let layout = b.finish()?;
+//! let units = vec![
+//!     UnitSpec { name: "w".into(), range: w, keep_gathered: false },
+//!     UnitSpec { name: "v".into(), range: v, keep_gathered: false },
+//! ];
+//! let out = LocalCluster::run(2, |comm| -> weft_fsdp::Result<Vec<f32>> {
+//!     let mut f = Fsdp::new(&comm, &layout, units.clone(), FsdpConfig::default(), &[1.0; 5])?;
+//!     f.begin_step(1)?;
+//!     f.begin_micro_batch()?;
+//!     for u in 0..2 {
+//!         f.pre_forward(u)?;
+//!         assert_eq!(f.params(u)?[0], 1.0); // gathered whole
+//!         f.post_forward(u)?;
 //!     }
-//!     Ok(losses)
+//!     for u in (0..2).rev() {
+//!         f.pre_backward(u)?;
+//!         f.grads_mut(u)?.fill(comm.rank() as f32); // this rank's gradient
+//!         f.post_backward(u)?;
+//!     }
+//!     f.end_micro_batch()?;
+//!     f.finish_backward()?;
+//!     let norm = f.grad_norm()?.finish(None)?;
+//!     assert!((norm - (5.0f64 * 0.25).sqrt()).abs() < 1e-12); // mean 0.5 everywhere
+//!     f.apply(1.0, &AdamW { lr: 0.1, weight_decay: 0.0, ..AdamW::default() })?;
+//!     f.full_params()
 //! })?;
-//! let rank0 = losses[0].as_ref().unwrap();
-//! assert_eq!(rank0, losses[1].as_ref().unwrap()); // every rank reports the global loss
-//! assert!(rank0[4] < rank0[0]);
+//! assert!(out[0].as_ref().unwrap().iter().all(|&p| (p - 0.9).abs() < 1e-6));
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 //!
 //! # Crate features
-//! None. The runner works over any [`weft_collectives::Communicator`] that
+//! None. [`Fsdp`] works over any [`weft_collectives::Communicator`] that
 //! can [`split`](weft_collectives::Communicator::split) (it splits off its
-//! own parameter, gradient and loss groups, so the reducer thread is the
-//! only one issuing on its group); on backends that cannot progress in the
-//! background (no `detach`) prefetched gathers complete at issue. The
-//! feed-forward block must be dense or replicated (an expert-parallel MoE
-//! block's expert shards are not what a unit's shard holds).
+//! own parameter and gradient groups, so the reducer thread is the only
+//! one issuing on its group); on backends that cannot progress in the
+//! background (no `detach`) prefetched gathers complete at issue.
 #![deny(missing_docs)]
 
 mod config;
@@ -139,13 +157,13 @@ mod exact;
 mod lowp;
 mod memory;
 mod reducer;
-mod runner;
+mod sharded;
 mod spans;
 mod units;
 
 pub use config::{FsdpConfig, Precision, Strategy};
 pub use error::{Error, Result};
 pub use memory::{Category, MemoryReport};
-pub use runner::{Fsdp, MicroBatch, StepReport};
+pub use sharded::Fsdp;
 pub use spans::{Span, SpanLog, Track};
-pub use units::{ShardBox, ShardPiece, Unit, UnitKind, UnitPlan};
+pub use units::{ShardBox, ShardPiece, Unit, UnitPlan, UnitSpec};

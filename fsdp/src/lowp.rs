@@ -3,8 +3,6 @@
 use weft_collectives::repro::ExactPartial;
 use weft_collectives::{Communicator, CommunicatorExt, Dtype, ReduceOp, ReduceOptions, bf16};
 
-use crate::exact::ExactBuf;
-
 /// A vector of f32 or bf16 values.
 #[derive(Clone, Debug, PartialEq)]
 pub(crate) enum LowVec {
@@ -101,15 +99,6 @@ impl LowVec {
         }
     }
 
-    /// The correctly rounded values of an exact partial, in `dtype`.
-    pub(crate) fn decode_exact(x: &ExactBuf, dtype: Option<Dtype>) -> crate::Result<Self> {
-        Ok(if dtype == Some(Dtype::BF16) {
-            LowVec::Bf16(x.decode()?)
-        } else {
-            LowVec::F32(x.decode()?)
-        })
-    }
-
     pub(crate) fn reduce_scatter(
         &self,
         c: &dyn Communicator,
@@ -144,18 +133,6 @@ impl LowVec {
         match self {
             LowVec::F32(a) => c.reduce_scatter_exact(p, a, ReduceOp::Avg),
             LowVec::Bf16(a) => c.reduce_scatter_exact(p, a, ReduceOp::Avg),
-        }
-    }
-
-    /// The exact mean of every rank's contributions, rounded once.
-    pub(crate) fn all_reduce_exact(
-        &mut self,
-        c: &dyn Communicator,
-        p: &ExactPartial,
-    ) -> weft_collectives::Result<()> {
-        match self {
-            LowVec::F32(a) => c.all_reduce_exact(p, a, ReduceOp::Avg),
-            LowVec::Bf16(a) => c.all_reduce_exact(p, a, ReduceOp::Avg),
         }
     }
 

@@ -1,6 +1,6 @@
 //! Per-rank memory accounting by category.
 //!
-//! Every buffer the runner allocates is registered here with its category
+//! Every buffer FSDP allocates is registered here with its category
 //! and its exact size (`capacity · size_of::<T>()`), and unregistered when
 //! it is freed; the report gives the current and the peak bytes of each
 //! category and the peak of their total. Nothing is estimated: a number in

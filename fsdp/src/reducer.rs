@@ -35,28 +35,19 @@ pub(crate) enum GradIn {
 /// What a reduction produced.
 #[derive(Debug)]
 pub(crate) enum GradOut {
-    /// Rounded values: the shard (reduce-scatter) or the whole unit
-    /// (all-reduce); `true` if already the mean over every contribution.
+    /// Rounded values of the shard; `true` if already the mean over every
+    /// contribution.
     Plain(LowVec, bool),
     /// The exact sum over the group (and replicas) of this rank's chunk.
     Exact(ExactBuf),
 }
 
-/// Which reduction.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Kind {
-    /// Reduce-scatter over the shard group, then (hybrid) all-reduce of the
-    /// shard over the replicas.
-    Scatter,
-    /// All-reduce of the whole unit (no sharding).
-    AllReduce,
-}
-
+/// One reduction: a reduce-scatter of a unit's gradients over the shard
+/// group, then (hybrid) an all-reduce of the shard over the replicas.
 #[derive(Debug)]
 struct Job {
     unit: usize,
     micro: usize,
-    kind: Kind,
     data: GradIn,
 }
 
@@ -65,7 +56,6 @@ struct Job {
 pub(crate) struct Done {
     pub unit: usize,
     pub micro: usize,
-    pub kind: Kind,
     pub result: Result<GradOut>,
     pub start: Instant,
     pub end: Instant,
@@ -96,13 +86,12 @@ impl Reducer {
             .spawn(move || {
                 while let Ok(job) = jobs.recv() {
                     let start = Instant::now();
-                    let result = run(&groups, job.kind, job.data, job.unit);
+                    let result = run(&groups, job.data, job.unit);
                     let end = Instant::now();
                     let failed = result.is_err();
                     let sent = done.send(Done {
                         unit: job.unit,
                         micro: job.micro,
-                        kind: job.kind,
                         result,
                         start,
                         end,
@@ -128,19 +117,8 @@ impl Reducer {
     ///
     /// # Errors
     /// The error that stopped the worker, if it has stopped.
-    pub(crate) fn submit(
-        &mut self,
-        unit: usize,
-        micro: usize,
-        kind: Kind,
-        data: GradIn,
-    ) -> Result<()> {
-        let job = Job {
-            unit,
-            micro,
-            kind,
-            data,
-        };
+    pub(crate) fn submit(&mut self, unit: usize, micro: usize, data: GradIn) -> Result<()> {
+        let job = Job { unit, micro, data };
         match &self.tx {
             Some(tx) if tx.send(job).is_ok() => {
                 self.pending += 1;
@@ -197,10 +175,10 @@ impl Drop for Reducer {
     }
 }
 
-fn run(g: &Groups, kind: Kind, data: GradIn, unit: usize) -> Result<GradOut> {
+fn run(g: &Groups, data: GradIn, unit: usize) -> Result<GradOut> {
     let n = g.shard.size();
-    match (kind, data) {
-        (Kind::Scatter, GradIn::Plain(v)) => {
+    match data {
+        GradIn::Plain(v) => {
             let len = v.len() / n;
             let mut out = v.zeros_like(len);
             v.reduce_scatter(&*g.shard, &mut out, &g.opts)
@@ -211,7 +189,7 @@ fn run(g: &Groups, kind: Kind, data: GradIn, unit: usize) -> Result<GradOut> {
             }
             Ok(GradOut::Plain(out, false))
         }
-        (Kind::Scatter, GradIn::Exact(x)) => {
+        GradIn::Exact(x) => {
             let mine =
                 exact::reduce_scatter(&*g.shard, &x, &format!("reduce_scatter of unit {unit}"))?;
             drop(x);
@@ -225,7 +203,7 @@ fn run(g: &Groups, kind: Kind, data: GradIn, unit: usize) -> Result<GradOut> {
             };
             Ok(GradOut::Exact(mine))
         }
-        (Kind::Scatter, GradIn::Partial(p)) => {
+        GradIn::Partial(p) => {
             if g.replicas.is_some() {
                 // rounded shards cannot be summed across replicas exactly
                 return Err(Error::Config {
@@ -238,29 +216,6 @@ fn run(g: &Groups, kind: Kind, data: GradIn, unit: usize) -> Result<GradOut> {
             out.reduce_scatter_exact(&*g.shard, &p)
                 .map_err(comm(format!("reduce_scatter of unit {unit}")))?;
             Ok(GradOut::Plain(out, true))
-        }
-        (Kind::AllReduce, GradIn::Partial(p)) => {
-            let mut out = LowVec::zeros(g.opts.wire, p.len());
-            out.all_reduce_exact(&*g.shard, &p)
-                .map_err(comm(format!("all_reduce of unit {unit}")))?;
-            Ok(GradOut::Plain(out, true))
-        }
-        (Kind::AllReduce, GradIn::Plain(mut v)) => {
-            v.all_reduce(&*g.shard, &g.opts)
-                .map_err(comm(format!("all_reduce of unit {unit}")))?;
-            Ok(GradOut::Plain(v, false))
-        }
-        (Kind::AllReduce, GradIn::Exact(x)) => {
-            // exact reduce-scatter, round this rank's chunk, all-gather the
-            // rounded chunks: every rank gets the correctly rounded sum.
-            let mine = exact::reduce_scatter(&*g.shard, &x, &format!("all_reduce of unit {unit}"))?;
-            let total = x.len();
-            drop(x);
-            let out = LowVec::decode_exact(&mine, g.opts.wire)?;
-            let mut full = out.zeros_like(total);
-            out.all_gather(&*g.shard, &mut full)
-                .map_err(comm(format!("all_gather in the all_reduce of unit {unit}")))?;
-            Ok(GradOut::Plain(full, false))
         }
     }
 }

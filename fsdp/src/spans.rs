@@ -49,9 +49,9 @@ pub struct Span {
     pub unit: Option<usize>,
     /// The micro-batch (local index), if any.
     pub micro: Option<usize>,
-    /// Start, seconds since the runner was built.
+    /// Start, seconds since the FSDP state was built.
     pub start: f64,
-    /// End, seconds since the runner was built.
+    /// End, seconds since the FSDP state was built.
     pub end: f64,
 }
 
@@ -128,7 +128,7 @@ impl SpanLog {
     }
 
     /// Chrome trace events for the spans: process `pid`, one thread per
-    /// [`Track`] (named), times in µs since the runner's epoch plus
+    /// [`Track`] (named), times in µs since the FSDP state's epoch plus
     /// `offset_us` (to place them on the trainer's own clock). Each event
     /// carries `unit` and `micro` arguments.
     pub fn trace_events(&self, pid: u64, offset_us: f64) -> Vec<TraceEvent> {

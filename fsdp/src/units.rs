@@ -2,32 +2,36 @@
 
 use std::ops::Range;
 
-use weft_model::{ParamLayout, ParamSpec};
+use weft_parallel::{ParamLayout, ParamSpec};
 
 use crate::error::{Error, Result};
 
-/// What part of the model a unit holds.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum UnitKind {
-    /// Token and position embeddings (`wte`, `wpe`).
-    Embedding,
-    /// Transformer block `l`.
-    Block(usize),
-    /// Final layernorm (and the untied `lm_head`).
-    Head,
+/// A unit as the model declares it: a name, a contiguous range of its
+/// parameter buffer, and whether it stays gathered from its forward until
+/// its backward (FSDP2's per-module `reshard_after_forward = false`: a
+/// unit whose parameters another unit reads, like a tied embedding the
+/// output head uses).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct UnitSpec {
+    /// A name for errors and traces (`embed`, `h.3`, `head`, …).
+    pub name: String,
+    /// Its elements in the model's flat buffer.
+    pub range: Range<usize>,
+    /// Keep it gathered between its forward and its backward.
+    pub keep_gathered: bool,
 }
 
 /// One flat-parameter unit: a contiguous range of the parameter buffer.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Unit {
-    /// `embed`, `h.{l}` or `head`.
+    /// Its name (see [`UnitSpec`]).
     pub name: String,
-    /// What it holds.
-    pub kind: UnitKind,
     /// Its elements in the model's flat buffer.
     pub range: Range<usize>,
     /// Elements per rank: `ceil(len / n)`.
     pub shard_len: usize,
+    /// Kept gathered from its forward until its backward.
+    pub keep_gathered: bool,
 }
 
 impl Unit {
@@ -95,14 +99,10 @@ pub struct ShardPiece {
 /// over `n` ranks.
 ///
 /// A *unit* is a contiguous range of the model's single parameter buffer
-/// ([`ParamLayout`]) that is gathered, computed with and freed as one piece.
-/// The default plan ([`UnitPlan::per_block`]) has `L + 2` units:
-///
-/// | unit | tensors |
-/// |---|---|
-/// | 0 `embed` | `transformer.wte.weight (V,C)`, `transformer.wpe.weight (maxT,C)` |
-/// | 1..=L `h.{l}` | every tensor of block `l` (`ln_1` … feed-forward) |
-/// | L+1 `head` | `transformer.ln_f.{weight,bias}`, and `lm_head.weight (V,C)` when untied |
+/// ([`ParamLayout`]) that is gathered, computed with and freed as one
+/// piece; the model declares them ([`UnitSpec`]) in forward order, tiling
+/// the buffer — weft's GPT cuts `embed`, one unit per transformer block,
+/// `head` (weft-model's FSDP adapter).
 ///
 /// # Padding
 /// Unit `u` of `len` elements is sharded over a group of `n` ranks as a
@@ -115,64 +115,29 @@ pub struct ShardPiece {
 /// equal, so [`weft_collectives::shard_range`] of the padded length gives
 /// the same ranges.
 ///
-/// # Tied embeddings
-/// With tied embeddings `lm_head` *is* `transformer.wte.weight`, which lives
-/// in unit 0. The head unit then holds only `ln_f`, and the runner keeps
-/// unit 0 gathered from its forward until its backward (the head's forward
-/// and backward read the gathered `wte`; its gradient is accumulated into
-/// unit 0's gradient buffer together with the embedding's). That costs one
-/// extra resident unit (counted under gathered parameters) and saves one
-/// all-gather of `wte` per micro-batch.
+/// # Units another unit reads
+/// A unit read by a later one (GPT-2's tied `wte`, in the `embed` unit, is
+/// also the output head's weight) is declared `keep_gathered`: it stays
+/// gathered from its forward until its own backward, and the later unit's
+/// backward adds into its gradient buffer. That costs one resident unit
+/// (counted under gathered parameters) and saves one all-gather of it per
+/// micro-batch.
 #[derive(Clone, Debug)]
 pub struct UnitPlan {
     units: Vec<Unit>,
     n: usize,
     specs: Vec<ParamSpec>,
     total: usize,
-    tied: bool,
 }
 
 impl UnitPlan {
-    /// The default plan: `embed`, one unit per transformer block, `head`
-    /// (see [`UnitPlan`]), sharded over `n` ranks.
+    /// A plan from units that tile the buffer of `layout` in order, sharded
+    /// over `n` ranks.
     ///
     /// # Errors
-    /// [`Error::Config`] if `n` is 0 or the layout does not have the GPT-2
-    /// tensor names of `n_layer` blocks in order.
-    pub fn per_block(layout: &ParamLayout, n_layer: usize, n: usize) -> Result<Self> {
-        let get = |name: &str| {
-            layout.get(name).ok_or_else(|| Error::Config {
-                field: "layout",
-                reason: format!("the parameter layout has no tensor {name:?}"),
-            })
-        };
-        let mut cuts = vec![(String::from("embed"), UnitKind::Embedding, 0)];
-        for l in 0..n_layer {
-            let first = get(&format!("transformer.h.{l}.ln_1.weight"))?;
-            cuts.push((format!("h.{l}"), UnitKind::Block(l), first.offset));
-        }
-        let lnf = get("transformer.ln_f.weight")?;
-        cuts.push(("head".into(), UnitKind::Head, lnf.offset));
-        let mut ranges = Vec::new();
-        for (i, (name, kind, start)) in cuts.iter().enumerate() {
-            let end = cuts.get(i + 1).map_or(layout.len(), |c| c.2);
-            ranges.push((name.clone(), *kind, *start..end));
-        }
-        let tied = layout.get("lm_head.weight").is_none();
-        Self::from_ranges(layout, ranges, n, tied)
-    }
-
-    /// A plan from explicit unit ranges, which must tile the buffer in order.
-    ///
-    /// # Errors
-    /// [`Error::Config`] if `n` is 0, a range is empty, or the ranges do not
+    /// [`Error::Config`] if `n` is 0, a unit is empty, or the units do not
     /// tile `0..layout.len()` in order.
-    pub fn from_ranges(
-        layout: &ParamLayout,
-        ranges: Vec<(String, UnitKind, Range<usize>)>,
-        n: usize,
-        tied: bool,
-    ) -> Result<Self> {
+    pub fn new(layout: &ParamLayout, units: Vec<UnitSpec>, n: usize) -> Result<Self> {
         if n == 0 {
             return Err(Error::Config {
                 field: "dp",
@@ -180,8 +145,13 @@ impl UnitPlan {
             });
         }
         let mut end = 0;
-        let mut units = Vec::new();
-        for (name, kind, r) in ranges {
+        let mut out = Vec::new();
+        for UnitSpec {
+            name,
+            range: r,
+            keep_gathered,
+        } in units
+        {
             if r.start != end || r.is_empty() {
                 return Err(Error::Config {
                     field: "units",
@@ -191,11 +161,11 @@ impl UnitPlan {
                 });
             }
             end = r.end;
-            units.push(Unit {
+            out.push(Unit {
                 name,
-                kind,
                 shard_len: r.len().div_ceil(n),
                 range: r,
+                keep_gathered,
             });
         }
         if end != layout.len() {
@@ -208,11 +178,10 @@ impl UnitPlan {
             });
         }
         Ok(Self {
-            units,
+            units: out,
             n,
             specs: layout.specs().to_vec(),
             total: layout.len(),
-            tied,
         })
     }
 
@@ -241,15 +210,15 @@ impl UnitPlan {
         self.units.iter().map(|u| u.shard_len).sum()
     }
 
-    /// Whether `lm_head` is tied to `wte` (then the head uses unit 0).
-    pub fn tied(&self) -> bool {
-        self.tied
+    /// The tensors of the buffer, in order.
+    pub fn specs(&self) -> &[ParamSpec] {
+        &self.specs
     }
 
     /// The decay mask of unit `u`'s padded buffer as runs of
     /// `(range in the padded unit buffer, decay)`, from each tensor's
-    /// [`ParamSpec::decay`] — the same mask [`weft_model::Gpt::adamw_step`]
-    /// uses. Padding is reported as a run without decay.
+    /// [`ParamSpec::decay`] — the same mask a model's own AdamW step over
+    /// its layout uses. Padding is reported as a run without decay.
     ///
     /// # Panics
     /// If `u` is out of range.
@@ -358,28 +327,53 @@ fn boxes(e: &Range<usize>, cols: usize, flat: bool) -> Vec<ShardBox> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use weft_model::GptConfig;
+    use weft_parallel::{Coords, LayoutBuilder, Placements};
 
-    fn cfg(tied: bool) -> GptConfig {
-        GptConfig {
-            n_layer: 3,
-            n_head: 2,
-            n_embd: 8,
-            vocab_size: 13,
-            block_size: 6,
-            tied_embeddings: tied,
-            layer_norm_epsilon: 1e-5,
+    /// A GPT-like layout: `embed` (two tensors), three blocks, `head`.
+    fn layout(untied: bool) -> (ParamLayout, Vec<UnitSpec>) {
+        let mut b = LayoutBuilder::new(Coords::SINGLE);
+        let rep = Placements::REPLICATED;
+        let mut units = Vec::new();
+        let e = b.push("wte", &[13, 8], true, rep).unwrap();
+        let e2 = b.push("wpe", &[6, 8], true, rep).unwrap();
+        units.push(UnitSpec {
+            name: "embed".into(),
+            range: e.start..e2.end,
+            keep_gathered: !untied,
+        });
+        for l in 0..3 {
+            let a = b
+                .push(format!("h.{l}.ln.weight"), &[8], false, rep)
+                .unwrap();
+            let w = b.push(format!("h.{l}.w"), &[8, 24], true, rep).unwrap();
+            let c = b.push(format!("h.{l}.bias"), &[24], false, rep).unwrap();
+            let _ = w;
+            units.push(UnitSpec {
+                name: format!("h.{l}"),
+                range: a.start..c.end,
+                keep_gathered: false,
+            });
         }
+        let h = b.push("ln_f.weight", &[8], false, rep).unwrap();
+        let mut end = h.end;
+        if untied {
+            end = b.push("lm_head", &[13, 8], true, rep).unwrap().end;
+        }
+        units.push(UnitSpec {
+            name: "head".into(),
+            range: h.start..end,
+            keep_gathered: false,
+        });
+        (b.finish().unwrap(), units)
     }
 
     #[test]
     fn units_tile_the_buffer_and_shards_are_even() {
-        for tied in [true, false] {
-            let layout = weft_model::dense_layout(&cfg(tied)).unwrap();
+        for untied in [false, true] {
+            let (layout, specs) = layout(untied);
             for n in [1, 2, 3, 4, 7] {
-                let plan = UnitPlan::per_block(&layout, 3, n).unwrap();
+                let plan = UnitPlan::new(&layout, specs.clone(), n).unwrap();
                 assert_eq!(plan.units().len(), 5);
-                assert_eq!(plan.tied(), tied);
                 let mut end = 0;
                 for u in plan.units() {
                     assert_eq!(u.range.start, end);
@@ -406,27 +400,9 @@ mod tests {
     }
 
     #[test]
-    fn block_units_hold_exactly_their_block() {
-        let layout = weft_model::dense_layout(&cfg(false)).unwrap();
-        let plan = UnitPlan::per_block(&layout, 3, 2).unwrap();
-        let u = &plan.units()[2];
-        assert_eq!(u.kind, UnitKind::Block(1));
-        for s in layout.specs() {
-            let inside = s.range().start >= u.range.start && s.range().end <= u.range.end;
-            assert_eq!(inside, s.name.starts_with("transformer.h.1."), "{}", s.name);
-        }
-        let head = plan.units().last().unwrap();
-        assert_eq!(
-            head.range.end - head.range.start,
-            8 + 8 + 13 * 8,
-            "ln_f + untied lm_head"
-        );
-    }
-
-    #[test]
     fn decay_runs_follow_the_layout_mask() {
-        let layout = weft_model::dense_layout(&cfg(true)).unwrap();
-        let plan = UnitPlan::per_block(&layout, 3, 4).unwrap();
+        let (layout, specs) = layout(false);
+        let plan = UnitPlan::new(&layout, specs, 4).unwrap();
         for (u, unit) in plan.units().iter().enumerate() {
             let runs = plan.decay_runs(u);
             let mut at = 0;
@@ -440,10 +416,6 @@ mod tests {
                         .find(|s| s.offset == unit.range.start + r.start)
                         .unwrap();
                     assert_eq!(spec.decay, *decay);
-                    assert_eq!(
-                        *decay,
-                        !(spec.name.contains("ln_") || spec.name.ends_with("bias"))
-                    );
                 } else {
                     assert!(!decay);
                 }
@@ -454,9 +426,9 @@ mod tests {
 
     #[test]
     fn shard_pieces_cover_every_tensor_once_as_boxes() {
-        let layout = weft_model::dense_layout(&cfg(false)).unwrap();
+        let (layout, specs) = layout(true);
         for n in [1, 2, 3, 5] {
-            let plan = UnitPlan::per_block(&layout, 3, n).unwrap();
+            let plan = UnitPlan::new(&layout, specs.clone(), n).unwrap();
             // mark every element of every tensor covered by some box
             let mut seen: Vec<Vec<u8>> =
                 layout.specs().iter().map(|s| vec![0; s.numel()]).collect();
@@ -502,21 +474,22 @@ mod tests {
 
     #[test]
     fn bad_plans_are_typed_errors() {
-        let layout = weft_model::dense_layout(&cfg(true)).unwrap();
+        let (layout, specs) = layout(false);
         assert!(matches!(
-            UnitPlan::per_block(&layout, 3, 0),
+            UnitPlan::new(&layout, specs.clone(), 0),
             Err(Error::Config { field: "dp", .. })
         ));
         assert!(matches!(
-            UnitPlan::per_block(&layout, 4, 2),
-            Err(Error::Config {
-                field: "layout",
-                ..
-            })
+            UnitPlan::new(&layout, specs[1..].to_vec(), 2),
+            Err(Error::Config { field: "units", .. })
         ));
-        let bad = vec![("a".to_string(), UnitKind::Head, 0..5)];
+        let bad = vec![UnitSpec {
+            name: "a".into(),
+            range: 0..5,
+            keep_gathered: false,
+        }];
         assert!(matches!(
-            UnitPlan::from_ranges(&layout, bad, 2, true),
+            UnitPlan::new(&layout, bad, 2),
             Err(Error::Config { field: "units", .. })
         ));
     }

@@ -1,7 +1,7 @@
 //! Step time of a tensor-parallel GPT-2 at tp = 1 vs tp = 2 (and 4 with
-//! `--tp4`) on the thread backend, and the fraction of each rank's step
-//! spent inside tp collectives (which on threads includes waiting for the
-//! slowest peer).
+//! `--tp4`) on the thread backend, through `ParallelGpt`'s training step
+//! (the trainer's), and the fraction of each rank's step spent inside tp
+//! collectives (which on threads includes waiting for the slowest peer).
 //!
 //! `cargo run --release -p weft-model --example tp_step -- [steps] [--sp] [--tp4]`
 //!
@@ -10,10 +10,13 @@
 
 use std::time::Instant;
 
-use weft_collectives::{Communicator, LocalCluster};
+use std::sync::Arc;
+
+use weft_collectives::LocalCluster;
 use weft_kernels::AdamW;
-use weft_model::tp::{TpGpt, TpOptions};
-use weft_model::{Gpt, GptConfig};
+use weft_model::tp::TpOptions;
+use weft_model::{Gpt, GptConfig, MicroBatch, Mlp, ParallelGpt, ParallelPlan};
+use weft_parallel::ParallelDims;
 
 const B: usize = 4;
 const T: usize = 128;
@@ -46,35 +49,49 @@ fn main() -> anyhow::Result<()> {
     };
     // per degree: (step seconds, comm seconds of the slowest-communicating rank)
     let mut samples: Vec<Vec<(f64, f64)>> = vec![Vec::new(); degrees.len()];
+    let mut params = vec![0usize; degrees.len()];
     for _ in 0..steps {
         for (di, &tp) in degrees.iter().enumerate() {
             let out = LocalCluster::run(tp, |comm| -> anyhow::Result<(f64, f64, usize)> {
-                let c: &dyn Communicator = &comm;
-                let mut m = TpGpt::from_full(&full, tp, c.rank(), opts)?;
-                let mut acts = m.activations(B, T)?;
-                let mut adam = m.adamw_state();
-                // One warm-up step, then the timed one.
-                let mut run = |m: &mut TpGpt| -> anyhow::Result<f64> {
-                    m.reset_comm_nanos();
-                    let t0 = Instant::now();
-                    m.forward(c, &mut acts, &tokens, Some(&targets))?;
-                    m.zero_grad();
-                    m.backward(c, &mut acts)?;
-                    m.adamw_step(&mut adam, &AdamW::default())?;
-                    Ok(t0.elapsed().as_secs_f64())
+                let mesh = ParallelDims {
+                    tp,
+                    ..ParallelDims::SINGLE
+                }
+                .build(&comm)?;
+                let plan = ParallelPlan {
+                    fsdp: None,
+                    pipeline: None,
+                    batch: B,
+                    seq: T,
+                    micro_batches: 1,
+                    reproducible: false,
+                    tp: opts,
                 };
-                run(&mut m)?;
-                let dt = run(&mut m)?;
+                let mut m =
+                    ParallelGpt::new(cfg.clone(), Arc::new(Mlp), &full.params, &plan, mesh)?;
+                let batch = [MicroBatch {
+                    tokens: &tokens,
+                    targets: &targets,
+                }];
+                let comm_nanos =
+                    |m: &ParallelGpt| m.stages()[0].blocks().tp().map_or(0, |g| g.comm_nanos());
+                // One warm-up step, then the timed one.
+                m.train_step(&batch, &AdamW::default(), 1.0)?;
+                let before = comm_nanos(&m);
+                let t0 = Instant::now();
+                m.train_step(&batch, &AdamW::default(), 1.0)?;
+                let dt = t0.elapsed().as_secs_f64();
                 #[allow(clippy::cast_precision_loss)]
-                let comm_s = m.comm_nanos() as f64 * 1e-9;
+                let comm_s = (comm_nanos(&m) - before) as f64 * 1e-9;
                 Ok((dt, comm_s, m.memory().params))
             })?;
             let mut step = 0.0f64;
             let mut comm_s = 0.0f64;
             for r in out {
-                let (dt, cs, _) = r?;
+                let (dt, cs, bytes) = r?;
                 step = step.max(dt);
                 comm_s = comm_s.max(cs);
+                params[di] = bytes;
             }
             samples[di].push((step, comm_s));
         }
@@ -95,9 +112,8 @@ fn main() -> anyhow::Result<()> {
         let mut cm: Vec<f64> = samples[di].iter().map(|s| s.1).collect();
         let (st, cm) = (median(&mut st), median(&mut cm));
         let b = *base.get_or_insert(st);
-        let m = TpGpt::new(cfg.clone(), tp, 0, opts)?;
         #[allow(clippy::cast_precision_loss)]
-        let mib = m.memory().params as f64 / f64::from(1u32 << 20);
+        let mib = params[di] as f64 / f64::from(1u32 << 20);
         println!(
             "| {tp} | {:.1} | {:.2}x | {:.1} | {:.0}% | {mib:.2} |",
             st * 1e3,

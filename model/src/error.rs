@@ -70,6 +70,28 @@ pub enum Error {
     /// optimizer over a layout, gathering or sharding a model).
     #[error(transparent)]
     Parallel(#[from] weft_parallel::Error),
+    /// Fully sharded data parallelism failed (a collective, a hook out of
+    /// order).
+    #[error("fsdp: {0}")]
+    Fsdp(#[from] weft_fsdp::Error),
+    /// A pipeline schedule is invalid or does not fit.
+    #[error("pipeline schedule: {0}")]
+    Schedule(#[from] weft_pipeline::Error),
+    /// The pipeline executor failed (names the stage, step and action).
+    #[error("pipeline: {0}")]
+    Pipeline(#[from] weft_pipeline::ExecError),
+    /// A collective failed (timeout, lost peer, mismatch).
+    #[error("communication: {0}")]
+    Comm(#[from] weft_collectives::Error),
+    /// A degree, a shape or a buffer does not split over the
+    /// tensor-parallel group.
+    #[error("tensor parallelism: {what}: {reason}")]
+    Split {
+        /// What was checked, e.g. `n_head` or `sequence parallelism`.
+        what: &'static str,
+        /// What is wrong, with the numbers.
+        reason: String,
+    },
     /// A batch does not fit the model or the planned activations.
     #[error("batch: {reason}")]
     Batch {

@@ -4,20 +4,32 @@
 //! A transformer block is `x + attn(ln_1(x))` then `y + ffn(ln_2(y))`. The
 //! model owns everything except `ffn`, which is a [`FeedForward`]: it
 //! declares its tensors (named under `transformer.h.{l}.`, placed
-//! contiguously in the block's parameter range), how many activation floats
-//! per token it saves for the backward and how much scratch the backward
-//! needs, and computes forward and backward over its own slice of the
-//! parameter and gradient buffers. [`Mlp`] is GPT-2's dense block; the MoE
-//! issue adds a router + experts implementation of the same trait.
+//! contiguously in the block's parameter range, each with its placement on
+//! the tensor- and expert-parallel axes), how many activation floats it
+//! saves for the backward and how much scratch it needs, and computes
+//! forward and backward over its own slice of the parameter and gradient
+//! buffers. [`Mlp`] is GPT-2's dense block; [`MoeFfn`](crate::MoeFfn) a
+//! router and experts.
+//!
+//! # Under tensor parallelism
+//! With [`Dims::tp`] set, `params` is this rank's shard (per the block's
+//! placements), `inp` holds the layernorm output of every token of the
+//! micro-batch (`B·T` rows, gathered under sequence parallelism), and
+//! `out`, `dout` and `dinp` hold this rank's rows of the residual stream
+//! ([`Dims::rows`]: all `B·T`, or its `B·T/tp` under sequence
+//! parallelism); `out` and `dinp` are complete — the block does whatever
+//! communication its split needs ([`Mlp`]: column- then row-parallel, a
+//! sum over the group in each direction; a mixture of experts is
+//! replicated and needs none).
 
 use weft_kernels::{
     Mode, gelu_backward, gelu_forward, matmul_backward_input, matmul_backward_weight,
     matmul_forward,
 };
-
 use weft_parallel::{Placement, Placements};
 
 use crate::error::Result;
+use crate::tp::TensorParallel;
 
 /// A tensor a feed-forward block owns.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -34,8 +46,8 @@ pub struct ParamShape {
 }
 
 /// Batch dimensions passed to a block.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Dims {
+#[derive(Clone, Copy, Debug)]
+pub struct Dims<'a> {
     /// Batch size, B.
     pub b: usize,
     /// Sequence length, T.
@@ -48,6 +60,32 @@ pub struct Dims {
     /// whole model: a pipeline stage passes its layers' global indices), for
     /// blocks that keep per-layer statistics.
     pub layer: usize,
+    /// The tensor-parallel group, when the block is split over one (see
+    /// the module docs).
+    pub tp: Option<&'a TensorParallel>,
+}
+
+impl Dims<'_> {
+    /// Tokens of the micro-batch, `B·T`.
+    pub fn n(&self) -> usize {
+        self.b * self.t
+    }
+
+    /// Rows of the residual stream on this rank: `B·T`, or `B·T/tp` under
+    /// sequence parallelism.
+    pub fn rows(&self) -> usize {
+        self.tp.map_or(self.n(), |tp| tp.rows(self.n()))
+    }
+
+    /// The tensor-parallel degree (1 without a group).
+    pub fn tp_size(&self) -> usize {
+        self.tp.map_or(1, TensorParallel::size)
+    }
+
+    /// Whether sequence parallelism is on.
+    pub fn sequence_parallel(&self) -> bool {
+        self.tp.is_some_and(TensorParallel::sequence_parallel)
+    }
 }
 
 /// A feed-forward block of a transformer layer (see the module docs).
@@ -60,28 +98,32 @@ pub trait FeedForward: Send + Sync + std::fmt::Debug {
     fn expert_parallel(&self) -> (usize, usize) {
         (0, 1)
     }
-    /// Activation floats saved per token by [`forward`](Self::forward).
-    fn saved_per_token(&self, c: usize) -> usize;
-    /// Scratch floats per token needed by [`backward`](Self::backward).
-    fn scratch_per_token(&self, c: usize) -> usize;
-    /// `out (B,T,C) = ffn(inp (B,T,C))`; `params` is this block's range of
-    /// the parameter buffer, `saved` its `B*T*saved_per_token` floats.
+    /// Activation floats [`forward`](Self::forward) saves for a
+    /// micro-batch of `d`.
+    fn saved_len(&self, d: &Dims<'_>) -> usize;
+    /// Scratch floats [`forward`](Self::forward) and
+    /// [`backward`](Self::backward) need for a micro-batch of `d`.
+    fn scratch_len(&self, d: &Dims<'_>) -> usize;
+    /// `out = ffn(inp)`; `params` is this block's range of the parameter
+    /// buffer, `saved` its [`saved_len`](Self::saved_len) floats.
     ///
     /// # Errors
-    /// A kernel error on inconsistent shapes.
+    /// A kernel error on inconsistent shapes; a collective error.
+    #[allow(clippy::too_many_arguments)]
     fn forward(
         &self,
         out: &mut [f32],
         saved: &mut [f32],
+        scratch: &mut [f32],
         inp: &[f32],
         params: &[f32],
-        d: Dims,
+        d: Dims<'_>,
     ) -> Result<()>;
     /// Accumulates `dinp` and `dparams` (this block's gradient range) from
     /// `dout`.
     ///
     /// # Errors
-    /// A kernel error on inconsistent shapes.
+    /// A kernel error on inconsistent shapes; a collective error.
     #[allow(clippy::too_many_arguments)]
     fn backward(
         &self,
@@ -92,27 +134,27 @@ pub trait FeedForward: Send + Sync + std::fmt::Debug {
         inp: &[f32],
         saved: &[f32],
         params: &[f32],
-        d: Dims,
+        d: Dims<'_>,
     ) -> Result<()>;
 
-    /// Floats per token that [`backward_input`](Self::backward_input)
-    /// saves for [`backward_weight`](Self::backward_weight); 0 (the
-    /// default) for a block whose halves each run the whole
-    /// [`backward`](Self::backward).
-    fn split_saved_per_token(&self, _c: usize) -> usize {
+    /// Floats [`backward_input`](Self::backward_input) saves for
+    /// [`backward_weight`](Self::backward_weight); 0 (the default) for a
+    /// block whose halves each run the whole [`backward`](Self::backward).
+    fn split_saved_len(&self, d: &Dims<'_>) -> usize {
+        let _ = d;
         0
     }
 
     /// The input half of [`backward`](Self::backward), a zero-bubble
     /// pipeline's B: accumulates `dinp` from `dout` and saves in `wsaved`
-    /// (`B*T*split_saved_per_token` floats) what
+    /// ([`split_saved_len`](Self::split_saved_len) floats) what
     /// [`backward_weight`](Self::backward_weight) needs. `sink` (as long as
     /// the block's gradient range) takes parameter gradients the block
     /// cannot help computing: the default runs the whole backward with its
     /// parameter gradients going to `sink`.
     ///
     /// # Errors
-    /// A kernel error on inconsistent shapes.
+    /// A kernel error on inconsistent shapes; a collective error.
     #[allow(clippy::too_many_arguments)]
     fn backward_input(
         &self,
@@ -124,7 +166,7 @@ pub trait FeedForward: Send + Sync + std::fmt::Debug {
         inp: &[f32],
         saved: &[f32],
         params: &[f32],
-        d: Dims,
+        d: Dims<'_>,
     ) -> Result<()> {
         let _ = wsaved;
         weft_kernels::zero(sink);
@@ -134,12 +176,12 @@ pub trait FeedForward: Send + Sync + std::fmt::Debug {
     /// The weight half of [`backward`](Self::backward), a zero-bubble
     /// pipeline's W: accumulates `dparams` from the `dout`, `inp` and
     /// `saved` the matching [`backward_input`](Self::backward_input) saw
-    /// and what it saved in `wsaved`. `sink` (`B*T*C` floats) takes an
+    /// and what it saved in `wsaved`. `sink` (as long as `dinp`) takes an
     /// input gradient the block cannot help computing: the default runs the
     /// whole backward with its input gradient going to `sink`.
     ///
     /// # Errors
-    /// A kernel error on inconsistent shapes.
+    /// A kernel error on inconsistent shapes; a collective error.
     #[allow(clippy::too_many_arguments)]
     fn backward_weight(
         &self,
@@ -151,7 +193,7 @@ pub trait FeedForward: Send + Sync + std::fmt::Debug {
         inp: &[f32],
         saved: &[f32],
         params: &[f32],
-        d: Dims,
+        d: Dims<'_>,
     ) -> Result<()> {
         let _ = wsaved;
         weft_kernels::zero(sink);
@@ -159,23 +201,48 @@ pub trait FeedForward: Send + Sync + std::fmt::Debug {
     }
 }
 
-/// GPT-2's dense MLP: `c_proj(gelu(c_fc(x)))`, hidden width 4C.
+/// GPT-2's dense MLP: `c_proj(gelu(c_fc(x)))`, hidden width 4C; under
+/// tensor parallelism `c_fc` column-parallel and `c_proj` row-parallel
+/// (Megatron's split: one sum over the group forward, one backward).
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Mlp;
 
-/// Splits an MLP parameter range into (fc_w, fc_b, proj_w, proj_b).
-fn split<T>(p: &[T], c: usize) -> (&[T], &[T], &[T], &[T]) {
-    let (fw, rest) = p.split_at(c * 4 * c);
-    let (fb, rest) = rest.split_at(4 * c);
-    let (pw, pb) = rest.split_at(4 * c * c);
+/// Hidden width on this rank: `4C / tp`.
+fn hidden(d: &Dims<'_>) -> usize {
+    4 * d.c / d.tp_size()
+}
+
+/// Splits an MLP parameter range into (fc_w, fc_b, proj_w, proj_b) for a
+/// hidden width `h` of this rank.
+fn split<T>(p: &[T], c: usize, h: usize) -> (&[T], &[T], &[T], &[T]) {
+    let (fw, rest) = p.split_at(c * h);
+    let (fb, rest) = rest.split_at(h);
+    let (pw, pb) = rest.split_at(h * c);
     (fw, fb, pw, pb)
 }
 
-fn split_mut<T>(p: &mut [T], c: usize) -> (&mut [T], &mut [T], &mut [T], &mut [T]) {
-    let (fw, rest) = p.split_at_mut(c * 4 * c);
-    let (fb, rest) = rest.split_at_mut(4 * c);
-    let (pw, pb) = rest.split_at_mut(4 * c * c);
+fn split_mut<T>(p: &mut [T], c: usize, h: usize) -> (&mut [T], &mut [T], &mut [T], &mut [T]) {
+    let (fw, rest) = p.split_at_mut(c * h);
+    let (fb, rest) = rest.split_at_mut(h);
+    let (pw, pb) = rest.split_at_mut(h * c);
     (fw, fb, pw, pb)
+}
+
+impl Mlp {
+    /// Scratch of the input half: d gelu(fch) `(N, h)`, and under tensor
+    /// parallelism the partial input gradient `(N, C)` (and its rows under
+    /// sequence parallelism).
+    fn input_scratch(d: &Dims<'_>) -> usize {
+        let n = d.n();
+        let mut s = n * hidden(d);
+        if d.tp.is_some() {
+            s += n * d.c;
+        }
+        if d.sequence_parallel() {
+            s += d.rows() * d.c;
+        }
+        s
+    }
 }
 
 impl FeedForward for Mlp {
@@ -202,31 +269,39 @@ impl FeedForward for Mlp {
         ]
     }
 
-    fn saved_per_token(&self, c: usize) -> usize {
-        8 * c // fch (4C) and gelu(fch) (4C)
+    fn saved_len(&self, d: &Dims<'_>) -> usize {
+        2 * d.n() * hidden(d) // fch and gelu(fch)
     }
 
-    fn scratch_per_token(&self, c: usize) -> usize {
-        8 * c // d gelu(fch) (4C) and d fch (4C)
+    fn scratch_len(&self, d: &Dims<'_>) -> usize {
+        // the whole backward: the input half's scratch, then what it saves
+        // for the weight half; the forward's row-parallel partial under SP
+        (Self::input_scratch(d) + self.split_saved_len(d)).max(d.n() * d.c)
     }
 
     fn forward(
         &self,
         out: &mut [f32],
         saved: &mut [f32],
+        scratch: &mut [f32],
         inp: &[f32],
         params: &[f32],
-        d: Dims,
+        d: Dims<'_>,
     ) -> Result<()> {
         // Forward GEMMs compute each row from its own input row alone, so
         // the mode does not change their bits.
         let Dims { b, t, c, mode, .. } = d;
-        let n = b * t;
-        let (fw, fb, pw, pb) = split(params, c);
-        let (fch, fch_gelu) = saved.split_at_mut(n * 4 * c);
-        matmul_forward(fch, inp, fw, Some(fb), b, t, c, 4 * c, mode)?;
-        gelu_forward(fch_gelu, fch, n * 4 * c)?;
-        matmul_forward(out, fch_gelu, pw, Some(pb), b, t, 4 * c, c, mode)?;
+        let (n, h) = (b * t, hidden(&d));
+        let (fw, fb, pw, pb) = split(params, c, h);
+        let (fch, fch_gelu) = saved.split_at_mut(n * h);
+        matmul_forward(fch, inp, fw, Some(fb), b, t, c, h, mode)?;
+        gelu_forward(fch_gelu, fch, n * h)?;
+        match d.tp {
+            None => matmul_forward(out, fch_gelu, pw, Some(pb), b, t, h, c, mode)?,
+            Some(tp) => {
+                tp.row_forward(out, &mut scratch[..n * c], fch_gelu, pw, pb, b, t, h, mode)?;
+            }
+        }
         Ok(())
     }
 
@@ -239,17 +314,34 @@ impl FeedForward for Mlp {
         inp: &[f32],
         saved: &[f32],
         params: &[f32],
-        d: Dims,
+        d: Dims<'_>,
     ) -> Result<()> {
         // The two halves in turn: each gradient is computed from the same
         // operands as by a fused backward, so the bits are the same.
-        let (dgelu, dfch) = scratch.split_at_mut(d.b * d.t * 4 * d.c);
-        self.backward_input(dinp, dfch, &mut [], dgelu, dout, inp, saved, params, d)?;
-        self.backward_weight(dparams, dfch, &mut [], &mut [], dout, inp, saved, params, d)
+        let (first, wsaved) = scratch.split_at_mut(Self::input_scratch(&d));
+        let wsaved = &mut wsaved[..self.split_saved_len(&d)];
+        self.backward_input(dinp, wsaved, &mut [], first, dout, inp, saved, params, d)?;
+        self.backward_weight(
+            dparams,
+            wsaved,
+            &mut [],
+            &mut [],
+            dout,
+            inp,
+            saved,
+            params,
+            d,
+        )
     }
 
-    fn split_saved_per_token(&self, c: usize) -> usize {
-        4 * c // d fch
+    fn split_saved_len(&self, d: &Dims<'_>) -> usize {
+        // d fch, and under SP the gathered output gradient
+        d.n() * hidden(d)
+            + if d.sequence_parallel() {
+                d.n() * d.c
+            } else {
+                0
+            }
     }
 
     fn backward_input(
@@ -262,19 +354,41 @@ impl FeedForward for Mlp {
         _inp: &[f32],
         saved: &[f32],
         params: &[f32],
-        d: Dims,
+        d: Dims<'_>,
     ) -> Result<()> {
         let Dims { b, t, c, mode, .. } = d;
-        let n = b * t;
-        let (fw, _, pw, _) = split(params, c);
-        let fch = &saved[..n * 4 * c];
-        let dgelu = &mut scratch[..n * 4 * c];
+        let (n, h) = (b * t, hidden(&d));
+        let (fw, _, pw, _) = split(params, c, h);
+        let fch = &saved[..n * h];
+        let (dgelu, rest) = scratch.split_at_mut(n * h);
+        let (dfch, dfull) = wsaved.split_at_mut(n * h);
+        // c_proj is row-parallel: its input gradient needs the whole
+        // output gradient (gathered under SP)
+        let dy = match d.tp {
+            Some(tp) => tp.row_output_grad(dout, dfull)?,
+            None => dout,
+        };
         weft_kernels::zero(dgelu);
-        matmul_backward_input(dgelu, dout, pw, b, t, 4 * c, c, mode)?;
-        let dfch = wsaved;
+        matmul_backward_input(dgelu, dy, pw, b, t, h, c, mode)?;
         weft_kernels::zero(dfch);
-        gelu_backward(dfch, fch, dgelu, n * 4 * c)?;
-        matmul_backward_input(dinp, dfch, fw, b, t, c, 4 * c, mode)?;
+        gelu_backward(dfch, fch, dgelu, n * h)?;
+        match d.tp {
+            None => matmul_backward_input(dinp, dfch, fw, b, t, c, h, mode)?,
+            Some(tp) => {
+                // c_fc is column-parallel: its input gradient is a partial
+                // sum, summed over the group (this rank's rows under SP)
+                let (partial, rows) = rest.split_at_mut(n * c);
+                weft_kernels::zero(partial);
+                matmul_backward_input(partial, dfch, fw, b, t, c, h, mode)?;
+                let sp_rows = if d.sequence_parallel() {
+                    d.rows() * c
+                } else {
+                    0
+                };
+                let r = tp.column_input_grad(partial, &mut rows[..sp_rows])?;
+                weft_kernels::accumulate(dinp, r)?;
+            }
+        }
         Ok(())
     }
 
@@ -288,14 +402,16 @@ impl FeedForward for Mlp {
         inp: &[f32],
         saved: &[f32],
         _params: &[f32],
-        d: Dims,
+        d: Dims<'_>,
     ) -> Result<()> {
         let Dims { b, t, c, .. } = d;
-        let n = b * t;
-        let (dfw, dfb, dpw, dpb) = split_mut(dparams, c);
-        let fch_gelu = &saved[n * 4 * c..];
-        matmul_backward_weight(dpw, Some(dpb), dout, fch_gelu, b, t, 4 * c, c)?;
-        matmul_backward_weight(dfw, Some(dfb), wsaved, inp, b, t, c, 4 * c)?;
+        let (n, h) = (b * t, hidden(&d));
+        let (dfw, dfb, dpw, dpb) = split_mut(dparams, c, h);
+        let fch_gelu = &saved[n * h..2 * n * h];
+        let (dfch, dfull) = wsaved.split_at(n * h);
+        let dy = if d.sequence_parallel() { dfull } else { dout };
+        matmul_backward_weight(dpw, Some(dpb), dy, fch_gelu, b, t, h, c)?;
+        matmul_backward_weight(dfw, Some(dfb), dfch, inp, b, t, c, h)?;
         Ok(())
     }
 }

@@ -83,18 +83,19 @@ pub struct Decoder<'m> {
     model: &'m Gpt,
     /// Positions held in the cache.
     len: usize,
-    kv: Vec<f32>,        // (L, maxT, 2C): rows [k | v]
-    x: Vec<f32>,         // (maxT, C) residual stream
-    res2: Vec<f32>,      // (maxT, C) residual after attention
-    ln: Vec<f32>,        // (maxT, C)
-    mean: Vec<f32>,      // (maxT)
-    rstd: Vec<f32>,      // (maxT)
-    qkv: Vec<f32>,       // (maxT, 3C)
-    atty: Vec<f32>,      // (maxT, C)
-    att: Vec<f32>,       // (NH, maxT) probabilities of one position
-    tmp: Vec<f32>,       // (maxT, C)
-    ffn_saved: Vec<f32>, // (maxT, ffn.saved_per_token)
-    logits: Vec<f32>,    // (V)
+    kv: Vec<f32>,          // (L, maxT, 2C): rows [k | v]
+    x: Vec<f32>,           // (maxT, C) residual stream
+    res2: Vec<f32>,        // (maxT, C) residual after attention
+    ln: Vec<f32>,          // (maxT, C)
+    mean: Vec<f32>,        // (maxT)
+    rstd: Vec<f32>,        // (maxT)
+    qkv: Vec<f32>,         // (maxT, 3C)
+    atty: Vec<f32>,        // (maxT, C)
+    att: Vec<f32>,         // (NH, maxT) probabilities of one position
+    tmp: Vec<f32>,         // (maxT, C)
+    ffn_saved: Vec<f32>,   // the feed-forward block's saved_len for maxT
+    ffn_scratch: Vec<f32>, // and its scratch_len
+    logits: Vec<f32>,      // (V)
 }
 
 impl<'m> Decoder<'m> {
@@ -123,7 +124,22 @@ impl<'m> Decoder<'m> {
             atty: z(t * c),
             att: z(nh * t),
             tmp: z(t * c),
-            ffn_saved: z(t * model.blocks().ffn().saved_per_token(c)),
+            ffn_saved: z(model.blocks().ffn().saved_len(&Dims {
+                b: 1,
+                t,
+                c,
+                mode: model.blocks().mode(),
+                layer: 0,
+                tp: None,
+            })),
+            ffn_scratch: z(model.blocks().ffn().scratch_len(&Dims {
+                b: 1,
+                t,
+                c,
+                mode: model.blocks().mode(),
+                layer: 0,
+                tp: None,
+            })),
             logits: z(v),
         }
     }
@@ -228,14 +244,15 @@ impl<'m> Decoder<'m> {
         let (wte, wpe) = p[bl.embed_range()].split_at(bl.wte_len());
         encoder_forward(&mut self.x[..nc], tokens, wte, &wpe[start * c..], 1, n, c)?;
         let ffn = model.blocks().ffn();
-        let spt = ffn.saved_per_token(c);
         let dims = |layer| Dims {
             b: 1,
             t: n,
             c,
             mode,
             layer,
+            tp: None,
         };
+        let saved = ffn.saved_len(&dims(0));
         let layer = bl.block_layout();
         for l in 0..model.config().n_layer {
             let p = &p[bl.block_range(l)];
@@ -304,7 +321,8 @@ impl<'m> Decoder<'m> {
             )?;
             ffn.forward(
                 &mut self.tmp[..nc],
-                &mut self.ffn_saved[..n * spt],
+                &mut self.ffn_saved[..saved],
+                &mut self.ffn_scratch,
                 &self.ln[..nc],
                 &p[layer.ffn.clone()],
                 dims(l),

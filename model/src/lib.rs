@@ -16,6 +16,27 @@
 //!   for a batch shape; [`Activations::bytes_per_token`] reports the cost.
 //! * [`FeedForward`]: the extension point for the feed-forward block
 //!   ([`Mlp`] is GPT-2's; a mixture of experts implements the same trait).
+//! * [`GptBlocks`]: the one block code path (embedding, blocks, head; each
+//!   with its backward, or its input- and weight-gradient halves), which
+//!   [`Gpt`], the pipeline stages and the sharded stages all run.
+//!
+//! # Parallelism as transforms
+//!
+//! Each parameter's placement on the tensor- and expert-parallel axes
+//! comes with its layout ([`param_layout`], `weft_parallel::Placement`),
+//! and the parallel axes are transforms of the one model:
+//!
+//! * [`tp`]: tensor parallelism as sharding styles of the block's linear
+//!   layers (column-, row- and vocabulary-parallel; sequence parallelism);
+//!   [`Gpt::shard_of`] is a rank's shard of a whole model.
+//! * [`GptStage`]: a pipeline stage, an implementation of
+//!   `weft_pipeline::Stage` (the tied embedding is a shared parameter);
+//!   its parameters resident or fully sharded with `weft-fsdp`, whose
+//!   hooks the block loop calls.
+//! * [`ParallelGpt`]: the plan applied over a `weft_parallel::ParallelMesh`
+//!   — tp sharding, pipeline stages, replicas or FSDP — with one training
+//!   step, evaluation, whole-model gather and load for every layout (what
+//!   `weft train` runs on each rank). Example below.
 //! * [`hf`]: load and save a Hugging Face folder (`config.json` +
 //!   `model.safetensors`); [`eval`]: the computation behind `weft eval`.
 //! * [`Decoder`] ([`infer`]): the inference engine — incremental decoding
@@ -55,6 +76,43 @@
 //! # Ok::<(), weft_model::Error>(())
 //! ```
 //!
+//! # A parallel layout
+//!
+//! Two tensor-parallel ranks (threads) train the model of one rank, equal
+//! to rounding:
+//!
+//! ```
+//! use std::sync::Arc;
+//! use weft_collectives::LocalCluster;
+//! use weft_kernels::AdamW;
+//! use weft_model::{tp::TpOptions, Gpt, GptConfig, MicroBatch, Mlp, ParallelGpt, ParallelPlan};
+//! use weft_parallel::ParallelDims;
+//!
+//! let cfg = GptConfig { n_layer: 2, n_head: 2, n_embd: 16, vocab_size: 50, block_size: 8,
+//!                       tied_embeddings: true, layer_norm_epsilon: 1e-5 };
+//! let mut whole = Gpt::new(cfg.clone())?;
+//! whole.init_gpt2(1);
+//! let tokens: Vec<u32> = (0..16).map(|i| i % 50).collect();
+//! let targets: Vec<u32> = (1..17).map(|i| i % 50).collect();
+//! let plan = ParallelPlan { fsdp: None, pipeline: None, batch: 2, seq: 8, micro_batches: 1,
+//!                           reproducible: true, tp: TpOptions::default() };
+//! let losses = |tp: usize| {
+//!     LocalCluster::run(tp, |comm| {
+//!         let mesh = ParallelDims { tp, ..ParallelDims::SINGLE }.build(&comm)?;
+//!         let mut m = ParallelGpt::new(cfg.clone(), Arc::new(Mlp), &whole.params, &plan, mesh)?;
+//!         let mb = [MicroBatch { tokens: &tokens, targets: &targets }];
+//!         (0..3)
+//!             .map(|_| Ok(m.train_step(&mb, &AdamW::default(), 1.0)?.loss))
+//!             .collect::<weft_model::Result<Vec<f64>>>()
+//!     })
+//! };
+//! let (one, two) = (losses(1)?, losses(2)?);
+//! for (a, b) in one[0].as_ref().unwrap().iter().zip(two[1].as_ref().unwrap()) {
+//!     assert!((a - b).abs() < 1e-5 * a);
+//! }
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+//!
 //! # Inference
 //!
 //! Greedy decoding from a prompt with [`Decoder`]: the prompt is prefilled
@@ -87,18 +145,23 @@
 //! None. (CUDA lives behind `weft-kernels`' `cuda` feature.)
 #![deny(missing_docs)]
 
+mod blocks;
+mod chunk;
 mod config;
 mod error;
 pub mod eval;
 mod ffn;
+mod fsdp;
 mod gpt;
 pub mod hf;
 pub mod infer;
 mod moe_ffn;
+pub mod parallelize;
 mod params;
 mod stage;
 pub mod tp;
 
+pub use chunk::{HeadView, ParamStore, Piece};
 pub use config::GptConfig;
 pub use error::{Error, Result};
 pub use ffn::{Dims, FeedForward, Mlp, ParamShape};
@@ -107,6 +170,9 @@ pub use gpt::{
 };
 pub use infer::Decoder;
 pub use moe_ffn::{MoeFfn, MoeStats};
+pub use parallelize::{
+    ParallelGpt, ParallelPlan, RankMemory, StepOutcome, expert_group, partition_layers,
+};
 pub use params::{BlockLayout, Sharding, dense_layout, param_layout};
 pub use stage::{GptStage, StageSpec, pipeline_stages};
 pub use weft_parallel::{AdamWState, ParamLayout, ParamSpec};

@@ -31,44 +31,28 @@
 //! and expert forward). Results equal those of the unsharded block run on
 //! each rank's tokens (test `model/tests/moe_ep.rs`).
 //!
-//! What a training loop does with it, for `W` ranks that all train on
-//! different data (data parallel over all of them) grouped into expert
-//! groups of `ep` consecutive ranks (`ep` divides `E` and `W`):
-//! 1. **Communicators**: the expert group,
-//!    `world.split(rank / ep, rank % ep)`, goes to
-//!    [`with_expert_parallel`](MoeFfn::with_expert_parallel); the replica
-//!    group of ranks holding the same experts is
-//!    `world.split(rank % ep, rank / ep)`. Build one `MoeFfn` per rank
-//!    (one model per rank).
-//! 2. **Initialisation**: build an unsharded model with the same
-//!    configuration, `init_gpt2(seed)` it on every rank, and copy it into
-//!    the sharded one with [`MoeFfn::shard_params`]; every rank then starts
-//!    from exactly the ep = 1 model's weights.
-//! 3. **Gradients**: for the global mean loss `(1/W) Σ_r L_r`,
-//!    - every tensor for which [`MoeFfn::is_expert_param`] is false
-//!      (embeddings, attention, layernorms, the router, the shared expert)
-//!      holds `∂L_r/∂θ` of this rank's tokens: all-reduce-average it over
-//!      the world, as in plain data parallelism;
-//!    - expert tensors already hold `Σ_{r ∈ expert group} ∂L_r/∂θ`, the
-//!      contributions of every token the group routed to this rank's
-//!      experts: all-reduce-*sum* them over the replica group and divide by
-//!      `W` (with a single group, `W = ep`: just divide by `ep`).
-//! 4. **Gradient norm** (clipping): replicated tensors count once (their
-//!    averaged squares are equal on every rank); expert shards are
-//!    distinct, so sum their squares over the expert group
-//!    (all-reduce-sum) before adding.
-//! 5. **Optimizer**: AdamW is elementwise, so each rank steps its own
-//!    buffer; the replicated tensors stay identical.
-//! 6. **Load statistics and the selection bias**: [`MoeStats`] holds this
+//! The expert tensors carry the placement `Shard(0)` on the `ep` axis
+//! (every other tensor is replicated there), and everything a training
+//! loop does with them follows from it — in `weft-parallel`, once for every
+//! layout ([`crate::ParallelGpt`] runs it):
+//! 1. **Initialisation and checkpoints**: `weft_parallel::extract` takes a
+//!    rank's experts out of the whole model (the same on every rank), and
+//!    `weft_parallel::gather_whole` assembles the whole model from the
+//!    ranks' parts.
+//! 2. **Gradients**: replicated tensors hold `∂L_r/∂θ` of this rank's
+//!    tokens and are averaged over the data-parallel group; expert tensors
+//!    already hold the sum over their expert group's tokens, and are summed
+//!    over the ranks holding the same experts (`GradReducer`, by
+//!    `reduce_group`) before the division by the global micro-batch count.
+//! 3. **Gradient norm**: expert shards are distinct and their squares are
+//!    summed over the expert group; replicated tensors count once
+//!    (`GradNorm`).
+//! 4. **Load statistics and the selection bias**: [`MoeStats`] holds this
 //!    rank's tokens only; sum each layer's [`weft_moe::LoadStats`] over the
-//!    world with [`weft_moe::LoadStats::all_reduce`] before writing
-//!    `expert_load.jsonl` and before
+//!    data-parallel group before writing `expert_load.jsonl` and before
 //!    [`weft_moe::BiasBalancer::update`], so every rank applies the same
 //!    bias update.
-//! 7. **Checkpoints**: an `mlp.experts.*` tensor of the full model is the
-//!    concatenation of the group's shards in rank order (an all-gather over
-//!    the expert group); every other tensor is any rank's copy.
-//! 8. **Evaluation** forwards are collective too: run them on every rank
+//! 5. **Evaluation** forwards are collective too: run them on every rank
 //!    of the group.
 
 use std::sync::{Arc, Mutex};
@@ -80,7 +64,6 @@ use crate::error::{Error, Result};
 use weft_parallel::{Placement, Placements};
 
 use crate::ffn::{Dims, FeedForward, ParamShape};
-use crate::gpt::Gpt;
 
 /// A mixture-of-experts block implementing [`FeedForward`].
 #[derive(Debug)]
@@ -215,60 +198,7 @@ impl MoeFfn {
         name.contains(".mlp.experts.")
     }
 
-    /// Copies the unsharded model `full` into `local`, the model of rank
-    /// `ep_rank` of an `ep_size`-way expert group: expert tensors
-    /// ([`is_expert_param`](Self::is_expert_param)) take the rank's
-    /// contiguous block of experts (their first dimension), every other
-    /// tensor is copied whole.
-    ///
-    /// # Errors
-    /// [`Error::Config`] if a tensor of `local` is missing from `full` or
-    /// their shapes do not correspond (naming the tensor).
-    pub fn shard_params(full: &Gpt, local: &mut Gpt, ep_rank: usize, ep_size: usize) -> Result<()> {
-        let bad = |name: &str, why: String| Error::Config {
-            field: "parallel.ep",
-            reason: format!("sharding `{name}`: {why}"),
-        };
-        if ep_size == 0 || ep_rank >= ep_size {
-            return Err(bad("*", format!("rank {ep_rank} of {ep_size} ranks")));
-        }
-        for spec in local.layout().specs().to_vec() {
-            let name = spec.name.as_str();
-            let src = full
-                .layout()
-                .get(name)
-                .ok_or_else(|| bad(name, "not in the unsharded model".into()))?;
-            let dst = &mut local.params[spec.range()];
-            let all = &full.params[src.range()];
-            if Self::is_expert_param(name) {
-                let ok = !spec.shape.is_empty()
-                    && spec.shape.len() == src.shape.len()
-                    && spec.shape[1..] == src.shape[1..]
-                    && spec.shape[0] * ep_size == src.shape[0];
-                if !ok {
-                    return Err(bad(
-                        name,
-                        format!(
-                            "shape {:?} is not 1/{ep_size} of the experts of {:?}",
-                            spec.shape, src.shape
-                        ),
-                    ));
-                }
-                let per = dst.len();
-                dst.copy_from_slice(&all[ep_rank * per..(ep_rank + 1) * per]);
-            } else if spec.shape == src.shape {
-                dst.copy_from_slice(all);
-            } else {
-                return Err(bad(
-                    name,
-                    format!("shape {:?} but {:?} unsharded", spec.shape, src.shape),
-                ));
-            }
-        }
-        Ok(())
-    }
-
-    fn check(&self, d: Dims) -> Result<Vec<usize>> {
+    fn check(&self, d: Dims<'_>) -> Result<Vec<usize>> {
         let c = self.config().channels;
         if d.c != c {
             return Err(Error::Config {
@@ -309,33 +239,49 @@ impl FeedForward for MoeFfn {
         (self.ep_rank(), self.ep_size())
     }
 
-    fn saved_per_token(&self, _c: usize) -> usize {
-        match &self.engine {
-            Engine::Local(b) => b.config().saved_per_token(),
-            Engine::Sharded { ep, .. } => ep.saved_per_token(),
-        }
+    fn saved_len(&self, d: &Dims<'_>) -> usize {
+        d.n()
+            * match &self.engine {
+                Engine::Local(b) => b.config().saved_per_token(),
+                Engine::Sharded { ep, .. } => ep.saved_per_token(),
+            }
     }
 
-    fn scratch_per_token(&self, _c: usize) -> usize {
+    fn scratch_len(&self, _d: &Dims<'_>) -> usize {
         0 // the block allocates its own grouped buffers
     }
 
+    /// Under sequence parallelism the block runs on every token (it is
+    /// replicated over `tp`) into a buffer of its own, and keeps this
+    /// rank's rows.
     fn forward(
         &self,
         out: &mut [f32],
         saved: &mut [f32],
+        _scratch: &mut [f32],
         inp: &[f32],
         params: &[f32],
-        d: Dims,
+        d: Dims<'_>,
     ) -> Result<()> {
         let lens = self.check(d)?;
+        let sp = d.sequence_parallel();
+        let mut whole = if sp {
+            vec![0.0f32; d.n() * d.c]
+        } else {
+            Vec::new()
+        };
+        let y: &mut [f32] = if sp { &mut whole } else { out };
         let f = match &self.engine {
-            Engine::Local(b) => b.forward(out, saved, inp, params, &lens),
+            Engine::Local(b) => b.forward(y, saved, inp, params, &lens),
             Engine::Sharded { ep, comm } => {
-                ep.forward_flat(comm.as_ref(), out, saved, inp, params, &lens)
+                ep.forward_flat(comm.as_ref(), y, saved, inp, params, &lens)
             }
         }
         .map_err(moe_err)?;
+        if let (true, Some(tp)) = (sp, d.tp) {
+            let first = tp.first_row(d.n()) * d.c;
+            out.copy_from_slice(&whole[first..first + out.len()]);
+        }
         self.log
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
@@ -352,23 +298,35 @@ impl FeedForward for MoeFfn {
         inp: &[f32],
         saved: &[f32],
         params: &[f32],
-        d: Dims,
+        d: Dims<'_>,
     ) -> Result<()> {
         let lens = self.check(d)?;
-        match &self.engine {
-            Engine::Local(b) => b.backward(dinp, dparams, dout, inp, saved, params, &lens),
-            Engine::Sharded { ep, comm } => ep.backward_flat(
-                comm.as_ref(),
-                dinp,
-                dparams,
-                dout,
-                inp,
-                saved,
-                params,
-                &lens,
-            ),
+        // Under sequence parallelism: the whole output gradient, gathered,
+        // and the whole input gradient, of which this rank keeps its rows.
+        let sp = d.sequence_parallel();
+        let mut dy_all = vec![0.0f32; if sp { d.n() * d.c } else { 0 }];
+        let mut dx_all = vec![0.0f32; dy_all.len()];
+        if let Some(tp) = d.tp.filter(|_| sp) {
+            tp.all_gather(dout, &mut dy_all)?;
         }
-        .map_err(moe_err)
+        let (dy, dx): (&[f32], &mut [f32]) = if sp {
+            (&dy_all, &mut dx_all)
+        } else {
+            (dout, dinp)
+        };
+        match &self.engine {
+            Engine::Local(b) => b.backward(dx, dparams, dy, inp, saved, params, &lens),
+            Engine::Sharded { ep, comm } => {
+                ep.backward_flat(comm.as_ref(), dx, dparams, dy, inp, saved, params, &lens)
+            }
+        }
+        .map_err(moe_err)?;
+        if let Some(tp) = d.tp.filter(|_| sp) {
+            let first = tp.first_row(d.n()) * d.c;
+            let n = dinp.len();
+            weft_kernels::accumulate(dinp, &dx_all[first..first + n])?;
+        }
+        Ok(())
     }
 }
 

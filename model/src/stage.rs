@@ -25,10 +25,15 @@
 
 use std::ops::Range;
 
+use weft_collectives::Communicator;
+use weft_kernels::AdamW;
+use weft_parallel::{AdamWState, GradNorm, GradReducer, ParallelMesh, ParamLayout, ParamSpec};
+
+use crate::chunk::{self, ChunkActs, ChunkInput, Lm, ParamStore, PieceRanges, Resident};
 use crate::config::GptConfig;
 use crate::error::{Error, Result};
-use crate::gpt::{BlockActs, BlockScratch, GptBlocks, HeadActs, MicroBatch, WeightInputs};
-use weft_parallel::{ParamLayout, ParamSpec};
+use crate::fsdp::{Sharded, UnitMap};
+use crate::gpt::{BlockScratch, GptBlocks, MicroBatch};
 
 /// Which part of the model a stage holds.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -50,6 +55,18 @@ pub struct StageSpec {
 }
 
 impl StageSpec {
+    /// The whole model as one stage: the embedding, every one of
+    /// `n_layer` blocks, the head.
+    pub fn whole(n_layer: usize) -> Self {
+        StageSpec {
+            layers: 0..n_layer,
+            embed: true,
+            head: true,
+            index: 0,
+            stages: 1,
+        }
+    }
+
     /// The `stage`-th of the contiguous stages holding `layers_per_stage[i]`
     /// layers each (e.g. a `weft_pipeline::Partition`'s layers per chunk, in model
     /// order): the embedding on the first, the head on the last.
@@ -77,15 +94,6 @@ impl StageSpec {
     }
 }
 
-/// What a stage's forward takes in.
-#[derive(Clone, Copy, Debug)]
-enum StageInput<'a> {
-    /// Token ids `(B,T)` (the embedding stage).
-    Tokens(&'a [u32]),
-    /// The previous stage's output `(B,T,C)`.
-    Hidden(&'a [f32]),
-}
-
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum SlotState {
     Free,
@@ -97,28 +105,47 @@ enum SlotState {
 struct Slot {
     mb: usize,
     state: SlotState,
-    tokens: Vec<u32>,
-    input: Vec<f32>, // (B,T,C): received activations or the embedding's output
-    layers: Vec<BlockActs>,
-    head: Option<HeadActs>,
-    saved: Vec<WeightInputs>,
-    dres: Vec<f32>,      // (B,T,C): d(input) after B
+    acts: ChunkActs,
     tied_dwte: Vec<f32>, // (V,C) when the tied-embedding exchange applies
     tied_ready: bool,
-    loss: Option<f64>,
 }
 
-/// One pipeline stage of a GPT (see the module docs): its parameters and
-/// gradients (HF-named, [`specs`](Self::specs)), and activation storage
-/// for `slots` micro-batches in flight, each of `B` sequences of `T`
-/// tokens.
+/// Where a stage's parameters, gradients and optimizer state live.
+#[derive(Debug)]
+enum Store {
+    /// Resident buffers in the stage's own layout, AdamW moments beside
+    /// them, and (with [`GptStage::set_reducer`]) the data-parallel
+    /// reducer its gradients are folded into.
+    Resident {
+        params: Vec<f32>,
+        grads: Vec<f32>,
+        opt: AdamWState,
+        reducer: Option<GradReducer>,
+    },
+    /// Fully sharded over a data-parallel group (`weft-fsdp`).
+    Sharded {
+        fsdp: Box<weft_fsdp::Fsdp>,
+        map: UnitMap,
+    },
+}
+
+/// One chunk of a GPT — the embedding, a contiguous range of blocks, the
+/// head, any of them — with its parameters and the activations of `slots`
+/// micro-batches in flight, each of `B` sequences of `T` tokens: a stage
+/// of `weft-pipeline`'s executor (see the module docs), and, as the
+/// whole model on one stage, what every layout of `weft train` runs.
+///
+/// Its parameters are resident (with AdamW moments and, optionally, the
+/// data-parallel [`GradReducer`] its gradients fold into as each
+/// micro-batch finishes) or fully sharded over a data-parallel group
+/// ([`shard`](Self::shard)); the same block loop runs over either.
 ///
 /// Micro-batches are named by their index; [`forward`](weft_pipeline::Stage::forward)
 /// takes a free slot for it, and the last backward step
 /// ([`backward`](weft_pipeline::Stage::backward), or [`backward_weight`](weft_pipeline::Stage::backward_weight)
 /// after [`backward_input`](weft_pipeline::Stage::backward_input)) frees it. Gradients
-/// accumulate (`+=`) into [`grads`](Self::grads) with the same kernel calls
-/// as [`Gpt::backward`](crate::Gpt::backward).
+/// accumulate (`+=`) with the same kernel calls as
+/// [`Gpt::backward`](crate::Gpt::backward).
 ///
 /// The head's weight gradients (`ln_f`, `lm_head`) are computed in
 /// `backward_input`: splitting them would cost a second `V`-wide GEMM.
@@ -127,36 +154,33 @@ pub struct GptStage {
     blocks: GptBlocks,
     spec: StageSpec,
     layout: ParamLayout,
-    /// (local range, range in the full layout) of each piece.
+    /// (local range, range in the rank's whole-model layout) of each piece.
     segments: Vec<(Range<usize>, Range<usize>)>,
-    embed: Option<Range<usize>>,
-    layer_ranges: Vec<Range<usize>>,
-    lnf: Option<Range<usize>>,
-    lm_head: Option<Range<usize>>, // local; None for the tied copy
+    ranges: PieceRanges,
+    store: Store,
     tied_copy: Option<Vec<f32>>,
     /// Head side of the tied exchange: the latest micro-batch's head `wte`
     /// gradient, and which micro-batch it belongs to.
     tied_out: Vec<f32>,
     tied_out_mb: Option<usize>,
-    /// This stage's parameters, in model order.
-    pub params: Vec<f32>,
-    /// Their gradients (same order).
-    pub grads: Vec<f32>,
     slots: Vec<Slot>,
     scratch: BlockScratch,
     b: usize,
     t: usize,
+    split: bool,
+    /// Whether forwards are evaluation (no backward follows).
+    eval: bool,
 }
 
 impl GptStage {
-    /// A stage of a model whose full parameters follow `layout` (made from
-    /// the same configuration and feed-forward block as `blocks`), planned
-    /// for `slots` micro-batches of `b`×`t` tokens in flight; `split`
-    /// plans what [`backward_input`](weft_pipeline::Stage::backward_input) saves for
-    /// [`backward_weight`](weft_pipeline::Stage::backward_weight) (per layer per slot,
-    /// 7·B·T·C floats plus the feed-forward block's own: 11·B·T·C with the
-    /// dense MLP). Parameters start at zero: copy them in with
-    /// [`load_from_full`](Self::load_from_full).
+    /// A stage of a model whose parameters (on this rank) follow
+    /// `blocks.layout()`, planned for `slots` micro-batches of `b`×`t`
+    /// tokens in flight; `split` plans what
+    /// [`backward_input`](weft_pipeline::Stage::backward_input) saves for
+    /// [`backward_weight`](weft_pipeline::Stage::backward_weight) (per
+    /// layer per slot, 7·B·T·C floats plus the feed-forward block's own:
+    /// 11·B·T·C with the dense MLP). Parameters start at zero: load them
+    /// with [`load_state`](Self::load_state).
     ///
     /// # Errors
     /// [`Error::Config`] if the spec does not fit the model (layers out of
@@ -164,7 +188,6 @@ impl GptStage {
     /// slots), [`Error::Batch`] for a bad `b`, `t`.
     pub fn new(
         blocks: GptBlocks,
-        layout: &ParamLayout,
         spec: StageSpec,
         b: usize,
         t: usize,
@@ -212,16 +235,6 @@ impl GptStage {
         if slots == 0 {
             return bad("at least one micro-batch slot is needed".into());
         }
-        if layout.len()
-            != blocks.lnf_range().end
-                + if cfg.tied_embeddings {
-                    0
-                } else {
-                    blocks.lm_head_len()
-                }
-        {
-            return bad("the layout does not match the per-block functions".into());
-        }
         // Local pieces in model order.
         let mut segments = Vec::new();
         let mut at = 0;
@@ -239,52 +252,33 @@ impl GptStage {
             .collect();
         let lnf = spec.head.then(|| push(blocks.lnf_range()));
         let tied = cfg.tied_embeddings;
-        let lm_head = if !spec.head {
-            None
+        let lm = if !spec.head {
+            Lm::None
         } else if tied {
-            embed.as_ref().map(|e| e.start..e.start + blocks.wte_len())
+            match &embed {
+                Some(e) => Lm::At(e.start..e.start + blocks.wte_len()),
+                None => Lm::Copy,
+            }
         } else {
-            Some(push(blocks.lm_head_range()))
+            Lm::At(push(blocks.lm_head_range()))
         };
         let n = at;
         let tied_copy = (spec.head && tied && !spec.embed).then(|| vec![0.0; blocks.wte_len()]);
         let globals: Vec<Range<usize>> = segments.iter().map(|(_, g)| g.clone()).collect();
-        let own = layout.gather(&globals);
+        let layout = blocks.layout().gather(&globals);
         let exchange = tied && (spec.embed != spec.head);
-        let c = cfg.n_embd;
         let slots = (0..slots)
             .map(|_| -> Result<Slot> {
                 Ok(Slot {
                     mb: 0,
                     state: SlotState::Free,
-                    tokens: vec![0; b * t],
-                    input: vec![0.0; b * t * c],
-                    layers: spec
-                        .layers
-                        .clone()
-                        .map(|_| blocks.block_acts(b, t))
-                        .collect::<Result<_>>()?,
-                    head: if spec.head {
-                        Some(blocks.head_acts(b, t)?)
-                    } else {
-                        None
-                    },
-                    saved: if split {
-                        spec.layers
-                            .clone()
-                            .map(|_| blocks.weight_inputs(b, t))
-                            .collect::<Result<_>>()?
-                    } else {
-                        Vec::new()
-                    },
-                    dres: vec![0.0; b * t * c],
+                    acts: ChunkActs::new(&blocks, &spec, b, t, split)?,
                     tied_dwte: if exchange && spec.embed {
                         vec![0.0; blocks.wte_len()]
                     } else {
                         Vec::new()
                     },
                     tied_ready: false,
-                    loss: None,
                 })
             })
             .collect::<Result<Vec<_>>>()?;
@@ -295,23 +289,32 @@ impl GptStage {
             Vec::new()
         };
         Ok(GptStage {
+            ranges: PieceRanges {
+                embed,
+                first_layer: spec.layers.start,
+                blocks: layer_ranges,
+                lnf,
+                lm,
+            },
             blocks,
             spec,
-            layout: own,
+            layout,
             segments,
-            embed,
-            layer_ranges,
-            lnf,
-            lm_head,
+            store: Store::Resident {
+                params: vec![0.0; n],
+                grads: vec![0.0; n],
+                opt: AdamWState::zeros(n),
+                reducer: None,
+            },
             tied_out,
             tied_out_mb: None,
             tied_copy,
-            params: vec![0.0; n],
-            grads: vec![0.0; n],
             slots,
             scratch,
             b,
             t,
+            split,
+            eval: false,
         })
     }
 
@@ -328,84 +331,301 @@ impl GptStage {
         slots: usize,
         split: bool,
     ) -> Result<Self> {
-        let mut s = Self::new(
-            model.blocks().clone(),
-            model.layout(),
-            spec,
-            b,
-            t,
-            slots,
-            split,
-        )?;
-        s.load_from_full(&model.params)?;
+        let mut s = Self::new(model.blocks().clone(), spec, b, t, slots, split)?;
+        let zeros = vec![0.0; model.params.len()];
+        s.load_state(model.layout(), &model.params, &zeros, &zeros, 0)?;
         Ok(s)
     }
 
-    /// Copies this stage's parameters (and the tied `wte` copy) out of a
-    /// full-model buffer in [`ParamLayout`] order.
+    /// Replaces the resident parameters by a data-parallel FSDP of them
+    /// over `dp` (collective over the group: every rank calls it), cut
+    /// into the stage's pieces — the embedding, each block, the head — the
+    /// embedding kept gathered until its backward when the head reads it.
+    /// The AdamW state moves to the shards.
     ///
     /// # Errors
-    /// [`Error::Batch`] if `full` is shorter than the layout.
-    pub fn load_from_full(&mut self, full: &[f32]) -> Result<()> {
-        let need = self.segments.last().map_or(0, |(_, g)| g.end);
-        let need = need.max(self.blocks.wte_len());
-        if full.len() < need {
-            return Err(Error::Batch {
-                reason: format!(
-                    "full parameter buffer holds {} floats, the stage reads up to {need}",
-                    full.len()
-                ),
+    /// [`Error::Config`] if the stage is already sharded; FSDP's errors.
+    pub fn shard(&mut self, dp: &dyn Communicator, cfg: weft_fsdp::FsdpConfig) -> Result<()> {
+        let Store::Resident { params, opt, .. } = &self.store else {
+            return Err(Error::Config {
+                field: "fsdp",
+                reason: "the stage is sharded already".into(),
             });
+        };
+        let (units, map) = crate::fsdp::units(&self.ranges, params.len(), self.blocks.wte_len());
+        let mut fsdp = weft_fsdp::Fsdp::new(dp, &self.layout, units, cfg, params)?;
+        fsdp.load_whole(params, &opt.m, &opt.v, opt.step)?;
+        fsdp.record_activations(self.activation_bytes());
+        self.store = Store::Sharded {
+            fsdp: Box::new(fsdp),
+            map,
+        };
+        Ok(())
+    }
+
+    /// The FSDP state, when the stage is sharded.
+    pub fn fsdp(&self) -> Option<&weft_fsdp::Fsdp> {
+        match &self.store {
+            Store::Sharded { fsdp, .. } => Some(fsdp),
+            Store::Resident { .. } => None,
         }
-        for (l, g) in &self.segments {
-            self.params[l.clone()].copy_from_slice(&full[g.clone()]);
+    }
+
+    /// The FSDP state, mutably (spans, memory peaks).
+    pub fn fsdp_mut(&mut self) -> Option<&mut weft_fsdp::Fsdp> {
+        match &mut self.store {
+            Store::Sharded { fsdp, .. } => Some(fsdp),
+            Store::Resident { .. } => None,
+        }
+    }
+
+    /// Folds each micro-batch's gradients into `reducer` as they become
+    /// final (the data-parallel reduction; resident stages only): exact
+    /// partial sums in reproducible mode, in place otherwise.
+    ///
+    /// # Errors
+    /// [`Error::Config`] for a sharded stage (FSDP reduces its own).
+    pub fn set_reducer(&mut self, reducer: GradReducer) -> Result<()> {
+        match &mut self.store {
+            Store::Resident { reducer: r, .. } => {
+                *r = Some(reducer);
+                Ok(())
+            }
+            Store::Sharded { .. } => Err(Error::Config {
+                field: "fsdp",
+                reason: "a sharded stage reduces its gradients itself".into(),
+            }),
+        }
+    }
+
+    /// Copies this stage's share of a whole model's state — parameters and
+    /// AdamW moments laid out by `whole` (the unsharded model's layout;
+    /// this stage takes its tensors, cut by their tensor- and
+    /// expert-parallel placements: `weft_parallel::extract`) — and the
+    /// optimizer step; a head stage with tied embeddings also takes its
+    /// copy of (its share of) `wte`. Collective over the data-parallel
+    /// group when the stage is sharded.
+    ///
+    /// # Errors
+    /// [`Error::Parallel`] if a buffer does not fit its layout; FSDP's.
+    pub fn load_state(
+        &mut self,
+        whole: &ParamLayout,
+        params: &[f32],
+        m: &[f32],
+        v: &[f32],
+        step: u32,
+    ) -> Result<()> {
+        let mut local: [Vec<f32>; 3] = std::array::from_fn(|_| vec![0.0; self.layout.len()]);
+        for (src, dst) in [params, m, v].into_iter().zip(local.iter_mut()) {
+            weft_parallel::extract(&self.layout, whole, src, dst)?;
         }
         if let Some(copy) = &mut self.tied_copy {
-            let n = copy.len();
-            copy.copy_from_slice(&full[..n]);
+            let wte = self
+                .blocks
+                .layout()
+                .sub(self.blocks.embed_range().start..self.blocks.wte_len());
+            weft_parallel::extract(&wte, whole, params, copy)?;
+        }
+        let [lp, lm, lv] = local;
+        match &mut self.store {
+            Store::Resident { params, opt, .. } => {
+                *params = lp;
+                opt.m = lm;
+                opt.v = lv;
+                opt.step = step;
+            }
+            Store::Sharded { fsdp, .. } => fsdp.load_whole(&lp, &lm, &lv, step)?,
         }
         Ok(())
     }
 
-    /// Copies `local` (this stage's parameters or gradients, or anything
-    /// else in their order) into its place in a full-model buffer.
+    /// This stage's parameters and AdamW moments, whole (in
+    /// [`layout`](Self::layout)), and the optimizer step — what a
+    /// checkpoint of the stage holds. Collective over the data-parallel
+    /// group when the stage is sharded (the shards are all-gathered).
     ///
     /// # Errors
-    /// [`Error::Batch`] on a length mismatch.
-    pub fn store_to_full(&self, local: &[f32], full: &mut [f32]) -> Result<()> {
-        if local.len() != self.params.len() {
-            return Err(Error::Batch {
-                reason: format!(
-                    "stage buffer holds {} floats, the stage has {}",
-                    local.len(),
-                    self.params.len()
-                ),
-            });
+    /// FSDP's.
+    pub fn state(&self) -> Result<([Vec<f32>; 3], u32)> {
+        match &self.store {
+            Store::Resident { params, opt, .. } => {
+                Ok(([params.clone(), opt.m.clone(), opt.v.clone()], opt.step))
+            }
+            Store::Sharded { fsdp, .. } => Ok((fsdp.unshard_state()?, fsdp.optimizer_step())),
         }
-        for (l, g) in &self.segments {
-            let dst = full.get_mut(g.clone()).ok_or_else(|| Error::Batch {
-                reason: format!("full buffer too short for range {g:?}"),
-            })?;
-            dst.copy_from_slice(&local[l.clone()]);
+    }
+
+    /// Optimizer steps taken.
+    pub fn optimizer_step(&self) -> u32 {
+        match &self.store {
+            Store::Resident { opt, .. } => opt.step,
+            Store::Sharded { fsdp, .. } => fsdp.optimizer_step(),
+        }
+    }
+
+    /// This stage's resident parameters (empty when sharded).
+    pub fn params(&self) -> &[f32] {
+        match &self.store {
+            Store::Resident { params, .. } => params,
+            Store::Sharded { .. } => &[],
+        }
+    }
+
+    /// This stage's resident parameters, mutably (empty when sharded).
+    pub fn params_mut(&mut self) -> &mut [f32] {
+        match &mut self.store {
+            Store::Resident { params, .. } => params,
+            Store::Sharded { .. } => &mut [],
+        }
+    }
+
+    /// A resident parameter tensor by name (`None` if this stage does not
+    /// hold it, or is sharded).
+    pub fn param_mut(&mut self, name: &str) -> Option<&mut [f32]> {
+        let r = self.layout.range(name)?;
+        self.params_mut().get_mut(r)
+    }
+
+    /// Sets every resident gradient to zero.
+    pub fn zero_grad(&mut self) {
+        if let Store::Resident { grads, .. } = &mut self.store {
+            weft_kernels::zero(grads);
+        }
+    }
+
+    /// Whether forwards are evaluation: each is followed by
+    /// [`discard`](weft_pipeline::Stage::discard), not a backward (a
+    /// sharded stage then gathers without keeping gradients).
+    pub fn set_eval(&mut self, eval: bool) {
+        self.eval = eval;
+    }
+
+    /// Starts an optimizer step of `micro_batches` micro-batches on this
+    /// rank: resident gradients are zeroed, a sharded stage's FSDP starts
+    /// its step.
+    ///
+    /// # Errors
+    /// FSDP's.
+    pub fn begin_step(&mut self, micro_batches: usize) -> Result<()> {
+        self.eval = false;
+        match &mut self.store {
+            Store::Resident { grads, .. } => weft_kernels::zero(grads),
+            Store::Sharded { fsdp, .. } => fsdp.begin_step(micro_batches)?,
         }
         Ok(())
     }
 
-    /// (range in [`params`](Self::params), range in the full layout) of
-    /// each contiguous piece this stage holds, in model order.
+    /// After the step's last backward: the gradients become the mean over
+    /// the `micro_batches` of the global batch — the reducer's exact (or
+    /// plain) sum over each tensor's data-parallel group on `mesh`, or
+    /// FSDP's reduce-scatters, waited for. Collective over the mesh's
+    /// data-parallel groups.
+    ///
+    /// # Errors
+    /// A collective error.
+    pub fn finish_backward(
+        &mut self,
+        mesh: Option<&ParallelMesh>,
+        micro_batches: usize,
+    ) -> Result<()> {
+        match &mut self.store {
+            Store::Resident { grads, reducer, .. } => match reducer {
+                Some(r) => r.finish(grads, mesh, micro_batches)?,
+                None => {
+                    #[allow(clippy::cast_precision_loss)]
+                    let inv = 1.0 / micro_batches.max(1) as f32;
+                    if micro_batches > 1 {
+                        grads.iter_mut().for_each(|g| *g *= inv);
+                    }
+                }
+            },
+            Store::Sharded { fsdp, .. } => fsdp.finish_backward()?,
+        }
+        Ok(())
+    }
+
+    /// Adds this stage's gradients to the squared norm `norm`, by
+    /// placement (a sharded stage: its shards', merged over its group).
+    ///
+    /// # Errors
+    /// FSDP's.
+    pub fn add_grad_norm(&mut self, norm: &mut GradNorm) -> Result<()> {
+        match &mut self.store {
+            Store::Resident { grads, .. } => norm.add_layout(&self.layout, grads),
+            Store::Sharded { fsdp, .. } => norm.merge(&fsdp.grad_norm()?),
+        }
+        Ok(())
+    }
+
+    /// The AdamW update with the gradients times `clip_coef` — over the
+    /// resident layout's tensors, or FSDP's shards — by `weft-parallel`'s
+    /// one AdamW.
+    ///
+    /// # Errors
+    /// A kernel or FSDP error.
+    pub fn apply(&mut self, clip_coef: f32, hp: &AdamW) -> Result<()> {
+        match &mut self.store {
+            Store::Resident {
+                params, grads, opt, ..
+            } => {
+                if clip_coef != 1.0 {
+                    grads.iter_mut().for_each(|g| *g *= clip_coef);
+                }
+                opt.step(self.layout.decay_runs(), params, grads, hp)?;
+            }
+            Store::Sharded { fsdp, .. } => fsdp.apply(clip_coef, hp)?,
+        }
+        Ok(())
+    }
+
+    /// Drops the step's gradients without an update.
+    pub fn skip(&mut self) {
+        match &mut self.store {
+            Store::Resident { grads, .. } => weft_kernels::zero(grads),
+            Store::Sharded { fsdp, .. } => fsdp.skip(),
+        }
+    }
+
+    /// Re-plans every slot for micro-batches of `b`×`t` tokens (a
+    /// validation set's short last batch); every slot must be free.
+    ///
+    /// # Errors
+    /// [`Error::Batch`] if a micro-batch is in flight or the shape is bad.
+    pub fn set_batch_shape(&mut self, b: usize, t: usize) -> Result<()> {
+        if (b, t) == (self.b, self.t) {
+            return Ok(());
+        }
+        if self.slots.iter().any(|s| s.state != SlotState::Free) {
+            return Err(Error::Batch {
+                reason: "cannot re-plan a stage with micro-batches in flight".into(),
+            });
+        }
+        for s in &mut self.slots {
+            s.acts = ChunkActs::new(&self.blocks, &self.spec, b, t, self.split)?;
+        }
+        self.scratch = self.blocks.scratch(b, t)?;
+        (self.b, self.t) = (b, t);
+        let bytes = self.activation_bytes();
+        if let Some(f) = self.fsdp_mut() {
+            f.record_activations(bytes);
+        }
+        Ok(())
+    }
+
+    /// (range in the stage's buffer, range in the rank's whole-model
+    /// layout) of each contiguous piece this stage holds, in model order.
     pub fn segments(&self) -> &[(Range<usize>, Range<usize>)] {
         &self.segments
     }
 
     /// This stage's tensors under their Hugging Face names, with offsets
-    /// into [`params`](Self::params) (for checkpoints and the optimizer's
-    /// decay mask).
+    /// into its buffer (for checkpoints and the optimizer's decay mask).
     pub fn specs(&self) -> &[ParamSpec] {
         self.layout.specs()
     }
 
-    /// This stage's own layout (its tensors, offsets into
-    /// [`params`](Self::params)).
+    /// This stage's own layout (its tensors, offsets into its buffer).
     pub fn layout(&self) -> &ParamLayout {
         &self.layout
     }
@@ -425,69 +645,73 @@ impl GptStage {
         (self.b, self.t)
     }
 
-    /// Floats of one activation or activation-gradient message `(B·T·C)`.
+    /// Floats of one activation or activation-gradient message: the
+    /// residual stream of a micro-batch on this rank (`B·T·C`, or its rows
+    /// under sequence parallelism).
     pub fn message_len(&self) -> usize {
-        self.b * self.t * self.blocks.config().n_embd
+        self.blocks.residual_len(self.b, self.t)
     }
 
-    /// Number of micro-batch slots planned.
-    pub fn slots(&self) -> usize {
-        self.slots.len()
-    }
-
-    /// Whether the stage was planned for the split backward
-    /// ([`backward_input`](weft_pipeline::Stage::backward_input) then
-    /// [`backward_weight`](weft_pipeline::Stage::backward_weight)).
+    /// Whether the stage was planned for the split backward.
     pub fn splits(&self) -> bool {
-        self.slots
-            .first()
-            .is_some_and(|s| s.saved.len() == self.layer_ranges.len())
+        self.split
     }
 
-    /// The part of [`grads`](Self::grads) that the head's backward writes
+    /// The part of the gradient buffer that the head's backward writes
     /// (`ln_f`, and `lm_head` when untied), at the end of the buffer; `None`
     /// on a stage without the head. With the split backward it is written
-    /// by [`backward_input`](weft_pipeline::Stage::backward_input), the rest by
-    /// [`backward_weight`](weft_pipeline::Stage::backward_weight) — except on a single
-    /// stage with tied embeddings, where the head's part of `wte` lies in
-    /// the rest and is completed by `backward_weight`.
+    /// by `backward_input`, the rest by `backward_weight` — except on a
+    /// single stage with tied embeddings, where the head's part of `wte`
+    /// lies in the rest and is completed by `backward_weight`.
     pub fn head_grad_range(&self) -> Option<Range<usize>> {
-        self.lnf.as_ref().map(|l| l.start..self.params.len())
+        self.ranges.lnf.as_ref().map(|l| l.start..self.layout.len())
     }
 
     /// Bytes of activation storage (all slots plus the shared scratch).
     pub fn activation_bytes(&self) -> usize {
         self.slots
             .iter()
-            .map(|s| {
-                s.layers.iter().map(BlockActs::bytes).sum::<usize>()
-                    + s.head.as_ref().map_or(0, HeadActs::bytes)
-                    + s.saved.iter().map(WeightInputs::bytes).sum::<usize>()
-                    + 4 * (s.tokens.len() + s.input.len() + s.dres.len() + s.tied_dwte.len())
-            })
+            .map(|s| s.acts.bytes() + 4 * s.tied_dwte.len())
             .sum::<usize>()
             + self.scratch.bytes()
     }
 
+    /// Bytes of parameters, gradients and optimizer state this stage
+    /// holds, by category `(params, grads, optimizer)`: the resident
+    /// buffers, or FSDP's allocations (parameter shards and gathered units,
+    /// gradients, master weights and moments).
+    pub fn state_bytes(&self) -> (usize, usize, usize) {
+        use weft_fsdp::Category as C;
+        match &self.store {
+            Store::Resident {
+                params, grads, opt, ..
+            } => (
+                4 * params.len(),
+                4 * grads.len(),
+                4 * (opt.m.len() + opt.v.len()),
+            ),
+            Store::Sharded { fsdp, .. } => {
+                let m = fsdp.memory();
+                (
+                    m.current(C::ParamShards) + m.current(C::GatheredParams),
+                    m.current(C::Gradients),
+                    m.current(C::OptimizerState),
+                )
+            }
+        }
+    }
+
     /// Whether this stage takes part in the tied-embedding gradient
     /// exchange (tied embeddings, and the embedding and head on different
-    /// stages): the head stage sends [`tied_wte_grad`](Self::tied_wte_grad),
-    /// the embedding stage receives into [`tied_wte_grad_mut`](Self::tied_wte_grad_mut).
+    /// stages).
     fn tied_exchange(&self) -> bool {
         self.blocks.config().tied_embeddings && self.spec.embed != self.spec.head
     }
 
-    /// The head stage's copy of `wte` (tied embeddings, head without
-    /// embedding), to refresh from the embedding stage after each update.
-    fn tied_wte_mut(&mut self) -> Option<&mut [f32]> {
-        self.tied_copy.as_deref_mut()
-    }
-
     /// The embedding stage's `wte` (the first part of its parameters).
     fn wte(&self) -> Option<&[f32]> {
-        self.embed
-            .as_ref()
-            .map(|e| &self.params[e.start..e.start + self.blocks.wte_len()])
+        let e = self.ranges.embed.as_ref()?;
+        self.params().get(e.start..e.start + self.blocks.wte_len())
     }
 
     fn slot_of(&self, mb: usize, state: SlotState, what: &str) -> Result<usize> {
@@ -503,18 +727,13 @@ impl GptStage {
     }
 
     /// The head stage's `wte` gradient of micro-batch `mb` (zero-started),
-    /// after its [`backward`](weft_pipeline::Stage::backward) or
-    /// [`backward_input`](weft_pipeline::Stage::backward_input) and until the next one (the
-    /// stage keeps only the latest); `None` otherwise, and unless this is
-    /// the head side of a [`tied_exchange`](Self::tied_exchange).
+    /// after its backward (or input half) and until the next one.
     fn tied_wte_grad(&self, mb: usize) -> Option<&[f32]> {
         (self.tied_out_mb == Some(mb)).then_some(self.tied_out.as_slice())
     }
 
     /// Where the embedding stage stores the head's `wte` gradient of
-    /// micro-batch `mb` before its embedding backward; `None` unless this
-    /// is the embedding side of a [`tied_exchange`](Self::tied_exchange)
-    /// with `mb` in flight. Marks the gradient as present.
+    /// micro-batch `mb` before its embedding backward. Marks it present.
     fn tied_wte_grad_mut(&mut self, mb: usize) -> Option<&mut [f32]> {
         if !(self.tied_exchange() && self.spec.embed) {
             return None;
@@ -527,324 +746,98 @@ impl GptStage {
         Some(&mut s.tied_dwte)
     }
 
-    /// Forward of micro-batch `mb`: `input` is the tokens on the embedding
-    /// stage and the previous stage's output elsewhere; the head stage
-    /// needs `targets` and returns the mean loss. Takes a free slot.
-    fn forward_mb(
+    /// Runs `f` with the stage's store, the slot `i`'s activations and the
+    /// shared scratch.
+    fn with_store<R>(
         &mut self,
-        mb: usize,
-        input: StageInput<'_>,
-        targets: Option<&[u32]>,
-    ) -> Result<Option<f64>> {
-        if self
-            .slots
-            .iter()
-            .any(|s| s.state != SlotState::Free && s.mb == mb)
-        {
-            return Err(Error::Batch {
-                reason: format!("micro-batch {mb} is already in flight on this stage"),
-            });
-        }
-        if self.spec.head && targets.is_none() {
-            return Err(Error::Batch {
-                reason: "the head stage's forward needs targets".into(),
-            });
-        }
-        let free = self
-            .slots
-            .iter()
-            .position(|s| s.state == SlotState::Free)
-            .ok_or_else(|| Error::Batch {
-                reason: format!(
-                    "stage {:?}: all {} micro-batch slots in flight (plan more slots for this schedule)",
-                    self.spec.layers,
-                    self.slots.len()
-                ),
-            })?;
-        let (b, t) = (self.b, self.t);
-        let bl = &self.blocks;
-        let p = &self.params;
-        let slot = &mut self.slots[free];
-        match (input, &self.embed) {
-            (StageInput::Tokens(tok), Some(e)) => {
-                if tok.len() != b * t {
-                    return Err(Error::Batch {
-                        reason: format!("{} tokens for B*T = {}", tok.len(), b * t),
-                    });
-                }
-                slot.tokens.copy_from_slice(tok);
-                bl.embed_forward(&mut slot.input, tok, &p[e.clone()], b, t)?;
-            }
-            (StageInput::Hidden(x), None) => {
-                if x.len() != slot.input.len() {
-                    return Err(Error::Batch {
-                        reason: format!(
-                            "stage input holds {} floats, expected B*T*C = {}",
-                            x.len(),
-                            slot.input.len()
-                        ),
-                    });
-                }
-                slot.input.copy_from_slice(x);
-            }
-            (StageInput::Tokens(_), None) => {
-                return Err(Error::Batch {
-                    reason: "tokens given to a stage without the embedding".into(),
-                });
-            }
-            (StageInput::Hidden(_), Some(_)) => {
-                return Err(Error::Batch {
-                    reason: "hidden states given to the embedding stage".into(),
-                });
-            }
-        }
-        for (i, r) in self.layer_ranges.iter().enumerate() {
-            let (prev, cur) = slot.layers.split_at_mut(i);
-            let inp: &[f32] = if i == 0 {
-                &slot.input
-            } else {
-                &prev[i - 1].out
-            };
-            bl.block_forward(
-                self.spec.layers.start + i,
-                &mut cur[0],
-                inp,
-                &p[r.clone()],
-                &mut self.scratch,
-            )?;
-        }
-        slot.loss = None;
-        if let (Some(head), Some(lnf)) = (&mut slot.head, &self.lnf) {
-            let last = slot.layers.last().map_or(&slot.input, |a| &a.out);
-            let lm = match (&self.lm_head, &self.tied_copy) {
-                (Some(r), _) => &p[r.clone()],
-                (None, Some(copy)) => copy.as_slice(),
-                (None, None) => unreachable!("a head stage has a head weight"),
-            };
-            slot.loss = bl.head_forward(head, last, &p[lnf.clone()], lm, targets)?;
-        }
-        slot.mb = mb;
-        slot.state = SlotState::Forwarded;
-        slot.tied_ready = false;
-        Ok(slot.loss)
-    }
-
-    /// The output `(B,T,C)` of micro-batch `mb`'s forward (to send to the
-    /// next stage); `None` if `mb` is not in flight.
-    fn output(&self, mb: usize) -> Option<&[f32]> {
-        self.slots
-            .iter()
-            .find(|s| s.state != SlotState::Free && s.mb == mb)
-            .map(|s| s.layers.last().map_or(s.input.as_slice(), |a| &a.out))
-    }
-
-    /// Head backward (when this is the head stage) or loading `dout`,
-    /// leaving d(last layer's output) in the slot's `dres`.
-    fn start_backward(&mut self, i: usize, dout: Option<&[f32]>) -> Result<()> {
-        let bl = &self.blocks;
-        let exchange = self.tied_exchange();
+        i: usize,
+        f: impl FnOnce(
+            &GptBlocks,
+            &StageSpec,
+            &mut dyn ParamStore,
+            &mut Slot,
+            &mut BlockScratch,
+        ) -> Result<R>,
+    ) -> Result<R> {
+        let copy = self
+            .tied_copy
+            .as_deref()
+            .map(|c| (c, Some(&mut self.tied_out[..])));
         let slot = &mut self.slots[i];
-        match (dout, &mut slot.head) {
-            (None, Some(head)) => {
-                let lnf = self.lnf.clone().expect("head stage has ln_f");
-                let last = slot.layers.last().map_or(&slot.input, |a| &a.out);
-                let (params, grads) = (&self.params, &mut self.grads);
-                let (dlnf, dlm, lm): (&mut [f32], &mut [f32], &[f32]) =
-                    match (&self.lm_head, &self.tied_copy) {
-                        (Some(r), _) if !exchange => {
-                            if r.start < lnf.start {
-                                // Tied on a single stage: wte at the start.
-                                let (lo, hi) = grads.split_at_mut(lnf.start);
-                                (&mut hi[..lnf.len()], &mut lo[r.clone()], &params[r.clone()])
-                            } else {
-                                let (lo, hi) = grads.split_at_mut(r.start);
-                                (&mut lo[lnf.clone()], &mut hi[..r.len()], &params[r.clone()])
-                            }
-                        }
-                        (_, Some(copy)) => {
-                            weft_kernels::zero(&mut self.tied_out);
-                            self.tied_out_mb = Some(slot.mb);
-                            (&mut grads[lnf.clone()], &mut self.tied_out, copy.as_slice())
-                        }
-                        _ => unreachable!("a head stage has a head weight"),
-                    };
-                bl.head_backward(
-                    &mut slot.dres,
-                    dlnf,
-                    dlm,
-                    head,
-                    last,
-                    &params[lnf],
-                    lm,
+        match &mut self.store {
+            Store::Resident { params, grads, .. } => {
+                let mut store = Resident {
+                    ranges: &self.ranges,
+                    params,
+                    grads: Some(grads),
+                    copy,
+                };
+                f(
+                    &self.blocks,
+                    &self.spec,
+                    &mut store,
+                    slot,
                     &mut self.scratch,
-                )?;
+                )
             }
-            (Some(d), None) => {
-                if d.len() != slot.dres.len() {
-                    return Err(Error::Batch {
-                        reason: format!(
-                            "output gradient holds {} floats, expected B*T*C = {}",
-                            d.len(),
-                            slot.dres.len()
-                        ),
-                    });
+            Store::Sharded { fsdp, map } => {
+                let mut store = Sharded { fsdp, map, copy };
+                f(
+                    &self.blocks,
+                    &self.spec,
+                    &mut store,
+                    slot,
+                    &mut self.scratch,
+                )
+            }
+        }
+    }
+
+    /// Folds the gradient ranges that `done` finished into the resident
+    /// reducer; returns them.
+    fn fold(&mut self, done: Vec<Range<usize>>) -> Result<Vec<Range<usize>>> {
+        match &mut self.store {
+            Store::Resident {
+                grads,
+                reducer: Some(r),
+                ..
+            } => {
+                for range in &done {
+                    r.add(range.clone(), grads)?;
                 }
-                slot.dres.copy_from_slice(d);
+                Ok(done)
             }
-            (None, None) => {
-                return Err(Error::Batch {
-                    reason: "a stage without the head needs its output's gradient".into(),
-                });
-            }
-            (Some(_), Some(_)) => {
-                return Err(Error::Batch {
-                    reason: "the head stage starts its backward from the loss, not a gradient"
-                        .into(),
-                });
-            }
+            Store::Resident { .. } => Ok(done),
+            // FSDP reduces its own units in their post_backward hooks
+            Store::Sharded { .. } => Ok(Vec::new()),
+        }
+    }
+
+    fn begin_backward(&mut self, i: usize) {
+        if self.tied_copy.is_some() {
+            weft_kernels::zero(&mut self.tied_out);
+            self.tied_out_mb = Some(self.slots[i].mb);
+        }
+    }
+
+    fn end_micro_batch(&mut self) -> Result<()> {
+        if let Store::Sharded { fsdp, .. } = &mut self.store {
+            fsdp.end_micro_batch()?;
         }
         Ok(())
     }
 
-    fn embed_backward(&mut self, i: usize) -> Result<()> {
-        let Some(e) = self.embed.clone() else {
-            return Ok(());
-        };
-        let exchange = self.tied_exchange();
-        let slot = &mut self.slots[i];
-        let g = &mut self.grads[e];
-        if exchange {
-            if !slot.tied_ready {
-                return Err(Error::Batch {
-                    reason: format!(
-                        "embedding backward of micro-batch {} before the head's wte gradient arrived (tied embeddings)",
-                        slot.mb
-                    ),
-                });
-            }
-            weft_kernels::accumulate(&mut g[..slot.tied_dwte.len()], &slot.tied_dwte)?;
-        }
-        self.blocks
-            .embed_backward(g, &slot.dres, &slot.tokens, self.b, self.t)
-    }
-
-    fn backward_mb(
-        &mut self,
-        mb: usize,
-        dout: Option<&[f32]>,
-        dinput: Option<&mut [f32]>,
-    ) -> Result<Vec<Range<usize>>> {
-        let i = self.slot_of(mb, SlotState::Forwarded, "backward")?;
-        self.start_backward(i, dout)?;
-        let bl = &self.blocks;
-        let slot = &mut self.slots[i];
-        for (k, r) in self.layer_ranges.iter().enumerate().rev() {
-            let inp: &[f32] = if k == 0 {
-                &slot.input
-            } else {
-                &slot.layers[k - 1].out
-            };
-            bl.block_backward(
-                &mut slot.dres,
-                &mut self.grads[r.clone()],
-                &slot.layers[k],
-                inp,
-                &self.params[r.clone()],
-                &mut self.scratch,
-            )?;
-        }
-        if self.embed.is_some() {
-            self.embed_backward(i)?;
-        } else {
-            copy_out(dinput, &self.slots[i].dres)?;
-        }
-        let slot = &mut self.slots[i];
-        slot.state = SlotState::Free;
-        slot.tied_ready = false;
-        Ok(std::iter::once(0..self.grads.len()).collect())
-    }
-
-    fn backward_input_mb(
-        &mut self,
-        mb: usize,
-        dout: Option<&[f32]>,
-        dinput: Option<&mut [f32]>,
-    ) -> Result<Vec<Range<usize>>> {
-        let i = self.slot_of(mb, SlotState::Forwarded, "backward-for-input")?;
-        if self.slots[i].saved.len() != self.layer_ranges.len() {
-            return Err(Error::Batch {
-                reason: "backward_input on a stage planned without split backward".into(),
-            });
-        }
-        if self.spec.embed
-            && self.spec.head
-            && self.blocks.config().tied_embeddings
-            && let Some(prev) = self.slots.iter().find(|s| s.state == SlotState::InputDone)
-        {
-            // The head's wte gradient lands in the embedding's range, which
-            // the pending W has not finished: the micro-batches would mix.
+    fn check_tied_ready(&self, i: usize) -> Result<()> {
+        let slot = &self.slots[i];
+        if self.tied_exchange() && self.spec.embed && !slot.tied_ready {
             return Err(Error::Batch {
                 reason: format!(
-                    "with tied embeddings on one stage, W of micro-batch {} must run before the next B (micro-batch {mb})",
-                    prev.mb
+                    "embedding backward of micro-batch {} before the head's wte gradient arrived (tied embeddings)",
+                    slot.mb
                 ),
             });
         }
-        self.start_backward(i, dout)?;
-        let bl = &self.blocks;
-        let slot = &mut self.slots[i];
-        for (k, r) in self.layer_ranges.iter().enumerate().rev() {
-            let inp: &[f32] = if k == 0 {
-                &slot.input
-            } else {
-                &slot.layers[k - 1].out
-            };
-            bl.block_backward_input(
-                &mut slot.dres,
-                &mut slot.saved[k],
-                &slot.layers[k],
-                inp,
-                &self.params[r.clone()],
-                &mut self.scratch,
-            )?;
-        }
-        slot.state = SlotState::InputDone;
-        if self.embed.is_none() {
-            copy_out(dinput, &self.slots[i].dres)?;
-        }
-        Ok(self.head_grad_range().into_iter().collect())
-    }
-
-    fn backward_weight_mb(&mut self, mb: usize) -> Result<Vec<Range<usize>>> {
-        let i = self.slot_of(mb, SlotState::InputDone, "backward-for-weights")?;
-        let bl = &self.blocks;
-        let slot = &mut self.slots[i];
-        for (k, r) in self.layer_ranges.iter().enumerate() {
-            let inp: &[f32] = if k == 0 {
-                &slot.input
-            } else {
-                &slot.layers[k - 1].out
-            };
-            bl.block_backward_weight(
-                &mut self.grads[r.clone()],
-                &mut slot.saved[k],
-                &slot.layers[k],
-                inp,
-                &self.params[r.clone()],
-                &mut self.scratch,
-            )?;
-        }
-        self.embed_backward(i)?;
-        let slot = &mut self.slots[i];
-        slot.state = SlotState::Free;
-        slot.tied_ready = false;
-        let end = self.head_grad_range().map_or(self.grads.len(), |r| r.start);
-        Ok(std::iter::once(0..end).collect())
-    }
-
-    /// Sets every gradient to zero.
-    pub fn zero_grad(&mut self) {
-        weft_kernels::zero(&mut self.grads);
+        Ok(())
     }
 }
 
@@ -891,7 +884,7 @@ impl weft_pipeline::Stage for GptStage {
         self.slots.len()
     }
     fn splits_backward(&self) -> bool {
-        self.splits()
+        self.split
     }
 
     fn forward(
@@ -901,13 +894,47 @@ impl weft_pipeline::Stage for GptStage {
         input: Option<&[f32]>,
         output: Option<&mut [f32]>,
     ) -> Result<Option<f64>> {
+        if self
+            .slots
+            .iter()
+            .any(|s| s.state != SlotState::Free && s.mb == mb)
+        {
+            return Err(Error::Batch {
+                reason: format!("micro-batch {mb} is already in flight on this stage"),
+            });
+        }
+        let free = self
+            .slots
+            .iter()
+            .position(|s| s.state == SlotState::Free)
+            .ok_or_else(|| Error::Batch {
+                reason: format!(
+                    "stage {:?}: all {} micro-batch slots in flight (plan more slots for this schedule)",
+                    self.spec.layers,
+                    self.slots.len()
+                ),
+            })?;
         let inp = match input {
-            None => StageInput::Tokens(batch.tokens),
-            Some(x) => StageInput::Hidden(x),
+            None => ChunkInput::Tokens(batch.tokens),
+            Some(x) => ChunkInput::Hidden(x),
         };
-        let loss = self.forward_mb(mb, inp, self.spec.head.then_some(batch.targets))?;
+        let targets = self.spec.head.then_some(batch.targets);
+        if let Store::Sharded { fsdp, .. } = &mut self.store {
+            if self.eval {
+                fsdp.begin_eval()?;
+            } else {
+                fsdp.begin_micro_batch()?;
+            }
+        }
+        let loss = self.with_store(free, |bl, spec, store, slot, scratch| {
+            chunk::forward(bl, spec, store, &mut slot.acts, scratch, inp, targets)
+        })?;
+        let slot = &mut self.slots[free];
+        slot.mb = mb;
+        slot.state = SlotState::Forwarded;
+        slot.tied_ready = false;
         if let Some(out) = output {
-            let y = self.output(mb).unwrap_or_default();
+            let y = slot.acts.output();
             if out.len() != y.len() {
                 return Err(Error::Batch {
                     reason: format!(
@@ -928,7 +955,22 @@ impl weft_pipeline::Stage for GptStage {
         dout: Option<&[f32]>,
         dinput: Option<&mut [f32]>,
     ) -> Result<Vec<Range<usize>>> {
-        self.backward_mb(mb, dout, dinput)
+        let i = self.slot_of(mb, SlotState::Forwarded, "backward")?;
+        self.check_tied_ready(i)?;
+        self.begin_backward(i);
+        self.with_store(i, |bl, spec, store, slot, scratch| {
+            let extra = (!slot.tied_dwte.is_empty()).then_some(slot.tied_dwte.as_slice());
+            chunk::backward(bl, spec, store, &mut slot.acts, scratch, dout, extra)
+        })?;
+        if !self.spec.embed {
+            copy_out(dinput, &self.slots[i].acts.dres)?;
+        }
+        let slot = &mut self.slots[i];
+        slot.state = SlotState::Free;
+        slot.tied_ready = false;
+        self.end_micro_batch()?;
+        let all = std::iter::once(0..self.layout.len()).collect();
+        self.fold(all)
     }
 
     fn backward_input(
@@ -937,11 +979,53 @@ impl weft_pipeline::Stage for GptStage {
         dout: Option<&[f32]>,
         dinput: Option<&mut [f32]>,
     ) -> Result<Vec<Range<usize>>> {
-        self.backward_input_mb(mb, dout, dinput)
+        let i = self.slot_of(mb, SlotState::Forwarded, "backward-for-input")?;
+        if !self.split {
+            return Err(Error::Batch {
+                reason: "backward_input on a stage planned without split backward".into(),
+            });
+        }
+        if self.spec.embed
+            && self.spec.head
+            && self.blocks.config().tied_embeddings
+            && let Some(prev) = self.slots.iter().find(|s| s.state == SlotState::InputDone)
+        {
+            // The head's wte gradient lands in the embedding's range, which
+            // the pending W has not finished: the micro-batches would mix.
+            return Err(Error::Batch {
+                reason: format!(
+                    "with tied embeddings on one stage, W of micro-batch {} must run before the next B (micro-batch {mb})",
+                    prev.mb
+                ),
+            });
+        }
+        self.begin_backward(i);
+        self.with_store(i, |bl, spec, store, slot, scratch| {
+            chunk::backward_input(bl, spec, store, &mut slot.acts, scratch, dout)
+        })?;
+        self.slots[i].state = SlotState::InputDone;
+        if !self.spec.embed {
+            copy_out(dinput, &self.slots[i].acts.dres)?;
+        }
+        let done = self.head_grad_range().into_iter().collect();
+        self.fold(done)
     }
 
     fn backward_weight(&mut self, mb: usize) -> Result<Vec<Range<usize>>> {
-        self.backward_weight_mb(mb)
+        let i = self.slot_of(mb, SlotState::InputDone, "backward-for-weights")?;
+        self.check_tied_ready(i)?;
+        self.with_store(i, |bl, spec, store, slot, scratch| {
+            let extra = (!slot.tied_dwte.is_empty()).then_some(slot.tied_dwte.as_slice());
+            chunk::backward_weight(bl, spec, store, &mut slot.acts, scratch, extra)
+        })?;
+        let slot = &mut self.slots[i];
+        slot.state = SlotState::Free;
+        slot.tied_ready = false;
+        self.end_micro_batch()?;
+        let end = self
+            .head_grad_range()
+            .map_or(self.layout.len(), |r| r.start);
+        self.fold(std::iter::once(0..end).collect())
     }
 
     fn discard(&mut self, mb: usize) -> Result<()> {
@@ -949,15 +1033,24 @@ impl weft_pipeline::Stage for GptStage {
         let slot = &mut self.slots[i];
         slot.state = SlotState::Free;
         slot.tied_ready = false;
+        if let Store::Sharded { fsdp, .. } = &mut self.store {
+            fsdp.end_eval()?;
+        }
         Ok(())
     }
 
     fn grads(&self) -> &[f32] {
-        &self.grads
+        match &self.store {
+            Store::Resident { grads, .. } => grads,
+            Store::Sharded { .. } => &[],
+        }
     }
 
     fn grads_mut(&mut self) -> &mut [f32] {
-        &mut self.grads
+        match &mut self.store {
+            Store::Resident { grads, .. } => grads,
+            Store::Sharded { .. } => &mut [],
+        }
     }
 
     fn shared(&self) -> Vec<weft_pipeline::Shared> {
@@ -1007,7 +1100,7 @@ impl weft_pipeline::Stage for GptStage {
 
     fn set_shared_param(&mut self, id: u32, value: &[f32]) -> Result<()> {
         let copy = (id == TIED_WTE)
-            .then(|| self.tied_wte_mut())
+            .then_some(self.tied_copy.as_deref_mut())
             .flatten()
             .ok_or_else(|| Error::Batch {
                 reason: format!("this stage holds no copy of shared parameter {id}"),

@@ -128,7 +128,7 @@ fn moe_gpt_with_ep_2_and_4_matches_ep_1() {
             assert_eq!((ffn.ep_size(), ffn.ep_rank()), (ep, rank));
             assert_eq!(ffn.local_experts(), 8 / ep);
             let mut local = Gpt::with_ffn(gpt_config(), Box::new(ffn)).unwrap();
-            MoeFfn::shard_params(&full, &mut local, rank, ep).unwrap();
+            local.load_part(&full).unwrap();
             let s = step(&mut local, rank);
             let load = stats.take();
             (s, local, load)
@@ -173,7 +173,7 @@ fn moe_gpt_with_ep_2_and_4_matches_ep_1() {
 }
 
 #[test]
-fn sharding_checks_shapes_and_group_size() {
+fn sharding_checks_the_group_size_and_the_whole_model() {
     let full = full_model();
     let err = LocalCluster::run(3, |comm| {
         let comm: Arc<dyn Communicator> = Arc::new(comm);
@@ -187,23 +187,26 @@ fn sharding_checks_shapes_and_group_size() {
         "{}",
         err[0]
     );
-    // A rank-1-of-2 model cannot take a shard cut for 4 ranks.
+    // Rank 1 of 2 takes the second half of the experts.
     let mut two = LocalCluster::run(2, |comm| {
         let comm: Arc<dyn Communicator> = Arc::new(comm);
         let (ffn, _) = MoeFfn::with_expert_parallel(moe_config(), comm).unwrap();
         Gpt::with_ffn(gpt_config(), Box::new(ffn)).unwrap()
     })
     .unwrap();
-    let e = MoeFfn::shard_params(&full, &mut two[1], 1, 4)
-        .unwrap_err()
-        .to_string();
+    let [_, one] = &mut two[..] else {
+        unreachable!()
+    };
+    one.load_part(&full).unwrap();
+    // A whole model without a mixture of experts is an error naming the
+    // first tensor it lacks.
+    let dense = Gpt::new(gpt_config()).unwrap();
+    let e = one.load_part(&dense).unwrap_err().to_string();
     assert!(
-        e.contains("mlp.experts.c_fc.weight") && e.contains("1/4"),
+        e.contains("transformer.h.0.mlp.router.weight") && e.contains("not in"),
         "{e}"
     );
-    assert!(MoeFfn::shard_params(&full, &mut two[1], 2, 2).is_err());
-    MoeFfn::shard_params(&full, &mut two[1], 1, 2).unwrap();
     let name = "transformer.h.0.mlp.experts.c_proj.bias";
-    let (a, b) = (two[1].param(name).unwrap(), full.param(name).unwrap());
+    let (a, b) = (one.param(name).unwrap(), full.param(name).unwrap());
     assert_eq!(a, &b[b.len() / 2..]);
 }

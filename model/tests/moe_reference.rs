@@ -131,10 +131,12 @@ fn check_case(path: &Path) -> TestResult {
         c,
         mode: Mode::default(),
         layer: 0,
+        tp: None,
     };
     let mut out = vec![0.0f32; n * c];
-    let mut saved = vec![0.0f32; n * ffn.saved_per_token(c)];
-    ffn.forward(&mut out, &mut saved, &inp, &params, d)?;
+    let mut saved = vec![0.0f32; ffn.saved_len(&d)];
+    let mut scratch = vec![0.0f32; ffn.scratch_len(&d)];
+    ffn.forward(&mut out, &mut saved, &mut scratch, &inp, &params, d)?;
     let err = rel_err(&out, &read(&st, "out")?);
     assert!(err < 1e-5, "{name}: output relative error {err:.2e}");
     let (_, fwd) = stats.take().pop().ok_or("no statistics logged")?;
@@ -157,7 +159,6 @@ fn check_case(path: &Path) -> TestResult {
 
     let mut dinp = vec![0.0f32; n * c];
     let mut dparams = vec![0.0f32; params.len()];
-    let mut scratch = vec![0.0f32; n * ffn.scratch_per_token(c)];
     ffn.backward(
         &mut dinp,
         &mut dparams,

@@ -9,7 +9,7 @@ use std::ops::Range;
 
 use weft_collectives::{Communicator, LocalCluster};
 use weft_model::{Gpt, GptConfig, GptStage, MicroBatch, pipeline_stages};
-use weft_pipeline::{ExecError, Executor, Measured, RankTimeline, Schedule, ScheduleKind};
+use weft_pipeline::{ExecError, Executor, Measured, RankTimeline, Schedule, ScheduleKind, Stage};
 
 fn executor(
     full: &Gpt,
@@ -120,7 +120,7 @@ fn run(
         .windows(2)
         .map(|w| w[1] - w[0])
         .collect();
-    let mbs = micro_batches(&d);
+    let mbs = micro_batches(d);
     LocalCluster::run(p, |comm| -> Result<RankOut, ExecError> {
         let mut ex = executor(&full, &schedule, comm.rank(), &layers)?;
         let mut pieces: Vec<(usize, usize, Range<usize>, Vec<f32>)> = Vec::new();
@@ -149,8 +149,8 @@ fn run(
         };
         let mut grads = Vec::new();
         for (c, st) in ex.stages().iter().enumerate() {
-            for (l, g) in to_global(c, 0..st.grads.len()) {
-                grads.push((g, st.grads[l].to_vec()));
+            for (l, g) in to_global(c, 0..st.grads().len()) {
+                grads.push((g, st.grads()[l].to_vec()));
             }
         }
         let mut global_pieces = Vec::new();

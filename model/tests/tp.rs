@@ -4,7 +4,9 @@
 //! What holds, and the tolerances:
 //!
 //! * `tp = 1` is **bitwise** [`Gpt`] (loss and every gradient), with and
-//!   without sequence parallelism: the same kernel calls in the same order.
+//!   without sequence parallelism: the same kernel calls in the same order
+//!   (a group of one rank is no split: the one block code path runs the
+//!   unsplit calls).
 //! * `tp ∈ {2, 3, 4}` agrees with `Gpt` to rounding, not bitwise: each
 //!   row-parallel layer sums `tp` partial dot products (each rounded) where
 //!   the unsplit GEMM runs one fused chain, the cross-entropy sums
@@ -23,14 +25,20 @@
 //!   partial sums still depend on tp, so tp = 2 and tp = 4 remain equal to
 //!   tp = 1 only to rounding. Sequence parallelism under reproducible sums
 //!   is bitwise the plain split except for the layernorm gradients (tested).
+//! * Under sequence parallelism the layernorms' gradients are partial sums
+//!   after a rank's backward (`Placement::Partial`); the runs here finish
+//!   them with the data-parallel [`GradReducer`], as `ParallelGpt` does.
 
-use weft_collectives::{Algorithm, Communicator, LocalCluster, OpKind, Traffic};
-use weft_kernels::{Mode, encoder_forward, fused_classifier, matmul_backward, matmul_forward};
-use weft_model::tp::{
-    ColumnParallelLinear, Error, RowParallelLinear, Split, TpGpt, TpLayout, TpOptions, VocabShard,
-    param_split,
+use weft_collectives::{
+    Algorithm, Communicator, CommunicatorExt, LocalCluster, OpKind, ReduceOp, Traffic,
 };
-use weft_model::{Gpt, GptConfig};
+use weft_kernels::{Mode, encoder_forward, fused_classifier};
+use weft_model::tp::{TensorParallel, TpOptions, VocabShard, traffic_per_step};
+use weft_model::{Dims, Error, FeedForward, Gpt, GptConfig, Mlp, Sharding, param_layout};
+use weft_parallel::{
+    Coords, DimSet, GradReducer, LayoutBuilder, ParallelDims, ParallelMesh, ParamLayout, Placement,
+    extract, gather_whole,
+};
 
 const TOL: f32 = 5e-6;
 const B: usize = 3;
@@ -94,23 +102,65 @@ struct Run {
     grads: Vec<f32>,
     local_grads: Vec<f32>,
     traffic: Traffic,
-    layout: TpLayout,
+    layout: ParamLayout,
+}
+
+fn mesh(comm: &dyn Communicator, tp: usize) -> ParallelMesh {
+    ParallelDims {
+        tp,
+        ..ParallelDims::SINGLE
+    }
+    .build(comm)
+    .unwrap()
+}
+
+fn group(mesh: &ParallelMesh, opts: TpOptions) -> TensorParallel {
+    TensorParallel::new(mesh.group_arc(DimSet::TP), opts)
+}
+
+/// Sums the gradients the backward left partial over the group (the
+/// layernorms' under sequence parallelism), as the data-parallel reducer
+/// does for a step of one micro-batch.
+fn finish(m: &mut Gpt, mesh: &ParallelMesh, exact: bool) {
+    let mut r = GradReducer::new(m.layout(), exact);
+    r.add_all(&mut m.grads).unwrap();
+    r.finish(&mut m.grads, Some(mesh), 1).unwrap();
+}
+
+/// `local` (laid out by `m`'s layout) gathered into the whole model's
+/// layout on every rank.
+fn gather(mesh: &ParallelMesh, m: &Gpt, whole: &ParamLayout, local: &[f32]) -> Vec<f32> {
+    let mut out = vec![0.0f32; whole.len()];
+    let root = mesh.world().rank() == 0;
+    let mut outs = [&mut out[..]];
+    gather_whole(
+        mesh.world(),
+        &mesh.coords(),
+        m.layout(),
+        whole,
+        &[local],
+        root.then_some(&mut outs[..]),
+    )
+    .unwrap();
+    mesh.world().broadcast(&mut out, 0).unwrap();
+    out
 }
 
 fn run_tp(full: &Gpt, tp: usize, opts: TpOptions, tokens: &[u32], targets: &[u32]) -> Vec<Run> {
     LocalCluster::run(tp, |comm| {
-        let c: &dyn Communicator = &comm;
-        let mut m = TpGpt::from_full(full, tp, c.rank(), opts).unwrap();
+        let mesh = mesh(&comm, tp);
+        let mut m = Gpt::shard_of(full, group(&mesh, opts)).unwrap();
         let mut acts = m.activations(B, T).unwrap();
-        let before = c.traffic();
+        let before = comm.traffic();
         let loss = m
-            .forward(c, &mut acts, tokens, Some(targets))
+            .forward(&mut acts, tokens, Some(targets))
             .unwrap()
             .unwrap();
         m.zero_grad();
-        m.backward(c, &mut acts).unwrap();
-        let traffic = c.traffic().since(&before);
-        let grads = m.gather_grads(c).unwrap();
+        m.backward(&mut acts).unwrap();
+        let traffic = comm.traffic().since(&before);
+        finish(&mut m, &mesh, opts.reproducible);
+        let grads = gather(&mesh, &m, full.layout(), &m.grads);
         Run {
             loss,
             grads,
@@ -246,17 +296,19 @@ fn adamw_on_shards_follows_the_unsplit_losses() {
             ..TpOptions::default()
         };
         let runs = LocalCluster::run(tp, |comm| {
-            let mut m = TpGpt::from_full(&init, tp, comm.rank(), opts).unwrap();
+            let mesh = mesh(&comm, tp);
+            let mut m = Gpt::shard_of(&init, group(&mesh, opts)).unwrap();
             let mut acts = m.activations(B, T).unwrap();
             let mut opt = m.adamw_state();
             let mut losses = Vec::new();
             for _ in 0..steps {
-                losses.push(m.forward(&comm, &mut acts, &x, Some(&y)).unwrap().unwrap());
+                losses.push(m.forward(&mut acts, &x, Some(&y)).unwrap().unwrap());
                 m.zero_grad();
-                m.backward(&comm, &mut acts).unwrap();
+                m.backward(&mut acts).unwrap();
+                finish(&mut m, &mesh, false);
                 m.adamw_step(&mut opt, &hp).unwrap();
             }
-            (losses, m.gather_params(&comm).unwrap())
+            (losses, gather(&mesh, &m, init.layout(), &m.params))
         })
         .unwrap();
         for (losses, params) in runs {
@@ -294,8 +346,8 @@ fn replicated_gradients_are_identical_on_every_rank() {
             ..TpOptions::default()
         };
         let runs = run_tp(&full, 3, opts, &x, &y);
-        for t in runs[0].layout.tensors() {
-            if t.split != Split::Replicated {
+        for t in runs[0].layout.specs() {
+            if t.placements.tp != Placement::Replicate {
                 continue;
             }
             for run in &runs[1..] {
@@ -389,8 +441,12 @@ fn sequence_parallel_stores_fewer_activation_bytes() {
                 sequence_parallel: sp,
                 ..TpOptions::default()
             };
-            let m = TpGpt::new(c.clone(), tp, 0, opts).unwrap();
-            m.activations(B, T).unwrap().bytes()
+            let full = Gpt::new(c.clone()).unwrap();
+            LocalCluster::run(tp, |comm| {
+                let m = Gpt::shard_of(&full, group(&mesh(&comm, tp), opts)).unwrap();
+                m.activations(B, T).unwrap().bytes()
+            })
+            .unwrap()[0]
         };
         let (plain, sp) = (bytes(false), bytes(true));
         // Per block, the residual stream after attention and the block
@@ -416,9 +472,7 @@ fn traffic_per_step_equals_the_formula() {
             };
             let runs = run_tp(&full, tp, opts, &x, &y);
             let sum = |op| runs.iter().map(|r| r.traffic.sent_by(op)).sum::<u64>();
-            let want = TpGpt::new(c.clone(), tp, 0, opts)
-                .unwrap()
-                .traffic_per_step(B, T);
+            let want = traffic_per_step(&c, tp, sp, B, T);
             assert_eq!(sum(OpKind::AllReduce), want.all_reduce, "tp={tp} sp={sp}");
             assert_eq!(
                 sum(OpKind::ReduceScatter),
@@ -427,16 +481,34 @@ fn traffic_per_step_equals_the_formula() {
             );
             assert_eq!(sum(OpKind::AllGather), want.all_gather, "tp={tp} sp={sp}");
             if sp {
-                // Same bytes as the all-reduce version, up to the few
-                // floats of the layernorm-gradient sum.
-                let plain = TpGpt::new(c.clone(), tp, 0, TpOptions::default())
-                    .unwrap()
-                    .traffic_per_step(B, T);
-                let ln = 2 * (tp as u64 - 1) * 4 * 2 * 48 * 5;
-                assert_eq!(want.total(), plain.total() + ln);
+                // The same bytes as the all-reduce version (the layernorms'
+                // partial gradients are summed once per step, by the
+                // data-parallel reducer, not in the backward).
+                let plain = traffic_per_step(&c, tp, false, B, T);
+                assert_eq!(want.total(), plain.total());
             }
         }
     }
+}
+
+/// Floats of the tensors `tp` shards and of the replicated ones, on rank
+/// `rank` of `tp`.
+fn split_floats(c: &GptConfig, tp: usize, rank: usize) -> (usize, usize) {
+    let sharding = Sharding {
+        coords: Coords {
+            tp: (rank, tp),
+            ..Coords::SINGLE
+        },
+        sequence_parallel: false,
+    };
+    let l = param_layout(c, &Mlp, &sharding).unwrap();
+    let split = l
+        .specs()
+        .iter()
+        .filter(|s| s.placements.tp.is_shard())
+        .map(|s| s.numel())
+        .sum();
+    (split, l.len() - split)
 }
 
 #[test]
@@ -445,25 +517,20 @@ fn split_memory_falls_as_one_over_tp() {
     c.vocab_size = 48; // divisible by 1..=4
     // At tp = 1 the "split" tensors are whole; with the replicated ones
     // they make up the model.
-    let (s1, r1) = param_split(&c, 1, 0).unwrap();
+    let (s1, r1) = split_floats(&c, 1, 0);
     assert_eq!(s1 + r1, c.num_params());
     assert!(s1 > 10 * r1, "the split tensors hold almost everything");
     for tp in [2usize, 3, 4] {
         for rank in 0..tp {
-            let l = TpLayout::new(&c, tp, rank).unwrap();
-            assert_eq!(l.split_len() * tp, s1, "tp={tp}");
-            assert_eq!(l.replicated_len(), r1, "tp={tp}");
-            let m = TpGpt::new(c.clone(), tp, rank, TpOptions::default()).unwrap();
-            let mem = m.memory();
-            assert_eq!(mem.split_params * tp, 4 * s1);
-            assert_eq!(mem.params, 4 * (s1 / tp + r1));
-            assert_eq!((mem.grads, mem.adam), (mem.params, 2 * mem.params));
+            let (s, r) = split_floats(&c, tp, rank);
+            assert_eq!(s * tp, s1, "tp={tp}");
+            assert_eq!(r, r1, "tp={tp}");
         }
     }
 }
 
 #[test]
-fn shard_and_gather_round_trip_and_pieces_tile_each_tensor() {
+fn shard_and_gather_round_trip_and_every_element_is_held_once() {
     for tied in [true, false] {
         let c = cfg(tied);
         let mut full = Gpt::new(c.clone()).unwrap();
@@ -471,10 +538,9 @@ fn shard_and_gather_round_trip_and_pieces_tile_each_tensor() {
         full.params = r.vec(full.params.len(), 1.0);
         for tp in [1usize, 2, 3, 4] {
             let back = LocalCluster::run(tp, |comm| {
-                let m = TpGpt::from_full(&full, tp, comm.rank(), TpOptions::default()).unwrap();
-                let mut g = Gpt::new(c.clone()).unwrap();
-                m.gather_into(&comm, &mut g).unwrap();
-                g.params
+                let mesh = mesh(&comm, tp);
+                let m = Gpt::shard_of(&full, group(&mesh, TpOptions::default())).unwrap();
+                gather(&mesh, &m, full.layout(), &m.params)
             })
             .unwrap();
             for p in back {
@@ -484,52 +550,49 @@ fn shard_and_gather_round_trip_and_pieces_tile_each_tensor() {
                         .all(|(a, b)| a.to_bits() == b.to_bits())
                 );
             }
-            // Every element of every tensor is covered by exactly one
-            // rank's pieces (replicated tensors: by each rank once).
-            for spec in full.layout().specs() {
-                let mut count = vec![0usize; spec.numel()];
-                let cols = *spec.shape.last().unwrap();
-                let mut repl = false;
-                for rank in 0..tp {
-                    let l = TpLayout::new(&c, tp, rank).unwrap();
-                    let t = l.get(&spec.name).unwrap();
-                    repl = t.split == Split::Replicated;
-                    let m = TpGpt::from_full(&full, tp, rank, TpOptions::default()).unwrap();
-                    let local = m.param(&spec.name).unwrap();
-                    for piece in t.pieces() {
-                        let data = t.piece_data(local, &piece);
-                        let (r0, c0) = if piece.offsets.len() == 2 {
-                            (piece.offsets[0], piece.offsets[1])
-                        } else {
-                            (0, piece.offsets[0])
-                        };
-                        let pc = *piece.shape.last().unwrap();
-                        for (k, &x) in data.iter().enumerate() {
-                            let at = (r0 + k / pc) * cols + c0 + k % pc;
+            // Every element of every tensor is held by one rank's part of
+            // it (replicated tensors: by each rank once), at the place the
+            // placement's runs say.
+            let mut count = vec![0usize; full.params.len()];
+            for rank in 0..tp {
+                let coords = Coords {
+                    tp: (rank, tp),
+                    ..Coords::SINGLE
+                };
+                let l = param_layout(
+                    &c,
+                    &Mlp,
+                    &Sharding {
+                        coords,
+                        sequence_parallel: false,
+                    },
+                )
+                .unwrap();
+                let mut local = vec![0.0; l.len()];
+                extract(&l, full.layout(), &full.params, &mut local).unwrap();
+                for spec in l.specs() {
+                    let w = full.layout().get(&spec.name).unwrap();
+                    for run in spec.runs(&coords).unwrap() {
+                        for k in 0..run.len {
+                            let at = w.offset + run.whole + k;
                             count[at] += 1;
-                            assert_eq!(x.to_bits(), full.params[spec.range()][at].to_bits());
+                            assert_eq!(
+                                local[spec.offset + run.local + k].to_bits(),
+                                full.params[at].to_bits()
+                            );
                         }
                     }
                 }
+            }
+            for spec in full.layout().specs() {
+                let repl = spec.placements.tp == Placement::Replicate;
                 let want = if repl { tp } else { 1 };
-                assert!(count.iter().all(|&k| k == want), "{} tp={tp}", spec.name);
+                assert!(
+                    count[spec.range()].iter().all(|&k| k == want),
+                    "{} tp={tp}",
+                    spec.name
+                );
             }
-            // The checkpoint regions (replicated tensors from rank 0 only)
-            // tile the whole model exactly once.
-            let mut covered = 0;
-            for rank in 0..tp {
-                let m = TpGpt::from_full(&full, tp, rank, TpOptions::default()).unwrap();
-                for (t, piece, data) in m.checkpoint_pieces(&m.params, rank == 0).unwrap() {
-                    assert_eq!(
-                        data.len(),
-                        piece.shape.iter().product::<usize>(),
-                        "{}",
-                        t.name
-                    );
-                    covered += data.len();
-                }
-            }
-            assert_eq!(covered, full.params.len(), "tp={tp}");
         }
     }
 }
@@ -540,72 +603,36 @@ fn qkv_shard_holds_whole_heads_of_q_k_and_v() {
     let (ch, tp) = (c.n_embd, 4);
     let cl = ch / tp;
     for rank in 0..tp {
-        let l = TpLayout::new(&c, tp, rank).unwrap();
+        let coords = Coords {
+            tp: (rank, tp),
+            ..Coords::SINGLE
+        };
+        let l = param_layout(
+            &c,
+            &Mlp,
+            &Sharding {
+                coords,
+                sequence_parallel: false,
+            },
+        )
+        .unwrap();
         let t = l.get("transformer.h.1.attn.c_attn.weight").unwrap();
         assert_eq!(t.shape, vec![ch, 3 * cl]);
-        assert_eq!(
-            t.split,
-            Split::Columns(vec![
-                rank * cl..(rank + 1) * cl,
-                ch + rank * cl..ch + (rank + 1) * cl,
-                2 * ch + rank * cl..2 * ch + (rank + 1) * cl,
-            ])
-        );
+        // one run per row for each of Q, K, V: the rank's heads of each
+        let runs = t.runs(&coords).unwrap();
+        assert_eq!(runs.len(), 3 * ch);
+        for (k, run) in runs.iter().take(3).enumerate() {
+            assert_eq!(run.whole, k * ch + rank * cl);
+            assert_eq!(run.len, cl);
+        }
         let p = l.get("transformer.h.0.attn.c_proj.weight").unwrap();
-        assert_eq!(p.split, Split::Rows(rank * cl..(rank + 1) * cl));
+        assert_eq!(p.placements.tp, Placement::shard(0));
+        assert_eq!(p.runs(&coords).unwrap()[0].whole, rank * cl * ch);
     }
 }
 
-/// Unsplit reference of a two-layer stack `y = (x·W1 + b1)·W2 + b2` and the
-/// gradients of `Σ y ⊙ dy`.
-#[allow(clippy::type_complexity)]
-fn unsplit_mlp(
-    x: &[f32],
-    w1: &[f32],
-    b1: &[f32],
-    w2: &[f32],
-    b2: &[f32],
-    dy: &[f32],
-    (n, c, h): (usize, usize, usize),
-) -> (Vec<f32>, [Vec<f32>; 5]) {
-    let mut hid = vec![0.0; n * h];
-    matmul_forward(&mut hid, x, w1, Some(b1), 1, n, c, h, Mode::Throughput).unwrap();
-    let mut y = vec![0.0; n * c];
-    matmul_forward(&mut y, &hid, w2, Some(b2), 1, n, h, c, Mode::Throughput).unwrap();
-    let (mut dh, mut dw2, mut db2) = (vec![0.0; n * h], vec![0.0; h * c], vec![0.0; c]);
-    matmul_backward(
-        &mut dh,
-        &mut dw2,
-        Some(&mut db2),
-        dy,
-        &hid,
-        w2,
-        1,
-        n,
-        h,
-        c,
-        Mode::Throughput,
-    )
-    .unwrap();
-    let (mut dx, mut dw1, mut db1) = (vec![0.0; n * c], vec![0.0; c * h], vec![0.0; h]);
-    matmul_backward(
-        &mut dx,
-        &mut dw1,
-        Some(&mut db1),
-        &dh,
-        x,
-        w1,
-        1,
-        n,
-        c,
-        h,
-        Mode::Throughput,
-    )
-    .unwrap();
-    (y, [dx, dw1, db1, dw2, db2])
-}
-
 fn close(what: &str, a: &[f32], b: &[f32]) {
+    assert_eq!(a.len(), b.len(), "{what}: lengths");
     let scale = a.iter().fold(0.0f32, |m, x| m.max(x.abs())).max(1e-30);
     let e = a
         .iter()
@@ -615,75 +642,107 @@ fn close(what: &str, a: &[f32], b: &[f32]) {
     assert!(e < TOL, "{what}: off by {e} of the largest magnitude");
 }
 
+/// The layout of one MLP block's tensors for a rank at `coords`.
+fn mlp_layout(c: usize, coords: Coords) -> ParamLayout {
+    let mut b = LayoutBuilder::new(coords);
+    for p in Mlp.params(c) {
+        b.push(p.suffix, &p.shape, p.decay, p.placements).unwrap();
+    }
+    b.finish().unwrap()
+}
+
+/// One MLP forward and backward (`dinp`, `dparams` accumulated from zero)
+/// on `inp`, `dout` of this rank, split over `tp` when given.
+fn mlp_step(
+    params: &[f32],
+    inp: &[f32],
+    dout: &[f32],
+    (b, t, c): (usize, usize, usize),
+    tp: Option<&TensorParallel>,
+) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+    let d = Dims {
+        b,
+        t,
+        c,
+        mode: Mode::Throughput,
+        layer: 0,
+        tp,
+    };
+    let rows = d.rows();
+    let mut saved = vec![0.0; Mlp.saved_len(&d)];
+    let mut scratch = vec![0.0; Mlp.scratch_len(&d)];
+    let mut out = vec![0.0; rows * c];
+    Mlp.forward(&mut out, &mut saved, &mut scratch, inp, params, d)
+        .unwrap();
+    let (mut dinp, mut dparams) = (vec![0.0; rows * c], vec![0.0; params.len()]);
+    Mlp.backward(
+        &mut dinp,
+        &mut dparams,
+        &mut scratch,
+        dout,
+        inp,
+        &saved,
+        params,
+        d,
+    )
+    .unwrap();
+    (out, dinp, dparams)
+}
+
+/// The dense MLP under Megatron's split (c_fc column-parallel, c_proj
+/// row-parallel; with and without sequence parallelism) against the same
+/// `Mlp` unsplit, on random shapes: output and input gradient to `TOL`,
+/// each rank's parameter gradients equal to its part of the unsplit ones
+/// (cut by the placements, through `extract`).
 #[test]
-fn column_then_row_parallel_layers_match_unsplit_for_random_shapes() {
+fn column_then_row_parallel_mlp_matches_unsplit_for_random_shapes() {
     let mut r = Lcg(2024);
-    for case in 0..12 {
+    for case in 0..16 {
         let tp = [1usize, 2, 3, 4][case % 4];
-        let n = 1 + (r.next() % 9) as usize;
-        let c = 3 + (r.next() % 20) as usize;
-        let h = tp * (1 + (r.next() % 12) as usize);
+        let sp = case % 8 >= 4;
+        let b = 1 + (r.next() % 3) as usize;
+        let t = tp * (1 + (r.next() % 4) as usize);
+        let c = tp * (1 + (r.next() % 6) as usize);
+        let n = b * t;
+        let whole = mlp_layout(c, Coords::SINGLE);
+        let params = r.vec(whole.len(), 0.5);
         let x = r.vec(n * c, 1.0);
-        let (w1, b1) = (r.vec(c * h, 0.5), r.vec(h, 0.5));
-        let (w2, b2) = (r.vec(h * c, 0.5), r.vec(c, 0.5));
         let dy = r.vec(n * c, 1.0);
-        let (y, grads) = unsplit_mlp(&x, &w1, &b1, &w2, &b2, &dy, (n, c, h));
+        let (y, dx, dp) = mlp_step(&params, &x, &dy, (b, t, c), None);
         let out = LocalCluster::run(tp, |comm| {
-            let rank = comm.rank();
-            let opts = TpOptions::default();
-            let col = ColumnParallelLinear::new(c, h, tp, rank).unwrap();
-            let row = RowParallelLinear::new(h, c, tp, rank).unwrap();
-            let (w1l, b1l) = (col.shard_weight(&w1).unwrap(), col.shard_bias(&b1).unwrap());
-            let w2l = row.shard_weight(&w2).unwrap();
-            let hl = col.local_out();
-            let mut hid = vec![0.0; n * hl];
-            col.forward(&mut hid, &x, &w1l, Some(&b1l), n).unwrap();
-            let mut yl = vec![0.0; n * c];
-            row.forward(&comm, &opts, &mut yl, &hid, &w2l, Some(&b2), n)
-                .unwrap();
-            let (mut dh, mut dw2, mut db2) = (vec![0.0; n * hl], vec![0.0; hl * c], vec![0.0; c]);
-            row.backward(&mut dh, &mut dw2, Some(&mut db2), &dy, &hid, &w2l, n)
-                .unwrap();
-            let (mut dx, mut dw1, mut db1) = (vec![0.0; n * c], vec![0.0; c * hl], vec![0.0; hl]);
-            col.backward(
-                &comm,
-                &opts,
-                &mut dx,
-                &mut dw1,
-                Some(&mut db1),
-                &dh,
-                &x,
-                &w1l,
-                n,
-            )
-            .unwrap();
-            (rank, yl, dx, dw1, db1, dw2, db2, col.columns(), row.rows())
+            let mesh = mesh(&comm, tp);
+            let g = group(
+                &mesh,
+                TpOptions {
+                    sequence_parallel: sp,
+                    ..TpOptions::default()
+                },
+            );
+            let local = mlp_layout(c, mesh.coords().sharding());
+            let mut mine = vec![0.0; local.len()];
+            extract(&local, &whole, &params, &mut mine).unwrap();
+            let mut want_dp = vec![0.0; local.len()];
+            extract(&local, &whole, &dp, &mut want_dp).unwrap();
+            // under SP a rank's output and input gradient are its rows
+            let rows = if sp { n / tp } else { n };
+            let first = if sp { comm.rank() * rows } else { 0 };
+            let dy_mine = &dy[first * c..(first + rows) * c];
+            let tp_opt = (tp > 1).then_some(&g);
+            let (yl, dxl, dpl) = mlp_step(&mine, &x, dy_mine, (b, t, c), tp_opt);
+            (first, rows, yl, dxl, dpl, want_dp)
         })
         .unwrap();
-        for (rank, yl, dx, dw1, db1, dw2, db2, cols, rows) in out {
-            let what = format!("case {case} tp={tp} rank {rank} (n={n}, c={c}, h={h})");
+        for (rank, (first, rows, yl, dxl, dpl, want_dp)) in out.into_iter().enumerate() {
+            let what = format!("case {case} tp={tp} sp={sp} rank {rank} (b={b}, t={t}, c={c})");
+            let part = first * c..(first + rows) * c;
             if tp == 1 {
-                // The unsplit layers' exact arithmetic.
                 assert_eq!(yl, y, "{what}");
-                assert_eq!(dx, grads[0], "{what}");
+                assert_eq!(dxl, dx, "{what}");
+                assert_eq!(dpl, dp, "{what}");
             }
-            close(&format!("{what} y"), &y, &yl);
-            close(&format!("{what} dx"), &grads[0], &dx);
-            let dw1_ref: Vec<f32> = grads[1]
-                .chunks_exact(h)
-                .flat_map(|row| row[cols.clone()].to_vec())
-                .collect();
-            close(&format!("{what} dW1"), &dw1_ref, &dw1);
-            close(&format!("{what} db1"), &grads[2][cols.clone()], &db1);
-            close(
-                &format!("{what} dW2"),
-                &grads[3][rows.start * c..rows.end * c],
-                &dw2,
-            );
-            assert_eq!(
-                db2, grads[4],
-                "{what}: the row-parallel bias gradient is complete"
-            );
+            close(&format!("{what} y"), &y[part.clone()], &yl);
+            close(&format!("{what} dx"), &dx[part], &dxl);
+            close(&format!("{what} dparams"), &want_dp, &dpl);
         }
     }
 }
@@ -703,6 +762,8 @@ fn vocab_parallel_embedding_and_cross_entropy_match_unsplit() {
         let mut want_emb = vec![0.0; n * c];
         encoder_forward(&mut want_emb, &targets, &wte, &wpe, 2, t, c).unwrap();
         let out = LocalCluster::run(tp, |comm| {
+            let mesh = mesh(&comm, tp);
+            let g = group(&mesh, TpOptions::default());
             let vs = VocabShard::new(v, tp, comm.rank()).unwrap();
             let cols = vs.range();
             let mut mine: Vec<f32> = logits
@@ -710,21 +771,14 @@ fn vocab_parallel_embedding_and_cross_entropy_match_unsplit() {
                 .flat_map(|row| row[cols.clone()].to_vec())
                 .collect();
             let (mut losses, mut stats) = (vec![0.0; n], vec![0.0; 2 * n]);
-            vs.cross_entropy(
-                &comm,
-                &TpOptions::default(),
-                &mine,
-                &targets,
-                &mut losses,
-                &mut stats,
-            )
-            .unwrap();
+            vs.cross_entropy(&g, &mine, &targets, &mut losses, &mut stats)
+                .unwrap();
             vs.cross_entropy_backward(&mut mine, &targets, &stats, 0.5)
                 .unwrap();
             let mut emb = vec![0.0; n * c];
             vs.embed(&mut emb, &targets, &wte[cols.start * c..cols.end * c], c)
                 .unwrap();
-            weft_model::tp::g_forward(&comm, &TpOptions::default(), &mut emb).unwrap();
+            comm.all_reduce(&mut emb, ReduceOp::Sum).unwrap();
             (cols, losses, mine, emb)
         })
         .unwrap();
@@ -744,43 +798,43 @@ fn vocab_parallel_embedding_and_cross_entropy_match_unsplit() {
 #[test]
 fn bad_degrees_and_shapes_are_typed_errors() {
     let c = cfg(true);
-    let e = TpGpt::new(c.clone(), 5, 0, TpOptions::default()).unwrap_err();
-    assert!(matches!(e, Error::Shape { what: "n_head", .. }), "{e}");
-    assert!(e.to_string().contains("n_head = 12"), "{e}");
+    let full = Gpt::new(c.clone()).unwrap();
+    let res = LocalCluster::run(5, |comm| {
+        let mesh = mesh(&comm, 5);
+        Gpt::shard_of(&full, group(&mesh, TpOptions::default())).map(|_| ())
+    })
+    .unwrap();
+    for e in res {
+        let e = e.unwrap_err();
+        assert!(
+            matches!(e, Error::Config { .. } | Error::Split { .. }),
+            "{e}"
+        );
+        assert!(e.to_string().contains("n_head"), "{e}");
+    }
     let sp = TpOptions {
         sequence_parallel: true,
         ..TpOptions::default()
     };
-    let m = TpGpt::new(c.clone(), 4, 0, sp).unwrap();
-    let e = m.activations(1, 7).unwrap_err();
-    assert!(
-        matches!(
-            e,
-            Error::Shape {
-                what: "sequence parallelism",
-                ..
-            }
-        ),
-        "{e}"
-    );
-    // A communicator of the wrong size is an error, not a hang.
-    let res = LocalCluster::run(2, |comm| {
-        let m = TpGpt::new(c.clone(), 4, comm.rank(), TpOptions::default()).unwrap();
-        let mut acts = m.activations(1, 4).unwrap();
-        m.forward(&comm, &mut acts, &[1, 2, 3, 4], None).map(|_| ())
+    let res = LocalCluster::run(4, |comm| {
+        let mesh = mesh(&comm, 4);
+        let m = Gpt::shard_of(&full, group(&mesh, sp)).unwrap();
+        m.activations(1, 7).map(|_| ())
     })
     .unwrap();
-    for r in res {
-        assert!(matches!(
-            r,
-            Err(Error::Shape {
-                what: "communicator",
-                ..
-            })
-        ));
+    for e in res {
+        let e = e.unwrap_err();
+        assert!(
+            matches!(
+                e,
+                Error::Split {
+                    what: "sequence parallelism",
+                    ..
+                }
+            ),
+            "{e}"
+        );
     }
-    assert!(ColumnParallelLinear::new(8, 6, 4, 0).is_err());
-    assert!(RowParallelLinear::new(6, 8, 4, 1).is_err());
 }
 
 fn f32s(bytes: &[u8]) -> Vec<f32> {
@@ -836,17 +890,19 @@ fn hf_fixtures_match_pytorch_at_every_tp_and_export_back() {
                     ..TpOptions::default()
                 };
                 let runs = LocalCluster::run(tp, |comm| {
-                    let mut m = TpGpt::from_full(&full, tp, comm.rank(), opts).unwrap();
+                    let mesh = mesh(&comm, tp);
+                    let mut m = Gpt::shard_of(&full, group(&mesh, opts)).unwrap();
                     let mut acts = m.activations(tokens.b, tokens.t).unwrap();
                     let loss = m
-                        .forward(&comm, &mut acts, &tokens.inputs, Some(&tokens.targets))
+                        .forward(&mut acts, &tokens.inputs, Some(&tokens.targets))
                         .unwrap()
                         .unwrap();
                     m.zero_grad();
-                    m.backward(&comm, &mut acts).unwrap();
+                    m.backward(&mut acts).unwrap();
+                    finish(&mut m, &mesh, false);
                     let mut export = Gpt::new(full.config().clone()).unwrap();
-                    m.gather_into(&comm, &mut export).unwrap();
-                    (loss, m.gather_grads(&comm).unwrap(), export)
+                    export.params = gather(&mesh, &m, full.layout(), &m.params);
+                    (loss, gather(&mesh, &m, full.layout(), &m.grads), export)
                 })
                 .unwrap();
                 let what = format!("{name} tp={tp} sp={sp}");

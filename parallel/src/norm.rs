@@ -1,6 +1,6 @@
 //! The global gradient norm, exactly, whatever the layout.
 
-use weft_collectives::{Communicator, CommunicatorExt};
+use weft_collectives::Communicator;
 use weft_numerics::ExactSum;
 
 use crate::error::{Error, Result};
@@ -25,39 +25,33 @@ pub fn add_squares(sum: &mut ExactSum, grads: &[f32]) {
 /// # Errors
 /// A collective error; [`Error::Corrupt`] if a peer's state does not decode.
 pub fn merge_exact(comm: &dyn Communicator, local: &ExactSum) -> Result<ExactSum> {
-    let n = comm.size();
-    if n == 1 {
+    const TAG: u64 = 0x5746_4e53; // "WFNS"
+    let me = comm.rank();
+    if comm.size() == 1 {
         return Ok(local.clone());
     }
+    // point to point, so that the collectives' byte counters of the
+    // reductions stay what the reductions move
     let mine = local.to_bytes();
-    // lengths, then the states, all-gathered as bytes packed in f32 words
-    let words = |b: &[u8]| -> Vec<f32> {
-        b.chunks(4)
-            .map(|c| {
-                let mut w = [0u8; 4];
-                w[..c.len()].copy_from_slice(c);
-                f32::from_bits(u32::from_le_bytes(w))
-            })
-            .collect()
-    };
-    let len = u32::try_from(mine.len()).unwrap_or(u32::MAX);
-    let mut lens = vec![0.0f32; n];
-    comm.all_gather(&[f32::from_bits(len)], &mut lens)?;
-    let lens: Vec<usize> = lens.iter().map(|w| w.to_bits() as usize).collect();
-    let width = lens.iter().copied().max().unwrap_or(0).div_ceil(4);
-    let mut padded = words(&mine);
-    padded.resize(width, 0.0);
-    let mut all = vec![0.0f32; width * n];
-    comm.all_gather(&padded, &mut all)?;
-    let mut total = ExactSum::new();
-    for (r, chunk) in all.chunks(width.max(1)).enumerate().take(n) {
-        let bytes: Vec<u8> = chunk
-            .iter()
-            .flat_map(|w| w.to_bits().to_le_bytes())
-            .take(lens[r])
-            .collect();
-        let other = ExactSum::from_bytes(&bytes).map_err(|e| Error::Corrupt {
-            rank: r,
+    for peer in (0..comm.size()).filter(|&p| p != me) {
+        comm.send_bytes(peer, TAG, &(mine.len() as u64).to_le_bytes())?;
+        comm.send_bytes(peer, TAG + 1, &mine)?;
+    }
+    let mut total = local.clone();
+    for peer in (0..comm.size()).filter(|&p| p != me) {
+        let mut n = [0u8; 8];
+        comm.recv_bytes(peer, TAG, &mut n)?;
+        let len = usize::try_from(u64::from_le_bytes(n)).unwrap_or(usize::MAX);
+        if len > 1 << 20 {
+            return Err(Error::Corrupt {
+                rank: peer,
+                reason: format!("a gradient-norm state of {len} bytes"),
+            });
+        }
+        let mut buf = vec![0u8; len];
+        comm.recv_bytes(peer, TAG + 1, &mut buf)?;
+        let other = ExactSum::from_bytes(&buf).map_err(|e| Error::Corrupt {
+            rank: peer,
             reason: format!("gradient-norm state: {e}"),
         })?;
         total.merge(&other);
@@ -113,6 +107,26 @@ impl GradNorm {
     /// FSDP shard's, already merged over its shard group).
     pub fn add_exact(&mut self, placements: &Placements, sum: &ExactSum) {
         self.classes[class(placements)].merge(sum);
+    }
+
+    /// Adds another accumulator's sums, class by class.
+    pub fn merge(&mut self, other: &GradNorm) {
+        for (a, b) in self.classes.iter_mut().zip(&other.classes) {
+            a.merge(b);
+        }
+    }
+
+    /// Merges every class over `comm`, whose ranks hold disjoint elements
+    /// (an FSDP shard group): afterwards every rank holds the group's sums.
+    /// Collective over `comm`.
+    ///
+    /// # Errors
+    /// As [`merge_exact`].
+    pub fn merge_over(&mut self, comm: &dyn Communicator) -> Result<()> {
+        for sum in &mut self.classes {
+            *sum = merge_exact(comm, sum)?;
+        }
+        Ok(())
     }
 
     /// Adds every tensor of a gradient buffer laid out by `layout`.

@@ -6,7 +6,9 @@
 //! overrides both (the value is parsed as a TOML value, so strings that are
 //! not bare words need quotes: `--set run.name='"my run"'`). Unknown keys
 //! and ill-typed values are errors that name the key, the file and line, and
-//! the expected type.
+//! the expected type; settings that are a choice (`parallel.fsdp`,
+//! `parallel.pp_schedule`, `model.moe.gate`, …) are enums, and an unknown
+//! value is an error listing the valid ones.
 
 use std::fmt;
 use std::path::{Path, PathBuf};
@@ -52,7 +54,7 @@ pub struct ParallelConfig {
     /// all-reduced gradients), `"optimizer"` (ZeRO-1), `"grad_op"`
     /// (ZeRO-2), `"full"` (ZeRO-3) or `"hybrid"` (shard within a domain of
     /// `hybrid_shard` ranks, replicate across domains).
-    pub fsdp: String,
+    pub fsdp: FsdpMode,
     /// Ranks per sharding domain with `fsdp = "hybrid"`.
     pub hybrid_shard: usize,
     /// Tensor-parallel degree: each layer's matrices split over `tp`
@@ -64,7 +66,7 @@ pub struct ParallelConfig {
     /// Pipeline stages.
     pub pp: usize,
     /// Pipeline schedule: `"gpipe"`, `"1f1b"`, `"interleaved"` or `"zb-h1"`.
-    pub pp_schedule: String,
+    pub pp_schedule: PpSchedule,
     /// Model chunks per stage for the interleaved schedule (v).
     pub pp_chunks: usize,
     /// Expert-parallel degree (mixture-of-experts models): experts are
@@ -80,12 +82,12 @@ impl Default for ParallelConfig {
     fn default() -> Self {
         Self {
             dp: 1,
-            fsdp: "none".into(),
+            fsdp: FsdpMode::None,
             hybrid_shard: 1,
             tp: 1,
             sequence_parallel: false,
             pp: 1,
-            pp_schedule: "1f1b".into(),
+            pp_schedule: PpSchedule::OneFOneB,
             pp_chunks: 2,
             ep: 1,
             reproducible: true,
@@ -98,6 +100,123 @@ impl ParallelConfig {
     pub fn world_size(&self) -> usize {
         self.dp * self.tp * self.pp
     }
+
+    /// The mesh's degrees.
+    pub fn dims(&self) -> weft_parallel::ParallelDims {
+        weft_parallel::ParallelDims {
+            pp: self.pp,
+            dp: self.dp,
+            tp: self.tp,
+            ep: self.ep,
+        }
+    }
+}
+
+/// `parallel.fsdp`: how the data-parallel group shares the model state.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FsdpMode {
+    /// Replicas: every rank holds the whole state; gradients all-reduced.
+    None,
+    /// ZeRO-1: optimizer state sharded.
+    Optimizer,
+    /// ZeRO-2: optimizer state and gradients sharded.
+    GradOp,
+    /// ZeRO-3: parameters too.
+    Full,
+    /// HSDP: full sharding within `hybrid_shard` ranks, replicas across.
+    Hybrid,
+}
+
+impl FsdpMode {
+    /// The sharding strategy (`None` for replicas).
+    pub fn strategy(self) -> Option<weft_fsdp::Strategy> {
+        use weft_fsdp::Strategy as S;
+        match self {
+            FsdpMode::None => None,
+            FsdpMode::Optimizer => Some(S::Optimizer),
+            FsdpMode::GradOp => Some(S::GradOp),
+            FsdpMode::Full => Some(S::Full),
+            FsdpMode::Hybrid => Some(S::Hybrid),
+        }
+    }
+
+    /// The name used in the configuration.
+    pub fn name(self) -> &'static str {
+        self.strategy().map_or("none", weft_fsdp::Strategy::name)
+    }
+}
+
+/// `parallel.pp_schedule`: the pipeline schedule.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum PpSchedule {
+    /// GPipe: all forwards, then all backwards.
+    #[serde(rename = "gpipe")]
+    GPipe,
+    /// 1F1B (PipeDream-Flush).
+    #[serde(rename = "1f1b")]
+    OneFOneB,
+    /// Interleaved 1F1B over `pp_chunks` model chunks per stage.
+    #[serde(rename = "interleaved")]
+    Interleaved,
+    /// Zero-bubble ZB-H1 (split backward).
+    #[serde(rename = "zb-h1")]
+    ZbH1,
+}
+
+impl PpSchedule {
+    /// The generator in `weft-pipeline`.
+    pub fn kind(self) -> weft_pipeline::ScheduleKind {
+        use weft_pipeline::ScheduleKind as K;
+        match self {
+            PpSchedule::GPipe => K::GPipe,
+            PpSchedule::OneFOneB => K::OneFOneB,
+            PpSchedule::Interleaved => K::Interleaved,
+            PpSchedule::ZbH1 => K::ZbH1,
+        }
+    }
+
+    /// The name used in the configuration.
+    pub fn name(self) -> &'static str {
+        match self {
+            PpSchedule::GPipe => "gpipe",
+            PpSchedule::OneFOneB => "1f1b",
+            PpSchedule::Interleaved => "interleaved",
+            PpSchedule::ZbH1 => "zb-h1",
+        }
+    }
+}
+
+/// `model.moe.gate`: how router scores become weights.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum MoeGate {
+    /// Softmax over the experts.
+    Softmax,
+    /// Per-expert sigmoid (DeepSeek-V3).
+    Sigmoid,
+}
+
+/// `model.moe.balance`: how expert load is balanced.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum MoeBalance {
+    /// No balancing.
+    None,
+    /// Switch/GShard auxiliary loss.
+    Aux,
+    /// DeepSeek-V3's auxiliary-loss-free selection bias.
+    Bias,
+}
+
+/// `model.moe.drop`: which tokens an expert over capacity drops.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum MoeDrop {
+    /// The latest positions (causal).
+    Position,
+    /// The lowest scores (not causal: a token's fate depends on later ones).
+    Score,
 }
 
 /// `[checkpoint]`: periodic, atomic checkpoints in `<run folder>/checkpoints/`.
@@ -172,12 +291,12 @@ pub struct MoeSection {
     /// Experts per token, k.
     pub top_k: usize,
     /// Gate: `"softmax"` or `"sigmoid"`.
-    pub gate: String,
+    pub gate: MoeGate,
     /// Normalise the gate weights over the chosen k.
     pub normalize: bool,
     /// Load balancing: `"none"`, `"aux"` (Switch/GShard auxiliary loss) or
     /// `"bias"` (DeepSeek-V3's auxiliary-loss-free bias).
-    pub balance: String,
+    pub balance: MoeBalance,
     /// Coefficient of the auxiliary loss (`balance = "aux"`).
     pub aux_coef: f64,
     /// Update rate of the selection bias (`balance = "bias"`). The
@@ -191,7 +310,7 @@ pub struct MoeSection {
     /// Capacity factor (0: dropless, the default and the causal choice).
     pub capacity_factor: f64,
     /// With a capacity: drop by `"position"` (causal) or `"score"` (not).
-    pub drop: String,
+    pub drop: MoeDrop,
 }
 
 impl Default for MoeSection {
@@ -199,14 +318,14 @@ impl Default for MoeSection {
         Self {
             experts: 0,
             top_k: 2,
-            gate: "softmax".into(),
+            gate: MoeGate::Softmax,
             normalize: true,
-            balance: "bias".into(),
+            balance: MoeBalance::Bias,
             aux_coef: 0.01,
             bias_rate: 1e-2,
             shared_expert: false,
             capacity_factor: 0.0,
-            drop: "position".into(),
+            drop: MoeDrop::Position,
         }
     }
 }
@@ -482,22 +601,6 @@ impl Config {
                     format!("must be in 1..={} (got {})", e.experts, e.top_k),
                 );
             }
-            for (key, v, allowed) in [
-                ("model.moe.gate", &e.gate, &["softmax", "sigmoid"][..]),
-                (
-                    "model.moe.balance",
-                    &e.balance,
-                    &["none", "aux", "bias"][..],
-                ),
-                ("model.moe.drop", &e.drop, &["position", "score"][..]),
-            ] {
-                if !allowed.contains(&v.as_str()) {
-                    return bad(
-                        key,
-                        format!("must be one of {} (got {v:?})", allowed.join(", ")),
-                    );
-                }
-            }
             if !(e.capacity_factor == 0.0
                 || e.capacity_factor.is_finite() && e.capacity_factor > 0.0)
             {
@@ -574,25 +677,6 @@ impl Config {
                 return bad(key, format!("must be in 1..=64 (got {v})"));
             }
         }
-        for (key, v, allowed) in [
-            (
-                "parallel.fsdp",
-                &p.fsdp,
-                &["none", "optimizer", "grad_op", "full", "hybrid"][..],
-            ),
-            (
-                "parallel.pp_schedule",
-                &p.pp_schedule,
-                &["gpipe", "1f1b", "interleaved", "zb-h1"][..],
-            ),
-        ] {
-            if !allowed.contains(&v.as_str()) {
-                return bad(
-                    key,
-                    format!("must be one of {} (got {v:?})", allowed.join(", ")),
-                );
-            }
-        }
         if !t.grad_accum.is_multiple_of(p.dp) {
             return bad(
                 "parallel.dp",
@@ -622,7 +706,7 @@ impl Config {
                 ),
             );
         }
-        if p.fsdp == "hybrid" && !p.dp.is_multiple_of(p.hybrid_shard) {
+        if p.fsdp == FsdpMode::Hybrid && !p.dp.is_multiple_of(p.hybrid_shard) {
             return bad(
                 "parallel.hybrid_shard",
                 format!(
@@ -771,6 +855,50 @@ mod tests {
         assert!(e.contains("KEY=VALUE"), "{e}");
         let e = c.with_override("nosuch.key=1").unwrap_err().to_string();
         assert!(e.contains("unknown section `nosuch`"), "{e}");
+    }
+
+    #[test]
+    fn choices_are_typed_and_unknown_values_list_the_valid_ones() {
+        let c = Config::load(
+            None,
+            &[
+                "parallel.fsdp=\"grad_op\"".into(),
+                "parallel.pp_schedule=\"zb-h1\"".into(),
+                "model.moe.gate=sigmoid".into(),
+            ],
+        )
+        .unwrap();
+        assert_eq!(c.parallel.fsdp, FsdpMode::GradOp);
+        assert_eq!(c.parallel.pp_schedule, PpSchedule::ZbH1);
+        assert_eq!(c.model.moe.gate, MoeGate::Sigmoid);
+        assert_eq!(Config::from_toml(&c.to_toml(), "x").unwrap(), c);
+        for (set, valid) in [
+            (
+                "parallel.fsdp=zero3",
+                "`none`, `optimizer`, `grad_op`, `full`, `hybrid`",
+            ),
+            (
+                "parallel.pp_schedule=\"1F1B\"",
+                "`gpipe`, `1f1b`, `interleaved`, `zb-h1`",
+            ),
+            ("model.moe.gate=relu", "`softmax` or `sigmoid`"),
+            ("model.moe.balance=loss", "`none`, `aux`, `bias`"),
+            ("model.moe.drop=random", "`position` or `score`"),
+        ] {
+            let e = Config::load(None, &[set.into()]).unwrap_err().to_string();
+            let key = set.split('=').next().unwrap();
+            assert!(
+                e.contains(key) && e.contains("unknown variant") && e.contains(valid),
+                "{e}"
+            );
+        }
+        let e = Config::from_toml("[parallel]\nfsdp = \"zero2\"\n", "run.toml")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.starts_with("run.toml:2:") && e.contains("`grad_op`"),
+            "{e}"
+        );
     }
 
     #[test]

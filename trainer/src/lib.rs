@@ -11,13 +11,13 @@
 //! * [`data`]: batches from that corpus or from text files tokenized with
 //!   GPT-2's BPE (cached), as pure functions of (seed, step, micro-batch).
 //! * [`schedule`]: linear warmup and cosine decay of the learning rate.
-//! * [`train`]: the training loop and its run folder, on one rank or on
-//!   thread ranks (data, sharded data, tensor, expert and pipeline
+//! * [`train`]: the training loop and its run folder — one loop for every
+//!   layout: the mesh from `[parallel]`, the model's parallelization plan
+//!   (`weft_model::ParallelGpt`), and per step its micro-batches through
+//!   the plan (data, sharded data, tensor, expert and pipeline
 //!   parallelism; see `[parallel]` in [`config`]).
-//! * [`parallel`]: the ranks' groups and the exact gradient accumulator
-//!   that makes any split of the global batch give the same bits.
-//! * [`net`]: one rank's model — whole, tensor-parallel shard, FSDP runner
-//!   or pipeline stages — behind one interface.
+//! * `ranks`: the thread ranks of a run and rank 0's reports to the
+//!   caller's observer.
 //! * [`ckpt`]: periodic checkpoints (weft-checkpoint) and bit-for-bit resume.
 //! * [`sample`]: `weft sample`, generation from a run's last checkpoint
 //!   with the model's key/value-cache decoder.
@@ -42,8 +42,7 @@
 pub mod ckpt;
 pub mod config;
 pub mod data;
-pub mod net;
-pub mod parallel;
+mod ranks;
 pub mod sample;
 pub mod schedule;
 pub mod synthetic;

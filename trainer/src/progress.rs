@@ -95,6 +95,12 @@ impl Observer for Terminal {
             si(m.activations as f64),
             si(m.total() as f64)
         ));
+        if info.coords.len() > 1 {
+            say(&format!("mesh            {}", info.mesh));
+            for c in &info.coords {
+                say(&format!("                {c}"));
+            }
+        }
         if std::io::stdout().is_terminal() {
             let bar = ProgressBar::new(info.steps);
             let style = ProgressStyle::with_template(

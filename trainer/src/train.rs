@@ -1,36 +1,47 @@
 //! The training loop.
 //!
-//! [`train`] runs a job described by a [`Config`] on one rank, or on
-//! `parallel.dp` data-parallel ranks (threads; see [`crate::parallel`]). It
-//! opens the data, builds
-//! and initialises the model, and for each optimizer step accumulates
-//! gradients over the micro-batches, checks them (a non-finite loss or
-//! gradient skips the update), clips the global norm, and takes an AdamW
-//! step at the scheduled learning rate. It evaluates on the validation split
-//! periodically and writes the run folder:
+//! [`train`] runs a job described by a [`Config`] on the ranks of its
+//! mesh (`parallel.{pp,dp,tp,ep}`; one rank by default, else one thread
+//! per rank, rank 0 reporting). Every layout runs the same loop: build the mesh
+//! (`weft_parallel::ParallelDims::build`), apply the model's
+//! parallelization plan (`weft_model::ParallelGpt`: tensor- and
+//! expert-parallel sharding of the blocks, pipeline stages, replicas or
+//! FSDP over the data-parallel group), and per optimizer step run this
+//! rank's micro-batches through it — forward and backward (through the
+//! pipeline executor when `pp > 1`), the gradient reduction, the exact
+//! global norm, a check (a non-finite loss or gradient skips the update),
+//! clipping, and AdamW at the scheduled learning rate. It evaluates on the
+//! validation split periodically and writes the run folder:
 //!
 //! * `config.toml` — the resolved configuration;
 //! * `metrics.jsonl` — one [`MetricsRecord`] per step, plus event lines
 //!   (`{"step":…, "event":"skip"|"spike"|"eval", …}`) for health events and
 //!   evaluations;
-//! * `summary.json` — the final figures.
+//! * `summary.json` — the final figures;
+//! * `checkpoints/` — the whole model, assembled on rank 0 from every
+//!   rank's part ([`crate::ckpt`]);
+//! * `expert_load.jsonl` (mixture of experts) and `trace.json` (pipeline
+//!   timelines, FSDP's compute and communication tracks).
 //!
 //! The library never prints: progress goes to an [`Observer`], which the
 //! `weft` binary renders as a progress bar or log lines.
 
 use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Instant;
 
-use weft_collectives::CommunicatorExt;
+use weft_collectives::{Communicator, CommunicatorExt, ReduceOp};
 use weft_kernels::{AdamW, Mode, matmul_forward};
-use weft_model::{AdamWState, Gpt, GptConfig};
+use weft_model::{
+    AdamWState, FeedForward, Gpt, GptConfig, MicroBatch, MoeFfn, ParallelGpt, ParallelPlan,
+};
 use weft_trace::MetricsRecord;
 
-use crate::config::Config;
-use crate::data::{Batch, Data, DataError};
-use crate::net::{Net, NetActs};
-use crate::parallel::{Dp, Forward, GradAccum};
+pub use weft_model::RankMemory;
+
+use crate::config::{Config, FsdpMode, MoeBalance, MoeDrop, MoeGate, PpSchedule};
+use crate::data::{Data, DataError};
 use crate::schedule::lr_at;
 
 /// Errors that stop a training run.
@@ -40,39 +51,51 @@ pub enum TrainError {
     /// The data could not be opened.
     #[error(transparent)]
     Data(#[from] DataError),
-    /// The model rejected its configuration or a batch.
+    /// The model or its parallelization plan rejected the configuration,
+    /// a batch or a checkpoint's state; or a step failed (names the stage,
+    /// the collective or the kernel).
     #[error("model: {0}")]
     Model(#[from] weft_model::Error),
+    /// The mesh's degrees do not fit together.
+    #[error("parallel layout: {0}")]
+    Mesh(#[from] weft_parallel::Error),
+    /// The configuration combines parallel axes that `weft train` does not
+    /// run together yet.
+    #[error("{0} is not available in weft train yet")]
+    NotComposed(&'static str),
     /// The run folder already exists: runs are never overwritten.
     #[error("run folder {0} already exists: pick another run.name (or remove the folder)")]
     RunExists(PathBuf),
     /// Saving or restoring a checkpoint failed.
     #[error(transparent)]
     Checkpoint(#[from] crate::ckpt::CkptError),
-    /// The mixture-of-experts balancer failed.
+    /// The mixture-of-experts balancer rejected the load statistics.
     #[error("mixture of experts: {0}")]
-    Moe(String),
+    Moe(#[from] weft_moe::Error),
+    /// A mixture-of-experts block logged statistics for a layer the model
+    /// does not have.
+    #[error("mixture of experts: statistics logged for layer {layer} of a {layers}-layer model")]
+    MoeLayer {
+        /// The layer logged.
+        layer: usize,
+        /// Layers of the model.
+        layers: usize,
+    },
     /// `--resume` named a run folder that does not exist.
     #[error("cannot resume: run folder {0} does not exist")]
     NothingToResume(PathBuf),
     /// A collective operation between ranks failed.
     #[error("communication: {0}")]
     Comm(#[from] weft_collectives::Error),
-    /// The pipeline executor failed (names the stage, step and action).
+    /// The pipeline's measured timeline could not be simulated or exported.
+    #[error("pipeline timeline: {0}")]
+    Timeline(#[from] weft_pipeline::Error),
+    /// The pipeline executor failed gathering the stages' timelines.
     #[error("pipeline: {0}")]
     Pipeline(#[from] weft_pipeline::ExecError),
-    /// A kernel rejected its arguments.
-    #[error("kernel: {0}")]
-    Kernel(#[from] weft_kernels::Error),
-    /// The sharded data-parallel runner failed.
-    #[error("fsdp: {0}")]
-    Fsdp(#[from] weft_fsdp::Error),
-    /// The tensor-parallel model failed.
-    #[error(transparent)]
-    TensorParallel(weft_model::tp::Error),
-    /// The configuration asks for a parallel layout `weft train` cannot run.
-    #[error("{0}")]
-    Unsupported(String),
+    /// No rank returned a result (the launcher failed).
+    #[error("no rank returned a result")]
+    NoRanks,
     /// Writing the run folder failed.
     #[error("writing {path}: {source}")]
     Io {
@@ -110,31 +133,16 @@ pub struct RunInfo {
     pub activation_bytes: usize,
     /// The split over ranks, e.g. `dp=2 tp=2` (`single rank` alone).
     pub layout: String,
-    /// Memory of one rank (rank 0), from the buffers it allocated.
+    /// The mesh's shape, e.g. `pp=1 × edp=2 × ep=1 × tp=2 (tp innermost)`.
+    pub mesh: String,
+    /// Every rank's coordinates on the mesh, in rank order
+    /// (`rank 3: pp 0, dp 1, tp 1`).
+    pub coords: Vec<String>,
+    /// Memory of one rank (rank 0), counted from the buffers it allocated,
+    /// so sharding shows: with `parallel.tp = N` the split layers'
+    /// parameters, gradients and moments are `1/N` of the model's, with
+    /// `parallel.ep = N` the experts', with FSDP the shards.
     pub memory: RankMemory,
-}
-
-/// Bytes one rank holds, by category — counted from the buffers actually
-/// allocated, so sharding shows: with `parallel.tp = N` the split layers'
-/// parameters, gradients and moments are `1/N` of the model's, with
-/// `parallel.ep = N` the experts'.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct RankMemory {
-    /// Parameters (f32).
-    pub params: usize,
-    /// Gradients (f32).
-    pub grads: usize,
-    /// AdamW moments (two f32 per parameter).
-    pub optimizer: usize,
-    /// Activations planned for one micro-batch.
-    pub activations: usize,
-}
-
-impl RankMemory {
-    /// All categories together.
-    pub fn total(&self) -> usize {
-        self.params + self.grads + self.optimizer + self.activations
-    }
 }
 
 /// One optimizer step, as reported to the observer.
@@ -323,8 +331,8 @@ pub fn model_config(config: &Config, vocab: usize) -> GptConfig {
     }
 }
 
-/// The mixture-of-experts side of a model: its statistics handle and
-/// balancing settings.
+/// The mixture-of-experts side of a rank's model: its statistics handle
+/// and balancing settings.
 struct MoeRun {
     stats: weft_model::MoeStats,
     layers: usize,
@@ -340,19 +348,17 @@ pub(crate) fn moe_config(config: &Config, cfg: &GptConfig) -> Option<weft_moe::M
     if m.experts == 0 {
         return None;
     }
-    let gate = if m.gate == "sigmoid" {
-        Gate::Sigmoid
-    } else {
-        Gate::Softmax
+    let gate = match m.gate {
+        MoeGate::Softmax => Gate::Softmax,
+        MoeGate::Sigmoid => Gate::Sigmoid,
     };
     let mut router = Router::top_k(m.experts, m.top_k)
         .with_gate(gate)
         .with_normalize(m.normalize);
     if m.capacity_factor > 0.0 {
-        let drop = if m.drop == "score" {
-            DropPolicy::ByScore
-        } else {
-            DropPolicy::ByPosition
+        let drop = match m.drop {
+            MoeDrop::Position => DropPolicy::ByPosition,
+            MoeDrop::Score => DropPolicy::ByScore,
         };
         router = router.with_capacity(m.capacity_factor, drop);
     }
@@ -361,128 +367,127 @@ pub(crate) fn moe_config(config: &Config, cfg: &GptConfig) -> Option<weft_moe::M
         hidden: 4 * cfg.n_embd,
         router,
         shared_expert: m.shared_expert,
-        aux: (m.balance == "aux").then_some(AuxLoss {
+        aux: (m.balance == MoeBalance::Aux).then_some(AuxLoss {
             coef: m.aux_coef,
             scope: AuxScope::Batch,
         }),
     })
 }
 
-/// The model of one rank: with `ep`, its mixture-of-experts blocks hold
-/// this rank's share of the experts.
-fn build_model(
+/// The whole model (every expert) on one rank, initialised as a
+/// single-rank run initialises it: what every rank takes its share of, and
+/// what checkpoints hold.
+fn whole_model(config: &Config, cfg: &GptConfig) -> Result<Gpt, TrainError> {
+    let mut whole = match moe_config(config, cfg) {
+        None => Gpt::new(cfg.clone())?,
+        Some(moe) => Gpt::with_ffn(cfg.clone(), Box::new(MoeFfn::new(moe)?.0))?,
+    };
+    whole.init_gpt2(config.train.seed);
+    Ok(whole)
+}
+
+/// This rank's feed-forward block: GPT-2's MLP, or the mixture of experts
+/// (its experts shared out over the mesh's expert group with `ep > 1`)
+/// with its statistics handle.
+fn rank_ffn(
     config: &Config,
     cfg: &GptConfig,
-    ep: Option<&crate::parallel::Ep>,
-) -> Result<(Gpt, Option<MoeRun>), TrainError> {
+    mesh: &weft_parallel::ParallelMesh,
+) -> Result<(Arc<dyn FeedForward>, Option<MoeRun>), TrainError> {
     let Some(moe_cfg) = moe_config(config, cfg) else {
-        return Ok((Gpt::new(cfg.clone())?, None));
+        return Ok((Arc::new(weft_model::Mlp), None));
     };
     let m = &config.model.moe;
-    let (ffn, stats) = match ep {
-        Some(ep) => weft_model::MoeFfn::with_expert_parallel(moe_cfg, ep.group.clone())?,
-        None => weft_model::MoeFfn::new(moe_cfg)?,
+    let (ffn, stats) = if mesh.dims().ep > 1 {
+        MoeFfn::with_expert_parallel(moe_cfg, weft_model::expert_group(mesh))?
+    } else {
+        MoeFfn::new(moe_cfg)?
     };
-    let model = Gpt::with_ffn(cfg.clone(), Box::new(ffn))?;
-    let bias_rate = (m.balance == "bias").then_some(m.bias_rate);
-    Ok((
-        model,
-        Some(MoeRun {
-            stats,
-            layers: cfg.n_layer,
-            experts: m.experts,
-            bias_rate,
-        }),
-    ))
+    let run = MoeRun {
+        stats,
+        layers: cfg.n_layer,
+        experts: m.experts,
+        bias_rate: (m.balance == MoeBalance::Bias).then_some(m.bias_rate),
+    };
+    Ok((Arc::new(ffn), Some(run)))
 }
 
-/// Mean validation loss over `batches`. With `dp`, each rank evaluates a
-/// contiguous share of the batches and the per-batch figures are gathered
-/// and summed in batch order — the same sum, bit for bit, as one rank's.
-fn eval_loss(model: &mut Net, batches: &[Batch], dp: Option<&Dp>) -> Result<f64, TrainError> {
-    let (rank, ranks) = dp.map_or((0, 1), |d| (d.rank(), d.size()));
-    let per = batches.len().div_ceil(ranks);
-    let mine = (rank * per).min(batches.len())..((rank + 1) * per).min(batches.len());
-    let mut local = vec![0.0; per];
-    let mut acts: Option<NetActs> = None;
-    // With expert parallelism forwards are collective over the expert
-    // group: a rank short of batches runs (and discards) stand-ins so that
-    // every rank runs `per` forwards.
-    let collective = dp.is_some_and(|d| d.ep().is_some()) || matches!(model, Net::Fsdp(_));
-    for (i, slot) in local.iter_mut().enumerate() {
-        let (b, real) = match batches[mine.clone()].get(i) {
-            Some(b) => (b, true),
-            None if collective && !batches.is_empty() => (&batches[0], false),
-            None => break,
+/// Refuses the layouts whose axes `weft train` does not compose yet (each
+/// works alone; the model's plan is the one place they would meet).
+fn check_composed(config: &Config) -> Result<(), TrainError> {
+    let p = &config.parallel;
+    let moe = config.model.moe.experts > 0;
+    let fsdp = p.fsdp != FsdpMode::None;
+    if p.pp > 1 && (p.dp > 1 || p.tp > 1 || p.ep > 1 || fsdp) {
+        return Err(TrainError::NotComposed(
+            "pipeline parallelism combined with other axes (parallel.pp > 1 with dp, tp, ep or fsdp)",
+        ));
+    }
+    if fsdp && (p.tp > 1 || p.ep > 1 || moe) {
+        return Err(TrainError::NotComposed(
+            "parallel.fsdp other than \"none\" with tensor parallelism, expert parallelism or a mixture-of-experts model",
+        ));
+    }
+    Ok(())
+}
+
+/// The model's parallelization plan for this job: FSDP over the
+/// data-parallel group per `parallel.fsdp`, the pipeline schedule
+/// (`parallel.pp` stages, each data-parallel rank's `train.grad_accum /
+/// dp` micro-batches, `parallel.pp_chunks` chunks per stage for the
+/// interleaved schedule) with its layers partitioned by cost
+/// ([`weft_model::partition_layers`]), the micro-batch shape and the
+/// reduction mode.
+fn plan(config: &Config, cfg: &GptConfig) -> Result<ParallelPlan, TrainError> {
+    let p = &config.parallel;
+    let t = &config.train;
+    let micro_batches = t.grad_accum / p.dp;
+    let pipeline = if p.pp > 1 {
+        let chunks = if p.pp_schedule == PpSchedule::Interleaved {
+            p.pp_chunks
+        } else {
+            1
         };
-        if acts.as_ref().is_none_or(|a| a.batch() != b.batch) {
-            acts = Some(model.activations(b.batch, b.seq)?);
-        }
-        let a = acts.as_mut().expect("just planned");
-        let loss = model.eval_batch(dp, a, b)?;
-        if real {
-            *slot = loss * (b.batch * b.seq) as f64;
-        }
-    }
-    let all = match dp {
-        Some(d) => d.gather(&local)?,
-        None => local,
+        let schedule = p
+            .pp_schedule
+            .kind()
+            .generate(p.pp, micro_batches, chunks)
+            .map_err(weft_model::Error::from)?;
+        let m = &config.model.moe;
+        let moe = (m.experts > 0).then_some((m.experts, m.top_k + usize::from(m.shared_expert)));
+        let layers = weft_model::partition_layers(cfg, moe, &schedule)?;
+        Some((schedule, layers))
+    } else {
+        None
     };
-    let (mut total, mut tokens) = (0.0, 0usize);
-    for (x, b) in all.iter().zip(batches) {
-        total += x;
-        tokens += b.batch * b.seq;
-    }
-    Ok(total / tokens.max(1) as f64)
-}
-
-/// Mean validation loss: [`eval_loss`], or for a pipeline the whole model
-/// assembled on rank 0, evaluated there and broadcast (the stages hold no
-/// forward-only schedule).
-fn evaluate(
-    model: &mut Net,
-    full: &mut Option<Gpt>,
-    full_layout: &weft_model::ParamLayout,
-    batches: &[Batch],
-    dp: Option<&Dp>,
-) -> Result<f64, TrainError> {
-    let Some(comm) = dp.and_then(Dp::pp).filter(|_| matches!(model, Net::Pp(_))) else {
-        return eval_loss(model, batches, dp);
-    };
-    let no_moments = AdamWState {
-        m: Vec::new(),
-        v: Vec::new(),
-        step: 0,
-    };
-    let mut loss = [f64::NAN];
-    match full.take() {
-        Some(mut whole) => {
-            let mut moments = whole.adamw_state();
-            model.assemble(
-                dp,
-                &no_moments,
-                full_layout,
-                Some((&mut whole, &mut moments)),
-            )?;
-            let mut net = Net::Whole(whole);
-            let r = eval_loss(&mut net, batches, None);
-            if let Net::Whole(w) = net {
-                *full = Some(w);
-            }
-            loss[0] = r?;
-        }
-        None => model.assemble(dp, &no_moments, full_layout, None)?,
-    }
-    comm.broadcast(&mut loss, 0)?;
-    Ok(loss[0])
+    let fsdp = p.fsdp.strategy().map(|strategy| weft_fsdp::FsdpConfig {
+        strategy,
+        reproducible: p.reproducible,
+        hybrid_shard: p.hybrid_shard,
+        ..weft_fsdp::FsdpConfig::default()
+    });
+    Ok(ParallelPlan {
+        fsdp,
+        pipeline,
+        batch: t.batch_size / t.grad_accum,
+        seq: config.model.block_size,
+        micro_batches,
+        reproducible: p.reproducible,
+        tp: weft_model::tp::TpOptions {
+            sequence_parallel: p.sequence_parallel,
+            reproducible: p.reproducible,
+            ..Default::default()
+        },
+    })
 }
 
 /// Every layer's expert-load statistics (`experts` per layer), summed over
-/// the data-parallel group and gathered over the pipeline group (a layer
-/// this rank does not hold counts as zero here), so that every rank
-/// balances (and rank 0 logs) every layer over the whole global batch.
+/// the data-parallel group and then over the pipeline group (a layer this
+/// rank does not hold counts as zero here), so that every rank balances
+/// (and rank 0 logs) every layer over the whole global batch. The
+/// tensor-parallel ranks of a layer route the same tokens: not summed.
 fn sum_load_stats(
-    dp: &Dp,
+    mesh: &weft_parallel::ParallelMesh,
     per_layer: Vec<Option<weft_moe::LoadStats>>,
     experts: usize,
 ) -> Result<Vec<weft_moe::LoadStats>, TrainError> {
@@ -502,7 +507,12 @@ fn sum_load_stats(
         flat.extend(s.tokens_per_expert.iter().map(|&x| x as f64));
         flat.extend([s.dropped as f64, s.tokens as f64, s.entropy_sum]);
     }
-    dp.sum_counts(&mut flat)?;
+    // Counts are small integers, exact in f64 in any order.
+    for group in [mesh.dp(), mesh.pp()] {
+        if group.size() > 1 {
+            group.all_reduce(&mut flat, ReduceOp::Sum)?;
+        }
+    }
     let mut it = flat.into_iter();
     for s in &mut per_layer {
         for x in &mut s.tokens_per_expert {
@@ -525,165 +535,17 @@ fn sum_load_stats(
 /// [`TrainError`] if the data cannot be opened, the model rejects the
 /// configuration, the run folder exists (or, resuming, does not), a
 /// checkpoint cannot be saved or restored, or writing the folder fails.
-///
-/// # Panics
-/// Never: internal invariants only.
 pub fn train(
     config: &Config,
     resume: bool,
     observer: &mut dyn Observer,
 ) -> Result<Summary, TrainError> {
-    let p = &config.parallel;
-    let unsupported = |what: &str| {
-        Err(TrainError::Unsupported(format!(
-            "{what} is not available in weft train yet; run with parallel.dp only"
-        )))
-    };
-    if p.tp > 1 && config.model.moe.experts > 0 {
-        return unsupported(
-            "tensor parallelism of mixture-of-experts models (parallel.tp > 1 with model.moe.experts > 0)",
-        );
-    }
-    if p.pp > 1 && (p.dp > 1 || p.tp > 1 || p.ep > 1 || sharded_cfg(config)) {
-        return unsupported(
-            "pipeline parallelism combined with other axes (parallel.pp > 1 with dp, tp, ep or fsdp)",
-        );
-    }
-    let sharded = p.fsdp != "none";
-    if sharded && (p.tp > 1 || p.ep > 1 || config.model.moe.experts > 0) {
-        return unsupported(
-            "parallel.fsdp other than \"none\" with tensor parallelism, expert parallelism or a mixture-of-experts model",
-        );
-    }
-    let world = p.world_size();
-    if world == 1 && !sharded {
-        return run_rank(config, resume, None, observer);
-    }
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::scope(|s| {
-        let ranks = s.spawn(move || {
-            let tx = tx;
-            weft_collectives::LocalCluster::builder(world).run_each(|comm| {
-                let dp = match Dp::new(Box::new(comm), p.ep, p.tp, p.pp) {
-                    Ok(dp) => dp,
-                    Err(e) => return Err(e),
-                };
-                if dp.world_rank() == 0 {
-                    run_rank(config, resume, Some(&dp), &mut Forward(tx.clone()))
-                } else {
-                    run_rank(config, resume, Some(&dp), &mut Silent)
-                }
-            })
-        });
-        for report in rx {
-            report.deliver(observer);
-        }
-        let results = ranks.join().unwrap_or_else(|_| {
-            vec![Err(weft_collectives::Error::RankPanicked {
-                rank: 0,
-                message: "the rank launcher panicked".into(),
-            })]
-        });
-        pick_result(results)
+    check_composed(config)?;
+    let dims = config.parallel.dims();
+    dims.validate()?;
+    crate::ranks::launch(dims.world_size(), observer, |world, obs| {
+        run_rank(config, resume, world, obs)
     })
-}
-
-fn sharded_cfg(config: &Config) -> bool {
-    config.parallel.fsdp != "none"
-}
-
-/// The configured pipeline schedule's name.
-fn pp_schedule_name(config: &Config) -> &'static str {
-    match config.parallel.pp_schedule.as_str() {
-        "gpipe" => "gpipe",
-        "interleaved" => "interleaved",
-        "zb-h1" => "zb-h1",
-        _ => "1f1b",
-    }
-}
-
-/// The pipeline schedule of a run — `parallel.pp` stages, the global
-/// batch's `train.grad_accum` micro-batches, `parallel.pp_chunks` chunks
-/// per stage for the interleaved schedule — and the layers of each virtual
-/// stage, chosen by `weft-pipeline`'s partitioner to minimise the simulated
-/// makespan. Per-layer costs are the model's FLOPs per token (a block:
-/// 24·C² for its matmuls plus 2·T·C for causal attention, forward;
-/// backward-for-input and backward-for-weights each as much); the head's
-/// 2·C·V is charged to the last block and the embedding's lookup is free,
-/// so the last stage takes fewer blocks when the vocabulary is large.
-fn pp_plan(
-    config: &Config,
-    vocab: usize,
-) -> Result<(weft_pipeline::Schedule, Vec<usize>), TrainError> {
-    let p = &config.parallel;
-    let kind: weft_pipeline::ScheduleKind = pp_schedule_name(config)
-        .parse()
-        .map_err(|e: weft_pipeline::Error| TrainError::Unsupported(e.to_string()))?;
-    let chunks = if p.pp_schedule == "interleaved" {
-        p.pp_chunks
-    } else {
-        1
-    };
-    let schedule = kind
-        .generate(p.pp, config.train.grad_accum, chunks)
-        .map_err(|e| TrainError::Unsupported(format!("parallel.pp_schedule: {e}")))?;
-    let nvs = p.pp * chunks;
-    let l = config.model.n_layer;
-    if l < nvs {
-        return Err(TrainError::Unsupported(format!(
-            "parallel.pp = {} with {chunks} chunks needs at least {nvs} layers (model.n_layer = {l})",
-            p.pp
-        )));
-    }
-    let (c, t, v) = (
-        config.model.n_embd as f64,
-        config.model.block_size as f64,
-        vocab as f64,
-    );
-    // Forward FLOPs per token: attention's projections 8C², its scores
-    // 2TC, and the feed-forward block's 16C² per active expert (top-k plus
-    // a shared one) and 2CE for the router — or 16C² dense.
-    let m = &config.model.moe;
-    let ffn = if m.experts == 0 {
-        16.0 * c * c
-    } else {
-        let active = (m.top_k + usize::from(m.shared_expert)) as f64;
-        16.0 * c * c * active + 2.0 * c * m.experts as f64
-    };
-    let block = 8.0 * c * c + ffn + 2.0 * t * c;
-    let profiles: Vec<weft_pipeline::LayerProfile> = (0..l)
-        .map(|i| {
-            let f = if i + 1 == l {
-                block + 2.0 * c * v
-            } else {
-                block
-            };
-            weft_pipeline::LayerProfile {
-                forward: f,
-                backward_input: f,
-                backward_weight: f,
-                activation: 1.0,
-                weight_grad_memory: 1.0,
-                static_memory: 0.0,
-            }
-        })
-        .collect();
-    let part = weft_pipeline::partition(
-        &schedule,
-        &profiles,
-        &weft_pipeline::PartitionOptions {
-            p2p_latency: 0.0,
-            memory_limit: None,
-        },
-    )
-    .map_err(|e| TrainError::Unsupported(format!("pipeline partition: {e}")))?;
-    let layers = part.layers_per_chunk();
-    if layers.contains(&0) {
-        return Err(TrainError::Unsupported(format!(
-            "pipeline partition left a stage without layers ({layers:?}); use fewer stages"
-        )));
-    }
-    Ok((schedule, layers))
 }
 
 /// `dp=2 tp=2 ...` for the degrees above 1.
@@ -694,11 +556,14 @@ fn layout_name(config: &Config) -> String {
         .filter(|(_, n)| *n > 1)
         .map(|(k, n)| format!("{k}={n}"))
         .collect();
+    if p.fsdp != FsdpMode::None {
+        parts.push(format!("fsdp {}", p.fsdp.name()));
+    }
     if p.tp > 1 && p.sequence_parallel {
         parts.push("sequence-parallel".into());
     }
     if p.pp > 1 {
-        parts.push(format!("schedule {}", pp_schedule_name(config)));
+        parts.push(format!("schedule {}", p.pp_schedule.name()));
     }
     if p.world_size() > 1 {
         parts.push(if p.reproducible {
@@ -714,136 +579,46 @@ fn layout_name(config: &Config) -> String {
     }
 }
 
-/// Rank 0's summary, or the most telling error: a rank's own failure
-/// before the "peer lost" errors it caused in the others.
-fn pick_result(
-    results: Vec<weft_collectives::Result<Result<Summary, TrainError>>>,
-) -> Result<Summary, TrainError> {
-    let mut first_err: Option<TrainError> = None;
-    let mut summary = None;
-    for r in results {
-        let e = match r {
-            Ok(Ok(s)) => {
-                summary.get_or_insert(s);
-                continue;
-            }
-            Ok(Err(e)) => e,
-            Err(e) => TrainError::Comm(e),
-        };
-        let secondary = matches!(
-            e,
-            TrainError::Comm(weft_collectives::Error::PeerLost { .. })
-        );
-        match &first_err {
-            None => first_err = Some(e),
-            Some(TrainError::Comm(weft_collectives::Error::PeerLost { .. })) if !secondary => {
-                first_err = Some(e);
-            }
-            Some(_) => {}
-        }
-    }
-    match (first_err, summary) {
-        (Some(e), _) => Err(e),
-        (None, Some(s)) => Ok(s),
-        (None, None) => Err(TrainError::Unsupported("no rank returned a result".into())),
-    }
+/// The whole model's state on the writer: what checkpoints save.
+struct WholeState {
+    model: Gpt,
+    opt: AdamWState,
 }
 
-/// One rank's run: the whole job with `dp` absent, else this rank's share
-/// of it. Only the rank with `dp` rank 0 (or the single rank) writes the
-/// run folder and checkpoints.
+/// One rank's run on world communicator `world`: its share of the job.
+/// Only world rank 0 writes the run folder and checkpoints.
 fn run_rank(
     config: &Config,
     resume: bool,
-    dp: Option<&Dp>,
+    world: &dyn Communicator,
     observer: &mut dyn Observer,
 ) -> Result<Summary, TrainError> {
-    let writer = dp.is_none_or(|d| d.world_rank() == 0);
+    let dims = config.parallel.dims();
+    let mesh = dims.build(world)?;
+    let writer = world.rank() == 0;
     let data = Data::open(config)?;
     let vocab = data.vocab_size();
     let cfg = model_config(config, vocab);
-    let ep = dp.and_then(Dp::ep);
-    let tp = dp.and_then(Dp::tp).map(|c| (c.size(), c.rank()));
-    let (whole_model, mut moe) = build_model(config, &cfg, ep)?;
-    // With expert or tensor parallelism every rank starts from its share
-    // of the unsharded model's initialisation (the same as one rank's); the
-    // writer keeps the unsharded model to assemble checkpoints in.
-    let mut full = None;
-    let sharded = config.parallel.fsdp != "none";
-    let pp = dp.and_then(Dp::pp).is_some();
-    let mut model = if ep.is_some() || tp.is_some() || sharded || pp {
-        let (mut whole, whole_moe) = build_model(config, &cfg, None)?;
-        whole.init_gpt2(config.train.seed);
-        let net = match tp {
-            None if pp => {
-                // The stages run the whole model's feed-forward blocks.
-                moe = whole_moe;
-                let (schedule, layers) = pp_plan(config, vocab)?;
-                let rank = dp.map_or(0, Dp::world_rank);
-                let t = &config.train;
-                Net::Pp(Box::new(crate::net::Pipe::new(
-                    &whole,
-                    schedule,
-                    rank,
-                    &layers,
-                    t.batch_size / t.grad_accum,
-                    config.model.block_size,
-                    config.parallel.reproducible,
-                )?))
-            }
-            None if sharded => {
-                let d = dp.ok_or_else(|| TrainError::Unsupported("fsdp needs its group".into()))?;
-                let p = &config.parallel;
-                let o = &config.optim;
-                let fc = weft_fsdp::FsdpConfig {
-                    strategy: p.fsdp.parse()?,
-                    reproducible: p.reproducible,
-                    hybrid_shard: p.hybrid_shard,
-                    adamw: AdamW {
-                        lr: 0.0,
-                        beta1: o.beta1 as f32,
-                        beta2: o.beta2 as f32,
-                        eps: o.eps as f32,
-                        weight_decay: o.weight_decay as f32,
-                    },
-                    max_grad_norm: (o.grad_clip > 0.0).then_some(o.grad_clip as f32),
-                    ..Default::default()
-                };
-                let ffn: std::sync::Arc<dyn weft_model::FeedForward> =
-                    std::sync::Arc::new(weft_model::Mlp);
-                Net::Fsdp(Box::new(weft_fsdp::Fsdp::new(
-                    d.comm(),
-                    cfg.clone(),
-                    ffn,
-                    fc,
-                    &whole.params,
-                )?))
-            }
-            Some((size, rank)) => {
-                let opts = weft_model::tp::TpOptions {
-                    sequence_parallel: config.parallel.sequence_parallel,
-                    reproducible: config.parallel.reproducible,
-                    ..Default::default()
-                };
-                Net::Tp(
-                    weft_model::tp::TpGpt::from_full(&whole, size, rank, opts)
-                        .map_err(TrainError::TensorParallel)?,
-                )
-            }
-            None => {
-                let mut m = whole_model;
-                let ep_rank = dp.and_then(Dp::ep_rank).unwrap_or(0);
-                weft_model::MoeFfn::shard_params(&whole, &mut m, ep_rank, config.parallel.ep)?;
-                Net::Whole(m)
-            }
-        };
-        full = Some(whole);
-        net
-    } else {
-        let mut m = whole_model;
-        m.init_gpt2(config.train.seed);
-        Net::Whole(m)
-    };
+    let t = &config.train;
+    let micro = t.batch_size / t.grad_accum;
+    let seq = config.model.block_size;
+    let per_rank = t.grad_accum / config.parallel.dp;
+    let first_micro = mesh.coords().dp() * per_rank;
+    let coords: Vec<String> = (0..dims.world_size())
+        .map(|r| format!("rank {r}: {}", dims.coords_of(r)))
+        .collect();
+    let shape: Vec<String> = dims
+        .mesh_dims()
+        .iter()
+        .map(|(n, s)| format!("{n}={s}"))
+        .collect();
+    let mesh_shape = format!("{} (tp innermost)", shape.join(" × "));
+
+    // Every rank starts from its share of the whole model's initialisation
+    // (the same as one rank's).
+    let mut whole = whole_model(config, &cfg)?;
+    let (ffn, moe) = rank_ffn(config, &cfg, &mesh)?;
+    let mut model = ParallelGpt::new(cfg.clone(), ffn, &whole.params, &plan(config, &cfg)?, mesh)?;
 
     let name = if config.run.name.is_empty() {
         timestamp_name()
@@ -852,27 +627,18 @@ fn run_rank(
     };
     let run_dir = config.run.dir.join(name);
     let metrics_path = run_dir.join("metrics.jsonl");
-    let mut opt = model.adamw_state();
     let ckpt_root = run_dir.join("checkpoints");
-    // Resuming: the state, and the metrics lines up to the checkpoint.
+    let mut whole_opt = whole.adamw_state();
+    // Resuming: the whole state, restored on every rank and loaded into
+    // this rank's share; and the metrics lines up to the checkpoint.
     let mut kept_lines: Vec<String> = Vec::new();
     let mut start_step = 0;
     if resume {
         if !run_dir.is_dir() {
             return Err(TrainError::NothingToResume(run_dir));
         }
-        let restored = match (full.as_mut(), &mut model) {
-            (None, Net::Whole(m)) => crate::ckpt::restore(&ckpt_root, config, m, &mut opt)?,
-            (Some(whole), _) => {
-                // The checkpoint is unsharded: restore it whole, then take
-                // this rank's share (parameters and moments).
-                let mut whole_opt = whole.adamw_state();
-                let r = crate::ckpt::restore(&ckpt_root, config, whole, &mut whole_opt)?;
-                model.take_share(dp, whole, &whole_opt, &mut opt)?;
-                r
-            }
-            (None, _) => unreachable!("a sharded rank keeps the whole model"),
-        };
+        let restored = crate::ckpt::restore(&ckpt_root, config, &mut whole, &mut whole_opt)?;
+        model.load_whole(&whole.params, &whole_opt.m, &whole_opt.v, whole_opt.step)?;
         start_step = restored.step;
         observer.resumed(start_step, &restored.skipped);
         let text = std::fs::read_to_string(&metrics_path).map_err(io_err(&metrics_path))?;
@@ -894,6 +660,12 @@ fn run_rank(
         let config_path = run_dir.join("config.toml");
         std::fs::write(&config_path, config.to_toml()).map_err(io_err(&config_path))?;
     }
+    let full_layout = whole.layout().clone();
+    // The whole model's buffers stay on the writer only.
+    let mut whole = writer.then_some(WholeState {
+        model: whole,
+        opt: whole_opt,
+    });
     // Only the writer's logs reach the disk.
     let mut metrics: BufWriter<Box<dyn Write>> = if writer {
         // (Re)write the metrics file with the kept lines, atomically.
@@ -906,36 +678,24 @@ fn run_rank(
     } else {
         BufWriter::new(Box::new(std::io::sink()))
     };
-    let mut saver = if writer && config.checkpoint.every > 0 {
-        Some(crate::ckpt::Saver::new(&ckpt_root, config)?)
-    } else {
-        None
-    };
-    // Map the saver's host buffers now, not inside the first save's step.
-    if let Some(saver) = saver.as_mut() {
-        match (&full, &model) {
-            (Some(f), _) => saver.reserve(f, &f.adamw_state())?,
-            (None, Net::Whole(m)) => saver.reserve(m, &opt)?,
-            _ => {}
+    let mut saver = match &whole {
+        Some(w) if config.checkpoint.every > 0 => {
+            let mut s = crate::ckpt::Saver::new(&ckpt_root, config)?;
+            // Map the saver's host buffers now, not inside the first save's step.
+            s.reserve(&w.model, &w.opt)?;
+            Some(s)
         }
-    }
-
-    let t = &config.train;
-    let micro = t.batch_size / t.grad_accum;
-    let seq = config.model.block_size;
-    let mut acts = model.activations(micro, seq)?;
-    let full_layout = match (&full, &model) {
-        (Some(f), _) => f.layout().clone(),
-        (None, Net::Whole(m)) => m.layout().clone(),
-        (None, Net::Tp(m)) => m.full_layout().clone(),
-        (None, Net::Fsdp(_) | Net::Pp(_)) => unreachable!("a sharded rank keeps the whole model"),
+        _ => None,
     };
-    // The unsharded model's buffers stay on the writer only.
-    if !writer {
-        full = None;
-    }
 
     let val = data.val_batches(t.eval_sequences, micro);
+    let val_mbs: Vec<MicroBatch<'_>> = val
+        .iter()
+        .map(|b| MicroBatch {
+            tokens: &b.inputs,
+            targets: &b.targets,
+        })
+        .collect();
     let floor = data.val_floor(t.eval_sequences);
     let (l, c) = (cfg.n_layer, cfg.n_embd);
     // Parameters each token multiplies by: not the position table, and of
@@ -955,6 +715,7 @@ fn run_rank(
         .map(|p| p.numel() as f64 * moe_active(&p.name))
         .sum();
     let flops_per_token = 6.0 * matmul_params + 6.0 * (l * seq * c) as f64;
+    let memory = model.memory();
     let info = RunInfo {
         run_dir: run_dir.clone(),
         params: full_layout.len(),
@@ -970,9 +731,11 @@ fn run_rank(
         },
         floor,
         steps: t.steps,
-        activation_bytes: acts.bytes(),
+        activation_bytes: memory.activations,
         layout: layout_name(config),
-        memory: model.memory(&opt, &acts),
+        mesh: mesh_shape,
+        coords,
+        memory,
     };
     observer.start(&info);
 
@@ -1000,7 +763,7 @@ fn run_rank(
             .and_then(|v| v["val_loss"].as_f64())
             .unwrap_or(f64::NAN)
     } else {
-        let e = evaluate(&mut model, &mut full, &full_layout, &val, dp)?;
+        let e = model.eval_loss(&val_mbs)?;
         log_eval(&mut metrics, observer, 0, e)?;
         e
     };
@@ -1017,17 +780,6 @@ fn run_rank(
         .collect();
     let excess = recent.len().saturating_sub(t.spike_window.max(1));
     recent.drain(..excess);
-    let share = dp.map_or(0..t.grad_accum, |d| d.share(t.grad_accum));
-    // Gradients of the mean over the global batch's micro-batches.
-    let experts = match (&model, ep) {
-        (Net::Whole(m), Some(_)) => Some(m.layout().clone()),
-        _ => None,
-    };
-    let mut accum = GradAccum::new(
-        model.grads().len(),
-        config.parallel.reproducible,
-        experts.as_ref(),
-    );
     let mut last_max_vio = None;
     let expert_path = run_dir.join("expert_load.jsonl");
     let mut expert_log: Option<BufWriter<Box<dyn Write>>> = match &moe {
@@ -1067,19 +819,18 @@ fn run_rank(
             eps: config.optim.eps as f32,
             weight_decay: config.optim.weight_decay as f32,
         };
-        let out = model.train_step(
-            dp,
-            &data,
-            step,
-            share.clone(),
-            micro,
-            &mut acts,
-            &mut accum,
-            &mut opt,
-            &hp,
-            config.optim.grad_clip,
-            t.grad_accum,
-        )?;
+        // This data-parallel rank's share of the global batch.
+        let batches: Vec<_> = (first_micro..first_micro + per_rank)
+            .map(|m| data.train_batch(step, m, micro))
+            .collect();
+        let mbs: Vec<MicroBatch<'_>> = batches
+            .iter()
+            .map(|b| MicroBatch {
+                tokens: &b.inputs,
+                targets: &b.targets,
+            })
+            .collect();
+        let out = model.train_step(&mbs, &hp, config.optim.grad_clip)?;
         let (loss, grad_norm, applied) = (out.loss, out.grad_norm, out.applied);
         if !applied {
             skipped += 1;
@@ -1102,30 +853,26 @@ fn run_rank(
                     Some(Some(s)) => s.merge(&f.stats),
                     Some(slot @ None) => *slot = Some(f.stats),
                     None => {
-                        return Err(TrainError::Moe(format!(
-                            "statistics logged for layer {l} of a {}-layer model",
-                            moe.layers
-                        )));
+                        return Err(TrainError::MoeLayer {
+                            layer: l,
+                            layers: moe.layers,
+                        });
                     }
                 }
             }
-            let per_layer = match dp {
-                Some(dp) => sum_load_stats(dp, per_layer, moe.experts)?,
-                None => per_layer.into_iter().flatten().collect(),
-            };
+            let per_layer = sum_load_stats(model.mesh(), per_layer, moe.experts)?;
             let mut vios = Vec::new();
             for (l, st) in per_layer.iter().enumerate() {
                 let rec = st.to_record(step + 1, l as u32);
                 let line = serde_json::to_string(&rec).unwrap_or_default();
-                writeln!(expert_log.as_mut().expect("opened with MoE"), "{line}")
-                    .map_err(io_err(&expert_path))?;
+                if let Some(log) = expert_log.as_mut() {
+                    writeln!(log, "{line}").map_err(io_err(&expert_path))?;
+                }
                 vios.extend(st.max_vio());
                 if let (Some(rate), true) = (moe.bias_rate, applied) {
                     let name = format!("transformer.h.{l}.mlp.router.selection_bias");
                     if let Some(bias) = model.param_mut(&name) {
-                        weft_moe::BiasBalancer::new(rate)
-                            .update(bias, &st.tokens_per_expert)
-                            .map_err(|e| TrainError::Moe(e.to_string()))?;
+                        weft_moe::BiasBalancer::new(rate).update(bias, &st.tokens_per_expert)?;
                     }
                 }
             }
@@ -1159,31 +906,34 @@ fn run_rank(
             }
         }
         last_loss = loss;
-        // The sharded runner's compute and communication tracks, for the
-        // first `run.trace_steps` steps.
         let traced = step < start_step + config.run.trace_steps;
-        if traced {
-            let events = model.take_trace_events(0, trace.trace_events.is_empty());
-            if writer && !events.is_empty() {
+        // FSDP's compute and communication tracks (rank 0's), for the
+        // first `run.trace_steps` steps.
+        if let Some(f) = model.stages_mut()[0].fsdp_mut() {
+            if traced && writer {
+                let mut events = f.spans().trace_events(0, 0.0);
                 if trace.trace_events.is_empty() {
-                    let name = format!("rank 0 (fsdp {})", config.parallel.fsdp);
+                    let name = format!("rank 0 (fsdp {})", config.parallel.fsdp.name());
                     trace.push(weft_trace::TraceEvent::process_name(0, name));
+                } else {
+                    events.retain(|e| e.ph == weft_trace::Phase::Complete);
                 }
                 trace.trace_events.extend(events);
             }
-        } else {
-            let _ = model.take_trace_events(0, false);
+            f.spans_mut().clear();
         }
         // A pipeline's measured timeline (rank 0 gathers every stage's),
         // and its bubble beside the simulator's prediction.
+        let timeline = model.take_timeline();
         if traced
-            && let (Net::Pp(pipe), Some(comm)) = (&mut model, dp.and_then(Dp::pp))
-            && let Some(local) = pipe.timeline.take()
-            && let Some(ranks) = pipe.ex.gather_timelines(comm, &local)?
+            && dims.pp > 1
+            && let Some(local) = timeline
+            && let Some(ranks) = model
+                .executor()
+                .gather_timelines(model.mesh().pp(), &local)?
         {
-            let schedule = pipe.ex.schedule();
-            let measured = weft_pipeline::Measured::new(schedule, ranks)
-                .map_err(|e| TrainError::Unsupported(format!("pipeline timeline: {e}")))?;
+            let schedule = model.schedule();
+            let measured = weft_pipeline::Measured::new(schedule, ranks)?;
             let bubble = measured.timeline.bubble_fraction();
             let averaged = step > start_step;
             step_bubbles.push((
@@ -1193,9 +943,7 @@ fn run_rank(
                 averaged,
             ));
             if averaged {
-                let predicted = measured
-                    .predicted(schedule)
-                    .map_err(|e| TrainError::Unsupported(format!("pipeline simulation: {e}")))?;
+                let predicted = measured.predicted(schedule)?;
                 let (m, p, n) = bubble_sum.get_or_insert((0.0, 0.0, 0));
                 *m += bubble;
                 *p += predicted.bubble_fraction();
@@ -1252,34 +1000,26 @@ fn run_rank(
         });
         let done = step + 1 == t.steps;
         if done || (t.eval_every > 0 && (step + 1) % t.eval_every == 0) {
-            last_eval = evaluate(&mut model, &mut full, &full_layout, &val, dp)?;
+            last_eval = model.eval_loss(&val_mbs)?;
             log_eval(&mut metrics, observer, step + 1, last_eval)?;
         }
-        let save_now = config.checkpoint.every > 0
-            && (done || (step + 1).is_multiple_of(config.checkpoint.every));
-        // Sharded models are assembled whole on the writer first: a
-        // collective, so every rank of the group joins.
-        let mut whole_opt = None;
-        if save_now && (ep.is_some() || tp.is_some() || sharded || pp) {
-            let mut o = full.as_ref().map(Gpt::adamw_state);
-            let dest = full.as_mut().zip(o.as_mut());
-            model.assemble(dp, &opt, &full_layout, dest)?;
-            whole_opt = o;
-        }
-        if let Some(saver) = saver.as_mut()
-            && save_now
+        if config.checkpoint.every > 0
+            && (done || (step + 1).is_multiple_of(config.checkpoint.every))
         {
-            // Everything logged so far belongs to the checkpoint.
-            metrics.flush().map_err(io_err(&metrics_path))?;
-            if let Some(log) = expert_log.as_mut() {
-                log.flush().map_err(io_err(&expert_path))?;
-            }
-            match (&full, &whole_opt, &model) {
-                (Some(f), Some(o), _) => saver.save(step + 1, f, o)?,
-                (_, _, Net::Whole(m)) => saver.save(step + 1, m, &opt)?,
-                (_, _, Net::Tp(_) | Net::Fsdp(_) | Net::Pp(_)) => {
-                    unreachable!("the writer keeps the whole model")
+            // The whole model is assembled on the writer from every rank's
+            // part: a collective, so every rank joins.
+            let bufs = whole
+                .as_mut()
+                .map(|w| [&mut w.model.params[..], &mut w.opt.m[..], &mut w.opt.v[..]]);
+            let opt_step = model.gather_whole(bufs)?;
+            if let (Some(saver), Some(w)) = (saver.as_mut(), whole.as_mut()) {
+                w.opt.step = opt_step;
+                // Everything logged so far belongs to the checkpoint.
+                metrics.flush().map_err(io_err(&metrics_path))?;
+                if let Some(log) = expert_log.as_mut() {
+                    log.flush().map_err(io_err(&expert_path))?;
                 }
+                saver.save(step + 1, &w.model, &w.opt)?;
             }
         }
     }
@@ -1306,7 +1046,7 @@ fn run_rank(
         final_max_vio: last_max_vio,
         pipeline_bubble: bubble_sum.and_then(|(m, p, n)| {
             (n > 0).then(|| PipelineBubble {
-                schedule: pp_schedule_name(config),
+                schedule: config.parallel.pp_schedule.name(),
                 measured: m / n as f64,
                 predicted: p / n as f64,
             })
@@ -1382,12 +1122,15 @@ mod tests {
             "train.grad_accum=8",
         ];
         let c = Config::load(None, &sets.map(String::from)).unwrap();
+        let layers = |vocab| {
+            let p = plan(&c, &model_config(&c, vocab)).unwrap();
+            p.pipeline.unwrap().1
+        };
         // A small vocabulary: the blocks dominate, an even split.
-        let (_, even) = pp_plan(&c, 256).unwrap();
-        assert_eq!(even, [4, 4]);
+        assert_eq!(layers(256), [4, 4]);
         // GPT-2's vocabulary: the head costs several blocks, so the last
         // stage gets fewer of them.
-        let (_, skewed) = pp_plan(&c, 50257).unwrap();
+        let skewed = layers(50257);
         assert_eq!(skewed.iter().sum::<usize>(), 8);
         assert!(skewed[1] < skewed[0], "{skewed:?}");
     }

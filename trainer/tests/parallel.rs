@@ -146,10 +146,10 @@ fn bad_layouts_are_clear_errors() {
         .unwrap_err()
         .to_string();
     assert!(e.contains("parallel.ep") && e.contains("experts"), "{e}");
-    let moe_tp = ["parallel.tp=2", "model.moe.experts=4"];
-    let e = train(&config(&dir, "tp", &moe_tp), false, &mut Silent).unwrap_err();
-    assert!(matches!(e, TrainError::Unsupported(_)), "{e}");
-    assert!(e.to_string().contains("tensor parallelism"), "{e}");
+    let pp_dp = ["parallel.pp=2", "parallel.dp=2"];
+    let e = train(&config(&dir, "pp-dp", &pp_dp), false, &mut Silent).unwrap_err();
+    assert!(matches!(e, TrainError::NotComposed(_)), "{e}");
+    assert!(e.to_string().contains("pipeline parallelism"), "{e}");
     // A rank that fails takes the others down with its own error, not a hang.
     std::fs::create_dir_all(dir.join("taken")).unwrap();
     let e = train(
@@ -287,6 +287,35 @@ fn tensor_parallel_matches_and_resumes_bit_for_bit() {
         .unwrap_err()
         .to_string();
     assert!(e.contains("parallel.tp") && e.contains("n_head"), "{e}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn tensor_parallel_moe_follows_the_single_rank_run() {
+    let dir = tmp("tp-moe");
+    let moe = ["model.moe.experts=4", "model.moe.top_k=2"];
+    let with = |extra: &[&'static str]| -> Vec<&'static str> {
+        moe.iter().chain(extra).copied().collect()
+    };
+    let one = train(&config(&dir, "one", &moe), false, &mut Silent).unwrap();
+    // Attention and the dense parts split over tp; the experts replicated
+    // over tp, and also shared out over an expert group.
+    for (name, sets) in [
+        ("tp2", with(&["parallel.tp=2"])),
+        (
+            "tp2-sp",
+            with(&["parallel.tp=2", "parallel.sequence_parallel=true"]),
+        ),
+        (
+            "tp2-ep2-dp2",
+            with(&["parallel.tp=2", "parallel.dp=2", "parallel.ep=2"]),
+        ),
+    ] {
+        let run = train(&config(&dir, name, &sets), false, &mut Silent).unwrap();
+        close(&one.run_dir, &run.run_dir, 1e-4);
+        let load = |r: &Path| std::fs::read_to_string(r.join("expert_load.jsonl")).unwrap();
+        assert_eq!(load(&run.run_dir).lines().count(), 6 * 2, "{name}");
+    }
     let _ = std::fs::remove_dir_all(&dir);
 }
 

@@ -1,6 +1,6 @@
 //! End-to-end: short runs of the training loop on the synthetic corpus.
 
-use weft_trainer::config::Config;
+use weft_trainer::config::{Config, MoeBalance};
 use weft_trainer::train::{Silent, train};
 
 fn tiny(dir: &std::path::Path, name: &str) -> Config {
@@ -161,7 +161,7 @@ fn moe_runs_log_expert_load_and_balance_with_the_bias() {
     c.train.steps = 12;
     c.model.moe.experts = 4;
     c.model.moe.top_k = 2;
-    c.model.moe.balance = "bias".into();
+    c.model.moe.balance = MoeBalance::Bias;
     c.model.moe.bias_rate = 0.05;
     c.checkpoint.every = 6;
     let s = train(&c, false, &mut Silent).unwrap();

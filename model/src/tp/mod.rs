@@ -1,37 +1,41 @@
-//! Tensor parallelism, Megatron-LM style: every layer's matrices split over
-//! a tp group of ranks (a [`Communicator`]), one all-reduce per sub-block
-//! in the forward and one in the backward.
+//! Tensor parallelism, Megatron-LM style, as *sharding styles* of the one
+//! GPT block's layers: with a [`TensorParallel`] group the blocks of
+//! [`GptBlocks`](crate::GptBlocks) hold this rank's shard of every split
+//! tensor (the layout's [`Placement`](weft_parallel::Placement)s say which)
+//! and run the same sequence of ops, with the group's communication where
+//! a style needs it. There is no second copy of the block.
 //!
-//! # The pieces
+//! # The styles
 //!
-//! * [`ColumnParallelLinear`] / [`RowParallelLinear`]: `y = x·W + b` with
-//!   `W` in the Hugging Face `Conv1D` `[in, out]` layout, split by output
-//!   columns (each rank computes a slice of `y`; its bias slice is sharded
-//!   with the columns) or by input rows (each rank computes a partial `y`
-//!   from its slice of `x`; the partials are summed by the all-reduce, then
-//!   the bias, which is replicated, is added once — after the reduction, so
-//!   it is not counted `tp` times).
-//! * The conjugate operators ([`f_backward`], [`g_forward`]): `f` is the
-//!   identity in the forward and an all-reduce in the backward (it sits in
-//!   front of a column-parallel layer, whose input is replicated but whose
-//!   input gradient is a per-rank partial), `g` is an all-reduce in the
-//!   forward and the identity in the backward (after a row-parallel layer).
-//!   With sequence parallelism they become [`seq_gather`] (all-gather
-//!   forward, reduce-scatter backward) and [`seq_scatter`] (reduce-scatter
-//!   forward, all-gather backward).
-//! * [`VocabShard`]: the vocabulary-parallel embedding (each rank holds
-//!   rows `range()` of `wte`; ids outside contribute zero rows; the sum
-//!   over the group is the embedding) and the vocabulary-parallel
-//!   cross-entropy that never gathers the logits: each rank's logits
-//!   `(B·T, V/tp)` give a row maximum and a sum of exponentials, the
-//!   maximum is all-reduced with `Max`, the sums and the target logit
-//!   (non-zero only on the rank that owns the target) with `Sum`, and
-//!   `loss = ln Σexp − (x_target − max)`.
-//! * [`TpLayout`]: which part of each Hugging Face tensor a rank holds
-//!   ([`Split`]), sharding a full parameter buffer and placing a shard back
-//!   (export, checkpoint regions).
-//! * [`TpGpt`]: the whole GPT-2 on one rank of the group — loss, and the
-//!   gradient of this rank's parameter shard.
+//! * **Column-parallel** linear (`attn.c_attn`, `mlp.c_fc`): `y = x·W + b`
+//!   with `W [in, out]` split by output columns (and `b` with them): each
+//!   rank computes its slice of `y` from the whole `x`. Forward: the
+//!   identity `f` before it — or, with sequence parallelism, `ḡ`, the
+//!   all-gather of the ranks' tokens ([`TensorParallel::enter_column`]).
+//!   Backward: its input gradient is a per-rank partial sum, all-reduced
+//!   (reduce-scattered under SP: [`TensorParallel::column_input_grad`]).
+//! * **Row-parallel** linear (`attn.c_proj`, `mlp.c_proj`): `W` split by
+//!   input rows; each rank's partial product is summed over the group (`g`:
+//!   an all-reduce, or a reduce-scatter into each rank's tokens under SP),
+//!   then the replicated bias is added once, after the sum
+//!   ([`TensorParallel::row_forward`]); its backward needs the whole output
+//!   gradient (all-gathered under SP: [`TensorParallel::row_output_grad`]).
+//! * **Vocabulary-parallel** embedding and loss ([`VocabShard`]): each rank
+//!   holds rows of `wte` (and of an untied `lm_head`); the embedding is the
+//!   sum over the group of each rank's rows (one non-zero term per element:
+//!   exact), the cross-entropy is computed from each rank's logit columns
+//!   with three all-reduced floats per token — the logits are never
+//!   gathered.
+//! * **Sequence parallelism** ([`TpOptions::sequence_parallel`]): the
+//!   regions between a row-parallel layer and the next column-parallel one
+//!   — residual adds, layernorms — run on `B·T/tp` tokens per rank (a
+//!   contiguous range of the flattened `(B·T)` rows). An all-reduce moves
+//!   the bytes of a reduce-scatter plus an all-gather, so the traffic is the
+//!   same while the residual stream and the block outputs are stored for
+//!   `1/tp` of the tokens. The layernorms' gradients are then partial sums
+//!   over the group ([`Placement::Partial`](weft_parallel::Placement::Partial)
+//!   in the layout), which `weft_parallel::GradReducer` sums with the
+//!   data-parallel reduction.
 //!
 //! # How a GPT-2 block is split
 //!
@@ -40,168 +44,54 @@
 //! `r·n_head/tp..(r+1)·n_head/tp`, i.e. channels `r·C_l..(r+1)·C_l` with
 //! `C_l = C/tp`. The fused `attn.c_attn.weight [C, 3C]` holds `Q|K|V` side
 //! by side, so the rank's shard `[C, 3·C_l]` is the three column ranges
-//! `r·C_l..`, `C + r·C_l..`, `2C + r·C_l..` (each `C_l` wide) concatenated
-//! — again `Q_l|K_l|V_l`, which is what the attention kernel expects for
-//! `n_head/tp` heads; `attn.c_attn.bias [3C]` likewise. `attn.c_proj
-//! .weight [C, C]` is row-parallel: rows `r·C_l..(r+1)·C_l` (the input
-//! channels of the rank's heads). `mlp.c_fc [C, 4C]` is column-parallel
-//! (columns `r·4C/tp..`, its bias too), `mlp.c_proj [4C, C]` row-parallel.
-//! `ln_1`, `ln_2`, `ln_f`, `wpe` and the row-parallel biases are
-//! replicated; `wte` (and an untied `lm_head`) are split by vocabulary
-//! rows ([`crate::ParamLayout`] names throughout).
-//!
-//! Forward of a block on rank `r` (`x` replicated): `ln_1(x)` → f →
-//! column-parallel QKV → attention over the local heads → row-parallel
-//! `c_proj` → g (all-reduce) + bias → residual; the MLP the same way. One
-//! all-reduce of `B·T·C` floats per sub-block forward and one per sub-block
-//! backward (the f of each sub-block) — four per block per micro-batch.
-//!
-//! # Replicated parameters and their gradients
-//!
-//! Without sequence parallelism every rank computes the layernorms, the
-//! position embedding and the row-parallel bias additions on the whole
-//! (replicated) activations, from gradients that are already all-reduced:
-//! their gradients are complete and bitwise identical on every rank, and
-//! must *not* be summed over the group. With sequence parallelism the
-//! layernorms run on a rank's share of the tokens only, so their gradients
-//! are partial sums and [`TpGpt::backward`] all-reduces them (one
-//! all-reduce of `2C·(2L+1)` floats per micro-batch). The row-parallel
-//! biases and `wpe` get their gradients from the gathered (whole) output
-//! gradient in both modes, so they need no sum.
-//!
-//! # Sequence parallelism
-//!
-//! With [`TpOptions::sequence_parallel`], the regions between a row-parallel
-//! layer and the next column-parallel one — residual adds, layernorms (and
-//! dropout, where a model has it) — run on `B·T/tp` tokens per rank (a
-//! contiguous range of the flattened `(B·T)` rows; `B·T` must be divisible
-//! by `tp`). The all-reduce after a row-parallel layer becomes a
-//! reduce-scatter (each rank keeps its tokens), and the column-parallel
-//! layer's input is all-gathered first; in the backward the roles swap. An
-//! all-reduce moves the bytes of a reduce-scatter plus an all-gather, so the
-//! traffic is the same, while the residual stream, layernorm statistics
-//! and block outputs are stored for `1/tp` of the tokens. (The gathered
-//! layernorm outputs are kept for the weight gradients rather than
-//! gathered again in the backward.)
+//! `r·C_l..`, `C + r·C_l..`, `2C + r·C_l..` concatenated — a strided shard
+//! of 3 blocks — again `Q_l|K_l|V_l`, which is what the attention kernel
+//! expects for `n_head/tp` heads. `ln_1`, `ln_2`, `ln_f`, `wpe` and the
+//! row-parallel biases are replicated. A mixture-of-experts feed-forward
+//! block is replicated over `tp` (its experts may be sharded over `ep`
+//! instead): every tensor-parallel rank runs it on the whole (gathered)
+//! tokens and keeps its own rows of the output.
 //!
 //! # Numerics
 //!
-//! At `tp = 1` [`TpGpt`] runs the same kernel calls as [`crate::Gpt`]
-//! (row-parallel biases fused into the GEMM, the fused classifier), so its
-//! loss and gradients are bitwise `Gpt`'s. At `tp > 1` the row-parallel
-//! layers sum partial dot products over the group and the cross-entropy
-//! sums exponentials per vocabulary shard, so results agree with `tp = 1`
-//! to rounding (see `tests/tp.rs` for the tolerances), not bitwise.
+//! At `tp = 1` nothing is split and the block runs exactly the unsplit
+//! kernel calls. At `tp > 1` the row-parallel layers sum partial dot
+//! products over the group and the cross-entropy sums exponentials per
+//! vocabulary shard, so results agree with `tp = 1` to rounding (see
+//! `tests/tp.rs` for the tolerances), not bitwise.
 //! [`TpOptions::reproducible`] makes every reduction the correctly rounded
 //! exact sum, so a run is bitwise independent of the collective algorithm
 //! and of the rank order — but the partial sums themselves still depend on
-//! the tp degree, so different tp degrees are still not bitwise equal.
-//! In that mode sequence parallelism is bitwise the plain split except for
-//! the layernorm parameters' gradients (sums over tokens that SP splits).
-//!
-//! # Example
-//!
-//! Two thread ranks, each holding half of every split tensor, give the
-//! whole model's loss; each has the gradient of its own shard.
-//!
-//! ```
-//! use weft_collectives::{Communicator, LocalCluster};
-//! use weft_model::tp::{TpGpt, TpOptions};
-//! use weft_model::{Gpt, GptConfig};
-//!
-//! let cfg = GptConfig { n_layer: 1, n_head: 4, n_embd: 16, vocab_size: 50, block_size: 8,
-//!                       tied_embeddings: true, layer_norm_epsilon: 1e-5 };
-//! let mut full = Gpt::new(cfg)?;
-//! full.init_gpt2(1);
-//! let tokens: Vec<u32> = (0..8).collect();
-//! let targets: Vec<u32> = (1..9).collect();
-//! let mut acts = full.activations(1, 8)?;
-//! let want = full.forward(&mut acts, &tokens, Some(&targets))?.unwrap();
-//! let out = LocalCluster::run(2, |comm| -> weft_model::tp::Result<(f64, usize)> {
-//!     let mut m = TpGpt::from_full(&full, 2, comm.rank(), TpOptions::default())?;
-//!     let mut acts = m.activations(1, 8)?;
-//!     let loss = m.forward(&comm, &mut acts, &tokens, Some(&targets))?.unwrap();
-//!     m.zero_grad();
-//!     m.backward(&comm, &mut acts)?;
-//!     Ok((loss, m.grads.len()))
-//! })?;
-//! for r in out {
-//!     let (loss, shard) = r?;
-//!     assert!((loss - want).abs() < 1e-6 * want);
-//!     assert!(shard < full.grads.len() * 3 / 5);
-//! }
-//! # Ok::<(), Box<dyn std::error::Error>>(())
-//! ```
+//! the tp degree.
 
-mod block;
-mod linear;
-mod model;
-mod shard;
 mod vocab;
 
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
 use weft_collectives::{Algorithm, Communicator, CommunicatorExt, ReduceOp, ReduceOptions};
+use weft_kernels::{Mode, matmul_forward};
 
-pub use linear::{ColumnParallelLinear, RowParallelLinear};
-pub use model::{TpActivations, TpGpt, TpMemory, TpTraffic, param_split};
-pub use shard::{Piece, Split, TpLayout, TpTensor};
 pub use vocab::VocabShard;
 
-/// What went wrong in a tensor-parallel layer or model.
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum Error {
-    /// The model crate's error (configuration, batch shape, weights).
-    #[error(transparent)]
-    Model(#[from] crate::Error),
-    /// A kernel rejected its arguments.
-    #[error(transparent)]
-    Kernel(#[from] weft_kernels::Error),
-    /// A collective over the tp group failed (timeout, lost peer, mismatch).
-    #[error("tensor-parallel collective: {0}")]
-    Comm(#[from] weft_collectives::Error),
-    /// A shape, degree or buffer does not fit the split.
-    #[error("tensor parallelism: {what}: {reason}")]
-    Shape {
-        /// What was checked, e.g. `n_head` or `column-parallel weight`.
-        what: &'static str,
-        /// What is wrong, with the numbers.
-        reason: String,
-    },
-}
+use crate::config::GptConfig;
+use crate::error::{Error, Result};
 
-/// `Result` with the tensor-parallel [`Error`].
-pub type Result<T, E = Error> = std::result::Result<T, E>;
-
-pub(crate) fn shape_err(what: &'static str, reason: String) -> Error {
-    Error::Shape { what, reason }
-}
-
-pub(crate) fn check_len(what: &'static str, got: usize, want: usize) -> Result<()> {
-    if got == want {
-        Ok(())
-    } else {
-        Err(shape_err(
-            what,
-            format!("holds {got} floats, expected {want}"),
-        ))
-    }
+pub(crate) fn split_err(what: &'static str, reason: String) -> Error {
+    Error::Split { what, reason }
 }
 
 /// How a tp group communicates.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct TpOptions {
-    /// Sequence parallelism (see the module docs): reduce-scatter /
-    /// all-gather instead of all-reduce, layernorm regions on `B·T/tp`
-    /// tokens per rank.
+    /// Sequence parallelism (see the module docs).
     pub sequence_parallel: bool,
     /// The collectives' reproducible mode for every sum (the maximum of the
     /// cross-entropy is exact in any order and always uses the plain mode).
     pub reproducible: bool,
     /// The collective algorithm; [`Algorithm::Ring`] by default, for which
-    /// [`TpGpt::traffic_per_step`] gives the exact bytes.
+    /// [`traffic_per_step`] gives the exact bytes.
     pub algorithm: Algorithm,
 }
 
@@ -234,87 +124,284 @@ impl TpOptions {
 /// in communication" figure. On the thread backend this includes waiting
 /// for the slowest peer.
 #[derive(Debug, Default)]
-pub(crate) struct CommClock(AtomicU64);
+struct CommClock(AtomicU64);
 
 impl CommClock {
-    pub(crate) fn time<T>(&self, f: impl FnOnce() -> T) -> T {
+    fn time<T>(&self, f: impl FnOnce() -> T) -> T {
         let t0 = Instant::now();
         let r = f();
         let ns = u64::try_from(t0.elapsed().as_nanos()).unwrap_or(u64::MAX);
         self.0.fetch_add(ns, Ordering::Relaxed);
         r
     }
-    pub(crate) fn nanos(&self) -> u64 {
-        self.0.load(Ordering::Relaxed)
+}
+
+/// A tensor-parallel group and how it communicates: what a
+/// [`GptBlocks`](crate::GptBlocks) of a tensor-parallel rank runs its
+/// sharding styles over (see the module docs).
+#[derive(Clone)]
+pub struct TensorParallel {
+    comm: Arc<dyn Communicator>,
+    opts: TpOptions,
+    clock: Arc<CommClock>,
+}
+
+impl std::fmt::Debug for TensorParallel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TensorParallel")
+            .field("rank", &self.comm.rank())
+            .field("size", &self.comm.size())
+            .field("opts", &self.opts)
+            .finish_non_exhaustive()
     }
-    pub(crate) fn reset(&self) {
-        self.0.store(0, Ordering::Relaxed);
+}
+
+impl TensorParallel {
+    /// The group `comm` (its size is `tp`, its rank this rank's place).
+    pub fn new(comm: Arc<dyn Communicator>, opts: TpOptions) -> Self {
+        TensorParallel {
+            comm,
+            opts,
+            clock: Arc::default(),
+        }
     }
-}
 
-/// The `f` operator's backward: sums the per-rank partial input gradients
-/// of a column-parallel layer over the group (its forward is the identity).
-///
-/// # Errors
-/// [`Error::Comm`] if the all-reduce fails.
-pub fn f_backward(comm: &dyn Communicator, opts: &TpOptions, dx: &mut [f32]) -> Result<()> {
-    comm.all_reduce_with(dx, &opts.sum())?;
-    Ok(())
-}
+    /// The tp degree.
+    pub fn size(&self) -> usize {
+        self.comm.size()
+    }
 
-/// The `g` operator's forward: sums the per-rank partial outputs of a
-/// row-parallel layer over the group (its backward is the identity).
-///
-/// # Errors
-/// [`Error::Comm`] if the all-reduce fails.
-pub fn g_forward(comm: &dyn Communicator, opts: &TpOptions, y: &mut [f32]) -> Result<()> {
-    comm.all_reduce_with(y, &opts.sum())?;
-    Ok(())
-}
+    /// This rank's place in the group.
+    pub fn rank(&self) -> usize {
+        self.comm.rank()
+    }
 
-fn seq_rows(what: &'static str, comm: &dyn Communicator, full: usize, shard: usize) -> Result<()> {
-    let tp = comm.size();
-    if full != shard * tp {
-        return Err(shape_err(
+    /// The options.
+    pub fn options(&self) -> &TpOptions {
+        &self.opts
+    }
+
+    /// Whether sequence parallelism is on.
+    pub fn sequence_parallel(&self) -> bool {
+        self.opts.sequence_parallel
+    }
+
+    /// The group.
+    pub fn comm(&self) -> &dyn Communicator {
+        &*self.comm
+    }
+
+    /// Nanoseconds this rank has spent in tp collectives (on the thread
+    /// backend including waits for the slowest peer).
+    pub fn comm_nanos(&self) -> u64 {
+        self.clock.0.load(Ordering::Relaxed)
+    }
+
+    /// The rows of `n` a rank's residual stream holds: `n / tp` under
+    /// sequence parallelism, else `n`.
+    pub(crate) fn rows(&self, n: usize) -> usize {
+        if self.opts.sequence_parallel {
+            n / self.size()
+        } else {
+            n
+        }
+    }
+
+    /// This rank's first row under sequence parallelism (0 otherwise).
+    pub(crate) fn first_row(&self, n: usize) -> usize {
+        if self.opts.sequence_parallel {
+            self.rank() * (n / self.size())
+        } else {
+            0
+        }
+    }
+
+    pub(crate) fn all_reduce(&self, x: &mut [f32]) -> Result<()> {
+        self.clock
+            .time(|| self.comm.all_reduce_with(x, &self.opts.sum()))?;
+        Ok(())
+    }
+
+    pub(crate) fn all_reduce_max(&self, x: &mut [f32]) -> Result<()> {
+        self.clock
+            .time(|| self.comm.all_reduce_with(x, &self.opts.max()))?;
+        Ok(())
+    }
+
+    /// Checks that `full` is `tp` shards of `shard`'s length.
+    fn check_split(&self, what: &'static str, shard: usize, full: usize) -> Result<()> {
+        if full == shard * self.size() {
+            return Ok(());
+        }
+        Err(split_err(
             what,
             format!(
-                "sequence shard of {shard} floats times tp = {tp} is not the {full} floats of the whole"
+                "{shard} floats of a shard times tp = {} is not the {full} of the whole",
+                self.size()
             ),
-        ));
+        ))
     }
-    Ok(())
+
+    pub(crate) fn all_gather(&self, shard: &[f32], full: &mut [f32]) -> Result<()> {
+        self.check_split("sequence all-gather", shard.len(), full.len())?;
+        self.clock
+            .time(|| self.comm.all_gather_with(shard, full, self.opts.algorithm))?;
+        Ok(())
+    }
+
+    pub(crate) fn reduce_scatter(&self, full: &[f32], shard: &mut [f32]) -> Result<()> {
+        self.check_split("sequence reduce-scatter", shard.len(), full.len())?;
+        self.clock
+            .time(|| self.comm.reduce_scatter_with(full, shard, &self.opts.sum()))?;
+        Ok(())
+    }
+
+    /// The input of a column-parallel layer from this rank's tokens `x`:
+    /// `x` itself (`f`, the identity), or under sequence parallelism all
+    /// ranks' tokens gathered into `full` (`ḡ`).
+    ///
+    /// # Errors
+    /// [`Error::Comm`] or [`Error::Split`] for shapes that do not split.
+    pub fn enter_column<'a>(&self, x: &'a [f32], full: &'a mut [f32]) -> Result<&'a [f32]> {
+        if self.opts.sequence_parallel {
+            self.all_gather(x, full)?;
+            Ok(full)
+        } else {
+            Ok(x)
+        }
+    }
+
+    /// The backward of [`enter_column`](Self::enter_column): a
+    /// column-parallel layer's input gradient `partial (N, C)` is a per-rank
+    /// partial sum; it is all-reduced in place, or reduce-scattered into
+    /// this rank's tokens `rows` under sequence parallelism. Returns this
+    /// rank's rows of the sum.
+    ///
+    /// # Errors
+    /// As [`enter_column`](Self::enter_column).
+    pub fn column_input_grad<'a>(
+        &self,
+        partial: &'a mut [f32],
+        rows: &'a mut [f32],
+    ) -> Result<&'a [f32]> {
+        if self.opts.sequence_parallel {
+            self.reduce_scatter(partial, rows)?;
+            Ok(rows)
+        } else {
+            self.all_reduce(partial)?;
+            Ok(partial)
+        }
+    }
+
+    /// The gradient a row-parallel layer's backward needs: the whole output
+    /// gradient — `dy` itself, or all ranks' tokens gathered into `full`
+    /// under sequence parallelism.
+    ///
+    /// # Errors
+    /// As [`enter_column`](Self::enter_column).
+    pub fn row_output_grad<'a>(&self, dy: &'a [f32], full: &'a mut [f32]) -> Result<&'a [f32]> {
+        self.enter_column(dy, full)
+    }
+
+    /// A row-parallel layer `out = Σ_ranks inp_r (N, k) · w_r + bias` into
+    /// this rank's tokens: the partial product (into `out`, or into
+    /// `partial (N, C)` under sequence parallelism), summed over the group
+    /// (`g`: all-reduce, or reduce-scatter into `out`), then the replicated
+    /// bias added once.
+    ///
+    /// # Errors
+    /// A kernel error on a wrong length; as [`enter_column`](Self::enter_column).
+    #[allow(clippy::too_many_arguments)]
+    pub fn row_forward(
+        &self,
+        out: &mut [f32],
+        partial: &mut [f32],
+        inp: &[f32],
+        w: &[f32],
+        bias: &[f32],
+        b: usize,
+        t: usize,
+        k: usize,
+        mode: Mode,
+    ) -> Result<()> {
+        let c = bias.len();
+        if self.opts.sequence_parallel {
+            matmul_forward(partial, inp, w, None, b, t, k, c, mode)?;
+            self.reduce_scatter(partial, out)?;
+        } else {
+            matmul_forward(out, inp, w, None, b, t, k, c, mode)?;
+            self.all_reduce(out)?;
+        }
+        for row in out.chunks_exact_mut(c) {
+            for (o, &x) in row.iter_mut().zip(bias) {
+                *o += x;
+            }
+        }
+        Ok(())
+    }
 }
 
-/// Sequence parallelism's `ḡ` forward: all-gathers every rank's token
-/// shard `(B·T/tp, C)` into the whole `(B·T, C)`, in rank order (the input
-/// of a column-parallel layer). Its backward is [`seq_scatter`].
-///
-/// # Errors
-/// [`Error::Shape`] if `full` is not `tp` shards; [`Error::Comm`].
-pub fn seq_gather(
-    comm: &dyn Communicator,
-    opts: &TpOptions,
-    shard: &[f32],
-    full: &mut [f32],
-) -> Result<()> {
-    seq_rows("sequence all-gather", comm, full.len(), shard.len())?;
-    comm.all_gather_with(shard, full, opts.algorithm)?;
-    Ok(())
+/// Bytes *sent*, summed over all ranks of the group, by the tp collectives
+/// of one forward + backward of a micro-batch, per collective.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct TpTraffic {
+    /// All-reduce bytes.
+    pub all_reduce: u64,
+    /// Reduce-scatter bytes.
+    pub reduce_scatter: u64,
+    /// All-gather bytes.
+    pub all_gather: u64,
 }
 
-/// Sequence parallelism's reduce-scatter (the forward after a row-parallel
-/// layer, and the backward of [`seq_gather`]): sums `partial (B·T, C)` over
-/// the group and keeps this rank's tokens in `shard`.
+impl TpTraffic {
+    /// All bytes.
+    pub fn total(&self) -> u64 {
+        self.all_reduce + self.reduce_scatter + self.all_gather
+    }
+}
+
+/// The bytes a tp group of `tp` ranks sends (summed over its ranks) for one
+/// forward + backward of a `b×t` micro-batch of a dense GPT-2 with
+/// configuration `cfg`, with the ring algorithm and the plain sum, as
+/// counted by the collectives' traffic counters. With `k = tp`, `N = b·t`,
+/// `C`, `L` layers and 4-byte floats, a ring all-reduce of `x` floats
+/// sends `2(k−1)·4x` bytes in all, a reduce-scatter or all-gather
+/// `(k−1)·4x`:
 ///
-/// # Errors
-/// [`Error::Shape`] if `partial` is not `tp` shards; [`Error::Comm`].
-pub fn seq_scatter(
-    comm: &dyn Communicator,
-    opts: &TpOptions,
-    partial: &[f32],
-    shard: &mut [f32],
-) -> Result<()> {
-    seq_rows("sequence reduce-scatter", comm, partial.len(), shard.len())?;
-    comm.reduce_scatter_with(partial, shard, &opts.sum())?;
-    Ok(())
+/// * without sequence parallelism: all-reduces of `N·C` floats — the
+///   embedding (1), four per block (two forward, two backward), the head's
+///   input gradient (1) — plus the cross-entropy's `N` maxima and `2N`
+///   sums: `2(k−1)·4·((4L+2)·N·C + 3N)`;
+/// * with sequence parallelism each `N·C` all-reduce becomes a
+///   reduce-scatter plus an all-gather of the same total bytes: `(4L+2)`
+///   of each, `(k−1)·4·(4L+2)·N·C` bytes each, plus the cross-entropy's
+///   `3N` all-reduced floats (the layernorms' partial gradients are summed
+///   by the data-parallel reducer, once per step).
+///
+/// (The reproducible mode sends encoded exact sums instead, about twice
+/// the bytes.)
+pub fn traffic_per_step(
+    cfg: &GptConfig,
+    tp: usize,
+    sequence_parallel: bool,
+    b: usize,
+    t: usize,
+) -> TpTraffic {
+    let k = tp as u64 - 1;
+    let (n, c, l) = ((b * t) as u64, cfg.n_embd as u64, cfg.n_layer as u64);
+    let big = (4 * l + 2) * n * c;
+    let ce = 3 * n;
+    if sequence_parallel {
+        TpTraffic {
+            all_reduce: 2 * k * 4 * ce,
+            reduce_scatter: k * 4 * big,
+            all_gather: k * 4 * big,
+        }
+    } else {
+        TpTraffic {
+            all_reduce: 2 * k * 4 * (big + ce),
+            reduce_scatter: 0,
+            all_gather: 0,
+        }
+    }
 }

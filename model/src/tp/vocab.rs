@@ -4,10 +4,22 @@ use std::ops::Range;
 
 use rayon::prelude::*;
 
-use weft_collectives::{Communicator, CommunicatorExt, shard_range};
+use weft_collectives::shard_range;
 use weft_kernels::check_tokens;
 
-use super::{Result, TpOptions, check_len, shape_err};
+use super::{TensorParallel, split_err as shape_err};
+use crate::error::Result;
+
+fn check_len(what: &'static str, got: usize, want: usize) -> Result<()> {
+    if got == want {
+        Ok(())
+    } else {
+        Err(shape_err(
+            what,
+            format!("holds {got} floats, expected {want}"),
+        ))
+    }
+}
 
 /// Rank `r`'s share of the vocabulary: token ids
 /// [`range`](Self::range)` = shard_range(V, tp, r)` (the first `V mod tp`
@@ -23,7 +35,7 @@ impl VocabShard {
     /// Rank `rank` of `tp` of a `vocab`-token vocabulary.
     ///
     /// # Errors
-    /// [`Error::Shape`](super::Error::Shape) if `rank >= tp` or `vocab < tp`.
+    /// [`Error::Split`](crate::Error::Split) if `rank >= tp` or `vocab < tp`.
     pub fn new(vocab: usize, tp: usize, rank: usize) -> Result<Self> {
         if tp == 0 || rank >= tp || vocab < tp {
             return Err(shape_err(
@@ -69,7 +81,7 @@ impl VocabShard {
     /// term per element).
     ///
     /// # Errors
-    /// [`Error::Shape`](super::Error::Shape) on a wrong length; a kernel
+    /// [`Error::Split`](crate::Error::Split) on a wrong length; a kernel
     /// error for a token outside the whole vocabulary.
     pub fn embed(&self, out: &mut [f32], tokens: &[u32], wte_l: &[f32], c: usize) -> Result<()> {
         check_len(
@@ -94,7 +106,7 @@ impl VocabShard {
     /// `dout` row `i` into `dwpe[i mod t]` when `dwpe` is given.
     ///
     /// # Errors
-    /// [`Error::Shape`](super::Error::Shape) on a wrong length; a kernel
+    /// [`Error::Split`](crate::Error::Split) on a wrong length; a kernel
     /// error for a token outside the vocabulary.
     pub fn embed_backward(
         &self,
@@ -144,35 +156,11 @@ impl VocabShard {
     /// all-reduce of `2N`); the logits are never gathered.
     ///
     /// # Errors
-    /// [`Error::Shape`](super::Error::Shape) on a wrong length; a kernel
-    /// error for a target outside the vocabulary; [`Error::Comm`](super::Error::Comm).
+    /// [`Error::Split`](crate::Error::Split) on a wrong length; a kernel
+    /// error for a target outside the vocabulary; [`Error::Comm`](crate::Error::Comm).
     pub fn cross_entropy(
         &self,
-        comm: &dyn Communicator,
-        opts: &TpOptions,
-        logits: &[f32],
-        targets: &[u32],
-        losses: &mut [f32],
-        stats: &mut [f32],
-    ) -> Result<()> {
-        self.cross_entropy_with(
-            &mut |buf: &mut [f32], max: bool| {
-                let o = if max { opts.max() } else { opts.sum() };
-                comm.all_reduce_with(buf, &o)?;
-                Ok(())
-            },
-            logits,
-            targets,
-            losses,
-            stats,
-        )
-    }
-
-    /// [`cross_entropy`](Self::cross_entropy) with the all-reduces done by
-    /// `reduce(buf, is_max)`.
-    pub(crate) fn cross_entropy_with(
-        &self,
-        reduce: &mut dyn FnMut(&mut [f32], bool) -> Result<()>,
+        tp: &TensorParallel,
         logits: &[f32],
         targets: &[u32],
         losses: &mut [f32],
@@ -189,7 +177,7 @@ impl VocabShard {
             .par_iter_mut()
             .zip(logits.par_chunks_exact(vl))
             .for_each(|(m, row)| *m = row.iter().copied().fold(f32::NEG_INFINITY, f32::max));
-        reduce(maxes, true)?;
+        tp.all_reduce_max(maxes)?;
         // sums[..n]: Σ exp(x - max) over this rank's vocabulary (f64
         // accumulation, rounded once); losses: the target logit where owned.
         let mut both = vec![0.0f32; 2 * n];
@@ -207,7 +195,7 @@ impl VocabShard {
                 }
                 *xt = self.local(targets[i]).map_or(0.0, |j| row[j]);
             });
-        reduce(&mut both, false)?;
+        tp.all_reduce(&mut both)?;
         let (se, xt) = both.split_at(n);
         for i in 0..n {
             sums[i] = se[i];
@@ -222,7 +210,7 @@ impl VocabShard {
     /// communication.
     ///
     /// # Errors
-    /// [`Error::Shape`](super::Error::Shape) on a wrong length.
+    /// [`Error::Split`](crate::Error::Split) on a wrong length.
     pub fn cross_entropy_backward(
         &self,
         logits: &mut [f32],

@@ -1,12 +1,14 @@
 //! Step time of ZeRO-3 against DDP and a single rank at the same per-rank
 //! batch, on the thread backend, and how much communication is hidden.
 //!
-//! `cargo bench -p weft-fsdp --bench step [-- --steps N --ranks N --layers L --embd C]`
+//! `cargo bench -p weft-model --bench fsdp_step [-- --steps N --ranks N --layers L --embd C]`
 //!
-//! Every row runs the same per-rank work: one micro-batch of B·T tokens per
-//! rank per step. "comm" is the time collectives were in flight (summed
-//! over operations), "exposed" the time the training thread was blocked on
-//! them; hidden = 1 − exposed / comm. Each step's time is the slowest
+//! Every row runs the same per-rank work through [`ParallelGpt`]'s step:
+//! one micro-batch of B·T tokens per rank per step. "comm" is the time
+//! FSDP's collectives were in flight (summed over operations), "exposed"
+//! the time the training thread was blocked on them; hidden = 1 − exposed
+//! / comm (replicas reduce their gradients after the backward, all of it
+//! exposed, and have no FSDP spans: "-"). Each step's time is the slowest
 //! rank's; a round runs every configuration for `--steps` steps (after two
 //! warm-up steps) and takes the median; the table shows the median over
 //! `--rounds` rounds, so that load on a shared machine hits every row
@@ -20,9 +22,14 @@
 
 use std::sync::Arc;
 
-use weft_collectives::LocalCluster;
-use weft_fsdp::{Fsdp, FsdpConfig, MicroBatch, Precision, Strategy};
-use weft_model::{Gpt, GptConfig, Mlp};
+use std::time::Instant;
+
+use weft_collectives::{Communicator, LocalCluster};
+use weft_fsdp::{FsdpConfig, Precision, Strategy, Track};
+use weft_kernels::AdamW;
+use weft_model::tp::TpOptions;
+use weft_model::{Gpt, GptConfig, MicroBatch, Mlp, ParallelGpt, ParallelPlan};
+use weft_parallel::ParallelDims;
 
 struct Row {
     name: String,
@@ -52,39 +59,65 @@ fn bench(
     cfg: &GptConfig,
     params: &[f32],
     ranks: usize,
-    fc: &FsdpConfig,
+    fc: Option<&FsdpConfig>,
+    reproducible: bool,
     b: usize,
     t: usize,
     warmup: usize,
     steps: usize,
 ) -> anyhow::Result<Row> {
     let out = LocalCluster::run(ranks, |comm| -> anyhow::Result<Vec<(f64, f64, f64, u64)>> {
-        let mut f = Fsdp::new(&comm, cfg.clone(), Arc::new(Mlp), fc.clone(), params)?;
+        let mesh = ParallelDims {
+            dp: ranks,
+            ..ParallelDims::SINGLE
+        }
+        .build(&comm)?;
+        let plan = ParallelPlan {
+            fsdp: fc.cloned(),
+            pipeline: None,
+            batch: b,
+            seq: t,
+            micro_batches: 1,
+            reproducible,
+            tp: TpOptions::default(),
+        };
+        let mut g = ParallelGpt::new(cfg.clone(), Arc::new(Mlp), params, &plan, mesh)?;
+        let hp = AdamW {
+            lr: 1e-4,
+            ..AdamW::default()
+        };
+        let dp_rank = g.mesh().coords().dp();
         let v = cfg.vocab_size as u32;
         let mut rows = Vec::new();
         for s in 0..warmup + steps {
-            let seed = (s * ranks + f.dp_rank()) as u32;
+            let seed = (s * ranks + dp_rank) as u32;
             let tokens: Vec<u32> = (0..(b * t) as u32)
                 .map(|i| (i.wrapping_mul(2_654_435_761) ^ seed.wrapping_mul(40_503)) % v)
                 .collect();
             let targets: Vec<u32> = tokens.iter().map(|x| (x * 7 + 3) % v).collect();
-            let r = f.step(
-                b,
-                t,
+            let before = comm.traffic();
+            let start = Instant::now();
+            g.train_step(
                 &[MicroBatch {
                     tokens: &tokens,
                     targets: &targets,
                 }],
-                1e-4,
+                &hp,
+                1.0,
             )?;
-            f.spans_mut().clear();
+            let secs = start.elapsed().as_secs_f64();
+            let sent = comm.traffic().since(&before).total_sent();
+            let (c, w) = match g.stages_mut()[0].fsdp_mut() {
+                Some(f) => {
+                    let spans = f.spans_mut();
+                    let cw = (spans.total(Track::Comm), spans.total(Track::Wait));
+                    spans.clear();
+                    cw
+                }
+                None => (f64::NAN, f64::NAN),
+            };
             if s >= warmup {
-                rows.push((
-                    r.seconds,
-                    r.comm_seconds,
-                    r.exposed_comm_seconds,
-                    r.traffic.total_sent(),
-                ));
+                rows.push((secs, c, w, sent));
             }
         }
         Ok(rows)
@@ -144,57 +177,63 @@ fn main() -> anyhow::Result<()> {
         reproducible: false,
         ..FsdpConfig::default()
     };
-    let runs: Vec<(&str, usize, FsdpConfig)> = vec![
-        ("single rank", 1, plain(Strategy::None)),
-        ("DDP", ranks, plain(Strategy::None)),
-        ("ZeRO-3, prefetch 1", ranks, plain(Strategy::Full)),
+    let sharded = |f: FsdpConfig| Some(f);
+    let runs: Vec<(&str, usize, Option<FsdpConfig>)> = vec![
+        ("single rank", 1, None),
+        ("DDP", ranks, None),
+        ("ZeRO-3, prefetch 1", ranks, sharded(plain(Strategy::Full))),
         (
             "ZeRO-3, prefetch 0",
             ranks,
-            FsdpConfig {
+            sharded(FsdpConfig {
                 prefetch: 0,
                 ..plain(Strategy::Full)
-            },
+            }),
         ),
         (
             "ZeRO-3, prefetch 2",
             ranks,
-            FsdpConfig {
+            sharded(FsdpConfig {
                 prefetch: 2,
                 ..plain(Strategy::Full)
-            },
+            }),
         ),
         (
             "ZeRO-3, bf16 params+grads",
             ranks,
-            FsdpConfig {
+            sharded(FsdpConfig {
                 precision: Precision::BF16,
                 ..plain(Strategy::Full)
-            },
+            }),
         ),
-        ("ZeRO-2", ranks, plain(Strategy::GradOp)),
-        (
-            "DDP, reproducible",
-            ranks,
-            FsdpConfig {
-                reproducible: true,
-                ..plain(Strategy::None)
-            },
-        ),
+        ("ZeRO-2", ranks, sharded(plain(Strategy::GradOp))),
+        ("DDP, reproducible", ranks, None),
         (
             "ZeRO-3, reproducible",
             ranks,
-            FsdpConfig {
+            sharded(FsdpConfig {
                 reproducible: true,
                 ..plain(Strategy::Full)
-            },
+            }),
         ),
     ];
     let mut per_round: Vec<Vec<Row>> = runs.iter().map(|_| Vec::new()).collect();
     for round in 0..rounds {
         for (i, (name, n, fc)) in runs.iter().enumerate() {
             eprintln!("round {round}: {name} on {n} rank(s)");
-            per_round[i].push(bench(name, &cfg, &g.params, *n, fc, b, t, 2, steps)?);
+            let reproducible = name.contains("reproducible");
+            per_round[i].push(bench(
+                name,
+                &cfg,
+                &g.params,
+                *n,
+                fc.as_ref(),
+                reproducible,
+                b,
+                t,
+                2,
+                steps,
+            )?);
         }
     }
     let rows: Vec<Row> = per_round
@@ -212,19 +251,26 @@ fn main() -> anyhow::Result<()> {
     println!("\n| run | ranks | step ms | vs DDP | comm ms | exposed ms | hidden | sent MB/step |");
     println!("|---|---|---|---|---|---|---|---|");
     for r in &rows {
+        let ms = |x: f64| {
+            if x.is_nan() {
+                "-".to_string()
+            } else {
+                format!("{:.1}", x * 1e3)
+            }
+        };
         let hidden = if r.comm > 0.0 {
             format!("{:.0}%", 100.0 * (1.0 - r.exposed / r.comm).max(0.0))
         } else {
             "-".into()
         };
         println!(
-            "| {} | {} | {:.1} | {:.2}× | {:.1} | {:.1} | {} | {:.2} |",
+            "| {} | {} | {:.1} | {:.2}× | {} | {} | {} | {:.2} |",
             r.name,
             r.ranks,
             r.step * 1e3,
             r.step / ddp,
-            r.comm * 1e3,
-            r.exposed * 1e3,
+            ms(r.comm),
+            ms(r.exposed),
             hidden,
             r.sent_mb
         );

@@ -1,0 +1,1335 @@
+//! [`Fsdp`]: a model's parameters sharded over a data-parallel group, with
+//! the hooks the model's own forward and backward call.
+
+use std::collections::VecDeque;
+use std::ops::Range;
+use std::thread::JoinHandle;
+use std::time::Instant;
+
+use weft_collectives::repro::ExactPartial;
+use weft_collectives::{Communicator, CommunicatorExt, Dtype, Mesh, Pending, Traffic};
+use weft_kernels::AdamW;
+use weft_parallel::{GradNorm, ParamLayout};
+
+use crate::config::{FsdpConfig, Strategy};
+use crate::error::{Error, Result, comm};
+use crate::exact::ExactBuf;
+use crate::lowp::LowVec;
+use crate::memory::{Category, MemoryReport, bytes_of};
+use crate::reducer::{self, Done, GradIn, GradOut, Groups, Reducer};
+use crate::spans::{SpanLog, Track};
+use crate::units::{UnitPlan, UnitSpec};
+
+/// Per-unit state of this rank.
+#[derive(Debug)]
+struct UnitState {
+    /// f32 master weights of the range this rank updates: its shard.
+    master: Vec<f32>,
+    /// AdamW first moments, same range.
+    m: Vec<f32>,
+    /// AdamW second moments, same range.
+    v: Vec<f32>,
+    /// The compute-dtype copy of the shard (sharded parameters in bf16).
+    shard_lp: Option<LowVec>,
+    /// The replicated compute parameters (strategies that do not shard
+    /// parameters).
+    resident: Option<LowVec>,
+}
+
+/// Gradient being accumulated for one unit during a step.
+#[derive(Debug, Default)]
+enum GradAcc {
+    #[default]
+    None,
+    /// Whole-unit f32 gradients accumulated in place (plain mode, no
+    /// gradient sharding).
+    Full(Vec<f32>),
+    /// Whole-unit exact partial (reproducible mode, no gradient sharding).
+    FullExact(ExactPartial),
+    /// Reduced values (shard); `true` if already the mean over the global
+    /// batch.
+    Reduced(LowVec, bool),
+    /// Exact partial of this rank's shard (reproducible mode).
+    ShardExact(ExactBuf),
+}
+
+/// A gathered unit: in flight, or ready as f32.
+#[derive(Debug, Default)]
+enum Slot {
+    #[default]
+    Empty,
+    Flight {
+        handle: JoinHandle<(weft_collectives::Result<LowVec>, Instant)>,
+        start: Instant,
+        bytes: usize,
+    },
+    Ready(Vec<f32>),
+}
+
+/// Where the hooks are in a step.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Phase {
+    /// Between steps.
+    Idle,
+    /// Training: micro-batch `micro` of `local` on this rank.
+    Train { local: usize, micro: usize },
+    /// A forward without backward (evaluation).
+    Eval,
+}
+
+/// Which way the units are walked (the prefetch order).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Dir {
+    Forward,
+    Backward,
+}
+
+/// Fully sharded data parallelism of any model whose parameters live in
+/// one flat buffer cut into units ([`UnitPlan`]): each rank keeps `1/N` of
+/// every unit's parameters (ZeRO-3), gradients (ZeRO-2) and AdamW state
+/// (ZeRO-1); the model's own forward and backward call the hooks around
+/// each unit, FSDP2-style, and read the gathered parameters in between.
+///
+/// # A step, as the model drives it
+/// Every call is collective over the data-parallel group (every rank calls
+/// it, in the same order, with the same units).
+///
+/// 1. [`begin_step`](Self::begin_step) with this rank's number of
+///    micro-batches.
+/// 2. Per micro-batch: [`begin_micro_batch`](Self::begin_micro_batch);
+///    for each unit in forward order [`pre_forward`](Self::pre_forward)
+///    (gathers it, and issues the next units' gathers: they travel while
+///    this one computes), compute with [`params`](Self::params),
+///    [`post_forward`](Self::post_forward) (frees it, unless it is the
+///    last unit or [`keep_gathered`](UnitSpec::keep_gathered)); then for
+///    each unit in reverse [`pre_backward`](Self::pre_backward), compute,
+///    accumulating into [`grads_mut`](Self::grads_mut) (or
+///    [`view`](Self::view) / [`views2`](Self::views2) for parameters and
+///    gradients at once), [`post_backward`](Self::post_backward) (hands its
+///    gradients to the reducer thread, which reduce-scatters them while the
+///    next unit computes); [`end_micro_batch`](Self::end_micro_batch).
+/// 3. [`finish_backward`](Self::finish_backward) waits for the last
+///    reductions; [`grad_norm`](Self::grad_norm) gives this shard's part of
+///    the exact squared norm (merged over the shard group), and
+///    [`apply`](Self::apply) runs AdamW on the shards with a clipping
+///    coefficient — or [`skip`](Self::skip) drops the step.
+///
+/// Evaluation is [`begin_eval`](Self::begin_eval), the forward hooks,
+/// [`end_eval`](Self::end_eval).
+///
+/// After an error the group is broken (a peer is lost, or ranks disagree);
+/// drop the value.
+pub struct Fsdp {
+    cfg: FsdpConfig,
+    plan: UnitPlan,
+    /// Shard-group rank and size.
+    rank: usize,
+    n: usize,
+    /// Whole data-parallel group rank and size.
+    dp_rank: usize,
+    dp_size: usize,
+    /// The shard group, for parameter all-gathers (training thread).
+    params_comm: Box<dyn Communicator>,
+    reducer: Reducer,
+    units: Vec<UnitState>,
+    step: u32,
+    mem: MemoryReport,
+    spans: SpanLog,
+    phase: Phase,
+    slots: Vec<Slot>,
+    gbufs: Vec<Option<Vec<f32>>>,
+    grads: Vec<GradAcc>,
+    /// When each unit's forward or backward compute began (for spans).
+    compute_from: Vec<Option<Instant>>,
+    /// Units whose backward ran in this micro-batch.
+    backward_done: Vec<bool>,
+    /// Bytes handed to the reducer per job, in submission order.
+    in_flight: VecDeque<usize>,
+    /// Micro-batches of the whole data-parallel group in this step.
+    global_m: usize,
+}
+
+impl std::fmt::Debug for Fsdp {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Fsdp")
+            .field("strategy", &self.cfg.strategy)
+            .field("rank", &self.rank)
+            .field("n", &self.n)
+            .field("dp_rank", &self.dp_rank)
+            .field("dp_size", &self.dp_size)
+            .field("step", &self.step)
+            .finish_non_exhaustive()
+    }
+}
+
+fn split_of(c: &dyn Communicator, what: &str) -> Result<Box<dyn Communicator>> {
+    c.split(0, c.rank() as u32)
+        .map_err(comm(format!("splitting the {what} communicator")))
+}
+
+fn phase_err(what: &str, phase: Phase) -> Error {
+    Error::Order {
+        reason: format!("{what} during {phase:?}"),
+    }
+}
+
+impl Fsdp {
+    /// Shards `params` (the whole initial buffer of a model laid out by
+    /// `layout`, the same on every rank) over the data-parallel group
+    /// `comm`, cut into `units`; each rank keeps only its shards.
+    /// Collective: every rank calls it with the same arguments.
+    ///
+    /// # Errors
+    /// [`Error::Config`] for an invalid precision, a hybrid shard size that
+    /// does not divide the group, or units that do not tile the layout;
+    /// [`Error::StateShape`] for a parameter buffer of the wrong length;
+    /// [`Error::Collective`] if splitting the communicator fails.
+    pub fn new(
+        comm: &dyn Communicator,
+        layout: &ParamLayout,
+        units: Vec<UnitSpec>,
+        cfg: FsdpConfig,
+        params: &[f32],
+    ) -> Result<Self> {
+        cfg.precision.check()?;
+        if params.len() != layout.len() {
+            return Err(Error::StateShape {
+                what: "initial parameters".into(),
+                expected: layout.len(),
+                got: params.len(),
+            });
+        }
+        let world_n = comm.size();
+        let (params_comm, reduce_shard, replicas) = if cfg.strategy == Strategy::Hybrid {
+            let s = if cfg.hybrid_shard == 0 {
+                comm.topology().ranks_per_domain().min(world_n)
+            } else {
+                cfg.hybrid_shard
+            };
+            if s == 0 || !world_n.is_multiple_of(s) {
+                return Err(Error::Config {
+                    field: "hybrid_shard",
+                    reason: format!("= {s} must divide the data-parallel group size {world_n}"),
+                });
+            }
+            let mesh = Mesh::new(comm, &[("replicate", world_n / s), ("shard", s)])
+                .map_err(crate::error::comm("building the hybrid mesh"))?;
+            let g = |names: &[&str]| {
+                mesh.group(names)
+                    .map_err(crate::error::comm("splitting the hybrid mesh"))
+            };
+            (g(&["shard"])?, g(&["shard"])?, Some(g(&["replicate"])?))
+        } else {
+            (
+                split_of(comm, "parameter")?,
+                split_of(comm, "gradient")?,
+                None,
+            )
+        };
+        let (rank, n) = (params_comm.rank(), params_comm.size());
+        let plan = UnitPlan::new(layout, units, n)?;
+        let reducer = Reducer::start(Groups {
+            shard: reduce_shard,
+            replicas,
+            opts: reducer::options(cfg.algorithm, cfg.precision.reduce),
+        })?;
+        let mut mem = MemoryReport::default();
+        let strategy = cfg.strategy;
+        let pdt = cfg.precision.param;
+        let mut states = Vec::with_capacity(plan.units().len());
+        for u in plan.units() {
+            let padded = u.padded_len(n);
+            let mut full = vec![0.0f32; padded];
+            full[..u.len()].copy_from_slice(&params[u.range.clone()]);
+            let master = full[u.shard(rank)].to_vec();
+            let shard_lp = (strategy.shards_params() && pdt == Dtype::BF16)
+                .then(|| LowVec::from_f32(&master, pdt));
+            let resident = (!strategy.shards_params()).then(|| LowVec::from_f32(&full, pdt));
+            let st = UnitState {
+                m: vec![0.0; master.len()],
+                v: vec![0.0; master.len()],
+                master,
+                shard_lp,
+                resident,
+            };
+            mem.alloc(Category::OptimizerState, 3 * bytes_of(&st.master));
+            if let Some(x) = &st.shard_lp {
+                mem.alloc(Category::ParamShards, x.bytes());
+            }
+            if let Some(x) = &st.resident {
+                mem.alloc(Category::ParamShards, x.bytes());
+            }
+            states.push(st);
+        }
+        let nu = plan.units().len();
+        Ok(Fsdp {
+            rank,
+            n,
+            dp_rank: comm.rank(),
+            dp_size: world_n,
+            cfg,
+            plan,
+            params_comm,
+            reducer,
+            units: states,
+            step: 0,
+            mem,
+            spans: SpanLog::new(),
+            phase: Phase::Idle,
+            slots: (0..nu).map(|_| Slot::Empty).collect(),
+            gbufs: (0..nu).map(|_| None).collect(),
+            grads: (0..nu).map(|_| GradAcc::None).collect(),
+            compute_from: vec![None; nu],
+            backward_done: vec![false; nu],
+            in_flight: VecDeque::new(),
+            global_m: 0,
+        })
+    }
+
+    /// The settings.
+    pub fn config(&self) -> &FsdpConfig {
+        &self.cfg
+    }
+
+    /// The units and their sharding over the shard group.
+    pub fn plan(&self) -> &UnitPlan {
+        &self.plan
+    }
+
+    /// This rank's position in the shard group (the shard it holds).
+    pub fn shard_rank(&self) -> usize {
+        self.rank
+    }
+
+    /// Ranks of the shard group (the whole group, or the hybrid shard size).
+    pub fn shard_size(&self) -> usize {
+        self.n
+    }
+
+    /// This rank's position in the whole data-parallel group (the position
+    /// of its micro-batches in the global batch).
+    pub fn dp_rank(&self) -> usize {
+        self.dp_rank
+    }
+
+    /// Ranks of the whole data-parallel group.
+    pub fn dp_size(&self) -> usize {
+        self.dp_size
+    }
+
+    /// Optimizer steps taken.
+    pub fn optimizer_step(&self) -> u32 {
+        self.step
+    }
+
+    /// Memory by category (current and peak), from the buffers allocated.
+    pub fn memory(&self) -> &MemoryReport {
+        &self.mem
+    }
+
+    /// Records the model's activation buffers (`bytes` now allocated, the
+    /// previous figure replaced), so that the report's peak total covers
+    /// them too.
+    pub fn record_activations(&mut self, bytes: usize) {
+        let now = self.mem.current(Category::Activations);
+        self.mem.free(Category::Activations, now);
+        self.mem.alloc(Category::Activations, bytes);
+    }
+
+    /// Resets the memory peaks to the current values.
+    pub fn reset_memory_peaks(&mut self) {
+        self.mem.reset_peaks();
+    }
+
+    /// The span log (compute, communication and wait tracks).
+    pub fn spans(&self) -> &SpanLog {
+        &self.spans
+    }
+
+    /// The span log, to clear it or turn recording off.
+    pub fn spans_mut(&mut self) -> &mut SpanLog {
+        &mut self.spans
+    }
+
+    /// This rank's traffic counters (every group of the rank).
+    pub fn traffic(&self) -> Traffic {
+        self.params_comm.traffic()
+    }
+
+    /// The range of unit `u`'s padded buffer that this rank's master
+    /// weights and moments cover: its shard.
+    ///
+    /// # Panics
+    /// If `u` is out of range.
+    pub fn optimizer_range(&self, u: usize) -> Range<usize> {
+        self.plan.units()[u].shard(self.rank)
+    }
+
+    /// Unit `u`'s f32 master weights and AdamW moments `(master, m, v)` on
+    /// this rank, over [`optimizer_range`](Self::optimizer_range) (padding
+    /// included, always zero).
+    ///
+    /// # Panics
+    /// If `u` is out of range.
+    pub fn shard_state(&self, u: usize) -> (&[f32], &[f32], &[f32]) {
+        let s = &self.units[u];
+        (&s.master, &s.m, &s.v)
+    }
+
+    /// Restores unit `u`'s state on this rank (from a checkpoint) and the
+    /// optimizer step; the compute copies are rebuilt from `master`. Under
+    /// strategies that replicate parameters this is collective (the full
+    /// parameters are all-gathered).
+    ///
+    /// # Errors
+    /// [`Error::StateShape`] if a slice has the wrong length; a collective
+    /// error.
+    pub fn load_shard_state(
+        &mut self,
+        u: usize,
+        master: &[f32],
+        m: &[f32],
+        v: &[f32],
+        step: u32,
+    ) -> Result<()> {
+        let want = self.units[u].master.len();
+        for (what, x) in [("master", master), ("m", m), ("v", v)] {
+            if x.len() != want {
+                return Err(Error::StateShape {
+                    what: format!("unit {} {what}", self.plan.units()[u].name),
+                    expected: want,
+                    got: x.len(),
+                });
+            }
+        }
+        let s = &mut self.units[u];
+        s.master.copy_from_slice(master);
+        s.m.copy_from_slice(m);
+        s.v.copy_from_slice(v);
+        self.step = step;
+        self.refresh_compute_params(u)
+    }
+
+    /// The whole buffers `(master, m, v)` of this rank's model (f32, the
+    /// layout's order), on every rank: every unit's shards all-gathered.
+    /// Collective over the shard group.
+    ///
+    /// # Errors
+    /// A collective error.
+    pub fn unshard_state(&self) -> Result<[Vec<f32>; 3]> {
+        let mut out: [Vec<f32>; 3] = std::array::from_fn(|_| vec![0.0f32; self.plan.num_params()]);
+        for (u, unit) in self.plan.units().iter().enumerate() {
+            let s = &self.units[u];
+            for (buf, mine) in out.iter_mut().zip([&s.master, &s.m, &s.v]) {
+                let mut full = vec![0.0f32; unit.padded_len(self.n)];
+                self.params_comm
+                    .all_gather(mine, &mut full)
+                    .map_err(comm(format!("all_gather of unit {}", unit.name)))?;
+                buf[unit.range.clone()].copy_from_slice(&full[..unit.len()]);
+            }
+        }
+        Ok(out)
+    }
+
+    /// The whole parameter buffer (f32 master weights, the layout's order)
+    /// on every rank. Collective over the shard group.
+    ///
+    /// # Errors
+    /// A collective error.
+    pub fn full_params(&self) -> Result<Vec<f32>> {
+        let mut out = vec![0.0f32; self.plan.num_params()];
+        for (u, unit) in self.plan.units().iter().enumerate() {
+            let mut full = vec![0.0f32; unit.padded_len(self.n)];
+            self.params_comm
+                .all_gather(&self.units[u].master, &mut full)
+                .map_err(comm(format!("all_gather of unit {}", unit.name)))?;
+            out[unit.range.clone()].copy_from_slice(&full[..unit.len()]);
+        }
+        Ok(out)
+    }
+
+    /// Loads this rank's shards of a whole parameter buffer and its AdamW
+    /// moments (the layout's order; the same on every rank), e.g. a
+    /// restored checkpoint, and the optimizer step. Collective under
+    /// strategies that replicate parameters.
+    ///
+    /// # Errors
+    /// [`Error::StateShape`] for buffers of the wrong length; a collective
+    /// error.
+    pub fn load_whole(&mut self, params: &[f32], m: &[f32], v: &[f32], step: u32) -> Result<()> {
+        for (what, x) in [("parameters", params), ("m", m), ("v", v)] {
+            if x.len() != self.plan.num_params() {
+                return Err(Error::StateShape {
+                    what: format!("whole {what}"),
+                    expected: self.plan.num_params(),
+                    got: x.len(),
+                });
+            }
+        }
+        for u in 0..self.plan.units().len() {
+            let unit = &self.plan.units()[u];
+            let r = self.optimizer_range(u);
+            let pad = |buf: &[f32]| -> Vec<f32> {
+                let mut padded = vec![0.0f32; unit.padded_len(self.n)];
+                padded[..unit.len()].copy_from_slice(&buf[unit.range.clone()]);
+                padded[r.clone()].to_vec()
+            };
+            let (p, m, v) = (pad(params), pad(m), pad(v));
+            self.load_shard_state(u, &p, &m, &v, step)?;
+        }
+        Ok(())
+    }
+
+    /// Rebuilds the compute-dtype copies of unit `u` from its master weights.
+    fn refresh_compute_params(&mut self, u: usize) -> Result<()> {
+        let st = &mut self.units[u];
+        if let Some(lp) = &mut st.shard_lp {
+            lp.assign_f32(&st.master);
+        }
+        if let Some(res) = &mut st.resident {
+            let shard = LowVec::from_f32(&st.master, self.cfg.precision.param);
+            let t0 = Instant::now();
+            shard
+                .all_gather(&*self.params_comm, res)
+                .map_err(comm(format!(
+                    "all_gather of updated unit {}",
+                    self.plan.units()[u].name
+                )))?;
+            self.spans
+                .push(Track::Comm, "all_gather", Some(u), None, t0, Instant::now());
+        }
+        Ok(())
+    }
+
+    fn check_unit(&self, u: usize) -> Result<()> {
+        if u >= self.plan.units().len() {
+            return Err(Error::Order {
+                reason: format!("unit {u} of {}", self.plan.units().len()),
+            });
+        }
+        Ok(())
+    }
+
+    /// The micro-batch under way, if any.
+    fn micro(&self) -> Option<usize> {
+        match self.phase {
+            Phase::Train { micro, .. } if micro != usize::MAX => Some(micro),
+            _ => None,
+        }
+    }
+
+    // ---------------------------------------------------------- the hooks
+
+    /// Starts a step of `micro_batches` micro-batches on this rank (every
+    /// rank of the group runs the same number; the global batch has
+    /// `micro_batches · dp_size`).
+    ///
+    /// # Errors
+    /// [`Error::Order`] if a step or an evaluation is under way, or for 0
+    /// micro-batches.
+    pub fn begin_step(&mut self, micro_batches: usize) -> Result<()> {
+        if self.phase != Phase::Idle {
+            return Err(phase_err("begin_step", self.phase));
+        }
+        if micro_batches == 0 {
+            return Err(Error::Order {
+                reason: "a step needs at least one micro-batch".into(),
+            });
+        }
+        self.global_m = micro_batches * self.dp_size;
+        self.phase = Phase::Train {
+            local: micro_batches,
+            micro: usize::MAX,
+        };
+        Ok(())
+    }
+
+    /// Starts the next micro-batch of the step.
+    ///
+    /// # Errors
+    /// [`Error::Order`] outside a step, or past its last micro-batch.
+    pub fn begin_micro_batch(&mut self) -> Result<()> {
+        let Phase::Train { local, micro } = self.phase else {
+            return Err(phase_err("begin_micro_batch", self.phase));
+        };
+        let next = micro.wrapping_add(1);
+        if next >= local {
+            return Err(Error::Order {
+                reason: format!("micro-batch {} of a step of {local}", next + 1),
+            });
+        }
+        self.phase = Phase::Train { local, micro: next };
+        self.backward_done.iter_mut().for_each(|d| *d = false);
+        Ok(())
+    }
+
+    /// Ends the micro-batch: frees every gathered unit.
+    ///
+    /// # Errors
+    /// [`Error::Order`] if a unit's backward did not run.
+    pub fn end_micro_batch(&mut self) -> Result<()> {
+        if self.micro().is_none() {
+            return Err(phase_err("end_micro_batch", self.phase));
+        }
+        if let Some(u) = self.backward_done.iter().position(|d| !d) {
+            return Err(Error::Order {
+                reason: format!(
+                    "the micro-batch ended without the backward of unit {}",
+                    self.plan.units()[u].name
+                ),
+            });
+        }
+        for u in 0..self.slots.len() {
+            self.free_slot(u);
+        }
+        Ok(())
+    }
+
+    /// Starts a forward without backward (evaluation): only the forward
+    /// hooks follow, then [`end_eval`](Self::end_eval).
+    ///
+    /// # Errors
+    /// [`Error::Order`] if a step is under way.
+    pub fn begin_eval(&mut self) -> Result<()> {
+        if self.phase != Phase::Idle {
+            return Err(phase_err("begin_eval", self.phase));
+        }
+        self.phase = Phase::Eval;
+        Ok(())
+    }
+
+    /// Ends an evaluation forward: frees every gathered unit.
+    ///
+    /// # Errors
+    /// [`Error::Order`] outside an evaluation.
+    pub fn end_eval(&mut self) -> Result<()> {
+        if self.phase != Phase::Eval {
+            return Err(phase_err("end_eval", self.phase));
+        }
+        for u in 0..self.slots.len() {
+            self.free_slot(u);
+        }
+        self.phase = Phase::Idle;
+        Ok(())
+    }
+
+    /// Before unit `u`'s forward: its parameters are gathered (waiting for
+    /// a prefetched gather, or issuing one), and the gathers of the next
+    /// `prefetch` units are issued so they travel while `u` computes.
+    ///
+    /// # Errors
+    /// [`Error::Order`] outside a micro-batch or an evaluation; a
+    /// collective error.
+    pub fn pre_forward(&mut self, u: usize) -> Result<()> {
+        self.check_unit(u)?;
+        if self.phase != Phase::Eval && self.micro().is_none() {
+            return Err(phase_err("pre_forward", self.phase));
+        }
+        self.prefetch(Dir::Forward, u)?;
+        self.materialize(u)?;
+        self.compute_from[u] = Some(Instant::now());
+        Ok(())
+    }
+
+    /// After unit `u`'s forward: frees its gathered parameters unless it is
+    /// the last unit (its backward comes next), is kept gathered, or the
+    /// run keeps every unit (`reshard_after_forward = false`).
+    ///
+    /// # Errors
+    /// [`Error::Order`] without a matching [`pre_forward`](Self::pre_forward).
+    pub fn post_forward(&mut self, u: usize) -> Result<()> {
+        self.check_unit(u)?;
+        let from = self.compute_from[u].take().ok_or_else(|| Error::Order {
+            reason: format!("post_forward of unit {u} without pre_forward"),
+        })?;
+        let op = if self.phase == Phase::Eval {
+            "eval"
+        } else {
+            "forward"
+        };
+        self.spans.push(
+            Track::Compute,
+            op,
+            Some(u),
+            self.micro(),
+            from,
+            Instant::now(),
+        );
+        let nu = self.plan.units().len();
+        let keep = self.phase != Phase::Eval && (!self.cfg.reshard_after_forward || u + 1 == nu)
+            || self.plan.units()[u].keep_gathered;
+        if !keep {
+            self.free_slot(u);
+        }
+        self.drain_reductions(false)
+    }
+
+    /// Before unit `u`'s backward: its parameters are gathered (and the
+    /// previous units' gathers issued), and its gradient buffer (zeroed, or
+    /// the running accumulator) is ready in [`grads_mut`](Self::grads_mut).
+    /// Calling it again for a unit already prepared (a kept unit another
+    /// unit's backward reads) does nothing more.
+    ///
+    /// # Errors
+    /// [`Error::Order`] outside a micro-batch; a collective error.
+    pub fn pre_backward(&mut self, u: usize) -> Result<()> {
+        self.check_unit(u)?;
+        if self.micro().is_none() {
+            return Err(phase_err("pre_backward", self.phase));
+        }
+        self.prefetch(Dir::Backward, u)?;
+        self.materialize(u)?;
+        if self.gbufs[u].is_none() {
+            let g = self.grad_buffer(u);
+            self.gbufs[u] = Some(g);
+        }
+        self.compute_from[u].get_or_insert_with(Instant::now);
+        Ok(())
+    }
+
+    /// After unit `u`'s backward: its gradients are complete; they go to
+    /// the reducer (or accumulate until the step's last micro-batch, for
+    /// strategies that keep whole gradients), and its parameters are freed.
+    ///
+    /// # Errors
+    /// [`Error::Order`] without a matching [`pre_backward`](Self::pre_backward);
+    /// a reducer error.
+    pub fn post_backward(&mut self, u: usize) -> Result<()> {
+        self.check_unit(u)?;
+        let (Phase::Train { local, .. }, Some(micro)) = (self.phase, self.micro()) else {
+            return Err(phase_err("post_backward", self.phase));
+        };
+        let g = self.gbufs[u].take().ok_or_else(|| Error::Order {
+            reason: format!("post_backward of unit {u} without pre_backward"),
+        })?;
+        let from = self.compute_from[u].take().unwrap_or_else(Instant::now);
+        self.spans.push(
+            Track::Compute,
+            "backward",
+            Some(u),
+            Some(micro),
+            from,
+            Instant::now(),
+        );
+        self.free_slot(u);
+        self.backward_done[u] = true;
+        self.finish_unit_grads(u, micro, micro + 1 == local, g)?;
+        self.drain_reductions(false)
+    }
+
+    /// Unit `u`'s f32 parameters (without padding), between its
+    /// `pre_*` and `post_*` hooks (any time for strategies that do not
+    /// shard parameters).
+    ///
+    /// # Errors
+    /// [`Error::Order`] if the unit is not gathered.
+    pub fn params(&self, u: usize) -> Result<&[f32]> {
+        self.check_unit(u)?;
+        unit_params(&self.units, &self.slots, &self.plan, u).ok_or_else(|| Error::Order {
+            reason: format!(
+                "unit {} is not gathered (call pre_forward or pre_backward first)",
+                self.plan.units()[u].name
+            ),
+        })
+    }
+
+    /// Unit `u`'s gradient buffer (without padding), between
+    /// [`pre_backward`](Self::pre_backward) and
+    /// [`post_backward`](Self::post_backward); the backward adds into it.
+    ///
+    /// # Errors
+    /// [`Error::Order`] outside those hooks.
+    pub fn grads_mut(&mut self, u: usize) -> Result<&mut [f32]> {
+        Ok(self.view(u)?.1)
+    }
+
+    /// Unit `u`'s parameters and gradient buffer together.
+    ///
+    /// # Errors
+    /// As [`params`](Self::params) and [`grads_mut`](Self::grads_mut).
+    pub fn view(&mut self, u: usize) -> Result<(&[f32], &mut [f32])> {
+        self.check_unit(u)?;
+        let len = self.plan.units()[u].len();
+        let name = &self.plan.units()[u].name;
+        let p =
+            unit_params(&self.units, &self.slots, &self.plan, u).ok_or_else(|| Error::Order {
+                reason: format!("unit {name} is not gathered"),
+            })?;
+        let g = self.gbufs[u].as_mut().ok_or_else(|| Error::Order {
+            reason: format!("unit {name} has no gradient buffer (call pre_backward first)"),
+        })?;
+        Ok((p, &mut g[..len]))
+    }
+
+    /// The views of two different units at once (a unit whose backward
+    /// also writes another's gradients: a tied output head).
+    ///
+    /// # Errors
+    /// As [`view`](Self::view); [`Error::Order`] if `a == b`.
+    #[allow(clippy::type_complexity)]
+    pub fn views2(
+        &mut self,
+        a: usize,
+        b: usize,
+    ) -> Result<((&[f32], &mut [f32]), (&[f32], &mut [f32]))> {
+        self.check_unit(a)?;
+        self.check_unit(b)?;
+        if a == b {
+            return Err(Error::Order {
+                reason: format!("views2 of unit {a} twice"),
+            });
+        }
+        let missing = |u: usize| Error::Order {
+            reason: format!(
+                "unit {} is not gathered or has no gradient buffer",
+                self.plan.units()[u].name
+            ),
+        };
+        let (la, lb) = (self.plan.units()[a].len(), self.plan.units()[b].len());
+        let pa = unit_params(&self.units, &self.slots, &self.plan, a).ok_or_else(|| missing(a))?;
+        let pb = unit_params(&self.units, &self.slots, &self.plan, b).ok_or_else(|| missing(b))?;
+        if self.gbufs[a].is_none() {
+            return Err(missing(a));
+        }
+        if self.gbufs[b].is_none() {
+            return Err(missing(b));
+        }
+        let (lo, hi) = self.gbufs.split_at_mut(a.max(b));
+        let (first, second) = (&mut lo[a.min(b)], &mut hi[0]);
+        let (ga, gb) = if a < b {
+            (first, second)
+        } else {
+            (second, first)
+        };
+        let ga = ga.as_mut().map(|g| &mut g[..la]).unwrap_or_default();
+        let gb = gb.as_mut().map(|g| &mut g[..lb]).unwrap_or_default();
+        Ok(((pa, ga), (pb, gb)))
+    }
+
+    /// After the step's last micro-batch: waits for every reduction.
+    ///
+    /// # Errors
+    /// [`Error::Order`] outside a step or before its last micro-batch; a
+    /// reducer error.
+    pub fn finish_backward(&mut self) -> Result<()> {
+        match self.phase {
+            Phase::Train { local, micro } if micro.wrapping_add(1) == local => {}
+            p => return Err(phase_err("finish_backward", p)),
+        }
+        self.drain_reductions(true)
+    }
+
+    /// This rank's shards' part of the squared gradient norm, classed by
+    /// placement and merged over the shard group (exactly), after
+    /// [`finish_backward`](Self::finish_backward). The caller adds the
+    /// other parts of the model and finishes the norm over its mesh.
+    ///
+    /// # Errors
+    /// A collective error; [`Error::Config`] if a unit got no gradient.
+    pub fn grad_norm(&mut self) -> Result<GradNorm> {
+        let t0 = Instant::now();
+        let mut norm = GradNorm::new();
+        for u in 0..self.grads.len() {
+            let g = self.final_grad(&self.grads[u], u)?;
+            let unit = &self.plan.units()[u];
+            let held = unit.shard_in_model(self.rank);
+            let shard_start = unit.range.start + unit.shard(self.rank).start;
+            for s in self.plan.specs() {
+                let r = s.range();
+                let (a, b) = (r.start.max(held.start), r.end.min(held.end));
+                if a < b {
+                    norm.add(&s.placements, &g[a - shard_start..b - shard_start]);
+                }
+            }
+        }
+        self.spans
+            .push(Track::Compute, "grad_norm", None, None, t0, Instant::now());
+        if self.n > 1 {
+            let t1 = Instant::now();
+            norm.merge_over(&*self.params_comm)?;
+            self.spans
+                .push(Track::Comm, "norm_exchange", None, None, t1, Instant::now());
+        }
+        Ok(norm)
+    }
+
+    /// The AdamW update of this rank's shards with the gradients times
+    /// `clip_coef` (1: no clipping), then the compute copies refreshed
+    /// (ZeRO-1/2: the updated shards all-gathered). Ends the step.
+    ///
+    /// # Errors
+    /// A kernel or collective error; [`Error::Order`] outside a step.
+    pub fn apply(&mut self, clip_coef: f32, hp: &AdamW) -> Result<()> {
+        if !matches!(self.phase, Phase::Train { .. }) {
+            return Err(phase_err("apply", self.phase));
+        }
+        self.step += 1;
+        let t2 = Instant::now();
+        for u in 0..self.grads.len() {
+            let acc = std::mem::take(&mut self.grads[u]);
+            let mut g = self.final_grad(&acc, u)?;
+            let gb = bytes_of(&g);
+            self.mem.alloc(Category::Gradients, gb);
+            self.release(&acc);
+            drop(acc);
+            if clip_coef != 1.0 {
+                g.iter_mut().for_each(|x| *x *= clip_coef);
+            }
+            let opt = self.optimizer_range(u);
+            let runs: Vec<(Range<usize>, bool)> = self
+                .plan
+                .decay_runs(u)
+                .into_iter()
+                .filter_map(|(run, decay)| {
+                    let (a, e) = (run.start.max(opt.start), run.end.min(opt.end));
+                    (a < e).then(|| (a - opt.start..e - opt.start, decay))
+                })
+                .collect();
+            let st = &mut self.units[u];
+            weft_parallel::adamw_runs(
+                runs,
+                &mut st.master,
+                &g,
+                &mut st.m,
+                &mut st.v,
+                hp,
+                self.step,
+            )?;
+            self.mem.free(Category::Gradients, gb);
+        }
+        self.spans
+            .push(Track::Compute, "optimizer", None, None, t2, Instant::now());
+        for u in 0..self.plan.units().len() {
+            self.refresh_compute_params(u)?;
+        }
+        self.phase = Phase::Idle;
+        Ok(())
+    }
+
+    /// Drops the step's gradients without an update (a non-finite loss or
+    /// norm). Ends the step.
+    pub fn skip(&mut self) {
+        for u in 0..self.grads.len() {
+            let acc = std::mem::take(&mut self.grads[u]);
+            self.release(&acc);
+        }
+        self.phase = Phase::Idle;
+    }
+
+    /// Unregisters an accumulator's memory.
+    fn release(&mut self, acc: &GradAcc) {
+        let bytes = match acc {
+            GradAcc::Reduced(v, _) => v.bytes(),
+            GradAcc::ShardExact(x) => x.bytes(),
+            GradAcc::Full(v) => bytes_of(v),
+            GradAcc::FullExact(x) => x.encoded_bytes(),
+            GradAcc::None => 0,
+        };
+        self.mem.free(Category::Gradients, bytes);
+    }
+
+    // ------------------------------------------------------- the machinery
+
+    fn prefetch(&mut self, dir: Dir, u: usize) -> Result<()> {
+        if !self.cfg.strategy.shards_params() {
+            return Ok(());
+        }
+        let nu = self.plan.units().len();
+        for k in 1..=self.cfg.prefetch {
+            let next = match dir {
+                Dir::Forward => u + k,
+                Dir::Backward => match u.checked_sub(k) {
+                    Some(v) => v,
+                    None => break,
+                },
+            };
+            if next >= nu {
+                break;
+            }
+            self.issue_gather(next)?;
+        }
+        Ok(())
+    }
+
+    /// Starts gathering unit `u` (sharded parameters only; a no-op if it is
+    /// in flight or ready).
+    fn issue_gather(&mut self, u: usize) -> Result<()> {
+        if !matches!(self.slots[u], Slot::Empty) {
+            return Ok(());
+        }
+        let unit = &self.plan.units()[u];
+        let padded = unit.padded_len(self.n);
+        let st = &self.units[u];
+        let what = format!("all_gather of unit {}", unit.name);
+        let start = Instant::now();
+        let (handle, bytes) = match &st.shard_lp {
+            Some(LowVec::Bf16(sh)) => {
+                let p = self
+                    .params_comm
+                    .all_gather_async(sh.clone(), padded)
+                    .map_err(comm(&what))?;
+                (watch(p, LowVec::Bf16)?, padded * 2 + sh.len() * 2)
+            }
+            _ => {
+                let p = self
+                    .params_comm
+                    .all_gather_async(st.master.clone(), padded)
+                    .map_err(comm(&what))?;
+                (watch(p, LowVec::F32)?, padded * 4 + st.master.len() * 4)
+            }
+        };
+        self.mem.alloc(Category::GatheredParams, bytes);
+        self.slots[u] = Slot::Flight {
+            handle,
+            start,
+            bytes,
+        };
+        Ok(())
+    }
+
+    /// Makes unit `u`'s f32 parameters available in `slots[u]` (sharded
+    /// parameters: waits for its gather; bf16 replicated: widens).
+    fn materialize(&mut self, u: usize) -> Result<()> {
+        let len = self.plan.units()[u].padded_len(self.n);
+        if self.cfg.strategy.shards_params() {
+            self.issue_gather(u)?;
+            match std::mem::take(&mut self.slots[u]) {
+                Slot::Flight {
+                    handle,
+                    start,
+                    bytes,
+                } => {
+                    let data = self.land(handle, start, bytes, u, len)?;
+                    self.slots[u] = Slot::Ready(data);
+                }
+                other => self.slots[u] = other,
+            }
+        } else if matches!(self.slots[u], Slot::Empty)
+            && let Some(LowVec::Bf16(res)) = &self.units[u].resident
+        {
+            let mut w = vec![0.0f32; len];
+            w.iter_mut().zip(res).for_each(|(o, x)| *o = x.to_f32());
+            self.mem.alloc(Category::GatheredParams, bytes_of(&w));
+            self.slots[u] = Slot::Ready(w);
+        }
+        Ok(())
+    }
+
+    /// Waits for a gather and widens it to f32.
+    fn land(
+        &mut self,
+        handle: JoinHandle<(weft_collectives::Result<LowVec>, Instant)>,
+        start: Instant,
+        bytes: usize,
+        u: usize,
+        len: usize,
+    ) -> Result<Vec<f32>> {
+        let w0 = Instant::now();
+        let (r, end) = handle.join().unwrap_or_else(|_| {
+            (
+                Err(weft_collectives::Error::RankPanicked {
+                    rank: self.dp_rank,
+                    message: "all-gather watcher panicked".into(),
+                }),
+                Instant::now(),
+            )
+        });
+        let w1 = Instant::now();
+        let micro = self.micro();
+        self.spans
+            .push(Track::Comm, "all_gather", Some(u), micro, start, end);
+        if end > w0 {
+            self.spans
+                .push(Track::Wait, "wait all_gather", Some(u), micro, w0, w1);
+        }
+        let got = r.map_err(comm(format!(
+            "all_gather of unit {}",
+            self.plan.units()[u].name
+        )))?;
+        Ok(match got {
+            LowVec::F32(v) => {
+                // the input copy is gone; the gathered buffer stays
+                self.mem
+                    .free(Category::GatheredParams, bytes - bytes_of(&v));
+                v
+            }
+            LowVec::Bf16(v) => {
+                let mut w = vec![0.0f32; len];
+                self.mem.alloc(Category::GatheredParams, bytes_of(&w));
+                w.iter_mut().zip(&v).for_each(|(o, x)| *o = x.to_f32());
+                self.mem.free(Category::GatheredParams, bytes);
+                w
+            }
+        })
+    }
+
+    fn free_slot(&mut self, u: usize) {
+        match std::mem::take(&mut self.slots[u]) {
+            Slot::Ready(v) => self.mem.free(Category::GatheredParams, bytes_of(&v)),
+            Slot::Flight { handle, bytes, .. } => {
+                // a prefetch never used (e.g. an evaluation's last units)
+                let _ = handle.join();
+                self.mem.free(Category::GatheredParams, bytes);
+            }
+            Slot::Empty => {}
+        }
+    }
+
+    fn drain_reductions(&mut self, block: bool) -> Result<()> {
+        loop {
+            let done = if block {
+                if self.reducer.pending() == 0 {
+                    return Ok(());
+                }
+                let w0 = Instant::now();
+                let d = self.reducer.next()?;
+                let w1 = Instant::now();
+                if d.end > w0 {
+                    self.spans.push(
+                        Track::Wait,
+                        "wait reduce",
+                        Some(d.unit),
+                        Some(d.micro),
+                        w0,
+                        w1,
+                    );
+                }
+                d
+            } else {
+                match self.reducer.try_next() {
+                    Some(d) => d,
+                    None => return Ok(()),
+                }
+            };
+            self.accept(done)?;
+        }
+    }
+
+    fn accept(&mut self, d: Done) -> Result<()> {
+        self.spans.push(
+            Track::Comm,
+            "reduce_scatter",
+            Some(d.unit),
+            Some(d.micro),
+            d.start,
+            d.end,
+        );
+        // what was handed over is gone now (the reducer works in order)
+        let held = self.in_flight.pop_front().unwrap_or(0);
+        self.mem.free(Category::Gradients, held);
+        let out = d.result?;
+        let acc = &mut self.grads[d.unit];
+        match (std::mem::take(acc), out) {
+            (GradAcc::None, GradOut::Plain(v, mean)) => {
+                self.mem.alloc(Category::Gradients, v.bytes());
+                *acc = GradAcc::Reduced(v, mean);
+            }
+            (GradAcc::Reduced(mut a, false), GradOut::Plain(v, false)) => {
+                a.add_assign(&v);
+                *acc = GradAcc::Reduced(a, false);
+            }
+            (GradAcc::None, GradOut::Exact(x)) => {
+                self.mem.alloc(Category::Gradients, x.bytes());
+                *acc = GradAcc::ShardExact(x);
+            }
+            (GradAcc::ShardExact(mut a), GradOut::Exact(x)) => {
+                let before = a.bytes();
+                a.merge(&x)?;
+                self.mem.free(Category::Gradients, before);
+                self.mem.alloc(Category::Gradients, a.bytes());
+                *acc = GradAcc::ShardExact(a);
+            }
+            (other, _) => {
+                *acc = other;
+                return Err(Error::Config {
+                    field: "reducer",
+                    reason: format!("unexpected reduction result for unit {}", d.unit),
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// Hands unit `u`'s gradients of micro-batch `micro` to the reducer, or
+    /// accumulates them locally until the last micro-batch (strategies that
+    /// do not shard gradients).
+    fn finish_unit_grads(
+        &mut self,
+        u: usize,
+        micro: usize,
+        last_micro: bool,
+        g: Vec<f32>,
+    ) -> Result<()> {
+        let strategy = self.cfg.strategy;
+        let repro = self.cfg.reproducible;
+        let chunk = self.plan.units()[u].shard_len;
+        let reduce = self.cfg.precision.reduce;
+        let gbytes = bytes_of(&g);
+        let single_micro = matches!(self.phase, Phase::Train { local: 1, .. });
+        let to_wire = |g: Vec<f32>| {
+            if reduce == Dtype::F32 {
+                LowVec::F32(g)
+            } else {
+                LowVec::from_f32(&g, reduce)
+            }
+        };
+        let partial = |g: &[f32]| -> Result<ExactPartial> {
+            let mut p = ExactPartial::new(g.len());
+            p.add(g).map_err(comm("accumulating an exact partial"))?;
+            Ok(p)
+        };
+        let data = if strategy.shards_grads() {
+            if !repro {
+                GradIn::Plain(to_wire(g))
+            } else if single_micro && strategy != Strategy::Hybrid {
+                // one contribution per rank: the collectives' exact
+                // reduce-scatter rounds the final sum at once
+                GradIn::Partial(partial(&g)?)
+            } else {
+                // accumulated over micro-batches (or merged across
+                // replicas): exchange exact partials of the shards
+                GradIn::Exact(ExactBuf::encode(&g, chunk))
+            }
+        } else {
+            // ZeRO-1: accumulate the whole unit over the micro-batches,
+            // reduce-scatter once after the last.
+            let acc = match (std::mem::take(&mut self.grads[u]), repro) {
+                (GradAcc::FullExact(mut x), true) => {
+                    let before = x.encoded_bytes();
+                    x.add(&g).map_err(comm("accumulating an exact partial"))?;
+                    self.mem.free(Category::Gradients, gbytes + before);
+                    self.mem.alloc(Category::Gradients, x.encoded_bytes());
+                    GradAcc::FullExact(x)
+                }
+                (_, true) => {
+                    let x = partial(&g)?;
+                    self.mem.free(Category::Gradients, gbytes);
+                    self.mem.alloc(Category::Gradients, x.encoded_bytes());
+                    GradAcc::FullExact(x)
+                }
+                // plain: `g` is the accumulator (see `grad_buffer`)
+                (_, false) => GradAcc::Full(g),
+            };
+            if !last_micro {
+                self.grads[u] = acc;
+                return Ok(());
+            }
+            match acc {
+                GradAcc::FullExact(x) => {
+                    self.mem.free(Category::Gradients, x.encoded_bytes());
+                    self.mem.alloc(Category::Gradients, gbytes);
+                    GradIn::Partial(x)
+                }
+                GradAcc::Full(a) => GradIn::Plain(to_wire(a)),
+                _ => unreachable!("accumulated above"),
+            }
+        };
+        // What the reducer now owns, counted until it reports back.
+        let held = match &data {
+            GradIn::Exact(x) => x.bytes(),
+            GradIn::Plain(v) => v.bytes(),
+            GradIn::Partial(p) => p.encoded_bytes(),
+        };
+        self.mem.free(Category::Gradients, gbytes);
+        self.mem.alloc(Category::Gradients, held);
+        self.in_flight.push_back(held);
+        self.reducer.submit(u, micro, data)
+    }
+
+    /// A zeroed whole-unit gradient buffer for unit `u`, or (plain ZeRO-1)
+    /// the running accumulator itself, so the model's `+=` accumulates
+    /// micro-batches in place.
+    fn grad_buffer(&mut self, u: usize) -> Vec<f32> {
+        if !self.cfg.strategy.shards_grads()
+            && !self.cfg.reproducible
+            && let GradAcc::Full(a) = std::mem::take(&mut self.grads[u])
+        {
+            return a; // already counted
+        }
+        let g = vec![0.0f32; self.plan.units()[u].padded_len(self.n)];
+        self.mem.alloc(Category::Gradients, bytes_of(&g));
+        g
+    }
+
+    /// The f32 gradient of unit `u` on this rank's shard: the mean over the
+    /// micro-batches of the global batch.
+    fn final_grad(&self, acc: &GradAcc, u: usize) -> Result<Vec<f32>> {
+        let want = self.units[u].master.len();
+        let global_m = self.global_m;
+        let widen = |v: &LowVec| {
+            let mut g = vec![0.0f32; v.len()];
+            v.widen_into(&mut g);
+            g
+        };
+        let g = match acc {
+            GradAcc::Reduced(v, true) => widen(v),
+            GradAcc::Reduced(v, false) => {
+                // plain mode: the rounded sum, divided
+                #[allow(clippy::cast_precision_loss)]
+                let m = global_m as f32;
+                let mut g = widen(v);
+                if global_m != 1 {
+                    g.iter_mut().for_each(|x| *x /= m);
+                }
+                g
+            }
+            GradAcc::ShardExact(x) => {
+                if self.cfg.precision.reduce == Dtype::BF16 {
+                    widen(&LowVec::Bf16(x.mean(global_m)?))
+                } else {
+                    x.mean(global_m)?
+                }
+            }
+            _ => {
+                return Err(Error::Config {
+                    field: "reducer",
+                    reason: format!("unit {u} received no reduced gradient"),
+                });
+            }
+        };
+        if g.len() != want {
+            return Err(Error::StateShape {
+                what: format!("reduced gradient of unit {u}"),
+                expected: want,
+                got: g.len(),
+            });
+        }
+        Ok(g)
+    }
+}
+
+/// Unit `u`'s f32 parameters without padding, if available.
+fn unit_params<'a>(
+    units: &'a [UnitState],
+    slots: &'a [Slot],
+    plan: &UnitPlan,
+    u: usize,
+) -> Option<&'a [f32]> {
+    let len = plan.units()[u].len();
+    match &slots[u] {
+        Slot::Ready(v) => Some(&v[..len]),
+        Slot::Flight { .. } => None,
+        Slot::Empty => match &units[u].resident {
+            Some(LowVec::F32(v)) => Some(&v[..len]),
+            _ => None,
+        },
+    }
+}
+
+/// Waits for `p` on a watcher thread that stamps the completion time.
+#[allow(clippy::type_complexity)]
+fn watch<T: weft_collectives::Element>(
+    p: Pending<Vec<T>>,
+    f: fn(Vec<T>) -> LowVec,
+) -> Result<JoinHandle<(weft_collectives::Result<LowVec>, Instant)>> {
+    std::thread::Builder::new()
+        .name("weft-fsdp-gather".into())
+        .spawn(move || {
+            let r = p.wait().map(f);
+            (r, Instant::now())
+        })
+        .map_err(|e| Error::Config {
+            field: "prefetch",
+            reason: format!("cannot spawn an all-gather watcher thread: {e}"),
+        })
+}

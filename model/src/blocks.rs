@@ -1,0 +1,1359 @@
+//! [`GptBlocks`]: the computation of a GPT-2 — the embedding, one
+//! transformer block, the head — as functions over explicit parameter,
+//! gradient and activation slices, on one rank or a tensor-parallel rank's
+//! shard (the [`tp`](crate::tp) module's sharding styles in the same code).
+
+use std::ops::Range;
+use std::sync::Arc;
+
+use weft_kernels::{
+    Mode, attention_backward, attention_forward, encoder_backward, encoder_forward,
+    fused_classifier_backward, fused_classifier_forward, layernorm_backward,
+    layernorm_backward_input, layernorm_backward_weight, layernorm_forward, matmul_backward,
+    matmul_backward_input, matmul_backward_weight, matmul_backward_wt, matmul_forward,
+    matmul_forward_wt, residual_forward,
+};
+use weft_parallel::{Coords, ParamLayout};
+
+use crate::chunk::{Lm, PieceRanges};
+use crate::config::GptConfig;
+use crate::error::{Error, Result};
+use crate::ffn::{Dims, FeedForward};
+use crate::params::{BlockLayout, Pieces, Sharding, param_layout};
+use crate::tp::{TensorParallel, VocabShard, split_err};
+
+/// The computation of a GPT-2, separated from its parameters: the
+/// embedding, one transformer block and the head as functions over
+/// explicit parameter, gradient and activation slices.
+///
+/// This is what [`Gpt`](crate::Gpt) runs, and what a pipeline stage
+/// ([`GptStage`](crate::GptStage)) or an FSDP unit runs with its own (or a
+/// just-gathered) parameter slice — the one block code path of every
+/// layout. Calling these functions in the order
+/// [`Gpt::forward`](crate::Gpt::forward) / [`Gpt::backward`](crate::Gpt::backward)
+/// do gives bitwise their results.
+///
+/// # Parameter slices
+///
+/// The slices are cut from the flat buffer of [`layout`](Self::layout)
+/// (or any buffer with the same order):
+///
+/// * embedding, [`embed_range`](Self::embed_range): `wte (V,C)` then
+///   `wpe (maxT,C)`, [`embed_len`](Self::embed_len) floats;
+/// * block `l`, [`block_range`](Self::block_range): `ln_1.weight (C)`,
+///   `ln_1.bias (C)`, `attn.c_attn.weight (C,3C)`, `attn.c_attn.bias
+///   (3C)`, `attn.c_proj.weight (C,C)`, `attn.c_proj.bias (C)`,
+///   `ln_2.weight (C)`, `ln_2.bias (C)`, then the feed-forward block's
+///   tensors in [`FeedForward::params`] order (for [`Mlp`](crate::Mlp):
+///   `mlp.c_fc.weight (C,4C)`, `mlp.c_fc.bias (4C)`, `mlp.c_proj.weight
+///   (4C,C)`, `mlp.c_proj.bias (C)`), [`block_len`](Self::block_len)
+///   floats ([`block_layout`](Self::block_layout) has the offsets);
+/// * final layernorm, [`lnf_range`](Self::lnf_range): `ln_f.weight (C)`,
+///   `ln_f.bias (C)`;
+/// * language-model head, [`lm_head_range`](Self::lm_head_range): `wte`
+///   itself when embeddings are tied, else `lm_head.weight (V,C)` at the
+///   end of the buffer.
+///
+/// Gradient slices have the same shapes; every backward function
+/// *accumulates* (`+=`) into them, with the same kernel calls on the same
+/// buffer as [`Gpt::backward`](crate::Gpt::backward), so accumulating
+/// micro-batches in place gives bitwise the bits of a model doing the same.
+///
+/// # Tensor parallelism
+///
+/// Built [`with_tp`](Self::with_tp), the shapes above are this rank's
+/// shard (the layout's placements: heads, MLP columns and rows, vocabulary
+/// rows), and the functions do the group's communication of the sharding
+/// styles (the [`tp`](crate::tp) module). Each function's activation rows
+/// are the rank's rows of the residual stream — all `B·T`, or its `B·T/tp`
+/// under sequence parallelism — and every rank of the group calls it with
+/// the same tokens. Without a group (or with one of size 1) nothing is
+/// split and the calls are exactly the unsplit ones.
+///
+/// # Backward split
+///
+/// [`block_backward`](Self::block_backward) is the whole backward of a
+/// block. For zero-bubble schedules it splits into
+/// [`block_backward_input`](Self::block_backward_input) (B: the gradient
+/// of the block's input, saving in a [`WeightInputs`] what the weight
+/// gradients need) and [`block_backward_weight`](Self::block_backward_weight)
+/// (W: the parameter gradients). B then W gives bitwise the gradients of
+/// the whole backward. The attention half and the layernorms run the
+/// split kernels ([`matmul_backward_input`](weft_kernels::matmul_backward_input)
+/// in B, [`matmul_backward_weight`](weft_kernels::matmul_backward_weight) in
+/// W, likewise for layernorm), which are the whole backward's kernels cut
+/// in two, so nothing is computed twice there. The feed-forward block runs
+/// [`FeedForward::backward_input`] in B and
+/// [`FeedForward::backward_weight`] in W: the dense MLP splits like the
+/// attention half; a block that cannot split (the mixture of experts) runs
+/// its whole backward in each, the unwanted half going to a scratch sink.
+#[derive(Clone, Debug)]
+pub struct GptBlocks {
+    config: GptConfig,
+    ffn: Arc<dyn FeedForward>,
+    layout: ParamLayout,
+    pieces: Pieces,
+    blk: BlockLayout,
+    tp: Option<TensorParallel>,
+    vocab: VocabShard,
+    mode: Mode,
+}
+
+/// What one block's forward keeps for its backward, for one micro-batch of
+/// `B` sequences of `T` tokens; plan it with [`GptBlocks::block_acts`].
+/// The block's output (the residual stream after the block) is
+/// [`out`](Self::out); its input is not stored here (it is the previous
+/// block's output, or the embedding, or what a pipeline stage received).
+/// `rows` below is the rank's rows of the residual stream (`B·T`, or
+/// `B·T/tp` under sequence parallelism), `Ca = C/tp` and `NHa = NH/tp` its
+/// attention width and heads.
+#[derive(Clone, Debug)]
+pub struct BlockActs {
+    b: usize,
+    t: usize,
+    layer: usize,             // set by the forward, read by the backward
+    ln1: Vec<f32>,            // (B·T, C), gathered under SP
+    ln1_mean: Vec<f32>,       // (rows)
+    ln1_rstd: Vec<f32>,       // (rows)
+    qkv: Vec<f32>,            // (B·T, 3Ca)
+    atty: Vec<f32>,           // (B·T, Ca)
+    att: Vec<f32>,            // (B, NHa, T, T)
+    res2: Vec<f32>,           // (rows, C)
+    ln2: Vec<f32>,            // (B·T, C), gathered under SP
+    ln2_mean: Vec<f32>,       // (rows)
+    ln2_rstd: Vec<f32>,       // (rows)
+    ffn_saved: Vec<f32>,      // the feed-forward block's saved_len
+    pub(crate) out: Vec<f32>, // (rows, C)
+}
+
+impl BlockActs {
+    /// The block's output `(rows, C)` after [`GptBlocks::block_forward`].
+    pub fn out(&self) -> &[f32] {
+        &self.out
+    }
+    /// Batch size these buffers were planned for.
+    pub fn batch(&self) -> usize {
+        self.b
+    }
+    /// Sequence length these buffers were planned for.
+    pub fn seq_len(&self) -> usize {
+        self.t
+    }
+    /// Bytes held.
+    pub fn bytes(&self) -> usize {
+        4 * [
+            &self.ln1,
+            &self.ln1_mean,
+            &self.ln1_rstd,
+            &self.qkv,
+            &self.atty,
+            &self.att,
+            &self.res2,
+            &self.ln2,
+            &self.ln2_mean,
+            &self.ln2_rstd,
+            &self.ffn_saved,
+            &self.out,
+        ]
+        .iter()
+        .map(|v| v.len())
+        .sum::<usize>()
+    }
+}
+
+/// What the head's forward keeps for its backward (final layernorm,
+/// logits, per-token losses, targets); plan it with
+/// [`GptBlocks::head_acts`].
+#[derive(Clone, Debug)]
+pub struct HeadActs {
+    b: usize,
+    t: usize,
+    targets: Vec<u32>, // (B,T)
+    has_targets: bool,
+    lnf: Vec<f32>,      // (B·T, C), gathered under SP
+    lnf_mean: Vec<f32>, // (rows)
+    lnf_rstd: Vec<f32>, // (rows)
+    logits: Vec<f32>,   // (B·T, V_l); holds dlogits after backward
+    losses: Vec<f32>,   // (B·T)
+    stats: Vec<f32>,    // (2·B·T) each row's max logit and sum of exponentials
+}
+
+impl HeadActs {
+    /// Logits `(B·T, V)` of the last forward — this rank's vocabulary
+    /// columns under tensor parallelism (after a backward they hold the
+    /// logits' gradient instead).
+    pub fn logits(&self) -> &[f32] {
+        &self.logits
+    }
+    /// Per-token losses `(B·T)` of the last forward with targets (the same
+    /// on every tensor-parallel rank).
+    pub fn losses(&self) -> &[f32] {
+        &self.losses
+    }
+    /// Bytes held.
+    pub fn bytes(&self) -> usize {
+        4 * (self.targets.len()
+            + self.lnf.len()
+            + self.lnf_mean.len()
+            + self.lnf_rstd.len()
+            + self.logits.len()
+            + self.losses.len()
+            + self.stats.len())
+    }
+}
+
+/// Working buffers of one block's forward and backward, reusable across
+/// blocks and micro-batches of the same shape; plan it with
+/// [`GptBlocks::scratch`].
+#[derive(Clone, Debug)]
+pub struct BlockScratch {
+    tmp: Vec<f32>,         // (B·T, C) block outputs before the residual add
+    dln: Vec<f32>,         // (B·T, C)
+    datty: Vec<f32>,       // (B·T, Ca)
+    dqkv: Vec<f32>,        // (B·T, 3Ca)
+    datt: Vec<f32>,        // (B, NHa, T, T)
+    ffn_scratch: Vec<f32>, // the feed-forward block's scratch_len
+    /// Under sequence parallelism: the rank's rows `(rows, C)`, and the
+    /// gathered whole `(B·T, C)`.
+    rows: Vec<f32>,
+    full: Vec<f32>,
+    /// Sinks for the half a feed-forward block that cannot split its
+    /// backward discards in B and W: an input gradient and the block's
+    /// parameter gradients. Empty unless such a block needs them.
+    sink_x: Vec<f32>,
+    sink_p: Vec<f32>,
+}
+
+impl BlockScratch {
+    /// Bytes held.
+    pub fn bytes(&self) -> usize {
+        4 * [
+            &self.tmp,
+            &self.dln,
+            &self.datty,
+            &self.dqkv,
+            &self.datt,
+            &self.ffn_scratch,
+            &self.rows,
+            &self.full,
+            &self.sink_x,
+            &self.sink_p,
+        ]
+        .iter()
+        .map(|v| v.len())
+        .sum::<usize>()
+    }
+}
+
+/// What [`GptBlocks::block_backward_input`] (B) saves for
+/// [`GptBlocks::block_backward_weight`] (W): the gradients flowing into
+/// each parameterised op of the block (7·B·T·C floats unsplit), and what
+/// the feed-forward block's input half saves for its weight half
+/// ([`FeedForward::split_saved_len`]: 4·B·T·C for the dense MLP). Plan one
+/// per micro-batch whose W is pending with [`GptBlocks::weight_inputs`].
+#[derive(Clone, Debug)]
+pub struct WeightInputs {
+    dres3: Vec<f32>, // (rows, C) d(block output) = d(ffn output)
+    dln2: Vec<f32>,  // (rows, C) d(ln_2 output)
+    dres2: Vec<f32>, // (B·T, C) d(attention proj output), gathered under SP
+    dqkv: Vec<f32>,  // (B·T, 3Ca) d(qkv)
+    dln1: Vec<f32>,  // (rows, C) d(ln_1 output)
+    dffn: Vec<f32>,  // the feed-forward block's own
+    ready: bool,
+}
+
+impl WeightInputs {
+    /// Bytes held.
+    pub fn bytes(&self) -> usize {
+        4 * (self.dres3.len()
+            + self.dln2.len()
+            + self.dres2.len()
+            + self.dqkv.len()
+            + self.dln1.len()
+            + self.dffn.len())
+    }
+}
+
+fn two_mut(buf: &mut [f32], a: Range<usize>, b: Range<usize>) -> (&mut [f32], &mut [f32]) {
+    debug_assert!(a.end <= b.start);
+    let (lo, hi) = buf.split_at_mut(b.start);
+    (&mut lo[a], &mut hi[..b.end - b.start])
+}
+
+fn check_len(what: &str, got: usize, want: usize) -> Result<()> {
+    if got == want {
+        Ok(())
+    } else {
+        Err(Error::Batch {
+            reason: format!("{what} holds {got} floats, expected {want}"),
+        })
+    }
+}
+
+/// The rows of the residual stream a rank holds, gathered to all `B·T`
+/// under sequence parallelism.
+fn gathered<'a>(
+    tp: Option<&TensorParallel>,
+    x: &'a [f32],
+    full: &'a mut [f32],
+) -> Result<&'a [f32]> {
+    match tp {
+        Some(tp) => tp.enter_column(x, full),
+        None => Ok(x),
+    }
+}
+
+impl GptBlocks {
+    /// The per-block functions of a model with this configuration and
+    /// feed-forward block, on one rank (the block's experts may still be
+    /// sharded over an expert group: [`FeedForward::expert_parallel`]).
+    ///
+    /// # Errors
+    /// [`Error::Config`] if the configuration is inconsistent.
+    pub fn new(config: GptConfig, ffn: Arc<dyn FeedForward>) -> Result<Self> {
+        Self::build(config, ffn, None)
+    }
+
+    /// The per-block functions of this rank's shard of a model split over
+    /// the tensor-parallel group `tp` (see the [`tp`](crate::tp) module).
+    /// A group of one rank is no split.
+    ///
+    /// # Errors
+    /// [`Error::Config`] if the configuration is inconsistent or does not
+    /// split over `tp` (it must divide `n_head`; the vocabulary needs at
+    /// least `tp` tokens).
+    pub fn with_tp(
+        config: GptConfig,
+        ffn: Arc<dyn FeedForward>,
+        tp: TensorParallel,
+    ) -> Result<Self> {
+        let tp = (tp.size() > 1).then_some(tp);
+        Self::build(config, ffn, tp)
+    }
+
+    fn build(
+        config: GptConfig,
+        ffn: Arc<dyn FeedForward>,
+        tp: Option<TensorParallel>,
+    ) -> Result<Self> {
+        let (rank, size) = tp.as_ref().map_or((0, 1), |t| (t.rank(), t.size()));
+        let sharding = Sharding {
+            coords: Coords {
+                ep: ffn.expert_parallel(),
+                tp: (rank, size),
+            },
+            sequence_parallel: tp.as_ref().is_some_and(TensorParallel::sequence_parallel),
+        };
+        let layout = param_layout(&config, ffn.as_ref(), &sharding)?;
+        let pieces = Pieces::of(&layout, &config)?;
+        let vocab = VocabShard::new(config.vocab_size, size, rank)?;
+        Ok(GptBlocks {
+            blk: pieces.block.clone(),
+            config,
+            ffn,
+            layout,
+            pieces,
+            tp,
+            vocab,
+            mode: Mode::default(),
+        })
+    }
+
+    /// This rank's parameter layout (names, shapes, offsets, placements).
+    pub fn layout(&self) -> &ParamLayout {
+        &self.layout
+    }
+
+    /// The offsets of a block's tensors inside its slice.
+    pub fn block_layout(&self) -> &BlockLayout {
+        &self.blk
+    }
+
+    /// The tensor-parallel group, if the blocks are split over one.
+    pub fn tp(&self) -> Option<&TensorParallel> {
+        self.tp.as_ref()
+    }
+
+    /// The pieces of the whole model in its buffer.
+    pub(crate) fn whole_ranges(&self) -> PieceRanges {
+        PieceRanges {
+            embed: Some(self.pieces.embed.clone()),
+            first_layer: 0,
+            blocks: self.pieces.blocks.clone(),
+            lnf: Some(self.pieces.lnf.clone()),
+            lm: Lm::At(self.pieces.lm_head.clone()),
+        }
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &GptConfig {
+        &self.config
+    }
+
+    /// The feed-forward block.
+    pub fn ffn(&self) -> &Arc<dyn FeedForward> {
+        &self.ffn
+    }
+
+    /// How the forward's linear layers split their work (see
+    /// [`Gpt::set_mode`](crate::Gpt::set_mode)).
+    pub fn mode(&self) -> Mode {
+        self.mode
+    }
+
+    /// Sets the forward's [`Mode`].
+    pub fn set_mode(&mut self, mode: Mode) {
+        self.mode = mode;
+    }
+
+    /// Floats in the embedding slice (`wte` then `wpe`).
+    pub fn embed_len(&self) -> usize {
+        self.pieces.embed.len()
+    }
+
+    /// Floats in one block's slice.
+    pub fn block_len(&self) -> usize {
+        self.blk.len()
+    }
+
+    /// Floats in the language-model head's weight (`V·C`, this rank's
+    /// vocabulary rows under tensor parallelism).
+    pub fn lm_head_len(&self) -> usize {
+        self.pieces.lm_head.len()
+    }
+
+    /// Floats in the `wte` weight (`V·C`), the first part of the embedding slice.
+    pub fn wte_len(&self) -> usize {
+        self.pieces.wte.len()
+    }
+
+    /// The embedding's range in the [`layout`](Self::layout)'s buffer.
+    pub fn embed_range(&self) -> Range<usize> {
+        self.pieces.embed.clone()
+    }
+
+    /// Block `l`'s range in the [`layout`](Self::layout)'s buffer.
+    ///
+    /// # Panics
+    /// If `l` is not a layer of the model.
+    pub fn block_range(&self, l: usize) -> Range<usize> {
+        self.pieces.blocks[l].clone()
+    }
+
+    /// The final layernorm's range (`ln_f.weight` then `ln_f.bias`).
+    pub fn lnf_range(&self) -> Range<usize> {
+        self.pieces.lnf.clone()
+    }
+
+    /// The head weight's range: `wte`'s when tied, else `lm_head.weight`'s.
+    pub fn lm_head_range(&self) -> Range<usize> {
+        self.pieces.lm_head.clone()
+    }
+
+    /// Heads and attention width on this rank.
+    fn heads(&self) -> (usize, usize) {
+        let tp = self.tp.as_ref().map_or(1, TensorParallel::size);
+        (self.config.n_head / tp, self.config.n_embd / tp)
+    }
+
+    /// The rows of `n` tokens a rank's residual stream holds.
+    fn rows(&self, n: usize) -> usize {
+        self.tp.as_ref().map_or(n, |tp| tp.rows(n))
+    }
+
+    /// Floats of a rank's residual stream for a `b`×`t` micro-batch:
+    /// `B·T·C`, or its `1/tp` rows under sequence parallelism (what a
+    /// pipeline stage sends and receives).
+    pub fn residual_len(&self, b: usize, t: usize) -> usize {
+        self.rows(b * t) * self.config.n_embd
+    }
+
+    fn sp(&self) -> bool {
+        self.tp
+            .as_ref()
+            .is_some_and(TensorParallel::sequence_parallel)
+    }
+
+    fn check_shape(&self, b: usize, t: usize) -> Result<()> {
+        if b == 0 || t == 0 || t > self.config.block_size {
+            return Err(Error::Batch {
+                reason: format!(
+                    "B={b}, T={t}: need B >= 1 and 1 <= T <= block_size = {}",
+                    self.config.block_size
+                ),
+            });
+        }
+        if let Some(tp) = &self.tp
+            && tp.sequence_parallel()
+            && !(b * t).is_multiple_of(tp.size())
+        {
+            return Err(split_err(
+                "sequence parallelism",
+                format!(
+                    "B·T = {b}·{t} tokens do not split evenly over tp = {}",
+                    tp.size()
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    fn dims(&self, b: usize, t: usize, mode: Mode, layer: usize) -> Dims<'_> {
+        Dims {
+            b,
+            t,
+            c: self.config.n_embd,
+            mode,
+            layer,
+            tp: self.tp.as_ref(),
+        }
+    }
+
+    /// Plans one block's activations for `b` sequences of `t` tokens.
+    ///
+    /// # Errors
+    /// [`Error::Batch`] if `t` exceeds `block_size` or `b*t` is 0;
+    /// [`Error::Split`] if sequence parallelism cannot split `b·t`.
+    pub fn block_acts(&self, b: usize, t: usize) -> Result<BlockActs> {
+        self.check_shape(b, t)?;
+        let c = self.config.n_embd;
+        let (nh, ca) = self.heads();
+        let n = b * t;
+        let rows = self.rows(n);
+        let z = |k: usize| vec![0.0f32; k];
+        Ok(BlockActs {
+            b,
+            t,
+            layer: 0,
+            ln1: z(n * c),
+            ln1_mean: z(rows),
+            ln1_rstd: z(rows),
+            qkv: z(n * 3 * ca),
+            atty: z(n * ca),
+            att: z(b * nh * t * t),
+            res2: z(rows * c),
+            ln2: z(n * c),
+            ln2_mean: z(rows),
+            ln2_rstd: z(rows),
+            ffn_saved: z(self.ffn.saved_len(&self.dims(b, t, self.mode, 0))),
+            out: z(rows * c),
+        })
+    }
+
+    /// Plans the head's activations.
+    ///
+    /// # Errors
+    /// As [`block_acts`](Self::block_acts).
+    pub fn head_acts(&self, b: usize, t: usize) -> Result<HeadActs> {
+        self.check_shape(b, t)?;
+        let c = self.config.n_embd;
+        let n = b * t;
+        let rows = self.rows(n);
+        Ok(HeadActs {
+            b,
+            t,
+            targets: vec![0; n],
+            has_targets: false,
+            lnf: vec![0.0; n * c],
+            lnf_mean: vec![0.0; rows],
+            lnf_rstd: vec![0.0; rows],
+            logits: vec![0.0; n * self.vocab.len()],
+            losses: vec![0.0; n],
+            stats: vec![0.0; 2 * n],
+        })
+    }
+
+    /// Plans the shared working buffers.
+    ///
+    /// # Errors
+    /// As [`block_acts`](Self::block_acts).
+    pub fn scratch(&self, b: usize, t: usize) -> Result<BlockScratch> {
+        self.check_shape(b, t)?;
+        let c = self.config.n_embd;
+        let (nh, ca) = self.heads();
+        let n = b * t;
+        let sp = |k: usize| {
+            if self.sp() {
+                vec![0.0f32; k]
+            } else {
+                Vec::new()
+            }
+        };
+        Ok(BlockScratch {
+            tmp: vec![0.0; n * c],
+            dln: vec![0.0; n * c],
+            datty: vec![0.0; n * ca],
+            dqkv: vec![0.0; n * 3 * ca],
+            datt: vec![0.0; b * nh * t * t],
+            ffn_scratch: vec![0.0; self.ffn.scratch_len(&self.dims(b, t, self.mode, 0))],
+            rows: sp(self.rows(n) * c),
+            full: sp(n * c),
+            sink_x: Vec::new(),
+            sink_p: Vec::new(),
+        })
+    }
+
+    /// Plans what a block's B saves for its W.
+    ///
+    /// # Errors
+    /// As [`block_acts`](Self::block_acts).
+    pub fn weight_inputs(&self, b: usize, t: usize) -> Result<WeightInputs> {
+        self.check_shape(b, t)?;
+        let c = self.config.n_embd;
+        let (_, ca) = self.heads();
+        let n = b * t;
+        let rc = self.rows(n) * c;
+        Ok(WeightInputs {
+            dres3: vec![0.0; rc],
+            dln2: vec![0.0; rc],
+            dres2: vec![0.0; n * c],
+            dqkv: vec![0.0; 3 * n * ca],
+            dln1: vec![0.0; rc],
+            dffn: vec![
+                0.0;
+                self.ffn
+                    .split_saved_len(&self.dims(b, t, Mode::Throughput, 0))
+            ],
+            ready: false,
+        })
+    }
+
+    /// Token plus position embedding: `out (rows,C) = wte[tokens] +
+    /// wpe[pos]`; `params` is the embedding slice (`wte` then `wpe`).
+    /// Vocabulary-parallel under tensor parallelism: each rank's rows of
+    /// `wte`, summed over the group (exact: one non-zero term per element).
+    ///
+    /// # Errors
+    /// [`Error::Batch`] on a wrong slice length; a kernel error for a token
+    /// outside the vocabulary; a collective error.
+    pub fn embed_forward(
+        &self,
+        out: &mut [f32],
+        tokens: &[u32],
+        params: &[f32],
+        b: usize,
+        t: usize,
+    ) -> Result<()> {
+        check_len("embedding parameters", params.len(), self.embed_len())?;
+        self.check_shape(b, t)?;
+        let c = self.config.n_embd;
+        let (wte, wpe) = params.split_at(self.wte_len());
+        let Some(tp) = &self.tp else {
+            encoder_forward(out, tokens, wte, wpe, b, t, c)?;
+            return Ok(());
+        };
+        let n = b * t;
+        check_len("tokens", tokens.len(), n)?;
+        let mut all = vec![0.0f32; n * c];
+        self.vocab.embed(&mut all, tokens, wte, c)?;
+        if tp.sequence_parallel() {
+            tp.reduce_scatter(&all, out)?;
+        } else {
+            tp.all_reduce(&mut all)?;
+            out.copy_from_slice(&all);
+        }
+        let first = tp.first_row(n);
+        for (i, row) in out.chunks_exact_mut(c).enumerate() {
+            let pos = (first + i) % t;
+            for (o, &x) in row.iter_mut().zip(&wpe[pos * c..(pos + 1) * c]) {
+                *o += x;
+            }
+        }
+        Ok(())
+    }
+
+    /// Backward of [`embed_forward`](Self::embed_forward), accumulating into
+    /// the embedding's gradient slice (`dwte` then `dwpe`) from this rank's
+    /// rows of the output gradient. The embedding has no input gradient, so
+    /// this is a weight-only (W) step.
+    ///
+    /// # Errors
+    /// [`Error::Batch`] on a wrong slice length; a kernel error for a token
+    /// outside the vocabulary; a collective error.
+    pub fn embed_backward(
+        &self,
+        grads: &mut [f32],
+        dout: &[f32],
+        tokens: &[u32],
+        b: usize,
+        t: usize,
+    ) -> Result<()> {
+        check_len("embedding gradients", grads.len(), self.embed_len())?;
+        self.check_shape(b, t)?;
+        let c = self.config.n_embd;
+        let (dwte, dwpe) = grads.split_at_mut(self.wte_len());
+        let Some(tp) = &self.tp else {
+            encoder_backward(dwte, dwpe, dout, tokens, b, t, c)?;
+            return Ok(());
+        };
+        let mut full = vec![0.0f32; if tp.sequence_parallel() { b * t * c } else { 0 }];
+        let dall = tp.enter_column(dout, &mut full)?;
+        self.vocab
+            .embed_backward(dwte, Some(dwpe), dall, tokens, t, c)?;
+        Ok(())
+    }
+
+    /// One transformer block: `x + attn(ln_1(x))`, then `y + ffn(ln_2(y))`,
+    /// over this rank's rows `inp (rows,C)` with the parameter slice of
+    /// layer `layer` (its index in the whole model, which the feed-forward
+    /// block sees in [`Dims::layer`]; the backward passes on the same
+    /// index); the output is [`acts.out()`](BlockActs::out).
+    ///
+    /// # Errors
+    /// [`Error::Batch`] on a wrong parameter slice length; a kernel error
+    /// if `inp` or `scratch` does not fit `acts`' shape; a collective error.
+    pub fn block_forward(
+        &self,
+        layer: usize,
+        acts: &mut BlockActs,
+        inp: &[f32],
+        params: &[f32],
+        scratch: &mut BlockScratch,
+    ) -> Result<()> {
+        check_len("block parameters", params.len(), self.block_len())?;
+        acts.layer = layer;
+        let (b, t) = (acts.b, acts.t);
+        let n = b * t;
+        let rows = self.rows(n);
+        let GptConfig {
+            n_embd: c,
+            layer_norm_epsilon: eps,
+            ..
+        } = self.config;
+        let (nh, ca) = self.heads();
+        let (p, blk, mode) = (params, &self.blk, self.mode);
+        let tp = self.tp.as_ref();
+        // ln_1 over the rank's rows (gathered for the column-parallel QKV)
+        let ln1: &mut [f32] = if self.sp() {
+            &mut scratch.rows
+        } else {
+            &mut acts.ln1
+        };
+        layernorm_forward(
+            ln1,
+            &mut acts.ln1_mean,
+            &mut acts.ln1_rstd,
+            inp,
+            &p[blk.ln1_w.clone()],
+            &p[blk.ln1_b.clone()],
+            rows,
+            c,
+            eps,
+        )?;
+        if let Some(tp) = tp.filter(|tp| tp.sequence_parallel()) {
+            tp.all_gather(&scratch.rows, &mut acts.ln1)?;
+        }
+        // column-parallel QKV over the rank's heads
+        matmul_forward(
+            &mut acts.qkv,
+            &acts.ln1,
+            &p[blk.qkv_w.clone()],
+            Some(&p[blk.qkv_b.clone()]),
+            b,
+            t,
+            c,
+            3 * ca,
+            mode,
+        )?;
+        attention_forward(&mut acts.atty, &mut acts.att, &acts.qkv, b, t, ca, nh)?;
+        // row-parallel output projection, summed over the group
+        let y: &mut [f32] = if self.sp() {
+            &mut scratch.rows
+        } else {
+            &mut scratch.tmp
+        };
+        match tp {
+            None => matmul_forward(
+                y,
+                &acts.atty,
+                &p[blk.proj_w.clone()],
+                Some(&p[blk.proj_b.clone()]),
+                b,
+                t,
+                c,
+                c,
+                mode,
+            )?,
+            Some(tp) => tp.row_forward(
+                y,
+                &mut scratch.full,
+                &acts.atty,
+                &p[blk.proj_w.clone()],
+                &p[blk.proj_b.clone()],
+                b,
+                t,
+                ca,
+                mode,
+            )?,
+        }
+        let y: &[f32] = if self.sp() {
+            &scratch.rows
+        } else {
+            &scratch.tmp
+        };
+        residual_forward(&mut acts.res2, inp, y, rows * c)?;
+        let ln2: &mut [f32] = if self.sp() {
+            &mut scratch.rows
+        } else {
+            &mut acts.ln2
+        };
+        layernorm_forward(
+            ln2,
+            &mut acts.ln2_mean,
+            &mut acts.ln2_rstd,
+            &acts.res2,
+            &p[blk.ln2_w.clone()],
+            &p[blk.ln2_b.clone()],
+            rows,
+            c,
+            eps,
+        )?;
+        if let Some(tp) = tp.filter(|tp| tp.sequence_parallel()) {
+            tp.all_gather(&scratch.rows, &mut acts.ln2)?;
+        }
+        let y = &mut scratch.tmp[..rows * c];
+        self.ffn.forward(
+            y,
+            &mut acts.ffn_saved,
+            &mut scratch.ffn_scratch,
+            &acts.ln2,
+            &p[blk.ffn.clone()],
+            self.dims(b, t, mode, layer),
+        )?;
+        residual_forward(&mut acts.out, &acts.res2, y, rows * c)?;
+        Ok(())
+    }
+
+    /// The whole backward of a block: on entry `dres (rows,C)` holds the
+    /// gradient of the block's output, on return the gradient of its input
+    /// `inp` (the same `inp` the forward saw); the block's parameter
+    /// gradients are accumulated into `grads` (its gradient slice).
+    ///
+    /// # Errors
+    /// [`Error::Batch`] on a wrong slice length; a kernel error on a shape
+    /// mismatch; a collective error.
+    pub fn block_backward(
+        &self,
+        dres: &mut [f32],
+        grads: &mut [f32],
+        acts: &BlockActs,
+        inp: &[f32],
+        params: &[f32],
+        scratch: &mut BlockScratch,
+    ) -> Result<()> {
+        check_len("block parameters", params.len(), self.block_len())?;
+        check_len("block gradients", grads.len(), self.block_len())?;
+        let (b, t) = (acts.b, acts.t);
+        let n = b * t;
+        let rows = self.rows(n);
+        let c = self.config.n_embd;
+        let (nh, ca) = self.heads();
+        let tp = self.tp.as_ref();
+        // Parameter gradients sum over the batch whatever the mode, and input
+        // gradients need no invariance: whole-batch GEMMs are faster.
+        let mode = Mode::Throughput;
+        let (p, g, blk) = (params, grads, &self.blk);
+        // Feed-forward block: dres is d(res3) = d(ffn out) and part of d(res2).
+        let dln2 = &mut scratch.dln[..rows * c];
+        weft_kernels::zero(dln2);
+        self.ffn.backward(
+            dln2,
+            &mut g[blk.ffn.clone()],
+            &mut scratch.ffn_scratch,
+            dres,
+            &acts.ln2,
+            &acts.ffn_saved,
+            &p[blk.ffn.clone()],
+            self.dims(b, t, mode, acts.layer),
+        )?;
+        let (dw, db) = two_mut(g, blk.ln2_w.clone(), blk.ln2_b.clone());
+        layernorm_backward(
+            dres,
+            dw,
+            db,
+            dln2,
+            &acts.res2,
+            &p[blk.ln2_w.clone()],
+            &acts.ln2_mean,
+            &acts.ln2_rstd,
+            rows,
+            c,
+        )?;
+        // Attention: dres is now d(res2) = d(attn proj out) and part of
+        // d(inp); the row-parallel projection needs all of it.
+        weft_kernels::zero(&mut scratch.datty);
+        let (dw, db) = two_mut(g, blk.proj_w.clone(), blk.proj_b.clone());
+        let dy = gathered(tp, dres, &mut scratch.full)?;
+        matmul_backward(
+            &mut scratch.datty,
+            dw,
+            Some(db),
+            dy,
+            &acts.atty,
+            &p[blk.proj_w.clone()],
+            b,
+            t,
+            ca,
+            c,
+            mode,
+        )?;
+        weft_kernels::zero(&mut scratch.dqkv);
+        attention_backward(
+            &mut scratch.dqkv,
+            &mut scratch.datt,
+            &scratch.datty,
+            &acts.qkv,
+            &acts.att,
+            b,
+            t,
+            ca,
+            nh,
+        )?;
+        weft_kernels::zero(&mut scratch.dln);
+        let (dw, db) = two_mut(g, blk.qkv_w.clone(), blk.qkv_b.clone());
+        matmul_backward(
+            &mut scratch.dln,
+            dw,
+            Some(db),
+            &scratch.dqkv,
+            &acts.ln1,
+            &p[blk.qkv_w.clone()],
+            b,
+            t,
+            c,
+            3 * ca,
+            mode,
+        )?;
+        // f's backward: the column-parallel QKV's input gradient, summed
+        let dln1: &[f32] = match tp {
+            Some(tp) => tp.column_input_grad(&mut scratch.dln, &mut scratch.rows)?,
+            None => &scratch.dln,
+        };
+        let (dw, db) = two_mut(g, blk.ln1_w.clone(), blk.ln1_b.clone());
+        layernorm_backward(
+            dres,
+            dw,
+            db,
+            dln1,
+            inp,
+            &p[blk.ln1_w.clone()],
+            &acts.ln1_mean,
+            &acts.ln1_rstd,
+            rows,
+            c,
+        )?;
+        Ok(())
+    }
+
+    /// Sizes the sinks for the feed-forward block's discarded halves:
+    /// empty for a block that splits its backward.
+    fn sinks(&self, scratch: &mut BlockScratch, d: &Dims<'_>) {
+        let (x, p) = if self.ffn.split_saved_len(d) == 0 {
+            (d.rows() * d.c, self.blk.ffn.len())
+        } else {
+            (0, 0)
+        };
+        if scratch.sink_x.len() != x {
+            scratch.sink_x = vec![0.0; x];
+        }
+        if scratch.sink_p.len() != p {
+            scratch.sink_p = vec![0.0; p];
+        }
+    }
+
+    /// Backward-for-input (B) of a block: like
+    /// [`block_backward`](Self::block_backward) for `dres`, but leaves the
+    /// parameter gradients for [`block_backward_weight`](Self::block_backward_weight),
+    /// saving what it needs in `saved`.
+    ///
+    /// # Errors
+    /// [`Error::Batch`] on a wrong slice length; a kernel error on a shape
+    /// mismatch; a collective error.
+    pub fn block_backward_input(
+        &self,
+        dres: &mut [f32],
+        saved: &mut WeightInputs,
+        acts: &BlockActs,
+        inp: &[f32],
+        params: &[f32],
+        scratch: &mut BlockScratch,
+    ) -> Result<()> {
+        check_len("block parameters", params.len(), self.block_len())?;
+        let (b, t) = (acts.b, acts.t);
+        let n = b * t;
+        let rows = self.rows(n);
+        let c = self.config.n_embd;
+        let (nh, ca) = self.heads();
+        let tp = self.tp.as_ref();
+        check_len("B's saved gradients", saved.dres3.len(), rows * c)?;
+        let mode = Mode::Throughput;
+        let (p, blk) = (params, &self.blk);
+        let d = self.dims(b, t, mode, acts.layer);
+        self.sinks(scratch, &d);
+        saved.dres3.copy_from_slice(dres);
+        // A feed-forward block that cannot split its backward sends its
+        // parameter gradients to the sink here and computes them again in W.
+        weft_kernels::zero(&mut saved.dln2);
+        let sink = &mut scratch.sink_p;
+        self.ffn.backward_input(
+            &mut saved.dln2,
+            &mut saved.dffn,
+            sink,
+            &mut scratch.ffn_scratch,
+            dres,
+            &acts.ln2,
+            &acts.ffn_saved,
+            &p[blk.ffn.clone()],
+            d,
+        )?;
+        layernorm_backward_input(
+            dres,
+            &saved.dln2,
+            &acts.res2,
+            &p[blk.ln2_w.clone()],
+            &acts.ln2_mean,
+            &acts.ln2_rstd,
+            rows,
+            c,
+        )?;
+        let dy = gathered(tp, dres, &mut scratch.full)?;
+        saved.dres2.copy_from_slice(dy);
+        weft_kernels::zero(&mut scratch.datty);
+        matmul_backward_input(
+            &mut scratch.datty,
+            &saved.dres2,
+            &p[blk.proj_w.clone()],
+            b,
+            t,
+            ca,
+            c,
+            mode,
+        )?;
+        weft_kernels::zero(&mut saved.dqkv);
+        attention_backward(
+            &mut saved.dqkv,
+            &mut scratch.datt,
+            &scratch.datty,
+            &acts.qkv,
+            &acts.att,
+            b,
+            t,
+            ca,
+            nh,
+        )?;
+        let dln1: &[f32] = match tp {
+            None => {
+                weft_kernels::zero(&mut saved.dln1);
+                matmul_backward_input(
+                    &mut saved.dln1,
+                    &saved.dqkv,
+                    &p[blk.qkv_w.clone()],
+                    b,
+                    t,
+                    c,
+                    3 * ca,
+                    mode,
+                )?;
+                &saved.dln1
+            }
+            Some(tp) => {
+                weft_kernels::zero(&mut scratch.dln);
+                matmul_backward_input(
+                    &mut scratch.dln,
+                    &saved.dqkv,
+                    &p[blk.qkv_w.clone()],
+                    b,
+                    t,
+                    c,
+                    3 * ca,
+                    mode,
+                )?;
+                let r = tp.column_input_grad(&mut scratch.dln, &mut scratch.rows)?;
+                saved.dln1.copy_from_slice(r);
+                &saved.dln1
+            }
+        };
+        layernorm_backward_input(
+            dres,
+            dln1,
+            inp,
+            &p[blk.ln1_w.clone()],
+            &acts.ln1_mean,
+            &acts.ln1_rstd,
+            rows,
+            c,
+        )?;
+        saved.ready = true;
+        Ok(())
+    }
+
+    /// Backward-for-weights (W) of a block: accumulates the block's
+    /// parameter gradients into `grads` from what
+    /// [`block_backward_input`](Self::block_backward_input) saved.
+    /// `acts`, `inp` and `params` must be those B saw.
+    ///
+    /// # Errors
+    /// [`Error::Batch`] on a wrong slice length or if `saved` holds no B
+    /// result (each B's result feeds exactly one W); a kernel error on a
+    /// shape mismatch.
+    pub fn block_backward_weight(
+        &self,
+        grads: &mut [f32],
+        saved: &mut WeightInputs,
+        acts: &BlockActs,
+        inp: &[f32],
+        params: &[f32],
+        scratch: &mut BlockScratch,
+    ) -> Result<()> {
+        check_len("block parameters", params.len(), self.block_len())?;
+        check_len("block gradients", grads.len(), self.block_len())?;
+        if !saved.ready {
+            return Err(Error::Batch {
+                reason: "backward-for-weights needs a backward-for-input of the same block first"
+                    .into(),
+            });
+        }
+        saved.ready = false;
+        let (b, t) = (acts.b, acts.t);
+        let rows = self.rows(b * t);
+        let c = self.config.n_embd;
+        let (_, ca) = self.heads();
+        let mode = Mode::Throughput;
+        let (p, g, blk) = (params, grads, &self.blk);
+        let d = self.dims(b, t, mode, acts.layer);
+        self.sinks(scratch, &d);
+        self.ffn.backward_weight(
+            &mut g[blk.ffn.clone()],
+            &saved.dffn,
+            &mut scratch.sink_x,
+            &mut scratch.ffn_scratch,
+            &saved.dres3,
+            &acts.ln2,
+            &acts.ffn_saved,
+            &p[blk.ffn.clone()],
+            d,
+        )?;
+        let (dw, db) = two_mut(g, blk.ln2_w.clone(), blk.ln2_b.clone());
+        layernorm_backward_weight(
+            dw,
+            db,
+            &saved.dln2,
+            &acts.res2,
+            &acts.ln2_mean,
+            &acts.ln2_rstd,
+            rows,
+            c,
+        )?;
+        let (dw, db) = two_mut(g, blk.proj_w.clone(), blk.proj_b.clone());
+        matmul_backward_weight(dw, Some(db), &saved.dres2, &acts.atty, b, t, ca, c)?;
+        let (dw, db) = two_mut(g, blk.qkv_w.clone(), blk.qkv_b.clone());
+        matmul_backward_weight(dw, Some(db), &saved.dqkv, &acts.ln1, b, t, c, 3 * ca)?;
+        let (dw, db) = two_mut(g, blk.ln1_w.clone(), blk.ln1_b.clone());
+        layernorm_backward_weight(
+            dw,
+            db,
+            &saved.dln1,
+            inp,
+            &acts.ln1_mean,
+            &acts.ln1_rstd,
+            rows,
+            c,
+        )?;
+        Ok(())
+    }
+
+    /// The head: final layernorm over this rank's rows `inp (rows,C)`,
+    /// logits through `lm_head (V,C)`, and with `targets (B,T)` the
+    /// per-token cross-entropy and the mean loss (accumulated in f64),
+    /// returned; without targets it returns `None` and only the logits are
+    /// meaningful. `lnf` is `ln_f.weight` then `ln_f.bias`. Under tensor
+    /// parallelism the logits are this rank's vocabulary columns and the
+    /// loss is computed without gathering them.
+    ///
+    /// # Errors
+    /// [`Error::Batch`] on a wrong slice length; a kernel error for a
+    /// target outside the vocabulary or a shape mismatch; a collective
+    /// error.
+    pub fn head_forward(
+        &self,
+        acts: &mut HeadActs,
+        inp: &[f32],
+        lnf: &[f32],
+        lm_head: &[f32],
+        targets: Option<&[u32]>,
+    ) -> Result<Option<f64>> {
+        let GptConfig {
+            n_embd: c,
+            layer_norm_epsilon: eps,
+            ..
+        } = self.config;
+        let vl = self.vocab.len();
+        check_len("ln_f parameters", lnf.len(), 2 * c)?;
+        check_len("lm_head", lm_head.len(), self.lm_head_len())?;
+        let (b, t) = (acts.b, acts.t);
+        let n = b * t;
+        let rows = self.rows(n);
+        if let Some(tg) = targets {
+            check_len("targets", tg.len(), n)?;
+            weft_kernels::check_tokens("targets", tg, self.config.vocab_size)?;
+        }
+        let (lw, lb) = lnf.split_at(c);
+        let tp = self.tp.as_ref();
+        let mut rows_buf = vec![0.0f32; if self.sp() { rows * c } else { 0 }];
+        let out: &mut [f32] = if self.sp() {
+            &mut rows_buf
+        } else {
+            &mut acts.lnf
+        };
+        layernorm_forward(
+            out,
+            &mut acts.lnf_mean,
+            &mut acts.lnf_rstd,
+            inp,
+            lw,
+            lb,
+            rows,
+            c,
+            eps,
+        )?;
+        if let Some(tp) = tp.filter(|tp| tp.sequence_parallel()) {
+            tp.all_gather(&rows_buf, &mut acts.lnf)?;
+        }
+        matmul_forward_wt(
+            &mut acts.logits,
+            &acts.lnf,
+            lm_head,
+            None,
+            b,
+            t,
+            c,
+            vl,
+            self.mode,
+        )?;
+        let Some(tg) = targets else {
+            acts.has_targets = false;
+            return Ok(None);
+        };
+        acts.targets.copy_from_slice(tg);
+        acts.has_targets = true;
+        match tp {
+            None => fused_classifier_forward(
+                &acts.logits,
+                &mut acts.losses,
+                &mut acts.stats,
+                tg,
+                n,
+                vl,
+                vl,
+            )?,
+            Some(tp) => {
+                self.vocab.cross_entropy(
+                    tp,
+                    &acts.logits,
+                    tg,
+                    &mut acts.losses,
+                    &mut acts.stats,
+                )?;
+            }
+        }
+        let sum: f64 = acts.losses.iter().map(|&x| f64::from(x)).sum();
+        #[allow(clippy::cast_precision_loss)]
+        Ok(Some(sum / n as f64))
+    }
+
+    /// Backward of the head for the mean loss of the last
+    /// [`head_forward`](Self::head_forward) (which must have had targets):
+    /// overwrites `dinp (rows,C)` with the gradient of the head's input,
+    /// accumulates `dlnf` (`ln_f` weight then bias) and `dlm_head (V,C)`,
+    /// and turns the logits into their gradient. `inp` is the input the
+    /// forward saw.
+    ///
+    /// # Errors
+    /// [`Error::Batch`] on a wrong slice length or if the last forward had
+    /// no targets; a kernel error on a shape mismatch; a collective error.
+    #[allow(clippy::too_many_arguments)]
+    pub fn head_backward(
+        &self,
+        dinp: &mut [f32],
+        dlnf: &mut [f32],
+        dlm_head: &mut [f32],
+        acts: &mut HeadActs,
+        inp: &[f32],
+        lnf: &[f32],
+        lm_head: &[f32],
+        scratch: &mut BlockScratch,
+    ) -> Result<()> {
+        let c = self.config.n_embd;
+        let vl = self.vocab.len();
+        check_len("ln_f parameters", lnf.len(), 2 * c)?;
+        check_len("ln_f gradients", dlnf.len(), 2 * c)?;
+        check_len("lm_head", lm_head.len(), self.lm_head_len())?;
+        check_len("lm_head gradient", dlm_head.len(), self.lm_head_len())?;
+        if !acts.has_targets {
+            return Err(Error::Batch {
+                reason: "backward needs a forward with targets first".into(),
+            });
+        }
+        acts.has_targets = false; // logits become dlogits below
+        let (b, t) = (acts.b, acts.t);
+        let n = b * t;
+        let rows = self.rows(n);
+        let mode = Mode::Throughput;
+        #[allow(clippy::cast_precision_loss)]
+        let dloss = 1.0 / n as f32;
+        let tp = self.tp.as_ref();
+        match tp {
+            // One pass from the forward's row statistics: the bits
+            // `fused_classifier` would write.
+            None => fused_classifier_backward(
+                &mut acts.logits,
+                &acts.stats,
+                &acts.targets,
+                dloss,
+                n,
+                vl,
+                vl,
+            )?,
+            Some(_) => self.vocab.cross_entropy_backward(
+                &mut acts.logits,
+                &acts.targets,
+                &acts.stats,
+                dloss,
+            )?,
+        }
+        weft_kernels::zero(&mut scratch.dln);
+        matmul_backward_wt(
+            &mut scratch.dln,
+            dlm_head,
+            None,
+            &acts.logits,
+            &acts.lnf,
+            lm_head,
+            b,
+            t,
+            c,
+            vl,
+            mode,
+        )?;
+        // the vocabulary-parallel projection's input gradient, summed
+        let dln: &[f32] = match tp {
+            Some(tp) => tp.column_input_grad(&mut scratch.dln, &mut scratch.rows)?,
+            None => &scratch.dln,
+        };
+        weft_kernels::zero(dinp);
+        let (dlw, dlb) = dlnf.split_at_mut(c);
+        layernorm_backward(
+            dinp,
+            dlw,
+            dlb,
+            dln,
+            inp,
+            &lnf[..c],
+            &acts.lnf_mean,
+            &acts.lnf_rstd,
+            rows,
+            c,
+        )?;
+        Ok(())
+    }
+}

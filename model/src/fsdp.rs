@@ -1,0 +1,185 @@
+//! weft's GPT under `weft-fsdp`: a chunk's units (the embedding, one per
+//! block, the head) and the [`ParamStore`] whose hooks drive FSDP's
+//! gathers and reduce-scatters from the one block loop.
+
+use weft_fsdp::{Fsdp, UnitSpec};
+
+use crate::chunk::{HeadView, Lm, ParamStore, Piece, PieceRanges, missing};
+use crate::error::{Error, Result};
+
+/// Which FSDP unit holds each piece of a chunk.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct UnitMap {
+    embed: bool,
+    first_layer: usize,
+    blocks: usize,
+    head: bool,
+    /// `ln_f`'s floats in the head unit.
+    lnf_len: usize,
+    lm: Lm,
+    /// `wte`'s floats, the start of the embedding unit (tied output head).
+    wte_len: usize,
+}
+
+impl UnitMap {
+    fn unit(&self, p: Piece) -> Result<usize> {
+        let e = usize::from(self.embed);
+        match p {
+            Piece::Embed if self.embed => Ok(0),
+            Piece::Block(l) if l >= self.first_layer && l < self.first_layer + self.blocks => {
+                Ok(e + l - self.first_layer)
+            }
+            Piece::Head if self.head => Ok(e + self.blocks),
+            _ => Err(missing(format!("{p:?}"))),
+        }
+    }
+
+    /// Whether the output projection is `wte`, in the embedding unit.
+    fn tied_here(&self) -> bool {
+        self.embed && self.head && self.lm_in_embed()
+    }
+
+    fn lm_in_embed(&self) -> bool {
+        matches!(&self.lm, Lm::At(r) if r.start == 0)
+    }
+}
+
+/// The units of a chunk laid out by `ranges` (in its own buffer of `len`
+/// floats): the embedding, each block, the head (ln_f and an untied
+/// `lm_head`); the embedding stays gathered until its backward when the
+/// head reads it (tied). Returns the units and the piece-to-unit map.
+pub(crate) fn units(ranges: &PieceRanges, len: usize, wte_len: usize) -> (Vec<UnitSpec>, UnitMap) {
+    let mut out = Vec::new();
+    let tied = matches!(&ranges.lm, Lm::At(r) if r.start == 0) && ranges.embed.is_some();
+    if let Some(e) = &ranges.embed {
+        out.push(UnitSpec {
+            name: "embed".into(),
+            range: e.clone(),
+            keep_gathered: tied && ranges.lnf.is_some(),
+        });
+    }
+    for (i, r) in ranges.blocks.iter().enumerate() {
+        out.push(UnitSpec {
+            name: format!("h.{}", ranges.first_layer + i),
+            range: r.clone(),
+            keep_gathered: false,
+        });
+    }
+    if let Some(l) = &ranges.lnf {
+        out.push(UnitSpec {
+            name: "head".into(),
+            range: l.start..len,
+            keep_gathered: false,
+        });
+    }
+    let map = UnitMap {
+        embed: ranges.embed.is_some(),
+        first_layer: ranges.first_layer,
+        blocks: ranges.blocks.len(),
+        head: ranges.lnf.is_some(),
+        lnf_len: ranges.lnf.as_ref().map_or(0, std::ops::Range::len),
+        lm: ranges.lm.clone(),
+        wte_len,
+    };
+    (out, map)
+}
+
+/// A [`ParamStore`] over a chunk's FSDP state: each hook is FSDP's hook of
+/// the piece's unit; a tied head reads the embedding unit (kept gathered)
+/// and adds its part of `wte`'s gradient into that unit's buffer.
+pub(crate) struct Sharded<'a> {
+    pub(crate) fsdp: &'a mut Fsdp,
+    pub(crate) map: &'a UnitMap,
+    /// The copy of `wte` and its gradient, on a head-only stage of a tied
+    /// model.
+    pub(crate) copy: Option<(&'a [f32], Option<&'a mut [f32]>)>,
+}
+
+impl ParamStore for Sharded<'_> {
+    fn pre_forward(&mut self, p: Piece) -> Result<()> {
+        Ok(self.fsdp.pre_forward(self.map.unit(p)?)?)
+    }
+
+    fn post_forward(&mut self, p: Piece) -> Result<()> {
+        Ok(self.fsdp.post_forward(self.map.unit(p)?)?)
+    }
+
+    fn pre_backward(&mut self, p: Piece) -> Result<()> {
+        self.fsdp.pre_backward(self.map.unit(p)?)?;
+        if p == Piece::Head && self.map.tied_here() {
+            // the head's backward also writes wte's gradient
+            self.fsdp.pre_backward(0)?;
+        }
+        Ok(())
+    }
+
+    fn post_backward(&mut self, p: Piece) -> Result<()> {
+        Ok(self.fsdp.post_backward(self.map.unit(p)?)?)
+    }
+
+    fn params(&self, p: Piece) -> Result<&[f32]> {
+        let u = self.map.unit(p)?;
+        let x = self.fsdp.params(u)?;
+        Ok(if p == Piece::Head {
+            &x[..self.map.lnf_len]
+        } else {
+            x
+        })
+    }
+
+    fn lm_head(&self) -> Result<&[f32]> {
+        match (&self.map.lm, &self.copy) {
+            (Lm::At(_), _) if self.map.lm_in_embed() => {
+                Ok(&self.fsdp.params(0)?[..self.map.wte_len])
+            }
+            (Lm::At(_), _) => {
+                let u = self.map.unit(Piece::Head)?;
+                Ok(&self.fsdp.params(u)?[self.map.lnf_len..])
+            }
+            (Lm::Copy, Some((c, _))) => Ok(c),
+            _ => Err(missing("output projection")),
+        }
+    }
+
+    fn view(&mut self, p: Piece) -> Result<(&[f32], &mut [f32])> {
+        let u = self.map.unit(p)?;
+        Ok(self.fsdp.view(u)?)
+    }
+
+    fn head(&mut self) -> Result<HeadView<'_>> {
+        let h = self.map.unit(Piece::Head)?;
+        let lnf_len = self.map.lnf_len;
+        if self.map.tied_here() {
+            let ((ph, gh), (p0, g0)) = self.fsdp.views2(h, 0)?;
+            let w = self.map.wte_len;
+            return Ok(HeadView {
+                lnf: ph,
+                lm: &p0[..w],
+                dlnf: gh,
+                dlm: &mut g0[..w],
+            });
+        }
+        match &mut self.copy {
+            Some((c, Some(dc))) => {
+                let (p, g) = self.fsdp.view(h)?;
+                Ok(HeadView {
+                    lnf: p,
+                    lm: c,
+                    dlnf: g,
+                    dlm: dc,
+                })
+            }
+            _ => {
+                let (p, g) = self.fsdp.view(h)?;
+                let (lnf, lm) = p.split_at(lnf_len);
+                let (dlnf, dlm) = g.split_at_mut(lnf_len);
+                if lm.is_empty() {
+                    return Err(Error::Batch {
+                        reason: "the head unit holds no output projection".into(),
+                    });
+                }
+                Ok(HeadView { lnf, lm, dlnf, dlm })
+            }
+        }
+    }
+}

@@ -1,0 +1,574 @@
+//! One GPT, parallelized by transforms over a device mesh: the pipeline
+//! split, then the sharding styles of the tensor- and expert-parallel
+//! axes, then FSDP over what remains — and one training step for every
+//! layout.
+//!
+//! [`ParallelGpt`] is what `weft train` runs on each rank. Its pieces are
+//! the libraries' own:
+//!
+//! 1. **Pipeline split** — the model is cut into stages
+//!    ([`partition_layers`] balances them by cost with `weft-pipeline`'s
+//!    partitioner); each rank holds one [`GptStage`] per chunk of the
+//!    schedule. Without pipeline parallelism the whole model is one stage.
+//!    Either way the step runs through `weft-pipeline`'s executor (with
+//!    one stage, 1F1B is forward, backward, forward, backward…).
+//! 2. **Tensor and expert parallelism** are properties of the blocks the
+//!    stages run ([`GptBlocks`] sharded by the layout's placements, the
+//!    feed-forward block's expert group): the model code is the same.
+//! 3. **Data parallelism** — each stage's gradients are reduced over each
+//!    tensor's data-parallel group by `weft-parallel`'s [`GradReducer`]
+//!    (exact or plain), or the stage is fully sharded over the group
+//!    (`weft-fsdp`, [`GptStage::shard`]).
+//!
+//! The step is then the same for every layout: micro-batches through the
+//! executor, the reduction, the exact global norm over every stage by
+//! placement ([`GradNorm`]), clipping, AdamW on each stage (resident or
+//! sharded), and the tied embedding's refresh across stages.
+
+use std::sync::Arc;
+
+use weft_collectives::{Communicator, CommunicatorExt};
+use weft_kernels::AdamW;
+use weft_parallel::{DimSet, GradNorm, GradReducer, ParallelMesh, ParamLayout};
+use weft_pipeline::{Executor, RankTimeline, Schedule};
+
+use crate::config::GptConfig;
+use crate::error::{Error, Result};
+use crate::ffn::FeedForward;
+use crate::gpt::{GptBlocks, MicroBatch};
+use crate::params::{Sharding, param_layout};
+use crate::stage::{GptStage, StageSpec};
+use crate::tp::{TensorParallel, TpOptions};
+
+/// How a job is laid out beyond the mesh's degrees: sharding of the
+/// data-parallel group, the pipeline schedule, the micro-batch shape and
+/// the reduction mode.
+#[derive(Clone, Debug)]
+pub struct ParallelPlan {
+    /// Fully shard each stage over the data-parallel group (`None`:
+    /// replicas, reduced by the [`GradReducer`]).
+    pub fsdp: Option<weft_fsdp::FsdpConfig>,
+    /// The pipeline schedule and the layers of each of its virtual stages
+    /// (`None`: the whole model on one stage).
+    pub pipeline: Option<(Schedule, Vec<usize>)>,
+    /// Sequences per micro-batch, B.
+    pub batch: usize,
+    /// Tokens per sequence, T.
+    pub seq: usize,
+    /// Micro-batches each data-parallel rank runs per step.
+    pub micro_batches: usize,
+    /// Exact, order-independent gradient sums (bitwise the one-rank run).
+    pub reproducible: bool,
+    /// How the tensor-parallel axis splits and sums (used when the mesh
+    /// has `tp > 1`).
+    pub tp: TpOptions,
+}
+
+/// What one training step did.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct StepOutcome {
+    /// Mean loss over the global batch (every micro-batch's, summed in
+    /// global order).
+    pub loss: f64,
+    /// Global gradient norm before clipping.
+    pub grad_norm: f64,
+    /// Whether the update was applied (false: skipped as non-finite).
+    pub applied: bool,
+}
+
+/// Bytes one rank holds, by category, from the buffers it allocated.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RankMemory {
+    /// Parameters (resident, or FSDP shards and gathered units).
+    pub params: usize,
+    /// Gradients.
+    pub grads: usize,
+    /// AdamW moments (and FSDP's f32 master weights).
+    pub optimizer: usize,
+    /// Activations planned.
+    pub activations: usize,
+}
+
+impl RankMemory {
+    /// All categories together.
+    pub fn total(&self) -> usize {
+        self.params + self.grads + self.optimizer + self.activations
+    }
+}
+
+/// A GPT on one rank of a parallel layout (see the [module docs](self)).
+pub struct ParallelGpt {
+    mesh: ParallelMesh,
+    whole: ParamLayout,
+    ex: Executor<GptStage>,
+    train: Schedule,
+    timeline: Option<RankTimeline>,
+}
+
+impl std::fmt::Debug for ParallelGpt {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ParallelGpt")
+            .field("mesh", &self.mesh)
+            .field("schedule", &self.train.name())
+            .finish_non_exhaustive()
+    }
+}
+
+impl ParallelGpt {
+    /// This rank's share of a GPT of configuration `config` with
+    /// feed-forward block `ffn` (whose experts may be sharded over the
+    /// mesh's `ep` axis: [`FeedForward::expert_parallel`]), whose whole
+    /// parameters are `init` (the unsharded layout, the same on every
+    /// rank). The transforms are applied in turn: the blocks are split over
+    /// the mesh's `tp` axis (the sharding styles of [`crate::tp`]), the
+    /// layers cut into the plan's pipeline stages, and each stage either
+    /// reduced over or fully sharded across its data-parallel group.
+    /// Collective over `mesh`.
+    ///
+    /// # Errors
+    /// [`Error::Config`] for a plan that does not fit the mesh or the
+    /// model, or a combination of axes not composed yet; the stages',
+    /// FSDP's and the executor's errors.
+    pub fn new(
+        config: GptConfig,
+        ffn: Arc<dyn FeedForward>,
+        init: &[f32],
+        plan: &ParallelPlan,
+        mesh: ParallelMesh,
+    ) -> Result<Self> {
+        let whole = param_layout(&config, ffn.as_ref(), &Sharding::SINGLE)?;
+        let dims = mesh.dims();
+        let ep = ffn.expert_parallel().1;
+        if ep != dims.ep {
+            return Err(Error::Config {
+                field: "ep",
+                reason: format!(
+                    "the feed-forward block is split over {ep} expert-parallel ranks but the mesh has ep = {}",
+                    dims.ep
+                ),
+            });
+        }
+        if plan.fsdp.is_some() && (dims.tp > 1 || dims.ep > 1) {
+            return Err(Error::Config {
+                field: "fsdp",
+                reason: format!(
+                    "fully sharded data parallelism with tp = {} and ep = {} is not composed yet; use fsdp = none, or tp = ep = 1",
+                    dims.tp, dims.ep
+                ),
+            });
+        }
+        let blocks = if dims.tp > 1 {
+            GptBlocks::with_tp(
+                config,
+                ffn,
+                TensorParallel::new(mesh.group_arc(DimSet::TP), plan.tp),
+            )?
+        } else {
+            GptBlocks::new(config, ffn)?
+        };
+        Self::from_blocks(blocks, whole, init, plan, mesh)
+    }
+
+    /// [`new`](Self::new) from this rank's blocks as built by the caller
+    /// (`whole`: the unsharded model's layout).
+    ///
+    /// # Errors
+    /// As [`new`](Self::new).
+    pub fn from_blocks(
+        blocks: GptBlocks,
+        whole: ParamLayout,
+        init: &[f32],
+        plan: &ParallelPlan,
+        mesh: ParallelMesh,
+    ) -> Result<Self> {
+        let dims = mesh.dims();
+        let n_layer = blocks.config().n_layer;
+        let (schedule, layers) = match &plan.pipeline {
+            Some((s, l)) => (s.clone(), l.clone()),
+            None => (
+                weft_pipeline::ScheduleKind::OneFOneB.generate(1, plan.micro_batches, 1)?,
+                vec![n_layer],
+            ),
+        };
+        if schedule.num_stages() != dims.pp || schedule.microbatches() != plan.micro_batches {
+            return Err(Error::Config {
+                field: "pipeline",
+                reason: format!(
+                    "schedule {} has {} stages and {} micro-batches for pp = {} and {} micro-batches per rank",
+                    schedule.name(),
+                    schedule.num_stages(),
+                    schedule.microbatches(),
+                    dims.pp,
+                    plan.micro_batches
+                ),
+            });
+        }
+        let pl = schedule.placement();
+        let rank = mesh.coords().pp;
+        let peak = weft_pipeline::peak_in_flight_per_chunk(&schedule, rank);
+        let split = schedule.splits_backward();
+        let mut stages = Vec::with_capacity(pl.chunks());
+        let zeros = vec![0.0f32; whole.len()];
+        for (c, &slots) in peak.iter().enumerate() {
+            let spec = StageSpec::nth(&layers, pl.virtual_stage(rank, c))?;
+            let mut st = GptStage::new(
+                blocks.clone(),
+                spec,
+                plan.batch,
+                plan.seq,
+                slots.max(1),
+                split,
+            )?;
+            st.load_state(&whole, init, &zeros, &zeros, 0)?;
+            match &plan.fsdp {
+                Some(cfg) => st.shard(mesh.dp(), cfg.clone())?,
+                None => st.set_reducer(GradReducer::new(st.layout(), plan.reproducible))?,
+            }
+            stages.push(st);
+        }
+        let ex = Executor::new(schedule.clone(), rank, stages)?;
+        Ok(ParallelGpt {
+            mesh,
+            whole,
+            ex,
+            train: schedule,
+            timeline: None,
+        })
+    }
+
+    /// The mesh.
+    pub fn mesh(&self) -> &ParallelMesh {
+        &self.mesh
+    }
+
+    /// The unsharded model's layout (what checkpoints hold).
+    pub fn whole_layout(&self) -> &ParamLayout {
+        &self.whole
+    }
+
+    /// The training schedule (one stage, 1F1B, without pipeline
+    /// parallelism).
+    pub fn schedule(&self) -> &Schedule {
+        &self.train
+    }
+
+    /// This rank's stages, by chunk.
+    pub fn stages(&self) -> &[GptStage] {
+        self.ex.stages()
+    }
+
+    /// This rank's stages, by chunk, mutably.
+    pub fn stages_mut(&mut self) -> &mut [GptStage] {
+        self.ex.stages_mut()
+    }
+
+    /// The executor (to gather the stages' timelines).
+    pub fn executor(&self) -> &Executor<GptStage> {
+        &self.ex
+    }
+
+    /// The measured timeline of the last step (then `None` until the next).
+    pub fn take_timeline(&mut self) -> Option<RankTimeline> {
+        self.timeline.take()
+    }
+
+    /// A resident parameter tensor by name, on the stage holding it.
+    pub fn param_mut(&mut self, name: &str) -> Option<&mut [f32]> {
+        self.ex
+            .stages_mut()
+            .iter_mut()
+            .find_map(|s| s.param_mut(name))
+    }
+
+    /// One optimizer step over this rank's micro-batches (its share of the
+    /// global batch: data-parallel rank `d` runs global micro-batches
+    /// `d·M .. (d+1)·M`), the gradient of the global batch's mean loss, the
+    /// exact global norm, and — unless the loss or the norm is not finite —
+    /// clipping to `clip` (`clip / (norm + 1e-6)`, as PyTorch's
+    /// `clip_grad_norm_`; 0: off) and AdamW with `hp`. Collective over the
+    /// mesh.
+    ///
+    /// # Errors
+    /// The executor's, the stages' and collective errors.
+    pub fn train_step(
+        &mut self,
+        batches: &[MicroBatch<'_>],
+        hp: &AdamW,
+        clip: f64,
+    ) -> Result<StepOutcome> {
+        let m = batches.len();
+        let global = m * self.mesh.dims().dp;
+        for st in self.ex.stages_mut() {
+            st.begin_step(m)?;
+        }
+        let report = self.ex.step(self.mesh.pp(), batches, None)?;
+        for st in self.ex.stages_mut() {
+            st.finish_backward(Some(&self.mesh), global)?;
+        }
+        // The losses live on the head's rank of each pipeline; every rank
+        // gets every micro-batch's, in global order.
+        let pl = self.train.placement();
+        let (head, _) = pl.location(pl.virtual_stages() - 1);
+        let mut mine: Vec<f64> = report
+            .losses
+            .iter()
+            .map(|l| l.unwrap_or(f64::NAN))
+            .collect();
+        self.mesh.pp().broadcast(&mut mine, head)?;
+        let mut all = vec![0.0f64; global];
+        self.mesh.dp().all_gather(&mine, &mut all)?;
+        let mut loss = 0.0;
+        for l in &all {
+            loss += l;
+        }
+        #[allow(clippy::cast_precision_loss)]
+        let loss = loss / global as f64;
+        self.timeline = Some(report.timeline);
+        let mut norm = GradNorm::new();
+        for st in self.ex.stages_mut() {
+            st.add_grad_norm(&mut norm)?;
+        }
+        let grad_norm = norm.finish(Some(&self.mesh))?;
+        let applied = loss.is_finite() && grad_norm.is_finite();
+        if applied {
+            #[allow(clippy::cast_possible_truncation)]
+            let coef = if clip > 0.0 && grad_norm > clip {
+                (clip / (grad_norm + 1e-6)) as f32
+            } else {
+                1.0
+            };
+            for st in self.ex.stages_mut() {
+                st.apply(coef, hp)?;
+            }
+            self.ex.sync_shared(self.mesh.pp())?;
+        } else {
+            for st in self.ex.stages_mut() {
+                st.skip();
+            }
+        }
+        Ok(StepOutcome {
+            loss,
+            grad_norm,
+            applied,
+        })
+    }
+
+    /// Mean loss per token over `batches` (every rank passes all of them),
+    /// without gradients: each data-parallel rank evaluates a contiguous
+    /// share, pipelined by a forward-only schedule when there are several
+    /// stages, and the per-batch figures are gathered and summed in batch
+    /// order — the same sum, bit for bit, as one rank's. Collective over
+    /// the mesh.
+    ///
+    /// # Errors
+    /// The executor's, the stages' and collective errors.
+    pub fn eval_loss(&mut self, batches: &[MicroBatch<'_>]) -> Result<f64> {
+        let dp = self.mesh.dp();
+        let (rank, ranks) = (dp.rank(), dp.size());
+        let per = batches.len().div_ceil(ranks);
+        let mine = (rank * per).min(batches.len())..((rank + 1) * per).min(batches.len());
+        // Every rank runs `per` forwards (collective forwards over an
+        // expert group or an FSDP shard group need the same count): a
+        // rank short of batches runs stand-ins and discards them.
+        let mut run: Vec<MicroBatch<'_>> = batches[mine.clone()].to_vec();
+        let real = run.len();
+        if let Some(first) = batches.first() {
+            run.resize(per, *first);
+        }
+        let seq = self.ex.stages()[0].batch_shape().1;
+        let train_shape = self.ex.stages()[0].batch_shape();
+        let mut local = vec![0.0f64; per];
+        let mut at = 0;
+        while at < run.len() {
+            let b = run[at].tokens.len() / seq.max(1);
+            let len = run[at..]
+                .iter()
+                .take_while(|x| x.tokens.len() == b * seq)
+                .count();
+            let losses = self.forward_only(&run[at..at + len], b, seq)?;
+            for (i, l) in losses.into_iter().enumerate() {
+                if at + i < real {
+                    #[allow(clippy::cast_precision_loss)]
+                    let tokens = run[at + i].tokens.len() as f64;
+                    local[at + i] = l * tokens;
+                }
+            }
+            at += len;
+        }
+        for st in self.ex.stages_mut() {
+            st.set_batch_shape(train_shape.0, train_shape.1)?;
+            st.set_eval(false);
+        }
+        let mut all = vec![0.0f64; per * ranks];
+        self.mesh.dp().all_gather(&local, &mut all)?;
+        let (mut total, mut tokens) = (0.0, 0usize);
+        for (x, b) in all.iter().zip(batches) {
+            total += x;
+            tokens += b.tokens.len();
+        }
+        #[allow(clippy::cast_precision_loss)]
+        Ok(total / tokens.max(1) as f64)
+    }
+
+    /// The losses of `batches` (all of shape `b`×`t`) through a
+    /// forward-only schedule, on every rank.
+    fn forward_only(&mut self, batches: &[MicroBatch<'_>], b: usize, t: usize) -> Result<Vec<f64>> {
+        let pl = self.train.placement();
+        for st in self.ex.stages_mut() {
+            st.set_batch_shape(b, t)?;
+            st.set_eval(true);
+        }
+        let eval = Schedule::forward_only(pl.stages(), pl.chunks(), batches.len())?;
+        let train = self.ex.set_schedule(eval)?;
+        let report = self.ex.step(self.mesh.pp(), batches, None);
+        self.ex.set_schedule(train)?;
+        let report = report?;
+        let (head, _) = pl.location(pl.virtual_stages() - 1);
+        let mut losses: Vec<f64> = report
+            .losses
+            .iter()
+            .map(|l| l.unwrap_or(f64::NAN))
+            .collect();
+        self.mesh.pp().broadcast(&mut losses, head)?;
+        Ok(losses)
+    }
+
+    /// Assembles the whole model's parameters and AdamW moments, in the
+    /// unsharded layout, on world rank 0 (`out`: `[params, m, v]`, `None`
+    /// on the other ranks); returns the optimizer step. Collective over
+    /// the mesh: every tensor part is sent once, by the rank that owns it
+    /// (`weft_parallel::gather_whole`).
+    ///
+    /// # Errors
+    /// Collective and layout errors.
+    pub fn gather_whole(&self, mut out: Option<[&mut [f32]; 3]>) -> Result<u32> {
+        let mut step = 0;
+        for st in self.ex.stages() {
+            let (state, s) = st.state()?;
+            step = s;
+            let locals = [&state[0][..], &state[1][..], &state[2][..]];
+            let wholes = out.as_mut().map(|o| &mut o[..]);
+            weft_parallel::gather_whole(
+                self.mesh.world(),
+                &self.mesh.coords(),
+                st.layout(),
+                &self.whole,
+                &locals,
+                wholes,
+            )?;
+        }
+        Ok(step)
+    }
+
+    /// Loads this rank's share of a whole model's parameters and AdamW
+    /// moments (unsharded layout; the same on every rank: a restored
+    /// checkpoint) and the optimizer step. Collective when stages are
+    /// sharded.
+    ///
+    /// # Errors
+    /// Layout errors; FSDP's.
+    pub fn load_whole(&mut self, params: &[f32], m: &[f32], v: &[f32], step: u32) -> Result<()> {
+        let whole = self.whole.clone();
+        for st in self.ex.stages_mut() {
+            st.load_state(&whole, params, m, v, step)?;
+        }
+        Ok(())
+    }
+
+    /// Bytes this rank holds, by category.
+    pub fn memory(&self) -> RankMemory {
+        let mut r = RankMemory::default();
+        for st in self.ex.stages() {
+            let (p, g, o) = st.state_bytes();
+            r.params += p;
+            r.grads += g;
+            r.optimizer += o;
+            r.activations += st.activation_bytes();
+        }
+        r
+    }
+}
+
+/// The layers of each virtual stage of `schedule` for a model of
+/// configuration `cfg` (vocabulary `vocab`), chosen by `weft-pipeline`'s
+/// partitioner to minimise the simulated makespan. Per-layer costs are the
+/// model's FLOPs per token (a block: 24·C² for its matmuls plus 2·T·C for
+/// causal attention, forward — with a mixture of experts, 16·C² per active
+/// expert (`active`: top-k plus a shared one) and 2·C·E for the router in
+/// place of the dense MLP's 16·C²; backward-for-input and
+/// backward-for-weights each as much); the head's 2·C·V is charged to the
+/// last block and the embedding's lookup is free, so the last stage takes
+/// fewer blocks when the vocabulary is large.
+///
+/// # Errors
+/// [`Error::Config`] if the model has fewer layers than the schedule has
+/// virtual stages, or the partition leaves a stage without layers.
+pub fn partition_layers(
+    cfg: &GptConfig,
+    moe: Option<(usize, usize)>,
+    schedule: &Schedule,
+) -> Result<Vec<usize>> {
+    let nvs = schedule.placement().virtual_stages();
+    let l = cfg.n_layer;
+    if l < nvs {
+        return Err(Error::Config {
+            field: "n_layer",
+            reason: format!(
+                "pp = {} with {} chunks needs at least {nvs} layers (model.n_layer = {l})",
+                schedule.num_stages(),
+                schedule.chunks()
+            ),
+        });
+    }
+    #[allow(clippy::cast_precision_loss)]
+    let (c, t, v) = (
+        cfg.n_embd as f64,
+        cfg.block_size as f64,
+        cfg.vocab_size as f64,
+    );
+    #[allow(clippy::cast_precision_loss)]
+    let ffn = match moe {
+        None => 16.0 * c * c,
+        Some((experts, active)) => 16.0 * c * c * active as f64 + 2.0 * c * experts as f64,
+    };
+    let block = 8.0 * c * c + ffn + 2.0 * t * c;
+    let profiles: Vec<weft_pipeline::LayerProfile> = (0..l)
+        .map(|i| {
+            let f = if i + 1 == l {
+                block + 2.0 * c * v
+            } else {
+                block
+            };
+            weft_pipeline::LayerProfile {
+                forward: f,
+                backward_input: f,
+                backward_weight: f,
+                activation: 1.0,
+                weight_grad_memory: 1.0,
+                static_memory: 0.0,
+            }
+        })
+        .collect();
+    let part = weft_pipeline::partition(
+        schedule,
+        &profiles,
+        &weft_pipeline::PartitionOptions {
+            p2p_latency: 0.0,
+            memory_limit: None,
+        },
+    )?;
+    let layers = part.layers_per_chunk();
+    if layers.contains(&0) {
+        return Err(Error::Config {
+            field: "pipeline partition",
+            reason: format!("left a stage without layers ({layers:?}); use fewer stages"),
+        });
+    }
+    Ok(layers)
+}
+
+/// The data-parallel group's handle for a layer that keeps it (the
+/// expert-parallel feed-forward block's `ep` group).
+pub fn expert_group(mesh: &ParallelMesh) -> Arc<dyn Communicator> {
+    mesh.group_arc(DimSet::EP)
+}
