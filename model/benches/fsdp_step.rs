@@ -134,7 +134,8 @@ fn bench(
                         1 => r[s].1,
                         _ => r[s].2,
                     })
-                    .fold(0.0, f64::max)
+                    // NaN (no FSDP spans) stays NaN
+                    .fold(0.0, |m: f64, x| if x.is_nan() { x } else { m.max(x) })
             })
             .collect()
     };
