@@ -93,8 +93,8 @@ fn micro_batch(f: &mut Fsdp, x: &[f32], y: &[f32]) -> weft_fsdp::Result<f64> {
         .map(|(a, b)| (a - b) / (N * H) as f32)
         .collect();
     for l in (0..LAYERS).rev() {
-        f.pre_backward(l)?;
-        let (p, g) = f.view(l)?;
+        f.pre_backward(l, 0)?;
+        let (p, g) = f.view(l, 0)?;
         let (w, _) = p.split_at(H * H);
         let (dw, db) = g.split_at_mut(H * H);
         let dz: Vec<f32> = dh
@@ -119,7 +119,7 @@ fn micro_batch(f: &mut Fsdp, x: &[f32], y: &[f32]) -> weft_fsdp::Result<f64> {
                 (0..H).map(|j| dz[r * H + j] * w[k * H + j]).sum()
             })
             .collect();
-        f.post_backward(l)?;
+        f.post_backward(l, 0)?;
     }
     Ok(loss)
 }
@@ -154,9 +154,7 @@ pub fn train(n: usize, cfg: &FsdpConfig, steps: usize) -> anyhow::Result<Run> {
                 let mut mine = Vec::new();
                 for j in 0..per {
                     let (x, y) = sample(step, comm.rank() * per + j);
-                    f.begin_micro_batch()?;
                     mine.push(micro_batch(&mut f, &x, &y)?);
-                    f.end_micro_batch()?;
                 }
                 f.finish_backward()?;
                 // the global loss: every micro-batch's, in global order

@@ -121,18 +121,16 @@
 //! let out = LocalCluster::run(2, |comm| -> weft_fsdp::Result<Vec<f32>> {
 //!     let mut f = Fsdp::new(&comm, &layout, units.clone(), FsdpConfig::default(), &[1.0; 5])?;
 //!     f.begin_step(1)?;
-//!     f.begin_micro_batch()?;
 //!     for u in 0..2 {
 //!         f.pre_forward(u)?;
 //!         assert_eq!(f.params(u)?[0], 1.0); // gathered whole
 //!         f.post_forward(u)?;
 //!     }
 //!     for u in (0..2).rev() {
-//!         f.pre_backward(u)?;
-//!         f.grads_mut(u)?.fill(comm.rank() as f32); // this rank's gradient
-//!         f.post_backward(u)?;
+//!         f.pre_backward(u, 0)?; // micro-batch 0
+//!         f.grads_mut(u, 0)?.fill(comm.rank() as f32); // this rank's gradient
+//!         f.post_backward(u, 0)?;
 //!     }
-//!     f.end_micro_batch()?;
 //!     f.finish_backward()?;
 //!     let norm = f.grad_norm()?.finish(None)?;
 //!     assert!((norm - (5.0f64 * 0.25).sqrt()).abs() < 1e-12); // mean 0.5 everywhere

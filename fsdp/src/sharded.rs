@@ -71,8 +71,8 @@ enum Slot {
 enum Phase {
     /// Between steps.
     Idle,
-    /// Training: micro-batch `micro` of `local` on this rank.
-    Train { local: usize, micro: usize },
+    /// Training: `local` micro-batches on this rank.
+    Train { local: usize },
     /// A forward without backward (evaluation).
     Eval,
 }
@@ -96,8 +96,8 @@ enum Dir {
 ///
 /// 1. [`begin_step`](Self::begin_step) with this rank's number of
 ///    micro-batches.
-/// 2. Per micro-batch: [`begin_micro_batch`](Self::begin_micro_batch);
-///    for each unit in forward order [`pre_forward`](Self::pre_forward)
+/// 2. Per micro-batch, for each unit in forward order
+///    [`pre_forward`](Self::pre_forward)
 ///    (gathers it, and issues the next units' gathers: they travel while
 ///    this one computes), compute with [`params`](Self::params),
 ///    [`post_forward`](Self::post_forward) (frees it, unless it is the
@@ -107,7 +107,10 @@ enum Dir {
 ///    [`view`](Self::view) / [`views2`](Self::views2) for parameters and
 ///    gradients at once), [`post_backward`](Self::post_backward) (hands its
 ///    gradients to the reducer thread, which reduce-scatters them while the
-///    next unit computes); [`end_micro_batch`](Self::end_micro_batch).
+///    next unit computes). Each unit counts its own forwards and
+///    backwards, so the micro-batches may interleave — a pipeline stage
+///    runs several forwards before their backwards (1F1B, interleaved);
+///    each unit's backwards come in the order of its forwards.
 /// 3. [`finish_backward`](Self::finish_backward) waits for the last
 ///    reductions; [`grad_norm`](Self::grad_norm) gives this shard's part of
 ///    the exact squared norm (merged over the shard group), and
@@ -137,12 +140,20 @@ pub struct Fsdp {
     spans: SpanLog,
     phase: Phase,
     slots: Vec<Slot>,
-    gbufs: Vec<Option<Vec<f32>>>,
+    /// Per unit, the gradient buffers of the micro-batches whose backward
+    /// is under way (id, buffer): one, or several when a pipeline splits
+    /// backwards into input and weight halves run at different times.
+    gbufs: Vec<Vec<(usize, Vec<f32>)>>,
     grads: Vec<GradAcc>,
     /// When each unit's forward or backward compute began (for spans).
     compute_from: Vec<Option<Instant>>,
-    /// Units whose backward ran in this micro-batch.
-    backward_done: Vec<bool>,
+    /// Forwards and backwards each unit has run in this step: a unit's
+    /// micro-batches are counted on their own, so a pipeline stage may run
+    /// several forwards before their backwards (1F1B, interleaved).
+    forwards: Vec<usize>,
+    backwards: Vec<usize>,
+    /// The micro-batch each unit's current forward or backward belongs to.
+    current: Vec<Option<usize>>,
     /// Bytes handed to the reducer per job, in submission order.
     in_flight: VecDeque<usize>,
     /// Micro-batches of the whole data-parallel group in this step.
@@ -165,6 +176,11 @@ impl std::fmt::Debug for Fsdp {
 fn split_of(c: &dyn Communicator, what: &str) -> Result<Box<dyn Communicator>> {
     c.split(0, c.rank() as u32)
         .map_err(comm(format!("splitting the {what} communicator")))
+}
+
+/// The gradient buffer of micro-batch `mb` among a unit's.
+fn grad_of(bufs: &mut [(usize, Vec<f32>)], mb: usize) -> Option<&mut Vec<f32>> {
+    bufs.iter_mut().find(|(id, _)| *id == mb).map(|(_, g)| g)
 }
 
 fn phase_err(what: &str, phase: Phase) -> Error {
@@ -277,10 +293,12 @@ impl Fsdp {
             spans: SpanLog::new(),
             phase: Phase::Idle,
             slots: (0..nu).map(|_| Slot::Empty).collect(),
-            gbufs: (0..nu).map(|_| None).collect(),
+            gbufs: (0..nu).map(|_| Vec::new()).collect(),
             grads: (0..nu).map(|_| GradAcc::None).collect(),
             compute_from: vec![None; nu],
-            backward_done: vec![false; nu],
+            forwards: vec![0; nu],
+            backwards: vec![0; nu],
+            current: vec![None; nu],
             in_flight: VecDeque::new(),
             global_m: 0,
         })
@@ -431,6 +449,24 @@ impl Fsdp {
         Ok(out)
     }
 
+    /// Unit `u`'s parameters (f32 master weights, without padding) on
+    /// every rank, outside a step — e.g. a tied embedding another pipeline
+    /// stage keeps a copy of. Collective over the shard group.
+    ///
+    /// # Errors
+    /// [`Error::Order`] for a unit the plan does not have; a collective
+    /// error.
+    pub fn unit_params(&self, u: usize) -> Result<Vec<f32>> {
+        self.check_unit(u)?;
+        let unit = &self.plan.units()[u];
+        let mut full = vec![0.0f32; unit.padded_len(self.n)];
+        self.params_comm
+            .all_gather(&self.units[u].master, &mut full)
+            .map_err(comm(format!("all_gather of unit {}", unit.name)))?;
+        full.truncate(unit.len());
+        Ok(full)
+    }
+
     /// The whole parameter buffer (f32 master weights, the layout's order)
     /// on every rank. Collective over the shard group.
     ///
@@ -511,11 +547,9 @@ impl Fsdp {
     }
 
     /// The micro-batch under way, if any.
-    fn micro(&self) -> Option<usize> {
-        match self.phase {
-            Phase::Train { micro, .. } if micro != usize::MAX => Some(micro),
-            _ => None,
-        }
+    /// The micro-batch unit `u` is computing, for its spans.
+    fn micro(&self, u: usize) -> Option<usize> {
+        self.current.get(u).copied().flatten()
     }
 
     // ---------------------------------------------------------- the hooks
@@ -539,49 +573,9 @@ impl Fsdp {
         self.global_m = micro_batches * self.dp_size;
         self.phase = Phase::Train {
             local: micro_batches,
-            micro: usize::MAX,
         };
-        Ok(())
-    }
-
-    /// Starts the next micro-batch of the step.
-    ///
-    /// # Errors
-    /// [`Error::Order`] outside a step, or past its last micro-batch.
-    pub fn begin_micro_batch(&mut self) -> Result<()> {
-        let Phase::Train { local, micro } = self.phase else {
-            return Err(phase_err("begin_micro_batch", self.phase));
-        };
-        let next = micro.wrapping_add(1);
-        if next >= local {
-            return Err(Error::Order {
-                reason: format!("micro-batch {} of a step of {local}", next + 1),
-            });
-        }
-        self.phase = Phase::Train { local, micro: next };
-        self.backward_done.iter_mut().for_each(|d| *d = false);
-        Ok(())
-    }
-
-    /// Ends the micro-batch: frees every gathered unit.
-    ///
-    /// # Errors
-    /// [`Error::Order`] if a unit's backward did not run.
-    pub fn end_micro_batch(&mut self) -> Result<()> {
-        if self.micro().is_none() {
-            return Err(phase_err("end_micro_batch", self.phase));
-        }
-        if let Some(u) = self.backward_done.iter().position(|d| !d) {
-            return Err(Error::Order {
-                reason: format!(
-                    "the micro-batch ended without the backward of unit {}",
-                    self.plan.units()[u].name
-                ),
-            });
-        }
-        for u in 0..self.slots.len() {
-            self.free_slot(u);
-        }
+        self.forwards.iter_mut().for_each(|x| *x = 0);
+        self.backwards.iter_mut().for_each(|x| *x = 0);
         Ok(())
     }
 
@@ -618,12 +612,25 @@ impl Fsdp {
     /// `prefetch` units are issued so they travel while `u` computes.
     ///
     /// # Errors
-    /// [`Error::Order`] outside a micro-batch or an evaluation; a
-    /// collective error.
+    /// [`Error::Order`] outside a step or an evaluation, or past the step's
+    /// micro-batches; a collective error.
     pub fn pre_forward(&mut self, u: usize) -> Result<()> {
         self.check_unit(u)?;
-        if self.phase != Phase::Eval && self.micro().is_none() {
-            return Err(phase_err("pre_forward", self.phase));
+        match self.phase {
+            Phase::Eval => self.current[u] = None,
+            Phase::Train { local } if self.forwards[u] < local => {
+                self.current[u] = Some(self.forwards[u]);
+            }
+            Phase::Train { local } => {
+                return Err(Error::Order {
+                    reason: format!(
+                        "forward {} of unit {} in a step of {local} micro-batches",
+                        self.forwards[u] + 1,
+                        self.plan.units()[u].name
+                    ),
+                });
+            }
+            Phase::Idle => return Err(phase_err("pre_forward", self.phase)),
         }
         self.prefetch(Dir::Forward, u)?;
         self.materialize(u)?;
@@ -651,10 +658,13 @@ impl Fsdp {
             Track::Compute,
             op,
             Some(u),
-            self.micro(),
+            self.micro(u),
             from,
             Instant::now(),
         );
+        if self.phase != Phase::Eval {
+            self.forwards[u] += 1;
+        }
         let nu = self.plan.units().len();
         let keep = self.phase != Phase::Eval && (!self.cfg.reshard_after_forward || u + 1 == nu)
             || self.plan.units()[u].keep_gathered;
@@ -664,56 +674,84 @@ impl Fsdp {
         self.drain_reductions(false)
     }
 
-    /// Before unit `u`'s backward: its parameters are gathered (and the
-    /// previous units' gathers issued), and its gradient buffer (zeroed, or
-    /// the running accumulator) is ready in [`grads_mut`](Self::grads_mut).
-    /// Calling it again for a unit already prepared (a kept unit another
-    /// unit's backward reads) does nothing more.
+    /// Before unit `u`'s backward of micro-batch `mb` (the caller's id of
+    /// the micro-batch, distinct among those in flight): its parameters are
+    /// gathered (and the previous units' gathers issued), and a gradient
+    /// buffer for `mb` (zeroed, or the running accumulator) is ready in
+    /// [`grads_mut`](Self::grads_mut). Calling it again for a unit and
+    /// micro-batch already prepared (a kept unit another unit's backward
+    /// reads) does nothing more. Several micro-batches' backwards of a unit
+    /// may be under way at once (a zero-bubble pipeline's input and weight
+    /// halves); they end in any order.
     ///
     /// # Errors
-    /// [`Error::Order`] outside a micro-batch; a collective error.
-    pub fn pre_backward(&mut self, u: usize) -> Result<()> {
+    /// [`Error::Order`] outside a step, or without a forward whose
+    /// backward is pending; a collective error.
+    pub fn pre_backward(&mut self, u: usize, mb: usize) -> Result<()> {
         self.check_unit(u)?;
-        if self.micro().is_none() {
+        if !matches!(self.phase, Phase::Train { .. }) {
             return Err(phase_err("pre_backward", self.phase));
         }
+        if self.gbufs[u].iter().any(|(id, _)| *id == mb) {
+            return Ok(());
+        }
+        if self.backwards[u] + self.gbufs[u].len() >= self.forwards[u] {
+            return Err(Error::Order {
+                reason: format!(
+                    "backward {} of unit {} after {} forwards",
+                    self.backwards[u] + self.gbufs[u].len() + 1,
+                    self.plan.units()[u].name,
+                    self.forwards[u]
+                ),
+            });
+        }
+        self.current[u] = Some(mb);
         self.prefetch(Dir::Backward, u)?;
         self.materialize(u)?;
-        if self.gbufs[u].is_none() {
-            let g = self.grad_buffer(u);
-            self.gbufs[u] = Some(g);
-        }
+        let g = self.grad_buffer(u);
+        self.gbufs[u].push((mb, g));
         self.compute_from[u].get_or_insert_with(Instant::now);
         Ok(())
     }
 
-    /// After unit `u`'s backward: its gradients are complete; they go to
-    /// the reducer (or accumulate until the step's last micro-batch, for
-    /// strategies that keep whole gradients), and its parameters are freed.
+    /// After unit `u`'s backward of micro-batch `mb`: its gradients are
+    /// complete; they go to the reducer (or accumulate until the step's
+    /// last micro-batch, for strategies that keep whole gradients), and its
+    /// parameters are freed once no backward of the unit is under way.
     ///
     /// # Errors
     /// [`Error::Order`] without a matching [`pre_backward`](Self::pre_backward);
     /// a reducer error.
-    pub fn post_backward(&mut self, u: usize) -> Result<()> {
+    pub fn post_backward(&mut self, u: usize, mb: usize) -> Result<()> {
         self.check_unit(u)?;
-        let (Phase::Train { local, .. }, Some(micro)) = (self.phase, self.micro()) else {
+        let Phase::Train { local } = self.phase else {
             return Err(phase_err("post_backward", self.phase));
         };
-        let g = self.gbufs[u].take().ok_or_else(|| Error::Order {
-            reason: format!("post_backward of unit {u} without pre_backward"),
-        })?;
+        let at = self.gbufs[u]
+            .iter()
+            .position(|(id, _)| *id == mb)
+            .ok_or_else(|| Error::Order {
+                reason: format!(
+                    "post_backward of unit {} for micro-batch {mb} without pre_backward",
+                    self.plan.units()[u].name
+                ),
+            })?;
+        let (_, g) = self.gbufs[u].remove(at);
         let from = self.compute_from[u].take().unwrap_or_else(Instant::now);
         self.spans.push(
             Track::Compute,
             "backward",
             Some(u),
-            Some(micro),
+            Some(mb),
             from,
             Instant::now(),
         );
-        self.free_slot(u);
-        self.backward_done[u] = true;
-        self.finish_unit_grads(u, micro, micro + 1 == local, g)?;
+        if self.gbufs[u].is_empty() {
+            self.free_slot(u);
+        }
+        let done = self.backwards[u];
+        self.backwards[u] += 1;
+        self.finish_unit_grads(u, done, done + 1 == local, g)?;
         self.drain_reductions(false)
     }
 
@@ -739,15 +777,16 @@ impl Fsdp {
     ///
     /// # Errors
     /// [`Error::Order`] outside those hooks.
-    pub fn grads_mut(&mut self, u: usize) -> Result<&mut [f32]> {
-        Ok(self.view(u)?.1)
+    pub fn grads_mut(&mut self, u: usize, mb: usize) -> Result<&mut [f32]> {
+        Ok(self.view(u, mb)?.1)
     }
 
-    /// Unit `u`'s parameters and gradient buffer together.
+    /// Unit `u`'s parameters and its gradient buffer for micro-batch `mb`
+    /// together.
     ///
     /// # Errors
     /// As [`params`](Self::params) and [`grads_mut`](Self::grads_mut).
-    pub fn view(&mut self, u: usize) -> Result<(&[f32], &mut [f32])> {
+    pub fn view(&mut self, u: usize, mb: usize) -> Result<(&[f32], &mut [f32])> {
         self.check_unit(u)?;
         let len = self.plan.units()[u].len();
         let name = &self.plan.units()[u].name;
@@ -755,14 +794,17 @@ impl Fsdp {
             unit_params(&self.units, &self.slots, &self.plan, u).ok_or_else(|| Error::Order {
                 reason: format!("unit {name} is not gathered"),
             })?;
-        let g = self.gbufs[u].as_mut().ok_or_else(|| Error::Order {
-            reason: format!("unit {name} has no gradient buffer (call pre_backward first)"),
+        let g = grad_of(&mut self.gbufs[u], mb).ok_or_else(|| Error::Order {
+            reason: format!(
+                "unit {name} has no gradient buffer for micro-batch {mb} (call pre_backward first)"
+            ),
         })?;
         Ok((p, &mut g[..len]))
     }
 
-    /// The views of two different units at once (a unit whose backward
-    /// also writes another's gradients: a tied output head).
+    /// The views of two different units at once, for micro-batch `mb` (a
+    /// unit whose backward also writes another's gradients: a tied output
+    /// head).
     ///
     /// # Errors
     /// As [`view`](Self::view); [`Error::Order`] if `a == b`.
@@ -771,6 +813,7 @@ impl Fsdp {
         &mut self,
         a: usize,
         b: usize,
+        mb: usize,
     ) -> Result<((&[f32], &mut [f32]), (&[f32], &mut [f32]))> {
         self.check_unit(a)?;
         self.check_unit(b)?;
@@ -781,19 +824,13 @@ impl Fsdp {
         }
         let missing = |u: usize| Error::Order {
             reason: format!(
-                "unit {} is not gathered or has no gradient buffer",
+                "unit {} is not gathered or has no gradient buffer for micro-batch {mb}",
                 self.plan.units()[u].name
             ),
         };
         let (la, lb) = (self.plan.units()[a].len(), self.plan.units()[b].len());
         let pa = unit_params(&self.units, &self.slots, &self.plan, a).ok_or_else(|| missing(a))?;
         let pb = unit_params(&self.units, &self.slots, &self.plan, b).ok_or_else(|| missing(b))?;
-        if self.gbufs[a].is_none() {
-            return Err(missing(a));
-        }
-        if self.gbufs[b].is_none() {
-            return Err(missing(b));
-        }
         let (lo, hi) = self.gbufs.split_at_mut(a.max(b));
         let (first, second) = (&mut lo[a.min(b)], &mut hi[0]);
         let (ga, gb) = if a < b {
@@ -801,20 +838,33 @@ impl Fsdp {
         } else {
             (second, first)
         };
-        let ga = ga.as_mut().map(|g| &mut g[..la]).unwrap_or_default();
-        let gb = gb.as_mut().map(|g| &mut g[..lb]).unwrap_or_default();
-        Ok(((pa, ga), (pb, gb)))
+        let ga = grad_of(ga, mb).ok_or_else(|| missing(a))?;
+        let gb = grad_of(gb, mb).ok_or_else(|| missing(b))?;
+        Ok(((pa, &mut ga[..la]), (pb, &mut gb[..lb])))
     }
 
-    /// After the step's last micro-batch: waits for every reduction.
+    /// After every unit's backward of the step's last micro-batch: waits
+    /// for every reduction.
     ///
     /// # Errors
-    /// [`Error::Order`] outside a step or before its last micro-batch; a
-    /// reducer error.
+    /// [`Error::Order`] outside a step, or before every unit's backwards
+    /// ran; a reducer error.
     pub fn finish_backward(&mut self) -> Result<()> {
-        match self.phase {
-            Phase::Train { local, micro } if micro.wrapping_add(1) == local => {}
-            p => return Err(phase_err("finish_backward", p)),
+        let Phase::Train { local } = self.phase else {
+            return Err(phase_err("finish_backward", self.phase));
+        };
+        if let Some(u) = self.backwards.iter().position(|&b| b != local) {
+            return Err(Error::Order {
+                reason: format!(
+                    "the step ended after {} of {local} backwards of unit {}",
+                    self.backwards[u],
+                    self.plan.units()[u].name
+                ),
+            });
+        }
+        // nothing stays gathered between steps
+        for u in 0..self.slots.len() {
+            self.free_slot(u);
         }
         self.drain_reductions(true)
     }
@@ -1035,7 +1085,7 @@ impl Fsdp {
             )
         });
         let w1 = Instant::now();
-        let micro = self.micro();
+        let micro = self.micro(u);
         self.spans
             .push(Track::Comm, "all_gather", Some(u), micro, start, end);
         if end > w0 {
@@ -1207,8 +1257,17 @@ impl Fsdp {
                     self.mem.alloc(Category::Gradients, x.encoded_bytes());
                     GradAcc::FullExact(x)
                 }
-                // plain: `g` is the accumulator (see `grad_buffer`)
-                (_, false) => GradAcc::Full(g),
+                // plain: `g` is the accumulator (see `grad_buffer`), or a
+                // fresh buffer while the accumulator is lent to another
+                // micro-batch's backward: the two are added
+                (other, false) => match other {
+                    GradAcc::Full(mut a) => {
+                        a.iter_mut().zip(&g).for_each(|(x, y)| *x += y);
+                        self.mem.free(Category::Gradients, gbytes);
+                        GradAcc::Full(a)
+                    }
+                    _ => GradAcc::Full(g),
+                },
             };
             if !last_micro {
                 self.grads[u] = acc;

@@ -34,17 +34,15 @@ fn zero3_keeps_16_bytes_per_parameter_over_n_plus_the_gathered_window() {
         assert_eq!(m0.current(Category::GatheredParams), 0);
         assert_eq!(m0.current(Category::Gradients), 0);
         f.begin_step(1).unwrap();
-        f.begin_micro_batch().unwrap();
         for u in 0..4 {
             f.pre_forward(u).unwrap();
             f.post_forward(u).unwrap();
         }
         for u in (0..4).rev() {
-            f.pre_backward(u).unwrap();
-            f.grads_mut(u).unwrap().fill(1e-3);
-            f.post_backward(u).unwrap();
+            f.pre_backward(u, 0).unwrap();
+            f.grads_mut(u, 0).unwrap().fill(1e-3);
+            f.post_backward(u, 0).unwrap();
         }
-        f.end_micro_batch().unwrap();
         f.finish_backward().unwrap();
         let at_update = f.memory().clone();
         f.apply(1.0, &AdamW::default()).unwrap();
@@ -108,16 +106,30 @@ fn hooks_out_of_order_are_typed_errors() {
         assert!(matches!(f.begin_step(0), Err(Error::Order { .. })));
         f.begin_step(1).unwrap();
         assert!(
-            matches!(f.pre_backward(0), Err(Error::Order { .. })),
-            "before a micro-batch"
+            matches!(f.pre_backward(0, 0), Err(Error::Order { .. })),
+            "before its forward"
         );
-        f.begin_micro_batch().unwrap();
         assert!(f.params(1).is_err(), "not gathered yet");
         f.pre_forward(0).unwrap();
-        assert!(f.grads_mut(0).is_err(), "no gradient buffer in the forward");
+        assert!(
+            f.grads_mut(0, 0).is_err(),
+            "no gradient buffer in the forward"
+        );
         f.post_forward(0).unwrap();
         assert!(f.post_forward(0).is_err(), "twice");
-        assert!(f.end_micro_batch().is_err(), "without the backward");
+        assert!(f.finish_backward().is_err(), "without the backwards");
+        f.pre_backward(0, 0).unwrap();
+        f.pre_backward(0, 0).unwrap(); // again: nothing more
+        assert!(f.post_backward(0, 1).is_err(), "another micro-batch's");
+        f.post_backward(0, 0).unwrap();
+        assert!(
+            f.pre_backward(0, 1).is_err(),
+            "a second backward after one forward"
+        );
+        assert!(
+            f.pre_forward(0).is_err(),
+            "a second forward in a step of one"
+        );
         assert!(f.pre_forward(9).is_err(), "no such unit");
     })
     .unwrap();
@@ -135,16 +147,14 @@ fn a_lost_rank_is_an_error_not_a_hang() {
             let mut f = Fsdp::new(&comm, &layout, units.clone(), FsdpConfig::default(), &init)?;
             for _ in 0..2 {
                 f.begin_step(1)?;
-                f.begin_micro_batch()?;
                 for u in 0..4 {
                     f.pre_forward(u)?;
                     f.post_forward(u)?;
                 }
                 for u in (0..4).rev() {
-                    f.pre_backward(u)?;
-                    f.post_backward(u)?;
+                    f.pre_backward(u, 0)?;
+                    f.post_backward(u, 0)?;
                 }
-                f.end_micro_batch()?;
                 f.finish_backward()?;
                 f.apply(1.0, &AdamW::default())?;
             }

@@ -2,10 +2,14 @@
 //! block, the head) and the [`ParamStore`] whose hooks drive FSDP's
 //! gathers and reduce-scatters from the one block loop.
 
+use std::ops::Range;
+
 use weft_fsdp::{Fsdp, UnitSpec};
+use weft_parallel::{ParamLayout, ParamSpec, Placement};
 
 use crate::chunk::{HeadView, Lm, ParamStore, Piece, PieceRanges, missing};
 use crate::error::{Error, Result};
+use crate::tp::TensorParallel;
 
 /// Which FSDP unit holds each piece of a chunk.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -19,6 +23,10 @@ pub(crate) struct UnitMap {
     lm: Lm,
     /// `wte`'s floats, the start of the embedding unit (tied output head).
     wte_len: usize,
+    /// Per unit, the ranges (from the unit's start) of the tensors whose
+    /// gradients a rank's backward leaves partial over the tensor-parallel
+    /// group (the layernorms under sequence parallelism).
+    partial: Vec<Vec<Range<usize>>>,
 }
 
 impl UnitMap {
@@ -44,11 +52,16 @@ impl UnitMap {
     }
 }
 
-/// The units of a chunk laid out by `ranges` (in its own buffer of `len`
-/// floats): the embedding, each block, the head (ln_f and an untied
+/// The units of a chunk laid out by `ranges` (in its own buffer, laid out
+/// by `layout`): the embedding, each block, the head (ln_f and an untied
 /// `lm_head`); the embedding stays gathered until its backward when the
 /// head reads it (tied). Returns the units and the piece-to-unit map.
-pub(crate) fn units(ranges: &PieceRanges, len: usize, wte_len: usize) -> (Vec<UnitSpec>, UnitMap) {
+pub(crate) fn units(
+    ranges: &PieceRanges,
+    layout: &ParamLayout,
+    wte_len: usize,
+) -> (Vec<UnitSpec>, UnitMap) {
+    let len = layout.len();
     let mut out = Vec::new();
     let tied = matches!(&ranges.lm, Lm::At(r) if r.start == 0) && ranges.embed.is_some();
     if let Some(e) = &ranges.embed {
@@ -72,12 +85,26 @@ pub(crate) fn units(ranges: &PieceRanges, len: usize, wte_len: usize) -> (Vec<Un
             keep_gathered: false,
         });
     }
+    let partial = out
+        .iter()
+        .map(|u| {
+            layout
+                .specs()
+                .iter()
+                .filter(|s| s.grad_placements.tp == Placement::Partial)
+                .map(ParamSpec::range)
+                .filter(|r| r.start >= u.range.start && r.end <= u.range.end)
+                .map(|r| r.start - u.range.start..r.end - u.range.start)
+                .collect()
+        })
+        .collect();
     let map = UnitMap {
+        partial,
         embed: ranges.embed.is_some(),
         first_layer: ranges.first_layer,
         blocks: ranges.blocks.len(),
         head: ranges.lnf.is_some(),
-        lnf_len: ranges.lnf.as_ref().map_or(0, std::ops::Range::len),
+        lnf_len: ranges.lnf.as_ref().map_or(0, Range::len),
         lm: ranges.lm.clone(),
         wte_len,
     };
@@ -86,10 +113,16 @@ pub(crate) fn units(ranges: &PieceRanges, len: usize, wte_len: usize) -> (Vec<Un
 
 /// A [`ParamStore`] over a chunk's FSDP state: each hook is FSDP's hook of
 /// the piece's unit; a tied head reads the embedding unit (kept gathered)
-/// and adds its part of `wte`'s gradient into that unit's buffer.
+/// and adds its part of `wte`'s gradient into that unit's buffer. Under
+/// sequence parallelism a unit's partial gradients are summed over the
+/// tensor-parallel group before FSDP reduces the unit over its
+/// data-parallel group.
 pub(crate) struct Sharded<'a> {
     pub(crate) fsdp: &'a mut Fsdp,
     pub(crate) map: &'a UnitMap,
+    pub(crate) tp: Option<&'a TensorParallel>,
+    /// The micro-batch whose backward the hooks serve.
+    pub(crate) mb: usize,
     /// The copy of `wte` and its gradient, on a head-only stage of a tied
     /// model.
     pub(crate) copy: Option<(&'a [f32], Option<&'a mut [f32]>)>,
@@ -105,16 +138,32 @@ impl ParamStore for Sharded<'_> {
     }
 
     fn pre_backward(&mut self, p: Piece) -> Result<()> {
-        self.fsdp.pre_backward(self.map.unit(p)?)?;
+        self.fsdp.pre_backward(self.map.unit(p)?, self.mb)?;
         if p == Piece::Head && self.map.tied_here() {
             // the head's backward also writes wte's gradient
-            self.fsdp.pre_backward(0)?;
+            self.fsdp.pre_backward(0, self.mb)?;
         }
         Ok(())
     }
 
     fn post_backward(&mut self, p: Piece) -> Result<()> {
-        Ok(self.fsdp.post_backward(self.map.unit(p)?)?)
+        let u = self.map.unit(p)?;
+        if let Some(tp) = self.tp
+            && !self.map.partial[u].is_empty()
+        {
+            let g = self.fsdp.grads_mut(u, self.mb)?;
+            let mut buf: Vec<f32> = Vec::new();
+            for r in &self.map.partial[u] {
+                buf.extend_from_slice(&g[r.clone()]);
+            }
+            tp.all_reduce(&mut buf)?;
+            let mut at = 0;
+            for r in &self.map.partial[u] {
+                g[r.clone()].copy_from_slice(&buf[at..at + r.len()]);
+                at += r.len();
+            }
+        }
+        Ok(self.fsdp.post_backward(u, self.mb)?)
     }
 
     fn params(&self, p: Piece) -> Result<&[f32]> {
@@ -143,14 +192,14 @@ impl ParamStore for Sharded<'_> {
 
     fn view(&mut self, p: Piece) -> Result<(&[f32], &mut [f32])> {
         let u = self.map.unit(p)?;
-        Ok(self.fsdp.view(u)?)
+        Ok(self.fsdp.view(u, self.mb)?)
     }
 
     fn head(&mut self) -> Result<HeadView<'_>> {
         let h = self.map.unit(Piece::Head)?;
         let lnf_len = self.map.lnf_len;
         if self.map.tied_here() {
-            let ((ph, gh), (p0, g0)) = self.fsdp.views2(h, 0)?;
+            let ((ph, gh), (p0, g0)) = self.fsdp.views2(h, 0, self.mb)?;
             let w = self.map.wte_len;
             return Ok(HeadView {
                 lnf: ph,
@@ -161,7 +210,7 @@ impl ParamStore for Sharded<'_> {
         }
         match &mut self.copy {
             Some((c, Some(dc))) => {
-                let (p, g) = self.fsdp.view(h)?;
+                let (p, g) = self.fsdp.view(h, self.mb)?;
                 Ok(HeadView {
                     lnf: p,
                     lm: c,
@@ -170,7 +219,7 @@ impl ParamStore for Sharded<'_> {
                 })
             }
             _ => {
-                let (p, g) = self.fsdp.view(h)?;
+                let (p, g) = self.fsdp.view(h, self.mb)?;
                 let (lnf, lm) = p.split_at(lnf_len);
                 let (dlnf, dlm) = g.split_at_mut(lnf_len);
                 if lm.is_empty() {

@@ -148,15 +148,6 @@ impl ParallelGpt {
                 ),
             });
         }
-        if plan.fsdp.is_some() && (dims.tp > 1 || dims.ep > 1) {
-            return Err(Error::Config {
-                field: "fsdp",
-                reason: format!(
-                    "fully sharded data parallelism with tp = {} and ep = {} is not composed yet; use fsdp = none, or tp = ep = 1",
-                    dims.tp, dims.ep
-                ),
-            });
-        }
         let blocks = if dims.tp > 1 {
             GptBlocks::with_tp(
                 config,

@@ -122,10 +122,13 @@ enum Store {
         opt: AdamWState,
         reducer: Option<GradReducer>,
     },
-    /// Fully sharded over a data-parallel group (`weft-fsdp`).
+    /// Fully sharded over a data-parallel group (`weft-fsdp`); on the
+    /// embedding's stage of a pipeline with tied embeddings, `wte`
+    /// gathered after each update for the head stage's copy.
     Sharded {
         fsdp: Box<weft_fsdp::Fsdp>,
         map: UnitMap,
+        wte: Option<Vec<f32>>,
     },
 }
 
@@ -352,14 +355,31 @@ impl GptStage {
                 reason: "the stage is sharded already".into(),
             });
         };
-        let (units, map) = crate::fsdp::units(&self.ranges, params.len(), self.blocks.wte_len());
+        let (units, map) = crate::fsdp::units(&self.ranges, &self.layout, self.blocks.wte_len());
         let mut fsdp = weft_fsdp::Fsdp::new(dp, &self.layout, units, cfg, params)?;
         fsdp.load_whole(params, &opt.m, &opt.v, opt.step)?;
         fsdp.record_activations(self.activation_bytes());
         self.store = Store::Sharded {
             fsdp: Box::new(fsdp),
             map,
+            wte: None,
         };
+        self.refresh_shared_wte()
+    }
+
+    /// On a sharded embedding stage whose `wte` the head stage copies
+    /// (tied embeddings across stages): gathers `wte` for the exchange.
+    /// Collective over the data-parallel group.
+    fn refresh_shared_wte(&mut self) -> Result<()> {
+        let owner = self.tied_exchange() && self.spec.embed;
+        let w = self.blocks.wte_len();
+        if let Store::Sharded { fsdp, wte, .. } = &mut self.store
+            && owner
+        {
+            let mut full = fsdp.unit_params(0)?;
+            full.truncate(w);
+            *wte = Some(full);
+        }
         Ok(())
     }
 
@@ -437,7 +457,7 @@ impl GptStage {
             }
             Store::Sharded { fsdp, .. } => fsdp.load_whole(&lp, &lm, &lv, step)?,
         }
-        Ok(())
+        self.refresh_shared_wte()
     }
 
     /// This stage's parameters and AdamW moments, whole (in
@@ -576,7 +596,7 @@ impl GptStage {
             }
             Store::Sharded { fsdp, .. } => fsdp.apply(clip_coef, hp)?,
         }
-        Ok(())
+        self.refresh_shared_wte()
     }
 
     /// Drops the step's gradients without an update.
@@ -711,7 +731,10 @@ impl GptStage {
     /// The embedding stage's `wte` (the first part of its parameters).
     fn wte(&self) -> Option<&[f32]> {
         let e = self.ranges.embed.as_ref()?;
-        self.params().get(e.start..e.start + self.blocks.wte_len())
+        match &self.store {
+            Store::Resident { params, .. } => params.get(e.start..e.start + self.blocks.wte_len()),
+            Store::Sharded { wte, .. } => wte.as_deref(),
+        }
     }
 
     fn slot_of(&self, mb: usize, state: SlotState, what: &str) -> Result<usize> {
@@ -780,8 +803,16 @@ impl GptStage {
                     &mut self.scratch,
                 )
             }
-            Store::Sharded { fsdp, map } => {
-                let mut store = Sharded { fsdp, map, copy };
+            Store::Sharded { fsdp, map, .. } => {
+                let tp = self.blocks.tp();
+                let mb = slot.mb;
+                let mut store = Sharded {
+                    fsdp,
+                    map,
+                    tp,
+                    mb,
+                    copy,
+                };
                 f(
                     &self.blocks,
                     &self.spec,
@@ -818,13 +849,6 @@ impl GptStage {
             weft_kernels::zero(&mut self.tied_out);
             self.tied_out_mb = Some(self.slots[i].mb);
         }
-    }
-
-    fn end_micro_batch(&mut self) -> Result<()> {
-        if let Store::Sharded { fsdp, .. } = &mut self.store {
-            fsdp.end_micro_batch()?;
-        }
-        Ok(())
     }
 
     fn check_tied_ready(&self, i: usize) -> Result<()> {
@@ -919,12 +943,10 @@ impl weft_pipeline::Stage for GptStage {
             Some(x) => ChunkInput::Hidden(x),
         };
         let targets = self.spec.head.then_some(batch.targets);
-        if let Store::Sharded { fsdp, .. } = &mut self.store {
-            if self.eval {
-                fsdp.begin_eval()?;
-            } else {
-                fsdp.begin_micro_batch()?;
-            }
+        if let Store::Sharded { fsdp, .. } = &mut self.store
+            && self.eval
+        {
+            fsdp.begin_eval()?;
         }
         let loss = self.with_store(free, |bl, spec, store, slot, scratch| {
             chunk::forward(bl, spec, store, &mut slot.acts, scratch, inp, targets)
@@ -968,7 +990,6 @@ impl weft_pipeline::Stage for GptStage {
         let slot = &mut self.slots[i];
         slot.state = SlotState::Free;
         slot.tied_ready = false;
-        self.end_micro_batch()?;
         let all = std::iter::once(0..self.layout.len()).collect();
         self.fold(all)
     }
@@ -1021,7 +1042,6 @@ impl weft_pipeline::Stage for GptStage {
         let slot = &mut self.slots[i];
         slot.state = SlotState::Free;
         slot.tied_ready = false;
-        self.end_micro_batch()?;
         let end = self
             .head_grad_range()
             .map_or(self.layout.len(), |r| r.start);
