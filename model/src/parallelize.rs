@@ -148,6 +148,15 @@ impl ParallelGpt {
                 ),
             });
         }
+        if plan.fsdp.is_some() && dims.ep > 1 {
+            return Err(Error::Config {
+                field: "fsdp",
+                reason: format!(
+                    "fully sharded data parallelism with ep = {} is not composed yet (experts would need their own shard group); use fsdp = none or ep = 1",
+                    dims.ep
+                ),
+            });
+        }
         let blocks = if dims.tp > 1 {
             GptBlocks::with_tp(
                 config,
