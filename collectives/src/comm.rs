@@ -458,6 +458,45 @@ pub trait CommunicatorExt: Communicator {
         crate::repro::reduce_scatter_exact(self, &ctx, 1 << 20, partial, out_shard, op, None)
     }
 
+    /// Like [`reduce_scatter_exact`](Self::reduce_scatter_exact) with
+    /// `Avg`, but the exact sum is divided by `divisor` (the same on every
+    /// rank) and rounded once, as
+    /// [`all_reduce_exact_div`](Self::all_reduce_exact_div) does.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] if `out_shard` has the wrong length or
+    /// `divisor` is 0 or exceeds 2^32 − 1; and as for any collective.
+    fn reduce_scatter_exact_div<T: Element>(
+        &self,
+        partial: &crate::repro::ExactPartial,
+        out_shard: &mut [T],
+        divisor: u64,
+    ) -> Result<()> {
+        if divisor == 0 {
+            return Err(Error::InvalidArgument {
+                op: OpKind::ReduceScatter,
+                arg: "divisor",
+                reason: "must be at least 1".into(),
+            });
+        }
+        let want = crate::shard_range(partial.len(), self.size(), self.rank()).len();
+        exact_check(OpKind::ReduceScatter, want, out_shard.len(), ReduceOp::Avg)?;
+        let ctx = self.begin(exact_signature::<T>(
+            OpKind::ReduceScatter,
+            partial.len(),
+            ReduceOp::Avg,
+        ))?;
+        crate::repro::reduce_scatter_exact(
+            self,
+            &ctx,
+            1 << 20,
+            partial,
+            out_shard,
+            ReduceOp::Avg,
+            Some(divisor),
+        )
+    }
+
     /// Like [`all_reduce_exact`](Self::all_reduce_exact) with `Avg`, but
     /// the exact sum of every rank's contributions is divided by `divisor`
     /// (the same on every rank) instead of by the number of contributions,

@@ -455,11 +455,20 @@ fn explicit_divisors_round_the_exact_quotient_once() {
                 }
                 let mut out = vec![0f32; len];
                 comm.all_reduce_exact_div(&p, &mut out, k)?;
-                Ok::<_, weft_collectives::Error>(out)
+                let r = shard_range(len, comm.size(), comm.rank());
+                let mut shard = vec![0f32; r.len()];
+                comm.reduce_scatter_exact_div(&p, &mut shard, k)?;
+                Ok::<_, weft_collectives::Error>((out, r, shard))
             })
             .unwrap();
             for out in outs {
-                assert_eq!(bits(&out.unwrap()), bits(&want), "{n} ranks, divisor {k}");
+                let (out, r, shard) = out.unwrap();
+                assert_eq!(bits(&out), bits(&want), "{n} ranks, divisor {k}");
+                assert_eq!(
+                    bits(&shard),
+                    bits(&want[r]),
+                    "{n} ranks, divisor {k}, shard"
+                );
             }
         }
     }

@@ -1,7 +1,7 @@
 //! Buffers in the compute/communication dtype (f32 or bf16).
 
 use weft_collectives::repro::ExactPartial;
-use weft_collectives::{Communicator, CommunicatorExt, Dtype, ReduceOp, ReduceOptions, bf16};
+use weft_collectives::{Communicator, CommunicatorExt, Dtype, ReduceOptions, bf16};
 
 /// A vector of f32 or bf16 values.
 #[derive(Clone, Debug, PartialEq)]
@@ -80,6 +80,18 @@ impl LowVec {
         }
     }
 
+    /// Overwrites elements `at..at + xs.len()` with `xs` rounded to this
+    /// dtype.
+    pub(crate) fn assign_f32_at(&mut self, at: usize, xs: &[f32]) {
+        match self {
+            LowVec::F32(v) => v[at..at + xs.len()].copy_from_slice(xs),
+            LowVec::Bf16(v) => v[at..at + xs.len()]
+                .iter_mut()
+                .zip(xs)
+                .for_each(|(o, &x)| *o = bf16::from_f32(x)),
+        }
+    }
+
     /// `self += other` elementwise, computed in f32 and rounded once.
     pub(crate) fn add_assign(&mut self, other: &LowVec) {
         match (self, other) {
@@ -125,14 +137,17 @@ impl LowVec {
 
     /// This rank's shard of the exact mean of every rank's contributions
     /// (sum over the group divided by the total count), rounded once.
-    pub(crate) fn reduce_scatter_exact(
+    /// The exact sum of every rank's partial divided by `divisor`,
+    /// rounded once, into this rank's shard.
+    pub(crate) fn reduce_scatter_exact_div(
         &mut self,
         c: &dyn Communicator,
         p: &ExactPartial,
+        divisor: u64,
     ) -> weft_collectives::Result<()> {
         match self {
-            LowVec::F32(a) => c.reduce_scatter_exact(p, a, ReduceOp::Avg),
-            LowVec::Bf16(a) => c.reduce_scatter_exact(p, a, ReduceOp::Avg),
+            LowVec::F32(a) => c.reduce_scatter_exact_div(p, a, divisor),
+            LowVec::Bf16(a) => c.reduce_scatter_exact_div(p, a, divisor),
         }
     }
 

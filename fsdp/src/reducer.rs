@@ -27,9 +27,10 @@ pub(crate) enum GradIn {
     /// An exact partial of the whole padded unit, one chunk per shard rank
     /// (reduced to an exact partial of this rank's shard).
     Exact(ExactBuf),
-    /// An exact partial of the whole padded unit, reduced and rounded once
-    /// by the collectives' `reduce_scatter_exact` / `all_reduce_exact`.
-    Partial(ExactPartial),
+    /// An exact partial of the whole padded unit, reduced, divided by the
+    /// step's micro-batch count (the second field) and rounded once by the
+    /// collectives' `reduce_scatter_exact_div`.
+    Partial(ExactPartial, u64),
 }
 
 /// What a reduction produced.
@@ -203,7 +204,7 @@ fn run(g: &Groups, data: GradIn, unit: usize) -> Result<GradOut> {
             };
             Ok(GradOut::Exact(mine))
         }
-        GradIn::Partial(p) => {
+        GradIn::Partial(p, divisor) => {
             if g.replicas.is_some() {
                 // rounded shards cannot be summed across replicas exactly
                 return Err(Error::Config {
@@ -213,7 +214,7 @@ fn run(g: &Groups, data: GradIn, unit: usize) -> Result<GradOut> {
                 });
             }
             let mut out = LowVec::zeros(g.opts.wire, p.len() / n);
-            out.reduce_scatter_exact(&*g.shard, &p)
+            out.reduce_scatter_exact_div(&*g.shard, &p, divisor)
                 .map_err(comm(format!("reduce_scatter of unit {unit}")))?;
             Ok(GradOut::Plain(out, true))
         }

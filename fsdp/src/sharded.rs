@@ -467,6 +467,101 @@ impl Fsdp {
         Ok(full)
     }
 
+    /// The unit holding all of `range` (of the model's buffer).
+    fn unit_of(&self, range: &Range<usize>) -> Result<usize> {
+        self.plan
+            .units()
+            .iter()
+            .position(|u| range.start >= u.range.start && range.end <= u.range.end)
+            .ok_or_else(|| Error::Config {
+                field: "range",
+                reason: format!("{range:?} is not inside one unit"),
+            })
+    }
+
+    /// Where `range` (inside unit `u`) meets this rank's shard: (range of
+    /// the model's buffer, offset of its start in the shard).
+    fn held_part(&self, u: usize, range: &Range<usize>) -> Option<(Range<usize>, usize)> {
+        let unit = &self.plan.units()[u];
+        let held = unit.shard_in_model(self.rank);
+        let (a, b) = (range.start.max(held.start), range.end.min(held.end));
+        let shard_start = unit.range.start + unit.shard(self.rank).start;
+        (a < b).then(|| (a..b, a - shard_start))
+    }
+
+    /// Elements `range` of the model's buffer (inside one unit; the f32
+    /// master weights) on every rank, outside a step — e.g. a router's
+    /// selection bias that a balancer adjusts. Collective over the shard
+    /// group (every rank passes the same range).
+    ///
+    /// # Errors
+    /// [`Error::Config`] for a range that is not inside one unit; a
+    /// collective error.
+    pub fn read_params(&self, range: Range<usize>) -> Result<Vec<f32>> {
+        let u = self.unit_of(&range)?;
+        let len = range.len();
+        let mut mine = vec![0.0f32; len];
+        if let Some((part, at)) = self.held_part(u, &range) {
+            mine[part.start - range.start..part.end - range.start]
+                .copy_from_slice(&self.units[u].master[at..at + part.len()]);
+        }
+        if self.n == 1 {
+            return Ok(mine);
+        }
+        // every element is held by one rank: take it from that rank's copy
+        let mut all = vec![0.0f32; len * self.n];
+        self.params_comm
+            .all_gather(&mine, &mut all)
+            .map_err(comm(format!("all_gather of {range:?}")))?;
+        let unit = &self.plan.units()[u];
+        let mut out = vec![0.0f32; len];
+        for r in 0..self.n {
+            let held = unit.shard_in_model(r);
+            let (a, b) = (range.start.max(held.start), range.end.min(held.end));
+            for i in a..b {
+                out[i - range.start] = all[r * len + i - range.start];
+            }
+        }
+        Ok(out)
+    }
+
+    /// Overwrites elements `range` of the model's buffer (inside one unit)
+    /// with `values` — the same on every rank of the shard group — outside
+    /// a step: this rank's master weights and compute copies of them. No
+    /// communication.
+    ///
+    /// # Errors
+    /// [`Error::Config`] for a range that is not inside one unit;
+    /// [`Error::StateShape`] for values of another length; [`Error::Order`]
+    /// during a step.
+    pub fn write_params(&mut self, range: Range<usize>, values: &[f32]) -> Result<()> {
+        if self.phase != Phase::Idle {
+            return Err(phase_err("write_params", self.phase));
+        }
+        if values.len() != range.len() {
+            return Err(Error::StateShape {
+                what: format!("values of {range:?}"),
+                expected: range.len(),
+                got: values.len(),
+            });
+        }
+        let u = self.unit_of(&range)?;
+        let unit_start = self.plan.units()[u].range.start;
+        let part = self.held_part(u, &range);
+        let st = &mut self.units[u];
+        if let Some((part, at)) = part {
+            let src = &values[part.start - range.start..part.end - range.start];
+            st.master[at..at + part.len()].copy_from_slice(src);
+            if let Some(lp) = &mut st.shard_lp {
+                lp.assign_f32_at(at, src);
+            }
+        }
+        if let Some(res) = &mut st.resident {
+            res.assign_f32_at(range.start - unit_start, values);
+        }
+        Ok(())
+    }
+
     /// The whole parameter buffer (f32 master weights, the layout's order)
     /// on every rank. Collective over the shard group.
     ///
@@ -546,13 +641,32 @@ impl Fsdp {
         Ok(())
     }
 
-    /// The micro-batch under way, if any.
     /// The micro-batch unit `u` is computing, for its spans.
     fn micro(&self, u: usize) -> Option<usize> {
         self.current.get(u).copied().flatten()
     }
 
     // ---------------------------------------------------------- the hooks
+
+    /// Makes the gradients the mean over `micro_batches · ranks`
+    /// micro-batches per step instead of `micro_batches ·` the group's
+    /// size: for a group that is part of a larger data-parallel group whose
+    /// other ranks' contributions reach its gradients another way (a
+    /// mixture of experts' tokens through the all-to-all, tensors summed
+    /// over a replica group before the hooks hand them over).
+    ///
+    /// # Errors
+    /// [`Error::Config`] for fewer ranks than the group has (or was set to).
+    pub fn set_data_parallel_size(&mut self, ranks: usize) -> Result<()> {
+        if ranks < self.dp_size {
+            return Err(Error::Config {
+                field: "data_parallel_size",
+                reason: format!("= {ranks} is less than the group's {} ranks", self.dp_size),
+            });
+        }
+        self.dp_size = ranks;
+        Ok(())
+    }
 
     /// Starts a step of `micro_batches` micro-batches on this rank (every
     /// rank of the group runs the same number; the global batch has
@@ -1215,7 +1329,8 @@ impl Fsdp {
         let chunk = self.plan.units()[u].shard_len;
         let reduce = self.cfg.precision.reduce;
         let gbytes = bytes_of(&g);
-        let single_micro = matches!(self.phase, Phase::Train { local: 1, .. });
+        let single_micro = matches!(self.phase, Phase::Train { local: 1 });
+        let divisor = self.global_m as u64;
         let to_wire = |g: Vec<f32>| {
             if reduce == Dtype::F32 {
                 LowVec::F32(g)
@@ -1234,7 +1349,7 @@ impl Fsdp {
             } else if single_micro && strategy != Strategy::Hybrid {
                 // one contribution per rank: the collectives' exact
                 // reduce-scatter rounds the final sum at once
-                GradIn::Partial(partial(&g)?)
+                GradIn::Partial(partial(&g)?, divisor)
             } else {
                 // accumulated over micro-batches (or merged across
                 // replicas): exchange exact partials of the shards
@@ -1277,7 +1392,7 @@ impl Fsdp {
                 GradAcc::FullExact(x) => {
                     self.mem.free(Category::Gradients, x.encoded_bytes());
                     self.mem.alloc(Category::Gradients, gbytes);
-                    GradIn::Partial(x)
+                    GradIn::Partial(x, divisor)
                 }
                 GradAcc::Full(a) => GradIn::Plain(to_wire(a)),
                 _ => unreachable!("accumulated above"),
@@ -1287,7 +1402,7 @@ impl Fsdp {
         let held = match &data {
             GradIn::Exact(x) => x.bytes(),
             GradIn::Plain(v) => v.bytes(),
-            GradIn::Partial(p) => p.encoded_bytes(),
+            GradIn::Partial(p, _) => p.encoded_bytes(),
         };
         self.mem.free(Category::Gradients, gbytes);
         self.mem.alloc(Category::Gradients, held);

@@ -4,6 +4,7 @@
 
 use std::ops::Range;
 
+use weft_collectives::{Communicator, CommunicatorExt, ReduceOp, ReduceOptions};
 use weft_fsdp::{Fsdp, UnitSpec};
 use weft_parallel::{ParamLayout, ParamSpec, Placement};
 
@@ -27,6 +28,11 @@ pub(crate) struct UnitMap {
     /// gradients a rank's backward leaves partial over the tensor-parallel
     /// group (the layernorms under sequence parallelism).
     partial: Vec<Vec<Range<usize>>>,
+    /// Per unit, with expert parallelism, the ranges of the tensors the
+    /// expert group replicates (all but the experts): their gradients are
+    /// summed over the expert group before FSDP reduces the unit over the
+    /// group's replicas.
+    ep_replicated: Vec<Vec<Range<usize>>>,
 }
 
 impl UnitMap {
@@ -55,11 +61,13 @@ impl UnitMap {
 /// The units of a chunk laid out by `ranges` (in its own buffer, laid out
 /// by `layout`): the embedding, each block, the head (ln_f and an untied
 /// `lm_head`); the embedding stays gathered until its backward when the
-/// head reads it (tied). Returns the units and the piece-to-unit map.
+/// head reads it (tied). `experts`: the experts are sharded over an expert
+/// group. Returns the units and the piece-to-unit map.
 pub(crate) fn units(
     ranges: &PieceRanges,
     layout: &ParamLayout,
     wte_len: usize,
+    experts: bool,
 ) -> (Vec<UnitSpec>, UnitMap) {
     let len = layout.len();
     let mut out = Vec::new();
@@ -85,21 +93,29 @@ pub(crate) fn units(
             keep_gathered: false,
         });
     }
-    let partial = out
-        .iter()
-        .map(|u| {
-            layout
-                .specs()
-                .iter()
-                .filter(|s| s.grad_placements.tp == Placement::Partial)
-                .map(ParamSpec::range)
-                .filter(|r| r.start >= u.range.start && r.end <= u.range.end)
-                .map(|r| r.start - u.range.start..r.end - u.range.start)
-                .collect()
-        })
-        .collect();
+    let within = |keep: &dyn Fn(&ParamSpec) -> bool| -> Vec<Vec<Range<usize>>> {
+        out.iter()
+            .map(|u| {
+                layout
+                    .specs()
+                    .iter()
+                    .filter(|s| keep(s))
+                    .map(ParamSpec::range)
+                    .filter(|r| r.start >= u.range.start && r.end <= u.range.end)
+                    .map(|r| r.start - u.range.start..r.end - u.range.start)
+                    .collect()
+            })
+            .collect()
+    };
+    let partial = within(&|s| s.grad_placements.tp == Placement::Partial);
+    let ep_replicated = if experts {
+        within(&|s| s.placements.ep == Placement::Replicate)
+    } else {
+        vec![Vec::new(); out.len()]
+    };
     let map = UnitMap {
         partial,
+        ep_replicated,
         embed: ranges.embed.is_some(),
         first_layer: ranges.first_layer,
         blocks: ranges.blocks.len(),
@@ -109,6 +125,25 @@ pub(crate) fn units(
         wte_len,
     };
     (out, map)
+}
+
+/// Sums `ranges` of `g` (gathered into one buffer) with `reduce`.
+fn reduce_ranges(
+    g: &mut [f32],
+    ranges: &[Range<usize>],
+    reduce: impl FnOnce(&mut [f32]) -> Result<()>,
+) -> Result<()> {
+    let mut buf: Vec<f32> = Vec::with_capacity(ranges.iter().map(Range::len).sum());
+    for r in ranges {
+        buf.extend_from_slice(&g[r.clone()]);
+    }
+    reduce(&mut buf)?;
+    let mut at = 0;
+    for r in ranges {
+        g[r.clone()].copy_from_slice(&buf[at..at + r.len()]);
+        at += r.len();
+    }
+    Ok(())
 }
 
 /// A [`ParamStore`] over a chunk's FSDP state: each hook is FSDP's hook of
@@ -121,6 +156,9 @@ pub(crate) struct Sharded<'a> {
     pub(crate) fsdp: &'a mut Fsdp,
     pub(crate) map: &'a UnitMap,
     pub(crate) tp: Option<&'a TensorParallel>,
+    /// The expert group and whether its sums are exact, with expert
+    /// parallelism.
+    pub(crate) ep: Option<(&'a dyn Communicator, bool)>,
     /// The micro-batch whose backward the hooks serve.
     pub(crate) mb: usize,
     /// The copy of `wte` and its gradient, on a head-only stage of a tied
@@ -152,16 +190,16 @@ impl ParamStore for Sharded<'_> {
             && !self.map.partial[u].is_empty()
         {
             let g = self.fsdp.grads_mut(u, self.mb)?;
-            let mut buf: Vec<f32> = Vec::new();
-            for r in &self.map.partial[u] {
-                buf.extend_from_slice(&g[r.clone()]);
-            }
-            tp.all_reduce(&mut buf)?;
-            let mut at = 0;
-            for r in &self.map.partial[u] {
-                g[r.clone()].copy_from_slice(&buf[at..at + r.len()]);
-                at += r.len();
-            }
+            reduce_ranges(g, &self.map.partial[u], |buf| tp.all_reduce(buf))?;
+        }
+        if let Some((ep, exact)) = self.ep
+            && !self.map.ep_replicated[u].is_empty()
+        {
+            let g = self.fsdp.grads_mut(u, self.mb)?;
+            let opts = ReduceOptions::new(ReduceOp::Sum).reproducible(exact);
+            reduce_ranges(g, &self.map.ep_replicated[u], |buf| {
+                Ok(ep.all_reduce_with(buf, &opts)?)
+            })?;
         }
         Ok(self.fsdp.post_backward(u, self.mb)?)
     }

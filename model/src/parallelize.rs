@@ -148,15 +148,6 @@ impl ParallelGpt {
                 ),
             });
         }
-        if plan.fsdp.is_some() && dims.ep > 1 {
-            return Err(Error::Config {
-                field: "fsdp",
-                reason: format!(
-                    "fully sharded data parallelism with ep = {} is not composed yet (experts would need their own shard group); use fsdp = none or ep = 1",
-                    dims.ep
-                ),
-            });
-        }
         let blocks = if dims.tp > 1 {
             GptBlocks::with_tp(
                 config,
@@ -221,7 +212,7 @@ impl ParallelGpt {
             )?;
             st.load_state(&whole, init, &zeros, &zeros, 0)?;
             match &plan.fsdp {
-                Some(cfg) => st.shard(mesh.dp(), cfg.clone())?,
+                Some(cfg) => st.shard(&mesh, cfg.clone())?,
                 None => st.set_reducer(GradReducer::new(st.layout(), plan.reproducible))?,
             }
             stages.push(st);
@@ -272,12 +263,36 @@ impl ParallelGpt {
         self.timeline.take()
     }
 
-    /// A resident parameter tensor by name, on the stage holding it.
-    pub fn param_mut(&mut self, name: &str) -> Option<&mut [f32]> {
-        self.ex
-            .stages_mut()
-            .iter_mut()
-            .find_map(|s| s.param_mut(name))
+    /// The values of parameter tensor `name` (this rank's part of it) on
+    /// the stage holding it, outside a step; `None` if no stage of this
+    /// rank holds it (another pipeline stage does). Collective over the
+    /// data-parallel group of a sharded stage.
+    ///
+    /// # Errors
+    /// FSDP's.
+    pub fn read_param(&self, name: &str) -> Result<Option<Vec<f32>>> {
+        for st in self.ex.stages() {
+            if let Some(v) = st.read_param(name)? {
+                return Ok(Some(v));
+            }
+        }
+        Ok(None)
+    }
+
+    /// Sets parameter tensor `name` (this rank's part; the same values on
+    /// every rank of its data-parallel group) outside a step — e.g. a
+    /// router's selection bias after a balancing update; `false` if no
+    /// stage of this rank holds it.
+    ///
+    /// # Errors
+    /// A length error; FSDP's.
+    pub fn write_param(&mut self, name: &str, values: &[f32]) -> Result<bool> {
+        for st in self.ex.stages_mut() {
+            if st.write_param(name, values)? {
+                return Ok(true);
+            }
+        }
+        Ok(false)
     }
 
     /// One optimizer step over this rank's micro-batches (its share of the

@@ -24,10 +24,13 @@
 //! `V·C` message per micro-batch from the last stage to the first.
 
 use std::ops::Range;
+use std::sync::Arc;
 
 use weft_collectives::Communicator;
 use weft_kernels::AdamW;
-use weft_parallel::{AdamWState, GradNorm, GradReducer, ParallelMesh, ParamLayout, ParamSpec};
+use weft_parallel::{
+    AdamWState, DimSet, GradNorm, GradReducer, ParallelMesh, ParamLayout, ParamSpec,
+};
 
 use crate::chunk::{self, ChunkActs, ChunkInput, Lm, ParamStore, PieceRanges, Resident};
 use crate::config::GptConfig;
@@ -129,7 +132,25 @@ enum Store {
         fsdp: Box<weft_fsdp::Fsdp>,
         map: UnitMap,
         wte: Option<Vec<f32>>,
+        /// With expert parallelism: the expert group, over which the
+        /// tensors it replicates are summed before FSDP.
+        ep: Option<ExpertGroup>,
     },
+}
+
+/// The expert group of a sharded stage and whether its sums are exact.
+struct ExpertGroup {
+    comm: Arc<dyn Communicator>,
+    exact: bool,
+}
+
+impl std::fmt::Debug for ExpertGroup {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ExpertGroup")
+            .field("size", &self.comm.size())
+            .field("exact", &self.exact)
+            .finish()
+    }
 }
 
 /// One chunk of a GPT — the embedding, a contiguous range of blocks, the
@@ -341,28 +362,50 @@ impl GptStage {
     }
 
     /// Replaces the resident parameters by a data-parallel FSDP of them
-    /// over `dp` (collective over the group: every rank calls it), cut
-    /// into the stage's pieces — the embedding, each block, the head — the
-    /// embedding kept gathered until its backward when the head reads it.
-    /// The AdamW state moves to the shards.
+    /// over the mesh's data-parallel group (collective over it: every rank
+    /// calls it), cut into the stage's pieces — the embedding, each block,
+    /// the head — the embedding kept gathered until its backward when the
+    /// head reads it. The AdamW state moves to the shards.
+    ///
+    /// With expert parallelism the stage is sharded over the replicas of
+    /// its expert group (`edp`): the experts are the same there, and the
+    /// tensors replicated over the expert group (everything but the
+    /// experts) have their gradients summed over it before FSDP reduces
+    /// them — so each rank holds `1/edp` of the stage.
     ///
     /// # Errors
     /// [`Error::Config`] if the stage is already sharded; FSDP's errors.
-    pub fn shard(&mut self, dp: &dyn Communicator, cfg: weft_fsdp::FsdpConfig) -> Result<()> {
+    pub fn shard(&mut self, mesh: &ParallelMesh, cfg: weft_fsdp::FsdpConfig) -> Result<()> {
         let Store::Resident { params, opt, .. } = &self.store else {
             return Err(Error::Config {
                 field: "fsdp",
                 reason: "the stage is sharded already".into(),
             });
         };
-        let (units, map) = crate::fsdp::units(&self.ranges, &self.layout, self.blocks.wte_len());
-        let mut fsdp = weft_fsdp::Fsdp::new(dp, &self.layout, units, cfg, params)?;
+        let dims = mesh.dims();
+        let experts = dims.ep > 1;
+        let reproducible = cfg.reproducible;
+        let (units, map) =
+            crate::fsdp::units(&self.ranges, &self.layout, self.blocks.wte_len(), experts);
+        let group = if experts {
+            mesh.group(DimSet::EDP)
+        } else {
+            mesh.dp()
+        };
+        let mut fsdp = weft_fsdp::Fsdp::new(group, &self.layout, units, cfg, params)?;
+        if experts {
+            fsdp.set_data_parallel_size(dims.dp)?;
+        }
         fsdp.load_whole(params, &opt.m, &opt.v, opt.step)?;
         fsdp.record_activations(self.activation_bytes());
         self.store = Store::Sharded {
             fsdp: Box::new(fsdp),
             map,
             wte: None,
+            ep: experts.then(|| ExpertGroup {
+                comm: mesh.group_arc(DimSet::EP),
+                exact: reproducible,
+            }),
         };
         self.refresh_shared_wte()
     }
@@ -500,11 +543,43 @@ impl GptStage {
         }
     }
 
-    /// A resident parameter tensor by name (`None` if this stage does not
-    /// hold it, or is sharded).
-    pub fn param_mut(&mut self, name: &str) -> Option<&mut [f32]> {
-        let r = self.layout.range(name)?;
-        self.params_mut().get_mut(r)
+    /// The values of the parameter tensor `name`, if this stage holds it
+    /// (its part under tensor or expert parallelism); outside a step.
+    /// Collective over the data-parallel group when the stage is sharded.
+    ///
+    /// # Errors
+    /// FSDP's.
+    pub fn read_param(&self, name: &str) -> Result<Option<Vec<f32>>> {
+        let Some(r) = self.layout.range(name) else {
+            return Ok(None);
+        };
+        Ok(Some(match &self.store {
+            Store::Resident { params, .. } => params[r].to_vec(),
+            Store::Sharded { fsdp, .. } => fsdp.read_params(r)?,
+        }))
+    }
+
+    /// Sets the parameter tensor `name` to `values` (the same on every
+    /// rank of the data-parallel group) outside a step; `false` if this
+    /// stage does not hold it. A tensor the head stage copies (the tied
+    /// `wte`) is not refreshed there until the next update.
+    ///
+    /// # Errors
+    /// [`Error::Batch`] for values of another length; FSDP's.
+    pub fn write_param(&mut self, name: &str, values: &[f32]) -> Result<bool> {
+        let Some(r) = self.layout.range(name) else {
+            return Ok(false);
+        };
+        if r.len() != values.len() {
+            return Err(Error::Batch {
+                reason: format!("{name}: {} values for {} elements", values.len(), r.len()),
+            });
+        }
+        match &mut self.store {
+            Store::Resident { params, .. } => params[r].copy_from_slice(values),
+            Store::Sharded { fsdp, .. } => fsdp.write_params(r, values)?,
+        }
+        Ok(true)
     }
 
     /// Sets every resident gradient to zero.
@@ -803,13 +878,15 @@ impl GptStage {
                     &mut self.scratch,
                 )
             }
-            Store::Sharded { fsdp, map, .. } => {
+            Store::Sharded { fsdp, map, ep, .. } => {
                 let tp = self.blocks.tp();
                 let mb = slot.mb;
+                let ep = ep.as_ref().map(|g| (&*g.comm, g.exact));
                 let mut store = Sharded {
                     fsdp,
                     map,
                     tp,
+                    ep,
                     mb,
                     copy,
                 };

@@ -321,6 +321,10 @@ fn moe_layouts_follow_one_rank() {
         Layout::new(2, 2, 2, 2),
         Layout::new(1, 2, 1, 1).fsdp(Strategy::Full),
         Layout::new(2, 2, 2, 1).fsdp(Strategy::GradOp),
+        Layout::new(1, 2, 1, 2).fsdp(Strategy::Full),
+        Layout::new(1, 4, 1, 2).fsdp(Strategy::Full),
+        Layout::new(1, 4, 1, 2).fsdp(Strategy::Optimizer),
+        Layout::new(2, 2, 2, 2).fsdp(Strategy::Full),
     ] {
         check(layout, true, &one);
     }

@@ -37,13 +37,26 @@ pub struct Config {
     pub parallel: ParallelConfig,
 }
 
+/// How a step's global batch is cut ([`Config::batch_split`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BatchSplit {
+    /// Sequences per micro-batch.
+    pub micro: usize,
+    /// Micro-batches of the global batch.
+    pub global: usize,
+    /// Micro-batches each data-parallel rank runs (and accumulates).
+    pub per_rank: usize,
+}
+
 /// `[parallel]`: how the job is split over ranks (threads of this process,
 /// on collectives' local backend). The world size is `dp · tp · pp`.
 ///
 /// The global batch is the same whatever the split: `train.batch_size`
-/// sequences in `train.grad_accum` micro-batches per optimizer step. With
-/// `dp = N` each data-parallel rank computes `grad_accum / N` of the
-/// micro-batches; with `pp = P` the micro-batches flow through the stages.
+/// sequences per optimizer step, in micro-batches of
+/// `train.micro_batch_size` sequences ([`Config::batch_split`]). With
+/// `dp = N` each data-parallel rank computes `1/N` of the micro-batches
+/// (gradient accumulation over them); with `pp = P` they flow through the
+/// stages.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct ParallelConfig {
@@ -371,10 +384,12 @@ impl Default for DataConfig {
 pub struct TrainConfig {
     /// Optimizer steps.
     pub steps: u64,
-    /// Sequences per optimizer step (B × accumulation).
+    /// Sequences per optimizer step: the global batch, whatever the
+    /// layout.
     pub batch_size: usize,
-    /// Micro-batches the batch is split into (gradient accumulation).
-    pub grad_accum: usize,
+    /// Sequences per micro-batch (0: chosen from the layout, see
+    /// [`Config::batch_split`]); gradient accumulation follows.
+    pub micro_batch_size: usize,
     /// Seed of initialization and data order.
     pub seed: u64,
     /// Evaluate every this many steps (0: only at the end).
@@ -393,7 +408,7 @@ impl Default for TrainConfig {
         Self {
             steps: 2000,
             batch_size: 32,
-            grad_accum: 1,
+            micro_batch_size: 0,
             seed: 42,
             eval_every: 100,
             eval_sequences: 64,
@@ -617,14 +632,8 @@ impl Config {
             );
         }
         let t = &self.train;
-        if t.batch_size == 0 || t.grad_accum == 0 || !t.batch_size.is_multiple_of(t.grad_accum) {
-            return bad(
-                "train.grad_accum",
-                format!(
-                    "must be at least 1 and divide train.batch_size = {} (got {})",
-                    t.batch_size, t.grad_accum
-                ),
-            );
+        if t.batch_size == 0 {
+            return bad("train.batch_size", "must be at least 1".into());
         }
         if t.eval_sequences == 0 {
             return bad("train.eval_sequences", "must be at least 1".into());
@@ -677,15 +686,12 @@ impl Config {
                 return bad(key, format!("must be in 1..=64 (got {v})"));
             }
         }
-        if !t.grad_accum.is_multiple_of(p.dp) {
-            return bad(
-                "parallel.dp",
-                format!(
-                    "must divide train.grad_accum = {} (each data-parallel rank computes an equal share of the micro-batches; got {})",
-                    t.grad_accum, p.dp
-                ),
-            );
-        }
+        let split = self.batch_split().map_err(|(key, message)| ConfigError {
+            origin: "config".into(),
+            position: None,
+            key: Some(key.into()),
+            message,
+        })?;
         if !m.n_head.is_multiple_of(p.tp) {
             return bad(
                 "parallel.tp",
@@ -695,14 +701,12 @@ impl Config {
                 ),
             );
         }
-        if p.sequence_parallel && !(t.batch_size / t.grad_accum * m.block_size).is_multiple_of(p.tp)
-        {
+        if p.sequence_parallel && !(split.micro * m.block_size).is_multiple_of(p.tp) {
             return bad(
                 "parallel.sequence_parallel",
                 format!(
-                    "needs parallel.tp = {} to divide the tokens of a micro-batch ({})",
-                    p.tp,
-                    t.batch_size / t.grad_accum * m.block_size
+                    "needs parallel.tp = {} to divide the tokens of a micro-batch ({} sequences of {})",
+                    p.tp, split.micro, m.block_size
                 ),
             );
         }
@@ -747,6 +751,60 @@ impl Config {
             );
         }
         Ok(())
+    }
+
+    /// How the global batch is cut: `train.batch_size` sequences in
+    /// micro-batches of `micro` sequences, `global` of them per step,
+    /// `per_rank` on each data-parallel rank (gradient accumulation).
+    ///
+    /// `train.micro_batch_size = 0` chooses the micro-batch for the layout:
+    /// as many per data-parallel rank as there are pipeline stages (so the
+    /// pipeline has one micro-batch per stage in flight), else one per
+    /// rank.
+    ///
+    /// # Errors
+    /// The key and a message naming the sizes and degrees that conflict,
+    /// and what to change, when the batch does not split over the layout.
+    pub fn batch_split(&self) -> Result<BatchSplit, (&'static str, String)> {
+        let (b, dp, pp) = (self.train.batch_size, self.parallel.dp, self.parallel.pp);
+        let micro = match self.train.micro_batch_size {
+            0 => {
+                if b.is_multiple_of(dp * pp) {
+                    b / (dp * pp)
+                } else if b.is_multiple_of(dp) {
+                    b / dp
+                } else {
+                    return Err((
+                        "train.batch_size",
+                        format!(
+                            "= {b} sequences cannot be shared by parallel.dp = {dp} data-parallel ranks; use a multiple of {dp}"
+                        ),
+                    ));
+                }
+            }
+            m => m,
+        };
+        if !b.is_multiple_of(micro) {
+            return Err((
+                "train.micro_batch_size",
+                format!("= {micro} does not divide train.batch_size = {b}; use a divisor of {b}"),
+            ));
+        }
+        let global = b / micro;
+        if !global.is_multiple_of(dp) {
+            return Err((
+                "train.micro_batch_size",
+                format!(
+                    "= {micro} cuts train.batch_size = {b} into {global} micro-batches, which parallel.dp = {dp} ranks cannot share equally; use a micro-batch size that divides {}",
+                    b / dp.max(1)
+                ),
+            ));
+        }
+        Ok(BatchSplit {
+            micro,
+            global,
+            per_rank: global / dp,
+        })
     }
 
     /// The configuration as TOML, as written to the run folder.
@@ -902,15 +960,56 @@ mod tests {
     }
 
     #[test]
+    fn the_global_batch_splits_over_any_layout_by_default() {
+        let split = |sets: &[&str]| {
+            let sets: Vec<String> = sets.iter().map(|s| (*s).to_owned()).collect();
+            Config::load(None, &sets).map(|c| c.batch_split().unwrap())
+        };
+        let s = |micro, global, per_rank| BatchSplit {
+            micro,
+            global,
+            per_rank,
+        };
+        assert_eq!(split(&[]).unwrap(), s(32, 1, 1));
+        assert_eq!(split(&["parallel.dp=2"]).unwrap(), s(16, 2, 1));
+        assert_eq!(split(&["parallel.pp=2"]).unwrap(), s(16, 2, 2));
+        assert_eq!(
+            split(&["parallel.pp=2", "parallel.tp=2", "parallel.dp=2"]).unwrap(),
+            s(8, 4, 2)
+        );
+        assert_eq!(
+            split(&["parallel.dp=2", "train.micro_batch_size=4"]).unwrap(),
+            s(4, 8, 4)
+        );
+        let e = split(&["parallel.dp=3"]).unwrap_err().to_string();
+        assert!(
+            e.contains("train.batch_size") && e.contains("parallel.dp = 3"),
+            "{e}"
+        );
+        let e = split(&["parallel.dp=4", "train.micro_batch_size=16"])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("train.micro_batch_size")
+                && e.contains("2 micro-batches")
+                && e.contains("divides 8"),
+            "{e}"
+        );
+    }
+
+    #[test]
     fn validation_names_the_key() {
         let e = Config::load(None, &["model.n_head=3".into()])
             .unwrap_err()
             .to_string();
         assert!(e.contains("model.n_head") && e.contains("divide"), "{e}");
-        let e = Config::load(None, &["train.grad_accum=5".into()])
+        let e = Config::load(None, &["train.micro_batch_size=5".into()])
             .unwrap_err()
             .to_string();
-        assert!(e.contains("train.grad_accum"), "{e}");
+        assert!(
+            e.contains("train.micro_batch_size") && e.contains("32"),
+            "{e}"
+        );
         let e = Config::load(Some(Path::new("/nonexistent/run.toml")), &[])
             .unwrap_err()
             .to_string();

@@ -89,7 +89,7 @@ enum Command {
         /// n_embd,block_size}; model.moe.{experts,top_k,gate,normalize,
         /// balance,aux_coef,bias_rate,shared_expert,capacity_factor,drop};
         /// data.{source,val_fraction,synthetic.*}; train.{steps,batch_size,
-        /// grad_accum,seed,eval_every,eval_sequences,spike_factor,
+        /// micro_batch_size,seed,eval_every,eval_sequences,spike_factor,
         /// spike_window}; optim.{lr,min_lr_ratio,warmup_steps,weight_decay,
         /// beta1,beta2,eps,grad_clip}; checkpoint.{every,keep_last,
         /// keep_every}; parallel.{dp,fsdp,hybrid_shard,tp,sequence_parallel,

@@ -59,10 +59,10 @@ pub enum TrainError {
     /// The mesh's degrees do not fit together.
     #[error("parallel layout: {0}")]
     Mesh(#[from] weft_parallel::Error),
-    /// The configuration combines parallel axes that `weft train` does not
-    /// run together yet.
-    #[error("{0} is not available in weft train yet")]
-    NotComposed(&'static str),
+    /// The configuration is invalid (a value out of range, or a batch that
+    /// does not split over the layout).
+    #[error(transparent)]
+    Config(#[from] crate::config::ConfigError),
     /// The run folder already exists: runs are never overwritten.
     #[error("run folder {0} already exists: pick another run.name (or remove the folder)")]
     RunExists(PathBuf),
@@ -412,36 +412,30 @@ fn rank_ffn(
     Ok((Arc::new(ffn), Some(run)))
 }
 
-/// Refuses the layouts whose axes `weft train` does not compose yet (each
-/// works alone; the model's plan is the one place they would meet).
-fn check_composed(config: &Config) -> Result<(), TrainError> {
-    let p = &config.parallel;
-    let moe = config.model.moe.experts > 0;
-    let fsdp = p.fsdp != FsdpMode::None;
-    if p.pp > 1 && (p.dp > 1 || p.tp > 1 || p.ep > 1 || fsdp) {
-        return Err(TrainError::NotComposed(
-            "pipeline parallelism combined with other axes (parallel.pp > 1 with dp, tp, ep or fsdp)",
-        ));
-    }
-    if fsdp && (p.tp > 1 || p.ep > 1 || moe) {
-        return Err(TrainError::NotComposed(
-            "parallel.fsdp other than \"none\" with tensor parallelism, expert parallelism or a mixture-of-experts model",
-        ));
-    }
-    Ok(())
+/// The configuration's batch split (validated with the configuration).
+fn batch_split(config: &Config) -> Result<crate::config::BatchSplit, TrainError> {
+    config
+        .batch_split()
+        .map_err(|(key, message)| crate::config::ConfigError {
+            origin: "config".into(),
+            position: None,
+            key: Some(key.into()),
+            message,
+        })
+        .map_err(TrainError::Config)
 }
 
 /// The model's parallelization plan for this job: FSDP over the
 /// data-parallel group per `parallel.fsdp`, the pipeline schedule
-/// (`parallel.pp` stages, each data-parallel rank's `train.grad_accum /
-/// dp` micro-batches, `parallel.pp_chunks` chunks per stage for the
+/// (`parallel.pp` stages, each data-parallel rank's micro-batches of
+/// [`Config::batch_split`], `parallel.pp_chunks` chunks per stage for the
 /// interleaved schedule) with its layers partitioned by cost
 /// ([`weft_model::partition_layers`]), the micro-batch shape and the
 /// reduction mode.
 fn plan(config: &Config, cfg: &GptConfig) -> Result<ParallelPlan, TrainError> {
     let p = &config.parallel;
-    let t = &config.train;
-    let micro_batches = t.grad_accum / p.dp;
+    let split = batch_split(config)?;
+    let micro_batches = split.per_rank;
     let pipeline = if p.pp > 1 {
         let chunks = if p.pp_schedule == PpSchedule::Interleaved {
             p.pp_chunks
@@ -469,7 +463,7 @@ fn plan(config: &Config, cfg: &GptConfig) -> Result<ParallelPlan, TrainError> {
     Ok(ParallelPlan {
         fsdp,
         pipeline,
-        batch: t.batch_size / t.grad_accum,
+        batch: split.micro,
         seq: config.model.block_size,
         micro_batches,
         reproducible: p.reproducible,
@@ -540,7 +534,7 @@ pub fn train(
     resume: bool,
     observer: &mut dyn Observer,
 ) -> Result<Summary, TrainError> {
-    check_composed(config)?;
+    config.validate()?;
     let dims = config.parallel.dims();
     dims.validate()?;
     crate::ranks::launch(dims.world_size(), observer, |world, obs| {
@@ -600,9 +594,9 @@ fn run_rank(
     let vocab = data.vocab_size();
     let cfg = model_config(config, vocab);
     let t = &config.train;
-    let micro = t.batch_size / t.grad_accum;
+    let split = batch_split(config)?;
+    let (micro, per_rank) = (split.micro, split.per_rank);
     let seq = config.model.block_size;
-    let per_rank = t.grad_accum / config.parallel.dp;
     let first_micro = mesh.coords().dp() * per_rank;
     let coords: Vec<String> = (0..dims.world_size())
         .map(|r| format!("rank {r}: {}", dims.coords_of(r)))
@@ -871,8 +865,10 @@ fn run_rank(
                 vios.extend(st.max_vio());
                 if let (Some(rate), true) = (moe.bias_rate, applied) {
                     let name = format!("transformer.h.{l}.mlp.router.selection_bias");
-                    if let Some(bias) = model.param_mut(&name) {
-                        weft_moe::BiasBalancer::new(rate).update(bias, &st.tokens_per_expert)?;
+                    if let Some(mut bias) = model.read_param(&name)? {
+                        weft_moe::BiasBalancer::new(rate)
+                            .update(&mut bias, &st.tokens_per_expert)?;
+                        model.write_param(&name, &bias)?;
                     }
                 }
             }
@@ -892,11 +888,11 @@ fn run_rank(
                         step: step + 1,
                         loss,
                         median,
-                        batch: (step, t.grad_accum),
+                        batch: (step, split.global),
                     };
                     observer.event(&event);
                     let line = serde_json::json!({ "step": step + 1, "event": "spike", "loss": loss, "median": median,
-                        "batch": { "step": step, "micro_batches": t.grad_accum } });
+                        "batch": { "step": step, "micro_batches": split.global } });
                     write_line(&mut metrics, line.to_string())?;
                 }
             }
@@ -1119,7 +1115,7 @@ mod tests {
             "model.n_layer=8",
             "model.n_embd=64",
             "parallel.pp=2",
-            "train.grad_accum=8",
+            "train.micro_batch_size=4",
         ];
         let c = Config::load(None, &sets.map(String::from)).unwrap();
         let layers = |vocab| {
