@@ -433,7 +433,7 @@ impl ParallelGpt {
             st.set_batch_shape(b, t)?;
             st.set_eval(true);
         }
-        let eval = Schedule::forward_only(pl.stages(), pl.chunks(), batches.len())?;
+        let eval = Schedule::forward_only(pl, batches.len())?;
         let train = self.ex.set_schedule(eval)?;
         let report = self.ex.step(self.mesh.pp(), batches, None);
         self.ex.set_schedule(train)?;

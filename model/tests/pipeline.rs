@@ -282,7 +282,7 @@ fn a_forward_only_schedule_gives_the_training_forwards_losses() {
     let mbs = micro_batches(&d);
     for (p, v) in [(2, 1), (2, 2)] {
         let train = ScheduleKind::Interleaved.generate(p, 2 * p, v).unwrap();
-        let eval = Schedule::forward_only(p, v, m).unwrap();
+        let eval = Schedule::forward_only(train.placement(), m).unwrap();
         let layers = vec![4 / (p * v); p * v];
         let out = LocalCluster::run(p, |comm| -> Result<Vec<Option<f64>>, ExecError> {
             // stages planned for training run the evaluation schedule too

@@ -315,15 +315,15 @@ impl Schedule {
         &self.stages
     }
     /// A forward-only schedule (evaluation of a pipelined model, without
-    /// gathering it anywhere): on every stage the forwards of micro-batch
-    /// 0 through each of its `chunks`, then of micro-batch 1, and so on,
-    /// over the plain (interleaved, for `chunks > 1`) placement. Each
-    /// micro-batch's activations are dropped after its forward, so one
-    /// slot per chunk suffices.
+    /// gathering it anywhere) over `placement` — a training schedule's, so
+    /// the stages it placed run it: on every stage the forwards of
+    /// micro-batch 0 through each of its chunks in model order, then of
+    /// micro-batch 1, and so on. Each micro-batch's activations are dropped
+    /// after its forward, so one slot per chunk suffices.
     ///
     /// # Errors
     /// [`Error::InvalidParameter`] for zero stages, chunks or micro-batches.
-    pub fn forward_only(stages: usize, chunks: usize, microbatches: usize) -> Result<Self> {
+    pub fn forward_only(placement: Placement, microbatches: usize) -> Result<Self> {
         if microbatches == 0 {
             return Err(Error::InvalidParameter {
                 name: "microbatches",
@@ -331,15 +331,18 @@ impl Schedule {
                 expected: "at least 1".into(),
             });
         }
-        let list: Vec<Action> = (0..microbatches)
-            .flat_map(|mb| (0..chunks).map(move |c| Action::forward(mb, c)))
+        let stages = placement.stages();
+        let lists: Vec<Vec<Action>> = (0..stages)
+            .map(|i| {
+                // this stage's chunks in the order a micro-batch reaches them
+                let mut chunks: Vec<usize> = (0..placement.chunks()).collect();
+                chunks.sort_by_key(|&c| placement.virtual_stage(i, c));
+                (0..microbatches)
+                    .flat_map(|mb| chunks.iter().map(move |&c| Action::forward(mb, c)))
+                    .collect()
+            })
             .collect();
-        Self::new(
-            "forward",
-            microbatches,
-            Placement::Interleaved { stages, chunks },
-            vec![list; stages],
-        )
+        Self::new("forward", microbatches, placement, lists)
     }
 
     /// Whether the schedule runs forwards only (no action is a backward):

@@ -9,7 +9,7 @@ mod mlp_stack;
 use std::ops::Range;
 
 use weft_collectives::{Communicator, LocalCluster};
-use weft_pipeline::{ExecError, Executor, Schedule, ScheduleKind, Shared, Stage};
+use weft_pipeline::{ExecError, Executor, Placement, Schedule, ScheduleKind, Shared, Stage};
 
 #[test]
 fn an_mlp_stack_trains_bitwise_like_one_rank_on_every_schedule() {
@@ -254,7 +254,14 @@ fn a_shared_parameter_gets_both_stages_gradients_and_is_synced_back() {
 fn a_forward_only_schedule_evaluates_a_pipelined_model_in_place() {
     let (p, m) = (2, 5);
     let d = data(m);
-    let schedule = Schedule::forward_only(p, 1, m).unwrap();
+    let schedule = Schedule::forward_only(
+        Placement::Interleaved {
+            stages: p,
+            chunks: 1,
+        },
+        m,
+    )
+    .unwrap();
     weft_pipeline::validate(&schedule).unwrap();
     assert!(schedule.is_forward_only());
     assert_eq!(schedule.peak_in_flight(), [1, 1]);
@@ -271,9 +278,18 @@ fn a_forward_only_schedule_evaluates_a_pipelined_model_in_place() {
         let want = serial(&[1.5, 1.5], x);
         assert_eq!(losses[k].map(f64::to_bits), Some(want.to_bits()));
     }
-    // and interleaved chunks: two per stage
-    let s = Schedule::forward_only(2, 2, 3).unwrap();
-    weft_pipeline::validate(&s).unwrap();
+    // and two chunks per stage, interleaved or in a V
+    for placement in [
+        Placement::Interleaved {
+            stages: 2,
+            chunks: 2,
+        },
+        Placement::VShape { stages: 2 },
+    ] {
+        let s = Schedule::forward_only(placement, 3).unwrap();
+        weft_pipeline::validate(&s).unwrap();
+        assert_eq!(s.placement(), placement);
+    }
 }
 
 #[test]

@@ -68,7 +68,8 @@ pub struct ParallelConfig {
     /// (ZeRO-2), `"full"` (ZeRO-3) or `"hybrid"` (shard within a domain of
     /// `hybrid_shard` ranks, replicate across domains).
     pub fsdp: FsdpMode,
-    /// Ranks per sharding domain with `fsdp = "hybrid"`.
+    /// Ranks per sharding domain with `fsdp = "hybrid"`; must divide the
+    /// sharded group, `dp / ep`.
     pub hybrid_shard: usize,
     /// Tensor-parallel degree: each layer's matrices split over `tp`
     /// consecutive ranks (Megatron-LM style); must divide `model.n_head`.
@@ -78,7 +79,8 @@ pub struct ParallelConfig {
     pub sequence_parallel: bool,
     /// Pipeline stages.
     pub pp: usize,
-    /// Pipeline schedule: `"gpipe"`, `"1f1b"`, `"interleaved"` or `"zb-h1"`.
+    /// Pipeline schedule: `"gpipe"`, `"1f1b"`, `"interleaved"`, `"zb-h1"`,
+    /// `"zb-h2"` or `"zb-v"` (two model chunks per stage).
     pub pp_schedule: PpSchedule,
     /// Model chunks per stage for the interleaved schedule (v).
     pub pp_chunks: usize,
@@ -175,6 +177,12 @@ pub enum PpSchedule {
     /// Zero-bubble ZB-H1 (split backward).
     #[serde(rename = "zb-h1")]
     ZbH1,
+    /// Zero-bubble ZB-H2 (split backward, more in flight).
+    #[serde(rename = "zb-h2")]
+    ZbH2,
+    /// Zero-bubble ZB-V: two chunks per stage in a V (split backward).
+    #[serde(rename = "zb-v")]
+    ZbV,
 }
 
 impl PpSchedule {
@@ -186,6 +194,8 @@ impl PpSchedule {
             PpSchedule::OneFOneB => K::OneFOneB,
             PpSchedule::Interleaved => K::Interleaved,
             PpSchedule::ZbH1 => K::ZbH1,
+            PpSchedule::ZbH2 => K::ZbH2,
+            PpSchedule::ZbV => K::ZbV,
         }
     }
 
@@ -196,6 +206,8 @@ impl PpSchedule {
             PpSchedule::OneFOneB => "1f1b",
             PpSchedule::Interleaved => "interleaved",
             PpSchedule::ZbH1 => "zb-h1",
+            PpSchedule::ZbH2 => "zb-h2",
+            PpSchedule::ZbV => "zb-v",
         }
     }
 }
@@ -710,15 +722,6 @@ impl Config {
                 ),
             );
         }
-        if p.fsdp == FsdpMode::Hybrid && !p.dp.is_multiple_of(p.hybrid_shard) {
-            return bad(
-                "parallel.hybrid_shard",
-                format!(
-                    "must divide parallel.dp = {} (got {})",
-                    p.dp, p.hybrid_shard
-                ),
-            );
-        }
         if p.ep > 1 && (m.moe.experts == 0 || !m.moe.experts.is_multiple_of(p.ep)) {
             return bad(
                 "parallel.ep",
@@ -734,6 +737,18 @@ impl Config {
                 format!(
                     "must divide parallel.dp = {} (experts are sharded over data-parallel ranks; got {})",
                     p.dp, p.ep
+                ),
+            );
+        }
+        // With experts sharded over ep, FSDP shards over the expert group's
+        // replicas: dp / ep ranks.
+        let group = p.dp / p.ep;
+        if p.fsdp == FsdpMode::Hybrid && !group.is_multiple_of(p.hybrid_shard) {
+            return bad(
+                "parallel.hybrid_shard",
+                format!(
+                    "must divide the sharded group, parallel.dp / parallel.ep = {} / {} = {group} (got {})",
+                    p.dp, p.ep, p.hybrid_shard
                 ),
             );
         }
@@ -937,7 +952,7 @@ mod tests {
             ),
             (
                 "parallel.pp_schedule=\"1F1B\"",
-                "`gpipe`, `1f1b`, `interleaved`, `zb-h1`",
+                "`gpipe`, `1f1b`, `interleaved`, `zb-h1`, `zb-h2`, `zb-v`",
             ),
             ("model.moe.gate=relu", "`softmax` or `sigmoid`"),
             ("model.moe.balance=loss", "`none`, `aux`, `bias`"),

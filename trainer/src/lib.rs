@@ -22,6 +22,34 @@
 //! * [`sample`]: `weft sample`, generation from a run's last checkpoint
 //!   with the model's key/value-cache decoder.
 //!
+//! # Layouts and what each guarantees
+//!
+//! `[parallel]` takes any combination of `dp`, `fsdp` (every strategy),
+//! `tp` (with or without `sequence_parallel`), `pp` (every schedule) and
+//! `ep` (dividing `dp`) whose degrees divide the model and the batch; the
+//! world is `pp · dp · tp` thread ranks, laid out `pp × edp × ep × tp`
+//! with tensor parallelism innermost (a tp group is consecutive ranks and
+//! one domain of the collectives' topology), then the expert and data
+//! axes, the pipeline outermost; the start-up report prints the mesh and
+//! every rank's coordinates. Against the single-rank run at the same
+//! `train.micro_batch_size`, with reproducible sums (the default):
+//!
+//! | layout | guarantee | measured worst difference |
+//! |---|---|---|
+//! | dp, every fsdp strategy, pp (every schedule), and any combination of them | bitwise: losses, gradient norms, parameters | 0 (212 layouts) |
+//! | with tp (and sp) | loss and norm within 1e-5 relative | 1.9e-8 dense, 8.7e-7 MoE |
+//! | with ep | loss and norm within 1e-5 relative | 1.6e-7 |
+//! | with tp and ep | loss and norm within 1e-5 relative | 1.3e-6 |
+//!
+//! Measured by `weft-model`'s `tests/compose.rs` over every layout of 1,
+//! 2, 4 and 8 ranks of a 4-layer model (196 dense layouts, 391 with a
+//! mixture of experts; three AdamW steps of a global batch of 8
+//! micro-batches). Not bitwise there because the row-parallel layers and
+//! the vocabulary-parallel cross-entropy sum partial products in another
+//! order, and the experts' GEMMs under ep run over other ranks' rows.
+//! Checkpoints are whole, so a run resumes on any layout: bit for bit
+//! between bitwise-equivalent layouts (8 ranks to 1 and 1 to 8 tested).
+//!
 //! # Example
 //! ```
 //! use weft_trainer::config::Config;

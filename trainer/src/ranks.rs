@@ -10,7 +10,7 @@
 
 use std::sync::mpsc;
 
-use weft_collectives::{Communicator, LocalCluster};
+use weft_collectives::{Communicator, LocalCluster, Topology};
 
 use crate::train::{
     EvalReport, HealthEvent, Observer, RunInfo, Silent, StepReport, Summary, TrainError,
@@ -67,10 +67,14 @@ impl Observer for Forward {
 
 /// Runs `rank` on each of `world` thread ranks (rank 0 reporting to
 /// `observer`, through the calling thread) and returns rank 0's summary,
-/// or the most telling error. A world of one rank runs on the calling
-/// thread itself (a panicking observer stops it there).
+/// or the most telling error. Consecutive ranks of `domain` form one
+/// domain of the collectives' topology (the tensor-parallel group: the
+/// fastest links; hierarchical algorithms and the traffic counters' link
+/// classes follow it). A world of one rank runs on the calling thread
+/// itself (a panicking observer stops it there).
 pub(crate) fn launch<F>(
     world: usize,
+    domain: usize,
     observer: &mut dyn Observer,
     rank: F,
 ) -> Result<Summary, TrainError>
@@ -84,13 +88,20 @@ where
     std::thread::scope(|s| {
         let ranks = s.spawn(move || {
             let tx = tx;
-            LocalCluster::builder(world).run_each(|comm| {
-                if comm.rank() == 0 {
-                    rank(&comm, &mut Forward(tx.clone()))
-                } else {
-                    rank(&comm, &mut Silent)
-                }
-            })
+            let topology = if domain > 1 {
+                Topology::new(domain)
+            } else {
+                Topology::flat()
+            };
+            LocalCluster::builder(world)
+                .topology(topology)
+                .run_each(|comm| {
+                    if comm.rank() == 0 {
+                        rank(&comm, &mut Forward(tx.clone()))
+                    } else {
+                        rank(&comm, &mut Silent)
+                    }
+                })
         });
         for report in rx {
             report.deliver(observer);

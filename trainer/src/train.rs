@@ -437,10 +437,10 @@ fn plan(config: &Config, cfg: &GptConfig) -> Result<ParallelPlan, TrainError> {
     let split = batch_split(config)?;
     let micro_batches = split.per_rank;
     let pipeline = if p.pp > 1 {
-        let chunks = if p.pp_schedule == PpSchedule::Interleaved {
-            p.pp_chunks
-        } else {
-            1
+        let chunks = match p.pp_schedule {
+            PpSchedule::Interleaved => p.pp_chunks,
+            PpSchedule::ZbV => 2,
+            _ => 1,
         };
         let schedule = p
             .pp_schedule
@@ -537,7 +537,7 @@ pub fn train(
     config.validate()?;
     let dims = config.parallel.dims();
     dims.validate()?;
-    crate::ranks::launch(dims.world_size(), observer, |world, obs| {
+    crate::ranks::launch(dims.world_size(), dims.tp, observer, |world, obs| {
         run_rank(config, resume, world, obs)
     })
 }

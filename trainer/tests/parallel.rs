@@ -324,6 +324,40 @@ fn tensor_parallel_moe_follows_the_single_rank_run() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// Checkpoints are whole, so a run saved on one layout resumes on
+/// another: bit for bit where the layouts are bitwise-equivalent (8 ranks
+/// of pp × dp × FSDP and 1 rank), to rounding where tensor parallelism
+/// changes the sums (1 rank to pp × dp × tp on 8 ranks).
+#[test]
+fn a_run_resumes_on_another_layout() {
+    let dir = tmp("relayout");
+    let base = ["checkpoint.every=3", "train.micro_batch_size=1"];
+    let with = |extra: &[&'static str]| -> Vec<&'static str> {
+        base.iter().chain(extra).copied().collect()
+    };
+    let eight = with(&["parallel.pp=2", "parallel.dp=4", "parallel.fsdp=full"]);
+    let eight_tp = with(&["parallel.pp=2", "parallel.dp=2", "parallel.tp=2"]);
+    let one = train(&config(&dir, "one", &with(&[])), false, &mut Silent).unwrap();
+    let wide = train(&config(&dir, "eight", &eight), false, &mut Silent).unwrap();
+    assert_eq!(trace(&wide.run_dir), trace(&one.run_dir), "8 ranks vs 1");
+    for (from, to, name, exact) in [
+        (&wide.run_dir, &with(&[]), "8-to-1", true),
+        (&one.run_dir, &eight, "1-to-8", true),
+        (&one.run_dir, &eight_tp, "1-to-8-tp", false),
+    ] {
+        let again = dir.join(name);
+        copy_dir(from, &again);
+        std::fs::remove_dir_all(again.join("checkpoints/step-00000006")).unwrap();
+        let resumed = train(&config(&dir, name, to), true, &mut Silent).unwrap();
+        if exact {
+            assert_eq!(trace(&resumed.run_dir), trace(&one.run_dir), "{name}");
+        } else {
+            close(&one.run_dir, &resumed.run_dir, 1e-4);
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 #[test]
 fn sharded_data_parallel_is_bitwise_the_single_rank_run() {
     let dir = tmp("fsdp");
@@ -466,6 +500,10 @@ fn pipeline_parallel_is_bitwise_the_single_rank_run() {
         (
             "zbh1-2",
             &["parallel.pp=2", "parallel.pp_schedule=\"zb-h1\""][..],
+        ),
+        (
+            "zbv2",
+            &["parallel.pp=2", "parallel.pp_schedule=\"zb-v\""][..],
         ),
         (
             "interleaved2",
