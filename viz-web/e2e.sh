@@ -44,7 +44,7 @@ trap trace_exit EXIT
 # 8 experts top-2 with bias balancing; the timeline of its first 2 steps.
 "$weft" train --set "run.dir=\"$work\"" --set run.name=pp-moe --set run.trace_steps=2 \
   --set model.n_layer=4 --set model.n_head=2 --set model.n_embd=32 --set model.block_size=32 \
-  --set train.batch_size=8 --set train.grad_accum=4 --set train.steps=60 --set train.eval_every=20 \
+  --set train.batch_size=8 --set train.micro_batch_size=2 --set train.steps=60 --set train.eval_every=20 \
   --set model.moe.experts=8 --set model.moe.top_k=2 \
   --set parallel.pp=2 --set 'parallel.pp_schedule="zb-h1"' >"$out/train.log" 2>&1
 real="$work/pp-moe"

@@ -95,7 +95,11 @@
 //! header length N, N bytes of JSON padded with spaces to a multiple of 8,
 //! then data), readable by any safetensors reader. Each holds the rank's
 //! pieces under the tensors' *global* names; a piece's safetensors `shape`
-//! is the piece's shape, not the global one. `__metadata__` holds
+//! is the piece's shape, not the global one. A rank holding several
+//! pieces of one tensor (the Q, K and V column blocks of a
+//! tensor-parallel shard, a flat FSDP shard that starts and ends inside
+//! rows) stores the second and later as `name#1`, `name#2`, … (by
+//! offsets); `#` is not allowed in tensor names. `__metadata__` holds
 //! `{"format": "pt", "weft.rank": "R"}`. Tensors are stored widest dtype
 //! first, so every tensor is aligned to its element size.
 //!

@@ -117,7 +117,16 @@ impl Checkpoint {
                     tensor: name.to_owned(),
                     reason,
                 };
-                let Some(h) = header.get(name) else {
+                // a rank's second and later pieces of a tensor are `name#k`:
+                // the piece at the manifest's offset, else the plain name
+                let piece = header.entries.iter().find(|h| {
+                    h.start == s.byte_offset
+                        && (h.name == name
+                            || h.name
+                                .strip_prefix(name)
+                                .is_some_and(|k| k.starts_with('#')))
+                });
+                let Some(h) = piece.or_else(|| header.get(name)) else {
                     return Err(mismatch("not in the file's header".into()));
                 };
                 if h.dtype != dtype || h.shape != s.shape || h.start != s.byte_offset {

@@ -309,14 +309,16 @@ pub fn write_rank_file(
             reason: format!("chunk_bytes {chunk} out of range"),
         });
     }
-    let mut seen = HashSet::new();
     let mut kept: Vec<&ShardData<'_>> = Vec::with_capacity(shards.len());
     for s in shards {
         let bad = |reason: String| Error::InvalidShard {
             tensor: s.name.to_owned(),
             reason,
         };
-        if s.name.is_empty() || s.name.len() > manifest::MAX_NAME_BYTES || s.name == "__metadata__"
+        if s.name.is_empty()
+            || s.name.len() > manifest::MAX_NAME_BYTES
+            || s.name == "__metadata__"
+            || s.name.contains('#')
         {
             return Err(bad("invalid tensor name".into()));
         }
@@ -342,9 +344,6 @@ pub fn write_rank_file(
                 s.data.len()
             )));
         }
-        if !seen.insert(s.name) {
-            return Err(bad(format!("rank {rank} has two shards of this tensor")));
-        }
         if want > 0 {
             kept.push(s);
         }
@@ -365,12 +364,28 @@ pub fn write_rank_file(
             .size_bytes()
             .cmp(&a.dtype.size_bytes())
             .then(a.name.cmp(b.name))
+            .then(a.region.offsets.cmp(&b.region.offsets))
     });
-    let table: Vec<(&str, Dtype, &[u64], u64)> = kept
+    // A rank's second and later pieces of one tensor are `name#1`, …
+    let mut seen: std::collections::HashMap<&str, usize> = std::collections::HashMap::new();
+    let keys: Vec<String> = kept
         .iter()
         .map(|s| {
+            let k = seen.entry(s.name).or_insert(0);
+            *k += 1;
+            if *k == 1 {
+                s.name.to_owned()
+            } else {
+                format!("{}#{}", s.name, *k - 1)
+            }
+        })
+        .collect();
+    let table: Vec<(&str, Dtype, &[u64], u64)> = kept
+        .iter()
+        .zip(&keys)
+        .map(|(s, key)| {
             (
-                s.name,
+                key.as_str(),
                 s.dtype,
                 s.region.shape.as_slice(),
                 s.data.len() as u64,

@@ -28,7 +28,7 @@ use weft_collectives::{Communicator, LocalCluster};
 use weft_fsdp::{FsdpConfig, Precision, Strategy, Track};
 use weft_kernels::AdamW;
 use weft_model::tp::TpOptions;
-use weft_model::{Gpt, GptConfig, MicroBatch, Mlp, ParallelGpt, ParallelPlan};
+use weft_model::{Gpt, GptConfig, Init, MicroBatch, Mlp, ParallelGpt, ParallelPlan};
 use weft_parallel::ParallelDims;
 
 struct Row {
@@ -81,7 +81,7 @@ fn bench(
             reproducible,
             tp: TpOptions::default(),
         };
-        let mut g = ParallelGpt::new(cfg.clone(), Arc::new(Mlp), params, &plan, mesh)?;
+        let mut g = ParallelGpt::new(cfg.clone(), Arc::new(Mlp), Init::Whole(params), &plan, mesh)?;
         let hp = AdamW {
             lr: 1e-4,
             ..AdamW::default()

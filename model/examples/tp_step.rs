@@ -15,7 +15,7 @@ use std::sync::Arc;
 use weft_collectives::LocalCluster;
 use weft_kernels::AdamW;
 use weft_model::tp::TpOptions;
-use weft_model::{Gpt, GptConfig, MicroBatch, Mlp, ParallelGpt, ParallelPlan};
+use weft_model::{Gpt, GptConfig, Init, MicroBatch, Mlp, ParallelGpt, ParallelPlan};
 use weft_parallel::ParallelDims;
 
 const B: usize = 4;
@@ -67,8 +67,13 @@ fn main() -> anyhow::Result<()> {
                     reproducible: false,
                     tp: opts,
                 };
-                let mut m =
-                    ParallelGpt::new(cfg.clone(), Arc::new(Mlp), &full.params, &plan, mesh)?;
+                let mut m = ParallelGpt::new(
+                    cfg.clone(),
+                    Arc::new(Mlp),
+                    Init::Whole(&full.params),
+                    &plan,
+                    mesh,
+                )?;
                 let batch = [MicroBatch {
                     tokens: &tokens,
                     targets: &targets,

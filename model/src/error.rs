@@ -9,6 +9,14 @@ pub enum Error {
     /// A kernel rejected its arguments.
     #[error(transparent)]
     Kernel(#[from] weft_kernels::Error),
+    /// Loading a tensor of a saved state failed.
+    #[error("loading `{tensor}`: {source}")]
+    Load {
+        /// The tensor.
+        tensor: String,
+        /// Why.
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
     /// A configuration value is invalid.
     #[error("invalid config: `{field}` {reason}")]
     Config {

@@ -174,40 +174,16 @@ impl Gpt {
     }
 
     /// GPT-2's initialisation: N(0, 0.02) weights (the residual projections
-    /// scaled by 1/sqrt(2L)), zero biases, unit layernorm gains. Uses a
-    /// simple seeded generator (not PyTorch's stream).
+    /// scaled by 1/sqrt(2L)), zero biases, unit layernorm gains, each
+    /// element a function of the seed, its tensor and its index in the
+    /// whole tensor ([`crate::init_gpt2`]: a sharded model's part is
+    /// initialised the same). Not PyTorch's stream.
     pub fn init_gpt2(&mut self, seed: u64) {
-        let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-        let mut normal = move || {
-            // Box–Muller over xorshift64.
-            let mut u = || {
-                s ^= s << 13;
-                s ^= s >> 7;
-                s ^= s << 17;
-                #[allow(clippy::cast_precision_loss)]
-                let x = ((s >> 11) as f64 + 0.5) / (1u64 << 53) as f64;
-                x
-            };
-            let (a, b) = (u(), u());
-            (-2.0 * a.ln()).sqrt() * (std::f64::consts::TAU * b).cos()
-        };
-        #[allow(clippy::cast_precision_loss)]
-        let proj_std = 0.02 / (2.0 * self.config().n_layer as f64).sqrt();
-        for spec in self.layout().specs().to_vec() {
-            let p = &mut self.params[spec.range()];
-            if spec.shape.len() == 1 {
-                let one = if spec.name.contains("ln_") { 1.0 } else { 0.0 };
-                p.fill(one);
-            } else {
-                let std = if spec.name.ends_with("c_proj.weight") {
-                    proj_std
-                } else {
-                    0.02
-                };
-                #[allow(clippy::cast_possible_truncation)]
-                p.iter_mut().for_each(|x| *x = (normal() * std) as f32);
-            }
-        }
+        let n_layer = self.config().n_layer;
+        let Gpt { blocks, params, .. } = self;
+        // the layout fits the buffer and its own coordinates by construction
+        let r = crate::init::init_gpt2(blocks.layout(), params, seed, n_layer);
+        debug_assert!(r.is_ok(), "{r:?}");
     }
 
     /// Plans (allocates) activation buffers for batches of `b` sequences of

@@ -85,7 +85,7 @@
 //! use std::sync::Arc;
 //! use weft_collectives::LocalCluster;
 //! use weft_kernels::AdamW;
-//! use weft_model::{tp::TpOptions, Gpt, GptConfig, MicroBatch, Mlp, ParallelGpt, ParallelPlan};
+//! use weft_model::{tp::TpOptions, Gpt, GptConfig, Init, MicroBatch, Mlp, ParallelGpt, ParallelPlan};
 //! use weft_parallel::ParallelDims;
 //!
 //! let cfg = GptConfig { n_layer: 2, n_head: 2, n_embd: 16, vocab_size: 50, block_size: 8,
@@ -99,7 +99,7 @@
 //! let losses = |tp: usize| {
 //!     LocalCluster::run(tp, |comm| {
 //!         let mesh = ParallelDims { tp, ..ParallelDims::SINGLE }.build(&comm)?;
-//!         let mut m = ParallelGpt::new(cfg.clone(), Arc::new(Mlp), &whole.params, &plan, mesh)?;
+//!         let mut m = ParallelGpt::new(cfg.clone(), Arc::new(Mlp), Init::Whole(&whole.params), &plan, mesh)?;
 //!         let mb = [MicroBatch { tokens: &tokens, targets: &targets }];
 //!         (0..3)
 //!             .map(|_| Ok(m.train_step(&mb, &AdamW::default(), 1.0)?.loss))
@@ -155,6 +155,7 @@ mod fsdp;
 mod gpt;
 pub mod hf;
 pub mod infer;
+mod init;
 mod moe_ffn;
 pub mod parallelize;
 mod params;
@@ -169,10 +170,11 @@ pub use gpt::{
     Activations, BlockActs, BlockScratch, Gpt, GptBlocks, HeadActs, MicroBatch, WeightInputs,
 };
 pub use infer::Decoder;
+pub use init::init_gpt2;
 pub use moe_ffn::{MoeFfn, MoeStats};
 pub use parallelize::{
-    ParallelGpt, ParallelPlan, RankMemory, StepOutcome, expert_group, partition_layers,
+    Init, ParallelGpt, ParallelPlan, RankMemory, StepOutcome, expert_group, partition_layers,
 };
 pub use params::{BlockLayout, Sharding, dense_layout, param_layout};
-pub use stage::{GptStage, StageSpec, pipeline_stages};
+pub use stage::{GptStage, OwnedPart, ReadTensor, StageSpec, pipeline_stages};
 pub use weft_parallel::{AdamWState, ParamLayout, ParamSpec};

@@ -37,7 +37,7 @@ use crate::error::{Error, Result};
 use crate::ffn::FeedForward;
 use crate::gpt::{GptBlocks, MicroBatch};
 use crate::params::{Sharding, param_layout};
-use crate::stage::{GptStage, StageSpec};
+use crate::stage::{GptStage, OwnedPart, ReadTensor, StageSpec};
 use crate::tp::{TensorParallel, TpOptions};
 
 /// How a job is laid out beyond the mesh's degrees: sharding of the
@@ -62,6 +62,20 @@ pub struct ParallelPlan {
     /// How the tensor-parallel axis splits and sums (used when the mesh
     /// has `tp > 1`).
     pub tp: TpOptions,
+}
+
+/// Where a parallel model's initial parameters come from.
+#[derive(Clone, Copy, Debug)]
+pub enum Init<'a> {
+    /// GPT-2's initialisation from a seed ([`crate::init_gpt2`]): each rank
+    /// computes only its part, the values the whole model has there.
+    Gpt2 {
+        /// The seed.
+        seed: u64,
+    },
+    /// A whole model's parameters, in the unsharded layout (the same on
+    /// every rank).
+    Whole(&'a [f32]),
 }
 
 /// What one training step did.
@@ -117,9 +131,8 @@ impl std::fmt::Debug for ParallelGpt {
 impl ParallelGpt {
     /// This rank's share of a GPT of configuration `config` with
     /// feed-forward block `ffn` (whose experts may be sharded over the
-    /// mesh's `ep` axis: [`FeedForward::expert_parallel`]), whose whole
-    /// parameters are `init` (the unsharded layout, the same on every
-    /// rank). The transforms are applied in turn: the blocks are split over
+    /// mesh's `ep` axis: [`FeedForward::expert_parallel`]), initialised
+    /// by `init`. The transforms are applied in turn: the blocks are split over
     /// the mesh's `tp` axis (the sharding styles of [`crate::tp`]), the
     /// layers cut into the plan's pipeline stages, and each stage either
     /// reduced over or fully sharded across its data-parallel group.
@@ -132,7 +145,7 @@ impl ParallelGpt {
     pub fn new(
         config: GptConfig,
         ffn: Arc<dyn FeedForward>,
-        init: &[f32],
+        init: Init<'_>,
         plan: &ParallelPlan,
         mesh: ParallelMesh,
     ) -> Result<Self> {
@@ -168,7 +181,7 @@ impl ParallelGpt {
     pub fn from_blocks(
         blocks: GptBlocks,
         whole: ParamLayout,
-        init: &[f32],
+        init: Init<'_>,
         plan: &ParallelPlan,
         mesh: ParallelMesh,
     ) -> Result<Self> {
@@ -199,7 +212,11 @@ impl ParallelGpt {
         let peak = weft_pipeline::peak_in_flight_per_chunk(&schedule, rank);
         let split = schedule.splits_backward();
         let mut stages = Vec::with_capacity(pl.chunks());
-        let zeros = vec![0.0f32; whole.len()];
+        // zero moments for a whole model's state (only that form needs them)
+        let zeros = match init {
+            Init::Whole(_) => vec![0.0f32; whole.len()],
+            Init::Gpt2 { .. } => Vec::new(),
+        };
         for (c, &slots) in peak.iter().enumerate() {
             let spec = StageSpec::nth(&layers, pl.virtual_stage(rank, c))?;
             let mut st = GptStage::new(
@@ -210,7 +227,10 @@ impl ParallelGpt {
                 slots.max(1),
                 split,
             )?;
-            st.load_state(&whole, init, &zeros, &zeros, 0)?;
+            match init {
+                Init::Whole(p) => st.load_state(&whole, p, &zeros, &zeros, 0)?,
+                Init::Gpt2 { seed } => st.init_gpt2(seed)?,
+            }
             match &plan.fsdp {
                 Some(cfg) => st.shard(&mesh, cfg.clone())?,
                 None => st.set_reducer(GradReducer::new(st.layout(), plan.reproducible))?,
@@ -486,6 +506,38 @@ impl ParallelGpt {
         let whole = self.whole.clone();
         for st in self.ex.stages_mut() {
             st.load_state(&whole, params, m, v, step)?;
+        }
+        Ok(())
+    }
+
+    /// The parts of the model's tensors this rank writes to a sharded
+    /// checkpoint (parameters and AdamW moments), every element of the
+    /// model written by exactly one rank of the mesh, and the optimizer
+    /// step. No communication: each rank writes its own.
+    ///
+    /// # Errors
+    /// A layout error.
+    pub fn owned_parts(&self) -> Result<(Vec<OwnedPart>, u32)> {
+        let coords = self.mesh.coords();
+        let mut out = Vec::new();
+        let mut step = 0;
+        for st in self.ex.stages() {
+            out.extend(st.owned_parts(&coords)?);
+            step = st.optimizer_step();
+        }
+        Ok((out, step))
+    }
+
+    /// Loads this rank's part of a saved model — parameters and AdamW
+    /// moments, from `read` (see [`GptStage::load_with`]), saved by any
+    /// layout — and the optimizer step. Collective over the data-parallel
+    /// groups of sharded stages.
+    ///
+    /// # Errors
+    /// [`Error::Load`]; layout and FSDP errors.
+    pub fn load_with(&mut self, step: u32, read: &mut ReadTensor<'_>) -> Result<()> {
+        for st in self.ex.stages_mut() {
+            st.load_with(step, read)?;
         }
         Ok(())
     }

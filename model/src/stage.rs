@@ -113,6 +113,29 @@ struct Slot {
     tied_ready: bool,
 }
 
+/// One contiguous run of a tensor that a rank writes to a sharded
+/// checkpoint ([`GptStage::owned_parts`]).
+#[derive(Clone, Debug, PartialEq)]
+pub struct OwnedPart {
+    /// The tensor (Hugging Face name).
+    pub name: String,
+    /// The whole tensor's shape.
+    pub global_shape: Vec<usize>,
+    /// The run's first element in the whole tensor (row-major).
+    pub whole: usize,
+    /// The run's parameters and AdamW moments (`m`, `v`).
+    pub values: [Vec<f32>; 3],
+}
+
+/// Reads a whole tensor of a checkpoint: `(which, name, out)`, `which` 0
+/// for the parameters, 1 and 2 for the AdamW moments.
+pub type ReadTensor<'a> = dyn FnMut(
+        usize,
+        &str,
+        &mut [f32],
+    ) -> std::result::Result<(), Box<dyn std::error::Error + Send + Sync>>
+    + 'a;
+
 /// Where a stage's parameters, gradients and optimizer state live.
 #[derive(Debug)]
 enum Store {
@@ -503,6 +526,33 @@ impl GptStage {
         self.refresh_shared_wte()
     }
 
+    /// GPT-2's initialisation of this stage's part of the model from
+    /// `seed` ([`crate::init_gpt2`]: the values the whole model has there),
+    /// zero moments, step 0 — without the whole model. Before
+    /// [`shard`](Self::shard).
+    ///
+    /// # Errors
+    /// [`Error::Config`] for a sharded stage; a layout error.
+    pub fn init_gpt2(&mut self, seed: u64) -> Result<()> {
+        let n_layer = self.blocks.config().n_layer;
+        let Store::Resident { params, opt, .. } = &mut self.store else {
+            return Err(Error::Config {
+                field: "init",
+                reason: "initialise a stage before sharding it".into(),
+            });
+        };
+        crate::init::init_gpt2(&self.layout, params, seed, n_layer)?;
+        *opt = AdamWState::zeros(params.len());
+        if let Some(copy) = &mut self.tied_copy {
+            let wte = self
+                .blocks
+                .layout()
+                .sub(self.blocks.embed_range().start..self.blocks.wte_len());
+            crate::init::init_gpt2(&wte, copy, seed, n_layer)?;
+        }
+        Ok(())
+    }
+
     /// This stage's parameters and AdamW moments, whole (in
     /// [`layout`](Self::layout)), and the optimizer step — what a
     /// checkpoint of the stage holds. Collective over the data-parallel
@@ -517,6 +567,145 @@ impl GptStage {
             }
             Store::Sharded { fsdp, .. } => Ok((fsdp.unshard_state()?, fsdp.optimizer_step())),
         }
+    }
+
+    /// The parts of this stage's tensors this rank writes to a sharded
+    /// checkpoint — its parameters' and AdamW moments' values — chosen so
+    /// that over every rank of the mesh each element of the model is
+    /// written exactly once: a resident stage's tensors by the first of the
+    /// ranks holding the same part (`MeshCoords::owns`), a sharded stage's
+    /// FSDP shards by the first of their replicas. No communication.
+    ///
+    /// # Errors
+    /// A layout error.
+    pub fn owned_parts(&self, coords: &weft_parallel::MeshCoords) -> Result<Vec<OwnedPart>> {
+        let sharding = self.layout.coords();
+        let mut out = Vec::new();
+        match &self.store {
+            Store::Resident { params, opt, .. } => {
+                for spec in self.layout.specs() {
+                    if !coords.owns(spec) {
+                        continue;
+                    }
+                    for run in spec.runs(&sharding)? {
+                        let l = spec.offset + run.local..spec.offset + run.local + run.len;
+                        out.push(OwnedPart {
+                            name: spec.name.clone(),
+                            global_shape: spec.global_shape.clone(),
+                            whole: run.whole,
+                            values: [
+                                params[l.clone()].to_vec(),
+                                opt.m[l.clone()].to_vec(),
+                                opt.v[l].to_vec(),
+                            ],
+                        });
+                    }
+                }
+            }
+            Store::Sharded { fsdp, .. } => {
+                // the first of a shard's replicas (hybrid sharding's
+                // replicate groups) writes it
+                if fsdp.dp_rank() / fsdp.shard_size() != 0 {
+                    return Ok(out);
+                }
+                let rank = fsdp.shard_rank();
+                for (u, unit) in fsdp.plan().units().iter().enumerate() {
+                    let held = unit.shard_in_model(rank);
+                    let shard_start = unit.range.start + unit.shard(rank).start;
+                    let (master, m, v) = fsdp.shard_state(u);
+                    for spec in self.layout.specs() {
+                        let r = spec.range();
+                        if r.end <= held.start || r.start >= held.end {
+                            continue;
+                        }
+                        // replicated over tp or ep: the first such rank
+                        let first = |axis: weft_parallel::Axis, idx: usize| {
+                            idx == 0 || spec.placements.get(axis).is_shard()
+                        };
+                        if !(first(weft_parallel::Axis::Tp, coords.tp)
+                            && first(weft_parallel::Axis::Ep, coords.ep))
+                        {
+                            continue;
+                        }
+                        for run in spec.runs(&sharding)? {
+                            let l0 = spec.offset + run.local;
+                            let (a, b) = (l0.max(held.start), (l0 + run.len).min(held.end));
+                            if a >= b {
+                                continue;
+                            }
+                            let s = a - shard_start..b - shard_start;
+                            out.push(OwnedPart {
+                                name: spec.name.clone(),
+                                global_shape: spec.global_shape.clone(),
+                                whole: run.whole + (a - l0),
+                                values: [
+                                    master[s.clone()].to_vec(),
+                                    m[s.clone()].to_vec(),
+                                    v[s].to_vec(),
+                                ],
+                            });
+                        }
+                    }
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// Loads this stage's part of a checkpoint: `read(which, name, out)`
+    /// fills `out` with the whole tensor `name`'s values (`which`: 0 the
+    /// parameters, 1 and 2 the AdamW moments), and this stage keeps the
+    /// elements its layout holds (a head stage with tied embeddings also
+    /// its copy of `wte`); `step` is the optimizer step. Collective over the
+    /// data-parallel group when the stage is sharded.
+    ///
+    /// # Errors
+    /// [`Error::Load`] for a tensor `read` cannot give; layout and FSDP
+    /// errors.
+    pub fn load_with(&mut self, step: u32, read: &mut ReadTensor<'_>) -> Result<()> {
+        let sharding = self.layout.coords();
+        let mut local: [Vec<f32>; 3] = std::array::from_fn(|_| vec![0.0; self.layout.len()]);
+        for (which, buf) in local.iter_mut().enumerate() {
+            for spec in self.layout.specs() {
+                let mut whole = vec![0.0f32; spec.global_numel()];
+                read(which, &spec.name, &mut whole).map_err(|source| Error::Load {
+                    tensor: spec.name.clone(),
+                    source,
+                })?;
+                for run in spec.runs(&sharding)? {
+                    let l = spec.offset + run.local;
+                    buf[l..l + run.len].copy_from_slice(&whole[run.whole..run.whole + run.len]);
+                }
+            }
+        }
+        if let Some(copy) = &mut self.tied_copy {
+            let wte = self
+                .blocks
+                .layout()
+                .sub(self.blocks.embed_range().start..self.blocks.wte_len());
+            for spec in wte.specs() {
+                let mut whole = vec![0.0f32; spec.global_numel()];
+                read(0, &spec.name, &mut whole).map_err(|source| Error::Load {
+                    tensor: spec.name.clone(),
+                    source,
+                })?;
+                for run in spec.runs(&wte.coords())? {
+                    let l = spec.offset + run.local;
+                    copy[l..l + run.len].copy_from_slice(&whole[run.whole..run.whole + run.len]);
+                }
+            }
+        }
+        let [lp, lm, lv] = local;
+        match &mut self.store {
+            Store::Resident { params, opt, .. } => {
+                *params = lp;
+                opt.m = lm;
+                opt.v = lv;
+                opt.step = step;
+            }
+            Store::Sharded { fsdp, .. } => fsdp.load_whole(&lp, &lm, &lv, step)?,
+        }
+        self.refresh_shared_wte()
     }
 
     /// Optimizer steps taken.

@@ -32,8 +32,8 @@ use weft_fsdp::{FsdpConfig, Strategy};
 use weft_kernels::AdamW;
 use weft_model::tp::TpOptions;
 use weft_model::{
-    FeedForward, Gpt, GptConfig, MicroBatch, Mlp, MoeFfn, ParallelGpt, ParallelPlan, expert_group,
-    partition_layers,
+    FeedForward, Gpt, GptConfig, Init, MicroBatch, Mlp, MoeFfn, ParallelGpt, ParallelPlan,
+    expert_group, partition_layers,
 };
 use weft_moe::{AuxLoss, MoeConfig, Router};
 use weft_parallel::ParallelDims;
@@ -173,7 +173,7 @@ fn run(layout: Layout, moe: bool) -> Run {
                 ..TpOptions::default()
             },
         };
-        let mut g = ParallelGpt::new(gpt_config(), ffn, &p0, &plan, mesh)
+        let mut g = ParallelGpt::new(gpt_config(), ffn, Init::Whole(&p0), &plan, mesh)
             .unwrap_or_else(|e| panic!("{layout:?}: {e}"));
         let first = g.mesh().coords().dp() * per;
         let hp = AdamW {
@@ -219,10 +219,43 @@ fn run(layout: Layout, moe: bool) -> Run {
             g.gather_whole(root.then_some([&mut a[..], &mut b[..], &mut c[..]]))
                 .unwrap();
         }
-        let [params, _, _] = bufs;
-        (losses, norms, eval, params)
+        let (parts, _) = g.owned_parts().unwrap();
+        let whole = g.whole_layout().clone();
+        let [params, m, v] = bufs;
+        (losses, norms, eval, (params, m, v), (parts, whole))
     })
     .unwrap();
+    // A sharded checkpoint's parts: every element of every tensor written
+    // by exactly one rank, with the values of the gathered model.
+    let ((p, m, v), (_, whole)) = (&out[0].3, &out[0].4);
+    let mut written = vec![0u8; whole.len()];
+    for (_, _, _, _, (parts, _)) in &out {
+        for part in parts {
+            let spec = whole.get(&part.name).unwrap();
+            assert_eq!(part.global_shape, spec.global_shape, "{layout:?}");
+            let at = spec.offset + part.whole;
+            for (k, want) in [p, m, v].into_iter().enumerate() {
+                let got = &part.values[k];
+                assert!(
+                    got.iter()
+                        .zip(&want[at..at + got.len()])
+                        .all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "{layout:?}: {} values",
+                    part.name
+                );
+            }
+            for w in &mut written[at..at + part.values[0].len()] {
+                *w += 1;
+            }
+        }
+    }
+    if let Some(i) = written.iter().position(|&w| w != 1) {
+        panic!("{layout:?}: element {i} written {} times", written[i]);
+    }
+    let out: Vec<_> = out
+        .into_iter()
+        .map(|(l, n, e, (p, _, _), _)| (l, n, e, p))
+        .collect();
     for (r, (l, n, e, _)) in out.iter().enumerate() {
         assert_eq!(
             (l, n, e.to_bits()),

@@ -10,7 +10,7 @@ use weft_collectives::{Communicator, LocalCluster, OpKind, Topology, Traffic};
 use weft_fsdp::{Category, FsdpConfig, Precision, Strategy, Track};
 use weft_kernels::AdamW;
 use weft_model::tp::TpOptions;
-use weft_model::{Gpt, GptConfig, MicroBatch, Mlp, ParallelGpt, ParallelPlan};
+use weft_model::{Gpt, GptConfig, Init, MicroBatch, Mlp, ParallelGpt, ParallelPlan};
 use weft_parallel::ParallelDims;
 
 const B: usize = 2;
@@ -78,7 +78,7 @@ fn model(
         micro_batches: per,
         tp: TpOptions::default(),
     };
-    ParallelGpt::new(c.clone(), Arc::new(Mlp), p0, &plan, mesh)
+    ParallelGpt::new(c.clone(), Arc::new(Mlp), Init::Whole(p0), &plan, mesh)
 }
 
 #[derive(Debug, PartialEq)]

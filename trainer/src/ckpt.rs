@@ -7,14 +7,24 @@
 //! step and a hash of the configuration. Data batches are pure functions of
 //! the step, so the step is the whole data-loader position: a resumed run
 //! continues bit for bit.
+//!
+//! Each rank writes only the parts of the tensors it owns
+//! ([`save_sharded`]: its tensor-, expert- and pipeline-parallel part, its
+//! FSDP shards — each element by exactly one rank, as boxes of the whole
+//! tensors), in parallel; rank 0 commits the manifest, which records the
+//! layout (the mesh's `pp × edp × ep × tp`). Loading
+//! ([`restore_sharded`]) reads, on every rank, the parts its own layout
+//! holds — of a checkpoint saved by any layout. No rank assembles the
+//! whole model.
 
 use std::path::{Path, PathBuf};
 
 use weft_checkpoint::{
-    AsyncSaver, Dtype, Layout, Region, Retention, SaveOptions, ShardData, TrainerState,
-    VerifyLevel, load_latest,
+    Checkpoint, Dtype, Layout, MeshDim, RankReport, Region, Retention, SaveOptions, ShardData,
+    TrainerState, VerifyLevel, load_latest,
 };
-use weft_model::{AdamWState, Gpt};
+use weft_collectives::{Communicator, CommunicatorExt};
+use weft_model::{AdamWState, Gpt, GptConfig, OwnedPart, ParallelGpt};
 
 use crate::config::Config;
 
@@ -30,6 +40,16 @@ pub enum CkptError {
         /// The underlying error.
         source: weft_checkpoint::Error,
     },
+    /// Another rank's part of a collective save or load failed (that rank
+    /// reports why).
+    #[error("checkpoint of step {step}: another rank failed")]
+    Peer {
+        /// The step.
+        step: u64,
+    },
+    /// A collective between the ranks failed.
+    #[error("checkpoint: communication: {0}")]
+    Comm(weft_collectives::Error),
     /// Resuming found no checkpoint.
     #[error("no checkpoint to resume from in {0}")]
     Missing(PathBuf),
@@ -89,153 +109,436 @@ pub fn config_hash(config: &Config) -> String {
     )
 }
 
-/// Every tensor of a checkpoint: the parameters under their HF names and
-/// the AdamW moments, with shapes and little-endian bytes.
-fn tensors(model: &Gpt, opt: &AdamWState) -> (Vec<String>, Vec<Vec<u64>>, Vec<Vec<u8>>) {
-    let specs = model.layout().specs();
-    let mut names = Vec::with_capacity(3 * specs.len());
-    let mut shapes = Vec::with_capacity(3 * specs.len());
-    let mut bytes = Vec::with_capacity(3 * specs.len());
-    for spec in specs {
-        let r = spec.range();
-        let shape: Vec<u64> = spec.shape.iter().map(|&d| d as u64).collect();
-        for (prefix, buf) in [
-            ("", &model.params),
-            ("optimizer.exp_avg.", &opt.m),
-            ("optimizer.exp_avg_sq.", &opt.v),
-        ] {
-            names.push(format!("{prefix}{}", spec.name));
-            shapes.push(shape.clone());
-            bytes.push(le_bytes(&buf[r.clone()]));
-        }
+/// The names a tensor's parameters and AdamW moments are saved under.
+fn saved_name(which: usize, name: &str) -> String {
+    match which {
+        0 => name.to_owned(),
+        1 => format!("optimizer.exp_avg.{name}"),
+        _ => format!("optimizer.exp_avg_sq.{name}"),
     }
-    (names, shapes, bytes)
 }
 
-/// The whole-tensor shards of [`tensors`]' output.
-fn shard_data<'a>(
-    names: &'a [String],
-    shapes: &'a [Vec<u64>],
-    bytes: &'a [Vec<u8>],
-) -> Vec<ShardData<'a>> {
-    names
-        .iter()
-        .zip(shapes)
-        .zip(bytes)
-        .map(|((name, shape), data)| ShardData {
-            name,
-            dtype: Dtype::F32,
-            global_shape: shape,
-            region: Region::full(shape),
-            data,
-        })
+/// The boxes of a row-major tensor of shape `shape` that elements
+/// `start .. start + len` (in flat order) make up, each with the offset of
+/// its first element in the run: a flat run covers a partial row, whole
+/// rows, then a partial row, recursively in every dimension.
+pub fn flat_boxes(shape: &[usize], start: usize, len: usize) -> Vec<(Region, usize)> {
+    fn rec(
+        shape: &[usize],
+        a: usize,
+        b: usize,
+        at: usize,
+        out: &mut Vec<(Vec<u64>, Vec<u64>, usize)>,
+    ) {
+        if a >= b {
+            return;
+        }
+        let Some((_, rest)) = shape.split_first() else {
+            return;
+        };
+        if rest.is_empty() {
+            out.push((vec![a as u64], vec![(b - a) as u64], at));
+            return;
+        }
+        let inner: usize = rest.iter().product();
+        let (r0, c0, r1, c1) = (a / inner, a % inner, b / inner, b % inner);
+        let prefix = |out: &mut Vec<(Vec<u64>, Vec<u64>, usize)>, r: usize, from: usize| {
+            for (o, s, _) in &mut out[from..] {
+                o.insert(0, r as u64);
+                s.insert(0, 1);
+            }
+        };
+        if r0 == r1 {
+            let from = out.len();
+            rec(rest, c0, c1, at, out);
+            prefix(out, r0, from);
+            return;
+        }
+        let mut at = at;
+        let mut first_full = r0;
+        if c0 != 0 {
+            let from = out.len();
+            rec(rest, c0, inner, at, out);
+            prefix(out, r0, from);
+            at += inner - c0;
+            first_full = r0 + 1;
+        }
+        if r1 > first_full {
+            let mut o = vec![first_full as u64];
+            let mut s = vec![(r1 - first_full) as u64];
+            o.extend(rest.iter().map(|_| 0u64));
+            s.extend(rest.iter().map(|&d| d as u64));
+            out.push((o, s, at));
+            at += (r1 - first_full) * inner;
+        }
+        if c1 != 0 {
+            let from = out.len();
+            rec(rest, 0, c1, at, out);
+            prefix(out, r1, from);
+        }
+    }
+    let mut out = Vec::new();
+    rec(shape, start, start + len, 0, &mut out);
+    out.into_iter()
+        .map(|(o, s, at)| (Region::new(o, s), at))
         .collect()
+}
+
+/// A box of a tensor with its parameters' and moments' values.
+struct Piece {
+    region: Region,
+    values: [Vec<f32>; 3],
+}
+
+/// Merges boxes that stack along the first dimension (the same extent in
+/// every other dimension, adjacent rows): their row-major data simply
+/// concatenates.
+fn merge_stacked(mut pieces: Vec<Piece>) -> Vec<Piece> {
+    pieces.sort_by(|a, b| {
+        (
+            &a.region.offsets[1..],
+            &a.region.shape[1..],
+            a.region.offsets[0],
+        )
+            .cmp(&(
+                &b.region.offsets[1..],
+                &b.region.shape[1..],
+                b.region.offsets[0],
+            ))
+    });
+    let mut out: Vec<Piece> = Vec::with_capacity(pieces.len());
+    for p in pieces {
+        if let Some(last) = out.last_mut() {
+            let (a, b) = (&last.region, &p.region);
+            if a.offsets[1..] == b.offsets[1..]
+                && a.shape[1..] == b.shape[1..]
+                && a.offsets[0] + a.shape[0] == b.offsets[0]
+            {
+                last.region.shape[0] += b.shape[0];
+                for (x, y) in last.values.iter_mut().zip(p.values) {
+                    x.extend(y);
+                }
+                continue;
+            }
+        }
+        out.push(p);
+    }
+    out
+}
+
+/// The trainer state a checkpoint of `step` records.
+fn trainer_state(config: &Config, step: u64, opt_step: u32, model: &GptConfig) -> TrainerState {
+    let mut state = TrainerState {
+        optimizer_step: step,
+        config_hash: Some(config_hash(config)),
+        ..Default::default()
+    };
+    state.data_position = Some(serde_json::json!({ "step": step }));
+    state
+        .extra
+        .insert("adamw_t".into(), serde_json::json!(opt_step));
+    state.extra.insert(
+        "model".into(),
+        serde_json::json!({
+            "n_layer": model.n_layer, "n_head": model.n_head, "n_embd": model.n_embd,
+            "vocab_size": model.vocab_size, "block_size": model.block_size,
+            "layer_norm_epsilon": model.layer_norm_epsilon,
+        }),
+    );
+    let p = &config.parallel;
+    state.extra.insert(
+        "parallel".into(),
+        serde_json::json!({
+            "dp": p.dp, "tp": p.tp, "pp": p.pp, "ep": p.ep, "fsdp": p.fsdp.name(),
+            "sequence_parallel": p.sequence_parallel, "pp_schedule": p.pp_schedule.name(),
+        }),
+    );
+    state
+}
+
+const TAG: u64 = 0x5746_434b; // "WFCK"
+
+/// Rank 0's verdict on a collective step, sent to every rank so that all
+/// return the same error (or none).
+fn agree(world: &dyn Communicator, ok: bool) -> Result<bool, weft_collectives::Error> {
+    let mut v = [if ok { 1.0f64 } else { 0.0 }];
+    world.broadcast(&mut v, 0)?;
+    Ok(v[0] == 1.0)
+}
+
+/// Saves the model as checkpoint `step` under `root`: every rank writes
+/// its own file of `parts` (its [`ParallelGpt::owned_parts`]) into the
+/// staging folder rank 0 prepares, rank 0 commits the manifest — the
+/// layout of the mesh, the trainer state — and applies the retention of
+/// `[checkpoint]`. Collective over `world`; every rank returns the same
+/// outcome.
+///
+/// # Errors
+/// [`CkptError::Checkpoint`] if preparing, a rank's write, the commit or
+/// the retention failed (naming the failure on the rank that saw it; the
+/// others report [`CkptError::Peer`]); a collective error.
+#[allow(clippy::too_many_arguments)]
+pub fn save_sharded(
+    world: &dyn Communicator,
+    root: &Path,
+    config: &Config,
+    step: u64,
+    parts: &[OwnedPart],
+    opt_step: u32,
+    model: &GptConfig,
+    mesh: &[(&str, usize)],
+) -> Result<(), CkptError> {
+    let err = |source| CkptError::Checkpoint {
+        root: root.to_owned(),
+        source,
+    };
+    let opts = SaveOptions::default();
+    let me = world.rank();
+    let n = world.size();
+    // 1. the staging folder
+    let staging = if me == 0 {
+        weft_checkpoint::prepare(root, step, &opts)
+    } else {
+        Ok(PathBuf::new())
+    };
+    if !agree(world, staging.is_ok()).map_err(CkptError::Comm)? {
+        return Err(staging.err().map_or(CkptError::Peer { step }, err));
+    }
+    let staging = if me == 0 {
+        let path = staging.map_err(err)?;
+        let bytes = path.to_string_lossy().into_owned().into_bytes();
+        for r in 1..n {
+            world
+                .send_bytes(r, TAG, &(bytes.len() as u64).to_le_bytes())
+                .map_err(CkptError::Comm)?;
+            world
+                .send_bytes(r, TAG + 1, &bytes)
+                .map_err(CkptError::Comm)?;
+        }
+        path
+    } else {
+        let mut len = [0u8; 8];
+        world
+            .recv_bytes(0, TAG, &mut len)
+            .map_err(CkptError::Comm)?;
+        let mut bytes = vec![0u8; usize::try_from(u64::from_le_bytes(len)).unwrap_or(0)];
+        world
+            .recv_bytes(0, TAG + 1, &mut bytes)
+            .map_err(CkptError::Comm)?;
+        PathBuf::from(String::from_utf8_lossy(&bytes).into_owned())
+    };
+    // 2. this rank's file: each part's boxes of the parameters and moments,
+    // boxes stacked along their first dimension merged (a strided
+    // tensor-parallel shard's rows become one box per Q, K, V)
+    let mut by_tensor: std::collections::BTreeMap<&str, (Vec<u64>, Vec<Piece>)> =
+        std::collections::BTreeMap::new();
+    for part in parts {
+        let entry = by_tensor.entry(&part.name).or_insert_with(|| {
+            (
+                part.global_shape.iter().map(|&d| d as u64).collect(),
+                Vec::new(),
+            )
+        });
+        for (region, at) in flat_boxes(&part.global_shape, part.whole, part.values[0].len()) {
+            let count = region
+                .volume()
+                .and_then(|v| usize::try_from(v).ok())
+                .unwrap_or(0);
+            let values = std::array::from_fn(|w| part.values[w][at..at + count].to_vec());
+            entry.1.push(Piece { region, values });
+        }
+    }
+    let mut names = Vec::new();
+    let mut data: Vec<Vec<u8>> = Vec::new();
+    let mut regions = Vec::new();
+    let mut shapes = Vec::new();
+    for (name, (shape, pieces)) in by_tensor {
+        for piece in merge_stacked(pieces) {
+            for which in 0..3 {
+                names.push(saved_name(which, name));
+                data.push(le_bytes(&piece.values[which]));
+                regions.push(piece.region.clone());
+                shapes.push(shape.clone());
+            }
+        }
+    }
+    let shards: Vec<ShardData<'_>> = (0..names.len())
+        .map(|i| ShardData {
+            name: &names[i],
+            dtype: Dtype::F32,
+            global_shape: &shapes[i],
+            region: regions[i].clone(),
+            data: &data[i],
+        })
+        .collect();
+    #[allow(clippy::cast_possible_truncation)]
+    let report = weft_checkpoint::write_rank_file(&staging, me as u32, &shards, &opts);
+    // 3. the reports to rank 0, which commits
+    let json = match &report {
+        Ok(r) => serde_json::to_vec(r).unwrap_or_default(),
+        Err(_) => Vec::new(),
+    };
+    if me != 0 {
+        world
+            .send_bytes(0, TAG + 2, &(json.len() as u64).to_le_bytes())
+            .map_err(CkptError::Comm)?;
+        world
+            .send_bytes(0, TAG + 3, &json)
+            .map_err(CkptError::Comm)?;
+        let ok = agree(world, true).map_err(CkptError::Comm)?;
+        report.map_err(err)?;
+        return if ok {
+            Ok(())
+        } else {
+            Err(CkptError::Peer { step })
+        };
+    }
+    let mut reports: Vec<Option<RankReport>> = vec![report.as_ref().ok().cloned()];
+    for r in 1..n {
+        let mut len = [0u8; 8];
+        world
+            .recv_bytes(r, TAG + 2, &mut len)
+            .map_err(CkptError::Comm)?;
+        let mut bytes = vec![0u8; usize::try_from(u64::from_le_bytes(len)).unwrap_or(0)];
+        world
+            .recv_bytes(r, TAG + 3, &mut bytes)
+            .map_err(CkptError::Comm)?;
+        reports.push(serde_json::from_slice(&bytes).ok());
+    }
+    let outcome = match (report, reports.iter().all(Option::is_some)) {
+        (Err(e), _) => Err(err(e)),
+        (Ok(_), false) => Err(CkptError::Peer { step }),
+        (Ok(_), true) => {
+            let reports: Vec<RankReport> = reports.into_iter().flatten().collect();
+            #[allow(clippy::cast_possible_truncation)]
+            let layout = Layout {
+                world_size: n as u32,
+                mesh: mesh
+                    .iter()
+                    .map(|&(name, size)| MeshDim {
+                        name: name.to_owned(),
+                        size: size as u32,
+                    })
+                    .collect(),
+            };
+            let state = trainer_state(config, step, opt_step, model);
+            weft_checkpoint::commit(root, step, &layout, &reports, &state, &opts)
+                .and_then(|_| {
+                    let every =
+                        (config.checkpoint.keep_every > 0).then_some(config.checkpoint.keep_every);
+                    Retention::new(config.checkpoint.keep_last, every).apply(root)
+                })
+                .map(|_| ())
+                .map_err(err)
+        }
+    };
+    agree(world, outcome.is_ok()).map_err(CkptError::Comm)?;
+    outcome
+}
+
+/// Loads, on every rank, its part of the newest checkpoint under `root`
+/// that verifies (rank 0 verifies every byte and tells the others which)
+/// into `model`, whatever layout saved it; returns the step. Collective
+/// over `world`.
+///
+/// # Errors
+/// As [`restore`]; [`CkptError::Peer`] on the ranks that did not see the
+/// failure; a collective error.
+pub fn restore_sharded(
+    world: &dyn Communicator,
+    root: &Path,
+    config: &Config,
+    model: &mut ParallelGpt,
+) -> Result<Restored, CkptError> {
+    let err = |source| CkptError::Checkpoint {
+        root: root.to_owned(),
+        source,
+    };
+    // rank 0 picks (and fully verifies) the checkpoint; its step goes to all
+    let picked = if world.rank() == 0 {
+        load_latest(root, VerifyLevel::Full)
+            .map_err(err)
+            .and_then(|l| l.ok_or_else(|| CkptError::Missing(root.to_owned())))
+            .and_then(|l| {
+                check_hash(root, config, l.checkpoint.manifest())?;
+                Ok(l)
+            })
+    } else {
+        Err(CkptError::Missing(root.to_owned()))
+    };
+    #[allow(clippy::cast_precision_loss)]
+    let mut step = [picked.as_ref().map_or(-1.0, |l| l.checkpoint.step() as f64)];
+    world.broadcast(&mut step, 0).map_err(CkptError::Comm)?;
+    if step[0] < 0.0 {
+        return Err(match picked {
+            Err(e) if world.rank() == 0 => e,
+            _ => CkptError::Peer { step: 0 },
+        });
+    }
+    #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+    let step = step[0] as u64;
+    let (ckpt, skipped) = match picked {
+        Ok(l) => (
+            l.checkpoint,
+            l.skipped
+                .iter()
+                .map(|(p, e)| format!("{}: {e}", p.display()))
+                .collect(),
+        ),
+        Err(_) => (
+            Checkpoint::open(&root.join(weft_checkpoint::step_dir_name(step))).map_err(err)?,
+            Vec::new(),
+        ),
+    };
+    let opt_step = ckpt
+        .manifest()
+        .state
+        .extra
+        .get("adamw_t")
+        .and_then(serde_json::Value::as_u64)
+        .map_or(0, |t| u32::try_from(t).unwrap_or(u32::MAX));
+    let mut read = |which: usize,
+                    name: &str,
+                    out: &mut [f32]|
+     -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+        let bytes = ckpt.read_tensor(&saved_name(which, name))?;
+        if bytes.len() != 4 * out.len() {
+            return Err(format!("{} bytes, expected {}", bytes.len(), 4 * out.len()).into());
+        }
+        for (d, c) in out.iter_mut().zip(bytes.chunks_exact(4)) {
+            *d = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+        }
+        Ok(())
+    };
+    model
+        .load_with(opt_step, &mut read)
+        .map_err(|e| CkptError::Tensor {
+            root: root.to_owned(),
+            name: "model".into(),
+            reason: e.to_string(),
+        })?;
+    Ok(Restored { step, skipped })
+}
+
+/// Refuses a checkpoint saved by another configuration.
+fn check_hash(
+    root: &Path,
+    config: &Config,
+    manifest: &weft_checkpoint::Manifest,
+) -> Result<(), CkptError> {
+    let current = config_hash(config);
+    match &manifest.state.config_hash {
+        Some(saved) if *saved != current => Err(CkptError::ConfigMismatch {
+            root: root.to_owned(),
+            saved: saved.clone(),
+            current,
+        }),
+        _ => Ok(()),
+    }
 }
 
 fn le_bytes(xs: &[f32]) -> Vec<u8> {
     xs.iter().flat_map(|x| x.to_le_bytes()).collect()
-}
-
-/// Saves checkpoints in the background, one at a time.
-pub struct Saver {
-    root: PathBuf,
-    inner: AsyncSaver,
-    hash: String,
-}
-
-impl Saver {
-    /// A saver writing under `root` with the configured retention.
-    ///
-    /// # Errors
-    /// [`CkptError::Checkpoint`] if the background writer cannot start.
-    pub fn new(root: &Path, config: &Config) -> Result<Self, CkptError> {
-        let err = |source| CkptError::Checkpoint {
-            root: root.to_owned(),
-            source,
-        };
-        let every = (config.checkpoint.keep_every > 0).then_some(config.checkpoint.keep_every);
-        let inner = AsyncSaver::new(root, SaveOptions::default())
-            .map_err(err)?
-            .with_retention(Retention::new(config.checkpoint.keep_last, every));
-        Ok(Self {
-            root: root.to_owned(),
-            inner,
-            hash: config_hash(config),
-        })
-    }
-
-    /// Copies the state after `step` optimizer steps and starts writing it;
-    /// waits first for the previous save, whose failure is returned here.
-    ///
-    /// # Errors
-    /// [`CkptError::Checkpoint`] if the previous save failed or this one
-    /// could not start.
-    pub fn save(&mut self, step: u64, model: &Gpt, opt: &AdamWState) -> Result<(), CkptError> {
-        let (names, shapes, bytes) = tensors(model, opt);
-        let shards = shard_data(&names, &shapes, &bytes);
-        let mut state = TrainerState {
-            optimizer_step: step,
-            config_hash: Some(self.hash.clone()),
-            ..Default::default()
-        };
-        state.data_position = Some(serde_json::json!({ "step": step }));
-        state
-            .extra
-            .insert("adamw_t".into(), serde_json::json!(opt.step));
-        let c = model.config();
-        state.extra.insert(
-            "model".into(),
-            serde_json::json!({
-                "n_layer": c.n_layer, "n_head": c.n_head, "n_embd": c.n_embd,
-                "vocab_size": c.vocab_size, "block_size": c.block_size,
-                "layer_norm_epsilon": c.layer_norm_epsilon,
-            }),
-        );
-        let previous = self
-            .inner
-            .save_from(step, &Layout::flat("dp", 1), &[shards], &state);
-        match previous {
-            Some(Err(source)) => Err(CkptError::Checkpoint {
-                root: self.root.clone(),
-                source,
-            }),
-            _ => Ok(()),
-        }
-    }
-
-    /// Maps the host buffers that saving `model` and `opt` will copy into,
-    /// once at start-up, so that even the first save's copy inside the
-    /// training step does not take a page fault every 4 KiB (measured on
-    /// GPT-2 small: the first save's stall falls from about 45% of a step
-    /// to a few percent).
-    ///
-    /// # Errors
-    /// [`CkptError::Checkpoint`] if a save in flight failed.
-    pub fn reserve(&mut self, model: &Gpt, opt: &AdamWState) -> Result<(), CkptError> {
-        let (names, shapes, bytes) = tensors(model, opt);
-        let shards = shard_data(&names, &shapes, &bytes);
-        match self.inner.reserve(&[shards]) {
-            Some(Err(source)) => Err(CkptError::Checkpoint {
-                root: self.root.clone(),
-                source,
-            }),
-            _ => Ok(()),
-        }
-    }
-
-    /// Waits for the save in flight.
-    ///
-    /// # Errors
-    /// [`CkptError::Checkpoint`] if it failed.
-    pub fn finish(&mut self) -> Result<(), CkptError> {
-        match self.inner.wait() {
-            Some(Err(source)) => Err(CkptError::Checkpoint {
-                root: self.root.clone(),
-                source,
-            }),
-            _ => Ok(()),
-        }
-    }
 }
 
 /// What [`restore`] found.
@@ -269,16 +572,7 @@ pub fn restore(
         .ok_or_else(|| CkptError::Missing(root.to_owned()))?;
     let ckpt = &loaded.checkpoint;
     let state = &ckpt.manifest().state;
-    let current = config_hash(config);
-    if let Some(saved) = &state.config_hash
-        && *saved != current
-    {
-        return Err(CkptError::ConfigMismatch {
-            root: root.to_owned(),
-            saved: saved.clone(),
-            current,
-        });
-    }
+    check_hash(root, config, ckpt.manifest())?;
     let specs = model.layout().specs().to_vec();
     for spec in &specs {
         let r = spec.range();
@@ -321,4 +615,37 @@ pub fn restore(
             .map(|(p, e)| format!("{}: {e}", p.display()))
             .collect(),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every flat run of a 3-D tensor is tiled exactly by its boxes, each
+    /// box's row-major elements being the run's, in order.
+    #[test]
+    fn flat_runs_are_tiled_by_their_boxes() {
+        let shape = [3usize, 4, 5];
+        let total: usize = shape.iter().product();
+        let flat = |o: &[u64]| -> usize { usize::try_from((o[0] * 4 + o[1]) * 5 + o[2]).unwrap() };
+        for start in 0..total {
+            for len in 1..=total - start {
+                let mut got = Vec::new();
+                for (region, at) in flat_boxes(&shape, start, len) {
+                    assert_eq!(at, got.len(), "boxes in run order");
+                    let (o, s) = (region.offsets.clone(), region.shape.clone());
+                    for i in 0..s[0] {
+                        for j in 0..s[1] {
+                            for k in 0..s[2] {
+                                got.push(flat(&[o[0] + i, o[1] + j, o[2] + k]));
+                            }
+                        }
+                    }
+                }
+                let want: Vec<usize> = (start..start + len).collect();
+                assert_eq!(got, want, "start {start} len {len}");
+            }
+        }
+        assert_eq!(flat_boxes(&[7], 2, 3).len(), 1);
+    }
 }

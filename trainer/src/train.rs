@@ -18,8 +18,9 @@
 //!   (`{"step":…, "event":"skip"|"spike"|"eval", …}`) for health events and
 //!   evaluations;
 //! * `summary.json` — the final figures;
-//! * `checkpoints/` — the whole model, assembled on rank 0 from every
-//!   rank's part ([`crate::ckpt`]);
+//! * `checkpoints/` — every rank's part of the model, each element
+//!   written once, by its owner ([`crate::ckpt`]); a checkpoint loads on
+//!   any layout;
 //! * `expert_load.jsonl` (mixture of experts) and `trace.json` (pipeline
 //!   timelines, FSDP's compute and communication tracks).
 //!
@@ -33,9 +34,7 @@ use std::time::Instant;
 
 use weft_collectives::{Communicator, CommunicatorExt, ReduceOp};
 use weft_kernels::{AdamW, Mode, matmul_forward};
-use weft_model::{
-    AdamWState, FeedForward, Gpt, GptConfig, MicroBatch, MoeFfn, ParallelGpt, ParallelPlan,
-};
+use weft_model::{FeedForward, GptConfig, Init, MicroBatch, MoeFfn, ParallelGpt, ParallelPlan};
 use weft_trace::MetricsRecord;
 
 pub use weft_model::RankMemory;
@@ -374,18 +373,6 @@ pub(crate) fn moe_config(config: &Config, cfg: &GptConfig) -> Option<weft_moe::M
     })
 }
 
-/// The whole model (every expert) on one rank, initialised as a
-/// single-rank run initialises it: what every rank takes its share of, and
-/// what checkpoints hold.
-fn whole_model(config: &Config, cfg: &GptConfig) -> Result<Gpt, TrainError> {
-    let mut whole = match moe_config(config, cfg) {
-        None => Gpt::new(cfg.clone())?,
-        Some(moe) => Gpt::with_ffn(cfg.clone(), Box::new(MoeFfn::new(moe)?.0))?,
-    };
-    whole.init_gpt2(config.train.seed);
-    Ok(whole)
-}
-
 /// This rank's feed-forward block: GPT-2's MLP, or the mixture of experts
 /// (its experts shared out over the mesh's expert group with `ep > 1`)
 /// with its statistics handle.
@@ -573,12 +560,6 @@ fn layout_name(config: &Config) -> String {
     }
 }
 
-/// The whole model's state on the writer: what checkpoints save.
-struct WholeState {
-    model: Gpt,
-    opt: AdamWState,
-}
-
 /// One rank's run on world communicator `world`: its share of the job.
 /// Only world rank 0 writes the run folder and checkpoints.
 fn run_rank(
@@ -608,11 +589,13 @@ fn run_rank(
         .collect();
     let mesh_shape = format!("{} (tp innermost)", shape.join(" × "));
 
-    // Every rank starts from its share of the whole model's initialisation
-    // (the same as one rank's).
-    let mut whole = whole_model(config, &cfg)?;
+    // Every rank initialises only its part of the model: the values the
+    // whole model has there, as one rank's run starts from.
     let (ffn, moe) = rank_ffn(config, &cfg, &mesh)?;
-    let mut model = ParallelGpt::new(cfg.clone(), ffn, &whole.params, &plan(config, &cfg)?, mesh)?;
+    let init = Init::Gpt2 {
+        seed: config.train.seed,
+    };
+    let mut model = ParallelGpt::new(cfg.clone(), ffn, init, &plan(config, &cfg)?, mesh)?;
 
     let name = if config.run.name.is_empty() {
         timestamp_name()
@@ -622,17 +605,15 @@ fn run_rank(
     let run_dir = config.run.dir.join(name);
     let metrics_path = run_dir.join("metrics.jsonl");
     let ckpt_root = run_dir.join("checkpoints");
-    let mut whole_opt = whole.adamw_state();
-    // Resuming: the whole state, restored on every rank and loaded into
-    // this rank's share; and the metrics lines up to the checkpoint.
+    // Resuming: every rank loads its part of the checkpoint (saved by any
+    // layout); and the metrics lines up to the checkpoint.
     let mut kept_lines: Vec<String> = Vec::new();
     let mut start_step = 0;
     if resume {
         if !run_dir.is_dir() {
             return Err(TrainError::NothingToResume(run_dir));
         }
-        let restored = crate::ckpt::restore(&ckpt_root, config, &mut whole, &mut whole_opt)?;
-        model.load_whole(&whole.params, &whole_opt.m, &whole_opt.v, whole_opt.step)?;
+        let restored = crate::ckpt::restore_sharded(world, &ckpt_root, config, &mut model)?;
         start_step = restored.step;
         observer.resumed(start_step, &restored.skipped);
         let text = std::fs::read_to_string(&metrics_path).map_err(io_err(&metrics_path))?;
@@ -654,12 +635,7 @@ fn run_rank(
         let config_path = run_dir.join("config.toml");
         std::fs::write(&config_path, config.to_toml()).map_err(io_err(&config_path))?;
     }
-    let full_layout = whole.layout().clone();
-    // The whole model's buffers stay on the writer only.
-    let mut whole = writer.then_some(WholeState {
-        model: whole,
-        opt: whole_opt,
-    });
+    let full_layout = model.whole_layout().clone();
     // Only the writer's logs reach the disk.
     let mut metrics: BufWriter<Box<dyn Write>> = if writer {
         // (Re)write the metrics file with the kept lines, atomically.
@@ -671,15 +647,6 @@ fn run_rank(
         BufWriter::new(Box::new(file.map_err(io_err(&metrics_path))?))
     } else {
         BufWriter::new(Box::new(std::io::sink()))
-    };
-    let mut saver = match &whole {
-        Some(w) if config.checkpoint.every > 0 => {
-            let mut s = crate::ckpt::Saver::new(&ckpt_root, config)?;
-            // Map the saver's host buffers now, not inside the first save's step.
-            s.reserve(&w.model, &w.opt)?;
-            Some(s)
-        }
-        _ => None,
     };
 
     let val = data.val_batches(t.eval_sequences, micro);
@@ -1002,29 +969,28 @@ fn run_rank(
         if config.checkpoint.every > 0
             && (done || (step + 1).is_multiple_of(config.checkpoint.every))
         {
-            // The whole model is assembled on the writer from every rank's
-            // part: a collective, so every rank joins.
-            let bufs = whole
-                .as_mut()
-                .map(|w| [&mut w.model.params[..], &mut w.opt.m[..], &mut w.opt.v[..]]);
-            let opt_step = model.gather_whole(bufs)?;
-            if let (Some(saver), Some(w)) = (saver.as_mut(), whole.as_mut()) {
-                w.opt.step = opt_step;
-                // Everything logged so far belongs to the checkpoint.
-                metrics.flush().map_err(io_err(&metrics_path))?;
-                if let Some(log) = expert_log.as_mut() {
-                    log.flush().map_err(io_err(&expert_path))?;
-                }
-                saver.save(step + 1, &w.model, &w.opt)?;
+            // Everything logged so far belongs to the checkpoint.
+            metrics.flush().map_err(io_err(&metrics_path))?;
+            if let Some(log) = expert_log.as_mut() {
+                log.flush().map_err(io_err(&expert_path))?;
             }
+            // Each rank writes its own parts; rank 0 commits.
+            let (parts, opt_step) = model.owned_parts()?;
+            crate::ckpt::save_sharded(
+                world,
+                &ckpt_root,
+                config,
+                step + 1,
+                &parts,
+                opt_step,
+                &cfg,
+                &dims.mesh_dims(),
+            )?;
         }
     }
     metrics.flush().map_err(io_err(&metrics_path))?;
     if let Some(log) = expert_log.as_mut() {
         log.flush().map_err(io_err(&expert_path))?;
-    }
-    if let Some(saver) = saver.as_mut() {
-        saver.finish()?;
     }
     let n = t.steps.saturating_sub(start_step).max(1) as f64;
     let summary = Summary {

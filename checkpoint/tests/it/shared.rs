@@ -240,3 +240,59 @@ fn overlapping_rank_shards_are_refused_at_commit() {
     );
     assert!(list_checkpoints(dir.path()).unwrap().is_empty());
 }
+
+/// A rank may hold several pieces of one tensor (the Q, K and V column
+/// blocks of a tensor-parallel shard of a fused projection): the second
+/// and later are `name#k` in its file, the manifest lists each, and every
+/// reader sees the whole tensor.
+#[test]
+fn a_rank_holds_several_pieces_of_one_tensor() {
+    let root = std::env::temp_dir().join(format!("weft-ckpt-pieces-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&root);
+    // a 4 x 6 "qkv" tensor: each of 2 ranks holds one column of Q, K and V
+    let shape = [4u64, 6];
+    let w: Vec<f32> = (0..24).map(|i| i as f32).collect();
+    let col = |c: u64| -> Vec<u8> {
+        (0..4)
+            .flat_map(|r| w[(r * 6 + c) as usize].to_le_bytes())
+            .collect()
+    };
+    let cols: Vec<Vec<u8>> = (0..6).map(col).collect();
+    let rank = |r: u64| -> Vec<ShardData<'_>> {
+        [0u64, 2, 4]
+            .into_iter()
+            .map(|q| ShardData {
+                name: "qkv",
+                dtype: Dtype::F32,
+                global_shape: &shape,
+                region: Region::new(vec![0, q + r], vec![4, 1]),
+                data: &cols[(q + r) as usize],
+            })
+            .collect()
+    };
+    let save =
+        SharedSave::begin(&root, 1, &Layout::flat("tp", 2), &SaveOptions::default()).unwrap();
+    save.write_rank(0, &rank(0)).unwrap();
+    save.write_rank(1, &rank(1)).unwrap();
+    let committed = save.commit(&TrainerState::default()).unwrap();
+    let ck = Checkpoint::open(&committed.path).unwrap();
+    ck.verify().unwrap();
+    let want: Vec<u8> = w.iter().flat_map(|x| x.to_le_bytes()).collect();
+    assert_eq!(ck.read_tensor("qkv").unwrap(), want);
+    assert_eq!(ck.manifest().tensors["qkv"].shards.len(), 6);
+    // a name with '#' is refused
+    let bad = [ShardData {
+        name: "a#1",
+        dtype: Dtype::F32,
+        global_shape: &[1],
+        region: Region::full(&[1]),
+        data: &[0; 4],
+    }];
+    let save =
+        SharedSave::begin(&root, 2, &Layout::flat("tp", 1), &SaveOptions::default()).unwrap();
+    assert!(matches!(
+        save.write_rank(0, &bad),
+        Err(Error::InvalidShard { .. })
+    ));
+    let _ = std::fs::remove_dir_all(&root);
+}
