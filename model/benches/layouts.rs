@@ -100,7 +100,13 @@ fn bench(
                 reproducible: false,
                 tp: TpOptions::default(),
             };
-            let mut g = ParallelGpt::new(cfg.clone(), Arc::new(Mlp), Init::Gpt2 { seed: 1 }, &plan, mesh)?;
+            let mut g = ParallelGpt::new(
+                cfg.clone(),
+                Arc::new(Mlp),
+                Init::Gpt2 { seed: 1 },
+                &plan,
+                mesh,
+            )?;
             let hp = AdamW {
                 lr: 1e-4,
                 ..AdamW::default()
@@ -113,7 +119,9 @@ fn bench(
                     .map(|m| {
                         let seed = (s * GLOBAL + m) as u32;
                         let x: Vec<u32> = (0..(B * t) as u32)
-                            .map(|i| (i.wrapping_mul(2_654_435_761) ^ seed.wrapping_mul(40_503)) % v)
+                            .map(|i| {
+                                (i.wrapping_mul(2_654_435_761) ^ seed.wrapping_mul(40_503)) % v
+                            })
                             .collect();
                         let y = x.iter().map(|a| (a * 7 + 3) % v).collect();
                         (x, y)
@@ -143,10 +151,16 @@ fn bench(
                 });
                 let timeline = g.take_timeline();
                 let bubble = match (dims.pp > 1, timeline) {
-                    (true, Some(local)) => match g.executor().gather_timelines(g.mesh().pp(), &local)? {
-                        Some(ranks) => Some(Measured::new(g.schedule(), ranks)?.timeline.bubble_fraction()),
-                        None => None,
-                    },
+                    (true, Some(local)) => {
+                        match g.executor().gather_timelines(g.mesh().pp(), &local)? {
+                            Some(ranks) => Some(
+                                Measured::new(g.schedule(), ranks)?
+                                    .timeline
+                                    .bubble_fraction(),
+                            ),
+                            None => None,
+                        }
+                    }
                     _ => None,
                 };
                 if s >= 2 {
@@ -171,7 +185,9 @@ fn bench(
             median(r0.iter().map(|x| x.3.map_or(0.0, |c| c.1)).collect()),
         )
     });
-    let bubble = r0[0].4.map(|_| median(r0.iter().map(|x| x.4.unwrap_or(0.0)).collect()));
+    let bubble = r0[0]
+        .4
+        .map(|_| median(r0.iter().map(|x| x.4.unwrap_or(0.0)).collect()));
     Ok(Row {
         name: name.into(),
         world: dims.world_size(),
@@ -223,7 +239,9 @@ fn main() -> anyhow::Result<()> {
     }
     let base = rows[0].step;
     let tokens = (GLOBAL * B * cfg.block_size) as f64;
-    println!("\n| layout | ranks | step ms | tokens/s | vs 1 rank | sent MB/step (rank 0) | tp comm share | fsdp comm ms | exposed ms | hidden | bubble |");
+    println!(
+        "\n| layout | ranks | step ms | tokens/s | vs 1 rank | sent MB/step (rank 0) | tp comm share | fsdp comm ms | exposed ms | hidden | bubble |"
+    );
     println!("|---|---|---|---|---|---|---|---|---|---|---|");
     for r in &rows {
         let (fc, fe, hidden) = match r.fsdp {
@@ -247,7 +265,8 @@ fn main() -> anyhow::Result<()> {
             base / r.step,
             r.sent_mb,
             100.0 * r.tp_share,
-            r.bubble.map_or("-".into(), |b| format!("{:.0}%", 100.0 * b)),
+            r.bubble
+                .map_or("-".into(), |b| format!("{:.0}%", 100.0 * b)),
         );
     }
     Ok(())
