@@ -94,6 +94,12 @@ pub trait Communicator: Send + Sync {
     /// This rank's traffic counters (all groups of this rank together).
     fn traffic(&self) -> Traffic;
 
+    /// This rank's traffic through this group alone (its handles and the
+    /// handles detached from them; not the groups split from it): what
+    /// one axis of a mesh sends, where [`traffic`](Self::traffic) is every
+    /// axis together.
+    fn group_traffic(&self) -> Traffic;
+
     /// A handle to the same group usable from another thread, for
     /// non-blocking operations; `None` if the backend cannot (then the
     /// non-blocking forms complete before returning).
@@ -337,6 +343,9 @@ impl<C: Communicator + ?Sized> Communicator for DynRef<'_, C> {
     }
     fn traffic(&self) -> Traffic {
         self.0.traffic()
+    }
+    fn group_traffic(&self) -> Traffic {
+        self.0.group_traffic()
     }
     fn detach(&self) -> Option<Box<dyn Communicator>> {
         self.0.detach()

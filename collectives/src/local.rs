@@ -76,6 +76,8 @@ struct Group {
     /// Highest sequence number each member has begun, plus one (0: none).
     arrived: Vec<AtomicU64>,
     name: String,
+    /// Traffic through this group, by group rank.
+    traffic: Vec<TrafficCounters>,
 }
 
 struct World {
@@ -255,6 +257,7 @@ impl LocalCluster {
             id: 0,
             name: format!("world{members:?}"),
             arrived: (0..n).map(|_| AtomicU64::new(0)).collect(),
+            traffic: (0..n).map(|_| TrafficCounters::default()).collect(),
             members,
         });
         (world, group)
@@ -594,6 +597,7 @@ impl LocalComm {
             }
             let class = world.topology.link(post.src, me);
             world.traffic[me].add_received(op, class, bytes.len());
+            self.group.traffic[self.rank].add_received(op, class, bytes.len());
             (rin.sink)(bytes)?;
         }
         Ok(())
@@ -609,6 +613,7 @@ impl LocalComm {
                     id,
                     name: format!("g{id}{members:?}"),
                     arrived: members.iter().map(|_| AtomicU64::new(0)).collect(),
+                    traffic: members.iter().map(|_| TrafficCounters::default()).collect(),
                     members,
                 })
             })
@@ -722,7 +727,9 @@ impl Communicator for LocalComm {
         };
         for (i, s) in sends.iter().enumerate() {
             let dst = self.group.members[s.to];
-            world.traffic[me].add_sent(op, world.topology.link(me, dst), s.data.len());
+            let class = world.topology.link(me, dst);
+            world.traffic[me].add_sent(op, class, s.data.len());
+            self.group.traffic[self.rank].add_sent(op, class, s.data.len());
             self.post(
                 dst,
                 Post {
@@ -784,7 +791,9 @@ impl Communicator for LocalComm {
         }
         let mut sig = Signature::new(op);
         sig.len = data.len() as u64;
-        self.world.traffic[me].add_sent(op, self.world.topology.link(me, dst), data.len());
+        let class = self.world.topology.link(me, dst);
+        self.world.traffic[me].add_sent(op, class, data.len());
+        self.group.traffic[self.rank].add_sent(op, class, data.len());
         self.post(
             dst,
             Post {
@@ -829,6 +838,10 @@ impl Communicator for LocalComm {
 
     fn traffic(&self) -> Traffic {
         self.world.traffic[self.me()].snapshot()
+    }
+
+    fn group_traffic(&self) -> Traffic {
+        self.group.traffic[self.rank].snapshot()
     }
 
     fn abort_group(&self, reason: &str) {

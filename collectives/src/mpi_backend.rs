@@ -145,6 +145,8 @@ struct Group {
     name: String,
     /// Buffered point-to-point sends not yet known to be complete.
     sends: Mutex<Vec<InFlight>>,
+    /// Traffic through this group.
+    traffic: TrafficCounters,
 }
 
 impl Drop for Group {
@@ -537,6 +539,7 @@ impl MpiComm {
                 members,
                 name,
                 sends: Mutex::new(Vec::new()),
+                traffic: TrafficCounters::default(),
             }),
             rank,
             seq: Arc::new(AtomicU64::new(0)),
@@ -729,8 +732,9 @@ impl MpiComm {
                     format!("{their_sig} sending {} bytes", payload.len()),
                 ));
             }
-            env.traffic
-                .add_received(op, env.topology.link(src, self.me()), payload.len());
+            let class = env.topology.link(src, self.me());
+            env.traffic.add_received(op, class, payload.len());
+            self.group.traffic.add_received(op, class, payload.len());
             (rin.sink)(payload)?;
         }
         Ok(())
@@ -897,10 +901,14 @@ impl MpiComm {
             let bytes = 2 * (n - 1) * buf.len() / n;
             let right = self.group.members[(self.rank + 1) % n];
             let left = self.group.members[(self.rank + n - 1) % n];
-            env.traffic
-                .add_sent(op, env.topology.link(self.me(), right), bytes);
-            env.traffic
-                .add_received(op, env.topology.link(left, self.me()), bytes);
+            let (out, inc) = (
+                env.topology.link(self.me(), right),
+                env.topology.link(left, self.me()),
+            );
+            env.traffic.add_sent(op, out, bytes);
+            env.traffic.add_received(op, inc, bytes);
+            self.group.traffic.add_sent(op, out, bytes);
+            self.group.traffic.add_received(op, inc, bytes);
         }
         Ok(())
     }
@@ -1019,8 +1027,9 @@ impl Communicator for MpiComm {
             msg.extend_from_slice(&header(ctx.seq, u64::from(tag), &ctx.sig, s.data.len()));
             msg.extend_from_slice(s.data);
             let dst = self.group.members[s.to];
-            env.traffic
-                .add_sent(op, env.topology.link(self.me(), dst), s.data.len());
+            let class = env.topology.link(self.me(), dst);
+            env.traffic.add_sent(op, class, s.data.len());
+            self.group.traffic.add_sent(op, class, s.data.len());
             inflight.push((dst, self.post(comm, s.to, mpi_tag, op, msg)?));
         }
         let route = Route {
@@ -1062,8 +1071,9 @@ impl Communicator for MpiComm {
         msg.extend_from_slice(data);
         let env = &*self.group.env;
         let dst = self.group.members[peer];
-        env.traffic
-            .add_sent(op, env.topology.link(self.me(), dst), data.len());
+        let class = env.topology.link(self.me(), dst);
+        env.traffic.add_sent(op, class, data.len());
+        self.group.traffic.add_sent(op, class, data.len());
         let f = self.post(self.group.p2p.0, peer, mpi_tag, op, msg)?;
         self.group
             .sends
@@ -1114,6 +1124,10 @@ impl Communicator for MpiComm {
 
     fn traffic(&self) -> Traffic {
         self.group.env.traffic.snapshot()
+    }
+
+    fn group_traffic(&self) -> Traffic {
+        self.group.traffic.snapshot()
     }
 
     fn detach(&self) -> Option<Box<dyn Communicator>> {

@@ -777,6 +777,11 @@ impl Communicator for NcclComm {
         self.traffic.snapshot()
     }
 
+    fn group_traffic(&self) -> Traffic {
+        // One NCCL communicator per group: its counters are the group's.
+        self.traffic.snapshot()
+    }
+
     fn detach(&self) -> Option<Box<dyn Communicator>> {
         None
     }

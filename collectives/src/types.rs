@@ -333,6 +333,18 @@ impl Traffic {
     }
 }
 
+impl std::ops::AddAssign<&Traffic> for Traffic {
+    /// Adds `other`'s counters (e.g. several groups' traffic together).
+    fn add_assign(&mut self, other: &Traffic) {
+        for i in 0..10 {
+            for c in 0..2 {
+                self.sent[i][c] += other.sent[i][c];
+                self.received[i][c] += other.received[i][c];
+            }
+        }
+    }
+}
+
 /// Live counters for one rank; backends add to them, [`snapshot`](Self::snapshot)
 /// reads them.
 #[derive(Debug, Default)]

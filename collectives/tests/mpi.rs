@@ -221,6 +221,24 @@ fn native_all_reduce_and_its_traffic(c: &MpiComm, checks: &mut usize) {
     .expect("ring all_reduce");
     let t = c.traffic().since(&before);
     let sent = t.sent_by(weft_collectives::OpKind::AllReduce) as usize;
+    // a split group counts its own traffic; the process's counters see it too
+    let half = c.split((r % 2) as u32, r as u32).expect("split");
+    let (g0, all0) = (half.group_traffic(), c.traffic());
+    let mut x = vec![1.0f32; 1024];
+    half.all_reduce_with(
+        &mut x,
+        &ReduceOptions::new(ReduceOp::Sum).algorithm(Algorithm::Ring),
+    )
+    .expect("group all_reduce");
+    let g = half.group_traffic().since(&g0);
+    let k = half.size();
+    assert_eq!(
+        g.sent_by(weft_collectives::OpKind::AllReduce) as usize,
+        if k > 1 { 2 * (k - 1) * 4096 / k } else { 0 },
+        "the group's own counters"
+    );
+    assert_eq!(c.traffic().since(&all0).total_sent(), g.total_sent());
+    *checks += 1;
     let per_step: usize = (0..n).map(|q| shard_range(len, n, q).len() * 4).sum();
     assert_eq!(per_step, s);
     assert!(

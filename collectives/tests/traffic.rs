@@ -152,3 +152,49 @@ fn reproducible_ring_in_one_domain_sends_the_ring_volume() {
         }
     }
 }
+
+#[test]
+fn each_group_counts_its_own_traffic() {
+    // 4 ranks as a 2×2 mesh: rows all-reduce 8 KiB, columns 4 KiB; each
+    // group's counters see only their own ring, the world's see both.
+    let (row, col) = (2048usize, 1024usize);
+    let ring = ReduceOptions::new(ReduceOp::Sum).algorithm(Algorithm::Ring);
+    let out = LocalCluster::builder(4)
+        .run_each(|comm| {
+            let r = comm.rank() as u32;
+            let rows = comm.split(r / 2, r)?;
+            let cols = comm.split(r % 2, r)?;
+            let mut a = vec![1.0f32; row];
+            rows.all_reduce_with(&mut a, &ring)?;
+            let mut b = vec![1.0f32; col];
+            cols.all_reduce_with(&mut b, &ring)?;
+            let det = cols.detach().expect("local handles detach");
+            det.all_reduce_with(&mut b, &ring)?;
+            Ok::<_, weft_collectives::Error>((
+                rows.group_traffic(),
+                cols.group_traffic(),
+                comm.group_traffic(),
+                comm.traffic(),
+            ))
+        })
+        .into_iter()
+        .map(|r| r.unwrap().unwrap())
+        .collect::<Vec<_>>();
+    for (rows, cols, world_group, all) in &out {
+        // A ring all-reduce over 2 ranks sends half the buffer once… twice.
+        assert_eq!(rows.sent_by(OpKind::AllReduce), 4 * row as u64);
+        assert_eq!(cols.sent_by(OpKind::AllReduce), 2 * 4 * col as u64);
+        assert_eq!(rows.received_by(OpKind::AllReduce), 4 * row as u64);
+        // The world group itself only ran the two splits.
+        assert_eq!(world_group.sent_by(OpKind::AllReduce), 0);
+        assert!(world_group.sent_by(OpKind::Split) > 0);
+        assert_eq!(
+            all.sent_by(OpKind::AllReduce),
+            rows.sent_by(OpKind::AllReduce) + cols.sent_by(OpKind::AllReduce)
+        );
+        assert_eq!(
+            all.total_sent(),
+            rows.total_sent() + cols.total_sent() + world_group.total_sent()
+        );
+    }
+}

@@ -8,6 +8,7 @@
 //! construction), and is the only thread that issues collectives on them,
 //! so every rank issues them in the same order.
 
+use std::sync::Arc;
 use std::sync::mpsc::{Receiver, Sender, channel};
 use std::thread::JoinHandle;
 use std::time::Instant;
@@ -73,8 +74,8 @@ pub(crate) struct Reducer {
 
 /// The worker's communicators and options.
 pub(crate) struct Groups {
-    pub shard: Box<dyn Communicator>,
-    pub replicas: Option<Box<dyn Communicator>>,
+    pub shard: Arc<dyn Communicator>,
+    pub replicas: Option<Arc<dyn Communicator>>,
     pub opts: ReduceOptions,
 }
 

@@ -3,6 +3,7 @@
 
 use std::collections::VecDeque;
 use std::ops::Range;
+use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Instant;
 
@@ -133,6 +134,8 @@ pub struct Fsdp {
     dp_size: usize,
     /// The shard group, for parameter all-gathers (training thread).
     params_comm: Box<dyn Communicator>,
+    /// The reducer's groups (shard, replicas), for their traffic.
+    grad_groups: [Option<Arc<dyn Communicator>>; 2],
     reducer: Reducer,
     units: Vec<UnitState>,
     step: u32,
@@ -216,7 +219,12 @@ impl Fsdp {
             });
         }
         let world_n = comm.size();
-        let (params_comm, reduce_shard, replicas) = if cfg.strategy == Strategy::Hybrid {
+        type Groups3 = (
+            Box<dyn Communicator>,
+            Arc<dyn Communicator>,
+            Option<Arc<dyn Communicator>>,
+        );
+        let (params_comm, reduce_shard, replicas): Groups3 = if cfg.strategy == Strategy::Hybrid {
             let s = if cfg.hybrid_shard == 0 {
                 comm.topology().ranks_per_domain().min(world_n)
             } else {
@@ -234,14 +242,19 @@ impl Fsdp {
                 mesh.group(names)
                     .map_err(crate::error::comm("splitting the hybrid mesh"))
             };
-            (g(&["shard"])?, g(&["shard"])?, Some(g(&["replicate"])?))
+            (
+                g(&["shard"])?,
+                Arc::from(g(&["shard"])?),
+                Some(Arc::from(g(&["replicate"])?)),
+            )
         } else {
             (
                 split_of(comm, "parameter")?,
-                split_of(comm, "gradient")?,
+                Arc::from(split_of(comm, "gradient")?),
                 None,
             )
         };
+        let grad_groups = [Some(reduce_shard.clone()), replicas.clone()];
         let (rank, n) = (params_comm.rank(), params_comm.size());
         let plan = UnitPlan::new(layout, units, n)?;
         let reducer = Reducer::start(Groups {
@@ -286,6 +299,7 @@ impl Fsdp {
             cfg,
             plan,
             params_comm,
+            grad_groups,
             reducer,
             units: states,
             step: 0,
@@ -372,6 +386,17 @@ impl Fsdp {
     /// This rank's traffic counters (every group of the rank).
     pub fn traffic(&self) -> Traffic {
         self.params_comm.traffic()
+    }
+
+    /// This rank's traffic through FSDP's own groups alone: the parameter
+    /// all-gathers and the gradient reduce-scatters (and, hybrid, the
+    /// all-reduces over the replicas).
+    pub fn group_traffic(&self) -> Traffic {
+        let mut t = self.params_comm.group_traffic();
+        for g in self.grad_groups.iter().flatten() {
+            t += &g.group_traffic();
+        }
+        t
     }
 
     /// The range of unit `u`'s padded buffer that this rank's master

@@ -173,7 +173,8 @@ pub use infer::Decoder;
 pub use init::init_gpt2;
 pub use moe_ffn::{MoeFfn, MoeStats};
 pub use parallelize::{
-    Init, ParallelGpt, ParallelPlan, RankMemory, StepOutcome, expert_group, partition_layers,
+    Init, ParallelGpt, ParallelPlan, RankMemory, StepOutcome, StepTraffic, expert_group,
+    partition_layers,
 };
 pub use params::{BlockLayout, Sharding, dense_layout, param_layout};
 pub use stage::{GptStage, OwnedPart, ReadTensor, StageSpec, pipeline_stages};

@@ -29,7 +29,9 @@ use std::sync::Arc;
 
 use weft_collectives::{Communicator, CommunicatorExt};
 use weft_kernels::AdamW;
-use weft_parallel::{DimSet, GradNorm, GradReducer, ParallelMesh, ParamLayout};
+use weft_parallel::{
+    DimSet, GradNorm, GradReducer, MeshTraffic, ParallelMesh, ParamLayout, TrafficAxis,
+};
 use weft_pipeline::{Executor, RankTimeline, Schedule};
 
 use crate::config::GptConfig;
@@ -90,6 +92,22 @@ pub struct StepOutcome {
     pub applied: bool,
 }
 
+/// What one rank sent in a training step, per parallel axis, as the
+/// collectives' counters of each group counted it
+/// ([`ParallelGpt::last_traffic`]; `tests/measured.rs` checks the volumes
+/// against the textbook formulas, layout by layout).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct StepTraffic {
+    /// The step's data: activations and their gradients (tp, pp, ep),
+    /// gradients and parameters (dp: the gradient reducer, FSDP's
+    /// gathers and reduce-scatters), the tied embedding (pp).
+    pub payload: MeshTraffic,
+    /// The step's scalars: every micro-batch's loss to every rank, and the
+    /// gradient norm's exact partial sums (whose encoded size depends on
+    /// the values).
+    pub scalars: MeshTraffic,
+}
+
 /// Bytes one rank holds, by category, from the buffers it allocated.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct RankMemory {
@@ -117,6 +135,7 @@ pub struct ParallelGpt {
     ex: Executor<GptStage>,
     train: Schedule,
     timeline: Option<RankTimeline>,
+    traffic: Option<StepTraffic>,
 }
 
 impl std::fmt::Debug for ParallelGpt {
@@ -244,6 +263,7 @@ impl ParallelGpt {
             ex,
             train: schedule,
             timeline: None,
+            traffic: None,
         })
     }
 
@@ -336,10 +356,12 @@ impl ParallelGpt {
         for st in self.ex.stages_mut() {
             st.begin_step(m)?;
         }
+        let t0 = self.traffic_now();
         let report = self.ex.step(self.mesh.pp(), batches, None)?;
         for st in self.ex.stages_mut() {
             st.finish_backward(Some(&self.mesh), global)?;
         }
+        let t1 = self.traffic_now();
         // The losses live on the head's rank of each pipeline; every rank
         // gets every micro-batch's, in global order.
         let pl = self.train.placement();
@@ -364,6 +386,7 @@ impl ParallelGpt {
             st.add_grad_norm(&mut norm)?;
         }
         let grad_norm = norm.finish(Some(&self.mesh))?;
+        let t2 = self.traffic_now();
         let applied = loss.is_finite() && grad_norm.is_finite();
         if applied {
             #[allow(clippy::cast_possible_truncation)]
@@ -381,6 +404,12 @@ impl ParallelGpt {
                 st.skip();
             }
         }
+        let mut payload = t1.since(&t0);
+        payload += &self.traffic_now().since(&t2);
+        self.traffic = Some(StepTraffic {
+            payload,
+            scalars: t2.since(&t1),
+        });
         Ok(StepOutcome {
             loss,
             grad_norm,
@@ -540,6 +569,24 @@ impl ParallelGpt {
             st.load_with(step, read)?;
         }
         Ok(())
+    }
+
+    /// What this rank sent in the last training step, per axis (`None`
+    /// before the first).
+    pub fn last_traffic(&self) -> Option<&StepTraffic> {
+        self.traffic.as_ref()
+    }
+
+    /// This rank's traffic so far: the mesh's groups, and FSDP's shard
+    /// groups under the data-parallel axis.
+    fn traffic_now(&self) -> MeshTraffic {
+        let mut t = self.mesh.traffic();
+        for st in self.ex.stages() {
+            if let Some(f) = st.fsdp() {
+                t.add(TrafficAxis::Dp, &f.group_traffic());
+            }
+        }
+        t
     }
 
     /// Bytes this rank holds, by category.

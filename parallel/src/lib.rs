@@ -90,7 +90,7 @@ mod reduce;
 pub use error::{Error, Result};
 pub use gather::{extract, gather_whole};
 pub use layout::{LayoutBuilder, ParamLayout, ParamSpec};
-pub use mesh::{DimSet, MeshCoords, ParallelDims, ParallelMesh};
+pub use mesh::{DimSet, MeshCoords, MeshTraffic, ParallelDims, ParallelMesh, TrafficAxis};
 pub use norm::{GradNorm, add_squares, merge_exact};
 pub use optim::{AdamWState, adamw_runs};
 pub use placement::{Axis, Coords, Placement, Placements, Run, local_shape, runs};

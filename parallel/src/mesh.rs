@@ -3,7 +3,7 @@
 use std::fmt;
 use std::sync::Arc;
 
-use weft_collectives::{Communicator, Mesh};
+use weft_collectives::{Communicator, Mesh, Traffic};
 
 use crate::error::{Error, Result};
 use crate::layout::ParamSpec;
@@ -331,6 +331,18 @@ impl ParallelMesh {
         }
     }
 
+    /// This rank's traffic through each group of the mesh so far (take two
+    /// and [`since`](MeshTraffic::since) them to measure a step): the bytes
+    /// of each parallel axis apart, as the collectives counted them.
+    pub fn traffic(&self) -> MeshTraffic {
+        let mut t = MeshTraffic::default();
+        for (i, g) in self.groups.iter().enumerate() {
+            #[allow(clippy::cast_possible_truncation)]
+            t.add(TrafficAxis::of(DimSet(i as u8)), &g.group_traffic());
+        }
+        t
+    }
+
     /// One line per dimension and this rank's coordinates, for a start-up
     /// report: `mesh pp=1 × edp=2 × ep=1 × tp=2 (tp innermost); rank 3:
     /// pp 0, dp 1, tp 1`.
@@ -343,6 +355,104 @@ impl ParallelMesh {
             self.world().rank(),
             self.coords
         )
+    }
+}
+
+/// One rank's traffic through each group of a [`ParallelMesh`]
+/// ([`ParallelMesh::traffic`]), by the axis it serves.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct MeshTraffic {
+    axes: [Traffic; 5],
+}
+
+/// The parallel axes whose traffic [`MeshTraffic`] tells apart.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum TrafficAxis {
+    /// The tensor-parallel group.
+    Tp,
+    /// The data-parallel groups: the whole group and the replicas of an
+    /// expert group (gradient sums, FSDP's gathers and reduce-scatters,
+    /// the losses).
+    Dp,
+    /// The pipeline group (activations and their gradients between
+    /// stages, the tied embedding, the losses).
+    Pp,
+    /// The expert group (tokens to their experts and back).
+    Ep,
+    /// Groups of several axes together (the gradient norm's merges,
+    /// assembling a whole model).
+    Other,
+}
+
+impl TrafficAxis {
+    /// Every axis, in report order.
+    pub const ALL: [TrafficAxis; 5] = [
+        TrafficAxis::Tp,
+        TrafficAxis::Dp,
+        TrafficAxis::Pp,
+        TrafficAxis::Ep,
+        TrafficAxis::Other,
+    ];
+
+    /// The lower-case name.
+    pub const fn name(self) -> &'static str {
+        match self {
+            TrafficAxis::Tp => "tp",
+            TrafficAxis::Dp => "dp",
+            TrafficAxis::Pp => "pp",
+            TrafficAxis::Ep => "ep",
+            TrafficAxis::Other => "other",
+        }
+    }
+
+    fn of(dims: DimSet) -> TrafficAxis {
+        match dims {
+            DimSet::TP => TrafficAxis::Tp,
+            DimSet::DP | DimSet::EDP => TrafficAxis::Dp,
+            DimSet::PP => TrafficAxis::Pp,
+            DimSet::EP => TrafficAxis::Ep,
+            _ => TrafficAxis::Other,
+        }
+    }
+}
+
+impl MeshTraffic {
+    /// The traffic for `axis`.
+    pub fn axis(&self, axis: TrafficAxis) -> &Traffic {
+        &self.axes[axis as usize]
+    }
+
+    /// Adds `t` to `axis` (a layer's own groups, like FSDP's shard groups
+    /// under [`TrafficAxis::Dp`]).
+    pub fn add(&mut self, axis: TrafficAxis, t: &Traffic) {
+        self.axes[axis as usize] += t;
+    }
+
+    /// Bytes sent for `axis`.
+    pub fn sent(&self, axis: TrafficAxis) -> u64 {
+        self.axis(axis).total_sent()
+    }
+
+    /// Bytes sent for every axis.
+    pub fn total_sent(&self) -> u64 {
+        self.axes.iter().map(Traffic::total_sent).sum()
+    }
+
+    /// `self − earlier`, axis by axis.
+    #[must_use]
+    pub fn since(&self, earlier: &MeshTraffic) -> MeshTraffic {
+        MeshTraffic {
+            axes: std::array::from_fn(|i| self.axes[i].since(&earlier.axes[i])),
+        }
+    }
+}
+
+impl std::ops::AddAssign<&MeshTraffic> for MeshTraffic {
+    /// Adds `other` axis by axis (e.g. several ranks' traffic).
+    fn add_assign(&mut self, other: &MeshTraffic) {
+        for (a, b) in self.axes.iter_mut().zip(&other.axes) {
+            *a += b;
+        }
     }
 }
 

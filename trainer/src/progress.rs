@@ -208,6 +208,30 @@ impl Observer for Terminal {
                 100.0 * b.predicted
             ));
         }
+        if let Some(t) = &s.traffic_per_step {
+            let p = t.payload;
+            let parts: Vec<String> = [
+                ("tp", p.tp),
+                ("dp", p.dp),
+                ("pp", p.pp),
+                ("ep", p.ep),
+                ("other", p.other),
+            ]
+            .iter()
+            .filter(|(_, b)| *b > 0.0)
+            .map(|(n, b)| format!("{n} {}B", si(*b)))
+            .collect();
+            let sc = t.scalars;
+            say(&format!(
+                "traffic         per step, all ranks: {} (+ {}B of losses and norms)",
+                if parts.is_empty() {
+                    "none".to_owned()
+                } else {
+                    parts.join(", ")
+                },
+                si(sc.tp + sc.dp + sc.pp + sc.ep + sc.other)
+            ));
+        }
         if let Some(v) = s.final_max_vio {
             say(&format!(
                 "expert load     MaxVio {v:.3} at the last step (expert_load.jsonl)"

@@ -229,6 +229,42 @@ pub struct Summary {
     /// `otherData` (`bubble_fraction`, `bubble_steps`, per step
     /// `step_bubble_fractions`), where `weft viz` shows it.
     pub pipeline_bubble: Option<PipelineBubble>,
+    /// Layouts of several ranks: the bytes a step sends on each parallel
+    /// axis, every rank's together, as the collectives' per-group traffic
+    /// counters counted them (mean over the steps of this run). The
+    /// volumes follow the textbook formulas (ring all-reduce `2(k−1)/k`
+    /// of the buffer per rank, `(k−1)/k` for a reduce-scatter or an
+    /// all-gather, activations point to point); `weft-model`'s
+    /// `tests/measured.rs` checks them layout by layout.
+    pub traffic_per_step: Option<StepTraffic>,
+}
+
+/// Bytes per step of a run, by parallel axis ([`Summary::traffic_per_step`]).
+#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize)]
+pub struct StepTraffic {
+    /// Activations and their gradients (tp, pp, ep), gradients and
+    /// parameters (dp: the gradient sums, FSDP's gathers and
+    /// reduce-scatters), the tied embedding (pp).
+    pub payload: AxisBytes,
+    /// The step's scalars: the losses and the gradient norm's exact
+    /// partial sums.
+    pub scalars: AxisBytes,
+}
+
+/// Bytes on each parallel axis.
+#[derive(Clone, Copy, Debug, Default, PartialEq, serde::Serialize)]
+pub struct AxisBytes {
+    /// The tensor-parallel groups.
+    pub tp: f64,
+    /// The data-parallel groups (and FSDP's shard and replica groups).
+    pub dp: f64,
+    /// The pipeline groups.
+    pub pp: f64,
+    /// The expert groups.
+    pub ep: f64,
+    /// Groups of several axes (the norm's merges; sequence parallelism's
+    /// layernorm gradients over dp × tp).
+    pub other: f64,
 }
 
 /// Measured and predicted pipeline bubble (fractions of the makespan).
@@ -767,6 +803,8 @@ fn run_rank(
     // Every traced pipeline step: (step number, measured bubble, makespan
     // in µs, whether it is in `bubble_sum`), for trace.json's otherData.
     let mut step_bubbles: Vec<(u64, f64, f64, bool)> = Vec::new();
+    // Bytes this rank sent per axis over the steps (payload, then scalars).
+    let mut traffic_sum = [0.0f64; 10];
     for step in start_step..t.steps {
         let step_start = Instant::now();
         let lr = lr_at(&config.optim, step, t.steps);
@@ -793,6 +831,12 @@ fn run_rank(
             .collect();
         let out = model.train_step(&mbs, &hp, config.optim.grad_clip)?;
         let (loss, grad_norm, applied) = (out.loss, out.grad_norm, out.applied);
+        if let Some(tr) = model.last_traffic() {
+            for (i, a) in weft_parallel::TrafficAxis::ALL.into_iter().enumerate() {
+                traffic_sum[i] += tr.payload.sent(a) as f64;
+                traffic_sum[5 + i] += tr.scalars.sent(a) as f64;
+            }
+        }
         if !applied {
             skipped += 1;
             let event = HealthEvent::Skipped {
@@ -993,6 +1037,21 @@ fn run_rank(
         log.flush().map_err(io_err(&expert_path))?;
     }
     let n = t.steps.saturating_sub(start_step).max(1) as f64;
+    // every rank's bytes together (exact in f64 below 2^53)
+    model
+        .mesh()
+        .world()
+        .all_reduce(&mut traffic_sum, ReduceOp::Sum)?;
+    let axis = |k: usize| {
+        let [tp, dp, pp, ep, other] = std::array::from_fn(|i| traffic_sum[k + i] / n);
+        AxisBytes {
+            tp,
+            dp,
+            pp,
+            ep,
+            other,
+        }
+    };
     let summary = Summary {
         run_dir: run_dir.clone(),
         steps: t.steps,
@@ -1012,6 +1071,10 @@ fn run_rank(
                 measured: m / n as f64,
                 predicted: p / n as f64,
             })
+        }),
+        traffic_per_step: (dims.world_size() > 1).then(|| StepTraffic {
+            payload: axis(0),
+            scalars: axis(5),
         }),
     };
     if !step_bubbles.is_empty() {
