@@ -274,6 +274,36 @@ impl WeightInputs {
     }
 }
 
+/// `a·b·…`, or an error naming `what` if it overflows (sizes a user
+/// sets: a model or batch too large for any machine).
+pub(crate) fn product(what: &str, factors: &[usize]) -> Result<usize> {
+    factors
+        .iter()
+        .try_fold(1usize, |acc, &f| acc.checked_mul(f))
+        .ok_or_else(|| Error::Config {
+            field: "size",
+            reason: format!(
+                "of {what}: {} overflows this machine's address space",
+                factors
+                    .iter()
+                    .map(usize::to_string)
+                    .collect::<Vec<_>>()
+                    .join(" × ")
+            ),
+        })
+}
+
+/// `a + b + …`, or an error naming `what` if it overflows.
+pub(crate) fn sum(what: &str, terms: &[usize]) -> Result<usize> {
+    terms
+        .iter()
+        .try_fold(0usize, |acc, &x| acc.checked_add(x))
+        .ok_or_else(|| Error::Config {
+            field: "size",
+            reason: format!("of {what} overflows this machine's address space"),
+        })
+}
+
 fn two_mut(buf: &mut [f32], a: Range<usize>, b: Range<usize>) -> (&mut [f32], &mut [f32]) {
     debug_assert!(a.end <= b.start);
     let (lo, hi) = buf.split_at_mut(b.start);
@@ -509,35 +539,104 @@ impl GptBlocks {
         }
     }
 
+    /// The lengths of [`BlockActs`]' buffers, in field order, checked
+    /// against overflow (sizes a user sets).
+    fn block_act_lens(&self, b: usize, t: usize) -> Result<[usize; 12]> {
+        self.check_shape(b, t)?;
+        let c = self.config.n_embd;
+        let (nh, ca) = self.heads();
+        let n = product("B·T", &[b, t])?;
+        let rows = self.rows(n);
+        product("B·T·C (with room for the feed-forward block)", &[n, c, 64])?;
+        Ok([
+            n * c,
+            rows,
+            rows,
+            n * 3 * ca,
+            n * ca,
+            product("the attention matrix B·NH·T·T", &[b, nh, t, t])?,
+            rows * c,
+            n * c,
+            rows,
+            rows,
+            self.ffn.saved_len(&self.dims(b, t, self.mode, 0)),
+            rows * c,
+        ])
+    }
+
+    /// Floats of one block's activations for `b`×`t` (what
+    /// [`block_acts`](Self::block_acts) allocates): `B·T·C` for each
+    /// layernorm's output, `3·B·T·C/tp` for q, k, v, `B·T·C/tp` for the
+    /// attention output, `B·(NH/tp)·T²` for the attention probabilities,
+    /// `rows·C` for the residual after attention and for the block's
+    /// output, `2·rows` per layernorm's statistics, and the feed-forward
+    /// block's [`saved_len`](FeedForward::saved_len) (`2·B·T·4C/tp` for
+    /// the dense MLP), where `rows` is `B·T`, or `B·T/tp` under sequence
+    /// parallelism.
+    ///
+    /// # Errors
+    /// As [`block_acts`](Self::block_acts); [`Error::Config`] if a size
+    /// overflows.
+    pub fn block_acts_len(&self, b: usize, t: usize) -> Result<usize> {
+        sum("a block's activations", &self.block_act_lens(b, t)?)
+    }
+
     /// Plans one block's activations for `b` sequences of `t` tokens.
     ///
     /// # Errors
     /// [`Error::Batch`] if `t` exceeds `block_size` or `b*t` is 0;
-    /// [`Error::Split`] if sequence parallelism cannot split `b·t`.
+    /// [`Error::Split`] if sequence parallelism cannot split `b·t`;
+    /// [`Error::Config`] if a size overflows.
     pub fn block_acts(&self, b: usize, t: usize) -> Result<BlockActs> {
-        self.check_shape(b, t)?;
-        let c = self.config.n_embd;
-        let (nh, ca) = self.heads();
-        let n = b * t;
-        let rows = self.rows(n);
+        let l = self.block_act_lens(b, t)?;
         let z = |k: usize| vec![0.0f32; k];
         Ok(BlockActs {
             b,
             t,
             layer: 0,
-            ln1: z(n * c),
-            ln1_mean: z(rows),
-            ln1_rstd: z(rows),
-            qkv: z(n * 3 * ca),
-            atty: z(n * ca),
-            att: z(b * nh * t * t),
-            res2: z(rows * c),
-            ln2: z(n * c),
-            ln2_mean: z(rows),
-            ln2_rstd: z(rows),
-            ffn_saved: z(self.ffn.saved_len(&self.dims(b, t, self.mode, 0))),
-            out: z(rows * c),
+            ln1: z(l[0]),
+            ln1_mean: z(l[1]),
+            ln1_rstd: z(l[2]),
+            qkv: z(l[3]),
+            atty: z(l[4]),
+            att: z(l[5]),
+            res2: z(l[6]),
+            ln2: z(l[7]),
+            ln2_mean: z(l[8]),
+            ln2_rstd: z(l[9]),
+            ffn_saved: z(l[10]),
+            out: z(l[11]),
         })
+    }
+
+    /// Lengths of [`HeadActs`]' buffers: targets, `lnf`, its statistics,
+    /// logits, losses, row statistics.
+    fn head_act_lens(&self, b: usize, t: usize) -> Result<[usize; 7]> {
+        self.check_shape(b, t)?;
+        let c = self.config.n_embd;
+        let n = product("B·T", &[b, t])?;
+        let rows = self.rows(n);
+        Ok([
+            n,
+            product("B·T·C", &[n, c])?,
+            rows,
+            rows,
+            product("the logits B·T·V", &[n, self.vocab.len()])?,
+            n,
+            2 * n,
+        ])
+    }
+
+    /// Floats (and 4-byte targets) of the head's activations, what
+    /// [`head_acts`](Self::head_acts) allocates: `B·T·C` for the final
+    /// layernorm's output, `B·T·V/tp` logits, `B·T` targets and losses,
+    /// `2·B·T` row statistics of the cross-entropy, `2·rows` of the
+    /// layernorm's.
+    ///
+    /// # Errors
+    /// As [`head_acts`](Self::head_acts).
+    pub fn head_acts_len(&self, b: usize, t: usize) -> Result<usize> {
+        sum("the head's activations", &self.head_act_lens(b, t)?)
     }
 
     /// Plans the head's activations.
@@ -545,22 +644,51 @@ impl GptBlocks {
     /// # Errors
     /// As [`block_acts`](Self::block_acts).
     pub fn head_acts(&self, b: usize, t: usize) -> Result<HeadActs> {
-        self.check_shape(b, t)?;
-        let c = self.config.n_embd;
-        let n = b * t;
-        let rows = self.rows(n);
+        let l = self.head_act_lens(b, t)?;
         Ok(HeadActs {
             b,
             t,
-            targets: vec![0; n],
+            targets: vec![0; l[0]],
             has_targets: false,
-            lnf: vec![0.0; n * c],
-            lnf_mean: vec![0.0; rows],
-            lnf_rstd: vec![0.0; rows],
-            logits: vec![0.0; n * self.vocab.len()],
-            losses: vec![0.0; n],
-            stats: vec![0.0; 2 * n],
+            lnf: vec![0.0; l[1]],
+            lnf_mean: vec![0.0; l[2]],
+            lnf_rstd: vec![0.0; l[3]],
+            logits: vec![0.0; l[4]],
+            losses: vec![0.0; l[5]],
+            stats: vec![0.0; l[6]],
         })
+    }
+
+    /// Lengths of [`BlockScratch`]' planned buffers: `tmp`, `dln`,
+    /// `datty`, `dqkv`, `datt`, the feed-forward block's scratch, and the
+    /// sequence-parallel `rows` and `full`.
+    fn scratch_lens(&self, b: usize, t: usize) -> Result<[usize; 8]> {
+        let l = self.block_act_lens(b, t)?;
+        let c = self.config.n_embd;
+        let n = b * t;
+        let sp = |k: usize| if self.sp() { k } else { 0 };
+        Ok([
+            n * c,
+            n * c,
+            l[4],
+            l[3],
+            l[5],
+            self.ffn.scratch_len(&self.dims(b, t, self.mode, 0)),
+            sp(self.rows(n) * c),
+            sp(n * c),
+        ])
+    }
+
+    /// Floats of the shared working buffers, what
+    /// [`scratch`](Self::scratch) allocates: two `B·T·C`, the attention's
+    /// gradients (as large as its q, k, v, output and probabilities), the
+    /// feed-forward block's [`scratch_len`](FeedForward::scratch_len), and
+    /// under sequence parallelism `rows·C` + `B·T·C` for the gathers.
+    ///
+    /// # Errors
+    /// As [`scratch`](Self::scratch).
+    pub fn scratch_len(&self, b: usize, t: usize) -> Result<usize> {
+        sum("the working buffers", &self.scratch_lens(b, t)?)
     }
 
     /// Plans the shared working buffers.
@@ -568,29 +696,45 @@ impl GptBlocks {
     /// # Errors
     /// As [`block_acts`](Self::block_acts).
     pub fn scratch(&self, b: usize, t: usize) -> Result<BlockScratch> {
-        self.check_shape(b, t)?;
-        let c = self.config.n_embd;
-        let (nh, ca) = self.heads();
-        let n = b * t;
-        let sp = |k: usize| {
-            if self.sp() {
-                vec![0.0f32; k]
-            } else {
-                Vec::new()
-            }
-        };
+        let l = self.scratch_lens(b, t)?;
         Ok(BlockScratch {
-            tmp: vec![0.0; n * c],
-            dln: vec![0.0; n * c],
-            datty: vec![0.0; n * ca],
-            dqkv: vec![0.0; n * 3 * ca],
-            datt: vec![0.0; b * nh * t * t],
-            ffn_scratch: vec![0.0; self.ffn.scratch_len(&self.dims(b, t, self.mode, 0))],
-            rows: sp(self.rows(n) * c),
-            full: sp(n * c),
+            tmp: vec![0.0; l[0]],
+            dln: vec![0.0; l[1]],
+            datty: vec![0.0; l[2]],
+            dqkv: vec![0.0; l[3]],
+            datt: vec![0.0; l[4]],
+            ffn_scratch: vec![0.0; l[5]],
+            rows: vec![0.0; l[6]],
+            full: vec![0.0; l[7]],
             sink_x: Vec::new(),
             sink_p: Vec::new(),
         })
+    }
+
+    /// Lengths of [`WeightInputs`]' buffers.
+    fn weight_input_lens(&self, b: usize, t: usize) -> Result<[usize; 6]> {
+        let l = self.block_act_lens(b, t)?;
+        let c = self.config.n_embd;
+        let n = b * t;
+        let rc = self.rows(n) * c;
+        Ok([
+            rc,
+            rc,
+            n * c,
+            l[3],
+            rc,
+            self.ffn
+                .split_saved_len(&self.dims(b, t, Mode::Throughput, 0)),
+        ])
+    }
+
+    /// Floats of what a block's B saves for its W, what
+    /// [`weight_inputs`](Self::weight_inputs) allocates.
+    ///
+    /// # Errors
+    /// As [`weight_inputs`](Self::weight_inputs).
+    pub fn weight_inputs_len(&self, b: usize, t: usize) -> Result<usize> {
+        sum("a block's saved gradients", &self.weight_input_lens(b, t)?)
     }
 
     /// Plans what a block's B saves for its W.
@@ -598,22 +742,14 @@ impl GptBlocks {
     /// # Errors
     /// As [`block_acts`](Self::block_acts).
     pub fn weight_inputs(&self, b: usize, t: usize) -> Result<WeightInputs> {
-        self.check_shape(b, t)?;
-        let c = self.config.n_embd;
-        let (_, ca) = self.heads();
-        let n = b * t;
-        let rc = self.rows(n) * c;
+        let l = self.weight_input_lens(b, t)?;
         Ok(WeightInputs {
-            dres3: vec![0.0; rc],
-            dln2: vec![0.0; rc],
-            dres2: vec![0.0; n * c],
-            dqkv: vec![0.0; 3 * n * ca],
-            dln1: vec![0.0; rc],
-            dffn: vec![
-                0.0;
-                self.ffn
-                    .split_saved_len(&self.dims(b, t, Mode::Throughput, 0))
-            ],
+            dres3: vec![0.0; l[0]],
+            dln2: vec![0.0; l[1]],
+            dres2: vec![0.0; l[2]],
+            dqkv: vec![0.0; l[3]],
+            dln1: vec![0.0; l[4]],
+            dffn: vec![0.0; l[5]],
             ready: false,
         })
     }

@@ -156,6 +156,7 @@ mod gpt;
 pub mod hf;
 pub mod infer;
 mod init;
+pub mod memory;
 mod moe_ffn;
 pub mod parallelize;
 mod params;
@@ -171,10 +172,10 @@ pub use gpt::{
 };
 pub use infer::Decoder;
 pub use init::init_gpt2;
+pub use memory::RankMemory;
 pub use moe_ffn::{MoeFfn, MoeStats};
 pub use parallelize::{
-    Init, ParallelGpt, ParallelPlan, RankMemory, StepOutcome, StepTraffic, expert_group,
-    partition_layers,
+    Init, ParallelGpt, ParallelPlan, StepOutcome, StepTraffic, expert_group, partition_layers,
 };
 pub use params::{BlockLayout, Sharding, dense_layout, param_layout};
 pub use stage::{GptStage, OwnedPart, ReadTensor, StageSpec, pipeline_stages};

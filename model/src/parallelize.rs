@@ -30,7 +30,8 @@ use std::sync::Arc;
 use weft_collectives::{Communicator, CommunicatorExt};
 use weft_kernels::AdamW;
 use weft_parallel::{
-    DimSet, GradNorm, GradReducer, MeshTraffic, ParallelMesh, ParamLayout, TrafficAxis,
+    DimSet, GradNorm, GradReducer, MeshTraffic, ParallelDims, ParallelMesh, ParamLayout,
+    TrafficAxis,
 };
 use weft_pipeline::{Executor, RankTimeline, Schedule};
 
@@ -38,6 +39,7 @@ use crate::config::GptConfig;
 use crate::error::{Error, Result};
 use crate::ffn::FeedForward;
 use crate::gpt::{GptBlocks, MicroBatch};
+use crate::memory::RankMemory;
 use crate::params::{Sharding, param_layout};
 use crate::stage::{GptStage, OwnedPart, ReadTensor, StageSpec};
 use crate::tp::{TensorParallel, TpOptions};
@@ -108,26 +110,6 @@ pub struct StepTraffic {
     pub scalars: MeshTraffic,
 }
 
-/// Bytes one rank holds, by category, from the buffers it allocated.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct RankMemory {
-    /// Parameters (resident, or FSDP shards and gathered units).
-    pub params: usize,
-    /// Gradients.
-    pub grads: usize,
-    /// AdamW moments (and FSDP's f32 master weights).
-    pub optimizer: usize,
-    /// Activations planned.
-    pub activations: usize,
-}
-
-impl RankMemory {
-    /// All categories together.
-    pub fn total(&self) -> usize {
-        self.params + self.grads + self.optimizer + self.activations
-    }
-}
-
 /// A GPT on one rank of a parallel layout (see the [module docs](self)).
 pub struct ParallelGpt {
     mesh: ParallelMesh,
@@ -180,32 +162,35 @@ impl ParallelGpt {
                 ),
             });
         }
-        let blocks = if dims.tp > 1 {
+        let blocks = Self::blocks(config, ffn, plan, &mesh)?;
+        Self::from_blocks(blocks, whole, init, plan, mesh)
+    }
+
+    /// This rank's blocks: tensor-parallel over the mesh's tp group when
+    /// it has several ranks.
+    fn blocks(
+        config: GptConfig,
+        ffn: Arc<dyn FeedForward>,
+        plan: &ParallelPlan,
+        mesh: &ParallelMesh,
+    ) -> Result<GptBlocks> {
+        if mesh.dims().tp > 1 {
             GptBlocks::with_tp(
                 config,
                 ffn,
                 TensorParallel::new(mesh.group_arc(DimSet::TP), plan.tp),
-            )?
+            )
         } else {
-            GptBlocks::new(config, ffn)?
-        };
-        Self::from_blocks(blocks, whole, init, plan, mesh)
+            GptBlocks::new(config, ffn)
+        }
     }
 
-    /// [`new`](Self::new) from this rank's blocks as built by the caller
-    /// (`whole`: the unsharded model's layout).
-    ///
-    /// # Errors
-    /// As [`new`](Self::new).
-    pub fn from_blocks(
-        blocks: GptBlocks,
-        whole: ParamLayout,
-        init: Init<'_>,
+    /// The training schedule and the layers of each virtual stage.
+    fn schedule_of(
         plan: &ParallelPlan,
-        mesh: ParallelMesh,
-    ) -> Result<Self> {
-        let dims = mesh.dims();
-        let n_layer = blocks.config().n_layer;
+        dims: ParallelDims,
+        n_layer: usize,
+    ) -> Result<(Schedule, Vec<usize>)> {
         let (schedule, layers) = match &plan.pipeline {
             Some((s, l)) => (s.clone(), l.clone()),
             None => (
@@ -226,6 +211,79 @@ impl ParallelGpt {
                 ),
             });
         }
+        Ok((schedule, layers))
+    }
+
+    /// What this rank of `mesh` will hold, by category, once
+    /// [`new`](Self::new) has built it with the same arguments — computed
+    /// from the configuration, the plan and the mesh alone, before
+    /// anything is allocated (see [`crate::memory`]): for refusing a run
+    /// too large for its machine, and for the start-up report.
+    /// [`memory`](Self::memory) counts the same after construction.
+    ///
+    /// # Errors
+    /// As [`new`](Self::new), and [`Error::Config`] if a size overflows.
+    pub fn predict_memory(
+        config: &GptConfig,
+        ffn: Arc<dyn FeedForward>,
+        plan: &ParallelPlan,
+        mesh: &ParallelMesh,
+    ) -> Result<RankMemory> {
+        let dims = mesh.dims();
+        let blocks = Self::blocks(config.clone(), ffn, plan, mesh)?;
+        let (schedule, layers) = Self::schedule_of(plan, dims, config.n_layer)?;
+        let pl = schedule.placement();
+        let rank = mesh.coords().pp;
+        let peak = weft_pipeline::peak_in_flight_per_chunk(&schedule, rank);
+        let split = schedule.splits_backward();
+        let experts = dims.ep > 1;
+        let shard = match &plan.fsdp {
+            None => None,
+            Some(cfg) => {
+                let group = if experts { dims.dp / dims.ep } else { dims.dp };
+                let n = if cfg.strategy == weft_fsdp::Strategy::Hybrid {
+                    if cfg.hybrid_shard == 0 {
+                        mesh.world().topology().ranks_per_domain().min(group)
+                    } else {
+                        cfg.hybrid_shard
+                    }
+                } else {
+                    group
+                };
+                Some((cfg, n))
+            }
+        };
+        let mut total = RankMemory::default();
+        for (c, &slots) in peak.iter().enumerate() {
+            let spec = StageSpec::nth(&layers, pl.virtual_stage(rank, c))?;
+            total += GptStage::predict_memory(
+                &blocks,
+                &spec,
+                plan.batch,
+                plan.seq,
+                slots.max(1),
+                split,
+                shard,
+                experts,
+            )?;
+        }
+        Ok(total)
+    }
+
+    /// [`new`](Self::new) from this rank's blocks as built by the caller
+    /// (`whole`: the unsharded model's layout).
+    ///
+    /// # Errors
+    /// As [`new`](Self::new).
+    pub fn from_blocks(
+        blocks: GptBlocks,
+        whole: ParamLayout,
+        init: Init<'_>,
+        plan: &ParallelPlan,
+        mesh: ParallelMesh,
+    ) -> Result<Self> {
+        let dims = mesh.dims();
+        let (schedule, layers) = Self::schedule_of(plan, dims, blocks.config().n_layer)?;
         let pl = schedule.placement();
         let rank = mesh.coords().pp;
         let peak = weft_pipeline::peak_in_flight_per_chunk(&schedule, rank);
@@ -589,15 +647,12 @@ impl ParallelGpt {
         t
     }
 
-    /// Bytes this rank holds, by category.
+    /// Bytes this rank holds, by category, counted from the buffers it
+    /// allocated (what [`predict_memory`](Self::predict_memory) predicts).
     pub fn memory(&self) -> RankMemory {
         let mut r = RankMemory::default();
         for st in self.ex.stages() {
-            let (p, g, o) = st.state_bytes();
-            r.params += p;
-            r.grads += g;
-            r.optimizer += o;
-            r.activations += st.activation_bytes();
+            r += st.memory();
         }
         r
     }

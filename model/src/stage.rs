@@ -33,10 +33,10 @@ use weft_parallel::{
 };
 
 use crate::chunk::{self, ChunkActs, ChunkInput, Lm, ParamStore, PieceRanges, Resident};
-use crate::config::GptConfig;
 use crate::error::{Error, Result};
 use crate::fsdp::{Sharded, UnitMap};
 use crate::gpt::{BlockScratch, GptBlocks, MicroBatch};
+use crate::memory::RankMemory;
 
 /// Which part of the model a stage holds.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -111,6 +111,111 @@ struct Slot {
     acts: ChunkActs,
     tied_dwte: Vec<f32>, // (V,C) when the tied-embedding exchange applies
     tied_ready: bool,
+}
+
+/// A chunk's pieces in its own buffer: the embedding, its blocks, the
+/// head, each as (local range, range in the rank's whole-model layout).
+struct Pieces {
+    segments: Vec<(Range<usize>, Range<usize>)>,
+    ranges: PieceRanges,
+    layout: ParamLayout,
+    /// Parameters of the chunk.
+    len: usize,
+    /// A head chunk without the embedding, with tied embeddings: it keeps
+    /// a copy of `wte`.
+    tied_copy: bool,
+    /// The tied-embedding exchange applies (embedding and head apart).
+    exchange: bool,
+}
+
+impl Pieces {
+    /// Checks `spec` against the model and lays its pieces out.
+    fn plan(blocks: &GptBlocks, spec: &StageSpec) -> Result<Pieces> {
+        let cfg = blocks.config();
+        let nl = cfg.n_layer;
+        let bad = |reason: String| {
+            Err(Error::Config {
+                field: "pipeline stage",
+                reason,
+            })
+        };
+        if spec.layers.start > spec.layers.end || spec.layers.end > nl {
+            return bad(format!(
+                "layers {:?} outside the model's 0..{nl}",
+                spec.layers
+            ));
+        }
+        if spec.embed && spec.layers.start != 0 {
+            return bad(format!(
+                "the embedding stage must start at layer 0, not {}",
+                spec.layers.start
+            ));
+        }
+        if spec.head && spec.layers.end != nl {
+            return bad(format!(
+                "the head stage must end at layer {nl}, not {}",
+                spec.layers.end
+            ));
+        }
+        if spec.layers.is_empty() && !spec.embed && !spec.head {
+            return bad("a stage with no layers, embedding or head".into());
+        }
+        if spec.index >= spec.stages
+            || spec.embed != (spec.index == 0)
+            || spec.head != (spec.index + 1 == spec.stages)
+        {
+            return bad(format!(
+                "stage {} of {} must hold the embedding exactly when first and the head exactly when last (embed={}, head={})",
+                spec.index, spec.stages, spec.embed, spec.head
+            ));
+        }
+        // Local pieces in model order.
+        let mut segments = Vec::new();
+        let mut at = 0;
+        let mut push = |global: Range<usize>| {
+            let local = at..at + global.len();
+            at += global.len();
+            segments.push((local.clone(), global));
+            local
+        };
+        let embed = spec.embed.then(|| push(blocks.embed_range()));
+        let layer_ranges: Vec<_> = spec
+            .layers
+            .clone()
+            .map(|l| push(blocks.block_range(l)))
+            .collect();
+        let lnf = spec.head.then(|| push(blocks.lnf_range()));
+        let tied = cfg.tied_embeddings;
+        let lm = if !spec.head {
+            Lm::None
+        } else if tied {
+            match &embed {
+                Some(e) => Lm::At(e.start..e.start + blocks.wte_len()),
+                None => Lm::Copy,
+            }
+        } else {
+            Lm::At(push(blocks.lm_head_range()))
+        };
+        let n = at;
+        let tied_copy = spec.head && tied && !spec.embed;
+        let globals: Vec<Range<usize>> = segments.iter().map(|(_, g)| g.clone()).collect();
+        let layout = blocks.layout().gather(&globals);
+        let exchange = tied && (spec.embed != spec.head);
+        Ok(Pieces {
+            segments,
+            ranges: PieceRanges {
+                embed,
+                first_layer: spec.layers.start,
+                blocks: layer_ranges,
+                lnf,
+                lm,
+            },
+            layout,
+            len: n,
+            tied_copy,
+            exchange,
+        })
+    }
 }
 
 /// One contiguous run of a tensor that a rank writes to a sharded
@@ -241,79 +346,22 @@ impl GptStage {
         slots: usize,
         split: bool,
     ) -> Result<Self> {
-        let cfg: GptConfig = blocks.config().clone();
-        let nl = cfg.n_layer;
-        let bad = |reason: String| {
-            Err(Error::Config {
-                field: "pipeline stage",
-                reason,
-            })
-        };
-        if spec.layers.start > spec.layers.end || spec.layers.end > nl {
-            return bad(format!(
-                "layers {:?} outside the model's 0..{nl}",
-                spec.layers
-            ));
-        }
-        if spec.embed && spec.layers.start != 0 {
-            return bad(format!(
-                "the embedding stage must start at layer 0, not {}",
-                spec.layers.start
-            ));
-        }
-        if spec.head && spec.layers.end != nl {
-            return bad(format!(
-                "the head stage must end at layer {nl}, not {}",
-                spec.layers.end
-            ));
-        }
-        if spec.layers.is_empty() && !spec.embed && !spec.head {
-            return bad("a stage with no layers, embedding or head".into());
-        }
-        if spec.index >= spec.stages
-            || spec.embed != (spec.index == 0)
-            || spec.head != (spec.index + 1 == spec.stages)
-        {
-            return bad(format!(
-                "stage {} of {} must hold the embedding exactly when first and the head exactly when last (embed={}, head={})",
-                spec.index, spec.stages, spec.embed, spec.head
-            ));
-        }
         if slots == 0 {
-            return bad("at least one micro-batch slot is needed".into());
+            return Err(Error::Config {
+                field: "pipeline stage",
+                reason: "at least one micro-batch slot is needed".into(),
+            });
         }
-        // Local pieces in model order.
-        let mut segments = Vec::new();
-        let mut at = 0;
-        let mut push = |global: Range<usize>| {
-            let local = at..at + global.len();
-            at += global.len();
-            segments.push((local.clone(), global));
-            local
-        };
-        let embed = spec.embed.then(|| push(blocks.embed_range()));
-        let layer_ranges: Vec<_> = spec
-            .layers
-            .clone()
-            .map(|l| push(blocks.block_range(l)))
-            .collect();
-        let lnf = spec.head.then(|| push(blocks.lnf_range()));
-        let tied = cfg.tied_embeddings;
-        let lm = if !spec.head {
-            Lm::None
-        } else if tied {
-            match &embed {
-                Some(e) => Lm::At(e.start..e.start + blocks.wte_len()),
-                None => Lm::Copy,
-            }
-        } else {
-            Lm::At(push(blocks.lm_head_range()))
-        };
-        let n = at;
-        let tied_copy = (spec.head && tied && !spec.embed).then(|| vec![0.0; blocks.wte_len()]);
-        let globals: Vec<Range<usize>> = segments.iter().map(|(_, g)| g.clone()).collect();
-        let layout = blocks.layout().gather(&globals);
-        let exchange = tied && (spec.embed != spec.head);
+        let Pieces {
+            segments,
+            ranges,
+            layout,
+            len: n,
+            tied_copy,
+            exchange,
+        } = Pieces::plan(&blocks, &spec)?;
+        let tied_copy = tied_copy.then(|| vec![0.0; blocks.wte_len()]);
+        let (embed, layer_ranges, lnf, lm) = (ranges.embed, ranges.blocks, ranges.lnf, ranges.lm);
         let slots = (0..slots)
             .map(|_| -> Result<Slot> {
                 Ok(Slot {
@@ -953,36 +1001,175 @@ impl GptStage {
 
     /// Bytes of activation storage (all slots plus the shared scratch).
     pub fn activation_bytes(&self) -> usize {
-        self.slots
-            .iter()
-            .map(|s| s.acts.bytes() + 4 * s.tied_dwte.len())
-            .sum::<usize>()
-            + self.scratch.bytes()
+        self.slots.iter().map(|s| s.acts.bytes()).sum::<usize>() + self.scratch.bytes()
     }
 
-    /// Bytes of parameters, gradients and optimizer state this stage
-    /// holds, by category `(params, grads, optimizer)`: the resident
-    /// buffers, or FSDP's allocations (parameter shards and gathered units,
-    /// gradients, master weights and moments).
-    pub fn state_bytes(&self) -> (usize, usize, usize) {
+    /// Bytes this stage holds, by category (see [`crate::memory`]): the
+    /// resident buffers or FSDP's allocations (parameter shards, master
+    /// weights and moments, gradients), the planned activations, and the
+    /// buffers kept for communication.
+    pub fn memory(&self) -> RankMemory {
         use weft_fsdp::Category as C;
+        let f = |v: &Vec<f32>| 4 * v.len();
+        let tied_copy = self.tied_copy.as_ref().map_or(0, f);
+        let exchange =
+            f(&self.tied_out) + self.slots.iter().map(|s| f(&s.tied_dwte)).sum::<usize>();
+        let mut r = RankMemory {
+            activations: self.activation_bytes(),
+            ..RankMemory::default()
+        };
         match &self.store {
             Store::Resident {
-                params, grads, opt, ..
-            } => (
-                4 * params.len(),
-                4 * grads.len(),
-                4 * (opt.m.len() + opt.v.len()),
-            ),
-            Store::Sharded { fsdp, .. } => {
+                params,
+                grads,
+                opt,
+                reducer,
+            } => {
+                r.params = f(params) + tied_copy;
+                r.grads = f(grads);
+                r.optimizer = f(&opt.m) + f(&opt.v);
+                r.comm = exchange + reducer.as_ref().map_or(0, GradReducer::buffer_bytes);
+            }
+            Store::Sharded { fsdp, wte, .. } => {
                 let m = fsdp.memory();
-                (
-                    m.current(C::ParamShards) + m.current(C::GatheredParams),
-                    m.current(C::Gradients),
-                    m.current(C::OptimizerState),
-                )
+                let cfg = fsdp.config();
+                // a full f32 shard computes from its master weights: they
+                // are the parameters, the moments the optimizer's
+                let master = if cfg.strategy.shards_params()
+                    && cfg.precision.param == weft_collectives::Dtype::F32
+                {
+                    m.current(C::OptimizerState) / 3
+                } else {
+                    0
+                };
+                r.params =
+                    m.current(C::ParamShards) + m.current(C::GatheredParams) + master + tied_copy;
+                r.grads = m.current(C::Gradients);
+                r.optimizer = m.current(C::OptimizerState) - master;
+                r.comm = exchange + wte.as_ref().map_or(0, f);
             }
         }
+        r
+    }
+
+    /// What a stage of `blocks` for `spec`, planned as
+    /// [`new`](Self::new) plans it (`slots` micro-batches of `b`×`t`,
+    /// `split` backwards) and then either given a gradient reducer
+    /// (`fsdp: None`) or [sharded](Self::shard) over `shard` ranks with
+    /// `fsdp`, will hold, by category — computed from the sizes alone,
+    /// nothing allocated. `experts`: the experts are sharded over an
+    /// expert group.
+    ///
+    /// # Errors
+    /// As [`new`](Self::new); [`Error::Config`] if a size overflows;
+    /// FSDP's errors for its unit plan.
+    #[allow(clippy::too_many_arguments)]
+    pub fn predict_memory(
+        blocks: &GptBlocks,
+        spec: &StageSpec,
+        b: usize,
+        t: usize,
+        slots: usize,
+        split: bool,
+        fsdp: Option<(&weft_fsdp::FsdpConfig, usize)>,
+        experts: bool,
+    ) -> Result<RankMemory> {
+        use crate::blocks::{product, sum};
+        let pieces = Pieces::plan(blocks, spec)?;
+        let wte = blocks.wte_len();
+        let bytes = |what: &str, floats: usize| product(what, &[floats, 4]);
+        // activations per slot: the chunk's input and its gradient, the
+        // tokens on the embedding chunk, each block's, the head's, and
+        // what split backwards keep between B and W
+        let nc = blocks.residual_len(b, t);
+        let mut per_slot = vec![2 * nc];
+        if spec.embed {
+            per_slot.push(product("B·T", &[b, t])?);
+        }
+        let layers = spec.layers.len();
+        per_slot.push(product(
+            "the blocks' activations",
+            &[layers, blocks.block_acts_len(b, t)?],
+        )?);
+        if spec.head {
+            per_slot.push(blocks.head_acts_len(b, t)?);
+        }
+        if split {
+            per_slot.push(product(
+                "the blocks' saved gradients",
+                &[layers, blocks.weight_inputs_len(b, t)?],
+            )?);
+        }
+        let acts = sum(
+            "the activations",
+            &[
+                product("the activations", &[slots, sum("a slot", &per_slot)?])?,
+                blocks.scratch_len(b, t)?,
+            ],
+        )?;
+        let n = pieces.len;
+        let tied_copy = if pieces.tied_copy { wte } else { 0 };
+        // the exchange: the embedding chunk keeps one wte gradient per slot,
+        // the head chunk the latest one
+        let exchange = match (pieces.exchange, spec.embed) {
+            (false, _) => 0,
+            (true, true) => product("the tied exchange", &[slots, wte])?,
+            (true, false) => wte,
+        };
+        let mut r = RankMemory {
+            activations: bytes("the activations", acts)?,
+            ..RankMemory::default()
+        };
+        match fsdp {
+            None => {
+                r.params = bytes("the parameters", sum("the parameters", &[n, tied_copy])?)?;
+                r.grads = bytes("the gradients", n)?;
+                r.optimizer = bytes("the AdamW moments", product("the AdamW moments", &[2, n])?)?;
+                // the reducer's buckets hold every gradient once
+                r.comm = bytes(
+                    "the communication buffers",
+                    sum("the communication buffers", &[exchange, n])?,
+                )?;
+            }
+            Some((cfg, shard)) => {
+                let (units, _) = crate::fsdp::units(&pieces.ranges, &pieces.layout, wte, experts);
+                let plan = weft_fsdp::UnitPlan::new(&pieces.layout, units, shard)?;
+                let dtype = cfg.precision.param.size_bytes();
+                let (mut shards, mut master) = (0usize, 0usize);
+                for u in plan.units() {
+                    master += u.shard_len;
+                    // ZeRO-1/2 replicas, or the compute shards (bf16, or
+                    // an f32 shard's master weights themselves)
+                    shards += if cfg.strategy.shards_params() {
+                        u.shard_len * dtype
+                    } else {
+                        u.padded_len(shard) * dtype
+                    };
+                }
+                let f32_shards = cfg.strategy.shards_params()
+                    && cfg.precision.param == weft_collectives::Dtype::F32;
+                let states = if f32_shards { 2 } else { 3 };
+                r.params = sum(
+                    "the parameters",
+                    &[shards, bytes("the tied copy", tied_copy)?],
+                )?;
+                r.optimizer = bytes(
+                    "the optimizer state",
+                    product("the optimizer state", &[states, master])?,
+                )?;
+                // the embedding chunk gathers wte for the head's copy
+                let gathered = if pieces.exchange && spec.embed {
+                    wte
+                } else {
+                    0
+                };
+                r.comm = bytes(
+                    "the communication buffers",
+                    sum("the communication buffers", &[exchange, gathered])?,
+                )?;
+            }
+        }
+        Ok(r)
     }
 
     /// Whether this stage takes part in the tied-embedding gradient

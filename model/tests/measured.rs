@@ -8,6 +8,14 @@
 //! parallelism), pipeline (1F1B and interleaved) and expert parallelism,
 //! alone and together. The plain (non-reproducible) sums: the reproducible
 //! mode sends exact partial sums whose encoding depends on the values.
+//!
+//! And the memory of each rank, by category: predicted from the layout
+//! before the model is built ([`ParallelGpt::predict_memory`]) and equal
+//! to what the built model allocated ([`ParallelGpt::memory`]), rank by
+//! rank, for dense and mixture-of-experts models over data, FSDP (every
+//! strategy), tensor, sequence, pipeline (every kind of schedule) and
+//! expert parallelism; a block's activations against the count of what
+//! its backward needs.
 
 use std::sync::Arc;
 
@@ -16,8 +24,8 @@ use weft_fsdp::{FsdpConfig, Strategy};
 use weft_kernels::AdamW;
 use weft_model::tp::TpOptions;
 use weft_model::{
-    FeedForward, GptConfig, Init, MicroBatch, Mlp, MoeFfn, ParallelGpt, ParallelPlan, expert_group,
-    partition_layers,
+    FeedForward, GptConfig, Init, MicroBatch, Mlp, MoeFfn, ParallelGpt, ParallelPlan, RankMemory,
+    expert_group, partition_layers,
 };
 use weft_moe::{MoeConfig, Router};
 use weft_parallel::{ParallelDims, TrafficAxis};
@@ -457,6 +465,173 @@ fn each_axis_sends_what_the_formulas_say() {
             }
             let sent: u64 = ops.iter().map(|(_, b)| b).sum();
             assert_eq!(sent, want[i], "{l:?}: {} axis ({ops:?})", a.name());
+        }
+    }
+}
+
+/// Per rank: the memory predicted before building the model, counted
+/// after building it, and counted after two training steps.
+fn memory(layout: Layout, reproducible: bool) -> Vec<[RankMemory; 3]> {
+    let dims = layout.dims;
+    LocalCluster::run(dims.world_size(), |comm| {
+        let mesh = dims.build(&comm).unwrap();
+        let moe = layout.moe;
+        let ffn: Arc<dyn FeedForward> = match (moe, dims.ep > 1) {
+            (false, _) => Arc::new(Mlp),
+            (true, false) => Arc::new(MoeFfn::new(moe_config()).unwrap().0),
+            (true, true) => Arc::new(
+                MoeFfn::with_expert_parallel(moe_config(), expert_group(&mesh))
+                    .unwrap()
+                    .0,
+            ),
+        };
+        let per = GLOBAL / dims.dp;
+        let pipeline = layout.schedule.map(|(kind, chunks)| {
+            let s = kind.generate(dims.pp, per, chunks).unwrap();
+            let layers = partition_layers(&gpt_config(), moe.then_some((4, 3)), &s).unwrap();
+            (s, layers)
+        });
+        let plan = ParallelPlan {
+            fsdp: layout.fsdp.map(|strategy| FsdpConfig {
+                strategy,
+                hybrid_shard: 2.min(dims.dp / dims.ep),
+                reproducible,
+                ..FsdpConfig::default()
+            }),
+            pipeline,
+            batch: B,
+            seq: T,
+            micro_batches: per,
+            reproducible,
+            tp: TpOptions {
+                sequence_parallel: layout.sp,
+                reproducible,
+                ..TpOptions::default()
+            },
+        };
+        let predicted =
+            ParallelGpt::predict_memory(&gpt_config(), ffn.clone(), &plan, &mesh).unwrap();
+        let mut g =
+            ParallelGpt::new(gpt_config(), ffn, Init::Gpt2 { seed: 3 }, &plan, mesh).unwrap();
+        let built = g.memory();
+        let first = g.mesh().coords().dp() * per;
+        for s in 0..2 {
+            let data: Vec<_> = (first..first + per).map(|m| batch(s, m)).collect();
+            let mbs: Vec<_> = data
+                .iter()
+                .map(|(a, b)| MicroBatch {
+                    tokens: a,
+                    targets: b,
+                })
+                .collect();
+            g.train_step(&mbs, &AdamW::default(), 1.0).unwrap();
+        }
+        [predicted, built, g.memory()]
+    })
+    .unwrap()
+}
+
+#[test]
+fn memory_is_what_the_layout_predicts() {
+    let sp = |l: Layout| Layout { sp: true, ..l };
+    let sched = |l: Layout, k: ScheduleKind, c: usize| Layout {
+        schedule: Some((k, c)),
+        ..l
+    };
+    let fsdp = |l: Layout, s: Strategy| Layout { fsdp: Some(s), ..l };
+    let moe = |l: Layout| Layout { moe: true, ..l };
+    let mut layouts = vec![
+        lay(1, 1, 1, 1),
+        lay(1, 2, 1, 1),
+        lay(1, 1, 2, 1),
+        sp(lay(1, 1, 2, 1)),
+        lay(2, 1, 1, 1),
+        sched(lay(2, 1, 1, 1), ScheduleKind::GPipe, 1),
+        sched(lay(2, 1, 1, 1), ScheduleKind::Interleaved, 2),
+        sched(lay(2, 1, 1, 1), ScheduleKind::ZbH1, 1),
+        sched(lay(2, 1, 1, 1), ScheduleKind::ZbV, 2),
+        lay(2, 2, 2, 1),
+        sp(lay(2, 1, 2, 1)),
+        moe(lay(1, 1, 1, 1)),
+        lay(1, 2, 1, 2),
+        lay(2, 2, 2, 2),
+    ];
+    for s in Strategy::ALL {
+        layouts.push(fsdp(lay(1, 2, 1, 1), s));
+        layouts.push(fsdp(lay(2, 4, 1, 1), s));
+        layouts.push(fsdp(lay(1, 2, 2, 1), s));
+    }
+    layouts.push(fsdp(lay(2, 2, 1, 2), Strategy::Full));
+    layouts.push(fsdp(
+        sched(lay(2, 2, 1, 1), ScheduleKind::ZbH1, 1),
+        Strategy::Full,
+    ));
+    for l in layouts {
+        for repro in [false, true] {
+            for (r, [predicted, built, after]) in memory(l, repro).into_iter().enumerate() {
+                let what = format!("{l:?} reproducible={repro} rank {r}");
+                assert_eq!(predicted, built, "{what}: predicted vs allocated");
+                assert!(built.params > 0 && built.activations > 0, "{what}");
+                // between steps the same buffers are held, but FSDP's
+                // gradients (allocated in the step)
+                if l.fsdp.is_none() {
+                    assert_eq!(after, built, "{what}: after two steps");
+                }
+                assert_eq!(
+                    RankMemory { grads: 0, ..after },
+                    RankMemory { grads: 0, ..built },
+                    "{what}: after two steps"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn a_blocks_activations_are_the_textbook_count() {
+    // per block and micro-batch of N = B·T tokens, C channels, H heads,
+    // k tensor-parallel ranks: the two layernorm outputs (N·C each), q, k,
+    // v (3·N·C/k), the attention output (N·C/k), its probabilities
+    // (B·H/k·T²), the residual after attention and the block's output
+    // (rows·C each), the layernorms' mean and 1/std (2·rows each), and
+    // the MLP's pre- and post-GELU hidden (2·N·4C/k); rows = N, or N/k
+    // under sequence parallelism
+    let c = gpt_config();
+    let (n, cc, h) = (B * T, c.n_embd, c.n_head);
+    for (k, sp) in [(1, false), (2, false), (2, true), (4, true)] {
+        let got = LocalCluster::run(k, |comm| {
+            let ffn: Arc<dyn FeedForward> = Arc::new(Mlp);
+            let blocks = if k > 1 {
+                weft_model::GptBlocks::with_tp(
+                    c.clone(),
+                    ffn,
+                    weft_model::tp::TensorParallel::new(
+                        Arc::new(comm),
+                        TpOptions {
+                            sequence_parallel: sp,
+                            ..TpOptions::default()
+                        },
+                    ),
+                )
+                .unwrap()
+            } else {
+                weft_model::GptBlocks::new(c.clone(), ffn).unwrap()
+            };
+            let a = blocks.block_acts(B, T).unwrap();
+            (blocks.block_acts_len(B, T).unwrap(), a.bytes())
+        })
+        .unwrap();
+        let rows = if sp { n / k } else { n };
+        let want = 2 * n * cc
+            + 3 * n * cc / k
+            + n * cc / k
+            + B * (h / k) * T * T
+            + 2 * rows * cc
+            + 4 * rows
+            + 2 * n * 4 * cc / k;
+        for (len, bytes) in got {
+            assert_eq!(len, want, "tp={k} sp={sp}");
+            assert_eq!(bytes, 4 * want, "tp={k} sp={sp}: allocated");
         }
     }
 }

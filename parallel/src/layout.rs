@@ -227,7 +227,8 @@ impl LayoutBuilder {
     /// `placements` (its gradient placed the same way); returns its range.
     ///
     /// # Errors
-    /// As [`local_shape`].
+    /// As [`local_shape`]; [`Error::Layout`](crate::Error::Layout) if the
+    /// layout's size overflows.
     pub fn push(
         &mut self,
         name: impl Into<String>,
@@ -252,9 +253,23 @@ impl LayoutBuilder {
         placements: Placements,
         grad_placements: Placements,
     ) -> Result<Range<usize>> {
+        let name = name.into();
+        let numel = global
+            .iter()
+            .try_fold(1usize, |a, &d| a.checked_mul(d))
+            .and_then(|n| self.at.checked_add(n));
+        if numel.is_none() {
+            return Err(layout_err(
+                name,
+                format!(
+                    "a tensor of shape {global:?} after {} elements overflows this machine's address space",
+                    self.at
+                ),
+            ));
+        }
         let shape = local_shape(global, &placements, &self.coords)?;
         let spec = ParamSpec {
-            name: name.into(),
+            name,
             shape,
             offset: self.at,
             decay,

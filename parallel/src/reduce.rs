@@ -116,13 +116,15 @@ impl GradReducer {
                 _ => rs.push(s.range()),
             }
         }
+        // each part's bucket, allocated once: every gradient passes
+        // through it at the step's end
         let parts = by_group
             .into_iter()
             .map(|(group, ranges)| Part {
+                buf: Vec::with_capacity(ranges.iter().map(Range::len).sum()),
                 group,
                 ranges,
                 partials: BTreeMap::new(),
-                buf: Vec::new(),
             })
             .collect();
         GradReducer {
@@ -130,6 +132,13 @@ impl GradReducer {
             exact,
             len: layout.len(),
         }
+    }
+
+    /// Bytes of the buckets the gradients pass through to be summed (one
+    /// float per gradient; the reproducible mode's exact partial sums come
+    /// on top, sized by the values).
+    pub fn buffer_bytes(&self) -> usize {
+        self.parts.iter().map(|p| 4 * p.buf.capacity()).sum()
     }
 
     /// Whether the sums are exact.

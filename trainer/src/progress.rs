@@ -87,14 +87,26 @@ impl Observer for Terminal {
         ));
         let m = &info.memory;
         say(&format!(
-            "ranks           {}; per rank: params {}B, grads {}B, AdamW {}B, activations {}B (total {}B)",
+            "ranks           {}; per rank: params {}B, grads {}B, AdamW {}B, activations {}B, comm buffers {}B (total {}B{})",
             info.layout,
             si(m.params as f64),
             si(m.grads as f64),
             si(m.optimizer as f64),
             si(m.activations as f64),
-            si(m.total() as f64)
+            si(m.comm as f64),
+            si(m.total() as f64),
+            if info.predicted_memory == *m {
+                ", as predicted from the layout"
+            } else {
+                ""
+            }
         ));
+        if info.predicted_memory != *m {
+            say(&format!(
+                "                predicted from the layout: {}",
+                info.predicted_memory
+            ));
+        }
         if info.coords.len() > 1 {
             say(&format!("mesh            {}", info.mesh));
             for c in &info.coords {

@@ -83,6 +83,24 @@ pub enum TrainError {
     /// `--resume` named a run folder that does not exist.
     #[error("cannot resume: run folder {0} does not exist")]
     NothingToResume(PathBuf),
+    /// The run needs more memory than the machine has available (checked
+    /// before anything is allocated).
+    #[error(
+        "the run needs {needed} across its {ranks} rank(s) but this machine has {available} available ({detail}); the largest part is {dominant}"
+    )]
+    OutOfMemory {
+        /// Bytes needed by all ranks of this process, formatted.
+        needed: String,
+        /// Bytes available, formatted.
+        available: String,
+        /// Ranks in this process.
+        ranks: usize,
+        /// What was counted: rank 0's prediction by category, or the
+        /// parameters' floor.
+        detail: String,
+        /// The dominant category and the settings that size it.
+        dominant: String,
+    },
     /// A collective operation between ranks failed.
     #[error("communication: {0}")]
     Comm(#[from] weft_collectives::Error),
@@ -137,6 +155,9 @@ pub struct RunInfo {
     /// Every rank's coordinates on the mesh, in rank order
     /// (`rank 3: pp 0, dp 1, tp 1`).
     pub coords: Vec<String>,
+    /// Memory of one rank (rank 0) predicted from the layout before
+    /// anything was allocated (`ParallelGpt::predict_memory`).
+    pub predicted_memory: RankMemory,
     /// Memory of one rank (rank 0), counted from the buffers it allocated,
     /// so sharding shows: with `parallel.tp = N` the split layers'
     /// parameters, gradients and moments are `1/N` of the model's, with
@@ -560,9 +581,113 @@ pub fn train(
     config.validate()?;
     let dims = config.parallel.dims();
     dims.validate()?;
+    check_model_floor(config)?;
     crate::ranks::launch(dims.world_size(), dims.tp, observer, |world, obs| {
         run_rank(config, resume, world, obs)
     })
+}
+
+/// Refuses, before anything is built, a model whose parameters alone
+/// cannot fit: every parameter is held somewhere with its two AdamW
+/// moments (12 bytes, however it is sharded), and a GPT-2 block has
+/// `12·C² + 13·C` of them (a mixture of experts more), so the run needs at
+/// least `12 · (L·(12·C² + 13·C) + (T + 2)·C)` bytes. Computed without
+/// overflow, so sizes no machine has are an error, not a crash. The exact
+/// per-rank prediction follows once the layout is built
+/// ([`check_memory`]).
+fn check_model_floor(config: &Config) -> Result<(), TrainError> {
+    let m = &config.model;
+    let (l, c, t) = (m.n_layer as u128, m.n_embd as u128, m.block_size as u128);
+    let (blocks, rest) = (l * (12 * c * c + 13 * c), (t + 2) * c);
+    let params = blocks + rest;
+    let needed = 12 * params;
+    let Some(available) = available_memory() else {
+        return Ok(());
+    };
+    if needed <= u128::from(available) {
+        return Ok(());
+    }
+    #[allow(clippy::cast_precision_loss)]
+    let (needed, params) = (needed as f64, params as f64);
+    Err(TrainError::OutOfMemory {
+        needed: gib(needed),
+        #[allow(clippy::cast_precision_loss)]
+        available: gib(available as f64),
+        ranks: config.parallel.world_size(),
+        detail: format!(
+            "at least {params:.3e} parameters at 12 bytes each (the weights and their two AdamW moments), however they are sharded"
+        ),
+        dominant: if blocks >= rest {
+            format!(
+                "the blocks' parameters: model.n_layer ({}) × 12 × model.n_embd² ({}²) — a smaller model",
+                m.n_layer, m.n_embd
+            )
+        } else {
+            format!(
+                "the position table: model.block_size ({}) × model.n_embd ({}) — a shorter context",
+                m.block_size, m.n_embd
+            )
+        },
+    })
+}
+
+/// Refuses the run (collective over `world`) when its ranks together —
+/// all threads of this process — need more than the memory available.
+fn check_memory(
+    config: &Config,
+    world: &dyn Communicator,
+    mine: &RankMemory,
+) -> Result<(), TrainError> {
+    #[allow(clippy::cast_precision_loss)]
+    let mut total = [mine.total() as f64];
+    world.all_reduce(&mut total, ReduceOp::Sum)?;
+    let Some(available) = available_memory() else {
+        return Ok(());
+    };
+    #[allow(clippy::cast_precision_loss)]
+    if total[0] <= available as f64 {
+        return Ok(());
+    }
+    let (name, _) = mine
+        .categories()
+        .into_iter()
+        .max_by_key(|&(_, b)| b)
+        .unwrap_or(("params", 0));
+    let m = &config.model;
+    let settings = match name {
+        "activations" => format!(
+            "activations: train.micro_batch_size ({}) × model.block_size ({}) × model.n_embd ({}) per layer, and the attention's micro_batch_size × n_head ({}) × block_size² per layer — lower train.micro_batch_size or model.block_size",
+            batch_split(config).map_or(0, |s| s.micro),
+            m.block_size,
+            m.n_embd,
+            m.n_head
+        ),
+        _ => format!(
+            "{name}: model.n_layer ({}) × model.n_embd ({})² — a smaller model, or shard it (parallel.fsdp, parallel.tp, parallel.pp)",
+            m.n_layer, m.n_embd
+        ),
+    };
+    Err(TrainError::OutOfMemory {
+        needed: gib(total[0]),
+        #[allow(clippy::cast_precision_loss)]
+        available: gib(available as f64),
+        ranks: world.size(),
+        detail: format!("per rank: {mine}"),
+        dominant: settings,
+    })
+}
+
+fn gib(b: f64) -> String {
+    format!("{:.2} GiB", b / f64::from(1u32 << 30))
+}
+
+/// Bytes of memory available to this process (`MemAvailable` of
+/// `/proc/meminfo`), if the system says.
+fn available_memory() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    kib.checked_mul(1024)
 }
 
 /// `dp=2 tp=2 ...` for the degrees above 1.
@@ -631,7 +756,12 @@ fn run_rank(
     let init = Init::Gpt2 {
         seed: config.train.seed,
     };
-    let mut model = ParallelGpt::new(cfg.clone(), ffn, init, &plan(config, &cfg)?, mesh)?;
+    let plan = plan(config, &cfg)?;
+    // What every rank will hold, before any of it is allocated: a run
+    // that cannot fit is refused here, with what dominates.
+    let predicted = ParallelGpt::predict_memory(&cfg, ffn.clone(), &plan, &mesh)?;
+    check_memory(config, world, &predicted)?;
+    let mut model = ParallelGpt::new(cfg.clone(), ffn, init, &plan, mesh)?;
 
     let name = if config.run.name.is_empty() {
         timestamp_name()
@@ -714,6 +844,7 @@ fn run_rank(
     let flops_per_token = 6.0 * matmul_params + 6.0 * (l * seq * c) as f64;
     let memory = model.memory();
     let info = RunInfo {
+        predicted_memory: predicted,
         run_dir: run_dir.clone(),
         params: full_layout.len(),
         vocab,

@@ -97,6 +97,31 @@ fn bad_data_is_a_clear_error() {
     );
 }
 
+#[test]
+fn sizes_no_machine_has_are_refused_before_anything_is_allocated() {
+    let dir = std::env::temp_dir().join(format!("weft-train-huge-{}", std::process::id()));
+    let run = |f: &dyn Fn(&mut Config), what: &str| {
+        let mut c = tiny(&dir, "x");
+        f(&mut c);
+        let err = train(&c, false, &mut Silent).unwrap_err().to_string();
+        assert!(err.contains("needs") && err.contains("available"), "{err}");
+        assert!(err.contains(what), "{what}: {err}");
+        assert!(!dir.join("x").exists(), "no run folder: {err}");
+    };
+    // the parameters' floor, before any layout is built
+    run(&|c| c.model.n_layer = 100_000_000, "model.n_layer");
+    run(
+        &|c| {
+            c.model.n_embd = 1_000_000_000;
+            c.model.n_head = 1;
+        },
+        "model.n_embd",
+    );
+    // the layout's prediction: activations
+    run(&|c| c.train.batch_size = 1 << 30, "train.micro_batch_size");
+    run(&|c| c.model.block_size = 100_000_000, "model.block_size");
+}
+
 /// Panics after a given step, like a process dying mid-run.
 struct CrashAfter(u64);
 impl weft_trainer::train::Observer for CrashAfter {
