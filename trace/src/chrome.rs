@@ -401,6 +401,16 @@ impl TraceEvent {
             .with_arg("name", ArgValue::Str(name.into()))
     }
 
+    /// Metadata labelling process `pid` (Chrome's `process_labels`): a
+    /// group it belongs to, e.g. a mesh coordinate (`pp 1`), which viewers
+    /// show beside the name — `weft viz` draws a boundary between
+    /// consecutive processes of different labels.
+    #[must_use]
+    pub fn process_labels(pid: u64, labels: impl Into<String>) -> Self {
+        Self::bare("process_labels", Phase::Metadata, 0.0, pid, 0)
+            .with_arg("labels", ArgValue::Str(labels.into()))
+    }
+
     /// Metadata ordering process `pid` among the tracks (ascending).
     #[must_use]
     pub fn process_sort_index(pid: u64, index: i64) -> Self {

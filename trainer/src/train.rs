@@ -110,6 +110,9 @@ pub enum TrainError {
     /// The pipeline executor failed gathering the stages' timelines.
     #[error("pipeline: {0}")]
     Pipeline(#[from] weft_pipeline::ExecError),
+    /// A rank's trace events could not be gathered for `trace.json`.
+    #[error("trace: {0}")]
+    Trace(String),
     /// No rank returned a result (the launcher failed).
     #[error("no rank returned a result")]
     NoRanks,
@@ -881,6 +884,8 @@ fn run_rank(
         write_line(w, line.to_string())
     };
 
+    // one time origin for every rank's trace
+    world.barrier()?;
     let start = Instant::now();
     let parse = |l: &String| serde_json::from_str::<serde_json::Value>(l).ok();
     let initial_eval = if resume {
@@ -1045,73 +1050,106 @@ fn run_rank(
         }
         last_loss = loss;
         let traced = step < start_step + config.run.trace_steps;
-        // FSDP's compute and communication tracks (rank 0's), for the
-        // first `run.trace_steps` steps.
-        if let Some(f) = model.stages_mut()[0].fsdp_mut() {
-            if traced && writer {
-                let mut events = f.spans().trace_events(0, 0.0);
-                if trace.trace_events.is_empty() {
-                    let name = format!("rank 0 (fsdp {})", config.parallel.fsdp.name());
-                    trace.push(weft_trace::TraceEvent::process_name(0, name));
-                } else {
-                    events.retain(|e| e.ph == weft_trace::Phase::Complete);
-                }
-                trace.trace_events.extend(events);
-            }
-            f.spans_mut().clear();
-        }
-        // A pipeline's measured timeline (rank 0 gathers every stage's),
-        // and its bubble beside the simulator's prediction.
+        // Every rank's lanes for the first `run.trace_steps` steps (its
+        // pipeline actions and receive waits, FSDP's compute, communication
+        // and wait tracks), gathered on rank 0; a pipeline's bubble beside
+        // the simulator's prediction.
         let timeline = model.take_timeline();
-        if traced
-            && dims.pp > 1
-            && let Some(local) = timeline
-            && let Some(ranks) = model
-                .executor()
-                .gather_timelines(model.mesh().pp(), &local)?
-        {
-            let schedule = model.schedule();
-            let measured = weft_pipeline::Measured::new(schedule, ranks)?;
-            let bubble = measured.timeline.bubble_fraction();
-            let averaged = step > start_step;
-            step_bubbles.push((
-                step + 1,
-                bubble,
-                measured.timeline.makespan() * 1e6,
-                averaged,
-            ));
-            if averaged {
-                let predicted = measured.predicted(schedule)?;
-                let (m, p, n) = bubble_sum.get_or_insert((0.0, 0.0, 0));
-                *m += bubble;
-                *p += predicted.bubble_fraction();
-                *n += 1;
+        let mut fsdp_events = Vec::new();
+        for (c, st) in model.stages_mut().iter_mut().enumerate() {
+            if let Some(f) = st.fsdp_mut() {
+                if traced {
+                    fsdp_events.extend(fsdp_lanes(f.spans(), c, start, step + 1));
+                }
+                f.spans_mut().clear();
             }
-            let offset = step_start.duration_since(start).as_secs_f64() * 1e6;
-            // Stage names, sort order and the schedule once, from the first
-            // traced step; every slice carries its step number (the
-            // viewer's step windows).
-            let first = step == start_step;
-            let exported = measured.to_trace();
-            if first {
-                for key in ["schedule", "stages", "microbatches", "chunks"] {
-                    if let Some(v) = exported.other_data.get(key) {
-                        trace.other_data.insert(key.to_owned(), v.clone());
+        }
+        let lanes = dims.world_size() > 1 || !fsdp_events.is_empty();
+        if traced
+            && lanes
+            && let Some(local) = timeline
+        {
+            let world = model.mesh().world();
+            let timelines = model.executor().gather_timelines(world, &local)?;
+            let fsdp_all = gather_events(world, &fsdp_events)?;
+            if let (Some(timelines), Some(fsdp_all)) = (timelines, fsdp_all) {
+                let offset = step_start.duration_since(start).as_secs_f64() * 1e6;
+                let first = step == start_step;
+                let schedule = model.schedule();
+                let per_stage = dims.world_size() / dims.pp;
+                let mut by_rank: Vec<Option<weft_pipeline::RankTimeline>> =
+                    timelines.into_iter().map(Some).collect();
+                // one pipeline per coordinate off the pp axis: world rank
+                // `s · world/pp + q` holds stage `s` of pipeline `q`
+                for q in 0..per_stage {
+                    let ranks: Vec<usize> = (0..dims.pp).map(|s| s * per_stage + q).collect();
+                    let stages = ranks
+                        .iter()
+                        .map(|&r| by_rank[r].take())
+                        .collect::<Option<Vec<_>>>()
+                        .ok_or_else(|| TrainError::Trace("a rank's timeline is missing".into()))?;
+                    let measured = weft_pipeline::Measured::new(schedule, stages)?;
+                    if q == 0 && dims.pp > 1 {
+                        let bubble = measured.timeline.bubble_fraction();
+                        let averaged = step > start_step;
+                        step_bubbles.push((
+                            step + 1,
+                            bubble,
+                            measured.timeline.makespan() * 1e6,
+                            averaged,
+                        ));
+                        if averaged {
+                            let predicted = measured.predicted(schedule)?;
+                            let (m, p, n) = bubble_sum.get_or_insert((0.0, 0.0, 0));
+                            *m += bubble;
+                            *p += predicted.bubble_fraction();
+                            *n += 1;
+                        }
+                    }
+                    let exported = measured.to_trace();
+                    if first && q == 0 && dims.pp > 1 {
+                        for key in ["schedule", "stages", "microbatches", "chunks"] {
+                            if let Some(v) = exported.other_data.get(key) {
+                                trace.other_data.insert(key.to_owned(), v.clone());
+                            }
+                        }
+                    }
+                    for mut e in exported.trace_events {
+                        let rank = ranks[usize::try_from(e.pid).unwrap_or(0).min(ranks.len() - 1)];
+                        e.pid = rank as u64;
+                        if e.ph == weft_trace::Phase::Complete {
+                            e.ts += offset;
+                            e.args.insert("step".to_owned(), (step + 1).into());
+                        } else if !first {
+                            continue;
+                        } else if e.name == "process_name" {
+                            e = weft_trace::TraceEvent::process_name(
+                                e.pid,
+                                format!("rank {rank}: {}", dims.coords_of(rank)),
+                            );
+                        } else if e.name == "process_sort_index" {
+                            // ranks in mesh order: pp, then dp, then tp
+                            e = weft_trace::TraceEvent::process_sort_index(
+                                e.pid,
+                                i64::try_from(rank).unwrap_or(i64::MAX),
+                            );
+                            trace.push(weft_trace::TraceEvent::process_labels(
+                                e.pid,
+                                format!("pp {}", dims.coords_of(rank).pp),
+                            ));
+                        }
+                        trace.trace_events.push(e);
                     }
                 }
-            }
-            for mut e in exported.trace_events {
-                let metadata = e.ph != weft_trace::Phase::Complete;
-                if metadata && !first {
-                    continue;
+                for (rank, events) in fsdp_all.into_iter().enumerate() {
+                    for mut e in events {
+                        if e.ph != weft_trace::Phase::Complete && !first {
+                            continue;
+                        }
+                        e.pid = rank as u64;
+                        trace.trace_events.push(e);
+                    }
                 }
-                if !metadata {
-                    e.ts += offset;
-                }
-                if e.ph == weft_trace::Phase::Complete {
-                    e.args.insert("step".to_owned(), (step + 1).into());
-                }
-                trace.trace_events.push(e);
             }
         }
         let dt = step_start.elapsed().as_secs_f64();
@@ -1227,6 +1265,81 @@ fn run_rank(
     }
     observer.finish(&summary);
     Ok(summary)
+}
+
+/// FSDP's tracks of chunk `c` as trace events on the trainer's clock (µs
+/// since `start`), threads `2 + 3c + track` of the rank's process (0 and 1
+/// are the pipeline's compute and receive waits), each slice carrying its
+/// `step`.
+fn fsdp_lanes(
+    spans: &weft_fsdp::SpanLog,
+    c: usize,
+    start: Instant,
+    step: u64,
+) -> Vec<weft_trace::TraceEvent> {
+    let epoch = spans.epoch();
+    let offset = if epoch >= start {
+        epoch.duration_since(start).as_secs_f64()
+    } else {
+        -start.duration_since(epoch).as_secs_f64()
+    };
+    let base = 2 + 3 * c as u64;
+    spans
+        .trace_events(0, offset * 1e6)
+        .into_iter()
+        .map(|mut e| {
+            e.tid += base;
+            if e.ph == weft_trace::Phase::Complete {
+                e.args.insert("step".to_owned(), step.into());
+                e
+            } else {
+                let name = e
+                    .args
+                    .get("name")
+                    .and_then(weft_trace::ArgValue::as_str)
+                    .unwrap_or("track")
+                    .to_owned();
+                let name = if c > 0 {
+                    format!("fsdp chunk {c} {name}")
+                } else {
+                    format!("fsdp {name}")
+                };
+                weft_trace::TraceEvent::thread_name(e.pid, e.tid, name)
+            }
+        })
+        .collect()
+}
+
+/// Every rank's `events` on world rank 0 (in rank order; `None`
+/// elsewhere), as JSON point to point. Collective over `world`.
+fn gather_events(
+    world: &dyn Communicator,
+    events: &[weft_trace::TraceEvent],
+) -> Result<Option<Vec<Vec<weft_trace::TraceEvent>>>, TrainError> {
+    const TAG: u64 = 0x5754_5243; // "WTRC"
+    let bad = TrainError::Trace;
+    let me = world.rank();
+    if me != 0 {
+        let bytes = serde_json::to_vec(events).map_err(|e| bad(e.to_string()))?;
+        world.send_bytes(0, TAG, &(bytes.len() as u64).to_le_bytes())?;
+        world.send_bytes(0, TAG + 1, &bytes)?;
+        return Ok(None);
+    }
+    let mut all = vec![events.to_vec()];
+    for peer in 1..world.size() {
+        let mut n = [0u8; 8];
+        world.recv_bytes(peer, TAG, &mut n)?;
+        let len = usize::try_from(u64::from_le_bytes(n)).unwrap_or(usize::MAX);
+        if len > 1 << 30 {
+            return Err(bad(format!("rank {peer} sent a trace of {len} bytes")));
+        }
+        let mut buf = vec![0u8; len];
+        world.recv_bytes(peer, TAG + 1, &mut buf)?;
+        let got = serde_json::from_slice(&buf)
+            .map_err(|e| bad(format!("rank {peer}'s trace events: {e}")))?;
+        all.push(got);
+    }
+    Ok(Some(all))
 }
 
 /// The pipeline bubble in `trace.json`'s `otherData`, as the summary

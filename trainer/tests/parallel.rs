@@ -596,3 +596,59 @@ fn pipeline_parallel_moe_is_bitwise_the_single_rank_run() {
     assert_ne!(load(&unbalanced.run_dir), reference);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn a_composed_layout_traces_every_rank_by_mesh_coordinate() {
+    let dir = tmp("trace-mesh");
+    let sets = [
+        "model.n_layer=4",
+        "parallel.pp=2",
+        "parallel.dp=2",
+        "parallel.fsdp=\"full\"",
+        "train.steps=2",
+        "run.trace_steps=2",
+    ];
+    let run = train(&config(&dir, "mesh", &sets), false, &mut Silent).unwrap();
+    let text = std::fs::read_to_string(run.run_dir.join("trace.json")).unwrap();
+    let t: weft_trace::Trace = serde_json::from_str(&text).unwrap();
+    t.check().unwrap();
+    let names = t.process_names();
+    for rank in 0..4u64 {
+        let (pp, dp) = (rank / 2, rank % 2);
+        assert_eq!(
+            names.get(&rank).map(String::as_str),
+            Some(format!("rank {rank}: pp {pp}, dp {dp}, tp 0").as_str()),
+            "{names:?}"
+        );
+        let of = |cat: &str, name: Option<&str>| {
+            t.complete_events()
+                .filter(|e| e.pid == rank && e.cat.contains(cat))
+                .filter(|e| name.is_none_or(|n| e.name == n))
+                .count()
+        };
+        // its pipeline actions (2 steps × 2 micro-batches, forward and
+        // backward), FSDP's gathers and reduce-scatters
+        assert_eq!(of("", Some("F")), 4, "rank {rank}");
+        assert_eq!(of("", Some("BW")), 4, "rank {rank}");
+        assert!(of("fsdp.comm", None) > 0, "rank {rank}");
+        assert!(
+            t.complete_events()
+                .filter(|e| e.pid == rank)
+                .all(|e| e.args.contains_key("step")),
+            "rank {rank}: every slice carries its step"
+        );
+    }
+    // the viewer orders the lanes by rank (pp, then dp) and groups them by
+    // pipeline stage
+    let tl = weft_viz_web::timeline::Timeline::new("trace.json", t);
+    let pids: Vec<u64> = tl.lanes.iter().map(|l| l.pid).collect();
+    assert!(pids.windows(2).all(|w| w[0] <= w[1]), "{pids:?}");
+    for l in &tl.lanes {
+        assert_eq!(
+            l.group.as_deref(),
+            Some(if l.pid < 2 { "pp 0" } else { "pp 1" })
+        );
+    }
+    assert_eq!(tl.stages, 4, "every rank's compute lane is a stage lane");
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -664,6 +664,15 @@ fn timeline_svg(
     let lanes = tl.lanes.iter().zip(&rects).enumerate().map(|(i, (lane, rs))| {
         #[allow(clippy::cast_precision_loss)]
         let y = AXIS_H + LANE_H * i as f64;
+        // a boundary where the mesh group (the process's label) changes
+        let starts_group = lane.group.is_some()
+            && (i == 0 || tl.lanes[i - 1].group != lane.group);
+        let boundary = (starts_group && i > 0).then(|| html! {
+            <line class="group-sep" x1="0" x2={f(W)} y1={f(y + 1.0)} y2={f(y + 1.0)} />
+        });
+        let group_label = starts_group.then(|| html! {
+            <text class="group-name" x={f(LEFT - 4.0)} y={f(y + 10.0)}>{ lane.group.clone().unwrap_or_default() }</text>
+        });
         let slices = rs.iter().map(|r| {
             let hovered = hover.is_some_and(|h| h.lane == i && Some(h.event) == r.slice);
             let class = classes!("slice", r.kind.class(), hovered.then_some("hover"), (r.merged > 1).then_some("merged"));
@@ -677,9 +686,12 @@ fn timeline_svg(
             </> }
         });
         html! {
-            <g class="lane" data-lane={i.to_string()} data-slices={rs.len().to_string()}>
+            <g class="lane" data-lane={i.to_string()} data-slices={rs.len().to_string()}
+               data-group={lane.group.clone().unwrap_or_default()}>
                 <rect class="lane-bg" x={f(LEFT)} y={f(y + 2.0)} width={f(inner)} height={f(LANE_H - 4.0)} />
                 <text class="lane-name" x="4" y={f(y + LANE_H / 2.0 + 4.0)}>{ lane.name.clone() }</text>
+                { boundary.unwrap_or_default() }
+                { group_label.unwrap_or_default() }
                 { for slices }
             </g>
         }

@@ -16,8 +16,9 @@
 //!   `p × makespan`, for one iteration that ends with a synchronisation of
 //!   all stages (Megatron-LM's accounting). A stage is busy only while it
 //!   computes (`F`, `B`, `W`, `BW`); receive waits and p2p latency are idle.
-//!   Here a stage is a lane holding any work slice (not `idle`, not
-//!   communication), and the step's window runs from the earliest start to
+//!   Here a stage is a lane running pipeline actions (`F`, `B`, `W`,
+//!   `BW`; a rank's other tracks, such as FSDP's, are not stages), busy
+//!   during any of its slices but `idle` and communication, and the step's window runs from the earliest start to
 //!   the latest end of the step's slices of any kind (the trainer's explicit
 //!   `idle` slices tile each stage from the step's origin to its makespan,
 //!   so the window is exactly the trainer's).
@@ -68,14 +69,25 @@ impl SliceKind {
             "W" => Self::BackwardWeight,
             "BW" => Self::Backward,
             "idle" => Self::Idle,
-            _ if cat
-                .split(',')
-                .any(|c| matches!(c, "comm" | "communication" | "p2p" | "collective")) =>
+            _ if cat.split(',').any(|c| {
+                // `comm`, or a namespaced `fsdp.comm`
+                let last = c.rsplit('.').next().unwrap_or(c);
+                matches!(last, "comm" | "communication" | "p2p" | "collective")
+            }) =>
             {
                 Self::Comm
             }
             _ => Self::Other,
         }
+    }
+
+    /// A pipeline action: `F`, `B`, `W` or `BW`.
+    #[must_use]
+    pub fn is_action(self) -> bool {
+        matches!(
+            self,
+            Self::Forward | Self::BackwardInput | Self::BackwardWeight | Self::Backward
+        )
     }
 
     /// CSS class used for its colour.
@@ -144,6 +156,9 @@ pub struct Lane {
     pub pid: u64,
     /// Thread id.
     pub tid: u64,
+    /// The process's `process_labels` (e.g. `pp 1`: its pipeline stage
+    /// on a mesh), grouping consecutive lanes; `None` without one.
+    pub group: Option<String>,
     /// Slices sorted by start.
     pub slices: Vec<Slice>,
     /// Longest slice, bounding the backwards search in lookups.
@@ -229,7 +244,7 @@ pub struct Timeline {
     /// Per-step windows and bubbles, by step; empty when no slice carries
     /// `args.step`.
     pub steps: Vec<StepBubble>,
-    /// Number of lanes counted as pipeline stages (lanes holding work).
+    /// Number of lanes counted as pipeline stages (the lanes running pipeline actions: `F`, `B`, `W`, `BW`).
     pub stages: usize,
     /// `otherData.bubble_predicted`: the bubble the writer's simulator
     /// predicts for the same steps (`weft train`: from the measured mean
@@ -253,6 +268,7 @@ impl Timeline {
         let names = trace.process_names();
         let mut sort_index: BTreeMap<u64, i64> = BTreeMap::new();
         let mut thread_names: BTreeMap<(u64, u64), String> = BTreeMap::new();
+        let mut labels: BTreeMap<u64, String> = BTreeMap::new();
         for e in &trace.trace_events {
             if e.ph == Phase::Metadata {
                 match e.name.as_str() {
@@ -264,6 +280,11 @@ impl Timeline {
                     "thread_name" => {
                         if let Some(n) = e.args.get("name").and_then(ArgValue::as_str) {
                             thread_names.insert((e.pid, e.tid), n.to_owned());
+                        }
+                    }
+                    "process_labels" => {
+                        if let Some(n) = e.args.get("labels").and_then(ArgValue::as_str) {
+                            labels.insert(e.pid, n.to_owned());
                         }
                     }
                     _ => {}
@@ -332,6 +353,7 @@ impl Timeline {
                     name,
                     pid,
                     tid,
+                    group: labels.get(&pid).cloned(),
                     slices,
                     max_dur,
                     busy,
@@ -585,9 +607,11 @@ fn pipeline_bubble(
     whole: (f64, f64),
     mean_over: Option<&[i64]>,
 ) -> (Vec<StepBubble>, f64, usize) {
+    // stages: the lanes running pipeline actions (a rank's other tracks —
+    // FSDP's compute and communication — are not stages of their own)
     let stage_lanes: Vec<&Lane> = lanes
         .iter()
-        .filter(|l| l.slices.iter().any(|s| is_work(s.kind)))
+        .filter(|l| l.slices.iter().any(|s| s.kind.is_action()))
         .collect();
     #[allow(clippy::cast_precision_loss)]
     let p = stage_lanes.len() as f64;

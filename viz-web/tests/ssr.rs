@@ -191,3 +191,49 @@ async fn overview_lists_files_config_and_summary() {
     );
     assert!(html.contains("not loaded"));
 }
+
+/// Four ranks of a pp=2 × dp=2 mesh, in mesh order, labelled by stage.
+const MESH_TRACE: &str = r#"{"traceEvents":[
+ {"name":"process_name","ph":"M","pid":0,"args":{"name":"rank 0: pp 0, dp 0, tp 0"}},
+ {"name":"process_name","ph":"M","pid":1,"args":{"name":"rank 1: pp 0, dp 1, tp 0"}},
+ {"name":"process_name","ph":"M","pid":2,"args":{"name":"rank 2: pp 1, dp 0, tp 0"}},
+ {"name":"process_name","ph":"M","pid":3,"args":{"name":"rank 3: pp 1, dp 1, tp 0"}},
+ {"name":"process_sort_index","ph":"M","pid":3,"args":{"sort_index":3}},
+ {"name":"process_sort_index","ph":"M","pid":2,"args":{"sort_index":2}},
+ {"name":"process_sort_index","ph":"M","pid":1,"args":{"sort_index":1}},
+ {"name":"process_sort_index","ph":"M","pid":0,"args":{"sort_index":0}},
+ {"name":"process_labels","ph":"M","pid":0,"args":{"labels":"pp 0"}},
+ {"name":"process_labels","ph":"M","pid":1,"args":{"labels":"pp 0"}},
+ {"name":"process_labels","ph":"M","pid":2,"args":{"labels":"pp 1"}},
+ {"name":"process_labels","ph":"M","pid":3,"args":{"labels":"pp 1"}},
+ {"name":"F","ph":"X","ts":10,"dur":10,"pid":3,"args":{"microbatch":0}},
+ {"name":"F","ph":"X","ts":10,"dur":10,"pid":2,"args":{"microbatch":0}},
+ {"name":"F","ph":"X","ts":0,"dur":10,"pid":1,"args":{"microbatch":0}},
+ {"name":"F","ph":"X","ts":0,"dur":10,"pid":0,"args":{"microbatch":0}},
+ {"name":"gather","ph":"X","ts":0,"dur":5,"pid":0,"tid":3,"cat":"fsdp.comm"}]}"#;
+
+#[tokio::test]
+async fn ranks_are_grouped_by_mesh_coordinate() {
+    let mut run = Run::default();
+    run.ingest("trace.json", MESH_TRACE);
+    let html = render(run, None).await;
+    // five lanes (rank 0 has a compute and an FSDP communication lane), in
+    // mesh order, one boundary where the stage changes
+    assert_eq!(count(&html, "class=\"lane\""), 5, "{html}");
+    let order: Vec<usize> = [
+        "rank 0: pp 0",
+        "rank 1: pp 0",
+        "rank 2: pp 1",
+        "rank 3: pp 1",
+    ]
+    .iter()
+    .map(|n| {
+        html.find(n)
+            .unwrap_or_else(|| panic!("{n} missing: {html}"))
+    })
+    .collect();
+    assert!(order.windows(2).all(|w| w[0] < w[1]), "{order:?}");
+    assert_eq!(count(&html, "class=\"group-sep\""), 1, "{html}");
+    assert_eq!(count(&html, "class=\"group-name\""), 2, "{html}");
+    assert_eq!(count(&html, "data-group=\"pp 1\""), 2, "{html}");
+}
