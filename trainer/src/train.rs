@@ -585,8 +585,11 @@ pub fn train(
     let dims = config.parallel.dims();
     dims.validate()?;
     check_model_floor(config)?;
+    // The machine's peak, measured on every core before the ranks start
+    // (each rank then computes on its own share of them).
+    let peak = measure_matmul_peak();
     crate::ranks::launch(dims.world_size(), dims.tp, observer, |world, obs| {
-        run_rank(config, resume, world, obs)
+        run_rank(config, resume, world, obs, peak)
     })
 }
 
@@ -731,6 +734,7 @@ fn run_rank(
     resume: bool,
     world: &dyn Communicator,
     observer: &mut dyn Observer,
+    peak: f64,
 ) -> Result<Summary, TrainError> {
     let dims = config.parallel.dims();
     let mesh = dims.build(world)?;
@@ -853,13 +857,7 @@ fn run_rank(
         vocab,
         tokens_per_step: t.batch_size * seq,
         flops_per_token,
-        // Measured by the writer alone: ranks measuring at once would
-        // share the cores and report a fraction of the peak.
-        peak_flops: if writer {
-            measure_matmul_peak()
-        } else {
-            f64::NAN
-        },
+        peak_flops: if writer { peak } else { f64::NAN },
         floor,
         steps: t.steps,
         activation_bytes: memory.activations,
