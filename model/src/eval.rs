@@ -86,14 +86,39 @@ pub fn read_tokens(path: &Path) -> Result<TokenBatch> {
 /// every parameter gradient there (Hugging Face names). Returns the loss.
 ///
 /// # Errors
-/// Any load error; [`Error::Batch`] if the sequences are longer than the
-/// model's `n_positions`; a kernel error for an id outside the vocabulary.
+/// Any load error; [`Error::Tensor`] naming the first tensor holding a
+/// non-finite value; [`Error::Batch`] if the sequences are longer than the
+/// model's `n_positions`, or for a non-finite loss; a kernel error for an
+/// id outside the vocabulary.
 pub fn eval_hf(model_dir: &Path, tokens: &TokenBatch, dump_grads: Option<&Path>) -> Result<f64> {
     let mut model = crate::hf::load(model_dir)?;
+    // weights that are not numbers give no loss: name the tensor
+    for spec in model.layout().specs() {
+        if let Some(i) = model.params[spec.range()]
+            .iter()
+            .position(|x| !x.is_finite())
+        {
+            return Err(Error::Tensor {
+                path: model_dir.to_path_buf(),
+                tensor: spec.name.clone(),
+                reason: format!(
+                    "element {i} is {} — the weights hold non-finite values, so the loss would be too",
+                    model.params[spec.offset + i]
+                ),
+            });
+        }
+    }
     let mut acts = model.activations(tokens.b, tokens.t)?;
     let loss = model
         .forward(&mut acts, &tokens.inputs, Some(&tokens.targets))?
         .unwrap_or(f64::NAN);
+    if !loss.is_finite() {
+        return Err(Error::Batch {
+            reason: format!(
+                "the loss of these tokens is {loss} with finite weights (an overflow in the forward)"
+            ),
+        });
+    }
     if let Some(out) = dump_grads {
         model.zero_grad();
         model.backward(&mut acts)?;

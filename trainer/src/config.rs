@@ -713,6 +713,12 @@ impl Config {
                 ),
             );
         }
+        if p.sequence_parallel && p.tp == 1 {
+            return bad(
+                "parallel.sequence_parallel",
+                "splits the tensor-parallel group's tokens: it needs parallel.tp > 1 (got tp = 1), or leave it false".into(),
+            );
+        }
         if p.sequence_parallel && !(split.micro * m.block_size).is_multiple_of(p.tp) {
             return bad(
                 "parallel.sequence_parallel",
@@ -749,6 +755,20 @@ impl Config {
                 format!(
                     "must divide the sharded group, parallel.dp / parallel.ep = {} / {} = {group} (got {})",
                     p.dp, p.ep, p.hybrid_shard
+                ),
+            );
+        }
+        let name = &self.run.name;
+        if name == "."
+            || name == ".."
+            || name
+                .chars()
+                .any(|c| c == '/' || c == '\\' || c.is_control())
+        {
+            return bad(
+                "run.name",
+                format!(
+                    "is the run folder's name inside run.dir, not a path: no `/`, `\\`, `.`, `..` or control characters (got {name:?})"
                 ),
             );
         }
@@ -928,6 +948,29 @@ mod tests {
         assert!(e.contains("KEY=VALUE"), "{e}");
         let e = c.with_override("nosuch.key=1").unwrap_err().to_string();
         assert!(e.contains("unknown section `nosuch`"), "{e}");
+    }
+
+    #[test]
+    fn settings_without_effect_and_names_that_are_paths_are_refused() {
+        let err = |set: &str| {
+            Config::load(None, &[set.into()])
+                .and_then(|c| c.validate())
+                .map(|()| String::new())
+                .unwrap_or_else(|e| e.to_string())
+        };
+        let e = err("parallel.sequence_parallel=true");
+        assert!(
+            e.contains("parallel.sequence_parallel") && e.contains("tp > 1"),
+            "{e}"
+        );
+        for name in ["\"../../x\"", "\"a/b\"", "\"..\"", "\".\""] {
+            let e = err(&format!("run.name={name}"));
+            assert!(
+                e.contains("run.name") && e.contains("not a path"),
+                "{name}: {e}"
+            );
+        }
+        assert_eq!(err("run.name=\"my-run_2\""), "");
     }
 
     #[test]

@@ -107,6 +107,26 @@ fn loss_and_every_gradient_match_pytorch() -> Result<()> {
 }
 
 #[test]
+fn eval_hf_names_a_tensor_that_is_not_finite() -> Result<()> {
+    let dir = &fixtures()[0];
+    let tokens = read_tokens(&dir.join("tokens.json"))?;
+    let mut model = hf::load(dir)?;
+    let spec = model.layout().specs()[3].clone();
+    model.params[spec.offset + 1] = f32::NAN;
+    let bad = std::env::temp_dir().join(format!("weft-model-nan-{}", std::process::id()));
+    hf::save(&model, &bad)?;
+    let err = weft_model::eval::eval_hf(&bad, &tokens, None)
+        .unwrap_err()
+        .to_string();
+    std::fs::remove_dir_all(&bad)?;
+    assert!(
+        err.contains(&spec.name) && err.contains("non-finite"),
+        "{err}"
+    );
+    Ok(())
+}
+
+#[test]
 fn eval_hf_dumps_gradients_under_hf_names() -> Result<()> {
     let dir = &fixtures()[0];
     let tokens = read_tokens(&dir.join("tokens.json"))?;
