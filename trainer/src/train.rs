@@ -110,6 +110,17 @@ pub enum TrainError {
     /// The pipeline executor failed gathering the stages' timelines.
     #[error("pipeline: {0}")]
     Pipeline(#[from] weft_pipeline::ExecError),
+    /// `--resume` of a run whose newest checkpoint is already at
+    /// `train.steps`: nothing is trained and nothing is rewritten.
+    #[error(
+        "{run} already finished: its newest checkpoint is step {step}, train.steps = {step}; nothing to do (raise train.steps to train it further)"
+    )]
+    AlreadyFinished {
+        /// The run folder.
+        run: PathBuf,
+        /// The checkpoint's step.
+        step: u64,
+    },
     /// A rank's trace events could not be gathered for `trace.json`.
     #[error("trace: {0}")]
     Trace(String),
@@ -788,6 +799,13 @@ fn run_rank(
         }
         let restored = crate::ckpt::restore_sharded(world, &ckpt_root, config, &mut model)?;
         start_step = restored.step;
+        if start_step >= t.steps {
+            // nothing to train: the run's files stay as they are
+            return Err(TrainError::AlreadyFinished {
+                run: run_dir,
+                step: start_step,
+            });
+        }
         observer.resumed(start_step, &restored.skipped);
         let text = std::fs::read_to_string(&metrics_path).map_err(io_err(&metrics_path))?;
         kept_lines = text

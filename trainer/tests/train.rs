@@ -170,6 +170,22 @@ fn a_resumed_run_continues_bit_for_bit() {
         .collect();
     kept.sort();
     assert_eq!(kept, ["step-00000040", "step-00000060"]);
+    // Resuming a finished run says so and rewrites nothing.
+    let files = |run: &std::path::Path| {
+        ["summary.json", "metrics.jsonl"].map(|f| std::fs::read(run.join(f)).unwrap())
+    };
+    let before = files(&whole.run_dir);
+    let err = train(&with_ckpt("whole"), true, &mut Silent)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("already finished") && err.contains("step 60"),
+        "{err}"
+    );
+    assert!(
+        files(&whole.run_dir) == before,
+        "a finished run's files changed"
+    );
     // Resuming under another configuration is refused.
     let mut other = with_ckpt("crashy");
     other.optim.lr = 5e-3;
