@@ -481,6 +481,22 @@ impl GptStage {
         self.refresh_shared_wte()
     }
 
+    /// Replaces this rank's parameters and AdamW moments (in its own
+    /// layout) and the optimizer step: the resident buffers, or FSDP's
+    /// shards of them.
+    fn set_state(&mut self, [lp, lm, lv]: [Vec<f32>; 3], step: u32) -> Result<()> {
+        match &mut self.store {
+            Store::Resident { params, opt, .. } => {
+                *params = lp;
+                opt.m = lm;
+                opt.v = lv;
+                opt.step = step;
+            }
+            Store::Sharded { fsdp, .. } => fsdp.load_whole(&lp, &lm, &lv, step)?,
+        }
+        self.refresh_shared_wte()
+    }
+
     /// On a sharded embedding stage whose `wte` the head stage copies
     /// (tied embeddings across stages): gathers `wte` for the exchange.
     /// Collective over the data-parallel group.
@@ -561,17 +577,7 @@ impl GptStage {
                 .sub(self.blocks.embed_range().start..self.blocks.wte_len());
             weft_parallel::extract(&wte, whole, params, copy)?;
         }
-        let [lp, lm, lv] = local;
-        match &mut self.store {
-            Store::Resident { params, opt, .. } => {
-                *params = lp;
-                opt.m = lm;
-                opt.v = lv;
-                opt.step = step;
-            }
-            Store::Sharded { fsdp, .. } => fsdp.load_whole(&lp, &lm, &lv, step)?,
-        }
-        self.refresh_shared_wte()
+        self.set_state(local, step)
     }
 
     /// GPT-2's initialisation of this stage's part of the model from
@@ -743,17 +749,7 @@ impl GptStage {
                 }
             }
         }
-        let [lp, lm, lv] = local;
-        match &mut self.store {
-            Store::Resident { params, opt, .. } => {
-                *params = lp;
-                opt.m = lm;
-                opt.v = lv;
-                opt.step = step;
-            }
-            Store::Sharded { fsdp, .. } => fsdp.load_whole(&lp, &lm, &lv, step)?,
-        }
-        self.refresh_shared_wte()
+        self.set_state(local, step)
     }
 
     /// Optimizer steps taken.

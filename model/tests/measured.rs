@@ -128,6 +128,71 @@ fn fsdp_bytes(
     total + reductions as u64 * (0..nu).map(per).sum::<u64>()
 }
 
+/// A rank's feed-forward block of `layout` (with its expert statistics
+/// under ep) and the plan, in the plain or the reproducible sums.
+fn setup(
+    layout: Layout,
+    reproducible: bool,
+    mesh: &weft_parallel::ParallelMesh,
+) -> (
+    Arc<dyn FeedForward>,
+    Option<weft_model::MoeStats>,
+    ParallelPlan,
+) {
+    let dims = layout.dims;
+    let moe = layout.moe;
+    let mut stats = None;
+    let ffn: Arc<dyn FeedForward> = match (moe, dims.ep > 1) {
+        (false, _) => Arc::new(Mlp),
+        (true, false) => Arc::new(MoeFfn::new(moe_config()).unwrap().0),
+        (true, true) => {
+            let (f, st) = MoeFfn::with_expert_parallel(moe_config(), expert_group(mesh)).unwrap();
+            stats = Some(st);
+            Arc::new(f)
+        }
+    };
+    let per = GLOBAL / dims.dp;
+    let pipeline = layout.schedule.map(|(kind, chunks)| {
+        let s = kind.generate(dims.pp, per, chunks).unwrap();
+        let layers = partition_layers(&gpt_config(), moe.then_some((4, 3)), &s).unwrap();
+        (s, layers)
+    });
+    let plan = ParallelPlan {
+        fsdp: layout.fsdp.map(|strategy| FsdpConfig {
+            strategy,
+            hybrid_shard: 2.min(dims.dp / dims.ep),
+            reproducible,
+            ..FsdpConfig::default()
+        }),
+        pipeline,
+        batch: B,
+        seq: T,
+        micro_batches: per,
+        reproducible,
+        tp: TpOptions {
+            sequence_parallel: layout.sp,
+            reproducible,
+            ..TpOptions::default()
+        },
+    };
+    (ffn, stats, plan)
+}
+
+/// One AdamW step of `g` on its data-parallel share of step `s`'s batch.
+fn step(g: &mut ParallelGpt, s: usize) {
+    let per = GLOBAL / g.mesh().dims().dp;
+    let first = g.mesh().coords().dp() * per;
+    let data: Vec<_> = (first..first + per).map(|m| batch(s, m)).collect();
+    let mbs: Vec<_> = data
+        .iter()
+        .map(|(a, b)| MicroBatch {
+            tokens: a,
+            targets: b,
+        })
+        .collect();
+    g.train_step(&mbs, &AdamW::default(), 1.0).unwrap();
+}
+
 /// An axis, its bytes per op, and its scalars' bytes.
 type AxisSent = (TrafficAxis, Vec<(OpKind, u64)>, u64);
 
@@ -138,60 +203,17 @@ fn measure(layout: Layout) -> (Vec<AxisSent>, u64, u64) {
     let dims = layout.dims;
     let out = LocalCluster::run(dims.world_size(), |comm| {
         let mesh = dims.build(&comm).unwrap();
-        let moe = layout.moe;
-        let mut stats = None;
-        let ffn: Arc<dyn FeedForward> = match (moe, dims.ep > 1) {
-            (false, _) => Arc::new(Mlp),
-            (true, false) => Arc::new(MoeFfn::new(moe_config()).unwrap().0),
-            (true, true) => {
-                let (f, st) =
-                    MoeFfn::with_expert_parallel(moe_config(), expert_group(&mesh)).unwrap();
-                stats = Some(st);
-                Arc::new(f)
-            }
-        };
-        let per = GLOBAL / dims.dp;
-        let pipeline = layout.schedule.map(|(kind, chunks)| {
-            let s = kind.generate(dims.pp, per, chunks).unwrap();
-            let layers = partition_layers(&gpt_config(), moe.then_some((4, 3)), &s).unwrap();
-            (s, layers)
-        });
-        let plan = ParallelPlan {
-            fsdp: layout.fsdp.map(|strategy| FsdpConfig {
-                strategy,
-                reproducible: false,
-                ..FsdpConfig::default()
-            }),
-            pipeline,
-            batch: B,
-            seq: T,
-            micro_batches: per,
-            reproducible: false,
-            tp: TpOptions {
-                sequence_parallel: layout.sp,
-                reproducible: false,
-                ..TpOptions::default()
-            },
-        };
+        let (ffn, stats, plan) = setup(layout, false, &mesh);
+        let per = plan.micro_batches;
         let mut g =
             ParallelGpt::new(gpt_config(), ffn, Init::Gpt2 { seed: 3 }, &plan, mesh).unwrap();
-        let first = g.mesh().coords().dp() * per;
-        let hp = AdamW::default();
         let mut t = None;
         let mut off_rows = (0u64, 0usize);
         for s in 0..2 {
             if let Some(st) = &stats {
                 st.take();
             }
-            let data: Vec<_> = (first..first + per).map(|m| batch(s, m)).collect();
-            let mbs: Vec<_> = data
-                .iter()
-                .map(|(a, b)| MicroBatch {
-                    tokens: a,
-                    targets: b,
-                })
-                .collect();
-            g.train_step(&mbs, &hp, 1.0).unwrap();
+            step(&mut g, s);
             t = g.last_traffic().cloned();
             if let Some(st) = &stats {
                 let el = 4 / dims.ep;
@@ -475,56 +497,14 @@ fn memory(layout: Layout, reproducible: bool) -> Vec<[RankMemory; 3]> {
     let dims = layout.dims;
     LocalCluster::run(dims.world_size(), |comm| {
         let mesh = dims.build(&comm).unwrap();
-        let moe = layout.moe;
-        let ffn: Arc<dyn FeedForward> = match (moe, dims.ep > 1) {
-            (false, _) => Arc::new(Mlp),
-            (true, false) => Arc::new(MoeFfn::new(moe_config()).unwrap().0),
-            (true, true) => Arc::new(
-                MoeFfn::with_expert_parallel(moe_config(), expert_group(&mesh))
-                    .unwrap()
-                    .0,
-            ),
-        };
-        let per = GLOBAL / dims.dp;
-        let pipeline = layout.schedule.map(|(kind, chunks)| {
-            let s = kind.generate(dims.pp, per, chunks).unwrap();
-            let layers = partition_layers(&gpt_config(), moe.then_some((4, 3)), &s).unwrap();
-            (s, layers)
-        });
-        let plan = ParallelPlan {
-            fsdp: layout.fsdp.map(|strategy| FsdpConfig {
-                strategy,
-                hybrid_shard: 2.min(dims.dp / dims.ep),
-                reproducible,
-                ..FsdpConfig::default()
-            }),
-            pipeline,
-            batch: B,
-            seq: T,
-            micro_batches: per,
-            reproducible,
-            tp: TpOptions {
-                sequence_parallel: layout.sp,
-                reproducible,
-                ..TpOptions::default()
-            },
-        };
+        let (ffn, _, plan) = setup(layout, reproducible, &mesh);
         let predicted =
             ParallelGpt::predict_memory(&gpt_config(), ffn.clone(), &plan, &mesh).unwrap();
         let mut g =
             ParallelGpt::new(gpt_config(), ffn, Init::Gpt2 { seed: 3 }, &plan, mesh).unwrap();
         let built = g.memory();
-        let first = g.mesh().coords().dp() * per;
         for s in 0..2 {
-            let data: Vec<_> = (first..first + per).map(|m| batch(s, m)).collect();
-            let mbs: Vec<_> = data
-                .iter()
-                .map(|(a, b)| MicroBatch {
-                    tokens: a,
-                    targets: b,
-                })
-                .collect();
-            g.train_step(&mbs, &AdamW::default(), 1.0).unwrap();
+            step(&mut g, s);
         }
         [predicted, built, g.memory()]
     })
