@@ -75,10 +75,13 @@ step() {
 step fmt cargo fmt --all --check
 step clippy cargo clippy --workspace --all-targets --locked -- -D warnings
 # Optional hardware backends must compile (and lint) without the hardware.
-step clippy-features cargo clippy --locked -p weft-collectives -p weft-kernels --all-targets \
-    --features weft-collectives/mpi,weft-collectives/nccl,weft-kernels/cuda -- -D warnings
+step clippy-features cargo clippy --locked -p weft-collectives -p weft-kernels -p weft-trainer \
+    --all-targets --features weft-trainer/nccl,weft-kernels/cuda -- -D warnings
 step doc env RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --locked
-step test cargo test --workspace --locked
+# Every test, with the trainer's MPI support built in: its tests/mpi.rs runs
+# `weft train` under `mpirun -np 2` and `-np 4` against the thread ranks,
+# and kills and stops ranks of running jobs.
+step test cargo test --workspace --locked --features weft-trainer/mpi
 # The collectives suite over 4 MPI processes (the test relaunches itself
 # under mpirun), and the NCCL backend's typed "not available" path.
 step test-mpi env OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 \

@@ -49,7 +49,8 @@ pub struct BatchSplit {
 }
 
 /// `[parallel]`: how the job is split over ranks (threads of this process,
-/// on collectives' local backend). The world size is `dp · tp · pp`.
+/// or one process each under an MPI launcher: `backend`). The world size
+/// is `dp · tp · pp`.
 ///
 /// The global batch is the same whatever the split: `train.batch_size`
 /// sequences per optimizer step, in micro-batches of
@@ -91,6 +92,41 @@ pub struct ParallelConfig {
     /// rounded once, so every split of the global batch over ranks gives
     /// bitwise the same result. Off: plain f32 accumulation (faster).
     pub reproducible: bool,
+    /// How the ranks run: `"auto"` (MPI processes when started by `mpirun`
+    /// or `srun`, else threads), `"threads"` (threads of this process),
+    /// `"mpi"` (one MPI process per rank) or `"nccl"` (one process per GPU,
+    /// NCCL rendezvous over MPI).
+    pub backend: Backend,
+    /// Seconds a rank waits for a peer in any collective before the run
+    /// fails with an error naming the missing ranks and the operation.
+    pub timeout_s: f64,
+}
+
+/// `parallel.backend`: how the ranks of a job run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Backend {
+    /// MPI processes when an MPI launcher started this process, else threads.
+    Auto,
+    /// Threads of one process (collectives' local backend).
+    Threads,
+    /// One MPI process per rank (collectives' `mpi` backend).
+    Mpi,
+    /// One process per GPU, the communicator id broadcast over MPI
+    /// (collectives' `nccl` backend).
+    Nccl,
+}
+
+impl Backend {
+    /// The name used in the configuration.
+    pub fn name(self) -> &'static str {
+        match self {
+            Backend::Auto => "auto",
+            Backend::Threads => "threads",
+            Backend::Mpi => "mpi",
+            Backend::Nccl => "nccl",
+        }
+    }
 }
 
 impl Default for ParallelConfig {
@@ -106,6 +142,8 @@ impl Default for ParallelConfig {
             pp_chunks: 2,
             ep: 1,
             reproducible: true,
+            backend: Backend::Auto,
+            timeout_s: 300.0,
         }
     }
 }
@@ -711,6 +749,12 @@ impl Config {
                     "must divide model.n_head = {} (heads stay whole on a rank; got {})",
                     m.n_head, p.tp
                 ),
+            );
+        }
+        if !(p.timeout_s.is_finite() && p.timeout_s > 0.0 && p.timeout_s <= 1e9) {
+            return bad(
+                "parallel.timeout_s",
+                format!("must be a number of seconds > 0 (got {})", p.timeout_s),
             );
         }
         if p.sequence_parallel && p.tp == 1 {

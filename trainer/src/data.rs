@@ -225,10 +225,111 @@ impl SyntheticData {
 #[derive(Debug)]
 pub struct TextData {
     path: PathBuf,
-    train: Vec<u16>,
-    val: Vec<u16>,
+    /// Every token: the training split, then the validation split.
+    tokens: Tokens,
+    /// Tokens of the training split.
+    split: usize,
     seq: usize,
     seed: u64,
+    /// The token cache file the tokens are (or were written to), if any.
+    cache: Option<PathBuf>,
+}
+
+/// Token ids in memory, or mapped from a token cache file (pages are read
+/// when a batch touches them: a rank reads only the sequences it trains
+/// on).
+enum Tokens {
+    Owned(Vec<u16>),
+    Mapped(Mapped),
+}
+
+impl std::fmt::Debug for Tokens {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Tokens::Owned(v) => write!(f, "Owned({} tokens)", v.len()),
+            Tokens::Mapped(m) => write!(f, "Mapped({} tokens)", m.len / 2),
+        }
+    }
+}
+
+impl std::ops::Deref for Tokens {
+    type Target = [u16];
+    fn deref(&self) -> &[u16] {
+        match self {
+            Tokens::Owned(v) => v,
+            Tokens::Mapped(m) => m.tokens(),
+        }
+    }
+}
+
+/// A read-only private mapping of a whole token cache file.
+struct Mapped {
+    ptr: *const u8,
+    len: usize,
+}
+
+// SAFETY: the mapping is read-only and owned by this value; reading it from
+// several threads at once is reading immutable memory.
+unsafe impl Send for Mapped {}
+// SAFETY: as for `Send`.
+unsafe impl Sync for Mapped {}
+
+impl Mapped {
+    /// Maps `file` (little-endian u16 token ids), or `None` if it cannot be
+    /// mapped, is empty or has an odd length, or this machine is big-endian.
+    ///
+    /// Cache files are written to a temporary name and renamed into place,
+    /// never changed in place, so the mapped pages stay what they were
+    /// when mapped.
+    fn open(file: &Path) -> Option<Self> {
+        use std::os::fd::AsRawFd;
+        if cfg!(target_endian = "big") {
+            return None;
+        }
+        let f = std::fs::File::open(file).ok()?;
+        let len = usize::try_from(f.metadata().ok()?.len()).ok()?;
+        if len == 0 || len % 2 != 0 {
+            return None;
+        }
+        // SAFETY: a fresh read-only private mapping of an open file of
+        // `len` bytes; the result is checked against MAP_FAILED. The
+        // descriptor may close afterwards: the mapping keeps the file.
+        let ptr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ,
+                libc::MAP_PRIVATE,
+                f.as_raw_fd(),
+                0,
+            )
+        };
+        if ptr == libc::MAP_FAILED {
+            return None;
+        }
+        Some(Mapped {
+            ptr: ptr.cast(),
+            len,
+        })
+    }
+
+    fn tokens(&self) -> &[u16] {
+        // SAFETY: the mapping holds `len` readable bytes for the life of
+        // `self`, page-aligned (so aligned for u16), `len` even; the bytes
+        // are little-endian u16 on a little-endian machine (checked in
+        // `open`).
+        unsafe { std::slice::from_raw_parts(self.ptr.cast::<u16>(), self.len / 2) }
+    }
+}
+
+impl Drop for Mapped {
+    fn drop(&mut self) {
+        // SAFETY: unmaps exactly the mapping made in `open`, once; no
+        // borrow of it outlives `self`.
+        unsafe {
+            libc::munmap(self.ptr.cast_mut().cast(), self.len);
+        }
+    }
 }
 
 impl TextData {
@@ -280,27 +381,83 @@ impl TextData {
         if docs.iter().all(|d| d.trim().is_empty()) {
             return Err(DataError::Empty(path.to_owned()));
         }
-        let tokens = tokenize_cached(&docs)?;
+        let (tokens, cache) = tokenize_cached(&docs)?;
+        Self::from_tokens(path, tokens, cache, seq, val_fraction, seed)
+    }
+
+    /// The data of `path` from its token cache file `cache` (as
+    /// [`cache_file`](Self::cache_file) names it after [`open`](Self::open)),
+    /// memory-mapped, without reading or tokenizing the text: how the other
+    /// ranks of a job open the data one rank has prepared.
+    ///
+    /// # Errors
+    /// [`DataError::Read`] if the cache file cannot be mapped (missing,
+    /// empty, odd length); as [`open`](Self::open) for a split too short.
+    pub fn open_cache(
+        path: &Path,
+        cache: &Path,
+        seq: usize,
+        val_fraction: f64,
+        seed: u64,
+    ) -> Result<Self, DataError> {
+        let mapped = Mapped::open(cache).ok_or_else(|| DataError::Read {
+            path: cache.to_owned(),
+            source: std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                "not a readable token cache file (missing, empty or of odd length)",
+            ),
+        })?;
+        Self::from_tokens(
+            path,
+            Tokens::Mapped(mapped),
+            Some(cache.to_owned()),
+            seq,
+            val_fraction,
+            seed,
+        )
+    }
+
+    fn from_tokens(
+        path: &Path,
+        tokens: Tokens,
+        cache: Option<PathBuf>,
+        seq: usize,
+        val_fraction: f64,
+        seed: u64,
+    ) -> Result<Self, DataError> {
         let n_val = ((tokens.len() as f64) * val_fraction).ceil() as usize;
         let split = tokens.len() - n_val.min(tokens.len());
-        let (train, val) = (tokens[..split].to_vec(), tokens[split..].to_vec());
-        for (name, part) in [("train", &train), ("validation", &val)] {
-            if part.len() < seq + 1 {
+        for (name, len) in [("train", split), ("validation", tokens.len() - split)] {
+            if len < seq + 1 {
                 return Err(DataError::TooShort {
                     path: path.to_owned(),
                     split: name,
-                    tokens: part.len(),
+                    tokens: len,
                     needed: seq + 1,
                 });
             }
         }
         Ok(Self {
             path: path.to_owned(),
-            train,
-            val,
+            tokens,
+            split,
             seq,
             seed,
+            cache,
         })
+    }
+
+    /// The token cache file holding these tokens, when there is one.
+    pub fn cache_file(&self) -> Option<&Path> {
+        self.cache.as_deref()
+    }
+
+    fn train(&self) -> &[u16] {
+        &self.tokens[..self.split]
+    }
+
+    fn val(&self) -> &[u16] {
+        &self.tokens[self.split..]
     }
 
     /// The data path.
@@ -310,16 +467,17 @@ impl TextData {
 
     /// Tokens in the (train, validation) splits.
     pub fn split_sizes(&self) -> (usize, usize) {
-        (self.train.len(), self.val.len())
+        (self.split, self.tokens.len() - self.split)
     }
 
     fn train_batch(&self, step: u64, micro: usize, batch: usize) -> Batch {
-        let span = (self.train.len() - self.seq) as u64; // > 0 by construction
+        let train = self.train();
+        let span = (train.len() - self.seq) as u64; // > 0 by construction
         let windows: Vec<Vec<u32>> = (0..batch)
             .map(|b| {
                 let mut rng = stream(self.seed, TRAIN, step, (micro * batch + b) as u64);
                 let start = (rng.next_u64() % span) as usize;
-                self.train[start..=start + self.seq]
+                train[start..=start + self.seq]
                     .iter()
                     .map(|&t| u32::from(t))
                     .collect()
@@ -330,7 +488,7 @@ impl TextData {
 
     fn val_batches(&self, n: usize, batch: usize) -> Vec<Batch> {
         let windows: Vec<Vec<u32>> = self
-            .val
+            .val()
             .windows(self.seq + 1)
             .step_by(self.seq)
             .take(n)
@@ -360,9 +518,10 @@ pub fn cache_dir() -> PathBuf {
 
 /// Tokenizes the documents with GPT-2's BPE, joined by `<|endoftext|>`.
 /// Results are cached under [`cache_dir`]`/tokens/<xxh3 of the text>.u16`
-/// (little-endian u16 token ids); a damaged cache file is ignored and
-/// rewritten.
-fn tokenize_cached(docs: &[String]) -> Result<Vec<u16>, DataError> {
+/// (little-endian u16 token ids), which later opens map instead of
+/// tokenizing; a damaged cache file is ignored and rewritten. Returns the
+/// tokens and the cache file, if it exists.
+fn tokenize_cached(docs: &[String]) -> Result<(Tokens, Option<PathBuf>), DataError> {
     let mut h = xxhash_rust::xxh3::Xxh3::new();
     h.update(b"weft-gpt2-bpe-v1");
     for d in docs {
@@ -372,14 +531,19 @@ fn tokenize_cached(docs: &[String]) -> Result<Vec<u16>, DataError> {
     let file = cache_dir()
         .join("tokens")
         .join(format!("{:032x}.u16", h.digest128()));
-    if let Ok(bytes) = std::fs::read(&file)
+    if let Some(m) = Mapped::open(&file) {
+        return Ok((Tokens::Mapped(m), Some(file)));
+    }
+    if cfg!(target_endian = "big")
+        && let Ok(bytes) = std::fs::read(&file)
         && bytes.len() % 2 == 0
         && !bytes.is_empty()
     {
-        return Ok(bytes
+        let tokens = bytes
             .chunks_exact(2)
             .map(|c| u16::from_le_bytes([c[0], c[1]]))
-            .collect());
+            .collect();
+        return Ok((Tokens::Owned(tokens), Some(file)));
     }
     let bpe = tiktoken_rs::r50k_base().map_err(|e| DataError::Tokenizer(e.to_string()))?;
     let mut tokens: Vec<u16> = Vec::new();
@@ -391,16 +555,17 @@ fn tokenize_cached(docs: &[String]) -> Result<Vec<u16>, DataError> {
         tokens.extend(bpe.encode_ordinary(d).into_iter().map(|t| t as u16));
     }
     // Write atomically; a failure to cache is not an error.
+    let mut cached = None;
     if let Some(dir) = file.parent()
         && std::fs::create_dir_all(dir).is_ok()
     {
         let tmp = file.with_extension(format!("tmp{}", std::process::id()));
         let bytes: Vec<u8> = tokens.iter().flat_map(|t| t.to_le_bytes()).collect();
-        if std::fs::write(&tmp, bytes).is_ok() {
-            let _ = std::fs::rename(&tmp, &file);
+        if std::fs::write(&tmp, bytes).is_ok() && std::fs::rename(&tmp, &file).is_ok() {
+            cached = Some(file);
         }
     }
-    Ok(tokens)
+    Ok((Tokens::Owned(tokens), cached))
 }
 
 #[cfg(test)]
@@ -444,14 +609,22 @@ mod tests {
         let t = TextData::open(&dir, 16, 0.1, 1).unwrap();
         let (train, val) = t.split_sizes();
         // "Hello world." = [15496, 995, 13]; a space joins "Hello" → " Hello" = 18435.
-        assert_eq!(&t.train[..4], &[15496, 995, 13, 18435]);
-        assert!(t.train.contains(&(END_OF_TEXT as u16)));
+        assert_eq!(&t.train()[..4], &[15496, 995, 13, 18435]);
+        assert!(t.train().contains(&(END_OF_TEXT as u16)));
         // Each document: 200 × ["Hello"|" Hello", " world", "."] and a final " ".
         assert_eq!(train + val, 2 * 601 + 1);
         assert_eq!(val, ((train + val) as f64 * 0.1).ceil() as usize);
-        // Cached: a second open reads the same tokens.
+        // Cached: a second open maps the same tokens, and so does opening
+        // the cache file alone (the other ranks of a job).
         let again = TextData::open(&dir, 16, 0.1, 1).unwrap();
-        assert_eq!(again.train, t.train);
+        assert!(matches!(again.tokens, Tokens::Mapped(_)));
+        assert_eq!(again.train(), t.train());
+        let cache = again.cache_file().unwrap().to_owned();
+        let other = TextData::open_cache(&dir, &cache, 16, 0.1, 1).unwrap();
+        assert_eq!((other.train(), other.val()), (t.train(), t.val()));
+        assert_eq!(other.train_batch(5, 1, 3), t.train_batch(5, 1, 3));
+        let e = TextData::open_cache(&dir, &dir.join("none.u16"), 16, 0.1, 1).unwrap_err();
+        assert!(e.to_string().contains("none.u16"), "{e}");
         let b = t.train_batch(3, 0, 2);
         assert_eq!(b.inputs.len(), 32);
         std::fs::remove_dir_all(&dir).unwrap();

@@ -16,8 +16,10 @@
 //!   (`weft_model::ParallelGpt`), and per step its micro-batches through
 //!   the plan (data, sharded data, tensor, expert and pipeline
 //!   parallelism; see `[parallel]` in [`config`]).
-//! * `ranks`: the thread ranks of a run and rank 0's reports to the
-//!   caller's observer.
+//! * [`ranks`]: how the ranks of a run start — threads of this process,
+//!   or one process per rank under `mpirun`/`srun` (feature `mpi`) — and
+//!   how they agree on set-up failures so that one report says what went
+//!   wrong.
 //! * [`ckpt`]: periodic checkpoints (weft-checkpoint) and bit-for-bit resume.
 //! * [`sample`]: `weft sample`, generation from a run's last checkpoint
 //!   with the model's key/value-cache decoder.
@@ -27,7 +29,8 @@
 //! `[parallel]` takes any combination of `dp`, `fsdp` (every strategy),
 //! `tp` (with or without `sequence_parallel`), `pp` (every schedule) and
 //! `ep` (dividing `dp`) whose degrees divide the model and the batch; the
-//! world is `pp · dp · tp` thread ranks, laid out `pp × edp × ep × tp`
+//! world is `pp · dp · tp` ranks (threads of one process, or one MPI
+//! process each under `mpirun`: see [`ranks`]), laid out `pp × edp × ep × tp`
 //! with tensor parallelism innermost (a tp group is consecutive ranks and
 //! one domain of the collectives' topology), then the expert and data
 //! axes, the pipeline outermost; the start-up report prints the mesh and
@@ -50,6 +53,12 @@
 //! Checkpoints are whole, so a run resumes on any layout: bit for bit
 //! between bitwise-equivalent layouts (8 ranks to 1 and 1 to 8 tested).
 //!
+//! Over MPI processes every layout gives bitwise the thread ranks' run
+//! (the same mesh, the same algorithms and reduction order; `tests/mpi.rs`
+//! compares dp, fsdp, tp with sp, pp, ep and three composed layouts over 2
+//! and 4 processes), except that plain sums (`parallel.reproducible =
+//! false`) are the MPI library's `MPI_Allreduce`, equal to rounding.
+//!
 //! # Example
 //! ```
 //! use weft_trainer::config::Config;
@@ -63,14 +72,18 @@
 //! ```
 //!
 //! # Crate features
-//! None yet.
+//! * `mpi`: one rank per process under an MPI launcher (`mpirun -np N weft
+//!   train`), over `weft-collectives`' MPI backend; needs an MPI library
+//!   at build time.
+//! * `nccl` (implies `mpi`): `parallel.backend = "nccl"`, NCCL across GPUs
+//!   with its communicator id broadcast over MPI.
 
 #![deny(missing_docs)]
 
 pub mod ckpt;
 pub mod config;
 pub mod data;
-mod ranks;
+pub mod ranks;
 pub mod sample;
 pub mod schedule;
 pub mod synthetic;

@@ -93,7 +93,8 @@ enum Command {
         /// spike_window}; optim.{lr,min_lr_ratio,warmup_steps,weight_decay,
         /// beta1,beta2,eps,grad_clip}; checkpoint.{every,keep_last,
         /// keep_every}; parallel.{dp,fsdp,hybrid_shard,tp,sequence_parallel,
-        /// ep,pp,pp_schedule,pp_chunks,reproducible} (ranks are threads;
+        /// ep,pp,pp_schedule,pp_chunks,reproducible,backend,timeout_s}
+        /// (ranks are threads, or processes under `mpirun`;
         /// `--print-config` shows every key with its default).
         #[arg(long = "set", value_name = "KEY=VALUE")]
         sets: Vec<String>,
@@ -218,57 +219,60 @@ fn run(cli: Cli) -> Result<()> {
             print_config,
             resume,
         } => {
-            let mut sets = sets;
-            if let Some(d) = data {
-                let path = d.to_str().context("--data: the path is not valid UTF-8")?;
-                sets.push(format!("data.source={}", toml_string(path)));
-            }
-            let resuming = resume.is_some();
-            let cfg = match resume {
-                None => weft_trainer::config::Config::load(config.as_deref(), &sets)?,
-                Some(dir) => {
-                    // Find the run folder, then load its config (or --config)
-                    // and pin run.dir/run.name to that folder.
-                    let run_dir = match dir {
-                        Some(d) => d,
-                        None => {
-                            let c = weft_trainer::config::Config::load(config.as_deref(), &sets)?;
-                            if c.run.name.is_empty() {
-                                anyhow::bail!(
-                                    "--resume without a folder needs run.name (e.g. --set run.name=NAME)"
-                                );
+            let load = move || -> Result<(weft_trainer::config::Config, bool)> {
+                load_train_config(config, sets, data, resume)
+            };
+            match weft_trainer::ranks::LauncherEnv::detect() {
+                None => {
+                    let (cfg, resuming) = load()?;
+                    if print_config {
+                        progress::out(&cfg.to_toml());
+                        return Ok(());
+                    }
+                    weft_trainer::train::train(&cfg, resuming, &mut progress::Terminal::new())?;
+                    Ok(())
+                }
+                // one rank of a launcher's job of processes
+                Some(env) => {
+                    let mut procs = match weft_trainer::ranks::Processes::connect() {
+                        Ok(p) => p,
+                        Err(e) => {
+                            // the same failure on every process, and no
+                            // communicator to agree over: rank 0 says it,
+                            // the others give it a moment to
+                            if env.rank == 0 {
+                                say_error(&format!("error: {e}"));
+                            } else {
+                                std::thread::sleep(std::time::Duration::from_millis(500));
                             }
-                            c.run.dir.join(&c.run.name)
+                            return Err(Reported.into());
                         }
                     };
-                    let base = config.unwrap_or_else(|| run_dir.join("config.toml"));
-                    let name = run_dir
-                        .file_name()
-                        .and_then(|n| n.to_str())
-                        .with_context(|| {
-                            format!("--resume {}: not a run folder", run_dir.display())
-                        })?;
-                    let parent = run_dir
-                        .parent()
-                        .map(std::path::Path::to_path_buf)
-                        .unwrap_or_default();
-                    let parent = parent
-                        .to_str()
-                        .context("--resume: the path is not valid UTF-8")?;
-                    sets.push(format!(
-                        "run.dir={}",
-                        toml_string(if parent.is_empty() { "." } else { parent })
-                    ));
-                    sets.push(format!("run.name={}", toml_string(name)));
-                    weft_trainer::config::Config::load(Some(&base), &sets)?
+                    let loaded = load()
+                        .map_err(|e| weft_trainer::train::TrainError::Setup(format!("{e:#}")));
+                    let (cfg, resuming) = match procs.agree(loaded) {
+                        Ok(c) => c,
+                        Err(e) => return Err(rank_failed(procs, &e)),
+                    };
+                    if print_config {
+                        if procs.rank() == 0 {
+                            progress::out(&cfg.to_toml());
+                        }
+                        return Ok(());
+                    }
+                    let mut terminal = progress::Terminal::new();
+                    let result = weft_trainer::train::train_processes(
+                        &mut procs,
+                        &cfg,
+                        resuming,
+                        &mut terminal,
+                    );
+                    match result {
+                        Ok(_) => Ok(()),
+                        Err(e) => Err(rank_failed(procs, &e)),
+                    }
                 }
-            };
-            if print_config {
-                progress::out(&cfg.to_toml());
-                return Ok(());
             }
-            weft_trainer::train::train(&cfg, resuming, &mut progress::Terminal::new())?;
-            Ok(())
         }
         Command::Ckpt { command } => ckpt(command),
         Command::Sample {
@@ -390,6 +394,108 @@ fn run(cli: Cli) -> Result<()> {
     }
 }
 
+/// The configuration of `weft train`: the file (or, resuming, the run's
+/// own `config.toml`), then the `--set` overrides; and whether it resumes.
+fn load_train_config(
+    config: Option<PathBuf>,
+    sets: Vec<String>,
+    data: Option<PathBuf>,
+    resume: Option<Option<PathBuf>>,
+) -> Result<(weft_trainer::config::Config, bool)> {
+    let mut sets = sets;
+    if let Some(d) = data {
+        let path = d.to_str().context("--data: the path is not valid UTF-8")?;
+        sets.push(format!("data.source={}", toml_string(path)));
+    }
+    let resuming = resume.is_some();
+    let cfg = match resume {
+        None => weft_trainer::config::Config::load(config.as_deref(), &sets)?,
+        Some(dir) => {
+            // Find the run folder, then load its config (or --config)
+            // and pin run.dir/run.name to that folder.
+            let run_dir = match dir {
+                Some(d) => d,
+                None => {
+                    let c = weft_trainer::config::Config::load(config.as_deref(), &sets)?;
+                    if c.run.name.is_empty() {
+                        anyhow::bail!(
+                            "--resume without a folder needs run.name (e.g. --set run.name=NAME)"
+                        );
+                    }
+                    c.run.dir.join(&c.run.name)
+                }
+            };
+            let base = config.unwrap_or_else(|| run_dir.join("config.toml"));
+            let name = run_dir
+                .file_name()
+                .and_then(|n| n.to_str())
+                .with_context(|| format!("--resume {}: not a run folder", run_dir.display()))?;
+            let parent = run_dir
+                .parent()
+                .map(std::path::Path::to_path_buf)
+                .unwrap_or_default();
+            let parent = parent
+                .to_str()
+                .context("--resume: the path is not valid UTF-8")?;
+            sets.push(format!(
+                "run.dir={}",
+                toml_string(if parent.is_empty() { "." } else { parent })
+            ));
+            sets.push(format!("run.name={}", toml_string(name)));
+            weft_trainer::config::Config::load(Some(&base), &sets)?
+        }
+    };
+    Ok((cfg, resuming))
+}
+
+/// An error already printed (or left to rank 0 to print).
+#[derive(Debug)]
+struct Reported;
+
+impl std::fmt::Display for Reported {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("reported")
+    }
+}
+
+impl std::error::Error for Reported {}
+
+/// Writes `line` to stderr in one write, so that the lines of several
+/// processes sharing a terminal do not interleave.
+fn say_error(line: &str) {
+    use std::io::Write as _;
+    let _ = std::io::stderr()
+        .lock()
+        .write_all(format!("{line}\n").as_bytes());
+}
+
+/// One rank of a job of processes failed with `e`. Rank 0 prints its
+/// error (for a set-up failure, the one report every rank agreed on); any
+/// other rank prints only what happened to it, prefixed with its rank, and
+/// nothing for what it saw because of another rank. The ranks whose failure
+/// rank 0 reports wait until it has (the launcher stops the job when the
+/// first process ends). Then the process leaves without `MPI_Finalize`,
+/// which waits for every peer — and a failed job's peers may never come
+/// (hung, or stopped); the launcher sees a process end in error and stops
+/// the others.
+fn rank_failed(
+    procs: weft_trainer::ranks::Processes,
+    e: &weft_trainer::train::TrainError,
+) -> anyhow::Error {
+    let (rank, size) = (procs.rank(), procs.world().size());
+    if rank == 0 {
+        say_error(&format!("error: {e}"));
+    } else if !e.is_secondary() {
+        say_error(&format!("error: rank {rank} of {size}: {e}"));
+    }
+    procs.reported(matches!(
+        e,
+        weft_trainer::train::TrainError::ReportedByRankZero
+    ));
+    std::mem::forget(procs);
+    Reported.into()
+}
+
 fn ckpt(command: CkptCommand) -> Result<()> {
     use weft_checkpoint::{
         Checkpoint, Gpt2Export, SaveOptions, TargetLayout, export_hf_gpt2, reshard,
@@ -466,9 +572,8 @@ fn main() -> ExitCode {
     match run(Cli::parse()) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            #[allow(clippy::print_stderr)]
-            {
-                eprintln!("error: {e:#}");
+            if e.downcast_ref::<Reported>().is_none() {
+                say_error(&format!("error: {e:#}"));
             }
             ExitCode::FAILURE
         }

@@ -82,9 +82,15 @@ impl Observer for Terminal {
             info.steps
         ));
         say(&format!(
-            "matmul peak     {}FLOP/s measured on this machine",
-            si(info.peak_flops)
+            "matmul peak     {}FLOP/s measured on {}",
+            si(info.peak_flops),
+            if info.backend.contains(" nodes:") {
+                "every node"
+            } else {
+                "this machine"
+            }
         ));
+        say(&format!("backend         {}", info.backend));
         let m = &info.memory;
         say(&format!(
             "ranks           {}; per rank: params {}B, grads {}B, AdamW {}B, activations {}B, comm buffers {}B (total {}B{})",

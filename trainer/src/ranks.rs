@@ -1,21 +1,49 @@
-//! The ranks of a run: threads of this process, one per rank of the mesh,
-//! talking through `weft-collectives`' local backend.
+//! The ranks of a run and how they start: threads of this process, or one
+//! process per rank under an MPI launcher.
 //!
 //! Every rank runs the same training loop (SPMD, as torchtitan does); the
 //! ranks differ only in their coordinates on the mesh, which the model's
 //! parallelization plan turns into the part of the model and of the batch
-//! each computes. Rank 0 alone writes the run folder and reports to the
-//! [`Observer`]: its reports cross to the calling thread over a channel,
-//! so the terminal observer never leaves the main thread.
+//! each computes. Rank 0 alone writes the run folder's metrics, summary and
+//! trace and reports to the [`Observer`]; every rank writes its own
+//! checkpoint shards.
 //!
-//! Each rank computes in a kernel thread pool of its own, the machine's
-//! cores shared out over the ranks (at least one thread each), as each
-//! would on its own device: a stage waiting in a pipeline's bubble lends
-//! no threads to a busy one. Measured on 2 cores (AMD EPYC) against one
-//! pool shared by all ranks: dp=2 +20 % tokens/s, dp=2 fsdp=full +19 %,
-//! dp=2 tp=2 +16 %, pp=2 (8 micro-batches) +28 %, tp=2 −3 % (noise).
+//! # Threads
+//! [`train`](crate::train::train) runs a job of `N` ranks as `N` threads
+//! over `weft-collectives`' local backend. Rank 0's reports cross to the
+//! calling thread over a channel, so the terminal observer never leaves
+//! the main thread. Each rank computes in a kernel thread pool of its own,
+//! the machine's cores shared out over the ranks (at least one thread
+//! each), as each would on its own device: a stage waiting in a pipeline's
+//! bubble lends no threads to a busy one. Measured on 2 cores (AMD EPYC)
+//! against one pool shared by all ranks: dp=2 +20 % tokens/s, dp=2
+//! fsdp=full +19 %, dp=2 tp=2 +16 %, pp=2 (8 micro-batches) +28 %, tp=2
+//! −3 % (noise).
+//!
+//! # Processes
+//! Under `mpirun` (or `srun`, or any launcher that sets the MPI
+//! environment) each process is one rank: [`Processes::connect`] joins the
+//! MPI world (feature `mpi`), and
+//! [`train_processes`](crate::train::train_processes) runs this process's
+//! rank. The world size comes from the launcher and must equal the
+//! layout's `dp · tp · pp`. Ranks on one node (same host name) form one
+//! domain of the collectives' topology — the hierarchical collectives'
+//! intra-node level — and share the node's cores out between their kernel
+//! pools. Rank order is the launcher's: with the default by-slot mapping
+//! consecutive ranks fill a node first, so the tensor-parallel group
+//! (consecutive ranks, innermost on the mesh) lands inside a node whenever
+//! the ranks per node are a multiple of `tp`; the start-up report prints
+//! the node of every rank and warns when a tensor-parallel group spans
+//! nodes.
+//!
+//! Set-up failures (a bad configuration, a missing data file, a run folder
+//! that exists) are agreed on by every rank before any of them goes on
+//! ([`agree`]): rank 0 reports them once, naming the ranks they happened
+//! on, and every process exits with an error — none is left waiting.
 
 use std::sync::mpsc;
+
+use std::time::Duration;
 
 use weft_collectives::{Communicator, LocalCluster, Topology};
 
@@ -83,6 +111,7 @@ impl Observer for Forward {
 pub(crate) fn launch<F>(
     world: usize,
     domain: usize,
+    timeout: Duration,
     observer: &mut dyn Observer,
     rank: F,
 ) -> Result<Summary, TrainError>
@@ -103,6 +132,7 @@ where
             };
             LocalCluster::builder(world)
                 .topology(topology)
+                .timeout(timeout)
                 .run_each(|comm| {
                     let run = || {
                         if comm.rank() == 0 {
@@ -140,8 +170,7 @@ where
 /// Kernel threads per rank: the machine's cores shared out over the
 /// ranks, at least one each.
 fn threads_per_rank(world: usize) -> usize {
-    let cores = std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get);
-    (cores / world.max(1)).max(1)
+    (cores() / world.max(1)).max(1)
 }
 
 /// Rank 0's summary, or the most telling error: a rank's own failure
@@ -160,15 +189,9 @@ fn pick_result(
             Ok(Err(e)) => e,
             Err(e) => TrainError::Comm(e),
         };
-        let secondary = matches!(
-            e,
-            TrainError::Comm(weft_collectives::Error::PeerLost { .. })
-        );
         match &first_err {
             None => first_err = Some(e),
-            Some(TrainError::Comm(weft_collectives::Error::PeerLost { .. })) if !secondary => {
-                first_err = Some(e);
-            }
+            Some(f) if f.is_secondary() && !e.is_secondary() => first_err = Some(e),
             Some(_) => {}
         }
     }
@@ -177,4 +200,514 @@ fn pick_result(
         (None, Some(s)) => Ok(s),
         (None, None) => Err(TrainError::NoRanks),
     }
+}
+
+/// Point-to-point tags of the trainer's own exchanges (below every MPI
+/// library's tag bound).
+pub(crate) mod tags {
+    /// [`super::agree`].
+    pub const AGREE: u64 = 0x5741_4700; // "WAG"
+    /// The trace events gathered for `trace.json`.
+    pub const TRACE: u64 = 0x5754_5200; // "WTR"
+    /// Host names at start-up.
+    #[cfg_attr(not(feature = "mpi"), allow(dead_code))]
+    pub const HOSTS: u64 = 0x5748_5300; // "WHS"
+    /// The token cache's name, shared by the rank that built it.
+    pub const DATA: u64 = 0x5744_5400; // "WDT"
+    /// Every rank's predicted memory.
+    pub const MEMORY: u64 = 0x574d_4500; // "WME"
+    /// Rank 0 has reported a failure.
+    pub const REPORTED: u64 = 0x5752_5000; // "WRP"
+    /// The run's name, picked by rank 0.
+    pub const NAME: u64 = 0x574e_4d00; // "WNM"
+}
+
+/// Largest message one rank sends in [`gather_bytes`].
+const MAX_GATHERED: usize = 1 << 30;
+
+/// Every rank's `mine` on world rank 0, in rank order (`None` elsewhere):
+/// a length, then the bytes, point to point. Collective over `world`.
+///
+/// # Errors
+/// A failed send or receive, or a rank announcing more than 1 GiB.
+pub(crate) fn gather_bytes(
+    world: &dyn Communicator,
+    tag: u64,
+    mine: &[u8],
+) -> weft_collectives::Result<Option<Vec<Vec<u8>>>> {
+    if world.rank() != 0 {
+        world.send_bytes(0, tag, &(mine.len() as u64).to_le_bytes())?;
+        world.send_bytes(0, tag + 1, mine)?;
+        return Ok(None);
+    }
+    let mut all = vec![mine.to_vec()];
+    for peer in 1..world.size() {
+        let mut n = [0u8; 8];
+        world.recv_bytes(peer, tag, &mut n)?;
+        let len = usize::try_from(u64::from_le_bytes(n)).unwrap_or(usize::MAX);
+        if len > MAX_GATHERED {
+            return Err(weft_collectives::Error::InvalidArgument {
+                op: weft_collectives::OpKind::SendRecv,
+                arg: "length",
+                reason: format!("rank {peer} announced {len} bytes (at most {MAX_GATHERED})"),
+            });
+        }
+        let mut buf = vec![0u8; len];
+        world.recv_bytes(peer, tag + 1, &mut buf)?;
+        all.push(buf);
+    }
+    Ok(Some(all))
+}
+
+/// Every rank's `mine` on every rank, in rank order: [`gather_bytes`] to
+/// rank 0, which sends the whole list back to each. Collective over
+/// `world`.
+///
+/// # Errors
+/// As [`gather_bytes`].
+pub(crate) fn all_gather_bytes(
+    world: &dyn Communicator,
+    tag: u64,
+    mine: &[u8],
+) -> weft_collectives::Result<Vec<Vec<u8>>> {
+    if world.size() == 1 {
+        return Ok(vec![mine.to_vec()]);
+    }
+    match gather_bytes(world, tag, mine)? {
+        Some(all) => {
+            let mut packed = Vec::new();
+            for b in &all {
+                packed.extend_from_slice(&(b.len() as u64).to_le_bytes());
+                packed.extend_from_slice(b);
+            }
+            for peer in 1..world.size() {
+                world.send_bytes(peer, tag + 2, &(packed.len() as u64).to_le_bytes())?;
+                world.send_bytes(peer, tag + 3, &packed)?;
+            }
+            Ok(all)
+        }
+        None => {
+            let mut n = [0u8; 8];
+            world.recv_bytes(0, tag + 2, &mut n)?;
+            let len = usize::try_from(u64::from_le_bytes(n)).unwrap_or(usize::MAX);
+            let bad = |reason: String| weft_collectives::Error::InvalidArgument {
+                op: weft_collectives::OpKind::SendRecv,
+                arg: "length",
+                reason,
+            };
+            if len > MAX_GATHERED.saturating_mul(world.size()) {
+                return Err(bad(format!("rank 0 announced {len} bytes")));
+            }
+            let mut packed = vec![0u8; len];
+            world.recv_bytes(0, tag + 3, &mut packed)?;
+            let mut all = Vec::with_capacity(world.size());
+            let mut rest = &packed[..];
+            while let Some((head, tail)) = rest.split_first_chunk::<8>() {
+                let n = usize::try_from(u64::from_le_bytes(*head)).unwrap_or(usize::MAX);
+                if n > tail.len() {
+                    return Err(bad("rank 0's list is cut short".into()));
+                }
+                all.push(tail[..n].to_vec());
+                rest = &tail[n..];
+            }
+            if all.len() != world.size() {
+                return Err(bad(format!(
+                    "rank 0 sent {} entries for {} ranks",
+                    all.len(),
+                    world.size()
+                )));
+            }
+            Ok(all)
+        }
+    }
+}
+
+/// Agrees on a set-up step's outcome across the ranks, so that no rank
+/// goes on to a collective that another will never join. Collective over
+/// `world`. Every rank gets `result` back when it holds on every rank.
+/// Otherwise rank 0 gets the report — its own error when it failed alone or
+/// every rank failed alike (a bad configuration: reported once, not once
+/// per rank), else [`TrainError::OnRanks`] listing each distinct error with
+/// the ranks it happened on — and the other ranks get
+/// [`TrainError::ReportedByRankZero`].
+///
+/// # Errors
+/// As described; a failed exchange is [`TrainError::Comm`] (this rank's
+/// own error first, if it had one).
+pub(crate) fn agree<T>(
+    world: &dyn Communicator,
+    result: Result<T, TrainError>,
+) -> Result<T, TrainError> {
+    if world.size() == 1 {
+        return result;
+    }
+    let mine = match &result {
+        Ok(_) => Vec::new(),
+        Err(e) => {
+            let mut v = vec![1u8];
+            v.extend_from_slice(e.to_string().as_bytes());
+            v
+        }
+    };
+    let all = match all_gather_bytes(world, tags::AGREE, &mine) {
+        Ok(all) => all,
+        Err(e) => return Err(result.err().unwrap_or(TrainError::Comm(e))),
+    };
+    // each distinct message with the ranks it came from, rank 0's first
+    let mut failures: Vec<(Vec<usize>, String)> = Vec::new();
+    for (rank, b) in all.iter().enumerate() {
+        if b.is_empty() {
+            continue;
+        }
+        let msg = String::from_utf8_lossy(&b[1..]).into_owned();
+        match failures.iter_mut().find(|(_, m)| *m == msg) {
+            Some((ranks, _)) => ranks.push(rank),
+            None => failures.push((vec![rank], msg)),
+        }
+    }
+    if failures.is_empty() {
+        return result;
+    }
+    if world.rank() != 0 {
+        return Err(TrainError::ReportedByRankZero);
+    }
+    let alone_or_everywhere =
+        failures.len() == 1 && (failures[0].0 == [0] || failures[0].0.len() == world.size());
+    match result {
+        Err(e) if alone_or_everywhere => Err(e),
+        _ => Err(TrainError::OnRanks(failures)),
+    }
+}
+
+/// `ranks 1, 3` / `rank 2` / `every rank`.
+pub(crate) fn rank_list(ranks: &[usize], world: Option<usize>) -> String {
+    if world == Some(ranks.len()) && ranks.len() > 1 {
+        return "every rank".into();
+    }
+    let list: Vec<String> = ranks.iter().map(ToString::to_string).collect();
+    match ranks {
+        [_] => format!("rank {}", list[0]),
+        _ => format!("ranks {}", list.join(", ")),
+    }
+}
+
+/// What an MPI launcher (`mpirun`, `mpiexec`, `srun`) told this process,
+/// read from the environment it sets.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LauncherEnv {
+    /// The launcher, by the variables found (`Open MPI`, `PMI`, `PMIx`,
+    /// `Slurm`).
+    pub launcher: &'static str,
+    /// This process's rank.
+    pub rank: usize,
+    /// Processes in the job.
+    pub size: usize,
+}
+
+impl LauncherEnv {
+    /// The launcher's variables, if this process was started by one:
+    /// Open MPI's `OMPI_COMM_WORLD_{RANK,SIZE}`, MPICH/Hydra's
+    /// `PMI_{RANK,SIZE}`, PMIx's `PMIX_RANK` (with the size from the
+    /// others), or Slurm's `SLURM_{PROCID,NTASKS}` under `srun`.
+    pub fn detect() -> Option<Self> {
+        let var = |k: &str| std::env::var(k).ok()?.trim().parse::<usize>().ok();
+        let found = |launcher, rank: Option<usize>, size: Option<usize>| {
+            Some(LauncherEnv {
+                launcher,
+                rank: rank?,
+                size: size?,
+            })
+        };
+        found(
+            "Open MPI",
+            var("OMPI_COMM_WORLD_RANK"),
+            var("OMPI_COMM_WORLD_SIZE"),
+        )
+        .or_else(|| found("PMI", var("PMI_RANK"), var("PMI_SIZE")))
+        .or_else(|| {
+            found(
+                "PMIx",
+                var("PMIX_RANK"),
+                var("OMPI_COMM_WORLD_SIZE").or_else(|| var("PMI_SIZE")),
+            )
+        })
+        .or_else(|| {
+            // `srun` of an MPI program sets these; a Slurm batch script
+            // outside srun sets SLURM_NTASKS too, but not SLURM_PROCID
+            found("Slurm", var("SLURM_PROCID"), var("SLURM_NTASKS"))
+                .filter(|_| std::env::var_os("SLURM_STEP_ID").is_some())
+        })
+    }
+}
+
+/// This machine's host name (`/proc/sys/kernel/hostname`, else `$HOSTNAME`,
+/// else `localhost`).
+#[cfg(feature = "mpi")]
+fn host_name() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .ok()
+        .map(|s| s.trim().to_owned())
+        .filter(|s| !s.is_empty())
+        .or_else(|| std::env::var("HOSTNAME").ok())
+        .unwrap_or_else(|| "localhost".into())
+}
+
+/// This process's place in a job of one process per rank: the world
+/// communicator and where every rank runs. Built by [`Processes::connect`].
+pub struct Processes {
+    #[cfg(feature = "mpi")]
+    mpi: weft_collectives::MpiComm,
+    // with `nccl`: the NCCL world; else the MPI world
+    world: Box<dyn Communicator>,
+    backend: crate::config::Backend,
+    library: String,
+    hosts: Vec<String>,
+}
+
+impl std::fmt::Debug for Processes {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Processes")
+            .field("backend", &self.backend)
+            .field("rank", &self.world.rank())
+            .field("size", &self.world.size())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Processes {
+    /// Joins the job's MPI world, learns every rank's host (the ranks of
+    /// a host form one domain of the collectives' topology when every
+    /// host runs as many consecutive ranks), and sizes this process's
+    /// kernel pool to its share of the host's cores. Call once per process.
+    ///
+    /// # Errors
+    /// [`TrainError::Backend`] when this build has no MPI support (feature
+    /// `mpi`) or MPI cannot start; [`TrainError::Comm`] if the host
+    /// exchange fails.
+    pub fn connect() -> Result<Self, TrainError> {
+        Self::connect_impl()
+    }
+
+    #[cfg(not(feature = "mpi"))]
+    fn connect_impl() -> Result<Self, TrainError> {
+        let launched = LauncherEnv::detect()
+            .map(|e| {
+                format!(
+                    "started by {} as rank {} of {}, but ",
+                    e.launcher, e.rank, e.size
+                )
+            })
+            .unwrap_or_default();
+        Err(TrainError::Backend(format!(
+            "{launched}this weft was built without MPI support: build it with \
+             `cargo build --release -p weft-trainer --features mpi` \
+             (needs an MPI library, e.g. Debian's libopenmpi-dev)"
+        )))
+    }
+
+    #[cfg(feature = "mpi")]
+    fn connect_impl() -> Result<Self, TrainError> {
+        let mpi = weft_collectives::MpiComm::builder()
+            .init()
+            .map_err(|e| TrainError::Backend(e.to_string()))?;
+        let name = host_name();
+        let hosts: Vec<String> = all_gather_bytes(&mpi, tags::HOSTS, name.as_bytes())?
+            .into_iter()
+            .map(|b| String::from_utf8_lossy(&b).into_owned())
+            .collect();
+        // this process's share of the host's cores
+        let on_host = hosts.iter().filter(|h| **h == name).count().max(1);
+        let _ = rayon::ThreadPoolBuilder::new()
+            .num_threads((cores() / on_host).max(1))
+            .thread_name(|i| format!("weft-kernel-{i}"))
+            .build_global();
+        Ok(Processes {
+            world: Box::new(mpi.clone()),
+            library: mpi.library_version(),
+            mpi,
+            backend: crate::config::Backend::Mpi,
+            hosts,
+        })
+    }
+
+    /// Switches the world to NCCL across the GPUs (`parallel.backend =
+    /// "nccl"`): rank 0 creates the communicator id and broadcasts it over
+    /// MPI, and each rank takes the GPU of its place on its host.
+    /// Collective.
+    ///
+    /// # Errors
+    /// [`TrainError::Backend`] when this build has no NCCL support (feature
+    /// `nccl`), or no GPU or NCCL library is found (the typed "not
+    /// available" error of `weft-collectives`).
+    pub fn use_nccl(&mut self) -> Result<(), TrainError> {
+        #[cfg(feature = "nccl")]
+        {
+            let unavailable = |e: weft_collectives::Error| TrainError::Backend(e.to_string());
+            let me = self.mpi.rank();
+            let local = self.hosts[..me]
+                .iter()
+                .filter(|h| **h == self.hosts[me])
+                .count();
+            // every rank learns whether every rank can, before any of them
+            // enters NCCL's rendezvous
+            agree(
+                &self.mpi,
+                weft_collectives::nccl_available()
+                    .map(|_| ())
+                    .map_err(unavailable),
+            )?;
+            let nccl = weft_collectives::NcclComm::over(&self.mpi, local).map_err(unavailable);
+            self.world = Box::new(agree(&self.mpi, nccl)?);
+            self.backend = crate::config::Backend::Nccl;
+            Ok(())
+        }
+        #[cfg(not(feature = "nccl"))]
+        {
+            agree(
+                self.world(),
+                Err(TrainError::Backend(
+                    "\"nccl\": this weft was built without NCCL support: build it with \
+                     `--features nccl` and run it where a GPU and libnccl are"
+                        .into(),
+                )),
+            )
+        }
+    }
+
+    /// Agrees on a set-up step's outcome over the processes (see
+    /// [`agree`]): the result on every rank when it holds on every rank,
+    /// else the report on rank 0 and [`TrainError::ReportedByRankZero`]
+    /// elsewhere. For the launcher's own steps, such as reading the
+    /// configuration.
+    ///
+    /// # Errors
+    /// As described.
+    pub fn agree<T>(&self, result: Result<T, TrainError>) -> Result<T, TrainError> {
+        agree(self.world(), result)
+    }
+
+    /// The hand-over of a failure report: rank 0, once it has printed its
+    /// error, tells every other rank; a rank whose failure rank 0 reports
+    /// (`waiting`) waits for that word (at most the watchdog's timeout), so
+    /// that no process ends — and makes the launcher stop the job — before
+    /// the report is out. Failures to send or receive are ignored: the job
+    /// is ending.
+    pub fn reported(&self, waiting: bool) {
+        let world = self.world();
+        if world.rank() == 0 {
+            for peer in 1..world.size() {
+                let _ = world.send_bytes(peer, tags::REPORTED, &[1]);
+            }
+        } else if waiting {
+            let _ = world.recv_bytes(0, tags::REPORTED, &mut [0u8]);
+        }
+    }
+
+    /// Sets the watchdog: a rank waits at most `timeout` for its peers in
+    /// any operation.
+    pub fn set_timeout(&mut self, timeout: Duration) {
+        #[cfg(feature = "mpi")]
+        if self.backend == crate::config::Backend::Mpi {
+            self.world = Box::new(self.mpi.clone().with_timeout(timeout));
+        }
+        #[cfg(not(feature = "mpi"))]
+        let _ = timeout;
+    }
+
+    /// The world communicator.
+    pub fn world(&self) -> &dyn Communicator {
+        &*self.world
+    }
+
+    /// This process's rank.
+    pub fn rank(&self) -> usize {
+        self.world.rank()
+    }
+
+    /// The backend in use (`Mpi` or `Nccl`).
+    pub fn backend(&self) -> crate::config::Backend {
+        self.backend
+    }
+
+    /// The host of every rank, in rank order.
+    pub fn hosts(&self) -> &[String] {
+        &self.hosts
+    }
+
+    /// What the start-up report says about the processes: the backend and
+    /// its library, and every node with its ranks.
+    pub fn describe(&self) -> String {
+        // "Open MPI v4.1.4, package: …": the name and version
+        let lib = self.library.split([',', '\n']).next().unwrap_or("").trim();
+        let nodes = node_map(&self.hosts);
+        format!(
+            "{} processes over {} ({lib}), {} node{}: {}",
+            self.hosts.len(),
+            self.backend.name(),
+            nodes.len(),
+            if nodes.len() == 1 { "" } else { "s" },
+            nodes
+                .iter()
+                .map(|(h, r)| format!("{h} [{}]", rank_ranges(r)))
+                .collect::<Vec<_>>()
+                .join(", ")
+        )
+    }
+}
+
+/// The machine's cores.
+pub(crate) fn cores() -> usize {
+    std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get)
+}
+
+/// Each host with its ranks, in order of first appearance.
+pub(crate) fn node_map(hosts: &[String]) -> Vec<(String, Vec<usize>)> {
+    let mut nodes: Vec<(String, Vec<usize>)> = Vec::new();
+    for (r, h) in hosts.iter().enumerate() {
+        match nodes.iter_mut().find(|(n, _)| n == h) {
+            Some((_, ranks)) => ranks.push(r),
+            None => nodes.push((h.clone(), vec![r])),
+        }
+    }
+    nodes
+}
+
+/// `0-3, 6` for ranks 0, 1, 2, 3, 6.
+pub(crate) fn rank_ranges(ranks: &[usize]) -> String {
+    let mut out: Vec<String> = Vec::new();
+    let mut i = 0;
+    while i < ranks.len() {
+        let mut j = i;
+        while j + 1 < ranks.len() && ranks[j + 1] == ranks[j] + 1 {
+            j += 1;
+        }
+        out.push(if j == i {
+            ranks[i].to_string()
+        } else {
+            format!("{}-{}", ranks[i], ranks[j])
+        });
+        i = j + 1;
+    }
+    out.join(", ")
+}
+
+/// The tensor-parallel groups (consecutive `tp` ranks) whose ranks are on
+/// more than one host: `(first rank, hosts)`.
+pub(crate) fn split_tp_groups(hosts: &[String], tp: usize) -> Vec<(usize, Vec<String>)> {
+    if tp <= 1 {
+        return Vec::new();
+    }
+    hosts
+        .chunks(tp)
+        .enumerate()
+        .filter_map(|(g, group)| {
+            let mut names: Vec<String> = Vec::new();
+            for h in group {
+                if !names.contains(h) {
+                    names.push(h.clone());
+                }
+            }
+            (names.len() > 1).then_some((g * tp, names))
+        })
+        .collect()
 }

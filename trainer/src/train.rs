@@ -41,6 +41,7 @@ pub use weft_model::RankMemory;
 
 use crate::config::{Config, FsdpMode, MoeBalance, MoeDrop, MoeGate, PpSchedule};
 use crate::data::{Data, DataError};
+use crate::ranks::agree;
 use crate::schedule::lr_at;
 
 /// Errors that stop a training run.
@@ -127,6 +128,41 @@ pub enum TrainError {
     /// No rank returned a result (the launcher failed).
     #[error("no rank returned a result")]
     NoRanks,
+    /// The ranks' backend cannot run here: no MPI support in this build,
+    /// MPI failed to start, or no GPU / NCCL library for `nccl`.
+    #[error("parallel.backend: {0}")]
+    Backend(String),
+    /// The launcher started another number of processes than the layout
+    /// has ranks.
+    #[error(
+        "the layout needs {layout} ranks (parallel.dp · tp · pp = {dp} · {tp} · {pp}) but {launcher} started {launched} process(es): launch with `mpirun -np {layout}` or change [parallel]"
+    )]
+    WorldSize {
+        /// `dp · tp · pp`.
+        layout: usize,
+        /// `parallel.dp`.
+        dp: usize,
+        /// `parallel.tp`.
+        tp: usize,
+        /// `parallel.pp`.
+        pp: usize,
+        /// Processes in the MPI world.
+        launched: usize,
+        /// Who started them (`mpirun`, or the MPI library alone).
+        launcher: String,
+    },
+    /// A set-up step failed on some ranks (each distinct error with the
+    /// ranks it happened on); reported by rank 0.
+    #[error("{}", on_ranks(.0))]
+    OnRanks(Vec<(Vec<usize>, String)>),
+    /// A set-up step outside the trainer failed (the launcher reading the
+    /// configuration, say).
+    #[error("{0}")]
+    Setup(String),
+    /// A set-up step failed on another rank; rank 0 reports it (this rank
+    /// prints nothing).
+    #[error("stopped: another rank failed (rank 0 reports why)")]
+    ReportedByRankZero,
     /// Writing the run folder failed.
     #[error("writing {path}: {source}")]
     Io {
@@ -135,6 +171,27 @@ pub enum TrainError {
         /// The underlying error.
         source: std::io::Error,
     },
+}
+
+fn on_ranks(failures: &[(Vec<usize>, String)]) -> String {
+    failures
+        .iter()
+        .map(|(r, m)| format!("on {}: {m}", crate::ranks::rank_list(r, None)))
+        .collect::<Vec<_>>()
+        .join("; ")
+}
+
+impl TrainError {
+    /// Whether this error only follows from another rank's: a peer that
+    /// left, or a failure rank 0 reports. A job of many processes prints
+    /// it nowhere (the first error is printed where it happened).
+    pub fn is_secondary(&self) -> bool {
+        matches!(
+            self,
+            TrainError::ReportedByRankZero
+                | TrainError::Comm(weft_collectives::Error::PeerLost { .. })
+        )
+    }
 }
 
 /// What a run is about to do, reported once at the start.
@@ -167,8 +224,12 @@ pub struct RunInfo {
     /// The mesh's shape, e.g. `pp=1 × edp=2 × ep=1 × tp=2 (tp innermost)`.
     pub mesh: String,
     /// Every rank's coordinates on the mesh, in rank order
-    /// (`rank 3: pp 0, dp 1, tp 1`).
+    /// (`rank 3: pp 0, dp 1, tp 1`, with ` on HOST` in a job of processes).
     pub coords: Vec<String>,
+    /// How the ranks run: `4 threads of this process`, or the processes'
+    /// backend, its library and every node with its ranks (and a warning
+    /// for a tensor-parallel group that spans nodes).
+    pub backend: String,
     /// Memory of one rank (rank 0) predicted from the layout before
     /// anything was allocated (`ParallelGpt::predict_memory`).
     pub predicted_memory: RankMemory,
@@ -583,11 +644,48 @@ fn sum_load_stats(
 /// `metrics.jsonl` is cut back to the checkpoint's step and the run goes on
 /// exactly as if it had never stopped.
 ///
+/// The ranks are threads of this process (`parallel.backend = "threads"`,
+/// or `"auto"` outside an MPI launcher), or — under `mpirun`/`srun`, or with
+/// `"mpi"`/`"nccl"` — this process is one rank of the launcher's job
+/// ([`Processes::connect`](crate::ranks::Processes::connect), then
+/// [`train_processes`]).
+///
 /// # Errors
 /// [`TrainError`] if the data cannot be opened, the model rejects the
 /// configuration, the run folder exists (or, resuming, does not), a
-/// checkpoint cannot be saved or restored, or writing the folder fails.
+/// checkpoint cannot be saved or restored, or writing the folder fails;
+/// [`TrainError::Backend`] if `"threads"` is asked for in a job of several
+/// processes, or the processes' backend cannot start.
 pub fn train(
+    config: &Config,
+    resume: bool,
+    observer: &mut dyn Observer,
+) -> Result<Summary, TrainError> {
+    use crate::config::Backend;
+    let launcher = crate::ranks::LauncherEnv::detect();
+    match (config.parallel.backend, launcher) {
+        (Backend::Threads, Some(env)) if env.size > 1 => Err(TrainError::Backend(format!(
+            "\"threads\" runs every rank in one process, but {} started {} processes: \
+             use \"auto\" or \"mpi\", or start weft once without the launcher",
+            env.launcher, env.size
+        ))),
+        (Backend::Threads, _) | (Backend::Auto, None) => train_threads(config, resume, observer),
+        _ => {
+            let mut procs = crate::ranks::Processes::connect()?;
+            train_processes(&mut procs, config, resume, observer)
+        }
+    }
+}
+
+/// The watchdog's timeout, `parallel.timeout_s` (the default for a value
+/// out of range, which validation reports).
+fn timeout(config: &Config) -> std::time::Duration {
+    std::time::Duration::try_from_secs_f64(config.parallel.timeout_s)
+        .unwrap_or(weft_collectives::DEFAULT_TIMEOUT)
+}
+
+/// The job as threads of this process, one per rank.
+fn train_threads(
     config: &Config,
     resume: bool,
     observer: &mut dyn Observer,
@@ -599,9 +697,171 @@ pub fn train(
     // The machine's peak, measured on every core before the ranks start
     // (each rank then computes on its own share of them).
     let peak = measure_matmul_peak();
-    crate::ranks::launch(dims.world_size(), dims.tp, observer, |world, obs| {
-        run_rank(config, resume, world, obs, peak)
-    })
+    // Read (and tokenize) the data once, for every rank.
+    let data = Data::open(config)?;
+    let job = Job {
+        config,
+        resume,
+        peak,
+        data: &data,
+        processes: None,
+    };
+    crate::ranks::launch(
+        dims.world_size(),
+        dims.tp,
+        timeout(config),
+        observer,
+        |world, obs| run_rank(&job, world, obs),
+    )
+}
+
+/// This process's rank of a job of one process per rank (see
+/// [`Processes`](crate::ranks::Processes)): the same training loop as the
+/// thread ranks run, over the processes' communicator. Rank 0 reports to
+/// `observer` and writes the run folder; the others report nothing. Every
+/// set-up failure is agreed on by all ranks and reported once, by rank 0
+/// ([`TrainError::ReportedByRankZero`] on the others).
+///
+/// # Errors
+/// As [`train`]; [`TrainError::WorldSize`] when the launcher started
+/// another number of processes than the layout has ranks.
+pub fn train_processes(
+    procs: &mut crate::ranks::Processes,
+    config: &Config,
+    resume: bool,
+    observer: &mut dyn Observer,
+) -> Result<Summary, TrainError> {
+    use crate::config::Backend;
+    let backend = match config.parallel.backend {
+        Backend::Threads if procs.world().size() > 1 => Err(TrainError::Backend(format!(
+            "\"threads\" runs every rank in one process, but this job has {} processes: use \"auto\" or \"mpi\"",
+            procs.world().size()
+        ))),
+        b => Ok(b),
+    };
+    if procs.agree(backend)? == Backend::Nccl && procs.backend() != Backend::Nccl {
+        procs.use_nccl()?;
+    }
+    procs.set_timeout(timeout(config));
+    let procs = &*procs;
+    let world = procs.world();
+    let dims = config.parallel.dims();
+    let setup = (|| {
+        config.validate()?;
+        dims.validate()?;
+        if dims.world_size() != world.size() {
+            return Err(TrainError::WorldSize {
+                layout: dims.world_size(),
+                dp: dims.dp,
+                tp: dims.tp,
+                pp: dims.pp,
+                launched: world.size(),
+                launcher: crate::ranks::LauncherEnv::detect()
+                    .map_or_else(|| "the MPI library".into(), |e| e.launcher.to_owned()),
+            });
+        }
+        check_model_floor(config)
+    })();
+    agree(world, setup)?;
+    let hosts = procs.hosts();
+    let peak = node_peak(world, hosts)?;
+    let data = open_data_once(world, hosts, config)?;
+    let job = Job {
+        config,
+        resume,
+        peak,
+        data: &data,
+        processes: Some(procs),
+    };
+    if world.rank() == 0 {
+        run_rank(&job, world, observer)
+    } else {
+        run_rank(&job, world, &mut Silent)
+    }
+}
+
+/// Whether world rank `me` is the first rank on its host.
+fn first_on_host(hosts: &[String], me: usize) -> bool {
+    hosts.iter().position(|h| *h == hosts[me]) == Some(me)
+}
+
+/// The job's peak: measured on every core of each host by the host's first
+/// rank while the others wait, summed over the hosts. Collective.
+fn node_peak(world: &dyn Communicator, hosts: &[String]) -> Result<f64, TrainError> {
+    world.barrier()?;
+    let mine = if first_on_host(hosts, world.rank()) {
+        match rayon::ThreadPoolBuilder::new()
+            .num_threads(crate::ranks::cores())
+            .build()
+        {
+            Ok(pool) => pool.install(measure_matmul_peak),
+            Err(_) => measure_matmul_peak(),
+        }
+    } else {
+        0.0
+    };
+    let mut total = [mine];
+    world.all_reduce(&mut total, ReduceOp::Sum)?;
+    Ok(total[0])
+}
+
+/// Opens the data on every rank, tokenizing text once: the first rank of
+/// each host opens it (tokenizing into the token cache, or mapping the
+/// cache), the others wait and then map the cache file it names, without
+/// reading the text. Collective; failures are agreed on.
+fn open_data_once(
+    world: &dyn Communicator,
+    hosts: &[String],
+    config: &Config,
+) -> Result<Data, TrainError> {
+    let open = || Data::open(config).map_err(TrainError::from);
+    if config.data.source == "synthetic" || world.size() == 1 {
+        return agree(world, open());
+    }
+    let me = world.rank();
+    let builder = first_on_host(hosts, me);
+    let built = agree(world, if builder { open().map(Some) } else { Ok(None) })?;
+    let cache = built
+        .as_ref()
+        .and_then(|d| match d {
+            Data::Text(t) => t.cache_file(),
+            Data::Synthetic(_) => None,
+        })
+        .and_then(|p| p.to_str())
+        .unwrap_or("");
+    let caches = crate::ranks::all_gather_bytes(world, crate::ranks::tags::DATA, cache.as_bytes())?;
+    let data = match built {
+        Some(d) => Ok(d),
+        None => {
+            let first = hosts.iter().position(|h| *h == hosts[me]).unwrap_or(0);
+            let file = String::from_utf8_lossy(&caches[first]).into_owned();
+            if file.is_empty() {
+                // the builder could not write the cache: read the text here
+                open()
+            } else {
+                crate::data::TextData::open_cache(
+                    Path::new(&config.data.source),
+                    Path::new(&file),
+                    config.model.block_size,
+                    config.data.val_fraction,
+                    config.train.seed,
+                )
+                .map(Data::Text)
+                .map_err(TrainError::from)
+            }
+        }
+    };
+    agree(world, data)
+}
+
+/// What every rank of a job shares: the configuration, the machine's
+/// peak, the data, and (a job of processes) where the ranks run.
+struct Job<'a> {
+    config: &'a Config,
+    resume: bool,
+    peak: f64,
+    data: &'a Data,
+    processes: Option<&'a crate::ranks::Processes>,
 }
 
 /// Refuses, before anything is built, a model whose parameters alone
@@ -648,16 +908,27 @@ fn check_model_floor(config: &Config) -> Result<(), TrainError> {
     })
 }
 
-/// Refuses the run (collective over `world`) when its ranks together —
-/// all threads of this process — need more than the memory available.
+/// Refuses the run (collective over `world`) when the ranks of one
+/// machine together — the threads of this process, or the processes on
+/// this host (`hosts`, a job of processes) — need more than the memory
+/// available there.
 fn check_memory(
     config: &Config,
     world: &dyn Communicator,
+    hosts: Option<&[String]>,
     mine: &RankMemory,
 ) -> Result<(), TrainError> {
     #[allow(clippy::cast_precision_loss)]
-    let mut total = [mine.total() as f64];
-    world.all_reduce(&mut total, ReduceOp::Sum)?;
+    let me = mine.total() as f64;
+    let all = crate::ranks::all_gather_bytes(world, crate::ranks::tags::MEMORY, &me.to_le_bytes())?;
+    let on_this_machine = |r: usize| hosts.is_none_or(|h| h[r] == h[world.rank()]);
+    let total = [all
+        .iter()
+        .enumerate()
+        .filter(|&(r, _)| on_this_machine(r))
+        .map(|(_, b)| b.first_chunk::<8>().map_or(0.0, |b| f64::from_le_bytes(*b)))
+        .sum::<f64>()];
+    let ranks = (0..world.size()).filter(|&r| on_this_machine(r)).count();
     let Some(available) = available_memory() else {
         return Ok(());
     };
@@ -688,7 +959,7 @@ fn check_memory(
         needed: gib(total[0]),
         #[allow(clippy::cast_precision_loss)]
         available: gib(available as f64),
-        ranks: world.size(),
+        ranks,
         detail: format!("per rank: {mine}"),
         dominant: settings,
     })
@@ -741,16 +1012,20 @@ fn layout_name(config: &Config) -> String {
 /// One rank's run on world communicator `world`: its share of the job.
 /// Only world rank 0 writes the run folder and checkpoints.
 fn run_rank(
-    config: &Config,
-    resume: bool,
+    job: &Job<'_>,
     world: &dyn Communicator,
     observer: &mut dyn Observer,
-    peak: f64,
 ) -> Result<Summary, TrainError> {
+    let Job {
+        config,
+        resume,
+        peak,
+        data,
+        processes,
+    } = *job;
     let dims = config.parallel.dims();
     let mesh = dims.build(world)?;
     let writer = world.rank() == 0;
-    let data = Data::open(config)?;
     let vocab = data.vocab_size();
     let cfg = model_config(config, vocab);
     let t = &config.train;
@@ -758,9 +1033,30 @@ fn run_rank(
     let (micro, per_rank) = (split.micro, split.per_rank);
     let seq = config.model.block_size;
     let first_micro = mesh.coords().dp() * per_rank;
+    let host_of = |r: usize| {
+        processes
+            .and_then(|p| p.hosts().get(r))
+            .map_or_else(String::new, |h| format!(" on {h}"))
+    };
     let coords: Vec<String> = (0..dims.world_size())
-        .map(|r| format!("rank {r}: {}", dims.coords_of(r)))
+        .map(|r| format!("rank {r}: {}{}", dims.coords_of(r), host_of(r)))
         .collect();
+    let backend = match processes {
+        None if dims.world_size() == 1 => "one thread of this process".to_owned(),
+        None => format!("{} threads of this process", dims.world_size()),
+        Some(p) => {
+            let mut line = p.describe();
+            for (first, hosts) in crate::ranks::split_tp_groups(p.hosts(), dims.tp) {
+                line.push_str(&format!(
+                    "; warning: the tensor-parallel group of ranks {first}-{} spans hosts {} (place {} consecutive ranks per host)",
+                    first + dims.tp - 1,
+                    hosts.join(", "),
+                    dims.tp
+                ));
+            }
+            line
+        }
+    };
     let shape: Vec<String> = dims
         .mesh_dims()
         .iter()
@@ -770,19 +1066,33 @@ fn run_rank(
 
     // Every rank initialises only its part of the model: the values the
     // whole model has there, as one rank's run starts from.
-    let (ffn, moe) = rank_ffn(config, &cfg, &mesh)?;
+    let (ffn, moe) = agree(world, rank_ffn(config, &cfg, &mesh))?;
     let init = Init::Gpt2 {
         seed: config.train.seed,
     };
-    let plan = plan(config, &cfg)?;
+    let plan = agree(world, plan(config, &cfg))?;
     // What every rank will hold, before any of it is allocated: a run
     // that cannot fit is refused here, with what dominates.
-    let predicted = ParallelGpt::predict_memory(&cfg, ffn.clone(), &plan, &mesh)?;
-    check_memory(config, world, &predicted)?;
-    let mut model = ParallelGpt::new(cfg.clone(), ffn, init, &plan, mesh)?;
+    let predicted = agree(
+        world,
+        ParallelGpt::predict_memory(&cfg, ffn.clone(), &plan, &mesh).map_err(TrainError::from),
+    )?;
+    let hosts = processes.map(crate::ranks::Processes::hosts);
+    agree(world, check_memory(config, world, hosts, &predicted))?;
+    let mut model = agree(
+        world,
+        ParallelGpt::new(cfg.clone(), ffn, init, &plan, mesh).map_err(TrainError::from),
+    )?;
 
+    // rank 0 names the run (a timestamp unless run.name says), for all
     let name = if config.run.name.is_empty() {
-        timestamp_name()
+        let mine = if writer {
+            timestamp_name()
+        } else {
+            String::new()
+        };
+        let all = crate::ranks::all_gather_bytes(world, crate::ranks::tags::NAME, mine.as_bytes())?;
+        String::from_utf8_lossy(&all[0]).into_owned()
     } else {
         config.run.name.clone()
     };
@@ -794,10 +1104,17 @@ fn run_rank(
     let mut kept_lines: Vec<String> = Vec::new();
     let mut start_step = 0;
     if resume {
-        if !run_dir.is_dir() {
-            return Err(TrainError::NothingToResume(run_dir));
-        }
-        let restored = crate::ckpt::restore_sharded(world, &ckpt_root, config, &mut model)?;
+        let found = if run_dir.is_dir() {
+            Ok(())
+        } else {
+            Err(TrainError::NothingToResume(run_dir.clone()))
+        };
+        agree(world, found)?;
+        let restored = agree(
+            world,
+            crate::ckpt::restore_sharded(world, &ckpt_root, config, &mut model)
+                .map_err(TrainError::from),
+        )?;
         start_step = restored.step;
         if start_step >= t.steps {
             // nothing to train: the run's files stay as they are
@@ -807,7 +1124,10 @@ fn run_rank(
             });
         }
         observer.resumed(start_step, &restored.skipped);
-        let text = std::fs::read_to_string(&metrics_path).map_err(io_err(&metrics_path))?;
+        let text = agree(
+            world,
+            std::fs::read_to_string(&metrics_path).map_err(io_err(&metrics_path)),
+        )?;
         kept_lines = text
             .lines()
             .filter(|l| {
@@ -818,27 +1138,37 @@ fn run_rank(
             })
             .map(str::to_owned)
             .collect();
-    } else if writer {
-        if run_dir.exists() {
-            return Err(TrainError::RunExists(run_dir));
-        }
-        std::fs::create_dir_all(&run_dir).map_err(io_err(&run_dir))?;
-        let config_path = run_dir.join("config.toml");
-        std::fs::write(&config_path, config.to_toml()).map_err(io_err(&config_path))?;
+    } else {
+        let created = (|| {
+            if !writer {
+                return Ok(());
+            }
+            if run_dir.exists() {
+                return Err(TrainError::RunExists(run_dir.clone()));
+            }
+            std::fs::create_dir_all(&run_dir).map_err(io_err(&run_dir))?;
+            let config_path = run_dir.join("config.toml");
+            std::fs::write(&config_path, config.to_toml()).map_err(io_err(&config_path))
+        })();
+        agree(world, created)?;
     }
     let full_layout = model.whole_layout().clone();
     // Only the writer's logs reach the disk.
-    let mut metrics: BufWriter<Box<dyn Write>> = if writer {
+    let opened = (|| -> Result<BufWriter<Box<dyn Write>>, TrainError> {
+        if !writer {
+            return Ok(BufWriter::new(Box::new(std::io::sink())));
+        }
         // (Re)write the metrics file with the kept lines, atomically.
         let tmp = run_dir.join("metrics.jsonl.tmp");
         let kept: String = kept_lines.iter().map(|l| format!("{l}\n")).collect();
         std::fs::write(&tmp, kept).map_err(io_err(&tmp))?;
         std::fs::rename(&tmp, &metrics_path).map_err(io_err(&metrics_path))?;
         let file = std::fs::OpenOptions::new().append(true).open(&metrics_path);
-        BufWriter::new(Box::new(file.map_err(io_err(&metrics_path))?))
-    } else {
-        BufWriter::new(Box::new(std::io::sink()))
-    };
+        Ok(BufWriter::new(Box::new(
+            file.map_err(io_err(&metrics_path))?,
+        )))
+    })();
+    let mut metrics = agree(world, opened)?;
 
     let val = data.val_batches(t.eval_sequences, micro);
     let val_mbs: Vec<MicroBatch<'_>> = val
@@ -882,6 +1212,7 @@ fn run_rank(
         layout: layout_name(config),
         mesh: mesh_shape,
         coords,
+        backend,
         memory,
     };
     observer.start(&info);
@@ -931,25 +1262,28 @@ fn run_rank(
     recent.drain(..excess);
     let mut last_max_vio = None;
     let expert_path = run_dir.join("expert_load.jsonl");
-    let mut expert_log: Option<BufWriter<Box<dyn Write>>> = match &moe {
-        None => None,
-        Some(_) if !writer => Some(BufWriter::new(Box::new(std::io::sink()))),
-        Some(_) => {
-            // Keep the records up to a resumed checkpoint.
-            let kept: String = std::fs::read_to_string(&expert_path)
-                .unwrap_or_default()
-                .lines()
-                .filter(|l| {
-                    serde_json::from_str::<weft_trace::ExpertLoadRecord>(l)
-                        .is_ok_and(|r| r.step <= start_step)
-                })
-                .map(|l| format!("{l}\n"))
-                .collect();
-            std::fs::write(&expert_path, kept).map_err(io_err(&expert_path))?;
-            let f = std::fs::OpenOptions::new().append(true).open(&expert_path);
-            Some(BufWriter::new(Box::new(f.map_err(io_err(&expert_path))?)))
-        }
-    };
+    let expert_log = (|| -> Result<Option<BufWriter<Box<dyn Write>>>, TrainError> {
+        Ok(match &moe {
+            None => None,
+            Some(_) if !writer => Some(BufWriter::new(Box::new(std::io::sink()))),
+            Some(_) => {
+                // Keep the records up to a resumed checkpoint.
+                let kept: String = std::fs::read_to_string(&expert_path)
+                    .unwrap_or_default()
+                    .lines()
+                    .filter(|l| {
+                        serde_json::from_str::<weft_trace::ExpertLoadRecord>(l)
+                            .is_ok_and(|r| r.step <= start_step)
+                    })
+                    .map(|l| format!("{l}\n"))
+                    .collect();
+                std::fs::write(&expert_path, kept).map_err(io_err(&expert_path))?;
+                let f = std::fs::OpenOptions::new().append(true).open(&expert_path);
+                Some(BufWriter::new(Box::new(f.map_err(io_err(&expert_path))?)))
+            }
+        })
+    })();
+    let mut expert_log = agree(world, expert_log)?;
     let mut trace = weft_trace::Trace::new();
     let mut bubble_sum: Option<(f64, f64, usize)> = None;
     // Every traced pipeline step: (step number, measured bubble, makespan
@@ -1332,30 +1666,18 @@ fn gather_events(
     world: &dyn Communicator,
     events: &[weft_trace::TraceEvent],
 ) -> Result<Option<Vec<Vec<weft_trace::TraceEvent>>>, TrainError> {
-    const TAG: u64 = 0x5754_5243; // "WTRC"
     let bad = TrainError::Trace;
-    let me = world.rank();
-    if me != 0 {
-        let bytes = serde_json::to_vec(events).map_err(|e| bad(e.to_string()))?;
-        world.send_bytes(0, TAG, &(bytes.len() as u64).to_le_bytes())?;
-        world.send_bytes(0, TAG + 1, &bytes)?;
+    let bytes = serde_json::to_vec(events).map_err(|e| bad(e.to_string()))?;
+    let Some(all) = crate::ranks::gather_bytes(world, crate::ranks::tags::TRACE, &bytes)? else {
         return Ok(None);
-    }
-    let mut all = vec![events.to_vec()];
-    for peer in 1..world.size() {
-        let mut n = [0u8; 8];
-        world.recv_bytes(peer, TAG, &mut n)?;
-        let len = usize::try_from(u64::from_le_bytes(n)).unwrap_or(usize::MAX);
-        if len > 1 << 30 {
-            return Err(bad(format!("rank {peer} sent a trace of {len} bytes")));
-        }
-        let mut buf = vec![0u8; len];
-        world.recv_bytes(peer, TAG + 1, &mut buf)?;
-        let got = serde_json::from_slice(&buf)
-            .map_err(|e| bad(format!("rank {peer}'s trace events: {e}")))?;
-        all.push(got);
-    }
-    Ok(Some(all))
+    };
+    all.iter()
+        .enumerate()
+        .map(|(rank, b)| {
+            serde_json::from_slice(b).map_err(|e| bad(format!("rank {rank}'s trace events: {e}")))
+        })
+        .collect::<Result<Vec<_>, _>>()
+        .map(Some)
 }
 
 /// The pipeline bubble in `trace.json`'s `otherData`, as the summary

@@ -1,0 +1,477 @@
+//! `mpirun weft train`: one process per rank over the MPI backend, against
+//! the same job on thread ranks (feature `mpi`).
+//!
+//! Each test runs the `weft` binary twice — once as threads of one process,
+//! once as `mpirun --oversubscribe -np N weft train` — and compares the runs'
+//! `metrics.jsonl` bit for bit (losses, gradient norms, validation losses
+//! as JSON text, which round-trips f64). The failure tests kill or stop
+//! one rank of a running job and check that the job ends, non-zero, with
+//! nothing left running. Skipped, with a printed reason, where `mpirun` is
+//! missing (`WEFT_MPIRUN` names another launcher).
+#![allow(clippy::print_stderr)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+/// One job at a time: the machine has few cores and the failure tests
+/// time their jobs.
+static SERIAL: Mutex<()> = Mutex::new(());
+
+const WEFT: &str = env!("CARGO_BIN_EXE_weft");
+
+fn launcher() -> Option<String> {
+    let l = std::env::var("WEFT_MPIRUN").unwrap_or_else(|_| "mpirun".into());
+    let found = Command::new(&l)
+        .arg("--version")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    if found {
+        Some(l)
+    } else {
+        eprintln!("skipped: `{l} --version` does not run (install openmpi-bin)");
+        None
+    }
+}
+
+fn tmp(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("weft-mpi-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+/// A small job's settings.
+fn job(dir: &Path, name: &str, steps: u64, extra: &[&str]) -> Vec<String> {
+    let mut sets: Vec<String> = [
+        "model.n_layer=2",
+        "model.n_head=2",
+        "model.n_embd=32",
+        "model.block_size=16",
+        "train.batch_size=8",
+        "train.micro_batch_size=2",
+        "train.eval_every=3",
+        "train.eval_sequences=6",
+        "optim.warmup_steps=2",
+        "optim.lr=1e-2",
+        "checkpoint.every=0",
+    ]
+    .iter()
+    .map(|s| (*s).to_owned())
+    .collect();
+    sets.push(format!("train.steps={steps}"));
+    sets.extend(extra.iter().map(|s| (*s).to_owned()));
+    sets.push(format!("run.dir={:?}", dir.display().to_string()));
+    sets.push(format!("run.name={name}"));
+    sets.into_iter().flat_map(|s| ["--set".into(), s]).collect()
+}
+
+/// `weft train` on thread ranks.
+fn threads(args: &[String]) -> Output {
+    Command::new(WEFT).arg("train").args(args).output().unwrap()
+}
+
+/// `mpirun -np N weft train`.
+fn mpirun(launcher: &str, np: usize) -> Command {
+    let mut c = Command::new(launcher);
+    c.env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+        .args(["--oversubscribe", "-np", &np.to_string(), WEFT, "train"]);
+    c
+}
+
+fn processes(launcher: &str, np: usize, args: &[String]) -> Output {
+    mpirun(launcher, np).args(args).output().unwrap()
+}
+
+fn text(o: &Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
+
+/// Every metrics line's step, loss, gradient norm and validation loss.
+fn metrics(run: &Path) -> Vec<String> {
+    std::fs::read_to_string(run.join("metrics.jsonl"))
+        .unwrap_or_else(|e| panic!("{}: {e}", run.display()))
+        .lines()
+        .map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).unwrap();
+            format!(
+                "{} {} {} {}",
+                v["step"], v["loss"], v["grad_norm"], v["val_loss"]
+            )
+        })
+        .collect()
+}
+
+#[test]
+fn every_axis_over_processes_equals_the_thread_ranks_bit_for_bit() {
+    let Some(l) = launcher() else { return };
+    let _g = SERIAL
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    let dir = tmp("layouts");
+    let moe = [
+        "model.moe.experts=4",
+        "model.moe.top_k=2",
+        "parallel.dp=2",
+        "parallel.ep=2",
+    ];
+    let layouts: [(&str, usize, &[&str]); 9] = [
+        ("dp2", 2, &["parallel.dp=2"]),
+        ("fsdp2", 2, &["parallel.dp=2", "parallel.fsdp=\"full\""]),
+        (
+            "tp2",
+            2,
+            &["parallel.tp=2", "parallel.sequence_parallel=true"],
+        ),
+        ("pp2", 2, &["parallel.pp=2"]),
+        ("ep2", 2, &moe),
+        (
+            "dp4-plain",
+            4,
+            &["parallel.dp=4", "parallel.reproducible=false"],
+        ),
+        ("dp2tp2", 4, &["parallel.dp=2", "parallel.tp=2"]),
+        (
+            "pp2dp2-zero1",
+            4,
+            &[
+                "parallel.pp=2",
+                "parallel.dp=2",
+                "parallel.fsdp=\"optimizer\"",
+            ],
+        ),
+        ("pp2tp2", 4, &["parallel.pp=2", "parallel.tp=2"]),
+    ];
+    for (name, np, sets) in layouts {
+        let t = threads(&job(&dir, &format!("{name}-threads"), 6, sets));
+        assert!(t.status.success(), "{name} on threads:\n{}", text(&t));
+        let p = processes(&l, np, &job(&dir, &format!("{name}-mpi"), 6, sets));
+        let out = text(&p);
+        assert!(p.status.success(), "{name} over {np} processes:\n{out}");
+        assert!(
+            out.contains(&format!("{np} processes over mpi")) && out.contains("rank 0: pp 0"),
+            "{name}: the start-up report names the backend and the ranks' hosts:\n{out}"
+        );
+        let (a, b) = (
+            metrics(&dir.join(format!("{name}-threads"))),
+            metrics(&dir.join(format!("{name}-mpi"))),
+        );
+        assert_eq!(a.len(), 9, "{name}: 6 steps and 3 evaluations");
+        if name.ends_with("-plain") {
+            // plain sums over MPI are the library's MPI_Allreduce, in its
+            // own order: equal within rounding, not bitwise
+            for (x, y) in a.iter().zip(&b) {
+                for (u, v) in x.split(' ').zip(y.split(' ')) {
+                    let (u, v) = (u.parse::<f64>(), v.parse::<f64>());
+                    if let (Ok(u), Ok(v)) = (u, v) {
+                        assert!(
+                            (u - v).abs() <= 1e-6 * u.abs().max(1.0),
+                            "{name}: {x} vs {y}"
+                        );
+                    }
+                }
+            }
+        } else {
+            assert_eq!(a, b, "{name}: threads vs {np} MPI processes");
+        }
+        // only rank 0 writes the run folder's logs; the trace holds every
+        // rank's lanes
+        let trace = std::fs::read_to_string(dir.join(format!("{name}-mpi/trace.json"))).unwrap();
+        for r in 0..np {
+            assert!(
+                trace.contains(&format!("\"rank {r}: ")),
+                "{name}: rank {r} in trace.json"
+            );
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_run_saved_by_processes_resumes_on_threads_and_back() {
+    let Some(l) = launcher() else { return };
+    let _g = SERIAL
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    let dir = tmp("resume");
+    // a constant learning rate, so that stopping early (train.steps=2, then
+    // 4) leaves the schedule of the 6-step run unchanged
+    let layout = [
+        "parallel.dp=2",
+        "parallel.fsdp=\"full\"",
+        "checkpoint.every=2",
+        "optim.warmup_steps=0",
+        "optim.min_lr_ratio=1.0",
+    ];
+    let whole = threads(&job(&dir, "whole", 6, &layout));
+    assert!(whole.status.success(), "{}", text(&whole));
+    // 2 steps over processes (each rank writes its own shards) ...
+    let first = processes(&l, 2, &job(&dir, "split", 2, &layout));
+    assert!(first.status.success(), "{}", text(&first));
+    let shards: Vec<_> = std::fs::read_dir(dir.join("split/checkpoints/step-00000002"))
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.ends_with(".safetensors"))
+        .collect();
+    assert_eq!(shards.len(), 2, "one shard file per rank: {shards:?}");
+    // ... 2 more on threads, then the last 2 over processes again
+    let run = dir.join("split").display().to_string();
+    let resume = |steps: u64| {
+        vec![
+            "--resume".to_owned(),
+            run.clone(),
+            "--set".into(),
+            format!("train.steps={steps}"),
+        ]
+    };
+    let second = threads(&resume(4));
+    assert!(second.status.success(), "{}", text(&second));
+    let third = processes(&l, 2, &resume(6));
+    assert!(third.status.success(), "{}", text(&third));
+    // the same steps (the stopped runs evaluate at their last step too)
+    let steps = |run: &str| -> Vec<String> {
+        metrics(&dir.join(run))
+            .into_iter()
+            .filter(|l| l.ends_with(" null"))
+            .collect()
+    };
+    assert_eq!(steps("split").len(), 6);
+    assert_eq!(steps("split"), steps("whole"));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn text_is_tokenized_once_and_read_by_every_process() {
+    let Some(l) = launcher() else { return };
+    let _g = SERIAL
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    let dir = tmp("text");
+    let corpus = dir.join("corpus.txt");
+    let text_body: String = (0..400)
+        .map(|i| format!("Line {i} of a small corpus, with words that repeat. "))
+        .collect();
+    std::fs::write(&corpus, text_body).unwrap();
+    let cache = dir.join("cache");
+    let data = format!("data.source={:?}", corpus.display().to_string());
+    let sets = [
+        data.as_str(),
+        "parallel.dp=2",
+        "model.n_embd=16",
+        "model.n_head=2",
+    ];
+    let p = mpirun(&l, 2)
+        .env("WEFT_CACHE", &cache)
+        .args(job(&dir, "mpi", 3, &sets))
+        .output()
+        .unwrap();
+    assert!(p.status.success(), "{}", text(&p));
+    let cached: Vec<_> = std::fs::read_dir(cache.join("tokens"))
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .collect();
+    assert_eq!(cached.len(), 1, "one token cache file, no temporaries");
+    let t = Command::new(WEFT)
+        .env("WEFT_CACHE", dir.join("cache-threads"))
+        .arg("train")
+        .args(job(&dir, "threads", 3, &sets))
+        .output()
+        .unwrap();
+    assert!(t.status.success(), "{}", text(&t));
+    assert_eq!(metrics(&dir.join("mpi")), metrics(&dir.join("threads")));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn set_up_errors_are_reported_once_and_every_process_exits() {
+    let Some(l) = launcher() else { return };
+    let _g = SERIAL
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    let dir = tmp("errors");
+    let cases: [(&str, usize, &[&str], &str); 4] = [
+        (
+            "bad-config",
+            4,
+            &["parallel.dp=4", "parallel.tp=3"],
+            "must divide model.n_head",
+        ),
+        (
+            "world-size",
+            2,
+            &["parallel.dp=4"],
+            "the layout needs 4 ranks (parallel.dp · tp · pp = 4 · 1 · 1) but Open MPI started 2 process(es)",
+        ),
+        (
+            "threads-forced",
+            2,
+            &["parallel.dp=2", "parallel.backend=\"threads\""],
+            "\"threads\" runs every rank in one process",
+        ),
+        ("unknown-key", 2, &["parallel.nonsense=1"], "unknown key"),
+    ];
+    for (name, np, sets, expected) in cases {
+        let started = Instant::now();
+        let p = processes(&l, np, &job(&dir, name, 2, sets));
+        let out = text(&p);
+        assert!(!p.status.success(), "{name}: {out}");
+        assert_eq!(
+            out.matches(expected).count(),
+            1,
+            "{name}: said once, by one rank:\n{out}"
+        );
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "{name}: no process waits"
+        );
+    }
+    // the run folder exists: said once, and the folder is untouched
+    let ok = processes(&l, 2, &job(&dir, "exists", 2, &["parallel.dp=2"]));
+    assert!(ok.status.success(), "{}", text(&ok));
+    let before = std::fs::read(dir.join("exists/metrics.jsonl")).unwrap();
+    let again = processes(&l, 2, &job(&dir, "exists", 2, &["parallel.dp=2"]));
+    let out = text(&again);
+    assert!(!again.status.success());
+    assert_eq!(out.matches("already exists").count(), 1, "{out}");
+    assert_eq!(
+        std::fs::read(dir.join("exists/metrics.jsonl")).unwrap(),
+        before
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The pids of the `weft` processes `mpirun` started.
+fn ranks_of(job: &Child) -> Vec<u32> {
+    let out = Command::new("pgrep")
+        .args(["-P", &job.id().to_string()])
+        .output()
+        .unwrap();
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| l.trim().parse().ok())
+        .collect()
+}
+
+fn alive(pid: u32) -> bool {
+    // a zombie (exited, not yet reaped) counts as gone
+    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| {
+        !s.rsplit(')')
+            .next()
+            .unwrap_or("")
+            .trim_start()
+            .starts_with('Z')
+    })
+}
+
+/// Starts a long 4-process job and waits until it trains. The caller
+/// waits for it ([`finish`]).
+#[allow(clippy::zombie_processes)]
+fn start_long_job(l: &str, dir: &Path, name: &str, timeout_s: u32) -> (Child, Vec<u32>) {
+    let timeout = format!("parallel.timeout_s={timeout_s}");
+    let sets = ["parallel.dp=4", "train.eval_every=0", timeout.as_str()];
+    let mut child = mpirun(l, 4)
+        .args(job(dir, name, 1_000_000, &sets))
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let metrics = dir.join(name).join("metrics.jsonl");
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        let lines = std::fs::read_to_string(&metrics).map_or(0, |t| t.lines().count());
+        let ranks = ranks_of(&child);
+        if lines >= 3 && ranks.len() == 4 {
+            return (child, ranks);
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("the job did not start training");
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// Waits for the job to end (killing it after `limit`); its status and
+/// stderr.
+fn finish(mut child: Child, limit: Duration) -> (Option<i32>, String, Duration) {
+    let started = Instant::now();
+    loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            let mut err = String::new();
+            if let Some(mut e) = child.stderr.take() {
+                use std::io::Read;
+                let _ = e.read_to_string(&mut err);
+            }
+            return (status.code(), err, started.elapsed());
+        }
+        if started.elapsed() > limit {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("the job did not end within {limit:?} after a rank failed");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+#[test]
+fn a_killed_rank_ends_the_whole_job() {
+    let Some(l) = launcher() else { return };
+    let _g = SERIAL
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    let dir = tmp("kill");
+    let (child, ranks) = start_long_job(&l, &dir, "killed", 300);
+    let victim = ranks[2];
+    Command::new("kill")
+        .args(["-KILL", &victim.to_string()])
+        .status()
+        .unwrap();
+    let (code, err, took) = finish(child, Duration::from_secs(60));
+    assert_ne!(code, Some(0), "mpirun exits non-zero:\n{err}");
+    assert!(took < Duration::from_secs(60), "{took:?}");
+    std::thread::sleep(Duration::from_millis(500));
+    let left: Vec<_> = ranks.iter().filter(|&&p| alive(p)).collect();
+    assert!(left.is_empty(), "processes left running: {left:?}\n{err}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_hung_rank_makes_the_others_time_out_naming_it() {
+    let Some(l) = launcher() else { return };
+    let _g = SERIAL
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    let dir = tmp("hang");
+    let (child, ranks) = start_long_job(&l, &dir, "hung", 4);
+    // stopped, not dead: only the watchdog can tell
+    Command::new("kill")
+        .args(["-STOP", &ranks[1].to_string()])
+        .status()
+        .unwrap();
+    let (code, err, took) = finish(child, Duration::from_secs(90));
+    for &p in &ranks {
+        let _ = Command::new("kill")
+            .args(["-CONT", &p.to_string()])
+            .status();
+    }
+    assert_ne!(code, Some(0), "mpirun exits non-zero:\n{err}");
+    assert!(
+        err.contains("timed out after 4s") && err.contains("did not arrive"),
+        "a rank names the operation and the missing ranks:\n{err}"
+    );
+    std::thread::sleep(Duration::from_millis(500));
+    let left: Vec<_> = ranks.iter().filter(|&&p| alive(p)).collect();
+    assert!(left.is_empty(), "processes left running: {left:?}\n{err}");
+    eprintln!("a hung rank: the job ended {took:?} after it stopped");
+    let _ = std::fs::remove_dir_all(&dir);
+}
