@@ -44,10 +44,10 @@ for l in "${layouts[@]}"; do
     for r in $(seq "$repeats"); do
         # shellcheck disable=SC2086
         eval "$weft" train --set train.steps="$steps" --set checkpoint.every=0 \
-            --set run.dir="'\"$out\"'" --set run.name="t$r$np${name//[^a-z0-9]/}" $sets $WEFT_BENCH_SETS >/dev/null 2>&1
+            --set run.dir="'\"$out\"'" --set run.name="t$r$np${name//[^a-z0-9]/}" $sets ${WEFT_BENCH_SETS:-} >/dev/null 2>&1
         t+=("$(tps "$out/t$r$np${name//[^a-z0-9]/}")")
         eval mpirun --oversubscribe -np "$np" "$weft" train --set train.steps="$steps" --set checkpoint.every=0 \
-            --set run.dir="'\"$out\"'" --set run.name="m$r$np${name//[^a-z0-9]/}" $sets $WEFT_BENCH_SETS >/dev/null 2>&1
+            --set run.dir="'\"$out\"'" --set run.name="m$r$np${name//[^a-z0-9]/}" $sets ${WEFT_BENCH_SETS:-} >/dev/null 2>&1
         m+=("$(tps "$out/m$r$np${name//[^a-z0-9]/}")")
     done
     tm=$(printf '%s\n' "${t[@]}" | median)

@@ -462,6 +462,9 @@ pub struct Processes {
     backend: crate::config::Backend,
     library: String,
     hosts: Vec<String>,
+    /// Whether ranks were renumbered from the launcher's order so that each
+    /// host holds consecutive ranks.
+    renumbered: bool,
 }
 
 impl std::fmt::Debug for Processes {
@@ -511,10 +514,26 @@ impl Processes {
             .init()
             .map_err(|e| TrainError::Backend(e.to_string()))?;
         let name = host_name();
-        let hosts: Vec<String> = all_gather_bytes(&mpi, tags::HOSTS, name.as_bytes())?
+        let launched: Vec<String> = all_gather_bytes(&mpi, tags::HOSTS, name.as_bytes())?
             .into_iter()
             .map(|b| String::from_utf8_lossy(&b).into_owned())
             .collect();
+        // each host's ranks consecutive, so tensor-parallel groups (runs of
+        // consecutive ranks) stay inside hosts whatever the launcher's
+        // mapping (round-robin `--map-by node`, say)
+        let order = placement(&launched);
+        let renumbered = order.iter().enumerate().any(|(i, &r)| i != r);
+        let mpi = if renumbered {
+            let key = u32::try_from(order[mpi.rank()]).unwrap_or(u32::MAX);
+            mpi.split_mpi(0, key)
+                .map_err(|e| TrainError::Backend(e.to_string()))?
+        } else {
+            mpi
+        };
+        let mut hosts = launched.clone();
+        for (w, &r) in order.iter().enumerate() {
+            hosts[r].clone_from(&launched[w]);
+        }
         // this process's share of the host's cores
         let on_host = hosts.iter().filter(|h| **h == name).count().max(1);
         let _ = rayon::ThreadPoolBuilder::new()
@@ -527,6 +546,7 @@ impl Processes {
             mpi,
             backend: crate::config::Backend::Mpi,
             hosts,
+            renumbered,
         })
     }
 
@@ -641,7 +661,7 @@ impl Processes {
         let lib = self.library.split([',', '\n']).next().unwrap_or("").trim();
         let nodes = node_map(&self.hosts);
         format!(
-            "{} processes over {} ({lib}), {} node{}: {}",
+            "{} processes over {} ({lib}), {} node{}: {}{}",
             self.hosts.len(),
             self.backend.name(),
             nodes.len(),
@@ -650,7 +670,12 @@ impl Processes {
                 .iter()
                 .map(|(h, r)| format!("{h} [{}]", rank_ranges(r)))
                 .collect::<Vec<_>>()
-                .join(", ")
+                .join(", "),
+            if self.renumbered {
+                " (renumbered from the launcher's order: each node holds consecutive ranks)"
+            } else {
+                ""
+            }
         )
     }
 }
@@ -670,6 +695,23 @@ pub(crate) fn node_map(hosts: &[String]) -> Vec<(String, Vec<usize>)> {
         }
     }
     nodes
+}
+
+/// The job's rank of each launcher rank, given the launcher ranks' hosts:
+/// hosts in order of their first rank, each host's ranks consecutive in
+/// launcher order. The identity when every host's ranks are already
+/// consecutive.
+#[cfg_attr(not(feature = "mpi"), allow(dead_code))]
+pub(crate) fn placement(hosts: &[String]) -> Vec<usize> {
+    let mut order = vec![0; hosts.len()];
+    let mut next = 0;
+    for (_, ranks) in node_map(hosts) {
+        for r in ranks {
+            order[r] = next;
+            next += 1;
+        }
+    }
+    order
 }
 
 /// `0-3, 6` for ranks 0, 1, 2, 3, 6.
@@ -710,4 +752,94 @@ pub(crate) fn split_tp_groups(hosts: &[String], tp: usize) -> Vec<(usize, Vec<St
             (names.len() > 1).then_some((g * tp, names))
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn hosts(names: &[&str]) -> Vec<String> {
+        names.iter().map(|s| (*s).to_owned()).collect()
+    }
+
+    #[test]
+    fn ranks_are_placed_host_by_host() {
+        // by slot already: unchanged
+        let h = hosts(&["a", "a", "b", "b"]);
+        assert_eq!(placement(&h), [0, 1, 2, 3]);
+        // round-robin over two hosts: each host's ranks made consecutive
+        let h = hosts(&["a", "b", "a", "b"]);
+        assert_eq!(placement(&h), [0, 2, 1, 3]);
+        let h = hosts(&["b", "a", "c", "a", "b", "c"]);
+        assert_eq!(placement(&h), [0, 2, 4, 3, 1, 5]);
+        // then tp groups of 2 stay on one host
+        let mut placed = vec![String::new(); h.len()];
+        for (w, &r) in placement(&h).iter().enumerate() {
+            placed[r].clone_from(&h[w]);
+        }
+        assert!(split_tp_groups(&placed, 2).is_empty());
+        assert_eq!(
+            split_tp_groups(&hosts(&["a", "b", "a", "b"]), 2),
+            [(0, hosts(&["a", "b"])), (2, hosts(&["a", "b"]))]
+        );
+    }
+
+    #[test]
+    fn node_maps_and_rank_lists_read_well() {
+        assert_eq!(rank_ranges(&[0, 1, 2, 3, 6]), "0-3, 6");
+        assert_eq!(rank_ranges(&[5]), "5");
+        assert_eq!(rank_list(&[2], Some(4)), "rank 2");
+        assert_eq!(rank_list(&[1, 3], Some(4)), "ranks 1, 3");
+        assert_eq!(rank_list(&[0, 1], Some(2)), "every rank");
+        let m = node_map(&hosts(&["x", "y", "x"]));
+        assert_eq!(m, [("x".to_owned(), vec![0, 2]), ("y".to_owned(), vec![1])]);
+    }
+
+    #[test]
+    fn agreement_reports_each_failure_once_on_rank_zero() {
+        // every rank fails alike: rank 0's own error, the others are quiet
+        let results = LocalCluster::builder(3)
+            .run_each(|c| agree::<()>(&c, Err(TrainError::Backend("same".into()))).unwrap_err())
+            .into_iter()
+            .map(Result::unwrap)
+            .collect::<Vec<_>>();
+        assert!(matches!(&results[0], TrainError::Backend(m) if m == "same"));
+        assert!(
+            results[1..]
+                .iter()
+                .all(|e| matches!(e, TrainError::ReportedByRankZero))
+        );
+        // one rank fails: everyone stops; rank 0 names the rank
+        let results = LocalCluster::builder(3)
+            .run_each(|c| {
+                let r = if c.rank() == 2 {
+                    Err(TrainError::Backend("only here".into()))
+                } else {
+                    Ok(7)
+                };
+                agree(&c, r)
+            })
+            .into_iter()
+            .map(Result::unwrap)
+            .collect::<Vec<_>>();
+        let e = results[0].as_ref().unwrap_err().to_string();
+        assert_eq!(e, "on rank 2: parallel.backend: only here");
+        assert!(results[1..].iter().all(Result::is_err));
+        // nobody fails: the values come back
+        let ok = LocalCluster::builder(2)
+            .run_each(|c| agree(&c, Ok::<_, TrainError>(c.rank())))
+            .into_iter()
+            .map(|r| r.unwrap().unwrap())
+            .collect::<Vec<_>>();
+        assert_eq!(ok, [0, 1]);
+    }
+
+    #[test]
+    fn bytes_gather_on_every_rank() {
+        let all = LocalCluster::builder(3)
+            .run_each(|c| all_gather_bytes(&c, 7, &vec![c.rank() as u8; c.rank()]));
+        for got in all {
+            assert_eq!(got.unwrap().unwrap(), vec![vec![], vec![1], vec![2, 2]]);
+        }
+    }
 }

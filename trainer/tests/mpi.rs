@@ -298,7 +298,7 @@ fn set_up_errors_are_reported_once_and_every_process_exits() {
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner);
     let dir = tmp("errors");
-    let cases: [(&str, usize, &[&str], &str); 4] = [
+    let cases: [(&str, usize, &[&str], &str); 5] = [
         (
             "bad-config",
             4,
@@ -318,6 +318,17 @@ fn set_up_errors_are_reported_once_and_every_process_exits() {
             "\"threads\" runs every rank in one process",
         ),
         ("unknown-key", 2, &["parallel.nonsense=1"], "unknown key"),
+        (
+            "nccl",
+            2,
+            &["parallel.dp=2", "parallel.backend=\"nccl\""],
+            // the typed "not available" error where there is no GPU
+            if cfg!(feature = "nccl") {
+                "nccl backend not available"
+            } else {
+                "built without NCCL support"
+            },
+        ),
     ];
     for (name, np, sets, expected) in cases {
         let started = Instant::now();
@@ -473,5 +484,35 @@ fn a_hung_rank_makes_the_others_time_out_naming_it() {
     let left: Vec<_> = ranks.iter().filter(|&&p| alive(p)).collect();
     assert!(left.is_empty(), "processes left running: {left:?}\n{err}");
     eprintln!("a hung rank: the job ended {took:?} after it stopped");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_hostfile_launch_runs_as_documented() {
+    let Some(l) = launcher() else { return };
+    let _g = SERIAL
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    let dir = tmp("hostfile");
+    // README's two-node example, on the one node there is
+    let hosts = dir.join("hosts.txt");
+    std::fs::write(&hosts, "# hosts.txt\nlocalhost slots=4\n").unwrap();
+    let p = Command::new(&l)
+        .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+        .args(["-np", "4", "--hostfile"])
+        .arg(&hosts)
+        .args(["--map-by", "slot", WEFT, "train"])
+        .args(job(&dir, "hosts", 3, &["parallel.tp=2", "parallel.dp=2"]))
+        .output()
+        .unwrap();
+    let out = text(&p);
+    assert!(p.status.success(), "{out}");
+    assert!(
+        out.contains("4 processes over mpi")
+            && out.contains("1 node: ")
+            && !out.contains("warning"),
+        "{out}"
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }
