@@ -38,7 +38,7 @@
 //!
 //! Set-up failures (a bad configuration, a missing data file, a run folder
 //! that exists) are agreed on by every rank before any of them goes on
-//! ([`agree`]): rank 0 reports them once, naming the ranks they happened
+//! ([`Processes::agree`]): rank 0 reports them once, naming the ranks they happened
 //! on, and every process exits with an error — none is left waiting.
 
 use std::sync::mpsc;
@@ -594,8 +594,8 @@ impl Processes {
         }
     }
 
-    /// Agrees on a set-up step's outcome over the processes (see
-    /// [`agree`]): the result on every rank when it holds on every rank,
+    /// Agrees on a set-up step's outcome over the processes: the result on
+    /// every rank when it holds on every rank,
     /// else the report on rank 0 and [`TrainError::ReportedByRankZero`]
     /// elsewhere. For the launcher's own steps, such as reading the
     /// configuration.
