@@ -7,11 +7,13 @@ use crate::error::{IoContext, Result};
 use crate::read::{Checkpoint, VerifyLevel, list_checkpoints, read_latest_pointer};
 use crate::write::{parse_step_dir, step_dir_name};
 
-/// Keep the newest `keep_last` checkpoints and every checkpoint whose step
-/// is a multiple of `keep_every`; delete the rest. Whatever the policy, the
-/// newest checkpoint that verifies (the one a restart would load) and the
-/// one `latest` points at are never deleted, and neither is anything newer
-/// than the newest valid one (kept for inspection).
+/// Keep the newest `keep_last` checkpoints that verify and every
+/// checkpoint whose step is a multiple of `keep_every`; delete the rest.
+/// Only checkpoints that verify count towards `keep_last`, so a damaged one
+/// never pushes a valid one out. Whatever the policy, the newest checkpoint
+/// that verifies (the one a restart would load) and the one `latest` points
+/// at are never deleted, and neither is anything newer than the newest
+/// valid one (kept for inspection).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Retention {
     /// How many of the newest checkpoints to keep (at least the newest
@@ -47,19 +49,28 @@ impl Retention {
     pub fn apply(&self, root: &Path) -> Result<RetentionReport> {
         let all = list_checkpoints(root)?;
         let mut report = RetentionReport::default();
-        // The newest checkpoint that verifies.
-        let mut anchor = None;
+        // The newest `keep_last` checkpoints that verify, newest first (the
+        // first is the one a restart would load, kept whatever keep_last):
+        // a checkpoint that does not verify never counts, so it cannot
+        // push a valid one out.
+        let verifies = |dir: &Path| {
+            Checkpoint::open(dir)
+                .and_then(|c| match self.verify {
+                    VerifyLevel::Structure => Ok(()),
+                    VerifyLevel::Full => c.verify().map(|_| ()),
+                })
+                .is_ok()
+        };
+        let mut newest: Vec<u64> = Vec::new();
         for (step, dir) in all.iter().rev() {
-            let ok = Checkpoint::open(dir).and_then(|c| match self.verify {
-                VerifyLevel::Structure => Ok(()),
-                VerifyLevel::Full => c.verify().map(|_| ()),
-            });
-            if ok.is_ok() {
-                anchor = Some(*step);
+            if newest.len() >= self.keep_last.max(1) {
                 break;
             }
+            if verifies(dir) {
+                newest.push(*step);
+            }
         }
-        let Some(anchor) = anchor else {
+        let Some(&anchor) = newest.first() else {
             // Nothing verifies: delete nothing.
             report.kept = all.iter().map(|c| c.0).collect();
             return Ok(report);
@@ -68,7 +79,6 @@ impl Retention {
             .ok()
             .flatten()
             .and_then(|p| parse_step_dir(&p));
-        let newest: Vec<u64> = all.iter().rev().take(self.keep_last).map(|c| c.0).collect();
         for (step, dir) in &all {
             let keep = *step >= anchor
                 || Some(*step) == pointer

@@ -318,11 +318,18 @@ pub fn write_safetensors<'a>(
     write_atomic(path, &bytes)
 }
 
+/// Writes `bytes` to a temporary file beside `path`, then renames it into
+/// place; a failed write leaves no temporary file behind.
 fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
     let mut tmp = PathBuf::from(path);
     tmp.set_extension("tmp-weft");
-    std::fs::write(&tmp, bytes).map_err(io(&tmp))?;
-    std::fs::rename(&tmp, path).map_err(io(path))
+    let written = std::fs::write(&tmp, bytes)
+        .map_err(io(&tmp))
+        .and_then(|()| std::fs::rename(&tmp, path).map_err(io(path)));
+    if written.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    written
 }
 
 /// Saves `model` as a Hugging Face GPT-2 folder that

@@ -478,11 +478,20 @@ pub fn restore_sharded(
     #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
     let step = step[0] as u64;
     let (ckpt, skipped) = match picked {
+        // Newer checkpoints that do not verify are kept as evidence, moved
+        // aside under a name no save reuses (a later save of the same step
+        // would otherwise replace them).
         Ok(l) => (
             l.checkpoint,
             l.skipped
                 .iter()
-                .map(|(p, e)| format!("{}: {e}", p.display()))
+                .map(|(p, e)| {
+                    let aside = set_aside(p);
+                    match &aside {
+                        Ok(to) => format!("{}: {e}; moved to {}", p.display(), to.display()),
+                        Err(m) => format!("{}: {e}; could not move it aside: {m}", p.display()),
+                    }
+                })
                 .collect(),
         ),
         Err(_) => (
@@ -520,6 +529,31 @@ pub fn restore_sharded(
     Ok(Restored { step, skipped })
 }
 
+/// Renames a checkpoint folder that did not verify to
+/// `<name>.corrupt` (or `.corrupt-2`, … if taken): out of the way of the
+/// saves to come, which would replace a folder of the same step, and not a
+/// checkpoint any more to loading and retention.
+fn set_aside(dir: &Path) -> Result<PathBuf, String> {
+    let name = dir
+        .file_name()
+        .and_then(|n| n.to_str())
+        .ok_or_else(|| "not a step folder".to_owned())?;
+    for i in 1..1000 {
+        let to = dir.with_file_name(if i == 1 {
+            format!("{name}.corrupt")
+        } else {
+            format!("{name}.corrupt-{i}")
+        });
+        if to.exists() {
+            continue;
+        }
+        return std::fs::rename(dir, &to)
+            .map(|()| to)
+            .map_err(|e| e.to_string());
+    }
+    Err("too many earlier copies set aside".into())
+}
+
 /// Refuses a checkpoint saved by another configuration.
 fn check_hash(
     root: &Path,
@@ -546,7 +580,9 @@ fn le_bytes(xs: &[f32]) -> Vec<u8> {
 pub struct Restored {
     /// Optimizer steps already taken.
     pub step: u64,
-    /// Newer checkpoints that did not verify and were skipped, with why.
+    /// Newer checkpoints that did not verify and were skipped, with why and
+    /// where each was moved aside (`step-NNNNNNNN.corrupt`, kept as
+    /// evidence).
     pub skipped: Vec<String>,
 }
 

@@ -286,9 +286,10 @@ pub enum MoeDrop {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct CheckpointConfig {
-    /// Save every this many steps, and at the end (0: never).
+    /// Save every this many steps, and at the end (0: never; a stop asked
+    /// for by a signal saves anyway).
     pub every: u64,
-    /// Keep the newest this many checkpoints.
+    /// Keep the newest this many checkpoints that verify.
     pub keep_last: usize,
     /// Also keep every checkpoint whose step is a multiple of this (0: none).
     pub keep_every: u64,

@@ -247,7 +247,7 @@ impl std::fmt::Debug for Tokens {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             Tokens::Owned(v) => write!(f, "Owned({} tokens)", v.len()),
-            Tokens::Mapped(m) => write!(f, "Mapped({} tokens)", m.len / 2),
+            Tokens::Mapped(m) => write!(f, "Mapped({} tokens)", m.tokens().len()),
         }
     }
 }
@@ -262,7 +262,9 @@ impl std::ops::Deref for Tokens {
     }
 }
 
-/// A read-only private mapping of a whole token cache file.
+/// A read-only private mapping of a whole token cache file: a
+/// [`CACHE_HEADER`]-byte header (magic, token count, checksum, largest id),
+/// then the token ids as little-endian u16.
 struct Mapped {
     ptr: *const u8,
     len: usize,
@@ -274,21 +276,50 @@ unsafe impl Send for Mapped {}
 // SAFETY: as for `Send`.
 unsafe impl Sync for Mapped {}
 
+/// First bytes of a token cache file (format version 1).
+const CACHE_MAGIC: &[u8; 8] = b"WEFTTOK\x01";
+/// Bytes of a token cache file's header: magic, token count (u64),
+/// xxh3-64 of the token bytes (u64), largest token id (u32), zero (u32).
+const CACHE_HEADER: usize = 32;
+
+/// How far [`Mapped::open`] checks a token cache file.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Check {
+    /// Magic and length.
+    Shape,
+    /// Also the checksum and every id below [`GPT2_VOCAB`]: every byte.
+    Full,
+}
+
+/// A token cache file's header for `tokens`.
+fn cache_header(tokens: &[u16]) -> [u8; CACHE_HEADER] {
+    let bytes: Vec<u8> = tokens.iter().flat_map(|t| t.to_le_bytes()).collect();
+    let max = tokens.iter().copied().max().unwrap_or(0);
+    let mut h = [0u8; CACHE_HEADER];
+    h[..8].copy_from_slice(CACHE_MAGIC);
+    h[8..16].copy_from_slice(&(tokens.len() as u64).to_le_bytes());
+    h[16..24].copy_from_slice(&xxhash_rust::xxh3::xxh3_64(&bytes).to_le_bytes());
+    h[24..28].copy_from_slice(&u32::from(max).to_le_bytes());
+    h
+}
+
 impl Mapped {
-    /// Maps `file` (little-endian u16 token ids), or `None` if it cannot be
-    /// mapped, is empty or has an odd length, or this machine is big-endian.
+    /// Maps `file`, or `None` if it cannot be mapped or fails `check`: a
+    /// wrong magic, a length that is not the header's count, or (`Full`) a
+    /// checksum that differs or an id outside GPT-2's vocabulary. `None` on
+    /// a big-endian machine too.
     ///
     /// Cache files are written to a temporary name and renamed into place,
     /// never changed in place, so the mapped pages stay what they were
     /// when mapped.
-    fn open(file: &Path) -> Option<Self> {
+    fn open(file: &Path, check: Check) -> Option<Self> {
         use std::os::fd::AsRawFd;
         if cfg!(target_endian = "big") {
             return None;
         }
         let f = std::fs::File::open(file).ok()?;
         let len = usize::try_from(f.metadata().ok()?.len()).ok()?;
-        if len == 0 || len % 2 != 0 {
+        if len <= CACHE_HEADER || len % 2 != 0 {
             return None;
         }
         // SAFETY: a fresh read-only private mapping of an open file of
@@ -307,18 +338,45 @@ impl Mapped {
         if ptr == libc::MAP_FAILED {
             return None;
         }
-        Some(Mapped {
+        let m = Mapped {
             ptr: ptr.cast(),
             len,
-        })
+        };
+        let head = m.bytes().first_chunk::<CACHE_HEADER>()?;
+        let count = u64::from_le_bytes(head[8..16].try_into().ok()?);
+        if &head[..8] != CACHE_MAGIC || Some(count) != ((len - CACHE_HEADER) as u64).checked_div(2)
+        {
+            return None;
+        }
+        if check == Check::Full {
+            let sum = u64::from_le_bytes(head[16..24].try_into().ok()?);
+            let max = m.tokens().iter().copied().max().unwrap_or(0);
+            if xxhash_rust::xxh3::xxh3_64(&m.bytes()[CACHE_HEADER..]) != sum
+                || usize::from(max) >= GPT2_VOCAB
+            {
+                return None;
+            }
+        }
+        Some(m)
+    }
+
+    fn bytes(&self) -> &[u8] {
+        // SAFETY: the mapping holds `len` readable bytes for the life of
+        // `self`.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
     }
 
     fn tokens(&self) -> &[u16] {
-        // SAFETY: the mapping holds `len` readable bytes for the life of
-        // `self`, page-aligned (so aligned for u16), `len` even; the bytes
-        // are little-endian u16 on a little-endian machine (checked in
-        // `open`).
-        unsafe { std::slice::from_raw_parts(self.ptr.cast::<u16>(), self.len / 2) }
+        // SAFETY: past the header the mapping holds `len − CACHE_HEADER`
+        // readable bytes (checked even in `open`) for the life of `self`,
+        // at a page-aligned address plus 32 (so aligned for u16); they are
+        // little-endian u16 on a little-endian machine (checked in `open`).
+        unsafe {
+            std::slice::from_raw_parts(
+                self.ptr.add(CACHE_HEADER).cast::<u16>(),
+                (self.len - CACHE_HEADER) / 2,
+            )
+        }
     }
 }
 
@@ -388,7 +446,9 @@ impl TextData {
     /// The data of `path` from its token cache file `cache` (as
     /// [`cache_file`](Self::cache_file) names it after [`open`](Self::open)),
     /// memory-mapped, without reading or tokenizing the text: how the other
-    /// ranks of a job open the data one rank has prepared.
+    /// ranks of a job open the data one rank has prepared (and verified:
+    /// here only the header and the length are checked, so a rank reads
+    /// only the pages of the sequences it trains on).
     ///
     /// # Errors
     /// [`DataError::Read`] if the cache file cannot be mapped (missing,
@@ -400,11 +460,11 @@ impl TextData {
         val_fraction: f64,
         seed: u64,
     ) -> Result<Self, DataError> {
-        let mapped = Mapped::open(cache).ok_or_else(|| DataError::Read {
+        let mapped = Mapped::open(cache, Check::Shape).ok_or_else(|| DataError::Read {
             path: cache.to_owned(),
             source: std::io::Error::new(
                 std::io::ErrorKind::InvalidData,
-                "not a readable token cache file (missing, empty or of odd length)",
+                "not a token cache file of this weft (missing, or a wrong header or length)",
             ),
         })?;
         Self::from_tokens(
@@ -517,10 +577,12 @@ pub fn cache_dir() -> PathBuf {
 }
 
 /// Tokenizes the documents with GPT-2's BPE, joined by `<|endoftext|>`.
-/// Results are cached under [`cache_dir`]`/tokens/<xxh3 of the text>.u16`
-/// (little-endian u16 token ids), which later opens map instead of
-/// tokenizing; a damaged cache file is ignored and rewritten. Returns the
-/// tokens and the cache file, if it exists.
+/// Results are cached under [`cache_dir`]`/tokens/<xxh3-128 of the
+/// text>.tok` (a header with the token count, an xxh3-64 checksum and the
+/// largest id, then little-endian u16 token ids), which later opens map
+/// instead of tokenizing once the length, checksum and ids check out; a
+/// damaged cache file is ignored and rewritten. Returns the tokens and the
+/// cache file, if it exists.
 fn tokenize_cached(docs: &[String]) -> Result<(Tokens, Option<PathBuf>), DataError> {
     let mut h = xxhash_rust::xxh3::Xxh3::new();
     h.update(b"weft-gpt2-bpe-v1");
@@ -530,20 +592,9 @@ fn tokenize_cached(docs: &[String]) -> Result<(Tokens, Option<PathBuf>), DataErr
     }
     let file = cache_dir()
         .join("tokens")
-        .join(format!("{:032x}.u16", h.digest128()));
-    if let Some(m) = Mapped::open(&file) {
+        .join(format!("{:032x}.tok", h.digest128()));
+    if let Some(m) = Mapped::open(&file, Check::Full) {
         return Ok((Tokens::Mapped(m), Some(file)));
-    }
-    if cfg!(target_endian = "big")
-        && let Ok(bytes) = std::fs::read(&file)
-        && bytes.len() % 2 == 0
-        && !bytes.is_empty()
-    {
-        let tokens = bytes
-            .chunks_exact(2)
-            .map(|c| u16::from_le_bytes([c[0], c[1]]))
-            .collect();
-        return Ok((Tokens::Owned(tokens), Some(file)));
     }
     let bpe = tiktoken_rs::r50k_base().map_err(|e| DataError::Tokenizer(e.to_string()))?;
     let mut tokens: Vec<u16> = Vec::new();
@@ -560,9 +611,12 @@ fn tokenize_cached(docs: &[String]) -> Result<(Tokens, Option<PathBuf>), DataErr
         && std::fs::create_dir_all(dir).is_ok()
     {
         let tmp = file.with_extension(format!("tmp{}", std::process::id()));
-        let bytes: Vec<u8> = tokens.iter().flat_map(|t| t.to_le_bytes()).collect();
+        let mut bytes = cache_header(&tokens).to_vec();
+        bytes.extend(tokens.iter().flat_map(|t| t.to_le_bytes()));
         if std::fs::write(&tmp, bytes).is_ok() && std::fs::rename(&tmp, &file).is_ok() {
             cached = Some(file);
+        } else {
+            let _ = std::fs::remove_file(&tmp);
         }
     }
     Ok((Tokens::Owned(tokens), cached))
@@ -623,8 +677,27 @@ mod tests {
         let other = TextData::open_cache(&dir, &cache, 16, 0.1, 1).unwrap();
         assert_eq!((other.train(), other.val()), (t.train(), t.val()));
         assert_eq!(other.train_batch(5, 1, 3), t.train_batch(5, 1, 3));
-        let e = TextData::open_cache(&dir, &dir.join("none.u16"), 16, 0.1, 1).unwrap_err();
-        assert!(e.to_string().contains("none.u16"), "{e}");
+        let e = TextData::open_cache(&dir, &dir.join("none.tok"), 16, 0.1, 1).unwrap_err();
+        assert!(e.to_string().contains("none.tok"), "{e}");
+        // A damaged cache is ignored and rewritten: cut short, one id
+        // changed, an id out of the vocabulary, or garbage.
+        let good = std::fs::read(&cache).unwrap();
+        let mut flipped = good.clone();
+        flipped[CACHE_HEADER + 10] ^= 1;
+        let mut out_of_range = good.clone();
+        out_of_range[CACHE_HEADER..CACHE_HEADER + 2].copy_from_slice(&u16::MAX.to_le_bytes());
+        for damaged in [
+            good[..good.len() - 2].to_vec(),
+            flipped,
+            out_of_range,
+            b"not tokens".to_vec(),
+        ] {
+            std::fs::write(&cache, &damaged).unwrap();
+            let reopened = TextData::open(&dir, 16, 0.1, 1).unwrap();
+            assert!(matches!(reopened.tokens, Tokens::Owned(_)), "re-tokenized");
+            assert_eq!(reopened.train(), t.train());
+            assert_eq!(std::fs::read(&cache).unwrap(), good, "and rewritten");
+        }
         let b = t.train_batch(3, 0, 2);
         assert_eq!(b.inputs.len(), 32);
         std::fs::remove_dir_all(&dir).unwrap();

@@ -21,6 +21,8 @@
 //!   how they agree on set-up failures so that one report says what went
 //!   wrong.
 //! * [`ckpt`]: periodic checkpoints (weft-checkpoint) and bit-for-bit resume.
+//! * [`stop`]: a clean stop on SIGINT/SIGTERM — finish the step, save a
+//!   checkpoint, exit (a second signal stops at once).
 //! * [`sample`]: `weft sample`, generation from a run's last checkpoint
 //!   with the model's key/value-cache decoder.
 //!
@@ -86,5 +88,6 @@ pub mod data;
 pub mod ranks;
 pub mod sample;
 pub mod schedule;
+pub mod stop;
 pub mod synthetic;
 pub mod train;

@@ -204,9 +204,14 @@ enum Command {
         /// JSON file `{"inputs": [[ids…], …], "targets": [[ids…], …]}`.
         #[arg(long)]
         tokens: PathBuf,
-        /// Also write every parameter's gradient (Hugging Face names) here.
+        /// Also write every parameter's gradient (Hugging Face names) here
+        /// (a new file: an existing one only with --overwrite, never an
+        /// input).
         #[arg(long)]
         dump_grads: Option<PathBuf>,
+        /// Let --dump-grads replace an existing file.
+        #[arg(long)]
+        overwrite: bool,
     },
 }
 
@@ -219,6 +224,8 @@ fn run(cli: Cli) -> Result<()> {
             print_config,
             resume,
         } => {
+            // the first Ctrl-C (or SIGTERM) saves and stops; a second stops
+            weft_trainer::stop::install().context("installing the signal handlers")?;
             let load = move || -> Result<(weft_trainer::config::Config, bool)> {
                 load_train_config(config, sets, data, resume)
             };
@@ -384,7 +391,15 @@ fn run(cli: Cli) -> Result<()> {
             hf_model,
             tokens,
             dump_grads,
+            overwrite,
         } => {
+            if let Some(out) = &dump_grads {
+                check_output(
+                    out,
+                    &[&hf_model.join("model.safetensors"), &tokens],
+                    overwrite,
+                )?;
+            }
             let batch = weft_model::eval::read_tokens(&tokens)?;
             let loss = weft_model::eval::eval_hf(&hf_model, &batch, dump_grads.as_deref())
                 .with_context(|| format!("evaluating {}", hf_model.display()))?;
@@ -425,6 +440,12 @@ fn load_train_config(
                     c.run.dir.join(&c.run.name)
                 }
             };
+            if !run_dir.is_dir() {
+                anyhow::bail!(
+                    "cannot resume: run folder {} does not exist",
+                    run_dir.display()
+                );
+            }
             let base = config.unwrap_or_else(|| run_dir.join("config.toml"));
             let name = run_dir
                 .file_name()
@@ -459,6 +480,47 @@ impl std::fmt::Display for Reported {
 }
 
 impl std::error::Error for Reported {}
+
+/// Refuses an output path that is one of the `inputs` (the same file, by
+/// any path), or that exists unless `overwrite`.
+fn check_output(out: &std::path::Path, inputs: &[&std::path::Path], overwrite: bool) -> Result<()> {
+    if let Ok(resolved) = out.canonicalize() {
+        for input in inputs {
+            if input.canonicalize().is_ok_and(|i| i == resolved) {
+                anyhow::bail!(
+                    "{}: the output is an input of this command ({}); write it elsewhere",
+                    out.display(),
+                    input.display()
+                );
+            }
+        }
+        if !overwrite {
+            anyhow::bail!(
+                "{} exists: refusing to overwrite it (pass --overwrite to replace it)",
+                out.display()
+            );
+        }
+    }
+    Ok(())
+}
+
+/// The error and its causes, `: `-separated, each cause said once (an error
+/// that already quotes its source, as many I/O errors do, is not followed
+/// by it again).
+fn chain_text(e: &anyhow::Error) -> String {
+    let mut text = String::new();
+    for cause in e.chain() {
+        let msg = cause.to_string();
+        if text.contains(&msg) {
+            continue;
+        }
+        if !text.is_empty() {
+            text.push_str(": ");
+        }
+        text.push_str(&msg);
+    }
+    text
+}
 
 /// Writes `line` to stderr in one write, so that the lines of several
 /// processes sharing a terminal do not interleave.
@@ -573,7 +635,7 @@ fn main() -> ExitCode {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             if e.downcast_ref::<Reported>().is_none() {
-                say_error(&format!("error: {e:#}"));
+                say_error(&format!("error: {}", chain_text(&e)));
             }
             ExitCode::FAILURE
         }

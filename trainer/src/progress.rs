@@ -130,6 +130,20 @@ impl Observer for Terminal {
         }
     }
 
+    fn resumed(&mut self, step: u64, skipped: &[String]) {
+        for s in skipped {
+            say(&format!("skipped         checkpoint {s}"));
+        }
+        say(&format!(
+            "resumed         from the checkpoint of step {step}{}",
+            if skipped.is_empty() {
+                ""
+            } else {
+                ", the newest that verifies"
+            }
+        ));
+    }
+
     fn step(&mut self, r: &StepReport) {
         let rec = &r.record;
         let msg = format!(

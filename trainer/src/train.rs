@@ -122,6 +122,18 @@ pub enum TrainError {
         /// The checkpoint's step.
         step: u64,
     },
+    /// A stop was asked for (SIGINT or SIGTERM, see [`crate::stop`]): the
+    /// run saved a checkpoint after `step` and can be resumed.
+    #[error(
+        "stopped after step {step} as asked; checkpoint saved: continue with `weft train --resume {}`",
+        run.display()
+    )]
+    Stopped {
+        /// The last step taken (and saved).
+        step: u64,
+        /// The run folder.
+        run: PathBuf,
+    },
     /// A rank's trace events could not be gathered for `trace.json`.
     #[error("trace: {0}")]
     Trace(String),
@@ -1529,8 +1541,11 @@ fn run_rank(
             last_eval = model.eval_loss(&val_mbs)?;
             log_eval(&mut metrics, observer, step + 1, last_eval)?;
         }
-        if config.checkpoint.every > 0
-            && (done || (step + 1).is_multiple_of(config.checkpoint.every))
+        // a stop asked for on any rank: every rank saves after this step
+        let stop = !done && crate::stop::agreed(model.mesh().world())?;
+        if stop
+            || config.checkpoint.every > 0
+                && (done || (step + 1).is_multiple_of(config.checkpoint.every))
         {
             // Everything logged so far belongs to the checkpoint.
             metrics.flush().map_err(io_err(&metrics_path))?;
@@ -1549,6 +1564,12 @@ fn run_rank(
                 &cfg,
                 &dims.mesh_dims(),
             )?;
+        }
+        if stop {
+            return Err(TrainError::Stopped {
+                step: step + 1,
+                run: run_dir,
+            });
         }
     }
     metrics.flush().map_err(io_err(&metrics_path))?;

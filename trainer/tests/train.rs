@@ -194,6 +194,48 @@ fn a_resumed_run_continues_bit_for_bit() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// Keeps what `resumed` reports.
+#[derive(Default)]
+struct Resumed(Option<(u64, Vec<String>)>);
+impl weft_trainer::train::Observer for Resumed {
+    fn resumed(&mut self, step: u64, skipped: &[String]) {
+        self.0 = Some((step, skipped.to_vec()));
+    }
+}
+
+#[test]
+fn a_corrupt_newest_checkpoint_is_reported_skipped_and_kept() {
+    let dir = std::env::temp_dir().join(format!("weft-corrupt-test-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let mut c = tiny(&dir, "run");
+    c.checkpoint.every = 20;
+    c.train.steps = 40;
+    train(&c, false, &mut Silent).unwrap();
+    let ckpts = dir.join("run/checkpoints");
+    // one flipped byte in the newest checkpoint's tensor data
+    let shard = ckpts.join("step-00000040/rank-00000.safetensors");
+    let mut bytes = std::fs::read(&shard).unwrap();
+    let at = bytes.len() - 100;
+    bytes[at] ^= 0x10;
+    std::fs::write(&shard, &bytes).unwrap();
+    c.train.steps = 60;
+    let mut seen = Resumed::default();
+    train(&c, true, &mut seen).unwrap();
+    let (step, skipped) = seen.0.expect("the resume is reported");
+    assert_eq!(step, 20, "resumed from the newest checkpoint that verifies");
+    assert_eq!(skipped.len(), 1, "{skipped:?}");
+    assert!(
+        skipped[0].contains("step-00000040") && skipped[0].contains("moved to"),
+        "says which was skipped, why and where it went: {skipped:?}"
+    );
+    // the evidence is kept, byte for byte, beside the new step-40 save
+    let aside = ckpts.join("step-00000040.corrupt/rank-00000.safetensors");
+    assert_eq!(std::fs::read(aside).unwrap(), bytes);
+    assert!(ckpts.join("step-00000040/manifest.json").is_file());
+    assert!(ckpts.join("step-00000060/manifest.json").is_file());
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 #[test]
 fn moe_runs_log_expert_load_and_balance_with_the_bias() {
     let dir = std::env::temp_dir().join(format!("weft-moe-test-{}", std::process::id()));
@@ -252,5 +294,145 @@ fn loss_falls_on_real_text() {
     assert!((s.initial_eval_loss - uniform).abs() < 0.5, "{s:?}");
     assert!(s.final_eval_loss < s.initial_eval_loss - 2.0, "{s:?}");
     assert!(s.floor.is_none(), "real text has no known floor");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn weft_eval_never_overwrites_what_it_reads() {
+    let weft = env!("CARGO_BIN_EXE_weft");
+    let dir = std::env::temp_dir().join(format!("weft-eval-out-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let mut c = tiny(&dir, "run");
+    c.train.steps = 2;
+    c.checkpoint.every = 2;
+    train(&c, false, &mut Silent).unwrap();
+    let hf = dir.join("hf");
+    let ckpt = dir.join("run/checkpoints/step-00000002");
+    let export = std::process::Command::new(weft)
+        .args(["ckpt", "export"])
+        .arg(&ckpt)
+        .arg("--hf")
+        .arg(&hf)
+        .output()
+        .unwrap();
+    assert!(export.status.success(), "{export:?}");
+    let tokens = dir.join("tokens.json");
+    std::fs::write(
+        &tokens,
+        r#"{"inputs": [[1, 2, 3]], "targets": [[2, 3, 4]]}"#,
+    )
+    .unwrap();
+    let weights = hf.join("model.safetensors");
+    let before = std::fs::read(&weights).unwrap();
+    let eval = |out: &std::path::Path, extra: &[&str]| {
+        let o = std::process::Command::new(weft)
+            .args(["eval", "--hf-model"])
+            .arg(&hf)
+            .arg("--tokens")
+            .arg(&tokens)
+            .arg("--dump-grads")
+            .arg(out)
+            .args(extra)
+            .output()
+            .unwrap();
+        (
+            o.status.success(),
+            String::from_utf8_lossy(&o.stderr).into_owned(),
+        )
+    };
+    // the model itself, even by another path and with --overwrite
+    let same = hf.join("../hf/model.safetensors");
+    for extra in [&[][..], &["--overwrite"][..]] {
+        let (ok, err) = eval(&same, extra);
+        assert!(!ok && err.contains("is an input"), "{err}");
+    }
+    assert_eq!(
+        std::fs::read(&weights).unwrap(),
+        before,
+        "weights untouched"
+    );
+    let (ok, err) = eval(&tokens, &["--overwrite"]);
+    assert!(!ok && err.contains("is an input"), "{err}");
+    // a new file is written; an existing one only with --overwrite
+    let grads = dir.join("grads.safetensors");
+    assert!(eval(&grads, &[]).0);
+    let written = std::fs::read(&grads).unwrap();
+    let (ok, err) = eval(&grads, &[]);
+    assert!(!ok && err.contains("--overwrite"), "{err}");
+    assert!(eval(&grads, &["--overwrite"]).0);
+    assert_eq!(
+        std::fs::read(&grads).unwrap(),
+        written,
+        "the same gradients"
+    );
+    // errors name each cause once
+    let missing = std::process::Command::new(weft)
+        .args(["train", "--data", "/nonexistent-weft-data.txt"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&missing.stderr);
+    assert!(!missing.status.success());
+    assert_eq!(err.matches("(os error 2)").count(), 1, "{err}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn the_first_sigint_saves_and_stops_and_the_run_resumes_bit_for_bit() {
+    let weft = env!("CARGO_BIN_EXE_weft");
+    let dir = std::env::temp_dir().join(format!("weft-sigint-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let steps = 400;
+    let mut whole = tiny(&dir, "whole");
+    whole.train.steps = steps;
+    whole.parallel.dp = 2;
+    whole.checkpoint.every = 0;
+    let reference = train(&whole, false, &mut Silent).unwrap();
+    // the same job as a process of its own, stopped by Ctrl-C
+    let mut c = whole.clone();
+    c.run.name = "stopped".into();
+    let config = dir.join("stopped.toml");
+    std::fs::write(&config, c.to_toml()).unwrap();
+    let mut child = std::process::Command::new(weft)
+        .args(["train", "--config"])
+        .arg(&config)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let metrics = dir.join("stopped/metrics.jsonl");
+    let started = std::time::Instant::now();
+    while std::fs::read_to_string(&metrics).map_or(0, |t| t.lines().count()) < 5 {
+        if started.elapsed() > std::time::Duration::from_secs(120) {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("the run did not start");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let interrupt = std::process::Command::new("kill")
+        .args(["-INT", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(interrupt.success());
+    let out = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "a stopped run is not a finished one");
+    assert!(
+        err.contains("stopped after step") && err.contains("--resume"),
+        "{err}"
+    );
+    // one checkpoint, of the last step logged
+    let saved: Vec<String> = std::fs::read_dir(dir.join("stopped/checkpoints"))
+        .unwrap()
+        .filter_map(|e| e.ok()?.file_name().into_string().ok())
+        .filter(|n| n.starts_with("step-"))
+        .collect();
+    assert_eq!(saved.len(), 1, "{saved:?}");
+    let step: u64 = saved[0]["step-".len()..].parse().unwrap();
+    assert!(step < steps, "the signal landed before the end");
+    assert_eq!(losses(&dir.join("stopped")).len(), step as usize);
+    assert!(!dir.join("stopped/summary.json").exists());
+    let resumed = train(&c, true, &mut Silent).unwrap();
+    assert_eq!(losses(&resumed.run_dir), losses(&reference.run_dir));
     std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -85,6 +85,22 @@ fn retention_never_deletes_the_only_valid_checkpoint() {
 }
 
 #[test]
+fn retention_counts_only_checkpoints_that_verify() {
+    let dir = tempfile::tempdir().unwrap();
+    for s in 1..=6 {
+        save_step(dir.path(), s);
+    }
+    // 4 is damaged: the last 3 that verify are 3, 5 and 6 (counting 4 would
+    // have pushed 3 out); 4, older than the newest valid checkpoint, goes
+    corrupt(dir.path(), 4);
+    let rep = Retention::new(3, None).apply(dir.path()).unwrap();
+    assert_eq!(steps(dir.path()), vec![3, 5, 6]);
+    assert_eq!(rep.deleted, vec![1, 2, 4]);
+    let l = load_latest(dir.path(), VerifyLevel::Full).unwrap().unwrap();
+    assert_eq!(l.checkpoint.step(), 6);
+}
+
+#[test]
 fn async_saves_run_one_at_a_time_and_commit() {
     let dir = tempfile::tempdir().unwrap();
     let mut saver = AsyncSaver::new(dir.path(), opts())
