@@ -4,7 +4,7 @@
 //!
 //! [`install`] sets the handlers (the `weft` binary calls it; a program
 //! embedding the trainer may instead call [`request`] from its own
-//! handling). The training loop asks [`agreed`] after every step: the
+//! handling). After every step the training loop asks for the
 //! request of any rank, so that every rank stops after the same step and
 //! saves its part of the same checkpoint.
 
