@@ -15,8 +15,10 @@
 //!
 //! Limits: messages carry no signatures (NCCL moves raw buffers), so a
 //! mismatched call shows up as a timeout, not [`Error::Mismatch`];
-//! [`split`](Communicator::split) is refused (build one communicator per
-//! group with [`NcclComm::over`]); point-to-point `send` is not buffered
+//! [`split`](Communicator::split) needs the communicator the NCCL id was
+//! broadcast over ([`NcclComm::over`]): the split runs there and each part
+//! gets an NCCL communicator of its own (a communicator made from an id
+//! alone refuses it); point-to-point `send` is not buffered
 //! (it completes only with the matching `recv`). Every wait polls a CUDA
 //! event until the communicator's timeout, so nothing hangs; after a
 //! timeout the communicator is aborted and every later call fails.
@@ -151,6 +153,10 @@ pub struct NcclComm {
     seq: AtomicU64,
     aborted: AtomicBool,
     traffic: TrafficCounters,
+    /// The communicator the id was broadcast over ([`NcclComm::over`]):
+    /// [`split`](Communicator::split) splits it and builds the new group's
+    /// NCCL communicator over the part.
+    bootstrap: Option<Box<dyn Communicator>>,
 }
 
 impl std::fmt::Debug for NcclComm {
@@ -259,12 +265,16 @@ impl NcclComm {
             seq: AtomicU64::new(0),
             aborted: AtomicBool::new(false),
             traffic: TrafficCounters::default(),
+            bootstrap: None,
         })
     }
 
     /// Builds an NCCL communicator over the ranks of `comm` (any backend,
     /// e.g. an `MpiComm` or a sub-group of one), with this rank on GPU
-    /// `device`: rank 0 makes the id and broadcasts it over `comm`.
+    /// `device`: rank 0 makes the id and broadcasts it over `comm`. The
+    /// result keeps a handle to `comm` (when its backend can give one, as
+    /// MPI's can), so it can [`split`](Communicator::split): the split runs
+    /// over `comm` and each part gets an NCCL communicator of its own.
     ///
     /// # Errors
     /// As [`from_rank`](Self::from_rank), and as `comm`'s broadcast. Every
@@ -286,7 +296,10 @@ impl NcclComm {
         for (ch, w) in bytes.chunks_exact_mut(8).zip(words) {
             ch.copy_from_slice(&w.to_bits().to_le_bytes());
         }
-        Self::from_rank(device, comm.rank(), comm.size(), NcclId::from_bytes(bytes))
+        let mut nccl =
+            Self::from_rank(device, comm.rank(), comm.size(), NcclId::from_bytes(bytes))?;
+        nccl.bootstrap = comm.detach();
+        Ok(nccl)
     }
 
     /// With another per-operation timeout.
@@ -765,12 +778,19 @@ impl Communicator for NcclComm {
         )
     }
 
-    fn split(&self, _color: u32, _key: u32) -> Result<Box<dyn Communicator>> {
-        Err(Error::Backend {
-            backend: BACKEND,
-            op: OpKind::Split,
-            message: "split is not supported by the nccl backend: build one NcclComm per group with NcclComm::over(group) from a split of the host communicator".into(),
-        })
+    fn split(&self, color: u32, key: u32) -> Result<Box<dyn Communicator>> {
+        let Some(bootstrap) = &self.bootstrap else {
+            return Err(Error::Backend {
+                backend: BACKEND,
+                op: OpKind::Split,
+                message: "this NCCL communicator was made from an id alone and cannot split: build it with NcclComm::over(comm) to split through comm, or one NcclComm per group".into(),
+            });
+        };
+        let part = bootstrap.split(color, key)?;
+        let device = self.device();
+        Ok(Box::new(
+            NcclComm::over(&*part, device)?.with_timeout(self.timeout),
+        ))
     }
 
     fn traffic(&self) -> Traffic {
