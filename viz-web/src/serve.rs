@@ -10,17 +10,37 @@
 //!
 //! No request path is ever joined onto a folder: names are matched against
 //! the entries of a fixed list or of the assets folder itself.
+//!
+//! Requests are bounded as HTTP servers bound them: a request line longer
+//! than [`MAX_REQUEST_LINE`] bytes is answered 414, headers beyond
+//! [`MAX_HEADER_BYTES`] bytes or [`MAX_HEADERS`] lines 431, a request with a
+//! body 413; a connection idle for [`IDLE_TIMEOUT`] is closed; beyond
+//! [`MAX_CONNECTIONS`] open connections a new one is answered 503 and
+//! closed. Nothing a client sends is held in memory past these bounds.
 
 use std::fs;
 use std::io::{BufRead, BufReader, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::thread;
 use std::time::Duration;
 
 use thiserror::Error;
 
 use crate::load::FileKind;
+
+/// Longest request line read, in bytes (longer: 414).
+pub const MAX_REQUEST_LINE: usize = 8 * 1024;
+/// Most header bytes read per request (more: 431).
+pub const MAX_HEADER_BYTES: usize = 32 * 1024;
+/// Most header lines per request (more: 431).
+pub const MAX_HEADERS: usize = 100;
+/// Most connections served at once (more: 503).
+pub const MAX_CONNECTIONS: usize = 64;
+/// How long a connection may stay silent before it is closed.
+pub const IDLE_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// Files the assets folder must hold (what `viz-web/build.sh` writes).
 pub const REQUIRED_ASSETS: [&str; 3] = ["index.html", "weft_viz_web.js", "weft_viz_web_bg.wasm"];
@@ -132,13 +152,28 @@ impl Server {
     pub fn run(self) -> Result<(), ServeError> {
         let run_dir = self.run_dir;
         let assets_dir = self.assets_dir;
+        let open = Arc::new(AtomicUsize::new(0));
         for stream in self.listener.incoming() {
-            let stream = stream.map_err(ServeError::Accept)?;
-            let (r, a) = (run_dir.clone(), assets_dir.clone());
+            let mut stream = stream.map_err(ServeError::Accept)?;
+            if open.fetch_add(1, Ordering::SeqCst) >= MAX_CONNECTIONS {
+                open.fetch_sub(1, Ordering::SeqCst);
+                // answered on the accepting thread, so briefly
+                let _ = stream.set_write_timeout(Some(Duration::from_millis(100)));
+                let _ = reply(
+                    &mut stream,
+                    &plain(503, "too many connections\n"),
+                    false,
+                    false,
+                );
+                let _ = drain_and_close(&mut stream, Duration::from_millis(50), 64 * 1024);
+                continue;
+            }
+            let (r, a, open) = (run_dir.clone(), assets_dir.clone(), open.clone());
             thread::spawn(move || {
                 // A client that hangs up mid-response is not the server's
                 // problem; the error has nowhere useful to go.
                 let _ = handle(stream, &r, &a);
+                open.fetch_sub(1, Ordering::SeqCst);
             });
         }
         Ok(())
@@ -235,54 +270,150 @@ pub fn respond(path: &str, run_dir: &Path, assets_dir: &Path) -> Response {
     }
 }
 
+fn plain(status: u16, text: &str) -> Response {
+    Response {
+        status,
+        content_type: "text/plain; charset=utf-8",
+        body: text.as_bytes().to_vec(),
+    }
+}
+
+/// Reads one line of at most `limit` bytes (the newline included):
+/// `Ok(None)` at the end of the stream, `Err(())` when the line is longer.
+fn bounded_line(
+    reader: &mut BufReader<TcpStream>,
+    limit: usize,
+) -> std::io::Result<Option<Result<String, ()>>> {
+    use std::io::Read;
+    let mut line = Vec::new();
+    let n = reader
+        .by_ref()
+        .take(limit as u64 + 1)
+        .read_until(b'\n', &mut line)?;
+    if n == 0 {
+        return Ok(None);
+    }
+    if line.len() > limit || !line.ends_with(b"\n") && line.len() == limit + 1 {
+        return Ok(Some(Err(())));
+    }
+    Ok(Some(Ok(String::from_utf8_lossy(&line).into_owned())))
+}
+
+/// Writes `resp` (its body unless `head`).
+fn reply(
+    out: &mut TcpStream,
+    resp: &Response,
+    head: bool,
+    keep_alive: bool,
+) -> std::io::Result<()> {
+    let reason = match resp.status {
+        200 => "OK",
+        404 => "Not Found",
+        405 => "Method Not Allowed",
+        413 => "Content Too Large",
+        414 => "URI Too Long",
+        431 => "Request Header Fields Too Large",
+        503 => "Service Unavailable",
+        _ => "Bad Request",
+    };
+    write!(
+        out,
+        "HTTP/1.1 {} {reason}\r\nContent-Type: {}\r\nContent-Length: {}\r\nCache-Control: no-store\r\nConnection: {}\r\n\r\n",
+        resp.status,
+        resp.content_type,
+        resp.body.len(),
+        if keep_alive { "keep-alive" } else { "close" }
+    )?;
+    if !head {
+        out.write_all(&resp.body)?;
+    }
+    out.flush()
+}
+
+/// Answers a request refused before it was read whole, then closes the way
+/// HTTP servers do: the write side first, then what the client still sends
+/// is read and dropped (at most 1 MiB, for at most a second) so that the
+/// answer is not lost to a reset.
+fn refuse(out: &mut TcpStream, resp: &Response) -> std::io::Result<()> {
+    reply(out, resp, false, false)?;
+    drain_and_close(out, Duration::from_secs(1), 1 << 20)
+}
+
+/// Shuts the write side, then reads and drops what the client still
+/// sends (at most `bytes`, waiting at most `wait` for each read), so the
+/// answer already sent is not lost to a reset.
+fn drain_and_close(stream: &mut TcpStream, wait: Duration, bytes: u64) -> std::io::Result<()> {
+    use std::io::Read;
+    stream.shutdown(std::net::Shutdown::Write)?;
+    stream.set_read_timeout(Some(wait))?;
+    let _ = std::io::copy(&mut stream.take(bytes), &mut std::io::sink());
+    Ok(())
+}
+
 fn handle(stream: TcpStream, run_dir: &Path, assets_dir: &Path) -> std::io::Result<()> {
-    stream.set_read_timeout(Some(Duration::from_secs(30)))?;
+    stream.set_read_timeout(Some(IDLE_TIMEOUT))?;
+    stream.set_write_timeout(Some(IDLE_TIMEOUT))?;
     let mut reader = BufReader::new(stream.try_clone()?);
     let mut out = stream;
     loop {
-        let mut request = String::new();
-        if reader.read_line(&mut request)? == 0 {
-            return Ok(());
-        }
+        let request = match bounded_line(&mut reader, MAX_REQUEST_LINE)? {
+            None => return Ok(()),
+            Some(Ok(r)) => r,
+            Some(Err(())) => {
+                let r = plain(414, "request line too long\n");
+                return refuse(&mut out, &r);
+            }
+        };
         let mut keep_alive = request.contains("HTTP/1.1");
+        let (mut header_bytes, mut headers, mut body) = (0usize, 0usize, false);
+        let mut too_large = false;
         loop {
-            let mut h = String::new();
-            if reader.read_line(&mut h)? == 0 || h.trim().is_empty() {
+            let left = MAX_HEADER_BYTES.saturating_sub(header_bytes);
+            let h = match bounded_line(&mut reader, left)? {
+                None => break,
+                Some(Ok(h)) => h,
+                Some(Err(())) => {
+                    too_large = true;
+                    break;
+                }
+            };
+            if h.trim().is_empty() {
+                break;
+            }
+            header_bytes += h.len();
+            headers += 1;
+            if headers > MAX_HEADERS {
+                too_large = true;
                 break;
             }
             let lower = h.to_ascii_lowercase();
             if lower.starts_with("connection:") && lower.contains("close") {
                 keep_alive = false;
             }
+            let length = lower
+                .strip_prefix("content-length:")
+                .map(|v| v.trim().parse::<u64>().map_or(true, |n| n > 0));
+            if length == Some(true) || lower.starts_with("transfer-encoding:") {
+                body = true;
+            }
+        }
+        if too_large {
+            let r = plain(431, "request headers too large\n");
+            return refuse(&mut out, &r);
+        }
+        if body {
+            // the body is never read: answer and close
+            let r = plain(413, "requests carry no body here\n");
+            return refuse(&mut out, &r);
         }
         let mut parts = request.split_whitespace();
         let method = parts.next().unwrap_or("");
         let target = parts.next().unwrap_or("/");
         let resp = match method {
             "GET" | "HEAD" => respond(target, run_dir, assets_dir),
-            _ => Response {
-                status: 405,
-                content_type: "text/plain; charset=utf-8",
-                body: b"only GET and HEAD\n".to_vec(),
-            },
+            _ => plain(405, "only GET and HEAD\n"),
         };
-        let reason = match resp.status {
-            200 => "OK",
-            404 => "Not Found",
-            _ => "Method Not Allowed",
-        };
-        write!(
-            out,
-            "HTTP/1.1 {} {reason}\r\nContent-Type: {}\r\nContent-Length: {}\r\nCache-Control: no-store\r\nConnection: {}\r\n\r\n",
-            resp.status,
-            resp.content_type,
-            resp.body.len(),
-            if keep_alive { "keep-alive" } else { "close" }
-        )?;
-        if method != "HEAD" {
-            out.write_all(&resp.body)?;
-        }
-        out.flush()?;
+        reply(&mut out, &resp, method == "HEAD", keep_alive)?;
         if !keep_alive {
             return Ok(());
         }
@@ -382,5 +513,44 @@ mod tests {
         assert!(r.starts_with("HTTP/1.1 200 OK\r\n"), "{r}");
         assert!(r.ends_with("\r\n\r\n{\"step\":1}\n"), "{r}");
         assert!(get("/run/../../x").starts_with("HTTP/1.1 404"));
+        // bounded requests, answered as HTTP servers answer them
+        let send = |raw: &[u8]| {
+            let mut s = TcpStream::connect(addr).unwrap();
+            // the server may answer and close before reading all of it
+            let _ = s.write_all(raw);
+            let mut text = String::new();
+            let _ = s.read_to_string(&mut text);
+            text
+        };
+        let long_line = format!("GET /{} HTTP/1.1\r\n\r\n", "a".repeat(256 * 1024));
+        assert!(send(long_line.as_bytes()).starts_with("HTTP/1.1 414"));
+        let many: String = (0..200).map(|i| format!("X-{i}: y\r\n")).collect();
+        let r = send(format!("GET / HTTP/1.1\r\n{many}\r\n").as_bytes());
+        assert!(r.starts_with("HTTP/1.1 431"), "{r}");
+        let big = format!("GET / HTTP/1.1\r\nX: {}\r\n\r\n", "b".repeat(40 * 1024));
+        assert!(send(big.as_bytes()).starts_with("HTTP/1.1 431"));
+        let r = send(b"POST /run/metrics.jsonl HTTP/1.1\r\nContent-Length: 5\r\n\r\nhello");
+        assert!(r.starts_with("HTTP/1.1 413"), "{r}");
+        // connections beyond the limit are turned away, the others served
+        let idle: Vec<TcpStream> = (0..MAX_CONNECTIONS)
+            .map(|_| TcpStream::connect(addr).unwrap())
+            .collect();
+        let mut turned_away = String::new();
+        let deadline = std::time::Instant::now() + Duration::from_secs(20);
+        while !turned_away.starts_with("HTTP/1.1 503") && std::time::Instant::now() < deadline {
+            turned_away = send(b"GET / HTTP/1.1\r\nConnection: close\r\n\r\n");
+        }
+        assert!(turned_away.starts_with("HTTP/1.1 503"), "{turned_away}");
+        drop(idle);
+        let deadline = std::time::Instant::now() + Duration::from_secs(20);
+        let mut served = String::new();
+        while !served.starts_with("HTTP/1.1 200") && std::time::Instant::now() < deadline {
+            served = get("/run/metrics.jsonl");
+            thread::sleep(Duration::from_millis(20));
+        }
+        assert!(
+            served.starts_with("HTTP/1.1 200"),
+            "served again once they close: {served}"
+        );
     }
 }
