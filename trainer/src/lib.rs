@@ -23,6 +23,9 @@
 //! * [`ckpt`]: periodic checkpoints (weft-checkpoint) and bit-for-bit resume.
 //! * [`stop`]: a clean stop on SIGINT/SIGTERM — finish the step, save a
 //!   checkpoint, exit (a second signal stops at once).
+//! * [`supervise`]: `weft train --supervise` — the job as a child process,
+//!   restarted from its newest valid checkpoint when it dies or hangs —
+//!   and the faults to drill it with.
 //! * [`sample`]: `weft sample`, generation from a run's last checkpoint
 //!   with the model's key/value-cache decoder.
 //!
@@ -89,5 +92,6 @@ pub mod ranks;
 pub mod sample;
 pub mod schedule;
 pub mod stop;
+pub mod supervise;
 pub mod synthetic;
 pub mod train;

@@ -110,6 +110,28 @@ enum Command {
         /// base configuration (unless --config is given).
         #[arg(long, value_name = "RUN_DIR", num_args = 0..=1)]
         resume: Option<Option<PathBuf>>,
+        /// Run the job as a child process and restart it from its newest
+        /// checkpoint that verifies when it fails (exits in error, is
+        /// killed, or its heartbeat stops); events go to
+        /// `<run>/events.jsonl`.
+        #[arg(long)]
+        supervise: bool,
+        /// With --supervise: restarts allowed.
+        #[arg(long, value_name = "N", default_value_t = 3)]
+        max_restarts: u32,
+        /// With --supervise: seconds without a finished step (or, at the
+        /// start, without the run starting) that count as a hang.
+        #[arg(long, value_name = "SECONDS", default_value_t = 600.0)]
+        heartbeat_timeout: f64,
+        /// With --supervise: seconds before the first restart (doubled
+        /// after each).
+        #[arg(long, value_name = "SECONDS", default_value_t = 1.0)]
+        restart_backoff: f64,
+        /// A fault for tests and drills: kill:step=N (the process is
+        /// killed as step N begins) or hang:step=N (it stops making
+        /// progress). With --supervise, only the first attempt gets it.
+        #[arg(long, value_name = "FAULT")]
+        inject: Vec<weft_trainer::supervise::Fault>,
     },
     /// Generate from the last saved weights of a run folder. Decodes
     /// incrementally with a key/value cache whose logits are bitwise the
@@ -223,9 +245,81 @@ fn run(cli: Cli) -> Result<()> {
             data,
             print_config,
             resume,
+            supervise,
+            max_restarts,
+            heartbeat_timeout,
+            restart_backoff,
+            inject,
         } => {
             // the first Ctrl-C (or SIGTERM) saves and stops; a second stops
             weft_trainer::stop::install().context("installing the signal handlers")?;
+            if supervise {
+                let seconds = |what: &str, s: f64| {
+                    std::time::Duration::try_from_secs_f64(s)
+                        .ok()
+                        .filter(|d| !d.is_zero())
+                        .with_context(|| format!("{what} {s}: a number of seconds > 0"))
+                };
+                let (heartbeat, backoff) = (
+                    seconds("--heartbeat-timeout", heartbeat_timeout)?,
+                    seconds("--restart-backoff", restart_backoff)?,
+                );
+                let resuming = resume.is_some();
+                let (mut cfg, _) =
+                    load_train_config(config.clone(), sets.clone(), data.clone(), resume)?;
+                if cfg.run.name.is_empty() {
+                    cfg.run.name = weft_trainer::train::timestamp_name();
+                }
+                let dir = cfg.run.dir.to_str().context("run.dir is not valid UTF-8")?;
+                let mut command: Vec<std::ffi::OsString> =
+                    vec![std::env::current_exe()?.into(), "train".into()];
+                if let Some(c) = config {
+                    command.extend(["--config".into(), c.into_os_string()]);
+                }
+                for s in sets {
+                    command.extend(["--set".into(), s.into()]);
+                }
+                if let Some(d) = data {
+                    command.extend(["--data".into(), d.into_os_string()]);
+                }
+                command.extend([
+                    "--set".into(),
+                    format!("run.dir={}", toml_string(dir)).into(),
+                    "--set".into(),
+                    format!("run.name={}", toml_string(&cfg.run.name)).into(),
+                ]);
+                let run_dir = cfg.run.dir.join(&cfg.run.name);
+                if resuming && !run_dir.is_dir() {
+                    anyhow::bail!(
+                        "cannot resume: run folder {} does not exist",
+                        run_dir.display()
+                    );
+                }
+                progress::say(&format!(
+                    "supervising   {} (up to {max_restarts} restarts; a hang is {} s without a step)",
+                    run_dir.display(),
+                    heartbeat.as_secs_f64()
+                ));
+                let outcome = weft_trainer::supervise::Supervisor {
+                    command,
+                    run_dir: run_dir.clone(),
+                    max_restarts,
+                    backoff,
+                    heartbeat_timeout: heartbeat,
+                    inject,
+                }
+                .run()?;
+                progress::say(&format!(
+                    "supervised    {} restart(s); events in {}",
+                    outcome.restarts,
+                    run_dir.join("events.jsonl").display()
+                ));
+                if outcome.code != Some(0) {
+                    return Err(Reported.into());
+                }
+                return Ok(());
+            }
+            weft_trainer::supervise::inject(&inject);
             let load = move || -> Result<(weft_trainer::config::Config, bool)> {
                 load_train_config(config, sets, data, resume)
             };

@@ -437,8 +437,9 @@ fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> TrainError + '_ {
     }
 }
 
-/// A run name from the current UTC time, `YYYYMMDD-HHMMSS`.
-fn timestamp_name() -> String {
+/// A run name from the current UTC time, `YYYYMMDD-HHMMSS` (the default
+/// when `run.name` is empty).
+pub fn timestamp_name() -> String {
     let secs = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_secs());
@@ -1303,7 +1304,11 @@ fn run_rank(
     let mut step_bubbles: Vec<(u64, f64, f64, bool)> = Vec::new();
     // Bytes this rank sent per axis over the steps (payload, then scalars).
     let mut traffic_sum = [0.0f64; 10];
+    if writer {
+        crate::supervise::heartbeat(&run_dir, start_step);
+    }
     for step in start_step..t.steps {
+        crate::supervise::before_step(step + 1, world.rank());
         let step_start = Instant::now();
         let lr = lr_at(&config.optim, step, t.steps);
         if let Some(moe) = &moe {
@@ -1529,6 +1534,9 @@ fn run_rank(
         };
         let line = serde_json::to_string(&record).unwrap_or_default();
         write_line(&mut metrics, line)?;
+        if writer {
+            crate::supervise::heartbeat(&run_dir, step + 1);
+        }
         observer.step(&StepReport {
             record,
             flops_per_s: flops,

@@ -436,3 +436,68 @@ fn the_first_sigint_saves_and_stops_and_the_run_resumes_bit_for_bit() {
     assert_eq!(losses(&resumed.run_dir), losses(&reference.run_dir));
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// The events a supervisor wrote, as JSON values.
+fn events(run: &std::path::Path) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(run.join("events.jsonl"))
+        .unwrap_or_default()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
+#[test]
+fn a_supervised_run_restarts_after_a_kill_and_a_hang_and_ends_bit_for_bit() {
+    let weft = env!("CARGO_BIN_EXE_weft");
+    let dir = std::env::temp_dir().join(format!("weft-supervise-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let mut base = tiny(&dir, "whole");
+    base.checkpoint.every = 10;
+    let reference = train(&base, false, &mut Silent).unwrap();
+    for (name, fault, lost) in [("killed", "kill:step=37", 6), ("hung", "hang:step=25", 4)] {
+        let mut c = base.clone();
+        c.run.name = name.into();
+        let config = dir.join(format!("{name}.toml"));
+        std::fs::write(&config, c.to_toml()).unwrap();
+        let out = std::process::Command::new(weft)
+            .args(["train", "--supervise", "--restart-backoff", "0.1"])
+            .args(["--heartbeat-timeout", "3", "--inject", fault, "--config"])
+            .arg(&config)
+            .output()
+            .unwrap();
+        let run = dir.join(name);
+        assert!(
+            out.status.success(),
+            "{name}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert_eq!(losses(&run), losses(&reference.run_dir), "{name}");
+        let ev = events(&run);
+        let kinds: Vec<&str> = ev.iter().map(|e| e["event"].as_str().unwrap()).collect();
+        assert_eq!(
+            kinds,
+            ["start", "failure", "restart", "start", "finished"],
+            "{name}: {ev:?}"
+        );
+        let failure = ev[1]["failure"].as_str().unwrap();
+        match name {
+            "killed" => assert_eq!(failure, "signal 9"),
+            _ => assert!(
+                failure.starts_with("no heartbeat for 3 s (after step 24)"),
+                "{failure}"
+            ),
+        }
+        let from = if name == "killed" { 30 } else { 20 };
+        assert_eq!(ev[2]["from_checkpoint_step"], from, "{name}");
+        assert_eq!(ev[2]["lost_steps"], lost, "{name}");
+        assert_eq!(ev[4]["restarts"], 1);
+    }
+    // a bad fault is a clear error
+    let out = std::process::Command::new(weft)
+        .args(["train", "--inject", "explode:now"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("kill:step=N"));
+    std::fs::remove_dir_all(&dir).unwrap();
+}
