@@ -52,6 +52,13 @@ pub struct Manifest {
     /// The trainer's extra state.
     #[serde(default)]
     pub state: TrainerState,
+    /// crc32c (8 hex digits) of this manifest's JSON as [`Manifest::to_json`]
+    /// writes it with this field left out: every byte a resume depends on
+    /// (step, optimizer step, layout, shard checksums) is covered. Set by
+    /// `to_json`; manifests written before it existed have none and are
+    /// accepted.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub manifest_crc32c: Option<String>,
 }
 
 /// The device mesh a checkpoint was saved from.
@@ -352,7 +359,28 @@ impl Manifest {
             reason: e.to_string(),
         })?;
         m.validate(path)?;
+        if let Some(claimed) = &m.manifest_crc32c {
+            let actual = m.self_checksum();
+            if *claimed != actual {
+                return Err(Error::Manifest {
+                    path: path.to_owned(),
+                    field: "manifest_crc32c".into(),
+                    reason: format!(
+                        "the manifest does not match its checksum ({claimed} written, {actual} now): it was changed after it was saved"
+                    ),
+                });
+            }
+        }
         Ok(m)
+    }
+
+    /// The checksum [`manifest_crc32c`](Self::manifest_crc32c) holds: of
+    /// the pretty JSON of this manifest with that field left out.
+    fn self_checksum(&self) -> String {
+        let mut bare = self.clone();
+        bare.manifest_crc32c = None;
+        let json = serde_json::to_vec_pretty(&bare).unwrap_or_default();
+        format!("{:08x}", crate::checksum::crc32c(&json))
     }
 
     /// Reads and validates `dir/manifest.json`, refusing files larger than
@@ -377,12 +405,15 @@ impl Manifest {
         Manifest::from_json(&buf, &path)
     }
 
-    /// Serializes to pretty JSON.
+    /// Serializes to pretty JSON, with [`manifest_crc32c`](Self::manifest_crc32c)
+    /// set to the checksum of the rest.
     ///
     /// # Panics
     /// Never: every field serializes (strings, integers, JSON values).
     pub fn to_json(&self) -> Vec<u8> {
-        let mut v = serde_json::to_vec_pretty(self).expect("manifest serializes");
+        let mut sealed = self.clone();
+        sealed.manifest_crc32c = Some(self.self_checksum());
+        let mut v = serde_json::to_vec_pretty(&sealed).expect("manifest serializes");
         v.push(b'\n');
         v
     }

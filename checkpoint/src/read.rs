@@ -90,6 +90,22 @@ impl Checkpoint {
     /// [`Error::Mismatch`] or [`Error::Io`], each naming the file.
     pub fn open(dir: &Path) -> Result<Checkpoint> {
         let manifest = Manifest::read(dir)?;
+        // a checkpoint's step is the same in its folder's name and inside
+        if let Some(named) = dir
+            .file_name()
+            .and_then(|n| n.to_str())
+            .and_then(parse_step_dir)
+            && named != manifest.step
+        {
+            return Err(Error::Manifest {
+                path: dir.join(crate::manifest::MANIFEST_FILE),
+                field: "step".into(),
+                reason: format!(
+                    "the folder is step {named} but its manifest says step {}",
+                    manifest.step
+                ),
+            });
+        }
         let mut by_file: BTreeMap<&str, Vec<(&str, Dtype, &ShardEntry)>> = BTreeMap::new();
         for (name, t) in &manifest.tensors {
             for s in &t.shards {

@@ -508,6 +508,7 @@ pub fn build_manifest(
         files,
         tensors,
         state: state.clone(),
+        manifest_crc32c: None,
     })
 }
 

@@ -166,10 +166,59 @@ fn manifest_lies_are_caught() {
     for (want, edit) in cases {
         let dir = tempfile::tempdir().unwrap();
         let (_, b) = two_checkpoints(dir.path());
-        edit_manifest(&b, edit);
+        // without its checksum (as manifests before it were), so that the
+        // checks behind it are what catches the lie
+        edit_manifest(&b, |v| {
+            edit(v);
+            v.as_object_mut().unwrap().remove("manifest_crc32c");
+        });
         let err = Checkpoint::open(&b).unwrap_err().to_string();
         assert!(err.contains(want), "case {want}: {err}");
     }
+}
+
+#[test]
+fn every_byte_a_resume_reads_is_verified() {
+    // values the format allows, changed after the save: only the
+    // manifest's own checksum can tell
+    type Edit = Box<dyn Fn(&mut serde_json::Value)>;
+    let edits: Vec<(&str, Edit)> = vec![
+        ("step", Box::new(|v| v["step"] = 7.into())),
+        (
+            "optimizer step",
+            Box::new(|v| v["state"]["optimizer_step"] = 12345.into()),
+        ),
+        (
+            "extra",
+            Box::new(|v| v["state"]["extra"]["adamw_t"] = 3.into()),
+        ),
+        (
+            "checksum itself",
+            Box::new(|v| v["manifest_crc32c"] = "00000000".into()),
+        ),
+    ];
+    for (what, edit) in edits {
+        let dir = tempfile::tempdir().unwrap();
+        let (_, b) = two_checkpoints(dir.path());
+        edit_manifest(&b, edit);
+        let err = Checkpoint::open(&b).unwrap_err().to_string();
+        assert!(err.contains("checksum"), "{what}: {err}");
+        // and loading falls back to the older checkpoint
+        let l = load_latest(dir.path(), VerifyLevel::Full).unwrap().unwrap();
+        assert_eq!(l.checkpoint.step(), 1, "{what}");
+    }
+    // a step changed consistently with the checksum still disagrees with
+    // the folder's name
+    let dir = tempfile::tempdir().unwrap();
+    let (_, b) = two_checkpoints(dir.path());
+    let mut m = Checkpoint::open(&b).unwrap().manifest().clone();
+    m.step = 9;
+    fs::write(b.join("manifest.json"), m.to_json()).unwrap();
+    let err = Checkpoint::open(&b).unwrap_err().to_string();
+    assert!(
+        err.contains("the folder is step 2 but its manifest says step 9"),
+        "{err}"
+    );
 }
 
 #[test]
