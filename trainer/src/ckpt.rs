@@ -82,8 +82,10 @@ pub enum CkptError {
 /// hex digits: everything except `[run]`, `[checkpoint]`, the layout in
 /// `[parallel]` (but not `parallel.reproducible`), and the settings
 /// that only decide how long to go on and what to watch (`train.steps`,
-/// `train.eval_every`, `train.eval_sequences`, `train.spike_*`), so a run
-/// can be resumed to train longer. (Changing `train.steps` changes the
+/// `train.eval_every`, `train.eval_sequences`, `train.spike_*`, the
+/// rewind settings and `train.skip_batches`, which only changes the
+/// batches of steps to come), so a run can be resumed to train longer, or
+/// past a batch to leave out. (Changing `train.steps` changes the
 /// learning-rate schedule from the resume point on: the run is then no
 /// longer the uninterrupted run of either length.)
 pub fn config_hash(config: &Config) -> String {
@@ -103,6 +105,10 @@ pub fn config_hash(config: &Config) -> String {
     c.train.eval_sequences = d.eval_sequences;
     c.train.spike_factor = d.spike_factor;
     c.train.spike_window = d.spike_window;
+    c.train.rewind = d.rewind;
+    c.train.nonfinite_limit = d.nonfinite_limit;
+    c.train.max_rewinds = d.max_rewinds;
+    c.train.skip_batches = d.skip_batches;
     format!(
         "{:016x}",
         xxhash_rust::xxh3::xxh3_64(c.to_toml().as_bytes())
@@ -373,6 +379,7 @@ pub fn save_sharded(
         .collect();
     #[allow(clippy::cast_possible_truncation)]
     let report = weft_checkpoint::write_rank_file(&staging, me as u32, &shards, &opts);
+    crate::supervise::during_save(step, me);
     // 3. the reports to rank 0, which commits
     let json = match &report {
         Ok(r) => serde_json::to_vec(r).unwrap_or_default(),

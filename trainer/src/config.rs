@@ -452,6 +452,22 @@ pub struct TrainConfig {
     pub spike_factor: f64,
     /// Steps in the rolling window of the spike detector.
     pub spike_window: usize,
+    /// Rewind and skip: on a loss spike, or `nonfinite_limit` non-finite
+    /// steps in a row, roll back to the newest checkpoint that verifies
+    /// (the start, before the first) and go on with the offending batches
+    /// left out; what was skipped is recorded in `<run>/skip.json` and
+    /// `<run>/events.jsonl`.
+    pub rewind: bool,
+    /// Non-finite steps in a row (updates skipped) that make a rewind,
+    /// with `rewind`.
+    pub nonfinite_limit: u64,
+    /// Rewinds allowed in a run; one more is an error.
+    pub max_rewinds: u32,
+    /// Batches to leave out, by the step (1-based) that reads them in a
+    /// run without skips: each later step reads the next batch not left
+    /// out. A rewound run's `skip.json` lists its skips; a new run with
+    /// them here gives the same bits.
+    pub skip_batches: Vec<u64>,
 }
 
 impl Default for TrainConfig {
@@ -465,6 +481,10 @@ impl Default for TrainConfig {
             eval_sequences: 64,
             spike_factor: 2.0,
             spike_window: 50,
+            rewind: false,
+            nonfinite_limit: 3,
+            max_rewinds: 5,
+            skip_batches: Vec::new(),
         }
     }
 }
@@ -693,6 +713,15 @@ impl Config {
             return bad(
                 "train.spike_factor",
                 format!("must be > 1 (got {})", t.spike_factor),
+            );
+        }
+        if t.nonfinite_limit == 0 {
+            return bad("train.nonfinite_limit", "must be at least 1".into());
+        }
+        if let Some(b) = t.skip_batches.iter().find(|&&b| b == 0) {
+            return bad(
+                "train.skip_batches",
+                format!("steps count from 1 (got {b})"),
             );
         }
         let o = &self.optim;

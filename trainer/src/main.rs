@@ -90,7 +90,7 @@ enum Command {
         /// balance,aux_coef,bias_rate,shared_expert,capacity_factor,drop};
         /// data.{source,val_fraction,synthetic.*}; train.{steps,batch_size,
         /// micro_batch_size,seed,eval_every,eval_sequences,spike_factor,
-        /// spike_window}; optim.{lr,min_lr_ratio,warmup_steps,weight_decay,
+        /// spike_window,rewind,nonfinite_limit,max_rewinds,skip_batches}; optim.{lr,min_lr_ratio,warmup_steps,weight_decay,
         /// beta1,beta2,eps,grad_clip}; checkpoint.{every,keep_last,
         /// keep_every}; parallel.{dp,fsdp,hybrid_shard,tp,sequence_parallel,
         /// ep,pp,pp_schedule,pp_chunks,reproducible,backend,timeout_s}
@@ -127,9 +127,16 @@ enum Command {
         /// after each).
         #[arg(long, value_name = "SECONDS", default_value_t = 1.0)]
         restart_backoff: f64,
-        /// A fault for tests and drills: kill:step=N (the process is
-        /// killed as step N begins) or hang:step=N (it stops making
-        /// progress). With --supervise, only the first attempt gets it.
+        /// A fault for tests and drills (repeatable):
+        /// KIND:step=N[,rank=R][,count=C][,factor=F] with KIND kill (the
+        /// rank's process is killed as step N begins), hang (the rank stops
+        /// making progress), nan (the batches of C steps from N make the
+        /// gradients non-finite), spike (the batch of step N is garbage),
+        /// slow (the rank computes F times slower from step N),
+        /// corrupt-checkpoint (a byte of checkpoint N flips after its
+        /// commit) or crash-during-save (the rank dies while saving
+        /// checkpoint N). With --supervise, only the first attempt gets
+        /// them.
         #[arg(long, value_name = "FAULT")]
         inject: Vec<weft_trainer::supervise::Fault>,
     },

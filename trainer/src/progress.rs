@@ -202,9 +202,27 @@ impl Observer for Terminal {
                 median,
                 batch,
             } => format!(
-                "health step {step}: loss spike {loss:.4} vs rolling median {median:.4} (data step {}, {} micro-batches)",
-                batch.0, batch.1
+                "health step {step}: loss spike {loss:.4} vs rolling median {median:.4} (the batch of step {} in a run without skips, {} micro-batches)",
+                batch.0 + 1,
+                batch.1
             ),
+            HealthEvent::Rewind {
+                step,
+                reason,
+                to,
+                batches,
+            } => {
+                let list: Vec<String> = batches.iter().map(u64::to_string).collect();
+                format!(
+                    "health step {step}: {reason}: rewinding to {}, leaving out the batch(es) of step(s) {}",
+                    if *to == 0 {
+                        "the start".to_owned()
+                    } else {
+                        format!("the checkpoint of step {to}")
+                    },
+                    list.join(", ")
+                )
+            }
         };
         self.line(&s);
     }

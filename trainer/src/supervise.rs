@@ -15,9 +15,11 @@
 //! A child stopped by a signal the supervisor forwarded (Ctrl-C: the run
 //! saves and stops, see [`crate::stop`]) is not restarted.
 //!
-//! [`Fault`]s (`--inject kill:step=37`, `hang:step=50`) are for tests and
-//! drills: the supervisor passes them to the first attempt only, so a
-//! restarted run goes on fault-free.
+//! [`Fault`]s (`--inject kill:rank=1,step=37`, `hang:step=50`,
+//! `nan:step=60`, `spike:step=45`, `slow:rank=1,factor=3`,
+//! `corrupt-checkpoint:step=40`, `crash-during-save:step=80`) are for
+//! tests and drills: the supervisor passes them to the first attempt only,
+//! so a restarted run goes on fault-free.
 
 use std::ffi::OsString;
 use std::io::Write;
@@ -26,84 +28,284 @@ use std::process::{Child, Command, ExitStatus};
 use std::sync::Mutex;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-/// A fault injected into a run for tests and drills.
+/// What a [`Fault`] does.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Fault {
-    /// The process is killed (SIGKILL, as by the OOM killer or a lost node)
-    /// as step `step` begins.
-    Kill {
-        /// The step (1-based) that never finishes.
-        step: u64,
-    },
-    /// Rank 0 stops making progress as step `step` begins (a rank stuck in
-    /// a kernel): only a heartbeat notices.
-    Hang {
-        /// The step (1-based) that never finishes.
-        step: u64,
-    },
+pub enum FaultKind {
+    /// The rank's process is killed (SIGKILL, as by the OOM killer or a
+    /// lost node) as the step begins.
+    Kill,
+    /// The rank stops making progress as the step begins (a rank stuck in
+    /// a kernel): only a heartbeat or the collectives' watchdog notices.
+    Hang,
+    /// The batches of `count` steps from the step (as a fault-free run
+    /// reads them) make the gradients non-finite (a parameter reads NaN
+    /// while they are trained on, as an overflowing kernel makes it): the
+    /// updates are skipped. Every rank's.
+    Nan,
+    /// The batch the step reads in a fault-free run is garbage (its
+    /// targets scrambled, as by a corrupt shard of the corpus): the loss
+    /// spikes. Every rank's.
+    Spike,
+    /// The rank computes `factor` times slower from the step on (a
+    /// throttled chip, a noisy neighbour): a straggler.
+    Slow,
+    /// After the checkpoint of the step is committed, one of its files has
+    /// a byte flipped (bit rot, a torn copy): loading it must fail and
+    /// fall back.
+    CorruptCheckpoint,
+    /// The rank's process is killed while the checkpoint of the step is
+    /// being written, after its own file and before the commit.
+    CrashDuringSave,
+}
+
+impl FaultKind {
+    const ALL: [(FaultKind, &'static str); 7] = [
+        (FaultKind::Kill, "kill"),
+        (FaultKind::Hang, "hang"),
+        (FaultKind::Nan, "nan"),
+        (FaultKind::Spike, "spike"),
+        (FaultKind::Slow, "slow"),
+        (FaultKind::CorruptCheckpoint, "corrupt-checkpoint"),
+        (FaultKind::CrashDuringSave, "crash-during-save"),
+    ];
+
+    /// The name `--inject` uses.
+    #[must_use]
+    pub fn name(self) -> &'static str {
+        Self::ALL
+            .iter()
+            .find(|(k, _)| *k == self)
+            .map_or("?", |(_, n)| n)
+    }
+}
+
+/// A fault injected into a run for tests and drills:
+/// `KIND:step=N[,rank=R][,count=C][,factor=F]`, for example
+/// `kill:rank=1,step=37`, `hang:step=50`, `nan:step=60,count=3`,
+/// `spike:step=45`, `slow:rank=1,factor=3`, `corrupt-checkpoint:step=40`,
+/// `crash-during-save:step=80`. Steps are 1-based; `rank` (default 0) is
+/// the world rank that suffers it (`nan` and `spike` are faults of the
+/// data, every rank's).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Fault {
+    /// What happens.
+    pub kind: FaultKind,
+    /// The step (1-based) it happens at (from, for `slow`).
+    pub step: u64,
+    /// The world rank it happens on.
+    pub rank: usize,
+    /// Consecutive steps (`nan`).
+    pub count: u64,
+    /// How many times slower (`slow`).
+    pub factor: f64,
 }
 
 impl std::str::FromStr for Fault {
     type Err = String;
 
-    /// `kill:step=N` or `hang:step=N`.
     fn from_str(s: &str) -> Result<Self, String> {
-        let bad = || format!("--inject {s:?}: expected kill:step=N or hang:step=N (N ≥ 1)");
-        let (kind, rest) = s.split_once(':').ok_or_else(bad)?;
-        let step: u64 = rest
-            .strip_prefix("step=")
-            .and_then(|n| n.parse().ok())
-            .filter(|&n| n >= 1)
-            .ok_or_else(bad)?;
-        match kind {
-            "kill" => Ok(Fault::Kill { step }),
-            "hang" => Ok(Fault::Hang { step }),
-            _ => Err(bad()),
+        let kinds: Vec<&str> = FaultKind::ALL.iter().map(|(_, n)| *n).collect();
+        let usage = format!(
+            "expected KIND:step=N[,rank=R][,count=C][,factor=F] with KIND one of {}",
+            kinds.join(", ")
+        );
+        let (kind, rest) = s.split_once(':').unwrap_or((s, ""));
+        let kind = FaultKind::ALL
+            .iter()
+            .find(|(_, n)| *n == kind)
+            .map(|(k, _)| *k)
+            .ok_or_else(|| format!("--inject {s:?}: unknown fault {kind:?}; {usage}"))?;
+        let mut fault = Fault {
+            kind,
+            step: 0,
+            rank: 0,
+            count: 1,
+            factor: 2.0,
+        };
+        for field in rest.split(',').filter(|f| !f.is_empty()) {
+            let (key, value) = field
+                .split_once('=')
+                .ok_or_else(|| format!("--inject {s:?}: {field:?} is not KEY=VALUE; {usage}"))?;
+            let bad = |what: &str| format!("--inject {s:?}: {key}={value:?} is not {what}");
+            match key {
+                "step" => {
+                    fault.step = value
+                        .parse()
+                        .ok()
+                        .filter(|&n| n >= 1)
+                        .ok_or_else(|| bad("a step ≥ 1"))?;
+                }
+                "rank" => fault.rank = value.parse().map_err(|_| bad("a rank ≥ 0"))?,
+                "count" if kind == FaultKind::Nan => {
+                    fault.count = value
+                        .parse()
+                        .ok()
+                        .filter(|&n| n >= 1)
+                        .ok_or_else(|| bad("a count ≥ 1"))?;
+                }
+                "factor" if kind == FaultKind::Slow => {
+                    fault.factor = value
+                        .parse()
+                        .ok()
+                        .filter(|f: &f64| f.is_finite() && *f >= 1.0)
+                        .ok_or_else(|| bad("a factor ≥ 1"))?;
+                }
+                _ => {
+                    return Err(format!(
+                        "--inject {s:?}: {key:?} is not a setting of {}; {usage}",
+                        kind.name()
+                    ));
+                }
+            }
         }
+        if fault.step == 0 {
+            if kind == FaultKind::Slow {
+                fault.step = 1;
+            } else {
+                return Err(format!("--inject {s:?}: step=N is missing; {usage}"));
+            }
+        }
+        Ok(fault)
     }
 }
 
 impl std::fmt::Display for Fault {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            Fault::Kill { step } => write!(f, "kill:step={step}"),
-            Fault::Hang { step } => write!(f, "hang:step={step}"),
+        write!(f, "{}:step={}", self.kind.name(), self.step)?;
+        if self.rank != 0 {
+            write!(f, ",rank={}", self.rank)?;
         }
+        if self.kind == FaultKind::Nan && self.count != 1 {
+            write!(f, ",count={}", self.count)?;
+        }
+        if self.kind == FaultKind::Slow {
+            write!(f, ",factor={}", self.factor)?;
+        }
+        Ok(())
     }
 }
 
-static FAULTS: Mutex<Vec<Fault>> = Mutex::new(Vec::new());
+/// The faults armed in this process, each with whether it has fired.
+static FAULTS: Mutex<Vec<(Fault, bool)>> = Mutex::new(Vec::new());
 
-/// Arms `faults` for the runs of this process.
+/// Arms `faults` for the runs of this process. Each fires once (a `nan`
+/// over its `count` steps, a `slow` from its step on): a run rewound past
+/// a fault does not meet it again.
 pub fn inject(faults: &[Fault]) {
     FAULTS
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner)
-        .extend_from_slice(faults);
+        .extend(faults.iter().map(|&f| (f, false)));
 }
 
-/// Fires the faults armed for step `step` (1-based), on world rank 0.
+/// The armed, unfired faults that `hit` selects; `fired` marks them.
+fn armed(hit: impl Fn(&Fault) -> bool, fired: impl Fn(&Fault) -> bool) -> Vec<Fault> {
+    let mut faults = FAULTS
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    let mut out = Vec::new();
+    for (f, done) in faults.iter_mut() {
+        if !*done && hit(f) {
+            *done = fired(f);
+            out.push(*f);
+        }
+    }
+    out
+}
+
+/// Fires the kills and hangs armed for world rank `rank` at step `step`
+/// (1-based), as the step begins.
 pub(crate) fn before_step(step: u64, rank: usize) {
-    if rank != 0 {
+    let hit = |f: &Fault| {
+        f.rank == rank && f.step == step && matches!(f.kind, FaultKind::Kill | FaultKind::Hang)
+    };
+    if let Some(f) = armed(hit, |_| true).first() {
+        if f.kind == FaultKind::Kill {
+            die();
+        }
+        loop {
+            std::thread::sleep(Duration::from_secs(3600));
+        }
+    }
+}
+
+/// SIGKILLs this process, as a drill asks.
+fn die() {
+    // SAFETY: sends SIGKILL to this process.
+    unsafe {
+        libc::kill(libc::getpid(), libc::SIGKILL);
+    }
+}
+
+/// Whether the batch of fault-free step `batch` (1-based) makes the
+/// gradients non-finite (a `nan` fault's batches). A data fault stays
+/// armed (every rank reads the batch; a rewind leaves it out).
+pub(crate) fn nan_at(batch: u64) -> bool {
+    let hit = |f: &Fault| f.kind == FaultKind::Nan && (f.step..f.step + f.count).contains(&batch);
+    !armed(hit, |_| false).is_empty()
+}
+
+/// Whether the batch of fault-free step `batch` (1-based) is garbage (a
+/// `spike` fault). A data fault stays armed (every rank reads the batch;
+/// a rewind leaves it out).
+pub(crate) fn spike_at(batch: u64) -> bool {
+    !armed(|f| f.kind == FaultKind::Spike && f.step == batch, |_| false).is_empty()
+}
+
+/// A `spike` fault's garbage: `targets` replaced by tokens drawn from a
+/// generator seeded by the batch, so the model is confidently wrong.
+pub(crate) fn scramble(targets: &mut [u32], vocab: usize, batch: u64) {
+    let mut x = batch.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    for t in targets {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        *t = u32::try_from(x % vocab.max(1) as u64).unwrap_or(0);
+    }
+}
+
+/// How many times slower world rank `rank` computes at step `step` (1:
+/// not slowed).
+pub(crate) fn slowdown(step: u64, rank: usize) -> f64 {
+    armed(
+        |f| f.kind == FaultKind::Slow && f.rank == rank && step >= f.step,
+        |_| false,
+    )
+    .iter()
+    .map(|f| f.factor)
+    .product()
+}
+
+/// Kills world rank `rank` while it saves the checkpoint of step `step`,
+/// if a `crash-during-save` fault says so.
+pub(crate) fn during_save(step: u64, rank: usize) {
+    let hit = |f: &Fault| f.kind == FaultKind::CrashDuringSave && f.rank == rank && f.step == step;
+    if !armed(hit, |_| true).is_empty() {
+        die();
+    }
+}
+
+/// Flips a byte in the middle of the largest file of the committed
+/// checkpoint `dir` (step `step`), if a `corrupt-checkpoint` fault says
+/// so; on world rank 0 only.
+pub(crate) fn after_save(dir: &Path, step: u64, rank: usize) {
+    let hit = |f: &Fault| f.kind == FaultKind::CorruptCheckpoint && f.step == step;
+    if rank != 0 || armed(hit, |_| true).is_empty() {
         return;
     }
-    let faults = FAULTS
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
-        .clone();
-    for f in faults {
-        match f {
-            Fault::Kill { step: s } if s == step => {
-                // SAFETY: sends SIGKILL to this process, as the drill asks.
-                unsafe {
-                    libc::kill(libc::getpid(), libc::SIGKILL);
-                }
-            }
-            Fault::Hang { step: s } if s == step => loop {
-                std::thread::sleep(Duration::from_secs(3600));
-            },
-            _ => {}
-        }
+    let largest = std::fs::read_dir(dir)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| Some((e.metadata().ok()?.len(), e.path())))
+        .max();
+    if let Some((len, path)) = largest
+        && let Ok(mut bytes) = std::fs::read(&path)
+        && len > 0
+    {
+        let at = bytes.len() / 2;
+        bytes[at] ^= 0x5a;
+        let _ = std::fs::write(&path, bytes);
     }
 }
 
@@ -168,7 +370,20 @@ pub enum SuperviseError {
     },
 }
 
-fn unix_now() -> f64 {
+/// Appends one event line to `run_dir/events.jsonl`.
+///
+/// # Errors
+/// The file's I/O error.
+pub(crate) fn append_event(run_dir: &Path, value: &serde_json::Value) -> std::io::Result<()> {
+    let mut f = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(run_dir.join("events.jsonl"))?;
+    writeln!(f, "{value}")
+}
+
+/// Seconds since the Unix epoch.
+pub(crate) fn unix_now() -> f64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0.0, |d| d.as_secs_f64())
@@ -183,15 +398,22 @@ fn beat(run_dir: &Path) -> Option<u64> {
         .ok()
 }
 
-/// The step of the newest checkpoint that verifies, if any.
-fn newest_checkpoint(run_dir: &Path) -> Option<u64> {
-    weft_checkpoint::load_latest(
+/// The step of the newest checkpoint that verifies, if any, and the
+/// newer ones that do not (each with why).
+fn newest_checkpoint(run_dir: &Path) -> (Option<u64>, Vec<String>) {
+    match weft_checkpoint::load_latest(
         &run_dir.join("checkpoints"),
         weft_checkpoint::VerifyLevel::Full,
-    )
-    .ok()
-    .flatten()
-    .map(|l| l.checkpoint.step())
+    ) {
+        Ok(Some(l)) => (
+            Some(l.checkpoint.step()),
+            l.skipped
+                .iter()
+                .map(|(p, e)| format!("{}: {e}", p.display()))
+                .collect(),
+        ),
+        _ => (None, Vec::new()),
+    }
 }
 
 fn describe(status: ExitStatus) -> String {
@@ -216,15 +438,8 @@ impl Supervisor {
         if !self.run_dir.is_dir() {
             return;
         }
-        let path = self.run_dir.join("events.jsonl");
-        if let Ok(mut f) = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(path)
-        {
-            for v in pending.drain(..) {
-                let _ = writeln!(f, "{v}");
-            }
+        for v in pending.drain(..) {
+            let _ = append_event(&self.run_dir, &v);
         }
     }
 
@@ -254,7 +469,7 @@ impl Supervisor {
         let mut failures = 0u32;
         let mut backoff = self.backoff;
         // a run folder with a checkpoint already: continue it
-        let mut resume = newest_checkpoint(&self.run_dir).is_some();
+        let mut resume = newest_checkpoint(&self.run_dir).0.is_some();
         let mut attempt = 0u32;
         let pending = std::cell::RefCell::new(Vec::new());
         loop {
@@ -325,7 +540,7 @@ impl Supervisor {
             };
             failures += 1;
             let seen = beat(&self.run_dir);
-            let from = newest_checkpoint(&self.run_dir);
+            let (from, unverified) = newest_checkpoint(&self.run_dir);
             self.event(
                 &pending,
                 serde_json::json!({
@@ -359,10 +574,51 @@ impl Supervisor {
                 &pending,
                 serde_json::json!({
                     "time": unix_now(), "event": "restart", "attempt": attempt,
-                    "from_checkpoint_step": from,
+                    "from_checkpoint_step": from, "unverified_checkpoints": unverified,
                     "lost_steps": seen.unwrap_or(0).saturating_sub(from.unwrap_or(0)),
                 }),
             );
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{Fault, FaultKind};
+
+    #[test]
+    fn faults_parse_print_and_refuse_what_they_cannot_be() {
+        for text in [
+            "kill:step=37",
+            "kill:step=37,rank=1",
+            "hang:step=50,rank=2",
+            "nan:step=60,count=3",
+            "spike:step=45",
+            "slow:step=1,rank=1,factor=3",
+            "corrupt-checkpoint:step=40",
+            "crash-during-save:step=80",
+        ] {
+            let f: Fault = text.parse().unwrap();
+            assert_eq!(f.to_string(), text);
+            assert_eq!(f.to_string().parse::<Fault>().unwrap(), f);
+        }
+        let f: Fault = "kill:rank=1,step=37".parse().unwrap();
+        assert_eq!((f.kind, f.rank, f.step), (FaultKind::Kill, 1, 37));
+        let slow: Fault = "slow:rank=1,factor=3".parse().unwrap();
+        assert_eq!((slow.step, slow.factor), (1, 3.0));
+        for (bad, says) in [
+            ("explode:step=1", "unknown fault \"explode\""),
+            ("kill", "step=N is missing"),
+            ("kill:step=0", "a step ≥ 1"),
+            ("kill:step=x", "a step ≥ 1"),
+            ("kill:step=3,count=2", "\"count\" is not a setting of kill"),
+            ("slow:factor=0.5", "a factor ≥ 1"),
+            ("nan:step=3,count=0", "a count ≥ 1"),
+            ("hang:rank=-1,step=2", "a rank ≥ 0"),
+            ("kill:step", "is not KEY=VALUE"),
+        ] {
+            let e = bad.parse::<Fault>().unwrap_err();
+            assert!(e.contains(says), "{bad}: {e}");
         }
     }
 }

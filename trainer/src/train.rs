@@ -122,6 +122,20 @@ pub enum TrainError {
         /// The checkpoint's step.
         step: u64,
     },
+    /// `train.max_rewinds` rewinds were made and another was needed.
+    #[error(
+        "{run}: step {step} needs a rewind ({reason}), but the run has made train.max_rewinds = {max} already (skipped batches in {run}/skip.json)"
+    )]
+    TooManyRewinds {
+        /// The run folder.
+        run: PathBuf,
+        /// The step that needed it.
+        step: u64,
+        /// Why.
+        reason: String,
+        /// `train.max_rewinds`.
+        max: u32,
+    },
     /// A stop was asked for (SIGINT or SIGTERM, see [`crate::stop`]): the
     /// run saved a checkpoint after `step` and can be resumed.
     #[error(
@@ -288,8 +302,22 @@ pub enum HealthEvent {
         loss: f64,
         /// Median of the recent window.
         median: f64,
-        /// Position of the step's data: (step, micro-batches).
+        /// Position of the step's data: (the 0-based step that reads it in
+        /// a run without skips, micro-batches).
         batch: (u64, usize),
+    },
+    /// Rewind and skip (`train.rewind`): the run goes back to the
+    /// checkpoint of step `to` (0: the start) and leaves `batches` out.
+    Rewind {
+        /// The step (from 1) that made the rewind.
+        step: u64,
+        /// What was wrong.
+        reason: String,
+        /// The step of the checkpoint it goes back to (0: the start).
+        to: u64,
+        /// The batches left out from now on, by the step (1-based) that
+        /// reads them in a run without skips.
+        batches: Vec<u64>,
     },
 }
 
@@ -1022,20 +1050,117 @@ fn layout_name(config: &Config) -> String {
     }
 }
 
-/// One rank's run on world communicator `world`: its share of the job.
-/// Only world rank 0 writes the run folder and checkpoints.
+/// How an attempt at the run starts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Start {
+    /// A new run folder.
+    New,
+    /// From the newest checkpoint that verifies (`--resume`).
+    Resume,
+    /// Rewound: from the newest checkpoint that verifies, or from the
+    /// start when none was saved (`checkpoint = false`).
+    Rewind {
+        /// Whether a checkpoint was saved to go back to.
+        checkpoint: bool,
+    },
+}
+
+/// How an attempt ended.
+enum Attempt {
+    /// The run trained to its last step.
+    Finished(Box<Summary>),
+    /// A rewind: go back to the checkpoint of `to` (0: none).
+    Rewind {
+        /// The step of the newest checkpoint saved (0: none).
+        to: u64,
+    },
+}
+
+/// The batches a run leaves out and the rewinds it made: the config's
+/// `train.skip_batches` and, resuming, the run's `skip.json`.
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+struct Skips {
+    /// Steps (1-based) whose batch, in a run without skips, is left out:
+    /// sorted, each once.
+    batches: Vec<u64>,
+    /// Rewinds made.
+    rewinds: u32,
+}
+
+impl Skips {
+    /// The skips recorded in `run_dir/skip.json` (none without one).
+    fn read(run_dir: &Path) -> Result<Skips, TrainError> {
+        let path = run_dir.join("skip.json");
+        match std::fs::read_to_string(&path) {
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Skips::default()),
+            Err(e) => Err(io_err(&path)(e)),
+            Ok(text) => serde_json::from_str(&text).map_err(|e| {
+                TrainError::Setup(format!("{}: not a skip list: {e}", path.display()))
+            }),
+        }
+    }
+
+    /// Adds `batches`, keeping the list sorted and each batch once.
+    fn add(&mut self, batches: &[u64]) {
+        self.batches.extend_from_slice(batches);
+        self.batches.sort_unstable();
+        self.batches.dedup();
+    }
+
+    /// The batch (0-based) that optimizer step `step` (0-based) reads: the
+    /// batches in order, those left out passed over.
+    fn batch_of(&self, step: u64) -> u64 {
+        let mut b = step;
+        for &s in &self.batches {
+            if s - 1 <= b {
+                b += 1;
+            } else {
+                break;
+            }
+        }
+        b
+    }
+}
+
+/// One rank's run on world communicator `world`: its share of the job,
+/// rewound (`train.rewind`) as often as it needs and may. Only world rank
+/// 0 writes the run folder and checkpoints.
 fn run_rank(
     job: &Job<'_>,
     world: &dyn Communicator,
     observer: &mut dyn Observer,
 ) -> Result<Summary, TrainError> {
+    let mut start = if job.resume {
+        Start::Resume
+    } else {
+        Start::New
+    };
+    let mut skips = None;
+    loop {
+        match run_attempt(job, world, observer, start, &mut skips)? {
+            Attempt::Finished(summary) => return Ok(*summary),
+            Attempt::Rewind { to } => start = Start::Rewind { checkpoint: to > 0 },
+        }
+    }
+}
+
+/// One attempt at the run, from `start`; `skips` is loaded by the first
+/// and carried over rewinds.
+fn run_attempt(
+    job: &Job<'_>,
+    world: &dyn Communicator,
+    observer: &mut dyn Observer,
+    start_from: Start,
+    skips: &mut Option<Skips>,
+) -> Result<Attempt, TrainError> {
     let Job {
         config,
-        resume,
         peak,
         data,
         processes,
+        ..
     } = *job;
+    let resume = start_from != Start::New;
     let dims = config.parallel.dims();
     let mesh = dims.build(world)?;
     let writer = world.rank() == 0;
@@ -1123,20 +1248,22 @@ fn run_rank(
             Err(TrainError::NothingToResume(run_dir.clone()))
         };
         agree(world, found)?;
-        let restored = agree(
-            world,
-            crate::ckpt::restore_sharded(world, &ckpt_root, config, &mut model)
-                .map_err(TrainError::from),
-        )?;
-        start_step = restored.step;
-        if start_step >= t.steps {
-            // nothing to train: the run's files stay as they are
-            return Err(TrainError::AlreadyFinished {
-                run: run_dir,
-                step: start_step,
-            });
+        if start_from != (Start::Rewind { checkpoint: false }) {
+            let restored = agree(
+                world,
+                crate::ckpt::restore_sharded(world, &ckpt_root, config, &mut model)
+                    .map_err(TrainError::from),
+            )?;
+            start_step = restored.step;
+            if start_step >= t.steps {
+                // nothing to train: the run's files stay as they are
+                return Err(TrainError::AlreadyFinished {
+                    run: run_dir,
+                    step: start_step,
+                });
+            }
+            observer.resumed(start_step, &restored.skipped);
         }
-        observer.resumed(start_step, &restored.skipped);
         let text = agree(
             world,
             std::fs::read_to_string(&metrics_path).map_err(io_err(&metrics_path)),
@@ -1165,6 +1292,20 @@ fn run_rank(
         })();
         agree(world, created)?;
     }
+    if skips.is_none() {
+        let mut s = if resume {
+            agree(world, Skips::read(&run_dir))?
+        } else {
+            Skips::default()
+        };
+        s.add(&t.skip_batches);
+        *skips = Some(s);
+    }
+    let skips = skips.get_or_insert_with(Skips::default);
+    // A rewind goes back to the newest checkpoint saved (0: the start).
+    let mut last_saved = start_step;
+    // Steps in a row whose update was skipped as non-finite.
+    let mut nonfinite_run = 0u64;
     let full_layout = model.whole_layout().clone();
     // Only the writer's logs reach the disk.
     let opened = (|| -> Result<BufWriter<Box<dyn Write>>, TrainError> {
@@ -1307,6 +1448,8 @@ fn run_rank(
     if writer {
         crate::supervise::heartbeat(&run_dir, start_step);
     }
+    // the last step's time without an injected slowdown (`slow` faults)
+    let mut last_step_time = std::time::Duration::ZERO;
     for step in start_step..t.steps {
         crate::supervise::before_step(step + 1, world.rank());
         let step_start = Instant::now();
@@ -1321,10 +1464,25 @@ fn run_rank(
             eps: config.optim.eps as f32,
             weight_decay: config.optim.weight_decay as f32,
         };
-        // This data-parallel rank's share of the global batch.
-        let batches: Vec<_> = (first_micro..first_micro + per_rank)
-            .map(|m| data.train_batch(step, m, micro))
+        // This data-parallel rank's share of the global batch (the next
+        // batch not left out).
+        let batch = skips.batch_of(step);
+        let mut batches: Vec<_> = (first_micro..first_micro + per_rank)
+            .map(|m| data.train_batch(batch, m, micro))
             .collect();
+        if crate::supervise::spike_at(batch + 1) {
+            for b in &mut batches {
+                crate::supervise::scramble(&mut b.targets, vocab, batch);
+            }
+        }
+        let slow = crate::supervise::slowdown(step + 1, world.rank());
+        let slept = last_step_time.mul_f64(slow - 1.0);
+        std::thread::sleep(slept);
+        let poisoned = if crate::supervise::nan_at(batch + 1) {
+            poison(&mut model, &full_layout)?
+        } else {
+            None
+        };
         let mbs: Vec<MicroBatch<'_>> = batches
             .iter()
             .map(|b| MicroBatch {
@@ -1333,6 +1491,9 @@ fn run_rank(
             })
             .collect();
         let out = model.train_step(&mbs, &hp, config.optim.grad_clip)?;
+        if let Some((name, values)) = poisoned {
+            model.write_param(&name, &values)?;
+        }
         let (loss, grad_norm, applied) = (out.loss, out.grad_norm, out.applied);
         if let Some(tr) = model.last_traffic() {
             for (i, a) in weft_parallel::TrafficAxis::ALL.into_iter().enumerate() {
@@ -1391,6 +1552,15 @@ fn run_rank(
             }
         }
         last_max_vio = max_vio;
+        nonfinite_run = if applied { 0 } else { nonfinite_run + 1 };
+        // what makes a rewind, and the steps whose batches it leaves out
+        let mut rewind: Option<(String, Vec<u64>)> = None;
+        if t.rewind && nonfinite_run >= t.nonfinite_limit {
+            rewind = Some((
+                format!("{nonfinite_run} non-finite steps in a row"),
+                (step + 1 - nonfinite_run..=step).collect(),
+            ));
+        }
         if loss.is_finite() {
             let window = t.spike_window.max(1);
             if recent.len() >= window.min(10) {
@@ -1402,18 +1572,63 @@ fn run_rank(
                         step: step + 1,
                         loss,
                         median,
-                        batch: (step, split.global),
+                        batch: (batch, split.global),
                     };
                     observer.event(&event);
                     let line = serde_json::json!({ "step": step + 1, "event": "spike", "loss": loss, "median": median,
-                        "batch": { "step": step, "micro_batches": split.global } });
+                        "batch": { "step": batch, "micro_batches": split.global } });
                     write_line(&mut metrics, line.to_string())?;
+                    if t.rewind {
+                        rewind = Some((
+                            format!(
+                                "loss {loss:.4} > train.spike_factor {} × rolling median {median:.4}",
+                                t.spike_factor
+                            ),
+                            vec![step],
+                        ));
+                    }
                 }
             }
             recent.push(loss);
             if recent.len() > window {
                 recent.remove(0);
             }
+        }
+        if let Some((reason, steps)) = rewind {
+            // the batches of the offending steps after the checkpoint
+            // (0-based steps in, 1-based batches out)
+            let left_out: Vec<u64> = steps
+                .iter()
+                .filter(|&&s| s >= last_saved)
+                .map(|&s| skips.batch_of(s) + 1)
+                .collect();
+            if skips.rewinds >= t.max_rewinds {
+                return Err(TrainError::TooManyRewinds {
+                    run: run_dir,
+                    step: step + 1,
+                    reason,
+                    max: t.max_rewinds,
+                });
+            }
+            skips.add(&left_out);
+            skips.rewinds += 1;
+            metrics.flush().map_err(io_err(&metrics_path))?;
+            if let Some(log) = expert_log.as_mut() {
+                log.flush().map_err(io_err(&expert_path))?;
+            }
+            let recorded = if writer {
+                record_rewind(&run_dir, skips, step + 1, &reason, last_saved, &left_out)
+            } else {
+                Ok(())
+            };
+            agree(world, recorded)?;
+            observer.event(&HealthEvent::Rewind {
+                step: step + 1,
+                reason,
+                to: last_saved,
+                batches: left_out,
+            });
+            return Ok(Attempt::Rewind { to: last_saved });
         }
         last_loss = loss;
         let traced = step < start_step + config.run.trace_steps;
@@ -1519,6 +1734,7 @@ fn run_rank(
                 }
             }
         }
+        last_step_time = step_start.elapsed().saturating_sub(slept);
         let dt = step_start.elapsed().as_secs_f64();
         let tps = info.tokens_per_step as f64 / dt;
         let flops = tps * flops_per_token;
@@ -1572,6 +1788,12 @@ fn run_rank(
                 &cfg,
                 &dims.mesh_dims(),
             )?;
+            last_saved = step + 1;
+            crate::supervise::after_save(
+                &ckpt_root.join(weft_checkpoint::step_dir_name(step + 1)),
+                step + 1,
+                world.rank(),
+            );
         }
         if stop {
             return Err(TrainError::Stopped {
@@ -1643,7 +1865,53 @@ fn run_rank(
         std::fs::write(&summary_path, json + "\n").map_err(io_err(&summary_path))?;
     }
     observer.finish(&summary);
-    Ok(summary)
+    Ok(Attempt::Finished(Box::new(summary)))
+}
+
+/// A `nan` fault: the first parameter tensor this rank holds gets a NaN
+/// (collective where the model's reads are: every rank calls it); returns
+/// the tensor's name and values to put back after the step.
+fn poison(
+    model: &mut ParallelGpt,
+    layout: &weft_model::ParamLayout,
+) -> Result<Option<(String, Vec<f32>)>, TrainError> {
+    for spec in layout.specs() {
+        if let Some(values) = model.read_param(&spec.name)? {
+            let mut bad = values.clone();
+            if let Some(v) = bad.first_mut() {
+                *v = f32::NAN;
+            }
+            model.write_param(&spec.name, &bad)?;
+            return Ok(Some((spec.name.clone(), values)));
+        }
+    }
+    Ok(None)
+}
+
+/// Records a rewind: `skip.json` (atomically) and a line of
+/// `events.jsonl`.
+fn record_rewind(
+    run_dir: &Path,
+    skips: &Skips,
+    step: u64,
+    reason: &str,
+    to: u64,
+    left_out: &[u64],
+) -> Result<(), TrainError> {
+    let path = run_dir.join("skip.json");
+    let tmp = run_dir.join("skip.json.tmp");
+    let json = serde_json::to_string_pretty(skips).unwrap_or_default() + "\n";
+    std::fs::write(&tmp, json).map_err(io_err(&tmp))?;
+    std::fs::rename(&tmp, &path).map_err(io_err(&path))?;
+    crate::supervise::append_event(
+        run_dir,
+        &serde_json::json!({
+            "time": crate::supervise::unix_now(), "event": "rewind", "step": step,
+            "reason": reason, "to_step": to, "skipped_batches": left_out,
+            "rewinds": skips.rewinds,
+        }),
+    )
+    .map_err(io_err(&run_dir.join("events.jsonl")))
 }
 
 /// FSDP's tracks of chunk `c` as trace events on the trainer's clock (µs
@@ -1748,6 +2016,22 @@ fn bubble_other_data(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    proptest::proptest! {
+        /// The steps read the batches in order, each once, none that is
+        /// left out.
+        #[test]
+        fn steps_read_every_batch_not_left_out_in_order(
+            left_out in proptest::collection::vec(1u64..60, 0..12),
+        ) {
+            let mut skips = Skips::default();
+            skips.add(&left_out);
+            let read: Vec<u64> = (0..40).map(|s| skips.batch_of(s) + 1).collect();
+            let expected: Vec<u64> =
+                (1..).filter(|b| !left_out.contains(b)).take(40).collect();
+            proptest::prop_assert_eq!(read, expected);
+        }
+    }
 
     #[test]
     fn pipeline_stages_are_partitioned_by_cost() {

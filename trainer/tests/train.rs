@@ -454,17 +454,34 @@ fn a_supervised_run_restarts_after_a_kill_and_a_hang_and_ends_bit_for_bit() {
     let mut base = tiny(&dir, "whole");
     base.checkpoint.every = 10;
     let reference = train(&base, false, &mut Silent).unwrap();
-    for (name, fault, lost) in [("killed", "kill:step=37", 6), ("hung", "hang:step=25", 4)] {
+    // (name, faults, checkpoint resumed from, steps lost)
+    let cases: [(&str, &[&str], u64, u64); 4] = [
+        ("killed", &["kill:step=37"], 30, 6),
+        ("hung", &["hang:step=25"], 20, 4),
+        // the newest checkpoint rots, then the process dies: the one
+        // before it is used (and the rotten one kept aside)
+        (
+            "rotten",
+            &["corrupt-checkpoint:step=30", "kill:rank=0,step=33"],
+            20,
+            12,
+        ),
+        // killed while saving step 30: that save never commits
+        ("torn", &["crash-during-save:step=30"], 20, 10),
+    ];
+    for (name, faults, from, lost) in cases {
         let mut c = base.clone();
         c.run.name = name.into();
         let config = dir.join(format!("{name}.toml"));
         std::fs::write(&config, c.to_toml()).unwrap();
-        let out = std::process::Command::new(weft)
-            .args(["train", "--supervise", "--restart-backoff", "0.1"])
-            .args(["--heartbeat-timeout", "3", "--inject", fault, "--config"])
-            .arg(&config)
-            .output()
-            .unwrap();
+        let mut cmd = std::process::Command::new(weft);
+        cmd.args(["train", "--supervise", "--restart-backoff", "0.1"])
+            .args(["--heartbeat-timeout", "3", "--config"])
+            .arg(&config);
+        for f in faults {
+            cmd.args(["--inject", f]);
+        }
+        let out = cmd.output().unwrap();
         let run = dir.join(name);
         assert!(
             out.status.success(),
@@ -481,16 +498,31 @@ fn a_supervised_run_restarts_after_a_kill_and_a_hang_and_ends_bit_for_bit() {
         );
         let failure = ev[1]["failure"].as_str().unwrap();
         match name {
-            "killed" => assert_eq!(failure, "signal 9"),
-            _ => assert!(
+            "hung" => assert!(
                 failure.starts_with("no heartbeat for 3 s (after step 24)"),
                 "{failure}"
             ),
+            _ => assert_eq!(failure, "signal 9", "{name}"),
         }
-        let from = if name == "killed" { 30 } else { 20 };
         assert_eq!(ev[2]["from_checkpoint_step"], from, "{name}");
         assert_eq!(ev[2]["lost_steps"], lost, "{name}");
         assert_eq!(ev[4]["restarts"], 1);
+        let unverified = ev[2]["unverified_checkpoints"].as_array().unwrap();
+        let ckpts = run.join("checkpoints");
+        if name == "rotten" {
+            assert_eq!(unverified.len(), 1, "{ev:?}");
+            assert!(
+                unverified[0]
+                    .as_str()
+                    .unwrap()
+                    .contains("checksum mismatch")
+            );
+            assert!(ckpts.join("step-00000030.corrupt").is_dir());
+        } else {
+            assert!(unverified.is_empty(), "{name}: {ev:?}");
+        }
+        // the run's last checkpoint is whole
+        assert!(ckpts.join("step-00000060").is_dir(), "{name}");
     }
     // a bad fault is a clear error
     let out = std::process::Command::new(weft)
@@ -498,6 +530,92 @@ fn a_supervised_run_restarts_after_a_kill_and_a_hang_and_ends_bit_for_bit() {
         .output()
         .unwrap();
     assert!(!out.status.success());
-    assert!(String::from_utf8_lossy(&out.stderr).contains("kill:step=N"));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("unknown fault \"explode\""));
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn a_spike_or_non_finite_steps_rewind_skip_the_batches_and_the_skip_list_reproduces_the_bits() {
+    let weft = env!("CARGO_BIN_EXE_weft");
+    let dir = std::env::temp_dir().join(format!("weft-rewind-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let mut base = tiny(&dir, "rewound");
+    base.train.spike_window = 10;
+    base.train.rewind = true;
+    let run_with = |c: &Config, faults: &[&str]| {
+        let config = dir.join(format!("{}.toml", c.run.name));
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(&config, c.to_toml()).unwrap();
+        let mut cmd = std::process::Command::new(weft);
+        cmd.args(["train", "--config"]).arg(&config);
+        for f in faults {
+            cmd.args(["--inject", f]);
+        }
+        let out = cmd.output().unwrap();
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stdout).into_owned()
+                + &String::from_utf8_lossy(&out.stderr),
+        )
+    };
+    // with checkpoints (rewinds go to the newest) and without (to the start)
+    for every in [10, 0] {
+        let mut c = base.clone();
+        c.checkpoint.every = every;
+        c.run.name = format!("rewound-{every}");
+        // a garbage batch at 37 (a spike), then three batches that make
+        // the gradients non-finite (44..46)
+        let (ok, out) = run_with(&c, &["spike:step=37", "nan:step=44,count=3"]);
+        assert!(ok, "{out}");
+        assert!(out.contains("rewinding to"), "{out}");
+        let run = dir.join(&c.run.name);
+        let skip: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(run.join("skip.json")).unwrap()).unwrap();
+        assert_eq!(
+            skip["batches"],
+            serde_json::json!([37, 44, 45, 46]),
+            "{skip}"
+        );
+        assert_eq!(skip["rewinds"], 2);
+        let ev = events(&run);
+        assert_eq!(ev.len(), 2, "{ev:?}");
+        assert_eq!(ev[0]["event"], "rewind");
+        assert_eq!(ev[0]["skipped_batches"], serde_json::json!([37]));
+        assert_eq!(ev[0]["to_step"], if every > 0 { 30 } else { 0 });
+        assert!(ev[0]["reason"].as_str().unwrap().contains("rolling median"));
+        assert_eq!(ev[1]["skipped_batches"], serde_json::json!([44, 45, 46]));
+        assert_eq!(ev[1]["reason"], "3 non-finite steps in a row");
+        assert_eq!(ev[1]["to_step"], if every > 0 { 40 } else { 0 });
+        // the metrics are one run's: every step once, no skipped update
+        let text = std::fs::read_to_string(run.join("metrics.jsonl")).unwrap();
+        assert!(!text.contains("\"skip\""), "{text}");
+        assert_eq!(losses(&run).len(), 60);
+        // a new run given the skip list, faults and all, has the same bits
+        let mut again = c.clone();
+        again.run.name = format!("again-{every}");
+        again.train.skip_batches = vec![37, 44, 45, 46];
+        let (ok, out) = run_with(&again, &["spike:step=37", "nan:step=44,count=3"]);
+        assert!(ok, "{out}");
+        assert!(!out.contains("rewinding"), "{out}");
+        assert_eq!(
+            losses(&run),
+            losses(&dir.join(&again.run.name)),
+            "every={every}"
+        );
+        // and it differs from the run that trained on the garbage
+        let mut plain = c.clone();
+        plain.train.rewind = false;
+        plain.run.name = format!("plain-{every}");
+        let (ok, out) = run_with(&plain, &["spike:step=37"]);
+        assert!(ok && out.contains("loss spike"), "{out}");
+        assert_ne!(losses(&run), losses(&dir.join(&plain.run.name)));
+    }
+    // rewinds are bounded
+    let mut c = base.clone();
+    c.run.name = "bounded".into();
+    c.train.max_rewinds = 1;
+    let (ok, out) = run_with(&c, &["spike:step=37", "spike:step=40"]);
+    assert!(!ok);
+    assert!(out.contains("train.max_rewinds = 1"), "{out}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
