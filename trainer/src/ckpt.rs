@@ -83,8 +83,9 @@ pub enum CkptError {
 /// `[parallel]` (but not `parallel.reproducible`), and the settings
 /// that only decide how long to go on and what to watch (`train.steps`,
 /// `train.eval_every`, `train.eval_sequences`, `train.spike_*`, the
-/// rewind settings and `train.skip_batches`, which only changes the
-/// batches of steps to come), so a run can be resumed to train longer, or
+/// rewind settings, `train.skip_batches`, which only changes the batches
+/// of steps to come, and `train.micro_batch_size`, which like the layout
+/// only changes rounding), so a run can be resumed to train longer, or
 /// past a batch to leave out. (Changing `train.steps` changes the
 /// learning-rate schedule from the resume point on: the run is then no
 /// longer the uninterrupted run of either length.)
@@ -109,6 +110,10 @@ pub fn config_hash(config: &Config) -> String {
     c.train.nonfinite_limit = d.nonfinite_limit;
     c.train.max_rewinds = d.max_rewinds;
     c.train.skip_batches = d.skip_batches;
+    // like the layout, the micro-batch size changes only the rounding of
+    // the global batch's gradient (a shrunk job keeps the batch by
+    // accumulating more micro-batches)
+    c.train.micro_batch_size = d.micro_batch_size;
     format!(
         "{:016x}",
         xxhash_rust::xxh3::xxh3_64(c.to_toml().as_bytes())

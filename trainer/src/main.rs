@@ -139,6 +139,22 @@ enum Command {
         /// them.
         #[arg(long, value_name = "FAULT")]
         inject: Vec<weft_trainer::supervise::Fault>,
+        /// With --supervise: run the job under a launcher, `{n}` standing
+        /// for the number of processes, e.g. --launch 'mpirun -np {n}'
+        /// (the trainer must be built with --features mpi).
+        #[arg(long, value_name = "COMMAND")]
+        launch: Option<String>,
+        /// With --supervise: spare ranks; each failure is taken over by
+        /// one with the layout unchanged (without --spares every restart
+        /// keeps the layout).
+        #[arg(long, value_name = "K")]
+        spares: Option<u32>,
+        /// With --supervise: when no spare is left, continue on fewer
+        /// data-parallel replicas (the largest parallel.dp below the
+        /// current one that the configuration allows), keeping the global
+        /// batch through more gradient accumulation.
+        #[arg(long)]
+        shrink: bool,
     },
     /// Generate from the last saved weights of a run folder. Decodes
     /// incrementally with a key/value cache whose logits are bitwise the
@@ -257,6 +273,9 @@ fn run(cli: Cli) -> Result<()> {
             heartbeat_timeout,
             restart_backoff,
             inject,
+            launch,
+            spares,
+            shrink,
         } => {
             // the first Ctrl-C (or SIGTERM) saves and stops; a second stops
             weft_trainer::stop::install().context("installing the signal handlers")?;
@@ -307,18 +326,29 @@ fn run(cli: Cli) -> Result<()> {
                     run_dir.display(),
                     heartbeat.as_secs_f64()
                 ));
+                let launch: Vec<String> = launch
+                    .as_deref()
+                    .map(|l| l.split_whitespace().map(str::to_owned).collect())
+                    .unwrap_or_default();
+                if launch.first().is_some_and(|w| w.contains("{n}")) {
+                    anyhow::bail!("--launch {launch:?}: the first word must be the launcher");
+                }
+                let elastic = elastic(&cfg, spares, shrink)?;
                 let outcome = weft_trainer::supervise::Supervisor {
                     command,
+                    launch,
                     run_dir: run_dir.clone(),
                     max_restarts,
                     backoff,
                     heartbeat_timeout: heartbeat,
                     inject,
+                    elastic,
                 }
                 .run()?;
                 progress::say(&format!(
-                    "supervised    {} restart(s); events in {}",
+                    "supervised    {} restart(s), ending on parallel.dp = {}; events in {}",
                     outcome.restarts,
+                    outcome.dp,
                     run_dir.join("events.jsonl").display()
                 ));
                 if outcome.code != Some(0) {
@@ -568,6 +598,53 @@ fn load_train_config(
         }
     };
     Ok((cfg, resuming))
+}
+
+/// The supervised job's layout: its spares and the smaller data-parallel
+/// degrees it may continue on (each checked against the configuration,
+/// with the micro-batch size pinned so the global batch is kept).
+fn elastic(
+    cfg: &weft_trainer::config::Config,
+    spares: Option<u32>,
+    shrink: bool,
+) -> Result<weft_trainer::supervise::Elastic> {
+    let p = &cfg.parallel;
+    let micro = cfg
+        .batch_split()
+        .map_err(|(key, message)| anyhow::anyhow!("config: key `{key}`: {message}"))?
+        .micro;
+    let mut smaller = Vec::new();
+    if shrink {
+        for d in (1..p.dp).rev() {
+            let mut c = cfg.clone();
+            c.parallel.dp = d;
+            c.train.micro_batch_size = micro;
+            if c.validate().is_ok()
+                && c.parallel.dims().validate().is_ok()
+                && c.batch_split().is_ok()
+            {
+                smaller.push(d);
+            }
+        }
+        if smaller.is_empty() {
+            anyhow::bail!(
+                "--shrink: no smaller parallel.dp than {} fits this configuration (train.batch_size = {}, micro-batches of {micro})",
+                p.dp,
+                cfg.train.batch_size
+            );
+        }
+    }
+    Ok(weft_trainer::supervise::Elastic {
+        dp: p.dp,
+        replica: p.tp * p.pp,
+        spares: if shrink {
+            Some(spares.unwrap_or(0))
+        } else {
+            spares
+        },
+        shrink: smaller,
+        micro,
+    })
 }
 
 /// An error already printed (or left to rank 0 to print).

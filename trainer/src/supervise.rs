@@ -309,30 +309,70 @@ pub(crate) fn after_save(dir: &Path, step: u64, rank: usize) {
     }
 }
 
-/// Writes the heartbeat: the last step done (rank 0 of the child). Errors
-/// are ignored: a heartbeat that cannot be written shows as a stopped one.
-pub(crate) fn heartbeat(run_dir: &Path, step: u64) {
-    let tmp = run_dir.join("heartbeat.tmp");
-    if std::fs::write(&tmp, format!("{step}\n")).is_ok() {
-        let _ = std::fs::rename(&tmp, run_dir.join("heartbeat"));
+/// Writes world rank `rank`'s heartbeat, `<run>/heartbeats/rank-R`: the
+/// last step it finished and its process id. Errors are ignored: a
+/// heartbeat that cannot be written shows as a stopped one.
+pub(crate) fn heartbeat(run_dir: &Path, rank: usize, step: u64) {
+    let dir = run_dir.join("heartbeats");
+    let _ = std::fs::create_dir_all(&dir);
+    let tmp = dir.join(format!("rank-{rank}.tmp"));
+    if std::fs::write(&tmp, format!("{step} {}\n", std::process::id())).is_ok() {
+        let _ = std::fs::rename(&tmp, dir.join(format!("rank-{rank}")));
     }
+}
+
+/// The last step world rank `rank`'s heartbeat names, if any.
+fn beat(run_dir: &Path, rank: usize) -> Option<u64> {
+    std::fs::read_to_string(run_dir.join("heartbeats").join(format!("rank-{rank}")))
+        .ok()?
+        .split_whitespace()
+        .next()?
+        .parse()
+        .ok()
+}
+
+/// The layout a supervised job runs on, and how it may change.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Elastic {
+    /// The data-parallel degree the job starts with.
+    pub dp: usize,
+    /// Ranks per data-parallel replica (tensor × pipeline degrees): the
+    /// world is `dp` of them.
+    pub replica: usize,
+    /// Spare ranks: each failure is taken over by one, the layout
+    /// unchanged. `None`: every restart keeps the layout (the failed
+    /// machine is assumed repaired or replaced by the scheduler).
+    pub spares: Option<u32>,
+    /// Smaller data-parallel degrees the configuration allows, largest
+    /// first: with no spare left, a failure continues on the next one
+    /// (empty: it ends the supervision).
+    pub shrink: Vec<usize>,
+    /// The micro-batch size, pinned when the job shrinks so the global
+    /// batch is kept by more accumulation.
+    pub micro: usize,
 }
 
 /// How to supervise a job.
 #[derive(Clone, Debug)]
 pub struct Supervisor {
-    /// The child's command line (program first), without `--resume`.
+    /// The job's command line (program first), without `--resume`.
     pub command: Vec<OsString>,
-    /// The run folder the child writes.
+    /// A launcher to run the command under, one argument per word, `{n}`
+    /// standing for the number of processes (e.g. `mpirun -np {n}`);
+    /// empty: the command runs as one process.
+    pub launch: Vec<String>,
+    /// The run folder the job writes.
     pub run_dir: PathBuf,
     /// Restarts allowed after failures.
     pub max_restarts: u32,
     /// Wait before the first restart; doubled after each.
     pub backoff: Duration,
-    /// A heartbeat older than this is a hang.
+    /// A rank whose heartbeat is older than this is hung.
     pub heartbeat_timeout: Duration,
     /// Faults for the first attempt only.
     pub inject: Vec<Fault>,
+    /// The layout, spares and shrinking.
+    pub elastic: Elastic,
 }
 
 /// How a supervised job ended.
@@ -342,6 +382,8 @@ pub struct Outcome {
     pub restarts: u32,
     /// The last attempt's exit status (`None`: killed by a signal).
     pub code: Option<i32>,
+    /// The data-parallel degree the job ended on.
+    pub dp: usize,
 }
 
 /// Why supervision stopped without a finished run.
@@ -358,7 +400,7 @@ pub enum SuperviseError {
     },
     /// The job kept failing.
     #[error(
-        "the run failed {failures} time(s), the last time by {last}; gave up after {restarts} restart(s) (--max-restarts)"
+        "the run failed {failures} time(s), the last time by {last}; gave up after {restarts} restart(s) ({why})"
     )]
     GaveUp {
         /// Failures seen.
@@ -367,6 +409,8 @@ pub enum SuperviseError {
         restarts: u32,
         /// The last failure.
         last: String,
+        /// What ran out.
+        why: String,
     },
 }
 
@@ -387,15 +431,6 @@ pub(crate) fn unix_now() -> f64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0.0, |d| d.as_secs_f64())
-}
-
-/// The last step the heartbeat names, if any.
-fn beat(run_dir: &Path) -> Option<u64> {
-    std::fs::read_to_string(run_dir.join("heartbeat"))
-        .ok()?
-        .trim()
-        .parse()
-        .ok()
 }
 
 /// The step of the newest checkpoint that verifies, if any, and the
@@ -425,6 +460,49 @@ fn describe(status: ExitStatus) -> String {
     }
 }
 
+/// The rank a failure message names: Open MPI's ("... process rank 1 with
+/// PID 4242 on node vm exited on signal 9") or the collectives' watchdog's
+/// ("... ranks [1] did not arrive ...").
+fn rank_named(line: &str) -> Option<usize> {
+    let after = |key: &str| Some(&line[line.find(key)? + key.len()..]);
+    let rest = after("process rank ").or_else(|| {
+        line.contains("did not arrive")
+            .then(|| after("ranks ["))
+            .flatten()
+    })?;
+    let digits: String = rest.chars().take_while(char::is_ascii_digit).collect();
+    digits.parse().ok()
+}
+
+/// Sends `signal` to process `pid` (`group`: to its process group).
+fn signal(pid: u32, group: bool, signal: libc::c_int) {
+    if let Ok(pid) = libc::pid_t::try_from(pid) {
+        // SAFETY: signals our own child (or its process group).
+        unsafe {
+            libc::kill(if group { -pid } else { pid }, signal);
+        }
+    }
+}
+
+/// A running attempt: the child and what its stderr said.
+struct Running {
+    child: Child,
+    /// The rank the launcher said failed.
+    failed_rank: std::sync::Arc<Mutex<Option<usize>>>,
+    /// Forwards the child's stderr.
+    relay: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Running {
+    /// Waits for the child and the relay of its stderr.
+    fn reap(&mut self) {
+        let _ = self.child.wait();
+        if let Some(r) = self.relay.take() {
+            let _ = r.join();
+        }
+    }
+}
+
 impl Supervisor {
     /// Appends `value` to `events.jsonl`, with the events held back while
     /// the run folder did not exist yet (the first attempt creates it).
@@ -443,9 +521,25 @@ impl Supervisor {
         }
     }
 
-    fn spawn(&self, attempt: u32, resume: bool) -> Result<Child, SuperviseError> {
-        let mut cmd = Command::new(&self.command[0]);
-        cmd.args(&self.command[1..]);
+    fn spawn(&self, attempt: u32, resume: bool, dp: usize) -> Result<Running, SuperviseError> {
+        use std::os::unix::process::CommandExt;
+        let world = dp * self.elastic.replica;
+        let mut words: Vec<OsString> = self
+            .launch
+            .iter()
+            .map(|w| w.replace("{n}", &world.to_string()).into())
+            .collect();
+        words.extend(self.command.iter().cloned());
+        let mut cmd = Command::new(&words[0]);
+        cmd.args(&words[1..]);
+        if dp != self.elastic.dp {
+            // shrunk: fewer replicas, the same global batch
+            cmd.args(["--set", &format!("parallel.dp={dp}")]);
+            cmd.args([
+                "--set",
+                &format!("train.micro_batch_size={}", self.elastic.micro),
+            ]);
+        }
         if resume {
             cmd.arg("--resume");
         }
@@ -454,9 +548,34 @@ impl Supervisor {
                 cmd.arg("--inject").arg(f.to_string());
             }
         }
-        cmd.spawn().map_err(|source| SuperviseError::Spawn {
-            command: self.command[0].to_string_lossy().into_owned(),
+        // its own process group: a hang is killed with all it started, and
+        // a terminal's Ctrl-C reaches only the supervisor, which forwards it
+        cmd.process_group(0);
+        cmd.stderr(std::process::Stdio::piped());
+        let mut child = cmd.spawn().map_err(|source| SuperviseError::Spawn {
+            command: words[0].to_string_lossy().into_owned(),
             source,
+        })?;
+        let failed_rank = std::sync::Arc::new(Mutex::new(None));
+        let relay = child.stderr.take().map(|err| {
+            let failed = std::sync::Arc::clone(&failed_rank);
+            std::thread::spawn(move || {
+                use std::io::BufRead;
+                for line in std::io::BufReader::new(err).lines().map_while(Result::ok) {
+                    if let Some(r) = rank_named(&line) {
+                        failed
+                            .lock()
+                            .unwrap_or_else(std::sync::PoisonError::into_inner)
+                            .get_or_insert(r);
+                    }
+                    let _ = writeln!(std::io::stderr().lock(), "{line}");
+                }
+            })
+        });
+        Ok(Running {
+            child,
+            failed_rank,
+            relay,
         })
     }
 
@@ -464,6 +583,7 @@ impl Supervisor {
     ///
     /// # Errors
     /// [`SuperviseError`] when the child cannot start or keeps failing.
+    #[allow(clippy::too_many_lines)]
     pub fn run(&self) -> Result<Outcome, SuperviseError> {
         let mut restarts = 0u32;
         let mut failures = 0u32;
@@ -471,90 +591,139 @@ impl Supervisor {
         // a run folder with a checkpoint already: continue it
         let mut resume = newest_checkpoint(&self.run_dir).0.is_some();
         let mut attempt = 0u32;
+        let mut dp = self.elastic.dp;
+        let mut spares = self.elastic.spares;
         let pending = std::cell::RefCell::new(Vec::new());
         loop {
+            let world = dp * self.elastic.replica;
+            // the last attempt's beats are not this one's
+            let _ = std::fs::remove_dir_all(self.run_dir.join("heartbeats"));
             let started = Instant::now();
-            let mut child = self.spawn(attempt, resume)?;
+            let mut run = self.spawn(attempt, resume, dp)?;
             self.event(
                 &pending,
                 serde_json::json!({
                     "time": unix_now(), "event": "start", "attempt": attempt,
-                    "resume": resume, "pid": child.id(),
+                    "resume": resume, "pid": run.child.id(), "dp": dp, "ranks": world,
                 }),
             );
-            let mut last = (beat(&self.run_dir), Instant::now());
+            // every rank's last beat and when it changed
+            let mut beats: Vec<(Option<u64>, Instant)> = vec![(None, started); world];
             let mut forwarded = false;
-            let failure = loop {
+            let (failure, rank) = loop {
                 if crate::stop::requested() && !forwarded {
-                    // asked to stop: the child saves and stops
-                    if let Ok(pid) = libc::pid_t::try_from(child.id()) {
-                        // SAFETY: signals our own child process.
-                        unsafe {
-                            libc::kill(pid, libc::SIGTERM);
-                        }
-                    }
+                    // asked to stop: the job saves and stops (a launcher
+                    // forwards the signal to its ranks)
+                    signal(run.child.id(), false, libc::SIGTERM);
                     forwarded = true;
                 }
-                if let Ok(Some(status)) = child.try_wait() {
-                    if status.success() {
+                if let Ok(Some(status)) = run.child.try_wait() {
+                    run.reap();
+                    if status.success() || crate::stop::requested() {
+                        let event = if status.success() {
+                            "finished"
+                        } else {
+                            "stopped"
+                        };
                         self.event(
                             &pending,
                             serde_json::json!({
-                                "time": unix_now(), "event": "finished", "attempt": attempt,
-                                "restarts": restarts,
+                                "time": unix_now(), "event": event, "attempt": attempt,
+                                "restarts": restarts, "dp": dp,
                             }),
                         );
                         return Ok(Outcome {
                             restarts,
                             code: status.code(),
+                            dp,
                         });
                     }
-                    if crate::stop::requested() {
-                        // stopped as asked: saved, not failed
-                        self.event(
-                            &pending,
-                            serde_json::json!({
-                                "time": unix_now(), "event": "stopped", "attempt": attempt,
-                            }),
-                        );
-                        return Ok(Outcome {
-                            restarts,
-                            code: status.code(),
-                        });
-                    }
-                    break describe(status);
+                    let rank = *run
+                        .failed_rank
+                        .lock()
+                        .unwrap_or_else(std::sync::PoisonError::into_inner);
+                    break (describe(status), rank);
                 }
-                let now = beat(&self.run_dir);
-                if now != last.0 {
-                    last = (now, Instant::now());
-                } else if last.1.elapsed() > self.heartbeat_timeout {
-                    let _ = child.kill();
-                    let _ = child.wait();
-                    break format!(
-                        "no heartbeat for {:.0} s (after step {})",
-                        self.heartbeat_timeout.as_secs_f64(),
-                        now.map_or_else(|| "none".into(), |s| s.to_string())
+                for (r, b) in beats.iter_mut().enumerate() {
+                    let now = beat(&self.run_dir, r);
+                    if now != b.0 {
+                        *b = (now, Instant::now());
+                    }
+                }
+                // a rank silent too long: the job is hung
+                if beats
+                    .iter()
+                    .any(|(_, since)| since.elapsed() > self.heartbeat_timeout)
+                {
+                    signal(run.child.id(), true, libc::SIGKILL);
+                    run.reap();
+                    // the ranks behind the others, if not all
+                    let last = beats.iter().map(|b| b.0).min().flatten();
+                    let behind: Vec<usize> = (0..world).filter(|&r| beats[r].0 == last).collect();
+                    let step = last.map_or_else(|| "none".into(), |s| s.to_string());
+                    let who = if behind.len() < world {
+                        format!("from rank(s) {behind:?} (after step {step}; the others are ahead)")
+                    } else if world > 1 {
+                        format!("from any rank (every rank after step {step})")
+                    } else {
+                        format!("(after step {step})")
+                    };
+                    let named = *run
+                        .failed_rank
+                        .lock()
+                        .unwrap_or_else(std::sync::PoisonError::into_inner);
+                    break (
+                        format!(
+                            "no heartbeat {who} for {:.0} s",
+                            self.heartbeat_timeout.as_secs_f64()
+                        ),
+                        named.or_else(|| (behind.len() < world).then(|| behind[0])),
                     );
                 }
                 std::thread::sleep(Duration::from_millis(50));
             };
             failures += 1;
-            let seen = beat(&self.run_dir);
+            let seen = (0..world).filter_map(|r| beat(&self.run_dir, r)).max();
             let (from, unverified) = newest_checkpoint(&self.run_dir);
             self.event(
                 &pending,
                 serde_json::json!({
                     "time": unix_now(), "event": "failure", "attempt": attempt,
-                    "failure": failure, "last_step": seen, "ran_s": started.elapsed().as_secs_f64(),
+                    "failure": failure, "rank": rank, "last_step": seen,
+                    "ran_s": started.elapsed().as_secs_f64(),
                 }),
             );
+            let give_up = |why: String| SuperviseError::GaveUp {
+                failures,
+                restarts,
+                last: failure.clone(),
+                why,
+            };
             if restarts >= self.max_restarts {
-                return Err(SuperviseError::GaveUp {
-                    failures,
-                    restarts,
-                    last: failure,
-                });
+                return Err(give_up(format!("--max-restarts {}", self.max_restarts)));
             }
+            // who takes the failed rank's place
+            let action = match spares {
+                None => "same layout".to_owned(),
+                Some(k) if k > 0 => {
+                    spares = Some(k - 1);
+                    format!("a spare took over ({} left)", k - 1)
+                }
+                Some(_) => match self.elastic.shrink.iter().find(|&&d| d < dp) {
+                    Some(&d) => {
+                        let was = dp;
+                        dp = d;
+                        format!(
+                            "no spare left: continuing on parallel.dp = {d} (was {was}), the global batch kept by accumulation"
+                        )
+                    }
+                    None => {
+                        return Err(give_up(
+                            "no spare rank left and no smaller layout allowed (--shrink)".into(),
+                        ));
+                    }
+                },
+            };
             std::thread::sleep(backoff);
             backoff = backoff.saturating_mul(2);
             restarts += 1;
@@ -576,6 +745,8 @@ impl Supervisor {
                     "time": unix_now(), "event": "restart", "attempt": attempt,
                     "from_checkpoint_step": from, "unverified_checkpoints": unverified,
                     "lost_steps": seen.unwrap_or(0).saturating_sub(from.unwrap_or(0)),
+                    "action": action, "dp": dp, "ranks": dp * self.elastic.replica,
+                    "spares_left": spares,
                 }),
             );
         }
@@ -585,6 +756,24 @@ impl Supervisor {
 #[cfg(test)]
 mod tests {
     use super::{Fault, FaultKind};
+
+    #[test]
+    fn the_failed_rank_is_read_from_the_launcher_and_the_watchdog() {
+        use super::rank_named;
+        assert_eq!(
+            rank_named(
+                "mpirun noticed that process rank 1 with PID 4242 on node vm exited on signal 9 (Killed)."
+            ),
+            Some(1)
+        );
+        assert_eq!(
+            rank_named(
+                "error: all_reduce in group world timed out after 4s on rank 0: ranks [3, 2] did not arrive (rank 0 was waiting for [3])"
+            ),
+            Some(3)
+        );
+        assert_eq!(rank_named("step 3/10 loss 2.1 ranks [1]"), None);
+    }
 
     #[test]
     fn faults_parse_print_and_refuse_what_they_cannot_be() {

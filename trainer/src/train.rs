@@ -1445,9 +1445,8 @@ fn run_attempt(
     let mut step_bubbles: Vec<(u64, f64, f64, bool)> = Vec::new();
     // Bytes this rank sent per axis over the steps (payload, then scalars).
     let mut traffic_sum = [0.0f64; 10];
-    if writer {
-        crate::supervise::heartbeat(&run_dir, start_step);
-    }
+    // every rank beats, for a supervisor to see which one stopped
+    crate::supervise::heartbeat(&run_dir, world.rank(), start_step);
     // the last step's time without an injected slowdown (`slow` faults)
     let mut last_step_time = std::time::Duration::ZERO;
     for step in start_step..t.steps {
@@ -1750,9 +1749,7 @@ fn run_attempt(
         };
         let line = serde_json::to_string(&record).unwrap_or_default();
         write_line(&mut metrics, line)?;
-        if writer {
-            crate::supervise::heartbeat(&run_dir, step + 1);
-        }
+        crate::supervise::heartbeat(&run_dir, world.rank(), step + 1);
         observer.step(&StepReport {
             record,
             flops_per_s: flops,

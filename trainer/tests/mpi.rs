@@ -516,3 +516,79 @@ fn a_hostfile_launch_runs_as_documented() {
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// The supervisor's events of a run.
+fn events(run: &Path) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(run.join("events.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
+#[test]
+fn a_supervised_mpirun_job_survives_a_killed_and_a_hung_rank_bit_for_bit() {
+    let Some(l) = launcher() else { return };
+    let _one = SERIAL
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    let dir = tmp("supervised");
+    let extra = ["parallel.dp=2", "checkpoint.every=3"];
+    let reference = threads(&job(&dir, "reference", 12, &extra));
+    assert!(reference.status.success(), "{}", text(&reference));
+    let launch = format!("{l} --oversubscribe -np {{n}}");
+    // (name, fault and options, what the restart did, data-parallel
+    // degree at the end)
+    let cases: [(&str, &[&str], &str, u64); 2] = [
+        // rank 1's process is killed: a spare takes its place
+        (
+            "killed",
+            &["--inject", "kill:rank=1,step=8", "--spares", "1"],
+            "a spare took over (0 left)",
+            2,
+        ),
+        // rank 1 hangs: rank 0's watchdog names it; with no spare the job
+        // goes on with one data-parallel replica, the global batch kept
+        (
+            "hung",
+            &["--inject", "hang:rank=1,step=5", "--shrink"],
+            "no spare left: continuing on parallel.dp = 1 (was 2), the global batch kept by accumulation",
+            1,
+        ),
+    ];
+    for (name, options, action, dp) in cases {
+        let out = Command::new(WEFT)
+            .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+            .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+            .args(["train", "--supervise", "--restart-backoff", "0.1"])
+            .args(["--heartbeat-timeout", "60", "--launch", &launch])
+            .args(options)
+            .args(job(
+                &dir,
+                name,
+                12,
+                &[extra[0], extra[1], "parallel.timeout_s=3"],
+            ))
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{name}: {}", text(&out));
+        let ev = events(&dir.join(name));
+        let kinds: Vec<&str> = ev.iter().map(|e| e["event"].as_str().unwrap()).collect();
+        assert_eq!(
+            kinds,
+            ["start", "failure", "restart", "start", "finished"],
+            "{name}: {ev:?}"
+        );
+        assert_eq!(ev[1]["rank"], 1, "{name}: {ev:?}");
+        assert_eq!(ev[2]["action"], action, "{name}");
+        assert_eq!(ev[4]["dp"], dp, "{name}");
+        // the final state is the fault-free run's: data-parallel layouts
+        // are bitwise-equivalent
+        assert_eq!(
+            metrics(&dir.join(name)),
+            metrics(&dir.join("reference")),
+            "{name}"
+        );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
