@@ -384,7 +384,7 @@ pub fn save_sharded(
         .collect();
     #[allow(clippy::cast_possible_truncation)]
     let report = weft_checkpoint::write_rank_file(&staging, me as u32, &shards, &opts);
-    crate::supervise::during_save(step, me);
+    crate::supervise::during_save(root.parent().unwrap_or(root), step, me);
     // 3. the reports to rank 0, which commits
     let json = match &report {
         Ok(r) => serde_json::to_vec(r).unwrap_or_default(),

@@ -23,9 +23,14 @@
 //! * [`ckpt`]: periodic checkpoints (weft-checkpoint) and bit-for-bit resume.
 //! * [`stop`]: a clean stop on SIGINT/SIGTERM — finish the step, save a
 //!   checkpoint, exit (a second signal stops at once).
-//! * [`supervise`]: `weft train --supervise` — the job as a child process,
-//!   restarted from its newest valid checkpoint when it dies or hangs —
-//!   and the faults to drill it with.
+//! * [`supervise`]: `weft train --supervise` — the job as child
+//!   process(es), under a launcher if asked, restarted from its newest
+//!   valid checkpoint when a rank dies or hangs, a spare taking its place
+//!   or the job shrinking to fewer data-parallel replicas — and the faults
+//!   to drill it with. Rewind and skip (`train.rewind`) lives in [`train`].
+//! * [`chaos`]: `weft chaos`, trials of seeded random faults under
+//!   supervision, each checked for detection, recovery and the bits of
+//!   the fault-free run.
 //! * [`sample`]: `weft sample`, generation from a run's last checkpoint
 //!   with the model's key/value-cache decoder.
 //!
@@ -85,6 +90,7 @@
 
 #![deny(missing_docs)]
 
+pub mod chaos;
 pub mod ckpt;
 pub mod config;
 pub mod data;

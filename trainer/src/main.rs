@@ -198,6 +198,37 @@ enum Command {
         #[arg(long)]
         assets: Option<PathBuf>,
     },
+    /// A drill of the survival kit: a small job run fault-free, then
+    /// `--trials` times supervised with a random fault each (kill, hang,
+    /// non-finite gradients, a garbage batch, a rotten checkpoint before a
+    /// kill, a crash while saving), drawn from `--seed`; prints per trial
+    /// whether the fault was detected and how soon, whether the run
+    /// recovered, restarts, rewinds, steps and seconds lost, the restart's
+    /// cost and whether the final state is bitwise the fault-free run's.
+    /// Exits non-zero unless every fault is detected and recovered from
+    /// with the bits kept.
+    Chaos {
+        /// Trials.
+        #[arg(long, default_value_t = 20)]
+        trials: usize,
+        /// Seed of the faults.
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+        /// Override a setting of the drill's job (after its small
+        /// defaults: 60 steps, checkpoints every 10, rewinds on), e.g.
+        /// `--set parallel.dp=2`.
+        #[arg(long = "set", value_name = "KEY=VALUE")]
+        sets: Vec<String>,
+        /// Folder for the runs (default: runs/chaos-TIMESTAMP).
+        #[arg(long, value_name = "DIR")]
+        dir: Option<PathBuf>,
+        /// Seconds without a step that count as a hang.
+        #[arg(long, value_name = "SECONDS", default_value_t = 3.0)]
+        heartbeat_timeout: f64,
+        /// Run every job under a launcher, e.g. --launch 'mpirun -np {n}'.
+        #[arg(long, value_name = "COMMAND")]
+        launch: Option<String>,
+    },
     /// Mixture-of-experts tools.
     Moe {
         #[command(subcommand)]
@@ -452,6 +483,65 @@ fn run(cli: Cli) -> Result<()> {
                 sampler.render(&prompt),
                 sampler.render(&out)
             ));
+            Ok(())
+        }
+        Command::Chaos {
+            trials,
+            seed,
+            sets,
+            dir,
+            heartbeat_timeout,
+            launch,
+        } => {
+            let heartbeat = std::time::Duration::try_from_secs_f64(heartbeat_timeout)
+                .ok()
+                .filter(|d| !d.is_zero())
+                .with_context(|| {
+                    format!("--heartbeat-timeout {heartbeat_timeout}: a number of seconds > 0")
+                })?;
+            let dir = dir.unwrap_or_else(|| {
+                PathBuf::from("runs")
+                    .join(format!("chaos-{}", weft_trainer::train::timestamp_name()))
+            });
+            let drill = weft_trainer::chaos::Drill {
+                weft: std::env::current_exe()?,
+                sets,
+                dir: dir.clone(),
+                trials,
+                seed,
+                heartbeat_timeout: heartbeat,
+                launch,
+            };
+            let config = drill.config()?;
+            progress::say(&format!(
+                "chaos         {trials} trial(s), seed {seed}, runs in {}",
+                dir.display()
+            ));
+            let started = std::time::Instant::now();
+            progress::say(&weft_trainer::chaos::table_header());
+            let results = drill.run(|i, t| progress::say(&weft_trainer::chaos::table_row(i, t)))?;
+            // the fault-free run's seconds per step
+            let summary: serde_json::Value = serde_json::from_str(
+                &std::fs::read_to_string(dir.join("reference/summary.json")).unwrap_or_default(),
+            )
+            .unwrap_or_default();
+            let step_s =
+                summary["wall_s"].as_f64().unwrap_or(0.0) / config.train.steps.max(1) as f64;
+            progress::say(&weft_trainer::chaos::table_totals(
+                &results,
+                step_s,
+                config.checkpoint.every,
+            ));
+            progress::say(&format!(
+                "took          {:.1} s",
+                started.elapsed().as_secs_f64()
+            ));
+            if results
+                .iter()
+                .any(|t| t.hung || !t.recovered || !t.bitwise || t.detected_after_s.is_none())
+            {
+                return Err(Reported.into());
+            }
             Ok(())
         }
         Command::Viz { run, port, assets } => {

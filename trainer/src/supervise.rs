@@ -213,13 +213,25 @@ fn armed(hit: impl Fn(&Fault) -> bool, fired: impl Fn(&Fault) -> bool) -> Vec<Fa
     out
 }
 
+/// Records that fault `f` fires now on world rank `rank`, in
+/// `run_dir/events.jsonl` (a drill measures detection from it).
+pub(crate) fn fired(run_dir: &Path, f: &Fault, rank: usize) {
+    let _ = append_event(
+        run_dir,
+        &serde_json::json!({
+            "time": unix_now(), "event": "fault", "fault": f.to_string(), "rank": rank,
+        }),
+    );
+}
+
 /// Fires the kills and hangs armed for world rank `rank` at step `step`
 /// (1-based), as the step begins.
-pub(crate) fn before_step(step: u64, rank: usize) {
+pub(crate) fn before_step(run_dir: &Path, step: u64, rank: usize) {
     let hit = |f: &Fault| {
         f.rank == rank && f.step == step && matches!(f.kind, FaultKind::Kill | FaultKind::Hang)
     };
     if let Some(f) = armed(hit, |_| true).first() {
+        fired(run_dir, f, rank);
         if f.kind == FaultKind::Kill {
             die();
         }
@@ -240,16 +252,18 @@ fn die() {
 /// Whether the batch of fault-free step `batch` (1-based) makes the
 /// gradients non-finite (a `nan` fault's batches). A data fault stays
 /// armed (every rank reads the batch; a rewind leaves it out).
-pub(crate) fn nan_at(batch: u64) -> bool {
+pub(crate) fn nan_at(batch: u64) -> Option<Fault> {
     let hit = |f: &Fault| f.kind == FaultKind::Nan && (f.step..f.step + f.count).contains(&batch);
-    !armed(hit, |_| false).is_empty()
+    armed(hit, |_| false).first().copied()
 }
 
 /// Whether the batch of fault-free step `batch` (1-based) is garbage (a
 /// `spike` fault). A data fault stays armed (every rank reads the batch;
 /// a rewind leaves it out).
-pub(crate) fn spike_at(batch: u64) -> bool {
-    !armed(|f| f.kind == FaultKind::Spike && f.step == batch, |_| false).is_empty()
+pub(crate) fn spike_at(batch: u64) -> Option<Fault> {
+    armed(|f| f.kind == FaultKind::Spike && f.step == batch, |_| false)
+        .first()
+        .copied()
 }
 
 /// A `spike` fault's garbage: `targets` replaced by tokens drawn from a
@@ -276,11 +290,12 @@ pub(crate) fn slowdown(step: u64, rank: usize) -> f64 {
     .product()
 }
 
-/// Kills world rank `rank` while it saves the checkpoint of step `step`,
-/// if a `crash-during-save` fault says so.
-pub(crate) fn during_save(step: u64, rank: usize) {
+/// Kills world rank `rank` while it saves the checkpoint of step `step`
+/// of run `run_dir`, if a `crash-during-save` fault says so.
+pub(crate) fn during_save(run_dir: &Path, step: u64, rank: usize) {
     let hit = |f: &Fault| f.kind == FaultKind::CrashDuringSave && f.rank == rank && f.step == step;
-    if !armed(hit, |_| true).is_empty() {
+    if let Some(f) = armed(hit, |_| true).first() {
+        fired(run_dir, f, rank);
         die();
     }
 }
@@ -290,8 +305,14 @@ pub(crate) fn during_save(step: u64, rank: usize) {
 /// so; on world rank 0 only.
 pub(crate) fn after_save(dir: &Path, step: u64, rank: usize) {
     let hit = |f: &Fault| f.kind == FaultKind::CorruptCheckpoint && f.step == step;
-    if rank != 0 || armed(hit, |_| true).is_empty() {
+    let Some(f) = (rank == 0)
+        .then(|| armed(hit, |_| true))
+        .and_then(|v| v.first().copied())
+    else {
         return;
+    };
+    if let Some(run_dir) = dir.parent().and_then(Path::parent) {
+        fired(run_dir, &f, rank);
     }
     let largest = std::fs::read_dir(dir)
         .into_iter()
@@ -443,6 +464,13 @@ fn newest_checkpoint(run_dir: &Path) -> (Option<u64>, Vec<String>) {
         Ok(Some(l)) => (
             Some(l.checkpoint.step()),
             l.skipped
+                .iter()
+                .map(|(p, e)| format!("{}: {e}", p.display()))
+                .collect(),
+        ),
+        Err(weft_checkpoint::Error::NoValidCheckpoint { failures, .. }) => (
+            None,
+            failures
                 .iter()
                 .map(|(p, e)| format!("{}: {e}", p.display()))
                 .collect(),
@@ -610,6 +638,7 @@ impl Supervisor {
             // every rank's last beat and when it changed
             let mut beats: Vec<(Option<u64>, Instant)> = vec![(None, started); world];
             let mut forwarded = false;
+            let mut running = false;
             let (failure, rank) = loop {
                 if crate::stop::requested() && !forwarded {
                     // asked to stop: the job saves and stops (a launcher
@@ -649,6 +678,18 @@ impl Supervisor {
                     if now != b.0 {
                         *b = (now, Instant::now());
                     }
+                }
+                if !running && let Some(step) = beats[0].0 {
+                    // built, restored and about to train: the restart's
+                    // cost ends here
+                    running = true;
+                    self.event(
+                        &pending,
+                        serde_json::json!({
+                            "time": unix_now(), "event": "running", "attempt": attempt,
+                            "step": step, "after_s": started.elapsed().as_secs_f64(),
+                        }),
+                    );
                 }
                 // a rank silent too long: the job is hung
                 if beats
@@ -737,7 +778,17 @@ impl Supervisor {
                     self.run_dir.display(),
                     attempt - 1
                 ));
-                let _ = std::fs::rename(&self.run_dir, &aside);
+                // the run's history goes on in the new folder
+                let history =
+                    std::fs::read_to_string(self.run_dir.join("events.jsonl")).unwrap_or_default();
+                if std::fs::rename(&self.run_dir, &aside).is_ok() {
+                    let mut p = pending.borrow_mut();
+                    let earlier: Vec<serde_json::Value> = history
+                        .lines()
+                        .filter_map(|l| serde_json::from_str(l).ok())
+                        .collect();
+                    p.splice(0..0, earlier);
+                }
             }
             self.event(
                 &pending,

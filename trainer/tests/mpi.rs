@@ -522,7 +522,8 @@ fn events(run: &Path) -> Vec<serde_json::Value> {
     std::fs::read_to_string(run.join("events.jsonl"))
         .unwrap()
         .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+        .filter(|e| !["fault", "running", "rewound"].contains(&e["event"].as_str().unwrap_or("")))
         .collect()
 }
 

@@ -438,7 +438,16 @@ fn the_first_sigint_saves_and_stops_and_the_run_resumes_bit_for_bit() {
 }
 
 /// The events a supervisor wrote, as JSON values.
+/// A run's supervision and recovery events, without the drills' `fault`
+/// lines and the `running` / `rewound` marks (see `all_events`).
 fn events(run: &std::path::Path) -> Vec<serde_json::Value> {
+    all_events(run)
+        .into_iter()
+        .filter(|e| !["fault", "running", "rewound"].contains(&e["event"].as_str().unwrap_or("")))
+        .collect()
+}
+
+fn all_events(run: &std::path::Path) -> Vec<serde_json::Value> {
     std::fs::read_to_string(run.join("events.jsonl"))
         .unwrap_or_default()
         .lines()
@@ -462,7 +471,7 @@ fn a_supervised_run_restarts_after_a_kill_and_a_hang_and_ends_bit_for_bit() {
         // before it is used (and the rotten one kept aside)
         (
             "rotten",
-            &["corrupt-checkpoint:step=30", "kill:rank=0,step=33"],
+            &["corrupt-checkpoint:step=30", "kill:step=33"],
             20,
             12,
         ),
@@ -523,6 +532,17 @@ fn a_supervised_run_restarts_after_a_kill_and_a_hang_and_ends_bit_for_bit() {
         }
         // the run's last checkpoint is whole
         assert!(ckpts.join("step-00000060").is_dir(), "{name}");
+        // the drill's faults are recorded as they fire, and the restarted
+        // job's start once it trains again
+        let all = all_events(&run);
+        let fired: Vec<&str> = all
+            .iter()
+            .filter(|e| e["event"] == "fault")
+            .map(|e| e["fault"].as_str().unwrap())
+            .collect();
+        assert_eq!(fired, faults, "{name}");
+        let running = all.iter().filter(|e| e["event"] == "running").count();
+        assert_eq!(running, 2, "{name}: {all:?}");
     }
     // two data-parallel thread ranks; rank 1 killed with no spare: the
     // job shrinks to one replica (the global batch kept by accumulating
@@ -648,5 +668,34 @@ fn a_spike_or_non_finite_steps_rewind_skip_the_batches_and_the_skip_list_reprodu
     let (ok, out) = run_with(&c, &["spike:step=37", "spike:step=40"]);
     assert!(!ok);
     assert!(out.contains("train.max_rewinds = 1"), "{out}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn the_chaos_drill_detects_recovers_and_keeps_the_bits() {
+    let weft = env!("CARGO_BIN_EXE_weft");
+    let dir = std::env::temp_dir().join(format!("weft-chaos-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    // seed 3 draws a garbage batch, a crash while saving and a kill
+    let out = std::process::Command::new(weft)
+        .args(["chaos", "--trials", "3", "--seed", "3", "--dir"])
+        .arg(&dir)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}{}", String::from_utf8_lossy(&out.stderr));
+    for fault in ["spike:step=36", "crash-during-save:step=10", "kill:step=9"] {
+        let row = text.lines().find(|l| l.contains(fault)).unwrap_or_else(|| panic!("{text}"));
+        let cols: Vec<&str> = row.split_whitespace().collect();
+        // detected, recovered, bitwise
+        assert_eq!((cols[2], cols[4], cols[10]), ("yes", "yes", "yes"), "{row}");
+    }
+    assert!(
+        text.contains("detected 3/3, recovered 3/3, hung 0, bitwise 3/3"),
+        "{text}"
+    );
+    // the trial after a rewind is compared with a fault-free run given
+    // its skip list
+    assert!(dir.join("reference-0").is_dir());
     std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -1,0 +1,544 @@
+//! `weft chaos`: a drill of the survival kit. Runs a small job once
+//! fault-free, then `trials` times under `weft train --supervise` with
+//! one fault each, drawn from a seeded generator (a killed or hung rank,
+//! gradients made non-finite, a garbage batch, a checkpoint that rots
+//! before a kill, a crash while saving), and reports per trial whether the
+//! fault was detected (and how long after it fired), whether the run
+//! recovered, the restarts and rewinds it took, the steps and seconds it
+//! lost, the restart's cost, and whether its final state — every step's
+//! loss and the last checkpoint's bytes — is bitwise the fault-free run's
+//! (after a rewind: the fault-free run given the same skip list, which is
+//! what a rewind promises).
+//!
+//! Every job is a child process of the `weft` binary given; a trial that
+//! outlives its limit is killed and counted as hung.
+
+use std::ffi::OsString;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use crate::supervise::{Fault, FaultKind};
+
+/// What a drill runs.
+#[derive(Clone, Debug)]
+pub struct Drill {
+    /// The `weft` binary.
+    pub weft: PathBuf,
+    /// `--set` overrides of the job (after the drill's defaults, see
+    /// [`Drill::job_sets`]).
+    pub sets: Vec<String>,
+    /// Where the runs go (a folder of its own: `reference`, `trial-N`).
+    pub dir: PathBuf,
+    /// Trials.
+    pub trials: usize,
+    /// Seed of the faults drawn.
+    pub seed: u64,
+    /// The supervisor's heartbeat timeout.
+    pub heartbeat_timeout: Duration,
+    /// A launcher for the job (`--launch`), empty for none.
+    pub launch: Option<String>,
+}
+
+/// One trial's outcome.
+#[derive(Clone, Debug, PartialEq, serde::Serialize)]
+pub struct Trial {
+    /// The fault injected.
+    pub fault: String,
+    /// Seconds from the fault firing to its detection (a failure or a
+    /// rewind recorded), if detected.
+    pub detected_after_s: Option<f64>,
+    /// Whether the supervised run finished.
+    pub recovered: bool,
+    /// Whether the trial outlived its time limit and was killed.
+    pub hung: bool,
+    /// Restarts the supervisor made.
+    pub restarts: usize,
+    /// Rewinds the trainer made.
+    pub rewinds: usize,
+    /// Steps trained twice (lost to restarts and rewinds).
+    pub lost_steps: u64,
+    /// The trial's wall time minus the fault-free run's.
+    pub time_lost_s: f64,
+    /// Seconds from a failure to the restarted job training again, or
+    /// from a rewind to the rewound run training again.
+    pub restart_s: Option<f64>,
+    /// Whether every step's loss and the last checkpoint's bytes equal
+    /// the fault-free run's (given the trial's skip list).
+    pub bitwise: bool,
+}
+
+/// A failure of the drill itself (not of a trial).
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ChaosError {
+    /// A fault-free run failed.
+    #[error("the fault-free run {run} failed: {message}")]
+    Reference {
+        /// Its folder.
+        run: PathBuf,
+        /// What it printed last.
+        message: String,
+    },
+    /// A file could not be read or written.
+    #[error("{path}: {source}")]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// The OS error.
+        source: std::io::Error,
+    },
+}
+
+/// A splitmix64 generator: the drill's faults from its seed.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in `lo..=hi`.
+    fn range(&mut self, lo: u64, hi: u64) -> u64 {
+        lo + self.next() % (hi - lo + 1)
+    }
+}
+
+/// A run's final state: every step's loss and validation loss as JSON
+/// text, and a hash of the last checkpoint's rank files.
+fn fingerprint(run: &Path) -> Option<(Vec<String>, u64)> {
+    let text = std::fs::read_to_string(run.join("metrics.jsonl")).ok()?;
+    let losses: Vec<String> = text
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter(|v| v.get("event").is_none_or(|e| e == "eval"))
+        .map(|v| format!("{} {} {}", v["step"], v["loss"], v["val_loss"]))
+        .collect();
+    let ckpt =
+        weft_checkpoint::load_latest(&run.join("checkpoints"), weft_checkpoint::VerifyLevel::Full)
+            .ok()??;
+    let mut files: Vec<PathBuf> = std::fs::read_dir(ckpt.checkpoint.dir())
+        .ok()?
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
+        .collect();
+    files.sort();
+    let mut h = xxhash_rust::xxh3::Xxh3::new();
+    for f in files {
+        h.update(&std::fs::read(f).ok()?);
+    }
+    Some((losses, h.digest()))
+}
+
+/// A run's events.
+fn events(run: &Path) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(run.join("events.jsonl"))
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect()
+}
+
+impl Drill {
+    /// The drill's job: a small model on the synthetic corpus, 60 steps,
+    /// checkpoints every 10, rewinds on, then [`Drill::sets`]. Its spike
+    /// detector watches a window of 10 steps at 1.5× the median: so small
+    /// a model is unsure even of garbage (a scrambled batch costs it about
+    /// 1.9× the median loss past step 30), while its ordinary steps stay
+    /// within 1.03× of it.
+    #[must_use]
+    pub fn job_sets(&self) -> Vec<String> {
+        [
+            "model.n_layer=1",
+            "model.n_head=2",
+            "model.n_embd=32",
+            "model.block_size=32",
+            "train.batch_size=8",
+            "train.steps=60",
+            "train.eval_every=30",
+            "train.eval_sequences=16",
+            "train.spike_window=10",
+            "train.spike_factor=1.5",
+            "train.rewind=true",
+            "optim.warmup_steps=5",
+            "optim.lr=1e-2",
+            "data.synthetic.regular=40",
+            "data.synthetic.successors=3",
+            "checkpoint.every=10",
+            "parallel.timeout_s=5",
+        ]
+        .iter()
+        .map(|s| (*s).to_owned())
+        .chain(self.sets.iter().cloned())
+        .collect()
+    }
+
+    /// The job's configuration.
+    ///
+    /// # Errors
+    /// The configuration's error, for a bad `--set`.
+    pub fn config(&self) -> Result<crate::config::Config, crate::config::ConfigError> {
+        crate::config::Config::load(None, &self.job_sets())
+    }
+
+    /// `weft train` of run `name` with `extra` arguments.
+    fn train(&self, name: &str, extra: &[OsString]) -> Command {
+        let mut c = Command::new(&self.weft);
+        c.arg("train");
+        for s in self.job_sets() {
+            c.arg("--set").arg(s);
+        }
+        c.arg("--set")
+            .arg(format!("run.dir={:?}", self.dir.display().to_string()))
+            .arg("--set")
+            .arg(format!("run.name={name}"))
+            .args(extra)
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped());
+        c
+    }
+
+    /// Runs a fault-free job, `skips` left out; its wall time.
+    fn reference(&self, name: &str, skips: &[u64]) -> Result<f64, ChaosError> {
+        let run = self.dir.join(name);
+        let _ = std::fs::remove_dir_all(&run);
+        let mut extra: Vec<OsString> = Vec::new();
+        if !skips.is_empty() {
+            let list: Vec<String> = skips.iter().map(u64::to_string).collect();
+            extra.extend([
+                "--set".into(),
+                format!("train.skip_batches=[{}]", list.join(",")).into(),
+            ]);
+        }
+        // supervised as the trials are, so their times compare
+        extra.push("--supervise".into());
+        if let Some(l) = &self.launch {
+            extra.extend(["--launch".into(), l.into()]);
+        }
+        let t = Instant::now();
+        let out = self
+            .train(name, &extra)
+            .output()
+            .map_err(|source| ChaosError::Io {
+                path: self.weft.clone(),
+                source,
+            })?;
+        if !out.status.success() {
+            let err = String::from_utf8_lossy(&out.stderr);
+            return Err(ChaosError::Reference {
+                run,
+                message: err.lines().last().unwrap_or("").to_owned(),
+            });
+        }
+        Ok(t.elapsed().as_secs_f64())
+    }
+
+    /// The fault of a trial: kind, rank and step drawn from `rng` for a
+    /// run of `steps` steps with checkpoints every `every`, `ranks` ranks
+    /// and `limit` non-finite steps making a rewind. Spikes are drawn from
+    /// the second half, where the loss has settled enough for a garbage
+    /// batch to stand out against the rolling median. A rotten checkpoint
+    /// is followed by a kill, which makes the run need it.
+    fn draw(rng: &mut Rng, steps: u64, every: u64, ranks: usize, limit: u64) -> Vec<Fault> {
+        let kinds = [
+            FaultKind::Kill,
+            FaultKind::Hang,
+            FaultKind::Nan,
+            FaultKind::Spike,
+            FaultKind::CorruptCheckpoint,
+            FaultKind::CrashDuringSave,
+        ];
+        let kind = kinds[usize::try_from(rng.next() % kinds.len() as u64).unwrap_or(0)];
+        let rank = usize::try_from(rng.next() % ranks.max(1) as u64).unwrap_or(0);
+        let fault = |kind, step| Fault {
+            kind,
+            step,
+            rank,
+            count: 1,
+            factor: 2.0,
+        };
+        let saves = (steps - 1) / every; // checkpoints before the last step
+        match kind {
+            FaultKind::Nan => vec![Fault {
+                count: limit,
+                ..fault(kind, rng.range(2, steps - limit))
+            }],
+            FaultKind::Spike => vec![fault(kind, rng.range(steps / 2, steps))],
+            FaultKind::CorruptCheckpoint => {
+                let at = every * rng.range(1, saves.max(1));
+                vec![
+                    Fault {
+                        rank: 0,
+                        ..fault(kind, at)
+                    },
+                    fault(FaultKind::Kill, rng.range(at + 1, (at + every).min(steps))),
+                ]
+            }
+            FaultKind::CrashDuringSave => vec![fault(kind, every * rng.range(1, saves.max(1)))],
+            _ => vec![fault(kind, rng.range(2, steps))],
+        }
+    }
+
+    /// Runs the drill, reporting each trial to `each` as it ends.
+    ///
+    /// # Errors
+    /// [`ChaosError`] when a fault-free run fails or a folder cannot be
+    /// made.
+    pub fn run(&self, mut each: impl FnMut(usize, &Trial)) -> Result<Vec<Trial>, ChaosError> {
+        let config = self.config().map_err(|e| ChaosError::Reference {
+            run: self.dir.clone(),
+            message: e.to_string(),
+        })?;
+        std::fs::create_dir_all(&self.dir).map_err(|source| ChaosError::Io {
+            path: self.dir.clone(),
+            source,
+        })?;
+        let reference_s = self.reference("reference", &[])?;
+        let clean = fingerprint(&self.dir.join("reference"));
+        let mut rng = Rng(self.seed);
+        let (steps, every) = (config.train.steps, config.checkpoint.every.max(1));
+        let ranks = config.parallel.dims().world_size();
+        let limit = reference_s * 10.0 + 60.0 + self.heartbeat_timeout.as_secs_f64() * 3.0;
+        let mut trials = Vec::new();
+        for i in 0..self.trials {
+            let faults = Self::draw(&mut rng, steps, every, ranks, config.train.nonfinite_limit);
+            let name = format!("trial-{i}");
+            let run = self.dir.join(&name);
+            let _ = std::fs::remove_dir_all(&run);
+            let mut extra: Vec<OsString> = vec![
+                "--supervise".into(),
+                "--restart-backoff".into(),
+                "0.1".into(),
+                "--heartbeat-timeout".into(),
+                self.heartbeat_timeout.as_secs_f64().to_string().into(),
+            ];
+            if let Some(l) = &self.launch {
+                extra.extend(["--launch".into(), l.into()]);
+            }
+            for f in &faults {
+                extra.extend(["--inject".into(), f.to_string().into()]);
+            }
+            let t = Instant::now();
+            let mut child = self
+                .train(&name, &extra)
+                .stderr(Stdio::null())
+                .spawn()
+                .map_err(|source| ChaosError::Io {
+                    path: self.weft.clone(),
+                    source,
+                })?;
+            let (mut status, mut hung) = (None, false);
+            while status.is_none() {
+                status = child.try_wait().ok().flatten();
+                if status.is_none() && t.elapsed().as_secs_f64() > limit {
+                    let _ = child.kill();
+                    status = child.wait().ok();
+                    hung = true;
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            let wall = t.elapsed().as_secs_f64();
+            let ev = events(&run);
+            let at = |kind: &'static str| ev.iter().filter(move |e| e["event"] == kind);
+            // detected: each fault by what answers it — a failure after a
+            // kill, hang or crash, a rewind after bad data, a restart that
+            // passed over the rotten checkpoint — timed from the last
+            // fault fired to the first answer after it
+            let fired: Vec<f64> = at("fault").filter_map(|e| e["time"].as_f64()).collect();
+            let answered = |kind: FaultKind| match kind {
+                FaultKind::Nan | FaultKind::Spike => at("rewind").next().is_some(),
+                FaultKind::CorruptCheckpoint => at("restart").any(|e| {
+                    e["unverified_checkpoints"]
+                        .as_array()
+                        .is_some_and(|u| !u.is_empty())
+                }),
+                _ => at("failure").next().is_some(),
+            };
+            let detected_after_s = fired
+                .iter()
+                .copied()
+                .reduce(f64::max)
+                .filter(|_| fired.len() >= faults.len())
+                .filter(|_| faults.iter().all(|f| answered(f.kind)))
+                .and_then(|last| {
+                    ev.iter()
+                        .filter(|e| e["event"] == "failure" || e["event"] == "rewind")
+                        .filter_map(|e| e["time"].as_f64())
+                        .find(|&t| t >= last)
+                        .map(|t| t - last)
+                });
+            // a restart's cost: from the failure to training again (a
+            // rewind's: from the rewind to training again)
+            let restart_s = at("failure")
+                .chain(at("rewind"))
+                .filter_map(|e| e["time"].as_f64())
+                .reduce(f64::min)
+                .and_then(|f| {
+                    at("running")
+                        .chain(at("rewound"))
+                        .filter_map(|e| e["time"].as_f64())
+                        .filter(|&r| r > f)
+                        .reduce(f64::min)
+                        .map(|r| r - f)
+                });
+            let mut lost_steps: u64 = at("restart").filter_map(|e| e["lost_steps"].as_u64()).sum();
+            let mut skips = Vec::new();
+            for e in at("rewind") {
+                let (step, to) = (e["step"].as_u64(), e["to_step"].as_u64());
+                lost_steps += step.unwrap_or(0).saturating_sub(to.unwrap_or(0));
+                skips.extend(
+                    e["skipped_batches"]
+                        .as_array()
+                        .into_iter()
+                        .flatten()
+                        .filter_map(serde_json::Value::as_u64),
+                );
+            }
+            let recovered =
+                !hung && status.is_some_and(|s| s.success()) && at("finished").next().is_some();
+            let expected = if skips.is_empty() {
+                clean.clone()
+            } else {
+                let name = format!("reference-{i}");
+                self.reference(&name, &skips)?;
+                fingerprint(&self.dir.join(name))
+            };
+            let got = fingerprint(&run);
+            let trial = Trial {
+                fault: faults
+                    .iter()
+                    .map(ToString::to_string)
+                    .collect::<Vec<_>>()
+                    .join(" + "),
+                detected_after_s,
+                recovered,
+                hung,
+                restarts: at("restart").count(),
+                rewinds: at("rewind").count(),
+                lost_steps,
+                time_lost_s: wall - reference_s,
+                restart_s,
+                bitwise: recovered && got.is_some() && got == expected,
+            };
+            each(i, &trial);
+            trials.push(trial);
+        }
+        Ok(trials)
+    }
+}
+
+/// The drill's table: a header, one line per trial, and the totals
+/// (detected, recovered, hung, bitwise, the mean restart cost and the
+/// worst time lost against the checkpoint interval plus a restart).
+#[must_use]
+pub fn table_header() -> String {
+    format!(
+        "{:>5}  {:<48} {:>9} {:>10} {:>9} {:>8} {:>7} {:>5} {:>10} {:>10} {:>8}",
+        "trial",
+        "fault",
+        "detected",
+        "after (s)",
+        "recovered",
+        "restarts",
+        "rewinds",
+        "lost",
+        "lost (s)",
+        "restart(s)",
+        "bitwise"
+    )
+}
+
+/// One trial's line of the table.
+#[must_use]
+pub fn table_row(i: usize, t: &Trial) -> String {
+    let yes = |b: bool| if b { "yes" } else { "no" };
+    let secs = |s: Option<f64>| s.map_or_else(|| "-".into(), |s| format!("{s:.2}"));
+    format!(
+        "{:>5}  {:<48} {:>9} {:>10} {:>9} {:>8} {:>7} {:>5} {:>10.2} {:>10} {:>8}",
+        i,
+        t.fault,
+        yes(t.detected_after_s.is_some()),
+        secs(t.detected_after_s),
+        if t.hung { "HUNG" } else { yes(t.recovered) },
+        t.restarts,
+        t.rewinds,
+        t.lost_steps,
+        t.time_lost_s,
+        secs(t.restart_s),
+        yes(t.bitwise),
+    )
+}
+
+/// The totals under the table: detected, recovered, hung and bitwise
+/// counts, the mean restart cost, and the worst time a trial lost beyond
+/// its fault's detection and its restarts, against the checkpoint
+/// interval (`every` steps of `step_s` seconds) — the most a restart from
+/// the newest checkpoint can lose.
+#[must_use]
+pub fn table_totals(trials: &[Trial], step_s: f64, every: u64) -> String {
+    let n = trials.len();
+    let count = |f: &dyn Fn(&Trial) -> bool| trials.iter().filter(|t| f(t)).count();
+    let restarts: Vec<f64> = trials.iter().filter_map(|t| t.restart_s).collect();
+    #[allow(clippy::cast_precision_loss)]
+    let mean_restart = if restarts.is_empty() {
+        0.0
+    } else {
+        restarts.iter().sum::<f64>() / restarts.len() as f64
+    };
+    // beyond detection, each restart's cost and its backoff (0.1 s)
+    let excess = trials
+        .iter()
+        .map(|t| {
+            #[allow(clippy::cast_precision_loss)]
+            let backoff = 0.1 * t.restarts as f64;
+            t.time_lost_s - t.detected_after_s.unwrap_or(0.0) - t.restart_s.unwrap_or(0.0) - backoff
+        })
+        .fold(0.0, f64::max);
+    #[allow(clippy::cast_precision_loss)]
+    let interval = every as f64 * step_s;
+    format!(
+        "detected {}/{n}, recovered {}/{n}, hung {}, bitwise {}/{n}; restart cost {mean_restart:.2} s (mean, process start to training again); \
+         worst time lost beyond detection and restart {excess:.2} s, checkpoint interval {interval:.2} s",
+        count(&|t| t.detected_after_s.is_some()),
+        count(&|t| t.recovered),
+        count(&|t| t.hung),
+        count(&|t| t.bitwise),
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{Drill, FaultKind, Rng};
+
+    #[test]
+    fn the_drill_draws_every_kind_of_fault_where_it_can_happen() {
+        let mut rng = Rng(7);
+        let mut seen = std::collections::BTreeSet::new();
+        for _ in 0..400 {
+            let faults = Drill::draw(&mut rng, 60, 10, 2, 3);
+            let f = faults[0];
+            seen.insert(f.kind.name());
+            assert!(f.rank < 2);
+            assert!((1..=60).contains(&f.step), "{f}");
+            match f.kind {
+                FaultKind::CorruptCheckpoint => {
+                    assert_eq!(f.step % 10, 0);
+                    assert!(f.step < 60);
+                    let kill = faults[1];
+                    assert_eq!(kill.kind, FaultKind::Kill);
+                    assert!(kill.step > f.step && kill.step <= f.step + 10, "{kill}");
+                }
+                FaultKind::CrashDuringSave => assert!(f.step % 10 == 0 && f.step < 60),
+                FaultKind::Nan => assert!(f.step + f.count - 1 <= 60 && f.count == 3),
+                FaultKind::Spike => assert!(f.step >= 30),
+                _ => assert!(f.step >= 2),
+            }
+        }
+        assert_eq!(seen.len(), 6, "{seen:?}");
+    }
+}
