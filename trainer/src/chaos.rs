@@ -527,13 +527,13 @@ mod tests {
             assert!((1..=60).contains(&f.step), "{f}");
             match f.kind {
                 FaultKind::CorruptCheckpoint => {
-                    assert_eq!(f.step % 10, 0);
+                    assert!(f.step.is_multiple_of(10));
                     assert!(f.step < 60);
                     let kill = faults[1];
                     assert_eq!(kill.kind, FaultKind::Kill);
                     assert!(kill.step > f.step && kill.step <= f.step + 10, "{kill}");
                 }
-                FaultKind::CrashDuringSave => assert!(f.step % 10 == 0 && f.step < 60),
+                FaultKind::CrashDuringSave => assert!(f.step.is_multiple_of(10) && f.step < 60),
                 FaultKind::Nan => assert!(f.step + f.count - 1 <= 60 && f.count == 3),
                 FaultKind::Spike => assert!(f.step >= 30),
                 _ => assert!(f.step >= 2),
