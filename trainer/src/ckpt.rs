@@ -82,8 +82,8 @@ pub enum CkptError {
 /// hex digits: everything except `[run]`, `[checkpoint]`, the layout in
 /// `[parallel]` (but not `parallel.reproducible`), and the settings
 /// that only decide how long to go on and what to watch (`train.steps`,
-/// `train.eval_every`, `train.eval_sequences`, `train.spike_*`, the
-/// rewind settings, `train.skip_batches`, which only changes the batches
+/// `train.eval_every`, `train.eval_sequences`, `train.spike_*`,
+/// `train.straggler_*`, the rewind settings, `train.skip_batches`, which only changes the batches
 /// of steps to come, and `train.micro_batch_size`, which like the layout
 /// only changes rounding), so a run can be resumed to train longer, or
 /// past a batch to leave out. (Changing `train.steps` changes the
@@ -107,6 +107,8 @@ pub fn config_hash(config: &Config) -> String {
     c.train.spike_factor = d.spike_factor;
     c.train.spike_window = d.spike_window;
     c.train.rewind = d.rewind;
+    c.train.straggler_factor = d.straggler_factor;
+    c.train.straggler_window = d.straggler_window;
     c.train.nonfinite_limit = d.nonfinite_limit;
     c.train.max_rewinds = d.max_rewinds;
     c.train.skip_batches = d.skip_batches;

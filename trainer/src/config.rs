@@ -452,6 +452,13 @@ pub struct TrainConfig {
     pub spike_factor: f64,
     /// Steps in the rolling window of the spike detector.
     pub spike_window: usize,
+    /// A rank whose work time (its step outside the time it waits in
+    /// the data-parallel collectives) exceeds this factor times the median
+    /// of the ranks running the same pipeline stage, over two windows in a
+    /// row, is reported as a straggler (0: off).
+    pub straggler_factor: f64,
+    /// Steps per window of the straggler detector.
+    pub straggler_window: u64,
     /// Rewind and skip: on a loss spike, or `nonfinite_limit` non-finite
     /// steps in a row, roll back to the newest checkpoint that verifies
     /// (the start, before the first) and go on with the offending batches
@@ -481,6 +488,8 @@ impl Default for TrainConfig {
             eval_sequences: 64,
             spike_factor: 2.0,
             spike_window: 50,
+            straggler_factor: 1.5,
+            straggler_window: 20,
             rewind: false,
             nonfinite_limit: 3,
             max_rewinds: 5,
@@ -714,6 +723,15 @@ impl Config {
                 "train.spike_factor",
                 format!("must be > 1 (got {})", t.spike_factor),
             );
+        }
+        if !(t.straggler_factor == 0.0 || t.straggler_factor > 1.0) {
+            return bad(
+                "train.straggler_factor",
+                format!("must be > 1, or 0 for off (got {})", t.straggler_factor),
+            );
+        }
+        if t.straggler_window == 0 {
+            return bad("train.straggler_window", "must be at least 1".into());
         }
         if t.nonfinite_limit == 0 {
             return bad("train.nonfinite_limit", "must be at least 1".into());

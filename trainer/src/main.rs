@@ -90,7 +90,8 @@ enum Command {
         /// balance,aux_coef,bias_rate,shared_expert,capacity_factor,drop};
         /// data.{source,val_fraction,synthetic.*}; train.{steps,batch_size,
         /// micro_batch_size,seed,eval_every,eval_sequences,spike_factor,
-        /// spike_window,rewind,nonfinite_limit,max_rewinds,skip_batches}; optim.{lr,min_lr_ratio,warmup_steps,weight_decay,
+        /// spike_window,straggler_factor,straggler_window,rewind,
+        /// nonfinite_limit,max_rewinds,skip_batches}; optim.{lr,min_lr_ratio,warmup_steps,weight_decay,
         /// beta1,beta2,eps,grad_clip}; checkpoint.{every,keep_last,
         /// keep_every}; parallel.{dp,fsdp,hybrid_shard,tp,sequence_parallel,
         /// ep,pp,pp_schedule,pp_chunks,reproducible,backend,timeout_s}

@@ -206,6 +206,9 @@ impl Observer for Terminal {
                 batch.0 + 1,
                 batch.1
             ),
+            HealthEvent::Straggler { step, rank, ratio } => format!(
+                "health step {step}: rank {rank} is a straggler: {ratio:.2}× the median work time of its pipeline stage over the last two windows"
+            ),
             HealthEvent::Rewind {
                 step,
                 reason,

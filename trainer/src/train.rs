@@ -306,6 +306,17 @@ pub enum HealthEvent {
         /// a run without skips, micro-batches).
         batch: (u64, usize),
     },
+    /// A rank's work time over the last two windows of
+    /// `train.straggler_window` steps was more than `train.straggler_factor`
+    /// times the median of the ranks of its pipeline stage.
+    Straggler {
+        /// The step (from 1) that ended the second window.
+        step: u64,
+        /// The world rank.
+        rank: usize,
+        /// Its work time over the last window divided by the median.
+        ratio: f64,
+    },
     /// Rewind and skip (`train.rewind`): the run goes back to the
     /// checkpoint of step `to` (0: the start) and leaves `batches` out.
     Rewind {
@@ -1465,6 +1476,10 @@ fn run_attempt(
     }
     // the last step's time without an injected slowdown (`slow` faults)
     let mut last_step_time = std::time::Duration::ZERO;
+    // the straggler detector: this rank's work over the window, and each
+    // rank's windows in a row above the factor
+    let mut work_sum = 0.0f64;
+    let mut slow_windows = vec![0u32; dims.world_size()];
     for step in start_step..t.steps {
         crate::supervise::before_step(&run_dir, step + 1, world.rank());
         let step_start = Instant::now();
@@ -1511,7 +1526,9 @@ fn run_attempt(
                 targets: &b.targets,
             })
             .collect();
+        let in_step = Instant::now();
         let out = model.train_step(&mbs, &hp, config.optim.grad_clip)?;
+        let in_step = in_step.elapsed().as_secs_f64();
         if let Some((name, values)) = poisoned {
             model.write_param(&name, &values)?;
         }
@@ -1658,6 +1675,36 @@ fn run_attempt(
         // and wait tracks), gathered on rank 0; a pipeline's bubble beside
         // the simulator's prediction.
         let timeline = model.take_timeline();
+        // this rank's work: the step less its time in train_step outside
+        // the compute the executor timed (the waits of collectives between
+        // actions)
+        let compute: f64 = timeline
+            .as_ref()
+            .map_or(in_step, |tl| tl.slots.iter().map(|s| s.end - s.start).sum());
+        // a sharded stage's waits (inside its actions too) are its own
+        // record of the time it was blocked, beside the pipeline's receives
+        let mut fsdp_wait = None;
+        for st in model.stages_mut() {
+            if let Some(f) = st.fsdp_mut() {
+                let w: f64 = f
+                    .spans()
+                    .spans()
+                    .iter()
+                    .filter(|s| s.track == weft_fsdp::Track::Wait)
+                    .map(|s| s.end - s.start)
+                    .sum();
+                *fsdp_wait.get_or_insert(0.0) += w;
+            }
+        }
+        let blocked = match fsdp_wait {
+            Some(w) => {
+                w + timeline
+                    .as_ref()
+                    .map_or(0.0, |tl| tl.waits.iter().map(|(a, b)| b - a).sum())
+            }
+            None => in_step - compute.min(in_step),
+        };
+        work_sum += step_start.elapsed().as_secs_f64() - blocked;
         let mut fsdp_events = Vec::new();
         for (c, st) in model.stages_mut().iter_mut().enumerate() {
             if let Some(f) = st.fsdp_mut() {
@@ -1772,6 +1819,40 @@ fn run_attempt(
         let line = serde_json::to_string(&record).unwrap_or_default();
         write_line(&mut metrics, line)?;
         crate::supervise::heartbeat(&run_dir, world.rank(), step + 1);
+        if t.straggler_factor > 0.0 && (step + 1).is_multiple_of(t.straggler_window) {
+            let w = model.mesh().world();
+            let mut all = vec![0.0f64; w.size()];
+            w.all_gather(&[work_sum], &mut all)?;
+            work_sum = 0.0;
+            for (rank, ratio) in stragglers(&all, |r| dims.coords_of(r).pp, t.straggler_factor)
+                .into_iter()
+                .enumerate()
+            {
+                slow_windows[rank] = if ratio.is_some() {
+                    slow_windows[rank] + 1
+                } else {
+                    0
+                };
+                if let (Some(ratio), 2) = (ratio, slow_windows[rank]) {
+                    observer.event(&HealthEvent::Straggler {
+                        step: step + 1,
+                        rank,
+                        ratio,
+                    });
+                    // timing, not the computation: in events.jsonl, which
+                    // a rerun need not reproduce
+                    if writer {
+                        let line = serde_json::json!({
+                            "time": crate::supervise::unix_now(), "event": "straggler",
+                            "step": step + 1, "rank": rank, "ratio": ratio,
+                            "window_steps": t.straggler_window,
+                        });
+                        crate::supervise::append_event(&run_dir, &line)
+                            .map_err(io_err(&run_dir.join("events.jsonl")))?;
+                    }
+                }
+            }
+        }
         observer.step(&StepReport {
             record,
             flops_per_s: flops,
@@ -1885,6 +1966,28 @@ fn run_attempt(
     }
     observer.finish(&summary);
     Ok(Attempt::Finished(Box::new(summary)))
+}
+
+/// Each rank's ratio of `work` to the median of the ranks in its group
+/// (`group_of`: ranks doing the same work), where it exceeds `factor`; a
+/// rank alone in its group is never a straggler.
+fn stragglers(work: &[f64], group_of: impl Fn(usize) -> usize, factor: f64) -> Vec<Option<f64>> {
+    (0..work.len())
+        .map(|r| {
+            let mut peers: Vec<f64> = (0..work.len())
+                .filter(|&q| group_of(q) == group_of(r))
+                .map(|q| work[q])
+                .collect();
+            if peers.len() < 2 {
+                return None;
+            }
+            peers.sort_by(f64::total_cmp);
+            // the lower median: with two ranks, the faster one
+            let median = peers[(peers.len() - 1) / 2];
+            let ratio = work[r] / median;
+            (median > 0.0 && ratio > factor).then_some(ratio)
+        })
+        .collect()
 }
 
 /// A `nan` fault: the first parameter tensor this rank holds gets a NaN
@@ -2035,6 +2138,19 @@ fn bubble_other_data(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_straggler_is_the_rank_slower_than_its_stage_peers() {
+        // two stages of three replicas; rank 4 twice as slow as its peers
+        let work = [1.0, 1.1, 0.9, 2.0, 4.0, 2.1];
+        let got = stragglers(&work, |r| r / 3, 1.5);
+        assert_eq!(got.iter().filter(|r| r.is_some()).count(), 1);
+        assert!((got[4].unwrap() - 4.0 / 2.1).abs() < 1e-12);
+        // two ranks: the slower one against the faster
+        assert_eq!(stragglers(&[1.0, 3.0], |_| 0, 1.5), [None, Some(3.0)]);
+        // alone in its stage: never
+        assert_eq!(stragglers(&[1.0, 3.0], |r| r, 1.5), [None, None]);
+    }
 
     proptest::proptest! {
         /// The steps read the batches in order, each once, none that is

@@ -523,7 +523,10 @@ fn events(run: &Path) -> Vec<serde_json::Value> {
         .unwrap()
         .lines()
         .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
-        .filter(|e| !["fault", "running", "rewound"].contains(&e["event"].as_str().unwrap_or("")))
+        .filter(|e| {
+            !["fault", "running", "rewound", "straggler"]
+                .contains(&e["event"].as_str().unwrap_or(""))
+        })
         .collect()
 }
 

@@ -439,11 +439,15 @@ fn the_first_sigint_saves_and_stops_and_the_run_resumes_bit_for_bit() {
 
 /// The events a supervisor wrote, as JSON values.
 /// A run's supervision and recovery events, without the drills' `fault`
-/// lines and the `running` / `rewound` marks (see `all_events`).
+/// lines, the `running` / `rewound` marks and the (timing-dependent)
+/// straggler reports (see `all_events`).
 fn events(run: &std::path::Path) -> Vec<serde_json::Value> {
     all_events(run)
         .into_iter()
-        .filter(|e| !["fault", "running", "rewound"].contains(&e["event"].as_str().unwrap_or("")))
+        .filter(|e| {
+            !["fault", "running", "rewound", "straggler"]
+                .contains(&e["event"].as_str().unwrap_or(""))
+        })
         .collect()
 }
 
@@ -683,9 +687,16 @@ fn the_chaos_drill_detects_recovers_and_keeps_the_bits() {
         .output()
         .unwrap();
     let text = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "{text}{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     for fault in ["spike:step=36", "crash-during-save:step=10", "kill:step=9"] {
-        let row = text.lines().find(|l| l.contains(fault)).unwrap_or_else(|| panic!("{text}"));
+        let row = text
+            .lines()
+            .find(|l| l.contains(fault))
+            .unwrap_or_else(|| panic!("{text}"));
         let cols: Vec<&str> = row.split_whitespace().collect();
         // detected, recovered, bitwise
         assert_eq!((cols[2], cols[4], cols[10]), ("yes", "yes", "yes"), "{row}");
@@ -697,5 +708,47 @@ fn the_chaos_drill_detects_recovers_and_keeps_the_bits() {
     // the trial after a rewind is compared with a fault-free run given
     // its skip list
     assert!(dir.join("reference-0").is_dir());
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn a_slow_rank_is_reported_as_a_straggler_with_its_ratio() {
+    let weft = env!("CARGO_BIN_EXE_weft");
+    let dir = std::env::temp_dir().join(format!("weft-straggler-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let mut c = tiny(&dir, "slow");
+    c.parallel.dp = 2;
+    c.train.straggler_window = 10;
+    std::fs::create_dir_all(&dir).unwrap();
+    let config = dir.join("slow.toml");
+    std::fs::write(&config, c.to_toml()).unwrap();
+    // rank 1 computes four times slower from step 5 on
+    let out = std::process::Command::new(weft)
+        .args([
+            "train",
+            "--inject",
+            "slow:rank=1,step=5,factor=4",
+            "--config",
+        ])
+        .arg(&config)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}");
+    assert!(text.contains("rank 1 is a straggler"), "{text}");
+    let reports: Vec<serde_json::Value> = all_events(&dir.join("slow"))
+        .into_iter()
+        .filter(|e| e["event"] == "straggler")
+        .collect();
+    assert!(!reports.is_empty());
+    for r in &reports {
+        assert_eq!(r["rank"], 1, "{r}");
+        // its work over the window against its peer's: about 4×
+        assert!(r["ratio"].as_f64().unwrap() > 2.0, "{r}");
+    }
+    // reported once, after two slow windows in a row (steps 1–10, slow
+    // from 5, and 11–20)
+    assert_eq!(reports.len(), 1, "{reports:?}");
+    assert_eq!(reports[0]["step"], 20, "{reports:?}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
