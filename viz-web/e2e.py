@@ -103,6 +103,16 @@ def expected(run):
             n_events += 1
         elif not isinstance(r.get("loss"), (int, float)) or r["loss"] != r["loss"]:
             nonfinite += 1
+    # events.jsonl's events with a place on the step axis join them
+    ev_path = os.path.join(run, "events.jsonl")
+    if os.path.exists(ev_path):
+        for line in open(ev_path):
+            try:
+                r = json.loads(line)
+            except ValueError:
+                continue
+            if any(isinstance(r.get(k), int) for k in ("step", "last_step", "from_checkpoint_step")):
+                n_events += 1
     # The bubble: the trainer's own figure (summary.json: the mean over the
     # traced steps after the first of each step's bubble in its own window)
     # when a trainer wrote the run, else the trace writer's otherData; and

@@ -146,7 +146,8 @@ pub fn App(props: &AppProps) -> Html {
         },
         Tab::Metrics => match &r.metrics {
             Slot::Loaded(m, _) => {
-                html! { <MetricsView data={m.clone()} floor={r.entropy_floor()} /> }
+                let data = r.metrics_with_events().unwrap_or_else(|| m.clone());
+                html! { <MetricsView {data} floor={r.entropy_floor()} /> }
             }
             Slot::Failed(e) => missing_view("metrics", Some(e)),
             Slot::Absent => missing_view("metrics.jsonl", None),
@@ -173,7 +174,7 @@ pub fn App(props: &AppProps) -> Html {
             }
             <main>{ body }</main>
             <footer>
-                <span>{ "Drop run files anywhere on the page: trace.json, metrics.jsonl, expert_load.jsonl, config.toml, summary.json. A second trace is drawn below the first for comparison." }</span>
+                <span>{ "Drop run files anywhere on the page: trace.json, metrics.jsonl, expert_load.jsonl, config.toml, summary.json, events.jsonl. A second trace is drawn below the first for comparison." }</span>
                 <span id="perf"></span>
             </footer>
         </div>
@@ -258,6 +259,15 @@ fn OverviewView(p: &OverviewProps) -> Html {
         status(
             FileKind::RUN_FILES[4],
             st(&r.summary, |s| format!("{} entries", s.len())),
+        ),
+        status(
+            FileKind::RUN_FILES[5],
+            st(&r.events, |e| {
+                format!(
+                    "{} health and recovery events on the metrics timeline",
+                    e.len()
+                )
+            }),
         ),
     ];
     let last = r.metrics.get().and_then(|m| m.records.last().copied());

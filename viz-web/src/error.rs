@@ -40,7 +40,7 @@ pub enum LoadError {
     },
     /// A dropped file whose name and contents match none of the run files.
     #[error(
-        "{file}: not a run file (expected trace.json or *.trace.json, metrics.jsonl, expert_load.jsonl, config.toml or summary.json)"
+        "{file}: not a run file (expected trace.json or *.trace.json, metrics.jsonl, expert_load.jsonl, config.toml, summary.json or events.jsonl)"
     )]
     Unrecognized {
         /// File name.

@@ -23,16 +23,20 @@ pub enum FileKind {
     Config,
     /// `summary.json`.
     Summary,
+    /// `events.jsonl`: the supervisor's and the trainer's health and
+    /// recovery events (failures, restarts, rewinds, stragglers, faults).
+    Events,
 }
 
 impl FileKind {
     /// The canonical file names the server offers, in display order.
-    pub const RUN_FILES: [&'static str; 5] = [
+    pub const RUN_FILES: [&'static str; 6] = [
         "trace.json",
         "metrics.jsonl",
         "expert_load.jsonl",
         "config.toml",
         "summary.json",
+        "events.jsonl",
     ];
 
     /// Classify a file by its name, then by a peek at its first line.
@@ -44,6 +48,7 @@ impl FileKind {
             "expert_load.jsonl" => return Some(Self::ExpertLoad),
             "summary.json" => return Some(Self::Summary),
             "config.toml" => return Some(Self::Config),
+            "events.jsonl" => return Some(Self::Events),
             _ => {}
         }
         if base.ends_with(".toml") {
@@ -234,6 +239,35 @@ pub fn parse_metrics(file: &str, text: &str) -> Result<(MetricsLog, Vec<Warning>
         }
     }
     Ok((log, warnings))
+}
+
+/// Parse `events.jsonl` into the events that have a place on the step
+/// axis: the step a line names (`step`), else the last step a failed
+/// attempt finished (`last_step`), else the checkpoint a restart went
+/// back to (`from_checkpoint_step`). Lines with none (an attempt's start,
+/// the end) are left out; `time` is kept as a detail.
+///
+/// # Errors
+/// [`LoadError`] naming the first bad line (other than a truncated last
+/// one): not an object, or no `event`.
+pub fn parse_events(file: &str, text: &str) -> Result<(Vec<HealthEvent>, Vec<Warning>), LoadError> {
+    let (lines, warnings) = parse_jsonl(file, text, |l| {
+        let map: Map<String, Value> = serde_json::from_str(l)?;
+        let kind = map
+            .get("event")
+            .map(value_text)
+            .ok_or_else(|| <serde_json::Error as serde::de::Error>::missing_field("event"))?;
+        let step = ["step", "last_step", "from_checkpoint_step"]
+            .iter()
+            .find_map(|k| map.get(*k).and_then(Value::as_u64));
+        let detail = map
+            .iter()
+            .filter(|(k, v)| *k != "event" && *k != "step" && !v.is_null())
+            .map(|(k, v)| (k.clone(), value_text(v)))
+            .collect();
+        Ok(step.map(|step| HealthEvent { step, kind, detail }))
+    })?;
+    Ok((lines.into_iter().flatten().collect(), warnings))
 }
 
 /// Parse `expert_load.jsonl` into records (file order).

@@ -6,7 +6,7 @@ use std::rc::Rc;
 
 use crate::error::{LoadError, Warning};
 use crate::expert::ExpertLoad;
-use crate::load::{self, FileKind, MetricsLog};
+use crate::load::{self, FileKind, HealthEvent, MetricsLog};
 use crate::timeline::Timeline;
 
 /// The state of one file of the run.
@@ -54,6 +54,8 @@ pub struct Run {
     pub config: Slot<String>,
     /// `summary.json`, flattened.
     pub summary: Slot<Vec<(String, String)>>,
+    /// `events.jsonl`: health and recovery events with a step.
+    pub events: Slot<Vec<HealthEvent>>,
     /// Files that matched no slot.
     pub rejected: Vec<LoadError>,
     /// Names given, in order.
@@ -89,6 +91,7 @@ impl Run {
             Some(FileKind::Summary) => {
                 self.summary = slot(load::parse_summary(name, text).map(|s| (s, Vec::new())));
             }
+            Some(FileKind::Events) => self.events = slot(load::parse_events(name, text)),
             None => self.rejected.push(LoadError::Unrecognized {
                 file: name.to_owned(),
             }),
@@ -118,6 +121,7 @@ impl Run {
         take(err(&self.metrics));
         take(err(&self.expert));
         take(err(&self.summary));
+        take(err(&self.events));
         out.extend(self.rejected.iter().cloned());
         out
     }
@@ -131,7 +135,21 @@ impl Run {
                 _ => &[],
             }
         }
-        [w(&self.metrics), w(&self.expert)].concat()
+        [w(&self.metrics), w(&self.expert), w(&self.events)].concat()
+    }
+
+    /// The metrics log with `events.jsonl`'s events merged in by step
+    /// (the metrics file's first at equal steps), for the metrics view.
+    #[must_use]
+    pub fn metrics_with_events(&self) -> Option<Rc<MetricsLog>> {
+        let m = self.metrics.get()?;
+        let Some(extra) = self.events.get().filter(|e| !e.is_empty()) else {
+            return Some(Rc::clone(m));
+        };
+        let mut log = (**m).clone();
+        log.events.extend(extra.iter().cloned());
+        log.events.sort_by_key(|e| e.step);
+        Some(Rc::new(log))
     }
 }
 
@@ -168,5 +186,38 @@ mod tests {
         let errs = r.errors();
         assert_eq!(errs.len(), 2);
         assert_eq!(errs[1].file(), "photo.png");
+    }
+
+    #[test]
+    fn events_with_a_step_join_the_metrics_timeline() {
+        let mut e = Run::default();
+        e.ingest(
+            "events.jsonl",
+            concat!(
+                "{\"time\":1.0,\"event\":\"start\",\"attempt\":0}\n",
+                "{\"time\":2.0,\"event\":\"failure\",\"failure\":\"signal 9\",\"last_step\":36,\"rank\":null}\n",
+                "{\"time\":2.1,\"event\":\"restart\",\"from_checkpoint_step\":30}\n",
+                "{\"time\":3.0,\"event\":\"rewind\",\"step\":45,\"to_step\":40}\n",
+            ),
+        );
+        let ev = e.events.get().unwrap();
+        let kinds: Vec<(&str, u64)> = ev.iter().map(|e| (e.kind.as_str(), e.step)).collect();
+        assert_eq!(kinds, [("failure", 36), ("restart", 30), ("rewind", 45)]);
+        assert!(
+            ev[0].detail.iter().all(|(k, _)| k != "rank"),
+            "nulls dropped"
+        );
+        e.ingest(
+            "metrics.jsonl",
+            "{\"step\":40,\"event\":\"spike\",\"loss\":5}\n",
+        );
+        let merged = e.metrics_with_events().unwrap();
+        let steps: Vec<u64> = merged.events.iter().map(|e| e.step).collect();
+        assert_eq!(steps, [30, 36, 40, 45]);
+        e.ingest("events.jsonl", "{\"time\":1}\n{\"event\":\"x\"}\n");
+        assert!(matches!(
+            &e.events,
+            Slot::Failed(LoadError::Schema { line: 1, .. })
+        ));
     }
 }

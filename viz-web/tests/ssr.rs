@@ -177,6 +177,39 @@ async fn metrics_charts_events_and_floor() {
 }
 
 #[tokio::test]
+async fn recovery_events_join_the_metrics_timeline() {
+    let mut run = Run::default();
+    let mut text = String::new();
+    for s in 1..=12 {
+        text.push_str(&format!(
+            "{{\"step\":{s},\"loss\":3.0,\"lr\":0.001,\"grad_norm\":1.0,\"tokens_per_s\":100,\"time_s\":{s}}}\n"
+        ));
+    }
+    run.ingest("metrics.jsonl", &text);
+    run.ingest(
+        "events.jsonl",
+        concat!(
+            "{\"time\":1.0,\"event\":\"start\",\"attempt\":0}\n",
+            "{\"time\":2.0,\"event\":\"failure\",\"failure\":\"signal 9\",\"last_step\":8}\n",
+            "{\"time\":2.1,\"event\":\"restart\",\"from_checkpoint_step\":5,\"lost_steps\":3}\n",
+            "{\"time\":3.0,\"event\":\"straggler\",\"step\":10,\"rank\":1,\"ratio\":2.5}\n",
+        ),
+    );
+    let overview = render(run.clone(), Some(Tab::Overview)).await;
+    assert!(overview.contains("3 health and recovery events"), "{overview}");
+    let html = render(run, Some(Tab::Metrics)).await;
+    for kind in ["failure", "restart", "straggler"] {
+        assert_eq!(
+            count(&html, &format!("class=\"event ev-{kind}\"")),
+            4,
+            "{kind} on every chart"
+        );
+    }
+    assert!(html.contains("health events (3)"));
+    assert!(html.contains("lost_steps=3"), "details in the table");
+}
+
+#[tokio::test]
 async fn overview_lists_files_config_and_summary() {
     let mut run = Run::default();
     run.ingest("config.toml", "[train]\nsteps = 10\n");
