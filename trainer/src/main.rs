@@ -129,7 +129,7 @@ enum Command {
         #[arg(long, value_name = "SECONDS", default_value_t = 1.0)]
         restart_backoff: f64,
         /// A fault for tests and drills (repeatable):
-        /// KIND:step=N[,rank=R][,count=C][,factor=F] with KIND kill (the
+        /// `KIND:step=N[,rank=R][,count=C][,factor=F]` with KIND kill (the
         /// rank's process is killed as step N begins), hang (the rank stops
         /// making progress), nan (the batches of C steps from N make the
         /// gradients non-finite), spike (the batch of step N is garbage),

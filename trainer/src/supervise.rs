@@ -1,16 +1,43 @@
-//! Supervision: run a job as a child process, watch it, and restart it
+//! Supervision: run a job as child process(es), watch it, and restart it
 //! from its newest checkpoint that verifies when it fails — with no person
 //! awake — plus the faults to drill it with.
 //!
-//! `weft train --supervise` runs the same `weft train` as a child. The
-//! child's rank 0 writes a heartbeat (`<run>/heartbeat`: the last step
-//! done) at the start and after every step. The supervisor restarts the
-//! child, with `--resume`, when it exits with an error or is killed, or
-//! when its heartbeat stops for longer than the heartbeat timeout (then it
-//! kills it first). Restarts are bounded (`max_restarts`) and spaced by a
-//! backoff that doubles from `backoff`. Each start, failure, restart and
-//! the end are appended to `<run>/events.jsonl`: when, which attempt, what
-//! failed, the checkpoint resumed from and the steps lost.
+//! `weft train --supervise` runs the same `weft train` as a child, or
+//! under a launcher (`--launch 'mpirun -np {n}'`, see
+//! [`Supervisor::launch`]), in a process group of its own. Every rank
+//! writes a heartbeat (`<run>/heartbeats/rank-R`: the last step done) at
+//! the start and after every step. The supervisor restarts the job, with
+//! `--resume`, when it exits with an error or is killed, or when a rank's
+//! heartbeat stops for longer than the heartbeat timeout (then it kills
+//! the process group first). The failed rank is the one the launcher's or
+//! the collectives' watchdog's message on stderr names (the stream is
+//! passed through), else the ranks whose heartbeat fell behind. Restarts
+//! are bounded (`max_restarts`) and spaced by a backoff that doubles from
+//! `backoff`; with spares ([`Elastic`]) each failure uses one, and with
+//! none left the job may shrink to fewer data-parallel replicas. Each
+//! start, failure, restart and the end are appended to
+//! `<run>/events.jsonl`: when, which attempt and rank, what failed, the
+//! checkpoint resumed from (and the newer ones that did not verify), the
+//! steps lost, the layout.
+//!
+//! ```no_run
+//! use std::time::Duration;
+//! use weft_trainer::supervise::{Elastic, Supervisor};
+//!
+//! let outcome = Supervisor {
+//!     command: vec!["weft".into(), "train".into(), "--set".into(), "run.name=job".into()],
+//!     launch: vec!["mpirun".into(), "-np".into(), "{n}".into()],
+//!     run_dir: "runs/job".into(),
+//!     max_restarts: 3,
+//!     backoff: Duration::from_secs(1),
+//!     heartbeat_timeout: Duration::from_secs(600),
+//!     inject: Vec::new(),
+//!     elastic: Elastic { dp: 4, replica: 2, spares: Some(1), shrink: vec![2, 1], micro: 4 },
+//! }
+//! .run()?;
+//! println!("{} restart(s), ending on dp = {}", outcome.restarts, outcome.dp);
+//! # Ok::<(), weft_trainer::supervise::SuperviseError>(())
+//! ```
 //!
 //! A child stopped by a signal the supervisor forwarded (Ctrl-C: the run
 //! saves and stops, see [`crate::stop`]) is not restarted.
@@ -419,6 +446,15 @@ pub enum SuperviseError {
         /// The OS error.
         source: std::io::Error,
     },
+    /// The job failed before its first step without being killed (its
+    /// error printed above): not restarted, as a restart would repeat it.
+    #[error(
+        "the job failed before training ({status}); not restarted, since a set-up error (configuration, data, libraries) would fail again"
+    )]
+    SetUp {
+        /// Its exit status.
+        status: String,
+    },
     /// The job kept failing.
     #[error(
         "the run failed {failures} time(s), the last time by {last}; gave up after {restarts} restart(s) ({why})"
@@ -671,6 +707,21 @@ impl Supervisor {
                         .failed_rank
                         .lock()
                         .unwrap_or_else(std::sync::PoisonError::into_inner);
+                    if status.code().is_some() && !running {
+                        // it never trained and was not killed: a bad
+                        // config, a missing file or library, which a
+                        // restart would only repeat
+                        self.event(
+                            &pending,
+                            serde_json::json!({
+                                "time": unix_now(), "event": "failure", "attempt": attempt,
+                                "failure": describe(status), "rank": rank, "before_training": true,
+                            }),
+                        );
+                        return Err(SuperviseError::SetUp {
+                            status: describe(status),
+                        });
+                    }
                     break (describe(status), rank);
                 }
                 for (r, b) in beats.iter_mut().enumerate() {

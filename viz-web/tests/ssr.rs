@@ -196,7 +196,10 @@ async fn recovery_events_join_the_metrics_timeline() {
         ),
     );
     let overview = render(run.clone(), Some(Tab::Overview)).await;
-    assert!(overview.contains("3 health and recovery events"), "{overview}");
+    assert!(
+        overview.contains("3 health and recovery events"),
+        "{overview}"
+    );
     let html = render(run, Some(Tab::Metrics)).await;
     for kind in ["failure", "restart", "straggler"] {
         assert_eq!(
