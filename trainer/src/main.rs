@@ -145,6 +145,11 @@ enum Command {
         /// (the trainer must be built with --features mpi).
         #[arg(long, value_name = "COMMAND")]
         launch: Option<String>,
+        /// With --supervise: the launcher's hostfile; `{hostfile}` in
+        /// --launch stands for it less the hosts of failed ranks, so spare
+        /// nodes listed in it take over.
+        #[arg(long, value_name = "FILE")]
+        hostfile: Option<PathBuf>,
         /// With --supervise: spare ranks; each failure is taken over by
         /// one with the layout unchanged (without --spares every restart
         /// keeps the layout).
@@ -306,6 +311,7 @@ fn run(cli: Cli) -> Result<()> {
             restart_backoff,
             inject,
             launch,
+            hostfile,
             spares,
             shrink,
         } => {
@@ -365,10 +371,24 @@ fn run(cli: Cli) -> Result<()> {
                 if launch.first().is_some_and(|w| w.contains("{n}")) {
                     anyhow::bail!("--launch {launch:?}: the first word must be the launcher");
                 }
+                let templated = launch.iter().any(|w| w.contains("{hostfile}"));
+                match (&hostfile, templated) {
+                    (Some(h), true) if !h.is_file() => {
+                        anyhow::bail!("--hostfile {}: no such file", h.display())
+                    }
+                    (Some(_), false) => anyhow::bail!(
+                        "--hostfile is given but --launch has no {{hostfile}} to pass it (e.g. --launch 'mpirun -np {{n}} --hostfile {{hostfile}}')"
+                    ),
+                    (None, true) => {
+                        anyhow::bail!("--launch uses {{hostfile}} but no --hostfile is given")
+                    }
+                    _ => {}
+                }
                 let elastic = elastic(&cfg, spares, shrink)?;
                 let outcome = weft_trainer::supervise::Supervisor {
                     command,
                     launch,
+                    hostfile,
                     run_dir: run_dir.clone(),
                     max_restarts,
                     backoff,

@@ -442,8 +442,7 @@ impl LauncherEnv {
 
 /// This machine's host name (`/proc/sys/kernel/hostname`, else `$HOSTNAME`,
 /// else `localhost`).
-#[cfg(feature = "mpi")]
-fn host_name() -> String {
+pub(crate) fn host_name() -> String {
     std::fs::read_to_string("/proc/sys/kernel/hostname")
         .ok()
         .map(|s| s.trim().to_owned())

@@ -26,7 +26,8 @@
 //!
 //! let outcome = Supervisor {
 //!     command: vec!["weft".into(), "train".into(), "--set".into(), "run.name=job".into()],
-//!     launch: vec!["mpirun".into(), "-np".into(), "{n}".into()],
+//!     launch: ["mpirun", "-np", "{n}", "--hostfile", "{hostfile}"].map(String::from).to_vec(),
+//!     hostfile: Some("hosts.txt".into()),
 //!     run_dir: "runs/job".into(),
 //!     max_restarts: 3,
 //!     backoff: Duration::from_secs(1),
@@ -358,15 +359,26 @@ pub(crate) fn after_save(dir: &Path, step: u64, rank: usize) {
 }
 
 /// Writes world rank `rank`'s heartbeat, `<run>/heartbeats/rank-R`: the
-/// last step it finished and its process id. Errors are ignored: a
+/// last step it finished, its process id and its host. Errors are ignored: a
 /// heartbeat that cannot be written shows as a stopped one.
 pub(crate) fn heartbeat(run_dir: &Path, rank: usize, step: u64) {
+    static HOST: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    let host = HOST.get_or_init(crate::ranks::host_name);
     let dir = run_dir.join("heartbeats");
     let _ = std::fs::create_dir_all(&dir);
     let tmp = dir.join(format!("rank-{rank}.tmp"));
-    if std::fs::write(&tmp, format!("{step} {}\n", std::process::id())).is_ok() {
+    if std::fs::write(&tmp, format!("{step} {} {host}\n", std::process::id())).is_ok() {
         let _ = std::fs::rename(&tmp, dir.join(format!("rank-{rank}")));
     }
+}
+
+/// The host world rank `rank`'s heartbeat names, if any.
+fn beat_host(run_dir: &Path, rank: usize) -> Option<String> {
+    std::fs::read_to_string(run_dir.join("heartbeats").join(format!("rank-{rank}")))
+        .ok()?
+        .split_whitespace()
+        .nth(2)
+        .map(str::to_owned)
 }
 
 /// The last step world rank `rank`'s heartbeat names, if any.
@@ -407,8 +419,15 @@ pub struct Supervisor {
     pub command: Vec<OsString>,
     /// A launcher to run the command under, one argument per word, `{n}`
     /// standing for the number of processes (e.g. `mpirun -np {n}`);
-    /// empty: the command runs as one process.
+    /// empty: the command runs as one process. `{hostfile}` stands for
+    /// [`Supervisor::hostfile`] less the hosts of failed ranks.
     pub launch: Vec<String>,
+    /// The launcher's hostfile (one host per line, first word the host,
+    /// as Open MPI's `host slots=N`): a failed rank's host is left out of
+    /// the copy each restart passes as `{hostfile}`, so the launcher
+    /// places the job on the hosts left (spare nodes listed there take
+    /// over).
+    pub hostfile: Option<PathBuf>,
     /// The run folder the job writes.
     pub run_dir: PathBuf,
     /// Restarts allowed after failures.
@@ -446,14 +465,23 @@ pub enum SuperviseError {
         /// The OS error.
         source: std::io::Error,
     },
-    /// The job failed before its first step without being killed (its
-    /// error printed above): not restarted, as a restart would repeat it.
+    /// The job's first start failed before its first step without being
+    /// killed (its error printed above): not restarted, as a restart
+    /// would repeat it.
     #[error(
         "the job failed before training ({status}); not restarted, since a set-up error (configuration, data, libraries) would fail again"
     )]
     SetUp {
         /// Its exit status.
         status: String,
+    },
+    /// The hostfile could not be read or its copy written.
+    #[error("hostfile {path}: {source}")]
+    Hostfile {
+        /// The file.
+        path: PathBuf,
+        /// The OS error.
+        source: std::io::Error,
     },
     /// The job kept failing.
     #[error(
@@ -538,6 +566,40 @@ fn rank_named(line: &str) -> Option<usize> {
     digits.parse().ok()
 }
 
+/// The host Open MPI's message names ("... on node vm exited ...").
+fn host_named(line: &str) -> Option<String> {
+    let rest = &line[line.find(" on node ")? + " on node ".len()..];
+    rest.split_whitespace().next().map(str::to_owned)
+}
+
+/// The slots a hostfile offers (`slots=N` on a line, else 1 per line).
+fn slots(hostfile: &str) -> usize {
+    hostfile
+        .lines()
+        .map(|l| l.split('#').next().unwrap_or(""))
+        .filter(|l| !l.trim().is_empty())
+        .map(|l| {
+            l.split_whitespace()
+                .find_map(|w| w.strip_prefix("slots=")?.parse().ok())
+                .unwrap_or(1)
+        })
+        .sum()
+}
+
+/// `hostfile`'s lines less those of the `excluded` hosts (comments and
+/// blank lines kept).
+fn without_hosts(hostfile: &str, excluded: &[String]) -> String {
+    hostfile
+        .lines()
+        .filter(|l| {
+            l.split_whitespace()
+                .next()
+                .is_none_or(|h| h.starts_with('#') || !excluded.iter().any(|e| e == h))
+        })
+        .map(|l| format!("{l}\n"))
+        .collect()
+}
+
 /// Sends `signal` to process `pid` (`group`: to its process group).
 fn signal(pid: u32, group: bool, signal: libc::c_int) {
     if let Ok(pid) = libc::pid_t::try_from(pid) {
@@ -551,13 +613,21 @@ fn signal(pid: u32, group: bool, signal: libc::c_int) {
 /// A running attempt: the child and what its stderr said.
 struct Running {
     child: Child,
-    /// The rank the launcher said failed.
-    failed_rank: std::sync::Arc<Mutex<Option<usize>>>,
+    /// The first line of its stderr that named a failed rank.
+    failed_rank: std::sync::Arc<Mutex<Option<String>>>,
     /// Forwards the child's stderr.
     relay: Option<std::thread::JoinHandle<()>>,
 }
 
 impl Running {
+    /// The line of stderr that named a failed rank, if any.
+    fn named(&self) -> Option<String> {
+        self.failed_rank
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone()
+    }
+
     /// Waits for the child and the relay of its stderr.
     fn reap(&mut self) {
         let _ = self.child.wait();
@@ -585,13 +655,26 @@ impl Supervisor {
         }
     }
 
-    fn spawn(&self, attempt: u32, resume: bool, dp: usize) -> Result<Running, SuperviseError> {
+    fn spawn(
+        &self,
+        attempt: u32,
+        resume: bool,
+        dp: usize,
+        hosts: Option<&Path>,
+    ) -> Result<Running, SuperviseError> {
         use std::os::unix::process::CommandExt;
         let world = dp * self.elastic.replica;
+        let hosts = hosts
+            .map(|h| h.to_string_lossy().into_owned())
+            .unwrap_or_default();
         let mut words: Vec<OsString> = self
             .launch
             .iter()
-            .map(|w| w.replace("{n}", &world.to_string()).into())
+            .map(|w| {
+                w.replace("{n}", &world.to_string())
+                    .replace("{hostfile}", &hosts)
+                    .into()
+            })
             .collect();
         words.extend(self.command.iter().cloned());
         let mut cmd = Command::new(&words[0]);
@@ -626,11 +709,11 @@ impl Supervisor {
             std::thread::spawn(move || {
                 use std::io::BufRead;
                 for line in std::io::BufReader::new(err).lines().map_while(Result::ok) {
-                    if let Some(r) = rank_named(&line) {
+                    if rank_named(&line).is_some() {
                         failed
                             .lock()
                             .unwrap_or_else(std::sync::PoisonError::into_inner)
-                            .get_or_insert(r);
+                            .get_or_insert_with(|| line.clone());
                     }
                     let _ = writeln!(std::io::stderr().lock(), "{line}");
                 }
@@ -641,6 +724,34 @@ impl Supervisor {
             failed_rank,
             relay,
         })
+    }
+
+    /// The hostfile for an attempt: the given one at first; after a host
+    /// failed, a copy without it in the run folder.
+    fn hosts_now(
+        &self,
+        excluded: &[String],
+        attempt: u32,
+    ) -> Result<Option<PathBuf>, SuperviseError> {
+        let Some(file) = &self.hostfile else {
+            return Ok(None);
+        };
+        if excluded.is_empty() {
+            return Ok(Some(file.clone()));
+        }
+        let text = std::fs::read_to_string(file).map_err(|source| SuperviseError::Hostfile {
+            path: file.clone(),
+            source,
+        })?;
+        let out = self.run_dir.join(format!("hostfile.attempt-{attempt}"));
+        let _ = std::fs::create_dir_all(&self.run_dir);
+        std::fs::write(&out, without_hosts(&text, excluded)).map_err(|source| {
+            SuperviseError::Hostfile {
+                path: out.clone(),
+                source,
+            }
+        })?;
+        Ok(Some(out))
     }
 
     /// Runs the job to the end, restarting it after failures.
@@ -657,13 +768,16 @@ impl Supervisor {
         let mut attempt = 0u32;
         let mut dp = self.elastic.dp;
         let mut spares = self.elastic.spares;
+        // hosts of failed ranks, left out of the hostfile
+        let mut excluded: Vec<String> = Vec::new();
         let pending = std::cell::RefCell::new(Vec::new());
         loop {
             let world = dp * self.elastic.replica;
             // the last attempt's beats are not this one's
             let _ = std::fs::remove_dir_all(self.run_dir.join("heartbeats"));
             let started = Instant::now();
-            let mut run = self.spawn(attempt, resume, dp)?;
+            let hosts = self.hosts_now(&excluded, attempt)?;
+            let mut run = self.spawn(attempt, resume, dp, hosts.as_deref())?;
             self.event(
                 &pending,
                 serde_json::json!({
@@ -703,14 +817,12 @@ impl Supervisor {
                             dp,
                         });
                     }
-                    let rank = *run
-                        .failed_rank
-                        .lock()
-                        .unwrap_or_else(std::sync::PoisonError::into_inner);
-                    if status.code().is_some() && !running {
-                        // it never trained and was not killed: a bad
-                        // config, a missing file or library, which a
-                        // restart would only repeat
+                    let named = run.named();
+                    let rank = named.as_deref().and_then(rank_named);
+                    if attempt == 0 && status.code().is_some() && !running {
+                        // the first start never trained and was not
+                        // killed: a bad config, a missing file or library,
+                        // which a restart would only repeat
                         self.event(
                             &pending,
                             serde_json::json!({
@@ -760,10 +872,7 @@ impl Supervisor {
                     } else {
                         format!("(after step {step})")
                     };
-                    let named = *run
-                        .failed_rank
-                        .lock()
-                        .unwrap_or_else(std::sync::PoisonError::into_inner);
+                    let named = run.named().as_deref().and_then(rank_named);
                     break (
                         format!(
                             "no heartbeat {who} for {:.0} s",
@@ -776,12 +885,33 @@ impl Supervisor {
             };
             failures += 1;
             let seen = (0..world).filter_map(|r| beat(&self.run_dir, r)).max();
+            // the failed rank's host: as the launcher names it, else from
+            // the rank's heartbeat
+            let host = run
+                .named()
+                .as_deref()
+                .and_then(host_named)
+                .or_else(|| rank.and_then(|r| beat_host(&self.run_dir, r)));
+            if let (Some(file), Some(h)) = (&self.hostfile, &host)
+                && !excluded.contains(h)
+            {
+                // left out only if the hosts left can hold the job (else
+                // it is tried again, as without a hostfile)
+                let text = std::fs::read_to_string(file).unwrap_or_default();
+                let mut without = excluded.clone();
+                without.push(h.clone());
+                let needed = self.elastic.shrink.last().copied().unwrap_or(dp).min(dp)
+                    * self.elastic.replica;
+                if slots(&without_hosts(&text, &without)) >= needed {
+                    excluded = without;
+                }
+            }
             let (from, unverified) = newest_checkpoint(&self.run_dir);
             self.event(
                 &pending,
                 serde_json::json!({
                     "time": unix_now(), "event": "failure", "attempt": attempt,
-                    "failure": failure, "rank": rank, "last_step": seen,
+                    "failure": failure, "rank": rank, "host": host, "last_step": seen,
                     "ran_s": started.elapsed().as_secs_f64(),
                 }),
             );
@@ -848,7 +978,7 @@ impl Supervisor {
                     "from_checkpoint_step": from, "unverified_checkpoints": unverified,
                     "lost_steps": seen.unwrap_or(0).saturating_sub(from.unwrap_or(0)),
                     "action": action, "dp": dp, "ranks": dp * self.elastic.replica,
-                    "spares_left": spares,
+                    "spares_left": spares, "excluded_hosts": excluded,
                 }),
             );
         }
@@ -858,6 +988,17 @@ impl Supervisor {
 #[cfg(test)]
 mod tests {
     use super::{Fault, FaultKind};
+
+    #[test]
+    fn a_failed_host_leaves_the_hostfile() {
+        let file = "# nodes\nnode-a slots=8\nnode-b slots=8\n\nnode-c slots=8\n";
+        assert_eq!(
+            super::without_hosts(file, &["node-b".into()]),
+            "# nodes\nnode-a slots=8\n\nnode-c slots=8\n"
+        );
+        assert_eq!(super::slots(file), 24);
+        assert_eq!(super::slots("a\nb slots=3 # spare\n# c slots=9\n"), 4);
+    }
 
     #[test]
     fn the_failed_rank_is_read_from_the_launcher_and_the_watchdog() {
@@ -875,6 +1016,13 @@ mod tests {
             Some(3)
         );
         assert_eq!(rank_named("step 3/10 loss 2.1 ranks [1]"), None);
+        assert_eq!(
+            super::host_named(
+                "mpirun noticed that process rank 1 with PID 4242 on node vm exited on signal 9 (Killed)."
+            )
+            .as_deref(),
+            Some("vm")
+        );
     }
 
     #[test]

@@ -584,6 +584,13 @@ fn a_supervised_mpirun_job_survives_a_killed_and_a_hung_rank_bit_for_bit() {
             "{name}: {ev:?}"
         );
         assert_eq!(ev[1]["rank"], 1, "{name}: {ev:?}");
+        if name == "killed" {
+            // the node, as mpirun names it
+            assert!(
+                ev[1]["host"].as_str().is_some_and(|h| !h.is_empty()),
+                "{ev:?}"
+            );
+        }
         assert_eq!(ev[2]["action"], action, "{name}");
         assert_eq!(ev[4]["dp"], dp, "{name}");
         // the final state is the fault-free run's: data-parallel layouts

@@ -136,6 +136,7 @@ impl weft_trainer::train::Observer for CrashAfter {
 
 #[test]
 fn a_resumed_run_continues_bit_for_bit() {
+    let weft = env!("CARGO_BIN_EXE_weft");
     let dir = std::env::temp_dir().join(format!("weft-resume-test-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     let with_ckpt = |name: &str| {
@@ -144,7 +145,55 @@ fn a_resumed_run_continues_bit_for_bit() {
         c
     };
     let whole = train(&with_ckpt("whole"), false, &mut Silent).unwrap();
-    // Dies during step 46: the newest checkpoint is step 40.
+    // A training process SIGKILLed at moments drawn from a fixed sequence
+    // (checkpoints every 2 steps, so many land inside a save), then
+    // resumed: always the uninterrupted run's bits.
+    let mut often = with_ckpt("killed");
+    often.checkpoint.every = 2;
+    std::fs::create_dir_all(&dir).unwrap();
+    let config = dir.join("killed.toml");
+    std::fs::write(&config, often.to_toml()).unwrap();
+    let run = dir.join("killed");
+    let mut x = 0x2545_f491_4f6c_dd1du64;
+    for attempt in 0..5 {
+        let _ = std::fs::remove_dir_all(&run);
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        let mut child = std::process::Command::new(weft)
+            .args(["train", "--config"])
+            .arg(&config)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        // once it trains (its heartbeat), a further 0–400 ms
+        let t = std::time::Instant::now();
+        while !run.join("heartbeats/rank-0").exists() && t.elapsed().as_secs() < 60 {
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        std::thread::sleep(std::time::Duration::from_millis(x % 400));
+        child.kill().unwrap(); // SIGKILL
+        child.wait().unwrap();
+        let resumed = std::process::Command::new(weft)
+            .args(["train", "--resume"])
+            .arg(&run)
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&resumed.stderr);
+        if !resumed.status.success() {
+            // killed before its first checkpoint: nothing to resume, and
+            // the error says so
+            assert!(
+                text.contains("no checkpoint") || text.contains("already finished"),
+                "attempt {attempt}: {text}"
+            );
+            continue;
+        }
+        assert_eq!(losses(&run), losses(&whole.run_dir), "attempt {attempt}");
+    }
+    // And the in-process path: a run that fails mid-step (its observer
+    // panics in step 46) resumes from step 40.
     let crashed = std::panic::catch_unwind(|| {
         let _ = train(&with_ckpt("crashy"), false, &mut CrashAfter(46));
     });
@@ -661,8 +710,28 @@ fn a_spike_or_non_finite_steps_rewind_skip_the_batches_and_the_skip_list_reprodu
         let mut plain = c.clone();
         plain.train.rewind = false;
         plain.run.name = format!("plain-{every}");
-        let (ok, out) = run_with(&plain, &["spike:step=37"]);
+        let (ok, out) = run_with(&plain, &["spike:step=37", "nan:step=44"]);
         assert!(ok && out.contains("loss spike"), "{out}");
+        assert!(out.contains("health step 44: non-finite"), "{out}");
+        // without rewinds: the spike and the skipped update are logged
+        let text =
+            std::fs::read_to_string(dir.join(&plain.run.name).join("metrics.jsonl")).unwrap();
+        let logged: Vec<(u64, String)> = text
+            .lines()
+            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+            .filter(|v| v["event"] == "skip" || v["event"] == "spike")
+            .map(|v| {
+                (
+                    v["step"].as_u64().unwrap(),
+                    v["event"].as_str().unwrap().to_owned(),
+                )
+            })
+            .collect();
+        assert_eq!(
+            logged,
+            [(37, "spike".to_owned()), (44, "skip".to_owned())],
+            "{text}"
+        );
         assert_ne!(losses(&run), losses(&dir.join(&plain.run.name)));
     }
     // rewinds are bounded
