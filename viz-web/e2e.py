@@ -64,11 +64,14 @@ def check(cond, msg):
     print("ok:", msg)
 
 def console_errors():
+    """Every SEVERE message of the browser console (the favicon the server
+    does not have aside); a console that cannot be read fails the test."""
     try:
         logs = call("POST", S + "/se/log", {"type": "browser"})
-    except Exception:
-        return []
-    return [l["message"] for l in logs if l.get("level") == "SEVERE"]
+    except Exception as e:
+        fail("cannot read the browser console: " + repr(e))
+    return [l["message"] for l in logs
+            if l.get("level") == "SEVERE" and "favicon.ico" not in l["message"]]
 
 def perf():
     return js("const p=document.getElementById('perf');return p?{view:p.dataset.view,last:+p.dataset.lastMs,max:+p.dataset.maxMs,sum:+p.dataset.sumMs,frames:+p.dataset.frames}:null")
@@ -140,8 +143,8 @@ try:
         check("trace.json, line" in text, "malformed trace reported with file and line: " + text)
         check(js("return !!document.querySelector('header nav')"), "the page still renders its shell")
         shot("bad-trace.png")
-        errs = [e for e in console_errors() if "panicked" in e or "unreachable" in e]
-        check(not errs, "no panic in the console " + repr(errs))
+        errs = console_errors()
+        check(not errs, "no error in the console " + repr(errs))
     elif mode in ("train", "run"):
         exp = expected(sys.argv[5])
         # Pipeline: one lane per (stage, track) of trace.json, every event
@@ -237,7 +240,7 @@ try:
         wait_for("return document.querySelector('pre.config')", "overview")
         shot(mode + "-overview.png")
         errs = console_errors()
-        check(not [e for e in errs if "panicked" in e], "no panic in the console")
+        check(not errs, "no error in the console " + repr(errs))
     elif mode == "perf":
         wait_for("return document.querySelectorAll('svg.timeline g.lane').length", "timeline", 120)
         time.sleep(0.5)

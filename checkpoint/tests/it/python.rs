@@ -35,8 +35,14 @@ fn python(modules: &str) -> Option<PathBuf> {
             return Some(c);
         }
     }
+    // The test command installs every module (WEFT_REQUIRE_ALL=1): there a
+    // missing one is a failure, never a pass.
+    assert!(
+        std::env::var_os("WEFT_REQUIRE_ALL").is_none(),
+        "no Python with `{modules}` (WEFT_PYTHON or ~/.cache/weft-venv), and WEFT_REQUIRE_ALL is set"
+    );
     // Written to the stderr handle directly, past the harness's capture, so
-    // that the reason shows in CI logs.
+    // that the reason shows in CI logs (and is counted as a skip).
     let msg = format!(
         "SKIPPED: no Python with `{modules}` (set WEFT_PYTHON or create ~/.cache/weft-venv)\n"
     );
@@ -83,7 +89,8 @@ fn python_safetensors_reads_our_shards() {
         &py,
         &[Path::new("read"), &c.path, &dir.path().join("expected")],
     );
-    assert!(out.contains("ok "), "{out}");
+    // every tensor read, the bf16 one included (numpy alone cannot)
+    assert!(out.contains(&format!("ok {} tensors", ts.len())), "{out}");
     // Column-resharded too.
     let src = Checkpoint::open(&c.path).unwrap();
     let tp = reshard(
@@ -97,7 +104,8 @@ fn python_safetensors_reads_our_shards() {
         &py,
         &[Path::new("read"), &tp.path, &dir.path().join("expected")],
     );
-    assert!(out.contains("ok "), "{out}");
+    // every tensor read, the bf16 one included (numpy alone cannot)
+    assert!(out.contains(&format!("ok {} tensors", ts.len())), "{out}");
 }
 
 /// Small GPT-2 parameters with values of a sensible scale.
