@@ -679,7 +679,10 @@ impl Config {
         if m.n_layer == 0 {
             return bad("model.n_layer", "must be at least 1".into());
         }
-        if m.n_head == 0 || m.n_embd == 0 || !m.n_embd.is_multiple_of(m.n_head) {
+        if m.n_embd == 0 {
+            return bad("model.n_embd", "must be at least 1".into());
+        }
+        if m.n_head == 0 || !m.n_embd.is_multiple_of(m.n_head) {
             return bad(
                 "model.n_head",
                 format!(

@@ -1,0 +1,292 @@
+//! Bad input, one case per line: each command gets a clear error naming
+//! what was wrong and where (a non-zero exit, the expected words on
+//! stderr, no panic), or the documented recovery. A new case is one line
+//! of `CASES`.
+//!
+//! Cases needing more than a command line live beside the code they
+//! exercise: checkpoint corruption of every file and field
+//! (checkpoint/tests/it/corrupt.rs, fuzz targets in checkpoint/fuzz), the
+//! token cache (trainer's data tests), signals and killed runs
+//! (tests/train.rs), the viewer's server (viz-web's serve tests).
+
+use std::path::Path;
+use std::process::Command;
+
+const WEFT: &str = env!("CARGO_BIN_EXE_weft");
+
+/// Files the cases refer to, written into the case folder first.
+const FILES: &[(&str, &[u8])] = &[
+    ("badtype.toml", b"[train]\nsteps = \"ten\"\n"),
+    ("badsyntax.toml", b"[train\nsteps = 1\n"),
+    ("badsection.toml", b"[trian]\nsteps = 1\n"),
+    ("empty.txt", b""),
+    ("notutf8.toml", b"[train]\nsteps = \xff\xfe\n"),
+    ("hosts.txt", b"localhost slots=2\n"),
+];
+
+/// (arguments, words the error must contain).
+const CASES: &[(&[&str], &str)] = &[
+    // --set and config files: the key, its place and what it expects
+    (
+        &["train", "--set", "train.steps=-1"],
+        "key `train.steps`: invalid value: integer `-1`, expected u64",
+    ),
+    (
+        &["train", "--set", "train.stepz=1"],
+        "key `train.stepz`: unknown key; known keys here: batch_size",
+    ),
+    (&["train", "--set", "nokey"], "expected KEY=VALUE"),
+    (
+        &["train", "--set", "train.steps="],
+        "key `train.steps`: invalid type",
+    ),
+    (
+        &["train", "--config", "missing.toml"],
+        "missing.toml: cannot read: No such file or directory",
+    ),
+    (
+        &["train", "--config", "badtype.toml"],
+        "badtype.toml:2:9: key `train.steps`: invalid type: string \"ten\"",
+    ),
+    (
+        &["train", "--config", "badsyntax.toml"],
+        "badsyntax.toml:1:7: unclosed table",
+    ),
+    (
+        &["train", "--config", "badsection.toml"],
+        "badsection.toml:1:2: unknown field `trian`",
+    ),
+    (&["train", "--config", "notutf8.toml"], "notutf8.toml"),
+    // values out of range: the key and the range
+    (
+        &["train", "--set", "optim.lr=0"],
+        "key `optim.lr`: must be a finite value > 0 (got 0)",
+    ),
+    (
+        &["train", "--set", "optim.lr=nan"],
+        "key `optim.lr`: must be a finite value > 0 (got NaN)",
+    ),
+    (
+        &["train", "--set", "optim.beta1=1"],
+        "key `optim.beta1`: must be in [0, 1) (got 1)",
+    ),
+    (
+        &["train", "--set", "model.n_head=3"],
+        "key `model.n_head`: must be at least 1 and divide model.n_embd = 128",
+    ),
+    (
+        &["train", "--set", "model.n_embd=0"],
+        "key `model.n_embd`: must be at least 1",
+    ),
+    (
+        &["train", "--set", "model.n_layer=0"],
+        "key `model.n_layer`: must be at least 1",
+    ),
+    (
+        &["train", "--set", "train.batch_size=0"],
+        "key `train.batch_size`: must be at least 1",
+    ),
+    (
+        &[
+            "train",
+            "--set",
+            "train.batch_size=7",
+            "--set",
+            "parallel.dp=2",
+        ],
+        "= 7 sequences cannot be shared by parallel.dp = 2",
+    ),
+    (
+        &["train", "--set", "parallel.tp=3"],
+        "key `parallel.tp`: must divide model.n_head = 4",
+    ),
+    (
+        &["train", "--set", "parallel.sequence_parallel=true"],
+        "key `parallel.sequence_parallel`: splits the tensor-parallel group's tokens",
+    ),
+    (
+        &["train", "--set", "parallel.fsdp=\"sometimes\""],
+        "unknown variant `sometimes`, expected one of `none`",
+    ),
+    (
+        &["train", "--set", "parallel.backend=\"carrier-pigeon\""],
+        "unknown variant `carrier-pigeon`",
+    ),
+    (
+        &["train", "--set", "parallel.timeout_s=0"],
+        "key `parallel.timeout_s`: must be a number of seconds > 0",
+    ),
+    (
+        &["train", "--set", "data.val_fraction=0.9"],
+        "key `data.val_fraction`: must be in (0, 0.5]",
+    ),
+    (
+        &["train", "--set", "train.nonfinite_limit=0"],
+        "key `train.nonfinite_limit`: must be at least 1",
+    ),
+    (
+        &["train", "--set", "train.skip_batches=[0]"],
+        "key `train.skip_batches`: steps count from 1",
+    ),
+    (
+        &["train", "--set", "train.straggler_factor=0.5"],
+        "key `train.straggler_factor`: must be > 1, or 0 for off",
+    ),
+    (
+        &["train", "--set", "train.straggler_window=0"],
+        "key `train.straggler_window`: must be at least 1",
+    ),
+    (
+        &["train", "--set", "run.name=\"../x\""],
+        "key `run.name`: is the run folder's name inside run.dir, not a path",
+    ),
+    // sizes no machine has: refused before anything is allocated
+    (
+        &[
+            "train",
+            "--set",
+            "model.n_embd=1000000000",
+            "--set",
+            "model.n_head=1",
+        ],
+        "the largest part is the blocks' parameters",
+    ),
+    (
+        &["train", "--set", "train.batch_size=1000000000"],
+        "this machine has",
+    ),
+    (
+        &["train", "--set", "model.block_size=100000000"],
+        "this machine has",
+    ),
+    // data and run folders
+    (
+        &["train", "--data", "missing.txt"],
+        "cannot read data missing.txt: No such file or directory",
+    ),
+    (&["train", "--data", "empty.txt"], "data empty.txt is empty"),
+    (
+        &["train", "--resume", "nowhere"],
+        "cannot resume: run folder nowhere does not exist",
+    ),
+    (&["sample", "--run", "nowhere"], "nowhere: not a run folder"),
+    (&["ckpt", "verify", "nowhere"], "opening checkpoint nowhere"),
+    (&["viz", "nowhere"], "run folder nowhere not found"),
+    // faults, supervision, drills
+    (&["train", "--inject", "kill:step=0"], "is not a step ≥ 1"),
+    (
+        &["train", "--inject", "explode:step=3"],
+        "unknown fault \"explode\"",
+    ),
+    (
+        &["train", "--supervise", "--heartbeat-timeout", "0"],
+        "--heartbeat-timeout 0: a number of seconds > 0",
+    ),
+    (
+        &[
+            "train",
+            "--supervise",
+            "--hostfile",
+            "nothere",
+            "--launch",
+            "mpirun -np {n} --hostfile {hostfile}",
+        ],
+        "--hostfile nothere: no such file",
+    ),
+    (
+        &[
+            "train",
+            "--supervise",
+            "--launch",
+            "mpirun -np {n} --hostfile {hostfile}",
+        ],
+        "--launch uses {hostfile} but no --hostfile is given",
+    ),
+    (
+        &[
+            "train",
+            "--supervise",
+            "--hostfile",
+            "hosts.txt",
+            "--launch",
+            "mpirun -np {n}",
+        ],
+        "--launch has no {hostfile}",
+    ),
+    (
+        &["train", "--supervise", "--shrink"],
+        "--shrink: no smaller parallel.dp than 1 fits",
+    ),
+    (
+        &["chaos", "--heartbeat-timeout", "0"],
+        "--heartbeat-timeout 0: a number of seconds > 0",
+    ),
+    (
+        &["chaos", "--trials", "1", "--set", "train.steps=x"],
+        "key `train.steps`",
+    ),
+    (
+        &[
+            "pipeline",
+            "--schedule",
+            "nope",
+            "--stages",
+            "2",
+            "--microbatches",
+            "4",
+        ],
+        "unknown schedule \"nope\": expected one of gpipe",
+    ),
+];
+
+fn run(dir: &Path, args: &[&str]) -> (Option<i32>, String) {
+    let out = Command::new(WEFT)
+        .args(args)
+        .current_dir(dir)
+        .env("WEFT_CACHE", dir.join("cache"))
+        .output()
+        .unwrap();
+    (
+        out.status.code(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn every_bad_input_gets_a_clear_error() {
+    let dir = std::env::temp_dir().join(format!("weft-bad-input-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    for (name, bytes) in FILES {
+        std::fs::write(dir.join(name), bytes).unwrap();
+    }
+    let mut wrong = Vec::new();
+    for (args, says) in CASES {
+        let (code, err) = run(&dir, args);
+        let clear = matches!(code, Some(c) if c != 0)
+            && err.contains(says)
+            && !err.contains("panicked")
+            && !err.contains("RUST_BACKTRACE");
+        if !clear {
+            wrong.push(format!(
+                "weft {}\n  exit {code:?}, expected {says:?}, got:\n{err}",
+                args.join(" ")
+            ));
+        }
+    }
+    // nothing was started or written by a refused command
+    let left: Vec<_> = std::fs::read_dir(&dir)
+        .unwrap()
+        .filter_map(|e| e.ok()?.file_name().into_string().ok())
+        .filter(|n| !FILES.iter().any(|(f, _)| f == n) && n != "cache")
+        .collect();
+    assert!(left.is_empty(), "refused commands wrote {left:?}");
+    assert!(
+        wrong.is_empty(),
+        "{} of {} cases:\n{}",
+        wrong.len(),
+        CASES.len(),
+        wrong.join("\n")
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
