@@ -4,7 +4,8 @@
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
-    if let Ok(m) = weft_checkpoint::Manifest::from_json(data, std::path::Path::new("manifest.json")) {
+    if let Ok(m) = weft_checkpoint::Manifest::from_json(data, std::path::Path::new("manifest.json"))
+    {
         // What parses re-serializes (sealed with its own checksum, which a
         // manifest written before checksums lacks) and parses to the same
         // manifest, checksum aside.

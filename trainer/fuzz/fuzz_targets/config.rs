@@ -15,7 +15,8 @@ fuzz_target!(|data: &[u8]| {
     };
     let config = config.with_override(set).unwrap_or(config);
     if config.validate().is_ok() {
-        let again = Config::from_toml(&config.to_toml(), "again.toml").expect("its own TOML parses");
+        let again =
+            Config::from_toml(&config.to_toml(), "again.toml").expect("its own TOML parses");
         assert_eq!(again, config);
         // what the layout derives from a valid config does not panic
         let _ = config.batch_split();
