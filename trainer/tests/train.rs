@@ -821,3 +821,47 @@ fn a_slow_rank_is_reported_as_a_straggler_with_its_ratio() {
     assert_eq!(reports[0]["step"], 20, "{reports:?}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// Keeps the run's start-up figures.
+#[derive(Default)]
+struct Info(Option<weft_trainer::train::RunInfo>);
+impl weft_trainer::train::Observer for Info {
+    fn start(&mut self, info: &weft_trainer::train::RunInfo) {
+        self.0 = Some(info.clone());
+    }
+}
+
+#[test]
+fn flops_and_utilisation_follow_the_6n_formula() {
+    let dir = std::env::temp_dir().join(format!("weft-flops-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let mut c = tiny(&dir, "flops");
+    c.train.steps = 5;
+    let mut obs = Info::default();
+    let s = train(&c, false, &mut obs).unwrap();
+    let info = obs.0.unwrap();
+    // Kaplan et al. (2020) / PaLM's count: 6 FLOPs per parameter per
+    // token (forward 2, backward 4) over the parameters a token multiplies
+    // by — every one but the position table — plus 6·L·T·C for attention's
+    // scores and weighted sums.
+    let (v, cc, l, t) = (info.vocab as f64, 32.0, 1.0, 32.0);
+    let blocks = l * (12.0 * cc * cc + 13.0 * cc);
+    let matmul = v * cc + blocks + 2.0 * cc;
+    assert_eq!(
+        info.params as f64,
+        matmul + t * cc,
+        "GPT-2's parameter count"
+    );
+    assert_eq!(info.flops_per_token, 6.0 * matmul + 6.0 * l * t * cc);
+    // the throughput figures are the same count over the measured time
+    let rel = |a: f64, b: f64| ((a - b) / b).abs();
+    assert!(rel(s.flops_per_s, s.tokens_per_s * info.flops_per_token) < 1e-12);
+    assert!(rel(s.utilisation, s.flops_per_s / info.peak_flops) < 1e-12);
+    assert!(
+        info.peak_flops > 1e8 && s.utilisation > 0.0,
+        "{} {}",
+        info.peak_flops,
+        s.utilisation
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
