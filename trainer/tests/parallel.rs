@@ -181,7 +181,7 @@ fn copy_dir(from: &Path, to: &Path) {
 }
 
 #[test]
-fn expert_parallel_matches_and_resumes_bit_for_bit() {
+fn expert_parallel_equals_replicated_experts_to_rounding_and_resumes_bit_for_bit() {
     let dir = tmp("ep");
     let moe = [
         "model.moe.experts=4",
@@ -207,7 +207,7 @@ fn expert_parallel_matches_and_resumes_bit_for_bit() {
     let (a, b) = (num(&replicated.run_dir), num(&sharded.run_dir));
     assert_eq!(a.len(), b.len());
     for (x, y) in a.iter().zip(&b) {
-        assert!((x - y).abs() <= 1e-4 * x.abs().max(1.0), "{x} vs {y}");
+        assert!((x - y).abs() <= ROUNDING * x.abs().max(1.0), "{x} vs {y}");
     }
     // The checkpoint holds the whole model (every expert), as a single
     // rank's would.
@@ -228,6 +228,13 @@ fn expert_parallel_matches_and_resumes_bit_for_bit() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// How far apart (relative) two layouts' losses, gradient norms and
+/// validation losses may be when their reductions are split differently:
+/// measured on these 6-step runs at most 2.8e-8 (tp), 1.2e-8 (ep), 2.4e-8
+/// (tp × MoE) — a quarter of an f32 rounding step (1.2e-7) — and allowed
+/// at 1e-6, a few f32 steps, for other CPUs' kernels.
+const ROUNDING: f64 = 1e-6;
+
 fn close(a: &Path, b: &Path, tol: f64) {
     let num = |run: &Path| -> Vec<f64> {
         trace(run)
@@ -247,7 +254,7 @@ fn close(a: &Path, b: &Path, tol: f64) {
 }
 
 #[test]
-fn tensor_parallel_matches_and_resumes_bit_for_bit() {
+fn tensor_parallel_equals_one_rank_to_rounding_and_resumes_bit_for_bit() {
     let dir = tmp("tp");
     let base = ["checkpoint.every=3"];
     let mut info1 = Info::default();
@@ -261,7 +268,7 @@ fn tensor_parallel_matches_and_resumes_bit_for_bit() {
         &mut info2,
     )
     .unwrap();
-    close(&one.run_dir, &two.run_dir, 1e-4);
+    close(&one.run_dir, &two.run_dir, ROUNDING);
     // Per-rank memory: the split layers halve, the replicated ones stay.
     let (m1, m2) = (info1.0.unwrap(), info2.0.unwrap());
     assert_eq!(m2.layout, "tp=2 reproducible sums");
@@ -273,7 +280,7 @@ fn tensor_parallel_matches_and_resumes_bit_for_bit() {
     // tp × dp: the data-parallel replicas of a tp=2 model.
     let mesh = ["checkpoint.every=3", "parallel.tp=2", "parallel.dp=2"];
     let four = train(&config(&dir, "tp2dp2", &mesh), false, &mut Silent).unwrap();
-    close(&one.run_dir, &four.run_dir, 1e-4);
+    close(&one.run_dir, &four.run_dir, ROUNDING);
     // With sequence parallelism: the same to rounding.
     let sp = [
         "checkpoint.every=3",
@@ -281,7 +288,7 @@ fn tensor_parallel_matches_and_resumes_bit_for_bit() {
         "parallel.sequence_parallel=true",
     ];
     let seq = train(&config(&dir, "tp2sp", &sp), false, &mut Silent).unwrap();
-    close(&one.run_dir, &seq.run_dir, 1e-4);
+    close(&one.run_dir, &seq.run_dir, ROUNDING);
     // The checkpoint is whole, and a resumed tp run continues bit for bit.
     let again = dir.join("tp2dp2-again");
     copy_dir(&four.run_dir, &again);
@@ -317,7 +324,7 @@ fn tensor_parallel_moe_follows_the_single_rank_run() {
         ),
     ] {
         let run = train(&config(&dir, name, &sets), false, &mut Silent).unwrap();
-        close(&one.run_dir, &run.run_dir, 1e-4);
+        close(&one.run_dir, &run.run_dir, ROUNDING);
         let load = |r: &Path| std::fs::read_to_string(r.join("expert_load.jsonl")).unwrap();
         assert_eq!(load(&run.run_dir).lines().count(), 6 * 2, "{name}");
     }
@@ -352,7 +359,7 @@ fn a_run_resumes_on_another_layout() {
         if exact {
             assert_eq!(trace(&resumed.run_dir), trace(&one.run_dir), "{name}");
         } else {
-            close(&one.run_dir, &resumed.run_dir, 1e-4);
+            close(&one.run_dir, &resumed.run_dir, ROUNDING);
         }
     }
     let _ = std::fs::remove_dir_all(&dir);

@@ -1,9 +1,12 @@
 //! Loss and every gradient against PyTorch/transformers (float64), on the
 //! fixtures made by `model/reference/make_fixtures.py`.
 //!
-//! Tolerances (from the kernels-and-model issue): loss to a relative 1e-5;
-//! each gradient tensor to a max error of 1e-4 relative to that tensor's
-//! largest reference magnitude.
+//! Tolerances, set from what is measured against the float64 reference
+//! (AMD EPYC, AVX-512 kernels): the loss to a relative 1e-6 (measured at
+//! most 3.1e-8); each gradient tensor to a max error of 1e-5 relative to
+//! that tensor's largest reference magnitude (measured at most 1.6e-6, the
+//! f32 rounding of sums over up to 4·C terms) — about ten and six times
+//! what f32 arithmetic gives here, for other CPUs' summation orders.
 
 use std::path::{Path, PathBuf};
 
@@ -57,7 +60,7 @@ fn loss_and_every_gradient_match_pytorch() -> Result<()> {
                 acts.bytes_per_token()
             );
         }
-        assert!(loss_rel < 1e-5, "{name}: loss relative error {loss_rel:e}");
+        assert!(loss_rel < 1e-6, "{name}: loss relative error {loss_rel:e}");
 
         let bytes = std::fs::read(dir.join("grads.safetensors"))?;
         let st = SafeTensors::deserialize(&bytes)?;
@@ -90,7 +93,7 @@ fn loss_and_every_gradient_match_pytorch() -> Result<()> {
                 );
             }
             assert!(
-                rel < 1e-4,
+                rel < 1e-5,
                 "{name}: {} max relative error {rel:e}",
                 spec.name
             );
