@@ -63,7 +63,14 @@ fn sigkill_during_saves() {
     let root = dir.path();
     let exe = std::env::current_exe().unwrap();
     let mut mid_save = 0;
-    for i in 0..10u64 {
+    // At least ten kills; more (up to 60, each a little later) until one
+    // has landed inside a save and a save has committed — on a loaded
+    // machine the child may start slowly, so no fixed count of kills is
+    // sure to hit either.
+    for i in 0..60u64 {
+        if i >= 10 && mid_save > 0 && !list_checkpoints(root).unwrap().is_empty() {
+            break;
+        }
         let mut child = Command::new(&exe)
             .args([
                 "--exact",
@@ -76,7 +83,7 @@ fn sigkill_during_saves() {
             .stderr(std::process::Stdio::null())
             .spawn()
             .unwrap();
-        std::thread::sleep(Duration::from_millis(150 + 37 * i));
+        std::thread::sleep(Duration::from_millis(150 + 37 * (i % 10) + 20 * i));
         child.kill().unwrap(); // SIGKILL
         child.wait().unwrap();
         let staging = std::fs::read_dir(root)
