@@ -2,11 +2,17 @@
 # The whole GPU check of weft-collectives' NCCL backend, in one go.
 #
 #   collectives/gpu-check.sh               # on the GPU machine: find the
-#                                          # libraries, build (or reuse a
-#                                          # prebuilt binary), run the check
+#                                          # libraries, build the check from
+#                                          # this checkout's source, run it
 #   collectives/gpu-check.sh --build-only  # on a CPU machine: build the check
 #                                          # into target/gpu-check/ to carry
 #                                          # to a GPU machine that cannot build
+#
+# The check always runs the current source: with cargo present it is
+# rebuilt (cargo rebuilds only what changed); a prebuilt binary is used only
+# where there is no cargo, and only if the fingerprint of the sources it was
+# built from (target/gpu-check/nccl-check.source, written by --build-only)
+# equals this checkout's — a stale binary is refused, not run.
 #
 # The check (collectives/tests/nccl.rs) runs every collective through NCCL
 # on GPU 0 with world size 1 (NCCL refuses two ranks on one GPU) and
@@ -16,6 +22,15 @@
 # the nvidia-nccl-cu12 wheel that PyTorch installs) is linked under that
 # name in a temporary folder put first on LD_LIBRARY_PATH.
 #
+# What one GPU can and cannot verify. NCCL refuses two ranks on one device,
+# so this is world size 1: it checks that the bindings load, that every
+# dtype maps to the right NCCL type, that host buffers are staged through the
+# device and back intact, that the device-buffer methods work, and that bad
+# calls give typed errors. It cannot check the reduction across ranks (with
+# one rank NCCL copies), the order of a multi-rank sum, rendezvous between
+# processes, or bandwidth: those need two or more GPUs (run the trainer's
+# mpirun tests with parallel.backend = "nccl" there).
+#
 # Exit status: 0 when the check ran on a GPU and passed; 1 when it failed;
 # 2 when something it needs is missing (each missing piece is reported).
 set -uo pipefail
@@ -23,7 +38,15 @@ set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 BIN_DIR=target/gpu-check
 BIN="$BIN_DIR/nccl-check"
+STAMP="$BIN.source"
 say() { echo "gpu-check: $*"; }
+
+# A fingerprint of every source file the check is built from.
+fingerprint() {
+    find collectives/src collectives/tests/nccl.rs collectives/Cargo.toml \
+        numerics/src numerics/Cargo.toml Cargo.toml Cargo.lock -type f 2>/dev/null \
+        | LC_ALL=C sort | xargs sha256sum | sha256sum | cut -d' ' -f1
+}
 
 build() {
     # Builds the test binary; copies it to $BIN. Offline when the registry
@@ -33,7 +56,8 @@ build() {
         out=$(cargo test -p weft-collectives --features nccl --test nccl --no-run $offline 2>&1)
         exe=$(printf '%s\n' "$out" | sed -n 's/.*Executable tests\/nccl.rs (\(.*\))$/\1/p' | tail -n 1)
         if [ -n "$exe" ] && [ -x "$exe" ]; then
-            mkdir -p "$BIN_DIR" && cp "$exe" "$BIN" && say "built $BIN" && return 0
+            mkdir -p "$BIN_DIR" && cp "$exe" "$BIN" && fingerprint > "$STAMP" \
+                && say "built $BIN from sources $(cat "$STAMP")" && return 0
         fi
     done
     printf '%s\n' "$out" | tail -n 20
@@ -93,11 +117,19 @@ else
     missing=1
 fi
 
-# 3. The check binary: prebuilt (carried in target/gpu-check/) or built here.
-if [ -x "$BIN" ]; then
-    say "using the prebuilt $BIN"
-elif command -v cargo >/dev/null 2>&1; then
+# 3. The check binary, from this checkout's source: built here, or (without
+# cargo) prebuilt by --build-only from the same sources.
+if command -v cargo >/dev/null 2>&1; then
     build || missing=1
+elif [ -x "$BIN" ]; then
+    want=$(fingerprint)
+    have=$(cat "$STAMP" 2>/dev/null || echo none)
+    if [ "$have" = "$want" ]; then
+        say "no cargo: using the prebuilt $BIN (built from these sources, $want)"
+    else
+        say "MISSING: the prebuilt $BIN was built from other sources ($have, this checkout is $want): rebuild it with --build-only"
+        missing=1
+    fi
 else
     say "MISSING: no cargo and no prebuilt $BIN"
     missing=1
@@ -108,7 +140,7 @@ if [ "$missing" != 0 ]; then
     exit 2
 fi
 
-say "running $BIN"
+say "running $BIN (world size 1: bindings, dtypes, staging, device buffers and errors; not multi-rank sums, rendezvous or bandwidth)"
 WEFT_REQUIRE_GPU=1 "$BIN"
 rc=$?
 if [ "$rc" = 0 ]; then say "PASS"; else say "FAIL (exit $rc)"; fi

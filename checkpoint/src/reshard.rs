@@ -171,7 +171,8 @@ pub fn reshard(
 ) -> Result<Committed> {
     let step = src.step();
     let staging = prepare(out_root, step, opts)?;
-    let mut reports = Vec::with_capacity(target.layout.world_size as usize);
+    // grown as ranks are written: the target's world size is the user's
+    let mut reports = Vec::new();
     for rank in 0..target.layout.world_size {
         let shards = load_shards(src, target, rank)?;
         let data: Vec<_> = shards.iter().map(OwnedShard::as_data).collect();

@@ -20,8 +20,13 @@ fn a_panicking_rank_is_reported_by_its_peers() {
             let mut x = vec![1.0f32; 1000];
             comm.all_reduce(&mut x, ReduceOp::Sum)
         });
-    // detected through the loss, long before the 30 s timeout
-    assert!(start.elapsed() < Duration::from_secs(10));
+    // detected through the loss, not by the 30 s timeout (half of it is
+    // far more than a loaded machine needs to notice a panicked thread)
+    assert!(
+        start.elapsed() < Duration::from_secs(15),
+        "{:?}",
+        start.elapsed()
+    );
     assert!(matches!(&out[2], Err(Error::RankPanicked { rank: 2, .. })));
     let mut saw_loss = false;
     for r in [0, 1, 3] {
