@@ -65,7 +65,25 @@ fn detect() -> Level {
 /// Defines a function whose body is compiled for each [`Level`] and
 /// dispatched at run time. The body must be safe code; it is inlined into
 /// `#[target_feature]` wrappers, which are called only when [`level`] says
-/// the CPU supports their features.
+/// the CPU supports their features. Every version comes from the same
+/// source; the compiler does not contract `a*b+c` into an FMA for Rust
+/// floats, so the versions agree bit for bit. Used by weft's other crates
+/// (`weft_numerics::multiversion!`) for their hot loops.
+///
+/// ```
+/// weft_numerics::multiversion! {
+///     /// `d += s`, elementwise.
+///     pub fn add(d: &mut [f32], s: &[f32]) {
+///         for (a, b) in d.iter_mut().zip(s) {
+///             *a += *b;
+///         }
+///     }
+/// }
+/// let mut d = [1.0f32, 2.0];
+/// add(&mut d, &[0.5, 0.5]);
+/// assert_eq!(d, [1.5, 2.5]);
+/// ```
+#[macro_export]
 macro_rules! multiversion {
     (
         $(#[$meta:meta])*
@@ -100,4 +118,4 @@ macro_rules! multiversion {
     };
 }
 
-pub(crate) use multiversion;
+pub(crate) use crate::multiversion;
