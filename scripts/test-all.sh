@@ -100,10 +100,10 @@ step test-mpi env OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 \
 # drive it in headless Chromium against a served run folder; screenshots go
 # to viz-web/e2e-out/.
 step viz-e2e bash viz-web/e2e.sh
-# The numerics and kernels tests, and the model's bitwise ones, on the
+# The numerics, kernels and collectives tests, and the model's bitwise ones, on the
 # baseline (non-AVX) code paths the run-time dispatch would pick on an
 # older CPU; the binaries are already built.
-step test-simd-baseline env WEFT_SIMD=baseline cargo test -p weft-numerics -p weft-kernels --locked
+step test-simd-baseline env WEFT_SIMD=baseline cargo test -p weft-numerics -p weft-kernels -p weft-collectives --locked
 step test-simd-baseline-model env WEFT_SIMD=baseline cargo test -p weft-model --locked -- bitwise
 
 # ----------------------------------------------------------------- summary

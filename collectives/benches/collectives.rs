@@ -5,9 +5,14 @@
 //! (defaults: 2 ranks, 256 MiB; `WEFT_BENCH_OPS=all_reduce/ring` keeps only
 //! the ops whose name contains that text). busbw = algbw × 2(n−1)/n for all-reduce
 //! and × (n−1)/n for reduce-scatter and all-gather, as nccl-tests reports.
-//! `WEFT_BENCH_RANKS_PER_DOMAIN=k` runs the reproducible-vs-ring table over
-//! domains of k ranks (with k < RANKS the reproducible mode keeps the ring
-//! pattern instead of its direct one-domain reduce-scatter).
+//! A second table runs the collectives a training step calls (ring
+//! all-reduce, reduce-scatter and all-gather; reproducible and exact
+//! all-reduce and reduce-scatter; bf16 reduce-scatter and all-gather) side
+//! by side from 1 MiB up, alternating in rounds, with their ratios to
+//! memcpy and to each other (`WEFT_BENCH_OPS=side` prints only that table).
+//! `WEFT_BENCH_RANKS_PER_DOMAIN=k` runs it over domains of k ranks (with
+//! k < RANKS the reproducible mode keeps the ring pattern instead of its
+//! direct one-domain reduce-scatter).
 #![allow(clippy::print_stdout, missing_docs)]
 
 use std::time::{Duration, Instant};
@@ -15,7 +20,7 @@ use std::time::{Duration, Instant};
 use weft_collectives::repro::ExactPartial;
 use weft_collectives::{
     Algorithm, Communicator, CommunicatorExt, LocalCluster, ReduceOp, ReduceOptions, Topology,
-    shard_range,
+    bf16, shard_range,
 };
 
 #[derive(Clone, Copy, PartialEq)]
@@ -111,13 +116,24 @@ fn memcpy_bw(bytes: usize, threads: usize) -> f64 {
     bytes as f64 / best
 }
 
-/// Per-call seconds of the plain ring all-reduce, the reproducible ring
-/// all-reduce and the exact-partial all-reduce (`all_reduce_exact`) of the
-/// same f32 buffer, measured side by side: the three alternate in `ROUNDS`
-/// rounds inside one cluster and each keeps its fastest round, so that a
-/// load spike on the shared machine hits all three alike. Also the time of
-/// `ExactPartial::add` per element on rank 0.
-fn repro_vs_ring(n: usize, bytes: usize) -> [f64; 4] {
+/// The collectives FSDP and the data-parallel trainer call every step, on
+/// the same f32 gradient, side by side: the [`SIDE`] calls alternate in
+/// `ROUNDS` rounds inside one cluster and each keeps its fastest round, so
+/// that a load spike on the shared machine hits all alike. Seconds per
+/// call (rank 0, between barriers), and `ExactPartial::add` per element.
+const SIDE: [&str; 9] = [
+    "ring all_reduce",
+    "ring reduce_scatter",
+    "ring all_gather",
+    "reproducible all_reduce",
+    "all_reduce_exact",
+    "reproducible reduce_scatter",
+    "reduce_scatter_exact_div",
+    "bf16 reduce_scatter",
+    "bf16 all_gather",
+];
+
+fn side_by_side(n: usize, bytes: usize) -> ([f64; SIDE.len()], f64) {
     const ROUNDS: usize = 5;
     let elems = bytes / 4;
     let est = (bytes as f64 / 2e9).max(20e-6);
@@ -125,49 +141,75 @@ fn repro_vs_ring(n: usize, bytes: usize) -> [f64; 4] {
     let out = LocalCluster::builder(n)
         .timeout(Duration::from_secs(600))
         .topology(topology())
-        .run_each(|comm| -> weft_collectives::Result<[f64; 4]> {
-            let r = comm.rank();
-            let grad: Vec<f32> = (0..elems)
-                .map(|i| ((i * 31 + r * 7) as f32 * 1e-3).sin() * 1e-20)
-                .collect();
-            let mut buf = grad.clone();
-            let mut out = vec![0f32; elems];
-            let mut partial = ExactPartial::new(elems);
-            partial.add(&grad)?;
-            let ring = ReduceOptions::new(ReduceOp::Sum).algorithm(Algorithm::Ring);
-            let repro = ring.reproducible(true);
-            let mut best = [f64::MAX; 4];
-            for round in 0..=ROUNDS {
-                for (k, best) in best.iter_mut().enumerate().take(3) {
-                    comm.barrier()?;
-                    let mut t = 0.0;
-                    for _ in 0..iters {
-                        // the input is restored between calls (outside the
-                        // timed span) so that every call sees the same values
-                        buf.copy_from_slice(&grad);
-                        let t0 = Instant::now();
-                        match k {
-                            0 => comm.all_reduce_with(&mut buf, &ring)?,
-                            1 => comm.all_reduce_with(&mut buf, &repro)?,
-                            _ => comm.all_reduce_exact(&partial, &mut out, ReduceOp::Sum)?,
-                        }
-                        t += t0.elapsed().as_secs_f64();
-                    }
-                    comm.barrier()?;
-                    // round 0 warms up (page faults, thread wake-ups)
-                    if round > 0 {
-                        *best = best.min(t / iters as f64);
-                    }
-                }
-                // one accumulation step of a micro-batch, per element
-                let t0 = Instant::now();
+        .run_each(
+            |comm| -> weft_collectives::Result<([f64; SIDE.len()], f64)> {
+                let r = comm.rank();
+                let grad: Vec<f32> = (0..elems)
+                    .map(|i| ((i * 31 + r * 7) as f32 * 1e-3).sin() * 1e-20)
+                    .collect();
+                let g16: Vec<bf16> = grad.iter().map(|&x| bf16::from_f32(x)).collect();
+                let sr = shard_range(elems, n, r);
+                let mut buf = grad.clone();
+                let mut full16 = g16.clone();
+                let mut shard = vec![0f32; sr.len()];
+                let mut shard16 = vec![bf16::ZERO; sr.len()];
+                let mut partial = ExactPartial::new(elems);
                 partial.add(&grad)?;
-                if round > 0 {
-                    best[3] = best[3].min(t0.elapsed().as_secs_f64() / elems.max(1) as f64);
+                let ring = ReduceOptions::new(ReduceOp::Sum).algorithm(Algorithm::Ring);
+                let repro = ring.reproducible(true);
+                let mut best = [f64::MAX; SIDE.len()];
+                let mut add = f64::MAX;
+                for round in 0..=ROUNDS {
+                    for (k, best) in best.iter_mut().enumerate() {
+                        comm.barrier()?;
+                        let mut t = 0.0;
+                        for _ in 0..iters {
+                            // all-reduce inputs are restored between calls
+                            // (outside the timed span): every call sees the
+                            // same values
+                            if matches!(k, 0 | 3) {
+                                buf.copy_from_slice(&grad);
+                            }
+                            let t0 = Instant::now();
+                            match k {
+                                0 => comm.all_reduce_with(&mut buf, &ring)?,
+                                1 => comm.reduce_scatter_with(&grad, &mut shard, &ring)?,
+                                2 => comm.all_gather_with(
+                                    &grad[..sr.len()],
+                                    &mut buf,
+                                    Algorithm::Ring,
+                                )?,
+                                3 => comm.all_reduce_with(&mut buf, &repro)?,
+                                4 => comm.all_reduce_exact(&partial, &mut buf, ReduceOp::Sum)?,
+                                5 => comm.reduce_scatter_with(&grad, &mut shard, &repro)?,
+                                6 => {
+                                    comm.reduce_scatter_exact_div(&partial, &mut shard, n as u64)?;
+                                }
+                                7 => comm.reduce_scatter_with(&g16, &mut shard16, &ring)?,
+                                _ => comm.all_gather_with(
+                                    &g16[..sr.len()],
+                                    &mut full16,
+                                    Algorithm::Ring,
+                                )?,
+                            }
+                            t += t0.elapsed().as_secs_f64();
+                        }
+                        comm.barrier()?;
+                        // round 0 warms up (page faults, thread wake-ups)
+                        if round > 0 {
+                            *best = best.min(t / iters as f64);
+                        }
+                    }
+                    // one accumulation step of a micro-batch, per element
+                    let t0 = Instant::now();
+                    partial.add(&grad)?;
+                    if round > 0 {
+                        add = add.min(t0.elapsed().as_secs_f64() / elems.max(1) as f64);
+                    }
                 }
-            }
-            Ok(best)
-        });
+                Ok((best, add))
+            },
+        );
     out.into_iter()
         .next()
         .expect("rank 0")
@@ -250,30 +292,65 @@ fn main() {
             bytes *= 4;
         }
     }
-    if filter.is_empty() || "repro".contains(filter.as_str()) || filter.contains("repro") {
+    if filter.is_empty() || filter.contains("side") || filter.contains("repro") {
         println!();
         println!(
-            "# reproducible vs plain ring all-reduce, {n} ranks ({:?}), f32, side by side (each the best of 5 alternating rounds); exact = all_reduce_exact of an ExactPartial of the same values; add = ExactPartial::add of one micro-batch",
+            "# side by side, {n} ranks ({:?}), f32 (bf16 rows: bf16 buffers, f32 accumulation), each the best of 5 alternating rounds",
             topology()
         );
         println!(
-            "{:>12} {:>12} {:>12} {:>8} {:>12} {:>8} {:>14}",
-            "bytes", "ring(us)", "repro(us)", "repro/x", "exact(us)", "exact/x", "add(ns/elem)"
+            "# busbw and /mc2 (busbw over the 2-thread memcpy above); rs/ar, ag/ar: busbw over the ring all-reduce's; the rest: time over the plain op's"
         );
-        let mut bytes = 64 << 10;
+        println!(
+            "{:>10} {:>8} {:>8} {:>8} {:>7} {:>7} {:>7} {:>6} {:>6} {:>9} {:>9} {:>9} {:>9} {:>8} {:>8} {:>9}",
+            "bytes",
+            "ar GB/s",
+            "rs GB/s",
+            "ag GB/s",
+            "ar/mc2",
+            "rs/mc2",
+            "ag/mc2",
+            "rs/ar",
+            "ag/ar",
+            "repro/ar",
+            "exact/ar",
+            "repro/rs",
+            "exdiv/rs",
+            "bf16 rs",
+            "bf16 ag",
+            "add ns/el"
+        );
+        let f = (n as f64 - 1.0) / n as f64;
+        let mut bytes = 1 << 20;
         while bytes <= max_mib << 20 {
-            let [ring, repro, exact, add] = repro_vs_ring(n, bytes);
+            let (t, add) = side_by_side(n, bytes);
+            let b = bytes as f64;
+            let (ar, rs, ag) = (b / t[0] * 2.0 * f, b / t[1] * f, b / t[2] * f);
             println!(
-                "{:>12} {:>12.1} {:>12.1} {:>8.2} {:>12.1} {:>8.2} {:>14.2}",
+                "{:>10} {:>8.2} {:>8.2} {:>8.2} {:>7.2} {:>7.2} {:>7.2} {:>6.2} {:>6.2} {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:>8.2} {:>8.2} {:>9.2}",
                 bytes,
-                ring * 1e6,
-                repro * 1e6,
-                repro / ring,
-                exact * 1e6,
-                exact / ring,
+                ar / 1e9,
+                rs / 1e9,
+                ag / 1e9,
+                ar / m2,
+                rs / m2,
+                ag / m2,
+                rs / ar,
+                ag / ar,
+                t[3] / t[0],
+                t[4] / t[0],
+                t[5] / t[1],
+                t[6] / t[1],
+                t[7] / t[1],
+                t[8] / t[2],
                 add * 1e9
             );
             bytes *= 4;
         }
+        println!(
+            "# memcpy bandwidth again (256 MiB): 1 thread {:.2} GB/s, 2 threads {:.2} GB/s",
+            memcpy_bw(256 << 20, 1) / 1e9,
+            memcpy_bw(256 << 20, 2) / 1e9
+        );
     }
 }

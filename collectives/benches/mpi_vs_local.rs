@@ -1,15 +1,24 @@
-//! All-reduce of the local (threads) backend against the MPI library's own
-//! all-reduce through the `mpi` backend, side by side in one run, on the
-//! same sizes and the same number of ranks.
+//! All-reduce, reduce-scatter and all-gather of the local (threads)
+//! backend against the MPI library's own collectives through the `mpi`
+//! backend, side by side in one run, on the same sizes and the same number
+//! of ranks.
 //!
 //! `cargo bench -p weft-collectives --features mpi --bench mpi_vs_local [-- RANKS MAX_MIB]`
 //! (defaults: 2 ranks, 64 MiB). Started outside `mpirun`, it relaunches
-//! itself as `mpirun --allow-run-as-root --oversubscribe -np RANKS`. Rows:
+//! itself as `mpirun --allow-run-as-root --oversubscribe -np RANKS`. Columns:
 //! - `local`: `LocalCluster` with RANKS threads (run by MPI rank 0 alone
 //!   while the other processes sleep in a barrier), `Algorithm::Auto`;
-//! - `MPI_Allreduce`: the library's blocking all-reduce (its tuned algorithms);
-//! - `MPI_Iallreduce`: the default native path of the backend (watchdog-safe);
-//! - `mpi ring`: this crate's ring over MPI point-to-point.
+//! - `MPI blocking`: the library's blocking collective (`MPI_Allreduce`,
+//!   `MPI_Reduce_scatter`, `MPI_Allgatherv`: its tuned algorithms; the
+//!   `v`/counts forms because shards may differ by one element);
+//! - `MPI nonblocking`: the library's non-blocking collective
+//!   (`MPI_Iallreduce`, `MPI_Ireduce_scatter`, `MPI_Iallgatherv`, polled
+//!   by the watchdog): what `Auto` all-reduce and all-gather run;
+//! - `mpi ring`: this crate's ring over MPI point-to-point: what `Auto`
+//!   reduce-scatter runs (faster than the library's here).
+//!
+//! busbw is nccl-tests': algbw × 2(n−1)/n for all-reduce, × (n−1)/n for
+//! the other two.
 #![allow(clippy::print_stdout, clippy::print_stderr, missing_docs)]
 
 use std::process::Command;
@@ -17,6 +26,7 @@ use std::time::{Duration, Instant};
 
 use weft_collectives::{
     Algorithm, Communicator, CommunicatorExt, LocalCluster, MpiComm, ReduceOp, ReduceOptions,
+    shard_range,
 };
 
 fn under_mpirun() -> bool {
@@ -41,24 +51,68 @@ fn gradient(elems: usize, r: usize) -> Vec<f32> {
         .collect()
 }
 
-/// Seconds per call on this rank, between two barriers.
-fn time_comm(c: &dyn Communicator, bytes: usize, opts: &ReduceOptions) -> f64 {
-    let mut buf = gradient(bytes / 4, c.rank());
+#[derive(Clone, Copy, PartialEq)]
+enum Op {
+    AllReduce,
+    ReduceScatter,
+    AllGather,
+}
+
+impl Op {
+    fn name(self) -> &'static str {
+        match self {
+            Op::AllReduce => "all_reduce",
+            Op::ReduceScatter => "reduce_scatter",
+            Op::AllGather => "all_gather",
+        }
+    }
+    fn bus_factor(self, n: usize) -> f64 {
+        let n = n as f64;
+        match self {
+            Op::AllReduce => 2.0 * (n - 1.0) / n,
+            _ => (n - 1.0) / n,
+        }
+    }
+}
+
+/// Seconds per call of `op` on this rank (`bytes`: the full buffer),
+/// between two barriers; with `library`, a reduce-scatter calls the MPI
+/// library's own ([`MpiComm::library_reduce_scatter`]).
+fn time_comm(
+    c: &dyn Communicator,
+    op: Op,
+    bytes: usize,
+    algorithm: Algorithm,
+    library: Option<&MpiComm>,
+) -> f64 {
+    let (n, r) = (c.size(), c.rank());
+    let elems = bytes / 4;
+    let mut buf = gradient(elems, r);
+    let mut shard = vec![0f32; shard_range(elems, n, r).len()];
+    let opts = ReduceOptions::new(ReduceOp::Sum).algorithm(algorithm);
+    let mut call = || match op {
+        Op::AllReduce => c.all_reduce_with(&mut buf, &opts),
+        Op::ReduceScatter => match library {
+            Some(l) => l.library_reduce_scatter(&buf, &mut shard, ReduceOp::Sum),
+            None => c.reduce_scatter_with(&buf, &mut shard, &opts),
+        },
+        Op::AllGather => c.all_gather_with(&shard, &mut buf, algorithm),
+    };
     let iters = iters_for(bytes);
-    c.all_reduce_with(&mut buf, opts).expect("warm-up");
+    call().expect("warm-up");
     c.barrier().expect("barrier");
     let t0 = Instant::now();
     for _ in 0..iters {
-        c.all_reduce_with(&mut buf, opts).expect("all_reduce");
+        call().unwrap_or_else(|e| panic!("{}: {e}", op.name()));
     }
     c.barrier().expect("barrier");
     t0.elapsed().as_secs_f64() / iters as f64
 }
 
-fn time_local(n: usize, bytes: usize) -> f64 {
+fn time_local(n: usize, op: Op, bytes: usize) -> f64 {
     LocalCluster::builder(n)
         .timeout(Duration::from_secs(600))
-        .run_each(|comm| time_comm(&comm, bytes, &ReduceOptions::new(ReduceOp::Sum)))
+        .run_each(|comm| time_comm(&comm, op, bytes, Algorithm::Auto, None))
         .into_iter()
         .map(|t| t.expect("rank panicked"))
         .fold(0.0, f64::max)
@@ -96,45 +150,53 @@ fn main() {
     let blocking = comm.clone().with_blocking_native(true);
     let me = comm.rank();
     if me == 0 {
-        println!("# all-reduce f32 sum, {n} ranks: local threads vs MPI processes");
+        println!("# f32, {n} ranks: local threads vs MPI processes");
         println!(
             "# MPI library: {}",
             comm.library_version().lines().next().unwrap_or("")
         );
         println!(
-            "{:>10} {:>11} {:>14} {:>15} {:>11} {:>14} {:>16}",
+            "{:<15} {:>10} {:>11} {:>13} {:>16} {:>11} {:>12} {:>12} {:>14}",
+            "op",
             "bytes",
             "local(us)",
-            "MPI_Allreduce",
-            "MPI_Iallreduce",
+            "MPI blocking",
+            "MPI nonblocking",
             "mpi ring",
             "local busbw",
-            "MPI_Allreduce/local"
+            "MPI busbw",
+            "MPI blk/local"
         );
     }
-    let auto = ReduceOptions::new(ReduceOp::Sum);
-    let ring = auto.algorithm(Algorithm::Ring);
-    let mut bytes = 4 << 10;
-    while bytes <= max_mib << 20 {
-        let t_block = time_comm(&blocking, bytes, &auto);
-        let t_nb = time_comm(&comm, bytes, &auto);
-        let t_ring = time_comm(&comm, bytes, &ring);
-        // rank 0 alone runs the local backend; the others sleep in the barrier
-        let t_local = if me == 0 { time_local(n, bytes) } else { 0.0 };
-        comm.barrier().expect("barrier");
-        if me == 0 {
-            let busbw = bytes as f64 / t_local * 2.0 * (n - 1) as f64 / n as f64;
-            println!(
-                "{:>10} {:>11.1} {:>14.1} {:>15.1} {:>11.1} {:>9.2} GB/s {:>15.2}x",
-                bytes,
-                t_local * 1e6,
-                t_block * 1e6,
-                t_nb * 1e6,
-                t_ring * 1e6,
-                busbw / 1e9,
-                t_block / t_local
-            );
+    for op in [Op::AllReduce, Op::ReduceScatter, Op::AllGather] {
+        let mut bytes = 4 << 10;
+        while bytes <= max_mib << 20 {
+            let t_block = time_comm(&blocking, op, bytes, Algorithm::Auto, Some(&blocking));
+            let t_nb = time_comm(&comm, op, bytes, Algorithm::Auto, Some(&comm));
+            let t_ring = time_comm(&comm, op, bytes, Algorithm::Ring, None);
+            // rank 0 alone runs the local backend; the others sleep in the barrier
+            let t_local = if me == 0 {
+                time_local(n, op, bytes)
+            } else {
+                0.0
+            };
+            comm.barrier().expect("barrier");
+            if me == 0 {
+                let bus = |t: f64| bytes as f64 / t * op.bus_factor(n) / 1e9;
+                println!(
+                    "{:<15} {:>10} {:>11.1} {:>13.1} {:>16.1} {:>11.1} {:>7.2} GB/s {:>7.2} GB/s {:>13.2}x",
+                    op.name(),
+                    bytes,
+                    t_local * 1e6,
+                    t_block * 1e6,
+                    t_nb * 1e6,
+                    t_ring * 1e6,
+                    bus(t_local),
+                    bus(t_block),
+                    t_block / t_local
+                );
+            }
+            bytes *= 4;
         }
-        bytes *= 4;
     }
 }

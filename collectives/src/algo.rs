@@ -12,7 +12,9 @@ use weft_numerics::Dtype;
 
 use crate::comm::Communicator;
 use crate::error::{Error, Result};
-use crate::reduce::{AlignedBuf, convert, finish_avg, reduce_into};
+use crate::reduce::{
+    Scratch, convert, finish_avg, reduce_into, reduce_to, stream_copy, stream_fence,
+};
 use crate::repro;
 use crate::types::{
     Algorithm, Buf, BufMut, Incoming, OpCtx, OpKind, Outgoing, ReduceOp, ReduceOptions, Signature,
@@ -49,6 +51,35 @@ pub(crate) fn split_two(buf: &mut [u8], a: Range<usize>, b: Range<usize>) -> (&[
     }
 }
 
+/// One send of `data` to `to` and one receive of `len` bytes from `from`,
+/// handed to `sink`.
+#[allow(clippy::too_many_arguments)]
+fn send_recv_with<C: Communicator + ?Sized>(
+    c: &C,
+    ctx: &OpCtx,
+    tag: u32,
+    to: usize,
+    data: &[u8],
+    from: usize,
+    len: usize,
+    mut sink: impl FnMut(&[u8]) + Send,
+) -> Result<()> {
+    let mut sink = |src: &[u8]| {
+        sink(src);
+        Ok(())
+    };
+    c.exchange(
+        ctx,
+        tag,
+        &[Outgoing { to, data }],
+        &mut [Incoming {
+            from,
+            len: Some(len),
+            sink: &mut sink,
+        }],
+    )
+}
+
 /// One send and one receive whose bytes are reduced into `into`.
 #[allow(clippy::too_many_arguments)]
 fn send_recv_reduce<C: Communicator + ?Sized>(
@@ -63,20 +94,41 @@ fn send_recv_reduce<C: Communicator + ?Sized>(
     op: ReduceOp,
 ) -> Result<()> {
     let len = into.len();
-    let mut sink = |src: &[u8]| {
+    send_recv_with(c, ctx, tag, to, data, from, len, |src| {
         reduce_into(dtype, op, into, src);
-        Ok(())
-    };
-    c.exchange(
-        ctx,
-        tag,
-        &[Outgoing { to, data }],
-        &mut [Incoming {
-            from,
-            len: Some(len),
-            sink: &mut sink,
-        }],
-    )
+    })
+}
+
+/// One send and one receive: `into = own ⊕ received`, with `own` left as
+/// it is (so that it may be the buffer a peer is reading); `stream`: see
+/// [`reduce_to`].
+#[allow(clippy::too_many_arguments)]
+fn send_recv_reduce_to<C: Communicator + ?Sized>(
+    c: &C,
+    ctx: &OpCtx,
+    tag: u32,
+    to: usize,
+    data: &[u8],
+    from: usize,
+    own: &[u8],
+    into: &mut [u8],
+    (dtype, op, stream): (Dtype, ReduceOp, bool),
+) -> Result<()> {
+    let len = into.len();
+    send_recv_with(c, ctx, tag, to, data, from, len, |src| {
+        reduce_to(dtype, op, into, own, src, stream);
+    })
+}
+
+/// `dst.copy_from_slice(src)`, streamed past the cache when large (see
+/// [`STREAM_BYTES`](crate::reduce::STREAM_BYTES)).
+fn copy_large(dst: &mut [u8], src: &[u8]) {
+    if dst.len() >= crate::reduce::STREAM_BYTES {
+        stream_copy(dst, src);
+        stream_fence();
+    } else {
+        dst.copy_from_slice(src);
+    }
 }
 
 /// One send and one receive whose bytes are copied into `into`.
@@ -95,7 +147,7 @@ fn send_recv_copy<C: Communicator + ?Sized>(
         Some((from, into)) => {
             let len = into.len();
             let mut sink = |src: &[u8]| {
-                into.copy_from_slice(src);
+                copy_large(into, src);
                 Ok(())
             };
             c.exchange(
@@ -142,6 +194,96 @@ pub(crate) fn ring_reduce_scatter<C: Communicator + ?Sized>(
             byte_range(len, m, recv_c, es),
         );
         send_recv_reduce(c, ctx, tag0 + s as u32, right, sb, left, rb, dtype, op)?;
+    }
+    Ok(())
+}
+
+/// Out-of-place ring reduce-scatter: `input` (every chunk, dtype `from`)
+/// is only read; afterwards `out` (chunk `me`, dtype `wire`) holds the
+/// reduced chunk. The same steps and the same additions, bit for bit, as
+/// [`ring_reduce_scatter`] on a copy of `input` converted to `wire`, but
+/// without that copy: step 0 sends this rank's own chunk straight from
+/// `input`, every step writes `own ⊕ received` into a chunk-sized buffer
+/// (the next step's message), and the last step writes into `out`. Memory
+/// traffic is the ring's own, and the scratch (two chunks, pooled) is
+/// 2/m of the input.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn ring_reduce_scatter_to<C: Communicator + ?Sized>(
+    c: &C,
+    ctx: &OpCtx,
+    tag0: u32,
+    members: &[usize],
+    me: usize,
+    input: &[u8],
+    from: Dtype,
+    wire: Dtype,
+    op: ReduceOp,
+    out: &mut [u8],
+) -> Result<()> {
+    let m = members.len();
+    let (ef, ew) = (from.size_bytes(), wire.size_bytes());
+    let len = input.len() / ef;
+    if m <= 1 {
+        convert(from, input, wire, out);
+        return Ok(());
+    }
+    let right = members[(me + 1) % m];
+    let left = members[(me + m - 1) % m];
+    // chunk 0 is the largest; with two members the one step reads the
+    // input and writes the output, no partial sum in between
+    let cap = shard_range(len, m, 0).len() * ew;
+    let between = if m > 2 { cap } else { 0 };
+    let mut trav = Scratch::take(between);
+    let mut next = Scratch::take(between);
+    // with a wider wire, this rank's chunks converted: the one sent at step
+    // 0 and the one added at each step
+    let mut conv = Scratch::take(if from == wire { 0 } else { 2 * cap });
+    let mut sent = 0;
+    for s in 0..m - 1 {
+        let send_c = (me + 2 * m - s - 1) % m;
+        let recv_c = (me + 2 * m - s - 2) % m;
+        let rr = byte_range(len, m, recv_c, ef);
+        let n = rr.len() / ef * ew;
+        let (sconv, oconv) = conv
+            .bytes_mut()
+            .split_at_mut(if from == wire { 0 } else { cap });
+        let data: &[u8] = if s == 0 {
+            let sr = byte_range(len, m, send_c, ef);
+            if from == wire {
+                &input[sr]
+            } else {
+                let k = sr.len() / ef * ew;
+                convert(from, &input[sr], wire, &mut sconv[..k]);
+                &sconv[..k]
+            }
+        } else {
+            &trav.bytes()[..sent]
+        };
+        let own: &[u8] = if from == wire {
+            &input[rr]
+        } else {
+            convert(from, &input[rr], wire, &mut oconv[..n]);
+            &oconv[..n]
+        };
+        let into: &mut [u8] = if s == m - 2 {
+            &mut *out
+        } else {
+            &mut next.bytes_mut()[..n]
+        };
+        send_recv_reduce_to(
+            c,
+            ctx,
+            tag0 + s as u32,
+            right,
+            data,
+            left,
+            own,
+            into,
+            // the last step's result is the caller's; the others are sent on
+            (wire, op, s == m - 2),
+        )?;
+        std::mem::swap(&mut trav, &mut next);
+        sent = n;
     }
     Ok(())
 }
@@ -224,22 +366,38 @@ pub(crate) fn rd_all_reduce<C: Communicator + ?Sized>(
         Some(me - rem)
     };
     if let Some(v) = v {
-        let mut tmp = AlignedBuf::zeroed(buf.len());
+        // The partner reads this rank's buffer while this rank reduces, so
+        // each round writes `mine ⊕ theirs` into the other of two buffers
+        // (`buf` and a pooled scratch) instead of into the one being read.
+        let mut tmp = Scratch::take(buf.len());
+        let mut in_buf = true;
         let mut mask = 1;
         let mut step = 1;
         while mask < p {
             let pv = v ^ mask;
             let partner = members[if pv < rem { pv * 2 + 1 } else { pv + rem }];
-            send_recv_copy(
+            let (cur, into): (&[u8], &mut [u8]) = if in_buf {
+                (&*buf, tmp.bytes_mut())
+            } else {
+                (tmp.bytes(), &mut *buf)
+            };
+            send_recv_reduce_to(
                 c,
                 ctx,
                 tag0 + step,
-                Some((partner, &*buf)),
-                Some((partner, tmp.bytes_mut())),
+                partner,
+                cur,
+                partner,
+                cur,
+                into,
+                (dtype, op, false),
             )?;
-            reduce_into(dtype, op, buf, tmp.bytes());
+            in_buf = !in_buf;
             mask <<= 1;
             step += 1;
+        }
+        if !in_buf {
+            buf.copy_from_slice(tmp.bytes());
         }
     }
     if me < 2 * rem {
@@ -453,7 +611,7 @@ pub(crate) fn all_reduce<C: Communicator + ?Sized>(
             finish_avg(dtype, buf.bytes(), n);
         }
     } else {
-        let mut tmp = AlignedBuf::zeroed(buf.len() * wire.size_bytes());
+        let mut tmp = Scratch::take(buf.len() * wire.size_bytes());
         convert(dtype, buf.bytes(), wire, tmp.bytes_mut());
         all_reduce_native(c, ctx, tmp.bytes_mut(), wire, opts.op, algorithm)?;
         if opts.op == ReduceOp::Avg {
@@ -598,18 +756,46 @@ pub(crate) fn reduce_scatter<C: Communicator + ?Sized>(
     }
     let wire = ctx.sig.wire.unwrap_or(dtype);
     let es = wire.size_bytes();
-    let mut work = AlignedBuf::zeroed(input.len() * es);
-    convert(dtype, input.bytes(), wire, work.bytes_mut());
     let all: Vec<usize> = (0..n).collect();
+    let algorithm = ctx.sig.algorithm.unwrap_or(Algorithm::Ring);
+    if algorithm != Algorithm::RecursiveDoubling {
+        // the ring reads the input in place and ends in the output
+        if wire == dtype {
+            let out = output.bytes();
+            ring_reduce_scatter_to(
+                c,
+                ctx,
+                0,
+                &all,
+                me,
+                input.bytes(),
+                dtype,
+                wire,
+                opts.op,
+                out,
+            )?;
+            if opts.op == ReduceOp::Avg {
+                finish_avg(wire, out, n);
+            }
+        } else {
+            let mut part = Scratch::take(output.len() * es);
+            let p = part.bytes_mut();
+            ring_reduce_scatter_to(c, ctx, 0, &all, me, input.bytes(), dtype, wire, opts.op, p)?;
+            if opts.op == ReduceOp::Avg {
+                finish_avg(wire, p, n);
+            }
+            convert(wire, p, dtype, output.bytes());
+        }
+        return Ok(());
+    }
+    // recursive halving (small messages) works in a whole-buffer copy
+    let mut work = Scratch::take(input.len() * es);
+    convert(dtype, input.bytes(), wire, work.bytes_mut());
     let shard = byte_range(input.len(), n, me, es);
-    match ctx.sig.algorithm.unwrap_or(Algorithm::Ring) {
-        Algorithm::RecursiveDoubling if n.is_power_of_two() => {
-            rh_reduce_scatter(c, ctx, 0, &all, me, work.bytes_mut(), wire, opts.op)?;
-        }
-        Algorithm::RecursiveDoubling => {
-            rd_all_reduce(c, ctx, 0, &all, me, work.bytes_mut(), wire, opts.op)?;
-        }
-        _ => ring_reduce_scatter(c, ctx, 0, &all, me, work.bytes_mut(), wire, opts.op)?,
+    if n.is_power_of_two() {
+        rh_reduce_scatter(c, ctx, 0, &all, me, work.bytes_mut(), wire, opts.op)?;
+    } else {
+        rd_all_reduce(c, ctx, 0, &all, me, work.bytes_mut(), wire, opts.op)?;
     }
     let part = &mut work.bytes_mut()[shard];
     if opts.op == ReduceOp::Avg {
@@ -684,7 +870,7 @@ pub(crate) fn all_gather<C: Communicator + ?Sized>(
     let es = input.dtype().size_bytes();
     let total = output.len();
     let out = output.bytes();
-    out[byte_range(total, n, me, es)].copy_from_slice(input.bytes());
+    copy_large(&mut out[byte_range(total, n, me, es)], input.bytes());
     let all: Vec<usize> = (0..n).collect();
     match ctx.sig.algorithm {
         Some(Algorithm::RecursiveDoubling) if n.is_power_of_two() => {

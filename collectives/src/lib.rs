@@ -108,45 +108,47 @@
 //! # Ok::<(), weft_collectives::Error>(())
 //! ```
 //!
-//! # Cost of the reproducible mode
-//! Measured with `WEFT_BENCH_OPS=repro-table cargo bench -p weft-collectives
-//! --bench collectives -- RANKS 64` (ring, reproducible and exact
-//! all-reduce alternate in one cluster, each keeping its best of 5
-//! rounds), f32, thread ranks, on the shared 2-core development machine
-//! while other builds ran (load average 3.6–4.9), so single figures are
-//! noisy; the ratios of one run are the point. Two runs each; "ring
-//! pattern" is the same table over one-rank domains
-//! (`WEFT_BENCH_RANKS_PER_DOMAIN=1`), where both reproducible reductions
-//! keep the ring's neighbour-only pattern (see [`repro`]):
+//! # What the collectives cost
+//! `cargo bench -p weft-collectives --bench collectives -- RANKS MAX_MIB`
+//! prints two tables for thread ranks: each collective from 4 KiB up
+//! (nccl-tests' algbw and busbw, beside the machine's memcpy), and the
+//! collectives a training step calls, side by side in alternating rounds,
+//! with their ratios (`WEFT_BENCH_OPS=side` for that table alone). Figures
+//! go stale with the code and differ by machine, so they live in the
+//! bench, not here; what the design guarantees:
 //!
-//! | bytes | 2 ranks repro / ring | 4 ranks repro / ring | 4 ranks exact / ring | 4 ranks, ring pattern: repro / ring |
-//! |---|---|---|---|---|
-//! | 64 KiB | 0.96, 0.97 | 1.09, 1.10 | 1.66, 1.64 | 1.29, 1.26 |
-//! | 256 KiB | 1.04, 1.03 | 1.29, 1.29 | 2.33, 2.27 | 1.67 (once; 0.67 in a noisy run) |
-//! | 1 MiB | 0.99, 1.00 | 1.17, 1.19 | 1.70, 1.67 | 1.50, 1.49 |
-//! | 4 MiB | 1.00, 1.01 | 1.13, 1.11 | 1.59, 1.58 | 1.44, 1.42 |
-//! | 16 MiB | 1.00, 1.00 | 1.04, 1.01 | 2.04, 2.07 | 1.70, 1.90 |
-//! | 64 MiB | 0.83, 0.95 | 0.93, 0.89 | 1.59, 1.57 | 1.88, 1.77 |
+//! - **No allocation per call in steady state.** Scratch buffers come from
+//!   a per-thread pool (each thread rank keeps its own few), so repeated
+//!   calls allocate only small bookkeeping, whatever the size
+//!   (`tests/alloc.rs` counts it under a counting allocator).
+//! - **Reduce-scatter reads its input in place.** The ring starts from the
+//!   caller's buffer and ends in the output; only two chunk-sized partial
+//!   sums exist at a time. (It used to convert the whole input into a
+//!   zeroed copy first: 6.7× a whole all-reduce at 64 MiB.)
+//! - **Large results bypass the cache.** Outputs and copies of 8 MiB or
+//!   more are written with non-temporal stores (no read of the lines about
+//!   to be overwritten, no eviction of the inputs still to be read).
+//! - **Waits spin briefly before they sleep** when every rank has a core,
+//!   since a condition-variable wake-up costs as much as a 1 MiB
+//!   reduction; with more ranks than cores they sleep at once.
 //!
-//! With two ranks the reproducible all-reduce costs what the plain ring
-//! does (ratios below 1 are noise): the two-term sum computed in f64 and
-//! rounded once is already the correctly rounded exact sum. With 3 to 16
-//! ranks in one domain, the direct reduce-scatter sums all n contributions
-//! of a block in registers in one pass, with no partial sums in memory,
-//! so it costs about what the plain ring's n − 1 reduction steps do; total
-//! CPU time per call (`perf stat` of `examples/repro_profile.rs ring|repro
-//! LEN 4 REPS`, which counts work, not waiting) was 1.0–1.13× the plain
-//! ring's from 1 MiB to 64 MiB. Over several domains the fixed-lane ring
-//! moves partial sums as 8-byte lanes: 1.3–1.9×. Before this design
-//! (per-block headers and realignment at every step) 4 ranks cost
-//! 1.8–2.7×. "exact" is [`all_reduce_exact`](CommunicatorExt::all_reduce_exact)
-//! of an `ExactPartial` (the data-parallel trainer's reduction), which
-//! moves general encodings (8 bytes and a header per 64 elements): in one
-//! domain the owner of each chunk sums all n encoded pieces at once (it
-//! was 2.0–3.0× with the ring; over one-rank domains it still is 1.9–3.0×).
-//! One [`ExactPartial::add`](repro::ExactPartial::add) of a micro-batch
-//! costs about 0.6 ns per element when the partial fits in cache and is
-//! bound by memory bandwidth beyond (20 bytes per element).
+//! Measured on the 2-core development machine (AMD EPYC, shared, so single
+//! figures are noisy; the ratios of one run are the point), 2 thread
+//! ranks, f32, ring: all-reduce busbw 35–42 GB/s at 1–4 MiB (in cache)
+//! and 11–12 GB/s at 64–256 MiB, against a 2-thread memcpy of 16–20 GB/s;
+//! reduce-scatter busbw 0.7–0.95× the all-reduce's; all-gather about half
+//! the all-reduce's at large sizes, which is its memory traffic: out of
+//! place, it copies its own shard as well as the peers'. The reproducible
+//! all-reduce costs 0.9–1.2× the plain ring with 2 ranks, 1.0–1.4× with 4
+//! (3–16 ranks in one domain sum each block of all ranks' chunks in
+//! registers in one pass, see [`repro`]); `all_reduce_exact` of an
+//! [`repro::ExactPartial`] 1.5–1.7× from 64 MiB (it moves 8 bytes per
+//! element in the reduce-scatter phase, twice f32's, so 1.5× is its byte
+//! volume) and up to 3–3.7× at 1–4 MiB, where merging encodings, not
+//! bandwidth, is the cost. bf16 buffers (f32 accumulation) reduce-scatter
+//! in 0.5–0.6× and all-gather in 0.3–0.5× the f32 time from 16 MiB. One
+//! [`ExactPartial::add`](repro::ExactPartial::add) costs about 1.1 ns per
+//! element.
 //!
 //! # Failures
 //! Nothing hangs: every wait has the communicator's timeout, and the
@@ -181,7 +183,10 @@
 //!   an MPI library, `mpicc` and libclang to build — on Debian
 //!   `libopenmpi-dev openmpi-bin libclang-dev`). Every algorithm of this
 //!   crate runs over MPI point-to-point; `Auto` f32/f64 sums use the
-//!   library's own all-reduce. `tests/mpi.rs` runs the suite under
+//!   library's own all-reduce and reduce-scatter, and `Auto` all-gathers
+//!   its all-gather (`MPI_Iallreduce`, `MPI_Ireduce_scatter`,
+//!   `MPI_Iallgatherv`, polled so the timeout still holds;
+//!   `benches/mpi_vs_local.rs` compares them with the thread backend). `tests/mpi.rs` runs the suite under
 //!   `mpirun -np 4`.
 //! - `nccl`: `NcclComm`, the backend over NCCL on GPUs (cudarc, loaded at
 //!   run time, so it builds without CUDA). Host buffers are staged through

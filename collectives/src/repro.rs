@@ -85,7 +85,7 @@
 //! multiply-high reciprocal with a sticky remainder).
 //!
 //! The measured cost against the plain ring is in the crate documentation
-//! ("Cost of the reproducible mode").
+//! ("What the collectives cost").
 //!
 //! # Exact partials
 //! [`ExactPartial`] holds this encoding for a whole gradient and adds
@@ -121,7 +121,7 @@
 //! and, with `ring|repro LEN RANKS REPS`, runs only plain or reproducible
 //! all-reduces for `perf stat`.
 
-use weft_numerics::{Dtype, Element, bf16, f16};
+use weft_numerics::{Dtype, Element, bf16, f16, multiversion};
 
 use crate::algo::ring_all_gather;
 use crate::comm::Communicator;
@@ -189,45 +189,6 @@ fn put_header(out: &mut Vec<u8>, e: i32, w: usize, special: bool, bits: u32) {
 /// magic-constant conversion, and leave 12 bits of headroom in two words
 /// for carries (4096 merges before a block widens to three words).
 const FAST_SPREAD: i32 = 27;
-
-/// Defines a function whose body is compiled for the baseline, AVX2 and
-/// AVX-512 instruction sets and dispatched at run time on
-/// [`weft_numerics::simd::level`] (never `target-cpu=native`). The body is
-/// the same source in every version, so results are identical.
-macro_rules! multiversion {
-    (
-        $(#[$meta:meta])*
-        $vis:vis fn $name:ident $(<$($g:ident : $b:path),*>)? ($($a:ident : $t:ty),* $(,)?) $(-> $r:ty)? $body:block
-    ) => {
-        $(#[$meta])*
-        $vis fn $name $(<$($g: $b),*>)? ($($a: $t),*) $(-> $r)? {
-            #[inline(always)]
-            fn inner $(<$($g: $b),*>)? ($($a: $t),*) $(-> $r)? $body
-
-            #[cfg(target_arch = "x86_64")]
-            {
-                use weft_numerics::simd::{level, Level};
-                #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,bmi2")]
-                fn v4 $(<$($g: $b),*>)? ($($a: $t),*) $(-> $r)? {
-                    inner $(::<$($g),*>)? ($($a),*)
-                }
-                #[target_feature(enable = "avx2,fma,bmi2")]
-                fn v3 $(<$($g: $b),*>)? ($($a: $t),*) $(-> $r)? {
-                    inner $(::<$($g),*>)? ($($a),*)
-                }
-                match level() {
-                    // SAFETY: `level()` reported that the CPU supports every
-                    // feature enabled on `v4`.
-                    Level::Avx512 => return unsafe { v4 $(::<$($g),*>)? ($($a),*) },
-                    // SAFETY: as above, for `v3`'s features.
-                    Level::Avx2 => return unsafe { v3 $(::<$($g),*>)? ($($a),*) },
-                    Level::Baseline => {}
-                }
-            }
-            inner $(::<$($g),*>)? ($($a),*)
-        }
-    };
-}
 
 mod fixed;
 mod fused;
@@ -1228,9 +1189,27 @@ fn exact_rd_all_reduce<C: Communicator + ?Sized>(
     if m <= 1 {
         return Ok(());
     }
+    let mut scratch = take_buf(enc.capacity());
+    let result = exact_rd_rounds(c, ctx, tag0, members, me, enc, len, &mut scratch);
+    give_back(scratch);
+    result
+}
+
+/// The rounds of [`exact_rd_all_reduce`], merging through `scratch`.
+#[allow(clippy::too_many_arguments)]
+fn exact_rd_rounds<C: Communicator + ?Sized>(
+    c: &C,
+    ctx: &OpCtx,
+    tag0: u32,
+    members: &[usize],
+    me: usize,
+    enc: &mut Vec<u8>,
+    len: usize,
+    scratch: &mut Vec<u8>,
+) -> Result<()> {
+    let m = members.len();
     let p = 1usize << (usize::BITS - 1 - m.leading_zeros());
     let rem = m - p;
-    let mut scratch = Vec::new();
     let mut exchange_merge =
         |tag: u32, to: Option<usize>, from: Option<usize>, enc: &mut Vec<u8>| -> Result<()> {
             let sends: Vec<Outgoing<'_>> = to
@@ -1239,7 +1218,7 @@ fn exact_rd_all_reduce<C: Communicator + ?Sized>(
                 .collect();
             match from {
                 Some(f) => {
-                    let mut sink = |src: &[u8]| merge(enc, src, len, &mut scratch);
+                    let mut sink = |src: &[u8]| merge(enc, src, len, scratch);
                     c.exchange(
                         ctx,
                         tag,
@@ -1250,7 +1229,7 @@ fn exact_rd_all_reduce<C: Communicator + ?Sized>(
                             sink: &mut sink,
                         }],
                     )?;
-                    std::mem::swap(enc, &mut scratch);
+                    std::mem::swap(enc, scratch);
                     Ok(())
                 }
                 None => c.exchange(ctx, tag, &sends, &mut []),
@@ -1281,7 +1260,8 @@ fn exact_rd_all_reduce<C: Communicator + ?Sized>(
     if me < 2 * rem {
         let tag = tag0 + 64;
         if me.is_multiple_of(2) {
-            let mut got = Vec::new();
+            let got = &mut *scratch;
+            got.clear();
             let mut sink = |src: &[u8]| {
                 got.extend_from_slice(src);
                 Ok(())
@@ -1296,7 +1276,7 @@ fn exact_rd_all_reduce<C: Communicator + ?Sized>(
                     sink: &mut sink,
                 }],
             )?;
-            *enc = got;
+            std::mem::swap(enc, scratch);
         } else {
             c.exchange(
                 ctx,
@@ -1384,10 +1364,12 @@ pub(crate) fn all_reduce<C: Communicator + ?Sized>(
     let all: Vec<usize> = (0..n).collect();
     match ctx.sig.algorithm.unwrap_or(Algorithm::Ring) {
         Algorithm::RecursiveDoubling => {
-            let mut enc = Vec::with_capacity(encoded_capacity(len));
+            let mut enc = take_buf(encoded_capacity(len));
             encode_buf(dtype, bytes, &mut enc);
-            exact_rd_all_reduce(c, ctx, 0, &all, me, &mut enc, len)?;
-            decode_buf(dtype, &enc, bytes, avg_div(op, n))?;
+            let r = exact_rd_all_reduce(c, ctx, 0, &all, me, &mut enc, len)
+                .and_then(|()| decode_buf(dtype, &enc, bytes, avg_div(op, n)));
+            give_back(enc);
+            r?;
         }
         Algorithm::Hierarchical => {
             let l = crate::algo::hier_layout(c).ok_or_else(|| Error::InvalidArgument {
@@ -1410,7 +1392,9 @@ pub(crate) fn all_reduce<C: Communicator + ?Sized>(
             )?;
             let r = shard_range(len, k, li);
             let part = &mut bytes[r.start * es..r.end * es];
-            decode_buf(dtype, &enc[li], part, avg_div(op, n))?;
+            let decoded = decode_buf(dtype, &enc[li], part, avg_div(op, n));
+            enc.into_iter().for_each(give_back);
+            decoded?;
             ring_all_gather(c, ctx, 2 << 20, &l.local, li, bytes, es)?;
         }
         _ => {
@@ -1464,11 +1448,13 @@ pub(crate) fn reduce_scatter<C: Communicator + ?Sized>(
     let out = output.bytes();
     match ctx.sig.algorithm.unwrap_or(Algorithm::Ring) {
         Algorithm::RecursiveDoubling => {
-            let mut whole = Vec::with_capacity(encoded_capacity(len));
+            let mut whole = take_buf(encoded_capacity(len));
             encode_buf(dtype, input.bytes(), &mut whole);
-            exact_rd_all_reduce(c, ctx, 0, &all, me, &mut whole, len)?;
-            let mut tmp = crate::reduce::AlignedBuf::zeroed(input.bytes().len());
-            decode_buf(dtype, &whole, tmp.bytes_mut(), avg_div(op, n))?;
+            let mut tmp = crate::reduce::Scratch::take(input.bytes().len());
+            let r = exact_rd_all_reduce(c, ctx, 0, &all, me, &mut whole, len)
+                .and_then(|()| decode_buf(dtype, &whole, tmp.bytes_mut(), avg_div(op, n)));
+            give_back(whole);
+            r?;
             let es = dtype.size_bytes();
             let r = shard_range(len, n, me);
             out.copy_from_slice(&tmp.bytes()[r.start * es..r.end * es]);

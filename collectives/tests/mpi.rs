@@ -247,6 +247,38 @@ fn native_all_reduce_and_its_traffic(c: &MpiComm, checks: &mut usize) {
         2 * (n - 1) * s / n
     );
     *checks += 3;
+    // the library's reduce-scatter (uneven shards) and all-gather (`Auto`)
+    // give the serial reference, blocking and not
+    let len = 1000 * n + 3;
+    let cols: Vec<Vec<f64>> = (0..n).map(|q| contribution(7, q, len)).collect();
+    let mine: Vec<f64> = conv(&cols[r]);
+    let sr = shard_range(len, n, r);
+    for lib in [c.clone(), c.clone().with_blocking_native(true)] {
+        for op in [ReduceOp::Sum, ReduceOp::Avg] {
+            let mut out = vec![0f64; sr.len()];
+            lib.library_reduce_scatter(&mine, &mut out, op)
+                .expect("library reduce_scatter");
+            assert_eq!(
+                bits(&out),
+                bits(&reference(op, &cols)[sr.clone()]),
+                "{op:?}"
+            );
+        }
+        let mut e = vec![0f64; sr.len()];
+        assert!(
+            lib.library_reduce_scatter(&mine, &mut e, ReduceOp::Max)
+                .is_err(),
+            "max is refused"
+        );
+        let mut full = vec![0f64; len];
+        lib.all_gather(&mine[sr.clone()], &mut full)
+            .expect("native all_gather");
+        let want: Vec<f64> = (0..n)
+            .flat_map(|q| cols[q][shard_range(len, n, q)].to_vec())
+            .collect();
+        assert_eq!(bits(&full), bits(&want));
+        *checks += 4;
+    }
 }
 
 fn reproducible_mode_equals_exact_sum(c: &MpiComm, checks: &mut usize) {

@@ -23,7 +23,7 @@
 //! otherwise. Results are exact either way, so they are the same bits as
 //! every other path of the reproducible mode.
 
-use weft_numerics::Element;
+use weft_numerics::{Element, multiversion};
 
 use super::fused::{
     Div, Recip, div_round_narrow_by, encode_block, finish_block, merge_raw_block, round_lane,

@@ -4,7 +4,7 @@
 //! block into the output (no encoded result is ever written out). Blocks
 //! live in L1-sized scratch between the steps of one block.
 
-use weft_numerics::{Dtype, Element};
+use weft_numerics::{Dtype, Element, multiversion};
 
 use super::{
     BLOCK, BlockRef, F_NEGZERO, HEADER, WMAX, bitlen64, corrupt, decode_block, encode_f32_fast,

@@ -298,8 +298,9 @@ pub(crate) fn reduce_scatter_exact<T: Element, C: Communicator + ?Sized>(
         (None, ReduceOp::Avg) => divisor(opk, total)?,
         (None, _) => Div(1),
     };
+    // (kept equal to the encoding's block offsets by every update: tested
+    // below, not re-derived per call)
     let off = &p.offs;
-    debug_assert_eq!(Some(off), block_offsets(&p.enc, len).ok().as_ref());
     let mine = shard_range(len, n, me);
     let piece = |ch: usize| {
         let br = blocks_of(&shard_range(len, n, ch));
@@ -370,4 +371,54 @@ pub(crate) fn reduce_scatter_exact<T: Element, C: Communicator + ?Sized>(
     super::give_back(trav);
     super::give_back(next);
     result
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The block offsets that reductions slice the encoding by stay those
+    /// of the encoding through every kind of update: fast blocks, blocks
+    /// that widen or spill to the general encoding, merges, clears.
+    #[test]
+    fn block_offsets_track_the_encoding_through_every_update() {
+        let len = 1000;
+        let mut p = ExactPartial::new(len);
+        let check = |p: &ExactPartial| {
+            assert_eq!(p.offs, block_offsets(&p.enc, p.len).unwrap());
+        };
+        check(&p);
+        let small: Vec<f32> = (0..len).map(|i| (i as f32 * 0.01).sin() * 1e-3).collect();
+        p.add(&small).unwrap();
+        check(&p);
+        // values 60 binades apart in some blocks: the general encoding
+        let wide: Vec<f32> = (0..len)
+            .map(|i| {
+                if i % 7 == 0 {
+                    1e9
+                } else {
+                    (i as f32).cos() * 1e-9
+                }
+            })
+            .collect();
+        p.add(&wide).unwrap();
+        check(&p);
+        let special: Vec<f64> = (0..len)
+            .map(|i| match i % 97 {
+                0 => f64::INFINITY,
+                1 => -0.0,
+                _ => i as f64 * 1e-300,
+            })
+            .collect();
+        p.add(&special).unwrap();
+        check(&p);
+        let mut q = ExactPartial::new(len);
+        q.add(&small).unwrap();
+        p.merge_from(&q).unwrap();
+        check(&p);
+        p.clear();
+        check(&p);
+        p.add(&wide).unwrap();
+        check(&p);
+    }
 }
