@@ -44,7 +44,7 @@ const MIN_THREAD_COLS: usize = 256;
 /// `None` when there is one thread or a block would be narrower than
 /// [`MIN_THREAD_COLS`]. Blocks start on multiples of 16 columns (one
 /// AVX-512 vector).
-fn column_split(n: usize, threads: usize) -> Option<usize> {
+pub(crate) fn column_split(n: usize, threads: usize) -> Option<usize> {
     if threads < 2 {
         return None;
     }

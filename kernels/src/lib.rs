@@ -29,6 +29,13 @@
 //! | residual add | [`residual_forward`] | [`residual_backward`] |
 //! | AdamW update | [`adamw_update`] with [`AdamW`] | |
 //!
+//! Mixed precision starts here: [`matmul_bf16`] multiplies bf16 operands
+//! in any layout into f32 with f32 accumulation (`vdpbf16ps` where the CPU
+//! has AVX512-BF16, else widened to f32), batch invariant like the f32
+//! GEMM; [`bf16_dot_peak_gflops`] measures the bf16 peak it is held
+//! against, and `benches/bf16_gemm.rs` compares it with the f32 GEMM at
+//! GPT-2 small's layers. The model does not call it yet.
+//!
 //! All kernels are generic over [`Real`] (`f32` or `f64`). Training uses
 //! `f32`; the tests run the same code in `f64` and compare every backward
 //! with central finite differences.
@@ -93,6 +100,7 @@ pub mod cuda;
 mod embedding;
 mod error;
 mod gemm;
+mod gemm_bf16;
 mod layernorm;
 mod matmul;
 mod peak;
@@ -107,6 +115,7 @@ pub use adamw::{AdamW, adamw_update};
 pub use attention::{attention_backward, attention_decode, attention_forward};
 pub use embedding::{check_tokens, encoder_backward, encoder_forward};
 pub use error::{Error, Result};
+pub use gemm_bf16::{bf16_dot_peak_gflops, has_dpbf16, matmul_bf16};
 pub use layernorm::{
     layernorm_backward, layernorm_backward_input, layernorm_backward_weight, layernorm_forward,
 };
