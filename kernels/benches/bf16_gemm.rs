@@ -2,7 +2,11 @@
 //! run, at GPT-2 small's linear layers (B·T = 1024 rows, C = 768): the
 //! forward `x · W`, the input gradient `dY · Wᵀ` and the weight gradient
 //! `xᵀ · dY` of each layer, with the measured f32 FMA peak and bf16
-//! dot-product peak of the same threads beside them.
+//! dot-product peak of the same threads beside them. Three columns of
+//! time: the linear-layer kernels in [`Precision::F32`], the same kernels
+//! in [`Precision::Bf16`] (f32 buffers rounded to bf16 as they are
+//! packed: what the model runs), and [`matmul_bf16`] on bf16 buffers (what
+//! the rounding costs is the difference).
 //!
 //! `cargo bench -p weft-kernels --bench bf16_gemm [-- REPS]` (default 5:
 //! each figure is the best of REPS alternating rounds, so that load on a
@@ -17,7 +21,7 @@
 use std::time::Instant;
 
 use weft_kernels::{
-    Mode, bf16_dot_peak_gflops, fma_peak_gflops, has_dpbf16, matmul_backward_input,
+    Mode, Precision, bf16_dot_peak_gflops, bf16_path, fma_peak_gflops, matmul_backward_input,
     matmul_backward_weight, matmul_bf16, matmul_forward,
 };
 use weft_numerics::bf16;
@@ -54,18 +58,22 @@ fn main() {
     println!(
         "# {threads} threads; f32 FMA peak {f32_peak:.1} GFLOP/s; bf16 dot-product peak {}; bf16 path: {}",
         bf16_peak.map_or_else(
-            || "n/a (no AVX512-BF16)".into(),
+            || "n/a (portable path)".into(),
             |p| format!("{p:.1} GFLOP/s")
         ),
-        if has_dpbf16() {
-            "vdpbf16ps"
-        } else {
-            "portable (widen to f32)"
-        }
+        bf16_path().name()
     );
     println!(
-        "{:<28} {:>10} {:>10} {:>10} {:>10} {:>8} {:>9} {:>9}",
-        "product", "f32 ms", "bf16 ms", "f32 GF/s", "bf16 GF/s", "bf16/f32", "f32 %pk", "bf16 %pk"
+        "{:<28} {:>8} {:>8} {:>8} {:>10} {:>10} {:>8} {:>9} {:>9}",
+        "product",
+        "f32 ms",
+        "bf16 ms",
+        "buf ms",
+        "f32 GF/s",
+        "bf16 GF/s",
+        "bf16/f32",
+        "f32 %pk",
+        "bf16 %pk"
     );
     let layers = [
         ("c_attn", C, 3 * C),
@@ -73,7 +81,7 @@ fn main() {
         ("c_fc", C, 4 * C),
         ("mlp.c_proj", 4 * C, C),
     ];
-    let (mut t32_all, mut t16_all, mut flops_all) = (0.0, 0.0, 0.0);
+    let (mut t32_all, mut t16_all, mut tb_all, mut flops_all) = (0.0, 0.0, 0.0, 0.0);
     for (name, ic, oc) in layers {
         let x = data(N * ic, 1);
         let w = data(ic * oc, 2);
@@ -87,58 +95,119 @@ fn main() {
         let mut y = vec![0f32; N * oc];
         let mut dx = vec![0f32; N * ic];
         let mut dw = vec![0f32; ic * oc];
-        // (label, f32 product, bf16 product), the same shapes and layouts
-        let mut rows: Vec<(String, f64, f64)> = Vec::new();
-        let (mut t32, mut t16) = (f64::MAX, f64::MAX);
+        // (label, f32, bf16 on f32 buffers, bf16 buffers), the same shapes
+        // and layouts
+        let mut rows: Vec<(String, f64, f64, f64)> = Vec::new();
+        let (mut t32, mut t16, mut tb) = (f64::MAX, f64::MAX, f64::MAX);
         for _ in 0..reps {
             t32 = t32.min(best(1, || {
-                matmul_forward(&mut y, &x, &w, None, 1, N, ic, oc, Mode::Throughput).unwrap();
+                matmul_forward(
+                    &mut y,
+                    &x,
+                    &w,
+                    None,
+                    1,
+                    N,
+                    ic,
+                    oc,
+                    Mode::Throughput,
+                    Precision::F32,
+                )
+                .unwrap();
             }));
             t16 = t16.min(best(1, || {
+                matmul_forward(
+                    &mut y,
+                    &x,
+                    &w,
+                    None,
+                    1,
+                    N,
+                    ic,
+                    oc,
+                    Mode::Throughput,
+                    Precision::Bf16,
+                )
+                .unwrap();
+            }));
+            tb = tb.min(best(1, || {
                 matmul_bf16(&mut y, &xb, false, &wb, false, N, oc, ic, false).unwrap();
             }));
         }
-        rows.push((format!("fwd {name} {ic}x{oc}"), t32, t16));
-        let (mut t32, mut t16) = (f64::MAX, f64::MAX);
+        rows.push((format!("fwd {name} {ic}x{oc}"), t32, t16, tb));
+        let (mut t32, mut t16, mut tb) = (f64::MAX, f64::MAX, f64::MAX);
         for _ in 0..reps {
             t32 = t32.min(best(1, || {
-                matmul_backward_input(&mut dx, &dy, &w, 1, N, ic, oc, Mode::Throughput).unwrap();
+                matmul_backward_input(
+                    &mut dx,
+                    &dy,
+                    &w,
+                    1,
+                    N,
+                    ic,
+                    oc,
+                    Mode::Throughput,
+                    Precision::F32,
+                )
+                .unwrap();
             }));
             t16 = t16.min(best(1, || {
+                matmul_backward_input(
+                    &mut dx,
+                    &dy,
+                    &w,
+                    1,
+                    N,
+                    ic,
+                    oc,
+                    Mode::Throughput,
+                    Precision::Bf16,
+                )
+                .unwrap();
+            }));
+            tb = tb.min(best(1, || {
                 matmul_bf16(&mut dx, &dyb, false, &wb, true, N, ic, oc, false).unwrap();
             }));
         }
-        rows.push((format!("dx {name} {ic}x{oc}"), t32, t16));
-        let (mut t32, mut t16) = (f64::MAX, f64::MAX);
+        rows.push((format!("dx {name} {ic}x{oc}"), t32, t16, tb));
+        let (mut t32, mut t16, mut tb) = (f64::MAX, f64::MAX, f64::MAX);
         for _ in 0..reps {
             t32 = t32.min(best(1, || {
-                matmul_backward_weight(&mut dw, None, &dy, &x, 1, N, ic, oc).unwrap();
+                matmul_backward_weight(&mut dw, None, &dy, &x, 1, N, ic, oc, Precision::F32)
+                    .unwrap();
             }));
             t16 = t16.min(best(1, || {
+                matmul_backward_weight(&mut dw, None, &dy, &x, 1, N, ic, oc, Precision::Bf16)
+                    .unwrap();
+            }));
+            tb = tb.min(best(1, || {
                 matmul_bf16(&mut dw, &xb, true, &dyb, false, ic, oc, N, true).unwrap();
             }));
         }
-        rows.push((format!("dw {name} {ic}x{oc}"), t32, t16));
-        for (label, t32, t16) in rows {
+        rows.push((format!("dw {name} {ic}x{oc}"), t32, t16, tb));
+        for (label, t32, t16, tb) in rows {
             let (g32, g16) = (flops / t32 / 1e9, flops / t16 / 1e9);
             println!(
-                "{label:<28} {:>10.2} {:>10.2} {g32:>10.1} {g16:>10.1} {:>7.2}x {:>8.0}% {:>8}",
+                "{label:<28} {:>8.2} {:>8.2} {:>8.2} {g32:>10.1} {g16:>10.1} {:>7.2}x {:>8.0}% {:>8}",
                 t32 * 1e3,
                 t16 * 1e3,
+                tb * 1e3,
                 t32 / t16,
                 100.0 * g32 / f32_peak,
                 bf16_peak.map_or_else(|| "-".into(), |p| format!("{:.0}%", 100.0 * g16 / p)),
             );
             t32_all += t32;
             t16_all += t16;
+            tb_all += tb;
             flops_all += flops;
         }
     }
     println!(
-        "{:<28} {:>10.2} {:>10.2} {:>10.1} {:>10.1} {:>7.2}x",
+        "{:<28} {:>8.2} {:>8.2} {:>8.2} {:>10.1} {:>10.1} {:>7.2}x",
         "all twelve",
         t32_all * 1e3,
         t16_all * 1e3,
+        tb_all * 1e3,
         flops_all / t32_all / 1e9,
         flops_all / t16_all / 1e9,
         t32_all / t16_all

@@ -7,7 +7,9 @@
 //! one run) and `attention` (forward + backward at T=256 and T=1024).
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
-use weft_kernels::{Mode, attention_backward, attention_forward, matmul_backward, matmul_forward};
+use weft_kernels::{
+    Mode, Precision, attention_backward, attention_forward, matmul_backward, matmul_forward,
+};
 
 const B: usize = 4;
 const T: usize = 256;
@@ -45,7 +47,19 @@ fn matmul(c: &mut Criterion) {
         ] {
             g.bench_function(format!("fwd/{name}/{ic}x{oc}/{tag}"), |bch| {
                 bch.iter(|| {
-                    matmul_forward(&mut out, &inp, &w, Some(&bias), B, T, ic, oc, mode).unwrap();
+                    matmul_forward(
+                        &mut out,
+                        &inp,
+                        &w,
+                        Some(&bias),
+                        B,
+                        T,
+                        ic,
+                        oc,
+                        mode,
+                        Precision::F32,
+                    )
+                    .unwrap();
                 });
             });
         }
@@ -68,6 +82,7 @@ fn matmul(c: &mut Criterion) {
                     ic,
                     oc,
                     Mode::Throughput,
+                    Precision::F32,
                 )
                 .unwrap();
             });

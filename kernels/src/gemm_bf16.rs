@@ -4,31 +4,44 @@
 //! [`matmul_bf16`] computes `out (m×n, f32) = [out +] A · B` for bf16
 //! operands in either layout (row-major or transposed), which covers the
 //! three products of a linear layer: the forward `x · W`, the input
-//! gradient `dY · Wᵀ` and the weight gradient `xᵀ · dY`.
+//! gradient `dY · Wᵀ` and the weight gradient `xᵀ · dY`. The linear-layer
+//! kernels in [`Precision::Bf16`](crate::Precision::Bf16) run the same
+//! product on f32 buffers, rounded to bf16 in one vectorized pass first.
 //!
-//! # Paths
-//! - **AVX512-BF16** (`vdpbf16ps`, when the CPU has it and
-//!   [`weft_numerics::simd::level`] allows AVX-512): operands are packed
-//!   into pairs along `k` (the instruction's layout), and a micro-kernel
-//!   keeps an 8 × 32 block of f32 sums in 16 registers, adding two
-//!   products per lane per instruction, twice the f32 FMA's rate.
+//! # Paths ([`bf16_path`])
+//! - **AMX** (`tdpbf16ps`, Intel Sapphire Rapids and later, when the CPU
+//!   has AMX-BF16 and Linux grants the process the tile-data state —
+//!   requested once with `arch_prctl(ARCH_REQ_XCOMP_PERM)`): stable Rust
+//!   reaches the tile instructions through inline assembly. Four 16 × 16
+//!   f32 tiles of sums per 32 × 32 block, each instruction adding a 16 ×
+//!   32 by 32 × 16 bf16 product.
+//! - **AVX512-BF16** (`vdpbf16ps`): operands packed into pairs along `k`
+//!   (the instruction's layout), a micro-kernel keeping an 8 × 32 block of
+//!   f32 sums in 16 registers, two products per lane per instruction.
 //! - **Portable** elsewhere: the operands widened to f32 (exact) and the
-//!   f32 GEMM (its row-invariant form). Its sums are rounded in another
-//!   order, so the two paths agree to rounding, not bit for bit.
+//!   f32 GEMM (its row-invariant form).
+//!
+//! [`weft_numerics::simd::level`] below AVX-512 (`WEFT_SIMD`) selects the
+//! portable path; `WEFT_AMX=0` leaves AMX out.
 //!
 //! # Numerics
-//! Every product of two bf16 values is exact in f32; each is added to an
-//! f32 sum, sequentially over `k` (two per pair: `(s + a₁b₁) + a₀b₀`,
-//! as the instruction does), rounded to nearest-even. The instruction
-//! treats subnormal inputs as zero and flushes subnormal results (values
-//! below 1.2e-38, far below any gradient that matters); the portable path
-//! keeps them.
+//! Every product of two bf16 values is exact in f32 and accumulated in
+//! f32. `vdpbf16ps` adds them sequentially over `k`, two per pair
+//! (`(s + a₁b₁) + a₀b₀`); AMX in its own fixed order within each 32-value
+//! step (measured: within an f32 rounding of that order, not bit for bit);
+//! the portable path in the f32 GEMM's. The paths therefore agree to
+//! rounding, not bit for bit, and one machine always takes the same path.
+//! Both instruction paths treat subnormal inputs as zero and flush
+//! subnormal results (values below 1.2e-38, far below any gradient that
+//! matters); the portable path keeps them.
 //!
 //! # Invariance
 //! Every output element is one sum over all of `k` in a fixed order, with
 //! block boundaries that depend on `k` alone: a row's bits do not depend
 //! on how many rows are computed with it (batch invariance, as the f32
 //! GEMM's), nor on the number of threads (columns are split, `k` never).
+
+use std::sync::OnceLock;
 
 use rayon::prelude::*;
 use weft_numerics::bf16;
@@ -37,15 +50,25 @@ use crate::error::{Error, Result, check};
 use crate::gemm::{View, column_split};
 use crate::matmul::gemm_row_invariant;
 
-/// Rows of the micro-kernel's block of sums.
+/// Rows of the `vdpbf16ps` micro-kernel's block of sums.
 const MR: usize = 8;
-/// Columns of the micro-kernel's block of sums (two AVX-512 vectors).
+/// Columns of a packed panel of the right operand, and of both
+/// micro-kernels' blocks of sums (two AVX-512 vectors, two AMX tiles).
 const NR: usize = 32;
 /// Pairs of `k` per packed block (1024 values of `k`): a packed panel of
 /// the right operand is `NR · 2 · KP` bf16 = 64 KiB, of the left one 32 KiB.
 const KP: usize = 512;
 /// Rows of the left operand packed at a time.
 const MC: usize = 128;
+/// Rows of the AMX block of sums (two tiles of 16).
+const MA: usize = 32;
+/// Pairs of `k` per AMX step (one tile: 16 rows of 64 bytes).
+const PA: usize = 16;
+/// Pairs of `k` per pass of an AMX block of sums over its packed panels:
+/// the right panel's 16 KiB and the left one's rows stay in L1 while the
+/// tiles stream them, and the sums go back to the output (in cache: the
+/// passes over one 128 × 32 block follow each other) between passes.
+const KPA: usize = 128;
 
 /// `out (m×n) = [out +] op(a) · op(b)` in f32 from bf16 operands.
 ///
@@ -103,45 +126,203 @@ pub fn matmul_bf16(
         }
         return Ok(());
     }
-    if has_dpbf16() {
-        packed(m, n, k, out, accumulate, av, bv);
-    } else {
-        portable(m, n, k, out, accumulate, av, bv);
-    }
+    product(m, n, k, out, accumulate, av, bv);
     Ok(())
 }
 
-/// Whether the `vdpbf16ps` path runs: the CPU has AVX512-BF16 and
-/// [`weft_numerics::simd::level`] allows AVX-512 (`WEFT_SIMD` can cap it).
-pub fn has_dpbf16() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        weft_numerics::simd::level() == weft_numerics::simd::Level::Avx512
-            && std::arch::is_x86_feature_detected!("avx512bf16")
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        false
+/// How this machine computes bf16 products (see the module docs).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Bf16Path {
+    /// AMX tiles (`tdpbf16ps`).
+    Amx,
+    /// AVX512-BF16 (`vdpbf16ps`).
+    Avx512Bf16,
+    /// Widened to f32, the f32 GEMM.
+    Portable,
+}
+
+impl Bf16Path {
+    /// A short name for reports: `"amx"`, `"avx512-bf16"`, `"portable"`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Bf16Path::Amx => "amx",
+            Bf16Path::Avx512Bf16 => "avx512-bf16",
+            Bf16Path::Portable => "portable",
+        }
     }
 }
 
-/// The portable path: both operands widened to f32, then the f32 GEMM.
-fn portable(
+/// The path bf16 products take on this machine, decided once: AMX where
+/// the CPU has AMX-BF16, the OS grants the tile state and `WEFT_AMX` is not
+/// `0`; else `vdpbf16ps` where it has AVX512-BF16; else portable — AVX-512
+/// paths only where [`weft_numerics::simd::level`] allows AVX-512.
+pub fn bf16_path() -> Bf16Path {
+    static PATH: OnceLock<Bf16Path> = OnceLock::new();
+    *PATH.get_or_init(|| {
+        let paths = available_paths();
+        let amx_off = std::env::var("WEFT_AMX").is_ok_and(|v| v.trim() == "0");
+        paths
+            .into_iter()
+            .find(|&p| !(amx_off && p == Bf16Path::Amx))
+            .unwrap_or(Bf16Path::Portable)
+    })
+}
+
+/// Every path this machine can run, fastest first (the portable one
+/// always last).
+pub(crate) fn available_paths() -> Vec<Bf16Path> {
+    let mut out = Vec::new();
+    #[cfg(target_arch = "x86_64")]
+    if weft_numerics::simd::level() == weft_numerics::simd::Level::Avx512
+        && std::arch::is_x86_feature_detected!("avx512bf16")
+    {
+        if amx::usable() {
+            out.push(Bf16Path::Amx);
+        }
+        out.push(Bf16Path::Avx512Bf16);
+    }
+    out.push(Bf16Path::Portable);
+    out
+}
+
+/// An element the bf16 products read: a bf16 as it is, an f32 rounded
+/// to the nearest bf16 (ties to even).
+pub(crate) trait Operand: Copy + Send + Sync {
+    /// The bf16 this element is multiplied as.
+    fn bf16_bits(self) -> u16;
+    /// The view's elements as bf16: itself, or a rounded copy of the part
+    /// of the buffer it spans (in one vectorized pass) in `buf`.
+    fn as_bf16<'a>(
+        v: View<'a, Self>,
+        rows: usize,
+        cols: usize,
+        buf: &'a mut Vec<bf16>,
+    ) -> View<'a, bf16>;
+}
+
+impl Operand for bf16 {
+    fn bf16_bits(self) -> u16 {
+        self.to_bits()
+    }
+    fn as_bf16<'a>(v: View<'a, bf16>, _: usize, _: usize, _: &'a mut Vec<bf16>) -> View<'a, bf16> {
+        v
+    }
+}
+
+impl Operand for f32 {
+    fn bf16_bits(self) -> u16 {
+        bf16::from_f32(self).to_bits()
+    }
+    fn as_bf16<'a>(
+        v: View<'a, f32>,
+        rows: usize,
+        cols: usize,
+        buf: &'a mut Vec<bf16>,
+    ) -> View<'a, bf16> {
+        let len = (rows - 1) * v.rs + (cols - 1) * v.cs + 1;
+        round_to_bf16(buf, &v.data[..len]);
+        View {
+            data: &buf[..len],
+            rs: v.rs,
+            cs: v.cs,
+        }
+    }
+}
+
+/// `dst = src` rounded to bf16 (ties to even), over the pool for large
+/// buffers; `vcvtneps2bf16` where the CPU has AVX512-BF16 (which treats
+/// subnormal inputs as zero: the instruction paths that read the result
+/// do so anyway).
+fn round_to_bf16(dst: &mut Vec<bf16>, src: &[f32]) {
+    const CHUNK: usize = 1 << 16;
+    dst.clear();
+    dst.resize(src.len(), bf16::ZERO);
+    dst.par_chunks_mut(CHUNK)
+        .zip(src.par_chunks(CHUNK))
+        .for_each(|(d, s)| {
+            #[cfg(target_arch = "x86_64")]
+            if std::arch::is_x86_feature_detected!("avx512bf16") {
+                // SAFETY: the CPU has AVX512-BF16 (checked just above).
+                unsafe { x86::round(d, s) };
+                return;
+            }
+            for (d, &x) in d.iter_mut().zip(s) {
+                *d = bf16::from_f32(x);
+            }
+        });
+}
+
+thread_local! {
+    /// The AMX path's packed operands, kept for the thread's next block
+    /// (taken out while in use).
+    static PACKED: std::cell::Cell<[Vec<u16>; 2]> = const { std::cell::Cell::new([Vec::new(), Vec::new()]) };
+    /// Rounded copies of f32 operands, kept for the thread's next product
+    /// (taken out while in use, so a product the pool runs inside another
+    /// on the same thread just allocates its own).
+    static ROUNDED: std::cell::Cell<[Vec<bf16>; 2]> = const { std::cell::Cell::new([Vec::new(), Vec::new()]) };
+}
+
+/// `out (m×n, row-major) = [out +] op(a) · op(b)` with every element of
+/// `a` and `b` taken as its bf16 ([`Operand`]), accumulated in f32, on
+/// [`bf16_path`]. Shapes are the caller's to check; `m`, `n`, `k` > 0.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn product<A: Operand, B: Operand>(
     m: usize,
     n: usize,
     k: usize,
     out: &mut [f32],
     accumulate: bool,
-    a: View<'_, bf16>,
-    b: View<'_, bf16>,
+    a: View<'_, A>,
+    b: View<'_, B>,
 ) {
-    let wide = |v: View<'_, bf16>, rows: usize, cols: usize| -> Vec<f32> {
+    product_on(bf16_path(), m, n, k, out, accumulate, a, b);
+}
+
+/// [`product`] on `path` (one of [`available_paths`]).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn product_on<A: Operand, B: Operand>(
+    path: Bf16Path,
+    m: usize,
+    n: usize,
+    k: usize,
+    out: &mut [f32],
+    accumulate: bool,
+    a: View<'_, A>,
+    b: View<'_, B>,
+) {
+    if path == Bf16Path::Portable {
+        portable(m, n, k, out, accumulate, a, b);
+        return;
+    }
+    let [mut ab, mut bb] = ROUNDED.take();
+    {
+        let a = A::as_bf16(a, m, k, &mut ab);
+        let b = B::as_bf16(b, k, n, &mut bb);
+        packed(path, m, n, k, out, accumulate, a, b);
+    }
+    ROUNDED.set([ab, bb]);
+}
+
+/// The portable path: both operands widened to f32, then the f32 GEMM.
+fn portable<A: Operand, B: Operand>(
+    m: usize,
+    n: usize,
+    k: usize,
+    out: &mut [f32],
+    accumulate: bool,
+    a: View<'_, A>,
+    b: View<'_, B>,
+) {
+    fn wide<T: Operand>(v: View<'_, T>, rows: usize, cols: usize) -> Vec<f32> {
         let mut w = Vec::with_capacity(rows * cols);
         for i in 0..rows {
-            w.extend((0..cols).map(|j| v.data[i * v.rs + j * v.cs].to_f32()));
+            w.extend(
+                (0..cols)
+                    .map(|j| bf16::from_bits(v.data[i * v.rs + j * v.cs].bf16_bits()).to_f32()),
+            );
         }
         w
-    };
+    }
     let (aw, bw) = (wide(a, m, k), wide(b, k, n));
     gemm_row_invariant(
         m,
@@ -164,9 +345,11 @@ struct OutPtr(*mut f32);
 // borrowed output to pool tasks that end before the borrow does.
 unsafe impl Sync for OutPtr {}
 
-/// The packed `vdpbf16ps` path, the columns split over the pool when the
-/// product is large.
+/// The packed paths (AMX or `vdpbf16ps`), the columns split over the
+/// pool when the product is large.
+#[allow(clippy::too_many_arguments)]
 fn packed(
+    path: Bf16Path,
     m: usize,
     n: usize,
     k: usize,
@@ -181,37 +364,35 @@ fn packed(
     } else {
         None
     };
+    let block = |m, nb, dst: *mut f32, j0| {
+        // SAFETY: the callers below vouch for `dst` (an m × nb block with
+        // row stride n); `packed` runs only on a path the CPU has.
+        unsafe {
+            match path {
+                Bf16Path::Amx => amx_block(m, nb, k, dst, n, accumulate, a, b, j0),
+                _ => packed_block(m, nb, k, dst, n, accumulate, a, b, j0),
+            }
+        }
+    };
     let Some(per) = per.filter(|&p| p < n) else {
-        // SAFETY: `out` holds m × n elements (checked by the caller) and is
+        // `out` holds m × n elements (checked by the caller) and is
         // borrowed exclusively.
-        unsafe { packed_block(m, n, k, out.as_mut_ptr(), n, accumulate, a, b, 0) };
+        block(m, n, out.as_mut_ptr(), 0);
         return;
     };
     let dst = OutPtr(out.as_mut_ptr());
     (0..n.div_ceil(per)).into_par_iter().for_each(|c| {
         let j0 = c * per;
         let dst = &dst;
-        // SAFETY: columns `[j0, j0 + nb)` of the m × n output (row stride
-        // n) lie inside `out`; the tasks' blocks are disjoint, and `out`
-        // stays borrowed until every task has finished.
-        unsafe {
-            packed_block(
-                m,
-                per.min(n - j0),
-                k,
-                dst.0.add(j0),
-                n,
-                accumulate,
-                a,
-                b,
-                j0,
-            );
-        }
+        // Columns `[j0, j0 + nb)` of the m × n output (row stride n) lie
+        // inside `out`; the tasks' blocks are disjoint, and `out` stays
+        // borrowed until every task has finished.
+        block(m, per.min(n - j0), dst.0.wrapping_add(j0), j0);
     });
 }
 
 /// Columns `[j0, j0 + n)` of the product into `dst` (its first column;
-/// row stride `ldc`).
+/// row stride `ldc`), on `vdpbf16ps`.
 ///
 /// # Safety
 /// `dst` must be valid for writes of an `m × n` block with row stride
@@ -259,25 +440,135 @@ unsafe fn packed_block(
     }
 }
 
+/// Columns `[j0, j0 + n)` of the product into `dst` (its first column;
+/// row stride `ldc`), on AMX: the right operand packed as for
+/// `vdpbf16ps` (panels of [`NR`] columns, pairs along `k`: the tiles' VNNI
+/// layout), the left one as bf16 rows of the block's `k`, both padded with
+/// zeros to whole tiles; each 32 × 32 block of sums in four tiles.
+///
+/// # Safety
+/// As [`packed_block`], and the CPU must have AMX-BF16 with the tile
+/// state granted ([`amx::usable`]).
+#[allow(clippy::too_many_arguments)]
+unsafe fn amx_block(
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: *mut f32,
+    ldc: usize,
+    accumulate: bool,
+    a: View<'_, bf16>,
+    b: View<'_, bf16>,
+    j0: usize,
+) {
+    // the whole of `k` packed at once (zero-padded to whole tiles), so
+    // that each block of sums stays in its tiles, or at least in cache,
+    // while every `k` passes through
+    let kp = k.div_ceil(2).next_multiple_of(PA);
+    let panels = n.div_ceil(NR);
+    let mc_max = MC.min(m).next_multiple_of(MA);
+    let [mut bp, mut ap] = PACKED.take();
+    bp.resize(panels * NR * 2 * kp, 0);
+    ap.resize(mc_max * 2 * kp, 0);
+    let mut sums = [0f32; MA * NR];
+    pack_b(&mut bp, b, k, j0, n, 0, kp);
+    // SAFETY: the caller vouched for AMX; the configuration describes the
+    // eight 16 × 64-byte tiles the kernel uses.
+    unsafe { amx::configure() };
+    let sa = 2 * kp * 2;
+    for i0 in (0..m).step_by(MC) {
+        let mc = MC.min(m - i0);
+        let mcp = mc.next_multiple_of(MA);
+        pack_rows(&mut ap, a, k, i0, mc, mcp, 0, kp);
+        for pj in 0..panels {
+            let nc = NR.min(n - pj * NR);
+            let bpanel = &bp[pj * NR * 2 * kp..(pj + 1) * NR * 2 * kp];
+            for (kb, q0) in (0..kp).step_by(KPA).enumerate() {
+                let kq = KPA.min(kp - q0);
+                let first = kb == 0 && !accumulate;
+                let bq = bpanel[q0 * NR * 2..].as_ptr();
+                for r0 in (0..mc).step_by(MA) {
+                    let mr = MA.min(mc - r0);
+                    let aq = ap[r0 * 2 * kp + 2 * q0..].as_ptr();
+                    let c = dst.wrapping_add((i0 + r0) * ldc + pj * NR);
+                    if mr == MA && nc == NR {
+                        // SAFETY: a whole 32 × 32 block of the caller's
+                        // output; `MA` packed rows of `2·kp` values from
+                        // `aq` and `kq` pairs of `NR` from `bq`; configured.
+                        unsafe { amx::kernel(kq, aq, sa, bq, c, ldc * 4, first) };
+                        continue;
+                    }
+                    // an edge block: through `sums` (zero beyond the output)
+                    sums.fill(0.0);
+                    if !first {
+                        for r in 0..mr {
+                            // SAFETY: row `r` of the block, its `nc` columns
+                            // inside the caller's output.
+                            let row = unsafe { std::slice::from_raw_parts(c.add(r * ldc), nc) };
+                            sums[r * NR..r * NR + nc].copy_from_slice(row);
+                        }
+                    }
+                    // SAFETY: `sums` is a whole block; as above.
+                    unsafe { amx::kernel(kq, aq, sa, bq, sums.as_mut_ptr(), NR * 4, false) };
+                    for r in 0..mr {
+                        // SAFETY: as for the loads above.
+                        let row = unsafe { std::slice::from_raw_parts_mut(c.add(r * ldc), nc) };
+                        row.copy_from_slice(&sums[r * NR..r * NR + nc]);
+                    }
+                }
+            }
+        }
+    }
+    PACKED.set([bp, ap]);
+    // SAFETY: the tiles were configured above.
+    unsafe { amx::release() };
+}
+
 /// Packs pairs `[p0, p0 + kp)` of columns `[j0, j0 + n)` of `op(b)` into
 /// panels of [`NR`] columns: panel-major, then pair, then column, then the
 /// pair's two values (`k` = 2p, 2p + 1), zero beyond `k` and `n`.
 fn pack_b(dst: &mut [u16], b: View<'_, bf16>, k: usize, j0: usize, n: usize, p0: usize, kp: usize) {
     let panels = n.div_ceil(NR);
+    let bits = |kk: usize, j: usize| b.data[kk * b.rs + (j0 + j) * b.cs].to_bits();
     for pj in 0..panels {
         let panel = &mut dst[pj * NR * 2 * kp..(pj + 1) * NR * 2 * kp];
-        for p in 0..kp {
+        let nc = NR.min(n - pj * NR);
+        // pairs wholly inside `k`, then the rest (zero beyond `k`)
+        let full = (k / 2).saturating_sub(p0).min(kp);
+        if b.cs == 1 {
+            // rows of `op(b)` contiguous along j: interleave two rows
+            for p in 0..full {
+                let k0 = 2 * (p0 + p);
+                let r0 = &b.data[k0 * b.rs + j0 + pj * NR..][..nc];
+                let r1 = &b.data[(k0 + 1) * b.rs + j0 + pj * NR..][..nc];
+                let row = &mut panel[p * NR * 2..(p + 1) * NR * 2];
+                for (c, (x, y)) in r0.iter().zip(r1).enumerate() {
+                    row[2 * c] = x.to_bits();
+                    row[2 * c + 1] = y.to_bits();
+                }
+                row[2 * nc..].fill(0);
+            }
+        } else {
+            // columns contiguous along k (b.rs == 1 for a transposed view):
+            // each column's pairs are adjacent values
+            for p in 0..full {
+                panel[p * NR * 2 + 2 * nc..(p + 1) * NR * 2].fill(0);
+            }
+            for c in 0..nc {
+                for p in 0..full {
+                    let k0 = 2 * (p0 + p);
+                    let at = p * NR * 2 + 2 * c;
+                    panel[at] = bits(k0, pj * NR + c);
+                    panel[at + 1] = bits(k0 + 1, pj * NR + c);
+                }
+            }
+        }
+        for p in full..kp {
             let (k0, k1) = (2 * (p0 + p), 2 * (p0 + p) + 1);
             let row = &mut panel[p * NR * 2..(p + 1) * NR * 2];
             for c in 0..NR {
                 let j = pj * NR + c;
-                let get = |kk: usize| {
-                    if kk < k && j < n {
-                        b.data[kk * b.rs + (j0 + j) * b.cs].to_bits()
-                    } else {
-                        0
-                    }
-                };
+                let get = |kk: usize| if kk < k && j < n { bits(kk, j) } else { 0 };
                 row[2 * c] = get(k0);
                 row[2 * c + 1] = get(k1);
             }
@@ -317,14 +608,89 @@ fn pack_a(
     }
 }
 
+/// Packs values `[2·p0, 2·(p0 + kp))` of rows `[i0, i0 + mc)` of `op(a)`
+/// as `mcp` rows of `2·kp` bf16 (the AMX left tiles' layout), zero beyond
+/// `k` and `mc`.
+#[allow(clippy::too_many_arguments)]
+fn pack_rows(
+    dst: &mut [u16],
+    a: View<'_, bf16>,
+    k: usize,
+    i0: usize,
+    mc: usize,
+    mcp: usize,
+    p0: usize,
+    kp: usize,
+) {
+    let w = 2 * kp;
+    let k0 = 2 * p0;
+    let live = k.saturating_sub(k0).min(w);
+    for (i, row) in dst[..mcp * w].chunks_exact_mut(w).enumerate() {
+        if i >= mc {
+            row.fill(0);
+            continue;
+        }
+        row[live..].fill(0);
+        if a.cs == 1 {
+            let base = (i0 + i) * a.rs + k0;
+            for (d, s) in row[..live].iter_mut().zip(&a.data[base..base + live]) {
+                *d = s.to_bits();
+            }
+        }
+    }
+    if a.cs != 1 {
+        // a transposed view (rows contiguous along i): read along i
+        for c in 0..live {
+            let col = &a.data[(k0 + c) * a.cs + i0 * a.rs..];
+            if a.rs == 1 {
+                for (i, x) in col[..mc].iter().enumerate() {
+                    dst[i * w + c] = x.to_bits();
+                }
+            } else {
+                for i in 0..mc {
+                    dst[i * w + c] = col[i * a.rs].to_bits();
+                }
+            }
+        }
+    }
+}
+
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use std::arch::x86_64::{
-        __m512bh, _mm512_dpbf16_ps, _mm512_loadu_ps, _mm512_mask_loadu_ps, _mm512_mask_storeu_ps,
-        _mm512_set1_epi32, _mm512_setzero_ps, _mm512_storeu_ps,
+        __m256i, __m512bh, _mm256_storeu_si256, _mm512_cvtneps_pbh, _mm512_dpbf16_ps,
+        _mm512_loadu_ps, _mm512_mask_loadu_ps, _mm512_mask_storeu_ps, _mm512_set1_epi32,
+        _mm512_setzero_ps, _mm512_storeu_ps,
     };
 
+    use weft_numerics::bf16;
+
     use super::{MR, NR};
+
+    /// `d = s` rounded to bf16 (ties to even, subnormal inputs as zero),
+    /// sixteen at a time.
+    ///
+    /// # Safety
+    /// The CPU must have AVX512-BF16 and AVX-512F.
+    #[target_feature(enable = "avx512f,avx512bf16")]
+    pub(super) unsafe fn round(d: &mut [bf16], s: &[f32]) {
+        let n = d.len().min(s.len());
+        let whole = n - n % 16;
+        for i in (0..whole).step_by(16) {
+            // SAFETY: elements `i ..+ 16` of both slices exist (`i + 16 <=
+            // whole <= n`); bf16 is a transparent u16.
+            unsafe {
+                let v = _mm512_cvtneps_pbh(_mm512_loadu_ps(s.as_ptr().add(i)));
+                _mm256_storeu_si256(
+                    d.as_mut_ptr().add(i).cast::<__m256i>(),
+                    std::mem::transmute::<std::arch::x86_64::__m256bh, __m256i>(v),
+                );
+            }
+        }
+        for i in whole..n {
+            d[i] = bf16::from_f32(s[i]);
+        }
+    }
 
     /// The mask of the first `n` (≤ 16) lanes.
     fn lanes(n: usize) -> u16 {
@@ -397,7 +763,12 @@ mod x86 {
 
 #[cfg(not(target_arch = "x86_64"))]
 mod x86 {
-    /// Never called: [`super::has_dpbf16`] is false off x86-64.
+    /// Never called: AVX512-BF16 is x86-64's.
+    pub(super) unsafe fn round(_d: &mut [weft_numerics::bf16], _s: &[f32]) {
+        unreachable!("vcvtneps2bf16 off x86-64");
+    }
+
+    /// Never called: [`super::bf16_path`] is portable off x86-64.
     #[allow(clippy::too_many_arguments)]
     pub(super) unsafe fn kernel(
         _kp: usize,
@@ -413,10 +784,221 @@ mod x86 {
     }
 }
 
-/// The measured `vdpbf16ps` peak of `threads` threads at once, in GFLOP/s
-/// (a bf16 pair's two multiplies and two adds count as four), best of
-/// `reps` runs, like [`fma_peak_gflops`](crate::fma_peak_gflops) for f32:
-/// the denominator of "percent of bf16 peak". `None` without AVX512-BF16.
+/// AMX through inline assembly (the tile intrinsics are not stable Rust).
+#[cfg(target_arch = "x86_64")]
+mod amx {
+    use std::arch::asm;
+    use std::sync::OnceLock;
+
+    use super::{NR, PA};
+
+    /// Whether the CPU has AMX-TILE and AMX-BF16 and Linux granted this
+    /// process the tile-data state (requested here, once).
+    pub(super) fn usable() -> bool {
+        static OK: OnceLock<bool> = OnceLock::new();
+        *OK.get_or_init(|| {
+            // CPUID leaf 7 exists on every x86-64 CPU with AVX-512.
+            let id = std::arch::x86_64::__cpuid_count(7, 0);
+            let cpu = (id.edx >> 22) & 1 == 1 && (id.edx >> 24) & 1 == 1;
+            cpu && request_tile_data()
+        })
+    }
+
+    /// `arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)`, then
+    /// `ARCH_GET_XCOMP_PERM` to see it granted.
+    #[cfg(target_os = "linux")]
+    fn request_tile_data() -> bool {
+        const ARCH_PRCTL: i64 = 158;
+        const GET_PERM: i64 = 0x1022;
+        const REQ_PERM: i64 = 0x1023;
+        const XTILEDATA: i64 = 18;
+        let req: i64;
+        // SAFETY: a plain system call; it reads no memory.
+        unsafe {
+            asm!("syscall", inlateout("rax") ARCH_PRCTL => req, in("rdi") REQ_PERM,
+                 in("rsi") XTILEDATA, lateout("rcx") _, lateout("r11") _, options(nostack));
+        }
+        if req != 0 {
+            return false;
+        }
+        let mut perm = 0u64;
+        let got: i64;
+        // SAFETY: the kernel writes one u64 to `perm`, which outlives the call.
+        unsafe {
+            asm!("syscall", inlateout("rax") ARCH_PRCTL => got, in("rdi") GET_PERM,
+                 in("rsi") &raw mut perm, lateout("rcx") _, lateout("r11") _, options(nostack));
+        }
+        got == 0 && (perm >> XTILEDATA) & 1 == 1
+    }
+
+    #[cfg(not(target_os = "linux"))]
+    fn request_tile_data() -> bool {
+        false
+    }
+
+    /// The tile configuration: palette 1, tiles 0–7 of 16 rows × 64 bytes.
+    #[repr(C, align(64))]
+    struct Config([u8; 64]);
+
+    /// Loads the tile configuration on this thread.
+    ///
+    /// # Safety
+    /// [`usable`] must be true.
+    pub(super) unsafe fn configure() {
+        let mut c = Config([0; 64]);
+        c.0[0] = 1;
+        for t in 0..8 {
+            c.0[16 + 2 * t..18 + 2 * t].copy_from_slice(&64u16.to_le_bytes());
+            c.0[48 + t] = 16;
+        }
+        // SAFETY: a valid palette-1 configuration, 64 bytes.
+        unsafe { asm!("ldtilecfg [{0}]", in(reg) c.0.as_ptr(), options(nostack, readonly)) };
+    }
+
+    /// Releases the tile state on this thread.
+    ///
+    /// # Safety
+    /// After [`configure`] on this thread.
+    pub(super) unsafe fn release() {
+        // SAFETY: the tiles are configured.
+        unsafe { asm!("tilerelease", options(nostack, nomem)) };
+    }
+
+    /// `c (MA × NR f32, rows `ldc` bytes apart) = [c +] a · b` over `kp`
+    /// pairs (`zero`: from zero, else from `c`): `a` points at `MA` rows
+    /// of `2·kp` bf16, `sa` bytes apart, `b` at `kp` rows of `NR` pairs.
+    ///
+    /// # Safety
+    /// After [`configure`] on this thread; `kp` a multiple of [`PA`]; `a`
+    /// and `b` valid for those reads; `c` valid for reads and writes of
+    /// `MA` rows of `NR` f32, `ldc` bytes apart.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) unsafe fn kernel(
+        kp: usize,
+        a: *const u16,
+        sa: usize,
+        b: *const u16,
+        c: *mut f32,
+        ldc: usize,
+        zero: bool,
+    ) {
+        debug_assert!(kp.is_multiple_of(PA));
+        let cs = ldc;
+        // SAFETY: the four 16 × 16 quarters of `c` (the caller vouched).
+        unsafe {
+            let (c1, c2) = (c.add(16), c.byte_add(16 * cs));
+            let c3 = c2.add(16);
+            if zero {
+                asm!(
+                    "tilezero tmm0",
+                    "tilezero tmm1",
+                    "tilezero tmm2",
+                    "tilezero tmm3",
+                    options(nostack, nomem)
+                );
+            } else {
+                asm!(
+                    "tileloadd tmm0, [{c} + {cs}*1]",
+                    "tileloadd tmm1, [{c1} + {cs}*1]",
+                    "tileloadd tmm2, [{c2} + {cs}*1]",
+                    "tileloadd tmm3, [{c3} + {cs}*1]",
+                    c = in(reg) c, c1 = in(reg) c1, c2 = in(reg) c2, c3 = in(reg) c3,
+                    cs = in(reg) cs, options(nostack, readonly)
+                );
+            }
+        }
+        let sb = NR * 2 * 2; // bytes per pair of b
+        for q in 0..kp / PA {
+            // SAFETY: rows 0–15 and 16–31 of `a`, values `32q ..+ 32`;
+            // pairs `16q ..+ 16` of `b`, columns 0–15 and 16–31 — inside
+            // what the caller vouched for.
+            unsafe {
+                let a0 = a.add(q * 2 * PA);
+                let a1 = a0.byte_add(16 * sa);
+                let b0 = b.add(q * PA * NR * 2);
+                let b1 = b0.add(32);
+                asm!(
+                    "tileloadd tmm4, [{a0} + {sa}*1]",
+                    "tileloadd tmm6, [{b0} + {sb}*1]",
+                    "tdpbf16ps tmm0, tmm4, tmm6",
+                    "tileloadd tmm7, [{b1} + {sb}*1]",
+                    "tdpbf16ps tmm1, tmm4, tmm7",
+                    "tileloadd tmm5, [{a1} + {sa}*1]",
+                    "tdpbf16ps tmm2, tmm5, tmm6",
+                    "tdpbf16ps tmm3, tmm5, tmm7",
+                    a0 = in(reg) a0, a1 = in(reg) a1, b0 = in(reg) b0, b1 = in(reg) b1,
+                    sa = in(reg) sa, sb = in(reg) sb, options(nostack, readonly)
+                );
+            }
+        }
+        // SAFETY: as for the loads.
+        unsafe {
+            let (c1, c2) = (c.add(16), c.byte_add(16 * cs));
+            let c3 = c2.add(16);
+            asm!(
+                "tilestored [{c} + {cs}*1], tmm0",
+                "tilestored [{c1} + {cs}*1], tmm1",
+                "tilestored [{c2} + {cs}*1], tmm2",
+                "tilestored [{c3} + {cs}*1], tmm3",
+                c = in(reg) c, c1 = in(reg) c1, c2 = in(reg) c2, c3 = in(reg) c3,
+                cs = in(reg) cs, options(nostack)
+            );
+        }
+    }
+
+    /// `iters` rounds of four independent `tdpbf16ps` on resident tiles
+    /// (zeros: the rate does not depend on the values).
+    ///
+    /// # Safety
+    /// After [`configure`] on this thread.
+    pub(super) unsafe fn peak(iters: usize) {
+        // SAFETY: configured tiles, no memory operands.
+        unsafe {
+            asm!(
+                "tilezero tmm0", "tilezero tmm1", "tilezero tmm2", "tilezero tmm3",
+                "tilezero tmm4", "tilezero tmm5", "tilezero tmm6", "tilezero tmm7",
+                "2:",
+                "tdpbf16ps tmm0, tmm4, tmm6",
+                "tdpbf16ps tmm1, tmm4, tmm7",
+                "tdpbf16ps tmm2, tmm5, tmm6",
+                "tdpbf16ps tmm3, tmm5, tmm7",
+                "dec {n}",
+                "jnz 2b",
+                n = inout(reg) iters.max(1) => _, options(nostack, nomem)
+            );
+        }
+    }
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+mod amx {
+    /// AMX is x86-64's.
+    pub(super) fn usable() -> bool {
+        false
+    }
+    pub(super) unsafe fn configure() {}
+    pub(super) unsafe fn release() {}
+    #[allow(clippy::too_many_arguments)]
+    pub(super) unsafe fn kernel(
+        _kp: usize,
+        _a: *const u16,
+        _sa: usize,
+        _b: *const u16,
+        _c: *mut f32,
+        _ldc: usize,
+        _zero: bool,
+    ) {
+        unreachable!("AMX off x86-64");
+    }
+    pub(super) unsafe fn peak(_iters: usize) {}
+}
+
+/// The measured bf16 peak of [`bf16_path`]'s instruction, `threads`
+/// threads at once, in GFLOP/s (a multiply and an add count as two), best
+/// of `reps` runs, like [`fma_peak_gflops`](crate::fma_peak_gflops) for
+/// f32: the denominator of "percent of bf16 peak". On AMX, chains of
+/// `tdpbf16ps` on resident tiles; on AVX512-BF16, of `vdpbf16ps`; `None`
+/// on the portable path.
 ///
 /// ```no_run
 /// if let Some(peak) = weft_kernels::bf16_dot_peak_gflops(2, 3) {
@@ -425,23 +1007,38 @@ mod x86 {
 /// ```
 #[must_use]
 pub fn bf16_dot_peak_gflops(threads: usize, reps: usize) -> Option<f64> {
-    if !has_dpbf16() {
+    let path = bf16_path();
+    if path == Bf16Path::Portable {
         return None;
     }
     let threads = threads.max(1);
-    let iters = 10_000_000usize;
+    let (iters, flops_per_iter) = match path {
+        // four 16 × 16 tiles, 32 products deep
+        Bf16Path::Amx => (200_000usize, 4 * 16 * 16 * 32 * 2),
+        _ => (10_000_000, peak::CHAINS * 16 * 4),
+    };
     let mut best = 0.0f64;
     for _ in 0..reps.max(1) {
         let start = std::time::Instant::now();
         std::thread::scope(|s| {
             for _ in 0..threads {
-                // SAFETY: `has_dpbf16` reported AVX512-BF16.
-                s.spawn(|| std::hint::black_box(unsafe { peak::chains(iters) }));
+                s.spawn(|| {
+                    // SAFETY: `bf16_path` found the instruction usable.
+                    unsafe {
+                        if path == Bf16Path::Amx {
+                            amx::configure();
+                            amx::peak(iters);
+                            amx::release();
+                        } else {
+                            std::hint::black_box(peak::chains(iters));
+                        }
+                    }
+                });
             }
         });
         let secs = start.elapsed().as_secs_f64();
         #[allow(clippy::cast_precision_loss)]
-        let flops = (threads * iters * peak::CHAINS * 16 * 4) as f64;
+        let flops = (threads * iters * flops_per_iter) as f64;
         best = best.max(flops / secs / 1e9);
     }
     Some(best)
@@ -511,11 +1108,39 @@ mod tests {
         f64::from(if t { x[j * rows + i] } else { x[i * cols + j] }.to_f32())
     }
 
+    /// `matmul_bf16` on `path`.
+    #[allow(clippy::too_many_arguments)]
+    fn on(
+        path: Bf16Path,
+        out: &mut [f32],
+        a: &[bf16],
+        a_t: bool,
+        b: &[bf16],
+        b_t: bool,
+        m: usize,
+        n: usize,
+        k: usize,
+        acc: bool,
+    ) {
+        let av = if a_t { View::t(a, m) } else { View::rows(a, k) };
+        let bv = if b_t { View::t(b, k) } else { View::rows(b, n) };
+        product_on(path, m, n, k, out, acc, av, bv);
+    }
+
     /// Checks one product against an f64 reference of the same bf16
     /// values: |err| ≤ (k + 2) · 2⁻²⁴ · Σ|aᵢbᵢ| per element (the bound of
     /// k sequential f32 additions, plus the accumulated output).
     #[allow(clippy::too_many_arguments)]
-    fn check_one(m: usize, n: usize, k: usize, a_t: bool, b_t: bool, acc: bool, seed: u64) {
+    fn check_one(
+        path: Bf16Path,
+        m: usize,
+        n: usize,
+        k: usize,
+        a_t: bool,
+        b_t: bool,
+        acc: bool,
+        seed: u64,
+    ) {
         let a = values(m * k, seed);
         let b = values(k * n, seed + 1);
         let init: Vec<f32> = values(m * n, seed + 2).iter().map(|x| x.to_f32()).collect();
@@ -524,7 +1149,7 @@ mod tests {
         } else {
             vec![f32::NAN; m * n]
         };
-        matmul_bf16(&mut out, &a, a_t, &b, b_t, m, n, k, acc).unwrap();
+        on(path, &mut out, &a, a_t, &b, b_t, m, n, k, acc);
         for i in 0..m {
             for j in 0..n {
                 let mut exact = if acc { f64::from(init[i * n + j]) } else { 0.0 };
@@ -538,7 +1163,7 @@ mod tests {
                 let bound = (k as f64 + 2.0) * 2f64.powi(-24) * mag;
                 assert!(
                     err <= bound,
-                    "{m}×{n}×{k} a_t={a_t} b_t={b_t} acc={acc} at ({i},{j}): {} vs {exact} (err {err:e}, bound {bound:e})",
+                    "{path:?} {m}×{n}×{k} a_t={a_t} b_t={b_t} acc={acc} at ({i},{j}): {} vs {exact} (err {err:e}, bound {bound:e})",
                     out[i * n + j]
                 );
             }
@@ -559,10 +1184,12 @@ mod tests {
             (5, 3, 1100),
             (64, 64, 2049),
         ];
-        for (s, &(m, n, k)) in shapes.iter().enumerate() {
-            for (a_t, b_t) in [(false, false), (false, true), (true, false), (true, true)] {
-                for acc in [false, true] {
-                    check_one(m, n, k, a_t, b_t, acc, s as u64 * 7 + 1);
+        for path in available_paths() {
+            for (s, &(m, n, k)) in shapes.iter().enumerate() {
+                for (a_t, b_t) in [(false, false), (false, true), (true, false), (true, true)] {
+                    for acc in [false, true] {
+                        check_one(path, m, n, k, a_t, b_t, acc, s as u64 * 7 + 1);
+                    }
                 }
             }
         }
@@ -570,42 +1197,90 @@ mod tests {
 
     #[test]
     fn rows_do_not_depend_on_the_batch_nor_on_threads() {
-        let (m, n, k) = (37, 300, 777);
+        // rows past one packed block (MC = 128) and past AMX's 32
+        let (m, n, k) = (150, 300, 777);
         let a = values(m * k, 3);
         let b = values(k * n, 4);
-        let mut all = vec![0f32; m * n];
-        matmul_bf16(&mut all, &a, false, &b, false, m, n, k, false).unwrap();
-        for i in [0, 8, 36] {
-            let mut one = vec![0f32; n];
-            matmul_bf16(
-                &mut one,
-                &a[i * k..(i + 1) * k],
-                false,
-                &b,
-                false,
-                1,
+        let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+        for path in available_paths() {
+            let mut all = vec![0f32; m * n];
+            on(path, &mut all, &a, false, &b, false, m, n, k, false);
+            for i in [0, 8, 36, 131, 149] {
+                let mut one = vec![0f32; n];
+                on(
+                    path,
+                    &mut one,
+                    &a[i * k..(i + 1) * k],
+                    false,
+                    &b,
+                    false,
+                    1,
+                    n,
+                    k,
+                    false,
+                );
+                assert_eq!(
+                    bits(&one),
+                    bits(&all[i * n..(i + 1) * n]),
+                    "{path:?} row {i}"
+                );
+            }
+            // one thread gives the bits of the pool
+            let pool = rayon::ThreadPoolBuilder::new()
+                .num_threads(1)
+                .build()
+                .unwrap();
+            let mut single = vec![0f32; m * n];
+            pool.install(|| on(path, &mut single, &a, false, &b, false, m, n, k, false));
+            assert_eq!(bits(&single), bits(&all), "{path:?} threads");
+        }
+    }
+
+    /// f32 operands rounded in one pass give the bits of bf16 operands
+    /// rounded element by element, on every path.
+    #[test]
+    fn f32_operands_are_rounded_to_nearest_even() {
+        let (m, n, k) = (40, 70, 90);
+        let a: Vec<f32> = values(m * k, 5)
+            .iter()
+            .map(|x| x.to_f32() * 1.003)
+            .collect();
+        let b: Vec<f32> = values(k * n, 6)
+            .iter()
+            .map(|x| x.to_f32() * 0.997)
+            .collect();
+        let ab: Vec<bf16> = a.iter().map(|&x| bf16::from_f32(x)).collect();
+        let bb: Vec<bf16> = b.iter().map(|&x| bf16::from_f32(x)).collect();
+        for path in available_paths() {
+            let mut got = vec![0f32; m * n];
+            product_on(
+                path,
+                m,
                 n,
                 k,
+                &mut got,
                 false,
-            )
-            .unwrap();
-            let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
-            assert_eq!(bits(&one), bits(&all[i * n..(i + 1) * n]), "row {i}");
+                View::rows(&a, k),
+                View::t(&b, k),
+            );
+            let mut want = vec![0f32; m * n];
+            product_on(
+                path,
+                m,
+                n,
+                k,
+                &mut want,
+                false,
+                View::rows(&ab, k),
+                View::t(&bb, k),
+            );
+            assert!(
+                got.iter()
+                    .zip(&want)
+                    .all(|(x, y)| x.to_bits() == y.to_bits()),
+                "{path:?}"
+            );
         }
-        // one thread gives the bits of the pool
-        let pool = rayon::ThreadPoolBuilder::new()
-            .num_threads(1)
-            .build()
-            .unwrap();
-        let mut single = vec![0f32; m * n];
-        pool.install(|| matmul_bf16(&mut single, &a, false, &b, false, m, n, k, false))
-            .unwrap();
-        assert!(
-            single
-                .iter()
-                .zip(&all)
-                .all(|(x, y)| x.to_bits() == y.to_bits())
-        );
     }
 
     #[test]

@@ -29,12 +29,13 @@
 //! | residual add | [`residual_forward`] | [`residual_backward`] |
 //! | AdamW update | [`adamw_update`] with [`AdamW`] | |
 //!
-//! Mixed precision starts here: [`matmul_bf16`] multiplies bf16 operands
-//! in any layout into f32 with f32 accumulation (`vdpbf16ps` where the CPU
-//! has AVX512-BF16, else widened to f32), batch invariant like the f32
-//! GEMM; [`bf16_dot_peak_gflops`] measures the bf16 peak it is held
-//! against, and `benches/bf16_gemm.rs` compares it with the f32 GEMM at
-//! GPT-2 small's layers. The model does not call it yet.
+//! Mixed precision: every linear layer's products take a [`Precision`].
+//! [`Precision::Bf16`] rounds their operands to bf16 as they are packed
+//! and accumulates in f32 (`vdpbf16ps` where the CPU has AVX512-BF16, else
+//! widened to f32), batch invariant like the f32 GEMM; [`matmul_bf16`] is
+//! the same product on bf16 buffers. [`bf16_dot_peak_gflops`] measures the
+//! bf16 peak it is held against, and `benches/bf16_gemm.rs` compares it
+//! with the f32 GEMM at GPT-2 small's layers.
 //!
 //! All kernels are generic over [`Real`] (`f32` or `f64`). Training uses
 //! `f32`; the tests run the same code in `f64` and compare every backward
@@ -65,15 +66,21 @@
 //! # Example
 //!
 //! ```
-//! use weft_kernels::{Mode, gelu_forward, matmul_forward};
+//! use weft_kernels::{Mode, Precision, gelu_forward, matmul_forward};
 //!
 //! // out (B=1, T=2, OC=3) = inp (1, 2, C=2) · weight (2, 3) + bias (3)
 //! let inp = [1.0f32, 2.0, 3.0, 4.0];
 //! let weight = [1.0f32, 0.0, 1.0, 0.0, 1.0, 1.0];
 //! let bias = [0.5f32, 0.5, 0.5];
 //! let mut out = [0.0f32; 6];
-//! matmul_forward(&mut out, &inp, &weight, Some(&bias), 1, 2, 2, 3, Mode::BatchInvariant)?;
+//! let (mode, f32) = (Mode::BatchInvariant, Precision::F32);
+//! matmul_forward(&mut out, &inp, &weight, Some(&bias), 1, 2, 2, 3, mode, f32)?;
 //! assert_eq!(out, [1.5, 2.5, 3.5, 3.5, 4.5, 7.5]);
+//!
+//! // The same in bf16 mixed precision (these values are exact in bf16).
+//! let mut mixed = [0.0f32; 6];
+//! matmul_forward(&mut mixed, &inp, &weight, Some(&bias), 1, 2, 2, 3, mode, Precision::Bf16)?;
+//! assert_eq!(mixed, out);
 //!
 //! let mut act = [0.0f32; 6];
 //! gelu_forward(&mut act, &out, 6)?;
@@ -115,7 +122,7 @@ pub use adamw::{AdamW, adamw_update};
 pub use attention::{attention_backward, attention_decode, attention_forward};
 pub use embedding::{check_tokens, encoder_backward, encoder_forward};
 pub use error::{Error, Result};
-pub use gemm_bf16::{bf16_dot_peak_gflops, has_dpbf16, matmul_bf16};
+pub use gemm_bf16::{Bf16Path, bf16_dot_peak_gflops, bf16_path, matmul_bf16};
 pub use layernorm::{
     layernorm_backward, layernorm_backward_input, layernorm_backward_weight, layernorm_forward,
 };
@@ -143,6 +150,38 @@ pub enum Mode {
     /// the last bits between batch sizes (forwards are the same as in
     /// [`Mode::BatchInvariant`]).
     Throughput,
+}
+
+/// The arithmetic of the linear layers' matrix products
+/// ([`matmul_forward`] and its backward halves, the `_wt` ones too).
+///
+/// Buffers stay in `f32` (or `f64`) whatever the precision: what changes
+/// is what the products multiply. Everything else — biases, layernorm,
+/// GELU, attention, softmax and the loss, the gradients' sums across
+/// micro-batches — is computed in the buffers' precision.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum Precision {
+    /// Products of the buffers' values, in their precision.
+    #[default]
+    F32,
+    /// Mixed precision: every operand of a product is rounded to the
+    /// nearest bf16 (ties to even) as the GEMM packs it, and the products
+    /// are accumulated in `f32` — the arithmetic of bf16 tensor cores and
+    /// of `torch.autocast(dtype=torch.bfloat16)` matrix products, on
+    /// `vdpbf16ps` where the CPU has AVX512-BF16 (twice the f32 FMA rate;
+    /// see [`matmul_bf16`]). Rows stay batch invariant in both [`Mode`]s.
+    /// With `f64` buffers the rounded operands are multiplied in `f64`.
+    Bf16,
+}
+
+impl Precision {
+    /// The name used in configs and reports: `"fp32"` or `"bf16"`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Precision::F32 => "fp32",
+            Precision::Bf16 => "bf16",
+        }
+    }
 }
 
 /// `dst += src` element-wise, in parallel (for merging gradient buffers).

@@ -16,9 +16,12 @@
 //! attention's own fixed-order tiles, is what lets a key/value-cache
 //! decoder reproduce the training forward's logits bit for bit.)
 
+use weft_numerics::bf16;
+
 use crate::error::{Result, check};
 use crate::gemm::{View, gemm};
-use crate::{Mode, Real};
+use crate::gemm_bf16;
+use crate::{Mode, Precision, Real};
 
 /// `out (B,T,OC) = inp (B,T,C) · weight (C,OC) + bias (OC)`.
 ///
@@ -40,6 +43,7 @@ pub fn matmul_forward<T: Real>(
     c: usize,
     oc: usize,
     mode: Mode,
+    precision: Precision,
 ) -> Result<()> {
     const OP: &str = "matmul_forward";
     check(OP, "out", out, b * t * oc)?;
@@ -49,7 +53,16 @@ pub fn matmul_forward<T: Real>(
         check(OP, "bias", bias, oc)?;
     }
     let _ = mode; // row invariance makes one GEMM over the batch invariant
-    forward_rows(out, inp, View::rows(weight, oc), bias, b * t, c, oc);
+    forward_rows(
+        out,
+        inp,
+        View::rows(weight, oc),
+        bias,
+        b * t,
+        c,
+        oc,
+        precision,
+    );
     Ok(())
 }
 
@@ -229,6 +242,7 @@ pub fn matmul_backward<T: Real>(
     c: usize,
     oc: usize,
     mode: Mode,
+    precision: Precision,
 ) -> Result<()> {
     const OP: &str = "matmul_backward";
     check(OP, "dinp", dinp, b * t * c)?;
@@ -239,8 +253,8 @@ pub fn matmul_backward<T: Real>(
     if let Some(db) = &dbias {
         check(OP, "dbias", db, oc)?;
     }
-    matmul_backward_input(dinp, dout, weight, b, t, c, oc, mode)?;
-    matmul_backward_weight(dweight, dbias, dout, inp, b, t, c, oc)
+    matmul_backward_input(dinp, dout, weight, b, t, c, oc, mode, precision)?;
+    matmul_backward_weight(dweight, dbias, dout, inp, b, t, c, oc, precision)
 }
 
 /// The input-gradient half of [`matmul_backward`]:
@@ -261,18 +275,30 @@ pub fn matmul_backward_input<T: Real>(
     c: usize,
     oc: usize,
     mode: Mode,
+    precision: Precision,
 ) -> Result<()> {
     const OP: &str = "matmul_backward_input";
     check(OP, "dinp", dinp, b * t * c)?;
     check(OP, "dout", dout, b * t * oc)?;
     check(OP, "weight", weight, c * oc)?;
-    input_grad(dinp, dout, View::t(weight, oc), b, t, c, oc, mode);
+    input_grad(
+        dinp,
+        dout,
+        View::t(weight, oc),
+        b,
+        t,
+        c,
+        oc,
+        mode,
+        precision,
+    );
     Ok(())
 }
 
 /// `dinp (B,T,C) += dout (B,T,OC) · w` for a `(OC, C)` view `w` of the
 /// weight: one GEMM per sequence in [`Mode::BatchInvariant`], one over the
-/// batch in [`Mode::Throughput`]. Lengths are checked by the caller.
+/// batch in [`Mode::Throughput`] — and always one in bf16, whose products
+/// are row invariant at every shape. Lengths are checked by the caller.
 #[allow(clippy::too_many_arguments)]
 fn input_grad<T: Real>(
     dinp: &mut [T],
@@ -283,7 +309,22 @@ fn input_grad<T: Real>(
     c: usize,
     oc: usize,
     mode: Mode,
+    precision: Precision,
 ) {
+    if precision == Precision::Bf16 {
+        product(
+            b * t,
+            c,
+            oc,
+            dinp,
+            true,
+            View::rows(dout, oc),
+            w,
+            precision,
+            false,
+        );
+        return;
+    }
     let (groups, rows) = groups(mode, b, t);
     for g in 0..groups {
         gemm(
@@ -317,6 +358,7 @@ pub fn matmul_backward_weight<T: Real>(
     t: usize,
     c: usize,
     oc: usize,
+    precision: Precision,
 ) -> Result<()> {
     const OP: &str = "matmul_backward_weight";
     check(OP, "dweight", dweight, c * oc)?;
@@ -325,17 +367,16 @@ pub fn matmul_backward_weight<T: Real>(
     if let Some(db) = &dbias {
         check(OP, "dbias", db, oc)?;
     }
-    gemm(
+    product(
         c,
         oc,
         b * t,
         dweight,
-        oc,
         true,
         View::t(inp, c),
         View::rows(dout, oc),
-        T::ONE,
-        true,
+        precision,
+        false,
     );
     if let Some(db) = dbias {
         bias_backward(db, dout);
@@ -363,6 +404,7 @@ pub fn matmul_forward_wt<T: Real>(
     c: usize,
     oc: usize,
     mode: Mode,
+    precision: Precision,
 ) -> Result<()> {
     const OP: &str = "matmul_forward_wt";
     check(OP, "out", out, b * t * oc)?;
@@ -372,7 +414,7 @@ pub fn matmul_forward_wt<T: Real>(
         check(OP, "bias", bias, oc)?;
     }
     let _ = mode; // row invariance makes one GEMM over the batch invariant
-    forward_rows(out, inp, View::t(weight, c), bias, b * t, c, oc);
+    forward_rows(out, inp, View::t(weight, c), bias, b * t, c, oc, precision);
     Ok(())
 }
 
@@ -397,6 +439,7 @@ pub fn matmul_backward_wt<T: Real>(
     c: usize,
     oc: usize,
     mode: Mode,
+    precision: Precision,
 ) -> Result<()> {
     const OP: &str = "matmul_backward_wt";
     check(OP, "dinp", dinp, b * t * c)?;
@@ -407,8 +450,8 @@ pub fn matmul_backward_wt<T: Real>(
     if let Some(db) = &dbias {
         check(OP, "dbias", db, oc)?;
     }
-    matmul_backward_wt_input(dinp, dout, weight, b, t, c, oc, mode)?;
-    matmul_backward_wt_weight(dweight, dbias, dout, inp, b, t, c, oc)
+    matmul_backward_wt_input(dinp, dout, weight, b, t, c, oc, mode, precision)?;
+    matmul_backward_wt_weight(dweight, dbias, dout, inp, b, t, c, oc, precision)
 }
 
 /// The input-gradient half of [`matmul_backward_wt`]:
@@ -426,12 +469,23 @@ pub fn matmul_backward_wt_input<T: Real>(
     c: usize,
     oc: usize,
     mode: Mode,
+    precision: Precision,
 ) -> Result<()> {
     const OP: &str = "matmul_backward_wt_input";
     check(OP, "dinp", dinp, b * t * c)?;
     check(OP, "dout", dout, b * t * oc)?;
     check(OP, "weight", weight, c * oc)?;
-    input_grad(dinp, dout, View::rows(weight, c), b, t, c, oc, mode);
+    input_grad(
+        dinp,
+        dout,
+        View::rows(weight, c),
+        b,
+        t,
+        c,
+        oc,
+        mode,
+        precision,
+    );
     Ok(())
 }
 
@@ -450,6 +504,7 @@ pub fn matmul_backward_wt_weight<T: Real>(
     t: usize,
     c: usize,
     oc: usize,
+    precision: Precision,
 ) -> Result<()> {
     const OP: &str = "matmul_backward_wt_weight";
     check(OP, "dweight", dweight, c * oc)?;
@@ -462,19 +517,24 @@ pub fn matmul_backward_wt_weight<T: Real>(
     // so that the block being accumulated stays in cache while the GEMM
     // walks the whole reduction over B·T rows (one call would stream all of
     // `dweight` through memory once per reduction block of the GEMM).
-    for r0 in (0..oc).step_by(WT_ROW_BLOCK) {
-        let rows = WT_ROW_BLOCK.min(oc - r0);
-        gemm(
+    // (The bf16 products block their own work, and round each operand
+    // once per call: one call.)
+    let block = match precision {
+        Precision::F32 => WT_ROW_BLOCK,
+        Precision::Bf16 => oc.max(1),
+    };
+    for r0 in (0..oc).step_by(block) {
+        let rows = block.min(oc - r0);
+        product(
             rows,
             c,
             b * t,
             &mut dweight[r0 * c..(r0 + rows) * c],
-            c,
             true,
             View::t(&dout[r0..], oc),
             View::rows(inp, c),
-            T::ONE,
-            true,
+            precision,
+            false,
         );
     }
     if let Some(db) = dbias {
@@ -496,8 +556,9 @@ fn groups(mode: Mode, b: usize, t: usize) -> (usize, usize) {
     }
 }
 
-/// `out (n,oc) = x (n,c) · w (c,oc) [+ bias]` through
-/// [`gemm_row_invariant`], in one call over all `n` rows.
+/// `out (n,oc) = x (n,c) · w (c,oc) [+ bias]` in one row-invariant
+/// product over all `n` rows.
+#[allow(clippy::too_many_arguments)]
 fn forward_rows<T: Real>(
     out: &mut [T],
     x: &[T],
@@ -506,24 +567,116 @@ fn forward_rows<T: Real>(
     n: usize,
     c: usize,
     oc: usize,
+    precision: Precision,
 ) {
     if let Some(bias) = bias {
         for row in out.chunks_exact_mut(oc) {
             row.copy_from_slice(bias);
         }
     }
-    gemm_row_invariant(
+    product(
         n,
         oc,
         c,
         out,
-        oc,
         bias.is_some(),
         View::rows(x, c),
         w,
-        T::ONE,
+        precision,
         true,
     );
+}
+
+/// `dst (m×n, row-major, contiguous) = [dst +] a (m×k) · b (k×n)` in
+/// `precision`, over the rayon pool. In f32, `row_invariant` chooses
+/// [`gemm_row_invariant`] (the forwards) over the plain GEMM; the bf16
+/// products are row invariant at every shape.
+#[allow(clippy::too_many_arguments)]
+fn product<T: Real>(
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: &mut [T],
+    accumulate: bool,
+    a: View<'_, T>,
+    b: View<'_, T>,
+    precision: Precision,
+    row_invariant: bool,
+) {
+    if m == 0 || n == 0 {
+        return;
+    }
+    match precision {
+        Precision::F32 if row_invariant => {
+            gemm_row_invariant(m, n, k, dst, n, accumulate, a, b, T::ONE, true);
+        }
+        Precision::F32 => gemm(m, n, k, dst, n, accumulate, a, b, T::ONE, true),
+        Precision::Bf16 if k == 0 => {
+            if !accumulate {
+                dst.fill(T::ZERO);
+            }
+        }
+        Precision::Bf16 => {
+            if let (Some(d), Some(ad), Some(bd)) =
+                (T::as_f32_mut(dst), T::as_f32(a.data), T::as_f32(b.data))
+            {
+                let a32 = View {
+                    data: ad,
+                    rs: a.rs,
+                    cs: a.cs,
+                };
+                let b32 = View {
+                    data: bd,
+                    rs: b.rs,
+                    cs: b.cs,
+                };
+                gemm_bf16::product(m, n, k, d, accumulate, a32, b32);
+                return;
+            }
+            // f64 buffers: the bf16-rounded operands multiplied in f64.
+            let round = |v: View<'_, T>, rows: usize, cols: usize| -> Vec<T> {
+                let mut r = Vec::with_capacity(rows * cols);
+                for i in 0..rows {
+                    r.extend(
+                        (0..cols)
+                            .map(|j| T::from_f64(round_bf16(v.data[i * v.rs + j * v.cs].to_f64()))),
+                    );
+                }
+                r
+            };
+            let (ar, br) = (round(a, m, k), round(b, k, n));
+            gemm_row_invariant(
+                m,
+                n,
+                k,
+                dst,
+                n,
+                accumulate,
+                View::rows(&ar, k),
+                View::rows(&br, n),
+                T::ONE,
+                true,
+            );
+        }
+    }
+}
+
+/// `x` rounded to the nearest bf16, ties to even, as an `f64` (`half`'s
+/// `bf16::from_f64` decides ties on the upper half of the bits only).
+fn round_bf16(x: f64) -> f64 {
+    if x == 0.0 || !x.is_finite() {
+        return x;
+    }
+    // bf16 keeps 8 significant bits; below f32's normal range its
+    // spacing is fixed at 2⁻¹³³.
+    let e = ((x.to_bits() >> 52) & 0x7ff) as i32 - 1023;
+    let ulp = 2f64.powi(e.max(-126) - 7);
+    let r = (x / ulp).round_ties_even() * ulp;
+    if r.abs() > f64::from(bf16::MAX.to_f32()) {
+        r.signum() * f64::INFINITY
+    } else {
+        r
+    }
 }
 
 /// `db (OC) += Σ_rows dout (rows, OC)`, split over the rayon pool by
@@ -569,7 +722,19 @@ mod tests {
         let bias = rand_vec(oc, 3);
         for mode in [Mode::BatchInvariant, Mode::Throughput] {
             let mut out = vec![0.0; b * t * oc];
-            matmul_forward(&mut out, &x, &w, Some(&bias), b, t, c, oc, mode).unwrap();
+            matmul_forward(
+                &mut out,
+                &x,
+                &w,
+                Some(&bias),
+                b,
+                t,
+                c,
+                oc,
+                mode,
+                Precision::F32,
+            )
+            .unwrap();
             for r in 0..b * t {
                 for o in 0..oc {
                     let want: f64 =
@@ -587,7 +752,19 @@ mod tests {
         let x = rand_vec(b * t * c, 11);
         let w = rand_vec(c * oc, 12);
         let mut out = vec![0.0; b * t * oc];
-        matmul_forward_wt(&mut out, &x, &w, None, b, t, c, oc, Mode::BatchInvariant).unwrap();
+        matmul_forward_wt(
+            &mut out,
+            &x,
+            &w,
+            None,
+            b,
+            t,
+            c,
+            oc,
+            Mode::BatchInvariant,
+            Precision::F32,
+        )
+        .unwrap();
         for r in 0..b * t {
             for o in 0..oc {
                 let want: f64 = (0..c).map(|i| x[r * c + i] * w[o * c + i]).sum();
@@ -616,6 +793,7 @@ mod tests {
                         c,
                         oc,
                         Mode::BatchInvariant,
+                        Precision::F32,
                     )
                     .unwrap();
                 },
@@ -634,6 +812,7 @@ mod tests {
                         c,
                         oc,
                         Mode::Throughput,
+                        Precision::F32,
                     )
                     .unwrap();
                 },
@@ -659,6 +838,7 @@ mod tests {
                     c,
                     oc,
                     Mode::Throughput,
+                    Precision::F32,
                 )
                 .unwrap();
             },
@@ -676,6 +856,7 @@ mod tests {
                     c,
                     oc,
                     Mode::BatchInvariant,
+                    Precision::F32,
                 )
                 .unwrap();
             },
@@ -713,9 +894,11 @@ mod tests {
                     let bias = with_bias.then_some(&bias[..]);
                     let mode = Mode::BatchInvariant;
                     if wt {
-                        matmul_forward_wt(&mut out, x, &w, bias, 1, t, c, oc, mode).unwrap();
+                        matmul_forward_wt(&mut out, x, &w, bias, 1, t, c, oc, mode, Precision::F32)
+                            .unwrap();
                     } else {
-                        matmul_forward(&mut out, x, &w, bias, 1, t, c, oc, mode).unwrap();
+                        matmul_forward(&mut out, x, &w, bias, 1, t, c, oc, mode, Precision::F32)
+                            .unwrap();
                     }
                     out
                 };
@@ -753,6 +936,7 @@ mod tests {
             3,
             3,
             Mode::Throughput,
+            Precision::F32,
         )
         .unwrap_err();
         assert_eq!(
@@ -764,5 +948,175 @@ mod tests {
                 got: 5
             }
         );
+    }
+
+    fn f32s(v: &[f64]) -> Vec<f32> {
+        v.iter().map(|&x| x as f32).collect()
+    }
+
+    fn bf16s(v: &[f32]) -> Vec<bf16> {
+        v.iter().map(|&x| bf16::from_f32(x)).collect()
+    }
+
+    /// Every bf16 linear-layer kernel on f32 buffers gives the bits of
+    /// [`matmul_bf16`](crate::matmul_bf16) on the bf16-rounded buffers in
+    /// the same layout (the rounding happens as the GEMM packs).
+    #[test]
+    fn bf16_kernels_are_the_bf16_gemm_of_the_rounded_buffers() {
+        use crate::matmul_bf16;
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        for (b, t, c, oc) in [(2, 5, 37, 70), (3, 64, 96, 200)] {
+            let n = b * t;
+            let x = f32s(&rand_vec(n * c, 21));
+            let w = f32s(&rand_vec(c * oc, 22));
+            let dy = f32s(&rand_vec(n * oc, 23));
+            let bias = f32s(&rand_vec(oc, 24));
+            let (xb, wb, dyb) = (bf16s(&x), bf16s(&w), bf16s(&dy));
+            let (mode, p) = (Mode::BatchInvariant, Precision::Bf16);
+            // forward, [in, out] weight, with bias
+            let mut got = vec![0f32; n * oc];
+            matmul_forward(&mut got, &x, &w, Some(&bias), b, t, c, oc, mode, p).unwrap();
+            let mut want: Vec<f32> = (0..n).flat_map(|_| bias.iter().copied()).collect();
+            matmul_bf16(&mut want, &xb, false, &wb, false, n, oc, c, true).unwrap();
+            assert_eq!(bits(&got), bits(&want), "forward {b}x{t}x{c}x{oc}");
+            // forward, [out, in] weight
+            matmul_forward_wt(&mut got, &x, &w, None, b, t, c, oc, mode, p).unwrap();
+            matmul_bf16(&mut want, &xb, false, &wb, true, n, oc, c, false).unwrap();
+            assert_eq!(bits(&got), bits(&want), "forward_wt");
+            // input gradients accumulate into what is there
+            let base = f32s(&rand_vec(n * c, 25));
+            let mut got = base.clone();
+            matmul_backward_input(&mut got, &dy, &w, b, t, c, oc, mode, p).unwrap();
+            let mut want = base.clone();
+            matmul_bf16(&mut want, &dyb, false, &wb, true, n, c, oc, true).unwrap();
+            assert_eq!(bits(&got), bits(&want), "backward_input");
+            let w_t = &w; // read as (OC, C)
+            let mut got = base.clone();
+            matmul_backward_wt_input(&mut got, &dy, w_t, b, t, c, oc, mode, p).unwrap();
+            let mut want = base.clone();
+            matmul_bf16(&mut want, &dyb, false, &wb, false, n, c, oc, true).unwrap();
+            assert_eq!(bits(&got), bits(&want), "backward_wt_input");
+            // weight gradients
+            let wbase = f32s(&rand_vec(c * oc, 26));
+            let mut got = wbase.clone();
+            matmul_backward_weight(&mut got, None, &dy, &x, b, t, c, oc, p).unwrap();
+            let mut want = wbase.clone();
+            matmul_bf16(&mut want, &xb, true, &dyb, false, c, oc, n, true).unwrap();
+            assert_eq!(bits(&got), bits(&want), "backward_weight");
+            let mut got = wbase.clone();
+            matmul_backward_wt_weight(&mut got, None, &dy, &x, b, t, c, oc, p).unwrap();
+            let mut want = wbase.clone();
+            matmul_bf16(&mut want, &dyb, true, &xb, false, oc, c, n, true).unwrap();
+            assert_eq!(bits(&got), bits(&want), "backward_wt_weight");
+        }
+    }
+
+    /// bf16 against an f64 reference of the rounded operands: every output
+    /// within `(k + 2)·2⁻²⁴·Σ|a·b|` (f32 accumulation of exact products),
+    /// and off the f32 product by about bf16's 2⁻⁹ relative rounding.
+    #[test]
+    fn bf16_forward_and_backward_match_an_f64_reference_of_the_rounded_values() {
+        let (b, t, c, oc) = (2, 7, 300, 45);
+        let n = b * t;
+        // f32-representable values, so that rounding to bf16 from f64 and
+        // from f32 agree (f64 → f32 → bf16 could round twice)
+        let f = |v: Vec<f64>| -> Vec<f64> { v.iter().map(|&x| f64::from(x as f32)).collect() };
+        let x = f(rand_vec(n * c, 31));
+        let w = f(rand_vec(c * oc, 32));
+        let dy = f(rand_vec(n * oc, 33));
+        let r = |v: &[f64]| -> Vec<f64> {
+            v.iter()
+                .map(|&x| {
+                    let want = f64::from(bf16::from_f32(x as f32).to_f32());
+                    assert_eq!(round_bf16(x).to_bits(), want.to_bits(), "{x}");
+                    want
+                })
+                .collect()
+        };
+        let (xr, wr, dyr) = (r(&x), r(&w), r(&dy));
+        let (x32, w32, dy32) = (f32s(&x), f32s(&w), f32s(&dy));
+        let u = f64::from(f32::EPSILON) / 2.0;
+        let mode = Mode::Throughput;
+        let mut y = vec![0f32; n * oc];
+        matmul_forward(&mut y, &x32, &w32, None, b, t, c, oc, mode, Precision::Bf16).unwrap();
+        let mut y64 = vec![0f64; n * oc];
+        matmul_forward(&mut y64, &x, &w, None, b, t, c, oc, mode, Precision::Bf16).unwrap();
+        let mut dx = vec![0f32; n * c];
+        matmul_backward_input(&mut dx, &dy32, &w32, b, t, c, oc, mode, Precision::Bf16).unwrap();
+        let mut dw = vec![0f32; c * oc];
+        matmul_backward_weight(&mut dw, None, &dy32, &x32, b, t, c, oc, Precision::Bf16).unwrap();
+        for i in 0..n {
+            for o in 0..oc {
+                let terms = (0..c).map(|k| xr[i * c + k] * wr[k * oc + o]);
+                let (want, mag): (f64, f64) =
+                    terms.fold((0.0, 0.0), |(s, m), p| (s + p, m + p.abs()));
+                let got = f64::from(y[i * oc + o]);
+                assert!((got - want).abs() <= (c + 2) as f64 * u * mag, "y[{i},{o}]");
+                assert!(
+                    (y64[i * oc + o] - want).abs() <= 1e-12 * mag,
+                    "f64 y[{i},{o}]"
+                );
+                // bf16 is not f32: the unrounded product differs by far more
+                let exact: f64 = (0..c).map(|k| x[i * c + k] * w[k * oc + o]).sum();
+                assert!((got - exact).abs() <= 2f64.powi(-7) * mag);
+            }
+            for k in 0..c {
+                let terms = (0..oc).map(|o| dyr[i * oc + o] * wr[k * oc + o]);
+                let (want, mag): (f64, f64) =
+                    terms.fold((0.0, 0.0), |(s, m), p| (s + p, m + p.abs()));
+                let got = f64::from(dx[i * c + k]);
+                assert!(
+                    (got - want).abs() <= (oc + 2) as f64 * u * mag,
+                    "dx[{i},{k}]"
+                );
+            }
+        }
+        for k in 0..c {
+            for o in 0..oc {
+                let terms = (0..n).map(|i| xr[i * c + k] * dyr[i * oc + o]);
+                let (want, mag): (f64, f64) =
+                    terms.fold((0.0, 0.0), |(s, m), p| (s + p, m + p.abs()));
+                let got = f64::from(dw[k * oc + o]);
+                assert!(
+                    (got - want).abs() <= (n + 2) as f64 * u * mag,
+                    "dw[{k},{o}]"
+                );
+            }
+        }
+    }
+
+    /// In bf16 a sequence's forward and input gradient have the same bits
+    /// alone as inside a batch, in both modes.
+    #[test]
+    fn bf16_rows_are_batch_invariant() {
+        let (b, t, c, oc) = (4, 9, 80, 130);
+        let x = f32s(&rand_vec(b * t * c, 41));
+        let w = f32s(&rand_vec(c * oc, 42));
+        let dy = f32s(&rand_vec(b * t * oc, 43));
+        let p = Precision::Bf16;
+        for mode in [Mode::BatchInvariant, Mode::Throughput] {
+            let mut y = vec![0f32; b * t * oc];
+            matmul_forward(&mut y, &x, &w, None, b, t, c, oc, mode, p).unwrap();
+            let mut dx = vec![0f32; b * t * c];
+            matmul_backward_input(&mut dx, &dy, &w, b, t, c, oc, mode, p).unwrap();
+            for s in [0, 2] {
+                let xs = &x[s * t * c..(s + 1) * t * c];
+                let mut y1 = vec![0f32; t * oc];
+                matmul_forward(&mut y1, xs, &w, None, 1, t, c, oc, mode, p).unwrap();
+                assert!(
+                    y1.iter()
+                        .zip(&y[s * t * oc..])
+                        .all(|(a, b)| a.to_bits() == b.to_bits())
+                );
+                let mut dx1 = vec![0f32; t * c];
+                let dys = &dy[s * t * oc..(s + 1) * t * oc];
+                matmul_backward_input(&mut dx1, dys, &w, 1, t, c, oc, mode, p).unwrap();
+                assert!(
+                    dx1.iter()
+                        .zip(&dx[s * t * c..])
+                        .all(|(a, b)| a.to_bits() == b.to_bits())
+                );
+            }
+        }
     }
 }

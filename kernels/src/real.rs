@@ -5,10 +5,32 @@ use std::fmt::Debug;
 use std::iter::Sum;
 use std::ops::{Add, AddAssign, Div, DivAssign, Mul, MulAssign, Neg, Sub, SubAssign};
 
-mod sealed {
-    pub trait Sealed {}
-    impl Sealed for f32 {}
-    impl Sealed for f64 {}
+pub(crate) mod sealed {
+    /// What only this crate sees of a [`Real`](super::Real): the buffers
+    /// as `f32`, for kernels with an `f32`-only fast path (the bf16
+    /// products).
+    pub trait Sealed: Sized {
+        /// `s` as `f32`s, when `Self` is `f32`.
+        fn as_f32(s: &[Self]) -> Option<&[f32]>;
+        /// `s` as `f32`s, when `Self` is `f32`.
+        fn as_f32_mut(s: &mut [Self]) -> Option<&mut [f32]>;
+    }
+    impl Sealed for f32 {
+        fn as_f32(s: &[f32]) -> Option<&[f32]> {
+            Some(s)
+        }
+        fn as_f32_mut(s: &mut [f32]) -> Option<&mut [f32]> {
+            Some(s)
+        }
+    }
+    impl Sealed for f64 {
+        fn as_f32(_: &[f64]) -> Option<&[f32]> {
+            None
+        }
+        fn as_f32_mut(_: &mut [f64]) -> Option<&mut [f32]> {
+            None
+        }
+    }
 }
 
 /// A real floating-point element type: `f32` or `f64` (sealed).

@@ -2,7 +2,8 @@
 
 use proptest::prelude::*;
 use weft_kernels::{
-    Mode, attention_forward, fused_classifier, layernorm_forward, matmul_forward, softmax_forward,
+    Mode, Precision, attention_forward, fused_classifier, layernorm_forward, matmul_forward,
+    softmax_forward,
 };
 
 fn vals(n: usize, seed: u64) -> Vec<f32> {
@@ -31,9 +32,9 @@ proptest! {
         let bias = vals(oc, seed + 2);
         let x = vals(b * t * c, seed + 3);
         let mut all = vec![0.0f32; b * t * oc];
-        matmul_forward(&mut all, &x, &w, Some(&bias), b, t, c, oc, Mode::BatchInvariant).unwrap();
+        matmul_forward(&mut all, &x, &w, Some(&bias), b, t, c, oc, Mode::BatchInvariant, Precision::F32).unwrap();
         let mut one = vec![0.0f32; t * oc];
-        matmul_forward(&mut one, &x[pos * t * c..(pos + 1) * t * c], &w, Some(&bias), 1, t, c, oc, Mode::BatchInvariant).unwrap();
+        matmul_forward(&mut one, &x[pos * t * c..(pos + 1) * t * c], &w, Some(&bias), 1, t, c, oc, Mode::BatchInvariant, Precision::F32).unwrap();
         let got = &all[pos * t * oc..(pos + 1) * t * oc];
         prop_assert!(one.iter().zip(got).all(|(a, b)| a.to_bits() == b.to_bits()));
     }

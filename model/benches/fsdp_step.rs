@@ -73,6 +73,7 @@ fn bench(
         }
         .build(&comm)?;
         let plan = ParallelPlan {
+            precision: weft_kernels::Precision::F32,
             fsdp: fc.cloned(),
             pipeline: None,
             batch: b,

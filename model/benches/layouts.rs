@@ -88,6 +88,7 @@ fn bench(
                 None
             };
             let plan = ParallelPlan {
+                precision: weft_kernels::Precision::F32,
                 fsdp: fsdp.map(|strategy| FsdpConfig {
                     strategy,
                     reproducible: false,

@@ -17,11 +17,11 @@
 use std::time::Instant;
 
 use weft_kernels::{
-    AdamW, Mode, attention_backward, attention_forward, encoder_backward, encoder_forward,
-    fused_classifier_backward, fused_classifier_forward, gelu_backward, gelu_forward,
-    layernorm_backward, layernorm_forward, matmul_backward_input, matmul_backward_weight,
-    matmul_backward_wt_input, matmul_backward_wt_weight, matmul_forward, matmul_forward_wt,
-    residual_forward,
+    AdamW, Mode, Precision, attention_backward, attention_forward, encoder_backward,
+    encoder_forward, fused_classifier_backward, fused_classifier_forward, gelu_backward,
+    gelu_forward, layernorm_backward, layernorm_forward, matmul_backward_input,
+    matmul_backward_weight, matmul_backward_wt_input, matmul_backward_wt_weight, matmul_forward,
+    matmul_forward_wt, residual_forward,
 };
 use weft_model::{Gpt, GptConfig};
 
@@ -132,15 +132,38 @@ fn profile(s: &Shape, reps: usize) -> Vec<Row> {
         let mut db = vec![0.0f32; oc];
         let f = 2.0 * (n * ic * oc) as f64;
         let ms = time(reps, || {
-            matmul_forward(&mut out, &x, &w, Some(&bias), b, t, ic, oc, mode).unwrap();
+            matmul_forward(
+                &mut out,
+                &x,
+                &w,
+                Some(&bias),
+                b,
+                t,
+                ic,
+                oc,
+                mode,
+                Precision::F32,
+            )
+            .unwrap();
         });
         push(format!("fwd {name} {n}x{ic}x{oc}"), l, ms, f);
         let ms = time(reps, || {
-            matmul_backward_input(&mut dx, &dout, &w, b, t, ic, oc, thr).unwrap();
+            matmul_backward_input(&mut dx, &dout, &w, b, t, ic, oc, thr, Precision::F32).unwrap();
         });
         push(format!("bwd {name} dx"), l, ms, f);
         let ms = time(reps, || {
-            matmul_backward_weight(&mut dw, Some(&mut db), &dout, &x, b, t, ic, oc).unwrap();
+            matmul_backward_weight(
+                &mut dw,
+                Some(&mut db),
+                &dout,
+                &x,
+                b,
+                t,
+                ic,
+                oc,
+                Precision::F32,
+            )
+            .unwrap();
         });
         push(format!("bwd {name} dw+db"), l, ms, f);
     }
@@ -153,7 +176,7 @@ fn profile(s: &Shape, reps: usize) -> Vec<Row> {
         let targets: Vec<u32> = (0..n).map(|i| (i * 31 % v) as u32).collect();
         let f = 2.0 * (n * c * v) as f64;
         let ms = time(reps, || {
-            matmul_forward_wt(&mut logits, &x, &w, None, b, t, c, v, inv).unwrap();
+            matmul_forward_wt(&mut logits, &x, &w, None, b, t, c, v, inv, Precision::F32).unwrap();
         });
         push(format!("fwd lm_head {n}x{c}x{v}"), 1, ms, f);
         let mut stats = vec![0.0f32; 2 * n];
@@ -171,11 +194,13 @@ fn profile(s: &Shape, reps: usize) -> Vec<Row> {
         let mut dx = vec![0.0f32; n * c];
         let mut dw = vec![0.0f32; v * c];
         let ms = time(reps, || {
-            matmul_backward_wt_input(&mut dx, &logits, &w, b, t, c, v, thr).unwrap();
+            matmul_backward_wt_input(&mut dx, &logits, &w, b, t, c, v, thr, Precision::F32)
+                .unwrap();
         });
         push("bwd lm_head dx".into(), 1, ms, f);
         let ms = time(reps, || {
-            matmul_backward_wt_weight(&mut dw, None, &logits, &x, b, t, c, v).unwrap();
+            matmul_backward_wt_weight(&mut dw, None, &logits, &x, b, t, c, v, Precision::F32)
+                .unwrap();
         });
         push("bwd lm_head dw".into(), 1, ms, f);
     }
@@ -293,7 +318,19 @@ fn main() {
         let w = data(n * n, 2, 1.0);
         let mut out = vec![0.0f32; n * n];
         let ms = time(reps.max(5), || {
-            matmul_forward(&mut out, &a, &w, None, 1, n, n, n, Mode::Throughput).unwrap();
+            matmul_forward(
+                &mut out,
+                &a,
+                &w,
+                None,
+                1,
+                n,
+                n,
+                n,
+                Mode::Throughput,
+                Precision::F32,
+            )
+            .unwrap();
         });
         2.0 * (n * n * n) as f64 / ms / 1e6
     };

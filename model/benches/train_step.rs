@@ -9,7 +9,10 @@
 //! from `model/reference/bench_torch.py`; `model/reference/bench_compare.sh`
 //! runs both in one go and prints the ratios.
 //!
-//! `cargo bench -p weft-model --bench train_step -- [a|b]... [--steps N] [--mode invariant|throughput] [--peak]`
+//! `cargo bench -p weft-model --bench train_step -- [a|b]... [--steps N] [--mode invariant|throughput] [--precision fp32|bf16|both] [--peak]`
+//!
+//! `--precision both` runs each configuration in fp32 and in bf16 mixed
+//! precision side by side (alternating rows) and prints the ratio.
 //!
 //! Tokens/s use the best (shortest) of the timed steps; the mean is shown
 //! too. The last column divides the achieved GFLOP/s by the FMA peak
@@ -18,7 +21,7 @@
 
 use std::time::Instant;
 
-use weft_kernels::{AdamW, Mode};
+use weft_kernels::{AdamW, Mode, Precision};
 use weft_model::{Gpt, GptConfig};
 
 struct Case {
@@ -63,7 +66,19 @@ fn gemm_peak() -> f64 {
     let mut best = f64::INFINITY;
     for _ in 0..11 {
         let t = Instant::now();
-        weft_kernels::matmul_forward(&mut out, &a, &w, None, 1, n, n, n, Mode::Throughput).unwrap();
+        weft_kernels::matmul_forward(
+            &mut out,
+            &a,
+            &w,
+            None,
+            1,
+            n,
+            n,
+            n,
+            Mode::Throughput,
+            Precision::F32,
+        )
+        .unwrap();
         best = best.min(t.elapsed().as_secs_f64());
     }
     2.0 * (n * n * n) as f64 / best / 1e9
@@ -76,6 +91,7 @@ fn main() {
     let mut mode = Mode::BatchInvariant;
     let mut which: Vec<String> = Vec::new();
     let mut peak = false;
+    let mut precisions = vec![Precision::F32];
     let mut i = 0;
     while i < args.len() {
         match args[i].as_str() {
@@ -93,6 +109,14 @@ fn main() {
                 };
                 i += 1;
             }
+            "--precision" => {
+                precisions = match args.get(i + 1).map(String::as_str) {
+                    Some("bf16") => vec![Precision::Bf16],
+                    Some("both") => vec![Precision::F32, Precision::Bf16],
+                    _ => vec![Precision::F32],
+                };
+                i += 1;
+            }
             "--peak" => peak = true,
             a if a.starts_with("--") => {}
             a => which.push(a.to_string()),
@@ -100,8 +124,9 @@ fn main() {
         i += 1;
     }
     println!(
-        "threads: {}, mode: {mode:?}, steps: {steps} (after 1 warm-up)",
-        rayon::current_num_threads()
+        "threads: {}, mode: {mode:?}, steps: {steps} (after 1 warm-up), bf16 path: {}",
+        rayon::current_num_threads(),
+        weft_kernels::bf16_path().name()
     );
     if peak {
         let g = gemm_peak();
@@ -115,63 +140,73 @@ fn main() {
         rayon::current_num_threads()
     );
     println!(
-        "| config | params | B | T | act bytes/token | best s/step | mean s/step | tokens/s | GFLOP/s | % of FMA peak |"
+        "| config | precision | params | B | T | act bytes/token | best s/step | mean s/step | tokens/s | GFLOP/s | % of FMA peak | vs fp32 |"
     );
-    println!("|---|---|---|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|");
     for case in cases() {
         if !which.is_empty() && !which.iter().any(|w| w == case.name) {
             continue;
         }
-        let mut model = Gpt::new(case.cfg.clone()).unwrap();
-        model.set_mode(mode);
-        model.init_gpt2(1);
-        let mut acts = model.activations(case.b, case.t).unwrap();
-        let mut opt = model.adamw_state();
-        let hp = AdamW {
-            lr: 1e-4,
-            weight_decay: 0.1,
-            ..AdamW::default()
-        };
-        let n = case.b * case.t;
-        let v = u32::try_from(case.cfg.vocab_size).unwrap();
-        let tokens: Vec<u32> = (0..n as u32)
-            .map(|i| i.wrapping_mul(2_654_435_761) % v)
-            .collect();
-        let targets: Vec<u32> = (0..n as u32)
-            .map(|i| (i + 1).wrapping_mul(2_654_435_761) % v)
-            .collect();
-        let mut step = || {
-            model.forward(&mut acts, &tokens, Some(&targets)).unwrap();
-            model.zero_grad();
-            model.backward(&mut acts).unwrap();
-            model.adamw_step(&mut opt, &hp).unwrap();
-        };
-        step();
-        // Best step of `steps`: on a shared machine the minimum is the
-        // measurement least disturbed by other processes.
-        let mut secs = f64::INFINITY;
-        let mut total = 0.0;
-        for _ in 0..steps {
-            let start = Instant::now();
+        let mut fp32_tps = None;
+        for &precision in &precisions {
+            let mut model = Gpt::new(case.cfg.clone()).unwrap();
+            model.set_mode(mode);
+            model.set_precision(precision);
+            model.init_gpt2(1);
+            let mut acts = model.activations(case.b, case.t).unwrap();
+            let mut opt = model.adamw_state();
+            let hp = AdamW {
+                lr: 1e-4,
+                weight_decay: 0.1,
+                ..AdamW::default()
+            };
+            let n = case.b * case.t;
+            let v = u32::try_from(case.cfg.vocab_size).unwrap();
+            let tokens: Vec<u32> = (0..n as u32)
+                .map(|i| i.wrapping_mul(2_654_435_761) % v)
+                .collect();
+            let targets: Vec<u32> = (0..n as u32)
+                .map(|i| (i + 1).wrapping_mul(2_654_435_761) % v)
+                .collect();
+            let mut step = || {
+                model.forward(&mut acts, &tokens, Some(&targets)).unwrap();
+                model.zero_grad();
+                model.backward(&mut acts).unwrap();
+                model.adamw_step(&mut opt, &hp).unwrap();
+            };
             step();
-            let s = start.elapsed().as_secs_f64();
-            secs = secs.min(s);
-            total += s;
+            // Best step of `steps`: on a shared machine the minimum is the
+            // measurement least disturbed by other processes.
+            let mut secs = f64::INFINITY;
+            let mut total = 0.0;
+            for _ in 0..steps {
+                let start = Instant::now();
+                step();
+                let s = start.elapsed().as_secs_f64();
+                secs = secs.min(s);
+                total += s;
+            }
+            let mean = total / steps as f64;
+            let params = model.params.len();
+            let c = &case.cfg;
+            let flops_per_token =
+                6.0 * params as f64 + 6.0 * (c.n_layer * case.t * c.n_embd) as f64;
+            let tps = n as f64 / secs;
+            if precision == Precision::F32 {
+                fp32_tps = Some(tps);
+            }
+            println!(
+                "| {} | {} | {:.1}M | {} | {} | {} | {secs:.3} | {mean:.3} | {tps:.0} | {:.1} | {:.0} | {} |",
+                case.name,
+                precision.name(),
+                params as f64 / 1e6,
+                case.b,
+                case.t,
+                acts.bytes_per_token(),
+                tps * flops_per_token / 1e9,
+                100.0 * tps * flops_per_token / 1e9 / fma_peak,
+                fp32_tps.map_or_else(|| "-".into(), |f| format!("{:.2}x", tps / f))
+            );
         }
-        let mean = total / steps as f64;
-        let params = model.params.len();
-        let c = &case.cfg;
-        let flops_per_token = 6.0 * params as f64 + 6.0 * (c.n_layer * case.t * c.n_embd) as f64;
-        let tps = n as f64 / secs;
-        println!(
-            "| {} | {:.1}M | {} | {} | {} | {secs:.3} | {mean:.3} | {tps:.0} | {:.1} | {:.0} |",
-            case.name,
-            params as f64 / 1e6,
-            case.b,
-            case.t,
-            acts.bytes_per_token(),
-            tps * flops_per_token / 1e9,
-            100.0 * tps * flops_per_token / 1e9 / fma_peak
-        );
     }
 }

@@ -59,6 +59,7 @@ fn main() -> anyhow::Result<()> {
                 }
                 .build(&comm)?;
                 let plan = ParallelPlan {
+                    precision: weft_kernels::Precision::F32,
                     fsdp: None,
                     pipeline: None,
                     batch: B,

@@ -7,7 +7,7 @@ use std::ops::Range;
 use std::sync::Arc;
 
 use weft_kernels::{
-    Mode, attention_backward, attention_forward, encoder_backward, encoder_forward,
+    Mode, Precision, attention_backward, attention_forward, encoder_backward, encoder_forward,
     fused_classifier_backward, fused_classifier_forward, layernorm_backward,
     layernorm_backward_input, layernorm_backward_weight, layernorm_forward, matmul_backward,
     matmul_backward_input, matmul_backward_weight, matmul_backward_wt, matmul_forward,
@@ -97,6 +97,7 @@ pub struct GptBlocks {
     tp: Option<TensorParallel>,
     vocab: VocabShard,
     mode: Mode,
+    precision: Precision,
 }
 
 /// What one block's forward keeps for its backward, for one micro-batch of
@@ -386,6 +387,7 @@ impl GptBlocks {
             tp,
             vocab,
             mode: Mode::default(),
+            precision: Precision::default(),
         })
     }
 
@@ -434,6 +436,24 @@ impl GptBlocks {
     /// Sets the forward's [`Mode`].
     pub fn set_mode(&mut self, mode: Mode) {
         self.mode = mode;
+    }
+
+    /// The arithmetic of the linear layers' products (see
+    /// [`set_precision`](Self::set_precision)).
+    pub fn precision(&self) -> Precision {
+        self.precision
+    }
+
+    /// Sets the arithmetic of every linear layer's products, forward and
+    /// backward: the attention's and the feed-forward block's projections
+    /// and the language-model head (`Precision::Bf16`: operands rounded to
+    /// bf16, f32 accumulation — mixed precision). Parameters, gradients
+    /// and activations stay `f32`; layernorm, GELU, attention scores and
+    /// softmax, the loss and the embedding are computed in `f32` whatever
+    /// the precision. The decoder ([`Decoder`](crate::Decoder)) reads it
+    /// from the model, so sampling reproduces the training forward's bits.
+    pub fn set_precision(&mut self, precision: Precision) {
+        self.precision = precision;
     }
 
     /// Floats in the embedding slice (`wte` then `wpe`).
@@ -534,6 +554,7 @@ impl GptBlocks {
             t,
             c: self.config.n_embd,
             mode,
+            precision: self.precision,
             layer,
             tp: self.tp.as_ref(),
         }
@@ -890,6 +911,7 @@ impl GptBlocks {
             c,
             3 * ca,
             mode,
+            self.precision,
         )?;
         attention_forward(&mut acts.atty, &mut acts.att, &acts.qkv, b, t, ca, nh)?;
         // row-parallel output projection, summed over the group
@@ -909,6 +931,7 @@ impl GptBlocks {
                 c,
                 c,
                 mode,
+                self.precision,
             )?,
             Some(tp) => tp.row_forward(
                 y,
@@ -920,6 +943,7 @@ impl GptBlocks {
                 t,
                 ca,
                 mode,
+                self.precision,
             )?,
         }
         let y: &[f32] = if self.sp() {
@@ -1032,6 +1056,7 @@ impl GptBlocks {
             ca,
             c,
             mode,
+            self.precision,
         )?;
         weft_kernels::zero(&mut scratch.dqkv);
         attention_backward(
@@ -1059,6 +1084,7 @@ impl GptBlocks {
             c,
             3 * ca,
             mode,
+            self.precision,
         )?;
         // f's backward: the column-parallel QKV's input gradient, summed
         let dln1: &[f32] = match tp {
@@ -1164,6 +1190,7 @@ impl GptBlocks {
             ca,
             c,
             mode,
+            self.precision,
         )?;
         weft_kernels::zero(&mut saved.dqkv);
         attention_backward(
@@ -1189,6 +1216,7 @@ impl GptBlocks {
                     c,
                     3 * ca,
                     mode,
+                    self.precision,
                 )?;
                 &saved.dln1
             }
@@ -1203,6 +1231,7 @@ impl GptBlocks {
                     c,
                     3 * ca,
                     mode,
+                    self.precision,
                 )?;
                 let r = tp.column_input_grad(&mut scratch.dln, &mut scratch.rows)?;
                 saved.dln1.copy_from_slice(r);
@@ -1281,9 +1310,29 @@ impl GptBlocks {
             c,
         )?;
         let (dw, db) = two_mut(g, blk.proj_w.clone(), blk.proj_b.clone());
-        matmul_backward_weight(dw, Some(db), &saved.dres2, &acts.atty, b, t, ca, c)?;
+        matmul_backward_weight(
+            dw,
+            Some(db),
+            &saved.dres2,
+            &acts.atty,
+            b,
+            t,
+            ca,
+            c,
+            self.precision,
+        )?;
         let (dw, db) = two_mut(g, blk.qkv_w.clone(), blk.qkv_b.clone());
-        matmul_backward_weight(dw, Some(db), &saved.dqkv, &acts.ln1, b, t, c, 3 * ca)?;
+        matmul_backward_weight(
+            dw,
+            Some(db),
+            &saved.dqkv,
+            &acts.ln1,
+            b,
+            t,
+            c,
+            3 * ca,
+            self.precision,
+        )?;
         let (dw, db) = two_mut(g, blk.ln1_w.clone(), blk.ln1_b.clone());
         layernorm_backward_weight(
             dw,
@@ -1365,6 +1414,7 @@ impl GptBlocks {
             c,
             vl,
             self.mode,
+            self.precision,
         )?;
         let Some(tg) = targets else {
             acts.has_targets = false;
@@ -1470,6 +1520,7 @@ impl GptBlocks {
             c,
             vl,
             mode,
+            self.precision,
         )?;
         // the vocabulary-parallel projection's input gradient, summed
         let dln: &[f32] = match tp {

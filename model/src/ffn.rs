@@ -23,7 +23,7 @@
 //! replicated and needs none).
 
 use weft_kernels::{
-    Mode, gelu_backward, gelu_forward, matmul_backward_input, matmul_backward_weight,
+    Mode, Precision, gelu_backward, gelu_forward, matmul_backward_input, matmul_backward_weight,
     matmul_forward,
 };
 use weft_parallel::{Placement, Placements};
@@ -56,6 +56,9 @@ pub struct Dims<'a> {
     pub c: usize,
     /// How linear layers split their work.
     pub mode: Mode,
+    /// The arithmetic of the linear layers' products (see
+    /// [`GptBlocks::set_precision`](crate::GptBlocks::set_precision)).
+    pub precision: Precision,
     /// Index of the transformer layer the block belongs to (0-based, in the
     /// whole model: a pipeline stage passes its layers' global indices), for
     /// blocks that keep per-layer statistics.
@@ -294,12 +297,23 @@ impl FeedForward for Mlp {
         let (n, h) = (b * t, hidden(&d));
         let (fw, fb, pw, pb) = split(params, c, h);
         let (fch, fch_gelu) = saved.split_at_mut(n * h);
-        matmul_forward(fch, inp, fw, Some(fb), b, t, c, h, mode)?;
+        matmul_forward(fch, inp, fw, Some(fb), b, t, c, h, mode, d.precision)?;
         gelu_forward(fch_gelu, fch, n * h)?;
         match d.tp {
-            None => matmul_forward(out, fch_gelu, pw, Some(pb), b, t, h, c, mode)?,
+            None => matmul_forward(out, fch_gelu, pw, Some(pb), b, t, h, c, mode, d.precision)?,
             Some(tp) => {
-                tp.row_forward(out, &mut scratch[..n * c], fch_gelu, pw, pb, b, t, h, mode)?;
+                tp.row_forward(
+                    out,
+                    &mut scratch[..n * c],
+                    fch_gelu,
+                    pw,
+                    pb,
+                    b,
+                    t,
+                    h,
+                    mode,
+                    d.precision,
+                )?;
             }
         }
         Ok(())
@@ -369,17 +383,17 @@ impl FeedForward for Mlp {
             None => dout,
         };
         weft_kernels::zero(dgelu);
-        matmul_backward_input(dgelu, dy, pw, b, t, h, c, mode)?;
+        matmul_backward_input(dgelu, dy, pw, b, t, h, c, mode, d.precision)?;
         weft_kernels::zero(dfch);
         gelu_backward(dfch, fch, dgelu, n * h)?;
         match d.tp {
-            None => matmul_backward_input(dinp, dfch, fw, b, t, c, h, mode)?,
+            None => matmul_backward_input(dinp, dfch, fw, b, t, c, h, mode, d.precision)?,
             Some(tp) => {
                 // c_fc is column-parallel: its input gradient is a partial
                 // sum, summed over the group (this rank's rows under SP)
                 let (partial, rows) = rest.split_at_mut(n * c);
                 weft_kernels::zero(partial);
-                matmul_backward_input(partial, dfch, fw, b, t, c, h, mode)?;
+                matmul_backward_input(partial, dfch, fw, b, t, c, h, mode, d.precision)?;
                 let sp_rows = if d.sequence_parallel() {
                     d.rows() * c
                 } else {
@@ -410,8 +424,8 @@ impl FeedForward for Mlp {
         let fch_gelu = &saved[n * h..2 * n * h];
         let (dfch, dfull) = wsaved.split_at(n * h);
         let dy = if d.sequence_parallel() { dfull } else { dout };
-        matmul_backward_weight(dpw, Some(dpb), dy, fch_gelu, b, t, h, c)?;
-        matmul_backward_weight(dfw, Some(dfb), dfch, inp, b, t, c, h)?;
+        matmul_backward_weight(dpw, Some(dpb), dy, fch_gelu, b, t, h, c, d.precision)?;
+        matmul_backward_weight(dfw, Some(dfb), dfch, inp, b, t, c, h, d.precision)?;
         Ok(())
     }
 }

@@ -5,7 +5,7 @@
 
 use std::sync::Arc;
 
-use weft_kernels::{AdamW, Mode};
+use weft_kernels::{AdamW, Mode, Precision};
 use weft_parallel::{AdamWState, ParamLayout};
 
 pub use crate::blocks::{BlockActs, BlockScratch, GptBlocks, HeadActs, WeightInputs};
@@ -161,6 +161,12 @@ impl Gpt {
     /// GEMMs: parameter gradients are sums over the batch anyway.
     pub fn set_mode(&mut self, mode: Mode) {
         self.blocks.set_mode(mode);
+    }
+
+    /// Sets the arithmetic of the linear layers' products (default f32;
+    /// see [`GptBlocks::set_precision`]).
+    pub fn set_precision(&mut self, precision: Precision) {
+        self.blocks.set_precision(precision);
     }
 
     /// A named parameter tensor.

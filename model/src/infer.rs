@@ -129,6 +129,7 @@ impl<'m> Decoder<'m> {
                 t,
                 c,
                 mode: model.blocks().mode(),
+                precision: model.blocks().precision(),
                 layer: 0,
                 tp: None,
             })),
@@ -137,6 +138,7 @@ impl<'m> Decoder<'m> {
                 t,
                 c,
                 mode: model.blocks().mode(),
+                precision: model.blocks().precision(),
                 layer: 0,
                 tp: None,
             })),
@@ -239,7 +241,7 @@ impl<'m> Decoder<'m> {
         }
         let p = &model.params;
         let bl = model.blocks();
-        let mode = bl.mode();
+        let (mode, precision) = (bl.mode(), bl.precision());
         let nc = n * c;
         let (wte, wpe) = p[bl.embed_range()].split_at(bl.wte_len());
         encoder_forward(&mut self.x[..nc], tokens, wte, &wpe[start * c..], 1, n, c)?;
@@ -249,6 +251,7 @@ impl<'m> Decoder<'m> {
             t: n,
             c,
             mode,
+            precision,
             layer,
             tp: None,
         };
@@ -279,6 +282,7 @@ impl<'m> Decoder<'m> {
                 c,
                 3 * c,
                 mode,
+                precision,
             )?;
             let kv = &mut self.kv[l * max_t * 2 * c..(l + 1) * max_t * 2 * c];
             for (i, row) in qkv.chunks_exact(3 * c).enumerate() {
@@ -306,6 +310,7 @@ impl<'m> Decoder<'m> {
                 c,
                 c,
                 mode,
+                precision,
             )?;
             residual_forward(&mut self.res2[..nc], &self.x[..nc], &self.tmp[..nc], nc)?;
             layernorm_forward(
@@ -352,6 +357,7 @@ impl<'m> Decoder<'m> {
             c,
             v,
             mode,
+            precision,
         )?;
         self.len = start + n;
         Ok(())

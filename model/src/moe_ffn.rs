@@ -272,10 +272,17 @@ impl FeedForward for MoeFfn {
         };
         let y: &mut [f32] = if sp { &mut whole } else { out };
         let f = match &self.engine {
-            Engine::Local(b) => b.forward(y, saved, inp, params, &lens),
-            Engine::Sharded { ep, comm } => {
-                ep.forward_flat(comm.as_ref(), y, saved, inp, params, &lens)
-            }
+            Engine::Local(b) => b
+                .with_precision(d.precision)
+                .forward(y, saved, inp, params, &lens),
+            Engine::Sharded { ep, comm } => ep.with_precision(d.precision).forward_flat(
+                comm.as_ref(),
+                y,
+                saved,
+                inp,
+                params,
+                &lens,
+            ),
         }
         .map_err(moe_err)?;
         if let (true, Some(tp)) = (sp, d.tp) {
@@ -315,10 +322,19 @@ impl FeedForward for MoeFfn {
             (dout, dinp)
         };
         match &self.engine {
-            Engine::Local(b) => b.backward(dx, dparams, dy, inp, saved, params, &lens),
-            Engine::Sharded { ep, comm } => {
-                ep.backward_flat(comm.as_ref(), dx, dparams, dy, inp, saved, params, &lens)
-            }
+            Engine::Local(b) => b
+                .with_precision(d.precision)
+                .backward(dx, dparams, dy, inp, saved, params, &lens),
+            Engine::Sharded { ep, comm } => ep.with_precision(d.precision).backward_flat(
+                comm.as_ref(),
+                dx,
+                dparams,
+                dy,
+                inp,
+                saved,
+                params,
+                &lens,
+            ),
         }
         .map_err(moe_err)?;
         if let Some(tp) = d.tp.filter(|_| sp) {

@@ -28,7 +28,7 @@
 use std::sync::Arc;
 
 use weft_collectives::{Communicator, CommunicatorExt};
-use weft_kernels::AdamW;
+use weft_kernels::{AdamW, Precision};
 use weft_parallel::{
     DimSet, GradNorm, GradReducer, MeshTraffic, ParallelDims, ParallelMesh, ParamLayout,
     TrafficAxis,
@@ -66,6 +66,11 @@ pub struct ParallelPlan {
     /// How the tensor-parallel axis splits and sums (used when the mesh
     /// has `tp > 1`).
     pub tp: TpOptions,
+    /// The arithmetic of every linear layer's products
+    /// ([`GptBlocks::set_precision`]): `Precision::Bf16` is mixed
+    /// precision — bf16 operands, f32 accumulation, f32 master weights,
+    /// gradients and moments.
+    pub precision: Precision,
 }
 
 /// Where a parallel model's initial parameters come from.
@@ -276,12 +281,13 @@ impl ParallelGpt {
     /// # Errors
     /// As [`new`](Self::new).
     pub fn from_blocks(
-        blocks: GptBlocks,
+        mut blocks: GptBlocks,
         whole: ParamLayout,
         init: Init<'_>,
         plan: &ParallelPlan,
         mesh: ParallelMesh,
     ) -> Result<Self> {
+        blocks.set_precision(plan.precision);
         let dims = mesh.dims();
         let (schedule, layers) = Self::schedule_of(plan, dims, blocks.config().n_layer)?;
         let pl = schedule.placement();

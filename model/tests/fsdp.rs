@@ -70,6 +70,7 @@ fn model(
     }
     .build(comm)?;
     let plan = ParallelPlan {
+        precision: weft_kernels::Precision::F32,
         reproducible: fsdp.as_ref().is_none_or(|f| f.reproducible),
         fsdp,
         pipeline: None,

@@ -2,7 +2,7 @@
 //! [`Decoder`] returns — after a prefill of each prompt length, and at
 //! every step of a greedy continuation to the full block — is bitwise the
 //! logit [`Gpt::forward`] computes for the same prefix, for dense and MoE
-//! models of several shapes.
+//! models of several shapes, in f32 and in bf16 mixed precision.
 
 use weft_model::{Decoder, Error, Gpt, GptConfig, MoeFfn};
 use weft_moe::{Gate, MoeConfig, Router};
@@ -100,6 +100,25 @@ fn dense_models_decode_the_forwards_logits_bitwise_for_every_prompt_length() {
     let mut model = Gpt::new(untied).unwrap();
     model.init_gpt2(3);
     check_model(&model, &(1..=8).collect::<Vec<_>>(), "untied");
+}
+
+/// In bf16 mixed precision the decoder reproduces the bf16 forward's bits
+/// (and they are not the f32 forward's).
+#[test]
+fn bf16_models_decode_the_bf16_forwards_logits_bitwise() {
+    let mut model = Gpt::new(cfg(2, 3, 24, 300, 10)).unwrap();
+    model.init_gpt2(7);
+    let f32_logits = reference(&model, &[1, 2, 3]);
+    model.set_precision(weft_kernels::Precision::Bf16);
+    let bf16_logits = reference(&model, &[1, 2, 3]);
+    assert_ne!(f32_logits, bf16_logits, "bf16 is not f32");
+    check_model(&model, &(1..=10).collect::<Vec<_>>(), "bf16");
+    let moe = MoeConfig::new(16, 4, 2);
+    let (ffn, _) = MoeFfn::new(moe).unwrap();
+    let mut model = Gpt::with_ffn(cfg(2, 2, 16, 50, 12), Box::new(ffn)).unwrap();
+    model.init_gpt2(21);
+    model.set_precision(weft_kernels::Precision::Bf16);
+    check_model(&model, &[1, 5, 12], "bf16 moe");
 }
 
 /// Positions past the attention kernel's 64-row blocks.

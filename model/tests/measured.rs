@@ -158,6 +158,7 @@ fn setup(
         (s, layers)
     });
     let plan = ParallelPlan {
+        precision: weft_kernels::Precision::F32,
         fsdp: layout.fsdp.map(|strategy| FsdpConfig {
             strategy,
             hybrid_shard: 2.min(dims.dp / dims.ep),

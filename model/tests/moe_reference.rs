@@ -130,6 +130,7 @@ fn check_case(path: &Path) -> TestResult {
         t,
         c,
         mode: Mode::default(),
+        precision: weft_kernels::Precision::F32,
         layer: 0,
         tp: None,
     };

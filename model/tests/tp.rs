@@ -665,6 +665,7 @@ fn mlp_step(
         t,
         c,
         mode: Mode::Throughput,
+        precision: weft_kernels::Precision::F32,
         layer: 0,
         tp,
     };

@@ -9,7 +9,7 @@
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use std::hint::black_box;
-use weft_kernels::{Mode, gelu_backward, gelu_forward, matmul_backward, matmul_forward};
+use weft_kernels::{Mode, Precision, gelu_backward, gelu_forward, matmul_backward, matmul_forward};
 use weft_moe::{Gate, MoeBlock, MoeConfig, Router};
 
 fn data(n: usize, seed: u32) -> Vec<f32> {
@@ -89,9 +89,33 @@ fn block(c: &mut Criterion) {
     let m = Mode::Throughput;
     g.bench_function(format!("dense_h{hd}_c{ch}"), |bch| {
         bch.iter(|| {
-            matmul_forward(&mut hp, &inp, &w1, Some(&b1), b, t, ch, hd, m).unwrap();
+            matmul_forward(
+                &mut hp,
+                &inp,
+                &w1,
+                Some(&b1),
+                b,
+                t,
+                ch,
+                hd,
+                m,
+                Precision::F32,
+            )
+            .unwrap();
             gelu_forward(&mut a, &hp, n * hd).unwrap();
-            matmul_forward(&mut out, &a, &w2, Some(&b2), b, t, hd, ch, m).unwrap();
+            matmul_forward(
+                &mut out,
+                &a,
+                &w2,
+                Some(&b2),
+                b,
+                t,
+                hd,
+                ch,
+                m,
+                Precision::F32,
+            )
+            .unwrap();
             da.fill(0.0);
             dh.fill(0.0);
             matmul_backward(
@@ -106,6 +130,7 @@ fn block(c: &mut Criterion) {
                 hd,
                 ch,
                 m,
+                Precision::F32,
             )
             .unwrap();
             gelu_backward(&mut dh, &hp, &da, n * hd).unwrap();
@@ -121,6 +146,7 @@ fn block(c: &mut Criterion) {
                 ch,
                 hd,
                 m,
+                Precision::F32,
             )
             .unwrap();
         });

@@ -8,7 +8,9 @@
 //! one contiguous matrix and multiplied in one GEMM of exactly that many
 //! rows (no padding to a capacity), then scattered back.
 
-use weft_kernels::{Mode, Real, gelu_backward, gelu_forward, matmul_backward, matmul_forward};
+use weft_kernels::{
+    Mode, Precision, Real, gelu_backward, gelu_forward, matmul_backward, matmul_forward,
+};
 
 use crate::balance::AuxLoss;
 use crate::error::{Error, Result, check};
@@ -244,7 +246,7 @@ impl MoeConfig {
 }
 
 /// One MLP's forward over `rows` rows: `hpre = x·w1+b1`, `a = gelu(hpre)`,
-/// `y = a·w2+b2`.
+/// `y = a·w2+b2`, its products in `precision`.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn mlp_forward<T: Real>(
     y: &mut [T],
@@ -255,10 +257,33 @@ pub(crate) fn mlp_forward<T: Real>(
     rows: usize,
     c: usize,
     h: usize,
+    precision: Precision,
 ) -> Result<()> {
-    matmul_forward(hpre, x, w[0], Some(w[1]), 1, rows, c, h, Mode::Throughput)?;
+    matmul_forward(
+        hpre,
+        x,
+        w[0],
+        Some(w[1]),
+        1,
+        rows,
+        c,
+        h,
+        Mode::Throughput,
+        precision,
+    )?;
     gelu_forward(a, hpre, rows * h)?;
-    matmul_forward(y, a, w[2], Some(w[3]), 1, rows, h, c, Mode::Throughput)?;
+    matmul_forward(
+        y,
+        a,
+        w[2],
+        Some(w[3]),
+        1,
+        rows,
+        h,
+        c,
+        Mode::Throughput,
+        precision,
+    )?;
     Ok(())
 }
 
@@ -275,6 +300,7 @@ pub(crate) fn mlp_backward<T: Real>(
     rows: usize,
     c: usize,
     h: usize,
+    precision: Precision,
 ) -> Result<()> {
     let [dw1, db1, dw2, db2] = dw;
     let mut da = vec![T::ZERO; rows * h];
@@ -291,6 +317,7 @@ pub(crate) fn mlp_backward<T: Real>(
         h,
         c,
         Mode::Throughput,
+        precision,
     )?;
     gelu_backward(&mut dh, hpre, &da, rows * h)?;
     matmul_backward(
@@ -305,6 +332,7 @@ pub(crate) fn mlp_backward<T: Real>(
         c,
         h,
         Mode::Throughput,
+        precision,
     )?;
     Ok(())
 }
@@ -337,6 +365,8 @@ pub(crate) fn group<T: Real>(r: &Routing<T>) -> (Vec<usize>, Vec<usize>) {
 #[derive(Clone, Debug, PartialEq)]
 pub struct MoeBlock {
     cfg: MoeConfig,
+    /// The arithmetic of the experts' products (the router's are f32).
+    pub(crate) precision: Precision,
 }
 
 impl MoeBlock {
@@ -346,7 +376,28 @@ impl MoeBlock {
     /// As [`MoeConfig::validate`].
     pub fn new(cfg: MoeConfig) -> Result<Self> {
         cfg.validate()?;
-        Ok(MoeBlock { cfg })
+        Ok(MoeBlock {
+            cfg,
+            precision: Precision::F32,
+        })
+    }
+
+    /// This block with its experts' (and the shared expert's) matrix
+    /// products in `precision` ([`Precision::Bf16`]: mixed precision). The
+    /// router's logits and their gradients stay f32 whatever the
+    /// precision: routing decisions are where a rounding flips a choice.
+    #[must_use]
+    pub fn with_precision(&self, precision: Precision) -> Self {
+        MoeBlock {
+            precision,
+            ..self.clone()
+        }
+    }
+
+    /// The arithmetic of the experts' products.
+    #[must_use]
+    pub fn precision(&self) -> Precision {
+        self.precision
     }
 
     /// The configuration.
@@ -446,7 +497,18 @@ impl MoeBlock {
         let p = cfg.split(params, e);
         let (logits, rest) = saved.split_at_mut(n * e);
         let (slot_saved, shared_saved) = rest.split_at_mut(n * k * (2 * h + c));
-        matmul_forward(logits, inp, p.router_w, None, 1, n, c, e, Mode::Throughput)?;
+        matmul_forward(
+            logits,
+            inp,
+            p.router_w,
+            None,
+            1,
+            n,
+            c,
+            e,
+            Mode::Throughput,
+            Precision::F32,
+        )?;
         let routing = self.route(logits, p.bias, seq_lens)?;
         let (order, offsets) = group(&routing);
         // Per-slot storage: [hpre (N*k, H) | a (N*k, H) | y (N*k, C)].
@@ -483,6 +545,7 @@ impl MoeBlock {
                 rows,
                 c,
                 h,
+                self.precision,
             )?;
             for (r, &slot) in slots.iter().enumerate() {
                 s_h[slot * h..(slot + 1) * h].copy_from_slice(&gh[r * h..(r + 1) * h]);
@@ -494,7 +557,7 @@ impl MoeBlock {
         if let Some(w) = p.shared {
             let (sh, sa) = shared_saved.split_at_mut(n * h);
             let mut y = vec![T::ZERO; n * c];
-            mlp_forward(&mut y, sh, sa, inp, w, n, c, h)?;
+            mlp_forward(&mut y, sh, sa, inp, w, n, c, h, self.precision)?;
             for (o, yi) in out.iter_mut().zip(&y) {
                 *o += *yi;
             }
@@ -600,6 +663,7 @@ impl MoeBlock {
                 rows,
                 c,
                 h,
+                self.precision,
             )?;
             for (r, &slot) in slots.iter().enumerate() {
                 let tok = slot / k;
@@ -616,7 +680,7 @@ impl MoeBlock {
         )?;
         if let (Some(w), Some(dw)) = (p.shared, g.shared) {
             let (sh, sa) = shared_saved.split_at(n * h);
-            mlp_backward(dinp, dw, dout, inp, sh, sa, w, n, c, h)?;
+            mlp_backward(dinp, dw, dout, inp, sh, sa, w, n, c, h, self.precision)?;
         }
         Ok(())
     }
@@ -653,6 +717,7 @@ impl MoeBlock {
             c,
             e,
             Mode::Throughput,
+            Precision::F32,
         )?;
         Ok(())
     }

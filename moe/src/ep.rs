@@ -32,7 +32,7 @@
 //!   Both give bitwise the same results.
 
 use weft_collectives::{Communicator, CommunicatorExt, Element};
-use weft_kernels::{Mode, Real, matmul_forward};
+use weft_kernels::{Mode, Precision, Real, matmul_forward};
 
 use crate::block::{
     MoeBlock, MoeConfig, MoeForward, combine, dot, expert_weights, expert_weights_mut, group,
@@ -99,6 +99,16 @@ impl ExpertParallel {
     #[must_use]
     pub fn config(&self) -> &MoeConfig {
         self.block.config()
+    }
+
+    /// This rank's block with its experts' products in `precision` (see
+    /// [`MoeBlock::with_precision`]).
+    #[must_use]
+    pub fn with_precision(&self, precision: Precision) -> Self {
+        ExpertParallel {
+            block: self.block.with_precision(precision),
+            ..self.clone()
+        }
     }
 
     /// This rank's shard of a full (ep = 1) parameter buffer: the router,
@@ -184,6 +194,7 @@ impl ExpertParallel {
             c,
             e,
             Mode::Throughput,
+            Precision::F32,
         )?;
         let routing = self.block.route(&logits, p.bias, seq_lens)?;
         let (order, offsets) = group(&routing);
@@ -214,6 +225,7 @@ impl ExpertParallel {
                     nj,
                     c,
                     h,
+                    self.block.precision,
                 )?;
             }
             start += nj;
@@ -231,7 +243,7 @@ impl ExpertParallel {
             shared = vec![<T as Real>::ZERO; n * 2 * h];
             let (sh, sa) = shared.split_at_mut(n * h);
             let mut ys = vec![<T as Real>::ZERO; n * c];
-            mlp_forward(&mut ys, sh, sa, inp, w, n, c, h)?;
+            mlp_forward(&mut ys, sh, sa, inp, w, n, c, h, self.block.precision)?;
             for (o, v) in out.iter_mut().zip(&ys) {
                 *o += *v;
             }
@@ -330,6 +342,7 @@ impl ExpertParallel {
                     nj,
                     c,
                     h,
+                    self.block.precision,
                 )?;
             }
             start += nj;
@@ -350,7 +363,19 @@ impl ExpertParallel {
         )?;
         if let (Some(w), Some(dw)) = (p.shared, g.shared) {
             let (sh, sa) = saved.shared.split_at(n * h);
-            mlp_backward(dinp, dw, dout, inp, sh, sa, w, n, c, h)?;
+            mlp_backward(
+                dinp,
+                dw,
+                dout,
+                inp,
+                sh,
+                sa,
+                w,
+                n,
+                c,
+                h,
+                self.block.precision,
+            )?;
         }
         Ok(())
     }
@@ -456,6 +481,7 @@ impl ExpertParallel {
                     nj,
                     c,
                     h,
+                    self.block.precision,
                 )?;
             }
             start += nj;

@@ -475,6 +475,38 @@ pub struct TrainConfig {
     /// out. A rewound run's `skip.json` lists its skips; a new run with
     /// them here gives the same bits.
     pub skip_batches: Vec<u64>,
+    /// The arithmetic of the linear layers: `"fp32"` or `"bf16"` (mixed
+    /// precision: the matrix products take bf16 operands and accumulate
+    /// in f32; master weights, gradients, AdamW moments, layernorm,
+    /// attention's softmax, the loss and every reduction stay f32).
+    pub precision: Precision,
+}
+
+/// `train.precision`: the arithmetic of the linear layers' products.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Precision {
+    /// f32 products (the default).
+    #[default]
+    Fp32,
+    /// Mixed precision: bf16 operands, f32 accumulation (`vdpbf16ps`
+    /// where the CPU has AVX512-BF16), f32 everywhere else.
+    Bf16,
+}
+
+impl Precision {
+    /// The kernels' precision.
+    pub fn kernels(self) -> weft_kernels::Precision {
+        match self {
+            Precision::Fp32 => weft_kernels::Precision::F32,
+            Precision::Bf16 => weft_kernels::Precision::Bf16,
+        }
+    }
+
+    /// The name used in the configuration.
+    pub fn name(self) -> &'static str {
+        self.kernels().name()
+    }
 }
 
 impl Default for TrainConfig {
@@ -494,6 +526,7 @@ impl Default for TrainConfig {
             nonfinite_limit: 3,
             max_rewinds: 5,
             skip_batches: Vec::new(),
+            precision: Precision::Fp32,
         }
     }
 }
@@ -1076,9 +1109,12 @@ mod tests {
                 "parallel.fsdp=\"grad_op\"".into(),
                 "parallel.pp_schedule=\"zb-h1\"".into(),
                 "model.moe.gate=sigmoid".into(),
+                "train.precision=bf16".into(),
             ],
         )
         .unwrap();
+        assert_eq!(c.train.precision, Precision::Bf16);
+        assert_eq!(c.train.precision.kernels(), weft_kernels::Precision::Bf16);
         assert_eq!(c.parallel.fsdp, FsdpMode::GradOp);
         assert_eq!(c.parallel.pp_schedule, PpSchedule::ZbH1);
         assert_eq!(c.model.moe.gate, MoeGate::Sigmoid);
@@ -1095,6 +1131,7 @@ mod tests {
             ("model.moe.gate=relu", "`softmax` or `sigmoid`"),
             ("model.moe.balance=loss", "`none`, `aux`, `bias`"),
             ("model.moe.drop=random", "`position` or `score`"),
+            ("train.precision=fp16", "`fp32` or `bf16`"),
         ] {
             let e = Config::load(None, &[set.into()]).unwrap_err().to_string();
             let key = set.split('=').next().unwrap();

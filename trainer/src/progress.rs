@@ -82,8 +82,9 @@ impl Observer for Terminal {
             info.steps
         ));
         say(&format!(
-            "matmul peak     {}FLOP/s measured on {}",
+            "matmul peak     {}FLOP/s ({}) measured on {}",
             si(info.peak_flops),
+            info.precision.name(),
             if info.backend.contains(" nodes:") {
                 "every node"
             } else {

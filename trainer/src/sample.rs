@@ -359,7 +359,8 @@ fn pick(logits: &[f32], opts: &SampleOptions, rng: &mut Pcg64) -> u32 {
 }
 
 /// The model a run trains (as `train` builds it: dense, or mixture of
-/// experts per `[model.moe]`), with its MoE statistics handle.
+/// experts per `[model.moe]`, in its `train.precision`), with its MoE
+/// statistics handle.
 fn build_model(config: &Config, vocab: usize) -> Result<(Gpt, Option<MoeStats>), SampleError> {
     let cfg = crate::train::model_config(config, vocab);
     let m = &config.model.moe;
@@ -371,11 +372,16 @@ fn build_model(config: &Config, vocab: usize) -> Result<(Gpt, Option<MoeStats>),
             m.capacity_factor
         )));
     }
-    let Some(moe_cfg) = crate::train::moe_config(config, &cfg) else {
-        return Ok((Gpt::new(cfg)?, None));
+    let (mut model, stats) = match crate::train::moe_config(config, &cfg) {
+        None => (Gpt::new(cfg)?, None),
+        Some(moe_cfg) => {
+            let (ffn, stats) = weft_model::MoeFfn::new(moe_cfg)?;
+            (Gpt::with_ffn(cfg, Box::new(ffn))?, Some(stats))
+        }
     };
-    let (ffn, stats) = weft_model::MoeFfn::new(moe_cfg)?;
-    Ok((Gpt::with_ffn(cfg, Box::new(ffn))?, Some(stats)))
+    // decode in the run's arithmetic: the training forward's bits
+    model.set_precision(config.train.precision.kernels());
+    Ok((model, stats))
 }
 
 #[cfg(test)]

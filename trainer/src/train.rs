@@ -33,7 +33,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use weft_collectives::{Communicator, CommunicatorExt, ReduceOp};
-use weft_kernels::{AdamW, Mode, matmul_forward};
+use weft_kernels::{AdamW, Mode, Precision, matmul_forward};
 use weft_model::{FeedForward, GptConfig, Init, MicroBatch, MoeFfn, ParallelGpt, ParallelPlan};
 use weft_trace::MetricsRecord;
 
@@ -225,6 +225,9 @@ impl TrainError {
 pub struct RunInfo {
     /// The run folder.
     pub run_dir: PathBuf,
+    /// The linear layers' arithmetic (`train.precision`), the one
+    /// [`peak_flops`](Self::peak_flops) was measured in.
+    pub precision: crate::config::Precision,
     /// Model parameters (tied embedding counted once).
     pub params: usize,
     /// Vocabulary size.
@@ -449,11 +452,12 @@ pub trait Observer {
 pub struct Silent;
 impl Observer for Silent {}
 
-/// Measures this machine's f32 matmul throughput with the kernels' GEMM on
-/// a GPT-2-sized product (1024×768 · 768×3072), the best of three to ten
-/// runs (as many as fit in 0.3 s; the best, because a shared machine only
-/// ever makes a run slower).
-pub fn measure_matmul_peak() -> f64 {
+/// Measures this machine's matmul throughput in `precision` (the run's
+/// `train.precision`: utilisation is against the arithmetic it runs) with
+/// the kernels' GEMM on a GPT-2-sized product (1024×768 · 768×3072), the
+/// best of three to ten runs (as many as fit in 0.3 s; the best, because a
+/// shared machine only ever makes a run slower).
+pub fn measure_matmul_peak(precision: Precision) -> f64 {
     let (m, k, n) = (1024, 768, 3072);
     let a = vec![0.5f32; m * k];
     let w = vec![0.25f32; k * n];
@@ -468,7 +472,20 @@ pub fn measure_matmul_peak() -> f64 {
         }
         let t = Instant::now();
         // Shapes are consistent by construction; an error would mean a bug.
-        if matmul_forward(&mut out, &a, &w, None, 1, m, k, n, Mode::Throughput).is_err() {
+        if matmul_forward(
+            &mut out,
+            &a,
+            &w,
+            None,
+            1,
+            m,
+            k,
+            n,
+            Mode::Throughput,
+            precision,
+        )
+        .is_err()
+        {
             return f64::NAN;
         }
         best = best.min(t.elapsed().as_secs_f64());
@@ -650,6 +667,7 @@ fn plan(config: &Config, cfg: &GptConfig) -> Result<ParallelPlan, TrainError> {
             reproducible: p.reproducible,
             ..Default::default()
         },
+        precision: config.train.precision.kernels(),
     })
 }
 
@@ -755,7 +773,7 @@ fn train_threads(
     check_model_floor(config)?;
     // The machine's peak, measured on every core before the ranks start
     // (each rank then computes on its own share of them).
-    let peak = measure_matmul_peak();
+    let peak = measure_matmul_peak(config.train.precision.kernels());
     // Read (and tokenize) the data once, for every rank.
     let data = Data::open(config)?;
     let job = Job {
@@ -823,7 +841,7 @@ pub fn train_processes(
     })();
     agree(world, setup)?;
     let hosts = procs.hosts();
-    let peak = node_peak(world, hosts)?;
+    let peak = node_peak(world, hosts, config.train.precision.kernels())?;
     let data = open_data_once(world, hosts, config)?;
     let job = Job {
         config,
@@ -846,15 +864,19 @@ fn first_on_host(hosts: &[String], me: usize) -> bool {
 
 /// The job's peak: measured on every core of each host by the host's first
 /// rank while the others wait, summed over the hosts. Collective.
-fn node_peak(world: &dyn Communicator, hosts: &[String]) -> Result<f64, TrainError> {
+fn node_peak(
+    world: &dyn Communicator,
+    hosts: &[String],
+    precision: Precision,
+) -> Result<f64, TrainError> {
     world.barrier()?;
     let mine = if first_on_host(hosts, world.rank()) {
         match rayon::ThreadPoolBuilder::new()
             .num_threads(crate::ranks::cores())
             .build()
         {
-            Ok(pool) => pool.install(measure_matmul_peak),
-            Err(_) => measure_matmul_peak(),
+            Ok(pool) => pool.install(|| measure_matmul_peak(precision)),
+            Err(_) => measure_matmul_peak(precision),
         }
     } else {
         0.0
@@ -1061,10 +1083,14 @@ fn layout_name(config: &Config) -> String {
             "plain f32 sums".into()
         });
     }
-    if parts.is_empty() {
+    let ranks = if parts.is_empty() {
         "single rank".into()
     } else {
         parts.join(" ")
+    };
+    match config.train.precision {
+        crate::config::Precision::Fp32 => ranks,
+        p => format!("{ranks}, {} mixed precision", p.name()),
     }
 }
 
@@ -1373,6 +1399,7 @@ fn run_attempt(
     let info = RunInfo {
         predicted_memory: predicted,
         run_dir: run_dir.clone(),
+        precision: t.precision,
         params: full_layout.len(),
         vocab,
         tokens_per_step: t.batch_size * seq,

@@ -71,7 +71,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
 use weft_collectives::{Algorithm, Communicator, CommunicatorExt, ReduceOp, ReduceOptions};
-use weft_kernels::{Mode, matmul_forward};
+use weft_kernels::{Mode, Precision, matmul_forward};
 
 pub use vocab::VocabShard;
 
@@ -304,7 +304,7 @@ impl TensorParallel {
     }
 
     /// A row-parallel layer `out = Σ_ranks inp_r (N, k) · w_r + bias` into
-    /// this rank's tokens: the partial product (into `out`, or into
+    /// this rank's tokens (its products in `precision`): the partial product (into `out`, or into
     /// `partial (N, C)` under sequence parallelism), summed over the group
     /// (`g`: all-reduce, or reduce-scatter into `out`), then the replicated
     /// bias added once.
@@ -323,13 +323,14 @@ impl TensorParallel {
         t: usize,
         k: usize,
         mode: Mode,
+        precision: Precision,
     ) -> Result<()> {
         let c = bias.len();
         if self.opts.sequence_parallel {
-            matmul_forward(partial, inp, w, None, b, t, k, c, mode)?;
+            matmul_forward(partial, inp, w, None, b, t, k, c, mode, precision)?;
             self.reduce_scatter(partial, out)?;
         } else {
-            matmul_forward(out, inp, w, None, b, t, k, c, mode)?;
+            matmul_forward(out, inp, w, None, b, t, k, c, mode, precision)?;
             self.all_reduce(out)?;
         }
         for row in out.chunks_exact_mut(c) {
