@@ -213,19 +213,24 @@ impl Operand for f32 {
     fn bf16_bits(self) -> u16 {
         bf16::from_f32(self).to_bits()
     }
+    /// A view along rows is rounded in place of its span; any other
+    /// (a transposed one) into a row-major copy, so that packing reads
+    /// along rows whatever the layout (packing a transposed operand a
+    /// value at a time touched a cache line per value, per thread, per
+    /// block of rows: the weight gradients' cost).
     fn as_bf16<'a>(
         v: View<'a, f32>,
         rows: usize,
         cols: usize,
         buf: &'a mut Vec<bf16>,
     ) -> View<'a, bf16> {
-        let len = (rows - 1) * v.rs + (cols - 1) * v.cs + 1;
-        round_to_bf16(buf, &v.data[..len]);
-        View {
-            data: &buf[..len],
-            rs: v.rs,
-            cs: v.cs,
+        if v.cs == 1 {
+            let len = (rows - 1) * v.rs + cols;
+            round_to_bf16(buf, &v.data[..len]);
+            return View::rows(&buf[..len], v.rs);
         }
+        transpose_to_bf16(buf, v, rows, cols);
+        View::rows(&buf[..rows * cols], cols)
     }
 }
 
@@ -235,21 +240,67 @@ impl Operand for f32 {
 /// do so anyway).
 fn round_to_bf16(dst: &mut Vec<bf16>, src: &[f32]) {
     const CHUNK: usize = 1 << 16;
-    dst.clear();
-    dst.resize(src.len(), bf16::ZERO);
-    dst.par_chunks_mut(CHUNK)
+    sized(dst, src.len())
+        .par_chunks_mut(CHUNK)
         .zip(src.par_chunks(CHUNK))
-        .for_each(|(d, s)| {
-            #[cfg(target_arch = "x86_64")]
-            if std::arch::is_x86_feature_detected!("avx512bf16") {
-                // SAFETY: the CPU has AVX512-BF16 (checked just above).
-                unsafe { x86::round(d, s) };
-                return;
-            }
-            for (d, &x) in d.iter_mut().zip(s) {
-                *d = bf16::from_f32(x);
+        .for_each(|(d, s)| round_row(d, s));
+}
+
+/// `d = s` rounded to bf16: `vcvtneps2bf16` where the CPU has it.
+fn round_row(d: &mut [bf16], s: &[f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx512bf16") {
+        // SAFETY: the CPU has AVX512-BF16 (checked just above).
+        unsafe { x86::round(d, s) };
+        return;
+    }
+    for (d, &x) in d.iter_mut().zip(s) {
+        *d = bf16::from_f32(x);
+    }
+}
+
+/// `dst (rows × cols, row-major) = v` rounded to bf16, for a view whose
+/// columns are not contiguous: blocks of 64 rows over the pool, each
+/// transposed in 16 × 16 tiles (each source row read along 64 values, so
+/// that a block touches few pages of a wide source such as the
+/// vocabulary's gradient).
+fn transpose_to_bf16(dst: &mut Vec<bf16>, v: View<'_, f32>, rows: usize, cols: usize) {
+    const T: usize = 16;
+    const R: usize = 64;
+    let out = sized(dst, rows * cols);
+    out.par_chunks_mut(R * cols)
+        .enumerate()
+        .for_each(|(ib, out)| {
+            let r0 = ib * R;
+            let nr = out.len() / cols;
+            let mut tile = [0f32; T * T];
+            for j0 in (0..cols).step_by(T) {
+                let nj = T.min(cols - j0);
+                for i0 in (0..nr).step_by(T) {
+                    let ni = T.min(nr - i0);
+                    // tile[i][j] = v(r0 + i0 + i, j0 + j), read along i
+                    for j in 0..nj {
+                        let base = (j0 + j) * v.cs + (r0 + i0) * v.rs;
+                        for i in 0..ni {
+                            tile[i * T + j] = v.data[base + i * v.rs];
+                        }
+                    }
+                    for i in 0..ni {
+                        let at = (i0 + i) * cols + j0;
+                        round_row(&mut out[at..at + nj], &tile[i * T..i * T + nj]);
+                    }
+                }
             }
         });
+}
+
+/// The first `n` elements of `buf`, grown (never cleared: every element
+/// is written before it is read) to hold them.
+fn sized(buf: &mut Vec<bf16>, n: usize) -> &mut [bf16] {
+    if buf.len() < n {
+        buf.resize(n, bf16::ZERO);
+    }
+    &mut buf[..n]
 }
 
 thread_local! {
@@ -375,6 +426,35 @@ fn packed(
         }
     };
     let Some(per) = per.filter(|&p| p < n) else {
+        let threads = rayon::current_num_threads();
+        if big && threads > 1 && m >= 2 * MC {
+            // Too few columns to split (a narrow output such as the
+            // vocabulary projection's input and weight gradients): rows of
+            // the output over the pool instead. Each row's bits depend on
+            // its own row of `a` alone, so the split changes none.
+            let rows = m.div_ceil(threads).next_multiple_of(MC);
+            let dst = OutPtr(out.as_mut_ptr());
+            (0..m.div_ceil(rows)).into_par_iter().for_each(|r| {
+                let i0 = r * rows;
+                let dst = &dst;
+                let a = View {
+                    data: &a.data[i0 * a.rs..],
+                    ..a
+                };
+                // SAFETY: rows `[i0, i0 + mr)` of the m × n output lie
+                // inside `out`; the tasks' rows are disjoint, and `out`
+                // stays borrowed until every task has finished.
+                unsafe {
+                    let d = dst.0.add(i0 * n);
+                    let mr = rows.min(m - i0);
+                    match path {
+                        Bf16Path::Amx => amx_block(mr, n, k, d, n, accumulate, a, b, 0),
+                        _ => packed_block(mr, n, k, d, n, accumulate, a, b, 0),
+                    }
+                }
+            });
+            return;
+        }
         // `out` holds m × n elements (checked by the caller) and is
         // borrowed exclusively.
         block(m, n, out.as_mut_ptr(), 0);
@@ -554,12 +634,15 @@ fn pack_b(dst: &mut [u16], b: View<'_, bf16>, k: usize, j0: usize, n: usize, p0:
             for p in 0..full {
                 panel[p * NR * 2 + 2 * nc..(p + 1) * NR * 2].fill(0);
             }
-            for c in 0..nc {
-                for p in 0..full {
-                    let k0 = 2 * (p0 + p);
-                    let at = p * NR * 2 + 2 * c;
-                    panel[at] = bits(k0, pj * NR + c);
-                    panel[at + 1] = bits(k0 + 1, pj * NR + c);
+            // 16 pairs (2 KiB of the panel) at a time
+            for pb in (0..full).step_by(16) {
+                for c in 0..nc {
+                    for p in pb..(pb + 16).min(full) {
+                        let k0 = 2 * (p0 + p);
+                        let at = p * NR * 2 + 2 * c;
+                        panel[at] = bits(k0, pj * NR + c);
+                        panel[at + 1] = bits(k0 + 1, pj * NR + c);
+                    }
                 }
             }
         }
@@ -639,16 +722,18 @@ fn pack_rows(
         }
     }
     if a.cs != 1 {
-        // a transposed view (rows contiguous along i): read along i
-        for c in 0..live {
-            let col = &a.data[(k0 + c) * a.cs + i0 * a.rs..];
-            if a.rs == 1 {
-                for (i, x) in col[..mc].iter().enumerate() {
-                    dst[i * w + c] = x.to_bits();
-                }
-            } else {
-                for i in 0..mc {
-                    dst[i * w + c] = col[i * a.rs].to_bits();
+        // a transposed view (rows contiguous along i): a blocked transpose,
+        // 16 rows × 64 values at a time, so that the 16 rows being written
+        // stay in L1 (a whole column at a time would touch a cache line,
+        // often a page, per value)
+        for ib in (0..mc).step_by(16) {
+            let ie = (ib + 16).min(mc);
+            for cb in (0..live).step_by(64) {
+                for c in cb..(cb + 64).min(live) {
+                    let col = (k0 + c) * a.cs + i0 * a.rs;
+                    for i in ib..ie {
+                        dst[i * w + c] = a.data[col + i * a.rs].to_bits();
+                    }
                 }
             }
         }
@@ -1197,15 +1282,18 @@ mod tests {
 
     #[test]
     fn rows_do_not_depend_on_the_batch_nor_on_threads() {
-        // rows past one packed block (MC = 128) and past AMX's 32
-        let (m, n, k) = (150, 300, 777);
-        let a = values(m * k, 3);
-        let b = values(k * n, 4);
+        // rows past one packed block (MC = 128) and past AMX's 32; a
+        // narrow output whose rows, not columns, are split over the pool
         let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
-        for path in available_paths() {
+        for (path, (m, n, k)) in available_paths()
+            .into_iter()
+            .flat_map(|p| [(p, (150, 300, 777)), (p, (600, 48, 300))])
+        {
+            let a = values(m * k, 3);
+            let b = values(k * n, 4);
             let mut all = vec![0f32; m * n];
             on(path, &mut all, &a, false, &b, false, m, n, k, false);
-            for i in [0, 8, 36, 131, 149] {
+            for i in [0, 8, 36, 131, 149, m - 1] {
                 let mut one = vec![0f32; n];
                 on(
                     path,
