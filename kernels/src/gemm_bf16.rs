@@ -64,11 +64,11 @@ const MC: usize = 128;
 const MA: usize = 32;
 /// Pairs of `k` per AMX step (one tile: 16 rows of 64 bytes).
 const PA: usize = 16;
-/// Pairs of `k` per pass of an AMX block of sums over its packed panels:
-/// the right panel's 16 KiB and the left one's rows stay in L1 while the
-/// tiles stream them, and the sums go back to the output (in cache: the
-/// passes over one 128 × 32 block follow each other) between passes.
-const KPA: usize = 128;
+/// Rows of the left operand the AMX path packs at a time (all of `k`):
+/// measured best of 32–512 with `benches/bf16_gemm.rs` (64: 2.6× the f32
+/// GEMM over GPT-2 small's products; 128: 2.1×; passes over part of `k`,
+/// which send the sums back to the output between passes, 1.7–1.9×).
+const MCA: usize = 64;
 
 /// `out (m×n) = [out +] op(a) · op(b)` in f32 from bf16 operands.
 ///
@@ -190,12 +190,15 @@ pub(crate) fn available_paths() -> Vec<Bf16Path> {
 pub(crate) trait Operand: Copy + Send + Sync {
     /// The bf16 this element is multiplied as.
     fn bf16_bits(self) -> u16;
-    /// The view's elements as bf16: itself, or a rounded copy of the part
-    /// of the buffer it spans (in one vectorized pass) in `buf`.
+    /// The view's elements as bf16: itself, or a rounded copy in `buf` —
+    /// of the part of the buffer it spans (one vectorized pass) when it
+    /// runs along rows, or along columns with `columns_ok` (the right
+    /// operand, whose packing reads either way); else a row-major copy.
     fn as_bf16<'a>(
         v: View<'a, Self>,
         rows: usize,
         cols: usize,
+        columns_ok: bool,
         buf: &'a mut Vec<bf16>,
     ) -> View<'a, bf16>;
 }
@@ -204,7 +207,13 @@ impl Operand for bf16 {
     fn bf16_bits(self) -> u16 {
         self.to_bits()
     }
-    fn as_bf16<'a>(v: View<'a, bf16>, _: usize, _: usize, _: &'a mut Vec<bf16>) -> View<'a, bf16> {
+    fn as_bf16<'a>(
+        v: View<'a, bf16>,
+        _: usize,
+        _: usize,
+        _: bool,
+        _: &'a mut Vec<bf16>,
+    ) -> View<'a, bf16> {
         v
     }
 }
@@ -222,12 +231,17 @@ impl Operand for f32 {
         v: View<'a, f32>,
         rows: usize,
         cols: usize,
+        columns_ok: bool,
         buf: &'a mut Vec<bf16>,
     ) -> View<'a, bf16> {
-        if v.cs == 1 {
-            let len = (rows - 1) * v.rs + cols;
+        if v.cs == 1 || (columns_ok && v.rs == 1) {
+            let len = (rows - 1) * v.rs + (cols - 1) * v.cs + 1;
             round_to_bf16(buf, &v.data[..len]);
-            return View::rows(&buf[..len], v.rs);
+            return View {
+                data: &buf[..len],
+                rs: v.rs,
+                cs: v.cs,
+            };
         }
         transpose_to_bf16(buf, v, rows, cols);
         View::rows(&buf[..rows * cols], cols)
@@ -347,8 +361,8 @@ pub(crate) fn product_on<A: Operand, B: Operand>(
     }
     let [mut ab, mut bb] = ROUNDED.take();
     {
-        let a = A::as_bf16(a, m, k, &mut ab);
-        let b = B::as_bf16(b, k, n, &mut bb);
+        let a = A::as_bf16(a, m, k, false, &mut ab);
+        let b = B::as_bf16(b, k, n, true, &mut bb);
         packed(path, m, n, k, out, accumulate, a, b);
     }
     ROUNDED.set([ab, bb]);
@@ -542,11 +556,10 @@ unsafe fn amx_block(
     j0: usize,
 ) {
     // the whole of `k` packed at once (zero-padded to whole tiles), so
-    // that each block of sums stays in its tiles, or at least in cache,
-    // while every `k` passes through
+    // that each block of sums stays in its tiles while every `k` passes
     let kp = k.div_ceil(2).next_multiple_of(PA);
     let panels = n.div_ceil(NR);
-    let mc_max = MC.min(m).next_multiple_of(MA);
+    let mc_max = MCA.min(m).next_multiple_of(MA);
     let [mut bp, mut ap] = PACKED.take();
     bp.resize(panels * NR * 2 * kp, 0);
     ap.resize(mc_max * 2 * kp, 0);
@@ -556,45 +569,51 @@ unsafe fn amx_block(
     // eight 16 × 64-byte tiles the kernel uses.
     unsafe { amx::configure() };
     let sa = 2 * kp * 2;
-    for i0 in (0..m).step_by(MC) {
-        let mc = MC.min(m - i0);
+    for i0 in (0..m).step_by(MCA) {
+        let mc = MCA.min(m - i0);
         let mcp = mc.next_multiple_of(MA);
         pack_rows(&mut ap, a, k, i0, mc, mcp, 0, kp);
         for pj in 0..panels {
             let nc = NR.min(n - pj * NR);
             let bpanel = &bp[pj * NR * 2 * kp..(pj + 1) * NR * 2 * kp];
-            for (kb, q0) in (0..kp).step_by(KPA).enumerate() {
-                let kq = KPA.min(kp - q0);
-                let first = kb == 0 && !accumulate;
-                let bq = bpanel[q0 * NR * 2..].as_ptr();
-                for r0 in (0..mc).step_by(MA) {
-                    let mr = MA.min(mc - r0);
-                    let aq = ap[r0 * 2 * kp + 2 * q0..].as_ptr();
-                    let c = dst.wrapping_add((i0 + r0) * ldc + pj * NR);
-                    if mr == MA && nc == NR {
-                        // SAFETY: a whole 32 × 32 block of the caller's
-                        // output; `MA` packed rows of `2·kp` values from
-                        // `aq` and `kq` pairs of `NR` from `bq`; configured.
-                        unsafe { amx::kernel(kq, aq, sa, bq, c, ldc * 4, first) };
-                        continue;
-                    }
-                    // an edge block: through `sums` (zero beyond the output)
-                    sums.fill(0.0);
-                    if !first {
-                        for r in 0..mr {
-                            // SAFETY: row `r` of the block, its `nc` columns
-                            // inside the caller's output.
-                            let row = unsafe { std::slice::from_raw_parts(c.add(r * ldc), nc) };
-                            sums[r * NR..r * NR + nc].copy_from_slice(row);
-                        }
-                    }
-                    // SAFETY: `sums` is a whole block; as above.
-                    unsafe { amx::kernel(kq, aq, sa, bq, sums.as_mut_ptr(), NR * 4, false) };
+            let first = !accumulate;
+            for r0 in (0..mc).step_by(MA) {
+                let mr = MA.min(mc - r0);
+                let aq = ap[r0 * 2 * kp..].as_ptr();
+                let c = dst.wrapping_add((i0 + r0) * ldc + pj * NR);
+                if mr == MA && nc == NR {
+                    // SAFETY: a whole 32 × 32 block of the caller's output;
+                    // `MA` packed rows of `2·kp` values from `aq` and `kp`
+                    // pairs of `NR` in `bpanel`; the tiles are configured.
+                    unsafe { amx::kernel(kp, aq, sa, bpanel.as_ptr(), c, ldc * 4, first) };
+                    continue;
+                }
+                // an edge block: through `sums` (zero beyond the output)
+                sums.fill(0.0);
+                if !first {
                     for r in 0..mr {
-                        // SAFETY: as for the loads above.
-                        let row = unsafe { std::slice::from_raw_parts_mut(c.add(r * ldc), nc) };
-                        row.copy_from_slice(&sums[r * NR..r * NR + nc]);
+                        // SAFETY: row `r` of the block, its `nc` columns
+                        // inside the caller's output.
+                        let row = unsafe { std::slice::from_raw_parts(c.add(r * ldc), nc) };
+                        sums[r * NR..r * NR + nc].copy_from_slice(row);
                     }
+                }
+                // SAFETY: `sums` is a whole block; as above.
+                unsafe {
+                    amx::kernel(
+                        kp,
+                        aq,
+                        sa,
+                        bpanel.as_ptr(),
+                        sums.as_mut_ptr(),
+                        NR * 4,
+                        false,
+                    )
+                };
+                for r in 0..mr {
+                    // SAFETY: as for the loads above.
+                    let row = unsafe { std::slice::from_raw_parts_mut(c.add(r * ldc), nc) };
+                    row.copy_from_slice(&sums[r * NR..r * NR + nc]);
                 }
             }
         }
