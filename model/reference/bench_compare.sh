@@ -2,7 +2,7 @@
 # Runs weft's train_step bench and the PyTorch baseline back to back on the
 # same machine with the same thread count, then prints tokens/s ratios.
 #
-#   PYTHON=/path/to/venv/bin/python model/reference/bench_compare.sh [a|b]... [--steps N]
+#   PYTHON=/path/to/venv/bin/python model/reference/bench_compare.sh [a|b]... [--steps N] [--precision fp32|bf16|both]
 #
 # Tokens/s are from the best timed step of each (the least disturbed on a
 # shared machine). REPEAT=N (default 1) alternates the two N times and
@@ -37,9 +37,10 @@ for i in $(seq "$REPEAT"); do
   weft_all+="$weft"$'\n'
   torch_all+="$torch"$'\n'
 done
-# Best tokens/s per configuration: weft's column 9 (GFLOP/s in 10), PyTorch's 8.
-best() { awk -F'|' -v col="$1" -v gcol="$2" '/^\| [ab] /{gsub(/ /,"",$2); if ($col+0 > best[$2]+0) {best[$2]=$col+0; g[$2]=$gcol+0}} END {for (k in best) print k"|"best[k]"|"g[k]}' | sort; }
-echo "| config | weft tokens/s | PyTorch tokens/s | ratio | weft GFLOP/s |"
+# Best tokens/s per configuration and precision: weft's column 10 (GFLOP/s
+# in 11), PyTorch's 9.
+best() { awk -F'|' -v col="$1" -v gcol="$2" '/^\| [ab] /{k=$2"-"$3; gsub(/ /,"",k); if ($col+0 > best[k]+0) {best[k]=$col+0; g[k]=$gcol+0}} END {for (k in best) print k"|"best[k]"|"g[k]}' | sort; }
+echo "| config-precision | weft tokens/s | PyTorch tokens/s | ratio | weft GFLOP/s |"
 echo "|---|---|---|---|---|"
-join -t'|' <(echo "$weft_all" | best 9 10) <(echo "$torch_all" | best 8 9) |
+join -t'|' <(echo "$weft_all" | best 10 11) <(echo "$torch_all" | best 9 10) |
   awk -F'|' '{printf "| %s | %s | %s | %.2fx | %s |\n", $1, $2, $4, $2/$4, $3}'

@@ -2,7 +2,12 @@
 transformers' GPT2LMHeadModel (dropout 0, default attention implementation), AdamW, on the
 CPU with the same thread count.
 
-    python model/reference/bench_torch.py [a|b]... [--steps N] [--threads N]
+    python model/reference/bench_torch.py [a|b]... [--steps N] [--threads N] [--precision fp32|bf16|both]
+
+bf16 is PyTorch's CPU mixed precision: the forward and the loss under
+`torch.autocast("cpu", dtype=torch.bfloat16)` (bf16 matrix products on
+oneDNN: AMX or AVX512-BF16 where the CPU has them), f32 master weights
+and the same AdamW.
 
 Prints a table in the same format as `cargo bench -p weft-model --bench
 train_step`, counting FLOPs the same way (6·N per token, N = all
@@ -28,12 +33,15 @@ def main():
     ap.add_argument("cases", nargs="*", default=["a", "b"])
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--precision", choices=["fp32", "bf16", "both"], default="fp32")
+    ap.add_argument("--mode", default=None, help="accepted for weft's bench's flags; ignored")
     args = ap.parse_args()
+    precisions = ["fp32", "bf16"] if args.precision == "both" else [args.precision]
     torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, threads: {torch.get_num_threads()}, steps: {args.steps} (after 1 warm-up)")
-    print("| config | params | B | T | best s/step | mean s/step | tokens/s | GFLOP/s |")
-    print("|---|---|---|---|---|---|---|---|")
-    for name in args.cases:
+    print("| config | precision | params | B | T | best s/step | mean s/step | tokens/s | GFLOP/s |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for name, precision in [(n, p) for n in args.cases for p in precisions]:
         c = dict(CASES[name])
         b, t = c.pop("b"), c.pop("t")
         cfg = GPT2Config(**c, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, activation_function="gelu_new")
@@ -45,8 +53,9 @@ def main():
 
         def step():
             opt.zero_grad(set_to_none=True)
-            logits = model(x).logits
-            loss = F.cross_entropy(logits.reshape(-1, cfg.vocab_size), y.reshape(-1))
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+                logits = model(x).logits
+                loss = F.cross_entropy(logits.reshape(-1, cfg.vocab_size), y.reshape(-1))
             loss.backward()
             opt.step()
 
@@ -60,7 +69,7 @@ def main():
         n = sum(p.numel() for p in model.parameters())
         flops_per_token = 6 * n + 6 * cfg.n_layer * t * cfg.n_embd
         tps = b * t / secs
-        print(f"| {name} | {n / 1e6:.1f}M | {b} | {t} | {secs:.3f} | {mean:.3f} | {tps:.0f} | {tps * flops_per_token / 1e9:.1f} |")
+        print(f"| {name} | {precision} | {n / 1e6:.1f}M | {b} | {t} | {secs:.3f} | {mean:.3f} | {tps:.0f} | {tps * flops_per_token / 1e9:.1f} |")
 
 
 if __name__ == "__main__":
