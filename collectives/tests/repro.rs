@@ -330,3 +330,125 @@ fn lane_paths_are_exact_with_specials_and_odd_lengths() {
         }
     }
 }
+
+/// The drift meter on bf16 gradients on the wire: four ranks' gradient-like
+/// values (99.9% small, mixed sign with a positive mean; 0.1% large), each
+/// rank's rounded to bf16 and reduce-scattered in bf16 — plain (each hop
+/// adds in f32 and rounds once to bf16) and reproducible (the exact sum,
+/// rounded once) — against the exact sum of the f32 values. The signed
+/// error relative to Σ|x| over 128 trials × 4096 elements: its mean (the
+/// bias, what compounds over steps) must stay below 2% of its spread (what
+/// averages out) on both paths. Measured (512 trials): plain −1.5e-5 with
+/// spread 2.3e-3, reproducible −7.5e-6 with spread 1.7e-3 — under 1% of
+/// the spread, yet detectable (9.5 and 6.5 standard errors): round to
+/// nearest is unbiased only where the values' density is flat across a
+/// bf16 step, and a sum of gradients with a positive mean is not. A
+/// control, bf16 rounding toward zero, shows a bias as large as its spread.
+#[test]
+#[allow(clippy::print_stderr, clippy::needless_range_loop)]
+fn bf16_gradients_on_the_wire_add_no_bias() {
+    const N: usize = 4;
+    const LEN: usize = 4096;
+    const TRIALS: u64 = 128;
+    // (mean, std, z) of the relative errors
+    let stats = |e: &[f64]| {
+        let n = e.len() as f64;
+        let mean = e.iter().sum::<f64>() / n;
+        let sd = (e.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / n).sqrt();
+        (mean, sd, mean.abs() / (sd / n.sqrt()))
+    };
+    let gradient_like = |seed: u64| -> Vec<Vec<f32>> {
+        let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+        let mut next = move || {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            s
+        };
+        let mut u = move || (next() >> 11) as f64 / (1u64 << 53) as f64;
+        (0..N)
+            .map(|_| {
+                (0..LEN)
+                    .map(|_| {
+                        let v = if u() < 1e-3 {
+                            (0.5 + 1.5 * u()) * if u() < 0.5 { 1.0 } else { -1.0 }
+                        } else {
+                            -1e-3 + 4e-3 * u()
+                        };
+                        v as f32
+                    })
+                    .collect()
+            })
+            .collect()
+    };
+    let truncate = |x: f32| bf16::from_bits((x.to_bits() >> 16) as u16);
+    let (mut plain, mut repro, mut control) = (Vec::new(), Vec::new(), Vec::new());
+    for t in 0..TRIALS {
+        let cols = gradient_like(t);
+        let sums: Vec<Vec<Vec<bf16>>> = [false, true]
+            .into_iter()
+            .map(|reproducible| {
+                LocalCluster::run(N, |comm| {
+                    let x: Vec<bf16> = cols[comm.rank()]
+                        .iter()
+                        .map(|&v| bf16::from_f32(v))
+                        .collect();
+                    let mut out = vec![bf16::ZERO; shard_range(LEN, N, comm.rank()).len()];
+                    let opts = ReduceOptions::new(ReduceOp::Sum)
+                        .algorithm(Algorithm::Ring)
+                        .reproducible(reproducible);
+                    comm.reduce_scatter_with(&x, &mut out, &opts)?;
+                    Ok::<_, weft_collectives::Error>(out)
+                })
+                .unwrap()
+                .into_iter()
+                .map(Result::unwrap)
+                .collect()
+            })
+            .collect();
+        for i in 0..LEN {
+            let (exact, mag) = (0..N).fold((0.0f64, 0.0f64), |(s, m), r| {
+                let v = f64::from(cols[r][i]);
+                (s + v, m + v.abs())
+            });
+            let owner = (0..N)
+                .find(|&r| shard_range(LEN, N, r).contains(&i))
+                .unwrap();
+            let at = i - shard_range(LEN, N, owner).start;
+            plain.push((sums[0][owner][at].to_f64() - exact) / mag);
+            repro.push((sums[1][owner][at].to_f64() - exact) / mag);
+            // the control: each value and the sum truncated to bf16
+            let t: f32 = (0..N).map(|r| truncate(cols[r][i]).to_f32()).sum();
+            control.push((truncate(t).to_f64() - exact) / mag);
+        }
+    }
+    for (name, e) in [
+        ("plain", &plain),
+        ("reproducible", &repro),
+        ("truncating control", &control),
+    ] {
+        let (bias, spread, z) = stats(e);
+        eprintln!(
+            "bf16 wire, {name}: relative bias {bias:.2e}, spread {spread:.2e}, bias/se {z:.1}"
+        );
+    }
+    let biased = |e: &[f64], share: f64| {
+        let (bias, spread, _) = stats(e);
+        bias.abs() > share * spread
+    };
+    assert!(
+        !biased(&plain, 0.02),
+        "plain bf16 wire: {:?}",
+        stats(&plain)
+    );
+    assert!(
+        !biased(&repro, 0.02),
+        "reproducible bf16 wire: {:?}",
+        stats(&repro)
+    );
+    assert!(
+        biased(&control, 0.5),
+        "the meter misses a biased rounding: {:?}",
+        stats(&control)
+    );
+}

@@ -608,8 +608,8 @@ unsafe fn amx_block(
                         sums.as_mut_ptr(),
                         NR * 4,
                         false,
-                    )
-                };
+                    );
+                }
                 for r in 0..mr {
                     // SAFETY: as for the loads above.
                     let row = unsafe { std::slice::from_raw_parts_mut(c.add(r * ldc), nc) };

@@ -92,6 +92,12 @@ pub struct ParallelConfig {
     /// rounded once, so every split of the global batch over ranks gives
     /// bitwise the same result. Off: plain f32 accumulation (faster).
     pub reproducible: bool,
+    /// The dtype gradients travel in between data-parallel ranks: `"f32"`,
+    /// or `"bf16"` (half the bytes; every addition is still computed in
+    /// f32 and rounded once, and the reproducible sums stay exact before
+    /// their one rounding). `"bf16"` needs `parallel.fsdp` (its
+    /// reduce-scatter carries them).
+    pub grad_wire: GradWire,
     /// How the ranks run: `"auto"` (MPI processes when started by `mpirun`
     /// or `srun`, else threads), `"threads"` (threads of this process),
     /// `"mpi"` (one MPI process per rank) or `"nccl"` (one process per GPU,
@@ -100,6 +106,27 @@ pub struct ParallelConfig {
     /// Seconds a rank waits for a peer in any collective before the run
     /// fails with an error naming the missing ranks and the operation.
     pub timeout_s: f64,
+}
+
+/// `parallel.grad_wire`: the dtype of gradients between data-parallel ranks.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum GradWire {
+    /// f32 (the default).
+    #[default]
+    F32,
+    /// bf16: half the bytes on the wire.
+    Bf16,
+}
+
+impl GradWire {
+    /// The name used in the configuration.
+    pub fn name(self) -> &'static str {
+        match self {
+            GradWire::F32 => "f32",
+            GradWire::Bf16 => "bf16",
+        }
+    }
 }
 
 /// `parallel.backend`: how the ranks of a job run.
@@ -142,6 +169,7 @@ impl Default for ParallelConfig {
             pp_chunks: 2,
             ep: 1,
             reproducible: true,
+            grad_wire: GradWire::F32,
             backend: Backend::Auto,
             timeout_s: 300.0,
         }
@@ -872,6 +900,12 @@ impl Config {
                     "must divide parallel.dp = {} (experts are sharded over data-parallel ranks; got {})",
                     p.dp, p.ep
                 ),
+            );
+        }
+        if p.grad_wire == GradWire::Bf16 && p.fsdp == FsdpMode::None && p.dp > 1 {
+            return bad(
+                "parallel.grad_wire",
+                "= \"bf16\" is carried by FSDP's reduce-scatter: set parallel.fsdp (\"optimizer\", \"grad_op\", \"full\" or \"hybrid\"); replicas all-reduce in f32".into(),
             );
         }
         // With experts sharded over ep, FSDP shards over the expert group's

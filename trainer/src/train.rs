@@ -653,6 +653,16 @@ fn plan(config: &Config, cfg: &GptConfig) -> Result<ParallelPlan, TrainError> {
         strategy,
         reproducible: p.reproducible,
         hybrid_shard: p.hybrid_shard,
+        precision: weft_fsdp::Precision {
+            // the weights are gathered in f32: the linear layers round their
+            // operands to bf16 themselves in bf16 mixed precision, and the
+            // layernorms and biases stay f32
+            param: weft_numerics::Dtype::F32,
+            reduce: match p.grad_wire {
+                crate::config::GradWire::F32 => weft_numerics::Dtype::F32,
+                crate::config::GradWire::Bf16 => weft_numerics::Dtype::BF16,
+            },
+        },
         ..weft_fsdp::FsdpConfig::default()
     });
     Ok(ParallelPlan {
@@ -1075,6 +1085,9 @@ fn layout_name(config: &Config) -> String {
     }
     if p.pp > 1 {
         parts.push(format!("schedule {}", p.pp_schedule.name()));
+    }
+    if p.grad_wire != crate::config::GradWire::F32 && p.dp > 1 {
+        parts.push(format!("{} gradients on the wire", p.grad_wire.name()));
     }
     if p.world_size() > 1 {
         parts.push(if p.reproducible {

@@ -224,6 +224,43 @@ fn bf16_runs_shard_resume_and_track_fp32() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// `parallel.grad_wire = "bf16"`: FSDP reduce-scatters bf16 gradients —
+/// a different run from the f32 wire, within 1% of it, and (reproducible
+/// sums: exact, rounded once) bitwise the same on 2 and 4 data-parallel
+/// ranks; replicas cannot carry it (a clear error).
+#[test]
+fn bf16_gradients_on_the_wire_keep_layout_invariance() {
+    let dir = tmp("wire");
+    let f32_wire = ["parallel.fsdp=\"full\"", "parallel.dp=2"];
+    let a = train(&config(&dir, "w32", &f32_wire), false, &mut Silent).unwrap();
+    let mut info = Info::default();
+    let bf16 = ["parallel.fsdp=\"full\"", "parallel.grad_wire=\"bf16\""];
+    let two: Vec<&str> = bf16.iter().copied().chain(["parallel.dp=2"]).collect();
+    let b = train(&config(&dir, "w16", &two), false, &mut info).unwrap();
+    let layout = info.0.unwrap().layout;
+    assert!(layout.contains("bf16 gradients on the wire"), "{layout}");
+    assert_ne!(
+        trace(&a.run_dir),
+        trace(&b.run_dir),
+        "the bf16 wire is taken"
+    );
+    close(&a.run_dir, &b.run_dir, 1e-2);
+    let four: Vec<&str> = bf16.iter().copied().chain(["parallel.dp=4"]).collect();
+    let c = train(&config(&dir, "w16x4", &four), false, &mut Silent).unwrap();
+    assert_eq!(trace(&c.run_dir), trace(&b.run_dir));
+    let e = Config::load(
+        None,
+        &["parallel.dp=2".into(), "parallel.grad_wire=\"bf16\"".into()],
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        e.contains("parallel.grad_wire") && e.contains("parallel.fsdp"),
+        "{e}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 #[test]
 fn expert_parallel_equals_replicated_experts_to_rounding_and_resumes_bit_for_bit() {
     let dir = tmp("ep");
