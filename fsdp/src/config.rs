@@ -93,8 +93,10 @@ impl FromStr for Strategy {
     }
 }
 
-/// The mixed-precision policy. Master weights and AdamW moments are always
-/// f32 on the shard; the kernels compute in f32.
+/// The mixed-precision policy of the sharded state. Master weights and
+/// AdamW moments are always f32 on the shard; what the kernels multiply is
+/// the model's own setting (`weft_kernels::Precision`: in bf16 the linear
+/// layers round their operands, whatever dtype was gathered).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Precision {
     /// Dtype of the parameters that are all-gathered and computed with

@@ -35,7 +35,11 @@
 //! widened to f32), batch invariant like the f32 GEMM; [`matmul_bf16`] is
 //! the same product on bf16 buffers. [`bf16_dot_peak_gflops`] measures the
 //! bf16 peak it is held against, and `benches/bf16_gemm.rs` compares it
-//! with the f32 GEMM at GPT-2 small's layers.
+//! with the f32 GEMM at GPT-2 small's layers. Measured there on an Intel
+//! Xeon with AMX (2 threads): the twelve products 2.9× the f32 GEMM (990
+//! vs 340 GFLOP/s; 15% of the AMX tile peak, the rest lost to packing and
+//! rounding); `weft-model`'s `train_step` bench: GPT-2 small's training
+//! step 1.8–1.95× its f32 step, 1.67× PyTorch's autocast-bf16 step.
 //!
 //! All kernels are generic over [`Real`] (`f32` or `f64`). Training uses
 //! `f32`; the tests run the same code in `f64` and compare every backward
