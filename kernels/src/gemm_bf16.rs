@@ -641,6 +641,13 @@ fn pack_b(dst: &mut [u16], b: View<'_, bf16>, k: usize, j0: usize, n: usize, p0:
                 let r0 = &b.data[k0 * b.rs + j0 + pj * NR..][..nc];
                 let r1 = &b.data[(k0 + 1) * b.rs + j0 + pj * NR..][..nc];
                 let row = &mut panel[p * NR * 2..(p + 1) * NR * 2];
+                #[cfg(target_arch = "x86_64")]
+                if nc == NR && std::arch::is_x86_feature_detected!("avx512bw") {
+                    // SAFETY: AVX512-BW checked; two rows of NR values and
+                    // a row of NR pairs.
+                    unsafe { x86::interleave(row, r0, r1) };
+                    continue;
+                }
                 for (c, (x, y)) in r0.iter().zip(r1).enumerate() {
                     row[2 * c] = x.to_bits();
                     row[2 * c + 1] = y.to_bits();
@@ -771,6 +778,31 @@ mod x86 {
 
     use super::{MR, NR};
 
+    /// `row = (r0[0], r1[0], r0[1], r1[1], …)`: [`NR`] pairs of a packed
+    /// right panel from two rows of [`NR`] values.
+    ///
+    /// # Safety
+    /// The CPU must have AVX512-BW; `r0`, `r1` hold `NR` values and `row`
+    /// `2·NR`.
+    #[target_feature(enable = "avx512f,avx512bw")]
+    pub(super) unsafe fn interleave(row: &mut [u16], r0: &[bf16], r1: &[bf16]) {
+        use std::arch::x86_64::{
+            __m512i, _mm256_loadu_si256, _mm512_cvtepu16_epi32, _mm512_or_si512, _mm512_slli_epi32,
+            _mm512_storeu_si512,
+        };
+        assert!(r0.len() >= NR && r1.len() >= NR && row.len() >= 2 * NR);
+        for h in 0..NR / 16 {
+            // SAFETY: 16 values at `16h` of each row, 32 of `row` at `32h`
+            // (lengths asserted above).
+            unsafe {
+                let lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256(r0.as_ptr().add(16 * h).cast()));
+                let hi = _mm512_cvtepu16_epi32(_mm256_loadu_si256(r1.as_ptr().add(16 * h).cast()));
+                let pairs = _mm512_or_si512(lo, _mm512_slli_epi32::<16>(hi));
+                _mm512_storeu_si512(row.as_mut_ptr().add(32 * h).cast::<__m512i>(), pairs);
+            }
+        }
+    }
+
     /// `d = s` rounded to bf16 (ties to even, subnormal inputs as zero),
     /// sixteen at a time.
     ///
@@ -867,6 +899,14 @@ mod x86 {
 
 #[cfg(not(target_arch = "x86_64"))]
 mod x86 {
+    /// Never called off x86-64.
+    pub(super) unsafe fn interleave(
+        _row: &mut [u16],
+        _r0: &[weft_numerics::bf16],
+        _r1: &[weft_numerics::bf16],
+    ) {
+        unreachable!("AVX-512 off x86-64");
+    }
     /// Never called: AVX512-BF16 is x86-64's.
     pub(super) unsafe fn round(_d: &mut [weft_numerics::bf16], _s: &[f32]) {
         unreachable!("vcvtneps2bf16 off x86-64");
