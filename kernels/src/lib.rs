@@ -39,7 +39,7 @@
 //! Xeon with AMX (2 threads): the twelve products 2.9× the f32 GEMM (990
 //! vs 340 GFLOP/s; 15% of the AMX tile peak, the rest lost to packing and
 //! rounding); `weft-model`'s `train_step` bench: GPT-2 small's training
-//! step 1.8–1.95× its f32 step, 1.67× PyTorch's autocast-bf16 step.
+//! step 1.9–2.3× its f32 step, 1.2–1.7× PyTorch's autocast-bf16 step.
 //!
 //! All kernels are generic over [`Real`] (`f32` or `f64`). Training uses
 //! `f32`; the tests run the same code in `f64` and compare every backward
