@@ -175,6 +175,10 @@ pub enum Precision {
     /// `vdpbf16ps` where the CPU has AVX512-BF16 (twice the f32 FMA rate;
     /// see [`matmul_bf16`]). Rows stay batch invariant in both [`Mode`]s.
     /// With `f64` buffers the rounded operands are multiplied in `f64`.
+    /// The rounded copies are kept per thread for the next product: up to
+    /// the largest operand in bf16 (for a language-model head, its
+    /// logits' gradient, `2·B·T·V` bytes) per calling thread, which the
+    /// model's memory report does not count.
     Bf16,
 }
 
