@@ -429,7 +429,8 @@ fn packed(
     } else {
         None
     };
-    let block = |m, nb, dst: *mut f32, j0| {
+    // rows `a` (its first row at the block's), columns `[j0, j0 + nb)`
+    let block = |a: View<'_, bf16>, m, nb, dst: *mut f32, j0| {
         // SAFETY: the callers below vouch for `dst` (an m × nb block with
         // row stride n); `packed` runs only on a path the CPU has.
         unsafe {
@@ -455,23 +456,16 @@ fn packed(
                     data: &a.data[i0 * a.rs..],
                     ..a
                 };
-                // SAFETY: rows `[i0, i0 + mr)` of the m × n output lie
-                // inside `out`; the tasks' rows are disjoint, and `out`
-                // stays borrowed until every task has finished.
-                unsafe {
-                    let d = dst.0.add(i0 * n);
-                    let mr = rows.min(m - i0);
-                    match path {
-                        Bf16Path::Amx => amx_block(mr, n, k, d, n, accumulate, a, b, 0),
-                        _ => packed_block(mr, n, k, d, n, accumulate, a, b, 0),
-                    }
-                }
+                // Rows `[i0, i0 + mr)` of the m × n output lie inside
+                // `out`; the tasks' rows are disjoint, and `out` stays
+                // borrowed until every task has finished.
+                block(a, rows.min(m - i0), n, dst.0.wrapping_add(i0 * n), 0);
             });
             return;
         }
         // `out` holds m × n elements (checked by the caller) and is
         // borrowed exclusively.
-        block(m, n, out.as_mut_ptr(), 0);
+        block(a, m, n, out.as_mut_ptr(), 0);
         return;
     };
     let dst = OutPtr(out.as_mut_ptr());
@@ -481,7 +475,7 @@ fn packed(
         // Columns `[j0, j0 + nb)` of the m × n output (row stride n) lie
         // inside `out`; the tasks' blocks are disjoint, and `out` stays
         // borrowed until every task has finished.
-        block(m, per.min(n - j0), dst.0.wrapping_add(j0), j0);
+        block(a, m, per.min(n - j0), dst.0.wrapping_add(j0), j0);
     });
 }
 
