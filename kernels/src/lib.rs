@@ -40,6 +40,8 @@
 //! vs 340 GFLOP/s; 15% of the AMX tile peak, the rest lost to packing and
 //! rounding); `weft-model`'s `train_step` bench: GPT-2 small's training
 //! step 1.9–2.3× its f32 step, 1.2–1.7× PyTorch's autocast-bf16 step.
+//! [`Precision::F16`] rounds the operands to fp16 (bit for bit the f32
+//! kernels on pre-rounded operands; no fp16 products on these CPUs).
 //!
 //! All kernels are generic over [`Real`] (`f32` or `f64`). Training uses
 //! `f32`; the tests run the same code in `f64` and compare every backward
@@ -110,6 +112,7 @@ mod attention;
 pub mod cuda;
 mod embedding;
 mod error;
+mod fp16;
 mod gemm;
 mod gemm_bf16;
 mod layernorm;
@@ -180,14 +183,30 @@ pub enum Precision {
     /// logits' gradient, `2·B·T·V` bytes) per calling thread, which the
     /// model's memory report does not count.
     Bf16,
+    /// Mixed precision with fp16 operands: every operand of a product is
+    /// rounded to the nearest IEEE half (ties to even, subnormals kept,
+    /// overflow to infinity) and the products are accumulated in `f32` —
+    /// the arithmetic of fp16 tensor cores with f32 accumulation. Bit for
+    /// bit the [`F32`](Self::F32) kernels run on operands rounded to fp16
+    /// beforehand, so every batch-invariance property of `F32` holds. No
+    /// CPU of this project's kind multiplies fp16 natively: this is
+    /// `F32`'s speed (plus a rounding pass per operand), for checking an
+    /// fp16 recipe — its range (largest value 65504, gradients below
+    /// 2⁻²⁴ lost: train with dynamic loss scaling) — before spending
+    /// accelerators on it. The rounded `f32` copies of both operands are
+    /// kept per thread for the next product (not counted by the model's
+    /// memory report).
+    F16,
 }
 
 impl Precision {
-    /// The name used in configs and reports: `"fp32"` or `"bf16"`.
+    /// The name used in configs and reports: `"fp32"`, `"bf16"` or
+    /// `"fp16"`.
     pub fn name(self) -> &'static str {
         match self {
             Precision::F32 => "fp32",
             Precision::Bf16 => "bf16",
+            Precision::F16 => "fp16",
         }
     }
 }

@@ -19,6 +19,7 @@
 use weft_numerics::bf16;
 
 use crate::error::{Result, check};
+use crate::fp16;
 use crate::gemm::{View, gemm};
 use crate::gemm_bf16;
 use crate::{Mode, Precision, Real};
@@ -311,6 +312,14 @@ fn input_grad<T: Real>(
     mode: Mode,
     precision: Precision,
 ) {
+    if precision == Precision::F16 {
+        // the f32 products of the rounded operands
+        let d = View::rows(dout, oc);
+        fp16::with_rounded((d, b * t, oc), (w, oc, c), |d, w| {
+            input_grad(dinp, d.data, w, b, t, c, oc, mode, Precision::F32);
+        });
+        return;
+    }
     if precision == Precision::Bf16 {
         product(
             b * t,
@@ -519,8 +528,20 @@ pub fn matmul_backward_wt_weight<T: Real>(
     // `dweight` through memory once per reduction block of the GEMM).
     // (The bf16 products block their own work, and round each operand
     // once per call: one call.)
+    if precision == Precision::F16 {
+        // the f32 products of the rounded operands (the bias from `dout`
+        // as it is, as in every precision)
+        let (d, x) = (View::rows(dout, oc), View::rows(inp, c));
+        fp16::with_rounded((d, b * t, oc), (x, b * t, c), |d, x| {
+            matmul_backward_wt_weight(dweight, None, d.data, x.data, b, t, c, oc, Precision::F32)
+        })?;
+        if let Some(db) = dbias {
+            bias_backward(db, dout);
+        }
+        return Ok(());
+    }
     let block = match precision {
-        Precision::F32 => WT_ROW_BLOCK,
+        Precision::F32 | Precision::F16 => WT_ROW_BLOCK,
         Precision::Bf16 => oc.max(1),
     };
     for r0 in (0..oc).step_by(block) {
@@ -611,6 +632,19 @@ fn product<T: Real>(
             gemm_row_invariant(m, n, k, dst, n, accumulate, a, b, T::ONE, true);
         }
         Precision::F32 => gemm(m, n, k, dst, n, accumulate, a, b, T::ONE, true),
+        Precision::F16 => fp16::with_rounded((a, m, k), (b, k, n), |a, b| {
+            product(
+                m,
+                n,
+                k,
+                dst,
+                accumulate,
+                a,
+                b,
+                Precision::F32,
+                row_invariant,
+            );
+        }),
         Precision::Bf16 if k == 0 => {
             if !accumulate {
                 dst.fill(T::ZERO);
@@ -1009,6 +1043,162 @@ mod tests {
             matmul_bf16(&mut want, &dyb, true, &xb, false, oc, c, n, true).unwrap();
             assert_eq!(bits(&got), bits(&want), "backward_wt_weight");
         }
+    }
+
+    /// fp16 is, bit for bit, the f32 kernels on operands rounded to fp16
+    /// beforehand — in both modes, for f32 and f64 buffers, every linear
+    /// kernel, the biases' gradients summed from the gradient as it is.
+    #[test]
+    fn fp16_is_the_f32_kernels_on_operands_rounded_to_fp16() {
+        fn check<T: Real>(scale: f64) {
+            let v = |n: usize, seed: u64| -> Vec<T> {
+                rand_vec(n, seed)
+                    .iter()
+                    .map(|&x| T::from_f64(x * scale))
+                    .collect()
+            };
+            let r = |v: &[T]| -> Vec<T> {
+                v.iter()
+                    .map(|x| T::from_f64(fp16::round_f64(x.to_f64())))
+                    .collect()
+            };
+            let bits = |v: &[T]| v.iter().map(|x| x.to_f64().to_bits()).collect::<Vec<_>>();
+            for (b, t, c, oc) in [(2, 5, 37, 70), (3, 16, 96, 300), (1, 1, 600, 5)] {
+                let n = b * t;
+                let (x, w, dy, bias) = (v(n * c, 41), v(c * oc, 42), v(n * oc, 43), v(oc, 44));
+                let (xr, wr, dyr) = (r(&x), r(&w), r(&dy));
+                for mode in [Mode::BatchInvariant, Mode::Throughput] {
+                    let (h, f) = (Precision::F16, Precision::F32);
+                    let mut got = vec![T::ZERO; n * oc];
+                    let mut want = got.clone();
+                    matmul_forward(&mut got, &x, &w, Some(&bias), b, t, c, oc, mode, h).unwrap();
+                    matmul_forward(&mut want, &xr, &wr, Some(&bias), b, t, c, oc, mode, f).unwrap();
+                    assert_eq!(bits(&got), bits(&want), "forward {b}x{t}x{c}x{oc}");
+                    matmul_forward_wt(&mut got, &x, &w, None, b, t, c, oc, mode, h).unwrap();
+                    matmul_forward_wt(&mut want, &xr, &wr, None, b, t, c, oc, mode, f).unwrap();
+                    assert_eq!(bits(&got), bits(&want), "forward_wt");
+                    // the fused backwards against their halves on rounded
+                    // operands ([in, out] then [out, in] weights)
+                    type Full<T> = fn(
+                        &mut [T],
+                        &mut [T],
+                        Option<&mut [T]>,
+                        &[T],
+                        &[T],
+                        &[T],
+                        usize,
+                        usize,
+                        usize,
+                        usize,
+                        Mode,
+                        Precision,
+                    ) -> Result<()>;
+                    type Input<T> = fn(
+                        &mut [T],
+                        &[T],
+                        &[T],
+                        usize,
+                        usize,
+                        usize,
+                        usize,
+                        Mode,
+                        Precision,
+                    ) -> Result<()>;
+                    type Weight<T> = fn(
+                        &mut [T],
+                        Option<&mut [T]>,
+                        &[T],
+                        &[T],
+                        usize,
+                        usize,
+                        usize,
+                        usize,
+                        Precision,
+                    ) -> Result<()>;
+                    let kernels: [(&str, Full<T>, Input<T>, Weight<T>); 2] = [
+                        (
+                            "backward",
+                            matmul_backward,
+                            matmul_backward_input,
+                            matmul_backward_weight,
+                        ),
+                        (
+                            "backward_wt",
+                            matmul_backward_wt,
+                            matmul_backward_wt_input,
+                            matmul_backward_wt_weight,
+                        ),
+                    ];
+                    for (name, full, input, weight) in kernels {
+                        let (mut dx, mut dw, mut db) = (v(n * c, 45), v(c * oc, 46), v(oc, 47));
+                        let (mut dx2, mut dw2, mut db2) = (dx.clone(), dw.clone(), db.clone());
+                        full(
+                            &mut dx,
+                            &mut dw,
+                            Some(&mut db),
+                            &dy,
+                            &x,
+                            &w,
+                            b,
+                            t,
+                            c,
+                            oc,
+                            mode,
+                            h,
+                        )
+                        .unwrap();
+                        input(&mut dx2, &dyr, &wr, b, t, c, oc, mode, f).unwrap();
+                        weight(&mut dw2, None, &dyr, &xr, b, t, c, oc, f).unwrap();
+                        bias_backward(&mut db2, &dy);
+                        assert_eq!(bits(&dx), bits(&dx2), "{name}: input");
+                        assert_eq!(bits(&dw), bits(&dw2), "{name}: weight");
+                        assert_eq!(bits(&db), bits(&db2), "{name}: bias");
+                    }
+                }
+            }
+        }
+        check::<f32>(1.0);
+        check::<f64>(1.0);
+        // values near the ends of fp16's range: subnormal operands, and
+        // products that overflow to infinity
+        check::<f32>(1e-6);
+        check::<f32>(3e4);
+    }
+
+    /// fp16 operands round to 11 significant bits: a product is off the
+    /// f32 one by about 2⁻¹¹ relative, and the rounding is what changes it
+    /// (f32 values already on the fp16 grid give the f32 bits).
+    #[test]
+    fn fp16_products_are_off_f32_by_fp16_rounding() {
+        let (b, t, c, oc) = (2, 8, 256, 64);
+        let n = b * t;
+        let x = f32s(&rand_vec(n * c, 51));
+        let w = f32s(&rand_vec(c * oc, 52));
+        let mode = Mode::Throughput;
+        let (mut y16, mut y32) = (vec![0f32; n * oc], vec![0f32; n * oc]);
+        matmul_forward(&mut y16, &x, &w, None, b, t, c, oc, mode, Precision::F16).unwrap();
+        matmul_forward(&mut y32, &x, &w, None, b, t, c, oc, mode, Precision::F32).unwrap();
+        let scale = y32.iter().map(|v| v.abs()).fold(0f32, f32::max);
+        let worst = y16
+            .iter()
+            .zip(&y32)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max);
+        assert!(
+            worst > 0.0 && worst < 4.0 * scale * 2f32.powi(-11),
+            "{worst} vs {scale}"
+        );
+        let (xr, wr): (Vec<f32>, Vec<f32>) = (
+            x.iter()
+                .map(|&v| fp16::round_f64(f64::from(v)) as f32)
+                .collect(),
+            w.iter()
+                .map(|&v| fp16::round_f64(f64::from(v)) as f32)
+                .collect(),
+        );
+        matmul_forward(&mut y16, &xr, &wr, None, b, t, c, oc, mode, Precision::F16).unwrap();
+        matmul_forward(&mut y32, &xr, &wr, None, b, t, c, oc, mode, Precision::F32).unwrap();
+        assert_eq!(y16, y32);
     }
 
     /// bf16 against an f64 reference of the rounded operands: every output

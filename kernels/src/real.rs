@@ -14,6 +14,8 @@ pub(crate) mod sealed {
         fn as_f32(s: &[Self]) -> Option<&[f32]>;
         /// `s` as `f32`s, when `Self` is `f32`.
         fn as_f32_mut(s: &mut [Self]) -> Option<&mut [f32]>;
+        /// `s` as `Self`s, when `Self` is `f32`.
+        fn from_f32_slice(s: &[f32]) -> Option<&[Self]>;
     }
     impl Sealed for f32 {
         fn as_f32(s: &[f32]) -> Option<&[f32]> {
@@ -22,12 +24,18 @@ pub(crate) mod sealed {
         fn as_f32_mut(s: &mut [f32]) -> Option<&mut [f32]> {
             Some(s)
         }
+        fn from_f32_slice(s: &[f32]) -> Option<&[f32]> {
+            Some(s)
+        }
     }
     impl Sealed for f64 {
         fn as_f32(_: &[f64]) -> Option<&[f32]> {
             None
         }
         fn as_f32_mut(_: &mut [f64]) -> Option<&mut [f32]> {
+            None
+        }
+        fn from_f32_slice(_: &[f32]) -> Option<&[f64]> {
             None
         }
     }

@@ -98,6 +98,7 @@ pub struct GptBlocks {
     vocab: VocabShard,
     mode: Mode,
     precision: Precision,
+    loss_scale: f32,
 }
 
 /// What one block's forward keeps for its backward, for one micro-batch of
@@ -388,6 +389,7 @@ impl GptBlocks {
             vocab,
             mode: Mode::default(),
             precision: Precision::default(),
+            loss_scale: 1.0,
         })
     }
 
@@ -454,6 +456,22 @@ impl GptBlocks {
     /// from the model, so sampling reproduces the training forward's bits.
     pub fn set_precision(&mut self, precision: Precision) {
         self.precision = precision;
+    }
+
+    /// The factor the backward's gradients carry (see
+    /// [`set_loss_scale`](Self::set_loss_scale)).
+    pub fn loss_scale(&self) -> f32 {
+        self.loss_scale
+    }
+
+    /// Makes every backward the backward of the mean loss times `scale`
+    /// (dynamic loss scaling, for fp16 products: gradients that would
+    /// fall below fp16's smallest value are lifted into its range); the
+    /// caller divides the gradients by `scale` before the update. The
+    /// losses reported stay unscaled. A power of two keeps the division
+    /// exact; 1 (the default) is the plain backward, bit for bit.
+    pub fn set_loss_scale(&mut self, scale: f32) {
+        self.loss_scale = scale;
     }
 
     /// Floats in the embedding slice (`wte` then `wpe`).
@@ -555,6 +573,7 @@ impl GptBlocks {
             c: self.config.n_embd,
             mode,
             precision: self.precision,
+            loss_scale: self.loss_scale,
             layer,
             tp: self.tp.as_ref(),
         }
@@ -1485,8 +1504,10 @@ impl GptBlocks {
         let n = b * t;
         let rows = self.rows(n);
         let mode = Mode::Throughput;
+        // the gradient of the mean loss, times the loss scale (exact for a
+        // power of two: `scale / n` is `1 / n` rounded, then scaled)
         #[allow(clippy::cast_precision_loss)]
-        let dloss = 1.0 / n as f32;
+        let dloss = self.loss_scale / n as f32;
         let tp = self.tp.as_ref();
         match tp {
             // One pass from the forward's row statistics: the bits

@@ -59,6 +59,12 @@ pub struct Dims<'a> {
     /// The arithmetic of the linear layers' products (see
     /// [`GptBlocks::set_precision`](crate::GptBlocks::set_precision)).
     pub precision: Precision,
+    /// The factor the gradients of this backward carry: the loss is scaled
+    /// by it (dynamic loss scaling, see
+    /// [`GptBlocks::set_loss_scale`](crate::GptBlocks::set_loss_scale));
+    /// 1 otherwise. A block that adds a loss of its own (MoE's auxiliary
+    /// loss) scales that loss's gradient by it too.
+    pub loss_scale: f32,
     /// Index of the transformer layer the block belongs to (0-based, in the
     /// whole model: a pipeline stage passes its layers' global indices), for
     /// blocks that keep per-layer statistics.

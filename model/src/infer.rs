@@ -130,6 +130,7 @@ impl<'m> Decoder<'m> {
                 c,
                 mode: model.blocks().mode(),
                 precision: model.blocks().precision(),
+                loss_scale: 1.0,
                 layer: 0,
                 tp: None,
             })),
@@ -139,6 +140,7 @@ impl<'m> Decoder<'m> {
                 c,
                 mode: model.blocks().mode(),
                 precision: model.blocks().precision(),
+                loss_scale: 1.0,
                 layer: 0,
                 tp: None,
             })),
@@ -252,6 +254,7 @@ impl<'m> Decoder<'m> {
             c,
             mode,
             precision,
+            loss_scale: 1.0,
             layer,
             tp: None,
         };

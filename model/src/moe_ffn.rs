@@ -324,17 +324,12 @@ impl FeedForward for MoeFfn {
         match &self.engine {
             Engine::Local(b) => b
                 .with_precision(d.precision)
+                .with_loss_scale(f64::from(d.loss_scale))
                 .backward(dx, dparams, dy, inp, saved, params, &lens),
-            Engine::Sharded { ep, comm } => ep.with_precision(d.precision).backward_flat(
-                comm.as_ref(),
-                dx,
-                dparams,
-                dy,
-                inp,
-                saved,
-                params,
-                &lens,
-            ),
+            Engine::Sharded { ep, comm } => ep
+                .with_precision(d.precision)
+                .with_loss_scale(f64::from(d.loss_scale))
+                .backward_flat(comm.as_ref(), dx, dparams, dy, inp, saved, params, &lens),
         }
         .map_err(moe_err)?;
         if let Some(tp) = d.tp.filter(|_| sp) {

@@ -415,6 +415,36 @@ impl ParallelGpt {
         hp: &AdamW,
         clip: f64,
     ) -> Result<StepOutcome> {
+        self.train_step_scaled(batches, hp, clip, 1.0)
+    }
+
+    /// [`train_step`](Self::train_step) with dynamic loss scaling: the
+    /// backward is that of the loss times `loss_scale` (a power of two, as
+    /// `weft_numerics::DynamicLossScaler` gives, keeps the unscaling
+    /// exact), the norm is checked on the scaled gradients, and — unless
+    /// the loss or a gradient is not finite, when the update is skipped
+    /// (`applied: false`: the scaler should back off) — the gradients are
+    /// divided by `loss_scale` as they are clipped. The reported norm is
+    /// the unscaled one. `loss_scale = 1` is `train_step`, bit for bit.
+    ///
+    /// # Errors
+    /// As [`train_step`](Self::train_step); a `loss_scale` that is not
+    /// finite and positive.
+    pub fn train_step_scaled(
+        &mut self,
+        batches: &[MicroBatch<'_>],
+        hp: &AdamW,
+        clip: f64,
+        loss_scale: f32,
+    ) -> Result<StepOutcome> {
+        if !(loss_scale.is_finite() && loss_scale > 0.0) {
+            return Err(Error::Batch {
+                reason: format!("loss scale {loss_scale} must be finite and positive"),
+            });
+        }
+        for st in self.ex.stages_mut() {
+            st.set_loss_scale(loss_scale);
+        }
         let m = batches.len();
         let global = m * self.mesh.dims().dp;
         for st in self.ex.stages_mut() {
@@ -449,15 +479,21 @@ impl ParallelGpt {
         for st in self.ex.stages_mut() {
             st.add_grad_norm(&mut norm)?;
         }
-        let grad_norm = norm.finish(Some(&self.mesh))?;
+        let grad_norm = norm.finish(Some(&self.mesh))? / f64::from(loss_scale);
         let t2 = self.traffic_now();
         let applied = loss.is_finite() && grad_norm.is_finite();
         if applied {
             #[allow(clippy::cast_possible_truncation)]
-            let coef = if clip > 0.0 && grad_norm > clip {
+            let clip_coef = if clip > 0.0 && grad_norm > clip {
                 (clip / (grad_norm + 1e-6)) as f32
             } else {
                 1.0
+            };
+            // unscaled as clipped (exact for a power-of-two scale)
+            let coef = if loss_scale == 1.0 {
+                clip_coef
+            } else {
+                clip_coef / loss_scale
             };
             for st in self.ex.stages_mut() {
                 st.apply(coef, hp)?;

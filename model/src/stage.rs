@@ -968,6 +968,12 @@ impl GptStage {
         &self.blocks
     }
 
+    /// Sets the loss scale of this stage's backwards (see
+    /// [`GptBlocks::set_loss_scale`]).
+    pub fn set_loss_scale(&mut self, scale: f32) {
+        self.blocks.set_loss_scale(scale);
+    }
+
     /// Micro-batch shape `(B, T)`.
     pub fn batch_shape(&self) -> (usize, usize) {
         (self.b, self.t)

@@ -28,6 +28,10 @@
 //!   most 7.3e-5); and bf16 on one rank within 1% of f32 (measured
 //!   1.3e-4 after three steps).
 //!
+//! * With fp16 operands (`Precision::F16`) and a loss scale: the same
+//!   guarantees as bf16; and loss scaling alone (f32, a power of two)
+//!   changes no bit.
+//!
 //! Every layout enumerated is run and checked (the count is asserted), so
 //! a layout cannot be skipped silently.
 
@@ -110,6 +114,8 @@ struct Layout {
     fsdp: Option<Strategy>,
     sp: bool,
     precision: Precision,
+    /// The loss scale of every step's backward (1: none).
+    loss_scale: f32,
 }
 
 impl Layout {
@@ -120,6 +126,7 @@ impl Layout {
             fsdp: None,
             sp: false,
             precision: Precision::F32,
+            loss_scale: 1.0,
         }
     }
     fn sp(self) -> Self {
@@ -128,6 +135,13 @@ impl Layout {
     fn bf16(self) -> Self {
         Layout {
             precision: Precision::Bf16,
+            ..self
+        }
+    }
+    fn fp16(self, loss_scale: f32) -> Self {
+        Layout {
+            precision: Precision::F16,
+            loss_scale,
             ..self
         }
     }
@@ -207,7 +221,7 @@ fn run(layout: Layout, moe: bool) -> Run {
                 })
                 .collect();
             let r = g
-                .train_step(&mbs, &hp, 1.0)
+                .train_step_scaled(&mbs, &hp, 1.0, layout.loss_scale)
                 .unwrap_or_else(|e| panic!("{layout:?}: {e}"));
             assert!(r.applied);
             losses.push(r.loss);
@@ -294,7 +308,7 @@ fn run(layout: Layout, moe: bool) -> Run {
 fn tolerance(layout: Layout) -> f64 {
     match layout.precision {
         Precision::F32 => 1e-5,
-        Precision::Bf16 => 1e-3,
+        Precision::Bf16 | Precision::F16 => 1e-3,
     }
 }
 
@@ -406,6 +420,7 @@ fn layouts(moe: bool) -> Vec<Layout> {
                                 fsdp,
                                 sp: false,
                                 precision: Precision::F32,
+                                loss_scale: 1.0,
                             };
                             out.push(base);
                             if tp > 1 && fsdp.is_none() {
@@ -441,16 +456,32 @@ fn matrix(moe: bool) {
 /// and bf16 against f32 on one rank: a different run (the test could not
 /// tell the precisions apart otherwise) within 1% of it over three steps.
 #[test]
-#[allow(clippy::print_stdout)]
 fn bf16_layouts_follow_one_rank_in_bf16() {
+    mixed_precision_follows_one_rank(Layout::bf16);
+}
+
+/// fp16 operands (`Precision::F16`) with a loss scale of 2^10: bitwise
+/// where f32 is (dp × FSDP, pp), within 1e-3 with tp or ep; on one rank
+/// a different run from f32 within 1% of it.
+#[test]
+fn fp16_layouts_follow_one_rank_with_loss_scaling() {
+    mixed_precision_follows_one_rank(|l| l.fp16(1024.0));
+}
+
+/// A mixed-precision setting (`mixed` applied to each layout) on a layout
+/// of each axis and composed ones against one rank in that setting, and
+/// that one rank against f32 (see the tests above).
+#[allow(clippy::print_stdout)]
+fn mixed_precision_follows_one_rank(mixed: fn(Layout) -> Layout) {
     for moe in [false, true] {
-        let one = run(Layout::new(1, 1, 1, 1).bf16(), moe);
+        let one = run(mixed(Layout::new(1, 1, 1, 1)), moe);
         let f32_run = run(Layout::new(1, 1, 1, 1), moe);
-        assert_ne!(one.losses, f32_run.losses, "moe={moe}: bf16 is not f32");
+        let p = one_precision(mixed);
+        assert_ne!(one.losses, f32_run.losses, "moe={moe}: {p:?} is not f32");
         for s in 0..STEPS {
             let d = rel(one.losses[s], f32_run.losses[s]);
             println!(
-                "moe={moe} step {s}: bf16 loss {} fp32 {} (rel {d:.1e})",
+                "moe={moe} step {s}: {p:?} loss {} fp32 {} (rel {d:.1e})",
                 one.losses[s], f32_run.losses[s]
             );
             assert!(d < 1e-2, "moe={moe} step {s}");
@@ -478,7 +509,38 @@ fn bf16_layouts_follow_one_rank_in_bf16() {
             });
         }
         for layout in layouts {
-            check(layout.bf16(), moe, &one);
+            check(mixed(layout), moe, &one);
+        }
+    }
+}
+
+fn one_precision(mixed: fn(Layout) -> Layout) -> Precision {
+    mixed(Layout::new(1, 1, 1, 1)).precision
+}
+
+/// Loss scaling by a power of two is exact in f32: every gradient is the
+/// unscaled one times the scale (the backward is linear in the loss's
+/// gradient, and the MoE auxiliary loss's gradient is scaled with it), so
+/// unscaling gives the unscaled step's bits — on one rank and composed.
+#[test]
+fn loss_scaling_by_a_power_of_two_is_exact_in_f32() {
+    for moe in [false, true] {
+        for layout in [
+            Layout::new(1, 1, 1, 1),
+            Layout {
+                fsdp: Some(Strategy::Full),
+                ..Layout::new(2, 2, 1, 1 + usize::from(moe))
+            },
+        ] {
+            let plain = run(layout, moe);
+            let scaled = run(
+                Layout {
+                    loss_scale: 1024.0,
+                    ..layout
+                },
+                moe,
+            );
+            assert_eq!(plain, scaled, "{layout:?} moe={moe}");
         }
     }
 }

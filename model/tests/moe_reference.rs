@@ -131,6 +131,7 @@ fn check_case(path: &Path) -> TestResult {
         c,
         mode: Mode::default(),
         precision: weft_kernels::Precision::F32,
+        loss_scale: 1.0,
         layer: 0,
         tp: None,
     };

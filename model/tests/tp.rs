@@ -666,6 +666,7 @@ fn mlp_step(
         c,
         mode: Mode::Throughput,
         precision: weft_kernels::Precision::F32,
+        loss_scale: 1.0,
         layer: 0,
         tp,
     };

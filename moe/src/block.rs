@@ -367,6 +367,9 @@ pub struct MoeBlock {
     cfg: MoeConfig,
     /// The arithmetic of the experts' products (the router's are f32).
     pub(crate) precision: Precision,
+    /// The scale the loss's gradient carries into the backward (dynamic
+    /// loss scaling), applied to the auxiliary loss's gradient too.
+    loss_scale: f64,
 }
 
 impl MoeBlock {
@@ -379,6 +382,7 @@ impl MoeBlock {
         Ok(MoeBlock {
             cfg,
             precision: Precision::F32,
+            loss_scale: 1.0,
         })
     }
 
@@ -398,6 +402,19 @@ impl MoeBlock {
     #[must_use]
     pub fn precision(&self) -> Precision {
         self.precision
+    }
+
+    /// This block for a backward whose output gradient is that of the
+    /// loss times `scale` (dynamic loss scaling, as fp16 training does):
+    /// the auxiliary loss's gradient is added times `scale` as well, so
+    /// that dividing every gradient by `scale` afterwards gives the
+    /// unscaled ones. 1 (the default) changes nothing.
+    #[must_use]
+    pub fn with_loss_scale(&self, scale: f64) -> Self {
+        MoeBlock {
+            loss_scale: scale,
+            ..self.clone()
+        }
     }
 
     /// The configuration.
@@ -703,6 +720,10 @@ impl MoeBlock {
         let mut dlogits = vec![T::ZERO; n * e];
         routing.gate_backward(&mut dlogits, dgate)?;
         if let Some(aux) = self.cfg.aux {
+            let aux = AuxLoss {
+                coef: aux.coef * self.loss_scale,
+                ..aux
+            };
             aux.backward(&mut dlogits, routing, seq_lens)?;
         }
         matmul_backward(

@@ -111,6 +111,16 @@ impl ExpertParallel {
         }
     }
 
+    /// This rank's block for a backward of a loss scaled by `scale` (see
+    /// [`MoeBlock::with_loss_scale`]).
+    #[must_use]
+    pub fn with_loss_scale(&self, scale: f64) -> Self {
+        ExpertParallel {
+            block: self.block.with_loss_scale(scale),
+            ..self.clone()
+        }
+    }
+
     /// This rank's shard of a full (ep = 1) parameter buffer: the router,
     /// its experts and the shared expert.
     ///

@@ -47,7 +47,7 @@
 //!
 //! // One metrics line, with a loss that diverged.
 //! let m = MetricsRecord { step: 7, loss: f64::NAN, lr: 1e-3, grad_norm: 1.5,
-//!                         tokens_per_s: 900.0, time_s: 12.0 };
+//!                         tokens_per_s: 900.0, time_s: 12.0, loss_scale: None };
 //! let line = serde_json::to_string(&m).unwrap();
 //! assert!(line.contains(r#""loss":"NaN""#));
 //! assert!(serde_json::from_str::<MetricsRecord>(&line).unwrap().loss.is_nan());

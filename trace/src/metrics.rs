@@ -14,6 +14,7 @@ use serde::{Deserialize, Serialize};
 /// | `grad_norm` | number or string | global L2 norm of the gradient, before clipping |
 /// | `tokens_per_s` | number or string | training throughput over the step, in tokens per second |
 /// | `time_s` | number or string | wall-clock seconds since the run (or resumed run) started |
+/// | `loss_scale` | number, optional | the loss scale of the step's backward (dynamic loss scaling, fp16 runs only) |
 ///
 /// Non-finite values — a diverging loss is the reason this log exists — are
 /// written as the strings `"NaN"`, `"Infinity"` and `"-Infinity"`, since
@@ -38,6 +39,10 @@ pub struct MetricsRecord {
     /// Wall-clock seconds since the run started.
     #[serde(with = "crate::float")]
     pub time_s: f64,
+    /// The loss scale the step's backward ran with, in runs with dynamic
+    /// loss scaling (fp16); absent (and not written) otherwise.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub loss_scale: Option<f64>,
 }
 
 impl MetricsRecord {
@@ -70,6 +75,7 @@ mod tests {
             grad_norm: 0.75,
             tokens_per_s: 1010.0,
             time_s: 61.25,
+            loss_scale: None,
         }
     }
 
@@ -79,6 +85,19 @@ mod tests {
         assert_eq!(
             line,
             r#"{"step":12,"loss":2.5,"lr":0.0003,"grad_norm":0.75,"tokens_per_s":1010.0,"time_s":61.25}"#
+        );
+        let scaled = MetricsRecord {
+            loss_scale: Some(32768.0),
+            ..rec(2.5)
+        };
+        let line = serde_json::to_string(&scaled).unwrap();
+        assert!(
+            line.ends_with(r#","time_s":61.25,"loss_scale":32768.0}"#),
+            "{line}"
+        );
+        assert_eq!(
+            serde_json::from_str::<MetricsRecord>(&line).unwrap(),
+            scaled
         );
     }
 
@@ -111,7 +130,7 @@ mod tests {
             step in any::<u64>(), loss in any::<f64>(), lr in any::<f64>(),
             g in any::<f64>(), tps in any::<f64>(), t in any::<f64>(),
         ) {
-            let r = MetricsRecord { step, loss, lr, grad_norm: g, tokens_per_s: tps, time_s: t };
+            let r = MetricsRecord { step, loss, lr, grad_norm: g, tokens_per_s: tps, time_s: t, loss_scale: None };
             let back: MetricsRecord = serde_json::from_str(&serde_json::to_string(&r).unwrap()).unwrap();
             prop_assert_eq!(back.step, r.step);
             for (a, b) in [(back.loss, loss), (back.lr, lr), (back.grad_norm, g),

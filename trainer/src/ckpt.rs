@@ -25,6 +25,7 @@ use weft_checkpoint::{
 };
 use weft_collectives::{Communicator, CommunicatorExt};
 use weft_model::{AdamWState, Gpt, GptConfig, OwnedPart, ParallelGpt};
+use weft_numerics::LossScalerState;
 
 use crate::config::Config;
 
@@ -240,7 +241,13 @@ fn merge_stacked(mut pieces: Vec<Piece>) -> Vec<Piece> {
 }
 
 /// The trainer state a checkpoint of `step` records.
-fn trainer_state(config: &Config, step: u64, opt_step: u32, model: &GptConfig) -> TrainerState {
+fn trainer_state(
+    config: &Config,
+    step: u64,
+    opt_step: u32,
+    loss_scale: Option<LossScalerState>,
+    model: &GptConfig,
+) -> TrainerState {
     let mut state = TrainerState {
         optimizer_step: step,
         config_hash: Some(config_hash(config)),
@@ -250,6 +257,14 @@ fn trainer_state(config: &Config, step: u64, opt_step: u32, model: &GptConfig) -
     state
         .extra
         .insert("adamw_t".into(), serde_json::json!(opt_step));
+    if let Some(ls) = loss_scale {
+        state.extra.insert(
+            "loss_scale".into(),
+            serde_json::json!({
+                "scale": ls.scale, "good_steps": ls.good_steps, "skipped_steps": ls.skipped_steps,
+            }),
+        );
+    }
     state.extra.insert(
         "model".into(),
         serde_json::json!({
@@ -298,6 +313,7 @@ pub fn save_sharded(
     step: u64,
     parts: &[OwnedPart],
     opt_step: u32,
+    loss_scale: Option<LossScalerState>,
     model: &GptConfig,
     mesh: &[(&str, usize)],
 ) -> Result<(), CkptError> {
@@ -435,7 +451,7 @@ pub fn save_sharded(
                     })
                     .collect(),
             };
-            let state = trainer_state(config, step, opt_step, model);
+            let state = trainer_state(config, step, opt_step, loss_scale, model);
             weft_checkpoint::commit(root, step, &layout, &reports, &state, &opts)
                 .and_then(|_| {
                     let every =
@@ -540,7 +556,12 @@ pub fn restore_sharded(
             name: "model".into(),
             reason: e.to_string(),
         })?;
-    Ok(Restored { step, skipped })
+    let loss_scale = loss_scale_of(&ckpt.manifest().state);
+    Ok(Restored {
+        step,
+        skipped,
+        loss_scale,
+    })
 }
 
 /// Renames a checkpoint folder that did not verify to
@@ -598,6 +619,19 @@ pub struct Restored {
     /// where each was moved aside (`step-NNNNNNNN.corrupt`, kept as
     /// evidence).
     pub skipped: Vec<String>,
+    /// The dynamic loss scaler's state at the checkpoint (fp16 runs).
+    pub loss_scale: Option<LossScalerState>,
+}
+
+/// The loss scaler's state a checkpoint's trainer state records, if any.
+fn loss_scale_of(state: &TrainerState) -> Option<LossScalerState> {
+    let v = state.extra.get("loss_scale")?;
+    #[allow(clippy::cast_possible_truncation)]
+    Some(LossScalerState {
+        scale: v.get("scale")?.as_f64()? as f32,
+        good_steps: u32::try_from(v.get("good_steps")?.as_u64()?).ok()?,
+        skipped_steps: v.get("skipped_steps")?.as_u64()?,
+    })
 }
 
 /// Loads the newest checkpoint under `root` that verifies into `model` and
@@ -664,6 +698,7 @@ pub fn restore(
             .iter()
             .map(|(p, e)| format!("{}: {e}", p.display()))
             .collect(),
+        loss_scale: loss_scale_of(state),
     })
 }
 

@@ -503,11 +503,67 @@ pub struct TrainConfig {
     /// out. A rewound run's `skip.json` lists its skips; a new run with
     /// them here gives the same bits.
     pub skip_batches: Vec<u64>,
-    /// The arithmetic of the linear layers: `"fp32"` or `"bf16"` (mixed
-    /// precision: the matrix products take bf16 operands and accumulate
-    /// in f32; master weights, gradients, AdamW moments, layernorm,
-    /// attention's softmax, the loss and every reduction stay f32).
+    /// The arithmetic of the linear layers: `"fp32"`, `"bf16"` or
+    /// `"fp16"` (mixed precision: the matrix products take 16-bit
+    /// operands and accumulate in f32; master weights, gradients, AdamW
+    /// moments, layernorm, attention's softmax, the loss and every
+    /// reduction stay f32; fp16 trains with dynamic loss scaling,
+    /// [`loss_scale`](Self::loss_scale)).
     pub precision: Precision,
+    /// Dynamic loss scaling, used with `precision = "fp16"`.
+    pub loss_scale: LossScaleConfig,
+}
+
+/// `[train.loss_scale]`: dynamic loss scaling for fp16 (the recipe of
+/// PyTorch's `GradScaler` and Megatron-LM). Each step's backward is that
+/// of the loss times the scale; a step whose gradients overflow is
+/// skipped (an `overflow` event) and the scale multiplied by `backoff`;
+/// after `growth_interval` finite steps in a row it is multiplied by
+/// `growth`. Powers of two keep the unscaling exact.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct LossScaleConfig {
+    /// The first step's scale (2^16).
+    pub init: f64,
+    /// Multiplied in after this many finite steps in a row (2000).
+    pub growth_interval: u32,
+    /// The factor of growth (2).
+    pub growth: f64,
+    /// The factor on an overflow (0.5).
+    pub backoff: f64,
+    /// The scale never falls below this (1).
+    pub min: f64,
+    /// The scale never grows above this (2^24).
+    pub max: f64,
+}
+
+impl Default for LossScaleConfig {
+    fn default() -> Self {
+        let d = weft_numerics::LossScalerConfig::default();
+        Self {
+            init: f64::from(d.init_scale),
+            growth_interval: d.growth_interval,
+            growth: f64::from(d.growth_factor),
+            backoff: f64::from(d.backoff_factor),
+            min: f64::from(d.min_scale),
+            max: f64::from(d.max_scale),
+        }
+    }
+}
+
+impl LossScaleConfig {
+    /// The numerics crate's scaler settings.
+    #[allow(clippy::cast_possible_truncation)]
+    pub fn scaler(&self) -> weft_numerics::LossScalerConfig {
+        weft_numerics::LossScalerConfig {
+            init_scale: self.init as f32,
+            growth_factor: self.growth as f32,
+            backoff_factor: self.backoff as f32,
+            growth_interval: self.growth_interval,
+            min_scale: self.min as f32,
+            max_scale: self.max as f32,
+        }
+    }
 }
 
 /// `train.precision`: the arithmetic of the linear layers' products.
@@ -520,6 +576,10 @@ pub enum Precision {
     /// Mixed precision: bf16 operands, f32 accumulation (`vdpbf16ps`
     /// where the CPU has AVX512-BF16), f32 everywhere else.
     Bf16,
+    /// Mixed precision with fp16 operands and f32 accumulation, trained
+    /// with dynamic loss scaling (`[train.loss_scale]`). The CPU has no
+    /// fp16 products: f32's speed, for checking an fp16 recipe.
+    Fp16,
 }
 
 impl Precision {
@@ -528,6 +588,7 @@ impl Precision {
         match self {
             Precision::Fp32 => weft_kernels::Precision::F32,
             Precision::Bf16 => weft_kernels::Precision::Bf16,
+            Precision::Fp16 => weft_kernels::Precision::F16,
         }
     }
 
@@ -555,6 +616,7 @@ impl Default for TrainConfig {
             max_rewinds: 5,
             skip_batches: Vec::new(),
             precision: Precision::Fp32,
+            loss_scale: LossScaleConfig::default(),
         }
     }
 }
@@ -908,6 +970,32 @@ impl Config {
                 "= \"bf16\" is carried by FSDP's reduce-scatter: set parallel.fsdp (\"optimizer\", \"grad_op\", \"full\" or \"hybrid\"); replicas all-reduce in f32".into(),
             );
         }
+        if let Err(weft_numerics::Error::InvalidConfig {
+            field,
+            value,
+            expected,
+        }) = weft_numerics::DynamicLossScaler::new(self.train.loss_scale.scaler())
+        {
+            let key = match field {
+                "init_scale" => "init",
+                "growth_factor" => "growth",
+                "backoff_factor" => "backoff",
+                "min_scale" => "min",
+                "max_scale" => "max",
+                f => f,
+            };
+            return bad(
+                &format!("train.loss_scale.{key}"),
+                format!(
+                    "= {value} is out of range: expected {} (train.loss_scale.min = {}, max = {})",
+                    expected
+                        .replace("min_scale", "train.loss_scale.min")
+                        .replace("max_scale", "train.loss_scale.max"),
+                    self.train.loss_scale.min,
+                    self.train.loss_scale.max
+                ),
+            );
+        }
         // With experts sharded over ep, FSDP shards over the expert group's
         // replicas: dp / ep ranks.
         let group = p.dp / p.ep;
@@ -1165,7 +1253,7 @@ mod tests {
             ("model.moe.gate=relu", "`softmax` or `sigmoid`"),
             ("model.moe.balance=loss", "`none`, `aux`, `bias`"),
             ("model.moe.drop=random", "`position` or `score`"),
-            ("train.precision=fp16", "`fp32` or `bf16`"),
+            ("train.precision=fp8", "`fp32`, `bf16`, `fp16`"),
         ] {
             let e = Config::load(None, &[set.into()]).unwrap_err().to_string();
             let key = set.split('=').next().unwrap();

@@ -197,6 +197,14 @@ impl Observer for Terminal {
                     "health step {step}: non-finite (loss {loss}, grad norm {grad_norm}): update skipped"
                 )
             }
+            HealthEvent::Overflow {
+                step,
+                loss,
+                scale,
+                next_scale,
+            } => format!(
+                "health step {step}: fp16 gradients overflowed at loss scale {scale} (loss {loss:.4}): update skipped, scale now {next_scale}"
+            ),
             HealthEvent::Spike {
                 step,
                 loss,

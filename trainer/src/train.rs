@@ -35,6 +35,7 @@ use std::time::Instant;
 use weft_collectives::{Communicator, CommunicatorExt, ReduceOp};
 use weft_kernels::{AdamW, Mode, Precision, matmul_forward};
 use weft_model::{FeedForward, GptConfig, Init, MicroBatch, MoeFfn, ParallelGpt, ParallelPlan};
+use weft_numerics::DynamicLossScaler;
 use weft_trace::MetricsRecord;
 
 pub use weft_model::RankMemory;
@@ -296,6 +297,19 @@ pub enum HealthEvent {
         loss: f64,
         /// The gradient norm.
         grad_norm: f64,
+    },
+    /// fp16 with dynamic loss scaling: the gradients of the loss times
+    /// `scale` overflowed, the update was skipped and the scale backed off
+    /// to `next_scale` (expected now and then: the scaler probes upwards).
+    Overflow {
+        /// Step (from 1).
+        step: u64,
+        /// The step's loss (finite: the forward did not overflow).
+        loss: f64,
+        /// The loss scale of the step's backward.
+        scale: f64,
+        /// The scale of the next step.
+        next_scale: f64,
     },
     /// The loss jumped above `factor` × the rolling median.
     Spike {
@@ -1103,6 +1117,10 @@ fn layout_name(config: &Config) -> String {
     };
     match config.train.precision {
         crate::config::Precision::Fp32 => ranks,
+        crate::config::Precision::Fp16 => format!(
+            "{ranks}, fp16 mixed precision (dynamic loss scale from {})",
+            config.train.loss_scale.init
+        ),
         p => format!("{ranks}, {} mixed precision", p.name()),
     }
 }
@@ -1298,6 +1316,7 @@ fn run_attempt(
     // layout); and the metrics lines up to the checkpoint.
     let mut kept_lines: Vec<String> = Vec::new();
     let mut start_step = 0;
+    let mut restored_scale = None;
     if resume {
         let found = if run_dir.is_dir() {
             Ok(())
@@ -1312,6 +1331,7 @@ fn run_attempt(
                     .map_err(TrainError::from),
             )?;
             start_step = restored.step;
+            restored_scale = restored.loss_scale;
             if start_step >= t.steps {
                 // nothing to train: the run's files stay as they are
                 return Err(TrainError::AlreadyFinished {
@@ -1363,6 +1383,25 @@ fn run_attempt(
     let mut last_saved = start_step;
     // Steps in a row whose update was skipped as non-finite.
     let mut nonfinite_run = 0u64;
+    // fp16: dynamic loss scaling, continued from the checkpoint's state
+    let mut scaler = match t.precision {
+        crate::config::Precision::Fp16 => {
+            let c = t.loss_scale.scaler();
+            let s = match restored_scale {
+                Some(state) => DynamicLossScaler::from_state(c, state),
+                None => DynamicLossScaler::new(c),
+            };
+            Some(s.map_err(|e| {
+                TrainError::Config(crate::config::ConfigError {
+                    origin: "config".into(),
+                    position: None,
+                    key: Some("train.loss_scale".into()),
+                    message: e.to_string(),
+                })
+            })?)
+        }
+        _ => None,
+    };
     let full_layout = model.whole_layout().clone();
     // Only the writer's logs reach the disk.
     let opened = (|| -> Result<BufWriter<Box<dyn Write>>, TrainError> {
@@ -1567,7 +1606,13 @@ fn run_attempt(
             })
             .collect();
         let in_step = Instant::now();
-        let out = model.train_step(&mbs, &hp, config.optim.grad_clip)?;
+        let loss_scale = scaler.as_ref().map(DynamicLossScaler::scale);
+        let out = model.train_step_scaled(
+            &mbs,
+            &hp,
+            config.optim.grad_clip,
+            loss_scale.unwrap_or(1.0),
+        )?;
         let in_step = in_step.elapsed().as_secs_f64();
         if let Some((name, values)) = poisoned {
             model.write_param(&name, &values)?;
@@ -1579,15 +1624,37 @@ fn run_attempt(
                 traffic_sum[5 + i] += tr.scalars.sent(a) as f64;
             }
         }
+        // fp16: an overflow backs the scale off; it counts towards a
+        // rewind only when that cannot help (the loss itself not finite, or
+        // the scale at its floor)
+        let mut scale_helps = false;
+        if let (Some(sc), Some(used)) = (scaler.as_mut(), loss_scale) {
+            sc.update(!applied);
+            scale_helps = !applied && loss.is_finite() && used > sc.config().min_scale;
+        }
         if !applied {
             skipped += 1;
-            let event = HealthEvent::Skipped {
-                step: step + 1,
-                loss,
-                grad_norm,
+            let (event, line) = match (loss_scale, &scaler) {
+                (Some(used), Some(sc)) if scale_helps => (
+                    HealthEvent::Overflow {
+                        step: step + 1,
+                        loss,
+                        scale: f64::from(used),
+                        next_scale: f64::from(sc.scale()),
+                    },
+                    serde_json::json!({ "step": step + 1, "event": "overflow", "loss": loss,
+                        "loss_scale": used, "next_loss_scale": sc.scale() }),
+                ),
+                _ => (
+                    HealthEvent::Skipped {
+                        step: step + 1,
+                        loss,
+                        grad_norm,
+                    },
+                    serde_json::json!({ "step": step + 1, "event": "skip", "loss": loss, "grad_norm": grad_norm }),
+                ),
             };
             observer.event(&event);
-            let line = serde_json::json!({ "step": step + 1, "event": "skip", "loss": loss, "grad_norm": grad_norm });
             write_line(&mut metrics, line.to_string())?;
         }
         let mut max_vio = None;
@@ -1630,7 +1697,11 @@ fn run_attempt(
             }
         }
         last_max_vio = max_vio;
-        nonfinite_run = if applied { 0 } else { nonfinite_run + 1 };
+        nonfinite_run = match (applied, scale_helps) {
+            (true, _) => 0,
+            (false, true) => nonfinite_run,
+            (false, false) => nonfinite_run + 1,
+        };
         // what makes a rewind, and the steps whose batches it leaves out
         let mut rewind: Option<(String, Vec<u64>)> = None;
         if t.rewind && nonfinite_run >= t.nonfinite_limit {
@@ -1855,6 +1926,7 @@ fn run_attempt(
             grad_norm,
             tokens_per_s: tps,
             time_s: start.elapsed().as_secs_f64(),
+            loss_scale: loss_scale.map(f64::from),
         };
         let line = serde_json::to_string(&record).unwrap_or_default();
         write_line(&mut metrics, line)?;
@@ -1925,6 +1997,7 @@ fn run_attempt(
                 step + 1,
                 &parts,
                 opt_step,
+                scaler.as_ref().map(DynamicLossScaler::state),
                 &cfg,
                 &dims.mesh_dims(),
             )?;

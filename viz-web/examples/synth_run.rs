@@ -57,6 +57,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             grad_norm: 1.0 / (1.0 + s / 50.0) + 0.2 * rng.next(),
             tokens_per_s: 1000.0 + 50.0 * rng.next(),
             time_s: s * 0.8,
+            loss_scale: None,
         };
         writeln!(m, "{}", serde_json::to_string(&r)?)?;
         if step == steps / 3 {
