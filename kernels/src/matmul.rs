@@ -1115,7 +1115,8 @@ mod tests {
                         usize,
                         Precision,
                     ) -> Result<()>;
-                    let kernels: [(&str, Full<T>, Input<T>, Weight<T>); 2] = [
+                    type Kernels<T> = (&'static str, Full<T>, Input<T>, Weight<T>);
+                    let kernels: [Kernels<T>; 2] = [
                         (
                             "backward",
                             matmul_backward,
