@@ -17,6 +17,7 @@ use weft_numerics::f16;
 
 use crate::Real;
 use crate::gemm::View;
+use crate::held::Held;
 
 /// `x` rounded to the nearest fp16 value (ties to even; subnormals kept;
 /// beyond fp16's largest finite value, 65504, infinity), as an `f64`.
@@ -128,7 +129,7 @@ thread_local! {
     /// Rounded copies of f32 operands, kept for the thread's next product
     /// (taken out while in use, so a product the pool runs inside another
     /// on the same thread allocates its own).
-    static COPIES: Cell<[Vec<f32>; 2]> = const { Cell::new([Vec::new(), Vec::new()]) };
+    static COPIES: Cell<[Held<f32>; 2]> = const { Cell::new([Held::new(), Held::new()]) };
 }
 
 /// The number of elements a view of `rows × cols` spans in its slice.
@@ -152,9 +153,9 @@ pub(crate) fn with_rounded<T: Real, R>(
     if let (Some(sa), Some(sb)) = (T::as_f32(&a.0.data[..la]), T::as_f32(&b.0.data[..lb])) {
         let [mut ca, mut cb] = COPIES.take();
         let r = {
-            let ra = sized(&mut ca, la);
+            let ra = ca.sized(la);
             round_f32(ra, sa);
-            let rb = sized(&mut cb, lb);
+            let rb = cb.sized(lb);
             round_f32(rb, sb);
             let (ra, rb) = (T::from_f32_slice(ra), T::from_f32_slice(rb));
             let (Some(ra), Some(rb)) = (ra, rb) else {
@@ -195,15 +196,6 @@ pub(crate) fn with_rounded<T: Real, R>(
             cs: b.0.cs,
         },
     )
-}
-
-/// The first `n` elements of `buf`, grown (never cleared: every element
-/// is written before it is read) to hold them.
-fn sized(buf: &mut Vec<f32>, n: usize) -> &mut [f32] {
-    if buf.len() < n {
-        buf.resize(n, 0.0);
-    }
-    &mut buf[..n]
 }
 
 #[cfg(test)]

@@ -48,6 +48,7 @@ use weft_numerics::bf16;
 
 use crate::error::{Error, Result, check};
 use crate::gemm::{View, column_split};
+use crate::held::Held;
 use crate::matmul::gemm_row_invariant;
 
 /// Rows of the `vdpbf16ps` micro-kernel's block of sums.
@@ -199,7 +200,7 @@ pub(crate) trait Operand: Copy + Send + Sync {
         rows: usize,
         cols: usize,
         columns_ok: bool,
-        buf: &'a mut Vec<bf16>,
+        buf: &'a mut Held<bf16>,
     ) -> View<'a, bf16>;
 }
 
@@ -212,7 +213,7 @@ impl Operand for bf16 {
         _: usize,
         _: usize,
         _: bool,
-        _: &'a mut Vec<bf16>,
+        _: &'a mut Held<bf16>,
     ) -> View<'a, bf16> {
         v
     }
@@ -232,19 +233,19 @@ impl Operand for f32 {
         rows: usize,
         cols: usize,
         columns_ok: bool,
-        buf: &'a mut Vec<bf16>,
+        buf: &'a mut Held<bf16>,
     ) -> View<'a, bf16> {
         if v.cs == 1 || (columns_ok && v.rs == 1) {
             let len = (rows - 1) * v.rs + (cols - 1) * v.cs + 1;
             round_to_bf16(buf, &v.data[..len]);
             return View {
-                data: &buf[..len],
+                data: buf.get(len),
                 rs: v.rs,
                 cs: v.cs,
             };
         }
         transpose_to_bf16(buf, v, rows, cols);
-        View::rows(&buf[..rows * cols], cols)
+        View::rows(buf.get(rows * cols), cols)
     }
 }
 
@@ -252,9 +253,9 @@ impl Operand for f32 {
 /// buffers; `vcvtneps2bf16` where the CPU has AVX512-BF16 (which treats
 /// subnormal inputs as zero: the instruction paths that read the result
 /// do so anyway).
-fn round_to_bf16(dst: &mut Vec<bf16>, src: &[f32]) {
+fn round_to_bf16(dst: &mut Held<bf16>, src: &[f32]) {
     const CHUNK: usize = 1 << 16;
-    sized(dst, src.len())
+    dst.sized(src.len())
         .par_chunks_mut(CHUNK)
         .zip(src.par_chunks(CHUNK))
         .for_each(|(d, s)| round_row(d, s));
@@ -278,10 +279,10 @@ fn round_row(d: &mut [bf16], s: &[f32]) {
 /// transposed in 16 × 16 tiles (each source row read along 64 values, so
 /// that a block touches few pages of a wide source such as the
 /// vocabulary's gradient).
-fn transpose_to_bf16(dst: &mut Vec<bf16>, v: View<'_, f32>, rows: usize, cols: usize) {
+fn transpose_to_bf16(dst: &mut Held<bf16>, v: View<'_, f32>, rows: usize, cols: usize) {
     const T: usize = 16;
     const R: usize = 64;
-    let out = sized(dst, rows * cols);
+    let out = dst.sized(rows * cols);
     out.par_chunks_mut(R * cols)
         .enumerate()
         .for_each(|(ib, out)| {
@@ -308,23 +309,14 @@ fn transpose_to_bf16(dst: &mut Vec<bf16>, v: View<'_, f32>, rows: usize, cols: u
         });
 }
 
-/// The first `n` elements of `buf`, grown (never cleared: every element
-/// is written before it is read) to hold them.
-fn sized(buf: &mut Vec<bf16>, n: usize) -> &mut [bf16] {
-    if buf.len() < n {
-        buf.resize(n, bf16::ZERO);
-    }
-    &mut buf[..n]
-}
-
 thread_local! {
     /// The AMX path's packed operands, kept for the thread's next block
     /// (taken out while in use).
-    static PACKED: std::cell::Cell<[Vec<u16>; 2]> = const { std::cell::Cell::new([Vec::new(), Vec::new()]) };
+    static PACKED: std::cell::Cell<[Held<u16>; 2]> = const { std::cell::Cell::new([Held::new(), Held::new()]) };
     /// Rounded copies of f32 operands, kept for the thread's next product
     /// (taken out while in use, so a product the pool runs inside another
     /// on the same thread just allocates its own).
-    static ROUNDED: std::cell::Cell<[Vec<bf16>; 2]> = const { std::cell::Cell::new([Vec::new(), Vec::new()]) };
+    static ROUNDED: std::cell::Cell<[Held<bf16>; 2]> = const { std::cell::Cell::new([Held::new(), Held::new()]) };
 }
 
 /// `out (m×n, row-major) = [out +] op(a) · op(b)` with every element of
@@ -554,11 +546,11 @@ unsafe fn amx_block(
     let kp = k.div_ceil(2).next_multiple_of(PA);
     let panels = n.div_ceil(NR);
     let mc_max = MCA.min(m).next_multiple_of(MA);
-    let [mut bp, mut ap] = PACKED.take();
-    bp.resize(panels * NR * 2 * kp, 0);
-    ap.resize(mc_max * 2 * kp, 0);
+    let [mut bpk, mut apk] = PACKED.take();
+    let bp = bpk.sized(panels * NR * 2 * kp);
+    let ap = apk.sized(mc_max * 2 * kp);
     let mut sums = [0f32; MA * NR];
-    pack_b(&mut bp, b, k, j0, n, 0, kp);
+    pack_b(bp, b, k, j0, n, 0, kp);
     // SAFETY: the caller vouched for AMX; the configuration describes the
     // eight 16 × 64-byte tiles the kernel uses.
     unsafe { amx::configure() };
@@ -566,7 +558,7 @@ unsafe fn amx_block(
     for i0 in (0..m).step_by(MCA) {
         let mc = MCA.min(m - i0);
         let mcp = mc.next_multiple_of(MA);
-        pack_rows(&mut ap, a, k, i0, mc, mcp, 0, kp);
+        pack_rows(ap, a, k, i0, mc, mcp, 0, kp);
         for pj in 0..panels {
             let nc = NR.min(n - pj * NR);
             let bpanel = &bp[pj * NR * 2 * kp..(pj + 1) * NR * 2 * kp];
@@ -612,7 +604,7 @@ unsafe fn amx_block(
             }
         }
     }
-    PACKED.set([bp, ap]);
+    PACKED.set([bpk, apk]);
     // SAFETY: the tiles were configured above.
     unsafe { amx::release() };
 }

@@ -63,6 +63,22 @@ fn with_floor(loss: f64, floor: Option<f64>) -> String {
     }
 }
 
+/// What a precision stores and computes, per parameter: the dtypes of
+/// the memory report's categories (which count the same buffers).
+fn precision_line(p: weft_trainer::config::Precision) -> String {
+    use weft_trainer::config::Precision;
+    let n = match p {
+        Precision::Fp32 => {
+            return "fp32 products; 16 B per parameter: f32 weights 4, gradients 4, AdamW moments 8; activations f32".into();
+        }
+        Precision::Bf16 => "bf16",
+        Precision::Fp16 => "fp16",
+    };
+    format!(
+        "{n} products (operands rounded to {n}, f32 accumulation); 16 B per parameter: f32 weights 4 (the masters: products read them as {n}, no {n} copy is kept), f32 gradients 4, f32 AdamW moments 8; activations f32; the rounded operand copies come on top (reported at the end)"
+    )
+}
+
 impl Observer for Terminal {
     fn start(&mut self, info: &RunInfo) {
         self.steps = info.steps;
@@ -114,6 +130,10 @@ impl Observer for Terminal {
                 info.predicted_memory
             ));
         }
+        say(&format!(
+            "precision       {}",
+            precision_line(info.precision)
+        ));
         if info.coords.len() > 1 {
             say(&format!("mesh            {}", info.mesh));
             for c in &info.coords {
@@ -262,6 +282,12 @@ impl Observer for Terminal {
             si(s.flops_per_s),
             100.0 * s.utilisation
         ));
+        if s.operand_copy_bytes > 0 {
+            say(&format!(
+                "operand copies  {}B held by the mixed-precision products' threads (rounded operands kept for the next product; on top of the per-rank memory above)",
+                si(s.operand_copy_bytes as f64)
+            ));
+        }
         if let Some(b) = s.pipeline_bubble {
             say(&format!(
                 "pipeline        {} bubble {:.1}% per step measured, {:.1}% predicted by the simulator from the measured costs (trace.json)",

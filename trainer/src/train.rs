@@ -401,6 +401,11 @@ pub struct Summary {
     /// all-gather, activations point to point); `weft-model`'s
     /// `tests/measured.rs` checks them layout by layout.
     pub traffic_per_step: Option<StepTraffic>,
+    /// Mixed precision: bytes this process's threads hold at the end in
+    /// the products' rounded operand copies
+    /// ([`weft_kernels::operand_copy_bytes`]; every rank of a thread job
+    /// together), which the memory report does not count; 0 in fp32.
+    pub operand_copy_bytes: usize,
 }
 
 /// Bytes per step of a run, by parallel axis ([`Summary::traffic_per_step`]).
@@ -2059,6 +2064,7 @@ fn run_attempt(
             payload: axis(0),
             scalars: axis(5),
         }),
+        operand_copy_bytes: weft_kernels::operand_copy_bytes(),
     };
     if !step_bubbles.is_empty() {
         bubble_other_data(

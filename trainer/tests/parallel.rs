@@ -275,6 +275,8 @@ fn fp16_backs_its_loss_scale_off_on_overflow_and_resumes_it() {
     assert_eq!(one.skipped_steps, overflows.len() as u64);
     assert!(one.skipped_steps < 5, "the scale came down: {s:?}");
     assert!(one.final_train_loss.is_finite());
+    // the fp16 copies of the operands are kept, counted and reported
+    assert!(one.operand_copy_bytes > 0);
     let sharded: Vec<&str> = fp16
         .iter()
         .copied()

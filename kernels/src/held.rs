@@ -1,0 +1,68 @@
+//! Buffers the kernels keep from call to call on a thread — the mixed
+//! precision products' rounded and packed operand copies — counted, so
+//! that what they hold can be reported ([`operand_copy_bytes`]).
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+/// Bytes every thread's [`Held`] buffers hold together.
+static HELD: AtomicUsize = AtomicUsize::new(0);
+
+/// Bytes held now, over every thread of the process, by the buffers the
+/// mixed-precision products keep for the next call: rounded copies of
+/// their operands (bf16, or fp16 values in f32) on each calling thread
+/// and, on the AMX path, packed tiles on each pool thread. They grow to
+/// the largest operands a thread has multiplied (a language-model head's
+/// logits gradient is the largest: `2·B·T·V` bytes in bf16, `4·B·T·V` for
+/// fp16) and are freed when their thread ends; 0 when only f32 products
+/// ran. The model's memory report ([`RankMemory`]) does not include them:
+/// this is where a trainer reads them.
+///
+/// [`RankMemory`]: https://docs.rs/weft-model/latest/weft_model/struct.RankMemory.html
+pub fn operand_copy_bytes() -> usize {
+    HELD.load(Ordering::Relaxed)
+}
+
+/// A growable buffer whose capacity is counted in [`operand_copy_bytes`].
+#[derive(Debug)]
+pub(crate) struct Held<T>(Vec<T>);
+
+impl<T> Held<T> {
+    /// An empty buffer (nothing counted).
+    pub(crate) const fn new() -> Self {
+        Held(Vec::new())
+    }
+
+    fn bytes(&self) -> usize {
+        self.0.capacity() * size_of::<T>()
+    }
+}
+
+impl<T: Copy + Default> Held<T> {
+    /// The first `n` elements, the buffer grown to hold them (never
+    /// cleared or shrunk: every element is written before it is read).
+    pub(crate) fn sized(&mut self, n: usize) -> &mut [T] {
+        if self.0.len() < n {
+            let before = self.bytes();
+            self.0.resize(n, T::default());
+            HELD.fetch_add(self.bytes() - before, Ordering::Relaxed);
+        }
+        &mut self.0[..n]
+    }
+
+    /// The first `n` elements (written by an earlier [`sized`](Self::sized)).
+    pub(crate) fn get(&self, n: usize) -> &[T] {
+        &self.0[..n]
+    }
+}
+
+impl<T> Default for Held<T> {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl<T> Drop for Held<T> {
+    fn drop(&mut self) {
+        HELD.fetch_sub(self.bytes(), Ordering::Relaxed);
+    }
+}
