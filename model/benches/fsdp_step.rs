@@ -74,6 +74,7 @@ fn bench(
         .build(&comm)?;
         let plan = ParallelPlan {
             precision: weft_kernels::Precision::F32,
+            grad_wire: weft_collectives::Dtype::F32,
             fsdp: fc.cloned(),
             pipeline: None,
             batch: b,

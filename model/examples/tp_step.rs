@@ -60,6 +60,7 @@ fn main() -> anyhow::Result<()> {
                 .build(&comm)?;
                 let plan = ParallelPlan {
                     precision: weft_kernels::Precision::F32,
+                    grad_wire: weft_collectives::Dtype::F32,
                     fsdp: None,
                     pipeline: None,
                     batch: B,

@@ -71,6 +71,11 @@ pub struct ParallelPlan {
     /// precision — bf16 operands, f32 accumulation, f32 master weights,
     /// gradients and moments.
     pub precision: Precision,
+    /// The dtype of gradients between data-parallel replicas (the
+    /// reducer's, [`GradReducer::with_wire`]): `F32`, or `BF16` for half
+    /// the bytes. A sharded (FSDP) stage uses its own
+    /// `FsdpConfig::precision.reduce` instead.
+    pub grad_wire: weft_collectives::Dtype,
 }
 
 /// Where a parallel model's initial parameters come from.
@@ -270,6 +275,12 @@ impl ParallelGpt {
                 split,
                 shard,
                 experts,
+                // the reducer's bf16 buckets beside the f32 ones
+                if plan.grad_wire == weft_collectives::Dtype::BF16 {
+                    2
+                } else {
+                    0
+                },
             )?;
         }
         Ok(total)
@@ -316,7 +327,9 @@ impl ParallelGpt {
             }
             match &plan.fsdp {
                 Some(cfg) => st.shard(&mesh, cfg.clone())?,
-                None => st.set_reducer(GradReducer::new(st.layout(), plan.reproducible))?,
+                None => st.set_reducer(
+                    GradReducer::new(st.layout(), plan.reproducible).with_wire(plan.grad_wire)?,
+                )?,
             }
             stages.push(st);
         }

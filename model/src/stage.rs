@@ -1060,7 +1060,8 @@ impl GptStage {
     /// (`fsdp: None`) or [sharded](Self::shard) over `shard` ranks with
     /// `fsdp`, will hold, by category — computed from the sizes alone,
     /// nothing allocated. `experts`: the experts are sharded over an
-    /// expert group.
+    /// expert group. `wire_bytes`: bytes per gradient of the reducer's
+    /// extra buckets (2 for a bf16 wire, else 0).
     ///
     /// # Errors
     /// As [`new`](Self::new); [`Error::Config`] if a size overflows;
@@ -1075,6 +1076,7 @@ impl GptStage {
         split: bool,
         fsdp: Option<(&weft_fsdp::FsdpConfig, usize)>,
         experts: bool,
+        wire_bytes: usize,
     ) -> Result<RankMemory> {
         use crate::blocks::{product, sum};
         let pieces = Pieces::plan(blocks, spec)?;
@@ -1127,10 +1129,17 @@ impl GptStage {
                 r.params = bytes("the parameters", sum("the parameters", &[n, tied_copy])?)?;
                 r.grads = bytes("the gradients", n)?;
                 r.optimizer = bytes("the AdamW moments", product("the AdamW moments", &[2, n])?)?;
-                // the reducer's buckets hold every gradient once
-                r.comm = bytes(
+                // the reducer's buckets hold every gradient once (and
+                // once more in bf16 for a bf16 wire)
+                r.comm = sum(
                     "the communication buffers",
-                    sum("the communication buffers", &[exchange, n])?,
+                    &[
+                        bytes(
+                            "the communication buffers",
+                            sum("the communication buffers", &[exchange, n])?,
+                        )?,
+                        product("the bf16 buckets", &[n, wire_bytes])?,
+                    ],
                 )?;
             }
             Some((cfg, shard)) => {

@@ -186,6 +186,7 @@ fn run(layout: Layout, moe: bool) -> Run {
         });
         let plan = ParallelPlan {
             precision: layout.precision,
+            grad_wire: weft_collectives::Dtype::F32,
             fsdp: layout.fsdp.map(|strategy| FsdpConfig {
                 strategy,
                 hybrid_shard: 2.min(dims.dp / dims.ep),

@@ -71,6 +71,7 @@ fn model(
     .build(comm)?;
     let plan = ParallelPlan {
         precision: weft_kernels::Precision::F32,
+        grad_wire: weft_collectives::Dtype::F32,
         reproducible: fsdp.as_ref().is_none_or(|f| f.reproducible),
         fsdp,
         pipeline: None,

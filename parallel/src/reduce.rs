@@ -5,6 +5,7 @@ use std::ops::Range;
 
 use weft_collectives::repro::ExactPartial;
 use weft_collectives::{CommunicatorExt, ReduceOp};
+use weft_numerics::{Dtype, bf16};
 
 use crate::error::Result;
 use crate::layout::ParamLayout;
@@ -40,6 +41,8 @@ struct Part {
     /// finishes per micro-batch), of this part's elements inside it.
     partials: BTreeMap<(usize, usize), ExactPartial>,
     buf: Vec<f32>,
+    /// The bucket in bf16, for a bf16 wire in plain mode (allocated once).
+    wire: Vec<bf16>,
 }
 
 /// The elements of `ranges` inside `window`, as ranges of the buffer.
@@ -100,6 +103,7 @@ pub struct GradReducer {
     parts: Vec<Part>,
     exact: bool,
     len: usize,
+    wire: Dtype,
 }
 
 impl GradReducer {
@@ -125,20 +129,57 @@ impl GradReducer {
                 group,
                 ranges,
                 partials: BTreeMap::new(),
+                wire: Vec::new(),
             })
             .collect();
         GradReducer {
             parts,
             exact,
             len: layout.len(),
+            wire: Dtype::F32,
         }
+    }
+
+    /// This reducer with gradients shipped as `wire` between ranks: `F32`
+    /// (the default) or `BF16`, half the bytes — in plain mode the
+    /// buckets are rounded to bf16 and all-reduced as bf16 (each addition
+    /// in f32, rounded once: the collectives' rule), in the reproducible
+    /// mode the exact mean is rounded to bf16 once (so any layout still
+    /// gives the same bits, and FSDP's bf16 reduction's). The plain mode's
+    /// bf16 buckets are allocated here (2 bytes per gradient, counted by
+    /// [`buffer_bytes`](Self::buffer_bytes)).
+    ///
+    /// # Errors
+    /// [`Error::Layout`](crate::Error::Layout) for another dtype.
+    pub fn with_wire(mut self, wire: Dtype) -> Result<Self> {
+        if !matches!(wire, Dtype::F32 | Dtype::BF16) {
+            return Err(crate::error::layout_err(
+                "gradients on the wire",
+                format!("must be f32 or bf16, not {wire:?}"),
+            ));
+        }
+        self.wire = wire;
+        if wire == Dtype::BF16 {
+            for p in &mut self.parts {
+                p.wire = Vec::with_capacity(p.buf.capacity());
+            }
+        }
+        Ok(self)
+    }
+
+    /// The dtype of gradients between ranks (see [`with_wire`](Self::with_wire)).
+    pub fn wire(&self) -> Dtype {
+        self.wire
     }
 
     /// Bytes of the buckets the gradients pass through to be summed (one
     /// float per gradient; the reproducible mode's exact partial sums come
     /// on top, sized by the values).
     pub fn buffer_bytes(&self) -> usize {
-        self.parts.iter().map(|p| 4 * p.buf.capacity()).sum()
+        self.parts
+            .iter()
+            .map(|p| 4 * p.buf.capacity() + 2 * p.wire.capacity())
+            .sum()
     }
 
     /// Whether the sums are exact.
@@ -215,16 +256,38 @@ impl GradReducer {
                 for (&(a, b), partial) in &mut part.partials {
                     let inside = within(&part.ranges, &(a..b));
                     part.buf.resize(partial.len(), 0.0);
-                    match comm {
-                        Some(c) => c.all_reduce_exact_div(partial, &mut part.buf, m as u64)?,
-                        None => partial.div_to(&mut part.buf, m as u64)?,
+                    if self.wire == Dtype::BF16 {
+                        // the exact mean rounded straight to bf16, once
+                        part.wire.resize(partial.len(), bf16::ZERO);
+                        match comm {
+                            Some(c) => c.all_reduce_exact_div(partial, &mut part.wire, m as u64)?,
+                            None => partial.div_to(&mut part.wire, m as u64)?,
+                        }
+                        for (g, w) in part.buf.iter_mut().zip(&part.wire) {
+                            *g = w.to_f32();
+                        }
+                    } else {
+                        match comm {
+                            Some(c) => c.all_reduce_exact_div(partial, &mut part.buf, m as u64)?,
+                            None => partial.div_to(&mut part.buf, m as u64)?,
+                        }
                     }
                     scatter(&inside, &part.buf, grads);
                     partial.clear();
                 }
             } else {
                 gather(&part.ranges, grads, &mut part.buf);
-                if let Some(c) = comm {
+                if self.wire == Dtype::BF16 {
+                    part.wire.clear();
+                    part.wire
+                        .extend(part.buf.iter().map(|&g| bf16::from_f32(g)));
+                    if let Some(c) = comm {
+                        c.all_reduce(&mut part.wire, ReduceOp::Sum)?;
+                    }
+                    for (g, w) in part.buf.iter_mut().zip(&part.wire) {
+                        *g = w.to_f32();
+                    }
+                } else if let Some(c) = comm {
                     c.all_reduce(&mut part.buf, ReduceOp::Sum)?;
                 }
                 if m > 1 {
@@ -247,6 +310,63 @@ mod tests {
         (0..n)
             .map(|i| (((i * 31 + seed * 17) % 97) as f32 - 48.0) * 1e-3 * (1 + i % 5) as f32)
             .collect()
+    }
+
+    /// A bf16 wire: exact sums rounded to bf16 once, the same bits on any
+    /// number of ranks; plain sums all-reduced in bf16, within bf16's
+    /// rounding of the f32 wire and not equal to it.
+    #[test]
+    fn a_bf16_wire_rounds_exact_sums_once_and_halves_the_plain_buckets() {
+        let mut b = LayoutBuilder::new(Coords::SINGLE);
+        b.push("a", &[300], true, Placements::REPLICATED).unwrap();
+        let layout = b.finish().unwrap();
+        let m = 4;
+        let run = |ranks: usize, exact: bool, wire: Dtype| -> Vec<f32> {
+            let dims = ParallelDims {
+                dp: ranks,
+                ..ParallelDims::SINGLE
+            };
+            let out = LocalCluster::run(ranks, |comm| {
+                let mesh = dims.build(&comm)?;
+                let mut r = GradReducer::new(&layout, exact).with_wire(wire)?;
+                let plain_bytes = 4 * 300 + if wire == Dtype::F32 { 0 } else { 2 * 300 };
+                assert_eq!(r.buffer_bytes(), plain_bytes);
+                let mut g = vec![0.0; 300];
+                for k in (comm.rank()..m).step_by(ranks) {
+                    let x = grads(k, 300);
+                    if exact {
+                        g.copy_from_slice(&x);
+                        r.add_all(&mut g)?;
+                    } else {
+                        g.iter_mut().zip(&x).for_each(|(a, b)| *a += b);
+                    }
+                }
+                r.finish(&mut g, Some(&mesh), m)?;
+                Ok::<_, crate::Error>(g)
+            })
+            .unwrap();
+            out.into_iter().next().unwrap().unwrap()
+        };
+        let exact32 = run(1, true, Dtype::F32);
+        let want = run(1, true, Dtype::BF16);
+        assert_eq!(run(2, true, Dtype::BF16), want);
+        assert_eq!(run(4, true, Dtype::BF16), want);
+        for (a, b) in exact32.iter().zip(&want) {
+            assert_eq!(*b, bf16::from_f32(*a).to_f32(), "one rounding ({a})");
+        }
+        let (p32, p16) = (run(2, false, Dtype::F32), run(2, false, Dtype::BF16));
+        assert_ne!(p32, p16);
+        // each rank's sum and the total rounded to bf16 (2⁻⁹ relative each,
+        // against the largest gradient: sums cancel)
+        let scale = p32.iter().fold(0f32, |s, g| s.max(g.abs()));
+        for (a, b) in p32.iter().zip(&p16) {
+            assert!((a - b).abs() <= 4.0 * 2f32.powi(-9) * scale, "{a} vs {b}");
+        }
+        assert!(
+            GradReducer::new(&layout, true)
+                .with_wire(Dtype::F16)
+                .is_err()
+        );
     }
 
     #[test]

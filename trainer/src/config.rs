@@ -95,8 +95,8 @@ pub struct ParallelConfig {
     /// The dtype gradients travel in between data-parallel ranks: `"f32"`,
     /// or `"bf16"` (half the bytes; every addition is still computed in
     /// f32 and rounded once, and the reproducible sums stay exact before
-    /// their one rounding). `"bf16"` needs `parallel.fsdp` (its
-    /// reduce-scatter carries them).
+    /// their one rounding): FSDP's reduce-scatter, or the replicas'
+    /// all-reduce.
     pub grad_wire: GradWire,
     /// How the ranks run: `"auto"` (MPI processes when started by `mpirun`
     /// or `srun`, else threads), `"threads"` (threads of this process),
@@ -125,6 +125,14 @@ impl GradWire {
         match self {
             GradWire::F32 => "f32",
             GradWire::Bf16 => "bf16",
+        }
+    }
+
+    /// The collectives' dtype.
+    pub fn dtype(self) -> weft_numerics::Dtype {
+        match self {
+            GradWire::F32 => weft_numerics::Dtype::F32,
+            GradWire::Bf16 => weft_numerics::Dtype::BF16,
         }
     }
 }
@@ -962,12 +970,6 @@ impl Config {
                     "must divide parallel.dp = {} (experts are sharded over data-parallel ranks; got {})",
                     p.dp, p.ep
                 ),
-            );
-        }
-        if p.grad_wire == GradWire::Bf16 && p.fsdp == FsdpMode::None && p.dp > 1 {
-            return bad(
-                "parallel.grad_wire",
-                "= \"bf16\" is carried by FSDP's reduce-scatter: set parallel.fsdp (\"optimizer\", \"grad_op\", \"full\" or \"hybrid\"); replicas all-reduce in f32".into(),
             );
         }
         if let Err(weft_numerics::Error::InvalidConfig {

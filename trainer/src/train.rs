@@ -677,10 +677,7 @@ fn plan(config: &Config, cfg: &GptConfig) -> Result<ParallelPlan, TrainError> {
             // operands to bf16 themselves in bf16 mixed precision, and the
             // layernorms and biases stay f32
             param: weft_numerics::Dtype::F32,
-            reduce: match p.grad_wire {
-                crate::config::GradWire::F32 => weft_numerics::Dtype::F32,
-                crate::config::GradWire::Bf16 => weft_numerics::Dtype::BF16,
-            },
+            reduce: p.grad_wire.dtype(),
         },
         ..weft_fsdp::FsdpConfig::default()
     });
@@ -697,6 +694,7 @@ fn plan(config: &Config, cfg: &GptConfig) -> Result<ParallelPlan, TrainError> {
             ..Default::default()
         },
         precision: config.train.precision.kernels(),
+        grad_wire: p.grad_wire.dtype(),
     })
 }
 
