@@ -9,10 +9,12 @@
 //! from `model/reference/bench_torch.py`; `model/reference/bench_compare.sh`
 //! runs both in one go and prints the ratios.
 //!
-//! `cargo bench -p weft-model --bench train_step -- [a|b]... [--steps N] [--mode invariant|throughput] [--precision fp32|bf16|both] [--peak]`
+//! `cargo bench -p weft-model --bench train_step -- [a|b]... [--steps N] [--mode invariant|throughput] [--precision fp32|bf16|fp16|both|all] [--peak]`
 //!
 //! `--precision both` runs each configuration in fp32 and in bf16 mixed
-//! precision side by side (alternating rows) and prints the ratio.
+//! precision side by side (alternating rows) and prints the ratio; `all`
+//! adds fp16 (operands rounded to fp16, f32 products: the cost of the
+//! rounding; the step's loss is not scaled, which changes no timing).
 //!
 //! Tokens/s use the best (shortest) of the timed steps; the mean is shown
 //! too. The last column divides the achieved GFLOP/s by the FMA peak
@@ -112,7 +114,9 @@ fn main() {
             "--precision" => {
                 precisions = match args.get(i + 1).map(String::as_str) {
                     Some("bf16") => vec![Precision::Bf16],
+                    Some("fp16") => vec![Precision::F16],
                     Some("both") => vec![Precision::F32, Precision::Bf16],
+                    Some("all") => vec![Precision::F32, Precision::Bf16, Precision::F16],
                     _ => vec![Precision::F32],
                 };
                 i += 1;

@@ -2,7 +2,7 @@
 # Runs weft's train_step bench and the PyTorch baseline back to back on the
 # same machine with the same thread count, then prints tokens/s ratios.
 #
-#   PYTHON=/path/to/venv/bin/python model/reference/bench_compare.sh [a|b]... [--steps N] [--precision fp32|bf16|both]
+#   PYTHON=/path/to/venv/bin/python model/reference/bench_compare.sh [a|b]... [--steps N] [--precision fp32|bf16|fp16|both|all]
 #
 # Tokens/s are from the best timed step of each (the least disturbed on a
 # shared machine). REPEAT=N (default 1) alternates the two N times and

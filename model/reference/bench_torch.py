@@ -2,12 +2,13 @@
 transformers' GPT2LMHeadModel (dropout 0, default attention implementation), AdamW, on the
 CPU with the same thread count.
 
-    python model/reference/bench_torch.py [a|b]... [--steps N] [--threads N] [--precision fp32|bf16|both]
+    python model/reference/bench_torch.py [a|b]... [--steps N] [--threads N] [--precision fp32|bf16|fp16|both|all]
 
 bf16 is PyTorch's CPU mixed precision: the forward and the loss under
 `torch.autocast("cpu", dtype=torch.bfloat16)` (bf16 matrix products on
 oneDNN: AMX or AVX512-BF16 where the CPU has them), f32 master weights
-and the same AdamW.
+and the same AdamW; fp16 the same with `dtype=torch.float16` (no loss
+scaling: timing only).
 
 Prints a table in the same format as `cargo bench -p weft-model --bench
 train_step`, counting FLOPs the same way (6·N per token, N = all
@@ -33,10 +34,12 @@ def main():
     ap.add_argument("cases", nargs="*", default=["a", "b"])
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--precision", choices=["fp32", "bf16", "both"], default="fp32")
+    ap.add_argument("--precision", choices=["fp32", "bf16", "fp16", "both", "all"], default="fp32")
     ap.add_argument("--mode", default=None, help="accepted for weft's bench's flags; ignored")
     args = ap.parse_args()
-    precisions = ["fp32", "bf16"] if args.precision == "both" else [args.precision]
+    precisions = {"both": ["fp32", "bf16"], "all": ["fp32", "bf16", "fp16"]}.get(
+        args.precision, [args.precision]
+    )
     torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, threads: {torch.get_num_threads()}, steps: {args.steps} (after 1 warm-up)")
     print("| config | precision | params | B | T | best s/step | mean s/step | tokens/s | GFLOP/s |")
@@ -53,7 +56,8 @@ def main():
 
         def step():
             opt.zero_grad(set_to_none=True)
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+            dtype = torch.float16 if precision == "fp16" else torch.bfloat16
+            with torch.autocast("cpu", dtype=dtype, enabled=precision != "fp32"):
                 logits = model(x).logits
                 loss = F.cross_entropy(logits.reshape(-1, cfg.vocab_size), y.reshape(-1))
             loss.backward()
