@@ -24,15 +24,24 @@ use crate::held::Held;
 /// `half`'s `f16::from_f64` is not used: it rounds through the upper bits
 /// only, like its bf16 conversion.
 pub(crate) fn round_f64(x: f64) -> f64 {
+    // fp16 keeps 11 significant bits; below its normal range (2⁻¹⁴) its
+    // spacing is fixed at 2⁻²⁴.
+    round_to_format(x, 11, -14, 65504.0)
+}
+
+/// `x` rounded to the nearest value (ties to even) of a binary format
+/// with `bits` significant bits, smallest normal exponent `min_exp`
+/// (fixed spacing below it: subnormals) and largest finite value `max`
+/// (beyond which infinity), as an `f64`: the reference the 16-bit
+/// products' conversions are checked against.
+pub(crate) fn round_to_format(x: f64, bits: i32, min_exp: i32, max: f64) -> f64 {
     if x == 0.0 || !x.is_finite() {
         return x;
     }
-    // fp16 keeps 11 significant bits; below its normal range (2⁻¹⁴) its
-    // spacing is fixed at 2⁻²⁴.
     let e = ((x.to_bits() >> 52) & 0x7ff) as i32 - 1023;
-    let ulp = 2f64.powi(e.max(-14) - 10);
+    let ulp = 2f64.powi(e.max(min_exp) - (bits - 1));
     let r = (x / ulp).round_ties_even() * ulp;
-    if r.abs() > 65504.0 {
+    if r.abs() > max {
         r.signum() * f64::INFINITY
     } else {
         r

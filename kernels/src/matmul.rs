@@ -698,19 +698,9 @@ fn product<T: Real>(
 /// `x` rounded to the nearest bf16, ties to even, as an `f64` (`half`'s
 /// `bf16::from_f64` decides ties on the upper half of the bits only).
 fn round_bf16(x: f64) -> f64 {
-    if x == 0.0 || !x.is_finite() {
-        return x;
-    }
     // bf16 keeps 8 significant bits; below f32's normal range its
     // spacing is fixed at 2⁻¹³³.
-    let e = ((x.to_bits() >> 52) & 0x7ff) as i32 - 1023;
-    let ulp = 2f64.powi(e.max(-126) - 7);
-    let r = (x / ulp).round_ties_even() * ulp;
-    if r.abs() > f64::from(bf16::MAX.to_f32()) {
-        r.signum() * f64::INFINITY
-    } else {
-        r
-    }
+    fp16::round_to_format(x, 8, -126, f64::from(bf16::MAX.to_f32()))
 }
 
 /// `db (OC) += Σ_rows dout (rows, OC)`, split over the rayon pool by
