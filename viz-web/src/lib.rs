@@ -20,6 +20,9 @@
 //! * [`expert::ExpertLoad`] — the steps × experts matrices, max/mean and
 //!   MaxVio curves, and the heatmap as a BMP image.
 //! * [`chart`] — line charts downsampled to pixel columns (spikes kept).
+//! * [`compare`] — runs side by side: curves aligned by step, their
+//!   per-step difference, Welch's interval for groups of seeds and the
+//!   verdict (`weft compare` prints the same figures).
 //! * [`run::Run`] — the page's state: one slot per run file.
 //! * [`app::App`] — the yew components (rendered natively with yew's SSR in
 //!   the tests).
@@ -52,6 +55,7 @@
 
 pub mod app;
 pub mod chart;
+pub mod compare;
 pub mod error;
 pub mod expert;
 pub mod load;
