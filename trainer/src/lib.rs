@@ -31,6 +31,10 @@
 //! * [`chaos`]: `weft chaos`, trials of seeded random faults under
 //!   supervision, each checked for detection, recovery and the bits of
 //!   the fault-free run.
+//! * [`compare`]: `weft compare`, runs (or groups of seeds) against a
+//!   baseline: configuration differences, aligned curves and their
+//!   per-step difference, final figures and a verdict with a confidence
+//!   interval.
 //! * [`sample`]: `weft sample`, generation from a run's last checkpoint
 //!   with the model's key/value-cache decoder.
 //!
@@ -92,6 +96,7 @@
 
 pub mod chaos;
 pub mod ckpt;
+pub mod compare;
 pub mod config;
 pub mod data;
 pub mod ranks;

@@ -161,6 +161,12 @@ enum Command {
         /// batch through more gradient accumulation.
         #[arg(long)]
         shrink: bool,
+        /// Train the job N times, with train.seed = SEED, SEED + 1, ...
+        /// (initialization and data order; the corpus stays the same),
+        /// into `<run.dir>/<run.name>/seed-<S>/`: a group of seeds that
+        /// `weft compare` takes as one, with error bars.
+        #[arg(long, value_name = "N")]
+        seeds: Option<u64>,
     },
     /// Generate from the last saved weights of a run folder. Decodes
     /// incrementally with a key/value cache whose logits are bitwise the
@@ -234,6 +240,36 @@ enum Command {
         /// Run every job under a launcher, e.g. --launch 'mpirun -np {n}'.
         #[arg(long, value_name = "COMMAND")]
         launch: Option<String>,
+    },
+    /// Compare runs with a baseline (the first): configuration
+    /// differences, training and validation loss aligned by step (or by
+    /// tokens), their per-step difference (largest, mean, first differing
+    /// step, bitwise-equal span), final loss and its gap to the floor,
+    /// throughput, memory, pipeline bubble, MaxVio, health events, and a
+    /// verdict: bitwise identical, equal within --tolerance, better or
+    /// worse by X ± Y (Welch's 95% interval over seeds), or not
+    /// distinguishable. A folder of runs (as `weft train --seeds N` writes)
+    /// counts as one group of seeds.
+    Compare {
+        /// Run folders or folders of seed runs; the first is the baseline.
+        #[arg(required = true, num_args = 2..)]
+        runs: Vec<PathBuf>,
+        /// Print the comparison as JSON.
+        #[arg(long)]
+        json: bool,
+        /// Also write SVG plots (loss.svg, loss_diff.svg, val_loss.svg)
+        /// into this folder.
+        #[arg(long, value_name = "DIR")]
+        plot: Option<PathBuf>,
+        /// Call runs whose curves and final figures differ by at most this
+        /// much "equal within tolerance" (default: only bitwise identity
+        /// is equal).
+        #[arg(long, value_name = "T")]
+        tolerance: Option<f64>,
+        /// The figure the verdict is on: val_loss (the last evaluation) or
+        /// train_loss (mean over the last tenth of the steps).
+        #[arg(long, default_value = "val_loss")]
+        metric: weft_trainer::compare::Metric,
     },
     /// Mixture-of-experts tools.
     Moe {
@@ -314,9 +350,28 @@ fn run(cli: Cli) -> Result<()> {
             hostfile,
             spares,
             shrink,
+            seeds,
         } => {
             // the first Ctrl-C (or SIGTERM) saves and stops; a second stops
             weft_trainer::stop::install().context("installing the signal handlers")?;
+            if let Some(n) = seeds {
+                if n == 0 {
+                    anyhow::bail!("--seeds 0: give at least one seed");
+                }
+                let with = [
+                    (supervise, "--supervise"),
+                    (resume.is_some(), "--resume"),
+                    (
+                        weft_trainer::ranks::LauncherEnv::detect().is_some(),
+                        "a launcher (mpirun)",
+                    ),
+                ];
+                if let Some((_, what)) = with.iter().find(|w| w.0) {
+                    anyhow::bail!(
+                        "--seeds cannot be combined with {what}: run one `weft train` per seed (--set train.seed=S --set run.name=seed-S) instead"
+                    );
+                }
+            }
             if supervise {
                 let seconds = |what: &str, s: f64| {
                     std::time::Duration::try_from_secs_f64(s)
@@ -419,7 +474,16 @@ fn run(cli: Cli) -> Result<()> {
                         progress::out(&cfg.to_toml());
                         return Ok(());
                     }
-                    weft_trainer::train::train(&cfg, resuming, &mut progress::Terminal::new())?;
+                    match seeds {
+                        None => {
+                            weft_trainer::train::train(
+                                &cfg,
+                                resuming,
+                                &mut progress::Terminal::new(),
+                            )?;
+                        }
+                        Some(n) => train_seeds(&cfg, n)?,
+                    }
                     Ok(())
                 }
                 // one rank of a launcher's job of processes
@@ -579,6 +643,36 @@ fn run(cli: Cli) -> Result<()> {
                 server.url()?
             ));
             server.run()?;
+            Ok(())
+        }
+        Command::Compare {
+            runs,
+            json,
+            plot,
+            tolerance,
+            metric,
+        } => {
+            use weft_trainer::compare;
+            if let Some(t) = tolerance
+                && !(t.is_finite() && t >= 0.0)
+            {
+                anyhow::bail!("--tolerance {t}: a finite number >= 0");
+            }
+            let groups = runs
+                .iter()
+                .map(|r| compare::load(r))
+                .collect::<Result<Vec<_>, _>>()?;
+            let report = compare::Report::new(&groups, &compare::Options { tolerance, metric });
+            if json {
+                progress::say(&report.to_json());
+            } else {
+                progress::say(report.to_string().trim_end());
+            }
+            if let Some(dir) = plot {
+                for f in compare::write_plots(&report, &dir)? {
+                    progress::say(&format!("wrote {}", f.display()));
+                }
+            }
             Ok(())
         }
         Command::Moe {
@@ -917,6 +1011,40 @@ fn toml_string(s: &str) -> String {
     }
     out.push('"');
     out
+}
+
+/// `weft train --seeds N`: the job once per seed, each run in its own
+/// `seed-<S>` folder of the group `<run.dir>/<run.name>`.
+fn train_seeds(cfg: &weft_trainer::config::Config, n: u64) -> Result<()> {
+    let name = if cfg.run.name.is_empty() {
+        weft_trainer::train::timestamp_name()
+    } else {
+        cfg.run.name.clone()
+    };
+    let group = cfg.run.dir.join(&name);
+    let first = cfg.train.seed;
+    if first.checked_add(n - 1).is_none() {
+        anyhow::bail!("--seeds {n} from train.seed = {first}: the seeds overflow u64");
+    }
+    for k in 0..n {
+        let mut c = cfg.clone();
+        c.train.seed = first + k;
+        c.run.dir = group.clone();
+        c.run.name = format!("seed-{}", c.train.seed);
+        progress::say(&format!(
+            "seed {}/{n}      train.seed = {} -> {}",
+            k + 1,
+            c.train.seed,
+            group.join(&c.run.name).display()
+        ));
+        weft_trainer::train::train(&c, false, &mut progress::Terminal::new())?;
+    }
+    progress::say(&format!(
+        "seeds         {n} runs in {}; compare groups with `weft compare {} OTHER_GROUP`",
+        group.display(),
+        group.display()
+    ));
+    Ok(())
 }
 
 fn main() -> ExitCode {

@@ -406,6 +406,10 @@ pub struct Summary {
     /// ([`weft_kernels::operand_copy_bytes`]; every rank of a thread job
     /// together), which the memory report does not count; 0 in fp32.
     pub operand_copy_bytes: usize,
+    /// Memory of one rank (rank 0) by category, counted from the buffers
+    /// it allocated ([`RunInfo::memory`]), so `weft compare` can set runs
+    /// side by side.
+    pub memory: RankMemory,
 }
 
 /// Bytes per step of a run, by parallel axis ([`Summary::traffic_per_step`]).
@@ -2063,6 +2067,7 @@ fn run_attempt(
             scalars: axis(5),
         }),
         operand_copy_bytes: weft_kernels::operand_copy_bytes(),
+        memory: info.memory,
     };
     if !step_bubbles.is_empty() {
         bubble_other_data(
