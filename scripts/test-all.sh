@@ -95,10 +95,12 @@ step test cargo test --workspace --locked --features weft-trainer/mpi
 # under mpirun), and the NCCL backend's typed "not available" path.
 step test-mpi env OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 \
     cargo test --locked -p weft-collectives --features mpi,nccl
-# The browser visualizer: build the WebAssembly page (installing the wasm32
-# target and the wasm-bindgen-cli matching Cargo.lock when missing), then
-# drive it in headless Chromium against a served run folder; screenshots go
-# to viz-web/e2e-out/.
+# The browser visualizer: build the WebAssembly page from source into
+# viz-web/dist/ (installing the wasm32 target and the wasm-bindgen-cli
+# matching Cargo.lock when missing), then drive it in headless Chromium
+# against served run folders; screenshots go to viz-web/e2e-out/. (The
+# committed page that `weft viz` embeds is checked against its sources by
+# viz-web's unit tests in the test step.)
 step viz-e2e bash viz-web/e2e.sh
 # The numerics, kernels and collectives tests, and the model's bitwise ones, on the
 # baseline (non-AVX) code paths the run-time dispatch would pick on an

@@ -1,10 +1,12 @@
 #!/usr/bin/env python3
 """Drive headless chromium through chromedriver (WebDriver, stdlib only).
 
-Usage: e2e.py DRIVER_URL PAGE_URL OUT_DIR MODE [RUN_DIR]
+Usage: e2e.py DRIVER_URL PAGE_URL OUT_DIR MODE [RUN_DIR...]
 MODE: "train" (a real run of weft train) or "run" (synthetic logs): full
 checks, every expected count read from RUN_DIR's files; "bad" (malformed
-trace); "perf" (large inputs: render and replay times).
+trace); "perf" (large inputs: render and replay times); "compare" (several
+RUN_DIRs served together: legend, overlaid curves and the loss difference
+against the first run, read from their files).
 Exits non-zero with a message on the first failed check.
 """
 import base64, json, os, re, sys, tempfile, time, urllib.request
@@ -239,6 +241,41 @@ try:
         click("#tab-overview")
         wait_for("return document.querySelector('pre.config')", "overview")
         shot(mode + "-overview.png")
+        errs = console_errors()
+        check(not errs, "no error in the console " + repr(errs))
+    elif mode == "compare":
+        runs = sys.argv[5:]
+        names = [os.path.basename(r.rstrip("/")) for r in runs]
+        def losses(run):
+            out = {}
+            for line in open(os.path.join(run, "metrics.jsonl")):
+                try:
+                    r = json.loads(line)
+                except ValueError:
+                    continue
+                if "event" not in r and isinstance(r.get("loss"), (int, float)):
+                    out[r["step"]] = r["loss"]  # the last line of a step wins
+            return out
+        base = losses(runs[0])
+        click("#tab-metrics")
+        charts = 4 + (len(runs) > 1)
+        wait_for(f"return document.querySelectorAll('.chart svg').length=={charts}", "metrics charts")
+        legend = js("return [...document.querySelectorAll('.run-legend .run-key')].map(e=>e.textContent)")
+        check(legend == names, f"legend names the runs {names} ({legend})")
+        per_chart = js("return [...document.querySelectorAll('.chart:not(.diff) svg')].map(s=>s.querySelectorAll('path.series').length)")
+        check(per_chart == [len(runs)] * 4, f"one curve per run on each of the 4 charts ({per_chart})")
+        drawn = js("return [...document.querySelectorAll('.chart:not(.diff) svg')].map(s=>[...s.querySelectorAll('path.series')].map(p=>p.getAttribute('d').length))")
+        check(all(all(n > 0 for n in c) for c in drawn), "every curve is drawn")
+        diffs = js("return [...document.querySelectorAll('#loss-diff path.series')].map(p=>[p.dataset.run,+p.dataset.steps,+p.dataset.maxAbs])")
+        check(len(diffs) == len(runs) - 1, f"one difference curve per other run ({len(diffs)})")
+        for (name, steps, max_abs), run in zip(diffs, runs[1:]):
+            other = losses(run)
+            common = sorted(set(base) & set(other))
+            want = max(abs(other[s] - base[s]) for s in common)
+            check(name == os.path.basename(run.rstrip("/")), f"difference curve of {name}")
+            check(steps == len(common), f"{name}: the difference at the {len(common)} steps both runs have ({steps})")
+            check(abs(max_abs - want) <= 1e-9 * max(1.0, want), f"{name}: max |loss difference| {want:.6g} ({max_abs:.6g})")
+        shot(mode + "-metrics.png")
         errs = console_errors()
         check(not errs, "no error in the console " + repr(errs))
     elif mode == "perf":

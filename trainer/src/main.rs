@@ -196,18 +196,23 @@ enum Command {
         #[arg(long, value_name = "S", default_value_t = 0)]
         seed: u64,
     },
-    /// Serve a run folder to the browser visualizer on 127.0.0.1: pipeline
-    /// timeline, expert load, metrics. (Build the page once with
-    /// `bash viz-web/build.sh`.)
+    /// Serve run folders to the browser visualizer on 127.0.0.1: pipeline
+    /// timeline, expert load, metrics. With several runs the metrics are
+    /// overlaid (the folder names as legend) and each run's loss is shown
+    /// step by step against the first run's. The page is built into weft;
+    /// a page built from changed sources (`bash viz-web/build.sh`) is
+    /// served with `--assets viz-web/dist`.
     Viz {
-        /// The run folder (e.g. runs/NAME).
-        run: PathBuf,
+        /// The run folders (e.g. runs/NAME); the first is the one the
+        /// others are compared with.
+        #[arg(required = true, value_name = "RUN")]
+        runs: Vec<PathBuf>,
         /// Port on 127.0.0.1 (0: any free port).
         #[arg(long, default_value_t = 8080)]
         port: u16,
-        /// The built page (default: viz-web/dist of this source tree, or
-        /// $WEFT_VIZ_ASSETS).
-        #[arg(long)]
+        /// A folder with a built page to serve instead of the one built into
+        /// weft (default: $WEFT_VIZ_ASSETS if set).
+        #[arg(long, value_name = "DIR")]
         assets: Option<PathBuf>,
     },
     /// A drill of the survival kit: a small job run fault-free, then
@@ -629,17 +634,29 @@ fn run(cli: Cli) -> Result<()> {
             }
             Ok(())
         }
-        Command::Viz { run, port, assets } => {
+        Command::Viz { runs, port, assets } => {
             let assets = assets
                 .or_else(|| std::env::var_os("WEFT_VIZ_ASSETS").map(PathBuf::from))
-                .unwrap_or_else(|| {
-                    PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../viz-web/dist"))
+                .map_or(weft_viz_web::serve::Assets::Embedded, |d| {
+                    weft_viz_web::serve::Assets::Dir(d)
                 });
             let addr = std::net::SocketAddr::from(([127, 0, 0, 1], port));
-            let server = weft_viz_web::serve::Server::bind(&run, &assets, addr)?;
+            let server = weft_viz_web::serve::Server::bind(&runs, &assets, addr)?;
+            let names: Vec<String> = server
+                .runs()
+                .iter()
+                .map(|r| {
+                    let path = r.dir.display().to_string();
+                    if path.trim_end_matches('/').ends_with(r.name.as_str()) {
+                        path
+                    } else {
+                        format!("{path} (as {})", r.name)
+                    }
+                })
+                .collect();
             progress::say(&format!(
-                "serving {} at {}  (Ctrl-C to stop)",
-                run.display(),
+                "serving {} with {assets} at {}  (Ctrl-C to stop)",
+                names.join(", "),
                 server.url()?
             ));
             server.run()?;

@@ -5,10 +5,11 @@ use std::rc::Rc;
 use yew::prelude::*;
 
 use crate::chart::{self, Frame};
+use crate::compare::{self, StepDiff};
 use crate::error::LoadError;
 use crate::expert::{ExpertLoad, LayerSel};
 use crate::load::{FileKind, HealthEvent, MetricsLog};
-use crate::run::{Run, Slot};
+use crate::run::{NamedRun, Run, Runs, Slot};
 use crate::timeline::{self, SliceKind, Timeline};
 use crate::web;
 
@@ -21,19 +22,38 @@ const LANE_H: f64 = 26.0;
 /// Height of the time axis.
 const AXIS_H: f64 = 20.0;
 
-/// A message to the run reducer: a file arrived.
-struct Ingest(String, String);
+/// A message to the runs reducer.
+enum Msg {
+    /// A file dropped or opened: it joins the first run.
+    Dropped(String, String),
+    /// What the server sent.
+    Fetched(web::Fetched),
+}
 
 #[derive(Default, PartialEq)]
-struct RunState(Run);
+struct RunState(Runs);
 
 impl Reducible for RunState {
-    type Action = Ingest;
-    fn reduce(self: Rc<Self>, a: Ingest) -> Rc<Self> {
-        let mut run = self.0.clone();
-        run.ingest(&a.0, &a.1);
-        Rc::new(Self(run))
+    type Action = Msg;
+    fn reduce(self: Rc<Self>, m: Msg) -> Rc<Self> {
+        let mut runs = self.0.clone();
+        match m {
+            Msg::Dropped(name, text) => runs.ingest(0, &name, &text),
+            Msg::Fetched(web::Fetched::Names(names)) => runs.name(&names),
+            Msg::Fetched(web::Fetched::File { run, name, text }) => runs.ingest(run, &name, &text),
+        }
+        Rc::new(Self(runs))
     }
+}
+
+/// Stroke colours of the runs, in order (then again).
+const RUN_COLOURS: [&str; 8] = [
+    "#3b7dd8", "#e8a33d", "#9c36b5", "#c92a2a", "#1098ad", "#5c940d", "#495057", "#d6336c",
+];
+
+/// The colour of run `i`.
+fn run_colour(i: usize) -> &'static str {
+    RUN_COLOURS[i % RUN_COLOURS.len()]
 }
 
 /// The page's tabs.
@@ -72,10 +92,11 @@ impl Tab {
 /// Properties of [`App`].
 #[derive(Properties, PartialEq, Clone)]
 pub struct AppProps {
-    /// Files already loaded (tests render a prepared run).
+    /// Runs already loaded (tests render prepared runs; a single [`Run`]
+    /// converts with `.into()`).
     #[prop_or_default]
-    pub initial: Run,
-    /// Fetch the run's files from the server on start.
+    pub initial: Runs,
+    /// Fetch the runs' files from the server on start.
     #[prop_or(true)]
     pub fetch: bool,
     /// Tab to open; by default the first view that has data.
@@ -93,18 +114,21 @@ pub fn App(props: &AppProps) -> Html {
     let tab = use_state(|| props.tab);
     let on_file = {
         let run = run.dispatcher();
-        Callback::from(move |(name, text): (String, String)| run.dispatch(Ingest(name, text)))
+        Callback::from(move |(name, text): (String, String)| run.dispatch(Msg::Dropped(name, text)))
     };
     {
-        let on_file = on_file.clone();
+        let run = run.dispatcher();
         let fetch = props.fetch;
         use_effect_with((), move |()| {
             if fetch {
-                web::fetch_run(on_file);
+                web::fetch_runs(Callback::from(move |f| run.dispatch(Msg::Fetched(f))));
             }
         });
     }
-    let r = &run.0;
+    let runs = &run.0;
+    let r = &runs.first().run;
+    // a second run's trace is drawn below the first, as a second trace is
+    let second = runs.all().get(1).and_then(|n| n.run.trace.get());
     let auto = if r.trace.get().is_some() {
         Tab::Pipeline
     } else if r.expert.get().is_some() {
@@ -130,11 +154,31 @@ pub fn App(props: &AppProps) -> Html {
         let class = if t == current { "tab active" } else { "tab" };
         html! { <button id={t.id()} class={class} onclick={move |_| tab.set(Some(t))}>{ t.label() }</button> }
     });
-    let errors = r.errors();
-    let warnings = r.warnings();
+    let several = runs.all().len() > 1;
+    let named = |n: &NamedRun, s: String| {
+        if several {
+            format!("{}: {s}", n.name)
+        } else {
+            s
+        }
+    };
+    let errors: Vec<(String, String)> = runs
+        .all()
+        .iter()
+        .flat_map(|n| n.run.errors().into_iter().map(move |e| (n, e)))
+        .map(|(n, e)| (e.file().to_owned(), named(n, e.to_string())))
+        .collect();
+    let warnings: Vec<String> = runs
+        .all()
+        .iter()
+        .flat_map(|n| n.run.warnings().into_iter().map(move |w| (n, w)))
+        .map(|(n, w)| named(n, w.to_string()))
+        .collect();
     let body = match current {
-        Tab::Overview => html! { <OverviewView run={Rc::new(r.clone())} /> },
-        Tab::Pipeline => match (&r.trace, r.compare.get()) {
+        Tab::Overview => {
+            html! { <OverviewView run={Rc::new(r.clone())} runs={Rc::new(runs.clone())} /> }
+        }
+        Tab::Pipeline => match (&r.trace, r.compare.get().or(second)) {
             (Slot::Loaded(a, _), b) => html! { <PipelineView a={a.clone()} b={b.cloned()} /> },
             (Slot::Failed(e), _) => missing_view("pipeline", Some(e)),
             (Slot::Absent, _) => missing_view("trace.json", None),
@@ -145,9 +189,19 @@ pub fn App(props: &AppProps) -> Html {
             Slot::Absent => missing_view("expert_load.jsonl", None),
         },
         Tab::Metrics => match &r.metrics {
-            Slot::Loaded(m, _) => {
-                let data = r.metrics_with_events().unwrap_or_else(|| m.clone());
-                html! { <MetricsView {data} floor={r.entropy_floor()} /> }
+            Slot::Loaded(..) => {
+                let data: Vec<(String, Rc<MetricsLog>)> = runs
+                    .all()
+                    .iter()
+                    .filter_map(|n| Some((n.name.clone(), n.run.metrics_with_events()?)))
+                    .collect();
+                let missing: Vec<String> = runs
+                    .all()
+                    .iter()
+                    .filter(|n| n.run.metrics.get().is_none())
+                    .map(|n| n.name.clone())
+                    .collect();
+                html! { <MetricsView runs={Rc::new(data)} {missing} floor={r.entropy_floor()} /> }
             }
             Slot::Failed(e) => missing_view("metrics", Some(e)),
             Slot::Absent => missing_view("metrics.jsonl", None),
@@ -164,12 +218,12 @@ pub fn App(props: &AppProps) -> Html {
             </header>
             if !errors.is_empty() {
                 <div class="errors">
-                    { for errors.iter().map(|e| html! { <div class="error" data-file={e.file().to_owned()}>{ e.to_string() }</div> }) }
+                    { for errors.iter().map(|(file, e)| html! { <div class="error" data-file={file.clone()}>{ e.clone() }</div> }) }
                 </div>
             }
             if !warnings.is_empty() {
                 <div class="warnings">
-                    { for warnings.iter().map(|w| html! { <div class="warning">{ w.to_string() }</div> }) }
+                    { for warnings.iter().map(|w| html! { <div class="warning">{ w.clone() }</div> }) }
                 </div>
             }
             <main>{ body }</main>
@@ -197,6 +251,7 @@ fn missing_view(what: &str, err: Option<&LoadError>) -> Html {
 #[derive(Properties, PartialEq)]
 struct OverviewProps {
     run: Rc<Run>,
+    runs: Rc<Runs>,
 }
 
 #[component]
@@ -271,8 +326,21 @@ fn OverviewView(p: &OverviewProps) -> Html {
         ),
     ];
     let last = r.metrics.get().and_then(|m| m.records.last().copied());
+    let runs = p.runs.all();
+    let run_rows = runs.iter().enumerate().map(|(i, n)| {
+        let last = n.run.metrics.get().and_then(|m| m.records.last().copied());
+        html! { <tr class="run-row"><td><i class="sw" style={format!("background:{}", run_colour(i))}></i>{ format!(" {}", n.name) }</td>
+            <td>{ format!("{} file(s)", n.run.files.len()) }</td>
+            <td class="mono">{ last.map(|m| format!("step {}: loss {:.4}", m.step, m.loss)).unwrap_or_default() }</td></tr> }
+    });
     html! {
         <div class="overview">
+            if runs.len() > 1 {
+                <section class="card">
+                    <h2>{ format!("{} runs (the first is the one the others are compared with; the files below are its)", runs.len()) }</h2>
+                    <table class="files runs">{ for run_rows }</table>
+                </section>
+            }
             <section class="card">
                 <h2>{ "Run files" }</h2>
                 <table class="files">{ for rows }</table>
@@ -883,20 +951,64 @@ struct ChartOpts<'a> {
     log_y: bool,
     events: &'a [HealthEvent],
     points: &'a [(f64, f64)],
+    /// An `id` for the chart's card.
+    id: Option<&'static str>,
+    /// Extra classes of the chart's card.
+    class: Option<&'static str>,
+}
+
+/// One curve of a chart.
+struct Series<'a> {
+    xs: &'a [f64],
+    ys: &'a [f64],
+    /// Its dots (eval losses), drawn in its colour.
+    points: &'a [(f64, f64)],
+    /// The run it belongs to (its colour) and the run's name, when the
+    /// chart draws several runs.
+    run: Option<(usize, &'a str)>,
+    /// Steps and largest |value| of a difference curve, for its attributes.
+    diff: Option<(usize, f64)>,
 }
 
 const CH_W: f64 = 580.0;
 const CH_H: f64 = 170.0;
 const CH_L: f64 = 56.0;
 
+/// A chart of one curve.
 fn line_chart(title: &str, xs: &[f64], ys: &[f64], o: &ChartOpts<'_>) -> Html {
+    let one = Series {
+        xs,
+        ys,
+        points: o.points,
+        run: None,
+        diff: None,
+    };
+    multi_chart(title, &[one], o)
+}
+
+/// A chart of several curves on shared axes (fitted to all of them).
+fn multi_chart(title: &str, series: &[Series<'_>], o: &ChartOpts<'_>) -> Html {
+    let xs_all: Vec<f64> = series.iter().flat_map(|s| s.xs.iter().copied()).collect();
+    let ys_all: Vec<f64> = series.iter().flat_map(|s| s.ys.iter().copied()).collect();
     let extra: Vec<f64> = o
         .floor
         .into_iter()
-        .chain(o.points.iter().map(|p| p.1))
+        .chain(series.iter().flat_map(|s| s.points.iter().map(|p| p.1)))
         .collect();
-    let frame = Frame::fit(CH_W - CH_L, CH_H - 22.0, xs, ys, &extra, o.log_y);
-    let (d, n) = chart::path(&frame, xs, ys);
+    let frame = Frame::fit(CH_W - CH_L, CH_H - 22.0, &xs_all, &ys_all, &extra, o.log_y);
+    let mut n = 0;
+    let paths: Vec<Html> = series
+        .iter()
+        .map(|s| {
+            let (d, drawn) = chart::path(&frame, s.xs, s.ys);
+            n += drawn;
+            let style = s.run.map(|(i, _)| format!("stroke:{}", run_colour(i)));
+            let run = s.run.map(|(_, name)| name.to_owned());
+            let steps = s.diff.map(|(k, _)| k.to_string());
+            let max_abs = s.diff.map(|(_, m)| format!("{m:?}"));
+            html! { <path class="series" {d} {style} data-run={run} data-steps={steps} data-max-abs={max_abs} /> }
+        })
+        .collect();
     let yt = if o.log_y {
         let (a, b) = (
             frame.y.0.log10().ceil() as i32,
@@ -914,9 +1026,9 @@ fn line_chart(title: &str, xs: &[f64], ys: &[f64], o: &ChartOpts<'_>) -> Html {
         let x = CH_L + frame.px(v);
         html! { <text class="axis-label" x={f(x.min(CH_W - 2.0))} y={f(CH_H - 2.0)} text-anchor={if x > CH_W - 16.0 { "end" } else { "middle" }}>{ chart::fmt_value(v) }</text> }
     });
-    let bad: Vec<f64> = xs
+    let bad: Vec<f64> = series
         .iter()
-        .zip(ys)
+        .flat_map(|s| s.xs.iter().zip(s.ys))
         .filter(|(_, y)| !y.is_finite())
         .map(|(x, _)| *x)
         .collect();
@@ -935,29 +1047,32 @@ fn line_chart(title: &str, xs: &[f64], ys: &[f64], o: &ChartOpts<'_>) -> Html {
         <g><line class="floor" x1={f(CH_L)} x2={f(CH_W)} y1={f(y + 6.0)} y2={f(y + 6.0)} />
         <text class="floor-label" x={f(CH_W - 4.0)} y={f(y + 2.0)} text-anchor="end">{ o.floor_label.unwrap_or("") }</text></g>
     });
-    let points = o.points.iter().filter_map(|(x, y)| {
-        let py = frame.py(*y)? + 6.0;
-        Some(html! { <circle class="point" cx={f(CH_L + frame.px(*x))} cy={f(py)} r="3" /> })
+    let points = series.iter().flat_map(|s| {
+        let style = s.run.map(|(i, _)| format!("fill:{}", run_colour(i)));
+        s.points.iter().filter_map(move |(x, y)| {
+            let py = frame.py(*y)? + 6.0;
+            Some(html! { <circle class="point" cx={f(CH_L + frame.px(*x))} cy={f(py)} r="3" style={style.clone()} /> })
+        })
     });
     let cursor = o.cursor.map(|c| {
         let x = CH_L + frame.px(c);
         html! { <line class="cursor" x1={f(x)} x2={f(x)} y1="6" y2={f(CH_H - 16.0)} /> }
     });
-    let last = ys
-        .iter()
-        .rev()
-        .find(|y| y.is_finite())
+    // the first curve's last value
+    let last = series
+        .first()
+        .and_then(|s| s.ys.iter().rev().find(|y| y.is_finite()))
         .map(|y| chart::fmt_value(*y))
         .unwrap_or_default();
     html! {
-        <section class="card chart">
+        <section class={classes!("card", "chart", o.class)} id={o.id}>
             <h3>{ title.to_owned() }<span class="last mono">{ last }</span></h3>
-            <svg viewBox={format!("0 0 {CH_W} {CH_H}")} data-points={n.to_string()} data-nonfinite={bad.len().to_string()} data-events={o.events.len().to_string()}>
+            <svg viewBox={format!("0 0 {CH_W} {CH_H}")} data-points={n.to_string()} data-series={series.len().to_string()} data-nonfinite={bad.len().to_string()} data-events={o.events.len().to_string()}>
                 { for yticks }
                 { for xt }
                 { floor.unwrap_or_default() }
                 { for events }
-                <g transform="translate(56 6)"><path class="series" d={d} /></g>
+                <g transform="translate(56 6)">{ for paths }</g>
                 { for points }
                 { for bad_marks }
                 { cursor.unwrap_or_default() }
@@ -970,61 +1085,186 @@ fn line_chart(title: &str, xs: &[f64], ys: &[f64], o: &ChartOpts<'_>) -> Html {
 
 #[derive(Properties, PartialEq)]
 struct MetricsProps {
-    data: Rc<MetricsLog>,
+    /// `(name, metrics)` of each run that has them; the first run first.
+    runs: Rc<Vec<(String, Rc<MetricsLog>)>>,
+    /// Runs without metrics, by name.
+    #[prop_or_default]
+    missing: Vec<String>,
     floor: Option<f64>,
+}
+
+/// One run's columns for the metrics charts.
+struct Columns {
+    xs: Vec<f64>,
+    loss: Vec<f64>,
+    lr: Vec<f64>,
+    grad_norm: Vec<f64>,
+    tokens_per_s: Vec<f64>,
+    evals: Vec<(f64, f64)>,
+}
+
+impl Columns {
+    #[allow(clippy::cast_precision_loss)]
+    fn new(m: &MetricsLog) -> Self {
+        let col = |g: fn(&weft_trace::MetricsRecord) -> f64| m.records.iter().map(g).collect();
+        let evals = m
+            .events
+            .iter()
+            .filter(|e| e.kind == "eval")
+            .filter_map(|e| {
+                let v = e
+                    .detail
+                    .iter()
+                    .find(|(k, _)| k.contains("loss"))?
+                    .1
+                    .parse::<f64>()
+                    .ok()?;
+                Some((e.step as f64, v))
+            })
+            .collect();
+        Self {
+            xs: m.records.iter().map(|r| r.step as f64).collect(),
+            loss: col(|r| r.loss),
+            lr: col(|r| r.lr),
+            grad_norm: col(|r| r.grad_norm),
+            tokens_per_s: col(|r| r.tokens_per_s),
+            evals,
+        }
+    }
+}
+
+/// A run's training loss by step, the last line of a step winning (as
+/// `weft compare` reads it).
+fn loss_by_step(m: &MetricsLog) -> Vec<(u64, f64)> {
+    compare::last_per_step(m.records.iter().map(|r| (r.step, r.loss)))
 }
 
 #[component]
 fn MetricsView(p: &MetricsProps) -> Html {
     use_render_timer("metrics");
-    let m = &p.data;
-    #[allow(clippy::cast_precision_loss)]
-    let xs: Vec<f64> = m.records.iter().map(|r| r.step as f64).collect();
-    let col =
-        |g: fn(&weft_trace::MetricsRecord) -> f64| m.records.iter().map(g).collect::<Vec<f64>>();
-    #[allow(clippy::cast_precision_loss)]
-    let evals: Vec<(f64, f64)> = m
-        .events
+    let several = p.runs.len() > 1;
+    let cols: Vec<Columns> = p.runs.iter().map(|(_, m)| Columns::new(m)).collect();
+    // every run's health events on the charts
+    let events: Vec<HealthEvent> = p
+        .runs
         .iter()
-        .filter(|e| e.kind == "eval")
-        .filter_map(|e| {
-            let v = e
-                .detail
-                .iter()
-                .find(|(k, _)| k.contains("loss"))?
-                .1
-                .parse::<f64>()
-                .ok()?;
-            Some((e.step as f64, v))
-        })
+        .flat_map(|(_, m)| m.events.iter().cloned())
         .collect();
-    let floor_label = p.floor.map(|v| format!("entropy floor {v:.3}"));
-    let loss_title = if evals.is_empty() {
-        "loss (nats/token)"
-    } else {
-        "loss (nats/token); dots: eval"
+    let series = |g: fn(&Columns) -> &Vec<f64>, with_evals: bool| -> Vec<Series<'_>> {
+        cols.iter()
+            .zip(p.runs.iter())
+            .enumerate()
+            .map(|(i, (c, (name, _)))| Series {
+                xs: &c.xs,
+                ys: g(c),
+                points: if with_evals { &c.evals } else { &[] },
+                run: several.then_some((i, name.as_str())),
+                diff: None,
+            })
+            .collect()
     };
-    let mut kinds: Vec<&str> = m.events.iter().map(|e| e.kind.as_str()).collect();
+    let any_evals = cols.iter().any(|c| !c.evals.is_empty());
+    let floor_label = p.floor.map(|v| format!("entropy floor {v:.3}"));
+    let loss_title = if any_evals {
+        "loss (nats/token); dots: eval"
+    } else {
+        "loss (nats/token)"
+    };
+    let mut kinds: Vec<&str> = events.iter().map(|e| e.kind.as_str()).collect();
     kinds.sort_unstable();
     kinds.dedup();
+    let ev_opts = || ChartOpts {
+        events: &events,
+        ..ChartOpts::default()
+    };
+    // the loss of each other run against the first, step by step
+    let diffs: Vec<(usize, &str, StepDiff)> = match p.runs.split_first() {
+        Some(((_, first), rest)) if !rest.is_empty() => {
+            let base = loss_by_step(first);
+            rest.iter()
+                .enumerate()
+                .map(|(i, (name, m))| {
+                    (
+                        i + 1,
+                        name.as_str(),
+                        StepDiff::between(&base, &loss_by_step(m)),
+                    )
+                })
+                .collect()
+        }
+        _ => Vec::new(),
+    };
+    #[allow(clippy::cast_precision_loss)]
+    let diff_cols: Vec<(Vec<f64>, Vec<f64>)> = diffs
+        .iter()
+        .map(|(_, _, d)| d.points.iter().map(|&(s, v)| (s as f64, v)).unzip())
+        .collect();
+    let diff_series: Vec<Series<'_>> = diffs
+        .iter()
+        .zip(&diff_cols)
+        .map(|((i, name, d), (xs, ys))| Series {
+            xs,
+            ys,
+            points: &[],
+            run: Some((*i, name)),
+            diff: Some((d.points.len(), d.max_abs)),
+        })
+        .collect();
+    let first_name = p.runs.first().map_or("", |(n, _)| n.as_str());
+    let zero_label = format!("0 = {first_name}");
+    let diff_rows = diffs.iter().map(|(i, name, d)| {
+        let same = match d.first_differing {
+            _ if d.points.is_empty() => "no step in common".to_owned(),
+            None => format!("bit for bit equal at all {} common steps", d.points.len()),
+            Some(s) => format!("first differs at step {s} (bit for bit equal for {} steps before)", d.bitwise_span),
+        };
+        html! { <tr class="diff-row" data-run={name.to_string()}>
+            <td><i class="sw" style={format!("background:{}", run_colour(*i))}></i>{ format!(" {name} − {first_name}") }</td>
+            <td class="mono">{ format!("max |Δ| {}", chart::fmt_value(d.max_abs)) }</td>
+            <td class="mono">{ format!("mean |Δ| {}", chart::fmt_value(d.mean_abs)) }</td>
+            <td>{ same }</td>
+            <td class="mono">{ format!("{} common steps{}", d.points.len(), if d.unmatched > 0 { format!(", {} in one run only", d.unmatched) } else { String::new() }) }</td></tr> }
+    });
+    let table_runs = p.runs.iter().filter(|(_, m)| !m.events.is_empty()).count();
     html! {
         <div class="metrics">
+            if several {
+                <div class="legend run-legend">
+                    { for p.runs.iter().enumerate().map(|(i, (name, _))| html! {
+                        <span class="key run-key" data-run={i.to_string()}><i class="sw" style={format!("background:{}", run_colour(i))}></i>{ name.clone() }</span>
+                    }) }
+                    if !p.missing.is_empty() {
+                        <span class="hint">{ format!("no metrics.jsonl: {}", p.missing.join(", ")) }</span>
+                    }
+                </div>
+            }
             <div class="legend">
-                { for kinds.iter().map(|k| html! { <span class="key"><i class={classes!("sw", format!("ev-{k}"))}></i>{ format!("{k} ({})", m.events.iter().filter(|e| e.kind == *k).count()) }</span> }) }
+                { for kinds.iter().map(|k| html! { <span class="key"><i class={classes!("sw", format!("ev-{k}"))}></i>{ format!("{k} ({})", events.iter().filter(|e| e.kind == *k).count()) }</span> }) }
                 <span class="hint">{ "vertical lines: health events (hover for details) · red ticks: non-finite values" }</span>
             </div>
             <div class="grid2">
-                { line_chart(loss_title, &xs, &col(|r| r.loss), &ChartOpts { floor: p.floor, floor_label: floor_label.as_deref(), events: &m.events, points: &evals, ..ChartOpts::default() }) }
-                { line_chart("learning rate", &xs, &col(|r| r.lr), &ChartOpts { events: &m.events, ..ChartOpts::default() }) }
-                { line_chart("gradient norm (log scale)", &xs, &col(|r| r.grad_norm), &ChartOpts { events: &m.events, log_y: true, ..ChartOpts::default() }) }
-                { line_chart("tokens / s", &xs, &col(|r| r.tokens_per_s), &ChartOpts { events: &m.events, ..ChartOpts::default() }) }
+                { multi_chart(loss_title, &series(|c| &c.loss, true), &ChartOpts { floor: p.floor, floor_label: floor_label.as_deref(), ..ev_opts() }) }
+                { multi_chart("learning rate", &series(|c| &c.lr, false), &ev_opts()) }
+                { multi_chart("gradient norm (log scale)", &series(|c| &c.grad_norm, false), &ChartOpts { log_y: true, ..ev_opts() }) }
+                { multi_chart("tokens / s", &series(|c| &c.tokens_per_s, false), &ev_opts()) }
+                if !diffs.is_empty() {
+                    { multi_chart(&format!("loss difference against {first_name} (per step)"), &diff_series, &ChartOpts { floor: Some(0.0), floor_label: Some(&zero_label), id: Some("loss-diff"), class: Some("diff"), ..ChartOpts::default() }) }
+                }
             </div>
-            if !m.events.is_empty() {
+            if !diffs.is_empty() {
                 <section class="card">
-                    <h2>{ format!("health events ({})", m.events.len()) }</h2>
+                    <h2>{ format!("training loss against {first_name}, at the steps both runs have") }</h2>
+                    <table class="events diffs">{ for diff_rows }</table>
+                </section>
+            }
+            if table_runs > 0 {
+                <section class="card">
+                    <h2>{ format!("health events ({})", events.len()) }</h2>
                     <table class="events">
-                        { for m.events.iter().take(200).map(|e| html! {
-                            <tr class={format!("ev-row ev-{}", e.kind)}><td class="mono">{ e.step }</td><td>{ e.kind.clone() }</td>
+                        { for p.runs.iter().flat_map(|(name, m)| m.events.iter().map(move |e| (name, e))).take(200).map(|(name, e)| html! {
+                            <tr class={format!("ev-row ev-{}", e.kind)}>
+                                if several { <td>{ name.clone() }</td> }
+                                <td class="mono">{ e.step }</td><td>{ e.kind.clone() }</td>
                                 <td class="mono">{ e.detail.iter().map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>().join("  ") }</td></tr>
                         }) }
                     </table>

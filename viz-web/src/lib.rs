@@ -5,8 +5,19 @@
 //! (`viz-web/build.sh` builds it with cargo and `wasm-bindgen` into
 //! `viz-web/dist/`). On the host it is a library: the parsing and layout
 //! that the app draws with, testable with plain `cargo test`, and the small
-//! HTTP server that `weft viz runs/<name>` uses to serve the page and the
-//! run folder.
+//! HTTP server that `weft viz runs/<name> [runs/<other> ...]` uses to serve
+//! the page and the run folders (several runs: their metrics overlaid, the
+//! folder names as legend, and each run's loss step by step against the
+//! first run's).
+//!
+//! The built page is committed in `viz-web/page/` and compiled into the
+//! server ([`page::EMBEDDED`]), so `weft viz` needs no browser toolchain,
+//! neither on a fresh clone nor from an installed binary. Its stamp
+//! (`viz-web/page/SOURCES`, [`page::Stamp`]) records the sources it was
+//! built from; a test fails when they have changed since, naming the
+//! command that rebuilds it (`bash viz-web/build.sh --commit`). A page
+//! built from the current sources (`bash viz-web/build.sh`, into
+//! `viz-web/dist/`) is served with `weft viz --assets viz-web/dist`.
 //!
 //! # Overview
 //! * [`load`] — parse `trace.json`, `metrics.jsonl` (records and health
@@ -23,11 +34,16 @@
 //! * [`compare`] — runs side by side: curves aligned by step, their
 //!   per-step difference, Welch's interval for groups of seeds and the
 //!   verdict (`weft compare` prints the same figures).
-//! * [`run::Run`] — the page's state: one slot per run file.
+//! * [`run::Run`] — one run's state: one slot per run file;
+//!   [`run::Runs`] — the runs on the page, named, the first the one the
+//!   others are compared with.
 //! * [`app::App`] — the yew components (rendered natively with yew's SSR in
 //!   the tests).
 //! * `serve` (native only) — [`serve::Server`]: `GET` on 127.0.0.1 for the
-//!   assets and the run files; no path traversal.
+//!   page ([`serve::Assets`]: embedded or a folder) and the run files; no
+//!   path traversal.
+//! * `page` (native only) — the embedded page, its stamp, and the check
+//!   that it is not stale.
 //!
 //! # Example
 //! ```
@@ -59,6 +75,8 @@ pub mod compare;
 pub mod error;
 pub mod expert;
 pub mod load;
+#[cfg(not(target_arch = "wasm32"))]
+pub mod page;
 pub mod run;
 #[cfg(not(target_arch = "wasm32"))]
 pub mod serve;
@@ -72,7 +90,7 @@ pub use error::{LoadError, Warning};
 #[wasm_bindgen::prelude::wasm_bindgen(start)]
 pub fn start() {
     yew::Renderer::<app::App>::with_props(app::AppProps {
-        initial: run::Run::default(),
+        initial: run::Runs::default(),
         fetch: true,
         tab: None,
     })

@@ -1,6 +1,7 @@
 //! What the page knows about a run: one slot per file, filled by
 //! [`Run::ingest`] from a name and its text (fetched from the server or
-//! dropped onto the page).
+//! dropped onto the page); and about several runs shown together
+//! ([`Runs`]: each with the name of its legend).
 
 use std::rc::Rc;
 
@@ -153,6 +154,100 @@ impl Run {
     }
 }
 
+/// One entry of the server's `/runs.json`: a run's legend name and the
+/// run files it has.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct RunListing {
+    /// The legend's name (the run folder's name).
+    pub name: String,
+    /// The run files present, by name.
+    pub files: Vec<String>,
+}
+
+/// A run with the name the page shows for it.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct NamedRun {
+    /// The legend's name.
+    pub name: String,
+    /// Its files.
+    pub run: Run,
+}
+
+/// The runs on the page, in the order served; never empty. The first is
+/// the one the others are compared with, and the one dropped files join.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Runs(Vec<NamedRun>);
+
+impl Default for Runs {
+    fn default() -> Self {
+        Self(vec![NamedRun {
+            name: "run".to_owned(),
+            run: Run::default(),
+        }])
+    }
+}
+
+impl From<Run> for Runs {
+    /// One run, named `run`.
+    fn from(run: Run) -> Self {
+        Self(vec![NamedRun {
+            name: "run".to_owned(),
+            run,
+        }])
+    }
+}
+
+impl Runs {
+    /// Runs from `(name, run)` pairs; `None` when there are none.
+    #[must_use]
+    pub fn new(runs: Vec<(String, Run)>) -> Option<Self> {
+        if runs.is_empty() {
+            return None;
+        }
+        Some(Self(
+            runs.into_iter()
+                .map(|(name, run)| NamedRun { name, run })
+                .collect(),
+        ))
+    }
+
+    /// The first run.
+    #[must_use]
+    pub fn first(&self) -> &NamedRun {
+        &self.0[0]
+    }
+
+    /// Every run, in order.
+    #[must_use]
+    pub fn all(&self) -> &[NamedRun] {
+        &self.0
+    }
+
+    /// Name the runs as the server listed them: runs beyond those present
+    /// are added empty, names replace the current ones.
+    pub fn name(&mut self, names: &[String]) {
+        for (i, n) in names.iter().enumerate() {
+            if i >= self.0.len() {
+                self.0.push(NamedRun::default());
+            }
+            n.clone_into(&mut self.0[i].name);
+        }
+    }
+
+    /// Parse `text` as run `index`'s file `name` ([`Run::ingest`]); a run
+    /// not yet listed is added, named by its position.
+    pub fn ingest(&mut self, index: usize, name: &str, text: &str) {
+        while self.0.len() <= index {
+            let n = self.0.len() + 1;
+            self.0.push(NamedRun {
+                name: format!("run {n}"),
+                run: Run::default(),
+            });
+        }
+        self.0[index].run.ingest(name, text);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -219,5 +314,18 @@ mod tests {
             &e.events,
             Slot::Failed(LoadError::Schema { line: 1, .. })
         ));
+    }
+
+    #[test]
+    fn runs_are_named_by_the_listing_and_filled_by_index() {
+        let mut runs = Runs::default();
+        runs.ingest(0, "config.toml", "a = 1\n");
+        runs.name(&["base".into(), "seed-2".into()]);
+        runs.ingest(1, "config.toml", "a = 2\n");
+        runs.ingest(3, "config.toml", "a = 3\n");
+        let names: Vec<&str> = runs.all().iter().map(|r| r.name.as_str()).collect();
+        assert_eq!(names, ["base", "seed-2", "run 3", "run 4"]);
+        assert!(runs.first().run.config.get().is_some());
+        assert!(Runs::new(Vec::new()).is_none());
     }
 }

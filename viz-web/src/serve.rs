@@ -1,12 +1,22 @@
-//! A small std-only HTTP server for one run folder and the built page.
+//! A small std-only HTTP server for run folders and the built page.
+//!
+//! The page comes from [`Assets`]: by default the one compiled into the
+//! binary ([`Assets::Embedded`], see [`crate::page`]), or a folder built by
+//! `viz-web/build.sh` ([`Assets::Dir`]).
 //!
 //! It answers `GET` (and `HEAD`) on 127.0.0.1 only:
-//! * `/` and `/<asset>`: files of the assets folder (`index.html`, the
-//!   wasm-bindgen output, `style.css`), looked up by exact file name, so no
-//!   path can leave the folder;
-//! * `/run/files.json`: the run files present, as a JSON array of names;
-//! * `/run/<name>`: one of [`FileKind::RUN_FILES`], read from the run
-//!   folder; any other name is 404.
+//! * `/` and `/<asset>`: the page's files (`index.html`, the wasm-bindgen
+//!   output, `style.css`), looked up by exact file name among the embedded
+//!   files or the entries of the assets folder, so no path can leave it;
+//! * `/runs.json`: the runs served, in the order given, each with the name
+//!   the page shows (its folder's name, see [`ServedRun::name_all`]) and
+//!   the run files present: a JSON array of [`RunListing`];
+//! * `/run/<i>/files.json`: run `i`'s files present, as a JSON array of
+//!   names (`i` counts from 0, written in decimal without leading zeros);
+//! * `/run/<i>/<name>`: one of [`FileKind::RUN_FILES`], read from run
+//!   `i`'s folder; any other name, or a run that is not served, is 404;
+//! * `/run/files.json` and `/run/<name>`: the same for run 0 (the URLs of
+//!   one run, kept).
 //!
 //! No request path is ever joined onto a folder: names are matched against
 //! the entries of a fixed list or of the assets folder itself.
@@ -18,10 +28,11 @@
 //! [`MAX_CONNECTIONS`] open connections a new one is answered 503 and
 //! closed. Nothing a client sends is held in memory past these bounds.
 
+use std::fmt;
 use std::fs;
 use std::io::{BufRead, BufReader, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::thread;
@@ -30,6 +41,7 @@ use std::time::Duration;
 use thiserror::Error;
 
 use crate::load::FileKind;
+use crate::run::RunListing;
 
 /// Longest request line read, in bytes (longer: 414).
 pub const MAX_REQUEST_LINE: usize = 8 * 1024;
@@ -45,6 +57,96 @@ pub const IDLE_TIMEOUT: Duration = Duration::from_secs(30);
 /// Files the assets folder must hold (what `viz-web/build.sh` writes).
 pub const REQUIRED_ASSETS: [&str; 3] = ["index.html", "weft_viz_web.js", "weft_viz_web_bg.wasm"];
 
+/// Where the page's files come from.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub enum Assets {
+    /// The page compiled into the binary ([`crate::page::EMBEDDED`]).
+    #[default]
+    Embedded,
+    /// A folder holding a built page (`viz-web/build.sh` writes
+    /// `viz-web/dist/`), e.g. one just built from changed sources.
+    Dir(PathBuf),
+}
+
+impl Assets {
+    /// The file `name` of the page (a plain file name), if it has one.
+    fn get(&self, name: &str) -> Option<Vec<u8>> {
+        match self {
+            Self::Embedded => crate::page::embedded(name).map(|a| a.bytes.to_vec()),
+            Self::Dir(dir) => {
+                // Only a plain file name that is an entry of the folder.
+                let listed = fs::read_dir(dir).into_iter().flatten().flatten().any(|e| {
+                    e.file_name().to_str() == Some(name) && e.file_type().is_ok_and(|t| t.is_file())
+                });
+                if listed {
+                    fs::read(dir.join(name)).ok()
+                } else {
+                    None
+                }
+            }
+        }
+    }
+}
+
+impl fmt::Display for Assets {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Embedded => f.write_str("the page built into this binary"),
+            Self::Dir(d) => write!(f, "the page in {}", d.display()),
+        }
+    }
+}
+
+/// A run folder being served, and the name the page shows for it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ServedRun {
+    /// The legend's name: the folder's name, made unique.
+    pub name: String,
+    /// The run folder.
+    pub dir: PathBuf,
+}
+
+impl ServedRun {
+    /// Name each folder by its last component (`runs/a` → `a`; `.` by the
+    /// folder it is), adding ` (2)`, ` (3)`, ... to repeated names so the
+    /// legend tells them apart.
+    #[must_use]
+    pub fn name_all(dirs: &[PathBuf]) -> Vec<Self> {
+        let mut out: Vec<Self> = Vec::with_capacity(dirs.len());
+        for dir in dirs {
+            let base = dir
+                .file_name()
+                .map(|n| n.to_string_lossy().into_owned())
+                .or_else(|| {
+                    let abs = fs::canonicalize(dir).ok()?;
+                    Some(abs.file_name()?.to_string_lossy().into_owned())
+                })
+                .unwrap_or_else(|| dir.display().to_string());
+            let mut name = base.clone();
+            let mut k = 1;
+            while out.iter().any(|r| r.name == name) {
+                k += 1;
+                name = format!("{base} ({k})");
+            }
+            out.push(Self {
+                name,
+                dir: dir.clone(),
+            });
+        }
+        out
+    }
+
+    /// The run files present in the folder, in [`FileKind::RUN_FILES`]
+    /// order.
+    #[must_use]
+    pub fn files(&self) -> Vec<&'static str> {
+        FileKind::RUN_FILES
+            .into_iter()
+            .filter(|n| self.dir.join(n).is_file())
+            .collect()
+    }
+}
+
 /// Why the server could not start.
 #[derive(Debug, Error)]
 #[non_exhaustive]
@@ -57,9 +159,12 @@ pub enum ServeError {
         /// The path given.
         path: PathBuf,
     },
+    /// No run folder was given.
+    #[error("no run folder given (expected one or more folders such as runs/<name>)")]
+    NoRuns,
     /// The built page is not there.
     #[error(
-        "the viz assets are missing: {path} has no {missing}. Build them with `viz-web/build.sh` (it writes viz-web/dist/; set WEFT_VIZ_ASSETS to use another folder)"
+        "the viz assets are missing: {path} has no {missing}. Build the page there with `WEFT_VIZ_DIST={path} bash viz-web/build.sh` (by default it writes viz-web/dist/), or leave out --assets and WEFT_VIZ_ASSETS to serve the page built into weft"
     )]
     AssetsMissing {
         /// The assets folder looked in.
@@ -90,32 +195,39 @@ pub enum ServeError {
 #[derive(Debug)]
 pub struct Server {
     listener: TcpListener,
-    run_dir: PathBuf,
-    assets_dir: PathBuf,
+    runs: Arc<[ServedRun]>,
+    assets: Assets,
 }
 
 impl Server {
-    /// Check both folders and bind `addr` (port 0 picks a free port).
+    /// Check the run folders (and an assets folder) and bind `addr` (port 0
+    /// picks a free port). The first run is the one the page compares the
+    /// others with.
     ///
     /// # Errors
-    /// [`ServeError::RunDirMissing`], [`ServeError::AssetsMissing`] (its
-    /// message says how to build the assets), [`ServeError::NotLoopback`],
+    /// [`ServeError::NoRuns`], [`ServeError::RunDirMissing`] (the first
+    /// folder missing), [`ServeError::AssetsMissing`] (its message says how
+    /// to build the assets), [`ServeError::NotLoopback`],
     /// [`ServeError::Bind`].
-    pub fn bind(run_dir: &Path, assets_dir: &Path, addr: SocketAddr) -> Result<Self, ServeError> {
+    pub fn bind(
+        run_dirs: &[PathBuf],
+        assets: &Assets,
+        addr: SocketAddr,
+    ) -> Result<Self, ServeError> {
         if !addr.ip().is_loopback() {
             return Err(ServeError::NotLoopback { addr });
         }
-        if !run_dir.is_dir() {
-            return Err(ServeError::RunDirMissing {
-                path: run_dir.to_owned(),
-            });
+        if run_dirs.is_empty() {
+            return Err(ServeError::NoRuns);
         }
-        if let Some(missing) = REQUIRED_ASSETS
-            .into_iter()
-            .find(|f| !assets_dir.join(f).is_file())
+        if let Some(d) = run_dirs.iter().find(|d| !d.is_dir()) {
+            return Err(ServeError::RunDirMissing { path: d.clone() });
+        }
+        if let Assets::Dir(dir) = assets
+            && let Some(missing) = REQUIRED_ASSETS.into_iter().find(|f| !dir.join(f).is_file())
         {
             return Err(ServeError::AssetsMissing {
-                path: assets_dir.to_owned(),
+                path: dir.clone(),
                 missing,
             });
         }
@@ -123,9 +235,15 @@ impl Server {
             TcpListener::bind(addr).map_err(|source| ServeError::Bind { addr, source })?;
         Ok(Self {
             listener,
-            run_dir: run_dir.to_owned(),
-            assets_dir: assets_dir.to_owned(),
+            runs: ServedRun::name_all(run_dirs).into(),
+            assets: assets.clone(),
         })
+    }
+
+    /// The runs served, named, in order.
+    #[must_use]
+    pub fn runs(&self) -> &[ServedRun] {
+        &self.runs
     }
 
     /// The bound address (with the real port when 0 was asked for).
@@ -150,8 +268,8 @@ impl Server {
     /// # Errors
     /// [`ServeError::Accept`] when the listening socket fails.
     pub fn run(self) -> Result<(), ServeError> {
-        let run_dir = self.run_dir;
-        let assets_dir = self.assets_dir;
+        let runs = self.runs;
+        let assets = self.assets;
         let open = Arc::new(AtomicUsize::new(0));
         for stream in self.listener.incoming() {
             let mut stream = stream.map_err(ServeError::Accept)?;
@@ -168,7 +286,7 @@ impl Server {
                 let _ = drain_and_close(&mut stream, Duration::from_millis(50), 64 * 1024);
                 continue;
             }
-            let (r, a, open) = (run_dir.clone(), assets_dir.clone(), open.clone());
+            let (r, a, open) = (runs.clone(), assets.clone(), open.clone());
             thread::spawn(move || {
                 // A client that hangs up mid-response is not the server's
                 // problem; the error has nowhere useful to go.
@@ -180,13 +298,13 @@ impl Server {
     }
 }
 
-/// Bind and serve `run_dir` with the page from `assets_dir` on `addr`;
+/// Bind and serve `run_dirs` with the page from `assets` on `addr`;
 /// blocks. Equivalent to `Server::bind(..)?.run()`.
 ///
 /// # Errors
 /// As [`Server::bind`] and [`Server::run`].
-pub fn serve(run_dir: &Path, assets_dir: &Path, addr: SocketAddr) -> Result<(), ServeError> {
-    Server::bind(run_dir, assets_dir, addr)?.run()
+pub fn serve(run_dirs: &[PathBuf], assets: &Assets, addr: SocketAddr) -> Result<(), ServeError> {
+    Server::bind(run_dirs, assets, addr)?.run()
 }
 
 /// The response to a request path: status, content type, body.
@@ -225,49 +343,70 @@ fn not_found(what: &str) -> Response {
 /// Answer a `GET` of `path` (without query): the routing of [`Server`],
 /// exposed for tests and other front ends.
 #[must_use]
-pub fn respond(path: &str, run_dir: &Path, assets_dir: &Path) -> Response {
+pub fn respond(path: &str, runs: &[ServedRun], assets: &Assets) -> Response {
     let path = path.split(['?', '#']).next().unwrap_or("");
-    if path == "/run/files.json" {
-        let names: Vec<&str> = FileKind::RUN_FILES
-            .into_iter()
-            .filter(|n| run_dir.join(n).is_file())
+    let json = |body: Vec<u8>| Response {
+        status: 200,
+        content_type: "application/json",
+        body,
+    };
+    if path == "/runs.json" {
+        let list: Vec<RunListing> = runs
+            .iter()
+            .map(|r| RunListing {
+                name: r.name.clone(),
+                files: r.files().into_iter().map(str::to_owned).collect(),
+            })
             .collect();
-        let body = serde_json::to_vec(&names).unwrap_or_else(|_| b"[]".to_vec());
-        return Response {
-            status: 200,
-            content_type: "application/json",
-            body,
+        return json(serde_json::to_vec(&list).unwrap_or_else(|_| b"[]".to_vec()));
+    }
+    if let Some(rest) = path.strip_prefix("/run/") {
+        // `/run/<i>/<name>`, or `/run/<name>` for run 0
+        let (run, name) = match rest.split_once('/') {
+            Some((i, name)) => match run_index(i).and_then(|i| runs.get(i)) {
+                Some(r) => (r, name),
+                None => return not_found(path),
+            },
+            None => match runs.first() {
+                Some(r) => (r, rest),
+                None => return not_found(path),
+            },
+        };
+        if name == "files.json" {
+            return json(serde_json::to_vec(&run.files()).unwrap_or_else(|_| b"[]".to_vec()));
+        }
+        // Only a name of the fixed list; the path joined is the list's.
+        let Some(n) = FileKind::RUN_FILES.into_iter().find(|n| *n == name) else {
+            return not_found(path);
+        };
+        return match fs::read(run.dir.join(n)) {
+            Ok(body) => Response {
+                status: 200,
+                content_type: content_type(n),
+                body,
+            },
+            Err(_) => not_found(path),
         };
     }
-    let (dir, name) = if let Some(name) = path.strip_prefix("/run/") {
-        match FileKind::RUN_FILES.into_iter().find(|n| *n == name) {
-            Some(n) => (run_dir, n.to_owned()),
-            None => return not_found(path),
-        }
-    } else {
-        let name = path.strip_prefix('/').unwrap_or(path);
-        let name = if name.is_empty() { "index.html" } else { name };
-        // Only a plain file name that is an entry of the assets folder.
-        let listed = fs::read_dir(assets_dir)
-            .into_iter()
-            .flatten()
-            .flatten()
-            .any(|e| {
-                e.file_name().to_str() == Some(name) && e.file_type().is_ok_and(|t| t.is_file())
-            });
-        if !listed {
-            return not_found(path);
-        }
-        (assets_dir, name.to_owned())
-    };
-    match fs::read(dir.join(&name)) {
-        Ok(body) => Response {
+    let name = path.strip_prefix('/').unwrap_or(path);
+    let name = if name.is_empty() { "index.html" } else { name };
+    match assets.get(name) {
+        Some(body) => Response {
             status: 200,
-            content_type: content_type(&name),
+            content_type: content_type(name),
             body,
         },
-        Err(_) => not_found(path),
+        None => not_found(path),
     }
+}
+
+/// A run index as written in a URL: decimal digits, no sign, no leading
+/// zero (so each run has exactly one URL).
+fn run_index(s: &str) -> Option<usize> {
+    if s.is_empty() || !s.bytes().all(|b| b.is_ascii_digit()) || s.len() > 1 && s.starts_with('0') {
+        return None;
+    }
+    s.parse().ok()
 }
 
 fn plain(status: u16, text: &str) -> Response {
@@ -350,7 +489,7 @@ fn drain_and_close(stream: &mut TcpStream, wait: Duration, bytes: u64) -> std::i
     Ok(())
 }
 
-fn handle(stream: TcpStream, run_dir: &Path, assets_dir: &Path) -> std::io::Result<()> {
+fn handle(stream: TcpStream, runs: &[ServedRun], assets: &Assets) -> std::io::Result<()> {
     stream.set_read_timeout(Some(IDLE_TIMEOUT))?;
     stream.set_write_timeout(Some(IDLE_TIMEOUT))?;
     let mut reader = BufReader::new(stream.try_clone()?);
@@ -410,7 +549,7 @@ fn handle(stream: TcpStream, run_dir: &Path, assets_dir: &Path) -> std::io::Resu
         let method = parts.next().unwrap_or("");
         let target = parts.next().unwrap_or("/");
         let resp = match method {
-            "GET" | "HEAD" => respond(target, run_dir, assets_dir),
+            "GET" | "HEAD" => respond(target, runs, assets),
             _ => plain(405, "only GET and HEAD\n"),
         };
         reply(&mut out, &resp, method == "HEAD", keep_alive)?;
@@ -425,24 +564,26 @@ mod tests {
     use super::*;
     use std::io::Read;
 
-    fn dirs(tag: &str) -> (PathBuf, PathBuf) {
+    fn dirs(tag: &str) -> (PathBuf, Assets) {
         let base =
             std::env::temp_dir().join(format!("weft-viz-serve-{tag}-{}", std::process::id()));
         let (run, assets) = (base.join("run"), base.join("assets"));
         fs::create_dir_all(&run).unwrap();
         fs::create_dir_all(&assets).unwrap();
         fs::write(base.join("secret.txt"), "secret").unwrap();
-        (run, assets)
+        (run, Assets::Dir(assets))
     }
 
     #[test]
     fn routes_and_traversal() {
         let (run, assets) = dirs("routes");
+        let Assets::Dir(dir) = &assets else { panic!() };
         for a in REQUIRED_ASSETS {
-            fs::write(assets.join(a), a).unwrap();
+            fs::write(dir.join(a), a).unwrap();
         }
         fs::write(run.join("trace.json"), "{}").unwrap();
         fs::write(run.join("notes.txt"), "x").unwrap();
+        let run = ServedRun::name_all(std::slice::from_ref(&run));
         let r = respond("/", &run, &assets);
         assert_eq!(
             (r.status, r.body.as_slice()),
@@ -470,15 +611,39 @@ mod tests {
             "/assets/../secret.txt",
         ] {
             assert_eq!(respond(bad, &run, &assets).status, 404, "{bad}");
+            assert_eq!(respond(bad, &run, &Assets::Embedded).status, 404, "{bad}");
         }
+    }
+
+    #[test]
+    fn the_embedded_page_is_served_without_any_folder() {
+        let (run, _) = dirs("embedded");
+        let run = ServedRun::name_all(&[run]);
+        let page = |name: &str| crate::page::embedded(name).unwrap().bytes;
+        let r = respond("/", &run, &Assets::Embedded);
+        assert_eq!((r.status, r.body.as_slice()), (200, page("index.html")));
+        let r = respond("/weft_viz_web_bg.wasm", &run, &Assets::Embedded);
+        assert_eq!(r.content_type, "application/wasm");
+        assert_eq!(r.body, page("weft_viz_web_bg.wasm"));
+        let r = respond("/weft_viz_web.js", &run, &Assets::Embedded);
+        assert!(r.content_type.starts_with("text/javascript"));
+        assert_eq!(respond("/style.css", &run, &Assets::Embedded).status, 200);
+        assert_eq!(respond("/SOURCES", &run, &Assets::Embedded).status, 404);
+        assert_eq!(
+            respond("/dist/index.html", &run, &Assets::Embedded).status,
+            404
+        );
+        let local: SocketAddr = "127.0.0.1:0".parse().unwrap();
+        assert!(Server::bind(&[run[0].dir.clone()], &Assets::Embedded, local).is_ok());
     }
 
     #[test]
     fn bind_checks_folders_and_address_then_serves_over_tcp() {
         let (run, assets) = dirs("bind");
         let local: SocketAddr = "127.0.0.1:0".parse().unwrap();
-        let err = Server::bind(&run, &assets, local).unwrap_err();
+        let err = Server::bind(std::slice::from_ref(&run), &assets, local).unwrap_err();
         assert!(err.to_string().contains("viz-web/build.sh"), "{err}");
+        assert!(err.to_string().contains("built into weft"), "{err}");
         assert!(matches!(
             err,
             ServeError::AssetsMissing {
@@ -486,15 +651,24 @@ mod tests {
                 ..
             }
         ));
+        let Assets::Dir(dir) = &assets else { panic!() };
         for a in REQUIRED_ASSETS {
-            fs::write(assets.join(a), a).unwrap();
+            fs::write(dir.join(a), a).unwrap();
         }
-        let err = Server::bind(&run.join("nope"), &assets, local).unwrap_err();
+        let err = Server::bind(&[run.clone(), run.join("nope")], &assets, local).unwrap_err();
         assert!(matches!(err, ServeError::RunDirMissing { .. }), "{err}");
-        let err = Server::bind(&run, &assets, "0.0.0.0:0".parse().unwrap()).unwrap_err();
+        assert!(err.to_string().contains("nope"), "{err}");
+        let err = Server::bind(&[], &assets, local).unwrap_err();
+        assert!(matches!(err, ServeError::NoRuns), "{err}");
+        let err = Server::bind(
+            std::slice::from_ref(&run),
+            &assets,
+            "0.0.0.0:0".parse().unwrap(),
+        )
+        .unwrap_err();
         assert!(matches!(err, ServeError::NotLoopback { .. }), "{err}");
         fs::write(run.join("metrics.jsonl"), "{\"step\":1}\n").unwrap();
-        let server = Server::bind(&run, &assets, local).unwrap();
+        let server = Server::bind(std::slice::from_ref(&run), &assets, local).unwrap();
         let addr = server.local_addr().unwrap();
         assert!(server.url().unwrap().starts_with("http://127.0.0.1:"));
         thread::spawn(move || server.run());
@@ -552,5 +726,55 @@ mod tests {
             served.starts_with("HTTP/1.1 200"),
             "served again once they close: {served}"
         );
+    }
+
+    #[test]
+    fn several_runs_each_under_its_index_named_by_folder() {
+        let (a, assets) = dirs("multi");
+        let base = a.parent().unwrap().to_owned();
+        let (b, c) = (base.join("seed-2"), base.join("other").join("run"));
+        fs::create_dir_all(&b).unwrap();
+        fs::create_dir_all(&c).unwrap();
+        fs::write(a.join("metrics.jsonl"), "a").unwrap();
+        fs::write(b.join("metrics.jsonl"), "b").unwrap();
+        fs::write(b.join("trace.json"), "{}").unwrap();
+        let runs = ServedRun::name_all(&[a.clone(), b, c]);
+        let names: Vec<&str> = runs.iter().map(|r| r.name.as_str()).collect();
+        assert_eq!(names, ["run", "seed-2", "run (2)"]);
+        let r = respond("/runs.json", &runs, &assets);
+        assert_eq!(r.content_type, "application/json");
+        let list: Vec<RunListing> = serde_json::from_slice(&r.body).unwrap();
+        assert_eq!(list[1].name, "seed-2");
+        assert_eq!(list[1].files, ["trace.json", "metrics.jsonl"]);
+        assert!(list[2].files.is_empty());
+        let body = |p: &str| {
+            let r = respond(p, &runs, &assets);
+            (r.status, String::from_utf8_lossy(&r.body).into_owned())
+        };
+        assert_eq!(body("/run/0/metrics.jsonl"), (200, "a".into()));
+        assert_eq!(body("/run/1/metrics.jsonl"), (200, "b".into()));
+        assert_eq!(body("/run/metrics.jsonl"), (200, "a".into()), "run 0");
+        assert_eq!(
+            body("/run/1/files.json"),
+            (200, r#"["trace.json","metrics.jsonl"]"#.into())
+        );
+        assert_eq!(
+            body("/run/files.json"),
+            (200, r#"["metrics.jsonl"]"#.into())
+        );
+        for bad in [
+            "/run/3/metrics.jsonl",
+            "/run/01/metrics.jsonl",
+            "/run/+1/metrics.jsonl",
+            "/run/-1/metrics.jsonl",
+            "/run//metrics.jsonl",
+            "/run/1/../0/metrics.jsonl",
+            "/run/1/x/metrics.jsonl",
+            "/run/1/",
+            "/run/18446744073709551616/metrics.jsonl",
+            "/run/2/metrics.jsonl",
+        ] {
+            assert_eq!(respond(bad, &runs, &assets).status, 404, "{bad}");
+        }
     }
 }

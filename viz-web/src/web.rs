@@ -8,9 +8,26 @@ use yew::prelude::{DragEvent, Event, MouseEvent, WheelEvent};
 
 pub use imp::*;
 
+/// What the server sends the page, piece by piece.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[cfg_attr(not(target_arch = "wasm32"), allow(dead_code))] // built in the browser only
+pub enum Fetched {
+    /// The names of the runs served, in order.
+    Names(Vec<String>),
+    /// One file of run `run`.
+    File {
+        /// The run's index.
+        run: usize,
+        /// The file name.
+        name: String,
+        /// Its text.
+        text: String,
+    },
+}
+
 #[cfg(target_arch = "wasm32")]
 mod imp {
-    use super::{Callback, DragEvent, Event, MouseEvent, WheelEvent};
+    use super::{Callback, DragEvent, Event, Fetched, MouseEvent, WheelEvent};
     use wasm_bindgen::JsCast;
     use wasm_bindgen_futures::{JsFuture, spawn_local};
     use web_sys::{Element, File, HtmlInputElement};
@@ -85,19 +102,25 @@ mod imp {
         JsFuture::from(resp.text().ok()?).await.ok()?.as_string()
     }
 
-    /// Ask the server which run files exist (`run/files.json`) and deliver
-    /// each as `(name, text)`. Without a server nothing is delivered.
-    pub fn fetch_run(cb: Callback<(String, String)>) {
+    /// Ask the server which runs it serves (`runs.json`), deliver their
+    /// names, then each run's files as [`Fetched::File`]. Without a server
+    /// nothing is delivered.
+    pub fn fetch_runs(cb: Callback<Fetched>) {
         spawn_local(async move {
-            let Some(list) = fetch_text("run/files.json").await else {
+            let Some(list) = fetch_text("runs.json").await else {
                 return;
             };
-            let Ok(names) = serde_json::from_str::<Vec<String>>(&list) else {
+            let Ok(runs) = serde_json::from_str::<Vec<crate::run::RunListing>>(&list) else {
                 return;
             };
-            for name in names {
-                if let Some(text) = fetch_text(&format!("run/{name}")).await {
-                    cb.emit((name, text));
+            cb.emit(Fetched::Names(
+                runs.iter().map(|r| r.name.clone()).collect(),
+            ));
+            for (run, listing) in runs.into_iter().enumerate() {
+                for name in listing.files {
+                    if let Some(text) = fetch_text(&format!("run/{run}/{name}")).await {
+                        cb.emit(Fetched::File { run, name, text });
+                    }
                 }
             }
         });
@@ -162,7 +185,7 @@ mod imp {
 mod imp {
     #![allow(clippy::needless_pass_by_value, missing_docs)]
     //! Native stand-ins: nothing to fetch, no clock, no timers.
-    use super::{Callback, DragEvent, Event, MouseEvent, WheelEvent};
+    use super::{Callback, DragEvent, Event, Fetched, MouseEvent, WheelEvent};
 
     #[must_use]
     pub fn now_ms() -> f64 {
@@ -174,7 +197,7 @@ mod imp {
     pub fn ticker(_ms: u32, _cb: Callback<()>) -> Ticker {
         Ticker
     }
-    pub fn fetch_run(_cb: Callback<(String, String)>) {}
+    pub fn fetch_runs(_cb: Callback<Fetched>) {}
     pub fn read_dropped(_e: &DragEvent, _cb: Callback<(String, String)>) {}
     pub fn read_input(_e: &Event, _cb: Callback<(String, String)>) {}
     #[must_use]

@@ -2,11 +2,15 @@
 //! the page draws for a prepared run.
 
 use weft_viz_web::app::{App, AppProps, Tab};
-use weft_viz_web::run::Run;
+use weft_viz_web::run::{Run, Runs};
 
 async fn render(run: Run, tab: Option<Tab>) -> String {
+    render_runs(run.into(), tab).await
+}
+
+async fn render_runs(runs: Runs, tab: Option<Tab>) -> String {
     yew::LocalServerRenderer::<App>::with_props(AppProps {
-        initial: run,
+        initial: runs,
         fetch: false,
         tab,
     })
@@ -272,4 +276,121 @@ async fn ranks_are_grouped_by_mesh_coordinate() {
     assert_eq!(count(&html, "class=\"group-sep\""), 1, "{html}");
     assert_eq!(count(&html, "class=\"group-name\""), 2, "{html}");
     assert_eq!(count(&html, "data-group=\"pp 1\""), 2, "{html}");
+}
+
+/// `metrics.jsonl` of `steps` steps whose loss is `loss(step)`, with an
+/// eval at step 10.
+fn metrics(steps: u32, loss: impl Fn(u32) -> f64) -> String {
+    let mut text = String::new();
+    for step in 1..=steps {
+        text.push_str(&format!(
+            "{{\"step\":{step},\"loss\":{},\"lr\":0.001,\"grad_norm\":1.5,\"tokens_per_s\":900,\"time_s\":{step}}}\n",
+            loss(step)
+        ));
+    }
+    text.push_str("{\"step\":10,\"event\":\"eval\",\"val_loss\":2.6}\n");
+    text
+}
+
+fn named(runs: Vec<(&str, String)>) -> Runs {
+    Runs::new(
+        runs.into_iter()
+            .map(|(name, text)| {
+                let mut r = Run::default();
+                r.ingest("metrics.jsonl", &text);
+                (name.to_owned(), r)
+            })
+            .collect(),
+    )
+    .unwrap()
+}
+
+#[tokio::test]
+async fn several_runs_overlay_their_metrics_with_a_legend_and_a_difference_chart() {
+    // seed-2 equals base for 4 steps, then is 0.25 higher; it has 15 steps
+    let base = metrics(20, |s| 3.0 - f64::from(s) * 0.0625);
+    let other = metrics(15, |s| {
+        3.0 - f64::from(s) * 0.0625 + if s > 4 { 0.25 } else { 0.0 }
+    });
+    let html = render_runs(
+        named(vec![("base", base), ("seed-2", other)]),
+        Some(Tab::Metrics),
+    )
+    .await;
+    assert!(html.contains("class=\"legend run-legend\""), "{html}");
+    let legend: Vec<&str> = html
+        .split("class=\"key run-key\"")
+        .skip(1)
+        .map(|k| k.split("</i>").nth(1).unwrap().split('<').next().unwrap())
+        .collect();
+    assert_eq!(legend, ["base", "seed-2"]);
+    // the 4 charts, one curve per run each, and the difference chart
+    assert_eq!(count(&html, "class=\"card chart\""), 4);
+    assert_eq!(count(&html, "class=\"card chart diff\""), 1);
+    assert_eq!(count(&html, "data-series=\"2\""), 4);
+    assert_eq!(count(&html, "class=\"series\""), 4 * 2 + 1);
+    assert_eq!(count(&html, "data-run=\"base\""), 4);
+    assert_eq!(
+        count(&html, "data-run=\"seed-2\""),
+        4 + 1 + 1,
+        "curves, diff, row"
+    );
+    assert!(html.contains("id=\"loss-diff\""));
+    let diff = html.split("id=\"loss-diff\"").nth(1).unwrap();
+    let diff = diff.split("</section>").next().unwrap();
+    assert_eq!(count(diff, "class=\"series\""), 1);
+    assert!(diff.contains("data-steps=\"15\""), "{diff}");
+    assert!(diff.contains("data-max-abs=\"0.25\""), "{diff}");
+    assert!(diff.contains("0 = base"), "the zero line is the first run");
+    assert!(html.contains("loss difference against base"));
+    assert!(html.contains("first differs at step 5 (bit for bit equal for 4 steps before)"));
+    assert!(html.contains("15 common steps, 5 in one run only"));
+    assert_eq!(count(&html, "class=\"point\""), 2, "each run's eval");
+    assert!(html.contains("health events (2)"));
+}
+
+#[tokio::test]
+async fn three_runs_two_differences_and_one_run_keeps_its_single_view() {
+    let a = metrics(10, |s| 3.0 - f64::from(s) * 0.125);
+    let html = render_runs(
+        named(vec![
+            ("a", a.clone()),
+            ("b", a.clone()),
+            ("c", metrics(10, |_| 1.0)),
+        ]),
+        Some(Tab::Metrics),
+    )
+    .await;
+    assert_eq!(count(&html, "data-series=\"3\""), 4);
+    let diff = html.split("id=\"loss-diff\"").nth(1).unwrap();
+    let diff = diff.split("</section>").next().unwrap();
+    assert_eq!(count(diff, "class=\"series\""), 2);
+    assert!(
+        html.contains("bit for bit equal at all 10 common steps"),
+        "b is a"
+    );
+    // one run: no legend of runs, no difference chart, one curve per chart
+    let mut one = Run::default();
+    one.ingest("metrics.jsonl", &a);
+    let html = render(one, Some(Tab::Metrics)).await;
+    assert!(!html.contains("run-legend"));
+    assert!(!html.contains("loss-diff"));
+    assert_eq!(count(&html, "data-series=\"1\""), 4);
+    assert!(!html.contains("data-run="));
+}
+
+#[tokio::test]
+async fn several_runs_are_listed_on_the_overview_and_their_errors_named() {
+    let mut runs = named(vec![
+        ("base", metrics(5, |_| 2.0)),
+        ("broken", "{\"step\":1,\"loss\":[]}\n".to_owned()),
+    ]);
+    runs.ingest(0, "config.toml", "[train]\nsteps = 5\n");
+    let html = render_runs(runs, Some(Tab::Overview)).await;
+    assert!(html.contains("2 runs (the first is the one"), "{html}");
+    assert_eq!(count(&html, "class=\"run-row\""), 2);
+    assert!(
+        html.contains("broken: metrics.jsonl, line 1"),
+        "errors name the run"
+    );
 }
