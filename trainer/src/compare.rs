@@ -445,6 +445,11 @@ pub struct Against {
     pub first_differing: Option<u64>,
     /// Steps, from the first, that are bit for bit equal.
     pub bitwise_span: u64,
+    /// Shared evaluations of the mean validation-loss curves (aligned as
+    /// the training loss is).
+    pub val_shared: usize,
+    /// Largest `|Δ|` of the validation loss over them.
+    pub val_max_abs: f64,
     /// Difference of the final figure's means (candidate − baseline).
     pub final_diff: Option<f64>,
     /// Half-width of Welch's 95% interval (two or more runs a side).
@@ -557,8 +562,9 @@ fn config_diff(a: &Group, b: &Group) -> BTreeMap<String, [Option<String>; 2]> {
         .collect()
 }
 
-/// A group's mean training-loss curve, by step or by tokens.
-fn curve(g: &Group, by_tokens: bool) -> Vec<(u64, f64)> {
+/// A group's mean training-loss (or validation-loss) curve, by step or by
+/// tokens.
+fn curve(g: &Group, by_tokens: bool, val: bool) -> Vec<(u64, f64)> {
     let series: Vec<Vec<(u64, f64)>> = g
         .runs
         .iter()
@@ -568,7 +574,8 @@ fn curve(g: &Group, by_tokens: bool) -> Vec<(u64, f64)> {
             } else {
                 1
             };
-            r.loss.iter().map(|&(s, v)| (s * k, v)).collect()
+            let points = if val { &r.val_loss } else { &r.loss };
+            points.iter().map(|&(s, v)| (s * k, v)).collect()
         })
         .collect();
     mean_series(&series)
@@ -580,21 +587,19 @@ impl Report {
     pub fn new(groups: &[Group], opts: &Options) -> Self {
         let figs: Vec<GroupFigures> = groups.iter().map(|g| figures(g, opts.metric)).collect();
         let mut against = Vec::new();
-        let curves: Vec<Vec<(u64, f64)>> = groups.iter().map(|g| curve(g, false)).collect();
-        let val_curves: Vec<Vec<(u64, f64)>> = groups
-            .iter()
-            .map(|g| {
-                let s: Vec<Vec<(u64, f64)>> = g.runs.iter().map(|r| r.val_loss.clone()).collect();
-                mean_series(&s)
-            })
-            .collect();
+        let curves: Vec<Vec<(u64, f64)>> = groups.iter().map(|g| curve(g, false, false)).collect();
+        let val_curves: Vec<Vec<(u64, f64)>> =
+            groups.iter().map(|g| curve(g, false, true)).collect();
         if let Some((base, rest)) = groups.split_first() {
             for (g, f) in rest.iter().zip(&figs[1..]) {
                 // steps hold different amounts of data: align by tokens
                 let by_tokens = figs[0].tokens_per_step.is_some()
                     && f.tokens_per_step.is_some()
                     && figs[0].tokens_per_step != f.tokens_per_step;
-                let d = StepDiff::between(&curve(base, by_tokens), &curve(g, by_tokens));
+                let d =
+                    StepDiff::between(&curve(base, by_tokens, false), &curve(g, by_tokens, false));
+                let dv =
+                    StepDiff::between(&curve(base, by_tokens, true), &curve(g, by_tokens, true));
                 let v: Verdict = verdict(&d, &figs[0].finals, &f.finals, opts.tolerance);
                 let w = Welch::new(&figs[0].finals, &f.finals);
                 against.push(Against {
@@ -605,6 +610,8 @@ impl Report {
                     mean_abs: d.mean_abs,
                     first_differing: d.first_differing,
                     bitwise_span: d.bitwise_span,
+                    val_shared: dv.points.len(),
+                    val_max_abs: dv.max_abs,
                     final_diff: f.final_mean.zip(figs[0].final_mean).map(|(b, a)| b - a),
                     final_pm: w.map(|w| w.half_width),
                     speed: f.tokens_per_s.zip(figs[0].tokens_per_s).map(|(b, a)| b / a),
@@ -776,6 +783,10 @@ impl fmt::Display for Report {
         row(
             "  bitwise-equal span",
             cand(&|a| format!("{}", a.bitwise_span)),
+        );
+        row(
+            "val loss Δ: max |Δ|",
+            cand(&|a| format!("{:.3e} ({} evals)", a.val_max_abs, a.val_shared)),
         );
         row(
             "final Δ",

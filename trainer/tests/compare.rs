@@ -81,6 +81,9 @@ fn identical_runs_are_bitwise_and_another_seed_is_told_apart() {
     assert_eq!(other.verdict, "differs", "{report}");
     assert_eq!(other.first_differing, Some(1));
     assert_eq!(other.bitwise_span, 0);
+    // evaluations at steps 0, 8 and 16: different initial weights differ
+    assert_eq!(other.val_shared, 3);
+    assert!(other.val_max_abs > 0.0 && same.val_max_abs == 0.0);
     assert_eq!(
         other.config.get("train.seed"),
         Some(&[Some("42".to_owned()), Some("7".to_owned())])
@@ -233,6 +236,17 @@ fn a_known_difference_between_seed_groups_is_recovered() {
         report.groups[0].gap_to_floor.map(|g| (g * 1e6).round()),
         Some(0.5e6 + 200.0)
     );
+    // on the training loss (the mean of the last 5 of 50 steps) too
+    let train = Report::new(
+        &groups,
+        &Options {
+            metric: compare::Metric::TrainLoss,
+            ..Options::default()
+        },
+    );
+    assert_eq!(train.metric, "train_loss");
+    assert_eq!(train.against[0].verdict, "better", "{train}");
+    assert!((train.against[0].final_diff.unwrap() - truth).abs() < 1e-12);
     // a tolerance wider than the gap makes them equal
     let loose = Report::new(
         &groups,

@@ -108,20 +108,36 @@ pub struct ServedRun {
 
 impl ServedRun {
     /// Name each folder by its last component (`runs/a` → `a`; `.` by the
-    /// folder it is), adding ` (2)`, ` (3)`, ... to repeated names so the
-    /// legend tells them apart.
+    /// folder it is); folders whose last components are the same are
+    /// named by their last two (`runs/fp32/seed-42` → `fp32/seed-42`, as
+    /// the seed runs of `weft train --seeds` are), and a name still
+    /// repeated gets ` (2)`, ` (3)`, ... so the legend tells them apart.
     #[must_use]
     pub fn name_all(dirs: &[PathBuf]) -> Vec<Self> {
-        let mut out: Vec<Self> = Vec::with_capacity(dirs.len());
-        for dir in dirs {
-            let base = dir
-                .file_name()
+        let component = |p: &std::path::Path| {
+            p.file_name()
                 .map(|n| n.to_string_lossy().into_owned())
                 .or_else(|| {
-                    let abs = fs::canonicalize(dir).ok()?;
+                    let abs = fs::canonicalize(p).ok()?;
                     Some(abs.file_name()?.to_string_lossy().into_owned())
                 })
-                .unwrap_or_else(|| dir.display().to_string());
+        };
+        let last: Vec<String> = dirs
+            .iter()
+            .map(|d| component(d).unwrap_or_else(|| d.display().to_string()))
+            .collect();
+        let mut out: Vec<Self> = Vec::with_capacity(dirs.len());
+        for (dir, base) in dirs.iter().zip(&last) {
+            let mut base = base.clone();
+            if last.iter().filter(|b| **b == base).count() > 1 {
+                let parent = fs::canonicalize(dir)
+                    .ok()
+                    .and_then(|abs| abs.parent().and_then(component))
+                    .or_else(|| dir.parent().and_then(component));
+                if let Some(parent) = parent {
+                    base = format!("{parent}/{base}");
+                }
+            }
             let mut name = base.clone();
             let mut k = 1;
             while out.iter().any(|r| r.name == name) {
@@ -738,9 +754,17 @@ mod tests {
         fs::write(a.join("metrics.jsonl"), "a").unwrap();
         fs::write(b.join("metrics.jsonl"), "b").unwrap();
         fs::write(b.join("trace.json"), "{}").unwrap();
-        let runs = ServedRun::name_all(&[a.clone(), b, c]);
+        let runs = ServedRun::name_all(&[a.clone(), b, c.clone()]);
         let names: Vec<&str> = runs.iter().map(|r| r.name.as_str()).collect();
-        assert_eq!(names, ["run", "seed-2", "run (2)"]);
+        // the two `run` folders are named by their parents too
+        let parent = base.file_name().unwrap().to_string_lossy();
+        assert_eq!(
+            names,
+            [format!("{parent}/run").as_str(), "seed-2", "other/run"]
+        );
+        // the same folder twice is told apart by a number
+        let twice = ServedRun::name_all(&[c.clone(), c]);
+        assert_eq!(twice[1].name, "other/run (2)");
         let r = respond("/runs.json", &runs, &assets);
         assert_eq!(r.content_type, "application/json");
         let list: Vec<RunListing> = serde_json::from_slice(&r.body).unwrap();
