@@ -181,7 +181,7 @@ fn malformed(dir: &Path, e: &weft_viz_web::LoadError) -> CompareError {
 /// Read one run folder.
 ///
 /// # Errors
-/// As [`load`].
+/// As [`load()`].
 pub fn load_run(dir: &Path) -> Result<RunData, CompareError> {
     let mut warnings = Vec::new();
     let mut warn = |w: Vec<weft_viz_web::Warning>| {
