@@ -42,6 +42,9 @@ def wait_for(script, what, timeout=60):
     fail("timed out waiting for " + what)
 
 def click(css):
+    # the page mounts asynchronously (the wasm loads, then the run files):
+    # wait for the element rather than race it
+    wait_for(f"return document.querySelector({json.dumps(css)}) !== null", css)
     el = call("POST", S + "/element", {"using": "css selector", "value": css})
     call("POST", S + "/element/" + list(el.values())[0] + "/click", {})
 
