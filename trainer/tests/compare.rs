@@ -44,8 +44,12 @@ fn weft(args: &[String]) -> std::process::Output {
     Command::new(WEFT).args(args).output().unwrap()
 }
 
-fn train(dir: &Path, name: &str, extra: &[&str]) {
-    let mut args = vec!["train".to_owned()];
+/// `weft train [flags] --set ...` of the tiny job plus `extra` settings.
+fn train_with(flags: &[&str], dir: &Path, name: &str, extra: &[&str]) {
+    let mut args: Vec<String> = std::iter::once("train")
+        .chain(flags.iter().copied())
+        .map(str::to_owned)
+        .collect();
     for s in tiny_sets(dir, name)
         .iter()
         .map(String::as_str)
@@ -59,6 +63,10 @@ fn train(dir: &Path, name: &str, extra: &[&str]) {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
+}
+
+fn train(dir: &Path, name: &str, extra: &[&str]) {
+    train_with(&[], dir, name, extra);
 }
 
 #[test]
@@ -129,21 +137,8 @@ fn identical_runs_are_bitwise_and_another_seed_is_told_apart() {
 fn seed_groups_compare_with_an_interval() {
     let dir = scratch("seeds");
     for (name, lr) in [("base", "optim.lr=1e-2"), ("slow", "optim.lr=1e-4")] {
-        let mut args = vec!["train".to_owned(), "--seeds".to_owned(), "3".to_owned()];
         let longer = ["train.steps=48", "train.eval_every=16", lr];
-        for s in tiny_sets(&dir, name)
-            .iter()
-            .map(String::as_str)
-            .chain(longer)
-        {
-            args.extend(["--set".to_owned(), s.to_owned()]);
-        }
-        let out = weft(&args);
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        train_with(&["--seeds", "3"], &dir, name, &longer);
         for seed in 42..45 {
             assert!(
                 dir.join(name)
