@@ -1,0 +1,330 @@
+//! The prepared-data format that `weft data prepare` writes.
+//!
+//! A prepared folder holds:
+//!
+//! - `index.json` ([`Index`]): the tokenizer, the settings and inputs it
+//!   was prepared from, and per shard its token and document counts, the
+//!   xxh3-64 of its two files and one xxh3-64 per block of
+//!   [`Index::block_tokens`] tokens;
+//! - `shard-NNNNN.bin`: the token ids as little-endian `u16` (no header,
+//!   so the file maps straight to an array, as Megatron-LM's `.bin` does);
+//! - `shard-NNNNN.idx`: each document's end offset in the shard (tokens,
+//!   exclusive) as little-endian `u64`.
+//!
+//! Every document ends with the end-of-text token; documents never cross
+//! shards. While a preparation runs, `prepare.partial.json` (the same
+//! [`Index`] with the finished shards so far) stands in for `index.json`,
+//! which is written last: a folder with an `index.json` is complete.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{DataError, Result, format, io};
+use crate::shard::{Blocks, Dtype, Segment, Shard};
+
+/// The `format` field of every index.
+pub const FORMAT: &str = "weft-tokens";
+/// The format version this crate writes and reads.
+pub const VERSION: u32 = 1;
+/// The file name of a finished preparation's index.
+pub const INDEX: &str = "index.json";
+/// The file name of an unfinished preparation's index.
+pub const PARTIAL: &str = "prepare.partial.json";
+/// Tokens per checksummed block (2 MiB of `u16`).
+pub const BLOCK_TOKENS: u64 = 1 << 20;
+
+/// What a preparation was made from: two preparations with equal settings
+/// write identical bytes.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Settings {
+    /// The tokenizer (`"gpt2"`: GPT-2's byte-level BPE, `r50k_base`).
+    pub tokenizer: String,
+    /// The JSON field holding a `.jsonl` document's text.
+    pub text_key: String,
+    /// A shard closes before a document would take it past this many
+    /// tokens (a longer document gets a shard of its own).
+    pub shard_tokens: u64,
+    /// The input files, in the order their documents were read.
+    pub inputs: Vec<InputFile>,
+}
+
+/// One input file of a preparation.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct InputFile {
+    /// The path as given (a folder argument joined with the file's path
+    /// inside it).
+    pub path: String,
+    /// Its size in bytes (compressed, for `.gz`).
+    pub bytes: u64,
+}
+
+/// One shard of a prepared folder.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ShardEntry {
+    /// The token file, relative to the folder.
+    pub bin: String,
+    /// The document-ends file, relative to the folder.
+    pub idx: String,
+    /// Tokens in the shard.
+    pub tokens: u64,
+    /// Documents in the shard.
+    pub documents: u64,
+    /// Index (over all input documents, empty ones included) of the first
+    /// input document after this shard: where a resumed preparation
+    /// continues.
+    pub next_input_document: u64,
+    /// xxh3-64 of the whole `.bin`, hex.
+    pub bin_xxh3: String,
+    /// xxh3-64 of the whole `.idx`, hex.
+    pub idx_xxh3: String,
+    /// xxh3-64 of each block of [`Index::block_tokens`] tokens, hex.
+    pub blocks: Vec<String>,
+}
+
+/// `index.json` of a prepared folder.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Index {
+    /// Always [`FORMAT`].
+    pub format: String,
+    /// [`VERSION`].
+    pub version: u32,
+    /// How token ids are stored.
+    pub dtype: Dtype,
+    /// Size of the tokenizer's id space.
+    pub vocab_size: usize,
+    /// The id appended after every document.
+    pub end_of_text: u32,
+    /// Tokens per checksummed block.
+    pub block_tokens: u64,
+    /// What the folder was prepared from.
+    pub settings: Settings,
+    /// Documents with text (empty input documents are left out).
+    pub documents: u64,
+    /// Tokens, end-of-text tokens included.
+    pub tokens: u64,
+    /// Input documents that were empty and left out.
+    pub empty_documents: u64,
+    /// The shards, in document order.
+    pub shards: Vec<ShardEntry>,
+}
+
+/// A u64 as 16 hex digits.
+pub(crate) fn hex(v: u64) -> String {
+    format!("{v:016x}")
+}
+
+fn unhex(path: &Path, s: &str) -> Result<u64> {
+    u64::from_str_radix(s, 16).map_err(|_| format(path, format!("{s:?} is not a hex checksum")))
+}
+
+impl Index {
+    /// Reads and checks an index file (`index.json` or the partial one).
+    pub fn read(path: &Path) -> Result<Self> {
+        let text = std::fs::read_to_string(path).map_err(io(path))?;
+        let index: Index = serde_json::from_str(&text).map_err(|e| format(path, e.to_string()))?;
+        if index.format != FORMAT || index.version != VERSION {
+            return Err(format(
+                path,
+                format!(
+                    "format {:?} version {}; this weft reads {FORMAT:?} version {VERSION}",
+                    index.format, index.version
+                ),
+            ));
+        }
+        let (docs, toks): (u64, u64) = index
+            .shards
+            .iter()
+            .fold((0, 0), |(d, t), s| (d + s.documents, t + s.tokens));
+        if docs != index.documents || toks != index.tokens {
+            return Err(format(
+                path,
+                format!(
+                    "the shards hold {docs} documents and {toks} tokens, the totals say {} and {}",
+                    index.documents, index.tokens
+                ),
+            ));
+        }
+        Ok(index)
+    }
+
+    /// Writes the index to `path` atomically (a temporary file renamed
+    /// into place).
+    pub(crate) fn write(&self, path: &Path) -> Result<()> {
+        let mut text = serde_json::to_string_pretty(self).expect("an index serializes");
+        text.push('\n');
+        write_atomic(path, text.as_bytes())
+    }
+}
+
+/// Writes `bytes` to `path` through a temporary file renamed into place,
+/// so `path` is either absent, or old, or whole.
+pub(crate) fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
+    use std::io::Write;
+    let tmp = path.with_extension("tmp");
+    let mut f = std::fs::File::create(&tmp).map_err(io(&tmp))?;
+    f.write_all(bytes).map_err(io(&tmp))?;
+    f.sync_all().map_err(io(&tmp))?;
+    drop(f);
+    std::fs::rename(&tmp, path).map_err(io(path))
+}
+
+/// A prepared folder, opened: its index and its shards mapped.
+#[derive(Debug)]
+pub struct Prepared {
+    /// The folder.
+    pub dir: PathBuf,
+    /// Its index.
+    pub index: Index,
+    pub(crate) shards: Vec<Arc<Shard>>,
+}
+
+impl Prepared {
+    /// Opens a prepared folder: reads `index.json` and maps every shard,
+    /// checking each file's length (a truncated shard is an error here);
+    /// the tokens' checksums are checked block by block as they are read.
+    pub fn open(dir: &Path) -> Result<Self> {
+        let index_path = dir.join(INDEX);
+        if !index_path.exists() && dir.join(PARTIAL).exists() {
+            return Err(format(
+                dir,
+                "an unfinished preparation (prepare.partial.json, no index.json): run `weft data prepare` again to finish it",
+            ));
+        }
+        let index = Index::read(&index_path)?;
+        let mut shards = Vec::with_capacity(index.shards.len());
+        for s in &index.shards {
+            let bin = dir.join(&s.bin);
+            let sums = s
+                .blocks
+                .iter()
+                .map(|h| unhex(&index_path, h))
+                .collect::<Result<Vec<_>>>()?;
+            let shard = Shard::open(
+                &bin,
+                0,
+                index.dtype,
+                s.tokens,
+                index.vocab_size,
+                Some(Blocks::new(index.block_tokens, sums)),
+            )?;
+            let idx = dir.join(&s.idx);
+            let len = std::fs::metadata(&idx).map_err(io(&idx))?.len();
+            if len != s.documents * 8 {
+                return Err(format(
+                    &idx,
+                    format!(
+                        "{len} bytes, but the index says {} documents of 8 bytes: truncated or replaced",
+                        s.documents
+                    ),
+                ));
+            }
+            shards.push(Arc::new(shard));
+        }
+        Ok(Self {
+            dir: dir.to_owned(),
+            index,
+            shards,
+        })
+    }
+
+    /// Checks every checksum of every file (reads the whole folder).
+    pub fn verify(&self) -> Result<()> {
+        for (s, shard) in self.index.shards.iter().zip(&self.shards) {
+            verify_file(&self.dir.join(&s.bin), &s.bin_xxh3)?;
+            verify_file(&self.dir.join(&s.idx), &s.idx_xxh3)?;
+            shard.verify()?;
+        }
+        Ok(())
+    }
+
+    /// The end offset (exclusive, in folder-wide tokens) of the document
+    /// that ends first at or after `target`, or `None` if only the last
+    /// document's end is there. Reads a few pages of one `.idx` file.
+    pub(crate) fn doc_end_at_or_after(&self, target: u64) -> Result<Option<u64>> {
+        let mut base = 0;
+        for s in &self.index.shards {
+            if base + s.tokens >= target && s.documents > 0 {
+                let path = self.dir.join(&s.idx);
+                let map = crate::shard::Mapped::open(&path)?;
+                let ends: Vec<u64> = map
+                    .bytes()
+                    .chunks_exact(8)
+                    .map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes")))
+                    .collect();
+                if ends.windows(2).any(|w| w[0] >= w[1]) || ends.last() != Some(&s.tokens) {
+                    return Err(format(
+                        &path,
+                        "document ends are not increasing up to the shard's length",
+                    ));
+                }
+                let k = ends.partition_point(|&e| base + e < target);
+                let end = base + ends[k.min(ends.len() - 1)];
+                return Ok((end < self.index.tokens).then_some(end));
+            }
+            base += s.tokens;
+        }
+        Ok(None)
+    }
+
+    /// The last document boundary before the end (the start of the last
+    /// document), if there are two documents or more.
+    pub(crate) fn last_doc_start(&self) -> Result<Option<u64>> {
+        if self.index.documents < 2 {
+            return Ok(None);
+        }
+        let last = self.index.shards.iter().rposition(|s| s.documents > 0);
+        let Some(k) = last else { return Ok(None) };
+        let s = &self.index.shards[k];
+        let base: u64 = self.index.shards[..k].iter().map(|s| s.tokens).sum();
+        if s.documents == 1 {
+            return Ok(Some(base));
+        }
+        let path = self.dir.join(&s.idx);
+        let map = crate::shard::Mapped::open(&path)?;
+        let b = &map.bytes()[(s.documents as usize - 2) * 8..(s.documents as usize - 1) * 8];
+        Ok(Some(
+            base + u64::from_le_bytes(b.try_into().expect("8 bytes")),
+        ))
+    }
+
+    /// Segments covering folder-wide tokens `start..end`.
+    pub(crate) fn segments(&self, start: u64, end: u64) -> Vec<Segment> {
+        let mut out = Vec::new();
+        let mut base = 0;
+        for shard in &self.shards {
+            let (s, e) = (base, base + shard.len());
+            let (a, b) = (start.max(s), end.min(e));
+            if a < b {
+                out.push(Segment {
+                    shard: shard.clone(),
+                    start: a - s,
+                    end: b - s,
+                });
+            }
+            base = e;
+        }
+        out
+    }
+}
+
+/// Checks a whole file's xxh3-64 against the recorded hex checksum.
+pub(crate) fn verify_file(path: &Path, expected: &str) -> Result<()> {
+    let want = unhex(path, expected)?;
+    let map = crate::shard::Mapped::open(path)?;
+    let found = xxhash_rust::xxh3::xxh3_64(map.bytes());
+    if found != want {
+        return Err(DataError::Corrupt {
+            path: path.to_owned(),
+            part: "the whole file".into(),
+            expected: want,
+            found,
+        });
+    }
+    Ok(())
+}

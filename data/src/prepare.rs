@@ -1,0 +1,571 @@
+//! `weft data prepare`: text in, token shards out.
+//!
+//! Inputs are `.txt` files (one document each), `.jsonl` files (one
+//! document per line, its text in a field, `"text"` by default), either
+//! gzip-compressed (`.txt.gz`, `.jsonl.gz`), and folders of them, read
+//! recursively in path order. Documents are tokenized with GPT-2's BPE in
+//! parallel over the cores — in batches, reassembled in input order, so
+//! the bytes written do not depend on the thread count — and each gets
+//! the end-of-text token appended.
+//!
+//! Output goes to shards of at most [`PrepareOptions::shard_tokens`]
+//! tokens (a document never straddles two). Each shard is written under
+//! a temporary name and renamed, then recorded in `prepare.partial.json`;
+//! `index.json` is written last. A preparation that is interrupted —
+//! killed, or stopped by its progress callback — resumes when run again
+//! with the same inputs: the recorded shards are verified against their
+//! checksums and kept, and tokenizing continues after the last one.
+
+use std::io::{BufRead, Read};
+use std::ops::ControlFlow;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use rayon::prelude::*;
+
+use crate::corpus::{END_OF_TEXT, GPT2_VOCAB};
+use crate::error::{DataError, Result, io};
+use crate::format::{
+    BLOCK_TOKENS, FORMAT, INDEX, Index, InputFile, PARTIAL, Settings, ShardEntry, VERSION, hex,
+    verify_file, write_atomic,
+};
+use crate::shard::Dtype;
+
+/// How to prepare.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PrepareOptions {
+    /// Shard size bound in tokens (default 2^27: 256 MiB of `u16`).
+    pub shard_tokens: u64,
+    /// The `.jsonl` field holding a document's text (default `"text"`).
+    pub text_key: String,
+    /// Tokenizer threads; 0 for every core.
+    pub threads: usize,
+}
+
+impl Default for PrepareOptions {
+    fn default() -> Self {
+        Self {
+            shard_tokens: 1 << 27,
+            text_key: "text".into(),
+            threads: 0,
+        }
+    }
+}
+
+/// Where a preparation is, for a progress display.
+#[derive(Clone, Debug, Default)]
+pub struct Progress {
+    /// Documents tokenized so far (this run).
+    pub documents: u64,
+    /// Tokens written or pending so far (this run).
+    pub tokens: u64,
+    /// Input bytes read (compressed bytes for `.gz`).
+    pub bytes_read: u64,
+    /// Input bytes in all.
+    pub bytes_total: u64,
+    /// Shards finished, resumed ones included.
+    pub shards: u64,
+    /// Time since this run started.
+    pub elapsed: Duration,
+}
+
+/// What a preparation did.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct PrepareReport {
+    /// Documents in the folder.
+    pub documents: u64,
+    /// Tokens in the folder.
+    pub tokens: u64,
+    /// Shards in the folder.
+    pub shards: u64,
+    /// Shards kept from an earlier, interrupted run (verified).
+    pub resumed_shards: u64,
+    /// Empty input documents left out.
+    pub empty_documents: u64,
+    /// Input bytes.
+    pub input_bytes: u64,
+    /// Whether the folder was already complete (nothing was written).
+    pub already_prepared: bool,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Kind {
+    Txt,
+    Jsonl,
+}
+
+struct Input {
+    path: PathBuf,
+    shown: String,
+    bytes: u64,
+    kind: Kind,
+    gz: bool,
+}
+
+fn kind_of(path: &Path) -> Option<(Kind, bool)> {
+    let name = path.file_name()?.to_str()?;
+    let (stem, gz) = match name.strip_suffix(".gz") {
+        Some(s) => (s, true),
+        None => (name, false),
+    };
+    if stem.ends_with(".txt") {
+        Some((Kind::Txt, gz))
+    } else if stem.ends_with(".jsonl") {
+        Some((Kind::Jsonl, gz))
+    } else {
+        None
+    }
+}
+
+fn walk(dir: &Path, out: &mut Vec<PathBuf>) -> Result<()> {
+    let mut entries: Vec<PathBuf> = std::fs::read_dir(dir)
+        .map_err(io(dir))?
+        .map(|e| e.map(|e| e.path()).map_err(io(dir)))
+        .collect::<Result<_>>()?;
+    entries.sort();
+    for p in entries {
+        let hidden = p
+            .file_name()
+            .and_then(|n| n.to_str())
+            .is_some_and(|n| n.starts_with('.'));
+        if hidden {
+            continue;
+        }
+        if p.is_dir() {
+            walk(&p, out)?;
+        } else if kind_of(&p).is_some() {
+            out.push(p);
+        }
+    }
+    Ok(())
+}
+
+fn list_inputs(inputs: &[PathBuf]) -> Result<Vec<Input>> {
+    let mut out = Vec::new();
+    for arg in inputs {
+        let meta = std::fs::metadata(arg).map_err(io(arg))?;
+        let files = if meta.is_dir() {
+            let mut v = Vec::new();
+            walk(arg, &mut v)?;
+            v
+        } else {
+            if kind_of(arg).is_none() {
+                return Err(DataError::UnsupportedInput(arg.clone()));
+            }
+            vec![arg.clone()]
+        };
+        for path in files {
+            let (kind, gz) = kind_of(&path).expect("listed by kind");
+            let bytes = std::fs::metadata(&path).map_err(io(&path))?.len();
+            out.push(Input {
+                shown: path.display().to_string(),
+                path,
+                bytes,
+                kind,
+                gz,
+            });
+        }
+    }
+    if out.is_empty() {
+        let names: Vec<String> = inputs.iter().map(|p| p.display().to_string()).collect();
+        return Err(DataError::NoInputs(names.join(", ")));
+    }
+    Ok(out)
+}
+
+/// Counts the bytes read through it.
+struct Counting<R> {
+    inner: R,
+    count: Arc<AtomicU64>,
+}
+
+impl<R: Read> Read for Counting<R> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        let n = self.inner.read(buf)?;
+        self.count.fetch_add(n as u64, Ordering::Relaxed);
+        Ok(n)
+    }
+}
+
+/// Calls `each` with every document of `input` (empty ones included).
+fn documents(
+    input: &Input,
+    text_key: &str,
+    count: &Arc<AtomicU64>,
+    each: &mut dyn FnMut(String) -> Result<ControlFlow<()>>,
+) -> Result<ControlFlow<()>> {
+    let file = std::fs::File::open(&input.path).map_err(io(&input.path))?;
+    let raw = Counting {
+        inner: file,
+        count: count.clone(),
+    };
+    let mut reader: Box<dyn BufRead> = if input.gz {
+        Box::new(std::io::BufReader::with_capacity(
+            1 << 20,
+            flate2::read::MultiGzDecoder::new(std::io::BufReader::new(raw)),
+        ))
+    } else {
+        Box::new(std::io::BufReader::with_capacity(1 << 20, raw))
+    };
+    match input.kind {
+        Kind::Txt => {
+            let mut bytes = Vec::new();
+            reader.read_to_end(&mut bytes).map_err(io(&input.path))?;
+            let text = String::from_utf8(bytes).map_err(|e| DataError::NotUtf8 {
+                path: input.path.clone(),
+                offset: e.utf8_error().valid_up_to(),
+            })?;
+            each(text)
+        }
+        Kind::Jsonl => {
+            let mut line = Vec::new();
+            let mut number = 0u64;
+            let mut offset = 0usize;
+            loop {
+                line.clear();
+                let n = reader
+                    .read_until(b'\n', &mut line)
+                    .map_err(io(&input.path))?;
+                if n == 0 {
+                    return Ok(ControlFlow::Continue(()));
+                }
+                number += 1;
+                let text = std::str::from_utf8(&line).map_err(|e| DataError::NotUtf8 {
+                    path: input.path.clone(),
+                    offset: offset + e.valid_up_to(),
+                })?;
+                offset += n;
+                if text.trim().is_empty() {
+                    continue;
+                }
+                let bad = |what: String| DataError::BadJsonl {
+                    path: input.path.clone(),
+                    line: number,
+                    what,
+                };
+                let value: serde_json::Value =
+                    serde_json::from_str(text).map_err(|e| bad(format!("not JSON: {e}")))?;
+                let doc = match value.get(text_key) {
+                    Some(serde_json::Value::String(s)) => s.clone(),
+                    Some(_) => return Err(bad(format!("field {text_key:?} is not a string"))),
+                    None => {
+                        return Err(bad(format!(
+                            "no field {text_key:?} (choose it with --text-key)"
+                        )));
+                    }
+                };
+                if each(doc)?.is_break() {
+                    return Ok(ControlFlow::Break(()));
+                }
+            }
+        }
+    }
+}
+
+/// The shard being filled, and the index of the finished ones.
+struct Writer<'a> {
+    dir: &'a Path,
+    index: Index,
+    tokens: Vec<u16>,
+    ends: Vec<u64>,
+}
+
+impl Writer<'_> {
+    fn shard_names(k: usize) -> (String, String) {
+        (format!("shard-{k:05}.bin"), format!("shard-{k:05}.idx"))
+    }
+
+    /// Appends document `raw` (its tokens, then end-of-text).
+    fn add(&mut self, raw: u64, doc: &[u32]) -> Result<()> {
+        if doc.is_empty() {
+            self.index.empty_documents += 1;
+            return Ok(());
+        }
+        let limit = self.index.settings.shard_tokens;
+        let n = doc.len() as u64 + 1;
+        if !self.tokens.is_empty() && self.tokens.len() as u64 + n > limit {
+            self.flush(raw)?;
+        }
+        // Every GPT-2 id is below 50257 < 2^16.
+        self.tokens.extend(doc.iter().map(|&t| t as u16));
+        self.tokens.push(END_OF_TEXT as u16);
+        self.ends.push(self.tokens.len() as u64);
+        if self.tokens.len() as u64 >= limit {
+            self.flush(raw + 1)?;
+        }
+        Ok(())
+    }
+
+    /// Writes the current shard and records it; `next` is the first
+    /// input document it does not hold.
+    fn flush(&mut self, next: u64) -> Result<()> {
+        if self.tokens.is_empty() {
+            return Ok(());
+        }
+        let (bin, idx) = Self::shard_names(self.index.shards.len());
+        let bin_bytes: Vec<u8> = self.tokens.iter().flat_map(|t| t.to_le_bytes()).collect();
+        let idx_bytes: Vec<u8> = self.ends.iter().flat_map(|e| e.to_le_bytes()).collect();
+        let block = BLOCK_TOKENS as usize * 2;
+        let blocks = bin_bytes
+            .chunks(block)
+            .map(|c| hex(xxhash_rust::xxh3::xxh3_64(c)))
+            .collect();
+        write_atomic(&self.dir.join(&bin), &bin_bytes)?;
+        write_atomic(&self.dir.join(&idx), &idx_bytes)?;
+        self.index.shards.push(ShardEntry {
+            bin,
+            idx,
+            tokens: self.tokens.len() as u64,
+            documents: self.ends.len() as u64,
+            next_input_document: next,
+            bin_xxh3: hex(xxhash_rust::xxh3::xxh3_64(&bin_bytes)),
+            idx_xxh3: hex(xxhash_rust::xxh3::xxh3_64(&idx_bytes)),
+            blocks,
+        });
+        self.index.tokens += self.tokens.len() as u64;
+        self.index.documents += self.ends.len() as u64;
+        self.tokens.clear();
+        self.ends.clear();
+        self.index.write(&self.dir.join(PARTIAL))
+    }
+}
+
+/// The first way two settings differ, for an error message.
+fn first_difference(a: &Settings, b: &Settings) -> String {
+    if a.tokenizer != b.tokenizer {
+        return format!("tokenizer {:?} vs {:?}", a.tokenizer, b.tokenizer);
+    }
+    if a.text_key != b.text_key {
+        return format!("text key {:?} vs {:?}", a.text_key, b.text_key);
+    }
+    if a.shard_tokens != b.shard_tokens {
+        return format!("shard size {} vs {} tokens", a.shard_tokens, b.shard_tokens);
+    }
+    for (x, y) in a.inputs.iter().zip(&b.inputs) {
+        if x != y {
+            return format!(
+                "input {} ({} bytes) vs {} ({} bytes)",
+                x.path, x.bytes, y.path, y.bytes
+            );
+        }
+    }
+    format!("{} input files vs {}", a.inputs.len(), b.inputs.len())
+}
+
+/// Tokenizes `inputs` into a prepared folder `out` (see the module docs),
+/// calling `progress` after every batch of documents; a `Break` from it
+/// stops the preparation ([`DataError::Interrupted`]) with the finished
+/// shards kept for a resume.
+///
+/// # Errors
+/// Unreadable, non-UTF-8 or malformed inputs (naming file and line), no
+/// inputs, no text; an `out` that holds something else or a preparation
+/// of other inputs ([`DataError::OutputInUse`]: nothing is overwritten).
+pub fn prepare(
+    inputs: &[PathBuf],
+    out: &Path,
+    options: &PrepareOptions,
+    progress: &mut dyn FnMut(&Progress) -> ControlFlow<()>,
+) -> Result<PrepareReport> {
+    let started = Instant::now();
+    let files = list_inputs(inputs)?;
+    let settings = Settings {
+        tokenizer: "gpt2".into(),
+        text_key: options.text_key.clone(),
+        shard_tokens: options.shard_tokens.max(1),
+        inputs: files
+            .iter()
+            .map(|f| InputFile {
+                path: f.shown.clone(),
+                bytes: f.bytes,
+            })
+            .collect(),
+    };
+    let bytes_total: u64 = files.iter().map(|f| f.bytes).sum();
+    let in_use = |what: String| DataError::OutputInUse {
+        dir: out.to_owned(),
+        what,
+    };
+    let report = |index: &Index, resumed: u64, already: bool| PrepareReport {
+        documents: index.documents,
+        tokens: index.tokens,
+        shards: index.shards.len() as u64,
+        resumed_shards: resumed,
+        empty_documents: index.empty_documents,
+        input_bytes: bytes_total,
+        already_prepared: already,
+    };
+
+    // What is there already.
+    let mut index = Index {
+        format: FORMAT.into(),
+        version: VERSION,
+        dtype: Dtype::U16,
+        vocab_size: GPT2_VOCAB,
+        end_of_text: END_OF_TEXT,
+        block_tokens: BLOCK_TOKENS,
+        settings: settings.clone(),
+        documents: 0,
+        tokens: 0,
+        empty_documents: 0,
+        shards: Vec::new(),
+    };
+    let mut resume_from = 0u64;
+    if out.join(INDEX).exists() {
+        let done = Index::read(&out.join(INDEX))?;
+        if done.settings != settings {
+            return Err(in_use(format!(
+                "holds a preparation of other inputs or settings ({}); use another --out or remove it",
+                first_difference(&done.settings, &settings)
+            )));
+        }
+        for s in &done.shards {
+            verify_file(&out.join(&s.bin), &s.bin_xxh3)?;
+            verify_file(&out.join(&s.idx), &s.idx_xxh3)?;
+        }
+        return Ok(report(&done, done.shards.len() as u64, true));
+    } else if out.join(PARTIAL).exists() {
+        let partial = Index::read(&out.join(PARTIAL))?;
+        if partial.settings != settings {
+            return Err(in_use(format!(
+                "holds an unfinished preparation of other inputs or settings ({}); use another --out or remove it",
+                first_difference(&partial.settings, &settings)
+            )));
+        }
+        // Keep the longest run of shards that verify.
+        let mut good = 0;
+        for s in &partial.shards {
+            let ok = verify_file(&out.join(&s.bin), &s.bin_xxh3).is_ok()
+                && verify_file(&out.join(&s.idx), &s.idx_xxh3).is_ok();
+            if !ok {
+                break;
+            }
+            good += 1;
+        }
+        // A damaged shard restarts the preparation (the count of empty
+        // documents is recorded for the last shard only).
+        if good < partial.shards.len() {
+            good = 0;
+        }
+        index = partial;
+        index.shards.truncate(good);
+        index.documents = index.shards.iter().map(|s| s.documents).sum();
+        index.tokens = index.shards.iter().map(|s| s.tokens).sum();
+        resume_from = index.shards.last().map_or(0, |s| s.next_input_document);
+        if good == 0 {
+            index.empty_documents = 0;
+        }
+    } else if out.exists() {
+        let mut entries = std::fs::read_dir(out).map_err(io(out))?;
+        if entries.next().is_some() {
+            return Err(in_use(
+                "is not empty and holds no weft preparation; refusing to write into it".into(),
+            ));
+        }
+    } else {
+        std::fs::create_dir_all(out).map_err(io(out))?;
+    }
+    let resumed = index.shards.len() as u64;
+
+    let bpe = tiktoken_rs::r50k_base().map_err(|e| DataError::Tokenizer(e.to_string()))?;
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(options.threads)
+        .build()
+        .map_err(|e| DataError::Tokenizer(e.to_string()))?;
+    let mut writer = Writer {
+        dir: out,
+        index,
+        tokens: Vec::new(),
+        ends: Vec::new(),
+    };
+    let count = Arc::new(AtomicU64::new(0));
+    let mut shown = Progress {
+        bytes_total,
+        ..Progress::default()
+    };
+    let mut batch: Vec<(u64, String)> = Vec::new();
+    let mut batch_bytes = 0usize;
+    let mut raw = 0u64;
+    const BATCH_BYTES: usize = 8 << 20;
+    const BATCH_DOCS: usize = 8192;
+
+    let mut run_batch = |batch: &mut Vec<(u64, String)>,
+                         writer: &mut Writer<'_>,
+                         shown: &mut Progress|
+     -> Result<ControlFlow<()>> {
+        let tokens: Vec<Vec<u32>> = pool.install(|| {
+            batch
+                .par_iter()
+                .map(|(_, d)| {
+                    bpe.encode_ordinary(d)
+                        .into_iter()
+                        .map(|t| t as u32)
+                        .collect()
+                })
+                .collect()
+        });
+        for ((r, _), t) in batch.iter().zip(&tokens) {
+            writer.add(*r, t)?;
+            shown.documents += u64::from(!t.is_empty());
+            shown.tokens += if t.is_empty() { 0 } else { t.len() as u64 + 1 };
+        }
+        batch.clear();
+        shown.bytes_read = count.load(Ordering::Relaxed);
+        shown.shards = writer.index.shards.len() as u64;
+        shown.elapsed = started.elapsed();
+        Ok(progress(shown))
+    };
+
+    let mut stopped = false;
+    'files: for f in &files {
+        let flow = documents(f, &options.text_key, &count, &mut |doc| {
+            let r = raw;
+            raw += 1;
+            if r < resume_from {
+                return Ok(ControlFlow::Continue(()));
+            }
+            batch_bytes += doc.len();
+            batch.push((r, doc));
+            if batch_bytes >= BATCH_BYTES || batch.len() >= BATCH_DOCS {
+                batch_bytes = 0;
+                return run_batch(&mut batch, &mut writer, &mut shown);
+            }
+            Ok(ControlFlow::Continue(()))
+        })?;
+        if flow.is_break() {
+            stopped = true;
+            break 'files;
+        }
+    }
+    if !stopped && run_batch(&mut batch, &mut writer, &mut shown)?.is_break() {
+        stopped = true;
+    }
+    if stopped {
+        return Err(DataError::Interrupted(out.to_owned()));
+    }
+    writer.flush(raw)?;
+    let index = writer.index;
+    if index.documents == 0 {
+        let _ = std::fs::remove_file(out.join(PARTIAL));
+        return Err(DataError::Empty);
+    }
+    index.write(&out.join(INDEX))?;
+    let _ = std::fs::remove_file(out.join(PARTIAL));
+    // Files of an interrupted run that the index does not name.
+    let named: std::collections::HashSet<&str> = index
+        .shards
+        .iter()
+        .flat_map(|s| [s.bin.as_str(), s.idx.as_str()])
+        .collect();
+    for e in std::fs::read_dir(out).map_err(io(out))?.flatten() {
+        let name = e.file_name();
+        let name = name.to_string_lossy();
+        let ours = name.starts_with("shard-") || name.ends_with(".tmp");
+        if ours && !named.contains(name.as_ref()) {
+            let _ = std::fs::remove_file(e.path());
+        }
+    }
+    Ok(report(&index, resumed, false))
+}
