@@ -42,7 +42,7 @@ fn trainer_checkpoint_exports_to_a_loadable_hf_model() {
     let model = weft_model::hf::load(&hf).unwrap();
     let data = Data::open(&config).unwrap();
     let (mut total, mut n) = (0.0, 0usize);
-    for b in data.val_batches(config.train.eval_sequences, 4) {
+    for b in data.val_batches(config.train.eval_sequences, 4).unwrap() {
         let mut acts = model.activations(b.batch, b.seq).unwrap();
         let loss = model
             .forward(&mut acts, &b.inputs, Some(&b.targets))

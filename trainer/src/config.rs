@@ -446,13 +446,43 @@ impl Default for ModelConfig {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct DataConfig {
-    /// `"synthetic"` for the built-in corpus with a known loss floor, or the
-    /// path of a `.txt` file or a folder of them (GPT-2 BPE).
+    /// `"synthetic"` for the built-in corpus with a known loss floor; the
+    /// path of a `.txt` file or a folder of them (tokenized with GPT-2's BPE
+    /// when the run starts, cached); or token data prepared once and
+    /// memory-mapped: a folder of `weft data prepare`, a Megatron-LM
+    /// `.bin`/`.idx` pair (or their prefix), or llm.c `.bin` shards.
     pub source: String,
-    /// Fraction of the data held out for validation, in (0, 0.5].
+    /// Fraction of the data held out for validation, in (0, 0.5]: of the
+    /// tokens for text, at a document boundary for token data.
     pub val_fraction: f64,
     /// The synthetic language, when `source = "synthetic"`.
     pub synthetic: SyntheticSpec,
+    /// Several token datasets sampled by weight, instead of `source`
+    /// (`[[data.blend]]` tables with `path` and `weight`): sample `g` of the
+    /// run comes from a seeded, deterministic interleave that gives each
+    /// dataset its share (the start of a run reports the realized
+    /// proportions), each dataset reshuffled every epoch.
+    pub blend: Vec<BlendEntry>,
+}
+
+impl DataConfig {
+    /// Whether the source is text that is tokenized when the run starts
+    /// (not the synthetic corpus, not token data).
+    pub fn is_text(&self) -> bool {
+        self.blend.is_empty()
+            && self.source != "synthetic"
+            && !weft_data::Corpus::is_token_data(Path::new(&self.source))
+    }
+}
+
+/// One dataset of `data.blend`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BlendEntry {
+    /// Prepared token data (as `data.source` accepts).
+    pub path: String,
+    /// Its weight; shares are weights over their sum.
+    pub weight: f64,
 }
 
 impl Default for DataConfig {
@@ -461,6 +491,7 @@ impl Default for DataConfig {
             source: "synthetic".into(),
             val_fraction: 0.1,
             synthetic: SyntheticSpec::default(),
+            blend: Vec::new(),
         }
     }
 }
@@ -1034,8 +1065,31 @@ impl Config {
         if d.source.is_empty() {
             return bad(
                 "data.source",
-                "must be \"synthetic\" or a path to .txt data".into(),
+                "must be \"synthetic\", a path to .txt data, or prepared token data".into(),
             );
+        }
+        if !d.blend.is_empty() && d.source != "synthetic" {
+            return bad(
+                "data.blend",
+                format!(
+                    "replaces data.source; set one of them (data.source = {:?})",
+                    d.source
+                ),
+            );
+        }
+        for (i, b) in d.blend.iter().enumerate() {
+            if b.path.is_empty() {
+                return bad(
+                    &format!("data.blend[{i}].path"),
+                    "must name a dataset".into(),
+                );
+            }
+            if !(b.weight.is_finite() && b.weight > 0.0) {
+                return bad(
+                    &format!("data.blend[{i}].weight"),
+                    format!("must be a positive number (got {})", b.weight),
+                );
+            }
         }
         Ok(())
     }

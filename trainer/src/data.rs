@@ -1,22 +1,26 @@
-//! Training data: the synthetic corpus, or text tokenized with GPT-2's BPE.
+//! Training data: the synthetic corpus, text tokenized with GPT-2's BPE on
+//! the fly, or prepared token data (`weft data prepare`, Megatron-LM or
+//! llm.c files, and blends of them: [`weft_data`]).
 //!
-//! Both sources hand out batches by *position*, not by iterator state: the
-//! training batch of optimizer step `s`, micro-batch `k` is a pure function
-//! of `(seed, s, k)`. A resumed run therefore sees exactly the batches an
-//! uninterrupted one would, with nothing to save but the step.
+//! Every source hands out batches by *position*, not by iterator state:
+//! the training batch of optimizer step `s`, micro-batch `k` is a pure
+//! function of `(seed, s, k)` — for prepared data, of the sample number
+//! `s · train.batch_size + position in the batch`, so it does not depend
+//! on how the batch is cut over ranks or micro-batches. A resumed run
+//! therefore sees exactly the batches an uninterrupted one would, with
+//! nothing to save but the step.
 
 use std::path::{Path, PathBuf};
 
 use rand_core::{Rng, SeedableRng};
 use rand_pcg::Pcg64;
 
+use weft_data::{Corpus, Loader, Share};
+
 use crate::config::Config;
 use crate::synthetic::{SpecError, SyntheticLanguage};
 
-/// GPT-2's end-of-text token, placed between documents.
-pub const END_OF_TEXT: u32 = 50256;
-/// GPT-2's vocabulary size.
-pub const GPT2_VOCAB: usize = 50257;
+pub use weft_data::{END_OF_TEXT, GPT2_VOCAB};
 
 /// Token sequences for one micro-batch: `inputs[b·T + t]` is followed by
 /// `targets[b·T + t]`.
@@ -96,6 +100,9 @@ pub enum DataError {
     /// The tokenizer could not be built.
     #[error("GPT-2 tokenizer: {0}")]
     Tokenizer(String),
+    /// Prepared token data is missing, malformed or damaged.
+    #[error(transparent)]
+    Tokens(#[from] weft_data::DataError),
 }
 
 /// Where batches come from.
@@ -105,6 +112,8 @@ pub enum Data {
     Synthetic(SyntheticData),
     /// Tokenized text.
     Text(TextData),
+    /// Prepared token data, or a blend of several.
+    Tokens(TokenData),
 }
 
 impl Data {
@@ -115,7 +124,9 @@ impl Data {
     /// synthetic settings.
     pub fn open(config: &Config) -> Result<Self, DataError> {
         let seq = config.model.block_size;
-        if config.data.source == "synthetic" {
+        if !config.data.blend.is_empty() || Corpus::is_token_data(Path::new(&config.data.source)) {
+            TokenData::open(config).map(Data::Tokens)
+        } else if config.data.source == "synthetic" {
             let lang = SyntheticLanguage::new(config.data.synthetic.clone())?;
             Ok(Data::Synthetic(SyntheticData {
                 lang,
@@ -132,25 +143,43 @@ impl Data {
     pub fn vocab_size(&self) -> usize {
         match self {
             Data::Synthetic(s) => s.lang.vocab_size(),
-            Data::Text(_) => GPT2_VOCAB,
+            Data::Text(_) | Data::Tokens(_) => GPT2_VOCAB,
         }
     }
 
     /// The training micro-batch of `batch` sequences for optimizer step
     /// `step`, micro-batch `micro`.
-    pub fn train_batch(&self, step: u64, micro: usize, batch: usize) -> Batch {
-        match self {
+    ///
+    /// # Errors
+    /// Prepared data only: a damaged shard or an id outside the
+    /// vocabulary, naming the file (never trained on).
+    pub fn train_batch(&self, step: u64, micro: usize, batch: usize) -> Result<Batch, DataError> {
+        Ok(match self {
             Data::Synthetic(s) => s.train_batch(step, micro, batch),
             Data::Text(t) => t.train_batch(step, micro, batch),
-        }
+            Data::Tokens(t) => t.train_batch(step, micro, batch)?,
+        })
     }
 
-    /// The first `n` validation sequences (fewer if the text's validation
-    /// split holds fewer), in batches of at most `batch`.
-    pub fn val_batches(&self, n: usize, batch: usize) -> Vec<Batch> {
-        match self {
+    /// The first `n` validation sequences (fewer if the validation split
+    /// holds fewer), in batches of at most `batch`.
+    ///
+    /// # Errors
+    /// As [`train_batch`](Self::train_batch).
+    pub fn val_batches(&self, n: usize, batch: usize) -> Result<Vec<Batch>, DataError> {
+        Ok(match self {
             Data::Synthetic(s) => s.val_batches(n, batch),
             Data::Text(t) => t.val_batches(n, batch),
+            Data::Tokens(t) => t.val_batches(n, batch)?,
+        })
+    }
+
+    /// For prepared data, what each dataset gives over the first
+    /// `samples` samples (one entry for a single dataset).
+    pub fn shares(&self, samples: u64) -> Vec<Share> {
+        match self {
+            Data::Tokens(t) => t.loader.shares(samples),
+            _ => Vec::new(),
         }
     }
 
@@ -159,8 +188,64 @@ impl Data {
     pub fn val_floor(&self, n: usize) -> Option<f64> {
         match self {
             Data::Synthetic(s) => Some(s.val_floor(n)),
-            Data::Text(_) => None,
+            Data::Text(_) | Data::Tokens(_) => None,
         }
+    }
+}
+
+/// Prepared token data ([`weft_data`]): one corpus, or a blend.
+#[derive(Debug)]
+pub struct TokenData {
+    /// The sequences.
+    pub loader: Loader,
+    /// Sequences per optimizer step (`train.batch_size`).
+    global_batch: u64,
+}
+
+impl TokenData {
+    /// Opens `data.source` or every corpus of `data.blend`, memory-mapped.
+    ///
+    /// # Errors
+    /// [`DataError::Tokens`] naming the corpus that is missing, malformed,
+    /// too short, or not token data.
+    pub fn open(config: &Config) -> Result<Self, DataError> {
+        let d = &config.data;
+        let parts: Vec<(PathBuf, f64)> = if d.blend.is_empty() {
+            vec![(PathBuf::from(&d.source), 1.0)]
+        } else {
+            d.blend
+                .iter()
+                .map(|b| (PathBuf::from(&b.path), b.weight))
+                .collect()
+        };
+        let corpora = parts
+            .into_iter()
+            .map(|(p, w)| Corpus::open(&p, d.val_fraction).map(|c| (c, w)))
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(Self {
+            loader: Loader::new(corpora, config.model.block_size, config.train.seed)?,
+            global_batch: config.train.batch_size as u64,
+        })
+    }
+
+    fn train_batch(&self, step: u64, micro: usize, batch: usize) -> Result<Batch, DataError> {
+        let seq = self.loader.seq();
+        let mut windows = Vec::with_capacity(batch);
+        for b in 0..batch {
+            let g = step * self.global_batch + (micro * batch + b) as u64;
+            let mut w = Vec::with_capacity(seq + 1);
+            self.loader.train_sequence(g, &mut w)?;
+            windows.push(w);
+        }
+        Ok(Batch::from_windows(&windows, seq))
+    }
+
+    fn val_batches(&self, n: usize, batch: usize) -> Result<Vec<Batch>, DataError> {
+        let all = self.loader.val_sequences(n)?;
+        Ok(all
+            .chunks(batch.max(1))
+            .map(|w| Batch::from_windows(w, self.loader.seq()))
+            .collect())
     }
 }
 

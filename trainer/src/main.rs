@@ -42,6 +42,42 @@ enum MoeCommand {
 }
 
 #[derive(Subcommand, Debug)]
+enum DataCommand {
+    /// Tokenize text once into token shards for training (GPT-2 BPE, in
+    /// parallel over the cores): .txt files (one document each), .jsonl
+    /// files (one document per line), either gzip-compressed, and folders
+    /// of them (recursively, in path order). Resumes an interrupted run;
+    /// the same inputs always give the same bytes. Train on the result
+    /// with `weft train --data DIR`.
+    Prepare {
+        /// Input files and folders.
+        #[arg(required = true)]
+        inputs: Vec<PathBuf>,
+        /// Output folder (created; an unfinished one is resumed).
+        #[arg(long, value_name = "DIR")]
+        out: PathBuf,
+        /// Shard size bound, in tokens.
+        #[arg(long, value_name = "N", default_value_t = 1 << 27)]
+        shard_tokens: u64,
+        /// The .jsonl field holding a document's text.
+        #[arg(long, value_name = "FIELD", default_value = "text")]
+        text_key: String,
+        /// Tokenizer threads (0: every core).
+        #[arg(long, value_name = "N", default_value_t = 0)]
+        threads: usize,
+    },
+    /// Describe token data (a prepared folder, a Megatron-LM .bin/.idx
+    /// pair, llm.c shards) and check every checksum and every id.
+    Verify {
+        /// The data.
+        path: PathBuf,
+        /// The validation fraction to show the split for.
+        #[arg(long, value_name = "F", default_value_t = 0.1)]
+        val_fraction: f64,
+    },
+}
+
+#[derive(Subcommand, Debug)]
 enum CkptCommand {
     /// Check every checksum of a checkpoint folder.
     Verify {
@@ -99,7 +135,9 @@ enum Command {
         /// `--print-config` shows every key with its default).
         #[arg(long = "set", value_name = "KEY=VALUE")]
         sets: Vec<String>,
-        /// Train on text: a .txt file or a folder of them (GPT-2 BPE);
+        /// Train on text (a .txt file or a folder of them, tokenized with
+        /// GPT-2 BPE at the start) or on token data (a folder of `weft
+        /// data prepare`, a Megatron-LM .bin/.idx pair, llm.c shards);
         /// shorthand for `--set data.source=PATH`.
         #[arg(long, value_name = "PATH")]
         data: Option<PathBuf>,
@@ -280,6 +318,11 @@ enum Command {
     Moe {
         #[command(subcommand)]
         command: MoeCommand,
+    },
+    /// Prepare token data for training, and check it.
+    Data {
+        #[command(subcommand)]
+        command: DataCommand,
     },
     /// Inspect and convert checkpoints (`<run>/checkpoints/step-NNNNNNNN`).
     Ckpt {
@@ -534,6 +577,7 @@ fn run(cli: Cli) -> Result<()> {
             }
         }
         Command::Ckpt { command } => ckpt(command),
+        Command::Data { command } => data(command),
         Command::Sample {
             run,
             prompt,
@@ -956,6 +1000,79 @@ fn rank_failed(
     ));
     std::mem::forget(procs);
     Reported.into()
+}
+
+fn data(command: DataCommand) -> Result<()> {
+    use std::ops::ControlFlow;
+    match command {
+        DataCommand::Prepare {
+            inputs,
+            out,
+            shard_tokens,
+            text_key,
+            threads,
+        } => {
+            let opts = weft_data::PrepareOptions {
+                shard_tokens,
+                text_key,
+                threads,
+            };
+            let mut shown = progress::Bytes::new("preparing");
+            let report = weft_data::prepare(&inputs, &out, &opts, &mut |p| {
+                shown.update(p);
+                ControlFlow::Continue(())
+            });
+            shown.finish();
+            let report = report.with_context(|| format!("preparing {}", out.display()))?;
+            progress::say(&format!(
+                "{}{}: {} documents, {} tokens in {} shards from {} input bytes{}{}",
+                if report.already_prepared {
+                    "already prepared: "
+                } else {
+                    ""
+                },
+                out.display(),
+                report.documents,
+                report.tokens,
+                report.shards,
+                report.input_bytes,
+                if report.empty_documents > 0 {
+                    format!(" ({} empty documents left out)", report.empty_documents)
+                } else {
+                    String::new()
+                },
+                if report.resumed_shards > 0 && !report.already_prepared {
+                    format!(
+                        "; {} shards kept from the interrupted run",
+                        report.resumed_shards
+                    )
+                } else {
+                    String::new()
+                },
+            ));
+        }
+        DataCommand::Verify { path, val_fraction } => {
+            let c = weft_data::Corpus::open(&path, val_fraction)
+                .with_context(|| format!("opening {}", path.display()))?;
+            c.verify()
+                .with_context(|| format!("verifying {}", path.display()))?;
+            let checked = if c.format == weft_data::Format::Weft {
+                "every checksum and id checked"
+            } else {
+                "every id checked (the format has no checksums)"
+            };
+            progress::say(&format!(
+                "ok: {} ({} format){} — {} training and {} validation tokens (val_fraction {val_fraction}, cut at a document boundary); {checked}",
+                path.display(),
+                c.format,
+                c.documents
+                    .map_or(String::new(), |d| format!(", {d} documents")),
+                c.train.len(),
+                c.val.len(),
+            ));
+        }
+    }
+    Ok(())
 }
 
 fn ckpt(command: CkptCommand) -> Result<()> {

@@ -108,6 +108,21 @@ impl Observer for Terminal {
             }
         ));
         say(&format!("backend         {}", info.backend));
+        for (i, d) in info.data_shares.iter().enumerate() {
+            say(&format!(
+                "{}{}: {:.1}% of the run's {} sequences (weight {:.3}), {:.2} epochs",
+                if i == 0 {
+                    "data            "
+                } else {
+                    "                "
+                },
+                d.path,
+                100.0 * d.fraction,
+                info.data_shares.iter().map(|d| d.samples).sum::<u64>(),
+                d.weight,
+                d.epochs
+            ));
+        }
         let m = &info.memory;
         say(&format!(
             "ranks           {}; per rank: params {}B, grads {}B, AdamW {}B, activations {}B, comm buffers {}B (total {}B{})",
@@ -343,5 +358,79 @@ impl Observer for Terminal {
             s.run_dir.display(),
             files.join(", ")
         ));
+    }
+}
+
+/// A byte-count progress display for `weft data prepare`: a bar with
+/// documents/s, tokens/s and the ETA on a terminal, a line every few
+/// seconds otherwise.
+pub struct Bytes {
+    bar: Option<ProgressBar>,
+    last_line: Option<std::time::Instant>,
+    what: &'static str,
+}
+
+impl Bytes {
+    /// A display of `what` (e.g. `"preparing"`).
+    pub fn new(what: &'static str) -> Self {
+        Self {
+            bar: None,
+            last_line: None,
+            what,
+        }
+    }
+
+    /// Shows `p`.
+    pub fn update(&mut self, p: &weft_data::Progress) {
+        let secs = p.elapsed.as_secs_f64().max(1e-9);
+        let rates = format!(
+            "{} docs, {}docs/s, {}tokens/s, {} shards",
+            p.documents,
+            si(p.documents as f64 / secs),
+            si(p.tokens as f64 / secs),
+            p.shards
+        );
+        if std::io::stdout().is_terminal() {
+            let bar = self.bar.get_or_insert_with(|| {
+                let b = ProgressBar::new(p.bytes_total);
+                b.set_style(
+                    ProgressStyle::with_template(
+                        "{prefix} [{bar:30}] {bytes}/{total_bytes} ({bytes_per_sec}, ETA {eta}) {msg}",
+                    )
+                    .expect("a valid template")
+                    .progress_chars("=> "),
+                );
+                b.set_prefix(self.what);
+                b
+            });
+            bar.set_position(p.bytes_read);
+            bar.set_message(rates);
+        } else if self
+            .last_line
+            .is_none_or(|t| t.elapsed() >= std::time::Duration::from_secs(5))
+        {
+            self.last_line = Some(std::time::Instant::now());
+            let eta = if p.bytes_read > 0 && p.bytes_total > p.bytes_read {
+                format!(
+                    ", ETA {:.0} s",
+                    secs * (p.bytes_total - p.bytes_read) as f64 / p.bytes_read as f64
+                )
+            } else {
+                String::new()
+            };
+            say(&format!(
+                "{} {:.1}% of {} input bytes: {rates}{eta}",
+                self.what,
+                100.0 * p.bytes_read as f64 / p.bytes_total.max(1) as f64,
+                p.bytes_total
+            ));
+        }
+    }
+
+    /// Removes the bar.
+    pub fn finish(&mut self) {
+        if let Some(b) = self.bar.take() {
+            b.finish_and_clear();
+        }
     }
 }

@@ -263,6 +263,10 @@ pub struct RunInfo {
     /// Memory of one rank (rank 0) predicted from the layout before
     /// anything was allocated (`ParallelGpt::predict_memory`).
     pub predicted_memory: RankMemory,
+    /// Prepared token data: what each dataset (of a blend) gives over the
+    /// run's `steps × batch_size` sequences — the realized proportions.
+    /// Empty for the synthetic corpus and for text.
+    pub data_shares: Vec<weft_data::Share>,
     /// Memory of one rank (rank 0), counted from the buffers it allocated,
     /// so sharding shows: with `parallel.tp = N` the split layers'
     /// parameters, gradients and moments are `1/N` of the model's, with
@@ -927,7 +931,9 @@ fn open_data_once(
     config: &Config,
 ) -> Result<Data, TrainError> {
     let open = || Data::open(config).map_err(TrainError::from);
-    if config.data.source == "synthetic" || world.size() == 1 {
+    // Only text is tokenized; the synthetic corpus is generated and token
+    // data mapped, by each rank for itself.
+    if !config.data.is_text() || world.size() == 1 {
         return agree(world, open());
     }
     let me = world.rank();
@@ -937,7 +943,7 @@ fn open_data_once(
         .as_ref()
         .and_then(|d| match d {
             Data::Text(t) => t.cache_file(),
-            Data::Synthetic(_) => None,
+            Data::Synthetic(_) | Data::Tokens(_) => None,
         })
         .and_then(|p| p.to_str())
         .unwrap_or("");
@@ -1427,7 +1433,11 @@ fn run_attempt(
     })();
     let mut metrics = agree(world, opened)?;
 
-    let val = data.val_batches(t.eval_sequences, micro);
+    let val = agree(
+        world,
+        data.val_batches(t.eval_sequences, micro)
+            .map_err(TrainError::from),
+    )?;
     let val_mbs: Vec<MicroBatch<'_>> = val
         .iter()
         .map(|b| MicroBatch {
@@ -1472,6 +1482,7 @@ fn run_attempt(
         coords,
         backend,
         memory,
+        data_shares: data.shares(t.steps * t.batch_size as u64),
     };
     observer.start(&info);
 
@@ -1585,7 +1596,7 @@ fn run_attempt(
         let batch = skips.batch_of(step);
         let mut batches: Vec<_> = (first_micro..first_micro + per_rank)
             .map(|m| data.train_batch(batch, m, micro))
-            .collect();
+            .collect::<Result<_, _>>()?;
         if let Some(f) = crate::supervise::spike_at(batch + 1) {
             if writer {
                 crate::supervise::fired(&run_dir, &f, 0);
