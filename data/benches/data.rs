@@ -10,6 +10,8 @@
 //! sequences/s with what a training step consumes (`weft train` prints
 //! tokens/s; divide by the block size).
 
+#![allow(clippy::print_stdout)] // a bench binary prints its table
+
 use std::ops::ControlFlow;
 use std::time::Instant;
 
@@ -53,7 +55,7 @@ fn main() {
                 x ^= x >> 7;
                 x ^= x << 17;
                 doc.push_str(words[(x % words.len() as u64) as usize]);
-                doc.push(if x % 11 == 0 { '.' } else { ' ' });
+                doc.push(if x.is_multiple_of(11) { '.' } else { ' ' });
             }
             bytes += doc.len();
             jsonl.push_str(&serde_json::json!({ "text": doc }).to_string());
@@ -69,7 +71,7 @@ fn main() {
         let o = dir.path().join(format!("out{threads}"));
         let t = Instant::now();
         let r = prepare(
-            &[src.clone()],
+            std::slice::from_ref(&src),
             &o,
             &PrepareOptions {
                 threads,

@@ -177,6 +177,9 @@ impl Corpus {
 
     /// Every checksum and every id of the corpus (reads all of it). Only
     /// weft's format has checksums; the others get the id check.
+    ///
+    /// # Errors
+    /// The first damaged block or file, or id outside the vocabulary.
     pub fn verify(&self) -> Result<()> {
         if let Some(p) = &self.prepared {
             return p.verify();
@@ -360,9 +363,9 @@ impl Corpus {
                 .and_then(|n| n.to_str())
                 .is_some_and(|n| n.contains("_val_"));
             if is_val {
-                val.push(seg)
+                val.push(seg);
             } else {
-                train.push(seg)
+                train.push(seg);
             }
         }
         if !val.is_empty() && !train.is_empty() {

@@ -125,6 +125,10 @@ fn unhex(path: &Path, s: &str) -> Result<u64> {
 
 impl Index {
     /// Reads and checks an index file (`index.json` or the partial one).
+    ///
+    /// # Errors
+    /// An unreadable file, bad JSON, another format or version, or totals
+    /// that disagree with the shards.
     pub fn read(path: &Path) -> Result<Self> {
         let text = std::fs::read_to_string(path).map_err(io(path))?;
         let index: Index = serde_json::from_str(&text).map_err(|e| format(path, e.to_string()))?;
@@ -188,6 +192,9 @@ impl Prepared {
     /// Opens a prepared folder: reads `index.json` and maps every shard,
     /// checking each file's length (a truncated shard is an error here);
     /// the tokens' checksums are checked block by block as they are read.
+    ///
+    /// # Errors
+    /// An unfinished or malformed folder, a missing or truncated file.
     pub fn open(dir: &Path) -> Result<Self> {
         let index_path = dir.join(INDEX);
         if !index_path.exists() && dir.join(PARTIAL).exists() {
@@ -234,6 +241,9 @@ impl Prepared {
     }
 
     /// Checks every checksum of every file (reads the whole folder).
+    ///
+    /// # Errors
+    /// [`DataError::Corrupt`] naming the first damaged file.
     pub fn verify(&self) -> Result<()> {
         for (s, shard) in self.index.shards.iter().zip(&self.shards) {
             verify_file(&self.dir.join(&s.bin), &s.bin_xxh3)?;

@@ -4,7 +4,7 @@
 //!
 //! - [`prepare()`]: `.txt` / `.jsonl` (optionally gzip) files and folders
 //!   → shards of GPT-2 BPE ids plus an index with checksums
-//!   ([`format`]); parallel over the cores, byte-identical for the same
+//!   ([`mod@format`]); parallel over the cores, byte-identical for the same
 //!   input whatever the thread count, resumable after an interruption.
 //! - [`Corpus`]: opens such a folder, a Megatron-LM `.bin`/`.idx` pair or
 //!   llm.c `.bin` shards, memory-mapped (a rank reads only the pages of

@@ -69,7 +69,10 @@ impl Permutation {
         (l << self.half) | r
     }
 
-    /// Where `i` goes (`i < n`).
+    /// Where `i` goes.
+    ///
+    /// # Panics
+    /// If `i` is not below `n`.
     pub fn apply(&self, i: u64) -> u64 {
         assert!(i < self.n, "index {i} outside 0..{}", self.n);
         let mut y = self.feistel(i);

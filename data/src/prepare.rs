@@ -498,12 +498,7 @@ pub fn prepare(
         let tokens: Vec<Vec<u32>> = pool.install(|| {
             batch
                 .par_iter()
-                .map(|(_, d)| {
-                    bpe.encode_ordinary(d)
-                        .into_iter()
-                        .map(|t| t as u32)
-                        .collect()
-                })
+                .map(|(_, d)| bpe.encode_ordinary(d))
                 .collect()
         });
         for ((r, _), t) in batch.iter().zip(&tokens) {

@@ -251,6 +251,9 @@ impl Shard {
     }
 
     /// Checks every block: the whole file is read.
+    ///
+    /// # Errors
+    /// A damaged block or an id outside the vocabulary.
     pub fn verify(&self) -> Result<()> {
         self.check_blocks(0, self.tokens)?;
         let mut buf = Vec::new();

@@ -721,16 +721,16 @@ mod tests {
     #[test]
     fn synthetic_batches_are_pure_functions_of_position() {
         let d = Data::open(&config("synthetic", 32)).unwrap();
-        let a = d.train_batch(7, 1, 4);
-        assert_eq!(a, d.train_batch(7, 1, 4));
-        assert_ne!(a, d.train_batch(8, 1, 4));
-        assert_ne!(a, d.train_batch(7, 0, 4));
+        let a = d.train_batch(7, 1, 4).unwrap();
+        assert_eq!(a, d.train_batch(7, 1, 4).unwrap());
+        assert_ne!(a, d.train_batch(8, 1, 4).unwrap());
+        assert_ne!(a, d.train_batch(7, 0, 4).unwrap());
         assert_eq!((a.batch, a.seq, a.inputs.len()), (4, 32, 128));
         // Targets are inputs shifted by one.
         assert_eq!(a.inputs[1..32], a.targets[..31]);
         let floor = d.val_floor(16).unwrap();
         assert!(floor > 0.5 && floor < 2.0, "{floor}");
-        let val = d.val_batches(10, 4);
+        let val = d.val_batches(10, 4).unwrap();
         assert_eq!(
             val.iter().map(|b| b.batch).collect::<Vec<_>>(),
             vec![4, 4, 2]
