@@ -104,7 +104,7 @@ fn attention(c: &mut Criterion) {
         let fwd_flops = 2 * b * NH * t * t * (C / NH);
         g.throughput(Throughput::Elements(fwd_flops as u64));
         g.bench_function(format!("fwd/B={b}/T={t}"), |bch| {
-            bch.iter(|| attention_forward(&mut out, &mut att, &qkv, b, t, C, NH).unwrap());
+            bch.iter(|| attention_forward(&mut out, &mut att, &qkv, None, b, t, C, NH).unwrap());
         });
         let dout = data(b * t * C);
         let mut dqkv = vec![0.0f32; b * t * 3 * C];

@@ -614,17 +614,62 @@ impl<T> Shared<T> {
     }
 }
 
+/// Each row's document start, for document masking: `starts (B,T)` from
+/// `tokens (B,T)`, where a document ends with (and includes) the token
+/// `boundary` (GPT-2's end-of-text). Row `i` of a sequence starts one past
+/// the last boundary token before it, or at 0. Its distance from the start,
+/// `i - starts[i]`, is its position within its document
+/// ([`encoder_forward`](crate::encoder_forward)'s `positions`).
+///
+/// # Errors
+/// [`Error::ShapeMismatch`] if `out` and `tokens` are not both `B·T` long.
+pub fn doc_starts(
+    out: &mut [u32],
+    tokens: &[u32],
+    boundary: u32,
+    b: usize,
+    t: usize,
+) -> Result<()> {
+    const OP: &str = "doc_starts";
+    check(OP, "out", out, b * t)?;
+    check(OP, "tokens", tokens, b * t)?;
+    if t == 0 {
+        return Ok(());
+    }
+    for (o, tok) in out.chunks_exact_mut(t).zip(tokens.chunks_exact(t)) {
+        let mut start = 0u32;
+        for (i, (o, &x)) in o.iter_mut().zip(tok).enumerate() {
+            *o = start;
+            if x == boundary {
+                start = u32::try_from(i + 1).unwrap_or(u32::MAX);
+            }
+        }
+    }
+    Ok(())
+}
+
 /// Forward: `out (B,T,C)`, `att (B,NH,T,T)` from `qkv (B,T,3C)`, with
 /// scores scaled by `1/sqrt(HS)` and a causal mask.
 ///
+/// `docs`, when given, is each row's document start `(B,T)`
+/// ([`doc_starts`]): row `i` then attends only to keys
+/// `docs[i]..=i` (document masking; its probabilities before the start are
+/// zero). A document's rows then have the same bits as the same document
+/// alone at the start of a sequence (the masked keys add exact zeros to
+/// sums that start from zero), and [`attention_backward`] needs no mask:
+/// zero probabilities give zero score gradients. The cost is that of the
+/// plain causal forward (the masked scores are computed, then dropped).
+///
 /// # Errors
 /// [`Error::ShapeMismatch`] on a wrong buffer length,
-/// [`Error::InvalidArgument`] if `NH` does not divide `C`.
+/// [`Error::InvalidArgument`] if `NH` does not divide `C` or a row's
+/// start lies after the row.
 #[allow(clippy::too_many_arguments)]
 pub fn attention_forward<T: Real>(
     out: &mut [T],
     att: &mut [T],
     qkv: &[T],
+    docs: Option<&[u32]>,
     b: usize,
     t: usize,
     c: usize,
@@ -635,6 +680,20 @@ pub fn attention_forward<T: Real>(
     check(OP, "out", out, b * t * c)?;
     check(OP, "att", att, b * nh * t * t)?;
     check(OP, "qkv", qkv, b * t * 3 * c)?;
+    if let Some(d) = docs {
+        check(OP, "docs", d, b * t)?;
+        if let Some(r) = (0..b * t).find(|&r| d[r] as usize > r % t) {
+            return Err(Error::InvalidArgument {
+                op: OP,
+                reason: format!(
+                    "row {} of sequence {} starts its document at {}, after itself",
+                    r % t,
+                    r / t,
+                    d[r]
+                ),
+            });
+        }
+    }
     if b * t * c == 0 {
         return Ok(());
     }
@@ -677,7 +736,9 @@ pub fn attention_forward<T: Real>(
                 for i in i0..i1 {
                     // SAFETY: row `i` of `p`, ours (no tile is running).
                     let row = unsafe { std::slice::from_raw_parts_mut(pp.add(i * t), t) };
-                    softmax_row(&mut row[..=i]);
+                    let s = docs.map_or(0, |d| d[bb * t + i] as usize);
+                    softmax_row(&mut row[s..=i]);
+                    row[..s].fill(T::ZERO);
                     row[i + 1..].fill(T::ZERO);
                 }
                 let v = vc.as_ptr();
@@ -709,10 +770,12 @@ pub fn attention_forward<T: Real>(
 /// incremental decoding: the output `out (C)` and probabilities
 /// `att (NH, pos+1)` of the query `q (C)` at position `pos` over the keys
 /// and values `kv (pos+1, 2C)` (rows `[k | v]`, head `h` owning channels
-/// `h*HS..(h+1)*HS` of each) of positions `0..=pos`.
+/// `h*HS..(h+1)*HS` of each) of positions `start..=pos`: `start` is the
+/// position's document start under document masking, else 0.
 ///
 /// The result is bitwise equal to row `pos` of [`attention_forward`] over
-/// any sequence with the same queries, keys and values up to `pos`: both
+/// any sequence with the same queries, keys and values up to `pos` (and the
+/// same start): both
 /// run the same tile code (see the module docs on summation order), each
 /// score one running sum over the channels, each output element one over
 /// the keys in position order; the forward's zero probabilities of later
@@ -728,12 +791,19 @@ pub fn attention_decode<T: Real>(
     q: &[T],
     kv: &[T],
     pos: usize,
+    start: usize,
     c: usize,
     nh: usize,
 ) -> Result<()> {
     const OP: &str = "attention_decode";
     let hs = dims(OP, c, nh)?;
     let n = pos + 1;
+    if start > pos {
+        return Err(Error::InvalidArgument {
+            op: OP,
+            reason: format!("document start {start} after the position {pos}"),
+        });
+    }
     check(OP, "out", out, c)?;
     check(OP, "att", att, nh * n)?;
     check(OP, "q", q, c)?;
@@ -767,7 +837,8 @@ pub fn attention_decode<T: Real>(
                     );
                 }
             }
-            softmax_row(row);
+            softmax_row(&mut row[start..]);
+            row[..start].fill(T::ZERO);
             // SAFETY: `row` holds `n` terms, `kv` `n` value rows; `out`'s
             // channels of head `h` are in bounds.
             unsafe {
@@ -979,16 +1050,28 @@ mod tests {
     use super::*;
     use crate::testutil::{check_grads, rand_vec};
 
-    /// Straightforward f64 attention, written from the formula.
-    fn naive(qkv: &[f64], b: usize, t: usize, c: usize, nh: usize) -> Vec<f64> {
+    /// Straightforward f64 attention, written from the formula; row `i`
+    /// sees keys `starts[i]..=i` (all of `0..=i` without starts).
+    fn naive(
+        qkv: &[f64],
+        starts: Option<&[u32]>,
+        b: usize,
+        t: usize,
+        c: usize,
+        nh: usize,
+    ) -> Vec<f64> {
         let hs = c / nh;
         let mut out = vec![0.0; b * t * c];
         for bb in 0..b {
             for h in 0..nh {
                 for i in 0..t {
                     let q = |d: usize| qkv[(bb * t + i) * 3 * c + h * hs + d];
+                    let first = starts.map_or(0, |s| s[bb * t + i] as usize);
                     let s: Vec<f64> = (0..=i)
                         .map(|j| {
+                            if j < first {
+                                return f64::NEG_INFINITY;
+                            }
                             (0..hs)
                                 .map(|d| q(d) * qkv[(bb * t + j) * 3 * c + c + h * hs + d])
                                 .sum::<f64>()
@@ -1021,8 +1104,8 @@ mod tests {
                 .collect();
             let mut out = vec![0.0; b * t * c];
             let mut att = vec![0.0; b * nh * t * t];
-            attention_forward(&mut out, &mut att, &qkv, b, t, c, nh).unwrap();
-            let want = naive(&qkv, b, t, c, nh);
+            attention_forward(&mut out, &mut att, &qkv, None, b, t, c, nh).unwrap();
+            let want = naive(&qkv, None, b, t, c, nh);
             let worst = out
                 .iter()
                 .zip(&want)
@@ -1041,12 +1124,12 @@ mod tests {
                 b * t * c,
                 |ins, out| {
                     let mut att = vec![0.0; b * nh * t * t];
-                    attention_forward(out, &mut att, &ins[0], b, t, c, nh).unwrap();
+                    attention_forward(out, &mut att, &ins[0], None, b, t, c, nh).unwrap();
                 },
                 |ins, dout, g| {
                     let mut att = vec![0.0; b * nh * t * t];
                     let mut out = vec![0.0; b * t * c];
-                    attention_forward(&mut out, &mut att, &ins[0], b, t, c, nh).unwrap();
+                    attention_forward(&mut out, &mut att, &ins[0], None, b, t, c, nh).unwrap();
                     let mut scratch = vec![0.0; b * nh * t * t];
                     attention_backward(&mut g[0], &mut scratch, dout, &ins[0], &att, b, t, c, nh)
                         .unwrap();
@@ -1067,7 +1150,7 @@ mod tests {
             let run64 = || {
                 let mut out = vec![0.0; b * t * c];
                 let mut att = vec![0.0; b * nh * t * t];
-                attention_forward(&mut out, &mut att, &qkv, b, t, c, nh).unwrap();
+                attention_forward(&mut out, &mut att, &qkv, None, b, t, c, nh).unwrap();
                 let mut g = vec![0.0; b * t * 3 * c];
                 let mut s = vec![0.0; b * nh * t * t];
                 attention_backward(&mut g, &mut s, &dout, &qkv, &att, b, t, c, nh).unwrap();
@@ -1078,7 +1161,7 @@ mod tests {
                 let (qkv, dout) = (f(&qkv), f(&dout));
                 let mut out = vec![0.0f32; b * t * c];
                 let mut att = vec![0.0f32; b * nh * t * t];
-                attention_forward(&mut out, &mut att, &qkv, b, t, c, nh).unwrap();
+                attention_forward(&mut out, &mut att, &qkv, None, b, t, c, nh).unwrap();
                 let mut g = vec![0.0f32; b * t * 3 * c];
                 let mut s = vec![0.0f32; b * nh * t * t];
                 attention_backward(&mut g, &mut s, &dout, &qkv, &att, b, t, c, nh).unwrap();
@@ -1111,13 +1194,13 @@ mod tests {
             .collect();
         let mut out = vec![0.0f32; b * t * c];
         let mut att = vec![0.0f32; b * nh * t * t];
-        attention_forward(&mut out, &mut att, &qkv, b, t, c, nh).unwrap();
+        attention_forward(&mut out, &mut att, &qkv, None, b, t, c, nh).unwrap();
         let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
         for s in 0..b {
             let mut o1 = vec![0.0f32; t * c];
             let mut a1 = vec![0.0f32; nh * t * t];
             let x = &qkv[s * t * 3 * c..(s + 1) * t * 3 * c];
-            attention_forward(&mut o1, &mut a1, x, 1, t, c, nh).unwrap();
+            attention_forward(&mut o1, &mut a1, x, None, 1, t, c, nh).unwrap();
             assert_eq!(bits(&o1), bits(&out[s * t * c..(s + 1) * t * c]), "seq {s}");
             let a = &att[s * nh * t * t..(s + 1) * nh * t * t];
             assert_eq!(bits(&a1), bits(a), "seq {s} att");
@@ -1177,18 +1260,19 @@ mod tests {
             }
             let mut full = vec![0.0f32; t * c];
             let mut full_att = vec![0.0f32; nh * t * t];
-            attention_forward(&mut full, &mut full_att, &qkv, 1, t, c, nh).unwrap();
+            attention_forward(&mut full, &mut full_att, &qkv, None, 1, t, c, nh).unwrap();
             let checked =
                 (0..t).filter(|&p| t < 200 || p < 70 || (505..520).contains(&p) || p + 1 == t);
             for pos in checked {
                 let n = pos + 1;
                 let mut out = vec![0.0f32; n * c];
                 let mut att = vec![0.0f32; nh * n * n];
-                attention_forward(&mut out, &mut att, &qkv[..n * 3 * c], 1, n, c, nh).unwrap();
+                attention_forward(&mut out, &mut att, &qkv[..n * 3 * c], None, 1, n, c, nh)
+                    .unwrap();
                 let mut o1 = vec![0.0f32; c];
                 let mut a1 = vec![0.0f32; nh * n];
                 let q = &qkv[pos * 3 * c..pos * 3 * c + c];
-                attention_decode(&mut o1, &mut a1, q, &kv[..n * 2 * c], pos, c, nh).unwrap();
+                attention_decode(&mut o1, &mut a1, q, &kv[..n * 2 * c], pos, 0, c, nh).unwrap();
                 let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
                 assert_eq!(
                     bits(&o1),
@@ -1208,10 +1292,166 @@ mod tests {
         }
     }
 
+    /// Tokens with end-of-text (`9`) at the given rows of each sequence.
+    fn with_boundaries(b: usize, t: usize, ends: &[&[usize]]) -> (Vec<u32>, Vec<u32>) {
+        let mut tokens = vec![1u32; b * t];
+        for (bb, e) in ends.iter().enumerate() {
+            for &i in *e {
+                tokens[bb * t + i] = 9;
+            }
+        }
+        let mut starts = vec![0u32; b * t];
+        doc_starts(&mut starts, &tokens, 9, b, t).unwrap();
+        (tokens, starts)
+    }
+
+    #[test]
+    fn doc_starts_follow_the_boundaries() {
+        let (_, starts) = with_boundaries(2, 6, &[&[1, 2], &[5]]);
+        assert_eq!(starts, [0, 0, 2, 3, 3, 3, 0, 0, 0, 0, 0, 0]);
+        let err = doc_starts(&mut [0; 3], &[0; 4], 9, 2, 2).unwrap_err();
+        assert!(matches!(err, Error::ShapeMismatch { .. }), "{err}");
+    }
+
+    /// Document masking against the formula (forward) and finite
+    /// differences (the backward, which takes no mask).
+    #[test]
+    fn doc_masked_attention_matches_the_formula_and_its_gradients() {
+        let (b, t, c, nh) = (2, 70, 6, 3);
+        let (_, starts) = with_boundaries(b, t, &[&[0, 3, 40, 64], &[68]]);
+        let qkv: Vec<f64> = rand_vec(b * t * 3 * c, 13)
+            .iter()
+            .map(|x| x * 2.0)
+            .collect();
+        let mut out = vec![0.0; b * t * c];
+        let mut att = vec![0.0; b * nh * t * t];
+        attention_forward(&mut out, &mut att, &qkv, Some(&starts), b, t, c, nh).unwrap();
+        let want = naive(&qkv, Some(&starts), b, t, c, nh);
+        let worst = out
+            .iter()
+            .zip(&want)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0, f64::max);
+        assert!(worst < 1e-12, "max diff {worst}");
+        let (b, t, c, nh) = (2, 9, 4, 2);
+        let (_, starts) = with_boundaries(b, t, &[&[2, 5], &[0]]);
+        check_grads(
+            &[rand_vec(b * t * 3 * c, 14)],
+            b * t * c,
+            |ins, out| {
+                let mut att = vec![0.0; b * nh * t * t];
+                attention_forward(out, &mut att, &ins[0], Some(&starts), b, t, c, nh).unwrap();
+            },
+            |ins, dout, g| {
+                let mut att = vec![0.0; b * nh * t * t];
+                let mut out = vec![0.0; b * t * c];
+                attention_forward(&mut out, &mut att, &ins[0], Some(&starts), b, t, c, nh).unwrap();
+                let mut scratch = vec![0.0; b * nh * t * t];
+                attention_backward(&mut g[0], &mut scratch, dout, &ins[0], &att, b, t, c, nh)
+                    .unwrap();
+            },
+        );
+    }
+
+    /// Every document of a packed sequence gets the bits it gets alone, and
+    /// the decoder reproduces each masked row from the cache.
+    #[test]
+    fn a_packed_document_attends_as_it_does_alone_bitwise() {
+        let (b, t, c, nh) = (2, 150, 128, 2);
+        let ends: [&[usize]; 2] = [&[10, 63, 64, 130], &[]];
+        let (_, starts) = with_boundaries(b, t, &ends);
+        let qkv: Vec<f32> = rand_vec(b * t * 3 * c, 44)
+            .iter()
+            .map(|&x| (x * 2.0) as f32)
+            .collect();
+        let mut out = vec![0.0f32; b * t * c];
+        let mut att = vec![0.0f32; b * nh * t * t];
+        attention_forward(&mut out, &mut att, &qkv, Some(&starts), b, t, c, nh).unwrap();
+        let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+        for (bb, e) in ends.iter().enumerate() {
+            let cuts: Vec<usize> = std::iter::once(0)
+                .chain(e.iter().map(|&i| i + 1))
+                .chain(std::iter::once(t))
+                .collect();
+            for w in cuts.windows(2).filter(|w| w[0] < w[1]) {
+                let (s, n) = (w[0], w[1] - w[0]);
+                let x = &qkv[(bb * t + s) * 3 * c..(bb * t + s + n) * 3 * c];
+                let mut o1 = vec![0.0f32; n * c];
+                let mut a1 = vec![0.0f32; nh * n * n];
+                attention_forward(&mut o1, &mut a1, x, None, 1, n, c, nh).unwrap();
+                let packed = &out[(bb * t + s) * c..(bb * t + s + n) * c];
+                assert_eq!(bits(&o1), bits(packed), "sequence {bb}, document at {s}");
+                for h in 0..nh {
+                    for i in 0..n {
+                        let row = &att[((bb * nh + h) * t + s + i) * t..][..t];
+                        assert!(
+                            row[..s].iter().all(|&p| p == 0.0),
+                            "row {i} sees before {s}"
+                        );
+                        let alone = &a1[(h * n + i) * n..][..n];
+                        assert_eq!(
+                            bits(&row[s..s + n]),
+                            bits(alone),
+                            "seq {bb} doc {s} row {i}"
+                        );
+                    }
+                }
+            }
+        }
+        // The decoder, one masked position at a time.
+        for pos in [0, 10, 11, 40, 64, 65, 100, 131, 149] {
+            let x = &qkv[..t * 3 * c];
+            let kv: Vec<f32> = (0..=pos)
+                .flat_map(|i| x[i * 3 * c + c..(i + 1) * 3 * c].iter().copied())
+                .collect();
+            let mut o1 = vec![0.0f32; c];
+            let mut a1 = vec![0.0f32; nh * (pos + 1)];
+            let q = &x[pos * 3 * c..pos * 3 * c + c];
+            let start = starts[pos] as usize;
+            attention_decode(&mut o1, &mut a1, q, &kv, pos, start, c, nh).unwrap();
+            assert_eq!(
+                bits(&o1),
+                bits(&out[pos * c..(pos + 1) * c]),
+                "decode pos {pos}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_document_start_after_its_row_is_an_error() {
+        let (t, c) = (3, 2);
+        let qkv = [0.0f32; 3 * 3 * 2];
+        let (mut out, mut att) = ([0.0f32; 6], [0.0f32; 9]);
+        let err =
+            attention_forward(&mut out, &mut att, &qkv, Some(&[0, 2, 0]), 1, t, c, 1).unwrap_err();
+        assert!(err.to_string().contains("row 1 of sequence 0"), "{err}");
+        let err = attention_decode(
+            &mut [0.0f32; 2],
+            &mut [0.0; 2],
+            &[0.0; 2],
+            &[0.0; 8],
+            1,
+            2,
+            c,
+            1,
+        )
+        .unwrap_err();
+        assert!(matches!(err, Error::InvalidArgument { .. }), "{err}");
+    }
+
     #[test]
     fn heads_must_divide_channels() {
-        let err =
-            attention_forward(&mut [0.0f32; 5], &mut [0.0; 2], &[0.0; 15], 1, 1, 5, 2).unwrap_err();
+        let err = attention_forward(
+            &mut [0.0f32; 5],
+            &mut [0.0; 2],
+            &[0.0; 15],
+            None,
+            1,
+            1,
+            5,
+            2,
+        )
+        .unwrap_err();
         assert!(matches!(err, Error::InvalidArgument { .. }), "{err}");
     }
 }

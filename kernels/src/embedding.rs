@@ -21,15 +21,22 @@ pub fn check_tokens(op: &'static str, tokens: &[u32], vocab_size: usize) -> Resu
     }
 }
 
-/// `out (B,T,C) = wte[tokens] (V,C) + wpe[0..T] (maxT,C)`.
+/// `out (B,T,C) = wte[tokens] (V,C) + wpe[positions] (maxT,C)`, where
+/// `positions (B,T)` gives each row's position; `None` is row `i` of each
+/// sequence at position `i` (`wpe[0..T]`). Document masking passes each
+/// row's distance from its document's start
+/// ([`doc_starts`](crate::doc_starts)), so that every document is
+/// positioned as if it were alone.
 ///
 /// # Errors
 /// [`Error::ShapeMismatch`] on a wrong buffer length, [`Error::TokenOutOfRange`]
-/// for an id `>= V`, [`Error::InvalidArgument`] if `T` exceeds the position table.
+/// for an id `>= V`, [`Error::InvalidArgument`] if `T` (or a given
+/// position) exceeds the position table.
 #[allow(clippy::too_many_arguments)]
 pub fn encoder_forward<T: Real>(
     out: &mut [T],
     tokens: &[u32],
+    positions: Option<&[u32]>,
     wte: &[T],
     wpe: &[T],
     b: usize,
@@ -40,6 +47,7 @@ pub fn encoder_forward<T: Real>(
     check(OP, "out", out, b * t * c)?;
     check(OP, "tokens", tokens, b * t)?;
     positions_fit(OP, wpe, t, c)?;
+    check_positions(OP, positions, wpe.len() / c, b * t)?;
     if c == 0 || !wte.len().is_multiple_of(c) {
         return Err(Error::InvalidArgument {
             op: OP,
@@ -52,7 +60,7 @@ pub fn encoder_forward<T: Real>(
         .enumerate()
         .with_min_len(64)
         .for_each(|(row, (o, &tok))| {
-            let pos = row % t;
+            let pos = positions.map_or(row % t, |p| p[row] as usize);
             let e = &wte[tok as usize * c..(tok as usize + 1) * c];
             let p = &wpe[pos * c..(pos + 1) * c];
             for i in 0..c {
@@ -75,8 +83,29 @@ fn positions_fit<T>(op: &'static str, wpe: &[T], t: usize, c: usize) -> Result<(
     Ok(())
 }
 
+fn check_positions(
+    op: &'static str,
+    positions: Option<&[u32]>,
+    max_t: usize,
+    rows: usize,
+) -> Result<()> {
+    let Some(p) = positions else { return Ok(()) };
+    check(op, "positions", p, rows)?;
+    match p.iter().position(|&x| x as usize >= max_t) {
+        None => Ok(()),
+        Some(row) => Err(Error::InvalidArgument {
+            op,
+            reason: format!(
+                "position {} of row {row} is outside the position table of {max_t}",
+                p[row]
+            ),
+        }),
+    }
+}
+
 /// Backward of [`encoder_forward`]: `dwte[tokens] += dout`,
-/// `dwpe[t] += Σ_b dout[b, t]` (rows of repeated tokens add up).
+/// `dwpe[positions] += dout` (rows of repeated tokens or positions add up,
+/// in row order).
 ///
 /// # Errors
 /// As [`encoder_forward`].
@@ -86,6 +115,7 @@ pub fn encoder_backward<T: Real>(
     dwpe: &mut [T],
     dout: &[T],
     tokens: &[u32],
+    positions: Option<&[u32]>,
     b: usize,
     t: usize,
     c: usize,
@@ -94,6 +124,7 @@ pub fn encoder_backward<T: Real>(
     check(OP, "dout", dout, b * t * c)?;
     check(OP, "tokens", tokens, b * t)?;
     positions_fit(OP, dwpe, t, c)?;
+    check_positions(OP, positions, dwpe.len() / c, b * t)?;
     if !dwte.len().is_multiple_of(c) {
         return Err(Error::InvalidArgument {
             op: OP,
@@ -102,7 +133,7 @@ pub fn encoder_backward<T: Real>(
     }
     check_tokens(OP, tokens, dwte.len() / c)?;
     for (row, (g, &tok)) in dout.chunks_exact(c).zip(tokens).enumerate() {
-        let pos = row % t;
+        let pos = positions.map_or(row % t, |p| p[row] as usize);
         let e = &mut dwte[tok as usize * c..(tok as usize + 1) * c];
         for i in 0..c {
             e[i] += g[i];
@@ -127,18 +158,47 @@ mod tests {
         check_grads(
             &[rand_vec(v * c, 1), rand_vec(maxt * c, 2)],
             b * t * c,
-            |ins, out| encoder_forward(out, &tokens, &ins[0], &ins[1], b, t, c).unwrap(),
+            |ins, out| encoder_forward(out, &tokens, None, &ins[0], &ins[1], b, t, c).unwrap(),
             |_, dout, g| {
                 let [a, p] = g else { unreachable!() };
-                encoder_backward(a, p, dout, &tokens, b, t, c).unwrap();
+                encoder_backward(a, p, dout, &tokens, None, b, t, c).unwrap();
+            },
+        );
+        // Positions given per row (two documents in the first sequence).
+        let pos = [0u32, 1, 0, 0, 1, 2];
+        check_grads(
+            &[rand_vec(v * c, 3), rand_vec(maxt * c, 4)],
+            b * t * c,
+            |ins, out| {
+                encoder_forward(out, &tokens, Some(&pos), &ins[0], &ins[1], b, t, c).unwrap();
+            },
+            |_, dout, g| {
+                let [a, p] = g else { unreachable!() };
+                encoder_backward(a, p, dout, &tokens, Some(&pos), b, t, c).unwrap();
             },
         );
     }
 
     #[test]
+    fn given_positions_pick_their_rows() {
+        let (c, wte, wpe) = (
+            2,
+            [1.0f64, 2.0, 3.0, 4.0],
+            [10.0, 20.0, 30.0, 40.0, 50.0, 60.0],
+        );
+        let mut out = [0.0; 6];
+        encoder_forward(&mut out, &[1, 0, 1], Some(&[0, 2, 0]), &wte, &wpe, 1, 3, c).unwrap();
+        assert_eq!(out, [13.0, 24.0, 51.0, 62.0, 13.0, 24.0]);
+        let err = encoder_forward(&mut out, &[1, 0, 1], Some(&[0, 3, 0]), &wte, &wpe, 1, 3, c)
+            .unwrap_err();
+        assert!(err.to_string().contains("position 3 of row 1"), "{err}");
+    }
+
+    #[test]
     fn bad_token_and_long_sequence_are_errors() {
         let mut out = vec![0.0f32; 8];
-        let err = encoder_forward(&mut out, &[0, 9], &[0.0; 8], &[0.0; 8], 1, 2, 4).unwrap_err();
+        let err =
+            encoder_forward(&mut out, &[0, 9], None, &[0.0; 8], &[0.0; 8], 1, 2, 4).unwrap_err();
         assert_eq!(
             err,
             Error::TokenOutOfRange {
@@ -149,7 +209,8 @@ mod tests {
             }
         );
         let mut out = vec![0.0f32; 12];
-        let err = encoder_forward(&mut out, &[0, 1, 0], &[0.0; 8], &[0.0; 8], 1, 3, 4).unwrap_err();
+        let err =
+            encoder_forward(&mut out, &[0, 1, 0], None, &[0.0; 8], &[0.0; 8], 1, 3, 4).unwrap_err();
         assert!(matches!(err, Error::InvalidArgument { .. }), "{err}");
     }
 }

@@ -20,7 +20,7 @@
 //! | linear (`[out, in]` weight, e.g. a tied `lm_head`) | [`matmul_forward_wt`] | [`matmul_backward_wt`] = [`matmul_backward_wt_input`] + [`matmul_backward_wt_weight`] |
 //! | layernorm | [`layernorm_forward`] | [`layernorm_backward`] = [`layernorm_backward_input`] + [`layernorm_backward_weight`] |
 //! | GELU, tanh approximation | [`gelu_forward`] | [`gelu_backward`] |
-//! | causal multi-head attention | [`attention_forward`] (one position from a key/value cache: [`attention_decode`]) | [`attention_backward`] |
+//! | causal multi-head attention, optionally masked at document boundaries ([`doc_starts`]) | [`attention_forward`] (one position from a key/value cache: [`attention_decode`]) | [`attention_backward`] |
 //! | softmax | [`softmax_forward`] | [`softmax_backward`] |
 //! | cross-entropy | [`crossentropy_forward`] | [`crossentropy_softmax_backward`] |
 //! | softmax + cross-entropy, fused, in place | [`fused_classifier`] | (same call) |
@@ -130,7 +130,7 @@ mod softmax;
 mod testutil;
 
 pub use adamw::{AdamW, adamw_update};
-pub use attention::{attention_backward, attention_decode, attention_forward};
+pub use attention::{attention_backward, attention_decode, attention_forward, doc_starts};
 pub use embedding::{check_tokens, encoder_backward, encoder_forward};
 pub use error::{Error, Result};
 pub use gemm_bf16::{Bf16Path, bf16_dot_peak_gflops, bf16_path, matmul_bf16};

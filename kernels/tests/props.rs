@@ -2,8 +2,8 @@
 
 use proptest::prelude::*;
 use weft_kernels::{
-    Mode, Precision, attention_forward, fused_classifier, layernorm_forward, matmul_forward,
-    softmax_forward,
+    Mode, Precision, attention_forward, doc_starts, fused_classifier, layernorm_forward,
+    matmul_forward, softmax_forward,
 };
 
 fn vals(n: usize, seed: u64) -> Vec<f32> {
@@ -48,10 +48,10 @@ proptest! {
         let qkv = vals(b * t * 3 * c, seed);
         let mut out = vec![0.0f32; b * t * c];
         let mut att = vec![0.0f32; b * nh * t * t];
-        attention_forward(&mut out, &mut att, &qkv, b, t, c, nh).unwrap();
+        attention_forward(&mut out, &mut att, &qkv, None, b, t, c, nh).unwrap();
         let mut out1 = vec![0.0f32; t * c];
         let mut att1 = vec![0.0f32; nh * t * t];
-        attention_forward(&mut out1, &mut att1, &qkv[pos * t * 3 * c..(pos + 1) * t * 3 * c], 1, t, c, nh).unwrap();
+        attention_forward(&mut out1, &mut att1, &qkv[pos * t * 3 * c..(pos + 1) * t * 3 * c], None, 1, t, c, nh).unwrap();
         prop_assert!(out1.iter().zip(&out[pos * t * c..(pos + 1) * t * c]).all(|(a, b)| a.to_bits() == b.to_bits()));
         for (r, row) in att1.chunks(t).enumerate() {
             let i = r % t;
@@ -59,6 +59,36 @@ proptest! {
             let s: f32 = row.iter().sum();
             prop_assert!((s - 1.0).abs() < 1e-5, "row sums to {}", s);
         }
+    }
+
+    /// Under document masking each row's probabilities are zero outside
+    /// its document (before the boundary token that precedes it, and after
+    /// itself) and sum to 1 inside, and the last document's rows are
+    /// bitwise those it gets alone.
+    #[test]
+    fn doc_masked_attention_stays_inside_documents(t in 1usize..90, nh in 1usize..3, hs in 1usize..9, every in 1u64..9, seed in 0u64..1000) {
+        let c = nh * hs;
+        let qkv = vals(t * 3 * c, seed);
+        let tokens: Vec<u32> = (0..t as u64).map(|i| u32::from((i * 7 + seed) % every == 0)).collect();
+        let mut starts = vec![0u32; t];
+        doc_starts(&mut starts, &tokens, 1, 1, t).unwrap();
+        let mut out = vec![0.0f32; t * c];
+        let mut att = vec![0.0f32; nh * t * t];
+        attention_forward(&mut out, &mut att, &qkv, Some(&starts), 1, t, c, nh).unwrap();
+        for (r, row) in att.chunks(t).enumerate() {
+            let i = r % t;
+            let s0 = starts[i] as usize;
+            prop_assert!(s0 <= i && (s0 == 0 || tokens[s0 - 1] == 1));
+            prop_assert!(row[..s0].iter().chain(&row[i + 1..]).all(|&p| p == 0.0));
+            let s: f32 = row.iter().sum();
+            prop_assert!((s - 1.0).abs() < 1e-5, "row sums to {}", s);
+        }
+        let last = starts[t - 1] as usize;
+        let n = t - last;
+        let mut alone = vec![0.0f32; n * c];
+        let mut a1 = vec![0.0f32; nh * n * n];
+        attention_forward(&mut alone, &mut a1, &qkv[last * 3 * c..], None, 1, n, c, nh).unwrap();
+        prop_assert!(alone.iter().zip(&out[last * c..]).all(|(a, b)| a.to_bits() == b.to_bits()));
     }
 
     /// The fused classifier's gradient rows sum to zero (softmax minus a

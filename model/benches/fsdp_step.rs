@@ -75,6 +75,7 @@ fn bench(
         let plan = ParallelPlan {
             precision: weft_kernels::Precision::F32,
             grad_wire: weft_collectives::Dtype::F32,
+            doc_boundary: None,
             fsdp: fc.cloned(),
             pipeline: None,
             batch: b,

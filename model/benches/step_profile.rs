@@ -211,7 +211,7 @@ fn profile(s: &Shape, reps: usize) -> Vec<Row> {
         let mut att = vec![0.0f32; b * nh * t * t];
         let f = 2.0 * (b * nh * t * t * (c / nh)) as f64; // causal: half of 2 GEMMs
         let ms = time(reps, || {
-            attention_forward(&mut out, &mut att, &qkv, b, t, c, nh).unwrap();
+            attention_forward(&mut out, &mut att, &qkv, None, b, t, c, nh).unwrap();
         });
         push(format!("attention fwd T={t} NH={nh}"), l, ms, f);
         let dout = data(n * c, 8, 1.0);
@@ -258,13 +258,13 @@ fn profile(s: &Shape, reps: usize) -> Vec<Row> {
         let wte = data(v * c, 13, 0.04);
         let wpe = data(1024 * c, 14, 0.04);
         let ms = time(reps, || {
-            encoder_forward(&mut out, &tokens, &wte, &wpe, b, t, c).unwrap();
+            encoder_forward(&mut out, &tokens, None, &wte, &wpe, b, t, c).unwrap();
         });
         push("embedding fwd".into(), 1, ms, 0.0);
         let mut dwte = vec![0.0f32; v * c];
         let mut dwpe = vec![0.0f32; 1024 * c];
         let ms = time(reps, || {
-            encoder_backward(&mut dwte, &mut dwpe, &x, &tokens, b, t, c).unwrap();
+            encoder_backward(&mut dwte, &mut dwpe, &x, &tokens, None, b, t, c).unwrap();
         });
         push("embedding bwd".into(), 1, ms, 0.0);
     }

@@ -61,6 +61,7 @@ fn main() -> anyhow::Result<()> {
                 let plan = ParallelPlan {
                     precision: weft_kernels::Precision::F32,
                     grad_wire: weft_collectives::Dtype::F32,
+                    doc_boundary: None,
                     fsdp: None,
                     pipeline: None,
                     batch: B,

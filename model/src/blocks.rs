@@ -99,6 +99,7 @@ pub struct GptBlocks {
     mode: Mode,
     precision: Precision,
     loss_scale: f32,
+    doc_boundary: Option<u32>,
 }
 
 /// What one block's forward keeps for its backward, for one micro-batch of
@@ -390,6 +391,7 @@ impl GptBlocks {
             mode: Mode::default(),
             precision: Precision::default(),
             loss_scale: 1.0,
+            doc_boundary: None,
         })
     }
 
@@ -456,6 +458,54 @@ impl GptBlocks {
     /// from the model, so sampling reproduces the training forward's bits.
     pub fn set_precision(&mut self, precision: Precision) {
         self.precision = precision;
+    }
+
+    /// The token that ends a document when documents are masked (see
+    /// [`set_doc_boundary`](Self::set_doc_boundary)).
+    pub fn doc_boundary(&self) -> Option<u32> {
+        self.doc_boundary
+    }
+
+    /// Document masking: with `Some(boundary)` (GPT-2's end-of-text,
+    /// 50256), every document packed into a sequence is computed as if it
+    /// were alone — attention stops at the boundary token before it
+    /// ([`weft_kernels::attention_forward`]'s `docs`) and positions restart
+    /// at 0 after it (Megatron-LM's `reset_attention_mask` and
+    /// `reset_position_ids` together). `None` (the default) attends across
+    /// documents, as GPT-2 and llm.c train. The starts are a function of
+    /// each micro-batch's tokens ([`doc_starts`](Self::doc_starts)), so
+    /// every pipeline stage, tensor-parallel rank and the decoder
+    /// ([`Decoder`](crate::Decoder)) derive the same mask.
+    pub fn set_doc_boundary(&mut self, boundary: Option<u32>) {
+        self.doc_boundary = boundary;
+    }
+
+    /// Each row's document start `(B,T)` for `tokens (B,T)` under document
+    /// masking ([`weft_kernels::doc_starts`]); `None` without it.
+    ///
+    /// # Errors
+    /// [`Error::Batch`] if `tokens` is not `B·T` long.
+    pub fn doc_starts(&self, tokens: &[u32], b: usize, t: usize) -> Result<Option<Vec<u32>>> {
+        let Some(boundary) = self.doc_boundary else {
+            return Ok(None);
+        };
+        check_len("tokens", tokens.len(), b * t)?;
+        let mut starts = vec![0u32; b * t];
+        weft_kernels::doc_starts(&mut starts, tokens, boundary, b, t)?;
+        Ok(Some(starts))
+    }
+
+    /// Each row's position `(B,T)` under document masking (its distance
+    /// from its document's start); `None` without it (row `i` of a
+    /// sequence is at position `i`).
+    fn doc_positions(&self, tokens: &[u32], b: usize, t: usize) -> Result<Option<Vec<u32>>> {
+        Ok(self.doc_starts(tokens, b, t)?.map(|mut s| {
+            for (r, x) in s.iter_mut().enumerate() {
+                // `r % t < 2^32`: `t` is at most the position table.
+                *x = (r % t) as u32 - *x;
+            }
+            s
+        }))
     }
 
     /// The factor the backward's gradients carry (see
@@ -814,8 +864,9 @@ impl GptBlocks {
         self.check_shape(b, t)?;
         let c = self.config.n_embd;
         let (wte, wpe) = params.split_at(self.wte_len());
+        let positions = self.doc_positions(tokens, b, t)?;
         let Some(tp) = &self.tp else {
-            encoder_forward(out, tokens, wte, wpe, b, t, c)?;
+            encoder_forward(out, tokens, positions.as_deref(), wte, wpe, b, t, c)?;
             return Ok(());
         };
         let n = b * t;
@@ -830,7 +881,9 @@ impl GptBlocks {
         }
         let first = tp.first_row(n);
         for (i, row) in out.chunks_exact_mut(c).enumerate() {
-            let pos = (first + i) % t;
+            let pos = positions
+                .as_ref()
+                .map_or((first + i) % t, |p| p[first + i] as usize);
             for (o, &x) in row.iter_mut().zip(&wpe[pos * c..(pos + 1) * c]) {
                 *o += x;
             }
@@ -858,14 +911,15 @@ impl GptBlocks {
         self.check_shape(b, t)?;
         let c = self.config.n_embd;
         let (dwte, dwpe) = grads.split_at_mut(self.wte_len());
+        let positions = self.doc_positions(tokens, b, t)?;
         let Some(tp) = &self.tp else {
-            encoder_backward(dwte, dwpe, dout, tokens, b, t, c)?;
+            encoder_backward(dwte, dwpe, dout, tokens, positions.as_deref(), b, t, c)?;
             return Ok(());
         };
         let mut full = vec![0.0f32; if tp.sequence_parallel() { b * t * c } else { 0 }];
         let dall = tp.enter_column(dout, &mut full)?;
         self.vocab
-            .embed_backward(dwte, Some(dwpe), dall, tokens, t, c)?;
+            .embed_backward(dwte, Some(dwpe), dall, tokens, positions.as_deref(), t, c)?;
         Ok(())
     }
 
@@ -873,7 +927,9 @@ impl GptBlocks {
     /// over this rank's rows `inp (rows,C)` with the parameter slice of
     /// layer `layer` (its index in the whole model, which the feed-forward
     /// block sees in [`Dims::layer`]; the backward passes on the same
-    /// index); the output is [`acts.out()`](BlockActs::out).
+    /// index); the output is [`acts.out()`](BlockActs::out). `docs` is the
+    /// micro-batch's document starts `(B,T)` under document masking
+    /// ([`doc_starts`](Self::doc_starts)), else `None`.
     ///
     /// # Errors
     /// [`Error::Batch`] on a wrong parameter slice length; a kernel error
@@ -884,6 +940,7 @@ impl GptBlocks {
         acts: &mut BlockActs,
         inp: &[f32],
         params: &[f32],
+        docs: Option<&[u32]>,
         scratch: &mut BlockScratch,
     ) -> Result<()> {
         check_len("block parameters", params.len(), self.block_len())?;
@@ -932,7 +989,7 @@ impl GptBlocks {
             mode,
             self.precision,
         )?;
-        attention_forward(&mut acts.atty, &mut acts.att, &acts.qkv, b, t, ca, nh)?;
+        attention_forward(&mut acts.atty, &mut acts.att, &acts.qkv, docs, b, t, ca, nh)?;
         // row-parallel output projection, summed over the group
         let y: &mut [f32] = if self.sp() {
             &mut scratch.rows

@@ -314,7 +314,10 @@ fn check_len(what: &str, got: usize, want: usize) -> Result<()> {
 }
 
 /// Forward of one micro-batch through the chunk `spec`; with the head and
-/// `targets`, the mean loss.
+/// `targets`, the mean loss. `tokens` is the micro-batch's tokens `(B,T)`,
+/// which every chunk reads under document masking (for the mask); without
+/// it, only the embedding chunk reads them (from `input`).
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn forward(
     bl: &GptBlocks,
     spec: &StageSpec,
@@ -322,9 +325,11 @@ pub(crate) fn forward(
     acts: &mut ChunkActs,
     scratch: &mut BlockScratch,
     input: ChunkInput<'_>,
+    tokens: &[u32],
     targets: Option<&[u32]>,
 ) -> Result<Option<f64>> {
     let (b, t) = (acts.b, acts.t);
+    let docs = bl.doc_starts(tokens, b, t)?;
     match (input, spec.embed) {
         (ChunkInput::Tokens(tok), true) => {
             check_len("tokens", tok.len(), b * t)?;
@@ -359,7 +364,14 @@ pub(crate) fn forward(
             &prev[i - 1].out
         };
         store.pre_forward(Piece::Block(l))?;
-        bl.block_forward(l, &mut cur[0], inp, store.params(Piece::Block(l))?, scratch)?;
+        bl.block_forward(
+            l,
+            &mut cur[0],
+            inp,
+            store.params(Piece::Block(l))?,
+            docs.as_deref(),
+            scratch,
+        )?;
         store.post_forward(Piece::Block(l))?;
     }
     let Some(head) = &mut acts.head else {

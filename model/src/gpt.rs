@@ -169,6 +169,12 @@ impl Gpt {
         self.blocks.set_precision(precision);
     }
 
+    /// Document masking (default off; see
+    /// [`GptBlocks::set_doc_boundary`]).
+    pub fn set_doc_boundary(&mut self, boundary: Option<u32>) {
+        self.blocks.set_doc_boundary(boundary);
+    }
+
     /// A named parameter tensor.
     pub fn param(&self, name: &str) -> Option<&[f32]> {
         self.layout().get(name).map(|s| &self.params[s.range()])
@@ -232,6 +238,7 @@ impl Gpt {
             &mut acts.chunk,
             &mut acts.scratch,
             ChunkInput::Tokens(tokens),
+            tokens,
             targets,
         )
     }

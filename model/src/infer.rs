@@ -26,7 +26,12 @@
 //! with a dropless token-choice router (a capacity limit or expert choice
 //! makes a token's output depend on other tokens, which a decoder cannot
 //! see). `tests/infer.rs` checks the equality for dense and MoE models,
-//! every prompt length and greedy continuations to the full block.
+//! every prompt length and greedy continuations to the full block, and
+//! under document masking ([`GptBlocks::set_doc_boundary`]), where the
+//! decoder tracks the document each position belongs to from the boundary
+//! tokens it has been fed, as the training forward does from its batch.
+//!
+//! [`GptBlocks::set_doc_boundary`]: crate::GptBlocks::set_doc_boundary
 //!
 //! [`Activations::logits`]: crate::Activations::logits
 //!
@@ -83,19 +88,23 @@ pub struct Decoder<'m> {
     model: &'m Gpt,
     /// Positions held in the cache.
     len: usize,
-    kv: Vec<f32>,          // (L, maxT, 2C): rows [k | v]
-    x: Vec<f32>,           // (maxT, C) residual stream
-    res2: Vec<f32>,        // (maxT, C) residual after attention
-    ln: Vec<f32>,          // (maxT, C)
-    mean: Vec<f32>,        // (maxT)
-    rstd: Vec<f32>,        // (maxT)
-    qkv: Vec<f32>,         // (maxT, 3C)
-    atty: Vec<f32>,        // (maxT, C)
-    att: Vec<f32>,         // (NH, maxT) probabilities of one position
-    tmp: Vec<f32>,         // (maxT, C)
-    ffn_saved: Vec<f32>,   // the feed-forward block's saved_len for maxT
+    /// Where the document of the next position starts (document masking:
+    /// one past the last boundary token fed; else 0).
+    doc: usize,
+    pos: Vec<u32>,       // (maxT) positions (within their documents) of the fed tokens
+    kv: Vec<f32>,        // (L, maxT, 2C): rows [k | v]
+    x: Vec<f32>,         // (maxT, C) residual stream
+    res2: Vec<f32>,      // (maxT, C) residual after attention
+    ln: Vec<f32>,        // (maxT, C)
+    mean: Vec<f32>,      // (maxT)
+    rstd: Vec<f32>,      // (maxT)
+    qkv: Vec<f32>,       // (maxT, 3C)
+    atty: Vec<f32>,      // (maxT, C)
+    att: Vec<f32>,       // (NH, maxT) probabilities of one position
+    tmp: Vec<f32>,       // (maxT, C)
+    ffn_saved: Vec<f32>, // the feed-forward block's saved_len for maxT
     ffn_scratch: Vec<f32>, // and its scratch_len
-    logits: Vec<f32>,      // (V)
+    logits: Vec<f32>,    // (V)
 }
 
 impl<'m> Decoder<'m> {
@@ -114,6 +123,8 @@ impl<'m> Decoder<'m> {
         Decoder {
             model,
             len: 0,
+            doc: 0,
+            pos: vec![0; t],
             kv: z(l * t * 2 * c),
             x: z(t * c),
             res2: z(t * c),
@@ -187,12 +198,14 @@ impl<'m> Decoder<'m> {
         ]
         .iter()
         .map(|b| b.len() * 4)
-        .sum()
+        .sum::<usize>()
+            + self.pos.len() * 4
     }
 
     /// Empties the cache (keeping its memory) to start a new sequence.
     pub fn reset(&mut self) {
         self.len = 0;
+        self.doc = 0;
     }
 
     /// The logits `(V)` of the last position fed.
@@ -245,8 +258,29 @@ impl<'m> Decoder<'m> {
         let bl = model.blocks();
         let (mode, precision) = (bl.mode(), bl.precision());
         let nc = n * c;
+        // Each new position's document start (document masking: one past
+        // the last boundary token before it) and position within it.
+        let mut doc = self.doc;
+        let mut starts = Vec::with_capacity(n);
+        for (i, (&tok, pos)) in tokens.iter().zip(&mut self.pos[..n]).enumerate() {
+            starts.push(doc);
+            // `start + i < maxT`, which fits the position table's `u32`s.
+            *pos = (start + i - doc) as u32;
+            if Some(tok) == bl.doc_boundary() {
+                doc = start + i + 1;
+            }
+        }
         let (wte, wpe) = p[bl.embed_range()].split_at(bl.wte_len());
-        encoder_forward(&mut self.x[..nc], tokens, wte, &wpe[start * c..], 1, n, c)?;
+        encoder_forward(
+            &mut self.x[..nc],
+            tokens,
+            Some(&self.pos[..n]),
+            wte,
+            wpe,
+            1,
+            n,
+            c,
+        )?;
         let ffn = model.blocks().ffn();
         let dims = |layer| Dims {
             b: 1,
@@ -299,6 +333,7 @@ impl<'m> Decoder<'m> {
                     &row[..c],
                     &kv[..(pos + 1) * 2 * c],
                     pos,
+                    starts[i],
                     c,
                     nh,
                 )?;
@@ -363,6 +398,7 @@ impl<'m> Decoder<'m> {
             precision,
         )?;
         self.len = start + n;
+        self.doc = doc;
         Ok(())
     }
 }

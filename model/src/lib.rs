@@ -97,7 +97,8 @@
 //! let plan = ParallelPlan { fsdp: None, pipeline: None, batch: 2, seq: 8, micro_batches: 1,
 //!                           reproducible: true, tp: TpOptions::default(),
 //!                           precision: weft_kernels::Precision::F32,
-//!                           grad_wire: weft_collectives::Dtype::F32 };
+//!                           grad_wire: weft_collectives::Dtype::F32,
+//!                           doc_boundary: None };
 //! let losses = |tp: usize| {
 //!     LocalCluster::run(tp, |comm| {
 //!         let mesh = ParallelDims { tp, ..ParallelDims::SINGLE }.build(&comm)?;

@@ -76,6 +76,9 @@ pub struct ParallelPlan {
     /// the bytes. A sharded (FSDP) stage uses its own
     /// `FsdpConfig::precision.reduce` instead.
     pub grad_wire: weft_collectives::Dtype,
+    /// Document masking: the token that ends a document, or `None` to
+    /// attend across documents ([`GptBlocks::set_doc_boundary`]).
+    pub doc_boundary: Option<u32>,
 }
 
 /// Where a parallel model's initial parameters come from.
@@ -299,6 +302,7 @@ impl ParallelGpt {
         mesh: ParallelMesh,
     ) -> Result<Self> {
         blocks.set_precision(plan.precision);
+        blocks.set_doc_boundary(plan.doc_boundary);
         let dims = mesh.dims();
         let (schedule, layers) = Self::schedule_of(plan, dims, blocks.config().n_layer)?;
         let pl = schedule.placement();

@@ -1413,7 +1413,16 @@ impl weft_pipeline::Stage for GptStage {
             fsdp.begin_eval()?;
         }
         let loss = self.with_store(free, |bl, spec, store, slot, scratch| {
-            chunk::forward(bl, spec, store, &mut slot.acts, scratch, inp, targets)
+            chunk::forward(
+                bl,
+                spec,
+                store,
+                &mut slot.acts,
+                scratch,
+                inp,
+                batch.tokens,
+                targets,
+            )
         })?;
         let slot = &mut self.slots[free];
         slot.mb = mb;

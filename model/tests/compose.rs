@@ -32,6 +32,9 @@
 //!   guarantees as bf16; and loss scaling alone (f32, a power of two)
 //!   changes no bit.
 //!
+//! * With document masking, a layout of each axis and composed ones: the
+//!   same guarantees as without it.
+//!
 //! Every layout enumerated is run and checked (the count is asserted), so
 //! a layout cannot be skipped silently.
 
@@ -92,18 +95,26 @@ fn init(moe: bool) -> Vec<f32> {
     m.params
 }
 
-/// Global micro-batch `g` of step `s`.
-fn batch(s: usize, g: usize) -> (Vec<u32>, Vec<u32>) {
+/// Global micro-batch `g` of step `s`; with `docs`, documents of 1 to 5
+/// tokens ending in [`EOT`].
+fn batch(s: usize, g: usize, docs: bool) -> (Vec<u32>, Vec<u32>) {
     let v = gpt_config().vocab_size as u64;
     let seq: Vec<u32> = (0..B * T + 1)
         .map(|i| {
             let x = (s as u64 * 1_000_003 + g as u64 * 7919 + i as u64)
                 .wrapping_mul(0x9E37_79B9_7F4A_7C15);
-            ((x >> 33) % v) as u32
+            if docs && (x >> 20).is_multiple_of(3) {
+                EOT
+            } else {
+                ((x >> 33) % v) as u32
+            }
         })
         .collect();
     (seq[..B * T].to_vec(), seq[1..].to_vec())
 }
+
+/// The end-of-text token of the document-masking tests (the last id).
+const EOT: u32 = 36;
 
 /// A layout: the mesh, the pipeline schedule (kind, chunks per stage),
 /// FSDP's strategy, sequence parallelism.
@@ -116,6 +127,8 @@ struct Layout {
     precision: Precision,
     /// The loss scale of every step's backward (1: none).
     loss_scale: f32,
+    /// Data packed from short documents (`Some`), masked or not.
+    docs: Option<bool>,
 }
 
 impl Layout {
@@ -127,6 +140,7 @@ impl Layout {
             sp: false,
             precision: Precision::F32,
             loss_scale: 1.0,
+            docs: None,
         }
     }
     fn sp(self) -> Self {
@@ -142,6 +156,12 @@ impl Layout {
         Layout {
             precision: Precision::F16,
             loss_scale,
+            ..self
+        }
+    }
+    fn masked(self) -> Self {
+        Layout {
+            docs: Some(true),
             ..self
         }
     }
@@ -187,6 +207,7 @@ fn run(layout: Layout, moe: bool) -> Run {
         let plan = ParallelPlan {
             precision: layout.precision,
             grad_wire: weft_collectives::Dtype::F32,
+            doc_boundary: (layout.docs == Some(true)).then_some(EOT),
             fsdp: layout.fsdp.map(|strategy| FsdpConfig {
                 strategy,
                 hybrid_shard: 2.min(dims.dp / dims.ep),
@@ -213,7 +234,9 @@ fn run(layout: Layout, moe: bool) -> Run {
         };
         let (mut losses, mut norms) = (Vec::new(), Vec::new());
         for s in 0..STEPS {
-            let data: Vec<_> = (first..first + per).map(|m| batch(s, m)).collect();
+            let data: Vec<_> = (first..first + per)
+                .map(|m| batch(s, m, layout.docs.is_some()))
+                .collect();
             let mbs: Vec<_> = data
                 .iter()
                 .map(|(a, b)| MicroBatch {
@@ -230,7 +253,9 @@ fn run(layout: Layout, moe: bool) -> Run {
         }
         // evaluation through the forward-only schedule: 3 batches, every
         // rank passing all of them
-        let val: Vec<_> = (0..3).map(|k| batch(100, k)).collect();
+        let val: Vec<_> = (0..3)
+            .map(|k| batch(100, k, layout.docs.is_some()))
+            .collect();
         let vmbs: Vec<_> = val
             .iter()
             .map(|(a, b)| MicroBatch {
@@ -422,6 +447,7 @@ fn layouts(moe: bool) -> Vec<Layout> {
                                 sp: false,
                                 precision: Precision::F32,
                                 loss_scale: 1.0,
+                                docs: None,
                             };
                             out.push(base);
                             if tp > 1 && fsdp.is_none() {
@@ -517,6 +543,54 @@ fn mixed_precision_follows_one_rank(mixed: fn(Layout) -> Layout) {
 
 fn one_precision(mixed: fn(Layout) -> Layout) -> Precision {
     mixed(Layout::new(1, 1, 1, 1)).precision
+}
+
+/// Document masking on every axis: a layout of each axis and composed
+/// ones against one rank with the mask, bitwise where the unmasked runs
+/// are, to rounding with tp or ep (the mask and the restarted positions
+/// follow from each micro-batch's tokens on every stage and rank,
+/// sequence-parallel and vocabulary-parallel embeddings included); and the
+/// mask changes the run (the same data unmasked differs).
+#[test]
+fn document_masking_follows_one_rank_on_every_axis() {
+    for moe in [false, true] {
+        let one = run(Layout::new(1, 1, 1, 1).masked(), moe);
+        let unmasked = run(
+            Layout {
+                docs: Some(false),
+                ..Layout::new(1, 1, 1, 1)
+            },
+            moe,
+        );
+        assert_ne!(
+            one.losses, unmasked.losses,
+            "moe={moe}: the mask changes nothing"
+        );
+        let mut layouts = vec![
+            Layout {
+                fsdp: Some(Strategy::Full),
+                ..Layout::new(1, 2, 1, 1)
+            },
+            Layout {
+                schedule: Some((ScheduleKind::ZbV, 2)),
+                ..Layout::new(2, 1, 1, 1)
+            },
+            Layout::new(1, 1, 2, 1).sp(),
+            Layout {
+                fsdp: Some(Strategy::Hybrid),
+                ..Layout::new(2, 2, 2, 1)
+            },
+        ];
+        if moe {
+            layouts.push(Layout {
+                fsdp: Some(Strategy::Full),
+                ..Layout::new(2, 2, 1, 2)
+            });
+        }
+        for layout in layouts {
+            check(layout.masked(), moe, &one);
+        }
+    }
 }
 
 /// Loss scaling by a power of two is exact in f32: every gradient is the

@@ -72,6 +72,7 @@ fn model(
     let plan = ParallelPlan {
         precision: weft_kernels::Precision::F32,
         grad_wire: weft_collectives::Dtype::F32,
+        doc_boundary: None,
         reproducible: fsdp.as_ref().is_none_or(|f| f.reproducible),
         fsdp,
         pipeline: None,

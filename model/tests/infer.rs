@@ -2,7 +2,8 @@
 //! [`Decoder`] returns — after a prefill of each prompt length, and at
 //! every step of a greedy continuation to the full block — is bitwise the
 //! logit [`Gpt::forward`] computes for the same prefix, for dense and MoE
-//! models of several shapes, in f32 and in bf16 mixed precision.
+//! models of several shapes, in f32 and in bf16 mixed precision, and
+//! with document masking.
 
 use weft_model::{Decoder, Error, Gpt, GptConfig, MoeFfn};
 use weft_moe::{Gate, MoeConfig, Router};
@@ -119,6 +120,34 @@ fn bf16_models_decode_the_bf16_forwards_logits_bitwise() {
     model.init_gpt2(21);
     model.set_precision(weft_kernels::Precision::Bf16);
     check_model(&model, &[1, 5, 12], "bf16 moe");
+}
+
+/// Under document masking the decoder derives each position's document
+/// from the boundary tokens it was fed, as the forward does from its
+/// batch: bitwise the masked forward (prompts and greedy continuations
+/// over a vocabulary of 9, so the boundary — the last id — comes often),
+/// past the attention blocks too, and not the unmasked forward.
+#[test]
+fn doc_masked_models_decode_the_masked_forwards_logits_bitwise() {
+    for (t, seed) in [(24, 8), (80, 9)] {
+        let mut model = Gpt::new(cfg(2, 2, 16, 9, t)).unwrap();
+        model.init_gpt2(seed);
+        let prompt: Vec<u32> = (0..t as u32).map(|i| (i * 5 + 3) % 9).collect();
+        assert!(prompt.contains(&8));
+        let plain = reference(&model, &prompt);
+        model.set_doc_boundary(Some(8));
+        assert_ne!(
+            plain,
+            reference(&model, &prompt),
+            "the mask changes the logits"
+        );
+        let lens: Vec<usize> = if t > 64 {
+            vec![1, 7, 63, 64, 65, 80]
+        } else {
+            (1..=t).collect()
+        };
+        check_model(&model, &lens, &format!("documents T={t}"));
+    }
 }
 
 /// Positions past the attention kernel's 64-row blocks.

@@ -160,6 +160,7 @@ fn setup(
     let plan = ParallelPlan {
         precision: weft_kernels::Precision::F32,
         grad_wire: weft_collectives::Dtype::F32,
+        doc_boundary: None,
         fsdp: layout.fsdp.map(|strategy| FsdpConfig {
             strategy,
             hybrid_shard: 2.min(dims.dp / dims.ep),

@@ -72,7 +72,14 @@ fn split_backward_equals_whole_backward_bitwise() -> R {
                 } else {
                     &prev[l - 1].out().to_vec()
                 };
-                bl.block_forward(l, &mut cur[0], inp, &p[bl.block_range(l)], &mut scratch)?;
+                bl.block_forward(
+                    l,
+                    &mut cur[0],
+                    inp,
+                    &p[bl.block_range(l)],
+                    None,
+                    &mut scratch,
+                )?;
             }
             let got = bl
                 .head_forward(

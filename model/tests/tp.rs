@@ -762,7 +762,7 @@ fn vocab_parallel_embedding_and_cross_entropy_match_unsplit() {
         let mut want_loss = vec![0.0; n];
         fused_classifier(&mut want_l, &mut want_loss, &targets, Some(0.5), n, v, v).unwrap();
         let mut want_emb = vec![0.0; n * c];
-        encoder_forward(&mut want_emb, &targets, &wte, &wpe, 2, t, c).unwrap();
+        encoder_forward(&mut want_emb, &targets, None, &wte, &wpe, 2, t, c).unwrap();
         let out = LocalCluster::run(tp, |comm| {
             let mesh = mesh(&comm, tp);
             let g = group(&mesh, TpOptions::default());

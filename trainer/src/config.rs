@@ -463,9 +463,24 @@ pub struct DataConfig {
     /// dataset its share (the start of a run reports the realized
     /// proportions), each dataset reshuffled every epoch.
     pub blend: Vec<BlendEntry>,
+    /// Document masking: train every document packed into a sequence as
+    /// if it were alone — attention stops at the end-of-text token before
+    /// it and positions restart after it (Megatron-LM's
+    /// `reset_attention_mask` and `reset_position_ids`). Off by default,
+    /// as GPT-2, nanoGPT and llm.c train: documents then see the ones
+    /// packed before them. Text and token data only (GPT-2's
+    /// `<|endoftext|>` ends a document); `weft sample` decodes with the
+    /// run's setting.
+    pub doc_mask: bool,
 }
 
 impl DataConfig {
+    /// The token that ends a document under `doc_mask` (GPT-2's
+    /// `<|endoftext|>`), or `None` without document masking.
+    pub fn doc_boundary(&self) -> Option<u32> {
+        self.doc_mask.then_some(weft_data::END_OF_TEXT)
+    }
+
     /// Whether the source is text that is tokenized when the run starts
     /// (not the synthetic corpus, not token data).
     pub fn is_text(&self) -> bool {
@@ -492,6 +507,7 @@ impl Default for DataConfig {
             val_fraction: 0.1,
             synthetic: SyntheticSpec::default(),
             blend: Vec::new(),
+            doc_mask: false,
         }
     }
 }
@@ -1066,6 +1082,12 @@ impl Config {
             return bad(
                 "data.source",
                 "must be \"synthetic\", a path to .txt data, or prepared token data".into(),
+            );
+        }
+        if d.doc_mask && d.source == "synthetic" && d.blend.is_empty() {
+            return bad(
+                "data.doc_mask",
+                "needs documents: the synthetic corpus has none; set data.source to text or token data".into(),
             );
         }
         if !d.blend.is_empty() && d.source != "synthetic" {

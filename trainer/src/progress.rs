@@ -123,6 +123,11 @@ impl Observer for Terminal {
                 d.epochs
             ));
         }
+        if info.doc_mask {
+            say(
+                "documents       masked: each attends and is positioned as if alone (data.doc_mask)",
+            );
+        }
         let m = &info.memory;
         say(&format!(
             "ranks           {}; per rank: params {}B, grads {}B, AdamW {}B, activations {}B, comm buffers {}B (total {}B{})",

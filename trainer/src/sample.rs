@@ -381,6 +381,7 @@ fn build_model(config: &Config, vocab: usize) -> Result<(Gpt, Option<MoeStats>),
     };
     // decode in the run's arithmetic: the training forward's bits
     model.set_precision(config.train.precision.kernels());
+    model.set_doc_boundary(config.data.doc_boundary());
     Ok((model, stats))
 }
 

@@ -267,6 +267,8 @@ pub struct RunInfo {
     /// run's `steps × batch_size` sequences — the realized proportions.
     /// Empty for the synthetic corpus and for text.
     pub data_shares: Vec<weft_data::Share>,
+    /// Whether documents are masked from each other (`data.doc_mask`).
+    pub doc_mask: bool,
     /// Memory of one rank (rank 0), counted from the buffers it allocated,
     /// so sharding shows: with `parallel.tp = N` the split layers'
     /// parameters, gradients and moments are `1/N` of the model's, with
@@ -703,6 +705,7 @@ fn plan(config: &Config, cfg: &GptConfig) -> Result<ParallelPlan, TrainError> {
         },
         precision: config.train.precision.kernels(),
         grad_wire: p.grad_wire.dtype(),
+        doc_boundary: config.data.doc_boundary(),
     })
 }
 
@@ -1483,6 +1486,7 @@ fn run_attempt(
         backend,
         memory,
         data_shares: data.shares(t.steps * t.batch_size as u64),
+        doc_mask: config.data.doc_mask,
     };
     observer.start(&info);
 

@@ -170,6 +170,54 @@ fn prepared_data_is_the_same_sequences_on_every_layout_and_after_a_resume() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// `data.doc_mask`: bitwise the same run on one rank and on dp=2 with
+/// FSDP, a different run from the unmasked one on the same data, reported
+/// at the start, and kept by `weft sample`; refused without documents.
+#[test]
+fn document_masking_is_the_same_on_every_layout_and_changes_the_run() {
+    let dir = tmp("docmask");
+    let data = prepared(&dir, "p", 0);
+    let mask = "data.doc_mask=true";
+    let mut info = Info::default();
+    let one = train(
+        &config(&dir, "m1", &data, &[mask, "checkpoint.every=8"]),
+        false,
+        &mut info,
+    )
+    .unwrap();
+    assert!(info.0.unwrap().doc_mask);
+    let reference = trace(&one.run_dir);
+    let fsdp = train(
+        &config(
+            &dir,
+            "m2",
+            &data,
+            &[mask, "parallel.dp=2", "parallel.fsdp=\"full\""],
+        ),
+        false,
+        &mut Silent,
+    )
+    .unwrap();
+    assert_eq!(trace(&fsdp.run_dir), reference, "dp=2 fsdp");
+    let plain = train(&config(&dir, "plain", &data, &[]), false, &mut Silent).unwrap();
+    assert_ne!(trace(&plain.run_dir), reference, "the mask changes nothing");
+    // Real text: the masked run learns too.
+    assert!(one.final_eval_loss < one.initial_eval_loss - 1.0, "{one:?}");
+    let sampler = weft_trainer::sample::Sampler::open(&one.run_dir).unwrap();
+    assert_eq!(
+        sampler.model().blocks().doc_boundary(),
+        Some(weft_data::END_OF_TEXT)
+    );
+    let e = Config::load(None, &[mask.to_owned()])
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("data.doc_mask") && e.contains("synthetic"),
+        "{e}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 #[test]
 fn blends_report_their_shares_and_bad_blends_are_refused() {
     let dir = tmp("blend");

@@ -103,17 +103,20 @@ impl VocabShard {
     /// Backward of [`embed`](Self::embed) given the *whole* output gradient
     /// `dout (N, C)`: accumulates the rows of the tokens this rank holds
     /// into `dwte_l`, in token order (as the unsplit kernel does), and
-    /// `dout` row `i` into `dwpe[i mod t]` when `dwpe` is given.
+    /// `dout` row `i` into `dwpe[positions[i]]` (`dwpe[i mod t]` without
+    /// `positions`) when `dwpe` is given.
     ///
     /// # Errors
     /// [`Error::Split`](crate::Error::Split) on a wrong length; a kernel
     /// error for a token outside the vocabulary.
+    #[allow(clippy::too_many_arguments)]
     pub fn embed_backward(
         &self,
         dwte_l: &mut [f32],
         mut dwpe: Option<&mut [f32]>,
         dout: &[f32],
         tokens: &[u32],
+        positions: Option<&[u32]>,
         t: usize,
         c: usize,
     ) -> Result<()> {
@@ -139,7 +142,7 @@ impl VocabShard {
                 }
             }
             if let Some(p) = dwpe.as_deref_mut() {
-                let pos = row % t;
+                let pos = positions.map_or(row % t, |p| p[row] as usize);
                 for (e, &x) in p[pos * c..(pos + 1) * c].iter_mut().zip(g) {
                     *e += x;
                 }
