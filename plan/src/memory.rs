@@ -1,0 +1,514 @@
+//! Memory per GPU, by category, for a layout under a [`Recipe`].
+//!
+//! Two accountings:
+//!
+//! * [`Accounting::Weft`] — what weft allocates today, counted the way its
+//!   start-up report counts it (`weft_model::ParallelGpt::predict_memory`,
+//!   equal to what the built model holds): f32 parameters, gradients and
+//!   AdamW moments (16 bytes per parameter) plus the gradient reducer's
+//!   f32 buckets (4 more) for replicas; FSDP's padded unit shards (an f32
+//!   shard is its own master copy, so 12 bytes per sharded parameter under
+//!   ZeRO-3); every activation buffer the blocks plan, in f32, including
+//!   the `B·NH·T²` attention probabilities, for as many micro-batches as
+//!   the pipeline schedule keeps in flight on the stage; the shared working
+//!   buffers; the tied embedding's copy and exchange between the first and
+//!   last stages. The transient buffers of a step (FSDP's gathered units,
+//!   pipeline messages, collective scratch) are not counted, as weft's
+//!   report does not count them.
+//! * [`Accounting::Mixed`] — mixed precision on GPUs as Megatron-LM and
+//!   PyTorch FSDP run it: bf16 parameters and gradients, an f32 master
+//!   copy and two f32 AdamW moments (2 + 2 + 12 = 16 bytes per parameter;
+//!   ZeRO shards the 12, then the 2 of the gradients, then the 2 of the
+//!   parameters); activations in 16 bits as Korthikanti et al. (2022,
+//!   "Reducing Activation Recomputation in Large Transformer Models",
+//!   Table 2) count them per layer and micro-batch: `s·b·h·(34 + 5·a·s/h)`
+//!   bytes without parallelism, `s·b·h·(10 + 24/t + 5·a·s/(h·t))` with
+//!   tensor parallelism `t`, `s·b·h/t·(34 + 5·a·s/h)` with sequence
+//!   parallelism too, `2·s·b·h` (÷`t` with sequence parallelism) with full
+//!   recomputation; without the `5·a·s/h` of the attention scores under
+//!   fused (flash) attention; plus the logits (bf16 and f32) on the last stage; the
+//!   buffers: FSDP's two gathered units (the one computing and the one
+//!   prefetched) and the pipeline's send and receive buffers.
+
+use std::fmt;
+use std::ops::AddAssign;
+
+use serde::{Deserialize, Serialize};
+
+use crate::cluster::Precision;
+use crate::layout::{Layout, Sharding};
+use crate::model::ModelSpec;
+
+/// Bytes one GPU holds, by category.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Memory {
+    /// Parameters (the compute copy, or the shard; a last stage's copy of a
+    /// tied embedding).
+    pub params: u64,
+    /// Gradients.
+    pub grads: u64,
+    /// Optimizer state: AdamW's moments and any master copy.
+    pub optimizer: u64,
+    /// Activations kept for the backward, for the micro-batches in flight,
+    /// and the working buffers.
+    pub activations: u64,
+    /// Buffers for communication (gradient buckets, gathered FSDP units,
+    /// pipeline messages, the tied embedding's exchange).
+    pub buffers: u64,
+}
+
+impl Memory {
+    /// All categories together.
+    #[must_use]
+    pub fn total(&self) -> u64 {
+        self.params + self.grads + self.optimizer + self.activations + self.buffers
+    }
+
+    /// The categories with their names, in report order.
+    #[must_use]
+    pub fn categories(&self) -> [(&'static str, u64); 5] {
+        [
+            ("params", self.params),
+            ("grads", self.grads),
+            ("optimizer", self.optimizer),
+            ("activations", self.activations),
+            ("buffers", self.buffers),
+        ]
+    }
+
+    /// The largest category's name.
+    #[must_use]
+    pub fn largest(&self) -> &'static str {
+        self.categories()
+            .into_iter()
+            .max_by_key(|&(_, b)| b)
+            .map_or("params", |(n, _)| n)
+    }
+}
+
+impl AddAssign for Memory {
+    fn add_assign(&mut self, o: Memory) {
+        self.params += o.params;
+        self.grads += o.grads;
+        self.optimizer += o.optimizer;
+        self.activations += o.activations;
+        self.buffers += o.buffers;
+    }
+}
+
+impl fmt::Display for Memory {
+    /// `params 1.2 GiB, grads ..., total ...`.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for (name, b) in self.categories() {
+            write!(f, "{name} {}, ", bytes(b))?;
+        }
+        write!(f, "total {}", bytes(self.total()))
+    }
+}
+
+/// `b` bytes in GiB, MiB or KiB.
+#[must_use]
+#[allow(clippy::cast_precision_loss)]
+pub fn bytes(b: u64) -> String {
+    let x = b as f64;
+    const K: f64 = 1024.0;
+    if x >= K * K * K {
+        format!("{:.2} GiB", x / (K * K * K))
+    } else if x >= K * K {
+        format!("{:.1} MiB", x / (K * K))
+    } else {
+        format!("{:.1} KiB", x / K)
+    }
+}
+
+/// How memory is counted and what the arithmetic is.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Accounting {
+    /// What weft allocates today (see the [module docs](self)).
+    Weft,
+    /// Mixed precision on GPUs (see the [module docs](self)).
+    #[default]
+    Mixed,
+}
+
+/// What the ranks hold and compute, and how the framework behaves: weft's
+/// own run, or mixed precision on GPUs as Megatron-LM and PyTorch FSDP run
+/// it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Recipe {
+    /// How memory is counted.
+    pub accounting: Accounting,
+    /// The arithmetic of the matrix products (the peak they run at).
+    pub precision: Precision,
+    /// Data-parallel gradients travel in bf16 (weft's
+    /// `parallel.grad_wire = "bf16"`; always so under [`Accounting::Mixed`]).
+    pub bf16_grad_wire: bool,
+    /// The data-parallel gradient reduction overlaps the backward of the
+    /// last micro-batch (PyTorch DDP, FSDP, Megatron-LM's
+    /// `--overlap-grad-reduce`); off: it runs after the backward
+    /// (Megatron-LM 2021's `--DDP-impl local`). Never on CPU ranks.
+    pub overlap_grad_reduce: bool,
+    /// Fused attention that never writes the `T×T` scores (FlashAttention,
+    /// Dao et al. 2022): their `5·a·s²·b` bytes of activations and their
+    /// memory traffic go, the masked half of the causal products is
+    /// skipped, and the backward recomputes the scores (2.5× the forward's
+    /// products instead of 2×). Off: the scores are materialized
+    /// (Megatron-LM 2021, and weft's CPU kernel, which keeps the
+    /// probabilities).
+    pub flash_attention: bool,
+}
+
+impl Recipe {
+    /// weft's run in `precision` (`train.precision`), f32 gradients on the
+    /// wire.
+    #[must_use]
+    pub fn weft(precision: Precision) -> Self {
+        Recipe {
+            accounting: Accounting::Weft,
+            precision,
+            bf16_grad_wire: false,
+            overlap_grad_reduce: false,
+            flash_attention: false,
+        }
+    }
+
+    /// bf16 mixed precision on GPUs, the gradient reduction overlapped,
+    /// fused (flash) attention.
+    #[must_use]
+    pub fn mixed() -> Self {
+        Recipe {
+            accounting: Accounting::Mixed,
+            precision: Precision::Bf16,
+            bf16_grad_wire: true,
+            overlap_grad_reduce: true,
+            flash_attention: true,
+        }
+    }
+
+    /// Bytes of an activation element.
+    #[must_use]
+    pub fn activation_bytes(&self) -> u64 {
+        match self.accounting {
+            Accounting::Weft => 4,
+            Accounting::Mixed => 2,
+        }
+    }
+
+    /// Bytes of a gradient element on the data-parallel wire.
+    #[must_use]
+    pub fn grad_wire_bytes(&self) -> u64 {
+        if self.bf16_grad_wire || self.accounting == Accounting::Mixed {
+            2
+        } else {
+            4
+        }
+    }
+
+    /// Bytes of a parameter element when gathered for compute.
+    #[must_use]
+    pub fn param_bytes(&self) -> u64 {
+        match self.accounting {
+            Accounting::Weft => 4,
+            Accounting::Mixed => 2,
+        }
+    }
+}
+
+/// One model chunk a pipeline stage holds (a virtual stage).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Chunk {
+    /// Transformer blocks in the chunk.
+    pub layers: usize,
+    /// Whether it holds the embedding (the first virtual stage).
+    pub embed: bool,
+    /// Whether it holds the head (the last virtual stage).
+    pub head: bool,
+    /// Micro-batches whose activations it holds at the schedule's peak.
+    pub slots: usize,
+}
+
+/// Element counts of one tensor-parallel rank's share of the model
+/// (rank 0 of every axis: it holds the largest share of an uneven split).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Shares {
+    /// `wte` rows on this rank (`ceil(V/tp)`), times C.
+    pub wte: u64,
+    /// `wpe`: T·C.
+    pub wpe: u64,
+    /// One block's parameters on this rank.
+    pub block: u64,
+    /// The final layernorm (and an untied head's rows).
+    pub head: u64,
+}
+
+fn u(x: usize) -> u64 {
+    x as u64
+}
+
+impl Shares {
+    pub(crate) fn of(model: &ModelSpec, layout: &Layout) -> Shares {
+        let (c, t) = (u(model.hidden), u(layout.tp));
+        let f = u(model.ffn_hidden);
+        let v_loc = u(model.vocab.div_ceil(layout.tp));
+        let ffn = if model.is_moe() {
+            // replicated over tp; experts shared out over ep
+            let e = u(model.experts);
+            let local = e / u(layout.ep);
+            let expert = 2 * c * f + f + c;
+            c * e + e + local * expert + if model.shared_expert { expert } else { 0 }
+        } else {
+            // c_fc by columns (weight and bias), c_proj weight by rows,
+            // c_proj bias replicated
+            2 * c * f / t + f / t + c
+        };
+        // ln_1, ln_2; c_attn (C, 3C/tp) + 3C/tp; c_proj (C/tp, C) + C
+        let block = 4 * c + 3 * c * c / t + 3 * c / t + c * c / t + c + ffn;
+        let head = 2 * c + if model.tied_embeddings { 0 } else { v_loc * c };
+        Shares {
+            wte: v_loc * c,
+            wpe: u(model.seq) * c,
+            block,
+            head,
+        }
+    }
+
+    /// Parameters of `chunk` on this rank (FSDP units: embedding, each
+    /// block, head).
+    pub(crate) fn units(&self, chunk: &Chunk) -> Vec<u64> {
+        let mut v = Vec::with_capacity(chunk.layers + 2);
+        if chunk.embed {
+            v.push(self.wte + self.wpe);
+        }
+        v.extend(std::iter::repeat_n(self.block, chunk.layers));
+        if chunk.head {
+            v.push(self.head);
+        }
+        v
+    }
+}
+
+/// Memory of one pipeline stage holding `chunks`, on its rank 0.
+pub(crate) fn stage_memory(
+    model: &ModelSpec,
+    layout: &Layout,
+    recipe: &Recipe,
+    chunks: &[Chunk],
+) -> Memory {
+    let mut m = Memory::default();
+    for c in chunks {
+        m += match recipe.accounting {
+            Accounting::Weft => weft_chunk(model, layout, recipe, c),
+            Accounting::Mixed => mixed_chunk(model, layout, recipe, c),
+        };
+    }
+    if recipe.accounting == Accounting::Mixed && layout.pp > 1 {
+        // one send and one receive buffer of a micro-batch's activations
+        let rows = tokens(model, layout)
+            / if layout.sequence_parallel {
+                u(layout.tp)
+            } else {
+                1
+            };
+        m.buffers += 2 * 2 * rows * u(model.hidden);
+    }
+    m
+}
+
+/// Tokens of a micro-batch, B·T.
+fn tokens(model: &ModelSpec, layout: &Layout) -> u64 {
+    u(layout.micro_batch_size * model.seq)
+}
+
+/// Floats of one block's activations on a rank, as weft's blocks plan them
+/// (`GptBlocks::block_acts_len`), and of its saved weight-gradient inputs
+/// for split backwards (`weight_inputs_len`).
+fn weft_block_floats(model: &ModelSpec, layout: &Layout) -> (u64, u64, u64) {
+    let (b, t, c) = (u(layout.micro_batch_size), u(model.seq), u(model.hidden));
+    let tp = u(layout.tp);
+    let sp = layout.sequence_parallel && layout.tp > 1;
+    let n = b * t;
+    let rows = if sp { n / tp } else { n };
+    let (nh, ca) = (u(model.heads) / tp, c / tp);
+    let att = b * nh * t * t;
+    let hid = 4 * c / tp;
+    let (ffn_saved, ffn_scratch, ffn_split) = if model.is_moe() {
+        let (e, k, f) = (u(model.experts), u(model.top_k), u(model.ffn_hidden));
+        let shared = if model.shared_expert { 2 * f } else { 0 };
+        let per_token = if layout.ep > 1 {
+            e + k * c + shared
+        } else {
+            e + k * (2 * f + c) + shared
+        };
+        (n * per_token, 0, 0)
+    } else {
+        let split = n * hid + if sp { n * c } else { 0 };
+        let input = n * hid + if layout.tp > 1 { n * c } else { 0 } + if sp { rows * c } else { 0 };
+        (2 * n * hid, (input + split).max(n * c), split)
+    };
+    let block = n * c
+        + 2 * rows
+        + n * 3 * ca
+        + n * ca
+        + att
+        + rows * c
+        + n * c
+        + 2 * rows
+        + ffn_saved
+        + rows * c;
+    let scratch =
+        2 * n * c + n * ca + n * 3 * ca + att + ffn_scratch + if sp { rows * c + n * c } else { 0 };
+    let weight_inputs = 3 * rows * c + n * c + n * 3 * ca + ffn_split;
+    (block, scratch, weight_inputs)
+}
+
+fn weft_chunk(model: &ModelSpec, layout: &Layout, recipe: &Recipe, chunk: &Chunk) -> Memory {
+    let shares = Shares::of(model, layout);
+    let (b, t, c) = (u(layout.micro_batch_size), u(model.seq), u(model.hidden));
+    let tp = u(layout.tp);
+    let sp = layout.sequence_parallel && layout.tp > 1;
+    let n = b * t;
+    let rows = if sp { n / tp } else { n };
+    let (block, scratch, weight_inputs) = weft_block_floats(model, layout);
+    let l = u(chunk.layers);
+    let v_loc = u(model.vocab.div_ceil(layout.tp));
+    let mut per_slot = 2 * rows * c + l * block;
+    if chunk.embed {
+        per_slot += n;
+    }
+    if chunk.head {
+        // targets, ln_f, its statistics, logits, losses, row statistics
+        per_slot += n + n * c + 2 * rows + n * v_loc + n + 2 * n;
+    }
+    if layout.schedule.splits_backward() && layout.pp > 1 {
+        per_slot += l * weight_inputs;
+    }
+    let acts = u(chunk.slots.max(1)) * per_slot + scratch;
+    let units = shares.units(chunk);
+    let params: u64 = units.iter().sum();
+    let tied = model.tied_embeddings;
+    let tied_copy = if chunk.head && tied && !chunk.embed {
+        shares.wte
+    } else {
+        0
+    };
+    let exchange = match (tied && chunk.embed != chunk.head, chunk.embed) {
+        (false, _) => 0,
+        (true, true) => u(chunk.slots.max(1)) * shares.wte,
+        (true, false) => shares.wte,
+    };
+    let mut m = Memory {
+        activations: 4 * acts,
+        ..Memory::default()
+    };
+    match layout.sharding {
+        Sharding::None => {
+            m.params = 4 * (params + tied_copy);
+            m.grads = 4 * params;
+            m.optimizer = 4 * 2 * params;
+            let wire = if recipe.bf16_grad_wire { 2 } else { 0 };
+            m.buffers = 4 * (exchange + params) + wire * params;
+        }
+        s => {
+            let n = u(layout.shard_group().max(1));
+            let shard: u64 = units.iter().map(|&x| x.div_ceil(n)).sum();
+            let (held, states) = if s.shards_params() {
+                (shard, 2)
+            } else {
+                (shard * n, 3)
+            };
+            m.params = 4 * (held + tied_copy);
+            m.optimizer = 4 * states * shard;
+            let gathered = if tied && chunk.embed != chunk.head && chunk.embed {
+                shares.wte
+            } else {
+                0
+            };
+            m.buffers = 4 * (exchange + gathered);
+        }
+    }
+    m
+}
+
+fn mixed_chunk(model: &ModelSpec, layout: &Layout, recipe: &Recipe, chunk: &Chunk) -> Memory {
+    let shares = Shares::of(model, layout);
+    let (s, b, h, a) = (
+        u(model.seq),
+        u(layout.micro_batch_size),
+        u(model.hidden),
+        u(model.heads),
+    );
+    let t = u(layout.tp);
+    let sp = layout.sequence_parallel && layout.tp > 1;
+    let sbh = s * b * h;
+    // Korthikanti et al. 2022, Table 2; the feed-forward share (19·sbh of
+    // the 34) runs k times for a mixture of experts
+    let k = if model.is_moe() {
+        u(model.top_k) + u(usize::from(model.shared_expert))
+    } else {
+        1
+    };
+    let attention_scores = if recipe.flash_attention {
+        0
+    } else {
+        5 * a * s * s * b
+    };
+    let per_layer = if layout.recompute {
+        if sp { 2 * sbh / t } else { 2 * sbh }
+    } else if sp {
+        ((15 + 19 * k) * sbh + attention_scores) / t
+    } else if layout.tp > 1 {
+        10 * sbh + (5 + 19 * k) * sbh / t + attention_scores / t
+    } else {
+        (15 + 19 * k) * sbh + attention_scores
+    };
+    let mut per_slot = u(chunk.layers) * per_layer;
+    if chunk.embed {
+        // the embedding's output and its dropout mask
+        per_slot += 3 * sbh / if sp { t } else { 1 };
+    }
+    if chunk.head {
+        // bf16 logits and their f32 softmax, vocabulary-parallel
+        per_slot += 6 * s * b * u(model.vocab.div_ceil(layout.tp));
+    }
+    let units = shares.units(chunk);
+    let params: u64 = units.iter().sum::<u64>()
+        + if chunk.head && model.tied_embeddings && !chunk.embed {
+            shares.wte
+        } else {
+            0
+        };
+    let n = u(layout.shard_group().max(1));
+    let sharded = |x: u64| x.div_ceil(n);
+    let mut m = Memory {
+        activations: u(chunk.slots.max(1)) * per_slot,
+        ..Memory::default()
+    };
+    match layout.sharding {
+        Sharding::None => {
+            m.params = 2 * params;
+            m.grads = 2 * params;
+            m.optimizer = 12 * params;
+        }
+        Sharding::Optimizer => {
+            m.params = 2 * params;
+            m.grads = 2 * params;
+            m.optimizer = 12 * sharded(params);
+        }
+        Sharding::GradOp => {
+            m.params = 2 * params;
+            m.grads = 2 * sharded(params);
+            m.optimizer = 12 * sharded(params);
+        }
+        Sharding::Full | Sharding::Hybrid { .. } => {
+            m.params = 2 * sharded(params);
+            m.grads = 2 * sharded(params);
+            m.optimizer = 12 * sharded(params);
+            // the unit computing and the one prefetched, gathered in bf16,
+            // and the largest unit's full gradient before its reduce-scatter
+            let largest = units.iter().copied().max().unwrap_or(0);
+            m.buffers = 3 * 2 * largest;
+        }
+    }
+    m
+}

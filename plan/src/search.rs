@@ -1,0 +1,352 @@
+//! The search: every layout weft can run for the request (or those the
+//! caller pins down), each predicted, best first, with the reason each
+//! wins or loses.
+
+use std::collections::HashMap;
+use std::rc::Rc;
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Error, Result};
+use crate::layout::{Layout, Schedule, Sharding};
+use crate::predict::{Geometry, Prediction, Request, geometry, predict_with};
+
+/// Which layouts to consider: each `Some` pins that setting.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Constraints {
+    /// Data-parallel degree.
+    pub dp: Option<usize>,
+    /// Tensor-parallel degree.
+    pub tp: Option<usize>,
+    /// Pipeline stages.
+    pub pp: Option<usize>,
+    /// Expert-parallel degree.
+    pub ep: Option<usize>,
+    /// Sharding of the data-parallel group.
+    pub sharding: Option<Sharding>,
+    /// Pipeline schedule.
+    pub schedule: Option<Schedule>,
+    /// Chunks per stage (the interleaved schedule).
+    pub chunks: Option<usize>,
+    /// Micro-batch size.
+    pub micro_batch_size: Option<usize>,
+    /// Sequence parallelism.
+    pub sequence_parallel: Option<bool>,
+    /// Consider full activation recomputation (not in weft) as well.
+    pub allow_recompute: bool,
+    /// Largest micro-batch size tried (default 64).
+    pub max_micro_batch: Option<usize>,
+}
+
+impl Constraints {
+    /// Whether every degree is pinned (one layout to evaluate).
+    #[must_use]
+    pub fn is_single(&self) -> bool {
+        self.dp.is_some() && self.tp.is_some() && self.pp.is_some()
+    }
+}
+
+fn divisors(n: usize) -> Vec<usize> {
+    let mut v: Vec<usize> = (1..=n.isqrt())
+        .filter(|d| n.is_multiple_of(*d))
+        .flat_map(|d| [d, n / d])
+        .collect();
+    v.sort_unstable();
+    v.dedup();
+    v
+}
+
+/// Every layout of `req.cluster.gpus` GPUs that weft can run for the
+/// model and batch and that `c` allows: degrees multiplying to the GPU
+/// count, tp dividing the heads, pp at most the layers, ep dividing the
+/// experts and dp, every sharding strategy (hybrid over the ranks of a
+/// node), every schedule (interleaved with two chunks), micro-batch sizes
+/// dividing the per-rank batch (powers of two, and the whole per-rank
+/// batch), sequence parallelism with tp > 1.
+#[must_use]
+pub fn enumerate(req: &Request, c: &Constraints) -> Vec<Layout> {
+    let g = req.cluster.gpus;
+    let m = &req.model;
+    let max_mbs = c.max_micro_batch.unwrap_or(64);
+    let mut out = Vec::new();
+    let pin = |v: Option<usize>, x: usize| v.is_none_or(|p| p == x);
+    for tp in divisors(g) {
+        if !pin(c.tp, tp) || !m.heads.is_multiple_of(tp) || m.vocab < tp {
+            continue;
+        }
+        for pp in divisors(g / tp) {
+            if !pin(c.pp, pp) || pp > m.layers {
+                continue;
+            }
+            let dp = g / (tp * pp);
+            if !pin(c.dp, dp) || !req.batch.is_multiple_of(dp) {
+                continue;
+            }
+            let eps: Vec<usize> = if m.is_moe() {
+                divisors(dp)
+                    .into_iter()
+                    .filter(|e| m.experts.is_multiple_of(*e))
+                    .collect()
+            } else {
+                vec![1]
+            };
+            let per_rank = req.batch / dp;
+            let mut mbss: Vec<usize> = divisors(per_rank)
+                .into_iter()
+                .filter(|d| (d.is_power_of_two() || *d == per_rank) && *d <= max_mbs)
+                .collect();
+            if let Some(b) = c.micro_batch_size {
+                mbss = vec![b];
+            }
+            for &ep in &eps {
+                if !pin(c.ep, ep) {
+                    continue;
+                }
+                let group = dp / ep;
+                let mut shardings = vec![Sharding::None];
+                if group > 1 {
+                    shardings.extend([Sharding::Optimizer, Sharding::GradOp, Sharding::Full]);
+                    let node = (req.cluster.gpus_per_node / tp).max(1);
+                    if node > 1 && node < group && group.is_multiple_of(node) {
+                        shardings.push(Sharding::Hybrid { shard: node });
+                    }
+                }
+                if let Some(s) = c.sharding {
+                    shardings = vec![s];
+                }
+                let schedules: Vec<(Schedule, usize)> = if pp == 1 {
+                    vec![(Schedule::OneFOneB, 1)]
+                } else {
+                    Schedule::ALL
+                        .iter()
+                        .map(|&s| {
+                            let v = match s {
+                                Schedule::Interleaved => c.chunks.unwrap_or(2),
+                                Schedule::ZbV => 2,
+                                _ => 1,
+                            };
+                            (s, v)
+                        })
+                        .filter(|&(s, _)| c.schedule.is_none_or(|p| p == s))
+                        .collect()
+                };
+                for &sharding in &shardings {
+                    for &(schedule, chunks) in &schedules {
+                        for &mbs in &mbss {
+                            let sps: &[bool] = if tp > 1 { &[false, true] } else { &[false] };
+                            for &sp in sps {
+                                if c.sequence_parallel.is_some_and(|x| x != sp) {
+                                    continue;
+                                }
+                                let rcs: &[bool] = if c.allow_recompute {
+                                    &[false, true]
+                                } else {
+                                    &[false]
+                                };
+                                for &recompute in rcs {
+                                    let l = Layout {
+                                        dp,
+                                        tp,
+                                        pp,
+                                        ep,
+                                        sharding,
+                                        schedule,
+                                        chunks,
+                                        micro_batch_size: mbs,
+                                        sequence_parallel: sp,
+                                        recompute,
+                                    };
+                                    if l.validate(m, req.batch, g).is_ok() {
+                                        out.push(l);
+                                    }
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+    out
+}
+
+/// Best first: the layouts that fit by step time, then those that do not
+/// by how much they need.
+fn order(a: &Prediction, b: &Prediction) -> std::cmp::Ordering {
+    match (a.fits, b.fits) {
+        (true, false) => std::cmp::Ordering::Less,
+        (false, true) => std::cmp::Ordering::Greater,
+        (true, true) => a.step_s.total_cmp(&b.step_s),
+        (false, false) => a.memory.total().cmp(&b.memory.total()),
+    }
+}
+
+/// Predicts every layout of [`enumerate`] and returns them best first
+/// (fitting layouts by step time, then the rest by memory). The first
+/// [`EXACT`] (with pipelines) have their bubble from `weft-pipeline`'s
+/// simulator; the rest from the schedule's closed form
+/// (`ScheduleKind::expected_bubble`), which only ranks them.
+///
+/// # Errors
+/// The request's errors; [`Error::InvalidRequest`] when no layout
+/// satisfies the constraints (with the first reason a pinned layout
+/// fails, when every degree is pinned).
+pub fn search(req: &Request, c: &Constraints) -> Result<Vec<Prediction>> {
+    req.validate()?;
+    let layouts = enumerate(req, c);
+    if layouts.is_empty() {
+        if c.is_single() {
+            // say why the pinned layout is refused
+            let l = Layout {
+                dp: c.dp.unwrap_or(1),
+                tp: c.tp.unwrap_or(1),
+                pp: c.pp.unwrap_or(1),
+                ep: c.ep.unwrap_or(1),
+                sharding: c.sharding.unwrap_or_default(),
+                schedule: c.schedule.unwrap_or_default(),
+                chunks: c.chunks.unwrap_or(match c.schedule {
+                    Some(Schedule::Interleaved | Schedule::ZbV) => 2,
+                    _ => 1,
+                }),
+                micro_batch_size: c.micro_batch_size.unwrap_or(1),
+                sequence_parallel: c.sequence_parallel.unwrap_or(false),
+                recompute: false,
+            };
+            l.validate(&req.model, req.batch, req.cluster.gpus)?;
+        }
+        return Err(Error::InvalidRequest {
+            field: "layout",
+            reason: format!(
+                "no layout of {} GPUs runs this model with a global batch of {} under the given constraints",
+                req.cluster.gpus, req.batch
+            ),
+        });
+    }
+    // phase 1: every layout, each schedule generated once, the bubble in
+    // closed form where the schedule has one; phase 2: the simulator's
+    // bubble for the best
+    let mut geoms: HashMap<(Schedule, usize, usize, usize), Option<Rc<Geometry>>> = HashMap::new();
+    let mut preds = Vec::with_capacity(layouts.len());
+    let mut failed: Option<Error> = None;
+    for l in &layouts {
+        let key = (l.schedule, l.pp, l.chunks, l.micro_batches(req.batch));
+        let g = geoms
+            .entry(key)
+            .or_insert_with(|| match geometry(&req.model, l, req.batch, &req.recipe) {
+                Ok(g) => Some(Rc::new(g)),
+                Err(e) => {
+                    failed.get_or_insert(e);
+                    None
+                }
+            })
+            .clone();
+        let Some(g) = g else { continue };
+        match predict_with(req, l, &g, false) {
+            Ok(p) => preds.push((p, g)),
+            Err(e) => {
+                failed.get_or_insert(e);
+            }
+        }
+    }
+    if preds.is_empty()
+        && let Some(e) = failed
+    {
+        return Err(e);
+    }
+    preds.sort_by(|a, b| order(&a.0, &b.0));
+    let mut out: Vec<Prediction> = Vec::with_capacity(preds.len());
+    for (i, (p, g)) in preds.into_iter().enumerate() {
+        if i < EXACT && p.layout.pp > 1 {
+            out.push(predict_with(req, &p.layout, &g, true)?);
+        } else {
+            out.push(p);
+        }
+    }
+    out.sort_by(order);
+    Ok(out)
+}
+
+/// Layouts whose bubble the simulator computes in a search (the best by
+/// the closed forms); the rest keep the closed form's estimate.
+pub const EXACT: usize = 64;
+
+/// Why `p` wins or loses against `best` (the first of a [`search`]):
+/// memory, communication (tensor, expert, data parallel), the bubble, or
+/// compute.
+#[must_use]
+pub fn reason(p: &Prediction, best: &Prediction) -> String {
+    let ms = |s: f64| format!("{:.1} ms", 1e3 * s);
+    let share = |x: f64| format!("{:.0}%", 100.0 * x / p.step_s);
+    if !p.fits {
+        return format!(
+            "does not fit: {} per GPU against {} ({} the largest part: {})",
+            crate::memory::bytes(p.memory.total()),
+            crate::memory::bytes(p.capacity),
+            p.memory.largest(),
+            crate::memory::bytes(
+                p.memory
+                    .categories()
+                    .iter()
+                    .map(|&(_, b)| b)
+                    .max()
+                    .unwrap_or(0)
+            ),
+        );
+    }
+    let t = &p.time;
+    let parts = [
+        ("compute", t.compute),
+        ("tensor-parallel communication", t.tp_comm),
+        ("expert all-to-all", t.ep_comm),
+        ("pipeline bubble", t.bubble),
+        ("exposed data-parallel communication", t.dp_exposed),
+        ("optimizer step", t.optimizer),
+    ];
+    if std::ptr::eq(p, best) || p.layout == best.layout {
+        let mut v: Vec<(&str, f64)> = parts.iter().copied().filter(|&(_, x)| x > 0.0).collect();
+        v.sort_by(|a, b| b.1.total_cmp(&a.1));
+        let list: Vec<String> = v
+            .iter()
+            .take(3)
+            .map(|&(n, x)| format!("{n} {}", share(x)))
+            .collect();
+        return format!(
+            "best: fits ({} of {}), step {} = {}",
+            crate::memory::bytes(p.memory.total()),
+            crate::memory::bytes(p.capacity),
+            ms(p.step_s),
+            list.join(", ")
+        );
+    }
+    let b = &best.time;
+    let deltas = [
+        ("compute", t.compute - b.compute),
+        ("tensor-parallel communication", t.tp_comm - b.tp_comm),
+        ("expert all-to-all", t.ep_comm - b.ep_comm),
+        ("pipeline bubble", t.bubble - b.bubble),
+        (
+            "exposed data-parallel communication",
+            t.dp_exposed - b.dp_exposed,
+        ),
+        ("optimizer step", t.optimizer - b.optimizer),
+    ];
+    let (name, worst) = deltas
+        .iter()
+        .copied()
+        .max_by(|a, b| a.1.total_cmp(&b.1))
+        .unwrap_or(("compute", 0.0));
+    format!(
+        "{:+.1}% step time: {name} {}{} more ({} of its step)",
+        100.0 * (p.step_s / best.step_s - 1.0),
+        if worst >= 0.0 { "+" } else { "" },
+        ms(worst),
+        share(match name {
+            "compute" => t.compute,
+            "tensor-parallel communication" => t.tp_comm,
+            "expert all-to-all" => t.ep_comm,
+            "pipeline bubble" => t.bubble,
+            "optimizer step" => t.optimizer,
+            _ => t.dp_exposed,
+        })
+    )
+}

@@ -1,0 +1,496 @@
+//! Step time: compute by a roofline per operation, collectives by the α–β
+//! model over the cluster's hierarchy, what overlaps and what does not,
+//! and the pipeline's bubble from `weft-pipeline`'s simulator.
+//!
+//! * **Compute.** Each operation of a block, the embedding and the head
+//!   costs `max(FLOPs / (peak · η_gemm), bytes / (bandwidth · η_mem))`
+//!   plus one launch overhead. A matrix product's bytes are its operands
+//!   and result; the element-wise work of a block (layernorms, softmax,
+//!   GELU, residual additions, dropout) moves twice the activation bytes
+//!   the block keeps for its backward (each written once and read once)
+//!   in the forward, and twice that in the backward. The backward's
+//!   products are two per forward product: the input gradient (the `B` of
+//!   split schedules) and the weight gradient (`W`). With recomputation the
+//!   forward runs again inside the backward.
+//! * **Collectives** (Hockney's α–β model; ring algorithms as in NCCL and
+//!   weft's collectives; Thakur, Rabenseifner & Gropp 2005): an
+//!   all-reduce of `S` bytes over `n` ranks costs `2(n−1)·α + 2(n−1)/n ·
+//!   S/β`, a reduce-scatter or all-gather half of that. A group spread
+//!   over `k` nodes with `g` ranks in each runs hierarchically: a
+//!   reduce-scatter inside the node, the all-reduce of the `S/g` shard
+//!   between nodes (each GPU on its own network port), an all-gather
+//!   inside the node. The mesh is `pp × dp × tp` with `tp` innermost
+//!   (Megatron-LM's and weft's order), so a tensor-parallel group is
+//!   consecutive ranks and a data-parallel group strides over them.
+//! * **Overlap.** Tensor- and expert-parallel collectives sit on the
+//!   critical path (the layer waits for them). Pipeline transfers delay
+//!   the next stage (the simulator's latency). On GPUs the data-parallel
+//!   reduction overlaps the backward of the last micro-batch when the
+//!   recipe says so, and FSDP's gathers are prefetched under the previous
+//!   unit's compute (only what exceeds the compute is exposed); ZeRO-1/2's
+//!   all-gather of updated parameters and the optimizer step are exposed.
+//!   On CPU ranks nothing overlaps: a collective runs on the cores that
+//!   compute.
+//! * **Bubble.** The per-micro-batch costs of every virtual stage go to
+//!   [`weft_pipeline::simulate`] for the layout's schedule; its makespan is
+//!   the pipeline's part of the step.
+
+use serde::{Deserialize, Serialize};
+
+use crate::cluster::{Cluster, Device, Link};
+use crate::layout::{Layout, Sharding};
+use crate::memory::{Accounting, Chunk, Recipe};
+use crate::model::ModelSpec;
+
+/// Seconds of one training step, by part, on the busiest pipeline stage.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct StepTime {
+    /// Arithmetic and memory traffic of the forward and backward passes
+    /// (and recomputation) of every micro-batch.
+    pub compute: f64,
+    /// Tensor-parallel collectives (on the critical path).
+    pub tp_comm: f64,
+    /// Expert-parallel all-to-alls (on the critical path).
+    pub ep_comm: f64,
+    /// Pipeline idle time: the bubble and the transfers between stages.
+    pub bubble: f64,
+    /// Data-parallel collectives in total (gradient reduction, FSDP's
+    /// gathers), hidden or not.
+    pub dp_comm: f64,
+    /// The part of `dp_comm` not hidden behind compute.
+    pub dp_exposed: f64,
+    /// The optimizer step (and the gradient norm and zeroing).
+    pub optimizer: f64,
+    /// The step: pipeline makespan + exposed data-parallel time + optimizer.
+    pub total: f64,
+    /// Idle fraction of the pipeline: `bubble / makespan`.
+    pub bubble_fraction: f64,
+    /// Seconds of one transfer between pipeline stages.
+    pub p2p: f64,
+}
+
+/// Collective costs over a group of `n` ranks spread over nodes.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Group {
+    /// Ranks.
+    pub n: usize,
+    /// Ranks of the group on one node (`n` when it fits one node).
+    pub per_node: usize,
+}
+
+impl Group {
+    /// A group of `n` ranks whose members are `stride` ranks apart on a
+    /// cluster with `per_node` ranks per node.
+    pub(crate) fn strided(n: usize, stride: usize, per_node: usize) -> Group {
+        let in_node = (per_node / stride.max(1)).max(1);
+        Group {
+            n,
+            per_node: in_node.min(n).max(1),
+        }
+    }
+
+    fn nodes(self) -> usize {
+        self.n.div_ceil(self.per_node)
+    }
+}
+
+fn ring(n: usize, bytes: f64, link: Link, eff: f64, factor: f64) -> f64 {
+    if n <= 1 || bytes <= 0.0 {
+        return 0.0;
+    }
+    let nf = n as f64;
+    factor * ((nf - 1.0) * link.latency + (nf - 1.0) / nf * bytes / (link.bandwidth * eff))
+}
+
+/// Seconds of an all-reduce of `bytes` over `g`.
+pub(crate) fn all_reduce(c: &Cluster, g: Group, bytes: f64) -> f64 {
+    let eff = c.efficiency.link;
+    if g.nodes() <= 1 {
+        return ring(g.n, bytes, c.intra, eff, 2.0);
+    }
+    let k = g.nodes();
+    let p = g.per_node;
+    ring(p, bytes, c.intra, eff, 1.0)
+        + ring(k, bytes / p as f64, c.inter, eff, 2.0)
+        + ring(p, bytes, c.intra, eff, 1.0)
+}
+
+/// Seconds of a reduce-scatter (or an all-gather) of `bytes` (the whole
+/// buffer) over `g`.
+pub(crate) fn reduce_scatter(c: &Cluster, g: Group, bytes: f64) -> f64 {
+    let eff = c.efficiency.link;
+    if g.nodes() <= 1 {
+        return ring(g.n, bytes, c.intra, eff, 1.0);
+    }
+    let k = g.nodes();
+    let p = g.per_node;
+    ring(p, bytes, c.intra, eff, 1.0) + ring(k, bytes / p as f64, c.inter, eff, 1.0)
+}
+
+/// Seconds of an all-to-all where each rank sends `bytes` in all (a
+/// share `1/n` stays home).
+pub(crate) fn all_to_all(c: &Cluster, g: Group, bytes: f64) -> f64 {
+    if g.n <= 1 {
+        return 0.0;
+    }
+    let nf = g.n as f64;
+    let link = if g.nodes() > 1 { c.inter } else { c.intra };
+    (nf - 1.0) * link.latency + (nf - 1.0) / nf * bytes / (link.bandwidth * c.efficiency.link)
+}
+
+/// Costs of one micro-batch on one virtual stage, in seconds.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub(crate) struct ChunkTime {
+    /// Forward compute.
+    pub f_compute: f64,
+    /// Input-gradient half of the backward (and recomputation), compute.
+    pub b_compute: f64,
+    /// Weight-gradient half, compute.
+    pub w_compute: f64,
+    /// Tensor-parallel collectives of forward and backward.
+    pub f_tp: f64,
+    /// Of the backward.
+    pub b_tp: f64,
+    /// Expert all-to-alls, forward.
+    pub f_ep: f64,
+    /// Backward.
+    pub b_ep: f64,
+    /// FSDP's exposed per-micro-batch communication, forward.
+    pub f_dp: f64,
+    /// Backward.
+    pub b_dp: f64,
+    /// FSDP's per-micro-batch communication in total (exposed or hidden).
+    pub dp_total: f64,
+}
+
+impl ChunkTime {
+    pub(crate) fn forward(&self) -> f64 {
+        self.f_compute + self.f_tp + self.f_ep + self.f_dp
+    }
+    pub(crate) fn backward_input(&self) -> f64 {
+        self.b_compute + self.b_tp + self.b_ep + self.b_dp
+    }
+    pub(crate) fn backward_weight(&self) -> f64 {
+        self.w_compute
+    }
+    pub(crate) fn compute(&self) -> f64 {
+        self.f_compute + self.b_compute + self.w_compute
+    }
+}
+
+/// The cost model's view of one rank: its peak and bandwidth (CPU ranks
+/// share the machine's), and the recipe.
+pub(crate) struct Machine<'a> {
+    pub cluster: &'a Cluster,
+    pub recipe: &'a Recipe,
+    /// FLOP/s one rank reaches in large products.
+    pub flops: f64,
+    /// Bytes/s of one rank's memory traffic.
+    pub bandwidth: f64,
+}
+
+impl<'a> Machine<'a> {
+    pub(crate) fn new(cluster: &'a Cluster, recipe: &'a Recipe) -> Self {
+        // CPU ranks split the machine's cores and memory bandwidth
+        let share = if cluster.device == Device::Cpu {
+            cluster.gpus.max(1) as f64
+        } else {
+            1.0
+        };
+        Machine {
+            cluster,
+            recipe,
+            flops: cluster.peak.of(recipe.precision) * cluster.efficiency.gemm / share,
+            bandwidth: cluster.memory_bandwidth * cluster.efficiency.memory / share,
+        }
+    }
+
+    /// A product `(m, k) × (k, n)`.
+    fn gemm(&self, m: f64, k: f64, n: f64) -> f64 {
+        let dt = self.recipe.activation_bytes() as f64;
+        let flops = 2.0 * m * k * n;
+        let bytes = dt * (m * k + k * n + m * n);
+        (flops / self.flops).max(bytes / self.bandwidth) + self.cluster.launch_overhead
+    }
+
+    /// Element-wise work moving `bytes`, in `ops` kernels.
+    fn memory(&self, bytes: f64, ops: f64) -> f64 {
+        bytes / self.bandwidth + ops * self.cluster.launch_overhead
+    }
+
+    /// Products of `flops` that run at the machine's rate (attention).
+    fn flops_time(&self, flops: f64) -> f64 {
+        flops / self.flops + self.cluster.launch_overhead
+    }
+}
+
+/// Share of the T×T attention scores computed: all of them when they are
+/// materialized on GPUs (Megatron-LM 2021's softmax path), the causal
+/// blocks of 128 rows under flash attention, of 64 rows for weft's CPU
+/// kernel.
+fn attention_fraction(model: &ModelSpec, recipe: &Recipe) -> f64 {
+    let causal = |block: usize| {
+        let nb = model.seq.div_ceil(block) as f64;
+        (nb * (nb + 1.0) / 2.0) / (nb * nb)
+    };
+    match recipe.accounting {
+        Accounting::Mixed if recipe.flash_attention => causal(128),
+        Accounting::Mixed => 1.0,
+        Accounting::Weft => causal(64),
+    }
+}
+
+/// Bytes a block keeps for its backward per micro-batch on one rank (the
+/// basis of its element-wise traffic).
+pub(crate) fn block_activation_bytes(model: &ModelSpec, layout: &Layout, recipe: &Recipe) -> f64 {
+    let probe = Chunk {
+        layers: 1,
+        embed: false,
+        head: false,
+        slots: 1,
+    };
+    let empty = Chunk {
+        layers: 0,
+        embed: false,
+        head: false,
+        slots: 1,
+    };
+    let no_recompute = Layout {
+        recompute: false,
+        sharding: Sharding::None,
+        pp: 1,
+        ..*layout
+    };
+    let one = crate::memory::stage_memory(model, &no_recompute, recipe, &[probe]);
+    let zero = crate::memory::stage_memory(model, &no_recompute, recipe, &[empty]);
+    (one.activations - zero.activations) as f64
+}
+
+/// Per-micro-batch costs of a chunk of `chunk.layers` blocks (with the
+/// embedding and the head when it holds them).
+pub(crate) fn chunk_time(
+    mach: &Machine<'_>,
+    model: &ModelSpec,
+    layout: &Layout,
+    chunk: &Chunk,
+    act: f64,
+) -> ChunkTime {
+    let c = mach.cluster;
+    let recipe = mach.recipe;
+    let dt = recipe.activation_bytes() as f64;
+    let (b, s) = (layout.micro_batch_size as f64, model.seq as f64);
+    let n = b * s;
+    let h = model.hidden as f64;
+    let t = layout.tp as f64;
+    let f = model.ffn_hidden as f64;
+    let layers = chunk.layers as f64;
+    let tp_group = Group::strided(layout.tp, 1, c.gpus_per_node);
+
+    // one block, forward: products
+    let mut gemm_f = mach.gemm(n, h, 3.0 * h / t) + mach.gemm(n, h / t, h);
+    if model.is_moe() {
+        let (e, k) = (model.experts as f64, model.top_k as f64);
+        let ep = layout.ep as f64;
+        // the router, then each local expert's two products over the
+        // tokens routed to it from every rank of its group (n·k·ep/E,
+        // balanced), and the shared expert's over every token
+        gemm_f += mach.gemm(n, h, e);
+        let routed = n * k * ep / e;
+        gemm_f += (e / ep) * (mach.gemm(routed, h, f) + mach.gemm(routed, f, h));
+        if model.shared_expert {
+            gemm_f += mach.gemm(n, h, f) + mach.gemm(n, f, h);
+        }
+    } else {
+        gemm_f += mach.gemm(n, h, f / t) + mach.gemm(n, f / t, h);
+    }
+    let attention = mach.flops_time(4.0 * n * s * h / t * attention_fraction(model, recipe));
+    let elem_f = mach.memory(2.0 * act, 10.0);
+
+    // the block's collectives: two all-reduces (or reduce-scatter and
+    // all-gather pairs, the same volume) per pass over tp
+    let tp_bytes = n * h * dt;
+    let tp_f = if layout.tp > 1 {
+        2.0 * all_reduce(c, tp_group, tp_bytes)
+    } else {
+        0.0
+    };
+    let ep_group = Group::strided(layout.ep, layout.tp, c.gpus_per_node);
+    let ep_f = if model.is_moe() && layout.ep > 1 {
+        // dispatch and combine of each token's k copies
+        2.0 * all_to_all(c, ep_group, n * model.top_k as f64 * h * dt)
+    } else {
+        0.0
+    };
+    // weft recomputes the experts' hidden activations (one more dispatch)
+    // in the backward under expert parallelism
+    let ep_b = if model.is_moe() && layout.ep > 1 {
+        ep_f * if recipe.accounting == Accounting::Weft {
+            1.5
+        } else {
+            1.0
+        }
+    } else {
+        0.0
+    };
+
+    let attention_backward = if recipe.flash_attention { 2.5 } else { 2.0 };
+    let block_fwd = gemm_f + attention + elem_f;
+    let mut ct = ChunkTime {
+        f_compute: layers * block_fwd,
+        // input gradients of the products, the attention's backward (with
+        // the scores recomputed under flash attention), the element-wise
+        // backward
+        b_compute: layers * (gemm_f + attention_backward * attention + 2.0 * elem_f),
+        // weight gradients
+        w_compute: layers * gemm_f,
+        f_tp: layers * tp_f,
+        b_tp: layers * tp_f,
+        f_ep: layers * ep_f,
+        b_ep: layers * ep_b,
+        ..ChunkTime::default()
+    };
+    if layout.recompute {
+        ct.b_compute += layers * block_fwd;
+        ct.b_tp += layers * tp_f;
+        ct.b_ep += layers * ep_f;
+    }
+    let v_loc = model.vocab.div_ceil(layout.tp) as f64;
+    if chunk.embed {
+        // gather rows of wte and wpe, write the sum; the backward scatters
+        ct.f_compute += mach.memory(3.0 * n * h * dt, 1.0);
+        ct.w_compute += mach.memory(3.0 * n * h * 4.0, 1.0);
+        if layout.tp > 1 {
+            // the vocabulary-parallel lookup is summed over tp
+            ct.f_tp += all_reduce(c, tp_group, tp_bytes);
+        }
+    }
+    if chunk.head {
+        let logits = mach.gemm(n, h, v_loc);
+        // layernorm, softmax and cross-entropy over the logits
+        let elem = mach.memory(2.0 * n * h * dt + 3.0 * n * v_loc * 4.0, 3.0);
+        ct.f_compute += logits + elem;
+        ct.b_compute += logits + elem;
+        ct.w_compute += logits;
+        if layout.tp > 1 {
+            // the vocabulary-parallel loss: maxima, sums and the targets'
+            // logits of every token
+            ct.f_tp += 3.0 * all_reduce(c, tp_group, 4.0 * n);
+            ct.b_tp += all_reduce(c, tp_group, tp_bytes);
+        }
+    }
+    ct
+}
+
+/// Parameters of each kind on one rank of a stage holding `chunks`:
+/// `(dense, experts)` (expert parameters reduce over `dp/ep`).
+pub(crate) fn stage_params(model: &ModelSpec, layout: &Layout, chunks: &[Chunk]) -> (f64, f64) {
+    let shares = crate::memory::Shares::of(model, layout);
+    let mut total = 0.0;
+    let mut layers = 0.0;
+    for ch in chunks {
+        total += shares.units(ch).iter().sum::<u64>() as f64;
+        layers += ch.layers as f64;
+    }
+    let experts = if model.is_moe() {
+        layers * (model.experts / layout.ep) as f64 * model.expert_params()
+    } else {
+        0.0
+    };
+    (total - experts, experts)
+}
+
+/// FSDP's per-micro-batch communication of one chunk: `(forward,
+/// backward)` seconds in total (gathers, and the gradients'
+/// reduce-scatter in the backward).
+pub(crate) fn fsdp_per_microbatch(
+    mach: &Machine<'_>,
+    model: &ModelSpec,
+    layout: &Layout,
+    chunk: &Chunk,
+) -> (f64, f64) {
+    let c = mach.cluster;
+    let recipe = mach.recipe;
+    let shares = crate::memory::Shares::of(model, layout);
+    let units: f64 = shares.units(chunk).iter().sum::<u64>() as f64;
+    let n = layout.shard_group();
+    let group = Group::strided(n, layout.tp, c.gpus_per_node);
+    let pb = recipe.param_bytes() as f64;
+    let gb = recipe.grad_wire_bytes() as f64;
+    let mut f = 0.0;
+    let mut b = 0.0;
+    if layout.sharding.shards_params() {
+        f += reduce_scatter(c, group, units * pb);
+        b += reduce_scatter(c, group, units * pb);
+    }
+    if layout.sharding.shards_grads() {
+        b += reduce_scatter(c, group, units * gb);
+    }
+    (f, b)
+}
+
+/// Data-parallel communication once per step for a stage's parameters:
+/// `(reduction that may overlap the last backward, exposed part)`.
+pub(crate) fn dp_step(
+    mach: &Machine<'_>,
+    model: &ModelSpec,
+    layout: &Layout,
+    chunks: &[Chunk],
+) -> (f64, f64) {
+    let c = mach.cluster;
+    let recipe = mach.recipe;
+    let (dense, experts) = stage_params(model, layout, chunks);
+    let gb = recipe.grad_wire_bytes() as f64;
+    let pb = recipe.param_bytes() as f64;
+    let dp = Group::strided(layout.dp, layout.tp, c.gpus_per_node);
+    let edp = Group::strided(
+        layout.dp / layout.ep,
+        layout.tp * layout.ep,
+        c.gpus_per_node,
+    );
+    let n = layout.shard_group();
+    let shard = Group::strided(n, layout.tp, c.gpus_per_node);
+    match layout.sharding {
+        Sharding::None => (
+            all_reduce(c, dp, dense * gb) + all_reduce(c, edp, experts * gb),
+            0.0,
+        ),
+        Sharding::Optimizer => (
+            reduce_scatter(c, shard, (dense + experts) * gb),
+            reduce_scatter(c, shard, (dense + experts) * pb),
+        ),
+        Sharding::GradOp => (0.0, reduce_scatter(c, shard, (dense + experts) * pb)),
+        Sharding::Full => (0.0, 0.0),
+        Sharding::Hybrid { shard: s } => {
+            let replicas =
+                Group::strided(layout.dp / layout.ep / s, layout.tp * s, c.gpus_per_node);
+            (
+                all_reduce(c, replicas, (dense + experts) / s as f64 * gb),
+                0.0,
+            )
+        }
+    }
+}
+
+/// The optimizer step of a stage: AdamW over the parameters the rank
+/// updates (its shard under ZeRO), the gradient norm and zeroing.
+pub(crate) fn optimizer_time(
+    mach: &Machine<'_>,
+    model: &ModelSpec,
+    layout: &Layout,
+    chunks: &[Chunk],
+) -> f64 {
+    let (dense, experts) = stage_params(model, layout, chunks);
+    let p = dense + experts;
+    let updated = match layout.sharding {
+        Sharding::None => p,
+        _ => p / layout.shard_group() as f64,
+    };
+    // AdamW reads parameter, gradient and two moments and writes three
+    // (28 bytes in f32 state); the norm reads the gradients, zeroing
+    // writes them
+    let bytes = match mach.recipe.accounting {
+        Accounting::Weft => 36.0,
+        Accounting::Mixed => 32.0,
+    };
+    mach.memory(bytes * updated, 3.0)
+}

@@ -1,0 +1,310 @@
+//! The planner against the world and against itself: Narayanan et al.
+//! 2021's published throughput (every row within 15% with one set of
+//! constants), and invariants of the search, the memory model and the
+//! crossover that any correct planner keeps.
+#![allow(clippy::print_stderr)]
+
+use proptest::prelude::*;
+use weft_plan::explain::{counterpart, crossover};
+use weft_plan::published::{MEGATRON_2021, compare, table};
+use weft_plan::search::{Constraints, enumerate, reason, search};
+use weft_plan::{
+    Accounting, Cluster, Device, Layout, ModelSpec, Precision, Recipe, Request, Schedule, Sharding,
+    memory_per_stage, predict,
+};
+
+/// Narayanan et al. 2021, Table 1: the planner's prediction of every
+/// row's teraFLOP/s per GPU within 15% of the published figure, with the
+/// `a100-80gb` preset's constants for all rows; and every row fits its
+/// 80 GB GPUs, as it did on Selene.
+#[test]
+fn megatron_2021_table_1_within_15_percent() {
+    let a100 = Cluster::preset("a100-80gb", 8).unwrap();
+    let rows = compare(&MEGATRON_2021, &a100).unwrap();
+    eprintln!("{}", table(&rows));
+    let mut worst: f64 = 0.0;
+    for r in &rows {
+        assert!(
+            r.error.abs() <= 0.15,
+            "{}: predicted {:.1} TFLOP/s against {} published ({:+.1}%)",
+            r.run.name,
+            r.predicted_tflops,
+            r.run.tflops_per_gpu,
+            100.0 * r.error
+        );
+        assert!(
+            r.prediction.fits,
+            "{}: {} per GPU does not fit 80 GiB",
+            r.run.name, r.prediction.memory
+        );
+        worst = worst.max(r.error.abs());
+    }
+    eprintln!("worst error {:.1}%", 100.0 * worst);
+}
+
+/// The published layouts are what the planner would run as well: none
+/// of the rows is refused, and the larger rows need their pipelines (the
+/// same model with tensor parallelism alone does not fit).
+#[test]
+fn megatron_rows_need_their_model_parallelism() {
+    let a100 = Cluster::preset("a100-80gb", 8).unwrap();
+    for run in &MEGATRON_2021[6..] {
+        let req = run.request(&a100);
+        let flat = Layout {
+            dp: run.gpus / run.tp,
+            pp: 1,
+            chunks: 1,
+            schedule: Schedule::OneFOneB,
+            ..run.layout()
+        };
+        let p = predict(&req, &flat).unwrap();
+        assert!(!p.fits, "{}: fits without pipeline parallelism", run.name);
+    }
+}
+
+fn small_request(gpus: usize, accounting: Accounting) -> Request {
+    let mut cluster = Cluster::preset("h100", gpus).unwrap();
+    let recipe = match accounting {
+        Accounting::Weft => {
+            cluster.device = Device::Cpu;
+            Recipe::weft(Precision::Fp32)
+        }
+        Accounting::Mixed => Recipe::mixed(),
+    };
+    Request {
+        model: ModelSpec::gpt(8, 256, 8, 128, 1000),
+        batch: 32,
+        cluster,
+        recipe,
+    }
+}
+
+#[test]
+fn search_ranks_fitting_layouts_by_step_time_and_explains_them() {
+    let req = small_request(8, Accounting::Mixed);
+    let ranked = search(&req, &Constraints::default()).unwrap();
+    assert!(ranked.len() > 20, "{}", ranked.len());
+    let fitting: Vec<_> = ranked.iter().take_while(|p| p.fits).collect();
+    assert!(!fitting.is_empty());
+    assert!(fitting.windows(2).all(|w| w[0].step_s <= w[1].step_s));
+    assert!(ranked[fitting.len()..].iter().all(|p| !p.fits));
+    assert!(reason(&ranked[0], &ranked[0]).starts_with("best"));
+    for p in &ranked[1..5] {
+        let r = reason(p, &ranked[0]);
+        assert!(r.contains("step time"), "{r}");
+    }
+    // pinning every degree evaluates that layout alone
+    let one = search(
+        &req,
+        &Constraints {
+            dp: Some(2),
+            tp: Some(2),
+            pp: Some(2),
+            micro_batch_size: Some(2),
+            sharding: Some(Sharding::None),
+            schedule: Some(Schedule::OneFOneB),
+            sequence_parallel: Some(false),
+            ..Constraints::default()
+        },
+    )
+    .unwrap();
+    assert_eq!(one.len(), 1);
+    // a pinned layout weft cannot run says why
+    let six = Request {
+        cluster: req.cluster.clone().with_gpus(6),
+        ..req.clone()
+    };
+    let e = search(
+        &six,
+        &Constraints {
+            dp: Some(2),
+            tp: Some(3),
+            pp: Some(1),
+            ..Constraints::default()
+        },
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("tp") && e.contains("heads"), "{e}");
+}
+
+#[test]
+fn a_larger_model_stops_fitting_replicas_and_fsdp_then_fits() {
+    // 8 × 80 GiB; 7B parameters need 112 GB of replicated state
+    let req = Request {
+        model: ModelSpec::gpt(32, 4096, 32, 2048, 50257),
+        batch: 64,
+        cluster: Cluster::preset("a100-80gb", 8).unwrap(),
+        recipe: Recipe::mixed(),
+    };
+    let dp = predict(
+        &req,
+        &Layout {
+            dp: 8,
+            ..Layout::default()
+        },
+    )
+    .unwrap();
+    assert!(!dp.fits, "{}", dp.memory);
+    let fsdp = predict(
+        &req,
+        &Layout {
+            dp: 8,
+            sharding: Sharding::Full,
+            ..Layout::default()
+        },
+    )
+    .unwrap();
+    assert!(fsdp.fits, "{}", fsdp.memory);
+    assert_eq!(fsdp.memory.optimizer, dp.memory.optimizer.div_ceil(8));
+}
+
+#[test]
+fn crossover_moves_right_with_batch_and_left_with_sparsity() {
+    let req = Request {
+        model: ModelSpec::gpt(24, 2048, 16, 512, 50257),
+        batch: 256,
+        cluster: Cluster::preset("a100-80gb", 8).unwrap(),
+        recipe: Recipe::mixed(),
+    };
+    let base = crossover(&req, &req.model, 256);
+    let big = crossover(&req, &req.model, 1024);
+    let sparse = crossover(&req, &counterpart(&req.model), 256);
+    let at = |c: &weft_plan::explain::Crossover| c.gpus.unwrap_or(usize::MAX);
+    assert!(base.gpus.is_some(), "{:?}", base.points);
+    assert!(at(&big) > at(&base), "{:?} vs {:?}", big.gpus, base.gpus);
+    assert!(
+        at(&sparse) < at(&base),
+        "{:?} vs {:?}",
+        sparse.gpus,
+        base.gpus
+    );
+    // compute per GPU falls as GPUs are added
+    assert!(base.points.windows(2).all(|w| w[1].compute < w[0].compute));
+}
+
+#[test]
+fn cluster_files_name_file_line_and_key() {
+    let dir = std::env::temp_dir().join(format!("weft-plan-test-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("bad.toml");
+    std::fs::write(
+        &path,
+        "base = \"a100-80gb\"\ngpus = 16\n[inter_node]\nlatency_us = -3\n",
+    )
+    .unwrap();
+    let e = Cluster::from_file(&path).unwrap_err().to_string();
+    assert!(
+        e.starts_with(&format!("{}:4:", path.display())) && e.contains("inter_node.latency_us"),
+        "{e}"
+    );
+    let e = Cluster::from_file(&dir.join("missing.toml"))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("missing.toml") && e.contains("cannot read"),
+        "{e}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+fn arb_model() -> impl Strategy<Value = ModelSpec> {
+    (1usize..=6, 1usize..=4, 0usize..=3, 1usize..=3, 0usize..=2).prop_map(
+        |(layers, heads_pow, hd_pow, seq_pow, moe)| {
+            let heads = 1 << heads_pow;
+            let hidden = heads * (8 << hd_pow);
+            let seq = 16 << seq_pow;
+            let m = ModelSpec::gpt(layers, hidden, heads, seq, 97 + 31 * layers);
+            match moe {
+                0 => m,
+                1 => m.with_moe(4, 2),
+                _ => m.with_moe(8, 1),
+            }
+        },
+    )
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 48, ..ProptestConfig::default() })]
+
+    /// Every enumerated layout is one weft runs: degrees multiply to the
+    /// GPU count, tp divides the heads, pp·chunks at most the layers, ep
+    /// divides the experts and dp, the micro-batches split the batch.
+    #[test]
+    fn every_enumerated_layout_is_valid(model in arb_model(), gpus_pow in 0u32..=4, batch_pow in 0u32..=5) {
+        let gpus = 1usize << gpus_pow;
+        let batch = 1usize << batch_pow;
+        let req = Request { model: model.clone(), batch, cluster: Cluster::preset("h100", gpus).unwrap(), recipe: Recipe::mixed() };
+        for l in enumerate(&req, &Constraints::default()) {
+            prop_assert_eq!(l.dp * l.tp * l.pp, gpus);
+            prop_assert!(model.heads.is_multiple_of(l.tp));
+            prop_assert!(l.pp * l.chunks <= model.layers);
+            prop_assert!(batch.is_multiple_of(l.dp * l.micro_batch_size));
+            if l.ep > 1 {
+                prop_assert!(model.experts.is_multiple_of(l.ep) && l.dp.is_multiple_of(l.ep));
+            }
+            if l.schedule == Schedule::Interleaved && l.pp > 1 {
+                prop_assert!(l.micro_batches(batch).is_multiple_of(l.pp));
+            }
+            prop_assert!(l.validate(&model, batch, gpus).is_ok());
+        }
+    }
+
+    /// Memory per GPU never grows as a degree grows: more data-parallel
+    /// shards (ZeRO-3) hold less state, more tensor-parallel ranks hold
+    /// fewer parameters and activations, a larger micro-batch holds more
+    /// activations — in both accountings.
+    #[test]
+    fn memory_is_monotone_in_the_degrees(model in arb_model(), weft in any::<bool>()) {
+        let acc = if weft { Accounting::Weft } else { Accounting::Mixed };
+        let mem = |gpus: usize, l: Layout| {
+            let mut req = small_request(gpus, acc);
+            req.model = model.clone();
+            memory_per_stage(&req, &l).map(|v| v[0])
+        };
+        // ZeRO-3 over 1, 2, 4 ranks
+        let mut last = u64::MAX;
+        for dp in [1usize, 2, 4] {
+            let l = Layout { dp, sharding: if dp > 1 { Sharding::Full } else { Sharding::None }, micro_batch_size: 32 / dp, ..Layout::default() };
+            let m = mem(dp, l).unwrap();
+            let state = m.params + m.grads + m.optimizer;
+            prop_assert!(state <= last, "dp={dp}: {state} > {last}");
+            last = state;
+        }
+        // tensor parallelism over the heads
+        let mut last = (u64::MAX, u64::MAX);
+        for tp in [1usize, 2, 4] {
+            if !model.heads.is_multiple_of(tp) { continue; }
+            let l = Layout { tp, micro_batch_size: 32, ..Layout::default() };
+            let m = mem(tp, l).unwrap();
+            prop_assert!(m.params <= last.0, "tp={tp}: params {} > {}", m.params, last.0);
+            prop_assert!(m.activations <= last.1, "tp={tp}: activations {} > {}", m.activations, last.1);
+            last = (m.params, m.activations);
+        }
+        // the micro-batch
+        let mut last = 0;
+        for mbs in [1usize, 2, 4, 8] {
+            let m = mem(1, Layout { micro_batch_size: mbs, ..Layout::default() }).unwrap();
+            prop_assert!(m.activations > last);
+            last = m.activations;
+        }
+    }
+
+    /// Predictions are finite and consistent: tokens/s is the batch's
+    /// tokens over the step, the parts of the step add up to at most the
+    /// step, MFU below 1.
+    #[test]
+    fn predictions_are_consistent(model in arb_model(), gpus_pow in 0u32..=3) {
+        let gpus = 1usize << gpus_pow;
+        let req = Request { model: model.clone(), batch: 32, cluster: Cluster::preset("a100-80gb", gpus).unwrap(), recipe: Recipe::mixed() };
+        for p in search(&req, &Constraints::default()).unwrap().iter().take(10) {
+            let t = &p.time;
+            prop_assert!(p.step_s.is_finite() && p.step_s > 0.0);
+            prop_assert!((p.tokens_per_s * p.step_s - (32 * model.seq) as f64).abs() < 1e-6 * p.tokens_per_s * p.step_s);
+            let parts = t.compute + t.tp_comm + t.ep_comm + t.bubble + t.dp_exposed + t.optimizer;
+            prop_assert!(parts <= p.step_s * (1.0 + 1e-9), "{} > {}", parts, p.step_s);
+            prop_assert!(p.mfu > 0.0 && p.mfu < 1.0, "mfu {}", p.mfu);
+            prop_assert!(t.dp_exposed <= t.dp_comm * (1.0 + 1e-9) + 1e-12);
+        }
+    }
+}
