@@ -37,6 +37,10 @@
 //!   interval.
 //! * [`sample`]: `weft sample`, generation from a run's last checkpoint
 //!   with the model's key/value-cache decoder.
+//! * [`plan`]: `weft plan`, the planner's command line (`weft-plan`):
+//!   layouts for a model and cluster before spending it, and
+//!   `--calibrate`, which measures this machine and checks the predictions
+//!   against `weft train` runs.
 //!
 //! # Layouts and what each guarantees
 //!
@@ -99,6 +103,7 @@ pub mod ckpt;
 pub mod compare;
 pub mod config;
 pub mod data;
+pub mod plan;
 pub mod ranks;
 pub mod sample;
 pub mod schedule;

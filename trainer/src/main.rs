@@ -361,6 +361,14 @@ enum Command {
         #[arg(long)]
         out: Option<PathBuf>,
     },
+    /// Plan a run before spending the cluster: every layout weft can run
+    /// for a model (`--config` or `--layers --hidden --heads --seq
+    /// --vocab`), a global batch and a cluster (`--cluster` preset, file
+    /// or this-machine), with memory per GPU by category, step time by
+    /// part, tokens/s and MFU, best first; `--explain` walks the chain
+    /// (plain DP, FSDP, the communication crossover); `--calibrate`
+    /// checks the predictions against `weft train` runs on this machine.
+    Plan(Box<weft_trainer::plan::PlanArgs>),
     /// Loss (and optionally every gradient) of a Hugging Face GPT-2 folder on
     /// a token file; prints `{"loss": …}` as JSON.
     Eval {
@@ -575,6 +583,16 @@ fn run(cli: Cli) -> Result<()> {
                     }
                 }
             }
+        }
+        Command::Plan(args) => {
+            // progress to stderr: stdout is the table or the JSON
+            let mut say = |l: &str| {
+                let _ = std::io::Write::write_fmt(&mut std::io::stderr(), format_args!("{l}\n"));
+            };
+            let out = weft_trainer::plan::run(&args, &mut say)?;
+            progress::out(out.trim_end());
+            progress::out("\n");
+            Ok(())
         }
         Command::Ckpt { command } => ckpt(command),
         Command::Data { command } => data(command),

@@ -1,0 +1,1152 @@
+//! `weft plan`: the command-line side of [`weft_plan`] — the model from a
+//! job configuration or from dimensions, the cluster from a preset, a file
+//! or this machine (measured here, since the planner itself never
+//! measures), the table, JSON, explanation, budget and SVG plots — and
+//! `weft plan --calibrate`, which measures this machine, predicts several
+//! `weft train` layouts and runs them, predicted against measured.
+//!
+//! This machine, measured ([`MachineProfile::measure`]): the f32 (and
+//! bf16) matrix-product rate of the kernels' GEMM, fitted as
+//! `time = overhead + FLOPs / rate` over products from 64×128×128 to
+//! 1024×768×3072 (the rate is what large products reach, the overhead
+//! each call's fixed cost); the memory bandwidth of a triad over 64 MiB
+//! with every core; the thread backend's all-reduce between two ranks at
+//! 1 KiB (its latency, α) and 8 MiB (its bandwidth, β), in the job's
+//! reproducible or plain sums; the memory available. The ranks of a job
+//! share the cores and the bandwidth (`Device::Cpu`).
+
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use serde::Serialize;
+use weft_plan::search::{Constraints, reason, search};
+use weft_plan::{
+    Accounting, Cluster, Device, Efficiency, Layout, Link, ModelSpec, Peak, Precision, Prediction,
+    Recipe, Request, Schedule, Sharding,
+};
+
+use crate::config::{Config, ConfigError, FsdpMode, GradWire, PpSchedule};
+use crate::train::{Observer, RankMemory, RunInfo, StepReport, TrainError};
+
+/// Errors of `weft plan`.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum PlanError {
+    /// The planner refused the request.
+    #[error(transparent)]
+    Plan(#[from] weft_plan::Error),
+    /// The job configuration is wrong.
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    /// A calibration run failed.
+    #[error("calibration run {layout}: {source}")]
+    Train {
+        /// The layout being run.
+        layout: String,
+        /// Why.
+        source: Box<TrainError>,
+    },
+    /// Reading or writing a file.
+    #[error("{}: {source}", path.display())]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// The error.
+        source: std::io::Error,
+    },
+    /// Flags that do not go together, or a value out of range.
+    #[error("{0}")]
+    Usage(String),
+}
+
+/// `weft plan`'s options.
+#[derive(Clone, Debug, Default, clap::Args)]
+pub struct PlanArgs {
+    /// A `weft train` job file: the model, batch and precision come from it
+    /// (flags below override them).
+    #[arg(long, value_name = "FILE")]
+    pub config: Option<PathBuf>,
+    /// Override a key of the job, as `weft train --set` does.
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    pub sets: Vec<String>,
+    /// Transformer layers, L.
+    #[arg(long)]
+    pub layers: Option<usize>,
+    /// Channels, C.
+    #[arg(long)]
+    pub hidden: Option<usize>,
+    /// Attention heads.
+    #[arg(long)]
+    pub heads: Option<usize>,
+    /// Tokens per sequence, T.
+    #[arg(long)]
+    pub seq: Option<usize>,
+    /// Vocabulary, V.
+    #[arg(long)]
+    pub vocab: Option<usize>,
+    /// Feed-forward width (default 4·hidden).
+    #[arg(long, value_name = "F")]
+    pub ffn_hidden: Option<usize>,
+    /// Experts per layer (mixture of experts; 0: dense).
+    #[arg(long)]
+    pub experts: Option<usize>,
+    /// Experts per token.
+    #[arg(long)]
+    pub top_k: Option<usize>,
+    /// Global batch, sequences per step.
+    #[arg(long, value_name = "N")]
+    pub global_batch: Option<usize>,
+    /// GPUs (ranks) to plan for (default: the cluster file's count, 8 for
+    /// a preset, the job's ranks on this machine).
+    #[arg(long)]
+    pub gpus: Option<usize>,
+    /// The cluster: a preset (a100-80gb, a100-40gb, h100, h200), a TOML
+    /// file, or `this-machine` (measured now).
+    #[arg(long, value_name = "PRESET|FILE|this-machine", default_value = "h100")]
+    pub cluster: String,
+    /// What the ranks hold and compute: `mixed` (mixed precision on GPUs)
+    /// or `weft` (weft's own run; the default on this machine).
+    #[arg(long, value_name = "weft|mixed")]
+    pub recipe: Option<String>,
+    /// Arithmetic of the products: fp32, bf16, fp16 (default: bf16 on
+    /// GPUs, the job's train.precision with `weft`).
+    #[arg(long)]
+    pub precision: Option<String>,
+    /// GPU recipe: the attention scores are materialized (no fused flash
+    /// attention), as in Megatron-LM 2021.
+    #[arg(long)]
+    pub materialized_attention: bool,
+    /// Pin the data-parallel degree.
+    #[arg(long)]
+    pub dp: Option<usize>,
+    /// Pin the tensor-parallel degree.
+    #[arg(long)]
+    pub tp: Option<usize>,
+    /// Pin the pipeline stages.
+    #[arg(long)]
+    pub pp: Option<usize>,
+    /// Pin the expert-parallel degree.
+    #[arg(long)]
+    pub ep: Option<usize>,
+    /// Pin the sharding: none, optimizer, grad_op, full, hybrid.
+    #[arg(long)]
+    pub fsdp: Option<String>,
+    /// Ranks per sharding group with `--fsdp hybrid`.
+    #[arg(long, value_name = "N")]
+    pub hybrid_shard: Option<usize>,
+    /// Pin the pipeline schedule: gpipe, 1f1b, interleaved, zb-h1, zb-h2, zb-v.
+    #[arg(long)]
+    pub schedule: Option<String>,
+    /// Model chunks per stage for the interleaved schedule.
+    #[arg(long)]
+    pub chunks: Option<usize>,
+    /// Pin the micro-batch size.
+    #[arg(long, value_name = "N")]
+    pub micro_batch: Option<usize>,
+    /// Pin sequence parallelism on (`true`) or off (`false`).
+    #[arg(long, value_name = "BOOL")]
+    pub sp: Option<bool>,
+    /// Also consider full activation recomputation (which weft does not run).
+    #[arg(long)]
+    pub recompute: bool,
+    /// Layouts to show (0: all).
+    #[arg(long, default_value_t = 8)]
+    pub top: usize,
+    /// Print JSON instead of the table.
+    #[arg(long)]
+    pub json: bool,
+    /// Walk the chain for this model: where plain data parallelism stops
+    /// fitting, FSDP against it, the communication crossover and how batch
+    /// and sparsity move it, tensor parallelism inside against across nodes.
+    #[arg(long)]
+    pub explain: bool,
+    /// Write SVG plots (step time and its parts against GPUs per strategy;
+    /// memory per GPU by layout) into this folder.
+    #[arg(long, value_name = "DIR")]
+    pub plot: Option<PathBuf>,
+    /// A compute budget in FLOPs: the Chinchilla-optimal size and tokens,
+    /// and how long the best layout takes.
+    #[arg(long, value_name = "FLOPS")]
+    pub budget_flops: Option<f64>,
+    /// A compute budget in GPU-hours of this cluster at the best layout's
+    /// predicted throughput.
+    #[arg(long, value_name = "HOURS")]
+    pub budget_gpu_hours: Option<f64>,
+    /// Measure this machine, predict the step time and memory of several
+    /// `weft train` layouts of the job and run them: predicted against
+    /// measured.
+    #[arg(long)]
+    pub calibrate: bool,
+    /// Steps per calibration run (the first fifth is not timed).
+    #[arg(long, default_value_t = 40)]
+    pub calibrate_steps: u64,
+    /// Print the published Megatron-LM runs (Narayanan et al. 2021, Table 1)
+    /// against the planner's predictions.
+    #[arg(long)]
+    pub published: bool,
+}
+
+/// This machine, measured (see the [module docs](self)).
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct MachineProfile {
+    /// The CPU (`model name` of /proc/cpuinfo, as `lscpu` shows it).
+    pub cpu: String,
+    /// Cores available to this process.
+    pub cores: usize,
+    /// FLOP/s of large f32 products with every core.
+    pub gemm_f32: f64,
+    /// FLOP/s of large bf16 products with every core.
+    pub gemm_bf16: f64,
+    /// Seconds of a product's fixed cost.
+    pub gemm_overhead: f64,
+    /// Bytes/s of a triad over 64 MiB with every core.
+    pub memory_bandwidth: f64,
+    /// The thread backend's all-reduce between two ranks: α and 1/β.
+    pub link: Link,
+    /// Whether `link` was measured with reproducible sums.
+    pub reproducible: bool,
+    /// Bytes of memory available.
+    pub memory: f64,
+}
+
+fn cpu_name() -> String {
+    std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("model name"))
+                .and_then(|l| l.split_once(':'))
+                .map(|(_, v)| v.trim().to_owned())
+        })
+        .unwrap_or_else(|| std::env::consts::ARCH.to_owned())
+}
+
+fn available_memory() -> f64 {
+    std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("MemAvailable:"))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|kb| kb.parse::<f64>().ok())
+        })
+        .map_or(8.0 * 1024.0 * 1024.0 * 1024.0, |kb| kb * 1024.0)
+}
+
+/// Best of `reps` timings of `f` (a shared machine only ever slows a run).
+fn best_of(reps: usize, mut f: impl FnMut()) -> f64 {
+    let mut best = f64::INFINITY;
+    for _ in 0..reps.max(1) {
+        let t = Instant::now();
+        f();
+        best = best.min(t.elapsed().as_secs_f64());
+    }
+    best
+}
+
+/// `(rate, overhead)` of `time = overhead + flops / rate`, least squares
+/// over `(flops, seconds)` points weighted by 1/seconds² (relative error).
+fn fit_rate(points: &[(f64, f64)]) -> (f64, f64) {
+    // minimise Σ ((a + b·x − y)/y)²
+    let (mut s00, mut s01, mut s11, mut r0, mut r1) = (0.0, 0.0, 0.0, 0.0, 0.0);
+    for &(x, y) in points {
+        let w = 1.0 / (y * y);
+        s00 += w;
+        s01 += w * x;
+        s11 += w * x * x;
+        r0 += w * y;
+        r1 += w * x * y;
+    }
+    let det = s00 * s11 - s01 * s01;
+    let (a, b) = if det.abs() > 0.0 {
+        ((r0 * s11 - r1 * s01) / det, (s00 * r1 - s01 * r0) / det)
+    } else {
+        (0.0, points.last().map_or(1e-9, |&(x, y)| y / x))
+    };
+    let b = b.max(1e-15);
+    (1.0 / b, a.max(0.0))
+}
+
+fn gemm_points(precision: weft_kernels::Precision) -> Vec<(f64, f64)> {
+    let shapes = [
+        (64, 128, 128),
+        (256, 128, 384),
+        (512, 256, 256),
+        (1024, 256, 1024),
+        (1024, 768, 3072),
+    ];
+    shapes
+        .iter()
+        .filter_map(|&(m, k, n)| {
+            let a = vec![0.5f32; m * k];
+            let w = vec![0.25f32; k * n];
+            let mut out = vec![0f32; m * n];
+            let flops = 2.0 * (m * k * n) as f64;
+            let reps = ((2e9 / flops) as usize).clamp(3, 200);
+            let mut ok = true;
+            let t = best_of(reps, || {
+                ok &= weft_kernels::matmul_forward(
+                    &mut out,
+                    &a,
+                    &w,
+                    None,
+                    1,
+                    m,
+                    k,
+                    n,
+                    weft_kernels::Mode::Throughput,
+                    precision,
+                )
+                .is_ok();
+            });
+            ok.then_some((flops, t))
+        })
+        .collect()
+}
+
+fn triad_bandwidth() -> f64 {
+    use rayon::prelude::*;
+    let n = 16 << 20; // 64 MiB of f32 per array
+    let b = vec![1.0f32; n];
+    let c = vec![2.0f32; n];
+    let mut a = vec![0.0f32; n];
+    let t = best_of(5, || {
+        a.par_chunks_mut(1 << 16)
+            .zip(b.par_chunks(1 << 16))
+            .zip(c.par_chunks(1 << 16))
+            .for_each(|((a, b), c)| {
+                for ((x, y), z) in a.iter_mut().zip(b).zip(c) {
+                    *x = y + 0.5 * z;
+                }
+            });
+        std::hint::black_box(&a);
+    });
+    3.0 * 4.0 * n as f64 / t
+}
+
+fn all_reduce_link(reproducible: bool) -> Link {
+    use weft_collectives::{Communicator, CommunicatorExt, LocalCluster, ReduceOp, ReduceOptions};
+    let time = |elems: usize, reps: usize| -> f64 {
+        let times = LocalCluster::builder(2).run_each(|comm| -> weft_collectives::Result<f64> {
+            let mut buf = vec![1e-3f32; elems];
+            let opts = ReduceOptions::new(ReduceOp::Sum).reproducible(reproducible);
+            let mut best = f64::INFINITY;
+            for _ in 0..reps {
+                comm.barrier()?;
+                let t = Instant::now();
+                comm.all_reduce_with(&mut buf, &opts)?;
+                best = best.min(t.elapsed().as_secs_f64());
+            }
+            Ok(best)
+        });
+        times
+            .into_iter()
+            .filter_map(|r| r.ok().and_then(Result::ok))
+            .fold(0.0f64, f64::max)
+    };
+    let small = time(256, 200); // 1 KiB
+    let big_bytes = 8.0 * 1024.0 * 1024.0;
+    let big = time(2 << 20, 10);
+    // two ranks: all-reduce = 2α + S/β (2(n−1)/n = 1)
+    let latency = small / 2.0;
+    let bandwidth = big_bytes / (big - small).max(1e-9);
+    Link { bandwidth, latency }
+}
+
+impl MachineProfile {
+    /// Measures this machine (about two seconds); `reproducible`: the
+    /// collectives in weft's exact sums (`parallel.reproducible`).
+    #[must_use]
+    pub fn measure(reproducible: bool) -> Self {
+        let f32_points = gemm_points(weft_kernels::Precision::F32);
+        let bf16_points = gemm_points(weft_kernels::Precision::Bf16);
+        let (gemm_f32, gemm_overhead) = fit_rate(&f32_points);
+        let (gemm_bf16, _) = fit_rate(&bf16_points);
+        MachineProfile {
+            cpu: cpu_name(),
+            cores: std::thread::available_parallelism().map_or(1, usize::from),
+            gemm_f32,
+            gemm_bf16,
+            gemm_overhead,
+            memory_bandwidth: triad_bandwidth(),
+            link: all_reduce_link(reproducible),
+            reproducible,
+            memory: available_memory(),
+        }
+    }
+
+    /// This machine as a cluster of `ranks` CPU ranks sharing its cores,
+    /// bandwidth and memory; the measured rates are what the work reaches,
+    /// so the efficiencies are 1.
+    #[must_use]
+    pub fn cluster(&self, ranks: usize) -> Cluster {
+        Cluster {
+            name: format!("this machine ({})", self.cpu),
+            gpus: ranks.max(1),
+            gpus_per_node: ranks.max(1),
+            memory: self.memory,
+            memory_bandwidth: self.memory_bandwidth,
+            launch_overhead: self.gemm_overhead,
+            peak: Peak {
+                fp32: self.gemm_f32,
+                bf16: self.gemm_bf16,
+                // no CPU here multiplies fp16: weft widens it to f32
+                fp16: self.gemm_f32,
+            },
+            intra: self.link,
+            inter: self.link,
+            efficiency: Efficiency {
+                gemm: 1.0,
+                memory: 1.0,
+                link: 1.0,
+            },
+            device: Device::Cpu,
+        }
+    }
+}
+
+/// The model a job trains.
+///
+/// # Errors
+/// [`PlanError::Config`] when the synthetic corpus' settings are wrong.
+pub fn model_of(config: &Config) -> Result<ModelSpec, PlanError> {
+    let vocab = if config.data.source == "synthetic" && config.data.blend.is_empty() {
+        crate::synthetic::SyntheticLanguage::new(config.data.synthetic.clone())
+            .map_err(|e| ConfigError {
+                origin: "config".into(),
+                position: None,
+                key: Some(format!("data.synthetic.{}", e.field)),
+                message: e.problem,
+            })?
+            .vocab_size()
+    } else {
+        crate::data::GPT2_VOCAB
+    };
+    let m = &config.model;
+    let mut spec = ModelSpec::gpt(m.n_layer, m.n_embd, m.n_head, m.block_size, vocab);
+    if m.moe.experts > 0 {
+        spec = spec.with_moe(m.moe.experts, m.moe.top_k);
+        spec.shared_expert = m.moe.shared_expert;
+    }
+    Ok(spec)
+}
+
+/// The layout a job runs.
+///
+/// # Errors
+/// [`PlanError::Config`] when the batch does not split over the layout.
+pub fn layout_of(config: &Config) -> Result<Layout, PlanError> {
+    let p = &config.parallel;
+    let split = config.batch_split().map_err(|(key, message)| ConfigError {
+        origin: "config".into(),
+        position: None,
+        key: Some(key.into()),
+        message,
+    })?;
+    Ok(Layout {
+        dp: p.dp,
+        tp: p.tp,
+        pp: p.pp,
+        ep: p.ep,
+        sharding: match p.fsdp {
+            FsdpMode::None => Sharding::None,
+            FsdpMode::Optimizer => Sharding::Optimizer,
+            FsdpMode::GradOp => Sharding::GradOp,
+            FsdpMode::Full => Sharding::Full,
+            FsdpMode::Hybrid => Sharding::Hybrid {
+                shard: p.hybrid_shard,
+            },
+        },
+        schedule: match p.pp_schedule {
+            PpSchedule::GPipe => Schedule::GPipe,
+            PpSchedule::OneFOneB => Schedule::OneFOneB,
+            PpSchedule::Interleaved => Schedule::Interleaved,
+            PpSchedule::ZbH1 => Schedule::ZbH1,
+            PpSchedule::ZbH2 => Schedule::ZbH2,
+            PpSchedule::ZbV => Schedule::ZbV,
+        },
+        chunks: if p.pp == 1 {
+            1
+        } else {
+            match p.pp_schedule {
+                PpSchedule::Interleaved => p.pp_chunks,
+                PpSchedule::ZbV => 2,
+                _ => 1,
+            }
+        },
+        micro_batch_size: split.micro,
+        sequence_parallel: p.sequence_parallel,
+        recompute: false,
+    })
+}
+
+/// What a job's ranks hold and compute.
+#[must_use]
+pub fn recipe_of(config: &Config) -> Recipe {
+    let mut r = Recipe::weft(precision_of(config.train.precision));
+    r.bf16_grad_wire = config.parallel.grad_wire == GradWire::Bf16;
+    r
+}
+
+fn precision_of(p: crate::config::Precision) -> Precision {
+    match p {
+        crate::config::Precision::Fp32 => Precision::Fp32,
+        crate::config::Precision::Bf16 => Precision::Bf16,
+        crate::config::Precision::Fp16 => Precision::Fp16,
+    }
+}
+
+/// A calibration run's figures.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Measured {
+    /// Median seconds per step (the first fifth of the steps not counted).
+    pub step_s: f64,
+    /// The fastest step.
+    pub best_step_s: f64,
+    /// Steps timed.
+    pub steps: usize,
+    /// Memory of rank 0 as the built model allocated it.
+    pub memory: RankMemory,
+}
+
+/// Collects a run's start-up report and step times.
+#[derive(Default)]
+struct Recorder {
+    info: Option<RunInfo>,
+    steps: Vec<f64>,
+}
+
+impl Observer for Recorder {
+    fn start(&mut self, info: &RunInfo) {
+        self.info = Some(info.clone());
+    }
+    fn step(&mut self, report: &StepReport) {
+        if let Some(info) = &self.info {
+            self.steps
+                .push(info.tokens_per_step as f64 / report.record.tokens_per_s);
+        }
+    }
+}
+
+/// Runs `config` for `steps` steps in a scratch folder under `dir` and
+/// measures its step time and memory.
+///
+/// # Errors
+/// [`PlanError::Train`] if the run fails.
+pub fn run_layout(config: &Config, steps: u64, dir: &Path) -> Result<Measured, PlanError> {
+    let mut cfg = config.clone();
+    cfg.train.steps = steps;
+    cfg.train.eval_every = 0;
+    cfg.train.eval_sequences = 1;
+    cfg.checkpoint.every = 0;
+    cfg.run.dir = dir.to_owned();
+    cfg.run.name = format!("calibrate-{}", layout_name(config));
+    cfg.run.trace_steps = 0;
+    let mut rec = Recorder::default();
+    let layout = layout_name(config);
+    crate::train::train(&cfg, false, &mut rec).map_err(|e| PlanError::Train {
+        layout: layout.clone(),
+        source: Box::new(e),
+    })?;
+    let _ = std::fs::remove_dir_all(dir.join(&cfg.run.name));
+    let info = rec
+        .info
+        .ok_or_else(|| PlanError::Usage(format!("{layout}: no start-up report")))?;
+    let skip = rec.steps.len() / 5;
+    let mut timed: Vec<f64> = rec.steps[skip..].to_vec();
+    timed.sort_by(f64::total_cmp);
+    if timed.is_empty() {
+        return Err(PlanError::Usage(format!("{layout}: no step was timed")));
+    }
+    Ok(Measured {
+        step_s: timed[timed.len() / 2],
+        best_step_s: timed[0],
+        steps: timed.len(),
+        memory: info.memory,
+    })
+}
+
+fn layout_name(config: &Config) -> String {
+    layout_of(config).map_or_else(
+        |_| "layout".into(),
+        |l| l.to_string().replace([' ', '/'], "_"),
+    )
+}
+
+/// One calibration layout: predicted against measured.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct CalibrationRow {
+    /// The `--set` arguments of the layout.
+    pub sets: Vec<String>,
+    /// The planner's prediction.
+    pub predicted: Prediction,
+    /// What the run measured.
+    pub measured: Measured,
+    /// `(predicted − measured) / measured` of the step time.
+    pub step_error: f64,
+    /// `(predicted − measured) / measured` of rank 0's memory.
+    pub memory_error: f64,
+}
+
+/// The layouts `--calibrate` runs: dp=1, dp=2, dp=2 with FSDP (ZeRO-3),
+/// tp=2, pp=2 (1F1B), as `--set` arguments.
+#[must_use]
+pub fn calibration_layouts() -> Vec<Vec<String>> {
+    [
+        vec![],
+        vec!["parallel.dp=2"],
+        vec!["parallel.dp=2", "parallel.fsdp=\"full\""],
+        vec!["parallel.tp=2"],
+        vec!["parallel.pp=2"],
+    ]
+    .into_iter()
+    .map(|v| v.into_iter().map(str::to_owned).collect())
+    .collect()
+}
+
+/// Predicts and runs each layout of `layouts` (as `--set` arguments over
+/// `base`) on this machine, `profile` measured.
+///
+/// # Errors
+/// A layout's configuration error; the planner's; a run's.
+pub fn calibrate(
+    base: &Config,
+    profile: &MachineProfile,
+    layouts: &[Vec<String>],
+    steps: u64,
+    say: &mut dyn FnMut(&str),
+) -> Result<Vec<CalibrationRow>, PlanError> {
+    let dir = std::env::temp_dir().join(format!("weft-plan-calibrate-{}", std::process::id()));
+    let mut rows = Vec::new();
+    for sets in layouts {
+        let mut cfg = base.clone();
+        for s in sets {
+            cfg = cfg.with_override(s)?;
+        }
+        cfg.validate()?;
+        let layout = layout_of(&cfg)?;
+        let req = Request {
+            model: model_of(&cfg)?,
+            batch: cfg.train.batch_size,
+            cluster: profile.cluster(layout.world()),
+            recipe: recipe_of(&cfg),
+        };
+        let predicted = weft_plan::predict(&req, &layout)?;
+        say(&format!(
+            "calibrate     {layout}: predicted {:.2} ms per step, running {steps} steps",
+            1e3 * predicted.step_s
+        ));
+        let measured = run_layout(&cfg, steps, &dir)?;
+        let total = measured.memory.total() as f64;
+        rows.push(CalibrationRow {
+            sets: sets.clone(),
+            step_error: (predicted.step_s - measured.step_s) / measured.step_s,
+            memory_error: (predicted.memory_rank0.total() as f64 - total) / total,
+            predicted,
+            measured,
+        });
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+    Ok(rows)
+}
+
+fn mb(b: f64) -> String {
+    format!("{:.1} MB", b / 1e6)
+}
+
+/// The calibration as a Markdown table, with the machine it ran on.
+#[must_use]
+pub fn calibration_table(profile: &MachineProfile, rows: &[CalibrationRow]) -> String {
+    let mut s = format!(
+        "this machine: {} ({} cores); f32 products {:.1} GFLOP/s (+{:.1} µs each), bf16 {:.1} GFLOP/s; \
+         memory {:.1} GB/s; all-reduce between 2 thread ranks{}: α {:.1} µs, β {:.2} GB/s\n\n\
+         | layout | predicted step | measured step (median) | fastest step | error | predicted memory (rank 0) | measured memory | error |\n\
+         |---|---|---|---|---|---|---|---|\n",
+        profile.cpu,
+        profile.cores,
+        profile.gemm_f32 / 1e9,
+        profile.gemm_overhead * 1e6,
+        profile.gemm_bf16 / 1e9,
+        profile.memory_bandwidth / 1e9,
+        if profile.reproducible {
+            " (reproducible sums)"
+        } else {
+            ""
+        },
+        profile.link.latency * 1e6,
+        profile.link.bandwidth / 1e9
+    );
+    for r in rows {
+        s.push_str(&format!(
+            "| {} | {:.2} ms | {:.2} ms | {:.2} ms | {:+.1}% | {} | {} | {:+.2}% |\n",
+            r.predicted.layout,
+            1e3 * r.predicted.step_s,
+            1e3 * r.measured.step_s,
+            1e3 * r.measured.best_step_s,
+            100.0 * r.step_error,
+            mb(r.predicted.memory_rank0.total() as f64),
+            mb(r.measured.memory.total() as f64),
+            100.0 * r.memory_error
+        ));
+    }
+    s
+}
+
+/// One layout of the JSON output.
+#[derive(Serialize)]
+struct JsonLayout<'a> {
+    /// The layout in one line (`dp=2 tp=4 pp=2 fsdp=full 1f1b mbs=1`).
+    name: String,
+    #[serde(flatten)]
+    prediction: &'a Prediction,
+    memory_total: u64,
+    reason: String,
+}
+
+#[derive(Serialize)]
+struct JsonPlan<'a> {
+    model: &'a ModelSpec,
+    batch: usize,
+    cluster: &'a Cluster,
+    recipe: &'a Recipe,
+    layouts: Vec<JsonLayout<'a>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    explain: Option<&'a weft_plan::explain::Explanation>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    budget: Option<&'a weft_plan::budget::BudgetReport>,
+}
+
+fn usage(msg: impl Into<String>) -> PlanError {
+    PlanError::Usage(msg.into())
+}
+
+/// The request `args` describe (the model, batch, cluster and recipe),
+/// and the job configuration when one is given.
+///
+/// # Errors
+/// A bad configuration, cluster file or preset, or a missing dimension.
+pub fn request(args: &PlanArgs) -> Result<(Request, Option<Config>), PlanError> {
+    let config = if args.config.is_some() || !args.sets.is_empty() {
+        Some(Config::load(args.config.as_deref(), &args.sets)?)
+    } else {
+        None
+    };
+    let mut model = match &config {
+        Some(c) => model_of(c)?,
+        None => {
+            let need = |v: Option<usize>, flag: &str| {
+                v.ok_or_else(|| usage(format!("{flag} is required without --config (the model's dimensions: --layers --hidden --heads --seq --vocab)")))
+            };
+            ModelSpec::gpt(
+                need(args.layers, "--layers")?,
+                need(args.hidden, "--hidden")?,
+                need(args.heads, "--heads")?,
+                need(args.seq, "--seq")?,
+                need(args.vocab, "--vocab")?,
+            )
+        }
+    };
+    if let Some(v) = args.layers {
+        model.layers = v;
+    }
+    if let Some(v) = args.hidden {
+        model.hidden = v;
+        model.ffn_hidden = 4 * v;
+    }
+    if let Some(v) = args.heads {
+        model.heads = v;
+    }
+    if let Some(v) = args.seq {
+        model.seq = v;
+    }
+    if let Some(v) = args.vocab {
+        model.vocab = v;
+    }
+    if let Some(v) = args.ffn_hidden {
+        model.ffn_hidden = v;
+    }
+    if let Some(e) = args.experts {
+        model.experts = e;
+        if model.top_k == 0 && e > 0 {
+            model.top_k = 2;
+        }
+    }
+    if let Some(k) = args.top_k {
+        model.top_k = k;
+    }
+    model.validate()?;
+    let batch = match (args.global_batch, &config) {
+        (Some(b), _) => b,
+        (None, Some(c)) => c.train.batch_size,
+        (None, None) => return Err(usage("--global-batch is required without --config")),
+    };
+    let this_machine = args.cluster == "this-machine";
+    let cluster = if this_machine {
+        let ranks = args
+            .gpus
+            .or_else(|| config.as_ref().map(|c| c.parallel.world_size()))
+            .unwrap_or(1);
+        let reproducible = config.as_ref().is_none_or(|c| c.parallel.reproducible);
+        MachineProfile::measure(reproducible).cluster(ranks)
+    } else if args.cluster.ends_with(".toml") || Path::new(&args.cluster).is_file() {
+        let c = Cluster::from_file(Path::new(&args.cluster))?;
+        match args.gpus {
+            Some(g) => c.with_gpus(g),
+            None => c,
+        }
+    } else {
+        Cluster::preset(&args.cluster, args.gpus.unwrap_or(8))?
+    };
+    let accounting = match args.recipe.as_deref() {
+        Some("weft") => Accounting::Weft,
+        Some("mixed") => Accounting::Mixed,
+        Some(other) => return Err(usage(format!("--recipe {other}: expected weft or mixed"))),
+        None if cluster.device == Device::Cpu => Accounting::Weft,
+        None => Accounting::Mixed,
+    };
+    let mut recipe = match accounting {
+        Accounting::Weft => config
+            .as_ref()
+            .map_or(Recipe::weft(Precision::Fp32), recipe_of),
+        Accounting::Mixed => Recipe::mixed(),
+    };
+    if let Some(p) = &args.precision {
+        recipe.precision = Precision::parse(p)?;
+    }
+    if args.materialized_attention {
+        recipe.flash_attention = false;
+    }
+    Ok((
+        Request {
+            model,
+            batch,
+            cluster,
+            recipe,
+        },
+        config,
+    ))
+}
+
+fn constraints(args: &PlanArgs) -> Result<Constraints, PlanError> {
+    let sharding = match args.fsdp.as_deref() {
+        None => None,
+        Some("none") => Some(Sharding::None),
+        Some("optimizer") => Some(Sharding::Optimizer),
+        Some("grad_op") => Some(Sharding::GradOp),
+        Some("full") => Some(Sharding::Full),
+        Some("hybrid") => Some(Sharding::Hybrid {
+            shard: args
+                .hybrid_shard
+                .ok_or_else(|| usage("--fsdp hybrid needs --hybrid-shard N"))?,
+        }),
+        Some(other) => {
+            return Err(usage(format!(
+                "--fsdp {other}: expected none, optimizer, grad_op, full or hybrid"
+            )));
+        }
+    };
+    Ok(Constraints {
+        dp: args.dp,
+        tp: args.tp,
+        pp: args.pp,
+        ep: args.ep,
+        sharding,
+        schedule: args.schedule.as_deref().map(Schedule::parse).transpose()?,
+        chunks: args.chunks,
+        micro_batch_size: args.micro_batch,
+        sequence_parallel: args.sp,
+        allow_recompute: args.recompute,
+        max_micro_batch: None,
+    })
+}
+
+fn secs(s: f64) -> String {
+    if s >= 1.0 {
+        format!("{s:.3} s")
+    } else {
+        format!("{:.2} ms", 1e3 * s)
+    }
+}
+
+fn gib(b: u64) -> String {
+    weft_plan::memory::bytes(b)
+}
+
+/// The table of the best layouts.
+fn table(req: &Request, preds: &[Prediction], top: usize) -> String {
+    let mut s = format!(
+        "model: {} layers, hidden {}, {} heads, seq {}, vocab {}{}; {:.3}B parameters; global batch {} ({} tokens)\n\
+         cluster: {}\n\
+         recipe: {} accounting, {} products{}\n\n",
+        req.model.layers,
+        req.model.hidden,
+        req.model.heads,
+        req.model.seq,
+        req.model.vocab,
+        if req.model.is_moe() {
+            format!(", {} experts top-{}", req.model.experts, req.model.top_k)
+        } else {
+            String::new()
+        },
+        req.model.params() / 1e9,
+        req.batch,
+        req.batch * req.model.seq,
+        req.cluster,
+        match req.recipe.accounting {
+            Accounting::Weft => "weft",
+            Accounting::Mixed => "mixed-precision",
+        },
+        req.recipe.precision.name(),
+        if req.recipe.accounting == Accounting::Mixed && req.recipe.flash_attention {
+            ", flash attention"
+        } else {
+            ""
+        },
+    );
+    s.push_str(
+        "| # | layout | fits | memory/GPU | params | grads | optimizer | activations | buffers | step | compute | tp | dp exposed | bubble | tokens/s | TFLOP/s/GPU | MFU |\n\
+         |---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
+    );
+    let n = if top == 0 {
+        preds.len()
+    } else {
+        top.min(preds.len())
+    };
+    for (i, p) in preds.iter().take(n).enumerate() {
+        let m = &p.memory;
+        let t = &p.time;
+        s.push_str(&format!(
+            "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {:.1}% | {:.0} | {:.2} | {:.1}% |\n",
+            i + 1,
+            p.layout,
+            if p.fits { "yes" } else { "no" },
+            gib(m.total()),
+            gib(m.params),
+            gib(m.grads),
+            gib(m.optimizer),
+            gib(m.activations),
+            gib(m.buffers),
+            secs(p.step_s),
+            secs(t.compute),
+            secs(t.tp_comm),
+            secs(t.dp_exposed),
+            100.0 * t.bubble_fraction,
+            p.tokens_per_s,
+            p.tflops_per_gpu,
+            100.0 * p.mfu
+        ));
+    }
+    s.push('\n');
+    for (i, p) in preds.iter().take(n).enumerate() {
+        s.push_str(&format!(
+            "{}. {}: {}\n",
+            i + 1,
+            p.layout,
+            reason(p, &preds[0])
+        ));
+    }
+    if preds.len() > n {
+        s.push_str(&format!(
+            "({} more layouts; --top 0 shows all, --json gives every figure)\n",
+            preds.len() - n
+        ));
+    }
+    s
+}
+
+/// The step-time plot's strategies: replicas, FSDP and the best layout
+/// of any kind, at each power-of-two GPU count up to the cluster's.
+fn strategies(req: &Request) -> Vec<(String, Vec<(usize, Prediction)>)> {
+    let pure = |s: Sharding| Constraints {
+        tp: Some(1),
+        pp: Some(1),
+        ep: Some(1),
+        sharding: Some(s),
+        ..Constraints::default()
+    };
+    let kinds: [(&str, Constraints); 3] = [
+        ("data parallel (replicas)", pure(Sharding::None)),
+        ("FSDP (ZeRO-3)", pure(Sharding::Full)),
+        ("best layout (tp, pp, FSDP...)", Constraints::default()),
+    ];
+    let mut out = Vec::new();
+    for (name, c) in kinds {
+        let mut pts = Vec::new();
+        let mut g = 1usize;
+        while g <= req.cluster.gpus.max(1) {
+            let r = Request {
+                cluster: req.cluster.clone().with_gpus(g),
+                ..req.clone()
+            };
+            let c = if g == 1 && c.sharding == Some(Sharding::Full) {
+                pure(Sharding::None)
+            } else {
+                c.clone()
+            };
+            if let Ok(v) = search(&r, &c)
+                && let Some(p) = v.into_iter().find(|p| p.fits)
+            {
+                pts.push((g, p));
+            }
+            g *= 2;
+        }
+        out.push((name.to_owned(), pts));
+    }
+    out
+}
+
+/// Runs `weft plan` and returns what it prints; `say` receives progress.
+///
+/// # Errors
+/// Bad flags, configuration or cluster; the planner's errors; a failed
+/// calibration run; a plot that cannot be written.
+pub fn run(args: &PlanArgs, say: &mut dyn FnMut(&str)) -> Result<String, PlanError> {
+    if args.published {
+        let a100 = Cluster::preset("a100-80gb", 8)?;
+        let rows = weft_plan::published::compare(&weft_plan::published::MEGATRON_2021, &a100)?;
+        if args.json {
+            return Ok(serde_json::to_string_pretty(&rows).unwrap_or_default());
+        }
+        let worst = rows.iter().map(|r| r.error.abs()).fold(0.0, f64::max);
+        return Ok(format!(
+            "Narayanan et al. 2021 (Megatron-LM), Table 1, on the a100-80gb preset:\n\n{}\nworst error {:.1}%",
+            weft_plan::published::table(&rows),
+            100.0 * worst
+        ));
+    }
+    if args.calibrate {
+        let base = Config::load(args.config.as_deref(), &args.sets)?;
+        say("calibrate     measuring this machine");
+        let profile = MachineProfile::measure(base.parallel.reproducible);
+        let rows = calibrate(
+            &base,
+            &profile,
+            &calibration_layouts(),
+            args.calibrate_steps.max(5),
+            say,
+        )?;
+        if args.json {
+            #[derive(Serialize)]
+            struct Out<'a> {
+                machine: &'a MachineProfile,
+                layouts: &'a [CalibrationRow],
+            }
+            return Ok(serde_json::to_string_pretty(&Out {
+                machine: &profile,
+                layouts: &rows,
+            })
+            .unwrap_or_default());
+        }
+        return Ok(calibration_table(&profile, &rows));
+    }
+    let (req, _) = request(args)?;
+    let c = constraints(args)?;
+    let preds = search(&req, &c)?;
+    let explanation = if args.explain {
+        Some(weft_plan::explain::explain(&req)?)
+    } else {
+        None
+    };
+    let best = preds.iter().find(|p| p.fits).unwrap_or(&preds[0]);
+    let budget = match (args.budget_flops, args.budget_gpu_hours) {
+        (Some(_), Some(_)) => {
+            return Err(usage("give --budget-flops or --budget-gpu-hours, not both"));
+        }
+        (Some(f), None) if f.is_finite() && f > 0.0 => Some(weft_plan::budget::report(
+            f,
+            req.model.params(),
+            best.tokens_per_s,
+            req.cluster.gpus,
+        )),
+        (None, Some(h)) if h.is_finite() && h > 0.0 => {
+            // the GPU-hours deliver the best layout's model FLOP/s per GPU
+            let flops = h * 3600.0 * best.tflops_per_gpu * 1e12;
+            Some(weft_plan::budget::report(
+                flops,
+                req.model.params(),
+                best.tokens_per_s,
+                req.cluster.gpus,
+            ))
+        }
+        (None, None) => None,
+        _ => return Err(usage("a budget must be a positive number")),
+    };
+    if let Some(dir) = &args.plot {
+        std::fs::create_dir_all(dir).map_err(|source| PlanError::Io {
+            path: dir.clone(),
+            source,
+        })?;
+        let fsdp = explanation.as_ref().map_or_else(
+            || weft_plan::explain::crossover(&req, &req.model, req.batch),
+            |e| e.crossover.clone(),
+        );
+        let top = if args.top == 0 {
+            preds.len()
+        } else {
+            args.top.min(preds.len())
+        };
+        for (name, svg) in [
+            (
+                "step_time.svg",
+                weft_plan::svg::step_time_plot(&strategies(&req), &fsdp),
+            ),
+            ("memory.svg", weft_plan::svg::memory_plot(&preds[..top])),
+        ] {
+            let path = dir.join(name);
+            std::fs::write(&path, svg).map_err(|source| PlanError::Io {
+                path: path.clone(),
+                source,
+            })?;
+            say(&format!("wrote         {}", path.display()));
+        }
+    }
+    if args.json {
+        let top = if args.top == 0 {
+            preds.len()
+        } else {
+            args.top.min(preds.len())
+        };
+        let out = JsonPlan {
+            model: &req.model,
+            batch: req.batch,
+            cluster: &req.cluster,
+            recipe: &req.recipe,
+            layouts: preds[..top]
+                .iter()
+                .map(|p| JsonLayout {
+                    name: p.layout.to_string(),
+                    prediction: p,
+                    memory_total: p.memory.total(),
+                    reason: reason(p, &preds[0]),
+                })
+                .collect(),
+            explain: explanation.as_ref(),
+            budget: budget.as_ref(),
+        };
+        return Ok(serde_json::to_string_pretty(&out).unwrap_or_default());
+    }
+    let mut s = table(&req, &preds, args.top);
+    if let Some(e) = &explanation {
+        s.push_str(&format!("\nThe chain for this model:\n{e}\n"));
+    }
+    if let Some(b) = &budget {
+        s.push_str(&format!(
+            "\nBudget {:.3e} FLOPs: Chinchilla-optimal {:.2}B parameters on {:.1}B tokens (Hoffmann et al. 2022: N = sqrt(C/120), D = 20·N; approach-3 loss {:.3}).\n\
+             This model ({:.2}B parameters) at the best layout ({}, {:.0} tokens/s): the budget buys {:.1}B tokens in {:.1} days ({:.0} GPU-hours); \
+             its compute-optimal {:.1}B tokens take {:.1} days.\n",
+            b.optimum.flops,
+            b.optimum.params / 1e9,
+            b.optimum.tokens / 1e9,
+            b.optimum.loss,
+            b.params / 1e9,
+            best.layout,
+            b.tokens_per_s,
+            b.tokens / 1e9,
+            b.days,
+            b.gpu_hours,
+            b.optimal_tokens / 1e9,
+            b.optimal_days
+        ));
+    }
+    Ok(s)
+}
