@@ -63,26 +63,7 @@ pub fn adamw_update(
     check(OP, "grads", grads, n)?;
     check(OP, "m", m, n)?;
     check(OP, "v", v, n)?;
-    if step == 0 {
-        return Err(Error::InvalidArgument {
-            op: OP,
-            reason: "step counts from 1".into(),
-        });
-    }
-    let bc1 = 1.0 - f64::from(hp.beta1).powi(step.min(i32::MAX as u32) as i32);
-    let bc2 = 1.0 - f64::from(hp.beta2).powi(step.min(i32::MAX as u32) as i32);
-    let k = Consts {
-        keep: if decay {
-            1.0 - hp.lr * hp.weight_decay
-        } else {
-            1.0
-        },
-        b1: hp.beta1,
-        b2: hp.beta2,
-        step_size: f32::from_f64(f64::from(hp.lr) / bc1),
-        bc2_sqrt: f32::from_f64(bc2.sqrt()),
-        eps: hp.eps,
-    };
+    let k = Consts::new(OP, hp, step, decay)?;
     params
         .par_chunks_mut(CHUNK)
         .zip(grads.par_chunks(CHUNK))
@@ -91,14 +72,44 @@ pub fn adamw_update(
     Ok(())
 }
 
+/// The per-step constants of the update, derived once (the CUDA kernel is
+/// fed the same values, so both compute the same bits).
 #[derive(Clone, Copy)]
-struct Consts {
-    keep: f32,
-    b1: f32,
-    b2: f32,
-    step_size: f32,
-    bc2_sqrt: f32,
-    eps: f32,
+pub(crate) struct Consts {
+    pub(crate) keep: f32,
+    pub(crate) b1: f32,
+    pub(crate) b2: f32,
+    pub(crate) step_size: f32,
+    pub(crate) bc2_sqrt: f32,
+    pub(crate) eps: f32,
+}
+
+impl Consts {
+    /// `keep = 1 − lr·wd` (or 1 without decay), `step_size = lr / (1 −
+    /// β1^step)` and `bc2_sqrt = sqrt(1 − β2^step)`, the bias corrections
+    /// in f64 then rounded to f32.
+    pub(crate) fn new(op: &'static str, hp: &AdamW, step: u32, decay: bool) -> Result<Self> {
+        if step == 0 {
+            return Err(Error::InvalidArgument {
+                op,
+                reason: "step counts from 1".into(),
+            });
+        }
+        let bc1 = 1.0 - f64::from(hp.beta1).powi(step.min(i32::MAX as u32) as i32);
+        let bc2 = 1.0 - f64::from(hp.beta2).powi(step.min(i32::MAX as u32) as i32);
+        Ok(Consts {
+            keep: if decay {
+                1.0 - hp.lr * hp.weight_decay
+            } else {
+                1.0
+            },
+            b1: hp.beta1,
+            b2: hp.beta2,
+            step_size: f32::from_f64(f64::from(hp.lr) / bc1),
+            bc2_sqrt: f32::from_f64(bc2.sqrt()),
+            eps: hp.eps,
+        })
+    }
 }
 
 crate::simd::multiversion! {

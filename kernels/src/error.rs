@@ -57,6 +57,26 @@ pub enum Error {
         /// Why it cannot be used.
         reason: String,
     },
+    /// A call into CUDA (the driver, cuBLAS) failed on a device that is
+    /// present.
+    #[error("{op}: CUDA error: {message}")]
+    Cuda {
+        /// The kernel or call, e.g. `layernorm_forward`.
+        op: &'static str,
+        /// The library's error, as it reports it.
+        message: String,
+    },
+    /// NVRTC rejected a kernel source (a bug in the source, or a compiler
+    /// too old for the target).
+    #[error("NVRTC could not compile {file} for {arch}: {log}")]
+    Compile {
+        /// The kernel source, e.g. `attention.cu`.
+        file: String,
+        /// The target, e.g. `sm_90`.
+        arch: String,
+        /// The compiler's log.
+        log: String,
+    },
 }
 
 /// `Result` with this crate's [`Error`].

@@ -1,5 +1,6 @@
 //! The math of one device: forward and backward kernels for a GPT-2-style
-//! transformer, on the CPU (multi-threaded, SIMD), with a place for CUDA.
+//! transformer, on the CPU (multi-threaded, SIMD), and on CUDA GPUs
+//! (feature `cuda`).
 //!
 //! # Overview
 //!
@@ -103,11 +104,17 @@
 //!
 //! # Crate features
 //!
-//! * `cuda` (off by default): reserves the CUDA backend. It compiles
-//!   without a CUDA toolkit and contains no GPU kernels yet; [`cuda`]'s
-//!   entry points return [`Error::NotCompiled`] without the feature and
-//!   [`Error::Unavailable`] with it. The CPU signatures above (slices plus
-//!   dimensions) are what a CUDA version will mirror over device buffers.
+//! * `cuda` (off by default): the CUDA backend, [`cuda`]: the ops above
+//!   on device buffers (NVRTC-compiled kernels from `kernels/cuda/*.cu`,
+//!   cuBLAS products, a flash-style attention, exact sums), a device
+//!   parameter store with the host layout, and fused AdamW. It builds
+//!   without a CUDA toolkit (cudarc loads the driver, NVRTC and cuBLAS at
+//!   run time) and reports a missing library or device as
+//!   [`Error::Unavailable`] rather than panicking; without the feature,
+//!   [`cuda::device_count`] returns [`Error::NotCompiled`]. Each GPU op is
+//!   tested against the CPU op of the same name (`tests/cuda.rs`), and
+//!   every kernel source is compiled for `sm_80` and `sm_90` by a test that
+//!   needs only libnvrtc; `scripts/gpu-check.sh` runs the GPU side.
 #![deny(missing_docs)]
 
 mod adamw;
