@@ -59,6 +59,18 @@ if ! "$venv/bin/python" -c "import safetensors, numpy, torch, transformers" >/de
         || { echo "cannot set up $venv" >&2; exit 1; }
 fi
 export WEFT_PYTHON="$venv/bin/python"
+# NVRTC (libnvrtc.so.13, CUDA 13's runtime compiler) for the test that
+# compiles every CUDA kernel source without a GPU (kernels/tests/cuda.rs).
+# torch's CUDA wheels bring it (nvidia-cuda-nvrtc, in nvidia/cu13/lib);
+# where they do not, it is installed on its own.
+nvrtc_so=$(ls "$venv"/lib/python3*/site-packages/nvidia/cu13/lib/libnvrtc.so.13 2>/dev/null | head -n 1)
+if [ -z "$nvrtc_so" ]; then
+    "$venv/bin/pip" install -q "nvidia-cuda-nvrtc==13.*" \
+        || { echo "cannot install nvidia-cuda-nvrtc into $venv" >&2; exit 1; }
+    nvrtc_so=$(ls "$venv"/lib/python3*/site-packages/nvidia/cu13/lib/libnvrtc.so.13 2>/dev/null | head -n 1)
+    [ -n "$nvrtc_so" ] || { echo "nvidia-cuda-nvrtc installed no libnvrtc.so.13" >&2; exit 1; }
+fi
+export WEFT_NVRTC_LIB_DIR="$(dirname "$nvrtc_so")"
 # Everything the tests need is installed above: a test that would skip for
 # want of it fails instead (the GPU checks, which need hardware CI does not
 # have, still skip, and are counted as skipped).
@@ -91,6 +103,12 @@ step doc env RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --locked
 # `weft train` under `mpirun -np 2` and `-np 4` against the thread ranks,
 # and kills and stops ranks of running jobs.
 step test cargo test --workspace --locked --features weft-trainer/mpi
+# The CUDA backend without a GPU: NVRTC compiles every kernel source for
+# sm_80 and sm_90 (a missing libnvrtc fails, under WEFT_REQUIRE_ALL), the
+# no-GPU path gives typed errors, and the GPU-vs-CPU tests print SKIPPED.
+# Only the targets the feature changes: the lib's tests and tests/cuda.rs.
+step test-cuda env LD_LIBRARY_PATH="$WEFT_NVRTC_LIB_DIR${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
+    cargo test --locked -p weft-kernels --features cuda --lib --test cuda
 # The collectives suite over 4 MPI processes (the test relaunches itself
 # under mpirun), and the NCCL backend's typed "not available" path.
 step test-mpi env OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 \

@@ -211,8 +211,7 @@ impl Gpu {
     /// [`Error::Cuda`] if the allocation or the copy fails.
     pub fn upload<T: DeviceRepr>(&self, host: &[T]) -> Result<CudaSlice<T>> {
         if host.is_empty() {
-            // SAFETY: a zero-length allocation is never read.
-            return unsafe { self.stream.alloc::<T>(0) }.map_err(|e| cuda_err("upload", e));
+            return self.stream.null().map_err(|e| cuda_err("upload", e));
         }
         self.stream
             .clone_htod(host)
@@ -224,6 +223,9 @@ impl Gpu {
     /// # Errors
     /// [`Error::Cuda`] if the allocation fails.
     pub fn zeros<T: DeviceRepr + ValidAsZeroBits>(&self, len: usize) -> Result<CudaSlice<T>> {
+        if len == 0 {
+            return self.stream.null().map_err(|e| cuda_err("alloc_zeros", e));
+        }
         self.stream
             .alloc_zeros(len)
             .map_err(|e| cuda_err("alloc_zeros", e))
@@ -255,8 +257,13 @@ impl Gpu {
             .map_err(|e| cuda_err("synchronize", e))
     }
 
-    pub(crate) fn blas(&self) -> MutexGuard<'_, CudaBlas> {
-        self.blas.lock().unwrap_or_else(|e| e.into_inner())
+    /// The cuBLAS handle, with this device's context made current on the
+    /// calling thread (cuBLAS calls run in the current context).
+    pub(crate) fn blas(&self) -> Result<MutexGuard<'_, CudaBlas>> {
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| cuda_err("cuCtxSetCurrent", e))?;
+        Ok(self.blas.lock().unwrap_or_else(|e| e.into_inner()))
     }
 
     /// Kernel `name` of `source` (compiled and loaded on first use).

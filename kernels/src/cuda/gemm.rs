@@ -188,7 +188,7 @@ fn cublas(
     let alpha = 1.0f32;
     let beta = if p.accumulate { 1.0f32 } else { 0.0f32 };
     let (cp, _gc) = c.device_ptr_mut(st);
-    let blas = gpu.blas();
+    let blas = gpu.blas()?;
     // SAFETY: the pointers are live device buffers of at least the sizes
     // the dimensions and leading dimensions imply (checked by the public
     // wrappers); alpha and beta are host f32 values (host pointer mode);

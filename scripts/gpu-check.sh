@@ -1,0 +1,210 @@
+#!/usr/bin/env bash
+# The whole GPU check of weft, in one go, for a machine with an NVIDIA GPU.
+#
+#   bash scripts/gpu-check.sh               # on the GPU machine
+#   bash scripts/gpu-check.sh --build-only  # on a CPU machine: build the
+#                                           # binaries into target/gpu-check/
+#                                           # to carry to a GPU machine that
+#                                           # has no cargo or no crates
+#
+# What it runs (each step under its own time limit; the whole check stays
+# under 8 minutes on an H200 with 16 cores):
+#   1. what is on the machine: the GPU and driver (nvidia-smi), and where
+#      libcuda, libnvrtc.so.13 and libcublas.so.13 are (the script puts
+#      their folders on LD_LIBRARY_PATH; it installs nothing);
+#   2. kernels: every CUDA kernel against its CPU reference
+#      (kernels/tests/cuda.rs with WEFT_REQUIRE_GPU=1: a missing GPU or
+#      library fails instead of skipping), NVRTC compiling every source;
+#   3. nccl: the NCCL backend's check (collectives/gpu-check.sh: every
+#      collective through NCCL on GPU 0, world size 1);
+#   4. bench: the kernels at GPT-2 small's shapes (time, GB/s, TFLOP/s) and
+#      the projected training step's tokens/s and MFU
+#      (kernels/benches/cuda.rs);
+# then a summary: one line per step, PASS / FAIL / MISSING, with the
+# tests' counts. Logs go to $OUT/gpu-check/ when OUT is set (the device
+# tool's output folder), else to a temporary folder that is printed.
+#
+# The binaries always come from this checkout's sources: built here when
+# cargo is present (release, only weft-kernels and what it needs; offline
+# when the registry cannot be reached), or else taken prebuilt from
+# target/gpu-check/ only if the fingerprint of the sources they were built
+# from (target/gpu-check/kernels.source, written by --build-only) equals
+# this checkout's — a stale binary is refused, not run.
+#
+# Exit status: 0 when every step ran and passed; 1 when a step failed; 2
+# when something needed is missing (each missing piece is reported).
+set -uo pipefail
+
+cd "$(dirname "$0")/.." || exit 2
+BIN_DIR=target/gpu-check
+TESTS="$BIN_DIR/kernels-cuda-tests"
+BENCH="$BIN_DIR/kernels-cuda-bench"
+STAMP="$BIN_DIR/kernels.source"
+say() { echo "gpu-check: $*"; }
+start=$SECONDS
+
+# A fingerprint of every source file the binaries are built from.
+fingerprint() {
+    find kernels/src kernels/cuda kernels/tests/cuda.rs kernels/benches/cuda.rs kernels/Cargo.toml \
+        numerics/src numerics/Cargo.toml Cargo.toml Cargo.lock -type f 2>/dev/null \
+        | LC_ALL=C sort | xargs sha256sum | sha256sum | cut -d' ' -f1
+}
+
+# Builds the test and bench binaries (release) and copies them to
+# $BIN_DIR, stripped of debug info (they travel).
+build() {
+    local out tests bench offline
+    export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$PWD/target}"
+    for offline in "" "--offline"; do
+        out=$(cargo test --release -p weft-kernels --features cuda --test cuda --no-run $offline 2>&1)
+        tests=$(printf '%s\n' "$out" | sed -n 's/.*Executable tests\/cuda.rs (\(.*\))$/\1/p' | tail -n 1)
+        out2=$(cargo bench -p weft-kernels --features cuda --bench cuda --no-run $offline 2>&1)
+        bench=$(printf '%s\n' "$out2" | sed -n 's/.*Executable benches\/cuda.rs (\(.*\))$/\1/p' | tail -n 1)
+        if [ -n "$tests" ] && [ -x "$tests" ] && [ -n "$bench" ] && [ -x "$bench" ]; then
+            mkdir -p "$BIN_DIR" && cp "$tests" "$TESTS" && cp "$bench" "$BENCH" \
+                && { strip --strip-debug "$TESTS" "$BENCH" 2>/dev/null || true; } \
+                && fingerprint > "$STAMP" \
+                && say "built $TESTS and $BENCH from sources $(cat "$STAMP")" && return 0
+        fi
+    done
+    printf '%s\n%s\n' "$out" "${out2:-}" | tail -n 30
+    say "MISSING: could not build the kernels' GPU binaries (cargo and the crates of Cargo.lock are needed; or build them elsewhere with --build-only and bring target/gpu-check/)"
+    return 2
+}
+
+if [ "${1:-}" = "--build-only" ]; then
+    build || exit $?
+    # The NCCL check's binary too, for the same trip.
+    bash collectives/gpu-check.sh --build-only
+    exit $?
+fi
+
+log_dir="${OUT:+$OUT/gpu-check}"
+log_dir="${log_dir:-$(mktemp -d)}"
+mkdir -p "$log_dir"
+say "logs in $log_dir"
+missing=0
+
+# ------------------------------------------------------- 1. the machine
+if command -v nvidia-smi >/dev/null 2>&1; then
+    nvidia-smi -L 2>&1 | sed 's/^/gpu-check: /'
+    nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader 2>/dev/null \
+        | sed 's/^/gpu-check: name, driver, memory, max SM clock: /'
+else
+    say "nvidia-smi not found (looking for the driver library anyway)"
+fi
+nproc_n=$(nproc 2>/dev/null || echo '?')
+say "CPU cores: $nproc_n"
+
+# Every folder that may hold CUDA libraries: the loader's cache, CUDA
+# installs, and the nvidia-* wheels of any Python (PyTorch brings them).
+lib_dirs() {
+    ldconfig -p 2>/dev/null | awk '/=>/ {print $NF}' | xargs -r -n1 dirname 2>/dev/null | sort -u
+    ls -d /usr/local/cuda*/lib64 /usr/local/cuda*/targets/*/lib /usr/local/nvidia/lib64 \
+        /usr/lib/x86_64-linux-gnu /opt/conda/lib 2>/dev/null
+    for py in python3 python /opt/torch/.venv/bin/python3; do
+        command -v "$py" >/dev/null 2>&1 || continue
+        "$py" - 2>/dev/null <<'EOF'
+import glob, os, site, sys
+dirs = set(site.getsitepackages() + [site.getusersitepackages()] + sys.path)
+for d in dirs:
+    for f in glob.glob(os.path.join(d, "nvidia", "*", "lib")):
+        print(f)
+EOF
+    done
+}
+find_lib() { # name pattern -> first path
+    local pat=$1 d f
+    for d in $(lib_dirs | awk '!seen[$0]++'); do
+        for f in "$d"/$pat; do
+            [ -e "$f" ] && { echo "$f"; return 0; }
+        done
+    done
+    timeout 60 find / -xdev \( -path /proc -o -path /sys \) -prune -o -name "$pat" -print 2>/dev/null | head -n 1
+}
+add_path() { case ":${LD_LIBRARY_PATH:-}:" in *":$1:"*) ;; *) export LD_LIBRARY_PATH="$1${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}";; esac; }
+for want in "libcuda.so.1:the NVIDIA driver library" "libnvrtc.so.13:NVRTC 13 (the runtime compiler; CUDA 13 toolkit or the nvidia-cuda-nvrtc wheel)" \
+            "libcublas.so.13:cuBLAS 13 (CUDA 13 toolkit or the nvidia-cublas wheel)" "libcublasLt.so.13:cuBLASLt 13 (beside cuBLAS)"; do
+    name=${want%%:*}
+    what=${want#*:}
+    path=$(find_lib "$name")
+    if [ -n "$path" ]; then
+        say "$name: $path"
+        add_path "$(dirname "$path")"
+    else
+        say "MISSING: $name — $what"
+        missing=1
+    fi
+done
+# NVRTC's builtins library sits beside it; report its version.
+nvrtc_builtins=$(ls "$(dirname "$(find_lib libnvrtc.so.13)")"/libnvrtc-builtins.so.13.* 2>/dev/null | head -n 1)
+[ -n "$nvrtc_builtins" ] && say "NVRTC builtins: $nvrtc_builtins"
+
+# ---------------------------------------------------- the binaries
+if command -v cargo >/dev/null 2>&1 && [ "${WEFT_GPU_CHECK_PREBUILT:-0}" != 1 ]; then
+    say "building with cargo ($(cargo --version))"
+    t0=$SECONDS
+    build || missing=1
+    say "build took $((SECONDS - t0)) s"
+elif [ -x "$TESTS" ] && [ -x "$BENCH" ]; then
+    want=$(fingerprint)
+    have=$(cat "$STAMP" 2>/dev/null || echo none)
+    if [ "$have" = "$want" ]; then
+        say "using the prebuilt $TESTS and $BENCH (built from these sources, $want)"
+    else
+        say "MISSING: the prebuilt binaries in $BIN_DIR were built from other sources ($have; this checkout is $want): rebuild them with --build-only"
+        missing=1
+    fi
+else
+    say "MISSING: no cargo and no prebuilt binaries in $BIN_DIR (run scripts/gpu-check.sh --build-only on a machine with cargo and carry target/gpu-check)"
+    missing=1
+fi
+
+if [ "$missing" != 0 ]; then
+    say "not run: see MISSING above"
+    exit 2
+fi
+
+# ------------------------------------------------------------ the steps
+declare -a summary=()
+failed=0
+run_step() { # name limit-seconds command...
+    local name=$1 limit=$2
+    shift 2
+    local t0=$SECONDS rc
+    say "=== $name: $*"
+    timeout "$limit" "$@" > "$log_dir/$name.log" 2>&1
+    rc=$?
+    cat "$log_dir/$name.log"
+    local counts
+    counts=$(sed -nE 's/^test result: [A-Za-z]+\. ([0-9]+) passed; ([0-9]+) failed.*/\1 passed, \2 failed/p' "$log_dir/$name.log" | tail -n 1)
+    local verdict=PASS
+    if [ "$rc" = 124 ]; then
+        verdict="FAIL (over its ${limit} s limit)"
+        failed=1
+    elif [ "$rc" != 0 ]; then
+        verdict="FAIL (exit $rc)"
+        failed=1
+    fi
+    summary+=("$(printf '%-8s %-28s %4d s  %s' "$name" "$verdict" $((SECONDS - t0)) "$counts")")
+}
+
+# 2. Every kernel against the CPU; a skip is a failure here.
+run_step kernels 300 env WEFT_REQUIRE_GPU=1 WEFT_REQUIRE_ALL=1 "$TESTS" --test-threads=1
+# 3. NCCL (its own script finds NCCL and runs its check).
+run_step nccl 180 bash collectives/gpu-check.sh
+# 4. The bench.
+run_step bench 240 env WEFT_BENCH_REPS="${WEFT_BENCH_REPS:-10}" "$BENCH"
+
+# ------------------------------------------------------------ summary
+echo
+say "summary ($((SECONDS - start)) s in all):"
+for line in "${summary[@]}"; do echo "  $line"; done
+grep -E "^(test .* FAILED|.*panicked at)" "$log_dir/kernels.log" 2>/dev/null | head -n 20 | sed 's/^/  kernels: /'
+grep -E "^projected|invariant kernel vs cuBLAS" "$log_dir/bench.log" 2>/dev/null | sed 's/^/  bench: /'
+if [ "$failed" = 0 ]; then
+    say "PASS"
+    exit 0
+fi
+say "FAIL (logs in $log_dir)"
+exit 1
