@@ -106,6 +106,18 @@ fn attention(c: &mut Criterion) {
         g.bench_function(format!("fwd/B={b}/T={t}"), |bch| {
             bch.iter(|| attention_forward(&mut out, &mut att, &qkv, None, b, t, C, NH).unwrap());
         });
+        // Document masking (three documents per sequence): the same work,
+        // plus the starts (computed per micro-batch in the model).
+        let tokens: Vec<u32> = (0..b * t)
+            .map(|i| u32::from(i % t % (t / 3) == 0))
+            .collect();
+        let mut starts = vec![0u32; b * t];
+        g.bench_function(format!("fwd-docs/B={b}/T={t}"), |bch| {
+            bch.iter(|| {
+                weft_kernels::doc_starts(&mut starts, &tokens, 1, b, t).unwrap();
+                attention_forward(&mut out, &mut att, &qkv, Some(&starts), b, t, C, NH).unwrap();
+            });
+        });
         let dout = data(b * t * C);
         let mut dqkv = vec![0.0f32; b * t * 3 * C];
         let mut scratch = vec![0.0f32; b * NH * t * t];
