@@ -15,9 +15,12 @@
 #   2. kernels: every CUDA kernel against its CPU reference
 #      (kernels/tests/cuda.rs with WEFT_REQUIRE_GPU=1: a missing GPU or
 #      library fails instead of skipping), NVRTC compiling every source;
-#   3. nccl: the NCCL backend's check (collectives/gpu-check.sh: every
+#   3. model: the dense GPT trained on the GPU (weft_model::cuda::CudaGpt)
+#      against the CPU model: every gradient after the first step and the
+#      losses of six steps, in f32 and bf16 (model/tests/cuda.rs);
+#   4. nccl: the NCCL backend's check (collectives/gpu-check.sh: every
 #      collective through NCCL on GPU 0, world size 1);
-#   4. bench: the kernels at GPT-2 small's shapes (time, GB/s, TFLOP/s) and
+#   5. bench: the kernels at GPT-2 small's shapes (time, GB/s, TFLOP/s) and
 #      the projected training step's tokens/s and MFU
 #      (kernels/benches/cuda.rs);
 # then a summary: one line per step, PASS / FAIL / MISSING, with the
@@ -38,6 +41,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 BIN_DIR=target/gpu-check
 TESTS="$BIN_DIR/kernels-cuda-tests"
+MODEL="$BIN_DIR/model-cuda-tests"
 BENCH="$BIN_DIR/kernels-cuda-bench"
 STAMP="$BIN_DIR/kernels.source"
 say() { echo "gpu-check: $*"; }
@@ -45,30 +49,35 @@ start=$SECONDS
 
 # A fingerprint of every source file the binaries are built from.
 fingerprint() {
-    find kernels/src kernels/cuda kernels/tests/cuda.rs kernels/benches/cuda.rs kernels/Cargo.toml \
-        numerics/src numerics/Cargo.toml Cargo.toml Cargo.lock -type f 2>/dev/null \
+    find kernels/src kernels/cuda kernels/tests/cuda.rs kernels/benches/cuda.rs model/tests/cuda.rs \
+        numerics collectives/src kernels/Cargo.toml parallel moe/src pipeline/src fsdp/src model/src \
+        trace/src */Cargo.toml Cargo.toml Cargo.lock -type f -not -path '*/target/*' 2>/dev/null \
         | LC_ALL=C sort | xargs sha256sum | sha256sum | cut -d' ' -f1
 }
 
-# Builds the test and bench binaries (release) and copies them to
-# $BIN_DIR, stripped of debug info (they travel).
+# Builds the kernels' and the model's GPU test binaries and the bench
+# (release) and copies them to $BIN_DIR, stripped of debug info (they
+# travel).
 build() {
-    local out tests bench offline
+    local out out2 out3 tests model bench offline
     export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$PWD/target}"
     for offline in "" "--offline"; do
         out=$(cargo test --release -p weft-kernels --features cuda --test cuda --no-run $offline 2>&1)
         tests=$(printf '%s\n' "$out" | sed -n 's/.*Executable tests\/cuda.rs (\(.*\))$/\1/p' | tail -n 1)
+        out3=$(cargo test --release -p weft-model --features cuda --test cuda --no-run $offline 2>&1)
+        model=$(printf '%s\n' "$out3" | sed -n 's/.*Executable tests\/cuda.rs (\(.*\))$/\1/p' | tail -n 1)
         out2=$(cargo bench -p weft-kernels --features cuda --bench cuda --no-run $offline 2>&1)
         bench=$(printf '%s\n' "$out2" | sed -n 's/.*Executable benches\/cuda.rs (\(.*\))$/\1/p' | tail -n 1)
-        if [ -n "$tests" ] && [ -x "$tests" ] && [ -n "$bench" ] && [ -x "$bench" ]; then
-            mkdir -p "$BIN_DIR" && cp "$tests" "$TESTS" && cp "$bench" "$BENCH" \
-                && { strip --strip-debug "$TESTS" "$BENCH" 2>/dev/null || true; } \
+        if [ -n "$tests" ] && [ -x "$tests" ] && [ -n "$model" ] && [ -x "$model" ] \
+            && [ -n "$bench" ] && [ -x "$bench" ]; then
+            mkdir -p "$BIN_DIR" && cp "$tests" "$TESTS" && cp "$model" "$MODEL" && cp "$bench" "$BENCH" \
+                && { strip --strip-debug "$TESTS" "$MODEL" "$BENCH" 2>/dev/null || true; } \
                 && fingerprint > "$STAMP" \
-                && say "built $TESTS and $BENCH from sources $(cat "$STAMP")" && return 0
+                && say "built $TESTS, $MODEL and $BENCH from sources $(cat "$STAMP")" && return 0
         fi
     done
-    printf '%s\n%s\n' "$out" "${out2:-}" | tail -n 30
-    say "MISSING: could not build the kernels' GPU binaries (cargo and the crates of Cargo.lock are needed; or build them elsewhere with --build-only and bring target/gpu-check/)"
+    printf '%s\n%s\n%s\n' "$out" "${out3:-}" "${out2:-}" | tail -n 30
+    say "MISSING: could not build the GPU binaries (cargo and the crates of Cargo.lock are needed; or build them elsewhere with --build-only and bring target/gpu-check/)"
     return 2
 }
 
@@ -146,11 +155,11 @@ if command -v cargo >/dev/null 2>&1 && [ "${WEFT_GPU_CHECK_PREBUILT:-0}" != 1 ];
     t0=$SECONDS
     build || missing=1
     say "build took $((SECONDS - t0)) s"
-elif [ -x "$TESTS" ] && [ -x "$BENCH" ]; then
+elif [ -x "$TESTS" ] && [ -x "$MODEL" ] && [ -x "$BENCH" ]; then
     want=$(fingerprint)
     have=$(cat "$STAMP" 2>/dev/null || echo none)
     if [ "$have" = "$want" ]; then
-        say "using the prebuilt $TESTS and $BENCH (built from these sources, $want)"
+        say "using the prebuilt $TESTS, $MODEL and $BENCH (built from these sources, $want)"
     else
         say "MISSING: the prebuilt binaries in $BIN_DIR were built from other sources ($have; this checkout is $want): rebuild them with --build-only"
         missing=1
@@ -190,17 +199,24 @@ run_step() { # name limit-seconds command...
 }
 
 # 2. Every kernel against the CPU; a skip is a failure here.
-run_step kernels 300 env WEFT_REQUIRE_GPU=1 WEFT_REQUIRE_ALL=1 "$TESTS" --test-threads=1
-# 3. NCCL (its own script finds NCCL and runs its check).
-run_step nccl 180 bash collectives/gpu-check.sh
-# 4. The bench.
-run_step bench 240 env WEFT_BENCH_REPS="${WEFT_BENCH_REPS:-10}" "$BENCH"
+run_step kernels 150 env WEFT_REQUIRE_GPU=1 WEFT_REQUIRE_ALL=1 "$TESTS" --test-threads=1
+# 3. The dense GPT trained on the GPU against the CPU model: every
+# gradient after one step, the losses of six steps (f32, bf16, and bf16
+# with the batch-invariant products).
+run_step model 120 env WEFT_REQUIRE_GPU=1 "$MODEL" --test-threads=1
+# 4. NCCL (its own script finds NCCL and runs its check).
+run_step nccl 90 bash collectives/gpu-check.sh
+# 5. The bench.
+run_step bench 120 env WEFT_BENCH_REPS="${WEFT_BENCH_REPS:-10}" "$BENCH"
 
 # ------------------------------------------------------------ summary
 echo
 say "summary ($((SECONDS - start)) s in all):"
 for line in "${summary[@]}"; do echo "  $line"; done
-grep -E "^(test .* FAILED|.*panicked at)" "$log_dir/kernels.log" 2>/dev/null | head -n 20 | sed 's/^/  kernels: /'
+for step in kernels model; do
+    grep -E "^(test .* FAILED|.*panicked at)" "$log_dir/$step.log" 2>/dev/null | head -n 20 | sed "s/^/  $step: /"
+done
+grep -E "step [0-9]+: loss" "$log_dir/model.log" 2>/dev/null | tail -n 3 | sed 's/^/  model: /'
 grep -E "^projected|invariant kernel vs cuBLAS" "$log_dir/bench.log" 2>/dev/null | sed 's/^/  bench: /'
 if [ "$failed" = 0 ]; then
     say "PASS"

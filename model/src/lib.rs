@@ -145,12 +145,16 @@
 //!
 //! # Crate features
 //!
-//! None. (CUDA lives behind `weft-kernels`' `cuda` feature.)
+//! * `cuda` (off by default): `cuda::CudaGpt`, the dense GPT trained on
+//!   one GPU (forward, backward, AdamW on the device, the host layout),
+//!   over `weft-kernels`' `cuda` backend; builds without a CUDA toolkit.
 #![deny(missing_docs)]
 
 mod blocks;
 mod chunk;
 mod config;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 mod error;
 pub mod eval;
 mod ffn;

@@ -91,10 +91,11 @@ pub use gemm::{
 pub use nvrtc::{Source, Target, compile, nvrtc_version};
 #[cfg(feature = "cuda")]
 pub use ops::{
-    accumulate, adamw_update, attention_backward, attention_forward, encoder_backward,
-    encoder_forward, fused_classifier_backward, fused_classifier_forward, gelu_backward,
-    gelu_forward, layernorm_backward, layernorm_backward_input, layernorm_backward_weight,
-    layernorm_forward, residual_backward, residual_forward, round_to_bf16, scale,
+    accumulate, adamw_update, attention_backward, attention_forward, bias_backward,
+    encoder_backward, encoder_forward, fused_classifier_backward, fused_classifier_forward,
+    gelu_backward, gelu_forward, layernorm_backward, layernorm_backward_input,
+    layernorm_backward_weight, layernorm_forward, residual_backward, residual_forward,
+    round_to_bf16, scale, zero,
 };
 #[cfg(feature = "cuda")]
 pub use params::{DeviceParams, GpuAdamW, TensorSpec};

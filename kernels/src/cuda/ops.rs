@@ -688,6 +688,38 @@ pub fn layernorm_backward(
     layernorm_backward_weight(gpu, dweight, dbias, dout, inp, mean, rstd, n, c)
 }
 
+/// `dbias (OC) += Σ_rows dout (N, OC)`: a bias gradient on its own (the
+/// `dbias` of [`matmul_backward_weight`](super::matmul_backward_weight)),
+/// deterministic (fixed chunks of rows, then the chunks in order).
+///
+/// # Errors
+/// [`Error::ShapeMismatch`]; [`Error::Cuda`].
+pub fn bias_backward(
+    gpu: &Gpu,
+    dbias: &mut impl DevicePtrMut<f32>,
+    dout: &impl DevicePtr<f32>,
+    n: usize,
+    oc: usize,
+) -> Result<()> {
+    const OP: &str = "cuda::bias_backward";
+    check_dev(OP, "dbias", dbias, oc)?;
+    check_dev(OP, "dout", dout, n * oc)?;
+    column_sums(gpu, OP, dbias, dout, n, oc)
+}
+
+/// Sets every element of `buf` to zero (a memset: NaNs too).
+///
+/// # Errors
+/// [`Error::Cuda`].
+pub fn zero(gpu: &Gpu, buf: &mut impl DevicePtrMut<f32>) -> Result<()> {
+    if buf.len() == 0 {
+        return Ok(());
+    }
+    gpu.stream()
+        .memset_zeros(buf)
+        .map_err(|e| crate::cuda::device::cuda_err("cuda::zero", e))
+}
+
 /// `dbias (OC) += Σ_rows dout (N, OC)`, deterministic (fixed chunks).
 pub(crate) fn column_sums(
     gpu: &Gpu,
