@@ -2,8 +2,8 @@
 //! compute is 6·N·D; plain data parallelism runs out of memory; FSDP
 //! shards the state and overlaps its gathers; as the GPU count grows the
 //! compute per GPU shrinks but the communication does not — the
-//! communication crossover — so pipeline (and tensor) parallelism must be
-//! mixed in; a larger batch moves the crossover right, a sparser model
+//! communication crossover — so pipeline (and tensor) parallelism, or
+//! hierarchical sharding, must be mixed in; a larger batch moves the crossover right, a sparser model
 //! (a mixture of experts) moves it left; tensor parallelism belongs on the
 //! fastest links.
 
@@ -80,6 +80,10 @@ pub struct Explanation {
     pub crossover_sparse: Option<Crossover>,
     /// The best layout overall on the cluster.
     pub best: Option<Prediction>,
+    /// Past the crossover (twice its GPU count, at most one sequence per
+    /// GPU): the GPU count, the best layout of any kind there, and the
+    /// best pure FSDP layout there.
+    pub beyond: Option<(usize, Prediction, Option<Prediction>)>,
     /// The best layout with tensor parallelism inside a node, and the same
     /// with tensor parallelism across two nodes (when the heads allow).
     pub tp_placement: Option<(Prediction, Prediction)>,
@@ -200,6 +204,19 @@ pub fn explain(req: &Request) -> Result<Explanation> {
     };
     let best = best_of(&Constraints::default());
     let crossover_here = crossover(req, m, req.batch);
+    let beyond = crossover_here.gpus.and_then(|g| {
+        let g2 = (2 * g).min(req.batch);
+        let r = Request {
+            cluster: req.cluster.clone().with_gpus(g2),
+            ..req.clone()
+        };
+        let first_fit = |c: &Constraints| {
+            search(&r, c)
+                .ok()
+                .and_then(|v| v.into_iter().find(|p| p.fits))
+        };
+        first_fit(&Constraints::default()).map(|b| (g2, b, first_fit(&pure_dp(Sharding::Full))))
+    });
     let crossover_by_batch = [req.batch / 2, req.batch * 2, req.batch * 4]
         .into_iter()
         .filter(|&b| b > 0)
@@ -238,6 +255,7 @@ pub fn explain(req: &Request) -> Result<Explanation> {
         crossover_by_batch,
         crossover_sparse,
         best,
+        beyond,
         tp_placement,
     })
 }
@@ -305,13 +323,13 @@ impl fmt::Display for Explanation {
         let _ = match (&self.best_dp, &self.best_fsdp) {
             (Some(d), Some(z)) => writeln!(
                 s,
-                "3. FSDP (ZeRO-3) shards the state: {} per GPU against {} for replicas; its step is {} ({}) against {} ({}); it sends 3× the parameters per micro-batch against 2× per step, hidden behind compute where it can be.",
-                bytes(z.memory.total()),
-                bytes(d.memory.total()),
-                secs(z.step_s),
+                "3. FSDP (ZeRO-3) shards the model state: {} per GPU against {} for replicas (activations come on top). The best FSDP layout ({}) steps in {} against the best replica layout's ({}) {}: FSDP sends 3× the parameters per micro-batch against 2× per step for replicas, hidden behind compute where it can be.",
+                bytes(z.memory.params + z.memory.grads + z.memory.optimizer),
+                bytes(d.memory.params + d.memory.grads + d.memory.optimizer),
                 z.layout,
-                secs(d.step_s),
-                d.layout
+                secs(z.step_s),
+                d.layout,
+                secs(d.step_s)
             ),
             (None, Some(z)) => writeln!(
                 s,
@@ -378,10 +396,26 @@ impl fmt::Display for Explanation {
                 crossover_line(&self.crossover)
             );
         }
+        if let Some((g, b, fsdp)) = &self.beyond {
+            let _ = writeln!(
+                s,
+                "7. Past the crossover what cuts the traffic per GPU must be mixed in (hybrid sharding, pipeline or tensor parallelism): at {g} GPUs the best layout is {} — step {}, bubble {:.1}%, MFU {:.1}%{}.",
+                b.layout,
+                secs(b.step_s),
+                100.0 * b.time.bubble_fraction,
+                100.0 * b.mfu,
+                fsdp.as_ref().map_or_else(String::new, |z| format!(
+                    "; pure FSDP there: {} — step {}, communication {} of it exposed",
+                    z.layout,
+                    secs(z.step_s),
+                    secs(z.time.dp_exposed)
+                ))
+            );
+        }
         if let Some(b) = &self.best {
             let _ = writeln!(
                 s,
-                "7. Past the crossover, pipeline and tensor parallelism cut the traffic: the best layout here is {} — step {}, bubble {:.1}%, MFU {:.1}%.",
+                "   On this cluster the best layout is {} — step {}, bubble {:.1}%, MFU {:.1}%.",
                 b.layout,
                 secs(b.step_s),
                 100.0 * b.time.bubble_fraction,

@@ -336,7 +336,7 @@ pub fn reason(p: &Prediction, best: &Prediction) -> String {
         .max_by(|a, b| a.1.total_cmp(&b.1))
         .unwrap_or(("compute", 0.0));
     format!(
-        "{:+.1}% step time: {name} {}{} more ({} of its step)",
+        "{:+.1}% step time, mostly {name}: {}{} against the best ({} of its step)",
         100.0 * (p.step_s / best.step_s - 1.0),
         if worst >= 0.0 { "+" } else { "" },
         ms(worst),

@@ -5,15 +5,17 @@
 //! `weft plan --calibrate`, which measures this machine, predicts several
 //! `weft train` layouts and runs them, predicted against measured.
 //!
-//! This machine, measured ([`MachineProfile::measure`]): the f32 (and
-//! bf16) matrix-product rate of the kernels' GEMM, fitted as
-//! `time = overhead + FLOPs / rate` over products from 64×128×128 to
-//! 1024×768×3072 (the rate is what large products reach, the overhead
-//! each call's fixed cost); the memory bandwidth of a triad over 64 MiB
-//! with every core; the thread backend's all-reduce between two ranks at
-//! 1 KiB (its latency, α) and 8 MiB (its bandwidth, β), in the job's
-//! reproducible or plain sums; the memory available. The ranks of a job
-//! share the cores and the bandwidth (`Device::Cpu`).
+//! This machine, measured ([`MachineProfile::measure`]): the rate of the
+//! kernels' f32 and bf16 products at the shapes the job's blocks and head
+//! multiply (forward and backward: a CPU's GEMM rate depends on the
+//! shapes and on what stays in cache, so a large product's "peak" would
+//! misstate a small model's), with every core and with each smaller pool a
+//! rank gets when a job's ranks share the cores out; a tiny product's
+//! time (a kernel call's fixed cost); the memory bandwidth of a triad over
+//! 64 MiB; the thread backend's all-reduce between two ranks at 1 KiB (its
+//! latency, α) and 8 MiB (its bandwidth, β), in the job's reproducible or
+//! plain sums; the memory available. Attention's products are charged at
+//! the GEMM rate, element-wise work at the triad's bandwidth.
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -186,6 +188,21 @@ pub struct PlanArgs {
     pub published: bool,
 }
 
+/// What this machine reaches with a given number of kernel threads.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+pub struct ThreadFigures {
+    /// Kernel threads (a rank's pool).
+    pub threads: usize,
+    /// FLOP/s of the job's f32 products, forward and backward.
+    pub gemm_f32: f64,
+    /// FLOP/s of its bf16 products.
+    pub gemm_bf16: f64,
+    /// Seconds of a product's fixed cost (a tiny product).
+    pub overhead: f64,
+    /// Bytes/s of a triad over 64 MiB.
+    pub memory_bandwidth: f64,
+}
+
 /// This machine, measured (see the [module docs](self)).
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct MachineProfile {
@@ -193,14 +210,12 @@ pub struct MachineProfile {
     pub cpu: String,
     /// Cores available to this process.
     pub cores: usize,
-    /// FLOP/s of large f32 products with every core.
-    pub gemm_f32: f64,
-    /// FLOP/s of large bf16 products with every core.
-    pub gemm_bf16: f64,
-    /// Seconds of a product's fixed cost.
-    pub gemm_overhead: f64,
-    /// Bytes/s of a triad over 64 MiB with every core.
-    pub memory_bandwidth: f64,
+    /// The products measured: `(tokens, in, out)` of each, forward and
+    /// backward.
+    pub shapes: Vec<(usize, usize, usize)>,
+    /// Figures with every core, and with each smaller pool a rank of a
+    /// job on this machine gets (the cores shared out over the ranks).
+    pub per_threads: Vec<ThreadFigures>,
     /// The thread backend's all-reduce between two ranks: α and 1/β.
     pub link: Link,
     /// Whether `link` was measured with reproducible sums.
@@ -244,64 +259,84 @@ fn best_of(reps: usize, mut f: impl FnMut()) -> f64 {
     best
 }
 
-/// `(rate, overhead)` of `time = overhead + flops / rate`, least squares
-/// over `(flops, seconds)` points weighted by 1/seconds² (relative error).
-fn fit_rate(points: &[(f64, f64)]) -> (f64, f64) {
-    // minimise Σ ((a + b·x − y)/y)²
-    let (mut s00, mut s01, mut s11, mut r0, mut r1) = (0.0, 0.0, 0.0, 0.0, 0.0);
-    for &(x, y) in points {
-        let w = 1.0 / (y * y);
-        s00 += w;
-        s01 += w * x;
-        s11 += w * x * x;
-        r0 += w * y;
-        r1 += w * x * y;
+/// FLOP/s of the products `shapes` (`(m, k, n)`: `(m, k) × (k, n)`),
+/// forward and backward as the blocks run them, on the current pool.
+fn gemm_rate(shapes: &[(usize, usize, usize)], precision: weft_kernels::Precision) -> f64 {
+    use weft_kernels::{Mode, matmul_backward, matmul_forward};
+    let (mut flops, mut secs) = (0.0, 0.0);
+    for &(m, k, n) in shapes {
+        let a = vec![0.5f32; m * k];
+        let w = vec![0.25f32; k * n];
+        let dout = vec![0.125f32; m * n];
+        let (mut out, mut dinp, mut dw, mut db) = (
+            vec![0f32; m * n],
+            vec![0f32; m * k],
+            vec![0f32; k * n],
+            vec![0f32; n],
+        );
+        let f = 2.0 * (m * k * n) as f64;
+        let reps = ((4e8 / f) as usize).clamp(3, 50);
+        let mut ok = true;
+        let tf = best_of(reps, || {
+            ok &= matmul_forward(
+                &mut out,
+                &a,
+                &w,
+                None,
+                1,
+                m,
+                k,
+                n,
+                Mode::Throughput,
+                precision,
+            )
+            .is_ok();
+        });
+        let tb = best_of(reps, || {
+            ok &= matmul_backward(
+                &mut dinp,
+                &mut dw,
+                Some(&mut db),
+                &dout,
+                &a,
+                &w,
+                1,
+                m,
+                k,
+                n,
+                Mode::Throughput,
+                precision,
+            )
+            .is_ok();
+        });
+        if ok {
+            flops += 3.0 * f;
+            secs += tf + tb;
+        }
     }
-    let det = s00 * s11 - s01 * s01;
-    let (a, b) = if det.abs() > 0.0 {
-        ((r0 * s11 - r1 * s01) / det, (s00 * r1 - s01 * r0) / det)
-    } else {
-        (0.0, points.last().map_or(1e-9, |&(x, y)| y / x))
-    };
-    let b = b.max(1e-15);
-    (1.0 / b, a.max(0.0))
+    if secs > 0.0 { flops / secs } else { f64::NAN }
 }
 
-fn gemm_points(precision: weft_kernels::Precision) -> Vec<(f64, f64)> {
-    let shapes = [
-        (64, 128, 128),
-        (256, 128, 384),
-        (512, 256, 256),
-        (1024, 256, 1024),
-        (1024, 768, 3072),
-    ];
-    shapes
-        .iter()
-        .filter_map(|&(m, k, n)| {
-            let a = vec![0.5f32; m * k];
-            let w = vec![0.25f32; k * n];
-            let mut out = vec![0f32; m * n];
-            let flops = 2.0 * (m * k * n) as f64;
-            let reps = ((2e9 / flops) as usize).clamp(3, 200);
-            let mut ok = true;
-            let t = best_of(reps, || {
-                ok &= weft_kernels::matmul_forward(
-                    &mut out,
-                    &a,
-                    &w,
-                    None,
-                    1,
-                    m,
-                    k,
-                    n,
-                    weft_kernels::Mode::Throughput,
-                    precision,
-                )
-                .is_ok();
-            });
-            ok.then_some((flops, t))
-        })
-        .collect()
+/// Seconds of a tiny product: a kernel call's fixed cost on this pool.
+fn call_overhead() -> f64 {
+    let (m, k, n) = (8, 8, 8);
+    let a = vec![0.5f32; m * k];
+    let w = vec![0.25f32; k * n];
+    let mut out = vec![0f32; m * n];
+    best_of(200, || {
+        let _ = weft_kernels::matmul_forward(
+            &mut out,
+            &a,
+            &w,
+            None,
+            1,
+            m,
+            k,
+            n,
+            weft_kernels::Mode::Throughput,
+            weft_kernels::Precision::F32,
+        );
+    })
 }
 
 fn triad_bandwidth() -> f64 {
@@ -348,50 +383,107 @@ fn all_reduce_link(reproducible: bool) -> Link {
     let big_bytes = 8.0 * 1024.0 * 1024.0;
     let big = time(2 << 20, 10);
     // two ranks: all-reduce = 2α + S/β (2(n−1)/n = 1)
-    let latency = small / 2.0;
-    let bandwidth = big_bytes / (big - small).max(1e-9);
-    Link { bandwidth, latency }
+    Link {
+        bandwidth: big_bytes / (big - small).max(1e-9),
+        latency: small / 2.0,
+    }
+}
+
+/// The products a block and the head of `model` run for a micro-batch
+/// of `tokens` tokens: `(m, k, n)` of `(m, k) × (k, n)`.
+#[must_use]
+pub fn block_products(model: &ModelSpec, tokens: usize) -> Vec<(usize, usize, usize)> {
+    let (c, f) = (model.hidden, model.ffn_hidden);
+    vec![
+        (tokens, c, 3 * c),
+        (tokens, c, c),
+        (tokens, c, f),
+        (tokens, f, c),
+        (tokens, c, model.vocab),
+    ]
 }
 
 impl MachineProfile {
-    /// Measures this machine (about two seconds); `reproducible`: the
-    /// collectives in weft's exact sums (`parallel.reproducible`).
+    /// Measures this machine (a few seconds): the products of `model` for
+    /// micro-batches of `tokens` tokens, with every core and with each pool
+    /// a rank of a smaller share gets; the memory bandwidth and a tiny
+    /// product's cost likewise; the thread backend's all-reduce
+    /// (`reproducible`: in weft's exact sums, `parallel.reproducible`).
+    ///
+    /// # Panics
+    /// If a rayon pool cannot be built (no threads can be started).
     #[must_use]
-    pub fn measure(reproducible: bool) -> Self {
-        let f32_points = gemm_points(weft_kernels::Precision::F32);
-        let bf16_points = gemm_points(weft_kernels::Precision::Bf16);
-        let (gemm_f32, gemm_overhead) = fit_rate(&f32_points);
-        let (gemm_bf16, _) = fit_rate(&bf16_points);
+    pub fn measure(model: &ModelSpec, tokens: usize, reproducible: bool) -> Self {
+        let cores = crate::ranks::cores();
+        let shapes = block_products(model, tokens.max(1));
+        let mut counts: Vec<usize> = (1..=cores).map(|r| (cores / r).max(1)).collect();
+        counts.dedup();
+        let per_threads = counts
+            .into_iter()
+            .map(|threads| {
+                let pool = rayon::ThreadPoolBuilder::new()
+                    .num_threads(threads)
+                    .build()
+                    .expect("a rayon pool");
+                pool.install(|| ThreadFigures {
+                    threads,
+                    gemm_f32: gemm_rate(&shapes, weft_kernels::Precision::F32),
+                    gemm_bf16: gemm_rate(&shapes, weft_kernels::Precision::Bf16),
+                    overhead: call_overhead(),
+                    memory_bandwidth: triad_bandwidth(),
+                })
+            })
+            .collect();
         MachineProfile {
             cpu: cpu_name(),
-            cores: std::thread::available_parallelism().map_or(1, usize::from),
-            gemm_f32,
-            gemm_bf16,
-            gemm_overhead,
-            memory_bandwidth: triad_bandwidth(),
+            cores,
+            shapes,
+            per_threads,
             link: all_reduce_link(reproducible),
             reproducible,
             memory: available_memory(),
         }
     }
 
-    /// This machine as a cluster of `ranks` CPU ranks sharing its cores,
-    /// bandwidth and memory; the measured rates are what the work reaches,
-    /// so the efficiencies are 1.
+    /// The figures of a rank of a job of `ranks` ranks: its pool has the
+    /// cores shared out (`weft train`'s rule), at least one thread.
+    #[must_use]
+    pub fn figures(&self, ranks: usize) -> ThreadFigures {
+        let threads = (self.cores / ranks.max(1)).max(1);
+        self.per_threads
+            .iter()
+            .copied()
+            .min_by_key(|f| f.threads.abs_diff(threads))
+            .unwrap_or(ThreadFigures {
+                threads,
+                gemm_f32: 1e9,
+                gemm_bf16: 1e9,
+                overhead: 0.0,
+                memory_bandwidth: 1e9,
+            })
+    }
+
+    /// This machine as a cluster of `ranks` CPU ranks: the planner shares
+    /// a `Device::Cpu` cluster's rates out over its ranks, so the machine's
+    /// rates are those of a rank's pool times the ranks that run at once;
+    /// the measured rates are what the work reaches, so the efficiencies
+    /// are 1.
     #[must_use]
     pub fn cluster(&self, ranks: usize) -> Cluster {
+        let f = self.figures(ranks);
+        let at_once = (self.cores / f.threads).max(1).min(ranks.max(1)) as f64;
         Cluster {
             name: format!("this machine ({})", self.cpu),
             gpus: ranks.max(1),
             gpus_per_node: ranks.max(1),
             memory: self.memory,
-            memory_bandwidth: self.memory_bandwidth,
-            launch_overhead: self.gemm_overhead,
+            memory_bandwidth: f.memory_bandwidth * at_once,
+            launch_overhead: f.overhead,
             peak: Peak {
-                fp32: self.gemm_f32,
-                bf16: self.gemm_bf16,
+                fp32: f.gemm_f32 * at_once,
+                bf16: f.gemm_bf16 * at_once,
                 // no CPU here multiplies fp16: weft widens it to f32
-                fp16: self.gemm_f32,
+                fp16: f.gemm_f32 * at_once,
             },
             intra: self.link,
             inter: self.link,
@@ -657,17 +749,27 @@ fn mb(b: f64) -> String {
 /// The calibration as a Markdown table, with the machine it ran on.
 #[must_use]
 pub fn calibration_table(profile: &MachineProfile, rows: &[CalibrationRow]) -> String {
+    let figs: Vec<String> = profile
+        .per_threads
+        .iter()
+        .map(|f| {
+            format!(
+                "{} thread(s): f32 products {:.1} GFLOP/s, bf16 {:.1}, {:.1} µs per call, memory {:.1} GB/s",
+                f.threads,
+                f.gemm_f32 / 1e9,
+                f.gemm_bf16 / 1e9,
+                f.overhead * 1e6,
+                f.memory_bandwidth / 1e9
+            )
+        })
+        .collect();
     let mut s = format!(
-        "this machine: {} ({} cores); f32 products {:.1} GFLOP/s (+{:.1} µs each), bf16 {:.1} GFLOP/s; \
-         memory {:.1} GB/s; all-reduce between 2 thread ranks{}: α {:.1} µs, β {:.2} GB/s\n\n\
+        "this machine: {} ({} cores); {}; all-reduce between 2 thread ranks{}: α {:.1} µs, β {:.2} GB/s\n\n\
          | layout | predicted step | measured step (median) | fastest step | error | predicted memory (rank 0) | measured memory | error |\n\
          |---|---|---|---|---|---|---|---|\n",
         profile.cpu,
         profile.cores,
-        profile.gemm_f32 / 1e9,
-        profile.gemm_overhead * 1e6,
-        profile.gemm_bf16 / 1e9,
-        profile.memory_bandwidth / 1e9,
+        figs.join("; "),
         if profile.reproducible {
             " (reproducible sums)"
         } else {
@@ -787,7 +889,9 @@ pub fn request(args: &PlanArgs) -> Result<(Request, Option<Config>), PlanError> 
             .or_else(|| config.as_ref().map(|c| c.parallel.world_size()))
             .unwrap_or(1);
         let reproducible = config.as_ref().is_none_or(|c| c.parallel.reproducible);
-        MachineProfile::measure(reproducible).cluster(ranks)
+        // the products of this model, at a micro-batch of one rank's share
+        let tokens = (batch / ranks).clamp(1, 16) * model.seq;
+        MachineProfile::measure(&model, tokens.min(4096), reproducible).cluster(ranks)
     } else if args.cluster.ends_with(".toml") || Path::new(&args.cluster).is_file() {
         let c = Cluster::from_file(Path::new(&args.cluster))?;
         match args.gpus {
@@ -1017,7 +1121,11 @@ pub fn run(args: &PlanArgs, say: &mut dyn FnMut(&str)) -> Result<String, PlanErr
     if args.calibrate {
         let base = Config::load(args.config.as_deref(), &args.sets)?;
         say("calibrate     measuring this machine");
-        let profile = MachineProfile::measure(base.parallel.reproducible);
+        let model = model_of(&base)?;
+        let tokens = base
+            .batch_split()
+            .map_or(model.seq, |b| b.micro * model.seq);
+        let profile = MachineProfile::measure(&model, tokens, base.parallel.reproducible);
         let rows = calibrate(
             &base,
             &profile,

@@ -126,8 +126,11 @@ fn calibration_runs_the_layouts_and_reports_them() {
         "model.block_size=32",
         "model.n_embd=64",
     ]);
-    let profile = MachineProfile::measure(base.parallel.reproducible);
-    assert!(profile.gemm_f32 > 0.0 && profile.memory_bandwidth > 0.0);
+    let model = model_of(&base).unwrap();
+    let profile = MachineProfile::measure(&model, 8 * 32, base.parallel.reproducible);
+    for f in &profile.per_threads {
+        assert!(f.gemm_f32 > 0.0 && f.memory_bandwidth > 0.0 && f.overhead > 0.0);
+    }
     assert!(profile.link.bandwidth > 0.0 && profile.link.latency > 0.0);
     let mut lines = Vec::new();
     let rows = calibrate(&base, &profile, &calibration_layouts(), 12, &mut |l| {
