@@ -7,7 +7,8 @@
 //! and × (n−1)/n for reduce-scatter and all-gather, as nccl-tests reports.
 //! A second table runs the collectives a training step calls (ring
 //! all-reduce, reduce-scatter and all-gather; reproducible and exact
-//! all-reduce and reduce-scatter; bf16 reduce-scatter and all-gather) side
+//! all-reduce and reduce-scatter; bf16 reduce-scatter and all-gather; the
+//! all-gather in place) side
 //! by side from 1 MiB up, alternating in rounds, with their ratios to
 //! memcpy and to each other (`WEFT_BENCH_OPS=side` prints only that table).
 //! `WEFT_BENCH_RANKS_PER_DOMAIN=k` runs it over domains of k ranks (with
@@ -121,7 +122,7 @@ fn memcpy_bw(bytes: usize, threads: usize) -> f64 {
 /// `ROUNDS` rounds inside one cluster and each keeps its fastest round, so
 /// that a load spike on the shared machine hits all alike. Seconds per
 /// call (rank 0, between barriers), and `ExactPartial::add` per element.
-const SIDE: [&str; 9] = [
+const SIDE: [&str; 10] = [
     "ring all_reduce",
     "ring reduce_scatter",
     "ring all_gather",
@@ -131,6 +132,7 @@ const SIDE: [&str; 9] = [
     "reduce_scatter_exact_div",
     "bf16 reduce_scatter",
     "bf16 all_gather",
+    "ring all_gather in place",
 ];
 
 fn side_by_side(n: usize, bytes: usize) -> ([f64; SIDE.len()], f64) {
@@ -186,11 +188,13 @@ fn side_by_side(n: usize, bytes: usize) -> ([f64; SIDE.len()], f64) {
                                     comm.reduce_scatter_exact_div(&partial, &mut shard, n as u64)?;
                                 }
                                 7 => comm.reduce_scatter_with(&g16, &mut shard16, &ring)?,
-                                _ => comm.all_gather_with(
+                                8 => comm.all_gather_with(
                                     &g16[..sr.len()],
                                     &mut full16,
                                     Algorithm::Ring,
                                 )?,
+                                // the rank's shard of `buf` is its input
+                                _ => comm.all_gather_in_place_with(&mut buf, Algorithm::Ring)?,
                             }
                             t += t0.elapsed().as_secs_f64();
                         }
@@ -299,10 +303,10 @@ fn main() {
             topology()
         );
         println!(
-            "# busbw and /mc2 (busbw over the 2-thread memcpy above); rs/ar, ag/ar: busbw over the ring all-reduce's; the rest: time over the plain op's"
+            "# busbw and /mc2 (busbw over the 2-thread memcpy above); rs/ar, ag/ar: busbw over the ring all-reduce's; the rest: time over the plain op's; agip: all-gather in place"
         );
         println!(
-            "{:>10} {:>8} {:>8} {:>8} {:>7} {:>7} {:>7} {:>6} {:>6} {:>9} {:>9} {:>9} {:>9} {:>8} {:>8} {:>9}",
+            "{:>10} {:>8} {:>8} {:>8} {:>7} {:>7} {:>7} {:>6} {:>6} {:>9} {:>9} {:>9} {:>9} {:>8} {:>8} {:>9} {:>9} {:>8}",
             "bytes",
             "ar GB/s",
             "rs GB/s",
@@ -318,7 +322,9 @@ fn main() {
             "exdiv/rs",
             "bf16 rs",
             "bf16 ag",
-            "add ns/el"
+            "add ns/el",
+            "agip GB/s",
+            "agip/ar"
         );
         let f = (n as f64 - 1.0) / n as f64;
         let mut bytes = 1 << 20;
@@ -326,8 +332,9 @@ fn main() {
             let (t, add) = side_by_side(n, bytes);
             let b = bytes as f64;
             let (ar, rs, ag) = (b / t[0] * 2.0 * f, b / t[1] * f, b / t[2] * f);
+            let agip = b / t[9] * f;
             println!(
-                "{:>10} {:>8.2} {:>8.2} {:>8.2} {:>7.2} {:>7.2} {:>7.2} {:>6.2} {:>6.2} {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:>8.2} {:>8.2} {:>9.2}",
+                "{:>10} {:>8.2} {:>8.2} {:>8.2} {:>7.2} {:>7.2} {:>7.2} {:>6.2} {:>6.2} {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:>8.2} {:>8.2} {:>9.2} {:>9.2} {:>8.2}",
                 bytes,
                 ar / 1e9,
                 rs / 1e9,
@@ -343,7 +350,9 @@ fn main() {
                 t[6] / t[1],
                 t[7] / t[1],
                 t[8] / t[2],
-                add * 1e9
+                add * 1e9,
+                agip / 1e9,
+                agip / ar
             );
             bytes *= 4;
         }

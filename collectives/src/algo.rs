@@ -838,6 +838,17 @@ pub(crate) fn all_gather_signature<C: Communicator + ?Sized>(
             ),
         ));
     }
+    Ok(gather_signature(c, output, algorithm))
+}
+
+/// The signature of an all-gather into `output` (the same in place and
+/// out of place: the peers see the same messages).
+fn gather_signature<C: Communicator + ?Sized>(
+    c: &C,
+    output: &BufMut<'_>,
+    algorithm: Algorithm,
+) -> Signature {
+    let op = OpKind::AllGather;
     let bytes = output.len() * output.dtype().size_bytes();
     let algorithm = match algorithm {
         Algorithm::Auto if bytes <= crate::SMALL_MESSAGE_BYTES && c.size().is_power_of_two() => {
@@ -846,16 +857,25 @@ pub(crate) fn all_gather_signature<C: Communicator + ?Sized>(
         Algorithm::Auto | Algorithm::Hierarchical => Algorithm::Ring,
         a => a,
     };
-    Ok(Signature {
+    Signature {
         op,
-        dtype: Some(input.dtype()),
+        dtype: Some(output.dtype()),
         len: output.len() as u64,
         root: None,
         reduce: None,
         algorithm: Some(algorithm),
         wire: None,
         reproducible: false,
-    })
+    }
+}
+
+/// Validates an in-place all-gather call (`buf` holds the rank's shard).
+pub(crate) fn all_gather_in_place_signature<C: Communicator + ?Sized>(
+    c: &C,
+    buf: &BufMut<'_>,
+    algorithm: Algorithm,
+) -> Signature {
+    gather_signature(c, buf, algorithm)
 }
 
 /// Runs an all-gather whose call has begun.
@@ -865,12 +885,26 @@ pub(crate) fn all_gather<C: Communicator + ?Sized>(
     input: Buf<'_>,
     mut output: BufMut<'_>,
 ) -> Result<()> {
-    let n = c.size();
-    let me = c.rank();
+    let (n, me) = (c.size(), c.rank());
     let es = input.dtype().size_bytes();
     let total = output.len();
-    let out = output.bytes();
-    copy_large(&mut out[byte_range(total, n, me, es)], input.bytes());
+    copy_large(
+        &mut output.bytes()[byte_range(total, n, me, es)],
+        input.bytes(),
+    );
+    all_gather_in_place(c, ctx, output)
+}
+
+/// Runs an all-gather whose call has begun, in place: the rank's shard of
+/// `buf` holds its contribution (nothing is copied but the peers' shards).
+pub(crate) fn all_gather_in_place<C: Communicator + ?Sized>(
+    c: &C,
+    ctx: &OpCtx,
+    mut buf: BufMut<'_>,
+) -> Result<()> {
+    let (n, me) = (c.size(), c.rank());
+    let es = buf.dtype().size_bytes();
+    let out = buf.bytes();
     let all: Vec<usize> = (0..n).collect();
     match ctx.sig.algorithm {
         Some(Algorithm::RecursiveDoubling) if n.is_power_of_two() => {

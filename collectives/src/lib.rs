@@ -11,7 +11,8 @@
 //!   [`split`](Communicator::split), traffic counters; collectives as
 //!   provided methods.
 //! - [`CommunicatorExt`]: the typed collectives — [`all_reduce`](CommunicatorExt::all_reduce),
-//!   [`reduce_scatter`](CommunicatorExt::reduce_scatter), [`all_gather`](CommunicatorExt::all_gather),
+//!   [`reduce_scatter`](CommunicatorExt::reduce_scatter), [`all_gather`](CommunicatorExt::all_gather)
+//!   (and [in place](CommunicatorExt::all_gather_in_place), the rank's shard already in the output),
 //!   [`broadcast`](CommunicatorExt::broadcast), [`reduce`](CommunicatorExt::reduce),
 //!   [`all_to_all`](CommunicatorExt::all_to_all), [`all_to_all_v`](CommunicatorExt::all_to_all_v),
 //!   [`send`](CommunicatorExt::send)/[`recv`](CommunicatorExt::recv), non-blocking

@@ -742,6 +742,17 @@ impl Communicator for LocalComm {
         self.world.timeout
     }
 
+    fn all_gather_in_place_buf(
+        &self,
+        buf: crate::BufMut<'_>,
+        algorithm: crate::Algorithm,
+    ) -> Result<()> {
+        let ctx = self.begin(crate::algo::all_gather_in_place_signature(
+            self, &buf, algorithm,
+        ))?;
+        crate::algo::all_gather_in_place(self, &ctx, buf)
+    }
+
     fn begin(&self, sig: Signature) -> Result<OpCtx> {
         let me = self.me();
         self.check_self(sig.op)?;

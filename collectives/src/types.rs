@@ -555,6 +555,14 @@ impl<'a> Buf<'a> {
         }
     }
 
+    /// Views the bytes of `dtype` elements (a whole number of them,
+    /// aligned for `dtype`).
+    pub(crate) fn from_bytes(dtype: Dtype, bytes: &'a [u8]) -> Self {
+        debug_assert!(bytes.len().is_multiple_of(dtype.size_bytes()));
+        debug_assert!((bytes.as_ptr() as usize).is_multiple_of(dtype.size_bytes()));
+        Self { dtype, bytes }
+    }
+
     /// The element dtype.
     pub fn dtype(&self) -> Dtype {
         self.dtype

@@ -61,6 +61,7 @@ enum Op {
     ReduceScatter(Algorithm, bool),
     ReduceScatterBf16,
     AllGather(Algorithm),
+    AllGatherInPlace(Algorithm),
     AllReduceExact,
     ReduceScatterExactDiv,
 }
@@ -104,6 +105,7 @@ fn per_call(op: Op, n: usize, elems: usize) -> (u64, u64) {
                     comm.reduce_scatter(&grad_bf16, &mut shard_bf16, ReduceOp::Sum)
                 }
                 Op::AllGather(a) => comm.all_gather_with(&grad[..shard.len()], &mut buf, a),
+                Op::AllGatherInPlace(a) => comm.all_gather_in_place_with(&mut buf, a),
                 Op::AllReduceExact => comm.all_reduce_exact(&partial, &mut buf, ReduceOp::Sum),
                 Op::ReduceScatterExactDiv => comm.reduce_scatter_exact_div(&partial, &mut shard, 3),
             }
@@ -145,6 +147,7 @@ fn main() {
         Op::ReduceScatterBf16,
         Op::AllGather(Algorithm::Ring),
         Op::AllGather(Algorithm::RecursiveDoubling),
+        Op::AllGatherInPlace(Algorithm::Ring),
         Op::AllReduceExact,
         Op::ReduceScatterExactDiv,
     ];

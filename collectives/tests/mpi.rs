@@ -136,6 +136,12 @@ fn check_dtype<T: Element>(c: &dyn Communicator, len: usize, seed: u64, alg: Alg
     c.all_gather_with(&mine[shard_range(len, n, r)], &mut out, alg)
         .unwrap_or_else(|e| panic!("{}: {e}", what("all_gather")));
     assert_eq!(bits(&out), bits(&full), "{}", what("all_gather"));
+    let mut inp = vec![T::ZERO; len];
+    let sr = shard_range(len, n, r);
+    inp[sr.clone()].copy_from_slice(&mine[sr]);
+    c.all_gather_in_place_with(&mut inp, alg)
+        .unwrap_or_else(|e| panic!("{}: {e}", what("all_gather_in_place")));
+    assert_eq!(bits(&inp), bits(&full), "{}", what("all_gather_in_place"));
     let root = (seed as usize) % n;
     let mut b = mine.clone();
     c.broadcast(&mut b, root)

@@ -122,6 +122,15 @@ fn check_dtype<T: Element>(
             if bits(&out) != bits(&full) {
                 return Err(format!("all_gather {}", T::DTYPE));
             }
+            // in place: only the rank's own shard is filled on entry
+            let mut inp = vec![T::ZERO; len];
+            let sr = shard_range(len, n, r);
+            inp[sr.clone()].copy_from_slice(&full[sr]);
+            comm.all_gather_in_place_with(&mut inp, algorithm)
+                .map_err(|e| e.to_string())?;
+            if bits(&inp) != bits(&full) {
+                return Err(format!("all_gather in place {}", T::DTYPE));
+            }
             let mut b = if r == root {
                 full.clone()
             } else {

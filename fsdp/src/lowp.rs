@@ -151,15 +151,15 @@ impl LowVec {
         }
     }
 
-    pub(crate) fn all_gather(
-        &self,
+    /// Gathers every rank's shard around this rank's, which `self` holds
+    /// at its place ([`weft_collectives::shard_range`] of `self.len()`).
+    pub(crate) fn all_gather_in_place(
+        &mut self,
         c: &dyn Communicator,
-        out: &mut LowVec,
     ) -> weft_collectives::Result<()> {
-        match (self, out) {
-            (LowVec::F32(a), LowVec::F32(b)) => c.all_gather(a, b),
-            (LowVec::Bf16(a), LowVec::Bf16(b)) => c.all_gather(a, b),
-            _ => unreachable!("all_gather between different dtypes"),
+        match self {
+            LowVec::F32(a) => c.all_gather_in_place(a),
+            LowVec::Bf16(a) => c.all_gather_in_place(a),
         }
     }
 }

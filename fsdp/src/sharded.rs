@@ -643,10 +643,12 @@ impl Fsdp {
             lp.assign_f32(&st.master);
         }
         if let Some(res) = &mut st.resident {
-            let shard = LowVec::from_f32(&st.master, self.cfg.precision.param);
+            // the updated shard straight into its place in the replicated
+            // buffer, then the peers' shards around it (in place: no
+            // shard copy, no allocation)
+            res.assign_f32_at(self.plan.units()[u].shard(self.rank).start, &st.master);
             let t0 = Instant::now();
-            shard
-                .all_gather(&*self.params_comm, res)
+            res.all_gather_in_place(&*self.params_comm)
                 .map_err(comm(format!(
                     "all_gather of updated unit {}",
                     self.plan.units()[u].name
