@@ -567,6 +567,98 @@ pub struct TrainConfig {
     pub precision: Precision,
     /// Dynamic loss scaling, used with `precision = "fp16"`.
     pub loss_scale: LossScaleConfig,
+    /// Where the model computes: `"cpu"` (the default), or `"cuda"` /
+    /// `"cuda:N"` for GPU `N` (see [`Device::check`]).
+    pub device: Device,
+}
+
+/// `train.device`: the CPU, or a CUDA GPU by ordinal. Written `"cpu"`,
+/// `"cuda"` (GPU 0) or `"cuda:N"`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Device {
+    /// The CPU kernels, every layout.
+    #[default]
+    Cpu,
+    /// CUDA GPU `N` (weft built with the `cuda` feature).
+    Cuda(usize),
+}
+
+impl Device {
+    /// The configuration's spelling: `cpu`, `cuda:N`.
+    pub fn name(self) -> String {
+        match self {
+            Device::Cpu => "cpu".into(),
+            Device::Cuda(n) => format!("cuda:{n}"),
+        }
+    }
+
+    /// Parses `cpu`, `cuda`, `cuda:N`.
+    ///
+    /// # Errors
+    /// A message listing the valid forms.
+    pub fn parse(s: &str) -> Result<Self, String> {
+        match s {
+            "cpu" => Ok(Device::Cpu),
+            "cuda" => Ok(Device::Cuda(0)),
+            _ => s
+                .strip_prefix("cuda:")
+                .and_then(|n| n.parse().ok())
+                .map(Device::Cuda)
+                .ok_or_else(|| format!("unknown device `{s}`: expected `cpu`, `cuda` or `cuda:N`")),
+        }
+    }
+
+    /// Whether a run can use this device here. The CPU always can. A CUDA
+    /// device needs weft built with the `cuda` feature, the NVIDIA driver,
+    /// NVRTC and cuBLAS, and the GPU: what is missing is named (never a
+    /// panic). `weft train` does not yet run its loop on a GPU — the
+    /// model's GPU training step is `weft_model::cuda::CudaGpt`, checked
+    /// against the CPU model by `scripts/gpu-check.sh` — so with a usable
+    /// GPU this says so.
+    ///
+    /// # Errors
+    /// A message naming the device and what stops it.
+    pub fn check(self) -> Result<(), String> {
+        let Device::Cuda(n) = self else {
+            return Ok(());
+        };
+        let name = self.name();
+        #[cfg(not(feature = "cuda"))]
+        {
+            let _ = n;
+            Err(format!(
+                "`{name}`: this weft was built without CUDA; build it with \
+                 `cargo build --release -p weft-trainer --features cuda`"
+            ))
+        }
+        #[cfg(feature = "cuda")]
+        {
+            match weft_kernels::cuda::available() {
+                Err(e) => Err(format!("`{name}`: {e}")),
+                Ok(count) if n >= count => Err(format!(
+                    "`{name}`: there is no CUDA device {n}; the driver sees {count}"
+                )),
+                Ok(_) => Err(format!(
+                    "`{name}`: the GPU is usable, but `weft train` does not run its loop on a GPU \
+                     yet (the model's GPU step is weft_model::cuda::CudaGpt, checked by \
+                     scripts/gpu-check.sh); use train.device = \"cpu\""
+                )),
+            }
+        }
+    }
+}
+
+impl Serialize for Device {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&self.name())
+    }
+}
+
+impl<'de> Deserialize<'de> for Device {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        Device::parse(&s).map_err(serde::de::Error::custom)
+    }
 }
 
 /// `[train.loss_scale]`: dynamic loss scaling for fp16 (the recipe of
@@ -672,6 +764,7 @@ impl Default for TrainConfig {
             skip_batches: Vec::new(),
             precision: Precision::Fp32,
             loss_scale: LossScaleConfig::default(),
+            device: Device::Cpu,
         }
     }
 }
@@ -1407,5 +1500,40 @@ mod tests {
             e.contains("/nonexistent/run.toml") && e.contains("cannot read"),
             "{e}"
         );
+    }
+
+    #[test]
+    fn train_device_parses_and_says_what_is_missing() {
+        for (set, want) in [
+            ("train.device=cpu", Device::Cpu),
+            ("train.device=cuda", Device::Cuda(0)),
+            ("train.device=\"cuda:3\"", Device::Cuda(3)),
+        ] {
+            let c = Config::load(None, &[set.into()]).unwrap();
+            assert_eq!(c.train.device, want, "{set}");
+        }
+        assert_eq!(Config::default().train.device, Device::Cpu);
+        let e = Config::load(None, &["train.device=tpu".into()])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("train.device") && e.contains("`cpu`, `cuda` or `cuda:N`"),
+            "{e}"
+        );
+        let c = Config::from_toml("[train]\ndevice = \"cuda:1\"\n", "run.toml").unwrap();
+        assert_eq!(c.train.device, Device::Cuda(1));
+        assert!(toml::to_string(&c).unwrap().contains("device = \"cuda:1\""));
+        assert_eq!(Device::Cpu.check(), Ok(()));
+        // On this machine (CI has no GPU) a CUDA device is an error that
+        // names it and what is missing; never a panic.
+        if let Err(e) = Device::Cuda(0).check() {
+            assert!(e.starts_with("`cuda:0`: "), "{e}");
+            assert!(
+                e.contains("without CUDA")
+                    || e.contains("not available")
+                    || e.contains("does not run"),
+                "{e}"
+            );
+        }
     }
 }

@@ -792,6 +792,20 @@ pub fn train(
     }
 }
 
+/// `train.device`: a run on a device that cannot be used here stops
+/// before anything starts, with what is missing named
+/// ([`Device::check`](crate::config::Device::check)).
+fn check_device(config: &Config) -> Result<(), TrainError> {
+    config.train.device.check().map_err(|message| {
+        TrainError::Config(crate::config::ConfigError {
+            origin: "config".into(),
+            position: None,
+            key: Some("train.device".into()),
+            message,
+        })
+    })
+}
+
 /// The watchdog's timeout, `parallel.timeout_s` (the default for a value
 /// out of range, which validation reports).
 fn timeout(config: &Config) -> std::time::Duration {
@@ -806,6 +820,7 @@ fn train_threads(
     observer: &mut dyn Observer,
 ) -> Result<Summary, TrainError> {
     config.validate()?;
+    check_device(config)?;
     let dims = config.parallel.dims();
     dims.validate()?;
     check_model_floor(config)?;
@@ -863,6 +878,7 @@ pub fn train_processes(
     let dims = config.parallel.dims();
     let setup = (|| {
         config.validate()?;
+        check_device(config)?;
         dims.validate()?;
         if dims.world_size() != world.size() {
             return Err(TrainError::WorldSize {
