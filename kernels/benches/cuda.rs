@@ -55,12 +55,11 @@ fn time(g: &Gpu, reps: usize, mut f: impl FnMut()) -> f64 {
     f();
     f();
     g.synchronize().expect("synchronize");
-    let st = g.stream();
     let mut ms = Vec::with_capacity(reps);
     for _ in 0..reps {
-        let a = st.record_event(None).expect("event");
+        let a = g.timing_event().expect("event");
         f();
-        let b = st.record_event(None).expect("event");
+        let b = g.timing_event().expect("event");
         b.synchronize().expect("event sync");
         ms.push(f64::from(a.elapsed_ms(&b).expect("elapsed")));
     }

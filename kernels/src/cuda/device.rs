@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use cudarc::cublas::CudaBlas;
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DeviceRepr,
+    CudaContext, CudaEvent, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DeviceRepr,
     LaunchConfig, ValidAsZeroBits,
 };
 use cudarc::nvrtc::Ptx;
@@ -245,6 +245,18 @@ impl Gpu {
         self.stream
             .clone_dtoh(buf)
             .map_err(|e| cuda_err("download", e))
+    }
+
+    /// Records a timing event on the stream (for benches:
+    /// `start.elapsed_ms(&end)` after `end.synchronize()`). cudarc's own
+    /// default events are created without timing.
+    ///
+    /// # Errors
+    /// [`Error::Cuda`] if the driver fails.
+    pub fn timing_event(&self) -> Result<CudaEvent> {
+        self.stream
+            .record_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))
+            .map_err(|e| cuda_err("cuEventRecord", e))
     }
 
     /// Waits until every op queued on this device has finished.

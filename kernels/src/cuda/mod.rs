@@ -76,7 +76,7 @@ mod params;
 
 #[cfg(feature = "cuda")]
 pub use cudarc::driver::{
-    CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtr, DevicePtrMut, DeviceSlice,
+    CudaEvent, CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtr, DevicePtrMut, DeviceSlice,
 };
 #[cfg(feature = "cuda")]
 pub use device::{Gpu, Libraries, libraries};
