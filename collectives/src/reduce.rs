@@ -63,7 +63,10 @@ pub(crate) fn reduce_into(dtype: Dtype, op: ReduceOp, dst: &mut [u8], src: &[u8]
         }
         Dtype::BF16 => {
             let s = typed::<bf16>(src);
-            with_typed_mut::<bf16>(dst, |d| kernel_half(op, d, &s));
+            with_typed_mut::<bf16>(dst, |d| match op {
+                ReduceOp::Sum | ReduceOp::Avg => add_bf16(d, &s),
+                _ => kernel_half(op, d, &s),
+            });
         }
     }
 }
@@ -227,7 +230,7 @@ fn reduce_to_cached(dtype: Dtype, op: ReduceOp, out: &mut [u8], a: &[u8], b: &[u
     match (dtype, op) {
         (Dtype::F32, ReduceOp::Sum | ReduceOp::Avg) => go_sum::<f32>(out, a, b, add_to_f32),
         (Dtype::F16, ReduceOp::Sum | ReduceOp::Avg) => go_sum::<f16>(out, a, b, add_to_half),
-        (Dtype::BF16, ReduceOp::Sum | ReduceOp::Avg) => go_sum::<bf16>(out, a, b, add_to_half),
+        (Dtype::BF16, ReduceOp::Sum | ReduceOp::Avg) => go_sum::<bf16>(out, a, b, add_to_bf16),
         (Dtype::F32, ReduceOp::Max) => go::<f32>(out, a, b, max_nan),
         (Dtype::F32, ReduceOp::Min) => go::<f32>(out, a, b, min_nan),
         (Dtype::F64, ReduceOp::Sum | ReduceOp::Avg) => go::<f64>(out, a, b, |x, y| x + y),
@@ -266,6 +269,53 @@ multiversion! {
     fn add_to_half<H: Element>(o: &mut [H], a: &[H], b: &[H]) {
         for ((o, x), y) in o.iter_mut().zip(a).zip(b) {
             *o = H::from_f32(x.to_f32() + y.to_f32());
+        }
+    }
+}
+
+/// A bf16 (its bits) as f32: exact.
+#[inline(always)]
+fn bf16_to_f32(h: bf16) -> f32 {
+    f32::from_bits(u32::from(h.to_bits()) << 16)
+}
+
+/// f32 to bf16, rounded to nearest even (overflow to ±∞; NaN quieted,
+/// sign and top payload bits kept): the bits of `half`'s `bf16::from_f32`,
+/// without branches, so that the loops below vectorize.
+#[inline(always)]
+fn f32_to_bf16(f: f32) -> bf16 {
+    let x = f.to_bits();
+    let nan = (x & 0x7FFF_FFFF) > 0x7F80_0000;
+    let rounded = x.wrapping_add(0x7FFF + ((x >> 16) & 1)) >> 16;
+    let quiet = (x >> 16) | 0x40;
+    #[allow(clippy::cast_possible_truncation)] // both fit 16 bits
+    bf16::from_bits(if nan { quiet } else { rounded } as u16)
+}
+
+multiversion! {
+    /// `o = a + b` for bf16, as [`add_to_half`] (widened, added in f32,
+    /// rounded once) with the branch-free conversions.
+    fn add_to_bf16(o: &mut [bf16], a: &[bf16], b: &[bf16]) {
+        for ((o, &x), &y) in o.iter_mut().zip(a).zip(b) {
+            *o = f32_to_bf16(bf16_to_f32(x) + bf16_to_f32(y));
+        }
+    }
+}
+
+multiversion! {
+    /// `d = bf16(s)`, rounded to nearest even.
+    fn f32s_to_bf16(d: &mut [bf16], s: &[f32]) {
+        for (o, &x) in d.iter_mut().zip(s) {
+            *o = f32_to_bf16(x);
+        }
+    }
+}
+
+multiversion! {
+    /// `d += s` for bf16, as [`add_to_bf16`].
+    fn add_bf16(d: &mut [bf16], s: &[bf16]) {
+        for (a, &b) in d.iter_mut().zip(s) {
+            *a = f32_to_bf16(bf16_to_f32(*a) + bf16_to_f32(b));
         }
     }
 }
@@ -399,6 +449,24 @@ pub(crate) fn convert(from: Dtype, src: &[u8], to: Dtype, dst: &mut [u8]) {
                 Dtype::BF16 => go::<$s, bf16>(src, dst),
             }
         };
+    }
+    match (from, to) {
+        // the wire's hot pairs, vectorized
+        (Dtype::F32, Dtype::BF16) => {
+            let s = typed::<f32>(src);
+            with_typed_mut::<bf16>(dst, |d| f32s_to_bf16(d, &s));
+            return;
+        }
+        (Dtype::BF16, Dtype::F32) => {
+            let s = typed::<bf16>(src);
+            with_typed_mut::<f32>(dst, |d| {
+                d.iter_mut()
+                    .zip(s.iter())
+                    .for_each(|(o, &x)| *o = bf16_to_f32(x));
+            });
+            return;
+        }
+        _ => {}
     }
     match from {
         Dtype::F32 => dispatch_to!(f32),
@@ -555,6 +623,60 @@ mod tests {
                     "f16 of {x:e} ({:#x})",
                     x.to_bits()
                 );
+            }
+        }
+    }
+
+    /// The branch-free bf16 kernels give `half`'s conversion's bits: every
+    /// bf16 added to a spread of others (exact sums, ties to even both
+    /// ways, overflow, infinities, NaN of both signs, subnormals).
+    #[test]
+    fn bf16_kernels_round_as_half_does() {
+        let all: Vec<bf16> = (0..=u16::MAX).map(bf16::from_bits).collect();
+        let mut others: Vec<bf16> = [
+            0x0000u16, 0x8000, 0x0001, 0x8001, 0x3F80, 0xBF80, 0x3F81, 0x4380, 0x7F7F, 0xFF7F,
+            0x7F80, 0xFF80, 0x7FC0, 0xFFC1, 0x0080, 0x807F,
+        ]
+        .iter()
+        .map(|&b| bf16::from_bits(b))
+        .collect();
+        let mut s = 0x9E37_79B9u32;
+        for _ in 0..48 {
+            s ^= s << 13;
+            s ^= s >> 17;
+            s ^= s << 5;
+            #[allow(clippy::cast_possible_truncation)]
+            others.push(bf16::from_bits(s as u16));
+        }
+        for &y in &others {
+            let b = vec![y; all.len()];
+            let want: Vec<u16> = all
+                .iter()
+                .map(|&x| bf16::from_f32(x.to_f32() + y.to_f32()).to_bits())
+                .collect();
+            let mut out = vec![bf16::ZERO; all.len()];
+            add_to_bf16(&mut out, &all, &b);
+            // NaN is NaN: which operand's payload an f32 add keeps is not
+            // specified (Rust's float semantics), so only NaN-ness counts
+            let same = |g: u16, w: u16| {
+                g == w || (bf16::from_bits(g).is_nan() && bf16::from_bits(w).is_nan())
+            };
+            let mut d = all.clone();
+            add_bf16(&mut d, &b);
+            // and the plain conversion, on the same sums
+            let sums: Vec<f32> = all.iter().map(|&x| x.to_f32() + y.to_f32()).collect();
+            let mut conv = vec![bf16::ZERO; all.len()];
+            f32s_to_bf16(&mut conv, &sums);
+            for (what, got) in [("+", &out), ("+=", &d), ("from f32", &conv)] {
+                if let Some(i) = (0..all.len()).find(|&i| !same(got[i].to_bits(), want[i])) {
+                    panic!(
+                        "{:#06x} {what} {:#06x}: {:#06x}, half gives {:#06x}",
+                        all[i].to_bits(),
+                        y.to_bits(),
+                        got[i].to_bits(),
+                        want[i]
+                    );
+                }
             }
         }
     }
