@@ -27,12 +27,12 @@
 # tests' counts. Logs go to $OUT/gpu-check/ when OUT is set (the device
 # tool's output folder), else to a temporary folder that is printed.
 #
-# The binaries always come from this checkout's sources: built here when
-# cargo is present (release, only weft-kernels and what it needs; offline
-# when the registry cannot be reached), or else taken prebuilt from
-# target/gpu-check/ only if the fingerprint of the sources they were built
-# from (target/gpu-check/kernels.source, written by --build-only) equals
-# this checkout's — a stale binary is refused, not run.
+# The binaries always come from this checkout's sources: taken prebuilt
+# from target/gpu-check/ when the fingerprint of the sources they were
+# built from (target/gpu-check/kernels.source, written by --build-only)
+# equals this checkout's, else built here with cargo (release, only the
+# packages needed; offline when the registry cannot be reached) — a stale
+# binary is never run.
 #
 # Exit status: 0 when every step ran and passed; 1 when a step failed; 2
 # when something needed is missing (each missing piece is reported).
@@ -150,20 +150,21 @@ nvrtc_builtins=$(ls "$(dirname "$(find_lib libnvrtc.so.13)")"/libnvrtc-builtins.
 [ -n "$nvrtc_builtins" ] && say "NVRTC builtins: $nvrtc_builtins"
 
 # ---------------------------------------------------- the binaries
-if command -v cargo >/dev/null 2>&1 && [ "${WEFT_GPU_CHECK_PREBUILT:-0}" != 1 ]; then
+# Prebuilt ones built from exactly these sources are used as they are
+# (no build on the GPU machine's time); otherwise cargo builds them here.
+want=$(fingerprint)
+have=$(cat "$STAMP" 2>/dev/null || echo none)
+if [ -x "$TESTS" ] && [ -x "$MODEL" ] && [ -x "$BENCH" ] && [ "$have" = "$want" ]; then
+    say "using the prebuilt $TESTS, $MODEL and $BENCH (built from these sources, $want)"
+elif command -v cargo >/dev/null 2>&1; then
+    [ "$have" != none ] && say "the prebuilt binaries in $BIN_DIR were built from other sources ($have; this checkout is $want): rebuilding"
     say "building with cargo ($(cargo --version))"
     t0=$SECONDS
     build || missing=1
     say "build took $((SECONDS - t0)) s"
-elif [ -x "$TESTS" ] && [ -x "$MODEL" ] && [ -x "$BENCH" ]; then
-    want=$(fingerprint)
-    have=$(cat "$STAMP" 2>/dev/null || echo none)
-    if [ "$have" = "$want" ]; then
-        say "using the prebuilt $TESTS, $MODEL and $BENCH (built from these sources, $want)"
-    else
-        say "MISSING: the prebuilt binaries in $BIN_DIR were built from other sources ($have; this checkout is $want): rebuild them with --build-only"
-        missing=1
-    fi
+elif [ "$have" != none ]; then
+    say "MISSING: the prebuilt binaries in $BIN_DIR were built from other sources ($have; this checkout is $want) and there is no cargo: rebuild them with --build-only"
+    missing=1
 else
     say "MISSING: no cargo and no prebuilt binaries in $BIN_DIR (run scripts/gpu-check.sh --build-only on a machine with cargo and carry target/gpu-check)"
     missing=1
