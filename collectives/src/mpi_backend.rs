@@ -46,6 +46,7 @@ use weft_numerics::{Dtype, Element};
 use crate::algo;
 use crate::comm::Communicator;
 use crate::error::{Error, Result};
+use crate::reduce::Scratch;
 use crate::reduce::finish_avg;
 use crate::types::{
     Algorithm, Buf, BufMut, Incoming, OpCtx, OpKind, Outgoing, ReduceOp, ReduceOptions, Signature,
@@ -124,10 +125,12 @@ struct Route {
     tag: u64,
 }
 
-/// A point-to-point send still in flight, with the buffer it reads.
+/// A point-to-point send still in flight, with the buffer it reads (from
+/// the thread's scratch pool, so that repeated collectives of one size
+/// allocate and page-fault nothing).
 struct InFlight {
     req: ffi::MPI_Request,
-    _data: Vec<u8>,
+    _data: Scratch,
 }
 
 // SAFETY: the request handle is only touched under `Env::lock`; the buffer
@@ -457,6 +460,15 @@ fn decode_sig(b: &[u8]) -> Option<Signature> {
     Some(s)
 }
 
+/// A message: `header` then `data`, in a pooled buffer.
+fn packed(header: &[u8; HEADER], data: &[u8]) -> Scratch {
+    let mut msg = Scratch::take(HEADER + data.len());
+    let (h, d) = msg.bytes_mut().split_at_mut(HEADER);
+    h.copy_from_slice(header);
+    d.copy_from_slice(data);
+    msg
+}
+
 fn header(seq: u64, tag: u64, sig: &Signature, len: usize) -> [u8; HEADER] {
     let mut h = [0u8; HEADER];
     h[0..8].copy_from_slice(&seq.to_le_bytes());
@@ -665,8 +677,8 @@ impl MpiComm {
         let op = sig.op;
         let env = &*self.group.env;
         let mut pending: Vec<usize> = (0..recvs.len()).collect();
-        let mut scratch: Vec<u8> = Vec::new();
         while !pending.is_empty() {
+            let mut scratch = Scratch::take(0);
             let mut got: Option<usize> = None;
             let found = poll_until(env, deadline, || {
                 for (pi, &i) in pending.iter().enumerate() {
@@ -694,12 +706,14 @@ impl MpiComm {
                     let (mut msg, status) = unsafe { (msg.assume_init(), status.assume_init()) };
                     // SAFETY: `status` describes the matched message.
                     unsafe { ffi::MPI_Get_count(&status, ffi::RSMPI_UINT8_T, &mut count) };
-                    scratch.resize(count.max(0) as usize, 0);
+                    // a pooled buffer: no allocation (nor its page faults)
+                    // when the sizes repeat
+                    scratch = Scratch::take(count.max(0) as usize);
                     // SAFETY: `scratch` holds `count` bytes; `msg` is the
                     // matched message, received exactly once here.
                     let rc = unsafe {
                         ffi::MPI_Mrecv(
-                            scratch.as_mut_ptr().cast::<c_void>(),
+                            scratch.bytes_mut().as_mut_ptr().cast::<c_void>(),
                             count,
                             ffi::RSMPI_UINT8_T,
                             &mut msg,
@@ -727,6 +741,7 @@ impl MpiComm {
                 op,
                 message: format!("message from rank {src}: {what}"),
             };
+            let scratch = scratch.bytes();
             if scratch.len() < HEADER {
                 return Err(corrupt("shorter than its header"));
             }
@@ -769,14 +784,14 @@ impl MpiComm {
         to: usize,
         mpi_tag: c_int,
         op: OpKind,
-        msg: Vec<u8>,
+        msg: Scratch,
     ) -> Result<InFlight> {
-        let count = c_int::try_from(msg.len()).map_err(|_| Error::InvalidArgument {
+        let count = c_int::try_from(msg.bytes().len()).map_err(|_| Error::InvalidArgument {
             op,
             arg: "buffer",
             reason: format!(
                 "{} bytes exceed one MPI message (2 GiB); split the buffer",
-                msg.len()
+                msg.bytes().len()
             ),
         })?;
         let mut req = MaybeUninit::<ffi::MPI_Request>::uninit();
@@ -785,7 +800,7 @@ impl MpiComm {
         // until the request completes (or is leaked); out pointer valid.
         let rc = unsafe {
             ffi::MPI_Isend(
-                msg.as_ptr().cast::<c_void>(),
+                msg.bytes().as_ptr().cast::<c_void>(),
                 count,
                 ffi::RSMPI_UINT8_T,
                 to as c_int,
@@ -1168,9 +1183,10 @@ impl Communicator for MpiComm {
         let deadline = Instant::now() + self.timeout;
         let mut inflight = Vec::with_capacity(sends.len());
         for s in sends {
-            let mut msg = Vec::with_capacity(HEADER + s.data.len());
-            msg.extend_from_slice(&header(ctx.seq, u64::from(tag), &ctx.sig, s.data.len()));
-            msg.extend_from_slice(s.data);
+            let msg = packed(
+                &header(ctx.seq, u64::from(tag), &ctx.sig, s.data.len()),
+                s.data,
+            );
             let dst = self.group.members[s.to];
             let class = env.topology.link(self.me(), dst);
             env.traffic.add_sent(op, class, s.data.len());
@@ -1211,9 +1227,7 @@ impl Communicator for MpiComm {
         self.reap_sends();
         let mut sig = Signature::new(op);
         sig.len = data.len() as u64;
-        let mut msg = Vec::with_capacity(HEADER + data.len());
-        msg.extend_from_slice(&header(u64::MAX, tag, &sig, data.len()));
-        msg.extend_from_slice(data);
+        let msg = packed(&header(u64::MAX, tag, &sig, data.len()), data);
         let env = &*self.group.env;
         let dst = self.group.members[peer];
         let class = env.topology.link(self.me(), dst);
