@@ -260,28 +260,34 @@ fn best_of(reps: usize, mut f: impl FnMut()) -> f64 {
 }
 
 /// FLOP/s of the products `shapes` (`(m, k, n)`: `(m, k) × (k, n)`),
-/// forward and backward as the blocks run them, on the current pool.
+/// forward and backward as the blocks run them, on the current pool. In
+/// a training step a product's operands were written long before it runs,
+/// so each call here reads operands the previous calls have pushed out of
+/// the caches: copies cycling through 64 MiB or more.
 fn gemm_rate(shapes: &[(usize, usize, usize)], precision: weft_kernels::Precision) -> f64 {
     use weft_kernels::{Mode, matmul_backward, matmul_forward};
+    const COLD: usize = 64 << 20;
     let (mut flops, mut secs) = (0.0, 0.0);
     for &(m, k, n) in shapes {
-        let a = vec![0.5f32; m * k];
-        let w = vec![0.25f32; k * n];
-        let dout = vec![0.125f32; m * n];
-        let (mut out, mut dinp, mut dw, mut db) = (
-            vec![0f32; m * n],
-            vec![0f32; m * k],
-            vec![0f32; k * n],
-            vec![0f32; n],
-        );
+        let bytes = 4 * (2 * m * k + 2 * k * n + 2 * m * n + n);
+        let copies = COLD.div_ceil(bytes).clamp(2, 64);
+        let mk: Vec<Vec<f32>> = (0..copies).map(|_| vec![0.5f32; m * k]).collect();
+        let kn: Vec<Vec<f32>> = (0..copies).map(|_| vec![0.25f32; k * n]).collect();
+        let mn: Vec<Vec<f32>> = (0..copies).map(|_| vec![0.125f32; m * n]).collect();
+        let mut out: Vec<Vec<f32>> = (0..copies).map(|_| vec![0f32; m * n]).collect();
+        let mut dinp: Vec<Vec<f32>> = (0..copies).map(|_| vec![0f32; m * k]).collect();
+        let mut dw: Vec<Vec<f32>> = (0..copies).map(|_| vec![0f32; k * n]).collect();
+        let mut db = vec![0f32; n];
         let f = 2.0 * (m * k * n) as f64;
         let reps = ((4e8 / f) as usize).clamp(3, 50);
         let mut ok = true;
+        let mut i = 0;
         let tf = best_of(reps, || {
+            i = (i + 1) % copies;
             ok &= matmul_forward(
-                &mut out,
-                &a,
-                &w,
+                &mut out[i],
+                &mk[i],
+                &kn[i],
                 None,
                 1,
                 m,
@@ -293,13 +299,14 @@ fn gemm_rate(shapes: &[(usize, usize, usize)], precision: weft_kernels::Precisio
             .is_ok();
         });
         let tb = best_of(reps, || {
+            i = (i + 1) % copies;
             ok &= matmul_backward(
-                &mut dinp,
-                &mut dw,
+                &mut dinp[i],
+                &mut dw[i],
                 Some(&mut db),
-                &dout,
-                &a,
-                &w,
+                &mn[i],
+                &mk[i],
+                &kn[i],
                 1,
                 m,
                 k,
@@ -418,6 +425,8 @@ impl MachineProfile {
         let shapes = block_products(model, tokens.max(1));
         let mut counts: Vec<usize> = (1..=cores).map(|r| (cores / r).max(1)).collect();
         counts.dedup();
+        // three rounds, the best figure of each: a shared machine only
+        // ever makes a measurement slower
         let per_threads = counts
             .into_iter()
             .map(|threads| {
@@ -425,13 +434,26 @@ impl MachineProfile {
                     .num_threads(threads)
                     .build()
                     .expect("a rayon pool");
-                pool.install(|| ThreadFigures {
+                let mut best = ThreadFigures {
                     threads,
-                    gemm_f32: gemm_rate(&shapes, weft_kernels::Precision::F32),
-                    gemm_bf16: gemm_rate(&shapes, weft_kernels::Precision::Bf16),
-                    overhead: call_overhead(),
-                    memory_bandwidth: triad_bandwidth(),
-                })
+                    gemm_f32: 0.0,
+                    gemm_bf16: 0.0,
+                    overhead: f64::INFINITY,
+                    memory_bandwidth: 0.0,
+                };
+                for _ in 0..3 {
+                    pool.install(|| {
+                        best.gemm_f32 = best
+                            .gemm_f32
+                            .max(gemm_rate(&shapes, weft_kernels::Precision::F32));
+                        best.gemm_bf16 = best
+                            .gemm_bf16
+                            .max(gemm_rate(&shapes, weft_kernels::Precision::Bf16));
+                        best.overhead = best.overhead.min(call_overhead());
+                        best.memory_bandwidth = best.memory_bandwidth.max(triad_bandwidth());
+                    });
+                }
+                best
             })
             .collect();
         MachineProfile {
