@@ -12,14 +12,29 @@
 //! rounding the GPU ops document (the gpu-check compares them step by
 //! step).
 //!
+//! What the trainer's GPU loop (`weft train` with `train.device =
+//! "cuda"`) calls: [`CudaGpt::train_step_batches`] — gradient
+//! accumulation over micro-batches ([`CudaGpt::backward_accumulate`]),
+//! the exact global norm, clipping and the non-finite skip, as
+//! `ParallelGpt`'s step on one rank — [`CudaGpt::eval_loss`] (forward
+//! only, any number of sequences up to `B`), the AdamW state
+//! ([`CudaGpt::optimizer_state`], [`CudaGpt::set_optimizer_state`]) for
+//! checkpoints, and [`CudaGpt::predict_memory`] to refuse a model the GPU
+//! cannot hold before allocating it. Not yet run on a GPU: compiled and
+//! linted in CI; `model/tests/cuda.rs` checks it against the CPU model on
+//! a GPU machine.
+//!
 //! [`ParamLayout`]: weft_parallel::ParamLayout
 
 use weft_kernels::cuda::{self, CudaSlice, DeviceParams, Gpu, GpuAdamW, TensorSpec};
 use weft_kernels::{AdamW, Mode, Precision};
+use weft_parallel::AdamWState;
 
 use crate::config::GptConfig;
 use crate::error::{Error, Result};
-use crate::gpt::Gpt;
+use crate::gpt::{Gpt, MicroBatch};
+use crate::memory::RankMemory;
+use crate::parallelize::StepOutcome;
 
 /// One block's saved activations, `N = B·T` rows.
 struct LayerActs {
@@ -38,6 +53,30 @@ struct LayerActs {
     out: CudaSlice<f32>,      // (N, C) the block's output
 }
 
+impl LayerActs {
+    /// Floats held.
+    fn floats(&self) -> usize {
+        [
+            &self.ln1,
+            &self.ln1_mean,
+            &self.ln1_rstd,
+            &self.qkv,
+            &self.atty,
+            &self.lse,
+            &self.res2,
+            &self.ln2,
+            &self.ln2_mean,
+            &self.ln2_rstd,
+            &self.fch,
+            &self.fch_gelu,
+            &self.out,
+        ]
+        .iter()
+        .map(|b| b.len())
+        .sum()
+    }
+}
+
 /// Backward working buffers, one layer's worth, reused.
 struct Scratch {
     dres: CudaSlice<f32>,  // (N, C) gradient of the residual stream
@@ -50,6 +89,44 @@ struct Scratch {
     dw: CudaSlice<f32>,    // (C) a layernorm's weight gradient
     db: CudaSlice<f32>,    // (C) a layernorm's bias gradient
     dwpe: CudaSlice<f32>,  // (maxT, C)
+}
+
+impl Scratch {
+    /// Floats held.
+    fn floats(&self) -> usize {
+        [
+            &self.dres,
+            &self.dln,
+            &self.datty,
+            &self.dqkv,
+            &self.dfch,
+            &self.dgelu,
+            &self.tmp,
+            &self.dw,
+            &self.db,
+            &self.dwpe,
+        ]
+        .iter()
+        .map(|b| b.len())
+        .sum()
+    }
+}
+
+/// Floats of the activations and working buffers [`CudaGpt::new`]
+/// allocates for batches of `b × t` tokens (what [`CudaGpt::memory`]
+/// counts from the buffers once they exist).
+fn activation_floats(config: &GptConfig, b: usize, t: usize) -> usize {
+    let (n, c, nh, v) = (b * t, config.n_embd, config.n_head, config.vocab_size);
+    // per layer: ln1, qkv, atty, res2, ln2, fch, fch_gelu, out; the
+    // layernorms' statistics; attention's log-sum-exp
+    let layer = n * c * (1 + 3 + 1 + 1 + 1 + 4 + 4 + 1) + 4 * n + n * nh;
+    // backward scratch: dres, dln, datty, dqkv, dfch, dgelu, tmp; dw, db;
+    // dwpe
+    let scratch = n * c * (1 + 1 + 1 + 3 + 4 + 4 + 1) + 2 * c + config.block_size * c;
+    // encoded, lnf and its statistics, logits, losses, the classifier's
+    // statistics
+    let rest = 2 * n * c + 2 * n + n * v + n + 2 * n;
+    config.n_layer * layer + scratch + rest
 }
 
 /// The dense GPT-2 on one GPU, planned for batches of `B` sequences of `T`
@@ -223,6 +300,76 @@ impl CudaGpt {
         Ok(self.grads.download(&self.gpu)?)
     }
 
+    /// The AdamW moments and step count, downloaded: the host layout's
+    /// buffers, as [`Gpt::adamw_step`]'s state holds them (and a checkpoint
+    /// saves them).
+    ///
+    /// # Errors
+    /// A kernel error if a copy fails.
+    pub fn optimizer_state(&self) -> Result<AdamWState> {
+        let (m, v) = self.opt.moments();
+        Ok(AdamWState {
+            m: m.download(&self.gpu)?,
+            v: v.download(&self.gpu)?,
+            step: self.opt.steps(),
+        })
+    }
+
+    /// Replaces the AdamW moments and step count with `state` (a
+    /// checkpoint's, or a host model's), to continue from it.
+    ///
+    /// # Errors
+    /// A kernel error ([`weft_kernels::Error::ShapeMismatch`]) if `state`
+    /// was made for another model size; a copy error.
+    pub fn set_optimizer_state(&mut self, state: &AdamWState) -> Result<()> {
+        self.opt
+            .set_state(&self.gpu, &state.m, &state.v, state.step)?;
+        Ok(())
+    }
+
+    /// The device memory `model` needs on the GPU for batches of `b × t`
+    /// tokens, before anything is allocated: f32 parameters, gradients
+    /// and two AdamW moments (16 bytes per parameter), and the activations
+    /// and working buffers (f32). The 16-bit products' rounded operand
+    /// copies (bf16, fp16) are allocated per product and come on top.
+    pub fn predict_memory(model: &Gpt, b: usize, t: usize) -> RankMemory {
+        let p = 4 * model.layout().len();
+        RankMemory {
+            params: p,
+            grads: p,
+            optimizer: 2 * p,
+            activations: 4 * activation_floats(model.config(), b, t),
+            comm: 0,
+        }
+    }
+
+    /// The device memory held, counted from the buffers (as
+    /// [`predict_memory`](Self::predict_memory) predicts it).
+    pub fn memory(&self) -> RankMemory {
+        let p = 4 * self.params.len();
+        let acts = self.layers.iter().map(LayerActs::floats).sum::<usize>()
+            + self.scratch.floats()
+            + [
+                &self.encoded,
+                &self.lnf,
+                &self.lnf_mean,
+                &self.lnf_rstd,
+                &self.logits,
+                &self.losses,
+                &self.stats,
+            ]
+            .iter()
+            .map(|b| b.len())
+            .sum::<usize>();
+        RankMemory {
+            params: p,
+            grads: 4 * self.grads.len(),
+            optimizer: 2 * p,
+            activations: 4 * acts,
+            comm: 0,
+        }
+    }
+
     /// Forward over `tokens (B,T)`; with `targets` returns the mean
     /// cross-entropy (summed in f64 on the host, as the CPU model does).
     ///
@@ -388,10 +535,65 @@ impl CudaGpt {
             v,
         )?;
         self.targets = Some(tg.to_vec());
-        let losses = g.download(&self.losses)?;
-        let sum: f64 = losses.iter().map(|&x| f64::from(x)).sum();
+        self.mean_loss(n).map(Some)
+    }
+
+    /// The mean of the first `tokens` per-token losses of the last forward
+    /// with targets, summed in f64 on the host (as the CPU model does).
+    fn mean_loss(&self, tokens: usize) -> Result<f64> {
+        let losses = self.gpu.download(&self.losses)?;
+        let sum: f64 = losses[..tokens.min(losses.len())]
+            .iter()
+            .map(|&x| f64::from(x))
+            .sum();
         #[allow(clippy::cast_precision_loss)]
-        Ok(Some(sum / n as f64))
+        Ok(sum / tokens as f64)
+    }
+
+    /// The mean validation loss of `batches` (each of at most `B`
+    /// sequences of `T` tokens: a shorter one is padded with copies of its
+    /// first sequence, whose losses are left out — every sequence is
+    /// computed on its own), forward only: each batch's mean weighted by
+    /// its tokens, as `ParallelGpt::eval_loss` weights them. No backward
+    /// can follow.
+    ///
+    /// # Errors
+    /// [`Error::Batch`] for a batch that is empty, longer than `B`
+    /// sequences, not whole sequences, or whose targets differ in length;
+    /// kernel errors.
+    pub fn eval_loss(&mut self, batches: &[MicroBatch<'_>]) -> Result<f64> {
+        let (b, t) = (self.b, self.t);
+        let (mut total, mut tokens) = (0.0f64, 0usize);
+        let (mut tok, mut tgt) = (Vec::with_capacity(b * t), Vec::with_capacity(b * t));
+        for mb in batches {
+            let n = mb.tokens.len();
+            if n == 0 || n > b * t || n % t != 0 || mb.targets.len() != n {
+                self.targets = None;
+                return Err(Error::Batch {
+                    reason: format!(
+                        "an evaluation batch of {n} tokens ({} targets): expected whole sequences of T={t}, at most B={b} of them",
+                        mb.targets.len()
+                    ),
+                });
+            }
+            tok.clear();
+            tgt.clear();
+            tok.extend_from_slice(mb.tokens);
+            tgt.extend_from_slice(mb.targets);
+            while tok.len() < b * t {
+                tok.extend_from_slice(&mb.tokens[..t]);
+                tgt.extend_from_slice(&mb.targets[..t]);
+            }
+            let done = self.forward(&tok, Some(&tgt));
+            self.targets = None;
+            done?;
+            #[allow(clippy::cast_precision_loss)]
+            let weight = n as f64;
+            total += self.mean_loss(n)? * weight;
+            tokens += n;
+        }
+        #[allow(clippy::cast_precision_loss)]
+        Ok(total / tokens.max(1) as f64)
     }
 
     fn lm_head_name(&self) -> &'static str {
@@ -409,6 +611,33 @@ impl CudaGpt {
     /// # Errors
     /// [`Error::Batch`] if the last forward had no targets; kernel errors.
     pub fn backward(&mut self) -> Result<()> {
+        if self.targets.is_none() {
+            return Err(Error::Batch {
+                reason: "backward needs a forward with targets first".into(),
+            });
+        }
+        self.zero_grads()?;
+        self.backward_accumulate(1.0)
+    }
+
+    /// Sets every gradient to zero.
+    ///
+    /// # Errors
+    /// Kernel errors.
+    pub fn zero_grads(&mut self) -> Result<()> {
+        cuda::zero(&self.gpu, self.grads.all_mut())?;
+        Ok(())
+    }
+
+    /// Backward of `weight ×` the mean loss of the last
+    /// [`forward`](Self::forward) (which must have had targets), *added*
+    /// to the gradients op by op in the CPU model's order: gradient
+    /// accumulation over micro-batches ([`zero_grads`](Self::zero_grads)
+    /// first). A `weight` other than 1 scales the loss (a loss scale).
+    ///
+    /// # Errors
+    /// [`Error::Batch`] if the last forward had no targets; kernel errors.
+    pub fn backward_accumulate(&mut self, weight: f32) -> Result<()> {
         let Some(targets) = self.targets.take() else {
             return Err(Error::Batch {
                 reason: "backward needs a forward with targets first".into(),
@@ -425,9 +654,8 @@ impl CudaGpt {
         let (g, prec, mode) = (&self.gpu, self.precision, self.mode);
         let (params, grads) = (&self.params, &mut self.grads);
         let s = &mut self.scratch;
-        cuda::zero(g, grads.all_mut())?;
         #[allow(clippy::cast_precision_loss)]
-        let dloss = 1.0 / n as f32;
+        let dloss = weight / n as f32;
         cuda::fused_classifier_backward(
             g,
             &mut self.logits,
@@ -665,6 +893,86 @@ impl CudaGpt {
         self.opt
             .step(&self.gpu, &mut self.params, self.grads.all())?;
         Ok(())
+    }
+
+    /// The global norm of the gradients, `√Σg²` with the squares summed
+    /// exactly (`cuda::exact_sum_squares`) and rounded once: the CPU's
+    /// `weft_parallel::GradNorm` of the same values, bit for bit.
+    ///
+    /// # Errors
+    /// Kernel errors.
+    pub fn grad_norm(&self) -> Result<f64> {
+        Ok(cuda::exact_sum_squares(&self.gpu, self.grads.all())?
+            .to_f64()
+            .sqrt())
+    }
+
+    /// Multiplies every gradient by `a`.
+    ///
+    /// # Errors
+    /// Kernel errors.
+    pub fn scale_grads(&mut self, a: f32) -> Result<()> {
+        cuda::scale(&self.gpu, self.grads.all_mut(), a)?;
+        Ok(())
+    }
+
+    /// One optimizer step over the micro-batches `batches` (each `B × T`),
+    /// as `ParallelGpt::train_step` takes it on one rank: the gradients
+    /// of every micro-batch's mean loss accumulated, divided by their
+    /// number; the exact global norm; a non-finite loss or norm skips the
+    /// update (the gradients are dropped), else the gradients are clipped
+    /// to norm `clip` (0: off; coefficient `clip / (norm + 1e-6)`, as the
+    /// CPU's) and AdamW steps. The loss is the micro-batches' mean (summed
+    /// in f64 in order); the norm is the one before clipping.
+    ///
+    /// The micro-batch gradients are summed in f32 on the device (the
+    /// CPU's reproducible mode sums them exactly): equal to rounding.
+    ///
+    /// # Errors
+    /// [`Error::Batch`] for no micro-batch or one of the wrong size;
+    /// kernel errors.
+    pub fn train_step_batches(
+        &mut self,
+        batches: &[MicroBatch<'_>],
+        hp: &AdamW,
+        clip: f64,
+    ) -> Result<StepOutcome> {
+        if batches.is_empty() {
+            return Err(Error::Batch {
+                reason: "a training step needs at least one micro-batch".into(),
+            });
+        }
+        self.zero_grads()?;
+        let mut loss = 0.0;
+        for mb in batches {
+            loss += self
+                .forward(mb.tokens, Some(mb.targets))?
+                .unwrap_or(f64::NAN);
+            self.backward_accumulate(1.0)?;
+        }
+        let m = batches.len();
+        #[allow(clippy::cast_precision_loss)]
+        let loss = loss / m as f64;
+        if m > 1 {
+            #[allow(clippy::cast_precision_loss)]
+            self.scale_grads(1.0 / m as f32)?;
+        }
+        let grad_norm = self.grad_norm()?;
+        let applied = loss.is_finite() && grad_norm.is_finite();
+        if applied {
+            if clip > 0.0 && grad_norm > clip {
+                #[allow(clippy::cast_possible_truncation)]
+                self.scale_grads((clip / (grad_norm + 1e-6)) as f32)?;
+            }
+            self.adamw_step(hp)?;
+        } else {
+            self.zero_grads()?;
+        }
+        Ok(StepOutcome {
+            loss,
+            grad_norm,
+            applied,
+        })
     }
 
     /// Forward with targets, backward, AdamW: one training step; returns

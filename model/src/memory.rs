@@ -41,6 +41,14 @@ impl RankMemory {
         self.params + self.grads + self.optimizer + self.activations + self.comm
     }
 
+    /// The largest category, with its name (the first of equals).
+    pub fn largest(&self) -> (&'static str, usize) {
+        self.categories()
+            .into_iter()
+            .reduce(|a, b| if b.1 > a.1 { b } else { a })
+            .unwrap_or(("params", 0))
+    }
+
     /// The categories with their names, in report order.
     pub fn categories(&self) -> [(&'static str, usize); 5] {
         [

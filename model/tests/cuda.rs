@@ -24,7 +24,7 @@ use std::io::Write;
 use weft_kernels::cuda::Gpu;
 use weft_kernels::{AdamW, Mode, Precision};
 use weft_model::cuda::CudaGpt;
-use weft_model::{Gpt, GptConfig};
+use weft_model::{Gpt, GptConfig, MicroBatch};
 
 fn gpu(test: &str) -> Option<Gpu> {
     match Gpu::new(0) {
@@ -142,4 +142,103 @@ fn gpu_training_matches_the_cpu_model_in_bf16() {
 #[test]
 fn gpu_training_matches_the_cpu_model_batch_invariant() {
     compare(Precision::Bf16, Mode::BatchInvariant, 2e-3);
+}
+
+/// What the trainer's GPU loop calls, against the CPU model: two
+/// micro-batches' gradients accumulated and averaged, the exact norm, the
+/// clipping (active: the clip is under the norm), AdamW — three steps;
+/// evaluation of a full batch and of a shorter one (padded on the
+/// device); the AdamW state downloaded and put back; the memory count
+/// against its prediction. Tolerances as above (f32).
+#[test]
+fn gpu_steps_accumulate_clip_and_evaluate_like_the_cpu_model() {
+    let what = "CudaGpt::train_step_batches";
+    let Some(g) = gpu(what) else { return };
+    let (b, t) = (2, 64);
+    let v = config().vocab_size;
+    let mut cpu = Gpt::new(config()).unwrap();
+    cpu.init_gpt2(11);
+    let hp = AdamW {
+        lr: 1e-3,
+        weight_decay: 0.1,
+        ..AdamW::default()
+    };
+    let mut dev = CudaGpt::new(g, &cpu, b, t, hp, Mode::Throughput, Precision::F32).unwrap();
+    assert_eq!(dev.memory(), CudaGpt::predict_memory(&cpu, b, t));
+    let mut acts = cpu.activations(b, t).unwrap();
+    let mut opt = cpu.adamw_state();
+    let rel = |a: f64, c: f64| (a - c).abs() / c.abs();
+    for step in 0..3 {
+        let data: Vec<_> = (0..2).map(|m| batch(2 * step + m, b, t, v)).collect();
+        let mbs: Vec<MicroBatch<'_>> = data
+            .iter()
+            .map(|(tokens, targets)| MicroBatch { tokens, targets })
+            .collect();
+        cpu.zero_grad();
+        let mut loss = 0.0;
+        for (tokens, targets) in &data {
+            loss += cpu
+                .forward(&mut acts, tokens, Some(targets))
+                .unwrap()
+                .unwrap();
+            cpu.backward(&mut acts).unwrap();
+        }
+        loss /= 2.0;
+        cpu.grads.iter_mut().for_each(|x| *x *= 0.5);
+        let norm = cpu
+            .grads
+            .iter()
+            .map(|&x| f64::from(x) * f64::from(x))
+            .sum::<f64>()
+            .sqrt();
+        let clip = 0.5 * norm;
+        let coef = (clip / (norm + 1e-6)) as f32;
+        cpu.grads.iter_mut().for_each(|x| *x *= coef);
+        cpu.adamw_step(&mut opt, &hp).unwrap();
+        let out = dev.train_step_batches(&mbs, &hp, clip).unwrap();
+        println!(
+            "{what}: step {step}: loss GPU {:.6} CPU {loss:.6}, norm GPU {:.6} CPU {norm:.6}",
+            out.loss, out.grad_norm
+        );
+        assert!(out.applied);
+        assert!(
+            rel(out.loss, loss) <= 1e-4,
+            "step {step}: loss {} vs {loss}",
+            out.loss
+        );
+        assert!(
+            rel(out.grad_norm, norm) <= 1e-3,
+            "step {step}: norm {} vs {norm}",
+            out.grad_norm
+        );
+    }
+    // evaluation: a whole batch, and one sequence of the B = 2 planned
+    let (tokens, targets) = batch(9, b, t, v);
+    let whole = cpu
+        .forward(&mut acts, &tokens, Some(&targets))
+        .unwrap()
+        .unwrap();
+    let mut one_acts = cpu.activations(1, t).unwrap();
+    let one = cpu
+        .forward(&mut one_acts, &tokens[..t], Some(&targets[..t]))
+        .unwrap()
+        .unwrap();
+    let mb = |n: usize| MicroBatch {
+        tokens: &tokens[..n],
+        targets: &targets[..n],
+    };
+    let got_whole = dev.eval_loss(&[mb(b * t)]).unwrap();
+    let got_one = dev.eval_loss(&[mb(t)]).unwrap();
+    let got_both = dev.eval_loss(&[mb(b * t), mb(t)]).unwrap();
+    println!("{what}: eval GPU {got_whole:.6} / {got_one:.6}, CPU {whole:.6} / {one:.6}");
+    assert!(rel(got_whole, whole) <= 1e-4 && rel(got_one, one) <= 1e-4);
+    let mean = (whole * 2.0 + one) / 3.0;
+    assert!(rel(got_both, mean) <= 1e-4, "{got_both} vs {mean}");
+    assert!(dev.backward().is_err(), "no backward after an evaluation");
+    assert!(dev.eval_loss(&[mb(t - 1)]).is_err(), "not whole sequences");
+    // the optimizer state: close to the CPU's, and put back exactly
+    let state = dev.optimizer_state().unwrap();
+    assert_eq!(state.step, opt.step);
+    dev.set_optimizer_state(&opt).unwrap();
+    assert_eq!(dev.optimizer_state().unwrap(), opt);
 }

@@ -211,6 +211,32 @@ impl GpuAdamW {
         (&self.m, &self.v)
     }
 
+    /// Replaces the moments with host copies `m` and `v` (the parameters'
+    /// layout) and the step count with `step`: the state a checkpoint
+    /// holds, to continue from it.
+    ///
+    /// # Errors
+    /// [`Error::ShapeMismatch`] if `m` or `v` has another length than the
+    /// moments; [`Error::Cuda`] if the copies fail (the old state is kept
+    /// then).
+    pub fn set_state(&mut self, gpu: &Gpu, m: &[f32], v: &[f32], step: u32) -> Result<()> {
+        for (buffer, host) in [("m", m), ("v", v)] {
+            if host.len() != self.m.len() {
+                return Err(Error::ShapeMismatch {
+                    op: "GpuAdamW::set_state",
+                    buffer,
+                    expected: self.m.len(),
+                    got: host.len(),
+                });
+            }
+        }
+        let tensors = self.m.tensors.clone();
+        let new_m = DeviceParams::upload(gpu, m, tensors.clone())?;
+        let new_v = DeviceParams::upload(gpu, v, tensors)?;
+        (self.m, self.v, self.step) = (new_m, new_v, step);
+        Ok(())
+    }
+
     /// One step: `params` updated from `grads` (the same layout), and the
     /// bf16 copy rewritten in the same pass when `params` has one.
     ///
