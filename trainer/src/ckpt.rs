@@ -24,7 +24,7 @@ use weft_checkpoint::{
     TrainerState, VerifyLevel, load_latest,
 };
 use weft_collectives::{Communicator, CommunicatorExt};
-use weft_model::{AdamWState, Gpt, GptConfig, OwnedPart, ParallelGpt};
+use weft_model::{AdamWState, Gpt, GptConfig, OwnedPart, ParallelGpt, ParamLayout, ReadTensor};
 use weft_numerics::LossScalerState;
 
 use crate::config::Config;
@@ -85,9 +85,9 @@ pub enum CkptError {
 /// that only decide how long to go on and what to watch (`train.steps`,
 /// `train.eval_every`, `train.eval_sequences`, `train.spike_*`,
 /// `train.straggler_*`, the rewind settings, `train.skip_batches`, which only changes the batches
-/// of steps to come, and `train.micro_batch_size`, which like the layout
-/// only changes rounding), so a run can be resumed to train longer, or
-/// past a batch to leave out. (Changing `train.steps` changes the
+/// of steps to come, and `train.micro_batch_size` and `train.device`,
+/// which like the layout only change rounding), so a run can be resumed
+/// to train longer, past a batch to leave out, or on the other device. (Changing `train.steps` changes the
 /// learning-rate schedule from the resume point on: the run is then no
 /// longer the uninterrupted run of either length.)
 pub fn config_hash(config: &Config) -> String {
@@ -117,6 +117,9 @@ pub fn config_hash(config: &Config) -> String {
     // the global batch's gradient (a shrunk job keeps the batch by
     // accumulating more micro-batches)
     c.train.micro_batch_size = d.micro_batch_size;
+    // the GPU runs the same model, data and optimizer to rounding: a
+    // checkpoint of either device continues on the other
+    c.train.device = d.device;
     format!(
         "{:016x}",
         xxhash_rust::xxh3::xxh3_64(c.to_toml().as_bytes())
@@ -480,6 +483,25 @@ pub fn restore_sharded(
     config: &Config,
     model: &mut ParallelGpt,
 ) -> Result<Restored, CkptError> {
+    restore_with(world, root, config, &mut |opt_step, read| {
+        model.load_with(opt_step, read).map_err(|e| e.to_string())
+    })
+}
+
+/// As [`restore_sharded`], into whatever `load` fills: it gets the
+/// checkpoint's optimizer step and a reader of whole tensors (`which` 0
+/// for the parameters, 1 and 2 for the AdamW moments), and says what
+/// went wrong, if anything. The GPU loop restores the whole model into
+/// host buffers this way. Collective over `world`.
+///
+/// # Errors
+/// As [`restore_sharded`]; [`CkptError::Tensor`] with `load`'s message.
+pub fn restore_with(
+    world: &dyn Communicator,
+    root: &Path,
+    config: &Config,
+    load: &mut dyn FnMut(u32, &mut ReadTensor<'_>) -> Result<(), String>,
+) -> Result<Restored, CkptError> {
     let err = |source| CkptError::Checkpoint {
         root: root.to_owned(),
         source,
@@ -549,19 +571,64 @@ pub fn restore_sharded(
         }
         Ok(())
     };
-    model
-        .load_with(opt_step, &mut read)
-        .map_err(|e| CkptError::Tensor {
-            root: root.to_owned(),
-            name: "model".into(),
-            reason: e.to_string(),
-        })?;
+    load(opt_step, &mut read).map_err(|reason| CkptError::Tensor {
+        root: root.to_owned(),
+        name: "model".into(),
+        reason,
+    })?;
     let loss_scale = loss_scale_of(&ckpt.manifest().state);
     Ok(Restored {
         step,
         skipped,
         loss_scale,
     })
+}
+
+/// The whole model as the parts of one rank that holds all of it, for
+/// [`save_sharded`]: every tensor of `layout` with its parameters and
+/// AdamW moments cut from the flat buffers (the GPU loop's checkpoint:
+/// the same files a single-rank CPU run writes).
+pub fn whole_parts(layout: &ParamLayout, params: &[f32], opt: &AdamWState) -> Vec<OwnedPart> {
+    layout
+        .specs()
+        .iter()
+        .map(|spec| {
+            let r = spec.range();
+            OwnedPart {
+                name: spec.name.clone(),
+                global_shape: spec.shape.clone(),
+                whole: 0,
+                values: [params, opt.m.as_slice(), opt.v.as_slice()].map(|b| b[r.clone()].to_vec()),
+            }
+        })
+        .collect()
+}
+
+/// Reads the whole model — parameters into `params`, AdamW moments into
+/// `opt`, which takes `step` — through `read` (see [`restore_with`]):
+/// the reverse of [`whole_parts`].
+///
+/// # Errors
+/// The first tensor `read` could not fill, named.
+pub fn read_whole(
+    layout: &ParamLayout,
+    params: &mut [f32],
+    opt: &mut AdamWState,
+    step: u32,
+    read: &mut ReadTensor<'_>,
+) -> Result<(), String> {
+    for spec in layout.specs() {
+        let r = spec.range();
+        for (which, buf) in [&mut *params, &mut opt.m, &mut opt.v]
+            .into_iter()
+            .enumerate()
+        {
+            read(which, &spec.name, &mut buf[r.clone()])
+                .map_err(|e| format!("{}: {e}", saved_name(which, &spec.name)))?;
+        }
+    }
+    opt.step = step;
+    Ok(())
 }
 
 /// Renames a checkpoint folder that did not verify to

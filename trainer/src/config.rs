@@ -611,10 +611,9 @@ impl Device {
     /// Whether a run can use this device here. The CPU always can. A CUDA
     /// device needs weft built with the `cuda` feature, the NVIDIA driver,
     /// NVRTC and cuBLAS, and the GPU: what is missing is named (never a
-    /// panic). `weft train` does not yet run its loop on a GPU — the
-    /// model's GPU training step is `weft_model::cuda::CudaGpt`, checked
-    /// against the CPU model by `scripts/gpu-check.sh` — so with a usable
-    /// GPU this says so.
+    /// panic). With a usable GPU this is `Ok`, and `weft train` runs its
+    /// loop there (`weft_model::cuda::CudaGpt`: one GPU, one rank, a dense
+    /// model; [`Config::validate`] refuses what that loop does not do).
     ///
     /// # Errors
     /// A message naming the device and what stops it.
@@ -638,11 +637,7 @@ impl Device {
                 Ok(count) if n >= count => Err(format!(
                     "`{name}`: there is no CUDA device {n}; the driver sees {count}"
                 )),
-                Ok(_) => Err(format!(
-                    "`{name}`: the GPU is usable, but `weft train` does not run its loop on a GPU \
-                     yet (the model's GPU step is weft_model::cuda::CudaGpt, checked by \
-                     scripts/gpu-check.sh); use train.device = \"cpu\""
-                )),
+                Ok(_) => Ok(()),
             }
         }
     }
@@ -1150,6 +1145,9 @@ impl Config {
                 ),
             );
         }
+        if let Err((key, message)) = self.gpu_support() {
+            return bad(key, message);
+        }
         let name = &self.run.name;
         if name == "."
             || name == ".."
@@ -1261,6 +1259,92 @@ impl Config {
             global,
             per_rank: global / dp,
         })
+    }
+
+    /// With `train.device = "cuda"`: what the GPU loop does not do yet,
+    /// as the key that asks for it and why. The GPU loop trains a dense
+    /// model on one GPU as one rank (`weft_model::cuda::CudaGpt`), so
+    /// every other layout, mixture-of-experts blocks, document masking,
+    /// fp16 (no dynamic loss scaling on the device) and rewinding are
+    /// refused; `Ok` on the CPU.
+    ///
+    /// # Errors
+    /// The first key set to something the GPU loop does not do, and a
+    /// message saying what it does.
+    pub fn gpu_support(&self) -> Result<(), (&'static str, String)> {
+        let Device::Cuda(_) = self.train.device else {
+            return Ok(());
+        };
+        let device = self.train.device.name();
+        let p = &self.parallel;
+        let why = |what: String| format!("{what}; use train.device = \"cpu\" for it");
+        for (key, v) in [
+            ("parallel.dp", p.dp),
+            ("parallel.tp", p.tp),
+            ("parallel.pp", p.pp),
+            ("parallel.ep", p.ep),
+        ] {
+            if v != 1 {
+                return Err((
+                    key,
+                    why(format!(
+                        "= {v}: train.device = \"{device}\" trains on one GPU as one rank (parallel.dp = tp = pp = ep = 1)"
+                    )),
+                ));
+            }
+        }
+        if p.fsdp != FsdpMode::None {
+            return Err((
+                "parallel.fsdp",
+                why(format!(
+                    "= \"{}\": train.device = \"{device}\" holds the whole model on one GPU (no sharding)",
+                    p.fsdp.name()
+                )),
+            ));
+        }
+        if matches!(p.backend, Backend::Mpi | Backend::Nccl) {
+            return Err((
+                "parallel.backend",
+                why(format!(
+                    "= \"{}\": train.device = \"{device}\" runs one rank in this process (\"auto\" or \"threads\")",
+                    p.backend.name()
+                )),
+            ));
+        }
+        if self.model.moe.experts > 0 {
+            return Err((
+                "model.moe.experts",
+                why(format!(
+                    "= {}: the GPU model (weft_model::cuda::CudaGpt) has GPT-2's dense MLP blocks only; set it to 0",
+                    self.model.moe.experts
+                )),
+            ));
+        }
+        if self.data.doc_mask {
+            return Err((
+                "data.doc_mask",
+                why("the GPU model's attention has no document masking yet".into()),
+            ));
+        }
+        if self.train.precision == Precision::Fp16 {
+            return Err((
+                "train.precision",
+                why(
+                    "= \"fp16\": the GPU loop has no dynamic loss scaling yet; \"bf16\" or \"fp32\" run on the GPU"
+                        .into(),
+                ),
+            ));
+        }
+        if self.train.rewind {
+            return Err((
+                "train.rewind",
+                why(
+                    "the GPU loop does not rewind yet (train.skip_batches and the spike and non-finite checks work)"
+                        .into(),
+                ),
+            ));
+        }
+        Ok(())
     }
 
     /// The configuration as TOML, as written to the run folder.
@@ -1525,15 +1609,78 @@ mod tests {
         assert!(toml::to_string(&c).unwrap().contains("device = \"cuda:1\""));
         assert_eq!(Device::Cpu.check(), Ok(()));
         // On this machine (CI has no GPU) a CUDA device is an error that
-        // names it and what is missing; never a panic.
+        // names it and what is missing; never a panic. With a GPU it is Ok.
         if let Err(e) = Device::Cuda(0).check() {
             assert!(e.starts_with("`cuda:0`: "), "{e}");
             assert!(
-                e.contains("without CUDA")
-                    || e.contains("not available")
-                    || e.contains("does not run"),
+                e.contains("without CUDA") || e.contains("not available"),
                 "{e}"
             );
+        }
+        #[cfg(not(feature = "cuda"))]
+        assert!(
+            Device::Cuda(0)
+                .check()
+                .is_err_and(|e| e.contains("--features cuda")),
+            "a build without CUDA says how to build one"
+        );
+        // No ordinal is past every driver's count.
+        let e = Device::Cuda(4096).check().unwrap_err();
+        assert!(e.starts_with("`cuda:4096`: "), "{e}");
+    }
+
+    /// `train.device = "cuda"` takes the default job (one rank, dense,
+    /// fp32 or bf16, any micro-batch split) and refuses, naming the key,
+    /// what the GPU loop does not do; the CPU takes all of it.
+    #[test]
+    fn the_gpu_loop_refuses_what_it_does_not_do() {
+        let cuda = |sets: &[&str]| {
+            let mut all = vec!["train.device=cuda".to_owned()];
+            all.extend(sets.iter().map(|s| (*s).to_owned()));
+            Config::load(None, &all).map_err(|e| e.to_string())
+        };
+        for ok in [
+            &[][..],
+            &["train.precision=bf16"],
+            &["train.micro_batch_size=8", "optim.grad_clip=0.5"],
+            &["train.skip_batches=[3]", "parallel.backend=threads"],
+        ] {
+            assert!(cuda(ok).is_ok(), "{ok:?}: {:?}", cuda(ok));
+        }
+        for (sets, key, says) in [
+            (&["parallel.dp=2"][..], "parallel.dp", "one GPU as one rank"),
+            (&["parallel.tp=2"], "parallel.tp", "one GPU as one rank"),
+            (
+                &["parallel.pp=2", "model.n_layer=2"],
+                "parallel.pp",
+                "one GPU as one rank",
+            ),
+            (&["parallel.fsdp=full"], "parallel.fsdp", "no sharding"),
+            (&["parallel.backend=mpi"], "parallel.backend", "one rank"),
+            (&["model.moe.experts=4"], "model.moe.experts", "dense MLP"),
+            (
+                &[
+                    "data.doc_mask=true",
+                    "data.source=trainer/tests/data/shakespeare.txt",
+                ],
+                "data.doc_mask",
+                "document masking",
+            ),
+            (&["train.precision=fp16"], "train.precision", "loss scaling"),
+            (&["train.rewind=true"], "train.rewind", "does not rewind"),
+        ] {
+            let e = cuda(sets).unwrap_err();
+            assert!(
+                e.contains(&format!("key `{key}`"))
+                    && e.contains(says)
+                    && e.contains("train.device = \"cpu\""),
+                "{sets:?}: {e}"
+            );
+            let mut cpu: Vec<String> = sets.iter().map(|s| (*s).to_owned()).collect();
+            cpu.push("train.device=cpu".into());
+            if let Err(e) = Config::load(None, &cpu) {
+                assert!(!e.to_string().contains("one GPU"), "{sets:?}: {e}");
+            }
         }
     }
 }

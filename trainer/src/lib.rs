@@ -15,7 +15,11 @@
 //!   layout: the mesh from `[parallel]`, the model's parallelization plan
 //!   (`weft_model::ParallelGpt`), and per step its micro-batches through
 //!   the plan (data, sharded data, tensor, expert and pipeline
-//!   parallelism; see `[parallel]` in [`config`]).
+//!   parallelism; see `[parallel]` in [`config`]). With `train.device =
+//!   "cuda"` (feature `cuda`) the loop runs on one GPU instead (see
+//!   *Crate features*); the run folder, `metrics.jsonl`, the health
+//!   events and `summary.json` are written by the same code for both
+//!   (the private `run` module).
 //! * [`ranks`]: how the ranks of a run start — threads of this process,
 //!   or one process per rank under `mpirun`/`srun` (feature `mpi`) — and
 //!   how they agree on set-up failures so that one report says what went
@@ -94,7 +98,23 @@
 //!   train`), over `weft-collectives`' MPI backend; needs an MPI library
 //!   at build time.
 //! * `nccl` (implies `mpi`): `parallel.backend = "nccl"`, NCCL across GPUs
-//!   with its communicator id broadcast over MPI.
+//!   with its communicator id broadcast over MPI (the model still
+//!   computes on the CPU).
+//! * `cuda`: `train.device = "cuda"` / `"cuda:N"` (or `weft train --device
+//!   cuda`) trains on one GPU as one rank: `weft_model::cuda::CudaGpt`
+//!   (forward, backward, AdamW on the device) with the same data,
+//!   schedule, AdamW settings, gradient accumulation over
+//!   `train.micro_batch_size`, exact gradient norm, clipping and
+//!   non-finite skip as the CPU loop, evaluation by forward passes, and
+//!   checkpoints in the CPU's format (parameters and moments downloaded),
+//!   so a run resumes on either device; utilisation against the GPU's
+//!   datasheet dense peak (A100, H100 SXM, H200; unknown otherwise).
+//!   [`config::Config::gpu_support`] refuses what it does not do: every
+//!   layout but one rank, mixture-of-experts blocks, document masking,
+//!   fp16 and rewinding. Builds without a CUDA toolkit; without a GPU the
+//!   run stops with a configuration error naming `train.device` and what
+//!   is missing. **Not yet run on a GPU**: `scripts/gpu-check.sh` compares
+//!   it with the CPU loop on a GPU machine.
 
 #![deny(missing_docs)]
 
@@ -103,8 +123,11 @@ pub mod ckpt;
 pub mod compare;
 pub mod config;
 pub mod data;
+#[cfg(feature = "cuda")]
+mod gpu;
 pub mod plan;
 pub mod ranks;
+mod run;
 pub mod sample;
 pub mod schedule;
 pub mod stop;

@@ -127,7 +127,7 @@ enum Command {
         /// data.{source,val_fraction,synthetic.*}; train.{steps,batch_size,
         /// micro_batch_size,seed,eval_every,eval_sequences,spike_factor,
         /// spike_window,straggler_factor,straggler_window,rewind,
-        /// nonfinite_limit,max_rewinds,skip_batches}; optim.{lr,min_lr_ratio,warmup_steps,weight_decay,
+        /// nonfinite_limit,max_rewinds,skip_batches,precision,device}; optim.{lr,min_lr_ratio,warmup_steps,weight_decay,
         /// beta1,beta2,eps,grad_clip}; checkpoint.{every,keep_last,
         /// keep_every}; parallel.{dp,fsdp,hybrid_shard,tp,sequence_parallel,
         /// ep,pp,pp_schedule,pp_chunks,reproducible,backend,timeout_s}
@@ -141,6 +141,11 @@ enum Command {
         /// shorthand for `--set data.source=PATH`.
         #[arg(long, value_name = "PATH")]
         data: Option<PathBuf>,
+        /// Where the model computes: `cpu`, `cuda` (GPU 0) or `cuda:N`;
+        /// shorthand for `--set train.device=DEVICE`. A GPU trains one
+        /// rank of a dense model (weft built with `--features cuda`).
+        #[arg(long, value_name = "DEVICE")]
+        device: Option<String>,
         /// Print the resolved configuration and exit.
         #[arg(long)]
         print_config: bool,
@@ -395,6 +400,7 @@ fn run(cli: Cli) -> Result<()> {
             config,
             sets,
             data,
+            device,
             print_config,
             resume,
             supervise,
@@ -410,6 +416,10 @@ fn run(cli: Cli) -> Result<()> {
         } => {
             // the first Ctrl-C (or SIGTERM) saves and stops; a second stops
             weft_trainer::stop::install().context("installing the signal handlers")?;
+            let mut sets = sets;
+            if let Some(d) = device {
+                sets.push(format!("train.device={}", toml_string(&d)));
+            }
             if let Some(n) = seeds {
                 if n == 0 {
                     anyhow::bail!("--seeds 0: give at least one seed");

@@ -23,6 +23,7 @@ pub struct Terminal {
     steps: u64,
     log_every: u64,
     floor: Option<f64>,
+    peak_source: String,
 }
 
 impl Terminal {
@@ -33,6 +34,7 @@ impl Terminal {
             steps: 0,
             log_every: 1,
             floor: None,
+            peak_source: String::new(),
         }
     }
 
@@ -53,6 +55,15 @@ fn si(x: f64) -> String {
         format!("{:.1} M", x / 1e6)
     } else {
         format!("{x:.0} ")
+    }
+}
+
+/// ` (N% of PEAK)`, or nothing when the peak is unknown.
+fn of_peak(utilisation: f64, peak: &str) -> String {
+    if utilisation.is_finite() {
+        format!(" ({:.0}% of {peak})", 100.0 * utilisation)
+    } else {
+        String::new()
     }
 }
 
@@ -97,16 +108,21 @@ impl Observer for Terminal {
             si(info.flops_per_token),
             info.steps
         ));
-        say(&format!(
-            "matmul peak     {}FLOP/s ({}) measured on {}",
-            si(info.peak_flops),
-            info.precision.name(),
-            if info.backend.contains(" nodes:") {
-                "every node"
-            } else {
-                "this machine"
-            }
-        ));
+        if info.peak_flops.is_finite() {
+            say(&format!(
+                "matmul peak     {}FLOP/s ({}) {}",
+                si(info.peak_flops),
+                info.precision.name(),
+                info.peak_source
+            ));
+        } else {
+            say(&format!(
+                "matmul peak     {} ({}): no utilisation figures",
+                info.peak_source,
+                info.precision.name()
+            ));
+        }
+        self.peak_source.clone_from(&info.peak_source);
         say(&format!("backend         {}", info.backend));
         for (i, d) in info.data_shares.iter().enumerate() {
             say(&format!(
@@ -188,12 +204,12 @@ impl Observer for Terminal {
     fn step(&mut self, r: &StepReport) {
         let rec = &r.record;
         let msg = format!(
-            "loss {:.4} | lr {:.2e} | {:.0} tok/s | {}FLOP/s ({:.0}% of peak)",
+            "loss {:.4} | lr {:.2e} | {:.0} tok/s | {}FLOP/s{}",
             rec.loss,
             rec.lr,
             rec.tokens_per_s,
             si(r.flops_per_s),
-            100.0 * r.utilisation
+            of_peak(r.utilisation, "peak")
         );
         let msg = match r.max_vio {
             Some(v) => format!("{msg} | MaxVio {v:.2}"),
@@ -297,10 +313,17 @@ impl Observer for Terminal {
             ));
         }
         say(&format!(
-            "throughput      {:.0} tokens/s, {}FLOP/s, {:.0}% of the measured matmul peak",
+            "throughput      {:.0} tokens/s, {}FLOP/s{}",
             s.tokens_per_s,
             si(s.flops_per_s),
-            100.0 * s.utilisation
+            of_peak(
+                s.utilisation,
+                if self.peak_source.starts_with("measured") {
+                    "the measured matmul peak"
+                } else {
+                    "the datasheet peak (MFU)"
+                }
+            )
         ));
         if s.operand_copy_bytes > 0 {
             say(&format!(

@@ -33,8 +33,8 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use weft_collectives::{Communicator, CommunicatorExt, ReduceOp};
-use weft_kernels::{AdamW, Mode, Precision, matmul_forward};
-use weft_model::{FeedForward, GptConfig, Init, MicroBatch, MoeFfn, ParallelGpt, ParallelPlan};
+use weft_kernels::{Mode, Precision, matmul_forward};
+use weft_model::{FeedForward, GptConfig, Init, MoeFfn, ParallelGpt, ParallelPlan};
 use weft_numerics::DynamicLossScaler;
 use weft_trace::MetricsRecord;
 
@@ -240,9 +240,15 @@ pub struct RunInfo {
     /// routed experts) plus 6·L·T·C for causal attention (forward and
     /// backward).
     pub flops_per_token: f64,
-    /// The machine's measured f32 matmul throughput (FLOP/s), the
-    /// denominator of utilisation.
+    /// The machine's matmul throughput (FLOP/s) in
+    /// [`precision`](Self::precision), the denominator of utilisation:
+    /// measured on the CPU; on a GPU its datasheet's dense peak, NaN when
+    /// the GPU is not in the table.
     pub peak_flops: f64,
+    /// Where [`peak_flops`](Self::peak_flops) comes from, e.g. `measured
+    /// on this machine`, or the GPU's name and datasheet (or that its peak
+    /// is unknown).
+    pub peak_source: String,
     /// Best achievable validation loss, when the data has one.
     pub floor: Option<f64>,
     /// Optimizer steps.
@@ -522,7 +528,7 @@ pub fn measure_matmul_peak(precision: Precision) -> f64 {
     2.0 * (m * k * n) as f64 / best
 }
 
-fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> TrainError + '_ {
+pub(crate) fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> TrainError + '_ {
     move |source| TrainError::Io {
         path: path.to_owned(),
         source,
@@ -637,7 +643,7 @@ fn rank_ffn(
 }
 
 /// The configuration's batch split (validated with the configuration).
-fn batch_split(config: &Config) -> Result<crate::config::BatchSplit, TrainError> {
+pub(crate) fn batch_split(config: &Config) -> Result<crate::config::BatchSplit, TrainError> {
     config
         .batch_split()
         .map_err(|(key, message)| crate::config::ConfigError {
@@ -763,7 +769,8 @@ fn sum_load_stats(
 /// or `"auto"` outside an MPI launcher), or — under `mpirun`/`srun`, or with
 /// `"mpi"`/`"nccl"` — this process is one rank of the launcher's job
 /// ([`Processes::connect`](crate::ranks::Processes::connect), then
-/// [`train_processes`]).
+/// [`train_processes`]). With `train.device = "cuda"` (feature `cuda`) the
+/// job runs on one GPU as one rank, in this process (`crate::gpu`).
 ///
 /// # Errors
 /// [`TrainError`] if the data cannot be opened, the model rejects the
@@ -777,6 +784,10 @@ pub fn train(
     observer: &mut dyn Observer,
 ) -> Result<Summary, TrainError> {
     use crate::config::Backend;
+    #[cfg(feature = "cuda")]
+    if config.train.device != crate::config::Device::Cpu {
+        return crate::gpu::train(config, resume, observer);
+    }
     let launcher = crate::ranks::LauncherEnv::detect();
     match (config.parallel.backend, launcher) {
         (Backend::Threads, Some(env)) if env.size > 1 => Err(TrainError::Backend(format!(
@@ -795,14 +806,17 @@ pub fn train(
 /// `train.device`: a run on a device that cannot be used here stops
 /// before anything starts, with what is missing named
 /// ([`Device::check`](crate::config::Device::check)).
-fn check_device(config: &Config) -> Result<(), TrainError> {
-    config.train.device.check().map_err(|message| {
-        TrainError::Config(crate::config::ConfigError {
-            origin: "config".into(),
-            position: None,
-            key: Some("train.device".into()),
-            message,
-        })
+pub(crate) fn check_device(config: &Config) -> Result<(), TrainError> {
+    config.train.device.check().map_err(device_error)
+}
+
+/// A configuration error of `train.device` saying `message`.
+pub(crate) fn device_error(message: String) -> TrainError {
+    TrainError::Config(crate::config::ConfigError {
+        origin: "config".into(),
+        position: None,
+        key: Some("train.device".into()),
+        message,
     })
 }
 
@@ -1009,7 +1023,7 @@ struct Job<'a> {
 /// overflow, so sizes no machine has are an error, not a crash. The exact
 /// per-rank prediction follows once the layout is built
 /// ([`check_memory`]).
-fn check_model_floor(config: &Config) -> Result<(), TrainError> {
+pub(crate) fn check_model_floor(config: &Config) -> Result<(), TrainError> {
     let m = &config.model;
     let (l, c, t) = (m.n_layer as u128, m.n_embd as u128, m.block_size as u128);
     let (blocks, rest) = (l * (12 * c * c + 13 * c), (t + 2) * c);
@@ -1073,11 +1087,7 @@ fn check_memory(
     if total[0] <= available as f64 {
         return Ok(());
     }
-    let (name, _) = mine
-        .categories()
-        .into_iter()
-        .max_by_key(|&(_, b)| b)
-        .unwrap_or(("params", 0));
+    let (name, _) = mine.largest();
     let m = &config.model;
     let settings = match name {
         "activations" => format!(
@@ -1102,7 +1112,7 @@ fn check_memory(
     })
 }
 
-fn gib(b: f64) -> String {
+pub(crate) fn gib(b: f64) -> String {
     format!("{:.2} GiB", b / f64::from(1u32 << 30))
 }
 
@@ -1116,7 +1126,7 @@ fn available_memory() -> Option<u64> {
 }
 
 /// `dp=2 tp=2 ...` for the degrees above 1.
-fn layout_name(config: &Config) -> String {
+pub(crate) fn layout_name(config: &Config) -> String {
     let p = &config.parallel;
     let mut parts: Vec<String> = [("dp", p.dp), ("tp", p.tp), ("pp", p.pp), ("ep", p.ep)]
         .iter()
@@ -1186,7 +1196,7 @@ enum Attempt {
 /// The batches a run leaves out and the rewinds it made: the config's
 /// `train.skip_batches` and, resuming, the run's `skip.json`.
 #[derive(Clone, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
-struct Skips {
+pub(crate) struct Skips {
     /// Steps (1-based) whose batch, in a run without skips, is left out:
     /// sorted, each once.
     batches: Vec<u64>,
@@ -1195,6 +1205,24 @@ struct Skips {
 }
 
 impl Skips {
+    /// The batches a run in `run_dir` leaves out: `skip_batches` (the
+    /// config's), and, resuming, those its `skip.json` records.
+    /// Collective over `world`.
+    pub(crate) fn for_run(
+        world: &dyn Communicator,
+        run_dir: &Path,
+        resume: bool,
+        skip_batches: &[u64],
+    ) -> Result<Skips, TrainError> {
+        let mut s = if resume {
+            agree(world, Skips::read(run_dir))?
+        } else {
+            Skips::default()
+        };
+        s.add(skip_batches);
+        Ok(s)
+    }
+
     /// The skips recorded in `run_dir/skip.json` (none without one).
     fn read(run_dir: &Path) -> Result<Skips, TrainError> {
         let path = run_dir.join("skip.json");
@@ -1216,7 +1244,7 @@ impl Skips {
 
     /// The batch (0-based) that optimizer step `step` (0-based) reads: the
     /// batches in order, those left out passed over.
-    fn batch_of(&self, step: u64) -> u64 {
+    pub(crate) fn batch_of(&self, step: u64) -> u64 {
         let mut b = step;
         for &s in &self.batches {
             if s - 1 <= b {
@@ -1329,86 +1357,27 @@ fn run_attempt(
         ParallelGpt::new(cfg.clone(), ffn, init, &plan, mesh).map_err(TrainError::from),
     )?;
 
-    // rank 0 names the run (a timestamp unless run.name says), for all
-    let name = if config.run.name.is_empty() {
-        let mine = if writer {
-            timestamp_name()
-        } else {
-            String::new()
-        };
-        let all = crate::ranks::all_gather_bytes(world, crate::ranks::tags::NAME, mine.as_bytes())?;
-        String::from_utf8_lossy(&all[0]).into_owned()
-    } else {
-        config.run.name.clone()
-    };
-    let run_dir = config.run.dir.join(name);
-    let metrics_path = run_dir.join("metrics.jsonl");
+    let run_dir = crate::run::open_run_dir(config, world, resume)?;
     let ckpt_root = run_dir.join("checkpoints");
     // Resuming: every rank loads its part of the checkpoint (saved by any
     // layout); and the metrics lines up to the checkpoint.
-    let mut kept_lines: Vec<String> = Vec::new();
+    let mut kept = crate::run::Kept::default();
     let mut start_step = 0;
     let mut restored_scale = None;
     if resume {
-        let found = if run_dir.is_dir() {
-            Ok(())
-        } else {
-            Err(TrainError::NothingToResume(run_dir.clone()))
-        };
-        agree(world, found)?;
         if start_from != (Start::Rewind { checkpoint: false }) {
             let restored = agree(
                 world,
                 crate::ckpt::restore_sharded(world, &ckpt_root, config, &mut model)
                     .map_err(TrainError::from),
             )?;
-            start_step = restored.step;
+            start_step = crate::run::resume_step(config, &run_dir, &restored, observer)?;
             restored_scale = restored.loss_scale;
-            if start_step >= t.steps {
-                // nothing to train: the run's files stay as they are
-                return Err(TrainError::AlreadyFinished {
-                    run: run_dir,
-                    step: start_step,
-                });
-            }
-            observer.resumed(start_step, &restored.skipped);
         }
-        let text = agree(
-            world,
-            std::fs::read_to_string(&metrics_path).map_err(io_err(&metrics_path)),
-        )?;
-        kept_lines = text
-            .lines()
-            .filter(|l| {
-                serde_json::from_str::<serde_json::Value>(l)
-                    .ok()
-                    .and_then(|v| v["step"].as_u64())
-                    .is_some_and(|s| s <= start_step)
-            })
-            .map(str::to_owned)
-            .collect();
-    } else {
-        let created = (|| {
-            if !writer {
-                return Ok(());
-            }
-            if run_dir.exists() {
-                return Err(TrainError::RunExists(run_dir.clone()));
-            }
-            std::fs::create_dir_all(&run_dir).map_err(io_err(&run_dir))?;
-            let config_path = run_dir.join("config.toml");
-            std::fs::write(&config_path, config.to_toml()).map_err(io_err(&config_path))
-        })();
-        agree(world, created)?;
+        kept = crate::run::Kept::read(world, &run_dir, start_step)?;
     }
     if skips.is_none() {
-        let mut s = if resume {
-            agree(world, Skips::read(&run_dir))?
-        } else {
-            Skips::default()
-        };
-        s.add(&t.skip_batches);
-        *skips = Some(s);
+        *skips = Some(Skips::for_run(world, &run_dir, resume, &t.skip_batches)?);
     }
     let skips = skips.get_or_insert_with(Skips::default);
     // A rewind goes back to the newest checkpoint saved (0: the start).
@@ -1436,53 +1405,16 @@ fn run_attempt(
     };
     let full_layout = model.whole_layout().clone();
     // Only the writer's logs reach the disk.
-    let opened = (|| -> Result<BufWriter<Box<dyn Write>>, TrainError> {
-        if !writer {
-            return Ok(BufWriter::new(Box::new(std::io::sink())));
-        }
-        // (Re)write the metrics file with the kept lines, atomically.
-        let tmp = run_dir.join("metrics.jsonl.tmp");
-        let kept: String = kept_lines.iter().map(|l| format!("{l}\n")).collect();
-        std::fs::write(&tmp, kept).map_err(io_err(&tmp))?;
-        std::fs::rename(&tmp, &metrics_path).map_err(io_err(&metrics_path))?;
-        let file = std::fs::OpenOptions::new().append(true).open(&metrics_path);
-        Ok(BufWriter::new(Box::new(
-            file.map_err(io_err(&metrics_path))?,
-        )))
-    })();
-    let mut metrics = agree(world, opened)?;
+    let floor = data.val_floor(t.eval_sequences);
+    let mut metrics = crate::run::Metrics::open(world, &run_dir, &kept, floor)?;
 
     let val = agree(
         world,
         data.val_batches(t.eval_sequences, micro)
             .map_err(TrainError::from),
     )?;
-    let val_mbs: Vec<MicroBatch<'_>> = val
-        .iter()
-        .map(|b| MicroBatch {
-            tokens: &b.inputs,
-            targets: &b.targets,
-        })
-        .collect();
-    let floor = data.val_floor(t.eval_sequences);
-    let (l, c) = (cfg.n_layer, cfg.n_embd);
-    // Parameters each token multiplies by: not the position table, and of
-    // the routed experts only the k of E a token is sent to.
-    let moe_active = |name: &str| {
-        let m = &config.model.moe;
-        if m.experts > 0 && name.contains(".mlp.experts.") {
-            m.top_k as f64 / m.experts as f64
-        } else {
-            1.0
-        }
-    };
-    let matmul_params: f64 = full_layout
-        .specs()
-        .iter()
-        .filter(|p| p.name != "transformer.wpe.weight")
-        .map(|p| p.numel() as f64 * moe_active(&p.name))
-        .sum();
-    let flops_per_token = 6.0 * matmul_params + 6.0 * (l * seq * c) as f64;
+    let val_mbs = crate::run::micro_batches(&val);
+    let flops_per_token = crate::run::flops_per_token(config, &full_layout);
     let memory = model.memory();
     let info = RunInfo {
         predicted_memory: predicted,
@@ -1493,6 +1425,11 @@ fn run_attempt(
         tokens_per_step: t.batch_size * seq,
         flops_per_token,
         peak_flops: if writer { peak } else { f64::NAN },
+        peak_source: if processes.is_some_and(|p| crate::ranks::node_map(p.hosts()).len() > 1) {
+            "measured on every node".into()
+        } else {
+            "measured on this machine".into()
+        },
         floor,
         steps: t.steps,
         activation_bytes: memory.activations,
@@ -1506,49 +1443,15 @@ fn run_attempt(
     };
     observer.start(&info);
 
-    let write_line = |w: &mut BufWriter<Box<dyn Write>>, line: String| -> Result<(), TrainError> {
-        writeln!(w, "{line}").map_err(io_err(&metrics_path))
-    };
-    let log_eval = |w: &mut BufWriter<Box<dyn Write>>,
-                    obs: &mut dyn Observer,
-                    step: u64,
-                    loss: f64| {
-        let report = EvalReport { step, loss, floor };
-        obs.eval(&report);
-        let line =
-            serde_json::json!({ "step": step, "event": "eval", "val_loss": loss, "floor": floor });
-        write_line(w, line.to_string())
-    };
-
     // one time origin for every rank's trace
     world.barrier()?;
     let start = Instant::now();
-    let parse = |l: &String| serde_json::from_str::<serde_json::Value>(l).ok();
-    let initial_eval = if resume {
-        kept_lines
-            .iter()
-            .filter_map(parse)
-            .find(|v| v["event"] == "eval" && v["step"] == 0)
-            .and_then(|v| v["val_loss"].as_f64())
-            .unwrap_or(f64::NAN)
-    } else {
+    if !resume {
         let e = model.eval_loss(&val_mbs)?;
-        log_eval(&mut metrics, observer, 0, e)?;
-        e
-    };
-    let mut last_eval = initial_eval;
-    let (mut skipped, mut last_loss) = (0u64, f64::NAN);
-    let (mut sum_tps, mut sum_flops) = (0.0, 0.0);
-    // The spike detector's window, refilled from the kept lines on resume.
-    let mut recent: Vec<f64> = kept_lines
-        .iter()
-        .filter_map(parse)
-        .filter(|v| v.get("event").is_none())
-        .filter_map(|v| v["loss"].as_f64())
-        .filter(|l| l.is_finite())
-        .collect();
-    let excess = recent.len().saturating_sub(t.spike_window.max(1));
-    recent.drain(..excess);
+        metrics.eval(observer, 0, e)?;
+    }
+    // The spike detector, its window refilled from the kept lines on resume.
+    let mut spikes = crate::run::Spikes::new(config, &kept);
     let mut last_max_vio = None;
     let expert_path = run_dir.join("expert_load.jsonl");
     let expert_log = (|| -> Result<Option<BufWriter<Box<dyn Write>>>, TrainError> {
@@ -1604,27 +1507,13 @@ fn run_attempt(
         if let Some(moe) = &moe {
             moe.stats.take(); // forget evaluation forwards
         }
-        let hp = AdamW {
-            lr: lr as f32,
-            beta1: config.optim.beta1 as f32,
-            beta2: config.optim.beta2 as f32,
-            eps: config.optim.eps as f32,
-            weight_decay: config.optim.weight_decay as f32,
-        };
+        let hp = crate::run::adamw(&config.optim, lr);
         // This data-parallel rank's share of the global batch (the next
         // batch not left out).
         let batch = skips.batch_of(step);
-        let mut batches: Vec<_> = (first_micro..first_micro + per_rank)
-            .map(|m| data.train_batch(batch, m, micro))
-            .collect::<Result<_, _>>()?;
-        if let Some(f) = crate::supervise::spike_at(batch + 1) {
-            if writer {
-                crate::supervise::fired(&run_dir, &f, 0);
-            }
-            for b in &mut batches {
-                crate::supervise::scramble(&mut b.targets, vocab, batch);
-            }
-        }
+        let micros = first_micro..first_micro + per_rank;
+        let writes = writer.then_some(run_dir.as_path());
+        let batches = crate::run::read_batches(data, batch, micros, micro, writes)?;
         let slow = crate::supervise::slowdown(step + 1, world.rank());
         let slept = last_step_time.mul_f64(slow - 1.0);
         std::thread::sleep(slept);
@@ -1636,13 +1525,7 @@ fn run_attempt(
         } else {
             None
         };
-        let mbs: Vec<MicroBatch<'_>> = batches
-            .iter()
-            .map(|b| MicroBatch {
-                tokens: &b.inputs,
-                targets: &b.targets,
-            })
-            .collect();
+        let mbs = crate::run::micro_batches(&batches);
         let in_step = Instant::now();
         let loss_scale = scaler.as_ref().map(DynamicLossScaler::scale);
         let out = model.train_step_scaled(
@@ -1671,8 +1554,7 @@ fn run_attempt(
             scale_helps = !applied && loss.is_finite() && used > sc.config().min_scale;
         }
         if !applied {
-            skipped += 1;
-            let (event, line) = match (loss_scale, &scaler) {
+            let event = match (loss_scale, &scaler) {
                 (Some(used), Some(sc)) if scale_helps => (
                     HealthEvent::Overflow {
                         step: step + 1,
@@ -1683,17 +1565,9 @@ fn run_attempt(
                     serde_json::json!({ "step": step + 1, "event": "overflow", "loss": loss,
                         "loss_scale": used, "next_loss_scale": sc.scale() }),
                 ),
-                _ => (
-                    HealthEvent::Skipped {
-                        step: step + 1,
-                        loss,
-                        grad_norm,
-                    },
-                    serde_json::json!({ "step": step + 1, "event": "skip", "loss": loss, "grad_norm": grad_norm }),
-                ),
+                _ => crate::run::skip_event(step + 1, loss, grad_norm),
             };
-            observer.event(&event);
-            write_line(&mut metrics, line.to_string())?;
+            metrics.health(observer, event)?;
         }
         let mut max_vio = None;
         if let Some(moe) = &moe {
@@ -1748,37 +1622,17 @@ fn run_attempt(
                 (step + 1 - nonfinite_run..=step).collect(),
             ));
         }
-        if loss.is_finite() {
-            let window = t.spike_window.max(1);
-            if recent.len() >= window.min(10) {
-                let mut sorted = recent.clone();
-                sorted.sort_by(f64::total_cmp);
-                let median = sorted[sorted.len() / 2];
-                if loss > t.spike_factor * median {
-                    let event = HealthEvent::Spike {
-                        step: step + 1,
-                        loss,
-                        median,
-                        batch: (batch, split.global),
-                    };
-                    observer.event(&event);
-                    let line = serde_json::json!({ "step": step + 1, "event": "spike", "loss": loss, "median": median,
-                        "batch": { "step": batch, "micro_batches": split.global } });
-                    write_line(&mut metrics, line.to_string())?;
-                    if t.rewind {
-                        rewind = Some((
-                            format!(
-                                "loss {loss:.4} > train.spike_factor {} × rolling median {median:.4}",
-                                t.spike_factor
-                            ),
-                            vec![step],
-                        ));
-                    }
-                }
-            }
-            recent.push(loss);
-            if recent.len() > window {
-                recent.remove(0);
+        if let Some(median) = spikes.check(loss) {
+            let event = crate::run::spike_event(step + 1, loss, median, (batch, split.global));
+            metrics.health(observer, event)?;
+            if t.rewind {
+                rewind = Some((
+                    format!(
+                        "loss {loss:.4} > train.spike_factor {} × rolling median {median:.4}",
+                        t.spike_factor
+                    ),
+                    vec![step],
+                ));
             }
         }
         if let Some((reason, steps)) = rewind {
@@ -1799,7 +1653,7 @@ fn run_attempt(
             }
             skips.add(&left_out);
             skips.rewinds += 1;
-            metrics.flush().map_err(io_err(&metrics_path))?;
+            metrics.flush()?;
             if let Some(log) = expert_log.as_mut() {
                 log.flush().map_err(io_err(&expert_path))?;
             }
@@ -1817,7 +1671,6 @@ fn run_attempt(
             });
             return Ok(Attempt::Rewind { to: last_saved });
         }
-        last_loss = loss;
         let traced = step < start_step + config.run.trace_steps;
         // Every rank's lanes for the first `run.trace_steps` steps (its
         // pipeline actions and receive waits, FSDP's compute, communication
@@ -1952,22 +1805,8 @@ fn run_attempt(
             }
         }
         last_step_time = step_start.elapsed().saturating_sub(slept);
-        let dt = step_start.elapsed().as_secs_f64();
-        let tps = info.tokens_per_step as f64 / dt;
-        let flops = tps * flops_per_token;
-        sum_tps += tps;
-        sum_flops += flops;
-        let record = MetricsRecord {
-            step: step + 1,
-            loss,
-            lr,
-            grad_norm,
-            tokens_per_s: tps,
-            time_s: start.elapsed().as_secs_f64(),
-            loss_scale: loss_scale.map(f64::from),
-        };
-        let line = serde_json::to_string(&record).unwrap_or_default();
-        write_line(&mut metrics, line)?;
+        let times = (step_start.elapsed(), start.elapsed());
+        let report = metrics.step(&info, step + 1, lr, &out, loss_scale, times, max_vio)?;
         crate::supervise::heartbeat(&run_dir, world.rank(), step + 1);
         if t.straggler_factor > 0.0 && (step + 1).is_multiple_of(t.straggler_window) {
             let w = model.mesh().world();
@@ -2003,26 +1842,17 @@ fn run_attempt(
                 }
             }
         }
-        observer.step(&StepReport {
-            record,
-            flops_per_s: flops,
-            utilisation: flops / info.peak_flops,
-            applied,
-            max_vio,
-        });
+        observer.step(&report);
         let done = step + 1 == t.steps;
-        if done || (t.eval_every > 0 && (step + 1) % t.eval_every == 0) {
-            last_eval = model.eval_loss(&val_mbs)?;
-            log_eval(&mut metrics, observer, step + 1, last_eval)?;
+        if crate::run::eval_due(config, step + 1, done) {
+            let e = model.eval_loss(&val_mbs)?;
+            metrics.eval(observer, step + 1, e)?;
         }
         // a stop asked for on any rank: every rank saves after this step
         let stop = !done && crate::stop::agreed(model.mesh().world())?;
-        if stop
-            || config.checkpoint.every > 0
-                && (done || (step + 1).is_multiple_of(config.checkpoint.every))
-        {
+        if crate::run::save_due(config, step + 1, done, stop) {
             // Everything logged so far belongs to the checkpoint.
-            metrics.flush().map_err(io_err(&metrics_path))?;
+            metrics.flush()?;
             if let Some(log) = expert_log.as_mut() {
                 log.flush().map_err(io_err(&expert_path))?;
             }
@@ -2053,7 +1883,7 @@ fn run_attempt(
             });
         }
     }
-    metrics.flush().map_err(io_err(&metrics_path))?;
+    metrics.flush()?;
     if let Some(log) = expert_log.as_mut() {
         log.flush().map_err(io_err(&expert_path))?;
     }
@@ -2074,17 +1904,6 @@ fn run_attempt(
         }
     };
     let summary = Summary {
-        run_dir: run_dir.clone(),
-        steps: t.steps,
-        skipped_steps: skipped,
-        final_train_loss: last_loss,
-        final_eval_loss: last_eval,
-        initial_eval_loss: initial_eval,
-        floor,
-        tokens_per_s: sum_tps / n,
-        flops_per_s: sum_flops / n,
-        utilisation: sum_flops / n / info.peak_flops,
-        wall_s: start.elapsed().as_secs_f64(),
         final_max_vio: last_max_vio,
         pipeline_bubble: bubble_sum.and_then(|(m, p, n)| {
             (n > 0).then(|| PipelineBubble {
@@ -2098,7 +1917,7 @@ fn run_attempt(
             scalars: axis(5),
         }),
         operand_copy_bytes: weft_kernels::operand_copy_bytes(),
-        memory: info.memory,
+        ..metrics.summary(&info, start.elapsed())
     };
     if !step_bubbles.is_empty() {
         bubble_other_data(
@@ -2112,12 +1931,7 @@ fn run_attempt(
         let json = serde_json::to_string(&trace).unwrap_or_default();
         std::fs::write(&path, json).map_err(io_err(&path))?;
     }
-    if writer {
-        let summary_path = run_dir.join("summary.json");
-        let json = serde_json::to_string_pretty(&summary).unwrap_or_default();
-        std::fs::write(&summary_path, json + "\n").map_err(io_err(&summary_path))?;
-    }
-    observer.finish(&summary);
+    crate::run::finish(writer, &summary, observer)?;
     Ok(Attempt::Finished(Box::new(summary)))
 }
 

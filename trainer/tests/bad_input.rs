@@ -136,6 +136,21 @@ const CASES: &[(&[&str], &str)] = &[
         &["train", "--set", "train.straggler_window=0"],
         "key `train.straggler_window`: must be at least 1",
     ),
+    // the device: a GPU that is not here (never a panic), and what the
+    // GPU loop does not do
+    (&["train", "--device", "tpu"], "unknown device `tpu`"),
+    (
+        &["train", "--device", "cuda:4096"],
+        "key `train.device`: `cuda:4096`: ",
+    ),
+    (
+        &["train", "--device", "cuda", "--set", "parallel.dp=2"],
+        "key `parallel.dp`: = 2: train.device = \"cuda:0\" trains on one GPU as one rank",
+    ),
+    (
+        &["train", "--device", "cuda", "--set", "model.moe.experts=4"],
+        "key `model.moe.experts`: = 4: the GPU model",
+    ),
     (
         &["train", "--set", "run.name=\"../x\""],
         "key `run.name`: is the run folder's name inside run.dir, not a path",
