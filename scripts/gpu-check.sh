@@ -17,10 +17,19 @@
 #      library fails instead of skipping), NVRTC compiling every source;
 #   3. model: the dense GPT trained on the GPU (weft_model::cuda::CudaGpt)
 #      against the CPU model: every gradient after the first step and the
-#      losses of six steps, in f32 and bf16 (model/tests/cuda.rs);
-#   4. nccl: the NCCL backend's check (collectives/gpu-check.sh: every
+#      losses of six steps, in f32 and bf16; the trainer's step (two
+#      micro-batches accumulated, clipping), evaluation of short batches
+#      and the AdamW state (model/tests/cuda.rs);
+#   4. train: `weft train --device cuda` against `--device cpu`, 20 steps
+#      of the default job (f32): every step's training loss and both
+#      evaluations side by side with the largest relative |Δ| (at most
+#      1e-3: the model check's f32 bound of 1e-4 over six steps, with
+#      room for twenty and the clipping); then each run's checkpoint of
+#      step 10 continued to step 20 on the other device, against that
+#      device's own run (the same bound); the GPU run's tokens/s and MFU;
+#   5. nccl: the NCCL backend's check (collectives/gpu-check.sh: every
 #      collective through NCCL on GPU 0, world size 1);
-#   5. bench: the kernels at GPT-2 small's shapes (time, GB/s, TFLOP/s) and
+#   6. bench: the kernels at GPT-2 small's shapes (time, GB/s, TFLOP/s) and
 #      the projected training step's tokens/s and MFU
 #      (kernels/benches/cuda.rs);
 # then a summary: one line per step, PASS / FAIL / MISSING, with the
@@ -43,23 +52,88 @@ BIN_DIR=target/gpu-check
 TESTS="$BIN_DIR/kernels-cuda-tests"
 MODEL="$BIN_DIR/model-cuda-tests"
 BENCH="$BIN_DIR/kernels-cuda-bench"
+WEFT="$BIN_DIR/weft"
 STAMP="$BIN_DIR/kernels.source"
 say() { echo "gpu-check: $*"; }
 start=$SECONDS
+
+# Step 4, on its own: `bash scripts/gpu-check.sh --train-check WEFT DIR`
+# trains the default job for 20 steps with the `weft` binary WEFT on the
+# CPU and on GPU 0 into DIR, and compares them (exit 1 when they differ).
+if [ "${1:-}" = "--train-check" ]; then
+    weft=$2 dir=$3 tol=1e-3 rc=0
+    rm -rf "$dir" && mkdir -p "$dir" || exit 2
+    # "kind step loss" of every training step and evaluation
+    losses() {
+        awk '{
+            if (!match($0, /"step":[0-9]+/)) next
+            step = substr($0, RSTART + 7, RLENGTH - 7)
+            if ($0 ~ /"event":"eval"/) {
+                if (match($0, /"val_loss":[^,}]+/)) print "eval", step, substr($0, RSTART + 11, RLENGTH - 11)
+            } else if ($0 !~ /"event"/ && match($0, /"loss":[^,}]+/)) {
+                print "train", step, substr($0, RSTART + 7, RLENGTH - 7)
+            }
+        }' "$1/metrics.jsonl"
+    }
+    # compare WHAT BASE OTHER FIRST_STEP: the losses of OTHER against BASE
+    # from step FIRST_STEP on, side by side, and the largest relative |Δ|
+    compare() {
+        echo "--- $1 (steps from $4; tolerance $tol relative)"
+        losses "$2" > "$dir/base.txt" && losses "$3" > "$dir/other.txt"
+        awk -v tol="$tol" -v from="$4" -v what="$1" '
+            NR == FNR { base[$1 " " $2] = $3; next }
+            $2 + 0 < from + 0 { next }
+            {
+                key = $1 " " $2
+                if (!(key in base)) { printf "  %-5s %4d: missing in the base run\n", $1, $2; bad = 1; next }
+                b = base[key] + 0; o = $3 + 0; d = o - b; if (d < 0) d = -d
+                r = (b != 0) ? d / (b < 0 ? -b : b) : d
+                if (r > worst || r != r) worst = r
+                if (r != r || r > tol) bad = 1
+                printf "  %-5s %4d: base %.6f other %.6f |d| %.2e rel %.2e\n", $1, $2, b, o, d, r
+                n++
+            }
+            END {
+                if (n == 0) { print "  no steps to compare"; bad = 1 }
+                printf "%s: max |d| relative %.2e over %d losses (tolerance %s): %s\n", what, worst, n, tol, bad ? "FAIL" : "ok"
+                exit bad
+            }' "$dir/base.txt" "$dir/other.txt"
+    }
+    common=(--set "run.dir=\"$dir\"" --set train.steps=20 --set checkpoint.every=10)
+    for dev in cpu cuda; do
+        echo "--- weft train --device $dev ${common[*]} --set run.name=$dev"
+        "$weft" train --device "$dev" --set "run.name=$dev" "${common[@]}" 2>&1 | tee "$dir/$dev.out" \
+            || { echo "weft train --device $dev failed"; exit 1; }
+    done
+    grep -E '^(matmul peak|throughput)' "$dir/cuda.out" | sed 's/^/GPU run: /'
+    compare "GPU vs CPU" "$dir/cpu" "$dir/cuda" 0 || rc=1
+    # each device's checkpoint of step 10 continued to 20 on the other
+    for pair in "cuda cpu" "cpu cuda"; do
+        read -r from to <<< "$pair"
+        run="$dir/$from-then-$to"
+        mkdir -p "$run/checkpoints" && cp "$dir/$from/config.toml" "$dir/$from/metrics.jsonl" "$run/" \
+            && cp -r "$dir/$from/checkpoints/step-00000010" "$run/checkpoints/" || { rc=1; continue; }
+        echo "--- weft train --resume $run --device $to"
+        "$weft" train --resume "$run" --device "$to" || { echo "resuming on $to failed"; rc=1; continue; }
+        compare "$from checkpoint continued on $to vs $to" "$dir/$to" "$run" 11 || rc=1
+    done
+    exit $rc
+fi
 
 # A fingerprint of every source file the binaries are built from.
 fingerprint() {
     find kernels/src kernels/cuda kernels/tests/cuda.rs kernels/benches/cuda.rs model/tests/cuda.rs \
         numerics collectives/src kernels/Cargo.toml parallel moe/src pipeline/src fsdp/src model/src \
-        trace/src */Cargo.toml Cargo.toml Cargo.lock -type f -not -path '*/target/*' 2>/dev/null \
+        trace/src trainer/src checkpoint/src data/src plan/src viz-web/src viz-web/page \
+        */Cargo.toml Cargo.toml Cargo.lock -type f -not -path '*/target/*' 2>/dev/null \
         | LC_ALL=C sort | xargs sha256sum | sha256sum | cut -d' ' -f1
 }
 
-# Builds the kernels' and the model's GPU test binaries and the bench
-# (release) and copies them to $BIN_DIR, stripped of debug info (they
-# travel).
+# Builds the kernels' and the model's GPU test binaries, the bench and
+# `weft` with CUDA (release) and copies them to $BIN_DIR, stripped of
+# debug info (they travel).
 build() {
-    local out out2 out3 tests model bench offline
+    local out out2 out3 out4 tests model bench weft offline
     export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$PWD/target}"
     for offline in "" "--offline"; do
         out=$(cargo test --release -p weft-kernels --features cuda --test cuda --no-run $offline 2>&1)
@@ -68,15 +142,18 @@ build() {
         model=$(printf '%s\n' "$out3" | sed -n 's/.*Executable tests\/cuda.rs (\(.*\))$/\1/p' | tail -n 1)
         out2=$(cargo bench -p weft-kernels --features cuda --bench cuda --no-run $offline 2>&1)
         bench=$(printf '%s\n' "$out2" | sed -n 's/.*Executable benches\/cuda.rs (\(.*\))$/\1/p' | tail -n 1)
+        out4=$(cargo build --release -p weft-trainer --features cuda --bin weft $offline 2>&1)
+        weft="$CARGO_TARGET_DIR/release/weft"
         if [ -n "$tests" ] && [ -x "$tests" ] && [ -n "$model" ] && [ -x "$model" ] \
-            && [ -n "$bench" ] && [ -x "$bench" ]; then
+            && [ -n "$bench" ] && [ -x "$bench" ] && [ -x "$weft" ]; then
             mkdir -p "$BIN_DIR" && cp "$tests" "$TESTS" && cp "$model" "$MODEL" && cp "$bench" "$BENCH" \
-                && { strip --strip-debug "$TESTS" "$MODEL" "$BENCH" 2>/dev/null || true; } \
+                && cp "$weft" "$WEFT" \
+                && { strip --strip-debug "$TESTS" "$MODEL" "$BENCH" "$WEFT" 2>/dev/null || true; } \
                 && fingerprint > "$STAMP" \
-                && say "built $TESTS, $MODEL and $BENCH from sources $(cat "$STAMP")" && return 0
+                && say "built $TESTS, $MODEL, $BENCH and $WEFT from sources $(cat "$STAMP")" && return 0
         fi
     done
-    printf '%s\n%s\n%s\n' "$out" "${out3:-}" "${out2:-}" | tail -n 30
+    printf '%s\n%s\n%s\n%s\n' "$out" "${out3:-}" "${out2:-}" "${out4:-}" | tail -n 30
     say "MISSING: could not build the GPU binaries (cargo and the crates of Cargo.lock are needed; or build them elsewhere with --build-only and bring target/gpu-check/)"
     return 2
 }
@@ -154,8 +231,8 @@ nvrtc_builtins=$(ls "$(dirname "$(find_lib libnvrtc.so.13)")"/libnvrtc-builtins.
 # (no build on the GPU machine's time); otherwise cargo builds them here.
 want=$(fingerprint)
 have=$(cat "$STAMP" 2>/dev/null || echo none)
-if [ -x "$TESTS" ] && [ -x "$MODEL" ] && [ -x "$BENCH" ] && [ "$have" = "$want" ]; then
-    say "using the prebuilt $TESTS, $MODEL and $BENCH (built from these sources, $want)"
+if [ -x "$TESTS" ] && [ -x "$MODEL" ] && [ -x "$BENCH" ] && [ -x "$WEFT" ] && [ "$have" = "$want" ]; then
+    say "using the prebuilt $TESTS, $MODEL, $BENCH and $WEFT (built from these sources, $want)"
 elif command -v cargo >/dev/null 2>&1; then
     [ "$have" != none ] && say "the prebuilt binaries in $BIN_DIR were built from other sources ($have; this checkout is $want): rebuilding"
     say "building with cargo ($(cargo --version))"
@@ -205,9 +282,11 @@ run_step kernels 150 env WEFT_REQUIRE_GPU=1 WEFT_REQUIRE_ALL=1 "$TESTS" --test-t
 # gradient after one step, the losses of six steps (f32, bf16, and bf16
 # with the batch-invariant products).
 run_step model 120 env WEFT_REQUIRE_GPU=1 "$MODEL" --test-threads=1
-# 4. NCCL (its own script finds NCCL and runs its check).
+# 4. weft train on the GPU against the CPU, and checkpoints across them.
+run_step train 240 bash scripts/gpu-check.sh --train-check "$WEFT" "$log_dir/train-runs"
+# 5. NCCL (its own script finds NCCL and runs its check).
 run_step nccl 90 bash collectives/gpu-check.sh
-# 5. The bench.
+# 6. The bench.
 run_step bench 120 env WEFT_BENCH_REPS="${WEFT_BENCH_REPS:-10}" "$BENCH"
 
 # ------------------------------------------------------------ summary
@@ -218,6 +297,7 @@ for step in kernels model; do
     grep -E "^(test .* FAILED|.*panicked at)" "$log_dir/$step.log" 2>/dev/null | head -n 20 | sed "s/^/  $step: /"
 done
 grep -E "step [0-9]+: loss" "$log_dir/model.log" 2>/dev/null | tail -n 3 | sed 's/^/  model: /'
+grep -E "max \|d\| relative|^GPU run: " "$log_dir/train.log" 2>/dev/null | sed 's/^/  train: /'
 grep -E "^projected|invariant kernel vs cuBLAS" "$log_dir/bench.log" 2>/dev/null | sed 's/^/  bench: /'
 if [ "$failed" = 0 ]; then
     say "PASS"

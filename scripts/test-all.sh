@@ -96,8 +96,8 @@ step() {
 step fmt cargo fmt --all --check
 step clippy cargo clippy --workspace --all-targets --locked -- -D warnings
 # Optional hardware backends must compile (and lint) without the hardware.
-step clippy-features cargo clippy --locked -p weft-collectives -p weft-kernels -p weft-trainer \
-    --all-targets --features weft-trainer/nccl,weft-kernels/cuda -- -D warnings
+step clippy-features cargo clippy --locked -p weft-collectives -p weft-kernels -p weft-model -p weft-trainer \
+    --all-targets --features weft-trainer/nccl,weft-trainer/cuda -- -D warnings
 step doc env RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --locked
 # Every test, with the trainer's MPI support built in: its tests/mpi.rs runs
 # `weft train` under `mpirun -np 2` and `-np 4` against the thread ranks,
@@ -109,6 +109,10 @@ step test cargo test --workspace --locked --features weft-trainer/mpi
 # Only the targets the feature changes: the lib's tests and tests/cuda.rs.
 step test-cuda env LD_LIBRARY_PATH="$WEFT_NVRTC_LIB_DIR${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
     cargo test --locked -p weft-kernels --features cuda --lib --test cuda
+# `weft train` with `train.device = "cuda"` and no GPU: refused before it
+# starts with what is missing; its GPU test prints SKIPPED.
+step test-cuda-train env LD_LIBRARY_PATH="$WEFT_NVRTC_LIB_DIR${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
+    cargo test --locked -p weft-trainer --features cuda --lib --test gpu
 # The collectives suite over 4 MPI processes (the test relaunches itself
 # under mpirun), and the NCCL backend's typed "not available" path.
 step test-mpi env OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 \
