@@ -1,6 +1,6 @@
 //! The [`Communicator`] trait and its typed extension [`CommunicatorExt`].
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use weft_numerics::Element;
 
@@ -248,15 +248,15 @@ pub struct Pending<T> {
 
 #[derive(Debug)]
 enum PendingState<T> {
-    Ready(Result<T>),
-    Running(std::thread::JoinHandle<Result<T>>),
+    Ready(Result<T>, Instant),
+    Running(std::thread::JoinHandle<(Result<T>, Instant)>),
 }
 
 impl<T> Pending<T> {
     /// `true` once the operation has finished (successfully or not).
     pub fn is_finished(&self) -> bool {
         match &self.state {
-            PendingState::Ready(_) => true,
+            PendingState::Ready(..) => true,
             PendingState::Running(h) => h.is_finished(),
         }
     }
@@ -266,13 +266,23 @@ impl<T> Pending<T> {
     /// # Errors
     /// The operation's error; [`Error::RankPanicked`] if its worker panicked.
     pub fn wait(self) -> Result<T> {
+        self.wait_timed().0
+    }
+
+    /// Waits for the operation; returns its result and when it finished
+    /// (stamped by the thread that ran it, so a late `wait` still sees
+    /// when the data arrived: what a trace of overlap needs).
+    pub fn wait_timed(self) -> (Result<T>, Instant) {
         match self.state {
-            PendingState::Ready(r) => r,
+            PendingState::Ready(r, at) => (r, at),
             PendingState::Running(h) => h.join().unwrap_or_else(|p| {
-                Err(Error::RankPanicked {
-                    rank: usize::MAX,
-                    message: crate::local::panic_message(&*p),
-                })
+                (
+                    Err(Error::RankPanicked {
+                        rank: usize::MAX,
+                        message: crate::local::panic_message(&*p),
+                    }),
+                    Instant::now(),
+                )
             }),
         }
     }
@@ -293,8 +303,8 @@ where
             let handle = std::thread::Builder::new()
                 .name(format!("weft-{}-{}", sig.op, ctx.seq))
                 .spawn(move || {
-                    run(&*detached, &ctx, &mut state)?;
-                    Ok(finish(state))
+                    let r = run(&*detached, &ctx, &mut state).map(|()| finish(state));
+                    (r, Instant::now())
                 })
                 .map_err(|e| Error::Backend {
                     backend: "local",
@@ -311,7 +321,7 @@ where
             let inner: &dyn Communicator = &DynRef(comm);
             let r = run(inner, &ctx, &mut state).map(|()| finish(state));
             Ok(Pending {
-                state: PendingState::Ready(r),
+                state: PendingState::Ready(r, Instant::now()),
             })
         }
     }

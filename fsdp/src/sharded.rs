@@ -4,11 +4,10 @@
 use std::collections::VecDeque;
 use std::ops::Range;
 use std::sync::Arc;
-use std::thread::JoinHandle;
 use std::time::Instant;
 
 use weft_collectives::repro::ExactPartial;
-use weft_collectives::{Communicator, CommunicatorExt, Dtype, Mesh, Pending, Traffic};
+use weft_collectives::{Communicator, CommunicatorExt, Dtype, Mesh, Pending, Traffic, bf16};
 use weft_kernels::AdamW;
 use weft_parallel::{GradNorm, ParamLayout};
 
@@ -60,7 +59,7 @@ enum Slot {
     #[default]
     Empty,
     Flight {
-        handle: JoinHandle<(weft_collectives::Result<LowVec>, Instant)>,
+        handle: Gather,
         start: Instant,
         bytes: usize,
     },
@@ -1159,14 +1158,14 @@ impl Fsdp {
                     .params_comm
                     .all_gather_async(sh.clone(), padded)
                     .map_err(comm(&what))?;
-                (watch(p, LowVec::Bf16)?, padded * 2 + sh.len() * 2)
+                (Gather::Bf16(p), padded * 2 + sh.len() * 2)
             }
             _ => {
                 let p = self
                     .params_comm
                     .all_gather_async(st.master.clone(), padded)
                     .map_err(comm(&what))?;
-                (watch(p, LowVec::F32)?, padded * 4 + st.master.len() * 4)
+                (Gather::F32(p), padded * 4 + st.master.len() * 4)
             }
         };
         self.mem.alloc(Category::GatheredParams, bytes);
@@ -1209,22 +1208,14 @@ impl Fsdp {
     /// Waits for a gather and widens it to f32.
     fn land(
         &mut self,
-        handle: JoinHandle<(weft_collectives::Result<LowVec>, Instant)>,
+        handle: Gather,
         start: Instant,
         bytes: usize,
         u: usize,
         len: usize,
     ) -> Result<Vec<f32>> {
         let w0 = Instant::now();
-        let (r, end) = handle.join().unwrap_or_else(|_| {
-            (
-                Err(weft_collectives::Error::RankPanicked {
-                    rank: self.dp_rank,
-                    message: "all-gather watcher panicked".into(),
-                }),
-                Instant::now(),
-            )
-        });
+        let (r, end) = handle.wait();
         let w1 = Instant::now();
         let micro = self.micro(u);
         self.spans
@@ -1259,7 +1250,7 @@ impl Fsdp {
             Slot::Ready(v) => self.mem.free(Category::GatheredParams, bytes_of(&v)),
             Slot::Flight { handle, bytes, .. } => {
                 // a prefetch never used (e.g. an evaluation's last units)
-                let _ = handle.join();
+                let _ = handle.wait();
                 self.mem.free(Category::GatheredParams, bytes);
             }
             Slot::Empty => {}
@@ -1517,20 +1508,25 @@ fn unit_params<'a>(
     }
 }
 
-/// Waits for `p` on a watcher thread that stamps the completion time.
-#[allow(clippy::type_complexity)]
-fn watch<T: weft_collectives::Element>(
-    p: Pending<Vec<T>>,
-    f: fn(Vec<T>) -> LowVec,
-) -> Result<JoinHandle<(weft_collectives::Result<LowVec>, Instant)>> {
-    std::thread::Builder::new()
-        .name("weft-fsdp-gather".into())
-        .spawn(move || {
-            let r = p.wait().map(f);
-            (r, Instant::now())
-        })
-        .map_err(|e| Error::Config {
-            field: "prefetch",
-            reason: format!("cannot spawn an all-gather watcher thread: {e}"),
-        })
+/// An all-gather in flight, in the dtype its shards travel in.
+#[derive(Debug)]
+enum Gather {
+    F32(Pending<Vec<f32>>),
+    Bf16(Pending<Vec<bf16>>),
+}
+
+impl Gather {
+    /// Waits; the gathered parameters and when they arrived.
+    fn wait(self) -> (weft_collectives::Result<LowVec>, Instant) {
+        match self {
+            Self::F32(p) => {
+                let (r, at) = p.wait_timed();
+                (r.map(LowVec::F32), at)
+            }
+            Self::Bf16(p) => {
+                let (r, at) = p.wait_timed();
+                (r.map(LowVec::Bf16), at)
+            }
+        }
+    }
 }
