@@ -411,19 +411,22 @@ pub(crate) fn fsdp_per_microbatch(
     let c = mach.cluster;
     let recipe = mach.recipe;
     let shares = crate::memory::Shares::of(model, layout);
-    let units: f64 = shares.units(chunk).iter().sum::<u64>() as f64;
     let n = layout.shard_group();
     let group = Group::strided(n, layout.tp, c.gpus_per_node);
     let pb = recipe.param_bytes() as f64;
     let gb = recipe.grad_wire_bytes() as f64;
     let mut f = 0.0;
     let mut b = 0.0;
-    if layout.sharding.shards_params() {
-        f += reduce_scatter(c, group, units * pb);
-        b += reduce_scatter(c, group, units * pb);
-    }
-    if layout.sharding.shards_grads() {
-        b += reduce_scatter(c, group, units * gb);
+    // each unit is a collective of its own: its latency is paid per unit
+    for &unit in &shares.units(chunk) {
+        let unit = unit as f64;
+        if layout.sharding.shards_params() {
+            f += reduce_scatter(c, group, unit * pb);
+            b += reduce_scatter(c, group, unit * pb);
+        }
+        if layout.sharding.shards_grads() {
+            b += reduce_scatter(c, group, unit * gb);
+        }
     }
     (f, b)
 }
