@@ -106,6 +106,12 @@ pub struct ParallelConfig {
     /// Seconds a rank waits for a peer in any collective before the run
     /// fails with an error naming the missing ranks and the operation.
     pub timeout_s: f64,
+    /// Kernel threads of each rank (its pool): 0 (the default) shares the
+    /// host's cores out over the ranks on it, at least one each; more
+    /// than the cores is refused. Like `OMP_NUM_THREADS`, it leaves cores
+    /// to other work on a shared machine; it changes the speed, not the
+    /// results.
+    pub threads: usize,
 }
 
 /// `parallel.grad_wire`: the dtype of gradients between data-parallel ranks.
@@ -180,6 +186,7 @@ impl Default for ParallelConfig {
             grad_wire: GradWire::F32,
             backend: Backend::Auto,
             timeout_s: 300.0,
+            threads: 0,
         }
     }
 }
@@ -1072,6 +1079,16 @@ impl Config {
             return bad(
                 "parallel.timeout_s",
                 format!("must be a number of seconds > 0 (got {})", p.timeout_s),
+            );
+        }
+        let cores = crate::ranks::cores();
+        if p.threads > cores {
+            return bad(
+                "parallel.threads",
+                format!(
+                    "must be at most this machine's {cores} cores (got {}); 0 shares them out over the ranks",
+                    p.threads
+                ),
             );
         }
         if p.sequence_parallel && p.tp == 1 {

@@ -262,7 +262,7 @@ pub struct RunInfo {
     /// Every rank's coordinates on the mesh, in rank order
     /// (`rank 3: pp 0, dp 1, tp 1`, with ` on HOST` in a job of processes).
     pub coords: Vec<String>,
-    /// How the ranks run: `4 threads of this process`, or the processes'
+    /// How the ranks run: `4 ranks, threads of this process, 1 kernel thread each`, or the processes'
     /// backend, its library and every node with its ranks (and a warning
     /// for a tensor-parallel group that spans nodes).
     pub backend: String,
@@ -852,6 +852,7 @@ fn train_threads(
     };
     crate::ranks::launch(
         dims.world_size(),
+        config.parallel.threads,
         dims.tp,
         timeout(config),
         observer,
@@ -887,6 +888,7 @@ pub fn train_processes(
         procs.use_nccl()?;
     }
     procs.set_timeout(timeout(config));
+    procs.size_pool(config.parallel.threads);
     let procs = &*procs;
     let world = procs.world();
     let dims = config.parallel.dims();
@@ -1314,9 +1316,17 @@ fn run_attempt(
     let coords: Vec<String> = (0..dims.world_size())
         .map(|r| format!("rank {r}: {}{}", dims.coords_of(r), host_of(r)))
         .collect();
+    let pool = crate::ranks::threads_per_rank(dims.world_size(), config.parallel.threads);
+    let kernels = format!(
+        "{pool} kernel thread{} each",
+        if pool == 1 { "" } else { "s" }
+    );
     let backend = match processes {
-        None if dims.world_size() == 1 => "one thread of this process".to_owned(),
-        None => format!("{} threads of this process", dims.world_size()),
+        None if dims.world_size() == 1 => format!("one rank of this process, {kernels}"),
+        None => format!(
+            "{} ranks, threads of this process, {kernels}",
+            dims.world_size()
+        ),
         Some(p) => {
             let mut line = p.describe();
             for (first, hosts) in crate::ranks::split_tp_groups(p.hosts(), dims.tp) {
