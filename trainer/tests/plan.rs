@@ -14,8 +14,8 @@ use std::process::Command;
 use weft_plan::{Layout, Request};
 use weft_trainer::config::Config;
 use weft_trainer::plan::{
-    MachineProfile, calibrate, calibration_layouts, calibration_table, layout_of, model_of,
-    recipe_of, run_layout,
+    MachineProfile, ThreadFigures, calibrate, calibration_layouts, calibration_table, layout_of,
+    model_of, recipe_of, run_layout,
 };
 
 const WEFT: &str = env!("CARGO_BIN_EXE_weft");
@@ -126,25 +126,95 @@ fn calibration_runs_the_layouts_and_reports_them() {
         "model.block_size=32",
         "model.n_embd=64",
     ]);
-    let model = model_of(&base).unwrap();
-    let profile = MachineProfile::measure(&model, 8 * 32, base.parallel.reproducible);
+    let mut lines = Vec::new();
+    let cal = calibrate(&base, &calibration_layouts(), 12, 2, &mut |l| {
+        lines.push(l.to_owned());
+    })
+    .unwrap();
+    eprintln!("{}", calibration_table(&cal));
+    let profile = &cal.machine;
     for f in &profile.per_threads {
         assert!(f.gemm_f32 > 0.0 && f.memory_bandwidth > 0.0 && f.overhead > 0.0);
     }
     assert!(profile.link.bandwidth > 0.0 && profile.link.latency > 0.0);
-    let mut lines = Vec::new();
-    let rows = calibrate(&base, &profile, &calibration_layouts(), 12, &mut |l| {
-        lines.push(l.to_owned());
-    })
-    .unwrap();
-    eprintln!("{}", calibration_table(&profile, &rows));
-    assert_eq!(rows.len(), calibration_layouts().len());
-    assert_eq!(lines.len(), rows.len());
-    for r in &rows {
+    let rows = &cal.layouts;
+    assert_eq!(cal.rounds, 2);
+    // the layouts, and a one-rank reference for each pool size the
+    // layouts' ranks have that no one-rank layout has (first)
+    let mut pools: Vec<usize> = rows.iter().map(|r| r.threads).collect();
+    pools.sort_unstable();
+    pools.dedup();
+    let references: Vec<_> = rows.iter().filter(|r| r.reference).collect();
+    assert_eq!(references.len(), pools.len());
+    assert_eq!(cal.efficiency.len(), pools.len());
+    assert!(rows[..references.len()].iter().all(|r| r.reference));
+    let extra = rows.len() - calibration_layouts().len();
+    assert!(extra < pools.len());
+    for r in &references {
+        assert_eq!(r.predicted.layout.world(), 1);
+        // the reference's prediction is its measurement, by construction
+        assert!(
+            r.step_error.abs() < 0.02,
+            "{}: {}",
+            r.predicted.layout,
+            r.step_error
+        );
+    }
+    // each round: every layout, then the machine
+    assert_eq!(lines.len(), 2 * (1 + rows.len()));
+    for r in rows {
         assert!(r.memory_error.abs() < 1e-12, "{}", r.predicted.layout);
         assert!(r.predicted.step_s > 0.0 && r.measured.step_s > 0.0);
         assert!(r.step_error.is_finite());
+        // the quietest round's median, the fastest step of all
+        assert_eq!(r.measured.round_step_s.len(), 2);
+        let lowest = r
+            .measured
+            .round_step_s
+            .iter()
+            .copied()
+            .fold(f64::INFINITY, f64::min);
+        assert_eq!(r.measured.step_s, lowest);
+        assert!(r.measured.best_step_s <= r.measured.step_s);
     }
+}
+
+/// The best of several measurements takes each figure's best, and α's
+/// median.
+#[test]
+fn machine_profile_best_takes_each_figure_s_best() {
+    let a = MachineProfile {
+        cpu: "test".into(),
+        cores: 2,
+        shapes: vec![(64, 32, 96)],
+        per_threads: vec![ThreadFigures {
+            threads: 2,
+            gemm_f32: 1e11,
+            gemm_bf16: 1e11,
+            overhead: 2e-7,
+            memory_bandwidth: 3e10,
+        }],
+        link: weft_plan::Link {
+            bandwidth: 4e9,
+            latency: 7e-5,
+        },
+        reproducible: false,
+        memory: 8e9,
+    };
+    let mut b = a.clone();
+    b.per_threads[0].gemm_f32 *= 2.0;
+    b.per_threads[0].overhead *= 2.0;
+    b.link.latency /= 2.0;
+    b.link.bandwidth /= 2.0;
+    let mut c = a.clone();
+    c.link.latency *= 4.0;
+    let best = MachineProfile::best(&[a.clone(), b.clone(), c]).unwrap();
+    assert_eq!(best.per_threads[0].gemm_f32, b.per_threads[0].gemm_f32);
+    assert_eq!(best.per_threads[0].overhead, a.per_threads[0].overhead);
+    assert_eq!(best.link.bandwidth, a.link.bandwidth);
+    // α: the median (a difference of timings, noisy either way)
+    assert_eq!(best.link.latency, a.link.latency);
+    assert!(MachineProfile::best(&[]).is_none());
 }
 
 fn weft(args: &[&str]) -> (bool, String, String) {
