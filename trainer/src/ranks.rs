@@ -41,7 +41,7 @@
 //! ([`Processes::agree`]): rank 0 reports them once, naming the ranks they happened
 //! on, and every process exits with an error — none is left waiting.
 
-use std::sync::mpsc;
+use std::sync::{Mutex, mpsc};
 
 use std::time::Duration;
 
@@ -75,28 +75,44 @@ impl Report {
     }
 }
 
-/// Rank 0's observer: forwards every report over a channel. A closed
-/// channel (the receiver gave up) drops reports silently.
-struct Forward(mpsc::Sender<Report>);
+/// Rank 0's observer: forwards every report over a channel and waits
+/// until the caller's observer has taken it, so the observer sees the run
+/// as if it ran on the rank's own thread. If the observer is gone (it
+/// panicked), rank 0 stops here: a run whose observer crashed does not go
+/// on training and checkpointing behind its back.
+struct Forward<'a> {
+    reports: mpsc::Sender<Report>,
+    taken: &'a Mutex<mpsc::Receiver<()>>,
+}
 
-impl Observer for Forward {
+impl Forward<'_> {
+    fn send(&self, report: Report) {
+        let taken = self.reports.send(report).is_ok()
+            && self.taken.lock().is_ok_and(|rx| rx.recv().is_ok());
+        if !taken {
+            std::panic::resume_unwind(Box::new("the run's observer panicked; rank 0 stops"));
+        }
+    }
+}
+
+impl Observer for Forward<'_> {
     fn start(&mut self, info: &RunInfo) {
-        let _ = self.0.send(Report::Start(info.clone()));
+        self.send(Report::Start(info.clone()));
     }
     fn step(&mut self, report: &StepReport) {
-        let _ = self.0.send(Report::Step(*report));
+        self.send(Report::Step(*report));
     }
     fn eval(&mut self, report: &EvalReport) {
-        let _ = self.0.send(Report::Eval(*report));
+        self.send(Report::Eval(*report));
     }
     fn event(&mut self, event: &HealthEvent) {
-        let _ = self.0.send(Report::Event(event.clone()));
+        self.send(Report::Event(event.clone()));
     }
     fn resumed(&mut self, step: u64, skipped: &[String]) {
-        let _ = self.0.send(Report::Resumed(step, skipped.to_vec()));
+        self.send(Report::Resumed(step, skipped.to_vec()));
     }
     fn finish(&mut self, summary: &Summary) {
-        let _ = self.0.send(Report::Finish(summary.clone()));
+        self.send(Report::Finish(summary.clone()));
     }
 }
 
@@ -122,7 +138,13 @@ where
     F: Fn(&dyn Communicator, &mut dyn Observer) -> Result<Summary, TrainError> + Send + Sync,
 {
     let (tx, rx) = mpsc::channel();
+    let (taken_tx, taken_rx) = mpsc::channel();
+    let taken_rx = Mutex::new(taken_rx);
     std::thread::scope(|s| {
+        // owned here, so that an observer's panic drops both channels'
+        // ends before the scope waits for the ranks: rank 0 then stops
+        let (rx, taken_tx) = (rx, taken_tx);
+        let taken_rx = &taken_rx;
         let ranks = s.spawn(move || {
             let tx = tx;
             let topology = if domain > 1 {
@@ -136,7 +158,13 @@ where
                 .run_each(|comm| {
                     let run = || {
                         if comm.rank() == 0 {
-                            rank(&comm, &mut Forward(tx.clone()))
+                            rank(
+                                &comm,
+                                &mut Forward {
+                                    reports: tx.clone(),
+                                    taken: taken_rx,
+                                },
+                            )
                         } else {
                             rank(&comm, &mut Silent)
                         }
@@ -156,6 +184,7 @@ where
         });
         for report in rx {
             report.deliver(observer);
+            let _ = taken_tx.send(());
         }
         let results = ranks.join().unwrap_or_else(|_| {
             vec![Err(weft_collectives::Error::RankPanicked {
