@@ -719,7 +719,9 @@ impl ParallelGpt {
 
 /// The layers of each virtual stage of `schedule` for a model of
 /// configuration `cfg` (vocabulary `vocab`), chosen by `weft-pipeline`'s
-/// partitioner to minimise the simulated makespan. Per-layer costs are the
+/// partitioner to minimise the simulated makespan
+/// ([`weft_pipeline::partition_transformer`], which `weft plan` predicts
+/// with too). Per-layer costs are the
 /// model's FLOPs per token (a block: 24·C² for its matmuls plus 2·T·C for
 /// causal attention, forward — with a mixture of experts, 16·C² per active
 /// expert (`active`: top-k plus a shared one) and 2·C·E for the router in
@@ -748,44 +750,16 @@ pub fn partition_layers(
             ),
         });
     }
-    #[allow(clippy::cast_precision_loss)]
-    let (c, t, v) = (
-        cfg.n_embd as f64,
-        cfg.block_size as f64,
-        cfg.vocab_size as f64,
-    );
-    #[allow(clippy::cast_precision_loss)]
-    let ffn = match moe {
-        None => 16.0 * c * c,
-        Some((experts, active)) => 16.0 * c * c * active as f64 + 2.0 * c * experts as f64,
-    };
-    let block = 8.0 * c * c + ffn + 2.0 * t * c;
-    let profiles: Vec<weft_pipeline::LayerProfile> = (0..l)
-        .map(|i| {
-            let f = if i + 1 == l {
-                block + 2.0 * c * v
-            } else {
-                block
-            };
-            weft_pipeline::LayerProfile {
-                forward: f,
-                backward_input: f,
-                backward_weight: f,
-                activation: 1.0,
-                weight_grad_memory: 1.0,
-                static_memory: 0.0,
-            }
-        })
-        .collect();
-    let part = weft_pipeline::partition(
+    let layers = weft_pipeline::partition_transformer(
         schedule,
-        &profiles,
-        &weft_pipeline::PartitionOptions {
-            p2p_latency: 0.0,
-            memory_limit: None,
+        &weft_pipeline::TransformerShape {
+            layers: l,
+            hidden: cfg.n_embd,
+            seq: cfg.block_size,
+            vocab: cfg.vocab_size,
+            experts: moe,
         },
     )?;
-    let layers = part.layers_per_chunk();
     if layers.contains(&0) {
         return Err(Error::Config {
             field: "pipeline partition",

@@ -108,7 +108,10 @@ pub use execute::{
 pub use generate::{
     ScheduleKind, gpipe, interleaved, list_schedule, one_f_one_b, zb_h1, zb_h2, zb_v,
 };
-pub use partition::{LayerProfile, Partition, PartitionOptions, equal_split, evaluate, partition};
+pub use partition::{
+    LayerProfile, Partition, PartitionOptions, TransformerShape, equal_split, evaluate, partition,
+    partition_transformer, transformer_profiles,
+};
 pub use plan::{Plan, PlanRequest, plan};
 pub use schedule::{Action, ActionKind, Placement, Schedule};
 pub use simulate::{ChunkCost, Costs, Slot, Timeline, simulate, steady_state_period};

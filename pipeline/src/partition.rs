@@ -336,6 +336,86 @@ pub fn partition(
     Ok(best)
 }
 
+/// The shape of a GPT-style decoder, as [`transformer_profiles`] costs it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TransformerShape {
+    /// Blocks.
+    pub layers: usize,
+    /// Model width `C`.
+    pub hidden: usize,
+    /// Sequence length `T`.
+    pub seq: usize,
+    /// Vocabulary `V` (the head's product, on the last layer).
+    pub vocab: usize,
+    /// `Some((experts, active))` for a mixture-of-experts feed-forward
+    /// block: `experts` routed, `active` run per token (top-k plus any
+    /// shared expert); `None` for the dense `4C` MLP.
+    pub experts: Option<(usize, usize)>,
+}
+
+/// Per-layer profiles of a GPT-style decoder for [`partition`], in
+/// FLOPs per token: a block is `24·C² + 2·T·C` with the dense MLP, or
+/// `8·C² + 16·C²·active + 2·C·experts + 2·T·C` with experts (attention's
+/// projections, the feed-forward products, the router and the attention
+/// scores); the last layer also carries the head's `2·C·V`. The backward
+/// halves are as large as the forward (B and W each as many FLOPs);
+/// activation and weight-gradient memory count one unit per layer.
+///
+/// ```
+/// use weft_pipeline::{TransformerShape, transformer_profiles};
+/// let shape = TransformerShape { layers: 4, hidden: 64, seq: 32, vocab: 100, experts: None };
+/// let p = transformer_profiles(&shape);
+/// assert_eq!(p.len(), 4);
+/// assert!(p[3].forward > p[0].forward); // the head
+/// ```
+#[must_use]
+#[allow(clippy::cast_precision_loss)]
+pub fn transformer_profiles(shape: &TransformerShape) -> Vec<LayerProfile> {
+    let (c, t, v) = (shape.hidden as f64, shape.seq as f64, shape.vocab as f64);
+    let ffn = match shape.experts {
+        None => 16.0 * c * c,
+        Some((experts, active)) => 16.0 * c * c * active as f64 + 2.0 * c * experts as f64,
+    };
+    let block = 8.0 * c * c + ffn + 2.0 * t * c;
+    let l = shape.layers;
+    (0..l)
+        .map(|i| {
+            let f = if i + 1 == l {
+                block + 2.0 * c * v
+            } else {
+                block
+            };
+            LayerProfile {
+                forward: f,
+                backward_input: f,
+                backward_weight: f,
+                activation: 1.0,
+                weight_grad_memory: 1.0,
+                static_memory: 0.0,
+            }
+        })
+        .collect()
+}
+
+/// weft's split of a decoder's layers over `schedule`'s virtual stages:
+/// [`partition`] on [`transformer_profiles`], with no memory limit and no
+/// point-to-point latency. The trainer builds its stages with it and the
+/// planner predicts them with it, so both agree by construction.
+///
+/// # Errors
+/// As [`partition`]: fewer layers than virtual stages.
+pub fn partition_transformer(schedule: &Schedule, shape: &TransformerShape) -> Result<Vec<usize>> {
+    let part = partition(
+        schedule,
+        &transformer_profiles(shape),
+        &PartitionOptions {
+            p2p_latency: 0.0,
+            memory_limit: None,
+        },
+    )?;
+    Ok(part.layers_per_chunk())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -499,5 +579,44 @@ mod tests {
         )
         .unwrap_err();
         assert!(e.to_string().contains("layer 2"), "{e}");
+    }
+
+    #[test]
+    fn a_decoder_s_head_moves_layers_off_the_last_stage() {
+        let shape = |vocab| TransformerShape {
+            layers: 8,
+            hidden: 64,
+            seq: 64,
+            vocab,
+            experts: None,
+        };
+        let s = crate::generate::one_f_one_b(2, 4).unwrap();
+        // a tiny head: an even split; a head of 8 blocks' FLOPs: the last
+        // stage gives up layers (block 24·64² + 2·64·64 = 106 496 FLOPs;
+        // 2·64·V = 8 blocks at V = 6656)
+        assert_eq!(partition_transformer(&s, &shape(2)).unwrap(), vec![4, 4]);
+        let split = partition_transformer(&s, &shape(6656)).unwrap();
+        assert_eq!(split.iter().sum::<usize>(), 8);
+        assert!(split[1] < 4, "{split:?}");
+        let p = transformer_profiles(&TransformerShape {
+            experts: Some((8, 2)),
+            ..shape(2)
+        });
+        let dense = transformer_profiles(&shape(2));
+        let c = 64.0;
+        assert_eq!(
+            p[0].forward - dense[0].forward,
+            16.0 * c * c + 2.0 * c * 8.0
+        );
+        assert!(
+            partition_transformer(
+                &crate::generate::one_f_one_b(4, 4).unwrap(),
+                &TransformerShape {
+                    layers: 3,
+                    ..shape(2)
+                }
+            )
+            .is_err()
+        );
     }
 }

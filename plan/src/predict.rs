@@ -110,47 +110,26 @@ pub(crate) struct Geometry {
     pub virtual_stages: Vec<Vec<usize>>,
 }
 
-/// weft's split of the layers over a schedule's virtual stages
-/// (`weft_model::partition_layers`): the pipeline crate's partitioner on
-/// per-layer FLOPs (a block 24·C² + 2·T·C with the dense MLP; 8·C² +
-/// 16·C²·(k + shared) + 2·C·E + 2·T·C with experts; the last layer also
-/// the head's 2·C·V), backward halves as large as the forward.
+/// weft's split of the layers over a schedule's virtual stages:
+/// `weft_pipeline::partition_transformer`, the function `weft train`'s
+/// stages are cut with (`weft_model::partition_layers`).
 fn weft_partition(model: &ModelSpec, schedule: &weft_pipeline::Schedule) -> Result<Vec<usize>> {
-    let (c, t, v) = (model.hidden as f64, model.seq as f64, model.vocab as f64);
-    let ffn = if model.is_moe() {
-        let active = (model.top_k + usize::from(model.shared_expert)) as f64;
-        16.0 * c * c * active + 2.0 * c * model.experts as f64
-    } else {
-        16.0 * c * c
-    };
-    let block = 8.0 * c * c + ffn + 2.0 * t * c;
-    let l = model.layers;
-    let profiles: Vec<weft_pipeline::LayerProfile> = (0..l)
-        .map(|i| {
-            let f = if i + 1 == l {
-                block + 2.0 * c * v
-            } else {
-                block
-            };
-            weft_pipeline::LayerProfile {
-                forward: f,
-                backward_input: f,
-                backward_weight: f,
-                activation: 1.0,
-                weight_grad_memory: 1.0,
-                static_memory: 0.0,
-            }
-        })
-        .collect();
-    let part = weft_pipeline::partition(
+    let experts = model.is_moe().then(|| {
+        (
+            model.experts,
+            model.top_k + usize::from(model.shared_expert),
+        )
+    });
+    Ok(weft_pipeline::partition_transformer(
         schedule,
-        &profiles,
-        &weft_pipeline::PartitionOptions {
-            p2p_latency: 0.0,
-            memory_limit: None,
+        &weft_pipeline::TransformerShape {
+            layers: model.layers,
+            hidden: model.hidden,
+            seq: model.seq,
+            vocab: model.vocab,
+            experts,
         },
-    )?;
-    Ok(part.layers_per_chunk())
+    )?)
 }
 
 pub(crate) fn geometry(
