@@ -33,7 +33,8 @@
 //!   Chrome trace events ([`weft_trace::Trace`]).
 //! * [`partition`]: per-layer profiles ([`LayerProfile`]) to the contiguous
 //!   split (and so chunk assignment) with the smallest simulated makespan
-//!   under a per-stage memory limit.
+//!   under a per-stage memory limit; [`partition_transformer`] applies it
+//!   to a GPT-style decoder's per-layer FLOPs ([`transformer_profiles`]).
 //! * [`plan`]: from command-line parameters ([`PlanRequest`]) to the table
 //!   and trace that `weft pipeline` prints and writes.
 //!
