@@ -121,11 +121,11 @@ impl Observer for Forward<'_> {
 /// or the most telling error. Consecutive ranks of `domain` form one
 /// domain of the collectives' topology (the tensor-parallel group: the
 /// fastest links; hierarchical algorithms and the traffic counters' link
-/// classes follow it). Each rank runs on a pool of [`threads_per_rank`]
-/// threads (`threads`: `parallel.threads`), on one of them: its kernels' parallel calls start from a
-/// worker of their own pool, with no hand-over to and from another thread
-/// — a world of one rank too, whose steps run 1.05× faster so than from
-/// the calling thread over the global pool (the default job on 2 cores).
+/// classes follow it). Each rank runs on one thread of its own pool of
+/// [`threads_per_rank`] threads (`threads`: `parallel.threads`), so its
+/// kernels' parallel calls start without a hand-over to another thread;
+/// a world of one rank too (1.05× faster than from the calling thread
+/// over the global pool: the default job on 2 cores).
 pub(crate) fn launch<F>(
     world: usize,
     threads: usize,
@@ -196,8 +196,6 @@ where
     })
 }
 
-/// Kernel threads per rank: the machine's cores shared out over the
-/// ranks, at least one each.
 /// A rank's kernel threads: `threads` (`parallel.threads`) if set, else
 /// the cores shared out over `ranks` ranks, at least one.
 pub(crate) fn threads_per_rank(ranks: usize, threads: usize) -> usize {

@@ -262,8 +262,8 @@ pub struct RunInfo {
     /// Every rank's coordinates on the mesh, in rank order
     /// (`rank 3: pp 0, dp 1, tp 1`, with ` on HOST` in a job of processes).
     pub coords: Vec<String>,
-    /// How the ranks run: `4 ranks, threads of this process, 1 kernel thread each`, or the processes'
-    /// backend, its library and every node with its ranks (and a warning
+    /// How the ranks run: `4 ranks, threads of this process, 1 kernel
+    /// thread each`, or the processes' backend, its library and every node with its ranks (and a warning
     /// for a tensor-parallel group that spans nodes).
     pub backend: String,
     /// Memory of one rank (rank 0) predicted from the layout before
