@@ -188,7 +188,7 @@ pub(crate) fn available_paths() -> Vec<Bf16Path> {
 
 /// An element the bf16 products read: a bf16 as it is, an f32 rounded
 /// to the nearest bf16 (ties to even).
-pub(crate) trait Operand: Copy + Send + Sync {
+pub(crate) trait Operand: Copy + Send + Sync + Default {
     /// The bf16 this element is multiplied as.
     fn bf16_bits(self) -> u16;
     /// The view's elements as bf16: itself, or a rounded copy in `buf` —
@@ -202,20 +202,31 @@ pub(crate) trait Operand: Copy + Send + Sync {
         columns_ok: bool,
         buf: &'a mut Held<bf16>,
     ) -> View<'a, bf16>;
+    /// `d = s` as bf16 (rounded, or copied).
+    fn row_to_bf16(d: &mut [bf16], s: &[Self]);
 }
 
 impl Operand for bf16 {
     fn bf16_bits(self) -> u16 {
         self.to_bits()
     }
+    /// The view itself when packing can read it along rows (or along
+    /// columns, with `columns_ok`); else a row-major copy, as for f32.
     fn as_bf16<'a>(
         v: View<'a, bf16>,
-        _: usize,
-        _: usize,
-        _: bool,
-        _: &'a mut Held<bf16>,
+        rows: usize,
+        cols: usize,
+        columns_ok: bool,
+        buf: &'a mut Held<bf16>,
     ) -> View<'a, bf16> {
-        v
+        if v.cs == 1 || (columns_ok && v.rs == 1) {
+            return v;
+        }
+        transpose_to_bf16(buf, v, rows, cols);
+        View::rows(buf.get(rows * cols), cols)
+    }
+    fn row_to_bf16(d: &mut [bf16], s: &[bf16]) {
+        d.copy_from_slice(s);
     }
 }
 
@@ -247,6 +258,37 @@ impl Operand for f32 {
         transpose_to_bf16(buf, v, rows, cols);
         View::rows(buf.get(rows * cols), cols)
     }
+    fn row_to_bf16(d: &mut [bf16], s: &[f32]) {
+        round_row(d, s);
+    }
+}
+
+/// `dst = src` rounded to the nearest bf16 (ties to even) exactly as the
+/// bf16 products round an f32 operand on this machine's [`bf16_path`], so
+/// that a product of the stored `dst` gives the bits of the same product
+/// of `src` in [`Precision::Bf16`](crate::Precision::Bf16). A model stores
+/// an activation that only products read this way: half the bytes, the
+/// same results. Large buffers are split over the rayon pool.
+///
+/// # Errors
+/// [`Error::ShapeMismatch`] if the lengths differ.
+pub fn round_to_bf16_for_products(dst: &mut [bf16], src: &[f32]) -> Result<()> {
+    check("round_to_bf16_for_products", "dst", dst, src.len())?;
+    const CHUNK: usize = 1 << 16;
+    let portable = bf16_path() == Bf16Path::Portable;
+    dst.par_chunks_mut(CHUNK)
+        .zip(src.par_chunks(CHUNK))
+        .for_each(|(d, s)| {
+            if portable {
+                // what the portable path multiplies (`Operand::bf16_bits`)
+                for (d, &x) in d.iter_mut().zip(s) {
+                    *d = bf16::from_f32(x);
+                }
+            } else {
+                round_row(d, s);
+            }
+        });
+    Ok(())
 }
 
 /// `dst = src` rounded to bf16 (ties to even), over the pool for large
@@ -279,7 +321,7 @@ fn round_row(d: &mut [bf16], s: &[f32]) {
 /// transposed in 16 × 16 tiles (each source row read along 64 values, so
 /// that a block touches few pages of a wide source such as the
 /// vocabulary's gradient).
-fn transpose_to_bf16(dst: &mut Held<bf16>, v: View<'_, f32>, rows: usize, cols: usize) {
+fn transpose_to_bf16<A: Operand>(dst: &mut Held<bf16>, v: View<'_, A>, rows: usize, cols: usize) {
     const T: usize = 16;
     const R: usize = 64;
     let out = dst.sized(rows * cols);
@@ -288,7 +330,7 @@ fn transpose_to_bf16(dst: &mut Held<bf16>, v: View<'_, f32>, rows: usize, cols: 
         .for_each(|(ib, out)| {
             let r0 = ib * R;
             let nr = out.len() / cols;
-            let mut tile = [0f32; T * T];
+            let mut tile = [A::default(); T * T];
             for j0 in (0..cols).step_by(T) {
                 let nj = T.min(cols - j0);
                 for i0 in (0..nr).step_by(T) {
@@ -302,7 +344,7 @@ fn transpose_to_bf16(dst: &mut Held<bf16>, v: View<'_, f32>, rows: usize, cols: 
                     }
                     for i in 0..ni {
                         let at = (i0 + i) * cols + j0;
-                        round_row(&mut out[at..at + nj], &tile[i * T..i * T + nj]);
+                        A::row_to_bf16(&mut out[at..at + nj], &tile[i * T..i * T + nj]);
                     }
                 }
             }

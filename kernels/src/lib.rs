@@ -140,14 +140,17 @@ pub use adamw::{AdamW, adamw_update};
 pub use attention::{attention_backward, attention_decode, attention_forward, doc_starts};
 pub use embedding::{check_tokens, encoder_backward, encoder_forward};
 pub use error::{Error, Result};
-pub use gemm_bf16::{Bf16Path, bf16_dot_peak_gflops, bf16_path, matmul_bf16};
+pub use gemm_bf16::{
+    Bf16Path, bf16_dot_peak_gflops, bf16_path, matmul_bf16, round_to_bf16_for_products,
+};
 pub use held::operand_copy_bytes;
 pub use layernorm::{
     layernorm_backward, layernorm_backward_input, layernorm_backward_weight, layernorm_forward,
 };
 pub use matmul::{
-    matmul_backward, matmul_backward_input, matmul_backward_weight, matmul_backward_wt,
-    matmul_backward_wt_input, matmul_backward_wt_weight, matmul_forward, matmul_forward_wt,
+    LinearInput, matmul_backward, matmul_backward_input, matmul_backward_weight,
+    matmul_backward_wt, matmul_backward_wt_input, matmul_backward_wt_weight, matmul_forward,
+    matmul_forward_wt,
 };
 pub use peak::fma_peak_gflops;
 pub use pointwise::{gelu_backward, gelu_forward, residual_backward, residual_forward};
@@ -175,7 +178,10 @@ pub enum Mode {
 /// ([`matmul_forward`] and its backward halves, the `_wt` ones too).
 ///
 /// Buffers stay in `f32` (or `f64`) whatever the precision: what changes
-/// is what the products multiply. Everything else — biases, layernorm,
+/// is what the products multiply. (A caller may keep a layer's input in
+/// bf16 itself — [`LinearInput::Bf16`], rounded by
+/// [`round_to_bf16_for_products`] — which in `Bf16` gives the same bits
+/// in half the bytes.) Everything else — biases, layernorm,
 /// GELU, attention, softmax and the loss, the gradients' sums across
 /// micro-batches — is computed in the buffers' precision.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]

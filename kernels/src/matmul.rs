@@ -24,6 +24,73 @@ use crate::gemm::{View, gemm};
 use crate::gemm_bf16;
 use crate::{Mode, Precision, Real};
 
+/// The input of a linear layer as its caller stores it: in the buffers'
+/// precision, or (a mixed-precision model's saved activations) already
+/// rounded to bf16 by [`round_to_bf16_for_products`](crate::round_to_bf16_for_products).
+///
+/// [`matmul_forward`], [`matmul_backward`] and [`matmul_backward_weight`]
+/// take either. In [`Precision::Bf16`] a bf16 input is multiplied as it
+/// is, with the bits the same product of the `f32` values it was rounded
+/// from gives (the products round every operand that way anyway) — so a
+/// model that keeps such an activation in bf16 holds half the bytes and
+/// computes the same. In any other precision a bf16 input is widened
+/// (exactly) first.
+///
+/// `&[T]`, `&Vec<T>` and `&[T; N]` convert into [`Wide`](Self::Wide).
+#[derive(Clone, Copy, Debug)]
+pub enum LinearInput<'a, T> {
+    /// Values in the buffers' precision.
+    Wide(&'a [T]),
+    /// bf16 values.
+    Bf16(&'a [bf16]),
+}
+
+impl<T> LinearInput<'_, T> {
+    /// Number of values.
+    pub fn len(&self) -> usize {
+        match self {
+            LinearInput::Wide(x) => x.len(),
+            LinearInput::Bf16(x) => x.len(),
+        }
+    }
+    /// True if it holds no values.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+impl<'a, T> From<&'a [T]> for LinearInput<'a, T> {
+    fn from(x: &'a [T]) -> Self {
+        LinearInput::Wide(x)
+    }
+}
+
+impl<'a, T> From<&'a mut [T]> for LinearInput<'a, T> {
+    fn from(x: &'a mut [T]) -> Self {
+        LinearInput::Wide(x)
+    }
+}
+
+impl<'a, T> From<&'a Vec<T>> for LinearInput<'a, T> {
+    fn from(x: &'a Vec<T>) -> Self {
+        LinearInput::Wide(x)
+    }
+}
+
+impl<'a, T, const N: usize> From<&'a [T; N]> for LinearInput<'a, T> {
+    fn from(x: &'a [T; N]) -> Self {
+        LinearInput::Wide(x)
+    }
+}
+
+/// `check` for a [`LinearInput`].
+fn check_input<T>(op: &'static str, inp: LinearInput<'_, T>, expected: usize) -> Result<()> {
+    match inp {
+        LinearInput::Wide(x) => check(op, "inp", x, expected),
+        LinearInput::Bf16(x) => check(op, "inp", x, expected),
+    }
+}
+
 /// `out (B,T,OC) = inp (B,T,C) · weight (C,OC) + bias (OC)`.
 ///
 /// Every output row's bits depend on its input row alone (see the module
@@ -34,9 +101,9 @@ use crate::{Mode, Precision, Real};
 /// [`Error::ShapeMismatch`](crate::Error::ShapeMismatch) if a buffer's
 /// length does not match `b`, `t`, `c`, `oc`.
 #[allow(clippy::too_many_arguments)]
-pub fn matmul_forward<T: Real>(
+pub fn matmul_forward<'a, T: Real>(
     out: &mut [T],
-    inp: &[T],
+    inp: impl Into<LinearInput<'a, T>>,
     weight: &[T],
     bias: Option<&[T]>,
     b: usize,
@@ -47,8 +114,9 @@ pub fn matmul_forward<T: Real>(
     precision: Precision,
 ) -> Result<()> {
     const OP: &str = "matmul_forward";
+    let inp = inp.into();
     check(OP, "out", out, b * t * oc)?;
-    check(OP, "inp", inp, b * t * c)?;
+    check_input(OP, inp, b * t * c)?;
     check(OP, "weight", weight, c * oc)?;
     if let Some(bias) = bias {
         check(OP, "bias", bias, oc)?;
@@ -231,12 +299,12 @@ pub(crate) fn gemm_row_invariant<T: Real>(
 /// # Errors
 /// [`Error::ShapeMismatch`](crate::Error::ShapeMismatch) on a wrong buffer length.
 #[allow(clippy::too_many_arguments)]
-pub fn matmul_backward<T: Real>(
+pub fn matmul_backward<'a, T: Real>(
     dinp: &mut [T],
     dweight: &mut [T],
     dbias: Option<&mut [T]>,
     dout: &[T],
-    inp: &[T],
+    inp: impl Into<LinearInput<'a, T>>,
     weight: &[T],
     b: usize,
     t: usize,
@@ -246,10 +314,11 @@ pub fn matmul_backward<T: Real>(
     precision: Precision,
 ) -> Result<()> {
     const OP: &str = "matmul_backward";
+    let inp = inp.into();
     check(OP, "dinp", dinp, b * t * c)?;
     check(OP, "dweight", dweight, c * oc)?;
     check(OP, "dout", dout, b * t * oc)?;
-    check(OP, "inp", inp, b * t * c)?;
+    check_input(OP, inp, b * t * c)?;
     check(OP, "weight", weight, c * oc)?;
     if let Some(db) = &dbias {
         check(OP, "dbias", db, oc)?;
@@ -358,11 +427,11 @@ fn input_grad<T: Real>(
 /// # Errors
 /// [`Error::ShapeMismatch`](crate::Error::ShapeMismatch) on a wrong buffer length.
 #[allow(clippy::too_many_arguments)]
-pub fn matmul_backward_weight<T: Real>(
+pub fn matmul_backward_weight<'a, T: Real>(
     dweight: &mut [T],
     dbias: Option<&mut [T]>,
     dout: &[T],
-    inp: &[T],
+    inp: impl Into<LinearInput<'a, T>>,
     b: usize,
     t: usize,
     c: usize,
@@ -370,19 +439,22 @@ pub fn matmul_backward_weight<T: Real>(
     precision: Precision,
 ) -> Result<()> {
     const OP: &str = "matmul_backward_weight";
+    let inp = inp.into();
     check(OP, "dweight", dweight, c * oc)?;
     check(OP, "dout", dout, b * t * oc)?;
-    check(OP, "inp", inp, b * t * c)?;
+    check_input(OP, inp, b * t * c)?;
     if let Some(db) = &dbias {
         check(OP, "dbias", db, oc)?;
     }
-    product(
+    // the left operand inpᵀ: element (i, p) = inp[p·c + i]
+    product_of(
         c,
         oc,
         b * t,
         dweight,
         true,
-        View::t(inp, c),
+        inp,
+        (1, c),
         View::rows(dout, oc),
         precision,
         false,
@@ -423,7 +495,16 @@ pub fn matmul_forward_wt<T: Real>(
         check(OP, "bias", bias, oc)?;
     }
     let _ = mode; // row invariance makes one GEMM over the batch invariant
-    forward_rows(out, inp, View::t(weight, c), bias, b * t, c, oc, precision);
+    forward_rows(
+        out,
+        LinearInput::Wide(inp),
+        View::t(weight, c),
+        bias,
+        b * t,
+        c,
+        oc,
+        precision,
+    );
     Ok(())
 }
 
@@ -582,7 +663,7 @@ fn groups(mode: Mode, b: usize, t: usize) -> (usize, usize) {
 #[allow(clippy::too_many_arguments)]
 fn forward_rows<T: Real>(
     out: &mut [T],
-    x: &[T],
+    x: LinearInput<'_, T>,
     w: View<'_, T>,
     bias: Option<&[T]>,
     n: usize,
@@ -595,17 +676,57 @@ fn forward_rows<T: Real>(
             row.copy_from_slice(bias);
         }
     }
-    product(
-        n,
-        oc,
-        c,
-        out,
-        bias.is_some(),
-        View::rows(x, c),
-        w,
-        precision,
-        true,
-    );
+    product_of(n, oc, c, out, bias.is_some(), x, (c, 1), w, precision, true);
+}
+
+/// [`product`] with a left operand `a` (m×k, element `(i, p)` at
+/// `i·strides.0 + p·strides.1`) that may be stored in bf16: multiplied as
+/// it is in [`Precision::Bf16`] on `f32` buffers, else widened first.
+#[allow(clippy::too_many_arguments)]
+fn product_of<T: Real>(
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: &mut [T],
+    accumulate: bool,
+    a: LinearInput<'_, T>,
+    (rs, cs): (usize, usize),
+    b: View<'_, T>,
+    precision: Precision,
+    row_invariant: bool,
+) {
+    let x = match a {
+        LinearInput::Wide(data) => {
+            let a = View { data, rs, cs };
+            return product(m, n, k, dst, accumulate, a, b, precision, row_invariant);
+        }
+        LinearInput::Bf16(x) => x,
+    };
+    if precision == Precision::Bf16
+        && m > 0
+        && n > 0
+        && k > 0
+        && let (Some(d), Some(bd)) = (T::as_f32_mut(dst), T::as_f32(b.data))
+    {
+        let a = View { data: x, rs, cs };
+        let b = View {
+            data: bd,
+            rs: b.rs,
+            cs: b.cs,
+        };
+        gemm_bf16::product(m, n, k, d, accumulate, a, b);
+        return;
+    }
+    let wide: Vec<T> = x
+        .iter()
+        .map(|v| T::from_f64(f64::from(v.to_f32())))
+        .collect();
+    let a = View {
+        data: &wide,
+        rs,
+        cs,
+    };
+    product(m, n, k, dst, accumulate, a, b, precision, row_invariant);
 }
 
 /// `dst (m×n, row-major, contiguous) = [dst +] a (m×k) · b (k×n)` in
@@ -737,6 +858,137 @@ crate::simd::multiversion! {
 mod tests {
     use super::*;
     use crate::testutil::{check_grads, rand_vec};
+
+    /// A bf16 input stored by `round_to_bf16_for_products` gives, in
+    /// bf16, the bits of the same product of the f32 values (forward, the
+    /// whole backward and its weight half; small shapes and ones the
+    /// packed paths and the blocked transpose take); in f32 it is its
+    /// values widened.
+    #[test]
+    fn bf16_stored_inputs_give_the_products_bits() {
+        let f32s = |n: usize, seed: u64| -> Vec<f32> {
+            rand_vec(n, seed)
+                .iter()
+                .enumerate()
+                // magnitudes over a few binades, some exact zeros
+                .map(|(i, &x)| {
+                    if i % 17 == 0 {
+                        0.0
+                    } else {
+                        (x * f64::from(1u32 << (i % 7))) as f32
+                    }
+                })
+                .collect()
+        };
+        for (b, t, c, oc) in [
+            (2, 3, 5, 7),
+            (1, 1, 33, 9),
+            (4, 64, 96, 80),
+            (2, 50, 130, 70),
+        ] {
+            let n = b * t;
+            let (x, w, bias, dy) = (
+                f32s(n * c, 1),
+                f32s(c * oc, 2),
+                f32s(oc, 3),
+                f32s(n * oc, 4),
+            );
+            let mut xb = vec![bf16::ZERO; n * c];
+            crate::round_to_bf16_for_products(&mut xb, &x).unwrap();
+            let widened: Vec<f32> = xb.iter().map(|v| v.to_f32()).collect();
+            for (precision, reference) in [
+                (Precision::Bf16, LinearInput::Wide(&x[..])),
+                (Precision::F32, LinearInput::Wide(&widened[..])),
+            ] {
+                let stored = LinearInput::Bf16(&xb[..]);
+                let forward = |inp: LinearInput<'_, f32>| {
+                    let mut out = vec![0.0f32; n * oc];
+                    let m = Mode::BatchInvariant;
+                    matmul_forward(&mut out, inp, &w, Some(&bias), b, t, c, oc, m, precision)
+                        .unwrap();
+                    out
+                };
+                let backward = |inp: LinearInput<'_, f32>| {
+                    let (mut dx, mut dw, mut db) =
+                        (vec![0.5f32; n * c], vec![0.25f32; c * oc], vec![0.0f32; oc]);
+                    let m = Mode::Throughput;
+                    matmul_backward(
+                        &mut dx,
+                        &mut dw,
+                        Some(&mut db),
+                        &dy,
+                        inp,
+                        &w,
+                        b,
+                        t,
+                        c,
+                        oc,
+                        m,
+                        precision,
+                    )
+                    .unwrap();
+                    let mut dw2 = vec![0.25f32; c * oc];
+                    matmul_backward_weight(&mut dw2, None, &dy, inp, b, t, c, oc, precision)
+                        .unwrap();
+                    (dx, dw, db, dw2)
+                };
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(
+                    bits(&forward(stored)),
+                    bits(&forward(reference)),
+                    "{precision:?} {b}x{t}x{c}x{oc}"
+                );
+                let (g1, g2) = (backward(stored), backward(reference));
+                for (a, r) in [
+                    (&g1.0, &g2.0),
+                    (&g1.1, &g2.1),
+                    (&g1.2, &g2.2),
+                    (&g1.3, &g2.3),
+                ] {
+                    assert_eq!(bits(a), bits(r), "{precision:?} {b}x{t}x{c}x{oc}");
+                }
+                assert_eq!(bits(&g1.1), bits(&g1.3));
+            }
+            // f64 buffers: the bf16 values widened, multiplied in f64
+            let x64: Vec<f64> = widened.iter().map(|&v| f64::from(v)).collect();
+            let w64: Vec<f64> = w.iter().map(|&v| f64::from(v)).collect();
+            let (mut o1, mut o2) = (vec![0.0f64; n * oc], vec![0.0f64; n * oc]);
+            let m = Mode::BatchInvariant;
+            matmul_forward(
+                &mut o1,
+                LinearInput::Bf16(&xb),
+                &w64,
+                None,
+                b,
+                t,
+                c,
+                oc,
+                m,
+                Precision::Bf16,
+            )
+            .unwrap();
+            matmul_forward(&mut o2, &x64, &w64, None, b, t, c, oc, m, Precision::Bf16).unwrap();
+            assert_eq!(o1, o2);
+        }
+        let mut short = vec![bf16::ZERO; 3];
+        let e = crate::round_to_bf16_for_products(&mut short, &[1.0; 4]).unwrap_err();
+        assert!(e.to_string().contains("round_to_bf16_for_products"), "{e}");
+        let mut out = [0.0f32; 2];
+        let e = matmul_forward(
+            &mut out,
+            LinearInput::Bf16(&short),
+            &[1.0; 4],
+            None,
+            1,
+            1,
+            2,
+            2,
+            Mode::Throughput,
+            Precision::Bf16,
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("inp"), "{e}");
+    }
 
     #[test]
     fn forward_matches_naive_f64() {
@@ -1109,9 +1361,13 @@ mod tests {
                     let kernels: [Kernels<T>; 2] = [
                         (
                             "backward",
-                            matmul_backward,
+                            |dx, dw, db, dy, x, w, b, t, c, oc, mode, p| {
+                                matmul_backward(dx, dw, db, dy, x, w, b, t, c, oc, mode, p)
+                            },
                             matmul_backward_input,
-                            matmul_backward_weight,
+                            |dw, db, dy, x, b, t, c, oc, p| {
+                                matmul_backward_weight(dw, db, dy, x, b, t, c, oc, p)
+                            },
                         ),
                         (
                             "backward_wt",

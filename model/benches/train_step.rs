@@ -9,12 +9,16 @@
 //! from `model/reference/bench_torch.py`; `model/reference/bench_compare.sh`
 //! runs both in one go and prints the ratios.
 //!
-//! `cargo bench -p weft-model --bench train_step -- [a|b]... [--steps N] [--mode invariant|throughput] [--precision fp32|bf16|fp16|both|all] [--peak]`
+//! `cargo bench -p weft-model --bench train_step -- [a|b]... [--steps N] [--mode invariant|throughput] [--precision fp32|bf16|fp16|both|all|storage] [--peak]`
 //!
 //! `--precision both` runs each configuration in fp32 and in bf16 mixed
 //! precision side by side (alternating rows) and prints the ratio; `all`
 //! adds fp16 (operands rounded to fp16, f32 products: the cost of the
 //! rounding; the step's loss is not scaled, which changes no timing).
+//! `storage` runs bf16 twice over, alternating activations planned in
+//! f32 (`bf16 f32-acts`: the products round their inputs as they pack)
+//! and in bf16 (the products' inputs kept in bf16, the default): the same
+//! bits, the cost and the bytes of keeping them.
 //!
 //! Tokens/s use the best (shortest) of the timed steps; the mean is shown
 //! too. The last column divides the achieved GFLOP/s by the FMA peak
@@ -93,7 +97,8 @@ fn main() {
     let mut mode = Mode::BatchInvariant;
     let mut which: Vec<String> = Vec::new();
     let mut peak = false;
-    let mut precisions = vec![Precision::F32];
+    // (precision, activations planned in f32 whatever the precision)
+    let mut precisions = vec![(Precision::F32, false)];
     let mut i = 0;
     while i < args.len() {
         match args[i].as_str() {
@@ -112,12 +117,19 @@ fn main() {
                 i += 1;
             }
             "--precision" => {
+                let (f32, bf16, fp16) = (
+                    (Precision::F32, false),
+                    (Precision::Bf16, false),
+                    (Precision::F16, false),
+                );
+                let wide = (Precision::Bf16, true);
                 precisions = match args.get(i + 1).map(String::as_str) {
-                    Some("bf16") => vec![Precision::Bf16],
-                    Some("fp16") => vec![Precision::F16],
-                    Some("both") => vec![Precision::F32, Precision::Bf16],
-                    Some("all") => vec![Precision::F32, Precision::Bf16, Precision::F16],
-                    _ => vec![Precision::F32],
+                    Some("bf16") => vec![bf16],
+                    Some("fp16") => vec![fp16],
+                    Some("both") => vec![f32, bf16],
+                    Some("all") => vec![f32, bf16, fp16],
+                    Some("storage") => vec![wide, bf16, bf16, wide],
+                    _ => vec![f32],
                 };
                 i += 1;
             }
@@ -152,12 +164,15 @@ fn main() {
             continue;
         }
         let mut fp32_tps = None;
-        for &precision in &precisions {
+        for &(precision, wide_acts) in &precisions {
             let mut model = Gpt::new(case.cfg.clone()).unwrap();
             model.set_mode(mode);
-            model.set_precision(precision);
+            if !wide_acts {
+                model.set_precision(precision);
+            }
             model.init_gpt2(1);
             let mut acts = model.activations(case.b, case.t).unwrap();
+            model.set_precision(precision);
             let mut opt = model.adamw_state();
             let hp = AdamW {
                 lr: 1e-4,
@@ -202,7 +217,11 @@ fn main() {
             println!(
                 "| {} | {} | {:.1}M | {} | {} | {} | {secs:.3} | {mean:.3} | {tps:.0} | {:.1} | {:.0} | {} |",
                 case.name,
-                precision.name(),
+                if wide_acts {
+                    format!("{} f32-acts", precision.name())
+                } else {
+                    precision.name().to_owned()
+                },
                 params as f64 / 1e6,
                 case.b,
                 case.t,

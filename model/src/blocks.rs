@@ -7,12 +7,13 @@ use std::ops::Range;
 use std::sync::Arc;
 
 use weft_kernels::{
-    Mode, Precision, attention_backward, attention_forward, encoder_backward, encoder_forward,
-    fused_classifier_backward, fused_classifier_forward, layernorm_backward,
+    LinearInput, Mode, Precision, attention_backward, attention_forward, encoder_backward,
+    encoder_forward, fused_classifier_backward, fused_classifier_forward, layernorm_backward,
     layernorm_backward_input, layernorm_backward_weight, layernorm_forward, matmul_backward,
     matmul_backward_input, matmul_backward_weight, matmul_backward_wt, matmul_forward,
-    matmul_forward_wt, residual_forward,
+    matmul_forward_wt, residual_forward, round_to_bf16_for_products,
 };
+use weft_numerics::bf16;
 use weft_parallel::{Coords, ParamLayout};
 
 use crate::chunk::{Lm, PieceRanges};
@@ -115,14 +116,14 @@ pub struct BlockActs {
     b: usize,
     t: usize,
     layer: usize,             // set by the forward, read by the backward
-    ln1: Vec<f32>,            // (B·T, C), gathered under SP
+    ln1: LinearAct,           // (B·T, C), gathered under SP
     ln1_mean: Vec<f32>,       // (rows)
     ln1_rstd: Vec<f32>,       // (rows)
     qkv: Vec<f32>,            // (B·T, 3Ca)
-    atty: Vec<f32>,           // (B·T, Ca)
+    atty: LinearAct,          // (B·T, Ca)
     att: Vec<f32>,            // (B, NHa, T, T)
     res2: Vec<f32>,           // (rows, C)
-    ln2: Vec<f32>,            // (B·T, C), gathered under SP
+    ln2: LinearAct,           // (B·T, C), gathered under SP
     ln2_mean: Vec<f32>,       // (rows)
     ln2_rstd: Vec<f32>,       // (rows)
     ffn_saved: Vec<f32>,      // the feed-forward block's saved_len
@@ -144,23 +145,85 @@ impl BlockActs {
     }
     /// Bytes held.
     pub fn bytes(&self) -> usize {
-        4 * [
-            &self.ln1,
-            &self.ln1_mean,
-            &self.ln1_rstd,
-            &self.qkv,
-            &self.atty,
-            &self.att,
-            &self.res2,
-            &self.ln2,
-            &self.ln2_mean,
-            &self.ln2_rstd,
-            &self.ffn_saved,
-            &self.out,
-        ]
-        .iter()
-        .map(|v| v.len())
-        .sum::<usize>()
+        self.ln1.bytes()
+            + self.atty.bytes()
+            + self.ln2.bytes()
+            + 4 * [
+                &self.ln1_mean,
+                &self.ln1_rstd,
+                &self.qkv,
+                &self.att,
+                &self.res2,
+                &self.ln2_mean,
+                &self.ln2_rstd,
+                &self.ffn_saved,
+                &self.out,
+            ]
+            .iter()
+            .map(|v| v.len())
+            .sum::<usize>()
+    }
+}
+
+/// A saved activation that only linear layers' products read (the
+/// inputs of the QKV and output projections): `f32`, or in
+/// [`Precision::Bf16`] bf16 rounded as the products round their operands
+/// ([`round_to_bf16_for_products`]) — half the bytes, the same results.
+/// A bf16 one holds whole 4-byte slots (an even number of values), so
+/// that its bytes are `4 ·` [`slots`](Self::slots).
+#[derive(Clone, Debug)]
+enum LinearAct {
+    F32(Vec<f32>),
+    /// The values, and how many of the buffer's are in use.
+    Bf16(Vec<bf16>, usize),
+}
+
+impl LinearAct {
+    fn new(len: usize, precision: Precision) -> Self {
+        if precision == Precision::Bf16 {
+            LinearAct::Bf16(vec![bf16::ZERO; 2 * Self::slots(len, precision)], len)
+        } else {
+            LinearAct::F32(vec![0.0; len])
+        }
+    }
+    /// 4-byte slots `len` values take in `precision`.
+    fn slots(len: usize, precision: Precision) -> usize {
+        if precision == Precision::Bf16 {
+            len.div_ceil(2)
+        } else {
+            len
+        }
+    }
+    fn bytes(&self) -> usize {
+        match self {
+            LinearAct::F32(v) => 4 * v.len(),
+            LinearAct::Bf16(v, _) => 2 * v.len(),
+        }
+    }
+    fn is_bf16(&self) -> bool {
+        matches!(self, LinearAct::Bf16(..))
+    }
+    /// The values as a product's input.
+    fn input(&self) -> LinearInput<'_, f32> {
+        match self {
+            LinearAct::F32(v) => LinearInput::Wide(v),
+            LinearAct::Bf16(v, len) => LinearInput::Bf16(&v[..*len]),
+        }
+    }
+    /// Where the producer writes the values: the buffer itself in `f32`,
+    /// else the front of `staging` (then [`settle`](Self::settle)).
+    fn target<'s>(&'s mut self, staging: &'s mut [f32]) -> &'s mut [f32] {
+        match self {
+            LinearAct::F32(v) => v,
+            LinearAct::Bf16(_, len) => &mut staging[..*len],
+        }
+    }
+    /// Rounds what [`target`](Self::target) had written to `staging`.
+    fn settle(&mut self, staging: &[f32]) -> Result<()> {
+        if let LinearAct::Bf16(v, len) = self {
+            round_to_bf16_for_products(&mut v[..*len], &staging[..*len])?;
+        }
+        Ok(())
     }
 }
 
@@ -451,13 +514,29 @@ impl GptBlocks {
     /// Sets the arithmetic of every linear layer's products, forward and
     /// backward: the attention's and the feed-forward block's projections
     /// and the language-model head (`Precision::Bf16`: operands rounded to
-    /// bf16, f32 accumulation — mixed precision). Parameters, gradients
-    /// and activations stay `f32`; layernorm, GELU, attention scores and
-    /// softmax, the loss and the embedding are computed in `f32` whatever
-    /// the precision. The decoder ([`Decoder`](crate::Decoder)) reads it
+    /// bf16, f32 accumulation — mixed precision). Parameters and gradients
+    /// stay `f32`; layernorm, GELU, attention scores and softmax, the loss
+    /// and the embedding are computed in `f32` whatever the precision. In
+    /// `Precision::Bf16` the activations that only products read — the
+    /// inputs of the QKV and attention output projections and of the
+    /// dense MLP's output projection — are saved in bf16, rounded as the
+    /// products round them: half their bytes, the same bits. Plan
+    /// activations ([`block_acts`](Self::block_acts)) after setting it
+    /// (bf16 ones refuse to run in another precision). The decoder ([`Decoder`](crate::Decoder)) reads it
     /// from the model, so sampling reproduces the training forward's bits.
     pub fn set_precision(&mut self, precision: Precision) {
         self.precision = precision;
+    }
+
+    /// The precision the feed-forward block's input is kept in: the
+    /// products' one if the block only multiplies it
+    /// ([`FeedForward::input_feeds_products_only`]), else `f32`.
+    fn ffn_input_precision(&self) -> Precision {
+        if self.ffn.input_feeds_products_only() {
+            self.precision
+        } else {
+            Precision::F32
+        }
     }
 
     /// The token that ends a document when documents are masked (see
@@ -638,15 +717,16 @@ impl GptBlocks {
         let n = product("B·T", &[b, t])?;
         let rows = self.rows(n);
         product("B·T·C (with room for the feed-forward block)", &[n, c, 64])?;
+        let linear = |len| LinearAct::slots(len, self.precision);
         Ok([
-            n * c,
+            linear(n * c),
             rows,
             rows,
             n * 3 * ca,
-            n * ca,
+            linear(n * ca),
             product("the attention matrix B·NH·T·T", &[b, nh, t, t])?,
             rows * c,
-            n * c,
+            LinearAct::slots(n * c, self.ffn_input_precision()),
             rows,
             rows,
             self.ffn.saved_len(&self.dims(b, t, self.mode, 0)),
@@ -680,18 +760,21 @@ impl GptBlocks {
     pub fn block_acts(&self, b: usize, t: usize) -> Result<BlockActs> {
         let l = self.block_act_lens(b, t)?;
         let z = |k: usize| vec![0.0f32; k];
+        let n = b * t;
+        let ca = self.heads().1;
+        let c = self.config.n_embd;
         Ok(BlockActs {
             b,
             t,
             layer: 0,
-            ln1: z(l[0]),
+            ln1: LinearAct::new(n * c, self.precision),
             ln1_mean: z(l[1]),
             ln1_rstd: z(l[2]),
             qkv: z(l[3]),
-            atty: z(l[4]),
+            atty: LinearAct::new(n * ca, self.precision),
             att: z(l[5]),
             res2: z(l[6]),
-            ln2: z(l[7]),
+            ln2: LinearAct::new(n * c, self.ffn_input_precision()),
             ln2_mean: z(l[8]),
             ln2_rstd: z(l[9]),
             ffn_saved: z(l[10]),
@@ -760,7 +843,7 @@ impl GptBlocks {
         Ok([
             n * c,
             n * c,
-            l[4],
+            n * self.heads().1,
             l[3],
             l[5],
             self.ffn.scratch_len(&self.dims(b, t, self.mode, 0)),
@@ -956,11 +1039,23 @@ impl GptBlocks {
         let (nh, ca) = self.heads();
         let (p, blk, mode) = (params, &self.blk, self.mode);
         let tp = self.tp.as_ref();
-        // ln_1 over the rank's rows (gathered for the column-parallel QKV)
+        if acts.ln1.is_bf16() && self.precision != Precision::Bf16 {
+            return Err(Error::Config {
+                field: "precision",
+                reason: format!(
+                    "the activations were planned for bf16 products, the blocks compute in {}: \
+                     plan them after set_precision",
+                    self.precision.name()
+                ),
+            });
+        }
+        // ln_1 over the rank's rows (gathered for the column-parallel QKV);
+        // stored in bf16 (rounded from `tmp`, or from `full` under SP) when
+        // the products round it to bf16 anyway
         let ln1: &mut [f32] = if self.sp() {
             &mut scratch.rows
         } else {
-            &mut acts.ln1
+            acts.ln1.target(&mut scratch.tmp)
         };
         layernorm_forward(
             ln1,
@@ -974,12 +1069,15 @@ impl GptBlocks {
             eps,
         )?;
         if let Some(tp) = tp.filter(|tp| tp.sequence_parallel()) {
-            tp.all_gather(&scratch.rows, &mut acts.ln1)?;
+            tp.all_gather(&scratch.rows, acts.ln1.target(&mut scratch.full))?;
+            acts.ln1.settle(&scratch.full)?;
+        } else {
+            acts.ln1.settle(&scratch.tmp)?;
         }
         // column-parallel QKV over the rank's heads
         matmul_forward(
             &mut acts.qkv,
-            &acts.ln1,
+            acts.ln1.input(),
             &p[blk.qkv_w.clone()],
             Some(&p[blk.qkv_b.clone()]),
             b,
@@ -989,7 +1087,17 @@ impl GptBlocks {
             mode,
             self.precision,
         )?;
-        attention_forward(&mut acts.atty, &mut acts.att, &acts.qkv, docs, b, t, ca, nh)?;
+        attention_forward(
+            acts.atty.target(&mut scratch.tmp),
+            &mut acts.att,
+            &acts.qkv,
+            docs,
+            b,
+            t,
+            ca,
+            nh,
+        )?;
+        acts.atty.settle(&scratch.tmp)?;
         // row-parallel output projection, summed over the group
         let y: &mut [f32] = if self.sp() {
             &mut scratch.rows
@@ -999,7 +1107,7 @@ impl GptBlocks {
         match tp {
             None => matmul_forward(
                 y,
-                &acts.atty,
+                acts.atty.input(),
                 &p[blk.proj_w.clone()],
                 Some(&p[blk.proj_b.clone()]),
                 b,
@@ -1012,7 +1120,7 @@ impl GptBlocks {
             Some(tp) => tp.row_forward(
                 y,
                 &mut scratch.full,
-                &acts.atty,
+                acts.atty.input(),
                 &p[blk.proj_w.clone()],
                 &p[blk.proj_b.clone()],
                 b,
@@ -1031,7 +1139,7 @@ impl GptBlocks {
         let ln2: &mut [f32] = if self.sp() {
             &mut scratch.rows
         } else {
-            &mut acts.ln2
+            acts.ln2.target(&mut scratch.tmp)
         };
         layernorm_forward(
             ln2,
@@ -1045,14 +1153,17 @@ impl GptBlocks {
             eps,
         )?;
         if let Some(tp) = tp.filter(|tp| tp.sequence_parallel()) {
-            tp.all_gather(&scratch.rows, &mut acts.ln2)?;
+            tp.all_gather(&scratch.rows, acts.ln2.target(&mut scratch.full))?;
+            acts.ln2.settle(&scratch.full)?;
+        } else {
+            acts.ln2.settle(&scratch.tmp)?;
         }
         let y = &mut scratch.tmp[..rows * c];
         self.ffn.forward(
             y,
             &mut acts.ffn_saved,
             &mut scratch.ffn_scratch,
-            &acts.ln2,
+            acts.ln2.input(),
             &p[blk.ffn.clone()],
             self.dims(b, t, mode, layer),
         )?;
@@ -1097,7 +1208,7 @@ impl GptBlocks {
             &mut g[blk.ffn.clone()],
             &mut scratch.ffn_scratch,
             dres,
-            &acts.ln2,
+            acts.ln2.input(),
             &acts.ffn_saved,
             &p[blk.ffn.clone()],
             self.dims(b, t, mode, acts.layer),
@@ -1125,7 +1236,7 @@ impl GptBlocks {
             dw,
             Some(db),
             dy,
-            &acts.atty,
+            acts.atty.input(),
             &p[blk.proj_w.clone()],
             b,
             t,
@@ -1153,7 +1264,7 @@ impl GptBlocks {
             dw,
             Some(db),
             &scratch.dqkv,
-            &acts.ln1,
+            acts.ln1.input(),
             &p[blk.qkv_w.clone()],
             b,
             t,
@@ -1239,7 +1350,7 @@ impl GptBlocks {
             sink,
             &mut scratch.ffn_scratch,
             dres,
-            &acts.ln2,
+            acts.ln2.input(),
             &acts.ffn_saved,
             &p[blk.ffn.clone()],
             d,
@@ -1369,7 +1480,7 @@ impl GptBlocks {
             &mut scratch.sink_x,
             &mut scratch.ffn_scratch,
             &saved.dres3,
-            &acts.ln2,
+            acts.ln2.input(),
             &acts.ffn_saved,
             &p[blk.ffn.clone()],
             d,
@@ -1390,7 +1501,7 @@ impl GptBlocks {
             dw,
             Some(db),
             &saved.dres2,
-            &acts.atty,
+            acts.atty.input(),
             b,
             t,
             ca,
@@ -1402,7 +1513,7 @@ impl GptBlocks {
             dw,
             Some(db),
             &saved.dqkv,
-            &acts.ln1,
+            acts.ln1.input(),
             b,
             t,
             c,

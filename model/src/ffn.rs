@@ -23,9 +23,10 @@
 //! replicated and needs none).
 
 use weft_kernels::{
-    Mode, Precision, gelu_backward, gelu_forward, matmul_backward_input, matmul_backward_weight,
-    matmul_forward,
+    LinearInput, Mode, Precision, gelu_backward, gelu_forward, matmul_backward_input,
+    matmul_backward_weight, matmul_forward, round_to_bf16_for_products,
 };
+use weft_numerics::bf16;
 use weft_parallel::{Placement, Placements};
 
 use crate::error::Result;
@@ -107,6 +108,16 @@ pub trait FeedForward: Send + Sync + std::fmt::Debug {
     fn expert_parallel(&self) -> (usize, usize) {
         (0, 1)
     }
+    /// True if the block reads its input (the second layernorm's output)
+    /// only as the left operand of linear layers' products, as the dense
+    /// MLP's `c_fc` does: in `Precision::Bf16` the blocks then keep that
+    /// input in bf16 (rounded as the products round it: half the bytes,
+    /// the same bits) and pass it as [`LinearInput::Bf16`]. The default,
+    /// false, always passes it in `f32` ([`LinearInput::Wide`]): a
+    /// router, say, reads it.
+    fn input_feeds_products_only(&self) -> bool {
+        false
+    }
     /// Activation floats [`forward`](Self::forward) saves for a
     /// micro-batch of `d`.
     fn saved_len(&self, d: &Dims<'_>) -> usize;
@@ -124,7 +135,7 @@ pub trait FeedForward: Send + Sync + std::fmt::Debug {
         out: &mut [f32],
         saved: &mut [f32],
         scratch: &mut [f32],
-        inp: &[f32],
+        inp: LinearInput<'_, f32>,
         params: &[f32],
         d: Dims<'_>,
     ) -> Result<()>;
@@ -140,7 +151,7 @@ pub trait FeedForward: Send + Sync + std::fmt::Debug {
         dparams: &mut [f32],
         scratch: &mut [f32],
         dout: &[f32],
-        inp: &[f32],
+        inp: LinearInput<'_, f32>,
         saved: &[f32],
         params: &[f32],
         d: Dims<'_>,
@@ -172,7 +183,7 @@ pub trait FeedForward: Send + Sync + std::fmt::Debug {
         sink: &mut [f32],
         scratch: &mut [f32],
         dout: &[f32],
-        inp: &[f32],
+        inp: LinearInput<'_, f32>,
         saved: &[f32],
         params: &[f32],
         d: Dims<'_>,
@@ -199,7 +210,7 @@ pub trait FeedForward: Send + Sync + std::fmt::Debug {
         sink: &mut [f32],
         scratch: &mut [f32],
         dout: &[f32],
-        inp: &[f32],
+        inp: LinearInput<'_, f32>,
         saved: &[f32],
         params: &[f32],
         d: Dims<'_>,
@@ -217,6 +228,49 @@ pub trait FeedForward: Send + Sync + std::fmt::Debug {
 pub struct Mlp;
 
 /// Hidden width on this rank: `4C / tp`.
+/// Floats the dense MLP's saved GELU output takes for `nh` values: `nh`,
+/// or in bf16 two values per float.
+fn gelu_slots(nh: usize, precision: Precision) -> usize {
+    if precision == Precision::Bf16 {
+        nh.div_ceil(2)
+    } else {
+        nh
+    }
+}
+
+/// The `f32` values of the input of a block that does not declare
+/// [`FeedForward::input_feeds_products_only`], which always receives them
+/// so; an error names the block otherwise.
+///
+/// # Errors
+/// [`Error::Config`](crate::Error::Config) for a bf16 input.
+pub fn wide_input<'a>(inp: LinearInput<'a, f32>, block: &str) -> Result<&'a [f32]> {
+    match inp {
+        LinearInput::Wide(x) => Ok(x),
+        LinearInput::Bf16(_) => Err(crate::Error::Config {
+            field: "precision",
+            reason: format!("{block} reads its input in f32, and was given bf16 values"),
+        }),
+    }
+}
+
+/// `slots` floats seen as the bf16 values they hold (two per float).
+fn as_bf16_mut(slots: &mut [f32]) -> &mut [bf16] {
+    bytemuck::cast_slice_mut(slots)
+}
+
+/// The saved GELU output (`nh` values from the start of `saved`) as the
+/// output projection's input: `f32`, or the bf16 values it holds in
+/// [`Precision::Bf16`].
+fn gelu_input(saved: &[f32], nh: usize, precision: Precision) -> LinearInput<'_, f32> {
+    if precision == Precision::Bf16 {
+        let v: &[bf16] = bytemuck::cast_slice(&saved[..nh.div_ceil(2)]);
+        LinearInput::Bf16(&v[..nh])
+    } else {
+        LinearInput::Wide(&saved[..nh])
+    }
+}
+
 fn hidden(d: &Dims<'_>) -> usize {
     4 * d.c / d.tp_size()
 }
@@ -255,6 +309,10 @@ impl Mlp {
 }
 
 impl FeedForward for Mlp {
+    fn input_feeds_products_only(&self) -> bool {
+        true
+    }
+
     /// Megatron's split of the MLP over `tp`: `c_fc` column-parallel
     /// (weight and bias by columns), `c_proj` row-parallel (weight by
     /// rows, bias replicated).
@@ -279,7 +337,10 @@ impl FeedForward for Mlp {
     }
 
     fn saved_len(&self, d: &Dims<'_>) -> usize {
-        2 * d.n() * hidden(d) // fch and gelu(fch)
+        // fch, and gelu(fch): the output projection's input, kept in bf16
+        // (two per float) when the products round it to bf16 anyway
+        let nh = d.n() * hidden(d);
+        nh + gelu_slots(nh, d.precision)
     }
 
     fn scratch_len(&self, d: &Dims<'_>) -> usize {
@@ -293,7 +354,7 @@ impl FeedForward for Mlp {
         out: &mut [f32],
         saved: &mut [f32],
         scratch: &mut [f32],
-        inp: &[f32],
+        inp: LinearInput<'_, f32>,
         params: &[f32],
         d: Dims<'_>,
     ) -> Result<()> {
@@ -302,9 +363,15 @@ impl FeedForward for Mlp {
         let Dims { b, t, c, mode, .. } = d;
         let (n, h) = (b * t, hidden(&d));
         let (fw, fb, pw, pb) = split(params, c, h);
-        let (fch, fch_gelu) = saved.split_at_mut(n * h);
+        let (fch, gelu_saved) = saved.split_at_mut(n * h);
         matmul_forward(fch, inp, fw, Some(fb), b, t, c, h, mode, d.precision)?;
-        gelu_forward(fch_gelu, fch, n * h)?;
+        if d.precision == Precision::Bf16 {
+            gelu_forward(&mut scratch[..n * h], fch, n * h)?;
+            round_to_bf16_for_products(&mut as_bf16_mut(gelu_saved)[..n * h], &scratch[..n * h])?;
+        } else {
+            gelu_forward(gelu_saved, fch, n * h)?;
+        }
+        let fch_gelu = gelu_input(gelu_saved, n * h, d.precision);
         match d.tp {
             None => matmul_forward(out, fch_gelu, pw, Some(pb), b, t, h, c, mode, d.precision)?,
             Some(tp) => {
@@ -331,7 +398,7 @@ impl FeedForward for Mlp {
         dparams: &mut [f32],
         scratch: &mut [f32],
         dout: &[f32],
-        inp: &[f32],
+        inp: LinearInput<'_, f32>,
         saved: &[f32],
         params: &[f32],
         d: Dims<'_>,
@@ -371,7 +438,7 @@ impl FeedForward for Mlp {
         _sink: &mut [f32],
         scratch: &mut [f32],
         dout: &[f32],
-        _inp: &[f32],
+        _inp: LinearInput<'_, f32>,
         saved: &[f32],
         params: &[f32],
         d: Dims<'_>,
@@ -419,7 +486,7 @@ impl FeedForward for Mlp {
         _sink: &mut [f32],
         _scratch: &mut [f32],
         dout: &[f32],
-        inp: &[f32],
+        inp: LinearInput<'_, f32>,
         saved: &[f32],
         _params: &[f32],
         d: Dims<'_>,
@@ -427,7 +494,7 @@ impl FeedForward for Mlp {
         let Dims { b, t, c, .. } = d;
         let (n, h) = (b * t, hidden(&d));
         let (dfw, dfb, dpw, dpb) = split_mut(dparams, c, h);
-        let fch_gelu = &saved[n * h..2 * n * h];
+        let fch_gelu = gelu_input(&saved[n * h..], n * h, d.precision);
         let (dfch, dfull) = wsaved.split_at(n * h);
         let dy = if d.sequence_parallel() { dfull } else { dout };
         matmul_backward_weight(dpw, Some(dpb), dy, fch_gelu, b, t, h, c, d.precision)?;

@@ -72,8 +72,8 @@
 //! ```
 
 use weft_kernels::{
-    attention_decode, encoder_forward, layernorm_forward, matmul_forward, matmul_forward_wt,
-    residual_forward,
+    LinearInput, attention_decode, encoder_forward, layernorm_forward, matmul_forward,
+    matmul_forward_wt, residual_forward,
 };
 
 use crate::config::GptConfig;
@@ -366,7 +366,7 @@ impl<'m> Decoder<'m> {
                 &mut self.tmp[..nc],
                 &mut self.ffn_saved[..saved],
                 &mut self.ffn_scratch,
-                &self.ln[..nc],
+                LinearInput::Wide(&self.ln[..nc]),
                 &p[layer.ffn.clone()],
                 dims(l),
             )?;

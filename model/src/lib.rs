@@ -173,7 +173,7 @@ pub mod tp;
 pub use chunk::{HeadView, ParamStore, Piece};
 pub use config::GptConfig;
 pub use error::{Error, Result};
-pub use ffn::{Dims, FeedForward, Mlp, ParamShape};
+pub use ffn::{Dims, FeedForward, Mlp, ParamShape, wide_input};
 pub use gpt::{
     Activations, BlockActs, BlockScratch, Gpt, GptBlocks, HeadActs, MicroBatch, WeightInputs,
 };

@@ -63,7 +63,8 @@ use weft_moe::{ExpertParallel, MoeBlock, MoeConfig, MoeForward};
 use crate::error::{Error, Result};
 use weft_parallel::{Placement, Placements};
 
-use crate::ffn::{Dims, FeedForward, ParamShape};
+use crate::ffn::{Dims, FeedForward, ParamShape, wide_input};
+use weft_kernels::LinearInput;
 
 /// A mixture-of-experts block implementing [`FeedForward`].
 #[derive(Debug)]
@@ -259,11 +260,12 @@ impl FeedForward for MoeFfn {
         out: &mut [f32],
         saved: &mut [f32],
         _scratch: &mut [f32],
-        inp: &[f32],
+        inp: LinearInput<'_, f32>,
         params: &[f32],
         d: Dims<'_>,
     ) -> Result<()> {
         let lens = self.check(d)?;
+        let inp = wide_input(inp, "the mixture of experts")?;
         let sp = d.sequence_parallel();
         let mut whole = if sp {
             vec![0.0f32; d.n() * d.c]
@@ -302,12 +304,13 @@ impl FeedForward for MoeFfn {
         dparams: &mut [f32],
         _scratch: &mut [f32],
         dout: &[f32],
-        inp: &[f32],
+        inp: LinearInput<'_, f32>,
         saved: &[f32],
         params: &[f32],
         d: Dims<'_>,
     ) -> Result<()> {
         let lens = self.check(d)?;
+        let inp = wide_input(inp, "the mixture of experts")?;
         // Under sequence parallelism: the whole output gradient, gathered,
         // and the whole input gradient, of which this rank keeps its rows.
         let sp = d.sequence_parallel();

@@ -243,7 +243,9 @@ impl ParallelGpt {
         mesh: &ParallelMesh,
     ) -> Result<RankMemory> {
         let dims = mesh.dims();
-        let blocks = Self::blocks(config.clone(), ffn, plan, mesh)?;
+        let mut blocks = Self::blocks(config.clone(), ffn, plan, mesh)?;
+        // the precision decides what the activations are kept in
+        blocks.set_precision(plan.precision);
         let (schedule, layers) = Self::schedule_of(plan, dims, config.n_layer)?;
         let pl = schedule.placement();
         let rank = mesh.coords().pp;

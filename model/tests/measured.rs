@@ -21,7 +21,7 @@ use std::sync::Arc;
 
 use weft_collectives::{LocalCluster, OpKind};
 use weft_fsdp::{FsdpConfig, Strategy};
-use weft_kernels::AdamW;
+use weft_kernels::{AdamW, Precision};
 use weft_model::tp::TpOptions;
 use weft_model::{
     FeedForward, GptConfig, Init, MicroBatch, Mlp, MoeFfn, ParallelGpt, ParallelPlan, RankMemory,
@@ -74,6 +74,8 @@ struct Layout {
     fsdp: Option<Strategy>,
     sp: bool,
     moe: bool,
+    /// bf16 products (and the products' inputs kept in bf16)
+    bf16: bool,
 }
 
 fn lay(pp: usize, dp: usize, tp: usize, ep: usize) -> Layout {
@@ -83,6 +85,7 @@ fn lay(pp: usize, dp: usize, tp: usize, ep: usize) -> Layout {
         fsdp: None,
         sp: false,
         moe: ep > 1,
+        bf16: false,
     }
 }
 
@@ -158,7 +161,11 @@ fn setup(
         (s, layers)
     });
     let plan = ParallelPlan {
-        precision: weft_kernels::Precision::F32,
+        precision: if layout.bf16 {
+            Precision::Bf16
+        } else {
+            Precision::F32
+        },
         grad_wire: weft_collectives::Dtype::F32,
         doc_boundary: None,
         fsdp: layout.fsdp.map(|strategy| FsdpConfig {
@@ -523,7 +530,15 @@ fn memory_is_what_the_layout_predicts() {
     };
     let fsdp = |l: Layout, s: Strategy| Layout { fsdp: Some(s), ..l };
     let moe = |l: Layout| Layout { moe: true, ..l };
+    let bf16 = |l: Layout| Layout { bf16: true, ..l };
     let mut layouts = vec![
+        bf16(lay(1, 1, 1, 1)),
+        bf16(sp(lay(2, 1, 2, 1))),
+        bf16(moe(lay(1, 1, 1, 1))),
+        bf16(fsdp(
+            sched(lay(2, 2, 1, 1), ScheduleKind::ZbH1, 1),
+            Strategy::Full,
+        )),
         lay(1, 1, 1, 1),
         lay(1, 2, 1, 1),
         lay(1, 1, 2, 1),
@@ -600,10 +615,15 @@ fn a_blocks_activations_are_the_textbook_count() {
             } else {
                 weft_model::GptBlocks::new(c.clone(), ffn).unwrap()
             };
-            let a = blocks.block_acts(B, T).unwrap();
-            (blocks.block_acts_len(B, T).unwrap(), a.bytes())
+            [Precision::F32, Precision::Bf16].map(|precision| {
+                let mut blocks = blocks.clone();
+                blocks.set_precision(precision);
+                let a = blocks.block_acts(B, T).unwrap();
+                (blocks.block_acts_len(B, T).unwrap(), a.bytes())
+            })
         })
-        .unwrap();
+        .unwrap()
+        .concat();
         let rows = if sp { n / k } else { n };
         let want = 2 * n * cc
             + 3 * n * cc / k
@@ -612,9 +632,100 @@ fn a_blocks_activations_are_the_textbook_count() {
             + 2 * rows * cc
             + 4 * rows
             + 2 * n * 4 * cc / k;
-        for (len, bytes) in got {
-            assert_eq!(len, want, "tp={k} sp={sp}");
-            assert_eq!(bytes, 4 * want, "tp={k} sp={sp}: allocated");
+        // in bf16, the layernorms' outputs, the attention output and the
+        // GELU output (the products' inputs alone) take half
+        let bf16_floats = want - (2 * n * cc + n * cc / k + n * 4 * cc / k) / 2;
+        for ((len, bytes), precision) in got
+            .into_iter()
+            .zip([Precision::F32, Precision::Bf16].repeat(k))
+        {
+            let want = if precision == Precision::Bf16 {
+                bf16_floats
+            } else {
+                want
+            };
+            assert_eq!(len, want, "tp={k} sp={sp} {precision:?}");
+            assert_eq!(bytes, 4 * want, "tp={k} sp={sp} {precision:?}: allocated");
+        }
+    }
+}
+
+/// Keeping the products' inputs in bf16 changes no bit of a bf16 step:
+/// activations planned in f32 (the products round them as they pack)
+/// and in bf16 give the same loss, logits and gradients, on one rank and
+/// under tensor parallelism with sequence parallelism (whose layernorm
+/// outputs are gathered, then rounded) — and the bf16 ones are smaller.
+#[test]
+fn bf16_activations_change_no_bit_and_take_less() {
+    let c = gpt_config();
+    let (tokens, targets) = batch(0, 0);
+    for (k, sp) in [(1, false), (2, true), (2, false)] {
+        let results = LocalCluster::run(k, |comm| {
+            let mut whole = weft_model::Gpt::new(c.clone()).unwrap();
+            whole.init_gpt2(7);
+            let mut m = if k > 1 {
+                let tp = weft_model::tp::TensorParallel::new(
+                    Arc::new(comm),
+                    TpOptions {
+                        sequence_parallel: sp,
+                        ..TpOptions::default()
+                    },
+                );
+                weft_model::Gpt::shard_of(&whole, tp).unwrap()
+            } else {
+                whole
+            };
+            let wide = m.activations(B, T).unwrap();
+            m.set_precision(Precision::Bf16);
+            let narrow = m.activations(B, T).unwrap();
+            let smaller = wide.bytes() - narrow.bytes();
+            let mut step = |mut acts: weft_model::Activations| {
+                m.zero_grad();
+                let loss = m
+                    .forward(&mut acts, &tokens, Some(&targets))
+                    .unwrap()
+                    .unwrap();
+                let logits: Vec<u32> = acts.logits().iter().map(|x| x.to_bits()).collect();
+                m.backward(&mut acts).unwrap();
+                let grads: Vec<Vec<u32>> = m
+                    .layout()
+                    .specs()
+                    .iter()
+                    .map(|s| {
+                        m.grad(&s.name)
+                            .unwrap()
+                            .iter()
+                            .map(|x| x.to_bits())
+                            .collect()
+                    })
+                    .collect();
+                (loss.to_bits(), logits, grads)
+            };
+            let (a, b) = (step(wide), step(narrow));
+            // bf16 activations refuse to run in another precision
+            m.set_precision(Precision::F32);
+            let mut acts = {
+                m.set_precision(Precision::Bf16);
+                let a = m.activations(B, T).unwrap();
+                m.set_precision(Precision::F32);
+                a
+            };
+            let e = m.forward(&mut acts, &tokens, Some(&targets)).unwrap_err();
+            assert!(e.to_string().contains("bf16"), "{e}");
+            (a == b, smaller)
+        })
+        .unwrap();
+        let (cc, n) = (c.n_embd, B * T);
+        for (same, smaller) in results {
+            assert!(same, "tp={k} sp={sp}: bf16 activations changed the step");
+            // 2 bytes saved per value of ln_1 and ln_2 (N·C each), the
+            // attention output (N·C/k) and the GELU output (N·4C/k), per
+            // layer
+            assert_eq!(
+                smaller,
+                c.n_layer * 2 * (2 * n * cc + n * cc / k + n * 4 * cc / k),
+                "tp={k} sp={sp}"
+            );
         }
     }
 }

@@ -138,7 +138,14 @@ fn check_case(path: &Path) -> TestResult {
     let mut out = vec![0.0f32; n * c];
     let mut saved = vec![0.0f32; ffn.saved_len(&d)];
     let mut scratch = vec![0.0f32; ffn.scratch_len(&d)];
-    ffn.forward(&mut out, &mut saved, &mut scratch, &inp, &params, d)?;
+    ffn.forward(
+        &mut out,
+        &mut saved,
+        &mut scratch,
+        weft_kernels::LinearInput::Wide(&inp),
+        &params,
+        d,
+    )?;
     let err = rel_err(&out, &read(&st, "out")?);
     assert!(err < 1e-5, "{name}: output relative error {err:.2e}");
     let (_, fwd) = stats.take().pop().ok_or("no statistics logged")?;
@@ -166,7 +173,7 @@ fn check_case(path: &Path) -> TestResult {
         &mut dparams,
         &mut scratch,
         &dout,
-        &inp,
+        weft_kernels::LinearInput::Wide(&inp),
         &saved,
         &params,
         d,

@@ -674,7 +674,7 @@ fn mlp_step(
     let mut saved = vec![0.0; Mlp.saved_len(&d)];
     let mut scratch = vec![0.0; Mlp.scratch_len(&d)];
     let mut out = vec![0.0; rows * c];
-    Mlp.forward(&mut out, &mut saved, &mut scratch, inp, params, d)
+    Mlp.forward(&mut out, &mut saved, &mut scratch, inp.into(), params, d)
         .unwrap();
     let (mut dinp, mut dparams) = (vec![0.0; rows * c], vec![0.0; params.len()]);
     Mlp.backward(
@@ -682,7 +682,7 @@ fn mlp_step(
         &mut dparams,
         &mut scratch,
         dout,
-        inp,
+        inp.into(),
         &saved,
         params,
         d,

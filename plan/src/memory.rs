@@ -322,8 +322,17 @@ fn tokens(model: &ModelSpec, layout: &Layout) -> u64 {
 
 /// Floats of one block's activations on a rank, as weft's blocks plan them
 /// (`GptBlocks::block_acts_len`), and of its saved weight-gradient inputs
-/// for split backwards (`weight_inputs_len`).
-fn weft_block_floats(model: &ModelSpec, layout: &Layout) -> (u64, u64, u64) {
+/// for split backwards (`weight_inputs_len`). In bf16 the inputs that only
+/// products read (ln_1's output, the attention output, and with the dense
+/// MLP ln_2's output and the GELU output) are kept in bf16: two per float.
+fn weft_block_floats(model: &ModelSpec, layout: &Layout, precision: Precision) -> (u64, u64, u64) {
+    let linear = |len: u64| {
+        if precision == Precision::Bf16 {
+            len.div_ceil(2)
+        } else {
+            len
+        }
+    };
     let (b, t, c) = (u(layout.micro_batch_size), u(model.seq), u(model.hidden));
     let tp = u(layout.tp);
     let sp = layout.sequence_parallel && layout.tp > 1;
@@ -332,6 +341,8 @@ fn weft_block_floats(model: &ModelSpec, layout: &Layout) -> (u64, u64, u64) {
     let (nh, ca) = (u(model.heads) / tp, c / tp);
     let att = b * nh * t * t;
     let hid = 4 * c / tp;
+    // ln_2's output, in bf16 when the dense MLP alone reads it
+    let ln2 = if model.is_moe() { n * c } else { linear(n * c) };
     let (ffn_saved, ffn_scratch, ffn_split) = if model.is_moe() {
         let (e, k, f) = (u(model.experts), u(model.top_k), u(model.ffn_hidden));
         let shared = if model.shared_expert { 2 * f } else { 0 };
@@ -344,15 +355,15 @@ fn weft_block_floats(model: &ModelSpec, layout: &Layout) -> (u64, u64, u64) {
     } else {
         let split = n * hid + if sp { n * c } else { 0 };
         let input = n * hid + if layout.tp > 1 { n * c } else { 0 } + if sp { rows * c } else { 0 };
-        (2 * n * hid, (input + split).max(n * c), split)
+        (n * hid + linear(n * hid), (input + split).max(n * c), split)
     };
-    let block = n * c
+    let block = linear(n * c)
         + 2 * rows
         + n * 3 * ca
-        + n * ca
+        + linear(n * ca)
         + att
         + rows * c
-        + n * c
+        + ln2
         + 2 * rows
         + ffn_saved
         + rows * c;
@@ -369,7 +380,7 @@ fn weft_chunk(model: &ModelSpec, layout: &Layout, recipe: &Recipe, chunk: &Chunk
     let sp = layout.sequence_parallel && layout.tp > 1;
     let n = b * t;
     let rows = if sp { n / tp } else { n };
-    let (block, scratch, weight_inputs) = weft_block_floats(model, layout);
+    let (block, scratch, weight_inputs) = weft_block_floats(model, layout, recipe.precision);
     let l = u(chunk.layers);
     let v_loc = u(model.vocab.div_ceil(layout.tp));
     let mut per_slot = 2 * rows * c + l * block;

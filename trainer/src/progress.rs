@@ -85,8 +85,13 @@ fn precision_line(p: weft_trainer::config::Precision) -> String {
         Precision::Bf16 => "bf16",
         Precision::Fp16 => "fp16",
     };
+    let activations = if p == Precision::Bf16 {
+        "activations f32, but the inputs only products read in bf16 (ln_1's output and the attention output; with the dense MLP ln_2's and the GELU output too)"
+    } else {
+        "activations f32"
+    };
     format!(
-        "{n} products (operands rounded to {n}, f32 accumulation); 16 B per parameter: f32 weights 4 (the masters: products read them as {n}, no {n} copy is kept), f32 gradients 4, f32 AdamW moments 8; activations f32; the rounded operand copies come on top (reported at the end)"
+        "{n} products (operands rounded to {n}, f32 accumulation); 16 B per parameter: f32 weights 4 (the masters: products read them as {n}, no {n} copy is kept), f32 gradients 4, f32 AdamW moments 8; {activations}; the rounded operand copies come on top (reported at the end)"
     )
 }
 

@@ -84,6 +84,21 @@ fn planned_memory_is_what_weft_train_allocates() {
             "parallel.pp=2",
             "parallel.fsdp=\"full\"",
         ],
+        // bf16: the inputs only products read are kept in bf16
+        &["train.precision=\"bf16\""],
+        &[
+            "train.precision=\"bf16\"",
+            "parallel.tp=2",
+            "parallel.sequence_parallel=true",
+        ],
+        &[
+            "train.precision=\"bf16\"",
+            "parallel.dp=2",
+            "parallel.pp=2",
+            "parallel.pp_schedule=\"zb-h1\"",
+            "parallel.fsdp=\"full\"",
+        ],
+        &["train.precision=\"bf16\"", "model.moe.experts=4"],
     ];
     let mut worst = 0.0f64;
     for sets in layouts {

@@ -71,7 +71,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
 use weft_collectives::{Algorithm, Communicator, CommunicatorExt, ReduceOp, ReduceOptions};
-use weft_kernels::{Mode, Precision, matmul_forward};
+use weft_kernels::{LinearInput, Mode, Precision, matmul_forward};
 
 pub use vocab::VocabShard;
 
@@ -316,7 +316,7 @@ impl TensorParallel {
         &self,
         out: &mut [f32],
         partial: &mut [f32],
-        inp: &[f32],
+        inp: LinearInput<'_, f32>,
         w: &[f32],
         bias: &[f32],
         b: usize,
