@@ -13,9 +13,11 @@
 //!   `v`/counts forms because shards may differ by one element);
 //! - `MPI nonblocking`: the library's non-blocking collective
 //!   (`MPI_Iallreduce`, `MPI_Ireduce_scatter`, `MPI_Iallgatherv`, polled
-//!   by the watchdog): what `Auto` all-reduce and all-gather run;
+//!   by the watchdog): what `Auto` all-gather runs, and `Auto` all-reduce
+//!   below `NATIVE_ALL_REDUCE_BELOW` (2 MiB);
 //! - `mpi ring`: this crate's ring over MPI point-to-point: what `Auto`
-//!   reduce-scatter runs (faster than the library's here).
+//!   reduce-scatter runs, and `Auto` all-reduce from 2 MiB (faster than
+//!   the library's non-blocking calls here).
 //!
 //! busbw is nccl-tests': algbw × 2(n−1)/n for all-reduce, × (n−1)/n for
 //! the other two.
@@ -91,7 +93,10 @@ fn time_comm(
     let mut shard = vec![0f32; shard_range(elems, n, r).len()];
     let opts = ReduceOptions::new(ReduceOp::Sum).algorithm(algorithm);
     let mut call = || match op {
-        Op::AllReduce => c.all_reduce_with(&mut buf, &opts),
+        Op::AllReduce => match library {
+            Some(l) => l.library_all_reduce(&mut buf, ReduceOp::Sum),
+            None => c.all_reduce_with(&mut buf, &opts),
+        },
         Op::ReduceScatter => match library {
             Some(l) => l.library_reduce_scatter(&buf, &mut shard, ReduceOp::Sum),
             None => c.reduce_scatter_with(&buf, &mut shard, &opts),

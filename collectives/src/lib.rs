@@ -183,11 +183,15 @@
 //! - `mpi`: `MpiComm`, the backend over MPI processes (the `mpi` crate; needs
 //!   an MPI library, `mpicc` and libclang to build — on Debian
 //!   `libopenmpi-dev openmpi-bin libclang-dev`). Every algorithm of this
-//!   crate runs over MPI point-to-point; `Auto` f32/f64 sums use the
-//!   library's own all-reduce and reduce-scatter, and `Auto` all-gathers
-//!   its all-gather (`MPI_Iallreduce`, `MPI_Ireduce_scatter`,
-//!   `MPI_Iallgatherv`, polled so the timeout still holds;
-//!   `benches/mpi_vs_local.rs` compares them with the thread backend). `tests/mpi.rs` runs the suite under
+//!   crate runs over MPI point-to-point; `Auto` f32/f64 all-reduces
+//!   below 2 MiB (`NATIVE_ALL_REDUCE_BELOW`) and `Auto` all-gathers use the
+//!   library's own (`MPI_Iallreduce`, `MPI_Iallgatherv`, polled so the
+//!   timeout still holds), larger all-reduces and every reduce-scatter this
+//!   crate's ring, measured faster than the library's non-blocking calls
+//!   on one node (`benches/mpi_vs_local.rs` compares them with the
+//!   library's blocking and non-blocking calls and the thread backend;
+//!   `MpiComm::library_all_reduce` and `library_reduce_scatter` call the
+//!   library at any size). `tests/mpi.rs` runs the suite under
 //!   `mpirun -np 4`.
 //! - `nccl`: `NcclComm`, the backend over NCCL on GPUs (cudarc, loaded at
 //!   run time, so it builds without CUDA). Host buffers are staged through
@@ -215,7 +219,9 @@ pub use error::{Error, LossCause, Result};
 pub use local::{DEFAULT_TIMEOUT, LocalCluster, LocalComm};
 pub use mesh::Mesh;
 #[cfg(feature = "mpi")]
-pub use mpi_backend::{MPI_DEFAULT_TIMEOUT, MPI_MAX_TAG, MpiComm, MpiCommBuilder};
+pub use mpi_backend::{
+    MPI_DEFAULT_TIMEOUT, MPI_MAX_TAG, MpiComm, MpiCommBuilder, NATIVE_ALL_REDUCE_BELOW,
+};
 #[cfg(feature = "nccl")]
 pub use nccl_backend::{NCCL_DEFAULT_TIMEOUT, NcclComm, NcclId, nccl_available};
 pub use types::{

@@ -253,6 +253,70 @@ fn native_all_reduce_and_its_traffic(c: &MpiComm, checks: &mut usize) {
         2 * (n - 1) * s / n
     );
     *checks += 3;
+    // from NATIVE_ALL_REDUCE_BELOW bytes `Auto` runs this crate's
+    // algorithm (the bits of an explicit one), the library's all-reduce
+    // is still there at any size, and blocking `Auto` calls the library
+    let big = weft_collectives::NATIVE_ALL_REDUCE_BELOW / 4 + 5;
+    // fractions, so that the order of the additions shows in the bits
+    let cols: Vec<Vec<f64>> = (0..n)
+        .map(|q| {
+            let c = contribution(17, q, big);
+            conv::<f32>(
+                &c.iter()
+                    .enumerate()
+                    .map(|(i, x)| x * 0.1 + (i as f64 * 1e-3).sin())
+                    .collect::<Vec<_>>(),
+            )
+            .into_iter()
+            .map(f64::from)
+            .collect()
+        })
+        .collect();
+    let mine: Vec<f32> = conv(&cols[r]);
+    let (mut auto, mut lib, mut blocking) = (mine.clone(), mine.clone(), mine.clone());
+    c.all_reduce(&mut auto, ReduceOp::Sum)
+        .expect("auto all_reduce");
+    // the ring on one domain, the hierarchical ring over several
+    let explicit: Vec<Vec<u64>> = [Algorithm::Ring, Algorithm::Hierarchical]
+        .into_iter()
+        .filter_map(|a| {
+            let mut x = mine.clone();
+            c.all_reduce_with(&mut x, &ReduceOptions::new(ReduceOp::Sum).algorithm(a))
+                .ok()
+                .map(|()| bits(&x))
+        })
+        .collect();
+    assert!(
+        explicit.contains(&bits(&auto)),
+        "Auto from 2 MiB is this crate's algorithm"
+    );
+    c.library_all_reduce(&mut lib, ReduceOp::Sum)
+        .expect("library all_reduce");
+    c.clone()
+        .with_blocking_native(true)
+        .all_reduce(&mut blocking, ReduceOp::Sum)
+        .expect("blocking all_reduce");
+    let want = reference(ReduceOp::Sum, &cols);
+    for (name, got) in [("ring", &auto), ("library", &lib), ("blocking", &blocking)] {
+        for (i, (&g, &w)) in got.iter().zip(&want).enumerate() {
+            // sums of n f32 values in some order: within n roundings of
+            // the magnitudes' sum
+            let mag: f64 = cols.iter().map(|q| f64::from(q[i] as f32).abs()).sum();
+            let tol = n as f64 * f64::from(f32::EPSILON) * mag;
+            assert!((f64::from(g) - w).abs() <= tol, "{name} [{i}]: {g} vs {w}");
+        }
+    }
+    let mut halves = vec![bf16::ONE; 8];
+    assert!(
+        c.library_all_reduce(&mut halves, ReduceOp::Sum).is_err(),
+        "bf16 is refused"
+    );
+    let mut x = vec![1.0f32; 8];
+    assert!(
+        c.library_all_reduce(&mut x, ReduceOp::Max).is_err(),
+        "max is refused"
+    );
+    *checks += 4;
     // the library's reduce-scatter (uneven shards) and all-gather (`Auto`)
     // give the serial reference, blocking and not
     let len = 1000 * n + 3;
