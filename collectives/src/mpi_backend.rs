@@ -493,8 +493,6 @@ fn header(seq: u64, tag: u64, sig: &Signature, len: usize) -> [u8; HEADER] {
     h
 }
 
-/// Polls `f` (under the MPI lock) until it returns `true` or `deadline`;
-/// yields between polls, then sleeps briefly once the wait is long.
 /// `elems` as an MPI count, or an error naming the limit.
 fn mpi_count(op: OpKind, elems: usize) -> Result<c_int> {
     c_int::try_from(elems).map_err(|_| Error::InvalidArgument {
@@ -517,6 +515,8 @@ fn float_type(dtype: Dtype) -> ffi::MPI_Datatype {
     }
 }
 
+/// Polls `f` (under the MPI lock) until it returns `true` or `deadline`;
+/// yields between polls, then sleeps briefly once the wait is long.
 fn poll_until(env: &Env, deadline: Instant, mut f: impl FnMut() -> Result<bool>) -> Result<bool> {
     let start = Instant::now();
     loop {
