@@ -742,7 +742,11 @@ impl GptBlocks {
     /// output, `2·rows` per layernorm's statistics, and the feed-forward
     /// block's [`saved_len`](FeedForward::saved_len) (`2·B·T·4C/tp` for
     /// the dense MLP), where `rows` is `B·T`, or `B·T/tp` under sequence
-    /// parallelism.
+    /// parallelism. In `Precision::Bf16` the outputs only products read
+    /// (ln_1's, the attention output, and with a feed-forward block that
+    /// [only multiplies its input](FeedForward::input_feeds_products_only)
+    /// ln_2's; the dense MLP's GELU output in its own count) are bf16, two
+    /// to a float: these counts are 4-byte slots.
     ///
     /// # Errors
     /// As [`block_acts`](Self::block_acts); [`Error::Config`] if a size

@@ -125,7 +125,10 @@ pub trait FeedForward: Send + Sync + std::fmt::Debug {
     /// [`backward`](Self::backward) need for a micro-batch of `d`.
     fn scratch_len(&self, d: &Dims<'_>) -> usize;
     /// `out = ffn(inp)`; `params` is this block's range of the parameter
-    /// buffer, `saved` its [`saved_len`](Self::saved_len) floats.
+    /// buffer, `saved` its [`saved_len`](Self::saved_len) floats. `inp`
+    /// comes in `f32` ([`LinearInput::Wide`]), or in bf16 to a block that
+    /// declares [`input_feeds_products_only`](Self::input_feeds_products_only)
+    /// in a bf16 run; the backwards receive the same `inp`.
     ///
     /// # Errors
     /// A kernel error on inconsistent shapes; a collective error.
