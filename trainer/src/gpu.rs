@@ -221,6 +221,7 @@ fn run(
         floor,
         steps: t.steps,
         activation_bytes: memory.activations,
+        fp32_activation_bytes: None,
         layout: format!("{} on {device}", layout_name(config)),
         mesh: "one GPU".into(),
         coords: vec![format!("rank 0: {device}")],

@@ -101,8 +101,11 @@ impl Observer for Terminal {
         self.floor = info.floor;
         self.log_every = (info.steps / 20).max(1);
         say(&format!("run folder      {}", info.run_dir.display()));
+        let fp32 = info.fp32_activation_bytes.map_or_else(String::new, |b| {
+            format!(" ({}B in fp32)", si(b as f64).trim())
+        });
         say(&format!(
-            "model           {} parameters, vocabulary {}, activations {}B per micro-batch",
+            "model           {} parameters, vocabulary {}, activations {}B per micro-batch{fp32}",
             si(info.params as f64).trim(),
             info.vocab,
             si(info.activation_bytes as f64).trim()

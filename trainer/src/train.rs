@@ -255,6 +255,10 @@ pub struct RunInfo {
     pub steps: u64,
     /// Bytes of activations planned for one micro-batch.
     pub activation_bytes: usize,
+    /// In a bf16 run, the bytes the same layout plans for them in fp32:
+    /// the difference is what keeping the products' inputs in bf16
+    /// saves. `None` in other precisions (and on the GPU).
+    pub fp32_activation_bytes: Option<usize>,
     /// The split over ranks, e.g. `dp=2 tp=2` (`single rank` alone).
     pub layout: String,
     /// The mesh's shape, e.g. `pp=1 × edp=2 × ep=1 × tp=2 (tp innermost)`.
@@ -1360,6 +1364,20 @@ fn run_attempt(
         world,
         ParallelGpt::predict_memory(&cfg, ffn.clone(), &plan, &mesh).map_err(TrainError::from),
     )?;
+    // in bf16, the activations the same layout would plan in fp32
+    let fp32_activations = if plan.precision == Precision::Bf16 {
+        let fp32 = ParallelPlan {
+            precision: Precision::F32,
+            ..plan.clone()
+        };
+        let m = agree(
+            world,
+            ParallelGpt::predict_memory(&cfg, ffn.clone(), &fp32, &mesh).map_err(TrainError::from),
+        )?;
+        Some(m.activations)
+    } else {
+        None
+    };
     let hosts = processes.map(crate::ranks::Processes::hosts);
     agree(world, check_memory(config, world, hosts, &predicted))?;
     let mut model = agree(
@@ -1443,6 +1461,7 @@ fn run_attempt(
         floor,
         steps: t.steps,
         activation_bytes: memory.activations,
+        fp32_activation_bytes: fp32_activations,
         layout: layout_name(config),
         mesh: mesh_shape,
         coords,

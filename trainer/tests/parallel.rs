@@ -197,12 +197,29 @@ fn bf16_runs_shard_resume_and_track_fp32() {
         "{}",
         info.layout
     );
+    // the products' inputs kept in bf16: fewer activation bytes than the
+    // same layout plans in fp32, which the report also gives
+    let fp32_acts = info
+        .fp32_activation_bytes
+        .expect("a bf16 run reports fp32's");
+    assert!(
+        info.activation_bytes < fp32_acts,
+        "{} vs {fp32_acts}",
+        info.activation_bytes
+    );
+    let mut f32_info = Info::default();
     let f32_run = train(
         &config(&dir, "f1", &["checkpoint.every=3"]),
         false,
-        &mut Silent,
+        &mut f32_info,
     )
     .unwrap();
+    let f32_info = f32_info.0.unwrap();
+    assert_eq!(
+        f32_info.activation_bytes, fp32_acts,
+        "fp32's plan is the fp32 run's"
+    );
+    assert_eq!(f32_info.fp32_activation_bytes, None);
     assert_ne!(
         trace(&one.run_dir),
         trace(&f32_run.run_dir),
