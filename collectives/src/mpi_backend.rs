@@ -502,6 +502,23 @@ fn mpi_count(op: OpKind, elems: usize) -> Result<c_int> {
     })
 }
 
+/// What the library's own reductions take: f32 or f64 sums (or averages);
+/// else an error naming `op`'s argument `arg`.
+fn library_sum(op: OpKind, arg: &'static str, dtype: Dtype, reduce: ReduceOp) -> Result<()> {
+    if matches!(dtype, Dtype::F32 | Dtype::F64) && matches!(reduce, ReduceOp::Sum | ReduceOp::Avg) {
+        return Ok(());
+    }
+    Err(Error::InvalidArgument {
+        op,
+        arg,
+        reason: format!(
+            "the library's {} takes f32 or f64 sums, not {dtype} {}",
+            op.name(),
+            reduce.name()
+        ),
+    })
+}
+
 /// MPI's datatype for f32 or f64.
 fn float_type(dtype: Dtype) -> ffi::MPI_Datatype {
     // SAFETY: reading the extern statics of the MPI library's predefined
@@ -939,17 +956,7 @@ impl MpiComm {
         let opts = ReduceOptions::new(op);
         let sig = algo::reduce_signature(self, OpKind::AllReduce, &buf, &opts)?;
         let dtype = buf.dtype();
-        if !matches!(dtype, Dtype::F32 | Dtype::F64) || !matches!(op, ReduceOp::Sum | ReduceOp::Avg)
-        {
-            return Err(Error::InvalidArgument {
-                op: OpKind::AllReduce,
-                arg: "buf",
-                reason: format!(
-                    "the library's all-reduce takes f32 or f64 sums, not {dtype} {}",
-                    op.name()
-                ),
-            });
-        }
+        library_sum(OpKind::AllReduce, "buf", dtype, op)?;
         let ctx = self.begin(sig)?;
         if self.size() == 1 {
             return Ok(());
@@ -989,17 +996,7 @@ impl MpiComm {
         let opts = ReduceOptions::new(op);
         let sig = algo::reduce_scatter_signature(self, &input, &output, &opts)?;
         let dtype = input.dtype();
-        if !matches!(dtype, Dtype::F32 | Dtype::F64) || !matches!(op, ReduceOp::Sum | ReduceOp::Avg)
-        {
-            return Err(Error::InvalidArgument {
-                op: OpKind::ReduceScatter,
-                arg: "input",
-                reason: format!(
-                    "the library's reduce-scatter takes f32 or f64 sums, not {dtype} {}",
-                    op.name()
-                ),
-            });
-        }
+        library_sum(OpKind::ReduceScatter, "input", dtype, op)?;
         let ctx = self.begin(sig)?;
         if self.size() == 1 {
             output.bytes().copy_from_slice(input.bytes());

@@ -706,15 +706,9 @@ fn product_of<T: Real>(
         && m > 0
         && n > 0
         && k > 0
-        && let (Some(d), Some(bd)) = (T::as_f32_mut(dst), T::as_f32(b.data))
+        && let (Some(d), Some(b)) = (T::as_f32_mut(dst), f32_view(b))
     {
-        let a = View { data: x, rs, cs };
-        let b = View {
-            data: bd,
-            rs: b.rs,
-            cs: b.cs,
-        };
-        gemm_bf16::product(m, n, k, d, accumulate, a, b);
+        gemm_bf16::product(m, n, k, d, accumulate, View { data: x, rs, cs }, b);
         return;
     }
     let wide: Vec<T> = x
@@ -727,6 +721,15 @@ fn product_of<T: Real>(
         cs,
     };
     product(m, n, k, dst, accumulate, a, b, precision, row_invariant);
+}
+
+/// `v` as a view of `f32`, if its elements are `f32`.
+fn f32_view<T: Real>(v: View<'_, T>) -> Option<View<'_, f32>> {
+    T::as_f32(v.data).map(|data| View {
+        data,
+        rs: v.rs,
+        cs: v.cs,
+    })
 }
 
 /// `dst (m×n, row-major, contiguous) = [dst +] a (m×k) · b (k×n)` in
@@ -772,19 +775,8 @@ fn product<T: Real>(
             }
         }
         Precision::Bf16 => {
-            if let (Some(d), Some(ad), Some(bd)) =
-                (T::as_f32_mut(dst), T::as_f32(a.data), T::as_f32(b.data))
+            if let (Some(d), Some(a32), Some(b32)) = (T::as_f32_mut(dst), f32_view(a), f32_view(b))
             {
-                let a32 = View {
-                    data: ad,
-                    rs: a.rs,
-                    cs: a.cs,
-                };
-                let b32 = View {
-                    data: bd,
-                    rs: b.rs,
-                    cs: b.cs,
-                };
                 gemm_bf16::product(m, n, k, d, accumulate, a32, b32);
                 return;
             }
