@@ -166,7 +166,8 @@ impl BlockActs {
 }
 
 /// A saved activation that only linear layers' products read (the
-/// inputs of the QKV and output projections): `f32`, or in
+/// inputs of the attention's QKV and output projections, and of a
+/// feed-forward block that only multiplies its input): `f32`, or in
 /// [`Precision::Bf16`] bf16 rounded as the products round their operands
 /// ([`round_to_bf16_for_products`]) — half the bytes, the same results.
 /// A bf16 one holds whole 4-byte slots (an even number of values), so

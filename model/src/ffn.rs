@@ -230,7 +230,6 @@ pub trait FeedForward: Send + Sync + std::fmt::Debug {
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Mlp;
 
-/// Hidden width on this rank: `4C / tp`.
 /// Floats the dense MLP's saved GELU output takes for `nh` values: `nh`,
 /// or in bf16 two values per float.
 fn gelu_slots(nh: usize, precision: Precision) -> usize {
@@ -274,6 +273,7 @@ fn gelu_input(saved: &[f32], nh: usize, precision: Precision) -> LinearInput<'_,
     }
 }
 
+/// Hidden width on this rank: `4C / tp`.
 fn hidden(d: &Dims<'_>) -> usize {
     4 * d.c / d.tp_size()
 }
