@@ -453,23 +453,49 @@ multiversion! {
                 .max()
                 .unwrap_or(0);
             if lanes_ok && top + carry <= 62 && (-900..=900).contains(&e) {
+                if pow2 && top + carry <= 53 && blocks.len() == 2 {
+                    // two pieces below 2^52 (the usual two-word blocks):
+                    // one pass, each sum exact in f64 and rounded once
+                    let scale = f64::from_bits(((e - shift + 1023) as u64) << 52);
+                    let (x, y) = (&blocks[0], &blocks[1]);
+                    let (sx, sy) = ((x.e - e) as u32, (y.e - e) as u32);
+                    let (px, py) = (x.data[..8 * bl].as_ptr().cast::<i64>(), y.data[..8 * bl].as_ptr().cast::<i64>());
+                    for (i, o) in dst.iter_mut().enumerate() {
+                        let k = lo - start + i;
+                        // SAFETY: both blocks hold 8·bl bytes (sliced
+                        // above) and k < bl; unaligned reads are allowed.
+                        let v = unsafe {
+                            (i64::from_le(px.add(k).read_unaligned()) << sx)
+                                + (i64::from_le(py.add(k).read_unaligned()) << sy)
+                        };
+                        *o = T::from_f64(v as f64 * scale);
+                    }
+                    continue;
+                }
                 let lanes = &mut lanes[..bl];
-                lanes.fill(0);
-                for b in &blocks {
+                for (k, b) in blocks.iter().enumerate() {
                     let sh = (b.e - e) as u32;
                     let p = b.data[..8 * bl].as_ptr().cast::<i64>();
                     for (i, v) in lanes.iter_mut().enumerate() {
                         // SAFETY: a two-word block holds 8·bl bytes (sliced
                         // above) and i < bl; unaligned reads are allowed.
-                        let x = i64::from_le(unsafe { p.add(i).read_unaligned() });
-                        *v = v.wrapping_add(x << sh);
+                        let x = i64::from_le(unsafe { p.add(i).read_unaligned() }) << sh;
+                        *v = if k == 0 { x } else { v.wrapping_add(x) };
                     }
                 }
                 let lanes = &lanes[lo - start..hi - start];
                 if pow2 {
                     let scale = f64::from_bits(((e - shift + 1023) as u64) << 52);
-                    for (o, &v) in dst.iter_mut().zip(lanes) {
-                        *o = round_lane(v, scale);
+                    if top + carry <= 53 {
+                        // |v| ≤ 2^53: exact in f64, so one conversion
+                        // rounds once
+                        for (o, &v) in dst.iter_mut().zip(lanes) {
+                            *o = T::from_f64(v as f64 * scale);
+                        }
+                    } else {
+                        for (o, &v) in dst.iter_mut().zip(lanes) {
+                            *o = round_lane(v, scale);
+                        }
                     }
                 } else {
                     for (o, &v) in dst.iter_mut().zip(lanes) {

@@ -486,64 +486,6 @@ pub(super) fn sum_raw_round<T: Element>(xs: &[T], io: &mut [T], d: Div) -> Resul
 }
 
 multiversion! {
-/// Rounds elements `[skip, skip + out.len())` of `(a + b) / d` into `out`,
-/// where `a` and `b` are encodings of `blen` elements.
-pub(super) fn merge_round_range<T: Element>(
-    a: &[u8],
-    b: &[u8],
-    blen: usize,
-    skip: usize,
-    out: &mut [T],
-    d: Div,
-) -> Result<()> {
-    let (mut pa, mut pb) = (0, 0);
-    let mut blkenc = Vec::with_capacity(HEADER + 8 * BLOCK);
-    let mut vals = [T::ZERO; BLOCK];
-    let end = skip + out.len();
-    for start in (0..blen).step_by(BLOCK) {
-        let bl = BLOCK.min(blen - start);
-        let x = read_block(a, &mut pa, bl)?;
-        let y = read_block(b, &mut pb, bl)?;
-        let lo = skip.max(start);
-        let hi = end.min(start + bl);
-        if lo >= hi {
-            continue;
-        }
-        if d.0 <= 1 && x.flags.is_none() && y.flags.is_none() && x.w == 2 && y.w == 2 {
-            let e = x.e.min(y.e);
-            let (sa, sb) = ((x.e - e) as u32, (y.e - e) as u32);
-            if (x.bits + sa).max(y.bits + sb) <= 61 && lanes_round::<T>(e) {
-                let scale = f64::from_bits(((e + 1023) as u64) << 52);
-                let (pa, pb) = (x.data.as_ptr().cast::<i64>(), y.data.as_ptr().cast::<i64>());
-                for (i, o) in out[lo - skip..hi - skip].iter_mut().enumerate() {
-                    let k = lo - start + i;
-                    // SAFETY: both blocks hold 8·bl bytes and k < bl.
-                    let v = unsafe {
-                        (i64::from_le(pa.add(k).read_unaligned()) << sa)
-                            + (i64::from_le(pb.add(k).read_unaligned()) << sb)
-                    };
-                    *o = round_lane(v, scale);
-                }
-                continue;
-            }
-        }
-        blkenc.clear();
-        merge_block(&x, &y, bl, &mut blkenc)?;
-        let mut q = 0;
-        let z = read_block(&blkenc, &mut q, bl)?;
-        if lo == start && hi == start + bl {
-            finish_block(&z, &mut out[start - skip..hi - skip], d);
-        } else {
-            finish_block(&z, &mut vals[..bl], d);
-            out[lo - skip..hi - skip].copy_from_slice(&vals[lo - start..hi - start]);
-        }
-    }
-    trailing(a, pa)?;
-    trailing(b, pb)
-}
-}
-
-multiversion! {
 /// Rounds elements `[skip, skip + out.len())` of `a / d` into `out`, where
 /// `a` encodes `blen` elements.
 pub(super) fn round_range<T: Element>(

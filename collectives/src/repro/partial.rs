@@ -3,9 +3,7 @@
 
 use weft_numerics::Element;
 
-use super::fused::{
-    Div, add_in_place, decode_div, encode_with_offsets, merge_round_range, round_range,
-};
+use super::fused::{Div, add_in_place, decode_div, encode_with_offsets, round_range};
 use super::{BLOCK, F_NEGZERO, merge, read_block};
 use crate::comm::Communicator;
 use crate::error::{Error, Result};
@@ -348,7 +346,13 @@ pub(crate) fn reduce_scatter_exact<T: Element, C: Communicator + ?Sized>(
         let data: &[u8] = if s == 0 { piece(send_c).0 } else { &trav };
         let mut sink = |src: &[u8]| {
             if last {
-                merge_round_range(src, own, el.len(), mine.start - el.start, out, d)
+                super::fixed::merge_all_round_range(
+                    &[src, own],
+                    el.len(),
+                    mine.start - el.start,
+                    out,
+                    d,
+                )
             } else {
                 merge(src, own, el.len(), &mut next)
             }
