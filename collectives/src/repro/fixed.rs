@@ -433,13 +433,47 @@ multiversion! {
         let mut lanes = [0i64; BLOCK];
         let mut vals = [T::ZERO; BLOCK];
         let end = skip + out.len();
+        let two = pieces.len() == 2 && pow2 && T::DTYPE != weft_numerics::Dtype::F64;
         for start in (0..blen).step_by(BLOCK) {
             let bl = BLOCK.min(blen - start);
+            let (lo, hi) = (skip.max(start), end.min(start + bl));
+            if two
+                && let (Some(x), Some(y)) =
+                    (two_words(pieces[0], pos[0], bl), two_words(pieces[1], pos[1], bl))
+            {
+                // two plain two-word blocks (the usual case): read in
+                // place, and when their aligned sum stays below 2^53 added
+                // and rounded in one pass, exact in f64 and rounded once
+                let e = x.0.min(y.0);
+                let (sx, sy) = (i64::from(x.0) - i64::from(e), i64::from(y.0) - i64::from(e));
+                if (-900..=900).contains(&e)
+                    && i64::from(x.1) + sx < 53
+                    && i64::from(y.1) + sy < 53
+                {
+                    let scale = f64::from_bits(((e - shift + 1023) as u64) << 52);
+                    let (sx, sy) = (sx as u32, sy as u32);
+                    if lo < hi {
+                        for (i, o) in out[lo - skip..hi - skip].iter_mut().enumerate() {
+                            let k = lo - start + i;
+                            // SAFETY: `two_words` checked that both blocks
+                            // hold 8·bl bytes, and k < bl; unaligned reads
+                            // are allowed.
+                            let v = unsafe {
+                                (i64::from_le(x.2.add(k).read_unaligned()) << sx)
+                                    + (i64::from_le(y.2.add(k).read_unaligned()) << sy)
+                            };
+                            *o = T::from_f64(v as f64 * scale);
+                        }
+                    }
+                    pos[0] += HEADER + 8 * bl;
+                    pos[1] += HEADER + 8 * bl;
+                    continue;
+                }
+            }
             blocks.clear();
             for (p, q) in pieces.iter().zip(pos.iter_mut()) {
                 blocks.push(read_block(p, q, bl)?);
             }
-            let (lo, hi) = (skip.max(start), end.min(start + bl));
             if lo >= hi {
                 continue;
             }
@@ -453,25 +487,6 @@ multiversion! {
                 .max()
                 .unwrap_or(0);
             if lanes_ok && top + carry <= 62 && (-900..=900).contains(&e) {
-                if pow2 && top + carry <= 53 && blocks.len() == 2 {
-                    // two pieces below 2^52 (the usual two-word blocks):
-                    // one pass, each sum exact in f64 and rounded once
-                    let scale = f64::from_bits(((e - shift + 1023) as u64) << 52);
-                    let (x, y) = (&blocks[0], &blocks[1]);
-                    let (sx, sy) = ((x.e - e) as u32, (y.e - e) as u32);
-                    let (px, py) = (x.data[..8 * bl].as_ptr().cast::<i64>(), y.data[..8 * bl].as_ptr().cast::<i64>());
-                    for (i, o) in dst.iter_mut().enumerate() {
-                        let k = lo - start + i;
-                        // SAFETY: both blocks hold 8·bl bytes (sliced
-                        // above) and k < bl; unaligned reads are allowed.
-                        let v = unsafe {
-                            (i64::from_le(px.add(k).read_unaligned()) << sx)
-                                + (i64::from_le(py.add(k).read_unaligned()) << sy)
-                        };
-                        *o = T::from_f64(v as f64 * scale);
-                    }
-                    continue;
-                }
                 let lanes = &mut lanes[..bl];
                 for (k, b) in blocks.iter().enumerate() {
                     let sh = (b.e - e) as u32;
@@ -532,6 +547,19 @@ multiversion! {
         }
         Ok(())
     }
+}
+
+/// The exponent, bit length and data of the block at byte `p` of `bytes`
+/// if it is two words per element without flags and all there.
+#[inline(always)]
+fn two_words(bytes: &[u8], p: usize, bl: usize) -> Option<(i32, u32, *const i64)> {
+    let h = bytes.get(p..p + HEADER + 8 * bl)?;
+    if h[4] != 2 || h[5] != 0 {
+        return None;
+    }
+    let e = i32::from_le_bytes([h[0], h[1], h[2], h[3]]);
+    let bits = u32::from(u16::from_le_bytes([h[6], h[7]]));
+    Some((e, bits, h[HEADER..].as_ptr().cast::<i64>()))
 }
 
 #[cfg(test)]
