@@ -407,10 +407,11 @@ multiversion! {
 multiversion! {
     /// Rounds elements `[skip, skip + out.len())` of (Σ `pieces`) / `d`
     /// into `out`, where every piece encodes the same `blen` elements (the
-    /// direct reduction of exact partials). A block that is two words
-    /// without flags in every piece, and whose aligned sum stays below
-    /// 2^62, adds in i64 lanes and rounds once; others merge through the
-    /// general encoding.
+    /// direct reduction of exact partials, and the last step of their
+    /// ring). A block that is two words without flags in every piece, and
+    /// whose aligned sum stays below 2^62, is read in place, added in i64
+    /// lanes and rounded once (two pieces below 2^53 in one pass, the sum
+    /// exact in f64); others merge through the general encoding.
     ///
     /// # Panics
     /// With fewer than two pieces.
@@ -421,89 +422,91 @@ multiversion! {
         out: &mut [T],
         d: Div,
     ) -> Result<()> {
-        let n = pieces.len() as u32;
+        let n = pieces.len();
         // carries of n terms: ⌈log₂ n⌉ bits
-        let carry = u32::BITS - n.saturating_sub(1).leading_zeros();
+        let carry = i64::from(u32::BITS - (n as u32).saturating_sub(1).leading_zeros());
         let pow2 = d.0 <= 1 || d.0.is_power_of_two();
         let shift = if d.0 > 1 { d.0.trailing_zeros() as i32 } else { 0 };
         let rc = Recip::new(d.0);
-        let mut pos = vec![0usize; pieces.len()];
-        let mut blocks: Vec<BlockRef<'_>> = Vec::with_capacity(pieces.len());
+        let lanes_dtype = T::DTYPE != weft_numerics::Dtype::F64;
+        let mut pos = vec![0usize; n];
+        // the blocks read in place (at most `MAX_DIRECT` pieces)
+        let lanes_dtype = lanes_dtype && n <= MAX_DIRECT;
+        let mut plain = [(0i32, 0u32, std::ptr::null::<i64>()); MAX_DIRECT];
+        let mut blocks: Vec<BlockRef<'_>> = Vec::with_capacity(n);
         let (mut cur, mut nxt) = (Vec::new(), Vec::new());
         let mut lanes = [0i64; BLOCK];
         let mut vals = [T::ZERO; BLOCK];
         let end = skip + out.len();
-        let two = pieces.len() == 2 && pow2 && T::DTYPE != weft_numerics::Dtype::F64;
         for start in (0..blen).step_by(BLOCK) {
             let bl = BLOCK.min(blen - start);
             let (lo, hi) = (skip.max(start), end.min(start + bl));
-            if two
-                && let (Some(x), Some(y)) =
-                    (two_words(pieces[0], pos[0], bl), two_words(pieces[1], pos[1], bl))
-            {
-                // two plain two-word blocks (the usual case): read in
-                // place, and when their aligned sum stays below 2^53 added
-                // and rounded in one pass, exact in f64 and rounded once
-                let e = x.0.min(y.0);
-                let (sx, sy) = (i64::from(x.0) - i64::from(e), i64::from(y.0) - i64::from(e));
-                if (-900..=900).contains(&e)
-                    && i64::from(x.1) + sx < 53
-                    && i64::from(y.1) + sy < 53
-                {
+            let mut m = 0;
+            if lanes_dtype {
+                for (p, &q) in pieces.iter().zip(&pos) {
+                    match two_words(p, q, bl) {
+                        Some(b) => plain[m] = b,
+                        None => break,
+                    }
+                    m += 1;
+                }
+            }
+            if m == n {
+                let plain = &plain[..n];
+                let e = plain.iter().map(|b| b.0).min().unwrap_or(0);
+                let top = plain
+                    .iter()
+                    .map(|b| i64::from(b.1) + i64::from(b.0) - i64::from(e))
+                    .max()
+                    .unwrap_or(0)
+                    + carry;
+                if top <= 62 && (-900..=900).contains(&e) {
+                    for q in &mut pos {
+                        *q += HEADER + 8 * bl;
+                    }
+                    if lo >= hi {
+                        continue;
+                    }
+                    let dst = &mut out[lo - skip..hi - skip];
                     let scale = f64::from_bits(((e - shift + 1023) as u64) << 52);
-                    let (sx, sy) = (sx as u32, sy as u32);
-                    if lo < hi {
-                        for (i, o) in out[lo - skip..hi - skip].iter_mut().enumerate() {
+                    if n == 2 && pow2 && top <= 53 {
+                        let ((ex, _, px), (ey, _, py)) = (plain[0], plain[1]);
+                        let (sx, sy) = ((ex - e) as u32, (ey - e) as u32);
+                        for (i, o) in dst.iter_mut().enumerate() {
                             let k = lo - start + i;
                             // SAFETY: `two_words` checked that both blocks
                             // hold 8·bl bytes, and k < bl; unaligned reads
                             // are allowed.
                             let v = unsafe {
-                                (i64::from_le(x.2.add(k).read_unaligned()) << sx)
-                                    + (i64::from_le(y.2.add(k).read_unaligned()) << sy)
+                                (i64::from_le(px.add(k).read_unaligned()) << sx)
+                                    + (i64::from_le(py.add(k).read_unaligned()) << sy)
                             };
+                            // |v| < 2^53: exact in f64, one rounding
                             *o = T::from_f64(v as f64 * scale);
                         }
+                        continue;
                     }
-                    pos[0] += HEADER + 8 * bl;
-                    pos[1] += HEADER + 8 * bl;
-                    continue;
-                }
-            }
-            blocks.clear();
-            for (p, q) in pieces.iter().zip(pos.iter_mut()) {
-                blocks.push(read_block(p, q, bl)?);
-            }
-            if lo >= hi {
-                continue;
-            }
-            let dst = &mut out[lo - skip..hi - skip];
-            let lanes_ok = T::DTYPE != weft_numerics::Dtype::F64
-                && blocks.iter().all(|b| b.flags.is_none() && b.w == 2);
-            let e = blocks.iter().map(|b| b.e).min().unwrap_or(0);
-            let top = blocks
-                .iter()
-                .map(|b| b.bits + (b.e - e) as u32)
-                .max()
-                .unwrap_or(0);
-            if lanes_ok && top + carry <= 62 && (-900..=900).contains(&e) {
-                let lanes = &mut lanes[..bl];
-                for (k, b) in blocks.iter().enumerate() {
-                    let sh = (b.e - e) as u32;
-                    let p = b.data[..8 * bl].as_ptr().cast::<i64>();
-                    for (i, v) in lanes.iter_mut().enumerate() {
-                        // SAFETY: a two-word block holds 8·bl bytes (sliced
-                        // above) and i < bl; unaligned reads are allowed.
-                        let x = i64::from_le(unsafe { p.add(i).read_unaligned() }) << sh;
-                        *v = if k == 0 { x } else { v.wrapping_add(x) };
+                    let lanes = &mut lanes[..bl];
+                    for (k, &(eb, _, p)) in plain.iter().enumerate() {
+                        let sh = (eb - e) as u32;
+                        for (i, v) in lanes.iter_mut().enumerate() {
+                            // SAFETY: `two_words` checked that the block
+                            // holds 8·bl bytes, and i < bl; unaligned reads
+                            // are allowed.
+                            let x = i64::from_le(unsafe { p.add(i).read_unaligned() }) << sh;
+                            *v = if k == 0 { x } else { v.wrapping_add(x) };
+                        }
                     }
-                }
-                let lanes = &lanes[lo - start..hi - start];
-                if pow2 {
-                    let scale = f64::from_bits(((e - shift + 1023) as u64) << 52);
-                    if top + carry <= 53 {
-                        // |v| ≤ 2^53: exact in f64, so one conversion
-                        // rounds once
+                    let lanes = &lanes[lo - start..hi - start];
+                    if !pow2 {
+                        for (o, &v) in dst.iter_mut().zip(lanes) {
+                            *o = if v == 0 {
+                                T::ZERO
+                            } else {
+                                T::from_f64(div_round_narrow_by::<T>(v, e, rc))
+                            };
+                        }
+                    } else if top <= 53 {
                         for (o, &v) in dst.iter_mut().zip(lanes) {
                             *o = T::from_f64(v as f64 * scale);
                         }
@@ -512,18 +515,18 @@ multiversion! {
                             *o = round_lane(v, scale);
                         }
                     }
-                } else {
-                    for (o, &v) in dst.iter_mut().zip(lanes) {
-                        *o = if v == 0 {
-                            T::ZERO
-                        } else {
-                            T::from_f64(div_round_narrow_by::<T>(v, e, rc))
-                        };
-                    }
+                    continue;
                 }
-                continue;
             }
             // the general path: merge the pieces' blocks one by one
+            blocks.clear();
+            for (p, q) in pieces.iter().zip(pos.iter_mut()) {
+                blocks.push(read_block(p, q, bl)?);
+            }
+            if lo >= hi {
+                continue;
+            }
+            let dst = &mut out[lo - skip..hi - skip];
             cur.clear();
             merge_block(&blocks[0], &blocks[1], bl, &mut cur)?;
             for b in &blocks[2..] {
