@@ -18,7 +18,7 @@
 //! | 1 | `w: u8`, 32-bit words per element (0: every element is zero) |
 //! | 1 | `special: u8`, 1 if a flag byte per element follows |
 //! | 2 | `bits: u16`, the largest magnitude bit length in the block |
-//! | blen | (if `special`) per-element flags: NaN, +∞, −∞, "only −0.0 so far" |
+//! | blen | (if `special`) per-element flags: NaN, +∞, −∞, "only −0.0 so far", "no contribution yet" |
 //! | blen·4w | the integers, two's complement, little-endian 32-bit words |
 //!
 //! Encoding a value `±m·2^q` (m odd) sets `e` to the smallest `q` of the
@@ -140,6 +140,20 @@ const F_NAN: u8 = 1;
 const F_PINF: u8 = 2;
 const F_NINF: u8 = 4;
 const F_NEGZERO: u8 = 8;
+/// No contribution at all (with [`F_NEGZERO`], the identity of merging):
+/// rounds to +0.0, and any contribution clears it.
+const F_EMPTY: u8 = 16;
+
+/// The zero an element with flags `f` and value zero rounds to: −0.0 only
+/// if every contribution was −0.0 and there was at least one.
+#[inline]
+fn signed_zero(f: u8) -> f64 {
+    if f & (F_NEGZERO | F_EMPTY) == F_NEGZERO {
+        -0.0
+    } else {
+        0.0
+    }
+}
 
 type Big = [u32; WMAX];
 
@@ -594,8 +608,9 @@ fn merge_block(x: &BlockRef<'_>, y: &BlockRef<'_>, bl: usize, out: &mut Vec<u8>)
             let fa = x.flags.map_or(0, |v| v[i]);
             let fb = y.flags.map_or(0, |v| v[i]);
             // A nonzero contribution never carries F_NEGZERO, so the
-            // flag survives only if both sides saw nothing but −0.0.
-            let neg0 = fa & fb & F_NEGZERO;
+            // flag survives only if both sides saw nothing but −0.0; and
+            // "no contribution" only if neither side had one.
+            let neg0 = fa & fb & (F_NEGZERO | F_EMPTY);
             *f = ((fa | fb) & (F_NAN | F_PINF | F_NINF)) | neg0;
             special |= *f != 0;
         }
@@ -881,7 +896,7 @@ fn decode_block<T: Element>(x: &BlockRef<'_>, blk: &mut [T]) {
             }
         };
         *o = if v == 0.0 {
-            T::from_f64(if f & F_NEGZERO != 0 { -0.0 } else { 0.0 })
+            T::from_f64(signed_zero(f))
         } else {
             T::from_f64(v)
         };

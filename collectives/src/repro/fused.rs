@@ -309,7 +309,7 @@ pub(super) fn finish_block<T: Element>(x: &BlockRef<'_>, blk: &mut [T], d: Div) 
             div_round_big::<T>(neg, &m[..x.w], x.e, d)
         };
         *o = if v == 0.0 {
-            T::from_f64(if f & F_NEGZERO != 0 { -0.0 } else { 0.0 })
+            T::from_f64(super::signed_zero(f))
         } else {
             T::from_f64(v)
         };

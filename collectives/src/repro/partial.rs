@@ -4,7 +4,7 @@
 use weft_numerics::Element;
 
 use super::fused::{Div, add_in_place, decode_div, encode_with_offsets, round_range};
-use super::{BLOCK, F_NEGZERO, merge, read_block};
+use super::{BLOCK, F_EMPTY, F_NEGZERO, merge, read_block};
 use crate::comm::Communicator;
 use crate::error::{Error, Result};
 use crate::types::{Incoming, OpCtx, OpKind, Outgoing, ReduceOp, shard_range};
@@ -207,15 +207,19 @@ impl ExactPartial {
 
 /// The encoding of the empty sum, the identity of merging: zero with the
 /// "only −0.0 so far" flag on every element (so that a rank without
-/// contributions leaves a −0.0 total of the others unchanged). Rounding an
-/// accumulator that saw no contribution at all gives +0.0 instead.
+/// contributions leaves a −0.0 total of the others unchanged) and the "no
+/// contribution yet" flag, which any contribution clears: the exact sum of
+/// no contribution at all, on any number of ranks, rounds to +0.0.
 fn zero_encoding(len: usize, out: &mut Vec<u8>, offs: &mut Vec<usize>) {
     out.clear();
     offs.clear();
     for start in (0..len).step_by(BLOCK) {
         offs.push(out.len());
         super::put_header(out, 0, 0, true, 0);
-        out.extend(std::iter::repeat_n(F_NEGZERO, BLOCK.min(len - start)));
+        out.extend(std::iter::repeat_n(
+            F_NEGZERO | F_EMPTY,
+            BLOCK.min(len - start),
+        ));
     }
     offs.push(out.len());
 }
@@ -255,7 +259,10 @@ fn blocks_of(r: &std::ops::Range<usize>) -> std::ops::Range<usize> {
 /// Reproducible reduction of exact partials: afterwards `out` (the
 /// elements `shard_range(len, n, rank)`) holds the exact sum over every
 /// rank's partial (divided by the total count for `Avg`), rounded once.
-/// The ranks first all-gather their counts (16 bytes each).
+/// For `Avg` without `divide_by` the ranks first all-gather their counts
+/// (16 bytes each); a sum, or a quotient by a given divisor, needs no
+/// count: a group without any contribution rounds its empty encodings to
+/// +0.0.
 ///
 /// A ring reduce-scatter whose chunks are the whole encoded blocks covering
 /// each rank's shard, sent straight from the partial's memory: neighbouring
@@ -281,19 +288,20 @@ pub(crate) fn reduce_scatter_exact<T: Element, C: Communicator + ?Sized>(
             reason: format!("exact reductions are sum or avg, not {}", op.name()),
         });
     }
-    // the global number of contributions: the divisor of `Avg`, and 0
-    // means an empty sum (+0.0)
-    let total: u64 = crate::algo::gather_u64_pairs(c, ctx, [p.count, len as u64])?
-        .iter()
-        .map(|x| x[0])
-        .sum();
-    if total == 0 {
-        out.fill(T::ZERO);
-        return Ok(());
-    }
     let d = match (divide_by, op) {
         (Some(k), _) => divisor(opk, k)?,
-        (None, ReduceOp::Avg) => divisor(opk, total)?,
+        (None, ReduceOp::Avg) => {
+            // the global number of contributions (0: an empty sum, +0.0)
+            let total: u64 = crate::algo::gather_u64_pairs(c, ctx, [p.count, len as u64])?
+                .iter()
+                .map(|x| x[0])
+                .sum();
+            if total == 0 {
+                out.fill(T::ZERO);
+                return Ok(());
+            }
+            divisor(opk, total)?
+        }
         (None, _) => Div(1),
     };
     // (kept equal to the encoding's block offsets by every update: tested
