@@ -142,13 +142,21 @@
 //! place, it copies its own shard as well as the peers'. The reproducible
 //! all-reduce costs 0.9–1.2× the plain ring with 2 ranks, 1.0–1.4× with 4
 //! (3–16 ranks in one domain sum each block of all ranks' chunks in
-//! registers in one pass, see [`repro`]); `all_reduce_exact` of an
-//! [`repro::ExactPartial`] 1.5–1.7× from 64 MiB (it moves 8 bytes per
-//! element in the reduce-scatter phase, twice f32's, so 1.5× is its byte
-//! volume) and up to 3–3.7× at 1–4 MiB, where merging encodings, not
-//! bandwidth, is the cost. bf16 buffers (f32 accumulation) reduce-scatter
-//! in 0.5–0.6× and all-gather in 0.3–0.5× the f32 time from 16 MiB. One
-//! [`ExactPartial::add`](repro::ExactPartial::add) costs about 1.1 ns per
+//! registers in one pass, see [`repro`]). The exact reductions of
+//! [`repro::ExactPartial`]s move 8 bytes per element in the
+//! reduce-scatter phase, twice f32's, so their byte volume is 2× the plain
+//! reduce-scatter's and 1.5× the plain all-reduce's; each block of two
+//! partials is read in place and summed and rounded in one pass of i64
+//! lanes. With 2 ranks `all_reduce_exact` takes 1.3–1.5× the plain ring
+//! at 1 MiB and 1.8–2.0× from 16 MiB, the divided reduce-scatter FSDP
+//! uses 2.2–3.0× the plain one (2.5–3.3× at 1 MiB); at 4 MiB, where the
+//! plain ring runs from the cache and the encodings (4× the bytes per
+//! rank) do not fit it, 4–5× the all-reduce. With 4 ranks (on 2 cores)
+//! both stay within 1.8×. bf16 buffers (f32 accumulation) reduce-scatter
+//! in 0.5–0.96× and all-gather in 0.3–0.5× the f32 time from 16 MiB; at
+//! 1–4 MiB, in cache, the reduce-scatter takes 1.0–1.1× (the conversions
+//! cost what the halved bytes save) and the all-gather 0.4–0.8×. One
+//! [`ExactPartial::add`](repro::ExactPartial::add) costs 0.6–0.9 ns per
 //! element.
 //!
 //! # Failures

@@ -292,13 +292,86 @@ fn f32_to_bf16(f: f32) -> bf16 {
     bf16::from_bits(if nan { quiet } else { rounded } as u16)
 }
 
+/// `o = a + b` for bf16, as [`add_to_half`] (widened, added in f32,
+/// rounded once) with the branch-free conversions; on CPUs with
+/// AVX512-BF16 32 sums at a time are rounded by one `vcvtne2ps2bf16`.
+fn add_to_bf16(o: &mut [bf16], a: &[bf16], b: &[bf16]) {
+    let n = o.len().min(a.len()).min(b.len());
+    let done = bf16_x86::add(o.as_mut_ptr(), a.as_ptr(), b.as_ptr(), n);
+    add_to_bf16_mv(&mut o[done..n], &a[done..n], &b[done..n]);
+}
+
 multiversion! {
-    /// `o = a + b` for bf16, as [`add_to_half`] (widened, added in f32,
-    /// rounded once) with the branch-free conversions.
-    fn add_to_bf16(o: &mut [bf16], a: &[bf16], b: &[bf16]) {
+    /// `o = a + b` for bf16, element by element (see [`add_to_bf16`]).
+    fn add_to_bf16_mv(o: &mut [bf16], a: &[bf16], b: &[bf16]) {
         for ((o, &x), &y) in o.iter_mut().zip(a).zip(b) {
             *o = f32_to_bf16(bf16_to_f32(x) + bf16_to_f32(y));
         }
+    }
+}
+
+/// The AVX512-BF16 sums of bf16 slices: `vcvtne2ps2bf16` rounds to
+/// nearest even as [`f32_to_bf16`] does, but treats subnormal inputs as
+/// zero and leaves NaN payloads to the hardware, so 32 sums in which any
+/// is a nonzero subnormal or NaN are rounded by [`f32_to_bf16`] instead:
+/// the bits are the portable kernels' on every input.
+mod bf16_x86 {
+    use weft_numerics::bf16;
+
+    /// Writes `o[i] = a[i] + b[i]` for the first multiple of 32 of `n`
+    /// elements when the CPU has AVX512-BF16 and `WEFT_SIMD` does not cap
+    /// the level below AVX-512 (else none) and returns how many it wrote.
+    /// `o` may be `a` or `b` (the sums of 32 elements are formed before
+    /// they are stored).
+    #[allow(clippy::not_unsafe_ptr_arg_deref)] // the callers pass slices' pointers and their common length
+    pub(super) fn add(o: *mut bf16, a: *const bf16, b: *const bf16, n: usize) -> usize {
+        #[cfg(target_arch = "x86_64")]
+        if n >= 32
+            && weft_numerics::simd::level() == weft_numerics::simd::Level::Avx512
+            && std::arch::is_x86_feature_detected!("avx512bf16")
+        {
+            // SAFETY: the CPU has the features; the three pointers are
+            // valid for n elements (the callers' slices).
+            return unsafe { add_avx512(o, a, b, n) };
+        }
+        let _ = (o, a, b, n);
+        0
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512bf16")]
+    unsafe fn add_avx512(o: *mut bf16, a: *const bf16, b: *const bf16, n: usize) -> usize {
+        use std::arch::x86_64::{
+            __m256i, __m512, __m512bh, _mm256_loadu_si256, _mm512_add_ps, _mm512_castsi512_ps,
+            _mm512_cvtepu16_epi32, _mm512_cvtne2ps_pbh, _mm512_fpclass_ps_mask, _mm512_slli_epi32,
+        };
+        let widen = |p: *const bf16| -> __m512 {
+            // SAFETY: (for the closure's callers) 16 readable elements.
+            let h = unsafe { _mm256_loadu_si256(p.cast::<__m256i>()) };
+            _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h)))
+        };
+        // lanes whose sum is a NaN (quiet 0x01, signalling 0x80) or a
+        // subnormal (0x20)
+        let odd = |s: __m512| _mm512_fpclass_ps_mask::<0xA1>(s);
+        let mut i = 0;
+        while i + 32 <= n {
+            // SAFETY: i + 32 ≤ n elements of each pointer.
+            unsafe {
+                let s0 = _mm512_add_ps(widen(a.add(i)), widen(b.add(i)));
+                let s1 = _mm512_add_ps(widen(a.add(i + 16)), widen(b.add(i + 16)));
+                if odd(s0) | odd(s1) == 0 {
+                    let r = _mm512_cvtne2ps_pbh(s1, s0);
+                    o.add(i).cast::<__m512bh>().write_unaligned(r);
+                } else {
+                    for k in i..i + 32 {
+                        let x = super::bf16_to_f32(*a.add(k)) + super::bf16_to_f32(*b.add(k));
+                        *o.add(k) = super::f32_to_bf16(x);
+                    }
+                }
+            }
+            i += 32;
+        }
+        i
     }
 }
 
@@ -311,9 +384,17 @@ multiversion! {
     }
 }
 
+/// `d += s` for bf16, as [`add_to_bf16`].
+fn add_bf16(d: &mut [bf16], s: &[bf16]) {
+    let n = d.len().min(s.len());
+    let p = d.as_mut_ptr();
+    let done = bf16_x86::add(p, p, s.as_ptr(), n);
+    add_bf16_mv(&mut d[done..n], &s[done..n]);
+}
+
 multiversion! {
-    /// `d += s` for bf16, as [`add_to_bf16`].
-    fn add_bf16(d: &mut [bf16], s: &[bf16]) {
+    /// `d += s` for bf16, element by element.
+    fn add_bf16_mv(d: &mut [bf16], s: &[bf16]) {
         for (a, &b) in d.iter_mut().zip(s) {
             *a = f32_to_bf16(bf16_to_f32(*a) + bf16_to_f32(b));
         }
