@@ -153,9 +153,9 @@
 //! plain ring runs from the cache and the encodings (4× the bytes per
 //! rank) do not fit it, 4–5× the all-reduce. With 4 ranks (on 2 cores)
 //! both stay within 1.8×. bf16 buffers (f32 accumulation) reduce-scatter
-//! in 0.5–0.96× and all-gather in 0.3–0.5× the f32 time from 16 MiB; at
-//! 1–4 MiB, in cache, the reduce-scatter takes 1.0–1.1× (the conversions
-//! cost what the halved bytes save) and the all-gather 0.4–0.8×. One
+//! in 0.6–0.7× the f32 time at 1–16 MiB (their sums are rounded 32 at a
+//! time by `vcvtne2ps2bf16` where the CPU has AVX512-BF16; the portable
+//! rounding made them 1.0–1.2× in cache) and all-gather in 0.3–0.8×. One
 //! [`ExactPartial::add`](repro::ExactPartial::add) costs 0.6–0.9 ns per
 //! element.
 //!
