@@ -508,7 +508,13 @@ pub(crate) fn append_event(run_dir: &Path, value: &serde_json::Value) -> std::io
         .create(true)
         .append(true)
         .open(run_dir.join("events.jsonl"))?;
-    writeln!(f, "{value}")
+    // one write of the whole line: appends of one write each never
+    // interleave, whereas formatting straight into the file writes it in
+    // pieces, which a rank's checkpoint thread and its training thread (or
+    // the supervisor) could interleave into lines no reader can parse
+    let mut line = value.to_string().into_bytes();
+    line.push(b'\n');
+    f.write_all(&line)
 }
 
 /// Seconds since the Unix epoch.
@@ -988,6 +994,30 @@ impl Supervisor {
 #[cfg(test)]
 mod tests {
     use super::{Fault, FaultKind};
+
+    /// Events appended at once from several threads stay whole lines.
+    #[test]
+    fn concurrent_events_stay_whole_lines() {
+        let dir = std::env::temp_dir().join(format!("weft-events-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        std::thread::scope(|s| {
+            for t in 0..4 {
+                let dir = &dir;
+                s.spawn(move || {
+                    for i in 0..200 {
+                        let v = serde_json::json!({"event": "x", "thread": t, "i": i, "pad": "y".repeat(200)});
+                        super::append_event(dir, &v).unwrap();
+                    }
+                });
+            }
+        });
+        let text = std::fs::read_to_string(dir.join("events.jsonl")).unwrap();
+        std::fs::remove_dir_all(&dir).unwrap();
+        assert_eq!(text.lines().count(), 800);
+        for l in text.lines() {
+            serde_json::from_str::<serde_json::Value>(l).unwrap_or_else(|e| panic!("{e}: {l}"));
+        }
+    }
 
     #[test]
     fn a_failed_host_leaves_the_hostfile() {
