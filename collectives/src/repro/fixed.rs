@@ -26,8 +26,8 @@
 use weft_numerics::{Element, multiversion};
 
 use super::fused::{
-    Div, Recip, div_round_narrow_by, encode_block, finish_block, merge_raw_block, round_lane,
-    trailing,
+    Div, Recip, div_round_lane, div_round_narrow_by, encode_block, finish_block, merge_raw_block,
+    round_lane, trailing,
 };
 use super::{BLOCK, BlockRef, HEADER, bitlen64, corrupt, magic, merge_block, read_block};
 use crate::error::Result;
@@ -271,6 +271,7 @@ multiversion! {
         let pow2 = d.0 <= 1 || d.0.is_power_of_two();
         let shift = if d.0 > 1 { d.0.trailing_zeros() as i32 } else { 0 };
         let rc = Recip::new(d.0);
+        let fd = f64::from(d.0);
         for (k, blk) in io.chunks_mut(BLOCK).enumerate() {
             let bl = blk.len();
             let general = if let Some(e) = code_exp(codes[k]) {
@@ -292,6 +293,15 @@ multiversion! {
                             } else {
                                 round_lane(v, scale)
                             };
+                        }
+                    } else if small {
+                        let scale = f64::from_bits(((e + 1023) as u64) << 52);
+                        for (i, o) in blk.iter_mut().enumerate() {
+                            // SAFETY: as in `merge_fixed`.
+                            let x = i64::from_le(unsafe { src.add(i).read_unaligned() });
+                            let v = x.wrapping_add(conv(*o, m, mb));
+                            // |v| ≤ 2^53 (above)
+                            *o = div_round_lane(v, fd, scale);
                         }
                     } else {
                         for (i, o) in blk.iter_mut().enumerate() {
@@ -338,6 +348,7 @@ multiversion! {
         let pow2 = d.0 <= 1 || d.0.is_power_of_two();
         let shift = if d.0 > 1 { d.0.trailing_zeros() as i32 } else { 0 };
         let rc = Recip::new(d.0);
+        let fd = f64::from(d.0);
         let mut vals = [0i64; BLOCK];
         let (mut cur, mut nxt, mut tmp) = (Vec::new(), Vec::new(), Vec::new());
         for (k, blk) in io.chunks_mut(BLOCK).enumerate() {
@@ -375,6 +386,12 @@ multiversion! {
                         } else {
                             round_lane(v, scale)
                         };
+                    }
+                } else if small {
+                    let scale = f64::from_bits(((e + 1023) as u64) << 52);
+                    for (o, &v) in blk.iter_mut().zip(&*vals) {
+                        // |v| ≤ 2^53 (above)
+                        *o = div_round_lane(v, fd, scale);
                     }
                 } else {
                     for (o, &v) in blk.iter_mut().zip(&*vals) {
@@ -428,6 +445,7 @@ multiversion! {
         let pow2 = d.0 <= 1 || d.0.is_power_of_two();
         let shift = if d.0 > 1 { d.0.trailing_zeros() as i32 } else { 0 };
         let rc = Recip::new(d.0);
+        let fd = f64::from(d.0);
         let lanes_dtype = T::DTYPE != weft_numerics::Dtype::F64;
         let mut pos = vec![0usize; n];
         // the blocks read in place (at most `MAX_DIRECT` pieces)
@@ -498,7 +516,12 @@ multiversion! {
                         }
                     }
                     let lanes = &lanes[lo - start..hi - start];
-                    if !pow2 {
+                    if !pow2 && top <= 53 {
+                        let scale = f64::from_bits(((e + 1023) as u64) << 52);
+                        for (o, &v) in dst.iter_mut().zip(lanes) {
+                            *o = div_round_lane(v, fd, scale);
+                        }
+                    } else if !pow2 {
                         for (o, &v) in dst.iter_mut().zip(lanes) {
                             *o = if v == 0 {
                                 T::ZERO
@@ -569,6 +592,65 @@ fn two_words(bytes: &[u8], p: usize, bl: usize) -> Option<(i32, u32, *const i64)
 mod tests {
     use super::*;
     use weft_numerics::{ExactSum, bf16, f16};
+
+    /// The vectorizable division of an i64 lane gives the integer
+    /// division's bits for every narrow dtype: random lanes, divisors and
+    /// exponents, and quotients within a unit of the last place of a tie
+    /// of the destination (where a quotient merely rounded to nearest in
+    /// f64 would round twice), subnormal results included.
+    #[test]
+    fn lane_division_rounds_as_the_integer_division() {
+        fn check<T: Element>(v: i64, d: u32, e: i32) {
+            let got =
+                div_round_lane::<T>(v, f64::from(d), f64::from_bits(((e + 1023) as u64) << 52));
+            let want = if v == 0 {
+                T::ZERO
+            } else {
+                T::from_f64(div_round_narrow_by::<T>(v, e, Recip::new(d)))
+            };
+            assert_eq!(
+                got.to_f64().to_bits(),
+                want.to_f64().to_bits(),
+                "{v} * 2^{e} / {d} as {:?}",
+                T::DTYPE
+            );
+        }
+        let mut s = 0x2545_F491_4F6C_DD1Du64;
+        let mut next = move || {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            s
+        };
+        for _ in 0..200_000 {
+            let r = next();
+            let d = [3u32, 5, 6, 7, 12, 13, 1000, 4_000_037, u32::MAX][(r % 9) as usize];
+            let bits = 1 + (next() % 53) as u32;
+            let mag = (next() >> (64 - bits)) as i64;
+            let v = if r & (1 << 20) != 0 { -mag } else { mag };
+            // exponents around the subnormal range of each dtype and beyond
+            let e = [-160i32, -140, -60, -30, -10, 0, 20][((r >> 8) % 7) as usize];
+            check::<f32>(v, d, e);
+            check::<bf16>(v, d, e);
+            check::<f16>(v, d, e - 100 + 120);
+            // near ties: v/d within a few units of 2^j/d of a tie m·2^j
+            // of f32 (m odd, 25 bits), which the f64 quotient's own
+            // rounding can land on for divisors from 2^29 (for bf16 and
+            // f16 it would take divisors beyond 2^32)
+            let d = (next() >> 32) as u32 | (1 << 29);
+            for j in [-5i32, -8] {
+                let m = (next() >> 39) | (1 << 24) | 1;
+                let t = (u128::from(m) * u128::from(d)) >> (-j) as u32;
+                for dv in [-2i64, -1, 0, 1, 2] {
+                    let v = (t as i64 + dv).min(1 << 53);
+                    check::<f32>(v, d, 0);
+                    check::<f32>(-v, d, -140);
+                    check::<bf16>(v, d, 0);
+                    check::<f16>(v, d, -40);
+                }
+            }
+        }
+    }
 
     /// Runs the fixed-lane kernels as the ring does for one chunk: the
     /// first two columns are summed, the middle ones merged, the last one

@@ -216,6 +216,31 @@ pub(super) fn div_round_narrow_by<T: Element>(v: i64, e: i32, rc: Recip) -> f64 
     T::from_f64(if v < 0 { -f } else { f }).to_f64()
 }
 
+/// `v·2^e / d` (|v| ≤ 2^53) rounded once to `T` (narrower than f64),
+/// where `fd` is `d` as f64 and `scale` is 2^e with e in −900..=900: the
+/// f64 quotient, made the quotient rounded to odd at 53 bits by the sign
+/// of its exact remainder (an FMA), which keeps ≥ p + 2 bits, so the one
+/// rounding to `T` is correct (Boldo & Melquiond). No integer division:
+/// the loops over lanes vectorize.
+#[inline(always)]
+pub(super) fn div_round_lane<T: Element>(v: i64, fd: f64, scale: f64) -> T {
+    let fv = v as f64;
+    let f = fv / fd;
+    // v − f·d exactly: its sign is that of the quotient's rounding error
+    let r = (-f).mul_add(fd, fv);
+    let b = f.to_bits();
+    // inexact with an even last bit: the neighbour towards the quotient
+    // (odd) is the rounding to odd; |v/d| ≥ 2^-32, so f is never zero
+    let nudge = r != 0.0 && b & 1 == 0;
+    let up = (r > 0.0) == (f > 0.0);
+    let f = if nudge {
+        f64::from_bits(if up { b + 1 } else { b - 1 })
+    } else {
+        f
+    };
+    T::from_f64(f * scale)
+}
+
 /// `±m·2^e / d` rounded once to `T` for any magnitude (little-endian 32-bit
 /// words, at most [`WMAX`]): long division of `m·2^64` by `d`, then the top
 /// 64 bits of the quotient and a sticky bit.
@@ -261,8 +286,17 @@ pub(super) fn finish_block<T: Element>(x: &BlockRef<'_>, blk: &mut [T], d: Div) 
         return;
     }
     if x.flags.is_none() && x.w == 2 && T::DTYPE != Dtype::F64 && (-900..=900).contains(&x.e) {
-        let rc = Recip::new(d);
         let p = x.data[..8 * blk.len()].as_ptr().cast::<i64>();
+        if x.bits <= 53 {
+            let (fd, scale) = (f64::from(d), f64::from_bits(((x.e + 1023) as u64) << 52));
+            for (i, o) in blk.iter_mut().enumerate() {
+                // SAFETY: `x.data` holds 8·bl bytes (two words per element).
+                let v = i64::from_le(unsafe { p.add(i).read_unaligned() });
+                *o = div_round_lane(v, fd, scale);
+            }
+            return;
+        }
+        let rc = Recip::new(d);
         for (i, o) in blk.iter_mut().enumerate() {
             // SAFETY: `x.data` holds 8·bl bytes (two words per element).
             let v = i64::from_le(unsafe { p.add(i).read_unaligned() });
