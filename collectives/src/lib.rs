@@ -147,12 +147,15 @@
 //! reduce-scatter phase, twice f32's, so their byte volume is 2× the plain
 //! reduce-scatter's and 1.5× the plain all-reduce's; each block of two
 //! partials is read in place and summed and rounded in one pass of i64
-//! lanes. With 2 ranks `all_reduce_exact` takes 1.3–1.5× the plain ring
-//! at 1 MiB and 1.8–2.0× from 16 MiB, the divided reduce-scatter FSDP
-//! uses 2.2–3.0× the plain one (2.5–3.3× at 1 MiB); at 4 MiB, where the
+//! lanes; a divisor that is not a power of two costs one f64 division per
+//! element, about 2× a power of two's shift. With 2 ranks
+//! `all_reduce_exact` takes 1.3–1.7× the plain ring at 1 MiB and 1.8–2.5×
+//! from 16 MiB, and the divided reduce-scatter FSDP uses 2.2–3.0× the
+//! plain one from 16 MiB (2.3–4.6× at 1–4 MiB); at 4 MiB, where the
 //! plain ring runs from the cache and the encodings (4× the bytes per
-//! rank) do not fit it, 4–5× the all-reduce. With 4 ranks (on 2 cores)
-//! both stay within 1.8×. bf16 buffers (f32 accumulation) reduce-scatter
+//! rank) do not fit it, the exact all-reduce takes 2.7–4.9×. With 4 ranks
+//! (on 2 cores) both stay within 1.8×. (Spreads over five runs on a
+//! shared machine.) bf16 buffers (f32 accumulation) reduce-scatter
 //! in 0.6–0.7× the f32 time at 1–16 MiB (their sums are rounded 32 at a
 //! time by `vcvtne2ps2bf16` where the CPU has AVX512-BF16; the portable
 //! rounding made them 1.0–1.2× in cache) and all-gather in 0.3–0.8×. One
