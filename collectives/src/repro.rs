@@ -579,6 +579,32 @@ fn merge_mv(a: &[u8], b: &[u8], len: usize, out: &mut Vec<u8>) -> Result<()> {
     let (mut pa, mut pb) = (0, 0);
     for start in (0..len).step_by(BLOCK) {
         let bl = BLOCK.min(len - start);
+        if let (Some(x), Some(y)) = (two_words(a, pa, bl), two_words(b, pb, bl)) {
+            // two plain two-word blocks (the usual case), read in place:
+            // what `merge_block` writes for them when the sum needs two
+            // words too
+            let e = x.0.min(y.0);
+            let (sx, sy) = (i64::from(x.0) - i64::from(e), i64::from(y.0) - i64::from(e));
+            let need = (i64::from(x.1) + sx).max(i64::from(y.1) + sy) + 1;
+            if (32..=63).contains(&need) {
+                let at = out.len();
+                put_header(out, e, 2, false, 0);
+                let (da, db) = (pa + HEADER, pb + HEADER);
+                let acc = merge_words(
+                    &a[da..da + 8 * bl],
+                    &b[db..db + 8 * bl],
+                    sx as u32,
+                    sy as u32,
+                    bl,
+                    out,
+                );
+                let bits = bitlen64(acc) as u16;
+                out[at + 6..at + 8].copy_from_slice(&bits.to_le_bytes());
+                pa = da + 8 * bl;
+                pb = db + 8 * bl;
+                continue;
+            }
+        }
         let x = read_block(a, &mut pa, bl)?;
         let y = read_block(b, &mut pb, bl)?;
         merge_block(&x, &y, bl, out)?;
@@ -594,6 +620,19 @@ fn merge_mv(a: &[u8], b: &[u8], len: usize, out: &mut Vec<u8>) -> Result<()> {
     }
     Ok(())
 }
+}
+
+/// The exponent, bit length and data of the block at byte `p` of `bytes`
+/// if it is two words per element without flags and all there.
+#[inline(always)]
+pub(super) fn two_words(bytes: &[u8], p: usize, bl: usize) -> Option<(i32, u32, *const i64)> {
+    let h = bytes.get(p..p + HEADER + 8 * bl)?;
+    if h[4] != 2 || h[5] != 0 {
+        return None;
+    }
+    let e = i32::from_le_bytes([h[0], h[1], h[2], h[3]]);
+    let bits = u32::from(u16::from_le_bytes([h[6], h[7]]));
+    Some((e, bits, h[HEADER..].as_ptr().cast::<i64>()))
 }
 
 /// Appends the exact sum of two blocks of `bl` elements to `out`.
@@ -1512,6 +1551,43 @@ pub(crate) fn reduce_scatter<C: Communicator + ?Sized>(
 mod tests {
     use super::*;
     use weft_numerics::ExactSum;
+
+    /// `merge` reads plain two-word blocks in place; its output is the
+    /// bytes of merging block by block through `merge_block`, for blocks
+    /// of near and far exponents (one word, two words, wider results).
+    #[test]
+    fn merging_in_place_writes_what_merge_block_writes() {
+        let len = 40 * BLOCK + 17;
+        let col = |seed: u32, scale: f32| -> Vec<f32> {
+            (0..len)
+                .map(|i| {
+                    let b = (i / BLOCK) as i32;
+                    let x = ((i as f32 + seed as f32) * 0.37).sin();
+                    x * scale * 2f32.powi((b * 7 + seed as i32) % 40 - 20)
+                })
+                .collect()
+        };
+        for (sa, sb, scale) in [
+            (0u32, 1u32, 1.0f32),
+            (5, 5, 4.0),
+            (3, 17, 3e4),
+            (2, 9, 1e-9),
+        ] {
+            let (mut a, mut b, mut got, mut want) =
+                (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+            encode(&col(sa, 1.0), &mut a);
+            encode(&col(sb, scale), &mut b);
+            merge(&a, &b, len, &mut got).unwrap();
+            let (mut pa, mut pb) = (0, 0);
+            for start in (0..len).step_by(BLOCK) {
+                let bl = BLOCK.min(len - start);
+                let x = read_block(&a, &mut pa, bl).unwrap();
+                let y = read_block(&b, &mut pb, bl).unwrap();
+                merge_block(&x, &y, bl, &mut want).unwrap();
+            }
+            assert_eq!(got, want, "seeds {sa} {sb}");
+        }
+    }
 
     fn exact_of<T: Element>(cols: &[Vec<T>]) -> Vec<T> {
         let len = cols[0].len();

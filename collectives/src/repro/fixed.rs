@@ -29,7 +29,9 @@ use super::fused::{
     Div, Recip, div_round_lane, div_round_narrow_by, encode_block, finish_block, merge_raw_block,
     round_lane, trailing,
 };
-use super::{BLOCK, BlockRef, HEADER, bitlen64, corrupt, magic, merge_block, read_block};
+use super::{
+    BLOCK, BlockRef, HEADER, bitlen64, corrupt, magic, merge_block, read_block, two_words,
+};
 use crate::error::Result;
 
 /// Elements ahead of the current block that the kernels prefetch.
@@ -573,19 +575,6 @@ multiversion! {
         }
         Ok(())
     }
-}
-
-/// The exponent, bit length and data of the block at byte `p` of `bytes`
-/// if it is two words per element without flags and all there.
-#[inline(always)]
-fn two_words(bytes: &[u8], p: usize, bl: usize) -> Option<(i32, u32, *const i64)> {
-    let h = bytes.get(p..p + HEADER + 8 * bl)?;
-    if h[4] != 2 || h[5] != 0 {
-        return None;
-    }
-    let e = i32::from_le_bytes([h[0], h[1], h[2], h[3]]);
-    let bits = u32::from(u16::from_le_bytes([h[6], h[7]]));
-    Some((e, bits, h[HEADER..].as_ptr().cast::<i64>()))
 }
 
 #[cfg(test)]
