@@ -448,10 +448,9 @@ multiversion! {
         let shift = if d.0 > 1 { d.0.trailing_zeros() as i32 } else { 0 };
         let rc = Recip::new(d.0);
         let fd = f64::from(d.0);
-        let lanes_dtype = T::DTYPE != weft_numerics::Dtype::F64;
         let mut pos = vec![0usize; n];
         // the blocks read in place (at most `MAX_DIRECT` pieces)
-        let lanes_dtype = lanes_dtype && n <= MAX_DIRECT;
+        let lanes_dtype = T::DTYPE != weft_numerics::Dtype::F64 && n <= MAX_DIRECT;
         let mut plain = [(0i32, 0u32, std::ptr::null::<i64>()); MAX_DIRECT];
         let mut blocks: Vec<BlockRef<'_>> = Vec::with_capacity(n);
         let (mut cur, mut nxt) = (Vec::new(), Vec::new());
