@@ -57,10 +57,19 @@ const MR: usize = 8;
 /// micro-kernels' blocks of sums (two AVX-512 vectors, two AMX tiles).
 const NR: usize = 32;
 /// Pairs of `k` per packed block (1024 values of `k`): a packed panel of
-/// the right operand is `NR · 2 · KP` bf16 = 64 KiB, of the left one 32 KiB.
+/// the right operand is `NR · 2 · KP` bf16 = 64 KiB (in L2), which the
+/// micro-kernel reads once per [`MR`] rows. Measured with
+/// `benches/bf16_gemm.rs` over GPT-2 small's products: 128 and 192 pairs
+/// (panels that stay in a 32 KiB L1) are 5–8% slower, the blocks of sums
+/// going back to the output more often; 256–512 alike.
 const KP: usize = 512;
-/// Rows of the left operand packed at a time.
+/// Rows of the left operand packed at a time (256 KiB of pairs, in L2).
 const MC: usize = 128;
+/// Columns of the right operand packed at a time (1 MiB of pairs): a wide
+/// product (the vocabulary's) is computed a block of columns
+/// at a time, so that its packed right operand is not streamed from
+/// memory once per block of rows.
+const NC: usize = 512;
 /// Rows of the AMX block of sums (two tiles of 16).
 const MA: usize = 32;
 /// Pairs of `k` per AMX step (one tile: 16 rows of 64 bytes).
@@ -193,8 +202,8 @@ pub(crate) trait Operand: Copy + Send + Sync + Default {
     fn bf16_bits(self) -> u16;
     /// The view's elements as bf16: itself, or a rounded copy in `buf` —
     /// of the part of the buffer it spans (one vectorized pass) when it
-    /// runs along rows, or along columns with `columns_ok` (the right
-    /// operand, whose packing reads either way); else a row-major copy.
+    /// runs along rows, or along columns with `columns_ok` (an operand
+    /// whose packing reads either way); else a row-major copy.
     fn as_bf16<'a>(
         v: View<'a, Self>,
         rows: usize,
@@ -352,9 +361,13 @@ fn transpose_to_bf16<A: Operand>(dst: &mut Held<bf16>, v: View<'_, A>, rows: usi
 }
 
 thread_local! {
-    /// The AMX path's packed operands, kept for the thread's next block
+    /// The packed operands of the AMX path (right, left) and the right
+    /// one of the `vdpbf16ps` path, kept for the thread's next block
     /// (taken out while in use).
     static PACKED: std::cell::Cell<[Held<u16>; 2]> = const { std::cell::Cell::new([Held::new(), Held::new()]) };
+    /// The `vdpbf16ps` path's packed left operand (pairs as u32), kept
+    /// likewise; its right one is the first of [`PACKED`].
+    static PACKED_A: std::cell::Cell<Held<u32>> = const { std::cell::Cell::new(Held::new()) };
     /// Rounded copies of f32 operands, kept for the thread's next product
     /// (taken out while in use, so a product the pool runs inside another
     /// on the same thread just allocates its own).
@@ -395,7 +408,9 @@ pub(crate) fn product_on<A: Operand, B: Operand>(
     }
     let [mut ab, mut bb] = ROUNDED.take();
     {
-        let a = A::as_bf16(a, m, k, false, &mut ab);
+        // `vdpbf16ps` packing reads the left operand either way too; the
+        // AMX path's wants it along rows
+        let a = A::as_bf16(a, m, k, path == Bf16Path::Avx512Bf16, &mut ab);
         let b = B::as_bf16(b, k, n, true, &mut bb);
         packed(path, m, n, k, out, accumulate, a, b);
     }
@@ -533,33 +548,41 @@ unsafe fn packed_block(
     j0: usize,
 ) {
     let pairs = k.div_ceil(2);
-    let panels = n.div_ceil(NR);
-    let mut bp = vec![0u16; panels * NR * 2 * KP.min(pairs)];
-    let mut ap = vec![0u32; MC.div_ceil(MR) * MR * KP.min(pairs)];
-    for (kb, p0) in (0..pairs).step_by(KP).enumerate() {
-        let kp = KP.min(pairs - p0);
-        pack_b(&mut bp, b, k, j0, n, p0, kp);
-        let first = kb == 0 && !accumulate;
-        for i0 in (0..m).step_by(MC) {
-            let mc = MC.min(m - i0);
-            pack_a(&mut ap, a, k, i0, mc, p0, kp);
-            for pj in 0..panels {
-                let nc = NR.min(n - pj * NR);
-                let bpanel = &bp[pj * NR * 2 * kp..(pj + 1) * NR * 2 * kp];
-                for pi in 0..mc.div_ceil(MR) {
-                    let mr = MR.min(mc - pi * MR);
-                    let apanel = &ap[pi * MR * kp..(pi + 1) * MR * kp];
-                    // SAFETY: rows `i0 + pi·MR ..+ mr` and columns
-                    // `pj·NR ..+ nc` lie inside the block the caller
-                    // vouched for; the panels hold `kp` pairs each.
-                    unsafe {
-                        let c = dst.add((i0 + pi * MR) * ldc + pj * NR);
-                        x86::kernel(kp, apanel, bpanel, c, ldc, mr, nc, first);
+    let kp_max = KP.min(pairs);
+    let [mut bpk, apk] = PACKED.take();
+    let mut apk32 = PACKED_A.take();
+    let bp = bpk.sized(NC.min(n).next_multiple_of(NR) * 2 * kp_max);
+    let ap = apk32.sized(MC.min(m).next_multiple_of(MR) * kp_max);
+    for jc in (0..n).step_by(NC) {
+        let ncb = NC.min(n - jc);
+        let panels = ncb.div_ceil(NR);
+        for (kb, p0) in (0..pairs).step_by(KP).enumerate() {
+            let kp = KP.min(pairs - p0);
+            pack_b(bp, b, k, j0 + jc, ncb, p0, kp);
+            let first = kb == 0 && !accumulate;
+            for i0 in (0..m).step_by(MC) {
+                let mc = MC.min(m - i0);
+                pack_a(ap, a, k, i0, mc, p0, kp);
+                for pj in 0..panels {
+                    let nc = NR.min(ncb - pj * NR);
+                    let bpanel = &bp[pj * NR * 2 * kp..(pj + 1) * NR * 2 * kp];
+                    for pi in 0..mc.div_ceil(MR) {
+                        let mr = MR.min(mc - pi * MR);
+                        let apanel = &ap[pi * MR * kp..(pi + 1) * MR * kp];
+                        // SAFETY: rows `i0 + pi·MR ..+ mr` and columns
+                        // `jc + pj·NR ..+ nc` lie inside the block the
+                        // caller vouched for; the panels hold `kp` pairs.
+                        unsafe {
+                            let c = dst.add((i0 + pi * MR) * ldc + jc + pj * NR);
+                            x86::kernel(kp, apanel, bpanel, c, ldc, mr, nc, first);
+                        }
                     }
                 }
             }
         }
     }
+    PACKED.set([bpk, apk]);
+    PACKED_A.set(apk32);
 }
 
 /// Columns `[j0, j0 + n)` of the product into `dst` (its first column;
@@ -684,21 +707,49 @@ fn pack_b(dst: &mut [u16], b: View<'_, bf16>, k: usize, j0: usize, n: usize, p0:
             }
         } else {
             // columns contiguous along k (b.rs == 1 for a transposed view):
-            // each column's pairs are adjacent values
+            // each column's pairs are adjacent values, a u32 each, and the
+            // panel is their transpose: 8 × 8 blocks of them at a time
             for p in 0..full {
                 panel[p * NR * 2 + 2 * nc..(p + 1) * NR * 2].fill(0);
             }
-            // 16 pairs (2 KiB of the panel) at a time
-            for pb in (0..full).step_by(16) {
-                for c in 0..nc {
-                    for p in pb..(pb + 16).min(full) {
+            let (ct, pt) = if avx2() {
+                (nc - nc % 8, full - full % 8)
+            } else {
+                (0, 0)
+            };
+            for cb in (0..ct).step_by(8) {
+                for pb in (0..pt).step_by(8) {
+                    let src = (j0 + pj * NR + cb) * b.cs + 2 * (p0 + pb);
+                    let at = pb * NR * 2 + 2 * cb;
+                    assert!(
+                        src + 7 * b.cs + 16 <= b.data.len() && at + 7 * NR * 2 + 16 <= panel.len()
+                    );
+                    // SAFETY: AVX2 checked; columns `cb ..+ 8` of the
+                    // panel read 16 values each from `src` (pairs `pb ..+
+                    // 8`, inside `k`, so inside each column), and 8 rows
+                    // of the panel take 16 values each at `at` (asserted).
+                    unsafe {
+                        x86::transpose8(
+                            b.data.as_ptr().add(src).cast(),
+                            b.cs,
+                            panel.as_mut_ptr().add(at),
+                            NR * 2,
+                        );
+                    }
+                }
+            }
+            let mut scalar = |cs: std::ops::Range<usize>, ps: std::ops::Range<usize>| {
+                for c in cs {
+                    for p in ps.clone() {
                         let k0 = 2 * (p0 + p);
                         let at = p * NR * 2 + 2 * c;
                         panel[at] = bits(k0, pj * NR + c);
                         panel[at + 1] = bits(k0 + 1, pj * NR + c);
                     }
                 }
-            }
+            };
+            scalar(0..ct, pt..full);
+            scalar(ct..nc, 0..full);
         }
         for p in full..kp {
             let (k0, k1) = (2 * (p0 + p), 2 * (p0 + p) + 1);
@@ -716,7 +767,10 @@ fn pack_b(dst: &mut [u16], b: View<'_, bf16>, k: usize, j0: usize, n: usize, p0:
 /// Packs pairs `[p0, p0 + kp)` of rows `[i0, i0 + mc)` of `op(a)` into
 /// panels of [`MR`] rows: panel-major, then pair, then row, each entry the
 /// pair's two values as one u32 (`k` = 2p in the low half), zero beyond
-/// `k` and the rows.
+/// `k` and the rows. Whole panels of pairs inside `k` are moved by vector
+/// instructions: rows of `op(a)` along `k` (a row-major `a`) in 8 × 8
+/// transposes of their u32 pairs, columns (a transposed `a`) two at a time,
+/// interleaved.
 fn pack_a(
     dst: &mut [u32],
     a: View<'_, bf16>,
@@ -726,22 +780,80 @@ fn pack_a(
     p0: usize,
     kp: usize,
 ) {
+    let full = (k / 2).saturating_sub(p0).min(kp);
+    let get = |i: usize, kk: usize| {
+        if kk < k && i < mc {
+            u32::from(a.data[(i0 + i) * a.rs + kk * a.cs].to_bits())
+        } else {
+            0
+        }
+    };
     for pi in 0..mc.div_ceil(MR) {
         let panel = &mut dst[pi * MR * kp..(pi + 1) * MR * kp];
-        for p in 0..kp {
-            let (k0, k1) = (2 * (p0 + p), 2 * (p0 + p) + 1);
-            for r in 0..MR {
-                let i = pi * MR + r;
-                let get = |kk: usize| {
-                    if kk < k && i < mc {
-                        u32::from(a.data[(i0 + i) * a.rs + kk * a.cs].to_bits())
-                    } else {
-                        0
+        // pairs `[0, done)` packed by the vector paths
+        let mut done = 0;
+        if (pi + 1) * MR <= mc {
+            let first = (i0 + pi * MR) * a.rs + 2 * p0 * a.cs;
+            if a.cs == 1 && avx2() {
+                done = full - full % 8;
+                assert!(
+                    done == 0 || first + (MR - 1) * a.rs + 2 * done <= a.data.len(),
+                    "pack_a: rows out of bounds"
+                );
+                for pb in (0..done).step_by(8) {
+                    // SAFETY: AVX2 checked; row r of the panel reads 16
+                    // values from `first + r·rs + 2·pb`, pairs inside `k`
+                    // (asserted above), and pairs `pb ..+ 8` of the panel
+                    // take `MR` u32 each.
+                    unsafe {
+                        x86::transpose8(
+                            a.data.as_ptr().add(first + 2 * pb).cast(),
+                            a.rs,
+                            panel.as_mut_ptr().add(pb * MR).cast(),
+                            2 * MR,
+                        );
                     }
-                };
-                panel[p * MR + r] = get(k0) | (get(k1) << 16);
+                }
+            } else if a.rs == 1 && cfg!(target_arch = "x86_64") {
+                done = full;
+                assert!(
+                    done == 0 || first + (2 * done - 1) * a.cs + MR <= a.data.len(),
+                    "pack_a: columns out of bounds"
+                );
+                for p in 0..done {
+                    let at = first + 2 * p * a.cs;
+                    // SAFETY: `MR` values of `k` = 2(p0 + p) and of the
+                    // next from `at` and `at + cs` (asserted above), `MR`
+                    // u32 of the panel at `p·MR`.
+                    unsafe {
+                        x86::interleave8(
+                            a.data.as_ptr().add(at).cast(),
+                            a.data.as_ptr().add(at + a.cs).cast(),
+                            panel.as_mut_ptr().add(p * MR),
+                        );
+                    }
+                }
             }
         }
+        for p in done..kp {
+            let k0 = 2 * (p0 + p);
+            for r in 0..MR {
+                let i = pi * MR + r;
+                panel[p * MR + r] = get(i, k0) | (get(i, k0 + 1) << 16);
+            }
+        }
+    }
+}
+
+/// Whether the CPU has AVX2 (the packing's vector paths).
+fn avx2() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::arch::is_x86_feature_detected!("avx2")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
     }
 }
 
@@ -828,6 +940,74 @@ mod x86 {
                 let pairs = _mm512_or_si512(lo, _mm512_slli_epi32::<16>(hi));
                 _mm512_storeu_si512(row.as_mut_ptr().add(32 * h).cast::<__m512i>(), pairs);
             }
+        }
+    }
+
+    /// `dst[q·ds ..+ 16] = column q` of the 8 × 8 block of u32 (pairs of
+    /// bf16) whose row `r` is the 16 bf16 at `src + r·ss`: a transpose of
+    /// pairs.
+    ///
+    /// # Safety
+    /// The CPU must have AVX2; `src + r·ss` must be valid for reads of 16
+    /// values and `dst + q·ds` for writes of 16, for r, q < 8.
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn transpose8(src: *const u16, ss: usize, dst: *mut u16, ds: usize) {
+        use std::arch::x86_64::{
+            __m256, _mm256_castps_si256, _mm256_castsi256_ps, _mm256_loadu_si256,
+            _mm256_permute2f128_ps, _mm256_shuffle_ps, _mm256_unpackhi_ps, _mm256_unpacklo_ps,
+        };
+        // SAFETY: the caller's contract.
+        let row = |r: usize| unsafe {
+            _mm256_castsi256_ps(_mm256_loadu_si256(src.add(r * ss).cast::<__m256i>()))
+        };
+        let r: [__m256; 8] = std::array::from_fn(row);
+        let t = [
+            _mm256_unpacklo_ps(r[0], r[1]),
+            _mm256_unpackhi_ps(r[0], r[1]),
+            _mm256_unpacklo_ps(r[2], r[3]),
+            _mm256_unpackhi_ps(r[2], r[3]),
+            _mm256_unpacklo_ps(r[4], r[5]),
+            _mm256_unpackhi_ps(r[4], r[5]),
+            _mm256_unpacklo_ps(r[6], r[7]),
+            _mm256_unpackhi_ps(r[6], r[7]),
+        ];
+        let u = [
+            _mm256_shuffle_ps::<0x44>(t[0], t[2]),
+            _mm256_shuffle_ps::<0xEE>(t[0], t[2]),
+            _mm256_shuffle_ps::<0x44>(t[1], t[3]),
+            _mm256_shuffle_ps::<0xEE>(t[1], t[3]),
+            _mm256_shuffle_ps::<0x44>(t[4], t[6]),
+            _mm256_shuffle_ps::<0xEE>(t[4], t[6]),
+            _mm256_shuffle_ps::<0x44>(t[5], t[7]),
+            _mm256_shuffle_ps::<0xEE>(t[5], t[7]),
+        ];
+        for q in 0..4 {
+            let lo = _mm256_permute2f128_ps::<0x20>(u[q], u[q + 4]);
+            let hi = _mm256_permute2f128_ps::<0x31>(u[q], u[q + 4]);
+            // SAFETY: the caller's contract (rows q and q + 4 of `dst`).
+            unsafe {
+                _mm256_storeu_si256(dst.add(q * ds).cast(), _mm256_castps_si256(lo));
+                _mm256_storeu_si256(dst.add((q + 4) * ds).cast(), _mm256_castps_si256(hi));
+            }
+        }
+    }
+
+    /// `dst[i] = lo[i] | hi[i] << 16` for i < 8: eight pairs from two runs
+    /// of bf16.
+    ///
+    /// # Safety
+    /// `lo` and `hi` must be valid for reads of 8 values, `dst` for writes
+    /// of 8.
+    pub(super) unsafe fn interleave8(lo: *const u16, hi: *const u16, dst: *mut u32) {
+        use std::arch::x86_64::{
+            _mm_loadu_si128, _mm_storeu_si128, _mm_unpackhi_epi16, _mm_unpacklo_epi16,
+        };
+        // SAFETY: the caller's contract; SSE2 is x86-64's baseline.
+        unsafe {
+            let x = _mm_loadu_si128(lo.cast());
+            let y = _mm_loadu_si128(hi.cast());
+            _mm_storeu_si128(dst.cast(), _mm_unpacklo_epi16(x, y));
+            _mm_storeu_si128(dst.add(4).cast(), _mm_unpackhi_epi16(x, y));
         }
     }
 
@@ -934,6 +1114,14 @@ mod x86 {
         _r1: &[weft_numerics::bf16],
     ) {
         unreachable!("AVX-512 off x86-64");
+    }
+    /// Never called off x86-64 (no AVX2 there).
+    pub(super) unsafe fn transpose8(_src: *const u16, _ss: usize, _dst: *mut u16, _ds: usize) {
+        unreachable!("AVX2 off x86-64");
+    }
+    /// Never called off x86-64 (the packed paths are x86-64's).
+    pub(super) unsafe fn interleave8(_lo: *const u16, _hi: *const u16, _dst: *mut u32) {
+        unreachable!("the packed paths off x86-64");
     }
     /// Never called: AVX512-BF16 is x86-64's.
     pub(super) unsafe fn round(_d: &mut [weft_numerics::bf16], _s: &[f32]) {
@@ -1344,8 +1532,10 @@ mod tests {
 
     #[test]
     fn every_layout_and_remainder_matches_an_f64_reference() {
-        // remainders of MR (8), NR (32) and the pair (odd k), and k past
-        // one packed block (KP pairs = 1024 values)
+        // remainders of MR (8), NR (32) and the pair (odd k), k past one
+        // packed block (KP pairs = 1024 values), columns past two (NC =
+        // 512), and panels moved by the vector paths (8 pairs, 8 rows or
+        // columns) beside edges that are not
         let shapes = [
             (1, 1, 1),
             (3, 5, 7),
@@ -1355,6 +1545,7 @@ mod tests {
             (130, 40, 31),
             (5, 3, 1100),
             (64, 64, 2049),
+            (9, 1100, 40),
         ];
         for path in available_paths() {
             for (s, &(m, n, k)) in shapes.iter().enumerate() {
@@ -1427,34 +1618,28 @@ mod tests {
         let ab: Vec<bf16> = a.iter().map(|&x| bf16::from_f32(x)).collect();
         let bb: Vec<bf16> = b.iter().map(|&x| bf16::from_f32(x)).collect();
         for path in available_paths() {
-            let mut got = vec![0f32; m * n];
-            product_on(
-                path,
-                m,
-                n,
-                k,
-                &mut got,
-                false,
-                View::rows(&a, k),
-                View::t(&b, k),
-            );
-            let mut want = vec![0f32; m * n];
-            product_on(
-                path,
-                m,
-                n,
-                k,
-                &mut want,
-                false,
-                View::rows(&ab, k),
-                View::t(&bb, k),
-            );
-            assert!(
-                got.iter()
-                    .zip(&want)
-                    .all(|(x, y)| x.to_bits() == y.to_bits()),
-                "{path:?}"
-            );
+            for (a_t, b_t) in [(false, false), (false, true), (true, false), (true, true)] {
+                let (af, a16) = if a_t {
+                    (View::t(&a, m), View::t(&ab, m))
+                } else {
+                    (View::rows(&a, k), View::rows(&ab, k))
+                };
+                let (bf, b16) = if b_t {
+                    (View::t(&b, k), View::t(&bb, k))
+                } else {
+                    (View::rows(&b, n), View::rows(&bb, n))
+                };
+                let mut got = vec![0f32; m * n];
+                product_on(path, m, n, k, &mut got, false, af, bf);
+                let mut want = vec![0f32; m * n];
+                product_on(path, m, n, k, &mut want, false, a16, b16);
+                assert!(
+                    got.iter()
+                        .zip(&want)
+                        .all(|(x, y)| x.to_bits() == y.to_bits()),
+                    "{path:?} a_t={a_t} b_t={b_t}"
+                );
+            }
         }
     }
 

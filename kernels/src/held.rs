@@ -10,10 +10,12 @@ static HELD: AtomicUsize = AtomicUsize::new(0);
 /// Bytes held now, over every thread of the process, by the buffers the
 /// mixed-precision products keep for the next call: rounded copies of
 /// their operands (bf16, or fp16 values in f32) on each calling thread
-/// and, on the AMX path, packed tiles on each pool thread. They grow to
-/// the largest operands a thread has multiplied (a language-model head's
+/// and the packed blocks of the bf16 paths on each thread that computes
+/// (on AMX the whole of `k` for 64 rows; on AVX512-BF16 up to 512
+/// columns and 128 rows by 1024 values of `k`, 1.25 MiB). The copies grow to the
+/// largest operands a thread has multiplied (a language-model head's
 /// logits gradient is the largest: `2·B·T·V` bytes in bf16, `4·B·T·V` for
-/// fp16) and are freed when their thread ends; 0 when only f32 products
+/// fp16); all are freed when their thread ends; 0 when only f32 products
 /// ran. The model's memory report ([`RankMemory`]) does not include them:
 /// this is where a trainer reads them.
 ///
