@@ -70,6 +70,11 @@ const MC: usize = 128;
 /// at a time, so that its packed right operand is not streamed from
 /// memory once per block of rows.
 const NC: usize = 512;
+/// The most a thread packs of the left operand at once: a product with
+/// several blocks of [`NC`] columns packs all its rows once (per block of
+/// `k`) when they fit, rather than once per block of columns.
+/// (Tests take both ways at small sizes.)
+const WHOLE_A_BYTES: usize = if cfg!(test) { 4 << 10 } else { 4 << 20 };
 /// Rows of the AMX block of sums (two tiles of 16).
 const MA: usize = 32;
 /// Pairs of `k` per AMX step (one tile: 16 rows of 64 bytes).
@@ -549,26 +554,38 @@ unsafe fn packed_block(
 ) {
     let pairs = k.div_ceil(2);
     let kp_max = KP.min(pairs);
+    // the left operand's rows packed once for every block of columns
+    // when they are several and it is small enough; else a block of
+    // rows at a time, for each block of columns
+    let whole = n > NC && m.next_multiple_of(MR) * kp_max * 4 <= WHOLE_A_BYTES;
     let [mut bpk, apk] = PACKED.take();
     let mut apk32 = PACKED_A.take();
     let bp = bpk.sized(NC.min(n).next_multiple_of(NR) * 2 * kp_max);
-    let ap = apk32.sized(MC.min(m).next_multiple_of(MR) * kp_max);
-    for jc in (0..n).step_by(NC) {
-        let ncb = NC.min(n - jc);
-        let panels = ncb.div_ceil(NR);
-        for (kb, p0) in (0..pairs).step_by(KP).enumerate() {
-            let kp = KP.min(pairs - p0);
+    let ap = apk32.sized(if whole { m } else { MC.min(m) }.next_multiple_of(MR) * kp_max);
+    for (kb, p0) in (0..pairs).step_by(KP).enumerate() {
+        let kp = KP.min(pairs - p0);
+        let first = kb == 0 && !accumulate;
+        if whole {
+            pack_a(ap, a, k, 0, m, p0, kp);
+        }
+        for jc in (0..n).step_by(NC) {
+            let ncb = NC.min(n - jc);
+            let panels = ncb.div_ceil(NR);
             pack_b(bp, b, k, j0 + jc, ncb, p0, kp);
-            let first = kb == 0 && !accumulate;
             for i0 in (0..m).step_by(MC) {
                 let mc = MC.min(m - i0);
-                pack_a(ap, a, k, i0, mc, p0, kp);
+                let ablock = if whole {
+                    &ap[i0 * kp..]
+                } else {
+                    pack_a(ap, a, k, i0, mc, p0, kp);
+                    &ap[..]
+                };
                 for pj in 0..panels {
                     let nc = NR.min(ncb - pj * NR);
                     let bpanel = &bp[pj * NR * 2 * kp..(pj + 1) * NR * 2 * kp];
                     for pi in 0..mc.div_ceil(MR) {
                         let mr = MR.min(mc - pi * MR);
-                        let apanel = &ap[pi * MR * kp..(pi + 1) * MR * kp];
+                        let apanel = &ablock[pi * MR * kp..(pi + 1) * MR * kp];
                         // SAFETY: rows `i0 + pi·MR ..+ mr` and columns
                         // `jc + pj·NR ..+ nc` lie inside the block the
                         // caller vouched for; the panels hold `kp` pairs.
@@ -718,24 +735,27 @@ fn pack_b(dst: &mut [u16], b: View<'_, bf16>, k: usize, j0: usize, n: usize, p0:
                 (0, 0)
             };
             for cb in (0..ct).step_by(8) {
-                for pb in (0..pt).step_by(8) {
-                    let src = (j0 + pj * NR + cb) * b.cs + 2 * (p0 + pb);
-                    let at = pb * NR * 2 + 2 * cb;
-                    assert!(
-                        src + 7 * b.cs + 16 <= b.data.len() && at + 7 * NR * 2 + 16 <= panel.len()
+                let src = (j0 + pj * NR + cb) * b.cs + 2 * p0;
+                assert!(
+                    pt == 0
+                        || (src + 7 * b.cs + 2 * pt <= b.data.len()
+                            && (pt - 8) * NR * 2 + 2 * cb + 7 * NR * 2 + 16 <= panel.len())
+                );
+                // SAFETY: AVX2 checked; columns `cb ..+ 8` of the panel
+                // read 16 values per block of 8 pairs from `src` (pairs
+                // `[0, pt)`, inside `k`, so inside each column), and the
+                // panel's rows of those pairs take 16 values each at
+                // column `cb` (asserted).
+                unsafe {
+                    x86::transpose8_run(
+                        b.data.as_ptr().add(src).cast(),
+                        b.cs,
+                        16,
+                        panel.as_mut_ptr().add(2 * cb),
+                        NR * 2,
+                        8 * NR * 2,
+                        pt / 8,
                     );
-                    // SAFETY: AVX2 checked; columns `cb ..+ 8` of the
-                    // panel read 16 values each from `src` (pairs `pb ..+
-                    // 8`, inside `k`, so inside each column), and 8 rows
-                    // of the panel take 16 values each at `at` (asserted).
-                    unsafe {
-                        x86::transpose8(
-                            b.data.as_ptr().add(src).cast(),
-                            b.cs,
-                            panel.as_mut_ptr().add(at),
-                            NR * 2,
-                        );
-                    }
                 }
             }
             let mut scalar = |cs: std::ops::Range<usize>, ps: std::ops::Range<usize>| {
@@ -800,19 +820,20 @@ fn pack_a(
                     done == 0 || first + (MR - 1) * a.rs + 2 * done <= a.data.len(),
                     "pack_a: rows out of bounds"
                 );
-                for pb in (0..done).step_by(8) {
-                    // SAFETY: AVX2 checked; row r of the panel reads 16
-                    // values from `first + r·rs + 2·pb`, pairs inside `k`
-                    // (asserted above), and pairs `pb ..+ 8` of the panel
-                    // take `MR` u32 each.
-                    unsafe {
-                        x86::transpose8(
-                            a.data.as_ptr().add(first + 2 * pb).cast(),
-                            a.rs,
-                            panel.as_mut_ptr().add(pb * MR).cast(),
-                            2 * MR,
-                        );
-                    }
+                // SAFETY: AVX2 checked; row r of the panel reads 16 values
+                // per block of 8 pairs from `first + r·rs`, pairs inside
+                // `k` (asserted above), and each block of 8 pairs of the
+                // panel takes `MR` u32 per pair.
+                unsafe {
+                    x86::transpose8_run(
+                        a.data.as_ptr().add(first).cast(),
+                        a.rs,
+                        16,
+                        panel.as_mut_ptr().cast(),
+                        2 * MR,
+                        16 * MR,
+                        done / 8,
+                    );
                 }
             } else if a.rs == 1 && cfg!(target_arch = "x86_64") {
                 done = full;
@@ -950,8 +971,9 @@ mod x86 {
     /// # Safety
     /// The CPU must have AVX2; `src + r·ss` must be valid for reads of 16
     /// values and `dst + q·ds` for writes of 16, for r, q < 8.
+    #[inline]
     #[target_feature(enable = "avx2")]
-    pub(super) unsafe fn transpose8(src: *const u16, ss: usize, dst: *mut u16, ds: usize) {
+    unsafe fn transpose8(src: *const u16, ss: usize, dst: *mut u16, ds: usize) {
         use std::arch::x86_64::{
             __m256, _mm256_castps_si256, _mm256_castsi256_ps, _mm256_loadu_si256,
             _mm256_permute2f128_ps, _mm256_shuffle_ps, _mm256_unpackhi_ps, _mm256_unpacklo_ps,
@@ -989,6 +1011,27 @@ mod x86 {
                 _mm256_storeu_si256(dst.add(q * ds).cast(), _mm256_castps_si256(lo));
                 _mm256_storeu_si256(dst.add((q + 4) * ds).cast(), _mm256_castps_si256(hi));
             }
+        }
+    }
+
+    /// [`transpose8`] of `tiles` blocks, the t-th from `src + t·src_step`
+    /// into `dst + t·dst_step`.
+    ///
+    /// # Safety
+    /// As [`transpose8`] for every block.
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn transpose8_run(
+        src: *const u16,
+        ss: usize,
+        src_step: usize,
+        dst: *mut u16,
+        ds: usize,
+        dst_step: usize,
+        tiles: usize,
+    ) {
+        for t in 0..tiles {
+            // SAFETY: the caller's contract.
+            unsafe { transpose8(src.add(t * src_step), ss, dst.add(t * dst_step), ds) };
         }
     }
 
@@ -1116,7 +1159,15 @@ mod x86 {
         unreachable!("AVX-512 off x86-64");
     }
     /// Never called off x86-64 (no AVX2 there).
-    pub(super) unsafe fn transpose8(_src: *const u16, _ss: usize, _dst: *mut u16, _ds: usize) {
+    pub(super) unsafe fn transpose8_run(
+        _src: *const u16,
+        _ss: usize,
+        _src_step: usize,
+        _dst: *mut u16,
+        _ds: usize,
+        _dst_step: usize,
+        _tiles: usize,
+    ) {
         unreachable!("AVX2 off x86-64");
     }
     /// Never called off x86-64 (the packed paths are x86-64's).
@@ -1534,7 +1585,8 @@ mod tests {
     fn every_layout_and_remainder_matches_an_f64_reference() {
         // remainders of MR (8), NR (32) and the pair (odd k), k past one
         // packed block (KP pairs = 1024 values), columns past two (NC =
-        // 512), and panels moved by the vector paths (8 pairs, 8 rows or
+        // 512) with the rows packed once and per block of columns, and
+        // panels moved by the vector paths (8 pairs, 8 rows or
         // columns) beside edges that are not
         let shapes = [
             (1, 1, 1),
@@ -1546,6 +1598,7 @@ mod tests {
             (5, 3, 1100),
             (64, 64, 2049),
             (9, 1100, 40),
+            (70, 600, 100),
         ];
         for path in available_paths() {
             for (s, &(m, n, k)) in shapes.iter().enumerate() {
