@@ -41,9 +41,12 @@
 //! vs 340 GFLOP/s; 15% of the AMX tile peak, the rest lost to packing and
 //! rounding); `weft-model`'s `train_step` bench: GPT-2 small's training
 //! step 1.9–2.3× its f32 step, 1.2–1.7× PyTorch's autocast-bf16 step. On
-//! an AMD EPYC with AVX512-BF16 and no AMX: the twelve products 1.56× the
-//! f32 GEMM (297 vs 191 GFLOP/s, 65% of the measured `vdpbf16ps` peak of
-//! 455), GPT-2 small's step 1.40–1.45× its f32 step.
+//! an AMD EPYC with AVX512-BF16 and no AMX (2 threads): GPT-2 small's
+//! fifteen products (a layer's twelve and the tied head's three) 1.9× the
+//! f32 GEMM (375–381 vs 200–205 GFLOP/s, 81–82% of the measured
+//! `vdpbf16ps` peak of 464; PyTorch's bf16 GEMM reaches 91% there);
+//! GPT-2 small's step 1.73–1.77× its f32 step and 1.33–1.35× PyTorch's
+//! autocast-bf16 step (4L/256: 1.63× and 1.92×).
 //! [`Precision::F16`] rounds the operands to fp16 (bit for bit the f32
 //! kernels on pre-rounded operands; no fp16 products on these CPUs).
 //!
