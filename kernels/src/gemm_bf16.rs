@@ -709,18 +709,27 @@ fn pack_b(dst: &mut [u16], b: View<'_, bf16>, k: usize, j0: usize, n: usize, p0:
         let full = (k / 2).saturating_sub(p0).min(kp);
         if b.cs == 1 {
             // rows of `op(b)` contiguous along j: interleave two rows
-            for p in 0..full {
+            let src = 2 * p0 * b.rs + j0 + pj * NR;
+            let mut done = 0;
+            #[cfg(target_arch = "x86_64")]
+            if nc == NR && full > 0 && std::arch::is_x86_feature_detected!("avx512bw") {
+                done = full;
+                assert!(
+                    src + (2 * full - 1) * b.rs + NR <= b.data.len()
+                        && full * NR * 2 <= panel.len()
+                );
+                // SAFETY: AVX512-BW checked; rows 2p and 2p + 1 of the
+                // block hold `NR` values from `src` for p < full, and the
+                // panel `full` rows of `NR` pairs (asserted).
+                unsafe {
+                    x86::interleave_run(panel.as_mut_ptr(), b.data.as_ptr().add(src), b.rs, full);
+                };
+            }
+            for p in done..full {
                 let k0 = 2 * (p0 + p);
                 let r0 = &b.data[k0 * b.rs + j0 + pj * NR..][..nc];
                 let r1 = &b.data[(k0 + 1) * b.rs + j0 + pj * NR..][..nc];
                 let row = &mut panel[p * NR * 2..(p + 1) * NR * 2];
-                #[cfg(target_arch = "x86_64")]
-                if nc == NR && std::arch::is_x86_feature_detected!("avx512bw") {
-                    // SAFETY: AVX512-BW checked; two rows of NR values and
-                    // a row of NR pairs.
-                    unsafe { x86::interleave(row, r0, r1) };
-                    continue;
-                }
                 for (c, (x, y)) in r0.iter().zip(r1).enumerate() {
                     row[2 * c] = x.to_bits();
                     row[2 * c + 1] = y.to_bits();
@@ -795,7 +804,7 @@ fn pack_b(dst: &mut [u16], b: View<'_, bf16>, k: usize, j0: usize, n: usize, p0:
 /// `k` and the rows. Whole panels of pairs inside `k` are moved by vector
 /// instructions: rows of `op(a)` along `k` (a row-major `a`) in 8 × 8
 /// transposes of their u32 pairs, columns (a transposed `a`) two at a time,
-/// interleaved.
+/// interleaved, for every panel of the block at once.
 fn pack_a(
     dst: &mut [u32],
     a: View<'_, bf16>,
@@ -813,6 +822,35 @@ fn pack_a(
             0
         }
     };
+    // a transposed `a` (columns of `op(a)` contiguous along i): each
+    // pair of every whole panel from two runs of values along i, all the
+    // whole panels at once for each pair, so that each cache line of the
+    // runs is read once
+    let whole = mc / MR;
+    let columns = a.rs == 1 && a.cs != 1 && cfg!(target_arch = "x86_64");
+    if columns && full > 0 && whole > 0 {
+        let first = i0 + 2 * p0 * a.cs;
+        assert!(
+            first + (2 * full - 1) * a.cs + whole * MR <= a.data.len()
+                && whole * MR * kp <= dst.len(),
+            "pack_a: columns out of bounds"
+        );
+        for p in 0..full {
+            let at = first + 2 * p * a.cs;
+            for q in 0..whole {
+                // SAFETY: `MR` values of `k` = 2(p0 + p) and of the next
+                // from rows `q·MR` of `at` and `at + cs` (asserted above),
+                // `MR` u32 of panel q at pair p.
+                unsafe {
+                    x86::interleave8(
+                        a.data.as_ptr().add(at + q * MR).cast(),
+                        a.data.as_ptr().add(at + a.cs + q * MR).cast(),
+                        dst.as_mut_ptr().add(q * MR * kp + p * MR),
+                    );
+                }
+            }
+        }
+    }
     for pi in 0..mc.div_ceil(MR) {
         let panel = &mut dst[pi * MR * kp..(pi + 1) * MR * kp];
         // pairs `[0, done)` packed by the vector paths
@@ -840,25 +878,8 @@ fn pack_a(
                         done / 8,
                     );
                 }
-            } else if a.rs == 1 && cfg!(target_arch = "x86_64") {
+            } else if columns {
                 done = full;
-                assert!(
-                    done == 0 || first + (2 * done - 1) * a.cs + MR <= a.data.len(),
-                    "pack_a: columns out of bounds"
-                );
-                for p in 0..done {
-                    let at = first + 2 * p * a.cs;
-                    // SAFETY: `MR` values of `k` = 2(p0 + p) and of the
-                    // next from `at` and `at + cs` (asserted above), `MR`
-                    // u32 of the panel at `p·MR`.
-                    unsafe {
-                        x86::interleave8(
-                            a.data.as_ptr().add(at).cast(),
-                            a.data.as_ptr().add(at + a.cs).cast(),
-                            panel.as_mut_ptr().add(p * MR),
-                        );
-                    }
-                }
             }
         }
         for p in done..kp {
@@ -944,27 +965,35 @@ mod x86 {
 
     use super::{MR, NR};
 
-    /// `row = (r0[0], r1[0], r0[1], r1[1], …)`: [`NR`] pairs of a packed
-    /// right panel from two rows of [`NR`] values.
+    /// Row p < `pairs` of a packed right panel, `(r0[0], r1[0], r0[1],
+    /// r1[1], …)` at `panel + p·2·NR`, from rows `r0 = src + 2p·rs` and
+    /// `r1 = r0 + rs` of [`NR`] values each.
     ///
     /// # Safety
-    /// The CPU must have AVX512-BW; `r0`, `r1` hold `NR` values and `row`
-    /// `2·NR`.
+    /// The CPU must have AVX512-BW; those rows must be valid for reads of
+    /// `NR` values and `panel` for writes of `pairs · 2 · NR`.
     #[target_feature(enable = "avx512f,avx512bw")]
-    pub(super) unsafe fn interleave(row: &mut [u16], r0: &[bf16], r1: &[bf16]) {
+    pub(super) unsafe fn interleave_run(
+        panel: *mut u16,
+        src: *const bf16,
+        rs: usize,
+        pairs: usize,
+    ) {
         use std::arch::x86_64::{
             __m512i, _mm256_loadu_si256, _mm512_cvtepu16_epi32, _mm512_or_si512, _mm512_slli_epi32,
             _mm512_storeu_si512,
         };
-        assert!(r0.len() >= NR && r1.len() >= NR && row.len() >= 2 * NR);
-        for h in 0..NR / 16 {
-            // SAFETY: 16 values at `16h` of each row, 32 of `row` at `32h`
-            // (lengths asserted above).
-            unsafe {
-                let lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256(r0.as_ptr().add(16 * h).cast()));
-                let hi = _mm512_cvtepu16_epi32(_mm256_loadu_si256(r1.as_ptr().add(16 * h).cast()));
-                let pairs = _mm512_or_si512(lo, _mm512_slli_epi32::<16>(hi));
-                _mm512_storeu_si512(row.as_mut_ptr().add(32 * h).cast::<__m512i>(), pairs);
+        for p in 0..pairs {
+            for h in 0..NR / 16 {
+                // SAFETY: the caller's contract: 16 values at `16h` of
+                // each row, 32 of the panel's row p at `32h`.
+                unsafe {
+                    let r0 = src.add(2 * p * rs + 16 * h);
+                    let lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256(r0.cast()));
+                    let hi = _mm512_cvtepu16_epi32(_mm256_loadu_si256(r0.add(rs).cast()));
+                    let pairs = _mm512_or_si512(lo, _mm512_slli_epi32::<16>(hi));
+                    _mm512_storeu_si512(panel.add(2 * NR * p + 32 * h).cast::<__m512i>(), pairs);
+                }
             }
         }
     }
@@ -1156,10 +1185,11 @@ mod x86 {
 #[cfg(not(target_arch = "x86_64"))]
 mod x86 {
     /// Never called off x86-64.
-    pub(super) unsafe fn interleave(
-        _row: &mut [u16],
-        _r0: &[weft_numerics::bf16],
-        _r1: &[weft_numerics::bf16],
+    pub(super) unsafe fn interleave_run(
+        _panel: *mut u16,
+        _src: *const weft_numerics::bf16,
+        _rs: usize,
+        _pairs: usize,
     ) {
         unreachable!("AVX-512 off x86-64");
     }
