@@ -6,7 +6,10 @@
 //! three products of a linear layer: the forward `x · W`, the input
 //! gradient `dY · Wᵀ` and the weight gradient `xᵀ · dY`. The linear-layer
 //! kernels in [`Precision::Bf16`](crate::Precision::Bf16) run the same
-//! product on f32 buffers, rounded to bf16 in one vectorized pass first.
+//! product on f32 buffers: on AVX512-BF16 each f32 is rounded to bf16
+//! (`vcvtneps2bf16`) as it is packed, so no rounded copy is made and each
+//! value is read once; on AMX the operands are rounded in one vectorized
+//! pass into per-thread copies first.
 //!
 //! # Paths ([`bf16_path`])
 //! - **AMX** (`tdpbf16ps`, Intel Sapphire Rapids and later, when the CPU
@@ -208,9 +211,17 @@ pub(crate) fn available_paths() -> Vec<Bf16Path> {
 /// An element the bf16 products read: a bf16 as it is, an f32 rounded
 /// to the nearest bf16 (ties to even).
 pub(crate) trait Operand: Copy + Send + Sync + Default {
-    /// The bf16 this element is multiplied as.
+    /// The bf16 this element is multiplied as on the portable path.
     fn bf16_bits(self) -> u16;
-    /// The view's elements as bf16: itself, or a rounded copy in `buf` —
+    /// The bf16 this element is multiplied as on the packed paths: as
+    /// `vcvtneps2bf16` rounds it (a subnormal f32 as a zero of its sign),
+    /// so that the packing's scalar edges give the bits of its vector
+    /// body.
+    fn packed_bits(self) -> u16 {
+        self.bf16_bits()
+    }
+    /// The view's elements as bf16 (for AMX, and for views strided both
+    /// ways): itself, or a rounded copy in `buf` —
     /// of the part of the buffer it spans (one vectorized pass) when it
     /// runs along rows, or along columns with `columns_ok` (an operand
     /// whose packing reads either way); else a row-major copy.
@@ -252,6 +263,9 @@ impl Operand for bf16 {
 impl Operand for f32 {
     fn bf16_bits(self) -> u16 {
         bf16::from_f32(self).to_bits()
+    }
+    fn packed_bits(self) -> u16 {
+        as_instruction_rounds(self).to_bits()
     }
     /// A view along rows is rounded in place of its span; any other
     /// (a transposed one) into a row-major copy, so that packing reads
@@ -320,6 +334,16 @@ fn round_to_bf16(dst: &mut Held<bf16>, src: &[f32]) {
         .par_chunks_mut(CHUNK)
         .zip(src.par_chunks(CHUNK))
         .for_each(|(d, s)| round_row(d, s));
+}
+
+/// `x` rounded to bf16 as `vcvtneps2bf16` rounds it: to nearest, ties to
+/// even, a subnormal input as a zero of its sign.
+fn as_instruction_rounds(x: f32) -> bf16 {
+    if x.is_subnormal() {
+        bf16::from_bits(((x.to_bits() >> 16) as u16) & 0x8000)
+    } else {
+        bf16::from_f32(x)
+    }
 }
 
 /// `d = s` rounded to bf16: `vcvtneps2bf16` where the CPU has it.
@@ -417,14 +441,55 @@ pub(crate) fn product_on<A: Operand, B: Operand>(
         return;
     }
     let [mut ab, mut bb] = ROUNDED.take();
-    {
-        // `vdpbf16ps` packing reads the left operand either way too; the
-        // AMX path's wants it along rows
-        let a = A::as_bf16(a, m, k, path == Bf16Path::Avx512Bf16, &mut ab);
+    if path == Bf16Path::Amx {
+        // the AMX path packs bf16 rows of the left operand
+        let a = A::as_bf16(a, m, k, false, &mut ab);
         let b = B::as_bf16(b, k, n, true, &mut bb);
-        packed(path, m, n, k, out, accumulate, a, b);
+        packed(m, n, k, out, a, |a, rows, nb, dst, j0| {
+            // SAFETY: `packed` vouches for `dst`; the CPU has AMX (`path`).
+            unsafe { amx_block(rows, nb, k, dst, n, accumulate, a, b, j0) }
+        });
+    } else {
+        // `vdpbf16ps`: either operand packed as it is stored, along rows
+        // or columns, f32 rounded as it is packed; any other layout
+        // (strided both ways) from a row-major bf16 copy
+        let along = |rs: usize, cs: usize| rs == 1 || cs == 1;
+        match (along(a.rs, a.cs), along(b.rs, b.cs)) {
+            (true, true) => vdp(m, n, k, out, accumulate, a, b),
+            (true, false) => {
+                let b = B::as_bf16(b, k, n, true, &mut bb);
+                vdp(m, n, k, out, accumulate, a, b);
+            }
+            (false, true) => {
+                let a = A::as_bf16(a, m, k, true, &mut ab);
+                vdp(m, n, k, out, accumulate, a, b);
+            }
+            (false, false) => {
+                let a = A::as_bf16(a, m, k, true, &mut ab);
+                let b = B::as_bf16(b, k, n, true, &mut bb);
+                vdp(m, n, k, out, accumulate, a, b);
+            }
+        }
     }
     ROUNDED.set([ab, bb]);
+}
+
+/// The `vdpbf16ps` path of [`product_on`].
+#[allow(clippy::too_many_arguments)]
+fn vdp<A: Operand, B: Operand>(
+    m: usize,
+    n: usize,
+    k: usize,
+    out: &mut [f32],
+    accumulate: bool,
+    a: View<'_, A>,
+    b: View<'_, B>,
+) {
+    packed(m, n, k, out, a, |a, rows, nb, dst, j0| {
+        // SAFETY: `packed` vouches for `dst`; the CPU has AVX512-BF16 (the
+        // caller's path).
+        unsafe { packed_block(rows, nb, k, dst, n, accumulate, a, b, j0) }
+    });
 }
 
 /// The portable path: both operands widened to f32, then the f32 GEMM.
@@ -470,34 +535,23 @@ struct OutPtr(*mut f32);
 unsafe impl Sync for OutPtr {}
 
 /// The packed paths (AMX or `vdpbf16ps`), the columns split over the
-/// pool when the product is large.
-#[allow(clippy::too_many_arguments)]
-fn packed(
-    path: Bf16Path,
+/// pool when the product is large: `block(a, rows, nb, dst, j0)` computes
+/// `rows` rows of the output from `a` (its first row at the block's) and
+/// columns `[j0, j0 + nb)` into `dst`, an m × nb block with row stride
+/// `n` inside `out`.
+fn packed<A: Operand>(
     m: usize,
     n: usize,
     k: usize,
     out: &mut [f32],
-    accumulate: bool,
-    a: View<'_, bf16>,
-    b: View<'_, bf16>,
+    a: View<'_, A>,
+    block: impl Fn(View<'_, A>, usize, usize, *mut f32, usize) + Sync,
 ) {
     let big = m * n * k >= 64 * 64 * 64;
     let per = if big {
         column_split(n, rayon::current_num_threads()).map(|p| p.next_multiple_of(NR))
     } else {
         None
-    };
-    // rows `a` (its first row at the block's), columns `[j0, j0 + nb)`
-    let block = |a: View<'_, bf16>, m, nb, dst: *mut f32, j0| {
-        // SAFETY: the callers below vouch for `dst` (an m × nb block with
-        // row stride n); `packed` runs only on a path the CPU has.
-        unsafe {
-            match path {
-                Bf16Path::Amx => amx_block(m, nb, k, dst, n, accumulate, a, b, j0),
-                _ => packed_block(m, nb, k, dst, n, accumulate, a, b, j0),
-            }
-        }
     };
     let Some(per) = per.filter(|&p| p < n) else {
         let threads = rayon::current_num_threads();
@@ -546,15 +600,15 @@ fn packed(
 /// `ldc`, not aliased by anything else during the call; the CPU must have
 /// AVX512-BF16 (only then is `packed` called).
 #[allow(clippy::too_many_arguments)]
-unsafe fn packed_block(
+unsafe fn packed_block<A: Operand, B: Operand>(
     m: usize,
     n: usize,
     k: usize,
     dst: *mut f32,
     ldc: usize,
     accumulate: bool,
-    a: View<'_, bf16>,
-    b: View<'_, bf16>,
+    a: View<'_, A>,
+    b: View<'_, B>,
     j0: usize,
 ) {
     let pairs = k.div_ceil(2);
@@ -699,9 +753,17 @@ unsafe fn amx_block(
 /// Packs pairs `[p0, p0 + kp)` of columns `[j0, j0 + n)` of `op(b)` into
 /// panels of [`NR`] columns: panel-major, then pair, then column, then the
 /// pair's two values (`k` = 2p, 2p + 1), zero beyond `k` and `n`.
-fn pack_b(dst: &mut [u16], b: View<'_, bf16>, k: usize, j0: usize, n: usize, p0: usize, kp: usize) {
+fn pack_b<B: Operand>(
+    dst: &mut [u16],
+    b: View<'_, B>,
+    k: usize,
+    j0: usize,
+    n: usize,
+    p0: usize,
+    kp: usize,
+) {
     let panels = n.div_ceil(NR);
-    let bits = |kk: usize, j: usize| b.data[kk * b.rs + (j0 + j) * b.cs].to_bits();
+    let bits = |kk: usize, j: usize| b.data[kk * b.rs + (j0 + j) * b.cs].packed_bits();
     for pj in 0..panels {
         let panel = &mut dst[pj * NR * 2 * kp..(pj + 1) * NR * 2 * kp];
         let nc = NR.min(n - pj * NR);
@@ -712,13 +774,13 @@ fn pack_b(dst: &mut [u16], b: View<'_, bf16>, k: usize, j0: usize, n: usize, p0:
             let src = 2 * p0 * b.rs + j0 + pj * NR;
             let mut done = 0;
             #[cfg(target_arch = "x86_64")]
-            if nc == NR && full > 0 && std::arch::is_x86_feature_detected!("avx512bw") {
+            if nc == NR && full > 0 && simd() {
                 done = full;
                 assert!(
                     src + (2 * full - 1) * b.rs + NR <= b.data.len()
                         && full * NR * 2 <= panel.len()
                 );
-                // SAFETY: AVX512-BW checked; rows 2p and 2p + 1 of the
+                // SAFETY: the vector instructions checked (`simd`); rows 2p and 2p + 1 of the
                 // block hold `NR` values from `src` for p < full, and the
                 // panel `full` rows of `NR` pairs (asserted).
                 unsafe {
@@ -731,8 +793,8 @@ fn pack_b(dst: &mut [u16], b: View<'_, bf16>, k: usize, j0: usize, n: usize, p0:
                 let r1 = &b.data[(k0 + 1) * b.rs + j0 + pj * NR..][..nc];
                 let row = &mut panel[p * NR * 2..(p + 1) * NR * 2];
                 for (c, (x, y)) in r0.iter().zip(r1).enumerate() {
-                    row[2 * c] = x.to_bits();
-                    row[2 * c + 1] = y.to_bits();
+                    row[2 * c] = x.packed_bits();
+                    row[2 * c + 1] = y.packed_bits();
                 }
                 row[2 * nc..].fill(0);
             }
@@ -743,7 +805,7 @@ fn pack_b(dst: &mut [u16], b: View<'_, bf16>, k: usize, j0: usize, n: usize, p0:
             for p in 0..full {
                 panel[p * NR * 2 + 2 * nc..(p + 1) * NR * 2].fill(0);
             }
-            let (ct, pt) = if avx2() {
+            let (ct, pt) = if simd() {
                 (nc - nc % 8, full - full % 8)
             } else {
                 (0, 0)
@@ -755,14 +817,14 @@ fn pack_b(dst: &mut [u16], b: View<'_, bf16>, k: usize, j0: usize, n: usize, p0:
                         || (src + 7 * b.cs + 2 * pt <= b.data.len()
                             && (pt - 8) * NR * 2 + 2 * cb + 7 * NR * 2 + 16 <= panel.len())
                 );
-                // SAFETY: AVX2 checked; columns `cb ..+ 8` of the panel
+                // SAFETY: the vector instructions checked (`simd`); columns `cb ..+ 8` of the panel
                 // read 16 values per block of 8 pairs from `src` (pairs
                 // `[0, pt)`, inside `k`, so inside each column), and the
                 // panel's rows of those pairs take 16 values each at
                 // column `cb` (asserted).
                 unsafe {
                     x86::transpose8_run(
-                        b.data.as_ptr().add(src).cast(),
+                        b.data.as_ptr().add(src),
                         b.cs,
                         16,
                         panel.as_mut_ptr().add(2 * cb),
@@ -805,9 +867,9 @@ fn pack_b(dst: &mut [u16], b: View<'_, bf16>, k: usize, j0: usize, n: usize, p0:
 /// instructions: rows of `op(a)` along `k` (a row-major `a`) in 8 × 8
 /// transposes of their u32 pairs, columns (a transposed `a`) two at a time,
 /// interleaved, for every panel of the block at once.
-fn pack_a(
+fn pack_a<A: Operand>(
     dst: &mut [u32],
-    a: View<'_, bf16>,
+    a: View<'_, A>,
     k: usize,
     i0: usize,
     mc: usize,
@@ -817,7 +879,7 @@ fn pack_a(
     let full = (k / 2).saturating_sub(p0).min(kp);
     let get = |i: usize, kk: usize| {
         if kk < k && i < mc {
-            u32::from(a.data[(i0 + i) * a.rs + kk * a.cs].to_bits())
+            u32::from(a.data[(i0 + i) * a.rs + kk * a.cs].packed_bits())
         } else {
             0
         }
@@ -827,7 +889,7 @@ fn pack_a(
     // whole panels at once for each pair, so that each cache line of the
     // runs is read once
     let whole = mc / MR;
-    let columns = a.rs == 1 && a.cs != 1 && cfg!(target_arch = "x86_64");
+    let columns = a.rs == 1 && a.cs != 1 && simd();
     if columns && full > 0 && whole > 0 {
         let first = i0 + 2 * p0 * a.cs;
         assert!(
@@ -835,20 +897,17 @@ fn pack_a(
                 && whole * MR * kp <= dst.len(),
             "pack_a: columns out of bounds"
         );
-        for p in 0..full {
-            let at = first + 2 * p * a.cs;
-            for q in 0..whole {
-                // SAFETY: `MR` values of `k` = 2(p0 + p) and of the next
-                // from rows `q·MR` of `at` and `at + cs` (asserted above),
-                // `MR` u32 of panel q at pair p.
-                unsafe {
-                    x86::interleave8(
-                        a.data.as_ptr().add(at + q * MR).cast(),
-                        a.data.as_ptr().add(at + a.cs + q * MR).cast(),
-                        dst.as_mut_ptr().add(q * MR * kp + p * MR),
-                    );
-                }
-            }
+        // SAFETY: the vector instructions checked (`columns`); the runs
+        // and the panels asserted above.
+        unsafe {
+            x86::interleave_panels(
+                dst.as_mut_ptr(),
+                a.data.as_ptr().add(first),
+                a.cs,
+                full,
+                whole,
+                kp,
+            );
         }
     }
     for pi in 0..mc.div_ceil(MR) {
@@ -857,19 +916,19 @@ fn pack_a(
         let mut done = 0;
         if (pi + 1) * MR <= mc {
             let first = (i0 + pi * MR) * a.rs + 2 * p0 * a.cs;
-            if a.cs == 1 && avx2() {
+            if a.cs == 1 && simd() {
                 done = full - full % 8;
                 assert!(
                     done == 0 || first + (MR - 1) * a.rs + 2 * done <= a.data.len(),
                     "pack_a: rows out of bounds"
                 );
-                // SAFETY: AVX2 checked; row r of the panel reads 16 values
+                // SAFETY: the vector instructions checked (`simd`); row r of the panel reads 16 values
                 // per block of 8 pairs from `first + r·rs`, pairs inside
                 // `k` (asserted above), and each block of 8 pairs of the
                 // panel takes `MR` u32 per pair.
                 unsafe {
                     x86::transpose8_run(
-                        a.data.as_ptr().add(first).cast(),
+                        a.data.as_ptr().add(first),
                         a.rs,
                         16,
                         panel.as_mut_ptr().cast(),
@@ -892,11 +951,14 @@ fn pack_a(
     }
 }
 
-/// Whether the CPU has AVX2 (the packing's vector paths).
-fn avx2() -> bool {
+/// Whether the packing's vector paths run: the CPU has AVX512-BF16 with
+/// AVX512-BW and -VL (every CPU with the first has the others).
+fn simd() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
-        std::arch::is_x86_feature_detected!("avx2")
+        std::arch::is_x86_feature_detected!("avx512bf16")
+            && std::arch::is_x86_feature_detected!("avx512bw")
+            && std::arch::is_x86_feature_detected!("avx512vl")
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
@@ -956,41 +1018,81 @@ fn pack_rows(
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use std::arch::x86_64::{
-        __m256i, __m512bh, _mm256_storeu_si256, _mm512_cvtneps_pbh, _mm512_dpbf16_ps,
-        _mm512_loadu_ps, _mm512_mask_loadu_ps, _mm512_mask_storeu_ps, _mm512_set1_epi32,
-        _mm512_setzero_ps, _mm512_storeu_ps,
+        __m128bh, __m128i, __m256, __m256bh, __m256i, __m512bh, __m512i, _mm_loadu_si128,
+        _mm_storeu_si128, _mm_unpackhi_epi16, _mm_unpacklo_epi16, _mm256_castps_si256,
+        _mm256_castsi256_ps, _mm256_cvtneps_pbh, _mm256_loadu_ps, _mm256_loadu_si256,
+        _mm256_permute2f128_ps, _mm256_shuffle_ps, _mm256_storeu_si256, _mm256_unpackhi_ps,
+        _mm256_unpacklo_ps, _mm512_cvtepu16_epi32, _mm512_cvtneps_pbh, _mm512_dpbf16_ps,
+        _mm512_loadu_ps, _mm512_mask_loadu_ps, _mm512_mask_storeu_ps, _mm512_or_si512,
+        _mm512_set1_epi32, _mm512_setzero_ps, _mm512_slli_epi32, _mm512_storeu_ps,
+        _mm512_storeu_si512,
     };
 
     use weft_numerics::bf16;
 
     use super::{MR, NR};
 
-    /// Row p < `pairs` of a packed right panel, `(r0[0], r1[0], r0[1],
-    /// r1[1], …)` at `panel + p·2·NR`, from rows `r0 = src + 2p·rs` and
-    /// `r1 = r0 + rs` of [`NR`] values each.
+    /// 16 consecutive values from `p` as bf16 bits: bf16 as they are, f32
+    /// rounded by `vcvtneps2bf16`.
     ///
     /// # Safety
-    /// The CPU must have AVX512-BW; those rows must be valid for reads of
-    /// `NR` values and `panel` for writes of `pairs · 2 · NR`.
-    #[target_feature(enable = "avx512f,avx512bw")]
-    pub(super) unsafe fn interleave_run(
+    /// Inlined only into the packing functions below (their target
+    /// features); `p` valid for reads of 16 values.
+    #[inline(always)]
+    unsafe fn load16<T>(p: *const T) -> __m256i {
+        // SAFETY: the caller's contract.
+        unsafe {
+            if size_of::<T>() == 4 {
+                std::mem::transmute::<__m256bh, __m256i>(_mm512_cvtneps_pbh(_mm512_loadu_ps(
+                    p.cast(),
+                )))
+            } else {
+                _mm256_loadu_si256(p.cast())
+            }
+        }
+    }
+
+    /// 8 consecutive values from `p` as bf16 bits, as [`load16`].
+    ///
+    /// # Safety
+    /// As [`load16`], for 8 values.
+    #[inline(always)]
+    unsafe fn load8<T>(p: *const T) -> __m128i {
+        // SAFETY: the caller's contract.
+        unsafe {
+            if size_of::<T>() == 4 {
+                std::mem::transmute::<__m128bh, __m128i>(_mm256_cvtneps_pbh(_mm256_loadu_ps(
+                    p.cast(),
+                )))
+            } else {
+                _mm_loadu_si128(p.cast())
+            }
+        }
+    }
+
+    /// Row p < `pairs` of a packed right panel, `(r0[0], r1[0], r0[1],
+    /// r1[1], …)` at `panel + p·2·NR`, from rows `r0 = src + 2p·rs` and
+    /// `r1 = r0 + rs` of [`NR`] values each (`T` bf16, or f32 rounded).
+    ///
+    /// # Safety
+    /// The CPU must have the features of [`super::simd`]; those rows must
+    /// be valid for reads of `NR` values and `panel` for writes of
+    /// `pairs · 2 · NR`.
+    #[target_feature(enable = "avx2,avx512f,avx512bw,avx512vl,avx512bf16")]
+    pub(super) unsafe fn interleave_run<T>(
         panel: *mut u16,
-        src: *const bf16,
+        src: *const T,
         rs: usize,
         pairs: usize,
     ) {
-        use std::arch::x86_64::{
-            __m512i, _mm256_loadu_si256, _mm512_cvtepu16_epi32, _mm512_or_si512, _mm512_slli_epi32,
-            _mm512_storeu_si512,
-        };
         for p in 0..pairs {
             for h in 0..NR / 16 {
                 // SAFETY: the caller's contract: 16 values at `16h` of
                 // each row, 32 of the panel's row p at `32h`.
                 unsafe {
                     let r0 = src.add(2 * p * rs + 16 * h);
-                    let lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256(r0.cast()));
-                    let hi = _mm512_cvtepu16_epi32(_mm256_loadu_si256(r0.add(rs).cast()));
+                    let lo = _mm512_cvtepu16_epi32(load16(r0));
+                    let hi = _mm512_cvtepu16_epi32(load16(r0.add(rs)));
                     let pairs = _mm512_or_si512(lo, _mm512_slli_epi32::<16>(hi));
                     _mm512_storeu_si512(panel.add(2 * NR * p + 32 * h).cast::<__m512i>(), pairs);
                 }
@@ -999,23 +1101,18 @@ mod x86 {
     }
 
     /// `dst[q·ds ..+ 16] = column q` of the 8 × 8 block of u32 (pairs of
-    /// bf16) whose row `r` is the 16 bf16 at `src + r·ss`: a transpose of
-    /// pairs.
+    /// bf16) whose row `r` is the 16 values at `src + r·ss` as bf16: a
+    /// transpose of pairs.
     ///
     /// # Safety
-    /// The CPU must have AVX2; `src + r·ss` must be valid for reads of 16
-    /// values and `dst + q·ds` for writes of 16, for r, q < 8.
+    /// The CPU must have the features of [`super::simd`]; `src + r·ss` must
+    /// be valid for reads of 16 values and `dst + q·ds` for writes of 16,
+    /// for r, q < 8.
     #[inline]
-    #[target_feature(enable = "avx2")]
-    unsafe fn transpose8(src: *const u16, ss: usize, dst: *mut u16, ds: usize) {
-        use std::arch::x86_64::{
-            __m256, _mm256_castps_si256, _mm256_castsi256_ps, _mm256_loadu_si256,
-            _mm256_permute2f128_ps, _mm256_shuffle_ps, _mm256_unpackhi_ps, _mm256_unpacklo_ps,
-        };
+    #[target_feature(enable = "avx2,avx512f,avx512bw,avx512vl,avx512bf16")]
+    unsafe fn transpose8<T>(src: *const T, ss: usize, dst: *mut u16, ds: usize) {
         // SAFETY: the caller's contract.
-        let row = |r: usize| unsafe {
-            _mm256_castsi256_ps(_mm256_loadu_si256(src.add(r * ss).cast::<__m256i>()))
-        };
+        let row = |r: usize| unsafe { _mm256_castsi256_ps(load16(src.add(r * ss))) };
         let r: [__m256; 8] = std::array::from_fn(row);
         let t = [
             _mm256_unpacklo_ps(r[0], r[1]),
@@ -1053,9 +1150,9 @@ mod x86 {
     ///
     /// # Safety
     /// As [`transpose8`] for every block.
-    #[target_feature(enable = "avx2")]
-    pub(super) unsafe fn transpose8_run(
-        src: *const u16,
+    #[target_feature(enable = "avx2,avx512f,avx512bw,avx512vl,avx512bf16")]
+    pub(super) unsafe fn transpose8_run<T>(
+        src: *const T,
         ss: usize,
         src_step: usize,
         dst: *mut u16,
@@ -1069,22 +1166,36 @@ mod x86 {
         }
     }
 
-    /// `dst[i] = lo[i] | hi[i] << 16` for i < 8: eight pairs from two runs
-    /// of bf16.
+    /// Pairs `[0, pairs)` of `panels` whole left panels of [`MR`] rows
+    /// (panel q at `dst + q·MR·kp`, pair p's `MR` u32 at `p·MR`) from a
+    /// transposed operand: pair p of rows `q·MR ..+ MR` is
+    /// `src[2p·cs + i] | src[(2p + 1)·cs + i] << 16` (as bf16).
     ///
     /// # Safety
-    /// `lo` and `hi` must be valid for reads of 8 values, `dst` for writes
-    /// of 8.
-    pub(super) unsafe fn interleave8(lo: *const u16, hi: *const u16, dst: *mut u32) {
-        use std::arch::x86_64::{
-            _mm_loadu_si128, _mm_storeu_si128, _mm_unpackhi_epi16, _mm_unpacklo_epi16,
-        };
-        // SAFETY: the caller's contract; SSE2 is x86-64's baseline.
-        unsafe {
-            let x = _mm_loadu_si128(lo.cast());
-            let y = _mm_loadu_si128(hi.cast());
-            _mm_storeu_si128(dst.cast(), _mm_unpacklo_epi16(x, y));
-            _mm_storeu_si128(dst.add(4).cast(), _mm_unpackhi_epi16(x, y));
+    /// The CPU must have the features of [`super::simd`]; `src` must be
+    /// valid for reads of `panels · MR` values at `2p·cs` and `(2p + 1)·cs`
+    /// for p < `pairs`, `dst` for writes of `panels · MR · kp` u32.
+    #[target_feature(enable = "avx2,avx512f,avx512bw,avx512vl,avx512bf16")]
+    pub(super) unsafe fn interleave_panels<T>(
+        dst: *mut u32,
+        src: *const T,
+        cs: usize,
+        pairs: usize,
+        panels: usize,
+        kp: usize,
+    ) {
+        for p in 0..pairs {
+            let at = 2 * p * cs;
+            for q in 0..panels {
+                // SAFETY: the caller's contract.
+                unsafe {
+                    let x = load8(src.add(at + q * MR));
+                    let y = load8(src.add(at + cs + q * MR));
+                    let d = dst.add(q * MR * kp + p * MR);
+                    _mm_storeu_si128(d.cast(), _mm_unpacklo_epi16(x, y));
+                    _mm_storeu_si128(d.add(4).cast(), _mm_unpackhi_epi16(x, y));
+                }
+            }
         }
     }
 
@@ -1104,12 +1215,12 @@ mod x86 {
                 let v = _mm512_cvtneps_pbh(_mm512_loadu_ps(s.as_ptr().add(i)));
                 _mm256_storeu_si256(
                     d.as_mut_ptr().add(i).cast::<__m256i>(),
-                    std::mem::transmute::<std::arch::x86_64::__m256bh, __m256i>(v),
+                    std::mem::transmute::<__m256bh, __m256i>(v),
                 );
             }
         }
         for i in whole..n {
-            d[i] = bf16::from_f32(s[i]);
+            d[i] = super::as_instruction_rounds(s[i]);
         }
     }
 
@@ -1184,18 +1295,19 @@ mod x86 {
 
 #[cfg(not(target_arch = "x86_64"))]
 mod x86 {
-    /// Never called off x86-64.
-    pub(super) unsafe fn interleave_run(
+    /// Never called off x86-64 ([`super::simd`] is false there).
+    pub(super) unsafe fn interleave_run<T>(
         _panel: *mut u16,
-        _src: *const weft_numerics::bf16,
+        _src: *const T,
         _rs: usize,
         _pairs: usize,
     ) {
         unreachable!("AVX-512 off x86-64");
     }
-    /// Never called off x86-64 (no AVX2 there).
-    pub(super) unsafe fn transpose8_run(
-        _src: *const u16,
+    /// Never called off x86-64.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) unsafe fn transpose8_run<T>(
+        _src: *const T,
         _ss: usize,
         _src_step: usize,
         _dst: *mut u16,
@@ -1203,11 +1315,18 @@ mod x86 {
         _dst_step: usize,
         _tiles: usize,
     ) {
-        unreachable!("AVX2 off x86-64");
+        unreachable!("AVX-512 off x86-64");
     }
-    /// Never called off x86-64 (the packed paths are x86-64's).
-    pub(super) unsafe fn interleave8(_lo: *const u16, _hi: *const u16, _dst: *mut u32) {
-        unreachable!("the packed paths off x86-64");
+    /// Never called off x86-64.
+    pub(super) unsafe fn interleave_panels<T>(
+        _dst: *mut u32,
+        _src: *const T,
+        _cs: usize,
+        _pairs: usize,
+        _panels: usize,
+        _kp: usize,
+    ) {
+        unreachable!("AVX-512 off x86-64");
     }
     /// Never called: AVX512-BF16 is x86-64's.
     pub(super) unsafe fn round(_d: &mut [weft_numerics::bf16], _s: &[f32]) {

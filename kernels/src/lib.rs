@@ -42,11 +42,11 @@
 //! rounding); `weft-model`'s `train_step` bench: GPT-2 small's training
 //! step 1.9–2.3× its f32 step, 1.2–1.7× PyTorch's autocast-bf16 step. On
 //! an AMD EPYC with AVX512-BF16 and no AMX (2 threads): GPT-2 small's
-//! fifteen products (a layer's twelve and the tied head's three) 1.9× the
-//! f32 GEMM (375–381 vs 200–205 GFLOP/s, 81–82% of the measured
-//! `vdpbf16ps` peak of 464; PyTorch's bf16 GEMM reaches 91% there);
-//! GPT-2 small's step 1.73–1.77× its f32 step and 1.33–1.35× PyTorch's
-//! autocast-bf16 step (4L/256: 1.63× and 1.92×).
+//! fifteen products (a layer's twelve and the tied head's three) 1.97×
+//! the f32 GEMM (394 vs 200 GFLOP/s, 85% of the measured `vdpbf16ps` peak
+//! of 460; PyTorch's bf16 GEMM reaches 91% there); GPT-2 small's step
+//! 1.80–1.81× its f32 step and 1.42× PyTorch's autocast-bf16 step
+//! (4L/256: 1.74–1.76× and 2.00–2.09×).
 //! [`Precision::F16`] rounds the operands to fp16 (bit for bit the f32
 //! kernels on pre-rounded operands; no fp16 products on these CPUs).
 //!
@@ -199,11 +199,13 @@ pub enum Precision {
     /// `vdpbf16ps` where the CPU has AVX512-BF16 (twice the f32 FMA rate;
     /// see [`matmul_bf16`]). Rows stay batch invariant in both [`Mode`]s.
     /// With `f64` buffers the rounded operands are multiplied in `f64`.
-    /// The rounded copies are kept per thread for the next product: up to
-    /// the largest operand in bf16 (for a language-model head, its
-    /// logits' gradient, `2·B·T·V` bytes) per calling thread, which the
-    /// model's memory report does not count ([`operand_copy_bytes`]
-    /// measures them).
+    /// On AVX512-BF16 f32 operands are rounded as they are packed, so no
+    /// copy of them is made (the packed blocks, about 1.25 MiB per
+    /// thread, are kept for the next product); on AMX, rounded copies are
+    /// kept per thread for the next product: up to the largest operand in
+    /// bf16 (for a language-model head, its logits' gradient, `2·B·T·V`
+    /// bytes) per calling thread. The model's memory report does not count
+    /// them ([`operand_copy_bytes`] measures them).
     Bf16,
     /// Mixed precision with fp16 operands: every operand of a product is
     /// rounded to the nearest IEEE half (ties to even, subnormals kept,

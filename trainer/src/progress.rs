@@ -91,7 +91,7 @@ fn precision_line(p: weft_trainer::config::Precision) -> String {
         "activations f32"
     };
     format!(
-        "{n} products (operands rounded to {n}, f32 accumulation); 16 B per parameter: f32 weights 4 (the masters: products read them as {n}, no {n} copy is kept), f32 gradients 4, f32 AdamW moments 8; {activations}; the rounded operand copies come on top (reported at the end)"
+        "{n} products (operands rounded to {n}, f32 accumulation); 16 B per parameter: f32 weights 4 (the masters: products read them as {n}, no {n} copy is kept), f32 gradients 4, f32 AdamW moments 8; {activations}; the products' rounded and packed operand copies come on top (reported at the end)"
     )
 }
 
@@ -335,7 +335,7 @@ impl Observer for Terminal {
         ));
         if s.operand_copy_bytes > 0 {
             say(&format!(
-                "operand copies  {}B held by the mixed-precision products' threads (rounded operands kept for the next product; on top of the per-rank memory above)",
+                "operand copies  {}B held by the mixed-precision products' threads (rounded or packed operands kept for the next product; on top of the per-rank memory above)",
                 si(s.operand_copy_bytes as f64)
             ));
         }
