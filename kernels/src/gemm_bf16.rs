@@ -1809,18 +1809,35 @@ mod tests {
         }
     }
 
-    /// f32 operands rounded in one pass give the bits of bf16 operands
-    /// rounded element by element, on every path.
+    /// f32 operands rounded as they are packed (or in one pass, on AMX)
+    /// give the bits of bf16 operands rounded element by element, on every
+    /// path, in every layout: vector body and scalar edges alike, columns
+    /// past one block, and subnormal values (which the instruction paths
+    /// take as zero either way) among them.
     #[test]
     fn f32_operands_are_rounded_to_nearest_even() {
-        let (m, n, k) = (40, 70, 90);
-        let a: Vec<f32> = values(m * k, 5)
+        for (s, (m, n, k)) in [(40, 70, 90), (9, 1100, 40), (70, 600, 100)]
+            .into_iter()
+            .enumerate()
+        {
+            f32_operands_round_at(m, n, k, s as u64);
+        }
+    }
+
+    fn f32_operands_round_at(m: usize, n: usize, k: usize, seed: u64) {
+        // every 97th value subnormal, well inside the range (a value that
+        // rounds up to the smallest normal bf16 is not one the two
+        // roundings agree on)
+        let sub = |i: usize, x: f32| if i % 97 == 5 { x * 1e-39 } else { x };
+        let a: Vec<f32> = values(m * k, 5 + seed)
             .iter()
-            .map(|x| x.to_f32() * 1.003)
+            .enumerate()
+            .map(|(i, x)| sub(i, x.to_f32() * 1.003))
             .collect();
-        let b: Vec<f32> = values(k * n, 6)
+        let b: Vec<f32> = values(k * n, 6 + seed)
             .iter()
-            .map(|x| x.to_f32() * 0.997)
+            .enumerate()
+            .map(|(i, x)| sub(i + 11, x.to_f32() * 0.997))
             .collect();
         let ab: Vec<bf16> = a.iter().map(|&x| bf16::from_f32(x)).collect();
         let bb: Vec<bf16> = b.iter().map(|&x| bf16::from_f32(x)).collect();
