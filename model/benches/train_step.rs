@@ -21,8 +21,11 @@
 //! bits, the cost and the bytes of keeping them.
 //!
 //! Tokens/s use the best (shortest) of the timed steps; the mean is shown
-//! too. The last column divides the achieved GFLOP/s by the FMA peak
-//! measured at start ([`weft_kernels::fma_peak_gflops`]); `--peak` also
+//! too. The next to last column divides the achieved GFLOP/s by the peak
+//! of the run's products measured at start: the f32 FMA peak
+//! ([`weft_kernels::fma_peak_gflops`]), or for bf16 the bf16 dot-product
+//! peak ([`weft_kernels::bf16_dot_peak_gflops`]) where the CPU has bf16
+//! instructions; `--peak` also
 //! prints what the GEMM reaches on a 1024³ product.
 
 use std::time::Instant;
@@ -155,8 +158,21 @@ fn main() {
         "FMA peak ({} threads, measured): {fma_peak:.1} GFLOP/s",
         rayon::current_num_threads()
     );
+    // bf16 rows are held against the bf16 products' own peak (where the
+    // CPU has bf16 instructions; else the f32 one they are widened to)
+    let bf16_peak = if precisions.iter().any(|&(p, _)| p == Precision::Bf16) {
+        weft_kernels::bf16_dot_peak_gflops(rayon::current_num_threads(), 5)
+    } else {
+        None
+    };
+    if let Some(p) = bf16_peak {
+        println!(
+            "bf16 peak ({} threads, measured): {p:.1} GFLOP/s",
+            rayon::current_num_threads()
+        );
+    }
     println!(
-        "| config | precision | params | B | T | act bytes/token | best s/step | mean s/step | tokens/s | GFLOP/s | % of FMA peak | vs fp32 |"
+        "| config | precision | params | B | T | act bytes/token | best s/step | mean s/step | tokens/s | GFLOP/s | % of peak | vs fp32 |"
     );
     println!("|---|---|---|---|---|---|---|---|---|---|---|---|");
     for case in cases() {
@@ -227,7 +243,12 @@ fn main() {
                 case.t,
                 acts.bytes_per_token(),
                 tps * flops_per_token / 1e9,
-                100.0 * tps * flops_per_token / 1e9 / fma_peak,
+                100.0 * tps * flops_per_token
+                    / 1e9
+                    / match precision {
+                        Precision::Bf16 => bf16_peak.unwrap_or(fma_peak),
+                        _ => fma_peak,
+                    },
                 fp32_tps.map_or_else(|| "-".into(), |f| format!("{:.2}x", tps / f))
             );
         }
