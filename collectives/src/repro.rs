@@ -991,11 +991,15 @@ fn avg_div(op: ReduceOp, n: usize) -> fused::Div {
     fused::Div(if op == ReduceOp::Avg { n as u32 } else { 1 })
 }
 
-/// A rank's own contributions outside the chunk it reduces into.
+/// A rank's own contributions (outside the chunk it reduces into, unless
+/// `covers_io`).
 struct Own<'a, T> {
     head: &'a [T],
     tail: &'a [T],
     tail_start: usize,
+    /// `head` and `tail` hold the rank's own chunk too, and the output
+    /// does not (only with two ranks, see [`ring_rs_raw`])
+    covers_io: bool,
 }
 
 impl<'a, T> Own<'a, T> {
@@ -1011,9 +1015,11 @@ impl<'a, T> Own<'a, T> {
 }
 
 /// Reproducible ring reduce-scatter of native contributions: afterwards
-/// `io` (chunk `rank`, holding this rank's own contribution on entry)
-/// holds the exact sum of chunk `rank` over the group (divided by n for
-/// `Avg`), rounded once.
+/// `io` (chunk `rank`) holds the exact sum of chunk `rank` over the group
+/// (divided by n for `Avg`), rounded once. On entry `io` holds this
+/// rank's own contribution to chunk `rank` — except with two ranks when
+/// `own` holds it too ([`Own::covers_io`]): the one step then sums both
+/// inputs straight into `io`, with no copy of the own chunk first.
 ///
 /// The first step sends native values (the receiver adds two native
 /// chunks: exactly, or, on the last step, as one native addition in f64,
@@ -1034,6 +1040,7 @@ fn ring_rs_raw<T: Element, C: Communicator + ?Sized>(
     if n == 1 {
         return Ok(());
     }
+    let own_in_io = !own.covers_io;
     let d = avg_div(op, n);
     let es = T::DTYPE.size_bytes();
     let right = (me + 1) % n;
@@ -1061,7 +1068,7 @@ fn ring_rs_raw<T: Element, C: Communicator + ?Sized>(
         let last = s == n - 2;
         let rr = shard_range(len, n, recv_c);
         let want = rr.len() * es;
-        let mine: &[T] = if last { &[] } else { own.get(rr) };
+        let mine: &[T] = if last && own_in_io { &[] } else { own.get(rr) };
         let data: &[u8] = if s == 0 {
             Buf::new(own.get(shard_range(len, n, send_c))).bytes()
         } else {
@@ -1078,7 +1085,10 @@ fn ring_rs_raw<T: Element, C: Communicator + ?Sized>(
                 };
             }
             match (s == 0, last) {
-                (true, true) => fused::sum_raw_round(&crate::reduce::typed::<T>(src), io, d),
+                (true, true) if own_in_io => {
+                    fused::sum_raw_round(&crate::reduce::typed::<T>(src), io, d)
+                }
+                (true, true) => fused::sum2_round(&crate::reduce::typed::<T>(src), mine, io, d),
                 (true, false) => fused::sum_raw(&crate::reduce::typed::<T>(src), mine, nx),
                 (false, true) => fused::merge_raw_round(src, io, d),
                 (false, false) => fused::merge_raw(src, mine, nx),
@@ -1469,6 +1479,7 @@ pub(crate) fn all_reduce<C: Communicator + ?Sized>(
                         head,
                         tail,
                         tail_start: r.end,
+                        covers_io: false,
                     };
                     res = ring_rs_raw(c, ctx, 0, &own, len, mine, op);
                 });
@@ -1514,14 +1525,20 @@ pub(crate) fn reduce_scatter<C: Communicator + ?Sized>(
             out.copy_from_slice(&tmp.bytes()[r.start * es..r.end * es]);
         }
         _ => {
-            let es = dtype.size_bytes();
-            let r = shard_range(len, n, me);
-            out.copy_from_slice(&input.bytes()[r.start * es..r.end * es]);
+            // two ranks sum both inputs straight into `out`; more start
+            // from a copy of the own chunk there
+            let own_in_io = n != 2;
+            if own_in_io {
+                let es = dtype.size_bytes();
+                let r = shard_range(len, n, me);
+                out.copy_from_slice(&input.bytes()[r.start * es..r.end * es]);
+            }
             fn go<T: Element, C: Communicator + ?Sized>(
                 c: &C,
                 ctx: &OpCtx,
                 input: &[u8],
                 out: &mut [u8],
+                own_in_io: bool,
                 op: ReduceOp,
             ) -> Result<()> {
                 let xs = crate::reduce::typed::<T>(input);
@@ -1529,6 +1546,7 @@ pub(crate) fn reduce_scatter<C: Communicator + ?Sized>(
                     head: &xs,
                     tail: &[],
                     tail_start: xs.len(),
+                    covers_io: !own_in_io,
                 };
                 let mut res = Ok(());
                 crate::reduce::with_typed_mut::<T>(out, |mine| {
@@ -1537,10 +1555,10 @@ pub(crate) fn reduce_scatter<C: Communicator + ?Sized>(
                 res
             }
             match dtype {
-                Dtype::F32 => go::<f32, C>(c, ctx, input.bytes(), out, op)?,
-                Dtype::F64 => go::<f64, C>(c, ctx, input.bytes(), out, op)?,
-                Dtype::F16 => go::<f16, C>(c, ctx, input.bytes(), out, op)?,
-                Dtype::BF16 => go::<bf16, C>(c, ctx, input.bytes(), out, op)?,
+                Dtype::F32 => go::<f32, C>(c, ctx, input.bytes(), out, own_in_io, op)?,
+                Dtype::F64 => go::<f64, C>(c, ctx, input.bytes(), out, own_in_io, op)?,
+                Dtype::F16 => go::<f16, C>(c, ctx, input.bytes(), out, own_in_io, op)?,
+                Dtype::BF16 => go::<bf16, C>(c, ctx, input.bytes(), out, own_in_io, op)?,
             }
         }
     }

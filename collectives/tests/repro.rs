@@ -157,6 +157,90 @@ fn bf16_repro_matches_exact_sum() {
     }
 }
 
+/// Two ranks add each element's two values once, in f64, and halve there
+/// for the mean: the result must be the exact sum (or half of it) rounded
+/// once, for f32, bf16 and f16, reduce-scattered and all-reduced — with
+/// the values where a narrow addition would differ: pairs whose sum
+/// overflows the format but whose mean does not, subnormals whose mean
+/// lies below the format's grid, ties, and the specials.
+#[test]
+fn two_ranks_sum_and_mean_round_once() {
+    fn check<T: Element>(cols: &[Vec<f32>]) {
+        let cols: Vec<Vec<T>> = cols
+            .iter()
+            .map(|c| c.iter().map(|&x| T::from_f32(x)).collect())
+            .collect();
+        let len = cols[0].len();
+        for op in [ReduceOp::Sum, ReduceOp::Avg] {
+            let scale = if op == ReduceOp::Avg { 0.5 } else { 1.0 };
+            let want: Vec<u64> = (0..len)
+                .map(|i| {
+                    let mut s = ExactSum::new();
+                    for c in &cols {
+                        // exact: halving an f32, bf16 or f16 value in f64
+                        s.add(c[i].to_f64() * scale);
+                    }
+                    s.round_to::<T>()
+                })
+                .collect::<Vec<T>>()
+                .iter()
+                .map(|x| x.to_f64().to_bits())
+                .collect();
+            let got = LocalCluster::run(2, |comm| {
+                let opts = ReduceOptions::new(op)
+                    .algorithm(Algorithm::Ring)
+                    .reproducible(true);
+                let mut b = cols[comm.rank()].clone();
+                comm.all_reduce_with(&mut b, &opts)?;
+                let r = shard_range(len, 2, comm.rank());
+                let mut out = vec![T::ZERO; r.len()];
+                comm.reduce_scatter_with(&cols[comm.rank()], &mut out, &opts)?;
+                assert_eq!(bits(&out), bits(&b[r]), "{:?} {op:?}", T::DTYPE);
+                Ok::<_, weft_collectives::Error>(b)
+            })
+            .unwrap();
+            for b in got {
+                let b = b.unwrap();
+                for (i, (g, w)) in bits(&b).iter().zip(&want).enumerate() {
+                    let nan = f64::from_bits(*w).is_nan();
+                    assert!(
+                        g == w || (nan && f64::from_bits(*g).is_nan()),
+                        "{:?} {op:?} element {i}: {} against {}",
+                        T::DTYPE,
+                        f64::from_bits(*g),
+                        f64::from_bits(*w)
+                    );
+                }
+            }
+        }
+    }
+    let mut cols = data(4242, 2, 700);
+    let pairs: [(f32, f32); 12] = [
+        (f32::MAX, f32::MAX),
+        (-f32::MAX, -3e38),
+        (6e4, 6e4),
+        (3.3e38, 1e38),
+        (f32::from_bits(1), 0.0),
+        (f32::from_bits(3), f32::from_bits(2)),
+        (1.0, f32::EPSILON / 2.0),
+        (-0.0, -0.0),
+        (-0.0, 0.0),
+        (f32::INFINITY, 1.0),
+        (f32::INFINITY, f32::NEG_INFINITY),
+        (f32::NAN, 2.0),
+    ];
+    for (k, (x, y)) in pairs.into_iter().enumerate() {
+        // in both ranks' halves
+        for at in [3 * k, 350 + 3 * k] {
+            cols[0][at] = x;
+            cols[1][at] = y;
+        }
+    }
+    check::<f32>(&cols);
+    check::<bf16>(&cols);
+    check::<weft_collectives::f16>(&cols);
+}
+
 proptest! {
     #![proptest_config(ProptestConfig { cases: 16, ..ProptestConfig::default() })]
 

@@ -488,15 +488,86 @@ pub(super) fn merge_raw_round<T: Element>(a: &[u8], io: &mut [T], d: Div) -> Res
 }
 }
 
+/// The factor that [`sum_raw_round`] and [`sum2_round`] scale a two-term
+/// f64 sum by when no encoding is needed: 1 without a divisor; 0.5 for a
+/// divisor of 2 in f32, f16 and bf16, since halving in f64 is exact there
+/// (their values are multiples of 2^-149 at the finest, far above f64's
+/// subnormals), so the one rounding to the narrow format stays the only
+/// one; `None` otherwise (f64 halved could lose its last bit).
+fn halving(dtype: Dtype, d: Div) -> Option<f64> {
+    match d.0 {
+        0 | 1 => Some(1.0),
+        2 if dtype != Dtype::F64 => Some(0.5),
+        _ => None,
+    }
+}
+
+/// `out` = (`xs` + `ys`) / `d`, rounded once per element: the two-rank
+/// reduce-scatter of native values straight from both inputs into the
+/// output (no copy of the rank's own chunk first). As [`sum_raw_round`],
+/// which it falls back to (after that copy) for other divisors. Outputs of
+/// [`STREAM_BYTES`](crate::reduce::STREAM_BYTES) or more are computed
+/// tile by tile and written past the cache, as the plain reduce-scatter's
+/// are.
+pub(super) fn sum2_round<T: Element>(xs: &[T], ys: &[T], out: &mut [T], d: Div) -> Result<()> {
+    let Some(h) = halving(T::DTYPE, d) else {
+        out.copy_from_slice(ys);
+        return sum_raw_round(xs, out, d);
+    };
+    if T::DTYPE == Dtype::F32 && h == 1.0 {
+        // f32's own addition is correctly rounded: the same bits, at the
+        // plain reduce-scatter's speed (its kernel, streamed when large)
+        crate::reduce::reduce_to(
+            Dtype::F32,
+            crate::types::ReduceOp::Sum,
+            crate::types::BufMut::new(out).into_bytes(),
+            crate::types::Buf::new(xs).bytes(),
+            crate::types::Buf::new(ys).bytes(),
+            true,
+        );
+        return Ok(());
+    }
+    if size_of_val(out) < crate::reduce::STREAM_BYTES {
+        sum2_scaled(xs, ys, out, h);
+        return Ok(());
+    }
+    // an L1-sized tile, then streamed out
+    const TILE: usize = 2048;
+    let mut tile = [T::ZERO; TILE];
+    for ((o, x), y) in out
+        .chunks_mut(TILE)
+        .zip(xs.chunks(TILE))
+        .zip(ys.chunks(TILE))
+    {
+        let t = &mut tile[..o.len()];
+        sum2_scaled(x, y, t, h);
+        crate::reduce::stream_copy(
+            crate::types::BufMut::new(o).into_bytes(),
+            crate::types::Buf::new(t).bytes(),
+        );
+    }
+    crate::reduce::stream_fence();
+    Ok(())
+}
+
+multiversion! {
+/// `out[i]` = (`xs[i]` + `ys[i]`) · `h` in f64, rounded once.
+fn sum2_scaled<T: Element>(xs: &[T], ys: &[T], out: &mut [T], h: f64) {
+    for ((o, x), y) in out.iter_mut().zip(xs).zip(ys) {
+        *o = T::from_f64((x.to_f64() + y.to_f64()) * h);
+    }
+}
+}
+
 multiversion! {
 /// `io` = (`xs` + `io`) / `d`, rounded once per element. A sum of two
 /// values rounded once is the native addition in a format at least
 /// 2p + 1 bits wide (f64 for f32, f16 and bf16; f64 itself adds
 /// correctly rounded), so without a divisor no encoding is needed.
 pub(super) fn sum_raw_round<T: Element>(xs: &[T], io: &mut [T], d: Div) -> Result<()> {
-    if d.0 <= 1 {
+    if let Some(h) = halving(T::DTYPE, d) {
         for (o, x) in io.iter_mut().zip(xs) {
-            *o = T::from_f64(x.to_f64() + o.to_f64());
+            *o = T::from_f64((x.to_f64() + o.to_f64()) * h);
         }
         return Ok(());
     }
