@@ -539,3 +539,54 @@ fn explicit_divisors_round_the_exact_quotient_once() {
         "{e}"
     );
 }
+
+/// Outputs of 8 MiB or more are written through an L1 tile streamed past
+/// the cache: a reduce-scatter whose shards are just above that, with an
+/// odd shard boundary (blocks straddle tiles and shards) and blocks of
+/// every kind (narrow, wide, special) spread along it, gives the exact
+/// sum's bits on both ranks — against `ExactSum` at a sample of elements
+/// in every tile region, and against one rank's merged partial everywhere.
+#[test]
+fn streamed_outputs_round_every_block_exactly() {
+    let len = 2 * (8 << 20) / 4 + 2 * 37 + 1;
+    let narrow = contributions(5, 2, len, false, false);
+    let wide = contributions(6, 2, 3 * BLOCK + 5, true, true);
+    let mut cols = narrow;
+    for (c, w) in cols.iter_mut().zip(&wide) {
+        // wide and special blocks near the start, the shard boundary and
+        // the end
+        for at in [100, len / 2 - BLOCK, len - w.len()] {
+            c[at..at + w.len()].copy_from_slice(w);
+        }
+    }
+    let mut one = ExactPartial::new(len);
+    for c in &cols {
+        one.add(c).unwrap();
+    }
+    let mut want = vec![0f32; len];
+    one.round_to(&mut want).unwrap();
+    for i in (0..len)
+        .step_by(4099)
+        .chain([len / 2, len / 2 + 1, len - 1])
+    {
+        assert_eq!(
+            bits(&[want[i]]),
+            bits(&[exact_sum(&cols, i).round_to::<f32>()]),
+            "element {i}"
+        );
+    }
+    let outs = LocalCluster::run(2, |comm| {
+        let mut p = ExactPartial::new(len);
+        p.add(&cols[comm.rank()])?;
+        let r = shard_range(len, 2, comm.rank());
+        let mut shard = vec![0f32; r.len()];
+        comm.reduce_scatter_exact(&p, &mut shard, ReduceOp::Sum)?;
+        Ok::<_, weft_collectives::Error>((r, shard))
+    })
+    .unwrap();
+    for out in outs {
+        let (r, shard) = out.unwrap();
+        assert!(shard.len() * 4 >= 8 << 20);
+        assert!(bits(&shard) == bits(&want[r.clone()]), "shard {r:?}");
+    }
+}

@@ -423,6 +423,72 @@ multiversion! {
     }
 }
 
+/// Elements per tile of [`Tiles`].
+const TILE: usize = 1024;
+
+/// Hands out consecutive ranges of an output: in place, or — for outputs
+/// of [`STREAM_BYTES`](crate::reduce::STREAM_BYTES) or more, which are not
+/// read again soon — in an L1-sized tile that is written past the cache
+/// when full (no read of the output's lines before they are overwritten,
+/// no eviction of the inputs still to be read), as the plain
+/// reduce-scatter writes its output.
+struct Tiles<'o, T> {
+    out: &'o mut [T],
+    tile: Option<Box<[T; TILE]>>,
+    /// the output index of `tile[0]`
+    base: usize,
+}
+
+impl<'o, T: Element> Tiles<'o, T> {
+    fn new(out: &'o mut [T]) -> Self {
+        let stream =
+            size_of_val(out) >= crate::reduce::STREAM_BYTES && cfg!(target_arch = "x86_64");
+        Tiles {
+            out,
+            tile: stream.then(|| Box::new([T::ZERO; TILE])),
+            base: 0,
+        }
+    }
+
+    /// Output elements `[at, at + len)` (`len` ≤ [`TILE`]); every call
+    /// continues where the previous one ended.
+    #[inline(always)]
+    fn next(&mut self, at: usize, len: usize) -> &mut [T] {
+        if self.tile.is_none() {
+            return &mut self.out[at..at + len];
+        }
+        if at + len > self.base + TILE {
+            self.flush(at);
+        }
+        let b = self.base;
+        match &mut self.tile {
+            Some(t) => &mut t[at - b..at - b + len],
+            None => unreachable!("checked above"),
+        }
+    }
+
+    /// Streams the tile's elements before output index `upto` out.
+    fn flush(&mut self, upto: usize) {
+        if let Some(t) = &self.tile {
+            let b = self.base;
+            crate::reduce::stream_copy(
+                crate::types::BufMut::new(&mut self.out[b..upto]).into_bytes(),
+                crate::types::Buf::new(&t[..upto - b]).bytes(),
+            );
+            self.base = upto;
+        }
+    }
+
+    /// Writes out what the tile still holds (the whole output was handed
+    /// out) and orders the streamed stores before later ones.
+    fn finish(mut self) {
+        if self.tile.is_some() {
+            self.flush(self.out.len());
+            crate::reduce::stream_fence();
+        }
+    }
+}
+
 multiversion! {
     /// Rounds elements `[skip, skip + out.len())` of (Σ `pieces`) / `d`
     /// into `out`, where every piece encodes the same `blen` elements (the
@@ -457,6 +523,7 @@ multiversion! {
         let mut lanes = [0i64; BLOCK];
         let mut vals = [T::ZERO; BLOCK];
         let end = skip + out.len();
+        let mut out = Tiles::new(out);
         for start in (0..blen).step_by(BLOCK) {
             let bl = BLOCK.min(blen - start);
             let (lo, hi) = (skip.max(start), end.min(start + bl));
@@ -486,7 +553,7 @@ multiversion! {
                     if lo >= hi {
                         continue;
                     }
-                    let dst = &mut out[lo - skip..hi - skip];
+                    let dst = out.next(lo - skip, hi - lo);
                     let scale = f64::from_bits(((e - shift + 1023) as u64) << 52);
                     if n == 2 && pow2 && top <= 53 {
                         let ((ex, _, px), (ey, _, py)) = (plain[0], plain[1]);
@@ -550,7 +617,7 @@ multiversion! {
             if lo >= hi {
                 continue;
             }
-            let dst = &mut out[lo - skip..hi - skip];
+            let dst = out.next(lo - skip, hi - lo);
             cur.clear();
             merge_block(&blocks[0], &blocks[1], bl, &mut cur)?;
             for b in &blocks[2..] {
@@ -569,6 +636,7 @@ multiversion! {
                 dst.copy_from_slice(&vals[lo - start..hi - start]);
             }
         }
+        out.finish();
         for (p, &q) in pieces.iter().zip(&pos) {
             trailing(p, q)?;
         }
