@@ -152,6 +152,8 @@ fn side_by_side(n: usize, bytes: usize) -> ([f64; SIDE.len()], f64) {
                 let g16: Vec<bf16> = grad.iter().map(|&x| bf16::from_f32(x)).collect();
                 let sr = shard_range(elems, n, r);
                 let mut buf = grad.clone();
+                let mut inp = grad.clone();
+                let mut inp16 = g16.clone();
                 let mut full16 = g16.clone();
                 let mut shard = vec![0f32; sr.len()];
                 let mut shard16 = vec![bf16::ZERO; sr.len()];
@@ -166,30 +168,43 @@ fn side_by_side(n: usize, bytes: usize) -> ([f64; SIDE.len()], f64) {
                         comm.barrier()?;
                         let mut t = 0.0;
                         for _ in 0..iters {
-                            // all-reduce inputs are restored between calls
-                            // (outside the timed span): every call sees the
-                            // same values
-                            if matches!(k, 0 | 3) {
-                                buf.copy_from_slice(&grad);
+                            // every input is written afresh before each call
+                            // (outside the timed span), as a backward pass or
+                            // the last micro-batch's accumulation writes it
+                            // just before the step reduces it: every call
+                            // sees the same values, and every op the same
+                            // cache state (in-place all-reduces must restore
+                            // their input anyway)
+                            match k {
+                                0 | 3 => buf.copy_from_slice(&grad),
+                                1 | 5 => inp.copy_from_slice(&grad),
+                                2 => inp[..sr.len()].copy_from_slice(&grad[..sr.len()]),
+                                4 | 6 => {
+                                    partial.clear();
+                                    partial.add(&grad)?;
+                                }
+                                7 => inp16.copy_from_slice(&g16),
+                                8 => inp16[..sr.len()].copy_from_slice(&g16[..sr.len()]),
+                                _ => buf[sr.clone()].copy_from_slice(&grad[sr.clone()]),
                             }
                             let t0 = Instant::now();
                             match k {
                                 0 => comm.all_reduce_with(&mut buf, &ring)?,
-                                1 => comm.reduce_scatter_with(&grad, &mut shard, &ring)?,
+                                1 => comm.reduce_scatter_with(&inp, &mut shard, &ring)?,
                                 2 => comm.all_gather_with(
-                                    &grad[..sr.len()],
+                                    &inp[..sr.len()],
                                     &mut buf,
                                     Algorithm::Ring,
                                 )?,
                                 3 => comm.all_reduce_with(&mut buf, &repro)?,
                                 4 => comm.all_reduce_exact(&partial, &mut buf, ReduceOp::Sum)?,
-                                5 => comm.reduce_scatter_with(&grad, &mut shard, &repro)?,
+                                5 => comm.reduce_scatter_with(&inp, &mut shard, &repro)?,
                                 6 => {
                                     comm.reduce_scatter_exact_div(&partial, &mut shard, n as u64)?;
                                 }
-                                7 => comm.reduce_scatter_with(&g16, &mut shard16, &ring)?,
+                                7 => comm.reduce_scatter_with(&inp16, &mut shard16, &ring)?,
                                 8 => comm.all_gather_with(
-                                    &g16[..sr.len()],
+                                    &inp16[..sr.len()],
                                     &mut full16,
                                     Algorithm::Ring,
                                 )?,
