@@ -743,6 +743,27 @@ pub trait CommunicatorExt: Communicator {
         )
     }
 
+    /// Starts an in-place all-gather in the background (see
+    /// [`all_gather_in_place`](Self::all_gather_in_place)): `buf` holds
+    /// this rank's shard at its place on entry and is the result, so that
+    /// only the peers' shards are copied and nothing is allocated — the
+    /// form to prefer over [`all_gather_async`](Self::all_gather_async),
+    /// which copies the input and its own shard once more.
+    ///
+    /// # Errors
+    /// As [`all_reduce_async`](Self::all_reduce_async).
+    fn all_gather_in_place_async<T: Element>(&self, buf: Vec<T>) -> Result<Pending<Vec<T>>> {
+        let mut b = buf;
+        let sig = algo::all_gather_in_place_signature(self, &BufMut::new(&mut b), Algorithm::Auto);
+        start(
+            self,
+            sig,
+            b,
+            move |c, ctx, b: &mut Vec<T>| algo::all_gather_in_place(c, ctx, BufMut::new(b)),
+            |b| b,
+        )
+    }
+
     /// Starts an all-gather in the background; the result is the gathered
     /// buffer of `total` elements (see [`all_gather`](Self::all_gather)).
     ///

@@ -432,8 +432,14 @@ fn non_blocking_all_reduce_progresses_while_the_caller_computes() {
         assert!(x.iter().all(|&v| v == 2.0) && y[0] == 2.0 && acc != 1);
         let rs = comm.reduce_scatter_async(vec![1.0f32; 10], ReduceOptions::new(ReduceOp::Sum))?;
         let ag = comm.all_gather_async(vec![comm.rank() as f32; 5], 10)?;
+        // in place: the rank's shard (of 11: 6 and 5) at its place, the
+        // rest overwritten
+        let mut full = vec![f32::NAN; 11];
+        full[shard_range(11, 2, comm.rank())].fill(comm.rank() as f32 + 1.0);
+        let agi = comm.all_gather_in_place_async(full)?;
         assert_eq!(rs.wait()?, vec![2.0; 5]);
         assert_eq!(ag.wait()?, [vec![0.0; 5], vec![1.0; 5]].concat());
+        assert_eq!(agi.wait()?, [vec![1.0; 6], vec![2.0; 5]].concat());
         Ok(finished_during_compute)
     })
     .unwrap();

@@ -7,7 +7,9 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use weft_collectives::repro::ExactPartial;
-use weft_collectives::{Communicator, CommunicatorExt, Dtype, Mesh, Pending, Traffic, bf16};
+use weft_collectives::{
+    Communicator, CommunicatorExt, Dtype, Mesh, Pending, Traffic, bf16, shard_range,
+};
 use weft_kernels::AdamW;
 use weft_parallel::{GradNorm, ParamLayout};
 
@@ -1152,20 +1154,27 @@ impl Fsdp {
         let st = &self.units[u];
         let what = format!("all_gather of unit {}", unit.name);
         let start = Instant::now();
+        // in place: the shard is copied once, into its place in the
+        // gathered buffer, and the gather moves only the peers' shards
+        let mine = shard_range(padded, self.params_comm.size(), self.params_comm.rank());
         let (handle, bytes) = match &st.shard_lp {
             Some(LowVec::Bf16(sh)) => {
+                let mut full = vec![bf16::ZERO; padded];
+                full[mine].copy_from_slice(sh);
                 let p = self
                     .params_comm
-                    .all_gather_async(sh.clone(), padded)
+                    .all_gather_in_place_async(full)
                     .map_err(comm(&what))?;
-                (Gather::Bf16(p), padded * 2 + sh.len() * 2)
+                (Gather::Bf16(p), padded * 2)
             }
             _ => {
+                let mut full = vec![0f32; padded];
+                full[mine].copy_from_slice(&st.master);
                 let p = self
                     .params_comm
-                    .all_gather_async(st.master.clone(), padded)
+                    .all_gather_in_place_async(full)
                     .map_err(comm(&what))?;
-                (Gather::F32(p), padded * 4 + st.master.len() * 4)
+                (Gather::F32(p), padded * 4)
             }
         };
         self.mem.alloc(Category::GatheredParams, bytes);
@@ -1229,12 +1238,7 @@ impl Fsdp {
             self.plan.units()[u].name
         )))?;
         Ok(match got {
-            LowVec::F32(v) => {
-                // the input copy is gone; the gathered buffer stays
-                self.mem
-                    .free(Category::GatheredParams, bytes - bytes_of(&v));
-                v
-            }
+            LowVec::F32(v) => v,
             LowVec::Bf16(v) => {
                 let mut w = vec![0.0f32; len];
                 self.mem.alloc(Category::GatheredParams, bytes_of(&w));
