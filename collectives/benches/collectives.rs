@@ -122,7 +122,7 @@ fn memcpy_bw(bytes: usize, threads: usize) -> f64 {
 /// `ROUNDS` rounds inside one cluster and each keeps its fastest round, so
 /// that a load spike on the shared machine hits all alike. Seconds per
 /// call (rank 0, between barriers), and `ExactPartial::add` per element.
-const SIDE: [&str; 10] = [
+const SIDE: [&str; 12] = [
     "ring all_reduce",
     "ring reduce_scatter",
     "ring all_gather",
@@ -133,6 +133,8 @@ const SIDE: [&str; 10] = [
     "bf16 reduce_scatter",
     "bf16 all_gather",
     "ring all_gather in place",
+    "all_reduce_exact, 2 contributions",
+    "reduce_scatter_exact_div, 2 contributions",
 ];
 
 fn side_by_side(n: usize, bytes: usize) -> ([f64; SIDE.len()], f64) {
@@ -183,8 +185,15 @@ fn side_by_side(n: usize, bytes: usize) -> ([f64; SIDE.len()], f64) {
                                     partial.clear();
                                     partial.add(&grad)?;
                                 }
+                                10 | 11 => {
+                                    // encoded: a second micro-batch
+                                    partial.clear();
+                                    partial.add(&grad)?;
+                                    partial.add(&grad)?;
+                                }
                                 7 => inp16.copy_from_slice(&g16),
                                 8 => inp16[..sr.len()].copy_from_slice(&g16[..sr.len()]),
+                                // the rank's shard of `buf` is its input
                                 _ => buf[sr.clone()].copy_from_slice(&grad[sr.clone()]),
                             }
                             let t0 = Instant::now();
@@ -208,8 +217,11 @@ fn side_by_side(n: usize, bytes: usize) -> ([f64; SIDE.len()], f64) {
                                     &mut full16,
                                     Algorithm::Ring,
                                 )?,
-                                // the rank's shard of `buf` is its input
-                                _ => comm.all_gather_in_place_with(&mut buf, Algorithm::Ring)?,
+                                9 => comm.all_gather_in_place_with(&mut buf, Algorithm::Ring)?,
+                                10 => comm.all_reduce_exact(&partial, &mut buf, ReduceOp::Sum)?,
+                                _ => {
+                                    comm.reduce_scatter_exact_div(&partial, &mut shard, n as u64)?;
+                                }
                             }
                             t += t0.elapsed().as_secs_f64();
                         }
@@ -318,10 +330,10 @@ fn main() {
             topology()
         );
         println!(
-            "# busbw and /mc2 (busbw over the 2-thread memcpy above); rs/ar, ag/ar: busbw over the ring all-reduce's; the rest: time over the plain op's; agip: all-gather in place"
+            "# busbw and /mc2 (busbw over the 2-thread memcpy above); rs/ar, ag/ar: busbw over the ring all-reduce's; the rest: time over the plain op's; exact, exdiv: one contribution per rank (it travels as values), exact2, exdiv2: two (encoded); agip: all-gather in place"
         );
         println!(
-            "{:>10} {:>8} {:>8} {:>8} {:>7} {:>7} {:>7} {:>6} {:>6} {:>9} {:>9} {:>9} {:>9} {:>8} {:>8} {:>9} {:>9} {:>8}",
+            "{:>10} {:>8} {:>8} {:>8} {:>7} {:>7} {:>7} {:>6} {:>6} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>8} {:>8} {:>9} {:>9} {:>8}",
             "bytes",
             "ar GB/s",
             "rs GB/s",
@@ -335,6 +347,8 @@ fn main() {
             "exact/ar",
             "repro/rs",
             "exdiv/rs",
+            "exact2/ar",
+            "exdiv2/rs",
             "bf16 rs",
             "bf16 ag",
             "add ns/el",
@@ -349,7 +363,7 @@ fn main() {
             let (ar, rs, ag) = (b / t[0] * 2.0 * f, b / t[1] * f, b / t[2] * f);
             let agip = b / t[9] * f;
             println!(
-                "{:>10} {:>8.2} {:>8.2} {:>8.2} {:>7.2} {:>7.2} {:>7.2} {:>6.2} {:>6.2} {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:>8.2} {:>8.2} {:>9.2} {:>9.2} {:>8.2}",
+                "{:>10} {:>8.2} {:>8.2} {:>8.2} {:>7.2} {:>7.2} {:>7.2} {:>6.2} {:>6.2} {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:>8.2} {:>8.2} {:>9.2} {:>9.2} {:>8.2}",
                 bytes,
                 ar / 1e9,
                 rs / 1e9,
@@ -363,6 +377,8 @@ fn main() {
                 t[4] / t[0],
                 t[5] / t[1],
                 t[6] / t[1],
+                t[10] / t[0],
+                t[11] / t[1],
                 t[7] / t[1],
                 t[8] / t[2],
                 add * 1e9,

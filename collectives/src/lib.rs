@@ -75,7 +75,8 @@
 //! N ranks, that local accumulation must be exact too. A
 //! [`repro::ExactPartial`] adds each micro-batch's gradient (f32, bf16, f16
 //! or f64 slices) exactly, in place, at about 8 bytes per element for
-//! typical gradients; [`all_reduce_exact`](CommunicatorExt::all_reduce_exact)
+//! typical gradients (a single f32 contribution is kept as its values, 4
+//! bytes); [`all_reduce_exact`](CommunicatorExt::all_reduce_exact)
 //! and [`reduce_scatter_exact`](CommunicatorExt::reduce_scatter_exact)
 //! merge the ranks' partials exactly and round once: `Sum` gives the
 //! correctly rounded sum of all M contributions, `Avg` the exact sum divided
@@ -135,32 +136,44 @@
 //!
 //! Measured on the 2-core development machine (AMD EPYC, shared, so single
 //! figures are noisy; the ratios of one run are the point), 2 thread
-//! ranks, f32, ring: all-reduce busbw 35–42 GB/s at 1–4 MiB (in cache)
-//! and 11–12 GB/s at 64–256 MiB, against a 2-thread memcpy of 16–20 GB/s;
-//! reduce-scatter busbw 0.7–0.95× the all-reduce's; all-gather about half
-//! the all-reduce's at large sizes, which is its memory traffic: out of
-//! place, it copies its own shard as well as the peers'. The reproducible
-//! all-reduce costs 0.9–1.2× the plain ring with 2 ranks, 1.0–1.4× with 4
-//! (3–16 ranks in one domain sum each block of all ranks' chunks in
-//! registers in one pass, see [`repro`]). The exact reductions of
-//! [`repro::ExactPartial`]s move 8 bytes per element in the
-//! reduce-scatter phase, twice f32's, so their byte volume is 2× the plain
-//! reduce-scatter's and 1.5× the plain all-reduce's; each block of two
-//! partials is read in place and summed and rounded in one pass of i64
-//! lanes; a divisor that is not a power of two costs one f64 division per
-//! element, about 2× a power of two's shift. With 2 ranks
-//! `all_reduce_exact` takes 1.3–1.7× the plain ring at 1 MiB and 1.8–2.5×
-//! from 16 MiB, and the divided reduce-scatter FSDP uses 2.2–3.0× the
-//! plain one from 16 MiB (2.3–4.6× at 1–4 MiB); at 4 MiB, where the
-//! plain ring runs from the cache and the encodings (4× the bytes per
-//! rank) do not fit it, the exact all-reduce takes 2.7–4.9×. With 4 ranks
-//! (on 2 cores) both stay within 1.8×. (Spreads over five runs on a
-//! shared machine.) bf16 buffers (f32 accumulation) reduce-scatter
-//! in 0.6–0.7× the f32 time at 1–16 MiB (their sums are rounded 32 at a
-//! time by `vcvtne2ps2bf16` where the CPU has AVX512-BF16; the portable
-//! rounding made them 1.0–1.2× in cache) and all-gather in 0.3–0.8×. One
-//! [`ExactPartial::add`](repro::ExactPartial::add) costs 0.6–0.9 ns per
-//! element.
+//! ranks, f32, ring, every input written afresh before each call: the
+//! all-reduce's busbw 26–28 GB/s at 4 MiB (in cache) and 10–14 GB/s at
+//! 16–256 MiB, against a 2-thread memcpy of 14–21 GB/s; reduce-scatter
+//! busbw 0.7–0.93× the all-reduce's (it reads and writes 3 bytes of
+//! memory per bus byte where the all-reduce, whose second half only
+//! copies, moves 2.5);
+//! the out-of-place all-gather 0.5–0.7× (it copies its own shard as well
+//! as the peers'), the in-place one 0.9–1.9×. The reproducible all-reduce
+//! and reduce-scatter cost 0.94–1.2× the plain ones with 2 ranks (the one
+//! step adds the two inputs straight into the output), 1.0–1.6× with 4 on
+//! 2 cores (3–16 ranks in one domain sum each block of all ranks' chunks
+//! in registers in one pass, see [`repro`]). The exact reductions of
+//! [`repro::ExactPartial`]s with one f32 contribution per rank (one
+//! micro-batch: the partial keeps the values) take the same route,
+//! 1.0–1.3× the plain ones. With more contributions the partials are
+//! encoded, 8 bytes per element for gradients, so the reduce-scatter
+//! phase moves twice f32's bytes (the all-reduce's volume 1.5× the plain
+//! one); each block of two partials is read in place and summed and
+//! rounded in one pass of i64 lanes (a divisor that is not a power of two
+//! costs one f64 division per element). With 2 ranks they take 1.7–2.3×
+//! the plain ring from 16 MiB (the byte volume at the plain ring's busbw
+//! allows 1.8× and 2.4×: the all-reduce is at that bound, the divided
+//! reduce-scatter within it) and about 3.3× at 1–4 MiB, where the plain
+//! ring runs from the cache and the encodings do not fit it. bf16
+//! buffers (f32 accumulation) reduce-scatter in 0.4–0.7× the f32 time
+//! (their sums are rounded 32 at a time by `vcvtne2ps2bf16` where the CPU
+//! has AVX512-BF16) and all-gather in 0.35–0.55×. One
+//! [`ExactPartial::add`](repro::ExactPartial::add) into an encoded partial
+//! costs 0.5–0.8 ns per element.
+//!
+//! Over MPI (Open MPI 4.1 on the same machine,
+//! `benches/mpi_vs_local.rs`), this crate's ring reduce-scatter beats the
+//! library's blocking `MPI_Reduce_scatter` from 256 KiB on (1.2–5×, 2
+//! processes) and from 4 MiB with 4 (1.3×); the all-gather is the
+//! library's own (`MPI_Iallgatherv`, polled), as fast as its blocking form
+//! in some runs and up to 5× slower in others (1–4 MiB), like this crate's
+//! ring over point-to-point, whose messages are copied into and out of
+//! their headers' buffers.
 //!
 //! # Failures
 //! Nothing hangs: every wait has the communicator's timeout, and the

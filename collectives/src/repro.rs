@@ -98,7 +98,12 @@
 //! (each rank sends the encoded blocks covering chunk k to rank k, which
 //! sums all n pieces block by block — in i64 lanes when every piece's
 //! block is two words without flags — and rounds once), and by a ring of
-//! merges otherwise.
+//! merges otherwise. A partial holding one f32 contribution keeps it as
+//! values until a second arrives; when every rank's does (learnt from the
+//! 16 bytes of counts per rank that `Avg` gathers anyway, or gathered for
+//! f32 results from 16 Ki elements on), the exact reductions run the
+//! reproducible reduce-scatter above on those values: the same bits, from
+//! half the bytes.
 //!
 //! # Speed
 //! An f32 block whose values span at most 27 binades (gradients almost
@@ -1016,7 +1021,7 @@ impl<'a, T> Own<'a, T> {
 
 /// Reproducible ring reduce-scatter of native contributions: afterwards
 /// `io` (chunk `rank`) holds the exact sum of chunk `rank` over the group
-/// (divided by n for `Avg`), rounded once. On entry `io` holds this
+/// divided by `d` (n for `Avg`, see [`avg_div`]), rounded once. On entry `io` holds this
 /// rank's own contribution to chunk `rank` — except with two ranks when
 /// `own` holds it too ([`Own::covers_io`]): the one step then sums both
 /// inputs straight into `io`, with no copy of the own chunk first.
@@ -1033,7 +1038,7 @@ fn ring_rs_raw<T: Element, C: Communicator + ?Sized>(
     own: &Own<'_, T>,
     len: usize,
     io: &mut [T],
-    op: ReduceOp,
+    d: fused::Div,
 ) -> Result<()> {
     let n = c.size();
     let me = c.rank();
@@ -1041,7 +1046,6 @@ fn ring_rs_raw<T: Element, C: Communicator + ?Sized>(
         return Ok(());
     }
     let own_in_io = !own.covers_io;
-    let d = avg_div(op, n);
     let es = T::DTYPE.size_bytes();
     let right = (me + 1) % n;
     let left = (me + n - 1) % n;
@@ -1481,7 +1485,7 @@ pub(crate) fn all_reduce<C: Communicator + ?Sized>(
                         tail_start: r.end,
                         covers_io: false,
                     };
-                    res = ring_rs_raw(c, ctx, 0, &own, len, mine, op);
+                    res = ring_rs_raw(c, ctx, 0, &own, len, mine, avg_div(op, c.size()));
                 });
                 res
             }
@@ -1550,7 +1554,7 @@ pub(crate) fn reduce_scatter<C: Communicator + ?Sized>(
                 };
                 let mut res = Ok(());
                 crate::reduce::with_typed_mut::<T>(out, |mine| {
-                    res = ring_rs_raw(c, ctx, 0, &own, xs.len(), mine, op);
+                    res = ring_rs_raw(c, ctx, 0, &own, xs.len(), mine, avg_div(op, c.size()));
                 });
                 res
             }

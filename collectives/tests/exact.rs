@@ -6,7 +6,8 @@
 use proptest::prelude::*;
 use weft_collectives::repro::{BLOCK, ExactPartial};
 use weft_collectives::{
-    Communicator, CommunicatorExt, Element, LocalCluster, OpKind, ReduceOp, bf16, shard_range,
+    Communicator, CommunicatorExt, Element, LocalCluster, OpKind, ReduceOp, Topology, bf16,
+    shard_range,
 };
 use weft_numerics::ExactSum;
 
@@ -372,12 +373,14 @@ fn mismatched_partial_lengths_are_reported() {
 
 #[test]
 fn traffic_counts_the_encoded_partials() {
-    // gradient-like values: every block is two words (8 + 64·8 bytes)
+    // gradient-like values, two contributions per rank (one would travel
+    // as values, see below): every block is two words (8 + 64·8 bytes)
     let (n, len) = (3usize, 1000usize);
-    let cols = contributions(3, n, len, false, false);
+    let cols = contributions(3, 2 * n, len, false, false);
     let per_rank = LocalCluster::run(n, |comm| {
         let mut p = ExactPartial::new(len);
         p.add(&cols[comm.rank()])?;
+        p.add(&cols[n + comm.rank()])?;
         let before = comm.traffic();
         let mut out = vec![0f32; len];
         comm.all_reduce_exact(&p, &mut out, ReduceOp::Sum)?;
@@ -405,6 +408,74 @@ fn traffic_counts_the_encoded_partials() {
         // (a sum exchanges no counts)
         assert_eq!(t.sent_by(OpKind::AllReduce), (rs + ag) as u64, "rank {me}");
         assert_eq!(t.total_sent(), (rs + ag) as u64);
+    }
+}
+
+/// One f32 contribution on every rank: the partials hold the values, and
+/// a large enough reduction learns so from the ranks' counts (16 bytes per
+/// rank, gathered) and moves the values, 4 bytes per element (in one
+/// domain; across domains the ring's later steps carry encoded partial
+/// sums), with the bits of the encoded route: against one rank holding every
+/// contribution, for sums, means and quotients, f32 results, two ranks and
+/// three (direct in one domain, the ring across domains), with special
+/// and wide blocks among gradient-like ones.
+#[test]
+fn single_contributions_travel_as_values() {
+    let len = 20_000;
+    for n in [2usize, 3] {
+        let mut cols = contributions(40 + n as u64, n, len, false, false);
+        let wide = contributions(50, n, 2 * BLOCK + 3, true, true);
+        for (c, w) in cols.iter_mut().zip(&wide) {
+            c[len / 2..len / 2 + w.len()].copy_from_slice(w);
+        }
+        let mut one = ExactPartial::new(len);
+        for c in &cols {
+            one.add(c).unwrap();
+        }
+        let mut sum = vec![0f32; len];
+        one.round_to(&mut sum).unwrap();
+        let mut mean = vec![0f32; len];
+        one.mean_to(&mut mean).unwrap();
+        let mut by7 = vec![0f32; len];
+        one.div_to(&mut by7, 7).unwrap();
+        for topo in [Topology::flat(), Topology::new(1)] {
+            let outs = LocalCluster::builder(n).topology(topo).run_each(|comm| {
+                let mut p = ExactPartial::new(len);
+                p.add(&cols[comm.rank()])?;
+                assert_eq!(p.encoded_bytes(), 4 * len);
+                let before = comm.traffic();
+                let mut s = vec![0f32; len];
+                comm.all_reduce_exact(&p, &mut s, ReduceOp::Sum)?;
+                let t = comm.traffic().since(&before);
+                let mut m = vec![0f32; len];
+                comm.all_reduce_exact(&p, &mut m, ReduceOp::Avg)?;
+                let r = shard_range(len, n, comm.rank());
+                let mut q = vec![0f32; r.len()];
+                comm.reduce_scatter_exact_div(&p, &mut q, 7)?;
+                Ok::<_, weft_collectives::Error>((s, m, q, r, t))
+            });
+            for (me, out) in outs.into_iter().enumerate() {
+                let (s, m, q, r, t) = out.unwrap().unwrap();
+                assert_eq!(bits(&s), bits(&sum), "n={n} {topo:?} sum");
+                assert_eq!(bits(&m), bits(&mean), "n={n} {topo:?} mean");
+                assert_eq!(bits(&q), bits(&by7[r]), "n={n} {topo:?} /7");
+                if topo != Topology::flat() {
+                    // (the ring's later steps carry encoded partial sums)
+                    continue;
+                }
+                // the counts, the values of the other ranks' chunks, then
+                // the all-gather of rounded values
+                let chunks: usize = (0..n)
+                    .filter(|&k| k != me)
+                    .map(|k| 4 * shard_range(len, n, k).len())
+                    .sum();
+                let ag: usize = (0..n - 1)
+                    .map(|s| 4 * shard_range(len, n, (me + n - s) % n).len())
+                    .sum();
+                let want = 16 * (n - 1) + chunks + ag;
+                assert_eq!(t.total_sent(), want as u64, "n={n} {topo:?} rank {me}");
+            }
+        }
     }
 }
 

@@ -1,20 +1,23 @@
 //! [`ExactPartial`]: exact accumulation of several contributions per
 //! element, and its reproducible reduction across a group.
 
-use weft_numerics::Element;
+use weft_numerics::{Dtype, Element};
 
 use super::fused::{Div, add_in_place, decode_div, encode_with_offsets, round_range};
 use super::{BLOCK, F_EMPTY, F_NEGZERO, merge, read_block};
 use crate::comm::Communicator;
 use crate::error::{Error, Result};
-use crate::types::{Incoming, OpCtx, OpKind, Outgoing, ReduceOp, shard_range};
+use crate::types::{BufMut, Incoming, OpCtx, OpKind, Outgoing, ReduceOp, shard_range};
 
 /// The exact elementwise sum of any number of contributions (slices of
 /// f32, bf16, f16 or f64 of one length), held in the compact encoding of
 /// [`crate::repro`]: about 8 bytes per element for typical f32 or bf16
 /// gradients (more only for blocks whose values span a very wide range),
 /// updated in place; a block that must widen rewrites the encoding from
-/// that block on once, without keeping a second copy.
+/// that block on once, without keeping a second copy. A first contribution
+/// of f32 values is kept as those values (4 bytes per element) and encoded
+/// when a second arrives; reductions whose every rank holds one such
+/// contribution reduce the values themselves.
 ///
 /// This is what makes data-parallel training bitwise independent of how a
 /// global batch is split: accumulate each rank's micro-batch gradients
@@ -67,6 +70,13 @@ pub struct ExactPartial {
     /// Byte offset of every block of `enc`, then its length.
     offs: Vec<usize>,
     spill: Vec<u8>,
+    /// The one contribution so far when it was f32 values (`is_native`;
+    /// `enc` is then not up to date): a value is its own exact sum, so the
+    /// encoding is written only when a second contribution arrives, and a
+    /// reduction whose every rank holds one such contribution reduces the
+    /// values themselves (4 bytes per element, not about 8).
+    native: Vec<f32>,
+    is_native: bool,
 }
 
 impl ExactPartial {
@@ -79,6 +89,8 @@ impl ExactPartial {
             enc: Vec::new(),
             offs: Vec::new(),
             spill: Vec::new(),
+            native: Vec::new(),
+            is_native: false,
         };
         p.clear();
         p
@@ -99,21 +111,61 @@ impl ExactPartial {
         self.count
     }
 
-    /// Bytes of the encoding (what a reduction sends per element range).
+    /// Bytes of the exact partial a reduction sends for all elements: the
+    /// encoding, or 4 per element while it holds a single f32
+    /// contribution (see [`add`](Self::add)).
     pub fn encoded_bytes(&self) -> usize {
-        self.enc.len()
+        if self.is_native {
+            4 * self.len
+        } else {
+            self.enc.len()
+        }
     }
 
     /// Forgets every contribution, keeping the memory.
     pub fn clear(&mut self) {
         zero_encoding(self.len, &mut self.enc, &mut self.offs);
         self.count = 0;
+        self.is_native = false;
+    }
+
+    /// Writes the encoding of a single f32 contribution held as values:
+    /// the state [`add`](Self::add) of those values to an empty partial
+    /// would have left.
+    fn materialize(&mut self) {
+        if self.is_native {
+            encode_with_offsets(&self.native, &mut self.enc, &mut self.offs);
+            self.is_native = false;
+        }
+    }
+
+    /// This partial with its encoding up to date: itself, or (while it
+    /// holds its contribution as values) an encoded copy.
+    fn encoded(&self) -> std::borrow::Cow<'_, ExactPartial> {
+        if !self.is_native {
+            return std::borrow::Cow::Borrowed(self);
+        }
+        let mut p = ExactPartial {
+            len: self.len,
+            count: self.count,
+            enc: Vec::new(),
+            offs: Vec::new(),
+            spill: Vec::new(),
+            native: Vec::new(),
+            is_native: false,
+        };
+        encode_with_offsets(&self.native, &mut p.enc, &mut p.offs);
+        std::borrow::Cow::Owned(p)
     }
 
     /// Adds one contribution exactly: the encoding is updated in place, in
     /// SIMD lanes for blocks of 64 finite values spanning at most 27
     /// binades beside the running sum (typical gradients), exactly by the
-    /// general path otherwise. Values of every dtype may be mixed.
+    /// general path otherwise. Values of every dtype may be mixed. A first
+    /// contribution of f32 values is kept as it is (a copy) and encoded
+    /// when a second one arrives: with one micro-batch per rank, the
+    /// reductions then move and read 4 bytes per element instead of about
+    /// 8.
     ///
     /// # Errors
     /// [`Error::InvalidArgument`] if `xs.len()` differs from [`len`](Self::len);
@@ -121,9 +173,14 @@ impl ExactPartial {
     /// through this API).
     pub fn add<T: Element>(&mut self, xs: &[T]) -> Result<()> {
         self.check_len(OpKind::AllReduce, "xs", xs.len())?;
-        if self.count == 0 {
+        if self.count == 0 && T::DTYPE == Dtype::F32 {
+            self.native.clear();
+            self.native.extend(xs.iter().map(|x| x.to_f32()));
+            self.is_native = true;
+        } else if self.count == 0 {
             encode_with_offsets(xs, &mut self.enc, &mut self.offs);
         } else {
+            self.materialize();
             add_in_place(&mut self.enc, xs, &mut self.spill, &mut self.offs)?;
         }
         self.count += 1;
@@ -137,6 +194,8 @@ impl ExactPartial {
     /// [`Error::InvalidArgument`] on a length mismatch.
     pub fn merge_from(&mut self, other: &ExactPartial) -> Result<()> {
         self.check_len(OpKind::AllReduce, "other", other.len)?;
+        self.materialize();
+        let other = other.encoded();
         merge(&self.enc, &other.enc, self.len, &mut self.spill)?;
         std::mem::swap(&mut self.enc, &mut self.spill);
         self.spill = Vec::new();
@@ -155,6 +214,13 @@ impl ExactPartial {
             out.fill(T::ZERO);
             return Ok(());
         }
+        if self.is_native {
+            // one value is its own exact sum: rounded once
+            for (o, x) in out.iter_mut().zip(&self.native) {
+                *o = T::from_f32(*x);
+            }
+            return Ok(());
+        }
         decode_div(&self.enc, out, Div(1))
     }
 
@@ -169,6 +235,10 @@ impl ExactPartial {
         if self.count == 0 {
             out.fill(T::ZERO);
             return Ok(());
+        }
+        if self.is_native {
+            // divided by a count of one
+            return self.round_to(out);
         }
         let d = divisor(OpKind::AllReduce, self.count)?;
         decode_div(&self.enc, out, d)
@@ -190,7 +260,7 @@ impl ExactPartial {
             return Ok(());
         }
         let d = divisor(OpKind::AllReduce, by)?;
-        decode_div(&self.enc, out, d)
+        decode_div(&self.encoded().enc, out, d)
     }
 
     fn check_len(&self, op: OpKind, arg: &'static str, len: usize) -> Result<()> {
@@ -236,6 +306,11 @@ fn block_offsets(enc: &[u8], len: usize) -> Result<Vec<usize>> {
     off.push(pos);
     Ok(off)
 }
+
+/// Elements from which an exact reduction of f32 results gathers the
+/// ranks' counts to learn whether every rank holds one contribution as
+/// values (below, the exchange would cost more than it saves).
+const NATIVE_FROM: usize = 16 << 10;
 
 fn divisor(op: OpKind, count: u64) -> Result<Div> {
     u32::try_from(count.max(1))
@@ -288,14 +363,29 @@ pub(crate) fn reduce_scatter_exact<T: Element, C: Communicator + ?Sized>(
             reason: format!("exact reductions are sum or avg, not {}", op.name()),
         });
     }
+    // Every rank holding its one contribution as f32 values, and an f32
+    // result: the reproducible reduce-scatter of those values (what the
+    // encoding would give, from half the bytes). Whether every rank does is
+    // learnt with the counts `Avg` gathers anyway, or by gathering them
+    // (16 bytes per rank) when the buffer is large enough for the saving to
+    // outweigh that exchange; the conditions are the same on every rank.
+    let avg_counts = divide_by.is_none() && op == ReduceOp::Avg;
+    let may_native = n > 1 && T::DTYPE == Dtype::F32;
+    let pairs = if avg_counts || (may_native && len >= NATIVE_FROM) {
+        Some(crate::algo::gather_u64_pairs(
+            c,
+            ctx,
+            [p.count, u64::from(p.is_native)],
+        )?)
+    } else {
+        None
+    };
+    let native = may_native && pairs.as_ref().is_some_and(|v| v.iter().all(|x| x[1] == 1));
     let d = match (divide_by, op) {
         (Some(k), _) => divisor(opk, k)?,
         (None, ReduceOp::Avg) => {
             // the global number of contributions (0: an empty sum, +0.0)
-            let total: u64 = crate::algo::gather_u64_pairs(c, ctx, [p.count, len as u64])?
-                .iter()
-                .map(|x| x[0])
-                .sum();
+            let total: u64 = pairs.iter().flatten().map(|x| x[0]).sum();
             if total == 0 {
                 out.fill(T::ZERO);
                 return Ok(());
@@ -304,10 +394,31 @@ pub(crate) fn reduce_scatter_exact<T: Element, C: Communicator + ?Sized>(
         }
         (None, _) => Div(1),
     };
+    let mine = shard_range(len, n, me);
+    if native {
+        let own = super::Own {
+            head: &p.native[..],
+            tail: &[],
+            tail_start: len,
+            // two ranks sum both inputs straight into `out`; more start
+            // from the own chunk there
+            covers_io: n == 2,
+        };
+        let mut res = Ok(());
+        crate::reduce::with_typed_mut::<f32>(BufMut::new(out).into_bytes(), |o| {
+            if n != 2 {
+                o.copy_from_slice(&p.native[mine.clone()]);
+            }
+            res = super::ring_rs_raw(c, ctx, tag0, &own, len, o, d);
+        });
+        return res;
+    }
+    // (a rank holding its contribution as values encodes it here: only
+    // when the group's contributions differ in kind or count)
+    let p = &*p.encoded();
     // (kept equal to the encoding's block offsets by every update: tested
     // below, not re-derived per call)
     let off = &p.offs;
-    let mine = shard_range(len, n, me);
     let piece = |ch: usize| {
         let br = blocks_of(&shard_range(len, n, ch));
         let elems = (br.start * BLOCK)..(br.end * BLOCK).min(len).max(br.start * BLOCK);
