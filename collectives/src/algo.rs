@@ -1235,18 +1235,46 @@ pub(crate) fn barrier<C: Communicator + ?Sized>(c: &C, ctx: &OpCtx) -> Result<()
     Ok(())
 }
 
-/// Gathers 16 bytes from every rank (used by `split`), in rank order.
+/// Gathers 16 bytes from every rank (`split`'s colours and keys, the
+/// exact reductions' counts), in rank order: every rank sends its pair to
+/// every other in one exchange (one round trip, not the ring's n − 1).
 pub(crate) fn gather_u64_pairs<C: Communicator + ?Sized>(
     c: &C,
     ctx: &OpCtx,
     mine: [u64; 2],
 ) -> Result<Vec<[u64; 2]>> {
-    let n = c.size();
+    let (n, me) = (c.size(), c.rank());
+    let mut own = [0u8; 16];
+    own[..8].copy_from_slice(&mine[0].to_le_bytes());
+    own[8..].copy_from_slice(&mine[1].to_le_bytes());
     let mut buf = vec![0u8; 16 * n];
-    buf[16 * c.rank()..16 * c.rank() + 8].copy_from_slice(&mine[0].to_le_bytes());
-    buf[16 * c.rank() + 8..16 * c.rank() + 16].copy_from_slice(&mine[1].to_le_bytes());
-    let all: Vec<usize> = (0..n).collect();
-    ring_all_gather(c, ctx, 0, &all, c.rank(), &mut buf, 16)?;
+    buf[16 * me..16 * me + 16].copy_from_slice(&own);
+    if n > 1 {
+        let sends: Vec<Outgoing<'_>> = (0..n)
+            .filter(|&p| p != me)
+            .map(|to| Outgoing { to, data: &own })
+            .collect();
+        let mut sinks: Vec<(usize, _)> = buf
+            .chunks_exact_mut(16)
+            .enumerate()
+            .filter(|&(p, _)| p != me)
+            .map(|(p, at)| {
+                (p, move |src: &[u8]| {
+                    at.copy_from_slice(src);
+                    Ok(())
+                })
+            })
+            .collect();
+        let mut incoming: Vec<Incoming<'_>> = sinks
+            .iter_mut()
+            .map(|(from, sink)| Incoming {
+                from: *from,
+                len: Some(16),
+                sink,
+            })
+            .collect();
+        c.exchange(ctx, 0, &sends, &mut incoming)?;
+    }
     Ok(buf
         .chunks_exact(16)
         .map(|ch| {
