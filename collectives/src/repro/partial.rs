@@ -70,13 +70,25 @@ pub struct ExactPartial {
     /// Byte offset of every block of `enc`, then its length.
     offs: Vec<usize>,
     spill: Vec<u8>,
-    /// The one contribution so far when it was f32 values (`is_native`;
-    /// `enc` is then not up to date): a value is its own exact sum, so the
-    /// encoding is written only when a second contribution arrives, and a
-    /// reduction whose every rank holds one such contribution reduces the
-    /// values themselves (4 bytes per element, not about 8).
+    /// The one contribution so far when it was f32 values
+    /// ([`Held::Values`]): a value is its own exact sum, so the encoding is
+    /// written only when a second contribution arrives, and a reduction
+    /// whose every rank holds one such contribution reduces the values
+    /// themselves (4 bytes per element, not about 8).
     native: Vec<f32>,
-    is_native: bool,
+    held: Held,
+}
+
+/// What an [`ExactPartial`] holds its sum in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Held {
+    /// No contribution: the sum is the empty one (its encoding, written
+    /// only when needed, is [`zero_encoding`]'s).
+    Empty,
+    /// One contribution of f32 values, in `native`.
+    Values,
+    /// `enc` and `offs`.
+    Encoded,
 }
 
 impl ExactPartial {
@@ -90,7 +102,7 @@ impl ExactPartial {
             offs: Vec::new(),
             spill: Vec::new(),
             native: Vec::new(),
-            is_native: false,
+            held: Held::Empty,
         };
         p.clear();
         p
@@ -115,34 +127,36 @@ impl ExactPartial {
     /// encoding, or 4 per element while it holds a single f32
     /// contribution (see [`add`](Self::add)).
     pub fn encoded_bytes(&self) -> usize {
-        if self.is_native {
-            4 * self.len
-        } else {
-            self.enc.len()
+        match self.held {
+            // a header and a flag byte per element in every block
+            Held::Empty => 8 * self.len.div_ceil(BLOCK) + self.len,
+            Held::Values => 4 * self.len,
+            Held::Encoded => self.enc.len(),
         }
     }
 
-    /// Forgets every contribution, keeping the memory.
+    /// Forgets every contribution, keeping the memory (nothing is
+    /// written: the empty sum's encoding is made when it is needed).
     pub fn clear(&mut self) {
-        zero_encoding(self.len, &mut self.enc, &mut self.offs);
         self.count = 0;
-        self.is_native = false;
+        self.held = Held::Empty;
     }
 
-    /// Writes the encoding of a single f32 contribution held as values:
-    /// the state [`add`](Self::add) of those values to an empty partial
-    /// would have left.
+    /// Brings `enc` and `offs` up to date: the state [`add`](Self::add)
+    /// would have left them in.
     fn materialize(&mut self) {
-        if self.is_native {
-            encode_with_offsets(&self.native, &mut self.enc, &mut self.offs);
-            self.is_native = false;
+        match self.held {
+            Held::Empty => zero_encoding(self.len, &mut self.enc, &mut self.offs),
+            Held::Values => encode_with_offsets(&self.native, &mut self.enc, &mut self.offs),
+            Held::Encoded => {}
         }
+        self.held = Held::Encoded;
     }
 
     /// This partial with its encoding up to date: itself, or (while it
-    /// holds its contribution as values) an encoded copy.
+    /// holds no contribution or one as values) an encoded copy.
     fn encoded(&self) -> std::borrow::Cow<'_, ExactPartial> {
-        if !self.is_native {
+        if self.held == Held::Encoded {
             return std::borrow::Cow::Borrowed(self);
         }
         let mut p = ExactPartial {
@@ -152,9 +166,14 @@ impl ExactPartial {
             offs: Vec::new(),
             spill: Vec::new(),
             native: Vec::new(),
-            is_native: false,
+            held: self.held,
         };
-        encode_with_offsets(&self.native, &mut p.enc, &mut p.offs);
+        if self.held == Held::Values {
+            encode_with_offsets(&self.native, &mut p.enc, &mut p.offs);
+            p.held = Held::Encoded;
+        } else {
+            p.materialize();
+        }
         std::borrow::Cow::Owned(p)
     }
 
@@ -173,12 +192,13 @@ impl ExactPartial {
     /// through this API).
     pub fn add<T: Element>(&mut self, xs: &[T]) -> Result<()> {
         self.check_len(OpKind::AllReduce, "xs", xs.len())?;
-        if self.count == 0 && T::DTYPE == Dtype::F32 {
+        if self.held == Held::Empty && T::DTYPE == Dtype::F32 {
             self.native.clear();
             self.native.extend(xs.iter().map(|x| x.to_f32()));
-            self.is_native = true;
-        } else if self.count == 0 {
+            self.held = Held::Values;
+        } else if self.held == Held::Empty {
             encode_with_offsets(xs, &mut self.enc, &mut self.offs);
+            self.held = Held::Encoded;
         } else {
             self.materialize();
             add_in_place(&mut self.enc, xs, &mut self.spill, &mut self.offs)?;
@@ -214,7 +234,7 @@ impl ExactPartial {
             out.fill(T::ZERO);
             return Ok(());
         }
-        if self.is_native {
+        if self.held == Held::Values {
             // one value is its own exact sum: rounded once
             for (o, x) in out.iter_mut().zip(&self.native) {
                 *o = T::from_f32(*x);
@@ -236,7 +256,7 @@ impl ExactPartial {
             out.fill(T::ZERO);
             return Ok(());
         }
-        if self.is_native {
+        if self.held == Held::Values {
             // divided by a count of one
             return self.round_to(out);
         }
@@ -375,7 +395,7 @@ pub(crate) fn reduce_scatter_exact<T: Element, C: Communicator + ?Sized>(
         Some(crate::algo::gather_u64_pairs(
             c,
             ctx,
-            [p.count, u64::from(p.is_native)],
+            [p.count, u64::from(p.held == Held::Values)],
         )?)
     } else {
         None
@@ -507,12 +527,16 @@ mod tests {
     fn block_offsets_track_the_encoding_through_every_update() {
         let len = 1000;
         let mut p = ExactPartial::new(len);
+        // (through the encoded view reductions read: the partial itself
+        // once encoded, else the encoding of its values or of nothing)
         let check = |p: &ExactPartial| {
-            assert_eq!(p.offs, block_offsets(&p.enc, p.len).unwrap());
+            let e = p.encoded();
+            assert_eq!(e.offs, block_offsets(&e.enc, e.len).unwrap());
         };
         check(&p);
         let small: Vec<f32> = (0..len).map(|i| (i as f32 * 0.01).sin() * 1e-3).collect();
         p.add(&small).unwrap();
+        assert_eq!(p.held, Held::Values);
         check(&p);
         // values 60 binades apart in some blocks: the general encoding
         let wide: Vec<f32> = (0..len)
@@ -525,6 +549,7 @@ mod tests {
             })
             .collect();
         p.add(&wide).unwrap();
+        assert_eq!(p.held, Held::Encoded);
         check(&p);
         let special: Vec<f64> = (0..len)
             .map(|i| match i % 97 {
@@ -540,6 +565,11 @@ mod tests {
         p.merge_from(&q).unwrap();
         check(&p);
         p.clear();
+        assert_eq!(p.held, Held::Empty);
+        assert_eq!(p.encoded_bytes(), p.encoded().enc.len());
+        check(&p);
+        p.add(&special).unwrap();
+        assert_eq!(p.held, Held::Encoded);
         check(&p);
         p.add(&wide).unwrap();
         check(&p);
