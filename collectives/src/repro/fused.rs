@@ -550,11 +550,53 @@ pub(super) fn sum2_round<T: Element>(xs: &[T], ys: &[T], out: &mut [T], d: Div) 
     Ok(())
 }
 
+/// `out[i]` = (`xs[i]` + `ys[i]`) · `h` in f64, rounded once (f32 means
+/// through [`halve_sum_f32`]).
+fn sum2_scaled<T: Element>(xs: &[T], ys: &[T], out: &mut [T], h: f64) {
+    if T::DTYPE == Dtype::F32 && h == 0.5 {
+        let (x, y) = (
+            crate::reduce::typed::<f32>(crate::types::Buf::new(xs).bytes()),
+            crate::reduce::typed::<f32>(crate::types::Buf::new(ys).bytes()),
+        );
+        crate::reduce::with_typed_mut::<f32>(crate::types::BufMut::new(out).into_bytes(), |o| {
+            halve_sum_f32(&x, &y, o);
+        });
+        return;
+    }
+    sum2_scaled_f64(xs, ys, out, h);
+}
+
 multiversion! {
 /// `out[i]` = (`xs[i]` + `ys[i]`) · `h` in f64, rounded once.
-fn sum2_scaled<T: Element>(xs: &[T], ys: &[T], out: &mut [T], h: f64) {
+fn sum2_scaled_f64<T: Element>(xs: &[T], ys: &[T], out: &mut [T], h: f64) {
     for ((o, x), y) in out.iter_mut().zip(xs).zip(ys) {
         *o = T::from_f64((x.to_f64() + y.to_f64()) * h);
+    }
+}
+}
+
+multiversion! {
+/// `out[i]` = (`xs[i]` + `ys[i]`) / 2 rounded once, in f32 where that is
+/// the same: halving commutes with rounding while the half is normal, so
+/// `fl(fl(x + y) · 0.5)` is `fl((x + y) / 2)` then; a sum below 2^-125,
+/// whose half may be subnormal, is exact (f32 values are multiples of
+/// 2^-149), so its halving is the one rounding. Groups of 64 with an
+/// infinite or NaN sum (an overflow whose half may be finite, or a special
+/// input) are redone in f64.
+fn halve_sum_f32(xs: &[f32], ys: &[f32], out: &mut [f32]) {
+    for ((o, x), y) in out.chunks_mut(64).zip(xs.chunks(64)).zip(ys.chunks(64)) {
+        let mut ok = true;
+        for ((o, &x), &y) in o.iter_mut().zip(x).zip(y) {
+            let s = x + y;
+            let r = s * 0.5;
+            *o = r;
+            ok &= s.is_finite();
+        }
+        if !ok {
+            for ((o, &x), &y) in o.iter_mut().zip(x).zip(y) {
+                *o = ((f64::from(x) + f64::from(y)) * 0.5) as f32;
+            }
+        }
     }
 }
 }
