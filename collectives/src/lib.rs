@@ -149,17 +149,20 @@
 //! 2 cores (3–16 ranks in one domain sum each block of all ranks' chunks
 //! in registers in one pass, see [`repro`]). The exact reductions of
 //! [`repro::ExactPartial`]s with one f32 contribution per rank (one
-//! micro-batch: the partial keeps the values) take the same route,
-//! 1.0–1.3× the plain ones. With more contributions the partials are
+//! micro-batch: the partial keeps the values) take the same route:
+//! 0.6–1.3× the plain all-reduce, 0.9–1.4× the plain reduce-scatter
+//! divided by 2 (the mean of two halves in f32 where that is exact). With
+//! more contributions the partials are
 //! encoded, 8 bytes per element for gradients, so the reduce-scatter
 //! phase moves twice f32's bytes (the all-reduce's volume 1.5× the plain
 //! one); each block of two partials is read in place and summed and
 //! rounded in one pass of i64 lanes (a divisor that is not a power of two
-//! costs one f64 division per element). With 2 ranks they take 1.7–2.3×
-//! the plain ring from 16 MiB (the byte volume at the plain ring's busbw
-//! allows 1.8× and 2.4×: the all-reduce is at that bound, the divided
-//! reduce-scatter within it) and about 3.3× at 1–4 MiB, where the plain
-//! ring runs from the cache and the encodings do not fit it. bf16
+//! costs one f64 division per element). With 2 ranks the all-reduce takes
+//! 1.5–2.2× the plain ring and the divided reduce-scatter 1.7–2.8× the
+//! plain one from 16 MiB (the byte volume at the plain ring's busbw allows
+//! 1.8× and 2.4×: about that bound, noise either side), and 3.1–3.7× at 4
+//! MiB, where the plain ring runs from the cache and the encodings do not
+//! fit it. bf16
 //! buffers (f32 accumulation) reduce-scatter in 0.4–0.7× the f32 time
 //! (their sums are rounded 32 at a time by `vcvtne2ps2bf16` where the CPU
 //! has AVX512-BF16) and all-gather in 0.35–0.55×. One
