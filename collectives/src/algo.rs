@@ -13,7 +13,7 @@ use weft_numerics::Dtype;
 use crate::comm::Communicator;
 use crate::error::{Error, Result};
 use crate::reduce::{
-    Scratch, convert, finish_avg, reduce_into, reduce_to, stream_copy, stream_fence,
+    Scratch, convert, finish_avg, reduce_into, reduce_many, reduce_to, stream_copy, stream_fence,
 };
 use crate::repro;
 use crate::types::{
@@ -165,9 +165,172 @@ fn send_recv_copy<C: Communicator + ?Sized>(
     }
 }
 
+/// The most members a direct exchange serves: each holds one message from
+/// every peer at once.
+pub(crate) const MAX_DIRECT: usize = 16;
+
+/// Whether a phase over `members` runs as one direct exchange instead of
+/// the ring's n − 1 steps: for 3 to [`MAX_DIRECT`] members all in one
+/// [`Topology`](crate::Topology) domain. Each rank then sends chunk k
+/// straight to member k — (n−1)/n of the buffer, exactly the bytes the
+/// ring sends — in one round trip; within a domain (one machine's shared
+/// memory, or one node's) the link pattern does not matter, across
+/// domains the ring's neighbour-only pattern does. With two members the
+/// ring is one step already.
+pub(crate) fn direct<C: Communicator + ?Sized>(c: &C, members: &[usize]) -> bool {
+    let topo = c.topology();
+    let dom = |p: usize| topo.domain_of(c.world_rank_of(p));
+    (3..=MAX_DIRECT).contains(&members.len()) && members.iter().all(|&p| dom(p) == dom(members[0]))
+}
+
+/// Receives one message from each `(member, bytes if known)` of `from` by
+/// nested exchanges (the first also posting `sends`), so that all of them
+/// stay readable at once — on the thread backend in the senders' own
+/// memory, no copy — and hands them to `f` in the order of `from`.
+pub(crate) fn gather_nested<C: Communicator + ?Sized>(
+    c: &C,
+    ctx: &OpCtx,
+    tag: u32,
+    sends: &[Outgoing<'_>],
+    from: &[(usize, Option<usize>)],
+    views: &[&[u8]],
+    f: &mut (dyn FnMut(&[&[u8]]) -> Result<()> + Send),
+) -> Result<()> {
+    let Some((&(p, want), rest)) = from.split_first() else {
+        if !sends.is_empty() {
+            c.exchange(ctx, tag, sends, &mut [])?;
+        }
+        return f(views);
+    };
+    let mut sink = |src: &[u8]| -> Result<()> {
+        let mut v = Vec::with_capacity(views.len() + 1);
+        v.extend_from_slice(views);
+        v.push(src);
+        // every message was sent with the first exchange's tag
+        gather_nested(c, ctx, tag, &[], rest, &v, &mut *f)
+    };
+    c.exchange(
+        ctx,
+        tag,
+        sends,
+        &mut [Incoming {
+            from: p,
+            len: want,
+            sink: &mut sink,
+        }],
+    )
+}
+
+/// Aborts the group after a failed direct exchange (whose withdrawn
+/// messages would strand peers until their timeout) and returns `e`.
+pub(crate) fn abort_on<C: Communicator + ?Sized>(c: &C, e: Error) -> Error {
+    c.abort_group(&format!(
+        "rank {} could not finish a direct exchange: {e}",
+        c.rank()
+    ));
+    e
+}
+
+/// Direct reduce-scatter over `members` (see [`direct`]): member k is sent
+/// chunk k of every other member's input in one exchange and sums all n
+/// contributions in member order in one pass ([`reduce_many`]), no partial
+/// sum written to memory. `chunks[k]` is this rank's chunk k (`None` for
+/// its own when `out` holds it on entry: the in-place form).
+#[allow(clippy::too_many_arguments)]
+fn direct_reduce_scatter<C: Communicator + ?Sized>(
+    c: &C,
+    ctx: &OpCtx,
+    tag: u32,
+    members: &[usize],
+    me: usize,
+    chunks: &[Option<&[u8]>],
+    out: &mut [u8],
+    (dtype, op, stream): (Dtype, ReduceOp, bool),
+) -> Result<()> {
+    let m = members.len();
+    let sends: Vec<Outgoing<'_>> = (0..m)
+        .filter(|&k| k != me)
+        .map(|k| Outgoing {
+            to: members[k],
+            data: chunks[k].unwrap_or_default(),
+        })
+        .collect();
+    let from: Vec<(usize, Option<usize>)> = (1..m)
+        .map(|s| (members[(me + s) % m], Some(out.len())))
+        .collect();
+    let own = chunks[me];
+    let mut f = |views: &[&[u8]]| -> Result<()> {
+        // views[s − 1] came from member me + s
+        let terms: Vec<Option<&[u8]>> = (0..m)
+            .map(|k| {
+                if k == me {
+                    own
+                } else {
+                    Some(views[(k + m - me) % m - 1])
+                }
+            })
+            .collect();
+        reduce_many(dtype, op, out, &terms, stream);
+        Ok(())
+    };
+    gather_nested(c, ctx, tag, &sends, &from, &[], &mut f).map_err(|e| abort_on(c, e))
+}
+
+/// `buf`'s chunks over `m` members, each writable.
+fn chunks_mut(buf: &mut [u8], m: usize, es: usize) -> Vec<&mut [u8]> {
+    let len = buf.len() / es;
+    let mut rest = buf;
+    (0..m)
+        .map(|k| {
+            let (c, r) = std::mem::take(&mut rest).split_at_mut(byte_range(len, m, k, es).len());
+            rest = r;
+            c
+        })
+        .collect()
+}
+
+/// This rank's chunks of `buf` over `m` members, shared, with chunk `me`
+/// left out (`None`) and returned writable.
+fn chunks_but_mine(
+    buf: &mut [u8],
+    m: usize,
+    me: usize,
+    es: usize,
+) -> (Vec<Option<&[u8]>>, &mut [u8]) {
+    let mut parts = chunks_mut(buf, m, es);
+    let mine = std::mem::take(&mut parts[me]);
+    let chunks = parts
+        .into_iter()
+        .enumerate()
+        .map(|(k, p)| (k != me).then_some(&*p))
+        .collect();
+    (chunks, mine)
+}
+
+/// In-place reduce-scatter: afterwards member `me` holds the reduced chunk
+/// `me` of `buf`. A ring, or one direct exchange (see [`direct`]).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn reduce_scatter_chunks<C: Communicator + ?Sized>(
+    c: &C,
+    ctx: &OpCtx,
+    tag0: u32,
+    members: &[usize],
+    me: usize,
+    buf: &mut [u8],
+    dtype: Dtype,
+    op: ReduceOp,
+) -> Result<()> {
+    if direct(c, members) {
+        let m = members.len();
+        let (chunks, mine) = chunks_but_mine(buf, m, me, dtype.size_bytes());
+        return direct_reduce_scatter(c, ctx, tag0, members, me, &chunks, mine, (dtype, op, false));
+    }
+    ring_reduce_scatter(c, ctx, tag0, members, me, buf, dtype, op)
+}
+
 /// Ring reduce-scatter: afterwards member `me` holds the reduced chunk `me`.
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn ring_reduce_scatter<C: Communicator + ?Sized>(
+fn ring_reduce_scatter<C: Communicator + ?Sized>(
     c: &C,
     ctx: &OpCtx,
     tag0: u32,
@@ -288,8 +451,56 @@ pub(crate) fn ring_reduce_scatter_to<C: Communicator + ?Sized>(
     Ok(())
 }
 
+/// All-gather of `buf`'s chunks: member `me` starts with chunk `me`, ends
+/// with all. A ring, or one direct exchange (see [`direct`]) in which each
+/// member sends its chunk to every other and copies theirs as they come.
+pub(crate) fn all_gather_chunks<C: Communicator + ?Sized>(
+    c: &C,
+    ctx: &OpCtx,
+    tag0: u32,
+    members: &[usize],
+    me: usize,
+    buf: &mut [u8],
+    es: usize,
+) -> Result<()> {
+    if !direct(c, members) {
+        return ring_all_gather(c, ctx, tag0, members, me, buf, es);
+    }
+    let m = members.len();
+    let mut parts = chunks_mut(buf, m, es);
+    let mine = &*std::mem::take(&mut parts[me]);
+    let sends: Vec<Outgoing<'_>> = (0..m)
+        .filter(|&k| k != me)
+        .map(|k| Outgoing {
+            to: members[k],
+            data: mine,
+        })
+        .collect();
+    let lens: Vec<usize> = parts.iter().map(|p| p.len()).collect();
+    let mut sinks: Vec<_> = parts
+        .into_iter()
+        .map(|dst| {
+            move |src: &[u8]| -> Result<()> {
+                copy_large(dst, src);
+                Ok(())
+            }
+        })
+        .collect();
+    let mut recvs: Vec<Incoming<'_>> = sinks
+        .iter_mut()
+        .enumerate()
+        .filter(|(k, _)| *k != me)
+        .map(|(k, sink)| Incoming {
+            from: members[k],
+            len: Some(lens[k]),
+            sink,
+        })
+        .collect();
+    c.exchange(ctx, tag0, &sends, &mut recvs)
+}
+
 /// Ring all-gather: member `me` starts with chunk `me`, ends with all.
-pub(crate) fn ring_all_gather<C: Communicator + ?Sized>(
+fn ring_all_gather<C: Communicator + ?Sized>(
     c: &C,
     ctx: &OpCtx,
     tag0: u32,
@@ -641,9 +852,9 @@ fn all_reduce_native<C: Communicator + ?Sized>(
             let es = dtype.size_bytes();
             let len = buf.len() / es;
             let k = l.local.len();
-            ring_reduce_scatter(c, ctx, 0, &l.local, l.local_index, buf, dtype, op)?;
+            reduce_scatter_chunks(c, ctx, 0, &l.local, l.local_index, buf, dtype, op)?;
             let shard = byte_range(len, k, l.local_index, es);
-            ring_reduce_scatter(
+            reduce_scatter_chunks(
                 c,
                 ctx,
                 PHASE,
@@ -653,7 +864,7 @@ fn all_reduce_native<C: Communicator + ?Sized>(
                 dtype,
                 op,
             )?;
-            ring_all_gather(
+            all_gather_chunks(
                 c,
                 ctx,
                 2 * PHASE,
@@ -662,11 +873,11 @@ fn all_reduce_native<C: Communicator + ?Sized>(
                 &mut buf[shard],
                 es,
             )?;
-            ring_all_gather(c, ctx, 3 * PHASE, &l.local, l.local_index, buf, es)
+            all_gather_chunks(c, ctx, 3 * PHASE, &l.local, l.local_index, buf, es)
         }
         Algorithm::Ring | Algorithm::Auto => {
-            ring_reduce_scatter(c, ctx, 0, &all, me, buf, dtype, op)?;
-            ring_all_gather(c, ctx, PHASE, &all, me, buf, dtype.size_bytes())
+            reduce_scatter_chunks(c, ctx, 0, &all, me, buf, dtype, op)?;
+            all_gather_chunks(c, ctx, PHASE, &all, me, buf, dtype.size_bytes())
         }
     }
 }
@@ -760,7 +971,18 @@ pub(crate) fn reduce_scatter<C: Communicator + ?Sized>(
     let algorithm = ctx.sig.algorithm.unwrap_or(Algorithm::Ring);
     if algorithm != Algorithm::RecursiveDoubling {
         // the ring reads the input in place and ends in the output
-        if wire == dtype {
+        if wire == dtype && direct(c, &all) {
+            let out = output.bytes();
+            let input = input.bytes();
+            let chunks: Vec<Option<&[u8]>> = (0..n)
+                .map(|k| Some(&input[byte_range(input.len() / es, n, k, es)]))
+                .collect();
+            // the result is the caller's: streamed when large
+            direct_reduce_scatter(c, ctx, 0, &all, me, &chunks, out, (dtype, opts.op, true))?;
+            if opts.op == ReduceOp::Avg {
+                finish_avg(wire, out, n);
+            }
+        } else if wire == dtype {
             let out = output.bytes();
             ring_reduce_scatter_to(
                 c,
@@ -910,7 +1132,7 @@ pub(crate) fn all_gather_in_place<C: Communicator + ?Sized>(
         Some(Algorithm::RecursiveDoubling) if n.is_power_of_two() => {
             rd_all_gather(c, ctx, 0, &all, me, out, es)
         }
-        _ => ring_all_gather(c, ctx, 0, &all, me, out, es),
+        _ => all_gather_chunks(c, ctx, 0, &all, me, out, es),
     }
 }
 
@@ -978,7 +1200,7 @@ pub(crate) fn broadcast<C: Communicator + ?Sized>(
             send_recv_copy(c, ctx, 0, None, Some((root, &mut buf[r])))?;
         }
         let all: Vec<usize> = (0..n).collect();
-        return ring_all_gather(c, ctx, PHASE, &all, me, buf, es);
+        return all_gather_chunks(c, ctx, PHASE, &all, me, buf, es);
     }
     // Binomial tree rooted at `root`.
     let vr = (me + n - root) % n;
@@ -1021,7 +1243,7 @@ pub(crate) fn reduce<C: Communicator + ?Sized>(
     let buf = buf.bytes();
     if ctx.sig.algorithm == Some(Algorithm::Ring) && n > 1 {
         let all: Vec<usize> = (0..n).collect();
-        ring_reduce_scatter(c, ctx, 0, &all, me, buf, dtype, op)?;
+        reduce_scatter_chunks(c, ctx, 0, &all, me, buf, dtype, op)?;
         // Gather the reduced shards at the root.
         if me == root {
             let mut parts: Vec<(usize, &mut [u8])> = Vec::with_capacity(n);

@@ -809,7 +809,7 @@ fn exact_all_reduce<C: Communicator + ?Sized, T: Element>(
     crate::repro::reduce_scatter_exact(c, &ctx, 1 << 20, partial, &mut out[r], op, divide_by)?;
     let all: Vec<usize> = (0..n).collect();
     let es = T::DTYPE.size_bytes();
-    algo::ring_all_gather(
+    algo::all_gather_chunks(
         c,
         &ctx,
         2 << 20,

@@ -130,6 +130,14 @@
 //! - **Large results bypass the cache.** Outputs and copies of 8 MiB or
 //!   more are written with non-temporal stores (no read of the lines about
 //!   to be overwritten, no eviction of the inputs still to be read).
+//! - **One round trip inside a domain.** For 3 to 16 ranks in one
+//!   [`Topology`] domain, the ring's phases run as one direct exchange:
+//!   every rank sends chunk k straight to rank k (the ring's bytes), and
+//!   the reduce-scatter's owner sums all n chunks in one pass, tile by
+//!   tile in L1, writing no partial sum to memory (the ring writes n − 2
+//!   of them); the all-gather copies each peer's chunk as it comes. With 4
+//!   thread ranks on 2 cores, against the ring in alternating runs:
+//!   reduce-scatter 1.0–1.5× faster, all-gather 1.0–1.35×.
 //! - **Waits spin briefly before they sleep** when every rank has a core,
 //!   since a condition-variable wake-up costs as much as a 1 MiB
 //!   reduction; with more ranks than cores they sleep at once.
@@ -183,8 +191,8 @@
 //! error names the operation, the group and the ranks that did not
 //! arrive ([`Error::Timeout`]). A rank that returns, panics or is failed by
 //! fault injection ([`LocalCluster::fail_rank_at`]) makes its peers' waits
-//! fail with [`Error::PeerLost`] naming it. The reproducible mode's direct
-//! reductions, which hold every peer's message at once, abort the group
+//! fail with [`Error::PeerLost`] naming it. The direct exchanges (see
+//! above) of reductions, which hold every peer's message at once, abort the group
 //! when they fail ([`Communicator::abort_group`]), so that peers waiting
 //! for a message the failing rank withdrew fail at once with
 //! [`Error::Aborted`] rather than at their timeout.

@@ -123,6 +123,65 @@ pub(crate) fn reduce_to(
     stream_fence();
 }
 
+/// Bytes per tile of [`reduce_many`]: its partial sum and (when `out` is
+/// one of the terms) a copy of that term both stay in L1 beside the lines
+/// of the inputs being read.
+const MANY_TILE: usize = 8 << 10;
+
+/// `out[i] = t₀[i] ⊕ t₁[i] ⊕ … ⊕ t_{k−1}[i]`, folded left to right in the
+/// order of `terms` (so each addition rounds as one [`reduce_into`] step
+/// would), where a `None` term is `out`'s own value on entry. One pass over
+/// the data: each term is read once and `out` written once, the partial
+/// sums of a tile staying in L1 — what a direct reduce-scatter needs to sum
+/// the contributions of all ranks without writing partial sums to memory.
+/// With `stream` (for a result that is not read again soon), outputs of
+/// [`STREAM_BYTES`] or more are streamed past the cache.
+pub(crate) fn reduce_many(
+    dtype: Dtype,
+    op: ReduceOp,
+    out: &mut [u8],
+    terms: &[Option<&[u8]>],
+    stream: bool,
+) {
+    assert!(terms.len() >= 2, "reduce_many of {} terms", terms.len());
+    debug_assert!(terms.iter().flatten().all(|t| t.len() == out.len()));
+    let stream = stream && out.len() >= STREAM_BYTES && cfg!(target_arch = "x86_64");
+    let es = dtype.size_bytes();
+    let tile_bytes = MANY_TILE / es * es;
+    let mut acc = [0u64; MANY_TILE / 8];
+    let mut own = [0u64; MANY_TILE / 8];
+    // SAFETY: both arrays are MANY_TILE initialised bytes, viewed as u8.
+    let (acc, own): (&mut [u8], &mut [u8]) = unsafe {
+        (
+            std::slice::from_raw_parts_mut(acc.as_mut_ptr().cast(), MANY_TILE),
+            std::slice::from_raw_parts_mut(own.as_mut_ptr().cast(), MANY_TILE),
+        )
+    };
+    let aliased = terms.iter().any(Option::is_none);
+    for (t, o) in out.chunks_mut(tile_bytes).enumerate() {
+        let r = t * tile_bytes..t * tile_bytes + o.len();
+        let own = &mut own[..o.len()];
+        if aliased {
+            own.copy_from_slice(o);
+        }
+        let own = &*own;
+        let term = |i: usize| terms[i].map_or(own, |s| &s[r.clone()]);
+        let a = &mut acc[..o.len()];
+        reduce_to_cached(dtype, op, a, term(0), term(1));
+        for i in 2..terms.len() {
+            reduce_into(dtype, op, a, term(i));
+        }
+        if stream {
+            stream_copy(o, a);
+        } else {
+            o.copy_from_slice(a);
+        }
+    }
+    if stream {
+        stream_fence();
+    }
+}
+
 /// `o = a + b` (f32) with non-temporal stores on x86-64.
 fn add_to_f32_streamed(o: &mut [f32], a: &[f32], b: &[f32]) {
     let n = o.len().min(a.len()).min(b.len());

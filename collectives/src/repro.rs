@@ -128,7 +128,7 @@
 
 use weft_numerics::{Dtype, Element, bf16, f16, multiversion};
 
-use crate::algo::ring_all_gather;
+use crate::algo::{abort_on, all_gather_chunks, gather_nested};
 use crate::comm::Communicator;
 use crate::error::{Error, Result};
 use crate::types::{
@@ -1051,12 +1051,8 @@ fn ring_rs_raw<T: Element, C: Communicator + ?Sized>(
     let left = (me + n - 1) % n;
     // Direct (see `direct_rs`) when every rank is in one domain, for 3 to
     // 16 ranks and f32, f16 and bf16.
-    let topo = c.topology();
-    let dom = |p: usize| topo.domain_of(c.world_rank_of(p));
-    if (3..=fixed::MAX_DIRECT).contains(&n)
-        && T::DTYPE != Dtype::F64
-        && (1..n).all(|p| dom(p) == dom(0))
-    {
+    let all: Vec<usize> = (0..n).collect();
+    if T::DTYPE != Dtype::F64 && crate::algo::direct(c, &all) {
         return direct_rs(c, ctx, tag0, own, len, io, d);
     }
     // The fixed-lane path (see `fixed`): from 3 ranks on (with 2, the one
@@ -1154,53 +1150,6 @@ fn direct_rs<T: Element, C: Communicator + ?Sized>(
         fixed::sum_all_round(&peers, io, d)
     };
     gather_nested(c, ctx, tag0, &sends, &from, &[], &mut f).map_err(|e| abort_on(c, e))
-}
-
-/// Aborts the group after a failed direct reduction (whose withdrawn
-/// messages would strand peers until their timeout) and returns `e`.
-pub(crate) fn abort_on<C: Communicator + ?Sized>(c: &C, e: Error) -> Error {
-    c.abort_group(&format!(
-        "rank {} could not finish a direct reproducible reduction: {e}",
-        c.rank()
-    ));
-    e
-}
-
-/// Receives one message from each `(rank, bytes if known)` of `from` by
-/// nested exchanges (the first also posting `sends`), so that all of them
-/// stay readable at once, and hands them to `f`.
-fn gather_nested<C: Communicator + ?Sized>(
-    c: &C,
-    ctx: &OpCtx,
-    tag: u32,
-    sends: &[Outgoing<'_>],
-    from: &[(usize, Option<usize>)],
-    views: &[&[u8]],
-    f: &mut (dyn FnMut(&[&[u8]]) -> Result<()> + Send),
-) -> Result<()> {
-    let Some((&(p, want), rest)) = from.split_first() else {
-        if !sends.is_empty() {
-            c.exchange(ctx, tag, sends, &mut [])?;
-        }
-        return f(views);
-    };
-    let mut sink = |src: &[u8]| -> Result<()> {
-        let mut v = Vec::with_capacity(views.len() + 1);
-        v.extend_from_slice(views);
-        v.push(src);
-        // every message was sent with the first exchange's tag
-        gather_nested(c, ctx, tag, &[], rest, &v, &mut *f)
-    };
-    c.exchange(
-        ctx,
-        tag,
-        sends,
-        &mut [Incoming {
-            from: p,
-            len: want,
-            sink: &mut sink,
-        }],
-    )
 }
 
 /// Exact ring reduce-scatter over encoded chunks: afterwards `enc[me]` holds
@@ -1463,7 +1412,7 @@ pub(crate) fn all_reduce<C: Communicator + ?Sized>(
             let decoded = decode_buf(dtype, &enc[li], part, avg_div(op, n));
             enc.into_iter().for_each(give_back);
             decoded?;
-            ring_all_gather(c, ctx, 2 << 20, &l.local, li, bytes, es)?;
+            all_gather_chunks(c, ctx, 2 << 20, &l.local, li, bytes, es)?;
         }
         _ => {
             let r = shard_range(len, n, me);
@@ -1495,7 +1444,7 @@ pub(crate) fn all_reduce<C: Communicator + ?Sized>(
                 Dtype::F16 => go::<f16, C>(c, ctx, bytes, r, op)?,
                 Dtype::BF16 => go::<bf16, C>(c, ctx, bytes, r, op)?,
             }
-            ring_all_gather(c, ctx, 1 << 20, &all, me, bytes, es)?;
+            all_gather_chunks(c, ctx, 1 << 20, &all, me, bytes, es)?;
         }
     }
     Ok(())

@@ -108,7 +108,11 @@ pub enum Algorithm {
     /// [`Algorithm::resolve`]).
     #[default]
     Auto,
-    /// Bandwidth-optimal ring: n−1 steps of S/n each per phase.
+    /// Bandwidth-optimal ring: n−1 steps of S/n each per phase. For 3 to
+    /// 16 ranks in one [`Topology`] domain each phase sends the same bytes
+    /// in one direct step instead (rank k is sent chunk k by every peer,
+    /// and reduces all of them in one pass): within a domain the link
+    /// pattern does not matter, and one round trip replaces n − 1.
     Ring,
     /// Latency-optimal recursive doubling (all-reduce, all-gather) and
     /// recursive halving (reduce-scatter), log₂ n steps; binomial trees for

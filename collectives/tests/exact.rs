@@ -400,11 +400,10 @@ fn traffic_counts_the_encoded_partials() {
             enc,
             (0..len.div_ceil(BLOCK)).map(block_bytes).sum::<usize>()
         );
-        // reduce-scatter: n − 1 encoded chunk covers; all-gather: native;
+        // reduce-scatter: n − 1 encoded chunk covers; all-gather (direct
+        // in one domain): this rank's native chunk to each peer;
         let rs: usize = (0..n - 1).map(|s| cover((me + 2 * n - s - 1) % n)).sum();
-        let ag: usize = (0..n - 1)
-            .map(|s| 4 * shard_range(len, n, (me + n - s) % n).len())
-            .sum();
+        let ag = (n - 1) * 4 * shard_range(len, n, me).len();
         // (a sum exchanges no counts)
         assert_eq!(t.sent_by(OpKind::AllReduce), (rs + ag) as u64, "rank {me}");
         assert_eq!(t.total_sent(), (rs + ag) as u64);
@@ -464,14 +463,13 @@ fn single_contributions_travel_as_values() {
                     continue;
                 }
                 // the counts, the values of the other ranks' chunks, then
-                // the all-gather of rounded values
+                // the all-gather of rounded values (this rank's chunk to
+                // each peer: one step with two ranks, direct with three)
                 let chunks: usize = (0..n)
                     .filter(|&k| k != me)
                     .map(|k| 4 * shard_range(len, n, k).len())
                     .sum();
-                let ag: usize = (0..n - 1)
-                    .map(|s| 4 * shard_range(len, n, (me + n - s) % n).len())
-                    .sum();
+                let ag = (n - 1) * 4 * shard_range(len, n, me).len();
                 let want = 16 * (n - 1) + chunks + ag;
                 assert_eq!(t.total_sent(), want as u64, "n={n} {topo:?} rank {me}");
             }

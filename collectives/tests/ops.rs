@@ -217,9 +217,14 @@ proptest! {
         extra in 0usize..400,
         seed in any::<u64>(),
         alg in 0usize..4,
+        one_domain in any::<bool>(),
     ) {
         let algorithm = ALGOS[alg];
-        let (n, topo) = runnable(n, algorithm);
+        let (n, mut topo) = runnable(n, algorithm);
+        if one_domain && algorithm != Algorithm::Hierarchical {
+            // 3 to 16 ranks in one domain: the ring's phases run direct
+            topo = Topology::flat();
+        }
         let len = match len_kind { 0 => 0, 1 => 1, 2 => n + 1, 3 => 3 * n - 1, _ => extra };
         check_dtype::<f32>(n, len, seed, algorithm, topo).map_err(TestCaseError::fail)?;
         check_dtype::<f64>(n, len, seed, algorithm, topo).map_err(TestCaseError::fail)?;
@@ -234,6 +239,9 @@ fn every_world_size_and_algorithm_once() {
         for algorithm in ALGOS {
             if let Some(topo) = topo_for(n, algorithm) {
                 check_dtype::<f32>(n, 37, n as u64, algorithm, topo).unwrap();
+            }
+            if algorithm != Algorithm::Hierarchical {
+                check_dtype::<f32>(n, 37, n as u64, algorithm, Topology::flat()).unwrap();
             }
         }
     }
@@ -448,5 +456,41 @@ fn non_blocking_all_reduce_progresses_while_the_caller_computes() {
             r.unwrap(),
             "the all-reduce did not complete while the caller computed"
         );
+    }
+}
+
+/// The direct reduce-scatter (3 ranks in one domain) of outputs large
+/// enough to be streamed past the cache (8 MiB and more, written tile by
+/// tile), with a length that leaves a partial last tile: every element is
+/// the serial sum, and the all-reduce (in place, its own chunk one of the
+/// terms) agrees bit for bit.
+#[test]
+fn direct_reduce_scatter_streams_large_outputs_exactly() {
+    let n = 3;
+    let len = 3 * (2 << 20) + 7;
+    let val = |r: usize, i: usize| ((i * 31 + r * 17) % 1021) as f32 - 510.0;
+    let out = LocalCluster::run(n, |comm| {
+        let r = comm.rank();
+        let mine: Vec<f32> = (0..len).map(|i| val(r, i)).collect();
+        let sr = shard_range(len, n, r);
+        let mut shard = vec![0f32; sr.len()];
+        comm.reduce_scatter_with(
+            &mine,
+            &mut shard,
+            &ReduceOptions::new(ReduceOp::Sum).algorithm(Algorithm::Ring),
+        )?;
+        let mut all = mine;
+        comm.all_reduce(&mut all, ReduceOp::Sum)?;
+        Ok::<_, weft_collectives::Error>((sr, shard, all))
+    })
+    .unwrap();
+    for res in out {
+        let (sr, shard, all) = res.unwrap();
+        assert!(shard.len() * 4 >= 8 << 20);
+        for (k, i) in sr.clone().enumerate() {
+            let want: f32 = (0..n).map(|r| val(r, i)).sum();
+            assert_eq!(shard[k], want, "element {i}");
+        }
+        assert_eq!(bits(&all[sr]), bits(&shard));
     }
 }

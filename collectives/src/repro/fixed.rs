@@ -41,7 +41,7 @@ const PREFETCH: usize = 4 * BLOCK;
 pub(super) const MAX_RANKS: usize = 2048;
 
 /// Most ranks whose contributions [`sum_all_round`] takes at once.
-pub(super) const MAX_DIRECT: usize = 16;
+pub(super) const MAX_DIRECT: usize = crate::algo::MAX_DIRECT;
 
 /// `e = code − CODE_BIAS` for a block code `max(E, 1)`: 27 binades below
 /// the largest f32 ulp (the magic conversion's 51-bit range minus 24),

@@ -451,9 +451,8 @@ pub(crate) fn reduce_scatter_exact<T: Element, C: Communicator + ?Sized>(
     // Direct in one domain (as the reproducible ring, see `crate::repro`):
     // every rank sends the blocks covering chunk k straight to rank k, the
     // owner holds all n pieces at once and sums them block by block.
-    let topo = c.topology();
-    let dom = |r: usize| topo.domain_of(c.world_rank_of(r));
-    if (3..=super::fixed::MAX_DIRECT).contains(&n) && (1..n).all(|r| dom(r) == dom(0)) {
+    let all: Vec<usize> = (0..n).collect();
+    if crate::algo::direct(c, &all) {
         let sends: Vec<Outgoing<'_>> = (0..n)
             .filter(|&k| k != me)
             .map(|k| Outgoing {
@@ -469,8 +468,8 @@ pub(crate) fn reduce_scatter_exact<T: Element, C: Communicator + ?Sized>(
             all.extend_from_slice(views);
             super::fixed::merge_all_round_range(&all, el.len(), mine.start - el.start, out, d)
         };
-        return super::gather_nested(c, ctx, tag0, &sends, &from, &[], &mut f)
-            .map_err(|e| super::abort_on(c, e));
+        return crate::algo::gather_nested(c, ctx, tag0, &sends, &from, &[], &mut f)
+            .map_err(|e| crate::algo::abort_on(c, e));
     }
     let right = (me + 1) % n;
     let left = (me + n - 1) % n;
