@@ -123,9 +123,8 @@ pub(crate) fn reduce_to(
     stream_fence();
 }
 
-/// Bytes per tile of [`reduce_many`]: its partial sum and (when `out` is
-/// one of the terms) a copy of that term both stay in L1 beside the lines
-/// of the inputs being read.
+/// Bytes per tile of [`reduce_many`]: its partial sums stay in L1 beside
+/// the lines of the terms being read.
 const MANY_TILE: usize = 8 << 10;
 
 /// `out[i] = t₀[i] ⊕ t₁[i] ⊕ … ⊕ t_{k−1}[i]`, folded left to right in the
@@ -149,28 +148,27 @@ pub(crate) fn reduce_many(
     let es = dtype.size_bytes();
     let tile_bytes = MANY_TILE / es * es;
     let mut acc = [0u64; MANY_TILE / 8];
-    let mut own = [0u64; MANY_TILE / 8];
-    // SAFETY: both arrays are MANY_TILE initialised bytes, viewed as u8.
-    let (acc, own): (&mut [u8], &mut [u8]) = unsafe {
-        (
-            std::slice::from_raw_parts_mut(acc.as_mut_ptr().cast(), MANY_TILE),
-            std::slice::from_raw_parts_mut(own.as_mut_ptr().cast(), MANY_TILE),
-        )
-    };
-    let aliased = terms.iter().any(Option::is_none);
+    // SAFETY: `acc` is MANY_TILE initialised bytes, viewed as u8.
+    let acc: &mut [u8] =
+        unsafe { std::slice::from_raw_parts_mut(acc.as_mut_ptr().cast(), MANY_TILE) };
+    // the partial sums go straight into `out`'s tile (then in L1) unless
+    // it is streamed or one of the terms
+    let in_out = !stream && terms.iter().all(Option::is_some);
     for (t, o) in out.chunks_mut(tile_bytes).enumerate() {
         let r = t * tile_bytes..t * tile_bytes + o.len();
-        let own = &mut own[..o.len()];
-        if aliased {
-            own.copy_from_slice(o);
+        let fold = |a: &mut [u8], own: &[u8]| {
+            let term = |i: usize| terms[i].map_or(own, |s| &s[r.clone()]);
+            reduce_to_cached(dtype, op, a, term(0), term(1));
+            for i in 2..terms.len() {
+                reduce_into(dtype, op, a, term(i));
+            }
+        };
+        if in_out {
+            fold(o, &[]);
+            continue;
         }
-        let own = &*own;
-        let term = |i: usize| terms[i].map_or(own, |s| &s[r.clone()]);
         let a = &mut acc[..o.len()];
-        reduce_to_cached(dtype, op, a, term(0), term(1));
-        for i in 2..terms.len() {
-            reduce_into(dtype, op, a, term(i));
-        }
+        fold(a, o);
         if stream {
             stream_copy(o, a);
         } else {
