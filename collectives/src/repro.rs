@@ -1003,7 +1003,8 @@ struct Own<'a, T> {
     tail: &'a [T],
     tail_start: usize,
     /// `head` and `tail` hold the rank's own chunk too, and the output
-    /// does not (only with two ranks, see [`ring_rs_raw`])
+    /// does not (only with two ranks or on the direct route, see
+    /// [`ring_rs_raw`])
     covers_io: bool,
 }
 
@@ -1022,9 +1023,10 @@ impl<'a, T> Own<'a, T> {
 /// Reproducible ring reduce-scatter of native contributions: afterwards
 /// `io` (chunk `rank`) holds the exact sum of chunk `rank` over the group
 /// divided by `d` (n for `Avg`, see [`avg_div`]), rounded once. On entry `io` holds this
-/// rank's own contribution to chunk `rank` — except with two ranks when
-/// `own` holds it too ([`Own::covers_io`]): the one step then sums both
-/// inputs straight into `io`, with no copy of the own chunk first.
+/// rank's own contribution to chunk `rank` — except with two ranks or on
+/// the direct route when `own` holds it too ([`Own::covers_io`]): the one
+/// step then sums all inputs straight into `io`, with no copy of the own
+/// chunk first.
 ///
 /// The first step sends native values (the receiver adds two native
 /// chunks: exactly, or, on the last step, as one native addition in f64,
@@ -1051,8 +1053,7 @@ fn ring_rs_raw<T: Element, C: Communicator + ?Sized>(
     let left = (me + n - 1) % n;
     // Direct (see `direct_rs`) when every rank is in one domain, for 3 to
     // 16 ranks and f32, f16 and bf16.
-    let all: Vec<usize> = (0..n).collect();
-    if T::DTYPE != Dtype::F64 && crate::algo::direct(c, &all) {
+    if direct_route(c, T::DTYPE) {
         return direct_rs(c, ctx, tag0, own, len, io, d);
     }
     // The fixed-lane path (see `fixed`): from 3 ranks on (with 2, the one
@@ -1114,6 +1115,13 @@ fn ring_rs_raw<T: Element, C: Communicator + ?Sized>(
     result
 }
 
+/// Whether [`ring_rs_raw`] takes the direct route ([`direct_rs`]): 3 to
+/// 16 ranks in one domain ([`crate::algo::direct`]), f32, f16 or bf16.
+fn direct_route<C: Communicator + ?Sized>(c: &C, dtype: Dtype) -> bool {
+    let all: Vec<usize> = (0..c.size()).collect();
+    dtype != Dtype::F64 && crate::algo::direct(c, &all)
+}
+
 /// Reproducible direct reduce-scatter of native contributions: every rank
 /// sends chunk k of its buffer straight to rank k — (n−1)/n of the buffer,
 /// the bytes the ring sends, in one step instead of n − 1 — and holds the
@@ -1143,11 +1151,12 @@ fn direct_rs<T: Element, C: Communicator + ?Sized>(
         .collect();
     let want = shard_range(len, n, me).len() * es;
     let from: Vec<(usize, Option<usize>)> = (1..n).map(|s| ((me + s) % n, Some(want))).collect();
+    let own_chunk = own.covers_io.then(|| own.get(shard_range(len, n, me)));
     let mut f = |views: &[&[u8]]| -> Result<()> {
         let typed: Vec<std::borrow::Cow<'_, [T]>> =
             views.iter().map(|v| crate::reduce::typed::<T>(v)).collect();
         let peers: Vec<&[T]> = typed.iter().map(|v| &v[..]).collect();
-        fixed::sum_all_round(&peers, io, d)
+        fixed::sum_all_round(own_chunk, &peers, io, d)
     };
     gather_nested(c, ctx, tag0, &sends, &from, &[], &mut f).map_err(|e| abort_on(c, e))
 }
@@ -1478,9 +1487,9 @@ pub(crate) fn reduce_scatter<C: Communicator + ?Sized>(
             out.copy_from_slice(&tmp.bytes()[r.start * es..r.end * es]);
         }
         _ => {
-            // two ranks sum both inputs straight into `out`; more start
-            // from a copy of the own chunk there
-            let own_in_io = n != 2;
+            // two ranks, and the direct route, sum all inputs straight
+            // into `out`; the ring starts from a copy of the own chunk there
+            let own_in_io = n != 2 && !direct_route(c, dtype);
             if own_in_io {
                 let es = dtype.size_bytes();
                 let r = shard_range(len, n, me);

@@ -337,12 +337,18 @@ multiversion! {
 }
 
 multiversion! {
-    /// `io` = (`io` + Σ `peers`) / `d`, rounded once per element: the exact
-    /// sum of a chunk's native contributions from every rank at once (at
-    /// most [`MAX_DIRECT`]), each block in i64 lanes at the exponent 27
-    /// binades below its largest ulp when every value fits that window
-    /// (the sum stays below 2^55), else by the general encoding.
-    pub(super) fn sum_all_round<T: Element>(peers: &[&[T]], io: &mut [T], d: Div) -> Result<()> {
+    /// `io` = (`own` + Σ `peers`) / `d`, rounded once per element, where
+    /// `own` is `io`'s own value on entry when `None`: the exact sum of a
+    /// chunk's native contributions from every rank at once (at most
+    /// [`MAX_DIRECT`]), each block in i64 lanes at the exponent 27 binades
+    /// below its largest ulp when every value fits that window (the sum
+    /// stays below 2^55), else by the general encoding.
+    pub(super) fn sum_all_round<T: Element>(
+        own: Option<&[T]>,
+        peers: &[&[T]],
+        io: &mut [T],
+        d: Div,
+    ) -> Result<()> {
         let n = peers.len() + 1;
         // n terms in [−2^51, 2^51) sum to at most 2^53 in magnitude for
         // n ≤ 4: exact in f64, so one conversion rounds once
@@ -355,10 +361,11 @@ multiversion! {
         let (mut cur, mut nxt, mut tmp) = (Vec::new(), Vec::new(), Vec::new());
         for (k, blk) in io.chunks_mut(BLOCK).enumerate() {
             let (start, bl) = (k * BLOCK, blk.len());
-            for p in peers {
+            for p in peers.iter().chain(&own) {
                 prefetch(p[start..].as_ptr(), PREFETCH * 4, 4);
             }
-            let (mut mx, mut mn) = scan(blk, blk);
+            let ob = pick(own, blk, start);
+            let (mut mx, mut mn) = scan(ob, ob);
             for p in peers {
                 let pb = &p[start..start + bl];
                 let (a, b) = scan(pb, pb);
@@ -370,7 +377,7 @@ multiversion! {
                 let e = top.max(1) - 150 - 27;
                 let (m, mb) = magic(e);
                 let vals = &mut vals[..bl];
-                for (v, &y) in vals.iter_mut().zip(&*blk) {
+                for (v, &y) in vals.iter_mut().zip(pick(own, blk, start)) {
                     *v = conv(y, m, mb);
                 }
                 for p in peers {
@@ -407,7 +414,7 @@ multiversion! {
                 continue;
             }
             cur.clear();
-            encode_block(blk, &mut cur);
+            encode_block(pick(own, blk, start), &mut cur);
             for p in peers {
                 let mut q = 0;
                 let x = read_block(&cur, &mut q, bl)?;
@@ -421,6 +428,13 @@ multiversion! {
         }
         Ok(())
     }
+}
+
+/// The own contribution to the block of `io` at `start`: `own`'s, or the
+/// block itself when `own` is `None`.
+#[inline(always)]
+fn pick<'x, T>(own: Option<&'x [T]>, blk: &'x [T], start: usize) -> &'x [T] {
+    own.map_or(blk, |o| &o[start..start + blk.len()])
 }
 
 /// Elements per tile of [`Tiles`].
@@ -956,7 +970,11 @@ mod tests {
         let (last, peers) = cols.split_last().unwrap();
         let peers: Vec<&[T]> = peers.iter().map(|v| &v[..]).collect();
         let mut io = last.clone();
-        sum_all_round(&peers, &mut io, Div(d)).unwrap();
+        sum_all_round(None, &peers, &mut io, Div(d)).unwrap();
+        // the own contribution read from its own buffer: the same bits
+        let mut out = vec![T::ZERO; last.len()];
+        sum_all_round(Some(last), &peers, &mut out, Div(d)).unwrap();
+        assert_eq!(bits(&out), bits(&io));
         io
     }
 
