@@ -358,6 +358,7 @@ multiversion! {
         let rc = Recip::new(d.0);
         let fd = f64::from(d.0);
         let mut vals = [0i64; BLOCK];
+        let mut sums = [0f64; BLOCK];
         let (mut cur, mut nxt, mut tmp) = (Vec::new(), Vec::new(), Vec::new());
         for (k, blk) in io.chunks_mut(BLOCK).enumerate() {
             let (start, bl) = (k * BLOCK, blk.len());
@@ -374,6 +375,28 @@ multiversion! {
             }
             let top = (mx >> 24) as i32;
             if top < 255 && fits_window(top.max(1), 27, 0, (mx, mn)) {
+                if small && pow2 {
+                    // every value is a multiple of 2^e (below) under
+                    // 2^(e+51) in magnitude: sums of up to 4 of them are
+                    // multiples of 2^e under 2^(e+53), exact in f64 — the
+                    // integer lanes' sums without the conversions — and
+                    // the scaling by 2^−shift is exact too (far from
+                    // f64's subnormals): one rounding
+                    let scale = f64::from_bits(((1023 - shift) as u64) << 52);
+                    let sums = &mut sums[..bl];
+                    for (v, &y) in sums.iter_mut().zip(pick(own, blk, start)) {
+                        *v = f64::from(y.to_f32());
+                    }
+                    for p in peers {
+                        for (v, &y) in sums.iter_mut().zip(&p[start..start + bl]) {
+                            *v += f64::from(y.to_f32());
+                        }
+                    }
+                    for (o, &v) in blk.iter_mut().zip(&*sums) {
+                        *o = T::from_f64(v * scale);
+                    }
+                    continue;
+                }
                 let e = top.max(1) - 150 - 27;
                 let (m, mb) = magic(e);
                 let vals = &mut vals[..bl];
@@ -1019,6 +1042,19 @@ mod tests {
                     "avg n {n}"
                 );
             }
+        }
+        // sums and means in f32's subnormal range (the f64 sums of up to 4
+        // narrow blocks round once there too)
+        for (n, d) in [(3, 1), (3, 2), (4, 1), (4, 2), (4, 4), (5, 4)] {
+            let c: Vec<Vec<f32>> = cols(next(), &vec![0; n], 200, 20)
+                .into_iter()
+                .map(|v| v.into_iter().map(|x| x * 1e-38).collect())
+                .collect();
+            assert_eq!(
+                bits(&direct(&c, d)),
+                bits(&exact(&c, d)),
+                "subnormal n {n} d {d}"
+            );
         }
         // the same contributions through the ring kernels give the same bits
         let c = cols(77, &[0, 3, -2, 1, 0], 64 * 4 + 1, 12);
