@@ -420,13 +420,13 @@ pub(crate) fn reduce_scatter_exact<T: Element, C: Communicator + ?Sized>(
             head: &p.native[..],
             tail: &[],
             tail_start: len,
-            // two ranks sum both inputs straight into `out`; more start
-            // from the own chunk there
-            covers_io: n == 2,
+            // two ranks, and the direct route, sum all inputs straight
+            // into `out`; the ring starts from the own chunk there
+            covers_io: n == 2 || super::direct_route(c, Dtype::F32),
         };
         let mut res = Ok(());
         crate::reduce::with_typed_mut::<f32>(BufMut::new(out).into_bytes(), |o| {
-            if n != 2 {
+            if !own.covers_io {
                 o.copy_from_slice(&p.native[mine.clone()]);
             }
             res = super::ring_rs_raw(c, ctx, tag0, &own, len, o, d);
