@@ -138,9 +138,10 @@
 //!   of them); the all-gather copies each peer's chunk as it comes. With 4
 //!   thread ranks on 2 cores, against the ring in alternating runs:
 //!   reduce-scatter 1.0–1.5× faster, all-gather 1.0–1.35×.
-//! - **Waits spin briefly before they sleep** when every rank has a core,
-//!   since a condition-variable wake-up costs as much as a 1 MiB
-//!   reduction; with more ranks than cores they sleep at once.
+//! - **Waits spin briefly before they sleep**, since a
+//!   condition-variable wake-up costs as much as a 1 MiB reduction; with
+//!   more ranks than cores they yield the core between checks, so that a
+//!   peer waiting for it runs at once.
 //!
 //! Measured on the 2-core development machine (AMD EPYC, shared, so single
 //! figures are noisy; the ratios of one run are the point), 2 thread

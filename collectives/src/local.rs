@@ -89,11 +89,15 @@ impl Mailbox {
 /// core of its own: waking a thread from a condition variable takes tens
 /// of microseconds on a loaded machine, as long as a 1 MiB reduction, and
 /// a ring waits once per step. With more ranks than cores a spinning rank
-/// would hold the core its peer needs, so it sleeps at once.
+/// would hold the core its peer needs, so it yields the core between
+/// checks instead: the peer runs at once, without the sleep and wake-up
+/// (4 thread ranks on 2 cores: a barrier 20-29 -> 6 µs, a 1 MiB
+/// all-reduce 130 -> 95 µs).
 const SPIN: Duration = Duration::from_micros(50);
 
-/// Spins (up to `limit`) until `done()` holds; whether it did.
-fn spin_until(limit: Duration, done: impl Fn() -> bool) -> bool {
+/// Spins (up to `limit`, yielding the core between checks when
+/// `yielding`) until `done()` holds; whether it did.
+fn spin_until((limit, yielding): (Duration, bool), done: impl Fn() -> bool) -> bool {
     if limit.is_zero() {
         return false;
     }
@@ -102,8 +106,12 @@ fn spin_until(limit: Duration, done: impl Fn() -> bool) -> bool {
         if done() {
             return true;
         }
-        for _ in 0..32 {
-            std::hint::spin_loop();
+        if yielding {
+            std::thread::yield_now();
+        } else {
+            for _ in 0..32 {
+                std::hint::spin_loop();
+            }
         }
         if start.elapsed() >= limit {
             return done();
@@ -128,8 +136,9 @@ struct Group {
 
 struct World {
     timeout: Duration,
-    /// [`SPIN`], or zero when there are more ranks than cores.
-    spin: Duration,
+    /// How long waits spin before they sleep ([`SPIN`]), and whether they
+    /// yield the core while they do (more ranks than cores).
+    spin: (Duration, bool),
     topology: Topology,
     boxes: Vec<Mailbox>,
     status: Vec<AtomicU8>,
@@ -286,7 +295,7 @@ impl LocalCluster {
         let cores = std::thread::available_parallelism().map_or(1, usize::from);
         let world = Arc::new(World {
             timeout: self.timeout,
-            spin: if n <= cores { SPIN } else { Duration::ZERO },
+            spin: (SPIN, n > cores),
             topology: self.topology,
             boxes: (0..n).map(|_| Mailbox::new()).collect(),
             status: (0..n).map(|_| AtomicU8::new(ALIVE)).collect(),
