@@ -461,7 +461,7 @@ fn pick<'x, T>(own: Option<&'x [T]>, blk: &'x [T], start: usize) -> &'x [T] {
 }
 
 /// Elements per tile of [`Tiles`].
-const TILE: usize = 1024;
+pub(super) const TILE: usize = 1024;
 
 /// Hands out consecutive ranges of an output: in place, or — for outputs
 /// of [`STREAM_BYTES`](crate::reduce::STREAM_BYTES) or more, which are not
@@ -469,7 +469,7 @@ const TILE: usize = 1024;
 /// when full (no read of the output's lines before they are overwritten,
 /// no eviction of the inputs still to be read), as the plain
 /// reduce-scatter writes its output.
-struct Tiles<'o, T> {
+pub(super) struct Tiles<'o, T> {
     out: &'o mut [T],
     tile: Option<Box<[T; TILE]>>,
     /// the output index of `tile[0]`
@@ -477,7 +477,7 @@ struct Tiles<'o, T> {
 }
 
 impl<'o, T: Element> Tiles<'o, T> {
-    fn new(out: &'o mut [T]) -> Self {
+    pub(super) fn new(out: &'o mut [T]) -> Self {
         let stream =
             size_of_val(out) >= crate::reduce::STREAM_BYTES && cfg!(target_arch = "x86_64");
         Tiles {
@@ -490,7 +490,7 @@ impl<'o, T: Element> Tiles<'o, T> {
     /// Output elements `[at, at + len)` (`len` ≤ [`TILE`]); every call
     /// continues where the previous one ended.
     #[inline(always)]
-    fn next(&mut self, at: usize, len: usize) -> &mut [T] {
+    pub(super) fn next(&mut self, at: usize, len: usize) -> &mut [T] {
         if self.tile.is_none() {
             return &mut self.out[at..at + len];
         }
@@ -518,7 +518,7 @@ impl<'o, T: Element> Tiles<'o, T> {
 
     /// Writes out what the tile still holds (the whole output was handed
     /// out) and orders the streamed stores before later ones.
-    fn finish(mut self) {
+    pub(super) fn finish(mut self) {
         if self.tile.is_some() {
             self.flush(self.out.len());
             crate::reduce::stream_fence();

@@ -527,26 +527,13 @@ pub(super) fn sum2_round<T: Element>(xs: &[T], ys: &[T], out: &mut [T], d: Div) 
         );
         return Ok(());
     }
-    if size_of_val(out) < crate::reduce::STREAM_BYTES {
-        sum2_scaled(xs, ys, out, h);
-        return Ok(());
+    // tile by tile, streamed out when large (see `Tiles`)
+    let mut out = super::fixed::Tiles::new(out);
+    let tile = super::fixed::TILE;
+    for (i, (x, y)) in xs.chunks(tile).zip(ys.chunks(tile)).enumerate() {
+        sum2_scaled(x, y, out.next(i * tile, x.len()), h);
     }
-    // an L1-sized tile, then streamed out
-    const TILE: usize = 2048;
-    let mut tile = [T::ZERO; TILE];
-    for ((o, x), y) in out
-        .chunks_mut(TILE)
-        .zip(xs.chunks(TILE))
-        .zip(ys.chunks(TILE))
-    {
-        let t = &mut tile[..o.len()];
-        sum2_scaled(x, y, t, h);
-        crate::reduce::stream_copy(
-            crate::types::BufMut::new(o).into_bytes(),
-            crate::types::Buf::new(t).bytes(),
-        );
-    }
-    crate::reduce::stream_fence();
+    out.finish();
     Ok(())
 }
 
