@@ -12,8 +12,18 @@
 //! by side from 1 MiB up, alternating in rounds, with their ratios to
 //! memcpy and to each other (`WEFT_BENCH_OPS=side` prints only that table).
 //! `WEFT_BENCH_RANKS_PER_DOMAIN=k` runs it over domains of k ranks (with
-//! k < RANKS the reproducible mode keeps the ring pattern instead of its
-//! direct one-domain reduce-scatter).
+//! k < RANKS the ring keeps its neighbour pattern instead of the direct
+//! one-domain exchange).
+//!
+//! What the ratios can reach: busbw counts the bytes a rank sends, but on
+//! one machine's memory every rank also reads its own contribution and
+//! writes its output. Counting every byte read or written alike (stores
+//! that bypass the cache make writes somewhat cheaper here), n ranks move
+//! (3n − 1)·S for an all-reduce of S bytes, (n + 1)·S for a reduce-scatter,
+//! 2n·S for an out-of-place all-gather and 2(n − 1)·S in place. So at the
+//! all-reduce's efficiency, `rs/ar` can reach (3n − 1)/(2(n + 1)) — 0.83
+//! with 2 ranks, 1.1 with 4 —, the out-of-place `ag/ar` (3n − 1)/4n —
+//! 0.63 and 0.69 —, and `agip/ar` (3n − 1)/4(n − 1) — 1.25 and 0.92.
 #![allow(clippy::print_stdout, missing_docs)]
 
 use std::time::{Duration, Instant};

@@ -154,9 +154,15 @@
 //! the out-of-place all-gather 0.5–0.7× (it copies its own shard as well
 //! as the peers'), the in-place one 0.9–1.9×. The reproducible all-reduce
 //! and reduce-scatter cost 0.94–1.2× the plain ones with 2 ranks (the one
-//! step adds the two inputs straight into the output), 1.0–1.6× with 4 on
-//! 2 cores (3–16 ranks in one domain sum each block of all ranks' chunks
-//! in registers in one pass, see [`repro`]). The exact reductions of
+//! step adds the two inputs straight into the output); with 4 on 2 cores
+//! (3–16 ranks in one domain sum each block of all ranks' chunks in
+//! registers in one pass, see [`repro`]) 1.0–1.35× from 16 MiB, and up to
+//! 1.7× (all-reduce) and 2.3× (reduce-scatter) at 1–4 MiB, where the plain
+//! direct reduce-scatter is a few additions per element and the exact sum's
+//! window scan and conversions are compute the 4 ranks share 2 cores for.
+//! With 4 ranks the plain reduce-scatter's busbw is 0.6–1.0× the
+//! all-reduce's and the out-of-place all-gather's 0.75–1.15× (the direct
+//! exchange, above). The exact reductions of
 //! [`repro::ExactPartial`]s with one f32 contribution per rank (one
 //! micro-batch: the partial keeps the values) take the same route:
 //! 0.6–1.3× the plain all-reduce, 0.9–1.4× the plain reduce-scatter
