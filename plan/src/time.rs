@@ -15,7 +15,9 @@
 //! * **Collectives** (Hockney's α–β model; ring algorithms as in NCCL and
 //!   weft's collectives; Thakur, Rabenseifner & Gropp 2005): an
 //!   all-reduce of `S` bytes over `n` ranks costs `2(n−1)·α + 2(n−1)/n ·
-//!   S/β`, a reduce-scatter or all-gather half of that. A group spread
+//!   S/β`, a reduce-scatter or all-gather half of that; CPU ranks of one
+//!   machine, 3 to 16 of them, pay α once per phase (weft's direct
+//!   exchange: the ring's bytes in one step). A group spread
 //!   over `k` nodes with `g` ranks in each runs hierarchically: a
 //!   reduce-scatter inside the node, the all-reduce of the `S/g` shard
 //!   between nodes (each GPU on its own network port), an all-gather
@@ -94,25 +96,35 @@ impl Group {
     }
 }
 
-fn ring(n: usize, bytes: f64, link: Link, eff: f64, factor: f64) -> f64 {
+/// `factor` ring phases over `n` ranks: `n − 1` steps of `bytes / n`
+/// each, or — `direct` — the same bytes in one step (weft's direct
+/// exchange inside one machine, see `weft_collectives::Algorithm::Ring`).
+fn ring(n: usize, bytes: f64, link: Link, eff: f64, factor: f64, direct: bool) -> f64 {
     if n <= 1 || bytes <= 0.0 {
         return 0.0;
     }
     let nf = n as f64;
-    factor * ((nf - 1.0) * link.latency + (nf - 1.0) / nf * bytes / (link.bandwidth * eff))
+    let steps = if direct { 1.0 } else { nf - 1.0 };
+    factor * (steps * link.latency + (nf - 1.0) / nf * bytes / (link.bandwidth * eff))
+}
+
+/// Whether `n` ranks inside one node exchange directly instead of in a
+/// ring: CPU ranks of one machine, 3 to 16 of them (weft's collectives).
+fn direct(c: &Cluster, n: usize) -> bool {
+    c.device == Device::Cpu && (3..=16).contains(&n)
 }
 
 /// Seconds of an all-reduce of `bytes` over `g`.
 pub(crate) fn all_reduce(c: &Cluster, g: Group, bytes: f64) -> f64 {
     let eff = c.efficiency.link;
     if g.nodes() <= 1 {
-        return ring(g.n, bytes, c.intra, eff, 2.0);
+        return ring(g.n, bytes, c.intra, eff, 2.0, direct(c, g.n));
     }
     let k = g.nodes();
     let p = g.per_node;
-    ring(p, bytes, c.intra, eff, 1.0)
-        + ring(k, bytes / p as f64, c.inter, eff, 2.0)
-        + ring(p, bytes, c.intra, eff, 1.0)
+    ring(p, bytes, c.intra, eff, 1.0, direct(c, p))
+        + ring(k, bytes / p as f64, c.inter, eff, 2.0, false)
+        + ring(p, bytes, c.intra, eff, 1.0, direct(c, p))
 }
 
 /// Seconds of a reduce-scatter (or an all-gather) of `bytes` (the whole
@@ -120,11 +132,12 @@ pub(crate) fn all_reduce(c: &Cluster, g: Group, bytes: f64) -> f64 {
 pub(crate) fn reduce_scatter(c: &Cluster, g: Group, bytes: f64) -> f64 {
     let eff = c.efficiency.link;
     if g.nodes() <= 1 {
-        return ring(g.n, bytes, c.intra, eff, 1.0);
+        return ring(g.n, bytes, c.intra, eff, 1.0, direct(c, g.n));
     }
     let k = g.nodes();
     let p = g.per_node;
-    ring(p, bytes, c.intra, eff, 1.0) + ring(k, bytes / p as f64, c.inter, eff, 1.0)
+    ring(p, bytes, c.intra, eff, 1.0, direct(c, p))
+        + ring(k, bytes / p as f64, c.inter, eff, 1.0, false)
 }
 
 /// Seconds of an all-to-all where each rank sends `bytes` in all (a
@@ -496,4 +509,31 @@ pub(crate) fn optimizer_time(
         Accounting::Mixed => 32.0,
     };
     mach.memory(bytes * updated, 3.0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A 4-rank all-reduce inside one node: GPUs (NCCL's ring) pay the
+    /// per-message latency 2(n − 1) times, CPU ranks (weft's direct
+    /// exchange) twice; the bandwidth term is the ring's either way.
+    #[test]
+    fn cpu_ranks_pay_latency_once_per_phase() {
+        let gpu = Cluster::preset("h100", 8).unwrap();
+        let cpu = Cluster {
+            device: Device::Cpu,
+            ..gpu.clone()
+        };
+        let g = Group { n: 4, per_node: 4 };
+        let s = 64e6;
+        let (a, b, e) = (gpu.intra.latency, gpu.intra.bandwidth, gpu.efficiency.link);
+        let bw = 2.0 * 3.0 / 4.0 * s / (b * e);
+        assert!((all_reduce(&gpu, g, s) - (6.0 * a + bw)).abs() < 1e-12);
+        assert!((all_reduce(&cpu, g, s) - (2.0 * a + bw)).abs() < 1e-12);
+        assert!((reduce_scatter(&cpu, g, s) - (a + bw / 2.0)).abs() < 1e-12);
+        // two ranks: one step either way
+        let two = Group { n: 2, per_node: 2 };
+        assert!((all_reduce(&cpu, two, s) - all_reduce(&gpu, two, s)).abs() < 1e-12);
+    }
 }
