@@ -158,8 +158,9 @@
 //! (3–16 ranks in one domain sum each block of all ranks' chunks in
 //! registers in one pass, see [`repro`]) 1.0–1.35× from 16 MiB, and up to
 //! 1.7× (all-reduce) and 2.3× (reduce-scatter) at 1–4 MiB, where the plain
-//! direct reduce-scatter is a few additions per element and the exact sum's
-//! window scan and conversions are compute the 4 ranks share 2 cores for.
+//! direct reduce-scatter costs a few additions per element while the exact
+//! sum scans each block's exponents and converts every value: compute,
+//! which 4 ranks on 2 cores share.
 //! With 4 ranks the plain reduce-scatter's busbw is 0.6–1.0× the
 //! all-reduce's and the out-of-place all-gather's 0.75–1.15× (the direct
 //! exchange, above). The exact reductions of
