@@ -639,18 +639,27 @@ unsafe fn packed_block<A: Operand, B: Operand>(
                     pack_a(ap, a, k, i0, mc, p0, kp);
                     &ap[..]
                 };
+                let row_panels = mc.div_ceil(MR);
                 for pj in 0..panels {
                     let nc = NR.min(ncb - pj * NR);
                     let bpanel = &bp[pj * NR * 2 * kp..(pj + 1) * NR * 2 * kp];
-                    for pi in 0..mc.div_ceil(MR) {
+                    for pi in 0..row_panels {
                         let mr = MR.min(mc - pi * MR);
                         let apanel = &ablock[pi * MR * kp..(pi + 1) * MR * kp];
+                        // the next call's block of sums, fetched while this
+                        // one computes (a hint: it may lie past the end)
+                        let next = if pi + 1 < row_panels {
+                            (i0 + (pi + 1) * MR) * ldc + jc + pj * NR
+                        } else {
+                            i0 * ldc + jc + (pj + 1) * NR
+                        };
                         // SAFETY: rows `i0 + pi·MR ..+ mr` and columns
                         // `jc + pj·NR ..+ nc` lie inside the block the
                         // caller vouched for; the panels hold `kp` pairs.
                         unsafe {
                             let c = dst.add((i0 + pi * MR) * ldc + jc + pj * NR);
-                            x86::kernel(kp, apanel, bpanel, c, ldc, mr, nc, first);
+                            let next = dst.wrapping_add(next);
+                            x86::kernel(kp, apanel, bpanel, c, ldc, mr, nc, first, next);
                         }
                     }
                 }
@@ -1018,14 +1027,13 @@ fn pack_rows(
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use std::arch::x86_64::{
-        __m128bh, __m128i, __m256, __m256bh, __m256i, __m512bh, __m512i, _mm_loadu_si128,
-        _mm_storeu_si128, _mm_unpackhi_epi16, _mm_unpacklo_epi16, _mm256_castps_si256,
-        _mm256_castsi256_ps, _mm256_cvtneps_pbh, _mm256_loadu_ps, _mm256_loadu_si256,
-        _mm256_permute2f128_ps, _mm256_shuffle_ps, _mm256_storeu_si256, _mm256_unpackhi_ps,
-        _mm256_unpacklo_ps, _mm512_cvtepu16_epi32, _mm512_cvtneps_pbh, _mm512_dpbf16_ps,
+        __m128bh, __m128i, __m256, __m256bh, __m256i, __m512i, _MM_HINT_ET0, _mm_loadu_si128,
+        _mm_prefetch, _mm_storeu_si128, _mm_unpackhi_epi16, _mm_unpacklo_epi16,
+        _mm256_castps_si256, _mm256_castsi256_ps, _mm256_cvtneps_pbh, _mm256_loadu_ps,
+        _mm256_loadu_si256, _mm256_permute2f128_ps, _mm256_shuffle_ps, _mm256_storeu_si256,
+        _mm256_unpackhi_ps, _mm256_unpacklo_ps, _mm512_cvtepu16_epi32, _mm512_cvtneps_pbh,
         _mm512_loadu_ps, _mm512_mask_loadu_ps, _mm512_mask_storeu_ps, _mm512_or_si512,
-        _mm512_set1_epi32, _mm512_setzero_ps, _mm512_slli_epi32, _mm512_storeu_ps,
-        _mm512_storeu_si512,
+        _mm512_setzero_ps, _mm512_slli_epi32, _mm512_storeu_ps, _mm512_storeu_si512,
     };
 
     use weft_numerics::bf16;
@@ -1231,6 +1239,9 @@ mod x86 {
 
     /// `c (mr × nc, row stride ldc) = [c +] Σ_p a_p ⊗ b_p` over `kp` pairs
     /// of one packed panel each (`first`: start from zero, else from `c`).
+    /// `next`, the next call's block of sums (same stride), is prefetched:
+    /// a block of a large output is otherwise a cache miss per row at the
+    /// start and the end of every call (a hint; any address will do).
     ///
     /// # Safety
     /// The CPU must have AVX512-BF16 and AVX-512F; `c` must be valid for
@@ -1247,8 +1258,16 @@ mod x86 {
         mr: usize,
         nc: usize,
         first: bool,
+        next: *const f32,
     ) {
         debug_assert!(a.len() >= MR * kp && b.len() >= NR * 2 * kp);
+        for r in 0..MR {
+            let row = next.wrapping_add(r * ldc).cast::<i8>();
+            // a prefetch reads nothing and never faults, whatever the
+            // address
+            _mm_prefetch::<_MM_HINT_ET0>(row);
+            _mm_prefetch::<_MM_HINT_ET0>(row.wrapping_add(64));
+        }
         let (m0, m1) = (lanes(nc), lanes(nc.saturating_sub(16)));
         let mut acc = [[_mm512_setzero_ps(); 2]; MR];
         if !first {
@@ -1261,21 +1280,85 @@ mod x86 {
                 }
             }
         }
-        let (ap, bp) = (a.as_ptr(), b.as_ptr());
-        for p in 0..kp {
-            // SAFETY: pair `p < kp` of each panel: `NR · 2` bf16 of `b` at
-            // `p · NR · 2` (two vectors) and `MR` entries of `a` at `p · MR`.
+        if kp > 0 {
+            let [
+                [mut c00, mut c01],
+                [mut c10, mut c11],
+                [mut c20, mut c21],
+                [mut c30, mut c31],
+                [mut c40, mut c41],
+                [mut c50, mut c51],
+                [mut c60, mut c61],
+                [mut c70, mut c71],
+            ] = acc;
+            // Pair p of the panels: two vectors of `b` and each row's u32
+            // of `a` broadcast by the product's own load (`{1to16}`), not
+            // by an instruction of its own. `b · a` is `a · b`: each lane
+            // sums the same two exact products in the same order.
+            //
+            // SAFETY: the CPU has AVX512-BF16 (this function's features);
+            // the loop reads `kp` pairs: `MR` u32 of `a` and `NR · 2` bf16
+            // of `b` per pair, inside the panels (asserted in debug,
+            // vouched for by the caller).
             unsafe {
-                let b0: __m512bh = std::mem::transmute(_mm512_loadu_ps(bp.add(p * NR * 2).cast()));
-                let b1: __m512bh =
-                    std::mem::transmute(_mm512_loadu_ps(bp.add(p * NR * 2 + 32).cast()));
-                for r in 0..MR {
-                    let x: __m512bh =
-                        std::mem::transmute(_mm512_set1_epi32(*ap.add(p * MR + r) as i32));
-                    acc[r][0] = _mm512_dpbf16_ps(acc[r][0], x, b0);
-                    acc[r][1] = _mm512_dpbf16_ps(acc[r][1], x, b1);
-                }
+                std::arch::asm!(
+                    "2:",
+                    "vmovups {b0}, zmmword ptr [{bp}]",
+                    "vmovups {b1}, zmmword ptr [{bp} + 64]",
+                    "vdpbf16ps {c00}, {b0}, dword ptr [{ap}]{{1to16}}",
+                    "vdpbf16ps {c01}, {b1}, dword ptr [{ap}]{{1to16}}",
+                    "vdpbf16ps {c10}, {b0}, dword ptr [{ap} + 4]{{1to16}}",
+                    "vdpbf16ps {c11}, {b1}, dword ptr [{ap} + 4]{{1to16}}",
+                    "vdpbf16ps {c20}, {b0}, dword ptr [{ap} + 8]{{1to16}}",
+                    "vdpbf16ps {c21}, {b1}, dword ptr [{ap} + 8]{{1to16}}",
+                    "vdpbf16ps {c30}, {b0}, dword ptr [{ap} + 12]{{1to16}}",
+                    "vdpbf16ps {c31}, {b1}, dword ptr [{ap} + 12]{{1to16}}",
+                    "vdpbf16ps {c40}, {b0}, dword ptr [{ap} + 16]{{1to16}}",
+                    "vdpbf16ps {c41}, {b1}, dword ptr [{ap} + 16]{{1to16}}",
+                    "vdpbf16ps {c50}, {b0}, dword ptr [{ap} + 20]{{1to16}}",
+                    "vdpbf16ps {c51}, {b1}, dword ptr [{ap} + 20]{{1to16}}",
+                    "vdpbf16ps {c60}, {b0}, dword ptr [{ap} + 24]{{1to16}}",
+                    "vdpbf16ps {c61}, {b1}, dword ptr [{ap} + 24]{{1to16}}",
+                    "vdpbf16ps {c70}, {b0}, dword ptr [{ap} + 28]{{1to16}}",
+                    "vdpbf16ps {c71}, {b1}, dword ptr [{ap} + 28]{{1to16}}",
+                    "add {ap}, 32",
+                    "add {bp}, 128",
+                    "dec {n}",
+                    "jnz 2b",
+                    ap = inout(reg) a.as_ptr() => _,
+                    bp = inout(reg) b.as_ptr() => _,
+                    n = inout(reg) kp => _,
+                    b0 = out(zmm_reg) _,
+                    b1 = out(zmm_reg) _,
+                    c00 = inout(zmm_reg) c00,
+                    c01 = inout(zmm_reg) c01,
+                    c10 = inout(zmm_reg) c10,
+                    c11 = inout(zmm_reg) c11,
+                    c20 = inout(zmm_reg) c20,
+                    c21 = inout(zmm_reg) c21,
+                    c30 = inout(zmm_reg) c30,
+                    c31 = inout(zmm_reg) c31,
+                    c40 = inout(zmm_reg) c40,
+                    c41 = inout(zmm_reg) c41,
+                    c50 = inout(zmm_reg) c50,
+                    c51 = inout(zmm_reg) c51,
+                    c60 = inout(zmm_reg) c60,
+                    c61 = inout(zmm_reg) c61,
+                    c70 = inout(zmm_reg) c70,
+                    c71 = inout(zmm_reg) c71,
+                    options(nostack, readonly),
+                );
             }
+            acc = [
+                [c00, c01],
+                [c10, c11],
+                [c20, c21],
+                [c30, c31],
+                [c40, c41],
+                [c50, c51],
+                [c60, c61],
+                [c70, c71],
+            ];
         }
         for r in 0..mr {
             // SAFETY: as for the loads above.
@@ -1344,6 +1427,7 @@ mod x86 {
         _mr: usize,
         _nc: usize,
         _first: bool,
+        _next: *const f32,
     ) {
         unreachable!("the vdpbf16ps kernel off x86-64");
     }
