@@ -20,8 +20,10 @@
 //!   32 by 32 × 16 bf16 product.
 //! - **AVX512-BF16** (`vdpbf16ps`): operands packed into pairs along `k`
 //!   (the instruction's layout), a micro-kernel keeping an 8 × 32 block of
-//!   f32 sums in 16 registers, two products per lane per instruction.
-//!   Blocked as GotoBLAS: 1024 values of `k` at a time, 512 columns of the
+//!   f32 sums in 16 registers, two products per lane per instruction
+//!   (inline assembly: each row's pair broadcast by the instruction's own
+//!   load, `{1to16}`; the next block of sums prefetched). Blocked as
+//!   GotoBLAS: 1024 values of `k` at a time, 512 columns of the
 //!   right operand packed at a time (the vocabulary's products are
 //!   computed block by block of columns), 128 rows of the left one (or
 //!   all of them once, when they are few and the columns many); the packed

@@ -42,11 +42,14 @@
 //! rounding); `weft-model`'s `train_step` bench: GPT-2 small's training
 //! step 1.9–2.3× its f32 step, 1.2–1.7× PyTorch's autocast-bf16 step. On
 //! an AMD EPYC with AVX512-BF16 and no AMX (2 threads): GPT-2 small's
-//! fifteen products (a layer's twelve and the tied head's three) 1.97×
-//! the f32 GEMM (394 vs 200 GFLOP/s, 85% of the measured `vdpbf16ps` peak
-//! of 460; PyTorch's bf16 GEMM reaches 91% there); GPT-2 small's step
-//! 1.80–1.81× its f32 step and 1.42× PyTorch's autocast-bf16 step
-//! (4L/256: 1.74–1.76× and 2.00–2.09×).
+//! fifteen products (a layer's twelve and the tied head's three)
+//! 1.98–2.02× the f32 GEMM (401–415 vs 199–206 GFLOP/s, 86–89% of the
+//! measured `vdpbf16ps` peak of 466); on bf16 buffers the twelve layer
+//! products take what PyTorch's bf16 GEMM takes (101 vs 101 ms, 104 vs
+//! 109; `model/reference/bench_torch_gemm.py`) and the head's three are
+//! 1.18–1.24× faster; GPT-2 small's step 1.82–1.89× its f32 step and
+//! 1.47–1.68× PyTorch's autocast-bf16 step in three alternating runs
+//! (1.51× best against best; 4L/256: 1.70–1.75× and 2.05×).
 //! [`Precision::F16`] rounds the operands to fp16 (bit for bit the f32
 //! kernels on pre-rounded operands; no fp16 products on these CPUs).
 //!
