@@ -1282,6 +1282,8 @@ mod x86 {
                 }
             }
         }
+        // the assembly below is written for this block's shape
+        const { assert!(MR == 8 && NR == 32) };
         if kp > 0 {
             let [
                 [mut c00, mut c01],
