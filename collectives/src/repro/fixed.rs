@@ -360,10 +360,35 @@ multiversion! {
         let mut vals = [0i64; BLOCK];
         let mut sums = [0f64; BLOCK];
         let (mut cur, mut nxt, mut tmp) = (Vec::new(), Vec::new(), Vec::new());
+        // f32 contributions, at most 4, summed to a power-of-two divisor
+        // in f64 lanes by AVX-512 (one reduction of the scan per block)
+        #[cfg(target_arch = "x86_64")]
+        let f32_lanes = small
+            && pow2
+            && T::DTYPE == weft_numerics::Dtype::F32
+            && size_of::<T>() == 4
+            && std::arch::is_x86_feature_detected!("avx512f");
         for (k, blk) in io.chunks_mut(BLOCK).enumerate() {
             let (start, bl) = (k * BLOCK, blk.len());
             for p in peers.iter().chain(&own) {
                 prefetch(p[start..].as_ptr(), PREFETCH * 4, 4);
+            }
+            #[cfg(target_arch = "x86_64")]
+            if f32_lanes && bl == BLOCK {
+                // SAFETY: AVX-512F checked (`f32_lanes`); `T` is f32
+                // (its dtype and size, checked there), so each contribution's
+                // block is `BLOCK` f32 at its pointer, and `blk` is too.
+                let done = unsafe {
+                    let mut ins = [std::ptr::null::<f32>(); 4];
+                    ins[0] = pick(own, blk, start).as_ptr().cast();
+                    for (i, p) in peers.iter().enumerate() {
+                        ins[i + 1] = p[start..start + bl].as_ptr().cast();
+                    }
+                    x86::sum_block(&ins[..n], blk.as_mut_ptr().cast(), shift)
+                };
+                if done {
+                    continue;
+                }
             }
             let ob = pick(own, blk, start);
             let (mut mx, mut mn) = scan(ob, ob);
@@ -450,6 +475,63 @@ multiversion! {
             finish_block(&z, blk, d);
         }
         Ok(())
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use std::arch::x86_64::{
+        _mm256_loadu_ps, _mm256_storeu_ps, _mm512_add_pd, _mm512_cvtpd_ps, _mm512_cvtps_pd,
+        _mm512_loadu_si512, _mm512_max_epu32, _mm512_min_epu32, _mm512_mul_pd,
+        _mm512_reduce_max_epu32, _mm512_reduce_min_epu32, _mm512_rol_epi32, _mm512_set1_epi32,
+        _mm512_set1_pd, _mm512_setzero_si512, _mm512_sub_epi32,
+    };
+
+    use super::{BLOCK, fits_window};
+
+    /// `out = Σ ins / 2^shift` for one block of [`BLOCK`] f32 from each of
+    /// `ins` (1 to 4 of them; `out` may be the first), rounded once, when
+    /// every value fits the f64 window of [`super::sum_all_round`]'s
+    /// small path; else `false`, writing nothing. The scan of
+    /// [`super::scan`], lane-wise over every contribution, reduced once.
+    ///
+    /// # Safety
+    /// The CPU must have AVX-512F; each of `ins` must be valid for reads of
+    /// [`BLOCK`] f32 and `out` for writes of as many.
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn sum_block(ins: &[*const f32], out: *mut f32, shift: i32) -> bool {
+        const { assert!(BLOCK == 64) };
+        debug_assert!((1..=4).contains(&ins.len()));
+        let one = _mm512_set1_epi32(1);
+        let (mut mx, mut mn) = (_mm512_setzero_si512(), _mm512_set1_epi32(-1));
+        for &p in ins {
+            for q in 0..4 {
+                // SAFETY: the caller's contract (16 of the block's 64).
+                let x = unsafe { _mm512_loadu_si512(p.add(16 * q).cast()) };
+                let u = _mm512_rol_epi32::<1>(x);
+                mx = _mm512_max_epu32(mx, u);
+                mn = _mm512_min_epu32(mn, _mm512_sub_epi32(u, one));
+            }
+        }
+        let (mx, mn) = (_mm512_reduce_max_epu32(mx), _mm512_reduce_min_epu32(mn));
+        let top = (mx >> 24) as i32;
+        if top >= 255 || !fits_window(top.max(1), 27, 0, (mx, mn)) {
+            return false;
+        }
+        // exact sums (see `sum_all_round`), scaled exactly, one rounding
+        let scale = _mm512_set1_pd(f64::from_bits(((1023 - shift) as u64) << 52));
+        for h in 0..BLOCK / 8 {
+            // SAFETY: the caller's contract; each 8 of every contribution
+            // are read before the same 8 of `out` are written.
+            unsafe {
+                let mut s = _mm512_cvtps_pd(_mm256_loadu_ps(ins[0].add(8 * h)));
+                for &p in &ins[1..] {
+                    s = _mm512_add_pd(s, _mm512_cvtps_pd(_mm256_loadu_ps(p.add(8 * h))));
+                }
+                _mm256_storeu_ps(out.add(8 * h), _mm512_cvtpd_ps(_mm512_mul_pd(s, scale)));
+            }
+        }
+        true
     }
 }
 
