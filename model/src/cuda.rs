@@ -129,6 +129,26 @@ fn activation_floats(config: &GptConfig, b: usize, t: usize) -> usize {
     config.n_layer * layer + scratch + rest
 }
 
+/// Values of the largest 16-bit cuBLAS product's two rounded operands,
+/// `k · (m + n)` (the sum is the same for a product and its transpose),
+/// over the forward and both backward products of every linear layer and
+/// the tied head for batches of `b × t` tokens: what [`CudaGpt::new`]
+/// reserves ([`Gpu::reserve_operands`]) in bf16 and fp16.
+fn operand_values(config: &GptConfig, b: usize, t: usize) -> usize {
+    let (n, c, v) = (b * t, config.n_embd, config.vocab_size);
+    let mut linears = vec![(c, v)];
+    if config.n_layer > 0 {
+        linears.extend([(c, 3 * c), (c, c), (c, 4 * c), (4 * c, c)]);
+    }
+    linears
+        .into_iter()
+        // forward (k = in), input gradient (k = out), weight gradient
+        // (k = the tokens)
+        .flat_map(|(i, o)| [i * (n + o), o * (n + i), n * (i + o)])
+        .max()
+        .unwrap_or(0)
+}
+
 /// The dense GPT-2 on one GPU, planned for batches of `B` sequences of `T`
 /// tokens.
 pub struct CudaGpt {
@@ -219,6 +239,9 @@ impl CudaGpt {
                 field: "model.ffn",
                 reason: "the CUDA model implements GPT-2's dense MLP block only".into(),
             });
+        }
+        if precision != Precision::F32 {
+            gpu.reserve_operands(operand_values(&config, b, t))?;
         }
         let params = DeviceParams::upload(&gpu, &model.params, tensors)?;
         let grads = DeviceParams::zeros_like(&gpu, &params)?;
@@ -328,17 +351,24 @@ impl CudaGpt {
     }
 
     /// The device memory `model` needs on the GPU for batches of `b × t`
-    /// tokens, before anything is allocated: f32 parameters, gradients
-    /// and two AdamW moments (16 bytes per parameter), and the activations
-    /// and working buffers (f32). The 16-bit products' rounded operand
-    /// copies (bf16, fp16) are allocated per product and come on top.
-    pub fn predict_memory(model: &Gpt, b: usize, t: usize) -> RankMemory {
+    /// tokens with its products in `precision`, before anything is
+    /// allocated: f32 parameters, gradients and two AdamW moments (16 bytes
+    /// per parameter), and the activations and working buffers (f32), with,
+    /// in bf16 and fp16, the buffer of the cuBLAS products' rounded
+    /// operands (2 bytes per value of the largest product's two operands;
+    /// for GPT-2's head, the logits' gradient and the embedding).
+    pub fn predict_memory(model: &Gpt, b: usize, t: usize, precision: Precision) -> RankMemory {
         let p = 4 * model.layout().len();
+        let operands = if precision == Precision::F32 {
+            0
+        } else {
+            2 * operand_values(model.config(), b, t)
+        };
         RankMemory {
             params: p,
             grads: p,
             optimizer: 2 * p,
-            activations: 4 * activation_floats(model.config(), b, t),
+            activations: 4 * activation_floats(model.config(), b, t) + operands,
             comm: 0,
         }
     }
@@ -365,7 +395,7 @@ impl CudaGpt {
             params: p,
             grads: 4 * self.grads.len(),
             optimizer: 2 * p,
-            activations: 4 * acts,
+            activations: 4 * acts + self.gpu.operand_bytes(),
             comm: 0,
         }
     }

@@ -127,6 +127,12 @@ fn compare(precision: Precision, mode: Mode, loss_tol: f64) {
             "{what}: step {step}: GPU loss {got} vs CPU {want}"
         );
     }
+    // every product ran in the operand buffer reserved up front
+    assert_eq!(
+        dev.memory(),
+        CudaGpt::predict_memory(&cpu, b, t, precision),
+        "{what}: memory held after training against its prediction"
+    );
 }
 
 #[test]
@@ -164,7 +170,10 @@ fn gpu_steps_accumulate_clip_and_evaluate_like_the_cpu_model() {
         ..AdamW::default()
     };
     let mut dev = CudaGpt::new(g, &cpu, b, t, hp, Mode::Throughput, Precision::F32).unwrap();
-    assert_eq!(dev.memory(), CudaGpt::predict_memory(&cpu, b, t));
+    assert_eq!(
+        dev.memory(),
+        CudaGpt::predict_memory(&cpu, b, t, Precision::F32)
+    );
     let mut acts = cpu.activations(b, t).unwrap();
     let mut opt = cpu.adamw_state();
     let rel = |a: f64, c: f64| (a - c).abs() / c.abs();

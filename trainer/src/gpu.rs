@@ -168,7 +168,7 @@ fn run(
     host.init_gpt2(t.seed);
     let device = format!("{} ({})", t.device.name(), gpu.name());
     let (peak, peak_source) = datasheet_peak(gpu.name(), t.precision);
-    let predicted = CudaGpt::predict_memory(&host, split.micro, seq);
+    let predicted = CudaGpt::predict_memory(&host, split.micro, seq, t.precision.kernels());
     check_gpu_memory(&gpu, &device, &predicted)?;
 
     let run_dir = crate::run::open_run_dir(config, world, resume)?;

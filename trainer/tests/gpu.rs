@@ -137,3 +137,32 @@ fn a_gpu_run_matches_the_cpu_and_its_checkpoint_continues_there() {
     eprintln!("GPU steps 1-4, then CPU steps 5-8, vs CPU: worst {worst:.2e}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// The GPU's memory prediction counts the 16-bit products' rounded
+/// operands, which the device reserves once: 2 bytes per value of the
+/// largest cuBLAS product's two operands — here the head's input gradient
+/// `dY · W`, `V·(B·T) + V·C` values. A host computation: no GPU needed.
+#[test]
+fn the_gpu_memory_prediction_counts_the_rounded_operands() {
+    use weft_kernels::Precision;
+    use weft_model::cuda::CudaGpt;
+    let cfg = weft_model::GptConfig {
+        n_layer: 2,
+        n_head: 2,
+        n_embd: 64,
+        block_size: 16,
+        vocab_size: 1000,
+        ..weft_model::GptConfig::gpt2_small()
+    };
+    let model = weft_model::Gpt::new(cfg).unwrap();
+    let (b, t) = (2, 16);
+    let f32 = CudaGpt::predict_memory(&model, b, t, Precision::F32);
+    for p in [Precision::Bf16, Precision::F16] {
+        let mixed = CudaGpt::predict_memory(&model, b, t, p);
+        assert_eq!(mixed.activations - f32.activations, 2 * 1000 * (b * t + 64));
+        assert_eq!(
+            (mixed.params, mixed.grads, mixed.optimizer),
+            (f32.params, f32.grads, f32.optimizer)
+        );
+    }
+}

@@ -119,6 +119,11 @@ pub struct Gpu {
     target: Target,
     name: String,
     tf32: bool,
+    /// The 16-bit cuBLAS products' rounded operands, both in one buffer:
+    /// grown to the largest product's and kept (every op runs on the one
+    /// stream, so a product's copies are read before the next product
+    /// rounds into the same memory).
+    operands: Mutex<Option<CudaSlice<u16>>>,
 }
 
 impl std::fmt::Debug for Gpu {
@@ -164,6 +169,7 @@ impl Gpu {
             },
             name,
             tf32: false,
+            operands: Mutex::new(None),
         })
     }
 
@@ -229,6 +235,37 @@ impl Gpu {
         self.stream
             .alloc_zeros(len)
             .map_err(|e| cuda_err("alloc_zeros", e))
+    }
+
+    /// Makes the buffer of the 16-bit products' rounded operands (bf16 or
+    /// fp16 copies of both operands of a cuBLAS product, see
+    /// [`Precision`](crate::Precision)) hold at least `values` of them, so
+    /// that no product allocates: a model reserves its largest product's
+    /// `k · (m + n)` once. The buffer only grows.
+    ///
+    /// # Errors
+    /// [`Error::Cuda`] if the allocation fails.
+    pub fn reserve_operands(&self, values: usize) -> Result<()> {
+        self.operands(values).map(drop)
+    }
+
+    /// Bytes held by the buffer of the 16-bit products' rounded operands
+    /// ([`reserve_operands`](Self::reserve_operands)).
+    pub fn operand_bytes(&self) -> usize {
+        let held = self.operands.lock().unwrap_or_else(|e| e.into_inner());
+        2 * held.as_ref().map_or(0, CudaSlice::len)
+    }
+
+    /// The rounded-operand buffer, grown to at least `values` (`None` while
+    /// nothing was asked of it).
+    pub(crate) fn operands(&self, values: usize) -> Result<MutexGuard<'_, Option<CudaSlice<u16>>>> {
+        let mut held = self.operands.lock().unwrap_or_else(|e| e.into_inner());
+        if values > held.as_ref().map_or(0, CudaSlice::len) {
+            // the smaller one freed first (in stream order)
+            *held = None;
+            *held = Some(self.zeros::<u16>(values)?);
+        }
+        Ok(held)
     }
 
     /// A host copy of a device buffer (waits for the work queued before).

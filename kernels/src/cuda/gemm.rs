@@ -4,9 +4,9 @@
 //! product.
 //!
 //! Precision as on the CPU ([`Precision`]): buffers stay f32; in bf16 and
-//! fp16 the operands are rounded (into scratch copies for cuBLAS, as they
-//! are loaded by the invariant kernel) and the products accumulated in
-//! f32. With [`Precision::F32`] cuBLAS computes in f32
+//! fp16 the operands are rounded (for cuBLAS into the device's operand
+//! buffer, [`Gpu::reserve_operands`], allocated once; by the invariant
+//! kernel as it loads them) and the products accumulated in f32. With [`Precision::F32`] cuBLAS computes in f32
 //! (`CUBLAS_COMPUTE_32F`), or TF32 where [`Gpu::set_tf32`] asks for it.
 //!
 //! cuBLAS is column-major: a row-major `(r, c)` matrix is its column-major
@@ -139,21 +139,23 @@ fn cublas(
     precision: Precision,
 ) -> Result<()> {
     let st = gpu.stream();
-    // Rounded copies of the operands for the 16-bit products.
+    // Rounded copies of the operands for the 16-bit products, side by side
+    // in the device's operand buffer (held, so no other product rounds
+    // into it before this one is queued).
     let a_len = p.m * p.k;
     let b_len = p.k * p.n;
-    let (a_ptr, b_ptr, dtype, _keep) = match precision {
-        Precision::F32 => (p.a.ptr, p.b.ptr, cudaDataType_t::CUDA_R_32F, None),
+    let held;
+    let (a_ptr, b_ptr, dtype) = match precision {
+        Precision::F32 => (p.a.ptr, p.b.ptr, cudaDataType_t::CUDA_R_32F),
         Precision::Bf16 | Precision::F16 => {
             let kernel = if precision == Precision::Bf16 {
                 "to_bf16"
             } else {
                 "to_f16"
             };
-            let ra = gpu.zeros::<u16>(a_len)?;
-            let rb = gpu.zeros::<u16>(b_len)?;
-            let (ap, _) = ra.device_ptr(st);
-            let (bp, _) = rb.device_ptr(st);
+            held = gpu.operands(a_len + b_len)?;
+            let base = held.as_ref().map_or(0, |buf| buf.device_ptr(st).0);
+            let (ap, bp) = (base, base + 2 * a_len as u64);
             round_raw(gpu, p.op, kernel, ap, p.a.ptr, a_len)?;
             round_raw(gpu, p.op, kernel, bp, p.b.ptr, b_len)?;
             let dtype = if precision == Precision::Bf16 {
@@ -161,7 +163,7 @@ fn cublas(
             } else {
                 cudaDataType_t::CUDA_R_16F
             };
-            (ap, bp, dtype, Some((ra, rb)))
+            (ap, bp, dtype)
         }
     };
     let compute = if precision == Precision::F32 && gpu.tf32() {
@@ -217,8 +219,8 @@ fn cublas(
         )
     }
     .map_err(|e| cuda_err(p.op, e))?;
-    // The rounded copies (`_keep`) are freed after this, in stream order
-    // (or after a synchronisation), so after the product has read them.
+    // The next product's rounding, queued after this one on the stream,
+    // overwrites the copies only once this product has read them.
     Ok(())
 }
 
