@@ -27,6 +27,8 @@
 #      room for twenty and the clipping); then each run's checkpoint of
 #      step 10 continued to step 20 on the other device, against that
 #      device's own run (the same bound); the GPU run's tokens/s and MFU;
+#      a fault drill (`--inject nan:step=3 --inject slow:...`): step 3
+#      skipped and reported, training going on;
 #   5. nccl: the NCCL backend's check (collectives/gpu-check.sh: every
 #      collective through NCCL on GPU 0, world size 1);
 #   6. bench: the kernels at GPT-2 small's shapes (time, GB/s, TFLOP/s) and
@@ -117,6 +119,21 @@ if [ "${1:-}" = "--train-check" ]; then
         "$weft" train --resume "$run" --device "$to" || { echo "resuming on $to failed"; rc=1; continue; }
         compare "$from checkpoint continued on $to vs $to" "$dir/$to" "$run" 11 || rc=1
     done
+    # fault drills on the GPU loop: a non-finite step 3 (skipped and
+    # reported, the parameter put back, training goes on) and a slow rank
+    echo "--- weft train --device cuda --inject nan:step=3 --inject slow:step=5,factor=2"
+    if "$weft" train --device cuda --set "run.name=drill" "${common[@]}" --set train.steps=8 \
+        --inject nan:step=3 --inject slow:step=5,factor=2 > "$dir/drill.out" 2>&1; then
+        if grep -q '"skip"' "$dir/drill/metrics.jsonl" && grep -q '"fault"' "$dir/drill/events.jsonl" \
+            && grep -q '"step":8,"loss":[0-9]' "$dir/drill/metrics.jsonl"; then
+            echo "fault drill: step 3 skipped and reported, training went on: ok"
+        else
+            echo "fault drill: no skip event, no fault event or a non-finite loss after it: FAIL"
+            tail -n 5 "$dir/drill.out"; rc=1
+        fi
+    else
+        echo "fault drill: the run failed: FAIL"; tail -n 20 "$dir/drill.out"; rc=1
+    fi
     exit $rc
 fi
 

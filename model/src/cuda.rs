@@ -315,6 +315,24 @@ impl CudaGpt {
         Ok(self.params.download(&self.gpu)?)
     }
 
+    /// Parameter tensor `name`, downloaded.
+    ///
+    /// # Errors
+    /// A kernel error for an unknown name or if the copy fails.
+    pub fn read_param(&self, name: &str) -> Result<Vec<f32>> {
+        Ok(self.params.read(&self.gpu, name)?)
+    }
+
+    /// Overwrites parameter tensor `name` with `values` (its length), in
+    /// stream order: the next step computes with them.
+    ///
+    /// # Errors
+    /// A kernel error for an unknown name, a wrong length or a failed
+    /// copy.
+    pub fn write_param(&mut self, name: &str, values: &[f32]) -> Result<()> {
+        Ok(self.params.write(&self.gpu, name, values)?)
+    }
+
     /// The gradients of the last [`backward`](Self::backward), downloaded.
     ///
     /// # Errors

@@ -17,9 +17,10 @@
 //!
 //! Utilisation is against the GPU's datasheet dense peak in the run's
 //! precision (`weft plan`'s presets: A100, H100 SXM, H200), unknown for
-//! other GPUs. Of the `--inject` faults, kill, hang, spike,
-//! corrupt-checkpoint and crash-during-save fire here; nan and slow do
-//! not.
+//! other GPUs. Every `--inject` fault fires here as in the loop over
+//! ranks: `nan` makes the first parameter non-finite for its steps (the
+//! step is skipped and reported, the value put back), `slow` sleeps the
+//! step's own time again per unit of its factor.
 //!
 //! Not yet run on a GPU: it compiles and lints in CI, and
 //! `scripts/gpu-check.sh` runs it against the CPU loop on a GPU machine.
@@ -239,6 +240,7 @@ fn run(
         metrics.eval(observer, 0, e)?;
     }
     let mut spikes = Spikes::new(config, &kept);
+    let mut last_step_time = std::time::Duration::ZERO;
     crate::supervise::heartbeat(&run_dir, 0, start_step);
     for step in start_step..t.steps {
         crate::supervise::before_step(&run_dir, step + 1, 0);
@@ -248,13 +250,29 @@ fn run(
         let batches =
             crate::run::read_batches(data, batch, 0..split.per_rank, split.micro, Some(&run_dir))?;
         let hp = crate::run::adamw(&config.optim, lr);
+        let slow = crate::supervise::slowdown(step + 1, 0);
+        let slept = last_step_time.mul_f64(slow - 1.0);
+        std::thread::sleep(slept);
+        let poisoned = match crate::supervise::nan_at(batch + 1) {
+            Some(f) => {
+                if batch + 1 == f.step {
+                    crate::supervise::fired(&run_dir, &f, 0);
+                }
+                poison(&mut model, &layout)?
+            }
+            None => None,
+        };
         let out = model.train_step_batches(
             &crate::run::micro_batches(&batches),
             &hp,
             config.optim.grad_clip,
         )?;
+        if let Some((name, values)) = poisoned {
+            model.write_param(&name, &values)?;
+        }
         // the step's work is done when the device's queue is
         model.gpu().synchronize().map_err(weft_model::Error::from)?;
+        last_step_time = step_start.elapsed().saturating_sub(slept);
         if !out.applied {
             let event = crate::run::skip_event(step + 1, out.loss, out.grad_norm);
             metrics.health(observer, event)?;
@@ -304,6 +322,25 @@ fn run(
     let summary = metrics.summary(&info, start.elapsed());
     crate::run::finish(true, &summary, observer)?;
     Ok(summary)
+}
+
+/// A `nan` fault on the device: the first value of the first parameter
+/// tensor made NaN (the tied head then makes every logit, and the loss,
+/// non-finite). Returns the tensor's values, to put back after the step.
+fn poison(
+    model: &mut CudaGpt,
+    layout: &weft_model::ParamLayout,
+) -> Result<Option<(String, Vec<f32>)>, TrainError> {
+    for spec in layout.specs() {
+        let values = model.read_param(&spec.name)?;
+        let mut bad = values.clone();
+        if let Some(v) = bad.first_mut() {
+            *v = f32::NAN;
+            model.write_param(&spec.name, &bad)?;
+            return Ok(Some((spec.name.clone(), values)));
+        }
+    }
+    Ok(None)
 }
 
 #[cfg(test)]

@@ -7,7 +7,7 @@ use std::ops::Range;
 
 use cudarc::driver::{CudaSlice, CudaView, CudaViewMut};
 
-use super::device::Gpu;
+use super::device::{Gpu, cuda_err};
 use super::ops::{adamw_update, round_to_bf16};
 use crate::adamw::AdamW;
 use crate::error::{Error, Result};
@@ -154,6 +154,41 @@ impl DeviceParams {
     /// [`Error::Cuda`].
     pub fn download(&self, gpu: &Gpu) -> Result<Vec<f32>> {
         gpu.download(&self.data)
+    }
+
+    /// A host copy of tensor `name` (waits for the work queued before).
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for an unknown name; [`Error::Cuda`].
+    pub fn read(&self, gpu: &Gpu, name: &str) -> Result<Vec<f32>> {
+        gpu.download(&self.view(name)?)
+    }
+
+    /// Overwrites tensor `name` with `host`, in stream order (and the bf16
+    /// copy, when there is one).
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for an unknown name;
+    /// [`Error::ShapeMismatch`] if `host` is not the tensor's length;
+    /// [`Error::Cuda`].
+    pub fn write(&mut self, gpu: &Gpu, name: &str, host: &[f32]) -> Result<()> {
+        let r = self.range(name)?;
+        if host.len() != r.len() {
+            return Err(Error::ShapeMismatch {
+                op: "DeviceParams::write",
+                buffer: "host",
+                expected: r.len(),
+                got: host.len(),
+            });
+        }
+        let mut dst = self.data.slice_mut(r);
+        gpu.stream()
+            .memcpy_htod(host, &mut dst)
+            .map_err(|e| cuda_err("DeviceParams::write", e))?;
+        if self.bf16.is_some() {
+            self.refresh_bf16(gpu)?;
+        }
+        Ok(())
     }
 }
 
