@@ -672,6 +672,27 @@ fn forward_rows<T: Real>(
     precision: Precision,
 ) {
     if let Some(bias) = bias {
+        // bf16 products on f32 buffers start their sums from the bias
+        // (the bits of accumulating into a copy of it, without the copy)
+        if precision == Precision::Bf16
+            && let (Some(d), Some(wb), Some(bb)) =
+                (T::as_f32_mut(out), f32_view(w), T::as_f32(bias))
+        {
+            match x {
+                LinearInput::Wide(data) => {
+                    if let Some(data) = T::as_f32(data) {
+                        let a = View { data, rs: c, cs: 1 };
+                        gemm_bf16::product_with_bias(n, oc, c, d, bb, a, wb);
+                        return;
+                    }
+                }
+                LinearInput::Bf16(data) => {
+                    let a = View { data, rs: c, cs: 1 };
+                    gemm_bf16::product_with_bias(n, oc, c, d, bb, a, wb);
+                    return;
+                }
+            }
+        }
         for row in out.chunks_exact_mut(oc) {
             row.copy_from_slice(bias);
         }
