@@ -481,13 +481,71 @@ multiversion! {
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use std::arch::x86_64::{
-        _mm256_loadu_ps, _mm256_storeu_ps, _mm512_add_pd, _mm512_cvtpd_ps, _mm512_cvtps_pd,
-        _mm512_loadu_si512, _mm512_max_epu32, _mm512_min_epu32, _mm512_mul_pd,
-        _mm512_reduce_max_epu32, _mm512_reduce_min_epu32, _mm512_rol_epi32, _mm512_set1_epi32,
-        _mm512_set1_pd, _mm512_setzero_si512, _mm512_sub_epi32,
+        _mm_cvtsi64_si128, _mm256_loadu_ps, _mm256_mask_storeu_ps, _mm256_storeu_ps,
+        _mm512_abs_epi64, _mm512_add_epi64, _mm512_add_pd, _mm512_andnot_si512,
+        _mm512_cmpge_epu64_mask, _mm512_cvtepi64_pd, _mm512_cvtepu64_pd, _mm512_cvtpd_ps,
+        _mm512_cvtps_pd, _mm512_loadu_si512, _mm512_mask_loadu_epi64, _mm512_mask_mov_epi64,
+        _mm512_mask_or_epi64, _mm512_mask_sub_pd, _mm512_max_epu32, _mm512_min_epu32,
+        _mm512_movepi64_mask, _mm512_mul_pd, _mm512_reduce_max_epu32, _mm512_reduce_min_epu32,
+        _mm512_rol_epi32, _mm512_set1_epi32, _mm512_set1_epi64, _mm512_set1_pd, _mm512_setzero_pd,
+        _mm512_setzero_si512, _mm512_sll_epi64, _mm512_sub_epi32, _mm512_test_epi64_mask,
     };
 
     use super::{BLOCK, fits_window};
+
+    /// `out[i] = Σ (lane_k[i] << shift_k) · scale`, rounded once to f32,
+    /// for `len` lanes of little-endian i64 from each piece `(lanes,
+    /// shift)`: what [`super::round_lane`] gives lane by lane when `odd`
+    /// (sums of 2^53 or more rounded to odd at bit 11 first, then exact in
+    /// f64), and `v as f64 · scale` when not (sums below 2^53), eight
+    /// lanes at a time summed over every piece in registers.
+    ///
+    /// # Safety
+    /// The CPU must have AVX-512F and -DQ; each piece valid for reads of
+    /// `len` i64 and `out` for writes of `len` f32; every sum below 2^63
+    /// in magnitude and `scale` a normal power of two whose products stay
+    /// normal.
+    #[target_feature(enable = "avx512f,avx512dq,avx512vl")]
+    pub(super) unsafe fn merge_round(
+        pieces: &[(*const i64, u32)],
+        len: usize,
+        scale: f64,
+        odd: bool,
+        out: *mut f32,
+    ) {
+        let sc = _mm512_set1_pd(scale);
+        let low = _mm512_set1_epi64(0x7ff);
+        let bit11 = _mm512_set1_epi64(0x800);
+        let two53 = _mm512_set1_epi64(1 << 53);
+        let mut i = 0;
+        while i < len {
+            let w = (len - i).min(8);
+            let m = if w == 8 { 0xff } else { (1u8 << w) - 1 };
+            let mut acc = _mm512_setzero_si512();
+            for &(p, sh) in pieces {
+                // SAFETY: the caller's contract (`w` lanes from `i`).
+                let x = unsafe { _mm512_mask_loadu_epi64(_mm512_setzero_si512(), m, p.add(i)) };
+                let x = _mm512_sll_epi64(x, _mm_cvtsi64_si128(i64::from(sh)));
+                acc = _mm512_add_epi64(acc, x);
+            }
+            let f = if odd {
+                let neg = _mm512_movepi64_mask(acc);
+                let a = _mm512_abs_epi64(acc);
+                let big = _mm512_cmpge_epu64_mask(a, two53);
+                let sticky = _mm512_test_epi64_mask(a, low);
+                let hi = _mm512_andnot_si512(low, a);
+                let rounded = _mm512_mask_or_epi64(hi, sticky, hi, bit11);
+                let a = _mm512_mask_mov_epi64(a, big, rounded);
+                let f = _mm512_mul_pd(_mm512_cvtepu64_pd(a), sc);
+                _mm512_mask_sub_pd(f, neg, _mm512_setzero_pd(), f)
+            } else {
+                _mm512_mul_pd(_mm512_cvtepi64_pd(acc), sc)
+            };
+            // SAFETY: the caller's contract (`w` values from `i`).
+            unsafe { _mm256_mask_storeu_ps(out.add(i), m, _mm512_cvtpd_ps(f)) };
+            i += w;
+        }
+    }
 
     /// `out = Σ ins / 2^shift` for one block of [`BLOCK`] f32 from each of
     /// `ins` (1 to 4 of them; `out` may be the first), rounded once, when
@@ -643,12 +701,26 @@ multiversion! {
         let mut vals = [T::ZERO; BLOCK];
         let end = skip + out.len();
         let mut out = Tiles::new(out);
+        // f32 results of pieces of i64 lanes summed by AVX-512 in registers
+        #[cfg(target_arch = "x86_64")]
+        let merge_lanes = lanes_dtype
+            && T::DTYPE == weft_numerics::Dtype::F32
+            && size_of::<T>() == 4
+            && std::arch::is_x86_feature_detected!("avx512f")
+            && std::arch::is_x86_feature_detected!("avx512dq")
+            && std::arch::is_x86_feature_detected!("avx512vl");
         for start in (0..blen).step_by(BLOCK) {
             let bl = BLOCK.min(blen - start);
             let (lo, hi) = (skip.max(start), end.min(start + bl));
             let mut m = 0;
             if lanes_dtype {
                 for (p, &q) in pieces.iter().zip(&pos) {
+                    // blocks a few ahead of this one, from every peer's
+                    // memory at once (with two pieces the hardware
+                    // prefetcher keeps up alone)
+                    if n > 2 {
+                        prefetch(p.as_ptr().wrapping_add(q), PREFETCH * 8, 8);
+                    }
                     match two_words(p, q, bl) {
                         Some(b) => plain[m] = b,
                         None => break,
@@ -688,6 +760,30 @@ multiversion! {
                             };
                             // |v| < 2^53: exact in f64, one rounding
                             *o = T::from_f64(v as f64 * scale);
+                        }
+                        continue;
+                    }
+                    #[cfg(target_arch = "x86_64")]
+                    if merge_lanes && pow2 {
+                        let mut ptrs = [(std::ptr::null::<i64>(), 0u32); MAX_DIRECT];
+                        for (q, &(eb, _, p)) in ptrs.iter_mut().zip(plain) {
+                            *q = (p.wrapping_add(lo - start), (eb - e) as u32);
+                        }
+                        // SAFETY: AVX-512F/DQ checked (`merge_lanes`), `T`
+                        // is f32 (its dtype and size, checked there);
+                        // `two_words` checked that every block holds 8·bl
+                        // bytes and `lo - start .. hi - start` lies in it;
+                        // `dst` holds `hi - lo` values; the sums are below
+                        // 2^62 (`top`) and `e` is in range, so `scale`
+                        // and the products stay normal.
+                        unsafe {
+                            x86::merge_round(
+                                &ptrs[..n],
+                                hi - lo,
+                                scale,
+                                top > 53,
+                                dst.as_mut_ptr().cast::<f32>(),
+                            );
                         }
                         continue;
                     }
@@ -1146,6 +1242,117 @@ mod tests {
             .map(|v| v.iter().map(|&x| bf16::from_f32(x * 1e-30)).collect())
             .collect();
         assert_eq!(bits(&direct(&h, 1)), bits(&exact(&h, 1)));
+    }
+
+    /// The AVX-512 merge of i64 lanes gives, lane by lane, the bits of
+    /// summing the shifted lanes in i64 and rounding with `round_lane`
+    /// (sums past 2^53: rounded to odd first) or `v as f64 · scale` (below):
+    /// random lanes of 1 to 5 pieces with random shifts, sums near ±2^53
+    /// and past it with halfway and sticky patterns at bit 11 and at f32's
+    /// half-ulp, and tails shorter than eight lanes.
+    #[test]
+    #[allow(clippy::print_stderr)]
+    fn vector_lane_merge_rounds_as_round_lane() {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if !(std::arch::is_x86_feature_detected!("avx512f")
+                && std::arch::is_x86_feature_detected!("avx512dq")
+                && std::arch::is_x86_feature_detected!("avx512vl"))
+            {
+                eprintln!("SKIPPED: no AVX-512F/DQ/VL");
+                return;
+            }
+            let mut x = 0x2545_f491_4f6c_dd1du64;
+            let mut next = move || {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                x
+            };
+            for case in 0..400 {
+                let n = 1 + case % 5;
+                let len = 1 + (next() % 37) as usize;
+                // magnitude of the lanes: below 2^53 after the sum, or up
+                // to 2^61 with patterns that round at bit 11 and at f32's
+                // half ulp of the result
+                let bits = 20 + (next() % 40) as u32;
+                let mut shifts: Vec<u32> = (0..n).map(|_| (next() % 3) as u32).collect();
+                let mut lanes: Vec<Vec<i64>> = (0..n)
+                    .map(|_| {
+                        (0..len)
+                            .map(|_| {
+                                let mut v = (next() >> (64 - bits)) as i64;
+                                match next() % 4 {
+                                    0 => v = (v & !0xfff) | 0x800, // halfway at bit 11
+                                    1 => v |= 1,                   // sticky below it
+                                    2 => v = (v >> 40) << 40,      // exact in f32
+                                    _ => {}
+                                }
+                                if next() % 2 == 0 { -v } else { v }
+                            })
+                            .collect()
+                    })
+                    .collect();
+                let e = -((next() % 200) as i32) - 40;
+                let scale = f64::from_bits(((e + 1023) as u64) << 52);
+                if case % 3 == 0 {
+                    // the first piece's lanes (the others zero, no shift):
+                    // sums of 54 to 62 bits just above f32's halfway point
+                    // by bits that f64 alone would round away (double
+                    // rounding would tie to even, down)
+                    for l in lanes.iter_mut().skip(1) {
+                        l.fill(0);
+                    }
+                    shifts.fill(0);
+                    for v in &mut lanes[0] {
+                        let t = 54 + (next() % 9) as u32; // bit length
+                        let half = t - 25;
+                        let hi = (next() >> (64 - t)) | (1 << (t - 1));
+                        let keep = !((1u64 << (half + 2)) - 1); // above the lsb
+                        let low = 1 + next() % ((1 << (t - 53)) - 1).max(1);
+                        let m = (hi & keep) | (1 << half) | low;
+                        *v = if next() % 2 == 0 {
+                            -(m as i64)
+                        } else {
+                            m as i64
+                        };
+                    }
+                }
+                let sums: Vec<i64> = (0..len)
+                    .map(|i| {
+                        lanes
+                            .iter()
+                            .zip(&shifts)
+                            .fold(0i64, |s, (l, &sh)| s.wrapping_add(l[i] << sh))
+                    })
+                    .collect();
+                let top = sums
+                    .iter()
+                    .map(|v| 64 - v.unsigned_abs().leading_zeros())
+                    .max();
+                if top.unwrap_or(0) > 62 {
+                    continue;
+                }
+                let odd = top.unwrap_or(0) > 53;
+                let ptrs: Vec<(*const i64, u32)> = lanes
+                    .iter()
+                    .zip(&shifts)
+                    .map(|(l, &sh)| (l.as_ptr(), sh))
+                    .collect();
+                let mut got = vec![f32::NAN; len];
+                // SAFETY: AVX-512F/DQ/VL checked; every piece holds `len`
+                // lanes, `got` as many; sums below 2^63, scale normal.
+                unsafe { x86::merge_round(&ptrs, len, scale, odd, got.as_mut_ptr()) };
+                for (i, (&g, &v)) in got.iter().zip(&sums).enumerate() {
+                    let want: f32 = if odd {
+                        round_lane(v, scale)
+                    } else {
+                        f32::from_f64(v as f64 * scale)
+                    };
+                    assert_eq!(g.to_bits(), want.to_bits(), "case {case} lane {i}: sum {v}");
+                }
+            }
+        }
     }
 
     #[test]
