@@ -48,8 +48,9 @@
 //! products take what PyTorch's bf16 GEMM takes (101 vs 101 ms, 104 vs
 //! 109; `model/reference/bench_torch_gemm.py`) and the head's three are
 //! 1.18–1.24× faster; GPT-2 small's step 1.82–1.89× its f32 step and
-//! 1.47–1.68× PyTorch's autocast-bf16 step in three alternating runs
-//! (1.51× best against best; 4L/256: 1.70–1.75× and 2.05×).
+//! 1.47–1.86× PyTorch's autocast-bf16 step per run over fifteen
+//! alternating runs (1.50–1.69× best against best in each set of three;
+//! 4L/256: 1.70–1.75× and 2.05×).
 //! [`Precision::F16`] rounds the operands to fp16 (bit for bit the f32
 //! kernels on pre-rounded operands; no fp16 products on these CPUs).
 //!
