@@ -8,7 +8,7 @@
 //! A second table runs the collectives a training step calls (ring
 //! all-reduce, reduce-scatter and all-gather; reproducible and exact
 //! all-reduce and reduce-scatter; bf16 reduce-scatter and all-gather; the
-//! all-gather in place) side
+//! all-gather in place; the exact accumulation of FSDP's micro-batches) side
 //! by side from 1 MiB up, alternating in rounds, with their ratios to
 //! memcpy and to each other (`WEFT_BENCH_OPS=side` prints only that table).
 //! `WEFT_BENCH_RANKS_PER_DOMAIN=k` runs it over domains of k ranks (with
@@ -132,7 +132,7 @@ fn memcpy_bw(bytes: usize, threads: usize) -> f64 {
 /// `ROUNDS` rounds inside one cluster and each keeps its fastest round, so
 /// that a load spike on the shared machine hits all alike. Seconds per
 /// call (rank 0, between barriers), and `ExactPartial::add` per element.
-const SIDE: [&str; 12] = [
+const SIDE: [&str; 13] = [
     "ring all_reduce",
     "ring reduce_scatter",
     "ring all_gather",
@@ -145,6 +145,7 @@ const SIDE: [&str; 12] = [
     "ring all_gather in place",
     "all_reduce_exact, 2 contributions",
     "reduce_scatter_exact_div, 2 contributions",
+    "reduce_scatter_add_exact into an encoded accumulator",
 ];
 
 fn side_by_side(n: usize, bytes: usize) -> ([f64; SIDE.len()], f64) {
@@ -171,6 +172,7 @@ fn side_by_side(n: usize, bytes: usize) -> ([f64; SIDE.len()], f64) {
                 let mut shard16 = vec![bf16::ZERO; sr.len()];
                 let mut partial = ExactPartial::new(elems);
                 partial.add(&grad)?;
+                let mut acc = ExactPartial::new(sr.len());
                 let ring = ReduceOptions::new(ReduceOp::Sum).algorithm(Algorithm::Ring);
                 let repro = ring.reproducible(true);
                 let mut best = [f64::MAX; SIDE.len()];
@@ -201,6 +203,14 @@ fn side_by_side(n: usize, bytes: usize) -> ([f64; SIDE.len()], f64) {
                                     partial.add(&grad)?;
                                     partial.add(&grad)?;
                                 }
+                                12 => {
+                                    // a later micro-batch: the shard's
+                                    // accumulator already encoded
+                                    inp.copy_from_slice(&grad);
+                                    acc.clear();
+                                    acc.add(&grad[sr.clone()])?;
+                                    acc.add(&grad[sr.clone()])?;
+                                }
                                 7 => inp16.copy_from_slice(&g16),
                                 8 => inp16[..sr.len()].copy_from_slice(&g16[..sr.len()]),
                                 // the rank's shard of `buf` is its input
@@ -229,6 +239,7 @@ fn side_by_side(n: usize, bytes: usize) -> ([f64; SIDE.len()], f64) {
                                 )?,
                                 9 => comm.all_gather_in_place_with(&mut buf, Algorithm::Ring)?,
                                 10 => comm.all_reduce_exact(&partial, &mut buf, ReduceOp::Sum)?,
+                                12 => comm.reduce_scatter_add_exact(&inp, &mut acc)?,
                                 _ => {
                                     comm.reduce_scatter_exact_div(&partial, &mut shard, n as u64)?;
                                 }
@@ -340,10 +351,10 @@ fn main() {
             topology()
         );
         println!(
-            "# busbw and /mc2 (busbw over the 2-thread memcpy above); rs/ar, ag/ar: busbw over the ring all-reduce's; the rest: time over the plain op's; exact, exdiv: one contribution per rank (it travels as values), exact2, exdiv2: two (encoded); agip: all-gather in place"
+            "# busbw and /mc2 (busbw over the 2-thread memcpy above); rs/ar, ag/ar: busbw over the ring all-reduce's; the rest: time over the plain op's; exact, exdiv: one contribution per rank (it travels as values), exact2, exdiv2: two (encoded); agip: all-gather in place; rsadd: reduce_scatter_add_exact (FSDP's reproducible reduce-scatter of a micro-batch after the first) into encoded accumulators"
         );
         println!(
-            "{:>10} {:>8} {:>8} {:>8} {:>7} {:>7} {:>7} {:>6} {:>6} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>8} {:>8} {:>9} {:>9} {:>8}",
+            "{:>10} {:>8} {:>8} {:>8} {:>7} {:>7} {:>7} {:>6} {:>6} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>8} {:>8} {:>9} {:>9} {:>8} {:>9}",
             "bytes",
             "ar GB/s",
             "rs GB/s",
@@ -363,7 +374,8 @@ fn main() {
             "bf16 ag",
             "add ns/el",
             "agip GB/s",
-            "agip/ar"
+            "agip/ar",
+            "rsadd/rs"
         );
         let f = (n as f64 - 1.0) / n as f64;
         let mut bytes = 1 << 20;
@@ -373,7 +385,7 @@ fn main() {
             let (ar, rs, ag) = (b / t[0] * 2.0 * f, b / t[1] * f, b / t[2] * f);
             let agip = b / t[9] * f;
             println!(
-                "{:>10} {:>8.2} {:>8.2} {:>8.2} {:>7.2} {:>7.2} {:>7.2} {:>6.2} {:>6.2} {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:>8.2} {:>8.2} {:>9.2} {:>9.2} {:>8.2}",
+                "{:>10} {:>8.2} {:>8.2} {:>8.2} {:>7.2} {:>7.2} {:>7.2} {:>6.2} {:>6.2} {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:>8.2} {:>8.2} {:>9.2} {:>9.2} {:>8.2} {:>9.2}",
                 bytes,
                 ar / 1e9,
                 rs / 1e9,
@@ -393,7 +405,8 @@ fn main() {
                 t[8] / t[2],
                 add * 1e9,
                 agip / 1e9,
-                agip / ar
+                agip / ar,
+                t[12] / t[1]
             );
             bytes *= 4;
         }

@@ -535,6 +535,68 @@ pub trait CommunicatorExt: Communicator {
         )
     }
 
+    /// Adds every rank's chunk of `input` exactly into the accumulator of
+    /// the rank that owns it: chunk `r` of each rank's `input`
+    /// ([`shard_range`](crate::shard_range)`(input.len(), size, r)`) goes to
+    /// rank `r` as values and is added to its `acc` as one contribution, so
+    /// a call adds `size` contributions to every rank's accumulator.
+    ///
+    /// The reduce-scatter of sharded gradient accumulation in reproducible
+    /// mode (what weft-fsdp runs per micro-batch): the plain
+    /// reduce-scatter's bytes on the wire, not an exact encoding of about
+    /// twice as many, and each shard's owner keeps the exact sum of every
+    /// rank's micro-batches, to be rounded once at the end
+    /// ([`ExactPartial::div_to`](crate::repro::ExactPartial::div_to), or
+    /// [`all_reduce_exact_div`](Self::all_reduce_exact_div) across
+    /// replicas). Bitwise the same for any number of ranks and any split
+    /// of the micro-batches over them.
+    ///
+    /// ```
+    /// use weft_collectives::{Communicator, CommunicatorExt, LocalCluster, repro::ExactPartial};
+    ///
+    /// let sums = LocalCluster::run(2, |comm| {
+    ///     let mut acc = ExactPartial::new(2); // this rank's half of 4
+    ///     for micro in 0..3 {
+    ///         let g = vec![0.1f32 * (comm.rank() + micro) as f32; 4];
+    ///         comm.reduce_scatter_add_exact(&g, &mut acc)?;
+    ///     }
+    ///     let mut mean = vec![0f32; 2];
+    ///     acc.mean_to(&mut mean)?; // the exact sum of 6 contributions / 6, rounded once
+    ///     Ok::<_, weft_collectives::Error>((acc.count(), mean))
+    /// })?;
+    /// assert_eq!(sums[0].as_ref().unwrap().0, 6);
+    /// # Ok::<(), weft_collectives::Error>(())
+    /// ```
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] if `acc` is not as long as this rank's
+    /// chunk; and as for any collective.
+    fn reduce_scatter_add_exact<T: Element>(
+        &self,
+        input: &[T],
+        acc: &mut crate::repro::ExactPartial,
+    ) -> Result<()> {
+        let want = crate::shard_range(input.len(), self.size(), self.rank()).len();
+        if acc.len() != want {
+            return Err(Error::InvalidArgument {
+                op: OpKind::ReduceScatter,
+                arg: "acc",
+                reason: format!(
+                    "{} elements, expected this rank's chunk of {want}",
+                    acc.len()
+                ),
+            });
+        }
+        // no algorithm: a different protocol from `reduce_scatter_exact`'s,
+        // so the two mixed up are a mismatch, not a hang
+        let sig = Signature {
+            algorithm: None,
+            ..exact_signature::<T>(OpKind::ReduceScatter, input.len(), ReduceOp::Sum)
+        };
+        let ctx = self.begin(sig)?;
+        crate::repro::reduce_scatter_add_exact(self, &ctx, input, acc)
+    }
+
     /// Like [`all_reduce_exact`](Self::all_reduce_exact) with `Avg`, but
     /// the exact sum of every rank's contributions is divided by `divisor`
     /// (the same on every rank) instead of by the number of contributions,

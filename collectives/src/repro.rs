@@ -214,7 +214,7 @@ mod fused;
 mod partial;
 
 pub use partial::ExactPartial;
-pub(crate) use partial::reduce_scatter_exact;
+pub(crate) use partial::{reduce_scatter_add_exact, reduce_scatter_exact};
 
 /// Appends `(a[i] << sa) + (b[i] << sb)` for the first `n` little-endian
 /// i64 words of `a` and `b`; returns the OR of the results' magnitudes

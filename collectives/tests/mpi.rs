@@ -448,6 +448,28 @@ fn reproducible_mode_equals_exact_sum(c: &MpiComm, checks: &mut usize) {
         assert_eq!(bits(&out), bits(&want[sr]), "reduce_scatter_exact {op:?}");
         *checks += 2;
     }
+    // the values of every contribution added into the shards' owners'
+    // accumulators, one reduce-scatter per contribution (every rank takes
+    // part in each; a rank without that contribution adds zeros, which
+    // change no sum but the count)
+    let sr = shard_range(len, n, r);
+    let mut acc = ExactPartial::new(sr.len());
+    for q in 0..m {
+        let x = if mine.contains(&q) {
+            col(q)
+        } else {
+            vec![0f32; len]
+        };
+        c.reduce_scatter_add_exact(&x, &mut acc)
+            .expect("reduce_scatter_add_exact");
+    }
+    let mut want = vec![0f32; len];
+    all.round_to(&mut want).expect("round");
+    let mut got = vec![0f32; sr.len()];
+    acc.round_to(&mut got).expect("round");
+    assert_eq!(bits(&got), bits(&want[sr]), "reduce_scatter_add_exact");
+    assert_eq!(acc.count(), (n * m) as u64);
+    *checks += 1;
 }
 
 fn split_mesh_send_recv_and_non_blocking(c: &MpiComm, checks: &mut usize) {

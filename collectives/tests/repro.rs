@@ -536,3 +536,56 @@ fn bf16_gradients_on_the_wire_add_no_bias() {
         stats(&control)
     );
 }
+
+/// `reduce_scatter_add_exact` over `n` ranks holding `per` micro-batches
+/// each (of the `n · per` columns of `cols`): every rank's shard of the
+/// exact sum of all of them, rounded once.
+fn add_exact_over(cols: &[Vec<f32>], n: usize) -> Vec<f32> {
+    let per = cols.len() / n;
+    let len = cols[0].len();
+    let shards = LocalCluster::run(n, |comm| {
+        let r = shard_range(len, n, comm.rank());
+        let mut acc = weft_collectives::repro::ExactPartial::new(r.len());
+        for col in &cols[comm.rank() * per..(comm.rank() + 1) * per] {
+            comm.reduce_scatter_add_exact(col, &mut acc)?;
+        }
+        assert_eq!(acc.count(), cols.len() as u64);
+        let mut out = vec![0f32; r.len()];
+        acc.round_to(&mut out)?;
+        Ok::<_, weft_collectives::Error>(out)
+    })
+    .unwrap();
+    shards.into_iter().flat_map(|s| s.unwrap()).collect()
+}
+
+#[test]
+fn reduce_scatter_add_exact_sums_every_rank_and_micro_batch_once() {
+    // 12 contributions split over 1, 2, 3, 4 and 6 ranks, uneven shards
+    let len = 1000 + 7;
+    let cols = data(99, 12, len);
+    let want = exact(&cols);
+    for n in [1, 2, 3, 4, 6] {
+        assert_eq!(bits(&add_exact_over(&cols, n)), bits(&want), "{n} ranks");
+    }
+}
+
+#[test]
+fn reduce_scatter_add_exact_refuses_a_wrong_accumulator_and_a_mixed_up_call() {
+    let out = LocalCluster::run(2, |comm| {
+        let x = vec![1.0f32; 8];
+        let mut wrong = weft_collectives::repro::ExactPartial::new(3);
+        assert!(comm.reduce_scatter_add_exact(&x, &mut wrong).is_err());
+        // rank 0 adds, rank 1 runs the encoded reduce-scatter: a mismatch
+        let mut acc = weft_collectives::repro::ExactPartial::new(4);
+        acc.add(&[1.0f32; 4])?;
+        if comm.rank() == 0 {
+            comm.reduce_scatter_add_exact(&x, &mut acc).map(|_| ())
+        } else {
+            let whole = weft_collectives::repro::ExactPartial::new(8);
+            let mut o = vec![0f32; 4];
+            comm.reduce_scatter_exact(&whole, &mut o, ReduceOp::Sum)
+        }
+    })
+    .unwrap();
+    assert!(out.iter().all(Result::is_err), "{out:?}");
+}

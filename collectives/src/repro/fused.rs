@@ -652,43 +652,58 @@ pub(super) fn round_range<T: Element>(
 }
 
 multiversion! {
-/// Adds the native values `ys` to the encoding `enc` of `ys.len()`
-/// elements in place: blocks that keep their size are rewritten where they
-/// are (the common case: two words, no flags); from the first block that
-/// changes size on, the rest is written to `spill`, which then replaces
-/// `enc`.
+/// Adds each of the native slices `ys` (all of them the encoding's
+/// length) to the encoding `enc` in place, block by block: every source's
+/// block is added while the encoded block is in the cache, so the encoding
+/// is read and written once whatever the number of sources. Blocks that
+/// keep their size are rewritten where they are (the common case: two
+/// words, no flags); from the first block that changes size on, the rest
+/// is written to `spill`, which then replaces `enc`.
 pub(super) fn add_in_place<T: Element>(
     enc: &mut Vec<u8>,
-    ys: &[T],
+    ys: &[&[T]],
     spill: &mut Vec<u8>,
     offs: &mut Vec<usize>,
 ) -> Result<()> {
+    let len = ys.first().map_or(0, |y| y.len());
     let mut tmp = Vec::new();
     let mut blkenc = Vec::with_capacity(HEADER + 8 * BLOCK);
+    let mut chain = Vec::with_capacity(HEADER + 8 * BLOCK);
     let mut pos = 0;
     offs.clear();
-    let mut chunks = ys.chunks(BLOCK);
-    while let Some(blk) = chunks.next() {
-        let bl = blk.len();
+    for (b, s) in (0..len).step_by(BLOCK).enumerate() {
+        let bl = BLOCK.min(len - s);
         let p0 = pos;
         offs.push(p0);
-        let x = read_block(enc, &mut pos, bl)?;
-        if T::DTYPE != Dtype::F64 {
-            let yb = f32_bits(blk);
-            if let Some(p) = plan(&x, &yb[..bl]) {
-                let data = &mut enc[p0 + HEADER..p0 + HEADER + 8 * bl];
-                let ptr = data.as_mut_ptr().cast::<i64>();
-                // SAFETY: `data` holds 8·bl bytes (a two-word block of bl
-                // elements, checked by `read_block`); reading and writing
-                // lane i through the same pointer is allowed.
-                let acc = unsafe { lanes(ptr, ptr, &yb[..bl], &p) };
-                enc[p0..p0 + 4].copy_from_slice(&p.e.to_le_bytes());
-                enc[p0 + 6..p0 + 8].copy_from_slice(&(bitlen64(acc) as u16).to_le_bytes());
-                continue;
+        // the sources the lanes take, in order, while they can
+        let mut done = 0;
+        let mut end;
+        let x = loop {
+            end = p0;
+            let x = read_block(enc, &mut end, bl)?;
+            if done == ys.len() || T::DTYPE == Dtype::F64 {
+                break x;
             }
+            let yb = f32_bits(&ys[done][s..s + bl]);
+            let Some(p) = plan(&x, &yb[..bl]) else {
+                break x;
+            };
+            let data = &mut enc[p0 + HEADER..p0 + HEADER + 8 * bl];
+            let ptr = data.as_mut_ptr().cast::<i64>();
+            // SAFETY: `data` holds 8·bl bytes (a two-word block of bl
+            // elements, checked by `read_block`); reading and writing
+            // lane i through the same pointer is allowed.
+            let acc = unsafe { lanes(ptr, ptr, &yb[..bl], &p) };
+            enc[p0..p0 + 4].copy_from_slice(&p.e.to_le_bytes());
+            enc[p0 + 6..p0 + 8].copy_from_slice(&(bitlen64(acc) as u16).to_le_bytes());
+            done += 1;
+        };
+        pos = end;
+        if done == ys.len() {
+            continue;
         }
-        blkenc.clear();
-        merge_raw_block(&x, blk, &mut blkenc, &mut tmp)?;
+        // the other sources through the general path, one after another
+        merge_sources(x, &ys[done..], s, bl, &mut blkenc, &mut chain, &mut tmp)?;
         if blkenc.len() == pos - p0 {
             enc[p0..pos].copy_from_slice(&blkenc);
             continue;
@@ -698,10 +713,12 @@ pub(super) fn add_in_place<T: Element>(
         spill.reserve(enc.len() + blkenc.len());
         spill.extend_from_slice(&enc[..p0]);
         spill.extend_from_slice(&blkenc);
-        for blk in chunks.by_ref() {
+        for s in (0..len).step_by(BLOCK).skip(b + 1) {
+            let bl = BLOCK.min(len - s);
             offs.push(spill.len());
-            let x = read_block(enc, &mut pos, blk.len())?;
-            merge_raw_block(&x, blk, spill, &mut tmp)?;
+            let x = read_block(enc, &mut pos, bl)?;
+            merge_sources(x, ys, s, bl, &mut blkenc, &mut chain, &mut tmp)?;
+            spill.extend_from_slice(&blkenc);
         }
         trailing(enc, pos)?;
         offs.push(spill.len());
@@ -713,6 +730,33 @@ pub(super) fn add_in_place<T: Element>(
     offs.push(pos);
     trailing(enc, pos)
 }
+}
+
+/// The encoded block `x` plus block `[s, s + bl)` of every source of
+/// `ys`, by the general path, into `out` (cleared first); `chain` holds
+/// the intermediate sums.
+fn merge_sources<T: Element>(
+    x: BlockRef<'_>,
+    ys: &[&[T]],
+    s: usize,
+    bl: usize,
+    out: &mut Vec<u8>,
+    chain: &mut Vec<u8>,
+    tmp: &mut Vec<u8>,
+) -> Result<()> {
+    out.clear();
+    let Some((first, rest)) = ys.split_first() else {
+        return Err(corrupt("no source to add".into()));
+    };
+    merge_raw_block(&x, &first[s..s + bl], out, tmp)?;
+    for y in rest {
+        std::mem::swap(out, chain);
+        let mut at = 0;
+        let x = read_block(chain, &mut at, bl)?;
+        out.clear();
+        merge_raw_block(&x, &y[s..s + bl], out, tmp)?;
+    }
+    Ok(())
 }
 
 multiversion! {

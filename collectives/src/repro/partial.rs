@@ -191,19 +191,41 @@ impl ExactPartial {
     /// [`Error::Decode`] only if the accumulator was corrupted (it cannot be
     /// through this API).
     pub fn add<T: Element>(&mut self, xs: &[T]) -> Result<()> {
-        self.check_len(OpKind::AllReduce, "xs", xs.len())?;
-        if self.held == Held::Empty && T::DTYPE == Dtype::F32 {
+        self.add_many(&[xs])
+    }
+
+    /// Adds several contributions exactly, the same as
+    /// [`add`](Self::add) for each in turn, in one pass over the
+    /// encoding: each block of the sum takes every contribution's block
+    /// while it is in the cache (the owner of a shard adding every rank's
+    /// chunk, as [`reduce_scatter_add_exact`](crate::CommunicatorExt::reduce_scatter_add_exact)
+    /// does).
+    ///
+    /// # Errors
+    /// As [`add`](Self::add), if any slice has the wrong length (then
+    /// nothing is added).
+    pub fn add_many<T: Element>(&mut self, xs: &[&[T]]) -> Result<()> {
+        for x in xs {
+            self.check_len(OpKind::AllReduce, "xs", x.len())?;
+        }
+        let Some((first, rest)) = xs.split_first() else {
+            return Ok(());
+        };
+        if self.held == Held::Empty && rest.is_empty() && T::DTYPE == Dtype::F32 {
             self.native.clear();
-            self.native.extend(xs.iter().map(|x| x.to_f32()));
+            self.native.extend(first.iter().map(|x| x.to_f32()));
             self.held = Held::Values;
         } else if self.held == Held::Empty {
-            encode_with_offsets(xs, &mut self.enc, &mut self.offs);
+            encode_with_offsets(first, &mut self.enc, &mut self.offs);
             self.held = Held::Encoded;
+            if !rest.is_empty() {
+                add_in_place(&mut self.enc, rest, &mut self.spill, &mut self.offs)?;
+            }
         } else {
             self.materialize();
             add_in_place(&mut self.enc, xs, &mut self.spill, &mut self.offs)?;
         }
-        self.count += 1;
+        self.count += xs.len() as u64;
         Ok(())
     }
 
@@ -349,6 +371,49 @@ fn blocks_of(r: &std::ops::Range<usize>) -> std::ops::Range<usize> {
     } else {
         r.start / BLOCK..r.end.div_ceil(BLOCK)
     }
+}
+
+/// [`CommunicatorExt::reduce_scatter_add_exact`](crate::CommunicatorExt::reduce_scatter_add_exact):
+/// every rank sends chunk `k` of `input` to rank `k`; each rank receives
+/// its chunk of every peer's input by nested exchanges, so that all of them
+/// are readable at once (on the thread backend in the senders' own
+/// memory, no copy), and adds them with its own in one pass over its
+/// accumulator.
+pub(crate) fn reduce_scatter_add_exact<T: Element, C: Communicator + ?Sized>(
+    c: &C,
+    ctx: &OpCtx,
+    input: &[T],
+    acc: &mut ExactPartial,
+) -> Result<()> {
+    let (n, me, len) = (c.size(), c.rank(), input.len());
+    let own = &input[shard_range(len, n, me)];
+    if n == 1 {
+        return acc.add(own);
+    }
+    let bytes = crate::types::Buf::new(input).bytes();
+    let es = size_of::<T>();
+    let sends: Vec<Outgoing<'_>> = (0..n)
+        .filter(|&k| k != me)
+        .map(|k| {
+            let r = shard_range(len, n, k);
+            Outgoing {
+                to: k,
+                data: &bytes[r.start * es..r.end * es],
+            }
+        })
+        .collect();
+    let want = size_of_val(own);
+    let from: Vec<(usize, Option<usize>)> = (1..n).map(|s| ((me + s) % n, Some(want))).collect();
+    let mut f = |views: &[&[u8]]| -> Result<()> {
+        let peers: Vec<std::borrow::Cow<'_, [T]>> =
+            views.iter().map(|v| crate::reduce::typed::<T>(v)).collect();
+        let mut all: Vec<&[T]> = Vec::with_capacity(n);
+        all.push(own);
+        all.extend(peers.iter().map(|p| &p[..]));
+        acc.add_many(&all)
+    };
+    crate::algo::gather_nested(c, ctx, 0, &sends, &from, &[], &mut f)
+        .map_err(|e| crate::algo::abort_on(c, e))
 }
 
 /// Reproducible reduction of exact partials: afterwards `out` (the
@@ -572,5 +637,68 @@ mod tests {
         check(&p);
         p.add(&wide).unwrap();
         check(&p);
+    }
+
+    /// Adding several contributions at once leaves the bytes (and the
+    /// count) that adding them one after another does: narrow blocks
+    /// through the lanes, blocks that widen or fall to the general encoding
+    /// mid-way (the rest spilled), specials, from every starting state.
+    #[test]
+    fn adding_many_at_once_is_adding_each_in_turn() {
+        let len = 64 * 9 + 13;
+        let narrow = |k: u32| -> Vec<f32> {
+            (0..len)
+                .map(|i| ((i as f32 + k as f32 * 0.37) * 0.01).sin() * 1e-3)
+                .collect()
+        };
+        // one source that widens a middle block (60 binades apart) and one
+        // with an infinity and a −0.0 in later blocks
+        let wide: Vec<f32> = (0..len)
+            .map(|i| {
+                if i == 64 * 4 + 5 {
+                    1e9
+                } else {
+                    (i as f32).cos() * 1e-9
+                }
+            })
+            .collect();
+        let special: Vec<f32> = (0..len)
+            .map(|i| match i {
+                i if i == 64 * 6 => f32::INFINITY,
+                i if i == 64 * 7 + 1 => -0.0,
+                _ => (i as f32 * 0.3).sin() * 1e-4,
+            })
+            .collect();
+        let sources: Vec<Vec<f32>> =
+            vec![narrow(1), narrow(2), wide, narrow(3), special, narrow(4)];
+        for start in 0..3 {
+            for (from, to) in [(0, 1), (0, 3), (1, 2), (0, 6), (2, 6), (3, 5)] {
+                let fresh = || {
+                    let mut p = ExactPartial::new(len);
+                    if start >= 1 {
+                        p.add(&narrow(9)).unwrap(); // held as values
+                    }
+                    if start >= 2 {
+                        p.add(&narrow(8)).unwrap(); // encoded
+                    }
+                    p
+                };
+                let mut one = fresh();
+                for x in &sources[from..to] {
+                    one.add(x).unwrap();
+                }
+                let mut many = fresh();
+                let xs: Vec<&[f32]> = sources[from..to].iter().map(|x| &x[..]).collect();
+                many.add_many(&xs).unwrap();
+                let (a, b) = (one.encoded(), many.encoded());
+                assert_eq!(a.enc, b.enc, "start {start}, sources {from}..{to}");
+                assert_eq!(a.offs, b.offs, "start {start}, sources {from}..{to}");
+                assert_eq!(one.count(), many.count());
+            }
+        }
+        // a wrong length anywhere adds nothing
+        let mut p = ExactPartial::new(len);
+        assert!(p.add_many(&[&narrow(1)[..], &narrow(2)[..3]]).is_err());
+        assert_eq!(p.count(), 0);
     }
 }
