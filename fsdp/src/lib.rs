@@ -56,10 +56,16 @@
 //!
 //! # Bitwise reproducibility
 //! With [`FsdpConfig::reproducible`] on, the gradient is the *exact* sum
-//! over every micro-batch of the global batch, rounded once: each rank
-//! keeps exact partial sums (the block encoding of
-//! [`weft_collectives::repro`]) and ranks exchange and merge those, never
-//! rounded values. The gradient is the exact sum divided by the number `M`
+//! over every micro-batch of the global batch, rounded once, never a sum
+//! of rounded values. With one micro-batch per rank the collectives'
+//! exact reduce-scatter sums the ranks' values and rounds once. With
+//! several (or with replicas of the shards), each micro-batch's gradient
+//! travels as f32 values, chunk `r` to rank `r` (the plain
+//! reduce-scatter's bytes), and the owner of a shard adds every rank's
+//! chunk exactly into an [`ExactPartial`](weft_collectives::repro::ExactPartial)
+//! of its shard, kept by the reducer thread until the last micro-batch;
+//! hybrid sharding then sums those partials exactly across the replicas.
+//! The gradient is the exact sum divided by the number `M`
 //! of micro-batches of the global batch, rounded once — the rule of the
 //! collectives' [`ExactPartial::mean_to`](weft_collectives::repro::ExactPartial::mean_to)
 //! and `weft_parallel::GradReducer`, so a single rank accumulating its
@@ -91,8 +97,11 @@
 //! and backward) except the last unit and a kept one — and per
 //! reduce-scatter, ≈ 3× the parameter bytes against DDP's 2× (ring
 //! all-reduce); tested against the collectives' byte counters in
-//! weft-model. Reproducible mode sends exact partials, about 2× the bytes
-//! of f32 gradients, through all-to-all (counted as `all_to_all_v`).
+//! weft-model. Reproducible mode with one micro-batch per rank sends the
+//! plain reduce-scatter's bytes; with several it sends them per
+//! micro-batch ([`reduce_scatter_add_exact`](weft_collectives::CommunicatorExt::reduce_scatter_add_exact)), and hybrid
+//! sharding adds an exact all-reduce of the shard partials (about 8 bytes
+//! per element) across the replicas.
 //!
 //! # Speed
 //! `cargo bench -p weft-model --bench fsdp_step` prints a table of step
@@ -151,7 +160,6 @@
 
 mod config;
 mod error;
-mod exact;
 mod lowp;
 mod memory;
 mod reducer;

@@ -151,6 +151,33 @@ impl LowVec {
         }
     }
 
+    /// The exact sum of every rank's partial over `c` divided by
+    /// `divisor`, rounded once (every rank gets all of it).
+    pub(crate) fn all_reduce_exact_div(
+        &mut self,
+        c: &dyn Communicator,
+        p: &ExactPartial,
+        divisor: u64,
+    ) -> weft_collectives::Result<()> {
+        match self {
+            LowVec::F32(a) => c.all_reduce_exact_div(p, a, divisor),
+            LowVec::Bf16(a) => c.all_reduce_exact_div(p, a, divisor),
+        }
+    }
+
+    /// This rank's partial alone divided by `divisor`, rounded once: the
+    /// bits [`Self::all_reduce_exact_div`] gives on one rank.
+    pub(crate) fn div_to(
+        &mut self,
+        p: &ExactPartial,
+        divisor: u64,
+    ) -> weft_collectives::Result<()> {
+        match self {
+            LowVec::F32(a) => p.div_to(a, divisor),
+            LowVec::Bf16(a) => p.div_to(a, divisor),
+        }
+    }
+
     /// Gathers every rank's shard around this rank's, which `self` holds
     /// at its place ([`weft_collectives::shard_range`] of `self.len()`).
     pub(crate) fn all_gather_in_place(

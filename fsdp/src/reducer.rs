@@ -14,10 +14,9 @@ use std::thread::JoinHandle;
 use std::time::Instant;
 
 use weft_collectives::repro::ExactPartial;
-use weft_collectives::{Communicator, ReduceOp, ReduceOptions};
+use weft_collectives::{Communicator, CommunicatorExt, ReduceOp, ReduceOptions};
 
 use crate::error::{Error, Result, comm};
-use crate::exact::{self, ExactBuf};
 use crate::lowp::LowVec;
 
 /// Gradients handed to the worker.
@@ -25,9 +24,20 @@ use crate::lowp::LowVec;
 pub(crate) enum GradIn {
     /// Rounded values (the reduce dtype) of the whole padded unit.
     Plain(LowVec),
-    /// An exact partial of the whole padded unit, one chunk per shard rank
-    /// (reduced to an exact partial of this rank's shard).
-    Exact(ExactBuf),
+    /// One micro-batch's f32 gradient of the whole padded unit
+    /// (reproducible mode, when a rank's step has several micro-batches or
+    /// the shards have replicas): chunk `r` goes to rank `r` as values,
+    /// which adds every rank's chunk exactly into the accumulator of its
+    /// shard that the worker keeps for the unit — f32's bytes on the wire,
+    /// not an exact encoding of about twice as many. `first` starts the
+    /// accumulator afresh; `last` carries the divisor: the accumulator is
+    /// then summed exactly across the replicas (hybrid), divided and
+    /// rounded once.
+    Values {
+        g: Vec<f32>,
+        first: bool,
+        last: Option<u64>,
+    },
     /// An exact partial of the whole padded unit, reduced, divided by the
     /// step's micro-batch count (the second field) and rounded once by the
     /// collectives' `reduce_scatter_exact_div`.
@@ -40,8 +50,9 @@ pub(crate) enum GradOut {
     /// Rounded values of the shard; `true` if already the mean over every
     /// contribution.
     Plain(LowVec, bool),
-    /// The exact sum over the group (and replicas) of this rank's chunk.
-    Exact(ExactBuf),
+    /// Added to the unit's exact accumulator, which the worker keeps until
+    /// the last micro-batch: the bytes it holds now.
+    Accumulated(usize),
 }
 
 /// One reduction: a reduce-scatter of a unit's gradients over the shard
@@ -86,9 +97,11 @@ impl Reducer {
         let worker = std::thread::Builder::new()
             .name("weft-fsdp-reduce".into())
             .spawn(move || {
+                // each unit's exact accumulator of its shard (`GradIn::Values`)
+                let mut accs: Vec<Option<ExactPartial>> = Vec::new();
                 while let Ok(job) = jobs.recv() {
                     let start = Instant::now();
-                    let result = run(&groups, job.data, job.unit);
+                    let result = run(&groups, &mut accs, job.data, job.unit);
                     let end = Instant::now();
                     let failed = result.is_err();
                     let sent = done.send(Done {
@@ -177,33 +190,58 @@ impl Drop for Reducer {
     }
 }
 
-fn run(g: &Groups, data: GradIn, unit: usize) -> Result<GradOut> {
+fn run(
+    g: &Groups,
+    accs: &mut Vec<Option<ExactPartial>>,
+    data: GradIn,
+    unit: usize,
+) -> Result<GradOut> {
     let n = g.shard.size();
+    let what = || format!("reduce_scatter of unit {unit}");
     match data {
         GradIn::Plain(v) => {
             let len = v.len() / n;
             let mut out = v.zeros_like(len);
             v.reduce_scatter(&*g.shard, &mut out, &g.opts)
-                .map_err(comm(format!("reduce_scatter of unit {unit}")))?;
+                .map_err(comm(what()))?;
             if let Some(rep) = &g.replicas {
                 out.all_reduce(&**rep, &g.opts)
                     .map_err(comm(format!("all_reduce across replicas of unit {unit}")))?;
             }
             Ok(GradOut::Plain(out, false))
         }
-        GradIn::Exact(x) => {
-            let mine =
-                exact::reduce_scatter(&*g.shard, &x, &format!("reduce_scatter of unit {unit}"))?;
-            drop(x);
-            let mine = match &g.replicas {
-                Some(rep) => exact::all_merge(
-                    &**rep,
-                    &mine,
-                    &format!("all_reduce across replicas of unit {unit}"),
-                )?,
-                None => mine,
+        GradIn::Values {
+            g: grad,
+            first,
+            last,
+        } => {
+            let chunk = grad.len() / n;
+            if accs.len() <= unit {
+                accs.resize_with(unit + 1, || None);
+            }
+            let slot = &mut accs[unit];
+            if first || slot.as_ref().is_some_and(|a| a.len() != chunk) {
+                *slot = None;
+            }
+            let acc = slot.get_or_insert_with(|| ExactPartial::new(chunk));
+            g.shard
+                .reduce_scatter_add_exact(&grad, acc)
+                .map_err(comm(what()))?;
+            drop(grad);
+            let Some(divisor) = last else {
+                return Ok(GradOut::Accumulated(acc.encoded_bytes()));
             };
-            Ok(GradOut::Exact(mine))
+            let acc = slot.take().unwrap_or_else(|| ExactPartial::new(chunk));
+            let mut out = LowVec::zeros(g.opts.wire, chunk);
+            match &g.replicas {
+                Some(rep) => out
+                    .all_reduce_exact_div(&**rep, &acc, divisor)
+                    .map_err(comm(format!("all_reduce across replicas of unit {unit}")))?,
+                None => out
+                    .div_to(&acc, divisor)
+                    .map_err(comm(format!("dividing the exact gradient of unit {unit}")))?,
+            }
+            Ok(GradOut::Plain(out, true))
         }
         GradIn::Partial(p, divisor) => {
             if g.replicas.is_some() {
@@ -216,7 +254,7 @@ fn run(g: &Groups, data: GradIn, unit: usize) -> Result<GradOut> {
             }
             let mut out = LowVec::zeros(g.opts.wire, p.len() / n);
             out.reduce_scatter_exact_div(&*g.shard, &p, divisor)
-                .map_err(comm(format!("reduce_scatter of unit {unit}")))?;
+                .map_err(comm(what()))?;
             Ok(GradOut::Plain(out, true))
         }
     }
@@ -239,3 +277,139 @@ const _: fn() = || {
     is_send::<Job>();
     is_send::<Done>();
 };
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use weft_collectives::{Algorithm, Dtype, LocalCluster};
+
+    /// Rank `rank`'s gradient of micro-batch `m`: values spread over many
+    /// binades, so that any rounded intermediate sum would show.
+    fn grad(rank: usize, m: usize, len: usize) -> Vec<f32> {
+        (0..len)
+            .map(|i| {
+                let x = (i as u32)
+                    .wrapping_mul(2_654_435_761)
+                    .wrapping_add((rank * 31 + m * 7) as u32 * 97);
+                ((x % 20_001) as f32 - 10_000.0) * 2f32.powi((x % 40) as i32 - 30)
+            })
+            .collect()
+    }
+
+    /// Every rank's shard of the exact sum of all contributions divided by
+    /// `by`, rounded once, as one rank computes it.
+    fn want(ranks: usize, micro: &[usize], len: usize, by: u64) -> Vec<Vec<f32>> {
+        let chunk = len / ranks;
+        (0..ranks)
+            .map(|r| {
+                let mut p = ExactPartial::new(chunk);
+                for q in 0..ranks {
+                    for &m in micro {
+                        p.add(&grad(q, m, len)[r * chunk..(r + 1) * chunk]).unwrap();
+                    }
+                }
+                let mut out = vec![0.0f32; chunk];
+                p.div_to(&mut out, by).unwrap();
+                out
+            })
+            .collect()
+    }
+
+    #[test]
+    fn values_accumulate_exactly_and_the_first_micro_batch_starts_afresh() {
+        let (ranks, len) = (3, 3 * 200);
+        let got = LocalCluster::run(ranks, |comm| -> Result<Vec<f32>> {
+            let rank = comm.rank();
+            let shard: Arc<dyn Communicator> = Arc::new(comm);
+            let mut r = Reducer::start(Groups {
+                shard,
+                replicas: None,
+                opts: options(Algorithm::Ring, Dtype::F32),
+            })?;
+            let values = |m: usize, first: bool, last: Option<u64>| GradIn::Values {
+                g: grad(rank, m, len),
+                first,
+                last,
+            };
+            // a micro-batch of a step abandoned before its last
+            r.submit(0, 0, values(9, true, None))?;
+            for m in 0..3 {
+                r.submit(0, m, values(m, m == 0, (m == 2).then_some(7)))?;
+            }
+            let mut last = None;
+            for i in 0..4 {
+                match r.next()?.result? {
+                    GradOut::Accumulated(bytes) => assert!(i < 3 && bytes >= 4 * len / ranks),
+                    GradOut::Plain(LowVec::F32(v), true) if i == 3 => last = Some(v),
+                    other => panic!("unexpected result {i}: {other:?}"),
+                }
+            }
+            Ok(last.unwrap())
+        })
+        .unwrap();
+        let want = want(ranks, &[0, 1, 2], len, 7);
+        for (r, g) in got.into_iter().enumerate() {
+            let g = g.unwrap();
+            assert!(
+                g.iter()
+                    .zip(&want[r])
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                "rank {r}"
+            );
+        }
+    }
+
+    #[test]
+    fn replicas_sum_their_exact_shards_before_rounding() {
+        // 2 replicas × 2 shards, 2 micro-batches each: the shard group is
+        // ranks {2i, 2i+1}, the replica group {j, j+2}
+        let len = 2 * 150;
+        let got = LocalCluster::run(4, |comm| -> Result<Vec<f32>> {
+            let rank = comm.rank();
+            let key = rank as u32;
+            let shard: Arc<dyn Communicator> = Arc::from(comm.split(key / 2, key).unwrap());
+            let replicas: Arc<dyn Communicator> = Arc::from(comm.split(key % 2, key).unwrap());
+            let mut r = Reducer::start(Groups {
+                shard,
+                replicas: Some(replicas),
+                opts: options(Algorithm::Ring, Dtype::F32),
+            })?;
+            for m in 0..2 {
+                let g = grad(rank, m, len);
+                r.submit(
+                    0,
+                    m,
+                    GradIn::Values {
+                        g,
+                        first: m == 0,
+                        last: (m == 1).then_some(8),
+                    },
+                )?;
+            }
+            assert!(matches!(r.next()?.result?, GradOut::Accumulated(_)));
+            match r.next()?.result? {
+                GradOut::Plain(LowVec::F32(v), true) => Ok(v),
+                other => panic!("unexpected result: {other:?}"),
+            }
+        })
+        .unwrap();
+        // shard s holds the exact sum over all four ranks' chunk s
+        let chunk = len / 2;
+        for (rank, g) in got.into_iter().enumerate() {
+            let s = rank % 2;
+            let mut p = ExactPartial::new(chunk);
+            for q in 0..4 {
+                for m in 0..2 {
+                    p.add(&grad(q, m, len)[s * chunk..(s + 1) * chunk]).unwrap();
+                }
+            }
+            let mut want = vec![0.0f32; chunk];
+            p.div_to(&mut want, 8).unwrap();
+            let g = g.unwrap();
+            assert!(
+                g.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()),
+                "rank {rank}"
+            );
+        }
+    }
+}

@@ -15,7 +15,6 @@ use weft_parallel::{GradNorm, ParamLayout};
 
 use crate::config::{FsdpConfig, Strategy};
 use crate::error::{Error, Result, comm};
-use crate::exact::ExactBuf;
 use crate::lowp::LowVec;
 use crate::memory::{Category, MemoryReport, bytes_of};
 use crate::reducer::{self, Done, GradIn, GradOut, Groups, Reducer};
@@ -51,8 +50,10 @@ enum GradAcc {
     /// Reduced values (shard); `true` if already the mean over the global
     /// batch.
     Reduced(LowVec, bool),
-    /// Exact partial of this rank's shard (reproducible mode).
-    ShardExact(ExactBuf),
+    /// The exact accumulator of this rank's shard, of this many bytes,
+    /// which the reducer keeps until the last micro-batch (reproducible
+    /// mode).
+    Remote(usize),
 }
 
 /// A gathered unit: in flight, or ready as f32.
@@ -1112,7 +1113,7 @@ impl Fsdp {
     fn release(&mut self, acc: &GradAcc) {
         let bytes = match acc {
             GradAcc::Reduced(v, _) => v.bytes(),
-            GradAcc::ShardExact(x) => x.bytes(),
+            GradAcc::Remote(b) => *b,
             GradAcc::Full(v) => bytes_of(v),
             GradAcc::FullExact(x) => x.encoded_bytes(),
             GradAcc::None => 0,
@@ -1314,16 +1315,19 @@ impl Fsdp {
                 a.add_assign(&v);
                 *acc = GradAcc::Reduced(a, false);
             }
-            (GradAcc::None, GradOut::Exact(x)) => {
-                self.mem.alloc(Category::Gradients, x.bytes());
-                *acc = GradAcc::ShardExact(x);
+            (GradAcc::None, GradOut::Accumulated(b)) => {
+                self.mem.alloc(Category::Gradients, b);
+                *acc = GradAcc::Remote(b);
             }
-            (GradAcc::ShardExact(mut a), GradOut::Exact(x)) => {
-                let before = a.bytes();
-                a.merge(&x)?;
+            (GradAcc::Remote(before), GradOut::Accumulated(b)) => {
                 self.mem.free(Category::Gradients, before);
-                self.mem.alloc(Category::Gradients, a.bytes());
-                *acc = GradAcc::ShardExact(a);
+                self.mem.alloc(Category::Gradients, b);
+                *acc = GradAcc::Remote(b);
+            }
+            (GradAcc::Remote(before), GradOut::Plain(v, true)) => {
+                self.mem.free(Category::Gradients, before);
+                self.mem.alloc(Category::Gradients, v.bytes());
+                *acc = GradAcc::Reduced(v, true);
             }
             (other, _) => {
                 *acc = other;
@@ -1348,7 +1352,6 @@ impl Fsdp {
     ) -> Result<()> {
         let strategy = self.cfg.strategy;
         let repro = self.cfg.reproducible;
-        let chunk = self.plan.units()[u].shard_len;
         let reduce = self.cfg.precision.reduce;
         let gbytes = bytes_of(&g);
         let single_micro = matches!(self.phase, Phase::Train { local: 1 });
@@ -1374,8 +1377,13 @@ impl Fsdp {
                 GradIn::Partial(partial(&g)?, divisor)
             } else {
                 // accumulated over micro-batches (or merged across
-                // replicas): exchange exact partials of the shards
-                GradIn::Exact(ExactBuf::encode(&g, chunk))
+                // replicas): the values travel, their owners keep the
+                // exact sums
+                GradIn::Values {
+                    g,
+                    first: micro == 0,
+                    last: last_micro.then_some(divisor),
+                }
             }
         } else {
             // ZeRO-1: accumulate the whole unit over the micro-batches,
@@ -1422,7 +1430,7 @@ impl Fsdp {
         };
         // What the reducer now owns, counted until it reports back.
         let held = match &data {
-            GradIn::Exact(x) => x.bytes(),
+            GradIn::Values { g, .. } => bytes_of(g),
             GradIn::Plain(v) => v.bytes(),
             GradIn::Partial(p, _) => p.encoded_bytes(),
         };
@@ -1468,13 +1476,6 @@ impl Fsdp {
                     g.iter_mut().for_each(|x| *x /= m);
                 }
                 g
-            }
-            GradAcc::ShardExact(x) => {
-                if self.cfg.precision.reduce == Dtype::BF16 {
-                    widen(&LowVec::Bf16(x.mean(global_m)?))
-                } else {
-                    x.mean(global_m)?
-                }
             }
             _ => {
                 return Err(Error::Config {

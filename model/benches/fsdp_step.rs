@@ -1,10 +1,10 @@
 //! Step time of ZeRO-3 against DDP and a single rank at the same per-rank
 //! batch, on the thread backend, and how much communication is hidden.
 //!
-//! `cargo bench -p weft-model --bench fsdp_step [-- --steps N --ranks N --layers L --embd C]`
+//! `cargo bench -p weft-model --bench fsdp_step [-- --steps N --ranks N --layers L --embd C --micro M --only NAME,...]`
 //!
 //! Every row runs the same per-rank work through [`ParallelGpt`]'s step:
-//! one micro-batch of B·T tokens per rank per step. "comm" is the time
+//! `--micro` micro-batches (default 1) of B·T tokens per rank per step. "comm" is the time
 //! FSDP's collectives were in flight (summed over operations), "exposed"
 //! the time the training thread was blocked on them; hidden = 1 − exposed
 //! / comm (replicas reduce their gradients after the backward, all of it
@@ -63,6 +63,7 @@ fn bench(
     reproducible: bool,
     b: usize,
     t: usize,
+    micro: usize,
     warmup: usize,
     steps: usize,
 ) -> anyhow::Result<Row> {
@@ -80,7 +81,7 @@ fn bench(
             pipeline: None,
             batch: b,
             seq: t,
-            micro_batches: 1,
+            micro_batches: micro,
             reproducible,
             tp: TpOptions::default(),
         };
@@ -93,21 +94,23 @@ fn bench(
         let v = cfg.vocab_size as u32;
         let mut rows = Vec::new();
         for s in 0..warmup + steps {
-            let seed = (s * ranks + dp_rank) as u32;
-            let tokens: Vec<u32> = (0..(b * t) as u32)
-                .map(|i| (i.wrapping_mul(2_654_435_761) ^ seed.wrapping_mul(40_503)) % v)
+            let data: Vec<(Vec<u32>, Vec<u32>)> = (0..micro)
+                .map(|m| {
+                    let seed = ((s * ranks + dp_rank) * micro + m) as u32;
+                    let tokens: Vec<u32> = (0..(b * t) as u32)
+                        .map(|i| (i.wrapping_mul(2_654_435_761) ^ seed.wrapping_mul(40_503)) % v)
+                        .collect();
+                    let targets: Vec<u32> = tokens.iter().map(|x| (x * 7 + 3) % v).collect();
+                    (tokens, targets)
+                })
                 .collect();
-            let targets: Vec<u32> = tokens.iter().map(|x| (x * 7 + 3) % v).collect();
+            let batches: Vec<MicroBatch<'_>> = data
+                .iter()
+                .map(|(tokens, targets)| MicroBatch { tokens, targets })
+                .collect();
             let before = comm.traffic();
             let start = Instant::now();
-            g.train_step(
-                &[MicroBatch {
-                    tokens: &tokens,
-                    targets: &targets,
-                }],
-                &hp,
-                1.0,
-            )?;
+            g.train_step(&batches, &hp, 1.0)?;
             let secs = start.elapsed().as_secs_f64();
             let sent = comm.traffic().since(&before).total_sent();
             let (c, w) = match g.stages_mut()[0].fsdp_mut() {
@@ -160,6 +163,7 @@ fn main() -> anyhow::Result<()> {
     let layers = arg(&args, "--layers", 6);
     let embd = arg(&args, "--embd", 192);
     let (b, t) = (arg(&args, "--batch", 4), arg(&args, "--seq", 64));
+    let micro = arg(&args, "--micro", 1).max(1);
     let cfg = GptConfig {
         n_layer: layers,
         n_head: 6,
@@ -172,7 +176,7 @@ fn main() -> anyhow::Result<()> {
     let mut g = Gpt::new(cfg.clone())?;
     g.init_gpt2(1);
     println!(
-        "GPT L={layers} C={embd} V={} ({:.2} M params), per-rank batch B={b} T={t}, {rounds} rounds of {steps} steps after 2 warm-up",
+        "GPT L={layers} C={embd} V={} ({:.2} M params), per-rank batch {micro} x B={b} T={t}, {rounds} rounds of {steps} steps after 2 warm-up",
         cfg.vocab_size,
         g.params.len() as f64 / 1e6
     );
@@ -221,6 +225,22 @@ fn main() -> anyhow::Result<()> {
             }),
         ),
     ];
+    // `--only a,b`: the rows whose names contain one of these (the single
+    // rank and DDP always run: the ratios are against DDP)
+    let only: Vec<String> = args
+        .iter()
+        .position(|a| a == "--only")
+        .and_then(|i| args.get(i + 1))
+        .map(|v| v.split(',').map(str::to_string).collect())
+        .unwrap_or_default();
+    let runs: Vec<_> = runs
+        .into_iter()
+        .enumerate()
+        .filter(|(i, (name, _, _))| {
+            *i < 2 || only.is_empty() || only.iter().any(|o| name.contains(o.as_str()))
+        })
+        .map(|(_, r)| r)
+        .collect();
     let mut per_round: Vec<Vec<Row>> = runs.iter().map(|_| Vec::new()).collect();
     for round in 0..rounds {
         for (i, (name, n, fc)) in runs.iter().enumerate() {
@@ -235,6 +255,7 @@ fn main() -> anyhow::Result<()> {
                 reproducible,
                 b,
                 t,
+                micro,
                 2,
                 steps,
             )?);
