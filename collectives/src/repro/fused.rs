@@ -20,13 +20,29 @@ fn f32_bits<T: Element>(ys: &[T]) -> [u32; BLOCK] {
     std::array::from_fn(|i| ys.get(i).map_or(0, |y| y.to_f32().to_bits()))
 }
 
+/// The f32 bit patterns of a block of at most [`BLOCK`] values: f32
+/// values are read where they are (no copy, which the vector loads that
+/// follow would read back from a store buffer), others are widened into
+/// `buf`.
+#[inline(always)]
+fn bits_of<'a, T: Element>(ys: &'a [T], buf: &'a mut [u32; BLOCK]) -> &'a [u32] {
+    if T::DTYPE == Dtype::F32 {
+        // SAFETY: `T` is f32 (`Element` is sealed: DTYPE F32 is f32 only),
+        // of the size, alignment and bits of a u32.
+        unsafe { std::slice::from_raw_parts(ys.as_ptr().cast::<u32>(), ys.len()) }
+    } else {
+        *buf = f32_bits(ys);
+        &buf[..ys.len()]
+    }
+}
+
 /// Appends the exact encoding of one block (the f32 fast path when it
 /// applies, else the general encoder).
 #[inline(always)]
 pub(super) fn encode_block<T: Element>(xs: &[T], out: &mut Vec<u8>) {
     if T::DTYPE != Dtype::F64 {
-        let b = f32_bits(xs);
-        if encode_f32_fast(&b[..xs.len()], out) {
+        let mut buf = [0u32; BLOCK];
+        if encode_f32_fast(bits_of(xs, &mut buf), out) {
             return;
         }
     }
@@ -684,8 +700,9 @@ pub(super) fn add_in_place<T: Element>(
             if done == ys.len() || T::DTYPE == Dtype::F64 {
                 break x;
             }
-            let yb = f32_bits(&ys[done][s..s + bl]);
-            let Some(p) = plan(&x, &yb[..bl]) else {
+            let mut buf = [0u32; BLOCK];
+            let yb = bits_of(&ys[done][s..s + bl], &mut buf);
+            let Some(p) = plan(&x, yb) else {
                 break x;
             };
             let data = &mut enc[p0 + HEADER..p0 + HEADER + 8 * bl];
@@ -693,7 +710,7 @@ pub(super) fn add_in_place<T: Element>(
             // SAFETY: `data` holds 8·bl bytes (a two-word block of bl
             // elements, checked by `read_block`); reading and writing
             // lane i through the same pointer is allowed.
-            let acc = unsafe { lanes(ptr, ptr, &yb[..bl], &p) };
+            let acc = unsafe { lanes(ptr, ptr, yb, &p) };
             enc[p0..p0 + 4].copy_from_slice(&p.e.to_le_bytes());
             enc[p0 + 6..p0 + 8].copy_from_slice(&(bitlen64(acc) as u16).to_le_bytes());
             done += 1;
