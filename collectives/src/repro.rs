@@ -1679,6 +1679,38 @@ mod tests {
     }
 
     #[test]
+    fn partials_take_wide_spreads_in_lanes_and_stay_exact() {
+        // spreads past the magic constant's 27 binades (integer shifts up
+        // to 38, the general path beyond), subnormals and zeros included,
+        // added one by one and all at once
+        for (seed, spread) in (1..48u64).zip([27u32, 28, 33, 38, 39, 45].into_iter().cycle()) {
+            let k = 2 + (seed as usize % 7);
+            let len = 5 * BLOCK + 9;
+            let cols = blocky(seed, k, len, spread);
+            let want = exact_of(&cols);
+            let mut one = ExactPartial::new(len);
+            for c in &cols {
+                one.add(c).unwrap();
+            }
+            let mut many = ExactPartial::new(len);
+            many.add(&cols[0]).unwrap();
+            let rest: Vec<&[f32]> = cols[1..].iter().map(|c| &c[..]).collect();
+            many.add_many(&rest).unwrap();
+            for p in [&one, &many] {
+                let mut got = vec![0f32; len];
+                p.round_to(&mut got).unwrap();
+                assert!(
+                    same_bits(&got, &want),
+                    "seed {seed} spread {spread}: {:?}",
+                    got.iter()
+                        .zip(&want)
+                        .find(|(a, b)| a.to_bits() != b.to_bits())
+                );
+            }
+        }
+    }
+
+    #[test]
     fn fast_paths_match_exact_sum_at_every_exponent_and_spread() {
         for (seed, spread) in (1..40u64).zip([0u32, 5, 26, 27, 28, 40].into_iter().cycle()) {
             let k = 2 + (seed as usize % 7);

@@ -2,7 +2,9 @@
 //! same global batch, through `ParallelGpt`'s step (what `weft train`
 //! runs), with where the communication goes.
 //!
-//! `cargo bench -p weft-model --bench layouts [-- --steps N --embd C --layers L]`
+//! `cargo bench -p weft-model --bench layouts [-- --steps N --embd C --layers L --reproducible]`
+//! (`--reproducible`: the exact sums `weft train` runs by default; plain
+//! f32 sums otherwise)
 //!
 //! Columns: the slowest rank's median step time and the tokens per second
 //! of the global batch (ratio to one rank); bytes each rank sends per step
@@ -68,6 +70,7 @@ fn bench(
     dims: ParallelDims,
     fsdp: Option<Strategy>,
     steps: usize,
+    reproducible: bool,
 ) -> anyhow::Result<Row> {
     let t = cfg.block_size;
     let per = GLOBAL / dims.dp;
@@ -93,14 +96,14 @@ fn bench(
                 doc_boundary: None,
                 fsdp: fsdp.map(|strategy| FsdpConfig {
                     strategy,
-                    reproducible: false,
+                    reproducible,
                     ..FsdpConfig::default()
                 }),
                 pipeline,
                 batch: B,
                 seq: t,
                 micro_batches: per,
-                reproducible: false,
+                reproducible,
                 tp: TpOptions::default(),
             };
             let mut g = ParallelGpt::new(
@@ -207,6 +210,7 @@ fn main() -> anyhow::Result<()> {
     let steps = arg(&args, "--steps", 4);
     let embd = arg(&args, "--embd", 128);
     let layers = arg(&args, "--layers", 4);
+    let reproducible = args.iter().any(|a| a == "--reproducible");
     let cfg = GptConfig {
         n_layer: layers,
         n_head: 4,
@@ -232,13 +236,19 @@ fn main() -> anyhow::Result<()> {
         ("pp2 dp2 tp2 zero3", d(2, 2, 2), Some(Strategy::Full)),
     ];
     println!(
-        "GPT L={layers} C={embd} V={} T={}, global batch {GLOBAL} x {B} sequences, plain f32 sums, {steps} steps after 2 warm-up (medians)",
-        cfg.vocab_size, cfg.block_size
+        "GPT L={layers} C={embd} V={} T={}, global batch {GLOBAL} x {B} sequences, {}, {steps} steps after 2 warm-up (medians)",
+        cfg.vocab_size,
+        cfg.block_size,
+        if reproducible {
+            "exact sums"
+        } else {
+            "plain f32 sums"
+        }
     );
     let mut rows = Vec::new();
     for (name, dims, fsdp) in layouts {
         eprintln!("{name}");
-        rows.push(bench(name, &cfg, dims, fsdp, steps)?);
+        rows.push(bench(name, &cfg, dims, fsdp, steps, reproducible)?);
     }
     let base = rows[0].step;
     let tokens = (GLOBAL * B * cfg.block_size) as f64;

@@ -3,6 +3,7 @@
 use std::collections::BTreeMap;
 use std::ops::Range;
 
+use rayon::prelude::*;
 use weft_collectives::repro::ExactPartial;
 use weft_collectives::{CommunicatorExt, ReduceOp};
 use weft_numerics::{Dtype, bf16};
@@ -36,10 +37,11 @@ struct Part {
     group: DimSet,
     /// Element ranges of the buffer, in order.
     ranges: Vec<Range<usize>>,
-    /// Exact partial sums, one per contribution range (the ranges the
+    /// Exact partial sums, one set per contribution range (the ranges the
     /// caller adds: a whole buffer, or the pieces a pipeline stage
-    /// finishes per micro-batch), of this part's elements inside it.
-    partials: BTreeMap<(usize, usize), ExactPartial>,
+    /// finishes per micro-batch), of this part's elements inside it: one
+    /// partial per [`PIECE`] elements, added in parallel.
+    partials: BTreeMap<(usize, usize), Vec<ExactPartial>>,
     buf: Vec<f32>,
     /// The bucket in bf16, for a bf16 wire in plain mode (allocated once).
     wire: Vec<bf16>,
@@ -53,6 +55,22 @@ fn within(ranges: &[Range<usize>], window: &Range<usize>) -> Vec<Range<usize>> {
             let (a, b) = (r.start.max(window.start), r.end.min(window.end));
             (a < b).then_some(a..b)
         })
+        .collect()
+}
+
+/// Elements per exact partial: a contribution is added piece by piece over
+/// the thread pool (an exact addition costs about as much as the
+/// micro-batch's smallest products), and the pieces are reduced one
+/// collective each. A constant, so that every rank of a group cuts the
+/// same pieces whatever its pool; the pieces change no bit (the sums are
+/// exact per element).
+const PIECE: usize = 1 << 18;
+
+/// Empty partials for `n` elements, one per [`PIECE`].
+fn pieces(n: usize) -> Vec<ExactPartial> {
+    (0..n)
+        .step_by(PIECE)
+        .map(|a| ExactPartial::new(PIECE.min(n - a)))
         .collect()
 }
 
@@ -211,11 +229,20 @@ impl GradReducer {
             if n == 0 {
                 continue;
             }
-            gather(&inside, grads, &mut part.buf);
-            part.partials
+            // one contiguous run is added where it lies, others gathered
+            let src: &[f32] = if let [one] = &inside[..] {
+                &grads[one.clone()]
+            } else {
+                gather(&inside, grads, &mut part.buf);
+                &part.buf
+            };
+            let ps = part
+                .partials
                 .entry((range.start, range.end))
-                .or_insert_with(|| ExactPartial::new(n))
-                .add(&part.buf)?;
+                .or_insert_with(|| pieces(n));
+            ps.par_iter_mut()
+                .zip(src.par_chunks(PIECE))
+                .try_for_each(|(p, x)| p.add(x))?;
         }
         if let Some(g) = grads.get_mut(range) {
             weft_kernels::zero(g);
@@ -253,27 +280,32 @@ impl GradReducer {
         for part in &mut self.parts {
             let comm = mesh.map(|ms| ms.group(part.group)).filter(|c| c.size() > 1);
             if self.exact {
-                for (&(a, b), partial) in &mut part.partials {
+                for (&(a, b), partials) in &mut part.partials {
                     let inside = within(&part.ranges, &(a..b));
-                    part.buf.resize(partial.len(), 0.0);
+                    let n: usize = partials.iter().map(ExactPartial::len).sum();
+                    part.buf.resize(n, 0.0);
                     if self.wire == Dtype::BF16 {
                         // the exact mean rounded straight to bf16, once
-                        part.wire.resize(partial.len(), bf16::ZERO);
-                        match comm {
-                            Some(c) => c.all_reduce_exact_div(partial, &mut part.wire, m as u64)?,
-                            None => partial.div_to(&mut part.wire, m as u64)?,
+                        part.wire.resize(n, bf16::ZERO);
+                        for (p, w) in partials.iter().zip(part.wire.chunks_mut(PIECE)) {
+                            match comm {
+                                Some(c) => c.all_reduce_exact_div(p, w, m as u64)?,
+                                None => p.div_to(w, m as u64)?,
+                            }
                         }
                         for (g, w) in part.buf.iter_mut().zip(&part.wire) {
                             *g = w.to_f32();
                         }
                     } else {
-                        match comm {
-                            Some(c) => c.all_reduce_exact_div(partial, &mut part.buf, m as u64)?,
-                            None => partial.div_to(&mut part.buf, m as u64)?,
+                        for (p, o) in partials.iter().zip(part.buf.chunks_mut(PIECE)) {
+                            match comm {
+                                Some(c) => c.all_reduce_exact_div(p, o, m as u64)?,
+                                None => p.div_to(o, m as u64)?,
+                            }
                         }
                     }
                     scatter(&inside, &part.buf, grads);
-                    partial.clear();
+                    partials.iter_mut().for_each(ExactPartial::clear);
                 }
             } else {
                 gather(&part.ranges, grads, &mut part.buf);
@@ -305,6 +337,57 @@ mod tests {
     use super::*;
     use crate::{Coords, LayoutBuilder, ParallelDims};
     use weft_collectives::{Communicator, LocalCluster};
+
+    /// Contributions longer than a piece are cut into several exact
+    /// partials, added over the pool and reduced one by one: the bits of
+    /// one exact partial of the whole, on one rank and on two, whole or
+    /// handed over in ranges that cut across pieces.
+    #[test]
+    fn pieces_change_no_bit() {
+        let len = 2 * PIECE + 877;
+        let mut b = LayoutBuilder::new(Coords::SINGLE);
+        b.push("a", &[len - 100], true, Placements::REPLICATED)
+            .unwrap();
+        b.push("b", &[100], false, Placements::REPLICATED).unwrap();
+        let layout = b.finish().unwrap();
+        let m = 3;
+        let mut whole = ExactPartial::new(len);
+        for k in 0..m {
+            whole.add(&grads(k, len)).unwrap();
+        }
+        let mut want = vec![0.0f32; len];
+        whole.mean_to(&mut want).unwrap();
+        let mut one = GradReducer::new(&layout, true);
+        let mut g = vec![0.0; len];
+        for k in 0..m {
+            g.copy_from_slice(&grads(k, len));
+            one.add_all(&mut g).unwrap();
+        }
+        one.finish(&mut g, None, m).unwrap();
+        assert!(g.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()));
+        let dims = ParallelDims {
+            dp: 2,
+            ..ParallelDims::SINGLE
+        };
+        let cut = PIECE + PIECE / 2;
+        let out = LocalCluster::run(2, |comm| {
+            let mesh = dims.build(&comm)?;
+            let mut r = GradReducer::new(&layout, true);
+            let mut g = vec![0.0; len];
+            for k in (comm.rank()..m).step_by(2) {
+                g.copy_from_slice(&grads(k, len));
+                r.add(cut..len, &mut g)?;
+                r.add(0..cut, &mut g)?;
+            }
+            r.finish(&mut g, Some(&mesh), m)?;
+            Ok::<_, crate::Error>(g)
+        })
+        .unwrap();
+        for o in out {
+            let o = o.unwrap();
+            assert!(o.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()));
+        }
+    }
 
     fn grads(seed: usize, n: usize) -> Vec<f32> {
         (0..n)

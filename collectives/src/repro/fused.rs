@@ -57,12 +57,16 @@ struct Plan {
     sa: u32,
     m: f64,
     mb: i64,
+    /// Some `y` lie 2^51 or more above 2^e (values spanning more than 27
+    /// binades): converted by integer shifts instead of the magic
+    /// constant.
+    wide: bool,
 }
 
 /// `Some` when `x` is a two-word block without flags and every `y` is
-/// finite, a multiple of 2^e below 2^(e+51) (so the magic conversion is
-/// exact) and `x`'s integers shifted to `e` stay below 2^62 (so the sum
-/// fits two words). A −0.0 in `y` is a plain zero here: `x` carries no
+/// finite, a multiple of 2^e below 2^(e+62) (below 2^(e+51) the magic
+/// conversion is exact, above it integer shifts are used) and `x`'s
+/// integers shifted to `e` stay below 2^62 (so the sum fits two words). A −0.0 in `y` is a plain zero here: `x` carries no
 /// "only −0.0" flags, so the sum cannot be −0.0.
 #[inline(always)]
 fn plan(x: &BlockRef<'_>, ybits: &[u32]) -> Option<Plan> {
@@ -73,15 +77,17 @@ fn plan(x: &BlockRef<'_>, ybits: &[u32]) -> Option<Plan> {
     if emax == 0xff {
         return None;
     }
-    let e = if emin == 0x100 {
-        x.e
+    let (e, wide) = if emin == 0x100 {
+        (x.e, false)
     } else {
         let e = x.e.min(emin as i32 - 150);
-        // largest |y| < 2^(max(E,1) − 150 + 24) must be below 2^(e+51)
-        if emax.max(1) as i32 - 150 + 24 > e + 51 {
+        // largest |y| < 2^(max(E,1) − 150 + 24): below 2^(e+51) for the
+        // magic constant, below 2^(e+62) for the shifts
+        let top = emax.max(1) as i32 - 150 + 24;
+        if top > e + 62 {
             return None;
         }
-        e
+        (e, top > e + 51)
     };
     if !(-1000..=900).contains(&e) {
         return None;
@@ -91,7 +97,7 @@ fn plan(x: &BlockRef<'_>, ybits: &[u32]) -> Option<Plan> {
         return None;
     }
     let (m, mb) = magic(e);
-    Some(Plan { e, sa, m, mb })
+    Some(Plan { e, sa, m, mb, wide })
 }
 
 /// Rounds `v·2^e` (|v| < 2^63) once to `T` (narrower than f64; `e` in
@@ -121,9 +127,39 @@ fn lanes_round<T: Element>(e: i32) -> bool {
 /// and writes respectively.
 #[inline(always)]
 unsafe fn lanes(src: *const i64, dst: *mut i64, ybits: &[u32], p: &Plan) -> u64 {
+    if p.wide {
+        // SAFETY: the caller's contract.
+        return unsafe { lanes_wide(src, dst, ybits, p) };
+    }
     let mut acc = 0u64;
     for (i, &b) in ybits.iter().enumerate() {
         let y = (f64::from(f32::from_bits(b)) + p.m).to_bits() as i64 - p.mb;
+        // SAFETY: i < ybits.len(), in bounds of both by the contract.
+        let s = unsafe {
+            let s = (i64::from_le(src.add(i).read_unaligned()) << p.sa) + y;
+            dst.add(i).write_unaligned(s.to_le());
+            s
+        };
+        acc |= (s ^ (s >> 63)) as u64;
+    }
+    acc
+}
+
+/// [`lanes`] for values spanning more than the magic constant's 2^51:
+/// each `y` becomes its significand shifted left by its exponent above
+/// 2^e (below 2^62 by [`plan`]), negated for a negative sign.
+///
+/// # Safety
+/// As [`lanes`].
+#[inline(always)]
+unsafe fn lanes_wide(src: *const i64, dst: *mut i64, ybits: &[u32], p: &Plan) -> u64 {
+    let mut acc = 0u64;
+    for (i, &b) in ybits.iter().enumerate() {
+        let ex = ((b >> 23) & 0xff) as i32;
+        let m = i64::from(b & 0x7f_ffff) | (i64::from(ex != 0) << 23);
+        // zeros (m = 0) may sit below 2^e: any shift keeps them 0
+        let v = m << ((ex.max(1) - 150 - p.e).max(0) as u32 & 63);
+        let y = if b >> 31 != 0 { -v } else { v };
         // SAFETY: i < ybits.len(), in bounds of both by the contract.
         let s = unsafe {
             let s = (i64::from_le(src.add(i).read_unaligned()) << p.sa) + y;
@@ -685,47 +721,29 @@ pub(super) fn add_in_place<T: Element>(
     let mut tmp = Vec::new();
     let mut blkenc = Vec::with_capacity(HEADER + 8 * BLOCK);
     let mut chain = Vec::with_capacity(HEADER + 8 * BLOCK);
+    let mut chain2 = Vec::new();
     let mut pos = 0;
     offs.clear();
     for (b, s) in (0..len).step_by(BLOCK).enumerate() {
         let bl = BLOCK.min(len - s);
         let p0 = pos;
         offs.push(p0);
-        // the sources the lanes take, in order, while they can
-        let mut done = 0;
-        let mut end;
-        let x = loop {
-            end = p0;
-            let x = read_block(enc, &mut end, bl)?;
-            if done == ys.len() || T::DTYPE == Dtype::F64 {
-                break x;
-            }
-            let mut buf = [0u32; BLOCK];
-            let yb = bits_of(&ys[done][s..s + bl], &mut buf);
-            let Some(p) = plan(&x, yb) else {
-                break x;
-            };
-            let data = &mut enc[p0 + HEADER..p0 + HEADER + 8 * bl];
-            let ptr = data.as_mut_ptr().cast::<i64>();
-            // SAFETY: `data` holds 8·bl bytes (a two-word block of bl
-            // elements, checked by `read_block`); reading and writing
-            // lane i through the same pointer is allowed.
-            let acc = unsafe { lanes(ptr, ptr, yb, &p) };
-            enc[p0..p0 + 4].copy_from_slice(&p.e.to_le_bytes());
-            enc[p0 + 6..p0 + 8].copy_from_slice(&(bitlen64(acc) as u16).to_le_bytes());
-            done += 1;
-        };
-        pos = end;
+        let (done, size) = add_lanes(&mut enc[p0..], ys, s, bl)?;
+        pos = p0 + size;
         if done == ys.len() {
             continue;
         }
         // the other sources through the general path, one after another
+        let mut at = p0;
+        let x = read_block(enc, &mut at, bl)?;
         merge_sources(x, &ys[done..], s, bl, &mut blkenc, &mut chain, &mut tmp)?;
-        if blkenc.len() == pos - p0 {
+        if blkenc.len() == size {
             enc[p0..pos].copy_from_slice(&blkenc);
             continue;
         }
-        // The block changes size: write it and the rest out of place.
+        // The block changes size: write it and the rest out of place
+        // (each block copied out and added to by the lanes where they
+        // apply, as above).
         spill.clear();
         spill.reserve(enc.len() + blkenc.len());
         spill.extend_from_slice(&enc[..p0]);
@@ -733,8 +751,18 @@ pub(super) fn add_in_place<T: Element>(
         for s in (0..len).step_by(BLOCK).skip(b + 1) {
             let bl = BLOCK.min(len - s);
             offs.push(spill.len());
-            let x = read_block(enc, &mut pos, bl)?;
-            merge_sources(x, ys, s, bl, &mut blkenc, &mut chain, &mut tmp)?;
+            let p0 = pos;
+            let size = read_block(enc, &mut pos, bl).map(|_| pos - p0)?;
+            chain.clear();
+            chain.extend_from_slice(&enc[p0..pos]);
+            let (done, _) = add_lanes(&mut chain, ys, s, bl)?;
+            if done == ys.len() {
+                spill.extend_from_slice(&chain[..size]);
+                continue;
+            }
+            let mut at = 0;
+            let x = read_block(&chain, &mut at, bl)?;
+            merge_sources(x, &ys[done..], s, bl, &mut blkenc, &mut chain2, &mut tmp)?;
             spill.extend_from_slice(&blkenc);
         }
         trailing(enc, pos)?;
@@ -747,6 +775,48 @@ pub(super) fn add_in_place<T: Element>(
     offs.push(pos);
     trailing(enc, pos)
 }
+}
+
+/// Adds block `[s, s + bl)` of the sources `ys`, in order, to the block
+/// encoded at the start of `blk`, in place, in i64 lanes while they apply
+/// (see [`plan`]); returns how many sources were added (the rest need the
+/// general path) and the encoded block's size in bytes (unchanged by the
+/// lanes).
+#[inline(always)]
+fn add_lanes<T: Element>(
+    blk: &mut [u8],
+    ys: &[&[T]],
+    s: usize,
+    bl: usize,
+) -> Result<(usize, usize)> {
+    let mut done = 0;
+    loop {
+        let mut end = 0;
+        let x = read_block(blk, &mut end, bl)?;
+        if done == ys.len() || T::DTYPE == Dtype::F64 {
+            return Ok((done, end));
+        }
+        let mut buf = [0u32; BLOCK];
+        let yb = bits_of(&ys[done][s..s + bl], &mut buf);
+        if x.flags.is_none() && yb.iter().all(|&b| b & 0x7fff_ffff == 0) {
+            // zeros (the rows of tokens a micro-batch did not see) change
+            // neither the sum nor, without flags, its sign of zero
+            done += 1;
+            continue;
+        }
+        let Some(p) = plan(&x, yb) else {
+            return Ok((done, end));
+        };
+        let data = &mut blk[HEADER..HEADER + 8 * bl];
+        let ptr = data.as_mut_ptr().cast::<i64>();
+        // SAFETY: `data` holds 8·bl bytes (a two-word block of bl
+        // elements, checked by `read_block`); reading and writing lane i
+        // through the same pointer is allowed.
+        let acc = unsafe { lanes(ptr, ptr, yb, &p) };
+        blk[..4].copy_from_slice(&p.e.to_le_bytes());
+        blk[6..8].copy_from_slice(&(bitlen64(acc) as u16).to_le_bytes());
+        done += 1;
+    }
 }
 
 /// The encoded block `x` plus block `[s, s + bl)` of every source of
