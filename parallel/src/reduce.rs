@@ -223,29 +223,41 @@ impl GradReducer {
                 format!("range {range:?} outside a buffer of {}", grads.len()),
             ));
         }
+        let mut zeroed = 0;
         for part in &mut self.parts {
             let inside = within(&part.ranges, &range);
             let n: usize = inside.iter().map(Range::len).sum();
             if n == 0 {
                 continue;
             }
-            // one contiguous run is added where it lies, others gathered
-            let src: &[f32] = if let [one] = &inside[..] {
-                &grads[one.clone()]
-            } else {
-                gather(&inside, grads, &mut part.buf);
-                &part.buf
-            };
             let ps = part
                 .partials
                 .entry((range.start, range.end))
                 .or_insert_with(|| pieces(n));
-            ps.par_iter_mut()
-                .zip(src.par_chunks(PIECE))
-                .try_for_each(|(p, x)| p.add(x))?;
+            if let [one] = &inside[..] {
+                // one contiguous run: added where it lies, each piece
+                // zeroed while it is in the cache
+                ps.par_iter_mut()
+                    .zip(grads[one.clone()].par_chunks_mut(PIECE))
+                    .try_for_each(|(p, x)| {
+                        p.add(x)?;
+                        x.fill(0.0);
+                        Ok::<_, weft_collectives::Error>(())
+                    })?;
+            } else {
+                gather(&inside, grads, &mut part.buf);
+                ps.par_iter_mut()
+                    .zip(part.buf.par_chunks(PIECE))
+                    .try_for_each(|(p, x)| p.add(x))?;
+                for r in inside {
+                    weft_kernels::zero(&mut grads[r]);
+                }
+            }
+            zeroed += n;
         }
-        if let Some(g) = grads.get_mut(range) {
-            weft_kernels::zero(g);
+        if zeroed < range.len() {
+            // (every element lies in a part: kept for safety)
+            weft_kernels::zero(&mut grads[range]);
         }
         Ok(())
     }
