@@ -200,9 +200,9 @@
 //! [`reduce_scatter_add_exact`](CommunicatorExt::reduce_scatter_add_exact)
 //! (FSDP's exact accumulation of a micro-batch's gradient shards) sends the
 //! plain reduce-scatter's bytes and adds every rank's chunk in one pass
-//! over the owner's encoded accumulator: 3–8× the plain reduce-scatter's
-//! time with 2 ranks (the additions, about 0.6 ns per element and
-//! contribution, not the bytes), run by FSDP's reducer thread behind the
+//! over the owner's encoded accumulator: 2–6× the plain reduce-scatter's
+//! time with 2 ranks and 1.5–4.3× with 4 (the additions, about 0.6 ns per
+//! element and contribution, not the bytes), run by FSDP's reducer thread behind the
 //! backward: the reproducible ZeRO-3 step with two micro-batches per rank
 //! takes 1.02–1.05× the plain one's time (`benches/fsdp_step.rs` in
 //! weft-model, `--micro 2`; it was 2.2–2.4× when the shards' encoded
