@@ -1605,6 +1605,17 @@ mod tests {
         })
     }
 
+    /// Asserts the same bits, naming the first element that differs.
+    fn assert_same(got: &[f32], want: &[f32], what: &str) {
+        assert!(
+            same_bits(got, want),
+            "{what}: {:?}",
+            got.iter()
+                .zip(want)
+                .find(|(a, b)| a.to_bits() != b.to_bits())
+        );
+    }
+
     #[test]
     fn wide_spreads_stay_exact() {
         let cols = vec![
@@ -1699,13 +1710,7 @@ mod tests {
             for p in [&one, &many] {
                 let mut got = vec![0f32; len];
                 p.round_to(&mut got).unwrap();
-                assert!(
-                    same_bits(&got, &want),
-                    "seed {seed} spread {spread}: {:?}",
-                    got.iter()
-                        .zip(&want)
-                        .find(|(a, b)| a.to_bits() != b.to_bits())
-                );
+                assert_same(&got, &want, &format!("seed {seed} spread {spread}"));
             }
         }
     }
@@ -1717,13 +1722,7 @@ mod tests {
             let cols = blocky(seed, k, 5 * BLOCK + 9, spread);
             let got = merged(&cols);
             let want = exact_of(&cols);
-            assert!(
-                same_bits(&got, &want),
-                "seed {seed} spread {spread}: {:?}",
-                got.iter()
-                    .zip(&want)
-                    .find(|(a, b)| a.to_bits() != b.to_bits())
-            );
+            assert_same(&got, &want, &format!("seed {seed} spread {spread}"));
         }
     }
 

@@ -377,28 +377,7 @@ mod tests {
         }
         one.finish(&mut g, None, m).unwrap();
         assert!(g.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()));
-        let dims = ParallelDims {
-            dp: 2,
-            ..ParallelDims::SINGLE
-        };
-        let cut = PIECE + PIECE / 2;
-        let out = LocalCluster::run(2, |comm| {
-            let mesh = dims.build(&comm)?;
-            let mut r = GradReducer::new(&layout, true);
-            let mut g = vec![0.0; len];
-            for k in (comm.rank()..m).step_by(2) {
-                g.copy_from_slice(&grads(k, len));
-                r.add(cut..len, &mut g)?;
-                r.add(0..cut, &mut g)?;
-            }
-            r.finish(&mut g, Some(&mesh), m)?;
-            Ok::<_, crate::Error>(g)
-        })
-        .unwrap();
-        for o in out {
-            let o = o.unwrap();
-            assert!(o.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()));
-        }
+        same_on_two_ranks(&layout, len, m, PIECE + PIECE / 2, &want);
     }
 
     fn grads(seed: usize, n: usize) -> Vec<f32> {
@@ -479,19 +458,25 @@ mod tests {
         }
         one.finish(&mut g, None, m).unwrap();
         let want = g.clone();
+        same_on_two_ranks(&layout, 65, m, 50, &want);
+    }
+
+    /// Micro-batches `0..m` split over two data-parallel ranks, each
+    /// gradient handed over in two ranges cut at `cut` (as a pipeline stage
+    /// hands them over): every rank ends with the bits of `want`.
+    fn same_on_two_ranks(layout: &ParamLayout, len: usize, m: usize, cut: usize, want: &[f32]) {
         let dims = ParallelDims {
             dp: 2,
             ..ParallelDims::SINGLE
         };
         let out = LocalCluster::run(2, |comm| {
             let mesh = dims.build(&comm)?;
-            let mut r = GradReducer::new(&layout, true);
-            let mut g = vec![0.0; 65];
+            let mut r = GradReducer::new(layout, true);
+            let mut g = vec![0.0; len];
             for k in (comm.rank()..m).step_by(2) {
-                g.copy_from_slice(&grads(k, 65));
-                // in two pieces, as a pipeline stage hands them over
-                r.add(50..65, &mut g)?;
-                r.add(0..50, &mut g)?;
+                g.copy_from_slice(&grads(k, len));
+                r.add(cut..len, &mut g)?;
+                r.add(0..cut, &mut g)?;
             }
             r.finish(&mut g, Some(&mesh), m)?;
             Ok::<_, crate::Error>(g)
@@ -499,7 +484,7 @@ mod tests {
         .unwrap();
         for o in out {
             let o = o.unwrap();
-            assert!(o.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()));
+            assert!(o.iter().zip(want).all(|(a, b)| a.to_bits() == b.to_bits()));
         }
     }
 }

@@ -752,7 +752,8 @@ pub(super) fn add_in_place<T: Element>(
             let bl = BLOCK.min(len - s);
             offs.push(spill.len());
             let p0 = pos;
-            let size = read_block(enc, &mut pos, bl).map(|_| pos - p0)?;
+            read_block(enc, &mut pos, bl)?;
+            let size = pos - p0;
             chain.clear();
             chain.extend_from_slice(&enc[p0..pos]);
             let (done, _) = add_lanes(&mut chain, ys, s, bl)?;
