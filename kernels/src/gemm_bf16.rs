@@ -6,10 +6,10 @@
 //! three products of a linear layer: the forward `x · W`, the input
 //! gradient `dY · Wᵀ` and the weight gradient `xᵀ · dY`. The linear-layer
 //! kernels in [`Precision::Bf16`](crate::Precision::Bf16) run the same
-//! product on f32 buffers: on AVX512-BF16 each f32 is rounded to bf16
+//! product on f32 buffers: each f32 is rounded to bf16
 //! (`vcvtneps2bf16`) as it is packed, so no rounded copy is made and each
-//! value is read once; on AMX the operands are rounded in one vectorized
-//! pass into per-thread copies first.
+//! value is read once (on AMX a left operand stored transposed, as the
+//! weight gradients' `xᵀ`, goes through a rounded row-major copy first).
 //!
 //! # Paths ([`bf16_path`])
 //! - **AMX** (`tdpbf16ps`, Intel Sapphire Rapids and later, when the CPU
@@ -17,7 +17,12 @@
 //!   requested once with `arch_prctl(ARCH_REQ_XCOMP_PERM)`): stable Rust
 //!   reaches the tile instructions through inline assembly. Four 16 × 16
 //!   f32 tiles of sums per 32 × 32 block, each instruction adding a 16 ×
-//!   32 by 32 × 16 bf16 product.
+//!   32 by 32 × 16 bf16 product; `k` in blocks of up to 2048 values, the
+//!   left operand packed 1.5 MiB and the right one 512 KiB at a time (in
+//!   L2), every packed buffer on 64-byte boundaries: a tile row that
+//!   straddles two cache lines loads at less than half the rate (GPT-2
+//!   small's products 1.2× faster for the alignment, the head's 1.15–1.3×
+//!   more for the blocking, against packing all of `k` and every column).
 //! - **AVX512-BF16** (`vdpbf16ps`): operands packed into pairs along `k`
 //!   (the instruction's layout), a micro-kernel keeping an 8 × 32 block of
 //!   f32 sums in 16 registers, two products per lane per instruction
@@ -101,11 +106,21 @@ const WHOLE_A_BYTES: usize = if cfg!(test) { 4 << 10 } else { 4 << 20 };
 const MA: usize = 32;
 /// Pairs of `k` per AMX step (one tile: 16 rows of 64 bytes).
 const PA: usize = 16;
-/// Rows of the left operand the AMX path packs at a time (all of `k`):
-/// measured best of 32–512 with `benches/bf16_gemm.rs` (64: 2.6× the f32
-/// GEMM over GPT-2 small's products; 128: 2.1×; passes over part of `k`,
-/// which send the sums back to the output between passes, 1.7–1.9×).
-const MCA: usize = 64;
+/// Pairs of `k` per block of the AMX path at most (`k` is cut into
+/// near-equal blocks of whole tiles; between blocks the sums go back to
+/// the output). Measured with `benches/bf16_gemm.rs` over GPT-2 small's
+/// products (Intel Xeon with AMX, 2 threads): 1024 pairs 0.89× the time
+/// of 384 (the head's products 0.87×), 192–256 1.1×, 2048 1.2×.
+/// (Tests take several blocks of `k`, rows and columns at small sizes.)
+const KPA: usize = if cfg!(test) { 32 } else { 1024 };
+/// Bytes of the left operand the AMX path packs at a time (bf16 rows of
+/// a block of `k`, in L2 while the right operand's blocks pass; 768 KiB
+/// measured 1.2× the time, 3 MiB alike).
+const A_BYTES: usize = if cfg!(test) { 16 << 10 } else { 1536 << 10 };
+/// Bytes of the right operand the AMX path packs at a time (in L2 while
+/// every 32-row strip of the left block passes over it; 256 KiB measured
+/// 1.08× the time, 1 MiB alike).
+const B_BYTES: usize = if cfg!(test) { 8 << 10 } else { 512 << 10 };
 
 /// `out (m×n) = [out +] op(a) · op(b)` in f32 from bf16 operands.
 ///
@@ -455,19 +470,31 @@ pub(crate) fn product_on<A: Operand, B: Operand>(
         return;
     }
     let [mut ab, mut bb] = ROUNDED.take();
+    let along = |rs: usize, cs: usize| rs == 1 || cs == 1;
     if path == Bf16Path::Amx {
-        // the AMX path packs bf16 rows of the left operand
-        let a = A::as_bf16(a, m, k, false, &mut ab);
-        let b = B::as_bf16(b, k, n, true, &mut bb);
-        packed(m, n, k, out, a, |a, rows, nb, dst, j0, _| {
-            // SAFETY: `packed` vouches for `dst`; the CPU has AMX (`path`).
-            unsafe { amx_block(rows, nb, k, dst, n, accumulate, a, b, j0) }
-        });
+        // the AMX path packs rows of the left operand along `k` and the
+        // right one as `vdpbf16ps` does, f32 rounded as they are packed;
+        // any other layout from a row-major bf16 copy
+        match (a.cs == 1, along(b.rs, b.cs)) {
+            (true, true) => amx(m, n, k, out, accumulate, a, b),
+            (true, false) => {
+                let b = B::as_bf16(b, k, n, true, &mut bb);
+                amx(m, n, k, out, accumulate, a, b);
+            }
+            (false, true) => {
+                let a = A::as_bf16(a, m, k, false, &mut ab);
+                amx(m, n, k, out, accumulate, a, b);
+            }
+            (false, false) => {
+                let a = A::as_bf16(a, m, k, false, &mut ab);
+                let b = B::as_bf16(b, k, n, true, &mut bb);
+                amx(m, n, k, out, accumulate, a, b);
+            }
+        }
     } else {
         // `vdpbf16ps`: either operand packed as it is stored, along rows
         // or columns, f32 rounded as it is packed; any other layout
         // (strided both ways) from a row-major bf16 copy
-        let along = |rs: usize, cs: usize| rs == 1 || cs == 1;
         match (along(a.rs, a.cs), along(b.rs, b.cs)) {
             (true, true) => vdp(m, n, k, out, accumulate, a, b),
             (true, false) => {
@@ -527,6 +554,25 @@ pub(crate) fn product_with_bias<A: Operand, B: Operand>(
     if k > 0 {
         product(m, n, k, out, true, a, b);
     }
+}
+
+/// The AMX path of [`product_on`]: `a` along rows, `b` along rows or
+/// columns.
+#[allow(clippy::too_many_arguments)]
+fn amx<A: Operand, B: Operand>(
+    m: usize,
+    n: usize,
+    k: usize,
+    out: &mut [f32],
+    accumulate: bool,
+    a: View<'_, A>,
+    b: View<'_, B>,
+) {
+    packed(m, n, k, out, a, |a, rows, nb, dst, j0, _| {
+        // SAFETY: `packed` vouches for `dst`; the CPU has AMX (the
+        // caller's path); the layouts are the caller's.
+        unsafe { amx_block(rows, nb, k, dst, n, accumulate, a, b, j0) }
+    });
 }
 
 /// The `vdpbf16ps` path of [`product_on`].
@@ -699,8 +745,8 @@ unsafe fn packed_block<A: Operand, B: Operand>(
     let whole = n > nc_max && m.next_multiple_of(MR) * kp_max * 4 <= WHOLE_A_BYTES;
     let [mut bpk, apk] = PACKED.take();
     let mut apk32 = PACKED_A.take();
-    let bp = bpk.sized(nc_max.min(n).next_multiple_of(NR) * 2 * kp_max);
-    let ap = apk32.sized(if whole { m } else { MC.min(m) }.next_multiple_of(MR) * kp_max);
+    let bp = bpk.lines(nc_max.min(n).next_multiple_of(NR) * 2 * kp_max);
+    let ap = apk32.lines(if whole { m } else { MC.min(m) }.next_multiple_of(MR) * kp_max);
     for (kb, p0) in (0..pairs).step_by(KP).enumerate() {
         let kp = KP.min(pairs - p0);
         let init = match (kb == 0 && !accumulate, bias) {
@@ -759,85 +805,90 @@ unsafe fn packed_block<A: Operand, B: Operand>(
 }
 
 /// Columns `[j0, j0 + n)` of the product into `dst` (its first column;
-/// row stride `ldc`), on AMX: the right operand packed as for
-/// `vdpbf16ps` (panels of [`NR`] columns, pairs along `k`: the tiles' VNNI
-/// layout), the left one as bf16 rows of the block's `k`, both padded with
-/// zeros to whole tiles; each 32 × 32 block of sums in four tiles.
+/// row stride `ldc`), on AMX, blocked for the caches: `k` in near-equal
+/// blocks of at most [`KPA`] pairs (boundaries set by `k` alone), and
+/// within each a block of up to [`A_BYTES`] of the left operand packed as
+/// bf16 rows (the left tiles' layout; f32 rounded as it is packed) and,
+/// in turn, blocks of up to [`B_BYTES`] of the right one packed as for
+/// `vdpbf16ps` (panels of [`NR`] columns, pairs along `k`: the tiles'
+/// VNNI layout), zero-padded to whole tiles. Each 32 × 32 block of sums
+/// is four tiles, loaded from the output between blocks of `k` (exact:
+/// f32 in, f32 out, the same order of additions as one pass).
 ///
 /// # Safety
 /// As [`packed_block`], and the CPU must have AMX-BF16 with the tile
-/// state granted ([`amx::usable`]).
+/// state granted ([`amx::usable`]); `a` must run along rows (`a.cs ==
+/// 1`) and `b` along rows or columns.
 #[allow(clippy::too_many_arguments)]
-unsafe fn amx_block(
+unsafe fn amx_block<A: Operand, B: Operand>(
     m: usize,
     n: usize,
     k: usize,
     dst: *mut f32,
     ldc: usize,
     accumulate: bool,
-    a: View<'_, bf16>,
-    b: View<'_, bf16>,
+    a: View<'_, A>,
+    b: View<'_, B>,
     j0: usize,
 ) {
-    // the whole of `k` packed at once (zero-padded to whole tiles), so
-    // that each block of sums stays in its tiles while every `k` passes
-    let kp = k.div_ceil(2).next_multiple_of(PA);
-    let panels = n.div_ceil(NR);
-    let mc_max = MCA.min(m).next_multiple_of(MA);
+    let pairs = k.div_ceil(2).next_multiple_of(PA);
+    let kpb = pairs.div_ceil(pairs.div_ceil(KPA)).next_multiple_of(PA);
+    let mcb = (A_BYTES / (4 * kpb) / MA).max(1) * MA;
+    let ncb = (B_BYTES / (4 * kpb) / NR).max(1) * NR;
     let [mut bpk, mut apk] = PACKED.take();
-    let bp = bpk.sized(panels * NR * 2 * kp);
-    let ap = apk.sized(mc_max * 2 * kp);
-    let mut sums = [0f32; MA * NR];
-    pack_b(bp, b, k, j0, n, 0, kp);
+    let bp = bpk.lines(ncb.min(n.next_multiple_of(NR)) * 2 * kpb);
+    let ap = apk.lines(mcb.min(m.next_multiple_of(MA)) * 2 * kpb);
+    /// An edge block of sums, in whole cache lines.
+    #[repr(C, align(64))]
+    struct Sums([f32; MA * NR]);
+    let mut sums = Sums([0f32; MA * NR]);
+    let sums = &mut sums.0;
     // SAFETY: the caller vouched for AMX; the configuration describes the
     // eight 16 × 64-byte tiles the kernel uses.
     unsafe { amx::configure() };
-    let sa = 2 * kp * 2;
-    for i0 in (0..m).step_by(MCA) {
-        let mc = MCA.min(m - i0);
-        let mcp = mc.next_multiple_of(MA);
-        pack_rows(ap, a, k, i0, mc, mcp, 0, kp);
-        for pj in 0..panels {
-            let nc = NR.min(n - pj * NR);
-            let bpanel = &bp[pj * NR * 2 * kp..(pj + 1) * NR * 2 * kp];
-            let first = !accumulate;
-            for r0 in (0..mc).step_by(MA) {
-                let mr = MA.min(mc - r0);
-                let aq = ap[r0 * 2 * kp..].as_ptr();
-                let c = dst.wrapping_add((i0 + r0) * ldc + pj * NR);
-                if mr == MA && nc == NR {
-                    // SAFETY: a whole 32 × 32 block of the caller's output;
-                    // `MA` packed rows of `2·kp` values from `aq` and `kp`
-                    // pairs of `NR` in `bpanel`; the tiles are configured.
-                    unsafe { amx::kernel(kp, aq, sa, bpanel.as_ptr(), c, ldc * 4, first) };
-                    continue;
-                }
-                // an edge block: through `sums` (zero beyond the output)
-                sums.fill(0.0);
-                if !first {
-                    for r in 0..mr {
-                        // SAFETY: row `r` of the block, its `nc` columns
-                        // inside the caller's output.
-                        let row = unsafe { std::slice::from_raw_parts(c.add(r * ldc), nc) };
-                        sums[r * NR..r * NR + nc].copy_from_slice(row);
+    for p0 in (0..pairs).step_by(kpb) {
+        let kp = kpb.min(pairs - p0);
+        let first = !accumulate && p0 == 0;
+        let sa = 2 * kp * 2;
+        for i0 in (0..m).step_by(mcb) {
+            let mc = mcb.min(m - i0);
+            pack_rows(ap, a, k, i0, mc, mc.next_multiple_of(MA), p0, kp);
+            for jc in (0..n).step_by(ncb) {
+                let nb = ncb.min(n - jc);
+                pack_b(bp, b, k, j0 + jc, nb, p0, kp);
+                for r0 in (0..mc).step_by(MA) {
+                    let mr = MA.min(mc - r0);
+                    let aq = ap[r0 * 2 * kp..].as_ptr();
+                    for pj in 0..nb.div_ceil(NR) {
+                        let nc = NR.min(nb - pj * NR);
+                        let bq = bp[pj * NR * 2 * kp..].as_ptr();
+                        let c = dst.wrapping_add((i0 + r0) * ldc + jc + pj * NR);
+                        if mr == MA && nc == NR {
+                            // SAFETY: a whole 32 × 32 block of the caller's
+                            // output; `MA` packed rows of `2·kp` values from
+                            // `aq` and `kp` pairs of `NR` from `bq`; the
+                            // tiles are configured.
+                            unsafe { amx::kernel(kp, aq, sa, bq, c, ldc * 4, first) };
+                            continue;
+                        }
+                        // an edge block: through `sums` (zero beyond the output)
+                        sums.fill(0.0);
+                        if !first {
+                            for r in 0..mr {
+                                // SAFETY: row `r` of the block, its `nc`
+                                // columns inside the caller's output.
+                                let row = unsafe { std::slice::from_raw_parts(c.add(r * ldc), nc) };
+                                sums[r * NR..r * NR + nc].copy_from_slice(row);
+                            }
+                        }
+                        // SAFETY: `sums` is a whole block; as above.
+                        unsafe { amx::kernel(kp, aq, sa, bq, sums.as_mut_ptr(), NR * 4, false) };
+                        for r in 0..mr {
+                            // SAFETY: as for the loads above.
+                            let row = unsafe { std::slice::from_raw_parts_mut(c.add(r * ldc), nc) };
+                            row.copy_from_slice(&sums[r * NR..r * NR + nc]);
+                        }
                     }
-                }
-                // SAFETY: `sums` is a whole block; as above.
-                unsafe {
-                    amx::kernel(
-                        kp,
-                        aq,
-                        sa,
-                        bpanel.as_ptr(),
-                        sums.as_mut_ptr(),
-                        NR * 4,
-                        false,
-                    );
-                }
-                for r in 0..mr {
-                    // SAFETY: as for the loads above.
-                    let row = unsafe { std::slice::from_raw_parts_mut(c.add(r * ldc), nc) };
-                    row.copy_from_slice(&sums[r * NR..r * NR + nc]);
                 }
             }
         }
@@ -1064,12 +1115,13 @@ fn simd() -> bool {
 }
 
 /// Packs values `[2·p0, 2·(p0 + kp))` of rows `[i0, i0 + mc)` of `op(a)`
-/// as `mcp` rows of `2·kp` bf16 (the AMX left tiles' layout), zero beyond
-/// `k` and `mc`.
+/// (a view along rows, `a.cs == 1`) as `mcp` rows of `2·kp` bf16 (the AMX
+/// left tiles' layout; f32 rounded as the instructions round), zero
+/// beyond `k` and `mc`.
 #[allow(clippy::too_many_arguments)]
-fn pack_rows(
+fn pack_rows<A: Operand>(
     dst: &mut [u16],
-    a: View<'_, bf16>,
+    a: View<'_, A>,
     k: usize,
     i0: usize,
     mc: usize,
@@ -1077,6 +1129,7 @@ fn pack_rows(
     p0: usize,
     kp: usize,
 ) {
+    assert_eq!(a.cs, 1, "pack_rows: rows along k");
     let w = 2 * kp;
     let k0 = 2 * p0;
     let live = k.saturating_sub(k0).min(w);
@@ -1085,30 +1138,14 @@ fn pack_rows(
             row.fill(0);
             continue;
         }
-        row[live..].fill(0);
-        if a.cs == 1 {
-            let base = (i0 + i) * a.rs + k0;
-            for (d, s) in row[..live].iter_mut().zip(&a.data[base..base + live]) {
-                *d = s.to_bits();
-            }
-        }
-    }
-    if a.cs != 1 {
-        // a transposed view (rows contiguous along i): a blocked transpose,
-        // 16 rows × 64 values at a time, so that the 16 rows being written
-        // stay in L1 (a whole column at a time would touch a cache line,
-        // often a page, per value)
-        for ib in (0..mc).step_by(16) {
-            let ie = (ib + 16).min(mc);
-            for cb in (0..live).step_by(64) {
-                for c in cb..(cb + 64).min(live) {
-                    let col = (k0 + c) * a.cs + i0 * a.rs;
-                    for i in ib..ie {
-                        dst[i * w + c] = a.data[col + i * a.rs].to_bits();
-                    }
-                }
-            }
-        }
+        let (head, tail) = row.split_at_mut(live);
+        tail.fill(0);
+        let base = (i0 + i) * a.rs + k0;
+        // SAFETY: bf16 is a transparent u16; `head` is borrowed
+        // exclusively for the call.
+        let head =
+            unsafe { std::slice::from_raw_parts_mut(head.as_mut_ptr().cast::<bf16>(), live) };
+        A::row_to_bf16(head, &a.data[base..base + live]);
     }
 }
 

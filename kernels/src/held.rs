@@ -11,7 +11,8 @@ static HELD: AtomicUsize = AtomicUsize::new(0);
 /// mixed-precision products keep for the next call: rounded copies of
 /// their operands (bf16, or fp16 values in f32) on each calling thread
 /// and the packed blocks of the bf16 paths on each thread that computes
-/// (on AMX the whole of `k` for 64 rows; on AVX512-BF16 up to 512
+/// (on AMX up to 1.5 MiB of the left operand and 512 KiB of the right
+/// one; on AVX512-BF16 up to 512
 /// columns and 128 rows by 1024 values of `k`, 1.25 MiB). The copies grow to the
 /// largest operands a thread has multiplied (a language-model head's
 /// logits gradient is the largest: `2·B·T·V` bytes in bf16, `4·B·T·V` for
@@ -49,6 +50,18 @@ impl<T: Copy + Default> Held<T> {
             HELD.fetch_add(self.bytes() - before, Ordering::Relaxed);
         }
         &mut self.0[..n]
+    }
+
+    /// As [`sized`](Self::sized), from the buffer's first 64-byte
+    /// boundary: the packed operands of the bf16 products, whose rows the
+    /// instructions load a cache line at a time (tiles and vectors that
+    /// straddle two lines load at half the rate or less: measured 2.2–2.5×
+    /// on AMX's `tileloadd`).
+    pub(crate) fn lines(&mut self, n: usize) -> &mut [T] {
+        let pad = 64 / size_of::<T>().max(1);
+        let s = self.sized(n + pad);
+        let off = s.as_ptr().align_offset(64).min(pad);
+        &mut s[off..off + n]
     }
 
     /// The first `n` elements (written by an earlier [`sized`](Self::sized)).
