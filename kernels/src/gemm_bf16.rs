@@ -20,9 +20,10 @@
 //!   32 by 32 × 16 bf16 product; `k` in blocks of up to 2048 values, the
 //!   left operand packed 1.5 MiB and the right one 512 KiB at a time (in
 //!   L2), every packed buffer on 64-byte boundaries: a tile row that
-//!   straddles two cache lines loads at less than half the rate (GPT-2
-//!   small's products 1.2× faster for the alignment, the head's 1.15–1.3×
-//!   more for the blocking, against packing all of `k` and every column).
+//!   straddles two cache lines loads at less than half the rate. Against
+//!   packing all of `k` and every column on unaligned buffers: a GPT-2
+//!   small layer's twelve products 1.26× faster, the head's three
+//!   1.2–1.44× (`benches/bf16_gemm.rs`, Intel Xeon with AMX, 2 threads).
 //! - **AVX512-BF16** (`vdpbf16ps`): operands packed into pairs along `k`
 //!   (the instruction's layout), a micro-kernel keeping an 8 × 32 block of
 //!   f32 sums in 16 registers, two products per lane per instruction
@@ -110,7 +111,7 @@ const PA: usize = 16;
 /// near-equal blocks of whole tiles; between blocks the sums go back to
 /// the output). Measured with `benches/bf16_gemm.rs` over GPT-2 small's
 /// products (Intel Xeon with AMX, 2 threads): 1024 pairs 0.89× the time
-/// of 384 (the head's products 0.87×), 192–256 1.1×, 2048 1.2×.
+/// of 384 (the head's products 0.88×), 192–256 1.1×, 2048 1.06×.
 /// (Tests take several blocks of `k`, rows and columns at small sizes.)
 const KPA: usize = if cfg!(test) { 32 } else { 1024 };
 /// Bytes of the left operand the AMX path packs at a time (bf16 rows of
