@@ -408,6 +408,28 @@ fn transpose_to_bf16<A: Operand>(dst: &mut Held<bf16>, v: View<'_, A>, rows: usi
                 let nj = T.min(cols - j0);
                 for i0 in (0..nr).step_by(T) {
                     let ni = T.min(nr - i0);
+                    #[cfg(target_arch = "x86_64")]
+                    if v.rs == 1 && ni == T && nj == T && simd() {
+                        let src = (r0 + i0) + j0 * v.cs;
+                        let at = i0 * cols + j0;
+                        assert!(
+                            src + (T - 1) * v.cs + T <= v.data.len()
+                                && at + (T - 1) * cols + T <= out.len()
+                        );
+                        // SAFETY: the vector instructions checked (`simd`);
+                        // columns j0 ..+ 16 of the view hold 16 values along
+                        // i from `src + j·cs`, and rows i0 ..+ 16 of `out`
+                        // 16 from `at + i·cols` (asserted).
+                        unsafe {
+                            x86::transpose16(
+                                v.data.as_ptr().add(src),
+                                v.cs,
+                                out.as_mut_ptr().add(at).cast(),
+                                cols,
+                            );
+                        }
+                        continue;
+                    }
                     // tile[i][j] = v(r0 + i0 + i, j0 + j), read along i
                     for j in 0..nj {
                         let base = (j0 + j) * v.cs + (r0 + i0) * v.rs;
@@ -1167,10 +1189,12 @@ mod x86 {
         __m128bh, __m128i, __m256, __m256bh, __m256i, __m512i, _MM_HINT_ET0, _mm_loadu_si128,
         _mm_prefetch, _mm_storeu_si128, _mm_unpackhi_epi16, _mm_unpacklo_epi16,
         _mm256_castps_si256, _mm256_castsi256_ps, _mm256_cvtneps_pbh, _mm256_loadu_ps,
-        _mm256_loadu_si256, _mm256_permute2f128_ps, _mm256_shuffle_ps, _mm256_storeu_si256,
-        _mm256_unpackhi_ps, _mm256_unpacklo_ps, _mm512_cvtepu16_epi32, _mm512_cvtneps_pbh,
-        _mm512_loadu_ps, _mm512_mask_loadu_ps, _mm512_mask_storeu_ps, _mm512_or_si512,
-        _mm512_setzero_ps, _mm512_slli_epi32, _mm512_storeu_ps, _mm512_storeu_si512,
+        _mm256_loadu_si256, _mm256_permute2f128_ps, _mm256_permute2x128_si256, _mm256_shuffle_ps,
+        _mm256_storeu_si256, _mm256_unpackhi_epi16, _mm256_unpackhi_epi32, _mm256_unpackhi_epi64,
+        _mm256_unpackhi_ps, _mm256_unpacklo_epi16, _mm256_unpacklo_epi32, _mm256_unpacklo_epi64,
+        _mm256_unpacklo_ps, _mm512_cvtepu16_epi32, _mm512_cvtneps_pbh, _mm512_loadu_ps,
+        _mm512_mask_loadu_ps, _mm512_mask_storeu_ps, _mm512_or_si512, _mm512_setzero_ps,
+        _mm512_slli_epi32, _mm512_storeu_ps, _mm512_storeu_si512,
     };
 
     use weft_numerics::bf16;
@@ -1286,6 +1310,60 @@ mod x86 {
             unsafe {
                 _mm256_storeu_si256(dst.add(q * ds).cast(), _mm256_castps_si256(lo));
                 _mm256_storeu_si256(dst.add((q + 4) * ds).cast(), _mm256_castps_si256(hi));
+            }
+        }
+    }
+
+    /// `dst[i·ds ..+ 16] = column i` of the 16 × 16 block whose row `j`
+    /// is the 16 values at `src + j·ss` as bf16: a transpose of 16-bit
+    /// values, in four rounds of interleaves (16-, 32-, 64-bit, then the
+    /// 128-bit halves).
+    ///
+    /// # Safety
+    /// The CPU must have the features of [`super::simd`]; `src + j·ss`
+    /// must be valid for reads of 16 values and `dst + i·ds` for writes
+    /// of 16, for i, j < 16.
+    #[target_feature(enable = "avx2,avx512f,avx512bw,avx512vl,avx512bf16")]
+    pub(super) unsafe fn transpose16<T>(src: *const T, ss: usize, dst: *mut u16, ds: usize) {
+        // SAFETY: the caller's contract.
+        let r: [__m256i; 16] = std::array::from_fn(|j| unsafe { load16(src.add(j * ss)) });
+        // rows 2k, 2k + 1 interleaved: values 0–3 | 8–11, then 4–7 | 12–15
+        let a: [__m256i; 16] = std::array::from_fn(|x| {
+            let (k, hi) = (x / 2, x % 2 == 1);
+            if hi {
+                _mm256_unpackhi_epi16(r[2 * k], r[2 * k + 1])
+            } else {
+                _mm256_unpacklo_epi16(r[2 * k], r[2 * k + 1])
+            }
+        });
+        // rows 4g ..+ 4 of value pairs (0, 1 | 8, 9), (2, 3 | 10, 11),
+        // (4, 5 | 12, 13), (6, 7 | 14, 15)
+        let b: [__m256i; 16] = std::array::from_fn(|x| {
+            let (g, t) = (x / 4, x % 4);
+            let (p, q) = (a[4 * g + t / 2], a[4 * g + 2 + t / 2]);
+            if t % 2 == 1 {
+                _mm256_unpackhi_epi32(p, q)
+            } else {
+                _mm256_unpacklo_epi32(p, q)
+            }
+        });
+        // rows 8h ..+ 8 of value e (low half) and e + 8 (high half) at 8h + e
+        let c: [__m256i; 16] = std::array::from_fn(|x| {
+            let (h, e) = (x / 8, x % 8);
+            let (p, q) = (b[8 * h + e / 2], b[8 * h + 4 + e / 2]);
+            if e % 2 == 1 {
+                _mm256_unpackhi_epi64(p, q)
+            } else {
+                _mm256_unpacklo_epi64(p, q)
+            }
+        });
+        for e in 0..8 {
+            let lo = _mm256_permute2x128_si256::<0x20>(c[e], c[8 + e]);
+            let hi = _mm256_permute2x128_si256::<0x31>(c[e], c[8 + e]);
+            // SAFETY: the caller's contract (rows e and e + 8 of `dst`).
+            unsafe {
+                _mm256_storeu_si256(dst.add(e * ds).cast(), lo);
+                _mm256_storeu_si256(dst.add((e + 8) * ds).cast(), hi);
             }
         }
     }
