@@ -495,25 +495,7 @@ pub(crate) fn product_on<A: Operand, B: Operand>(
     let [mut ab, mut bb] = ROUNDED.take();
     let along = |rs: usize, cs: usize| rs == 1 || cs == 1;
     if path == Bf16Path::Amx {
-        // the AMX path packs rows of the left operand along `k` and the
-        // right one as `vdpbf16ps` does, f32 rounded as they are packed;
-        // any other layout from a row-major bf16 copy
-        match (a.cs == 1, along(b.rs, b.cs)) {
-            (true, true) => amx(m, n, k, out, accumulate, a, b),
-            (true, false) => {
-                let b = B::as_bf16(b, k, n, true, &mut bb);
-                amx(m, n, k, out, accumulate, a, b);
-            }
-            (false, true) => {
-                let a = A::as_bf16(a, m, k, false, &mut ab);
-                amx(m, n, k, out, accumulate, a, b);
-            }
-            (false, false) => {
-                let a = A::as_bf16(a, m, k, false, &mut ab);
-                let b = B::as_bf16(b, k, n, true, &mut bb);
-                amx(m, n, k, out, accumulate, a, b);
-            }
-        }
+        amx(m, n, k, out, accumulate, None, a, b, [&mut ab, &mut bb]);
     } else {
         // `vdpbf16ps`: either operand packed as it is stored, along rows
         // or columns, f32 rounded as it is packed; any other layout
@@ -541,8 +523,9 @@ pub(crate) fn product_on<A: Operand, B: Operand>(
 /// `out (m×n) = bias + op(a) · op(b)`, `bias` (n values) added to every
 /// row: the bits of copying `bias` into every row of `out` and then
 /// accumulating the product into it ([`product`] with `accumulate`), which
-/// is what the other paths do. On `vdpbf16ps` the block of sums starts
-/// from `bias` in registers instead (no copy, no read of `out`).
+/// is what the portable path does. On `vdpbf16ps` the block of sums starts
+/// from `bias` in registers instead, on AMX in tiles loaded from it with
+/// a row stride of zero (no copy, no read of `out`).
 pub(crate) fn product_with_bias<A: Operand, B: Operand>(
     m: usize,
     n: usize,
@@ -556,6 +539,12 @@ pub(crate) fn product_with_bias<A: Operand, B: Operand>(
         bias.len() == n && out.len() >= m * n,
         "product_with_bias: shapes"
     );
+    if bf16_path() == Bf16Path::Amx && m > 0 && n > 0 && k > 0 {
+        let [mut ab, mut bb] = ROUNDED.take();
+        amx(m, n, k, out, false, Some(bias), a, b, [&mut ab, &mut bb]);
+        ROUNDED.set([ab, bb]);
+        return;
+    }
     let along = |rs: usize, cs: usize| rs == 1 || cs == 1;
     if bf16_path() == Bf16Path::Avx512Bf16
         && m > 0
@@ -579,8 +568,11 @@ pub(crate) fn product_with_bias<A: Operand, B: Operand>(
     }
 }
 
-/// The AMX path of [`product_on`]: `a` along rows, `b` along rows or
-/// columns.
+/// The AMX path of [`product_on`] and [`product_with_bias`] (without
+/// `accumulate`, the sums start from `bias` or zero): rows of the left
+/// operand packed along `k` and the right one as `vdpbf16ps` packs it,
+/// f32 rounded as they are packed; any other layout from a row-major
+/// bf16 copy in `copies` (left, right).
 #[allow(clippy::too_many_arguments)]
 fn amx<A: Operand, B: Operand>(
     m: usize,
@@ -588,14 +580,56 @@ fn amx<A: Operand, B: Operand>(
     k: usize,
     out: &mut [f32],
     accumulate: bool,
+    bias: Option<&[f32]>,
     a: View<'_, A>,
     b: View<'_, B>,
+    copies: [&mut Held<bf16>; 2],
 ) {
-    packed(m, n, k, out, a, |a, rows, nb, dst, j0, _| {
-        // SAFETY: `packed` vouches for `dst`; the CPU has AMX (the
-        // caller's path); the layouts are the caller's.
-        unsafe { amx_block(rows, nb, k, dst, n, accumulate, a, b, j0) }
-    });
+    fn run<A: Operand, B: Operand>(
+        (m, n, k): (usize, usize, usize),
+        out: &mut [f32],
+        accumulate: bool,
+        bias: Option<&[f32]>,
+        a: View<'_, A>,
+        b: View<'_, B>,
+    ) {
+        packed(m, n, k, out, a, |a, rows, nb, dst, j0, _| {
+            // SAFETY: `packed` vouches for `dst`; the CPU has AMX (the
+            // caller's path); `a` runs along rows and `b` along rows or
+            // columns (the caller's match).
+            unsafe { amx_block(rows, nb, k, dst, n, accumulate, bias, a, b, j0) }
+        });
+    }
+    let [ab, bb] = copies;
+    let b_along = b.rs == 1 || b.cs == 1;
+    let shape = (m, n, k);
+    match (a.cs == 1, b_along) {
+        (true, true) => run(shape, out, accumulate, bias, a, b),
+        (true, false) => run(
+            shape,
+            out,
+            accumulate,
+            bias,
+            a,
+            B::as_bf16(b, k, n, true, bb),
+        ),
+        (false, true) => run(
+            shape,
+            out,
+            accumulate,
+            bias,
+            A::as_bf16(a, m, k, false, ab),
+            b,
+        ),
+        (false, false) => run(
+            shape,
+            out,
+            accumulate,
+            bias,
+            A::as_bf16(a, m, k, false, ab),
+            B::as_bf16(b, k, n, true, bb),
+        ),
+    }
 }
 
 /// The `vdpbf16ps` path of [`product_on`].
@@ -850,6 +884,7 @@ unsafe fn amx_block<A: Operand, B: Operand>(
     dst: *mut f32,
     ldc: usize,
     accumulate: bool,
+    bias: Option<&[f32]>,
     a: View<'_, A>,
     b: View<'_, B>,
     j0: usize,
@@ -872,6 +907,11 @@ unsafe fn amx_block<A: Operand, B: Operand>(
     for p0 in (0..pairs).step_by(kpb) {
         let kp = kpb.min(pairs - p0);
         let first = !accumulate && p0 == 0;
+        let init = |col: usize| match (first, bias) {
+            (false, _) => amx::Init::Load,
+            (true, None) => amx::Init::Zero,
+            (true, Some(bias)) => amx::Init::Bias(bias[j0 + col..].as_ptr()),
+        };
         let sa = 2 * kp * 2;
         for i0 in (0..m).step_by(mcb) {
             let mc = mcb.min(m - i0);
@@ -891,21 +931,32 @@ unsafe fn amx_block<A: Operand, B: Operand>(
                             // output; `MA` packed rows of `2·kp` values from
                             // `aq` and `kp` pairs of `NR` from `bq`; the
                             // tiles are configured.
-                            unsafe { amx::kernel(kp, aq, sa, bq, c, ldc * 4, first) };
+                            // (a bias holds the product's every column:
+                            // `NR` from this block's first)
+                            unsafe { amx::kernel(kp, aq, sa, bq, c, ldc * 4, init(jc + pj * NR)) };
                             continue;
                         }
                         // an edge block: through `sums` (zero beyond the output)
                         sums.fill(0.0);
-                        if !first {
-                            for r in 0..mr {
+                        for r in 0..mr {
+                            let row = &mut sums[r * NR..r * NR + nc];
+                            match (first, bias) {
+                                (true, None) => {}
+                                (true, Some(bias)) => {
+                                    let at = j0 + jc + pj * NR;
+                                    row.copy_from_slice(&bias[at..at + nc]);
+                                }
                                 // SAFETY: row `r` of the block, its `nc`
                                 // columns inside the caller's output.
-                                let row = unsafe { std::slice::from_raw_parts(c.add(r * ldc), nc) };
-                                sums[r * NR..r * NR + nc].copy_from_slice(row);
+                                (false, _) => row.copy_from_slice(unsafe {
+                                    std::slice::from_raw_parts(c.add(r * ldc), nc)
+                                }),
                             }
                         }
                         // SAFETY: `sums` is a whole block; as above.
-                        unsafe { amx::kernel(kp, aq, sa, bq, sums.as_mut_ptr(), NR * 4, false) };
+                        unsafe {
+                            amx::kernel(kp, aq, sa, bq, sums.as_mut_ptr(), NR * 4, amx::Init::Load);
+                        }
                         for r in 0..mr {
                             // SAFETY: as for the loads above.
                             let row = unsafe { std::slice::from_raw_parts_mut(c.add(r * ldc), nc) };
@@ -1746,14 +1797,27 @@ mod amx {
         unsafe { asm!("tilerelease", options(nostack, nomem)) };
     }
 
-    /// `c (MA × NR f32, rows `ldc` bytes apart) = [c +] a · b` over `kp`
-    /// pairs (`zero`: from zero, else from `c`): `a` points at `MA` rows
-    /// of `2·kp` bf16, `sa` bytes apart, `b` at `kp` rows of `NR` pairs.
+    /// Where a block of sums starts.
+    #[derive(Clone, Copy, Debug)]
+    pub(super) enum Init {
+        /// From zero.
+        Zero,
+        /// From the output block (accumulating).
+        Load,
+        /// From [`NR`] bias values, in every row (tiles loaded with a row
+        /// stride of zero).
+        Bias(*const f32),
+    }
+
+    /// `c (MA × NR f32, rows `ldc` bytes apart) = [c | bias | 0] + a · b`
+    /// over `kp` pairs, as `init` says: `a` points at `MA` rows of `2·kp`
+    /// bf16, `sa` bytes apart, `b` at `kp` rows of `NR` pairs.
     ///
     /// # Safety
     /// After [`configure`] on this thread; `kp` a multiple of [`PA`]; `a`
     /// and `b` valid for those reads; `c` valid for reads and writes of
-    /// `MA` rows of `NR` f32, `ldc` bytes apart.
+    /// `MA` rows of `NR` f32, `ldc` bytes apart; a bias valid for reads of
+    /// `NR` values.
     #[allow(clippy::too_many_arguments)]
     pub(super) unsafe fn kernel(
         kp: usize,
@@ -1762,15 +1826,25 @@ mod amx {
         b: *const u16,
         c: *mut f32,
         ldc: usize,
-        zero: bool,
+        init: Init,
     ) {
         debug_assert!(kp.is_multiple_of(PA));
         let cs = ldc;
-        // SAFETY: the four 16 × 16 quarters of `c` (the caller vouched).
+        // SAFETY: the four 16 × 16 quarters of `c` (the caller vouched),
+        // or the bias's two halves.
         unsafe {
             let (c1, c2) = (c.add(16), c.byte_add(16 * cs));
             let c3 = c2.add(16);
-            if zero {
+            if let Init::Bias(p) = init {
+                asm!(
+                    "tileloadd tmm0, [{p} + {zero}*1]",
+                    "tileloadd tmm1, [{p1} + {zero}*1]",
+                    "tileloadd tmm2, [{p} + {zero}*1]",
+                    "tileloadd tmm3, [{p1} + {zero}*1]",
+                    p = in(reg) p, p1 = in(reg) p.add(16), zero = in(reg) 0usize,
+                    options(nostack, readonly)
+                );
+            } else if let Init::Zero = init {
                 asm!(
                     "tilezero tmm0",
                     "tilezero tmm1",
@@ -1854,6 +1928,13 @@ mod amx {
 
 #[cfg(not(target_arch = "x86_64"))]
 mod amx {
+    /// As on x86-64.
+    #[derive(Clone, Copy, Debug)]
+    pub(super) enum Init {
+        Zero,
+        Load,
+        Bias(*const f32),
+    }
     /// AMX is x86-64's.
     pub(super) fn usable() -> bool {
         false
@@ -1868,7 +1949,7 @@ mod amx {
         _b: *const u16,
         _c: *mut f32,
         _ldc: usize,
-        _zero: bool,
+        _init: Init,
     ) {
         unreachable!("AMX off x86-64");
     }
