@@ -118,6 +118,10 @@ const KPA: usize = if cfg!(test) { 32 } else { 1024 };
 /// a block of `k`, in L2 while the right operand's blocks pass; 768 KiB
 /// measured 1.2× the time, 3 MiB alike).
 const A_BYTES: usize = if cfg!(test) { 16 << 10 } else { 1536 << 10 };
+/// The most bytes of the left operand the AMX path packs whole, once, its
+/// rows over the pool, for every thread to read (a larger one, as the
+/// head's logits gradient, is packed by each thread a block at a time).
+const SHARED_A_BYTES: usize = if cfg!(test) { 64 << 10 } else { 16 << 20 };
 /// Bytes of the right operand the AMX path packs at a time (in L2 while
 /// every 32-row strip of the left block passes over it; 256 KiB measured
 /// 1.08× the time, 1 MiB alike).
@@ -451,6 +455,9 @@ thread_local! {
     /// one of the `vdpbf16ps` path, kept for the thread's next block
     /// (taken out while in use).
     static PACKED: std::cell::Cell<[Held<u16>; 2]> = const { std::cell::Cell::new([Held::new(), Held::new()]) };
+    /// The AMX path's left operand packed whole ([`SHARED_A_BYTES`]),
+    /// kept for the calling thread's next product.
+    static SHARED_A: std::cell::Cell<Held<u16>> = const { std::cell::Cell::new(Held::new()) };
     /// The `vdpbf16ps` path's packed left operand (pairs as u32), kept
     /// likewise; its right one is the first of [`PACKED`].
     static PACKED_A: std::cell::Cell<Held<u32>> = const { std::cell::Cell::new(Held::new()) };
@@ -593,11 +600,56 @@ fn amx<A: Operand, B: Operand>(
         a: View<'_, A>,
         b: View<'_, B>,
     ) {
+        // the left operand packed once, its rows over the pool, where it
+        // is small enough: each thread that takes a block of columns would
+        // otherwise pack all of it
+        let w = 2 * k.div_ceil(2).next_multiple_of(PA);
+        let mp = m.next_multiple_of(MA);
+        if mp * w * 2 <= SHARED_A_BYTES {
+            let mut held = SHARED_A.take();
+            let ap = held.lines(mp * w);
+            ap.par_chunks_mut(MA * w)
+                .enumerate()
+                .for_each(|(blk, rows)| {
+                    let i0 = blk * MA;
+                    pack_rows(rows, a, k, i0, MA.min(m - i0), MA, 0, w / 2);
+                });
+            packed(
+                m,
+                n,
+                k,
+                out,
+                View::rows(&*ap, w),
+                |pa, rows, nb, dst, j0, _| {
+                    // SAFETY: `packed` vouches for `dst`; the CPU has AMX (the
+                    // caller's path); `pa` holds this block's rows of `a`
+                    // packed whole (`w` values each, zero-padded to whole
+                    // tiles of rows), and `b` runs along rows or columns.
+                    unsafe {
+                        amx_block(
+                            rows,
+                            nb,
+                            k,
+                            dst,
+                            n,
+                            accumulate,
+                            bias,
+                            a,
+                            Some(pa.data),
+                            b,
+                            j0,
+                        );
+                    }
+                },
+            );
+            SHARED_A.set(held);
+            return;
+        }
         packed(m, n, k, out, a, |a, rows, nb, dst, j0, _| {
             // SAFETY: `packed` vouches for `dst`; the CPU has AMX (the
             // caller's path); `a` runs along rows and `b` along rows or
             // columns (the caller's match).
-            unsafe { amx_block(rows, nb, k, dst, n, accumulate, bias, a, b, j0) }
+            unsafe { amx_block(rows, nb, k, dst, n, accumulate, bias, a, None, b, j0) }
         });
     }
     let [ab, bb] = copies;
@@ -705,7 +757,7 @@ unsafe impl Sync for OutPtr {}
 /// weight gradient `dYᵀ · x` over the vocabulary or a wide layer's
 /// inputs). Each row's bits depend on its own row of `a` alone and each
 /// column's on its own column of `b`, so the split changes none.
-fn packed<A: Operand>(
+fn packed<A: Copy + Sync>(
     m: usize,
     n: usize,
     k: usize,
@@ -886,6 +938,7 @@ unsafe fn amx_block<A: Operand, B: Operand>(
     accumulate: bool,
     bias: Option<&[f32]>,
     a: View<'_, A>,
+    pre: Option<&[u16]>,
     b: View<'_, B>,
     j0: usize,
 ) {
@@ -895,7 +948,11 @@ unsafe fn amx_block<A: Operand, B: Operand>(
     let ncb = (B_BYTES / (4 * kpb) / NR).max(1) * NR;
     let [mut bpk, mut apk] = PACKED.take();
     let bp = bpk.lines(ncb.min(n.next_multiple_of(NR)) * 2 * kpb);
-    let ap = apk.lines(mcb.min(m.next_multiple_of(MA)) * 2 * kpb);
+    let ap = if pre.is_some() {
+        &mut []
+    } else {
+        apk.lines(mcb.min(m.next_multiple_of(MA)) * 2 * kpb)
+    };
     /// An edge block of sums, in whole cache lines.
     #[repr(C, align(64))]
     struct Sums([f32; MA * NR]);
@@ -912,16 +969,24 @@ unsafe fn amx_block<A: Operand, B: Operand>(
             (true, None) => amx::Init::Zero,
             (true, Some(bias)) => amx::Init::Bias(bias[j0 + col..].as_ptr()),
         };
-        let sa = 2 * kp * 2;
         for i0 in (0..m).step_by(mcb) {
             let mc = mcb.min(m - i0);
-            pack_rows(ap, a, k, i0, mc, mc.next_multiple_of(MA), p0, kp);
+            // rows of the block's `k` (`ra` values apart) from the
+            // caller's packed rows, or packed here
+            let (ablock, ra) = match pre {
+                Some(pre) => (&pre[i0 * 2 * pairs + 2 * p0..], 2 * pairs),
+                None => {
+                    pack_rows(ap, a, k, i0, mc, mc.next_multiple_of(MA), p0, kp);
+                    (&ap[..], 2 * kp)
+                }
+            };
+            let sa = ra * 2;
             for jc in (0..n).step_by(ncb) {
                 let nb = ncb.min(n - jc);
                 pack_b(bp, b, k, j0 + jc, nb, p0, kp);
                 for r0 in (0..mc).step_by(MA) {
                     let mr = MA.min(mc - r0);
-                    let aq = ap[r0 * 2 * kp..].as_ptr();
+                    let aq = ablock[r0 * ra..].as_ptr();
                     for pj in 0..nb.div_ceil(NR) {
                         let nc = NR.min(nb - pj * NR);
                         let bq = bp[pj * NR * 2 * kp..].as_ptr();

@@ -12,7 +12,8 @@ static HELD: AtomicUsize = AtomicUsize::new(0);
 /// their operands (bf16, or fp16 values in f32) on each calling thread
 /// and the packed blocks of the bf16 paths on each thread that computes
 /// (on AMX up to 1.5 MiB of the left operand and 512 KiB of the right
-/// one; on AVX512-BF16 up to 512
+/// one, and a left operand of up to 16 MiB packed whole on the calling
+/// thread; on AVX512-BF16 up to 512
 /// columns and 128 rows by 1024 values of `k`, 1.25 MiB). The copies grow to the
 /// largest operands a thread has multiplied (a language-model head's
 /// logits gradient is the largest: `2·B·T·V` bytes in bf16, `4·B·T·V` for
