@@ -20,10 +20,15 @@
 //!   32 by 32 × 16 bf16 product; `k` in blocks of up to 2048 values, the
 //!   left operand packed 1.5 MiB and the right one 512 KiB at a time (in
 //!   L2), every packed buffer on 64-byte boundaries: a tile row that
-//!   straddles two cache lines loads at less than half the rate. Against
-//!   packing all of `k` and every column on unaligned buffers: a GPT-2
-//!   small layer's twelve products 1.26× faster, the head's three
-//!   1.2–1.44× (`benches/bf16_gemm.rs`, Intel Xeon with AMX, 2 threads).
+//!   straddles two cache lines loads at less than half the rate. A left
+//!   operand of up to 16 MiB is packed whole once, its rows over the
+//!   pool, and read by every thread; a bias starts the tiles (loaded with
+//!   a row stride of zero). Against packing all of `k` and every column
+//!   on unaligned buffers per thread: a GPT-2 small layer's twelve
+//!   products 1.36× faster, the head's three 1.53×; on bf16 buffers 1.27×
+//!   faster than PyTorch's oneDNN bf16 GEMM over all of them
+//!   (`benches/bf16_gemm.rs`, `model/reference/bench_torch_gemm.py`;
+//!   Intel Xeon with AMX, 2 threads).
 //! - **AVX512-BF16** (`vdpbf16ps`): operands packed into pairs along `k`
 //!   (the instruction's layout), a micro-kernel keeping an 8 × 32 block of
 //!   f32 sums in 16 registers, two products per lane per instruction

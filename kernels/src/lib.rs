@@ -37,10 +37,12 @@
 //! the same product on bf16 buffers. [`bf16_dot_peak_gflops`] measures the
 //! bf16 peak it is held against, and `benches/bf16_gemm.rs` compares it
 //! with the f32 GEMM at GPT-2 small's layers. Measured there on an Intel
-//! Xeon with AMX (2 threads): the twelve products 2.9× the f32 GEMM (990
-//! vs 340 GFLOP/s; 15% of the AMX tile peak, the rest lost to packing and
-//! rounding); `weft-model`'s `train_step` bench: GPT-2 small's training
-//! step 1.9–2.3× its f32 step, 1.2–1.7× PyTorch's autocast-bf16 step. On
+//! Xeon with AMX (2 threads): the twelve products 4.3× the f32 GEMM (1431
+//! vs 334 GFLOP/s; 22% of the AMX tile peak, the rest lost to packing and
+//! to the f32 output's memory traffic), the fifteen with the head's on
+//! bf16 buffers 1.27× faster than PyTorch's oneDNN bf16 GEMM;
+//! `weft-model`'s `train_step` bench: GPT-2 small's training step
+//! 2.56–2.61× its f32 step, 1.60–1.85× PyTorch's autocast-bf16 step. On
 //! an AMD EPYC with AVX512-BF16 and no AMX (2 threads): GPT-2 small's
 //! fifteen products (a layer's twelve and the tied head's three)
 //! 1.98–2.02× the f32 GEMM (401–415 vs 199–206 GFLOP/s, 86–89% of the
@@ -205,11 +207,14 @@ pub enum Precision {
     /// With `f64` buffers the rounded operands are multiplied in `f64`.
     /// On AVX512-BF16 f32 operands are rounded as they are packed, so no
     /// copy of them is made (the packed blocks, about 1.25 MiB per
-    /// thread, are kept for the next product); on AMX, rounded copies are
-    /// kept per thread for the next product: up to the largest operand in
-    /// bf16 (for a language-model head, its logits' gradient, `2·B·T·V`
-    /// bytes) per calling thread. The model's memory report does not count
-    /// them ([`operand_copy_bytes`] measures them).
+    /// thread, are kept for the next product); on AMX likewise (up to
+    /// 2 MiB per thread, and a left operand of up to 16 MiB packed whole
+    /// on the calling thread), and a left operand stored transposed (a
+    /// weight gradient's `xᵀ`, a head's `dYᵀ`) goes through a rounded
+    /// row-major copy kept per calling thread: up to the largest such
+    /// operand in bf16 (a language-model head's logits gradient, `2·B·T·V`
+    /// bytes). The model's memory report does not count them
+    /// ([`operand_copy_bytes`] measures them).
     Bf16,
     /// Mixed precision with fp16 operands: every operand of a product is
     /// rounded to the nearest IEEE half (ties to even, subnormals kept,
