@@ -9,7 +9,8 @@
 //! product on f32 buffers: each f32 is rounded to bf16
 //! (`vcvtneps2bf16`) as it is packed, so no rounded copy is made and each
 //! value is read once (on AMX a left operand stored transposed, as the
-//! weight gradients' `xᵀ`, goes through a rounded row-major copy first).
+//! weight gradients' `xᵀ`, is transposed 16 × 16 values at a time as it
+//! is packed).
 //!
 //! # Paths ([`bf16_path`])
 //! - **AMX** (`tdpbf16ps`, Intel Sapphire Rapids and later, when the CPU
@@ -582,9 +583,10 @@ pub(crate) fn product_with_bias<A: Operand, B: Operand>(
 
 /// The AMX path of [`product_on`] and [`product_with_bias`] (without
 /// `accumulate`, the sums start from `bias` or zero): rows of the left
-/// operand packed along `k` and the right one as `vdpbf16ps` packs it,
-/// f32 rounded as they are packed; any other layout from a row-major
-/// bf16 copy in `copies` (left, right).
+/// operand packed along `k` (transposed as they are read where it is
+/// stored along columns) and the right one as `vdpbf16ps` packs it, f32
+/// rounded as they are packed; a layout strided both ways from a
+/// row-major bf16 copy in `copies` (left, right).
 #[allow(clippy::too_many_arguments)]
 fn amx<A: Operand, B: Operand>(
     m: usize,
@@ -652,7 +654,7 @@ fn amx<A: Operand, B: Operand>(
         }
         packed(m, n, k, out, a, |a, rows, nb, dst, j0, _| {
             // SAFETY: `packed` vouches for `dst`; the CPU has AMX (the
-            // caller's path); `a` runs along rows and `b` along rows or
+            // caller's path); `a` and `b` run along rows or
             // columns (the caller's match).
             unsafe { amx_block(rows, nb, k, dst, n, accumulate, bias, a, None, b, j0) }
         });
@@ -660,7 +662,7 @@ fn amx<A: Operand, B: Operand>(
     let [ab, bb] = copies;
     let b_along = b.rs == 1 || b.cs == 1;
     let shape = (m, n, k);
-    match (a.cs == 1, b_along) {
+    match (a.cs == 1 || a.rs == 1, b_along) {
         (true, true) => run(shape, out, accumulate, bias, a, b),
         (true, false) => run(
             shape,
@@ -931,8 +933,8 @@ unsafe fn packed_block<A: Operand, B: Operand>(
 ///
 /// # Safety
 /// As [`packed_block`], and the CPU must have AMX-BF16 with the tile
-/// state granted ([`amx::usable`]); `a` must run along rows (`a.cs ==
-/// 1`) and `b` along rows or columns.
+/// state granted ([`amx::usable`]); `a` and `b` must each run along rows
+/// or columns.
 #[allow(clippy::too_many_arguments)]
 unsafe fn amx_block<A: Operand, B: Operand>(
     m: usize,
@@ -1259,9 +1261,11 @@ fn simd() -> bool {
 }
 
 /// Packs values `[2·p0, 2·(p0 + kp))` of rows `[i0, i0 + mc)` of `op(a)`
-/// (a view along rows, `a.cs == 1`) as `mcp` rows of `2·kp` bf16 (the AMX
-/// left tiles' layout; f32 rounded as the instructions round), zero
-/// beyond `k` and `mc`.
+/// (a view along rows, `a.cs == 1`, or along columns, `a.rs == 1`) as
+/// `mcp` rows of `2·kp` bf16 (the AMX left tiles' layout; f32 rounded as
+/// the instructions round), zero beyond `k` and `mc`. A view along
+/// columns (a weight gradient's `xᵀ`, a head's `dYᵀ`) is transposed 16 ×
+/// 16 values at a time as it is read, along its stored rows.
 #[allow(clippy::too_many_arguments)]
 fn pack_rows<A: Operand>(
     dst: &mut [u16],
@@ -1273,24 +1277,60 @@ fn pack_rows<A: Operand>(
     p0: usize,
     kp: usize,
 ) {
-    assert_eq!(a.cs, 1, "pack_rows: rows along k");
     let w = 2 * kp;
     let k0 = 2 * p0;
     let live = k.saturating_sub(k0).min(w);
-    for (i, row) in dst[..mcp * w].chunks_exact_mut(w).enumerate() {
-        if i >= mc {
-            row.fill(0);
-            continue;
+    if a.cs == 1 {
+        for (i, row) in dst[..mcp * w].chunks_exact_mut(w).enumerate() {
+            if i >= mc {
+                row.fill(0);
+                continue;
+            }
+            let (head, tail) = row.split_at_mut(live);
+            tail.fill(0);
+            let base = (i0 + i) * a.rs + k0;
+            // SAFETY: bf16 is a transparent u16; `head` is borrowed
+            // exclusively for the call.
+            let head =
+                unsafe { std::slice::from_raw_parts_mut(head.as_mut_ptr().cast::<bf16>(), live) };
+            A::row_to_bf16(head, &a.data[base..base + live]);
         }
-        let (head, tail) = row.split_at_mut(live);
-        tail.fill(0);
-        let base = (i0 + i) * a.rs + k0;
-        // SAFETY: bf16 is a transparent u16; `head` is borrowed
-        // exclusively for the call.
-        let head =
-            unsafe { std::slice::from_raw_parts_mut(head.as_mut_ptr().cast::<bf16>(), live) };
-        A::row_to_bf16(head, &a.data[base..base + live]);
+        return;
     }
+    assert_eq!(a.rs, 1, "pack_rows: a view along rows or columns");
+    let cs = a.cs;
+    for (i, row) in dst[..mcp * w].chunks_exact_mut(w).enumerate() {
+        row[if i >= mc { 0 } else { live }..].fill(0);
+    }
+    // whole 16 × 16 blocks by the vector transpose, along the stored rows
+    let (ie, ce) = if simd() {
+        (mc - mc % 16, live - live % 16)
+    } else {
+        (0, 0)
+    };
+    #[cfg(target_arch = "x86_64")]
+    for cb in (0..ce).step_by(16) {
+        for ib in (0..ie).step_by(16) {
+            let src = (i0 + ib) + (k0 + cb) * cs;
+            let at = ib * w + cb;
+            assert!(src + 15 * cs + 16 <= a.data.len() && at + 15 * w + 16 <= dst.len());
+            // SAFETY: the vector instructions checked (`simd`); values k0 +
+            // cb ..+ 16 of `op(a)` hold 16 rows from `src + c·cs`, and the
+            // packed rows ib ..+ 16 take 16 values each from `at + r·w`
+            // (asserted).
+            unsafe { x86::transpose16(a.data.as_ptr().add(src), cs, dst.as_mut_ptr().add(at), w) };
+        }
+    }
+    // the edges a value at a time
+    let mut by_value = |rows: std::ops::Range<usize>, cols: std::ops::Range<usize>| {
+        for c in cols {
+            for i in rows.clone() {
+                dst[i * w + c] = a.data[(i0 + i) + (k0 + c) * cs].packed_bits();
+            }
+        }
+    };
+    by_value(0..mc, ce..live);
+    by_value(ie..mc, 0..ce);
 }
 
 /// Where the micro-kernel's block of sums starts.

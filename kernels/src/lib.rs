@@ -209,12 +209,10 @@ pub enum Precision {
     /// copy of them is made (the packed blocks, about 1.25 MiB per
     /// thread, are kept for the next product); on AMX likewise (up to
     /// 2 MiB per thread, and a left operand of up to 16 MiB packed whole
-    /// on the calling thread), and a left operand stored transposed (a
-    /// weight gradient's `xᵀ`, a head's `dYᵀ`) goes through a rounded
-    /// row-major copy kept per calling thread: up to the largest such
-    /// operand in bf16 (a language-model head's logits gradient, `2·B·T·V`
-    /// bytes). The model's memory report does not count them
-    /// ([`operand_copy_bytes`] measures them).
+    /// on the calling thread). Only an operand strided both ways goes
+    /// through a rounded row-major copy, kept per calling thread. The
+    /// model's memory report does not count them ([`operand_copy_bytes`]
+    /// measures them).
     Bf16,
     /// Mixed precision with fp16 operands: every operand of a product is
     /// rounded to the nearest IEEE half (ties to even, subnormals kept,
