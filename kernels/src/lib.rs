@@ -42,7 +42,7 @@
 //! to the f32 output's memory traffic), the fifteen with the head's on
 //! bf16 buffers 1.27× faster than PyTorch's oneDNN bf16 GEMM;
 //! `weft-model`'s `train_step` bench: GPT-2 small's training step
-//! 2.56–2.61× its f32 step, 1.60–1.85× PyTorch's autocast-bf16 step. On
+//! 2.70–2.76× its f32 step, 1.71–1.74× PyTorch's autocast-bf16 step. On
 //! an AMD EPYC with AVX512-BF16 and no AMX (2 threads): GPT-2 small's
 //! fifteen products (a layer's twelve and the tied head's three)
 //! 1.98–2.02× the f32 GEMM (401–415 vs 199–206 GFLOP/s, 86–89% of the
