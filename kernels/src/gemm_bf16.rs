@@ -260,18 +260,6 @@ pub(crate) trait Operand: Copy + Send + Sync + Default {
     fn packed_bits(self) -> u16 {
         self.bf16_bits()
     }
-    /// The view's elements as bf16 (for AMX, and for views strided both
-    /// ways): itself, or a rounded copy in `buf` —
-    /// of the part of the buffer it spans (one vectorized pass) when it
-    /// runs along rows, or along columns with `columns_ok` (an operand
-    /// whose packing reads either way); else a row-major copy.
-    fn as_bf16<'a>(
-        v: View<'a, Self>,
-        rows: usize,
-        cols: usize,
-        columns_ok: bool,
-        buf: &'a mut Held<bf16>,
-    ) -> View<'a, bf16>;
     /// `d = s` as bf16 (rounded, or copied).
     fn row_to_bf16(d: &mut [bf16], s: &[Self]);
 }
@@ -279,21 +267,6 @@ pub(crate) trait Operand: Copy + Send + Sync + Default {
 impl Operand for bf16 {
     fn bf16_bits(self) -> u16 {
         self.to_bits()
-    }
-    /// The view itself when packing can read it along rows (or along
-    /// columns, with `columns_ok`); else a row-major copy, as for f32.
-    fn as_bf16<'a>(
-        v: View<'a, bf16>,
-        rows: usize,
-        cols: usize,
-        columns_ok: bool,
-        buf: &'a mut Held<bf16>,
-    ) -> View<'a, bf16> {
-        if v.cs == 1 || (columns_ok && v.rs == 1) {
-            return v;
-        }
-        transpose_to_bf16(buf, v, rows, cols);
-        View::rows(buf.get(rows * cols), cols)
     }
     fn row_to_bf16(d: &mut [bf16], s: &[bf16]) {
         d.copy_from_slice(s);
@@ -306,30 +279,6 @@ impl Operand for f32 {
     }
     fn packed_bits(self) -> u16 {
         as_instruction_rounds(self).to_bits()
-    }
-    /// A view along rows is rounded in place of its span; any other
-    /// (a transposed one) into a row-major copy, so that packing reads
-    /// along rows whatever the layout (packing a transposed operand a
-    /// value at a time touched a cache line per value, per thread, per
-    /// block of rows: the weight gradients' cost).
-    fn as_bf16<'a>(
-        v: View<'a, f32>,
-        rows: usize,
-        cols: usize,
-        columns_ok: bool,
-        buf: &'a mut Held<bf16>,
-    ) -> View<'a, bf16> {
-        if v.cs == 1 || (columns_ok && v.rs == 1) {
-            let len = (rows - 1) * v.rs + (cols - 1) * v.cs + 1;
-            round_to_bf16(buf, &v.data[..len]);
-            return View {
-                data: buf.get(len),
-                rs: v.rs,
-                cs: v.cs,
-            };
-        }
-        transpose_to_bf16(buf, v, rows, cols);
-        View::rows(buf.get(rows * cols), cols)
     }
     fn row_to_bf16(d: &mut [bf16], s: &[f32]) {
         round_row(d, s);
@@ -364,18 +313,6 @@ pub fn round_to_bf16_for_products(dst: &mut [bf16], src: &[f32]) -> Result<()> {
     Ok(())
 }
 
-/// `dst = src` rounded to bf16 (ties to even), over the pool for large
-/// buffers; `vcvtneps2bf16` where the CPU has AVX512-BF16 (which treats
-/// subnormal inputs as zero: the instruction paths that read the result
-/// do so anyway).
-fn round_to_bf16(dst: &mut Held<bf16>, src: &[f32]) {
-    const CHUNK: usize = 1 << 16;
-    dst.sized(src.len())
-        .par_chunks_mut(CHUNK)
-        .zip(src.par_chunks(CHUNK))
-        .for_each(|(d, s)| round_row(d, s));
-}
-
 /// `x` rounded to bf16 as `vcvtneps2bf16` rounds it: to nearest, ties to
 /// even, a subnormal input as a zero of its sign.
 fn as_instruction_rounds(x: f32) -> bf16 {
@@ -399,12 +336,16 @@ fn round_row(d: &mut [bf16], s: &[f32]) {
     }
 }
 
-/// `dst (rows × cols, row-major) = v` rounded to bf16, for a view whose
-/// columns are not contiguous: blocks of 64 rows over the pool, each
-/// transposed in 16 × 16 tiles (each source row read along 64 values, so
-/// that a block touches few pages of a wide source such as the
-/// vocabulary's gradient).
-fn transpose_to_bf16<A: Operand>(dst: &mut Held<bf16>, v: View<'_, A>, rows: usize, cols: usize) {
+/// `v` (rows × cols, strided both ways: the packings read only views
+/// along rows or columns) as a row-major bf16 copy in `dst`, rounded as
+/// the packings round: blocks of 64 rows over the pool, each in 16 × 16
+/// tiles.
+fn row_major_copy<'a, A: Operand>(
+    dst: &'a mut Held<bf16>,
+    v: View<'_, A>,
+    rows: usize,
+    cols: usize,
+) -> View<'a, bf16> {
     const T: usize = 16;
     const R: usize = 64;
     let out = dst.sized(rows * cols);
@@ -418,28 +359,6 @@ fn transpose_to_bf16<A: Operand>(dst: &mut Held<bf16>, v: View<'_, A>, rows: usi
                 let nj = T.min(cols - j0);
                 for i0 in (0..nr).step_by(T) {
                     let ni = T.min(nr - i0);
-                    #[cfg(target_arch = "x86_64")]
-                    if v.rs == 1 && ni == T && nj == T && simd() {
-                        let src = (r0 + i0) + j0 * v.cs;
-                        let at = i0 * cols + j0;
-                        assert!(
-                            src + (T - 1) * v.cs + T <= v.data.len()
-                                && at + (T - 1) * cols + T <= out.len()
-                        );
-                        // SAFETY: the vector instructions checked (`simd`);
-                        // columns j0 ..+ 16 of the view hold 16 values along
-                        // i from `src + j·cs`, and rows i0 ..+ 16 of `out`
-                        // 16 from `at + i·cols` (asserted).
-                        unsafe {
-                            x86::transpose16(
-                                v.data.as_ptr().add(src),
-                                v.cs,
-                                out.as_mut_ptr().add(at).cast(),
-                                cols,
-                            );
-                        }
-                        continue;
-                    }
                     // tile[i][j] = v(r0 + i0 + i, j0 + j), read along i
                     for j in 0..nj {
                         let base = (j0 + j) * v.cs + (r0 + i0) * v.rs;
@@ -454,6 +373,7 @@ fn transpose_to_bf16<A: Operand>(dst: &mut Held<bf16>, v: View<'_, A>, rows: usi
                 }
             }
         });
+    View::rows(dst.get(rows * cols), cols)
 }
 
 thread_local! {
@@ -467,7 +387,7 @@ thread_local! {
     /// The `vdpbf16ps` path's packed left operand (pairs as u32), kept
     /// likewise; its right one is the first of [`PACKED`].
     static PACKED_A: std::cell::Cell<Held<u32>> = const { std::cell::Cell::new(Held::new()) };
-    /// Rounded copies of f32 operands, kept for the thread's next product
+    /// Row-major bf16 copies of operands strided both ways ([`row_major_copy`]), kept for the thread's next product
     /// (taken out while in use, so a product the pool runs inside another
     /// on the same thread just allocates its own).
     static ROUNDED: std::cell::Cell<[Held<bf16>; 2]> = const { std::cell::Cell::new([Held::new(), Held::new()]) };
@@ -505,32 +425,7 @@ pub(crate) fn product_on<A: Operand, B: Operand>(
         portable(m, n, k, out, accumulate, a, b);
         return;
     }
-    let [mut ab, mut bb] = ROUNDED.take();
-    let along = |rs: usize, cs: usize| rs == 1 || cs == 1;
-    if path == Bf16Path::Amx {
-        amx(m, n, k, out, accumulate, None, a, b, [&mut ab, &mut bb]);
-    } else {
-        // `vdpbf16ps`: either operand packed as it is stored, along rows
-        // or columns, f32 rounded as it is packed; any other layout
-        // (strided both ways) from a row-major bf16 copy
-        match (along(a.rs, a.cs), along(b.rs, b.cs)) {
-            (true, true) => vdp(m, n, k, out, accumulate, a, b),
-            (true, false) => {
-                let b = B::as_bf16(b, k, n, true, &mut bb);
-                vdp(m, n, k, out, accumulate, a, b);
-            }
-            (false, true) => {
-                let a = A::as_bf16(a, m, k, true, &mut ab);
-                vdp(m, n, k, out, accumulate, a, b);
-            }
-            (false, false) => {
-                let a = A::as_bf16(a, m, k, true, &mut ab);
-                let b = B::as_bf16(b, k, n, true, &mut bb);
-                vdp(m, n, k, out, accumulate, a, b);
-            }
-        }
-    }
-    ROUNDED.set([ab, bb]);
+    packable(path, m, n, k, out, accumulate, None, a, b);
 }
 
 /// `out (m×n) = bias + op(a) · op(b)`, `bias` (n values) added to every
@@ -552,25 +447,9 @@ pub(crate) fn product_with_bias<A: Operand, B: Operand>(
         bias.len() == n && out.len() >= m * n,
         "product_with_bias: shapes"
     );
-    if bf16_path() == Bf16Path::Amx && m > 0 && n > 0 && k > 0 {
-        let [mut ab, mut bb] = ROUNDED.take();
-        amx(m, n, k, out, false, Some(bias), a, b, [&mut ab, &mut bb]);
-        ROUNDED.set([ab, bb]);
-        return;
-    }
-    let along = |rs: usize, cs: usize| rs == 1 || cs == 1;
-    if bf16_path() == Bf16Path::Avx512Bf16
-        && m > 0
-        && n > 0
-        && k > 0
-        && along(a.rs, a.cs)
-        && along(b.rs, b.cs)
-    {
-        packed(m, n, k, out, a, |a, rows, nb, dst, j0, nc| {
-            // SAFETY: `packed` vouches for `dst`; the CPU has AVX512-BF16
-            // (the path).
-            unsafe { packed_block(rows, nb, k, dst, n, false, Some(bias), a, b, j0, nc) }
-        });
+    let path = bf16_path();
+    if path != Bf16Path::Portable && m > 0 && n > 0 && k > 0 {
+        packable(path, m, n, k, out, false, Some(bias), a, b);
         return;
     }
     for row in out[..m * n].chunks_exact_mut(n) {
@@ -581,14 +460,14 @@ pub(crate) fn product_with_bias<A: Operand, B: Operand>(
     }
 }
 
-/// The AMX path of [`product_on`] and [`product_with_bias`] (without
-/// `accumulate`, the sums start from `bias` or zero): rows of the left
-/// operand packed along `k` (transposed as they are read where it is
-/// stored along columns) and the right one as `vdpbf16ps` packs it, f32
-/// rounded as they are packed; a layout strided both ways from a
-/// row-major bf16 copy in `copies` (left, right).
+/// The packed paths (AMX or `vdpbf16ps`; `m`, `n`, `k` > 0): either
+/// operand packed as it is stored, along rows or columns, f32 rounded as
+/// it is packed; one strided both ways from a row-major bf16 copy (kept
+/// in [`ROUNDED`]). Without `accumulate` the sums start from `bias` or
+/// zero.
 #[allow(clippy::too_many_arguments)]
-fn amx<A: Operand, B: Operand>(
+fn packable<A: Operand, B: Operand>(
+    path: Bf16Path,
     m: usize,
     n: usize,
     k: usize,
@@ -597,16 +476,59 @@ fn amx<A: Operand, B: Operand>(
     bias: Option<&[f32]>,
     a: View<'_, A>,
     b: View<'_, B>,
-    copies: [&mut Held<bf16>; 2],
 ) {
-    fn run<A: Operand, B: Operand>(
-        (m, n, k): (usize, usize, usize),
-        out: &mut [f32],
-        accumulate: bool,
-        bias: Option<&[f32]>,
-        a: View<'_, A>,
-        b: View<'_, B>,
-    ) {
+    let [mut ab, mut bb] = ROUNDED.take();
+    let along = |rs: usize, cs: usize| rs == 1 || cs == 1;
+    let run = Run {
+        path,
+        m,
+        n,
+        k,
+        accumulate,
+        bias,
+    };
+    match (along(a.rs, a.cs), along(b.rs, b.cs)) {
+        (true, true) => run.on(out, a, b),
+        (true, false) => run.on(out, a, row_major_copy(&mut bb, b, k, n)),
+        (false, true) => run.on(out, row_major_copy(&mut ab, a, m, k), b),
+        (false, false) => {
+            let a = row_major_copy(&mut ab, a, m, k);
+            run.on(out, a, row_major_copy(&mut bb, b, k, n));
+        }
+    }
+    ROUNDED.set([ab, bb]);
+}
+
+/// A product of [`packable`]: the path, the shape and where its sums
+/// start.
+struct Run<'a> {
+    path: Bf16Path,
+    m: usize,
+    n: usize,
+    k: usize,
+    accumulate: bool,
+    bias: Option<&'a [f32]>,
+}
+
+impl Run<'_> {
+    /// The product once both operands run along rows or columns.
+    fn on<A: Operand, B: Operand>(&self, out: &mut [f32], a: View<'_, A>, b: View<'_, B>) {
+        let Run {
+            path,
+            m,
+            n,
+            k,
+            accumulate,
+            bias,
+        } = *self;
+        if path != Bf16Path::Amx {
+            packed(m, n, k, out, a, |a, rows, nb, dst, j0, nc| {
+                // SAFETY: `packed` vouches for `dst`; the CPU has AVX512-BF16
+                // (the caller's path).
+                unsafe { packed_block(rows, nb, k, dst, n, accumulate, bias, a, b, j0, nc) }
+            });
+            return;
+        }
         // the left operand packed once, its rows over the pool, where it
         // is small enough: each thread that takes a block of columns would
         // otherwise pack all of it
@@ -659,54 +581,6 @@ fn amx<A: Operand, B: Operand>(
             unsafe { amx_block(rows, nb, k, dst, n, accumulate, bias, a, None, b, j0) }
         });
     }
-    let [ab, bb] = copies;
-    let b_along = b.rs == 1 || b.cs == 1;
-    let shape = (m, n, k);
-    match (a.cs == 1 || a.rs == 1, b_along) {
-        (true, true) => run(shape, out, accumulate, bias, a, b),
-        (true, false) => run(
-            shape,
-            out,
-            accumulate,
-            bias,
-            a,
-            B::as_bf16(b, k, n, true, bb),
-        ),
-        (false, true) => run(
-            shape,
-            out,
-            accumulate,
-            bias,
-            A::as_bf16(a, m, k, false, ab),
-            b,
-        ),
-        (false, false) => run(
-            shape,
-            out,
-            accumulate,
-            bias,
-            A::as_bf16(a, m, k, false, ab),
-            B::as_bf16(b, k, n, true, bb),
-        ),
-    }
-}
-
-/// The `vdpbf16ps` path of [`product_on`].
-#[allow(clippy::too_many_arguments)]
-fn vdp<A: Operand, B: Operand>(
-    m: usize,
-    n: usize,
-    k: usize,
-    out: &mut [f32],
-    accumulate: bool,
-    a: View<'_, A>,
-    b: View<'_, B>,
-) {
-    packed(m, n, k, out, a, |a, rows, nb, dst, j0, nc| {
-        // SAFETY: `packed` vouches for `dst`; the CPU has AVX512-BF16 (the
-        // caller's path).
-        unsafe { packed_block(rows, nb, k, dst, n, accumulate, None, a, b, j0, nc) }
-    });
 }
 
 /// The portable path: both operands widened to f32, then the f32 GEMM.
