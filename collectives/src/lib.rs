@@ -174,7 +174,8 @@
 //! [`repro::ExactPartial`]s with one f32 contribution per rank (one
 //! micro-batch: the partial keeps the values) take the same route:
 //! 0.6–1.3× the plain all-reduce, 0.9–1.4× the plain reduce-scatter
-//! divided by 2 (the mean of two halves in f32 where that is exact). With
+//! divided by 2 (the mean of two halves in f32 where that is exact; 1.0–1.2×
+//! on an Intel Xeon once its loop prefetched both inputs, 1.3–1.4× before). With
 //! more contributions the partials are
 //! encoded, 8 bytes per element for gradients, so the reduce-scatter
 //! phase moves twice f32's bytes (the all-reduce's volume 1.5× the plain
@@ -185,7 +186,10 @@
 //! plain one from 16 MiB (the byte volume at the plain ring's busbw allows
 //! 1.8× and 2.4×: about that bound, noise either side), and 3.1–3.7× at 4
 //! MiB, where the plain ring runs from the cache and the encodings do not
-//! fit it. With 3 to 16 ranks in one domain each owner sums the pieces of
+//! fit it. On an Intel Xeon (2 cores, AVX-512, a large L3), with the lanes
+//! of both pieces prefetched a few blocks ahead: 1.65–1.85× and 1.95–2.2×
+//! at 64–256 MiB (1.9–2.0× and 2.3–2.4× without the prefetch), 1.8–2.05×
+//! at 1–16 MiB. With 3 to 16 ranks in one domain each owner sums the pieces of
 //! every peer eight i64 lanes at a time in AVX-512 registers and rounds
 //! once, the next blocks of every piece prefetched: 4 ranks on 2 cores
 //! take 4–8× the plain ops at 1–4 MiB (the pieces come from the other
@@ -196,13 +200,16 @@
 //! (their sums are rounded 32 at a time by `vcvtne2ps2bf16` where the CPU
 //! has AVX512-BF16) and all-gather in 0.35–0.55×. One
 //! [`ExactPartial::add`](repro::ExactPartial::add) into an encoded partial
-//! costs 0.5–0.8 ns per element.
+//! costs 0.5–0.8 ns per element in cache; at 64–256 MiB, 2 thread ranks
+//! adding at once, 0.95–1.07 ns (1.3–1.4 ns before its loop prefetched the
+//! lanes and the contributions ahead; Intel Xeon).
 //! [`reduce_scatter_add_exact`](CommunicatorExt::reduce_scatter_add_exact)
 //! (FSDP's exact accumulation of a micro-batch's gradient shards) sends the
 //! plain reduce-scatter's bytes and adds every rank's chunk in one pass
 //! over the owner's encoded accumulator: 2–6× the plain reduce-scatter's
 //! time with 2 ranks and 1.5–4.3× with 4 (the additions, about 0.6 ns per
-//! element and contribution, not the bytes), run by FSDP's reducer thread behind the
+//! element and contribution, not the bytes; with the prefetch above, 1.9–2.5×
+//! and 1.2–2.3× on the Intel Xeon), run by FSDP's reducer thread behind the
 //! backward: the reproducible ZeRO-3 step with two micro-batches per rank
 //! takes 1.02–1.05× the plain one's time (`benches/fsdp_step.rs` in
 //! weft-model, `--micro 2`; it was 2.2–2.4× when the shards' encoded

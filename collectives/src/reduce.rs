@@ -180,6 +180,31 @@ pub(crate) fn reduce_many(
     }
 }
 
+/// Bytes ahead of a streaming loop's position that it prefetches: the
+/// hardware prefetcher alone leaves the loads of two streams waiting on
+/// memory (with this, on 2 thread ranks at 64–256 MiB, the exact mean of
+/// two halves 1.3× faster and the plain reduce-scatter 1.0–1.05×, Intel
+/// Xeon, `benches/collectives.rs`; a plain copy's one stream gains
+/// nothing).
+pub(crate) const AHEAD: usize = 2048;
+
+/// Asks for the `lines` cache lines from `ahead` bytes past `p` (a hint:
+/// never faults, whatever the address; nothing off x86-64).
+#[inline(always)]
+pub(crate) fn prefetch<T>(p: *const T, ahead: usize, lines: usize) {
+    #[cfg(target_arch = "x86_64")]
+    for l in 0..lines {
+        // SAFETY: prefetching never faults, whatever the address.
+        unsafe {
+            std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
+                p.cast::<i8>().wrapping_add(ahead + 64 * l),
+            );
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (p, ahead, lines);
+}
+
 /// `o = a + b` (f32) with non-temporal stores on x86-64.
 fn add_to_f32_streamed(o: &mut [f32], a: &[f32], b: &[f32]) {
     let n = o.len().min(a.len()).min(b.len());
@@ -201,6 +226,8 @@ fn add_to_f32_streamed(o: &mut [f32], a: &[f32], b: &[f32]) {
             // `op + i` is 16-byte aligned (`head` aligned it, `i` is a
             // multiple of 4 floats); unaligned loads; SSE is part of x86-64.
             unsafe {
+                prefetch(ap.add(i), AHEAD, 1);
+                prefetch(bp.add(i), AHEAD, 1);
                 for k in 0..4 {
                     let x = _mm_loadu_ps(ap.add(i + 4 * k));
                     let y = _mm_loadu_ps(bp.add(i + 4 * k));

@@ -33,6 +33,7 @@ use super::{
     BLOCK, BlockRef, HEADER, bitlen64, corrupt, magic, merge_block, read_block, two_words,
 };
 use crate::error::Result;
+use crate::reduce::prefetch;
 
 /// Elements ahead of the current block that the kernels prefetch.
 const PREFETCH: usize = 4 * BLOCK;
@@ -163,24 +164,6 @@ fn lanes_at(a: &[u8], pos: usize, bl: usize) -> Result<*const i64> {
         return Err(corrupt(format!("truncated fixed block at byte {pos}")));
     }
     Ok(a[pos..pos + 8 * bl].as_ptr().cast::<i64>())
-}
-
-/// Asks for the cache lines `ahead` bytes past `p` (one per 64 bytes,
-/// `lines` of them): streams through L3 keep more misses in flight than
-/// the hardware prefetcher alone does.
-#[inline(always)]
-fn prefetch<T>(p: *const T, ahead: usize, lines: usize) {
-    #[cfg(target_arch = "x86_64")]
-    for l in 0..lines {
-        // SAFETY: prefetching never faults, whatever the address.
-        unsafe {
-            std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
-                p.cast::<i8>().wrapping_add(ahead + 64 * l),
-            );
-        }
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = (p, ahead, lines);
 }
 
 /// The exponent of a block code (`None` for a general block).
@@ -716,11 +699,10 @@ multiversion! {
             if lanes_dtype {
                 for (p, &q) in pieces.iter().zip(&pos) {
                     // blocks a few ahead of this one, from every peer's
-                    // memory at once (with two pieces the hardware
-                    // prefetcher keeps up alone)
-                    if n > 2 {
-                        prefetch(p.as_ptr().wrapping_add(q), PREFETCH * 8, 8);
-                    }
+                    // memory at once (with two pieces as well: 2 thread
+                    // ranks' 64 MiB all_reduce_exact of encoded partials
+                    // 1.12x faster, Intel Xeon)
+                    prefetch(p.as_ptr().wrapping_add(q), PREFETCH * 8, 8);
                     match two_words(p, q, bl) {
                         Some(b) => plain[m] = b,
                         None => break,
