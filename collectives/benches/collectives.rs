@@ -24,6 +24,17 @@
 //! all-reduce's efficiency, `rs/ar` can reach (3n − 1)/(2(n + 1)) — 0.83
 //! with 2 ranks, 1.1 with 4 —, the out-of-place `ag/ar` (3n − 1)/4n —
 //! 0.63 and 0.69 —, and `agip/ar` (3n − 1)/4(n − 1) — 1.25 and 0.92.
+//!
+//! Against the memcpy column, the same count gives each op a ceiling: a
+//! large memcpy moves three lines per byte copied (it reads the source,
+//! reads each destination line before writing it, and writes it back),
+//! the collectives' large outputs are streamed (a write, no read first),
+//! so busbw can reach at most 6(n − 1)/(n(3n − 1))·mc2 for the all-reduce
+//! (0.60 with 2 ranks, 0.41 with 4), 3(n − 1)/(n(n + 1)) for the
+//! reduce-scatter (0.50, 0.45), 3(n − 1)/2n² for the out-of-place
+//! all-gather (0.38, 0.28) and 3/2n in place (0.75, 0.38), whatever the
+//! implementation. Smaller sizes beat them from the caches. The side table
+//! ends with each op's share of its ceiling at the largest size.
 #![allow(clippy::print_stdout, missing_docs)]
 
 use std::time::{Duration, Instant};
@@ -379,11 +390,13 @@ fn main() {
         );
         let f = (n as f64 - 1.0) / n as f64;
         let mut bytes = 1 << 20;
+        let (mut last, mut top) = ([0.0; 4], 0);
         while bytes <= max_mib << 20 {
             let (t, add) = side_by_side(n, bytes);
             let b = bytes as f64;
             let (ar, rs, ag) = (b / t[0] * 2.0 * f, b / t[1] * f, b / t[2] * f);
             let agip = b / t[9] * f;
+            (last, top) = ([ar, rs, ag, agip], bytes);
             println!(
                 "{:>10} {:>8.2} {:>8.2} {:>8.2} {:>7.2} {:>7.2} {:>7.2} {:>6.2} {:>6.2} {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:>8.2} {:>8.2} {:>9.2} {:>9.2} {:>8.2} {:>9.2}",
                 bytes,
@@ -415,5 +428,39 @@ fn main() {
             memcpy_bw(256 << 20, 1) / 1e9,
             memcpy_bw(256 << 20, 2) / 1e9
         );
+        let ceil = ceilings(n);
+        let names = ["ar", "rs", "ag", "agip"];
+        let share: Vec<String> = (0..4)
+            .map(|i| {
+                format!(
+                    "{} {:.2} ({:.0}%)",
+                    names[i],
+                    ceil[i],
+                    100.0 * last[i] / m2 / ceil[i]
+                )
+            })
+            .collect();
+        if n > 1 && top > 0 {
+            println!(
+                "# ceilings of busbw/mc2 from memory traffic (see the bench's docs), and the share reached at {} MiB: {}",
+                top >> 20,
+                share.join(", ")
+            );
+        }
     }
+}
+
+/// The most busbw over the 2-thread memcpy's bandwidth that each op's
+/// memory traffic allows on one machine, n ranks in one domain (all-reduce,
+/// reduce-scatter, out-of-place and in-place all-gather): every rank reads
+/// its inputs and writes its outputs, streamed; a memcpy moves three lines
+/// per byte (see the module docs).
+fn ceilings(n: usize) -> [f64; 4] {
+    let n = n as f64;
+    [
+        6.0 * (n - 1.0) / (n * (3.0 * n - 1.0)),
+        3.0 * (n - 1.0) / (n * (n + 1.0)),
+        3.0 * (n - 1.0) / (2.0 * n * n),
+        3.0 / (2.0 * n),
+    ]
 }
