@@ -870,6 +870,50 @@ pub(super) fn encode_with_offsets<T: Element>(xs: &[T], out: &mut Vec<u8>, offs:
 }
 }
 
+multiversion! {
+/// Writes the exact encoding of `xs + ys₀ + ys₁ + …` to `out` (cleared
+/// first) and the byte offset of every block, then the end, to `offs`
+/// (cleared first): the bytes [`encode_with_offsets`] of `xs` and then
+/// [`add_in_place`] of `ys` leave, in one pass — each block is encoded and
+/// added to while it is in L1, so the encoding is written once and never
+/// read back from memory (a partial's second contribution).
+pub(super) fn encode_add<T: Element>(
+    xs: &[f32],
+    ys: &[&[T]],
+    out: &mut Vec<u8>,
+    offs: &mut Vec<usize>,
+) -> Result<()> {
+    out.clear();
+    offs.clear();
+    out.reserve(encoded_capacity(xs.len()));
+    let mut tmp = Vec::new();
+    let mut blkenc = Vec::with_capacity(HEADER + 8 * BLOCK);
+    let mut chain = Vec::with_capacity(HEADER + 8 * BLOCK);
+    for (b, blk) in xs.chunks(BLOCK).enumerate() {
+        let (s, bl) = (b * BLOCK, blk.len());
+        let p0 = out.len();
+        offs.push(p0);
+        crate::reduce::prefetch(blk.as_ptr(), crate::reduce::AHEAD, 4);
+        for y in ys {
+            crate::reduce::prefetch(y.as_ptr().wrapping_add(s), crate::reduce::AHEAD, 4);
+        }
+        encode_block(blk, out);
+        let (done, _) = add_lanes(&mut out[p0..], ys, s, bl)?;
+        if done == ys.len() {
+            continue;
+        }
+        // the other sources through the general path, one after another
+        let mut at = p0;
+        let x = read_block(out, &mut at, bl)?;
+        merge_sources(x, &ys[done..], s, bl, &mut blkenc, &mut chain, &mut tmp)?;
+        out.truncate(p0);
+        out.extend_from_slice(&blkenc);
+    }
+    offs.push(out.len());
+    Ok(())
+}
+}
+
 /// Decodes a value of one element for tests of [`finish_block`]'s
 /// divisions: `v·2^e / d` through the narrow fast path and the big path.
 #[cfg(test)]

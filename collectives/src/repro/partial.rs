@@ -3,7 +3,7 @@
 
 use weft_numerics::{Dtype, Element};
 
-use super::fused::{Div, add_in_place, decode_div, encode_with_offsets, round_range};
+use super::fused::{Div, add_in_place, decode_div, encode_add, encode_with_offsets, round_range};
 use super::{BLOCK, F_EMPTY, F_NEGZERO, merge, read_block};
 use crate::comm::Communicator;
 use crate::error::{Error, Result};
@@ -221,6 +221,11 @@ impl ExactPartial {
             if !rest.is_empty() {
                 add_in_place(&mut self.enc, rest, &mut self.spill, &mut self.offs)?;
             }
+        } else if self.held == Held::Values {
+            // the values encoded and the new contributions added block by
+            // block (until it returns, the partial still holds its values)
+            encode_add(&self.native, xs, &mut self.enc, &mut self.offs)?;
+            self.held = Held::Encoded;
         } else {
             self.materialize();
             add_in_place(&mut self.enc, xs, &mut self.spill, &mut self.offs)?;
@@ -695,6 +700,20 @@ mod tests {
                 assert_eq!(a.offs, b.offs, "start {start}, sources {from}..{to}");
                 assert_eq!(one.count(), many.count());
             }
+        }
+        // a partial holding values takes further contributions through
+        // encode_add (the values encoded and added to block by block):
+        // the bytes of encoding them first and adding in place after
+        let native = narrow(9);
+        for (from, to) in [(0, 1), (2, 3), (4, 5), (0, 6), (1, 5)] {
+            let ys: Vec<&[f32]> = sources[from..to].iter().map(|x| &x[..]).collect();
+            let (mut enc, mut offs, mut spill) = (Vec::new(), Vec::new(), Vec::new());
+            encode_with_offsets(&native, &mut enc, &mut offs);
+            add_in_place(&mut enc, &ys, &mut spill, &mut offs).unwrap();
+            let (mut fused, mut foffs) = (Vec::new(), Vec::new());
+            encode_add(&native, &ys, &mut fused, &mut foffs).unwrap();
+            assert_eq!(enc, fused, "sources {from}..{to}");
+            assert_eq!(offs, foffs, "sources {from}..{to}");
         }
         // a wrong length anywhere adds nothing
         let mut p = ExactPartial::new(len);
