@@ -99,6 +99,8 @@ step clippy cargo clippy --workspace --all-targets --locked -- -D warnings
 step clippy-features cargo clippy --locked -p weft-collectives -p weft-kernels -p weft-model -p weft-trainer \
     --all-targets --features weft-trainer/nccl,weft-trainer/cuda -- -D warnings
 step doc env RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --locked
+# the internals' docs too: their links are checked only when documented
+step doc-private env RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --locked --document-private-items
 # Every test, with the trainer's MPI support built in: its tests/mpi.rs runs
 # `weft train` under `mpirun -np 2` and `-np 4` against the thread ranks,
 # and kills and stops ranks of running jobs.

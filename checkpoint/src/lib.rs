@@ -31,7 +31,7 @@
 //!   is read straight into its destination in 256 KiB pieces, each
 //!   checksummed while still in cache, the next chunk prefetched from disk
 //!   meanwhile.
-//! * [`reshard`]: rewrites a checkpoint for another layout, described by a
+//! * [`reshard()`]: rewrites a checkpoint for another layout, described by a
 //!   [`TargetLayout`] (e.g. [`TargetLayout::split_rows`]).
 //! * [`Retention`]: keep the last K and every N-th; never delete the only
 //!   checkpoint that verifies.
@@ -167,7 +167,7 @@
 //!   error names the file, tensor and byte range of any corruption.
 //! * `info DIR`: print [`Checkpoint::info`].
 //! * `reshard DIR --to LAYOUT OUT`: [`TargetLayout::parse`] (`N` or
-//!   `N:dimD`) then [`reshard`].
+//!   `N:dimD`) then [`reshard()`].
 //! * `export DIR --hf OUT`: [`export_hf_gpt2`].
 //!
 //! # Sharded training (FSDP, tensor parallelism)
@@ -203,7 +203,7 @@
 //! * **Loading on another layout** (n → m ranks, FSDP ↔ TP): each rank
 //!   reads its new regions with [`Checkpoint::read_many`] or
 //!   [`load_shards`] (with [`TargetLayout::custom`] for any rule); only
-//!   the overlapping byte ranges of the old shards are read. [`reshard`]
+//!   the overlapping byte ranges of the old shards are read. [`reshard()`]
 //!   rewrites a whole checkpoint for a new layout.
 //!
 //! # Saving from a training loop

@@ -107,7 +107,7 @@ pub trait Communicator: Send + Sync {
 
     /// Marks the group broken after a collective failed part-way, so that
     /// peers still waiting in it, and every later call in the group, fail
-    /// at once with [`Error::Aborted`](crate::Error::Aborted) instead of
+    /// at once with [`Error::Aborted`] instead of
     /// waiting out the timeout. Called by algorithms whose failure can
     /// strand peers waiting for a message it withdrew (the nested
     /// exchanges of the reproducible mode's direct reductions). The

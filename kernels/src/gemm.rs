@@ -35,7 +35,7 @@ fn last_index(rows: usize, cols: usize, rs: usize, cs: usize) -> usize {
     (rows - 1) * rs + (cols - 1) * cs
 }
 
-/// Narrowest column block [`gemm`] hands one thread: wide enough that a
+/// Narrowest column block [`gemm()`] hands one thread: wide enough that a
 /// block never drops to the GEMM library's small-output kernels (which
 /// take over at `rows · cols <= 256`), so splitting changes no result.
 const MIN_THREAD_COLS: usize = 256;

@@ -387,9 +387,10 @@ thread_local! {
     /// The `vdpbf16ps` path's packed left operand (pairs as u32), kept
     /// likewise; its right one is the first of [`PACKED`].
     static PACKED_A: std::cell::Cell<Held<u32>> = const { std::cell::Cell::new(Held::new()) };
-    /// Row-major bf16 copies of operands strided both ways ([`row_major_copy`]), kept for the thread's next product
-    /// (taken out while in use, so a product the pool runs inside another
-    /// on the same thread just allocates its own).
+    /// Row-major bf16 copies of operands strided both ways
+    /// ([`row_major_copy`]), kept for the thread's next product (taken out
+    /// while in use, so a product the pool runs inside another on the same
+    /// thread just allocates its own).
     static ROUNDED: std::cell::Cell<[Held<bf16>; 2]> = const { std::cell::Cell::new([Held::new(), Held::new()]) };
 }
 
@@ -1090,10 +1091,11 @@ fn pack_a<A: Operand>(
                     done == 0 || first + (MR - 1) * a.rs + 2 * done <= a.data.len(),
                     "pack_a: rows out of bounds"
                 );
-                // SAFETY: the vector instructions checked (`simd`); row r of the panel reads 16 values
-                // per block of 8 pairs from `first + r·rs`, pairs inside
-                // `k` (asserted above), and each block of 8 pairs of the
-                // panel takes `MR` u32 per pair.
+                // SAFETY: the vector instructions checked (`simd`); row r
+                // of the panel reads 16 values per block of 8 pairs from
+                // `first + r·rs`, pairs inside `k` (asserted above), and
+                // each block of 8 pairs of the panel takes `MR` u32 per
+                // pair.
                 unsafe {
                     x86::transpose8_run(
                         a.data.as_ptr().add(first),

@@ -80,8 +80,8 @@ use crate::tp::{TensorParallel, VocabShard, split_err};
 /// gradients need) and [`block_backward_weight`](Self::block_backward_weight)
 /// (W: the parameter gradients). B then W gives bitwise the gradients of
 /// the whole backward. The attention half and the layernorms run the
-/// split kernels ([`matmul_backward_input`](weft_kernels::matmul_backward_input)
-/// in B, [`matmul_backward_weight`](weft_kernels::matmul_backward_weight) in
+/// split kernels ([`weft_kernels::matmul_backward_input`]
+/// in B, [`weft_kernels::matmul_backward_weight`] in
 /// W, likewise for layernorm), which are the whole backward's kernels cut
 /// in two, so nothing is computed twice there. The feed-forward block runs
 /// [`FeedForward::backward_input`] in B and

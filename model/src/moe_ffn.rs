@@ -25,8 +25,8 @@
 //! their expert's rank and back with `all_to_all_v`), so every rank of the
 //! group must run the same number of forwards and backwards, in the same
 //! order, with the same `B·T`-independent call pattern (their batches may
-//! differ in content). Activations are a fixed
-//! [`saved_per_token`](FeedForward::saved_per_token) per token: the
+//! differ in content). Activations are a fixed number of floats per token
+//! ([`saved_len`](FeedForward::saved_len)): the
 //! backward recomputes the experts' hidden activations (one more dispatch
 //! and expert forward). Results equal those of the unsharded block run on
 //! each rank's tokens (test `model/tests/moe_ep.rs`).

@@ -21,7 +21,7 @@
 //!   batch- or sequence-wise, with its gradient into the router logits.
 //!   [`BiasBalancer`]: DeepSeek-V3's auxiliary-loss-free balancing (a
 //!   selection-only bias updated from the observed load after each step).
-//! - [`audit`] / [`audit_suite`]: the empirical causality audit behind
+//! - [`audit()`] / [`audit_suite`]: the empirical causality audit behind
 //!   `weft moe audit` ([`AuditReport`] implements `Display`).
 //! - [`MoeBlock`] / [`MoeConfig`]: E GPT-2 MLP experts, top-k, optional
 //!   shared expert; forward and backward over flat slices (generic over

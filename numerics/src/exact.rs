@@ -589,8 +589,10 @@ fn scan_f64(c: &[u64]) -> (u64, u64, bool) {
     (emin, emax, not_neg_zero != 0)
 }
 
-/// As [`window_f32`] for f64, whose significand is split into a low part of
-/// 26 bits at exponent `e` and a high part of 27 bits at `e + 26`.
+/// The exact sum of the f64 values `c` (bit patterns, every exponent in
+/// one window) as an integer in units of 2^(`base` − 1075): each
+/// significand is split into a low part of 26 bits at exponent `e` and a
+/// high part of 27 bits at `e + 26`, shifted into place and added.
 #[inline(always)]
 fn window_f64(c: &[u64], base: u64) -> i64 {
     c.iter().fold(0i64, |acc, &b| {

@@ -22,20 +22,20 @@
 //!   [`zb_v`], the memory-limited greedy [`list_schedule`]; by name through
 //!   [`ScheduleKind`], whose [`ScheduleKind::expected_bubble`] holds the
 //!   papers' formulas.
-//! * [`validate`] / [`validate_with_limit`]: exactly-once, local order,
+//! * [`validate()`] / [`validate_with_limit`]: exactly-once, local order,
 //!   freedom from deadlock under buffered sends and blocking receives, and an
 //!   in-flight memory limit; errors name the stage, step and action.
-//! * [`simulate`] with [`Costs`] (per-chunk `F`, `B`, `W`, memory; p2p
+//! * [`simulate()`] with [`Costs`] (per-chunk `F`, `B`, `W`, memory; p2p
 //!   latency) gives a [`Timeline`]: start and end of every action, makespan,
 //!   bubble fraction, peak activation memory per stage;
 //!   [`steady_state_period`] measures iterations run back to back (the
 //!   zero-bubble papers' post-validation). [`Timeline::to_trace`] exports
 //!   Chrome trace events ([`weft_trace::Trace`]).
-//! * [`partition`]: per-layer profiles ([`LayerProfile`]) to the contiguous
+//! * [`partition()`]: per-layer profiles ([`LayerProfile`]) to the contiguous
 //!   split (and so chunk assignment) with the smallest simulated makespan
 //!   under a per-stage memory limit; [`partition_transformer`] applies it
 //!   to a GPT-style decoder's per-layer FLOPs ([`transformer_profiles`]).
-//! * [`plan`]: from command-line parameters ([`PlanRequest`]) to the table
+//! * [`plan()`]: from command-line parameters ([`PlanRequest`]) to the table
 //!   and trace that `weft pipeline` prints and writes.
 //!
 //! * [`Executor`]: runs a schedule for real over any model. Each rank (a

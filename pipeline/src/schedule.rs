@@ -225,7 +225,7 @@ impl Placement {
 /// a receive blocks its stage until the message is there. Under these
 /// semantics a schedule cannot deadlock exactly when the dependencies plus
 /// each stage's list order form no cycle, which is what
-/// [`validate`](crate::validate) checks.
+/// [`validate`](crate::validate()) checks.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Schedule {
     pub(crate) name: String,
@@ -236,7 +236,7 @@ pub struct Schedule {
 
 impl Schedule {
     /// A schedule from explicit per-stage action lists (not yet validated:
-    /// call [`validate`](crate::validate)).
+    /// call [`validate`](crate::validate())).
     ///
     /// # Errors
     /// [`Error::InvalidParameter`] when `placement` has no stages or no
@@ -409,7 +409,7 @@ impl Schedule {
     ///
     /// Actions are `F`, `B`, `W` or `BW` followed by the micro-batch and,
     /// for chunks other than 0, `.chunk` (`F3.1`). The result is not
-    /// validated: call [`validate`](crate::validate).
+    /// validated: call [`validate`](crate::validate()).
     ///
     /// # Errors
     /// [`Error::Parse`] naming the line and what was expected.

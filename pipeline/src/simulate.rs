@@ -273,7 +273,7 @@ pub(crate) fn run_engine(
 /// `p2p_latency` after they are produced).
 ///
 /// # Errors
-/// Whatever [`validate`](crate::validate) reports for the schedule;
+/// Whatever [`validate`](crate::validate()) reports for the schedule;
 /// [`Error::InvalidParameter`] when `costs` does not have one finite,
 /// non-negative entry per virtual stage.
 pub fn simulate(schedule: &Schedule, costs: &Costs) -> Result<Timeline> {

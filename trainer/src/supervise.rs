@@ -560,7 +560,7 @@ fn describe(status: ExitStatus) -> String {
 
 /// The rank a failure message names: Open MPI's ("... process rank 1 with
 /// PID 4242 on node vm exited on signal 9") or the collectives' watchdog's
-/// ("... ranks [1] did not arrive ...").
+/// ("... ranks \[1\] did not arrive ...").
 fn rank_named(line: &str) -> Option<usize> {
     let after = |key: &str| Some(&line[line.find(key)? + key.len()..]);
     let rest = after("process rank ").or_else(|| {
