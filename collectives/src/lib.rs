@@ -218,7 +218,9 @@
 //! Over MPI (Open MPI 4.1 on the same machine,
 //! `benches/mpi_vs_local.rs`), this crate's ring reduce-scatter beats the
 //! library's blocking `MPI_Reduce_scatter` from 256 KiB on (1.2–5×, 2
-//! processes) and from 4 MiB with 4 (1.3×); the all-gather is the
+//! processes) and from 4 MiB with 4 (1.3×); on an Intel Xeon (2 cores)
+//! from 256 KiB with 2 (1.3–3.1×) and from 1 MiB with 4 (1.1–2.7×,
+//! the largest gain at 64 MiB); the all-gather is the
 //! library's own (`MPI_Iallgatherv`, polled), as fast as its blocking form
 //! in some runs and up to 5× slower in others (1–4 MiB), like this crate's
 //! ring over point-to-point, whose messages are copied into and out of
