@@ -815,6 +815,22 @@ pub trait CommunicatorExt: Communicator {
     /// # Errors
     /// As [`all_reduce_async`](Self::all_reduce_async).
     fn all_gather_in_place_async<T: Element>(&self, buf: Vec<T>) -> Result<Pending<Vec<T>>> {
+        self.all_gather_in_place_async_then(buf, |b| b)
+    }
+
+    /// [`all_gather_in_place_async`](Self::all_gather_in_place_async),
+    /// then `then` applied to the gathered buffer where the operation runs
+    /// (its progress thread), so that work on the result — widening it,
+    /// unpacking it — is hidden behind the caller's computation too.
+    ///
+    /// # Errors
+    /// As [`all_reduce_async`](Self::all_reduce_async).
+    fn all_gather_in_place_async_then<T, U, F>(&self, buf: Vec<T>, then: F) -> Result<Pending<U>>
+    where
+        T: Element,
+        U: Send + 'static,
+        F: FnOnce(Vec<T>) -> U + Send + 'static,
+    {
         let mut b = buf;
         let sig = algo::all_gather_in_place_signature(self, &BufMut::new(&mut b), Algorithm::Auto);
         start(
@@ -822,7 +838,7 @@ pub trait CommunicatorExt: Communicator {
             sig,
             b,
             move |c, ctx, b: &mut Vec<T>| algo::all_gather_in_place(c, ctx, BufMut::new(b)),
-            |b| b,
+            then,
         )
     }
 

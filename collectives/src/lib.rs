@@ -299,6 +299,7 @@ pub use mpi_backend::{
 };
 #[cfg(feature = "nccl")]
 pub use nccl_backend::{NCCL_DEFAULT_TIMEOUT, NcclComm, NcclId, nccl_available};
+pub use reduce::round_to_bf16;
 pub use types::{
     Algorithm, Buf, BufMut, Incoming, LinkClass, OpCtx, OpKind, Outgoing, ReduceOp, ReduceOptions,
     SMALL_MESSAGE_BYTES, Signature, Sink, Topology, Traffic, TrafficCounters, shard_range,

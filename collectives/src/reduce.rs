@@ -459,6 +459,18 @@ mod bf16_x86 {
     }
 }
 
+/// `dst = src` rounded to bf16 (to nearest, ties to even; overflow to
+/// ±∞, NaN quieted: the bits of `bf16::from_f32`), in vector registers —
+/// the conversion the bf16 wire uses, for callers that pack their own
+/// bf16 buffers (FSDP's parameter gathers).
+///
+/// # Panics
+/// If the lengths differ.
+pub fn round_to_bf16(dst: &mut [bf16], src: &[f32]) {
+    assert_eq!(dst.len(), src.len(), "round_to_bf16: lengths differ");
+    f32s_to_bf16(dst, src);
+}
+
 multiversion! {
     /// `d = bf16(s)`, rounded to nearest even.
     fn f32s_to_bf16(d: &mut [bf16], s: &[f32]) {

@@ -444,8 +444,11 @@ fn non_blocking_all_reduce_progresses_while_the_caller_computes() {
         // rest overwritten
         let mut full = vec![f32::NAN; 11];
         full[shard_range(11, 2, comm.rank())].fill(comm.rank() as f32 + 1.0);
-        let agi = comm.all_gather_in_place_async(full)?;
+        let agi = comm.all_gather_in_place_async(full.clone())?;
+        // and a function of the gathered buffer, computed where it ran
+        let sum = comm.all_gather_in_place_async_then(full, |b| b.iter().sum::<f32>())?;
         assert_eq!(rs.wait()?, vec![2.0; 5]);
+        assert_eq!(sum.wait()?, 6.0 * 1.0 + 5.0 * 2.0);
         assert_eq!(ag.wait()?, [vec![0.0; 5], vec![1.0; 5]].concat());
         assert_eq!(agi.wait()?, [vec![1.0; 6], vec![2.0; 5]].concat());
         Ok(finished_during_compute)

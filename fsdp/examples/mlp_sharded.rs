@@ -40,7 +40,7 @@ pub fn layout() -> (ParamLayout, Vec<UnitSpec>) {
         units.push(UnitSpec {
             name: format!("layer {l}"),
             range: w.start..bias.end,
-            keep_gathered: false,
+            ..UnitSpec::default()
         });
     }
     (b.finish().expect("layout"), units)

@@ -100,10 +100,13 @@ impl FromStr for Strategy {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Precision {
     /// Dtype of the parameters that are all-gathered and computed with
-    /// (widened to f32 for the kernels): `F32` or `BF16`. With `BF16` each
-    /// rank keeps a bf16 copy of its shard (or of the whole model when
-    /// parameters are not sharded), rounded to nearest-even from the f32
-    /// master after every step.
+    /// (widened to f32 for the kernels): `F32` or `BF16`. With `BF16` the
+    /// shard is rounded to nearest-even from the f32 master as it is
+    /// written into each gather (as FSDP2 casts into its all-gather input:
+    /// no bf16 copy of the shard is kept), except the ranges each unit
+    /// keeps in f32 ([`UnitSpec::keep_f32`](crate::UnitSpec::keep_f32)),
+    /// which travel as f32 bits; strategies that replicate the parameters
+    /// keep the replica in that form, refreshed after every step.
     pub param: Dtype,
     /// Dtype of the gradients on the wire and of the kept gradient shard:
     /// `F32`, or `BF16` (partial sums travel in bf16, every addition is
@@ -117,8 +120,7 @@ impl Precision {
         param: Dtype::F32,
         reduce: Dtype::F32,
     };
-    /// bf16 parameters and gradients (f32 master and moments): the
-    /// 16 bytes per parameter of the ZeRO paper.
+    /// bf16 parameters and gradients (f32 master and moments).
     pub const BF16: Precision = Precision {
         param: Dtype::BF16,
         reduce: Dtype::BF16,

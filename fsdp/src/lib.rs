@@ -80,7 +80,11 @@
 //!   every prefetch depth and `reshard_after_forward`: `reproducible =
 //!   true` with either precision. With bf16 parameters the gathered bf16
 //!   values are the same bits on every N (rounded from the same master),
-//!   so bf16 runs equal the one-rank bf16 run (not the f32 run).
+//!   so bf16 runs equal the one-rank bf16 run (not the f32 run). A model
+//!   whose products round their operands to bf16 anyway (weft's GPT in
+//!   bf16 mixed precision) and which keeps everything else in f32
+//!   ([`UnitSpec::keep_f32`]: norms, biases, embeddings) computes the same
+//!   bits from bf16 gathers as from f32 ones, in about half the bytes.
 //!   bf16 gradient reduction rounds the exact sum to bf16 once, also the
 //!   same for any N. Tested on the MLP stack here and on weft's GPT (whose
 //!   one-rank, one-micro-batch FSDP step is bitwise the plain model's).
@@ -88,9 +92,11 @@
 //!   depends on N; bf16 gradients are rounded before the reduction).
 //!
 //! # Memory and traffic
-//! Per rank, ZeRO-3 with [`Precision::BF16`] keeps 2 (bf16 shard) + 12
-//! (f32 master, m, v) + 2 (bf16 gradient shard) = 16 bytes per parameter
-//! divided by N, plus at most `prefetch + 2` gathered units (prefetched,
+//! Per rank, ZeRO-3 with [`Precision::BF16`] keeps 14 bytes per
+//! parameter divided by N: 12 of f32 master, m and v, and 2 of the bf16
+//! gradient shard (the bf16 parameters are rounded from the master as
+//! each gather is written, as in PyTorch's FSDP2, rather than kept as a
+//! 2-byte copy); plus at most `prefetch + 2` gathered units (prefetched,
 //! current, and one kept for a later unit or for the next backward) —
 //! tested exactly from the allocated buffers. Per micro-batch ZeRO-3
 //! sends `(N−1)/N` of the unit bytes per gather — two per unit (forward
@@ -124,8 +130,8 @@
 //! let v = b.push("v", &[2], false, Placements::REPLICATED)?;
 //! let layout = b.finish()?;
 //! let units = vec![
-//!     UnitSpec { name: "w".into(), range: w, keep_gathered: false },
-//!     UnitSpec { name: "v".into(), range: v, keep_gathered: false },
+//!     UnitSpec { name: "w".into(), range: w, ..UnitSpec::default() },
+//!     UnitSpec { name: "v".into(), range: v, ..UnitSpec::default() },
 //! ];
 //! let out = LocalCluster::run(2, |comm| -> weft_fsdp::Result<Vec<f32>> {
 //!     let mut f = Fsdp::new(&comm, &layout, units.clone(), FsdpConfig::default(), &[1.0; 5])?;
@@ -166,6 +172,7 @@ mod reducer;
 mod sharded;
 mod spans;
 mod units;
+mod wire;
 
 pub use config::{FsdpConfig, Precision, Strategy};
 pub use error::{Error, Result};

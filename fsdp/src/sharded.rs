@@ -20,6 +20,7 @@ use crate::memory::{Category, MemoryReport, bytes_of};
 use crate::reducer::{self, Done, GradIn, GradOut, Groups, Reducer};
 use crate::spans::{SpanLog, Track};
 use crate::units::{UnitPlan, UnitSpec};
+use crate::wire::Bf16Wire;
 
 /// Per-unit state of this rank.
 #[derive(Debug)]
@@ -30,10 +31,12 @@ struct UnitState {
     m: Vec<f32>,
     /// AdamW second moments, same range.
     v: Vec<f32>,
-    /// The compute-dtype copy of the shard (sharded parameters in bf16).
-    shard_lp: Option<LowVec>,
+    /// With bf16 parameters, how the unit travels (bf16 words, and the
+    /// f32 bits of what it keeps in f32).
+    wire: Option<Arc<Bf16Wire>>,
     /// The replicated compute parameters (strategies that do not shard
-    /// parameters).
+    /// parameters): f32 values, or with bf16 parameters the gathered
+    /// words of `wire`.
     resident: Option<LowVec>,
 }
 
@@ -62,8 +65,10 @@ enum Slot {
     #[default]
     Empty,
     Flight {
-        handle: Gather,
+        /// The gather, widened to f32 where it runs.
+        handle: Pending<Vec<f32>>,
         start: Instant,
+        /// Bytes of the gather buffer (bf16 words, or f32).
         bytes: usize,
     },
     Ready(Vec<f32>),
@@ -273,20 +278,23 @@ impl Fsdp {
             let mut full = vec![0.0f32; padded];
             full[..u.len()].copy_from_slice(&params[u.range.clone()]);
             let master = full[u.shard(rank)].to_vec();
-            let shard_lp = (strategy.shards_params() && pdt == Dtype::BF16)
-                .then(|| LowVec::from_f32(&master, pdt));
-            let resident = (!strategy.shards_params()).then(|| LowVec::from_f32(&full, pdt));
+            let wire = (pdt == Dtype::BF16).then(|| Arc::new(Bf16Wire::new(u, n)));
+            let resident = (!strategy.shards_params()).then(|| match &wire {
+                Some(w) => {
+                    let mut words = vec![bf16::ZERO; w.len()];
+                    w.write_unit(0, &full, &mut words);
+                    LowVec::Bf16(words)
+                }
+                None => LowVec::F32(full),
+            });
             let st = UnitState {
                 m: vec![0.0; master.len()],
                 v: vec![0.0; master.len()],
                 master,
-                shard_lp,
+                wire,
                 resident,
             };
             mem.alloc(Category::OptimizerState, 3 * bytes_of(&st.master));
-            if let Some(x) = &st.shard_lp {
-                mem.alloc(Category::ParamShards, x.bytes());
-            }
             if let Some(x) = &st.resident {
                 mem.alloc(Category::ParamShards, x.bytes());
             }
@@ -579,12 +587,13 @@ impl Fsdp {
         if let Some((part, at)) = part {
             let src = &values[part.start - range.start..part.end - range.start];
             st.master[at..at + part.len()].copy_from_slice(src);
-            if let Some(lp) = &mut st.shard_lp {
-                lp.assign_f32_at(at, src);
-            }
         }
-        if let Some(res) = &mut st.resident {
-            res.assign_f32_at(range.start - unit_start, values);
+        match (&mut st.resident, &st.wire) {
+            (Some(LowVec::Bf16(words)), Some(w)) => {
+                w.write_unit(range.start - unit_start, values, words);
+            }
+            (Some(res), _) => res.assign_f32_at(range.start - unit_start, values),
+            (None, _) => {}
         }
         Ok(())
     }
@@ -641,14 +650,15 @@ impl Fsdp {
     /// Rebuilds the compute-dtype copies of unit `u` from its master weights.
     fn refresh_compute_params(&mut self, u: usize) -> Result<()> {
         let st = &mut self.units[u];
-        if let Some(lp) = &mut st.shard_lp {
-            lp.assign_f32(&st.master);
-        }
+        let shard_start = self.plan.units()[u].shard(self.rank).start;
         if let Some(res) = &mut st.resident {
             // the updated shard straight into its place in the replicated
             // buffer, then the peers' shards around it (in place: no
             // shard copy, no allocation)
-            res.assign_f32_at(self.plan.units()[u].shard(self.rank).start, &st.master);
+            match (&mut *res, &st.wire) {
+                (LowVec::Bf16(words), Some(w)) => w.write(self.rank, 0, &st.master, words),
+                (res, _) => res.assign_f32_at(shard_start, &st.master),
+            }
             let t0 = Instant::now();
             res.all_gather_in_place(&*self.params_comm)
                 .map_err(comm(format!(
@@ -1157,25 +1167,36 @@ impl Fsdp {
         let start = Instant::now();
         // in place: the shard is copied once, into its place in the
         // gathered buffer, and the gather moves only the peers' shards
-        let mine = shard_range(padded, self.params_comm.size(), self.params_comm.rank());
-        let (handle, bytes) = match &st.shard_lp {
-            Some(LowVec::Bf16(sh)) => {
-                let mut full = vec![bf16::ZERO; padded];
-                full[mine].copy_from_slice(sh);
+        let (handle, bytes) = match &st.wire {
+            Some(w) => {
+                // rounded from the master as it is written: no bf16 copy
+                // of the shard is kept between steps (FSDP2's cast into
+                // the all-gather input)
+                let mut full = vec![bf16::ZERO; w.len()];
+                w.write(self.params_comm.rank(), 0, &st.master, &mut full);
+                // widened where the gather runs, behind the computation
+                let wire = Arc::clone(w);
+                // reserved here, filled there: allocated by this thread,
+                // as the f32 gathers are, and written once
+                let mut out = Vec::with_capacity(padded);
                 let p = self
                     .params_comm
-                    .all_gather_in_place_async(full)
+                    .all_gather_in_place_async_then(full, move |words| {
+                        wire.read(&words, &mut out);
+                        out
+                    })
                     .map_err(comm(&what))?;
-                (Gather::Bf16(p), padded * 2)
+                (p, w.len() * 2)
             }
-            _ => {
+            None => {
                 let mut full = vec![0f32; padded];
-                full[mine].copy_from_slice(&st.master);
+                full[shard_range(padded, self.n, self.params_comm.rank())]
+                    .copy_from_slice(&st.master);
                 let p = self
                     .params_comm
                     .all_gather_in_place_async(full)
                     .map_err(comm(&what))?;
-                (Gather::F32(p), padded * 4)
+                (p, padded * 4)
             }
         };
         self.mem.alloc(Category::GatheredParams, bytes);
@@ -1199,33 +1220,33 @@ impl Fsdp {
                     start,
                     bytes,
                 } => {
-                    let data = self.land(handle, start, bytes, u, len)?;
+                    let data = self.land(handle, start, bytes, u)?;
                     self.slots[u] = Slot::Ready(data);
                 }
                 other => self.slots[u] = other,
             }
         } else if matches!(self.slots[u], Slot::Empty)
-            && let Some(LowVec::Bf16(res)) = &self.units[u].resident
+            && let (Some(LowVec::Bf16(res)), Some(wire)) =
+                (&self.units[u].resident, &self.units[u].wire)
         {
-            let mut w = vec![0.0f32; len];
-            w.iter_mut().zip(res).for_each(|(o, x)| *o = x.to_f32());
+            let mut w = Vec::with_capacity(len);
+            wire.read(res, &mut w);
             self.mem.alloc(Category::GatheredParams, bytes_of(&w));
             self.slots[u] = Slot::Ready(w);
         }
         Ok(())
     }
 
-    /// Waits for a gather and widens it to f32.
+    /// Waits for a gather (widened to f32 where it ran).
     fn land(
         &mut self,
-        handle: Gather,
+        handle: Pending<Vec<f32>>,
         start: Instant,
         bytes: usize,
         u: usize,
-        len: usize,
     ) -> Result<Vec<f32>> {
         let w0 = Instant::now();
-        let (r, end) = handle.wait();
+        let (r, end) = handle.wait_timed();
         let w1 = Instant::now();
         let micro = self.micro(u);
         self.spans
@@ -1238,16 +1259,12 @@ impl Fsdp {
             "all_gather of unit {}",
             self.plan.units()[u].name
         )))?;
-        Ok(match got {
-            LowVec::F32(v) => v,
-            LowVec::Bf16(v) => {
-                let mut w = vec![0.0f32; len];
-                self.mem.alloc(Category::GatheredParams, bytes_of(&w));
-                w.iter_mut().zip(&v).for_each(|(o, x)| *o = x.to_f32());
-                self.mem.free(Category::GatheredParams, bytes);
-                w
-            }
-        })
+        // a bf16 gather's words were widened into f32 values
+        if bytes_of(&got) != bytes {
+            self.mem.alloc(Category::GatheredParams, bytes_of(&got));
+            self.mem.free(Category::GatheredParams, bytes);
+        }
+        Ok(got)
     }
 
     fn free_slot(&mut self, u: usize) {
@@ -1510,28 +1527,5 @@ fn unit_params<'a>(
             Some(LowVec::F32(v)) => Some(&v[..len]),
             _ => None,
         },
-    }
-}
-
-/// An all-gather in flight, in the dtype its shards travel in.
-#[derive(Debug)]
-enum Gather {
-    F32(Pending<Vec<f32>>),
-    Bf16(Pending<Vec<bf16>>),
-}
-
-impl Gather {
-    /// Waits; the gathered parameters and when they arrived.
-    fn wait(self) -> (weft_collectives::Result<LowVec>, Instant) {
-        match self {
-            Self::F32(p) => {
-                let (r, at) = p.wait_timed();
-                (r.map(LowVec::F32), at)
-            }
-            Self::Bf16(p) => {
-                let (r, at) = p.wait_timed();
-                (r.map(LowVec::Bf16), at)
-            }
-        }
     }
 }

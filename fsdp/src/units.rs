@@ -10,8 +10,9 @@ use crate::error::{Error, Result};
 /// parameter buffer, and whether it stays gathered from its forward until
 /// its backward (FSDP2's per-module `reshard_after_forward = false`: a
 /// unit whose parameters another unit reads, like a tied embedding the
-/// output head uses).
-#[derive(Clone, Debug, PartialEq, Eq)]
+/// output head uses), and which of its tensors stay f32 when parameters
+/// are gathered in bf16.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct UnitSpec {
     /// A name for errors and traces (`embed`, `h.3`, `head`, …).
     pub name: String,
@@ -19,6 +20,15 @@ pub struct UnitSpec {
     pub range: Range<usize>,
     /// Keep it gathered between its forward and its backward.
     pub keep_gathered: bool,
+    /// With bf16 parameters ([`Precision::param`](crate::Precision::param)
+    /// `= BF16`), the elements (offsets from `range.start`; sorted,
+    /// disjoint) that are gathered and computed in f32 all the same: the
+    /// tensors something other than a bf16 product reads — layernorms,
+    /// biases, embeddings that are looked up, a router — as PyTorch's FSDP2
+    /// keeps them f32 by giving their modules an f32 policy. They travel
+    /// beside the bf16 values, 4 bytes each (a unit that keeps everything
+    /// moves as many bytes as in f32). Ignored with f32 parameters.
+    pub keep_f32: Vec<Range<usize>>,
 }
 
 /// One flat-parameter unit: a contiguous range of the parameter buffer.
@@ -32,6 +42,9 @@ pub struct Unit {
     pub shard_len: usize,
     /// Kept gathered from its forward until its backward.
     pub keep_gathered: bool,
+    /// Offsets (from `range.start`) kept in f32 under bf16 parameters
+    /// (see [`UnitSpec::keep_f32`]).
+    pub keep_f32: Vec<Range<usize>>,
 }
 
 impl Unit {
@@ -48,6 +61,21 @@ impl Unit {
     /// Elements of the padded unit buffer: `shard_len · n`.
     pub fn padded_len(&self, n: usize) -> usize {
         self.shard_len * n
+    }
+
+    /// Words (2 bytes each) of the unit gathered with bf16 parameters:
+    /// each of the `n` ranks sends its shard, one bf16 word per element and
+    /// two per element kept in f32 ([`keep_f32`](Self::keep_f32)), padded
+    /// to the longest rank's.
+    pub fn bf16_words(&self, n: usize) -> usize {
+        let kept = |r: usize| -> usize {
+            let s = self.shard(r);
+            self.keep_f32
+                .iter()
+                .map(|k| k.end.min(s.end).saturating_sub(k.start.max(s.start)))
+                .sum()
+        };
+        n * (self.shard_len + (0..n).map(kept).max().unwrap_or(0))
     }
 
     /// Rank `r`'s shard as a range of the padded unit buffer.
@@ -135,8 +163,9 @@ impl UnitPlan {
     /// over `n` ranks.
     ///
     /// # Errors
-    /// [`Error::Config`] if `n` is 0, a unit is empty, or the units do not
-    /// tile `0..layout.len()` in order.
+    /// [`Error::Config`] if `n` is 0, a unit is empty, the units do not
+    /// tile `0..layout.len()` in order, or a unit's `keep_f32` ranges are
+    /// empty, unsorted, overlapping or outside the unit.
     pub fn new(layout: &ParamLayout, units: Vec<UnitSpec>, n: usize) -> Result<Self> {
         if n == 0 {
             return Err(Error::Config {
@@ -150,6 +179,7 @@ impl UnitPlan {
             name,
             range: r,
             keep_gathered,
+            keep_f32,
         } in units
         {
             if r.start != end || r.is_empty() {
@@ -160,12 +190,26 @@ impl UnitPlan {
                     ),
                 });
             }
+            let mut kept_end = 0;
+            for k in &keep_f32 {
+                if k.is_empty() || k.start < kept_end || k.end > r.len() {
+                    return Err(Error::Config {
+                        field: "units",
+                        reason: format!(
+                            "unit {name:?} keeps {k:?} in f32; ranges kept in f32 must be non-empty, sorted, disjoint and inside the unit's {} elements",
+                            r.len()
+                        ),
+                    });
+                }
+                kept_end = k.end;
+            }
             end = r.end;
             out.push(Unit {
                 name,
                 shard_len: r.len().div_ceil(n),
                 range: r,
                 keep_gathered,
+                keep_f32,
             });
         }
         if end != layout.len() {
@@ -340,6 +384,7 @@ mod tests {
             name: "embed".into(),
             range: e.start..e2.end,
             keep_gathered: !untied,
+            ..UnitSpec::default()
         });
         for l in 0..3 {
             let a = b
@@ -351,7 +396,7 @@ mod tests {
             units.push(UnitSpec {
                 name: format!("h.{l}"),
                 range: a.start..c.end,
-                keep_gathered: false,
+                ..UnitSpec::default()
             });
         }
         let h = b.push("ln_f.weight", &[8], false, rep).unwrap();
@@ -362,7 +407,7 @@ mod tests {
         units.push(UnitSpec {
             name: "head".into(),
             range: h.start..end,
-            keep_gathered: false,
+            ..UnitSpec::default()
         });
         (b.finish().unwrap(), units)
     }
@@ -486,7 +531,7 @@ mod tests {
         let bad = vec![UnitSpec {
             name: "a".into(),
             range: 0..5,
-            keep_gathered: false,
+            ..UnitSpec::default()
         }];
         assert!(matches!(
             UnitPlan::new(&layout, bad, 2),

@@ -1,7 +1,12 @@
 //! Step time of ZeRO-3 against DDP and a single rank at the same per-rank
 //! batch, on the thread backend, and how much communication is hidden.
 //!
-//! `cargo bench -p weft-model --bench fsdp_step [-- --steps N --ranks N --layers L --embd C --micro M --only NAME,...]`
+//! `cargo bench -p weft-model --bench fsdp_step [-- --steps N --ranks N --layers L --embd C --micro M --bf16 --only NAME,...]`
+//!
+//! `--bf16`: every row trains in bf16 mixed precision (the linear layers'
+//! products on bf16 operands); the "bf16 weight gathers" row then gathers
+//! the products' weights in bf16 and the rest in f32, the same bits as
+//! the f32 gathers of "ZeRO-3, prefetch 1" in fewer bytes.
 //!
 //! Every row runs the same per-rank work through [`ParallelGpt`]'s step:
 //! `--micro` micro-batches (default 1) of B·T tokens per rank per step. "comm" is the time
@@ -66,6 +71,7 @@ fn bench(
     micro: usize,
     warmup: usize,
     steps: usize,
+    precision: weft_kernels::Precision,
 ) -> anyhow::Result<Row> {
     let out = LocalCluster::run(ranks, |comm| -> anyhow::Result<Vec<(f64, f64, f64, u64)>> {
         let mesh = ParallelDims {
@@ -74,7 +80,7 @@ fn bench(
         }
         .build(&comm)?;
         let plan = ParallelPlan {
-            precision: weft_kernels::Precision::F32,
+            precision,
             grad_wire: weft_collectives::Dtype::F32,
             doc_boundary: None,
             fsdp: fc.cloned(),
@@ -164,6 +170,11 @@ fn main() -> anyhow::Result<()> {
     let embd = arg(&args, "--embd", 192);
     let (b, t) = (arg(&args, "--batch", 4), arg(&args, "--seq", 64));
     let micro = arg(&args, "--micro", 1).max(1);
+    let precision = if args.iter().any(|a| a == "--bf16") {
+        weft_kernels::Precision::Bf16
+    } else {
+        weft_kernels::Precision::F32
+    };
     let cfg = GptConfig {
         n_layer: layers,
         n_head: 6,
@@ -176,9 +187,10 @@ fn main() -> anyhow::Result<()> {
     let mut g = Gpt::new(cfg.clone())?;
     g.init_gpt2(1);
     println!(
-        "GPT L={layers} C={embd} V={} ({:.2} M params), per-rank batch {micro} x B={b} T={t}, {rounds} rounds of {steps} steps after 2 warm-up",
+        "GPT L={layers} C={embd} V={} ({:.2} M params), per-rank batch {micro} x B={b} T={t}, products in {}, {rounds} rounds of {steps} steps after 2 warm-up",
         cfg.vocab_size,
-        g.params.len() as f64 / 1e6
+        g.params.len() as f64 / 1e6,
+        precision.name()
     );
     let plain = |s: Strategy| FsdpConfig {
         strategy: s,
@@ -203,6 +215,14 @@ fn main() -> anyhow::Result<()> {
             ranks,
             sharded(FsdpConfig {
                 prefetch: 2,
+                ..plain(Strategy::Full)
+            }),
+        ),
+        (
+            "ZeRO-3, bf16 weight gathers",
+            ranks,
+            sharded(FsdpConfig {
+                precision: Precision::BF16_PARAMS,
                 ..plain(Strategy::Full)
             }),
         ),
@@ -258,6 +278,7 @@ fn main() -> anyhow::Result<()> {
                 micro,
                 2,
                 steps,
+                precision,
             )?);
         }
     }

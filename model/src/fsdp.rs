@@ -77,23 +77,24 @@ pub(crate) fn units(
             name: "embed".into(),
             range: e.clone(),
             keep_gathered: tied && ranges.lnf.is_some(),
+            ..UnitSpec::default()
         });
     }
     for (i, r) in ranges.blocks.iter().enumerate() {
         out.push(UnitSpec {
             name: format!("h.{}", ranges.first_layer + i),
             range: r.clone(),
-            keep_gathered: false,
+            ..UnitSpec::default()
         });
     }
     if let Some(l) = &ranges.lnf {
         out.push(UnitSpec {
             name: "head".into(),
             range: l.start..len,
-            keep_gathered: false,
+            ..UnitSpec::default()
         });
     }
-    let within = |keep: &dyn Fn(&ParamSpec) -> bool| -> Vec<Vec<Range<usize>>> {
+    let within = |out: &[UnitSpec], keep: &dyn Fn(&ParamSpec) -> bool| -> Vec<Vec<Range<usize>>> {
         out.iter()
             .map(|u| {
                 layout
@@ -107,9 +108,15 @@ pub(crate) fn units(
             })
             .collect()
     };
-    let partial = within(&|s| s.grad_placements.tp == Placement::Partial);
+    // with bf16 parameters FSDP gathers the products' weights in bf16 (the
+    // products round them to the same bits) and everything else in f32
+    let kept = within(&out, &|s| !product_weight(&s.name));
+    for (unit, kept) in out.iter_mut().zip(kept) {
+        unit.keep_f32 = merged(kept);
+    }
+    let partial = within(&out, &|s| s.grad_placements.tp == Placement::Partial);
     let ep_replicated = if experts {
-        within(&|s| s.placements.ep == Placement::Replicate)
+        within(&out, &|s| s.placements.ep == Placement::Replicate)
     } else {
         vec![Vec::new(); out.len()]
     };
@@ -125,6 +132,32 @@ pub(crate) fn units(
         wte_len,
     };
     (out, map)
+}
+
+/// Whether only the linear layers' products read the tensor `name` — the
+/// attention and feed-forward projections (experts included) and an
+/// untied output head — so that under bf16 mixed precision, whose
+/// products round their operands to bf16, FSDP may gather it in bf16
+/// without changing a bit. The embeddings (looked up; a tied `wte` is
+/// looked up too), layernorms, biases and a router (routing stays f32)
+/// are read in f32.
+fn product_weight(name: &str) -> bool {
+    ["c_attn.weight", "c_proj.weight", "c_fc.weight"]
+        .iter()
+        .any(|s| name.ends_with(s))
+        || name == "lm_head.weight"
+}
+
+/// Sorted ranges with the adjacent ones joined.
+fn merged(ranges: Vec<Range<usize>>) -> Vec<Range<usize>> {
+    let mut out: Vec<Range<usize>> = Vec::with_capacity(ranges.len());
+    for r in ranges {
+        match out.last_mut() {
+            Some(last) if last.end == r.start => last.end = r.end,
+            _ => out.push(r),
+        }
+    }
+    out
 }
 
 /// Sums `ranges` of `g` (gathered into one buffer) with `reduce`.

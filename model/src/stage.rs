@@ -1035,11 +1035,10 @@ impl GptStage {
             Store::Sharded { fsdp, wte, .. } => {
                 let m = fsdp.memory();
                 let cfg = fsdp.config();
-                // a full f32 shard computes from its master weights: they
-                // are the parameters, the moments the optimizer's
-                let master = if cfg.strategy.shards_params()
-                    && cfg.precision.param == weft_collectives::Dtype::F32
-                {
+                // sharded parameters are gathered from the master weights
+                // (in bf16 rounded as they are sent): they are the
+                // parameters, the moments the optimizer's
+                let master = if cfg.strategy.shards_params() {
                     m.current(C::OptimizerState) / 3
                 } else {
                     0
@@ -1145,21 +1144,22 @@ impl GptStage {
             Some((cfg, shard)) => {
                 let (units, _) = crate::fsdp::units(&pieces.ranges, &pieces.layout, wte, experts);
                 let plan = weft_fsdp::UnitPlan::new(&pieces.layout, units, shard)?;
-                let dtype = cfg.precision.param.size_bytes();
+                let bf16 = cfg.precision.param == weft_collectives::Dtype::BF16;
                 let (mut shards, mut master) = (0usize, 0usize);
                 for u in plan.units() {
                     master += u.shard_len;
-                    // ZeRO-1/2 replicas, or the compute shards (bf16, or
-                    // an f32 shard's master weights themselves)
+                    // sharded: the master weights are the parameters (bf16
+                    // ones are rounded as they are gathered); ZeRO-1/2:
+                    // the replica, f32 or the bf16 wire's words
                     shards += if cfg.strategy.shards_params() {
-                        u.shard_len * dtype
+                        u.shard_len * 4
+                    } else if bf16 {
+                        u.bf16_words(shard) * 2
                     } else {
-                        u.padded_len(shard) * dtype
+                        u.padded_len(shard) * 4
                     };
                 }
-                let f32_shards = cfg.strategy.shards_params()
-                    && cfg.precision.param == weft_collectives::Dtype::F32;
-                let states = if f32_shards { 2 } else { 3 };
+                let states = if cfg.strategy.shards_params() { 2 } else { 3 };
                 r.params = sum(
                     "the parameters",
                     &[shards, bytes("the tied copy", tied_copy)?],

@@ -211,6 +211,16 @@ fn run(layout: Layout, moe: bool) -> Run {
             fsdp: layout.fsdp.map(|strategy| FsdpConfig {
                 strategy,
                 hybrid_shard: 2.min(dims.dp / dims.ep),
+                // bf16 mixed precision gathers the products' weights in
+                // bf16, the rest in f32: the same bits as one rank's run
+                precision: weft_fsdp::Precision {
+                    param: if layout.precision == Precision::Bf16 {
+                        weft_collectives::Dtype::BF16
+                    } else {
+                        weft_collectives::Dtype::F32
+                    },
+                    reduce: weft_collectives::Dtype::F32,
+                },
                 ..FsdpConfig::default()
             }),
             pipeline,

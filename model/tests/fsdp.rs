@@ -64,13 +64,26 @@ fn model(
     per: usize,
     p0: &[f32],
 ) -> weft_model::Result<ParallelGpt> {
+    model_in(c, comm, n, fsdp, per, p0, weft_kernels::Precision::F32)
+}
+
+/// [`model`] with its products in `precision`.
+fn model_in(
+    c: &GptConfig,
+    comm: &dyn Communicator,
+    n: usize,
+    fsdp: Option<FsdpConfig>,
+    per: usize,
+    p0: &[f32],
+    precision: weft_kernels::Precision,
+) -> weft_model::Result<ParallelGpt> {
     let mesh = ParallelDims {
         dp: n,
         ..ParallelDims::SINGLE
     }
     .build(comm)?;
     let plan = ParallelPlan {
-        precision: weft_kernels::Precision::F32,
+        precision,
         grad_wire: weft_collectives::Dtype::F32,
         doc_boundary: None,
         reproducible: fsdp.as_ref().is_none_or(|f| f.reproducible),
@@ -348,7 +361,7 @@ fn one_step(c: &GptConfig, n: usize, fc: Option<&FsdpConfig>) -> Vec<StepFigures
 }
 
 #[test]
-fn zero3_memory_is_16_bytes_per_parameter_over_n_plus_the_prefetch_window() {
+fn zero3_memory_is_14_bytes_per_parameter_over_n_plus_the_prefetch_window() {
     let c = cfg(true, 8);
     let n = 4;
     let fc = FsdpConfig {
@@ -360,13 +373,14 @@ fn zero3_memory_is_16_bytes_per_parameter_over_n_plus_the_prefetch_window() {
     for (_, units, mem, num_params) in one_step(&c, n, Some(&fc)) {
         let mem = mem.unwrap();
         let shard: usize = units.iter().map(|u| u.1).sum();
-        // bf16 parameter shard, f32 master + m + v; the bf16 gradient shard
-        // (2 B) is freed after the update
-        assert_eq!(mem.current(Category::ParamShards), 2 * shard);
+        // f32 master + m + v (the bf16 parameters are rounded from the
+        // master as they are gathered); the bf16 gradient shard (2 B) is
+        // freed after the update
+        assert_eq!(mem.current(Category::ParamShards), 0);
         assert_eq!(mem.current(Category::OptimizerState), 12 * shard);
         assert_eq!(mem.current(Category::Gradients), 0);
         assert!(mem.peak(Category::Gradients) >= 2 * shard);
-        // 16 bytes per parameter over N, padding at most n-1 per unit
+        // 14 bytes per parameter over N, padding at most n-1 per unit
         assert!(shard * n >= num_params && shard * n - num_params < n * units.len());
         // Gathered: at most (prefetch + current + kept unit) units, each as
         // the bf16 gather (with its input shard) plus its f32 widening.
@@ -379,6 +393,94 @@ fn zero3_memory_is_16_bytes_per_parameter_over_n_plus_the_prefetch_window() {
         // nothing stays gathered after the step
         assert_eq!(mem.current(Category::GatheredParams), 0);
         assert!(mem.current(Category::Activations) > 0);
+    }
+}
+
+/// bf16 mixed precision with bf16 parameters (`Precision::BF16_PARAMS`):
+/// the products' weights travel as bf16 words and the layernorms, biases
+/// and (tied) embeddings as f32, so the run is bitwise the one that
+/// gathers everything in f32 — the products round their operands to the
+/// same bits — while each gather moves `shard + max kept` words per rank.
+#[test]
+#[allow(clippy::print_stdout)] // the measured ratio
+fn bf16_parameters_gather_the_products_weights_in_bf16_and_change_no_bit() {
+    let n = 2;
+    for tied in [true, false] {
+        let c = cfg(tied, 3);
+        let p0 = init(&c);
+        let go = |precision: Precision| {
+            let fc = FsdpConfig {
+                precision,
+                reproducible: true,
+                ..fcfg(Strategy::Full)
+            };
+            LocalCluster::run(n, |comm| {
+                let mut g = model_in(
+                    &c,
+                    &comm,
+                    n,
+                    Some(fc.clone()),
+                    1,
+                    &p0,
+                    weft_kernels::Precision::Bf16,
+                )
+                .unwrap();
+                let before = comm.traffic();
+                let mut losses = Vec::new();
+                for s in 0..3 {
+                    let (x, y) = batch(&c, s, g.mesh().coords().dp());
+                    let mb = [MicroBatch {
+                        tokens: &x,
+                        targets: &y,
+                    }];
+                    losses.push(g.train_step(&mb, &hp(), 1.0).unwrap().loss.to_bits());
+                }
+                let gathered = comm.traffic().since(&before).sent_by(OpKind::AllGather);
+                let f = g.stages()[0].fsdp().unwrap();
+                // the words a rank sends per gather of each unit: its shard,
+                // one more per element kept in f32, as many as the rank
+                // keeping the most
+                let words: Vec<usize> = f
+                    .plan()
+                    .units()
+                    .iter()
+                    .map(|u| u.bf16_words(n) / n)
+                    .collect();
+                let params = f.full_params().unwrap();
+                (
+                    losses,
+                    gathered,
+                    words,
+                    params.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                )
+            })
+            .unwrap()
+        };
+        let wide = go(Precision::F32);
+        let narrow = go(Precision::BF16_PARAMS);
+        for ((l32, ag32, _, p32), (l16, ag16, words, p16)) in wide.iter().zip(&narrow) {
+            assert_eq!(l32, l16, "tied={tied}: the losses change");
+            assert_eq!(p32, p16, "tied={tied}: the parameters change");
+            let units = words.len();
+            let gathers = |u: usize| {
+                if u + 1 == units || (tied && u == 0) {
+                    1
+                } else {
+                    2
+                }
+            };
+            // per step: each unit's gathers and the all-gather of the loss
+            let want: usize = (0..units)
+                .map(|u| gathers(u) * (n - 1) * words[u] * 2)
+                .sum();
+            assert_eq!(*ag16 as usize, 3 * (want + (n - 1) * 8), "tied={tied}");
+            let ratio = *ag16 as f64 / *ag32 as f64;
+            println!("tied={tied}: bf16 parameters gather {ratio:.3}x the f32 bytes");
+            assert!(
+                ratio < if tied { 0.75 } else { 0.6 },
+                "tied={tied}: {ratio}"
+            );
+        }
     }
 }
 

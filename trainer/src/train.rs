@@ -40,7 +40,7 @@ use weft_trace::MetricsRecord;
 
 pub use weft_model::RankMemory;
 
-use crate::config::{Config, FsdpMode, MoeBalance, MoeDrop, MoeGate, PpSchedule};
+use crate::config::{Config, MoeBalance, MoeDrop, MoeGate, PpSchedule};
 use crate::data::{Data, DataError};
 use crate::ranks::agree;
 use crate::schedule::lr_at;
@@ -693,10 +693,18 @@ fn plan(config: &Config, cfg: &GptConfig) -> Result<ParallelPlan, TrainError> {
         reproducible: p.reproducible,
         hybrid_shard: p.hybrid_shard,
         precision: weft_fsdp::Precision {
-            // the weights are gathered in f32: the linear layers round their
-            // operands to bf16 themselves in bf16 mixed precision, and the
-            // layernorms and biases stay f32
-            param: weft_numerics::Dtype::F32,
+            // bf16 mixed precision gathers the products' weights in bf16
+            // (half the bytes; the products round them to the same bits)
+            // and the layernorms, biases and embeddings in f32. Strategies
+            // that replicate the parameters keep them in f32: they gather
+            // once per step, and compute from the replica
+            param: if config.train.precision.kernels() == Precision::Bf16
+                && strategy.shards_params()
+            {
+                weft_numerics::Dtype::BF16
+            } else {
+                weft_numerics::Dtype::F32
+            },
             reduce: p.grad_wire.dtype(),
         },
         ..weft_fsdp::FsdpConfig::default()
@@ -1139,8 +1147,18 @@ pub(crate) fn layout_name(config: &Config) -> String {
         .filter(|(_, n)| *n > 1)
         .map(|(k, n)| format!("{k}={n}"))
         .collect();
-    if p.fsdp != FsdpMode::None {
-        parts.push(format!("fsdp {}", p.fsdp.name()));
+    if let Some(strategy) = p.fsdp.strategy() {
+        let bf16 =
+            config.train.precision == crate::config::Precision::Bf16 && strategy.shards_params();
+        parts.push(format!(
+            "fsdp {}{}",
+            p.fsdp.name(),
+            if bf16 {
+                " (weights gathered in bf16)"
+            } else {
+                ""
+            }
+        ));
     }
     if p.tp > 1 && p.sequence_parallel {
         parts.push("sequence-parallel".into());
