@@ -1,7 +1,11 @@
 //! Trains a model that is not weft's GPT — a stack of `tanh` layers
 //! written here — fully sharded with weft-fsdp over 1, 2 and 4 thread
 //! ranks (ZeRO-1, ZeRO-2, ZeRO-3, hybrid), and checks that every step's
-//! loss and the final parameters are bitwise the one-rank run's.
+//! loss and the final parameters are bitwise the one-rank run's — with f32
+//! parameters, and with bf16 ones (`Precision::BF16_PARAMS`: the weights
+//! gathered and computed with in bf16, the biases kept in f32 through
+//! `UnitSpec::keep_f32`), which are a different run than f32 but the same
+//! on every layout.
 //!
 //! The model calls FSDP's hooks around each layer (one unit per layer):
 //! `pre_forward` gathers the layer's parameters, `post_forward` frees them,
@@ -13,7 +17,7 @@
 #![allow(clippy::print_stdout)] // an example prints its results
 
 use weft_collectives::{Communicator, CommunicatorExt, LocalCluster, Topology};
-use weft_fsdp::{Fsdp, FsdpConfig, Strategy, UnitSpec};
+use weft_fsdp::{Fsdp, FsdpConfig, Precision, Strategy, UnitSpec};
 use weft_kernels::AdamW;
 use weft_parallel::{Coords, LayoutBuilder, ParamLayout, Placements};
 
@@ -22,7 +26,8 @@ const N: usize = 8; // rows per micro-batch
 const LAYERS: usize = 4;
 
 /// The stack's layout (`layers.{l}.weight (H,H)`, `layers.{l}.bias (H)`)
-/// and one FSDP unit per layer.
+/// and one FSDP unit per layer, its bias kept in f32 when the parameters
+/// are gathered in bf16.
 ///
 /// # Panics
 /// Never: the names and shapes are fixed.
@@ -40,6 +45,8 @@ pub fn layout() -> (ParamLayout, Vec<UnitSpec>) {
         units.push(UnitSpec {
             name: format!("layer {l}"),
             range: w.start..bias.end,
+            // one range: the bias, after the weight
+            keep_f32: std::iter::once(bias.start - w.start..bias.end - w.start).collect(),
             ..UnitSpec::default()
         });
     }
@@ -185,47 +192,60 @@ pub fn train(n: usize, cfg: &FsdpConfig, steps: usize) -> anyhow::Result<Run> {
     Ok(runs.remove(0))
 }
 
-/// Trains every strategy on 1, 2 and 4 ranks and checks each against its
-/// one-rank run; the first and last losses of each.
+/// Trains every strategy on 1, 2 and 4 ranks, with f32 and with bf16
+/// parameters, and checks each against the one-rank run in its precision;
+/// the first and last losses of each.
 ///
 /// # Errors
 /// A failed run, or one that is not bitwise the one-rank run.
 pub fn run() -> anyhow::Result<Vec<(String, f64, f64)>> {
     let steps = 6;
     let mut rows = Vec::new();
-    let base = train(1, &FsdpConfig::default(), steps)?;
     let loss = |r: &Run, i: usize| f64::from_bits(r.0[i]);
-    anyhow::ensure!(loss(&base, steps - 1) < loss(&base, 0), "the stack learns");
-    for strategy in Strategy::ALL {
-        let cfg = FsdpConfig {
-            strategy,
-            hybrid_shard: 2,
+    let mut bases: Vec<Run> = Vec::new();
+    for (name, precision) in [("f32", Precision::F32), ("bf16", Precision::BF16_PARAMS)] {
+        let one = FsdpConfig {
+            precision,
             ..FsdpConfig::default()
         };
-        for n in [1, 2, 4] {
-            if strategy == Strategy::Hybrid && n == 1 {
-                continue;
+        let base = train(1, &one, steps)?;
+        anyhow::ensure!(loss(&base, steps - 1) < loss(&base, 0), "the stack learns");
+        anyhow::ensure!(
+            bases.iter().all(|b| b.2 != base.2),
+            "{name} parameters give another run than f32"
+        );
+        for strategy in Strategy::ALL {
+            let cfg = FsdpConfig {
+                strategy,
+                hybrid_shard: 2,
+                ..one.clone()
+            };
+            for n in [1, 2, 4] {
+                if strategy == Strategy::Hybrid && n == 1 {
+                    continue;
+                }
+                let got = train(n, &cfg, steps)?;
+                anyhow::ensure!(
+                    got == base,
+                    "{strategy} over {n} ranks with {name} parameters differs from one rank"
+                );
+                rows.push((
+                    format!("{strategy} n={n} {name}"),
+                    loss(&got, 0),
+                    loss(&got, steps - 1),
+                ));
             }
-            let got = train(n, &cfg, steps)?;
-            anyhow::ensure!(
-                got == base,
-                "{strategy} over {n} ranks differs from one rank"
-            );
-            rows.push((
-                format!("{strategy} n={n}"),
-                loss(&got, 0),
-                loss(&got, steps - 1),
-            ));
         }
+        bases.push(base);
     }
     Ok(rows)
 }
 
 #[allow(dead_code)] // the test includes this file as a module
 fn main() -> anyhow::Result<()> {
-    println!("{:<16} {:>12} {:>12}", "layout", "first loss", "last loss");
+    println!("{:<22} {:>12} {:>12}", "layout", "first loss", "last loss");
     for (name, first, last) in run()? {
-        println!("{name:<16} {first:>12.6} {last:>12.6}   bitwise the 1-rank run");
+        println!("{name:<22} {first:>12.6} {last:>12.6}   bitwise the 1-rank run");
     }
     Ok(())
 }

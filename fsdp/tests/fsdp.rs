@@ -14,7 +14,64 @@ use weft_kernels::AdamW;
 #[test]
 fn an_mlp_stack_is_bitwise_one_rank_on_every_strategy_and_group_size() {
     let rows = mlp_sharded::run().unwrap();
-    assert_eq!(rows.len(), 11);
+    // 11 layouts, with f32 and with bf16 parameters
+    assert_eq!(rows.len(), 22);
+}
+
+/// With bf16 parameters the weights arrive rounded to bf16 and the ranges
+/// a unit keeps in f32 (the biases) with their exact bits, whether they
+/// are gathered for each use (ZeRO-3) or kept as a replica (ZeRO-2).
+#[test]
+fn bf16_parameters_round_the_weights_and_keep_the_biases_exact() {
+    let (layout, units) = mlp_sharded::layout();
+    let init: Vec<f32> = (0..layout.len())
+        .map(|i| 0.1 + i as f32 * 1.37e-4)
+        .collect();
+    for strategy in [Strategy::Full, Strategy::GradOp] {
+        let cfg = FsdpConfig {
+            strategy,
+            precision: Precision::BF16_PARAMS,
+            ..FsdpConfig::default()
+        };
+        let out = LocalCluster::run(2, |comm| {
+            let mut f = Fsdp::new(&comm, &layout, units.clone(), cfg.clone(), &init).unwrap();
+            f.begin_eval().unwrap();
+            let mut got = Vec::new();
+            for u in 0..units.len() {
+                f.pre_forward(u).unwrap();
+                got.extend_from_slice(f.params(u).unwrap());
+                f.post_forward(u).unwrap();
+            }
+            f.end_eval().unwrap();
+            got
+        })
+        .unwrap();
+        for got in out {
+            assert_eq!(got.len(), init.len());
+            for (spec, unit) in units.iter().map(|u| (u, u.range.start)) {
+                for (i, (&x, &y)) in init[spec.range.clone()]
+                    .iter()
+                    .zip(&got[spec.range.clone()])
+                    .enumerate()
+                {
+                    let kept = spec.keep_f32.iter().any(|k| k.contains(&i));
+                    let want = if kept {
+                        x
+                    } else {
+                        weft_collectives::bf16::from_f32(x).to_f32()
+                    };
+                    assert_eq!(
+                        y.to_bits(),
+                        want.to_bits(),
+                        "{strategy}: element {}",
+                        unit + i
+                    );
+                }
+            }
+            // the test can fail: some weights do change when rounded
+            assert_ne!(got, init);
+        }
+    }
 }
 
 #[test]
