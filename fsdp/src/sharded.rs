@@ -278,7 +278,10 @@ impl Fsdp {
             let mut full = vec![0.0f32; padded];
             full[..u.len()].copy_from_slice(&params[u.range.clone()]);
             let master = full[u.shard(rank)].to_vec();
-            let wire = (pdt == Dtype::BF16).then(|| Arc::new(Bf16Wire::new(u, n)));
+            // a unit kept whole in f32 (an embedding that is looked up)
+            // travels as f32: as many bytes, and nothing to unpack
+            let all_kept = u.keep_f32.iter().map(Range::len).sum::<usize>() == u.len();
+            let wire = (pdt == Dtype::BF16 && !all_kept).then(|| Arc::new(Bf16Wire::new(u, n)));
             let resident = (!strategy.shards_params()).then(|| match &wire {
                 Some(w) => {
                     let mut words = vec![bf16::ZERO; w.len()];

@@ -27,7 +27,8 @@ pub struct UnitSpec {
     /// biases, embeddings that are looked up, a router — as PyTorch's FSDP2
     /// keeps them f32 by giving their modules an f32 policy. They travel
     /// beside the bf16 values, 4 bytes each (a unit that keeps everything
-    /// moves as many bytes as in f32). Ignored with f32 parameters.
+    /// moves as many bytes as in f32, and travels as f32). Ignored with f32
+    /// parameters.
     pub keep_f32: Vec<Range<usize>>,
 }
 
