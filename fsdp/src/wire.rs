@@ -37,8 +37,10 @@ impl Bf16Wire {
     /// The layout of `unit` sharded over `n` ranks.
     pub(crate) fn new(unit: &Unit, n: usize) -> Self {
         let s = unit.shard_len;
+        // the unit's own count of the words (its shard and its kept
+        // elements, as many as the rank keeping the most)
+        let chunk = unit.bf16_words(n) / n;
         let mut runs = Vec::with_capacity(n);
-        let mut chunk = s;
         for r in 0..n {
             let shard = unit.shard(r);
             let mut out = Vec::new();
@@ -65,7 +67,7 @@ impl Bf16Wire {
                 at = b;
             }
             push(at..s, false, &mut word);
-            chunk = chunk.max(word);
+            debug_assert!(word <= chunk, "rank {r}'s words overflow its chunk");
             runs.push(out);
         }
         Self {
