@@ -274,9 +274,12 @@
 //!   or NCCL, constructors return [`Error::BackendUnavailable`] (cudarc
 //!   itself would panic). `tests/nccl.rs` checks it against a CPU
 //!   reference on one GPU; `collectives/gpu-check.sh` runs that check.
+//! - `serde`: [`Backend`] (de)serializes as the name a job file uses
+//!   (`"auto"`, `"threads"`, `"mpi"`, `"nccl"`).
 #![deny(missing_docs)]
 
 mod algo;
+mod backend;
 mod comm;
 mod error;
 mod local;
@@ -289,6 +292,7 @@ mod reduce;
 pub mod repro;
 mod types;
 
+pub use backend::Backend;
 pub use comm::{Communicator, CommunicatorExt, Pending};
 pub use error::{Error, LossCause, Result};
 pub use local::{DEFAULT_TIMEOUT, LocalCluster, LocalComm};

@@ -1,97 +1,11 @@
 //! Strategies, the mixed-precision policy and the other settings of a sharded layout.
 
-use std::fmt;
-use std::str::FromStr;
-
 use weft_collectives::Algorithm;
 use weft_numerics::Dtype;
 
+pub use weft_parallel::Strategy;
+
 use crate::error::{Error, Result};
-
-/// What is sharded over the data-parallel group.
-///
-/// | strategy | parameters | gradients | optimizer state (master, m, v) |
-/// |---|---|---|---|
-/// | [`Optimizer`](Self::Optimizer) (ZeRO-1) | replicated | accumulated whole, reduce-scattered once per step | sharded |
-/// | [`GradOp`](Self::GradOp) (ZeRO-2) | replicated | reduce-scattered per unit as soon as ready, shard kept | sharded |
-/// | [`Full`](Self::Full) (ZeRO-3) | sharded, gathered per unit | as ZeRO-2 | sharded |
-/// | [`Hybrid`](Self::Hybrid) (HSDP) | as ZeRO-3 within a shard group | intra-group reduce-scatter, then inter-group all-reduce of the shard | sharded within a group, replicated across groups |
-///
-/// ZeRO-1 and ZeRO-2 all-gather the updated parameter shards after the
-/// optimizer step so every rank holds the full (compute-dtype) parameters
-/// again. Plain data parallelism (replicas, all-reduced gradients) is not a
-/// sharding strategy: `weft_parallel::GradReducer` does it for every
-/// layout.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
-pub enum Strategy {
-    /// ZeRO-1: optimizer state sharded.
-    Optimizer,
-    /// ZeRO-2: optimizer state and gradients sharded.
-    GradOp,
-    /// ZeRO-3 / full shard: parameters too.
-    #[default]
-    Full,
-    /// HSDP: full sharding within groups of
-    /// [`FsdpConfig::hybrid_shard`] ranks, replication across groups.
-    Hybrid,
-}
-
-impl Strategy {
-    /// Every strategy.
-    pub const ALL: [Strategy; 4] = [
-        Strategy::Optimizer,
-        Strategy::GradOp,
-        Strategy::Full,
-        Strategy::Hybrid,
-    ];
-
-    /// The name used in `parallel.fsdp`: `optimizer`, `grad_op`, `full`, `hybrid`.
-    pub const fn name(self) -> &'static str {
-        match self {
-            Strategy::Optimizer => "optimizer",
-            Strategy::GradOp => "grad_op",
-            Strategy::Full => "full",
-            Strategy::Hybrid => "hybrid",
-        }
-    }
-
-    /// Whether parameters are sharded (gathered per unit before use).
-    pub const fn shards_params(self) -> bool {
-        matches!(self, Strategy::Full | Strategy::Hybrid)
-    }
-
-    /// Whether gradients are reduce-scattered per unit and only the shard kept.
-    pub const fn shards_grads(self) -> bool {
-        matches!(self, Strategy::GradOp | Strategy::Full | Strategy::Hybrid)
-    }
-
-    /// Whether the optimizer state (f32 master, m, v) is sharded (every
-    /// strategy shards it).
-    pub const fn shards_optimizer(self) -> bool {
-        true
-    }
-}
-
-impl fmt::Display for Strategy {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.name())
-    }
-}
-
-impl FromStr for Strategy {
-    type Err = Error;
-    fn from_str(s: &str) -> Result<Self> {
-        Strategy::ALL
-            .into_iter()
-            .find(|x| x.name() == s)
-            .ok_or_else(|| Error::Config {
-                field: "strategy",
-                reason: format!(
-                    "{s:?} is not a strategy; expected one of \"full\", \"grad_op\", \"optimizer\", \"hybrid\""
-                ),
-            })
-    }
-}
 
 /// The mixed-precision policy of the sharded state. Master weights and
 /// AdamW moments are always f32 on the shard; what the kernels multiply is
@@ -195,15 +109,6 @@ impl Default for FsdpConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn strategy_names_round_trip() {
-        for s in Strategy::ALL {
-            assert_eq!(s.name().parse::<Strategy>().unwrap(), s);
-        }
-        let e = "zero3".parse::<Strategy>().unwrap_err();
-        assert!(e.to_string().contains("zero3"), "{e}");
-    }
 
     #[test]
     fn precision_rejects_f16() {

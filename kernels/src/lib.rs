@@ -124,6 +124,8 @@
 //!   tested against the CPU op of the same name (`tests/cuda.rs`), and
 //!   every kernel source is compiled for `sm_80` and `sm_90` by a test that
 //!   needs only libnvrtc; `scripts/gpu-check.sh` runs the GPU side.
+//! * `serde` (off by default): [`Precision`] (de)serializes as `"fp32"`,
+//!   `"bf16"` or `"fp16"`, the names a job file uses.
 #![deny(missing_docs)]
 
 mod adamw;
@@ -194,9 +196,11 @@ pub enum Mode {
 /// GELU, attention, softmax and the loss, the gradients' sums across
 /// micro-batches — is computed in the buffers' precision.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 pub enum Precision {
     /// Products of the buffers' values, in their precision.
     #[default]
+    #[cfg_attr(feature = "serde", serde(rename = "fp32"))]
     F32,
     /// Mixed precision: every operand of a product is rounded to the
     /// nearest bf16 (ties to even) as the GEMM packs it, and the products
@@ -213,6 +217,7 @@ pub enum Precision {
     /// through a rounded row-major copy, kept per calling thread. The
     /// model's memory report does not count them ([`operand_copy_bytes`]
     /// measures them).
+    #[cfg_attr(feature = "serde", serde(rename = "bf16"))]
     Bf16,
     /// Mixed precision with fp16 operands: every operand of a product is
     /// rounded to the nearest IEEE half (ties to even, subnormals kept,
@@ -227,6 +232,7 @@ pub enum Precision {
     /// accelerators on it. The rounded `f32` copies of both operands are
     /// kept per thread for the next product (not counted by the model's
     /// memory report; [`operand_copy_bytes`] measures them).
+    #[cfg_attr(feature = "serde", serde(rename = "fp16"))]
     F16,
 }
 
@@ -238,6 +244,29 @@ impl Precision {
             Precision::F32 => "fp32",
             Precision::Bf16 => "bf16",
             Precision::F16 => "fp16",
+        }
+    }
+}
+
+impl std::fmt::Display for Precision {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for Precision {
+    type Err = Error;
+
+    /// Parses `fp32` (or `f32`), `bf16`, `fp16` (or `f16`).
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "fp32" | "f32" => Ok(Precision::F32),
+            "bf16" => Ok(Precision::Bf16),
+            "fp16" | "f16" => Ok(Precision::F16),
+            _ => Err(Error::InvalidArgument {
+                op: "precision",
+                reason: format!("`{s}` is not one of fp32, bf16, fp16"),
+            }),
         }
     }
 }

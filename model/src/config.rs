@@ -45,12 +45,15 @@ impl GptConfig {
         if self.n_layer == 0 {
             return bad("n_layer", "must be at least 1".into());
         }
-        if self.n_head == 0 || self.n_embd == 0 || !self.n_embd.is_multiple_of(self.n_head) {
+        if self.n_embd == 0 {
+            return bad("n_embd", "must be at least 1".into());
+        }
+        if self.n_head == 0 || !self.n_embd.is_multiple_of(self.n_head) {
             return bad(
-                "n_embd",
+                "n_head",
                 format!(
-                    "= {} must be a positive multiple of n_head = {}",
-                    self.n_embd, self.n_head
+                    "= {} must be at least 1 and divide n_embd = {}",
+                    self.n_head, self.n_embd
                 ),
             );
         }

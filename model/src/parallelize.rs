@@ -81,6 +81,77 @@ pub struct ParallelPlan {
     pub doc_boundary: Option<u32>,
 }
 
+impl ParallelPlan {
+    /// The plan of a job laid out as `layout` (a job file's `[parallel]`
+    /// table) for the model `cfg`: FSDP over the data-parallel group with
+    /// the layout's strategy — in bf16 products (`precision`) the sharding
+    /// strategies gather the products' weights in bf16 and the rest in
+    /// f32, while replicating ones keep an f32 replica — the pipeline
+    /// schedule with its layers partitioned by cost ([`partition_layers`];
+    /// `moe`: experts per layer and experts a token is computed by), the
+    /// micro-batches of `split`, `seq` tokens per sequence, and the
+    /// reductions the layout asks for.
+    ///
+    /// # Errors
+    /// [`Error::Schedule`] when the schedule cannot be generated;
+    /// [`Error::Config`] when the layers cannot be partitioned.
+    pub fn new(
+        cfg: &GptConfig,
+        layout: &weft_parallel::ParallelLayout,
+        moe: Option<(usize, usize)>,
+        split: weft_parallel::BatchSplit,
+        precision: Precision,
+        doc_boundary: Option<u32>,
+    ) -> Result<Self> {
+        let pipeline = if layout.pp > 1 {
+            let schedule =
+                layout
+                    .pp_schedule
+                    .generate(layout.pp, split.per_rank, layout.chunks())?;
+            let layers = partition_layers(cfg, moe, &schedule)?;
+            Some((schedule, layers))
+        } else {
+            None
+        };
+        let fsdp = layout.fsdp.map(|strategy| weft_fsdp::FsdpConfig {
+            strategy,
+            reproducible: layout.reproducible,
+            hybrid_shard: layout.hybrid_shard,
+            precision: weft_fsdp::Precision {
+                // bf16 mixed precision gathers the products' weights in
+                // bf16 (half the bytes; the products round them to the
+                // same bits) and the layernorms, biases and embeddings in
+                // f32. Strategies that replicate the parameters keep them
+                // in f32: they gather once per step, and compute from the
+                // replica
+                param: if precision == Precision::Bf16 && strategy.shards_params() {
+                    weft_collectives::Dtype::BF16
+                } else {
+                    weft_collectives::Dtype::F32
+                },
+                reduce: layout.grad_wire,
+            },
+            ..weft_fsdp::FsdpConfig::default()
+        });
+        Ok(ParallelPlan {
+            fsdp,
+            pipeline,
+            batch: split.micro,
+            seq: cfg.block_size,
+            micro_batches: split.per_rank,
+            reproducible: layout.reproducible,
+            tp: TpOptions {
+                sequence_parallel: layout.sequence_parallel,
+                reproducible: layout.reproducible,
+                ..TpOptions::default()
+            },
+            precision,
+            grad_wire: layout.grad_wire,
+            doc_boundary,
+        })
+    }
+}
+
 /// Where a parallel model's initial parameters come from.
 #[derive(Clone, Copy, Debug)]
 pub enum Init<'a> {

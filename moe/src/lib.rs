@@ -79,7 +79,11 @@
 //! ```
 //!
 //! # Crate features
-//! None. Expert parallelism runs over any
+//! * `serde`: [`MoeOptions`] — a job's mixture-of-experts settings, the
+//!   `[model.moe]` table of `weft train` — and its choices ([`Gate`],
+//!   [`DropPolicy`], [`Balance`]) (de)serialize.
+//!
+//! Expert parallelism runs over any
 //! [`Communicator`](weft_collectives::Communicator) backend (threads by
 //! default; MPI and NCCL behind weft-collectives' features).
 #![deny(missing_docs)]
@@ -89,6 +93,7 @@ mod balance;
 mod block;
 mod ep;
 mod error;
+mod options;
 mod router;
 mod stats;
 
@@ -103,5 +108,6 @@ pub use balance::{AuxLoss, AuxScope, BiasBalancer};
 pub use block::{MoeBlock, MoeConfig, MoeForward, TensorSpec};
 pub use ep::{EpSaved, ExpertParallel};
 pub use error::{Error, Result};
+pub use options::{Balance, MoeOptions};
 pub use router::{DROPPED, DropPolicy, Gate, Router, RouterKind, Routing};
 pub use stats::LoadStats;

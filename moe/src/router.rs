@@ -24,6 +24,11 @@ pub const DROPPED: u32 = u32::MAX;
 
 /// How router logits become scores.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[cfg_attr(
+    feature = "serde",
+    derive(serde::Serialize, serde::Deserialize),
+    serde(rename_all = "snake_case")
+)]
 #[non_exhaustive]
 pub enum Gate {
     /// `s = softmax(logits)` over all experts (Switch, GShard, Mixtral).
@@ -36,10 +41,12 @@ pub enum Gate {
 /// Which assignments a capacity-limited router drops when an expert is
 /// full.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 #[non_exhaustive]
 pub enum DropPolicy {
     /// Each expert keeps its highest-scoring assignments of the whole
     /// batch, capacity `ceil(cf·k·N/E)`. **Not causal.**
+    #[cfg_attr(feature = "serde", serde(rename = "score"))]
     ByScore,
     /// Tokens of each sequence are admitted in position order (slot 0
     /// before slot 1 within a token); the token at position `t` is kept by
@@ -48,6 +55,7 @@ pub enum DropPolicy {
     /// that is the usual capacity `ceil(cf·k·T/E)`; enforcing it on every
     /// prefix makes a token's fate independent of the tokens after it and
     /// of the sequence's length. Causal.
+    #[cfg_attr(feature = "serde", serde(rename = "position"))]
     ByPosition,
 }
 

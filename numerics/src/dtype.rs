@@ -17,6 +17,8 @@ use crate::Error;
 /// | `F16` | 16 | 11 | 4.9e-4 | 65504 |
 /// | `BF16` | 16 | 8 | 3.9e-3 | 3.4e38 |
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+#[cfg_attr(feature = "serde", serde(rename_all = "lowercase"))]
 pub enum Dtype {
     /// IEEE 754 binary64.
     F64,

@@ -50,7 +50,10 @@
 //! table, and `cargo bench -p weft-numerics` for throughput.
 //!
 //! # Crate features
-//! None. SIMD code paths are chosen at run time ([`simd::level`]).
+//! * `serde`: [`Dtype`] (de)serializes by its lowercase name (`"f32"`,
+//!   `"bf16"`, ...), so configuration files can name a dtype.
+//!
+//! SIMD code paths are chosen at run time ([`simd::level`]).
 
 #![deny(missing_docs)]
 

@@ -18,6 +18,15 @@ pub enum Error {
         /// What does not fit, with the numbers.
         reason: String,
     },
+    /// A job's global batch does not split over the layout.
+    #[error("train.{field}: {reason}")]
+    Batch {
+        /// The size, as named in a job's `[train]` section (`batch_size`,
+        /// `micro_batch_size`).
+        field: &'static str,
+        /// What does not fit, with the numbers.
+        reason: String,
+    },
     /// A layout, a placement or a buffer does not fit.
     #[error("{what}: {reason}")]
     Layout {

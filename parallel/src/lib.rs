@@ -11,6 +11,12 @@
 //! knowing the model.
 //!
 //! # Overview
+//! * [`ParallelLayout`]: how a job is split — the degrees, the FSDP
+//!   [`Strategy`], the pipeline schedule, the reductions and the backend —
+//!   the `[parallel]` table of a job file and the candidates `weft-plan`
+//!   ranks; [`ParallelLayout::check`] is every rule a run on it needs,
+//!   naming the setting at fault, and cuts the global batch
+//!   ([`BatchSplit`]).
 //! * [`ParallelDims`] (`pp`, `dp`, `ep` inside `dp`, `tp`) validates the
 //!   degrees and [`builds`](ParallelDims::build) a [`ParallelMesh`]: a
 //!   [`weft_collectives::Mesh`] over `pp × edp × ep × tp` (tensor parallel
@@ -75,9 +81,13 @@
 //! ```
 //!
 //! # Crate features
-//! None.
+//! * `serde`: [`ParallelLayout`] (de)serializes key for key as the
+//!   `[parallel]` table of a job file, its choices by name ([`Strategy`],
+//!   or `"none"` for replicas; the schedule, backend and wire dtype by
+//!   their crates' names).
 #![deny(missing_docs)]
 
+mod config;
 mod error;
 mod gather;
 mod layout;
@@ -87,6 +97,7 @@ mod optim;
 mod placement;
 mod reduce;
 
+pub use config::{BatchSplit, MAX_DEGREE, ModelShape, ParallelLayout, Strategy};
 pub use error::{Error, Result};
 pub use gather::{extract, gather_whole};
 pub use layout::{LayoutBuilder, ParamLayout, ParamSpec};

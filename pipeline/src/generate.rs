@@ -13,20 +13,28 @@ use crate::error::{Error, Result};
 use crate::schedule::{Action, ActionKind, Placement, Schedule};
 
 /// The schedules this crate generates.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 #[non_exhaustive]
 pub enum ScheduleKind {
     /// [`gpipe`].
+    #[cfg_attr(feature = "serde", serde(rename = "gpipe"))]
     GPipe,
-    /// [`one_f_one_b`].
+    /// [`one_f_one_b`] (the default).
+    #[default]
+    #[cfg_attr(feature = "serde", serde(rename = "1f1b"))]
     OneFOneB,
     /// [`interleaved`].
+    #[cfg_attr(feature = "serde", serde(rename = "interleaved"))]
     Interleaved,
     /// [`zb_h1`].
+    #[cfg_attr(feature = "serde", serde(rename = "zb-h1"))]
     ZbH1,
     /// [`zb_h2`].
+    #[cfg_attr(feature = "serde", serde(rename = "zb-h2"))]
     ZbH2,
     /// [`zb_v`].
+    #[cfg_attr(feature = "serde", serde(rename = "zb-v"))]
     ZbV,
 }
 
@@ -60,10 +68,26 @@ impl ScheduleKind {
     /// interleaved and ZB-V, 1 otherwise.
     #[must_use]
     pub fn default_chunks(self) -> usize {
+        self.chunks(2)
+    }
+
+    /// Chunks per stage this kind runs when interleaving asks for
+    /// `interleaved` of them: that many for [`Interleaved`](Self::Interleaved),
+    /// always 2 for [`ZbV`](Self::ZbV) (its V), 1 for every other kind.
+    #[must_use]
+    pub fn chunks(self, interleaved: usize) -> usize {
         match self {
-            Self::Interleaved | Self::ZbV => 2,
+            Self::Interleaved => interleaved,
+            Self::ZbV => 2,
             _ => 1,
         }
+    }
+
+    /// Whether the backward is split into its input (B) and weight (W)
+    /// halves (the zero-bubble kinds).
+    #[must_use]
+    pub fn splits_backward(self) -> bool {
+        matches!(self, Self::ZbH1 | Self::ZbH2 | Self::ZbV)
     }
 
     /// Generate the schedule for `stages` stages, `microbatches`

@@ -86,7 +86,9 @@
 //! table side by side.
 //!
 //! # Crate features
-//! None.
+//! * `serde`: [`ScheduleKind`] (de)serializes by its name (`"gpipe"`,
+//!   `"1f1b"`, `"interleaved"`, `"zb-h1"`, `"zb-h2"`, `"zb-v"`), the one
+//!   spelling job files use.
 
 #![deny(missing_docs)]
 

@@ -36,46 +36,8 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Origin, Result};
 
-/// The arithmetic of the matrix products.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Precision {
-    /// f32 operands.
-    Fp32,
-    /// bf16 operands, f32 accumulation.
-    #[default]
-    Bf16,
-    /// fp16 operands, f32 accumulation.
-    Fp16,
-}
-
-impl Precision {
-    /// The name used on the command line and in files.
-    #[must_use]
-    pub fn name(self) -> &'static str {
-        match self {
-            Precision::Fp32 => "fp32",
-            Precision::Bf16 => "bf16",
-            Precision::Fp16 => "fp16",
-        }
-    }
-
-    /// Parses `fp32`, `bf16` or `fp16`.
-    ///
-    /// # Errors
-    /// [`Error::InvalidRequest`] listing the valid names.
-    pub fn parse(s: &str) -> Result<Self> {
-        match s {
-            "fp32" | "f32" => Ok(Precision::Fp32),
-            "bf16" => Ok(Precision::Bf16),
-            "fp16" | "f16" => Ok(Precision::Fp16),
-            _ => Err(Error::InvalidRequest {
-                field: "precision",
-                reason: format!("`{s}` is not one of fp32, bf16, fp16"),
-            }),
-        }
-    }
-}
+/// The arithmetic of the matrix products: the kernels' own choice.
+pub use weft_kernels::Precision;
 
 /// Dense peak arithmetic per GPU, FLOP/s.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
@@ -93,9 +55,9 @@ impl Peak {
     #[must_use]
     pub fn of(&self, p: Precision) -> f64 {
         match p {
-            Precision::Fp32 => self.fp32,
+            Precision::F32 => self.fp32,
             Precision::Bf16 => self.bf16,
-            Precision::Fp16 => self.fp16,
+            Precision::F16 => self.fp16,
         }
     }
 }

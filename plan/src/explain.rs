@@ -12,7 +12,9 @@ use std::fmt::{self, Write as _};
 use serde::Serialize;
 
 use crate::error::Result;
-use crate::layout::{Layout, Sharding};
+use weft_parallel::Strategy;
+
+use crate::layout::Layout;
 use crate::memory::{Accounting, bytes};
 use crate::model::ModelSpec;
 use crate::predict::{Prediction, Request, predict};
@@ -89,12 +91,12 @@ pub struct Explanation {
     pub tp_placement: Option<(Prediction, Prediction)>,
 }
 
-fn pure_dp(sharding: Sharding) -> Constraints {
+fn pure_dp(fsdp: Option<Strategy>) -> Constraints {
     Constraints {
         tp: Some(1),
         pp: Some(1),
         ep: Some(1),
-        sharding: Some(sharding),
+        fsdp: Some(fsdp),
         ..Constraints::default()
     }
 }
@@ -107,11 +109,7 @@ fn fsdp_point(base: &Request, gpus: usize) -> Option<ScalingPoint> {
         cluster: base.cluster.clone().with_gpus(gpus),
         ..base.clone()
     };
-    let sharding = if gpus > 1 {
-        Sharding::Full
-    } else {
-        Sharding::None
-    };
+    let sharding = if gpus > 1 { Some(Strategy::Full) } else { None };
     let preds = search(&req, &pure_dp(sharding)).ok()?;
     let p = preds.iter().find(|p| p.fits).or(preds.first())?;
     Some(ScalingPoint {
@@ -176,11 +174,7 @@ pub fn explain(req: &Request) -> Result<Explanation> {
         Accounting::Weft => 20.0,
         Accounting::Mixed => 16.0,
     };
-    let plain = Layout {
-        dp: g,
-        micro_batch_size: 1,
-        ..Layout::default()
-    };
+    let plain = Layout::degrees(g, 1, 1);
     let plain_dp = predict(req, &plain).ok();
     // the activations of one sequence, per layer, from the plain layout's
     // prediction: params scale with depth, activations too
@@ -196,9 +190,9 @@ pub fn explain(req: &Request) -> Result<Explanation> {
             .ok()
             .and_then(|v| v.into_iter().find(|p| p.fits))
     };
-    let best_dp = best_of(&pure_dp(Sharding::None));
+    let best_dp = best_of(&pure_dp(None));
     let best_fsdp = if g > 1 {
-        best_of(&pure_dp(Sharding::Full))
+        best_of(&pure_dp(Some(Strategy::Full)))
     } else {
         None
     };
@@ -215,7 +209,8 @@ pub fn explain(req: &Request) -> Result<Explanation> {
                 .ok()
                 .and_then(|v| v.into_iter().find(|p| p.fits))
         };
-        first_fit(&Constraints::default()).map(|b| (g2, b, first_fit(&pure_dp(Sharding::Full))))
+        first_fit(&Constraints::default())
+            .map(|b| (g2, b, first_fit(&pure_dp(Some(Strategy::Full)))))
     });
     let crossover_by_batch = [req.batch / 2, req.batch * 2, req.batch * 4]
         .into_iter()

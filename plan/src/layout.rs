@@ -1,162 +1,30 @@
-//! Layouts: how a job is split over the GPUs — the same axes and settings
-//! as `weft train`'s `[parallel]` section (`dp`, `fsdp`, `hybrid_shard`,
-//! `tp`, `sequence_parallel`, `pp`, `pp_schedule`, `pp_chunks`, `ep`,
-//! `train.micro_batch_size`), plus activation recomputation, which weft
-//! does not run (the planner models it for other frameworks' runs, such as
-//! the published Megatron-LM ones).
+//! Layouts: how a job is split over the GPUs — `weft train`'s `[parallel]`
+//! table itself ([`ParallelLayout`]: `dp`, `fsdp`, `hybrid_shard`, `tp`,
+//! `sequence_parallel`, `pp`, `pp_schedule`, `pp_chunks`, `ep`, ...), with
+//! `train.micro_batch_size` and activation recomputation, which weft does
+//! not run (the planner models it for other frameworks' runs, such as the
+//! published Megatron-LM ones).
 
 use std::fmt;
 
 use serde::{Deserialize, Serialize};
+use weft_parallel::{ModelShape, ParallelLayout, Strategy};
 use weft_pipeline::ScheduleKind;
 
 use crate::error::{Error, Result};
 use crate::model::ModelSpec;
 
-/// How the data-parallel group shares the model state (`parallel.fsdp`).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case", tag = "strategy")]
-pub enum Sharding {
-    /// Replicas: every rank holds the whole state; gradients all-reduced.
-    #[default]
-    None,
-    /// ZeRO-1: optimizer state sharded.
-    Optimizer,
-    /// ZeRO-2: optimizer state and gradients sharded.
-    GradOp,
-    /// ZeRO-3 (FSDP): parameters too, gathered unit by unit.
-    Full,
-    /// HSDP: full sharding within groups of `shard` ranks, replicas across.
-    Hybrid {
-        /// Ranks per sharding group (`parallel.hybrid_shard`).
-        shard: usize,
-    },
-}
-
-impl Sharding {
-    /// The name `weft train` uses (`parallel.fsdp`).
-    #[must_use]
-    pub fn name(self) -> &'static str {
-        match self {
-            Sharding::None => "none",
-            Sharding::Optimizer => "optimizer",
-            Sharding::GradOp => "grad_op",
-            Sharding::Full => "full",
-            Sharding::Hybrid { .. } => "hybrid",
-        }
-    }
-
-    /// Whether the parameters are sharded (gathered for compute).
-    #[must_use]
-    pub fn shards_params(self) -> bool {
-        matches!(self, Sharding::Full | Sharding::Hybrid { .. })
-    }
-
-    /// Whether the gradients are sharded (reduce-scattered per micro-batch).
-    #[must_use]
-    pub fn shards_grads(self) -> bool {
-        !matches!(self, Sharding::None | Sharding::Optimizer)
-    }
-}
-
-/// The pipeline schedule (`parallel.pp_schedule`).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
-pub enum Schedule {
-    /// GPipe: all forwards, then all backwards.
-    #[serde(rename = "gpipe")]
-    GPipe,
-    /// 1F1B (PipeDream-Flush).
-    #[default]
-    #[serde(rename = "1f1b")]
-    OneFOneB,
-    /// Interleaved 1F1B over several model chunks per stage.
-    #[serde(rename = "interleaved")]
-    Interleaved,
-    /// Zero-bubble ZB-H1.
-    #[serde(rename = "zb-h1")]
-    ZbH1,
-    /// Zero-bubble ZB-H2.
-    #[serde(rename = "zb-h2")]
-    ZbH2,
-    /// Zero-bubble ZB-V (two chunks per stage in a V).
-    #[serde(rename = "zb-v")]
-    ZbV,
-}
-
-impl Schedule {
-    /// Every schedule.
-    pub const ALL: [Schedule; 6] = [
-        Schedule::GPipe,
-        Schedule::OneFOneB,
-        Schedule::Interleaved,
-        Schedule::ZbH1,
-        Schedule::ZbH2,
-        Schedule::ZbV,
-    ];
-
-    /// The pipeline crate's generator.
-    #[must_use]
-    pub fn kind(self) -> ScheduleKind {
-        match self {
-            Schedule::GPipe => ScheduleKind::GPipe,
-            Schedule::OneFOneB => ScheduleKind::OneFOneB,
-            Schedule::Interleaved => ScheduleKind::Interleaved,
-            Schedule::ZbH1 => ScheduleKind::ZbH1,
-            Schedule::ZbH2 => ScheduleKind::ZbH2,
-            Schedule::ZbV => ScheduleKind::ZbV,
-        }
-    }
-
-    /// The name `weft train` uses.
-    #[must_use]
-    pub fn name(self) -> &'static str {
-        self.kind().name()
-    }
-
-    /// Parses a schedule name.
-    ///
-    /// # Errors
-    /// [`Error::InvalidRequest`] listing the names.
-    pub fn parse(s: &str) -> Result<Self> {
-        Schedule::ALL
-            .into_iter()
-            .find(|k| k.name() == s)
-            .ok_or_else(|| Error::InvalidRequest {
-                field: "pp_schedule",
-                reason: format!("`{s}` is not one of gpipe, 1f1b, interleaved, zb-h1, zb-h2, zb-v"),
-            })
-    }
-
-    /// Whether the backward is split into input (B) and weight (W) halves.
-    #[must_use]
-    pub fn splits_backward(self) -> bool {
-        matches!(self, Schedule::ZbH1 | Schedule::ZbH2 | Schedule::ZbV)
-    }
-}
-
-/// One way to run the job: every degree and setting.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+/// One way to run the job: a `[parallel]` layout, the micro-batch size,
+/// and whether activations are recomputed.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Layout {
-    /// Data-parallel degree (`parallel.dp`; includes the expert axis).
-    pub dp: usize,
-    /// Tensor-parallel degree (`parallel.tp`).
-    pub tp: usize,
-    /// Pipeline stages (`parallel.pp`).
-    pub pp: usize,
-    /// Expert-parallel degree (`parallel.ep`, dividing `dp`).
-    pub ep: usize,
-    /// Sharding of the data-parallel group (`parallel.fsdp`,
-    /// `parallel.hybrid_shard`).
-    pub sharding: Sharding,
-    /// Pipeline schedule (with `pp > 1`).
-    pub schedule: Schedule,
-    /// Model chunks per stage: 1, `parallel.pp_chunks` for the interleaved
-    /// schedule, 2 for ZB-V.
-    pub chunks: usize,
+    /// The `[parallel]` table: degrees, FSDP strategy, schedule and chunks,
+    /// sequence parallelism, reductions (its keys written beside the
+    /// others, as in a job file's `[parallel]`).
+    #[serde(flatten)]
+    pub parallel: ParallelLayout,
     /// Sequences per micro-batch (`train.micro_batch_size`).
     pub micro_batch_size: usize,
-    /// Sequence parallelism with `tp > 1` (`parallel.sequence_parallel`).
-    pub sequence_parallel: bool,
     /// Full activation recomputation (each layer's forward run again in its
     /// backward, keeping only its input). Not in weft.
     pub recompute: bool,
@@ -165,43 +33,76 @@ pub struct Layout {
 impl Default for Layout {
     fn default() -> Self {
         Self {
-            dp: 1,
-            tp: 1,
-            pp: 1,
-            ep: 1,
-            sharding: Sharding::None,
-            schedule: Schedule::OneFOneB,
-            chunks: 1,
+            parallel: ParallelLayout::default(),
             micro_batch_size: 1,
-            sequence_parallel: false,
             recompute: false,
         }
     }
 }
 
 impl Layout {
+    /// A layout of these degrees (every other setting the default).
+    #[must_use]
+    pub fn degrees(dp: usize, tp: usize, pp: usize) -> Self {
+        Layout {
+            parallel: ParallelLayout {
+                dp,
+                tp,
+                pp,
+                ..ParallelLayout::default()
+            },
+            ..Layout::default()
+        }
+    }
+
     /// GPUs the layout needs: `dp · tp · pp`.
     #[must_use]
     pub fn world(&self) -> usize {
-        self.dp * self.tp * self.pp
+        self.parallel.world_size()
+    }
+
+    /// Model chunks per pipeline stage ([`ParallelLayout::chunks`]).
+    #[must_use]
+    pub fn chunks(&self) -> usize {
+        self.parallel.chunks()
+    }
+
+    /// The pipeline schedule.
+    #[must_use]
+    pub fn schedule(&self) -> ScheduleKind {
+        self.parallel.pp_schedule
+    }
+
+    /// The FSDP strategy, `None` for replicas.
+    #[must_use]
+    pub fn sharding(&self) -> Option<Strategy> {
+        self.parallel.fsdp
+    }
+
+    /// Whether the parameters are sharded (gathered for compute).
+    #[must_use]
+    pub fn shards_params(&self) -> bool {
+        self.sharding().is_some_and(Strategy::shards_params)
+    }
+
+    /// Whether the gradients are sharded (reduce-scattered per micro-batch).
+    #[must_use]
+    pub fn shards_grads(&self) -> bool {
+        self.sharding().is_some_and(Strategy::shards_grads)
     }
 
     /// Micro-batches each data-parallel rank runs per step for a global
     /// batch of `batch` sequences.
     #[must_use]
     pub fn micro_batches(&self, batch: usize) -> usize {
-        batch / (self.dp * self.micro_batch_size).max(1)
+        batch / (self.parallel.dp * self.micro_batch_size).max(1)
     }
 
-    /// The size of the group the sharding shards over: `dp / ep` (the
-    /// expert group's replicas), or `hybrid_shard`.
+    /// The size of the group the sharding shards over
+    /// ([`ParallelLayout::shard_group`]).
     #[must_use]
     pub fn shard_group(&self) -> usize {
-        match self.sharding {
-            Sharding::None => 1,
-            Sharding::Hybrid { shard } => shard,
-            _ => self.dp / self.ep.max(1),
-        }
+        self.parallel.shard_group()
     }
 
     /// Whether weft runs it (no activation recomputation).
@@ -214,35 +115,43 @@ impl Layout {
     /// as `--set` arguments (recomputation has none).
     #[must_use]
     pub fn train_sets(&self) -> Vec<String> {
+        let p = &self.parallel;
         let mut v = vec![
-            format!("parallel.dp={}", self.dp),
-            format!("parallel.tp={}", self.tp),
-            format!("parallel.pp={}", self.pp),
-            format!("parallel.ep={}", self.ep),
-            format!("parallel.fsdp=\"{}\"", self.sharding.name()),
+            format!("parallel.dp={}", p.dp),
+            format!("parallel.tp={}", p.tp),
+            format!("parallel.pp={}", p.pp),
+            format!("parallel.ep={}", p.ep),
+            format!(
+                "parallel.fsdp=\"{}\"",
+                p.fsdp.map_or("none", Strategy::name)
+            ),
             format!("train.micro_batch_size={}", self.micro_batch_size),
         ];
-        if let Sharding::Hybrid { shard } = self.sharding {
-            v.push(format!("parallel.hybrid_shard={shard}"));
+        if p.fsdp == Some(Strategy::Hybrid) {
+            v.push(format!("parallel.hybrid_shard={}", p.hybrid_shard));
         }
-        if self.pp > 1 {
-            v.push(format!("parallel.pp_schedule=\"{}\"", self.schedule.name()));
-            if self.schedule == Schedule::Interleaved {
-                v.push(format!("parallel.pp_chunks={}", self.chunks));
+        if p.pp > 1 {
+            v.push(format!("parallel.pp_schedule=\"{}\"", p.pp_schedule));
+            if p.pp_schedule == ScheduleKind::Interleaved {
+                v.push(format!("parallel.pp_chunks={}", p.pp_chunks));
             }
         }
-        if self.sequence_parallel {
+        if p.sequence_parallel {
             v.push("parallel.sequence_parallel=true".into());
         }
         v
     }
 
     /// Checks that the layout splits `model` and a global batch of `batch`
-    /// sequences over `gpus` GPUs as `weft train` requires.
+    /// sequences over `gpus` GPUs: the rules `weft train` applies
+    /// ([`ParallelLayout::check`]), an explicit micro-batch size, the
+    /// cluster's GPU count, and a vocabulary the tensor-parallel head can
+    /// split.
     ///
     /// # Errors
-    /// [`Error::InvalidLayout`] naming the degree at fault and why.
+    /// [`Error::InvalidLayout`] naming the setting at fault and why.
     pub fn validate(&self, model: &ModelSpec, batch: usize, gpus: usize) -> Result<()> {
+        let p = &self.parallel;
         let bad = |field: &'static str, reason: String| {
             Err(Error::InvalidLayout {
                 layout: self.to_string(),
@@ -250,128 +159,40 @@ impl Layout {
                 reason,
             })
         };
-        for (field, v) in [
-            ("dp", self.dp),
-            ("tp", self.tp),
-            ("pp", self.pp),
-            ("ep", self.ep),
-            ("chunks", self.chunks),
-            ("micro_batch_size", self.micro_batch_size),
-        ] {
-            if v == 0 {
-                return bad(field, "must be at least 1".into());
-            }
+        if self.micro_batch_size == 0 {
+            return bad("micro_batch_size", "must be at least 1".into());
+        }
+        let shape = ModelShape {
+            layers: model.layers,
+            heads: model.heads,
+            experts: model.experts,
+            seq: model.seq,
+        };
+        match p.check(&shape, batch, self.micro_batch_size) {
+            Err(
+                weft_parallel::Error::Dims { field, reason }
+                | weft_parallel::Error::Batch { field, reason },
+            ) => return bad(field, reason),
+            Err(e) => return bad("dp", e.to_string()),
+            Ok(_) => {}
         }
         if self.world() != gpus {
             return bad(
                 "dp",
                 format!(
                     "dp·tp·pp = {}·{}·{} = {} ranks, but the cluster has {gpus}",
-                    self.dp,
-                    self.tp,
-                    self.pp,
+                    p.dp,
+                    p.tp,
+                    p.pp,
                     self.world()
                 ),
             );
         }
-        if !model.heads.is_multiple_of(self.tp) {
-            return bad(
-                "tp",
-                format!("must divide the heads ({}): heads stay whole", model.heads),
-            );
-        }
-        if model.vocab < self.tp {
+        if model.vocab < p.tp {
             return bad(
                 "tp",
                 format!("the vocabulary ({}) cannot be split over tp", model.vocab),
             );
-        }
-        if self.ep > 1 {
-            if !model.is_moe() || !model.experts.is_multiple_of(self.ep) {
-                return bad(
-                    "ep",
-                    format!(
-                        "needs a mixture of experts whose expert count ({}) it divides",
-                        model.experts
-                    ),
-                );
-            }
-            if !self.dp.is_multiple_of(self.ep) {
-                return bad("ep", format!("must divide dp = {}", self.dp));
-            }
-        }
-        if let Sharding::Hybrid { shard } = self.sharding {
-            let group = self.dp / self.ep;
-            if shard == 0 || !group.is_multiple_of(shard) {
-                return bad(
-                    "hybrid_shard",
-                    format!("must divide the sharded group dp/ep = {group} (got {shard})"),
-                );
-            }
-        }
-        if self.sequence_parallel {
-            if self.tp == 1 {
-                return bad("sequence_parallel", "needs tp > 1".into());
-            }
-            if !(self.micro_batch_size * model.seq).is_multiple_of(self.tp) {
-                return bad(
-                    "sequence_parallel",
-                    format!(
-                        "tp = {} must divide a micro-batch's tokens ({}·{})",
-                        self.tp, self.micro_batch_size, model.seq
-                    ),
-                );
-            }
-        }
-        if batch == 0 || !batch.is_multiple_of(self.dp * self.micro_batch_size) {
-            return bad(
-                "micro_batch_size",
-                format!(
-                    "dp·micro_batch_size = {}·{} must divide the global batch ({batch})",
-                    self.dp, self.micro_batch_size
-                ),
-            );
-        }
-        let want_chunks = match self.schedule {
-            Schedule::Interleaved => None,
-            Schedule::ZbV => Some(2),
-            _ => Some(1),
-        };
-        if self.pp == 1 {
-            if self.chunks != 1 {
-                return bad("chunks", "more than one chunk needs pp > 1".into());
-            }
-        } else {
-            if let Some(v) = want_chunks
-                && v != self.chunks
-            {
-                return bad(
-                    "chunks",
-                    format!(
-                        "schedule {} runs {v} chunk(s) per stage",
-                        self.schedule.name()
-                    ),
-                );
-            }
-            let m = self.micro_batches(batch);
-            if self.schedule == Schedule::Interleaved && !m.is_multiple_of(self.pp) {
-                return bad(
-                    "schedule",
-                    format!(
-                        "interleaved needs the micro-batches per rank ({m}) to be a multiple of pp = {}",
-                        self.pp
-                    ),
-                );
-            }
-            if model.layers < self.pp * self.chunks {
-                return bad(
-                    "pp",
-                    format!(
-                        "{} stage(s) × {} chunk(s) need at least as many layers (the model has {})",
-                        self.pp, self.chunks, model.layers
-                    ),
-                );
-            }
         }
         Ok(())
     }
@@ -380,23 +201,24 @@ impl Layout {
 impl fmt::Display for Layout {
     /// `dp=4 tp=2 pp=2 fsdp=full 1f1b mbs=2 sp`.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "dp={} tp={} pp={}", self.dp, self.tp, self.pp)?;
-        if self.ep > 1 {
-            write!(f, " ep={}", self.ep)?;
+        let p = &self.parallel;
+        write!(f, "dp={} tp={} pp={}", p.dp, p.tp, p.pp)?;
+        if p.ep > 1 {
+            write!(f, " ep={}", p.ep)?;
         }
-        match self.sharding {
-            Sharding::None => {}
-            Sharding::Hybrid { shard } => write!(f, " fsdp=hybrid/{shard}")?,
-            s => write!(f, " fsdp={}", s.name())?,
+        match p.fsdp {
+            None => {}
+            Some(Strategy::Hybrid) => write!(f, " fsdp=hybrid/{}", p.hybrid_shard)?,
+            Some(s) => write!(f, " fsdp={s}")?,
         }
-        if self.pp > 1 {
-            write!(f, " {}", self.schedule.name())?;
-            if self.schedule == Schedule::Interleaved {
-                write!(f, "/v{}", self.chunks)?;
+        if p.pp > 1 {
+            write!(f, " {}", p.pp_schedule)?;
+            if p.pp_schedule == ScheduleKind::Interleaved {
+                write!(f, "/v{}", p.pp_chunks)?;
             }
         }
         write!(f, " mbs={}", self.micro_batch_size)?;
-        if self.sequence_parallel {
+        if p.sequence_parallel {
             f.write_str(" sp")?;
         }
         if self.recompute {
@@ -417,52 +239,45 @@ mod tests {
     #[test]
     fn valid_layouts_pass_and_bad_degrees_name_their_field() {
         let l = Layout {
-            dp: 2,
-            tp: 2,
-            pp: 2,
             micro_batch_size: 2,
-            ..Layout::default()
+            ..Layout::degrees(2, 2, 2)
         };
         l.validate(&model(), 16, 8).unwrap();
         let field = |l: Layout, batch: usize, gpus: usize| match l.validate(&model(), batch, gpus) {
             Err(Error::InvalidLayout { field, .. }) => field,
             other => panic!("{other:?}"),
         };
+        let with = |f: fn(&mut ParallelLayout)| {
+            let mut x = l;
+            f(&mut x.parallel);
+            x
+        };
         assert_eq!(field(l, 16, 4), "dp");
         assert_eq!(
             field(
-                Layout {
-                    tp: 3,
-                    dp: 1,
-                    pp: 1,
-                    ..l
-                },
+                with(|p| {
+                    p.tp = 3;
+                    p.dp = 1;
+                    p.pp = 1;
+                }),
                 16,
                 3
             ),
             "tp"
         );
         assert_eq!(field(l, 6, 8), "micro_batch_size");
+        let interleaved = Layout {
+            micro_batch_size: 8,
+            ..with(|p| p.pp_schedule = ScheduleKind::Interleaved)
+        };
+        assert_eq!(field(interleaved, 16, 8), "pp_schedule");
+        assert_eq!(field(with(|p| p.ep = 2), 16, 8), "ep");
         assert_eq!(
             field(
-                Layout {
-                    schedule: Schedule::Interleaved,
-                    chunks: 2,
-                    micro_batch_size: 8,
-                    ..l
-                },
-                16,
-                8
-            ),
-            "schedule"
-        );
-        assert_eq!(field(Layout { ep: 2, ..l }, 16, 8), "ep");
-        assert_eq!(
-            field(
-                Layout {
-                    sharding: Sharding::Hybrid { shard: 3 },
-                    ..l
-                },
+                with(|p| {
+                    p.fsdp = Some(Strategy::Hybrid);
+                    p.hybrid_shard = 3;
+                }),
                 16,
                 8
             ),
@@ -472,16 +287,18 @@ mod tests {
 
     #[test]
     fn train_sets_name_weft_keys() {
-        let l = Layout {
-            dp: 2,
-            pp: 2,
-            sharding: Sharding::Full,
-            schedule: Schedule::ZbH1,
-            ..Layout::default()
-        };
+        let mut l = Layout::degrees(2, 1, 2);
+        l.parallel.fsdp = Some(Strategy::Full);
+        l.parallel.pp_schedule = ScheduleKind::ZbH1;
         let s = l.train_sets().join(" ");
         assert!(s.contains("parallel.fsdp=\"full\""), "{s}");
         assert!(s.contains("parallel.pp_schedule=\"zb-h1\""), "{s}");
         assert_eq!(l.to_string(), "dp=2 tp=1 pp=2 fsdp=full zb-h1 mbs=1");
+        // written with the `[parallel]` keys beside the others, and read back
+        let json = serde_json::to_value(l).unwrap();
+        assert_eq!(json["fsdp"], "full");
+        assert_eq!(json["pp_schedule"], "zb-h1");
+        assert_eq!(json["micro_batch_size"], 1);
+        assert_eq!(serde_json::from_value::<Layout>(json).unwrap(), l);
     }
 }

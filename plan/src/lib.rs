@@ -20,10 +20,12 @@
 //!   [`Recipe`]: what the ranks hold and compute — weft's own run
 //!   ([`Accounting::Weft`]) or mixed precision on GPUs
 //!   ([`Accounting::Mixed`]).
-//! * [`Layout`]: the degrees and settings of `weft train`'s `[parallel]`
-//!   (dp, FSDP strategy and hybrid shard, tp with sequence parallelism,
-//!   pp with its [`Schedule`] and chunks, ep, micro-batch size), plus
-//!   activation recomputation for other frameworks' runs.
+//! * [`Layout`]: `weft train`'s `[parallel]` table itself
+//!   ([`weft_parallel::ParallelLayout`]: dp, FSDP [`Strategy`] and hybrid
+//!   shard, tp with sequence parallelism, pp with its
+//!   [`weft_pipeline::ScheduleKind`] and chunks, ep), the micro-batch size,
+//!   and activation recomputation for other frameworks' runs. Its checks
+//!   are the trainer's ([`weft_parallel::ParallelLayout::check`]).
 //! * [`predict()`]: one layout → [`Prediction`]: [`Memory`] per GPU by
 //!   category, [`StepTime`] by part (compute by a per-operation roofline;
 //!   each collective by the α–β model over the node hierarchy; what
@@ -63,7 +65,7 @@
 //! # Example
 //! ```
 //! use weft_plan::search::{Constraints, reason, search};
-//! use weft_plan::{Cluster, Layout, ModelSpec, Recipe, Request, Sharding, predict};
+//! use weft_plan::{Cluster, Layout, ModelSpec, Recipe, Request, Strategy, predict};
 //!
 //! // GPT-2 XL-sized: 48 layers, 1600 channels, 25 heads, on 16 H100s
 //! let req = Request {
@@ -73,12 +75,8 @@
 //!     recipe: Recipe::mixed(),
 //! };
 //! // one layout: FSDP over all 16 GPUs, 4 sequences per micro-batch
-//! let fsdp = Layout {
-//!     dp: 16,
-//!     sharding: Sharding::Full,
-//!     micro_batch_size: 4,
-//!     ..Layout::default()
-//! };
+//! let mut fsdp = Layout { micro_batch_size: 4, ..Layout::degrees(16, 1, 1) };
+//! fsdp.parallel.fsdp = Some(Strategy::Full);
 //! let p = predict(&req, &fsdp)?;
 //! assert!(p.fits && p.mfu > 0.2 && p.mfu < 0.75);
 //! // every layout, best first, with why each wins or loses
@@ -89,10 +87,9 @@
 //! ```
 //!
 //! # Crate features
-//! None: the crate depends on `weft-pipeline` (its simulator and
-//! partitioner) and serde/TOML only, and never measures anything itself —
-//! `weft plan --calibrate` in the trainer does, and passes the figures in
-//! as a [`Cluster`].
+//! None. The crate depends on `weft-pipeline` (its simulator and
+//! partitioner), on `weft-parallel` for the layout type it shares with the
+//! trainer, and on `weft-kernels` for the precision it plans in.
 
 #![deny(missing_docs)]
 
@@ -111,8 +108,10 @@ pub mod time;
 
 pub use cluster::{Cluster, Device, Efficiency, Link, Peak, Precision};
 pub use error::{Error, Origin, Result};
-pub use layout::{Layout, Schedule, Sharding};
+pub use layout::Layout;
 pub use memory::{Accounting, Memory, Recipe};
 pub use model::ModelSpec;
 pub use predict::{Prediction, Request, memory_per_stage, predict};
 pub use time::StepTime;
+pub use weft_parallel::{ParallelLayout, Strategy};
+pub use weft_pipeline::ScheduleKind;

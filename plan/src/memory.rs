@@ -36,7 +36,9 @@ use std::ops::AddAssign;
 use serde::{Deserialize, Serialize};
 
 use crate::cluster::Precision;
-use crate::layout::{Layout, Sharding};
+use weft_parallel::Strategy;
+
+use crate::layout::Layout;
 use crate::model::ModelSpec;
 
 /// Bytes one GPU holds, by category.
@@ -248,13 +250,13 @@ fn u(x: usize) -> u64 {
 
 impl Shares {
     pub(crate) fn of(model: &ModelSpec, layout: &Layout) -> Shares {
-        let (c, t) = (u(model.hidden), u(layout.tp));
+        let (c, t) = (u(model.hidden), u(layout.parallel.tp));
         let f = u(model.ffn_hidden);
-        let v_loc = u(model.vocab.div_ceil(layout.tp));
+        let v_loc = u(model.vocab.div_ceil(layout.parallel.tp));
         let ffn = if model.is_moe() {
             // replicated over tp; experts shared out over ep
             let e = u(model.experts);
-            let local = e / u(layout.ep);
+            let local = e / u(layout.parallel.ep);
             let expert = 2 * c * f + f + c;
             c * e + e + local * expert + if model.shared_expert { expert } else { 0 }
         } else {
@@ -302,11 +304,11 @@ pub(crate) fn stage_memory(
             Accounting::Mixed => mixed_chunk(model, layout, recipe, c),
         };
     }
-    if recipe.accounting == Accounting::Mixed && layout.pp > 1 {
+    if recipe.accounting == Accounting::Mixed && layout.parallel.pp > 1 {
         // one send and one receive buffer of a micro-batch's activations
         let rows = tokens(model, layout)
-            / if layout.sequence_parallel {
-                u(layout.tp)
+            / if layout.parallel.sequence_parallel {
+                u(layout.parallel.tp)
             } else {
                 1
             };
@@ -334,8 +336,8 @@ fn weft_block_floats(model: &ModelSpec, layout: &Layout, precision: Precision) -
         }
     };
     let (b, t, c) = (u(layout.micro_batch_size), u(model.seq), u(model.hidden));
-    let tp = u(layout.tp);
-    let sp = layout.sequence_parallel && layout.tp > 1;
+    let tp = u(layout.parallel.tp);
+    let sp = layout.parallel.sequence_parallel && layout.parallel.tp > 1;
     let n = b * t;
     let rows = if sp { n / tp } else { n };
     let (nh, ca) = (u(model.heads) / tp, c / tp);
@@ -346,7 +348,7 @@ fn weft_block_floats(model: &ModelSpec, layout: &Layout, precision: Precision) -
     let (ffn_saved, ffn_scratch, ffn_split) = if model.is_moe() {
         let (e, k, f) = (u(model.experts), u(model.top_k), u(model.ffn_hidden));
         let shared = if model.shared_expert { 2 * f } else { 0 };
-        let per_token = if layout.ep > 1 {
+        let per_token = if layout.parallel.ep > 1 {
             e + k * c + shared
         } else {
             e + k * (2 * f + c) + shared
@@ -354,7 +356,9 @@ fn weft_block_floats(model: &ModelSpec, layout: &Layout, precision: Precision) -
         (n * per_token, 0, 0)
     } else {
         let split = n * hid + if sp { n * c } else { 0 };
-        let input = n * hid + if layout.tp > 1 { n * c } else { 0 } + if sp { rows * c } else { 0 };
+        let input = n * hid
+            + if layout.parallel.tp > 1 { n * c } else { 0 }
+            + if sp { rows * c } else { 0 };
         (n * hid + linear(n * hid), (input + split).max(n * c), split)
     };
     let block = linear(n * c)
@@ -376,13 +380,13 @@ fn weft_block_floats(model: &ModelSpec, layout: &Layout, precision: Precision) -
 fn weft_chunk(model: &ModelSpec, layout: &Layout, recipe: &Recipe, chunk: &Chunk) -> Memory {
     let shares = Shares::of(model, layout);
     let (b, t, c) = (u(layout.micro_batch_size), u(model.seq), u(model.hidden));
-    let tp = u(layout.tp);
-    let sp = layout.sequence_parallel && layout.tp > 1;
+    let tp = u(layout.parallel.tp);
+    let sp = layout.parallel.sequence_parallel && layout.parallel.tp > 1;
     let n = b * t;
     let rows = if sp { n / tp } else { n };
     let (block, scratch, weight_inputs) = weft_block_floats(model, layout, recipe.precision);
     let l = u(chunk.layers);
-    let v_loc = u(model.vocab.div_ceil(layout.tp));
+    let v_loc = u(model.vocab.div_ceil(layout.parallel.tp));
     let mut per_slot = 2 * rows * c + l * block;
     if chunk.embed {
         per_slot += n;
@@ -391,7 +395,7 @@ fn weft_chunk(model: &ModelSpec, layout: &Layout, recipe: &Recipe, chunk: &Chunk
         // targets, ln_f, its statistics, logits, losses, row statistics
         per_slot += n + n * c + 2 * rows + n * v_loc + n + 2 * n;
     }
-    if layout.schedule.splits_backward() && layout.pp > 1 {
+    if layout.schedule().splits_backward() && layout.parallel.pp > 1 {
         per_slot += l * weight_inputs;
     }
     let acts = u(chunk.slots.max(1)) * per_slot + scratch;
@@ -412,15 +416,15 @@ fn weft_chunk(model: &ModelSpec, layout: &Layout, recipe: &Recipe, chunk: &Chunk
         activations: 4 * acts,
         ..Memory::default()
     };
-    match layout.sharding {
-        Sharding::None => {
+    match layout.sharding() {
+        None => {
             m.params = 4 * (params + tied_copy);
             m.grads = 4 * params;
             m.optimizer = 4 * 2 * params;
             let wire = if recipe.bf16_grad_wire { 2 } else { 0 };
             m.buffers = 4 * (exchange + params) + wire * params;
         }
-        s => {
+        Some(s) => {
             let n = u(layout.shard_group().max(1));
             let shard: u64 = units.iter().map(|&x| x.div_ceil(n)).sum();
             let (held, states) = if s.shards_params() {
@@ -449,8 +453,8 @@ fn mixed_chunk(model: &ModelSpec, layout: &Layout, recipe: &Recipe, chunk: &Chun
         u(model.hidden),
         u(model.heads),
     );
-    let t = u(layout.tp);
-    let sp = layout.sequence_parallel && layout.tp > 1;
+    let t = u(layout.parallel.tp);
+    let sp = layout.parallel.sequence_parallel && layout.parallel.tp > 1;
     let sbh = s * b * h;
     // Korthikanti et al. 2022, Table 2; the feed-forward share (19·sbh of
     // the 34) runs k times for a mixture of experts
@@ -468,7 +472,7 @@ fn mixed_chunk(model: &ModelSpec, layout: &Layout, recipe: &Recipe, chunk: &Chun
         if sp { 2 * sbh / t } else { 2 * sbh }
     } else if sp {
         ((15 + 19 * k) * sbh + attention_scores) / t
-    } else if layout.tp > 1 {
+    } else if layout.parallel.tp > 1 {
         10 * sbh + (5 + 19 * k) * sbh / t + attention_scores / t
     } else {
         (15 + 19 * k) * sbh + attention_scores
@@ -480,7 +484,7 @@ fn mixed_chunk(model: &ModelSpec, layout: &Layout, recipe: &Recipe, chunk: &Chun
     }
     if chunk.head {
         // bf16 logits and their f32 softmax, vocabulary-parallel
-        per_slot += 6 * s * b * u(model.vocab.div_ceil(layout.tp));
+        per_slot += 6 * s * b * u(model.vocab.div_ceil(layout.parallel.tp));
     }
     let units = shares.units(chunk);
     let params: u64 = units.iter().sum::<u64>()
@@ -495,23 +499,23 @@ fn mixed_chunk(model: &ModelSpec, layout: &Layout, recipe: &Recipe, chunk: &Chun
         activations: u(chunk.slots.max(1)) * per_slot,
         ..Memory::default()
     };
-    match layout.sharding {
-        Sharding::None => {
+    match layout.sharding() {
+        None => {
             m.params = 2 * params;
             m.grads = 2 * params;
             m.optimizer = 12 * params;
         }
-        Sharding::Optimizer => {
+        Some(Strategy::Optimizer) => {
             m.params = 2 * params;
             m.grads = 2 * params;
             m.optimizer = 12 * sharded(params);
         }
-        Sharding::GradOp => {
+        Some(Strategy::GradOp) => {
             m.params = 2 * params;
             m.grads = 2 * sharded(params);
             m.optimizer = 12 * sharded(params);
         }
-        Sharding::Full | Sharding::Hybrid { .. } => {
+        Some(Strategy::Full) | Some(Strategy::Hybrid) => {
             m.params = 2 * sharded(params);
             m.grads = 2 * sharded(params);
             m.optimizer = 12 * sharded(params);

@@ -6,7 +6,9 @@ use weft_pipeline::{ChunkCost, Costs, ScheduleKind};
 
 use crate::cluster::{Cluster, Device};
 use crate::error::{Error, Result};
-use crate::layout::{Layout, Sharding};
+use weft_parallel::Strategy;
+
+use crate::layout::Layout;
 use crate::memory::{Accounting, Chunk, Memory, Recipe, stage_memory};
 use crate::model::ModelSpec;
 use crate::time::{
@@ -139,17 +141,16 @@ pub(crate) fn geometry(
     recipe: &Recipe,
 ) -> Result<Geometry> {
     let m = layout.micro_batches(batch);
-    let schedule = if layout.pp > 1 {
+    let schedule = if layout.parallel.pp > 1 {
         layout
-            .schedule
-            .kind()
-            .generate(layout.pp, m, layout.chunks)?
+            .schedule()
+            .generate(layout.parallel.pp, m, layout.chunks())?
     } else {
         ScheduleKind::OneFOneB.generate(1, m, 1)?
     };
     let pl = schedule.placement();
     let nvs = pl.virtual_stages();
-    let layers = if layout.pp == 1 {
+    let layers = if layout.parallel.pp == 1 {
         vec![model.layers]
     } else {
         match recipe.accounting {
@@ -169,9 +170,9 @@ pub(crate) fn geometry(
             ),
         });
     }
-    let mut stages = Vec::with_capacity(layout.pp);
-    let mut virtual_stages = Vec::with_capacity(layout.pp);
-    for r in 0..layout.pp {
+    let mut stages = Vec::with_capacity(layout.parallel.pp);
+    let mut virtual_stages = Vec::with_capacity(layout.parallel.pp);
+    for r in 0..layout.parallel.pp {
         let peak = weft_pipeline::peak_in_flight_per_chunk(&schedule, r);
         let mut chunks = Vec::with_capacity(pl.chunks());
         let mut vss = Vec::with_capacity(pl.chunks());
@@ -298,10 +299,10 @@ fn step_time(req: &Request, layout: &Layout, g: &Geometry, exact: bool) -> Resul
                 continue;
             }
             let mut ct = chunk_time(&mach, model, layout, chunk, act);
-            if layout.sharding.shards_params() || layout.sharding.shards_grads() {
+            if layout.shards_params() || layout.shards_grads() {
                 let (f, b) = fsdp_per_microbatch(&mach, model, layout, chunk);
                 ct.dp_total = f + b;
-                if cpu || !req.recipe.overlap_grad_reduce && !layout.sharding.shards_params() {
+                if cpu || !req.recipe.overlap_grad_reduce && !layout.shards_params() {
                     ct.f_dp = f;
                     ct.b_dp = b;
                 } else {
@@ -321,18 +322,21 @@ fn step_time(req: &Request, layout: &Layout, g: &Geometry, exact: bool) -> Resul
     // transfers between stages: a micro-batch's activations (its 1/tp
     // rows under sequence parallelism; across nodes Megatron-LM sends
     // 1/tp from each tensor-parallel rank and gathers over NVLink)
-    let p2p = if layout.pp > 1 {
+    let p2p = if layout.parallel.pp > 1 {
         let rows = (layout.micro_batch_size * model.seq) as f64
-            / if layout.sequence_parallel {
-                layout.tp as f64
+            / if layout.parallel.sequence_parallel {
+                layout.parallel.tp as f64
             } else {
                 1.0
             };
         let mut bytes = rows * model.hidden as f64 * req.recipe.activation_bytes() as f64;
-        let crosses = layout.dp * layout.tp >= c.gpus_per_node;
+        let crosses = layout.parallel.dp * layout.parallel.tp >= c.gpus_per_node;
         let link = if crosses { c.inter } else { c.intra };
-        if crosses && req.recipe.accounting == Accounting::Mixed && !layout.sequence_parallel {
-            bytes /= layout.tp as f64;
+        if crosses
+            && req.recipe.accounting == Accounting::Mixed
+            && !layout.parallel.sequence_parallel
+        {
+            bytes /= layout.parallel.tp as f64;
         }
         link.latency + bytes / (link.bandwidth * c.efficiency.link)
     } else {
@@ -340,13 +344,13 @@ fn step_time(req: &Request, layout: &Layout, g: &Geometry, exact: bool) -> Resul
     };
     let makespan;
     let mut busiest = 0usize;
-    if layout.pp == 1 {
+    if layout.parallel.pp == 1 {
         let ct = &vs_time[0];
         makespan = m * (ct.forward() + ct.backward_input() + ct.backward_weight());
     } else if !exact
         && let Some(beta) = {
             // per-stage costs, averaged over the stages
-            let p = layout.pp as f64;
+            let p = layout.parallel.pp as f64;
             let (f, b, w) = vs_time.iter().fold((0.0, 0.0, 0.0), |acc, ct| {
                 (
                     acc.0 + ct.forward() / p,
@@ -356,11 +360,11 @@ fn step_time(req: &Request, layout: &Layout, g: &Geometry, exact: bool) -> Resul
             });
             // ZB-V has no closed form: ZB-H2's bubble (both near zero
             // with W large enough) ranks it
-            let kind = match layout.schedule {
-                crate::layout::Schedule::ZbV => ScheduleKind::ZbH2,
-                s => s.kind(),
+            let kind = match layout.schedule() {
+                ScheduleKind::ZbV => ScheduleKind::ZbH2,
+                s => s,
             };
-            kind.expected_bubble(layout.pp, m as usize, layout.chunks, f, b, w)
+            kind.expected_bubble(layout.parallel.pp, m as usize, layout.chunks(), f, b, w)
         }
     {
         let busy: Vec<f64> = g
@@ -382,7 +386,7 @@ fn step_time(req: &Request, layout: &Layout, g: &Geometry, exact: bool) -> Resul
             .max_by(|a, b| a.1.total_cmp(&b.1))
             .unwrap_or((0, 0.0));
         busiest = r;
-        makespan = most / (1.0 - beta).max(1e-9) + 2.0 * (layout.pp - 1) as f64 * p2p;
+        makespan = most / (1.0 - beta).max(1e-9) + 2.0 * (layout.parallel.pp - 1) as f64 * p2p;
     } else {
         let costs = Costs {
             chunks: vs_time
@@ -400,7 +404,7 @@ fn step_time(req: &Request, layout: &Layout, g: &Geometry, exact: bool) -> Resul
         let timeline = weft_pipeline::simulate(&g.schedule, &costs)?;
         makespan = timeline.makespan();
         let mut most = 0.0;
-        for r in 0..layout.pp {
+        for r in 0..layout.parallel.pp {
             let b = timeline.busy(r);
             if b > most {
                 most = b;
@@ -440,12 +444,14 @@ fn step_time(req: &Request, layout: &Layout, g: &Geometry, exact: bool) -> Resul
         }
         done.push((sig, window));
         let (overlappable, exposed) = dp_step(&mach, model, layout, chunks);
-        let hidden_part =
-            if !cpu && req.recipe.overlap_grad_reduce && layout.sharding != Sharding::Full {
-                overlappable.min(window)
-            } else {
-                0.0
-            };
+        let hidden_part = if !cpu
+            && req.recipe.overlap_grad_reduce
+            && layout.sharding() != Some(Strategy::Full)
+        {
+            overlappable.min(window)
+        } else {
+            0.0
+        };
         let dp_exposed = overlappable - hidden_part + exposed;
         let opt = optimizer_time(&mach, model, layout, chunks);
         if dp_exposed + opt > tail {

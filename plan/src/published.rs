@@ -25,7 +25,9 @@ use serde::Serialize;
 
 use crate::cluster::{Cluster, Precision};
 use crate::error::Result;
-use crate::layout::{Layout, Schedule, Sharding};
+use weft_pipeline::ScheduleKind;
+
+use crate::layout::Layout;
 use crate::memory::{Accounting, Recipe};
 use crate::model::ModelSpec;
 use crate::predict::{Prediction, Request, predict};
@@ -186,21 +188,15 @@ impl PublishedRun {
         let chunks = self
             .layers_per_virtual_stage
             .map_or(1, |v| self.layers / self.pp / v);
+        let mut l = Layout::degrees(self.gpus / (self.tp * self.pp), self.tp, self.pp);
+        if chunks > 1 {
+            l.parallel.pp_schedule = ScheduleKind::Interleaved;
+            l.parallel.pp_chunks = chunks;
+        }
         Layout {
-            dp: self.gpus / (self.tp * self.pp),
-            tp: self.tp,
-            pp: self.pp,
-            ep: 1,
-            sharding: Sharding::None,
-            schedule: if chunks > 1 {
-                Schedule::Interleaved
-            } else {
-                Schedule::OneFOneB
-            },
-            chunks,
             micro_batch_size: self.micro_batch_size,
-            sequence_parallel: false,
             recompute: true,
+            ..l
         }
     }
 
@@ -216,7 +212,7 @@ impl PublishedRun {
             cluster: cluster.clone().with_gpus(self.gpus),
             recipe: Recipe {
                 accounting: Accounting::Mixed,
-                precision: Precision::Fp16,
+                precision: Precision::F16,
                 bf16_grad_wire: true,
                 overlap_grad_reduce: self.overlap_grad_reduce,
                 flash_attention: false,
@@ -275,16 +271,16 @@ pub fn table(rows: &[Comparison]) -> String {
             r.run.heads,
             r.run.hidden,
             r.run.layers,
-            l.tp,
-            l.pp,
-            l.dp,
+            l.parallel.tp,
+            l.parallel.pp,
+            l.parallel.dp,
             r.run.gpus,
             r.run.batch,
             l.micro_batch_size,
-            if l.pp == 1 {
+            if l.parallel.pp == 1 {
                 "—".to_owned()
-            } else if l.chunks > 1 {
-                format!("interleaved/v{}", l.chunks)
+            } else if l.chunks() > 1 {
+                format!("interleaved/v{}", l.chunks())
             } else {
                 "1f1b".to_owned()
             },

@@ -8,7 +8,10 @@ use std::rc::Rc;
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
-use crate::layout::{Layout, Schedule, Sharding};
+use weft_parallel::{ParallelLayout, Strategy};
+use weft_pipeline::ScheduleKind;
+
+use crate::layout::Layout;
 use crate::predict::{Geometry, Prediction, Request, geometry, predict_with};
 
 /// Which layouts to consider: each `Some` pins that setting.
@@ -22,12 +25,15 @@ pub struct Constraints {
     pub pp: Option<usize>,
     /// Expert-parallel degree.
     pub ep: Option<usize>,
-    /// Sharding of the data-parallel group.
-    pub sharding: Option<Sharding>,
+    /// Sharding of the data-parallel group (`Some(None)`: replicas).
+    pub fsdp: Option<Option<Strategy>>,
+    /// Ranks per sharding group with [`Strategy::Hybrid`] (default: the
+    /// ranks of a node).
+    pub hybrid_shard: Option<usize>,
     /// Pipeline schedule.
-    pub schedule: Option<Schedule>,
-    /// Chunks per stage (the interleaved schedule).
-    pub chunks: Option<usize>,
+    pub schedule: Option<ScheduleKind>,
+    /// Chunks per stage of the interleaved schedule (default 2).
+    pub pp_chunks: Option<usize>,
     /// Micro-batch size.
     pub micro_batch_size: Option<usize>,
     /// Sequence parallelism.
@@ -103,35 +109,29 @@ pub fn enumerate(req: &Request, c: &Constraints) -> Vec<Layout> {
                     continue;
                 }
                 let group = dp / ep;
-                let mut shardings = vec![Sharding::None];
+                let node = (req.cluster.gpus_per_node / tp).max(1);
+                let mut shardings = vec![(None, 1)];
                 if group > 1 {
-                    shardings.extend([Sharding::Optimizer, Sharding::GradOp, Sharding::Full]);
-                    let node = (req.cluster.gpus_per_node / tp).max(1);
+                    for s in [Strategy::Optimizer, Strategy::GradOp, Strategy::Full] {
+                        shardings.push((Some(s), 1));
+                    }
                     if node > 1 && node < group && group.is_multiple_of(node) {
-                        shardings.push(Sharding::Hybrid { shard: node });
+                        shardings.push((Some(Strategy::Hybrid), node));
                     }
                 }
-                if let Some(s) = c.sharding {
-                    shardings = vec![s];
+                if let Some(s) = c.fsdp {
+                    shardings = vec![(s, c.hybrid_shard.unwrap_or(node))];
                 }
-                let schedules: Vec<(Schedule, usize)> = if pp == 1 {
-                    vec![(Schedule::OneFOneB, 1)]
+                let schedules: Vec<ScheduleKind> = if pp == 1 {
+                    vec![ScheduleKind::OneFOneB]
                 } else {
-                    Schedule::ALL
-                        .iter()
-                        .map(|&s| {
-                            let v = match s {
-                                Schedule::Interleaved => c.chunks.unwrap_or(2),
-                                Schedule::ZbV => 2,
-                                _ => 1,
-                            };
-                            (s, v)
-                        })
-                        .filter(|&(s, _)| c.schedule.is_none_or(|p| p == s))
+                    ScheduleKind::ALL
+                        .into_iter()
+                        .filter(|&s| c.schedule.is_none_or(|p| p == s))
                         .collect()
                 };
-                for &sharding in &shardings {
-                    for &(schedule, chunks) in &schedules {
+                for &(fsdp, hybrid_shard) in &shardings {
+                    for &pp_schedule in &schedules {
                         for &mbs in &mbss {
                             let sps: &[bool] = if tp > 1 { &[false, true] } else { &[false] };
                             for &sp in sps {
@@ -145,15 +145,19 @@ pub fn enumerate(req: &Request, c: &Constraints) -> Vec<Layout> {
                                 };
                                 for &recompute in rcs {
                                     let l = Layout {
-                                        dp,
-                                        tp,
-                                        pp,
-                                        ep,
-                                        sharding,
-                                        schedule,
-                                        chunks,
+                                        parallel: ParallelLayout {
+                                            dp,
+                                            tp,
+                                            pp,
+                                            ep,
+                                            fsdp,
+                                            hybrid_shard,
+                                            pp_schedule,
+                                            pp_chunks: c.pp_chunks.unwrap_or(2),
+                                            sequence_parallel: sp,
+                                            ..ParallelLayout::default()
+                                        },
                                         micro_batch_size: mbs,
-                                        sequence_parallel: sp,
                                         recompute,
                                     };
                                     if l.validate(m, req.batch, g).is_ok() {
@@ -198,18 +202,19 @@ pub fn search(req: &Request, c: &Constraints) -> Result<Vec<Prediction>> {
         if c.is_single() {
             // say why the pinned layout is refused
             let l = Layout {
-                dp: c.dp.unwrap_or(1),
-                tp: c.tp.unwrap_or(1),
-                pp: c.pp.unwrap_or(1),
-                ep: c.ep.unwrap_or(1),
-                sharding: c.sharding.unwrap_or_default(),
-                schedule: c.schedule.unwrap_or_default(),
-                chunks: c.chunks.unwrap_or(match c.schedule {
-                    Some(Schedule::Interleaved | Schedule::ZbV) => 2,
-                    _ => 1,
-                }),
+                parallel: ParallelLayout {
+                    dp: c.dp.unwrap_or(1),
+                    tp: c.tp.unwrap_or(1),
+                    pp: c.pp.unwrap_or(1),
+                    ep: c.ep.unwrap_or(1),
+                    fsdp: c.fsdp.unwrap_or_default(),
+                    hybrid_shard: c.hybrid_shard.unwrap_or(1),
+                    pp_schedule: c.schedule.unwrap_or_default(),
+                    pp_chunks: c.pp_chunks.unwrap_or(2),
+                    sequence_parallel: c.sequence_parallel.unwrap_or(false),
+                    ..ParallelLayout::default()
+                },
                 micro_batch_size: c.micro_batch_size.unwrap_or(1),
-                sequence_parallel: c.sequence_parallel.unwrap_or(false),
                 recompute: false,
             };
             l.validate(&req.model, req.batch, req.cluster.gpus)?;
@@ -225,11 +230,17 @@ pub fn search(req: &Request, c: &Constraints) -> Result<Vec<Prediction>> {
     // phase 1: every layout, each schedule generated once, the bubble in
     // closed form where the schedule has one; phase 2: the simulator's
     // bubble for the best
-    let mut geoms: HashMap<(Schedule, usize, usize, usize), Option<Rc<Geometry>>> = HashMap::new();
+    let mut geoms: HashMap<(ScheduleKind, usize, usize, usize), Option<Rc<Geometry>>> =
+        HashMap::new();
     let mut preds = Vec::with_capacity(layouts.len());
     let mut failed: Option<Error> = None;
     for l in &layouts {
-        let key = (l.schedule, l.pp, l.chunks, l.micro_batches(req.batch));
+        let key = (
+            l.schedule(),
+            l.parallel.pp,
+            l.chunks(),
+            l.micro_batches(req.batch),
+        );
         let g = geoms
             .entry(key)
             .or_insert_with(|| match geometry(&req.model, l, req.batch, &req.recipe) {
@@ -256,7 +267,7 @@ pub fn search(req: &Request, c: &Constraints) -> Result<Vec<Prediction>> {
     preds.sort_by(|a, b| order(&a.0, &b.0));
     let mut out: Vec<Prediction> = Vec::with_capacity(preds.len());
     for (i, (p, g)) in preds.into_iter().enumerate() {
-        if i < EXACT && p.layout.pp > 1 {
+        if i < EXACT && p.layout.parallel.pp > 1 {
             out.push(predict_with(req, &p.layout, &g, true)?);
         } else {
             out.push(p);

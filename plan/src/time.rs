@@ -40,7 +40,9 @@
 use serde::{Deserialize, Serialize};
 
 use crate::cluster::{Cluster, Device, Link};
-use crate::layout::{Layout, Sharding};
+use weft_parallel::Strategy;
+
+use crate::layout::Layout;
 use crate::memory::{Accounting, Chunk, Recipe};
 use crate::model::ModelSpec;
 
@@ -268,12 +270,12 @@ pub(crate) fn block_activation_bytes(model: &ModelSpec, layout: &Layout, recipe:
         head: false,
         slots: 1,
     };
-    let no_recompute = Layout {
+    let mut no_recompute = Layout {
         recompute: false,
-        sharding: Sharding::None,
-        pp: 1,
         ..*layout
     };
+    no_recompute.parallel.fsdp = None;
+    no_recompute.parallel.pp = 1;
     let one = crate::memory::stage_memory(model, &no_recompute, recipe, &[probe]);
     let zero = crate::memory::stage_memory(model, &no_recompute, recipe, &[empty]);
     (one.activations - zero.activations) as f64
@@ -294,16 +296,16 @@ pub(crate) fn chunk_time(
     let (b, s) = (layout.micro_batch_size as f64, model.seq as f64);
     let n = b * s;
     let h = model.hidden as f64;
-    let t = layout.tp as f64;
+    let t = layout.parallel.tp as f64;
     let f = model.ffn_hidden as f64;
     let layers = chunk.layers as f64;
-    let tp_group = Group::strided(layout.tp, 1, c.gpus_per_node);
+    let tp_group = Group::strided(layout.parallel.tp, 1, c.gpus_per_node);
 
     // one block, forward: products
     let mut gemm_f = mach.gemm(n, h, 3.0 * h / t) + mach.gemm(n, h / t, h);
     if model.is_moe() {
         let (e, k) = (model.experts as f64, model.top_k as f64);
-        let ep = layout.ep as f64;
+        let ep = layout.parallel.ep as f64;
         // the router, then each local expert's two products over the
         // tokens routed to it from every rank of its group (n·k·ep/E,
         // balanced), and the shared expert's over every token
@@ -322,13 +324,13 @@ pub(crate) fn chunk_time(
     // the block's collectives: two all-reduces (or reduce-scatter and
     // all-gather pairs, the same volume) per pass over tp
     let tp_bytes = n * h * dt;
-    let tp_f = if layout.tp > 1 {
+    let tp_f = if layout.parallel.tp > 1 {
         2.0 * all_reduce(c, tp_group, tp_bytes)
     } else {
         0.0
     };
-    let ep_group = Group::strided(layout.ep, layout.tp, c.gpus_per_node);
-    let ep_f = if model.is_moe() && layout.ep > 1 {
+    let ep_group = Group::strided(layout.parallel.ep, layout.parallel.tp, c.gpus_per_node);
+    let ep_f = if model.is_moe() && layout.parallel.ep > 1 {
         // dispatch and combine of each token's k copies
         2.0 * all_to_all(c, ep_group, n * model.top_k as f64 * h * dt)
     } else {
@@ -336,7 +338,7 @@ pub(crate) fn chunk_time(
     };
     // weft recomputes the experts' hidden activations (one more dispatch)
     // in the backward under expert parallelism
-    let ep_b = if model.is_moe() && layout.ep > 1 {
+    let ep_b = if model.is_moe() && layout.parallel.ep > 1 {
         ep_f * if recipe.accounting == Accounting::Weft {
             1.5
         } else {
@@ -367,12 +369,12 @@ pub(crate) fn chunk_time(
         ct.b_tp += layers * tp_f;
         ct.b_ep += layers * ep_f;
     }
-    let v_loc = model.vocab.div_ceil(layout.tp) as f64;
+    let v_loc = model.vocab.div_ceil(layout.parallel.tp) as f64;
     if chunk.embed {
         // gather rows of wte and wpe, write the sum; the backward scatters
         ct.f_compute += mach.memory(3.0 * n * h * dt, 1.0);
         ct.w_compute += mach.memory(3.0 * n * h * 4.0, 1.0);
-        if layout.tp > 1 {
+        if layout.parallel.tp > 1 {
             // the vocabulary-parallel lookup is summed over tp
             ct.f_tp += all_reduce(c, tp_group, tp_bytes);
         }
@@ -384,7 +386,7 @@ pub(crate) fn chunk_time(
         ct.f_compute += logits + elem;
         ct.b_compute += logits + elem;
         ct.w_compute += logits;
-        if layout.tp > 1 {
+        if layout.parallel.tp > 1 {
             // the vocabulary-parallel loss: maxima, sums and the targets'
             // logits of every token
             ct.f_tp += 3.0 * all_reduce(c, tp_group, 4.0 * n);
@@ -405,7 +407,7 @@ pub(crate) fn stage_params(model: &ModelSpec, layout: &Layout, chunks: &[Chunk])
         layers += ch.layers as f64;
     }
     let experts = if model.is_moe() {
-        layers * (model.experts / layout.ep) as f64 * model.expert_params()
+        layers * (model.experts / layout.parallel.ep) as f64 * model.expert_params()
     } else {
         0.0
     };
@@ -425,7 +427,7 @@ pub(crate) fn fsdp_per_microbatch(
     let recipe = mach.recipe;
     let shares = crate::memory::Shares::of(model, layout);
     let n = layout.shard_group();
-    let group = Group::strided(n, layout.tp, c.gpus_per_node);
+    let group = Group::strided(n, layout.parallel.tp, c.gpus_per_node);
     let pb = recipe.param_bytes() as f64;
     let gb = recipe.grad_wire_bytes() as f64;
     let mut f = 0.0;
@@ -433,11 +435,11 @@ pub(crate) fn fsdp_per_microbatch(
     // each unit is a collective of its own: its latency is paid per unit
     for &unit in &shares.units(chunk) {
         let unit = unit as f64;
-        if layout.sharding.shards_params() {
+        if layout.shards_params() {
             f += reduce_scatter(c, group, unit * pb);
             b += reduce_scatter(c, group, unit * pb);
         }
-        if layout.sharding.shards_grads() {
+        if layout.shards_grads() {
             b += reduce_scatter(c, group, unit * gb);
         }
     }
@@ -457,28 +459,32 @@ pub(crate) fn dp_step(
     let (dense, experts) = stage_params(model, layout, chunks);
     let gb = recipe.grad_wire_bytes() as f64;
     let pb = recipe.param_bytes() as f64;
-    let dp = Group::strided(layout.dp, layout.tp, c.gpus_per_node);
+    let dp = Group::strided(layout.parallel.dp, layout.parallel.tp, c.gpus_per_node);
     let edp = Group::strided(
-        layout.dp / layout.ep,
-        layout.tp * layout.ep,
+        layout.parallel.dp / layout.parallel.ep,
+        layout.parallel.tp * layout.parallel.ep,
         c.gpus_per_node,
     );
     let n = layout.shard_group();
-    let shard = Group::strided(n, layout.tp, c.gpus_per_node);
-    match layout.sharding {
-        Sharding::None => (
+    let shard = Group::strided(n, layout.parallel.tp, c.gpus_per_node);
+    match layout.sharding() {
+        None => (
             all_reduce(c, dp, dense * gb) + all_reduce(c, edp, experts * gb),
             0.0,
         ),
-        Sharding::Optimizer => (
+        Some(Strategy::Optimizer) => (
             reduce_scatter(c, shard, (dense + experts) * gb),
             reduce_scatter(c, shard, (dense + experts) * pb),
         ),
-        Sharding::GradOp => (0.0, reduce_scatter(c, shard, (dense + experts) * pb)),
-        Sharding::Full => (0.0, 0.0),
-        Sharding::Hybrid { shard: s } => {
-            let replicas =
-                Group::strided(layout.dp / layout.ep / s, layout.tp * s, c.gpus_per_node);
+        Some(Strategy::GradOp) => (0.0, reduce_scatter(c, shard, (dense + experts) * pb)),
+        Some(Strategy::Full) => (0.0, 0.0),
+        Some(Strategy::Hybrid) => {
+            let s = layout.parallel.hybrid_shard;
+            let replicas = Group::strided(
+                layout.parallel.dp / layout.parallel.ep / s,
+                layout.parallel.tp * s,
+                c.gpus_per_node,
+            );
             (
                 all_reduce(c, replicas, (dense + experts) / s as f64 * gb),
                 0.0,
@@ -497,8 +503,8 @@ pub(crate) fn optimizer_time(
 ) -> f64 {
     let (dense, experts) = stage_params(model, layout, chunks);
     let p = dense + experts;
-    let updated = match layout.sharding {
-        Sharding::None => p,
+    let updated = match layout.sharding() {
+        None => p,
         _ => p / layout.shard_group() as f64,
     };
     // AdamW reads parameter, gradient and two moments and writes three

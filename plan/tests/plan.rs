@@ -9,7 +9,7 @@ use weft_plan::explain::{counterpart, crossover};
 use weft_plan::published::{MEGATRON_2021, compare, table};
 use weft_plan::search::{Constraints, enumerate, reason, search};
 use weft_plan::{
-    Accounting, Cluster, Device, Layout, ModelSpec, Precision, Recipe, Request, Schedule, Sharding,
+    Accounting, Cluster, Device, Layout, ModelSpec, Precision, Recipe, Request, ScheduleKind,
     memory_per_stage, predict,
 };
 
@@ -50,13 +50,10 @@ fn megatron_rows_need_their_model_parallelism() {
     let a100 = Cluster::preset("a100-80gb", 8).unwrap();
     for run in &MEGATRON_2021[6..] {
         let req = run.request(&a100);
-        let flat = Layout {
-            dp: run.gpus / run.tp,
-            pp: 1,
-            chunks: 1,
-            schedule: Schedule::OneFOneB,
-            ..run.layout()
-        };
+        let mut flat = run.layout();
+        flat.parallel.dp = run.gpus / run.tp;
+        flat.parallel.pp = 1;
+        flat.parallel.pp_schedule = ScheduleKind::OneFOneB;
         let p = predict(&req, &flat).unwrap();
         assert!(!p.fits, "{}: fits without pipeline parallelism", run.name);
     }
@@ -67,7 +64,7 @@ fn small_request(gpus: usize, accounting: Accounting) -> Request {
     let recipe = match accounting {
         Accounting::Weft => {
             cluster.device = Device::Cpu;
-            Recipe::weft(Precision::Fp32)
+            Recipe::weft(Precision::F32)
         }
         Accounting::Mixed => Recipe::mixed(),
     };
@@ -101,8 +98,8 @@ fn search_ranks_fitting_layouts_by_step_time_and_explains_them() {
             tp: Some(2),
             pp: Some(2),
             micro_batch_size: Some(2),
-            sharding: Some(Sharding::None),
-            schedule: Some(Schedule::OneFOneB),
+            fsdp: Some(None),
+            schedule: Some(ScheduleKind::OneFOneB),
             sequence_parallel: Some(false),
             ..Constraints::default()
         },
@@ -137,24 +134,11 @@ fn a_larger_model_stops_fitting_replicas_and_fsdp_then_fits() {
         cluster: Cluster::preset("a100-80gb", 8).unwrap(),
         recipe: Recipe::mixed(),
     };
-    let dp = predict(
-        &req,
-        &Layout {
-            dp: 8,
-            ..Layout::default()
-        },
-    )
-    .unwrap();
+    let dp = predict(&req, &Layout::degrees(8, 1, 1)).unwrap();
     assert!(!dp.fits, "{}", dp.memory);
-    let fsdp = predict(
-        &req,
-        &Layout {
-            dp: 8,
-            sharding: Sharding::Full,
-            ..Layout::default()
-        },
-    )
-    .unwrap();
+    let mut sharded = Layout::degrees(8, 1, 1);
+    sharded.parallel.fsdp = Some(weft_plan::Strategy::Full);
+    let fsdp = predict(&req, &sharded).unwrap();
     assert!(fsdp.fits, "{}", fsdp.memory);
     assert_eq!(fsdp.memory.optimizer, dp.memory.optimizer.div_ceil(8));
 }
@@ -236,15 +220,16 @@ proptest! {
         let batch = 1usize << batch_pow;
         let req = Request { model: model.clone(), batch, cluster: Cluster::preset("h100", gpus).unwrap(), recipe: Recipe::mixed() };
         for l in enumerate(&req, &Constraints::default()) {
-            prop_assert_eq!(l.dp * l.tp * l.pp, gpus);
-            prop_assert!(model.heads.is_multiple_of(l.tp));
-            prop_assert!(l.pp * l.chunks <= model.layers);
-            prop_assert!(batch.is_multiple_of(l.dp * l.micro_batch_size));
-            if l.ep > 1 {
-                prop_assert!(model.experts.is_multiple_of(l.ep) && l.dp.is_multiple_of(l.ep));
+            let p = &l.parallel;
+            prop_assert_eq!(p.dp * p.tp * p.pp, gpus);
+            prop_assert!(model.heads.is_multiple_of(p.tp));
+            prop_assert!(p.pp * l.chunks() <= model.layers);
+            prop_assert!(batch.is_multiple_of(p.dp * l.micro_batch_size));
+            if p.ep > 1 {
+                prop_assert!(model.experts.is_multiple_of(p.ep) && p.dp.is_multiple_of(p.ep));
             }
-            if l.schedule == Schedule::Interleaved && l.pp > 1 {
-                prop_assert!(l.micro_batches(batch).is_multiple_of(l.pp));
+            if p.pp_schedule == ScheduleKind::Interleaved && p.pp > 1 {
+                prop_assert!(l.micro_batches(batch).is_multiple_of(p.pp));
             }
             prop_assert!(l.validate(&model, batch, gpus).is_ok());
         }
@@ -265,7 +250,8 @@ proptest! {
         // ZeRO-3 over 1, 2, 4 ranks
         let mut last = u64::MAX;
         for dp in [1usize, 2, 4] {
-            let l = Layout { dp, sharding: if dp > 1 { Sharding::Full } else { Sharding::None }, micro_batch_size: 32 / dp, ..Layout::default() };
+            let mut l = Layout { micro_batch_size: 32 / dp, ..Layout::degrees(dp, 1, 1) };
+            l.parallel.fsdp = (dp > 1).then_some(weft_plan::Strategy::Full);
             let m = mem(dp, l).unwrap();
             let state = m.params + m.grads + m.optimizer;
             prop_assert!(state <= last, "dp={dp}: {state} > {last}");
@@ -275,7 +261,7 @@ proptest! {
         let mut last = (u64::MAX, u64::MAX);
         for tp in [1usize, 2, 4] {
             if !model.heads.is_multiple_of(tp) { continue; }
-            let l = Layout { tp, micro_batch_size: 32, ..Layout::default() };
+            let l = Layout { micro_batch_size: 32, ..Layout::degrees(1, tp, 1) };
             let m = mem(tp, l).unwrap();
             prop_assert!(m.params <= last.0, "tp={tp}: params {} > {}", m.params, last.0);
             prop_assert!(m.activations <= last.1, "tp={tp}: activations {} > {}", m.activations, last.1);

@@ -97,7 +97,7 @@ pub fn config_hash(config: &Config) -> String {
     // The layout over ranks does not define the computation (with
     // reproducible reductions not even its rounding): a run may resume on
     // another layout.
-    c.parallel = crate::config::ParallelConfig {
+    c.parallel = weft_parallel::ParallelLayout {
         reproducible: config.parallel.reproducible,
         ..Default::default()
     };
@@ -280,7 +280,7 @@ fn trainer_state(
     state.extra.insert(
         "parallel".into(),
         serde_json::json!({
-            "dp": p.dp, "tp": p.tp, "pp": p.pp, "ep": p.ep, "fsdp": p.fsdp.name(),
+            "dp": p.dp, "tp": p.tp, "pp": p.pp, "ep": p.ep, "fsdp": p.fsdp.map_or("none", weft_parallel::Strategy::name),
             "sequence_parallel": p.sequence_parallel, "pp_schedule": p.pp_schedule.name(),
         }),
     );

@@ -6,14 +6,23 @@
 //! overrides both (the value is parsed as a TOML value, so strings that are
 //! not bare words need quotes: `--set run.name='"my run"'`). Unknown keys
 //! and ill-typed values are errors that name the key, the file and line, and
-//! the expected type; settings that are a choice (`parallel.fsdp`,
-//! `parallel.pp_schedule`, `model.moe.gate`, …) are enums, and an unknown
-//! value is an error listing the valid ones.
+//! the expected type. The sections that configure a library are that
+//! library's own types — `[parallel]` is `weft_parallel::ParallelLayout`,
+//! `[model.moe]` is `weft_moe::MoeOptions`, `train.precision` is
+//! `weft_kernels::Precision` — so a choice (`parallel.fsdp`,
+//! `parallel.pp_schedule`, `model.moe.gate`, …) is the library's enum, and
+//! an unknown value is an error listing the valid ones. [`Config::validate`]
+//! runs each library's own checks and names the key at fault
+//! ([`ConfigError`]); the field-to-key mapping is in one place,
+//! `library_error`.
 
 use std::fmt;
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
+use weft_kernels::Precision;
+use weft_moe::MoeOptions;
+use weft_parallel::{BatchSplit, ModelShape, ParallelLayout};
 
 use crate::synthetic::SyntheticSpec;
 
@@ -34,295 +43,7 @@ pub struct Config {
     /// Periodic checkpoints.
     pub checkpoint: CheckpointConfig,
     /// How the job is split over ranks.
-    pub parallel: ParallelConfig,
-}
-
-/// How a step's global batch is cut ([`Config::batch_split`]).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct BatchSplit {
-    /// Sequences per micro-batch.
-    pub micro: usize,
-    /// Micro-batches of the global batch.
-    pub global: usize,
-    /// Micro-batches each data-parallel rank runs (and accumulates).
-    pub per_rank: usize,
-}
-
-/// `[parallel]`: how the job is split over ranks (threads of this process,
-/// or one process each under an MPI launcher: `backend`). The world size
-/// is `dp · tp · pp`.
-///
-/// The global batch is the same whatever the split: `train.batch_size`
-/// sequences per optimizer step, in micro-batches of
-/// `train.micro_batch_size` sequences ([`Config::batch_split`]). With
-/// `dp = N` each data-parallel rank computes `1/N` of the micro-batches
-/// (gradient accumulation over them); with `pp = P` they flow through the
-/// stages.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct ParallelConfig {
-    /// Data-parallel degree: ranks that each compute a share of the
-    /// micro-batches.
-    pub dp: usize,
-    /// Sharding over the data-parallel group: `"none"` (replicas,
-    /// all-reduced gradients), `"optimizer"` (ZeRO-1), `"grad_op"`
-    /// (ZeRO-2), `"full"` (ZeRO-3) or `"hybrid"` (shard within a domain of
-    /// `hybrid_shard` ranks, replicate across domains).
-    pub fsdp: FsdpMode,
-    /// Ranks per sharding domain with `fsdp = "hybrid"`; must divide the
-    /// sharded group, `dp / ep`.
-    pub hybrid_shard: usize,
-    /// Tensor-parallel degree: each layer's matrices split over `tp`
-    /// consecutive ranks (Megatron-LM style); must divide `model.n_head`.
-    pub tp: usize,
-    /// With `tp > 1`: sequence parallelism (layernorm regions sharded along
-    /// the tokens; reduce-scatter and all-gather instead of all-reduce).
-    pub sequence_parallel: bool,
-    /// Pipeline stages.
-    pub pp: usize,
-    /// Pipeline schedule: `"gpipe"`, `"1f1b"`, `"interleaved"`, `"zb-h1"`,
-    /// `"zb-h2"` or `"zb-v"` (two model chunks per stage).
-    pub pp_schedule: PpSchedule,
-    /// Model chunks per stage for the interleaved schedule (v).
-    pub pp_chunks: usize,
-    /// Expert-parallel degree (mixture-of-experts models): experts are
-    /// sharded over groups of `ep` data-parallel ranks.
-    pub ep: usize,
-    /// Reproducible reductions: micro-batch gradients are summed exactly and
-    /// rounded once, so every split of the global batch over ranks gives
-    /// bitwise the same result. Off: plain f32 accumulation (faster).
-    pub reproducible: bool,
-    /// The dtype gradients travel in between data-parallel ranks: `"f32"`,
-    /// or `"bf16"` (half the bytes; every addition is still computed in
-    /// f32 and rounded once, and the reproducible sums stay exact before
-    /// their one rounding): FSDP's reduce-scatter, or the replicas'
-    /// all-reduce.
-    pub grad_wire: GradWire,
-    /// How the ranks run: `"auto"` (MPI processes when started by `mpirun`
-    /// or `srun`, else threads), `"threads"` (threads of this process),
-    /// `"mpi"` (one MPI process per rank) or `"nccl"` (one process per GPU,
-    /// NCCL rendezvous over MPI).
-    pub backend: Backend,
-    /// Seconds a rank waits for a peer in any collective before the run
-    /// fails with an error naming the missing ranks and the operation.
-    pub timeout_s: f64,
-    /// Kernel threads of each rank (its pool): 0 (the default) shares the
-    /// host's cores out over the ranks on it, at least one each; more
-    /// than the cores is refused. Like `OMP_NUM_THREADS`, it leaves cores
-    /// to other work on a shared machine; it changes the speed, not the
-    /// results.
-    pub threads: usize,
-}
-
-/// `parallel.grad_wire`: the dtype of gradients between data-parallel ranks.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum GradWire {
-    /// f32 (the default).
-    #[default]
-    F32,
-    /// bf16: half the bytes on the wire.
-    Bf16,
-}
-
-impl GradWire {
-    /// The name used in the configuration.
-    pub fn name(self) -> &'static str {
-        match self {
-            GradWire::F32 => "f32",
-            GradWire::Bf16 => "bf16",
-        }
-    }
-
-    /// The collectives' dtype.
-    pub fn dtype(self) -> weft_numerics::Dtype {
-        match self {
-            GradWire::F32 => weft_numerics::Dtype::F32,
-            GradWire::Bf16 => weft_numerics::Dtype::BF16,
-        }
-    }
-}
-
-/// `parallel.backend`: how the ranks of a job run.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Backend {
-    /// MPI processes when an MPI launcher started this process, else threads.
-    Auto,
-    /// Threads of one process (collectives' local backend).
-    Threads,
-    /// One MPI process per rank (collectives' `mpi` backend).
-    Mpi,
-    /// One process per GPU, the communicator id broadcast over MPI
-    /// (collectives' `nccl` backend).
-    Nccl,
-}
-
-impl Backend {
-    /// The name used in the configuration.
-    pub fn name(self) -> &'static str {
-        match self {
-            Backend::Auto => "auto",
-            Backend::Threads => "threads",
-            Backend::Mpi => "mpi",
-            Backend::Nccl => "nccl",
-        }
-    }
-}
-
-impl Default for ParallelConfig {
-    fn default() -> Self {
-        Self {
-            dp: 1,
-            fsdp: FsdpMode::None,
-            hybrid_shard: 1,
-            tp: 1,
-            sequence_parallel: false,
-            pp: 1,
-            pp_schedule: PpSchedule::OneFOneB,
-            pp_chunks: 2,
-            ep: 1,
-            reproducible: true,
-            grad_wire: GradWire::F32,
-            backend: Backend::Auto,
-            timeout_s: 300.0,
-            threads: 0,
-        }
-    }
-}
-
-impl ParallelConfig {
-    /// Ranks in the job: `dp · tp · pp`.
-    pub fn world_size(&self) -> usize {
-        self.dp * self.tp * self.pp
-    }
-
-    /// The mesh's degrees.
-    pub fn dims(&self) -> weft_parallel::ParallelDims {
-        weft_parallel::ParallelDims {
-            pp: self.pp,
-            dp: self.dp,
-            tp: self.tp,
-            ep: self.ep,
-        }
-    }
-}
-
-/// `parallel.fsdp`: how the data-parallel group shares the model state.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum FsdpMode {
-    /// Replicas: every rank holds the whole state; gradients all-reduced.
-    None,
-    /// ZeRO-1: optimizer state sharded.
-    Optimizer,
-    /// ZeRO-2: optimizer state and gradients sharded.
-    GradOp,
-    /// ZeRO-3: parameters too.
-    Full,
-    /// HSDP: full sharding within `hybrid_shard` ranks, replicas across.
-    Hybrid,
-}
-
-impl FsdpMode {
-    /// The sharding strategy (`None` for replicas).
-    pub fn strategy(self) -> Option<weft_fsdp::Strategy> {
-        use weft_fsdp::Strategy as S;
-        match self {
-            FsdpMode::None => None,
-            FsdpMode::Optimizer => Some(S::Optimizer),
-            FsdpMode::GradOp => Some(S::GradOp),
-            FsdpMode::Full => Some(S::Full),
-            FsdpMode::Hybrid => Some(S::Hybrid),
-        }
-    }
-
-    /// The name used in the configuration.
-    pub fn name(self) -> &'static str {
-        self.strategy().map_or("none", weft_fsdp::Strategy::name)
-    }
-}
-
-/// `parallel.pp_schedule`: the pipeline schedule.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub enum PpSchedule {
-    /// GPipe: all forwards, then all backwards.
-    #[serde(rename = "gpipe")]
-    GPipe,
-    /// 1F1B (PipeDream-Flush).
-    #[serde(rename = "1f1b")]
-    OneFOneB,
-    /// Interleaved 1F1B over `pp_chunks` model chunks per stage.
-    #[serde(rename = "interleaved")]
-    Interleaved,
-    /// Zero-bubble ZB-H1 (split backward).
-    #[serde(rename = "zb-h1")]
-    ZbH1,
-    /// Zero-bubble ZB-H2 (split backward, more in flight).
-    #[serde(rename = "zb-h2")]
-    ZbH2,
-    /// Zero-bubble ZB-V: two chunks per stage in a V (split backward).
-    #[serde(rename = "zb-v")]
-    ZbV,
-}
-
-impl PpSchedule {
-    /// The generator in `weft-pipeline`.
-    pub fn kind(self) -> weft_pipeline::ScheduleKind {
-        use weft_pipeline::ScheduleKind as K;
-        match self {
-            PpSchedule::GPipe => K::GPipe,
-            PpSchedule::OneFOneB => K::OneFOneB,
-            PpSchedule::Interleaved => K::Interleaved,
-            PpSchedule::ZbH1 => K::ZbH1,
-            PpSchedule::ZbH2 => K::ZbH2,
-            PpSchedule::ZbV => K::ZbV,
-        }
-    }
-
-    /// The name used in the configuration.
-    pub fn name(self) -> &'static str {
-        match self {
-            PpSchedule::GPipe => "gpipe",
-            PpSchedule::OneFOneB => "1f1b",
-            PpSchedule::Interleaved => "interleaved",
-            PpSchedule::ZbH1 => "zb-h1",
-            PpSchedule::ZbH2 => "zb-h2",
-            PpSchedule::ZbV => "zb-v",
-        }
-    }
-}
-
-/// `model.moe.gate`: how router scores become weights.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum MoeGate {
-    /// Softmax over the experts.
-    Softmax,
-    /// Per-expert sigmoid (DeepSeek-V3).
-    Sigmoid,
-}
-
-/// `model.moe.balance`: how expert load is balanced.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum MoeBalance {
-    /// No balancing.
-    None,
-    /// Switch/GShard auxiliary loss.
-    Aux,
-    /// DeepSeek-V3's auxiliary-loss-free selection bias.
-    Bias,
-}
-
-/// `model.moe.drop`: which tokens an expert over capacity drops.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum MoeDrop {
-    /// The latest positions (causal).
-    Position,
-    /// The lowest scores (not causal: a token's fate depends on later ones).
-    Score,
+    pub parallel: ParallelLayout,
 }
 
 /// `[checkpoint]`: periodic, atomic checkpoints in `<run folder>/checkpoints/`.
@@ -386,55 +107,7 @@ pub struct ModelConfig {
     /// Context length (T): tokens per training sequence.
     pub block_size: usize,
     /// Mixture-of-experts feed-forward blocks (`experts = 0`: dense).
-    pub moe: MoeSection,
-}
-
-/// `[model.moe]`: mixture-of-experts feed-forward blocks in every layer.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct MoeSection {
-    /// Experts per layer, E (0: a dense GPT-2 MLP).
-    pub experts: usize,
-    /// Experts per token, k.
-    pub top_k: usize,
-    /// Gate: `"softmax"` or `"sigmoid"`.
-    pub gate: MoeGate,
-    /// Normalise the gate weights over the chosen k.
-    pub normalize: bool,
-    /// Load balancing: `"none"`, `"aux"` (Switch/GShard auxiliary loss) or
-    /// `"bias"` (DeepSeek-V3's auxiliary-loss-free bias).
-    pub balance: MoeBalance,
-    /// Coefficient of the auxiliary loss (`balance = "aux"`).
-    pub aux_coef: f64,
-    /// Update rate of the selection bias (`balance = "bias"`). The
-    /// default, 0.01, suits runs of hundreds to thousands of steps: at
-    /// DeepSeek-V3's 0.001 (set for a run of trillions of tokens) a
-    /// 200-step run on the default corpus still ends at MaxVio 2.06 — no
-    /// better than no balancing — against 0.28 at 0.01.
-    pub bias_rate: f64,
-    /// Add a shared expert that sees every token.
-    pub shared_expert: bool,
-    /// Capacity factor (0: dropless, the default and the causal choice).
-    pub capacity_factor: f64,
-    /// With a capacity: drop by `"position"` (causal) or `"score"` (not).
-    pub drop: MoeDrop,
-}
-
-impl Default for MoeSection {
-    fn default() -> Self {
-        Self {
-            experts: 0,
-            top_k: 2,
-            gate: MoeGate::Softmax,
-            normalize: true,
-            balance: MoeBalance::Bias,
-            aux_coef: 0.01,
-            bias_rate: 1e-2,
-            shared_expert: false,
-            capacity_factor: 0.0,
-            drop: MoeDrop::Position,
-        }
-    }
+    pub moe: MoeOptions,
 }
 
 impl Default for ModelConfig {
@@ -444,7 +117,7 @@ impl Default for ModelConfig {
             n_head: 4,
             n_embd: 128,
             block_size: 64,
-            moe: MoeSection::default(),
+            moe: MoeOptions::default(),
         }
     }
 }
@@ -715,38 +388,6 @@ impl LossScaleConfig {
     }
 }
 
-/// `train.precision`: the arithmetic of the linear layers' products.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Precision {
-    /// f32 products (the default).
-    #[default]
-    Fp32,
-    /// Mixed precision: bf16 operands, f32 accumulation (`vdpbf16ps`
-    /// where the CPU has AVX512-BF16), f32 everywhere else.
-    Bf16,
-    /// Mixed precision with fp16 operands and f32 accumulation, trained
-    /// with dynamic loss scaling (`[train.loss_scale]`). The CPU has no
-    /// fp16 products: f32's speed, for checking an fp16 recipe.
-    Fp16,
-}
-
-impl Precision {
-    /// The kernels' precision.
-    pub fn kernels(self) -> weft_kernels::Precision {
-        match self {
-            Precision::Fp32 => weft_kernels::Precision::F32,
-            Precision::Bf16 => weft_kernels::Precision::Bf16,
-            Precision::Fp16 => weft_kernels::Precision::F16,
-        }
-    }
-
-    /// The name used in the configuration.
-    pub fn name(self) -> &'static str {
-        self.kernels().name()
-    }
-}
-
 impl Default for TrainConfig {
     fn default() -> Self {
         Self {
@@ -764,7 +405,7 @@ impl Default for TrainConfig {
             nonfinite_limit: 3,
             max_rewinds: 5,
             skip_batches: Vec::new(),
-            precision: Precision::Fp32,
+            precision: Precision::F32,
             loss_scale: LossScaleConfig::default(),
             device: Device::Cpu,
         }
@@ -935,62 +576,53 @@ impl Config {
             .map_err(|e| err(Some(key), e.message().trim().to_owned()))
     }
 
-    /// Checks ranges and relations between settings.
+    /// Checks ranges and relations between settings: each library's own
+    /// checks of the sections it owns (the model's shape, the mixture of
+    /// experts, the parallel layout and the batch split, the loss scaler,
+    /// the synthetic corpus), then the trainer's own settings.
     ///
     /// # Errors
     /// A [`ConfigError`] naming the first key out of range.
     pub fn validate(&self) -> Result<(), ConfigError> {
-        let bad = |key: &str, message: String| {
-            Err(ConfigError {
-                origin: "config".into(),
-                position: None,
-                key: Some(key.into()),
-                message,
-            })
-        };
+        let bad = |key: &str, message: String| Err(ConfigError::key(key, message));
         let m = &self.model;
-        if m.n_layer == 0 {
-            return bad("model.n_layer", "must be at least 1".into());
-        }
-        if m.n_embd == 0 {
-            return bad("model.n_embd", "must be at least 1".into());
-        }
-        if m.n_head == 0 || !m.n_embd.is_multiple_of(m.n_head) {
-            return bad(
-                "model.n_head",
-                format!(
-                    "must be at least 1 and divide model.n_embd = {} (got {})",
-                    m.n_embd, m.n_head
-                ),
-            );
-        }
-        let e = &m.moe;
-        if e.experts > 0 {
-            if e.top_k == 0 || e.top_k > e.experts {
+        let gpt = weft_model::GptConfig {
+            n_layer: m.n_layer,
+            n_head: m.n_head,
+            n_embd: m.n_embd,
+            vocab_size: 1,
+            block_size: m.block_size,
+            tied_embeddings: true,
+            layer_norm_epsilon: 1e-5,
+        };
+        gpt.validate().map_err(library_error)?;
+        let p = &self.parallel;
+        for (key, v) in [
+            ("parallel.dp", p.dp),
+            ("parallel.tp", p.tp),
+            ("parallel.pp", p.pp),
+            ("parallel.ep", p.ep),
+        ] {
+            // the ranks this trainer starts (threads of one process, or the
+            // processes of one launcher's job)
+            if v > MAX_RANKS_PER_AXIS {
                 return bad(
-                    "model.moe.top_k",
-                    format!("must be in 1..={} (got {})", e.experts, e.top_k),
-                );
-            }
-            if !(e.capacity_factor == 0.0
-                || e.capacity_factor.is_finite() && e.capacity_factor > 0.0)
-            {
-                return bad(
-                    "model.moe.capacity_factor",
-                    format!("must be 0 (dropless) or > 0 (got {})", e.capacity_factor),
+                    key,
+                    format!("must be at most {MAX_RANKS_PER_AXIS} (got {v})"),
                 );
             }
         }
-        if m.block_size < 2 {
-            return bad(
-                "model.block_size",
-                format!("must be at least 2 (got {})", m.block_size),
-            );
-        }
+        m.moe.validate().map_err(library_error)?;
+        self.parallel
+            .check(
+                &self.model_shape(),
+                self.train.batch_size,
+                self.train.micro_batch_size,
+            )
+            .map_err(library_error)?;
+        weft_numerics::DynamicLossScaler::new(self.train.loss_scale.scaler())
+            .map_err(|e| self.loss_scale_error(e))?;
         let t = &self.train;
-        if t.batch_size == 0 {
-            return bad("train.batch_size", "must be at least 1".into());
-        }
         if t.eval_sequences == 0 {
             return bad("train.eval_sequences", "must be at least 1".into());
         }
@@ -1046,121 +678,6 @@ impl Config {
                 let bound = if min_exclusive { "> 0" } else { ">= 0" };
                 return bad(key, format!("must be a finite value {bound} (got {v})"));
             }
-        }
-        let p = &self.parallel;
-        for (key, v) in [
-            ("parallel.dp", p.dp),
-            ("parallel.tp", p.tp),
-            ("parallel.pp", p.pp),
-            ("parallel.ep", p.ep),
-            ("parallel.pp_chunks", p.pp_chunks),
-            ("parallel.hybrid_shard", p.hybrid_shard),
-        ] {
-            if v == 0 || v > 64 {
-                return bad(key, format!("must be in 1..=64 (got {v})"));
-            }
-        }
-        let split = self.batch_split().map_err(|(key, message)| ConfigError {
-            origin: "config".into(),
-            position: None,
-            key: Some(key.into()),
-            message,
-        })?;
-        if !m.n_head.is_multiple_of(p.tp) {
-            return bad(
-                "parallel.tp",
-                format!(
-                    "must divide model.n_head = {} (heads stay whole on a rank; got {})",
-                    m.n_head, p.tp
-                ),
-            );
-        }
-        if !(p.timeout_s.is_finite() && p.timeout_s > 0.0 && p.timeout_s <= 1e9) {
-            return bad(
-                "parallel.timeout_s",
-                format!("must be a number of seconds > 0 (got {})", p.timeout_s),
-            );
-        }
-        let cores = crate::ranks::cores();
-        if p.threads > cores {
-            return bad(
-                "parallel.threads",
-                format!(
-                    "must be at most this machine's {cores} cores (got {}); 0 shares them out over the ranks",
-                    p.threads
-                ),
-            );
-        }
-        if p.sequence_parallel && p.tp == 1 {
-            return bad(
-                "parallel.sequence_parallel",
-                "splits the tensor-parallel group's tokens: it needs parallel.tp > 1 (got tp = 1), or leave it false".into(),
-            );
-        }
-        if p.sequence_parallel && !(split.micro * m.block_size).is_multiple_of(p.tp) {
-            return bad(
-                "parallel.sequence_parallel",
-                format!(
-                    "needs parallel.tp = {} to divide the tokens of a micro-batch ({} sequences of {})",
-                    p.tp, split.micro, m.block_size
-                ),
-            );
-        }
-        if p.ep > 1 && (m.moe.experts == 0 || !m.moe.experts.is_multiple_of(p.ep)) {
-            return bad(
-                "parallel.ep",
-                format!(
-                    "needs a mixture-of-experts model whose model.moe.experts (= {}) it divides (got {})",
-                    m.moe.experts, p.ep
-                ),
-            );
-        }
-        if p.ep > 1 && !p.dp.is_multiple_of(p.ep) {
-            return bad(
-                "parallel.ep",
-                format!(
-                    "must divide parallel.dp = {} (experts are sharded over data-parallel ranks; got {})",
-                    p.dp, p.ep
-                ),
-            );
-        }
-        if let Err(weft_numerics::Error::InvalidConfig {
-            field,
-            value,
-            expected,
-        }) = weft_numerics::DynamicLossScaler::new(self.train.loss_scale.scaler())
-        {
-            let key = match field {
-                "init_scale" => "init",
-                "growth_factor" => "growth",
-                "backoff_factor" => "backoff",
-                "min_scale" => "min",
-                "max_scale" => "max",
-                f => f,
-            };
-            return bad(
-                &format!("train.loss_scale.{key}"),
-                format!(
-                    "= {value} is out of range: expected {} (train.loss_scale.min = {}, max = {})",
-                    expected
-                        .replace("min_scale", "train.loss_scale.min")
-                        .replace("max_scale", "train.loss_scale.max"),
-                    self.train.loss_scale.min,
-                    self.train.loss_scale.max
-                ),
-            );
-        }
-        // With experts sharded over ep, FSDP shards over the expert group's
-        // replicas: dp / ep ranks.
-        let group = p.dp / p.ep;
-        if p.fsdp == FsdpMode::Hybrid && !group.is_multiple_of(p.hybrid_shard) {
-            return bad(
-                "parallel.hybrid_shard",
-                format!(
-                    "must divide the sharded group, parallel.dp / parallel.ep = {} / {} = {group} (got {})",
-                    p.dp, p.ep, p.hybrid_shard
-                ),
-            );
         }
         if let Err((key, message)) = self.gpu_support() {
             return bad(key, message);
@@ -1224,58 +741,60 @@ impl Config {
         Ok(())
     }
 
-    /// How the global batch is cut: `train.batch_size` sequences in
-    /// micro-batches of `micro` sequences, `global` of them per step,
-    /// `per_rank` on each data-parallel rank (gradient accumulation).
-    ///
-    /// `train.micro_batch_size = 0` chooses the micro-batch for the layout:
-    /// as many per data-parallel rank as there are pipeline stages (so the
-    /// pipeline has one micro-batch per stage in flight), else one per
-    /// rank.
+    /// The model dimensions the parallel layout splits.
+    #[must_use]
+    pub fn model_shape(&self) -> ModelShape {
+        ModelShape {
+            layers: self.model.n_layer,
+            heads: self.model.n_head,
+            experts: self.model.moe.experts,
+            seq: self.model.block_size,
+        }
+    }
+
+    /// How the global batch is cut over the layout
+    /// ([`ParallelLayout::batch_split`] of `train.batch_size` and
+    /// `train.micro_batch_size`).
     ///
     /// # Errors
-    /// The key and a message naming the sizes and degrees that conflict,
-    /// and what to change, when the batch does not split over the layout.
-    pub fn batch_split(&self) -> Result<BatchSplit, (&'static str, String)> {
-        let (b, dp, pp) = (self.train.batch_size, self.parallel.dp, self.parallel.pp);
-        let micro = match self.train.micro_batch_size {
-            0 => {
-                if b.is_multiple_of(dp * pp) {
-                    b / (dp * pp)
-                } else if b.is_multiple_of(dp) {
-                    b / dp
-                } else {
-                    return Err((
-                        "train.batch_size",
-                        format!(
-                            "= {b} sequences cannot be shared by parallel.dp = {dp} data-parallel ranks; use a multiple of {dp}"
-                        ),
-                    ));
-                }
-            }
-            m => m,
+    /// A [`ConfigError`] naming `train.batch_size` or
+    /// `train.micro_batch_size` when the batch does not split.
+    pub fn batch_split(&self) -> Result<BatchSplit, ConfigError> {
+        self.parallel
+            .batch_split(self.train.batch_size, self.train.micro_batch_size)
+            .map_err(library_error)
+    }
+
+    /// The loss scaler's refusal as the key of `[train.loss_scale]` it
+    /// concerns.
+    fn loss_scale_error(&self, e: weft_numerics::Error) -> ConfigError {
+        let weft_numerics::Error::InvalidConfig {
+            field,
+            value,
+            expected,
+        } = e
+        else {
+            return ConfigError::key("train.loss_scale", e.to_string());
         };
-        if !b.is_multiple_of(micro) {
-            return Err((
-                "train.micro_batch_size",
-                format!("= {micro} does not divide train.batch_size = {b}; use a divisor of {b}"),
-            ));
-        }
-        let global = b / micro;
-        if !global.is_multiple_of(dp) {
-            return Err((
-                "train.micro_batch_size",
-                format!(
-                    "= {micro} cuts train.batch_size = {b} into {global} micro-batches, which parallel.dp = {dp} ranks cannot share equally; use a micro-batch size that divides {}",
-                    b / dp.max(1)
-                ),
-            ));
-        }
-        Ok(BatchSplit {
-            micro,
-            global,
-            per_rank: global / dp,
-        })
+        let key = match field {
+            "init_scale" => "init",
+            "growth_factor" => "growth",
+            "backoff_factor" => "backoff",
+            "min_scale" => "min",
+            "max_scale" => "max",
+            f => f,
+        };
+        ConfigError::key(
+            &format!("train.loss_scale.{key}"),
+            format!(
+                "= {value} is out of range: expected {} (train.loss_scale.min = {}, max = {})",
+                expected
+                    .replace("min_scale", "train.loss_scale.min")
+                    .replace("max_scale", "train.loss_scale.max"),
+                self.train.loss_scale.min,
+                self.train.loss_scale.max
+            ),
+        )
     }
 
     /// With `train.device = "cuda"`: what the GPU loop does not do yet,
@@ -1310,16 +829,18 @@ impl Config {
                 ));
             }
         }
-        if p.fsdp != FsdpMode::None {
+        if let Some(s) = p.fsdp {
             return Err((
                 "parallel.fsdp",
                 why(format!(
-                    "= \"{}\": train.device = \"{device}\" holds the whole model on one GPU (no sharding)",
-                    p.fsdp.name()
+                    "= \"{s}\": train.device = \"{device}\" holds the whole model on one GPU (no sharding)"
                 )),
             ));
         }
-        if matches!(p.backend, Backend::Mpi | Backend::Nccl) {
+        if matches!(
+            p.backend,
+            weft_collectives::Backend::Mpi | weft_collectives::Backend::Nccl
+        ) {
             return Err((
                 "parallel.backend",
                 why(format!(
@@ -1343,7 +864,7 @@ impl Config {
                 why("the GPU model's attention has no document masking yet".into()),
             ));
         }
-        if self.train.precision == Precision::Fp16 {
+        if self.train.precision == Precision::F16 {
             return Err((
                 "train.precision",
                 why(
@@ -1370,6 +891,77 @@ impl Config {
     /// Never for a `Config`: every field serializes.
     pub fn to_toml(&self) -> String {
         toml::to_string_pretty(self).expect("a Config always serializes")
+    }
+}
+
+/// The largest degree `weft train` runs on any axis of `[parallel]`.
+pub const MAX_RANKS_PER_AXIS: usize = 64;
+
+impl ConfigError {
+    /// An error of the resolved configuration at `key`.
+    pub fn key(key: &str, message: String) -> Self {
+        ConfigError {
+            origin: "config".into(),
+            position: None,
+            key: Some(key.into()),
+            message,
+        }
+    }
+}
+
+/// A library's refusal of the section it owns, as the key of the job file
+/// it concerns: the one place the libraries' field names map to keys.
+pub fn library_error(e: impl Into<LibraryError>) -> ConfigError {
+    let (key, message) = match e.into() {
+        LibraryError::Model(weft_model::Error::Config { field, reason }) => {
+            let field = match field {
+                "n_positions" => "block_size",
+                f => f,
+            };
+            (format!("model.{field}"), reason)
+        }
+        LibraryError::Moe(weft_moe::Error::Config { field, reason }) => {
+            (format!("model.moe.{field}"), reason)
+        }
+        LibraryError::Parallel(weft_parallel::Error::Dims { field, reason }) => {
+            (format!("parallel.{field}"), reason)
+        }
+        LibraryError::Parallel(weft_parallel::Error::Batch { field, reason }) => {
+            (format!("train.{field}"), reason)
+        }
+        LibraryError::Model(e) => ("model".into(), e.to_string()),
+        LibraryError::Moe(e) => ("model.moe".into(), e.to_string()),
+        LibraryError::Parallel(e) => ("parallel".into(), e.to_string()),
+    };
+    ConfigError::key(&key, message)
+}
+
+/// The libraries whose checks [`library_error`] maps to keys.
+#[derive(Debug)]
+pub enum LibraryError {
+    /// `weft-model`: `[model]`.
+    Model(weft_model::Error),
+    /// `weft-moe`: `[model.moe]`.
+    Moe(weft_moe::Error),
+    /// `weft-parallel`: `[parallel]` and the batch split.
+    Parallel(weft_parallel::Error),
+}
+
+impl From<weft_model::Error> for LibraryError {
+    fn from(e: weft_model::Error) -> Self {
+        LibraryError::Model(e)
+    }
+}
+
+impl From<weft_moe::Error> for LibraryError {
+    fn from(e: weft_moe::Error) -> Self {
+        LibraryError::Moe(e)
+    }
+}
+
+impl From<weft_parallel::Error> for LibraryError {
+    fn from(e: weft_parallel::Error) -> Self {
+        LibraryError::Parallel(e)
     }
 }
 
@@ -1508,10 +1100,9 @@ mod tests {
         )
         .unwrap();
         assert_eq!(c.train.precision, Precision::Bf16);
-        assert_eq!(c.train.precision.kernels(), weft_kernels::Precision::Bf16);
-        assert_eq!(c.parallel.fsdp, FsdpMode::GradOp);
-        assert_eq!(c.parallel.pp_schedule, PpSchedule::ZbH1);
-        assert_eq!(c.model.moe.gate, MoeGate::Sigmoid);
+        assert_eq!(c.parallel.fsdp, Some(weft_parallel::Strategy::GradOp));
+        assert_eq!(c.parallel.pp_schedule, weft_pipeline::ScheduleKind::ZbH1);
+        assert_eq!(c.model.moe.gate, weft_moe::Gate::Sigmoid);
         assert_eq!(Config::from_toml(&c.to_toml(), "x").unwrap(), c);
         for (set, valid) in [
             (
@@ -1524,7 +1115,7 @@ mod tests {
             ),
             ("model.moe.gate=relu", "`softmax` or `sigmoid`"),
             ("model.moe.balance=loss", "`none`, `aux`, `bias`"),
-            ("model.moe.drop=random", "`position` or `score`"),
+            ("model.moe.drop=random", "`score` or `position`"),
             ("train.precision=fp8", "`fp32`, `bf16`, `fp16`"),
         ] {
             let e = Config::load(None, &[set.into()]).unwrap_err().to_string();
@@ -1555,26 +1146,20 @@ mod tests {
             per_rank,
         };
         assert_eq!(split(&[]).unwrap(), s(32, 1, 1));
-        assert_eq!(split(&["parallel.dp=2"]).unwrap(), s(16, 2, 1));
-        assert_eq!(split(&["parallel.pp=2"]).unwrap(), s(16, 2, 2));
         assert_eq!(
             split(&["parallel.pp=2", "parallel.tp=2", "parallel.dp=2"]).unwrap(),
             s(8, 4, 2)
         );
-        assert_eq!(
-            split(&["parallel.dp=2", "train.micro_batch_size=4"]).unwrap(),
-            s(4, 8, 4)
-        );
         let e = split(&["parallel.dp=3"]).unwrap_err().to_string();
         assert!(
-            e.contains("train.batch_size") && e.contains("parallel.dp = 3"),
+            e.contains("key `train.batch_size`") && e.contains("dp = 3"),
             "{e}"
         );
         let e = split(&["parallel.dp=4", "train.micro_batch_size=16"])
             .unwrap_err()
             .to_string();
         assert!(
-            e.contains("train.micro_batch_size")
+            e.contains("key `train.micro_batch_size`")
                 && e.contains("2 micro-batches")
                 && e.contains("divides 8"),
             "{e}"

@@ -90,8 +90,8 @@ pub(crate) fn train(
 /// where it comes from; NaN and "unknown" for any other GPU (an H100
 /// PCIe or NVL has other clocks). f32 products run without TF32, so the
 /// f32 peak is the one without tensor cores.
-pub(crate) fn datasheet_peak(name: &str, precision: crate::config::Precision) -> (f64, String) {
-    use crate::config::Precision as P;
+pub(crate) fn datasheet_peak(name: &str, precision: weft_kernels::Precision) -> (f64, String) {
+    use weft_kernels::Precision as P;
     let upper = name.to_ascii_uppercase();
     let preset = if upper.contains("H200") {
         Some(("h200", "H200"))
@@ -169,7 +169,7 @@ fn run(
     host.init_gpt2(t.seed);
     let device = format!("{} ({})", t.device.name(), gpu.name());
     let (peak, peak_source) = datasheet_peak(gpu.name(), t.precision);
-    let predicted = CudaGpt::predict_memory(&host, split.micro, seq, t.precision.kernels());
+    let predicted = CudaGpt::predict_memory(&host, split.micro, seq, t.precision);
     check_gpu_memory(&gpu, &device, &predicted)?;
 
     let run_dir = crate::run::open_run_dir(config, world, resume)?;
@@ -189,7 +189,7 @@ fn run(
     }
     let skips = Skips::for_run(world, &run_dir, resume, &t.skip_batches)?;
     let hp = crate::run::adamw(&config.optim, config.optim.lr);
-    let precision = t.precision.kernels();
+    let precision = t.precision;
     let mut model = CudaGpt::new(
         gpu,
         &host,
@@ -346,7 +346,7 @@ fn poison(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::Precision;
+    use weft_kernels::Precision;
     use weft_model::AdamWState;
 
     #[test]

@@ -903,20 +903,14 @@ fn elastic(
     shrink: bool,
 ) -> Result<weft_trainer::supervise::Elastic> {
     let p = &cfg.parallel;
-    let micro = cfg
-        .batch_split()
-        .map_err(|(key, message)| anyhow::anyhow!("config: key `{key}`: {message}"))?
-        .micro;
+    let micro = cfg.batch_split()?.micro;
     let mut smaller = Vec::new();
     if shrink {
         for d in (1..p.dp).rev() {
             let mut c = cfg.clone();
             c.parallel.dp = d;
             c.train.micro_batch_size = micro;
-            if c.validate().is_ok()
-                && c.parallel.dims().validate().is_ok()
-                && c.batch_split().is_ok()
-            {
+            if c.validate().is_ok() {
                 smaller.push(d);
             }
         }

@@ -38,10 +38,10 @@ use serde::Serialize;
 use weft_plan::search::{Constraints, reason, search};
 use weft_plan::{
     Accounting, Cluster, Device, Efficiency, Layout, Link, ModelSpec, Peak, Precision, Prediction,
-    Recipe, Request, Schedule, Sharding,
+    Recipe, Request, ScheduleKind, Strategy,
 };
 
-use crate::config::{Config, ConfigError, FsdpMode, GradWire, PpSchedule};
+use crate::config::{Config, ConfigError};
 use crate::train::{Observer, RankMemory, RunInfo, StepReport, TrainError};
 
 /// Errors of `weft plan`.
@@ -283,7 +283,7 @@ fn best_of(reps: usize, mut f: impl FnMut()) -> f64 {
 /// a training step a product's operands were written long before it runs,
 /// so each call here reads operands the previous calls have pushed out of
 /// the caches: copies cycling through 64 MiB or more.
-fn gemm_rate(shapes: &[(usize, usize, usize)], precision: weft_kernels::Precision) -> f64 {
+fn gemm_rate(shapes: &[(usize, usize, usize)], precision: Precision) -> f64 {
     use weft_kernels::{Mode, matmul_backward, matmul_forward};
     const COLD: usize = 64 << 20;
     let (mut flops, mut secs) = (0.0, 0.0);
@@ -355,7 +355,7 @@ fn product(out: &mut [f32], a: &[f32], w: &[f32], (m, k, n): (usize, usize, usiz
         k,
         n,
         weft_kernels::Mode::Throughput,
-        weft_kernels::Precision::F32,
+        Precision::F32,
     );
 }
 
@@ -515,12 +515,8 @@ impl MachineProfile {
                 };
                 for _ in 0..3 {
                     pool.install(|| {
-                        best.gemm_f32 = best
-                            .gemm_f32
-                            .max(gemm_rate(&shapes, weft_kernels::Precision::F32));
-                        best.gemm_bf16 = best
-                            .gemm_bf16
-                            .max(gemm_rate(&shapes, weft_kernels::Precision::Bf16));
+                        best.gemm_f32 = best.gemm_f32.max(gemm_rate(&shapes, Precision::F32));
+                        best.gemm_bf16 = best.gemm_bf16.max(gemm_rate(&shapes, Precision::Bf16));
                         best.overhead = best.overhead.min(call_overhead());
                         best.memory_bandwidth = best.memory_bandwidth.max(triad_bandwidth());
                     });
@@ -657,51 +653,14 @@ pub fn model_of(config: &Config) -> Result<ModelSpec, PlanError> {
     Ok(spec)
 }
 
-/// The layout a job runs.
+/// The layout a job runs: its `[parallel]` table and micro-batch size.
 ///
 /// # Errors
 /// [`PlanError::Config`] when the batch does not split over the layout.
 pub fn layout_of(config: &Config) -> Result<Layout, PlanError> {
-    let p = &config.parallel;
-    let split = config.batch_split().map_err(|(key, message)| ConfigError {
-        origin: "config".into(),
-        position: None,
-        key: Some(key.into()),
-        message,
-    })?;
     Ok(Layout {
-        dp: p.dp,
-        tp: p.tp,
-        pp: p.pp,
-        ep: p.ep,
-        sharding: match p.fsdp {
-            FsdpMode::None => Sharding::None,
-            FsdpMode::Optimizer => Sharding::Optimizer,
-            FsdpMode::GradOp => Sharding::GradOp,
-            FsdpMode::Full => Sharding::Full,
-            FsdpMode::Hybrid => Sharding::Hybrid {
-                shard: p.hybrid_shard,
-            },
-        },
-        schedule: match p.pp_schedule {
-            PpSchedule::GPipe => Schedule::GPipe,
-            PpSchedule::OneFOneB => Schedule::OneFOneB,
-            PpSchedule::Interleaved => Schedule::Interleaved,
-            PpSchedule::ZbH1 => Schedule::ZbH1,
-            PpSchedule::ZbH2 => Schedule::ZbH2,
-            PpSchedule::ZbV => Schedule::ZbV,
-        },
-        chunks: if p.pp == 1 {
-            1
-        } else {
-            match p.pp_schedule {
-                PpSchedule::Interleaved => p.pp_chunks,
-                PpSchedule::ZbV => 2,
-                _ => 1,
-            }
-        },
-        micro_batch_size: split.micro,
-        sequence_parallel: p.sequence_parallel,
+        parallel: config.parallel,
+        micro_batch_size: config.batch_split()?.micro,
         recompute: false,
     })
 }
@@ -709,17 +668,9 @@ pub fn layout_of(config: &Config) -> Result<Layout, PlanError> {
 /// What a job's ranks hold and compute.
 #[must_use]
 pub fn recipe_of(config: &Config) -> Recipe {
-    let mut r = Recipe::weft(precision_of(config.train.precision));
-    r.bf16_grad_wire = config.parallel.grad_wire == GradWire::Bf16;
+    let mut r = Recipe::weft(config.train.precision);
+    r.bf16_grad_wire = config.parallel.grad_wire == weft_numerics::Dtype::BF16;
     r
-}
-
-fn precision_of(p: crate::config::Precision) -> Precision {
-    match p {
-        crate::config::Precision::Fp32 => Precision::Fp32,
-        crate::config::Precision::Bf16 => Precision::Bf16,
-        crate::config::Precision::Fp16 => Precision::Fp16,
-    }
 }
 
 /// A calibration layout's figures: of one run, or of the quietest of
@@ -1247,11 +1198,13 @@ pub fn request(args: &PlanArgs) -> Result<(Request, Option<Config>), PlanError> 
     let mut recipe = match accounting {
         Accounting::Weft => config
             .as_ref()
-            .map_or(Recipe::weft(Precision::Fp32), recipe_of),
+            .map_or(Recipe::weft(Precision::F32), recipe_of),
         Accounting::Mixed => Recipe::mixed(),
     };
     if let Some(p) = &args.precision {
-        recipe.precision = Precision::parse(p)?;
+        recipe.precision = p
+            .parse()
+            .map_err(|_| usage(format!("--precision {p}: expected fp32, bf16 or fp16")))?;
     }
     if args.materialized_attention {
         recipe.flash_attention = false;
@@ -1268,31 +1221,38 @@ pub fn request(args: &PlanArgs) -> Result<(Request, Option<Config>), PlanError> 
 }
 
 fn constraints(args: &PlanArgs) -> Result<Constraints, PlanError> {
-    let sharding = match args.fsdp.as_deref() {
+    let fsdp = match args.fsdp.as_deref() {
         None => None,
-        Some("none") => Some(Sharding::None),
-        Some("optimizer") => Some(Sharding::Optimizer),
-        Some("grad_op") => Some(Sharding::GradOp),
-        Some("full") => Some(Sharding::Full),
-        Some("hybrid") => Some(Sharding::Hybrid {
-            shard: args
-                .hybrid_shard
-                .ok_or_else(|| usage("--fsdp hybrid needs --hybrid-shard N"))?,
-        }),
-        Some(other) => {
-            return Err(usage(format!(
-                "--fsdp {other}: expected none, optimizer, grad_op, full or hybrid"
-            )));
+        Some("none") => Some(None),
+        Some(name) => {
+            let s: Strategy = name.parse().map_err(|_| {
+                usage(format!(
+                    "--fsdp {name}: expected none, optimizer, grad_op, full or hybrid"
+                ))
+            })?;
+            if s == Strategy::Hybrid && args.hybrid_shard.is_none() {
+                return Err(usage("--fsdp hybrid needs --hybrid-shard N"));
+            }
+            Some(Some(s))
         }
+    };
+    let schedule = match args.schedule.as_deref() {
+        None => None,
+        Some(name) => Some(name.parse::<ScheduleKind>().map_err(|_| {
+            usage(format!(
+                "--schedule {name}: expected gpipe, 1f1b, interleaved, zb-h1, zb-h2 or zb-v"
+            ))
+        })?),
     };
     Ok(Constraints {
         dp: args.dp,
         tp: args.tp,
         pp: args.pp,
         ep: args.ep,
-        sharding,
-        schedule: args.schedule.as_deref().map(Schedule::parse).transpose()?,
-        chunks: args.chunks,
+        fsdp,
+        hybrid_shard: args.hybrid_shard,
+        schedule,
+        pp_chunks: args.chunks,
         micro_batch_size: args.micro_batch,
         sequence_parallel: args.sp,
         allow_recompute: args.recompute,
@@ -1397,16 +1357,16 @@ fn table(req: &Request, preds: &[Prediction], top: usize) -> String {
 /// The step-time plot's strategies: replicas, FSDP and the best layout
 /// of any kind, at each power-of-two GPU count up to the cluster's.
 fn strategies(req: &Request) -> Vec<(String, Vec<(usize, Prediction)>)> {
-    let pure = |s: Sharding| Constraints {
+    let pure = |s: Option<Strategy>| Constraints {
         tp: Some(1),
         pp: Some(1),
         ep: Some(1),
-        sharding: Some(s),
+        fsdp: Some(s),
         ..Constraints::default()
     };
     let kinds: [(&str, Constraints); 3] = [
-        ("data parallel (replicas)", pure(Sharding::None)),
-        ("FSDP (ZeRO-3)", pure(Sharding::Full)),
+        ("data parallel (replicas)", pure(None)),
+        ("FSDP (ZeRO-3)", pure(Some(Strategy::Full))),
         ("best layout (tp, pp, FSDP...)", Constraints::default()),
     ];
     let mut out = Vec::new();
@@ -1418,8 +1378,8 @@ fn strategies(req: &Request) -> Vec<(String, Vec<(usize, Prediction)>)> {
                 cluster: req.cluster.clone().with_gpus(g),
                 ..req.clone()
             };
-            let c = if g == 1 && c.sharding == Some(Sharding::Full) {
-                pure(Sharding::None)
+            let c = if g == 1 && c.fsdp == Some(Some(Strategy::Full)) {
+                pure(None)
             } else {
                 c.clone()
             };

@@ -76,14 +76,14 @@ fn with_floor(loss: f64, floor: Option<f64>) -> String {
 
 /// What a precision stores and computes, per parameter: the dtypes of
 /// the memory report's categories (which count the same buffers).
-fn precision_line(p: weft_trainer::config::Precision) -> String {
-    use weft_trainer::config::Precision;
+fn precision_line(p: weft_kernels::Precision) -> String {
+    use weft_kernels::Precision;
     let n = match p {
-        Precision::Fp32 => {
+        Precision::F32 => {
             return "fp32 products; 16 B per parameter: f32 weights 4, gradients 4, AdamW moments 8; activations f32".into();
         }
         Precision::Bf16 => "bf16",
-        Precision::Fp16 => "fp16",
+        Precision::F16 => "fp16",
     };
     let activations = if p == Precision::Bf16 {
         "activations f32, but the inputs only products read in bf16 (ln_1's output and the attention output; with the dense MLP ln_2's and the GELU output too)"

@@ -491,7 +491,7 @@ pub struct Processes {
     mpi: weft_collectives::MpiComm,
     // with `nccl`: the NCCL world; else the MPI world
     world: Box<dyn Communicator>,
-    backend: crate::config::Backend,
+    backend: weft_collectives::Backend,
     library: String,
     hosts: Vec<String>,
     /// Whether ranks were renumbered from the launcher's order so that each
@@ -570,7 +570,7 @@ impl Processes {
             world: Box::new(mpi.clone()),
             library: mpi.library_version(),
             mpi,
-            backend: crate::config::Backend::Mpi,
+            backend: weft_collectives::Backend::Mpi,
             hosts,
             renumbered,
         })
@@ -604,7 +604,7 @@ impl Processes {
             )?;
             let nccl = weft_collectives::NcclComm::over(&self.mpi, local).map_err(unavailable);
             self.world = Box::new(agree(&self.mpi, nccl)?);
-            self.backend = crate::config::Backend::Nccl;
+            self.backend = weft_collectives::Backend::Nccl;
             Ok(())
         }
         #[cfg(not(feature = "nccl"))]
@@ -653,7 +653,7 @@ impl Processes {
     /// any operation.
     pub fn set_timeout(&mut self, timeout: Duration) {
         #[cfg(feature = "mpi")]
-        if self.backend == crate::config::Backend::Mpi {
+        if self.backend == weft_collectives::Backend::Mpi {
             self.world = Box::new(self.mpi.clone().with_timeout(timeout));
         }
         #[cfg(not(feature = "mpi"))]
@@ -671,7 +671,7 @@ impl Processes {
     }
 
     /// The backend in use (`Mpi` or `Nccl`).
-    pub fn backend(&self) -> crate::config::Backend {
+    pub fn backend(&self) -> weft_collectives::Backend {
         self.backend
     }
 

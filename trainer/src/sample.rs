@@ -372,7 +372,10 @@ fn build_model(config: &Config, vocab: usize) -> Result<(Gpt, Option<MoeStats>),
             m.capacity_factor
         )));
     }
-    let (mut model, stats) = match crate::train::moe_config(config, &cfg) {
+    let moe = m
+        .config(cfg.n_embd, 4 * cfg.n_embd)
+        .map_err(crate::config::library_error)?;
+    let (mut model, stats) = match moe {
         None => (Gpt::new(cfg)?, None),
         Some(moe_cfg) => {
             let (ffn, stats) = weft_model::MoeFfn::new(moe_cfg)?;
@@ -380,7 +383,7 @@ fn build_model(config: &Config, vocab: usize) -> Result<(Gpt, Option<MoeStats>),
         }
     };
     // decode in the run's arithmetic: the training forward's bits
-    model.set_precision(config.train.precision.kernels());
+    model.set_precision(config.train.precision);
     model.set_doc_boundary(config.data.doc_boundary());
     Ok((model, stats))
 }

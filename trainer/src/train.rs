@@ -40,7 +40,7 @@ use weft_trace::MetricsRecord;
 
 pub use weft_model::RankMemory;
 
-use crate::config::{Config, MoeBalance, MoeDrop, MoeGate, PpSchedule};
+use crate::config::Config;
 use crate::data::{Data, DataError};
 use crate::ranks::agree;
 use crate::schedule::lr_at;
@@ -228,7 +228,7 @@ pub struct RunInfo {
     pub run_dir: PathBuf,
     /// The linear layers' arithmetic (`train.precision`), the one
     /// [`peak_flops`](Self::peak_flops) was measured in.
-    pub precision: crate::config::Precision,
+    pub precision: Precision,
     /// Model parameters (tied embedding counted once).
     pub params: usize,
     /// Vocabulary size.
@@ -586,38 +586,13 @@ struct MoeRun {
     bias_rate: Option<f64>,
 }
 
-/// The mixture-of-experts block of a job per `[model.moe]` (router, gate,
-/// capacity, shared expert, auxiliary loss), or `None` for a dense model.
-pub(crate) fn moe_config(config: &Config, cfg: &GptConfig) -> Option<weft_moe::MoeConfig> {
-    use weft_moe::{AuxLoss, AuxScope, DropPolicy, Gate, MoeConfig, Router};
-    let m = &config.model.moe;
-    if m.experts == 0 {
-        return None;
-    }
-    let gate = match m.gate {
-        MoeGate::Softmax => Gate::Softmax,
-        MoeGate::Sigmoid => Gate::Sigmoid,
-    };
-    let mut router = Router::top_k(m.experts, m.top_k)
-        .with_gate(gate)
-        .with_normalize(m.normalize);
-    if m.capacity_factor > 0.0 {
-        let drop = match m.drop {
-            MoeDrop::Position => DropPolicy::ByPosition,
-            MoeDrop::Score => DropPolicy::ByScore,
-        };
-        router = router.with_capacity(m.capacity_factor, drop);
-    }
-    Some(MoeConfig {
-        channels: cfg.n_embd,
-        hidden: 4 * cfg.n_embd,
-        router,
-        shared_expert: m.shared_expert,
-        aux: (m.balance == MoeBalance::Aux).then_some(AuxLoss {
-            coef: m.aux_coef,
-            scope: AuxScope::Batch,
-        }),
-    })
+/// The mixture-of-experts block of a job per `[model.moe]`, or `None`
+/// for a dense model.
+pub(crate) fn moe_config(
+    config: &Config,
+    cfg: &GptConfig,
+) -> Result<Option<weft_moe::MoeConfig>, TrainError> {
+    Ok(config.model.moe.config(cfg.n_embd, 4 * cfg.n_embd)?)
 }
 
 /// This rank's feed-forward block: GPT-2's MLP, or the mixture of experts
@@ -628,7 +603,7 @@ fn rank_ffn(
     cfg: &GptConfig,
     mesh: &weft_parallel::ParallelMesh,
 ) -> Result<(Arc<dyn FeedForward>, Option<MoeRun>), TrainError> {
-    let Some(moe_cfg) = moe_config(config, cfg) else {
+    let Some(moe_cfg) = moe_config(config, cfg)? else {
         return Ok((Arc::new(weft_model::Mlp), None));
     };
     let m = &config.model.moe;
@@ -641,90 +616,29 @@ fn rank_ffn(
         stats,
         layers: cfg.n_layer,
         experts: m.experts,
-        bias_rate: (m.balance == MoeBalance::Bias).then_some(m.bias_rate),
+        bias_rate: (m.balance == weft_moe::Balance::Bias).then_some(m.bias_rate),
     };
     Ok((Arc::new(ffn), Some(run)))
 }
 
 /// The configuration's batch split (validated with the configuration).
-pub(crate) fn batch_split(config: &Config) -> Result<crate::config::BatchSplit, TrainError> {
-    config
-        .batch_split()
-        .map_err(|(key, message)| crate::config::ConfigError {
-            origin: "config".into(),
-            position: None,
-            key: Some(key.into()),
-            message,
-        })
-        .map_err(TrainError::Config)
+pub(crate) fn batch_split(config: &Config) -> Result<weft_parallel::BatchSplit, TrainError> {
+    Ok(config.batch_split()?)
 }
 
-/// The model's parallelization plan for this job: FSDP over the
-/// data-parallel group per `parallel.fsdp`, the pipeline schedule
-/// (`parallel.pp` stages, each data-parallel rank's micro-batches of
-/// [`Config::batch_split`], `parallel.pp_chunks` chunks per stage for the
-/// interleaved schedule) with its layers partitioned by cost
-/// ([`weft_model::partition_layers`]), the micro-batch shape and the
-/// reduction mode.
+/// The model's parallelization plan for this job
+/// ([`ParallelPlan::new`] of its `[parallel]` layout).
 fn plan(config: &Config, cfg: &GptConfig) -> Result<ParallelPlan, TrainError> {
-    let p = &config.parallel;
-    let split = batch_split(config)?;
-    let micro_batches = split.per_rank;
-    let pipeline = if p.pp > 1 {
-        let chunks = match p.pp_schedule {
-            PpSchedule::Interleaved => p.pp_chunks,
-            PpSchedule::ZbV => 2,
-            _ => 1,
-        };
-        let schedule = p
-            .pp_schedule
-            .kind()
-            .generate(p.pp, micro_batches, chunks)
-            .map_err(weft_model::Error::from)?;
-        let m = &config.model.moe;
-        let moe = (m.experts > 0).then_some((m.experts, m.top_k + usize::from(m.shared_expert)));
-        let layers = weft_model::partition_layers(cfg, moe, &schedule)?;
-        Some((schedule, layers))
-    } else {
-        None
-    };
-    let fsdp = p.fsdp.strategy().map(|strategy| weft_fsdp::FsdpConfig {
-        strategy,
-        reproducible: p.reproducible,
-        hybrid_shard: p.hybrid_shard,
-        precision: weft_fsdp::Precision {
-            // bf16 mixed precision gathers the products' weights in bf16
-            // (half the bytes; the products round them to the same bits)
-            // and the layernorms, biases and embeddings in f32. Strategies
-            // that replicate the parameters keep them in f32: they gather
-            // once per step, and compute from the replica
-            param: if config.train.precision.kernels() == Precision::Bf16
-                && strategy.shards_params()
-            {
-                weft_numerics::Dtype::BF16
-            } else {
-                weft_numerics::Dtype::F32
-            },
-            reduce: p.grad_wire.dtype(),
-        },
-        ..weft_fsdp::FsdpConfig::default()
-    });
-    Ok(ParallelPlan {
-        fsdp,
-        pipeline,
-        batch: split.micro,
-        seq: config.model.block_size,
-        micro_batches,
-        reproducible: p.reproducible,
-        tp: weft_model::tp::TpOptions {
-            sequence_parallel: p.sequence_parallel,
-            reproducible: p.reproducible,
-            ..Default::default()
-        },
-        precision: config.train.precision.kernels(),
-        grad_wire: p.grad_wire.dtype(),
-        doc_boundary: config.data.doc_boundary(),
-    })
+    let m = &config.model.moe;
+    let moe = (m.experts > 0).then_some((m.experts, m.active_experts()));
+    Ok(ParallelPlan::new(
+        cfg,
+        &config.parallel,
+        moe,
+        batch_split(config)?,
+        config.train.precision,
+        config.data.doc_boundary(),
+    )?)
 }
 
 /// Every layer's expert-load statistics (`experts` per layer), summed over
@@ -795,7 +709,7 @@ pub fn train(
     resume: bool,
     observer: &mut dyn Observer,
 ) -> Result<Summary, TrainError> {
-    use crate::config::Backend;
+    use weft_collectives::Backend;
     #[cfg(feature = "cuda")]
     if config.train.device != crate::config::Device::Cpu {
         return crate::gpu::train(config, resume, observer);
@@ -852,7 +766,7 @@ fn train_threads(
     check_model_floor(config)?;
     // The machine's peak, measured on every core before the ranks start
     // (each rank then computes on its own share of them).
-    let peak = measure_matmul_peak(config.train.precision.kernels());
+    let peak = measure_matmul_peak(config.train.precision);
     // Read (and tokenize) the data once, for every rank.
     let data = Data::open(config)?;
     let job = Job {
@@ -888,7 +802,7 @@ pub fn train_processes(
     resume: bool,
     observer: &mut dyn Observer,
 ) -> Result<Summary, TrainError> {
-    use crate::config::Backend;
+    use weft_collectives::Backend;
     let backend = match config.parallel.backend {
         Backend::Threads if procs.world().size() > 1 => Err(TrainError::Backend(format!(
             "\"threads\" runs every rank in one process, but this job has {} processes: use \"auto\" or \"mpi\"",
@@ -923,7 +837,7 @@ pub fn train_processes(
     })();
     agree(world, setup)?;
     let hosts = procs.hosts();
-    let peak = node_peak(world, hosts, config.train.precision.kernels())?;
+    let peak = node_peak(world, hosts, config.train.precision)?;
     let data = open_data_once(world, hosts, config)?;
     let job = Job {
         config,
@@ -1141,53 +1055,27 @@ fn available_memory() -> Option<u64> {
 
 /// `dp=2 tp=2 ...` for the degrees above 1.
 pub(crate) fn layout_name(config: &Config) -> String {
-    let p = &config.parallel;
-    let mut parts: Vec<String> = [("dp", p.dp), ("tp", p.tp), ("pp", p.pp), ("ep", p.ep)]
-        .iter()
-        .filter(|(_, n)| *n > 1)
-        .map(|(k, n)| format!("{k}={n}"))
-        .collect();
-    if let Some(strategy) = p.fsdp.strategy() {
-        let bf16 =
-            config.train.precision == crate::config::Precision::Bf16 && strategy.shards_params();
-        parts.push(format!(
-            "fsdp {}{}",
-            p.fsdp.name(),
-            if bf16 {
-                " (weights gathered in bf16)"
-            } else {
-                ""
-            }
-        ));
-    }
-    if p.tp > 1 && p.sequence_parallel {
-        parts.push("sequence-parallel".into());
-    }
-    if p.pp > 1 {
-        parts.push(format!("schedule {}", p.pp_schedule.name()));
-    }
-    if p.grad_wire != crate::config::GradWire::F32 && p.dp > 1 {
-        parts.push(format!("{} gradients on the wire", p.grad_wire.name()));
-    }
-    if p.world_size() > 1 {
-        parts.push(if p.reproducible {
-            "reproducible sums".into()
-        } else {
-            "plain f32 sums".into()
-        });
-    }
-    let ranks = if parts.is_empty() {
-        "single rank".into()
-    } else {
-        parts.join(" ")
-    };
+    let ranks = config.parallel.to_string();
     match config.train.precision {
-        crate::config::Precision::Fp32 => ranks,
-        crate::config::Precision::Fp16 => format!(
+        Precision::F32 => ranks,
+        Precision::F16 => format!(
             "{ranks}, fp16 mixed precision (dynamic loss scale from {})",
             config.train.loss_scale.init
         ),
-        p => format!("{ranks}, {} mixed precision", p.name()),
+        p => {
+            let gathered = config
+                .parallel
+                .fsdp
+                .is_some_and(weft_parallel::Strategy::shards_params);
+            format!(
+                "{ranks}, {p} mixed precision{}",
+                if gathered {
+                    " (weights gathered in bf16)"
+                } else {
+                    ""
+                }
+            )
+        }
     }
 }
 
@@ -1432,7 +1320,7 @@ fn run_attempt(
     let mut nonfinite_run = 0u64;
     // fp16: dynamic loss scaling, continued from the checkpoint's state
     let mut scaler = match t.precision {
-        crate::config::Precision::Fp16 => {
+        Precision::F16 => {
             let c = t.loss_scale.scaler();
             let s = match restored_scale {
                 Some(state) => DynamicLossScaler::from_state(c, state),

@@ -72,7 +72,7 @@ const CASES: &[(&[&str], &str)] = &[
     ),
     (
         &["train", "--set", "model.n_head=3"],
-        "key `model.n_head`: must be at least 1 and divide model.n_embd = 128",
+        "key `model.n_head`: = 3 must be at least 1 and divide n_embd = 128",
     ),
     (
         &["train", "--set", "model.n_embd=0"],
@@ -94,11 +94,11 @@ const CASES: &[(&[&str], &str)] = &[
             "--set",
             "parallel.dp=2",
         ],
-        "= 7 sequences cannot be shared by parallel.dp = 2",
+        "key `train.batch_size`: = 7 sequences cannot be shared by dp = 2",
     ),
     (
         &["train", "--set", "parallel.tp=3"],
-        "key `parallel.tp`: must divide model.n_head = 4",
+        "key `parallel.tp`: must divide the model's heads (4;",
     ),
     (
         &["train", "--set", "parallel.sequence_parallel=true"],

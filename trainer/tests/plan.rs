@@ -514,7 +514,7 @@ fn bad_input_names_what_is_wrong() {
                 "--gpus",
                 "6",
             ],
-            "tp: must divide the heads (4)",
+            "tp: must divide the model's heads (4;",
         ),
         (
             &[
@@ -552,7 +552,7 @@ fn bad_input_names_what_is_wrong() {
                 "--schedule",
                 "1f2b",
             ],
-            "`1f2b` is not one of gpipe, 1f1b",
+            "--schedule 1f2b: expected gpipe, 1f1b",
         ),
         (&["--config", "nosuch.toml"], "nosuch.toml: cannot read"),
         (

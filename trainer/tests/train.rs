@@ -1,6 +1,7 @@
 //! End-to-end: short runs of the training loop on the synthetic corpus.
 
-use weft_trainer::config::{Config, MoeBalance};
+use weft_moe::Balance as MoeBalance;
+use weft_trainer::config::Config;
 use weft_trainer::train::{Silent, train};
 
 fn tiny(dir: &std::path::Path, name: &str) -> Config {
