@@ -253,6 +253,7 @@ mod checksum;
 mod dtype;
 mod error;
 mod export;
+mod flat;
 mod manifest;
 mod read;
 mod region;
@@ -265,6 +266,7 @@ pub use async_save::{AsyncSaver, SaveOutcome, Snapshot};
 pub use dtype::{Dtype, UnknownDtype};
 pub use error::{Error, Result};
 pub use export::{ExportReport, Gpt2Export, export_hf_gpt2};
+pub use flat::{FlatBox, FlatRun, boxes_of_runs, flat_boxes};
 pub use manifest::{
     ChecksumSpec, DEFAULT_CHUNK_BYTES, FORMAT_NAME, FORMAT_VERSION, FileEntry, HexBytes, Layout,
     MANIFEST_FILE, MAX_MANIFEST_BYTES, Manifest, MeshDim, ShardEntry, TensorEntry, TrainerState,

@@ -280,6 +280,7 @@
 
 mod algo;
 mod backend;
+mod bytes;
 mod comm;
 mod error;
 mod local;
@@ -293,6 +294,7 @@ pub mod repro;
 mod types;
 
 pub use backend::Backend;
+pub use bytes::{AGREE_TAG, Disagreement, MAX_GATHERED, agree, all_gather_bytes, gather_bytes};
 pub use comm::{Communicator, CommunicatorExt, Pending};
 pub use error::{Error, LossCause, Result};
 pub use local::{DEFAULT_TIMEOUT, LocalCluster, LocalComm};

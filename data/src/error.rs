@@ -122,6 +122,23 @@ pub enum DataError {
     /// a later run with the same inputs resumes after them.
     #[error("preparation of {0} interrupted; run it again to resume")]
     Interrupted(PathBuf),
+    /// A run's data (text, or a token cache file) cannot be read.
+    #[error("cannot read data {path}: {source}")]
+    Read {
+        /// The path.
+        path: PathBuf,
+        /// The underlying error.
+        source: std::io::Error,
+    },
+    /// A folder of text data holds no `.txt` file.
+    #[error("no .txt files in folder {0}")]
+    NoTextFiles(PathBuf),
+    /// Text data holds no text.
+    #[error("data {0} is empty")]
+    EmptyText(PathBuf),
+    /// The synthetic corpus' settings are unusable.
+    #[error(transparent)]
+    Synthetic(#[from] crate::synthetic::SpecError),
 }
 
 /// Shorthand for results of this crate.

@@ -1,7 +1,19 @@
 //! Pretraining data at scale: text tokenized once into token shards,
 //! memory-mapped in training, blended, and handed out in an order that is
-//! a pure function of `(seed, sample number)`.
+//! a pure function of `(seed, sample number)` — and the two small sources
+//! a run can start from without preparing anything, the synthetic
+//! language with a known loss floor and text tokenized as the run starts.
 //!
+//! - [`DataSpec`] and [`Source`]: what a run trains on (a job file's
+//!   `[data]` table), and [`Dataset`]: its training and validation
+//!   batches as pure functions of the step and the micro-batch, from any
+//!   source.
+//! - [`SyntheticLanguage`] ([`mod@synthetic`]): a seeded language whose
+//!   next-token distribution is known at every position, so the loss
+//!   floor is exact. [`TextData`] ([`mod@text`]): `.txt` files tokenized
+//!   when a run starts, with a checksummed token cache that later runs
+//!   and the other ranks of a job map instead. [`tokenizer::gpt2`]: the
+//!   one GPT-2 BPE every part uses.
 //! - [`prepare()`]: `.txt` / `.jsonl` (optionally gzip) files and folders
 //!   → shards of GPT-2 BPE ids plus an index with checksums
 //!   ([`mod@format`]); parallel over the cores, byte-identical for the same
@@ -23,11 +35,11 @@
 //!
 //! Packing and attention: sequences are cut from the concatenated
 //! documents (end-of-text between them) without regard to document
-//! boundaries, and attention is not masked at end-of-text — what GPT-2,
-//! nanoGPT and llm.c do. Nothing is wasted on padding; the cost is that a
-//! token may attend to the end of an unrelated document before it, which
-//! the end-of-text token teaches the model to discount. Document masking
-//! is not offered.
+//! boundaries — what GPT-2, nanoGPT and llm.c do. Nothing is wasted on
+//! padding; by default a token may attend to the end of an unrelated
+//! document before it, which the end-of-text token teaches the model to
+//! discount. [`DataSpec::doc_mask`] asks the model to mask attention at
+//! end-of-text instead ([`DataSpec::doc_boundary`] is the token).
 //!
 //! ```
 //! use std::ops::ControlFlow;
@@ -52,17 +64,26 @@
 //! ```
 
 pub mod corpus;
+pub mod dataset;
 pub mod error;
 pub mod format;
 pub mod loader;
 pub mod order;
 pub mod prepare;
 pub mod shard;
+pub mod spec;
+pub mod synthetic;
+pub mod text;
+pub mod tokenizer;
 
 pub use corpus::{Corpus, END_OF_TEXT, Format, GPT2_VOCAB};
+pub use dataset::{Batch, Dataset, DatasetOptions, SyntheticData, TokenData};
 pub use error::{DataError, Result};
 pub use format::{Index, Prepared};
 pub use loader::{Loader, Part, Share};
 pub use order::{Interleave, Permutation};
 pub use prepare::{PrepareOptions, PrepareReport, Progress, prepare};
 pub use shard::{Dtype, Shard, Stream};
+pub use spec::{BlendEntry, DataSpec, DataSpecError, Source};
+pub use synthetic::{SyntheticLanguage, SyntheticSpec};
+pub use text::{TextData, cache_dir};

@@ -469,7 +469,7 @@ pub fn prepare(
     }
     let resumed = index.shards.len() as u64;
 
-    let bpe = tiktoken_rs::r50k_base().map_err(|e| DataError::Tokenizer(e.to_string()))?;
+    let bpe = crate::tokenizer::gpt2()?;
     let pool = rayon::ThreadPoolBuilder::new()
         .num_threads(options.threads)
         .build()

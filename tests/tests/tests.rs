@@ -1,8 +1,8 @@
 //! Integration tests that cross crates, compiled into one binary.
 
 use weft_checkpoint::{Checkpoint, Gpt2Export, export_hf_gpt2};
+use weft_data::Dataset;
 use weft_trainer::config::Config;
-use weft_trainer::data::Data;
 use weft_trainer::train::{Silent, train};
 
 /// A checkpoint written by the trainer, exported by weft-checkpoint as a
@@ -40,7 +40,7 @@ fn trainer_checkpoint_exports_to_a_loadable_hf_model() {
     );
 
     let model = weft_model::hf::load(&hf).unwrap();
-    let data = Data::open(&config).unwrap();
+    let data = Dataset::open(&config.data, &config.dataset_options()).unwrap();
     let (mut total, mut n) = (0.0, 0usize);
     for b in data.val_batches(config.train.eval_sequences, 4).unwrap() {
         let mut acts = model.activations(b.batch, b.seq).unwrap();

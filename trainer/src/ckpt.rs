@@ -20,8 +20,8 @@
 use std::path::{Path, PathBuf};
 
 use weft_checkpoint::{
-    Checkpoint, Dtype, Layout, MeshDim, RankReport, Region, Retention, SaveOptions, ShardData,
-    TrainerState, VerifyLevel, load_latest,
+    Checkpoint, Dtype, FlatRun, Layout, MeshDim, RankReport, Region, Retention, SaveOptions,
+    ShardData, TrainerState, VerifyLevel, boxes_of_runs, load_latest,
 };
 use weft_collectives::{Communicator, CommunicatorExt};
 use weft_model::{AdamWState, Gpt, GptConfig, OwnedPart, ParallelGpt, ParamLayout, ReadTensor};
@@ -133,114 +133,6 @@ fn saved_name(which: usize, name: &str) -> String {
         1 => format!("optimizer.exp_avg.{name}"),
         _ => format!("optimizer.exp_avg_sq.{name}"),
     }
-}
-
-/// The boxes of a row-major tensor of shape `shape` that elements
-/// `start .. start + len` (in flat order) make up, each with the offset of
-/// its first element in the run: a flat run covers a partial row, whole
-/// rows, then a partial row, recursively in every dimension.
-pub fn flat_boxes(shape: &[usize], start: usize, len: usize) -> Vec<(Region, usize)> {
-    fn rec(
-        shape: &[usize],
-        a: usize,
-        b: usize,
-        at: usize,
-        out: &mut Vec<(Vec<u64>, Vec<u64>, usize)>,
-    ) {
-        if a >= b {
-            return;
-        }
-        let Some((_, rest)) = shape.split_first() else {
-            return;
-        };
-        if rest.is_empty() {
-            out.push((vec![a as u64], vec![(b - a) as u64], at));
-            return;
-        }
-        let inner: usize = rest.iter().product();
-        let (r0, c0, r1, c1) = (a / inner, a % inner, b / inner, b % inner);
-        let prefix = |out: &mut Vec<(Vec<u64>, Vec<u64>, usize)>, r: usize, from: usize| {
-            for (o, s, _) in &mut out[from..] {
-                o.insert(0, r as u64);
-                s.insert(0, 1);
-            }
-        };
-        if r0 == r1 {
-            let from = out.len();
-            rec(rest, c0, c1, at, out);
-            prefix(out, r0, from);
-            return;
-        }
-        let mut at = at;
-        let mut first_full = r0;
-        if c0 != 0 {
-            let from = out.len();
-            rec(rest, c0, inner, at, out);
-            prefix(out, r0, from);
-            at += inner - c0;
-            first_full = r0 + 1;
-        }
-        if r1 > first_full {
-            let mut o = vec![first_full as u64];
-            let mut s = vec![(r1 - first_full) as u64];
-            o.extend(rest.iter().map(|_| 0u64));
-            s.extend(rest.iter().map(|&d| d as u64));
-            out.push((o, s, at));
-            at += (r1 - first_full) * inner;
-        }
-        if c1 != 0 {
-            let from = out.len();
-            rec(rest, 0, c1, at, out);
-            prefix(out, r1, from);
-        }
-    }
-    let mut out = Vec::new();
-    rec(shape, start, start + len, 0, &mut out);
-    out.into_iter()
-        .map(|(o, s, at)| (Region::new(o, s), at))
-        .collect()
-}
-
-/// A box of a tensor with its parameters' and moments' values.
-struct Piece {
-    region: Region,
-    values: [Vec<f32>; 3],
-}
-
-/// Merges boxes that stack along the first dimension (the same extent in
-/// every other dimension, adjacent rows): their row-major data simply
-/// concatenates.
-fn merge_stacked(mut pieces: Vec<Piece>) -> Vec<Piece> {
-    pieces.sort_by(|a, b| {
-        (
-            &a.region.offsets[1..],
-            &a.region.shape[1..],
-            a.region.offsets[0],
-        )
-            .cmp(&(
-                &b.region.offsets[1..],
-                &b.region.shape[1..],
-                b.region.offsets[0],
-            ))
-    });
-    let mut out: Vec<Piece> = Vec::with_capacity(pieces.len());
-    for p in pieces {
-        if let Some(last) = out.last_mut() {
-            let (a, b) = (&last.region, &p.region);
-            if a.offsets[1..] == b.offsets[1..]
-                && a.shape[1..] == b.shape[1..]
-                && a.offsets[0] + a.shape[0] == b.offsets[0]
-            {
-                last.region.shape[0] += b.shape[0];
-                for (x, y) in last.values.iter_mut().zip(p.values) {
-                    x.extend(y);
-                }
-                continue;
-            }
-        }
-        out.push(p);
-    }
-    out
 }
 
 /// The trainer state a checkpoint of `step` records.
@@ -362,36 +254,25 @@ pub fn save_sharded(
     // 2. this rank's file: each part's boxes of the parameters and moments,
     // boxes stacked along their first dimension merged (a strided
     // tensor-parallel shard's rows become one box per Q, K, V)
-    let mut by_tensor: std::collections::BTreeMap<&str, (Vec<u64>, Vec<Piece>)> =
-        std::collections::BTreeMap::new();
-    for part in parts {
-        let entry = by_tensor.entry(&part.name).or_insert_with(|| {
-            (
-                part.global_shape.iter().map(|&d| d as u64).collect(),
-                Vec::new(),
-            )
-        });
-        for (region, at) in flat_boxes(&part.global_shape, part.whole, part.values[0].len()) {
-            let count = region
-                .volume()
-                .and_then(|v| usize::try_from(v).ok())
-                .unwrap_or(0);
-            let values = std::array::from_fn(|w| part.values[w][at..at + count].to_vec());
-            entry.1.push(Piece { region, values });
-        }
-    }
+    let runs: Vec<FlatRun<'_>> = parts
+        .iter()
+        .map(|p| FlatRun {
+            name: &p.name,
+            global_shape: &p.global_shape,
+            start: p.whole,
+            values: p.values.iter().map(Vec::as_slice).collect(),
+        })
+        .collect();
     let mut names = Vec::new();
     let mut data: Vec<Vec<u8>> = Vec::new();
     let mut regions = Vec::new();
     let mut shapes = Vec::new();
-    for (name, (shape, pieces)) in by_tensor {
-        for piece in merge_stacked(pieces) {
-            for which in 0..3 {
-                names.push(saved_name(which, name));
-                data.push(le_bytes(&piece.values[which]));
-                regions.push(piece.region.clone());
-                shapes.push(shape.clone());
-            }
+    for b in boxes_of_runs(&runs) {
+        for (which, values) in b.values.iter().enumerate() {
+            names.push(saved_name(which, &b.name));
+            data.push(le_bytes(values));
+            regions.push(b.region.clone());
+            shapes.push(b.global_shape.clone());
         }
     }
     let shards: Vec<ShardData<'_>> = (0..names.len())
@@ -767,37 +648,4 @@ pub fn restore(
             .collect(),
         loss_scale: loss_scale_of(state),
     })
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// Every flat run of a 3-D tensor is tiled exactly by its boxes, each
-    /// box's row-major elements being the run's, in order.
-    #[test]
-    fn flat_runs_are_tiled_by_their_boxes() {
-        let shape = [3usize, 4, 5];
-        let total: usize = shape.iter().product();
-        let flat = |o: &[u64]| -> usize { usize::try_from((o[0] * 4 + o[1]) * 5 + o[2]).unwrap() };
-        for start in 0..total {
-            for len in 1..=total - start {
-                let mut got = Vec::new();
-                for (region, at) in flat_boxes(&shape, start, len) {
-                    assert_eq!(at, got.len(), "boxes in run order");
-                    let (o, s) = (region.offsets.clone(), region.shape.clone());
-                    for i in 0..s[0] {
-                        for j in 0..s[1] {
-                            for k in 0..s[2] {
-                                got.push(flat(&[o[0] + i, o[1] + j, o[2] + k]));
-                            }
-                        }
-                    }
-                }
-                let want: Vec<usize> = (start..start + len).collect();
-                assert_eq!(got, want, "start {start} len {len}");
-            }
-        }
-        assert_eq!(flat_boxes(&[7], 2, 3).len(), 1);
-    }
 }

@@ -20,11 +20,10 @@ use std::fmt;
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
+use weft_data::{DataSpec, DatasetOptions};
 use weft_kernels::Precision;
 use weft_moe::MoeOptions;
 use weft_parallel::{BatchSplit, ModelShape, ParallelLayout};
-
-use crate::synthetic::SyntheticSpec;
 
 /// The whole job configuration.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
@@ -35,7 +34,7 @@ pub struct Config {
     /// Model shape.
     pub model: ModelConfig,
     /// Training data.
-    pub data: DataConfig,
+    pub data: DataSpec,
     /// Steps, batch and evaluation.
     pub train: TrainConfig,
     /// Optimizer and learning-rate schedule.
@@ -118,76 +117,6 @@ impl Default for ModelConfig {
             n_embd: 128,
             block_size: 64,
             moe: MoeOptions::default(),
-        }
-    }
-}
-
-/// `[data]`: where tokens come from.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct DataConfig {
-    /// `"synthetic"` for the built-in corpus with a known loss floor; the
-    /// path of a `.txt` file or a folder of them (tokenized with GPT-2's BPE
-    /// when the run starts, cached); or token data prepared once and
-    /// memory-mapped: a folder of `weft data prepare`, a Megatron-LM
-    /// `.bin`/`.idx` pair (or their prefix), or llm.c `.bin` shards.
-    pub source: String,
-    /// Fraction of the data held out for validation, in (0, 0.5]: of the
-    /// tokens for text, at a document boundary for token data.
-    pub val_fraction: f64,
-    /// The synthetic language, when `source = "synthetic"`.
-    pub synthetic: SyntheticSpec,
-    /// Several token datasets sampled by weight, instead of `source`
-    /// (`[[data.blend]]` tables with `path` and `weight`): sample `g` of the
-    /// run comes from a seeded, deterministic interleave that gives each
-    /// dataset its share (the start of a run reports the realized
-    /// proportions), each dataset reshuffled every epoch.
-    pub blend: Vec<BlendEntry>,
-    /// Document masking: train every document packed into a sequence as
-    /// if it were alone — attention stops at the end-of-text token before
-    /// it and positions restart after it (Megatron-LM's
-    /// `reset_attention_mask` and `reset_position_ids`). Off by default,
-    /// as GPT-2, nanoGPT and llm.c train: documents then see the ones
-    /// packed before them. Text and token data only (GPT-2's
-    /// `<|endoftext|>` ends a document); `weft sample` decodes with the
-    /// run's setting.
-    pub doc_mask: bool,
-}
-
-impl DataConfig {
-    /// The token that ends a document under `doc_mask` (GPT-2's
-    /// `<|endoftext|>`), or `None` without document masking.
-    pub fn doc_boundary(&self) -> Option<u32> {
-        self.doc_mask.then_some(weft_data::END_OF_TEXT)
-    }
-
-    /// Whether the source is text that is tokenized when the run starts
-    /// (not the synthetic corpus, not token data).
-    pub fn is_text(&self) -> bool {
-        self.blend.is_empty()
-            && self.source != "synthetic"
-            && !weft_data::Corpus::is_token_data(Path::new(&self.source))
-    }
-}
-
-/// One dataset of `data.blend`.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct BlendEntry {
-    /// Prepared token data (as `data.source` accepts).
-    pub path: String,
-    /// Its weight; shares are weights over their sum.
-    pub weight: f64,
-}
-
-impl Default for DataConfig {
-    fn default() -> Self {
-        Self {
-            source: "synthetic".into(),
-            val_fraction: 0.1,
-            synthetic: SyntheticSpec::default(),
-            blend: Vec::new(),
-            doc_mask: false,
         }
     }
 }
@@ -696,49 +625,20 @@ impl Config {
                 ),
             );
         }
-        let d = &self.data;
-        if !(d.val_fraction > 0.0 && d.val_fraction <= 0.5) {
-            return bad(
-                "data.val_fraction",
-                format!("must be in (0, 0.5] (got {})", d.val_fraction),
-            );
-        }
-        if d.source.is_empty() {
-            return bad(
-                "data.source",
-                "must be \"synthetic\", a path to .txt data, or prepared token data".into(),
-            );
-        }
-        if d.doc_mask && d.source == "synthetic" && d.blend.is_empty() {
-            return bad(
-                "data.doc_mask",
-                "needs documents: the synthetic corpus has none; set data.source to text or token data".into(),
-            );
-        }
-        if !d.blend.is_empty() && d.source != "synthetic" {
-            return bad(
-                "data.blend",
-                format!(
-                    "replaces data.source; set one of them (data.source = {:?})",
-                    d.source
-                ),
-            );
-        }
-        for (i, b) in d.blend.iter().enumerate() {
-            if b.path.is_empty() {
-                return bad(
-                    &format!("data.blend[{i}].path"),
-                    "must name a dataset".into(),
-                );
-            }
-            if !(b.weight.is_finite() && b.weight > 0.0) {
-                return bad(
-                    &format!("data.blend[{i}].weight"),
-                    format!("must be a positive number (got {})", b.weight),
-                );
-            }
-        }
+        self.data
+            .validate()
+            .map_err(|e| ConfigError::key(&format!("data.{}", e.field), e.problem))?;
         Ok(())
+    }
+
+    /// How the run's dataset cuts its sequences.
+    #[must_use]
+    pub fn dataset_options(&self) -> DatasetOptions {
+        DatasetOptions {
+            seq: self.model.block_size,
+            seed: self.train.seed,
+            global_batch: self.train.batch_size,
+        }
     }
 
     /// The model dimensions the parallel layout splits.

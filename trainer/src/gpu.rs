@@ -34,13 +34,13 @@ use weft_model::cuda::CudaGpt;
 use weft_model::{Gpt, RankMemory};
 
 use crate::config::{Config, Device};
-use crate::data::Data;
 use crate::run::{Kept, Metrics, Spikes};
 use crate::schedule::lr_at;
 use crate::train::{
     Observer, RunInfo, Skips, Summary, TrainError, batch_split, check_device, check_model_floor,
     device_error, gib, layout_name, model_config,
 };
+use weft_data::Dataset;
 
 /// Runs the job on GPU `N` of `train.device = "cuda:N"`, as one rank of
 /// this process (see [`crate::train::train`]).
@@ -72,7 +72,7 @@ pub(crate) fn train(
     }
     // the host holds the parameters and moments at checkpoints
     check_model_floor(config)?;
-    let data = Data::open(config)?;
+    let data = Dataset::open(&config.data, &config.dataset_options())?;
     let gpu = Gpu::new(ordinal).map_err(|e| device_error(format!("`cuda:{ordinal}`: {e}")))?;
     run(
         config,
@@ -153,7 +153,7 @@ fn check_gpu_memory(gpu: &Gpu, device: &str, needed: &RankMemory) -> Result<(), 
 fn run(
     config: &Config,
     resume: bool,
-    data: &Data,
+    data: &Dataset,
     gpu: Gpu,
     world: &dyn Communicator,
     observer: &mut dyn Observer,

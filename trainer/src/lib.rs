@@ -6,10 +6,6 @@
 //! * [`config`]: the job configuration — TOML files plus `--set key=value`
 //!   overrides, with errors that name the key, the file, the line and the
 //!   expected type.
-//! * [`synthetic`]: the built-in corpus, a seeded synthetic language whose
-//!   loss floor (the Bayes-optimal cross-entropy) is known exactly.
-//! * [`data`]: batches from that corpus or from text files tokenized with
-//!   GPT-2's BPE (cached), as pure functions of (seed, step, micro-batch).
 //! * [`schedule`]: linear warmup and cosine decay of the learning rate.
 //! * [`train`]: the training loop and its run folder — one loop for every
 //!   layout: the mesh from `[parallel]`, the model's parallelization plan
@@ -85,7 +81,7 @@
 //! # Example
 //! ```
 //! use weft_trainer::config::Config;
-//! use weft_trainer::synthetic::SyntheticLanguage;
+//! use weft_data::SyntheticLanguage;
 //!
 //! let config = Config::load(None, &["optim.lr=1e-3".to_string()])?;
 //! assert_eq!(config.optim.lr, 1e-3);
@@ -123,7 +119,6 @@ pub mod chaos;
 pub mod ckpt;
 pub mod compare;
 pub mod config;
-pub mod data;
 #[cfg(feature = "cuda")]
 mod gpu;
 pub mod plan;
@@ -133,5 +128,4 @@ pub mod sample;
 pub mod schedule;
 pub mod stop;
 pub mod supervise;
-pub mod synthetic;
 pub mod train;

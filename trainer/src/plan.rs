@@ -632,8 +632,8 @@ impl MachineProfile {
 /// # Errors
 /// [`PlanError::Config`] when the synthetic corpus' settings are wrong.
 pub fn model_of(config: &Config) -> Result<ModelSpec, PlanError> {
-    let vocab = if config.data.source == "synthetic" && config.data.blend.is_empty() {
-        crate::synthetic::SyntheticLanguage::new(config.data.synthetic.clone())
+    let vocab = if config.data.source == weft_data::Source::Synthetic {
+        weft_data::SyntheticLanguage::new(config.data.synthetic.clone())
             .map_err(|e| ConfigError {
                 origin: "config".into(),
                 position: None,
@@ -642,7 +642,7 @@ pub fn model_of(config: &Config) -> Result<ModelSpec, PlanError> {
             })?
             .vocab_size()
     } else {
-        crate::data::GPT2_VOCAB
+        weft_data::GPT2_VOCAB
     };
     let m = &config.model;
     let mut spec = ModelSpec::gpt(m.n_layer, m.n_embd, m.n_head, m.block_size, vocab);

@@ -236,10 +236,9 @@ fn pick_result(
 }
 
 /// Point-to-point tags of the trainer's own exchanges (below every MPI
-/// library's tag bound).
+/// library's tag bound, apart from weft-collectives' own
+/// [`AGREE_TAG`](weft_collectives::AGREE_TAG)).
 pub(crate) mod tags {
-    /// [`super::agree`].
-    pub const AGREE: u64 = 0x5741_4700; // "WAG"
     /// The trace events gathered for `trace.json`.
     pub const TRACE: u64 = 0x5754_5200; // "WTR"
     /// Host names at start-up.
@@ -255,161 +254,28 @@ pub(crate) mod tags {
     pub const NAME: u64 = 0x574e_4d00; // "WNM"
 }
 
-/// Largest message one rank sends in [`gather_bytes`].
-const MAX_GATHERED: usize = 1 << 30;
+pub(crate) use weft_collectives::{all_gather_bytes, gather_bytes};
 
-/// Every rank's `mine` on world rank 0, in rank order (`None` elsewhere):
-/// a length, then the bytes, point to point. Collective over `world`.
+/// Agrees on a set-up step's outcome across the ranks
+/// ([`weft_collectives::agree`]), as the trainer's errors: every rank gets
+/// `result` back when it holds on every rank; otherwise rank 0 gets the
+/// report — its own error, or [`TrainError::OnRanks`] listing each
+/// distinct error with the ranks it happened on — and the other ranks
+/// [`TrainError::ReportedByRankZero`]. Collective over `world`.
 ///
 /// # Errors
-/// A failed send or receive, or a rank announcing more than 1 GiB.
-pub(crate) fn gather_bytes(
-    world: &dyn Communicator,
-    tag: u64,
-    mine: &[u8],
-) -> weft_collectives::Result<Option<Vec<Vec<u8>>>> {
-    if world.rank() != 0 {
-        world.send_bytes(0, tag, &(mine.len() as u64).to_le_bytes())?;
-        world.send_bytes(0, tag + 1, mine)?;
-        return Ok(None);
-    }
-    let mut all = vec![mine.to_vec()];
-    for peer in 1..world.size() {
-        let mut n = [0u8; 8];
-        world.recv_bytes(peer, tag, &mut n)?;
-        let len = usize::try_from(u64::from_le_bytes(n)).unwrap_or(usize::MAX);
-        if len > MAX_GATHERED {
-            return Err(weft_collectives::Error::InvalidArgument {
-                op: weft_collectives::OpKind::SendRecv,
-                arg: "length",
-                reason: format!("rank {peer} announced {len} bytes (at most {MAX_GATHERED})"),
-            });
-        }
-        let mut buf = vec![0u8; len];
-        world.recv_bytes(peer, tag + 1, &mut buf)?;
-        all.push(buf);
-    }
-    Ok(Some(all))
-}
-
-/// Every rank's `mine` on every rank, in rank order: [`gather_bytes`] to
-/// rank 0, which sends the whole list back to each. Collective over
-/// `world`.
-///
-/// # Errors
-/// As [`gather_bytes`].
-pub(crate) fn all_gather_bytes(
-    world: &dyn Communicator,
-    tag: u64,
-    mine: &[u8],
-) -> weft_collectives::Result<Vec<Vec<u8>>> {
-    if world.size() == 1 {
-        return Ok(vec![mine.to_vec()]);
-    }
-    match gather_bytes(world, tag, mine)? {
-        Some(all) => {
-            let mut packed = Vec::new();
-            for b in &all {
-                packed.extend_from_slice(&(b.len() as u64).to_le_bytes());
-                packed.extend_from_slice(b);
-            }
-            for peer in 1..world.size() {
-                world.send_bytes(peer, tag + 2, &(packed.len() as u64).to_le_bytes())?;
-                world.send_bytes(peer, tag + 3, &packed)?;
-            }
-            Ok(all)
-        }
-        None => {
-            let mut n = [0u8; 8];
-            world.recv_bytes(0, tag + 2, &mut n)?;
-            let len = usize::try_from(u64::from_le_bytes(n)).unwrap_or(usize::MAX);
-            let bad = |reason: String| weft_collectives::Error::InvalidArgument {
-                op: weft_collectives::OpKind::SendRecv,
-                arg: "length",
-                reason,
-            };
-            if len > MAX_GATHERED.saturating_mul(world.size()) {
-                return Err(bad(format!("rank 0 announced {len} bytes")));
-            }
-            let mut packed = vec![0u8; len];
-            world.recv_bytes(0, tag + 3, &mut packed)?;
-            let mut all = Vec::with_capacity(world.size());
-            let mut rest = &packed[..];
-            while let Some((head, tail)) = rest.split_first_chunk::<8>() {
-                let n = usize::try_from(u64::from_le_bytes(*head)).unwrap_or(usize::MAX);
-                if n > tail.len() {
-                    return Err(bad("rank 0's list is cut short".into()));
-                }
-                all.push(tail[..n].to_vec());
-                rest = &tail[n..];
-            }
-            if all.len() != world.size() {
-                return Err(bad(format!(
-                    "rank 0 sent {} entries for {} ranks",
-                    all.len(),
-                    world.size()
-                )));
-            }
-            Ok(all)
-        }
-    }
-}
-
-/// Agrees on a set-up step's outcome across the ranks, so that no rank
-/// goes on to a collective that another will never join. Collective over
-/// `world`. Every rank gets `result` back when it holds on every rank.
-/// Otherwise rank 0 gets the report — its own error when it failed alone or
-/// every rank failed alike (a bad configuration: reported once, not once
-/// per rank), else [`TrainError::OnRanks`] listing each distinct error with
-/// the ranks it happened on — and the other ranks get
-/// [`TrainError::ReportedByRankZero`].
-///
-/// # Errors
-/// As described; a failed exchange is [`TrainError::Comm`] (this rank's
-/// own error first, if it had one).
+/// As described; a failed exchange is [`TrainError::Comm`].
 pub(crate) fn agree<T>(
     world: &dyn Communicator,
     result: Result<T, TrainError>,
 ) -> Result<T, TrainError> {
-    if world.size() == 1 {
-        return result;
-    }
-    let mine = match &result {
-        Ok(_) => Vec::new(),
-        Err(e) => {
-            let mut v = vec![1u8];
-            v.extend_from_slice(e.to_string().as_bytes());
-            v
-        }
-    };
-    let all = match all_gather_bytes(world, tags::AGREE, &mine) {
-        Ok(all) => all,
-        Err(e) => return Err(result.err().unwrap_or(TrainError::Comm(e))),
-    };
-    // each distinct message with the ranks it came from, rank 0's first
-    let mut failures: Vec<(Vec<usize>, String)> = Vec::new();
-    for (rank, b) in all.iter().enumerate() {
-        if b.is_empty() {
-            continue;
-        }
-        let msg = String::from_utf8_lossy(&b[1..]).into_owned();
-        match failures.iter_mut().find(|(_, m)| *m == msg) {
-            Some((ranks, _)) => ranks.push(rank),
-            None => failures.push((vec![rank], msg)),
-        }
-    }
-    if failures.is_empty() {
-        return result;
-    }
-    if world.rank() != 0 {
-        return Err(TrainError::ReportedByRankZero);
-    }
-    let alone_or_everywhere =
-        failures.len() == 1 && (failures[0].0 == [0] || failures[0].0.len() == world.size());
-    match result {
-        Err(e) if alone_or_everywhere => Err(e),
-        _ => Err(TrainError::OnRanks(failures)),
-    }
+    use weft_collectives::Disagreement;
+    weft_collectives::agree(world, result).map_err(|d| match d {
+        Disagreement::Own(e) => e,
+        Disagreement::OnRanks(f) => TrainError::OnRanks(f),
+        Disagreement::Elsewhere => TrainError::ReportedByRankZero,
+        Disagreement::Comm(e) => TrainError::Comm(e),
+    })
 }
 
 /// `ranks 1, 3` / `rank 2` / `every rank`.
@@ -870,14 +736,5 @@ mod tests {
             .map(|r| r.unwrap().unwrap())
             .collect::<Vec<_>>();
         assert_eq!(ok, [0, 1]);
-    }
-
-    #[test]
-    fn bytes_gather_on_every_rank() {
-        let all = LocalCluster::builder(3)
-            .run_each(|c| all_gather_bytes(&c, 7, &vec![c.rank() as u8; c.rank()]));
-        for got in all {
-            assert_eq!(got.unwrap().unwrap(), vec![vec![], vec![1], vec![2, 2]]);
-        }
     }
 }

@@ -15,12 +15,12 @@ use weft_model::{MicroBatch, StepOutcome};
 use weft_trace::MetricsRecord;
 
 use crate::config::{Config, OptimConfig};
-use crate::data::{Batch, Data};
 use crate::ranks::agree;
 use crate::train::{
     EvalReport, HealthEvent, Observer, RunInfo, StepReport, Summary, TrainError, io_err,
     timestamp_name,
 };
+use weft_data::{Batch, Dataset};
 
 /// The run folder `<run.dir>/<run.name>` (rank 0 picks a timestamp when
 /// `run.name` is empty, for every rank): resuming, it must exist; else
@@ -102,7 +102,7 @@ pub(crate) fn resume_step(
 /// # Errors
 /// The data's.
 pub(crate) fn read_batches(
-    data: &Data,
+    data: &Dataset,
     batch: u64,
     micros: std::ops::Range<usize>,
     micro: usize,

@@ -35,10 +35,11 @@ use weft_model::{Decoder, Gpt, MoeStats};
 
 use crate::ckpt::CkptError;
 use crate::config::{Config, ConfigError};
-use crate::synthetic::{SpecError, SyntheticLanguage};
+use weft_data::SyntheticLanguage;
+use weft_data::synthetic::SpecError;
 
 /// GPT-2's `<|endoftext|>`, the prompt of a text run when none is given.
-const GPT2_EOT: u32 = 50256;
+const GPT2_EOT: u32 = weft_data::END_OF_TEXT;
 
 /// Why sampling failed.
 #[derive(Debug, thiserror::Error)]
@@ -110,7 +111,7 @@ impl Default for SampleOptions {
 
 /// How tokens are read and written.
 enum Vocab {
-    Gpt2(Box<tiktoken_rs::CoreBPE>),
+    Gpt2(&'static weft_data::tokenizer::CoreBPE),
     Synthetic(SyntheticLanguage),
 }
 
@@ -149,15 +150,15 @@ impl Sampler {
             return Err(SampleError::NoRun(run_dir.to_owned()));
         }
         let config = Config::load(Some(&config_path), &[])?;
-        let vocab = if config.data.source == "synthetic" {
+        let vocab = if config.data.source == weft_data::Source::Synthetic {
             Vocab::Synthetic(SyntheticLanguage::new(config.data.synthetic.clone())?)
         } else {
             let bpe =
-                tiktoken_rs::r50k_base().map_err(|e| SampleError::Tokenizer(e.to_string()))?;
-            Vocab::Gpt2(Box::new(bpe))
+                weft_data::tokenizer::gpt2().map_err(|e| SampleError::Tokenizer(e.to_string()))?;
+            Vocab::Gpt2(bpe)
         };
         let vocab_size = match &vocab {
-            Vocab::Gpt2(_) => crate::data::GPT2_VOCAB,
+            Vocab::Gpt2(_) => weft_data::GPT2_VOCAB,
             Vocab::Synthetic(lang) => lang.vocab_size(),
         };
         let (mut model, moe) = build_model(&config, vocab_size)?;

@@ -41,15 +41,15 @@ use weft_trace::MetricsRecord;
 pub use weft_model::RankMemory;
 
 use crate::config::Config;
-use crate::data::{Data, DataError};
 use crate::ranks::agree;
 use crate::schedule::lr_at;
+use weft_data::{DataError, Dataset};
 
 /// Errors that stop a training run.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum TrainError {
-    /// The data could not be opened.
+    /// The data could not be opened or read.
     #[error(transparent)]
     Data(#[from] DataError),
     /// The model or its parallelization plan rejected the configuration,
@@ -768,7 +768,7 @@ fn train_threads(
     // (each rank then computes on its own share of them).
     let peak = measure_matmul_peak(config.train.precision);
     // Read (and tokenize) the data once, for every rank.
-    let data = Data::open(config)?;
+    let data = Dataset::open(&config.data, &config.dataset_options())?;
     let job = Job {
         config,
         resume,
@@ -890,11 +890,14 @@ fn open_data_once(
     world: &dyn Communicator,
     hosts: &[String],
     config: &Config,
-) -> Result<Data, TrainError> {
-    let open = || Data::open(config).map_err(TrainError::from);
+) -> Result<Dataset, TrainError> {
+    let open = || Dataset::open(&config.data, &config.dataset_options()).map_err(TrainError::from);
     // Only text is tokenized; the synthetic corpus is generated and token
     // data mapped, by each rank for itself.
-    if !config.data.is_text() || world.size() == 1 {
+    let weft_data::Source::Text(path) = &config.data.source else {
+        return agree(world, open());
+    };
+    if world.size() == 1 {
         return agree(world, open());
     }
     let me = world.rank();
@@ -903,8 +906,8 @@ fn open_data_once(
     let cache = built
         .as_ref()
         .and_then(|d| match d {
-            Data::Text(t) => t.cache_file(),
-            Data::Synthetic(_) | Data::Tokens(_) => None,
+            Dataset::Text(t) => t.cache_file(),
+            Dataset::Synthetic(_) | Dataset::Tokens(_) => None,
         })
         .and_then(|p| p.to_str())
         .unwrap_or("");
@@ -918,14 +921,14 @@ fn open_data_once(
                 // the builder could not write the cache: read the text here
                 open()
             } else {
-                crate::data::TextData::open_cache(
-                    Path::new(&config.data.source),
+                weft_data::TextData::open_cache(
+                    path,
                     Path::new(&file),
                     config.model.block_size,
                     config.data.val_fraction,
                     config.train.seed,
                 )
-                .map(Data::Text)
+                .map(Dataset::Text)
                 .map_err(TrainError::from)
             }
         }
@@ -939,7 +942,7 @@ struct Job<'a> {
     config: &'a Config,
     resume: bool,
     peak: f64,
-    data: &'a Data,
+    data: &'a Dataset,
     processes: Option<&'a crate::ranks::Processes>,
 }
 

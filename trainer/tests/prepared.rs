@@ -5,7 +5,8 @@
 use std::ops::ControlFlow;
 use std::path::{Path, PathBuf};
 
-use weft_trainer::config::{BlendEntry, Config};
+use weft_data::{BlendEntry, Source};
+use weft_trainer::config::Config;
 use weft_trainer::train::{Observer, RunInfo, Silent, StepReport, train};
 
 fn tmp(tag: &str) -> PathBuf {
@@ -223,36 +224,43 @@ fn blends_report_their_shares_and_bad_blends_are_refused() {
     let dir = tmp("blend");
     let (a, b) = (prepared(&dir, "a", 0), prepared(&dir, "b", 20));
     let mut c = config(&dir, "blend", &a, &[]);
-    c.data.source = "synthetic".into();
-    c.data.blend = vec![
-        BlendEntry {
-            path: a.display().to_string(),
-            weight: 3.0,
-        },
-        BlendEntry {
-            path: b.display().to_string(),
-            weight: 1.0,
-        },
-    ];
+    let blend = |weights: [f64; 2], first: &Path| {
+        Source::Blend(vec![
+            BlendEntry {
+                path: first.display().to_string(),
+                weight: weights[0],
+            },
+            BlendEntry {
+                path: b.display().to_string(),
+                weight: weights[1],
+            },
+        ])
+    };
+    c.data.source = blend([3.0, 1.0], &a);
     // The config round-trips through its TOML (the run folder's copy).
     let again = Config::from_toml(&c.to_toml(), "test").unwrap();
-    assert_eq!(again.data.blend, c.data.blend);
+    assert_eq!(again.data.source, c.data.source);
     let mut info = Info::default();
     train(&c, false, &mut info).unwrap();
     let shares = info.0.unwrap().data_shares;
     assert_eq!(shares.iter().map(|s| s.samples).sum::<u64>(), 64);
     assert!((shares[0].fraction - 0.75).abs() < 0.02, "{shares:?}");
 
+    let text = format!(
+        "[data]\nsource = {:?}\n[[data.blend]]\npath = {:?}\nweight = 1.0\n",
+        a.display().to_string(),
+        b.display().to_string()
+    );
+    let e = Config::from_toml(&text, "job.toml")
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("data.blend: replaces data.source"), "{e}");
     let mut bad = c.clone();
-    bad.data.source = a.display().to_string();
-    let e = bad.validate().unwrap_err().to_string();
-    assert!(e.contains("data.blend"), "{e}");
-    let mut bad = c.clone();
-    bad.data.blend[1].weight = -1.0;
+    bad.data.source = blend([3.0, -1.0], &a);
     let e = bad.validate().unwrap_err().to_string();
     assert!(e.contains("data.blend[1].weight"), "{e}");
     let mut bad = c;
-    bad.data.blend[0].path = dir.join("missing").display().to_string();
+    bad.data.source = blend([3.0, 1.0], &dir.join("missing"));
     let e = train(&bad, false, &mut Silent).unwrap_err().to_string();
     assert!(e.contains("missing"), "{e}");
     let _ = std::fs::remove_dir_all(&dir);

@@ -89,7 +89,7 @@ fn loss_falls_toward_the_floor_and_runs_are_reproducible() {
 fn bad_data_is_a_clear_error() {
     let dir = std::env::temp_dir().join(format!("weft-train-bad-{}", std::process::id()));
     let mut c = tiny(&dir, "x");
-    c.data.source = dir.join("no-such-file.txt").display().to_string();
+    c.data.source = weft_data::Source::Text(dir.join("no-such-file.txt"));
     let err = train(&c, false, &mut Silent).unwrap_err().to_string();
     assert!(err.contains("no-such-file.txt"), "{err}");
     assert!(
@@ -335,7 +335,9 @@ fn loss_falls_on_real_text() {
     let dir = std::env::temp_dir().join(format!("weft-text-test-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     let mut c = tiny(&dir, "text");
-    c.data.source = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data/shakespeare.txt").to_owned();
+    c.data.source = weft_data::Source::Text(
+        concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data/shakespeare.txt").into(),
+    );
     c.train.steps = 40;
     c.train.eval_every = 0;
     c.optim.lr = 3e-3;
