@@ -82,7 +82,7 @@ impl Dataset {
     /// mapped), token data memory-mapped.
     ///
     /// # Errors
-    /// [`DataError`] for unreadable, empty or too-short data, or invalid
+    /// [`DataError`](crate::DataError) for unreadable, empty or too-short data, or invalid
     /// synthetic settings, naming the file.
     pub fn open(spec: &DataSpec, opts: &DatasetOptions) -> Result<Self> {
         match &spec.source {
@@ -179,7 +179,7 @@ impl TokenData {
     /// `val_fraction` held out by document.
     ///
     /// # Errors
-    /// A [`DataError`] naming the corpus that is missing, malformed, too
+    /// A [`DataError`](crate::DataError) naming the corpus that is missing, malformed, too
     /// short, or not token data.
     pub fn open(
         parts: &[(PathBuf, f64)],

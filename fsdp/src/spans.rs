@@ -159,4 +159,48 @@ impl SpanLog {
         }
         out
     }
+
+    /// The spans as lanes of one model chunk of a rank in a job's trace:
+    /// [`trace_events`](Self::trace_events) placed on a clock that
+    /// started at `origin` (µs), on threads `first_tid + 3·chunk + track`
+    /// (named `fsdp compute`, or `fsdp chunk 1 compute` past the first
+    /// chunk), each slice carrying its training `step` in `args.step`.
+    /// The process is 0: the caller sets it.
+    #[must_use]
+    pub fn lanes(
+        &self,
+        chunk: usize,
+        first_tid: u64,
+        origin: Instant,
+        step: u64,
+    ) -> Vec<TraceEvent> {
+        let offset = if self.epoch >= origin {
+            self.epoch.duration_since(origin).as_secs_f64()
+        } else {
+            -origin.duration_since(self.epoch).as_secs_f64()
+        };
+        let base = first_tid + 3 * chunk as u64;
+        self.trace_events(0, offset * 1e6)
+            .into_iter()
+            .map(|mut e| {
+                e.tid += base;
+                if e.ph == weft_trace::Phase::Complete {
+                    e.args.insert("step".to_owned(), step.into());
+                    return e;
+                }
+                let name = e
+                    .args
+                    .get("name")
+                    .and_then(weft_trace::ArgValue::as_str)
+                    .unwrap_or("track")
+                    .to_owned();
+                let name = if chunk > 0 {
+                    format!("fsdp chunk {chunk} {name}")
+                } else {
+                    format!("fsdp {name}")
+                };
+                TraceEvent::thread_name(e.pid, e.tid, name)
+            })
+            .collect()
+    }
 }

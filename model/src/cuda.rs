@@ -154,6 +154,7 @@ fn operand_values(config: &GptConfig, b: usize, t: usize) -> usize {
 pub struct CudaGpt {
     gpu: Gpu,
     config: GptConfig,
+    layout: weft_parallel::ParamLayout,
     params: DeviceParams,
     grads: DeviceParams,
     opt: GpuAdamW,
@@ -290,6 +291,7 @@ impl CudaGpt {
             scratch,
             gpu,
             config,
+            layout: layout.clone(),
             params,
             grads,
             opt,
@@ -1092,4 +1094,68 @@ fn ln_backward(
     cuda::accumulate(g, &mut grads.view_mut(&format!("{pre}weight"))?, &s.dw)?;
     cuda::accumulate(g, &mut grads.view_mut(&format!("{pre}bias"))?, &s.db)?;
     Ok(())
+}
+
+/// The GPU model in the training loop: one rank holding the whole model
+/// (its checkpoint parts are every tensor, downloaded; loading uploads
+/// them), no loss scaling on the device (the trainer refuses fp16 there).
+impl crate::TrainModel for CudaGpt {
+    fn train_step(
+        &mut self,
+        batches: &[MicroBatch<'_>],
+        hp: &AdamW,
+        clip: f64,
+        loss_scale: f32,
+    ) -> Result<StepOutcome> {
+        if loss_scale != 1.0 {
+            return Err(Error::Config {
+                field: "loss_scale",
+                reason: format!("= {loss_scale}: the GPU model has no dynamic loss scaling"),
+            });
+        }
+        self.train_step_batches(batches, hp, clip)
+    }
+
+    fn eval_loss(&mut self, batches: &[MicroBatch<'_>]) -> Result<f64> {
+        CudaGpt::eval_loss(self, batches)
+    }
+
+    fn whole_layout(&self) -> &weft_parallel::ParamLayout {
+        &self.layout
+    }
+
+    fn read_param(&self, name: &str) -> Result<Option<Vec<f32>>> {
+        CudaGpt::read_param(self, name).map(Some)
+    }
+
+    fn write_param(&mut self, name: &str, values: &[f32]) -> Result<bool> {
+        CudaGpt::write_param(self, name, values).map(|()| true)
+    }
+
+    fn owned_parts(&self) -> Result<(Vec<crate::OwnedPart>, u32)> {
+        let opt = self.optimizer_state()?;
+        Ok((
+            crate::whole_parts(&self.layout, &self.params()?, &opt),
+            opt.step,
+        ))
+    }
+
+    fn load_with(&mut self, step: u32, read: &mut crate::ReadTensor<'_>) -> Result<()> {
+        let mut params = vec![0.0; self.layout.len()];
+        let mut opt = AdamWState::zeros(self.layout.len());
+        crate::read_whole(&self.layout, &mut params, &mut opt, step, read)?;
+        let layout = self.layout.clone();
+        for spec in layout.specs() {
+            CudaGpt::write_param(self, &spec.name, &params[spec.range()])?;
+        }
+        self.set_optimizer_state(&opt)
+    }
+
+    fn memory(&self) -> RankMemory {
+        CudaGpt::memory(self)
+    }
+
+    fn finish_step(&mut self) -> Result<()> {
+        Ok(self.gpu.synchronize()?)
+    }
 }

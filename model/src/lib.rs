@@ -169,6 +169,7 @@ pub mod parallelize;
 mod params;
 mod stage;
 pub mod tp;
+mod trainable;
 
 pub use chunk::{HeadView, ParamStore, Piece};
 pub use config::GptConfig;
@@ -186,4 +187,5 @@ pub use parallelize::{
 };
 pub use params::{BlockLayout, Sharding, dense_layout, param_layout};
 pub use stage::{GptStage, OwnedPart, ReadTensor, StageSpec, pipeline_stages};
+pub use trainable::{StepTelemetry, TrainModel, read_whole, whole_parts};
 pub use weft_parallel::{AdamWState, ParamLayout, ParamSpec};

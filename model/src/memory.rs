@@ -35,6 +35,18 @@ pub struct RankMemory {
     pub comm: usize,
 }
 
+impl From<RankMemory> for weft_trace::MemoryBytes {
+    fn from(m: RankMemory) -> Self {
+        Self {
+            params: m.params as u64,
+            grads: m.grads as u64,
+            optimizer: m.optimizer as u64,
+            activations: m.activations as u64,
+            comm: m.comm as u64,
+        }
+    }
+}
+
 impl RankMemory {
     /// All categories together.
     pub fn total(&self) -> usize {

@@ -111,6 +111,75 @@ impl MoeStats {
                 .unwrap_or_else(std::sync::PoisonError::into_inner),
         )
     }
+
+    /// The step's expert load of every one of `layers` layers (`experts`
+    /// per layer) over the whole global batch: the forwards logged since
+    /// the last take merged per layer (a layer runs once per micro-batch;
+    /// a pipeline stage logs its own layers only), then summed over the
+    /// mesh's data-parallel group and its pipeline group (a layer this
+    /// rank does not hold counts as zero here). Tensor-parallel ranks of a
+    /// layer route the same tokens, so they are not summed. Collective
+    /// over those groups: every rank gets every layer's load, as one rank
+    /// of the whole batch would.
+    ///
+    /// # Errors
+    /// [`Error::Config`] for a layer the model does not have; a collective
+    /// error.
+    pub fn step_loads(
+        &self,
+        mesh: &weft_parallel::ParallelMesh,
+        layers: usize,
+        experts: usize,
+    ) -> Result<Vec<weft_moe::LoadStats>> {
+        use weft_collectives::{CommunicatorExt, ReduceOp};
+        let mut per_layer: Vec<Option<weft_moe::LoadStats>> = vec![None; layers];
+        for (l, f) in self.take() {
+            match per_layer.get_mut(l) {
+                Some(Some(s)) => s.merge(&f.stats),
+                Some(slot @ None) => *slot = Some(f.stats),
+                None => {
+                    return Err(Error::Config {
+                        field: "n_layer",
+                        reason: format!(
+                            "mixture-of-experts statistics logged for layer {l} of a {layers}-layer model"
+                        ),
+                    });
+                }
+            }
+        }
+        let mut per_layer: Vec<weft_moe::LoadStats> = per_layer
+            .into_iter()
+            .map(|s| {
+                s.unwrap_or_else(|| weft_moe::LoadStats {
+                    tokens_per_expert: vec![0; experts],
+                    dropped: 0,
+                    tokens: 0,
+                    entropy_sum: 0.0,
+                })
+            })
+            .collect();
+        let mut flat = Vec::new();
+        for s in &per_layer {
+            flat.extend(s.tokens_per_expert.iter().map(|&x| x as f64));
+            flat.extend([s.dropped as f64, s.tokens as f64, s.entropy_sum]);
+        }
+        // Counts are small integers, exact in f64 in any order.
+        for group in [mesh.dp(), mesh.pp()] {
+            if group.size() > 1 {
+                group.all_reduce(&mut flat, ReduceOp::Sum)?;
+            }
+        }
+        let mut it = flat.into_iter();
+        for s in &mut per_layer {
+            for x in &mut s.tokens_per_expert {
+                *x = it.next().unwrap_or(0.0) as u64;
+            }
+            s.dropped = it.next().unwrap_or(0.0) as u64;
+            s.tokens = it.next().unwrap_or(0.0) as u64;
+            s.entropy_sum = it.next().unwrap_or(0.0);
+        }
+        Ok(per_layer)
+    }
 }
 
 fn moe_err(e: weft_moe::Error) -> Error {

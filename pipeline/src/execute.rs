@@ -845,10 +845,25 @@ impl<S> Executor<S> {
         comm: &dyn Communicator,
         local: &RankTimeline,
     ) -> ExecResult<Option<Vec<RankTimeline>>> {
-        let m = self.schedule.microbatches() as u64;
-        let nvs = self.schedule.placement().virtual_stages() as u64;
-        gather(comm, local, GATHER * m * nvs)
+        gather_timelines(comm, local, &self.schedule)
     }
+}
+
+/// Sends `local` (a rank's timeline of a step of `schedule`) to rank 0 of
+/// `comm` and returns every rank's timeline there (`None` on the other
+/// ranks), for [`Measured::new`] and one trace of all stages. Call it on
+/// every rank.
+///
+/// # Errors
+/// A communication error.
+pub fn gather_timelines(
+    comm: &dyn Communicator,
+    local: &RankTimeline,
+    schedule: &Schedule,
+) -> ExecResult<Option<Vec<RankTimeline>>> {
+    let m = schedule.microbatches() as u64;
+    let nvs = schedule.placement().virtual_stages() as u64;
+    gather(comm, local, GATHER * m * nvs)
 }
 
 fn gather(

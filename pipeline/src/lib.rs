@@ -96,6 +96,7 @@ mod error;
 mod execute;
 mod export;
 mod generate;
+mod job_trace;
 mod partition;
 mod plan;
 mod schedule;
@@ -106,11 +107,12 @@ mod validate;
 pub use error::{Error, Result, Wait};
 pub use execute::{
     ExecError, ExecResult, Executor, GradEvent, Measured, RankTimeline, StepReport,
-    peak_in_flight_per_chunk,
+    gather_timelines, peak_in_flight_per_chunk,
 };
 pub use generate::{
     ScheduleKind, gpipe, interleaved, list_schedule, one_f_one_b, zb_h1, zb_h2, zb_v,
 };
+pub use job_trace::{BubbleLog, StepBubble, StepTrace, step_trace};
 pub use partition::{
     LayerProfile, Partition, PartitionOptions, TransformerShape, equal_split, evaluate, partition,
     partition_transformer, transformer_profiles,

@@ -49,33 +49,9 @@ pub struct ExpertLoadRecord {
     #[serde(
         default,
         skip_serializing_if = "Option::is_none",
-        with = "optional_float"
+        with = "crate::float::option"
     )]
     pub router_entropy: Option<f64>,
-}
-
-/// `Option<f64>` through [`crate::float`]: `None` is skipped when writing
-/// and absent (or `null`) when reading.
-mod optional_float {
-    use serde::{Deserialize, Deserializer, Serializer};
-
-    #[derive(Deserialize)]
-    struct Float(#[serde(with = "crate::float")] f64);
-
-    // serde's `with` hands `&Option<f64>` by reference.
-    #[allow(clippy::ref_option)]
-    pub fn serialize<S: Serializer>(value: &Option<f64>, serializer: S) -> Result<S::Ok, S::Error> {
-        match value {
-            Some(v) => crate::float::serialize(v, serializer),
-            None => serializer.serialize_none(),
-        }
-    }
-
-    pub fn deserialize<'de, D: Deserializer<'de>>(
-        deserializer: D,
-    ) -> Result<Option<f64>, D::Error> {
-        Ok(Option::<Float>::deserialize(deserializer)?.map(|f| f.0))
-    }
 }
 
 impl ExpertLoadRecord {

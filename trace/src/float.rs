@@ -83,6 +83,39 @@ impl<'de> Visitor<'de> for FloatVisitor {
     }
 }
 
+/// `Option<f64>` through this module: `None` written as `null` (or left
+/// out, with `skip_serializing_if = "Option::is_none"`), and read from
+/// `null` or an absent key (with `default`).
+pub mod option {
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    #[derive(Deserialize)]
+    struct Float(#[serde(with = "crate::float")] f64);
+
+    /// Serialize an `Option<f64>`, non-finite values as strings.
+    ///
+    /// # Errors
+    /// Whatever the serializer returns.
+    // serde's `with` hands `&Option<f64>` by reference.
+    #[allow(clippy::ref_option)]
+    pub fn serialize<S: Serializer>(value: &Option<f64>, serializer: S) -> Result<S::Ok, S::Error> {
+        match value {
+            Some(v) => crate::float::serialize(v, serializer),
+            None => serializer.serialize_none(),
+        }
+    }
+
+    /// Deserialize an `Option<f64>` written by [`serialize`].
+    ///
+    /// # Errors
+    /// As [`crate::float::deserialize`].
+    pub fn deserialize<'de, D: Deserializer<'de>>(
+        deserializer: D,
+    ) -> Result<Option<f64>, D::Error> {
+        Ok(Option::<Float>::deserialize(deserializer)?.map(|f| f.0))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use serde::{Deserialize, Serialize};

@@ -19,6 +19,12 @@
 //!   step, loss, learning rate, gradient norm, tokens/s, elapsed time.
 //! * [`ExpertLoadRecord`] — one line of `expert_load.jsonl` per (step, MoE
 //!   layer): tokens per expert, tokens dropped and the router's entropy.
+//! * [`MetricsEvent`] — the other lines of `metrics.jsonl`: evaluations
+//!   and health events (skipped updates, fp16 overflows, loss spikes).
+//! * [`RunEvent`] — one line of `events.jsonl`: the supervisor's starts,
+//!   failures, restarts and end, and the ranks' rewinds, stragglers and
+//!   drilled faults ([`EventKind`]).
+//! * [`Summary`] — `summary.json`, a finished run's figures.
 //!
 //! # Schema
 //! `*.jsonl` files hold one JSON object per line, each a complete record;
@@ -59,10 +65,14 @@
 #![deny(missing_docs)]
 
 mod chrome;
+mod events;
 mod expert;
 pub mod float;
 mod metrics;
+mod summary;
 
 pub use chrome::{ArgValue, DisplayTimeUnit, InstantScope, Phase, Trace, TraceError, TraceEvent};
+pub use events::{BatchPosition, EventKind, MetricsEvent, MetricsEventKind, RunEvent};
 pub use expert::ExpertLoadRecord;
 pub use metrics::MetricsRecord;
+pub use summary::{AxisBytes, MemoryBytes, PipelineBubble, StepTraffic, Summary};

@@ -7,40 +7,26 @@
 //!   overrides, with errors that name the key, the file, the line and the
 //!   expected type.
 //! * [`schedule`]: linear warmup and cosine decay of the learning rate.
-//! * [`train`]: the training loop and its run folder — one loop for every
-//!   layout: the mesh from `[parallel]`, the model's parallelization plan
-//!   (`weft_model::ParallelGpt`), and per step its micro-batches through
-//!   the plan (data, sharded data, tensor, expert and pipeline
-//!   parallelism; see `[parallel]` in [`config`]). With `train.device =
-//!   "cuda"` (feature `cuda`) the loop runs on one GPU instead (see
-//!   *Crate features*); the run folder, `metrics.jsonl`, the health
-//!   events and `summary.json` are written by the same code for both
-//!   (the private `run` module).
+//! * [`train`]: [`train::train`] runs a job and reports to an
+//!   [`train::Observer`]; the loop itself is the `run` module — one loop for every
+//!   model and layout, written against `weft_model::TrainModel`
+//!   (`ParallelGpt` on the job's mesh, or one GPU's `CudaGpt`), in named
+//!   parts: set-up, step, health and rewind, saving, tracing, the run
+//!   folder.
 //! * [`ranks`]: how the ranks of a run start — threads of this process,
 //!   or one process per rank under `mpirun`/`srun` (feature `mpi`) — and
 //!   how they agree on set-up failures so that one report says what went
 //!   wrong.
-//! * [`ckpt`]: periodic checkpoints (weft-checkpoint) and bit-for-bit resume.
-//! * [`stop`]: a clean stop on SIGINT/SIGTERM — finish the step, save a
-//!   checkpoint, exit (a second signal stops at once).
-//! * [`supervise`]: `weft train --supervise` — the job as child
-//!   process(es), under a launcher if asked, restarted from its newest
-//!   valid checkpoint when a rank dies or hangs, a spare taking its place
-//!   or the job shrinking to fewer data-parallel replicas — and the faults
-//!   to drill it with. Rewind and skip (`train.rewind`) lives in [`train`].
-//! * [`chaos`]: `weft chaos`, trials of seeded random faults under
-//!   supervision, each checked for detection, recovery and the bits of
-//!   the fault-free run.
-//! * [`compare`]: `weft compare`, runs (or groups of seeds) against a
-//!   baseline: configuration differences, aligned curves and their
-//!   per-step difference, final figures and a verdict with a confidence
-//!   interval.
 //! * [`sample`]: `weft sample`, generation from a run's last checkpoint
 //!   with the model's key/value-cache decoder.
-//! * [`plan`]: `weft plan`, the planner's command line (`weft-plan`):
-//!   layouts for a model and cluster before spending it, and
-//!   `--calibrate`, which measures this machine and checks the predictions
-//!   against `weft train` runs.
+//! * [`compare`]: `weft compare`, runs (or groups of seeds) against a
+//!   baseline.
+//! * [`plan`]: `weft plan`, the planner's command line (`weft-plan`).
+//!
+//! Supervision (`weft train --supervise`), the faults to drill a run with
+//! and `weft chaos` are `weft-supervise`'s; the data (`weft-data`), the
+//! checkpoint format (`weft-checkpoint`) and the run files
+//! (`weft-trace`) are their libraries'.
 //!
 //! # Layouts and what each guarantees
 //!
@@ -80,8 +66,8 @@
 //!
 //! # Example
 //! ```
-//! use weft_trainer::config::Config;
 //! use weft_data::SyntheticLanguage;
+//! use weft_trainer::config::Config;
 //!
 //! let config = Config::load(None, &["optim.lr=1e-3".to_string()])?;
 //! assert_eq!(config.optim.lr, 1e-3);
@@ -115,17 +101,11 @@
 
 #![deny(missing_docs)]
 
-pub mod chaos;
-pub mod ckpt;
 pub mod compare;
 pub mod config;
-#[cfg(feature = "cuda")]
-mod gpu;
 pub mod plan;
 pub mod ranks;
 mod run;
 pub mod sample;
 pub mod schedule;
-pub mod stop;
-pub mod supervise;
 pub mod train;

@@ -251,54 +251,57 @@ impl Observer for Terminal {
     }
 
     fn event(&mut self, e: &HealthEvent) {
+        use weft_trace::{EventKind, MetricsEventKind};
         let s = match e {
-            HealthEvent::Skipped {
-                step,
-                loss,
-                grad_norm,
-            } => {
-                format!(
-                    "health step {step}: non-finite (loss {loss}, grad norm {grad_norm}): update skipped"
-                )
+            HealthEvent::Step(ev) => {
+                let step = ev.step;
+                match &ev.kind {
+                    MetricsEventKind::Skip { loss, grad_norm } => format!(
+                        "health step {step}: non-finite (loss {loss}, grad norm {grad_norm}): update skipped"
+                    ),
+                    MetricsEventKind::Overflow {
+                        loss,
+                        loss_scale,
+                        next_loss_scale,
+                    } => format!(
+                        "health step {step}: fp16 gradients overflowed at loss scale {loss_scale} (loss {loss:.4}): update skipped, scale now {next_loss_scale}"
+                    ),
+                    MetricsEventKind::Spike {
+                        loss,
+                        median,
+                        batch,
+                    } => format!(
+                        "health step {step}: loss spike {loss:.4} vs rolling median {median:.4} (the batch of step {} in a run without skips, {} micro-batches)",
+                        batch.step + 1,
+                        batch.micro_batches
+                    ),
+                    other => format!("health step {step}: {}", other.name()),
+                }
             }
-            HealthEvent::Overflow {
-                step,
-                loss,
-                scale,
-                next_scale,
-            } => format!(
-                "health step {step}: fp16 gradients overflowed at loss scale {scale} (loss {loss:.4}): update skipped, scale now {next_scale}"
-            ),
-            HealthEvent::Spike {
-                step,
-                loss,
-                median,
-                batch,
-            } => format!(
-                "health step {step}: loss spike {loss:.4} vs rolling median {median:.4} (the batch of step {} in a run without skips, {} micro-batches)",
-                batch.0 + 1,
-                batch.1
-            ),
-            HealthEvent::Straggler { step, rank, ratio } => format!(
+            HealthEvent::Run(EventKind::Straggler {
+                step, rank, ratio, ..
+            }) => format!(
                 "health step {step}: rank {rank} is a straggler: {ratio:.2}× the median work time of its pipeline stage over the last two windows"
             ),
-            HealthEvent::Rewind {
+            HealthEvent::Run(EventKind::Rewind {
                 step,
                 reason,
-                to,
-                batches,
-            } => {
-                let list: Vec<String> = batches.iter().map(u64::to_string).collect();
+                to_step,
+                skipped_batches,
+                ..
+            }) => {
+                let list: Vec<String> = skipped_batches.iter().map(u64::to_string).collect();
                 format!(
                     "health step {step}: {reason}: rewinding to {}, leaving out the batch(es) of step(s) {}",
-                    if *to == 0 {
+                    if *to_step == 0 {
                         "the start".to_owned()
                     } else {
-                        format!("the checkpoint of step {to}")
+                        format!("the checkpoint of step {to_step}")
                     },
                     list.join(", ")
                 )
             }
+            HealthEvent::Run(other) => format!("health: {}", other.name()),
         };
         self.line(&s);
     }
@@ -339,7 +342,7 @@ impl Observer for Terminal {
                 si(s.operand_copy_bytes as f64)
             ));
         }
-        if let Some(b) = s.pipeline_bubble {
+        if let Some(b) = &s.pipeline_bubble {
             say(&format!(
                 "pipeline        {} bubble {:.1}% per step measured, {:.1}% predicted by the simulator from the measured costs (trace.json)",
                 b.schedule,

@@ -339,17 +339,6 @@ impl LauncherEnv {
     }
 }
 
-/// This machine's host name (`/proc/sys/kernel/hostname`, else `$HOSTNAME`,
-/// else `localhost`).
-pub(crate) fn host_name() -> String {
-    std::fs::read_to_string("/proc/sys/kernel/hostname")
-        .ok()
-        .map(|s| s.trim().to_owned())
-        .filter(|s| !s.is_empty())
-        .or_else(|| std::env::var("HOSTNAME").ok())
-        .unwrap_or_else(|| "localhost".into())
-}
-
 /// This process's place in a job of one process per rank: the world
 /// communicator and where every rank runs. Built by [`Processes::connect`].
 pub struct Processes {
@@ -411,7 +400,7 @@ impl Processes {
         let mpi = weft_collectives::MpiComm::builder()
             .init()
             .map_err(|e| TrainError::Backend(e.to_string()))?;
-        let name = host_name();
+        let name = weft_supervise::host_name();
         let launched: Vec<String> = all_gather_bytes(&mpi, tags::HOSTS, name.as_bytes())?
             .into_iter()
             .map(|b| String::from_utf8_lossy(&b).into_owned())

@@ -33,8 +33,8 @@ use rand_core::{Rng, SeedableRng};
 use rand_pcg::Pcg64;
 use weft_model::{Decoder, Gpt, MoeStats};
 
-use crate::ckpt::CkptError;
 use crate::config::{Config, ConfigError};
+use crate::train::CkptError;
 use weft_data::SyntheticLanguage;
 use weft_data::synthetic::SpecError;
 
@@ -167,7 +167,7 @@ impl Sampler {
             return Err(SampleError::NoCheckpoint(run_dir.to_owned()));
         }
         let mut opt = model.adamw_state();
-        let restored = match crate::ckpt::restore(&root, &config, &mut model, &mut opt) {
+        let restored = match crate::run::saving::restore(&root, &config, &mut model, &mut opt) {
             Ok(r) => r,
             Err(CkptError::Missing(_)) => {
                 return Err(SampleError::NoCheckpoint(run_dir.to_owned()));
@@ -363,7 +363,7 @@ fn pick(logits: &[f32], opts: &SampleOptions, rng: &mut Pcg64) -> u32 {
 /// experts per `[model.moe]`, in its `train.precision`), with its MoE
 /// statistics handle.
 fn build_model(config: &Config, vocab: usize) -> Result<(Gpt, Option<MoeStats>), SampleError> {
-    let cfg = crate::train::model_config(config, vocab);
+    let cfg = crate::run::build::model_config(config, vocab);
     let m = &config.model.moe;
     if m.experts > 0 && m.capacity_factor > 0.0 {
         return Err(SampleError::Unsupported(format!(

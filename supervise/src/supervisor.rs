@@ -1,395 +1,17 @@
-//! Supervision: run a job as child process(es), watch it, and restart it
-//! from its newest checkpoint that verifies when it fails — with no person
-//! awake — plus the faults to drill it with.
-//!
-//! `weft train --supervise` runs the same `weft train` as a child, or
-//! under a launcher (`--launch 'mpirun -np {n}'`, see
-//! [`Supervisor::launch`]), in a process group of its own. Every rank
-//! writes a heartbeat (`<run>/heartbeats/rank-R`: the last step done) at
-//! the start and after every step. The supervisor restarts the job, with
-//! `--resume`, when it exits with an error or is killed, or when a rank's
-//! heartbeat stops for longer than the heartbeat timeout (then it kills
-//! the process group first). The failed rank is the one the launcher's or
-//! the collectives' watchdog's message on stderr names (the stream is
-//! passed through), else the ranks whose heartbeat fell behind. Restarts
-//! are bounded (`max_restarts`) and spaced by a backoff that doubles from
-//! `backoff`; with spares ([`Elastic`]) each failure uses one, and with
-//! none left the job may shrink to fewer data-parallel replicas. Each
-//! start, failure, restart and the end are appended to
-//! `<run>/events.jsonl`: when, which attempt and rank, what failed, the
-//! checkpoint resumed from (and the newer ones that did not verify), the
-//! steps lost, the layout.
-//!
-//! ```no_run
-//! use std::time::Duration;
-//! use weft_trainer::supervise::{Elastic, Supervisor};
-//!
-//! let outcome = Supervisor {
-//!     command: vec!["weft".into(), "train".into(), "--set".into(), "run.name=job".into()],
-//!     launch: ["mpirun", "-np", "{n}", "--hostfile", "{hostfile}"].map(String::from).to_vec(),
-//!     hostfile: Some("hosts.txt".into()),
-//!     run_dir: "runs/job".into(),
-//!     max_restarts: 3,
-//!     backoff: Duration::from_secs(1),
-//!     heartbeat_timeout: Duration::from_secs(600),
-//!     inject: Vec::new(),
-//!     elastic: Elastic { dp: 4, replica: 2, spares: Some(1), shrink: vec![2, 1], micro: 4 },
-//! }
-//! .run()?;
-//! println!("{} restart(s), ending on dp = {}", outcome.restarts, outcome.dp);
-//! # Ok::<(), weft_trainer::supervise::SuperviseError>(())
-//! ```
-//!
-//! A child stopped by a signal the supervisor forwarded (Ctrl-C: the run
-//! saves and stops, see [`crate::stop`]) is not restarted.
-//!
-//! [`Fault`]s (`--inject kill:rank=1,step=37`, `hang:step=50`,
-//! `nan:step=60`, `spike:step=45`, `slow:rank=1,factor=3`,
-//! `corrupt-checkpoint:step=40`, `crash-during-save:step=80`) are for
-//! tests and drills: the supervisor passes them to the first attempt only,
-//! so a restarted run goes on fault-free.
+//! The supervisor: a job as child process(es), watched and restarted.
 
 use std::ffi::OsString;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus};
 use std::sync::Mutex;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
-/// What a [`Fault`] does.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum FaultKind {
-    /// The rank's process is killed (SIGKILL, as by the OOM killer or a
-    /// lost node) as the step begins.
-    Kill,
-    /// The rank stops making progress as the step begins (a rank stuck in
-    /// a kernel): only a heartbeat or the collectives' watchdog notices.
-    Hang,
-    /// The batches of `count` steps from the step (as a fault-free run
-    /// reads them) make the gradients non-finite (a parameter reads NaN
-    /// while they are trained on, as an overflowing kernel makes it): the
-    /// updates are skipped. Every rank's.
-    Nan,
-    /// The batch the step reads in a fault-free run is garbage (its
-    /// targets scrambled, as by a corrupt shard of the corpus): the loss
-    /// spikes. Every rank's.
-    Spike,
-    /// The rank computes `factor` times slower from the step on (a
-    /// throttled chip, a noisy neighbour): a straggler.
-    Slow,
-    /// After the checkpoint of the step is committed, one of its files has
-    /// a byte flipped (bit rot, a torn copy): loading it must fail and
-    /// fall back.
-    CorruptCheckpoint,
-    /// The rank's process is killed while the checkpoint of the step is
-    /// being written, after its own file and before the commit.
-    CrashDuringSave,
-}
+use weft_trace::{EventKind, RunEvent};
 
-impl FaultKind {
-    const ALL: [(FaultKind, &'static str); 7] = [
-        (FaultKind::Kill, "kill"),
-        (FaultKind::Hang, "hang"),
-        (FaultKind::Nan, "nan"),
-        (FaultKind::Spike, "spike"),
-        (FaultKind::Slow, "slow"),
-        (FaultKind::CorruptCheckpoint, "corrupt-checkpoint"),
-        (FaultKind::CrashDuringSave, "crash-during-save"),
-    ];
-
-    /// The name `--inject` uses.
-    #[must_use]
-    pub fn name(self) -> &'static str {
-        Self::ALL
-            .iter()
-            .find(|(k, _)| *k == self)
-            .map_or("?", |(_, n)| n)
-    }
-}
-
-/// A fault injected into a run for tests and drills:
-/// `KIND:step=N[,rank=R][,count=C][,factor=F]`, for example
-/// `kill:rank=1,step=37`, `hang:step=50`, `nan:step=60,count=3`,
-/// `spike:step=45`, `slow:rank=1,factor=3`, `corrupt-checkpoint:step=40`,
-/// `crash-during-save:step=80`. Steps are 1-based; `rank` (default 0) is
-/// the world rank that suffers it (`nan` and `spike` are faults of the
-/// data, every rank's).
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct Fault {
-    /// What happens.
-    pub kind: FaultKind,
-    /// The step (1-based) it happens at (from, for `slow`).
-    pub step: u64,
-    /// The world rank it happens on.
-    pub rank: usize,
-    /// Consecutive steps (`nan`).
-    pub count: u64,
-    /// How many times slower (`slow`).
-    pub factor: f64,
-}
-
-impl std::str::FromStr for Fault {
-    type Err = String;
-
-    fn from_str(s: &str) -> Result<Self, String> {
-        let kinds: Vec<&str> = FaultKind::ALL.iter().map(|(_, n)| *n).collect();
-        let usage = format!(
-            "expected KIND:step=N[,rank=R][,count=C][,factor=F] with KIND one of {}",
-            kinds.join(", ")
-        );
-        let (kind, rest) = s.split_once(':').unwrap_or((s, ""));
-        let kind = FaultKind::ALL
-            .iter()
-            .find(|(_, n)| *n == kind)
-            .map(|(k, _)| *k)
-            .ok_or_else(|| format!("--inject {s:?}: unknown fault {kind:?}; {usage}"))?;
-        let mut fault = Fault {
-            kind,
-            step: 0,
-            rank: 0,
-            count: 1,
-            factor: 2.0,
-        };
-        for field in rest.split(',').filter(|f| !f.is_empty()) {
-            let (key, value) = field
-                .split_once('=')
-                .ok_or_else(|| format!("--inject {s:?}: {field:?} is not KEY=VALUE; {usage}"))?;
-            let bad = |what: &str| format!("--inject {s:?}: {key}={value:?} is not {what}");
-            match key {
-                "step" => {
-                    fault.step = value
-                        .parse()
-                        .ok()
-                        .filter(|&n| n >= 1)
-                        .ok_or_else(|| bad("a step ≥ 1"))?;
-                }
-                "rank" => fault.rank = value.parse().map_err(|_| bad("a rank ≥ 0"))?,
-                "count" if kind == FaultKind::Nan => {
-                    fault.count = value
-                        .parse()
-                        .ok()
-                        .filter(|&n| n >= 1)
-                        .ok_or_else(|| bad("a count ≥ 1"))?;
-                }
-                "factor" if kind == FaultKind::Slow => {
-                    fault.factor = value
-                        .parse()
-                        .ok()
-                        .filter(|f: &f64| f.is_finite() && *f >= 1.0)
-                        .ok_or_else(|| bad("a factor ≥ 1"))?;
-                }
-                _ => {
-                    return Err(format!(
-                        "--inject {s:?}: {key:?} is not a setting of {}; {usage}",
-                        kind.name()
-                    ));
-                }
-            }
-        }
-        if fault.step == 0 {
-            if kind == FaultKind::Slow {
-                fault.step = 1;
-            } else {
-                return Err(format!("--inject {s:?}: step=N is missing; {usage}"));
-            }
-        }
-        Ok(fault)
-    }
-}
-
-impl std::fmt::Display for Fault {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{}:step={}", self.kind.name(), self.step)?;
-        if self.rank != 0 {
-            write!(f, ",rank={}", self.rank)?;
-        }
-        if self.kind == FaultKind::Nan && self.count != 1 {
-            write!(f, ",count={}", self.count)?;
-        }
-        if self.kind == FaultKind::Slow {
-            write!(f, ",factor={}", self.factor)?;
-        }
-        Ok(())
-    }
-}
-
-/// The faults armed in this process, each with whether it has fired.
-static FAULTS: Mutex<Vec<(Fault, bool)>> = Mutex::new(Vec::new());
-
-/// Arms `faults` for the runs of this process. Each fires once (a `nan`
-/// over its `count` steps, a `slow` from its step on): a run rewound past
-/// a fault does not meet it again.
-pub fn inject(faults: &[Fault]) {
-    FAULTS
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
-        .extend(faults.iter().map(|&f| (f, false)));
-}
-
-/// The armed, unfired faults that `hit` selects; `fired` marks them.
-fn armed(hit: impl Fn(&Fault) -> bool, fired: impl Fn(&Fault) -> bool) -> Vec<Fault> {
-    let mut faults = FAULTS
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner);
-    let mut out = Vec::new();
-    for (f, done) in faults.iter_mut() {
-        if !*done && hit(f) {
-            *done = fired(f);
-            out.push(*f);
-        }
-    }
-    out
-}
-
-/// Records that fault `f` fires now on world rank `rank`, in
-/// `run_dir/events.jsonl` (a drill measures detection from it).
-pub(crate) fn fired(run_dir: &Path, f: &Fault, rank: usize) {
-    let _ = append_event(
-        run_dir,
-        &serde_json::json!({
-            "time": unix_now(), "event": "fault", "fault": f.to_string(), "rank": rank,
-        }),
-    );
-}
-
-/// Fires the kills and hangs armed for world rank `rank` at step `step`
-/// (1-based), as the step begins.
-pub(crate) fn before_step(run_dir: &Path, step: u64, rank: usize) {
-    let hit = |f: &Fault| {
-        f.rank == rank && f.step == step && matches!(f.kind, FaultKind::Kill | FaultKind::Hang)
-    };
-    if let Some(f) = armed(hit, |_| true).first() {
-        fired(run_dir, f, rank);
-        if f.kind == FaultKind::Kill {
-            die();
-        }
-        loop {
-            std::thread::sleep(Duration::from_secs(3600));
-        }
-    }
-}
-
-/// SIGKILLs this process, as a drill asks.
-fn die() {
-    // SAFETY: sends SIGKILL to this process.
-    unsafe {
-        libc::kill(libc::getpid(), libc::SIGKILL);
-    }
-}
-
-/// Whether the batch of fault-free step `batch` (1-based) makes the
-/// gradients non-finite (a `nan` fault's batches). A data fault stays
-/// armed (every rank reads the batch; a rewind leaves it out).
-pub(crate) fn nan_at(batch: u64) -> Option<Fault> {
-    let hit = |f: &Fault| f.kind == FaultKind::Nan && (f.step..f.step + f.count).contains(&batch);
-    armed(hit, |_| false).first().copied()
-}
-
-/// Whether the batch of fault-free step `batch` (1-based) is garbage (a
-/// `spike` fault). A data fault stays armed (every rank reads the batch;
-/// a rewind leaves it out).
-pub(crate) fn spike_at(batch: u64) -> Option<Fault> {
-    armed(|f| f.kind == FaultKind::Spike && f.step == batch, |_| false)
-        .first()
-        .copied()
-}
-
-/// A `spike` fault's garbage: `targets` replaced by tokens drawn from a
-/// generator seeded by the batch, so the model is confidently wrong.
-pub(crate) fn scramble(targets: &mut [u32], vocab: usize, batch: u64) {
-    let mut x = batch.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-    for t in targets {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        *t = u32::try_from(x % vocab.max(1) as u64).unwrap_or(0);
-    }
-}
-
-/// How many times slower world rank `rank` computes at step `step` (1:
-/// not slowed).
-pub(crate) fn slowdown(step: u64, rank: usize) -> f64 {
-    armed(
-        |f| f.kind == FaultKind::Slow && f.rank == rank && step >= f.step,
-        |_| false,
-    )
-    .iter()
-    .map(|f| f.factor)
-    .product()
-}
-
-/// Kills world rank `rank` while it saves the checkpoint of step `step`
-/// of run `run_dir`, if a `crash-during-save` fault says so.
-pub(crate) fn during_save(run_dir: &Path, step: u64, rank: usize) {
-    let hit = |f: &Fault| f.kind == FaultKind::CrashDuringSave && f.rank == rank && f.step == step;
-    if let Some(f) = armed(hit, |_| true).first() {
-        fired(run_dir, f, rank);
-        die();
-    }
-}
-
-/// Flips a byte in the middle of the largest file of the committed
-/// checkpoint `dir` (step `step`), if a `corrupt-checkpoint` fault says
-/// so; on world rank 0 only.
-pub(crate) fn after_save(dir: &Path, step: u64, rank: usize) {
-    let hit = |f: &Fault| f.kind == FaultKind::CorruptCheckpoint && f.step == step;
-    let Some(f) = (rank == 0)
-        .then(|| armed(hit, |_| true))
-        .and_then(|v| v.first().copied())
-    else {
-        return;
-    };
-    if let Some(run_dir) = dir.parent().and_then(Path::parent) {
-        fired(run_dir, &f, rank);
-    }
-    let largest = std::fs::read_dir(dir)
-        .into_iter()
-        .flatten()
-        .flatten()
-        .filter_map(|e| Some((e.metadata().ok()?.len(), e.path())))
-        .max();
-    if let Some((len, path)) = largest
-        && let Ok(mut bytes) = std::fs::read(&path)
-        && len > 0
-    {
-        let at = bytes.len() / 2;
-        bytes[at] ^= 0x5a;
-        let _ = std::fs::write(&path, bytes);
-    }
-}
-
-/// Writes world rank `rank`'s heartbeat, `<run>/heartbeats/rank-R`: the
-/// last step it finished, its process id and its host. Errors are ignored: a
-/// heartbeat that cannot be written shows as a stopped one.
-pub(crate) fn heartbeat(run_dir: &Path, rank: usize, step: u64) {
-    static HOST: std::sync::OnceLock<String> = std::sync::OnceLock::new();
-    let host = HOST.get_or_init(crate::ranks::host_name);
-    let dir = run_dir.join("heartbeats");
-    let _ = std::fs::create_dir_all(&dir);
-    let tmp = dir.join(format!("rank-{rank}.tmp"));
-    if std::fs::write(&tmp, format!("{step} {} {host}\n", std::process::id())).is_ok() {
-        let _ = std::fs::rename(&tmp, dir.join(format!("rank-{rank}")));
-    }
-}
-
-/// The host world rank `rank`'s heartbeat names, if any.
-fn beat_host(run_dir: &Path, rank: usize) -> Option<String> {
-    std::fs::read_to_string(run_dir.join("heartbeats").join(format!("rank-{rank}")))
-        .ok()?
-        .split_whitespace()
-        .nth(2)
-        .map(str::to_owned)
-}
-
-/// The last step world rank `rank`'s heartbeat names, if any.
-fn beat(run_dir: &Path, rank: usize) -> Option<u64> {
-    std::fs::read_to_string(run_dir.join("heartbeats").join(format!("rank-{rank}")))
-        .ok()?
-        .split_whitespace()
-        .next()?
-        .parse()
-        .ok()
-}
+use crate::events::{append_event, read_events, stamped};
+use crate::fault::Fault;
+use crate::heartbeat::{beat, beat_host};
 
 /// The layout a supervised job runs on, and how it may change.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -497,31 +119,6 @@ pub enum SuperviseError {
         /// What ran out.
         why: String,
     },
-}
-
-/// Appends one event line to `run_dir/events.jsonl`.
-///
-/// # Errors
-/// The file's I/O error.
-pub(crate) fn append_event(run_dir: &Path, value: &serde_json::Value) -> std::io::Result<()> {
-    let mut f = std::fs::OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open(run_dir.join("events.jsonl"))?;
-    // one write of the whole line: appends of one write each never
-    // interleave, whereas formatting straight into the file writes it in
-    // pieces, which a rank's checkpoint thread and its training thread (or
-    // the supervisor) could interleave into lines no reader can parse
-    let mut line = value.to_string().into_bytes();
-    line.push(b'\n');
-    f.write_all(&line)
-}
-
-/// Seconds since the Unix epoch.
-pub(crate) fn unix_now() -> f64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0.0, |d| d.as_secs_f64())
 }
 
 /// The step of the newest checkpoint that verifies, if any, and the
@@ -646,18 +243,14 @@ impl Running {
 impl Supervisor {
     /// Appends `value` to `events.jsonl`, with the events held back while
     /// the run folder did not exist yet (the first attempt creates it).
-    fn event(
-        &self,
-        pending: &std::cell::RefCell<Vec<serde_json::Value>>,
-        value: serde_json::Value,
-    ) {
+    fn event(&self, pending: &std::cell::RefCell<Vec<RunEvent>>, kind: EventKind) {
         let mut pending = pending.borrow_mut();
-        pending.push(value);
+        pending.push(stamped(kind));
         if !self.run_dir.is_dir() {
             return;
         }
-        for v in pending.drain(..) {
-            let _ = append_event(&self.run_dir, &v);
+        for e in pending.drain(..) {
+            let _ = append_event(&self.run_dir, &e);
         }
     }
 
@@ -776,7 +369,7 @@ impl Supervisor {
         let mut spares = self.elastic.spares;
         // hosts of failed ranks, left out of the hostfile
         let mut excluded: Vec<String> = Vec::new();
-        let pending = std::cell::RefCell::new(Vec::new());
+        let pending: std::cell::RefCell<Vec<RunEvent>> = std::cell::RefCell::new(Vec::new());
         loop {
             let world = dp * self.elastic.replica;
             // the last attempt's beats are not this one's
@@ -786,10 +379,13 @@ impl Supervisor {
             let mut run = self.spawn(attempt, resume, dp, hosts.as_deref())?;
             self.event(
                 &pending,
-                serde_json::json!({
-                    "time": unix_now(), "event": "start", "attempt": attempt,
-                    "resume": resume, "pid": run.child.id(), "dp": dp, "ranks": world,
-                }),
+                EventKind::Start {
+                    attempt,
+                    resume,
+                    pid: run.child.id(),
+                    dp,
+                    ranks: world,
+                },
             );
             // every rank's last beat and when it changed
             let mut beats: Vec<(Option<u64>, Instant)> = vec![(None, started); world];
@@ -806,17 +402,19 @@ impl Supervisor {
                     run.reap();
                     if status.success() || crate::stop::requested() {
                         let event = if status.success() {
-                            "finished"
+                            EventKind::Finished {
+                                attempt,
+                                restarts,
+                                dp,
+                            }
                         } else {
-                            "stopped"
+                            EventKind::Stopped {
+                                attempt,
+                                restarts,
+                                dp,
+                            }
                         };
-                        self.event(
-                            &pending,
-                            serde_json::json!({
-                                "time": unix_now(), "event": event, "attempt": attempt,
-                                "restarts": restarts, "dp": dp,
-                            }),
-                        );
+                        self.event(&pending, event);
                         return Ok(Outcome {
                             restarts,
                             code: status.code(),
@@ -831,10 +429,15 @@ impl Supervisor {
                         // which a restart would only repeat
                         self.event(
                             &pending,
-                            serde_json::json!({
-                                "time": unix_now(), "event": "failure", "attempt": attempt,
-                                "failure": describe(status), "rank": rank, "before_training": true,
-                            }),
+                            EventKind::Failure {
+                                attempt,
+                                failure: describe(status),
+                                rank,
+                                host: None,
+                                last_step: None,
+                                ran_s: None,
+                                before_training: true,
+                            },
                         );
                         return Err(SuperviseError::SetUp {
                             status: describe(status),
@@ -854,10 +457,11 @@ impl Supervisor {
                     running = true;
                     self.event(
                         &pending,
-                        serde_json::json!({
-                            "time": unix_now(), "event": "running", "attempt": attempt,
-                            "step": step, "after_s": started.elapsed().as_secs_f64(),
-                        }),
+                        EventKind::Running {
+                            attempt,
+                            step,
+                            after_s: started.elapsed().as_secs_f64(),
+                        },
                     );
                 }
                 // a rank silent too long: the job is hung
@@ -915,11 +519,15 @@ impl Supervisor {
             let (from, unverified) = newest_checkpoint(&self.run_dir);
             self.event(
                 &pending,
-                serde_json::json!({
-                    "time": unix_now(), "event": "failure", "attempt": attempt,
-                    "failure": failure, "rank": rank, "host": host, "last_step": seen,
-                    "ran_s": started.elapsed().as_secs_f64(),
-                }),
+                EventKind::Failure {
+                    attempt,
+                    failure: failure.clone(),
+                    rank,
+                    host: host.clone(),
+                    last_step: seen,
+                    ran_s: Some(started.elapsed().as_secs_f64()),
+                    before_training: false,
+                },
             );
             let give_up = |why: String| SuperviseError::GaveUp {
                 failures,
@@ -966,26 +574,24 @@ impl Supervisor {
                     attempt - 1
                 ));
                 // the run's history goes on in the new folder
-                let history =
-                    std::fs::read_to_string(self.run_dir.join("events.jsonl")).unwrap_or_default();
+                let earlier = read_events(&self.run_dir);
                 if std::fs::rename(&self.run_dir, &aside).is_ok() {
-                    let mut p = pending.borrow_mut();
-                    let earlier: Vec<serde_json::Value> = history
-                        .lines()
-                        .filter_map(|l| serde_json::from_str(l).ok())
-                        .collect();
-                    p.splice(0..0, earlier);
+                    pending.borrow_mut().splice(0..0, earlier);
                 }
             }
             self.event(
                 &pending,
-                serde_json::json!({
-                    "time": unix_now(), "event": "restart", "attempt": attempt,
-                    "from_checkpoint_step": from, "unverified_checkpoints": unverified,
-                    "lost_steps": seen.unwrap_or(0).saturating_sub(from.unwrap_or(0)),
-                    "action": action, "dp": dp, "ranks": dp * self.elastic.replica,
-                    "spares_left": spares, "excluded_hosts": excluded,
-                }),
+                EventKind::Restart {
+                    attempt,
+                    from_checkpoint_step: from,
+                    unverified_checkpoints: unverified,
+                    lost_steps: seen.unwrap_or(0).saturating_sub(from.unwrap_or(0)),
+                    action,
+                    dp,
+                    ranks: dp * self.elastic.replica,
+                    spares_left: spares,
+                    excluded_hosts: excluded.clone(),
+                },
             );
         }
     }
@@ -993,32 +599,6 @@ impl Supervisor {
 
 #[cfg(test)]
 mod tests {
-    use super::{Fault, FaultKind};
-
-    /// Events appended at once from several threads stay whole lines.
-    #[test]
-    fn concurrent_events_stay_whole_lines() {
-        let dir = std::env::temp_dir().join(format!("weft-events-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        std::thread::scope(|s| {
-            for t in 0..4 {
-                let dir = &dir;
-                s.spawn(move || {
-                    for i in 0..200 {
-                        let v = serde_json::json!({"event": "x", "thread": t, "i": i, "pad": "y".repeat(200)});
-                        super::append_event(dir, &v).unwrap();
-                    }
-                });
-            }
-        });
-        let text = std::fs::read_to_string(dir.join("events.jsonl")).unwrap();
-        std::fs::remove_dir_all(&dir).unwrap();
-        assert_eq!(text.lines().count(), 800);
-        for l in text.lines() {
-            serde_json::from_str::<serde_json::Value>(l).unwrap_or_else(|e| panic!("{e}: {l}"));
-        }
-    }
-
     #[test]
     fn a_failed_host_leaves_the_hostfile() {
         let file = "# nodes\nnode-a slots=8\nnode-b slots=8\n\nnode-c slots=8\n";
@@ -1053,41 +633,5 @@ mod tests {
             .as_deref(),
             Some("vm")
         );
-    }
-
-    #[test]
-    fn faults_parse_print_and_refuse_what_they_cannot_be() {
-        for text in [
-            "kill:step=37",
-            "kill:step=37,rank=1",
-            "hang:step=50,rank=2",
-            "nan:step=60,count=3",
-            "spike:step=45",
-            "slow:step=1,rank=1,factor=3",
-            "corrupt-checkpoint:step=40",
-            "crash-during-save:step=80",
-        ] {
-            let f: Fault = text.parse().unwrap();
-            assert_eq!(f.to_string(), text);
-            assert_eq!(f.to_string().parse::<Fault>().unwrap(), f);
-        }
-        let f: Fault = "kill:rank=1,step=37".parse().unwrap();
-        assert_eq!((f.kind, f.rank, f.step), (FaultKind::Kill, 1, 37));
-        let slow: Fault = "slow:rank=1,factor=3".parse().unwrap();
-        assert_eq!((slow.step, slow.factor), (1, 3.0));
-        for (bad, says) in [
-            ("explode:step=1", "unknown fault \"explode\""),
-            ("kill", "step=N is missing"),
-            ("kill:step=0", "a step ≥ 1"),
-            ("kill:step=x", "a step ≥ 1"),
-            ("kill:step=3,count=2", "\"count\" is not a setting of kill"),
-            ("slow:factor=0.5", "a factor ≥ 1"),
-            ("nan:step=3,count=0", "a count ≥ 1"),
-            ("hang:rank=-1,step=2", "a rank ≥ 0"),
-            ("kill:step", "is not KEY=VALUE"),
-        ] {
-            let e = bad.parse::<Fault>().unwrap_err();
-            assert!(e.contains(says), "{bad}: {e}");
-        }
     }
 }

@@ -1,26 +1,29 @@
-//! The run folder and what every training loop writes there: its name and
-//! creation, `metrics.jsonl` (kept up to a resumed checkpoint, then
-//! appended to), the health events, the loss-spike detector and
-//! `summary.json` — shared by the loop over ranks ([`crate::train`]) and
-//! the GPU loop (`crate::gpu`, feature `cuda`), so both write the same
-//! files the same way.
+//! The run folder and what the loop writes there: its name and creation,
+//! `metrics.jsonl` (kept up to a resumed checkpoint, then appended to:
+//! one [`MetricsRecord`] per step, [`MetricsEvent`]s for evaluations and
+//! health), and `summary.json`.
 
 use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use weft_collectives::Communicator;
-use weft_kernels::AdamW;
-use weft_model::{MicroBatch, StepOutcome};
-use weft_trace::MetricsRecord;
+use weft_model::StepOutcome;
+use weft_trace::{BatchPosition, MetricsEvent, MetricsEventKind, MetricsRecord, Summary};
 
-use crate::config::{Config, OptimConfig};
+use crate::config::Config;
 use crate::ranks::agree;
 use crate::train::{
-    EvalReport, HealthEvent, Observer, RunInfo, StepReport, Summary, TrainError, io_err,
-    timestamp_name,
+    EvalReport, HealthEvent, Observer, RunInfo, StepReport, TrainError, timestamp_name,
 };
-use weft_data::{Batch, Dataset};
+
+/// An I/O error of `path` as the run's error.
+pub(crate) fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> TrainError + '_ {
+    move |source| TrainError::Io {
+        path: path.to_owned(),
+        source,
+    }
+}
 
 /// The run folder `<run.dir>/<run.name>` (rank 0 picks a timestamp when
 /// `run.name` is empty, for every rank): resuming, it must exist; else
@@ -72,65 +75,26 @@ pub(crate) fn open_run_dir(
     Ok(run_dir)
 }
 
-/// The step a resumed run continues from, `restored`'s, reported to
-/// `observer`.
-///
-/// # Errors
-/// [`TrainError::AlreadyFinished`] when the checkpoint is at
-/// `train.steps` already (the run's files stay as they are).
-pub(crate) fn resume_step(
-    config: &Config,
-    run_dir: &Path,
-    restored: &crate::ckpt::Restored,
-    observer: &mut dyn Observer,
-) -> Result<u64, TrainError> {
-    if restored.step >= config.train.steps {
-        return Err(TrainError::AlreadyFinished {
-            run: run_dir.to_owned(),
-            step: restored.step,
-        });
-    }
-    observer.resumed(restored.step, &restored.skipped);
-    Ok(restored.step)
+/// One line of `metrics.jsonl`, read back.
+enum Line {
+    Step(MetricsRecord),
+    Event(MetricsEvent),
 }
 
-/// The micro-batches `micros` (of `micro` sequences) of batch `batch`
-/// (0-based, the step that reads it in a run without skips); a `spike`
-/// fault garbles their targets, and the writer (`run_dir`: world rank 0)
-/// records that it fired.
-///
-/// # Errors
-/// The data's.
-pub(crate) fn read_batches(
-    data: &Dataset,
-    batch: u64,
-    micros: std::ops::Range<usize>,
-    micro: usize,
-    run_dir: Option<&Path>,
-) -> Result<Vec<Batch>, TrainError> {
-    let mut batches: Vec<Batch> = micros
-        .map(|m| data.train_batch(batch, m, micro))
-        .collect::<Result<_, _>>()?;
-    if let Some(f) = crate::supervise::spike_at(batch + 1) {
-        if let Some(dir) = run_dir {
-            crate::supervise::fired(dir, &f, 0);
-        }
-        for b in &mut batches {
-            crate::supervise::scramble(&mut b.targets, data.vocab_size(), batch);
-        }
+fn parse(line: &str) -> Option<Line> {
+    if let Ok(e) = serde_json::from_str::<MetricsEvent>(line) {
+        return Some(Line::Event(e));
     }
-    Ok(batches)
+    serde_json::from_str(line).ok().map(Line::Step)
 }
 
-/// The batches' token and target ids as the model's micro-batches.
-pub(crate) fn micro_batches(batches: &[Batch]) -> Vec<MicroBatch<'_>> {
-    batches
-        .iter()
-        .map(|b| MicroBatch {
-            tokens: &b.inputs,
-            targets: &b.targets,
-        })
-        .collect()
+impl Line {
+    fn step(&self) -> u64 {
+        match self {
+            Line::Step(r) => r.step,
+            Line::Event(e) => e.step,
+        }
+    }
 }
 
 /// The lines of a resumed run's `metrics.jsonl` up to its checkpoint
@@ -155,11 +119,7 @@ impl Kept {
         let text = agree(world, std::fs::read_to_string(&path).map_err(io_err(&path)))?;
         let lines = text
             .lines()
-            .filter(|l| {
-                parse(l)
-                    .and_then(|v| v["step"].as_u64())
-                    .is_some_and(|s| s <= step)
-            })
+            .filter(|l| parse(l).is_some_and(|p| p.step() <= step))
             .map(str::to_owned)
             .collect();
         Ok(Self { lines })
@@ -170,22 +130,26 @@ impl Kept {
     pub(crate) fn initial_eval(&self) -> f64 {
         self.lines
             .iter()
-            .filter_map(|l| parse(l))
-            .find(|v| v["event"] == "eval" && v["step"] == 0)
-            .and_then(|v| v["val_loss"].as_f64())
+            .find_map(|l| match parse(l) {
+                Some(Line::Event(MetricsEvent {
+                    step: 0,
+                    kind: MetricsEventKind::Eval { val_loss, .. },
+                })) => Some(val_loss),
+                _ => None,
+            })
             .unwrap_or(f64::NAN)
     }
 
     /// The last `window` finite training losses logged (the spike
     /// detector's window).
-    fn recent_losses(&self, window: usize) -> Vec<f64> {
+    pub(crate) fn recent_losses(&self, window: usize) -> Vec<f64> {
         let mut recent: Vec<f64> = self
             .lines
             .iter()
-            .filter_map(|l| parse(l))
-            .filter(|v| v.get("event").is_none())
-            .filter_map(|v| v["loss"].as_f64())
-            .filter(|l| l.is_finite())
+            .filter_map(|l| match parse(l) {
+                Some(Line::Step(r)) if r.loss.is_finite() => Some(r.loss),
+                _ => None,
+            })
             .collect();
         let excess = recent.len().saturating_sub(window);
         recent.drain(..excess);
@@ -193,14 +157,8 @@ impl Kept {
     }
 }
 
-fn parse(line: &str) -> Option<serde_json::Value> {
-    serde_json::from_str(line).ok()
-}
-
-/// The run's `metrics.jsonl`: one [`MetricsRecord`] per step, plus event
-/// lines for health events and evaluations; written by world rank 0 only
-/// (the other ranks' lines go nowhere). Also keeps what the summary
-/// reports of them.
+/// The run's `metrics.jsonl`, written by world rank 0 only (the other
+/// ranks' lines go nowhere), and what the summary reports of it.
 pub(crate) struct Metrics {
     out: BufWriter<Box<dyn Write>>,
     path: PathBuf,
@@ -213,6 +171,8 @@ pub(crate) struct Metrics {
     /// The last step's loss; the first and the last validation loss.
     last_loss: f64,
     evals: (f64, f64),
+    /// The last step's MaxVio (mixture of experts).
+    last_max_vio: Option<f64>,
 }
 
 impl Metrics {
@@ -250,15 +210,15 @@ impl Metrics {
             skipped: 0,
             last_loss: f64::NAN,
             evals: (initial, initial),
+            last_max_vio: None,
         })
     }
 
-    /// Appends `line`.
-    ///
-    /// # Errors
-    /// A failed write.
-    pub(crate) fn line(&mut self, line: impl std::fmt::Display) -> Result<(), TrainError> {
-        writeln!(self.out, "{line}").map_err(io_err(&self.path))
+    /// Appends one line.
+    fn line(&mut self, value: &impl serde::Serialize) -> Result<(), TrainError> {
+        let text = serde_json::to_string(value).map_err(std::io::Error::other);
+        let written = text.and_then(|t| writeln!(self.out, "{t}"));
+        written.map_err(io_err(&self.path))
     }
 
     /// Reports and logs the validation loss after `step` steps.
@@ -277,22 +237,29 @@ impl Metrics {
         }
         self.evals.1 = loss;
         observer.eval(&EvalReport { step, loss, floor });
-        self.line(
-            serde_json::json!({ "step": step, "event": "eval", "val_loss": loss, "floor": floor }),
-        )
+        self.line(&MetricsEvent {
+            step,
+            kind: MetricsEventKind::Eval {
+                val_loss: loss,
+                floor,
+            },
+        })
     }
 
-    /// Reports a health event and logs its line.
+    /// Reports a health event of step `step` and logs its line.
     ///
     /// # Errors
     /// A failed write.
     pub(crate) fn health(
         &mut self,
         observer: &mut dyn Observer,
-        (event, line): (HealthEvent, serde_json::Value),
+        step: u64,
+        kind: MetricsEventKind,
     ) -> Result<(), TrainError> {
-        observer.event(&event);
-        self.line(line)
+        let event = MetricsEvent { step, kind };
+        self.line(&event)?;
+        observer.event(&HealthEvent::Step(event));
+        Ok(())
     }
 
     /// Logs step `step` (1-based) at learning rate `lr` with its outcome
@@ -321,6 +288,7 @@ impl Metrics {
         self.steps += 1;
         self.skipped += u64::from(!out.applied);
         self.last_loss = out.loss;
+        self.last_max_vio = max_vio;
         let record = MetricsRecord {
             step,
             loss: out.loss,
@@ -330,7 +298,7 @@ impl Metrics {
             time_s: since_start.as_secs_f64(),
             loss_scale: loss_scale.map(f64::from),
         };
-        self.line(serde_json::to_string(&record).unwrap_or_default())?;
+        self.line(&record)?;
         Ok(StepReport {
             record,
             flops_per_s: flops,
@@ -340,10 +308,9 @@ impl Metrics {
         })
     }
 
-    /// The run's summary after `wall` of it: the figures of `info` and
-    /// of the steps and evaluations logged; a single device's (no
-    /// pipeline, traffic, expert-load or operand-copy figures, which the
-    /// loop over ranks adds).
+    /// The run's summary after `wall` of it, from `info` and the steps and
+    /// evaluations logged (the figures only some runs have — pipeline,
+    /// traffic, experts, operand copies — are the caller's to add).
     pub(crate) fn summary(&self, info: &RunInfo, wall: Duration) -> Summary {
         #[allow(clippy::cast_precision_loss)]
         let n = self.steps.max(1) as f64;
@@ -364,8 +331,13 @@ impl Metrics {
             pipeline_bubble: None,
             traffic_per_step: None,
             operand_copy_bytes: 0,
-            memory: info.memory,
+            memory: info.memory.into(),
         }
+    }
+
+    /// The last step's MaxVio (mixture-of-experts runs).
+    pub(crate) fn last_max_vio(&self) -> Option<f64> {
+        self.last_max_vio
     }
 
     /// Writes what is buffered.
@@ -377,129 +349,27 @@ impl Metrics {
     }
 }
 
-/// A step whose update was skipped as non-finite: its event and line.
-pub(crate) fn skip_event(step: u64, loss: f64, grad_norm: f64) -> (HealthEvent, serde_json::Value) {
-    (
-        HealthEvent::Skipped {
-            step,
-            loss,
-            grad_norm,
-        },
-        serde_json::json!({ "step": step, "event": "skip", "loss": loss, "grad_norm": grad_norm }),
-    )
+/// A step whose update was skipped as non-finite.
+pub(crate) fn skip_event(loss: f64, grad_norm: f64) -> MetricsEventKind {
+    MetricsEventKind::Skip { loss, grad_norm }
 }
 
-/// A loss spike at `step` against the rolling `median`, the step having
-/// read `batch` (the step in a run without skips, micro-batches): its
-/// event and line.
+/// A loss spike against the rolling `median`, the step having read batch
+/// `batch` (the 0-based step in a run without skips) of `micro_batches`.
 pub(crate) fn spike_event(
-    step: u64,
     loss: f64,
     median: f64,
-    batch: (u64, usize),
-) -> (HealthEvent, serde_json::Value) {
-    (
-        HealthEvent::Spike {
-            step,
-            loss,
-            median,
-            batch,
+    batch: u64,
+    micro_batches: usize,
+) -> MetricsEventKind {
+    MetricsEventKind::Spike {
+        loss,
+        median,
+        batch: BatchPosition {
+            step: batch,
+            micro_batches,
         },
-        serde_json::json!({ "step": step, "event": "spike", "loss": loss, "median": median,
-            "batch": { "step": batch.0, "micro_batches": batch.1 } }),
-    )
-}
-
-/// The loss-spike detector: a step's loss above `train.spike_factor` ×
-/// the median of the last `train.spike_window` finite losses (once ten
-/// of them, or the whole window, are in) is a spike.
-pub(crate) struct Spikes {
-    recent: Vec<f64>,
-    window: usize,
-    factor: f64,
-}
-
-impl Spikes {
-    /// The detector of `config`, its window refilled from a resumed run's
-    /// `kept` lines.
-    pub(crate) fn new(config: &Config, kept: &Kept) -> Self {
-        let window = config.train.spike_window.max(1);
-        Self {
-            recent: kept.recent_losses(window),
-            window,
-            factor: config.train.spike_factor,
-        }
     }
-
-    /// The rolling median when `loss` is a spike; a finite `loss` then
-    /// joins the window.
-    pub(crate) fn check(&mut self, loss: f64) -> Option<f64> {
-        if !loss.is_finite() {
-            return None;
-        }
-        let mut spike = None;
-        if self.recent.len() >= self.window.min(10) {
-            let mut sorted = self.recent.clone();
-            sorted.sort_by(f64::total_cmp);
-            let median = sorted[sorted.len() / 2];
-            if loss > self.factor * median {
-                spike = Some(median);
-            }
-        }
-        self.recent.push(loss);
-        if self.recent.len() > self.window {
-            self.recent.remove(0);
-        }
-        spike
-    }
-}
-
-/// AdamW's hyper-parameters of `[optim]` at learning rate `lr`.
-#[allow(clippy::cast_possible_truncation)]
-pub(crate) fn adamw(optim: &OptimConfig, lr: f64) -> AdamW {
-    AdamW {
-        lr: lr as f32,
-        beta1: optim.beta1 as f32,
-        beta2: optim.beta2 as f32,
-        eps: optim.eps as f32,
-        weight_decay: optim.weight_decay as f32,
-    }
-}
-
-/// Training FLOPs per token of a model with parameter layout `layout`
-/// ([`RunInfo::flops_per_token`]): 6 per parameter a token is multiplied
-/// by — not the position table, and of the routed experts only the k of
-/// E a token is sent to — plus `6·L·T·C` for causal attention.
-#[allow(clippy::cast_precision_loss)]
-pub(crate) fn flops_per_token(config: &Config, layout: &weft_model::ParamLayout) -> f64 {
-    let m = &config.model;
-    let moe_active = |name: &str| {
-        if m.moe.experts > 0 && name.contains(".mlp.experts.") {
-            m.moe.top_k as f64 / m.moe.experts as f64
-        } else {
-            1.0
-        }
-    };
-    let matmul_params: f64 = layout
-        .specs()
-        .iter()
-        .filter(|p| p.name != "transformer.wpe.weight")
-        .map(|p| p.numel() as f64 * moe_active(&p.name))
-        .sum();
-    6.0 * matmul_params + 6.0 * (m.n_layer * m.block_size * m.n_embd) as f64
-}
-
-/// Whether step `step` (1-based; `done`: the last) evaluates.
-pub(crate) fn eval_due(config: &Config, step: u64, done: bool) -> bool {
-    let every = config.train.eval_every;
-    done || (every > 0 && step.is_multiple_of(every))
-}
-
-/// Whether step `step` (1-based; `done`: the last) saves a checkpoint:
-/// every `checkpoint.every` steps and at the end, or on a stop.
-pub(crate) fn save_due(config: &Config, step: u64, done: bool, stop: bool) -> bool {
-    let every = config.checkpoint.every;
-    stop || every > 0 && (done || step.is_multiple_of(every))
 }
 
 /// Writes `summary.json` (world rank 0: `writer`) and reports the end.
@@ -513,8 +383,9 @@ pub(crate) fn finish(
 ) -> Result<(), TrainError> {
     if writer {
         let path = summary.run_dir.join("summary.json");
-        let json = serde_json::to_string_pretty(summary).unwrap_or_default();
-        std::fs::write(&path, json + "\n").map_err(io_err(&path))?;
+        let json = serde_json::to_string_pretty(summary).map_err(std::io::Error::other);
+        json.and_then(|j| std::fs::write(&path, j + "\n"))
+            .map_err(io_err(&path))?;
     }
     observer.finish(summary);
     Ok(())

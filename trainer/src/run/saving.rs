@@ -24,10 +24,11 @@ use weft_checkpoint::{
     ShardData, TrainerState, VerifyLevel, boxes_of_runs, load_latest,
 };
 use weft_collectives::{Communicator, CommunicatorExt};
-use weft_model::{AdamWState, Gpt, GptConfig, OwnedPart, ParallelGpt, ParamLayout, ReadTensor};
+use weft_model::{AdamWState, Gpt, GptConfig, OwnedPart, ReadTensor, TrainModel};
 use weft_numerics::LossScalerState;
 
 use crate::config::Config;
+use crate::run::faults::FaultPlan;
 
 /// Checkpoint errors, with the checkpoint folder they concern.
 #[derive(Debug, thiserror::Error)]
@@ -90,7 +91,7 @@ pub enum CkptError {
 /// to train longer, past a batch to leave out, or on the other device. (Changing `train.steps` changes the
 /// learning-rate schedule from the resume point on: the run is then no
 /// longer the uninterrupted run of either length.)
-pub fn config_hash(config: &Config) -> String {
+pub(crate) fn config_hash(config: &Config) -> String {
     let mut c = config.clone();
     c.run = Default::default();
     c.checkpoint = Default::default();
@@ -189,71 +190,82 @@ fn agree(world: &dyn Communicator, ok: bool) -> Result<bool, weft_collectives::E
     Ok(v[0] == 1.0)
 }
 
-/// Saves the model as checkpoint `step` under `root`: every rank writes
-/// its own file of `parts` (its [`ParallelGpt::owned_parts`]) into the
-/// staging folder rank 0 prepares, rank 0 commits the manifest — the
-/// layout of the mesh, the trainer state — and applies the retention of
-/// `[checkpoint]`. Collective over `world`; every rank returns the same
-/// outcome.
+/// What a checkpoint of the training state holds beyond the run's
+/// configuration.
+pub(crate) struct SaveRequest<'a> {
+    /// The step it is taken after.
+    pub step: u64,
+    /// This rank's parts of the tensors (its [`TrainModel::owned_parts`]).
+    pub parts: &'a [OwnedPart],
+    /// The optimizer's step count.
+    pub opt_step: u32,
+    /// The fp16 loss scaler's state.
+    pub loss_scale: Option<LossScalerState>,
+    /// The model's shape, for `weft ckpt export`.
+    pub model: &'a GptConfig,
+    /// The mesh's dimensions, slowest first, as the manifest records them.
+    pub mesh: &'a [(&'static str, usize)],
+}
+
+/// Saves checkpoint `req.step` under `root`: rank 0 prepares the staging
+/// folder, every rank writes its own file of `req.parts` into it, rank 0
+/// commits the manifest — the layout of the mesh, the trainer state — and
+/// applies the retention of `[checkpoint]`. A `crash-during-save` fault
+/// of `faults` fires between a rank's write and the commit. Collective
+/// over `world`; every rank returns the same outcome.
 ///
 /// # Errors
 /// [`CkptError::Checkpoint`] if preparing, a rank's write, the commit or
 /// the retention failed (naming the failure on the rank that saw it; the
 /// others report [`CkptError::Peer`]); a collective error.
-#[allow(clippy::too_many_arguments)]
-pub fn save_sharded(
+pub(crate) fn save_sharded(
     world: &dyn Communicator,
     root: &Path,
     config: &Config,
-    step: u64,
-    parts: &[OwnedPart],
-    opt_step: u32,
-    loss_scale: Option<LossScalerState>,
-    model: &GptConfig,
-    mesh: &[(&str, usize)],
+    req: &SaveRequest<'_>,
+    faults: &FaultPlan,
 ) -> Result<(), CkptError> {
-    let err = |source| CkptError::Checkpoint {
-        root: root.to_owned(),
-        source,
-    };
     let opts = SaveOptions::default();
-    let me = world.rank();
-    let n = world.size();
-    // 1. the staging folder
-    let staging = if me == 0 {
-        weft_checkpoint::prepare(root, step, &opts)
-    } else {
-        Ok(PathBuf::new())
+    let staging = staging_dir(world, root, req.step, &opts)?;
+    let report = write_rank(&staging, world.rank(), req.parts, &opts);
+    faults.during_save(root.parent().unwrap_or(root), req.step, world.rank());
+    commit(world, root, config, req, report, &opts)
+}
+
+/// The staging folder of checkpoint `step`, which rank 0 prepares and
+/// names to every rank. Collective over `world`.
+fn staging_dir(
+    world: &dyn Communicator,
+    root: &Path,
+    step: u64,
+    opts: &SaveOptions,
+) -> Result<PathBuf, CkptError> {
+    let prepared = (world.rank() == 0).then(|| weft_checkpoint::prepare(root, step, opts));
+    let mine = match &prepared {
+        Some(Ok(path)) => path.to_string_lossy().into_owned().into_bytes(),
+        _ => Vec::new(),
     };
-    if !agree(world, staging.is_ok()).map_err(CkptError::Comm)? {
-        return Err(staging.err().map_or(CkptError::Peer { step }, err));
+    let all = weft_collectives::all_gather_bytes(world, TAG, &mine).map_err(CkptError::Comm)?;
+    match prepared {
+        Some(Err(source)) => Err(CkptError::Checkpoint {
+            root: root.to_owned(),
+            source,
+        }),
+        _ if all[0].is_empty() => Err(CkptError::Peer { step }),
+        _ => Ok(PathBuf::from(String::from_utf8_lossy(&all[0]).into_owned())),
     }
-    let staging = if me == 0 {
-        let path = staging.map_err(err)?;
-        let bytes = path.to_string_lossy().into_owned().into_bytes();
-        for r in 1..n {
-            world
-                .send_bytes(r, TAG, &(bytes.len() as u64).to_le_bytes())
-                .map_err(CkptError::Comm)?;
-            world
-                .send_bytes(r, TAG + 1, &bytes)
-                .map_err(CkptError::Comm)?;
-        }
-        path
-    } else {
-        let mut len = [0u8; 8];
-        world
-            .recv_bytes(0, TAG, &mut len)
-            .map_err(CkptError::Comm)?;
-        let mut bytes = vec![0u8; usize::try_from(u64::from_le_bytes(len)).unwrap_or(0)];
-        world
-            .recv_bytes(0, TAG + 1, &mut bytes)
-            .map_err(CkptError::Comm)?;
-        PathBuf::from(String::from_utf8_lossy(&bytes).into_owned())
-    };
-    // 2. this rank's file: each part's boxes of the parameters and moments,
-    // boxes stacked along their first dimension merged (a strided
-    // tensor-parallel shard's rows become one box per Q, K, V)
+}
+
+/// Writes this rank's file of checkpoint `staging`: each part's boxes of
+/// the parameters and moments, boxes stacked along their first dimension
+/// merged (a strided tensor-parallel shard's rows become one box per Q,
+/// K, V).
+fn write_rank(
+    staging: &Path,
+    rank: usize,
+    parts: &[OwnedPart],
+    opts: &SaveOptions,
+) -> weft_checkpoint::Result<RankReport> {
     let runs: Vec<FlatRun<'_>> = parts
         .iter()
         .map(|p| FlatRun {
@@ -263,42 +275,55 @@ pub fn save_sharded(
             values: p.values.iter().map(Vec::as_slice).collect(),
         })
         .collect();
-    let mut names = Vec::new();
-    let mut data: Vec<Vec<u8>> = Vec::new();
-    let mut regions = Vec::new();
-    let mut shapes = Vec::new();
+    let mut tensors = Vec::new();
     for b in boxes_of_runs(&runs) {
         for (which, values) in b.values.iter().enumerate() {
-            names.push(saved_name(which, &b.name));
-            data.push(le_bytes(values));
-            regions.push(b.region.clone());
-            shapes.push(b.global_shape.clone());
+            let shape = b.global_shape.clone();
+            tensors.push((
+                saved_name(which, &b.name),
+                shape,
+                b.region.clone(),
+                le_bytes(values),
+            ));
         }
     }
-    let shards: Vec<ShardData<'_>> = (0..names.len())
-        .map(|i| ShardData {
-            name: &names[i],
+    let shards: Vec<ShardData<'_>> = tensors
+        .iter()
+        .map(|(name, shape, region, data)| ShardData {
+            name,
             dtype: Dtype::F32,
-            global_shape: &shapes[i],
-            region: regions[i].clone(),
-            data: &data[i],
+            global_shape: shape,
+            region: region.clone(),
+            data,
         })
         .collect();
     #[allow(clippy::cast_possible_truncation)]
-    let report = weft_checkpoint::write_rank_file(&staging, me as u32, &shards, &opts);
-    crate::supervise::during_save(root.parent().unwrap_or(root), step, me);
-    // 3. the reports to rank 0, which commits
+    weft_checkpoint::write_rank_file(staging, rank as u32, &shards, opts)
+}
+
+/// Gathers every rank's `report` on rank 0, which commits the checkpoint
+/// when every rank wrote its file and applies the retention; every rank
+/// learns the outcome. Collective over `world`.
+fn commit(
+    world: &dyn Communicator,
+    root: &Path,
+    config: &Config,
+    req: &SaveRequest<'_>,
+    report: weft_checkpoint::Result<RankReport>,
+    opts: &SaveOptions,
+) -> Result<(), CkptError> {
+    let err = |source| CkptError::Checkpoint {
+        root: root.to_owned(),
+        source,
+    };
+    let step = req.step;
     let json = match &report {
         Ok(r) => serde_json::to_vec(r).unwrap_or_default(),
         Err(_) => Vec::new(),
     };
-    if me != 0 {
-        world
-            .send_bytes(0, TAG + 2, &(json.len() as u64).to_le_bytes())
-            .map_err(CkptError::Comm)?;
-        world
-            .send_bytes(0, TAG + 3, &json)
-            .map_err(CkptError::Comm)?;
+    let gathered =
+        weft_collectives::gather_bytes(world, TAG + 4, &json).map_err(CkptError::Comm)?;
+    let Some(all) = gathered else {
         let ok = agree(world, true).map_err(CkptError::Comm)?;
         report.map_err(err)?;
         return if ok {
@@ -306,19 +331,9 @@ pub fn save_sharded(
         } else {
             Err(CkptError::Peer { step })
         };
-    }
-    let mut reports: Vec<Option<RankReport>> = vec![report.as_ref().ok().cloned()];
-    for r in 1..n {
-        let mut len = [0u8; 8];
-        world
-            .recv_bytes(r, TAG + 2, &mut len)
-            .map_err(CkptError::Comm)?;
-        let mut bytes = vec![0u8; usize::try_from(u64::from_le_bytes(len)).unwrap_or(0)];
-        world
-            .recv_bytes(r, TAG + 3, &mut bytes)
-            .map_err(CkptError::Comm)?;
-        reports.push(serde_json::from_slice(&bytes).ok());
-    }
+    };
+    let reports: Vec<Option<RankReport>> =
+        all.iter().map(|b| serde_json::from_slice(b).ok()).collect();
     let outcome = match (report, reports.iter().all(Option::is_some)) {
         (Err(e), _) => Err(err(e)),
         (Ok(_), false) => Err(CkptError::Peer { step }),
@@ -326,8 +341,9 @@ pub fn save_sharded(
             let reports: Vec<RankReport> = reports.into_iter().flatten().collect();
             #[allow(clippy::cast_possible_truncation)]
             let layout = Layout {
-                world_size: n as u32,
-                mesh: mesh
+                world_size: world.size() as u32,
+                mesh: req
+                    .mesh
                     .iter()
                     .map(|&(name, size)| MeshDim {
                         name: name.to_owned(),
@@ -335,8 +351,8 @@ pub fn save_sharded(
                     })
                     .collect(),
             };
-            let state = trainer_state(config, step, opt_step, loss_scale, model);
-            weft_checkpoint::commit(root, step, &layout, &reports, &state, &opts)
+            let state = trainer_state(config, step, req.opt_step, req.loss_scale, req.model);
+            weft_checkpoint::commit(root, step, &layout, &reports, &state, opts)
                 .and_then(|_| {
                     let every =
                         (config.checkpoint.keep_every > 0).then_some(config.checkpoint.keep_every);
@@ -358,11 +374,11 @@ pub fn save_sharded(
 /// # Errors
 /// As [`restore`]; [`CkptError::Peer`] on the ranks that did not see the
 /// failure; a collective error.
-pub fn restore_sharded(
+pub(crate) fn restore_sharded<M: TrainModel + ?Sized>(
     world: &dyn Communicator,
     root: &Path,
     config: &Config,
-    model: &mut ParallelGpt,
+    model: &mut M,
 ) -> Result<Restored, CkptError> {
     restore_with(world, root, config, &mut |opt_step, read| {
         model.load_with(opt_step, read).map_err(|e| e.to_string())
@@ -372,12 +388,11 @@ pub fn restore_sharded(
 /// As [`restore_sharded`], into whatever `load` fills: it gets the
 /// checkpoint's optimizer step and a reader of whole tensors (`which` 0
 /// for the parameters, 1 and 2 for the AdamW moments), and says what
-/// went wrong, if anything. The GPU loop restores the whole model into
-/// host buffers this way. Collective over `world`.
+/// went wrong, if anything. Collective over `world`.
 ///
 /// # Errors
 /// As [`restore_sharded`]; [`CkptError::Tensor`] with `load`'s message.
-pub fn restore_with(
+fn restore_with(
     world: &dyn Communicator,
     root: &Path,
     config: &Config,
@@ -465,53 +480,6 @@ pub fn restore_with(
     })
 }
 
-/// The whole model as the parts of one rank that holds all of it, for
-/// [`save_sharded`]: every tensor of `layout` with its parameters and
-/// AdamW moments cut from the flat buffers (the GPU loop's checkpoint:
-/// the same files a single-rank CPU run writes).
-pub fn whole_parts(layout: &ParamLayout, params: &[f32], opt: &AdamWState) -> Vec<OwnedPart> {
-    layout
-        .specs()
-        .iter()
-        .map(|spec| {
-            let r = spec.range();
-            OwnedPart {
-                name: spec.name.clone(),
-                global_shape: spec.shape.clone(),
-                whole: 0,
-                values: [params, opt.m.as_slice(), opt.v.as_slice()].map(|b| b[r.clone()].to_vec()),
-            }
-        })
-        .collect()
-}
-
-/// Reads the whole model — parameters into `params`, AdamW moments into
-/// `opt`, which takes `step` — through `read` (see [`restore_with`]):
-/// the reverse of [`whole_parts`].
-///
-/// # Errors
-/// The first tensor `read` could not fill, named.
-pub fn read_whole(
-    layout: &ParamLayout,
-    params: &mut [f32],
-    opt: &mut AdamWState,
-    step: u32,
-    read: &mut ReadTensor<'_>,
-) -> Result<(), String> {
-    for spec in layout.specs() {
-        let r = spec.range();
-        for (which, buf) in [&mut *params, &mut opt.m, &mut opt.v]
-            .into_iter()
-            .enumerate()
-        {
-            read(which, &spec.name, &mut buf[r.clone()])
-                .map_err(|e| format!("{}: {e}", saved_name(which, &spec.name)))?;
-        }
-    }
-    opt.step = step;
-    Ok(())
-}
-
 /// Renames a checkpoint folder that did not verify to
 /// `<name>.corrupt` (or `.corrupt-2`, … if taken): out of the way of the
 /// saves to come, which would replace a folder of the same step, and not a
@@ -589,7 +557,7 @@ fn loss_scale_of(state: &TrainerState) -> Option<LossScalerState> {
 /// [`CkptError::Missing`] if there is none; [`CkptError::ConfigMismatch`] if
 /// it belongs to another configuration; [`CkptError::Tensor`] if a tensor is
 /// missing or mis-sized; [`CkptError::Checkpoint`] for I/O or corruption.
-pub fn restore(
+pub(crate) fn restore(
     root: &Path,
     config: &Config,
     model: &mut Gpt,

@@ -18,7 +18,10 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use crate::supervise::{Fault, FaultKind};
+use weft_trace::{EventKind, MetricsEvent, MetricsEventKind, MetricsRecord};
+
+use crate::events::read_events;
+use crate::fault::{Fault, FaultKind};
 
 /// What a drill runs.
 #[derive(Clone, Debug)]
@@ -38,6 +41,25 @@ pub struct Drill {
     pub heartbeat_timeout: Duration,
     /// A launcher for the job (`--launch`), empty for none.
     pub launch: Option<String>,
+    /// What the faults are drawn against: the job's length, checkpoint
+    /// interval, ranks and non-finite limit (the trainer reads them from
+    /// the configuration [`Drill::job_sets`] make).
+    pub job: DrillJob,
+}
+
+/// The settings of a drill's job that decide which faults can happen
+/// where.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DrillJob {
+    /// `train.steps`.
+    pub steps: u64,
+    /// `checkpoint.every`.
+    pub every: u64,
+    /// Ranks of the job.
+    pub ranks: usize,
+    /// `train.nonfinite_limit`: non-finite steps in a row that make a
+    /// rewind.
+    pub nonfinite_limit: u64,
 }
 
 /// One trial's outcome.
@@ -108,15 +130,24 @@ impl Rng {
     }
 }
 
-/// A run's final state: every step's loss and validation loss as JSON
-/// text, and a hash of the last checkpoint's rank files.
-fn fingerprint(run: &Path) -> Option<(Vec<String>, u64)> {
+/// A run's final state: every step's loss and every validation loss (as
+/// their bits), and a hash of the last checkpoint's rank files.
+fn fingerprint(run: &Path) -> Option<(Vec<(u64, u64)>, u64)> {
     let text = std::fs::read_to_string(run.join("metrics.jsonl")).ok()?;
-    let losses: Vec<String> = text
+    let losses: Vec<(u64, u64)> = text
         .lines()
-        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-        .filter(|v| v.get("event").is_none_or(|e| e == "eval"))
-        .map(|v| format!("{} {} {}", v["step"], v["loss"], v["val_loss"]))
+        .filter_map(|l| {
+            if let Ok(r) = serde_json::from_str::<MetricsRecord>(l) {
+                return Some((r.step, r.loss.to_bits()));
+            }
+            match serde_json::from_str::<MetricsEvent>(l) {
+                Ok(MetricsEvent {
+                    step,
+                    kind: MetricsEventKind::Eval { val_loss, .. },
+                }) => Some((step, val_loss.to_bits())),
+                _ => None,
+            }
+        })
         .collect();
     let ckpt =
         weft_checkpoint::load_latest(&run.join("checkpoints"), weft_checkpoint::VerifyLevel::Full)
@@ -133,15 +164,6 @@ fn fingerprint(run: &Path) -> Option<(Vec<String>, u64)> {
         h.update(&std::fs::read(f).ok()?);
     }
     Some((losses, h.digest()))
-}
-
-/// A run's events.
-fn events(run: &Path) -> Vec<serde_json::Value> {
-    std::fs::read_to_string(run.join("events.jsonl"))
-        .unwrap_or_default()
-        .lines()
-        .filter_map(|l| serde_json::from_str(l).ok())
-        .collect()
 }
 
 impl Drill {
@@ -176,14 +198,6 @@ impl Drill {
         .map(|s| (*s).to_owned())
         .chain(self.sets.iter().cloned())
         .collect()
-    }
-
-    /// The job's configuration.
-    ///
-    /// # Errors
-    /// The configuration's error, for a bad `--set`.
-    pub fn config(&self) -> Result<crate::config::Config, crate::config::ConfigError> {
-        crate::config::Config::load(None, &self.job_sets())
     }
 
     /// `weft train` of run `name` with `extra` arguments.
@@ -290,10 +304,6 @@ impl Drill {
     /// [`ChaosError`] when a fault-free run fails or a folder cannot be
     /// made.
     pub fn run(&self, mut each: impl FnMut(usize, &Trial)) -> Result<Vec<Trial>, ChaosError> {
-        let config = self.config().map_err(|e| ChaosError::Reference {
-            run: self.dir.clone(),
-            message: e.to_string(),
-        })?;
         std::fs::create_dir_all(&self.dir).map_err(|source| ChaosError::Io {
             path: self.dir.clone(),
             source,
@@ -301,12 +311,17 @@ impl Drill {
         let reference_s = self.reference("reference", &[])?;
         let clean = fingerprint(&self.dir.join("reference"));
         let mut rng = Rng(self.seed);
-        let (steps, every) = (config.train.steps, config.checkpoint.every.max(1));
-        let ranks = config.parallel.dims().world_size();
+        let DrillJob {
+            steps,
+            every,
+            ranks,
+            nonfinite_limit,
+        } = self.job;
+        let every = every.max(1);
         let limit = reference_s * 10.0 + 60.0 + self.heartbeat_timeout.as_secs_f64() * 3.0;
         let mut trials = Vec::new();
         for i in 0..self.trials {
-            let faults = Self::draw(&mut rng, steps, every, ranks, config.train.nonfinite_limit);
+            let faults = Self::draw(&mut rng, steps, every, ranks, nonfinite_limit);
             let name = format!("trial-{i}");
             let run = self.dir.join(&name);
             let _ = std::fs::remove_dir_all(&run);
@@ -343,21 +358,22 @@ impl Drill {
                 std::thread::sleep(Duration::from_millis(50));
             }
             let wall = t.elapsed().as_secs_f64();
-            let ev = events(&run);
-            let at = |kind: &'static str| ev.iter().filter(move |e| e["event"] == kind);
+            let ev = read_events(&run);
+            let at = |name: &'static str| ev.iter().filter(move |e| e.kind.name() == name);
+            let times = |name: &'static str| at(name).map(|e| e.time);
             // detected: each fault by what answers it — a failure after a
             // kill, hang or crash, a rewind after bad data, a restart that
             // passed over the rotten checkpoint — timed from the last
             // fault fired to the first answer after it
-            let fired: Vec<f64> = at("fault").filter_map(|e| e["time"].as_f64()).collect();
-            let answered = |kind: FaultKind| match kind {
+            let fired: Vec<f64> = times("fault").collect();
+            let answered = |kind: FaultKind| {
+                match kind {
                 FaultKind::Nan | FaultKind::Spike => at("rewind").next().is_some(),
-                FaultKind::CorruptCheckpoint => at("restart").any(|e| {
-                    e["unverified_checkpoints"]
-                        .as_array()
-                        .is_some_and(|u| !u.is_empty())
+                FaultKind::CorruptCheckpoint => ev.iter().any(|e| {
+                    matches!(&e.kind, EventKind::Restart { unverified_checkpoints, .. } if !unverified_checkpoints.is_empty())
                 }),
                 _ => at("failure").next().is_some(),
+            }
             };
             let detected_after_s = fired
                 .iter()
@@ -366,38 +382,39 @@ impl Drill {
                 .filter(|_| fired.len() >= faults.len())
                 .filter(|_| faults.iter().all(|f| answered(f.kind)))
                 .and_then(|last| {
-                    ev.iter()
-                        .filter(|e| e["event"] == "failure" || e["event"] == "rewind")
-                        .filter_map(|e| e["time"].as_f64())
-                        .find(|&t| t >= last)
+                    times("failure")
+                        .chain(times("rewind"))
+                        .filter(|&t| t >= last)
+                        .reduce(f64::min)
                         .map(|t| t - last)
                 });
             // a restart's cost: from the failure to training again (a
             // rewind's: from the rewind to training again)
-            let restart_s = at("failure")
-                .chain(at("rewind"))
-                .filter_map(|e| e["time"].as_f64())
+            let restart_s = times("failure")
+                .chain(times("rewind"))
                 .reduce(f64::min)
                 .and_then(|f| {
-                    at("running")
-                        .chain(at("rewound"))
-                        .filter_map(|e| e["time"].as_f64())
+                    times("running")
+                        .chain(times("rewound"))
                         .filter(|&r| r > f)
                         .reduce(f64::min)
                         .map(|r| r - f)
                 });
-            let mut lost_steps: u64 = at("restart").filter_map(|e| e["lost_steps"].as_u64()).sum();
-            let mut skips = Vec::new();
-            for e in at("rewind") {
-                let (step, to) = (e["step"].as_u64(), e["to_step"].as_u64());
-                lost_steps += step.unwrap_or(0).saturating_sub(to.unwrap_or(0));
-                skips.extend(
-                    e["skipped_batches"]
-                        .as_array()
-                        .into_iter()
-                        .flatten()
-                        .filter_map(serde_json::Value::as_u64),
-                );
+            let (mut lost_steps, mut skips) = (0u64, Vec::new());
+            for e in &ev {
+                match &e.kind {
+                    EventKind::Restart { lost_steps: l, .. } => lost_steps += l,
+                    EventKind::Rewind {
+                        step,
+                        to_step,
+                        skipped_batches,
+                        ..
+                    } => {
+                        lost_steps += step.saturating_sub(*to_step);
+                        skips.extend(skipped_batches);
+                    }
+                    _ => {}
+                }
             }
             let recovered =
                 !hung && status.is_some_and(|s| s.success()) && at("finished").next().is_some();

@@ -4,13 +4,12 @@
 //!
 //! [`install`] sets the handlers (the `weft` binary calls it; a program
 //! embedding the trainer may instead call [`request`] from its own
-//! handling). After every step the training loop asks for the
-//! request of any rank, so that every rank stops after the same step and
-//! saves its part of the same checkpoint.
+//! handling). After every step the training loop asks for the request of
+//! any rank, so that every rank stops after the same step and saves its
+//! part of the same checkpoint; a [`Supervisor`](crate::Supervisor)
+//! forwards the request to its job instead of restarting it.
 
 use std::sync::atomic::{AtomicBool, Ordering};
-
-use weft_collectives::{Communicator, CommunicatorExt, ReduceOp};
 
 static REQUESTED: AtomicBool = AtomicBool::new(false);
 
@@ -23,21 +22,6 @@ pub fn request() {
 /// Whether a stop has been asked for in this process.
 pub fn requested() -> bool {
     REQUESTED.load(Ordering::SeqCst)
-}
-
-/// Whether any rank of `world` has been asked to stop (collective: every
-/// rank calls it after the same step; one rank needs no communication).
-///
-/// # Errors
-/// A failed all-reduce.
-pub(crate) fn agreed(world: &dyn Communicator) -> weft_collectives::Result<bool> {
-    let mine = f32::from(u8::from(requested()));
-    if world.size() == 1 {
-        return Ok(mine > 0.0);
-    }
-    let mut any = [mine];
-    world.all_reduce(&mut any, ReduceOp::Max)?;
-    Ok(any[0] > 0.0)
 }
 
 const MESSAGE: &[u8] =

@@ -1,0 +1,72 @@
+//! The parent side of fault tolerance: run a training job as child
+//! process(es), watch it, and restart it from its newest checkpoint that
+//! verifies when it fails — with no person awake — as torchelastic sits
+//! outside torchtitan; plus the faults to drill it with and the drill.
+//!
+//! # Overview
+//! * [`Supervisor`] runs the job (`weft train` by default, or any command
+//!   that resumes with `--resume` and writes heartbeats) as a child, or
+//!   under a launcher (`--launch 'mpirun -np {n}'`, see
+//!   [`Supervisor::launch`]), in a process group of its own, and restarts
+//!   it with `--resume` when it exits with an error or is killed, or when
+//!   a rank's heartbeat stops for longer than the heartbeat timeout (then
+//!   it kills the process group first). The failed rank is the one the
+//!   launcher's or the collectives' watchdog's message on stderr names
+//!   (the stream is passed through), else the ranks whose heartbeat fell
+//!   behind. Restarts are bounded and spaced by a backoff that doubles;
+//!   with spares ([`Elastic`]) each failure uses one, and with none left
+//!   the job may shrink to fewer data-parallel replicas, keeping its
+//!   global batch; a failed rank's host leaves the hostfile. Each start,
+//!   failure, restart and the end are appended to `<run>/events.jsonl`
+//!   as [`weft_trace::RunEvent`]s ([`events`]).
+//! * [`mod@heartbeat`]: the file every rank writes after every step, which
+//!   the supervisor watches.
+//! * [`stop`]: the first SIGINT or SIGTERM asks for a clean stop (finish
+//!   the step, save, exit), a second ends the process; a supervisor
+//!   forwards it to its job and does not restart a job stopped so.
+//! * [`Fault`]s (`kill:rank=1,step=37`, `hang:step=50`, `nan:step=60`,
+//!   `spike:step=45`, `slow:rank=1,factor=3`,
+//!   `corrupt-checkpoint:step=40`, `crash-during-save:step=80`) are for
+//!   tests and drills: the supervisor passes them to the first attempt
+//!   only, so a restarted run goes on fault-free. The ranks fire them
+//!   (the trainer's fault plan).
+//! * [`Drill`] (`weft chaos`): a small job run fault-free, then trials of
+//!   random faults under supervision, each checked for detection,
+//!   recovery, the time lost and the bits of the fault-free run.
+//!
+//! ```no_run
+//! use std::time::Duration;
+//! use weft_supervise::{Elastic, Supervisor};
+//!
+//! let outcome = Supervisor {
+//!     command: vec!["weft".into(), "train".into(), "--set".into(), "run.name=job".into()],
+//!     launch: ["mpirun", "-np", "{n}", "--hostfile", "{hostfile}"].map(String::from).to_vec(),
+//!     hostfile: Some("hosts.txt".into()),
+//!     run_dir: "runs/job".into(),
+//!     max_restarts: 3,
+//!     backoff: Duration::from_secs(1),
+//!     heartbeat_timeout: Duration::from_secs(600),
+//!     inject: Vec::new(),
+//!     elastic: Elastic { dp: 4, replica: 2, spares: Some(1), shrink: vec![2, 1], micro: 4 },
+//! }
+//! .run()?;
+//! println!("{} restart(s), ending on dp = {}", outcome.restarts, outcome.dp);
+//! # Ok::<(), weft_supervise::SuperviseError>(())
+//! ```
+//!
+//! # Crate features
+//! None. Unix only (process groups and signals).
+
+#![deny(missing_docs)]
+
+mod chaos;
+pub mod events;
+mod fault;
+pub mod heartbeat;
+pub mod stop;
+mod supervisor;
+
+pub use chaos::{ChaosError, Drill, DrillJob, Trial, table_header, table_row, table_totals};
+pub use fault::{Fault, FaultKind};
+pub use heartbeat::{heartbeat, host_name};
+pub use supervisor::{Elastic, Outcome, SuperviseError, Supervisor};
