@@ -131,7 +131,8 @@
 //! - **Reduce-scatter reads its input in place.** The ring starts from the
 //!   caller's buffer and ends in the output; only two chunk-sized partial
 //!   sums exist at a time. (It used to convert the whole input into a
-//!   zeroed copy first: 6.7× a whole all-reduce at 64 MiB.)
+//!   zeroed copy first; measured figures in the repository's
+//!   `benchmarks/2026-12-02-ring-reduce-scatter-in-place-epyc.md`.)
 //! - **Large results bypass the cache.** Outputs and copies of 8 MiB or
 //!   more are written with non-temporal stores (no read of the lines about
 //!   to be overwritten, no eviction of the inputs still to be read).
@@ -140,91 +141,65 @@
 //!   every rank sends chunk k straight to rank k (the ring's bytes), and
 //!   the reduce-scatter's owner sums all n chunks in one pass, tile by
 //!   tile in L1, writing no partial sum to memory (the ring writes n − 2
-//!   of them); the all-gather copies each peer's chunk as it comes. With 4
-//!   thread ranks on 2 cores, against the ring in alternating runs:
-//!   reduce-scatter 1.0–1.5× faster, all-gather 1.0–1.35×.
+//!   of them); the all-gather copies each peer's chunk as it comes, both
+//!   faster than the ring with 4 thread ranks on 2 cores.
 //! - **Waits spin briefly before they sleep**, since a
 //!   condition-variable wake-up costs as much as a 1 MiB reduction; with
 //!   more ranks than cores they yield the core between checks, so that a
 //!   peer waiting for it runs at once.
 //!
-//! Measured on the 2-core development machine (AMD EPYC, shared, so single
-//! figures are noisy; the ratios of one run are the point), 2 thread
-//! ranks, f32, ring, every input written afresh before each call: the
-//! all-reduce's busbw 26–28 GB/s at 4 MiB (in cache) and 10–14 GB/s at
-//! 16–256 MiB, against a 2-thread memcpy of 14–21 GB/s; reduce-scatter
-//! busbw 0.7–0.93× the all-reduce's (it reads and writes 3 bytes of
-//! memory per bus byte where the all-reduce, whose second half only
-//! copies, moves 2.5);
-//! the out-of-place all-gather 0.5–0.7× (it copies its own shard as well
-//! as the peers'), the in-place one 0.9–1.9×. The reproducible all-reduce
-//! and reduce-scatter cost 0.94–1.2× the plain ones with 2 ranks (the one
-//! step adds the two inputs straight into the output); with 4 on 2 cores
-//! (3–16 ranks in one domain sum each block of all ranks' chunks in
-//! registers in one pass, see [`repro`]) 1.0–1.35× from 16 MiB, and at
-//! 1–4 MiB 1.0–1.45× (all-reduce) and 0.8–1.5× (reduce-scatter), where
-//! the plain direct reduce-scatter costs a few additions per element while
-//! the exact sum scans each block's exponents and converts every value:
-//! compute, which 4 ranks on 2 cores share (for f32 with up to 4 ranks
-//! and a power-of-two divisor, AVX-512 lanes scan all contributions of a
-//! block and reduce once, then sum them in f64: 1 MiB 114 → 87 µs).
-//! With 4 ranks the plain reduce-scatter's busbw is 0.6–1.0× the
-//! all-reduce's and the out-of-place all-gather's 0.75–1.15× (the direct
-//! exchange, above). The exact reductions of
-//! [`repro::ExactPartial`]s with one f32 contribution per rank (one
-//! micro-batch: the partial keeps the values) take the same route:
-//! 0.6–1.3× the plain all-reduce, 0.9–1.4× the plain reduce-scatter
-//! divided by 2 (the mean of two halves in f32 where that is exact; 1.0–1.2×
-//! on an Intel Xeon once its loop prefetched both inputs, 1.3–1.4× before). With
-//! more contributions the partials are
-//! encoded, 8 bytes per element for gradients, so the reduce-scatter
-//! phase moves twice f32's bytes (the all-reduce's volume 1.5× the plain
-//! one); each block of two partials is read in place and summed and
-//! rounded in one pass of i64 lanes (a divisor that is not a power of two
-//! costs one f64 division per element). With 2 ranks the all-reduce takes
-//! 1.5–2.2× the plain ring and the divided reduce-scatter 1.7–2.8× the
-//! plain one from 16 MiB (the byte volume at the plain ring's busbw allows
-//! 1.8× and 2.4×: about that bound, noise either side), and 3.1–3.7× at 4
-//! MiB, where the plain ring runs from the cache and the encodings do not
-//! fit it. On an Intel Xeon (2 cores, AVX-512, a large L3), with the lanes
-//! of both pieces prefetched a few blocks ahead: 1.65–1.85× and 1.95–2.2×
-//! at 64–256 MiB (1.9–2.0× and 2.3–2.4× without the prefetch), 1.8–2.05×
-//! at 1–16 MiB. With 3 to 16 ranks in one domain each owner sums the pieces of
-//! every peer eight i64 lanes at a time in AVX-512 registers and rounds
-//! once, the next blocks of every piece prefetched: 4 ranks on 2 cores
-//! take 4–8× the plain ops at 1–4 MiB (the pieces come from the other
-//! core's cache or from memory) and 1.3–1.9× from 16 MiB (a
-//! freshly encoded 1 MiB reduce-scatter 172 → 157 µs against the
-//! block-by-block lanes it replaced). bf16
-//! buffers (f32 accumulation) reduce-scatter in 0.4–0.7× the f32 time
-//! (their sums are rounded 32 at a time by `vcvtne2ps2bf16` where the CPU
-//! has AVX512-BF16) and all-gather in 0.35–0.55×. One
-//! [`ExactPartial::add`](repro::ExactPartial::add) into an encoded partial
-//! costs 0.5–0.8 ns per element in cache; at 64–256 MiB, 2 thread ranks
-//! adding at once, 0.95–1.07 ns (1.3–1.4 ns before its loop prefetched the
-//! lanes and the contributions ahead; Intel Xeon).
-//! [`reduce_scatter_add_exact`](CommunicatorExt::reduce_scatter_add_exact)
-//! (FSDP's exact accumulation of a micro-batch's gradient shards) sends the
-//! plain reduce-scatter's bytes and adds every rank's chunk in one pass
-//! over the owner's encoded accumulator: 2–6× the plain reduce-scatter's
-//! time with 2 ranks and 1.5–4.3× with 4 (the additions, about 0.6 ns per
-//! element and contribution, not the bytes; with the prefetch above, 1.9–2.5×
-//! and 1.2–2.3× on the Intel Xeon), run by FSDP's reducer thread behind the
-//! backward: the reproducible ZeRO-3 step with two micro-batches per rank
-//! takes 1.02–1.05× the plain one's time (`benches/fsdp_step.rs` in
-//! weft-model, `--micro 2`; it was 2.2–2.4× when the shards' encoded
-//! partials travelled).
+//! Measured figures, with 2 and 4 thread ranks and over MPI, are in the
+//! repository's `benchmarks/` records, one per measurement:
+//! `2026-12-05-collectives-thread-ranks-epyc.md`,
+//! `2026-12-05-collectives-exact-prefetch-xeon.md`,
+//! `2026-12-05-mpi-reduce-scatter-epyc.md` and
+//! `2026-12-05-mpi-reduce-scatter-xeon.md`. What shapes the costs:
 //!
-//! Over MPI (Open MPI 4.1 on the same machine,
-//! `benches/mpi_vs_local.rs`), this crate's ring reduce-scatter beats the
-//! library's blocking `MPI_Reduce_scatter` from 256 KiB on (1.2–5×, 2
-//! processes) and from 4 MiB with 4 (1.3×); on an Intel Xeon (2 cores)
-//! from 256 KiB with 2 (1.3–3.1×) and from 1 MiB with 4 (1.1–2.7×,
-//! the largest gain at 64 MiB); the all-gather is the
-//! library's own (`MPI_Iallgatherv`, polled), as fast as its blocking form
-//! in some runs and up to 5× slower in others (1–4 MiB), like this crate's
-//! ring over point-to-point, whose messages are copied into and out of
-//! their headers' buffers.
+//! - A reduce-scatter reads and writes 3 bytes of memory per bus byte
+//!   where the all-reduce, whose second half only copies, moves 2.5; the
+//!   out-of-place all-gather copies its own shard as well as the peers'.
+//! - The reproducible all-reduce and reduce-scatter cost about the plain
+//!   ones with 2 ranks (the one step adds the two inputs straight into
+//!   the output), and with 3–16 ranks in one domain sum each block of all
+//!   ranks' chunks in registers in one pass (see [`repro`]). With 4 ranks
+//!   on 2 cores at 1–4 MiB the exact sum, which scans each block's
+//!   exponents and converts every value, is compute the ranks share,
+//!   where the plain direct reduce-scatter costs a few additions per
+//!   element (for f32 with up to 4 ranks and a power-of-two divisor,
+//!   AVX-512 lanes scan all contributions of a block and reduce once,
+//!   then sum them in f64).
+//! - The exact reductions of [`repro::ExactPartial`]s with one f32
+//!   contribution per rank (one micro-batch: the partial keeps the
+//!   values) take the same route. With more contributions the partials
+//!   are encoded, 8 bytes per element for gradients, so the
+//!   reduce-scatter phase moves twice f32's bytes (the all-reduce's volume
+//!   1.5× the plain one), and large exact reductions take about what that
+//!   volume allows; each block of two partials is read in place and
+//!   summed and rounded in one pass of i64 lanes (a divisor that is not a
+//!   power of two costs one f64 division per element), with the lanes of
+//!   both pieces prefetched a few blocks ahead. With 3 to 16 ranks in one
+//!   domain each owner sums the pieces of every peer eight i64 lanes at a
+//!   time in AVX-512 registers and rounds once, the next blocks of every
+//!   piece prefetched.
+//! - bf16 buffers (f32 accumulation) reduce-scatter and all-gather in less
+//!   time than f32 ones (their sums are rounded 32 at a time by
+//!   `vcvtne2ps2bf16` where the CPU has AVX512-BF16).
+//! - [`reduce_scatter_add_exact`](CommunicatorExt::reduce_scatter_add_exact)
+//!   (FSDP's exact accumulation of a micro-batch's gradient shards) sends
+//!   the plain reduce-scatter's bytes and adds every rank's chunk in one
+//!   pass over the owner's encoded accumulator, taking a few times the
+//!   plain reduce-scatter's time (the additions, not the bytes); FSDP's
+//!   reducer thread runs it behind the backward, so the reproducible
+//!   ZeRO-3 step with two micro-batches per rank takes about the plain
+//!   one's time (`benches/fsdp_step.rs` in weft-model, `--micro 2`).
+//! - Over MPI (`benches/mpi_vs_local.rs`), this crate's ring
+//!   reduce-scatter beats the library's blocking `MPI_Reduce_scatter` on
+//!   both machines measured, from a few hundred KiB with 2 processes and
+//!   from a megabyte or a few with 4; the all-gather is the library's own
+//!   (`MPI_Iallgatherv`, polled), as fast as its blocking form in some
+//!   runs and slower in others, like this crate's ring over
+//!   point-to-point, whose messages are copied into and out of their
+//!   headers' buffers.
 //!
 //! # Failures
 //! Nothing hangs: every wait has the communicator's timeout, and the

@@ -36,23 +36,14 @@
 //! widened to f32), batch invariant like the f32 GEMM; [`matmul_bf16`] is
 //! the same product on bf16 buffers. [`bf16_dot_peak_gflops`] measures the
 //! bf16 peak it is held against, and `benches/bf16_gemm.rs` compares it
-//! with the f32 GEMM at GPT-2 small's layers. Measured there on an Intel
-//! Xeon with AMX (2 threads): the twelve products 4.3× the f32 GEMM (1431
-//! vs 334 GFLOP/s; 22% of the AMX tile peak, the rest lost to packing and
-//! to the f32 output's memory traffic), the fifteen with the head's on
-//! bf16 buffers 1.27× faster than PyTorch's oneDNN bf16 GEMM;
-//! `weft-model`'s `train_step` bench: GPT-2 small's training step
-//! 2.70–2.76× its f32 step, 1.71–1.74× PyTorch's autocast-bf16 step. On
-//! an AMD EPYC with AVX512-BF16 and no AMX (2 threads): GPT-2 small's
-//! fifteen products (a layer's twelve and the tied head's three)
-//! 1.98–2.02× the f32 GEMM (401–415 vs 199–206 GFLOP/s, 86–89% of the
-//! measured `vdpbf16ps` peak of 466); on bf16 buffers the twelve layer
-//! products take what PyTorch's bf16 GEMM takes (101 vs 101 ms, 104 vs
-//! 109; `model/reference/bench_torch_gemm.py`) and the head's three are
-//! 1.18–1.24× faster; GPT-2 small's step 1.82–1.89× its f32 step and
-//! 1.47–1.86× PyTorch's autocast-bf16 step per run over fifteen
-//! alternating runs (1.50–1.69× best against best in each set of three;
-//! 4L/256: 1.70–1.75× and 2.05×).
+//! with the f32 GEMM at GPT-2 small's layers. On an Intel Xeon with AMX
+//! and on an AMD EPYC with AVX512-BF16 and no AMX, the bf16 products beat
+//! the f32 GEMM and take at most what PyTorch's bf16 GEMM takes, and
+//! GPT-2 small's bf16 training step (`weft-model`'s `train_step` bench)
+//! beats its f32 step and PyTorch's autocast-bf16 step; the measured
+//! figures are in the repository's `benchmarks/` records
+//! `2026-12-05-bf16-gemm-amx.md`, `2026-12-05-bf16-gemm-epyc.md`,
+//! `2026-12-05-bf16-step-amx.md` and `2026-12-05-bf16-step-epyc.md`.
 //! [`Precision::F16`] rounds the operands to fp16 (bit for bit the f32
 //! kernels on pre-rounded operands; no fp16 products on these CPUs).
 //!
