@@ -6,10 +6,11 @@
 #   bash viz-web/build.sh            writes viz-web/dist/ (or $WEFT_VIZ_DIST),
 #                                    e.g. for `weft viz RUN --assets viz-web/dist`
 #                                    and the e2e test;
-#   bash viz-web/build.sh --commit   rewrites the committed page viz-web/page/
-#                                    and its stamp viz-web/page/SOURCES (the
-#                                    sources it was built from, which a test
-#                                    checks); commit viz-web/page/ afterwards.
+#   bash viz-web/build.sh --commit   rewrites the committed page viz/page/
+#                                    (which weft-viz compiles in) and its
+#                                    stamp viz/page/SOURCES (the sources it
+#                                    was built from, which a test checks);
+#                                    commit viz/page/ afterwards.
 #
 # Idempotent: installs the wasm32 target and the wasm-bindgen-cli whose
 # version equals the lock file's wasm-bindgen only when missing. Respects
@@ -30,7 +31,7 @@ case "${1:-}" in
 esac
 dist="${WEFT_VIZ_DIST:-$here/dist}"
 if [ "$commit" = 1 ]; then
-  dist="$here/page"
+  dist="$root/viz/page"
 fi
 target_dir="${CARGO_TARGET_DIR:-$root/target}"
 cd "$root"
@@ -64,18 +65,18 @@ wasm-bindgen --target web --no-typescript --remove-name-section --remove-produce
   "$target_dir/wasm32-unknown-unknown/viz-page/weft_viz_web.wasm"
 cp "$here/static/index.html" "$here/static/style.css" "$tmp/"
 if [ "$commit" = 1 ]; then
-  # The stamp: the format and the file list of viz-web/src/page.rs (its
-  # STAMPED minus NATIVE_ONLY; dot files and editor backups left out),
-  # which its test recomputes and compares.
+  # The stamp: the format and the file list of viz/src/page.rs (its
+  # STAMPED; dot files and editor backups left out), which its test
+  # recomputes and compares.
   if command -v sha256sum >/dev/null; then sha=(sha256sum); else sha=(shasum -a 256); fi
   {
-    echo "# The sources viz-web/page/ was built from (see viz-web/src/page.rs):"
+    echo "# The sources viz/page/ was built from (see viz/src/page.rs):"
     echo "# wasm-bindgen's version in Cargo.lock, then \`sha256sum\` lines of the"
     echo "# files, paths from the repository root. Written by \`bash viz-web/build.sh --commit\`."
     echo "wasm-bindgen $want"
-    find trace/Cargo.toml trace/src viz-web/Cargo.toml viz-web/build.sh viz-web/src viz-web/static \
+    find trace/Cargo.toml trace/src compare/Cargo.toml compare/src \
+        viz-web/Cargo.toml viz-web/build.sh viz-web/src viz-web/static \
         -name '.*' -prune -o -type f ! -name '*~' ! -name '*.swp' -print |
-      grep -vx -e viz-web/src/serve.rs -e viz-web/src/page.rs |
       LC_ALL=C sort | while IFS= read -r f; do "${sha[@]}" "$f"; done
   } >"$tmp/SOURCES"
 fi
@@ -85,5 +86,5 @@ for f in "$tmp"/*; do
 done
 echo "build.sh: wrote $dist ($(du -sh "$dist" | cut -f1))" >&2
 if [ "$commit" = 1 ]; then
-  echo "build.sh: commit it: git add viz-web/page && git commit" >&2
+  echo "build.sh: commit it: git add viz/page && git commit" >&2
 fi

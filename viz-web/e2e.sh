@@ -2,7 +2,7 @@
 # End-to-end test of weft viz in headless chromium:
 #  1. installs chromium + chromium-driver with apt if missing, builds the
 #     page from source (build.sh, into $E2E_DIST, default viz-web/dist/;
-#     the committed page viz-web/page/ is left alone) and the weft binary,
+#     the committed page viz/page/ is left alone) and the weft binary,
 #     and checks that `weft viz` without --assets serves the committed
 #     page built into it;
 #  2. trains a real run with `weft train` (pipeline parallel, ZB-H1 over 2
@@ -91,8 +91,8 @@ p=$(port)
 pids+=($!)
 for _ in $(seq 50); do curl -sf "http://127.0.0.1:$p/" >/dev/null && break; sleep 0.1; done
 for f in index.html weft_viz_web.js weft_viz_web_bg.wasm style.css; do
-  curl -sf "http://127.0.0.1:$p/$f" | cmp -s - "$here/page/$f" ||
-    { echo "e2e.sh: weft viz without --assets does not serve viz-web/page/$f" >&2; exit 1; }
+  curl -sf "http://127.0.0.1:$p/$f" | cmp -s - "$here/../viz/page/$f" ||
+    { echo "e2e.sh: weft viz without --assets does not serve viz/page/$f" >&2; exit 1; }
 done
 
 url=$(serve "$real")

@@ -16,7 +16,9 @@
 //!   intra- and inter-node links (α, β), from [presets](Cluster::preset)
 //!   (`a100-80gb`, `a100-40gb`, `h100`, `h200`), a TOML file
 //!   ([`Cluster::from_file`], errors naming file, line and key), or
-//!   measured on this machine by the trainer (`weft plan --calibrate`).
+//!   this machine, measured ([`machine::MachineProfile`]: the kernels'
+//!   GEMM rates at the model's shapes, a triad's bandwidth, the thread
+//!   backend's all-reduce α and β).
 //!   [`Recipe`]: what the ranks hold and compute — weft's own run
 //!   ([`Accounting::Weft`]) or mixed precision on GPUs
 //!   ([`Accounting::Mixed`]).
@@ -40,7 +42,13 @@
 //!   communication overtakes compute and how it moves with the batch and
 //!   with sparsity, tensor parallelism inside against across nodes.
 //! * [`budget`]: a compute budget → the Chinchilla-optimal size and tokens
-//!   (Hoffmann et al. 2022) and the days a layout takes. [`svg`]: plots.
+//!   (Hoffmann et al. 2022) and the days a layout takes. [`report`]: the
+//!   table, the budget's paragraph and the JSON `weft plan` prints;
+//!   [`svg`]: its plots (drawn with `weft-compare`'s charts).
+//! * [`calibrate`]: the planner against this machine — layouts run by the
+//!   caller ([`calibrate::Runner`]; the trainer runs `weft train`), the
+//!   machine measured in rounds, the step's share of the measured rates
+//!   found on one-rank references, predicted against measured.
 //! * [`published`]: Narayanan et al. 2021's Table 1 (Megatron-LM, 1.7B to
 //!   1T parameters on up to 3072 A100s) predicted with one set of
 //!   constants: every row within 15%, the worst +8.0% (`tests/plan.rs`).
@@ -89,19 +97,24 @@
 //! # Crate features
 //! None. The crate depends on `weft-pipeline` (its simulator and
 //! partitioner), on `weft-parallel` for the layout type it shares with the
-//! trainer, and on `weft-kernels` for the precision it plans in.
+//! trainer, on `weft-kernels` (the precision it plans in; the products it
+//! times) and `weft-collectives` (the all-reduce it times) to measure a
+//! machine, and on `weft-compare` for its charts.
 
 #![deny(missing_docs)]
 
 pub mod budget;
+pub mod calibrate;
 pub mod cluster;
 mod error;
 pub mod explain;
 pub mod layout;
+pub mod machine;
 pub mod memory;
 pub mod model;
 pub mod predict;
 pub mod published;
+pub mod report;
 pub mod search;
 pub mod svg;
 pub mod time;

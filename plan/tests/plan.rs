@@ -294,3 +294,48 @@ proptest! {
         }
     }
 }
+
+/// `weft plan --plot`'s figures: every strategy and both FSDP parts on
+/// the step-time plot, one bar per layout (each part a rectangle, the
+/// capacity a dashed mark) on the memory plot.
+#[test]
+fn plots_draw_every_strategy_and_every_layout() {
+    let fsdp = crossover(
+        &small_request(8, Accounting::Mixed),
+        &small_request(8, Accounting::Mixed).model,
+        32,
+    );
+    let preds: Vec<weft_plan::Prediction> = [1, 2, 4, 8]
+        .into_iter()
+        .map(|dp| {
+            let mut l = Layout::default();
+            l.parallel.dp = dp;
+            predict(&small_request(dp, Accounting::Mixed), &l).unwrap()
+        })
+        .collect();
+    let by_gpus: Vec<(usize, weft_plan::Prediction)> = preds
+        .iter()
+        .map(|p| (p.layout.parallel.world_size(), p.clone()))
+        .collect();
+    let step = weft_plan::svg::step_time_plot(&[("replicas".into(), by_gpus)], &fsdp);
+    assert!(step.starts_with("<svg") && step.trim_end().ends_with("</svg>"));
+    for name in ["replicas: step", "FSDP: compute", "FSDP: communication"] {
+        assert!(
+            step.contains(&format!("<title>{name}</title>")),
+            "{name}: {step}"
+        );
+    }
+    assert_eq!(
+        step.matches("stroke-dasharray=\"6,4\"><title>").count(),
+        2,
+        "the FSDP parts: {step}"
+    );
+    let memory = weft_plan::svg::memory_plot(&preds);
+    for p in &preds {
+        assert!(memory.contains(&p.layout.to_string()), "{memory}");
+    }
+    assert_eq!(
+        memory.matches("stroke-dasharray=\"3,3\"").count(),
+        preds.len()
+    );
+}

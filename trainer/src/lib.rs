@@ -19,13 +19,12 @@
 //!   wrong.
 //! * [`sample`]: `weft sample`, generation from a run's last checkpoint
 //!   with the model's key/value-cache decoder.
-//! * [`compare`]: `weft compare`, runs (or groups of seeds) against a
-//!   baseline.
 //! * [`plan`]: `weft plan`, the planner's command line (`weft-plan`).
 //!
 //! Supervision (`weft train --supervise`), the faults to drill a run with
-//! and `weft chaos` are `weft-supervise`'s; the data (`weft-data`), the
-//! checkpoint format (`weft-checkpoint`) and the run files
+//! and `weft chaos` are `weft-supervise`'s; `weft compare` is
+//! `weft-compare`'s and `weft viz` `weft-viz`'s; the data (`weft-data`),
+//! the checkpoint format (`weft-checkpoint`) and the run files
 //! (`weft-trace`) are their libraries'.
 //!
 //! # Layouts and what each guarantees
@@ -101,7 +100,6 @@
 
 #![deny(missing_docs)]
 
-pub mod compare;
 pub mod config;
 pub mod plan;
 pub mod ranks;

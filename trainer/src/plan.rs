@@ -1,48 +1,23 @@
 //! `weft plan`: the command-line side of [`weft_plan`] — the model from a
 //! job configuration or from dimensions, the cluster from a preset, a file
-//! or this machine (measured here, since the planner itself never
-//! measures), the table, JSON, explanation, budget and SVG plots — and
-//! `weft plan --calibrate`, which measures this machine, predicts several
-//! `weft train` layouts and runs them, predicted against measured.
-//!
-//! This machine, measured ([`MachineProfile::measure`]): the rate of the
-//! kernels' f32 and bf16 products at the shapes the job's blocks and head
-//! multiply (forward and backward: a CPU's GEMM rate depends on the
-//! shapes and on what stays in cache, so a large product's "peak" would
-//! misstate a small model's), with every core and with each smaller pool a
-//! rank gets when a job's ranks share the cores out; a tiny product's
-//! time (a kernel call's fixed cost); the memory bandwidth of a triad over
-//! 64 MiB; the thread backend's all-reduce between two ranks — its
-//! bandwidth β from 8 MiB less 1 KiB back to back, its latency α at 1 KiB
-//! between ranks that compute in between (a product each on its own
-//! pool), timed on both ranks, so that α is what a collective costs
-//! inside a step, the ranks' drift and the sleeping peer's wake-up
-//! included —
-//! in the job's reproducible or plain sums; the memory
-//! available. Attention's products are charged at the GEMM rate,
-//! element-wise work at the triad's bandwidth.
-//!
-//! `--calibrate` runs its layouts and measures the machine in rounds (a
-//! shared machine's other jobs come and go over seconds), predicts from
-//! the best figures of the rounds and compares with each layout's quietest
-//! round. A step does more than products and element-wise passes (the
-//! pool's wake-ups, copies and zeroing, the exact sums), so the share of
-//! the measured rates a step reaches is measured too, on the one-rank
-//! layout, and every layout is predicted at it: the one-rank layout is the
-//! reference, the parallel layouts are the check ([`calibrate`]).
+//! or this machine ([`weft_plan::machine::MachineProfile`]), and the
+//! table, JSON, explanation, budget and SVG plots — and `weft plan
+//! --calibrate` ([`weft_plan::calibrate`]), whose layouts run here as
+//! `weft train` jobs ([`Calibrator`]).
 
 use std::path::{Path, PathBuf};
-use std::time::Instant;
 
-use serde::Serialize;
-use weft_plan::search::{Constraints, reason, search};
+use weft_plan::calibrate::{self, Calibration, Job, Measured, Runner};
+use weft_plan::machine::MachineProfile;
+use weft_plan::memory::Memory;
+use weft_plan::search::{Constraints, search};
 use weft_plan::{
-    Accounting, Cluster, Device, Efficiency, Layout, Link, ModelSpec, Peak, Precision, Prediction,
-    Recipe, Request, ScheduleKind, Strategy,
+    Accounting, Cluster, Device, Layout, ModelSpec, Precision, Recipe, Request, ScheduleKind,
+    Strategy,
 };
 
 use crate::config::{Config, ConfigError};
-use crate::train::{Observer, RankMemory, RunInfo, StepReport, TrainError};
+use crate::train::{Observer, RunInfo, StepReport, TrainError};
 
 /// Errors of `weft plan`.
 #[derive(Debug, thiserror::Error)]
@@ -207,426 +182,6 @@ pub struct PlanArgs {
     pub published: bool,
 }
 
-/// What this machine reaches with a given number of kernel threads.
-#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
-pub struct ThreadFigures {
-    /// Kernel threads (a rank's pool).
-    pub threads: usize,
-    /// FLOP/s of the job's f32 products, forward and backward.
-    pub gemm_f32: f64,
-    /// FLOP/s of its bf16 products.
-    pub gemm_bf16: f64,
-    /// Seconds of a product's fixed cost (a tiny product).
-    pub overhead: f64,
-    /// Bytes/s of a triad over 64 MiB.
-    pub memory_bandwidth: f64,
-}
-
-/// This machine, measured (see the [module docs](self)).
-#[derive(Clone, Debug, PartialEq, Serialize)]
-pub struct MachineProfile {
-    /// The CPU (`model name` of /proc/cpuinfo, as `lscpu` shows it).
-    pub cpu: String,
-    /// Cores available to this process.
-    pub cores: usize,
-    /// The products measured: `(tokens, in, out)` of each, forward and
-    /// backward.
-    pub shapes: Vec<(usize, usize, usize)>,
-    /// Figures with every core, and with each smaller pool a rank of a
-    /// job on this machine gets (the cores shared out over the ranks).
-    pub per_threads: Vec<ThreadFigures>,
-    /// The thread backend's all-reduce between two ranks: α and 1/β.
-    pub link: Link,
-    /// Whether `link` was measured with reproducible sums.
-    pub reproducible: bool,
-    /// Bytes of memory available.
-    pub memory: f64,
-}
-
-fn cpu_name() -> String {
-    std::fs::read_to_string("/proc/cpuinfo")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("model name"))
-                .and_then(|l| l.split_once(':'))
-                .map(|(_, v)| v.trim().to_owned())
-        })
-        .unwrap_or_else(|| std::env::consts::ARCH.to_owned())
-}
-
-fn available_memory() -> f64 {
-    std::fs::read_to_string("/proc/meminfo")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("MemAvailable:"))
-                .and_then(|l| l.split_whitespace().nth(1))
-                .and_then(|kb| kb.parse::<f64>().ok())
-        })
-        .map_or(8.0 * 1024.0 * 1024.0 * 1024.0, |kb| kb * 1024.0)
-}
-
-/// Best of `reps` timings of `f` (a shared machine only ever slows a run).
-fn best_of(reps: usize, mut f: impl FnMut()) -> f64 {
-    let mut best = f64::INFINITY;
-    for _ in 0..reps.max(1) {
-        let t = Instant::now();
-        f();
-        best = best.min(t.elapsed().as_secs_f64());
-    }
-    best
-}
-
-/// FLOP/s of the products `shapes` (`(m, k, n)`: `(m, k) × (k, n)`),
-/// forward and backward as the blocks run them, on the current pool. In
-/// a training step a product's operands were written long before it runs,
-/// so each call here reads operands the previous calls have pushed out of
-/// the caches: copies cycling through 64 MiB or more.
-fn gemm_rate(shapes: &[(usize, usize, usize)], precision: Precision) -> f64 {
-    use weft_kernels::{Mode, matmul_backward, matmul_forward};
-    const COLD: usize = 64 << 20;
-    let (mut flops, mut secs) = (0.0, 0.0);
-    for &(m, k, n) in shapes {
-        let bytes = 4 * (2 * m * k + 2 * k * n + 2 * m * n + n);
-        let copies = COLD.div_ceil(bytes).clamp(2, 64);
-        let mk: Vec<Vec<f32>> = (0..copies).map(|_| vec![0.5f32; m * k]).collect();
-        let kn: Vec<Vec<f32>> = (0..copies).map(|_| vec![0.25f32; k * n]).collect();
-        let mn: Vec<Vec<f32>> = (0..copies).map(|_| vec![0.125f32; m * n]).collect();
-        let mut out: Vec<Vec<f32>> = (0..copies).map(|_| vec![0f32; m * n]).collect();
-        let mut dinp: Vec<Vec<f32>> = (0..copies).map(|_| vec![0f32; m * k]).collect();
-        let mut dw: Vec<Vec<f32>> = (0..copies).map(|_| vec![0f32; k * n]).collect();
-        let mut db = vec![0f32; n];
-        let f = 2.0 * (m * k * n) as f64;
-        let reps = ((4e8 / f) as usize).clamp(3, 50);
-        let mut ok = true;
-        let mut i = 0;
-        let tf = best_of(reps, || {
-            i = (i + 1) % copies;
-            ok &= matmul_forward(
-                &mut out[i],
-                &mk[i],
-                &kn[i],
-                None,
-                1,
-                m,
-                k,
-                n,
-                Mode::Throughput,
-                precision,
-            )
-            .is_ok();
-        });
-        let tb = best_of(reps, || {
-            i = (i + 1) % copies;
-            ok &= matmul_backward(
-                &mut dinp[i],
-                &mut dw[i],
-                Some(&mut db),
-                &mn[i],
-                &mk[i],
-                &kn[i],
-                1,
-                m,
-                k,
-                n,
-                Mode::Throughput,
-                precision,
-            )
-            .is_ok();
-        });
-        if ok {
-            flops += 3.0 * f;
-            secs += tf + tb;
-        }
-    }
-    if secs > 0.0 { flops / secs } else { f64::NAN }
-}
-
-/// `out = a · w` in f32 on the current pool, the kernels' throughput mode.
-fn product(out: &mut [f32], a: &[f32], w: &[f32], (m, k, n): (usize, usize, usize)) {
-    let _ = weft_kernels::matmul_forward(
-        out,
-        a,
-        w,
-        None,
-        1,
-        m,
-        k,
-        n,
-        weft_kernels::Mode::Throughput,
-        Precision::F32,
-    );
-}
-
-/// Seconds of a tiny product: a kernel call's fixed cost on this pool.
-fn call_overhead() -> f64 {
-    let (m, k, n) = (8, 8, 8);
-    let a = vec![0.5f32; m * k];
-    let w = vec![0.25f32; k * n];
-    let mut out = vec![0f32; m * n];
-    best_of(200, || {
-        product(&mut out, &a, &w, (m, k, n));
-    })
-}
-
-fn triad_bandwidth() -> f64 {
-    use rayon::prelude::*;
-    let n = 16 << 20; // 64 MiB of f32 per array
-    let b = vec![1.0f32; n];
-    let c = vec![2.0f32; n];
-    let mut a = vec![0.0f32; n];
-    let t = best_of(5, || {
-        a.par_chunks_mut(1 << 16)
-            .zip(b.par_chunks(1 << 16))
-            .zip(c.par_chunks(1 << 16))
-            .for_each(|((a, b), c)| {
-                for ((x, y), z) in a.iter_mut().zip(b).zip(c) {
-                    *x = y + 0.5 * z;
-                }
-            });
-        std::hint::black_box(&a);
-    });
-    3.0 * 4.0 * n as f64 / t
-}
-
-/// The thread backend's all-reduce between two ranks as a training step
-/// meets it: β from 8 MiB back to back, less 1 KiB back to back (two
-/// ranks: `2α + S/β`, so the difference is the transfer alone); α from
-/// 1 KiB all-reduces each after a product of the job's first shape on
-/// each rank's own pool (a rank's share of the cores), timed on both
-/// ranks (their mean, the median over iterations) — so α holds what a
-/// collective between computing ranks costs their lockstep: the
-/// exchange, the waiting rank's sleep and wake-up, and the ranks' drift.
-fn all_reduce_link(reproducible: bool, shape: (usize, usize, usize)) -> Link {
-    use weft_collectives::{Communicator, CommunicatorExt, LocalCluster, ReduceOp, ReduceOptions};
-    let threads = (crate::ranks::cores() / 2).max(1);
-    let opts = ReduceOptions::new(ReduceOp::Sum).reproducible(reproducible);
-    let slowest = |v: Vec<weft_collectives::Result<weft_collectives::Result<f64>>>| {
-        v.into_iter()
-            .filter_map(|r| r.ok().and_then(Result::ok))
-            .fold(0.0f64, f64::max)
-    };
-    let back_to_back = |len: usize| {
-        slowest(
-            LocalCluster::builder(2).run_each(|comm| -> weft_collectives::Result<f64> {
-                let mut buf = vec![1e-3f32; len];
-                let mut best = f64::INFINITY;
-                for _ in 0..10 {
-                    comm.barrier()?;
-                    let t = Instant::now();
-                    comm.all_reduce_with(&mut buf, &opts)?;
-                    best = best.min(t.elapsed().as_secs_f64());
-                }
-                Ok(best)
-            }),
-        )
-    };
-    let big = back_to_back(2 << 20);
-    let tiny = back_to_back(256);
-    // each iteration: a product, then a small all-reduce, timed on each
-    // rank; their mean is what the synchronisation costs the ranks'
-    // lockstep: the exchange, the sleeping peer's wake-up, and half the
-    // drift between the ranks' products (the earlier rank waits it out)
-    let (m, k, n) = shape;
-    let per_rank: Vec<Vec<f64>> = LocalCluster::builder(2)
-        .run_each(|comm| -> weft_collectives::Result<Vec<f64>> {
-            let pool = rayon::ThreadPoolBuilder::new()
-                .num_threads(threads)
-                .build()
-                .expect("a rayon pool");
-            let a = vec![0.5f32; m * k];
-            let w = vec![0.25f32; k * n];
-            let mut out = vec![0f32; m * n];
-            let mut small = vec![1e-3f32; 256];
-            let mut times = Vec::with_capacity(100);
-            comm.barrier()?;
-            for _ in 0..100 {
-                pool.install(|| {
-                    product(&mut out, &a, &w, (m, k, n));
-                });
-                let t = Instant::now();
-                comm.all_reduce_with(&mut small, &opts)?;
-                times.push(t.elapsed().as_secs_f64());
-            }
-            Ok(times)
-        })
-        .into_iter()
-        .filter_map(|r| r.ok().and_then(Result::ok))
-        .collect();
-    let mut sync: Vec<f64> = match per_rank.as_slice() {
-        [a, b] => a.iter().zip(b).map(|(x, y)| 0.5 * (x + y)).collect(),
-        _ => vec![tiny],
-    };
-    sync.sort_by(f64::total_cmp);
-    let small = sync[sync.len() / 2].max(1e-7);
-    let big_bytes = 8.0 * 1024.0 * 1024.0;
-    // two ranks: all-reduce = 2α + S/β (2(n−1)/n = 1)
-    Link {
-        bandwidth: big_bytes / (big - tiny).max(1e-9),
-        latency: small / 2.0,
-    }
-}
-
-/// The products a block and the head of `model` run for a micro-batch
-/// of `tokens` tokens: `(m, k, n)` of `(m, k) × (k, n)`.
-#[must_use]
-pub fn block_products(model: &ModelSpec, tokens: usize) -> Vec<(usize, usize, usize)> {
-    let (c, f) = (model.hidden, model.ffn_hidden);
-    vec![
-        (tokens, c, 3 * c),
-        (tokens, c, c),
-        (tokens, c, f),
-        (tokens, f, c),
-        (tokens, c, model.vocab),
-    ]
-}
-
-impl MachineProfile {
-    /// Measures this machine (a few seconds): the products of `model` for
-    /// micro-batches of `tokens` tokens, with every core and with each pool
-    /// a rank of a smaller share gets; the memory bandwidth and a tiny
-    /// product's cost likewise; the thread backend's all-reduce
-    /// (`reproducible`: in weft's exact sums, `parallel.reproducible`).
-    ///
-    /// # Panics
-    /// If a rayon pool cannot be built (no threads can be started).
-    #[must_use]
-    pub fn measure(model: &ModelSpec, tokens: usize, reproducible: bool) -> Self {
-        let cores = crate::ranks::cores();
-        let shapes = block_products(model, tokens.max(1));
-        let mut counts: Vec<usize> = (1..=cores).map(|r| (cores / r).max(1)).collect();
-        counts.dedup();
-        // three rounds, the best figure of each: a shared machine only
-        // ever makes a measurement slower
-        let per_threads = counts
-            .into_iter()
-            .map(|threads| {
-                let pool = rayon::ThreadPoolBuilder::new()
-                    .num_threads(threads)
-                    .build()
-                    .expect("a rayon pool");
-                let mut best = ThreadFigures {
-                    threads,
-                    gemm_f32: 0.0,
-                    gemm_bf16: 0.0,
-                    overhead: f64::INFINITY,
-                    memory_bandwidth: 0.0,
-                };
-                for _ in 0..3 {
-                    pool.install(|| {
-                        best.gemm_f32 = best.gemm_f32.max(gemm_rate(&shapes, Precision::F32));
-                        best.gemm_bf16 = best.gemm_bf16.max(gemm_rate(&shapes, Precision::Bf16));
-                        best.overhead = best.overhead.min(call_overhead());
-                        best.memory_bandwidth = best.memory_bandwidth.max(triad_bandwidth());
-                    });
-                }
-                best
-            })
-            .collect();
-        MachineProfile {
-            cpu: cpu_name(),
-            cores,
-            link: all_reduce_link(reproducible, shapes[0]),
-            shapes,
-            per_threads,
-            reproducible,
-            memory: available_memory(),
-        }
-    }
-
-    /// The best figures of several measurements of this machine (the
-    /// highest rates, the lowest costs): a shared machine only ever makes
-    /// a measurement slower. α is the exception, their median: it is a
-    /// difference of two timings, which noise moves either way. `None`
-    /// when `profiles` is empty.
-    #[must_use]
-    pub fn best(profiles: &[MachineProfile]) -> Option<MachineProfile> {
-        let (first, rest) = profiles.split_first()?;
-        let mut best = first.clone();
-        for p in rest {
-            for f in &mut best.per_threads {
-                if let Some(g) = p.per_threads.iter().find(|g| g.threads == f.threads) {
-                    f.gemm_f32 = f.gemm_f32.max(g.gemm_f32);
-                    f.gemm_bf16 = f.gemm_bf16.max(g.gemm_bf16);
-                    f.overhead = f.overhead.min(g.overhead);
-                    f.memory_bandwidth = f.memory_bandwidth.max(g.memory_bandwidth);
-                }
-            }
-            best.link.bandwidth = best.link.bandwidth.max(p.link.bandwidth);
-        }
-        let mut alphas: Vec<f64> = profiles.iter().map(|p| p.link.latency).collect();
-        alphas.sort_by(f64::total_cmp);
-        best.link.latency = alphas[alphas.len() / 2];
-        Some(best)
-    }
-
-    /// The figures of a rank of a job of `ranks` ranks: its pool has the
-    /// cores shared out (`weft train`'s rule), at least one thread.
-    #[must_use]
-    pub fn figures(&self, ranks: usize) -> ThreadFigures {
-        self.pool_figures((self.cores / ranks.max(1)).max(1))
-    }
-
-    /// The figures of a pool of `threads` threads (the nearest measured).
-    #[must_use]
-    pub fn pool_figures(&self, threads: usize) -> ThreadFigures {
-        self.per_threads
-            .iter()
-            .copied()
-            .min_by_key(|f| f.threads.abs_diff(threads))
-            .unwrap_or(ThreadFigures {
-                threads,
-                gemm_f32: 1e9,
-                gemm_bf16: 1e9,
-                overhead: 0.0,
-                memory_bandwidth: 1e9,
-            })
-    }
-
-    /// This machine as a cluster of `ranks` CPU ranks: the planner shares
-    /// a `Device::Cpu` cluster's rates out over its ranks, so the machine's
-    /// rates are those of a rank's pool times the ranks that run at once;
-    /// the measured rates are what the work reaches, so the efficiencies
-    /// are 1.
-    #[must_use]
-    pub fn cluster(&self, ranks: usize) -> Cluster {
-        self.cluster_at(ranks, (self.cores / ranks.max(1)).max(1), 1.0)
-    }
-
-    /// [`cluster`](Self::cluster) with pools of `threads` threads
-    /// (`parallel.threads`) and products and element-wise work at
-    /// `efficiency` of the measured rates: what a `weft train` step reaches
-    /// of them ([`Calibration::efficiency`]).
-    #[must_use]
-    pub fn cluster_at(&self, ranks: usize, threads: usize, efficiency: f64) -> Cluster {
-        let f = self.pool_figures(threads);
-        let at_once = (self.cores / f.threads).max(1).min(ranks.max(1)) as f64;
-        Cluster {
-            name: format!("this machine ({})", self.cpu),
-            gpus: ranks.max(1),
-            gpus_per_node: ranks.max(1),
-            memory: self.memory,
-            memory_bandwidth: f.memory_bandwidth * at_once,
-            launch_overhead: f.overhead,
-            peak: Peak {
-                fp32: f.gemm_f32 * at_once,
-                bf16: f.gemm_bf16 * at_once,
-                // no CPU here multiplies fp16: weft widens it to f32
-                fp16: f.gemm_f32 * at_once,
-            },
-            intra: self.link,
-            inter: self.link,
-            efficiency: Efficiency {
-                gemm: efficiency,
-                memory: efficiency,
-                link: 1.0,
-            },
-            device: Device::Cpu,
-        }
-    }
-}
-
 /// The model a job trains.
 ///
 /// # Errors
@@ -673,24 +228,6 @@ pub fn recipe_of(config: &Config) -> Recipe {
     r
 }
 
-/// A calibration layout's figures: of one run, or of the quietest of
-/// several rounds.
-#[derive(Clone, Debug, PartialEq, Serialize)]
-pub struct Measured {
-    /// Median seconds per step (the first fifth of the steps not counted);
-    /// over rounds, the lowest round's.
-    pub step_s: f64,
-    /// The fastest step (of every round).
-    pub best_step_s: f64,
-    /// Each round's median seconds per step, in order (one for a single
-    /// run): their spread is the machine's noise.
-    pub round_step_s: Vec<f64>,
-    /// Steps timed.
-    pub steps: usize,
-    /// Memory of rank 0 as the built model allocated it.
-    pub memory: RankMemory,
-}
-
 /// Collects a run's start-up report and step times.
 #[derive(Default)]
 struct Recorder {
@@ -734,19 +271,86 @@ pub fn run_layout(config: &Config, steps: u64, dir: &Path) -> Result<Measured, P
     let info = rec
         .info
         .ok_or_else(|| PlanError::Usage(format!("{layout}: no start-up report")))?;
-    let skip = rec.steps.len() / 5;
-    let mut timed: Vec<f64> = rec.steps[skip..].to_vec();
-    timed.sort_by(f64::total_cmp);
-    if timed.is_empty() {
-        return Err(PlanError::Usage(format!("{layout}: no step was timed")));
+    let m = info.memory;
+    let memory = Memory {
+        params: m.params as u64,
+        grads: m.grads as u64,
+        optimizer: m.optimizer as u64,
+        activations: m.activations as u64,
+        buffers: m.comm as u64,
+    };
+    Measured::of_run(&rec.steps, memory)
+        .ok_or_else(|| PlanError::Usage(format!("{layout}: no step was timed")))
+}
+
+/// `--calibrate`'s runner: each layout a `weft train` job over `base`,
+/// run in-process in a scratch folder.
+pub struct Calibrator {
+    /// The job the layouts' settings apply to.
+    pub base: Config,
+    /// Where the runs' folders go (each removed after its run).
+    pub dir: PathBuf,
+}
+
+impl Runner for Calibrator {
+    type Error = PlanError;
+
+    fn job(&mut self, sets: &[String]) -> Result<Job, PlanError> {
+        let mut cfg = self.base.clone();
+        for s in sets {
+            cfg = cfg.with_override(s)?;
+        }
+        cfg.validate()?;
+        let layout = layout_of(&cfg)?;
+        Ok(Job {
+            sets: sets.to_vec(),
+            threads: crate::ranks::threads_per_rank(layout.world(), cfg.parallel.threads),
+            layout,
+            batch: cfg.train.batch_size,
+            recipe: recipe_of(&cfg),
+        })
     }
-    Ok(Measured {
-        step_s: timed[timed.len() / 2],
-        best_step_s: timed[0],
-        round_step_s: vec![timed[timed.len() / 2]],
-        steps: timed.len(),
-        memory: info.memory,
-    })
+
+    fn run(&mut self, job: &Job, steps: u64) -> Result<Measured, PlanError> {
+        let mut cfg = self.base.clone();
+        for s in &job.sets {
+            cfg = cfg.with_override(s)?;
+        }
+        run_layout(&cfg, steps, &self.dir)
+    }
+}
+
+/// `weft plan --calibrate` of the job `base`: [`weft_plan::calibrate`]
+/// over [`calibrate::layouts`], each run [`Calibrator`]'s way.
+///
+/// # Errors
+/// The job's or a layout's configuration; the planner's; a run's.
+pub fn calibrate(
+    base: &Config,
+    steps: u64,
+    rounds: usize,
+    say: &mut dyn FnMut(&str),
+) -> Result<Calibration, PlanError> {
+    let model = model_of(base)?;
+    let tokens = base
+        .batch_split()
+        .map_or(model.seq, |b| b.micro * model.seq);
+    let plan = calibrate::Plan {
+        model,
+        tokens,
+        reproducible: base.parallel.reproducible,
+        layouts: calibrate::layouts(),
+        steps,
+        rounds,
+    };
+    let dir = std::env::temp_dir().join(format!("weft-plan-calibrate-{}", std::process::id()));
+    let mut runner = Calibrator {
+        base: base.clone(),
+        dir: dir.clone(),
+    };
+    let cal = calibrate::calibrate(&mut runner, &plan, say);
+    let _ = std::fs::remove_dir_all(&dir);
+    cal
 }
 
 fn layout_name(config: &Config) -> String {
@@ -754,355 +358,6 @@ fn layout_name(config: &Config) -> String {
         |_| "layout".into(),
         |l| l.to_string().replace([' ', '/'], "_"),
     )
-}
-
-/// One calibration layout: predicted against measured.
-#[derive(Clone, Debug, PartialEq, Serialize)]
-pub struct CalibrationRow {
-    /// The `--set` arguments of the layout.
-    pub sets: Vec<String>,
-    /// Kernel threads of each rank.
-    pub threads: usize,
-    /// Whether this is the one-rank reference its pool size's efficiency
-    /// was measured on (its prediction then matches by construction).
-    pub reference: bool,
-    /// The planner's prediction.
-    pub predicted: Prediction,
-    /// What the run measured.
-    pub measured: Measured,
-    /// `(predicted − measured) / measured` of the step time (the median
-    /// step).
-    pub step_error: f64,
-    /// The same against the fastest step: the measurements of the machine
-    /// are each the best of several (a shared machine only slows them), so
-    /// this compares like with like; the median includes other jobs.
-    pub fastest_error: f64,
-    /// `(predicted − measured) / measured` of rank 0's memory.
-    pub memory_error: f64,
-}
-
-/// The layouts `--calibrate` runs: dp=1, dp=2, dp=2 with FSDP (ZeRO-3),
-/// tp=2, pp=2 (1F1B), as `--set` arguments.
-#[must_use]
-pub fn calibration_layouts() -> Vec<Vec<String>> {
-    [
-        vec![],
-        vec!["parallel.dp=2"],
-        vec!["parallel.dp=2", "parallel.fsdp=\"full\""],
-        vec!["parallel.tp=2"],
-        vec!["parallel.pp=2"],
-    ]
-    .into_iter()
-    .map(|v| v.into_iter().map(str::to_owned).collect())
-    .collect()
-}
-
-/// What `--calibrate` found.
-#[derive(Clone, Debug, PartialEq, Serialize)]
-pub struct Calibration {
-    /// This machine: the best figures of every round's measurement.
-    pub machine: MachineProfile,
-    /// Rounds run (each runs every layout, then measures the machine).
-    pub rounds: usize,
-    /// For each pool size the layouts' ranks have: the share of the
-    /// measured product and memory rates a `weft train` step reaches,
-    /// measured on a one-rank job with that pool (the reference). What a
-    /// step does besides products and element-wise passes — the pool's
-    /// wake-ups, copies and zeroing, the exact sums — makes it less than
-    /// 1. Every layout is predicted at its pool's.
-    pub efficiency: Vec<PoolEfficiency>,
-    /// Each layout, predicted from `machine` against its quietest round;
-    /// the references (one rank, a pool of each size) first, flagged.
-    pub layouts: Vec<CalibrationRow>,
-}
-
-/// A pool size's step efficiency ([`Calibration::efficiency`]).
-#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
-pub struct PoolEfficiency {
-    /// Kernel threads of the pool.
-    pub threads: usize,
-    /// The share of the measured rates a step reaches.
-    pub efficiency: f64,
-}
-
-/// Runs each layout of `layouts` (as `--set` arguments over `base`) for
-/// `steps` steps and measures this machine, `rounds` times over, with a
-/// one-rank reference job for each pool size the layouts' ranks have
-/// (`parallel.threads`); then predicts each layout from the machine's best
-/// figures, at its pool's efficiency measured on its reference, and
-/// compares the prediction with the layout's quietest round (the lowest
-/// median step) and its fastest step. Both sides are thus the machine at
-/// its least disturbed: a shared machine's other jobs come and go over
-/// seconds, and slow whatever runs meanwhile — a measurement or a layout
-/// — never speed it up.
-///
-/// # Errors
-/// A layout's configuration error (before anything runs); the planner's;
-/// a run's.
-pub fn calibrate(
-    base: &Config,
-    layouts: &[Vec<String>],
-    steps: u64,
-    rounds: usize,
-    say: &mut dyn FnMut(&str),
-) -> Result<Calibration, PlanError> {
-    let rounds = rounds.max(1);
-    let model = model_of(base)?;
-    let tokens = base
-        .batch_split()
-        .map_or(model.seq, |b| b.micro * model.seq);
-    struct Job {
-        sets: Vec<String>,
-        cfg: Config,
-        layout: Layout,
-        threads: usize,
-        reference: bool,
-    }
-    let job = |sets: &[String], reference: bool| -> Result<Job, PlanError> {
-        let mut cfg = base.clone();
-        for s in sets {
-            cfg = cfg.with_override(s)?;
-        }
-        cfg.validate()?;
-        let layout = layout_of(&cfg)?;
-        let threads = crate::ranks::threads_per_rank(layout.world(), cfg.parallel.threads);
-        Ok(Job {
-            sets: sets.to_vec(),
-            cfg,
-            layout,
-            threads,
-            reference,
-        })
-    };
-    let mut jobs = Vec::with_capacity(layouts.len() + 2);
-    for sets in layouts {
-        jobs.push(job(sets, false)?);
-    }
-    // a one-rank reference for each pool size: a layout itself, or the
-    // job on one rank with that pool
-    let mut pools: Vec<usize> = jobs.iter().map(|j| j.threads).collect();
-    pools.sort_unstable();
-    pools.dedup();
-    let mut references = Vec::new();
-    for &t in &pools {
-        if let Some(j) = jobs
-            .iter_mut()
-            .find(|j| j.layout.world() == 1 && j.threads == t)
-        {
-            j.reference = true;
-        } else {
-            let sets: Vec<String> = [
-                "parallel.dp=1",
-                "parallel.tp=1",
-                "parallel.pp=1",
-                "parallel.ep=1",
-                "parallel.fsdp=\"none\"",
-                "parallel.sequence_parallel=false",
-            ]
-            .iter()
-            .map(|s| (*s).to_owned())
-            .chain([format!("parallel.threads={t}")])
-            .collect();
-            references.push(job(&sets, true)?);
-        }
-    }
-    references.append(&mut jobs);
-    let mut jobs = references;
-    jobs.sort_by_key(|j| !j.reference);
-    let dir = std::env::temp_dir().join(format!("weft-plan-calibrate-{}", std::process::id()));
-    let mut profiles = Vec::with_capacity(rounds);
-    let mut runs: Vec<Vec<Measured>> = vec![Vec::with_capacity(rounds); jobs.len()];
-    for round in 1..=rounds {
-        for (j, got) in jobs.iter().zip(&mut runs) {
-            let m = run_layout(&j.cfg, steps, &dir)?;
-            say(&format!(
-                "calibrate     round {round}/{rounds}: {} ({} thread{}{}): {steps} steps, median {:.2} ms",
-                j.layout,
-                j.threads,
-                if j.threads == 1 { "" } else { "s" },
-                if j.reference { ", reference" } else { "" },
-                1e3 * m.step_s
-            ));
-            got.push(m);
-        }
-        say(&format!(
-            "calibrate     round {round}/{rounds}: measuring this machine"
-        ));
-        profiles.push(MachineProfile::measure(
-            &model,
-            tokens,
-            base.parallel.reproducible,
-        ));
-    }
-    let _ = std::fs::remove_dir_all(&dir);
-    let machine = MachineProfile::best(&profiles)
-        .ok_or_else(|| PlanError::Usage("calibration needs at least one round".into()))?;
-    let measured: Vec<Measured> = runs
-        .iter()
-        .filter_map(|got| {
-            let quietest = got.iter().min_by(|a, b| a.step_s.total_cmp(&b.step_s))?;
-            Some(Measured {
-                step_s: quietest.step_s,
-                best_step_s: got
-                    .iter()
-                    .map(|m| m.best_step_s)
-                    .fold(f64::INFINITY, f64::min),
-                round_step_s: got.iter().map(|m| m.step_s).collect(),
-                steps: quietest.steps,
-                memory: quietest.memory,
-            })
-        })
-        .collect();
-    let request = |j: &Job, efficiency: f64| Request {
-        model: model.clone(),
-        batch: j.cfg.train.batch_size,
-        cluster: machine.cluster_at(j.layout.world(), j.threads, efficiency),
-        recipe: recipe_of(&j.cfg),
-    };
-    // each pool's efficiency: its reference's prediction brought to its
-    // measurement (products and element-wise work scale with it; the
-    // kernels' fixed costs do not, hence a few rounds of the fixed point)
-    let mut efficiency = Vec::with_capacity(pools.len());
-    for (j, m) in jobs.iter().zip(&measured).filter(|(j, _)| j.reference) {
-        let mut e = 1.0;
-        for _ in 0..4 {
-            let p = weft_plan::predict(&request(j, e), &j.layout)?;
-            e = (e * p.step_s / m.step_s).clamp(0.05, 2.0);
-        }
-        efficiency.push(PoolEfficiency {
-            threads: j.threads,
-            efficiency: e,
-        });
-    }
-    let mut rows = Vec::with_capacity(jobs.len());
-    for (j, measured) in jobs.iter().zip(measured) {
-        let e = efficiency
-            .iter()
-            .find(|p| p.threads == j.threads)
-            .map_or(1.0, |p| p.efficiency);
-        let predicted = weft_plan::predict(&request(j, e), &j.layout)?;
-        let total = measured.memory.total() as f64;
-        rows.push(CalibrationRow {
-            sets: j.sets.clone(),
-            threads: j.threads,
-            reference: j.reference,
-            step_error: (predicted.step_s - measured.step_s) / measured.step_s,
-            fastest_error: (predicted.step_s - measured.best_step_s) / measured.best_step_s,
-            memory_error: (predicted.memory_rank0.total() as f64 - total) / total,
-            predicted,
-            measured,
-        });
-    }
-    Ok(Calibration {
-        machine,
-        rounds,
-        efficiency,
-        layouts: rows,
-    })
-}
-
-fn mb(b: f64) -> String {
-    format!("{:.1} MB", b / 1e6)
-}
-
-/// The calibration as a Markdown table, with the machine it ran on.
-#[must_use]
-pub fn calibration_table(cal: &Calibration) -> String {
-    let profile = &cal.machine;
-    let figs: Vec<String> = profile
-        .per_threads
-        .iter()
-        .map(|f| {
-            format!(
-                "{} thread(s): f32 products {:.1} GFLOP/s, bf16 {:.1}, {:.1} µs per call, memory {:.1} GB/s",
-                f.threads,
-                f.gemm_f32 / 1e9,
-                f.gemm_bf16 / 1e9,
-                f.overhead * 1e6,
-                f.memory_bandwidth / 1e9
-            )
-        })
-        .collect();
-    let mut s = format!(
-        "this machine (best of {} round(s)): {} ({} cores); {}; all-reduce between 2 thread ranks{}: α {:.1} µs, β {:.2} GB/s\n\
-         weft train's step reaches {} of these product and memory rates (measured on one rank, the reference; every other layout is predicted)\n\n\
-         | layout | threads per rank | predicted step | measured step (median{}) | error | fastest step | error | each round's median | predicted memory (rank 0) | measured memory | error |\n\
-         |---|---|---|---|---|---|---|---|---|---|---|\n",
-        cal.rounds,
-        profile.cpu,
-        profile.cores,
-        figs.join("; "),
-        if profile.reproducible {
-            " (reproducible sums)"
-        } else {
-            ""
-        },
-        profile.link.latency * 1e6,
-        profile.link.bandwidth / 1e9,
-        cal.efficiency
-            .iter()
-            .map(|p| format!(
-                "{:.1}% with {} thread{}",
-                100.0 * p.efficiency,
-                p.threads,
-                if p.threads == 1 { "" } else { "s" }
-            ))
-            .collect::<Vec<_>>()
-            .join(", "),
-        if cal.rounds > 1 {
-            ", quietest round"
-        } else {
-            ""
-        }
-    );
-    for r in &cal.layouts {
-        let rounds: Vec<String> = r
-            .measured
-            .round_step_s
-            .iter()
-            .map(|t| format!("{:.1}", 1e3 * t))
-            .collect();
-        s.push_str(&format!(
-            "| {}{} | {} | {:.2} ms | {:.2} ms | {:+.1}% | {:.2} ms | {:+.1}% | {} ms | {} | {} | {:+.2}% |\n",
-            r.predicted.layout,
-            if r.reference { " (reference)" } else { "" },
-            r.threads,
-            1e3 * r.predicted.step_s,
-            1e3 * r.measured.step_s,
-            100.0 * r.step_error,
-            1e3 * r.measured.best_step_s,
-            100.0 * r.fastest_error,
-            rounds.join(", "),
-            mb(r.predicted.memory_rank0.total() as f64),
-            mb(r.measured.memory.total() as f64),
-            100.0 * r.memory_error
-        ));
-    }
-    s
-}
-
-/// One layout of the JSON output.
-#[derive(Serialize)]
-struct JsonLayout<'a> {
-    /// The layout in one line (`dp=2 tp=4 pp=2 fsdp=full 1f1b mbs=1`).
-    name: String,
-    #[serde(flatten)]
-    prediction: &'a Prediction,
-    memory_total: u64,
-    reason: String,
-}
-
-#[derive(Serialize)]
-struct JsonPlan<'a> {
-    model: &'a ModelSpec,
-    batch: usize,
-    cluster: &'a Cluster,
-    recipe: &'a Recipe,
-    layouts: Vec<JsonLayout<'a>>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    explain: Option<&'a weft_plan::explain::Explanation>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    budget: Option<&'a weft_plan::budget::BudgetReport>,
 }
 
 fn usage(msg: impl Into<String>) -> PlanError {
@@ -1260,141 +515,6 @@ fn constraints(args: &PlanArgs) -> Result<Constraints, PlanError> {
     })
 }
 
-fn secs(s: f64) -> String {
-    if s >= 1.0 {
-        format!("{s:.3} s")
-    } else {
-        format!("{:.2} ms", 1e3 * s)
-    }
-}
-
-fn gib(b: u64) -> String {
-    weft_plan::memory::bytes(b)
-}
-
-/// The table of the best layouts.
-fn table(req: &Request, preds: &[Prediction], top: usize) -> String {
-    let mut s = format!(
-        "model: {} layers, hidden {}, {} heads, seq {}, vocab {}{}; {:.3}B parameters; global batch {} ({} tokens)\n\
-         cluster: {}\n\
-         recipe: {} accounting, {} products{}\n\n",
-        req.model.layers,
-        req.model.hidden,
-        req.model.heads,
-        req.model.seq,
-        req.model.vocab,
-        if req.model.is_moe() {
-            format!(", {} experts top-{}", req.model.experts, req.model.top_k)
-        } else {
-            String::new()
-        },
-        req.model.params() / 1e9,
-        req.batch,
-        req.batch * req.model.seq,
-        req.cluster,
-        match req.recipe.accounting {
-            Accounting::Weft => "weft",
-            Accounting::Mixed => "mixed-precision",
-        },
-        req.recipe.precision.name(),
-        if req.recipe.accounting == Accounting::Mixed && req.recipe.flash_attention {
-            ", flash attention"
-        } else {
-            ""
-        },
-    );
-    s.push_str(
-        "| # | layout | fits | memory/GPU | params | grads | optimizer | activations | buffers | step | compute | tp | dp exposed | bubble | tokens/s | TFLOP/s/GPU | MFU |\n\
-         |---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
-    );
-    let n = if top == 0 {
-        preds.len()
-    } else {
-        top.min(preds.len())
-    };
-    for (i, p) in preds.iter().take(n).enumerate() {
-        let m = &p.memory;
-        let t = &p.time;
-        s.push_str(&format!(
-            "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {:.1}% | {:.0} | {:.2} | {:.1}% |\n",
-            i + 1,
-            p.layout,
-            if p.fits { "yes" } else { "no" },
-            gib(m.total()),
-            gib(m.params),
-            gib(m.grads),
-            gib(m.optimizer),
-            gib(m.activations),
-            gib(m.buffers),
-            secs(p.step_s),
-            secs(t.compute),
-            secs(t.tp_comm),
-            secs(t.dp_exposed),
-            100.0 * t.bubble_fraction,
-            p.tokens_per_s,
-            p.tflops_per_gpu,
-            100.0 * p.mfu
-        ));
-    }
-    s.push('\n');
-    for (i, p) in preds.iter().take(n).enumerate() {
-        s.push_str(&format!(
-            "{}. {}: {}\n",
-            i + 1,
-            p.layout,
-            reason(p, &preds[0])
-        ));
-    }
-    if preds.len() > n {
-        s.push_str(&format!(
-            "({} more layouts; --top 0 shows all, --json gives every figure)\n",
-            preds.len() - n
-        ));
-    }
-    s
-}
-
-/// The step-time plot's strategies: replicas, FSDP and the best layout
-/// of any kind, at each power-of-two GPU count up to the cluster's.
-fn strategies(req: &Request) -> Vec<(String, Vec<(usize, Prediction)>)> {
-    let pure = |s: Option<Strategy>| Constraints {
-        tp: Some(1),
-        pp: Some(1),
-        ep: Some(1),
-        fsdp: Some(s),
-        ..Constraints::default()
-    };
-    let kinds: [(&str, Constraints); 3] = [
-        ("data parallel (replicas)", pure(None)),
-        ("FSDP (ZeRO-3)", pure(Some(Strategy::Full))),
-        ("best layout (tp, pp, FSDP...)", Constraints::default()),
-    ];
-    let mut out = Vec::new();
-    for (name, c) in kinds {
-        let mut pts = Vec::new();
-        let mut g = 1usize;
-        while g <= req.cluster.gpus.max(1) {
-            let r = Request {
-                cluster: req.cluster.clone().with_gpus(g),
-                ..req.clone()
-            };
-            let c = if g == 1 && c.fsdp == Some(Some(Strategy::Full)) {
-                pure(None)
-            } else {
-                c.clone()
-            };
-            if let Ok(v) = search(&r, &c)
-                && let Some(p) = v.into_iter().find(|p| p.fits)
-            {
-                pts.push((g, p));
-            }
-            g *= 2;
-        }
-        out.push((name.to_owned(), pts));
-    }
-    out
-}
-
 /// Runs `weft plan` and returns what it prints; `say` receives progress.
 ///
 /// # Errors
@@ -1418,7 +538,6 @@ pub fn run(args: &PlanArgs, say: &mut dyn FnMut(&str)) -> Result<String, PlanErr
         let base = Config::load(args.config.as_deref(), &args.sets)?;
         let cal = calibrate(
             &base,
-            &calibration_layouts(),
             args.calibrate_steps.max(5),
             args.calibrate_rounds.max(1),
             say,
@@ -1426,7 +545,7 @@ pub fn run(args: &PlanArgs, say: &mut dyn FnMut(&str)) -> Result<String, PlanErr
         if args.json {
             return Ok(serde_json::to_string_pretty(&cal).unwrap_or_default());
         }
-        return Ok(calibration_table(&cal));
+        return Ok(calibrate::table(&cal));
     }
     let (req, _) = request(args)?;
     let c = constraints(args)?;
@@ -1477,7 +596,7 @@ pub fn run(args: &PlanArgs, say: &mut dyn FnMut(&str)) -> Result<String, PlanErr
         for (name, svg) in [
             (
                 "step_time.svg",
-                weft_plan::svg::step_time_plot(&strategies(&req), &fsdp),
+                weft_plan::svg::step_time_plot(&weft_plan::svg::strategies(&req), &fsdp),
             ),
             ("memory.svg", weft_plan::svg::memory_plot(&preds[..top])),
         ] {
@@ -1490,52 +609,21 @@ pub fn run(args: &PlanArgs, say: &mut dyn FnMut(&str)) -> Result<String, PlanErr
         }
     }
     if args.json {
-        let top = if args.top == 0 {
-            preds.len()
-        } else {
-            args.top.min(preds.len())
-        };
-        let out = JsonPlan {
-            model: &req.model,
-            batch: req.batch,
-            cluster: &req.cluster,
-            recipe: &req.recipe,
-            layouts: preds[..top]
-                .iter()
-                .map(|p| JsonLayout {
-                    name: p.layout.to_string(),
-                    prediction: p,
-                    memory_total: p.memory.total(),
-                    reason: reason(p, &preds[0]),
-                })
-                .collect(),
-            explain: explanation.as_ref(),
-            budget: budget.as_ref(),
-        };
-        return Ok(serde_json::to_string_pretty(&out).unwrap_or_default());
+        return Ok(weft_plan::report::json(
+            &req,
+            &preds,
+            args.top,
+            explanation.as_ref(),
+            budget.as_ref(),
+        ));
     }
-    let mut s = table(&req, &preds, args.top);
+    let mut s = weft_plan::report::table(&req, &preds, args.top);
     if let Some(e) = &explanation {
         s.push_str(&format!("\nThe chain for this model:\n{e}\n"));
     }
     if let Some(b) = &budget {
-        s.push_str(&format!(
-            "\nBudget {:.3e} FLOPs: Chinchilla-optimal {:.2}B parameters on {:.1}B tokens (Hoffmann et al. 2022: N = sqrt(C/120), D = 20·N; approach-3 loss {:.3}).\n\
-             This model ({:.2}B parameters) at the best layout ({}, {:.0} tokens/s): the budget buys {:.1}B tokens in {:.1} days ({:.0} GPU-hours); \
-             its compute-optimal {:.1}B tokens take {:.1} days.\n",
-            b.optimum.flops,
-            b.optimum.params / 1e9,
-            b.optimum.tokens / 1e9,
-            b.optimum.loss,
-            b.params / 1e9,
-            best.layout,
-            b.tokens_per_s,
-            b.tokens / 1e9,
-            b.days,
-            b.gpu_hours,
-            b.optimal_tokens / 1e9,
-            b.optimal_days
-        ));
+        s.push('\n');
+        s.push_str(&weft_plan::report::budget_text(b, best));
     }
     Ok(s)
 }

@@ -7,7 +7,7 @@
 //! exercise: checkpoint corruption of every file and field
 //! (checkpoint/tests/it/corrupt.rs, fuzz targets in checkpoint/fuzz), the
 //! token cache (trainer's data tests), signals and killed runs
-//! (tests/train.rs), the viewer's server (viz-web's serve tests).
+//! (tests/train.rs), the viewer's server (weft-viz's serve tests).
 
 use std::path::Path;
 use std::process::Command;

@@ -62,7 +62,7 @@ fn viz_serves_the_built_in_page_and_several_runs_without_any_built_folder() {
         .and_then(|r| r.split('/').next())
         .unwrap_or_else(|| panic!("no URL in {line:?}"))
         .to_owned();
-    let page = Path::new(env!("CARGO_MANIFEST_DIR")).join("../viz-web/page");
+    let page = Path::new(env!("CARGO_MANIFEST_DIR")).join("../viz/page");
     for (path, file) in [
         ("/", "index.html"),
         ("/weft_viz_web.js", "weft_viz_web.js"),
@@ -73,7 +73,7 @@ fn viz_serves_the_built_in_page_and_several_runs_without_any_built_folder() {
         assert_eq!(status, "HTTP/1.1 200 OK", "{path}");
         assert!(
             body == std::fs::read(page.join(file)).unwrap(),
-            "{path} is not viz-web/page/{file}"
+            "{path} is not viz/page/{file}"
         );
     }
     let (status, body) = get(&addr, "/runs.json");

@@ -4,11 +4,13 @@ use std::rc::Rc;
 
 use yew::prelude::*;
 
-use crate::chart::{self, Frame};
-use crate::compare::{self, StepDiff};
-use crate::error::LoadError;
+use weft_compare::LoadError;
+use weft_compare::chart::{self, Frame};
+use weft_compare::load::{FileKind, Marker, MetricsLog};
+use weft_compare::stats::{self, StepDiff};
+use weft_trace::MetricsEventKind;
+
 use crate::expert::{ExpertLoad, LayerSel};
-use crate::load::{FileKind, HealthEvent, MetricsLog};
 use crate::run::{NamedRun, Run, Runs, Slot};
 use crate::timeline::{self, SliceKind, Timeline};
 use crate::web;
@@ -190,10 +192,16 @@ pub fn App(props: &AppProps) -> Html {
         },
         Tab::Metrics => match &r.metrics {
             Slot::Loaded(..) => {
-                let data: Vec<(String, Rc<MetricsLog>)> = runs
+                let data: Vec<RunMetrics> = runs
                     .all()
                     .iter()
-                    .filter_map(|n| Some((n.name.clone(), n.run.metrics_with_events()?)))
+                    .filter_map(|n| {
+                        Some(RunMetrics {
+                            name: n.name.clone(),
+                            log: Rc::clone(n.run.metrics.get()?),
+                            markers: n.run.markers(),
+                        })
+                    })
                     .collect();
                 let missing: Vec<String> = runs
                     .all()
@@ -319,8 +327,9 @@ fn OverviewView(p: &OverviewProps) -> Html {
             FileKind::RUN_FILES[5],
             st(&r.events, |e| {
                 format!(
-                    "{} health and recovery events on the metrics timeline",
-                    e.len()
+                    "{} health and recovery events, {} on the metrics timeline",
+                    e.len(),
+                    e.iter().filter(|e| e.kind.step().is_some()).count()
                 )
             }),
         ),
@@ -949,7 +958,7 @@ struct ChartOpts<'a> {
     floor: Option<f64>,
     floor_label: Option<&'a str>,
     log_y: bool,
-    events: &'a [HealthEvent],
+    events: &'a [Marker],
     points: &'a [(f64, f64)],
     /// An `id` for the chart's card.
     id: Option<&'static str>,
@@ -1083,10 +1092,21 @@ fn multi_chart(title: &str, series: &[Series<'_>], o: &ChartOpts<'_>) -> Html {
 
 // ---------------------------------------------------------------- metrics
 
+/// One run's input to the metrics view.
+#[derive(PartialEq)]
+struct RunMetrics {
+    /// The legend's name.
+    name: String,
+    /// Its `metrics.jsonl`.
+    log: Rc<MetricsLog>,
+    /// Its events on the step axis ([`Run::markers`]).
+    markers: Vec<Marker>,
+}
+
 #[derive(Properties, PartialEq)]
 struct MetricsProps {
-    /// `(name, metrics)` of each run that has them; the first run first.
-    runs: Rc<Vec<(String, Rc<MetricsLog>)>>,
+    /// Each run that has metrics; the first run first.
+    runs: Rc<Vec<RunMetrics>>,
     /// Runs without metrics, by name.
     #[prop_or_default]
     missing: Vec<String>,
@@ -1110,16 +1130,9 @@ impl Columns {
         let evals = m
             .events
             .iter()
-            .filter(|e| e.kind == "eval")
-            .filter_map(|e| {
-                let v = e
-                    .detail
-                    .iter()
-                    .find(|(k, _)| k.contains("loss"))?
-                    .1
-                    .parse::<f64>()
-                    .ok()?;
-                Some((e.step as f64, v))
+            .filter_map(|e| match e.kind {
+                MetricsEventKind::Eval { val_loss, .. } => Some((e.step as f64, val_loss)),
+                _ => None,
             })
             .collect();
         Self {
@@ -1136,29 +1149,29 @@ impl Columns {
 /// A run's training loss by step, the last line of a step winning (as
 /// `weft compare` reads it).
 fn loss_by_step(m: &MetricsLog) -> Vec<(u64, f64)> {
-    compare::last_per_step(m.records.iter().map(|r| (r.step, r.loss)))
+    stats::last_per_step(m.records.iter().map(|r| (r.step, r.loss)))
 }
 
 #[component]
 fn MetricsView(p: &MetricsProps) -> Html {
     use_render_timer("metrics");
     let several = p.runs.len() > 1;
-    let cols: Vec<Columns> = p.runs.iter().map(|(_, m)| Columns::new(m)).collect();
-    // every run's health events on the charts
-    let events: Vec<HealthEvent> = p
+    let cols: Vec<Columns> = p.runs.iter().map(|r| Columns::new(&r.log)).collect();
+    // every run's events on the charts
+    let events: Vec<Marker> = p
         .runs
         .iter()
-        .flat_map(|(_, m)| m.events.iter().cloned())
+        .flat_map(|r| r.markers.iter().cloned())
         .collect();
     let series = |g: fn(&Columns) -> &Vec<f64>, with_evals: bool| -> Vec<Series<'_>> {
         cols.iter()
             .zip(p.runs.iter())
             .enumerate()
-            .map(|(i, (c, (name, _)))| Series {
+            .map(|(i, (c, r))| Series {
                 xs: &c.xs,
                 ys: g(c),
                 points: if with_evals { &c.evals } else { &[] },
-                run: several.then_some((i, name.as_str())),
+                run: several.then_some((i, r.name.as_str())),
                 diff: None,
             })
             .collect()
@@ -1179,15 +1192,15 @@ fn MetricsView(p: &MetricsProps) -> Html {
     };
     // the loss of each other run against the first, step by step
     let diffs: Vec<(usize, &str, StepDiff)> = match p.runs.split_first() {
-        Some(((_, first), rest)) if !rest.is_empty() => {
-            let base = loss_by_step(first);
+        Some((first, rest)) if !rest.is_empty() => {
+            let base = loss_by_step(&first.log);
             rest.iter()
                 .enumerate()
-                .map(|(i, (name, m))| {
+                .map(|(i, r)| {
                     (
                         i + 1,
-                        name.as_str(),
-                        StepDiff::between(&base, &loss_by_step(m)),
+                        r.name.as_str(),
+                        StepDiff::between(&base, &loss_by_step(&r.log)),
                     )
                 })
                 .collect()
@@ -1210,7 +1223,7 @@ fn MetricsView(p: &MetricsProps) -> Html {
             diff: Some((d.points.len(), d.max_abs)),
         })
         .collect();
-    let first_name = p.runs.first().map_or("", |(n, _)| n.as_str());
+    let first_name = p.runs.first().map_or("", |r| r.name.as_str());
     let zero_label = format!("0 = {first_name}");
     let diff_rows = diffs.iter().map(|(i, name, d)| {
         let same = match d.first_differing {
@@ -1225,13 +1238,13 @@ fn MetricsView(p: &MetricsProps) -> Html {
             <td>{ same }</td>
             <td class="mono">{ format!("{} common steps{}", d.points.len(), if d.unmatched > 0 { format!(", {} in one run only", d.unmatched) } else { String::new() }) }</td></tr> }
     });
-    let table_runs = p.runs.iter().filter(|(_, m)| !m.events.is_empty()).count();
+    let table_runs = p.runs.iter().filter(|r| !r.markers.is_empty()).count();
     html! {
         <div class="metrics">
             if several {
                 <div class="legend run-legend">
-                    { for p.runs.iter().enumerate().map(|(i, (name, _))| html! {
-                        <span class="key run-key" data-run={i.to_string()}><i class="sw" style={format!("background:{}", run_colour(i))}></i>{ name.clone() }</span>
+                    { for p.runs.iter().enumerate().map(|(i, r)| html! {
+                        <span class="key run-key" data-run={i.to_string()}><i class="sw" style={format!("background:{}", run_colour(i))}></i>{ r.name.clone() }</span>
                     }) }
                     if !p.missing.is_empty() {
                         <span class="hint">{ format!("no metrics.jsonl: {}", p.missing.join(", ")) }</span>
@@ -1261,7 +1274,7 @@ fn MetricsView(p: &MetricsProps) -> Html {
                 <section class="card">
                     <h2>{ format!("health events ({})", events.len()) }</h2>
                     <table class="events">
-                        { for p.runs.iter().flat_map(|(name, m)| m.events.iter().map(move |e| (name, e))).take(200).map(|(name, e)| html! {
+                        { for p.runs.iter().flat_map(|r| r.markers.iter().map(move |e| (&r.name, e))).take(200).map(|(name, e)| html! {
                             <tr class={format!("ev-row ev-{}", e.kind)}>
                                 if several { <td>{ name.clone() }</td> }
                                 <td class="mono">{ e.step }</td><td>{ e.kind.clone() }</td>

@@ -10,7 +10,7 @@ use std::collections::BTreeMap;
 
 use weft_trace::ExpertLoadRecord;
 
-use crate::error::LoadError;
+use weft_compare::LoadError;
 
 /// Steps wider than this are averaged into bins for the image.
 pub const MAX_COLUMNS: usize = 2048;

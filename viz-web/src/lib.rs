@@ -1,28 +1,17 @@
 //! weft's browser visualizer: replays a run's pipeline schedule, expert
-//! load and training metrics.
+//! load and training metrics, and shows several runs side by side.
 //!
 //! The crate builds two ways. For `wasm32-unknown-unknown` it is a yew app
 //! (`viz-web/build.sh` builds it with cargo and `wasm-bindgen` into
-//! `viz-web/dist/`). On the host it is a library: the parsing and layout
-//! that the app draws with, testable with plain `cargo test`, and the small
-//! HTTP server that `weft viz runs/<name> [runs/<other> ...]` uses to serve
-//! the page and the run folders (several runs: their metrics overlaid, the
-//! folder names as legend, and each run's loss step by step against the
-//! first run's).
-//!
-//! The built page is committed in `viz-web/page/` and compiled into the
-//! server ([`page::EMBEDDED`]), so `weft viz` needs no browser toolchain,
-//! neither on a fresh clone nor from an installed binary. Its stamp
-//! (`viz-web/page/SOURCES`, [`page::Stamp`]) records the sources it was
-//! built from; a test fails when they have changed since, naming the
-//! command that rebuilds it (`bash viz-web/build.sh --commit`). A page
-//! built from the current sources (`bash viz-web/build.sh`, into
-//! `viz-web/dist/`) is served with `weft viz --assets viz-web/dist`.
+//! `viz-web/dist/`, or with `--commit` into `viz/page/`, the page that
+//! `weft-viz` compiles in and serves for `weft viz runs/<name> ...`). On
+//! the host it is a library: the layout the app draws with and the
+//! components themselves, testable with plain `cargo test` (yew's SSR).
+//! Reading the run files, the charts and the side-by-side statistics are
+//! `weft-compare`'s, shared with `weft compare`, so the page and the
+//! command line show the same figures.
 //!
 //! # Overview
-//! * [`load`] — parse `trace.json`, `metrics.jsonl` (records and health
-//!   events), `expert_load.jsonl`, `summary.json`; every error is a
-//!   [`LoadError`] naming file and line.
 //! * [`timeline::Timeline`] — trace events in lanes, the pipeline bubble
 //!   per step (the trainer's and the simulator's definition, step windows
 //!   from the slices' `args.step`), makespan, and a level-of-detail layout
@@ -30,20 +19,11 @@
 //!   traces stay responsive.
 //! * [`expert::ExpertLoad`] — the steps × experts matrices, max/mean and
 //!   MaxVio curves, and the heatmap as a BMP image.
-//! * [`chart`] — line charts downsampled to pixel columns (spikes kept).
-//! * [`compare`] — runs side by side: curves aligned by step, their
-//!   per-step difference, Welch's interval for groups of seeds and the
-//!   verdict (`weft compare` prints the same figures).
 //! * [`run::Run`] — one run's state: one slot per run file;
 //!   [`run::Runs`] — the runs on the page, named, the first the one the
 //!   others are compared with.
 //! * [`app::App`] — the yew components (rendered natively with yew's SSR in
 //!   the tests).
-//! * `serve` (native only) — [`serve::Server`]: `GET` on 127.0.0.1 for the
-//!   page ([`serve::Assets`]: embedded or a folder) and the run files; no
-//!   path traversal.
-//! * `page` (native only) — the embedded page, its stamp, and the check
-//!   that it is not stale.
 //!
 //! # Example
 //! ```
@@ -70,20 +50,10 @@
 #![deny(missing_docs)]
 
 pub mod app;
-pub mod chart;
-pub mod compare;
-pub mod error;
 pub mod expert;
-pub mod load;
-#[cfg(not(target_arch = "wasm32"))]
-pub mod page;
 pub mod run;
-#[cfg(not(target_arch = "wasm32"))]
-pub mod serve;
 pub mod timeline;
 mod web;
-
-pub use error::{LoadError, Warning};
 
 /// Entry point of the wasm module: mount [`app::App`] on `<body>`.
 #[cfg(target_arch = "wasm32")]

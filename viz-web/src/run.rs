@@ -5,9 +5,11 @@
 
 use std::rc::Rc;
 
-use crate::error::{LoadError, Warning};
+use weft_compare::load::{self, FileKind, Marker, MetricsLog};
+use weft_compare::{LoadError, Warning};
+use weft_trace::RunEvent;
+
 use crate::expert::ExpertLoad;
-use crate::load::{self, FileKind, HealthEvent, MetricsLog};
 use crate::timeline::Timeline;
 
 /// The state of one file of the run.
@@ -55,8 +57,9 @@ pub struct Run {
     pub config: Slot<String>,
     /// `summary.json`, flattened.
     pub summary: Slot<Vec<(String, String)>>,
-    /// `events.jsonl`: health and recovery events with a step.
-    pub events: Slot<Vec<HealthEvent>>,
+    /// `events.jsonl`: the supervisor's and the trainer's health and
+    /// recovery events.
+    pub events: Slot<Vec<RunEvent>>,
     /// Files that matched no slot.
     pub rejected: Vec<LoadError>,
     /// Names given, in order.
@@ -139,29 +142,21 @@ impl Run {
         [w(&self.metrics), w(&self.expert), w(&self.events)].concat()
     }
 
-    /// The metrics log with `events.jsonl`'s events merged in by step
-    /// (the metrics file's first at equal steps), for the metrics view.
+    /// The events to mark on the metrics charts, by step: `metrics.jsonl`'s
+    /// (evaluations, skips, spikes, ...) and those of `events.jsonl` that
+    /// have a step (failures, restarts, rewinds, ...); at equal steps the
+    /// metrics file's first.
     #[must_use]
-    pub fn metrics_with_events(&self) -> Option<Rc<MetricsLog>> {
-        let m = self.metrics.get()?;
-        let Some(extra) = self.events.get().filter(|e| !e.is_empty()) else {
-            return Some(Rc::clone(m));
-        };
-        let mut log = (**m).clone();
-        log.events.extend(extra.iter().cloned());
-        log.events.sort_by_key(|e| e.step);
-        Some(Rc::new(log))
+    pub fn markers(&self) -> Vec<Marker> {
+        let metrics = self.metrics.get().into_iter().flat_map(|m| &m.events);
+        let events = self.events.get().into_iter().flat_map(|e| e.iter());
+        let mut out: Vec<Marker> = metrics
+            .map(Marker::of_metrics)
+            .chain(events.filter_map(Marker::of_run))
+            .collect();
+        out.sort_by_key(|m| m.step);
+        out
     }
-}
-
-/// One entry of the server's `/runs.json`: a run's legend name and the
-/// run files it has.
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-pub struct RunListing {
-    /// The legend's name (the run folder's name).
-    pub name: String,
-    /// The run files present, by name.
-    pub files: Vec<String>,
 }
 
 /// A run with the name the page shows for it.
@@ -289,25 +284,31 @@ mod tests {
         e.ingest(
             "events.jsonl",
             concat!(
-                "{\"time\":1.0,\"event\":\"start\",\"attempt\":0}\n",
-                "{\"time\":2.0,\"event\":\"failure\",\"failure\":\"signal 9\",\"last_step\":36,\"rank\":null}\n",
-                "{\"time\":2.1,\"event\":\"restart\",\"from_checkpoint_step\":30}\n",
-                "{\"time\":3.0,\"event\":\"rewind\",\"step\":45,\"to_step\":40}\n",
+                "{\"time\":1.0,\"event\":\"start\",\"attempt\":0,\"resume\":false,\"pid\":100,\"dp\":2,\"ranks\":2}\n",
+                "{\"time\":2.0,\"event\":\"failure\",\"attempt\":0,\"failure\":\"signal 9\",\"last_step\":36,\"rank\":null}\n",
+                "{\"time\":2.1,\"event\":\"restart\",\"attempt\":1,\"from_checkpoint_step\":30,\"unverified_checkpoints\":[],\"lost_steps\":6,\"action\":\"restart\",\"dp\":2,\"ranks\":2,\"spares_left\":null,\"excluded_hosts\":[]}\n",
+                "{\"time\":3.0,\"event\":\"rewind\",\"step\":45,\"reason\":\"spike\",\"to_step\":40,\"skipped_batches\":[41],\"rewinds\":1}\n",
             ),
         );
-        let ev = e.events.get().unwrap();
-        let kinds: Vec<(&str, u64)> = ev.iter().map(|e| (e.kind.as_str(), e.step)).collect();
-        assert_eq!(kinds, [("failure", 36), ("restart", 30), ("rewind", 45)]);
+        assert_eq!(e.events.get().unwrap().len(), 4);
+        let kinds: Vec<(String, u64)> = e.markers().into_iter().map(|m| (m.kind, m.step)).collect();
+        assert_eq!(
+            kinds,
+            [
+                ("restart".into(), 30),
+                ("failure".into(), 36),
+                ("rewind".into(), 45)
+            ]
+        );
         assert!(
-            ev[0].detail.iter().all(|(k, _)| k != "rank"),
+            e.markers()[1].detail.iter().all(|(k, _)| k != "rank"),
             "nulls dropped"
         );
         e.ingest(
             "metrics.jsonl",
-            "{\"step\":40,\"event\":\"spike\",\"loss\":5}\n",
+            "{\"step\":40,\"event\":\"spike\",\"loss\":5,\"median\":2,\"batch\":{\"step\":40,\"micro_batches\":1}}\n",
         );
-        let merged = e.metrics_with_events().unwrap();
-        let steps: Vec<u64> = merged.events.iter().map(|e| e.step).collect();
+        let steps: Vec<u64> = e.markers().iter().map(|m| m.step).collect();
         assert_eq!(steps, [30, 36, 40, 45]);
         e.ingest("events.jsonl", "{\"time\":1}\n{\"event\":\"x\"}\n");
         assert!(matches!(

@@ -85,7 +85,7 @@ mod imp {
     #[must_use]
     pub fn ticker(ms: u32, cb: Callback<()>) -> Ticker {
         Ticker(gloo_timers::callback::Interval::new(ms, move || {
-            cb.emit(())
+            cb.emit(());
         }))
     }
 
@@ -110,7 +110,8 @@ mod imp {
             let Some(list) = fetch_text("runs.json").await else {
                 return;
             };
-            let Ok(runs) = serde_json::from_str::<Vec<crate::run::RunListing>>(&list) else {
+            let Ok(runs) = serde_json::from_str::<Vec<weft_compare::load::RunListing>>(&list)
+            else {
                 return;
             };
             cb.emit(Fetched::Names(

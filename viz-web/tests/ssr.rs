@@ -167,7 +167,7 @@ async fn metrics_charts_events_and_floor() {
             "{{\"step\":{step},\"loss\":{loss},\"lr\":0.001,\"grad_norm\":1.5,\"tokens_per_s\":900,\"time_s\":{step}}}\n"
         ));
     }
-    text.push_str("{\"step\":7,\"event\":\"skip\",\"reason\":\"nan\"}\n{\"step\":10,\"event\":\"eval\",\"val_loss\":2.6}\n");
+    text.push_str("{\"step\":7,\"event\":\"skip\",\"loss\":\"NaN\",\"grad_norm\":\"NaN\"}\n{\"step\":10,\"event\":\"eval\",\"val_loss\":2.6}\n");
     run.ingest("metrics.jsonl", &text);
     run.ingest("summary.json", "{\"data\":{\"entropy_floor\":1.9}}");
     let html = render(run, Some(Tab::Metrics)).await;
@@ -193,15 +193,15 @@ async fn recovery_events_join_the_metrics_timeline() {
     run.ingest(
         "events.jsonl",
         concat!(
-            "{\"time\":1.0,\"event\":\"start\",\"attempt\":0}\n",
-            "{\"time\":2.0,\"event\":\"failure\",\"failure\":\"signal 9\",\"last_step\":8}\n",
-            "{\"time\":2.1,\"event\":\"restart\",\"from_checkpoint_step\":5,\"lost_steps\":3}\n",
-            "{\"time\":3.0,\"event\":\"straggler\",\"step\":10,\"rank\":1,\"ratio\":2.5}\n",
+            "{\"time\":1.0,\"event\":\"start\",\"attempt\":0,\"resume\":false,\"pid\":100,\"dp\":2,\"ranks\":2}\n",
+            "{\"time\":2.0,\"event\":\"failure\",\"attempt\":0,\"failure\":\"signal 9\",\"rank\":null,\"last_step\":8}\n",
+            "{\"time\":2.1,\"event\":\"restart\",\"attempt\":1,\"from_checkpoint_step\":5,\"unverified_checkpoints\":[],\"lost_steps\":3,\"action\":\"restart\",\"dp\":2,\"ranks\":2,\"spares_left\":null,\"excluded_hosts\":[]}\n",
+            "{\"time\":3.0,\"event\":\"straggler\",\"step\":10,\"rank\":1,\"ratio\":2.5,\"window_steps\":20}\n",
         ),
     );
     let overview = render(run.clone(), Some(Tab::Overview)).await;
     assert!(
-        overview.contains("3 health and recovery events"),
+        overview.contains("4 health and recovery events, 3 on the metrics timeline"),
         "{overview}"
     );
     let html = render(run, Some(Tab::Metrics)).await;

@@ -96,7 +96,7 @@ pub(crate) struct CompareArgs {
     /// The figure the verdict is on: val_loss (the last evaluation) or
     /// train_loss (mean over the last tenth of the steps).
     #[arg(long, default_value = "val_loss")]
-    metric: weft_trainer::compare::Metric,
+    metric: weft_compare::Metric,
 }
 
 /// `weft sample`.
@@ -225,11 +225,11 @@ pub(crate) fn viz(a: VizArgs) -> Result<()> {
 
     let assets = assets
         .or_else(|| std::env::var_os("WEFT_VIZ_ASSETS").map(PathBuf::from))
-        .map_or(weft_viz_web::serve::Assets::Embedded, |d| {
-            weft_viz_web::serve::Assets::Dir(d)
+        .map_or(weft_viz::serve::Assets::Embedded, |d| {
+            weft_viz::serve::Assets::Dir(d)
         });
     let addr = std::net::SocketAddr::from(([127, 0, 0, 1], port));
-    let server = weft_viz_web::serve::Server::bind(&runs, &assets, addr)?;
+    let server = weft_viz::serve::Server::bind(&runs, &assets, addr)?;
     let names: Vec<String> = server
         .runs()
         .iter()
@@ -261,7 +261,7 @@ pub(crate) fn compare(a: CompareArgs) -> Result<()> {
         metric,
     } = a;
 
-    use weft_trainer::compare;
+    use weft_compare as compare;
     if let Some(t) = tolerance
         && !(t.is_finite() && t >= 0.0)
     {
@@ -269,7 +269,7 @@ pub(crate) fn compare(a: CompareArgs) -> Result<()> {
     }
     let groups = runs
         .iter()
-        .map(|r| compare::load(r))
+        .map(|r| compare::load_group(r))
         .collect::<Result<Vec<_>, _>>()?;
     let report = compare::Report::new(&groups, &compare::Options { tolerance, metric });
     if json {

@@ -1,14 +1,15 @@
 //! The built page that ships inside the crate, and the stamp that ties it
 //! to its sources.
 //!
-//! `viz-web/page/` holds the page as `bash viz-web/build.sh --commit`
-//! builds it (`index.html`, `style.css`, `weft_viz_web.js`,
-//! `weft_viz_web_bg.wasm`), committed to the repository, and
+//! `viz/page/` holds the page as `bash viz-web/build.sh --commit`
+//! builds it from the app crate `weft-viz-web` (`index.html`,
+//! `style.css`, `weft_viz_web.js`, `weft_viz_web_bg.wasm`), committed to
+//! the repository, and
 //! [`EMBEDDED`] compiles those files into every binary that uses the
 //! server, so `weft viz` works on a fresh clone and from an installed
 //! binary without building anything for the browser.
 //!
-//! Beside them, `viz-web/page/SOURCES` is the page's stamp: the
+//! Beside them, `viz/page/SOURCES` is the page's stamp: the
 //! wasm-bindgen version of `Cargo.lock` and one line per source file the
 //! page is built from, as `sha256sum` prints it (64 hex digits, two spaces,
 //! the path from the repository root). `build.sh --commit` writes it with
@@ -17,15 +18,14 @@
 //! naming the files that changed and the command to run
 //! ([`REBUILD_COMMAND`]), when the page's sources changed without a rebuild.
 //!
-//! The stamped sources ([`STAMPED`]) are `trace/Cargo.toml`, `trace/src/**`,
-//! `viz-web/Cargo.toml`, `viz-web/build.sh` (how the page is built),
-//! `viz-web/src/**` except the native-only modules ([`NATIVE_ONLY`]: they
-//! never reach the page), and `viz-web/static/**`.
+//! The stamped sources ([`STAMPED`]) are the manifests and `src/**` of
+//! the crates compiled into the page (`trace`, `compare`, `viz-web`),
+//! `viz-web/build.sh` (how the page is built) and `viz-web/static/**`.
 //! Dependency versions other than wasm-bindgen's are not stamped: bumping
 //! them does not make the committed page stale until one of these files
 //! changes. The hash is SHA-256 of the raw bytes, so the stamp can be
 //! checked without Rust: from the repository root,
-//! `grep -E '^[0-9a-f]{64}  ' viz-web/page/SOURCES | sha256sum -c`.
+//! `grep -E '^[0-9a-f]{64}  ' viz/page/SOURCES | sha256sum -c`.
 
 use std::fmt;
 use std::fs;
@@ -42,7 +42,7 @@ pub struct Asset {
     pub bytes: &'static [u8],
 }
 
-/// The committed page (`viz-web/page/`), compiled in.
+/// The committed page (`viz/page/`), compiled in.
 pub const EMBEDDED: [Asset; 4] = [
     Asset {
         name: "index.html",
@@ -62,7 +62,7 @@ pub const EMBEDDED: [Asset; 4] = [
     },
 ];
 
-/// The committed stamp (`viz-web/page/SOURCES`), compiled in.
+/// The committed stamp (`viz/page/SOURCES`), compiled in.
 pub const EMBEDDED_STAMP: &str = include_str!("../page/SOURCES");
 
 /// The command that rebuilds the committed page and its stamp.
@@ -70,19 +70,16 @@ pub const REBUILD_COMMAND: &str = "bash viz-web/build.sh --commit";
 
 /// Folders (from the repository root) whose files, recursively, are
 /// stamped, and single stamped files.
-pub const STAMPED: [&str; 6] = [
+pub const STAMPED: [&str; 8] = [
     "trace/Cargo.toml",
     "trace/src",
+    "compare/Cargo.toml",
+    "compare/src",
     "viz-web/Cargo.toml",
     "viz-web/build.sh",
     "viz-web/src",
     "viz-web/static",
 ];
-
-/// Files under [`STAMPED`] folders that are not stamped: modules compiled
-/// only for the host (`#[cfg(not(target_arch = "wasm32"))]` in `lib.rs`,
-/// which a test checks), so they never change the page.
-pub const NATIVE_ONLY: [&str; 2] = ["viz-web/src/serve.rs", "viz-web/src/page.rs"];
 
 /// The page's embedded file named `name`, if any.
 #[must_use]
@@ -184,7 +181,7 @@ impl fmt::Display for StampDiff {
 
 impl Stamp {
     /// The stamp of the source tree at `root` (the repository root): the
-    /// files of [`STAMPED`] minus [`NATIVE_ONLY`], and wasm-bindgen's
+    /// files of [`STAMPED`], and wasm-bindgen's
     /// version from `root/Cargo.lock`.
     ///
     /// # Errors
@@ -205,7 +202,6 @@ impl Stamp {
         for s in STAMPED {
             collect(root, s, &mut rel)?;
         }
-        rel.retain(|p| !NATIVE_ONLY.contains(&p.as_str()));
         rel.sort();
         rel.dedup();
         let mut files = Vec::with_capacity(rel.len());
@@ -279,7 +275,7 @@ impl fmt::Display for Stamp {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         writeln!(
             f,
-            "# The sources viz-web/page/ was built from (see viz-web/src/page.rs):"
+            "# The sources viz/page/ was built from (see viz/src/page.rs):"
         )?;
         writeln!(
             f,
@@ -489,7 +485,7 @@ mod tests {
     fn repo_root() -> PathBuf {
         Path::new(env!("CARGO_MANIFEST_DIR"))
             .parent()
-            .expect("viz-web sits in the repository root")
+            .expect("viz sits in the repository root")
             .to_owned()
     }
 
@@ -521,30 +517,15 @@ mod tests {
     fn committed_page_is_built_from_these_sources() {
         let root = repo_root();
         let now = Stamp::of_sources(&root).unwrap();
-        let built = Stamp::parse("viz-web/page/SOURCES", EMBEDDED_STAMP).unwrap();
+        let built = Stamp::parse("viz/page/SOURCES", EMBEDDED_STAMP).unwrap();
         let diff = built.diff(&now);
         assert!(
             diff.is_empty(),
-            "the committed page viz-web/page/ is stale: its sources changed since it was built ({diff}). Rebuild it with `{REBUILD_COMMAND}` and commit viz-web/page/."
+            "the committed page viz/page/ is stale: its sources changed since it was built ({diff}). Rebuild it with `{REBUILD_COMMAND}` and commit viz/page/."
         );
         assert!(now.files.iter().any(|(p, _)| p == "viz-web/src/app.rs"));
         assert!(now.files.iter().any(|(p, _)| p == "trace/src/lib.rs"));
-    }
-
-    #[test]
-    fn native_only_modules_are_gated_off_the_page() {
-        let lib = fs::read_to_string(repo_root().join("viz-web/src/lib.rs")).unwrap();
-        for path in NATIVE_ONLY {
-            let module = path
-                .strip_prefix("viz-web/src/")
-                .and_then(|m| m.strip_suffix(".rs"))
-                .unwrap();
-            let gated = format!("#[cfg(not(target_arch = \"wasm32\"))]\npub mod {module};");
-            assert!(
-                lib.contains(&gated),
-                "{path} is left out of the page's stamp, so lib.rs must declare it as {gated:?}"
-            );
-        }
+        assert!(now.files.iter().any(|(p, _)| p == "compare/src/chart.rs"));
     }
 
     #[test]

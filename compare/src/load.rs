@@ -6,7 +6,7 @@
 
 use serde::de::DeserializeOwned;
 use serde_json::{Map, Value};
-use weft_trace::{ExpertLoadRecord, MetricsRecord, Trace, TraceEvent};
+use weft_trace::{ExpertLoadRecord, MetricsEvent, MetricsRecord, RunEvent, Trace, TraceEvent};
 
 use crate::error::{LoadError, Warning};
 
@@ -70,6 +70,16 @@ impl FileKind {
         }
         None
     }
+}
+
+/// One entry of `weft viz`'s `/runs.json`: a run's legend name and the
+/// run files it has (the server writes it, the page reads it).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct RunListing {
+    /// The legend's name (the run folder's name).
+    pub name: String,
+    /// The run files present, by name ([`FileKind::RUN_FILES`]).
+    pub files: Vec<String>,
 }
 
 /// The parser's message without its " at line L column C" suffix.
@@ -170,30 +180,68 @@ fn parse_jsonl<T>(
     Ok((out, warnings))
 }
 
-/// A health event the trainer logs in `metrics.jsonl` between records:
-/// `{"step": N, "event": "eval" | "skip" | "spike" | ..., ...}`.
+/// An event as a marker on a step axis, for display: its step, its kind
+/// (the `event` value) and its other fields as `key=value` text. Built
+/// from the typed events ([`Marker::of_metrics`], [`Marker::of_run`]).
 #[derive(Debug, Clone, PartialEq)]
-pub struct HealthEvent {
-    /// Step it happened at.
+pub struct Marker {
+    /// The step it belongs to.
     pub step: u64,
     /// Its `event` value (`eval`, `skip`, `spike`, `restart`, ...).
     pub kind: String,
-    /// The other keys, as `key=value` pairs.
+    /// The other fields, as `key=value` pairs (nulls left out).
     pub detail: Vec<(String, String)>,
 }
 
-/// `metrics.jsonl`: step records and health events.
+impl Marker {
+    /// The fields of `value` but `skip`'s, as `key=value` text.
+    fn detail(value: &Value, skip: &[&str]) -> Vec<(String, String)> {
+        value
+            .as_object()
+            .into_iter()
+            .flatten()
+            .filter(|(k, v)| !skip.contains(&k.as_str()) && !v.is_null())
+            .map(|(k, v)| (k.clone(), value_text(v)))
+            .collect()
+    }
+
+    /// A `metrics.jsonl` evaluation or health event.
+    #[must_use]
+    pub fn of_metrics(e: &MetricsEvent) -> Self {
+        let value = serde_json::to_value(e).unwrap_or_default();
+        Marker {
+            step: e.step,
+            kind: e.kind.name().to_owned(),
+            detail: Self::detail(&value, &["event", "step"]),
+        }
+    }
+
+    /// An `events.jsonl` event, where it has a place on the step axis
+    /// ([`weft_trace::EventKind::step`]; `time` kept as a detail).
+    #[must_use]
+    pub fn of_run(e: &RunEvent) -> Option<Self> {
+        let step = e.kind.step()?;
+        let value = serde_json::to_value(e).unwrap_or_default();
+        Some(Marker {
+            step,
+            kind: e.kind.name().to_owned(),
+            detail: Self::detail(&value, &["event", "step"]),
+        })
+    }
+}
+
+/// `metrics.jsonl`: step records and the other lines, typed.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct MetricsLog {
     /// Step records, in file order.
     pub records: Vec<MetricsRecord>,
-    /// Health events, in file order.
-    pub events: Vec<HealthEvent>,
+    /// Evaluations and health events, in file order.
+    pub events: Vec<MetricsEvent>,
 }
 
 enum MetricsLine {
     Record(MetricsRecord),
-    Event(HealthEvent),
+    Event(MetricsEvent),
 }
 
 fn value_text(v: &Value) -> String {
@@ -203,7 +251,7 @@ fn value_text(v: &Value) -> String {
     }
 }
 
-/// Parse `metrics.jsonl`. Lines with an `event` key are health events;
+/// Parse `metrics.jsonl`. Lines with an `event` key are [`MetricsEvent`]s;
 /// every other line is a [`MetricsRecord`].
 ///
 /// # Errors
@@ -212,21 +260,8 @@ fn value_text(v: &Value) -> String {
 pub fn parse_metrics(file: &str, text: &str) -> Result<(MetricsLog, Vec<Warning>), LoadError> {
     let (lines, warnings) = parse_jsonl(file, text, |l| {
         let map: Map<String, Value> = serde_json::from_str(l)?;
-        if let Some(kind) = map.get("event") {
-            let step = map
-                .get("step")
-                .and_then(Value::as_u64)
-                .ok_or_else(|| <serde_json::Error as serde::de::Error>::missing_field("step"))?;
-            let detail = map
-                .iter()
-                .filter(|(k, _)| *k != "event" && *k != "step")
-                .map(|(k, v)| (k.clone(), value_text(v)))
-                .collect();
-            Ok(MetricsLine::Event(HealthEvent {
-                step,
-                kind: value_text(kind),
-                detail,
-            }))
+        if map.contains_key("event") {
+            serde_json::from_value::<MetricsEvent>(Value::Object(map)).map(MetricsLine::Event)
         } else {
             serde_json::from_value::<MetricsRecord>(Value::Object(map)).map(MetricsLine::Record)
         }
@@ -241,33 +276,13 @@ pub fn parse_metrics(file: &str, text: &str) -> Result<(MetricsLog, Vec<Warning>
     Ok((log, warnings))
 }
 
-/// Parse `events.jsonl` into the events that have a place on the step
-/// axis: the step a line names (`step`), else the last step a failed
-/// attempt finished (`last_step`), else the checkpoint a restart went
-/// back to (`from_checkpoint_step`). Lines with none (an attempt's start,
-/// the end) are left out; `time` is kept as a detail.
+/// Parse `events.jsonl` into [`RunEvent`]s.
 ///
 /// # Errors
 /// [`LoadError`] naming the first bad line (other than a truncated last
 /// one): not an object, or no `event`.
-pub fn parse_events(file: &str, text: &str) -> Result<(Vec<HealthEvent>, Vec<Warning>), LoadError> {
-    let (lines, warnings) = parse_jsonl(file, text, |l| {
-        let map: Map<String, Value> = serde_json::from_str(l)?;
-        let kind = map
-            .get("event")
-            .map(value_text)
-            .ok_or_else(|| <serde_json::Error as serde::de::Error>::missing_field("event"))?;
-        let step = ["step", "last_step", "from_checkpoint_step"]
-            .iter()
-            .find_map(|k| map.get(*k).and_then(Value::as_u64));
-        let detail = map
-            .iter()
-            .filter(|(k, v)| *k != "event" && *k != "step" && !v.is_null())
-            .map(|(k, v)| (k.clone(), value_text(v)))
-            .collect();
-        Ok(step.map(|step| HealthEvent { step, kind, detail }))
-    })?;
-    Ok((lines.into_iter().flatten().collect(), warnings))
+pub fn parse_events(file: &str, text: &str) -> Result<(Vec<RunEvent>, Vec<Warning>), LoadError> {
+    parse_jsonl(file, text, |l| serde_json::from_str(l))
 }
 
 /// Parse `expert_load.jsonl` into records (file order).
@@ -410,16 +425,20 @@ mod tests {
         let text = r#"{"step":1,"loss":3.0,"lr":0.001,"grad_norm":1.0,"tokens_per_s":100,"time_s":1}
 {"step":1,"event":"eval","val_loss":2.9}
 {"step":2,"loss":"NaN","lr":0.001,"grad_norm":"Infinity","tokens_per_s":100,"time_s":2}
-{"step":2,"event":"skip","reason":"non-finite loss"}
+{"step":2,"event":"skip","loss":"NaN","grad_norm":null}
 {"step":3,"loss":2.8,"lr":0.0"#;
         let (log, warnings) = parse_metrics("metrics.jsonl", text).unwrap();
         assert_eq!(log.records.len(), 2);
         assert!(log.records[1].loss.is_nan());
         assert_eq!(log.events.len(), 2);
-        assert_eq!(log.events[1].kind, "skip");
+        let skip = Marker::of_metrics(&log.events[1]);
+        assert_eq!((skip.step, skip.kind.as_str()), (2, "skip"));
         assert_eq!(
-            log.events[1].detail,
-            vec![("reason".to_owned(), "non-finite loss".to_owned())]
+            skip.detail,
+            vec![
+                ("grad_norm".to_owned(), "NaN".to_owned()),
+                ("loss".to_owned(), "NaN".to_owned())
+            ]
         );
         assert_eq!(warnings.len(), 1);
         assert_eq!(warnings[0].line, 5);
@@ -442,6 +461,28 @@ mod tests {
         )
         .unwrap_err();
         assert!(matches!(err, LoadError::Schema { line: 1, .. }), "{err:?}");
+    }
+
+    #[test]
+    fn run_events_are_typed_and_placed_on_the_step_axis() {
+        let text = concat!(
+            r#"{"time":1.0,"event":"start","attempt":0,"resume":false,"pid":4,"dp":1,"ranks":1}"#,
+            "\n",
+            r#"{"time":2.0,"event":"rewind","step":9,"reason":"spike","to_step":5,"skipped_batches":[9],"rewinds":1}"#,
+            "\n"
+        );
+        let (events, warnings) = parse_events("events.jsonl", text).unwrap();
+        assert!(warnings.is_empty());
+        let markers: Vec<Marker> = events.iter().filter_map(Marker::of_run).collect();
+        assert_eq!(markers.len(), 1, "a start has no step");
+        assert_eq!((markers[0].step, markers[0].kind.as_str()), (9, "rewind"));
+        assert!(
+            markers[0]
+                .detail
+                .contains(&("to_step".to_owned(), "5".to_owned()))
+        );
+        let e = parse_events("events.jsonl", "{\"time\":1}\n{\"time\":2}\n").unwrap_err();
+        assert!(e.to_string().contains("event"), "{e}");
     }
 
     #[test]

@@ -18,7 +18,7 @@
 //!   data's loss floor where the run knows it, final training loss,
 //!   throughput, memory per rank, pipeline bubble, MaxVio, health events;
 //! * a verdict on the final validation loss
-//!   ([`weft_viz_web::compare::verdict`]): bitwise identical, equal within
+//!   ([`verdict`](crate::stats::verdict)): bitwise identical, equal within
 //!   `--tolerance`, better or worse by `X ± Y` (Welch's 95% interval, with
 //!   two or more seeds on each side) or not distinguishable from the seed
 //!   noise.
@@ -28,21 +28,24 @@
 //!
 //! # Example
 //! ```no_run
-//! use weft_trainer::compare::{Options, Report, load};
+//! use weft_compare::{Options, Report, load_group};
 //!
-//! let a = load("runs/fp32".as_ref())?;
-//! let b = load("runs/bf16".as_ref())?;
+//! let a = load_group("runs/fp32".as_ref())?;
+//! let b = load_group("runs/bf16".as_ref())?;
 //! let report = Report::new(&[a, b], &Options::default());
 //! println!("{report}");
-//! # Ok::<(), weft_trainer::compare::CompareError>(())
+//! # Ok::<(), weft_compare::CompareError>(())
 //! ```
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt::{self, Write as _};
 use std::path::{Path, PathBuf};
 
-use weft_viz_web::compare::{StepDiff, Verdict, Welch, last_per_step, mean_series, verdict};
-use weft_viz_web::load;
+use weft_trace::{MetricsEventKind, Summary};
+
+use crate::chart::{LineChart, Series};
+use crate::load;
+use crate::stats::{StepDiff, Verdict, Welch, last_per_step, mean_series, verdict};
 
 /// Why a run folder could not be compared.
 #[derive(Debug, thiserror::Error)]
@@ -99,7 +102,7 @@ pub struct RunData {
     pub wall_s: Option<f64>,
     /// Bytes of one rank by category (summary; runs written before the
     /// summary held it have none).
-    pub memory: Option<BTreeMap<String, u64>>,
+    pub memory: Option<weft_trace::MemoryBytes>,
     /// Measured pipeline bubble fraction (summary).
     pub bubble: Option<f64>,
     /// MaxVio of the last step (mixture of experts).
@@ -129,7 +132,7 @@ pub struct Group {
 /// # Errors
 /// [`CompareError::NotARun`] when neither; [`CompareError::Malformed`]
 /// naming the file and line of a bad record; [`CompareError::Io`].
-pub fn load(path: &Path) -> Result<Group, CompareError> {
+pub fn load_group(path: &Path) -> Result<Group, CompareError> {
     let name = path.file_name().map_or_else(
         || path.display().to_string(),
         |n| n.to_string_lossy().into_owned(),
@@ -174,17 +177,17 @@ fn read(path: &Path) -> Result<Option<String>, CompareError> {
     }
 }
 
-fn malformed(dir: &Path, e: &weft_viz_web::LoadError) -> CompareError {
+fn malformed(dir: &Path, e: &crate::LoadError) -> CompareError {
     CompareError::Malformed(format!("{}: {e}", dir.display()))
 }
 
 /// Read one run folder.
 ///
 /// # Errors
-/// As [`load()`].
+/// As [`load_group`].
 pub fn load_run(dir: &Path) -> Result<RunData, CompareError> {
     let mut warnings = Vec::new();
-    let mut warn = |w: Vec<weft_viz_web::Warning>| {
+    let mut warn = |w: Vec<crate::Warning>| {
         for w in w {
             warnings.push(format!(
                 "{}/{}:{}: {}",
@@ -205,26 +208,23 @@ pub fn load_run(dir: &Path) -> Result<RunData, CompareError> {
     let mut val = Vec::new();
     let mut floor = None;
     for e in &log.events {
-        let get = |k: &str| {
-            e.detail
-                .iter()
-                .find(|(key, _)| key == k)
-                .and_then(|(_, v)| v.parse::<f64>().ok())
-        };
-        if e.kind == "eval" {
-            if let Some(v) = get("val_loss") {
-                val.push((e.step, v));
+        match &e.kind {
+            MetricsEventKind::Eval { val_loss, floor: f } => {
+                if val_loss.is_finite() {
+                    val.push((e.step, *val_loss));
+                }
+                floor = floor.or(f.filter(|f| f.is_finite()));
             }
-            floor = floor.or(get("floor").filter(|f| f.is_finite()));
-        } else {
-            *events.entry(e.kind.clone()).or_default() += 1;
+            other => *events.entry(other.name().to_owned()).or_default() += 1,
         }
     }
     if let Some(text) = read(&dir.join("events.jsonl"))? {
         let (evs, w) = load::parse_events("events.jsonl", &text).map_err(|e| malformed(dir, &e))?;
         warn(w);
-        for e in evs {
-            *events.entry(e.kind).or_default() += 1;
+        // the events with a place on the step axis (not an attempt's
+        // start, nor the end)
+        for e in evs.iter().filter(|e| e.kind.step().is_some()) {
+            *events.entry(e.kind.name().to_owned()).or_default() += 1;
         }
     }
     let mut config = BTreeMap::new();
@@ -252,35 +252,35 @@ pub fn load_run(dir: &Path) -> Result<RunData, CompareError> {
         .zip(int("model.block_size"))
         .map(|(b, t)| b * t);
     let seed = int("train.seed");
-    let summary = match read(&dir.join("summary.json"))? {
-        Some(text) => load::parse_summary("summary.json", &text).map_err(|e| malformed(dir, &e))?,
+    let summary: Option<Summary> = match read(&dir.join("summary.json"))? {
+        Some(text) => Some(serde_json::from_str(&text).map_err(|e| {
+            CompareError::Malformed(format!(
+                "{}: summary.json, line {}: {e}",
+                dir.display(),
+                e.line()
+            ))
+        })?),
         None => {
             warnings.push(format!(
                 "{}: no summary.json (the run has not finished): figures from metrics.jsonl only",
                 dir.display()
             ));
-            Vec::new()
+            None
         }
     };
-    let finished = !summary.is_empty();
-    let num = |k: &str| {
-        summary
-            .iter()
-            .find(|(key, _)| key == k)
-            .and_then(|(_, v)| v.parse::<f64>().ok())
-    };
-    let memory: BTreeMap<String, u64> = summary
-        .iter()
-        .filter_map(|(k, v)| Some((k.strip_prefix("memory.")?.to_owned(), v.parse().ok()?)))
-        .collect();
     let records = &log.records;
+    #[allow(clippy::cast_precision_loss)]
     let mean_tps = (!records.is_empty())
         .then(|| records.iter().map(|r| r.tokens_per_s).sum::<f64>() / records.len() as f64);
     if val.is_empty()
-        && let Some(v) = num("final_eval_loss").filter(|v| v.is_finite())
+        && let Some(v) = summary
+            .as_ref()
+            .map(|s| s.final_eval_loss)
+            .filter(|v| v.is_finite())
     {
         val.push((loss.last().map_or(0, |l| l.0), v));
     }
+    let s = summary.as_ref();
     Ok(RunData {
         dir: dir.to_owned(),
         config,
@@ -288,14 +288,19 @@ pub fn load_run(dir: &Path) -> Result<RunData, CompareError> {
         seed,
         loss,
         val_loss: last_per_step(val),
-        floor: floor.or_else(|| num("floor")),
-        tokens_per_s: num("tokens_per_s").or(mean_tps),
-        wall_s: num("wall_s"),
-        memory: (!memory.is_empty()).then_some(memory),
-        bubble: num("pipeline_bubble.measured"),
-        max_vio: num("final_max_vio"),
+        floor: floor.or_else(|| s.and_then(|s| s.floor)),
+        tokens_per_s: s
+            .map(|s| s.tokens_per_s)
+            .filter(|t| t.is_finite())
+            .or(mean_tps),
+        wall_s: s.map(|s| s.wall_s),
+        memory: s.map(|s| s.memory).filter(|m| m.total() > 0),
+        bubble: s
+            .and_then(|s| s.pipeline_bubble.as_ref())
+            .map(|b| b.measured),
+        max_vio: s.and_then(|s| s.final_max_vio),
         events,
-        finished,
+        finished: s.is_some(),
         warnings,
     })
 }
@@ -529,7 +534,7 @@ fn figures(g: &Group, metric: Metric) -> GroupFigures {
         gap_to_floor: final_mean.zip(floor).map(|(m, f)| m - f),
         tokens_per_s: mean_of(g.runs.iter().filter_map(|r| r.tokens_per_s)),
         wall_s: mean_of(g.runs.iter().filter_map(|r| r.wall_s)),
-        memory_bytes: g.runs[0].memory.as_ref().map(|m| m.values().sum()),
+        memory_bytes: g.runs[0].memory.map(|m| m.total()),
         bubble: mean_of(g.runs.iter().filter_map(|r| r.bubble)),
         max_vio: mean_of(g.runs.iter().filter_map(|r| r.max_vio)),
         events,
@@ -852,7 +857,16 @@ pub fn write_plots(report: &Report, dir: &Path) -> Result<Vec<PathBuf>, CompareE
     let mut plot =
         |file: &str, title: &str, x: &str, y: &str, series: Vec<(String, Vec<(u64, f64)>)>| {
             let path = dir.join(file);
-            std::fs::write(&path, svg_chart(title, x, y, &series)).map_err(io(&path))?;
+            let series: Vec<Series> = series
+                .into_iter()
+                .map(|(name, pts)| {
+                    #[allow(clippy::cast_precision_loss)]
+                    let pts = pts.into_iter().map(|(x, y)| (x as f64, y)).collect();
+                    Series::new(name, pts)
+                })
+                .collect();
+            let svg = LineChart::new(title, x, y).svg(&series);
+            std::fs::write(&path, svg).map_err(io(&path))?;
             written.push(path);
             Ok::<(), CompareError>(())
         };
@@ -894,197 +908,4 @@ pub fn write_plots(report: &Report, dir: &Path) -> Result<Vec<PathBuf>, CompareE
         )?;
     }
     Ok(written)
-}
-
-const COLORS: [&str; 8] = [
-    "#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#17becf", "#8c564b", "#e377c2",
-];
-
-/// Round tick positions covering `[lo, hi]`.
-fn ticks(lo: f64, hi: f64) -> Vec<f64> {
-    let span = (hi - lo).max(f64::MIN_POSITIVE);
-    let raw = span / 5.0;
-    let mag = 10f64.powf(raw.log10().floor());
-    let step = [1.0, 2.0, 5.0, 10.0]
-        .iter()
-        .map(|m| m * mag)
-        .find(|s| *s >= raw)
-        .unwrap_or(10.0 * mag);
-    let mut t = (lo / step).ceil() * step;
-    let mut out = Vec::new();
-    while t <= hi + 1e-9 * span && out.len() < 12 {
-        out.push(t);
-        t += step;
-    }
-    out
-}
-
-/// A line chart as SVG text: one polyline per series (at most 1500 points
-/// each, every other point dropped evenly), axes with round ticks, legend.
-fn svg_chart(
-    title: &str,
-    x_label: &str,
-    y_label: &str,
-    series: &[(String, Vec<(u64, f64)>)],
-) -> String {
-    let (w, h, l, r, t, b) = (720.0, 420.0, 70.0, 20.0, 40.0, 50.0);
-    let finite = series
-        .iter()
-        .flat_map(|s| s.1.iter())
-        .filter(|p| p.1.is_finite());
-    let (mut x0, mut x1, mut y0, mut y1) = (f64::MAX, f64::MIN, f64::MAX, f64::MIN);
-    for &(x, y) in finite {
-        x0 = x0.min(x as f64);
-        x1 = x1.max(x as f64);
-        y0 = y0.min(y);
-        y1 = y1.max(y);
-    }
-    if x0 > x1 {
-        (x0, x1, y0, y1) = (0.0, 1.0, 0.0, 1.0);
-    }
-    if x1 == x0 {
-        x1 = x0 + 1.0;
-    }
-    if y1 == y0 {
-        let pad = if y0 == 0.0 { 1e-9 } else { y0.abs() * 1e-6 };
-        (y0, y1) = (y0 - pad, y1 + pad);
-    }
-    let px = |x: f64| l + (x - x0) / (x1 - x0) * (w - l - r);
-    let py = |y: f64| h - b - (y - y0) / (y1 - y0) * (h - t - b);
-    let esc = |s: &str| {
-        s.replace('&', "&amp;")
-            .replace('<', "&lt;")
-            .replace('>', "&gt;")
-    };
-    let mut s = format!(
-        "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{w}\" height=\"{h}\" viewBox=\"0 0 {w} {h}\" font-family=\"sans-serif\" font-size=\"12\">\n<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n<text x=\"{}\" y=\"20\" text-anchor=\"middle\" font-size=\"14\">{}</text>\n",
-        w / 2.0,
-        esc(title)
-    );
-    let _ = writeln!(
-        s,
-        "<path d=\"M{l} {t} V{} H{}\" fill=\"none\" stroke=\"#444\"/>",
-        h - b,
-        w - r
-    );
-    for tx in ticks(x0, x1) {
-        let x = px(tx);
-        let _ = writeln!(
-            s,
-            "<line x1=\"{x:.1}\" y1=\"{}\" x2=\"{x:.1}\" y2=\"{}\" stroke=\"#444\"/><text x=\"{x:.1}\" y=\"{}\" text-anchor=\"middle\">{}</text>",
-            h - b,
-            h - b + 5.0,
-            h - b + 18.0,
-            tx
-        );
-    }
-    for ty in ticks(y0, y1) {
-        let y = py(ty);
-        let _ = writeln!(
-            s,
-            "<line x1=\"{}\" y1=\"{y:.1}\" x2=\"{}\" y2=\"{y:.1}\" stroke=\"#ddd\"/><text x=\"{}\" y=\"{:.1}\" text-anchor=\"end\">{}</text>",
-            l,
-            w - r,
-            l - 5.0,
-            y + 4.0,
-            format_tick(ty)
-        );
-    }
-    let _ = writeln!(
-        s,
-        "<text x=\"{}\" y=\"{}\" text-anchor=\"middle\">{}</text><text x=\"15\" y=\"{}\" text-anchor=\"middle\" transform=\"rotate(-90 15 {})\">{}</text>",
-        (l + w - r) / 2.0,
-        h - 12.0,
-        esc(x_label),
-        (t + h - b) / 2.0,
-        (t + h - b) / 2.0,
-        esc(y_label)
-    );
-    for (i, (name, pts)) in series.iter().enumerate() {
-        let color = COLORS[i % COLORS.len()];
-        let stride = pts.len().div_ceil(1500).max(1);
-        let mut d = String::new();
-        let mut pen_up = true;
-        for (k, &(x, y)) in pts.iter().enumerate() {
-            if k % stride != 0 && k + 1 != pts.len() {
-                continue;
-            }
-            if !y.is_finite() {
-                pen_up = true;
-                continue;
-            }
-            let _ = write!(
-                d,
-                "{}{:.1} {:.1} ",
-                if pen_up { "M" } else { "L" },
-                px(x as f64),
-                py(y)
-            );
-            pen_up = false;
-        }
-        let _ = writeln!(
-            s,
-            "<path d=\"{}\" fill=\"none\" stroke=\"{color}\" stroke-width=\"1.5\"><title>{}</title></path>",
-            d.trim_end(),
-            esc(name)
-        );
-        let ly = t + 8.0 + 16.0 * i as f64;
-        let _ = writeln!(
-            s,
-            "<line x1=\"{}\" y1=\"{ly}\" x2=\"{}\" y2=\"{ly}\" stroke=\"{color}\" stroke-width=\"2\"/><text x=\"{}\" y=\"{}\">{}</text>",
-            w - r - 200.0,
-            w - r - 180.0,
-            w - r - 175.0,
-            ly + 4.0,
-            esc(name)
-        );
-    }
-    s.push_str("</svg>\n");
-    s
-}
-
-fn format_tick(v: f64) -> String {
-    if v == 0.0 {
-        "0".into()
-    } else if v.abs() >= 1e-2 && v.abs() < 1e5 {
-        let s = format!("{v:.4}");
-        s.trim_end_matches('0').trim_end_matches('.').to_owned()
-    } else {
-        format!("{v:.1e}")
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn ticks_are_round_and_cover_the_range() {
-        assert_eq!(ticks(0.0, 10.0), vec![0.0, 2.0, 4.0, 6.0, 8.0, 10.0]);
-        let t = ticks(1.73, 1.81);
-        assert!(
-            t.len() >= 3 && t[0] >= 1.73 && *t.last().unwrap() <= 1.81,
-            "{t:?}"
-        );
-        assert_eq!(format_tick(0.0005), "5.0e-4");
-        assert_eq!(format_tick(1.75), "1.75");
-    }
-
-    #[test]
-    fn svg_has_one_path_per_series_and_escapes_names() {
-        let svg = svg_chart(
-            "t",
-            "step",
-            "loss",
-            &[
-                ("a<b".into(), vec![(1, 2.0), (2, f64::NAN), (3, 1.0)]),
-                ("c".into(), vec![(1, 2.5), (3, 1.5)]),
-            ],
-        );
-        assert_eq!(svg.matches("<path d=\"M").count(), 3, "{svg}"); // 2 series + axes
-        assert!(svg.contains("a&lt;b"));
-        // the NaN breaks the line: two moves in the first series
-        let first = svg.lines().find(|l| l.contains("<title>a&lt;b")).unwrap();
-        assert_eq!(first.matches('M').count(), 2, "{first}");
-    }
 }

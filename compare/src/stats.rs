@@ -15,7 +15,7 @@
 //!
 //! # Example
 //! ```
-//! use weft_viz_web::compare::{StepDiff, Verdict, Welch, verdict};
+//! use weft_compare::stats::{StepDiff, Verdict, Welch, verdict};
 //!
 //! let a = [(1, 3.0), (2, 2.5), (3, 2.25)];
 //! let b = [(1, 3.0), (2, 2.5), (3, 2.0)];

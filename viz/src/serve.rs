@@ -40,8 +40,7 @@ use std::time::Duration;
 
 use thiserror::Error;
 
-use crate::load::FileKind;
-use crate::run::RunListing;
+use weft_compare::load::{FileKind, RunListing};
 
 /// Longest request line read, in bytes (longer: 414).
 pub const MAX_REQUEST_LINE: usize = 8 * 1024;

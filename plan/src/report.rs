@@ -1,0 +1,189 @@
+//! The planner's answer as text: the table of the best layouts, the
+//! budget's paragraph and the JSON document `weft plan` prints.
+
+use serde::Serialize;
+
+use crate::budget::BudgetReport;
+use crate::explain::Explanation;
+use crate::search::reason;
+use crate::{Accounting, Cluster, ModelSpec, Prediction, Recipe, Request};
+
+fn secs(s: f64) -> String {
+    if s >= 1.0 {
+        format!("{s:.3} s")
+    } else {
+        format!("{:.2} ms", 1e3 * s)
+    }
+}
+
+fn gib(b: u64) -> String {
+    crate::memory::bytes(b)
+}
+
+/// The table of the best `top` layouts of `preds` (0: all), best first,
+/// under a header naming the model, cluster and recipe; then each
+/// layout's reason ([`reason`]) against the best.
+#[must_use]
+pub fn table(req: &Request, preds: &[Prediction], top: usize) -> String {
+    let mut s = format!(
+        "model: {} layers, hidden {}, {} heads, seq {}, vocab {}{}; {:.3}B parameters; global batch {} ({} tokens)\n\
+         cluster: {}\n\
+         recipe: {} accounting, {} products{}\n\n",
+        req.model.layers,
+        req.model.hidden,
+        req.model.heads,
+        req.model.seq,
+        req.model.vocab,
+        if req.model.is_moe() {
+            format!(", {} experts top-{}", req.model.experts, req.model.top_k)
+        } else {
+            String::new()
+        },
+        req.model.params() / 1e9,
+        req.batch,
+        req.batch * req.model.seq,
+        req.cluster,
+        match req.recipe.accounting {
+            Accounting::Weft => "weft",
+            Accounting::Mixed => "mixed-precision",
+        },
+        req.recipe.precision.name(),
+        if req.recipe.accounting == Accounting::Mixed && req.recipe.flash_attention {
+            ", flash attention"
+        } else {
+            ""
+        },
+    );
+    s.push_str(
+        "| # | layout | fits | memory/GPU | params | grads | optimizer | activations | buffers | step | compute | tp | dp exposed | bubble | tokens/s | TFLOP/s/GPU | MFU |\n\
+         |---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
+    );
+    let n = if top == 0 {
+        preds.len()
+    } else {
+        top.min(preds.len())
+    };
+    for (i, p) in preds.iter().take(n).enumerate() {
+        let m = &p.memory;
+        let t = &p.time;
+        s.push_str(&format!(
+            "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {:.1}% | {:.0} | {:.2} | {:.1}% |\n",
+            i + 1,
+            p.layout,
+            if p.fits { "yes" } else { "no" },
+            gib(m.total()),
+            gib(m.params),
+            gib(m.grads),
+            gib(m.optimizer),
+            gib(m.activations),
+            gib(m.buffers),
+            secs(p.step_s),
+            secs(t.compute),
+            secs(t.tp_comm),
+            secs(t.dp_exposed),
+            100.0 * t.bubble_fraction,
+            p.tokens_per_s,
+            p.tflops_per_gpu,
+            100.0 * p.mfu
+        ));
+    }
+    s.push('\n');
+    for (i, p) in preds.iter().take(n).enumerate() {
+        s.push_str(&format!(
+            "{}. {}: {}\n",
+            i + 1,
+            p.layout,
+            reason(p, &preds[0])
+        ));
+    }
+    if preds.len() > n {
+        s.push_str(&format!(
+            "({} more layouts; --top 0 shows all, --json gives every figure)\n",
+            preds.len() - n
+        ));
+    }
+    s
+}
+
+/// The budget's paragraph: the Chinchilla-optimal size and tokens, and
+/// what the budget buys at the best layout.
+#[must_use]
+pub fn budget_text(b: &BudgetReport, best: &Prediction) -> String {
+    format!(
+        "Budget {:.3e} FLOPs: Chinchilla-optimal {:.2}B parameters on {:.1}B tokens (Hoffmann et al. 2022: N = sqrt(C/120), D = 20·N; approach-3 loss {:.3}).\n\
+         This model ({:.2}B parameters) at the best layout ({}, {:.0} tokens/s): the budget buys {:.1}B tokens in {:.1} days ({:.0} GPU-hours); \
+         its compute-optimal {:.1}B tokens take {:.1} days.\n",
+        b.optimum.flops,
+        b.optimum.params / 1e9,
+        b.optimum.tokens / 1e9,
+        b.optimum.loss,
+        b.params / 1e9,
+        best.layout,
+        b.tokens_per_s,
+        b.tokens / 1e9,
+        b.days,
+        b.gpu_hours,
+        b.optimal_tokens / 1e9,
+        b.optimal_days
+    )
+}
+
+/// One layout of the JSON output.
+#[derive(Serialize)]
+struct JsonLayout<'a> {
+    /// The layout in one line (`dp=2 tp=4 pp=2 fsdp=full 1f1b mbs=1`).
+    name: String,
+    #[serde(flatten)]
+    prediction: &'a Prediction,
+    memory_total: u64,
+    reason: String,
+}
+
+/// The JSON document.
+#[derive(Serialize)]
+struct JsonPlan<'a> {
+    model: &'a ModelSpec,
+    batch: usize,
+    cluster: &'a Cluster,
+    recipe: &'a Recipe,
+    layouts: Vec<JsonLayout<'a>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    explain: Option<&'a Explanation>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    budget: Option<&'a BudgetReport>,
+}
+
+/// `weft plan --json`: the request, the best `top` layouts (0: all) with
+/// why each wins or loses, and the explanation and budget when asked.
+#[must_use]
+pub fn json(
+    req: &Request,
+    preds: &[Prediction],
+    top: usize,
+    explain: Option<&Explanation>,
+    budget: Option<&BudgetReport>,
+) -> String {
+    let top = if top == 0 {
+        preds.len()
+    } else {
+        top.min(preds.len())
+    };
+    let out = JsonPlan {
+        model: &req.model,
+        batch: req.batch,
+        cluster: &req.cluster,
+        recipe: &req.recipe,
+        layouts: preds[..top]
+            .iter()
+            .map(|p| JsonLayout {
+                name: p.layout.to_string(),
+                prediction: p,
+                memory_total: p.memory.total(),
+                reason: reason(p, &preds[0]),
+            })
+            .collect(),
+        explain,
+        budget,
+    };
+    serde_json::to_string_pretty(&out).unwrap_or_default()
+}
