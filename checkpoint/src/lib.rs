@@ -21,6 +21,11 @@
 //!   next save waits for the previous one. The copy is split by bytes over
 //!   [`SaveOptions::threads`] threads into buffers reused from save to save
 //!   ([`AsyncSaver::reserve`] maps them before the first).
+//! * [`collective`]: a job of many ranks over a `weft-collectives`
+//!   communicator — [`collective::save`] (rank 0 prepares, every rank
+//!   writes the runs of whole tensors it owns, rank 0 commits; one
+//!   outcome on every rank) and [`collective::pick_latest`] (rank 0
+//!   verifies and picks, every rank opens it).
 //! * Loading: [`Checkpoint::open`] validates the manifest and every file's
 //!   header, [`Checkpoint::read_region`] reads any box of any tensor, touching
 //!   only the overlapping shards' byte ranges and verifying their checksums;
@@ -244,12 +249,14 @@
 //!   same run, and the step stall of async vs sync saves.
 //!
 //! # Crate features
-//! None. Saving in the background uses a private tokio runtime.
+//! None. Saving in the background uses a private tokio runtime; the
+//! collective save uses `weft-collectives`.
 
 #![deny(missing_docs)]
 
 mod async_save;
 mod checksum;
+pub mod collective;
 mod dtype;
 mod error;
 mod export;
@@ -263,6 +270,7 @@ mod safetensors;
 mod write;
 
 pub use async_save::{AsyncSaver, SaveOutcome, Snapshot};
+pub use collective::CollectiveError;
 pub use dtype::{Dtype, UnknownDtype};
 pub use error::{Error, Result};
 pub use export::{ExportReport, Gpt2Export, export_hf_gpt2};

@@ -30,6 +30,11 @@
 //! - [`LocalCluster`] / [`LocalComm`]: the thread backend.
 //! - `MpiComm` (feature `mpi`): MPI processes; `NcclComm` (feature `nccl`):
 //!   NCCL on GPUs.
+//! - [`processes`]: a job of one process per rank under an MPI launcher —
+//!   the launcher's environment, the world with every rank's host (ranks
+//!   renumbered host by host), switching it to NCCL.
+//! - [`agree`] (a set-up step's outcome agreed by every rank, so none is
+//!   left waiting), [`gather_bytes`] and [`all_gather_bytes`].
 //!
 //! # The Communicator design
 //! The trait has a handful of *required* primitives and builds every
@@ -264,6 +269,7 @@ mod mesh;
 mod mpi_backend;
 #[cfg(feature = "nccl")]
 mod nccl_backend;
+pub mod processes;
 mod reduce;
 pub mod repro;
 mod types;

@@ -18,7 +18,7 @@
 //!   data's loss floor where the run knows it, final training loss,
 //!   throughput, memory per rank, pipeline bubble, MaxVio, health events;
 //! * a verdict on the final validation loss
-//!   ([`verdict`](crate::stats::verdict)): bitwise identical, equal within
+//!   ([`verdict`]): bitwise identical, equal within
 //!   `--tolerance`, better or worse by `X ± Y` (Welch's 95% interval, with
 //!   two or more seeds on each side) or not distinguishable from the seed
 //!   noise.

@@ -34,6 +34,140 @@ impl Default for AdamW {
     }
 }
 
+/// AdamW over a run, as a job's `[optim]` table sets it: the peak
+/// learning rate with linear warmup then cosine decay to a floor, the
+/// other hyper-parameters, and the global gradient-norm clip. With the
+/// `serde` feature it (de)serializes key for key, defaults filled in,
+/// unknown keys refused.
+///
+/// ```
+/// use weft_kernels::AdamWConfig;
+/// let o = AdamWConfig { lr: 1.0, min_lr_ratio: 0.1, warmup_steps: 10, ..Default::default() };
+/// assert_eq!(o.lr_at(4, 110), 0.5);
+/// assert_eq!(o.lr_at(9, 110), 1.0);
+/// assert!((o.lr_at(109, 110) - 0.1).abs() < 1e-12);
+/// assert_eq!(o.at(0.5).lr, 0.5);
+/// assert!(AdamWConfig { beta2: 1.0, ..Default::default() }.validate().is_err());
+/// ```
+#[derive(Clone, Debug, PartialEq)]
+#[cfg_attr(
+    feature = "serde",
+    derive(serde::Serialize, serde::Deserialize),
+    serde(deny_unknown_fields, default)
+)]
+pub struct AdamWConfig {
+    /// Peak learning rate.
+    pub lr: f64,
+    /// Final learning rate as a fraction of `lr`.
+    pub min_lr_ratio: f64,
+    /// Linear warmup steps.
+    pub warmup_steps: u64,
+    /// Decoupled weight decay (not applied to biases and layernorms).
+    pub weight_decay: f64,
+    /// Adam β₁.
+    pub beta1: f64,
+    /// Adam β₂.
+    pub beta2: f64,
+    /// Adam ε.
+    pub eps: f64,
+    /// Global gradient-norm clip (0: off).
+    pub grad_clip: f64,
+}
+
+impl Default for AdamWConfig {
+    /// A small model's: peak 4e-3, a floor of a tenth, 50 warmup steps,
+    /// decay 0.1, betas (0.9, 0.95), ε 1e-8, clip at norm 1.
+    fn default() -> Self {
+        Self {
+            lr: 4e-3,
+            min_lr_ratio: 0.1,
+            warmup_steps: 50,
+            weight_decay: 0.1,
+            beta1: 0.9,
+            beta2: 0.95,
+            eps: 1e-8,
+            grad_clip: 1.0,
+        }
+    }
+}
+
+impl AdamWConfig {
+    /// The learning rate of optimizer step `step` (0-based) of `total`:
+    ///
+    /// * warmup (`step < warmup_steps`): `lr · (step + 1) / warmup_steps`,
+    ///   so the first step already moves and the last warmup step reaches
+    ///   `lr`;
+    /// * then cosine decay from `lr` at the end of warmup to
+    ///   `lr · min_lr_ratio` at the last step:
+    ///   `min + ½·(1 + cos(π·p))·(lr − min)` with `p` going from 0 to 1.
+    #[must_use]
+    #[allow(clippy::cast_precision_loss)]
+    pub fn lr_at(&self, step: u64, total: u64) -> f64 {
+        let peak = self.lr;
+        let floor = peak * self.min_lr_ratio;
+        let warmup = self.warmup_steps;
+        if step < warmup {
+            return peak * (step + 1) as f64 / warmup as f64;
+        }
+        let decay_steps = total.saturating_sub(warmup).saturating_sub(1);
+        if decay_steps == 0 {
+            return peak;
+        }
+        let p = ((step - warmup) as f64 / decay_steps as f64).min(1.0);
+        floor + 0.5 * (1.0 + (std::f64::consts::PI * p).cos()) * (peak - floor)
+    }
+
+    /// The update's hyper-parameters at learning rate `lr`.
+    #[must_use]
+    #[allow(clippy::cast_possible_truncation)]
+    pub fn at(&self, lr: f64) -> AdamW {
+        AdamW {
+            lr: lr as f32,
+            beta1: self.beta1 as f32,
+            beta2: self.beta2 as f32,
+            eps: self.eps as f32,
+            weight_decay: self.weight_decay as f32,
+        }
+    }
+
+    /// Checks every setting's range.
+    ///
+    /// # Errors
+    /// [`Error::Config`] naming the first setting out of range.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |field, reason: String| Err(Error::Config { field, reason });
+        if !(self.lr.is_finite() && self.lr > 0.0) {
+            return bad(
+                "lr",
+                format!("must be a finite value > 0 (got {})", self.lr),
+            );
+        }
+        if !(0.0..=1.0).contains(&self.min_lr_ratio) {
+            return bad(
+                "min_lr_ratio",
+                format!("must be in [0, 1] (got {})", self.min_lr_ratio),
+            );
+        }
+        for (field, b) in [("beta1", self.beta1), ("beta2", self.beta2)] {
+            if !(0.0..1.0).contains(&b) {
+                return bad(field, format!("must be in [0, 1) (got {b})"));
+            }
+        }
+        for (field, v, min_exclusive) in [
+            ("eps", self.eps, true),
+            ("weight_decay", self.weight_decay, false),
+            ("grad_clip", self.grad_clip, false),
+        ] {
+            let ok = v.is_finite() && if min_exclusive { v > 0.0 } else { v >= 0.0 };
+            if !ok {
+                let bound = if min_exclusive { "> 0" } else { ">= 0" };
+                return bad(field, format!("must be a finite value {bound} (got {v})"));
+            }
+        }
+        Ok(())
+    }
+}
+
 const CHUNK: usize = 8192;
 
 /// One AdamW step on a parameter tensor (or any contiguous run of them).
@@ -129,6 +263,98 @@ crate::simd::multiversion! {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn warmup_is_linear_and_decay_monotone() {
+        let o = AdamWConfig {
+            lr: 3e-3,
+            min_lr_ratio: 0.1,
+            warmup_steps: 50,
+            ..Default::default()
+        };
+        for s in 0..50u64 {
+            assert!((o.lr_at(s, 600) - 3e-3 * (s + 1) as f64 / 50.0).abs() < 1e-15);
+        }
+        let mut prev = f64::INFINITY;
+        for s in 50..600 {
+            let lr = o.lr_at(s, 600);
+            assert!(lr <= prev && lr >= 3e-4 - 1e-15, "step {s}: {lr}");
+            prev = lr;
+        }
+        // Halfway through the decay, the cosine is at its midpoint.
+        let mid = 50 + 549 / 2;
+        let expect = 3e-4
+            + 0.5 * (1.0 + (std::f64::consts::PI * ((mid - 50) as f64 / 549.0)).cos()) * 2.7e-3;
+        assert!((o.lr_at(mid, 600) - expect).abs() < 1e-15);
+        assert!((o.lr_at(599, 600) - 3e-4).abs() < 1e-15);
+    }
+
+    #[test]
+    fn degenerate_schedules() {
+        let o = AdamWConfig {
+            lr: 1.0,
+            warmup_steps: 0,
+            ..Default::default()
+        };
+        assert_eq!(o.lr_at(0, 1), 1.0);
+        let o = AdamWConfig {
+            lr: 1.0,
+            warmup_steps: 10,
+            ..Default::default()
+        };
+        assert_eq!(
+            o.lr_at(20, 5),
+            1.0,
+            "past the end of a run shorter than warmup"
+        );
+    }
+
+    #[test]
+    fn settings_out_of_range_name_their_field() {
+        for (o, field) in [
+            (
+                AdamWConfig {
+                    lr: 0.0,
+                    ..Default::default()
+                },
+                "lr",
+            ),
+            (
+                AdamWConfig {
+                    min_lr_ratio: 1.5,
+                    ..Default::default()
+                },
+                "min_lr_ratio",
+            ),
+            (
+                AdamWConfig {
+                    beta1: -0.1,
+                    ..Default::default()
+                },
+                "beta1",
+            ),
+            (
+                AdamWConfig {
+                    eps: 0.0,
+                    ..Default::default()
+                },
+                "eps",
+            ),
+            (
+                AdamWConfig {
+                    grad_clip: f64::NAN,
+                    ..Default::default()
+                },
+                "grad_clip",
+            ),
+        ] {
+            assert!(
+                matches!(o.validate(), Err(Error::Config { field: f, .. }) if f == field),
+                "{field}"
+            );
+        }
+        assert!(AdamWConfig::default().validate().is_ok());
+    }
 
     /// Algorithm 2 of the paper (with η = 1 schedule multiplier and the
     /// decay scaled by lr as PyTorch does), evaluated in f64.

@@ -41,6 +41,14 @@ pub enum Error {
         /// What was wrong, with the values involved.
         reason: String,
     },
+    /// A setting out of its range.
+    #[error("{field}: {reason}")]
+    Config {
+        /// The setting (`lr`, `beta1`, ...).
+        field: &'static str,
+        /// Why, with the value.
+        reason: String,
+    },
     /// The requested device needs a feature this build was compiled without.
     #[error("{what} needs weft-kernels built with the `{feature}` feature")]
     NotCompiled {

@@ -138,7 +138,7 @@ mod softmax;
 #[cfg(test)]
 mod testutil;
 
-pub use adamw::{AdamW, adamw_update};
+pub use adamw::{AdamW, AdamWConfig, adamw_update};
 pub use attention::{attention_backward, attention_decode, attention_forward, doc_starts};
 pub use embedding::{check_tokens, encoder_backward, encoder_forward};
 pub use error::{Error, Result};

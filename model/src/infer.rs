@@ -402,3 +402,164 @@ impl<'m> Decoder<'m> {
         Ok(())
     }
 }
+
+/// How the next token is chosen from a position's logits.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Sampling {
+    /// Softmax temperature; 0 picks the most likely token (greedy, the
+    /// lowest id on ties).
+    pub temperature: f64,
+    /// Draw only among the `top_k` most likely tokens (0: all).
+    pub top_k: usize,
+}
+
+impl Sampling {
+    /// The most likely token, always.
+    pub const GREEDY: Self = Self {
+        temperature: 0.0,
+        top_k: 0,
+    };
+
+    /// The next token: the argmax of `logits` (lowest id on ties) at
+    /// temperature 0, else the draw `u` (uniform in `[0, 1)`) from
+    /// `softmax(logits / T)` over the `top_k` most likely tokens (ties by
+    /// id, so a draw is deterministic).
+    #[must_use]
+    pub fn pick(&self, logits: &[f32], u: f64) -> u32 {
+        let id = |i: usize| u32::try_from(i).unwrap_or(u32::MAX);
+        if self.temperature == 0.0 {
+            let mut best = 0;
+            for (i, &x) in logits.iter().enumerate() {
+                if x > logits[best] {
+                    best = i;
+                }
+            }
+            return id(best);
+        }
+        let mut order: Vec<usize> = (0..logits.len()).collect();
+        if self.top_k > 0 && self.top_k < logits.len() {
+            order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]).then(a.cmp(&b)));
+            order.truncate(self.top_k);
+        }
+        let max = order
+            .iter()
+            .map(|&i| f64::from(logits[i]))
+            .fold(f64::NEG_INFINITY, f64::max);
+        let weights: Vec<f64> = order
+            .iter()
+            .map(|&i| ((f64::from(logits[i]) - max) / self.temperature).exp())
+            .collect();
+        let mut u = u * weights.iter().sum::<f64>();
+        for (&i, &w) in order.iter().zip(&weights) {
+            if u < w {
+                return id(i);
+            }
+            u -= w;
+        }
+        id(order[order.len() - 1])
+    }
+}
+
+impl Decoder<'_> {
+    /// Continues `prompt` by `n` tokens chosen by `sampling`, each draw
+    /// from `uniform` (values in `[0, 1)`), and returns them (the prompt
+    /// not repeated). When the cache is full the context slides: the
+    /// newest half of the block is prefilled again and decoding goes on.
+    /// `after_forward` runs after every forward (to drain a mixture of
+    /// experts' load log, say). Starts from an empty cache.
+    ///
+    /// # Errors
+    /// As [`prefill`](Self::prefill) and [`step`](Self::step): an empty
+    /// prompt, one longer than the block, an id outside the vocabulary.
+    pub fn generate(
+        &mut self,
+        prompt: &[u32],
+        n: usize,
+        sampling: Sampling,
+        uniform: &mut dyn FnMut() -> f64,
+        after_forward: &mut dyn FnMut(),
+    ) -> Result<Vec<u32>> {
+        let block = self.capacity();
+        self.reset();
+        let mut context: Vec<u32> = prompt.to_vec();
+        let mut out = Vec::with_capacity(n);
+        let mut logits = self.prefill(&context)?.to_vec();
+        after_forward();
+        for i in 0..n {
+            let next = sampling.pick(&logits, uniform());
+            out.push(next);
+            if i + 1 == n {
+                break;
+            }
+            context.push(next);
+            if self.len() == block {
+                let keep = (block / 2).max(1);
+                context.drain(..context.len() - keep);
+                self.reset();
+                logits = self.prefill(&context)?.to_vec();
+            } else {
+                logits = self.step(next)?.to_vec();
+            }
+            after_forward();
+        }
+        Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Uniform draws in `[0, 1)` (splitmix64).
+    fn uniforms(mut state: u64) -> impl FnMut() -> f64 {
+        move || {
+            state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+            let mut z = state;
+            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+            #[allow(clippy::cast_precision_loss)]
+            let u = ((z ^ (z >> 31)) >> 11) as f64 * (-53f64).exp2();
+            u
+        }
+    }
+
+    #[test]
+    fn greedy_picks_the_first_maximum_and_top_k_one_is_greedy() {
+        let logits = [0.5f32, 2.0, -1.0, 2.0, 1.9];
+        assert_eq!(Sampling::GREEDY.pick(&logits, 0.7), 1);
+        let top1 = Sampling {
+            temperature: 5.0,
+            top_k: 1,
+        };
+        let mut u = uniforms(0);
+        for _ in 0..20 {
+            assert_eq!(top1.pick(&logits, u()), 1);
+        }
+    }
+
+    /// Draws follow softmax(logits / T) restricted to the top k
+    /// (frequencies within 5 standard errors).
+    #[test]
+    fn draws_follow_the_tempered_softmax_of_the_top_k() {
+        let logits = [1.0f32, 0.0, 2.0, -3.0];
+        let s = Sampling {
+            temperature: 2.0,
+            top_k: 3,
+        };
+        let w: Vec<f64> = [1.0f64, 0.0, 2.0].iter().map(|x| (x / 2.0).exp()).collect();
+        let total: f64 = w.iter().sum();
+        let want = [w[0] / total, w[1] / total, w[2] / total, 0.0];
+        let mut u = uniforms(9);
+        let n: u32 = 40_000;
+        let mut counts = [0usize; 4];
+        for _ in 0..n {
+            counts[s.pick(&logits, u()) as usize] += 1;
+        }
+        for (i, (&c, &p)) in counts.iter().zip(&want).enumerate() {
+            #[allow(clippy::cast_precision_loss)]
+            let f = c as f64 / f64::from(n);
+            let se = (p * (1.0 - p) / f64::from(n)).sqrt().max(1e-9);
+            assert!((f - p).abs() <= 5.0 * se, "token {i}: {f} vs {p}");
+        }
+    }
+}

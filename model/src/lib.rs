@@ -178,7 +178,7 @@ pub use ffn::{Dims, FeedForward, Mlp, ParamShape, wide_input};
 pub use gpt::{
     Activations, BlockActs, BlockScratch, Gpt, GptBlocks, HeadActs, MicroBatch, WeightInputs,
 };
-pub use infer::Decoder;
+pub use infer::{Decoder, Sampling};
 pub use init::init_gpt2;
 pub use memory::RankMemory;
 pub use moe_ffn::{MoeFfn, MoeStats};

@@ -420,7 +420,7 @@ impl MachineProfile {
     /// [`cluster`](Self::cluster) with pools of `threads` threads
     /// (`parallel.threads`) and products and element-wise work at
     /// `efficiency` of the measured rates: what a `weft train` step reaches
-    /// of them ([`Calibration::efficiency`]).
+    /// of them ([`Calibration::efficiency`](crate::calibrate::Calibration::efficiency)).
     #[must_use]
     pub fn cluster_at(&self, ranks: usize, threads: usize, efficiency: f64) -> Cluster {
         let f = self.pool_figures(threads);

@@ -21,6 +21,9 @@
 //!   as [`weft_trace::RunEvent`]s ([`events`]).
 //! * [`mod@heartbeat`]: the file every rank writes after every step, which
 //!   the supervisor watches.
+//! * [`health`]: the rank side — the loss-spike and straggler detectors a
+//!   training loop feeds, and the batches a rewound run leaves out
+//!   (`skip.json`).
 //! * [`stop`]: the first SIGINT or SIGTERM asks for a clean stop (finish
 //!   the step, save, exit), a second ends the process; a supervisor
 //!   forwards it to its job and does not restart a job stopped so.
@@ -62,6 +65,7 @@
 mod chaos;
 pub mod events;
 mod fault;
+pub mod health;
 pub mod heartbeat;
 pub mod stop;
 mod supervisor;

@@ -38,7 +38,7 @@ pub struct Config {
     /// Steps, batch and evaluation.
     pub train: TrainConfig,
     /// Optimizer and learning-rate schedule.
-    pub optim: OptimConfig,
+    pub optim: weft_kernels::AdamWConfig,
     /// Periodic checkpoints.
     pub checkpoint: CheckpointConfig,
     /// How the job is split over ranks.
@@ -341,43 +341,6 @@ impl Default for TrainConfig {
     }
 }
 
-/// `[optim]`: AdamW with linear warmup and cosine decay.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct OptimConfig {
-    /// Peak learning rate.
-    pub lr: f64,
-    /// Final learning rate as a fraction of `lr`.
-    pub min_lr_ratio: f64,
-    /// Linear warmup steps.
-    pub warmup_steps: u64,
-    /// Decoupled weight decay (not applied to biases and layernorms).
-    pub weight_decay: f64,
-    /// Adam β₁.
-    pub beta1: f64,
-    /// Adam β₂.
-    pub beta2: f64,
-    /// Adam ε.
-    pub eps: f64,
-    /// Global gradient-norm clip (0: off).
-    pub grad_clip: f64,
-}
-
-impl Default for OptimConfig {
-    fn default() -> Self {
-        Self {
-            lr: 4e-3,
-            min_lr_ratio: 0.1,
-            warmup_steps: 50,
-            weight_decay: 0.1,
-            beta1: 0.9,
-            beta2: 0.95,
-            eps: 1e-8,
-            grad_clip: 1.0,
-        }
-    }
-}
-
 /// A configuration error, with where it came from.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ConfigError {
@@ -579,35 +542,7 @@ impl Config {
                 format!("steps count from 1 (got {b})"),
             );
         }
-        let o = &self.optim;
-        if !(o.lr.is_finite() && o.lr > 0.0) {
-            return bad(
-                "optim.lr",
-                format!("must be a finite value > 0 (got {})", o.lr),
-            );
-        }
-        if !(0.0..=1.0).contains(&o.min_lr_ratio) {
-            return bad(
-                "optim.min_lr_ratio",
-                format!("must be in [0, 1] (got {})", o.min_lr_ratio),
-            );
-        }
-        for (key, b) in [("optim.beta1", o.beta1), ("optim.beta2", o.beta2)] {
-            if !(0.0..1.0).contains(&b) {
-                return bad(key, format!("must be in [0, 1) (got {b})"));
-            }
-        }
-        for (key, v, min_exclusive) in [
-            ("optim.eps", o.eps, true),
-            ("optim.weight_decay", o.weight_decay, false),
-            ("optim.grad_clip", o.grad_clip, false),
-        ] {
-            let ok = v.is_finite() && if min_exclusive { v > 0.0 } else { v >= 0.0 };
-            if !ok {
-                let bound = if min_exclusive { "> 0" } else { ">= 0" };
-                return bad(key, format!("must be a finite value {bound} (got {v})"));
-            }
-        }
+        self.optim.validate().map_err(library_error)?;
         if let Err((key, message)) = self.gpu_support() {
             return bad(key, message);
         }
@@ -829,7 +764,11 @@ pub fn library_error(e: impl Into<LibraryError>) -> ConfigError {
         LibraryError::Parallel(weft_parallel::Error::Batch { field, reason }) => {
             (format!("train.{field}"), reason)
         }
+        LibraryError::Kernels(weft_kernels::Error::Config { field, reason }) => {
+            (format!("optim.{field}"), reason)
+        }
         LibraryError::Model(e) => ("model".into(), e.to_string()),
+        LibraryError::Kernels(e) => ("optim".into(), e.to_string()),
         LibraryError::Moe(e) => ("model.moe".into(), e.to_string()),
         LibraryError::Parallel(e) => ("parallel".into(), e.to_string()),
     };
@@ -845,6 +784,14 @@ pub enum LibraryError {
     Moe(weft_moe::Error),
     /// `weft-parallel`: `[parallel]` and the batch split.
     Parallel(weft_parallel::Error),
+    /// `weft-kernels`: `[optim]`.
+    Kernels(weft_kernels::Error),
+}
+
+impl From<weft_kernels::Error> for LibraryError {
+    fn from(e: weft_kernels::Error) -> Self {
+        LibraryError::Kernels(e)
+    }
 }
 
 impl From<weft_model::Error> for LibraryError {

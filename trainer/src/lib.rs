@@ -6,7 +6,6 @@
 //! * [`config`]: the job configuration — TOML files plus `--set key=value`
 //!   overrides, with errors that name the key, the file, the line and the
 //!   expected type.
-//! * [`schedule`]: linear warmup and cosine decay of the learning rate.
 //! * [`train`]: [`train::train`] runs a job and reports to an
 //!   [`train::Observer`]; the loop itself is the `run` module — one loop for every
 //!   model and layout, written against `weft_model::TrainModel`
@@ -105,5 +104,4 @@ pub mod plan;
 pub mod ranks;
 mod run;
 pub mod sample;
-pub mod schedule;
 pub mod train;

@@ -26,7 +26,7 @@ struct Cli {
 #[derive(Subcommand, Debug)]
 enum Command {
     /// Train a GPT-2-style model. With no options: a small model on the
-    /// built-in synthetic corpus (about two minutes on 2 cores), its loss
+    /// built-in synthetic corpus (about three minutes on 2 cores), its loss
     /// printed beside the corpus' exact floor.
     Train(train::TrainArgs),
     /// Generate from the last saved weights of a run folder. Decodes

@@ -22,8 +22,8 @@
 //!
 //! # Processes
 //! Under `mpirun` (or `srun`, or any launcher that sets the MPI
-//! environment) each process is one rank: [`Processes::connect`] joins the
-//! MPI world (feature `mpi`), and
+//! environment) each process is one rank: [`connect`] joins the MPI world
+//! (`weft-collectives`' [`Processes`], feature `mpi`), and
 //! [`train_processes`](crate::train::train_processes) runs this process's
 //! rank. The world size comes from the launcher and must equal the
 //! layout's `dp · tp · pp`. Ranks on one node (same host name) form one
@@ -38,13 +38,14 @@
 //!
 //! Set-up failures (a bad configuration, a missing data file, a run folder
 //! that exists) are agreed on by every rank before any of them goes on
-//! ([`Processes::agree`]): rank 0 reports them once, naming the ranks they happened
+//! ([`agree_processes`]): rank 0 reports them once, naming the ranks they happened
 //! on, and every process exits with an error — none is left waiting.
 
 use std::sync::{Mutex, mpsc};
 
 use std::time::Duration;
 
+use weft_collectives::processes::{LauncherEnv, Processes};
 use weft_collectives::{Communicator, LocalCluster, Topology};
 
 use crate::train::{
@@ -241,9 +242,6 @@ fn pick_result(
 pub(crate) mod tags {
     /// The trace events gathered for `trace.json`.
     pub const TRACE: u64 = 0x5754_5200; // "WTR"
-    /// Host names at start-up.
-    #[cfg_attr(not(feature = "mpi"), allow(dead_code))]
-    pub const HOSTS: u64 = 0x5748_5300; // "WHS"
     /// The token cache's name, shared by the rank that built it.
     pub const DATA: u64 = 0x5744_5400; // "WDT"
     /// Every rank's predicted memory.
@@ -269,15 +267,23 @@ pub(crate) fn agree<T>(
     world: &dyn Communicator,
     result: Result<T, TrainError>,
 ) -> Result<T, TrainError> {
+    weft_collectives::agree(world, result).map_err(|d| trainer_error(d, |e| e))
+}
+
+/// A [`Disagreement`](weft_collectives::Disagreement) as the trainer's
+/// error, a rank's own error made one by `own`.
+fn trainer_error<E>(
+    d: weft_collectives::Disagreement<E>,
+    own: impl FnOnce(E) -> TrainError,
+) -> TrainError {
     use weft_collectives::Disagreement;
-    weft_collectives::agree(world, result).map_err(|d| match d {
-        Disagreement::Own(e) => e,
+    match d {
+        Disagreement::Own(e) => own(e),
         Disagreement::OnRanks(f) => TrainError::OnRanks(f),
         Disagreement::Elsewhere => TrainError::ReportedByRankZero,
         Disagreement::Comm(e) => TrainError::Comm(e),
-    })
+    }
 }
-
 /// `ranks 1, 3` / `rank 2` / `every rank`.
 pub(crate) fn rank_list(ranks: &[usize], world: Option<usize>) -> String {
     if world == Some(ranks.len()) && ranks.len() > 1 {
@@ -290,96 +296,15 @@ pub(crate) fn rank_list(ranks: &[usize], world: Option<usize>) -> String {
     }
 }
 
-/// What an MPI launcher (`mpirun`, `mpiexec`, `srun`) told this process,
-/// read from the environment it sets.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct LauncherEnv {
-    /// The launcher, by the variables found (`Open MPI`, `PMI`, `PMIx`,
-    /// `Slurm`).
-    pub launcher: &'static str,
-    /// This process's rank.
-    pub rank: usize,
-    /// Processes in the job.
-    pub size: usize,
-}
-
-impl LauncherEnv {
-    /// The launcher's variables, if this process was started by one:
-    /// Open MPI's `OMPI_COMM_WORLD_{RANK,SIZE}`, MPICH/Hydra's
-    /// `PMI_{RANK,SIZE}`, PMIx's `PMIX_RANK` (with the size from the
-    /// others), or Slurm's `SLURM_{PROCID,NTASKS}` under `srun`.
-    pub fn detect() -> Option<Self> {
-        let var = |k: &str| std::env::var(k).ok()?.trim().parse::<usize>().ok();
-        let found = |launcher, rank: Option<usize>, size: Option<usize>| {
-            Some(LauncherEnv {
-                launcher,
-                rank: rank?,
-                size: size?,
-            })
-        };
-        found(
-            "Open MPI",
-            var("OMPI_COMM_WORLD_RANK"),
-            var("OMPI_COMM_WORLD_SIZE"),
-        )
-        .or_else(|| found("PMI", var("PMI_RANK"), var("PMI_SIZE")))
-        .or_else(|| {
-            found(
-                "PMIx",
-                var("PMIX_RANK"),
-                var("OMPI_COMM_WORLD_SIZE").or_else(|| var("PMI_SIZE")),
-            )
-        })
-        .or_else(|| {
-            // `srun` of an MPI program sets these; a Slurm batch script
-            // outside srun sets SLURM_NTASKS too, but not SLURM_PROCID
-            found("Slurm", var("SLURM_PROCID"), var("SLURM_NTASKS"))
-                .filter(|_| std::env::var_os("SLURM_STEP_ID").is_some())
-        })
-    }
-}
-
-/// This process's place in a job of one process per rank: the world
-/// communicator and where every rank runs. Built by [`Processes::connect`].
-pub struct Processes {
-    #[cfg(feature = "mpi")]
-    mpi: weft_collectives::MpiComm,
-    // with `nccl`: the NCCL world; else the MPI world
-    world: Box<dyn Communicator>,
-    backend: weft_collectives::Backend,
-    library: String,
-    hosts: Vec<String>,
-    /// Whether ranks were renumbered from the launcher's order so that each
-    /// host holds consecutive ranks.
-    renumbered: bool,
-}
-
-impl std::fmt::Debug for Processes {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Processes")
-            .field("backend", &self.backend)
-            .field("rank", &self.world.rank())
-            .field("size", &self.world.size())
-            .finish_non_exhaustive()
-    }
-}
-
-impl Processes {
-    /// Joins the job's MPI world, learns every rank's host (the ranks of
-    /// a host form one domain of the collectives' topology when every
-    /// host runs as many consecutive ranks). Call once per process; the
-    /// kernel pool is sized by [`size_pool`](Self::size_pool).
-    ///
-    /// # Errors
-    /// [`TrainError::Backend`] when this build has no MPI support (feature
-    /// `mpi`) or MPI cannot start; [`TrainError::Comm`] if the host
-    /// exchange fails.
-    pub fn connect() -> Result<Self, TrainError> {
-        Self::connect_impl()
-    }
-
-    #[cfg(not(feature = "mpi"))]
-    fn connect_impl() -> Result<Self, TrainError> {
+/// Joins the job's processes ([`Processes::connect`]) with this host's
+/// name.
+///
+/// # Errors
+/// [`TrainError::Backend`] when this build has no MPI support (feature
+/// `mpi`, with how to build it) or MPI cannot start; [`TrainError::Comm`]
+/// if the host exchange fails.
+pub fn connect() -> Result<Processes, TrainError> {
+    if !cfg!(feature = "mpi") {
         let launched = LauncherEnv::detect()
             .map(|e| {
                 format!(
@@ -388,189 +313,81 @@ impl Processes {
                 )
             })
             .unwrap_or_default();
-        Err(TrainError::Backend(format!(
+        return Err(TrainError::Backend(format!(
             "{launched}this weft was built without MPI support: build it with \
              `cargo build --release -p weft-trainer --features mpi` \
              (needs an MPI library, e.g. Debian's libopenmpi-dev)"
-        )))
+        )));
     }
+    Processes::connect(&weft_supervise::host_name()).map_err(|e| match e {
+        weft_collectives::Error::BackendUnavailable { .. } => TrainError::Backend(e.to_string()),
+        e => TrainError::Comm(e),
+    })
+}
 
-    #[cfg(feature = "mpi")]
-    fn connect_impl() -> Result<Self, TrainError> {
-        let mpi = weft_collectives::MpiComm::builder()
-            .init()
-            .map_err(|e| TrainError::Backend(e.to_string()))?;
-        let name = weft_supervise::host_name();
-        let launched: Vec<String> = all_gather_bytes(&mpi, tags::HOSTS, name.as_bytes())?
-            .into_iter()
-            .map(|b| String::from_utf8_lossy(&b).into_owned())
-            .collect();
-        // each host's ranks consecutive, so tensor-parallel groups (runs of
-        // consecutive ranks) stay inside hosts whatever the launcher's
-        // mapping (round-robin `--map-by node`, say)
-        let order = placement(&launched);
-        let renumbered = order.iter().enumerate().any(|(i, &r)| i != r);
-        let mpi = if renumbered {
-            let key = u32::try_from(order[mpi.rank()]).unwrap_or(u32::MAX);
-            mpi.split_mpi(0, key)
-                .map_err(|e| TrainError::Backend(e.to_string()))?
-        } else {
-            mpi
-        };
-        let mut hosts = launched.clone();
-        for (w, &r) in order.iter().enumerate() {
-            hosts[r].clone_from(&launched[w]);
+/// Switches the processes' world to NCCL (`parallel.backend = "nccl"`,
+/// [`Processes::use_nccl`]). Collective.
+///
+/// # Errors
+/// [`TrainError::Backend`] when this build has no NCCL support (feature
+/// `nccl`, with how to build it), or no GPU or NCCL library is found.
+pub fn use_nccl(procs: &mut Processes) -> Result<(), TrainError> {
+    if !cfg!(feature = "nccl") {
+        return agree(
+            procs.world(),
+            Err(TrainError::Backend(
+                "\"nccl\": this weft was built without NCCL support: build it with \
+                 `--features nccl` and run it where a GPU and libnccl are"
+                    .into(),
+            )),
+        );
+    }
+    procs
+        .use_nccl()
+        .map_err(|d| trainer_error(d, |e| TrainError::Backend(e.to_string())))
+}
+
+/// Agrees on a set-up step's outcome over the processes
+/// ([`weft_collectives::agree`]), for the launcher's own steps such as
+/// reading the configuration: every rank gets `result` back when it holds
+/// on every rank.
+///
+/// # Errors
+/// On rank 0 its own error, or [`TrainError::OnRanks`] naming each
+/// distinct error's ranks; [`TrainError::ReportedByRankZero`] on the
+/// others; [`TrainError::Comm`] when the exchange fails.
+pub fn agree_processes<T>(
+    procs: &Processes,
+    result: Result<T, TrainError>,
+) -> Result<T, TrainError> {
+    agree(procs.world(), result)
+}
+
+/// The hand-over of a failure report: rank 0, once it has printed its
+/// error, tells every other rank; a rank whose failure rank 0 reports
+/// (`waiting`) waits for that word (at most the watchdog's timeout), so
+/// that no process ends — and makes the launcher stop the job — before
+/// the report is out. Failures to send or receive are ignored: the job
+/// is ending.
+pub fn reported(procs: &Processes, waiting: bool) {
+    let world = procs.world();
+    if world.rank() == 0 {
+        for peer in 1..world.size() {
+            let _ = world.send_bytes(peer, tags::REPORTED, &[1]);
         }
-        Ok(Processes {
-            world: Box::new(mpi.clone()),
-            library: mpi.library_version(),
-            mpi,
-            backend: weft_collectives::Backend::Mpi,
-            hosts,
-            renumbered,
-        })
+    } else if waiting {
+        let _ = world.recv_bytes(0, tags::REPORTED, &mut [0u8]);
     }
+}
 
-    /// Switches the world to NCCL across the GPUs (`parallel.backend =
-    /// "nccl"`): rank 0 creates the communicator id and broadcasts it over
-    /// MPI, and each rank takes the GPU of its place on its host.
-    /// Collective.
-    ///
-    /// # Errors
-    /// [`TrainError::Backend`] when this build has no NCCL support (feature
-    /// `nccl`), or no GPU or NCCL library is found (the typed "not
-    /// available" error of `weft-collectives`).
-    pub fn use_nccl(&mut self) -> Result<(), TrainError> {
-        #[cfg(feature = "nccl")]
-        {
-            let unavailable = |e: weft_collectives::Error| TrainError::Backend(e.to_string());
-            let me = self.mpi.rank();
-            let local = self.hosts[..me]
-                .iter()
-                .filter(|h| **h == self.hosts[me])
-                .count();
-            // every rank learns whether every rank can, before any of them
-            // enters NCCL's rendezvous
-            agree(
-                &self.mpi,
-                weft_collectives::nccl_available()
-                    .map(|_| ())
-                    .map_err(unavailable),
-            )?;
-            let nccl = weft_collectives::NcclComm::over(&self.mpi, local).map_err(unavailable);
-            self.world = Box::new(agree(&self.mpi, nccl)?);
-            self.backend = weft_collectives::Backend::Nccl;
-            Ok(())
-        }
-        #[cfg(not(feature = "nccl"))]
-        {
-            agree(
-                self.world(),
-                Err(TrainError::Backend(
-                    "\"nccl\": this weft was built without NCCL support: build it with \
-                     `--features nccl` and run it where a GPU and libnccl are"
-                        .into(),
-                )),
-            )
-        }
-    }
-
-    /// Agrees on a set-up step's outcome over the processes: the result on
-    /// every rank when it holds on every rank,
-    /// else the report on rank 0 and [`TrainError::ReportedByRankZero`]
-    /// elsewhere. For the launcher's own steps, such as reading the
-    /// configuration.
-    ///
-    /// # Errors
-    /// As described.
-    pub fn agree<T>(&self, result: Result<T, TrainError>) -> Result<T, TrainError> {
-        agree(self.world(), result)
-    }
-
-    /// The hand-over of a failure report: rank 0, once it has printed its
-    /// error, tells every other rank; a rank whose failure rank 0 reports
-    /// (`waiting`) waits for that word (at most the watchdog's timeout), so
-    /// that no process ends — and makes the launcher stop the job — before
-    /// the report is out. Failures to send or receive are ignored: the job
-    /// is ending.
-    pub fn reported(&self, waiting: bool) {
-        let world = self.world();
-        if world.rank() == 0 {
-            for peer in 1..world.size() {
-                let _ = world.send_bytes(peer, tags::REPORTED, &[1]);
-            }
-        } else if waiting {
-            let _ = world.recv_bytes(0, tags::REPORTED, &mut [0u8]);
-        }
-    }
-
-    /// Sets the watchdog: a rank waits at most `timeout` for its peers in
-    /// any operation.
-    pub fn set_timeout(&mut self, timeout: Duration) {
-        #[cfg(feature = "mpi")]
-        if self.backend == weft_collectives::Backend::Mpi {
-            self.world = Box::new(self.mpi.clone().with_timeout(timeout));
-        }
-        #[cfg(not(feature = "mpi"))]
-        let _ = timeout;
-    }
-
-    /// The world communicator.
-    pub fn world(&self) -> &dyn Communicator {
-        &*self.world
-    }
-
-    /// This process's rank.
-    pub fn rank(&self) -> usize {
-        self.world.rank()
-    }
-
-    /// The backend in use (`Mpi` or `Nccl`).
-    pub fn backend(&self) -> weft_collectives::Backend {
-        self.backend
-    }
-
-    /// Sizes this process's kernel pool (the global one) once:
-    /// `threads` (`parallel.threads`) threads, or with 0 its share of its
-    /// host's cores. A pool already started keeps its size.
-    pub fn size_pool(&self, threads: usize) {
-        let me = self.hosts.get(self.world.rank());
-        let on_host = self.hosts.iter().filter(|h| Some(*h) == me).count();
-        let _ = rayon::ThreadPoolBuilder::new()
-            .num_threads(threads_per_rank(on_host, threads))
-            .thread_name(|i| format!("weft-kernel-{i}"))
-            .build_global();
-    }
-
-    /// The host of every rank, in rank order.
-    pub fn hosts(&self) -> &[String] {
-        &self.hosts
-    }
-
-    /// What the start-up report says about the processes: the backend and
-    /// its library, and every node with its ranks.
-    pub fn describe(&self) -> String {
-        // "Open MPI v4.1.4, package: …": the name and version
-        let lib = self.library.split([',', '\n']).next().unwrap_or("").trim();
-        let nodes = node_map(&self.hosts);
-        format!(
-            "{} processes over {} ({lib}), {} node{}: {}{}",
-            self.hosts.len(),
-            self.backend.name(),
-            nodes.len(),
-            if nodes.len() == 1 { "" } else { "s" },
-            nodes
-                .iter()
-                .map(|(h, r)| format!("{h} [{}]", rank_ranges(r)))
-                .collect::<Vec<_>>()
-                .join(", "),
-            if self.renumbered {
-                " (renumbered from the launcher's order: each node holds consecutive ranks)"
-            } else {
-                ""
-            }
-        )
-    }
+/// Sizes this process's kernel pool (the global one) once: `threads`
+/// (`parallel.threads`) threads, or with 0 its share of its host's cores.
+/// A pool already started keeps its size.
+pub fn size_pool(procs: &Processes, threads: usize) {
+    let _ = rayon::ThreadPoolBuilder::new()
+        .num_threads(threads_per_rank(procs.ranks_on_host(), threads))
+        .thread_name(|i| format!("weft-kernel-{i}"))
+        .build_global();
 }
 
 /// The machine's cores.
@@ -578,114 +395,15 @@ pub(crate) fn cores() -> usize {
     std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get)
 }
 
-/// Each host with its ranks, in order of first appearance.
-pub(crate) fn node_map(hosts: &[String]) -> Vec<(String, Vec<usize>)> {
-    let mut nodes: Vec<(String, Vec<usize>)> = Vec::new();
-    for (r, h) in hosts.iter().enumerate() {
-        match nodes.iter_mut().find(|(n, _)| n == h) {
-            Some((_, ranks)) => ranks.push(r),
-            None => nodes.push((h.clone(), vec![r])),
-        }
-    }
-    nodes
-}
-
-/// The job's rank of each launcher rank, given the launcher ranks' hosts:
-/// hosts in order of their first rank, each host's ranks consecutive in
-/// launcher order. The identity when every host's ranks are already
-/// consecutive.
-#[cfg_attr(not(feature = "mpi"), allow(dead_code))]
-pub(crate) fn placement(hosts: &[String]) -> Vec<usize> {
-    let mut order = vec![0; hosts.len()];
-    let mut next = 0;
-    for (_, ranks) in node_map(hosts) {
-        for r in ranks {
-            order[r] = next;
-            next += 1;
-        }
-    }
-    order
-}
-
-/// `0-3, 6` for ranks 0, 1, 2, 3, 6.
-pub(crate) fn rank_ranges(ranks: &[usize]) -> String {
-    let mut out: Vec<String> = Vec::new();
-    let mut i = 0;
-    while i < ranks.len() {
-        let mut j = i;
-        while j + 1 < ranks.len() && ranks[j + 1] == ranks[j] + 1 {
-            j += 1;
-        }
-        out.push(if j == i {
-            ranks[i].to_string()
-        } else {
-            format!("{}-{}", ranks[i], ranks[j])
-        });
-        i = j + 1;
-    }
-    out.join(", ")
-}
-
-/// The tensor-parallel groups (consecutive `tp` ranks) whose ranks are on
-/// more than one host: `(first rank, hosts)`.
-pub(crate) fn split_tp_groups(hosts: &[String], tp: usize) -> Vec<(usize, Vec<String>)> {
-    if tp <= 1 {
-        return Vec::new();
-    }
-    hosts
-        .chunks(tp)
-        .enumerate()
-        .filter_map(|(g, group)| {
-            let mut names: Vec<String> = Vec::new();
-            for h in group {
-                if !names.contains(h) {
-                    names.push(h.clone());
-                }
-            }
-            (names.len() > 1).then_some((g * tp, names))
-        })
-        .collect()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    fn hosts(names: &[&str]) -> Vec<String> {
-        names.iter().map(|s| (*s).to_owned()).collect()
-    }
-
     #[test]
-    fn ranks_are_placed_host_by_host() {
-        // by slot already: unchanged
-        let h = hosts(&["a", "a", "b", "b"]);
-        assert_eq!(placement(&h), [0, 1, 2, 3]);
-        // round-robin over two hosts: each host's ranks made consecutive
-        let h = hosts(&["a", "b", "a", "b"]);
-        assert_eq!(placement(&h), [0, 2, 1, 3]);
-        let h = hosts(&["b", "a", "c", "a", "b", "c"]);
-        assert_eq!(placement(&h), [0, 2, 4, 3, 1, 5]);
-        // then tp groups of 2 stay on one host
-        let mut placed = vec![String::new(); h.len()];
-        for (w, &r) in placement(&h).iter().enumerate() {
-            placed[r].clone_from(&h[w]);
-        }
-        assert!(split_tp_groups(&placed, 2).is_empty());
-        assert_eq!(
-            split_tp_groups(&hosts(&["a", "b", "a", "b"]), 2),
-            [(0, hosts(&["a", "b"])), (2, hosts(&["a", "b"]))]
-        );
-    }
-
-    #[test]
-    fn node_maps_and_rank_lists_read_well() {
-        assert_eq!(rank_ranges(&[0, 1, 2, 3, 6]), "0-3, 6");
-        assert_eq!(rank_ranges(&[5]), "5");
+    fn rank_lists_read_well() {
         assert_eq!(rank_list(&[2], Some(4)), "rank 2");
         assert_eq!(rank_list(&[1, 3], Some(4)), "ranks 1, 3");
         assert_eq!(rank_list(&[0, 1], Some(2)), "every rank");
-        let m = node_map(&hosts(&["x", "y", "x"]));
-        assert_eq!(m, [("x".to_owned(), vec![0, 2]), ("y".to_owned(), vec![1])]);
     }
 
     #[test]

@@ -31,7 +31,7 @@ use std::path::{Path, PathBuf};
 
 use rand_core::{Rng, SeedableRng};
 use rand_pcg::Pcg64;
-use weft_model::{Decoder, Gpt, MoeStats};
+use weft_model::{Decoder, Gpt, MoeStats, Sampling};
 
 use crate::config::{Config, ConfigError};
 use crate::train::CkptError;
@@ -286,30 +286,19 @@ impl Sampler {
             )));
         }
         let mut rng = Pcg64::seed_from_u64(opts.seed);
-        let mut dec = Decoder::new(&self.model);
-        let mut context: Vec<u32> = prompt.to_vec();
-        let mut out = Vec::with_capacity(opts.tokens);
-        let mut logits = dec.prefill(&context)?.to_vec();
-        self.drain_moe_log();
-        for i in 0..opts.tokens {
-            let next = pick(&logits, opts, &mut rng);
-            out.push(next);
-            if i + 1 == opts.tokens {
-                break;
-            }
-            context.push(next);
-            if dec.len() == block {
-                // Slide: keep the newest half of the block as context.
-                let keep = (block / 2).max(1);
-                context.drain(..context.len() - keep);
-                dec.reset();
-                logits = dec.prefill(&context)?.to_vec();
-            } else {
-                logits = dec.step(next)?.to_vec();
-            }
-            self.drain_moe_log();
-        }
-        Ok(out)
+        #[allow(clippy::cast_precision_loss)]
+        let mut uniform = || (rng.next_u64() >> 11) as f64 * (-53f64).exp2();
+        let sampling = Sampling {
+            temperature: opts.temperature,
+            top_k: opts.top_k,
+        };
+        Ok(Decoder::new(&self.model).generate(
+            prompt,
+            opts.tokens,
+            sampling,
+            &mut uniform,
+            &mut || self.drain_moe_log(),
+        )?)
     }
 
     fn drain_moe_log(&self) {
@@ -317,46 +306,6 @@ impl Sampler {
             stats.take();
         }
     }
-}
-
-/// The next token: the argmax of `logits` (lowest id on ties) at
-/// temperature 0, else a draw from `softmax(logits / T)` over the `top_k`
-/// most likely tokens.
-fn pick(logits: &[f32], opts: &SampleOptions, rng: &mut Pcg64) -> u32 {
-    let id = |i: usize| u32::try_from(i).unwrap_or(u32::MAX);
-    if opts.temperature == 0.0 {
-        let mut best = 0;
-        for (i, &x) in logits.iter().enumerate() {
-            if x > logits[best] {
-                best = i;
-            }
-        }
-        return id(best);
-    }
-    let mut order: Vec<usize> = (0..logits.len()).collect();
-    if opts.top_k > 0 && opts.top_k < logits.len() {
-        // Most likely first; ties by id, so the choice is deterministic.
-        order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]).then(a.cmp(&b)));
-        order.truncate(opts.top_k);
-    }
-    let max = order
-        .iter()
-        .map(|&i| f64::from(logits[i]))
-        .fold(f64::NEG_INFINITY, f64::max);
-    let weights: Vec<f64> = order
-        .iter()
-        .map(|&i| ((f64::from(logits[i]) - max) / opts.temperature).exp())
-        .collect();
-    let total: f64 = weights.iter().sum();
-    #[allow(clippy::cast_precision_loss)]
-    let mut u = (rng.next_u64() >> 11) as f64 * (-53f64).exp2() * total;
-    for (&i, &w) in order.iter().zip(&weights) {
-        if u < w {
-            return id(i);
-        }
-        u -= w;
-    }
-    id(order[order.len() - 1])
 }
 
 /// The model a run trains (as `train` builds it: dense, or mixture of
@@ -387,54 +336,4 @@ fn build_model(config: &Config, vocab: usize) -> Result<(Gpt, Option<MoeStats>),
     model.set_precision(config.train.precision);
     model.set_doc_boundary(config.data.doc_boundary());
     Ok((model, stats))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn greedy_picks_the_first_maximum_and_top_k_one_is_greedy() {
-        let logits = [0.5f32, 2.0, -1.0, 2.0, 1.9];
-        let mut rng = Pcg64::seed_from_u64(0);
-        let greedy = SampleOptions {
-            temperature: 0.0,
-            ..SampleOptions::default()
-        };
-        assert_eq!(pick(&logits, &greedy, &mut rng), 1);
-        let top1 = SampleOptions {
-            temperature: 5.0,
-            top_k: 1,
-            ..SampleOptions::default()
-        };
-        for _ in 0..20 {
-            assert_eq!(pick(&logits, &top1, &mut rng), 1);
-        }
-    }
-
-    /// Draws follow softmax(logits / T) restricted to the top k (a
-    /// chi-square-free check: frequencies within 5 standard errors).
-    #[test]
-    fn draws_follow_the_tempered_softmax_of_the_top_k() {
-        let logits = [1.0f32, 0.0, 2.0, -3.0];
-        let opts = SampleOptions {
-            temperature: 2.0,
-            top_k: 3,
-            ..SampleOptions::default()
-        };
-        let w: Vec<f64> = [1.0f64, 0.0, 2.0].iter().map(|x| (x / 2.0).exp()).collect();
-        let total: f64 = w.iter().sum();
-        let want = [w[0] / total, w[1] / total, w[2] / total, 0.0];
-        let mut rng = Pcg64::seed_from_u64(9);
-        let n: u32 = 40_000;
-        let mut counts = [0usize; 4];
-        for _ in 0..n {
-            counts[pick(&logits, &opts, &mut rng) as usize] += 1;
-        }
-        for (i, (&c, &p)) in counts.iter().zip(&want).enumerate() {
-            let f = c as f64 / f64::from(n);
-            let se = (p * (1.0 - p) / f64::from(n)).sqrt().max(1e-9);
-            assert!((f - p).abs() <= 5.0 * se, "token {i}: {f} vs {p}");
-        }
-    }
 }

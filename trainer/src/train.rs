@@ -5,7 +5,7 @@
 //! The ranks are threads of this process (`parallel.backend =
 //! "threads"`, or `"auto"` outside an MPI launcher), or — under
 //! `mpirun`/`srun`, or with `"mpi"`/`"nccl"` — this process is one rank
-//! of the launcher's job ([`Processes::connect`](crate::ranks::Processes::connect),
+//! of the launcher's job ([`connect`](crate::ranks::connect),
 //! then [`train_processes`]). With `train.device = "cuda"` (feature
 //! `cuda`) the job runs on one GPU as one rank, in this process. The
 //! library never prints: progress goes to the [`Observer`], which the
@@ -364,7 +364,7 @@ pub fn train_with(
 }
 
 /// This process's rank of a job of one process per rank (see
-/// [`Processes`](crate::ranks::Processes)): the same training loop as the
+/// [`Processes`](weft_collectives::processes::Processes)): the same training loop as the
 /// thread ranks run, over the processes' communicator. Rank 0 reports to
 /// `observer` and writes the run folder; the others report nothing. Every
 /// set-up failure is agreed on by all ranks and reported once, by rank 0
@@ -374,7 +374,7 @@ pub fn train_with(
 /// As [`train`]; [`TrainError::WorldSize`] when the launcher started
 /// another number of processes than the layout has ranks.
 pub fn train_processes(
-    procs: &mut crate::ranks::Processes,
+    procs: &mut weft_collectives::processes::Processes,
     config: &Config,
     opts: &RunOptions,
     observer: &mut dyn Observer,

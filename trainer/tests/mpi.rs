@@ -311,7 +311,7 @@ fn set_up_errors_are_reported_once_and_every_process_exits() {
             "bad-config",
             4,
             &["parallel.dp=4", "parallel.tp=3"],
-            "must divide model.n_head",
+            "must divide the model's heads",
         ),
         (
             "world-size",

@@ -9,7 +9,10 @@
 use std::fmt::Write as _;
 use std::path::PathBuf;
 
-use weft_trace::{ExpertLoadRecord, MetricsRecord, Trace, TraceEvent};
+use weft_trace::{
+    BatchPosition, ExpertLoadRecord, MetricsEvent, MetricsEventKind, MetricsRecord, Trace,
+    TraceEvent,
+};
 
 /// A small deterministic generator (xorshift), so the files are the same
 /// on every run.
@@ -39,10 +42,18 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let mut loss = floor + 4.0 * (-s / (steps as f64 / 5.0)).exp() + 0.05 * rng.next();
         if step == steps / 2 {
             loss += 1.5;
-            writeln!(
-                m,
-                r#"{{"step":{step},"event":"spike","loss":{loss:.4},"zscore":6.1}}"#
-            )?;
+            let spike = MetricsEvent {
+                step,
+                kind: MetricsEventKind::Spike {
+                    loss,
+                    median: loss - 1.5,
+                    batch: BatchPosition {
+                        step: step - 1,
+                        micro_batches: 4,
+                    },
+                },
+            };
+            writeln!(m, "{}", serde_json::to_string(&spike)?)?;
         }
         if step == steps / 3 {
             loss = f64::NAN;
@@ -61,17 +72,24 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         };
         writeln!(m, "{}", serde_json::to_string(&r)?)?;
         if step == steps / 3 {
-            writeln!(
-                m,
-                r#"{{"step":{step},"event":"skip","reason":"non-finite loss"}}"#
-            )?;
+            let skip = MetricsEvent {
+                step,
+                kind: MetricsEventKind::Skip {
+                    loss,
+                    grad_norm: f64::NAN,
+                },
+            };
+            writeln!(m, "{}", serde_json::to_string(&skip)?)?;
         }
         if step % (steps / 4).max(1) == 0 {
-            writeln!(
-                m,
-                r#"{{"step":{step},"event":"eval","val_loss":{:.4}}}"#,
-                loss.max(floor) + 0.05
-            )?;
+            let eval = MetricsEvent {
+                step,
+                kind: MetricsEventKind::Eval {
+                    val_loss: loss.max(floor) + 0.05,
+                    floor: Some(floor),
+                },
+            };
+            writeln!(m, "{}", serde_json::to_string(&eval)?)?;
         }
     }
     m.push_str(r#"{"step":999999,"loss":2."#); // torn last line, as a killed run leaves

@@ -18,13 +18,15 @@ pub(crate) struct TrainArgs {
     #[arg(long, value_name = "FILE")]
     config: Option<PathBuf>,
     /// Override one key, e.g. `--set optim.lr=1e-3` (repeatable; applied
-    /// after the file). Keys: run.{name,dir}; model.{n_layer,n_head,
-    /// n_embd,block_size}; model.moe.{experts,top_k,gate,normalize,
-    /// balance,aux_coef,bias_rate,shared_expert,capacity_factor,drop};
-    /// data.{source,val_fraction,synthetic.*}; train.{steps,batch_size,
-    /// micro_batch_size,seed,eval_every,eval_sequences,spike_factor,
-    /// spike_window,straggler_factor,straggler_window,rewind,
-    /// nonfinite_limit,max_rewinds,skip_batches,precision,device}; optim.{lr,min_lr_ratio,warmup_steps,weight_decay,
+    /// after the file). Keys: run.{name,dir,trace_steps};
+    /// model.{n_layer,n_head,n_embd,block_size}; model.moe.{experts,
+    /// top_k,gate,normalize,balance,aux_coef,bias_rate,shared_expert,
+    /// capacity_factor,drop}; data.{source,val_fraction,doc_mask,
+    /// synthetic.*}; train.{steps,batch_size,micro_batch_size,seed,
+    /// eval_every,eval_sequences,spike_factor,spike_window,
+    /// straggler_factor,straggler_window,rewind,nonfinite_limit,
+    /// max_rewinds,skip_batches,precision,device,loss_scale.*};
+    /// optim.{lr,min_lr_ratio,warmup_steps,weight_decay,
     /// beta1,beta2,eps,grad_clip}; checkpoint.{every,keep_last,
     /// keep_every}; parallel.{dp,fsdp,hybrid_shard,tp,sequence_parallel,
     /// ep,pp,pp_schedule,pp_chunks,reproducible,grad_wire,backend,
@@ -126,7 +128,7 @@ pub(crate) fn run(a: TrainArgs) -> Result<()> {
             (a.supervise, "--supervise"),
             (a.resume.is_some(), "--resume"),
             (
-                weft_trainer::ranks::LauncherEnv::detect().is_some(),
+                weft_collectives::processes::LauncherEnv::detect().is_some(),
                 "a launcher (mpirun)",
             ),
         ];
@@ -151,7 +153,7 @@ pub(crate) fn run(a: TrainArgs) -> Result<()> {
             a.resume.clone(),
         )
     };
-    let Some(env) = weft_trainer::ranks::LauncherEnv::detect() else {
+    let Some(env) = weft_collectives::processes::LauncherEnv::detect() else {
         let (cfg, resuming) = load()?;
         if a.print_config {
             progress::out(&cfg.to_toml());
@@ -170,7 +172,7 @@ pub(crate) fn run(a: TrainArgs) -> Result<()> {
         return Ok(());
     };
     // one rank of a launcher's job of processes
-    let mut procs = match weft_trainer::ranks::Processes::connect() {
+    let mut procs = match weft_trainer::ranks::connect() {
         Ok(p) => p,
         Err(e) => {
             // the same failure on every process, and no communicator to
@@ -184,7 +186,7 @@ pub(crate) fn run(a: TrainArgs) -> Result<()> {
         }
     };
     let loaded = load().map_err(|e| TrainError::Setup(format!("{e:#}")));
-    let (cfg, resuming) = match procs.agree(loaded) {
+    let (cfg, resuming) = match weft_trainer::ranks::agree_processes(&procs, loaded) {
         Ok(c) => c,
         Err(e) => return Err(rank_failed(procs, &e)),
     };
@@ -403,14 +405,14 @@ fn elastic(cfg: &Config, spares: Option<u32>, shrink: bool) -> Result<weft_super
 /// which waits for every peer — and a failed job's peers may never come
 /// (hung, or stopped); the launcher sees a process end in error and stops
 /// the others.
-fn rank_failed(procs: weft_trainer::ranks::Processes, e: &TrainError) -> anyhow::Error {
+fn rank_failed(procs: weft_collectives::processes::Processes, e: &TrainError) -> anyhow::Error {
     let (rank, size) = (procs.rank(), procs.world().size());
     if rank == 0 {
         say_error(&format!("error: {e}"));
     } else if !e.is_secondary() {
         say_error(&format!("error: rank {rank} of {size}: {e}"));
     }
-    procs.reported(matches!(e, TrainError::ReportedByRankZero));
+    weft_trainer::ranks::reported(&procs, matches!(e, TrainError::ReportedByRankZero));
     std::mem::forget(procs);
     Reported.into()
 }

@@ -199,7 +199,7 @@ fn backend_line(job: &Job<'_>, dims: weft_parallel::ParallelDims) -> String {
         ),
         Some(p) => {
             let mut line = p.describe();
-            for (first, hosts) in crate::ranks::split_tp_groups(p.hosts(), dims.tp) {
+            for (first, hosts) in weft_collectives::processes::split_groups(p.hosts(), dims.tp) {
                 line.push_str(&format!(
                     "; warning: the tensor-parallel group of ranks {first}-{} spans hosts {} (place {} consecutive ranks per host)",
                     first + dims.tp - 1,
@@ -246,7 +246,9 @@ pub(crate) fn build_cpu(
     } else {
         None
     };
-    let hosts = job.processes.map(crate::ranks::Processes::hosts);
+    let hosts = job
+        .processes
+        .map(weft_collectives::processes::Processes::hosts);
     agree(world, check_memory(config, world, hosts, &predicted))?;
     let first_micro = mesh.coords().dp() * config.batch_split()?.per_rank;
     let init = Init::Gpt2 {
@@ -282,7 +284,7 @@ pub(crate) fn build_cpu(
         },
         peak_source: if job
             .processes
-            .is_some_and(|p| crate::ranks::node_map(p.hosts()).len() > 1)
+            .is_some_and(|p| weft_collectives::processes::node_map(p.hosts()).len() > 1)
         {
             "measured on every node".into()
         } else {
@@ -370,7 +372,7 @@ mod gpu {
     ) -> Result<Summary, TrainError> {
         config.validate()?;
         check_device(config)?;
-        if let Some(env) = crate::ranks::LauncherEnv::detect()
+        if let Some(env) = weft_collectives::processes::LauncherEnv::detect()
             && env.size > 1
         {
             return Err(TrainError::Backend(format!(
@@ -412,7 +414,7 @@ mod gpu {
         let (peak, peak_source) = datasheet_peak(gpu.name(), t.precision);
         let predicted = CudaGpt::predict_memory(&host, split.micro, seq, t.precision);
         check_gpu_memory(&gpu, &device, &predicted)?;
-        let hp = crate::run::step::adamw(&config.optim, config.optim.lr);
+        let hp = config.optim.at(config.optim.lr);
         let model = CudaGpt::new(
             gpu,
             &host,

@@ -140,20 +140,16 @@ impl Kept {
             .unwrap_or(f64::NAN)
     }
 
-    /// The last `window` finite training losses logged (the spike
-    /// detector's window).
-    pub(crate) fn recent_losses(&self, window: usize) -> Vec<f64> {
-        let mut recent: Vec<f64> = self
-            .lines
+    /// The training losses logged, in order (the spike detector keeps
+    /// its window's worth of the finite ones).
+    pub(crate) fn losses(&self) -> Vec<f64> {
+        self.lines
             .iter()
             .filter_map(|l| match parse(l) {
-                Some(Line::Step(r)) if r.loss.is_finite() => Some(r.loss),
+                Some(Line::Step(r)) => Some(r.loss),
                 _ => None,
             })
-            .collect();
-        let excess = recent.len().saturating_sub(window);
-        recent.drain(..excess);
-        recent
+            .collect()
     }
 }
 

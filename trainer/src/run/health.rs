@@ -1,14 +1,17 @@
 //! Health and rewind: what a step's outcome says about the run — a
 //! skipped update, an fp16 overflow, a loss spike, non-finite steps in a
 //! row — and when that makes a rewind (`train.rewind`: back to the newest
-//! checkpoint, the offending batches left out); the batches a run leaves
-//! out ([`Skips`]); and the straggler detector.
+//! checkpoint, the offending batches left out, `weft-supervise`'s
+//! [`SkipList`]); and the stragglers. The detectors are `weft-supervise`'s
+//! ([`weft_supervise::health`]); here they are fed and their findings
+//! logged.
 
 use std::path::Path;
 
 use weft_collectives::Communicator;
 use weft_model::StepOutcome;
 use weft_numerics::DynamicLossScaler;
+use weft_supervise::health::{SkipList, SpikeDetector, StragglerDetector};
 use weft_trace::{EventKind, MetricsEventKind};
 
 use crate::config::Config;
@@ -16,78 +19,26 @@ use crate::ranks::agree;
 use crate::run::folder::{Kept, Metrics, io_err, skip_event, spike_event};
 use crate::train::{HealthEvent, Observer, TrainError};
 
-/// The batches a run leaves out and the rewinds it made: the config's
-/// `train.skip_batches` and, resuming, the run's `skip.json`.
-#[derive(Clone, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
-pub(crate) struct Skips {
-    /// Steps (1-based) whose batch, in a run without skips, is left out:
-    /// sorted, each once.
-    batches: Vec<u64>,
-    /// Rewinds made.
-    pub(crate) rewinds: u32,
-}
-
-impl Skips {
-    /// The batches a run in `run_dir` leaves out: `skip_batches` (the
-    /// config's), and, resuming, those its `skip.json` records.
-    /// Collective over `world`.
-    pub(crate) fn for_run(
-        world: &dyn Communicator,
-        run_dir: &Path,
-        resume: bool,
-        skip_batches: &[u64],
-    ) -> Result<Skips, TrainError> {
-        let mut s = if resume {
-            agree(world, Skips::read(run_dir))?
-        } else {
-            Skips::default()
-        };
-        s.add(skip_batches);
-        Ok(s)
-    }
-
-    /// The skips recorded in `run_dir/skip.json` (none without one).
-    fn read(run_dir: &Path) -> Result<Skips, TrainError> {
-        let path = run_dir.join("skip.json");
-        match std::fs::read_to_string(&path) {
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Skips::default()),
-            Err(e) => Err(io_err(&path)(e)),
-            Ok(text) => serde_json::from_str(&text).map_err(|e| {
-                TrainError::Setup(format!("{}: not a skip list: {e}", path.display()))
-            }),
-        }
-    }
-
-    /// Adds `batches`, keeping the list sorted and each batch once.
-    pub(crate) fn add(&mut self, batches: &[u64]) {
-        self.batches.extend_from_slice(batches);
-        self.batches.sort_unstable();
-        self.batches.dedup();
-    }
-
-    /// The batch (0-based) that optimizer step `step` (0-based) reads: the
-    /// batches in order, those left out passed over.
-    pub(crate) fn batch_of(&self, step: u64) -> u64 {
-        let mut b = step;
-        for &s in &self.batches {
-            if s - 1 <= b {
-                b += 1;
-            } else {
-                break;
-            }
-        }
-        b
-    }
-
-    /// Writes `run_dir/skip.json` atomically.
-    fn write(&self, run_dir: &Path) -> Result<(), TrainError> {
-        let path = run_dir.join("skip.json");
-        let tmp = run_dir.join("skip.json.tmp");
-        let json = serde_json::to_string_pretty(self).map_err(std::io::Error::other);
-        json.and_then(|j| std::fs::write(&tmp, j + "\n"))
-            .map_err(io_err(&tmp))?;
-        std::fs::rename(&tmp, &path).map_err(io_err(&path))
-    }
+/// The batches a run in `run_dir` leaves out: `skip_batches` (the
+/// config's), and, resuming, those its `skip.json` records. Collective
+/// over `world`.
+pub(crate) fn skips_for_run(
+    world: &dyn Communicator,
+    run_dir: &Path,
+    resume: bool,
+    skip_batches: &[u64],
+) -> Result<SkipList, TrainError> {
+    let mut s = if resume {
+        let read = SkipList::read(run_dir).map_err(|e| match e.kind() {
+            std::io::ErrorKind::InvalidData => TrainError::Setup(e.to_string()),
+            _ => io_err(&run_dir.join(SkipList::FILE))(e),
+        });
+        agree(world, read)?
+    } else {
+        SkipList::default()
+    };
+    s.add(skip_batches);
+    Ok(s)
 }
 
 /// A rewind the run must make: why, and the 0-based steps whose batches
@@ -97,44 +48,11 @@ pub(crate) struct RewindCause {
     steps: Vec<u64>,
 }
 
-/// The loss-spike detector: a step's loss above `train.spike_factor` ×
-/// the median of the last `train.spike_window` finite losses (once ten
-/// of them, or the whole window, are in) is a spike.
-struct Spikes {
-    recent: Vec<f64>,
-    window: usize,
-    factor: f64,
-}
-
-impl Spikes {
-    /// The rolling median when `loss` is a spike; a finite `loss` then
-    /// joins the window.
-    fn check(&mut self, loss: f64) -> Option<f64> {
-        if !loss.is_finite() {
-            return None;
-        }
-        let mut spike = None;
-        if self.recent.len() >= self.window.min(10) {
-            let mut sorted = self.recent.clone();
-            sorted.sort_by(f64::total_cmp);
-            let median = sorted[sorted.len() / 2];
-            if loss > self.factor * median {
-                spike = Some(median);
-            }
-        }
-        self.recent.push(loss);
-        if self.recent.len() > self.window {
-            self.recent.remove(0);
-        }
-        spike
-    }
-}
-
 /// The health of one attempt at a run: the spike detector (its window
 /// refilled from a resumed run's kept lines), non-finite steps in a row,
 /// and the fp16 loss scaler.
 pub(crate) struct Health {
-    spikes: Spikes,
+    spikes: SpikeDetector,
     nonfinite_run: u64,
     scaler: Option<DynamicLossScaler>,
     rewind: bool,
@@ -172,11 +90,7 @@ impl Health {
             _ => None,
         };
         Ok(Self {
-            spikes: Spikes {
-                recent: kept.recent_losses(window),
-                window,
-                factor: t.spike_factor,
-            },
+            spikes: SpikeDetector::new(window, t.spike_factor, kept.losses()),
             nonfinite_run: 0,
             scaler,
             rewind: t.rewind,
@@ -278,7 +192,7 @@ pub(crate) fn rewind(
     world: &dyn Communicator,
     run_dir: &Path,
     config: &Config,
-    skips: &mut Skips,
+    skips: &mut SkipList,
     step: u64,
     cause: RewindCause,
     last_saved: u64,
@@ -309,11 +223,14 @@ pub(crate) fn rewind(
         rewinds: skips.rewinds,
     };
     let recorded = if world.rank() == 0 {
-        skips.write(run_dir).and_then(|()| {
-            let line = weft_supervise::events::stamped(kind.clone());
-            weft_supervise::events::append_event(run_dir, &line)
-                .map_err(io_err(&run_dir.join("events.jsonl")))
-        })
+        skips
+            .write(run_dir)
+            .map_err(io_err(&run_dir.join(SkipList::FILE)))
+            .and_then(|()| {
+                let line = weft_supervise::events::stamped(kind.clone());
+                weft_supervise::events::append_event(run_dir, &line)
+                    .map_err(io_err(&run_dir.join("events.jsonl")))
+            })
     } else {
         Ok(())
     };
@@ -329,24 +246,23 @@ pub(crate) fn rewind(
 /// not the computation, so in `events.jsonl`, which a rerun need not
 /// reproduce).
 pub(crate) struct Stragglers {
+    detector: StragglerDetector,
     factor: f64,
     window: u64,
     dims: weft_parallel::ParallelDims,
     /// This rank's work over the current window.
     work: f64,
-    /// Each rank's windows in a row above the factor.
-    slow_windows: Vec<u32>,
 }
 
 impl Stragglers {
     /// The detector of `config`'s `[train]` settings over layout `dims`.
     pub(crate) fn new(config: &Config, dims: weft_parallel::ParallelDims) -> Self {
         Self {
+            detector: StragglerDetector::new(dims.world_size(), config.train.straggler_factor),
             factor: config.train.straggler_factor,
             window: config.train.straggler_window,
             dims,
             work: 0.0,
-            slow_windows: vec![0; dims.world_size()],
         }
     }
 
@@ -373,18 +289,7 @@ impl Stragglers {
         world.all_gather(&[self.work], &mut all)?;
         self.work = 0.0;
         let dims = self.dims;
-        for (rank, ratio) in stragglers(&all, |r| dims.coords_of(r).pp, self.factor)
-            .into_iter()
-            .enumerate()
-        {
-            self.slow_windows[rank] = if ratio.is_some() {
-                self.slow_windows[rank] + 1
-            } else {
-                0
-            };
-            let (Some(ratio), 2) = (ratio, self.slow_windows[rank]) else {
-                continue;
-            };
+        for (rank, ratio) in self.detector.window(&all, |r| dims.coords_of(r).pp) {
             let kind = EventKind::Straggler {
                 step,
                 rank,
@@ -399,65 +304,5 @@ impl Stragglers {
             observer.event(&HealthEvent::Run(kind));
         }
         Ok(())
-    }
-}
-
-/// Each rank's ratio of `work` to the median of the ranks in its group
-/// (`group_of`: ranks doing the same work), where it exceeds `factor`; a
-/// rank alone in its group is never a straggler.
-pub(crate) fn stragglers(
-    work: &[f64],
-    group_of: impl Fn(usize) -> usize,
-    factor: f64,
-) -> Vec<Option<f64>> {
-    (0..work.len())
-        .map(|r| {
-            let mut peers: Vec<f64> = (0..work.len())
-                .filter(|&q| group_of(q) == group_of(r))
-                .map(|q| work[q])
-                .collect();
-            if peers.len() < 2 {
-                return None;
-            }
-            peers.sort_by(f64::total_cmp);
-            // the lower median: with two ranks, the faster one
-            let median = peers[(peers.len() - 1) / 2];
-            let ratio = work[r] / median;
-            (median > 0.0 && ratio > factor).then_some(ratio)
-        })
-        .collect()
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_straggler_is_the_rank_slower_than_its_stage_peers() {
-        // two stages of three replicas; rank 4 twice as slow as its peers
-        let work = [1.0, 1.1, 0.9, 2.0, 4.0, 2.1];
-        let got = stragglers(&work, |r| r / 3, 1.5);
-        assert_eq!(got.iter().filter(|r| r.is_some()).count(), 1);
-        assert!((got[4].unwrap() - 4.0 / 2.1).abs() < 1e-12);
-        // two ranks: the slower one against the faster
-        assert_eq!(stragglers(&[1.0, 3.0], |_| 0, 1.5), [None, Some(3.0)]);
-        // alone in its stage: never
-        assert_eq!(stragglers(&[1.0, 3.0], |r| r, 1.5), [None, None]);
-    }
-
-    proptest::proptest! {
-        /// The steps read the batches in order, each once, none that is
-        /// left out.
-        #[test]
-        fn steps_read_every_batch_not_left_out_in_order(
-            left_out in proptest::collection::vec(1u64..60, 0..12),
-        ) {
-            let mut skips = Skips::default();
-            skips.add(&left_out);
-            let read: Vec<u64> = (0..40).map(|s| skips.batch_of(s) + 1).collect();
-            let expected: Vec<u64> =
-                (1..).filter(|b| !left_out.contains(b)).take(40).collect();
-            proptest::prop_assert_eq!(read, expected);
-        }
     }
 }

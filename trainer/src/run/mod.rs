@@ -42,17 +42,17 @@ use std::time::{Duration, Instant};
 
 use weft_collectives::{Communicator, CommunicatorExt, ReduceOp};
 use weft_model::TrainModel;
+use weft_supervise::health::SkipList;
 use weft_trace::{EventKind, Summary};
 
 use crate::ranks::agree;
 use crate::run::build::Built;
 use crate::run::experts::Experts;
 use crate::run::folder::{Kept, Metrics};
-use crate::run::health::{Health, Skips, Stragglers};
+use crate::run::health::{Health, Stragglers, skips_for_run};
 use crate::run::setup::Job;
-use crate::run::step::{StepInput, adamw, micro_batches};
+use crate::run::step::{StepInput, micro_batches};
 use crate::run::tracing::{Tracer, work_time};
-use crate::schedule::lr_at;
 use crate::train::{Observer, TrainError};
 
 /// How an attempt at the run starts.
@@ -152,7 +152,7 @@ pub(crate) fn attempt<M: TrainModel>(
     mut built: Built<M>,
     observer: &mut dyn Observer,
     start: Start,
-    skips: &mut Option<Skips>,
+    skips: &mut Option<SkipList>,
 ) -> Result<Attempt, TrainError> {
     let (config, data) = (job.config, job.data);
     let t = &config.train;
@@ -163,10 +163,10 @@ pub(crate) fn attempt<M: TrainModel>(
     let resumed = resume(job, world, &run_dir, model, start, observer)?;
     let start_step = resumed.step;
     if skips.is_none() {
-        let from = Skips::for_run(world, &run_dir, start != Start::New, &t.skip_batches)?;
+        let from = skips_for_run(world, &run_dir, start != Start::New, &t.skip_batches)?;
         *skips = Some(from);
     }
-    let skips = skips.get_or_insert_with(Skips::default);
+    let skips = skips.get_or_insert_with(SkipList::default);
     let mut health = Health::new(config, &resumed.kept, resumed.scale)?;
     let floor = data.val_floor(t.eval_sequences);
     let mut metrics = Metrics::open(world, &run_dir, &resumed.kept, floor)?;
@@ -205,13 +205,13 @@ pub(crate) fn attempt<M: TrainModel>(
     for step in start_step + 1..=t.steps {
         job.faults.before_step(&run_dir, step, rank);
         let began = Instant::now();
-        let lr = lr_at(&config.optim, step - 1, t.steps);
+        let lr = config.optim.lr_at(step - 1, t.steps);
         // the next batch not left out; this data-parallel rank's share
         let batch = skips.batch_of(step - 1);
         let micros = built.first_micro..built.first_micro + split.per_rank;
         let scale = health.loss_scale();
         experts.forget();
-        let hp = adamw(&config.optim, lr);
+        let hp = config.optim.at(lr);
         let clip = config.optim.grad_clip;
         let done = step::step(
             model,

@@ -19,11 +19,11 @@
 
 use std::path::{Path, PathBuf};
 
+use weft_checkpoint::collective::{self, CollectiveError, SaveSpec};
 use weft_checkpoint::{
-    Checkpoint, Dtype, FlatRun, Layout, MeshDim, RankReport, Region, Retention, SaveOptions,
-    ShardData, TrainerState, VerifyLevel, boxes_of_runs, load_latest,
+    FlatRun, Region, Retention, SaveOptions, TrainerState, VerifyLevel, load_latest,
 };
-use weft_collectives::{Communicator, CommunicatorExt};
+use weft_collectives::Communicator;
 use weft_model::{AdamWState, Gpt, GptConfig, OwnedPart, ReadTensor, TrainModel};
 use weft_numerics::LossScalerState;
 
@@ -42,16 +42,10 @@ pub enum CkptError {
         /// The underlying error.
         source: weft_checkpoint::Error,
     },
-    /// Another rank's part of a collective save or load failed (that rank
-    /// reports why).
-    #[error("checkpoint of step {step}: another rank failed")]
-    Peer {
-        /// The step.
-        step: u64,
-    },
-    /// A collective between the ranks failed.
-    #[error("checkpoint: communication: {0}")]
-    Comm(weft_collectives::Error),
+    /// The collective save or load failed on another rank (which reports
+    /// why), or between the ranks.
+    #[error(transparent)]
+    Collective(CollectiveError),
     /// Resuming found no checkpoint.
     #[error("no checkpoint to resume from in {0}")]
     Missing(PathBuf),
@@ -78,6 +72,28 @@ pub enum CkptError {
         /// What is wrong.
         reason: String,
     },
+}
+
+impl From<CollectiveError> for CkptError {
+    fn from(e: CollectiveError) -> Self {
+        match e {
+            CollectiveError::Missing(root) => Self::Missing(root),
+            other => Self::Collective(other),
+        }
+    }
+}
+
+impl CkptError {
+    /// The error, a checkpoint library's failure naming `root`.
+    fn rooted(self, root: &Path) -> Self {
+        match self {
+            Self::Collective(CollectiveError::Checkpoint(source)) => Self::Checkpoint {
+                root: root.to_owned(),
+                source,
+            },
+            other => other,
+        }
+    }
 }
 
 /// A hash of the configuration that defines the run's computation, as 16
@@ -180,16 +196,6 @@ fn trainer_state(
     state
 }
 
-const TAG: u64 = 0x5746_434b; // "WFCK"
-
-/// Rank 0's verdict on a collective step, sent to every rank so that all
-/// return the same error (or none).
-fn agree(world: &dyn Communicator, ok: bool) -> Result<bool, weft_collectives::Error> {
-    let mut v = [if ok { 1.0f64 } else { 0.0 }];
-    world.broadcast(&mut v, 0)?;
-    Ok(v[0] == 1.0)
-}
-
 /// What a checkpoint of the training state holds beyond the run's
 /// configuration.
 pub(crate) struct SaveRequest<'a> {
@@ -217,7 +223,7 @@ pub(crate) struct SaveRequest<'a> {
 /// # Errors
 /// [`CkptError::Checkpoint`] if preparing, a rank's write, the commit or
 /// the retention failed (naming the failure on the rank that saw it; the
-/// others report [`CkptError::Peer`]); a collective error.
+/// others report [`CkptError::Collective`]); a collective error.
 pub(crate) fn save_sharded(
     world: &dyn Communicator,
     root: &Path,
@@ -225,48 +231,8 @@ pub(crate) fn save_sharded(
     req: &SaveRequest<'_>,
     faults: &FaultPlan,
 ) -> Result<(), CkptError> {
-    let opts = SaveOptions::default();
-    let staging = staging_dir(world, root, req.step, &opts)?;
-    let report = write_rank(&staging, world.rank(), req.parts, &opts);
-    faults.during_save(root.parent().unwrap_or(root), req.step, world.rank());
-    commit(world, root, config, req, report, &opts)
-}
-
-/// The staging folder of checkpoint `step`, which rank 0 prepares and
-/// names to every rank. Collective over `world`.
-fn staging_dir(
-    world: &dyn Communicator,
-    root: &Path,
-    step: u64,
-    opts: &SaveOptions,
-) -> Result<PathBuf, CkptError> {
-    let prepared = (world.rank() == 0).then(|| weft_checkpoint::prepare(root, step, opts));
-    let mine = match &prepared {
-        Some(Ok(path)) => path.to_string_lossy().into_owned().into_bytes(),
-        _ => Vec::new(),
-    };
-    let all = weft_collectives::all_gather_bytes(world, TAG, &mine).map_err(CkptError::Comm)?;
-    match prepared {
-        Some(Err(source)) => Err(CkptError::Checkpoint {
-            root: root.to_owned(),
-            source,
-        }),
-        _ if all[0].is_empty() => Err(CkptError::Peer { step }),
-        _ => Ok(PathBuf::from(String::from_utf8_lossy(&all[0]).into_owned())),
-    }
-}
-
-/// Writes this rank's file of checkpoint `staging`: each part's boxes of
-/// the parameters and moments, boxes stacked along their first dimension
-/// merged (a strided tensor-parallel shard's rows become one box per Q,
-/// K, V).
-fn write_rank(
-    staging: &Path,
-    rank: usize,
-    parts: &[OwnedPart],
-    opts: &SaveOptions,
-) -> weft_checkpoint::Result<RankReport> {
-    let runs: Vec<FlatRun<'_>> = parts
+    let runs: Vec<FlatRun<'_>> = req
+        .parts
         .iter()
         .map(|p| FlatRun {
             name: &p.name,
@@ -275,95 +241,20 @@ fn write_rank(
             values: p.values.iter().map(Vec::as_slice).collect(),
         })
         .collect();
-    let mut tensors = Vec::new();
-    for b in boxes_of_runs(&runs) {
-        for (which, values) in b.values.iter().enumerate() {
-            let shape = b.global_shape.clone();
-            tensors.push((
-                saved_name(which, &b.name),
-                shape,
-                b.region.clone(),
-                le_bytes(values),
-            ));
-        }
-    }
-    let shards: Vec<ShardData<'_>> = tensors
-        .iter()
-        .map(|(name, shape, region, data)| ShardData {
-            name,
-            dtype: Dtype::F32,
-            global_shape: shape,
-            region: region.clone(),
-            data,
-        })
-        .collect();
-    #[allow(clippy::cast_possible_truncation)]
-    weft_checkpoint::write_rank_file(staging, rank as u32, &shards, opts)
-}
-
-/// Gathers every rank's `report` on rank 0, which commits the checkpoint
-/// when every rank wrote its file and applies the retention; every rank
-/// learns the outcome. Collective over `world`.
-fn commit(
-    world: &dyn Communicator,
-    root: &Path,
-    config: &Config,
-    req: &SaveRequest<'_>,
-    report: weft_checkpoint::Result<RankReport>,
-    opts: &SaveOptions,
-) -> Result<(), CkptError> {
-    let err = |source| CkptError::Checkpoint {
-        root: root.to_owned(),
-        source,
+    let c = &config.checkpoint;
+    let spec = SaveSpec {
+        step: req.step,
+        runs: &runs,
+        name: &saved_name,
+        mesh: req.mesh,
+        state: &trainer_state(config, req.step, req.opt_step, req.loss_scale, req.model),
+        retention: Retention::new(c.keep_last, (c.keep_every > 0).then_some(c.keep_every)),
     };
-    let step = req.step;
-    let json = match &report {
-        Ok(r) => serde_json::to_vec(r).unwrap_or_default(),
-        Err(_) => Vec::new(),
-    };
-    let gathered =
-        weft_collectives::gather_bytes(world, TAG + 4, &json).map_err(CkptError::Comm)?;
-    let Some(all) = gathered else {
-        let ok = agree(world, true).map_err(CkptError::Comm)?;
-        report.map_err(err)?;
-        return if ok {
-            Ok(())
-        } else {
-            Err(CkptError::Peer { step })
-        };
-    };
-    let reports: Vec<Option<RankReport>> =
-        all.iter().map(|b| serde_json::from_slice(b).ok()).collect();
-    let outcome = match (report, reports.iter().all(Option::is_some)) {
-        (Err(e), _) => Err(err(e)),
-        (Ok(_), false) => Err(CkptError::Peer { step }),
-        (Ok(_), true) => {
-            let reports: Vec<RankReport> = reports.into_iter().flatten().collect();
-            #[allow(clippy::cast_possible_truncation)]
-            let layout = Layout {
-                world_size: world.size() as u32,
-                mesh: req
-                    .mesh
-                    .iter()
-                    .map(|&(name, size)| MeshDim {
-                        name: name.to_owned(),
-                        size: size as u32,
-                    })
-                    .collect(),
-            };
-            let state = trainer_state(config, step, req.opt_step, req.loss_scale, req.model);
-            weft_checkpoint::commit(root, step, &layout, &reports, &state, opts)
-                .and_then(|_| {
-                    let every =
-                        (config.checkpoint.keep_every > 0).then_some(config.checkpoint.keep_every);
-                    Retention::new(config.checkpoint.keep_last, every).apply(root)
-                })
-                .map(|_| ())
-                .map_err(err)
-        }
-    };
-    agree(world, outcome.is_ok()).map_err(CkptError::Comm)?;
-    outcome
+    let run_dir = root.parent().unwrap_or(root);
+    collective::save(world, root, &spec, &SaveOptions::default(), &mut || {
+        faults.during_save(run_dir, req.step, world.rank());
+    })
+    .map_err(|e| CkptError::from(e).rooted(root))
 }
 
 /// Loads, on every rank, its part of the newest checkpoint under `root`
@@ -372,7 +263,7 @@ fn commit(
 /// over `world`.
 ///
 /// # Errors
-/// As [`restore`]; [`CkptError::Peer`] on the ranks that did not see the
+/// As [`restore`]; [`CkptError::Collective`] on the ranks that did not see the
 /// failure; a collective error.
 pub(crate) fn restore_sharded<M: TrainModel + ?Sized>(
     world: &dyn Communicator,
@@ -398,55 +289,11 @@ fn restore_with(
     config: &Config,
     load: &mut dyn FnMut(u32, &mut ReadTensor<'_>) -> Result<(), String>,
 ) -> Result<Restored, CkptError> {
-    let err = |source| CkptError::Checkpoint {
-        root: root.to_owned(),
-        source,
-    };
-    // rank 0 picks (and fully verifies) the checkpoint; its step goes to all
-    let picked = if world.rank() == 0 {
-        load_latest(root, VerifyLevel::Full)
-            .map_err(err)
-            .and_then(|l| l.ok_or_else(|| CkptError::Missing(root.to_owned())))
-            .and_then(|l| {
-                check_hash(root, config, l.checkpoint.manifest())?;
-                Ok(l)
-            })
-    } else {
-        Err(CkptError::Missing(root.to_owned()))
-    };
-    #[allow(clippy::cast_precision_loss)]
-    let mut step = [picked.as_ref().map_or(-1.0, |l| l.checkpoint.step() as f64)];
-    world.broadcast(&mut step, 0).map_err(CkptError::Comm)?;
-    if step[0] < 0.0 {
-        return Err(match picked {
-            Err(e) if world.rank() == 0 => e,
-            _ => CkptError::Peer { step: 0 },
-        });
-    }
-    #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
-    let step = step[0] as u64;
-    let (ckpt, skipped) = match picked {
-        // Newer checkpoints that do not verify are kept as evidence, moved
-        // aside under a name no save reuses (a later save of the same step
-        // would otherwise replace them).
-        Ok(l) => (
-            l.checkpoint,
-            l.skipped
-                .iter()
-                .map(|(p, e)| {
-                    let aside = set_aside(p);
-                    match &aside {
-                        Ok(to) => format!("{}: {e}; moved to {}", p.display(), to.display()),
-                        Err(m) => format!("{}: {e}; could not move it aside: {m}", p.display()),
-                    }
-                })
-                .collect(),
-        ),
-        Err(_) => (
-            Checkpoint::open(&root.join(weft_checkpoint::step_dir_name(step))).map_err(err)?,
-            Vec::new(),
-        ),
-    };
+    let picked =
+        collective::pick_latest(world, root, |manifest| check_hash(root, config, manifest))
+            .map_err(|e: CkptError| e.rooted(root))?;
+    let (ckpt, skipped) = (picked.checkpoint, picked.skipped);
+    let step = ckpt.step();
     let opt_step = ckpt
         .manifest()
         .state
@@ -480,31 +327,6 @@ fn restore_with(
     })
 }
 
-/// Renames a checkpoint folder that did not verify to
-/// `<name>.corrupt` (or `.corrupt-2`, … if taken): out of the way of the
-/// saves to come, which would replace a folder of the same step, and not a
-/// checkpoint any more to loading and retention.
-fn set_aside(dir: &Path) -> Result<PathBuf, String> {
-    let name = dir
-        .file_name()
-        .and_then(|n| n.to_str())
-        .ok_or_else(|| "not a step folder".to_owned())?;
-    for i in 1..1000 {
-        let to = dir.with_file_name(if i == 1 {
-            format!("{name}.corrupt")
-        } else {
-            format!("{name}.corrupt-{i}")
-        });
-        if to.exists() {
-            continue;
-        }
-        return std::fs::rename(dir, &to)
-            .map(|()| to)
-            .map_err(|e| e.to_string());
-    }
-    Err("too many earlier copies set aside".into())
-}
-
 /// Refuses a checkpoint saved by another configuration.
 fn check_hash(
     root: &Path,
@@ -520,10 +342,6 @@ fn check_hash(
         }),
         _ => Ok(()),
     }
-}
-
-fn le_bytes(xs: &[f32]) -> Vec<u8> {
-    xs.iter().flat_map(|x| x.to_le_bytes()).collect()
 }
 
 /// What [`restore`] found.

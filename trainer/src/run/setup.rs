@@ -25,7 +25,7 @@ pub(crate) struct Job<'a> {
     pub peak: f64,
     pub data: &'a Dataset,
     pub faults: &'a FaultPlan,
-    pub processes: Option<&'a crate::ranks::Processes>,
+    pub processes: Option<&'a weft_collectives::processes::Processes>,
 }
 
 /// Runs the job ([`crate::train::train_with`]): on one GPU, as threads of
@@ -42,7 +42,7 @@ pub(crate) fn start(
     if config.train.device != crate::config::Device::Cpu {
         return crate::run::build::start_gpu(config, opts, observer);
     }
-    let launcher = crate::ranks::LauncherEnv::detect();
+    let launcher = weft_collectives::processes::LauncherEnv::detect();
     match (config.parallel.backend, launcher) {
         (Backend::Threads, Some(env)) if env.size > 1 => Err(TrainError::Backend(format!(
             "\"threads\" runs every rank in one process, but {} started {} processes: \
@@ -51,7 +51,7 @@ pub(crate) fn start(
         ))),
         (Backend::Threads, _) | (Backend::Auto, None) => start_threads(config, opts, observer),
         _ => {
-            let mut procs = crate::ranks::Processes::connect()?;
+            let mut procs = crate::ranks::connect()?;
             start_processes(&mut procs, config, opts, observer)
         }
     }
@@ -103,7 +103,7 @@ fn start_threads(
 /// # Errors
 /// As [`crate::train::train_processes`].
 pub(crate) fn start_processes(
-    procs: &mut crate::ranks::Processes,
+    procs: &mut weft_collectives::processes::Processes,
     config: &Config,
     opts: &RunOptions,
     observer: &mut dyn Observer,
@@ -115,11 +115,13 @@ pub(crate) fn start_processes(
         ))),
         b => Ok(b),
     };
-    if procs.agree(backend)? == Backend::Nccl && procs.backend() != Backend::Nccl {
-        procs.use_nccl()?;
+    if crate::ranks::agree_processes(procs, backend)? == Backend::Nccl
+        && procs.backend() != Backend::Nccl
+    {
+        crate::ranks::use_nccl(procs)?;
     }
     procs.set_timeout(timeout(config));
-    procs.size_pool(config.parallel.threads);
+    crate::ranks::size_pool(procs, config.parallel.threads);
     let procs = &*procs;
     let world = procs.world();
     let dims = config.parallel.dims();
@@ -133,7 +135,7 @@ pub(crate) fn start_processes(
                 tp: dims.tp,
                 pp: dims.pp,
                 launched: world.size(),
-                launcher: crate::ranks::LauncherEnv::detect()
+                launcher: weft_collectives::processes::LauncherEnv::detect()
                     .map_or_else(|| "the MPI library".into(), |e| e.launcher.to_owned()),
             });
         }

@@ -8,21 +8,8 @@ use weft_data::{Batch, Dataset};
 use weft_kernels::AdamW;
 use weft_model::{MicroBatch, StepOutcome, TrainModel};
 
-use crate::config::OptimConfig;
 use crate::run::faults::FaultPlan;
 use crate::train::TrainError;
-
-/// AdamW's hyper-parameters of `[optim]` at learning rate `lr`.
-#[allow(clippy::cast_possible_truncation)]
-pub(crate) fn adamw(optim: &OptimConfig, lr: f64) -> AdamW {
-    AdamW {
-        lr: lr as f32,
-        beta1: optim.beta1 as f32,
-        beta2: optim.beta2 as f32,
-        eps: optim.eps as f32,
-        weight_decay: optim.weight_decay as f32,
-    }
-}
 
 /// The batches' token and target ids as the model's micro-batches.
 pub(crate) fn micro_batches(batches: &[Batch]) -> Vec<MicroBatch<'_>> {

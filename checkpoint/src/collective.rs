@@ -1,0 +1,336 @@
+//! A checkpoint of a job of many ranks, saved and picked for loading by
+//! every rank together over a `weft-collectives` communicator, as
+//! PyTorch's distributed checkpoint does over a process group.
+//!
+//! [`save`]: rank 0 prepares the staging folder and names it to every
+//! rank; every rank writes its own file of the tensors it owns — runs of
+//! the whole tensors' flat values ([`FlatRun`], merged into boxes by
+//! [`boxes_of_runs`]), in parallel; rank 0 gathers the ranks' reports and
+//! commits the manifest — the mesh layout and the trainer state — then
+//! applies a [`Retention`]. Every rank returns the same outcome: the rank
+//! that saw a failure names it, the others report [`CollectiveError::Peer`].
+//!
+//! [`pick_latest`]: rank 0 finds the newest checkpoint that verifies
+//! (every byte), lets the caller accept or refuse it (a configuration
+//! hash, say), sets aside the newer ones that did not verify
+//! ([`set_aside`]) and tells every rank which step; each rank then reads
+//! the parts its own layout holds, whatever layout saved them
+//! ([`Checkpoint::read_tensor`], [`Checkpoint::read_region`]).
+//!
+//! ```
+//! use weft_checkpoint::collective::{SaveSpec, pick_latest, save};
+//! use weft_checkpoint::{CollectiveError, FlatRun, Retention, SaveOptions, TrainerState};
+//! use weft_collectives::LocalCluster;
+//!
+//! let root = tempfile::tempdir()?;
+//! let root = root.path();
+//! // two ranks, each owning half of a 4-element tensor
+//! let out = LocalCluster::run(2, |world| {
+//!     let mine = [1.0f32 + world.rank() as f32; 2];
+//!     let runs = [FlatRun {
+//!         name: "w",
+//!         global_shape: &[4],
+//!         start: 2 * world.rank(),
+//!         values: vec![&mine],
+//!     }];
+//!     let spec = SaveSpec {
+//!         step: 10,
+//!         runs: &runs,
+//!         name: &|_, n| n.to_owned(),
+//!         mesh: &[("dp", 2)],
+//!         state: &TrainerState::default(),
+//!         retention: Retention::new(2, None),
+//!     };
+//!     save(&world, root, &spec, &SaveOptions::default(), &mut || {})?;
+//!     let picked = pick_latest::<CollectiveError>(&world, root, |_| Ok(()))?;
+//!     Ok::<_, CollectiveError>(picked.checkpoint.read_tensor("w")?)
+//! });
+//! for bytes in out {
+//!     assert_eq!(bytes.unwrap().unwrap().len(), 16);
+//! }
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+
+use std::path::{Path, PathBuf};
+
+use weft_collectives::{Communicator, CommunicatorExt};
+
+use crate::{
+    Checkpoint, Dtype, Error, FlatRun, Layout, Manifest, MeshDim, RankReport, Retention,
+    SaveOptions, ShardData, TrainerState, VerifyLevel, boxes_of_runs, load_latest,
+};
+
+/// The point-to-point tag of a collective save's exchanges.
+const TAG: u64 = 0x5746_434b; // "WFCK"
+
+/// Why a collective save or pick failed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum CollectiveError {
+    /// This rank's checkpoint operation failed.
+    #[error(transparent)]
+    Checkpoint(#[from] Error),
+    /// Another rank's part failed (that rank reports why).
+    #[error("checkpoint of step {step}: another rank failed")]
+    Peer {
+        /// The step (0 when picking for a load).
+        step: u64,
+    },
+    /// A collective between the ranks failed.
+    #[error("checkpoint: communication: {0}")]
+    Comm(#[from] weft_collectives::Error),
+    /// There is no checkpoint to load.
+    #[error("no checkpoint to resume from in {}", .0.display())]
+    Missing(PathBuf),
+}
+
+/// What a rank saves in a collective [`save`].
+pub struct SaveSpec<'a> {
+    /// The step the checkpoint is taken after.
+    pub step: u64,
+    /// This rank's parts of the tensors: runs of whole tensors' flat
+    /// values, each element saved by exactly one rank; a run may carry
+    /// several value slices over the same elements (parameters and
+    /// optimizer moments, say).
+    pub runs: &'a [FlatRun<'a>],
+    /// The name a run's `k`-th value slice of tensor `name` is saved
+    /// under.
+    pub name: &'a dyn Fn(usize, &str) -> String,
+    /// The mesh's dimensions, slowest first, as the manifest records them.
+    pub mesh: &'a [(&'a str, usize)],
+    /// The trainer state (rank 0's is committed).
+    pub state: &'a TrainerState,
+    /// Which checkpoints to keep once this one is committed.
+    pub retention: Retention,
+}
+
+/// Saves checkpoint `spec.step` under `root` (see the [module docs](self)).
+/// `after_write` runs on each rank between its write and the commit (a
+/// fault drill's crash point). Collective over `world`; every rank
+/// returns the same outcome.
+///
+/// # Errors
+/// [`CollectiveError::Checkpoint`] on the rank whose preparation, write,
+/// commit or retention failed, [`CollectiveError::Peer`] on the others; a
+/// collective error.
+pub fn save(
+    world: &dyn Communicator,
+    root: &Path,
+    spec: &SaveSpec<'_>,
+    opts: &SaveOptions,
+    after_write: &mut dyn FnMut(),
+) -> Result<(), CollectiveError> {
+    let staging = staging_dir(world, root, spec.step, opts)?;
+    let report = write_rank(&staging, world.rank(), spec, opts);
+    after_write();
+    commit(world, root, spec, report, opts)
+}
+
+/// The staging folder of checkpoint `step`, which rank 0 prepares and
+/// names to every rank.
+fn staging_dir(
+    world: &dyn Communicator,
+    root: &Path,
+    step: u64,
+    opts: &SaveOptions,
+) -> Result<PathBuf, CollectiveError> {
+    let prepared = (world.rank() == 0).then(|| crate::prepare(root, step, opts));
+    let mine = match &prepared {
+        Some(Ok(path)) => path.to_string_lossy().into_owned().into_bytes(),
+        _ => Vec::new(),
+    };
+    let all = weft_collectives::all_gather_bytes(world, TAG, &mine)?;
+    match prepared {
+        Some(Err(e)) => Err(e.into()),
+        _ if all[0].is_empty() => Err(CollectiveError::Peer { step }),
+        _ => Ok(PathBuf::from(String::from_utf8_lossy(&all[0]).into_owned())),
+    }
+}
+
+/// Writes this rank's file: each run's boxes, boxes stacked along their
+/// first dimension merged (a strided tensor-parallel shard's rows become
+/// one box per Q, K, V), little-endian f32.
+fn write_rank(
+    staging: &Path,
+    rank: usize,
+    spec: &SaveSpec<'_>,
+    opts: &SaveOptions,
+) -> crate::Result<RankReport> {
+    let mut tensors = Vec::new();
+    for b in boxes_of_runs(spec.runs) {
+        for (which, values) in b.values.iter().enumerate() {
+            let bytes: Vec<u8> = values.iter().flat_map(|x| x.to_le_bytes()).collect();
+            tensors.push((
+                (spec.name)(which, &b.name),
+                b.global_shape.clone(),
+                b.region.clone(),
+                bytes,
+            ));
+        }
+    }
+    let shards: Vec<ShardData<'_>> = tensors
+        .iter()
+        .map(|(name, shape, region, data)| ShardData {
+            name,
+            dtype: Dtype::F32,
+            global_shape: shape,
+            region: region.clone(),
+            data,
+        })
+        .collect();
+    let rank = u32::try_from(rank).unwrap_or(u32::MAX);
+    crate::write_rank_file(staging, rank, &shards, opts)
+}
+
+/// Rank 0's verdict on a collective step, sent to every rank.
+fn agree(world: &dyn Communicator, ok: bool) -> Result<bool, weft_collectives::Error> {
+    let mut v = [if ok { 1.0f64 } else { 0.0 }];
+    world.broadcast(&mut v, 0)?;
+    Ok(v[0] == 1.0)
+}
+
+/// Gathers every rank's `report` on rank 0, which commits the checkpoint
+/// when every rank wrote its file and applies the retention; every rank
+/// learns the outcome.
+fn commit(
+    world: &dyn Communicator,
+    root: &Path,
+    spec: &SaveSpec<'_>,
+    report: crate::Result<RankReport>,
+    opts: &SaveOptions,
+) -> Result<(), CollectiveError> {
+    let step = spec.step;
+    let json = match &report {
+        Ok(r) => serde_json::to_vec(r).unwrap_or_default(),
+        Err(_) => Vec::new(),
+    };
+    let Some(all) = weft_collectives::gather_bytes(world, TAG + 4, &json)? else {
+        let ok = agree(world, true)?;
+        report?;
+        return if ok {
+            Ok(())
+        } else {
+            Err(CollectiveError::Peer { step })
+        };
+    };
+    let reports: Vec<Option<RankReport>> =
+        all.iter().map(|b| serde_json::from_slice(b).ok()).collect();
+    let outcome = match (report, reports.iter().all(Option::is_some)) {
+        (Err(e), _) => Err(e.into()),
+        (Ok(_), false) => Err(CollectiveError::Peer { step }),
+        (Ok(_), true) => {
+            let reports: Vec<RankReport> = reports.into_iter().flatten().collect();
+            let size = |n: usize| u32::try_from(n).unwrap_or(u32::MAX);
+            let layout = Layout {
+                world_size: size(world.size()),
+                mesh: spec
+                    .mesh
+                    .iter()
+                    .map(|&(name, n)| MeshDim {
+                        name: name.to_owned(),
+                        size: size(n),
+                    })
+                    .collect(),
+            };
+            crate::commit(root, step, &layout, &reports, spec.state, opts)
+                .and_then(|_| spec.retention.apply(root))
+                .map(|_| ())
+                .map_err(CollectiveError::from)
+        }
+    };
+    agree(world, outcome.is_ok())?;
+    outcome
+}
+
+/// The checkpoint [`pick_latest`] chose, open on this rank.
+#[derive(Debug)]
+pub struct Picked {
+    /// The checkpoint.
+    pub checkpoint: Checkpoint,
+    /// On rank 0: newer checkpoints that did not verify, each with why and
+    /// where it was moved aside (kept as evidence).
+    pub skipped: Vec<String>,
+}
+
+/// Picks the newest checkpoint under `root` that verifies and that
+/// `accept` takes, on rank 0 (which reads every byte), and opens it on
+/// every rank (see the [module docs](self)). Collective over `world`.
+///
+/// # Errors
+/// On rank 0: [`CollectiveError::Missing`] when there is none, `accept`'s
+/// error, a read error; on the others [`CollectiveError::Peer`] then; a
+/// collective error.
+pub fn pick_latest<E: From<CollectiveError>>(
+    world: &dyn Communicator,
+    root: &Path,
+    accept: impl FnOnce(&Manifest) -> Result<(), E>,
+) -> Result<Picked, E> {
+    let picked = if world.rank() == 0 {
+        load_latest(root, VerifyLevel::Full)
+            .map_err(|e| E::from(e.into()))
+            .and_then(|l| l.ok_or_else(|| CollectiveError::Missing(root.to_owned()).into()))
+            .and_then(|l| accept(l.checkpoint.manifest()).map(|()| l))
+    } else {
+        Err(CollectiveError::Peer { step: 0 }.into())
+    };
+    #[allow(clippy::cast_precision_loss)]
+    let mut step = [picked.as_ref().map_or(-1.0, |l| l.checkpoint.step() as f64)];
+    world
+        .broadcast(&mut step, 0)
+        .map_err(|e| E::from(e.into()))?;
+    if step[0] < 0.0 {
+        return Err(match picked {
+            Err(e) if world.rank() == 0 => e,
+            _ => CollectiveError::Peer { step: 0 }.into(),
+        });
+    }
+    #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+    let step = step[0] as u64;
+    Ok(match picked {
+        Ok(l) => Picked {
+            checkpoint: l.checkpoint,
+            skipped: l
+                .skipped
+                .iter()
+                .map(|(p, e)| match set_aside(p) {
+                    Ok(to) => format!("{}: {e}; moved to {}", p.display(), to.display()),
+                    Err(m) => format!("{}: {e}; could not move it aside: {m}", p.display()),
+                })
+                .collect(),
+        },
+        Err(_) => Picked {
+            checkpoint: Checkpoint::open(&root.join(crate::step_dir_name(step)))
+                .map_err(|e| E::from(e.into()))?,
+            skipped: Vec::new(),
+        },
+    })
+}
+
+/// Renames a checkpoint folder that did not verify to `<name>.corrupt`
+/// (or `.corrupt-2`, … if taken): out of the way of the saves to come,
+/// which would replace a folder of the same step, and no checkpoint any
+/// more to loading and retention.
+///
+/// # Errors
+/// Not a folder name, the rename failed, or a thousand copies are
+/// already set aside.
+pub fn set_aside(dir: &Path) -> Result<PathBuf, String> {
+    let name = dir
+        .file_name()
+        .and_then(|n| n.to_str())
+        .ok_or_else(|| "not a step folder".to_owned())?;
+    for i in 1..1000 {
+        let to = dir.with_file_name(if i == 1 {
+            format!("{name}.corrupt")
+        } else {
+            format!("{name}.corrupt-{i}")
+        });
+        if to.exists() {
+            continue;
+        }
+        return std::fs::rename(dir, &to)
+            .map(|()| to)
+            .map_err(|e| e.to_string());
+    }
+    Err("too many earlier copies set aside".into())
+}
