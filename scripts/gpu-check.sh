@@ -141,7 +141,7 @@ fi
 fingerprint() {
     find kernels/src kernels/cuda kernels/tests/cuda.rs kernels/benches/cuda.rs model/tests/cuda.rs \
         numerics collectives/src kernels/Cargo.toml parallel moe/src pipeline/src fsdp/src model/src \
-        trace/src trainer/src checkpoint/src data/src plan/src viz-web/src viz-web/page \
+        trace/src trainer/src checkpoint/src data/src plan/src supervise/src compare/src viz/src viz/page \
         */Cargo.toml Cargo.toml Cargo.lock -type f -not -path '*/target/*' 2>/dev/null \
         | LC_ALL=C sort | xargs sha256sum | sha256sum | cut -d' ' -f1
 }
