@@ -21,6 +21,8 @@
 //!   as [`weft_trace::RunEvent`]s ([`events`]).
 //! * [`mod@heartbeat`]: the file every rank writes after every step, which
 //!   the supervisor watches.
+//! * [`lock`]: one writer per run folder — an exclusive lock held for
+//!   the life of a run, gone with its process.
 //! * [`health`]: the rank side — the loss-spike and straggler detectors a
 //!   training loop feeds, and the batches a rewound run leaves out
 //!   (`skip.json`).
@@ -67,6 +69,7 @@ pub mod events;
 mod fault;
 pub mod health;
 pub mod heartbeat;
+pub mod lock;
 pub mod stop;
 mod supervisor;
 

@@ -45,6 +45,9 @@ pub enum TrainError {
     /// The run folder already exists: runs are never overwritten.
     #[error("run folder {0} already exists: pick another run.name (or remove the folder)")]
     RunExists(PathBuf),
+    /// Another process is writing the run folder.
+    #[error(transparent)]
+    RunInUse(#[from] weft_supervise::lock::LockError),
     /// Saving or restoring a checkpoint failed.
     #[error(transparent)]
     Checkpoint(#[from] CkptError),

@@ -461,6 +461,14 @@ fn the_first_sigint_saves_and_stops_and_the_run_resumes_bit_for_bit() {
         }
         std::thread::sleep(std::time::Duration::from_millis(20));
     }
+    // a second writer of the running run is refused, naming the process
+    // that holds it, and leaves the run alone (it stops and resumes below
+    // as if nothing had happened)
+    let second = train(&c, true, &mut Silent).unwrap_err().to_string();
+    assert!(
+        second.contains("in use by process") && second.contains(&child.id().to_string()),
+        "{second}"
+    );
     let interrupt = std::process::Command::new("kill")
         .args(["-INT", &child.id().to_string()])
         .status()

@@ -14,7 +14,11 @@
 //! * `/run/<i>/files.json`: run `i`'s files present, as a JSON array of
 //!   names (`i` counts from 0, written in decimal without leading zeros);
 //! * `/run/<i>/<name>`: one of [`FileKind::RUN_FILES`], read from run
-//!   `i`'s folder; any other name, or a run that is not served, is 404;
+//!   `i`'s folder; any other name, or a run that is not served, is 404.
+//!   Only a regular file in the folder itself is served, streamed from
+//!   disk: a link (to `/etc/passwd`, say), a device such as `/dev/zero`
+//!   or a FIFO is refused with 403, as is a file over
+//!   [`MAX_RUN_FILE_BYTES`];
 //! * `/run/files.json` and `/run/<name>`: the same for run 0 (the URLs of
 //!   one run, kept).
 //!
@@ -24,9 +28,12 @@
 //! Requests are bounded as HTTP servers bound them: a request line longer
 //! than [`MAX_REQUEST_LINE`] bytes is answered 414, headers beyond
 //! [`MAX_HEADER_BYTES`] bytes or [`MAX_HEADERS`] lines 431, a request with a
-//! body 413; a connection idle for [`IDLE_TIMEOUT`] is closed; beyond
+//! body 413; a request whose line and headers have not all arrived
+//! within [`REQUEST_TIMEOUT`] (however slowly they trickle in) is dropped,
+//! and so is a keep-alive connection with no next request by then; beyond
 //! [`MAX_CONNECTIONS`] open connections a new one is answered 503 and
-//! closed. Nothing a client sends is held in memory past these bounds.
+//! closed. Nothing a client sends is held in memory past these bounds,
+//! and no file is read into memory whole.
 
 use std::fmt;
 use std::fs;
@@ -36,7 +43,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::thread;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use thiserror::Error;
 
@@ -50,8 +57,13 @@ pub const MAX_HEADER_BYTES: usize = 32 * 1024;
 pub const MAX_HEADERS: usize = 100;
 /// Most connections served at once (more: 503).
 pub const MAX_CONNECTIONS: usize = 64;
-/// How long a connection may stay silent before it is closed.
+/// How long a write to a client may wait.
 pub const IDLE_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long a request's line and headers may take to arrive, all of them
+/// (and how long a kept-alive connection waits for its next request).
+pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
+/// The largest run file served.
+pub const MAX_RUN_FILE_BYTES: u64 = 1 << 31;
 
 /// Files the assets folder must hold (what `viz-web/build.sh` writes).
 pub const REQUIRED_ASSETS: [&str; 3] = ["index.html", "weft_viz_web.js", "weft_viz_web_bg.wasm"];
@@ -151,13 +163,17 @@ impl ServedRun {
         out
     }
 
-    /// The run files present in the folder, in [`FileKind::RUN_FILES`]
-    /// order.
+    /// The run files present in the folder that are served (regular
+    /// files, not links, of at most [`MAX_RUN_FILE_BYTES`]), in
+    /// [`FileKind::RUN_FILES`] order.
     #[must_use]
     pub fn files(&self) -> Vec<&'static str> {
         FileKind::RUN_FILES
             .into_iter()
-            .filter(|n| self.dir.join(n).is_file())
+            .filter(|n| {
+                fs::symlink_metadata(self.dir.join(n))
+                    .is_ok_and(|m| m.is_file() && m.len() <= MAX_RUN_FILE_BYTES)
+            })
             .collect()
     }
 }
@@ -212,6 +228,7 @@ pub struct Server {
     listener: TcpListener,
     runs: Arc<[ServedRun]>,
     assets: Assets,
+    request_timeout: Duration,
 }
 
 impl Server {
@@ -252,7 +269,16 @@ impl Server {
             listener,
             runs: ServedRun::name_all(run_dirs).into(),
             assets: assets.clone(),
+            request_timeout: REQUEST_TIMEOUT,
         })
+    }
+
+    /// The time a request's line and headers may take to arrive
+    /// ([`REQUEST_TIMEOUT`] by default).
+    #[must_use]
+    pub fn with_request_timeout(mut self, timeout: Duration) -> Self {
+        self.request_timeout = timeout;
+        self
     }
 
     /// The runs served, named, in order.
@@ -285,6 +311,7 @@ impl Server {
     pub fn run(self) -> Result<(), ServeError> {
         let runs = self.runs;
         let assets = self.assets;
+        let timeout = self.request_timeout;
         let open = Arc::new(AtomicUsize::new(0));
         for stream in self.listener.incoming() {
             let mut stream = stream.map_err(ServeError::Accept)?;
@@ -294,7 +321,7 @@ impl Server {
                 let _ = stream.set_write_timeout(Some(Duration::from_millis(100)));
                 let _ = reply(
                     &mut stream,
-                    &plain(503, "too many connections\n"),
+                    &mut plain(503, "too many connections\n"),
                     false,
                     false,
                 );
@@ -305,7 +332,7 @@ impl Server {
             thread::spawn(move || {
                 // A client that hangs up mid-response is not the server's
                 // problem; the error has nowhere useful to go.
-                let _ = handle(stream, &r, &a);
+                let _ = handle(stream, &r, &a, timeout);
                 open.fetch_sub(1, Ordering::SeqCst);
             });
         }
@@ -323,14 +350,81 @@ pub fn serve(run_dirs: &[PathBuf], assets: &Assets, addr: SocketAddr) -> Result<
 }
 
 /// The response to a request path: status, content type, body.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug)]
 pub struct Response {
     /// HTTP status code.
     pub status: u16,
     /// `Content-Type`.
     pub content_type: &'static str,
-    /// Body bytes.
-    pub body: Vec<u8>,
+    /// The body.
+    pub body: Body,
+}
+
+/// A response's body.
+#[derive(Debug)]
+pub enum Body {
+    /// Bytes in memory (the page, listings, messages).
+    Bytes(Vec<u8>),
+    /// A run file, opened and checked, streamed from disk.
+    File {
+        /// The open file.
+        file: fs::File,
+        /// Its length when opened.
+        len: u64,
+    },
+}
+
+impl Body {
+    /// Its length in bytes.
+    #[must_use]
+    pub fn len(&self) -> u64 {
+        match self {
+            Self::Bytes(b) => b.len() as u64,
+            Self::File { len, .. } => *len,
+        }
+    }
+
+    /// Whether it is empty.
+    #[must_use]
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The whole body in memory (for tests and small bodies).
+    ///
+    /// # Errors
+    /// Reading the file failed.
+    pub fn into_bytes(self) -> std::io::Result<Vec<u8>> {
+        use std::io::Read;
+        match self {
+            Self::Bytes(b) => Ok(b),
+            Self::File { file, len } => {
+                let mut out = Vec::new();
+                file.take(len).read_to_end(&mut out)?;
+                Ok(out)
+            }
+        }
+    }
+
+    /// Writes the body to `out`: a file's first `len` bytes (a file that
+    /// grew meanwhile is cut at the length announced).
+    fn write_to(&mut self, out: &mut impl Write) -> std::io::Result<()> {
+        use std::io::Read;
+        match self {
+            Self::Bytes(b) => out.write_all(b),
+            Self::File { file, len } => {
+                let sent = std::io::copy(&mut file.take(*len), out)?;
+                if sent < *len {
+                    // it shrank: the announced length cannot be kept
+                    return Err(std::io::Error::new(
+                        std::io::ErrorKind::UnexpectedEof,
+                        "the file shrank while it was sent",
+                    ));
+                }
+                Ok(())
+            }
+        }
+    }
 }
 
 fn content_type(name: &str) -> &'static str {
@@ -348,11 +442,38 @@ fn content_type(name: &str) -> &'static str {
 }
 
 fn not_found(what: &str) -> Response {
-    Response {
-        status: 404,
-        content_type: "text/plain; charset=utf-8",
-        body: format!("not found: {what}\n").into_bytes(),
+    plain(404, &format!("not found: {what}\n"))
+}
+
+/// Opens run file `path` for serving: a regular file of at most
+/// [`MAX_RUN_FILE_BYTES`], reached without following a link, opened
+/// without blocking (a FIFO would wait for a writer). `Err` is the
+/// response that says why not.
+fn open_run_file(path: &std::path::Path, what: &str) -> Result<(fs::File, u64), Response> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let refused = |why: &str| plain(403, &format!("refused: {what}: {why}\n"));
+    let file = fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+        .open(path)
+        .map_err(|e| match e.kind() {
+            std::io::ErrorKind::NotFound => not_found(what),
+            _ if e.raw_os_error() == Some(libc::ELOOP) => {
+                refused("a link; only files in the run folder itself are served")
+            }
+            _ => refused(&e.to_string()),
+        })?;
+    let meta = file.metadata().map_err(|e| refused(&e.to_string()))?;
+    if !meta.is_file() {
+        return Err(refused("not a regular file"));
     }
+    if meta.len() > MAX_RUN_FILE_BYTES {
+        return Err(refused(&format!(
+            "{} bytes, more than the {MAX_RUN_FILE_BYTES} served",
+            meta.len()
+        )));
+    }
+    Ok((file, meta.len()))
 }
 
 /// Answer a `GET` of `path` (without query): the routing of [`Server`],
@@ -363,7 +484,7 @@ pub fn respond(path: &str, runs: &[ServedRun], assets: &Assets) -> Response {
     let json = |body: Vec<u8>| Response {
         status: 200,
         content_type: "application/json",
-        body,
+        body: Body::Bytes(body),
     };
     if path == "/runs.json" {
         let list: Vec<RunListing> = runs
@@ -394,13 +515,13 @@ pub fn respond(path: &str, runs: &[ServedRun], assets: &Assets) -> Response {
         let Some(n) = FileKind::RUN_FILES.into_iter().find(|n| *n == name) else {
             return not_found(path);
         };
-        return match fs::read(run.dir.join(n)) {
-            Ok(body) => Response {
+        return match open_run_file(&run.dir.join(n), path) {
+            Ok((file, len)) => Response {
                 status: 200,
                 content_type: content_type(n),
-                body,
+                body: Body::File { file, len },
             },
-            Err(_) => not_found(path),
+            Err(r) => r,
         };
     }
     let name = path.strip_prefix('/').unwrap_or(path);
@@ -409,7 +530,7 @@ pub fn respond(path: &str, runs: &[ServedRun], assets: &Assets) -> Response {
         Some(body) => Response {
             status: 200,
             content_type: content_type(name),
-            body,
+            body: Body::Bytes(body),
         },
         None => not_found(path),
     }
@@ -428,14 +549,14 @@ fn plain(status: u16, text: &str) -> Response {
     Response {
         status,
         content_type: "text/plain; charset=utf-8",
-        body: text.as_bytes().to_vec(),
+        body: Body::Bytes(text.as_bytes().to_vec()),
     }
 }
 
 /// Reads one line of at most `limit` bytes (the newline included):
 /// `Ok(None)` at the end of the stream, `Err(())` when the line is longer.
 fn bounded_line(
-    reader: &mut BufReader<TcpStream>,
+    reader: &mut BufReader<Deadline>,
     limit: usize,
 ) -> std::io::Result<Option<Result<String, ()>>> {
     use std::io::Read;
@@ -456,12 +577,13 @@ fn bounded_line(
 /// Writes `resp` (its body unless `head`).
 fn reply(
     out: &mut TcpStream,
-    resp: &Response,
+    resp: &mut Response,
     head: bool,
     keep_alive: bool,
 ) -> std::io::Result<()> {
     let reason = match resp.status {
         200 => "OK",
+        403 => "Forbidden",
         404 => "Not Found",
         405 => "Method Not Allowed",
         413 => "Content Too Large",
@@ -479,7 +601,7 @@ fn reply(
         if keep_alive { "keep-alive" } else { "close" }
     )?;
     if !head {
-        out.write_all(&resp.body)?;
+        resp.body.write_to(out)?;
     }
     out.flush()
 }
@@ -488,8 +610,8 @@ fn reply(
 /// HTTP servers do: the write side first, then what the client still sends
 /// is read and dropped (at most 1 MiB, for at most a second) so that the
 /// answer is not lost to a reset.
-fn refuse(out: &mut TcpStream, resp: &Response) -> std::io::Result<()> {
-    reply(out, resp, false, false)?;
+fn refuse(out: &mut TcpStream, mut resp: Response) -> std::io::Result<()> {
+    reply(out, &mut resp, false, false)?;
     drain_and_close(out, Duration::from_secs(1), 1 << 20)
 }
 
@@ -504,18 +626,46 @@ fn drain_and_close(stream: &mut TcpStream, wait: Duration, bytes: u64) -> std::i
     Ok(())
 }
 
-fn handle(stream: TcpStream, runs: &[ServedRun], assets: &Assets) -> std::io::Result<()> {
-    stream.set_read_timeout(Some(IDLE_TIMEOUT))?;
+/// The reading side of a connection, against a deadline that covers a
+/// whole request's line and headers: each read waits at most what is left
+/// of it, so a client that trickles a byte at a time is cut off too.
+struct Deadline {
+    stream: TcpStream,
+    until: Instant,
+}
+
+impl std::io::Read for Deadline {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        let left = self
+            .until
+            .checked_duration_since(Instant::now())
+            .filter(|d| !d.is_zero())
+            .ok_or_else(|| std::io::Error::new(std::io::ErrorKind::TimedOut, "request too slow"))?;
+        self.stream.set_read_timeout(Some(left))?;
+        self.stream.read(buf)
+    }
+}
+
+fn handle(
+    stream: TcpStream,
+    runs: &[ServedRun],
+    assets: &Assets,
+    request_timeout: Duration,
+) -> std::io::Result<()> {
     stream.set_write_timeout(Some(IDLE_TIMEOUT))?;
-    let mut reader = BufReader::new(stream.try_clone()?);
+    let mut reader = BufReader::new(Deadline {
+        stream: stream.try_clone()?,
+        until: Instant::now() + request_timeout,
+    });
     let mut out = stream;
     loop {
+        // the next request's line and headers, all within the timeout
+        reader.get_mut().until = Instant::now() + request_timeout;
         let request = match bounded_line(&mut reader, MAX_REQUEST_LINE)? {
             None => return Ok(()),
             Some(Ok(r)) => r,
             Some(Err(())) => {
-                let r = plain(414, "request line too long\n");
-                return refuse(&mut out, &r);
+                return refuse(&mut out, plain(414, "request line too long\n"));
             }
         };
         let mut keep_alive = request.contains("HTTP/1.1");
@@ -552,22 +702,20 @@ fn handle(stream: TcpStream, runs: &[ServedRun], assets: &Assets) -> std::io::Re
             }
         }
         if too_large {
-            let r = plain(431, "request headers too large\n");
-            return refuse(&mut out, &r);
+            return refuse(&mut out, plain(431, "request headers too large\n"));
         }
         if body {
             // the body is never read: answer and close
-            let r = plain(413, "requests carry no body here\n");
-            return refuse(&mut out, &r);
+            return refuse(&mut out, plain(413, "requests carry no body here\n"));
         }
         let mut parts = request.split_whitespace();
         let method = parts.next().unwrap_or("");
         let target = parts.next().unwrap_or("/");
-        let resp = match method {
+        let mut resp = match method {
             "GET" | "HEAD" => respond(target, runs, assets),
             _ => plain(405, "only GET and HEAD\n"),
         };
-        reply(&mut out, &resp, method == "HEAD", keep_alive)?;
+        reply(&mut out, &mut resp, method == "HEAD", keep_alive)?;
         if !keep_alive {
             return Ok(());
         }
@@ -578,6 +726,11 @@ fn handle(stream: TcpStream, runs: &[ServedRun], assets: &Assets) -> std::io::Re
 mod tests {
     use super::*;
     use std::io::Read;
+
+    /// A response's status and whole body.
+    fn got(r: Response) -> (u16, Vec<u8>) {
+        (r.status, r.body.into_bytes().unwrap())
+    }
 
     fn dirs(tag: &str) -> (PathBuf, Assets) {
         let base =
@@ -599,17 +752,16 @@ mod tests {
         fs::write(run.join("trace.json"), "{}").unwrap();
         fs::write(run.join("notes.txt"), "x").unwrap();
         let run = ServedRun::name_all(std::slice::from_ref(&run));
-        let r = respond("/", &run, &assets);
         assert_eq!(
-            (r.status, r.body.as_slice()),
-            (200, b"index.html".as_slice())
+            got(respond("/", &run, &assets)),
+            (200, b"index.html".to_vec())
         );
         assert_eq!(
             respond("/weft_viz_web_bg.wasm", &run, &assets).content_type,
             "application/wasm"
         );
         let r = respond("/run/files.json?x=1", &run, &assets);
-        assert_eq!(r.body, br#"["trace.json"]"#);
+        assert_eq!(got(r).1, br#"["trace.json"]"#);
         assert_eq!(respond("/run/trace.json", &run, &assets).status, 200);
         assert_eq!(
             respond("/run/metrics.jsonl", &run, &assets).status,
@@ -636,10 +788,10 @@ mod tests {
         let run = ServedRun::name_all(&[run]);
         let page = |name: &str| crate::page::embedded(name).unwrap().bytes;
         let r = respond("/", &run, &Assets::Embedded);
-        assert_eq!((r.status, r.body.as_slice()), (200, page("index.html")));
+        assert_eq!(got(r), (200, page("index.html").to_vec()));
         let r = respond("/weft_viz_web_bg.wasm", &run, &Assets::Embedded);
         assert_eq!(r.content_type, "application/wasm");
-        assert_eq!(r.body, page("weft_viz_web_bg.wasm"));
+        assert_eq!(got(r).1, page("weft_viz_web_bg.wasm"));
         let r = respond("/weft_viz_web.js", &run, &Assets::Embedded);
         assert!(r.content_type.starts_with("text/javascript"));
         assert_eq!(respond("/style.css", &run, &Assets::Embedded).status, 200);
@@ -725,15 +877,15 @@ mod tests {
             .map(|_| TcpStream::connect(addr).unwrap())
             .collect();
         let mut turned_away = String::new();
-        let deadline = std::time::Instant::now() + Duration::from_secs(20);
-        while !turned_away.starts_with("HTTP/1.1 503") && std::time::Instant::now() < deadline {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while !turned_away.starts_with("HTTP/1.1 503") && Instant::now() < deadline {
             turned_away = send(b"GET / HTTP/1.1\r\nConnection: close\r\n\r\n");
         }
         assert!(turned_away.starts_with("HTTP/1.1 503"), "{turned_away}");
         drop(idle);
-        let deadline = std::time::Instant::now() + Duration::from_secs(20);
+        let deadline = Instant::now() + Duration::from_secs(20);
         let mut served = String::new();
-        while !served.starts_with("HTTP/1.1 200") && std::time::Instant::now() < deadline {
+        while !served.starts_with("HTTP/1.1 200") && Instant::now() < deadline {
             served = get("/run/metrics.jsonl");
             thread::sleep(Duration::from_millis(20));
         }
@@ -766,13 +918,13 @@ mod tests {
         assert_eq!(twice[1].name, "other/run (2)");
         let r = respond("/runs.json", &runs, &assets);
         assert_eq!(r.content_type, "application/json");
-        let list: Vec<RunListing> = serde_json::from_slice(&r.body).unwrap();
+        let list: Vec<RunListing> = serde_json::from_slice(&got(r).1).unwrap();
         assert_eq!(list[1].name, "seed-2");
         assert_eq!(list[1].files, ["trace.json", "metrics.jsonl"]);
         assert!(list[2].files.is_empty());
         let body = |p: &str| {
-            let r = respond(p, &runs, &assets);
-            (r.status, String::from_utf8_lossy(&r.body).into_owned())
+            let (status, b) = got(respond(p, &runs, &assets));
+            (status, String::from_utf8_lossy(&b).into_owned())
         };
         assert_eq!(body("/run/0/metrics.jsonl"), (200, "a".into()));
         assert_eq!(body("/run/1/metrics.jsonl"), (200, "b".into()));
@@ -799,5 +951,89 @@ mod tests {
         ] {
             assert_eq!(respond(bad, &runs, &assets).status, 404, "{bad}");
         }
+    }
+
+    /// A hostile run folder: its run files are links out of it, a device,
+    /// a FIFO, a file too large. None is served (403, the reason named),
+    /// none is listed, nothing blocks.
+    #[test]
+    fn only_regular_files_inside_the_run_folder_are_served() {
+        use std::os::unix::fs::symlink;
+        let (run, assets) = dirs("links");
+        let secret = run.parent().unwrap().join("secret.txt");
+        symlink(&secret, run.join("metrics.jsonl")).unwrap();
+        symlink("/dev/zero", run.join("events.jsonl")).unwrap();
+        symlink("/etc/passwd", run.join("config.toml")).unwrap();
+        let fifo = std::ffi::CString::new(run.join("trace.json").to_str().unwrap()).unwrap();
+        // SAFETY: a valid NUL-terminated path
+        assert_eq!(unsafe { libc::mkfifo(fifo.as_ptr(), 0o600) }, 0);
+        let big = fs::File::create(run.join("summary.json")).unwrap();
+        big.set_len(MAX_RUN_FILE_BYTES + 1).unwrap(); // sparse
+        let runs = ServedRun::name_all(std::slice::from_ref(&run));
+        for (name, why) in [
+            ("metrics.jsonl", "a link"),
+            ("events.jsonl", "a link"),
+            ("config.toml", "a link"),
+            ("trace.json", "not a regular file"),
+            ("summary.json", "more than"),
+        ] {
+            let started = Instant::now();
+            let (status, body) = got(respond(&format!("/run/{name}"), &runs, &assets));
+            let body = String::from_utf8_lossy(&body);
+            assert_eq!(status, 403, "{name}: {body}");
+            assert!(
+                body.contains(why) && !body.contains("secret"),
+                "{name}: {body}"
+            );
+            assert!(started.elapsed() < Duration::from_secs(2), "{name} blocked");
+        }
+        assert!(runs[0].files().is_empty(), "{:?}", runs[0].files());
+        // a regular file is streamed whole
+        fs::remove_file(run.join("summary.json")).unwrap();
+        fs::write(run.join("summary.json"), "{\"steps\": 3}").unwrap();
+        assert_eq!(
+            got(respond("/run/summary.json", &runs, &assets)),
+            (200, b"{\"steps\": 3}".to_vec())
+        );
+    }
+
+    /// A client that trickles its request a byte at a time is cut off
+    /// once the request's time is up, and others are served meanwhile.
+    #[test]
+    fn a_request_that_trickles_in_is_cut_off() {
+        let (run, _) = dirs("slow");
+        fs::write(run.join("metrics.jsonl"), "{}\n").unwrap();
+        let local: SocketAddr = "127.0.0.1:0".parse().unwrap();
+        let server = Server::bind(std::slice::from_ref(&run), &Assets::Embedded, local)
+            .unwrap()
+            .with_request_timeout(Duration::from_millis(800));
+        let addr = server.local_addr().unwrap();
+        thread::spawn(move || server.run());
+        let mut slow = TcpStream::connect(addr).unwrap();
+        let started = Instant::now();
+        let trickle = thread::spawn(move || {
+            // a byte every 100 ms, never finishing the request
+            for b in b"GET /run/metrics.jsonl HTTP/1.1\r\nX-Slow: "
+                .iter()
+                .cycle()
+            {
+                if slow.write_all(&[*b]).is_err() || started.elapsed() > Duration::from_secs(10) {
+                    break;
+                }
+                thread::sleep(Duration::from_millis(100));
+            }
+            started.elapsed()
+        });
+        let mut quick = TcpStream::connect(addr).unwrap();
+        write!(
+            quick,
+            "GET /run/metrics.jsonl HTTP/1.1\r\nConnection: close\r\n\r\n"
+        )
+        .unwrap();
+        let mut text = String::new();
+        quick.read_to_string(&mut text).unwrap();
+        assert!(text.starts_with("HTTP/1.1 200"), "{text}");
+        let cut = trickle.join().unwrap();
+        assert!(cut < Duration::from_secs(5), "cut off after {cut:?}");
     }
 }

@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use weft_collectives::Communicator;
 use weft_model::StepOutcome;
+use weft_supervise::lock::RunLock;
 use weft_trace::{BatchPosition, MetricsEvent, MetricsEventKind, MetricsRecord, Summary};
 
 use crate::config::Config;
@@ -26,18 +27,20 @@ pub(crate) fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> TrainError +
 }
 
 /// The run folder `<run.dir>/<run.name>` (rank 0 picks a timestamp when
-/// `run.name` is empty, for every rank): resuming, it must exist; else
-/// rank 0 creates it (never over an existing one) with `config.toml`.
+/// `run.name` is empty, for every rank), locked by rank 0 for the run
+/// (the lock is returned: one writer per run folder): resuming, it must
+/// exist; else rank 0 creates it (never over an existing one, even when
+/// another run creates it at the same moment) with `config.toml`.
 /// Collective over `world`.
 ///
 /// # Errors
-/// [`TrainError::NothingToResume`], [`TrainError::RunExists`], or the
-/// failed write.
+/// [`TrainError::NothingToResume`], [`TrainError::RunExists`],
+/// [`TrainError::RunInUse`], or the failed write.
 pub(crate) fn open_run_dir(
     config: &Config,
     world: &dyn Communicator,
     resume: bool,
-) -> Result<PathBuf, TrainError> {
+) -> Result<(PathBuf, Option<RunLock>), TrainError> {
     let writer = world.rank() == 0;
     let name = if config.run.name.is_empty() {
         let mine = if writer {
@@ -51,28 +54,33 @@ pub(crate) fn open_run_dir(
         config.run.name.clone()
     };
     let run_dir = config.run.dir.join(name);
-    if resume {
-        let found = if run_dir.is_dir() {
-            Ok(())
-        } else {
-            Err(TrainError::NothingToResume(run_dir.clone()))
-        };
-        agree(world, found)?;
-    } else {
-        let created = (|| {
-            if !writer {
-                return Ok(());
+    let opened = (|| {
+        if resume && !run_dir.is_dir() {
+            return Err(TrainError::NothingToResume(run_dir.clone()));
+        }
+        if !writer {
+            return Ok(None);
+        }
+        if !resume {
+            if let Some(parent) = run_dir.parent() {
+                std::fs::create_dir_all(parent).map_err(io_err(parent))?;
             }
-            if run_dir.exists() {
-                return Err(TrainError::RunExists(run_dir.clone()));
-            }
-            std::fs::create_dir_all(&run_dir).map_err(io_err(&run_dir))?;
+            // create_dir, not create_dir_all: of two runs that start
+            // with one name, one creates the folder and the other is told
+            std::fs::create_dir(&run_dir).map_err(|e| match e.kind() {
+                std::io::ErrorKind::AlreadyExists => TrainError::RunExists(run_dir.clone()),
+                _ => io_err(&run_dir)(e),
+            })?;
+        }
+        let lock = RunLock::acquire(&run_dir)?;
+        if !resume {
             let config_path = run_dir.join("config.toml");
-            std::fs::write(&config_path, config.to_toml()).map_err(io_err(&config_path))
-        })();
-        agree(world, created)?;
-    }
-    Ok(run_dir)
+            std::fs::write(&config_path, config.to_toml()).map_err(io_err(&config_path))?;
+        }
+        Ok(Some(lock))
+    })();
+    let lock = agree(world, opened)?;
+    Ok((run_dir, lock))
 }
 
 /// One line of `metrics.jsonl`, read back.

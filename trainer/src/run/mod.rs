@@ -158,7 +158,8 @@ pub(crate) fn attempt<M: TrainModel>(
     let t = &config.train;
     let (writer, rank) = (world.rank() == 0, world.rank());
     let split = config.batch_split()?;
-    let run_dir = folder::open_run_dir(config, world, start != Start::New)?;
+    // held until the attempt ends: one writer per run folder
+    let (run_dir, _lock) = folder::open_run_dir(config, world, start != Start::New)?;
     let model = &mut built.model;
     let resumed = resume(job, world, &run_dir, model, start, observer)?;
     let start_step = resumed.step;
