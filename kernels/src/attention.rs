@@ -1,10 +1,15 @@
-//! Causal multi-head self-attention.
+//! Causal multi-head, grouped-query and multi-query self-attention.
 //!
-//! Shapes (llm.c's legend): `qkv (B,T,3C)` holds the query, key and value
-//! projections side by side (`[q | k | v]`, as GPT-2's `c_attn` produces
-//! them), head `h` owning channels `h*HS..(h+1)*HS` of each, `HS = C/NH`.
-//! The forward saves the attention probabilities `att (B,NH,T,T)` (zero
-//! above the diagonal) for the backward.
+//! Shapes (llm.c's legend): `qkv (B,T,C+2·Ckv)` holds the query, key and
+//! value projections side by side (`[q | k | v]`, as GPT-2's `c_attn`
+//! produces them), query head `h` owning channels `h*HS..(h+1)*HS` of `q`,
+//! `HS = C/NH`. With [`Heads`] `{ q: NH, kv: NKV }` the keys and values
+//! have `NKV` heads of `HS` channels (`Ckv = NKV·HS`), and query head `h`
+//! reads key/value head `h / (NH/NKV)` (grouped-query attention,
+//! transformers' `repeat_kv`); multi-head attention is `NKV = NH`
+//! (`Ckv = C`, the `(B,T,3C)` of GPT-2). The forward saves the attention
+//! probabilities `att (B,NH,T,T)` (zero above the diagonal) for the
+//! backward.
 //!
 //! # How it runs
 //!
@@ -58,14 +63,51 @@ const MR: usize = 6;
 /// transposed tile.
 const NR: usize = 64;
 
-fn dims(op: &'static str, c: usize, nh: usize) -> Result<usize> {
+/// Attention heads: `q` query heads sharing `kv` key/value heads.
+/// `kv` divides `q`: multi-head attention when they are equal (what a
+/// plain head count converts to), grouped-query when `kv` is smaller,
+/// multi-query at `kv = 1`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Heads {
+    /// Query heads, NH.
+    pub q: usize,
+    /// Key/value heads, NKV.
+    pub kv: usize,
+}
+
+impl Heads {
+    /// Query heads per key/value head.
+    pub fn group(self) -> usize {
+        self.q / self.kv.max(1)
+    }
+}
+
+impl From<usize> for Heads {
+    /// Multi-head attention: `nh` query heads, each with its own keys and values.
+    fn from(nh: usize) -> Self {
+        Heads { q: nh, kv: nh }
+    }
+}
+
+/// `HS`, and the key/value width `Ckv`, checking `NH | C` and `NKV | NH`.
+fn dims(op: &'static str, c: usize, heads: Heads) -> Result<(usize, usize)> {
+    let nh = heads.q;
     if nh == 0 || !c.is_multiple_of(nh) {
         return Err(Error::InvalidArgument {
             op,
             reason: format!("channels C={c} not divisible by heads NH={nh}"),
         });
     }
-    Ok(c / nh)
+    if heads.kv == 0 || !nh.is_multiple_of(heads.kv) {
+        return Err(Error::InvalidArgument {
+            op,
+            reason: format!(
+                "key/value heads NKV={} must be at least 1 and divide NH={nh}",
+                heads.kv
+            ),
+        });
+    }
+    Ok((c / nh, c / nh * heads.kv))
 }
 
 /// What a tile does with its sums.
@@ -648,8 +690,46 @@ pub fn doc_starts(
     Ok(())
 }
 
-/// Forward: `out (B,T,C)`, `att (B,NH,T,T)` from `qkv (B,T,3C)`, with
-/// scores scaled by `1/sqrt(HS)` and a causal mask.
+/// Each row's first visible key under sliding-window attention
+/// (Mistral's, Gemma's local layers): row `i` sees the `window` keys
+/// `i+1-window..=i` (all of `0..=i` while `i < window`), and, with
+/// `docs` ([`doc_starts`]), none before its document's start. The result
+/// goes to [`attention_forward`]'s `docs` argument (the per-row starts the
+/// kernel masks by); for decoding, position `pos`'s start is the same
+/// `max(doc start, pos+1-window)`.
+///
+/// # Errors
+/// [`Error::ShapeMismatch`] on a wrong buffer length,
+/// [`Error::InvalidArgument`] on a window of 0.
+pub fn window_starts(
+    out: &mut [u32],
+    docs: Option<&[u32]>,
+    window: usize,
+    b: usize,
+    t: usize,
+) -> Result<()> {
+    const OP: &str = "window_starts";
+    check(OP, "out", out, b * t)?;
+    if let Some(d) = docs {
+        check(OP, "docs", d, b * t)?;
+    }
+    if window == 0 {
+        return Err(Error::InvalidArgument {
+            op: OP,
+            reason: "the window must hold at least one key".into(),
+        });
+    }
+    for (r, o) in out.iter_mut().enumerate() {
+        let first = (r % t + 1).saturating_sub(window);
+        let doc = docs.map_or(0, |d| d[r] as usize);
+        *o = u32::try_from(first.max(doc)).unwrap_or(u32::MAX);
+    }
+    Ok(())
+}
+
+/// Forward: `out (B,T,C)`, `att (B,NH,T,T)` from `qkv (B,T,C+2·Ckv)`
+/// (see the module docs for the heads), with scores scaled by
+/// `1/sqrt(HS)` and a causal mask.
 ///
 /// `docs`, when given, is each row's document start `(B,T)`
 /// ([`doc_starts`]): row `i` then attends only to keys
@@ -662,8 +742,8 @@ pub fn doc_starts(
 ///
 /// # Errors
 /// [`Error::ShapeMismatch`] on a wrong buffer length,
-/// [`Error::InvalidArgument`] if `NH` does not divide `C` or a row's
-/// start lies after the row.
+/// [`Error::InvalidArgument`] if `NH` does not divide `C`, `NKV` does
+/// not divide `NH`, or a row's start lies after the row.
 #[allow(clippy::too_many_arguments)]
 pub fn attention_forward<T: Real>(
     out: &mut [T],
@@ -673,13 +753,15 @@ pub fn attention_forward<T: Real>(
     b: usize,
     t: usize,
     c: usize,
-    nh: usize,
+    heads: impl Into<Heads>,
 ) -> Result<()> {
     const OP: &str = "attention_forward";
-    let hs = dims(OP, c, nh)?;
+    let heads = heads.into();
+    let (hs, ckv) = dims(OP, c, heads)?;
+    let (nh, g, w) = (heads.q, heads.group(), c + 2 * ckv);
     check(OP, "out", out, b * t * c)?;
     check(OP, "att", att, b * nh * t * t)?;
-    check(OP, "qkv", qkv, b * t * 3 * c)?;
+    check(OP, "qkv", qkv, b * t * w)?;
     if let Some(d) = docs {
         check(OP, "docs", d, b * t)?;
         if let Some(r) = (0..b * t).find(|&r| d[r] as usize > r % t) {
@@ -703,16 +785,18 @@ pub fn attention_forward<T: Real>(
     let out = Shared(out.as_mut_ptr());
     att.par_chunks_mut(t * t).enumerate().for_each(|(bh, p)| {
         let (bb, h) = (bh / nh, bh % nh);
-        let x = &qkv[bb * t * 3 * c..(bb + 1) * t * 3 * c];
+        let kh = h / g;
+        let x = &qkv[bb * t * w..(bb + 1) * t * w];
         let pp = p.as_mut_ptr();
         with_pack(2 * nblocks * hs * NR, |buf: &mut [T]| {
             let (kt, vc) = buf.split_at_mut(nblocks * hs * NR);
             for blk in 0..nblocks {
                 let (i0, i1) = (blk * BLOCK, (blk * BLOCK + BLOCK).min(t));
-                let keys = &x[i0 * 3 * c + c + h * hs..];
-                pack_block(&mut kt[blk * hs * NR..], keys, 3 * c, i1 - i0, hs);
+                let keys = &x[i0 * w + c + kh * hs..];
+                pack_block(&mut kt[blk * hs * NR..], keys, w, i1 - i0, hs);
                 for j in i0..i1 {
-                    let src = &x[j * 3 * c + 2 * c + h * hs..j * 3 * c + 2 * c + h * hs + hs];
+                    let v0 = j * w + c + ckv + kh * hs;
+                    let src = &x[v0..v0 + hs];
                     vc[j * hs..(j + 1) * hs].copy_from_slice(src);
                 }
                 for kb in 0..=blk {
@@ -727,7 +811,7 @@ pub fn attention_forward<T: Real>(
                             NR.min(i1 - k0),
                             hs,
                             (ia, i1),
-                            (x[ia * 3 * c + h * hs..].as_ptr(), 3 * c),
+                            (x[ia * w + h * hs..].as_ptr(), w),
                             (pp.wrapping_add(ia * t + k0), t),
                             scale,
                         );
@@ -769,9 +853,11 @@ pub fn attention_forward<T: Real>(
 /// One position of [`attention_forward`] from a key/value cache, for
 /// incremental decoding: the output `out (C)` and probabilities
 /// `att (NH, pos+1)` of the query `q (C)` at position `pos` over the keys
-/// and values `kv (pos+1, 2C)` (rows `[k | v]`, head `h` owning channels
-/// `h*HS..(h+1)*HS` of each) of positions `start..=pos`: `start` is the
-/// position's document start under document masking, else 0.
+/// and values `kv (pos+1, 2·Ckv)` (rows `[k | v]`, key/value head `k`
+/// owning channels `k*HS..(k+1)*HS` of each) of positions `start..=pos`:
+/// `start` is the position's first visible key (its document start under
+/// document masking, the window's first key under sliding-window
+/// attention), else 0.
 ///
 /// The result is bitwise equal to row `pos` of [`attention_forward`] over
 /// any sequence with the same queries, keys and values up to `pos` (and the
@@ -783,7 +869,7 @@ pub fn attention_forward<T: Real>(
 ///
 /// # Errors
 /// [`Error::ShapeMismatch`] on a wrong buffer length,
-/// [`Error::InvalidArgument`] if `NH` does not divide `C`.
+/// [`Error::InvalidArgument`] if `NH` does not divide `C` or `NKV` `NH`.
 #[allow(clippy::too_many_arguments)]
 pub fn attention_decode<T: Real>(
     out: &mut [T],
@@ -793,10 +879,12 @@ pub fn attention_decode<T: Real>(
     pos: usize,
     start: usize,
     c: usize,
-    nh: usize,
+    heads: impl Into<Heads>,
 ) -> Result<()> {
     const OP: &str = "attention_decode";
-    let hs = dims(OP, c, nh)?;
+    let heads = heads.into();
+    let (hs, ckv) = dims(OP, c, heads)?;
+    let (nh, g) = (heads.q, heads.group());
     let n = pos + 1;
     if start > pos {
         return Err(Error::InvalidArgument {
@@ -807,7 +895,7 @@ pub fn attention_decode<T: Real>(
     check(OP, "out", out, c)?;
     check(OP, "att", att, nh * n)?;
     check(OP, "q", q, c)?;
-    check(OP, "kv", kv, n * 2 * c)?;
+    check(OP, "kv", kv, n * 2 * ckv)?;
     if c == 0 {
         return Ok(());
     }
@@ -821,7 +909,7 @@ pub fn attention_decode<T: Real>(
                 let k0 = kb * NR;
                 let kw = NR.min(n - k0);
                 let tile = &mut kt[kb * hs * NR..];
-                pack_block(tile, &kv[k0 * 2 * c + h * hs..], 2 * c, kw, hs);
+                pack_block(tile, &kv[k0 * 2 * ckv + h / g * hs..], 2 * ckv, kw, hs);
                 // SAFETY: one query row of `hs` channels; `row` holds the
                 // keys `k0..k0+kw`.
                 unsafe {
@@ -846,7 +934,7 @@ pub fn attention_decode<T: Real>(
                     1,
                     n,
                     (row.as_ptr(), n, 1),
-                    (kv[c + h * hs..].as_ptr(), 2 * c),
+                    (kv[ckv + h / g * hs..].as_ptr(), 2 * ckv),
                     hs,
                     (out[h * hs..].as_mut_ptr(), c),
                     Fin::Store(T::ONE),
@@ -857,9 +945,12 @@ pub fn attention_decode<T: Real>(
     Ok(())
 }
 
-/// Backward of [`attention_forward`], accumulating into `dqkv (B,T,3C)`.
-/// `scratch (B,NH,T,T)` is overwritten: its lower triangle with the score
-/// gradients, the rest with unspecified values.
+/// Backward of [`attention_forward`], accumulating into
+/// `dqkv (B,T,C+2·Ckv)`. `scratch (B,NH,T,T)` is overwritten: its lower
+/// triangle with the score gradients, the rest with unspecified values.
+/// Work items are (sequence, key/value head): the query heads of a group
+/// add their key and value gradients into one accumulator, in head order,
+/// before it is added to `dqkv`.
 ///
 /// # Errors
 /// As [`attention_forward`].
@@ -873,14 +964,16 @@ pub fn attention_backward<T: Real>(
     b: usize,
     t: usize,
     c: usize,
-    nh: usize,
+    heads: impl Into<Heads>,
 ) -> Result<()> {
     const OP: &str = "attention_backward";
-    let hs = dims(OP, c, nh)?;
-    check(OP, "dqkv", dqkv, b * t * 3 * c)?;
+    let heads = heads.into();
+    let (hs, ckv) = dims(OP, c, heads)?;
+    let (nh, nkv, g, w) = (heads.q, heads.kv, heads.group(), c + 2 * ckv);
+    check(OP, "dqkv", dqkv, b * t * w)?;
     check(OP, "scratch", scratch, b * nh * t * t)?;
     check(OP, "dout", dout, b * t * c)?;
-    check(OP, "qkv", qkv, b * t * 3 * c)?;
+    check(OP, "qkv", qkv, b * t * w)?;
     check(OP, "att", att, b * nh * t * t)?;
     if b * t * c == 0 {
         return Ok(());
@@ -889,22 +982,21 @@ pub fn attention_backward<T: Real>(
     let scale = T::from_f64(1.0 / (hs as f64).sqrt());
     let nblocks = t.div_ceil(BLOCK);
     let dx = Shared(dqkv.as_mut_ptr());
-    // Per (sequence, head), by blocks of query rows i: dP = dO·Vᵀ, then
+    // Per (sequence, query head), by blocks of query rows i: dP = dO·Vᵀ, then
     // dS = P ⊙ (dP - rowsum(dP ⊙ P)) · scale, then dQ[i] += Σ_j dS[i,j] K[j]
     // and, while the block's rows of dS and P are in cache,
     // dKᵀ[:, j] += Σ_i Q[i] dS[i, j] and dVᵀ[:, j] += Σ_i dO[i] P[i, j] into
-    // per-head accumulators (rows of dS and P are contiguous in j; their
-    // columns would walk a single cache set), added to dK, dV at the end.
+    // accumulators of the key/value head (rows of dS and P are contiguous
+    // in j; their columns would walk a single cache set), added to dK, dV
+    // after the group's last query head.
     let tp = nblocks * NR;
     scratch
-        .par_chunks_mut(t * t)
+        .par_chunks_mut(g * t * t)
         .enumerate()
-        .for_each(|(bh, d)| {
-            let (bb, h) = (bh / nh, bh % nh);
-            let x = &qkv[bb * t * 3 * c..(bb + 1) * t * 3 * c];
+        .for_each(|(bk, dg)| {
+            let (bb, kh) = (bk / nkv, bk % nkv);
+            let x = &qkv[bb * t * w..(bb + 1) * t * w];
             let go = &dout[bb * t * c..(bb + 1) * t * c];
-            let p = &att[bh * t * t..(bh + 1) * t * t];
-            let dp = d.as_mut_ptr();
             with_pack(4 * hs * tp + 2 * BLOCK * hs, |buf: &mut [T]| {
                 let (vt, rest) = buf.split_at_mut(hs * tp);
                 let (dkt, rest) = rest.split_at_mut(hs * tp);
@@ -913,103 +1005,109 @@ pub fn attention_backward<T: Real>(
                 let (qc, gc) = rest.split_at_mut(BLOCK * hs);
                 dkt.fill(T::ZERO);
                 dvt.fill(T::ZERO);
-                for blk in 0..nblocks {
-                    let (i0, i1) = (blk * BLOCK, (blk * BLOCK + BLOCK).min(t));
-                    let values = &x[i0 * 3 * c + 2 * c + h * hs..];
-                    pack_block(&mut vt[blk * hs * NR..], values, 3 * c, i1 - i0, hs);
-                    // This block's rows of K (all of them so far, for dQ),
-                    // Q and dO, head `h`, contiguous.
-                    for i in i0..i1 {
-                        let r = i * 3 * c + h * hs;
-                        kc[i * hs..(i + 1) * hs].copy_from_slice(&x[r + c..r + c + hs]);
-                        qc[(i - i0) * hs..(i - i0 + 1) * hs].copy_from_slice(&x[r..r + hs]);
-                        let g = &go[i * c + h * hs..i * c + h * hs + hs];
-                        gc[(i - i0) * hs..(i - i0 + 1) * hs].copy_from_slice(g);
-                    }
-                    for kb in 0..=blk {
-                        let k0 = kb * NR;
-                        let ia = i0.max(k0);
-                        // SAFETY: rows `ia..i1` of `dout` and of `d` are in
-                        // bounds; `d` is ours.
-                        unsafe {
-                            dots(
-                                &vt[kb * hs * NR..],
-                                k0,
-                                NR.min(i1 - k0),
-                                hs,
-                                (ia, i1),
-                                (go[ia * c + h * hs..].as_ptr(), c),
-                                (dp.wrapping_add(ia * t + k0), t),
-                                T::ONE,
-                            );
+                for (hh, d) in dg.chunks_mut(t * t).enumerate() {
+                    let h = kh * g + hh;
+                    let bh = bb * nh + h;
+                    let p = &att[bh * t * t..(bh + 1) * t * t];
+                    let dp = d.as_mut_ptr();
+                    for blk in 0..nblocks {
+                        let (i0, i1) = (blk * BLOCK, (blk * BLOCK + BLOCK).min(t));
+                        let values = &x[i0 * w + c + ckv + kh * hs..];
+                        pack_block(&mut vt[blk * hs * NR..], values, w, i1 - i0, hs);
+                        // This block's rows of K (all of them so far, for dQ),
+                        // Q and dO, head `h`, contiguous.
+                        for i in i0..i1 {
+                            let (r, rk) = (i * w + h * hs, i * w + c + kh * hs);
+                            kc[i * hs..(i + 1) * hs].copy_from_slice(&x[rk..rk + hs]);
+                            qc[(i - i0) * hs..(i - i0 + 1) * hs].copy_from_slice(&x[r..r + hs]);
+                            let g = &go[i * c + h * hs..i * c + h * hs + hs];
+                            gc[(i - i0) * hs..(i - i0 + 1) * hs].copy_from_slice(g);
                         }
-                    }
-                    for i in i0..i1 {
-                        // SAFETY: row `i` of `d`, ours (no tile is running).
-                        let dr = unsafe { std::slice::from_raw_parts_mut(dp.add(i * t), t) };
-                        score_grad_row(&mut dr[..=i], &p[i * t..=i * t + i], scale);
-                        // The tiles of this block read up to column `i1`.
-                        dr[i + 1..i1].fill(T::ZERO);
-                    }
-                    let k = kc.as_ptr();
-                    for r0 in (i0..i1).step_by(MR) {
-                        let m = MR.min(i1 - r0);
-                        // SAFETY: rows `r0..r0+m` of `d` hold `r0+m ≤ T`
-                        // terms, the keys' rows `0..r0+m` are in `x`; dQ's rows
-                        // `r0..r0+m` of sequence `bb`, channels of head `h`,
-                        // are this item's alone.
-                        unsafe {
-                            weighted(
-                                m,
-                                r0 + m,
-                                (dp.wrapping_add(r0 * t), t, 1),
-                                (k, hs),
-                                hs,
-                                (dx.get().add((bb * t + r0) * 3 * c + h * hs), 3 * c),
-                                Fin::Add,
-                            );
+                        for kb in 0..=blk {
+                            let k0 = kb * NR;
+                            let ia = i0.max(k0);
+                            // SAFETY: rows `ia..i1` of `dout` and of `d` are in
+                            // bounds; `d` is ours.
+                            unsafe {
+                                dots(
+                                    &vt[kb * hs * NR..],
+                                    k0,
+                                    NR.min(i1 - k0),
+                                    hs,
+                                    (ia, i1),
+                                    (go[ia * c + h * hs..].as_ptr(), c),
+                                    (dp.wrapping_add(ia * t + k0), t),
+                                    T::ONE,
+                                );
+                            }
                         }
-                    }
-                    for kb in 0..=blk {
-                        let k0 = kb * NR;
-                        let kw = NR.min(i1 - k0);
-                        for d0 in (0..hs).step_by(MR) {
-                            let m = MR.min(hs - d0);
-                            let tiles = [
-                                (qc[d0..].as_ptr(), hs, dp.cast_const(), &mut *dkt),
-                                (gc[d0..].as_ptr(), hs, p.as_ptr(), &mut *dvt),
-                            ];
-                            for (a, acs, b, out) in tiles {
-                                let tile = Tile {
+                        for i in i0..i1 {
+                            // SAFETY: row `i` of `d`, ours (no tile is running).
+                            let dr = unsafe { std::slice::from_raw_parts_mut(dp.add(i * t), t) };
+                            score_grad_row(&mut dr[..=i], &p[i * t..=i * t + i], scale);
+                            // The tiles of this block read up to column `i1`.
+                            dr[i + 1..i1].fill(T::ZERO);
+                        }
+                        let k = kc.as_ptr();
+                        for r0 in (i0..i1).step_by(MR) {
+                            let m = MR.min(i1 - r0);
+                            // SAFETY: rows `r0..r0+m` of `d` hold `r0+m ≤ T`
+                            // terms, the keys' rows `0..r0+m` are in `x`; dQ's rows
+                            // `r0..r0+m` of sequence `bb`, channels of head `h`,
+                            // are this item's alone.
+                            unsafe {
+                                weighted(
                                     m,
-                                    w: kw,
-                                    k: i1 - i0,
-                                    a,
-                                    ars: 1,
-                                    acs,
-                                    b: b.wrapping_add(i0 * t + k0),
-                                    ldb: t,
-                                    c: out[d0 * tp + k0..].as_mut_ptr(),
-                                    ldc: tp,
-                                    fin: Fin::Add,
-                                };
-                                // SAFETY: channels `d0..d0+m` of the block's
-                                // rows of the queries / output gradients,
-                                // columns `k0..k0+kw` of those rows of `d` /
-                                // `p`, and rows `d0..d0+m`, columns
-                                // `k0..k0+kw` of the accumulator (`hs`×`tp`,
-                                // ours) are in bounds.
-                                unsafe { run_tile(&tile) };
+                                    r0 + m,
+                                    (dp.wrapping_add(r0 * t), t, 1),
+                                    (k, hs),
+                                    hs,
+                                    (dx.get().add((bb * t + r0) * w + h * hs), w),
+                                    Fin::Add,
+                                );
+                            }
+                        }
+                        for kb in 0..=blk {
+                            let k0 = kb * NR;
+                            let kw = NR.min(i1 - k0);
+                            for d0 in (0..hs).step_by(MR) {
+                                let m = MR.min(hs - d0);
+                                let tiles = [
+                                    (qc[d0..].as_ptr(), hs, dp.cast_const(), &mut *dkt),
+                                    (gc[d0..].as_ptr(), hs, p.as_ptr(), &mut *dvt),
+                                ];
+                                for (a, acs, b, out) in tiles {
+                                    let tile = Tile {
+                                        m,
+                                        w: kw,
+                                        k: i1 - i0,
+                                        a,
+                                        ars: 1,
+                                        acs,
+                                        b: b.wrapping_add(i0 * t + k0),
+                                        ldb: t,
+                                        c: out[d0 * tp + k0..].as_mut_ptr(),
+                                        ldc: tp,
+                                        fin: Fin::Add,
+                                    };
+                                    // SAFETY: channels `d0..d0+m` of the block's
+                                    // rows of the queries / output gradients,
+                                    // columns `k0..k0+kw` of those rows of `d` /
+                                    // `p`, and rows `d0..d0+m`, columns
+                                    // `k0..k0+kw` of the accumulator (`hs`×`tp`,
+                                    // ours) are in bounds.
+                                    unsafe { run_tile(&tile) };
+                                }
                             }
                         }
                     }
                 }
-                let row = bb * t * 3 * c + h * hs;
+                let row = bb * t * w + c + kh * hs;
                 // SAFETY: rows `0..T` of sequence `bb` of dK and dV,
-                // channels of head `h`, are this item's alone.
+                // channels of key/value head `kh`, are this item's alone.
                 unsafe {
-                    transpose_add(dx.get().add(row + c), 3 * c, dkt, tp, t, hs);
-                    transpose_add(dx.get().add(row + 2 * c), 3 * c, dvt, tp, t, hs);
+                    transpose_add(dx.get().add(row), w, dkt, tp, t, hs);
+                    transpose_add(dx.get().add(row + ckv), w, dvt, tp, t, hs);
                 }
             });
         });
@@ -1051,21 +1149,26 @@ mod tests {
     use crate::testutil::{check_grads, rand_vec};
 
     /// Straightforward f64 attention, written from the formula; row `i`
-    /// sees keys `starts[i]..=i` (all of `0..=i` without starts).
-    fn naive(
+    /// sees keys `starts[i]..=i` (all of `0..=i` without starts); query
+    /// head `h` reads key/value head `h / (nh/nkv)` (transformers'
+    /// `repeat_kv`).
+    fn naive_gqa(
         qkv: &[f64],
         starts: Option<&[u32]>,
         b: usize,
         t: usize,
         c: usize,
-        nh: usize,
+        (nh, nkv): (usize, usize),
     ) -> Vec<f64> {
         let hs = c / nh;
+        let (ckv, g) = (nkv * hs, nh / nkv);
+        let w = c + 2 * ckv;
         let mut out = vec![0.0; b * t * c];
         for bb in 0..b {
             for h in 0..nh {
+                let kh = h / g;
                 for i in 0..t {
-                    let q = |d: usize| qkv[(bb * t + i) * 3 * c + h * hs + d];
+                    let q = |d: usize| qkv[(bb * t + i) * w + h * hs + d];
                     let first = starts.map_or(0, |s| s[bb * t + i] as usize);
                     let s: Vec<f64> = (0..=i)
                         .map(|j| {
@@ -1073,7 +1176,7 @@ mod tests {
                                 return f64::NEG_INFINITY;
                             }
                             (0..hs)
-                                .map(|d| q(d) * qkv[(bb * t + j) * 3 * c + c + h * hs + d])
+                                .map(|d| q(d) * qkv[(bb * t + j) * w + c + kh * hs + d])
                                 .sum::<f64>()
                                 / (hs as f64).sqrt()
                         })
@@ -1083,8 +1186,7 @@ mod tests {
                     for d in 0..hs {
                         out[(bb * t + i) * c + h * hs + d] = (0..=i)
                             .map(|j| {
-                                (s[j] - m).exp() / z
-                                    * qkv[(bb * t + j) * 3 * c + 2 * c + h * hs + d]
+                                (s[j] - m).exp() / z * qkv[(bb * t + j) * w + c + ckv + kh * hs + d]
                             })
                             .sum();
                     }
@@ -1092,6 +1194,183 @@ mod tests {
             }
         }
         out
+    }
+
+    fn naive(
+        qkv: &[f64],
+        starts: Option<&[u32]>,
+        b: usize,
+        t: usize,
+        c: usize,
+        nh: usize,
+    ) -> Vec<f64> {
+        naive_gqa(qkv, starts, b, t, c, (nh, nh))
+    }
+
+    /// Grouped-query and multi-query shapes: the formula, the gradients
+    /// (finite differences) and decoding, with document starts.
+    #[test]
+    fn grouped_query_attention_matches_the_formula_and_its_gradients() {
+        for (b, t, c, nh, nkv) in [(2, 9, 12, 4, 2), (1, 70, 8, 4, 1), (2, 6, 12, 6, 3)] {
+            let heads = Heads { q: nh, kv: nkv };
+            let w = c + 2 * c / nh * nkv;
+            let (_, starts) = with_boundaries(b, t, &[&[2][..], &[4]][..b]);
+            let qkv: Vec<f64> = rand_vec(b * t * w, 17).iter().map(|x| x * 2.0).collect();
+            for docs in [None, Some(&starts[..])] {
+                let mut out = vec![0.0; b * t * c];
+                let mut att = vec![0.0; b * nh * t * t];
+                attention_forward(&mut out, &mut att, &qkv, docs, b, t, c, heads).unwrap();
+                let want = naive_gqa(&qkv, docs, b, t, c, (nh, nkv));
+                let worst = out
+                    .iter()
+                    .zip(&want)
+                    .map(|(a, b)| (a - b).abs())
+                    .fold(0.0, f64::max);
+                assert!(worst < 1e-12, "NH={nh} NKV={nkv}: max diff {worst}");
+            }
+            if t > 10 {
+                continue; // finite differences over every input: keep them small
+            }
+            check_grads(
+                std::slice::from_ref(&qkv),
+                b * t * c,
+                |ins, out| {
+                    let mut att = vec![0.0; b * nh * t * t];
+                    attention_forward(out, &mut att, &ins[0], Some(&starts), b, t, c, heads)
+                        .unwrap();
+                },
+                |ins, dout, g| {
+                    let mut att = vec![0.0; b * nh * t * t];
+                    let mut out = vec![0.0; b * t * c];
+                    attention_forward(&mut out, &mut att, &ins[0], Some(&starts), b, t, c, heads)
+                        .unwrap();
+                    let mut scratch = vec![0.0; b * nh * t * t];
+                    attention_backward(
+                        &mut g[0],
+                        &mut scratch,
+                        dout,
+                        &ins[0],
+                        &att,
+                        b,
+                        t,
+                        c,
+                        heads,
+                    )
+                    .unwrap();
+                },
+            );
+        }
+    }
+
+    /// Grouped-query attention is multi-head attention over keys and values
+    /// repeated per group (transformers' `repeat_kv`): the same output bits,
+    /// the same query gradients, and key/value gradients that are the
+    /// group's sums.
+    #[test]
+    fn grouped_query_attention_is_multi_head_over_repeated_keys() {
+        let (b, t, c, nh, nkv) = (2, 70, 32, 4, 2);
+        let (hs, g) = (c / nh, nh / nkv);
+        let ckv = nkv * hs;
+        let w = c + 2 * ckv;
+        let qkv: Vec<f32> = rand_vec(b * t * w, 5).iter().map(|&x| x as f32).collect();
+        let dout: Vec<f32> = rand_vec(b * t * c, 6).iter().map(|&x| x as f32).collect();
+        let mut rep = vec![0.0f32; b * t * 3 * c];
+        for r in 0..b * t {
+            let (src, dst) = (
+                &qkv[r * w..(r + 1) * w],
+                &mut rep[r * 3 * c..(r + 1) * 3 * c],
+            );
+            dst[..c].copy_from_slice(&src[..c]);
+            for h in 0..nh {
+                let kh = h / g;
+                dst[c + h * hs..c + (h + 1) * hs].copy_from_slice(&src[c + kh * hs..][..hs]);
+                dst[2 * c + h * hs..2 * c + (h + 1) * hs]
+                    .copy_from_slice(&src[c + ckv + kh * hs..][..hs]);
+            }
+        }
+        let run = |x: &[f32], heads: Heads, width: usize| {
+            let mut out = vec![0.0f32; b * t * c];
+            let mut att = vec![0.0f32; b * nh * t * t];
+            attention_forward(&mut out, &mut att, x, None, b, t, c, heads).unwrap();
+            let mut dx = vec![0.0f32; b * t * width];
+            let mut s = vec![0.0f32; b * nh * t * t];
+            attention_backward(&mut dx, &mut s, &dout, x, &att, b, t, c, heads).unwrap();
+            (out, dx)
+        };
+        let (o_g, d_g) = run(&qkv, Heads { q: nh, kv: nkv }, w);
+        let (o_m, d_m) = run(&rep, nh.into(), 3 * c);
+        assert_eq!(o_g, o_m);
+        for r in 0..b * t {
+            let (dg, dm) = (&d_g[r * w..(r + 1) * w], &d_m[r * 3 * c..(r + 1) * 3 * c]);
+            assert_eq!(dg[..c], dm[..c], "row {r}: query gradients");
+            for kh in 0..nkv {
+                for d in 0..hs {
+                    for (base_g, base_m) in [(c, c), (c + ckv, 2 * c)] {
+                        let sum: f32 = (0..g).map(|j| dm[base_m + (kh * g + j) * hs + d]).sum();
+                        let got = dg[base_g + kh * hs + d];
+                        assert!(
+                            (got - sum).abs() <= 1e-5 * sum.abs().max(1.0),
+                            "{got} vs {sum}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    /// Sliding-window attention is the formula over each row's last
+    /// `window` keys (within its document), and decoding with the window's
+    /// start gives the forward's rows bitwise.
+    #[test]
+    fn sliding_window_attention_matches_the_formula() {
+        let (b, t, c, nh, nkv) = (2, 70, 8, 2, 1);
+        let w = c + 2 * c / nh * nkv;
+        let heads = Heads { q: nh, kv: nkv };
+        let (_, docs) = with_boundaries(b, t, &[&[30], &[]]);
+        let qkv: Vec<f64> = rand_vec(b * t * w, 23).iter().map(|x| x * 2.0).collect();
+        for window in [1, 5, 64, 100] {
+            let mut starts = vec![0u32; b * t];
+            window_starts(&mut starts, Some(&docs), window, b, t).unwrap();
+            for (r, &s) in starts.iter().enumerate() {
+                let i = r % t;
+                assert!(s as usize <= i && i - (s as usize) < window, "row {r}");
+                assert!(s >= docs[r]);
+            }
+            let mut out = vec![0.0; b * t * c];
+            let mut att = vec![0.0; b * nh * t * t];
+            attention_forward(&mut out, &mut att, &qkv, Some(&starts), b, t, c, heads).unwrap();
+            let want = naive_gqa(&qkv, Some(&starts), b, t, c, (nh, nkv));
+            let worst = out
+                .iter()
+                .zip(&want)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0.0, f64::max);
+            assert!(worst < 1e-12, "window {window}: max diff {worst}");
+            let ckv = c / nh * nkv;
+            for pos in [0, 4, 29, 31, 69] {
+                let x = &qkv[..t * w];
+                let kv: Vec<f64> = (0..=pos)
+                    .flat_map(|j| x[j * w + c..(j + 1) * w].to_vec())
+                    .collect();
+                let mut o1 = vec![0.0; c];
+                let mut a1 = vec![0.0; nh * (pos + 1)];
+                let start = starts[pos] as usize;
+                attention_decode(
+                    &mut o1,
+                    &mut a1,
+                    &x[pos * w..pos * w + c],
+                    &kv,
+                    pos,
+                    start,
+                    c,
+                    heads,
+                )
+                .unwrap();
+                assert_eq!(o1, out[pos * c..(pos + 1) * c], "window {window} pos {pos}");
+                assert_eq!(kv.len(), (pos + 1) * 2 * ckv);
+            }
+        }
+        assert!(window_starts(&mut [0; 4], None, 0, 1, 4).is_err());
     }
 
     #[test]
@@ -1241,43 +1520,47 @@ mod tests {
     /// sums are chunked), for several head sizes.
     #[test]
     fn decode_matches_the_forwards_last_row_bitwise() {
-        for (c, nh, t) in [
-            (32, 4, 140),
-            (24, 1, 70),
-            (12, 3, 20),
-            (128, 2, 131),
-            (8, 2, 530),
-            (160, 2, 70),
+        for (c, nh, nkv, t) in [
+            (32, 4, 4, 140),
+            (24, 1, 1, 70),
+            (12, 3, 3, 20),
+            (128, 2, 2, 131),
+            (8, 2, 2, 530),
+            (160, 2, 2, 70),
+            (32, 4, 2, 90),
+            (24, 6, 1, 20),
         ] {
-            let qkv: Vec<f32> = rand_vec(t * 3 * c, 31)
+            let heads = Heads { q: nh, kv: nkv };
+            let ckv = c / nh * nkv;
+            let w = c + 2 * ckv;
+            let qkv: Vec<f32> = rand_vec(t * w, 31)
                 .into_iter()
                 .map(|x| (x * 3.0) as f32)
                 .collect();
-            let mut kv = vec![0.0f32; t * 2 * c];
+            let mut kv = vec![0.0f32; t * 2 * ckv];
             for i in 0..t {
-                kv[i * 2 * c..(i + 1) * 2 * c]
-                    .copy_from_slice(&qkv[i * 3 * c + c..(i + 1) * 3 * c]);
+                kv[i * 2 * ckv..(i + 1) * 2 * ckv].copy_from_slice(&qkv[i * w + c..(i + 1) * w]);
             }
             let mut full = vec![0.0f32; t * c];
             let mut full_att = vec![0.0f32; nh * t * t];
-            attention_forward(&mut full, &mut full_att, &qkv, None, 1, t, c, nh).unwrap();
+            attention_forward(&mut full, &mut full_att, &qkv, None, 1, t, c, heads).unwrap();
             let checked =
                 (0..t).filter(|&p| t < 200 || p < 70 || (505..520).contains(&p) || p + 1 == t);
             for pos in checked {
                 let n = pos + 1;
                 let mut out = vec![0.0f32; n * c];
                 let mut att = vec![0.0f32; nh * n * n];
-                attention_forward(&mut out, &mut att, &qkv[..n * 3 * c], None, 1, n, c, nh)
-                    .unwrap();
+                attention_forward(&mut out, &mut att, &qkv[..n * w], None, 1, n, c, heads).unwrap();
                 let mut o1 = vec![0.0f32; c];
                 let mut a1 = vec![0.0f32; nh * n];
-                let q = &qkv[pos * 3 * c..pos * 3 * c + c];
-                attention_decode(&mut o1, &mut a1, q, &kv[..n * 2 * c], pos, 0, c, nh).unwrap();
+                let q = &qkv[pos * w..pos * w + c];
+                attention_decode(&mut o1, &mut a1, q, &kv[..n * 2 * ckv], pos, 0, c, heads)
+                    .unwrap();
                 let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
                 assert_eq!(
                     bits(&o1),
                     bits(&out[pos * c..]),
-                    "C={c} NH={nh} pos={pos}: out"
+                    "C={c} NH={nh} NKV={nkv} pos={pos}: out"
                 );
                 for h in 0..nh {
                     let row = &att[h * n * n + pos * n..h * n * n + (pos + 1) * n];
@@ -1453,5 +1736,18 @@ mod tests {
         )
         .unwrap_err();
         assert!(matches!(err, Error::InvalidArgument { .. }), "{err}");
+        let heads = Heads { q: 4, kv: 3 };
+        let err = attention_forward(
+            &mut [0.0f32; 8],
+            &mut [0.0; 4],
+            &[0.0; 20],
+            None,
+            1,
+            1,
+            8,
+            heads,
+        )
+        .unwrap_err();
+        assert!(err.to_string().contains("NKV=3"), "{err}");
     }
 }

@@ -1,5 +1,5 @@
-//! The math of one device: forward and backward kernels for a GPT-2-style
-//! transformer, on the CPU (multi-threaded, SIMD), and on CUDA GPUs
+//! The math of one device: forward and backward kernels for GPT-2- and
+//! Llama-style transformers, on the CPU (multi-threaded, SIMD), and on CUDA GPUs
 //! (feature `cuda`).
 //!
 //! # Overview
@@ -20,8 +20,11 @@
 //! | linear (`[in, out]` weight, optional bias) | [`matmul_forward`] | [`matmul_backward`] = [`matmul_backward_input`] + [`matmul_backward_weight`] |
 //! | linear (`[out, in]` weight, e.g. a tied `lm_head`) | [`matmul_forward_wt`] | [`matmul_backward_wt`] = [`matmul_backward_wt_input`] + [`matmul_backward_wt_weight`] |
 //! | layernorm | [`layernorm_forward`] | [`layernorm_backward`] = [`layernorm_backward_input`] + [`layernorm_backward_weight`] |
+//! | RMSNorm (Llama, Qwen; QK-norm per head) | [`rmsnorm_forward`] | [`rmsnorm_backward`] = [`rmsnorm_backward_input`] + [`rmsnorm_backward_weight`] |
 //! | GELU, tanh approximation | [`gelu_forward`] | [`gelu_backward`] |
-//! | causal multi-head attention, optionally masked at document boundaries ([`doc_starts`]) | [`attention_forward`] (one position from a key/value cache: [`attention_decode`]) | [`attention_backward`] |
+//! | SwiGLU gate, `silu(gate) ⊙ up` | [`swiglu_forward`] | [`swiglu_backward`] |
+//! | rotary positions ([`Rope`]: θ, partial rotary, Llama-3 scaling), in place | [`rope_forward`] | [`rope_backward`] |
+//! | causal multi-head or grouped-query ([`Heads`]) attention, optionally masked at document boundaries ([`doc_starts`]) or to a sliding window ([`window_starts`]) | [`attention_forward`] (one position from a key/value cache: [`attention_decode`]) | [`attention_backward`] |
 //! | softmax | [`softmax_forward`] | [`softmax_backward`] |
 //! | cross-entropy | [`crossentropy_forward`] | [`crossentropy_softmax_backward`] |
 //! | softmax + cross-entropy, fused, in place | [`fused_classifier`] | (same call) |
@@ -133,13 +136,17 @@ mod matmul;
 mod peak;
 mod pointwise;
 mod real;
+mod rmsnorm;
+mod rope;
 mod simd;
 mod softmax;
 #[cfg(test)]
 mod testutil;
 
 pub use adamw::{AdamW, AdamWConfig, adamw_update};
-pub use attention::{attention_backward, attention_decode, attention_forward, doc_starts};
+pub use attention::{
+    Heads, attention_backward, attention_decode, attention_forward, doc_starts, window_starts,
+};
 pub use embedding::{check_tokens, encoder_backward, encoder_forward};
 pub use error::{Error, Result};
 pub use gemm_bf16::{
@@ -155,8 +162,15 @@ pub use matmul::{
     matmul_forward_wt,
 };
 pub use peak::fma_peak_gflops;
-pub use pointwise::{gelu_backward, gelu_forward, residual_backward, residual_forward};
+pub use pointwise::{
+    gelu_backward, gelu_forward, residual_backward, residual_forward, swiglu_backward,
+    swiglu_forward,
+};
 pub use real::{Real, exp_f32, tanh_f32};
+pub use rmsnorm::{
+    rmsnorm_backward, rmsnorm_backward_input, rmsnorm_backward_weight, rmsnorm_forward,
+};
+pub use rope::{Llama3Scaling, Rope, RopeTable, rope_backward, rope_forward};
 pub use softmax::{
     crossentropy_forward, crossentropy_softmax_backward, fused_classifier,
     fused_classifier_backward, fused_classifier_forward, softmax_backward, softmax_forward,

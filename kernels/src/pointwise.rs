@@ -1,4 +1,5 @@
-//! Element-wise ops: GELU (tanh approximation) and the residual add.
+//! Element-wise ops: GELU (tanh approximation), SwiGLU's gate and the
+//! residual add.
 
 use rayon::prelude::*;
 
@@ -63,6 +64,80 @@ crate::simd::multiversion! {
             let sig = T::ONE / (T::ONE + (-two * u).exp());
             let grad = sig + two * x * sig * (T::ONE - sig) * s * (T::ONE + k3 * x * x);
             *d += grad * g;
+        }
+    }
+}
+
+/// SwiGLU's gate (Shazeer 2020): `out = silu(gate) ⊙ up`, with
+/// `silu(x) = x·σ(x)` (transformers' `LlamaMLP`,
+/// `act_fn(gate_proj(x)) * up_proj(x)`). `inp (N, 2H)` holds each row's
+/// gate projection then its up projection (one fused matmul's output);
+/// `out` is `(N, H)`.
+///
+/// # Errors
+/// [`Error::ShapeMismatch`](crate::Error::ShapeMismatch) on a wrong buffer length.
+pub fn swiglu_forward<T: Real>(out: &mut [T], inp: &[T], n: usize, h: usize) -> Result<()> {
+    check("swiglu_forward", "out", out, n * h)?;
+    check("swiglu_forward", "inp", inp, n * 2 * h)?;
+    if h == 0 {
+        return Ok(());
+    }
+    out.par_chunks_mut(h)
+        .zip(inp.par_chunks(2 * h))
+        .with_min_len(4)
+        .for_each(|(o, x)| {
+            let (g, u) = x.split_at(h);
+            swiglu_row(o, g, u);
+        });
+    Ok(())
+}
+
+crate::simd::multiversion! {
+    fn swiglu_row<T: Real>(o: &mut [T], g: &[T], u: &[T]) {
+        // torch's silu: x / (1 + exp(-x)).
+        for ((o, &g), &u) in o.iter_mut().zip(g).zip(u) {
+            *o = g / (T::ONE + (-g).exp()) * u;
+        }
+    }
+}
+
+/// Backward of [`swiglu_forward`]: `dinp += (dgate, dup)` with
+/// `dup = dout ⊙ silu(gate)` and `dgate = dout ⊙ up ⊙ σ(gate)·(1 +
+/// gate·(1 - σ(gate)))`.
+///
+/// # Errors
+/// [`Error::ShapeMismatch`](crate::Error::ShapeMismatch) on a wrong buffer length.
+pub fn swiglu_backward<T: Real>(
+    dinp: &mut [T],
+    inp: &[T],
+    dout: &[T],
+    n: usize,
+    h: usize,
+) -> Result<()> {
+    check("swiglu_backward", "dinp", dinp, n * 2 * h)?;
+    check("swiglu_backward", "inp", inp, n * 2 * h)?;
+    check("swiglu_backward", "dout", dout, n * h)?;
+    if h == 0 {
+        return Ok(());
+    }
+    dinp.par_chunks_mut(2 * h)
+        .zip(inp.par_chunks(2 * h).zip(dout.par_chunks(h)))
+        .with_min_len(4)
+        .for_each(|(d, (x, go))| {
+            let (dg, du) = d.split_at_mut(h);
+            let (g, u) = x.split_at(h);
+            swiglu_back_row(dg, du, g, u, go);
+        });
+    Ok(())
+}
+
+crate::simd::multiversion! {
+    fn swiglu_back_row<T: Real>(dg: &mut [T], du: &mut [T], g: &[T], u: &[T], go: &[T]) {
+        for i in 0..go.len() {
+            let sig = T::ONE / (T::ONE + (-g[i]).exp());
+            let silu = g[i] * sig;
+            du[i] += go[i] * silu;
+            dg[i] += go[i] * u[i] * sig * (T::ONE + g[i] * (T::ONE - sig));
         }
     }
 }
@@ -162,6 +237,33 @@ mod tests {
                 (f64::from(o) - want).abs() <= 1e-6 * want.abs().max(1e-3),
                 "{v}: {o} vs {want}"
             );
+        }
+    }
+
+    #[test]
+    fn swiglu_gradient_matches_finite_differences() {
+        let (n, h) = (3, 7);
+        let x: Vec<f64> = rand_vec(n * 2 * h, 4).iter().map(|v| v * 5.0).collect();
+        check_grads(
+            &[x],
+            n * h,
+            |ins, out| swiglu_forward(out, &ins[0], n, h).unwrap(),
+            |ins, dout, g| swiglu_backward(&mut g[0], &ins[0], dout, n, h).unwrap(),
+        );
+    }
+
+    #[test]
+    fn swiglu_is_silu_of_the_gate_times_up() {
+        let (n, h) = (2, 5);
+        let x = rand_vec(n * 2 * h, 8);
+        let mut out = vec![0.0; n * h];
+        swiglu_forward(&mut out, &x, n, h).unwrap();
+        for r in 0..n {
+            for i in 0..h {
+                let (g, u) = (x[r * 2 * h + i], x[r * 2 * h + h + i]);
+                let want = g / (1.0 + (-g).exp()) * u;
+                assert_eq!(out[r * h + i], want);
+            }
         }
     }
 
