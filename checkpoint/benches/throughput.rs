@@ -348,6 +348,7 @@ fn step_stall(dir: &Path, which: &str) {
                 block_size: 1024,
                 tied_embeddings: true,
                 layer_norm_epsilon: 1e-5,
+                arch: weft_model::BlockArch::GPT2,
             },
             8,
             256,

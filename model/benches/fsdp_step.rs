@@ -183,6 +183,7 @@ fn main() -> anyhow::Result<()> {
         block_size: t,
         tied_embeddings: true,
         layer_norm_epsilon: 1e-5,
+        arch: weft_model::BlockArch::GPT2,
     };
     let mut g = Gpt::new(cfg.clone())?;
     g.init_gpt2(1);

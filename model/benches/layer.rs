@@ -22,6 +22,7 @@ fn layer(c: &mut Criterion) {
         block_size: 256,
         tied_embeddings: true,
         layer_norm_epsilon: 1e-5,
+        arch: weft_model::BlockArch::GPT2,
     };
     let ch = cfg.n_embd;
     let mut model = Gpt::new(cfg).unwrap();

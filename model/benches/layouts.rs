@@ -219,6 +219,7 @@ fn main() -> anyhow::Result<()> {
         block_size: 64,
         tied_embeddings: true,
         layer_norm_epsilon: 1e-5,
+        arch: weft_model::BlockArch::GPT2,
     };
     let d = |pp, dp, tp| ParallelDims { pp, dp, tp, ep: 1 };
     let layouts: Vec<(&str, ParallelDims, Option<Strategy>)> = vec![

@@ -282,6 +282,7 @@ fn config(which: &str) -> (GptConfig, usize, usize) {
                 block_size: 1024,
                 tied_embeddings: true,
                 layer_norm_epsilon: 1e-5,
+                arch: weft_model::BlockArch::GPT2,
             },
             8,
             256,

@@ -52,6 +52,7 @@ fn cases() -> Vec<Case> {
                 block_size: 1024,
                 tied_embeddings: true,
                 layer_norm_epsilon: 1e-5,
+                arch: weft_model::BlockArch::GPT2,
             },
             b: 8,
             t: 256,

@@ -29,6 +29,7 @@ fn main() -> anyhow::Result<()> {
         block_size: t,
         tied_embeddings: true,
         layer_norm_epsilon: 1e-5,
+        arch: weft_model::BlockArch::GPT2,
     };
     let mut model = Gpt::new(cfg)?;
     model.init_gpt2(1);

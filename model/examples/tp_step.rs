@@ -38,6 +38,7 @@ fn main() -> anyhow::Result<()> {
         block_size: T,
         tied_embeddings: true,
         layer_norm_epsilon: 1e-5,
+        arch: weft_model::BlockArch::GPT2,
     };
     let mut full = Gpt::new(cfg.clone())?;
     full.init_gpt2(1);

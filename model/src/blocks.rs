@@ -1,23 +1,30 @@
-//! [`GptBlocks`]: the computation of a GPT-2 — the embedding, one
-//! transformer block, the head — as functions over explicit parameter,
-//! gradient and activation slices, on one rank or a tensor-parallel rank's
-//! shard (the [`tp`](crate::tp) module's sharding styles in the same code).
+//! [`GptBlocks`]: the computation of a decoder-only transformer — the
+//! embedding, one transformer block, the head — as functions over explicit
+//! parameter, gradient and activation slices, on one rank or a
+//! tensor-parallel rank's shard (the [`tp`](crate::tp) module's sharding
+//! styles in the same code). The block's architecture options
+//! ([`BlockArch`](crate::BlockArch)) are branches of this one code path:
+//! the norm (LayerNorm or RMSNorm), the optional biases, QK-norm and the
+//! rotation between the QKV projection and attention, the grouped-query
+//! heads and the sliding window inside the attention kernels.
 
 use std::ops::Range;
 use std::sync::Arc;
 
 use weft_kernels::{
-    LinearInput, Mode, Precision, attention_backward, attention_forward, encoder_backward,
-    encoder_forward, fused_classifier_backward, fused_classifier_forward, layernorm_backward,
-    layernorm_backward_input, layernorm_backward_weight, layernorm_forward, matmul_backward,
-    matmul_backward_input, matmul_backward_weight, matmul_backward_wt, matmul_forward,
-    matmul_forward_wt, residual_forward, round_to_bf16_for_products,
+    Heads, LinearInput, Mode, Precision, RopeTable, attention_backward, attention_forward,
+    encoder_backward, encoder_forward, fused_classifier_backward, fused_classifier_forward,
+    layernorm_backward, layernorm_backward_input, layernorm_backward_weight, layernorm_forward,
+    matmul_backward, matmul_backward_input, matmul_backward_weight, matmul_backward_wt,
+    matmul_forward, matmul_forward_wt, residual_forward, rmsnorm_backward, rmsnorm_backward_input,
+    rmsnorm_backward_weight, rmsnorm_forward, rope_backward, rope_forward,
+    round_to_bf16_for_products, window_starts,
 };
 use weft_numerics::bf16;
 use weft_parallel::{Coords, ParamLayout};
 
 use crate::chunk::{Lm, PieceRanges};
-use crate::config::GptConfig;
+use crate::config::{GptConfig, Norm};
 use crate::error::{Error, Result};
 use crate::ffn::{Dims, FeedForward};
 use crate::params::{BlockLayout, Pieces, Sharding, param_layout};
@@ -101,6 +108,8 @@ pub struct GptBlocks {
     precision: Precision,
     loss_scale: f32,
     doc_boundary: Option<u32>,
+    /// Rotary positions' table for `block_size` positions, if rotary.
+    rope: Option<Arc<RopeTable<f32>>>,
 }
 
 /// What one block's forward keeps for its backward, for one micro-batch of
@@ -115,16 +124,20 @@ pub struct GptBlocks {
 pub struct BlockActs {
     b: usize,
     t: usize,
-    layer: usize,             // set by the forward, read by the backward
-    ln1: LinearAct,           // (B·T, C), gathered under SP
-    ln1_mean: Vec<f32>,       // (rows)
-    ln1_rstd: Vec<f32>,       // (rows)
-    qkv: Vec<f32>,            // (B·T, 3Ca)
+    layer: usize,       // set by the forward, read by the backward
+    ln1: LinearAct,     // (B·T, C), gathered under SP
+    ln1_mean: Vec<f32>, // (rows); empty under RMSNorm
+    ln1_rstd: Vec<f32>, // (rows)
+    qkv: Vec<f32>,      // (B·T, Ca+2·Ckva), after QK-norm and rotation
+    qk_raw: Vec<f32>,   // QK-norm's input: (B·T·NHa, HS) then (B·T·NKVa, HS)
+    qk_rstd: Vec<f32>,  // QK-norm's statistics: (B·T·(NHa+NKVa))
+    pos: Vec<u32>,      // rotary positions (B·T), empty without
+
     atty: LinearAct,          // (B·T, Ca)
     att: Vec<f32>,            // (B, NHa, T, T)
     res2: Vec<f32>,           // (rows, C)
     ln2: LinearAct,           // (B·T, C), gathered under SP
-    ln2_mean: Vec<f32>,       // (rows)
+    ln2_mean: Vec<f32>,       // (rows); empty under RMSNorm
     ln2_rstd: Vec<f32>,       // (rows)
     ffn_saved: Vec<f32>,      // the feed-forward block's saved_len
     pub(crate) out: Vec<f32>, // (rows, C)
@@ -152,6 +165,8 @@ impl BlockActs {
                 &self.ln1_mean,
                 &self.ln1_rstd,
                 &self.qkv,
+                &self.qk_raw,
+                &self.qk_rstd,
                 &self.att,
                 &self.res2,
                 &self.ln2_mean,
@@ -162,6 +177,7 @@ impl BlockActs {
             .iter()
             .map(|v| v.len())
             .sum::<usize>()
+            + 4 * self.pos.len()
     }
 }
 
@@ -323,7 +339,8 @@ pub struct WeightInputs {
     dres3: Vec<f32>, // (rows, C) d(block output) = d(ffn output)
     dln2: Vec<f32>,  // (rows, C) d(ln_2 output)
     dres2: Vec<f32>, // (B·T, C) d(attention proj output), gathered under SP
-    dqkv: Vec<f32>,  // (B·T, 3Ca) d(qkv)
+    dqkv: Vec<f32>,  // (B·T, Ca+2·Ckva) d(qkv)
+    dqk: Vec<f32>,   // QK-norm's output gradient, as `BlockActs::qk_raw`
     dln1: Vec<f32>,  // (rows, C) d(ln_1 output)
     dffn: Vec<f32>,  // the feed-forward block's own
     ready: bool,
@@ -336,6 +353,7 @@ impl WeightInputs {
             + self.dln2.len()
             + self.dres2.len()
             + self.dqkv.len()
+            + self.dqk.len()
             + self.dln1.len()
             + self.dffn.len())
     }
@@ -369,6 +387,11 @@ pub(crate) fn sum(what: &str, terms: &[usize]) -> Result<usize> {
             field: "size",
             reason: format!("of {what} overflows this machine's address space"),
         })
+}
+
+/// A bias slice, or `None` for an architecture without it (an empty range).
+fn bias<'a>(p: &'a [f32], r: &Range<usize>) -> Option<&'a [f32]> {
+    (!r.is_empty()).then(|| &p[r.clone()])
 }
 
 fn two_mut(buf: &mut [f32], a: Range<usize>, b: Range<usize>) -> (&mut [f32], &mut [f32]) {
@@ -444,7 +467,12 @@ impl GptBlocks {
         let layout = param_layout(&config, ffn.as_ref(), &sharding)?;
         let pieces = Pieces::of(&layout, &config)?;
         let vocab = VocabShard::new(config.vocab_size, size, rank)?;
+        let rope = match config.rope() {
+            Some(r) => Some(Arc::new(r.table::<f32>(config.block_size)?)),
+            None => None,
+        };
         Ok(GptBlocks {
+            rope,
             blk: pieces.block.clone(),
             config,
             ffn,
@@ -648,10 +676,228 @@ impl GptBlocks {
         self.pieces.lm_head.clone()
     }
 
-    /// Heads and attention width on this rank.
+    /// Query heads and attention width on this rank.
     fn heads(&self) -> (usize, usize) {
         let tp = self.tp.as_ref().map_or(1, TensorParallel::size);
-        (self.config.n_head / tp, self.config.n_embd / tp)
+        (self.config.n_head / tp, self.config.q_dim() / tp)
+    }
+
+    /// Key/value heads and their width on this rank.
+    fn kv_heads(&self) -> (usize, usize) {
+        let tp = self.tp.as_ref().map_or(1, TensorParallel::size);
+        (self.config.n_kv_head() / tp, self.config.kv_dim() / tp)
+    }
+
+    /// Columns of the fused query, key and value projection on this rank.
+    fn qkv_cols(&self) -> usize {
+        self.heads().1 + 2 * self.kv_heads().1
+    }
+
+    /// The attention kernels' heads on this rank.
+    fn attn_heads(&self) -> Heads {
+        Heads {
+            q: self.heads().0,
+            kv: self.kv_heads().0,
+        }
+    }
+
+    fn layernorm(&self) -> bool {
+        self.config.arch.norm == Norm::LayerNorm
+    }
+
+    /// `out = norm(inp)` over `rows` rows of C channels, with `w` and `b`
+    /// the norm's weight and bias (empty under RMSNorm, which keeps no
+    /// `mean`).
+    #[allow(clippy::too_many_arguments)]
+    fn norm_forward(
+        &self,
+        out: &mut [f32],
+        mean: &mut [f32],
+        rstd: &mut [f32],
+        inp: &[f32],
+        w: &[f32],
+        b: &[f32],
+        rows: usize,
+    ) -> Result<()> {
+        let (c, eps) = (self.config.n_embd, self.config.layer_norm_epsilon);
+        if self.layernorm() {
+            layernorm_forward(out, mean, rstd, inp, w, b, rows, c, eps)?;
+        } else {
+            rmsnorm_forward(out, rstd, inp, w, rows, c, eps)?;
+        }
+        Ok(())
+    }
+
+    /// Backward of [`norm_forward`](Self::norm_forward), accumulating.
+    #[allow(clippy::too_many_arguments)]
+    fn norm_backward(
+        &self,
+        dinp: &mut [f32],
+        dw: &mut [f32],
+        db: &mut [f32],
+        dout: &[f32],
+        inp: &[f32],
+        w: &[f32],
+        (mean, rstd): (&[f32], &[f32]),
+        rows: usize,
+    ) -> Result<()> {
+        let c = self.config.n_embd;
+        if self.layernorm() {
+            layernorm_backward(dinp, dw, db, dout, inp, w, mean, rstd, rows, c)?;
+        } else {
+            rmsnorm_backward(dinp, dw, dout, inp, w, rstd, rows, c)?;
+        }
+        Ok(())
+    }
+
+    /// The input half of [`norm_backward`](Self::norm_backward).
+    fn norm_backward_input(
+        &self,
+        dinp: &mut [f32],
+        dout: &[f32],
+        inp: &[f32],
+        w: &[f32],
+        (mean, rstd): (&[f32], &[f32]),
+        rows: usize,
+    ) -> Result<()> {
+        let c = self.config.n_embd;
+        if self.layernorm() {
+            layernorm_backward_input(dinp, dout, inp, w, mean, rstd, rows, c)?;
+        } else {
+            rmsnorm_backward_input(dinp, dout, inp, w, rstd, rows, c)?;
+        }
+        Ok(())
+    }
+
+    /// The weight half of [`norm_backward`](Self::norm_backward).
+    #[allow(clippy::too_many_arguments)]
+    fn norm_backward_weight(
+        &self,
+        dw: &mut [f32],
+        db: &mut [f32],
+        dout: &[f32],
+        inp: &[f32],
+        (mean, rstd): (&[f32], &[f32]),
+        rows: usize,
+    ) -> Result<()> {
+        let c = self.config.n_embd;
+        if self.layernorm() {
+            layernorm_backward_weight(dw, db, dout, inp, mean, rstd, rows, c)?;
+        } else {
+            rmsnorm_backward_weight(dw, dout, inp, rstd, rows, c)?;
+        }
+        Ok(())
+    }
+
+    /// Floats of QK-norm's saved input (and of its output gradient):
+    /// every query and key head of every token, 0 without QK-norm.
+    fn qk_len(&self, n: usize) -> usize {
+        if self.config.arch.qk_norm {
+            n * (self.heads().1 + self.kv_heads().1)
+        } else {
+            0
+        }
+    }
+
+    /// Under QK-norm, saves the queries and keys of `qkv (n, cols)` in
+    /// `raw` (queries as `(n·NHa, HS)`, then keys as `(n·NKVa, HS)`) and
+    /// replaces them by their RMSNorm with `w` (`q_norm` then `k_norm`).
+    fn qk_norm_forward(
+        &self,
+        qkv: &mut [f32],
+        raw: &mut [f32],
+        rstd: &mut [f32],
+        w: &[f32],
+        n: usize,
+    ) -> Result<()> {
+        let ((nh, ca), (nkv, ckv)) = (self.heads(), self.kv_heads());
+        let (cols, hs, eps) = (
+            self.qkv_cols(),
+            self.config.head_dim(),
+            self.config.layer_norm_epsilon,
+        );
+        let (rq, rk) = raw.split_at_mut(n * ca);
+        for (r, row) in qkv.chunks_exact(cols).enumerate() {
+            rq[r * ca..(r + 1) * ca].copy_from_slice(&row[..ca]);
+            rk[r * ckv..(r + 1) * ckv].copy_from_slice(&row[ca..ca + ckv]);
+        }
+        let mut normed = vec![0.0f32; n * (ca + ckv)];
+        let (nq, nk) = normed.split_at_mut(n * ca);
+        let (sq, sk) = rstd.split_at_mut(n * nh);
+        let (wq, wk) = w.split_at(hs);
+        rmsnorm_forward(nq, sq, rq, wq, n * nh, hs, eps)?;
+        rmsnorm_forward(nk, sk, rk, wk, n * nkv, hs, eps)?;
+        for (r, row) in qkv.chunks_exact_mut(cols).enumerate() {
+            row[..ca].copy_from_slice(&nq[r * ca..(r + 1) * ca]);
+            row[ca..ca + ckv].copy_from_slice(&nk[r * ckv..(r + 1) * ckv]);
+        }
+        Ok(())
+    }
+
+    /// The input half of QK-norm's backward: moves the normalised
+    /// queries' and keys' gradient out of `dqkv` into `dqk` (for the
+    /// weight half) and puts the raw ones' gradient in its place.
+    fn qk_norm_backward_input(
+        &self,
+        dqkv: &mut [f32],
+        dqk: &mut [f32],
+        acts: &BlockActs,
+        w: &[f32],
+        n: usize,
+    ) -> Result<()> {
+        let ((nh, ca), (nkv, ckv)) = (self.heads(), self.kv_heads());
+        let (cols, hs) = (self.qkv_cols(), self.config.head_dim());
+        let (gq, gk) = dqk.split_at_mut(n * ca);
+        for (r, row) in dqkv.chunks_exact(cols).enumerate() {
+            gq[r * ca..(r + 1) * ca].copy_from_slice(&row[..ca]);
+            gk[r * ckv..(r + 1) * ckv].copy_from_slice(&row[ca..ca + ckv]);
+        }
+        let mut draw = vec![0.0f32; n * (ca + ckv)];
+        let (dq, dk) = draw.split_at_mut(n * ca);
+        let (rq, rk) = acts.qk_raw.split_at(n * ca);
+        let (sq, sk) = acts.qk_rstd.split_at(n * nh);
+        let (wq, wk) = w.split_at(hs);
+        rmsnorm_backward_input(dq, gq, rq, wq, sq, n * nh, hs)?;
+        rmsnorm_backward_input(dk, gk, rk, wk, sk, n * nkv, hs)?;
+        for (r, row) in dqkv.chunks_exact_mut(cols).enumerate() {
+            row[..ca].copy_from_slice(&dq[r * ca..(r + 1) * ca]);
+            row[ca..ca + ckv].copy_from_slice(&dk[r * ckv..(r + 1) * ckv]);
+        }
+        Ok(())
+    }
+
+    /// The weight half of QK-norm's backward, from what
+    /// [`qk_norm_backward_input`](Self::qk_norm_backward_input) moved to
+    /// `dqk`: accumulates `q_norm`'s then `k_norm`'s gradient into `dw`.
+    fn qk_norm_backward_weight(
+        &self,
+        dw: &mut [f32],
+        dqk: &[f32],
+        acts: &BlockActs,
+        n: usize,
+    ) -> Result<()> {
+        let ((nh, ca), (nkv, _)) = (self.heads(), self.kv_heads());
+        let hs = self.config.head_dim();
+        let (gq, gk) = dqk.split_at(n * ca);
+        let (rq, rk) = acts.qk_raw.split_at(n * ca);
+        let (sq, sk) = acts.qk_rstd.split_at(n * nh);
+        let (dwq, dwk) = dw.split_at_mut(hs);
+        rmsnorm_backward_weight(dwq, gq, rq, sq, n * nh, hs)?;
+        rmsnorm_backward_weight(dwk, gk, rk, sk, n * nkv, hs)?;
+        Ok(())
+    }
+
+    /// Each row's rotary position `(B·T)`: its index in its sequence, or
+    /// in its document under document masking (`docs`, its start).
+    fn rope_positions(docs: Option<&[u32]>, n: usize, t: usize) -> Vec<u32> {
+        (0..n)
+            .map(|r| {
+                // `r % t < 2^32`: `t` is at most the position table.
+                #[allow(clippy::cast_possible_truncation)]
+                let i = (r % t) as u32;
+                i - docs.map_or(0, |d| d[r])
+            })
+            .collect()
     }
 
     /// The rows of `n` tokens a rank's residual stream holds.
@@ -711,27 +957,37 @@ impl GptBlocks {
 
     /// The lengths of [`BlockActs`]' buffers, in field order, checked
     /// against overflow (sizes a user sets).
-    fn block_act_lens(&self, b: usize, t: usize) -> Result<[usize; 12]> {
+    fn block_act_lens(&self, b: usize, t: usize) -> Result<[usize; 15]> {
         self.check_shape(b, t)?;
         let c = self.config.n_embd;
         let (nh, ca) = self.heads();
         let n = product("B·T", &[b, t])?;
         let rows = self.rows(n);
         product("B·T·C (with room for the feed-forward block)", &[n, c, 64])?;
+        product("B·T·(Cq+2·Ckv)", &[n, self.qkv_cols(), 64])?;
         let linear = |len| LinearAct::slots(len, self.precision);
+        let mean = if self.layernorm() { rows } else { 0 };
+        let qk = self.qk_len(n);
         Ok([
             linear(n * c),
+            mean,
             rows,
-            rows,
-            n * 3 * ca,
+            n * self.qkv_cols(),
             linear(n * ca),
             product("the attention matrix B·NH·T·T", &[b, nh, t, t])?,
             rows * c,
             LinearAct::slots(n * c, self.ffn_input_precision()),
-            rows,
+            mean,
             rows,
             self.ffn.saved_len(&self.dims(b, t, self.mode, 0)),
             rows * c,
+            qk,
+            if qk > 0 {
+                n * (nh + self.kv_heads().0)
+            } else {
+                0
+            },
+            if self.rope.is_some() { n } else { 0 },
         ])
     }
 
@@ -784,6 +1040,9 @@ impl GptBlocks {
             ln2_rstd: z(l[9]),
             ffn_saved: z(l[10]),
             out: z(l[11]),
+            qk_raw: z(l[12]),
+            qk_rstd: z(l[13]),
+            pos: vec![0; l[14]],
         })
     }
 
@@ -797,7 +1056,7 @@ impl GptBlocks {
         Ok([
             n,
             product("B·T·C", &[n, c])?,
-            rows,
+            if self.layernorm() { rows } else { 0 },
             rows,
             product("the logits B·T·V", &[n, self.vocab.len()])?,
             n,
@@ -890,7 +1149,7 @@ impl GptBlocks {
     }
 
     /// Lengths of [`WeightInputs`]' buffers.
-    fn weight_input_lens(&self, b: usize, t: usize) -> Result<[usize; 6]> {
+    fn weight_input_lens(&self, b: usize, t: usize) -> Result<[usize; 7]> {
         let l = self.block_act_lens(b, t)?;
         let c = self.config.n_embd;
         let n = b * t;
@@ -903,6 +1162,7 @@ impl GptBlocks {
             rc,
             self.ffn
                 .split_saved_len(&self.dims(b, t, Mode::Throughput, 0)),
+            l[12],
         ])
     }
 
@@ -928,6 +1188,7 @@ impl GptBlocks {
             dqkv: vec![0.0; l[3]],
             dln1: vec![0.0; l[4]],
             dffn: vec![0.0; l[5]],
+            dqk: vec![0.0; l[6]],
             ready: false,
         })
     }
@@ -952,6 +1213,24 @@ impl GptBlocks {
         self.check_shape(b, t)?;
         let c = self.config.n_embd;
         let (wte, wpe) = params.split_at(self.wte_len());
+        if wpe.is_empty() {
+            // Rotary positions: the token embedding alone.
+            let n = b * t;
+            check_len("tokens", tokens.len(), n)?;
+            let Some(tp) = &self.tp else {
+                self.vocab.embed(out, tokens, wte, c)?;
+                return Ok(());
+            };
+            let mut all = vec![0.0f32; n * c];
+            self.vocab.embed(&mut all, tokens, wte, c)?;
+            if tp.sequence_parallel() {
+                tp.reduce_scatter(&all, out)?;
+            } else {
+                tp.all_reduce(&mut all)?;
+                out.copy_from_slice(&all);
+            }
+            return Ok(());
+        }
         let positions = self.doc_positions(tokens, b, t)?;
         let Some(tp) = &self.tp else {
             encoder_forward(out, tokens, positions.as_deref(), wte, wpe, b, t, c)?;
@@ -1000,14 +1279,22 @@ impl GptBlocks {
         let c = self.config.n_embd;
         let (dwte, dwpe) = grads.split_at_mut(self.wte_len());
         let positions = self.doc_positions(tokens, b, t)?;
+        let dwpe = (!dwpe.is_empty()).then_some(dwpe);
         let Some(tp) = &self.tp else {
-            encoder_backward(dwte, dwpe, dout, tokens, positions.as_deref(), b, t, c)?;
+            match dwpe {
+                Some(dwpe) => {
+                    encoder_backward(dwte, dwpe, dout, tokens, positions.as_deref(), b, t, c)?;
+                }
+                None => self
+                    .vocab
+                    .embed_backward(dwte, None, dout, tokens, None, t, c)?,
+            }
             return Ok(());
         };
         let mut full = vec![0.0f32; if tp.sequence_parallel() { b * t * c } else { 0 }];
         let dall = tp.enter_column(dout, &mut full)?;
         self.vocab
-            .embed_backward(dwte, Some(dwpe), dall, tokens, positions.as_deref(), t, c)?;
+            .embed_backward(dwte, dwpe, dall, tokens, positions.as_deref(), t, c)?;
         Ok(())
     }
 
@@ -1036,12 +1323,8 @@ impl GptBlocks {
         let (b, t) = (acts.b, acts.t);
         let n = b * t;
         let rows = self.rows(n);
-        let GptConfig {
-            n_embd: c,
-            layer_norm_epsilon: eps,
-            ..
-        } = self.config;
-        let (nh, ca) = self.heads();
+        let c = self.config.n_embd;
+        let ca = self.heads().1;
         let (p, blk, mode) = (params, &self.blk, self.mode);
         let tp = self.tp.as_ref();
         if acts.ln1.is_bf16() && self.precision != Precision::Bf16 {
@@ -1062,7 +1345,7 @@ impl GptBlocks {
         } else {
             acts.ln1.target(&mut scratch.tmp)
         };
-        layernorm_forward(
+        self.norm_forward(
             ln1,
             &mut acts.ln1_mean,
             &mut acts.ln1_rstd,
@@ -1070,8 +1353,6 @@ impl GptBlocks {
             &p[blk.ln1_w.clone()],
             &p[blk.ln1_b.clone()],
             rows,
-            c,
-            eps,
         )?;
         if let Some(tp) = tp.filter(|tp| tp.sequence_parallel()) {
             tp.all_gather(&scratch.rows, acts.ln1.target(&mut scratch.full))?;
@@ -1079,28 +1360,54 @@ impl GptBlocks {
         } else {
             acts.ln1.settle(&scratch.tmp)?;
         }
-        // column-parallel QKV over the rank's heads
+        // column-parallel QKV over the rank's heads; QK-norm, rotation
+        let cols = self.qkv_cols();
         matmul_forward(
             &mut acts.qkv,
             acts.ln1.input(),
             &p[blk.qkv_w.clone()],
-            Some(&p[blk.qkv_b.clone()]),
+            bias(p, &blk.qkv_b),
             b,
             t,
             c,
-            3 * ca,
+            cols,
             mode,
             self.precision,
         )?;
+        if self.config.arch.qk_norm {
+            self.qk_norm_forward(
+                &mut acts.qkv,
+                &mut acts.qk_raw,
+                &mut acts.qk_rstd,
+                &p[blk.qk_norm.clone()],
+                n,
+            )?;
+        }
+        if let Some(table) = &self.rope {
+            if let Some(d) = docs {
+                check_len("document starts", d.len(), n)?;
+            }
+            acts.pos = Self::rope_positions(docs, n, t);
+            let heads = self.heads().0 + self.kv_heads().0;
+            rope_forward(&mut acts.qkv, table, &acts.pos, n, cols, heads)?;
+        }
+        let window = self.config.window(layer).map(|w| {
+            let mut starts = vec![0u32; n];
+            window_starts(&mut starts, docs, w, b, t).map(|()| starts)
+        });
+        let starts = match window {
+            Some(w) => Some(w?),
+            None => None,
+        };
         attention_forward(
             acts.atty.target(&mut scratch.tmp),
             &mut acts.att,
             &acts.qkv,
-            docs,
+            starts.as_deref().or(docs),
             b,
             t,
             ca,
-            nh,
+            self.attn_heads(),
         )?;
         acts.atty.settle(&scratch.tmp)?;
         // row-parallel output projection, summed over the group
@@ -1114,10 +1421,10 @@ impl GptBlocks {
                 y,
                 acts.atty.input(),
                 &p[blk.proj_w.clone()],
-                Some(&p[blk.proj_b.clone()]),
+                bias(p, &blk.proj_b),
                 b,
                 t,
-                c,
+                ca,
                 c,
                 mode,
                 self.precision,
@@ -1127,10 +1434,9 @@ impl GptBlocks {
                 &mut scratch.full,
                 acts.atty.input(),
                 &p[blk.proj_w.clone()],
-                &p[blk.proj_b.clone()],
-                b,
-                t,
-                ca,
+                bias(p, &blk.proj_b),
+                (b, t),
+                (ca, c),
                 mode,
                 self.precision,
             )?,
@@ -1146,7 +1452,7 @@ impl GptBlocks {
         } else {
             acts.ln2.target(&mut scratch.tmp)
         };
-        layernorm_forward(
+        self.norm_forward(
             ln2,
             &mut acts.ln2_mean,
             &mut acts.ln2_rstd,
@@ -1154,8 +1460,6 @@ impl GptBlocks {
             &p[blk.ln2_w.clone()],
             &p[blk.ln2_b.clone()],
             rows,
-            c,
-            eps,
         )?;
         if let Some(tp) = tp.filter(|tp| tp.sequence_parallel()) {
             tp.all_gather(&scratch.rows, acts.ln2.target(&mut scratch.full))?;
@@ -1199,7 +1503,8 @@ impl GptBlocks {
         let n = b * t;
         let rows = self.rows(n);
         let c = self.config.n_embd;
-        let (nh, ca) = self.heads();
+        let ca = self.heads().1;
+        let cols = self.qkv_cols();
         let tp = self.tp.as_ref();
         // Parameter gradients sum over the batch whatever the mode, and input
         // gradients need no invariance: whole-batch GEMMs are faster.
@@ -1219,27 +1524,26 @@ impl GptBlocks {
             self.dims(b, t, mode, acts.layer),
         )?;
         let (dw, db) = two_mut(g, blk.ln2_w.clone(), blk.ln2_b.clone());
-        layernorm_backward(
+        self.norm_backward(
             dres,
             dw,
             db,
             dln2,
             &acts.res2,
             &p[blk.ln2_w.clone()],
-            &acts.ln2_mean,
-            &acts.ln2_rstd,
+            (&acts.ln2_mean, &acts.ln2_rstd),
             rows,
-            c,
         )?;
         // Attention: dres is now d(res2) = d(attn proj out) and part of
         // d(inp); the row-parallel projection needs all of it.
         weft_kernels::zero(&mut scratch.datty);
         let (dw, db) = two_mut(g, blk.proj_w.clone(), blk.proj_b.clone());
+        let db = (!db.is_empty()).then_some(db);
         let dy = gathered(tp, dres, &mut scratch.full)?;
         matmul_backward(
             &mut scratch.datty,
             dw,
-            Some(db),
+            db,
             dy,
             acts.atty.input(),
             &p[blk.proj_w.clone()],
@@ -1260,21 +1564,32 @@ impl GptBlocks {
             b,
             t,
             ca,
-            nh,
+            self.attn_heads(),
         )?;
+        if let Some(table) = &self.rope {
+            let heads = self.heads().0 + self.kv_heads().0;
+            rope_backward(&mut scratch.dqkv, table, &acts.pos, n, cols, heads)?;
+        }
+        if self.config.arch.qk_norm {
+            let mut dqk = vec![0.0f32; self.qk_len(n)];
+            let w = &p[blk.qk_norm.clone()];
+            self.qk_norm_backward_input(&mut scratch.dqkv, &mut dqk, acts, w, n)?;
+            self.qk_norm_backward_weight(&mut g[blk.qk_norm.clone()], &dqk, acts, n)?;
+        }
         weft_kernels::zero(&mut scratch.dln);
         let (dw, db) = two_mut(g, blk.qkv_w.clone(), blk.qkv_b.clone());
+        let db = (!db.is_empty()).then_some(db);
         matmul_backward(
             &mut scratch.dln,
             dw,
-            Some(db),
+            db,
             &scratch.dqkv,
             acts.ln1.input(),
             &p[blk.qkv_w.clone()],
             b,
             t,
             c,
-            3 * ca,
+            cols,
             mode,
             self.precision,
         )?;
@@ -1284,17 +1599,15 @@ impl GptBlocks {
             None => &scratch.dln,
         };
         let (dw, db) = two_mut(g, blk.ln1_w.clone(), blk.ln1_b.clone());
-        layernorm_backward(
+        self.norm_backward(
             dres,
             dw,
             db,
             dln1,
             inp,
             &p[blk.ln1_w.clone()],
-            &acts.ln1_mean,
-            &acts.ln1_rstd,
+            (&acts.ln1_mean, &acts.ln1_rstd),
             rows,
-            c,
         )?;
         Ok(())
     }
@@ -1337,7 +1650,8 @@ impl GptBlocks {
         let n = b * t;
         let rows = self.rows(n);
         let c = self.config.n_embd;
-        let (nh, ca) = self.heads();
+        let ca = self.heads().1;
+        let cols = self.qkv_cols();
         let tp = self.tp.as_ref();
         check_len("B's saved gradients", saved.dres3.len(), rows * c)?;
         let mode = Mode::Throughput;
@@ -1360,15 +1674,13 @@ impl GptBlocks {
             &p[blk.ffn.clone()],
             d,
         )?;
-        layernorm_backward_input(
+        self.norm_backward_input(
             dres,
             &saved.dln2,
             &acts.res2,
             &p[blk.ln2_w.clone()],
-            &acts.ln2_mean,
-            &acts.ln2_rstd,
+            (&acts.ln2_mean, &acts.ln2_rstd),
             rows,
-            c,
         )?;
         let dy = gathered(tp, dres, &mut scratch.full)?;
         saved.dres2.copy_from_slice(dy);
@@ -1394,8 +1706,16 @@ impl GptBlocks {
             b,
             t,
             ca,
-            nh,
+            self.attn_heads(),
         )?;
+        if let Some(table) = &self.rope {
+            let heads = self.heads().0 + self.kv_heads().0;
+            rope_backward(&mut saved.dqkv, table, &acts.pos, n, cols, heads)?;
+        }
+        if self.config.arch.qk_norm {
+            let w = &p[blk.qk_norm.clone()];
+            self.qk_norm_backward_input(&mut saved.dqkv, &mut saved.dqk, acts, w, n)?;
+        }
         let dln1: &[f32] = match tp {
             None => {
                 weft_kernels::zero(&mut saved.dln1);
@@ -1406,7 +1726,7 @@ impl GptBlocks {
                     b,
                     t,
                     c,
-                    3 * ca,
+                    cols,
                     mode,
                     self.precision,
                 )?;
@@ -1421,7 +1741,7 @@ impl GptBlocks {
                     b,
                     t,
                     c,
-                    3 * ca,
+                    cols,
                     mode,
                     self.precision,
                 )?;
@@ -1430,15 +1750,13 @@ impl GptBlocks {
                 &saved.dln1
             }
         };
-        layernorm_backward_input(
+        self.norm_backward_input(
             dres,
             dln1,
             inp,
             &p[blk.ln1_w.clone()],
-            &acts.ln1_mean,
-            &acts.ln1_rstd,
+            (&acts.ln1_mean, &acts.ln1_rstd),
             rows,
-            c,
         )?;
         saved.ready = true;
         Ok(())
@@ -1474,7 +1792,7 @@ impl GptBlocks {
         let (b, t) = (acts.b, acts.t);
         let rows = self.rows(b * t);
         let c = self.config.n_embd;
-        let (_, ca) = self.heads();
+        let ca = self.heads().1;
         let mode = Mode::Throughput;
         let (p, g, blk) = (params, grads, &self.blk);
         let d = self.dims(b, t, mode, acts.layer);
@@ -1491,20 +1809,19 @@ impl GptBlocks {
             d,
         )?;
         let (dw, db) = two_mut(g, blk.ln2_w.clone(), blk.ln2_b.clone());
-        layernorm_backward_weight(
+        self.norm_backward_weight(
             dw,
             db,
             &saved.dln2,
             &acts.res2,
-            &acts.ln2_mean,
-            &acts.ln2_rstd,
+            (&acts.ln2_mean, &acts.ln2_rstd),
             rows,
-            c,
         )?;
         let (dw, db) = two_mut(g, blk.proj_w.clone(), blk.proj_b.clone());
+        let db = (!db.is_empty()).then_some(db);
         matmul_backward_weight(
             dw,
-            Some(db),
+            db,
             &saved.dres2,
             acts.atty.input(),
             b,
@@ -1513,28 +1830,30 @@ impl GptBlocks {
             c,
             self.precision,
         )?;
+        if self.config.arch.qk_norm {
+            self.qk_norm_backward_weight(&mut g[blk.qk_norm.clone()], &saved.dqk, acts, b * t)?;
+        }
         let (dw, db) = two_mut(g, blk.qkv_w.clone(), blk.qkv_b.clone());
+        let db = (!db.is_empty()).then_some(db);
         matmul_backward_weight(
             dw,
-            Some(db),
+            db,
             &saved.dqkv,
             acts.ln1.input(),
             b,
             t,
             c,
-            3 * ca,
+            self.qkv_cols(),
             self.precision,
         )?;
         let (dw, db) = two_mut(g, blk.ln1_w.clone(), blk.ln1_b.clone());
-        layernorm_backward_weight(
+        self.norm_backward_weight(
             dw,
             db,
             &saved.dln1,
             inp,
-            &acts.ln1_mean,
-            &acts.ln1_rstd,
+            (&acts.ln1_mean, &acts.ln1_rstd),
             rows,
-            c,
         )?;
         Ok(())
     }
@@ -1559,13 +1878,9 @@ impl GptBlocks {
         lm_head: &[f32],
         targets: Option<&[u32]>,
     ) -> Result<Option<f64>> {
-        let GptConfig {
-            n_embd: c,
-            layer_norm_epsilon: eps,
-            ..
-        } = self.config;
+        let c = self.config.n_embd;
         let vl = self.vocab.len();
-        check_len("ln_f parameters", lnf.len(), 2 * c)?;
+        check_len("ln_f parameters", lnf.len(), self.pieces.lnf.len())?;
         check_len("lm_head", lm_head.len(), self.lm_head_len())?;
         let (b, t) = (acts.b, acts.t);
         let n = b * t;
@@ -1582,7 +1897,7 @@ impl GptBlocks {
         } else {
             &mut acts.lnf
         };
-        layernorm_forward(
+        self.norm_forward(
             out,
             &mut acts.lnf_mean,
             &mut acts.lnf_rstd,
@@ -1590,8 +1905,6 @@ impl GptBlocks {
             lw,
             lb,
             rows,
-            c,
-            eps,
         )?;
         if let Some(tp) = tp.filter(|tp| tp.sequence_parallel()) {
             tp.all_gather(&rows_buf, &mut acts.lnf)?;
@@ -1663,8 +1976,8 @@ impl GptBlocks {
     ) -> Result<()> {
         let c = self.config.n_embd;
         let vl = self.vocab.len();
-        check_len("ln_f parameters", lnf.len(), 2 * c)?;
-        check_len("ln_f gradients", dlnf.len(), 2 * c)?;
+        check_len("ln_f parameters", lnf.len(), self.pieces.lnf.len())?;
+        check_len("ln_f gradients", dlnf.len(), self.pieces.lnf.len())?;
         check_len("lm_head", lm_head.len(), self.lm_head_len())?;
         check_len("lm_head gradient", dlm_head.len(), self.lm_head_len())?;
         if !acts.has_targets {
@@ -1723,17 +2036,15 @@ impl GptBlocks {
         };
         weft_kernels::zero(dinp);
         let (dlw, dlb) = dlnf.split_at_mut(c);
-        layernorm_backward(
+        self.norm_backward(
             dinp,
             dlw,
             dlb,
             dln,
             inp,
             &lnf[..c],
-            &acts.lnf_mean,
-            &acts.lnf_rstd,
+            (&acts.lnf_mean, &acts.lnf_rstd),
             rows,
-            c,
         )?;
         Ok(())
     }

@@ -215,6 +215,12 @@ impl CudaGpt {
                 reason: "the CUDA model runs one whole model on one GPU (tp = 1)".into(),
             });
         }
+        if config.arch != crate::BlockArch::GPT2 {
+            return Err(Error::Config {
+                field: "arch",
+                reason: "the CUDA model runs GPT-2 blocks only".into(),
+            });
+        }
         if b * t == 0 || t > config.block_size {
             return Err(Error::Batch {
                 reason: format!(

@@ -24,7 +24,8 @@
 
 use weft_kernels::{
     LinearInput, Mode, Precision, gelu_backward, gelu_forward, matmul_backward_input,
-    matmul_backward_weight, matmul_forward, round_to_bf16_for_products,
+    matmul_backward_weight, matmul_forward, round_to_bf16_for_products, swiglu_backward,
+    swiglu_forward,
 };
 use weft_numerics::bf16;
 use weft_parallel::{Placement, Placements};
@@ -230,8 +231,274 @@ pub trait FeedForward: Send + Sync + std::fmt::Debug {
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Mlp;
 
-/// Floats the dense MLP's saved GELU output takes for `nh` values: `nh`,
-/// or in bf16 two values per float.
+/// The gated MLP of Llama, Qwen and Mistral (Shazeer 2020):
+/// `c_proj(silu(x·W_gate) ⊙ x·W_up)`, hidden width `hidden`
+/// (`intermediate_size`), no biases. The gate and up projections are one
+/// fused `mlp.gate_up.weight (C, 2H)` (gate columns, then up columns;
+/// transformers' `gate_proj` and `up_proj` transposed), column-parallel
+/// under tensor parallelism (each half by columns, so a rank holds the
+/// gate and up columns of the same hidden units); `mlp.c_proj.weight
+/// (H, C)` (`down_proj` transposed) row-parallel.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SwiGlu {
+    /// Hidden width H (`intermediate_size`).
+    pub hidden: usize,
+}
+
+/// What differs between the two dense blocks.
+#[derive(Clone, Copy, Debug)]
+struct Dense {
+    /// SwiGLU (two fused projections in, no biases) or GELU.
+    gated: bool,
+    /// Whole hidden width H.
+    hidden: usize,
+}
+
+impl Dense {
+    /// Hidden width on this rank, `H / tp`.
+    fn h(self, d: &Dims<'_>) -> usize {
+        self.hidden / d.tp_size()
+    }
+
+    /// Columns of the input projection on this rank: `H/tp`, or `2H/tp`
+    /// gated.
+    fn fc(self, d: &Dims<'_>) -> usize {
+        if self.gated { 2 * self.h(d) } else { self.h(d) }
+    }
+
+    /// Splits a parameter range into (fc_w, fc_b, proj_w, proj_b), the
+    /// biases empty when gated.
+    fn split<'p, T>(
+        self,
+        p: &'p [T],
+        c: usize,
+        d: &Dims<'_>,
+    ) -> (&'p [T], &'p [T], &'p [T], &'p [T]) {
+        let (h, fc) = (self.h(d), self.fc(d));
+        let nb = usize::from(!self.gated);
+        let (fw, rest) = p.split_at(c * fc);
+        let (fb, rest) = rest.split_at(nb * fc);
+        let (pw, pb) = rest.split_at(h * c);
+        (fw, fb, pw, pb)
+    }
+
+    fn split_mut<'p, T>(
+        self,
+        p: &'p mut [T],
+        c: usize,
+        d: &Dims<'_>,
+    ) -> (&'p mut [T], &'p mut [T], &'p mut [T], &'p mut [T]) {
+        let (h, fc) = (self.h(d), self.fc(d));
+        let nb = usize::from(!self.gated);
+        let (fw, rest) = p.split_at_mut(c * fc);
+        let (fb, rest) = rest.split_at_mut(nb * fc);
+        let (pw, pb) = rest.split_at_mut(h * c);
+        (fw, fb, pw, pb)
+    }
+
+    /// The activation: GELU of `fch (n, h)`, or SwiGLU of `fch (n, 2h)`.
+    fn act_forward(self, out: &mut [f32], fch: &[f32], n: usize, h: usize) -> Result<()> {
+        if self.gated {
+            swiglu_forward(out, fch, n, h)?;
+        } else {
+            gelu_forward(out, fch, n * h)?;
+        }
+        Ok(())
+    }
+
+    fn act_backward(
+        self,
+        dfch: &mut [f32],
+        fch: &[f32],
+        dact: &[f32],
+        n: usize,
+        h: usize,
+    ) -> Result<()> {
+        if self.gated {
+            swiglu_backward(dfch, fch, dact, n, h)?;
+        } else {
+            gelu_backward(dfch, fch, dact, n * h)?;
+        }
+        Ok(())
+    }
+
+    /// Scratch of the input half: d act `(N, h)`, and under tensor
+    /// parallelism the partial input gradient `(N, C)` (and its rows under
+    /// sequence parallelism).
+    fn input_scratch(self, d: &Dims<'_>) -> usize {
+        let n = d.n();
+        let mut s = n * self.h(d);
+        if d.tp.is_some() {
+            s += n * d.c;
+        }
+        if d.sequence_parallel() {
+            s += d.rows() * d.c;
+        }
+        s
+    }
+
+    fn saved_len(self, d: &Dims<'_>) -> usize {
+        // fch, and act(fch): the output projection's input, kept in bf16
+        // (two per float) when the products round it to bf16 anyway
+        let nh = d.n() * self.h(d);
+        d.n() * self.fc(d) + gelu_slots(nh, d.precision)
+    }
+
+    fn split_saved_len(self, d: &Dims<'_>) -> usize {
+        // d fch, and under SP the gathered output gradient
+        d.n() * self.fc(d)
+            + if d.sequence_parallel() {
+                d.n() * d.c
+            } else {
+                0
+            }
+    }
+
+    fn scratch_len(self, d: &Dims<'_>) -> usize {
+        // the whole backward: the input half's scratch, then what it saves
+        // for the weight half; the forward's row-parallel partial under SP,
+        // and the activation before rounding in bf16
+        (self.input_scratch(d) + self.split_saved_len(d))
+            .max(d.n() * d.c)
+            .max(d.n() * self.h(d))
+    }
+
+    fn forward(
+        self,
+        out: &mut [f32],
+        saved: &mut [f32],
+        scratch: &mut [f32],
+        inp: LinearInput<'_, f32>,
+        params: &[f32],
+        d: Dims<'_>,
+    ) -> Result<()> {
+        // Forward GEMMs compute each row from its own input row alone, so
+        // the mode does not change their bits.
+        let Dims { b, t, c, mode, .. } = d;
+        let (n, h, fc) = (b * t, self.h(&d), self.fc(&d));
+        let (fw, fb, pw, pb) = self.split(params, c, &d);
+        let (fch, act_saved) = saved.split_at_mut(n * fc);
+        let fb = (!fb.is_empty()).then_some(fb);
+        let pb = (!pb.is_empty()).then_some(pb);
+        matmul_forward(fch, inp, fw, fb, b, t, c, fc, mode, d.precision)?;
+        if d.precision == Precision::Bf16 {
+            self.act_forward(&mut scratch[..n * h], fch, n, h)?;
+            round_to_bf16_for_products(&mut as_bf16_mut(act_saved)[..n * h], &scratch[..n * h])?;
+        } else {
+            self.act_forward(&mut act_saved[..n * h], fch, n, h)?;
+        }
+        let act = gelu_input(act_saved, n * h, d.precision);
+        match d.tp {
+            None => matmul_forward(out, act, pw, pb, b, t, h, c, mode, d.precision)?,
+            Some(tp) => {
+                tp.row_forward(
+                    out,
+                    &mut scratch[..n * c],
+                    act,
+                    pw,
+                    pb,
+                    (b, t),
+                    (h, c),
+                    mode,
+                    d.precision,
+                )?;
+            }
+        }
+        Ok(())
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn backward(
+        self,
+        dinp: &mut [f32],
+        dparams: &mut [f32],
+        scratch: &mut [f32],
+        dout: &[f32],
+        inp: LinearInput<'_, f32>,
+        saved: &[f32],
+        params: &[f32],
+        d: Dims<'_>,
+    ) -> Result<()> {
+        // The two halves in turn: each gradient is computed from the same
+        // operands as by a fused backward, so the bits are the same.
+        let (first, wsaved) = scratch.split_at_mut(self.input_scratch(&d));
+        let wsaved = &mut wsaved[..self.split_saved_len(&d)];
+        self.backward_input(dinp, wsaved, first, dout, saved, params, d)?;
+        self.backward_weight(dparams, wsaved, dout, inp, saved, d)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn backward_input(
+        self,
+        dinp: &mut [f32],
+        wsaved: &mut [f32],
+        scratch: &mut [f32],
+        dout: &[f32],
+        saved: &[f32],
+        params: &[f32],
+        d: Dims<'_>,
+    ) -> Result<()> {
+        let Dims { b, t, c, mode, .. } = d;
+        let (n, h, fc) = (b * t, self.h(&d), self.fc(&d));
+        let (fw, _, pw, _) = self.split(params, c, &d);
+        let fch = &saved[..n * fc];
+        let (dact, rest) = scratch.split_at_mut(n * h);
+        let (dfch, dfull) = wsaved.split_at_mut(n * fc);
+        // c_proj is row-parallel: its input gradient needs the whole
+        // output gradient (gathered under SP)
+        let dy = match d.tp {
+            Some(tp) => tp.row_output_grad(dout, dfull)?,
+            None => dout,
+        };
+        weft_kernels::zero(dact);
+        matmul_backward_input(dact, dy, pw, b, t, h, c, mode, d.precision)?;
+        weft_kernels::zero(dfch);
+        self.act_backward(dfch, fch, dact, n, h)?;
+        match d.tp {
+            None => matmul_backward_input(dinp, dfch, fw, b, t, c, fc, mode, d.precision)?,
+            Some(tp) => {
+                // c_fc is column-parallel: its input gradient is a partial
+                // sum, summed over the group (this rank's rows under SP)
+                let (partial, rows) = rest.split_at_mut(n * c);
+                weft_kernels::zero(partial);
+                matmul_backward_input(partial, dfch, fw, b, t, c, fc, mode, d.precision)?;
+                let sp_rows = if d.sequence_parallel() {
+                    d.rows() * c
+                } else {
+                    0
+                };
+                let r = tp.column_input_grad(partial, &mut rows[..sp_rows])?;
+                weft_kernels::accumulate(dinp, r)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn backward_weight(
+        self,
+        dparams: &mut [f32],
+        wsaved: &[f32],
+        dout: &[f32],
+        inp: LinearInput<'_, f32>,
+        saved: &[f32],
+        d: Dims<'_>,
+    ) -> Result<()> {
+        let Dims { b, t, c, .. } = d;
+        let (n, h, fc) = (b * t, self.h(&d), self.fc(&d));
+        let (dfw, dfb, dpw, dpb) = self.split_mut(dparams, c, &d);
+        let act = gelu_input(&saved[n * fc..], n * h, d.precision);
+        let (dfch, dfull) = wsaved.split_at(n * fc);
+        let dy = if d.sequence_parallel() { dfull } else { dout };
+        let dpb = (!dpb.is_empty()).then_some(dpb);
+        let dfb = (!dfb.is_empty()).then_some(dfb);
+        matmul_backward_weight(dpw, dpb, dy, act, b, t, h, c, d.precision)?;
+        matmul_backward_weight(dfw, dfb, dfch, inp, b, t, c, fc, d.precision)?;
+        Ok(())
+    }
+}
+
+/// Floats the dense MLP's saved activation output takes for `nh` values:
+/// `nh`, or in bf16 two values per float.
 fn gelu_slots(nh: usize, precision: Precision) -> usize {
     if precision == Precision::Bf16 {
         nh.div_ceil(2)
@@ -261,8 +528,8 @@ fn as_bf16_mut(slots: &mut [f32]) -> &mut [bf16] {
     bytemuck::cast_slice_mut(slots)
 }
 
-/// The saved GELU output (`nh` values from the start of `saved`) as the
-/// output projection's input: `f32`, or the bf16 values it holds in
+/// The saved activation output (`nh` values from the start of `saved`) as
+/// the output projection's input: `f32`, or the bf16 values it holds in
 /// [`Precision::Bf16`].
 fn gelu_input(saved: &[f32], nh: usize, precision: Precision) -> LinearInput<'_, f32> {
     if precision == Precision::Bf16 {
@@ -273,235 +540,142 @@ fn gelu_input(saved: &[f32], nh: usize, precision: Precision) -> LinearInput<'_,
     }
 }
 
-/// Hidden width on this rank: `4C / tp`.
-fn hidden(d: &Dims<'_>) -> usize {
-    4 * d.c / d.tp_size()
-}
+/// The dense blocks' `FeedForward` methods, delegated to [`Dense`].
+macro_rules! dense_feed_forward {
+    ($ty:ty) => {
+        impl FeedForward for $ty {
+            fn input_feeds_products_only(&self) -> bool {
+                true
+            }
 
-/// Splits an MLP parameter range into (fc_w, fc_b, proj_w, proj_b) for a
-/// hidden width `h` of this rank.
-fn split<T>(p: &[T], c: usize, h: usize) -> (&[T], &[T], &[T], &[T]) {
-    let (fw, rest) = p.split_at(c * h);
-    let (fb, rest) = rest.split_at(h);
-    let (pw, pb) = rest.split_at(h * c);
-    (fw, fb, pw, pb)
-}
+            fn params(&self, c: usize) -> Vec<ParamShape> {
+                self.dense(c).params(c)
+            }
 
-fn split_mut<T>(p: &mut [T], c: usize, h: usize) -> (&mut [T], &mut [T], &mut [T], &mut [T]) {
-    let (fw, rest) = p.split_at_mut(c * h);
-    let (fb, rest) = rest.split_at_mut(h);
-    let (pw, pb) = rest.split_at_mut(h * c);
-    (fw, fb, pw, pb)
-}
+            fn saved_len(&self, d: &Dims<'_>) -> usize {
+                self.dense(d.c).saved_len(d)
+            }
 
-impl Mlp {
-    /// Scratch of the input half: d gelu(fch) `(N, h)`, and under tensor
-    /// parallelism the partial input gradient `(N, C)` (and its rows under
-    /// sequence parallelism).
-    fn input_scratch(d: &Dims<'_>) -> usize {
-        let n = d.n();
-        let mut s = n * hidden(d);
-        if d.tp.is_some() {
-            s += n * d.c;
+            fn scratch_len(&self, d: &Dims<'_>) -> usize {
+                self.dense(d.c).scratch_len(d)
+            }
+
+            fn forward(
+                &self,
+                out: &mut [f32],
+                saved: &mut [f32],
+                scratch: &mut [f32],
+                inp: LinearInput<'_, f32>,
+                params: &[f32],
+                d: Dims<'_>,
+            ) -> Result<()> {
+                self.dense(d.c).forward(out, saved, scratch, inp, params, d)
+            }
+
+            fn backward(
+                &self,
+                dinp: &mut [f32],
+                dparams: &mut [f32],
+                scratch: &mut [f32],
+                dout: &[f32],
+                inp: LinearInput<'_, f32>,
+                saved: &[f32],
+                params: &[f32],
+                d: Dims<'_>,
+            ) -> Result<()> {
+                self.dense(d.c)
+                    .backward(dinp, dparams, scratch, dout, inp, saved, params, d)
+            }
+
+            fn split_saved_len(&self, d: &Dims<'_>) -> usize {
+                self.dense(d.c).split_saved_len(d)
+            }
+
+            fn backward_input(
+                &self,
+                dinp: &mut [f32],
+                wsaved: &mut [f32],
+                _sink: &mut [f32],
+                scratch: &mut [f32],
+                dout: &[f32],
+                _inp: LinearInput<'_, f32>,
+                saved: &[f32],
+                params: &[f32],
+                d: Dims<'_>,
+            ) -> Result<()> {
+                self.dense(d.c)
+                    .backward_input(dinp, wsaved, scratch, dout, saved, params, d)
+            }
+
+            fn backward_weight(
+                &self,
+                dparams: &mut [f32],
+                wsaved: &[f32],
+                _sink: &mut [f32],
+                _scratch: &mut [f32],
+                dout: &[f32],
+                inp: LinearInput<'_, f32>,
+                saved: &[f32],
+                _params: &[f32],
+                d: Dims<'_>,
+            ) -> Result<()> {
+                self.dense(d.c)
+                    .backward_weight(dparams, wsaved, dout, inp, saved, d)
+            }
         }
-        if d.sequence_parallel() {
-            s += d.rows() * d.c;
-        }
-        s
-    }
+    };
 }
 
-impl FeedForward for Mlp {
-    fn input_feeds_products_only(&self) -> bool {
-        true
-    }
-
-    /// Megatron's split of the MLP over `tp`: `c_fc` column-parallel
-    /// (weight and bias by columns), `c_proj` row-parallel (weight by
-    /// rows, bias replicated).
-    fn params(&self, c: usize) -> Vec<ParamShape> {
+impl Dense {
+    /// The block's tensors: GPT-2's `c_fc` (weight and bias by columns)
+    /// and `c_proj` (weight by rows, bias replicated) — Megatron's split —
+    /// or the gated block's fused `gate_up` (each half by columns) and
+    /// bias-free `c_proj`.
+    fn params(self, c: usize) -> Vec<ParamShape> {
         let p = |s: &str, shape: Vec<usize>, decay, tp: Placement| ParamShape {
             suffix: s.into(),
             shape,
             decay,
             placements: Placements::tp(tp),
         };
+        let h = self.hidden;
+        if self.gated {
+            return vec![
+                p(
+                    "mlp.gate_up.weight",
+                    vec![c, 2 * h],
+                    true,
+                    Placement::strided(1, 2),
+                ),
+                p("mlp.c_proj.weight", vec![h, c], true, Placement::shard(0)),
+            ];
+        }
         vec![
-            p("mlp.c_fc.weight", vec![c, 4 * c], true, Placement::shard(1)),
-            p("mlp.c_fc.bias", vec![4 * c], false, Placement::shard(0)),
-            p(
-                "mlp.c_proj.weight",
-                vec![4 * c, c],
-                true,
-                Placement::shard(0),
-            ),
+            p("mlp.c_fc.weight", vec![c, h], true, Placement::shard(1)),
+            p("mlp.c_fc.bias", vec![h], false, Placement::shard(0)),
+            p("mlp.c_proj.weight", vec![h, c], true, Placement::shard(0)),
             p("mlp.c_proj.bias", vec![c], false, Placement::Replicate),
         ]
     }
+}
 
-    fn saved_len(&self, d: &Dims<'_>) -> usize {
-        // fch, and gelu(fch): the output projection's input, kept in bf16
-        // (two per float) when the products round it to bf16 anyway
-        let nh = d.n() * hidden(d);
-        nh + gelu_slots(nh, d.precision)
-    }
-
-    fn scratch_len(&self, d: &Dims<'_>) -> usize {
-        // the whole backward: the input half's scratch, then what it saves
-        // for the weight half; the forward's row-parallel partial under SP
-        (Self::input_scratch(d) + self.split_saved_len(d)).max(d.n() * d.c)
-    }
-
-    fn forward(
-        &self,
-        out: &mut [f32],
-        saved: &mut [f32],
-        scratch: &mut [f32],
-        inp: LinearInput<'_, f32>,
-        params: &[f32],
-        d: Dims<'_>,
-    ) -> Result<()> {
-        // Forward GEMMs compute each row from its own input row alone, so
-        // the mode does not change their bits.
-        let Dims { b, t, c, mode, .. } = d;
-        let (n, h) = (b * t, hidden(&d));
-        let (fw, fb, pw, pb) = split(params, c, h);
-        let (fch, gelu_saved) = saved.split_at_mut(n * h);
-        matmul_forward(fch, inp, fw, Some(fb), b, t, c, h, mode, d.precision)?;
-        if d.precision == Precision::Bf16 {
-            gelu_forward(&mut scratch[..n * h], fch, n * h)?;
-            round_to_bf16_for_products(&mut as_bf16_mut(gelu_saved)[..n * h], &scratch[..n * h])?;
-        } else {
-            gelu_forward(gelu_saved, fch, n * h)?;
+impl Mlp {
+    fn dense(self, c: usize) -> Dense {
+        Dense {
+            gated: false,
+            hidden: 4 * c,
         }
-        let fch_gelu = gelu_input(gelu_saved, n * h, d.precision);
-        match d.tp {
-            None => matmul_forward(out, fch_gelu, pw, Some(pb), b, t, h, c, mode, d.precision)?,
-            Some(tp) => {
-                tp.row_forward(
-                    out,
-                    &mut scratch[..n * c],
-                    fch_gelu,
-                    pw,
-                    pb,
-                    b,
-                    t,
-                    h,
-                    mode,
-                    d.precision,
-                )?;
-            }
-        }
-        Ok(())
-    }
-
-    fn backward(
-        &self,
-        dinp: &mut [f32],
-        dparams: &mut [f32],
-        scratch: &mut [f32],
-        dout: &[f32],
-        inp: LinearInput<'_, f32>,
-        saved: &[f32],
-        params: &[f32],
-        d: Dims<'_>,
-    ) -> Result<()> {
-        // The two halves in turn: each gradient is computed from the same
-        // operands as by a fused backward, so the bits are the same.
-        let (first, wsaved) = scratch.split_at_mut(Self::input_scratch(&d));
-        let wsaved = &mut wsaved[..self.split_saved_len(&d)];
-        self.backward_input(dinp, wsaved, &mut [], first, dout, inp, saved, params, d)?;
-        self.backward_weight(
-            dparams,
-            wsaved,
-            &mut [],
-            &mut [],
-            dout,
-            inp,
-            saved,
-            params,
-            d,
-        )
-    }
-
-    fn split_saved_len(&self, d: &Dims<'_>) -> usize {
-        // d fch, and under SP the gathered output gradient
-        d.n() * hidden(d)
-            + if d.sequence_parallel() {
-                d.n() * d.c
-            } else {
-                0
-            }
-    }
-
-    fn backward_input(
-        &self,
-        dinp: &mut [f32],
-        wsaved: &mut [f32],
-        _sink: &mut [f32],
-        scratch: &mut [f32],
-        dout: &[f32],
-        _inp: LinearInput<'_, f32>,
-        saved: &[f32],
-        params: &[f32],
-        d: Dims<'_>,
-    ) -> Result<()> {
-        let Dims { b, t, c, mode, .. } = d;
-        let (n, h) = (b * t, hidden(&d));
-        let (fw, _, pw, _) = split(params, c, h);
-        let fch = &saved[..n * h];
-        let (dgelu, rest) = scratch.split_at_mut(n * h);
-        let (dfch, dfull) = wsaved.split_at_mut(n * h);
-        // c_proj is row-parallel: its input gradient needs the whole
-        // output gradient (gathered under SP)
-        let dy = match d.tp {
-            Some(tp) => tp.row_output_grad(dout, dfull)?,
-            None => dout,
-        };
-        weft_kernels::zero(dgelu);
-        matmul_backward_input(dgelu, dy, pw, b, t, h, c, mode, d.precision)?;
-        weft_kernels::zero(dfch);
-        gelu_backward(dfch, fch, dgelu, n * h)?;
-        match d.tp {
-            None => matmul_backward_input(dinp, dfch, fw, b, t, c, h, mode, d.precision)?,
-            Some(tp) => {
-                // c_fc is column-parallel: its input gradient is a partial
-                // sum, summed over the group (this rank's rows under SP)
-                let (partial, rows) = rest.split_at_mut(n * c);
-                weft_kernels::zero(partial);
-                matmul_backward_input(partial, dfch, fw, b, t, c, h, mode, d.precision)?;
-                let sp_rows = if d.sequence_parallel() {
-                    d.rows() * c
-                } else {
-                    0
-                };
-                let r = tp.column_input_grad(partial, &mut rows[..sp_rows])?;
-                weft_kernels::accumulate(dinp, r)?;
-            }
-        }
-        Ok(())
-    }
-
-    fn backward_weight(
-        &self,
-        dparams: &mut [f32],
-        wsaved: &[f32],
-        _sink: &mut [f32],
-        _scratch: &mut [f32],
-        dout: &[f32],
-        inp: LinearInput<'_, f32>,
-        saved: &[f32],
-        _params: &[f32],
-        d: Dims<'_>,
-    ) -> Result<()> {
-        let Dims { b, t, c, .. } = d;
-        let (n, h) = (b * t, hidden(&d));
-        let (dfw, dfb, dpw, dpb) = split_mut(dparams, c, h);
-        let fch_gelu = gelu_input(&saved[n * h..], n * h, d.precision);
-        let (dfch, dfull) = wsaved.split_at(n * h);
-        let dy = if d.sequence_parallel() { dfull } else { dout };
-        matmul_backward_weight(dpw, Some(dpb), dy, fch_gelu, b, t, h, c, d.precision)?;
-        matmul_backward_weight(dfw, Some(dfb), dfch, inp, b, t, c, h, d.precision)?;
-        Ok(())
     }
 }
+
+impl SwiGlu {
+    fn dense(self, _c: usize) -> Dense {
+        Dense {
+            gated: true,
+            hidden: self.hidden,
+        }
+    }
+}
+
+dense_feed_forward!(Mlp);
+dense_feed_forward!(SwiGlu);

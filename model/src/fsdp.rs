@@ -142,9 +142,14 @@ pub(crate) fn units(
 /// looked up too), layernorms, biases and a router (routing stays f32)
 /// are read in f32.
 fn product_weight(name: &str) -> bool {
-    ["c_attn.weight", "c_proj.weight", "c_fc.weight"]
-        .iter()
-        .any(|s| name.ends_with(s))
+    [
+        "c_attn.weight",
+        "c_proj.weight",
+        "c_fc.weight",
+        "gate_up.weight",
+    ]
+    .iter()
+    .any(|s| name.ends_with(s))
         || name == "lm_head.weight"
 }
 

@@ -41,7 +41,7 @@
 //! use weft_model::{Decoder, Gpt, GptConfig};
 //!
 //! let cfg = GptConfig { n_layer: 2, n_head: 2, n_embd: 16, vocab_size: 50, block_size: 8,
-//!                       tied_embeddings: true, layer_norm_epsilon: 1e-5 };
+//!                       tied_embeddings: true, layer_norm_epsilon: 1e-5, arch: weft_model::BlockArch::GPT2 };
 //! let mut model = Gpt::new(cfg)?;
 //! model.init_gpt2(7);
 //! let mut dec = Decoder::new(&model);
@@ -237,6 +237,14 @@ impl<'m> Decoder<'m> {
 
     fn feed(&mut self, tokens: &[u32]) -> Result<()> {
         let model = self.model;
+        if model.config().arch != crate::BlockArch::GPT2 {
+            return Err(Error::Config {
+                field: "arch",
+                reason: "the decoder runs GPT-2 blocks only so far (no rotary positions, \
+                         RMSNorm, grouped-query or windowed attention yet)"
+                    .into(),
+            });
+        }
         let GptConfig {
             n_head: nh,
             n_embd: c,

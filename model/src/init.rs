@@ -16,7 +16,7 @@ use crate::error::{Error, Result};
 /// GPT-2's initialisation of the tensors `layout` places in `params`:
 /// N(0, 0.02) weights (the residual projections, `*.c_proj.weight`,
 /// scaled by 1/sqrt(2·`n_layer`)), zero biases (and any other vector),
-/// unit layernorm gains. Each element of a rank's part takes the value
+/// unit gains of the layernorms and RMSNorms (QK-norm included). Each element of a rank's part takes the value
 /// the whole tensor has there (see the module docs).
 ///
 /// # Errors
@@ -44,7 +44,8 @@ pub fn init_gpt2(
     for spec in layout.specs() {
         let p = &mut params[spec.range()];
         if spec.global_shape.len() == 1 {
-            let one = if spec.name.contains("ln_") { 1.0 } else { 0.0 };
+            let gain = spec.name.contains("ln_") || spec.name.ends_with("_norm.weight");
+            let one = if gain { 1.0 } else { 0.0 };
             p.fill(one);
             continue;
         }
@@ -122,6 +123,7 @@ mod tests {
             block_size: 8,
             tied_embeddings: true,
             layer_norm_epsilon: 1e-5,
+            arch: crate::BlockArch::GPT2,
         };
         let whole = param_layout(&cfg, &Mlp, &Sharding::SINGLE).unwrap();
         let mut w = vec![0.0f32; whole.len()];

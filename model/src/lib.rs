@@ -1,10 +1,24 @@
-//! A GPT-2-style transformer built from `weft-kernels` ops, with the
-//! Hugging Face GPT-2 format for weights.
+//! Decoder-only transformers built from `weft-kernels` ops — GPT-2 and
+//! the Llama family (Llama 2/3, Mistral, Qwen2, Qwen3) in one block code
+//! path — with the Hugging Face formats for weights.
 //!
 //! # Overview
 //!
 //! * [`GptConfig`]: n_layer, n_head, n_embd, vocab_size, block_size, tied
-//!   embeddings.
+//!   embeddings, and the block's architecture [`BlockArch`]: GPT-2's
+//!   ([`BlockArch::GPT2`]) or the options of the families pretrained
+//!   today — grouped- and multi-query attention (`n_kv_head`), a head size
+//!   set apart, RMSNorm ([`Norm`]), rotary positions ([`Positions`],
+//!   [`Rotary`]: θ, partial rotary, Llama-3 scaling), biases on q/k/v
+//!   and the output projection or not, QK-norm, sliding-window layers with
+//!   every k-th layer global ([`SlidingWindow`]). The feed-forward block is
+//!   chosen apart: [`Mlp`] (GPT-2's), [`SwiGlu`] (the gated MLP), or a
+//!   mixture of experts. The Llama family is checked against transformers
+//!   (`tests/it/llama_reference.rs`); with multi-head attention it runs
+//!   every layout of the layout matrix (`tests/compose.rs`: data, FSDP,
+//!   pipeline, tensor and sequence parallelism); grouped-query attention over `tp > 1`, the
+//!   [`Decoder`] and the CUDA model take GPT-2 blocks only so far and
+//!   refuse the others with an error.
 //! * [`ParamLayout`] / [`ParamSpec`]: every parameter lives in one
 //!   contiguous `Vec<f32>` ([`Gpt::params`]) under its Hugging Face name
 //!   (`transformer.h.0.attn.c_attn.weight`, `Conv1D` `[in, out]` layout),
@@ -38,7 +52,9 @@
 //!   step, evaluation, whole-model gather and load for every layout (what
 //!   `weft train` runs on each rank). Example below.
 //! * [`hf`]: load and save a Hugging Face folder (`config.json` +
-//!   `model.safetensors`); [`eval`]: the computation behind `weft eval`.
+//!   `model.safetensors`) of GPT-2 or of the Llama family (names and
+//!   `[out, in]` layouts mapped); [`eval`]: the computation behind `weft
+//!   eval`.
 //! * [`Decoder`] ([`infer`]): the inference engine — incremental decoding
 //!   with a key/value cache planned up front for `block_size` positions,
 //!   whose logits are bitwise the training forward's for the same prefix
@@ -46,8 +62,10 @@
 //!
 //! Correctness is checked against PyTorch/transformers: `tests/` compares
 //! the loss and every gradient with fixtures made by
-//! `model/reference/make_fixtures.py` (f64 PyTorch), for several small
-//! random configurations.
+//! `model/reference/make_fixtures.py` (GPT-2) and
+//! `model/reference/make_llama_fixtures.py` (`LlamaForCausalLM`,
+//! `Qwen3ForCausalLM`, `MistralForCausalLM`, `Qwen2ForCausalLM`), in f64,
+//! for several small random configurations each.
 //!
 //! # Example
 //!
@@ -56,7 +74,7 @@
 //! use weft_kernels::AdamW;
 //!
 //! let cfg = GptConfig { n_layer: 2, n_head: 2, n_embd: 16, vocab_size: 50, block_size: 8,
-//!                       tied_embeddings: true, layer_norm_epsilon: 1e-5 };
+//!                       tied_embeddings: true, layer_norm_epsilon: 1e-5, arch: weft_model::BlockArch::GPT2 };
 //! let mut model = Gpt::new(cfg)?;
 //! model.init_gpt2(42);
 //! let mut acts = model.activations(2, 8)?; // B=2, T=8
@@ -89,7 +107,7 @@
 //! use weft_parallel::ParallelDims;
 //!
 //! let cfg = GptConfig { n_layer: 2, n_head: 2, n_embd: 16, vocab_size: 50, block_size: 8,
-//!                       tied_embeddings: true, layer_norm_epsilon: 1e-5 };
+//!                       tied_embeddings: true, layer_norm_epsilon: 1e-5, arch: weft_model::BlockArch::GPT2 };
 //! let mut whole = Gpt::new(cfg.clone())?;
 //! whole.init_gpt2(1);
 //! let tokens: Vec<u32> = (0..16).map(|i| i % 50).collect();
@@ -125,7 +143,7 @@
 //! use weft_model::{Decoder, Gpt, GptConfig};
 //!
 //! let cfg = GptConfig { n_layer: 2, n_head: 2, n_embd: 16, vocab_size: 50, block_size: 16,
-//!                       tied_embeddings: true, layer_norm_epsilon: 1e-5 };
+//!                       tied_embeddings: true, layer_norm_epsilon: 1e-5, arch: weft_model::BlockArch::GPT2 };
 //! let mut model = Gpt::new(cfg)?;
 //! model.init_gpt2(3);
 //! let mut dec = Decoder::new(&model);
@@ -172,9 +190,9 @@ pub mod tp;
 mod trainable;
 
 pub use chunk::{HeadView, ParamStore, Piece};
-pub use config::GptConfig;
+pub use config::{BlockArch, GptConfig, Norm, Positions, Rotary, SlidingWindow};
 pub use error::{Error, Result};
-pub use ffn::{Dims, FeedForward, Mlp, ParamShape, wide_input};
+pub use ffn::{Dims, FeedForward, Mlp, ParamShape, SwiGlu, wide_input};
 pub use gpt::{
     Activations, BlockActs, BlockScratch, Gpt, GptBlocks, HeadActs, MicroBatch, WeightInputs,
 };

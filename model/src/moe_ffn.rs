@@ -430,6 +430,7 @@ mod tests {
             block_size: 8,
             tied_embeddings: true,
             layer_norm_epsilon: 1e-5,
+            arch: crate::BlockArch::GPT2,
         };
         let moe = MoeConfig {
             router: Router::top_k(4, 2)

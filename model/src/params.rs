@@ -7,7 +7,7 @@ use std::ops::Range;
 
 use weft_parallel::{Coords, LayoutBuilder, ParamLayout, Placement, Placements};
 
-use crate::config::GptConfig;
+use crate::config::{GptConfig, Norm, Positions};
 use crate::error::{Error, Result};
 use crate::ffn::{FeedForward, Mlp};
 
@@ -39,10 +39,15 @@ impl Sharding {
 /// `sharding`.
 ///
 /// Order: `transformer.wte.weight (V,C)`, `transformer.wpe.weight
-/// (maxT,C)`, then each block contiguously (`ln_1`, `attn.c_attn`,
-/// `attn.c_proj`, `ln_2`, then the feed-forward block's tensors), then
-/// `transformer.ln_f`, then `lm_head.weight (V,C)` only when embeddings are
-/// untied. A block's parameters are one contiguous range, which is what
+/// (maxT,C)` (learned positions only), then each block contiguously
+/// (`ln_1`, `attn.c_attn` weight `(C, Cq+2·Ckv)` and bias (if
+/// `qkv_bias`), `attn.q_norm` and `attn.k_norm` (if `qk_norm`),
+/// `attn.c_proj` weight `(Cq, C)` and bias (if `proj_bias`), `ln_2`, then
+/// the feed-forward block's tensors), then `transformer.ln_f`, then
+/// `lm_head.weight (V,C)` only when embeddings are untied. Norms have a
+/// bias under LayerNorm only. The names are GPT-2's Hugging Face names
+/// for every architecture ([`hf`](crate::hf) maps other families' names
+/// and `[out, in]` layouts on import and export). A block's parameters are one contiguous range, which is what
 /// FSDP units and pipeline stages cut along. Gradients, AdamW moments and
 /// checkpoints use the same layout.
 ///
@@ -80,6 +85,19 @@ pub fn param_layout(
             reason: format!("= {v} tokens cannot be split over tp = {tp}"),
         });
     }
+    let (q_dim, kv_dim) = (cfg.q_dim(), cfg.kv_dim());
+    let gqa = cfg.n_kv_head() != cfg.n_head;
+    if gqa && tp > 1 {
+        return Err(Error::Config {
+            field: "num_key_value_heads",
+            reason: format!(
+                "= {} with n_head = {}: grouped-query attention does not split over \
+                 tp = {tp} yet (use tp = 1, or multi-head attention)",
+                cfg.n_kv_head(),
+                cfg.n_head
+            ),
+        });
+    }
     let rep = Placements::REPLICATED;
     let tp_ = |p: Placement| Placements::tp(p);
     let ln_grad = if sharding.sequence_parallel && tp > 1 {
@@ -87,10 +105,13 @@ pub fn param_layout(
     } else {
         rep
     };
+    let layernorm = cfg.arch.norm == Norm::LayerNorm;
     let mut b = LayoutBuilder::new(sharding.coords);
     let ln = |b: &mut LayoutBuilder, name: String| -> Result<()> {
         b.push_with_grad(format!("{name}.weight"), &[c], false, rep, ln_grad)?;
-        b.push_with_grad(format!("{name}.bias"), &[c], false, rep, ln_grad)?;
+        if layernorm {
+            b.push_with_grad(format!("{name}.bias"), &[c], false, rep, ln_grad)?;
+        }
         Ok(())
     };
     b.push(
@@ -99,29 +120,59 @@ pub fn param_layout(
         true,
         tp_(Placement::shard(0)),
     )?;
-    b.push("transformer.wpe.weight", &[cfg.block_size, c], true, rep)?;
+    if cfg.arch.positions == Positions::Learned {
+        b.push("transformer.wpe.weight", &[cfg.block_size, c], true, rep)?;
+    }
+    // Q, K and V side by side: three equal blocks of heads to shard
+    // (multi-head), or, with grouped-query attention (one rank only), one.
+    let qkv_split = if gqa {
+        Placement::shard(1)
+    } else {
+        Placement::strided(1, 3)
+    };
+    let qkv_bias_split = if gqa {
+        Placement::shard(0)
+    } else {
+        Placement::strided(0, 3)
+    };
     for l in 0..cfg.n_layer {
         let p = format!("transformer.h.{l}.");
         ln(&mut b, format!("{p}ln_1"))?;
         b.push(
             format!("{p}attn.c_attn.weight"),
-            &[c, 3 * c],
+            &[c, q_dim + 2 * kv_dim],
             true,
-            tp_(Placement::strided(1, 3)),
+            tp_(qkv_split),
         )?;
-        b.push(
-            format!("{p}attn.c_attn.bias"),
-            &[3 * c],
-            false,
-            tp_(Placement::strided(0, 3)),
-        )?;
+        if cfg.arch.qkv_bias {
+            b.push(
+                format!("{p}attn.c_attn.bias"),
+                &[q_dim + 2 * kv_dim],
+                false,
+                tp_(qkv_bias_split),
+            )?;
+        }
+        if cfg.arch.qk_norm {
+            // Each rank normalises its own heads: the gains' gradients are
+            // partial sums over the tensor-parallel group.
+            let hs = cfg.head_dim();
+            let grad = if tp > 1 {
+                Placements::tp(Placement::Partial)
+            } else {
+                rep
+            };
+            b.push_with_grad(format!("{p}attn.q_norm.weight"), &[hs], false, rep, grad)?;
+            b.push_with_grad(format!("{p}attn.k_norm.weight"), &[hs], false, rep, grad)?;
+        }
         b.push(
             format!("{p}attn.c_proj.weight"),
-            &[c, c],
+            &[q_dim, c],
             true,
             tp_(Placement::shard(0)),
         )?;
-        b.push(format!("{p}attn.c_proj.bias"), &[c], false, rep)?;
+        if cfg.arch.proj_bias {
+            b.push(format!("{p}attn.c_proj.bias"), &[c], false, rep)?;
+        }
         ln(&mut b, format!("{p}ln_2"))?;
         for s in ffn.params(c) {
             b.push(format!("{p}{}", s.suffix), &s.shape, s.decay, s.placements)?;
@@ -143,18 +194,23 @@ pub fn dense_layout(cfg: &GptConfig) -> Result<ParamLayout> {
 }
 
 /// Offsets of one block's tensors relative to the block's first
-/// parameter (a rank's local sizes).
+/// parameter (a rank's local sizes). A tensor the architecture does not
+/// have (a bias, an RMSNorm's bias, QK-norm) has an empty range.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct BlockLayout {
     /// `ln_1.weight (C)`.
     pub ln1_w: Range<usize>,
     /// `ln_1.bias (C)`.
     pub ln1_b: Range<usize>,
-    /// `attn.c_attn.weight (C, 3·C/tp)`.
+    /// `attn.c_attn.weight (C, (Cq+2·Ckv)/tp)`: the query, key and value
+    /// projections side by side (`Cq = NH·HS`, `Ckv = NKV·HS`; `3C` for
+    /// GPT-2).
     pub qkv_w: Range<usize>,
-    /// `attn.c_attn.bias (3·C/tp)`.
+    /// `attn.c_attn.bias ((Cq+2·Ckv)/tp)`.
     pub qkv_b: Range<usize>,
-    /// `attn.c_proj.weight (C/tp, C)`.
+    /// `attn.q_norm.weight (HS)` then `attn.k_norm.weight (HS)`.
+    pub qk_norm: Range<usize>,
+    /// `attn.c_proj.weight (Cq/tp, C)`.
     pub proj_w: Range<usize>,
     /// `attn.c_proj.bias (C)`.
     pub proj_b: Range<usize>,
@@ -190,13 +246,13 @@ impl BlockLayout {
 /// Where the model's pieces lie in a rank's buffer, read from its layout.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) struct Pieces {
-    /// `wte` then `wpe`.
+    /// `wte` then `wpe` (`wte` alone with rotary positions).
     pub(crate) embed: Range<usize>,
     /// `wte` alone.
     pub(crate) wte: Range<usize>,
     /// Each block.
     pub(crate) blocks: Vec<Range<usize>>,
-    /// `ln_f` weight then bias.
+    /// `ln_f` weight then bias (weight alone for RMSNorm).
     pub(crate) lnf: Range<usize>,
     /// The head weight: `wte`'s range when tied, else `lm_head.weight`'s.
     pub(crate) lm_head: Range<usize>,
@@ -214,7 +270,10 @@ impl Pieces {
             })
         };
         let wte = get("transformer.wte.weight")?;
-        let wpe = get("transformer.wpe.weight")?;
+        let embed_end = match layout.range("transformer.wpe.weight") {
+            Some(wpe) => wpe.end,
+            None => wte.end,
+        };
         let mut blocks = Vec::with_capacity(cfg.n_layer);
         for l in 0..cfg.n_layer {
             let start = get(&format!("transformer.h.{l}.ln_1.weight"))?.start;
@@ -225,31 +284,52 @@ impl Pieces {
             };
             blocks.push(start..end);
         }
-        let lnf = get("transformer.ln_f.weight")?.start..get("transformer.ln_f.bias")?.end;
+        let lnf_w = get("transformer.ln_f.weight")?;
+        let lnf = lnf_w.start
+            ..layout
+                .range("transformer.ln_f.bias")
+                .map_or(lnf_w.end, |r| r.end);
         let lm_head = if cfg.tied_embeddings {
             wte.clone()
         } else {
             get("lm_head.weight")?
         };
+        let b0 = blocks[0].start;
         let rel = |name: &str| -> Result<Range<usize>> {
             let r = get(&format!("transformer.h.0.{name}"))?;
-            let b = blocks[0].start;
-            Ok(r.start - b..r.end - b)
+            Ok(r.start - b0..r.end - b0)
         };
-        let ln2_b = rel("ln_2.bias")?;
+        // An optional tensor: its range, or an empty one where it would
+        // start (just after `after`).
+        let opt = |name: &str, after: &Range<usize>| -> Range<usize> {
+            layout
+                .range(&format!("transformer.h.0.{name}"))
+                .map_or(after.end..after.end, |r| r.start - b0..r.end - b0)
+        };
+        let ln1_w = rel("ln_1.weight")?;
+        let ln1_b = opt("ln_1.bias", &ln1_w);
+        let qkv_w = rel("attn.c_attn.weight")?;
+        let qkv_b = opt("attn.c_attn.bias", &qkv_w);
+        let q_norm = opt("attn.q_norm.weight", &qkv_b);
+        let qk_norm = q_norm.start..opt("attn.k_norm.weight", &q_norm).end;
+        let proj_w = rel("attn.c_proj.weight")?;
+        let proj_b = opt("attn.c_proj.bias", &proj_w);
+        let ln2_w = rel("ln_2.weight")?;
+        let ln2_b = opt("ln_2.bias", &ln2_w);
         let block = BlockLayout {
-            ln1_w: rel("ln_1.weight")?,
-            ln1_b: rel("ln_1.bias")?,
-            qkv_w: rel("attn.c_attn.weight")?,
-            qkv_b: rel("attn.c_attn.bias")?,
-            proj_w: rel("attn.c_proj.weight")?,
-            proj_b: rel("attn.c_proj.bias")?,
-            ln2_w: rel("ln_2.weight")?,
+            ln1_w,
+            ln1_b,
+            qkv_w,
+            qkv_b,
+            qk_norm,
+            proj_w,
+            proj_b,
+            ln2_w,
             ffn: ln2_b.end..blocks[0].len(),
             ln2_b,
         };
         Ok(Pieces {
-            embed: wte.start..wpe.end,
+            embed: wte.start..embed_end,
             wte,
             blocks,
             lnf,
@@ -279,6 +359,7 @@ mod tests {
             block_size: 5,
             tied_embeddings: false,
             layer_norm_epsilon: 1e-5,
+            arch: crate::BlockArch::GPT2,
         };
         let l = dense_layout(&cfg).unwrap();
         let mut end = 0;
@@ -311,6 +392,7 @@ mod tests {
             block_size: 5,
             tied_embeddings: true,
             layer_norm_epsilon: 1e-5,
+            arch: crate::BlockArch::GPT2,
         };
         let sharding = Sharding {
             coords: Coords {
@@ -342,5 +424,53 @@ mod tests {
         )
         .unwrap_err();
         assert!(e.to_string().contains("n_head"), "{e}");
+    }
+
+    /// Llama 3 8B's published size: 8,030,261,248 parameters (32 layers,
+    /// 4096 channels, 32 heads over 8 key/value heads, SwiGLU 14336,
+    /// vocabulary 128256, untied).
+    #[test]
+    fn llama3_8b_has_its_published_parameter_count() {
+        let cfg = GptConfig {
+            n_layer: 32,
+            n_head: 32,
+            n_embd: 4096,
+            vocab_size: 128_256,
+            block_size: 8192,
+            tied_embeddings: false,
+            layer_norm_epsilon: 1e-5,
+            arch: crate::BlockArch::llama(8, 500_000.0),
+        };
+        let l = param_layout(&cfg, &crate::SwiGlu { hidden: 14_336 }, &Sharding::SINGLE).unwrap();
+        assert_eq!(l.len(), 8_030_261_248);
+        assert!(l.get("transformer.wpe.weight").is_none());
+        assert!(l.get("transformer.h.0.ln_1.bias").is_none());
+        assert_eq!(
+            l.get("transformer.h.0.attn.c_attn.weight").unwrap().shape,
+            vec![4096, 4096 + 2 * 1024]
+        );
+    }
+
+    #[test]
+    fn grouped_query_attention_is_refused_over_tensor_parallelism() {
+        let cfg = GptConfig {
+            n_layer: 1,
+            n_head: 4,
+            n_embd: 16,
+            vocab_size: 11,
+            block_size: 5,
+            tied_embeddings: true,
+            layer_norm_epsilon: 1e-5,
+            arch: crate::BlockArch::llama(2, 1e4),
+        };
+        let sharding = Sharding {
+            coords: Coords {
+                tp: (0, 2),
+                ..Coords::SINGLE
+            },
+            sequence_parallel: false,
+        };
+        let e = param_layout(&cfg, &Mlp, &sharding).unwrap_err();
+        assert!(e.to_string().contains("num_key_value_heads"), "{e}");
     }
 }

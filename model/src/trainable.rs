@@ -285,6 +285,7 @@ mod tests {
             block_size: 8,
             tied_embeddings: true,
             layer_norm_epsilon: 1e-5,
+            arch: crate::BlockArch::GPT2,
         };
         let mut gpt = Gpt::new(cfg).unwrap();
         gpt.init_gpt2(3);

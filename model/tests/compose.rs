@@ -1,5 +1,6 @@
 //! Every layout through [`ParallelGpt`]: a dense and a mixture-of-experts
-//! GPT on every mesh of 1, 2, 4 and 8 ranks the model allows — data,
+//! GPT, and a Llama-family model (rotary positions, RMSNorm, QK-norm,
+//! query/key/value biases, sliding-window layers, SwiGLU), on every mesh of 1, 2, 4 and 8 ranks the model allows — data,
 //! pipeline (every executor schedule), tensor (with and without sequence
 //! parallelism) and expert parallelism, and every FSDP strategy, in every
 //! combination — each against the same model on one rank with the same
@@ -45,8 +46,8 @@ use weft_fsdp::{FsdpConfig, Strategy};
 use weft_kernels::{AdamW, Precision};
 use weft_model::tp::TpOptions;
 use weft_model::{
-    FeedForward, Gpt, GptConfig, Init, MicroBatch, Mlp, MoeFfn, ParallelGpt, ParallelPlan,
-    expert_group, partition_layers,
+    BlockArch, FeedForward, Gpt, GptConfig, Init, MicroBatch, Mlp, MoeFfn, ParallelGpt,
+    ParallelPlan, SlidingWindow, SwiGlu, expert_group, partition_layers,
 };
 use weft_moe::{AuxLoss, MoeConfig, Router};
 use weft_parallel::ParallelDims;
@@ -67,8 +68,47 @@ fn gpt_config() -> GptConfig {
         block_size: T,
         tied_embeddings: true,
         layer_norm_epsilon: 1e-5,
+        arch: BlockArch::GPT2,
     }
 }
+
+/// The model families of the matrix.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Model {
+    /// GPT-2 with the dense MLP.
+    Dense,
+    /// GPT-2 with a mixture of experts.
+    Moe,
+    /// A Llama-family block with every option tensor parallelism splits.
+    Llama,
+}
+
+impl Model {
+    fn is_moe(self) -> bool {
+        self == Model::Moe
+    }
+
+    fn config(self) -> GptConfig {
+        if self != Model::Llama {
+            return gpt_config();
+        }
+        let mut arch = BlockArch::llama(4, 10_000.0);
+        arch.qk_norm = true;
+        arch.qkv_bias = true;
+        arch.sliding_window = Some(SlidingWindow {
+            window: 3,
+            global_every: Some(2),
+        });
+        GptConfig {
+            arch,
+            layer_norm_epsilon: 1e-6,
+            ..gpt_config()
+        }
+    }
+}
+
+/// The Llama-family model's gated MLP.
+const SWIGLU: SwiGlu = SwiGlu { hidden: 48 };
 
 fn moe_config() -> MoeConfig {
     MoeConfig {
@@ -80,11 +120,13 @@ fn moe_config() -> MoeConfig {
 }
 
 /// The whole model's initial parameters: GPT-2 init, the router scaled up.
-fn init(moe: bool) -> Vec<f32> {
-    let mut m = if moe {
-        Gpt::with_ffn(gpt_config(), Box::new(MoeFfn::new(moe_config()).unwrap().0)).unwrap()
-    } else {
-        Gpt::new(gpt_config()).unwrap()
+fn init(model: Model) -> Vec<f32> {
+    let mut m = match model {
+        Model::Moe => {
+            Gpt::with_ffn(gpt_config(), Box::new(MoeFfn::new(moe_config()).unwrap().0)).unwrap()
+        }
+        Model::Dense => Gpt::new(gpt_config()).unwrap(),
+        Model::Llama => Gpt::with_ffn(model.config(), Box::new(SWIGLU)).unwrap(),
     };
     m.init_gpt2(5);
     for spec in m.layout().specs().to_vec() {
@@ -183,12 +225,14 @@ struct Run {
 /// `STEPS` steps of `GLOBAL` micro-batches per step on `layout`: rank 0's
 /// figures and the gathered parameters, after checking every rank's
 /// figures agree.
-fn run(layout: Layout, moe: bool) -> Run {
-    let p0 = init(moe);
+fn run(layout: Layout, model: Model) -> Run {
+    let p0 = init(model);
+    let moe = model.is_moe();
     let dims = layout.dims;
     let out = LocalCluster::run(dims.world_size(), |comm| {
         let mesh = dims.build(&comm).unwrap();
         let ffn: Arc<dyn FeedForward> = match (moe, dims.ep > 1) {
+            (false, _) if model == Model::Llama => Arc::new(SWIGLU),
             (false, _) => Arc::new(Mlp),
             (true, false) => Arc::new(MoeFfn::new(moe_config()).unwrap().0),
             (true, true) => Arc::new(
@@ -201,7 +245,7 @@ fn run(layout: Layout, moe: bool) -> Run {
         let pipeline = layout.schedule.map(|(kind, chunks)| {
             let s = kind.generate(dims.pp, per, chunks).unwrap();
             let experts = moe.then_some((4, 3));
-            let layers = partition_layers(&gpt_config(), experts, &s).unwrap();
+            let layers = partition_layers(&model.config(), experts, &s).unwrap();
             (s, layers)
         });
         let plan = ParallelPlan {
@@ -234,7 +278,7 @@ fn run(layout: Layout, moe: bool) -> Run {
                 ..TpOptions::default()
             },
         };
-        let mut g = ParallelGpt::new(gpt_config(), ffn, Init::Whole(&p0), &plan, mesh)
+        let mut g = ParallelGpt::new(model.config(), ffn, Init::Whole(&p0), &plan, mesh)
             .unwrap_or_else(|e| panic!("{layout:?}: {e}"));
         let first = g.mesh().coords().dp() * per;
         let hp = AdamW {
@@ -354,9 +398,9 @@ fn rel(a: f64, b: f64) -> f64 {
 
 /// `layout` against `one`, bitwise or to rounding as the module docs say.
 #[allow(clippy::print_stdout)]
-fn check(layout: Layout, moe: bool, one: &Run) {
-    let got = run(layout, moe);
-    let what = format!("{layout:?} moe={moe}");
+fn check(layout: Layout, model: Model, one: &Run) {
+    let got = run(layout, model);
+    let what = format!("{layout:?} {model:?}");
     if layout.exact() {
         assert_eq!(got.losses, one.losses, "{what}: losses");
         assert_eq!(got.norms, one.norms, "{what}: norms");
@@ -475,16 +519,16 @@ fn layouts(moe: bool) -> Vec<Layout> {
 /// The matrix for one model: every layout against one rank; prints one
 /// line per layout (guarantee, measured difference) and the count.
 #[allow(clippy::print_stdout)]
-fn matrix(moe: bool) {
-    let one = run(Layout::new(1, 1, 1, 1), moe);
-    let all = layouts(moe);
+fn matrix(model: Model) {
+    let one = run(Layout::new(1, 1, 1, 1), model);
+    let all = layouts(model.is_moe());
     let mut checked = 0;
     for layout in &all {
-        check(*layout, moe, &one);
+        check(*layout, model, &one);
         checked += 1;
     }
     assert_eq!(checked, all.len());
-    println!("moe={moe}: {checked} layouts checked");
+    println!("{model:?}: {checked} layouts checked");
 }
 
 /// Mixed precision on every axis: each layout in bf16 against one rank
@@ -510,18 +554,19 @@ fn fp16_layouts_follow_one_rank_with_loss_scaling() {
 /// that one rank against f32 (see the tests above).
 #[allow(clippy::print_stdout)]
 fn mixed_precision_follows_one_rank(mixed: fn(Layout) -> Layout) {
-    for moe in [false, true] {
-        let one = run(mixed(Layout::new(1, 1, 1, 1)), moe);
-        let f32_run = run(Layout::new(1, 1, 1, 1), moe);
+    for model in [Model::Dense, Model::Moe, Model::Llama] {
+        let moe = model.is_moe();
+        let one = run(mixed(Layout::new(1, 1, 1, 1)), model);
+        let f32_run = run(Layout::new(1, 1, 1, 1), model);
         let p = one_precision(mixed);
-        assert_ne!(one.losses, f32_run.losses, "moe={moe}: {p:?} is not f32");
+        assert_ne!(one.losses, f32_run.losses, "{model:?}: {p:?} is not f32");
         for s in 0..STEPS {
             let d = rel(one.losses[s], f32_run.losses[s]);
             println!(
-                "moe={moe} step {s}: {p:?} loss {} fp32 {} (rel {d:.1e})",
+                "{model:?} step {s}: {p:?} loss {} fp32 {} (rel {d:.1e})",
                 one.losses[s], f32_run.losses[s]
             );
-            assert!(d < 1e-2, "moe={moe} step {s}");
+            assert!(d < 1e-2, "{model:?} step {s}");
         }
         let mut layouts = vec![
             Layout {
@@ -546,7 +591,7 @@ fn mixed_precision_follows_one_rank(mixed: fn(Layout) -> Layout) {
             });
         }
         for layout in layouts {
-            check(mixed(layout), moe, &one);
+            check(mixed(layout), model, &one);
         }
     }
 }
@@ -563,18 +608,19 @@ fn one_precision(mixed: fn(Layout) -> Layout) -> Precision {
 /// mask changes the run (the same data unmasked differs).
 #[test]
 fn document_masking_follows_one_rank_on_every_axis() {
-    for moe in [false, true] {
-        let one = run(Layout::new(1, 1, 1, 1).masked(), moe);
+    for model in [Model::Dense, Model::Moe, Model::Llama] {
+        let moe = model.is_moe();
+        let one = run(Layout::new(1, 1, 1, 1).masked(), model);
         let unmasked = run(
             Layout {
                 docs: Some(false),
                 ..Layout::new(1, 1, 1, 1)
             },
-            moe,
+            model,
         );
         assert_ne!(
             one.losses, unmasked.losses,
-            "moe={moe}: the mask changes nothing"
+            "{model:?}: the mask changes nothing"
         );
         let mut layouts = vec![
             Layout {
@@ -598,7 +644,7 @@ fn document_masking_follows_one_rank_on_every_axis() {
             });
         }
         for layout in layouts {
-            check(layout.masked(), moe, &one);
+            check(layout.masked(), model, &one);
         }
     }
 }
@@ -609,7 +655,8 @@ fn document_masking_follows_one_rank_on_every_axis() {
 /// unscaling gives the unscaled step's bits — on one rank and composed.
 #[test]
 fn loss_scaling_by_a_power_of_two_is_exact_in_f32() {
-    for moe in [false, true] {
+    for model in [Model::Dense, Model::Moe, Model::Llama] {
+        let moe = model.is_moe();
         for layout in [
             Layout::new(1, 1, 1, 1),
             Layout {
@@ -617,25 +664,30 @@ fn loss_scaling_by_a_power_of_two_is_exact_in_f32() {
                 ..Layout::new(2, 2, 1, 1 + usize::from(moe))
             },
         ] {
-            let plain = run(layout, moe);
+            let plain = run(layout, model);
             let scaled = run(
                 Layout {
                     loss_scale: 1024.0,
                     ..layout
                 },
-                moe,
+                model,
             );
-            assert_eq!(plain, scaled, "{layout:?} moe={moe}");
+            assert_eq!(plain, scaled, "{layout:?} {model:?}");
         }
     }
 }
 
 #[test]
 fn every_dense_layout_follows_one_rank() {
-    matrix(false);
+    matrix(Model::Dense);
 }
 
 #[test]
 fn every_moe_layout_follows_one_rank() {
-    matrix(true);
+    matrix(Model::Moe);
+}
+
+#[test]
+fn every_llama_layout_follows_one_rank() {
+    matrix(Model::Llama);
 }

@@ -53,6 +53,7 @@ fn config() -> GptConfig {
         block_size: 64,
         tied_embeddings: true,
         layer_norm_epsilon: 1e-5,
+        arch: weft_model::BlockArch::GPT2,
     }
 }
 

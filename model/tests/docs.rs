@@ -21,6 +21,7 @@ fn cfg(block: usize) -> GptConfig {
         block_size: block,
         tied_embeddings: true,
         layer_norm_epsilon: 1e-5,
+        arch: weft_model::BlockArch::GPT2,
     }
 }
 

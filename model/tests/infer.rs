@@ -17,6 +17,7 @@ fn cfg(n_layer: usize, n_head: usize, n_embd: usize, vocab: usize, block: usize)
         block_size: block,
         tied_embeddings: true,
         layer_norm_epsilon: 1e-5,
+        arch: weft_model::BlockArch::GPT2,
     }
 }
 
@@ -212,4 +213,18 @@ fn bad_input_is_an_error_and_leaves_the_cache_alone() {
     dec.prefill(&[5, 6]).unwrap();
     assert!(dec.step(7).is_err(), "a seventh position does not fit");
     assert_eq!(dec.len(), 6);
+}
+
+/// The decoder runs GPT-2 blocks only so far: a Llama-family model is
+/// refused with an error naming the architecture, not decoded wrongly.
+#[test]
+fn the_decoder_refuses_blocks_it_does_not_run() {
+    let c = GptConfig {
+        arch: weft_model::BlockArch::llama(2, 10_000.0),
+        ..cfg(1, 4, 16, 29, 8)
+    };
+    let model = Gpt::with_ffn(c, Box::new(weft_model::SwiGlu { hidden: 24 })).unwrap();
+    let mut dec = Decoder::new(&model);
+    let e = dec.prefill(&[1, 2, 3]).unwrap_err();
+    assert!(e.to_string().contains("arch"), "{e}");
 }

@@ -44,6 +44,7 @@ fn gpt_config() -> GptConfig {
         block_size: T,
         tied_embeddings: true,
         layer_norm_epsilon: 1e-5,
+        arch: weft_model::BlockArch::GPT2,
     }
 }
 

@@ -35,6 +35,7 @@ fn model(tied: bool) -> Gpt {
         block_size: T,
         tied_embeddings: tied,
         layer_norm_epsilon: 1e-5,
+        arch: weft_model::BlockArch::GPT2,
     };
     let mut m = Gpt::new(cfg).unwrap();
     m.init_gpt2(7);

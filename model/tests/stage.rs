@@ -3,7 +3,9 @@
 //! model cut into stages gives the whole model's losses and accumulated
 //! gradients, for tied and untied embeddings and every kind of cut.
 
-use weft_model::{Gpt, GptConfig, GptStage, MicroBatch, StageSpec};
+use weft_model::{
+    BlockArch, Gpt, GptConfig, GptStage, MicroBatch, SlidingWindow, StageSpec, SwiGlu,
+};
 use weft_pipeline::Stage;
 
 type R = Result<(), Box<dyn std::error::Error>>;
@@ -17,8 +19,37 @@ fn model(tied: bool, layers: usize, seed: u64) -> Gpt {
         block_size: 12,
         tied_embeddings: tied,
         layer_norm_epsilon: 1e-5,
+        arch: BlockArch::GPT2,
     };
     let mut m = Gpt::new(cfg).unwrap();
+    m.init_gpt2(seed);
+    m
+}
+
+/// A Llama-family block with every option at once: grouped-query
+/// attention with a head size set apart, QK-norm, query/key/value biases,
+/// rotary positions, sliding-window layers with every third layer global,
+/// SwiGLU.
+fn llama(tied: bool, layers: usize, seed: u64) -> Gpt {
+    let mut arch = BlockArch::llama(2, 10_000.0);
+    arch.head_dim = Some(6);
+    arch.qk_norm = true;
+    arch.qkv_bias = true;
+    arch.sliding_window = Some(SlidingWindow {
+        window: 3,
+        global_every: Some(3),
+    });
+    let cfg = GptConfig {
+        n_layer: layers,
+        n_head: 4,
+        n_embd: 16,
+        vocab_size: 37,
+        block_size: 12,
+        tied_embeddings: tied,
+        layer_norm_epsilon: 1e-5,
+        arch,
+    };
+    let mut m = Gpt::with_ffn(cfg, Box::new(SwiGlu { hidden: 24 })).unwrap();
     m.init_gpt2(seed);
     m
 }
@@ -44,8 +75,13 @@ fn bits(x: &[f32]) -> Vec<u32> {
 #[test]
 fn split_backward_equals_whole_backward_bitwise() -> R {
     let (b, t) = (2, 8);
-    for tied in [true, false] {
-        let mut full = model(tied, 3, 11);
+    for (tied, build) in [
+        (true, model as fn(bool, usize, u64) -> Gpt),
+        (false, model),
+        (true, llama),
+        (false, llama),
+    ] {
+        let mut full = build(tied, 3, 11);
         let bl = full.blocks().clone();
         let c = bl.config().n_embd;
         let mut acts = full.activations(b, t)?;

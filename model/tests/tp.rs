@@ -53,6 +53,7 @@ fn cfg(tied: bool) -> GptConfig {
         block_size: T,
         tied_embeddings: tied,
         layer_norm_epsilon: 1e-5,
+        arch: weft_model::BlockArch::GPT2,
     }
 }
 

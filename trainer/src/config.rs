@@ -486,6 +486,7 @@ impl Config {
             block_size: m.block_size,
             tied_embeddings: true,
             layer_norm_epsilon: 1e-5,
+            arch: weft_model::BlockArch::GPT2,
         };
         gpt.validate().map_err(library_error)?;
         let p = &self.parallel;

@@ -1,5 +1,10 @@
-//! Import and export of the Hugging Face GPT-2 format: a folder with
-//! `config.json` and `model.safetensors`.
+//! Import and export of the Hugging Face formats: a folder with
+//! `config.json` and `model.safetensors`, for GPT-2 (`GPT2LMHeadModel`)
+//! and the Llama family (`LlamaForCausalLM`, `MistralForCausalLM`,
+//! `Qwen2ForCausalLM`, `Qwen3ForCausalLM`; names and layouts mapped as
+//! the `llama` module's table shows).
+
+mod llama;
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -7,8 +12,13 @@ use std::path::{Path, PathBuf};
 use safetensors::{Dtype, SafeTensors, tensor::TensorView};
 use serde_json::{Value, json};
 
+use std::sync::Arc;
+
+use weft_parallel::ParamLayout;
+
 use crate::config::GptConfig;
 use crate::error::{Error, Result, io};
+use crate::ffn::{FeedForward, SwiGlu};
 use crate::gpt::Gpt;
 
 fn fmt_err(path: &Path, reason: impl Into<String>) -> Error {
@@ -130,6 +140,7 @@ pub fn read_config(path: &Path) -> Result<GptConfig> {
         block_size: uint(&["n_positions", "n_ctx"])?,
         tied_embeddings: tied,
         layer_norm_epsilon: eps,
+        arch: crate::BlockArch::GPT2,
     };
     cfg.validate().map_err(|e| fmt_err(path, e.to_string()))?;
     Ok(cfg)
@@ -167,6 +178,176 @@ fn to_f32(path: &Path, name: &str, t: &TensorView<'_>) -> Result<Vec<f32>> {
     })
 }
 
+/// What a `config.json` describes.
+enum Family {
+    /// `GPT2LMHeadModel`.
+    Gpt2(GptConfig),
+    /// A Llama-family model and its gated feed-forward block.
+    Llama(GptConfig, SwiGlu),
+}
+
+fn read_family(path: &Path) -> Result<Family> {
+    let text = std::fs::read_to_string(path).map_err(io(path))?;
+    let v: Value = serde_json::from_str(&text).map_err(|e| {
+        fmt_err(
+            path,
+            format!("not valid JSON ({e}); expected a config.json"),
+        )
+    })?;
+    let kind = v.get("model_type").and_then(Value::as_str);
+    match (kind, v.as_object()) {
+        (Some(k), Some(obj)) if llama::MODEL_TYPES.contains(&k) => {
+            let (cfg, ffn) = llama::read_config(path, obj)?;
+            Ok(Family::Llama(cfg, ffn))
+        }
+        _ => Ok(Family::Gpt2(read_config(path)?)),
+    }
+}
+
+/// Reads a Llama-family folder's `config.json`: the model's shape and its
+/// feed-forward block (transformers' field names; unsupported settings
+/// are errors naming the field).
+///
+/// # Errors
+/// [`Error::Io`] if unreadable, [`Error::Format`] naming the field, or if
+/// the folder holds another family.
+pub fn read_llama_config(path: &Path) -> Result<(GptConfig, Arc<dyn FeedForward>)> {
+    match read_family(path)? {
+        Family::Llama(cfg, ffn) => Ok((cfg, Arc::new(ffn))),
+        Family::Gpt2(_) => Err(fmt_err(
+            path,
+            format!(
+                "not a Llama-family config.json (model_type one of {:?})",
+                llama::MODEL_TYPES
+            ),
+        )),
+    }
+}
+
+/// Reads the tensors of a Llama-family safetensors file under
+/// transformers' names (weights, or gradients saved under the same names)
+/// into a buffer of `layout` (a whole model's: one rank, no split),
+/// fusing and transposing as the `llama` module's table shows. Every
+/// stored tensor must be used.
+///
+/// # Errors
+/// [`Error::Io`], [`Error::Format`] for an unreadable file,
+/// [`Error::MissingTensor`], [`Error::TensorShape`], [`Error::Tensor`] for
+/// an unsupported dtype or a tensor the model does not have.
+pub fn read_params(layout: &ParamLayout, path: &Path) -> Result<Vec<f32>> {
+    let bytes = std::fs::read(path).map_err(io(path))?;
+    let st = SafeTensors::deserialize(&bytes)
+        .map_err(|e| fmt_err(path, format!("not a valid safetensors file: {e}")))?;
+    let stored: HashMap<String, TensorView<'_>> = st.tensors().into_iter().collect();
+    let mut used = std::collections::HashSet::new();
+    let mut out = vec![0.0f32; layout.len()];
+    for spec in layout.specs() {
+        let src = llama::source(&spec.name).ok_or_else(|| {
+            llama::shape_error(path, &spec.name, "has no transformers counterpart".into())
+        })?;
+        let mut data = Vec::with_capacity(spec.numel());
+        let mut rows = 0;
+        let mut cols = None;
+        for name in &src.names {
+            let view = stored.get(name).ok_or_else(|| Error::MissingTensor {
+                path: path.to_path_buf(),
+                tensor: name.clone(),
+            })?;
+            let shape = view.shape();
+            let (r, c) = match shape {
+                [r] => (*r, 1),
+                [r, c] => (*r, *c),
+                _ => (0, usize::MAX),
+            };
+            if c == usize::MAX || cols.is_some_and(|k| k != c) {
+                return Err(llama::shape_error(
+                    path,
+                    name,
+                    format!("shape {shape:?} does not stack into {}", spec.name),
+                ));
+            }
+            cols = Some(c);
+            rows += r;
+            data.extend(to_f32(path, name, view)?);
+            used.insert(name.clone());
+        }
+        let cols = cols.unwrap_or(1);
+        let want: Vec<usize> = if src.transpose {
+            vec![cols, rows]
+        } else if spec.shape.len() == 1 {
+            vec![rows]
+        } else {
+            vec![rows, cols]
+        };
+        if want != spec.shape {
+            return Err(Error::TensorShape {
+                path: path.to_path_buf(),
+                tensor: src.names.join(" + "),
+                expected: spec.shape.clone(),
+                got: want,
+            });
+        }
+        if src.transpose {
+            data = llama::transpose(&data, rows, cols);
+        }
+        out[spec.range()].copy_from_slice(&data);
+    }
+    let mut extra: Vec<&String> = stored.keys().filter(|k| !used.contains(*k)).collect();
+    extra.sort();
+    if let Some(name) = extra.first() {
+        let tied = *name == "lm_head.weight";
+        return Err(llama::shape_error(
+            path,
+            name,
+            if tied {
+                "config.json ties the embeddings, yet the file has its own lm_head.weight".into()
+            } else {
+                "not a parameter of the model config.json describes; config and weights do not match"
+                    .into()
+            },
+        ));
+    }
+    Ok(out)
+}
+
+/// A Llama-family model's tensors under transformers' names and layouts
+/// (the inverse of [`read_params`]).
+fn llama_tensors(model: &Gpt) -> Vec<(String, Vec<usize>, Vec<f32>)> {
+    let cfg = model.config();
+    let mut out = Vec::new();
+    for spec in model.layout().specs() {
+        let Some(src) = llama::source(&spec.name) else {
+            continue;
+        };
+        let p = &model.params[spec.range()];
+        let (rows, cols, data) = match spec.shape.as_slice() {
+            [a, b] if src.transpose => (*b, *a, llama::transpose(p, *a, *b)),
+            [a, b] => (*a, *b, p.to_vec()),
+            _ => (spec.numel(), 1, p.to_vec()),
+        };
+        let parts: Vec<usize> = match src.names.len() {
+            3 => vec![cfg.q_dim(), cfg.kv_dim(), cfg.kv_dim()],
+            2 => vec![rows / 2, rows / 2],
+            _ => vec![rows],
+        };
+        let mut at = 0;
+        for (name, r) in src.names.iter().zip(parts) {
+            let shape = if spec.shape.len() == 1 {
+                vec![r]
+            } else {
+                vec![r, cols]
+            };
+            out.push((
+                name.clone(),
+                shape,
+                data[at * cols..(at + r) * cols].to_vec(),
+            ));
+            at += r;
+        }
+    }
+    out
+}
+
 /// Loads a Hugging Face GPT-2 folder (`config.json` + `model.safetensors`).
 ///
 /// Tensor names may carry the `transformer.` prefix or not (both
@@ -183,11 +364,11 @@ pub fn load(dir: &Path) -> Result<Gpt> {
     if !dir.is_dir() {
         return Err(fmt_err(
             dir,
-            "not a directory; expected a Hugging Face GPT-2 folder with config.json and model.safetensors",
+            "not a directory; expected a Hugging Face folder with config.json and model.safetensors",
         ));
     }
-    let cfg = read_config(&dir.join("config.json"))?;
     let wpath = dir.join("model.safetensors");
+    let family = read_family(&dir.join("config.json"))?;
     if !wpath.exists() {
         let hint = if dir.join("model.safetensors.index.json").exists() {
             "sharded checkpoints (model.safetensors.index.json) are not supported; merge the shards into one file"
@@ -198,6 +379,14 @@ pub fn load(dir: &Path) -> Result<Gpt> {
         };
         return Err(fmt_err(&wpath, format!("file not found: {hint}")));
     }
+    let cfg = match family {
+        Family::Gpt2(cfg) => cfg,
+        Family::Llama(cfg, ffn) => {
+            let mut model = Gpt::with_ffn(cfg, Box::new(ffn))?;
+            model.params = read_params(model.layout(), &wpath)?;
+            return Ok(model);
+        }
+    };
     let bytes = std::fs::read(&wpath).map_err(io(&wpath))?;
     let st = SafeTensors::deserialize(&bytes)
         .map_err(|e| fmt_err(&wpath, format!("not a valid safetensors file: {e}")))?;
@@ -332,23 +521,47 @@ fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
     written
 }
 
-/// Saves `model` as a Hugging Face GPT-2 folder that
-/// `transformers.GPT2LMHeadModel.from_pretrained(dir)` loads: names with
-/// the `transformer.` prefix, `lm_head.weight` only when untied, f32.
-/// Creates `dir` if needed.
+/// Saves `model` as a Hugging Face folder that transformers'
+/// `from_pretrained(dir)` loads: a GPT-2 as `GPT2LMHeadModel` (names with
+/// the `transformer.` prefix, `lm_head.weight` only when untied), a
+/// Llama-family model under its family's names and `[out, in]` layouts;
+/// f32. Creates `dir` if needed.
 ///
 /// # Errors
-/// [`Error::Io`] if the folder or files cannot be written.
+/// [`Error::Io`] if the folder or files cannot be written;
+/// [`Error::Format`] for a model of neither family.
 pub fn save(model: &Gpt, dir: &Path) -> Result<()> {
     std::fs::create_dir_all(dir).map_err(io(dir))?;
-    let tensors = model
-        .layout()
-        .specs()
-        .iter()
-        .map(|s| (s.name.clone(), s.shape.clone(), &model.params[s.range()]));
-    write_safetensors(&dir.join("model.safetensors"), tensors)?;
-    let text = serde_json::to_string_pretty(&config_json(model.config()))
-        .map_err(|e| fmt_err(dir, e.to_string()))?;
+    let config = if model.config().arch == crate::BlockArch::GPT2 {
+        let tensors = model
+            .layout()
+            .specs()
+            .iter()
+            .map(|s| (s.name.clone(), s.shape.clone(), &model.params[s.range()]));
+        write_safetensors(&dir.join("model.safetensors"), tensors)?;
+        config_json(model.config())
+    } else {
+        let owned = llama_tensors(model);
+        let hidden = model
+            .layout()
+            .get("transformer.h.0.mlp.gate_up.weight")
+            .map(|s| s.shape[1] / 2)
+            .ok_or_else(|| {
+                fmt_err(
+                    dir,
+                    "only GPT-2 blocks and Llama-family blocks with a gated MLP (SwiGlu) \
+                     export to a Hugging Face folder",
+                )
+            })?;
+        write_safetensors(
+            &dir.join("model.safetensors"),
+            owned
+                .iter()
+                .map(|(n, s, d)| (n.clone(), s.clone(), d.as_slice())),
+        )?;
+        llama::config_json(model.config(), hidden)
+    };
+    let text = serde_json::to_string_pretty(&config).map_err(|e| fmt_err(dir, e.to_string()))?;
     write_atomic(&dir.join("config.json"), text.as_bytes())
 }
 

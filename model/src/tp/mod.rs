@@ -303,11 +303,12 @@ impl TensorParallel {
         self.enter_column(dy, full)
     }
 
-    /// A row-parallel layer `out = Σ_ranks inp_r (N, k) · w_r + bias` into
-    /// this rank's tokens (its products in `precision`): the partial product (into `out`, or into
+    /// A row-parallel layer `out = Σ_ranks inp_r (N, k) · w_r + bias`
+    /// (`w_r (k, C)`) into this rank's tokens (its products in
+    /// `precision`): the partial product (into `out`, or into
     /// `partial (N, C)` under sequence parallelism), summed over the group
     /// (`g`: all-reduce, or reduce-scatter into `out`), then the replicated
-    /// bias added once.
+    /// bias, if any, added once.
     ///
     /// # Errors
     /// A kernel error on a wrong length; as [`enter_column`](Self::enter_column).
@@ -318,14 +319,12 @@ impl TensorParallel {
         partial: &mut [f32],
         inp: LinearInput<'_, f32>,
         w: &[f32],
-        bias: &[f32],
-        b: usize,
-        t: usize,
-        k: usize,
+        bias: Option<&[f32]>,
+        (b, t): (usize, usize),
+        (k, c): (usize, usize),
         mode: Mode,
         precision: Precision,
     ) -> Result<()> {
-        let c = bias.len();
         if self.opts.sequence_parallel {
             matmul_forward(partial, inp, w, None, b, t, k, c, mode, precision)?;
             self.reduce_scatter(partial, out)?;
@@ -333,9 +332,11 @@ impl TensorParallel {
             matmul_forward(out, inp, w, None, b, t, k, c, mode, precision)?;
             self.all_reduce(out)?;
         }
-        for row in out.chunks_exact_mut(c) {
-            for (o, &x) in row.iter_mut().zip(bias) {
-                *o += x;
+        if let Some(bias) = bias {
+            for row in out.chunks_exact_mut(c) {
+                for (o, &x) in row.iter_mut().zip(bias) {
+                    *o += x;
+                }
             }
         }
         Ok(())

@@ -197,6 +197,7 @@ fn bad_batches_are_errors_not_panics() -> Result<()> {
         block_size: 4,
         tied_embeddings: true,
         layer_norm_epsilon: 1e-5,
+        arch: weft_model::BlockArch::GPT2,
     };
     let mut m = Gpt::new(cfg)?;
     assert!(matches!(m.activations(1, 5), Err(Error::Batch { .. })));

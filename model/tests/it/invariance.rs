@@ -15,6 +15,7 @@ fn model() -> Gpt {
         block_size: 70,
         tied_embeddings: true,
         layer_norm_epsilon: 1e-5,
+        arch: weft_model::BlockArch::GPT2,
     };
     let mut m = Gpt::new(cfg).unwrap();
     m.init_gpt2(7);

@@ -2,4 +2,5 @@
 
 mod hf_io;
 mod invariance;
+mod llama_reference;
 mod reference;

@@ -27,7 +27,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result};
 use safetensors::SafeTensors;
-use weft_model::{eval::read_tokens, hf};
+use weft_model::{Gpt, eval::read_tokens, hf};
 
 fn fixtures() -> Vec<PathBuf> {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
@@ -57,23 +57,11 @@ fn loss_and_every_gradient_match_pytorch() -> Result<()> {
     for dir in fixtures() {
         let name = dir.file_name().unwrap().to_string_lossy().to_string();
         let mut model = hf::load(&dir).with_context(|| format!("loading {name}"))?;
-        let tokens = read_tokens(&dir.join("tokens.json"))?;
-        let meta: serde_json::Value =
-            serde_json::from_str(&std::fs::read_to_string(dir.join("tokens.json"))?)?;
-        let want_loss = meta["loss"].as_f64().unwrap();
-        let mut acts = model.activations(tokens.b, tokens.t)?;
-        let loss = model
-            .forward(&mut acts, &tokens.inputs, Some(&tokens.targets))?
-            .unwrap();
-        model.zero_grad();
-        model.backward(&mut acts)?;
+        let (loss, want_loss) = fixture_loss(&mut model, &dir)?;
         let loss_rel = (loss - want_loss).abs() / want_loss.abs();
         #[allow(clippy::print_stderr)]
         {
-            eprintln!(
-                "{name}: loss {loss:.9} vs {want_loss:.9} (rel {loss_rel:.2e}); activations {} B/token",
-                acts.bytes_per_token()
-            );
+            eprintln!("{name}: loss {loss:.9} vs {want_loss:.9} (rel {loss_rel:.2e})");
         }
         assert!(loss_rel < 1e-6, "{name}: loss relative error {loss_rel:e}");
 
@@ -124,8 +112,27 @@ fn loss_and_every_gradient_match_pytorch() -> Result<()> {
     Ok(())
 }
 
+/// One forward and backward of `model` on a fixture folder's
+/// `tokens.json` (gradients zeroed first): weft's loss and the
+/// reference's.
+pub(crate) fn fixture_loss(model: &mut Gpt, dir: &Path) -> Result<(f64, f64)> {
+    let tokens = read_tokens(&dir.join("tokens.json"))?;
+    let meta: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("tokens.json"))?)?;
+    let mut acts = model.activations(tokens.b, tokens.t)?;
+    let loss = model
+        .forward(&mut acts, &tokens.inputs, Some(&tokens.targets))?
+        .unwrap();
+    model.zero_grad();
+    model.backward(&mut acts)?;
+    Ok((
+        loss,
+        meta["loss"].as_f64().context("tokens.json has a loss")?,
+    ))
+}
+
 /// Max |a − b| over a tensor, relative to the largest |b|.
-fn rel_err(got: &[f32], want: &[f32]) -> f64 {
+pub(crate) fn rel_err(got: &[f32], want: &[f32]) -> f64 {
     let scale = want.iter().fold(0.0f64, |m, &x| m.max(f64::from(x).abs()));
     let err = got
         .iter()
@@ -150,23 +157,12 @@ fn mixed_precision_loss_and_gradients_are_as_close_to_the_reference_as_pytorch_a
             let name = dir.file_name().unwrap().to_string_lossy().to_string();
             let mut model = hf::load(&dir)?;
             model.set_precision(precision);
-            let tokens = read_tokens(&dir.join("tokens.json"))?;
-            let meta: serde_json::Value =
-                serde_json::from_str(&std::fs::read_to_string(dir.join("tokens.json"))?)?;
             let file = format!("autocast_{tag}.json");
             let auto: serde_json::Value =
                 serde_json::from_str(&std::fs::read_to_string(dir.join(&file))?)
                     .with_context(|| format!("{name}: {file}"))?;
-            let (want, torch) = (
-                meta["loss"].as_f64().unwrap(),
-                auto["loss"].as_f64().unwrap(),
-            );
-            let mut acts = model.activations(tokens.b, tokens.t)?;
-            let loss = model
-                .forward(&mut acts, &tokens.inputs, Some(&tokens.targets))?
-                .unwrap();
-            model.zero_grad();
-            model.backward(&mut acts)?;
+            let (loss, want) = fixture_loss(&mut model, &dir)?;
+            let torch = auto["loss"].as_f64().unwrap();
             let (ours, theirs) = ((loss - want).abs(), (torch - want).abs());
             eprintln!(
                 "{name}: loss error weft {tag} {:.2e}, autocast {tag} {:.2e} (relative)",

@@ -113,6 +113,7 @@ pub fn model_config(config: &Config, vocab: usize) -> GptConfig {
         block_size: config.model.block_size,
         tied_embeddings: true,
         layer_norm_epsilon: 1e-5,
+        arch: weft_model::BlockArch::GPT2,
     }
 }
 

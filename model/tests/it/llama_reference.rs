@@ -1,0 +1,94 @@
+//! Loss and every gradient of Llama-family models against transformers
+//! (float64), on the fixtures made by `model/reference/make_llama_fixtures.py`:
+//! `LlamaForCausalLM` (grouped- and multi-query attention, Llama-3 rotary
+//! scaling, tied and untied), `Qwen3ForCausalLM` (QK-norm, a head size set
+//! apart from the width, local and global sliding-window layers),
+//! `MistralForCausalLM` (a window on every layer) and `Qwen2ForCausalLM`
+//! (query/key/value biases), each loaded from the folder transformers
+//! saved.
+//!
+//! Tolerances as for GPT-2 (`reference.rs`): the loss to a relative 1e-6,
+//! each gradient tensor to a max error of 1e-5 relative to that tensor's
+//! largest reference magnitude (f32 arithmetic against the f64 answer).
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result};
+use weft_model::hf;
+
+use crate::reference::{fixture_loss, rel_err};
+
+fn fixtures() -> Vec<PathBuf> {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures-llama");
+    let mut dirs: Vec<PathBuf> = std::fs::read_dir(&root)
+        .expect("tests/fixtures-llama exists")
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.join("grads.safetensors").exists())
+        .collect();
+    dirs.sort();
+    assert!(
+        dirs.len() >= 6,
+        "expected the committed fixtures in {}",
+        root.display()
+    );
+    dirs
+}
+
+#[test]
+fn llama_family_loss_and_every_gradient_match_transformers() -> Result<()> {
+    for dir in fixtures() {
+        let name = dir.file_name().unwrap().to_string_lossy().to_string();
+        let mut model = hf::load(&dir).with_context(|| format!("loading {name}"))?;
+        let (loss, want_loss) = fixture_loss(&mut model, &dir)?;
+        let loss_rel = (loss - want_loss).abs() / want_loss.abs();
+        #[allow(clippy::print_stderr)]
+        {
+            eprintln!("{name}: loss {loss:.9} vs {want_loss:.9} (rel {loss_rel:.2e})");
+        }
+        assert!(loss_rel < 1e-6, "{name}: loss relative error {loss_rel:e}");
+        let want = hf::read_params(model.layout(), &dir.join("grads.safetensors"))
+            .with_context(|| format!("{name}: reading the reference gradients"))?;
+        let mut worst = (0.0f64, String::new());
+        for spec in model.layout().specs() {
+            let want = &want[spec.range()];
+            let rel = rel_err(model.grad(&spec.name).unwrap(), want);
+            let scale = want.iter().fold(0.0f32, |m, &x| m.max(x.abs()));
+            assert!(
+                scale > 0.0,
+                "{name}: {} has an all-zero reference gradient",
+                spec.name
+            );
+            assert!(
+                rel < 1e-5,
+                "{name}: {} max relative error {rel:e}",
+                spec.name
+            );
+            if rel > worst.0 {
+                worst = (rel, spec.name.clone());
+            }
+        }
+        #[allow(clippy::print_stderr)]
+        {
+            eprintln!("{name}: worst gradient {} at {:.2e}", worst.1, worst.0);
+        }
+    }
+    Ok(())
+}
+
+/// weft's export is transformers' layout: saving a loaded folder and
+/// loading it again gives the same parameters and the same config.
+#[test]
+fn llama_family_folders_round_trip() -> Result<()> {
+    for dir in fixtures() {
+        let name = dir.file_name().unwrap().to_string_lossy().to_string();
+        let model = hf::load(&dir)?;
+        let out = std::env::temp_dir().join(format!("weft-hf-{}-{name}", std::process::id()));
+        hf::save(&model, &out)?;
+        let back = hf::load(&out).with_context(|| format!("reloading {name}"));
+        std::fs::remove_dir_all(&out)?;
+        let back = back?;
+        assert_eq!(back.config(), model.config(), "{name}");
+        assert_eq!(back.params, model.params, "{name}");
+    }
+    Ok(())
+}
