@@ -187,6 +187,17 @@ pub struct PlanArgs {
 /// # Errors
 /// [`PlanError::Config`] when the synthetic corpus' settings are wrong.
 pub fn model_of(config: &Config) -> Result<ModelSpec, PlanError> {
+    if config.model.arch != crate::config::Arch::Gpt2 {
+        return Err(ConfigError::key(
+            "model.arch",
+            format!(
+                "the planner models GPT-2 blocks only so far (model.arch = {:?}): its FLOPs, \
+                 memory and traffic for grouped-query attention, SwiGLU and windows are to come",
+                config.model.arch
+            ),
+        )
+        .into());
+    }
     let vocab = if config.data.source == weft_data::Source::Synthetic {
         weft_data::SyntheticLanguage::new(config.data.synthetic.clone())
             .map_err(|e| ConfigError {

@@ -105,7 +105,8 @@ impl Observer for Terminal {
             format!(" ({}B in fp32)", si(b as f64).trim())
         });
         say(&format!(
-            "model           {} parameters, vocabulary {}, activations {}B per micro-batch{fp32}",
+            "model           {}, {} parameters, vocabulary {}, activations {}B per micro-batch{fp32}",
+            info.arch,
             si(info.params as f64).trim(),
             info.vocab,
             si(info.activation_bytes as f64).trim()

@@ -326,7 +326,10 @@ fn build_model(config: &Config, vocab: usize) -> Result<(Gpt, Option<MoeStats>),
         .config(cfg.n_embd, 4 * cfg.n_embd)
         .map_err(crate::config::library_error)?;
     let (mut model, stats) = match moe {
-        None => (Gpt::new(cfg)?, None),
+        None => match config.model.swiglu() {
+            Some(gated) => (Gpt::with_ffn(cfg, Box::new(gated))?, None),
+            None => (Gpt::new(cfg)?, None),
+        },
         Some(moe_cfg) => {
             let (ffn, stats) = weft_model::MoeFfn::new(moe_cfg)?;
             (Gpt::with_ffn(cfg, Box::new(ffn))?, Some(stats))

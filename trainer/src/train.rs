@@ -201,6 +201,9 @@ pub struct RunInfo {
     /// The linear layers' arithmetic (`train.precision`), the one
     /// [`peak_flops`](Self::peak_flops) was measured in.
     pub precision: Precision,
+    /// The model's family and block, e.g. `gpt2` or `llama (GQA 4/2,
+    /// SwiGLU 352)`.
+    pub arch: String,
     /// Model parameters (tied embedding counted once).
     pub params: usize,
     /// Vocabulary size.

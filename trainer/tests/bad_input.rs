@@ -57,6 +57,49 @@ const CASES: &[(&[&str], &str)] = &[
         "badsection.toml:1:2: unknown field `trian`",
     ),
     (&["train", "--config", "notutf8.toml"], "notutf8.toml"),
+    // the model's family and its keys
+    (
+        &["train", "--set", "model.arch=llama2"],
+        "key `model.arch`: unknown variant `llama2`, expected one of `gpt2`, `llama`, `qwen3`, `mistral`",
+    ),
+    (
+        &["train", "--set", "model.n_kv_head=2"],
+        "key `model.n_kv_head`: is a setting of the Llama-like families",
+    ),
+    (
+        &[
+            "train",
+            "--set",
+            "model.arch=llama",
+            "--set",
+            "model.n_kv_head=3",
+        ],
+        "key `model.n_kv_head`: = 3 must be at least 1 and divide n_head = 4",
+    ),
+    (
+        &[
+            "train",
+            "--set",
+            "model.arch=qwen3",
+            "--set",
+            "model.moe.experts=4",
+        ],
+        "key `model.moe.experts`: a mixture of experts is built for model.arch = \"gpt2\" only",
+    ),
+    (
+        &[
+            "train",
+            "--set",
+            "model.arch=llama",
+            "--set",
+            "model.rope_theta=-1",
+        ],
+        "key `model.rope_theta`",
+    ),
+    (
+        &["plan", "--set", "model.arch=llama"],
+        "key `model.arch`: the planner models GPT-2 blocks only so far",
+    ),
     // values out of range: the key and the range
     (
         &["train", "--set", "optim.lr=0"],

@@ -85,6 +85,53 @@ fn loss_falls_toward_the_floor_and_runs_are_reproducible() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// The Llama-like families train through the same loop: a small Qwen3
+/// (grouped-query attention, QK-norm, rotary positions, SwiGLU, windows
+/// with every second layer global) falls toward the corpus floor as
+/// GPT-2 does, its config round-trips through the run folder, and a run
+/// that dies mid-step resumes to the uninterrupted run's bits.
+#[test]
+fn llama_family_models_train_and_resume_bit_for_bit() {
+    let dir = std::env::temp_dir().join(format!("weft-llama-train-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let cfg = |name: &str| {
+        let mut c = tiny(&dir, name);
+        c.model.arch = weft_trainer::config::Arch::Qwen3;
+        c.model.n_layer = 2;
+        c.model.n_head = 4;
+        c.model.n_kv_head = 2;
+        c.model.sliding_window = 8;
+        c.model.global_every = 2;
+        c.checkpoint.every = 20;
+        c
+    };
+    let whole = train(&cfg("whole"), false, &mut Silent).unwrap();
+    let floor = whole.floor.unwrap();
+    assert!(
+        whole.final_eval_loss - floor < 0.5 * (whole.initial_eval_loss - floor),
+        "gap {} of initial {}",
+        whole.final_eval_loss - floor,
+        whole.initial_eval_loss - floor
+    );
+    let resolved = Config::from_toml(
+        &std::fs::read_to_string(whole.run_dir.join("config.toml")).unwrap(),
+        "x",
+    )
+    .unwrap();
+    assert_eq!(resolved, cfg("whole"));
+    let crashed = std::panic::catch_unwind(|| {
+        let _ = train(&cfg("crashy"), false, &mut CrashAfter(46));
+    });
+    assert!(crashed.is_err());
+    let resumed = train(&cfg("crashy"), true, &mut Silent).unwrap();
+    assert_eq!(losses(&whole.run_dir), losses(&resumed.run_dir));
+    assert_eq!(
+        whole.final_eval_loss.to_bits(),
+        resumed.final_eval_loss.to_bits()
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 #[test]
 fn bad_data_is_a_clear_error() {
     let dir = std::env::temp_dir().join(format!("weft-train-bad-{}", std::process::id()));

@@ -57,6 +57,7 @@ impl<M: TrainModel> Built<M> {
         RunInfo {
             run_dir: run_dir.to_owned(),
             precision: t.precision,
+            arch: arch_name(config),
             params: layout.len(),
             vocab: job.data.vocab_size(),
             tokens_per_step: t.batch_size * config.model.block_size,
@@ -82,7 +83,8 @@ impl<M: TrainModel> Built<M> {
 /// Training FLOPs per token of a model with parameter layout `layout`
 /// ([`RunInfo::flops_per_token`]): 6 per parameter a token is multiplied
 /// by — not the position table, and of the routed experts only the k of
-/// E a token is sent to — plus `6·L·T·C` for causal attention.
+/// E a token is sent to — plus `6·L·T·Cq` for causal attention (`Cq`
+/// the query width, `C` but for a head size set apart).
 #[allow(clippy::cast_precision_loss)]
 fn flops_per_token(config: &Config, layout: &weft_model::ParamLayout) -> f64 {
     let m = &config.model;
@@ -99,21 +101,45 @@ fn flops_per_token(config: &Config, layout: &weft_model::ParamLayout) -> f64 {
         .filter(|p| p.name != "transformer.wpe.weight")
         .map(|p| p.numel() as f64 * moe_active(&p.name))
         .sum();
-    6.0 * matmul_params + 6.0 * (m.n_layer * m.block_size * m.n_embd) as f64
+    let q_dim = model_config(config, 1).q_dim();
+    6.0 * matmul_params + 6.0 * (m.n_layer * m.block_size * q_dim) as f64
 }
 
 /// The model configuration a job trains.
 #[must_use]
 pub fn model_config(config: &Config, vocab: usize) -> GptConfig {
-    GptConfig {
-        n_layer: config.model.n_layer,
-        n_head: config.model.n_head,
-        n_embd: config.model.n_embd,
-        vocab_size: vocab,
-        block_size: config.model.block_size,
-        tied_embeddings: true,
-        layer_norm_epsilon: 1e-5,
-        arch: weft_model::BlockArch::GPT2,
+    config.model.gpt_config(vocab)
+}
+
+/// The model's family for the start-up report, with what sets its block
+/// apart: grouped-query heads, the gated MLP's width, a window.
+fn arch_name(config: &Config) -> String {
+    let m = &config.model;
+    let name = format!("{:?}", m.arch).to_lowercase();
+    let Some(gated) = m.swiglu() else {
+        return name;
+    };
+    let g = m.gpt_config(1);
+    let mut parts = vec![format!("SwiGLU {}", gated.hidden)];
+    if g.n_kv_head() != g.n_head {
+        parts.insert(0, format!("GQA {}/{}", g.n_head, g.n_kv_head()));
+    }
+    if let Some(w) = g.arch.sliding_window {
+        parts.push(match w.global_every {
+            Some(k) => format!("window {} (every {k}th layer global)", w.window),
+            None => format!("window {}", w.window),
+        });
+    }
+    format!("{name} ({})", parts.join(", "))
+}
+
+/// The dense feed-forward block of a job's model: GPT-2's MLP, or the
+/// Llama-like families' gated MLP.
+#[must_use]
+pub fn dense_ffn(config: &Config) -> Arc<dyn FeedForward> {
+    match config.model.swiglu() {
+        Some(s) => Arc::new(s),
+        None => Arc::new(weft_model::Mlp),
     }
 }
 
@@ -154,7 +180,7 @@ fn rank_ffn(
 ) -> Result<(Arc<dyn FeedForward>, Option<MoeRun>), TrainError> {
     let m = &config.model.moe;
     let Some(moe_cfg) = m.config(cfg.n_embd, 4 * cfg.n_embd)? else {
-        return Ok((Arc::new(weft_model::Mlp), None));
+        return Ok((dense_ffn(config), None));
     };
     let (ffn, stats) = if mesh.dims().ep > 1 {
         MoeFfn::with_expert_parallel(moe_cfg, weft_model::expert_group(mesh))?

@@ -313,7 +313,17 @@ fn open_data_once(
 pub(crate) fn check_model_floor(config: &Config) -> Result<(), TrainError> {
     let m = &config.model;
     let (l, c, t) = (m.n_layer as u128, m.n_embd as u128, m.block_size as u128);
-    let (blocks, rest) = (l * (12 * c * c + 13 * c), (t + 2) * c);
+    // The attention's projections, then the MLP's: GPT-2's 4·C² + 8·C²,
+    // or the Llama-like families' C·(2·Cq + 2·Ckv) + 3·C·H.
+    let per_block = match m.swiglu() {
+        None => 12 * c * c + 13 * c,
+        Some(s) => {
+            let g = m.gpt_config(1);
+            let (q, kv) = (g.q_dim() as u128, g.kv_dim() as u128);
+            c * (2 * q + 2 * kv) + 3 * c * s.hidden as u128 + 2 * c
+        }
+    };
+    let (blocks, rest) = (l * per_block, (t + 2) * c);
     let params = blocks + rest;
     let needed = 12 * params;
     let Some(available) = available_memory() else {
