@@ -290,7 +290,7 @@ impl HeadActs {
 /// [`GptBlocks::scratch`].
 #[derive(Clone, Debug)]
 pub struct BlockScratch {
-    tmp: Vec<f32>,         // (B·T, C) block outputs before the residual add
+    tmp: Vec<f32>,         // (B·T, max(C, Cq)) block outputs before the residual add
     dln: Vec<f32>,         // (B·T, C)
     datty: Vec<f32>,       // (B·T, Ca)
     dqkv: Vec<f32>,        // (B·T, 3Ca)
@@ -390,7 +390,7 @@ pub(crate) fn sum(what: &str, terms: &[usize]) -> Result<usize> {
 }
 
 /// A bias slice, or `None` for an architecture without it (an empty range).
-fn bias<'a>(p: &'a [f32], r: &Range<usize>) -> Option<&'a [f32]> {
+pub(crate) fn bias<'a>(p: &'a [f32], r: &Range<usize>) -> Option<&'a [f32]> {
     (!r.is_empty()).then(|| &p[r.clone()])
 }
 
@@ -676,6 +676,11 @@ impl GptBlocks {
         self.pieces.lm_head.clone()
     }
 
+    /// The rotary positions' table, if positions are rotary.
+    pub(crate) fn rope_table(&self) -> Option<&RopeTable<f32>> {
+        self.rope.as_deref()
+    }
+
     /// Query heads and attention width on this rank.
     fn heads(&self) -> (usize, usize) {
         let tp = self.tp.as_ref().map_or(1, TensorParallel::size);
@@ -709,7 +714,7 @@ impl GptBlocks {
     /// the norm's weight and bias (empty under RMSNorm, which keeps no
     /// `mean`).
     #[allow(clippy::too_many_arguments)]
-    fn norm_forward(
+    pub(crate) fn norm_forward(
         &self,
         out: &mut [f32],
         mean: &mut [f32],
@@ -802,7 +807,7 @@ impl GptBlocks {
     /// Under QK-norm, saves the queries and keys of `qkv (n, cols)` in
     /// `raw` (queries as `(n·NHa, HS)`, then keys as `(n·NKVa, HS)`) and
     /// replaces them by their RMSNorm with `w` (`q_norm` then `k_norm`).
-    fn qk_norm_forward(
+    pub(crate) fn qk_norm_forward(
         &self,
         qkv: &mut [f32],
         raw: &mut [f32],
@@ -1105,7 +1110,8 @@ impl GptBlocks {
         let n = b * t;
         let sp = |k: usize| if self.sp() { k } else { 0 };
         Ok([
-            n * c,
+            // also the bf16 staging of the attention output, `Cq` wide
+            n * c.max(self.heads().1),
             n * c,
             n * self.heads().1,
             l[3],
@@ -1414,7 +1420,7 @@ impl GptBlocks {
         let y: &mut [f32] = if self.sp() {
             &mut scratch.rows
         } else {
-            &mut scratch.tmp
+            &mut scratch.tmp[..rows * c]
         };
         match tp {
             None => matmul_forward(
@@ -1444,7 +1450,7 @@ impl GptBlocks {
         let y: &[f32] = if self.sp() {
             &scratch.rows
         } else {
-            &scratch.tmp
+            &scratch.tmp[..rows * c]
         };
         residual_forward(&mut acts.res2, inp, y, rows * c)?;
         let ln2: &mut [f32] = if self.sp() {

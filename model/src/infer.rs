@@ -72,10 +72,11 @@
 //! ```
 
 use weft_kernels::{
-    LinearInput, attention_decode, encoder_forward, layernorm_forward, matmul_forward,
-    matmul_forward_wt, residual_forward,
+    Heads, LinearInput, attention_decode, encoder_forward, matmul_forward, matmul_forward_wt,
+    residual_forward, rope_forward,
 };
 
+use crate::blocks::bias;
 use crate::config::GptConfig;
 use crate::error::{Error, Result};
 use crate::ffn::Dims;
@@ -92,14 +93,16 @@ pub struct Decoder<'m> {
     /// one past the last boundary token fed; else 0).
     doc: usize,
     pos: Vec<u32>,       // (maxT) positions (within their documents) of the fed tokens
-    kv: Vec<f32>,        // (L, maxT, 2C): rows [k | v]
+    kv: Vec<f32>,        // (L, maxT, 2·Ckv): rows [k | v]
     x: Vec<f32>,         // (maxT, C) residual stream
     res2: Vec<f32>,      // (maxT, C) residual after attention
     ln: Vec<f32>,        // (maxT, C)
     mean: Vec<f32>,      // (maxT)
     rstd: Vec<f32>,      // (maxT)
-    qkv: Vec<f32>,       // (maxT, 3C)
-    atty: Vec<f32>,      // (maxT, C)
+    qkv: Vec<f32>,       // (maxT, Cq+2·Ckv)
+    qk_raw: Vec<f32>,    // QK-norm's input (maxT·(NH+NKV), HS), with it
+    qk_rstd: Vec<f32>,   // (maxT·(NH+NKV)), with QK-norm
+    atty: Vec<f32>,      // (maxT, Cq)
     att: Vec<f32>,       // (NH, maxT) probabilities of one position
     tmp: Vec<f32>,       // (maxT, C)
     ffn_saved: Vec<f32>, // the feed-forward block's saved_len for maxT
@@ -111,6 +114,7 @@ impl<'m> Decoder<'m> {
     /// An empty cache for `model`, with room for `block_size` positions.
     /// Allocates everything it will use.
     pub fn new(model: &'m Gpt) -> Self {
+        let cfg = model.config();
         let GptConfig {
             n_layer: l,
             n_head: nh,
@@ -118,21 +122,25 @@ impl<'m> Decoder<'m> {
             vocab_size: v,
             block_size: t,
             ..
-        } = *model.config();
+        } = *cfg;
+        let (cq, ckv) = (cfg.q_dim(), cfg.kv_dim());
+        let qk = if cfg.arch.qk_norm { t * (cq + ckv) } else { 0 };
         let z = |k: usize| vec![0.0f32; k];
         Decoder {
             model,
             len: 0,
             doc: 0,
             pos: vec![0; t],
-            kv: z(l * t * 2 * c),
+            kv: z(l * t * 2 * ckv),
             x: z(t * c),
             res2: z(t * c),
             ln: z(t * c),
             mean: z(t),
             rstd: z(t),
-            qkv: z(t * 3 * c),
-            atty: z(t * c),
+            qkv: z(t * (cq + 2 * ckv)),
+            qk_raw: z(qk),
+            qk_rstd: z(qk / cfg.head_dim().max(1)),
+            atty: z(t * cq),
             att: z(nh * t),
             tmp: z(t * c),
             ffn_saved: z(model.blocks().ffn().saved_len(&Dims {
@@ -237,22 +245,20 @@ impl<'m> Decoder<'m> {
 
     fn feed(&mut self, tokens: &[u32]) -> Result<()> {
         let model = self.model;
-        if model.config().arch != crate::BlockArch::GPT2 {
-            return Err(Error::Config {
-                field: "arch",
-                reason: "the decoder runs GPT-2 blocks only so far (no rotary positions, \
-                         RMSNorm, grouped-query or windowed attention yet)"
-                    .into(),
-            });
-        }
+        let cfg = model.config();
         let GptConfig {
             n_head: nh,
             n_embd: c,
             vocab_size: v,
             block_size: max_t,
-            layer_norm_epsilon: eps,
             ..
-        } = *model.config();
+        } = *cfg;
+        let (cq, ckv) = (cfg.q_dim(), cfg.kv_dim());
+        let cols = cq + 2 * ckv;
+        let heads = Heads {
+            q: nh,
+            kv: cfg.n_kv_head(),
+        };
         let (start, n) = (self.len, tokens.len());
         if n == 0 || start + n > max_t {
             return Err(Error::Batch {
@@ -279,16 +285,21 @@ impl<'m> Decoder<'m> {
             }
         }
         let (wte, wpe) = p[bl.embed_range()].split_at(bl.wte_len());
-        encoder_forward(
-            &mut self.x[..nc],
-            tokens,
-            Some(&self.pos[..n]),
-            wte,
-            wpe,
-            1,
-            n,
-            c,
-        )?;
+        if wpe.is_empty() {
+            // rotary positions: the token embedding alone
+            bl.embed_forward(&mut self.x[..nc], tokens, &p[bl.embed_range()], 1, n)?;
+        } else {
+            encoder_forward(
+                &mut self.x[..nc],
+                tokens,
+                Some(&self.pos[..n]),
+                wte,
+                wpe,
+                1,
+                n,
+                c,
+            )?;
+        }
         let ffn = model.blocks().ffn();
         let dims = |layer| Dims {
             b: 1,
@@ -305,7 +316,7 @@ impl<'m> Decoder<'m> {
         for l in 0..model.config().n_layer {
             let p = &p[bl.block_range(l)];
             let ln = &mut self.ln[..nc];
-            layernorm_forward(
+            bl.norm_forward(
                 ln,
                 &mut self.mean[..n],
                 &mut self.rstd[..n],
@@ -313,53 +324,67 @@ impl<'m> Decoder<'m> {
                 &p[layer.ln1_w.clone()],
                 &p[layer.ln1_b.clone()],
                 n,
-                c,
-                eps,
             )?;
-            let qkv = &mut self.qkv[..3 * nc];
+            let qkv = &mut self.qkv[..n * cols];
             matmul_forward(
                 qkv,
                 ln,
                 &p[layer.qkv_w.clone()],
-                Some(&p[layer.qkv_b.clone()]),
+                bias(p, &layer.qkv_b),
                 1,
                 n,
                 c,
-                3 * c,
+                cols,
                 mode,
                 precision,
             )?;
-            let kv = &mut self.kv[l * max_t * 2 * c..(l + 1) * max_t * 2 * c];
-            for (i, row) in qkv.chunks_exact(3 * c).enumerate() {
-                kv[(start + i) * 2 * c..(start + i + 1) * 2 * c].copy_from_slice(&row[c..]);
+            if cfg.arch.qk_norm {
+                let qk = n * (cq + ckv);
+                bl.qk_norm_forward(
+                    qkv,
+                    &mut self.qk_raw[..qk],
+                    &mut self.qk_rstd[..qk / cfg.head_dim()],
+                    &p[layer.qk_norm.clone()],
+                    n,
+                )?;
             }
-            for (i, row) in qkv.chunks_exact(3 * c).enumerate() {
+            if let Some(table) = bl.rope_table() {
+                rope_forward(qkv, table, &self.pos[..n], n, cols, nh + heads.kv)?;
+            }
+            let kv = &mut self.kv[l * max_t * 2 * ckv..(l + 1) * max_t * 2 * ckv];
+            for (i, row) in qkv.chunks_exact(cols).enumerate() {
+                kv[(start + i) * 2 * ckv..(start + i + 1) * 2 * ckv].copy_from_slice(&row[cq..]);
+            }
+            let window = cfg.window(l);
+            for (i, row) in qkv.chunks_exact(cols).enumerate() {
                 let pos = start + i;
+                let first =
+                    window.map_or(starts[i], |w| starts[i].max((pos + 1).saturating_sub(w)));
                 attention_decode(
-                    &mut self.atty[i * c..(i + 1) * c],
+                    &mut self.atty[i * cq..(i + 1) * cq],
                     &mut self.att[..nh * (pos + 1)],
-                    &row[..c],
-                    &kv[..(pos + 1) * 2 * c],
+                    &row[..cq],
+                    &kv[..(pos + 1) * 2 * ckv],
                     pos,
-                    starts[i],
-                    c,
-                    nh,
+                    first,
+                    cq,
+                    heads,
                 )?;
             }
             matmul_forward(
                 &mut self.tmp[..nc],
-                &self.atty[..nc],
+                &self.atty[..n * cq],
                 &p[layer.proj_w.clone()],
-                Some(&p[layer.proj_b.clone()]),
+                bias(p, &layer.proj_b),
                 1,
                 n,
-                c,
+                cq,
                 c,
                 mode,
                 precision,
             )?;
             residual_forward(&mut self.res2[..nc], &self.x[..nc], &self.tmp[..nc], nc)?;
-            layernorm_forward(
+            bl.norm_forward(
                 &mut self.ln[..nc],
                 &mut self.mean[..n],
                 &mut self.rstd[..n],
@@ -367,8 +392,6 @@ impl<'m> Decoder<'m> {
                 &p[layer.ln2_w.clone()],
                 &p[layer.ln2_b.clone()],
                 n,
-                c,
-                eps,
             )?;
             ffn.forward(
                 &mut self.tmp[..nc],
@@ -382,7 +405,7 @@ impl<'m> Decoder<'m> {
         }
         // Only the last position's logits are wanted: its own rows suffice.
         let (lnf_w, lnf_b) = p[bl.lnf_range()].split_at(c);
-        layernorm_forward(
+        bl.norm_forward(
             &mut self.ln[..c],
             &mut self.mean[..1],
             &mut self.rstd[..1],
@@ -390,8 +413,6 @@ impl<'m> Decoder<'m> {
             lnf_w,
             lnf_b,
             1,
-            c,
-            eps,
         )?;
         matmul_forward_wt(
             &mut self.logits,

@@ -16,9 +16,10 @@
 //!   mixture of experts. The Llama family is checked against transformers
 //!   (`tests/it/llama_reference.rs`); with multi-head attention it runs
 //!   every layout of the layout matrix (`tests/compose.rs`: data, FSDP,
-//!   pipeline, tensor and sequence parallelism); grouped-query attention over `tp > 1`, the
-//!   [`Decoder`] and the CUDA model take GPT-2 blocks only so far and
-//!   refuse the others with an error.
+//!   pipeline, tensor and sequence parallelism) and the [`Decoder`]
+//!   decodes it bitwise (`tests/infer.rs`); grouped-query attention over
+//!   `tp > 1` and the CUDA model take GPT-2 blocks only so far and refuse
+//!   the others with an error.
 //! * [`ParamLayout`] / [`ParamSpec`]: every parameter lives in one
 //!   contiguous `Vec<f32>` ([`Gpt::params`]) under its Hugging Face name
 //!   (`transformer.h.0.attn.c_attn.weight`, `Conv1D` `[in, out]` layout),

@@ -56,7 +56,10 @@ fn check_model(model: &Gpt, prompt_lens: &[usize], name: &str) {
     let c = model.config().clone();
     let mut dec = Decoder::new(model);
     assert_eq!(dec.capacity(), c.block_size);
-    assert_eq!(dec.kv_bytes(), c.n_layer * c.block_size * 2 * c.n_embd * 4);
+    assert_eq!(
+        dec.kv_bytes(),
+        c.n_layer * c.block_size * 2 * c.kv_dim() * 4
+    );
     assert!(dec.bytes() > dec.kv_bytes());
     for &p in prompt_lens {
         dec.reset();
@@ -215,16 +218,42 @@ fn bad_input_is_an_error_and_leaves_the_cache_alone() {
     assert_eq!(dec.len(), 6);
 }
 
-/// The decoder runs GPT-2 blocks only so far: a Llama-family model is
-/// refused with an error naming the architecture, not decoded wrongly.
+/// Llama-family blocks decode the forward's logits bitwise too: rotary
+/// positions (restarting at each document under masking), RMSNorm,
+/// grouped- and multi-query attention with a head size set apart, QK-norm,
+/// sliding-window layers with every second one global, SwiGLU; in f32 and
+/// bf16, past the attention blocks.
 #[test]
-fn the_decoder_refuses_blocks_it_does_not_run() {
-    let c = GptConfig {
-        arch: weft_model::BlockArch::llama(2, 10_000.0),
-        ..cfg(1, 4, 16, 29, 8)
+fn llama_family_models_decode_the_forwards_logits_bitwise() {
+    use weft_model::{BlockArch, SlidingWindow, SwiGlu};
+    let llama = |kv: usize, t: usize, qk_norm: bool| {
+        let mut arch = BlockArch::llama(kv, 10_000.0);
+        arch.head_dim = Some(6);
+        arch.qk_norm = qk_norm;
+        arch.sliding_window = Some(SlidingWindow {
+            window: 5,
+            global_every: Some(2),
+        });
+        let c = GptConfig {
+            arch,
+            tied_embeddings: false,
+            ..cfg(2, 4, 16, 29, t)
+        };
+        let mut m = Gpt::with_ffn(c, Box::new(SwiGlu { hidden: 24 })).unwrap();
+        m.init_gpt2(17);
+        m
     };
-    let model = Gpt::with_ffn(c, Box::new(weft_model::SwiGlu { hidden: 24 })).unwrap();
-    let mut dec = Decoder::new(&model);
-    let e = dec.prefill(&[1, 2, 3]).unwrap_err();
-    assert!(e.to_string().contains("arch"), "{e}");
+    check_model(
+        &llama(2, 12, true),
+        &(1..=12).collect::<Vec<_>>(),
+        "qwen3-like GQA",
+    );
+    check_model(&llama(1, 12, false), &[1, 4, 12], "llama-like MQA");
+    check_model(&llama(2, 80, true), &[1, 63, 64, 65, 80], "GQA T=80");
+    let mut model = llama(2, 24, true);
+    model.set_doc_boundary(Some(28));
+    check_model(&model, &[1, 9, 24], "GQA documents");
+    let mut model = llama(4, 12, true);
+    model.set_precision(weft_kernels::Precision::Bf16);
+    check_model(&model, &[1, 6, 12], "bf16 MHA");
 }
