@@ -89,7 +89,7 @@ enum Command {
     /// (plain DP, FSDP, the communication crossover); `--calibrate`
     /// checks the predictions against `weft train` runs on this machine.
     Plan(Box<weft_trainer::plan::PlanArgs>),
-    /// Loss (and optionally every gradient) of a Hugging Face GPT-2 folder on
+    /// Loss (and optionally every gradient) of a Hugging Face folder (GPT-2 or the Llama family) on
     /// a token file; prints `{"loss": …}` as JSON.
     Eval(tools::EvalArgs),
 }

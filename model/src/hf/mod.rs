@@ -310,16 +310,17 @@ pub fn read_params(layout: &ParamLayout, path: &Path) -> Result<Vec<f32>> {
     Ok(out)
 }
 
-/// A Llama-family model's tensors under transformers' names and layouts
-/// (the inverse of [`read_params`]).
-fn llama_tensors(model: &Gpt) -> Vec<(String, Vec<usize>, Vec<f32>)> {
+/// A Llama-family model's tensors (`buffer`: its parameters, or its
+/// gradients) under transformers' names and layouts (the inverse of
+/// [`read_params`]).
+fn llama_tensors(model: &Gpt, buffer: &[f32]) -> Vec<(String, Vec<usize>, Vec<f32>)> {
     let cfg = model.config();
     let mut out = Vec::new();
     for spec in model.layout().specs() {
         let Some(src) = llama::source(&spec.name) else {
             continue;
         };
-        let p = &model.params[spec.range()];
+        let p = &buffer[spec.range()];
         let (rows, cols, data) = match spec.shape.as_slice() {
             [a, b] if src.transpose => (*b, *a, llama::transpose(p, *a, *b)),
             [a, b] => (*a, *b, p.to_vec()),
@@ -541,7 +542,7 @@ pub fn save(model: &Gpt, dir: &Path) -> Result<()> {
         write_safetensors(&dir.join("model.safetensors"), tensors)?;
         config_json(model.config())
     } else {
-        let owned = llama_tensors(model);
+        let owned = llama_tensors(model, &model.params);
         let hidden = model
             .layout()
             .get("transformer.h.0.mlp.gate_up.weight")
@@ -565,13 +566,22 @@ pub fn save(model: &Gpt, dir: &Path) -> Result<()> {
     write_atomic(&dir.join("config.json"), text.as_bytes())
 }
 
-/// Writes every parameter's gradient under its Hugging Face name (with
-/// tied embeddings, the single `transformer.wte.weight` gradient includes
-/// the `lm_head` contribution).
+/// Writes every parameter's gradient under its Hugging Face name and
+/// layout, as [`save`] writes the parameters (with tied embeddings, the
+/// embedding's single gradient includes the `lm_head` contribution).
 ///
 /// # Errors
 /// [`Error::Io`] if the file cannot be written.
 pub fn save_grads(model: &Gpt, path: &Path) -> Result<()> {
+    if model.config().arch != crate::BlockArch::GPT2 {
+        let owned = llama_tensors(model, &model.grads);
+        return write_safetensors(
+            path,
+            owned
+                .iter()
+                .map(|(n, s, d)| (n.clone(), s.clone(), d.as_slice())),
+        );
+    }
     let tensors = model
         .layout()
         .specs()

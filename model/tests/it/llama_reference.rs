@@ -71,6 +71,12 @@ fn llama_family_loss_and_every_gradient_match_transformers() -> Result<()> {
         {
             eprintln!("{name}: worst gradient {} at {:.2e}", worst.1, worst.0);
         }
+        // `weft eval --dump-grads` writes them under transformers' names.
+        let path = std::env::temp_dir().join(format!("weft-grads-{}-{name}", std::process::id()));
+        hf::save_grads(&model, &path)?;
+        let back = hf::read_params(model.layout(), &path);
+        std::fs::remove_file(&path)?;
+        assert_eq!(back?, model.grads, "{name}: saved gradients");
     }
     Ok(())
 }
