@@ -184,6 +184,7 @@ pub mod infer;
 mod init;
 pub mod memory;
 mod moe_ffn;
+mod options;
 pub mod parallelize;
 mod params;
 mod stage;
@@ -201,6 +202,7 @@ pub use infer::{Decoder, Sampling};
 pub use init::init_gpt2;
 pub use memory::RankMemory;
 pub use moe_ffn::{MoeFfn, MoeStats};
+pub use options::{Arch, ModelOptions};
 pub use parallelize::{
     Init, ParallelGpt, ParallelPlan, StepOutcome, StepTraffic, expert_group, partition_layers,
 };

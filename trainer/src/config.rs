@@ -8,7 +8,8 @@
 //! and ill-typed values are errors that name the key, the file and line, and
 //! the expected type. The sections that configure a library are that
 //! library's own types — `[parallel]` is `weft_parallel::ParallelLayout`,
-//! `[model.moe]` is `weft_moe::MoeOptions`, `train.precision` is
+//! `[model]` is `weft_model::ModelOptions` (its `[model.moe]`
+//! `weft_moe::MoeOptions`), `train.precision` is
 //! `weft_kernels::Precision` — so a choice (`parallel.fsdp`,
 //! `parallel.pp_schedule`, `model.moe.gate`, …) is the library's enum, and
 //! an unknown value is an error listing the valid ones. [`Config::validate`]
@@ -22,7 +23,6 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 use weft_data::{DataSpec, DatasetOptions};
 use weft_kernels::Precision;
-use weft_moe::MoeOptions;
 use weft_parallel::{BatchSplit, ModelShape, ParallelLayout};
 
 /// The whole job configuration.
@@ -93,139 +93,11 @@ impl Default for RunConfig {
     }
 }
 
-/// `model.arch`: a named transformer family, a set of defaults that the
-/// other `[model]` keys override.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Arch {
-    /// GPT-2: learned positions, LayerNorm with biases, GELU MLP (4·C),
-    /// multi-head attention, tied embeddings.
-    #[default]
-    Gpt2,
-    /// Llama 3: RMSNorm, rotary positions (θ = 500000), SwiGLU, no
-    /// biases, untied embeddings.
-    Llama,
-    /// Qwen3: Llama's block with QK-norm, θ = 1000000.
-    Qwen3,
-    /// Mistral: Llama's block with a sliding window (4096) on every layer,
-    /// θ = 10000.
-    Mistral,
-}
+/// `[model]`: weft-model's own table ([`weft_model::ModelOptions`]: the
+/// shape, `model.arch` and the family's keys, `[model.moe]`).
+pub type ModelConfig = weft_model::ModelOptions;
 
-/// `[model]`: a decoder-only transformer.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct ModelConfig {
-    /// The family whose defaults the keys below override.
-    pub arch: Arch,
-    /// Transformer blocks (L).
-    pub n_layer: usize,
-    /// Attention heads (NH); must divide `n_embd` unless `head_dim` is set.
-    pub n_head: usize,
-    /// Channels (C).
-    pub n_embd: usize,
-    /// Context length (T): tokens per training sequence.
-    pub block_size: usize,
-    /// Key/value heads, dividing `n_head` (0: `n_head`, multi-head
-    /// attention; fewer is grouped-query attention).
-    pub n_kv_head: usize,
-    /// Channels per head (0: `n_embd / n_head`).
-    pub head_dim: usize,
-    /// The gated MLP's hidden width for the Llama-like families (0:
-    /// `8·C/3` rounded up to a multiple of 32); GPT-2's MLP is 4·C.
-    pub ffn_hidden: usize,
-    /// Rotary base θ (0: the family's).
-    pub rope_theta: f64,
-    /// Keys a sliding-window layer sees (0: the family's — 4096 for
-    /// Mistral, none otherwise).
-    pub sliding_window: usize,
-    /// With a window, every this-many-th layer attends globally (0: every
-    /// layer is windowed).
-    pub global_every: usize,
-    /// Whether the output head shares the embedding's weight (unset: the
-    /// family's — tied for GPT-2, untied for the others).
-    pub tied_embeddings: Option<bool>,
-    /// Mixture-of-experts feed-forward blocks (`experts = 0`: dense).
-    pub moe: MoeOptions,
-}
-
-impl Default for ModelConfig {
-    fn default() -> Self {
-        Self {
-            arch: Arch::Gpt2,
-            n_layer: 2,
-            n_head: 4,
-            n_embd: 128,
-            block_size: 64,
-            n_kv_head: 0,
-            head_dim: 0,
-            ffn_hidden: 0,
-            rope_theta: 0.0,
-            sliding_window: 0,
-            global_every: 0,
-            tied_embeddings: None,
-            moe: MoeOptions::default(),
-        }
-    }
-}
-
-impl ModelConfig {
-    /// The model's shape and block architecture, for a vocabulary of
-    /// `vocab` tokens: the family's defaults with the keys that are set.
-    pub fn gpt_config(&self, vocab: usize) -> weft_model::GptConfig {
-        let arch = match self.arch {
-            Arch::Gpt2 => weft_model::BlockArch::GPT2,
-            family => {
-                let theta = match (self.rope_theta, family) {
-                    (t, _) if t > 0.0 => t,
-                    (_, Arch::Qwen3) => 1_000_000.0,
-                    (_, Arch::Mistral) => 10_000.0,
-                    _ => 500_000.0,
-                };
-                let mut a = weft_model::BlockArch::llama(self.n_head, theta);
-                a.qk_norm = family == Arch::Qwen3;
-                let window = match (self.sliding_window, family) {
-                    (0, Arch::Mistral) => 4096,
-                    (w, _) => w,
-                };
-                a.sliding_window = (window > 0).then_some(weft_model::SlidingWindow {
-                    window,
-                    global_every: (self.global_every > 0).then_some(self.global_every),
-                });
-                a
-            }
-        };
-        let arch = weft_model::BlockArch {
-            n_kv_head: (self.n_kv_head > 0).then_some(self.n_kv_head),
-            head_dim: (self.head_dim > 0).then_some(self.head_dim),
-            ..arch
-        };
-        weft_model::GptConfig {
-            n_layer: self.n_layer,
-            n_head: self.n_head,
-            n_embd: self.n_embd,
-            vocab_size: vocab,
-            block_size: self.block_size,
-            tied_embeddings: self.tied_embeddings.unwrap_or(self.arch == Arch::Gpt2),
-            layer_norm_epsilon: if self.arch == Arch::Gpt2 { 1e-5 } else { 1e-6 },
-            arch,
-        }
-    }
-
-    /// The gated MLP of the Llama-like families (`None` for GPT-2, whose
-    /// MLP is 4·C wide).
-    pub fn swiglu(&self) -> Option<weft_model::SwiGlu> {
-        if self.arch == Arch::Gpt2 {
-            return None;
-        }
-        let hidden = if self.ffn_hidden > 0 {
-            self.ffn_hidden
-        } else {
-            (8 * self.n_embd).div_ceil(3).div_ceil(32) * 32
-        };
-        Some(weft_model::SwiGlu { hidden })
-    }
-}
+pub use weft_model::Arch;
 
 /// `[train]`: the loop.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -583,47 +455,7 @@ impl Config {
     /// A [`ConfigError`] naming the first key out of range.
     pub fn validate(&self) -> Result<(), ConfigError> {
         let bad = |key: &str, message: String| Err(ConfigError::key(key, message));
-        let m = &self.model;
-        m.gpt_config(1).validate().map_err(library_error)?;
-        if m.arch == Arch::Gpt2 {
-            for (key, set) in [
-                ("model.n_kv_head", m.n_kv_head > 0),
-                ("model.head_dim", m.head_dim > 0),
-                ("model.ffn_hidden", m.ffn_hidden > 0),
-                ("model.rope_theta", m.rope_theta != 0.0),
-                ("model.sliding_window", m.sliding_window > 0),
-            ] {
-                if set {
-                    return bad(
-                        key,
-                        "is a setting of the Llama-like families; set model.arch = \"llama\", \
-                         \"qwen3\" or \"mistral\" (model.arch = \"gpt2\" has none)"
-                            .into(),
-                    );
-                }
-            }
-        } else if m.moe.experts > 0 {
-            return bad(
-                "model.moe.experts",
-                format!(
-                    "a mixture of experts is built for model.arch = \"gpt2\" only so far \
-                     (model.arch = {:?})",
-                    m.arch
-                ),
-            );
-        }
-        if !(m.rope_theta >= 0.0 && m.rope_theta.is_finite()) {
-            return bad(
-                "model.rope_theta",
-                format!("= {} must be positive", m.rope_theta),
-            );
-        }
-        if m.global_every > 0 && m.sliding_window == 0 && m.arch != Arch::Mistral {
-            return bad(
-                "model.global_every",
-                "needs model.sliding_window (the window of the other layers)".into(),
-            );
-        }
+        self.model.validate().map_err(library_error)?;
         let p = &self.parallel;
         for (key, v) in [
             ("parallel.dp", p.dp),
@@ -640,7 +472,7 @@ impl Config {
                 );
             }
         }
-        m.moe.validate().map_err(library_error)?;
+        self.model.moe.validate().map_err(library_error)?;
         self.parallel
             .check(
                 &self.model_shape(),

@@ -1,0 +1,210 @@
+//! A training job's `[model]` table ([`ModelOptions`]): the shape, the
+//! family ([`Arch`]: GPT-2, Llama, Qwen3, Mistral) whose defaults the
+//! other keys override, and the mixture of experts; it builds the
+//! [`GptConfig`](crate::GptConfig) and the feed-forward block.
+//!
+//! ```
+//! use weft_model::{Arch, ModelOptions};
+//!
+//! let m = ModelOptions { arch: Arch::Qwen3, n_kv_head: 2, ..ModelOptions::default() };
+//! m.validate()?;
+//! let cfg = m.gpt_config(256);
+//! assert!(cfg.arch.qk_norm && cfg.n_kv_head() == 2 && !cfg.tied_embeddings);
+//! assert_eq!(m.swiglu().unwrap().hidden, 352); // 8·128/3 rounded up to 32
+//! # Ok::<(), weft_model::Error>(())
+//! ```
+
+use serde::{Deserialize, Serialize};
+use weft_moe::MoeOptions;
+
+use crate::error::{Error, Result};
+
+/// `model.arch`: a named transformer family, a set of defaults that the
+/// other `[model]` keys override.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Arch {
+    /// GPT-2: learned positions, LayerNorm with biases, GELU MLP (4·C),
+    /// multi-head attention, tied embeddings.
+    #[default]
+    Gpt2,
+    /// Llama 3: RMSNorm, rotary positions (θ = 500000), SwiGLU, no
+    /// biases, untied embeddings.
+    Llama,
+    /// Qwen3: Llama's block with QK-norm, θ = 1000000.
+    Qwen3,
+    /// Mistral: Llama's block with a sliding window (4096) on every layer,
+    /// θ = 10000.
+    Mistral,
+}
+
+/// A training job's `[model]` table: a decoder-only transformer's shape,
+/// its family ([`Arch`]) and the keys that override the family's
+/// defaults; [`gpt_config`](Self::gpt_config) and
+/// [`swiglu`](Self::swiglu) build the model it describes.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ModelOptions {
+    /// The family whose defaults the keys below override.
+    pub arch: Arch,
+    /// Transformer blocks (L).
+    pub n_layer: usize,
+    /// Attention heads (NH); must divide `n_embd` unless `head_dim` is set.
+    pub n_head: usize,
+    /// Channels (C).
+    pub n_embd: usize,
+    /// Context length (T): tokens per training sequence.
+    pub block_size: usize,
+    /// Key/value heads, dividing `n_head` (0: `n_head`, multi-head
+    /// attention; fewer is grouped-query attention).
+    pub n_kv_head: usize,
+    /// Channels per head (0: `n_embd / n_head`).
+    pub head_dim: usize,
+    /// The gated MLP's hidden width for the Llama-like families (0:
+    /// `8·C/3` rounded up to a multiple of 32); GPT-2's MLP is 4·C.
+    pub ffn_hidden: usize,
+    /// Rotary base θ (0: the family's).
+    pub rope_theta: f64,
+    /// Keys a sliding-window layer sees (0: the family's — 4096 for
+    /// Mistral, none otherwise).
+    pub sliding_window: usize,
+    /// With a window, every this-many-th layer attends globally (0: every
+    /// layer is windowed).
+    pub global_every: usize,
+    /// Whether the output head shares the embedding's weight (unset: the
+    /// family's — tied for GPT-2, untied for the others).
+    pub tied_embeddings: Option<bool>,
+    /// Mixture-of-experts feed-forward blocks (`experts = 0`: dense).
+    pub moe: MoeOptions,
+}
+
+impl Default for ModelOptions {
+    fn default() -> Self {
+        Self {
+            arch: Arch::Gpt2,
+            n_layer: 2,
+            n_head: 4,
+            n_embd: 128,
+            block_size: 64,
+            n_kv_head: 0,
+            head_dim: 0,
+            ffn_hidden: 0,
+            rope_theta: 0.0,
+            sliding_window: 0,
+            global_every: 0,
+            tied_embeddings: None,
+            moe: MoeOptions::default(),
+        }
+    }
+}
+
+impl ModelOptions {
+    /// The model's shape and block architecture, for a vocabulary of
+    /// `vocab` tokens: the family's defaults with the keys that are set.
+    #[must_use]
+    pub fn gpt_config(&self, vocab: usize) -> crate::GptConfig {
+        let arch = match self.arch {
+            Arch::Gpt2 => crate::BlockArch::GPT2,
+            family => {
+                let theta = match (self.rope_theta, family) {
+                    (t, _) if t > 0.0 => t,
+                    (_, Arch::Qwen3) => 1_000_000.0,
+                    (_, Arch::Mistral) => 10_000.0,
+                    _ => 500_000.0,
+                };
+                let mut a = crate::BlockArch::llama(self.n_head, theta);
+                a.qk_norm = family == Arch::Qwen3;
+                let window = match (self.sliding_window, family) {
+                    (0, Arch::Mistral) => 4096,
+                    (w, _) => w,
+                };
+                a.sliding_window = (window > 0).then_some(crate::SlidingWindow {
+                    window,
+                    global_every: (self.global_every > 0).then_some(self.global_every),
+                });
+                a
+            }
+        };
+        let arch = crate::BlockArch {
+            n_kv_head: (self.n_kv_head > 0).then_some(self.n_kv_head),
+            head_dim: (self.head_dim > 0).then_some(self.head_dim),
+            ..arch
+        };
+        crate::GptConfig {
+            n_layer: self.n_layer,
+            n_head: self.n_head,
+            n_embd: self.n_embd,
+            vocab_size: vocab,
+            block_size: self.block_size,
+            tied_embeddings: self.tied_embeddings.unwrap_or(self.arch == Arch::Gpt2),
+            layer_norm_epsilon: if self.arch == Arch::Gpt2 { 1e-5 } else { 1e-6 },
+            arch,
+        }
+    }
+
+    /// The gated MLP of the Llama-like families (`None` for GPT-2, whose
+    /// MLP is 4·C wide).
+    #[must_use]
+    pub fn swiglu(&self) -> Option<crate::SwiGlu> {
+        if self.arch == Arch::Gpt2 {
+            return None;
+        }
+        let hidden = if self.ffn_hidden > 0 {
+            self.ffn_hidden
+        } else {
+            (8 * self.n_embd).div_ceil(3).div_ceil(32) * 32
+        };
+        Some(crate::SwiGlu { hidden })
+    }
+
+    /// Checks the table: the model's own checks (heads, key/value heads,
+    /// rotary settings, windows), the Llama-like families' keys left unset
+    /// on GPT-2, no mixture of experts on the other families yet.
+    ///
+    /// # Errors
+    /// [`Error::Config`] naming the key under `[model]`.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |field, reason: String| Err(Error::Config { field, reason });
+        self.gpt_config(1).validate()?;
+        if self.arch == Arch::Gpt2 {
+            for (field, set) in [
+                ("n_kv_head", self.n_kv_head > 0),
+                ("head_dim", self.head_dim > 0),
+                ("ffn_hidden", self.ffn_hidden > 0),
+                ("rope_theta", self.rope_theta != 0.0),
+                ("sliding_window", self.sliding_window > 0),
+            ] {
+                if set {
+                    return bad(
+                        field,
+                        "is a setting of the Llama-like families; set model.arch = \"llama\", \
+                         \"qwen3\" or \"mistral\" (model.arch = \"gpt2\" has none)"
+                            .into(),
+                    );
+                }
+            }
+        } else if self.moe.experts > 0 {
+            return bad(
+                "moe.experts",
+                format!(
+                    "a mixture of experts is built for model.arch = \"gpt2\" only so far \
+                     (model.arch = {:?})",
+                    self.arch
+                ),
+            );
+        }
+        if !(self.rope_theta >= 0.0 && self.rope_theta.is_finite()) {
+            return bad(
+                "rope_theta",
+                format!("= {} must be positive", self.rope_theta),
+            );
+        }
+        if self.global_every > 0 && self.sliding_window == 0 && self.arch != Arch::Mistral {
+            return bad(
+                "global_every",
+                "needs model.sliding_window (the window of the other layers)".into(),
+            );
+        }
+        Ok(())
+    }
+}
