@@ -389,6 +389,35 @@ pub(crate) fn sum(what: &str, terms: &[usize]) -> Result<usize> {
         })
 }
 
+/// Copies the query and key parts of each row of `qkv (n, cols)` to `q
+/// (n, Cq)` and `k (n, Ckv)` (their widths are the buffers' over `n`).
+fn gather_qk(qkv: &[f32], q: &mut [f32], k: &mut [f32], cols: usize) {
+    let n = qkv.len() / cols.max(1);
+    let (cq, ckv) = (q.len() / n.max(1), k.len() / n.max(1));
+    for ((row, q), k) in qkv
+        .chunks_exact(cols)
+        .zip(q.chunks_exact_mut(cq))
+        .zip(k.chunks_exact_mut(ckv))
+    {
+        q.copy_from_slice(&row[..cq]);
+        k.copy_from_slice(&row[cq..cq + ckv]);
+    }
+}
+
+/// The inverse of [`gather_qk`]: `q` and `k` back into each row of `qkv`.
+fn scatter_qk(qkv: &mut [f32], q: &[f32], k: &[f32], cols: usize) {
+    let n = qkv.len() / cols.max(1);
+    let (cq, ckv) = (q.len() / n.max(1), k.len() / n.max(1));
+    for ((row, q), k) in qkv
+        .chunks_exact_mut(cols)
+        .zip(q.chunks_exact(cq))
+        .zip(k.chunks_exact(ckv))
+    {
+        row[..cq].copy_from_slice(q);
+        row[cq..cq + ckv].copy_from_slice(k);
+    }
+}
+
 /// A bias slice, or `None` for an architecture without it (an empty range).
 pub(crate) fn bias<'a>(p: &'a [f32], r: &Range<usize>) -> Option<&'a [f32]> {
     (!r.is_empty()).then(|| &p[r.clone()])
@@ -822,20 +851,14 @@ impl GptBlocks {
             self.config.layer_norm_epsilon,
         );
         let (rq, rk) = raw.split_at_mut(n * ca);
-        for (r, row) in qkv.chunks_exact(cols).enumerate() {
-            rq[r * ca..(r + 1) * ca].copy_from_slice(&row[..ca]);
-            rk[r * ckv..(r + 1) * ckv].copy_from_slice(&row[ca..ca + ckv]);
-        }
+        gather_qk(qkv, rq, rk, cols);
         let mut normed = vec![0.0f32; n * (ca + ckv)];
         let (nq, nk) = normed.split_at_mut(n * ca);
         let (sq, sk) = rstd.split_at_mut(n * nh);
         let (wq, wk) = w.split_at(hs);
         rmsnorm_forward(nq, sq, rq, wq, n * nh, hs, eps)?;
         rmsnorm_forward(nk, sk, rk, wk, n * nkv, hs, eps)?;
-        for (r, row) in qkv.chunks_exact_mut(cols).enumerate() {
-            row[..ca].copy_from_slice(&nq[r * ca..(r + 1) * ca]);
-            row[ca..ca + ckv].copy_from_slice(&nk[r * ckv..(r + 1) * ckv]);
-        }
+        scatter_qk(qkv, nq, nk, cols);
         Ok(())
     }
 
@@ -853,10 +876,7 @@ impl GptBlocks {
         let ((nh, ca), (nkv, ckv)) = (self.heads(), self.kv_heads());
         let (cols, hs) = (self.qkv_cols(), self.config.head_dim());
         let (gq, gk) = dqk.split_at_mut(n * ca);
-        for (r, row) in dqkv.chunks_exact(cols).enumerate() {
-            gq[r * ca..(r + 1) * ca].copy_from_slice(&row[..ca]);
-            gk[r * ckv..(r + 1) * ckv].copy_from_slice(&row[ca..ca + ckv]);
-        }
+        gather_qk(dqkv, gq, gk, cols);
         let mut draw = vec![0.0f32; n * (ca + ckv)];
         let (dq, dk) = draw.split_at_mut(n * ca);
         let (rq, rk) = acts.qk_raw.split_at(n * ca);
@@ -864,10 +884,7 @@ impl GptBlocks {
         let (wq, wk) = w.split_at(hs);
         rmsnorm_backward_input(dq, gq, rq, wq, sq, n * nh, hs)?;
         rmsnorm_backward_input(dk, gk, rk, wk, sk, n * nkv, hs)?;
-        for (r, row) in dqkv.chunks_exact_mut(cols).enumerate() {
-            row[..ca].copy_from_slice(&dq[r * ca..(r + 1) * ca]);
-            row[ca..ca + ckv].copy_from_slice(&dk[r * ckv..(r + 1) * ckv]);
-        }
+        scatter_qk(dqkv, dq, dk, cols);
         Ok(())
     }
 

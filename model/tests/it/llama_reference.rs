@@ -11,27 +11,15 @@
 //! each gradient tensor to a max error of 1e-5 relative to that tensor's
 //! largest reference magnitude (f32 arithmetic against the f64 answer).
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use anyhow::{Context, Result};
 use weft_model::hf;
 
-use crate::reference::{fixture_loss, rel_err};
+use crate::reference::{fixture_dirs, fixture_loss, rel_err};
 
 fn fixtures() -> Vec<PathBuf> {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures-llama");
-    let mut dirs: Vec<PathBuf> = std::fs::read_dir(&root)
-        .expect("tests/fixtures-llama exists")
-        .map(|e| e.unwrap().path())
-        .filter(|p| p.join("grads.safetensors").exists())
-        .collect();
-    dirs.sort();
-    assert!(
-        dirs.len() >= 6,
-        "expected the committed fixtures in {}",
-        root.display()
-    );
-    dirs
+    fixture_dirs("tests/fixtures-llama", 6)
 }
 
 #[test]

@@ -30,15 +30,20 @@ use safetensors::SafeTensors;
 use weft_model::{Gpt, eval::read_tokens, hf};
 
 fn fixtures() -> Vec<PathBuf> {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
+    fixture_dirs("tests/fixtures", 4)
+}
+
+/// The committed fixture folders under `folder` (at least `min`), sorted.
+pub(crate) fn fixture_dirs(folder: &str, min: usize) -> Vec<PathBuf> {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join(folder);
     let mut dirs: Vec<PathBuf> = std::fs::read_dir(&root)
-        .expect("tests/fixtures exists")
+        .unwrap_or_else(|e| panic!("{}: {e}", root.display()))
         .map(|e| e.unwrap().path())
         .filter(|p| p.join("grads.safetensors").exists())
         .collect();
     dirs.sort();
     assert!(
-        dirs.len() >= 4,
+        dirs.len() >= min,
         "expected the committed fixtures in {}",
         root.display()
     );
