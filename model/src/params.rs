@@ -53,15 +53,17 @@ impl Sharding {
 ///
 /// Placements on `tp` (Megatron-LM's split; the `tp` module docs explain
 /// why): `wte` and `lm_head` by vocabulary rows; `attn.c_attn` by heads
-/// (each of Q, K, V by columns: a strided shard); `attn.c_proj.weight` by
+/// (each of Q, K, V by columns: a strided shard, whose Q block is
+/// `n_head / n_kv_head` times as wide as K's and V's under grouped-query
+/// attention, so a rank holds its query heads and their key/value heads); `attn.c_proj.weight` by
 /// rows; the feed-forward block's own ([`Mlp`]: `c_fc` by columns,
 /// `c_proj.weight` by rows); everything else replicated, the layernorms'
 /// gradients partial under sequence parallelism.
 ///
 /// # Errors
 /// [`Error::Config`] if the configuration is inconsistent or does not
-/// split over the coordinates (`tp` must divide `n_head`; the vocabulary
-/// must have at least `tp` tokens).
+/// split over the coordinates (`tp` must divide `n_head` and
+/// `n_kv_head`; the vocabulary must have at least `tp` tokens).
 pub fn param_layout(
     cfg: &GptConfig,
     ffn: &dyn FeedForward,
@@ -86,15 +88,14 @@ pub fn param_layout(
         });
     }
     let (q_dim, kv_dim) = (cfg.q_dim(), cfg.kv_dim());
-    let gqa = cfg.n_kv_head() != cfg.n_head;
-    if gqa && tp > 1 {
+    if !cfg.n_kv_head().is_multiple_of(tp) {
         return Err(Error::Config {
             field: "num_key_value_heads",
             reason: format!(
-                "= {} with n_head = {}: grouped-query attention does not split over \
-                 tp = {tp} yet (use tp = 1, or multi-head attention)",
-                cfg.n_kv_head(),
-                cfg.n_head
+                "= {} is not divisible by tp = {tp}: each rank holds whole key/value \
+                 heads with their query heads (replicating key/value heads over \
+                 tp > num_key_value_heads is not supported; use tp <= {0} dividing it)",
+                cfg.n_kv_head()
             ),
         });
     }
@@ -123,18 +124,11 @@ pub fn param_layout(
     if cfg.arch.positions == Positions::Learned {
         b.push("transformer.wpe.weight", &[cfg.block_size, c], true, rep)?;
     }
-    // Q, K and V side by side: three equal blocks of heads to shard
-    // (multi-head), or, with grouped-query attention (one rank only), one.
-    let qkv_split = if gqa {
-        Placement::shard(1)
-    } else {
-        Placement::strided(1, 3)
-    };
-    let qkv_bias_split = if gqa {
-        Placement::shard(0)
-    } else {
-        Placement::strided(0, 3)
-    };
+    // Q, K and V side by side: three blocks of heads to shard, Q
+    // `n_head / n_kv_head` times as wide as K or V
+    let group = cfg.n_head / cfg.n_kv_head();
+    let qkv_split = Placement::strided_lead(1, 3, group);
+    let qkv_bias_split = Placement::strided_lead(0, 3, group);
     for l in 0..cfg.n_layer {
         let p = format!("transformer.h.{l}.");
         ln(&mut b, format!("{p}ln_1"))?;
@@ -452,7 +446,8 @@ mod tests {
     }
 
     #[test]
-    fn grouped_query_attention_is_refused_over_tensor_parallelism() {
+    fn grouped_query_attention_splits_whole_kv_heads_over_tensor_parallelism() {
+        // 4 query heads of 4 channels sharing 2 key/value heads
         let cfg = GptConfig {
             n_layer: 1,
             n_head: 4,
@@ -463,14 +458,23 @@ mod tests {
             layer_norm_epsilon: 1e-5,
             arch: crate::BlockArch::llama(2, 1e4),
         };
-        let sharding = Sharding {
+        let sharding = |rank, tp| Sharding {
             coords: Coords {
-                tp: (0, 2),
+                tp: (rank, tp),
                 ..Coords::SINGLE
             },
             sequence_parallel: false,
         };
-        let e = param_layout(&cfg, &Mlp, &sharding).unwrap_err();
+        // Q = columns 0..16, K = 16..24, V = 24..32: rank 1 of 2 holds query
+        // heads 2 and 3 (columns 8..16) and their key/value head 1
+        let l = param_layout(&cfg, &Mlp, &sharding(1, 2)).unwrap();
+        let t = l.get("transformer.h.0.attn.c_attn.weight").unwrap();
+        assert_eq!(t.shape, vec![16, 16]);
+        let runs = t.runs(&sharding(1, 2).coords).unwrap();
+        let whole: Vec<_> = runs.iter().take(3).map(|r| r.whole).collect();
+        assert_eq!(whole, [8, 20, 28], "{runs:?}");
+        // more ranks than key/value heads: refused, naming the field
+        let e = param_layout(&cfg, &Mlp, &sharding(0, 4)).unwrap_err();
         assert!(e.to_string().contains("num_key_value_heads"), "{e}");
     }
 }

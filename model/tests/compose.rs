@@ -79,7 +79,9 @@ enum Model {
     Dense,
     /// GPT-2 with a mixture of experts.
     Moe,
-    /// A Llama-family block with every option tensor parallelism splits.
+    /// A Llama-family block with every option tensor parallelism splits:
+    /// grouped-query attention (8 query heads, 4 key/value heads), QK-norm,
+    /// q/k/v biases, sliding windows.
     Llama,
 }
 
@@ -101,6 +103,7 @@ impl Model {
         });
         GptConfig {
             arch,
+            n_head: 8,
             layer_norm_epsilon: 1e-6,
             ..gpt_config()
         }

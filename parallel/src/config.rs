@@ -150,7 +150,7 @@ mod fsdp_choice {
 /// use weft_parallel::{ModelShape, ParallelLayout, Strategy};
 ///
 /// let layout = ParallelLayout { dp: 2, tp: 2, fsdp: Some(Strategy::Full), ..ParallelLayout::default() };
-/// let shape = ModelShape { layers: 4, heads: 4, experts: 0, seq: 64 };
+/// let shape = ModelShape { layers: 4, heads: 4, kv_heads: 4, experts: 0, seq: 64 };
 /// let split = layout.check(&shape, 32, 0)?; // 32 sequences per step, micro-batch chosen
 /// assert_eq!((split.micro, split.per_rank), (16, 1));
 /// assert_eq!(layout.world_size(), 4);
@@ -240,8 +240,11 @@ impl Default for ParallelLayout {
 pub struct ModelShape {
     /// Transformer blocks, L.
     pub layers: usize,
-    /// Attention heads (a tensor-parallel rank holds whole heads).
+    /// Attention (query) heads (a tensor-parallel rank holds whole heads).
     pub heads: usize,
+    /// Key/value heads: `heads` for multi-head attention, fewer for
+    /// grouped-query attention (a rank holds whole ones too).
+    pub kv_heads: usize,
     /// Routed experts per layer (0: dense).
     pub experts: usize,
     /// Tokens per sequence, T.
@@ -408,6 +411,16 @@ impl ParallelLayout {
                 ),
             );
         }
+        if !shape.kv_heads.is_multiple_of(self.tp) {
+            return bad(
+                "tp",
+                format!(
+                    "must divide the model's key/value heads ({}; each rank holds whole \
+                     key/value heads with the query heads that read them), got {}",
+                    shape.kv_heads, self.tp
+                ),
+            );
+        }
         if !(self.timeout_s.is_finite() && self.timeout_s > 0.0 && self.timeout_s <= 1e9) {
             return bad(
                 "timeout_s",
@@ -542,6 +555,7 @@ mod tests {
         ModelShape {
             layers: 8,
             heads: 8,
+            kv_heads: 8,
             experts: 0,
             seq: 64,
         }
@@ -585,6 +599,15 @@ mod tests {
     fn each_rule_names_its_setting() {
         let one = ParallelLayout::default();
         assert_eq!(field(ParallelLayout { tp: 3, ..one }, 32, 0), "tp");
+        // more tensor-parallel ranks than key/value heads
+        let gqa = ModelShape {
+            kv_heads: 2,
+            ..shape()
+        };
+        let e = ParallelLayout { tp: 4, ..one }
+            .check(&gqa, 32, 0)
+            .unwrap_err();
+        assert!(e.to_string().contains("key/value heads (2"), "{e}");
         assert_eq!(field(ParallelLayout { dp: 0, ..one }, 32, 0), "dp");
         assert_eq!(
             field(

@@ -42,17 +42,23 @@ pub enum Placement {
     /// Every rank of the axis holds the whole tensor, with the same values.
     #[default]
     Replicate,
-    /// Dimension `dim` is cut into `blocks` equal blocks, and each block is
+    /// Dimension `dim` is cut into `blocks` blocks, and each block is
     /// split over the axis' ranks with [`shard_range`] (the first
     /// `len mod n` ranks hold one more); a rank holds its part of every
     /// block, concatenated in block order. `blocks = 1` is an ordinary
     /// shard; `blocks = 3` shards each of Q, K and V of a fused
-    /// `[C, 3C]` projection by heads (a strided shard).
+    /// `[C, 3C]` projection by heads (a strided shard). The blocks are
+    /// equal except the first, which is `lead` times as wide as each of the
+    /// others: grouped-query attention's fused `[C, Cq + 2·Ckv]` is 3
+    /// blocks with `lead = n_head / n_kv_head`.
     Shard {
         /// The dimension cut.
         dim: usize,
-        /// Equal blocks of the dimension, each sharded.
+        /// Blocks of the dimension, each sharded.
         blocks: usize,
+        /// The first block's width in units of each other block's (1:
+        /// equal blocks).
+        lead: usize,
     },
     /// Every rank holds a tensor of the whole shape whose sum over the
     /// axis is the value: a gradient that still needs a reduction over the
@@ -64,12 +70,28 @@ pub enum Placement {
 impl Placement {
     /// An ordinary shard of dimension `dim`.
     pub const fn shard(dim: usize) -> Self {
-        Placement::Shard { dim, blocks: 1 }
+        Placement::Shard {
+            dim,
+            blocks: 1,
+            lead: 1,
+        }
     }
 
     /// A strided shard: `blocks` equal blocks of `dim`, each sharded.
     pub const fn strided(dim: usize, blocks: usize) -> Self {
-        Placement::Shard { dim, blocks }
+        Placement::Shard {
+            dim,
+            blocks,
+            lead: 1,
+        }
+    }
+
+    /// A strided shard of `blocks` blocks of `dim` whose first is `lead`
+    /// times as wide as each of the others, each block sharded: the fused
+    /// `Q|K|V` projection of grouped-query attention, `Q` being
+    /// `n_head / n_kv_head` times as wide as `K` or `V`.
+    pub const fn strided_lead(dim: usize, blocks: usize, lead: usize) -> Self {
+        Placement::Shard { dim, blocks, lead }
     }
 
     /// Whether ranks of the axis hold different elements.
@@ -82,8 +104,19 @@ impl fmt::Display for Placement {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Placement::Replicate => f.write_str("Replicate"),
-            Placement::Shard { dim, blocks: 1 } => write!(f, "Shard({dim})"),
-            Placement::Shard { dim, blocks } => write!(f, "Shard({dim}, {blocks} blocks)"),
+            Placement::Shard {
+                dim,
+                blocks: 1,
+                lead: 1,
+            } => write!(f, "Shard({dim})"),
+            Placement::Shard {
+                dim,
+                blocks,
+                lead: 1,
+            } => write!(f, "Shard({dim}, {blocks} blocks)"),
+            Placement::Shard { dim, blocks, lead } => {
+                write!(f, "Shard({dim}, {blocks} blocks, the first {lead}x)")
+            }
             Placement::Partial => f.write_str("Partial"),
         }
     }
@@ -194,7 +227,7 @@ fn held(global: &[usize], p: &Placements, c: &Coords) -> Result<Vec<Vec<Range<us
                 format!("rank {rank} of {size}"),
             ));
         }
-        let Placement::Shard { dim, blocks } = p.get(axis) else {
+        let Placement::Shard { dim, blocks, lead } = p.get(axis) else {
             continue;
         };
         let cur = idx.get(dim).ok_or_else(|| {
@@ -207,17 +240,35 @@ fn held(global: &[usize], p: &Placements, c: &Coords) -> Result<Vec<Vec<Range<us
             )
         })?;
         let total: usize = cur.iter().map(Range::len).sum();
-        if blocks == 0 || !total.is_multiple_of(blocks) {
+        // widths in units: the first block `lead`, every other one
+        let units = if blocks == 0 || lead == 0 {
+            0
+        } else {
+            blocks - 1 + lead
+        };
+        if units == 0 || !total.is_multiple_of(units) {
+            let first = if lead > 1 {
+                format!(" (the first {lead} times as wide)")
+            } else {
+                String::new()
+            };
             return Err(layout_err(
                 format!("{} placement", axis.name()),
-                format!("{total} elements of dimension {dim} do not split into {blocks} blocks"),
+                format!(
+                    "{total} elements of dimension {dim} do not split into {blocks} blocks{first}"
+                ),
             ));
         }
-        let blen = total / blocks;
+        let unit = total / units;
         let mut next = Vec::new();
         for b in 0..blocks {
+            let (at, blen) = if b == 0 {
+                (0, lead * unit)
+            } else {
+                ((lead + b - 1) * unit, unit)
+            };
             let part = shard_range(blen, size, rank);
-            let (start, end) = (b * blen + part.start, b * blen + part.end);
+            let (start, end) = (at + part.start, at + part.end);
             // positions start..end of the current local index space, mapped
             // back to the whole tensor's indices
             let mut at = 0;
@@ -368,6 +419,16 @@ mod tests {
             cut(&[6], &Placements::tp(Placement::strided(0, 3)), &c),
             [1., 3., 5.]
         );
+        // grouped-query Q|K|V of [1, 8] (heads of width 1): four query
+        // heads, two key and two value heads (lead 2): Q = 0..4, K = 4..6,
+        // V = 6..8; rank 1 of 2 holds Q 2..4, K 5 and V 7
+        let gqa = Placements::tp(Placement::strided_lead(1, 3, 2));
+        assert_eq!(cut(&[1, 8], &gqa, &c), [2., 3., 5., 7.]);
+        assert_eq!(
+            Placement::strided_lead(1, 3, 2).to_string(),
+            "Shard(1, 3 blocks, the first 2x)"
+        );
+        assert_eq!(Placement::strided_lead(1, 3, 1), Placement::strided(1, 3));
         // uneven rows: 5 over 2 ranks is 3 + 2
         let c0 = Coords {
             tp: (0, 2),
@@ -398,10 +459,11 @@ mod tests {
 
     #[test]
     fn every_element_is_held_once_over_the_shards() {
-        let cases: [(&[usize], Placements); 4] = [
+        let cases: [(&[usize], Placements); 5] = [
             (&[7, 6], Placements::tp(Placement::shard(0))),
             (&[4, 12], Placements::tp(Placement::strided(1, 3))),
             (&[12], Placements::tp(Placement::strided(0, 3))),
+            (&[2, 24], Placements::tp(Placement::strided_lead(1, 3, 4))),
             (
                 &[4, 3, 6],
                 Placements {
@@ -449,6 +511,9 @@ mod tests {
         assert!(e.to_string().contains("dimension 1"), "{e}");
         let e = local_shape(&[4], &Placements::tp(Placement::strided(0, 3)), &c).unwrap_err();
         assert!(e.to_string().contains("3 blocks"), "{e}");
+        let lead = Placements::tp(Placement::strided_lead(0, 3, 2));
+        let e = local_shape(&[5], &lead, &c).unwrap_err();
+        assert!(e.to_string().contains("the first 2 times as wide"), "{e}");
         let bad = Coords {
             tp: (2, 2),
             ..Coords::SINGLE

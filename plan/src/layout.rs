@@ -165,6 +165,7 @@ impl Layout {
         let shape = ModelShape {
             layers: model.layers,
             heads: model.heads,
+            kv_heads: model.heads,
             experts: model.experts,
             seq: model.seq,
         };

@@ -550,6 +550,7 @@ impl Config {
         ModelShape {
             layers: self.model.n_layer,
             heads: self.model.n_head,
+            kv_heads: self.model.gpt_config(1).n_kv_head(),
             experts: self.model.moe.experts,
             seq: self.model.block_size,
         }

@@ -80,6 +80,18 @@ const CASES: &[(&[&str], &str)] = &[
         &[
             "train",
             "--set",
+            "model.arch=llama",
+            "--set",
+            "model.n_kv_head=1",
+            "--set",
+            "parallel.tp=2",
+        ],
+        "key `parallel.tp`: must divide the model's key/value heads (1;",
+    ),
+    (
+        &[
+            "train",
+            "--set",
             "model.arch=qwen3",
             "--set",
             "model.moe.experts=4",

@@ -46,7 +46,11 @@
 //! by side, so the rank's shard `[C, 3·C_l]` is the three column ranges
 //! `r·C_l..`, `C + r·C_l..`, `2C + r·C_l..` concatenated — a strided shard
 //! of 3 blocks — again `Q_l|K_l|V_l`, which is what the attention kernel
-//! expects for `n_head/tp` heads. `ln_1`, `ln_2`, `ln_f`, `wpe` and the
+//! expects for `n_head/tp` heads. With grouped-query attention the
+//! three blocks are unequal (`Q` is `n_head / n_kv_head` times as wide as
+//! `K` or `V`: [`Placement::strided_lead`](weft_parallel::Placement::strided_lead)),
+//! `tp` divides `n_kv_head`, and a rank's query heads are exactly the ones
+//! that read its `n_kv_head/tp` key/value heads. `ln_1`, `ln_2`, `ln_f`, `wpe` and the
 //! row-parallel biases are replicated. A mixture-of-experts feed-forward
 //! block is replicated over `tp` (its experts may be sharded over `ep`
 //! instead): every tensor-parallel rank runs it on the whole (gathered)
