@@ -1,15 +1,20 @@
 //! Import and export of the Hugging Face formats: a folder with
-//! `config.json` and `model.safetensors`, for GPT-2 (`GPT2LMHeadModel`)
+//! `config.json` and `model.safetensors` (or shards listed by
+//! `model.safetensors.index.json`), for GPT-2 (`GPT2LMHeadModel`)
 //! and the Llama family (`LlamaForCausalLM`, `MistralForCausalLM`,
 //! `Qwen2ForCausalLM`, `Qwen3ForCausalLM`; names and layouts mapped as
 //! the `llama` module's table shows).
 
+mod files;
 mod llama;
+
+pub use files::MAX_SHARD_BYTES;
+use files::Weights;
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-use safetensors::{Dtype, SafeTensors, tensor::TensorView};
+use safetensors::{Dtype, tensor::TensorView};
 use serde_json::{Value, json};
 
 use std::sync::Arc;
@@ -146,9 +151,8 @@ pub fn read_config(path: &Path) -> Result<GptConfig> {
     Ok(cfg)
 }
 
-fn to_f32(path: &Path, name: &str, t: &TensorView<'_>) -> Result<Vec<f32>> {
-    let d = t.data();
-    Ok(match t.dtype() {
+fn to_f32(path: &Path, name: &str, dtype: Dtype, d: &[u8]) -> Result<Vec<f32>> {
+    Ok(match dtype {
         Dtype::F32 => d
             .chunks_exact(4)
             .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
@@ -235,25 +239,29 @@ pub fn read_llama_config(path: &Path) -> Result<(GptConfig, Arc<dyn FeedForward>
 /// [`Error::MissingTensor`], [`Error::TensorShape`], [`Error::Tensor`] for
 /// an unsupported dtype or a tensor the model does not have.
 pub fn read_params(layout: &ParamLayout, path: &Path) -> Result<Vec<f32>> {
-    let bytes = std::fs::read(path).map_err(io(path))?;
-    let st = SafeTensors::deserialize(&bytes)
-        .map_err(|e| fmt_err(path, format!("not a valid safetensors file: {e}")))?;
-    let stored: HashMap<String, TensorView<'_>> = st.tensors().into_iter().collect();
+    let weights = if path.is_dir() {
+        Weights::folder(path)?
+    } else {
+        Weights::file(path)?
+    };
+    params_from(layout, &weights)
+}
+
+fn params_from(layout: &ParamLayout, stored: &Weights) -> Result<Vec<f32>> {
+    let path = stored.path_of("");
     let mut used = std::collections::HashSet::new();
     let mut out = vec![0.0f32; layout.len()];
     for spec in layout.specs() {
         let src = llama::source(&spec.name).ok_or_else(|| {
             llama::shape_error(path, &spec.name, "has no transformers counterpart".into())
         })?;
-        let mut data = Vec::with_capacity(spec.numel());
         let mut rows = 0;
         let mut cols = None;
         for name in &src.names {
-            let view = stored.get(name).ok_or_else(|| Error::MissingTensor {
+            let shape = stored.shape(name).ok_or_else(|| Error::MissingTensor {
                 path: path.to_path_buf(),
                 tensor: name.clone(),
             })?;
-            let shape = view.shape();
             let (r, c) = match shape {
                 [r] => (*r, 1),
                 [r, c] => (*r, *c),
@@ -261,15 +269,13 @@ pub fn read_params(layout: &ParamLayout, path: &Path) -> Result<Vec<f32>> {
             };
             if c == usize::MAX || cols.is_some_and(|k| k != c) {
                 return Err(llama::shape_error(
-                    path,
+                    stored.path_of(name),
                     name,
                     format!("shape {shape:?} does not stack into {}", spec.name),
                 ));
             }
             cols = Some(c);
             rows += r;
-            data.extend(to_f32(path, name, view)?);
-            used.insert(name.clone());
         }
         let cols = cols.unwrap_or(1);
         let want: Vec<usize> = if src.transpose {
@@ -281,23 +287,28 @@ pub fn read_params(layout: &ParamLayout, path: &Path) -> Result<Vec<f32>> {
         };
         if want != spec.shape {
             return Err(Error::TensorShape {
-                path: path.to_path_buf(),
+                path: stored.path_of(&src.names[0]).to_path_buf(),
                 tensor: src.names.join(" + "),
                 expected: spec.shape.clone(),
                 got: want,
             });
+        }
+        let mut data = Vec::with_capacity(spec.numel());
+        for name in &src.names {
+            data.extend(stored.read_f32(name)?);
+            used.insert(name.clone());
         }
         if src.transpose {
             data = llama::transpose(&data, rows, cols);
         }
         out[spec.range()].copy_from_slice(&data);
     }
-    let mut extra: Vec<&String> = stored.keys().filter(|k| !used.contains(*k)).collect();
+    let mut extra: Vec<&String> = stored.names().filter(|k| !used.contains(*k)).collect();
     extra.sort();
     if let Some(name) = extra.first() {
         let tied = *name == "lm_head.weight";
         return Err(llama::shape_error(
-            path,
+            stored.path_of(name),
             name,
             if tied {
                 "config.json ties the embeddings, yet the file has its own lm_head.weight".into()
@@ -368,31 +379,17 @@ pub fn load(dir: &Path) -> Result<Gpt> {
             "not a directory; expected a Hugging Face folder with config.json and model.safetensors",
         ));
     }
-    let wpath = dir.join("model.safetensors");
     let family = read_family(&dir.join("config.json"))?;
-    if !wpath.exists() {
-        let hint = if dir.join("model.safetensors.index.json").exists() {
-            "sharded checkpoints (model.safetensors.index.json) are not supported; merge the shards into one file"
-        } else if dir.join("pytorch_model.bin").exists() {
-            "only pytorch_model.bin is present; re-save with `model.save_pretrained(dir, safe_serialization=True)`"
-        } else {
-            "the folder has no weights"
-        };
-        return Err(fmt_err(&wpath, format!("file not found: {hint}")));
-    }
+    let stored = Weights::folder(dir)?;
     let cfg = match family {
         Family::Gpt2(cfg) => cfg,
         Family::Llama(cfg, ffn) => {
             let mut model = Gpt::with_ffn(cfg, Box::new(ffn))?;
-            model.params = read_params(model.layout(), &wpath)?;
+            model.params = params_from(model.layout(), &stored)?;
             return Ok(model);
         }
     };
-    let bytes = std::fs::read(&wpath).map_err(io(&wpath))?;
-    let st = SafeTensors::deserialize(&bytes)
-        .map_err(|e| fmt_err(&wpath, format!("not a valid safetensors file: {e}")))?;
     let mut model = Gpt::new(cfg)?;
-    let stored: HashMap<String, TensorView<'_>> = st.tensors().into_iter().collect();
     let mut used = std::collections::HashSet::new();
     for spec in model.layout().specs().to_vec() {
         let short = spec
@@ -400,36 +397,37 @@ pub fn load(dir: &Path) -> Result<Gpt> {
             .strip_prefix("transformer.")
             .unwrap_or(&spec.name)
             .to_string();
-        let (name, view) = match (stored.get(&spec.name), stored.get(&short)) {
+        let (name, shape) = match (stored.shape(&spec.name), stored.shape(&short)) {
             (Some(v), _) => (spec.name.clone(), v),
             (None, Some(v)) => (short, v),
             (None, None) => {
                 return Err(Error::MissingTensor {
-                    path: wpath.clone(),
+                    path: stored.path_of("").to_path_buf(),
                     tensor: spec.name.clone(),
                 });
             }
         };
-        if view.shape() != spec.shape.as_slice() {
+        if shape != spec.shape.as_slice() {
             return Err(Error::TensorShape {
-                path: wpath.clone(),
+                path: stored.path_of(&name).to_path_buf(),
                 tensor: name,
                 expected: spec.shape.clone(),
-                got: view.shape().to_vec(),
+                got: shape.to_vec(),
             });
         }
-        let data = to_f32(&wpath, &name, view)?;
+        let data = stored.read_f32(&name)?;
         model.params[spec.range()].copy_from_slice(&data);
         used.insert(name);
     }
-    let mut extra: Vec<&String> = stored.keys().filter(|k| !used.contains(*k)).collect();
+    let mut extra: Vec<&String> = stored.names().filter(|k| !used.contains(*k)).collect();
     extra.sort();
     for name in extra {
         if name.ends_with(".attn.bias") || name.ends_with(".attn.masked_bias") {
             continue;
         }
+        let path = stored.path_of(name).to_path_buf();
         if name == "lm_head.weight" && model.config().tied_embeddings {
-            let data = to_f32(&wpath, name, &stored[name])?;
+            let data = stored.read_f32(name)?;
             if model
                 .param("transformer.wte.weight")
                 .is_some_and(|w| w == data.as_slice())
@@ -437,13 +435,13 @@ pub fn load(dir: &Path) -> Result<Gpt> {
                 continue;
             }
             return Err(Error::Tensor {
-                path: wpath.clone(),
+                path,
                 tensor: name.clone(),
                 reason: "config.json ties embeddings (tie_word_embeddings = true) but lm_head.weight differs from transformer.wte.weight".into(),
             });
         }
         return Err(Error::Tensor {
-            path: wpath.clone(),
+            path,
             tensor: name.clone(),
             reason: format!(
                 "not a parameter of the model config.json describes (n_layer = {}); config and weights do not match",
@@ -526,23 +524,42 @@ fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
 /// `from_pretrained(dir)` loads: a GPT-2 as `GPT2LMHeadModel` (names with
 /// the `transformer.` prefix, `lm_head.weight` only when untied), a
 /// Llama-family model under its family's names and `[out, in]` layouts;
-/// f32. Creates `dir` if needed.
+/// f32, in one `model.safetensors` up to [`MAX_SHARD_BYTES`] and sharded
+/// with `model.safetensors.index.json` above it ([`save_sharded`]).
+/// Creates `dir` if needed.
 ///
 /// # Errors
 /// [`Error::Io`] if the folder or files cannot be written;
 /// [`Error::Format`] for a model of neither family.
 pub fn save(model: &Gpt, dir: &Path) -> Result<()> {
+    save_sharded(model, dir, MAX_SHARD_BYTES)
+}
+
+/// [`save`] with shards of at most `max_shard_bytes` (a tensor larger than
+/// that gets a shard of its own), as transformers' `save_pretrained(dir,
+/// max_shard_size=...)` writes them: `model-0000i-of-0000n.safetensors`
+/// and `model.safetensors.index.json`, or one `model.safetensors` when
+/// everything fits in one shard.
+///
+/// # Errors
+/// As [`save`].
+pub fn save_sharded(model: &Gpt, dir: &Path, max_shard_bytes: u64) -> Result<()> {
     std::fs::create_dir_all(dir).map_err(io(dir))?;
-    let config = if model.config().arch == crate::BlockArch::GPT2 {
-        let tensors = model
+    let (tensors, config) = if model.config().arch == crate::BlockArch::GPT2 {
+        let tensors: Vec<_> = model
             .layout()
             .specs()
             .iter()
-            .map(|s| (s.name.clone(), s.shape.clone(), &model.params[s.range()]));
-        write_safetensors(&dir.join("model.safetensors"), tensors)?;
-        config_json(model.config())
+            .map(|s| {
+                (
+                    s.name.clone(),
+                    s.shape.clone(),
+                    model.params[s.range()].to_vec(),
+                )
+            })
+            .collect();
+        (tensors, config_json(model.config()))
     } else {
-        let owned = llama_tensors(model, &model.params);
         let hidden = model
             .layout()
             .get("transformer.h.0.mlp.gate_up.weight")
@@ -554,14 +571,12 @@ pub fn save(model: &Gpt, dir: &Path) -> Result<()> {
                      export to a Hugging Face folder",
                 )
             })?;
-        write_safetensors(
-            &dir.join("model.safetensors"),
-            owned
-                .iter()
-                .map(|(n, s, d)| (n.clone(), s.clone(), d.as_slice())),
-        )?;
-        llama::config_json(model.config(), hidden)
+        (
+            llama_tensors(model, &model.params),
+            llama::config_json(model.config(), hidden),
+        )
     };
+    files::save_weights(dir, &tensors, max_shard_bytes)?;
     let text = serde_json::to_string_pretty(&config).map_err(|e| fmt_err(dir, e.to_string()))?;
     write_atomic(&dir.join("config.json"), text.as_bytes())
 }

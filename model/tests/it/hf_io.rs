@@ -217,3 +217,63 @@ fn bad_batches_are_errors_not_panics() -> Result<()> {
     assert!(matches!(m.backward(&mut acts), Err(Error::Batch { .. })));
     Ok(())
 }
+
+#[test]
+fn sharded_folders_round_trip_and_bad_indexes_are_errors() -> Result<()> {
+    let src = fixture("l2_h4_c32_v101_tied");
+    let m = hf::load(&src)?;
+    let dir = scratch("sharded");
+    // shards of at most 8 KB: several files and an index
+    hf::save_sharded(&m, &dir, 8_000)?;
+    assert!(!dir.join("model.safetensors").exists());
+    let index = dir.join("model.safetensors.index.json");
+    let text = std::fs::read_to_string(&index)?;
+    let v: serde_json::Value = serde_json::from_str(&text)?;
+    let files: std::collections::BTreeSet<&str> = v["weight_map"]
+        .as_object()
+        .unwrap()
+        .values()
+        .map(|f| f.as_str().unwrap())
+        .collect();
+    assert!(files.len() > 2, "{files:?}");
+    assert_eq!(
+        v["metadata"]["total_size"].as_u64(),
+        Some(4 * m.params.len() as u64)
+    );
+    assert_eq!(hf::load(&dir)?.params, m.params, "bitwise after sharding");
+
+    // an index naming a file outside the folder
+    let outside = text.replacen("\"model-00001-of-", "\"../model-00001-of-", 1);
+    std::fs::write(&index, &outside)?;
+    let e = hf::load(&dir).unwrap_err().to_string();
+    assert!(e.contains("not a file name inside the folder"), "{e}");
+    // an index naming a tensor its shard does not hold
+    let first = files.iter().next().unwrap();
+    let second = files.iter().nth(1).unwrap();
+    let mut bad = v.clone();
+    let (name, _) = v["weight_map"]
+        .as_object()
+        .unwrap()
+        .iter()
+        .find(|(_, f)| f.as_str() == Some(first))
+        .unwrap();
+    bad["weight_map"][name] = serde_json::json!(second);
+    std::fs::write(&index, serde_json::to_string(&bad)?)?;
+    let e = hf::load(&dir).unwrap_err();
+    assert!(
+        matches!(&e, Error::MissingTensor { tensor, path } if tensor == name && path.ends_with(second)),
+        "{e}"
+    );
+    // a truncated shard
+    std::fs::write(&index, &text)?;
+    let shard = dir.join(first);
+    let bytes = std::fs::read(&shard)?;
+    std::fs::write(&shard, &bytes[..bytes.len() - 3])?;
+    let e = hf::load(&dir).unwrap_err().to_string();
+    assert!(
+        e.contains("not a valid safetensors file") && e.contains(first),
+        "{e}"
+    );
+    std::fs::remove_dir_all(&dir)?;
+    Ok(())
+}

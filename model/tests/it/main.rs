@@ -1,6 +1,7 @@
 //! weft-model integration tests, compiled into one binary (fixtures in `tests/fixtures`).
 
 mod hf_io;
+mod hf_python;
 mod invariance;
 mod llama_reference;
 mod reference;

@@ -1,0 +1,113 @@
+//! Sharded Hugging Face folders against transformers itself (run at test
+//! time by `model/reference/hf_sharded_check.py`): weft loads what
+//! `save_pretrained(max_shard_size=...)` writes and computes its loss;
+//! transformers loads weft's sharded export and computes identical logits.
+//! Skipped, saying why, without Python.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use weft_model::{eval, hf};
+
+/// A Python with the given modules, or None (reason printed to stderr,
+/// bypassing the test harness's capture so that it shows in CI logs).
+fn python(modules: &str) -> Option<PathBuf> {
+    let mut candidates = Vec::new();
+    if let Some(p) = std::env::var_os("WEFT_PYTHON") {
+        candidates.push(PathBuf::from(p));
+    }
+    if let Some(h) = std::env::var_os("HOME") {
+        candidates.push(Path::new(&h).join(".cache/weft-venv/bin/python"));
+    }
+    candidates.push("python3".into());
+    for c in candidates {
+        let ok = Command::new(&c)
+            .args(["-c", &format!("import {modules}")])
+            .output()
+            .is_ok_and(|o| o.status.success());
+        if ok {
+            return Some(c);
+        }
+    }
+    assert!(
+        std::env::var_os("WEFT_REQUIRE_ALL").is_none(),
+        "no Python with `{modules}` (WEFT_PYTHON or ~/.cache/weft-venv), and WEFT_REQUIRE_ALL is set"
+    );
+    let msg = format!(
+        "SKIPPED: no Python with `{modules}` (set WEFT_PYTHON or create ~/.cache/weft-venv)\n"
+    );
+    let _ = std::io::Write::write_all(&mut std::io::stderr(), msg.as_bytes());
+    None
+}
+
+fn script(py: &Path, args: &[&str]) -> String {
+    let s = Path::new(env!("CARGO_MANIFEST_DIR")).join("reference/hf_sharded_check.py");
+    let out = Command::new(py).arg(s).args(args).output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(
+        out.status.success(),
+        "python failed:\n{text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    text
+}
+
+fn shards(dir: &Path) -> Vec<String> {
+    let mut v: Vec<String> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.ends_with(".safetensors"))
+        .collect();
+    v.sort();
+    v
+}
+
+#[test]
+#[allow(clippy::print_stdout)]
+fn sharded_folders_load_both_ways_with_transformers() {
+    let Some(py) = python("torch, transformers") else {
+        return;
+    };
+    let root = std::env::temp_dir().join(format!("weft-hf-sharded-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&root);
+    let (theirs, ours) = (root.join("theirs"), root.join("ours"));
+    print!("{}", script(&py, &["make", theirs.to_str().unwrap()]));
+    assert!(theirs.join("model.safetensors.index.json").exists());
+    assert!(shards(&theirs).len() > 1, "{:?}", shards(&theirs));
+
+    // weft reads transformers' shards and computes its loss
+    let tokens = eval::read_tokens(&theirs.join("tokens.json")).unwrap();
+    let want: f64 = {
+        let v: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(theirs.join("tokens.json")).unwrap())
+                .unwrap();
+        v["loss"].as_f64().unwrap()
+    };
+    let loss = eval::eval_hf(&theirs, &tokens, None).unwrap();
+    let rel = (loss - want).abs() / want;
+    println!("weft on transformers' shards: loss {loss} vs {want} (float64), rel {rel:.1e}");
+    assert!(rel < 1e-6, "loss {loss} vs {want}");
+
+    // weft's sharded export: transformers loads it with identical logits
+    let model = hf::load(&theirs).unwrap();
+    hf::save_sharded(&model, &ours, 50_000).unwrap();
+    let files = shards(&ours);
+    assert!(files.len() > 1 && !files.contains(&"model.safetensors".to_string()));
+    assert_eq!(
+        hf::load(&ours).unwrap().params,
+        model.params,
+        "weft reads its own shards"
+    );
+    let out = script(
+        &py,
+        &["check", theirs.to_str().unwrap(), ours.to_str().unwrap()],
+    );
+    println!("transformers on weft's shards: {out}");
+    assert!(out.contains("\"identical_logits\": true"), "{out}");
+
+    // saving again unsharded leaves one set of weights
+    hf::save(&model, &ours).unwrap();
+    assert_eq!(shards(&ours), ["model.safetensors"]);
+    assert!(!ours.join("model.safetensors.index.json").exists());
+    let _ = std::fs::remove_dir_all(&root);
+}
