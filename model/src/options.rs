@@ -14,6 +14,8 @@
 //! # Ok::<(), weft_model::Error>(())
 //! ```
 
+use std::path::PathBuf;
+
 use serde::{Deserialize, Serialize};
 use weft_moe::MoeOptions;
 
@@ -74,6 +76,17 @@ pub struct ModelOptions {
     /// Whether the output head shares the embedding's weight (unset: the
     /// family's — tied for GPT-2, untied for the others).
     pub tied_embeddings: Option<bool>,
+    /// The norms' epsilon (0: the family's — 1e-5 for GPT-2, 1e-6 for the
+    /// others; Llama 3 uses 1e-5).
+    pub norm_eps: f32,
+    /// Token ids the model has (0: the data's vocabulary); larger than the
+    /// data's pads the embedding, as published models do (Llama 3: 128256).
+    pub vocab_size: usize,
+    /// A Hugging Face folder (`config.json` and safetensors weights) to
+    /// start from: its `config.json` sets the shape keys above
+    /// ([`resolve_init_from`](Self::resolve_init_from)) and its weights are
+    /// the initial parameters.
+    pub init_from: Option<PathBuf>,
     /// Mixture-of-experts feed-forward blocks (`experts = 0`: dense).
     pub moe: MoeOptions,
 }
@@ -93,6 +106,9 @@ impl Default for ModelOptions {
             sliding_window: 0,
             global_every: 0,
             tied_embeddings: None,
+            norm_eps: 0.0,
+            vocab_size: 0,
+            init_from: None,
             moe: MoeOptions::default(),
         }
     }
@@ -134,10 +150,18 @@ impl ModelOptions {
             n_layer: self.n_layer,
             n_head: self.n_head,
             n_embd: self.n_embd,
-            vocab_size: vocab,
+            vocab_size: if self.vocab_size > 0 {
+                self.vocab_size
+            } else {
+                vocab
+            },
             block_size: self.block_size,
             tied_embeddings: self.tied_embeddings.unwrap_or(self.arch == Arch::Gpt2),
-            layer_norm_epsilon: if self.arch == Arch::Gpt2 { 1e-5 } else { 1e-6 },
+            layer_norm_epsilon: match (self.norm_eps, self.arch) {
+                (e, _) if e > 0.0 => e,
+                (_, Arch::Gpt2) => 1e-5,
+                _ => 1e-6,
+            },
             arch,
         }
     }
@@ -193,6 +217,12 @@ impl ModelOptions {
                 ),
             );
         }
+        if !(self.norm_eps >= 0.0 && self.norm_eps < 1.0) {
+            return bad(
+                "norm_eps",
+                format!("= {} must be in [0, 1) (0: the family's)", self.norm_eps),
+            );
+        }
         if !(self.rope_theta >= 0.0 && self.rope_theta.is_finite()) {
             return bad(
                 "rope_theta",
@@ -206,5 +236,164 @@ impl ModelOptions {
             );
         }
         Ok(())
+    }
+
+    /// The initial parameters from [`init_from`](Self::init_from) (read
+    /// once; `None` without it) for data of `data_vocab` token ids: the
+    /// whole model's, in the unsharded layout of
+    /// [`gpt_config`](Self::gpt_config)'s model, after checking the data's
+    /// ids fit the model's vocabulary and the folder holds exactly that
+    /// model (resolve the table first:
+    /// [`resolve_init_from`](Self::resolve_init_from)).
+    ///
+    /// # Errors
+    /// [`Error::Config`] naming `vocab_size` or `init_from`; the folder's
+    /// errors ([`crate::hf::load`]).
+    pub fn initial_params(&self, data_vocab: usize) -> Result<Option<Vec<f32>>> {
+        if self.vocab_size > 0 && data_vocab > self.vocab_size {
+            return Err(Error::Config {
+                field: "vocab_size",
+                reason: format!(
+                    "= {} is smaller than the data's vocabulary ({data_vocab} token ids)",
+                    self.vocab_size
+                ),
+            });
+        }
+        let Some(dir) = &self.init_from else {
+            return Ok(None);
+        };
+        let model = crate::hf::load(dir)?;
+        let want = self.gpt_config(data_vocab);
+        let got = crate::GptConfig {
+            block_size: want.block_size,
+            ..model.config().clone()
+        };
+        if got != want || model.config().block_size < want.block_size {
+            return Err(Error::Config {
+                field: "init_from",
+                reason: format!(
+                    "{} holds {:?}, but the run trains {want:?}",
+                    dir.display(),
+                    model.config()
+                ),
+            });
+        }
+        Ok(Some(model.params))
+    }
+
+    /// With [`init_from`](Self::init_from) set, the table with the
+    /// folder's shape: family, layers, heads, channels, key/value heads,
+    /// head size, gated width, rotary base, window, tied embeddings, norm
+    /// epsilon and vocabulary from its `config.json` (for GPT-2 also the
+    /// context length, its position table's size; the Llama-like families
+    /// keep `block_size`, the training context). A key set to something
+    /// other than its default and other than the folder's is an error
+    /// naming it, and so is a `config.json` setting no key expresses (rope
+    /// scaling, q/k/v biases): the model built is exactly the folder's.
+    /// Without `init_from`, the table unchanged.
+    ///
+    /// # Errors
+    /// [`Error::Config`] naming the key; the folder's [`Error::Io`] or
+    /// [`Error::Format`].
+    pub fn resolve_init_from(&self) -> Result<Self> {
+        let Some(dir) = &self.init_from else {
+            return Ok(self.clone());
+        };
+        let (cfg, ffn) = crate::hf::read_folder_config(dir)?;
+        let d = Self::default();
+        let a = &cfg.arch;
+        let family = match ffn {
+            None => Arch::Gpt2,
+            Some(_) if a.qk_norm => Arch::Qwen3,
+            Some(_) => Arch::Llama,
+        };
+        let theirs = Self {
+            arch: family,
+            n_layer: cfg.n_layer,
+            n_head: cfg.n_head,
+            n_embd: cfg.n_embd,
+            block_size: if family == Arch::Gpt2 {
+                cfg.block_size
+            } else {
+                self.block_size
+            },
+            n_kv_head: if family == Arch::Gpt2 {
+                0
+            } else {
+                cfg.n_kv_head()
+            },
+            head_dim: a.head_dim.unwrap_or(0),
+            ffn_hidden: ffn.map_or(0, |f| f.hidden),
+            rope_theta: match a.positions {
+                crate::Positions::Rotary(r) => r.theta,
+                crate::Positions::Learned => 0.0,
+            },
+            sliding_window: a.sliding_window.map_or(0, |w| w.window),
+            global_every: a.sliding_window.and_then(|w| w.global_every).unwrap_or(0),
+            tied_embeddings: Some(cfg.tied_embeddings),
+            norm_eps: cfg.layer_norm_epsilon,
+            vocab_size: cfg.vocab_size,
+            init_from: self.init_from.clone(),
+            moe: self.moe.clone(),
+        };
+        let conflict = |key: &'static str, ours: String, folder: String| {
+            Err(Error::Config {
+                field: key,
+                reason: format!(
+                    "= {ours}, but {} sets {folder}; leave the key unset with \
+                     model.init_from (the folder's config.json decides the model's shape)",
+                    dir.join("config.json").display()
+                ),
+            })
+        };
+        macro_rules! agree {
+            ($($key:ident),*) => {$(
+                if self.$key != d.$key && self.$key != theirs.$key {
+                    return conflict(
+                        stringify!($key),
+                        format!("{:?}", self.$key),
+                        format!("{:?}", theirs.$key),
+                    );
+                }
+            )*};
+        }
+        agree!(
+            arch,
+            n_layer,
+            n_head,
+            n_embd,
+            n_kv_head,
+            head_dim,
+            ffn_hidden,
+            rope_theta,
+            sliding_window,
+            global_every,
+            tied_embeddings,
+            norm_eps,
+            vocab_size
+        );
+        if family == Arch::Gpt2 {
+            agree!(block_size);
+        }
+        // what the keys express must be the whole folder's model
+        let built = theirs.gpt_config(cfg.vocab_size);
+        let want = crate::GptConfig {
+            block_size: built.block_size,
+            ..cfg
+        };
+        if built != want {
+            return Err(Error::Config {
+                field: "init_from",
+                reason: format!(
+                    "{} sets something the [model] table cannot express yet (rope \
+                     scaling, q/k/v or output biases, or another block setting): \
+                     {:?} against {:?}",
+                    dir.join("config.json").display(),
+                    want.arch,
+                    built.arch
+                ),
+            });
+        }
+        Ok(theirs)
     }
 }

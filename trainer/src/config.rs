@@ -373,6 +373,11 @@ impl Config {
         for o in overrides {
             config = config.with_override(o)?;
         }
+        // a Hugging Face folder to start from sets the model's shape
+        config.model = config.model.resolve_init_from().map_err(|e| match e {
+            weft_model::Error::Config { .. } => library_error(e),
+            other => ConfigError::key("model.init_from", other.to_string()),
+        })?;
         config.validate()?;
         Ok(config)
     }
@@ -429,12 +434,9 @@ impl Config {
                 _ => return Err(err(Some(key), format!("`{path}` is not a section"))),
             };
         }
-        if !node.contains_key(*last) {
-            return Err(err(
-                Some(key),
-                format!("unknown key; known keys here: {}", known(node)),
-            ));
-        }
+        // a key missing from the table is unknown, or an optional key left
+        // unset (`model.tied_embeddings`, `model.init_from`): parsing decides
+        let unset = (!node.contains_key(*last)).then(|| known(node));
         // A TOML value, or failing that a bare string (`run.name=foo`).
         let parsed = toml::from_str::<toml::Table>(&format!("v = {value}"))
             .ok()
@@ -443,7 +445,12 @@ impl Config {
         node.insert((*last).to_owned(), parsed);
         toml::Value::Table(table)
             .try_into::<Config>()
-            .map_err(|e| err(Some(key), e.message().trim().to_owned()))
+            .map_err(|e| match unset {
+                Some(known) if e.message().contains("unknown field") => {
+                    err(Some(key), format!("unknown key; known keys here: {known}"))
+                }
+                _ => err(Some(key), e.message().trim().to_owned()),
+            })
     }
 
     /// Checks ranges and relations between settings: each library's own

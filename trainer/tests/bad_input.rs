@@ -89,6 +89,10 @@ const CASES: &[(&[&str], &str)] = &[
         "key `parallel.tp`: must divide the model's key/value heads (1;",
     ),
     (
+        &["train", "--init-from", "/nonexistent/hf-folder"],
+        "key `model.init_from`: /nonexistent/hf-folder: not a directory",
+    ),
+    (
         &[
             "train",
             "--set",

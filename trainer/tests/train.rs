@@ -132,6 +132,105 @@ fn llama_family_models_train_and_resume_bit_for_bit() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// `model.init_from` (`weft train --init-from DIR`): a Hugging Face
+/// folder (here sharded) sets the model's shape and its initial weights.
+/// A folder holding exactly the seed's initialisation trains bit for bit
+/// as the seeded run, on one rank and across pipeline stages, and within
+/// rounding over tensor parallelism; other weights give another run; a
+/// `[model]` key contradicting the folder is refused naming it.
+#[test]
+fn init_from_a_hugging_face_folder_on_any_layout() {
+    let dir = std::env::temp_dir().join(format!("weft-init-from-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let base = |name: &str| {
+        let mut c = tiny(&dir, name);
+        c.model.arch = weft_trainer::config::Arch::Llama;
+        c.model.n_layer = 2;
+        c.model.n_head = 4;
+        c.model.n_kv_head = 2;
+        c.train.steps = 6;
+        c.train.eval_every = 3;
+        c.train.micro_batch_size = 4;
+        c.parallel.reproducible = true;
+        c
+    };
+    // the folder: the seed's own initialisation, saved in 3+ shards
+    let seeded = base("seeded");
+    let data = weft_data::Dataset::open(&seeded.data, &seeded.dataset_options()).unwrap();
+    let cfg = seeded.model.gpt_config(data.vocab_size());
+    let ffn = seeded.model.swiglu().unwrap();
+    let mut m = weft_model::Gpt::with_ffn(cfg, Box::new(ffn)).unwrap();
+    m.init_gpt2(seeded.train.seed);
+    let hf = dir.join("hf");
+    weft_model::hf::save_sharded(&m, &hf, 20_000).unwrap();
+    assert!(hf.join("model.safetensors.index.json").exists());
+    let from = |name: &str, sets: &[&str]| {
+        let mut s = vec![
+            format!("run.dir={:?}", dir.display().to_string()),
+            format!("run.name={name}"),
+            format!("model.init_from={:?}", hf.display().to_string()),
+            "model.block_size=32".into(),
+            "train.batch_size=8".into(),
+            "train.micro_batch_size=4".into(),
+            "parallel.reproducible=true".into(),
+            "train.steps=6".into(),
+            "train.eval_every=3".into(),
+            "train.eval_sequences=16".into(),
+            "optim.warmup_steps=5".into(),
+            "optim.lr=1e-2".into(),
+            "data.synthetic.regular=40".into(),
+            "data.synthetic.successors=3".into(),
+        ];
+        s.extend(sets.iter().map(|x| (*x).to_string()));
+        Config::load(None, &s)
+    };
+    let one = from("one", &[]).unwrap();
+    assert_eq!(one.model.arch, weft_trainer::config::Arch::Llama);
+    assert_eq!((one.model.n_layer, one.model.n_kv_head), (2, 2));
+    let a = train(&seeded, false, &mut Silent).unwrap();
+    let b = train(&one, false, &mut Silent).unwrap();
+    assert_eq!(
+        losses(&a.run_dir),
+        losses(&b.run_dir),
+        "the folder's weights are the seed's"
+    );
+    let pp = train(
+        &from(
+            "pp",
+            &[
+                "parallel.pp=2",
+                "parallel.dp=2",
+                "parallel.reproducible=true",
+            ],
+        )
+        .unwrap(),
+        false,
+        &mut Silent,
+    )
+    .unwrap();
+    assert_eq!(losses(&a.run_dir), losses(&pp.run_dir));
+    let tp = train(&from("tp", &["parallel.tp=2"]).unwrap(), false, &mut Silent).unwrap();
+    let rel = (tp.final_eval_loss - a.final_eval_loss).abs() / a.final_eval_loss;
+    assert!(
+        rel < 1e-5,
+        "tp=2 {} vs {}",
+        tp.final_eval_loss,
+        a.final_eval_loss
+    );
+    // other weights: another run
+    m.params.iter_mut().for_each(|x| *x *= 0.5);
+    weft_model::hf::save(&m, &hf).unwrap();
+    let halved = train(&from("halved", &[]).unwrap(), false, &mut Silent).unwrap();
+    assert_ne!(halved.initial_eval_loss, a.initial_eval_loss);
+    // a key that contradicts the folder
+    let e = from("bad", &["model.n_layer=3"]).unwrap_err().to_string();
+    assert!(
+        e.contains("model.n_layer") && e.contains("config.json"),
+        "{e}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 #[test]
 fn bad_data_is_a_clear_error() {
     let dir = std::env::temp_dir().join(format!("weft-train-bad-{}", std::process::id()));

@@ -208,6 +208,24 @@ fn read_family(path: &Path) -> Result<Family> {
     }
 }
 
+/// A Hugging Face folder's model (`config.json`): its shape and, for the
+/// Llama family, its gated feed-forward block (`None` for GPT-2).
+///
+/// # Errors
+/// As [`load`]'s reading of `config.json`.
+pub(crate) fn read_folder_config(dir: &Path) -> Result<(GptConfig, Option<SwiGlu>)> {
+    if !dir.is_dir() {
+        return Err(fmt_err(
+            dir,
+            "not a directory; expected a Hugging Face folder with config.json and model.safetensors",
+        ));
+    }
+    Ok(match read_family(&dir.join("config.json"))? {
+        Family::Gpt2(cfg) => (cfg, None),
+        Family::Llama(cfg, ffn) => (cfg, Some(ffn)),
+    })
+}
+
 /// Reads a Llama-family folder's `config.json`: the model's shape and its
 /// feed-forward block (transformers' field names; unsupported settings
 /// are errors naming the field).

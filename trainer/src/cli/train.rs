@@ -20,7 +20,8 @@ pub(crate) struct TrainArgs {
     /// Override one key, e.g. `--set optim.lr=1e-3` (repeatable; applied
     /// after the file). Keys: run.{name,dir,trace_steps};
     /// model.{arch,n_layer,n_head,n_embd,block_size,n_kv_head,head_dim,
-    /// ffn_hidden,rope_theta,sliding_window,global_every,tied_embeddings}; model.moe.{experts,
+    /// ffn_hidden,rope_theta,sliding_window,global_every,tied_embeddings,
+    /// norm_eps,vocab_size,init_from}; model.moe.{experts,
     /// top_k,gate,normalize,balance,aux_coef,bias_rate,shared_expert,
     /// capacity_factor,drop}; data.{source,val_fraction,doc_mask,
     /// synthetic.*}; train.{steps,batch_size,micro_batch_size,seed,
@@ -42,6 +43,12 @@ pub(crate) struct TrainArgs {
     /// shorthand for `--set data.source=PATH`.
     #[arg(long, value_name = "PATH")]
     data: Option<PathBuf>,
+    /// Start from a Hugging Face folder (GPT-2 or the Llama family:
+    /// config.json and safetensors weights, sharded or not): its
+    /// config.json sets the model's shape and its weights are the initial
+    /// parameters, on any layout; shorthand for `--set model.init_from=DIR`.
+    #[arg(long, value_name = "DIR")]
+    init_from: Option<PathBuf>,
     /// Where the model computes: `cpu`, `cuda` (GPU 0) or `cuda:N`;
     /// shorthand for `--set train.device=DEVICE`. A GPU trains one
     /// rank of a dense model (weft built with `--features cuda`).
@@ -151,6 +158,7 @@ pub(crate) fn run(a: TrainArgs) -> Result<()> {
             a.config.clone(),
             a.sets.clone(),
             a.data.clone(),
+            a.init_from.clone(),
             a.resume.clone(),
         )
     };
@@ -218,8 +226,13 @@ fn supervise(a: TrainArgs) -> Result<()> {
         seconds("--restart-backoff", a.restart_backoff)?,
     );
     let resuming = a.resume.is_some();
-    let (mut cfg, _) =
-        load_train_config(a.config.clone(), a.sets.clone(), a.data.clone(), a.resume)?;
+    let (mut cfg, _) = load_train_config(
+        a.config.clone(),
+        a.sets.clone(),
+        a.data.clone(),
+        a.init_from.clone(),
+        a.resume,
+    )?;
     if cfg.run.name.is_empty() {
         cfg.run.name = weft_trainer::train::timestamp_name();
     }
@@ -234,6 +247,9 @@ fn supervise(a: TrainArgs) -> Result<()> {
     }
     if let Some(d) = a.data {
         command.extend(["--data".into(), d.into_os_string()]);
+    }
+    if let Some(d) = a.init_from {
+        command.extend(["--init-from".into(), d.into_os_string()]);
     }
     command.extend([
         "--set".into(),
@@ -306,12 +322,19 @@ fn load_train_config(
     config: Option<PathBuf>,
     sets: Vec<String>,
     data: Option<PathBuf>,
+    init_from: Option<PathBuf>,
     resume: Option<Option<PathBuf>>,
 ) -> Result<(Config, bool)> {
     let mut sets = sets;
     if let Some(d) = data {
         let path = d.to_str().context("--data: the path is not valid UTF-8")?;
         sets.push(format!("data.source={}", toml_string(path)));
+    }
+    if let Some(d) = init_from {
+        let path = d
+            .to_str()
+            .context("--init-from: the path is not valid UTF-8")?;
+        sets.push(format!("model.init_from={}", toml_string(path)));
     }
     let resuming = resume.is_some();
     let cfg = match resume {

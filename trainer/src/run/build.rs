@@ -59,7 +59,7 @@ impl<M: TrainModel> Built<M> {
             precision: t.precision,
             arch: arch_name(config),
             params: layout.len(),
-            vocab: job.data.vocab_size(),
+            vocab: model_config(config, job.data.vocab_size()).vocab_size,
             tokens_per_step: t.batch_size * config.model.block_size,
             flops_per_token: flops_per_token(config, layout),
             peak_flops: r.peak,
@@ -115,7 +115,10 @@ pub fn model_config(config: &Config, vocab: usize) -> GptConfig {
 /// apart: grouped-query heads, the gated MLP's width, a window.
 fn arch_name(config: &Config) -> String {
     let m = &config.model;
-    let name = format!("{:?}", m.arch).to_lowercase();
+    let mut name = format!("{:?}", m.arch).to_lowercase();
+    if let Some(dir) = &m.init_from {
+        name = format!("{name} from {}", dir.display());
+    }
     let Some(gated) = m.swiglu() else {
         return name;
     };
@@ -278,8 +281,11 @@ pub(crate) fn build_cpu(
         .map(weft_collectives::processes::Processes::hosts);
     agree(world, check_memory(config, world, hosts, &predicted))?;
     let first_micro = mesh.coords().dp() * config.batch_split()?.per_rank;
-    let init = Init::Gpt2 {
-        seed: config.train.seed,
+    let init = match job.init {
+        Some(whole) => Init::Whole(whole),
+        None => Init::Gpt2 {
+            seed: config.train.seed,
+        },
     };
     let model = agree(
         world,
@@ -412,6 +418,7 @@ mod gpu {
         // the host holds the parameters and moments at checkpoints
         check_model_floor(config)?;
         let data = weft_data::Dataset::open(&config.data, &config.dataset_options())?;
+        let init = super::setup::initial_params(config, &data)?;
         let faults = FaultPlan::new(&opts.faults);
         let job = Job {
             config,
@@ -420,6 +427,7 @@ mod gpu {
             data: &data,
             faults: &faults,
             processes: None,
+            init: init.as_deref(),
         };
         super::attempts(&job, &LocalCluster::single(), observer, build_gpu)
     }
@@ -436,7 +444,10 @@ mod gpu {
         let seq = config.model.block_size;
         let cfg = model_config(config, job.data.vocab_size());
         let mut host = Gpt::new(cfg.clone())?;
-        host.init_gpt2(t.seed);
+        match job.init {
+            Some(whole) => host.params.copy_from_slice(whole),
+            None => host.init_gpt2(t.seed),
+        }
         let device = format!("{} ({})", t.device.name(), gpu.name());
         let (peak, peak_source) = datasheet_peak(gpu.name(), t.precision);
         let predicted = CudaGpt::predict_memory(&host, split.micro, seq, t.precision);

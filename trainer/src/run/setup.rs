@@ -26,6 +26,9 @@ pub(crate) struct Job<'a> {
     pub data: &'a Dataset,
     pub faults: &'a FaultPlan,
     pub processes: Option<&'a weft_collectives::processes::Processes>,
+    /// The whole model's initial parameters from `model.init_from`, read
+    /// once per process (`None`: GPT-2's initialisation from the seed).
+    pub init: Option<&'a [f32]>,
 }
 
 /// Runs the job ([`crate::train::train_with`]): on one GPU, as threads of
@@ -78,6 +81,7 @@ fn start_threads(
     let peak = measure_matmul_peak(config.train.precision);
     // Read (and tokenize) the data once, for every rank.
     let data = Dataset::open(&config.data, &config.dataset_options())?;
+    let init = initial_params(config, &data)?;
     let faults = FaultPlan::new(&opts.faults);
     let job = Job {
         config,
@@ -86,6 +90,7 @@ fn start_threads(
         data: &data,
         faults: &faults,
         processes: None,
+        init: init.as_deref(),
     };
     let dims = config.parallel.dims();
     crate::ranks::launch(
@@ -96,6 +101,16 @@ fn start_threads(
         observer,
         |world, obs| crate::run::build::run_rank(&job, world, obs),
     )
+}
+
+/// The whole model's parameters from `model.init_from`, read once per
+/// process ([`weft_model::ModelOptions::initial_params`]).
+pub(crate) fn initial_params(
+    config: &Config,
+    data: &Dataset,
+) -> Result<Option<Vec<f32>>, TrainError> {
+    let init = config.model.initial_params(data.vocab_size());
+    Ok(init.map_err(crate::config::library_error)?)
 }
 
 /// This process's rank of a job of processes ([`crate::train::train_processes`]).
@@ -145,6 +160,7 @@ pub(crate) fn start_processes(
     let hosts = procs.hosts();
     let peak = node_peak(world, hosts, config.train.precision)?;
     let data = open_data_once(world, hosts, config)?;
+    let init = agree(world, initial_params(config, &data))?;
     let faults = FaultPlan::new(&opts.faults);
     let job = Job {
         config,
@@ -153,6 +169,7 @@ pub(crate) fn start_processes(
         data: &data,
         faults: &faults,
         processes: Some(procs),
+        init: init.as_deref(),
     };
     if world.rank() == 0 {
         crate::run::build::run_rank(&job, world, observer)
