@@ -5,7 +5,8 @@ model/tests/it/hf_python.rs):
         a random small LlamaForCausalLM (grouped-query, untied) saved by
         `save_pretrained(DIR, max_shard_size="64KB")`: several
         model-0000i-of-0000n.safetensors files and model.safetensors.index.json;
-        tokens.json holds a batch and its loss in float64.
+        tokens.json holds a batch and its loss in float64, and a prompt
+        with transformers' greedy `generate` continuation (float32).
 
     python hf_sharded_check.py check DIR EXPORT
         transformers loads EXPORT (weft's sharded save of DIR) and computes
@@ -41,8 +42,18 @@ def make(out):
     with torch.no_grad():
         logits = m64(inputs).logits
     loss = F.cross_entropy(logits.reshape(-1, cfg.vocab_size), targets.reshape(-1)).item()
+    # greedy decoding in float32 with transformers' own KV cache
+    m32 = LlamaForCausalLM.from_pretrained(out, attn_implementation="eager").eval()
+    prompt = inputs[:1, :5]
+    with torch.no_grad():
+        # every prompt position attended (a token equal to pad_token_id
+        # would otherwise be masked out)
+        gen = m32.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=20,
+                           do_sample=False, pad_token_id=0)
+    greedy = gen[0, prompt.shape[1]:].tolist()
     with open(os.path.join(out, "tokens.json"), "w") as f:
-        json.dump({"inputs": inputs.tolist(), "targets": targets.tolist(), "loss": loss}, f)
+        json.dump({"inputs": inputs.tolist(), "targets": targets.tolist(), "loss": loss,
+                   "prompt": prompt[0].tolist(), "greedy": greedy}, f)
     shards = sorted(f for f in os.listdir(out) if f.endswith(".safetensors"))
     print(f"made {len(shards)} shards, loss {loss:.10f}")
 

@@ -1,7 +1,8 @@
 //! Sharded Hugging Face folders against transformers itself (run at test
 //! time by `model/reference/hf_sharded_check.py`): weft loads what
 //! `save_pretrained(max_shard_size=...)` writes and computes its loss;
-//! transformers loads weft's sharded export and computes identical logits.
+//! transformers loads weft's sharded export and computes identical logits;
+//! weft's greedy decoding equals transformers' `generate`.
 //! Skipped, saying why, without Python.
 
 use std::path::{Path, PathBuf};
@@ -88,8 +89,34 @@ fn sharded_folders_load_both_ways_with_transformers() {
     println!("weft on transformers' shards: loss {loss} vs {want} (float64), rel {rel:.1e}");
     assert!(rel < 1e-6, "loss {loss} vs {want}");
 
-    // weft's sharded export: transformers loads it with identical logits
+    // weft's greedy decoding (its KV cache) continues the prompt as
+    // transformers' generate() does
     let model = hf::load(&theirs).unwrap();
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(theirs.join("tokens.json")).unwrap())
+            .unwrap();
+    let ids = |k: &str| -> Vec<u32> {
+        v[k].as_array()
+            .unwrap()
+            .iter()
+            .map(|x| u32::try_from(x.as_u64().unwrap()).unwrap())
+            .collect()
+    };
+    let (prompt, greedy) = (ids("prompt"), ids("greedy"));
+    let mut dec = weft_model::Decoder::new(&model);
+    let decoded = dec
+        .generate(
+            &prompt,
+            greedy.len(),
+            weft_model::Sampling::GREEDY,
+            &mut || 0.0,
+            &mut || {},
+        )
+        .unwrap();
+    println!("greedy: weft {decoded:?}, transformers {greedy:?}");
+    assert_eq!(decoded, greedy, "greedy continuation of {prompt:?}");
+
+    // weft's sharded export: transformers loads it with identical logits
     hf::save_sharded(&model, &ours, 50_000).unwrap();
     let files = shards(&ours);
     assert!(files.len() > 1 && !files.contains(&"model.safetensors".to_string()));
