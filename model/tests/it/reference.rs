@@ -152,21 +152,40 @@ pub(crate) fn rel_err(got: &[f32], want: &[f32]) -> f64 {
 /// (`make_autocast_fixtures.py`): the loss error within 2× autocast's
 /// (+1e-3 relative), the worst gradient error within 2× autocast's.
 #[test]
-#[allow(clippy::print_stderr)]
 fn mixed_precision_loss_and_gradients_are_as_close_to_the_reference_as_pytorch_autocast()
 -> Result<()> {
+    // GPT-2's tensors carry transformers' names and layouts
+    let read = |model: &Gpt, path: &Path| -> Result<Vec<f32>> {
+        let bytes = std::fs::read(path)?;
+        let st = SafeTensors::deserialize(&bytes)?;
+        let mut out = vec![0.0f32; model.layout().len()];
+        for spec in model.layout().specs() {
+            out[spec.range()].copy_from_slice(&f32s(st.tensor(&spec.name)?.data()));
+        }
+        Ok(out)
+    };
+    mixed_precision_against_autocast(&fixtures(), &read)
+}
+
+/// The check above over `dirs`, reading a gradient file (transformers'
+/// names) into `model`'s layout with `read`.
+#[allow(clippy::print_stderr)]
+pub(crate) fn mixed_precision_against_autocast(
+    dirs: &[PathBuf],
+    read: &dyn Fn(&Gpt, &Path) -> Result<Vec<f32>>,
+) -> Result<()> {
     use weft_kernels::Precision;
     for (precision, tag) in [(Precision::Bf16, "bf16"), (Precision::F16, "fp16")] {
         let mut worst_ratio = 0.0f64;
-        for dir in fixtures() {
+        for dir in dirs {
             let name = dir.file_name().unwrap().to_string_lossy().to_string();
-            let mut model = hf::load(&dir)?;
+            let mut model = hf::load(dir)?;
             model.set_precision(precision);
             let file = format!("autocast_{tag}.json");
             let auto: serde_json::Value =
                 serde_json::from_str(&std::fs::read_to_string(dir.join(&file))?)
                     .with_context(|| format!("{name}: {file}"))?;
-            let (loss, want) = fixture_loss(&mut model, &dir)?;
+            let (loss, want) = fixture_loss(&mut model, dir)?;
             let torch = auto["loss"].as_f64().unwrap();
             let (ours, theirs) = ((loss - want).abs(), (torch - want).abs());
             eprintln!(
@@ -178,16 +197,16 @@ fn mixed_precision_loss_and_gradients_are_as_close_to_the_reference_as_pytorch_a
                 ours <= 2.0 * theirs + 1e-3 * want,
                 "{name} {tag}: loss {loss} vs {want}"
             );
-            let f64_ref = std::fs::read(dir.join("grads.safetensors"))?;
-            let f64_ref = SafeTensors::deserialize(&f64_ref)?;
-            let autocast = std::fs::read(dir.join(format!("grads_autocast_{tag}.safetensors")))?;
-            let autocast = SafeTensors::deserialize(&autocast)?;
+            let f64_ref = read(&model, &dir.join("grads.safetensors"))?;
+            let autocast = read(
+                &model,
+                &dir.join(format!("grads_autocast_{tag}.safetensors")),
+            )?;
             let (mut ours, mut theirs) = (0.0f64, 0.0f64);
             for spec in model.layout().specs() {
-                let want = f32s(f64_ref.tensor(&spec.name)?.data());
-                let torch = f32s(autocast.tensor(&spec.name)?.data());
+                let want = &f64_ref[spec.range()];
                 let got = model.grad(&spec.name).unwrap();
-                let (o, t) = (rel_err(got, &want), rel_err(&torch, &want));
+                let (o, t) = (rel_err(got, want), rel_err(&autocast[spec.range()], want));
                 eprintln!("  {:<40} weft {tag} {o:.2e}  autocast {t:.2e}", spec.name);
                 (ours, theirs) = (ours.max(o), theirs.max(t));
             }
