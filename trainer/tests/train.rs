@@ -175,6 +175,7 @@ fn init_from_a_hugging_face_folder_on_any_layout() {
             "parallel.reproducible=true".into(),
             "train.steps=6".into(),
             "train.eval_every=3".into(),
+            "checkpoint.every=6".into(),
             "train.eval_sequences=16".into(),
             "optim.warmup_steps=5".into(),
             "optim.lr=1e-2".into(),
@@ -217,6 +218,34 @@ fn init_from_a_hugging_face_folder_on_any_layout() {
         tp.final_eval_loss,
         a.final_eval_loss
     );
+    // `weft ckpt export --hf` writes the Llama-family run's checkpoint as a
+    // Hugging Face folder: the run's model, its parameters
+    let ckpt = one.run.dir.join("one/checkpoints/step-00000006");
+    let out = dir.join("exported");
+    let export = std::process::Command::new(env!("CARGO_BIN_EXE_weft"))
+        .args(["ckpt", "export"])
+        .arg(&ckpt)
+        .arg("--hf")
+        .arg(&out)
+        .output()
+        .unwrap();
+    assert!(export.status.success(), "{export:?}");
+    let back = weft_model::hf::load(&out).unwrap();
+    assert_eq!(back.config().n_kv_head(), 2);
+    let saved = weft_checkpoint::Checkpoint::open(&ckpt).unwrap();
+    for spec in back.layout().specs() {
+        let bytes = saved.read_tensor(&spec.name).unwrap();
+        let want: Vec<f32> = bytes
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect();
+        assert_eq!(
+            back.param(&spec.name).unwrap(),
+            want.as_slice(),
+            "{}",
+            spec.name
+        );
+    }
     // other weights: another run
     m.params.iter_mut().for_each(|x| *x *= 0.5);
     weft_model::hf::save(&m, &hf).unwrap();

@@ -599,6 +599,48 @@ pub fn save_sharded(model: &Gpt, dir: &Path, max_shard_bytes: u64) -> Result<()>
     write_atomic(&dir.join("config.json"), text.as_bytes())
 }
 
+/// Reads a tensor by weft's name and shape (the reason on failure).
+pub type TensorReader<'a> = dyn FnMut(&str, &[usize]) -> std::result::Result<Vec<f32>, String> + 'a;
+
+/// Saves the model `opts` describes (vocabulary `vocab`) as a Hugging
+/// Face folder ([`save`]), each parameter read by `read(name, shape)` in
+/// weft's names and layouts (a checkpoint's tensors, say): what
+/// `weft ckpt export --hf` writes for the Llama family.
+///
+/// # Errors
+/// [`Error::Format`] naming the tensor `read` could not give (its reason)
+/// or that has the wrong size; [`save`]'s.
+pub fn export_with(
+    opts: &crate::ModelOptions,
+    vocab: usize,
+    read: &mut TensorReader<'_>,
+    dir: &Path,
+) -> Result<()> {
+    let cfg = opts.gpt_config(vocab);
+    let mut model = match opts.swiglu() {
+        Some(ffn) => Gpt::with_ffn(cfg, Box::new(ffn))?,
+        None => Gpt::new(cfg)?,
+    };
+    for spec in model.layout().specs().to_vec() {
+        let data = read(&spec.name, &spec.shape)
+            .map_err(|e| fmt_err(dir, format!("tensor `{}`: {e}", spec.name)))?;
+        if data.len() != spec.numel() {
+            return Err(fmt_err(
+                dir,
+                format!(
+                    "tensor `{}` has {} values, the model's {:?} needs {}",
+                    spec.name,
+                    data.len(),
+                    spec.shape,
+                    spec.numel()
+                ),
+            ));
+        }
+        model.params[spec.range()].copy_from_slice(&data);
+    }
+    save(&model, dir)
+}
+
 /// Writes every parameter's gradient under its Hugging Face name and
 /// layout, as [`save`] writes the parameters (with tied embeddings, the
 /// embedding's single gradient includes the `lm_head` contribution).

@@ -79,8 +79,9 @@ pub(crate) enum CkptCommand {
         /// A `step-NNNNNNNN` folder.
         dir: PathBuf,
     },
-    /// Write a consolidated Hugging Face GPT-2 folder (config.json +
-    /// model.safetensors) that `transformers` loads.
+    /// Write a consolidated Hugging Face folder (config.json +
+    /// safetensors) that `transformers` loads: GPT-2, or the Llama family
+    /// the run's `[model]` table describes.
     Export {
         /// A `step-NNNNNNNN` folder.
         dir: PathBuf,
@@ -328,6 +329,25 @@ pub(crate) fn ckpt(command: CkptCommand) -> Result<()> {
         CkptCommand::Export { dir, hf } => {
             let ckpt = open(&dir)?;
             let model = ckpt.state().extra.get("model").cloned().unwrap_or_default();
+            let opts: Option<weft_model::ModelOptions> =
+                serde_json::from_value(model["options"].clone()).ok();
+            if let Some(o) = opts.filter(|o| o.arch != weft_model::Arch::Gpt2) {
+                let vocab = model["vocab_size"].as_u64().unwrap_or(0) as usize;
+                let mut read = |name: &str, _: &[usize]| -> Result<Vec<f32>, String> {
+                    let b = ckpt.read_tensor(name).map_err(|e| e.to_string())?;
+                    Ok(b.chunks_exact(4)
+                        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                        .collect())
+                };
+                weft_model::hf::export_with(&o, vocab, &mut read, &hf)
+                    .with_context(|| format!("exporting to {}", hf.display()))?;
+                progress::say(&format!(
+                    "wrote {} ({:?} family) and config.json",
+                    hf.display(),
+                    o.arch
+                ));
+                return Ok(());
+            }
             let n_head = model["n_head"].as_u64().with_context(|| {
                 format!("{}: the checkpoint does not record the model's n_head (not saved by weft train?)", dir.display())
             })?;

@@ -182,7 +182,7 @@ fn trainer_state(
         serde_json::json!({
             "n_layer": model.n_layer, "n_head": model.n_head, "n_embd": model.n_embd,
             "vocab_size": model.vocab_size, "block_size": model.block_size,
-            "layer_norm_epsilon": model.layer_norm_epsilon,
+            "layer_norm_epsilon": model.layer_norm_epsilon, "options": config.model,
         }),
     );
     let p = &config.parallel;
