@@ -1,9 +1,10 @@
 //! Incremental decoding with a key/value cache: the inference engine.
 //!
 //! A [`Decoder`] borrows a [`Gpt`] and keeps, for every layer, the key and
-//! value vectors of the positions fed so far (`(L, block_size, 2C)` floats,
-//! allocated up front with every working buffer; [`Decoder::bytes`] reports
-//! the total). [`Decoder::prefill`] runs a prompt through the model in one
+//! value vectors of the positions fed so far (`(block_size, 2·Ckv)` floats
+//! per layer, a sliding-window layer only its window's `(W, 2·Ckv)` as a
+//! ring; allocated up front with every working buffer; [`Decoder::bytes`]
+//! reports the total). [`Decoder::prefill`] runs a prompt through the model in one
 //! pass — its linear layers as GEMMs over the prompt's rows — and
 //! [`Decoder::step`] then appends one token at a time, each computing only
 //! the new position: its projections, and its attention over the cached
@@ -93,7 +94,9 @@ pub struct Decoder<'m> {
     /// one past the last boundary token fed; else 0).
     doc: usize,
     pos: Vec<u32>,       // (maxT) positions (within their documents) of the fed tokens
-    kv: Vec<f32>,        // (L, maxT, 2·Ckv): rows [k | v]
+    kv: Vec<f32>,        // per layer (its capacity, 2·Ckv): rows [k | v], a ring when windowed
+    kv_at: Vec<usize>,   // (L+1) each layer's first float in `kv`
+    win: Vec<f32>,       // (W, 2·Ckv) a windowed layer's keys in position order
     x: Vec<f32>,         // (maxT, C) residual stream
     res2: Vec<f32>,      // (maxT, C) residual after attention
     ln: Vec<f32>,        // (maxT, C)
@@ -126,12 +129,26 @@ impl<'m> Decoder<'m> {
         let (cq, ckv) = (cfg.q_dim(), cfg.kv_dim());
         let qk = if cfg.arch.qk_norm { t * (cq + ckv) } else { 0 };
         let z = |k: usize| vec![0.0f32; k];
+        // a windowed layer keeps only its window's positions
+        let kv_at: Vec<usize> = std::iter::once(0)
+            .chain((0..l).scan(0, |at, layer| {
+                *at += cfg.window(layer).map_or(t, |w| w.min(t)) * 2 * ckv;
+                Some(*at)
+            }))
+            .collect();
+        let widest = (0..l)
+            .filter_map(|layer| cfg.window(layer))
+            .map(|w| w.min(t))
+            .max()
+            .unwrap_or(0);
         Decoder {
             model,
             len: 0,
             doc: 0,
             pos: vec![0; t],
-            kv: z(l * t * 2 * ckv),
+            kv: z(kv_at[l]),
+            kv_at,
+            win: z(widest * 2 * ckv),
             x: z(t * c),
             res2: z(t * c),
             ln: z(t * c),
@@ -182,7 +199,8 @@ impl<'m> Decoder<'m> {
         self.model.config().block_size
     }
 
-    /// Bytes of the key/value cache alone: `L · block_size · 2C` floats.
+    /// Bytes of the key/value cache alone: `block_size · 2·Ckv` floats per
+    /// layer, `W · 2·Ckv` for a layer with a sliding window of `W`.
     pub fn kv_bytes(&self) -> usize {
         self.kv.len() * 4
     }
@@ -192,6 +210,7 @@ impl<'m> Decoder<'m> {
     pub fn bytes(&self) -> usize {
         [
             &self.kv,
+            &self.win,
             &self.x,
             &self.res2,
             &self.ln,
@@ -351,22 +370,53 @@ impl<'m> Decoder<'m> {
             if let Some(table) = bl.rope_table() {
                 rope_forward(qkv, table, &self.pos[..n], n, cols, nh + heads.kv)?;
             }
-            let kv = &mut self.kv[l * max_t * 2 * ckv..(l + 1) * max_t * 2 * ckv];
-            for (i, row) in qkv.chunks_exact(cols).enumerate() {
-                kv[(start + i) * 2 * ckv..(start + i + 1) * 2 * ckv].copy_from_slice(&row[cq..]);
-            }
+            let kv = &mut self.kv[self.kv_at[l]..self.kv_at[l + 1]];
             let window = cfg.window(l);
+            // the ring's slots: a windowed layer keeps its last `cap`
+            // positions (a row is written just before it attends, so the
+            // ring then holds every key it sees)
+            let cap = kv.len() / (2 * ckv).max(1);
+            let row_of = |pos: usize| (pos % cap.max(1)) * 2 * ckv;
+            if window.is_none() {
+                for (i, row) in qkv.chunks_exact(cols).enumerate() {
+                    let at = row_of(start + i);
+                    kv[at..at + 2 * ckv].copy_from_slice(&row[cq..]);
+                }
+            }
             for (i, row) in qkv.chunks_exact(cols).enumerate() {
                 let pos = start + i;
-                let first =
-                    window.map_or(starts[i], |w| starts[i].max((pos + 1).saturating_sub(w)));
+                let out = &mut self.atty[i * cq..(i + 1) * cq];
+                let Some(w) = window else {
+                    attention_decode(
+                        out,
+                        &mut self.att[..nh * (pos + 1)],
+                        &row[..cq],
+                        &kv[..(pos + 1) * 2 * ckv],
+                        pos,
+                        starts[i],
+                        cq,
+                        heads,
+                    )?;
+                    continue;
+                };
+                let at = row_of(pos);
+                kv[at..at + 2 * ckv].copy_from_slice(&row[cq..]);
+                // the keys it sees, in position order: the same sums as
+                // over the whole cache (the keys before `first` weigh 0)
+                let first = starts[i].max((pos + 1).saturating_sub(w));
+                let m = pos + 1 - first;
+                for (j, p) in (first..=pos).enumerate() {
+                    let src = row_of(p);
+                    self.win[j * 2 * ckv..(j + 1) * 2 * ckv]
+                        .copy_from_slice(&kv[src..src + 2 * ckv]);
+                }
                 attention_decode(
-                    &mut self.atty[i * cq..(i + 1) * cq],
-                    &mut self.att[..nh * (pos + 1)],
+                    out,
+                    &mut self.att[..nh * m],
                     &row[..cq],
-                    &kv[..(pos + 1) * 2 * ckv],
-                    pos,
-                    first,
+                    &self.win[..m * 2 * ckv],
+                    m - 1,
+                    0,
                     cq,
                     heads,
                 )?;

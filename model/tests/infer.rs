@@ -56,10 +56,11 @@ fn check_model(model: &Gpt, prompt_lens: &[usize], name: &str) {
     let c = model.config().clone();
     let mut dec = Decoder::new(model);
     assert_eq!(dec.capacity(), c.block_size);
-    assert_eq!(
-        dec.kv_bytes(),
-        c.n_layer * c.block_size * 2 * c.kv_dim() * 4
-    );
+    // every position per layer, a windowed layer only its window
+    let positions: usize = (0..c.n_layer)
+        .map(|l| c.window(l).map_or(c.block_size, |w| w.min(c.block_size)))
+        .sum();
+    assert_eq!(dec.kv_bytes(), positions * 2 * c.kv_dim() * 4);
     assert!(dec.bytes() > dec.kv_bytes());
     for &p in prompt_lens {
         dec.reset();
@@ -249,7 +250,10 @@ fn llama_family_models_decode_the_forwards_logits_bitwise() {
         "qwen3-like GQA",
     );
     check_model(&llama(1, 12, false), &[1, 4, 12], "llama-like MQA");
-    check_model(&llama(2, 80, true), &[1, 63, 64, 65, 80], "GQA T=80");
+    let long = llama(2, 80, true);
+    check_model(&long, &[1, 63, 64, 65, 80], "GQA T=80");
+    // the windowed layer (of 2) holds 5 positions, the global one 80
+    assert_eq!(Decoder::new(&long).kv_bytes(), (80 + 5) * 2 * 12 * 4);
     let mut model = llama(2, 24, true);
     model.set_doc_boundary(Some(28));
     check_model(&model, &[1, 9, 24], "GQA documents");
