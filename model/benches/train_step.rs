@@ -3,9 +3,13 @@
 //!
 //! * (a) n_layer 4, n_embd 256, n_head 4, seq 256, batch 8, vocab 50304
 //! * (b) GPT-2 small (124M), seq 256, batch 4
+//! * (l) a Llama-shaped model at GPT-2-small scale: 12 layers, 768
+//!   channels, 12 query heads sharing 4 key/value heads, SwiGLU 2048,
+//!   untied, vocab 32000, seq 256, batch 4
 //!
 //! Achieved GFLOP/s counts 6·N per token (N = all parameters, tied head
-//! once) plus 6·L·T·C per token for causal attention. PyTorch's numbers come
+//! once; an untied model's input embedding, a lookup, not at all) plus
+//! 6·L·T·C per token for causal attention. PyTorch's numbers come
 //! from `model/reference/bench_torch.py`; `model/reference/bench_compare.sh`
 //! runs both in one go and prints the ratios.
 //!
@@ -36,6 +40,8 @@ use weft_model::{Gpt, GptConfig};
 struct Case {
     name: &'static str,
     cfg: GptConfig,
+    /// The gated MLP's width (the Llama family), or GPT-2's MLP.
+    swiglu: Option<usize>,
     b: usize,
     t: usize,
 }
@@ -54,12 +60,30 @@ fn cases() -> Vec<Case> {
                 layer_norm_epsilon: 1e-5,
                 arch: weft_model::BlockArch::GPT2,
             },
+            swiglu: None,
             b: 8,
             t: 256,
         },
         Case {
             name: "b",
             cfg: GptConfig::gpt2_small(),
+            swiglu: None,
+            b: 4,
+            t: 256,
+        },
+        Case {
+            name: "l",
+            cfg: GptConfig {
+                n_layer: 12,
+                n_head: 12,
+                n_embd: 768,
+                vocab_size: 32000,
+                block_size: 1024,
+                tied_embeddings: false,
+                layer_norm_epsilon: 1e-5,
+                arch: weft_model::BlockArch::llama(4, 500_000.0),
+            },
+            swiglu: Some(2048),
             b: 4,
             t: 256,
         },
@@ -182,7 +206,13 @@ fn main() {
         }
         let mut fp32_tps = None;
         for &(precision, wide_acts) in &precisions {
-            let mut model = Gpt::new(case.cfg.clone()).unwrap();
+            let mut model = match case.swiglu {
+                Some(hidden) => {
+                    Gpt::with_ffn(case.cfg.clone(), Box::new(weft_model::SwiGlu { hidden }))
+                        .unwrap()
+                }
+                None => Gpt::new(case.cfg.clone()).unwrap(),
+            };
             model.set_mode(mode);
             if !wide_acts {
                 model.set_precision(precision);
@@ -225,8 +255,13 @@ fn main() {
             let mean = total / steps as f64;
             let params = model.params.len();
             let c = &case.cfg;
+            let lookup = if c.tied_embeddings {
+                0
+            } else {
+                c.vocab_size * c.n_embd
+            };
             let flops_per_token =
-                6.0 * params as f64 + 6.0 * (c.n_layer * case.t * c.n_embd) as f64;
+                6.0 * (params - lookup) as f64 + 6.0 * (c.n_layer * case.t * c.q_dim()) as f64;
             let tps = n as f64 / secs;
             if precision == Precision::F32 {
                 fp32_tps = Some(tps);

@@ -2,7 +2,7 @@
 # Runs weft's train_step bench and the PyTorch baseline back to back on the
 # same machine with the same thread count, then prints tokens/s ratios.
 #
-#   PYTHON=/path/to/venv/bin/python model/reference/bench_compare.sh [a|b]... [--steps N] [--precision fp32|bf16|fp16|both|all]
+#   PYTHON=/path/to/venv/bin/python model/reference/bench_compare.sh [a|b|l]... [--steps N] [--precision fp32|bf16|fp16|both|all]
 #
 # Tokens/s are from the best timed step of each (the least disturbed on a
 # shared machine). REPEAT=N (default 1) alternates the two N times and
@@ -39,7 +39,7 @@ for i in $(seq "$REPEAT"); do
 done
 # Best tokens/s per configuration and precision: weft's column 10 (GFLOP/s
 # in 11), PyTorch's 9.
-best() { awk -F'|' -v col="$1" -v gcol="$2" '/^\| [ab] /{k=$2"-"$3; gsub(/ /,"",k); if ($col+0 > best[k]+0) {best[k]=$col+0; g[k]=$gcol+0}} END {for (k in best) print k"|"best[k]"|"g[k]}' | sort; }
+best() { awk -F'|' -v col="$1" -v gcol="$2" '/^\| [abl] /{k=$2"-"$3; gsub(/ /,"",k); if ($col+0 > best[k]+0) {best[k]=$col+0; g[k]=$gcol+0}} END {for (k in best) print k"|"best[k]"|"g[k]}' | sort; }
 echo "| config-precision | weft tokens/s | PyTorch tokens/s | ratio | weft GFLOP/s |"
 echo "|---|---|---|---|---|"
 join -t'|' <(echo "$weft_all" | best 10 11) <(echo "$torch_all" | best 9 10) |

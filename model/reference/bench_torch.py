@@ -1,6 +1,7 @@
-"""PyTorch baseline for weft's train_step bench: the same two configurations,
-transformers' GPT2LMHeadModel (dropout 0, default attention implementation), AdamW, on the
-CPU with the same thread count.
+"""PyTorch baseline for weft's train_step bench: the same configurations,
+transformers' GPT2LMHeadModel (a, b) and LlamaForCausalLM (l) (dropout 0,
+default attention implementation), AdamW, on the CPU with the same thread
+count.
 
     python model/reference/bench_torch.py [a|b]... [--steps N] [--threads N] [--precision fp32|bf16|fp16|both|all]
 
@@ -12,8 +13,8 @@ scaling: timing only).
 
 Prints a table in the same format as `cargo bench -p weft-model --bench
 train_step`, counting FLOPs the same way (6·N per token, N = all
-parameters with the tied head once, plus 6·L·T·C per token for causal
-attention). Tokens/s use the best (shortest) timed step, as weft's bench.
+parameters with the tied head once and an untied input embedding not at
+all, plus 6·L·T·C per token for causal attention). Tokens/s use the best (shortest) timed step, as weft's bench.
 """
 
 import argparse
@@ -21,17 +22,20 @@ import time
 
 import torch
 import torch.nn.functional as F
-from transformers import GPT2Config, GPT2LMHeadModel
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 CASES = {
     "a": dict(n_layer=4, n_head=4, n_embd=256, vocab_size=50304, n_positions=1024, b=8, t=256),
     "b": dict(n_layer=12, n_head=12, n_embd=768, vocab_size=50257, n_positions=1024, b=4, t=256),
+    "l": dict(llama=True, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=4,
+              hidden_size=768, intermediate_size=2048, vocab_size=32000,
+              max_position_embeddings=1024, tie_word_embeddings=False, b=4, t=256),
 }
 
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("cases", nargs="*", default=["a", "b"])
+    ap.add_argument("cases", nargs="*", default=list(CASES))
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--precision", choices=["fp32", "bf16", "fp16", "both", "all"], default="fp32")
@@ -47,9 +51,15 @@ def main():
     for name, precision in [(n, p) for n in args.cases for p in precisions]:
         c = dict(CASES[name])
         b, t = c.pop("b"), c.pop("t")
-        cfg = GPT2Config(**c, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, activation_function="gelu_new")
         torch.manual_seed(0)
-        model = GPT2LMHeadModel(cfg).train()
+        if c.pop("llama", False):
+            cfg = LlamaConfig(**c, rms_norm_eps=1e-5, rope_theta=500000.0)
+            model = LlamaForCausalLM(cfg).train()
+            layers, width = cfg.num_hidden_layers, cfg.hidden_size
+        else:
+            cfg = GPT2Config(**c, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, activation_function="gelu_new")
+            model = GPT2LMHeadModel(cfg).train()
+            layers, width = cfg.n_layer, cfg.n_embd
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
         x = torch.randint(0, cfg.vocab_size, (b, t))
         y = torch.randint(0, cfg.vocab_size, (b, t))
@@ -71,7 +81,8 @@ def main():
             times.append(time.perf_counter() - start)
         secs, mean = min(times), sum(times) / len(times)
         n = sum(p.numel() for p in model.parameters())
-        flops_per_token = 6 * n + 6 * cfg.n_layer * t * cfg.n_embd
+        lookup = 0 if cfg.tie_word_embeddings else cfg.vocab_size * width
+        flops_per_token = 6 * (n - lookup) + 6 * layers * t * width
         tps = b * t / secs
         print(f"| {name} | {precision} | {n / 1e6:.1f}M | {b} | {t} | {secs:.3f} | {mean:.3f} | {tps:.0f} | {tps * flops_per_token / 1e9:.1f} |")
 
