@@ -203,6 +203,8 @@ impl Drill {
     /// `weft train` of run `name` with `extra` arguments.
     fn train(&self, name: &str, extra: &[OsString]) -> Command {
         let mut c = Command::new(&self.weft);
+        // a trial's supervisor stops (and stops its job) if the drill dies
+        crate::die_with_parent(&mut c, libc::SIGTERM);
         c.arg("train");
         for s in self.job_sets() {
             c.arg("--set").arg(s);

@@ -76,4 +76,29 @@ mod supervisor;
 pub use chaos::{ChaosError, Drill, DrillJob, Trial, table_header, table_row, table_totals};
 pub use fault::{Fault, FaultKind};
 pub use heartbeat::{heartbeat, host_name};
+
+/// Makes `cmd`'s process receive `signal` when this process dies, however
+/// it dies (SIGKILL included): Linux's parent-death signal. A child
+/// started after this process already died exits at once. The signal is
+/// tied to the thread that spawns the child, so spawn from a thread that
+/// lives as long as the child should.
+pub fn die_with_parent(cmd: &mut std::process::Command, signal: libc::c_int) {
+    use std::os::unix::process::CommandExt;
+    // SAFETY: `getpid` has no preconditions
+    let parent = unsafe { libc::getpid() };
+    // SAFETY: the closure calls only async-signal-safe functions (prctl,
+    // getppid) between fork and exec
+    unsafe {
+        cmd.pre_exec(move || {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, signal as libc::c_ulong, 0, 0, 0) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            // the parent died before the signal was armed
+            if libc::getppid() != parent {
+                return Err(std::io::Error::from_raw_os_error(libc::ESRCH));
+            }
+            Ok(())
+        });
+    }
+}
 pub use supervisor::{Elastic, Outcome, SuperviseError, Supervisor};

@@ -297,6 +297,16 @@ impl Supervisor {
         // its own process group: a hang is killed with all it started, and
         // a terminal's Ctrl-C reaches only the supervisor, which forwards it
         cmd.process_group(0);
+        // the job dies with this supervisor, however it dies: a launcher is
+        // asked to stop (it stops its ranks), a lone `weft train` killed
+        crate::die_with_parent(
+            &mut cmd,
+            if self.launch.is_empty() {
+                libc::SIGKILL
+            } else {
+                libc::SIGTERM
+            },
+        );
         cmd.stderr(std::process::Stdio::piped());
         let mut child = cmd.spawn().map_err(|source| SuperviseError::Spawn {
             command: words[0].to_string_lossy().into_owned(),

@@ -1051,3 +1051,61 @@ fn flops_and_utilisation_follow_the_6n_formula() {
     );
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// A supervised job dies with its supervisor, however the supervisor dies:
+/// SIGKILL to `weft train --supervise` leaves no training child writing
+/// the run folder (Linux's parent-death signal).
+#[test]
+fn a_supervised_job_dies_with_its_killed_supervisor() {
+    let weft = env!("CARGO_BIN_EXE_weft");
+    let dir = std::env::temp_dir().join(format!("weft-orphan-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let mut c = tiny(&dir, "long");
+    c.train.steps = 1_000_000;
+    c.train.eval_every = 0;
+    let config = dir.join("long.toml");
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(&config, c.to_toml()).unwrap();
+    let mut parent = std::process::Command::new(weft)
+        .args(["train", "--supervise", "--config"])
+        .arg(&config)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    // the training child holds the run's lock, naming its pid
+    let lock = dir.join("long/.lock");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    let child: u32 = loop {
+        let pid = std::fs::read_to_string(&lock)
+            .ok()
+            .and_then(|s| s.split_whitespace().next()?.parse().ok());
+        if let Some(pid) = pid.filter(|&p| p != parent.id()) {
+            break pid;
+        }
+        assert!(std::time::Instant::now() < deadline, "no training child");
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    };
+    let alive = |pid: u32| {
+        std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| {
+            s.rsplit(')')
+                .next()
+                .is_some_and(|r| !r.trim_start().starts_with('Z'))
+        })
+    };
+    assert!(alive(child));
+    parent.kill().unwrap();
+    parent.wait().unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    while alive(child) {
+        if std::time::Instant::now() > deadline {
+            // leave nothing running behind a failed test
+            let _ = std::process::Command::new("kill")
+                .args(["-9", &child.to_string()])
+                .status();
+            panic!("training child {child} outlived its killed supervisor");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
