@@ -132,6 +132,17 @@ step viz-e2e bash viz-web/e2e.sh
 step test-simd-baseline env WEFT_SIMD=baseline cargo test -p weft-numerics -p weft-kernels -p weft-collectives --locked
 step test-simd-baseline-model env WEFT_SIMD=baseline cargo test -p weft-model --locked -- bitwise
 
+# ------------------------------------------------- nothing left running
+# Every process the steps started (weft, the examples, test binaries: all
+# run from the target dir) must have ended with its step.
+sleep 1
+left=$(pgrep -af -- "$CARGO_TARGET_DIR/" | grep -v -e "^$$ " -e "pgrep" || true)
+if [ -n "$left" ]; then
+    say "processes left running"
+    echo "$left"
+    failed_steps+=("leftover-processes")
+fi
+
 # ----------------------------------------------------------------- summary
 passed=0
 failed=0

@@ -44,9 +44,22 @@ weft="$CARGO_TARGET_DIR/debug/weft"
 
 work="$(mktemp -d)"
 pids=()
-cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; rm -rf "$work"; }
-trace_exit() { cleanup; }
-trap trace_exit EXIT
+# Stops every server this script started and checks that none is left
+# (a server started in a subshell would escape `pids`: `serve` runs in
+# this shell).
+cleanup() {
+  local status=$? left=()
+  for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
+  for p in "${pids[@]}"; do wait "$p" 2>/dev/null || true; done
+  for p in "${pids[@]}"; do kill -0 "$p" 2>/dev/null && left+=("$p"); done
+  rm -rf "$work"
+  if [ ${#left[@]} -gt 0 ]; then
+    echo "e2e.sh: processes left running: ${left[*]}" >&2
+    exit 1
+  fi
+  exit "$status"
+}
+trap cleanup EXIT
 
 # A real run: 4 layers over 2 pipeline stages (ZB-H1, 4 micro-batches),
 # 8 experts top-2 with bias balancing; the timeline of its first 2 steps.
@@ -76,12 +89,12 @@ port() { python3 -c 'import socket;s=socket.socket();s.bind(("127.0.0.1",0));pri
 dport=$(port)
 chromedriver --port="$dport" --allowed-ips=127.0.0.1 >"$out/chromedriver.log" 2>&1 &
 pids+=($!)
-serve() { # RUN_DIR... -> prints URL
+serve() { # RUN_DIR... -> sets $url (in this shell, so that `pids` keeps the server)
   local p; p=$(port)
   "$weft" viz "$@" --port "$p" --assets "$dist" >"$out/serve-$p.log" 2>&1 &
   pids+=($!)
   for _ in $(seq 50); do curl -sf "http://127.0.0.1:$p/" >/dev/null && break; sleep 0.1; done
-  echo "http://127.0.0.1:$p/"
+  url="http://127.0.0.1:$p/"
 }
 for _ in $(seq 50); do curl -sf "http://127.0.0.1:$dport/status" >/dev/null && break; sleep 0.1; done
 
@@ -95,26 +108,26 @@ for f in index.html weft_viz_web.js weft_viz_web_bg.wasm style.css; do
     { echo "e2e.sh: weft viz without --assets does not serve viz/page/$f" >&2; exit 1; }
 done
 
-url=$(serve "$real")
+serve "$real"
 python3 "$here/e2e.py" "http://127.0.0.1:$dport" "$url" "$out" train "$real"
-url=$(serve "$run")
+serve "$run"
 python3 "$here/e2e.py" "http://127.0.0.1:$dport" "$url" "$out" run "$run"
 
 # Two runs at once: both legends, a curve per run on every metrics chart,
 # and the loss difference against the first run.
-url=$(serve "$real" "$second")
+serve "$real" "$second"
 python3 "$here/e2e.py" "http://127.0.0.1:$dport" "$url" "$out" compare "$real" "$second"
 
 bad="$work/bad"
 mkdir -p "$bad"
 head -c 2000 "$run/trace.json" >"$bad/trace.json"
-url=$(serve "$bad")
+serve "$bad"
 python3 "$here/e2e.py" "http://127.0.0.1:$dport" "$url" "$out" bad
 
 if [ "${E2E_PERF:-0}" = 1 ]; then
   big="$work/big"
   "$ex/synth_run" "$big" 10000 64 1 100000
-  url=$(serve "$big")
+  serve "$big"
   python3 "$here/e2e.py" "http://127.0.0.1:$dport" "$url" "$out" perf
 fi
 echo "e2e.sh: all checks passed; screenshots in $out"
