@@ -543,6 +543,24 @@ fn weft_eval_never_overwrites_what_it_reads() {
         .output()
         .unwrap();
     assert!(export.status.success(), "{export:?}");
+    // a second export into the folder: refused without --overwrite
+    let again = |extra: &[&str]| {
+        std::process::Command::new(weft)
+            .args(["ckpt", "export"])
+            .arg(&ckpt)
+            .arg("--hf")
+            .arg(&hf)
+            .args(extra)
+            .output()
+            .unwrap()
+    };
+    let refused = again(&[]);
+    let err = String::from_utf8_lossy(&refused.stderr);
+    assert!(
+        !refused.status.success() && err.contains("--overwrite"),
+        "{err}"
+    );
+    assert!(again(&["--overwrite"]).status.success());
     let tokens = dir.join("tokens.json");
     std::fs::write(
         &tokens,

@@ -88,6 +88,9 @@ pub(crate) enum CkptCommand {
         /// Output folder.
         #[arg(long)]
         hf: PathBuf,
+        /// Replace the model a folder already holds.
+        #[arg(long)]
+        overwrite: bool,
     },
     /// Rewrite a checkpoint for another layout (`N` ranks splitting rows, or
     /// `N:dimD` splitting dimension D) under a new checkpoints root.
@@ -326,7 +329,20 @@ pub(crate) fn ckpt(command: CkptCommand) -> Result<()> {
             ));
         }
         CkptCommand::Info { dir } => progress::out(&open(&dir)?.info().to_string()),
-        CkptCommand::Export { dir, hf } => {
+        CkptCommand::Export { dir, hf, overwrite } => {
+            let held = [
+                "config.json",
+                "model.safetensors",
+                "model.safetensors.index.json",
+            ]
+            .iter()
+            .find(|f| hf.join(f).exists());
+            if let (Some(f), false) = (held, overwrite) {
+                anyhow::bail!(
+                    "{} already holds a model ({f}); pass --overwrite to replace it",
+                    hf.display()
+                );
+            }
             let ckpt = open(&dir)?;
             let model = ckpt.state().extra.get("model").cloned().unwrap_or_default();
             let opts: Option<weft_model::ModelOptions> =
