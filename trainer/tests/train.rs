@@ -533,6 +533,14 @@ fn weft_eval_never_overwrites_what_it_reads() {
     c.train.steps = 2;
     c.checkpoint.every = 2;
     train(&c, false, &mut Silent).unwrap();
+    // `--resume .` from inside the run folder
+    let resumed = std::process::Command::new(weft)
+        .current_dir(dir.join("run"))
+        .args(["train", "--resume", ".", "--set", "train.steps=4"])
+        .output()
+        .unwrap();
+    assert!(resumed.status.success(), "{resumed:?}");
+    assert!(dir.join("run/checkpoints/step-00000004").is_dir());
     let hf = dir.join("hf");
     let ckpt = dir.join("run/checkpoints/step-00000002");
     let export = std::process::Command::new(weft)

@@ -360,6 +360,10 @@ fn load_train_config(
                     run_dir.display()
                 );
             }
+            // `.` or `..` name no folder: resolve them
+            let run_dir = run_dir
+                .canonicalize()
+                .with_context(|| format!("--resume {}", run_dir.display()))?;
             let base = config.unwrap_or_else(|| run_dir.join("config.toml"));
             let name = run_dir
                 .file_name()
