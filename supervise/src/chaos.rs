@@ -102,6 +102,12 @@ pub enum ChaosError {
         /// What it printed last.
         message: String,
     },
+    /// The drill would replace runs already in its folder.
+    #[error(
+        "{0} already exists (an earlier drill's run?); the drill replaces no run: \
+         remove it, or give another --dir"
+    )]
+    Exists(PathBuf),
     /// A file could not be read or written.
     #[error("{path}: {source}")]
     Io {
@@ -222,7 +228,6 @@ impl Drill {
     /// Runs a fault-free job, `skips` left out; its wall time.
     fn reference(&self, name: &str, skips: &[u64]) -> Result<f64, ChaosError> {
         let run = self.dir.join(name);
-        let _ = std::fs::remove_dir_all(&run);
         let mut extra: Vec<OsString> = Vec::new();
         if !skips.is_empty() {
             let list: Vec<String> = skips.iter().map(u64::to_string).collect();
@@ -310,6 +315,22 @@ impl Drill {
             path: self.dir.clone(),
             source,
         })?;
+        // the runs it writes must be new: it never deletes a user's folder
+        for entry in std::fs::read_dir(&self.dir).map_err(|source| ChaosError::Io {
+            path: self.dir.clone(),
+            source,
+        })? {
+            let name = entry
+                .map_err(|source| ChaosError::Io {
+                    path: self.dir.clone(),
+                    source,
+                })?
+                .file_name();
+            let name = name.to_string_lossy();
+            if name == "reference" || name.starts_with("reference-") || name.starts_with("trial-") {
+                return Err(ChaosError::Exists(self.dir.join(&*name)));
+            }
+        }
         let reference_s = self.reference("reference", &[])?;
         let clean = fingerprint(&self.dir.join("reference"));
         let mut rng = Rng(self.seed);
@@ -326,7 +347,6 @@ impl Drill {
             let faults = Self::draw(&mut rng, steps, every, ranks, nonfinite_limit);
             let name = format!("trial-{i}");
             let run = self.dir.join(&name);
-            let _ = std::fs::remove_dir_all(&run);
             let mut extra: Vec<OsString> = vec![
                 "--supervise".into(),
                 "--restart-backoff".into(),

@@ -989,6 +989,18 @@ fn the_chaos_drill_detects_recovers_and_keeps_the_bits() {
     // the trial after a rewind is compared with a fault-free run given
     // its skip list
     assert!(dir.join("reference-0").is_dir());
+    // a second drill into the folder replaces none of its runs
+    let again = std::process::Command::new(weft)
+        .args(["chaos", "--trials", "1", "--dir"])
+        .arg(&dir)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&again.stderr);
+    assert!(
+        !again.status.success() && err.contains("already exists"),
+        "{err}"
+    );
+    assert!(dir.join("trial-2").is_dir());
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
