@@ -102,6 +102,9 @@ pub enum ChaosError {
         /// What it printed last.
         message: String,
     },
+    /// The drill's job is too short for the faults it draws.
+    #[error("the drill's job: {0}")]
+    Job(String),
     /// The drill would replace runs already in its folder.
     #[error(
         "{0} already exists (an earlier drill's run?); the drill replaces no run: \
@@ -311,6 +314,23 @@ impl Drill {
     /// [`ChaosError`] when a fault-free run fails or a folder cannot be
     /// made.
     pub fn run(&self, mut each: impl FnMut(usize, &Trial)) -> Result<Vec<Trial>, ChaosError> {
+        // every fault needs room: two checkpoints before the last step (a
+        // rotten one and the one before it), and a rewind's steps
+        let j = &self.job;
+        if j.every == 0 || j.steps <= 2 * j.every {
+            return Err(ChaosError::Job(format!(
+                "train.steps = {} with checkpoint.every = {}: the drill needs two \
+                 checkpoints before the last step (train.steps > 2 x checkpoint.every)",
+                j.steps, j.every
+            )));
+        }
+        if j.steps < j.nonfinite_limit + 4 {
+            return Err(ChaosError::Job(format!(
+                "train.steps = {} leaves no room for train.nonfinite_limit = {} non-finite \
+                 steps (train.steps >= nonfinite_limit + 4)",
+                j.steps, j.nonfinite_limit
+            )));
+        }
         std::fs::create_dir_all(&self.dir).map_err(|source| ChaosError::Io {
             path: self.dir.clone(),
             source,

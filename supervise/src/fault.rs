@@ -121,8 +121,9 @@ impl std::str::FromStr for Fault {
                     fault.factor = value
                         .parse()
                         .ok()
-                        .filter(|f: &f64| f.is_finite() && *f >= 1.0)
-                        .ok_or_else(|| bad("a factor ≥ 1"))?;
+                        // a step's time is multiplied by it: bounded
+                        .filter(|f: &f64| (1.0..=1000.0).contains(f))
+                        .ok_or_else(|| bad("a factor from 1 to 1000"))?;
                 }
                 _ => {
                     return Err(format!(
@@ -189,7 +190,8 @@ mod tests {
             ("kill:step=0", "a step ≥ 1"),
             ("kill:step=x", "a step ≥ 1"),
             ("kill:step=3,count=2", "\"count\" is not a setting of kill"),
-            ("slow:factor=0.5", "a factor ≥ 1"),
+            ("slow:factor=0.5", "a factor from 1 to 1000"),
+            ("slow:step=2,factor=1e300", "a factor from 1 to 1000"),
             ("nan:step=3,count=0", "a count ≥ 1"),
             ("hang:rank=-1,step=2", "a rank ≥ 0"),
             ("kill:step", "is not KEY=VALUE"),

@@ -300,6 +300,10 @@ const CASES: &[(&[&str], &str)] = &[
         "key `train.steps`",
     ),
     (
+        &["chaos", "--trials", "1", "--set", "checkpoint.every=60"],
+        "the drill's job: train.steps = 60 with checkpoint.every = 60: the drill needs two checkpoints",
+    ),
+    (
         &[
             "pipeline",
             "--schedule",
