@@ -99,6 +99,38 @@ impl TargetLayout {
         Ok(Self::split_dim(if dim == 0 { "dp" } else { "tp" }, n, dim))
     }
 
+    /// Checks that a split of `src` gives every target rank something: no
+    /// more ranks than `src`'s longest tensor has elements along the split
+    /// dimension (`weft ckpt reshard` writes a file per rank, so a number
+    /// past that only writes empty files). A custom rule passes.
+    ///
+    /// # Errors
+    /// [`Error::BadName`] naming the layout and the longest extent.
+    pub fn check_against(&self, src: &Checkpoint) -> Result<()> {
+        let Rule::SplitDim(d) = &self.rule else {
+            return Ok(());
+        };
+        let widest = src
+            .manifest()
+            .tensors
+            .values()
+            .filter_map(|t| t.shape.get(*d).copied())
+            .max()
+            .unwrap_or(1);
+        let n = u64::from(self.layout.world_size);
+        if n > widest {
+            return Err(Error::BadName {
+                path: format!("--to {n}:dim{d}").into(),
+                reason: format!(
+                    "{n} ranks, but no tensor of {} is longer than {widest} along dimension \
+                     {d}: ranks beyond that would hold nothing",
+                    src.dir().display()
+                ),
+            });
+        }
+        Ok(())
+    }
+
     /// The region of tensor `name` that `rank` holds, if any.
     pub fn region(&self, name: &str, t: &TensorEntry, rank: u32) -> Option<Region> {
         let r = match &self.rule {

@@ -569,6 +569,20 @@ fn weft_eval_never_overwrites_what_it_reads() {
         "{err}"
     );
     assert!(again(&["--overwrite"]).status.success());
+    // a reshard into more ranks than any tensor has rows writes nothing
+    let reshard = std::process::Command::new(weft)
+        .args(["ckpt", "reshard"])
+        .arg(&ckpt)
+        .args(["--to", "1000000"])
+        .arg(dir.join("resharded"))
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&reshard.stderr);
+    assert!(
+        !reshard.status.success() && err.contains("would hold nothing"),
+        "{err}"
+    );
+    assert!(!dir.join("resharded").exists());
     let tokens = dir.join("tokens.json");
     std::fs::write(
         &tokens,

@@ -383,6 +383,7 @@ pub(crate) fn ckpt(command: CkptCommand) -> Result<()> {
         CkptCommand::Reshard { dir, to, out } => {
             let target = TargetLayout::parse(&to)?;
             let ckpt = open(&dir)?;
+            target.check_against(&ckpt)?;
             let committed = reshard(&ckpt, &target, &out, &SaveOptions::default())
                 .with_context(|| format!("resharding {} into {}", dir.display(), out.display()))?;
             progress::say(&format!(
