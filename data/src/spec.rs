@@ -307,10 +307,10 @@ struct DataTable {
     synthetic: SyntheticSpec,
     blend: Vec<BlendEntry>,
     doc_mask: bool,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    tokenizer: Option<String>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    eot: Option<String>,
+    /// `""`: unset.
+    tokenizer: String,
+    /// `""`: unset.
+    eot: String,
 }
 
 impl Default for DataTable {
@@ -336,11 +336,9 @@ impl TryFrom<DataTable> for DataSpec {
                 ),
             });
         };
-        let tokenizer = t
-            .tokenizer
-            .as_deref()
-            .map(|name| TokenizerSpec::named(name, t.eot.as_deref()));
-        if t.eot.is_some() && !matches!(tokenizer, Some(TokenizerSpec::File { .. })) {
+        let eot = (!t.eot.is_empty()).then_some(t.eot.as_str());
+        let tokenizer = (!t.tokenizer.is_empty()).then(|| TokenizerSpec::named(&t.tokenizer, eot));
+        if eot.is_some() && !matches!(tokenizer, Some(TokenizerSpec::File { .. })) {
             return Err(DataSpecError {
                 field: "eot".into(),
                 problem: "names the end-of-text token of a tokenizer.json: set data.tokenizer to one (GPT-2's is <|endoftext|>)".into(),
@@ -364,10 +362,10 @@ impl From<DataSpec> for DataTable {
             Source::Blend(b) => (SYNTHETIC.to_owned(), b),
         };
         let (tokenizer, eot) = match s.tokenizer {
-            None => (None, None),
-            Some(TokenizerSpec::Gpt2) => (Some(GPT2.to_owned()), None),
+            None => (String::new(), String::new()),
+            Some(TokenizerSpec::Gpt2) => (GPT2.to_owned(), String::new()),
             Some(TokenizerSpec::File { path, eot }) => {
-                (Some(path.to_string_lossy().into_owned()), eot)
+                (path.to_string_lossy().into_owned(), eot.unwrap_or_default())
             }
         };
         DataTable {
