@@ -10,6 +10,9 @@ Writes into OUT_DIR:
       Llama-3 and Qwen build theirs), special token <|endoftext|>.
   wordbpe.json    a plain BPE with a Whitespace pre-tokenizer, an NFC
       normalizer and an unknown token [UNK]; end-of-text </s>.
+  llama3.json     a byte-level BPE pre-tokenized as Llama-3's tokenizer.json
+      is (a Split on its regex, lookahead included, then ByteLevel
+      without its own regex), end-of-text <|end_of_text|>.
   big.json        bytelevel.json with 70,000 added tokens <extra_N>, so
       ids go past 65,535 (vocabulary > 65,536).
   docs/doc000.txt ...  the test documents (unicode, emoji, whitespace
@@ -24,7 +27,7 @@ import os
 import random
 import sys
 
-from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
 out = sys.argv[1]
 os.makedirs(os.path.join(out, "docs"), exist_ok=True)
@@ -79,6 +82,19 @@ wb.train_from_iterator(train, trainers.BpeTrainer(
     vocab_size=400, special_tokens=["[UNK]", "</s>"], show_progress=False))
 wb.save(os.path.join(out, "wordbpe.json"))
 
+# (a') Llama-3's pre-tokenizer (Qwen2's differs in \p{N} for \p{N}{1,3})
+LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|"
+          r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+l3 = Tokenizer(models.BPE())
+l3.pre_tokenizer = pre_tokenizers.Sequence([
+    pre_tokenizers.Split(Regex(LLAMA3), behavior="isolated", invert=False),
+    pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+l3.decoder = decoders.ByteLevel()
+l3.train_from_iterator(train, trainers.BpeTrainer(
+    vocab_size=800, special_tokens=["<|begin_of_text|>", "<|end_of_text|>"],
+    initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+l3.save(os.path.join(out, "llama3.json"))
+
 # (c) a vocabulary over 65,536 ids
 big = Tokenizer.from_file(os.path.join(out, "bytelevel.json"))
 big.add_tokens([f"<extra_{i}>" for i in range(70000)])
@@ -86,7 +102,7 @@ big.save(os.path.join(out, "big.json"))
 
 ids, vocab, eot = {}, {}, {}
 for name, tok, end in [("bytelevel", bl, "<|endoftext|>"), ("wordbpe", wb, "</s>"),
-                       ("big", big, "<|endoftext|>")]:
+                       ("llama3", l3, "<|end_of_text|>"), ("big", big, "<|endoftext|>")]:
     tok = Tokenizer.from_file(os.path.join(out, f"{name}.json"))
     tok.encode_special_tokens = True
     ids[name] = [tok.encode(d, add_special_tokens=False).ids for d in docs]
