@@ -193,7 +193,10 @@ impl Tokenizer {
         let (eot_token, end_of_text) = match eot {
             Some(t) => {
                 let id = inner.token_to_id(t).ok_or_else(|| {
-                    bad(path, format!("--eot {t:?} is not a token of its vocabulary"))
+                    bad(
+                        path,
+                        format!("the end-of-text token {t:?} (--eot, data.eot) is not in its vocabulary"),
+                    )
                 })?;
                 (t.to_owned(), id)
             }
