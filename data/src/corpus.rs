@@ -15,11 +15,19 @@
 //!   common prefix, or by either file. Documents are concatenated as they
 //!   are: an end-of-text token between them is there if the tool that
 //!   wrote them appended one (`--append-eod`).
-//! - **llm.c** token shards: a header of 256 `i32` (magic 20240520,
-//!   version 1, token count), then `u16` GPT-2 ids, each document starting
-//!   with the end-of-text token. A single file or a folder of them; files
-//!   whose name contains `_val_` are the validation split (llm.c's own
-//!   convention), else it is held out by document.
+//! - **llm.c** token shards: a header of 256 `i32` (magic, version, token
+//!   count), then the ids: magic 20240520 version 1, `u16` GPT-2 ids, each
+//!   document starting with the end-of-text token (50256); or magic
+//!   20240801 version 7, `u32` Llama-3 ids, each document starting with
+//!   `<|begin_of_text|>` (128000), a vocabulary of 128,256 ids. A single
+//!   file or a folder of them; files whose name contains `_val_` are the
+//!   validation split (llm.c's own convention), else it is held out by
+//!   document.
+//!
+//! The size of the id space comes from what wrote the data: a weft
+//! folder's index, llm.c's magic, the tokenizer given to
+//! [`Corpus::open_for`] — or, for Megatron-LM files without one, GPT-2's
+//! for `uint16` ids and none (ids unchecked) for `int32`.
 //!
 //! No format carries a checksum but weft's: for Megatron-LM and llm.c
 //! files only lengths are checked (a truncated file is an error) and ids
@@ -35,11 +43,17 @@ use std::sync::Arc;
 use crate::error::{DataError, Result, format};
 use crate::format::{INDEX, PARTIAL, Prepared};
 use crate::shard::{Dtype, Mapped, Segment, Shard, Stream};
+use crate::tokenizer::{GPT2, Tokenizer};
 
 /// GPT-2's end-of-text token.
 pub const END_OF_TEXT: u32 = 50256;
 /// GPT-2's vocabulary size.
 pub const GPT2_VOCAB: usize = 50257;
+/// Llama-3's vocabulary size (llm.c's Llama-3 shards).
+pub const LLAMA3_VOCAB: usize = 128_256;
+/// Llama-3's `<|begin_of_text|>`, which starts every document of llm.c's
+/// Llama-3 shards.
+pub const LLAMA3_BEGIN_OF_TEXT: u32 = 128_000;
 
 /// Which tool wrote a corpus.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -144,7 +158,20 @@ pub struct Corpus {
     pub documents: Option<u64>,
     /// The prepared folder's index (weft format only).
     pub prepared: Option<Arc<Prepared>>,
+    /// Size of the id space the ids are checked against as they are read
+    /// (`None`: unknown, unchecked: Megatron-LM `int32` ids opened without
+    /// a tokenizer).
+    pub vocab_size: Option<usize>,
+    /// The token that separates documents (ends them, or for llm.c's
+    /// files starts them), when known.
+    pub end_of_text: Option<u32>,
+    /// What made the ids, when the data records it: `"gpt2"`, or the
+    /// xxh3-64 of a `tokenizer.json` ([`Tokenizer::id`]).
+    pub tokenizer: Option<String>,
 }
+
+/// The `vocab` a shard checks ids against when there is none.
+const UNCHECKED: usize = 1 << 32;
 
 impl Corpus {
     /// Whether `path` is token data this crate reads (rather than text to
@@ -162,6 +189,18 @@ impl Corpus {
     /// length errors naming the file; [`DataError::OneDocument`] if there
     /// is nothing to hold out by document.
     pub fn open(path: &Path, val_fraction: f64) -> Result<Self> {
+        Self::open_for(path, val_fraction, None)
+    }
+
+    /// As [`open`](Self::open), for training with `tokenizer`: a weft
+    /// folder must have been prepared with it; Megatron-LM files take its
+    /// vocabulary size and end-of-text token; llm.c's Llama-3 shards its
+    /// vocabulary size.
+    ///
+    /// # Errors
+    /// As [`open`](Self::open); [`DataError::TokenizerMismatch`] when the
+    /// data records another tokenizer.
+    pub fn open_for(path: &Path, val_fraction: f64, tokenizer: Option<&Tokenizer>) -> Result<Self> {
         if !path.exists() && !with_suffix(path, ".idx").exists() {
             return Err(DataError::Io {
                 path: path.to_owned(),
@@ -169,9 +208,29 @@ impl Corpus {
             });
         }
         match detect(path).ok_or_else(|| DataError::UnknownFormat(path.to_owned()))? {
-            Found::Weft(dir) => Self::open_weft(path, &dir, val_fraction),
-            Found::Megatron(prefix) => Self::open_megatron(path, &prefix, val_fraction),
-            Found::LlmC(files) => Self::open_llmc(path, &files, val_fraction),
+            Found::Weft(dir) => Self::open_weft(path, &dir, val_fraction, tokenizer),
+            Found::Megatron(prefix) => Self::open_megatron(path, &prefix, val_fraction, tokenizer),
+            Found::LlmC(files) => Self::open_llmc(path, &files, val_fraction, tokenizer),
+        }
+    }
+
+    /// A [`DataError::TokenizerMismatch`] if `given` is not what the data
+    /// at `path` records (`recorded`, described as `shown`).
+    fn check_tokenizer(
+        path: &Path,
+        recorded: &str,
+        shown: &str,
+        given: Option<&Tokenizer>,
+    ) -> Result<()> {
+        match given {
+            Some(t) if t.id() != recorded => Err(DataError::TokenizerMismatch {
+                path: path.to_owned(),
+                what: format!(
+                    "the ids were made with {shown}, not with the tokenizer named ({}): train with the tokenizer it was prepared with, or prepare the text again with --tokenizer",
+                    t.describe()
+                ),
+            }),
+            _ => Ok(()),
         }
     }
 
@@ -194,8 +253,19 @@ impl Corpus {
         total - ((total as f64 * val_fraction).ceil() as u64).min(total)
     }
 
-    fn open_weft(path: &Path, dir: &Path, val_fraction: f64) -> Result<Self> {
+    fn open_weft(
+        path: &Path,
+        dir: &Path,
+        val_fraction: f64,
+        tokenizer: Option<&Tokenizer>,
+    ) -> Result<Self> {
         let p = Prepared::open(dir)?;
+        let recorded = p.index.tokenizer_id();
+        let shown = match &p.index.settings.tokenizer_xxh3 {
+            Some(h) => format!("a tokenizer.json of xxh3 {h}"),
+            None => recorded.clone(),
+        };
+        Self::check_tokenizer(path, &recorded, &shown, tokenizer)?;
         let total = p.index.tokens;
         let target = Self::target(total, val_fraction);
         let cut = match p.doc_end_at_or_after(target)? {
@@ -210,11 +280,19 @@ impl Corpus {
             train: Stream::new(p.segments(0, cut)),
             val: Stream::new(p.segments(cut, total)),
             documents: Some(p.index.documents),
+            vocab_size: Some(p.index.vocab_size),
+            end_of_text: Some(p.index.end_of_text),
+            tokenizer: Some(recorded),
             prepared: Some(Arc::new(p)),
         })
     }
 
-    fn open_megatron(path: &Path, prefix: &Path, val_fraction: f64) -> Result<Self> {
+    fn open_megatron(
+        path: &Path,
+        prefix: &Path,
+        val_fraction: f64,
+        tokenizer: Option<&Tokenizer>,
+    ) -> Result<Self> {
         let idx_path = with_suffix(prefix, ".idx");
         let bin_path = with_suffix(prefix, ".bin");
         let map = Mapped::open(&idx_path)?;
@@ -290,7 +368,14 @@ impl Corpus {
             )));
         }
         let total = cum[n];
-        let shard = Arc::new(Shard::open(&bin_path, 0, dtype, total, GPT2_VOCAB, None)?);
+        // Without a tokenizer: GPT-2's for uint16 ids, unknown for int32.
+        let (vocab_size, end_of_text) = match (tokenizer, dtype) {
+            (Some(t), _) => (Some(t.vocab_size()), Some(t.end_of_text())),
+            (None, Dtype::U16) => (Some(GPT2_VOCAB), Some(END_OF_TEXT)),
+            (None, Dtype::U32) => (None, None),
+        };
+        let vocab = vocab_size.unwrap_or(UNCHECKED);
+        let shard = Arc::new(Shard::open(&bin_path, 0, dtype, total, vocab, None)?);
         // Document ends in tokens, empty documents dropped.
         let mut ends: Vec<u64> = docs[1..].iter().map(|&s| cum[s as usize]).collect();
         ends.dedup();
@@ -314,12 +399,22 @@ impl Corpus {
             val: Stream::new(vec![seg(cut, total)]),
             documents: Some(ends.len() as u64),
             prepared: None,
+            vocab_size,
+            end_of_text,
+            tokenizer: None,
         })
     }
 
-    fn open_llmc(path: &Path, files: &[PathBuf], val_fraction: f64) -> Result<Self> {
+    fn open_llmc(
+        path: &Path,
+        files: &[PathBuf],
+        val_fraction: f64,
+        tokenizer: Option<&Tokenizer>,
+    ) -> Result<Self> {
         let mut train = Vec::new();
         let mut val = Vec::new();
+        // (dtype, vocabulary, document separator) of the first file
+        let mut kind: Option<(Dtype, usize, u32)> = None;
         for f in files {
             let map = Mapped::open(f)?;
             let head = map.bytes();
@@ -328,31 +423,38 @@ impl Corpus {
             }
             let word =
                 |i: usize| i32::from_le_bytes(head[4 * i..4 * i + 4].try_into().expect("4 bytes"));
-            match (word(0), word(1)) {
-                (LLMC_MAGIC, 1) => {}
-                (LLMC_LLAMA3_MAGIC, _) => {
-                    return Err(format(
-                        f,
-                        "llm.c shard of LLaMA-3 tokens; weft trains GPT-2's vocabulary (llm.c's GPT-2 shards: magic 20240520, version 1)",
-                    ));
+            let this = match (word(0), word(1)) {
+                (LLMC_MAGIC, 1) => {
+                    Self::check_tokenizer(f, GPT2, "GPT-2's BPE (llm.c's GPT-2 shard)", tokenizer)?;
+                    (Dtype::U16, GPT2_VOCAB, END_OF_TEXT)
+                }
+                (LLMC_LLAMA3_MAGIC, 7) => {
+                    let vocab = tokenizer.map_or(LLAMA3_VOCAB, Tokenizer::vocab_size);
+                    (Dtype::U32, vocab, LLAMA3_BEGIN_OF_TEXT)
                 }
                 (m, v) => {
                     return Err(format(
                         f,
-                        format!("llm.c magic {m} version {v}; weft reads magic 20240520 version 1"),
+                        format!(
+                            "llm.c magic {m} version {v}; weft reads magic 20240520 version 1 (GPT-2, uint16) and magic 20240801 version 7 (Llama-3, uint32)"
+                        ),
                     ));
                 }
+            };
+            if kind.is_some_and(|k| k != this) {
+                return Err(format(
+                    f,
+                    format!(
+                        "an llm.c shard of other ids than {} (GPT-2 and Llama-3 shards do not mix)",
+                        files[0].display()
+                    ),
+                ));
             }
+            kind = Some(this);
+            let (dtype, vocab, _) = this;
             let tokens = u64::try_from(word(2)).map_err(|_| format(f, "negative token count"))?;
             drop(map);
-            let shard = Arc::new(Shard::open(
-                f,
-                LLMC_HEADER,
-                Dtype::U16,
-                tokens,
-                GPT2_VOCAB,
-                None,
-            )?);
+            let shard = Arc::new(Shard::open(f, LLMC_HEADER, dtype, tokens, vocab, None)?);
             let seg = Segment {
                 shard,
                 start: 0,
@@ -368,15 +470,20 @@ impl Corpus {
                 train.push(seg);
             }
         }
+        let (dtype, vocab, separator) = kind.expect("at least one file");
+        let corpus = |train, val| Self {
+            path: path.to_owned(),
+            format: Format::LlmC,
+            train: Stream::new(train),
+            val: Stream::new(val),
+            documents: None,
+            prepared: None,
+            vocab_size: Some(vocab),
+            end_of_text: Some(separator),
+            tokenizer: (dtype == Dtype::U16).then(|| GPT2.to_owned()),
+        };
         if !val.is_empty() && !train.is_empty() {
-            return Ok(Self {
-                path: path.to_owned(),
-                format: Format::LlmC,
-                train: Stream::new(train),
-                val: Stream::new(val),
-                documents: None,
-                prepared: None,
-            });
+            return Ok(corpus(train, val));
         }
         // One stream: cut at the first end-of-text at or after the target
         // (each llm.c document starts with one), else the last before it.
@@ -394,8 +501,8 @@ impl Corpus {
             unreachable!("position inside the corpus")
         };
         let cut = (target..total)
-            .find(|&p| p > 0 && at(p) == END_OF_TEXT)
-            .or_else(|| (1..target).rev().find(|&p| at(p) == END_OF_TEXT))
+            .find(|&p| p > 0 && at(p) == separator)
+            .or_else(|| (1..target).rev().find(|&p| at(p) == separator))
             .ok_or_else(|| DataError::OneDocument(path.to_owned()))?;
         let (mut tr, mut va) = (Vec::new(), Vec::new());
         let mut base = 0;
@@ -417,13 +524,6 @@ impl Corpus {
             }
             base = b;
         }
-        Ok(Self {
-            path: path.to_owned(),
-            format: Format::LlmC,
-            train: Stream::new(tr),
-            val: Stream::new(va),
-            documents: None,
-            prepared: None,
-        })
+        Ok(corpus(tr, va))
     }
 }

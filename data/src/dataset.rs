@@ -15,10 +15,10 @@ use std::path::PathBuf;
 use rand_core::SeedableRng;
 use rand_pcg::Pcg64;
 
-use crate::corpus::{Corpus, GPT2_VOCAB};
-use crate::error::Result;
+use crate::corpus::Corpus;
+use crate::error::{DataError, Result};
 use crate::loader::{Loader, Share};
-use crate::spec::{DataSpec, Source};
+use crate::spec::{DataSpec, Source, TokenIds};
 use crate::synthetic::{Sequence, SyntheticLanguage};
 use crate::text::TextData;
 
@@ -82,7 +82,7 @@ impl Dataset {
     /// mapped), token data memory-mapped.
     ///
     /// # Errors
-    /// [`DataError`](crate::DataError) for unreadable, empty or too-short data, or invalid
+    /// [`DataError`] for unreadable, empty or too-short data, or invalid
     /// synthetic settings, naming the file.
     pub fn open(spec: &DataSpec, opts: &DatasetOptions) -> Result<Self> {
         match &spec.source {
@@ -92,28 +92,41 @@ impl Dataset {
                 seed: opts.seed,
             })),
             Source::Text(path) => {
-                TextData::open(path, opts.seq, spec.val_fraction, opts.seed).map(Dataset::Text)
+                let tok = match spec.named_tokenizer()? {
+                    Some(t) => t,
+                    None => crate::tokenizer::Tokenizer::gpt2()?,
+                };
+                TextData::open(path, &tok, opts.seq, spec.val_fraction, opts.seed)
+                    .map(Dataset::Text)
             }
-            Source::Tokens(path) => {
-                TokenData::open(&[(path.clone(), 1.0)], spec.val_fraction, opts)
-                    .map(Dataset::Tokens)
-            }
-            Source::Blend(entries) => {
-                let parts: Vec<(PathBuf, f64)> = entries
-                    .iter()
-                    .map(|b| (PathBuf::from(&b.path), b.weight))
-                    .collect();
-                TokenData::open(&parts, spec.val_fraction, opts).map(Dataset::Tokens)
+            Source::Tokens(_) | Source::Blend(_) => {
+                let (corpora, ids) = open_corpora(&spec.parts(), spec)?;
+                Ok(Dataset::Tokens(TokenData {
+                    loader: Loader::new(corpora, opts.seq, opts.seed)?,
+                    global_batch: opts.global_batch as u64,
+                    ids,
+                }))
             }
         }
     }
 
-    /// Size of the token id space.
+    /// Size of the token id space: the model's vocabulary size.
     #[must_use]
     pub fn vocab_size(&self) -> usize {
         match self {
             Dataset::Synthetic(s) => s.lang.vocab_size(),
-            Dataset::Text(_) | Dataset::Tokens(_) => GPT2_VOCAB,
+            Dataset::Text(t) => t.vocab_size(),
+            Dataset::Tokens(t) => t.ids.vocab_size,
+        }
+    }
+
+    /// The token between documents (none for the synthetic corpus).
+    #[must_use]
+    pub fn end_of_text(&self) -> Option<u32> {
+        match self {
+            Dataset::Synthetic(_) => None,
+            Dataset::Text(t) => Some(t.end_of_text()),
+            Dataset::Tokens(t) => t.ids.end_of_text,
         }
     }
 
@@ -165,6 +178,64 @@ impl Dataset {
     }
 }
 
+/// Opens each token dataset of `parts` (path, weight), memory-mapped,
+/// for the spec's tokenizer (when it names one) with its `val_fraction`
+/// held out by document, and checks that they hold ids of one tokenizer:
+/// the same vocabulary size, the same recorded tokenizer where two
+/// record one, and under `doc_mask` the same end-of-text token.
+pub(crate) fn open_corpora(
+    parts: &[(PathBuf, f64)],
+    spec: &DataSpec,
+) -> Result<(Vec<(Corpus, f64)>, TokenIds)> {
+    let tok = spec.named_tokenizer()?;
+    let mut out: Vec<(Corpus, f64)> = Vec::with_capacity(parts.len());
+    for (p, w) in parts {
+        let c = Corpus::open_for(p, spec.val_fraction, tok.as_ref())?;
+        let Some(vocab) = c.vocab_size else {
+            return Err(DataError::Tokenizer {
+                path: p.clone(),
+                what: "int32 ids of an unknown tokenizer: name the tokenizer.json they were made with in data.tokenizer, so the vocabulary size is known".into(),
+            });
+        };
+        if let Some((first, _)) = out.first() {
+            let f = first.path.display();
+            let what = if first.vocab_size != Some(vocab) {
+                Some(format!(
+                    "ids of a vocabulary of {vocab}, and {f} of {}",
+                    first.vocab_size.unwrap_or(0)
+                ))
+            } else if let (Some(a), Some(b)) = (&first.tokenizer, &c.tokenizer)
+                && a != b
+            {
+                Some(format!("ids of tokenizer {b}, and {f} of tokenizer {a}"))
+            } else if spec.doc_mask && first.end_of_text != c.end_of_text {
+                Some(format!(
+                    "end-of-text {:?}, and {f} {:?} (data.doc_mask)",
+                    c.end_of_text, first.end_of_text
+                ))
+            } else {
+                None
+            };
+            if let Some(what) = what {
+                return Err(DataError::TokenizerMismatch {
+                    path: p.clone(),
+                    what: format!("{what}: a blend trains the ids of one tokenizer"),
+                });
+            }
+        }
+        out.push((c, *w));
+    }
+    let first = &out
+        .first()
+        .ok_or_else(|| DataError::Blend("no datasets".into()))?
+        .0;
+    let ids = TokenIds {
+        vocab_size: first.vocab_size.unwrap_or(0),
+        end_of_text: first.end_of_text,
+    };
+    Ok((out, ids))
+}
+
 /// Prepared token data: one corpus, or a blend.
 #[derive(Debug)]
 pub struct TokenData {
@@ -172,30 +243,11 @@ pub struct TokenData {
     pub loader: Loader,
     /// Sequences per optimizer step.
     global_batch: u64,
+    /// The id space and the end-of-text token of every corpus.
+    ids: TokenIds,
 }
 
 impl TokenData {
-    /// Opens each corpus of `parts` (path, weight), memory-mapped, with
-    /// `val_fraction` held out by document.
-    ///
-    /// # Errors
-    /// A [`DataError`](crate::DataError) naming the corpus that is missing, malformed, too
-    /// short, or not token data.
-    pub fn open(
-        parts: &[(PathBuf, f64)],
-        val_fraction: f64,
-        opts: &DatasetOptions,
-    ) -> Result<Self> {
-        let corpora = parts
-            .iter()
-            .map(|(p, w)| Corpus::open(p, val_fraction).map(|c| (c, *w)))
-            .collect::<Result<Vec<_>>>()?;
-        Ok(Self {
-            loader: Loader::new(corpora, opts.seq, opts.seed)?,
-            global_batch: opts.global_batch as u64,
-        })
-    }
-
     fn train_batch(&self, step: u64, micro: usize, batch: usize) -> Result<Batch> {
         let seq = self.loader.seq();
         let mut windows = Vec::with_capacity(batch);

@@ -115,9 +115,24 @@ pub enum DataError {
     /// A blend is ill-formed.
     #[error("data.blend: {0}")]
     Blend(String),
-    /// The tokenizer could not be built.
-    #[error("GPT-2 tokenizer: {0}")]
-    Tokenizer(String),
+    /// A tokenizer could not be loaded or used: its file (`gpt2` for
+    /// GPT-2's) and what went wrong.
+    #[error("{path}: {what}")]
+    Tokenizer {
+        /// The `tokenizer.json` (or `gpt2`).
+        path: PathBuf,
+        /// What is wrong.
+        what: String,
+    },
+    /// Token data was made with another tokenizer than the one named, or
+    /// than the other data of a blend.
+    #[error("{path}: {what}")]
+    TokenizerMismatch {
+        /// The data.
+        path: PathBuf,
+        /// Which tokenizers differ, and how.
+        what: String,
+    },
     /// Preparation was stopped by its caller; finished shards are kept and
     /// a later run with the same inputs resumes after them.
     #[error("preparation of {0} interrupted; run it again to resume")]

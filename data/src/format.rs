@@ -6,10 +6,15 @@
 //!   was prepared from, and per shard its token and document counts, the
 //!   xxh3-64 of its two files and one xxh3-64 per block of
 //!   [`Index::block_tokens`] tokens;
-//! - `shard-NNNNN.bin`: the token ids as little-endian `u16` (no header,
-//!   so the file maps straight to an array, as Megatron-LM's `.bin` does);
+//! - `shard-NNNNN.bin`: the token ids as little-endian `u16`, or `u32`
+//!   when the tokenizer has more than 65,536 ids ([`Index::dtype`]; no
+//!   header, so the file maps straight to an array, as Megatron-LM's
+//!   `.bin` does);
 //! - `shard-NNNNN.idx`: each document's end offset in the shard (tokens,
-//!   exclusive) as little-endian `u64`.
+//!   exclusive) as little-endian `u64`;
+//! - `tokenizer.json`, when a Hugging Face tokenizer made the ids: a copy
+//!   of it (its xxh3-64 is in the index), so the folder can be decoded
+//!   (`weft sample`) wherever it is moved.
 //!
 //! Every document ends with the end-of-text token; documents never cross
 //! shards. While a preparation runs, `prepare.partial.json` (the same
@@ -23,6 +28,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::{DataError, Result, format, io};
 use crate::shard::{Blocks, Dtype, Segment, Shard};
+use crate::tokenizer::Tokenizer;
 
 /// The `format` field of every index.
 pub const FORMAT: &str = "weft-tokens";
@@ -32,7 +38,10 @@ pub const VERSION: u32 = 1;
 pub const INDEX: &str = "index.json";
 /// The file name of an unfinished preparation's index.
 pub const PARTIAL: &str = "prepare.partial.json";
-/// Tokens per checksummed block (2 MiB of `u16`).
+/// The file name of the copy of a Hugging Face tokenizer in a prepared
+/// folder.
+pub const TOKENIZER: &str = "tokenizer.json";
+/// Tokens per checksummed block (2 MiB of `u16`, 4 MiB of `u32`).
 pub const BLOCK_TOKENS: u64 = 1 << 20;
 
 /// What a preparation was made from: two preparations with equal settings
@@ -40,8 +49,16 @@ pub const BLOCK_TOKENS: u64 = 1 << 20;
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Settings {
-    /// The tokenizer (`"gpt2"`: GPT-2's byte-level BPE, `r50k_base`).
+    /// The tokenizer: `"gpt2"` (GPT-2's byte-level BPE, `r50k_base`), or
+    /// [`TOKENIZER`] (a Hugging Face tokenizer, copied into the folder).
     pub tokenizer: String,
+    /// xxh3-64 of the `tokenizer.json` (16 hex digits); absent for GPT-2.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tokenizer_xxh3: Option<String>,
+    /// The end-of-text token appended after every document (its text);
+    /// absent for GPT-2 (`<|endoftext|>`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub end_of_text_token: Option<String>,
     /// The JSON field holding a `.jsonl` document's text.
     pub text_key: String,
     /// A shard closes before a document would take it past this many
@@ -94,7 +111,8 @@ pub struct Index {
     pub format: String,
     /// [`VERSION`].
     pub version: u32,
-    /// How token ids are stored.
+    /// How token ids are stored: `u16` while every id fits (vocabularies
+    /// of up to 65,536 ids), else `u32`.
     pub dtype: Dtype,
     /// Size of the tokenizer's id space.
     pub vocab_size: usize,
@@ -155,6 +173,16 @@ impl Index {
             ));
         }
         Ok(index)
+    }
+
+    /// What made the ids: `"gpt2"`, or the xxh3-64 of the
+    /// `tokenizer.json` ([`Tokenizer::id`] of the same tokenizer).
+    #[must_use]
+    pub fn tokenizer_id(&self) -> String {
+        self.settings
+            .tokenizer_xxh3
+            .clone()
+            .unwrap_or_else(|| self.settings.tokenizer.clone())
     }
 
     /// Writes the index to `path` atomically (a temporary file renamed
@@ -238,6 +266,32 @@ impl Prepared {
             index,
             shards,
         })
+    }
+
+    /// The tokenizer that made the ids: GPT-2's, or the folder's copy of
+    /// its `tokenizer.json` (checked against the recorded hash).
+    ///
+    /// # Errors
+    /// [`DataError::Tokenizer`] if the copy is missing, unreadable or not
+    /// the recorded one.
+    pub fn tokenizer(&self) -> Result<Tokenizer> {
+        let s = &self.index.settings;
+        if s.tokenizer_xxh3.is_none() {
+            return Tokenizer::gpt2();
+        }
+        let path = self.dir.join(&s.tokenizer);
+        let t = Tokenizer::from_file(&path, s.end_of_text_token.as_deref())?;
+        if t.id() != self.index.tokenizer_id() {
+            return Err(DataError::Tokenizer {
+                path,
+                what: format!(
+                    "xxh3 {}, but the data was prepared with xxh3 {}: the copy was replaced",
+                    t.id(),
+                    self.index.tokenizer_id()
+                ),
+            });
+        }
+        Ok(t)
     }
 
     /// Checks every checksum of every file (reads the whole folder).

@@ -12,14 +12,16 @@
 //!   next-token distribution is known at every position, so the loss
 //!   floor is exact. [`TextData`] ([`mod@text`]): `.txt` files tokenized
 //!   when a run starts, with a checksummed token cache that later runs
-//!   and the other ranks of a job map instead. [`tokenizer::gpt2`]: the
-//!   one GPT-2 BPE every part uses.
+//!   and the other ranks of a job map instead. [`Tokenizer`]: GPT-2's
+//!   BPE (the default) or a Hugging Face `tokenizer.json`
+//!   ([`mod@tokenizer`]), whose end-of-text token, vocabulary size and
+//!   identity travel with the data it makes.
 //! - [`prepare()`]: `.txt` / `.jsonl` (optionally gzip) files and folders
-//!   → shards of GPT-2 BPE ids plus an index with checksums
-//!   ([`mod@format`]); parallel over the cores, byte-identical for the same
+//!   → shards of token ids (`u16`, or `u32` for vocabularies over 65,536)
+//!   plus an index with checksums and the tokenizer ([`mod@format`]); parallel over the cores, byte-identical for the same
 //!   input whatever the thread count, resumable after an interruption.
 //! - [`Corpus`]: opens such a folder, a Megatron-LM `.bin`/`.idx` pair or
-//!   llm.c `.bin` shards, memory-mapped (a rank reads only the pages of
+//!   llm.c `.bin` shards (GPT-2's or Llama-3's), memory-mapped (a rank reads only the pages of
 //!   the sequences it trains on), split into training and validation by
 //!   document.
 //! - [`Loader`]: sequences of `seq + 1` tokens from one corpus or a
@@ -76,7 +78,7 @@ pub mod synthetic;
 pub mod text;
 pub mod tokenizer;
 
-pub use corpus::{Corpus, END_OF_TEXT, Format, GPT2_VOCAB};
+pub use corpus::{Corpus, END_OF_TEXT, Format, GPT2_VOCAB, LLAMA3_BEGIN_OF_TEXT, LLAMA3_VOCAB};
 pub use dataset::{Batch, Dataset, DatasetOptions, SyntheticData, TokenData};
 pub use error::{DataError, Result};
 pub use format::{Index, Prepared};
@@ -84,6 +86,7 @@ pub use loader::{Loader, Part, Share};
 pub use order::{Interleave, Permutation};
 pub use prepare::{PrepareOptions, PrepareReport, Progress, prepare};
 pub use shard::{Dtype, Shard, Stream};
-pub use spec::{BlendEntry, DataSpec, DataSpecError, Source};
+pub use spec::{BlendEntry, DataSpec, DataSpecError, Source, TokenIds};
 pub use synthetic::{SyntheticLanguage, SyntheticSpec};
 pub use text::{TextData, cache_dir};
+pub use tokenizer::{Tokenizer, TokenizerSpec};

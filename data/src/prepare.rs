@@ -3,10 +3,12 @@
 //! Inputs are `.txt` files (one document each), `.jsonl` files (one
 //! document per line, its text in a field, `"text"` by default), either
 //! gzip-compressed (`.txt.gz`, `.jsonl.gz`), and folders of them, read
-//! recursively in path order. Documents are tokenized with GPT-2's BPE in
-//! parallel over the cores — in batches, reassembled in input order, so
-//! the bytes written do not depend on the thread count — and each gets
-//! the end-of-text token appended.
+//! recursively in path order. Documents are tokenized — with GPT-2's BPE,
+//! or a Hugging Face `tokenizer.json` ([`PrepareOptions::tokenizer`]) —
+//! in parallel over the cores, in batches reassembled in input order, so
+//! the bytes written do not depend on the thread count, and each gets
+//! the tokenizer's end-of-text token appended. Ids are stored as `u16`
+//! when the tokenizer has at most 65,536 ids, else as `u32`.
 //!
 //! Output goes to shards of at most [`PrepareOptions::shard_tokens`]
 //! tokens (a document never straddles two). Each shard is written under
@@ -25,13 +27,13 @@ use std::time::{Duration, Instant};
 
 use rayon::prelude::*;
 
-use crate::corpus::{END_OF_TEXT, GPT2_VOCAB};
 use crate::error::{DataError, Result, io};
 use crate::format::{
-    BLOCK_TOKENS, FORMAT, INDEX, Index, InputFile, PARTIAL, Settings, ShardEntry, VERSION, hex,
-    verify_file, write_atomic,
+    BLOCK_TOKENS, FORMAT, INDEX, Index, InputFile, PARTIAL, Settings, ShardEntry, TOKENIZER,
+    VERSION, hex, verify_file, write_atomic,
 };
 use crate::shard::Dtype;
+use crate::tokenizer::{GPT2, TokenizerSpec};
 
 /// How to prepare.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -42,6 +44,8 @@ pub struct PrepareOptions {
     pub text_key: String,
     /// Tokenizer threads; 0 for every core.
     pub threads: usize,
+    /// The tokenizer (default GPT-2's BPE).
+    pub tokenizer: TokenizerSpec,
 }
 
 impl Default for PrepareOptions {
@@ -50,6 +54,7 @@ impl Default for PrepareOptions {
             shard_tokens: 1 << 27,
             text_key: "text".into(),
             threads: 0,
+            tokenizer: TokenizerSpec::Gpt2,
         }
     }
 }
@@ -268,7 +273,7 @@ fn documents(
 struct Writer<'a> {
     dir: &'a Path,
     index: Index,
-    tokens: Vec<u16>,
+    tokens: Vec<u32>,
     ends: Vec<u64>,
 }
 
@@ -288,9 +293,8 @@ impl Writer<'_> {
         if !self.tokens.is_empty() && self.tokens.len() as u64 + n > limit {
             self.flush(raw)?;
         }
-        // Every GPT-2 id is below 50257 < 2^16.
-        self.tokens.extend(doc.iter().map(|&t| t as u16));
-        self.tokens.push(END_OF_TEXT as u16);
+        self.tokens.extend_from_slice(doc);
+        self.tokens.push(self.index.end_of_text);
         self.ends.push(self.tokens.len() as u64);
         if self.tokens.len() as u64 >= limit {
             self.flush(raw + 1)?;
@@ -305,9 +309,17 @@ impl Writer<'_> {
             return Ok(());
         }
         let (bin, idx) = Self::shard_names(self.index.shards.len());
-        let bin_bytes: Vec<u8> = self.tokens.iter().flat_map(|t| t.to_le_bytes()).collect();
+        // Every id is below the vocabulary size, which decided the dtype.
+        let bin_bytes: Vec<u8> = match self.index.dtype {
+            Dtype::U16 => self
+                .tokens
+                .iter()
+                .flat_map(|&t| (t as u16).to_le_bytes())
+                .collect(),
+            Dtype::U32 => self.tokens.iter().flat_map(|t| t.to_le_bytes()).collect(),
+        };
         let idx_bytes: Vec<u8> = self.ends.iter().flat_map(|e| e.to_le_bytes()).collect();
-        let block = BLOCK_TOKENS as usize * 2;
+        let block = BLOCK_TOKENS as usize * self.index.dtype.size();
         let blocks = bin_bytes
             .chunks(block)
             .map(|c| hex(xxhash_rust::xxh3::xxh3_64(c)))
@@ -334,8 +346,18 @@ impl Writer<'_> {
 
 /// The first way two settings differ, for an error message.
 fn first_difference(a: &Settings, b: &Settings) -> String {
-    if a.tokenizer != b.tokenizer {
-        return format!("tokenizer {:?} vs {:?}", a.tokenizer, b.tokenizer);
+    if (&a.tokenizer, &a.tokenizer_xxh3) != (&b.tokenizer, &b.tokenizer_xxh3) {
+        let show = |s: &Settings| match &s.tokenizer_xxh3 {
+            Some(h) => format!("a tokenizer.json of xxh3 {h}"),
+            None => format!("{:?}", s.tokenizer),
+        };
+        return format!("tokenizer {} vs {}", show(a), show(b));
+    }
+    if a.end_of_text_token != b.end_of_text_token {
+        return format!(
+            "end-of-text token {:?} vs {:?}",
+            a.end_of_text_token, b.end_of_text_token
+        );
     }
     if a.text_key != b.text_key {
         return format!("text key {:?} vs {:?}", a.text_key, b.text_key);
@@ -371,8 +393,12 @@ pub fn prepare(
 ) -> Result<PrepareReport> {
     let started = Instant::now();
     let files = list_inputs(inputs)?;
+    let tok = options.tokenizer.load()?;
+    let hf = tok.file().is_some();
     let settings = Settings {
-        tokenizer: "gpt2".into(),
+        tokenizer: if hf { TOKENIZER } else { GPT2 }.into(),
+        tokenizer_xxh3: hf.then(|| tok.id()),
+        end_of_text_token: hf.then(|| tok.end_of_text_token().to_owned()),
         text_key: options.text_key.clone(),
         shard_tokens: options.shard_tokens.max(1),
         inputs: files
@@ -402,9 +428,13 @@ pub fn prepare(
     let mut index = Index {
         format: FORMAT.into(),
         version: VERSION,
-        dtype: Dtype::U16,
-        vocab_size: GPT2_VOCAB,
-        end_of_text: END_OF_TEXT,
+        dtype: if tok.vocab_size() <= 1 << 16 {
+            Dtype::U16
+        } else {
+            Dtype::U32
+        },
+        vocab_size: tok.vocab_size(),
+        end_of_text: tok.end_of_text(),
         block_tokens: BLOCK_TOKENS,
         settings: settings.clone(),
         documents: 0,
@@ -468,12 +498,17 @@ pub fn prepare(
         std::fs::create_dir_all(out).map_err(io(out))?;
     }
     let resumed = index.shards.len() as u64;
+    if let Some((_, bytes)) = tok.file() {
+        write_atomic(&out.join(TOKENIZER), bytes)?;
+    }
 
-    let bpe = crate::tokenizer::gpt2()?;
     let pool = rayon::ThreadPoolBuilder::new()
         .num_threads(options.threads)
         .build()
-        .map_err(|e| DataError::Tokenizer(e.to_string()))?;
+        .map_err(|e| DataError::Tokenizer {
+            path: PathBuf::from("--threads"),
+            what: e.to_string(),
+        })?;
     let mut writer = Writer {
         dir: out,
         index,
@@ -498,9 +533,9 @@ pub fn prepare(
         let tokens: Vec<Vec<u32>> = pool.install(|| {
             batch
                 .par_iter()
-                .map(|(_, d)| bpe.encode_ordinary(d))
-                .collect()
-        });
+                .map(|(_, d)| tok.encode(d))
+                .collect::<Result<_>>()
+        })?;
         for ((r, _), t) in batch.iter().zip(&tokens) {
             writer.add(*r, t)?;
             shown.documents += u64::from(!t.is_empty());

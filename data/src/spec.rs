@@ -2,8 +2,9 @@
 //!
 //! The table keeps the keys job files have always had — `source` (the
 //! string `"synthetic"` or a path), `blend` (a list of datasets and
-//! weights), `val_fraction`, `synthetic`, `doc_mask` — but is read into a
-//! typed [`Source`]: the synthetic corpus, text tokenized when the run
+//! weights), `val_fraction`, `synthetic`, `doc_mask`, and `tokenizer` /
+//! `eot` (GPT-2's BPE or a Hugging Face `tokenizer.json`) — but is read
+//! into a typed [`Source`]: the synthetic corpus, text tokenized when the run
 //! starts, prepared token data, or a blend of token data. Which a path is
 //! (text or token data) is decided by what is there
 //! ([`Corpus::is_token_data`]).
@@ -12,8 +13,10 @@ use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
 
-use crate::corpus::{Corpus, END_OF_TEXT};
+use crate::corpus::Corpus;
+use crate::error::DataError;
 use crate::synthetic::SyntheticSpec;
+use crate::tokenizer::{GPT2, Tokenizer, TokenizerSpec};
 
 /// Where a run's tokens come from.
 #[derive(Clone, Debug, PartialEq)]
@@ -21,8 +24,9 @@ pub enum Source {
     /// The built-in synthetic language (`data.synthetic`), whose loss
     /// floor is known exactly.
     Synthetic,
-    /// A `.txt` file or a folder of them, tokenized with GPT-2's BPE when
-    /// the run starts (and cached).
+    /// A `.txt` file or a folder of them, tokenized with the run's
+    /// tokenizer (GPT-2's BPE unless `data.tokenizer` names one) when the
+    /// run starts (and cached).
     Text(PathBuf),
     /// Token data prepared once and memory-mapped: a folder of `weft data
     /// prepare`, a Megatron-LM `.bin`/`.idx` pair (or their prefix), or
@@ -48,8 +52,8 @@ impl Source {
         }
     }
 
-    /// Whether the data is made of documents separated by GPT-2's
-    /// `<|endoftext|>` (everything but the synthetic corpus).
+    /// Whether the data is made of documents separated by an end-of-text
+    /// token (everything but the synthetic corpus).
     #[must_use]
     pub fn has_documents(&self) -> bool {
         !matches!(self, Source::Synthetic)
@@ -94,9 +98,23 @@ pub struct DataSpec {
     /// it and positions restart after it (Megatron-LM's
     /// `reset_attention_mask` and `reset_position_ids`). Off by default,
     /// as GPT-2, nanoGPT and llm.c train: documents then see the ones
-    /// packed before them. Text and token data only (GPT-2's
-    /// `<|endoftext|>` ends a document).
+    /// packed before them. Text and token data only (the tokenizer's
+    /// end-of-text token ends a document).
     pub doc_mask: bool,
+    /// The tokenizer (`data.tokenizer`: `"gpt2"` or a `tokenizer.json`,
+    /// and `data.eot`, its end-of-text token). `None`: text is tokenized
+    /// with GPT-2's BPE, and token data is used with the tokenizer it
+    /// records. When named, prepared data must have been made with it.
+    pub tokenizer: Option<TokenizerSpec>,
+}
+
+/// What a model needs to know of its data's ids.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TokenIds {
+    /// Size of the id space: the model's vocabulary size.
+    pub vocab_size: usize,
+    /// The token between documents (none for the synthetic corpus).
+    pub end_of_text: Option<u32>,
 }
 
 impl Default for DataSpec {
@@ -106,6 +124,7 @@ impl Default for DataSpec {
             val_fraction: 0.1,
             synthetic: SyntheticSpec::default(),
             doc_mask: false,
+            tokenizer: None,
         }
     }
 }
@@ -122,11 +141,93 @@ pub struct DataSpecError {
 }
 
 impl DataSpec {
-    /// The token that ends a document under `doc_mask` (GPT-2's
-    /// `<|endoftext|>`), or `None` without document masking.
+    /// The token that ends a document under `doc_mask` — the data's
+    /// `end_of_text` ([`TokenIds::end_of_text`],
+    /// [`Dataset::end_of_text`](crate::Dataset::end_of_text)) — or `None`
+    /// without document masking.
     #[must_use]
-    pub fn doc_boundary(&self) -> Option<u32> {
-        self.doc_mask.then_some(END_OF_TEXT)
+    pub fn doc_boundary(&self, end_of_text: Option<u32>) -> Option<u32> {
+        end_of_text.filter(|_| self.doc_mask)
+    }
+
+    /// The tokenizer `data.tokenizer` names, loaded (`None` when unset).
+    ///
+    /// # Errors
+    /// [`DataError::Tokenizer`] naming the file.
+    pub fn named_tokenizer(&self) -> Result<Option<Tokenizer>, DataError> {
+        self.tokenizer.as_ref().map(TokenizerSpec::load).transpose()
+    }
+
+    /// The tokenizer of the run's ids, to encode prompts and decode
+    /// samples: the one named, else GPT-2's for text, else the one token
+    /// data records (a prepared folder's copy of its `tokenizer.json`;
+    /// GPT-2's for llm.c GPT-2 shards and `uint16` Megatron-LM files);
+    /// `None` for the synthetic corpus.
+    ///
+    /// # Errors
+    /// [`DataError::Tokenizer`] when it cannot be loaded or the data does
+    /// not record it (name it with `data.tokenizer`); the data's errors.
+    pub fn run_tokenizer(&self) -> Result<Option<Tokenizer>, DataError> {
+        if let Some(t) = self.named_tokenizer()? {
+            return Ok(Some(t));
+        }
+        let first = match &self.source {
+            Source::Synthetic => return Ok(None),
+            Source::Text(_) => return Tokenizer::gpt2().map(Some),
+            Source::Tokens(p) => p.clone(),
+            Source::Blend(b) => PathBuf::from(&b.first().map_or("", |b| b.path.as_str())),
+        };
+        let c = Corpus::open(&first, self.val_fraction)?;
+        match (&c.prepared, c.tokenizer.as_deref()) {
+            (Some(p), _) => p.tokenizer().map(Some),
+            (None, Some(GPT2)) => Tokenizer::gpt2().map(Some),
+            (None, _) if c.vocab_size == Some(crate::GPT2_VOCAB) => Tokenizer::gpt2().map(Some),
+            _ => Err(DataError::Tokenizer {
+                path: first,
+                what: "the data does not record its tokenizer: name its tokenizer.json with data.tokenizer".into(),
+            }),
+        }
+    }
+
+    /// The data's id space and end-of-text token, without reading the
+    /// data (token data's headers are read).
+    ///
+    /// # Errors
+    /// As [`Dataset::open`](crate::Dataset::open) for the tokenizer and
+    /// the headers.
+    pub fn token_ids(&self) -> Result<TokenIds, DataError> {
+        match &self.source {
+            Source::Synthetic => Ok(TokenIds {
+                vocab_size: crate::SyntheticLanguage::new(self.synthetic.clone())?.vocab_size(),
+                end_of_text: None,
+            }),
+            Source::Text(_) => {
+                let t = match self.named_tokenizer()? {
+                    Some(t) => t,
+                    None => Tokenizer::gpt2()?,
+                };
+                Ok(TokenIds {
+                    vocab_size: t.vocab_size(),
+                    end_of_text: Some(t.end_of_text()),
+                })
+            }
+            Source::Tokens(_) | Source::Blend(_) => {
+                crate::dataset::open_corpora(&self.parts(), self).map(|(_, ids)| ids)
+            }
+        }
+    }
+
+    /// The token datasets and their weights (one, weight 1, for
+    /// [`Source::Tokens`]; none for the others).
+    pub(crate) fn parts(&self) -> Vec<(PathBuf, f64)> {
+        match &self.source {
+            Source::Tokens(p) => vec![(p.clone(), 1.0)],
+            Source::Blend(b) => b
+                .iter()
+                .map(|b| (PathBuf::from(&b.path), b.weight))
+                .collect(),
+            Source::Synthetic | Source::Text(_) => Vec::new(),
+        }
     }
 
     /// Checks the settings (the synthetic language only when it is the
@@ -178,6 +279,21 @@ impl DataSpec {
             }
             Source::Text(_) | Source::Tokens(_) => {}
         }
+        match &self.tokenizer {
+            Some(_) if self.source == Source::Synthetic => {
+                return bad(
+                    "tokenizer".into(),
+                    "the synthetic corpus has ids of its own; a tokenizer is for text and token data".into(),
+                );
+            }
+            Some(TokenizerSpec::File { path, .. }) if path.as_os_str().is_empty() => {
+                return bad(
+                    "tokenizer".into(),
+                    "must be \"gpt2\" or the path of a tokenizer.json".into(),
+                );
+            }
+            _ => {}
+        }
         Ok(())
     }
 }
@@ -191,6 +307,10 @@ struct DataTable {
     synthetic: SyntheticSpec,
     blend: Vec<BlendEntry>,
     doc_mask: bool,
+    /// `""`: unset.
+    tokenizer: String,
+    /// `""`: unset.
+    eot: String,
 }
 
 impl Default for DataTable {
@@ -216,11 +336,20 @@ impl TryFrom<DataTable> for DataSpec {
                 ),
             });
         };
+        let eot = (!t.eot.is_empty()).then_some(t.eot.as_str());
+        let tokenizer = (!t.tokenizer.is_empty()).then(|| TokenizerSpec::named(&t.tokenizer, eot));
+        if eot.is_some() && !matches!(tokenizer, Some(TokenizerSpec::File { .. })) {
+            return Err(DataSpecError {
+                field: "eot".into(),
+                problem: "names the end-of-text token of a tokenizer.json: set data.tokenizer to one (GPT-2's is <|endoftext|>)".into(),
+            });
+        }
         Ok(DataSpec {
             source,
             val_fraction: t.val_fraction,
             synthetic: t.synthetic,
             doc_mask: t.doc_mask,
+            tokenizer,
         })
     }
 }
@@ -232,12 +361,21 @@ impl From<DataSpec> for DataTable {
             Source::Text(p) | Source::Tokens(p) => (p.to_string_lossy().into_owned(), Vec::new()),
             Source::Blend(b) => (SYNTHETIC.to_owned(), b),
         };
+        let (tokenizer, eot) = match s.tokenizer {
+            None => (String::new(), String::new()),
+            Some(TokenizerSpec::Gpt2) => (GPT2.to_owned(), String::new()),
+            Some(TokenizerSpec::File { path, eot }) => {
+                (path.to_string_lossy().into_owned(), eot.unwrap_or_default())
+            }
+        };
         DataTable {
             source,
             val_fraction: s.val_fraction,
             synthetic: s.synthetic,
             blend,
             doc_mask: s.doc_mask,
+            tokenizer,
+            eot,
         }
     }
 }
@@ -261,7 +399,14 @@ mod tests {
             parse("[[blend]]\npath = \"a\"\nweight = 1.0\n[[blend]]\npath = \"b\"\nweight = 3.0\n")
                 .unwrap();
         assert!(matches!(&blend.source, Source::Blend(b) if b.len() == 2));
-        for spec in [DataSpec::default(), s, blend] {
+        let tok = parse("tokenizer = \"t/tokenizer.json\"\neot = \"</s>\"\n").unwrap();
+        assert_eq!(
+            tok.tokenizer,
+            Some(TokenizerSpec::named("t/tokenizer.json", Some("</s>")))
+        );
+        let e = parse("eot = \"</s>\"\n").unwrap_err();
+        assert!(e.contains("data.eot: names the end-of-text"), "{e}");
+        for spec in [DataSpec::default(), s, blend, tok] {
             let text = toml::to_string(&spec).unwrap();
             assert_eq!(parse(&text).unwrap(), spec, "{text}");
         }

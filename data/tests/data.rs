@@ -2,6 +2,8 @@
 //! back, resume, detect damage, and read Megatron-LM and llm.c files
 //! written by a script that follows their published formats.
 
+mod hf;
+
 use std::io::Write;
 use std::ops::ControlFlow;
 use std::path::{Path, PathBuf};

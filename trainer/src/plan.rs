@@ -198,17 +198,13 @@ pub fn model_of(config: &Config) -> Result<ModelSpec, PlanError> {
         )
         .into());
     }
-    let vocab = if config.data.source == weft_data::Source::Synthetic {
-        weft_data::SyntheticLanguage::new(config.data.synthetic.clone())
-            .map_err(|e| ConfigError {
-                origin: "config".into(),
-                position: None,
-                key: Some(format!("data.synthetic.{}", e.field)),
-                message: e.problem,
-            })?
-            .vocab_size()
-    } else {
-        weft_data::GPT2_VOCAB
+    let vocab = match config.data.token_ids() {
+        Ok(ids) => ids.vocab_size,
+        Err(weft_data::DataError::Synthetic(e)) => {
+            let key = format!("data.synthetic.{}", e.field);
+            return Err(ConfigError::key(&key, e.problem).into());
+        }
+        Err(e) => return Err(ConfigError::key("data", e.to_string()).into()),
     };
     let m = &config.model;
     let mut spec = ModelSpec::gpt(m.n_layer, m.n_embd, m.n_head, m.block_size, vocab);

@@ -9,7 +9,9 @@
 //! `top_k` most likely tokens, with a seeded generator: the same options
 //! give the same tokens.
 //!
-//! Runs on text (GPT-2 BPE) take and print text; runs on the synthetic
+//! Runs on text or token data take and print text, through the run's
+//! tokenizer (GPT-2's BPE, or the `tokenizer.json` that `data.tokenizer`
+//! names or the prepared data carries); runs on the synthetic
 //! corpus take and print token ids, markers written `<M0>`, `<M1>`, ...
 //! (see [`SyntheticLanguage::render`]). Past `block_size` positions, the
 //! context slides: the newest half of the block is fed again and decoding
@@ -38,9 +40,6 @@ use crate::train::CkptError;
 use weft_data::SyntheticLanguage;
 use weft_data::synthetic::SpecError;
 
-/// GPT-2's `<|endoftext|>`, the prompt of a text run when none is given.
-const GPT2_EOT: u32 = weft_data::END_OF_TEXT;
-
 /// Why sampling failed.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
@@ -66,8 +65,8 @@ pub enum SampleError {
     /// The run's synthetic language settings are invalid.
     #[error(transparent)]
     Synthetic(#[from] SpecError),
-    /// The GPT-2 tokenizer could not be built.
-    #[error("GPT-2 tokenizer: {0}")]
+    /// The run's tokenizer could not be loaded, or fails on the prompt.
+    #[error("tokenizer: {0}")]
     Tokenizer(String),
     /// The prompt could not be read or does not fit.
     #[error("--prompt: {0}")]
@@ -110,18 +109,10 @@ impl Default for SampleOptions {
 }
 
 /// How tokens are read and written.
+#[derive(Debug)]
 enum Vocab {
-    Gpt2(&'static weft_data::tokenizer::CoreBPE),
+    Text(weft_data::Tokenizer),
     Synthetic(SyntheticLanguage),
-}
-
-impl std::fmt::Debug for Vocab {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            Vocab::Gpt2(_) => f.write_str("Gpt2Bpe"),
-            Vocab::Synthetic(lang) => f.debug_tuple("Synthetic").field(lang).finish(),
-        }
-    }
 }
 
 /// A trained model loaded from a run folder, ready to generate.
@@ -150,18 +141,14 @@ impl Sampler {
             return Err(SampleError::NoRun(run_dir.to_owned()));
         }
         let config = Config::load(Some(&config_path), &[])?;
-        let vocab = if config.data.source == weft_data::Source::Synthetic {
-            Vocab::Synthetic(SyntheticLanguage::new(config.data.synthetic.clone())?)
-        } else {
-            let bpe =
-                weft_data::tokenizer::gpt2().map_err(|e| SampleError::Tokenizer(e.to_string()))?;
-            Vocab::Gpt2(bpe)
+        let tokenizer = |e: weft_data::DataError| SampleError::Tokenizer(e.to_string());
+        let vocab = match config.data.run_tokenizer().map_err(tokenizer)? {
+            Some(t) => Vocab::Text(t),
+            None => Vocab::Synthetic(SyntheticLanguage::new(config.data.synthetic.clone())?),
         };
-        let vocab_size = match &vocab {
-            Vocab::Gpt2(_) => weft_data::GPT2_VOCAB,
-            Vocab::Synthetic(lang) => lang.vocab_size(),
-        };
-        let (mut model, moe) = build_model(&config, vocab_size)?;
+        // the model's vocabulary and document boundary, as training had them
+        let ids = config.data.token_ids().map_err(tokenizer)?;
+        let (mut model, moe) = build_model(&config, ids)?;
         let root = run_dir.join("checkpoints");
         if !root.is_dir() {
             return Err(SampleError::NoCheckpoint(run_dir.to_owned()));
@@ -205,14 +192,14 @@ impl Sampler {
         (dec.kv_bytes(), dec.bytes())
     }
 
-    /// Whether the run's tokens are GPT-2 BPE text (else synthetic ids).
+    /// Whether the run's tokens are text (else synthetic ids).
     pub fn is_text(&self) -> bool {
-        matches!(self.vocab, Vocab::Gpt2(_))
+        matches!(self.vocab, Vocab::Text(_))
     }
 
-    /// The prompt's token ids: text encoded with GPT-2's BPE, or for a
+    /// The prompt's token ids: text encoded with the run's tokenizer, or for a
     /// synthetic run ids separated by spaces or commas (markers also as
-    /// `<M3>`). Without a prompt: `<|endoftext|>` for text, and for a
+    /// `<M3>`). Without a prompt: the end-of-text token for text, and for a
     /// synthetic run the token 0 (a regular token, as every sequence
     /// starts with one).
     ///
@@ -222,9 +209,11 @@ impl Sampler {
     /// `block_size` tokens.
     pub fn encode_prompt(&self, prompt: Option<&str>) -> Result<Vec<u32>, SampleError> {
         let tokens = match (&self.vocab, prompt) {
-            (Vocab::Gpt2(_), None) => vec![GPT2_EOT],
+            (Vocab::Text(t), None) => vec![t.end_of_text()],
             (Vocab::Synthetic(_), None) => vec![0],
-            (Vocab::Gpt2(bpe), Some(p)) => bpe.encode_with_special_tokens(p),
+            (Vocab::Text(t), Some(p)) => t
+                .encode_with_special_tokens(p)
+                .map_err(|e| SampleError::Tokenizer(e.to_string()))?,
             (Vocab::Synthetic(lang), Some(p)) => lang
                 .parse(p)
                 .map_err(|e| SampleError::Prompt(e.to_string()))?,
@@ -242,14 +231,11 @@ impl Sampler {
         Ok(tokens)
     }
 
-    /// `tokens` as text (GPT-2 runs; invalid UTF-8 is replaced) or as ids
+    /// `tokens` as text (text runs; invalid UTF-8 is replaced) or as ids
     /// (synthetic runs, see [`SyntheticLanguage::render`]).
     pub fn render(&self, tokens: &[u32]) -> String {
         match &self.vocab {
-            Vocab::Gpt2(bpe) => match bpe.decode_bytes(tokens) {
-                Ok(bytes) => String::from_utf8_lossy(&bytes).into_owned(),
-                Err(e) => format!("<undecodable: {e}>"),
-            },
+            Vocab::Text(t) => t.decode(tokens),
             Vocab::Synthetic(lang) => {
                 let mut s = lang.render(tokens);
                 s.push(' ');
@@ -311,8 +297,11 @@ impl Sampler {
 /// The model a run trains (as `train` builds it: dense, or mixture of
 /// experts per `[model.moe]`, in its `train.precision`), with its MoE
 /// statistics handle.
-fn build_model(config: &Config, vocab: usize) -> Result<(Gpt, Option<MoeStats>), SampleError> {
-    let cfg = crate::run::build::model_config(config, vocab);
+fn build_model(
+    config: &Config,
+    ids: weft_data::TokenIds,
+) -> Result<(Gpt, Option<MoeStats>), SampleError> {
+    let cfg = crate::run::build::model_config(config, ids.vocab_size);
     let m = &config.model.moe;
     if m.experts > 0 && m.capacity_factor > 0.0 {
         return Err(SampleError::Unsupported(format!(
@@ -337,6 +326,6 @@ fn build_model(config: &Config, vocab: usize) -> Result<(Gpt, Option<MoeStats>),
     };
     // decode in the run's arithmetic: the training forward's bits
     model.set_precision(config.train.precision);
-    model.set_doc_boundary(config.data.doc_boundary());
+    model.set_doc_boundary(config.data.doc_boundary(ids.end_of_text));
     Ok((model, stats))
 }

@@ -353,3 +353,80 @@ fn weft_data_prepare_verify_and_train_from_the_command_line() {
     assert!(!ok && said.contains("nope"), "{said}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A word-level `tokenizer.json` of the words of `text` (ids 1..), `[UNK]`
+/// 0, and `</s>` at id 70,000: ids past 16 bits.
+fn wide_tokenizer(dir: &Path, text: &str) -> PathBuf {
+    let mut vocab = serde_json::Map::new();
+    vocab.insert("[UNK]".into(), 0.into());
+    for w in text.split(|c: char| !c.is_alphanumeric()) {
+        if !w.is_empty() && !vocab.contains_key(w) {
+            let id = vocab.len();
+            vocab.insert(w.into(), id.into());
+        }
+    }
+    vocab.insert("</s>".into(), 70_000.into());
+    let json = serde_json::json!({
+        "version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
+        "normalizer": null, "pre_tokenizer": {"type": "Whitespace"}, "post_processor": null,
+        "decoder": null, "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "[UNK]"}
+    });
+    let path = dir.join("words.json");
+    std::fs::write(&path, json.to_string()).unwrap();
+    path
+}
+
+/// `weft data prepare --tokenizer`: u32 shards that train a model of the
+/// tokenizer's vocabulary, sampled through the folder's copy of it; the
+/// job naming another tokenizer is refused.
+#[test]
+fn a_tokenizer_json_prepares_trains_and_samples() {
+    let dir = tmp("hf");
+    let text = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/data/shakespeare.txt"
+    ))
+    .unwrap();
+    let src = dir.join("text");
+    std::fs::create_dir_all(&src).unwrap();
+    for (i, d) in text.split("\n\n").enumerate() {
+        std::fs::write(src.join(format!("{i:04}.txt")), d).unwrap();
+    }
+    let json = wide_tokenizer(&dir, &text);
+    let out = dir.join("prepared");
+    let o = std::process::Command::new(env!("CARGO_BIN_EXE_weft"))
+        .args(["data", "prepare", "--tokenizer"])
+        .args([&json, &src, Path::new("--out"), &out])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let index = weft_data::Index::read(&out.join("index.json")).unwrap();
+    assert_eq!(
+        (index.dtype, index.vocab_size),
+        (weft_data::Dtype::U32, 70_001)
+    );
+    let mut info = Info::default();
+    let sets = ["checkpoint.every=8", "data.doc_mask=true"];
+    let r = train(&config(&dir, "hf", &out, &sets), false, &mut info).unwrap();
+    assert_eq!(info.0.unwrap().vocab, 70_001);
+    assert!(r.final_eval_loss < r.initial_eval_loss, "{r:?}");
+    // The folder's copy of the tokenizer decodes, end-of-text included.
+    std::fs::remove_file(&json).unwrap();
+    let sampler = weft_trainer::sample::Sampler::open(&r.run_dir).unwrap();
+    assert!(sampler.is_text());
+    assert_eq!(sampler.model().blocks().doc_boundary(), Some(70_000));
+    assert_eq!(sampler.encode_prompt(None).unwrap(), [70_000]);
+    let prompt = sampler.encode_prompt(Some("To be or not")).unwrap();
+    assert_eq!(prompt.len(), 4);
+    assert_eq!(sampler.render(&prompt), "To be or not");
+    // Another tokenizer named in the job: refused, naming both.
+    let other = dir.join("other");
+    std::fs::create_dir_all(&other).unwrap();
+    let json = wide_tokenizer(&other, "different words");
+    let named = format!("data.tokenizer={}", json.display());
+    let e = train(&config(&dir, "wrong", &out, &[&named]), false, &mut Silent)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("prepared") && e.contains("words.json"), "{e}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

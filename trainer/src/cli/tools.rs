@@ -33,8 +33,9 @@ pub(crate) enum MoeCommand {
 
 #[derive(Subcommand, Debug)]
 pub(crate) enum DataCommand {
-    /// Tokenize text once into token shards for training (GPT-2 BPE, in
-    /// parallel over the cores): .txt files (one document each), .jsonl
+    /// Tokenize text once into token shards for training (GPT-2 BPE, or a
+    /// Hugging Face tokenizer.json; in parallel over the cores; ids in 16
+    /// bits, or 32 for vocabularies over 65,536): .txt files (one document each), .jsonl
     /// files (one document per line), either gzip-compressed, and folders
     /// of them (recursively, in path order). Resumes an interrupted run;
     /// the same inputs always give the same bytes. Train on the result
@@ -55,6 +56,13 @@ pub(crate) enum DataCommand {
         /// Tokenizer threads (0: every core).
         #[arg(long, value_name = "N", default_value_t = 0)]
         threads: usize,
+        /// `gpt2`, or a Hugging Face tokenizer.json (copied into --out).
+        #[arg(long, value_name = "FILE", default_value = "gpt2")]
+        tokenizer: String,
+        /// The token appended after every document (a tokenizer.json's;
+        /// default: the first of <|endoftext|>, <|end_of_text|>, </s>, <eos> it has).
+        #[arg(long, value_name = "TOKEN")]
+        eot: Option<String>,
     },
     /// Describe token data (a prepared folder, a Megatron-LM .bin/.idx
     /// pair, llm.c shards) and check every checksum and every id.
@@ -242,11 +250,19 @@ pub(crate) fn data(command: DataCommand) -> Result<()> {
             shard_tokens,
             text_key,
             threads,
+            tokenizer,
+            eot,
         } => {
+            if eot.is_some() && tokenizer == weft_data::tokenizer::GPT2 {
+                anyhow::bail!(
+                    "--eot names a tokenizer.json's end-of-text token: give --tokenizer FILE"
+                );
+            }
             let opts = weft_data::PrepareOptions {
                 shard_tokens,
                 text_key,
                 threads,
+                tokenizer: weft_data::TokenizerSpec::named(&tokenizer, eot.as_deref()),
             };
             let mut shown = progress::Bytes::new("preparing");
             let report = weft_data::prepare(&inputs, &out, &opts, &mut |p| {

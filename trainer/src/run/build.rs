@@ -201,7 +201,8 @@ fn rank_ffn(
 
 /// The model's parallelization plan for this job
 /// ([`ParallelPlan::new`] of its `[parallel]` layout).
-fn plan(config: &Config, cfg: &GptConfig) -> Result<ParallelPlan, TrainError> {
+fn plan(job: &Job<'_>, cfg: &GptConfig) -> Result<ParallelPlan, TrainError> {
+    let config = job.config;
     let m = &config.model.moe;
     let moe = (m.experts > 0).then_some((m.experts, m.active_experts()));
     Ok(ParallelPlan::new(
@@ -210,7 +211,7 @@ fn plan(config: &Config, cfg: &GptConfig) -> Result<ParallelPlan, TrainError> {
         moe,
         config.batch_split()?,
         config.train.precision,
-        config.data.doc_boundary(),
+        config.data.doc_boundary(job.data.end_of_text()),
     )?)
 }
 
@@ -259,7 +260,7 @@ pub(crate) fn build_cpu(
     let mesh = dims.build(world)?;
     let cfg = model_config(config, job.data.vocab_size());
     let (ffn, moe) = agree(world, rank_ffn(config, &cfg, &mesh))?;
-    let plan = agree(world, plan(config, &cfg))?;
+    let plan = agree(world, plan(job, &cfg))?;
     // What every rank will hold, before any of it is allocated: a run
     // that cannot fit is refused here, with what dominates.
     let predict = |plan: &ParallelPlan| {
