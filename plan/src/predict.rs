@@ -124,13 +124,13 @@ fn weft_partition(model: &ModelSpec, schedule: &weft_pipeline::Schedule) -> Resu
     });
     Ok(weft_pipeline::partition_transformer(
         schedule,
-        &weft_pipeline::TransformerShape {
-            layers: model.layers,
-            hidden: model.hidden,
-            seq: model.seq,
-            vocab: model.vocab,
+        &weft_pipeline::TransformerShape::gpt(
+            model.layers,
+            model.hidden,
+            model.seq,
+            model.vocab,
             experts,
-        },
+        ),
     )?)
 }
 
