@@ -88,7 +88,8 @@ impl ParallelPlan {
     /// strategies gather the products' weights in bf16 and the rest in
     /// f32, while replicating ones keep an f32 replica — the pipeline
     /// schedule with its layers partitioned by cost ([`partition_layers`];
-    /// `moe`: experts per layer and experts a token is computed by), the
+    /// `ffn`: the feed-forward blocks, `None` for GPT-2's MLP, `Some((experts,
+    /// active))` for its mixture of experts), the
     /// micro-batches of `split`, `seq` tokens per sequence, and the
     /// reductions the layout asks for.
     ///
@@ -98,7 +99,7 @@ impl ParallelPlan {
     pub fn new(
         cfg: &GptConfig,
         layout: &weft_parallel::ParallelLayout,
-        moe: Option<(usize, usize)>,
+        ffn: impl Into<weft_pipeline::FeedForwards>,
         split: weft_parallel::BatchSplit,
         precision: Precision,
         doc_boundary: Option<u32>,
@@ -108,7 +109,7 @@ impl ParallelPlan {
                 layout
                     .pp_schedule
                     .generate(layout.pp, split.per_rank, layout.chunks())?;
-            let layers = partition_layers(cfg, moe, &schedule)?;
+            let layers = partition_layers(cfg, ffn, &schedule)?;
             Some((schedule, layers))
         } else {
             None
@@ -791,24 +792,29 @@ impl ParallelGpt {
 }
 
 /// The layers of each virtual stage of `schedule` for a model of
-/// configuration `cfg` (vocabulary `vocab`), chosen by `weft-pipeline`'s
-/// partitioner to minimise the simulated makespan
-/// ([`weft_pipeline::partition_transformer`], which `weft plan` predicts
-/// with too). Per-layer costs are the
-/// model's FLOPs per token (a block: 24·C² for its matmuls plus 2·T·C for
-/// causal attention, forward — with a mixture of experts, 16·C² per active
-/// expert (`active`: top-k plus a shared one) and 2·C·E for the router in
-/// place of the dense MLP's 16·C²; backward-for-input and
-/// backward-for-weights each as much); the head's 2·C·V is charged to the
-/// last block and the embedding's lookup is free, so the last stage takes
-/// fewer blocks when the vocabulary is large.
+/// configuration `cfg` (vocabulary `vocab`) with feed-forward blocks
+/// `ffn`, chosen by `weft-pipeline`'s partitioner to minimise the
+/// simulated makespan ([`weft_pipeline::partition_transformer`], which
+/// `weft plan` predicts with too). Per-layer costs are the model's FLOPs
+/// per token ([`weft_pipeline::BlockShape::flops`]): attention's
+/// projections at the query and key/value widths (`q_dim`, `kv_dim`: GQA's
+/// K and V are narrower), its score products over the keys the layer sees
+/// (a sliding-window layer, [`GptConfig::window`], fewer than a global
+/// one), and the layer's feed-forward block — `ffn` is GPT-2's 4·C GELU
+/// MLP for `None`, a mixture of 4·C experts for `Some((experts, active))`
+/// (`active`: top-k plus a shared one), or any
+/// [`weft_pipeline::FeedForwards`] (SwiGLU, expert widths, leading dense
+/// layers); backward-for-input and backward-for-weights each as much as
+/// the forward. The head's 2·C·V is charged to the last block and the
+/// embedding's lookup is free, so the last stage takes fewer blocks when
+/// the vocabulary is large.
 ///
 /// # Errors
 /// [`Error::Config`] if the model has fewer layers than the schedule has
 /// virtual stages, or the partition leaves a stage without layers.
 pub fn partition_layers(
     cfg: &GptConfig,
-    moe: Option<(usize, usize)>,
+    ffn: impl Into<weft_pipeline::FeedForwards>,
     schedule: &Schedule,
 ) -> Result<Vec<usize>> {
     let nvs = schedule.placement().virtual_stages();
@@ -823,15 +829,17 @@ pub fn partition_layers(
             ),
         });
     }
+    let windows: Vec<Option<usize>> = (0..l).map(|i| cfg.window(i)).collect();
     let layers = weft_pipeline::partition_transformer(
         schedule,
-        &weft_pipeline::TransformerShape {
-            layers: l,
-            hidden: cfg.n_embd,
-            seq: cfg.block_size,
-            vocab: cfg.vocab_size,
-            experts: moe,
-        },
+        &weft_pipeline::TransformerShape::decoder(
+            cfg.n_embd,
+            cfg.block_size,
+            cfg.vocab_size,
+            (cfg.q_dim(), cfg.kv_dim()),
+            &windows,
+            &ffn.into(),
+        ),
     )?;
     if layers.contains(&0) {
         return Err(Error::Config {

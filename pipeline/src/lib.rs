@@ -34,7 +34,11 @@
 //! * [`partition()`]: per-layer profiles ([`LayerProfile`]) to the contiguous
 //!   split (and so chunk assignment) with the smallest simulated makespan
 //!   under a per-stage memory limit; [`partition_transformer`] applies it
-//!   to a GPT-style decoder's per-layer FLOPs ([`transformer_profiles`]).
+//!   to a decoder's per-layer FLOPs ([`transformer_profiles`] of a
+//!   [`TransformerShape`]: blocks that may differ — grouped-query
+//!   attention, SwiGLU, sliding windows, dense and mixture-of-experts
+//!   layers — and the head on the last), and [`compare_splits`] shows
+//!   what it removes against the equal-layer split.
 //! * [`plan()`]: from command-line parameters ([`PlanRequest`]) to the table
 //!   and trace that `weft pipeline` prints and writes.
 //!
@@ -114,8 +118,9 @@ pub use generate::{
 };
 pub use job_trace::{BubbleLog, StepBubble, StepTrace, step_trace};
 pub use partition::{
-    LayerProfile, Partition, PartitionOptions, TransformerShape, equal_split, evaluate, partition,
-    partition_transformer, transformer_profiles,
+    BlockShape, FeedForwards, FfnShape, LayerProfile, Partition, PartitionOptions, SplitComparison,
+    TransformerShape, attended_keys, compare_splits, equal_split, evaluate, layer_profiles,
+    partition, partition_transformer, transformer_profiles,
 };
 pub use plan::{Plan, PlanRequest, plan};
 pub use schedule::{Action, ActionKind, Placement, Schedule};

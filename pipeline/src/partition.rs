@@ -43,6 +43,11 @@ pub struct Partition {
     /// Peak memory of each stage: static memory of its layers plus the
     /// simulated peak of activations.
     pub peak_memory: Vec<f64>,
+    /// Busy time of each pipeline stage over the iteration (the `F`, `B`
+    /// and `W` of all its chunks and micro-batches).
+    pub stage_busy: Vec<f64>,
+    /// The simulated bubble: idle time over `p × makespan`.
+    pub bubble_fraction: f64,
 }
 
 impl Partition {
@@ -51,6 +56,25 @@ impl Partition {
     pub fn layers_per_chunk(&self) -> Vec<usize> {
         self.boundaries.windows(2).map(|w| w[1] - w[0]).collect()
     }
+}
+
+/// Profiles of layers whose costs are `costs` times `(forward,
+/// backward_input, backward_weight)` (one unit of activation and
+/// weight-gradient memory each, no static memory): what `weft pipeline
+/// --layer-costs` splits. [`partition`] and [`evaluate`] check them.
+#[must_use]
+pub fn layer_profiles(costs: &[f64], (f, b, w): (f64, f64, f64)) -> Vec<LayerProfile> {
+    costs
+        .iter()
+        .map(|&c| LayerProfile {
+            forward: c * f,
+            backward_input: c * b,
+            backward_weight: c * w,
+            activation: 1.0,
+            weight_grad_memory: 1.0,
+            static_memory: 0.0,
+        })
+        .collect()
 }
 
 /// The naive split: `layers` layers into `chunks` contiguous pieces whose
@@ -165,6 +189,8 @@ pub fn evaluate(
         boundaries: boundaries.to_vec(),
         makespan: t.makespan(),
         peak_memory,
+        stage_busy: (0..t.num_stages()).map(|s| t.busy(s)).collect(),
+        bubble_fraction: t.bubble_fraction(),
     })
 }
 
@@ -216,15 +242,25 @@ fn splits(l: usize, k: usize, cap: usize) -> usize {
     c
 }
 
-/// Score: memory excess over the limit first, then makespan.
-fn score(p: &Partition, limit: Option<f64>) -> (f64, f64) {
+/// Score: memory excess over the limit first, then makespan, then the
+/// busiest stage (among splits of one makespan — with a single
+/// micro-batch every split has the same — the most even one).
+type Score = (f64, f64, f64);
+
+fn score(p: &Partition, limit: Option<f64>) -> Score {
     let worst = p.peak_memory.iter().copied().fold(0.0, f64::max);
     let excess = limit.map_or(0.0, |lim| (worst - lim).max(0.0));
-    (excess, p.makespan)
+    let busiest = p.stage_busy.iter().copied().fold(0.0, f64::max);
+    (excess, p.makespan, busiest)
 }
 
-fn better(a: (f64, f64), b: (f64, f64)) -> bool {
-    a.0 < b.0 - 1e-12 || (a.0 <= b.0 + 1e-12 && a.1 < b.1 - 1e-12)
+/// `a < b` beyond rounding (sums of the same costs in another order).
+fn less(a: f64, b: f64) -> bool {
+    a < b - 1e-12 * b.abs().max(1.0)
+}
+
+fn better(a: Score, b: Score) -> bool {
+    less(a.0, b.0) || (!less(b.0, a.0) && (less(a.1, b.1) || (!less(b.1, a.1) && less(a.2, b.2))))
 }
 
 /// Choose the contiguous split of `layers` into the schedule's `p·v`
@@ -232,7 +268,8 @@ fn better(a: (f64, f64), b: (f64, f64)) -> bool {
 /// interleaved and V schedules) that minimises the simulated makespan of
 /// `schedule` while every stage's peak memory stays within the limit.
 ///
-/// Small problems (at most 20 000 possible splits) are solved exactly by
+/// Among splits of the same makespan it takes the one whose busiest
+/// stage is least busy. Small problems (at most 20 000 possible splits) are solved exactly by
 /// trying every split. Larger ones start from the equal-layer split and
 /// from the split that balances per-chunk compute, and improve each by
 /// moving one cut point at a time while the simulated makespan drops; the
@@ -254,8 +291,8 @@ pub fn partition(
     let limit = options.memory_limit;
     let eval = |b: &[usize]| evaluate(schedule, layers, b, lat);
     const EXHAUSTIVE: usize = 20_000;
-    let mut best: Option<(Partition, (f64, f64))> = None;
-    let consider = |p: Partition, best: &mut Option<(Partition, (f64, f64))>| {
+    let mut best: Option<(Partition, Score)> = None;
+    let consider = |p: Partition, best: &mut Option<(Partition, Score)>| {
         let s = score(&p, limit);
         if best.as_ref().is_none_or(|(_, bs)| better(s, *bs)) {
             *best = Some((p, s));
@@ -288,7 +325,7 @@ pub fn partition(
             let mut cur = eval(&start)?;
             let mut cur_s = score(&cur, limit);
             for _ in 0..10 * l {
-                let mut step: Option<(Partition, (f64, f64))> = None;
+                let mut step: Option<(Partition, Score)> = None;
                 for cut in 1..n {
                     for delta in [-2isize, -1, 1, 2] {
                         let Some(pos) = cur.boundaries[cut].checked_add_signed(delta) else {
@@ -317,7 +354,7 @@ pub fn partition(
             consider(cur, &mut best);
         }
     }
-    let Some((best, (excess, _))) = best else {
+    let Some((best, (excess, _, _))) = best else {
         return Err(Error::InvalidParameter {
             name: "layers",
             value: l.to_string(),
@@ -336,50 +373,275 @@ pub fn partition(
     Ok(best)
 }
 
-/// The shape of a GPT-style decoder, as [`transformer_profiles`] costs it.
+/// The feed-forward block of one layer, as [`transformer_profiles`] costs
+/// it: a dense block, or a mixture of experts of equal blocks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FfnShape {
+    /// Weight matrices of the dense block or of one expert: 2 for GPT-2's
+    /// GELU MLP (`c_fc`, `c_proj`), 3 for SwiGLU (gate, up, down).
+    pub matrices: usize,
+    /// Hidden width `H` of the dense block or of one expert.
+    pub hidden: usize,
+    /// Routed experts `E` (0: a dense block, no router).
+    pub experts: usize,
+    /// Blocks of width `H` each token runs through: 1 for a dense block;
+    /// the top-k routed experts plus any shared experts for a mixture.
+    pub active: usize,
+}
+
+impl FfnShape {
+    /// GPT-2's dense GELU MLP of hidden width `hidden`.
+    #[must_use]
+    pub fn mlp(hidden: usize) -> Self {
+        FfnShape {
+            matrices: 2,
+            hidden,
+            experts: 0,
+            active: 1,
+        }
+    }
+
+    /// A dense SwiGLU block of hidden width `hidden`.
+    #[must_use]
+    pub fn swiglu(hidden: usize) -> Self {
+        FfnShape {
+            matrices: 3,
+            ..Self::mlp(hidden)
+        }
+    }
+
+    /// The same blocks as `experts` routed experts, `active` of them
+    /// (top-k plus shared) run per token.
+    #[must_use]
+    pub fn experts(self, experts: usize, active: usize) -> Self {
+        FfnShape {
+            experts,
+            active,
+            ..self
+        }
+    }
+
+    /// Forward FLOPs per token with `c` channels: `2·k·C·H` per active
+    /// block (`k` matrices) and `2·C·E` for the router.
+    #[must_use]
+    #[allow(clippy::cast_precision_loss)]
+    pub fn flops(&self, c: usize) -> f64 {
+        let c = c as f64;
+        2.0 * (self.matrices * self.hidden * self.active) as f64 * c + 2.0 * c * self.experts as f64
+    }
+}
+
+/// The feed-forward blocks of a whole decoder: the dense one, and a
+/// mixture of experts from layer `first_dense` on.
+///
+/// `From<Option<(usize, usize)>>` gives GPT-2's: `None` is the dense
+/// `4·C` GELU MLP everywhere, `Some((experts, active))` a mixture of
+/// `4·C` GELU experts in every layer, `active` of them (top-k plus a
+/// shared one) run per token.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct FeedForwards {
+    /// The dense block (`None`: GPT-2's `4·C` GELU MLP).
+    pub dense: Option<FfnShape>,
+    /// The mixture of experts, if any (a `hidden` of 0: `4·C`).
+    pub moe: Option<FfnShape>,
+    /// Leading layers that keep the dense block under a mixture of
+    /// experts (DeepSeek's `first_k_dense_replace`).
+    pub first_dense: usize,
+}
+
+impl From<Option<(usize, usize)>> for FeedForwards {
+    fn from(moe: Option<(usize, usize)>) -> Self {
+        FeedForwards {
+            dense: None,
+            moe: moe.map(|(e, a)| FfnShape::mlp(0).experts(e, a)),
+            first_dense: 0,
+        }
+    }
+}
+
+impl From<FfnShape> for FeedForwards {
+    /// `ffn` in every layer (dense or a mixture).
+    fn from(ffn: FfnShape) -> Self {
+        if ffn.experts > 0 {
+            FeedForwards {
+                dense: None,
+                moe: Some(ffn),
+                first_dense: 0,
+            }
+        } else {
+            FeedForwards {
+                dense: Some(ffn),
+                moe: None,
+                first_dense: 0,
+            }
+        }
+    }
+}
+
+impl FeedForwards {
+    /// The block of layer `layer` of a decoder `hidden` channels wide.
+    #[must_use]
+    pub fn layer(&self, layer: usize, hidden: usize) -> FfnShape {
+        let dense = self.dense.unwrap_or(FfnShape::mlp(4 * hidden));
+        match self.moe {
+            Some(m) if layer >= self.first_dense => FfnShape {
+                hidden: if m.hidden == 0 { 4 * hidden } else { m.hidden },
+                ..m
+            },
+            _ => dense,
+        }
+    }
+}
+
+/// One transformer block, as [`transformer_profiles`] costs it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BlockShape {
+    /// Query width `Cq = NH·HS` (`C` unless the head size is set apart).
+    pub q_dim: usize,
+    /// Key (and value) width `Ckv = NKV·HS` (`Cq` without grouped-query
+    /// attention).
+    pub kv_dim: usize,
+    /// `Some(W)`: a sliding-window layer whose queries see `W` keys at
+    /// most; `None`: the whole causal context.
+    pub window: Option<usize>,
+    /// The feed-forward block.
+    pub ffn: FfnShape,
+}
+
+/// Keys a query attends to on average in a causal sequence of `seq`
+/// tokens: `T/2` over the whole context (the causal half of the `T×T`
+/// scores), `W − W²/(2T)` through a window of `W < T` keys (the first `W`
+/// queries see fewer).
+#[must_use]
+#[allow(clippy::cast_precision_loss)]
+pub fn attended_keys(seq: usize, window: Option<usize>) -> f64 {
+    let t = seq as f64;
+    match window {
+        Some(w) if w < seq => {
+            let w = w as f64;
+            w - w * w / (2.0 * t)
+        }
+        _ => t / 2.0,
+    }
+}
+
+impl BlockShape {
+    /// Forward FLOPs per token of the block in a sequence of `seq` tokens
+    /// and `hidden` channels: the attention's projections
+    /// `2·C·(Cq + 2·Ckv) + 2·Cq·C`, its two products with the scores
+    /// `4·Cq` per attended key ([`attended_keys`]), and the feed-forward
+    /// block ([`FfnShape::flops`]).
+    #[must_use]
+    #[allow(clippy::cast_precision_loss)]
+    pub fn flops(&self, hidden: usize, seq: usize) -> f64 {
+        let (c, q, kv) = (hidden as f64, self.q_dim as f64, self.kv_dim as f64);
+        2.0 * c * (q + 2.0 * kv)
+            + 2.0 * q * c
+            + 4.0 * q * attended_keys(seq, self.window)
+            + self.ffn.flops(hidden)
+    }
+}
+
+/// The shape of a decoder, layer by layer, as [`transformer_profiles`]
+/// costs it: blocks that may differ (local and global attention, dense and
+/// mixture-of-experts feed-forward blocks), the embedding before them and
+/// the head after them.
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TransformerShape {
-    /// Blocks.
-    pub layers: usize,
     /// Model width `C`.
     pub hidden: usize,
     /// Sequence length `T`.
     pub seq: usize,
     /// Vocabulary `V` (the head's product, on the last layer).
     pub vocab: usize,
-    /// `Some((experts, active))` for a mixture-of-experts feed-forward
-    /// block: `experts` routed, `active` run per token (top-k plus any
-    /// shared expert); `None` for the dense `4C` MLP.
-    pub experts: Option<(usize, usize)>,
+    /// The blocks, first to last (`L` of them).
+    pub blocks: Vec<BlockShape>,
 }
 
-/// Per-layer profiles of a GPT-style decoder for [`partition`], in
-/// FLOPs per token: a block is `24·C² + 2·T·C` with the dense MLP, or
-/// `8·C² + 16·C²·active + 2·C·experts + 2·T·C` with experts (attention's
-/// projections, the feed-forward products, the router and the attention
-/// scores); the last layer also carries the head's `2·C·V`. The backward
-/// halves are as large as the forward (B and W each as many FLOPs);
-/// activation and weight-gradient memory count one unit per layer.
+impl TransformerShape {
+    /// A GPT-2-style decoder of `layers` equal blocks: multi-head
+    /// attention over the whole context, and the dense `4·C` GELU MLP
+    /// (`experts: None`) or a mixture of `4·C` experts (`Some((experts,
+    /// active))`, `active` run per token: top-k plus any shared expert).
+    #[must_use]
+    pub fn gpt(
+        layers: usize,
+        hidden: usize,
+        seq: usize,
+        vocab: usize,
+        experts: Option<(usize, usize)>,
+    ) -> Self {
+        Self::decoder(
+            hidden,
+            seq,
+            vocab,
+            (hidden, hidden),
+            &vec![None; layers],
+            &experts.into(),
+        )
+    }
+
+    /// A decoder whose layer `l` attends through `windows[l]` with query
+    /// and key/value widths `(Cq, Ckv)`, and runs `ffn.layer(l, hidden)`.
+    #[must_use]
+    pub fn decoder(
+        hidden: usize,
+        seq: usize,
+        vocab: usize,
+        (q_dim, kv_dim): (usize, usize),
+        windows: &[Option<usize>],
+        ffn: &FeedForwards,
+    ) -> Self {
+        TransformerShape {
+            hidden,
+            seq,
+            vocab,
+            blocks: windows
+                .iter()
+                .enumerate()
+                .map(|(l, &window)| BlockShape {
+                    q_dim,
+                    kv_dim,
+                    window,
+                    ffn: ffn.layer(l, hidden),
+                })
+                .collect(),
+        }
+    }
+
+    /// Blocks, `L`.
+    #[must_use]
+    pub fn layers(&self) -> usize {
+        self.blocks.len()
+    }
+}
+
+/// Per-layer profiles of a decoder for [`partition`], in FLOPs per token:
+/// each block's forward ([`BlockShape::flops`]: for GPT-2's dense block
+/// `24·C² + 2·T·C`), the last block also carrying the head's `2·C·V`; the
+/// embedding's lookup is free. The backward halves are as large as the
+/// forward (B and W each as many FLOPs); activation and weight-gradient
+/// memory count one unit per layer.
 ///
 /// ```
 /// use weft_pipeline::{TransformerShape, transformer_profiles};
-/// let shape = TransformerShape { layers: 4, hidden: 64, seq: 32, vocab: 100, experts: None };
+/// let shape = TransformerShape::gpt(4, 64, 32, 100, None);
 /// let p = transformer_profiles(&shape);
 /// assert_eq!(p.len(), 4);
+/// assert_eq!(p[0].forward, 24.0 * 64.0 * 64.0 + 2.0 * 32.0 * 64.0);
 /// assert!(p[3].forward > p[0].forward); // the head
 /// ```
 #[must_use]
 #[allow(clippy::cast_precision_loss)]
 pub fn transformer_profiles(shape: &TransformerShape) -> Vec<LayerProfile> {
-    let (c, t, v) = (shape.hidden as f64, shape.seq as f64, shape.vocab as f64);
-    let ffn = match shape.experts {
-        None => 16.0 * c * c,
-        Some((experts, active)) => 16.0 * c * c * active as f64 + 2.0 * c * experts as f64,
-    };
-    let block = 8.0 * c * c + ffn + 2.0 * t * c;
-    let l = shape.layers;
-    (0..l)
-        .map(|i| {
+    let (c, v) = (shape.hidden as f64, shape.vocab as f64);
+    let l = shape.layers();
+    shape
+        .blocks
+        .iter()
+        .enumerate()
+        .map(|(i, b)| {
+            let block = b.flops(shape.hidden, shape.seq);
             let f = if i + 1 == l {
                 block + 2.0 * c * v
             } else {
@@ -416,6 +678,94 @@ pub fn partition_transformer(schedule: &Schedule, shape: &TransformerShape) -> R
     Ok(part.layers_per_chunk())
 }
 
+/// The split [`partition`] chooses beside the equal-layer split, each
+/// simulated: what balancing unequal layers removes.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SplitComparison {
+    /// Layers of each virtual stage as [`equal_split`] cuts them.
+    pub equal: Partition,
+    /// The split [`partition`] chooses (no memory limit).
+    pub chosen: Partition,
+}
+
+/// [`partition`] (no memory limit) and [`equal_split`] of `layers` over
+/// `schedule`, both simulated with `p2p_latency`.
+///
+/// # Errors
+/// As [`partition`].
+pub fn compare_splits(
+    schedule: &Schedule,
+    layers: &[LayerProfile],
+    p2p_latency: f64,
+) -> Result<SplitComparison> {
+    let chosen = partition(
+        schedule,
+        layers,
+        &PartitionOptions {
+            p2p_latency,
+            memory_limit: None,
+        },
+    )?;
+    let n = schedule.placement().virtual_stages();
+    let equal = evaluate(schedule, layers, &equal_split(layers.len(), n), p2p_latency)?;
+    Ok(SplitComparison { equal, chosen })
+}
+
+impl SplitComparison {
+    /// `chosen.makespan / equal.makespan − 1` (negative: time saved).
+    #[must_use]
+    pub fn makespan_change(&self) -> f64 {
+        if self.equal.makespan > 0.0 {
+            self.chosen.makespan / self.equal.makespan - 1.0
+        } else {
+            0.0
+        }
+    }
+}
+
+impl std::fmt::Display for SplitComparison {
+    /// Per split: layers per virtual stage, busy time per pipeline stage
+    /// (and its spread, max/min), makespan and bubble.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let row = |f: &mut std::fmt::Formatter<'_>, name: &str, p: &Partition| {
+            let num = |x: f64| {
+                if x.abs() >= 1e5 {
+                    format!("{x:.3e}")
+                } else {
+                    format!("{x:.3}")
+                }
+            };
+            let busy = p
+                .stage_busy
+                .iter()
+                .map(|&b| num(b))
+                .collect::<Vec<_>>()
+                .join(" ");
+            let (lo, hi) = p
+                .stage_busy
+                .iter()
+                .fold((f64::INFINITY, 0.0f64), |(lo, hi), &b| {
+                    (lo.min(b), hi.max(b))
+                });
+            let spread = if lo > 0.0 { hi / lo } else { f64::INFINITY };
+            writeln!(
+                f,
+                "{name:<7} layers {:?}  stage busy [{busy}] (max/min {spread:.3})  makespan {}  bubble {:.2}%",
+                p.layers_per_chunk(),
+                num(p.makespan),
+                100.0 * p.bubble_fraction
+            )
+        };
+        row(f, "equal", &self.equal)?;
+        row(f, "chosen", &self.chosen)?;
+        write!(
+            f,
+            "the chosen split changes the makespan by {:+.2}% against the equal split",
+            100.0 * self.makespan_change()
+        )
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -445,6 +795,24 @@ mod tests {
         }
         v.push(layer(3.0, 2.0, 4.0));
         v
+    }
+
+    /// One micro-batch runs the stages one after another: every split has
+    /// the same makespan, and the most even one is taken.
+    #[test]
+    fn ties_go_to_the_most_even_split() {
+        let s = ScheduleKind::OneFOneB.generate(3, 1, 1).unwrap();
+        let layers = vec![layer(1.0, 1.0, 0.0); 12];
+        let p = partition(
+            &s,
+            &layers,
+            &PartitionOptions {
+                p2p_latency: 0.0,
+                memory_limit: None,
+            },
+        )
+        .unwrap();
+        assert_eq!(p.layers_per_chunk(), vec![4, 4, 4]);
     }
 
     #[test]
@@ -583,13 +951,7 @@ mod tests {
 
     #[test]
     fn a_decoder_s_head_moves_layers_off_the_last_stage() {
-        let shape = |vocab| TransformerShape {
-            layers: 8,
-            hidden: 64,
-            seq: 64,
-            vocab,
-            experts: None,
-        };
+        let shape = |vocab| TransformerShape::gpt(8, 64, 64, vocab, None);
         let s = crate::generate::one_f_one_b(2, 4).unwrap();
         // a tiny head: an even split; a head of 8 blocks' FLOPs: the last
         // stage gives up layers (block 24·64² + 2·64·64 = 106 496 FLOPs;
@@ -598,10 +960,7 @@ mod tests {
         let split = partition_transformer(&s, &shape(6656)).unwrap();
         assert_eq!(split.iter().sum::<usize>(), 8);
         assert!(split[1] < 4, "{split:?}");
-        let p = transformer_profiles(&TransformerShape {
-            experts: Some((8, 2)),
-            ..shape(2)
-        });
+        let p = transformer_profiles(&TransformerShape::gpt(8, 64, 64, 2, Some((8, 2))));
         let dense = transformer_profiles(&shape(2));
         let c = 64.0;
         assert_eq!(
@@ -611,12 +970,95 @@ mod tests {
         assert!(
             partition_transformer(
                 &crate::generate::one_f_one_b(4, 4).unwrap(),
-                &TransformerShape {
-                    layers: 3,
-                    ..shape(2)
-                }
+                &TransformerShape::gpt(3, 64, 64, 2, None)
             )
             .is_err()
         );
+    }
+
+    /// A Llama-shaped block: grouped-query attention's narrower K and V,
+    /// SwiGLU's three matrices, the window's attended keys.
+    #[test]
+    fn block_flops_follow_the_layer_s_shape() {
+        let (c, t) = (256usize, 1024usize);
+        let ffn = FfnShape::swiglu(688);
+        let gqa = BlockShape {
+            q_dim: 256,
+            kv_dim: 64,
+            window: None,
+            ffn,
+        };
+        let (cf, tf) = (c as f64, t as f64);
+        let proj = 2.0 * cf * (256.0 + 128.0) + 2.0 * 256.0 * cf;
+        let swiglu = 2.0 * 3.0 * cf * 688.0;
+        assert_eq!(gqa.flops(c, t), proj + 4.0 * 256.0 * tf / 2.0 + swiglu);
+        // a window of T/4: (W − W²/2T) / (T/2) = 2·(1/4) − (1/4)² = 7/16
+        // of the global layer's score products
+        let local = BlockShape {
+            window: Some(t / 4),
+            ..gqa
+        };
+        let scores = |b: &BlockShape| b.flops(c, t) - proj - swiglu;
+        assert!((scores(&local) / scores(&gqa) - 7.0 / 16.0).abs() < 1e-12);
+        // a window as long as the sequence is the global layer
+        let whole = BlockShape {
+            window: Some(t),
+            ..gqa
+        };
+        assert_eq!(whole.flops(c, t), gqa.flops(c, t));
+        // experts: k active blocks and the router
+        let moe = ffn.experts(16, 3);
+        assert_eq!(moe.flops(c), 3.0 * swiglu + 2.0 * cf * 16.0);
+        // GPT-2's dense MLP through the old constructor
+        let ff: FeedForwards = None.into();
+        assert_eq!(ff.layer(5, c), FfnShape::mlp(4 * c));
+        let first = FeedForwards {
+            dense: Some(ffn),
+            moe: Some(ffn.experts(16, 3)),
+            first_dense: 2,
+        };
+        assert_eq!(first.layer(1, c), ffn);
+        assert_eq!(first.layer(2, c), moe);
+    }
+
+    /// Blocks of unequal cost — 5 local : 1 global attention, dense : MoE
+    /// — split by cost beat the equal-layer split; equal blocks split
+    /// equally either way.
+    #[test]
+    fn unequal_layers_split_by_cost_beat_the_equal_split() {
+        let (c, t, v) = (128, 4096, 256);
+        let s = ScheduleKind::OneFOneB.generate(4, 8, 1).unwrap();
+        let windows: Vec<Option<usize>> =
+            (0..12).map(|l| ((l + 1) % 6 != 0).then_some(128)).collect();
+        let ff = FeedForwards::from(FfnShape::swiglu(344));
+        let local = TransformerShape::decoder(c, t, v, (c, c / 4), &windows, &ff);
+        let moe = TransformerShape::decoder(
+            c,
+            256,
+            v,
+            (c, c),
+            &[None; 12],
+            &FeedForwards {
+                dense: Some(FfnShape::swiglu(344)),
+                moe: Some(FfnShape::swiglu(344).experts(64, 8)),
+                first_dense: 3,
+            },
+        );
+        for shape in [local, moe] {
+            let cmp = compare_splits(&s, &transformer_profiles(&shape), 0.0).unwrap();
+            assert!(cmp.chosen.makespan < 0.95 * cmp.equal.makespan, "{cmp}");
+            assert_eq!(
+                partition_transformer(&s, &shape).unwrap(),
+                cmp.chosen.layers_per_chunk()
+            );
+            let text = cmp.to_string();
+            assert!(text.contains("equal") && text.contains("chosen"), "{text}");
+        }
+        // equal blocks and a negligible head: the equal split is optimal
+        let same = TransformerShape::gpt(12, c, 256, 2, None);
+        let cmp = compare_splits(&s, &transformer_profiles(&same), 0.0).unwrap();
+        assert_eq!(cmp.chosen.layers_per_chunk(), vec![3, 3, 3, 3]);
+        assert!((cmp.chosen.makespan - cmp.equal.makespan).abs() < 1e-9 * cmp.equal.makespan);
+        assert_eq!(cmp.makespan_change(), 0.0);
     }
 }

@@ -154,7 +154,9 @@ pub fn counterpart(model: &ModelSpec) -> ModelSpec {
         ModelSpec {
             experts: 0,
             top_k: 0,
-            shared_expert: false,
+            shared_experts: 0,
+            expert_hidden: 0,
+            first_dense: 0,
             ..model.clone()
         }
     } else {

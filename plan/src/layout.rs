@@ -195,6 +195,17 @@ impl Layout {
                 format!("the vocabulary ({}) cannot be split over tp", model.vocab),
             );
         }
+        if !model.kv_heads().is_multiple_of(p.tp) {
+            return bad(
+                "tp",
+                format!(
+                    "must divide the model's key/value heads ({}; each rank keeps whole \
+                     key/value heads), got {}",
+                    model.kv_heads(),
+                    p.tp
+                ),
+            );
+        }
         Ok(())
     }
 }

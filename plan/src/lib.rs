@@ -11,8 +11,11 @@
 //! recited.
 //!
 //! # Overview
-//! * [`ModelSpec`]: the model by its dimensions (dense or mixture of
-//!   experts). [`Cluster`]: GPUs per node, memory, peak FLOP/s per dtype,
+//! * [`ModelSpec`]: the model by its dimensions — GPT-2's block or the
+//!   Llama family's (grouped-query attention, SwiGLU, QK-norm, sliding
+//!   windows), dense or a mixture of experts (fine-grained, shared
+//!   experts, leading dense layers); [`published::models`] are published
+//!   configurations whose parameter counts it reproduces. [`Cluster`]: GPUs per node, memory, peak FLOP/s per dtype,
 //!   intra- and inter-node links (α, β), from [presets](Cluster::preset)
 //!   (`a100-80gb`, `a100-40gb`, `h100`, `h200`), a TOML file
 //!   ([`Cluster::from_file`], errors naming file, line and key), or

@@ -297,8 +297,8 @@ fn all_reduce_link(reproducible: bool, shape: (usize, usize, usize)) -> Link {
 pub fn block_products(model: &ModelSpec, tokens: usize) -> Vec<(usize, usize, usize)> {
     let (c, f) = (model.hidden, model.ffn_hidden);
     vec![
-        (tokens, c, 3 * c),
-        (tokens, c, c),
+        (tokens, c, model.q_dim() + 2 * model.kv_dim()),
+        (tokens, model.q_dim(), c),
         (tokens, c, f),
         (tokens, f, c),
         (tokens, c, model.vocab),

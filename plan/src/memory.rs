@@ -220,6 +220,8 @@ impl Recipe {
 /// One model chunk a pipeline stage holds (a virtual stage).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Chunk {
+    /// Its first transformer block (blocks may differ: windows, experts).
+    pub first: usize,
     /// Transformer blocks in the chunk.
     pub layers: usize,
     /// Whether it holds the embedding (the first virtual stage).
@@ -230,17 +232,32 @@ pub struct Chunk {
     pub slots: usize,
 }
 
+impl Chunk {
+    /// Its blocks' indices.
+    pub(crate) fn blocks(&self) -> std::ops::Range<usize> {
+        self.first..self.first + self.layers
+    }
+}
+
 /// Element counts of one tensor-parallel rank's share of the model
 /// (rank 0 of every axis: it holds the largest share of an uneven split).
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Shares {
     /// `wte` rows on this rank (`ceil(V/tp)`), times C.
     pub wte: u64,
-    /// `wpe`: T·C.
+    /// `wpe`: T·C (learned positions only).
     pub wpe: u64,
-    /// One block's parameters on this rank.
-    pub block: u64,
-    /// The final layernorm (and an untied head's rows).
+    /// One block's norms and attention on this rank.
+    pub attention: u64,
+    /// The dense feed-forward block on this rank.
+    pub dense: u64,
+    /// The mixture-of-experts block on this rank (its local experts).
+    pub moe: u64,
+    /// Routed experts per layer (0: dense).
+    experts: usize,
+    /// Leading dense blocks under a mixture of experts.
+    first_dense: usize,
+    /// The final norm (and an untied head's rows).
     pub head: u64,
 }
 
@@ -251,28 +268,62 @@ fn u(x: usize) -> u64 {
 impl Shares {
     pub(crate) fn of(model: &ModelSpec, layout: &Layout) -> Shares {
         let (c, t) = (u(model.hidden), u(layout.parallel.tp));
+        let mlp = |f: u64| {
+            if model.swiglu {
+                3 * c * f
+            } else {
+                2 * c * f + f + c
+            }
+        };
+        // replicated over tp; experts shared out over ep
+        let e = u(model.experts);
+        let expert = mlp(u(model.expert_width()));
+        let moe = c * e + e + e / u(layout.parallel.ep) * expert + u(model.shared_experts) * expert;
+        // the dense block: c_fc (or gate and up) by columns, c_proj (down)
+        // by rows, c_proj's bias replicated
         let f = u(model.ffn_hidden);
-        let v_loc = u(model.vocab.div_ceil(layout.parallel.tp));
-        let ffn = if model.is_moe() {
-            // replicated over tp; experts shared out over ep
-            let e = u(model.experts);
-            let local = e / u(layout.parallel.ep);
-            let expert = 2 * c * f + f + c;
-            c * e + e + local * expert + if model.shared_expert { expert } else { 0 }
+        let dense = if model.swiglu {
+            3 * c * f / t
         } else {
-            // c_fc by columns (weight and bias), c_proj weight by rows,
-            // c_proj bias replicated
             2 * c * f / t + f / t + c
         };
-        // ln_1, ln_2; c_attn (C, 3C/tp) + 3C/tp; c_proj (C/tp, C) + C
-        let block = 4 * c + 3 * c * c / t + 3 * c / t + c * c / t + c + ffn;
-        let head = 2 * c + if model.tied_embeddings { 0 } else { v_loc * c };
+        // norms; c_attn (C, (Cq + 2·Ckv)/tp) and its bias; QK-norm's
+        // gains; c_proj (Cq/tp, C) and (GPT-2) its bias
+        let (q, kv) = (u(model.q_dim()), u(model.kv_dim()));
+        let gpt2 = model.block == crate::model::Block::Gpt2;
+        let norm = if gpt2 { 2 * c } else { c };
+        let attention = 2 * norm
+            + c * (q + 2 * kv) / t
+            + if model.qkv_bias { (q + 2 * kv) / t } else { 0 }
+            + if model.qk_norm {
+                2 * u(model.head_dim())
+            } else {
+                0
+            }
+            + q * c / t
+            + if gpt2 { c } else { 0 };
+        let v_loc = u(model.vocab.div_ceil(layout.parallel.tp));
+        let head = norm + if model.tied_embeddings { 0 } else { v_loc * c };
         Shares {
             wte: v_loc * c,
-            wpe: u(model.seq) * c,
-            block,
+            wpe: model.position_params() as u64,
+            attention,
+            dense,
+            moe,
+            experts: model.experts,
+            first_dense: model.first_dense,
             head,
         }
+    }
+
+    /// Parameters of block `layer` on this rank.
+    pub(crate) fn block(&self, layer: usize) -> u64 {
+        self.attention
+            + if self.experts > 0 && layer >= self.first_dense {
+                self.moe
+            } else {
+                self.dense
+            }
     }
 
     /// Parameters of `chunk` on this rank (FSDP units: embedding, each
@@ -282,7 +333,7 @@ impl Shares {
         if chunk.embed {
             v.push(self.wte + self.wpe);
         }
-        v.extend(std::iter::repeat_n(self.block, chunk.layers));
+        v.extend(chunk.blocks().map(|l| self.block(l)));
         if chunk.head {
             v.push(self.head);
         }
@@ -327,7 +378,15 @@ fn tokens(model: &ModelSpec, layout: &Layout) -> u64 {
 /// for split backwards (`weight_inputs_len`). In bf16 the inputs that only
 /// products read (ln_1's output, the attention output, and with the dense
 /// MLP ln_2's output and the GELU output) are kept in bf16: two per float.
-fn weft_block_floats(model: &ModelSpec, layout: &Layout, precision: Precision) -> (u64, u64, u64) {
+/// `moe`: the block runs the mixture of experts. Counted exactly for
+/// GPT-2's blocks; for the Llama family's (Q, K and V of their own widths,
+/// SwiGLU's gate, up and product in place of the MLP's two) an estimate.
+fn weft_block_floats(
+    model: &ModelSpec,
+    layout: &Layout,
+    precision: Precision,
+    moe: bool,
+) -> (u64, u64, u64) {
     let linear = |len: u64| {
         if precision == Precision::Bf16 {
             len.div_ceil(2)
@@ -340,14 +399,25 @@ fn weft_block_floats(model: &ModelSpec, layout: &Layout, precision: Precision) -
     let sp = layout.parallel.sequence_parallel && layout.parallel.tp > 1;
     let n = b * t;
     let rows = if sp { n / tp } else { n };
-    let (nh, ca) = (u(model.heads) / tp, c / tp);
+    let nh = u(model.heads) / tp;
+    // the query (and attention output) width and Q, K, V's on this rank
+    let (ca, qkv) = (
+        u(model.q_dim()) / tp,
+        u(model.q_dim() + 2 * model.kv_dim()) / tp,
+    );
     let att = b * nh * t * t;
-    let hid = 4 * c / tp;
+    let hid = u(model.ffn_hidden) / tp;
+    // SwiGLU keeps its gate and up outputs and their product
+    let gated = if model.swiglu { n * hid } else { 0 };
     // ln_2's output, in bf16 when the dense MLP alone reads it
-    let ln2 = if model.is_moe() { n * c } else { linear(n * c) };
-    let (ffn_saved, ffn_scratch, ffn_split) = if model.is_moe() {
-        let (e, k, f) = (u(model.experts), u(model.top_k), u(model.ffn_hidden));
-        let shared = if model.shared_expert { 2 * f } else { 0 };
+    let ln2 = if moe { n * c } else { linear(n * c) };
+    let (ffn_saved, ffn_scratch, ffn_split) = if moe {
+        let (e, k, f) = (
+            u(model.experts),
+            u(model.top_k),
+            u(model.expert_width()) * if model.swiglu { 3 } else { 2 } / 2,
+        );
+        let shared = u(model.shared_experts) * 2 * f;
         let per_token = if layout.parallel.ep > 1 {
             e + k * c + shared
         } else {
@@ -359,11 +429,15 @@ fn weft_block_floats(model: &ModelSpec, layout: &Layout, precision: Precision) -
         let input = n * hid
             + if layout.parallel.tp > 1 { n * c } else { 0 }
             + if sp { rows * c } else { 0 };
-        (n * hid + linear(n * hid), (input + split).max(n * c), split)
+        (
+            n * hid + gated + linear(n * hid),
+            (input + split).max(n * c),
+            split,
+        )
     };
     let block = linear(n * c)
         + 2 * rows
-        + n * 3 * ca
+        + n * qkv
         + linear(n * ca)
         + att
         + rows * c
@@ -372,8 +446,8 @@ fn weft_block_floats(model: &ModelSpec, layout: &Layout, precision: Precision) -
         + ffn_saved
         + rows * c;
     let scratch =
-        2 * n * c + n * ca + n * 3 * ca + att + ffn_scratch + if sp { rows * c + n * c } else { 0 };
-    let weight_inputs = 3 * rows * c + n * c + n * 3 * ca + ffn_split;
+        2 * n * c + n * ca + n * qkv + att + ffn_scratch + if sp { rows * c + n * c } else { 0 };
+    let weight_inputs = 3 * rows * c + n * c + n * qkv + ffn_split;
     (block, scratch, weight_inputs)
 }
 
@@ -384,10 +458,11 @@ fn weft_chunk(model: &ModelSpec, layout: &Layout, recipe: &Recipe, chunk: &Chunk
     let sp = layout.parallel.sequence_parallel && layout.parallel.tp > 1;
     let n = b * t;
     let rows = if sp { n / tp } else { n };
-    let (block, scratch, weight_inputs) = weft_block_floats(model, layout, recipe.precision);
-    let l = u(chunk.layers);
+    let dense = weft_block_floats(model, layout, recipe.precision, false);
+    let moe = weft_block_floats(model, layout, recipe.precision, true);
+    let kind = |l: usize| if model.is_moe_layer(l) { moe } else { dense };
     let v_loc = u(model.vocab.div_ceil(layout.parallel.tp));
-    let mut per_slot = 2 * rows * c + l * block;
+    let mut per_slot = 2 * rows * c + chunk.blocks().map(|l| kind(l).0).sum::<u64>();
     if chunk.embed {
         per_slot += n;
     }
@@ -396,8 +471,10 @@ fn weft_chunk(model: &ModelSpec, layout: &Layout, recipe: &Recipe, chunk: &Chunk
         per_slot += n + n * c + 2 * rows + n * v_loc + n + 2 * n;
     }
     if layout.schedule().splits_backward() && layout.parallel.pp > 1 {
-        per_slot += l * weight_inputs;
+        per_slot += chunk.blocks().map(|l| kind(l).2).sum::<u64>();
     }
+    // the shared working buffers: the widest kind of block the chunk holds
+    let scratch = chunk.blocks().map(|l| kind(l).1).max().unwrap_or(dense.1);
     let acts = u(chunk.slots.max(1)) * per_slot + scratch;
     let units = shares.units(chunk);
     let params: u64 = units.iter().sum();
@@ -456,28 +533,42 @@ fn mixed_chunk(model: &ModelSpec, layout: &Layout, recipe: &Recipe, chunk: &Chun
     let t = u(layout.parallel.tp);
     let sp = layout.parallel.sequence_parallel && layout.parallel.tp > 1;
     let sbh = s * b * h;
-    // Korthikanti et al. 2022, Table 2; the feed-forward share (19·sbh of
-    // the 34) runs k times for a mixture of experts
-    let k = if model.is_moe() {
-        u(model.top_k) + u(usize::from(model.shared_expert))
-    } else {
-        1
+    // Korthikanti et al. 2022, Table 2, by part: 10·sbh replicated over
+    // tp (the norms' inputs, the attention's and the MLP's inputs, two
+    // dropout masks); sharded: Q, K, V and the projection's input,
+    // 2·(2·Cq + 2·Ckv)·sb (8·sbh with multi-head attention), and the
+    // feed-forward block's hidden activations, 4·F·sb for GELU (16·sbh at
+    // F = 4·C) or 6·F·sb for SwiGLU's gate, up and product; a mixture of
+    // experts runs k blocks of width Fe (top-k plus shared), each with its
+    // own input and mask (3·sbh); the scores 5·a·s·b per key a query's
+    // window holds
+    let (q, kv) = (u(model.q_dim()), u(model.kv_dim()));
+    let hidden_acts = |f: usize| if model.swiglu { 6 } else { 4 } * u(f) * s * b;
+    let replicated = 10 * sbh;
+    let attention = 4 * (q + kv) * s * b;
+    let per_layer = |l: usize| {
+        let ffn = if model.is_moe_layer(l) {
+            let k = u(model.top_k + model.shared_experts);
+            k * (3 * sbh + hidden_acts(model.expert_width())) - 3 * sbh
+        } else {
+            hidden_acts(model.ffn_hidden)
+        };
+        let keys = u(model.window_of(l).map_or(model.seq, |w| w.min(model.seq)));
+        let scores = if recipe.flash_attention {
+            0
+        } else {
+            5 * a * s * keys * b
+        };
+        let sharded = attention + ffn + scores;
+        if layout.recompute {
+            if sp { 2 * sbh / t } else { 2 * sbh }
+        } else if sp {
+            (replicated + sharded) / t
+        } else {
+            replicated + sharded / t
+        }
     };
-    let attention_scores = if recipe.flash_attention {
-        0
-    } else {
-        5 * a * s * s * b
-    };
-    let per_layer = if layout.recompute {
-        if sp { 2 * sbh / t } else { 2 * sbh }
-    } else if sp {
-        ((15 + 19 * k) * sbh + attention_scores) / t
-    } else if layout.parallel.tp > 1 {
-        10 * sbh + (5 + 19 * k) * sbh / t + attention_scores / t
-    } else {
-        (15 + 19 * k) * sbh + attention_scores
-    };
-    let mut per_slot = u(chunk.layers) * per_layer;
+    let mut per_slot: u64 = chunk.blocks().map(per_layer).sum();
     if chunk.embed {
         // the embedding's output and its dropout mask
         per_slot += 3 * sbh / if sp { t } else { 1 };

@@ -116,22 +116,39 @@ pub(crate) struct Geometry {
 /// `weft_pipeline::partition_transformer`, the function `weft train`'s
 /// stages are cut with (`weft_model::partition_layers`).
 fn weft_partition(model: &ModelSpec, schedule: &weft_pipeline::Schedule) -> Result<Vec<usize>> {
-    let experts = model.is_moe().then(|| {
-        (
-            model.experts,
-            model.top_k + usize::from(model.shared_expert),
-        )
-    });
     Ok(weft_pipeline::partition_transformer(
         schedule,
-        &weft_pipeline::TransformerShape {
-            layers: model.layers,
-            hidden: model.hidden,
-            seq: model.seq,
-            vocab: model.vocab,
-            experts,
-        },
+        &model.transformer_shape(),
     )?)
+}
+
+/// The split of `model`'s layers over `layout`'s virtual stages weft
+/// chooses ([`weft_pipeline::partition_transformer`] on
+/// [`ModelSpec::transformer_shape`], as `weft train` cuts its stages)
+/// beside the equal-layer split, both simulated on the per-layer FLOPs —
+/// what balancing unequal layers (windows, experts, the head) removes.
+/// `None` without pipeline parallelism.
+///
+/// # Errors
+/// The schedule's errors (micro-batches the schedule refuses); fewer
+/// layers than virtual stages.
+pub fn split_comparison(
+    model: &ModelSpec,
+    layout: &Layout,
+    batch: usize,
+) -> Result<Option<weft_pipeline::SplitComparison>> {
+    if layout.parallel.pp == 1 {
+        return Ok(None);
+    }
+    let schedule = layout.schedule().generate(
+        layout.parallel.pp,
+        layout.micro_batches(batch),
+        layout.chunks(),
+    )?;
+    let profiles = weft_pipeline::transformer_profiles(&model.transformer_shape());
+    Ok(Some(weft_pipeline::compare_splits(
+        &schedule, &profiles, 0.0,
+    )?))
 }
 
 pub(crate) fn geometry(
@@ -179,6 +196,7 @@ pub(crate) fn geometry(
         for (c, &slots) in peak.iter().enumerate() {
             let vs = pl.virtual_stage(r, c);
             chunks.push(Chunk {
+                first: layers[..vs].iter().sum(),
                 layers: layers[vs],
                 embed: vs == 0,
                 head: vs + 1 == nvs,
@@ -220,6 +238,18 @@ pub fn memory_per_stage(req: &Request, layout: &Layout) -> Result<Vec<Memory>> {
 pub fn predict(req: &Request, layout: &Layout) -> Result<Prediction> {
     req.validate()?;
     layout.validate(&req.model, req.batch, req.cluster.gpus)?;
+    if layout.parallel.tp > 1 && crate::search::weft_gqa(req) {
+        return Err(Error::InvalidLayout {
+            layout: layout.to_string(),
+            field: "tp",
+            reason: format!(
+                "weft does not split grouped-query attention ({} key/value heads for {} \
+                 heads) over tensor parallelism yet: use tp = 1",
+                req.model.kv_heads(),
+                req.model.heads
+            ),
+        });
+    }
     predict_valid(req, layout)
 }
 
@@ -288,17 +318,35 @@ fn step_time(req: &Request, layout: &Layout, g: &Geometry, exact: bool) -> Resul
     let nvs = g.layers.len();
     // per virtual stage: its chunk and costs
     let mut vs_time = vec![ChunkTime::default(); nvs];
-    let act = block_activation_bytes(model, layout, &req.recipe);
-    // chunks of equal shape cost the same: compute each shape once
-    let mut shapes: Vec<((usize, bool, bool), ChunkTime)> = Vec::new();
+    // blocks of one kind (window, experts) keep the same activations
+    let kind = |l: usize| (model.window_of(l), model.is_moe_layer(l));
+    let mut acts: Vec<((Option<usize>, bool), f64)> = Vec::new();
+    for l in 0..model.layers {
+        if !acts.iter().any(|(k, _)| *k == kind(l)) {
+            acts.push((
+                kind(l),
+                block_activation_bytes(model, layout, &req.recipe, l),
+            ));
+        }
+    }
+    let act = |l: usize| {
+        acts.iter()
+            .find(|(k, _)| *k == kind(l))
+            .map_or(0.0, |(_, a)| *a)
+    };
+    // chunks of equal shape cost the same: compute each shape once (with
+    // blocks of one kind, wherever the chunk starts)
+    let uniform = acts.len() == 1;
+    let first = |c: &Chunk| if uniform { 0 } else { c.first };
+    let mut shapes: Vec<((usize, usize, bool, bool), ChunkTime)> = Vec::new();
     for (r, chunks) in g.stages.iter().enumerate() {
         for (chunk, &vs) in chunks.iter().zip(&g.virtual_stages[r]) {
-            let key = (chunk.layers, chunk.embed, chunk.head);
+            let key = (first(chunk), chunk.layers, chunk.embed, chunk.head);
             if let Some((_, ct)) = shapes.iter().find(|(k, _)| *k == key) {
                 vs_time[vs] = *ct;
                 continue;
             }
-            let mut ct = chunk_time(&mach, model, layout, chunk, act);
+            let mut ct = chunk_time(&mach, model, layout, chunk, &act);
             if layout.shards_params() || layout.shards_grads() {
                 let (f, b) = fsdp_per_microbatch(&mach, model, layout, chunk);
                 ct.dp_total = f + b;
@@ -430,11 +478,13 @@ fn step_time(req: &Request, layout: &Layout, g: &Geometry, exact: bool) -> Resul
     let mut tail_dp = (0.0, 0.0);
     let mut tail_opt = 0.0;
     // stages of the same chunks and backward window cost the same
-    type Signature = (Vec<(usize, bool, bool)>, f64);
+    type Signature = (Vec<(usize, usize, bool, bool)>, f64);
     let mut done: Vec<Signature> = Vec::new();
     for (r, chunks) in g.stages.iter().enumerate() {
-        let sig: Vec<(usize, bool, bool)> =
-            chunks.iter().map(|c| (c.layers, c.embed, c.head)).collect();
+        let sig: Vec<(usize, usize, bool, bool)> = chunks
+            .iter()
+            .map(|c| (first(c), c.layers, c.embed, c.head))
+            .collect();
         let window: f64 = g.virtual_stages[r]
             .iter()
             .map(|&vs| vs_time[vs].backward_input() + vs_time[vs].backward_weight())

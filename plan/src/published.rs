@@ -20,6 +20,12 @@
 //! counted as the paper counts it: eq. 3,
 //! `96·B·s·l·h²·(1 + s/(6h) + V/(16·l·h))` FLOPs per iteration
 //! ([`ModelSpec::megatron_flops`]).
+//!
+//! [`models`] are published model configurations of the Llama family
+//! (grouped-query attention, SwiGLU, untied embeddings; Mistral's
+//! windows) with their published parameter counts, which
+//! [`ModelSpec::params`] reproduces exactly, and Llama 3 405B's training
+//! compute, 6·N·D.
 
 use serde::Serialize;
 
@@ -221,6 +227,86 @@ impl PublishedRun {
     }
 }
 
+/// A published model configuration and its published parameter count.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct PublishedModel {
+    /// Its name (`Llama 3 8B`, ...).
+    pub name: &'static str,
+    /// Its dimensions (sequence: the pretraining context).
+    pub model: ModelSpec,
+    /// The published parameter count.
+    pub params: u64,
+    /// Where the count comes from.
+    pub source: &'static str,
+}
+
+/// Llama 3 8B, 70B and 405B (Meta's `config.json` and model cards: 8.03B,
+/// 70.6B, 405.9B; weft-model's own layout counts 8,030,261,248 for 8B)
+/// and Mistral 7B (Hugging Face's count of `mistralai/Mistral-7B-v0.1`).
+#[must_use]
+pub fn models() -> Vec<PublishedModel> {
+    let llama3 = |l, c, nh, f| ModelSpec::llama(l, c, nh, 8, f, 8192, 128_256);
+    vec![
+        PublishedModel {
+            name: "Llama 3 8B",
+            model: llama3(32, 4096, 32, 14336),
+            params: 8_030_261_248,
+            source: "meta-llama/Meta-Llama-3-8B",
+        },
+        PublishedModel {
+            name: "Llama 3 70B",
+            model: llama3(80, 8192, 64, 28672),
+            params: 70_553_706_496,
+            source: "meta-llama/Meta-Llama-3-70B",
+        },
+        PublishedModel {
+            name: "Llama 3.1 405B",
+            model: llama3(126, 16384, 128, 53248),
+            params: 405_853_388_800,
+            source: "meta-llama/Llama-3.1-405B",
+        },
+        PublishedModel {
+            name: "Mistral 7B",
+            model: ModelSpec::llama(32, 4096, 32, 8, 14336, 8192, 32000).with_window(4096, 0),
+            params: 7_241_732_096,
+            source: "mistralai/Mistral-7B-v0.1",
+        },
+    ]
+}
+
+/// Llama 3 405B's pretraining: 15.6T tokens and 3.8 × 10^25 FLOPs (Dubey
+/// et al. 2024, "The Llama 3 Herd of Models", section 3.2.1).
+pub const LLAMA3_405B_TOKENS: f64 = 15.6e12;
+/// Its published training compute, FLOPs.
+pub const LLAMA3_405B_FLOPS: f64 = 3.8e25;
+
+/// The published models as a Markdown table: the published and counted
+/// parameters, and the training FLOPs per token (6·N plus attention).
+#[must_use]
+pub fn models_table(models: &[PublishedModel]) -> String {
+    let mut s = String::from(
+        "| model | layers | hidden | heads | kv heads | ffn | vocab | published params | counted | FLOPs/token (6N + attention, T = 8192) |\n\
+         |---|---|---|---|---|---|---|---|---|---|\n",
+    );
+    for p in models {
+        let m = &p.model;
+        s.push_str(&format!(
+            "| {} | {} | {} | {} | {} | {} | {} | {} | {:.0} | {:.3e} |\n",
+            p.name,
+            m.layers,
+            m.hidden,
+            m.heads,
+            m.kv_heads(),
+            m.ffn_hidden,
+            m.vocab,
+            p.params,
+            m.params(),
+            m.flops_per_token()
+        ));
+    }
+    s
+}
+
 /// A published row beside the planner's prediction.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct Comparison {
@@ -292,4 +378,32 @@ pub fn table(rows: &[Comparison]) -> String {
         ));
     }
     s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every published count exactly, from the model's dimensions; and
+    /// Llama 3 405B's 3.8 × 10^25 FLOPs are 6·N·D within 1%.
+    #[test]
+    fn published_models_have_their_parameter_counts() {
+        for p in models() {
+            p.model.validate().unwrap();
+            assert_eq!(p.model.params(), p.params as f64, "{}", p.name);
+        }
+        let m = &models()[2].model;
+        let six_nd = 6.0 * m.params() * LLAMA3_405B_TOKENS;
+        assert!(
+            (six_nd / LLAMA3_405B_FLOPS - 1.0).abs() < 0.01,
+            "{six_nd:e}"
+        );
+        let t = models_table(&models());
+        assert!(
+            t.contains(
+                "| Llama 3 70B | 80 | 8192 | 64 | 8 | 28672 | 128256 | 70553706496 | 70553706496 |"
+            ),
+            "{t}"
+        );
+    }
 }

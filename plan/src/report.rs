@@ -26,7 +26,7 @@ fn gib(b: u64) -> String {
 #[must_use]
 pub fn table(req: &Request, preds: &[Prediction], top: usize) -> String {
     let mut s = format!(
-        "model: {} layers, hidden {}, {} heads, seq {}, vocab {}{}; {:.3}B parameters; global batch {} ({} tokens)\n\
+        "model: {} layers, hidden {}, {} heads, seq {}, vocab {}{}{}; {:.3}B parameters; global batch {} ({} tokens)\n\
          cluster: {}\n\
          recipe: {} accounting, {} products{}\n\n",
         req.model.layers,
@@ -34,8 +34,25 @@ pub fn table(req: &Request, preds: &[Prediction], top: usize) -> String {
         req.model.heads,
         req.model.seq,
         req.model.vocab,
+        architecture(&req.model),
         if req.model.is_moe() {
-            format!(", {} experts top-{}", req.model.experts, req.model.top_k)
+            format!(
+                ", {} experts top-{}{}{}{}",
+                req.model.experts,
+                req.model.top_k,
+                match req.model.shared_experts {
+                    0 => String::new(),
+                    n => format!(" + {n} shared"),
+                },
+                match req.model.expert_hidden {
+                    0 => String::new(),
+                    w => format!(" of width {w}"),
+                },
+                match req.model.first_dense {
+                    0 => String::new(),
+                    n => format!(", first {n} layers dense"),
+                }
+            )
         } else {
             String::new()
         },
@@ -101,6 +118,47 @@ pub fn table(req: &Request, preds: &[Prediction], top: usize) -> String {
             "({} more layouts; --top 0 shows all, --json gives every figure)\n",
             preds.len() - n
         ));
+    }
+    if let Some(p) = preds.iter().take(n).find(|p| p.layout.parallel.pp > 1)
+        && let Ok(Some(cmp)) = crate::predict::split_comparison(&req.model, &p.layout, req.batch)
+    {
+        s.push_str(&format!(
+            "\nPipeline split of {} by per-layer FLOPs (stage busy: forward and backward FLOPs per token \
+             of every micro-batch; weft train cuts the chosen split{}):\n{cmp}\n",
+            p.layout,
+            if req.recipe.accounting == Accounting::Mixed {
+                ", Megatron-LM the equal one, which the prediction above assumes"
+            } else {
+                ", which the prediction above assumes"
+            }
+        ));
+    }
+    s
+}
+
+/// `, GQA 8 kv heads, SwiGLU 14336, window 4096 (5 local : 1 global)` —
+/// what sets the block apart from GPT-2's.
+fn architecture(m: &ModelSpec) -> String {
+    let mut s = String::new();
+    if m.kv_heads() != m.heads {
+        s.push_str(&format!(", GQA {} kv heads", m.kv_heads()));
+    }
+    if m.head_dim != 0 {
+        s.push_str(&format!(", head dim {}", m.head_dim));
+    }
+    if m.swiglu {
+        s.push_str(&format!(", SwiGLU {}", m.ffn_hidden));
+    } else if m.ffn_hidden != 4 * m.hidden {
+        s.push_str(&format!(", MLP {}", m.ffn_hidden));
+    }
+    if m.window > 0 {
+        s.push_str(&format!(", window {}", m.window));
+        if m.global_every > 0 {
+            s.push_str(&format!(" ({} local : 1 global)", m.global_every - 1));
+        }
+    }
+    if m.qk_norm {
+        s.push_str(", QK-norm");
     }
     s
 }

@@ -80,6 +80,9 @@ pub fn enumerate(req: &Request, c: &Constraints) -> Vec<Layout> {
         if !pin(c.tp, tp) || !m.heads.is_multiple_of(tp) || m.vocab < tp {
             continue;
         }
+        if !m.kv_heads().is_multiple_of(tp) || (tp > 1 && weft_gqa(req)) {
+            continue;
+        }
         for pp in divisors(g / tp) {
             if !pin(c.pp, pp) || pp > m.layers {
                 continue;
@@ -360,4 +363,10 @@ pub fn reason(p: &Prediction, best: &Prediction) -> String {
             _ => t.dp_exposed,
         })
     )
+}
+
+/// Whether `req` is weft's own run of a grouped-query attention model,
+/// which weft does not split over tensor parallelism yet.
+pub(crate) fn weft_gqa(req: &Request) -> bool {
+    req.recipe.accounting == crate::Accounting::Weft && req.model.kv_heads() != req.model.heads
 }

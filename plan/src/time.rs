@@ -239,37 +239,43 @@ impl<'a> Machine<'a> {
     }
 }
 
-/// Share of the T×T attention scores computed: all of them when they are
-/// materialized on GPUs (Megatron-LM 2021's softmax path), the causal
-/// blocks of 128 rows under flash attention, of 64 rows for weft's CPU
-/// kernel.
-fn attention_fraction(model: &ModelSpec, recipe: &Recipe) -> f64 {
+/// Keys per query whose scores layer `layer` computes: the causal blocks
+/// of 128 rows under flash attention (and of 64 for weft's CPU kernel) of
+/// a global layer, all `T` when the scores are materialized on GPUs
+/// (Megatron-LM 2021's softmax path, masked windows included); through a
+/// sliding window of W, the `W − W²/(2T)` keys a query sees on average
+/// ([`weft_pipeline::attended_keys`]).
+fn attended_keys(model: &ModelSpec, recipe: &Recipe, layer: usize) -> f64 {
+    let t = model.seq as f64;
     let causal = |block: usize| {
         let nb = model.seq.div_ceil(block) as f64;
-        (nb * (nb + 1.0) / 2.0) / (nb * nb)
+        t * (nb * (nb + 1.0) / 2.0) / (nb * nb)
     };
-    match recipe.accounting {
-        Accounting::Mixed if recipe.flash_attention => causal(128),
-        Accounting::Mixed => 1.0,
-        Accounting::Weft => causal(64),
+    let materialized = recipe.accounting == Accounting::Mixed && !recipe.flash_attention;
+    match model.window_of(layer) {
+        _ if materialized => t,
+        Some(w) if w < model.seq => weft_pipeline::attended_keys(model.seq, Some(w)),
+        _ if recipe.accounting == Accounting::Mixed => causal(128),
+        _ => causal(64),
     }
 }
 
 /// Bytes a block keeps for its backward per micro-batch on one rank (the
-/// basis of its element-wise traffic).
-pub(crate) fn block_activation_bytes(model: &ModelSpec, layout: &Layout, recipe: &Recipe) -> f64 {
+/// basis of its element-wise traffic), for block `layer`.
+pub(crate) fn block_activation_bytes(
+    model: &ModelSpec,
+    layout: &Layout,
+    recipe: &Recipe,
+    layer: usize,
+) -> f64 {
     let probe = Chunk {
+        first: layer,
         layers: 1,
         embed: false,
         head: false,
         slots: 1,
     };
-    let empty = Chunk {
-        layers: 0,
-        embed: false,
-        head: false,
-        slots: 1,
-    };
+    let empty = Chunk { layers: 0, ..probe };
     let mut no_recompute = Layout {
         recompute: false,
         ..*layout
@@ -281,14 +287,15 @@ pub(crate) fn block_activation_bytes(model: &ModelSpec, layout: &Layout, recipe:
     (one.activations - zero.activations) as f64
 }
 
-/// Per-micro-batch costs of a chunk of `chunk.layers` blocks (with the
-/// embedding and the head when it holds them).
+/// Per-micro-batch costs of a chunk of `chunk.layers` blocks from
+/// `chunk.first` (with the embedding and the head when it holds them);
+/// `act(l)`: [`block_activation_bytes`] of block `l`.
 pub(crate) fn chunk_time(
     mach: &Machine<'_>,
     model: &ModelSpec,
     layout: &Layout,
     chunk: &Chunk,
-    act: f64,
+    act: &dyn Fn(usize) -> f64,
 ) -> ChunkTime {
     let c = mach.cluster;
     let recipe = mach.recipe;
@@ -297,29 +304,12 @@ pub(crate) fn chunk_time(
     let n = b * s;
     let h = model.hidden as f64;
     let t = layout.parallel.tp as f64;
-    let f = model.ffn_hidden as f64;
-    let layers = chunk.layers as f64;
+    let (q, kv) = (model.q_dim() as f64, model.kv_dim() as f64);
     let tp_group = Group::strided(layout.parallel.tp, 1, c.gpus_per_node);
-
-    // one block, forward: products
-    let mut gemm_f = mach.gemm(n, h, 3.0 * h / t) + mach.gemm(n, h / t, h);
-    if model.is_moe() {
-        let (e, k) = (model.experts as f64, model.top_k as f64);
-        let ep = layout.parallel.ep as f64;
-        // the router, then each local expert's two products over the
-        // tokens routed to it from every rank of its group (n·k·ep/E,
-        // balanced), and the shared expert's over every token
-        gemm_f += mach.gemm(n, h, e);
-        let routed = n * k * ep / e;
-        gemm_f += (e / ep) * (mach.gemm(routed, h, f) + mach.gemm(routed, f, h));
-        if model.shared_expert {
-            gemm_f += mach.gemm(n, h, f) + mach.gemm(n, f, h);
-        }
-    } else {
-        gemm_f += mach.gemm(n, h, f / t) + mach.gemm(n, f / t, h);
-    }
-    let attention = mach.flops_time(4.0 * n * s * h / t * attention_fraction(model, recipe));
-    let elem_f = mach.memory(2.0 * act, 10.0);
+    // gate and up (SwiGLU) or c_fc, then down (c_proj)
+    let ffn = |rows: f64, f: f64| {
+        (model.ffn_matrices() - 1) as f64 * mach.gemm(rows, h, f) + mach.gemm(rows, f, h)
+    };
 
     // the block's collectives: two all-reduces (or reduce-scatter and
     // all-gather pairs, the same volume) per pass over tp
@@ -330,7 +320,7 @@ pub(crate) fn chunk_time(
         0.0
     };
     let ep_group = Group::strided(layout.parallel.ep, layout.parallel.tp, c.gpus_per_node);
-    let ep_f = if model.is_moe() && layout.parallel.ep > 1 {
+    let ep_f = if layout.parallel.ep > 1 {
         // dispatch and combine of each token's k copies
         2.0 * all_to_all(c, ep_group, n * model.top_k as f64 * h * dt)
     } else {
@@ -338,36 +328,54 @@ pub(crate) fn chunk_time(
     };
     // weft recomputes the experts' hidden activations (one more dispatch)
     // in the backward under expert parallelism
-    let ep_b = if model.is_moe() && layout.parallel.ep > 1 {
-        ep_f * if recipe.accounting == Accounting::Weft {
+    let ep_b = ep_f
+        * if recipe.accounting == Accounting::Weft {
             1.5
         } else {
             1.0
-        }
-    } else {
-        0.0
-    };
-
+        };
     let attention_backward = if recipe.flash_attention { 2.5 } else { 2.0 };
-    let block_fwd = gemm_f + attention + elem_f;
-    let mut ct = ChunkTime {
-        f_compute: layers * block_fwd,
+
+    let mut ct = ChunkTime::default();
+    for l in chunk.blocks() {
+        // one block, forward: products (Q, K and V at their widths; the
+        // output projection)
+        let mut gemm_f = mach.gemm(n, h, (q + 2.0 * kv) / t) + mach.gemm(n, q / t, h);
+        let moe = model.is_moe_layer(l);
+        if moe {
+            let (e, k) = (model.experts as f64, model.top_k as f64);
+            let ep = layout.parallel.ep as f64;
+            let fe = model.expert_width() as f64;
+            // the router, then each local expert's products over the
+            // tokens routed to it from every rank of its group (n·k·ep/E,
+            // balanced), and the shared experts' over every token
+            gemm_f += mach.gemm(n, h, e);
+            let routed = n * k * ep / e;
+            gemm_f += (e / ep) * ffn(routed, fe);
+            gemm_f += model.shared_experts as f64 * ffn(n, fe);
+        } else {
+            gemm_f += ffn(n, model.ffn_hidden as f64 / t);
+        }
+        let attention = mach.flops_time(4.0 * n * attended_keys(model, recipe, l) * q / t);
+        let elem_f = mach.memory(2.0 * act(l), 10.0);
+        let (ep_f, ep_b) = if moe { (ep_f, ep_b) } else { (0.0, 0.0) };
+        let block_fwd = gemm_f + attention + elem_f;
+        ct.f_compute += block_fwd;
         // input gradients of the products, the attention's backward (with
         // the scores recomputed under flash attention), the element-wise
         // backward
-        b_compute: layers * (gemm_f + attention_backward * attention + 2.0 * elem_f),
+        ct.b_compute += gemm_f + attention_backward * attention + 2.0 * elem_f;
         // weight gradients
-        w_compute: layers * gemm_f,
-        f_tp: layers * tp_f,
-        b_tp: layers * tp_f,
-        f_ep: layers * ep_f,
-        b_ep: layers * ep_b,
-        ..ChunkTime::default()
-    };
-    if layout.recompute {
-        ct.b_compute += layers * block_fwd;
-        ct.b_tp += layers * tp_f;
-        ct.b_ep += layers * ep_f;
+        ct.w_compute += gemm_f;
+        ct.f_tp += tp_f;
+        ct.b_tp += tp_f;
+        ct.f_ep += ep_f;
+        ct.b_ep += ep_b;
+        if layout.recompute {
+            ct.b_compute += block_fwd;
+            ct.b_tp += tp_f;
+            ct.b_ep += ep_f;
+        }
     }
     let v_loc = model.vocab.div_ceil(layout.parallel.tp) as f64;
     if chunk.embed {
@@ -401,16 +409,12 @@ pub(crate) fn chunk_time(
 pub(crate) fn stage_params(model: &ModelSpec, layout: &Layout, chunks: &[Chunk]) -> (f64, f64) {
     let shares = crate::memory::Shares::of(model, layout);
     let mut total = 0.0;
-    let mut layers = 0.0;
+    let mut moe_layers = 0.0;
     for ch in chunks {
         total += shares.units(ch).iter().sum::<u64>() as f64;
-        layers += ch.layers as f64;
+        moe_layers += ch.blocks().filter(|&l| model.is_moe_layer(l)).count() as f64;
     }
-    let experts = if model.is_moe() {
-        layers * (model.experts / layout.parallel.ep) as f64 * model.expert_params()
-    } else {
-        0.0
-    };
+    let experts = moe_layers * (model.experts / layout.parallel.ep) as f64 * model.expert_params();
     (total - experts, experts)
 }
 

@@ -6,6 +6,7 @@
 
 use proptest::prelude::*;
 use weft_plan::explain::{counterpart, crossover};
+use weft_plan::predict::split_comparison;
 use weft_plan::published::{MEGATRON_2021, compare, table};
 use weft_plan::search::{Constraints, enumerate, reason, search};
 use weft_plan::{
@@ -141,6 +142,97 @@ fn a_larger_model_stops_fitting_replicas_and_fsdp_then_fits() {
     let fsdp = predict(&req, &sharded).unwrap();
     assert!(fsdp.fits, "{}", fsdp.memory);
     assert_eq!(fsdp.memory.optimizer, dp.memory.optimizer.div_ceil(8));
+}
+
+/// Llama 3 8B on 8 H100s: GQA's narrower K and V shrink the weights
+/// each tensor-parallel rank holds and the activations Q, K and V keep;
+/// the prediction is a plausible one (it fits with FSDP, MFU between 20
+/// and 75%).
+#[test]
+fn llama_3_8b_plans_with_grouped_query_attention() {
+    let gqa = ModelSpec::llama(32, 4096, 32, 8, 14336, 8192, 128_256);
+    let mha = ModelSpec {
+        kv_heads: 0,
+        ..gqa.clone()
+    };
+    let req = |model: &ModelSpec| Request {
+        model: model.clone(),
+        batch: 64,
+        cluster: Cluster::preset("h100", 8).unwrap(),
+        recipe: Recipe::mixed(),
+    };
+    let mut fsdp = Layout::degrees(8, 1, 1);
+    fsdp.parallel.fsdp = Some(weft_plan::Strategy::Full);
+    let p = predict(&req(&gqa), &fsdp).unwrap();
+    assert!(
+        p.fits && p.mfu > 0.2 && p.mfu < 0.75,
+        "{} {}",
+        p.memory,
+        p.mfu
+    );
+    let tp = Layout::degrees(1, 8, 1);
+    let (g, m) = (
+        predict(&req(&gqa), &tp).unwrap(),
+        predict(&req(&mha), &tp).unwrap(),
+    );
+    // K and V: 2 · C · (C − C/4) per layer fewer, a tp rank 1/8 of them,
+    // 2 bytes each
+    let kv = 32 * 2 * 4096 * (4096 - 1024) / 8;
+    assert_eq!(m.memory.params - g.memory.params, 2 * kv);
+    // K and V of each token: 4·(Cq + Ckv) bytes per token instead of 8·Cq
+    assert!(g.memory.activations < m.memory.activations);
+    assert!(g.time.compute < m.time.compute);
+    // tp must divide the key/value heads
+    let e = predict(
+        &Request {
+            cluster: Cluster::preset("h100", 16).unwrap(),
+            ..req(&gqa)
+        },
+        &Layout::degrees(1, 16, 1),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("key/value heads"), "{e}");
+}
+
+/// Sliding windows (Mistral-style, every layer; and 5 local : 1 global)
+/// cut the attention's compute at a long sequence, and the report shows
+/// the pipeline split by cost against the equal one.
+#[test]
+fn windows_cut_attention_and_the_report_shows_the_split() {
+    let global = ModelSpec::llama(24, 2048, 16, 4, 5632, 32768, 32000);
+    let local = global.clone().with_window(1024, 0);
+    let mixed = global.clone().with_window(1024, 6);
+    let req = |model: &ModelSpec| Request {
+        model: model.clone(),
+        batch: 16,
+        cluster: Cluster::preset("h100", 8).unwrap(),
+        recipe: Recipe::mixed(),
+    };
+    let l = Layout::degrees(8, 1, 1);
+    let t = |m: &ModelSpec| predict(&req(m), &l).unwrap().time.compute;
+    assert!(t(&local) < t(&mixed) && t(&mixed) < t(&global));
+    assert!(local.flops_per_token() < 0.7 * global.flops_per_token());
+    // a pipeline over the 5 : 1 model: the chosen split beats the equal
+    // one; weft's own run predicts the chosen split
+    let mut pp = Layout::degrees(2, 1, 4);
+    pp.micro_batch_size = 1;
+    let cmp = split_comparison(&mixed, &pp, 16).unwrap().unwrap();
+    assert!(cmp.chosen.makespan < 0.97 * cmp.equal.makespan, "{cmp}");
+    let p = predict(&req(&mixed), &pp).unwrap();
+    let text = weft_plan::report::table(&req(&mixed), &[p], 1);
+    assert!(
+        text.contains("Pipeline split of dp=2 tp=1 pp=4")
+            && text.contains("window 1024 (5 local : 1 global)")
+            && text.contains("GQA 4 kv heads"),
+        "{text}"
+    );
+    eprintln!("{text}");
+    let mut weft = req(&mixed);
+    weft.recipe = Recipe::weft(Precision::F32);
+    weft.cluster.device = Device::Cpu;
+    let p = predict(&weft, &pp).unwrap();
+    assert_eq!(p.layers, cmp.chosen.layers_per_chunk());
 }
 
 #[test]

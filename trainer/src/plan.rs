@@ -182,22 +182,12 @@ pub struct PlanArgs {
     pub published: bool,
 }
 
-/// The model a job trains.
+/// The model a job trains (every `model.arch`: the Llama-like families'
+/// grouped-query heads, head size, SwiGLU width, QK-norm and windows).
 ///
 /// # Errors
 /// [`PlanError::Config`] when the synthetic corpus' settings are wrong.
 pub fn model_of(config: &Config) -> Result<ModelSpec, PlanError> {
-    if config.model.arch != crate::config::Arch::Gpt2 {
-        return Err(ConfigError::key(
-            "model.arch",
-            format!(
-                "the planner models GPT-2 blocks only so far (model.arch = {:?}): its FLOPs, \
-                 memory and traffic for grouped-query attention, SwiGLU and windows are to come",
-                config.model.arch
-            ),
-        )
-        .into());
-    }
     let vocab = match config.data.token_ids() {
         Ok(ids) => ids.vocab_size,
         Err(weft_data::DataError::Synthetic(e)) => {
@@ -207,12 +197,32 @@ pub fn model_of(config: &Config) -> Result<ModelSpec, PlanError> {
         Err(e) => return Err(ConfigError::key("data", e.to_string()).into()),
     };
     let m = &config.model;
-    let mut spec = ModelSpec::gpt(m.n_layer, m.n_embd, m.n_head, m.block_size, vocab);
+    let cfg = m.gpt_config(vocab);
+    let mut spec = ModelSpec::gpt(m.n_layer, m.n_embd, m.n_head, m.block_size, cfg.vocab_size);
+    if let Some(gated) = m.swiglu() {
+        spec = spec.with_llama_block(cfg.n_kv_head(), gated.hidden);
+        (spec.head_dim, spec.qk_norm) = (m.head_dim, cfg.arch.qk_norm);
+    }
+    spec.tied_embeddings = cfg.tied_embeddings;
+    if let Some(w) = cfg.arch.sliding_window {
+        spec = spec.with_window(w.window, w.global_every.unwrap_or(0));
+    }
     if m.moe.experts > 0 {
         spec = spec.with_moe(m.moe.experts, m.moe.top_k);
-        spec.shared_expert = m.moe.shared_expert;
+        spec.shared_experts = usize::from(m.moe.shared_expert);
     }
     Ok(spec)
+}
+
+/// The feed-forward blocks a job's pipeline partition costs
+/// (`weft_model::partition_layers`, whose stages `weft plan` predicts).
+#[must_use]
+pub fn feed_forwards(config: &Config) -> weft_pipeline::FeedForwards {
+    let m = &config.model.moe;
+    let moe = (m.experts > 0).then_some((m.experts, m.active_experts()));
+    config.model.swiglu().map_or(moe.into(), |s| {
+        weft_pipeline::FfnShape::swiglu(s.hidden).into()
+    })
 }
 
 /// The layout a job runs: its `[parallel]` table and micro-batch size.
@@ -402,7 +412,9 @@ pub fn request(args: &PlanArgs) -> Result<(Request, Option<Config>), PlanError> 
     }
     if let Some(v) = args.hidden {
         model.hidden = v;
-        model.ffn_hidden = 4 * v;
+        if !model.swiglu {
+            model.ffn_hidden = 4 * v;
+        }
     }
     if let Some(v) = args.heads {
         model.heads = v;
@@ -536,9 +548,10 @@ pub fn run(args: &PlanArgs, say: &mut dyn FnMut(&str)) -> Result<String, PlanErr
         }
         let worst = rows.iter().map(|r| r.error.abs()).fold(0.0, f64::max);
         return Ok(format!(
-            "Narayanan et al. 2021 (Megatron-LM), Table 1, on the a100-80gb preset:\n\n{}\nworst error {:.1}%",
+            "Narayanan et al. 2021 (Megatron-LM), Table 1, on the a100-80gb preset:\n\n{}\nworst error {:.1}%\n\nPublished configurations, parameters counted:\n\n{}",
             weft_plan::published::table(&rows),
-            100.0 * worst
+            100.0 * worst,
+            weft_plan::published::models_table(&weft_plan::published::models())
         ));
     }
     if args.calibrate {

@@ -212,8 +212,8 @@ pub struct RunInfo {
     pub tokens_per_step: usize,
     /// Training FLOPs per token: 6·N for the matmuls (N: the parameters a
     /// token is multiplied by — not the position table, and only the k of E
-    /// routed experts) plus 6·L·T·C for causal attention (forward and
-    /// backward).
+    /// routed experts) plus 6·L·T·Cq for causal attention (forward and
+    /// backward; fewer keys in sliding-window layers).
     pub flops_per_token: f64,
     /// The machine's matmul throughput (FLOP/s) in
     /// [`precision`](Self::precision), the denominator of utilisation:

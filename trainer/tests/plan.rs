@@ -128,6 +128,72 @@ fn planned_memory_is_what_weft_train_allocates() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// The stages `weft train` cuts (`ParallelPlan::new`, as the run builds
+/// it) are the ones `weft plan` predicts: GPT-2, its mixture of experts,
+/// and Llama-family jobs whose layers differ in cost — 2 local : 1 global
+/// attention with grouped-query heads, and the head on the last stage.
+#[test]
+fn the_planner_predicts_the_stages_the_trainer_cuts() {
+    let llama = [
+        "model.arch=\"mistral\"",
+        "model.n_layer=12",
+        "model.n_kv_head=2",
+        "model.block_size=128",
+        "model.sliding_window=8",
+        "model.global_every=3",
+        "train.batch_size=8",
+    ];
+    let cases: &[&[&str]] = &[
+        &["model.n_layer=8", "parallel.pp=2"],
+        &["model.n_layer=8", "parallel.pp=4", "model.moe.experts=4"],
+        &[&llama[..], &["parallel.pp=4"]].concat(),
+        &[
+            &llama[..],
+            &["parallel.pp=2", "parallel.pp_schedule=\"zb-v\""],
+        ]
+        .concat(),
+        &[&llama[..], &["model.arch=\"llama\"", "parallel.pp=3"]].concat(),
+    ];
+    let mut unequal = 0;
+    for sets in cases {
+        let cfg = job(sets);
+        let layout = layout_of(&cfg).unwrap();
+        let mut cluster = weft_plan::Cluster::preset("h100", layout.world()).unwrap();
+        cluster.device = weft_plan::Device::Cpu;
+        let req = Request {
+            model: model_of(&cfg).unwrap(),
+            batch: cfg.train.batch_size,
+            cluster,
+            recipe: recipe_of(&cfg),
+        };
+        let planned = weft_plan::predict(&req, &layout).unwrap().layers;
+        let built = weft_model::ParallelPlan::new(
+            &cfg.model.gpt_config(req.model.vocab),
+            &cfg.parallel,
+            weft_trainer::plan::feed_forwards(&cfg),
+            cfg.batch_split().unwrap(),
+            cfg.train.precision,
+            None,
+        )
+        .unwrap()
+        .pipeline
+        .unwrap()
+        .1;
+        eprintln!("{sets:?}: {built:?}");
+        assert_eq!(planned, built, "{sets:?}");
+        let cmp = weft_plan::predict::split_comparison(&req.model, &layout, req.batch)
+            .unwrap()
+            .unwrap();
+        assert_eq!(cmp.chosen.layers_per_chunk(), built);
+        assert!(cmp.chosen.makespan <= cmp.equal.makespan * (1.0 + 1e-12));
+        if cmp.chosen.makespan < 0.99 * cmp.equal.makespan {
+            unequal += 1;
+        }
+    }
+    // the windowed jobs' costs differ enough to move layers
+    assert!(unequal >= 2, "{unequal}");
+}
+
 /// `--calibrate`'s layouts run on this machine: predicted and measured
 /// step time side by side (reported, not asserted: a shared 2-core machine
 /// is noisy), memory equal.
@@ -320,9 +386,22 @@ fn published_table_is_printed_with_its_worst_error() {
     let worst: f64 = out
         .rsplit("worst error ")
         .next()
-        .and_then(|s| s.trim().trim_end_matches('%').parse().ok())
+        .and_then(|s| {
+            s.split_whitespace()
+                .next()?
+                .trim_end_matches('%')
+                .parse()
+                .ok()
+        })
         .unwrap();
     assert!(worst <= 15.0, "{out}");
+    // the published configurations, their parameters counted exactly
+    assert!(
+        out.contains(
+            "| Llama 3 8B | 32 | 4096 | 32 | 8 | 14336 | 128256 | 8030261248 | 8030261248 |"
+        ),
+        "{out}"
+    );
 }
 
 #[test]

@@ -140,6 +140,11 @@ pub(crate) struct PipelineArgs {
     /// Point-to-point latency between stages.
     #[arg(long, default_value_t = 0.0)]
     latency: f64,
+    /// Costs of unequal layers, e.g. 1,1,1,1,1,3 (layer i's F, B and W:
+    /// its cost times --forward, --backward-input, --backward-weight):
+    /// also print the split by cost against the equal split.
+    #[arg(long, value_delimiter = ',', value_name = "COSTS")]
+    layer_costs: Vec<f64>,
     /// Write the Chrome trace here (e.g. trace.json).
     #[arg(long)]
     out: Option<PathBuf>,
@@ -195,6 +200,7 @@ pub(crate) fn pipeline(a: PipelineArgs) -> Result<()> {
         backward_input,
         backward_weight,
         latency,
+        layer_costs,
         out,
     } = a;
 
@@ -207,6 +213,16 @@ pub(crate) fn pipeline(a: PipelineArgs) -> Result<()> {
     req.p2p_latency = latency;
     let plan = weft_pipeline::plan(&req)?;
     progress::out(&plan.table());
+    if !layer_costs.is_empty() {
+        let costs = (forward, backward_input, backward_weight);
+        let layers = weft_pipeline::layer_profiles(&layer_costs, costs);
+        let cmp = weft_pipeline::compare_splits(&plan.schedule, &layers, latency)?;
+        progress::out(&format!(
+            "\n{} layers over {} chunks:\n{cmp}",
+            layers.len(),
+            plan.schedule.placement().virtual_stages()
+        ));
+    }
     if let Some(out) = out {
         let file =
             std::fs::File::create(&out).with_context(|| format!("creating {}", out.display()))?;

@@ -84,7 +84,8 @@ impl<M: TrainModel> Built<M> {
 /// ([`RunInfo::flops_per_token`]): 6 per parameter a token is multiplied
 /// by — not the position table, and of the routed experts only the k of
 /// E a token is sent to — plus `6·L·T·Cq` for causal attention (`Cq`
-/// the query width, `C` but for a head size set apart).
+/// the query width, `C` but for a head size set apart; a sliding-window
+/// layer counts the `W − W²/(2T)` keys a query sees instead of `T/2`).
 #[allow(clippy::cast_precision_loss)]
 fn flops_per_token(config: &Config, layout: &weft_model::ParamLayout) -> f64 {
     let m = &config.model;
@@ -101,8 +102,12 @@ fn flops_per_token(config: &Config, layout: &weft_model::ParamLayout) -> f64 {
         .filter(|p| p.name != "transformer.wpe.weight")
         .map(|p| p.numel() as f64 * moe_active(&p.name))
         .sum();
-    let q_dim = model_config(config, 1).q_dim();
-    6.0 * matmul_params + 6.0 * (m.n_layer * m.block_size * q_dim) as f64
+    // 12·Cq per key a query attends to (T/2 causal; fewer in a window)
+    let cfg = model_config(config, 1);
+    let keys: f64 = (0..m.n_layer)
+        .map(|l| weft_pipeline::attended_keys(m.block_size, cfg.window(l)))
+        .sum();
+    6.0 * matmul_params + 12.0 * cfg.q_dim() as f64 * keys
 }
 
 /// The model configuration a job trains.
@@ -203,12 +208,10 @@ fn rank_ffn(
 /// ([`ParallelPlan::new`] of its `[parallel]` layout).
 fn plan(job: &Job<'_>, cfg: &GptConfig) -> Result<ParallelPlan, TrainError> {
     let config = job.config;
-    let m = &config.model.moe;
-    let moe = (m.experts > 0).then_some((m.experts, m.active_experts()));
     Ok(ParallelPlan::new(
         cfg,
         &config.parallel,
-        moe,
+        crate::plan::feed_forwards(config),
         config.batch_split()?,
         config.train.precision,
         config.data.doc_boundary(job.data.end_of_text()),
