@@ -14,10 +14,15 @@
 //! # Ok::<(), weft_model::Error>(())
 //! ```
 
+use std::sync::Arc;
+
 use serde::{Deserialize, Serialize};
-use weft_moe::MoeOptions;
+use weft_moe::weft_collectives::Communicator;
+use weft_moe::{Expert, MoeConfig, MoeOptions};
 
 use crate::error::{Error, Result};
+use crate::ffn::FeedForward;
+use crate::moe_ffn::{MoeFfn, MoeStats};
 
 /// `model.arch`: a named transformer family, a set of defaults that the
 /// other `[model]` keys override.
@@ -36,6 +41,14 @@ pub enum Arch {
     /// Mistral: Llama's block with a sliding window (4096) on every layer,
     /// θ = 10000.
     Mistral,
+    /// Qwen3-MoE (`"qwen3-moe"`): Qwen3's block with a mixture of
+    /// fine-grained SwiGLU experts (set `moe.experts`, `moe.top_k`,
+    /// `moe.expert_hidden`; softmax gates over every expert, top-k,
+    /// renormalised as `norm_topk_prob`), no shared expert; the first
+    /// `first_dense` layers dense (`mlp_only_layers`). Exports to and
+    /// imports from transformers' `Qwen3MoeForCausalLM`.
+    #[serde(rename = "qwen3-moe")]
+    Qwen3Moe,
 }
 
 /// A training job's `[model]` table: a decoder-only transformer's shape,
@@ -74,7 +87,14 @@ pub struct ModelOptions {
     /// Whether the output head shares the embedding's weight (unset: the
     /// family's — tied for GPT-2, untied for the others).
     pub tied_embeddings: Option<bool>,
+    /// With a mixture of experts: the first this-many layers are dense
+    /// (the dense block of width `ffn_hidden`, or GPT-2's 4·C MLP), the
+    /// rest mixtures of experts (DeepSeek-V3's `first_k_dense_replace`,
+    /// Qwen3-MoE's `mlp_only_layers = [0, .., k-1]`); 0: none.
+    pub first_dense: usize,
     /// Mixture-of-experts feed-forward blocks (`experts = 0`: dense).
+    /// The Llama-like families' experts are SwiGLU (no biases), GPT-2's
+    /// its GELU MLP (with biases).
     pub moe: MoeOptions,
 }
 
@@ -93,6 +113,7 @@ impl Default for ModelOptions {
             sliding_window: 0,
             global_every: 0,
             tied_embeddings: None,
+            first_dense: 0,
             moe: MoeOptions::default(),
         }
     }
@@ -108,12 +129,12 @@ impl ModelOptions {
             family => {
                 let theta = match (self.rope_theta, family) {
                     (t, _) if t > 0.0 => t,
-                    (_, Arch::Qwen3) => 1_000_000.0,
+                    (_, Arch::Qwen3 | Arch::Qwen3Moe) => 1_000_000.0,
                     (_, Arch::Mistral) => 10_000.0,
                     _ => 500_000.0,
                 };
                 let mut a = crate::BlockArch::llama(self.n_head, theta);
-                a.qk_norm = family == Arch::Qwen3;
+                a.qk_norm = matches!(family, Arch::Qwen3 | Arch::Qwen3Moe);
                 let window = match (self.sliding_window, family) {
                     (0, Arch::Mistral) => 4096,
                     (w, _) => w,
@@ -157,9 +178,62 @@ impl ModelOptions {
         Some(crate::SwiGlu { hidden })
     }
 
+    /// The dense feed-forward block: the gated MLP of the Llama-like
+    /// families, GPT-2's MLP.
+    #[must_use]
+    pub fn dense_ffn(&self) -> Arc<dyn FeedForward> {
+        match self.swiglu() {
+            Some(s) => Arc::new(s),
+            None => Arc::new(crate::Mlp),
+        }
+    }
+
+    /// The mixture-of-experts block of the expert layers (`None` for a
+    /// dense model): `[model.moe]`'s router and balance, experts
+    /// `moe.expert_hidden` wide (or the dense block's width), SwiGLU for
+    /// the Llama-like families and GPT-2's MLP for GPT-2.
+    ///
+    /// # Errors
+    /// [`Error::Config`] naming the `moe.*` field the block refuses.
+    pub fn moe_config(&self) -> Result<Option<MoeConfig>> {
+        let c = self.n_embd;
+        let dense = self.swiglu().map_or(4 * c, |s| s.hidden);
+        let Some(mut cfg) = self.moe.config(c, dense).map_err(crate::moe_ffn::moe_err)? else {
+            return Ok(None);
+        };
+        if self.arch != Arch::Gpt2 {
+            cfg.expert = Expert::SwiGlu;
+        }
+        Ok(Some(cfg))
+    }
+
+    /// The model's feed-forward block: dense, or a mixture of experts
+    /// ([`MoeFfn`]: its experts shared out over `ep_group` if given, its
+    /// first `first_dense` layers dense) with the handle on its load
+    /// statistics.
+    ///
+    /// # Errors
+    /// As [`moe_config`](Self::moe_config); [`Error::Config`] if the
+    /// group's size does not divide the number of experts.
+    pub fn ffn(
+        &self,
+        ep_group: Option<Arc<dyn Communicator>>,
+    ) -> Result<(Arc<dyn FeedForward>, Option<MoeStats>)> {
+        let Some(cfg) = self.moe_config()? else {
+            return Ok((self.dense_ffn(), None));
+        };
+        let (ffn, stats) = match ep_group {
+            Some(g) => MoeFfn::with_expert_parallel(cfg, g)?,
+            None => MoeFfn::new(cfg)?,
+        };
+        let ffn = ffn.with_first_dense(self.first_dense, self.dense_ffn());
+        Ok((Arc::new(ffn), Some(stats)))
+    }
+
     /// Checks the table: the model's own checks (heads, key/value heads,
     /// rotary settings, windows), the Llama-like families' keys left unset
-    /// on GPT-2, no mixture of experts on the other families yet.
+    /// on GPT-2, `model.arch = "qwen3-moe"` with experts, `first_dense`
+    /// leaving expert layers.
     ///
     /// # Errors
     /// [`Error::Config`] naming the key under `[model]`.
@@ -183,14 +257,31 @@ impl ModelOptions {
                     );
                 }
             }
-        } else if self.moe.experts > 0 {
+        }
+        if self.arch == Arch::Qwen3Moe && self.moe.experts == 0 {
             return bad(
                 "moe.experts",
+                "= 0: model.arch = \"qwen3-moe\" is a mixture of experts; set the number of \
+                 experts (e.g. 8, with moe.top_k and moe.expert_hidden), or use \"qwen3\""
+                    .into(),
+            );
+        }
+        if self.first_dense > 0 && (self.moe.experts == 0 || self.first_dense >= self.n_layer) {
+            return bad(
+                "first_dense",
                 format!(
-                    "a mixture of experts is built for model.arch = \"gpt2\" only so far \
-                     (model.arch = {:?})",
-                    self.arch
+                    "= {} must be less than n_layer = {} and needs moe.experts > 0 (it makes \
+                     the first layers of a mixture of experts dense)",
+                    self.first_dense, self.n_layer
                 ),
+            );
+        }
+        if self.arch == Arch::Qwen3Moe && self.moe.shared_experts > 0 {
+            return bad(
+                "moe.shared_experts",
+                "Qwen3-MoE has no shared experts; use model.arch = \"qwen3\" with \
+                 moe.experts for a Qwen3 block with shared experts"
+                    .into(),
             );
         }
         if !(self.rope_theta >= 0.0 && self.rope_theta.is_finite()) {

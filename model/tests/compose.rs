@@ -113,7 +113,7 @@ const SWIGLU: SwiGlu = SwiGlu { hidden: 48 };
 fn moe_config() -> MoeConfig {
     MoeConfig {
         router: Router::top_k(4, 2).with_normalize(true),
-        shared_expert: true,
+        shared_experts: 1,
         aux: Some(AuxLoss::new(0.01)),
         ..MoeConfig::new(32, 4, 2)
     }

@@ -173,7 +173,7 @@ fn moe_models_decode_the_forwards_logits_bitwise() {
     for (i, router) in routers.into_iter().enumerate() {
         let moe = MoeConfig {
             router,
-            shared_expert: i == 1,
+            shared_experts: usize::from(i == 1),
             ..MoeConfig::new(16, 4, 2)
         };
         let (ffn, stats) = MoeFfn::new(moe).unwrap();

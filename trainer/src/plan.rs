@@ -214,7 +214,7 @@ pub fn model_of(config: &Config) -> Result<ModelSpec, PlanError> {
     let mut spec = ModelSpec::gpt(m.n_layer, m.n_embd, m.n_head, m.block_size, vocab);
     if m.moe.experts > 0 {
         spec = spec.with_moe(m.moe.experts, m.moe.top_k);
-        spec.shared_expert = m.moe.shared_expert;
+        spec.shared_expert = m.moe.shared_experts > 0;
     }
     Ok(spec)
 }

@@ -2,9 +2,11 @@
 //! `config.json` and `model.safetensors`, for GPT-2 (`GPT2LMHeadModel`)
 //! and the Llama family (`LlamaForCausalLM`, `MistralForCausalLM`,
 //! `Qwen2ForCausalLM`, `Qwen3ForCausalLM`; names and layouts mapped as
-//! the `llama` module's table shows).
+//! the `llama` module's table shows), and Qwen3-MoE
+//! (`Qwen3MoeForCausalLM`, the `qwen3_moe` module).
 
 mod llama;
+mod qwen3_moe;
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -184,6 +186,8 @@ enum Family {
     Gpt2(GptConfig),
     /// A Llama-family model and its gated feed-forward block.
     Llama(GptConfig, SwiGlu),
+    /// A Qwen3-MoE model and its mixture of experts.
+    Moe(GptConfig, Arc<dyn FeedForward>),
 }
 
 fn read_family(path: &Path) -> Result<Family> {
@@ -196,6 +200,10 @@ fn read_family(path: &Path) -> Result<Family> {
     })?;
     let kind = v.get("model_type").and_then(Value::as_str);
     match (kind, v.as_object()) {
+        (Some(qwen3_moe::MODEL_TYPE), Some(obj)) => {
+            let (cfg, ffn) = qwen3_moe::read_config(path, obj)?;
+            Ok(Family::Moe(cfg, ffn))
+        }
         (Some(k), Some(obj)) if llama::MODEL_TYPES.contains(&k) => {
             let (cfg, ffn) = llama::read_config(path, obj)?;
             Ok(Family::Llama(cfg, ffn))
@@ -204,9 +212,9 @@ fn read_family(path: &Path) -> Result<Family> {
     }
 }
 
-/// Reads a Llama-family folder's `config.json`: the model's shape and its
-/// feed-forward block (transformers' field names; unsupported settings
-/// are errors naming the field).
+/// Reads a Llama-family (or Qwen3-MoE) folder's `config.json`: the
+/// model's shape and its feed-forward block (transformers' field names;
+/// unsupported settings are errors naming the field).
 ///
 /// # Errors
 /// [`Error::Io`] if unreadable, [`Error::Format`] naming the field, or if
@@ -214,6 +222,7 @@ fn read_family(path: &Path) -> Result<Family> {
 pub fn read_llama_config(path: &Path) -> Result<(GptConfig, Arc<dyn FeedForward>)> {
     match read_family(path)? {
         Family::Llama(cfg, ffn) => Ok((cfg, Arc::new(ffn))),
+        Family::Moe(cfg, ffn) => Ok((cfg, ffn)),
         Family::Gpt2(_) => Err(fmt_err(
             path,
             format!(
@@ -242,6 +251,10 @@ pub fn read_params(layout: &ParamLayout, path: &Path) -> Result<Vec<f32>> {
     let mut used = std::collections::HashSet::new();
     let mut out = vec![0.0f32; layout.len()];
     for spec in layout.specs() {
+        if let Some(data) = qwen3_moe::read_tensor(path, &stored, &mut used, spec)? {
+            out[spec.range()].copy_from_slice(&data);
+            continue;
+        }
         let src = llama::source(&spec.name).ok_or_else(|| {
             llama::shape_error(path, &spec.name, "has no transformers counterpart".into())
         })?;
@@ -317,10 +330,14 @@ fn llama_tensors(model: &Gpt, buffer: &[f32]) -> Vec<(String, Vec<usize>, Vec<f3
     let cfg = model.config();
     let mut out = Vec::new();
     for spec in model.layout().specs() {
+        let p = &buffer[spec.range()];
+        if let Some(tensors) = qwen3_moe::write_tensor(spec, p) {
+            out.extend(tensors);
+            continue;
+        }
         let Some(src) = llama::source(&spec.name) else {
             continue;
         };
-        let p = &buffer[spec.range()];
         let (rows, cols, data) = match spec.shape.as_slice() {
             [a, b] if src.transpose => (*b, *a, llama::transpose(p, *a, *b)),
             [a, b] => (*a, *b, p.to_vec()),
@@ -384,6 +401,11 @@ pub fn load(dir: &Path) -> Result<Gpt> {
         Family::Gpt2(cfg) => cfg,
         Family::Llama(cfg, ffn) => {
             let mut model = Gpt::with_ffn(cfg, Box::new(ffn))?;
+            model.params = read_params(model.layout(), &wpath)?;
+            return Ok(model);
+        }
+        Family::Moe(cfg, ffn) => {
+            let mut model = Gpt::from_blocks(crate::GptBlocks::new(cfg, ffn)?);
             model.params = read_params(model.layout(), &wpath)?;
             return Ok(model);
         }
@@ -541,6 +563,16 @@ pub fn save(model: &Gpt, dir: &Path) -> Result<()> {
             .map(|s| (s.name.clone(), s.shape.clone(), &model.params[s.range()]));
         write_safetensors(&dir.join("model.safetensors"), tensors)?;
         config_json(model.config())
+    } else if let Some(moe) = model.blocks().ffn().moe() {
+        qwen3_moe::check_exportable(model, moe, dir)?;
+        let owned = llama_tensors(model, &model.params);
+        write_safetensors(
+            &dir.join("model.safetensors"),
+            owned
+                .iter()
+                .map(|(n, s, d)| (n.clone(), s.clone(), d.as_slice())),
+        )?;
+        qwen3_moe::config_json(model.config(), moe)
     } else {
         let owned = llama_tensors(model, &model.params);
         let hidden = model

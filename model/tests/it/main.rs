@@ -3,4 +3,5 @@
 mod hf_io;
 mod invariance;
 mod llama_reference;
+mod qwen3moe_reference;
 mod reference;
