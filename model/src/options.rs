@@ -299,3 +299,86 @@ impl ModelOptions {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn field(m: &ModelOptions) -> &'static str {
+        match m.validate() {
+            Err(Error::Config { field, .. }) => field,
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn qwen3_moe_builds_swiglu_experts_after_its_dense_layers() {
+        let m = ModelOptions {
+            arch: Arch::Qwen3Moe,
+            n_layer: 3,
+            first_dense: 1,
+            moe: MoeOptions {
+                experts: 4,
+                expert_hidden: 16,
+                ..MoeOptions::default()
+            },
+            ..ModelOptions::default()
+        };
+        m.validate().unwrap();
+        let (ffn, stats) = m.ffn(None).unwrap();
+        assert!(stats.is_some());
+        let moe = ffn.moe().unwrap();
+        assert_eq!(moe.config().expert, Expert::SwiGlu);
+        assert_eq!((moe.config().hidden, moe.first_dense()), (16, 1));
+        let layout =
+            crate::param_layout(&m.gpt_config(50), ffn.as_ref(), &crate::Sharding::SINGLE).unwrap();
+        assert!(layout.get("transformer.h.0.mlp.gate_up.weight").is_some());
+        assert!(layout.get("transformer.h.0.mlp.router.weight").is_none());
+        let experts = layout
+            .get("transformer.h.1.mlp.experts.gate_up.weight")
+            .unwrap();
+        assert_eq!(experts.shape, [4, 128, 32]);
+        assert_eq!(
+            serde_json::from_str::<Arch>("\"qwen3-moe\"").unwrap(),
+            Arch::Qwen3Moe
+        );
+    }
+
+    #[test]
+    fn bad_mixture_settings_name_their_key() {
+        let moe = MoeOptions {
+            experts: 4,
+            ..MoeOptions::default()
+        };
+        let base = ModelOptions {
+            arch: Arch::Qwen3Moe,
+            moe: moe.clone(),
+            ..ModelOptions::default()
+        };
+        let no_experts = ModelOptions {
+            moe: MoeOptions::default(),
+            ..base.clone()
+        };
+        assert_eq!(field(&no_experts), "moe.experts");
+        let all_dense = ModelOptions {
+            first_dense: 2,
+            ..base.clone()
+        };
+        assert_eq!(field(&all_dense), "first_dense");
+        let dense_only = ModelOptions {
+            arch: Arch::Llama,
+            first_dense: 1,
+            moe: MoeOptions::default(),
+            ..base.clone()
+        };
+        assert_eq!(field(&dense_only), "first_dense");
+        let shared = ModelOptions {
+            moe: MoeOptions {
+                shared_experts: 1,
+                ..moe
+            },
+            ..base
+        };
+        assert_eq!(field(&shared), "moe.shared_experts");
+    }
+}
