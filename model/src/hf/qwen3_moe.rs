@@ -132,7 +132,15 @@ pub(super) fn read_config(
         shared_experts: 0,
         aux: None,
     };
-    let (ffn, _stats) = MoeFfn::new(moe).map_err(|e| fmt_err(path, e.to_string()))?;
+    let (ffn, _stats) = MoeFfn::new(moe).map_err(|e| {
+        fmt_err(
+            path,
+            format!(
+                "fields `num_experts` = {experts}, `num_experts_per_tok` = {top_k}, \
+                 `moe_intermediate_size` = {hidden}: {e}"
+            ),
+        )
+    })?;
     let ffn = ffn.with_first_dense(first_dense, Arc::new(dense));
     Ok((cfg, Arc::new(ffn)))
 }

@@ -115,3 +115,35 @@ fn qwen3_moe_folders_round_trip() -> Result<()> {
     }
     Ok(())
 }
+
+/// Qwen3-MoE settings weft does not implement are errors naming the
+/// field, never a panic or a silently different model.
+#[test]
+fn unsupported_qwen3_moe_configs_name_the_field() -> Result<()> {
+    let src = &fixtures()[0];
+    let text = std::fs::read_to_string(src.join("config.json"))?;
+    let base: serde_json::Value = serde_json::from_str(&text)?;
+    let dir = std::env::temp_dir().join(format!("weft-q3m-bad-{}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    std::fs::copy(src.join("model.safetensors"), dir.join("model.safetensors"))?;
+    for (field, value) in [
+        ("mlp_only_layers", serde_json::json!([1])),
+        ("decoder_sparse_step", serde_json::json!(2)),
+        ("norm_topk_prob", serde_json::json!("yes")),
+        ("num_experts_per_tok", serde_json::json!(-1)),
+        ("num_experts_per_tok", serde_json::json!(9)),
+    ] {
+        let mut cfg = base.clone();
+        cfg[field] = value;
+        std::fs::write(dir.join("config.json"), cfg.to_string())?;
+        let err = hf::load(&dir).unwrap_err().to_string();
+        assert!(err.contains(field), "{field}: {err}");
+    }
+    let mut cfg = base;
+    cfg.as_object_mut().unwrap().remove("moe_intermediate_size");
+    std::fs::write(dir.join("config.json"), cfg.to_string())?;
+    let err = hf::load(&dir).unwrap_err().to_string();
+    std::fs::remove_dir_all(&dir)?;
+    assert!(err.contains("moe_intermediate_size"), "{err}");
+    Ok(())
+}
