@@ -666,9 +666,19 @@ impl GptBlocks {
         self.pieces.embed.len()
     }
 
-    /// Floats in one block's slice.
+    /// Floats in one block's slice (layer 0's: a feed-forward block that
+    /// differs between layers makes the others' differ, see
+    /// [`layer_len`](Self::layer_len)).
     pub fn block_len(&self) -> usize {
         self.blk.len()
+    }
+
+    /// Floats in layer `l`'s block slice.
+    ///
+    /// # Panics
+    /// If `l` is not a layer of the model.
+    pub fn layer_len(&self, l: usize) -> usize {
+        self.pieces.blocks[l].len()
     }
 
     /// Floats in the language-model head's weight (`V·C`, this rank's
@@ -1341,7 +1351,7 @@ impl GptBlocks {
         docs: Option<&[u32]>,
         scratch: &mut BlockScratch,
     ) -> Result<()> {
-        check_len("block parameters", params.len(), self.block_len())?;
+        check_len("block parameters", params.len(), self.layer_len(layer))?;
         acts.layer = layer;
         let (b, t) = (acts.b, acts.t);
         let n = b * t;
@@ -1496,7 +1506,7 @@ impl GptBlocks {
             &mut acts.ffn_saved,
             &mut scratch.ffn_scratch,
             acts.ln2.input(),
-            &p[blk.ffn.clone()],
+            &p[blk.ffn.start..],
             self.dims(b, t, mode, layer),
         )?;
         residual_forward(&mut acts.out, &acts.res2, y, rows * c)?;
@@ -1520,8 +1530,8 @@ impl GptBlocks {
         params: &[f32],
         scratch: &mut BlockScratch,
     ) -> Result<()> {
-        check_len("block parameters", params.len(), self.block_len())?;
-        check_len("block gradients", grads.len(), self.block_len())?;
+        check_len("block parameters", params.len(), self.layer_len(acts.layer))?;
+        check_len("block gradients", grads.len(), self.layer_len(acts.layer))?;
         let (b, t) = (acts.b, acts.t);
         let n = b * t;
         let rows = self.rows(n);
@@ -1538,12 +1548,12 @@ impl GptBlocks {
         weft_kernels::zero(dln2);
         self.ffn.backward(
             dln2,
-            &mut g[blk.ffn.clone()],
+            &mut g[blk.ffn.start..],
             &mut scratch.ffn_scratch,
             dres,
             acts.ln2.input(),
             &acts.ffn_saved,
-            &p[blk.ffn.clone()],
+            &p[blk.ffn.start..],
             self.dims(b, t, mode, acts.layer),
         )?;
         let (dw, db) = two_mut(g, blk.ln2_w.clone(), blk.ln2_b.clone());
@@ -1639,7 +1649,7 @@ impl GptBlocks {
     /// empty for a block that splits its backward.
     fn sinks(&self, scratch: &mut BlockScratch, d: &Dims<'_>) {
         let (x, p) = if self.ffn.split_saved_len(d) == 0 {
-            (d.rows() * d.c, self.blk.ffn.len())
+            (d.rows() * d.c, self.layer_len(d.layer) - self.blk.ffn.start)
         } else {
             (0, 0)
         };
@@ -1668,7 +1678,7 @@ impl GptBlocks {
         params: &[f32],
         scratch: &mut BlockScratch,
     ) -> Result<()> {
-        check_len("block parameters", params.len(), self.block_len())?;
+        check_len("block parameters", params.len(), self.layer_len(acts.layer))?;
         let (b, t) = (acts.b, acts.t);
         let n = b * t;
         let rows = self.rows(n);
@@ -1694,7 +1704,7 @@ impl GptBlocks {
             dres,
             acts.ln2.input(),
             &acts.ffn_saved,
-            &p[blk.ffn.clone()],
+            &p[blk.ffn.start..],
             d,
         )?;
         self.norm_backward_input(
@@ -1803,8 +1813,8 @@ impl GptBlocks {
         params: &[f32],
         scratch: &mut BlockScratch,
     ) -> Result<()> {
-        check_len("block parameters", params.len(), self.block_len())?;
-        check_len("block gradients", grads.len(), self.block_len())?;
+        check_len("block parameters", params.len(), self.layer_len(acts.layer))?;
+        check_len("block gradients", grads.len(), self.layer_len(acts.layer))?;
         if !saved.ready {
             return Err(Error::Batch {
                 reason: "backward-for-weights needs a backward-for-input of the same block first"
@@ -1821,14 +1831,14 @@ impl GptBlocks {
         let d = self.dims(b, t, mode, acts.layer);
         self.sinks(scratch, &d);
         self.ffn.backward_weight(
-            &mut g[blk.ffn.clone()],
+            &mut g[blk.ffn.start..],
             &saved.dffn,
             &mut scratch.sink_x,
             &mut scratch.ffn_scratch,
             &saved.dres3,
             acts.ln2.input(),
             &acts.ffn_saved,
-            &p[blk.ffn.clone()],
+            &p[blk.ffn.start..],
             d,
         )?;
         let (dw, db) = two_mut(g, blk.ln2_w.clone(), blk.ln2_b.clone());

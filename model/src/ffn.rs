@@ -104,6 +104,22 @@ pub trait FeedForward: Send + Sync + std::fmt::Debug {
     /// The tensors of one layer's block, in buffer order, with their
     /// whole shapes and placements.
     fn params(&self, c: usize) -> Vec<ParamShape>;
+    /// The tensors of layer `layer`'s block: [`params`](Self::params)
+    /// (the default) unless the block differs between layers, as a
+    /// mixture of experts whose first layers are dense does
+    /// ([`MoeFfn::with_first_dense`](crate::MoeFfn::with_first_dense));
+    /// [`saved_len`](Self::saved_len) and
+    /// [`scratch_len`](Self::scratch_len) then cover every layer's.
+    fn layer_params(&self, c: usize, layer: usize) -> Vec<ParamShape> {
+        let _ = layer;
+        self.params(c)
+    }
+    /// The mixture of experts this block is, if it is one (what a
+    /// Hugging Face export reads its routing from); `None` (the default)
+    /// for a dense block.
+    fn moe(&self) -> Option<&crate::MoeFfn> {
+        None
+    }
     /// This block's `(index, size)` in its expert-parallel group: `(0, 1)`
     /// (the default) for a block whose tensors no rank shares out.
     fn expert_parallel(&self) -> (usize, usize) {

@@ -448,7 +448,7 @@ impl<'m> Decoder<'m> {
                 &mut self.ffn_saved[..saved],
                 &mut self.ffn_scratch,
                 LinearInput::Wide(&self.ln[..nc]),
-                &p[layer.ffn.clone()],
+                &p[layer.ffn.start..],
                 dims(l),
             )?;
             residual_forward(&mut self.x[..nc], &self.res2[..nc], &self.tmp[..nc], nc)?;

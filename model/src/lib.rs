@@ -65,8 +65,10 @@
 //! the loss and every gradient with fixtures made by
 //! `model/reference/make_fixtures.py` (GPT-2) and
 //! `model/reference/make_llama_fixtures.py` (`LlamaForCausalLM`,
-//! `Qwen3ForCausalLM`, `MistralForCausalLM`, `Qwen2ForCausalLM`), in f64,
-//! for several small random configurations each.
+//! `Qwen3ForCausalLM`, `MistralForCausalLM`, `Qwen2ForCausalLM`) and
+//! `model/reference/make_qwen3moe_fixtures.py` (`Qwen3MoeForCausalLM`:
+//! fine-grained SwiGLU experts, dense first layers), in f64, for several
+//! small random configurations each.
 //!
 //! # Example
 //!

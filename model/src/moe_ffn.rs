@@ -66,11 +66,15 @@ use weft_parallel::{Placement, Placements};
 use crate::ffn::{Dims, FeedForward, ParamShape, wide_input};
 use weft_kernels::LinearInput;
 
-/// A mixture-of-experts block implementing [`FeedForward`].
+/// A mixture-of-experts block implementing [`FeedForward`], its first
+/// layers optionally dense ([`with_first_dense`](Self::with_first_dense)).
 #[derive(Debug)]
 pub struct MoeFfn {
     engine: Engine,
     log: Arc<Mutex<Vec<(usize, MoeForward)>>>,
+    /// Layers `0..first_dense` run `dense` instead of the experts.
+    first_dense: usize,
+    dense: Option<Arc<dyn FeedForward>>,
 }
 
 /// The unsharded block, or this rank's shard with its expert group.
@@ -182,7 +186,7 @@ impl MoeStats {
     }
 }
 
-fn moe_err(e: weft_moe::Error) -> Error {
+pub(crate) fn moe_err(e: weft_moe::Error) -> Error {
     match e {
         weft_moe::Error::Kernel(k) => Error::Kernel(k),
         other => Error::Config {
@@ -225,9 +229,44 @@ impl MoeFfn {
             MoeFfn {
                 engine,
                 log: Arc::clone(&log),
+                first_dense: 0,
+                dense: None,
             },
             MoeStats(log),
         )
+    }
+
+    /// This block with its first `layers` layers dense: they run `dense`
+    /// (the model's dense feed-forward block, [`SwiGlu`](crate::SwiGlu)
+    /// of width `ffn_hidden` or [`Mlp`](crate::Mlp)) under its own
+    /// tensor names (`mlp.gate_up.weight`, ...) and placements, and log
+    /// no expert load; the later layers are the mixture of experts
+    /// (DeepSeek-V3's `first_k_dense_replace`, Qwen3-MoE's
+    /// `mlp_only_layers = [0, .., k-1]`). 0 (the default) makes every
+    /// layer a mixture of experts.
+    #[must_use]
+    pub fn with_first_dense(self, layers: usize, dense: Arc<dyn FeedForward>) -> Self {
+        MoeFfn {
+            first_dense: layers,
+            dense: (layers > 0).then_some(dense),
+            ..self
+        }
+    }
+
+    /// Layers at the start of the model that are dense (see
+    /// [`with_first_dense`](Self::with_first_dense)).
+    pub fn first_dense(&self) -> usize {
+        self.first_dense
+    }
+
+    /// The dense block of the first layers, if any.
+    pub fn dense(&self) -> Option<&Arc<dyn FeedForward>> {
+        self.dense.as_ref()
+    }
+
+    /// The dense block if layer `layer` is one of the dense first ones.
+    fn dense_at(&self, layer: usize) -> Option<&dyn FeedForward> {
+        self.dense.as_deref().filter(|_| layer < self.first_dense)
     }
 
     /// The MoE configuration.
@@ -268,6 +307,15 @@ impl MoeFfn {
         name.contains(".mlp.experts.")
     }
 
+    /// What an expert layer saves (a dense layer may save more).
+    fn moe_saved_len(&self, d: &Dims<'_>) -> usize {
+        d.n()
+            * match &self.engine {
+                Engine::Local(b) => b.config().saved_per_token(),
+                Engine::Sharded { ep, .. } => ep.saved_per_token(),
+            }
+    }
+
     fn check(&self, d: Dims<'_>) -> Result<Vec<usize>> {
         let c = self.config().channels;
         if d.c != c {
@@ -305,20 +353,88 @@ impl FeedForward for MoeFfn {
             .collect()
     }
 
+    /// The dense block's tensors in the first dense layers, the mixture
+    /// of experts' in the others.
+    fn layer_params(&self, c: usize, layer: usize) -> Vec<ParamShape> {
+        match self.dense_at(layer) {
+            Some(dense) => dense.layer_params(c, layer),
+            None => self.params(c),
+        }
+    }
+
+    fn moe(&self) -> Option<&MoeFfn> {
+        Some(self)
+    }
+
     fn expert_parallel(&self) -> (usize, usize) {
         (self.ep_rank(), self.ep_size())
     }
 
+    /// The larger of the experts' and the dense block's (every layer's
+    /// activations are planned alike).
     fn saved_len(&self, d: &Dims<'_>) -> usize {
-        d.n()
-            * match &self.engine {
-                Engine::Local(b) => b.config().saved_per_token(),
-                Engine::Sharded { ep, .. } => ep.saved_per_token(),
-            }
+        let moe = self.moe_saved_len(d);
+        self.dense
+            .as_ref()
+            .map_or(moe, |dense| moe.max(dense.saved_len(d)))
     }
 
-    fn scratch_len(&self, _d: &Dims<'_>) -> usize {
-        0 // the block allocates its own grouped buffers
+    /// The dense block's, if any: the experts allocate their own grouped
+    /// buffers.
+    fn scratch_len(&self, d: &Dims<'_>) -> usize {
+        self.dense.as_ref().map_or(0, |dense| dense.scratch_len(d))
+    }
+
+    /// The dense block's in the dense layers (and when planning, layer
+    /// 0's); 0 in the others, whose halves each run the whole backward.
+    fn split_saved_len(&self, d: &Dims<'_>) -> usize {
+        self.dense_at(d.layer)
+            .map_or(0, |dense| dense.split_saved_len(d))
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn backward_input(
+        &self,
+        dinp: &mut [f32],
+        wsaved: &mut [f32],
+        sink: &mut [f32],
+        scratch: &mut [f32],
+        dout: &[f32],
+        inp: LinearInput<'_, f32>,
+        saved: &[f32],
+        params: &[f32],
+        d: Dims<'_>,
+    ) -> Result<()> {
+        if let Some(dense) = self.dense_at(d.layer) {
+            let wsaved = &mut wsaved[..dense.split_saved_len(&d)];
+            let saved = &saved[..dense.saved_len(&d)];
+            return dense.backward_input(dinp, wsaved, sink, scratch, dout, inp, saved, params, d);
+        }
+        weft_kernels::zero(sink);
+        self.backward(dinp, sink, scratch, dout, inp, saved, params, d)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn backward_weight(
+        &self,
+        dparams: &mut [f32],
+        wsaved: &[f32],
+        sink: &mut [f32],
+        scratch: &mut [f32],
+        dout: &[f32],
+        inp: LinearInput<'_, f32>,
+        saved: &[f32],
+        params: &[f32],
+        d: Dims<'_>,
+    ) -> Result<()> {
+        if let Some(dense) = self.dense_at(d.layer) {
+            let wsaved = &wsaved[..dense.split_saved_len(&d)];
+            let saved = &saved[..dense.saved_len(&d)];
+            return dense
+                .backward_weight(dparams, wsaved, sink, scratch, dout, inp, saved, params, d);
+        }
+        weft_kernels::zero(sink);
+        self.backward(sink, dparams, scratch, dout, inp, saved, params, d)
     }
 
     /// Under sequence parallelism the block runs on every token (it is
@@ -328,12 +444,17 @@ impl FeedForward for MoeFfn {
         &self,
         out: &mut [f32],
         saved: &mut [f32],
-        _scratch: &mut [f32],
+        scratch: &mut [f32],
         inp: LinearInput<'_, f32>,
         params: &[f32],
         d: Dims<'_>,
     ) -> Result<()> {
+        if let Some(dense) = self.dense_at(d.layer) {
+            let saved = &mut saved[..dense.saved_len(&d)];
+            return dense.forward(out, saved, scratch, inp, params, d);
+        }
         let lens = self.check(d)?;
+        let saved = &mut saved[..self.moe_saved_len(&d)];
         let inp = wide_input(inp, "the mixture of experts")?;
         let sp = d.sequence_parallel();
         let mut whole = if sp {
@@ -371,14 +492,19 @@ impl FeedForward for MoeFfn {
         &self,
         dinp: &mut [f32],
         dparams: &mut [f32],
-        _scratch: &mut [f32],
+        scratch: &mut [f32],
         dout: &[f32],
         inp: LinearInput<'_, f32>,
         saved: &[f32],
         params: &[f32],
         d: Dims<'_>,
     ) -> Result<()> {
+        if let Some(dense) = self.dense_at(d.layer) {
+            let saved = &saved[..dense.saved_len(&d)];
+            return dense.backward(dinp, dparams, scratch, dout, inp, saved, params, d);
+        }
         let lens = self.check(d)?;
+        let saved = &saved[..self.moe_saved_len(&d)];
         let inp = wide_input(inp, "the mixture of experts")?;
         // Under sequence parallelism: the whole output gradient, gathered,
         // and the whole input gradient, of which this rank keeps its rows.
@@ -436,7 +562,7 @@ mod tests {
             router: Router::top_k(4, 2)
                 .with_gate(Gate::Sigmoid)
                 .with_normalize(true),
-            shared_expert: true,
+            shared_experts: 1,
             ..MoeConfig::new(16, 4, 2)
         };
         let (ffn, stats) = MoeFfn::new(moe).unwrap();

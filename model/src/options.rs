@@ -15,11 +15,15 @@
 //! ```
 
 use std::path::PathBuf;
+use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
-use weft_moe::MoeOptions;
+use weft_moe::weft_collectives::Communicator;
+use weft_moe::{Expert, MoeConfig, MoeOptions};
 
 use crate::error::{Error, Result};
+use crate::ffn::FeedForward;
+use crate::moe_ffn::{MoeFfn, MoeStats};
 
 /// `model.arch`: a named transformer family, a set of defaults that the
 /// other `[model]` keys override.
@@ -38,6 +42,14 @@ pub enum Arch {
     /// Mistral: Llama's block with a sliding window (4096) on every layer,
     /// θ = 10000.
     Mistral,
+    /// Qwen3-MoE (`"qwen3-moe"`): Qwen3's block with a mixture of
+    /// fine-grained SwiGLU experts (set `moe.experts`, `moe.top_k`,
+    /// `moe.expert_hidden`; softmax gates over every expert, top-k,
+    /// renormalised as `norm_topk_prob`), no shared expert; the first
+    /// `first_dense` layers dense (`mlp_only_layers`). Exports to and
+    /// imports from transformers' `Qwen3MoeForCausalLM`.
+    #[serde(rename = "qwen3-moe")]
+    Qwen3Moe,
 }
 
 /// A training job's `[model]` table: a decoder-only transformer's shape,
@@ -87,7 +99,14 @@ pub struct ModelOptions {
     /// ([`resolve_init_from`](Self::resolve_init_from)) and its weights are
     /// the initial parameters.
     pub init_from: Option<PathBuf>,
+    /// With a mixture of experts: the first this-many layers are dense
+    /// (the dense block of width `ffn_hidden`, or GPT-2's 4·C MLP), the
+    /// rest mixtures of experts (DeepSeek-V3's `first_k_dense_replace`,
+    /// Qwen3-MoE's `mlp_only_layers = [0, .., k-1]`); 0: none.
+    pub first_dense: usize,
     /// Mixture-of-experts feed-forward blocks (`experts = 0`: dense).
+    /// The Llama-like families' experts are SwiGLU (no biases), GPT-2's
+    /// its GELU MLP (with biases).
     pub moe: MoeOptions,
 }
 
@@ -109,6 +128,7 @@ impl Default for ModelOptions {
             norm_eps: 0.0,
             vocab_size: 0,
             init_from: None,
+            first_dense: 0,
             moe: MoeOptions::default(),
         }
     }
@@ -124,12 +144,12 @@ impl ModelOptions {
             family => {
                 let theta = match (self.rope_theta, family) {
                     (t, _) if t > 0.0 => t,
-                    (_, Arch::Qwen3) => 1_000_000.0,
+                    (_, Arch::Qwen3 | Arch::Qwen3Moe) => 1_000_000.0,
                     (_, Arch::Mistral) => 10_000.0,
                     _ => 500_000.0,
                 };
                 let mut a = crate::BlockArch::llama(self.n_head, theta);
-                a.qk_norm = family == Arch::Qwen3;
+                a.qk_norm = matches!(family, Arch::Qwen3 | Arch::Qwen3Moe);
                 let window = match (self.sliding_window, family) {
                     (0, Arch::Mistral) => 4096,
                     (w, _) => w,
@@ -181,9 +201,62 @@ impl ModelOptions {
         Some(crate::SwiGlu { hidden })
     }
 
+    /// The dense feed-forward block: the gated MLP of the Llama-like
+    /// families, GPT-2's MLP.
+    #[must_use]
+    pub fn dense_ffn(&self) -> Arc<dyn FeedForward> {
+        match self.swiglu() {
+            Some(s) => Arc::new(s),
+            None => Arc::new(crate::Mlp),
+        }
+    }
+
+    /// The mixture-of-experts block of the expert layers (`None` for a
+    /// dense model): `[model.moe]`'s router and balance, experts
+    /// `moe.expert_hidden` wide (or the dense block's width), SwiGLU for
+    /// the Llama-like families and GPT-2's MLP for GPT-2.
+    ///
+    /// # Errors
+    /// [`Error::Config`] naming the `moe.*` field the block refuses.
+    pub fn moe_config(&self) -> Result<Option<MoeConfig>> {
+        let c = self.n_embd;
+        let dense = self.swiglu().map_or(4 * c, |s| s.hidden);
+        let Some(mut cfg) = self.moe.config(c, dense).map_err(crate::moe_ffn::moe_err)? else {
+            return Ok(None);
+        };
+        if self.arch != Arch::Gpt2 {
+            cfg.expert = Expert::SwiGlu;
+        }
+        Ok(Some(cfg))
+    }
+
+    /// The model's feed-forward block: dense, or a mixture of experts
+    /// ([`MoeFfn`]: its experts shared out over `ep_group` if given, its
+    /// first `first_dense` layers dense) with the handle on its load
+    /// statistics.
+    ///
+    /// # Errors
+    /// As [`moe_config`](Self::moe_config); [`Error::Config`] if the
+    /// group's size does not divide the number of experts.
+    pub fn ffn(
+        &self,
+        ep_group: Option<Arc<dyn Communicator>>,
+    ) -> Result<(Arc<dyn FeedForward>, Option<MoeStats>)> {
+        let Some(cfg) = self.moe_config()? else {
+            return Ok((self.dense_ffn(), None));
+        };
+        let (ffn, stats) = match ep_group {
+            Some(g) => MoeFfn::with_expert_parallel(cfg, g)?,
+            None => MoeFfn::new(cfg)?,
+        };
+        let ffn = ffn.with_first_dense(self.first_dense, self.dense_ffn());
+        Ok((Arc::new(ffn), Some(stats)))
+    }
+
     /// Checks the table: the model's own checks (heads, key/value heads,
     /// rotary settings, windows), the Llama-like families' keys left unset
-    /// on GPT-2, no mixture of experts on the other families yet.
+    /// on GPT-2, `model.arch = "qwen3-moe"` with experts, `first_dense`
+    /// leaving expert layers.
     ///
     /// # Errors
     /// [`Error::Config`] naming the key under `[model]`.
@@ -207,13 +280,22 @@ impl ModelOptions {
                     );
                 }
             }
-        } else if self.moe.experts > 0 {
+        }
+        if self.arch == Arch::Qwen3Moe && self.moe.experts == 0 {
             return bad(
                 "moe.experts",
+                "= 0: model.arch = \"qwen3-moe\" is a mixture of experts; set the number of \
+                 experts (e.g. 8, with moe.top_k and moe.expert_hidden), or use \"qwen3\""
+                    .into(),
+            );
+        }
+        if self.first_dense > 0 && (self.moe.experts == 0 || self.first_dense >= self.n_layer) {
+            return bad(
+                "first_dense",
                 format!(
-                    "a mixture of experts is built for model.arch = \"gpt2\" only so far \
-                     (model.arch = {:?})",
-                    self.arch
+                    "= {} must be less than n_layer = {} and needs moe.experts > 0 (it makes \
+                     the first layers of a mixture of experts dense)",
+                    self.first_dense, self.n_layer
                 ),
             );
         }
@@ -221,6 +303,14 @@ impl ModelOptions {
             return bad(
                 "norm_eps",
                 format!("= {} must be in [0, 1) (0: the family's)", self.norm_eps),
+            );
+        }
+        if self.arch == Arch::Qwen3Moe && self.moe.shared_experts > 0 {
+            return bad(
+                "moe.shared_experts",
+                "Qwen3-MoE has no shared experts; use model.arch = \"qwen3\" with \
+                 moe.experts for a Qwen3 block with shared experts"
+                    .into(),
             );
         }
         if !(self.rope_theta >= 0.0 && self.rope_theta.is_finite()) {
@@ -334,6 +424,7 @@ impl ModelOptions {
             norm_eps: cfg.layer_norm_epsilon,
             vocab_size: cfg.vocab_size,
             init_from: self.init_from.clone(),
+            first_dense: self.first_dense,
             moe: self.moe.clone(),
         };
         let conflict = |key: &'static str, ours: String, folder: String| {
@@ -395,5 +486,88 @@ impl ModelOptions {
             });
         }
         Ok(theirs)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn field(m: &ModelOptions) -> &'static str {
+        match m.validate() {
+            Err(Error::Config { field, .. }) => field,
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn qwen3_moe_builds_swiglu_experts_after_its_dense_layers() {
+        let m = ModelOptions {
+            arch: Arch::Qwen3Moe,
+            n_layer: 3,
+            first_dense: 1,
+            moe: MoeOptions {
+                experts: 4,
+                expert_hidden: 16,
+                ..MoeOptions::default()
+            },
+            ..ModelOptions::default()
+        };
+        m.validate().unwrap();
+        let (ffn, stats) = m.ffn(None).unwrap();
+        assert!(stats.is_some());
+        let moe = ffn.moe().unwrap();
+        assert_eq!(moe.config().expert, Expert::SwiGlu);
+        assert_eq!((moe.config().hidden, moe.first_dense()), (16, 1));
+        let layout =
+            crate::param_layout(&m.gpt_config(50), ffn.as_ref(), &crate::Sharding::SINGLE).unwrap();
+        assert!(layout.get("transformer.h.0.mlp.gate_up.weight").is_some());
+        assert!(layout.get("transformer.h.0.mlp.router.weight").is_none());
+        let experts = layout
+            .get("transformer.h.1.mlp.experts.gate_up.weight")
+            .unwrap();
+        assert_eq!(experts.shape, [4, 128, 32]);
+        assert_eq!(
+            serde_json::from_str::<Arch>("\"qwen3-moe\"").unwrap(),
+            Arch::Qwen3Moe
+        );
+    }
+
+    #[test]
+    fn bad_mixture_settings_name_their_key() {
+        let moe = MoeOptions {
+            experts: 4,
+            ..MoeOptions::default()
+        };
+        let base = ModelOptions {
+            arch: Arch::Qwen3Moe,
+            moe: moe.clone(),
+            ..ModelOptions::default()
+        };
+        let no_experts = ModelOptions {
+            moe: MoeOptions::default(),
+            ..base.clone()
+        };
+        assert_eq!(field(&no_experts), "moe.experts");
+        let all_dense = ModelOptions {
+            first_dense: 2,
+            ..base.clone()
+        };
+        assert_eq!(field(&all_dense), "first_dense");
+        let dense_only = ModelOptions {
+            arch: Arch::Llama,
+            first_dense: 1,
+            moe: MoeOptions::default(),
+            ..base.clone()
+        };
+        assert_eq!(field(&dense_only), "first_dense");
+        let shared = ModelOptions {
+            moe: MoeOptions {
+                shared_experts: 1,
+                ..moe
+            },
+            ..base
+        };
+        assert_eq!(field(&shared), "moe.shared_experts");
     }
 }

@@ -168,7 +168,7 @@ pub fn param_layout(
             b.push(format!("{p}attn.c_proj.bias"), &[c], false, rep)?;
         }
         ln(&mut b, format!("{p}ln_2"))?;
-        for s in ffn.params(c) {
+        for s in ffn.layer_params(c, l) {
             b.push(format!("{p}{}", s.suffix), &s.shape, s.decay, s.placements)?;
         }
     }

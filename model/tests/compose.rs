@@ -1,10 +1,14 @@
 //! Every layout through [`ParallelGpt`]: a dense and a mixture-of-experts
-//! GPT, and a Llama-family model (rotary positions, RMSNorm, QK-norm,
-//! query/key/value biases, sliding-window layers, SwiGLU), on every mesh of 1, 2, 4 and 8 ranks the model allows — data,
+//! GPT, a Llama-family model (rotary positions, RMSNorm, QK-norm,
+//! query/key/value biases, sliding-window layers, SwiGLU), and that
+//! Llama-family block with fine-grained SwiGLU experts routed as
+//! DeepSeek-V3 routes (sigmoid gates normalised and scaled, two shared
+//! experts) and its first layer dense, on every mesh of 1, 2, 4 and 8 ranks the model allows — data,
 //! pipeline (every executor schedule), tensor (with and without sequence
 //! parallelism) and expert parallelism, and every FSDP strategy, in every
 //! combination — each against the same model on one rank with the same
-//! global batch (the layout matrix; 196 dense layouts, 391 MoE).
+//! global batch (the layout matrix; 196 dense layouts, 391 for each
+//! mixture of experts).
 //!
 //! What holds:
 //! * Layouts of data parallelism, FSDP and pipeline stages only are
@@ -14,7 +18,8 @@
 //!   step's loss and gradient norm within 1e-5 relative of the one-rank
 //!   run's over three AdamW steps (measured, printed with `--nocapture`:
 //!   at most 1.9e-8 for dense tp, 8.7e-7 for MoE tp, 1.6e-7 for ep,
-//!   1.3e-6 for tp with ep). The parameters are not compared elementwise
+//!   1.3e-6 for tp with ep; the fine-grained model 6.9e-7 for tp, 2.8e-7
+//!   for ep, 6.3e-7 for tp with ep). The parameters are not compared elementwise
 //!   there: AdamW normalises each update, so an element whose gradient is
 //!   rounding noise (the key bias's is 0 in exact arithmetic) moves by ±lr
 //!   either way. The row-parallel layers and the vocabulary-parallel
@@ -49,7 +54,7 @@ use weft_model::{
     BlockArch, FeedForward, Gpt, GptConfig, Init, MicroBatch, Mlp, MoeFfn, ParallelGpt,
     ParallelPlan, SlidingWindow, SwiGlu, expert_group, partition_layers,
 };
-use weft_moe::{AuxLoss, MoeConfig, Router};
+use weft_moe::{AuxLoss, Expert, Gate, MoeConfig, Router};
 use weft_parallel::ParallelDims;
 use weft_pipeline::ScheduleKind;
 
@@ -83,15 +88,19 @@ enum Model {
     /// grouped-query attention (8 query heads, 4 key/value heads), QK-norm,
     /// q/k/v biases, sliding windows.
     Llama,
+    /// The Llama-family block with fine-grained SwiGLU experts routed
+    /// DeepSeek-V3's way (sigmoid, normalised, scaled, two shared
+    /// experts) and the first layer dense.
+    FineMoe,
 }
 
 impl Model {
     fn is_moe(self) -> bool {
-        self == Model::Moe
+        matches!(self, Model::Moe | Model::FineMoe)
     }
 
     fn config(self) -> GptConfig {
-        if self != Model::Llama {
+        if !matches!(self, Model::Llama | Model::FineMoe) {
             return gpt_config();
         }
         let mut arch = BlockArch::llama(4, 10_000.0);
@@ -116,17 +125,55 @@ const SWIGLU: SwiGlu = SwiGlu { hidden: 48 };
 fn moe_config() -> MoeConfig {
     MoeConfig {
         router: Router::top_k(4, 2).with_normalize(true),
-        shared_expert: true,
+        shared_experts: 1,
         aux: Some(AuxLoss::new(0.01)),
         ..MoeConfig::new(32, 4, 2)
+    }
+}
+
+/// The fine-grained model's experts: SwiGLU, 12 wide, sigmoid gates
+/// normalised and scaled by 2.5, two shared experts.
+fn fine_moe_config() -> MoeConfig {
+    MoeConfig {
+        hidden: 12,
+        router: Router::top_k(4, 2)
+            .with_gate(Gate::Sigmoid)
+            .with_normalize(true)
+            .with_scale(2.5),
+        expert: Expert::SwiGlu,
+        shared_experts: 2,
+        aux: Some(AuxLoss::new(0.01)),
+        ..MoeConfig::new(32, 4, 2)
+    }
+}
+
+impl Model {
+    /// The model's mixture of experts, its experts over `group` if given.
+    fn moe_ffn(self, group: Option<Arc<dyn Communicator>>) -> MoeFfn {
+        let cfg = if self == Model::FineMoe {
+            fine_moe_config()
+        } else {
+            moe_config()
+        };
+        let ffn = match group {
+            Some(g) => MoeFfn::with_expert_parallel(cfg, g),
+            None => MoeFfn::new(cfg),
+        }
+        .unwrap()
+        .0;
+        if self == Model::FineMoe {
+            ffn.with_first_dense(1, Arc::new(SWIGLU))
+        } else {
+            ffn
+        }
     }
 }
 
 /// The whole model's initial parameters: GPT-2 init, the router scaled up.
 fn init(model: Model) -> Vec<f32> {
     let mut m = match model {
-        Model::Moe => {
-            Gpt::with_ffn(gpt_config(), Box::new(MoeFfn::new(moe_config()).unwrap().0)).unwrap()
+        Model::Moe | Model::FineMoe => {
+            Gpt::with_ffn(model.config(), Box::new(model.moe_ffn(None))).unwrap()
         }
         Model::Dense => Gpt::new(gpt_config()).unwrap(),
         Model::Llama => Gpt::with_ffn(model.config(), Box::new(SWIGLU)).unwrap(),
@@ -234,15 +281,12 @@ fn run(layout: Layout, model: Model) -> Run {
     let dims = layout.dims;
     let out = LocalCluster::run(dims.world_size(), |comm| {
         let mesh = dims.build(&comm).unwrap();
-        let ffn: Arc<dyn FeedForward> = match (moe, dims.ep > 1) {
-            (false, _) if model == Model::Llama => Arc::new(SWIGLU),
-            (false, _) => Arc::new(Mlp),
-            (true, false) => Arc::new(MoeFfn::new(moe_config()).unwrap().0),
-            (true, true) => Arc::new(
-                MoeFfn::with_expert_parallel(moe_config(), expert_group(&mesh))
-                    .unwrap()
-                    .0,
-            ),
+        let ffn: Arc<dyn FeedForward> = match model {
+            Model::Llama => Arc::new(SWIGLU),
+            Model::Dense => Arc::new(Mlp),
+            Model::Moe | Model::FineMoe => {
+                Arc::new(model.moe_ffn((dims.ep > 1).then(|| expert_group(&mesh))))
+            }
         };
         let per = GLOBAL / dims.dp;
         let pipeline = layout.schedule.map(|(kind, chunks)| {
@@ -557,7 +601,7 @@ fn fp16_layouts_follow_one_rank_with_loss_scaling() {
 /// that one rank against f32 (see the tests above).
 #[allow(clippy::print_stdout)]
 fn mixed_precision_follows_one_rank(mixed: fn(Layout) -> Layout) {
-    for model in [Model::Dense, Model::Moe, Model::Llama] {
+    for model in [Model::Dense, Model::Moe, Model::Llama, Model::FineMoe] {
         let moe = model.is_moe();
         let one = run(mixed(Layout::new(1, 1, 1, 1)), model);
         let f32_run = run(Layout::new(1, 1, 1, 1), model);
@@ -611,7 +655,7 @@ fn one_precision(mixed: fn(Layout) -> Layout) -> Precision {
 /// mask changes the run (the same data unmasked differs).
 #[test]
 fn document_masking_follows_one_rank_on_every_axis() {
-    for model in [Model::Dense, Model::Moe, Model::Llama] {
+    for model in [Model::Dense, Model::Moe, Model::Llama, Model::FineMoe] {
         let moe = model.is_moe();
         let one = run(Layout::new(1, 1, 1, 1).masked(), model);
         let unmasked = run(
@@ -658,7 +702,7 @@ fn document_masking_follows_one_rank_on_every_axis() {
 /// unscaling gives the unscaled step's bits — on one rank and composed.
 #[test]
 fn loss_scaling_by_a_power_of_two_is_exact_in_f32() {
-    for model in [Model::Dense, Model::Moe, Model::Llama] {
+    for model in [Model::Dense, Model::Moe, Model::Llama, Model::FineMoe] {
         let moe = model.is_moe();
         for layout in [
             Layout::new(1, 1, 1, 1),
@@ -693,4 +737,9 @@ fn every_moe_layout_follows_one_rank() {
 #[test]
 fn every_llama_layout_follows_one_rank() {
     matrix(Model::Llama);
+}
+
+#[test]
+fn every_fine_grained_moe_layout_follows_one_rank() {
+    matrix(Model::FineMoe);
 }

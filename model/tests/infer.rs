@@ -170,14 +170,34 @@ fn moe_models_decode_the_forwards_logits_bitwise() {
         Router::top_k(4, 1)
             .with_gate(Gate::Sigmoid)
             .with_normalize(true),
+        // Fine-grained SwiGLU experts routed DeepSeek-V3's way, two
+        // shared, after a dense first layer.
+        Router::top_k(4, 2)
+            .with_gate(Gate::Sigmoid)
+            .with_normalize(true)
+            .with_scale(2.5),
     ];
     for (i, router) in routers.into_iter().enumerate() {
+        let fine = i == 2;
         let moe = MoeConfig {
             router,
-            shared_expert: i == 1,
+            shared_experts: usize::from(i == 1) + 2 * usize::from(fine),
             ..MoeConfig::new(16, 4, 2)
         };
+        let moe = if fine {
+            MoeConfig {
+                hidden: 6,
+                expert: weft_moe::Expert::SwiGlu,
+                ..moe
+            }
+        } else {
+            moe
+        };
         let (ffn, stats) = MoeFfn::new(moe).unwrap();
+        let ffn = ffn.with_first_dense(
+            usize::from(fine),
+            std::sync::Arc::new(weft_model::SwiGlu { hidden: 24 }),
+        );
         let mut model = Gpt::with_ffn(cfg(2, 2, 16, 50, 12), Box::new(ffn)).unwrap();
         model.init_gpt2(20 + i as u64);
         // Spread the router's logits so tokens go to different experts.

@@ -51,7 +51,7 @@ fn gpt_config() -> GptConfig {
 fn moe_config() -> MoeConfig {
     MoeConfig {
         router: Router::top_k(4, 2).with_normalize(true),
-        shared_expert: true,
+        shared_experts: 1,
         ..MoeConfig::new(32, 4, 2)
     }
 }

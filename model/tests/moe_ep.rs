@@ -41,7 +41,7 @@ fn gpt_config() -> GptConfig {
 fn moe_config() -> MoeConfig {
     MoeConfig {
         router: Router::top_k(8, 2).with_normalize(true),
-        shared_expert: true,
+        shared_experts: 1,
         aux: Some(AuxLoss::new(0.01)),
         ..MoeConfig::new(16, 8, 2)
     }

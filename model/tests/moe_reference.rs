@@ -99,7 +99,8 @@ fn check_case(path: &Path) -> TestResult {
         router: Router::top_k(e, k)
             .with_gate(gate)
             .with_normalize(meta(&m, "normalize")? == "true"),
-        shared_expert: meta(&m, "shared_expert")? == "true",
+        expert: weft_moe::Expert::Gelu,
+        shared_experts: usize::from(meta(&m, "shared_expert")? == "true"),
         aux: (aux_coef > 0.0).then_some(AuxLoss {
             coef: aux_coef,
             scope,

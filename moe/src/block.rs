@@ -1,6 +1,9 @@
-//! The mixture-of-experts feed-forward block: a router, E experts (each a
-//! GPT-2 MLP `c_proj(gelu(c_fc(x)))` of hidden width H) and an optional
-//! shared expert that every token uses.
+//! The mixture-of-experts feed-forward block: a router, E experts of
+//! hidden width H ([`Expert`]: GPT-2's MLP `c_proj(gelu(c_fc(x)))` with
+//! biases, or SwiGLU `c_proj(silu(x·W_gate) ⊙ x·W_up)` without, as in
+//! Qwen3-MoE and DeepSeek-V3) and optionally shared experts that every
+//! token uses: `n` shared experts are one MLP of the same kind and width
+//! `n·H` (transformers' DeepSeek-V3 `n_shared_experts`).
 //!
 //! `out[t] = Σ_{slots i of t, kept} g_i · expert_{e_i}(x[t]) + shared(x[t])`.
 //!
@@ -10,6 +13,7 @@
 
 use weft_kernels::{
     Mode, Precision, Real, gelu_backward, gelu_forward, matmul_backward, matmul_forward,
+    swiglu_backward, swiglu_forward,
 };
 
 use crate::balance::AuxLoss;
@@ -17,17 +21,55 @@ use crate::error::{Error, Result, check};
 use crate::router::{Router, Routing};
 use crate::stats::LoadStats;
 
+/// What each expert (and the shared expert) computes.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Expert {
+    /// GPT-2's MLP with biases: `c_proj(gelu(x·c_fc + b) ) + b`; tensors
+    /// `c_fc.weight (C, H)`, `c_fc.bias (H)`, `c_proj.weight (H, C)`,
+    /// `c_proj.bias (C)`.
+    #[default]
+    Gelu,
+    /// The gated MLP of Llama, Qwen3-MoE and DeepSeek-V3, no biases:
+    /// `c_proj(silu(x·W_gate) ⊙ x·W_up)`; tensors `gate_up.weight (C, 2H)`
+    /// (gate columns, then up columns) and `c_proj.weight (H, C)`.
+    SwiGlu,
+}
+
+impl Expert {
+    /// Columns of the input projection for hidden width `h`: `h`, or `2h`
+    /// gated.
+    #[must_use]
+    pub fn fc(self, h: usize) -> usize {
+        match self {
+            Expert::Gelu => h,
+            Expert::SwiGlu => 2 * h,
+        }
+    }
+
+    /// Whether its projections have biases.
+    #[must_use]
+    pub fn biases(self) -> bool {
+        self == Expert::Gelu
+    }
+}
+
 /// Configuration of one MoE block.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct MoeConfig {
     /// Channels, C.
     pub channels: usize,
-    /// Hidden width of each expert, H (GPT-2: 4C).
+    /// Hidden width of each expert, H (GPT-2: 4C; fine-grained experts
+    /// are narrower: Qwen3-MoE's `moe_intermediate_size`).
     pub hidden: usize,
     /// The router (token choice only: dropless or with capacity).
     pub router: Router,
-    /// Whether a shared expert (hidden width H) processes every token.
-    pub shared_expert: bool,
+    /// What the experts compute.
+    pub expert: Expert,
+    /// Shared experts that process every token, as one MLP of hidden
+    /// width `shared_experts·H` (DeepSeek-V3's `n_shared_experts`; 0:
+    /// none, as in Qwen3-MoE).
+    pub shared_experts: usize,
     /// The auxiliary loss whose gradient the backward adds to the router,
     /// if any.
     pub aux: Option<AuxLoss>,
@@ -68,13 +110,15 @@ pub struct MoeForward {
 }
 
 /// Parameter views of the block (experts possibly a shard of them).
+/// Biases are empty slices for [`Expert::SwiGlu`]; `F` is `H` or `2H`
+/// ([`Expert::fc`]).
 pub(crate) struct Params<'a, T> {
     pub router_w: &'a [T], // (C, E)
     pub bias: &'a [T],     // (E)
-    pub fc_w: &'a [T],     // (El, C, H)
-    pub fc_b: &'a [T],     // (El, H)
+    pub fc_w: &'a [T],     // (El, C, F)
+    pub fc_b: &'a [T],     // (El, H) or empty
     pub proj_w: &'a [T],   // (El, H, C)
-    pub proj_b: &'a [T],   // (El, C)
+    pub proj_b: &'a [T],   // (El, C) or empty
     pub shared: Option<[&'a [T]; 4]>,
 }
 
@@ -107,9 +151,16 @@ impl MoeConfig {
             channels,
             hidden: 4 * channels,
             router: Router::top_k(experts, top_k),
-            shared_expert: false,
+            expert: Expert::Gelu,
+            shared_experts: 0,
             aux: None,
         }
+    }
+
+    /// Hidden width of the shared MLP, `shared_experts·H` (0 without).
+    #[must_use]
+    pub fn shared_hidden(&self) -> usize {
+        self.shared_experts * self.hidden
     }
 
     /// Checks the configuration.
@@ -153,21 +204,40 @@ impl MoeConfig {
             decay,
             trained,
         };
+        let s = self.shared_hidden();
         let mut v = vec![
             t("router.weight", vec![c, e], true, true),
             t("router.selection_bias", vec![e], false, false),
-            t("experts.c_fc.weight", vec![el, c, h], true, true),
-            t("experts.c_fc.bias", vec![el, h], false, true),
-            t("experts.c_proj.weight", vec![el, h, c], true, true),
-            t("experts.c_proj.bias", vec![el, c], false, true),
         ];
-        if self.shared_expert {
-            v.extend([
-                t("shared_expert.c_fc.weight", vec![c, h], true, true),
-                t("shared_expert.c_fc.bias", vec![h], false, true),
-                t("shared_expert.c_proj.weight", vec![h, c], true, true),
-                t("shared_expert.c_proj.bias", vec![c], false, true),
-            ]);
+        match self.expert {
+            Expert::Gelu => {
+                v.extend([
+                    t("experts.c_fc.weight", vec![el, c, h], true, true),
+                    t("experts.c_fc.bias", vec![el, h], false, true),
+                    t("experts.c_proj.weight", vec![el, h, c], true, true),
+                    t("experts.c_proj.bias", vec![el, c], false, true),
+                ]);
+                if s > 0 {
+                    v.extend([
+                        t("shared_expert.c_fc.weight", vec![c, s], true, true),
+                        t("shared_expert.c_fc.bias", vec![s], false, true),
+                        t("shared_expert.c_proj.weight", vec![s, c], true, true),
+                        t("shared_expert.c_proj.bias", vec![c], false, true),
+                    ]);
+                }
+            }
+            Expert::SwiGlu => {
+                v.extend([
+                    t("experts.gate_up.weight", vec![el, c, 2 * h], true, true),
+                    t("experts.c_proj.weight", vec![el, h, c], true, true),
+                ]);
+                if s > 0 {
+                    v.extend([
+                        t("shared_expert.gate_up.weight", vec![c, 2 * s], true, true),
+                        t("shared_expert.c_proj.weight", vec![s, c], true, true),
+                    ]);
+                }
+            }
         }
         v
     }
@@ -189,54 +259,71 @@ impl MoeConfig {
     }
 
     /// Activation values saved per token by [`MoeBlock::forward`]:
-    /// router logits (E), then per slot the expert's pre-activation and
-    /// GELU output (2H) and output (C), then the shared expert's 2H.
+    /// router logits (E), then per slot the expert's pre-activation (F =
+    /// H, or 2H for SwiGLU), activation output (H) and output (C), then
+    /// the shared MLP's pre-activation and activation output (F_s + S for
+    /// its width S).
     #[must_use]
     pub fn saved_per_token(&self) -> usize {
-        let shared = if self.shared_expert {
-            2 * self.hidden
-        } else {
-            0
-        };
-        self.router.experts + self.router.top_k * (2 * self.hidden + self.channels) + shared
+        let h = self.hidden;
+        self.router.experts
+            + self.router.top_k * (self.expert.fc(h) + h + self.channels)
+            + self.shared_saved_per_token()
+    }
+
+    /// The shared MLP's saved values per token, `F_s + S` (0 without).
+    pub(crate) fn shared_saved_per_token(&self) -> usize {
+        let s = self.shared_hidden();
+        self.expert.fc(s) + s
+    }
+
+    /// Lengths of (fc_w, fc_b, proj_w, proj_b) of one MLP of width `h`.
+    pub(crate) fn mlp_lens(&self, h: usize) -> [usize; 4] {
+        let c = self.channels;
+        let nb = usize::from(self.expert.biases());
+        [c * self.expert.fc(h), nb * h, h * c, nb * c]
     }
 
     pub(crate) fn split<'a, T>(&self, mut p: &'a [T], el: usize) -> Params<'a, T> {
-        let (c, h, e) = (self.channels, self.hidden, self.router.experts);
+        let (c, e) = (self.channels, self.router.experts);
+        let l = self.mlp_lens(self.hidden);
+        let ls = self.mlp_lens(self.shared_hidden());
         Params {
             router_w: take(&mut p, c * e),
             bias: take(&mut p, e),
-            fc_w: take(&mut p, el * c * h),
-            fc_b: take(&mut p, el * h),
-            proj_w: take(&mut p, el * h * c),
-            proj_b: take(&mut p, el * c),
-            shared: self.shared_expert.then(|| {
+            fc_w: take(&mut p, el * l[0]),
+            fc_b: take(&mut p, el * l[1]),
+            proj_w: take(&mut p, el * l[2]),
+            proj_b: take(&mut p, el * l[3]),
+            shared: (self.shared_experts > 0).then(|| {
                 [
-                    take(&mut p, c * h),
-                    take(&mut p, h),
-                    take(&mut p, h * c),
-                    take(&mut p, c),
+                    take(&mut p, ls[0]),
+                    take(&mut p, ls[1]),
+                    take(&mut p, ls[2]),
+                    take(&mut p, ls[3]),
                 ]
             }),
         }
     }
 
     pub(crate) fn split_mut<'a, T>(&self, mut p: &'a mut [T], el: usize) -> ParamsMut<'a, T> {
-        let (c, h, e) = (self.channels, self.hidden, self.router.experts);
+        let (c, e) = (self.channels, self.router.experts);
+        let l = self.mlp_lens(self.hidden);
+        let ls = self.mlp_lens(self.shared_hidden());
         let router_w = take_mut(&mut p, c * e);
         let _bias = take_mut(&mut p, e);
         ParamsMut {
             router_w,
-            fc_w: take_mut(&mut p, el * c * h),
-            fc_b: take_mut(&mut p, el * h),
-            proj_w: take_mut(&mut p, el * h * c),
-            proj_b: take_mut(&mut p, el * c),
-            shared: if self.shared_expert {
+            fc_w: take_mut(&mut p, el * l[0]),
+            fc_b: take_mut(&mut p, el * l[1]),
+            proj_w: take_mut(&mut p, el * l[2]),
+            proj_b: take_mut(&mut p, el * l[3]),
+            shared: if self.shared_experts > 0 {
                 Some([
-                    take_mut(&mut p, c * h),
-                    take_mut(&mut p, h),
-                    take_mut(&mut p, h * c),
-                    take_mut(&mut p, c),
+                    take_mut(&mut p, ls[0]),
+                    take_mut(&mut p, ls[1]),
+                    take_mut(&mut p, ls[2]),
+                    take_mut(&mut p, ls[3]),
                 ])
             } else {
                 None
@@ -245,8 +332,18 @@ impl MoeConfig {
     }
 }
 
-/// One MLP's forward over `rows` rows: `hpre = x·w1+b1`, `a = gelu(hpre)`,
-/// `y = a·w2+b2`, its products in `precision`.
+/// A bias slice as an optional bias (empty: none).
+fn opt<T>(b: &[T]) -> Option<&[T]> {
+    (!b.is_empty()).then_some(b)
+}
+
+fn opt_mut<T>(b: &mut [T]) -> Option<&mut [T]> {
+    (!b.is_empty()).then_some(b)
+}
+
+/// One MLP's forward over `rows` rows: `hpre (rows, F) = x·w1(+b1)`,
+/// `a (rows, H) = gelu(hpre)` or `swiglu(hpre)`, `y = a·w2(+b2)`, its
+/// products in `precision`.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn mlp_forward<T: Real>(
     y: &mut [T],
@@ -257,26 +354,30 @@ pub(crate) fn mlp_forward<T: Real>(
     rows: usize,
     c: usize,
     h: usize,
+    kind: Expert,
     precision: Precision,
 ) -> Result<()> {
     matmul_forward(
         hpre,
         x,
         w[0],
-        Some(w[1]),
+        opt(w[1]),
         1,
         rows,
         c,
-        h,
+        kind.fc(h),
         Mode::Throughput,
         precision,
     )?;
-    gelu_forward(a, hpre, rows * h)?;
+    match kind {
+        Expert::Gelu => gelu_forward(a, hpre, rows * h)?,
+        Expert::SwiGlu => swiglu_forward(a, hpre, rows, h)?,
+    }
     matmul_forward(
         y,
         a,
         w[2],
-        Some(w[3]),
+        opt(w[3]),
         1,
         rows,
         h,
@@ -300,15 +401,17 @@ pub(crate) fn mlp_backward<T: Real>(
     rows: usize,
     c: usize,
     h: usize,
+    kind: Expert,
     precision: Precision,
 ) -> Result<()> {
     let [dw1, db1, dw2, db2] = dw;
+    let f = kind.fc(h);
     let mut da = vec![T::ZERO; rows * h];
-    let mut dh = vec![T::ZERO; rows * h];
+    let mut dh = vec![T::ZERO; rows * f];
     matmul_backward(
         &mut da,
         dw2,
-        Some(db2),
+        opt_mut(db2),
         dy,
         a,
         w[2],
@@ -319,18 +422,21 @@ pub(crate) fn mlp_backward<T: Real>(
         Mode::Throughput,
         precision,
     )?;
-    gelu_backward(&mut dh, hpre, &da, rows * h)?;
+    match kind {
+        Expert::Gelu => gelu_backward(&mut dh, hpre, &da, rows * h)?,
+        Expert::SwiGlu => swiglu_backward(&mut dh, hpre, &da, rows, h)?,
+    }
     matmul_backward(
         dx,
         dw1,
-        Some(db1),
+        opt_mut(db1),
         &dh,
         x,
         w[0],
         1,
         rows,
         c,
-        h,
+        f,
         Mode::Throughput,
         precision,
     )?;
@@ -511,9 +617,10 @@ impl MoeBlock {
             cfg.router.top_k,
         );
         check(OP, "out", out, n * c)?;
+        let f = cfg.expert.fc(h);
         let p = cfg.split(params, e);
         let (logits, rest) = saved.split_at_mut(n * e);
-        let (slot_saved, shared_saved) = rest.split_at_mut(n * k * (2 * h + c));
+        let (slot_saved, shared_saved) = rest.split_at_mut(n * k * (f + h + c));
         matmul_forward(
             logits,
             inp,
@@ -528,8 +635,8 @@ impl MoeBlock {
         )?;
         let routing = self.route(logits, p.bias, seq_lens)?;
         let (order, offsets) = group(&routing);
-        // Per-slot storage: [hpre (N*k, H) | a (N*k, H) | y (N*k, C)].
-        let (s_h, rest) = slot_saved.split_at_mut(n * k * h);
+        // Per-slot storage: [hpre (N*k, F) | a (N*k, H) | y (N*k, C)].
+        let (s_h, rest) = slot_saved.split_at_mut(n * k * f);
         let (s_a, s_y) = rest.split_at_mut(n * k * h);
         s_h.fill(T::ZERO);
         s_a.fill(T::ZERO);
@@ -539,7 +646,7 @@ impl MoeBlock {
             .max()
             .unwrap_or(0);
         let mut gx = vec![T::ZERO; max_rows * c];
-        let mut gh = vec![T::ZERO; max_rows * h];
+        let mut gh = vec![T::ZERO; max_rows * f];
         let mut ga = vec![T::ZERO; max_rows * h];
         let mut gy = vec![T::ZERO; max_rows * c];
         for j in 0..e {
@@ -552,29 +659,31 @@ impl MoeBlock {
                 let tok = slot / k;
                 gx[r * c..(r + 1) * c].copy_from_slice(&inp[tok * c..(tok + 1) * c]);
             }
-            let w = expert_weights(&p, j, c, h);
+            let w = expert_weights(&p, j, cfg);
             mlp_forward(
                 &mut gy[..rows * c],
-                &mut gh[..rows * h],
+                &mut gh[..rows * f],
                 &mut ga[..rows * h],
                 &gx[..rows * c],
                 w,
                 rows,
                 c,
                 h,
+                cfg.expert,
                 self.precision,
             )?;
             for (r, &slot) in slots.iter().enumerate() {
-                s_h[slot * h..(slot + 1) * h].copy_from_slice(&gh[r * h..(r + 1) * h]);
+                s_h[slot * f..(slot + 1) * f].copy_from_slice(&gh[r * f..(r + 1) * f]);
                 s_a[slot * h..(slot + 1) * h].copy_from_slice(&ga[r * h..(r + 1) * h]);
                 s_y[slot * c..(slot + 1) * c].copy_from_slice(&gy[r * c..(r + 1) * c]);
             }
         }
         combine(out, s_y, &routing, c);
         if let Some(w) = p.shared {
-            let (sh, sa) = shared_saved.split_at_mut(n * h);
+            let s = cfg.shared_hidden();
+            let (sh, sa) = shared_saved.split_at_mut(n * cfg.expert.fc(s));
             let mut y = vec![T::ZERO; n * c];
-            mlp_forward(&mut y, sh, sa, inp, w, n, c, h, self.precision)?;
+            mlp_forward(&mut y, sh, sa, inp, w, n, c, s, cfg.expert, self.precision)?;
             for (o, yi) in out.iter_mut().zip(&y) {
                 *o += *yi;
             }
@@ -619,11 +728,12 @@ impl MoeBlock {
         check(OP, "dinp", dinp, n * c)?;
         check(OP, "dout", dout, n * c)?;
         check(OP, "dparams", dparams, self.num_params())?;
+        let f = cfg.expert.fc(h);
         let p = cfg.split(params, e);
         let mut g = cfg.split_mut(dparams, e);
         let (logits, rest) = saved.split_at(n * e);
-        let (slot_saved, shared_saved) = rest.split_at(n * k * (2 * h + c));
-        let (s_h, rest) = slot_saved.split_at(n * k * h);
+        let (slot_saved, shared_saved) = rest.split_at(n * k * (f + h + c));
+        let (s_h, rest) = slot_saved.split_at(n * k * f);
         let (s_a, s_y) = rest.split_at(n * k * h);
         let routing = self.route(logits, p.bias, seq_lens)?;
         let (order, offsets) = group(&routing);
@@ -643,7 +753,7 @@ impl MoeBlock {
             .max()
             .unwrap_or(0);
         let mut gx = vec![T::ZERO; max_rows * c];
-        let mut gh = vec![T::ZERO; max_rows * h];
+        let mut gh = vec![T::ZERO; max_rows * f];
         let mut ga = vec![T::ZERO; max_rows * h];
         let mut gdy = vec![T::ZERO; max_rows * c];
         let mut gdx = vec![T::ZERO; max_rows * c];
@@ -656,7 +766,7 @@ impl MoeBlock {
             for (r, &slot) in slots.iter().enumerate() {
                 let tok = slot / k;
                 gx[r * c..(r + 1) * c].copy_from_slice(&inp[tok * c..(tok + 1) * c]);
-                gh[r * h..(r + 1) * h].copy_from_slice(&s_h[slot * h..(slot + 1) * h]);
+                gh[r * f..(r + 1) * f].copy_from_slice(&s_h[slot * f..(slot + 1) * f]);
                 ga[r * h..(r + 1) * h].copy_from_slice(&s_a[slot * h..(slot + 1) * h]);
                 let gt = routing.gate[slot];
                 for (d, &o) in gdy[r * c..(r + 1) * c]
@@ -667,19 +777,20 @@ impl MoeBlock {
                 }
             }
             gdx[..rows * c].fill(T::ZERO);
-            let w = expert_weights(&p, j, c, h);
-            let dw = expert_weights_mut(&mut g, j, c, h);
+            let w = expert_weights(&p, j, cfg);
+            let dw = expert_weights_mut(&mut g, j, cfg);
             mlp_backward(
                 &mut gdx[..rows * c],
                 dw,
                 &gdy[..rows * c],
                 &gx[..rows * c],
-                &gh[..rows * h],
+                &gh[..rows * f],
                 &ga[..rows * h],
                 w,
                 rows,
                 c,
                 h,
+                cfg.expert,
                 self.precision,
             )?;
             for (r, &slot) in slots.iter().enumerate() {
@@ -696,8 +807,22 @@ impl MoeBlock {
             dinp, g.router_w, &dgate, &routing, inp, p.router_w, seq_lens,
         )?;
         if let (Some(w), Some(dw)) = (p.shared, g.shared) {
-            let (sh, sa) = shared_saved.split_at(n * h);
-            mlp_backward(dinp, dw, dout, inp, sh, sa, w, n, c, h, self.precision)?;
+            let s = cfg.shared_hidden();
+            let (sh, sa) = shared_saved.split_at(n * cfg.expert.fc(s));
+            mlp_backward(
+                dinp,
+                dw,
+                dout,
+                inp,
+                sh,
+                sa,
+                w,
+                n,
+                c,
+                s,
+                cfg.expert,
+                self.precision,
+            )?;
         }
         Ok(())
     }
@@ -765,31 +890,27 @@ pub(crate) fn dot<T: Real>(a: &[T], b: &[T]) -> T {
 }
 
 /// Expert `j`'s (fc_w, fc_b, proj_w, proj_b) within the (local) expert
-/// tensors.
-pub(crate) fn expert_weights<'a, T>(
-    p: &Params<'a, T>,
-    j: usize,
-    c: usize,
-    h: usize,
-) -> [&'a [T]; 4] {
+/// tensors (biases empty for [`Expert::SwiGlu`]).
+pub(crate) fn expert_weights<'a, T>(p: &Params<'a, T>, j: usize, cfg: &MoeConfig) -> [&'a [T]; 4] {
+    let l = cfg.mlp_lens(cfg.hidden);
     [
-        &p.fc_w[j * c * h..(j + 1) * c * h],
-        &p.fc_b[j * h..(j + 1) * h],
-        &p.proj_w[j * h * c..(j + 1) * h * c],
-        &p.proj_b[j * c..(j + 1) * c],
+        &p.fc_w[j * l[0]..(j + 1) * l[0]],
+        &p.fc_b[j * l[1]..(j + 1) * l[1]],
+        &p.proj_w[j * l[2]..(j + 1) * l[2]],
+        &p.proj_b[j * l[3]..(j + 1) * l[3]],
     ]
 }
 
 pub(crate) fn expert_weights_mut<'b, T>(
     g: &'b mut ParamsMut<'_, T>,
     j: usize,
-    c: usize,
-    h: usize,
+    cfg: &MoeConfig,
 ) -> [&'b mut [T]; 4] {
+    let l = cfg.mlp_lens(cfg.hidden);
     [
-        &mut g.fc_w[j * c * h..(j + 1) * c * h],
-        &mut g.fc_b[j * h..(j + 1) * h],
-        &mut g.proj_w[j * h * c..(j + 1) * h * c],
-        &mut g.proj_b[j * c..(j + 1) * c],
+        &mut g.fc_w[j * l[0]..(j + 1) * l[0]],
+        &mut g.fc_b[j * l[1]..(j + 1) * l[1]],
+        &mut g.proj_w[j * l[2]..(j + 1) * l[2]],
+        &mut g.proj_b[j * l[3]..(j + 1) * l[3]],
     ]
 }

@@ -48,9 +48,9 @@ pub struct EpSaved<T> {
     slot_y: Vec<T>,     // (N*k, C)
     counts: Vec<usize>, // (ep, El): rows received from each rank per local expert
     x: Vec<T>,          // (R, C) received rows, grouped by local expert
-    hpre: Vec<T>,       // (R, H)
+    hpre: Vec<T>,       // (R, F): F = H, or 2H for SwiGLU
     act: Vec<T>,        // (R, H)
-    shared: Vec<T>,     // (N, 2H) shared expert
+    shared: Vec<T>,     // (N, F_s + S) shared experts
 }
 
 /// A [`MoeBlock`] whose experts are sharded over an expert-parallel group
@@ -218,23 +218,25 @@ impl ExpertParallel {
         let x_recv = self.dispatch(comm, &send, &offsets, &counts, c)?;
         let x = self.regroup(&x_recv, &counts, c, true);
         let rows = x.len() / c;
-        let mut hpre = vec![<T as Real>::ZERO; rows * h];
+        let f = cfg.expert.fc(h);
+        let mut hpre = vec![<T as Real>::ZERO; rows * f];
         let mut act = vec![<T as Real>::ZERO; rows * h];
         let mut y = vec![<T as Real>::ZERO; rows * c];
         let mut start = 0;
         for j in 0..el {
             let nj: usize = (0..self.ep).map(|s| counts[s * el + j]).sum();
             if nj > 0 {
-                let w = expert_weights(&p, j, c, h);
+                let w = expert_weights(&p, j, cfg);
                 mlp_forward(
                     &mut y[start * c..(start + nj) * c],
-                    &mut hpre[start * h..(start + nj) * h],
+                    &mut hpre[start * f..(start + nj) * f],
                     &mut act[start * h..(start + nj) * h],
                     &x[start * c..(start + nj) * c],
                     w,
                     nj,
                     c,
                     h,
+                    cfg.expert,
                     self.block.precision,
                 )?;
             }
@@ -250,10 +252,22 @@ impl ExpertParallel {
         combine(out, &slot_y, &routing, c);
         let mut shared = Vec::new();
         if let Some(w) = p.shared {
-            shared = vec![<T as Real>::ZERO; n * 2 * h];
-            let (sh, sa) = shared.split_at_mut(n * h);
+            let s = cfg.shared_hidden();
+            shared = vec![<T as Real>::ZERO; n * cfg.shared_saved_per_token()];
+            let (sh, sa) = shared.split_at_mut(n * cfg.expert.fc(s));
             let mut ys = vec![<T as Real>::ZERO; n * c];
-            mlp_forward(&mut ys, sh, sa, inp, w, n, c, h, self.block.precision)?;
+            mlp_forward(
+                &mut ys,
+                sh,
+                sa,
+                inp,
+                w,
+                n,
+                c,
+                s,
+                cfg.expert,
+                self.block.precision,
+            )?;
             for (o, v) in out.iter_mut().zip(&ys) {
                 *o += *v;
             }
@@ -334,24 +348,26 @@ impl ExpertParallel {
         let dy_recv = self.dispatch(comm, &send, &offsets, counts, c)?;
         let dy = self.regroup(&dy_recv, counts, c, true);
         let rows = dy.len() / c;
+        let f = cfg.expert.fc(h);
         let mut dx = vec![<T as Real>::ZERO; rows * c];
         let mut start = 0;
         for j in 0..el {
             let nj: usize = (0..self.ep).map(|s| counts[s * el + j]).sum();
             if nj > 0 {
-                let w = expert_weights(&p, j, c, h);
-                let dw = expert_weights_mut(&mut g, j, c, h);
+                let w = expert_weights(&p, j, cfg);
+                let dw = expert_weights_mut(&mut g, j, cfg);
                 mlp_backward(
                     &mut dx[start * c..(start + nj) * c],
                     dw,
                     &dy[start * c..(start + nj) * c],
                     &saved.x[start * c..(start + nj) * c],
-                    &saved.hpre[start * h..(start + nj) * h],
+                    &saved.hpre[start * f..(start + nj) * f],
                     &saved.act[start * h..(start + nj) * h],
                     w,
                     nj,
                     c,
                     h,
+                    cfg.expert,
                     self.block.precision,
                 )?;
             }
@@ -372,7 +388,8 @@ impl ExpertParallel {
             dinp, g.router_w, &dgate, &routing, inp, p.router_w, seq_lens,
         )?;
         if let (Some(w), Some(dw)) = (p.shared, g.shared) {
-            let (sh, sa) = saved.shared.split_at(n * h);
+            let s = cfg.shared_hidden();
+            let (sh, sa) = saved.shared.split_at(n * cfg.expert.fc(s));
             mlp_backward(
                 dinp,
                 dw,
@@ -383,7 +400,8 @@ impl ExpertParallel {
                 w,
                 n,
                 c,
-                h,
+                s,
+                cfg.expert,
                 self.block.precision,
             )?;
         }
@@ -392,12 +410,12 @@ impl ExpertParallel {
 
     /// Activation values per token that [`forward_flat`](Self::forward_flat)
     /// saves: router logits (E), each slot's expert output (k·C), then the
-    /// shared expert's pre-activation and GELU output (2H) if it has one.
+    /// shared experts' pre-activation and activation output (F_s + S, see
+    /// [`MoeConfig::saved_per_token`]) if there are any.
     #[must_use]
     pub fn saved_per_token(&self) -> usize {
         let cfg = self.block.config();
-        let shared = if cfg.shared_expert { 2 * cfg.hidden } else { 0 };
-        cfg.router.experts + cfg.router.top_k * cfg.channels + shared
+        cfg.router.experts + cfg.router.top_k * cfg.channels + cfg.shared_saved_per_token()
     }
 
     /// [`forward`](Self::forward) keeping its activations in
@@ -475,7 +493,8 @@ impl ExpertParallel {
         let x_recv = self.dispatch(comm, &send, &offsets, &counts, c)?;
         let x = self.regroup(&x_recv, &counts, c, true);
         let rows = x.len() / c;
-        let mut hpre = vec![<T as Real>::ZERO; rows * h];
+        let f = cfg.expert.fc(h);
+        let mut hpre = vec![<T as Real>::ZERO; rows * f];
         let mut act = vec![<T as Real>::ZERO; rows * h];
         let mut y = vec![<T as Real>::ZERO; rows * c];
         let mut start = 0;
@@ -484,13 +503,14 @@ impl ExpertParallel {
             if nj > 0 {
                 mlp_forward(
                     &mut y[start * c..(start + nj) * c],
-                    &mut hpre[start * h..(start + nj) * h],
+                    &mut hpre[start * f..(start + nj) * f],
                     &mut act[start * h..(start + nj) * h],
                     &x[start * c..(start + nj) * c],
-                    expert_weights(&p, j, c, h),
+                    expert_weights(&p, j, cfg),
                     nj,
                     c,
                     h,
+                    cfg.expert,
                     self.block.precision,
                 )?;
             }

@@ -13,7 +13,8 @@
 //! # Overview
 //! - [`Router`] / [`RouterKind`] / [`Gate`] / [`DropPolicy`]: token-choice
 //!   top-k with softmax or sigmoid scores (renormalised over the chosen k
-//!   or not), capacity-limited top-k dropping by score (not causal) or by
+//!   or not, scaled as DeepSeek-V3's `routed_scaling_factor`),
+//!   capacity-limited top-k dropping by score (not causal) or by
 //!   position (causal), expert choice (not causal). [`Router::route`]
 //!   returns a [`Routing`]; [`Routing::gate_backward`] differentiates the
 //!   gate weights.
@@ -23,8 +24,10 @@
 //!   selection-only bias updated from the observed load after each step).
 //! - [`audit()`] / [`audit_suite`]: the empirical causality audit behind
 //!   `weft moe audit` ([`AuditReport`] implements `Display`).
-//! - [`MoeBlock`] / [`MoeConfig`]: E GPT-2 MLP experts, top-k, optional
-//!   shared expert; forward and backward over flat slices (generic over
+//! - [`MoeBlock`] / [`MoeConfig`]: E experts ([`Expert`]: GPT-2 MLPs, or
+//!   SwiGLU MLPs of a width set apart, fine-grained as in Qwen3-MoE and
+//!   DeepSeek-V3), top-k, optional shared experts (one MLP `n` experts
+//!   wide); forward and backward over flat slices (generic over
 //!   `f32`/`f64`), experts computed grouped with no padding.
 //! - [`ExpertParallel`]: the same block with experts sharded over an `ep`
 //!   group of a [`weft_collectives::Communicator`], tokens dispatched and
@@ -105,7 +108,7 @@ pub use weft_collectives;
 
 pub use audit::{AuditOptions, AuditReport, Perturbation, PerturbationResult, audit, audit_suite};
 pub use balance::{AuxLoss, AuxScope, BiasBalancer};
-pub use block::{MoeBlock, MoeConfig, MoeForward, TensorSpec};
+pub use block::{Expert, MoeBlock, MoeConfig, MoeForward, TensorSpec};
 pub use ep::{EpSaved, ExpertParallel};
 pub use error::{Error, Result};
 pub use options::{Balance, MoeOptions};

@@ -3,7 +3,7 @@
 //! into a block's [`MoeConfig`] and checked by the block's own rules.
 
 use crate::balance::{AuxLoss, AuxScope, BiasBalancer};
-use crate::block::MoeConfig;
+use crate::block::{Expert, MoeConfig};
 use crate::error::{Error, Result};
 use crate::router::{DropPolicy, Gate, Router};
 
@@ -61,8 +61,23 @@ pub struct MoeOptions {
     /// 200-step run on weft's default corpus still ends at MaxVio 2.06 —
     /// no better than no balancing — against 0.28 at 0.01.
     pub bias_rate: f64,
-    /// Add a shared expert that sees every token.
-    pub shared_expert: bool,
+    /// Hidden width of each routed expert (0: the model's dense
+    /// feed-forward width, GPT-2's 4·C or the gated MLP's
+    /// `ffn_hidden`). Fine-grained experts are narrower than the dense
+    /// MLP (Qwen3-MoE's and DeepSeek-V3's `moe_intermediate_size`).
+    pub expert_hidden: usize,
+    /// Shared experts that see every token, as one MLP of hidden width
+    /// `shared_experts · expert width` (DeepSeek-V3's
+    /// `n_shared_experts`; 0: none). The older spelling
+    /// `shared_expert = true` is one shared expert.
+    #[cfg_attr(
+        feature = "serde",
+        serde(alias = "shared_expert", deserialize_with = "count_or_flag")
+    )]
+    pub shared_experts: usize,
+    /// A factor on every gate weight (DeepSeek-V3's
+    /// `routed_scaling_factor`, 2.5 there; 1: none).
+    pub routed_scale: f64,
     /// Capacity factor (0: dropless, the default and the causal choice).
     pub capacity_factor: f64,
     /// With a capacity: which assignments an expert over it drops.
@@ -79,7 +94,9 @@ impl Default for MoeOptions {
             balance: Balance::Bias,
             aux_coef: 0.01,
             bias_rate: 1e-2,
-            shared_expert: false,
+            expert_hidden: 0,
+            shared_experts: 0,
+            routed_scale: 1.0,
             capacity_factor: 0.0,
             drop: DropPolicy::ByPosition,
         }
@@ -87,8 +104,12 @@ impl Default for MoeOptions {
 }
 
 impl MoeOptions {
-    /// The block of a layer with `channels` channels and experts of
-    /// `hidden` width, or `None` for a dense model (`experts = 0`).
+    /// The block of a layer with `channels` channels whose dense
+    /// feed-forward block is `hidden` wide (the experts' width unless
+    /// [`expert_hidden`](Self::expert_hidden) is set), with GPT-2 MLP
+    /// experts ([`Expert::Gelu`]; a model of the Llama family sets
+    /// [`MoeConfig::expert`] to [`Expert::SwiGlu`]), or `None` for a dense
+    /// model (`experts = 0`).
     ///
     /// # Errors
     /// [`Error::Config`] naming the field the block refuses
@@ -99,15 +120,21 @@ impl MoeOptions {
         }
         let mut router = Router::top_k(self.experts, self.top_k)
             .with_gate(self.gate)
-            .with_normalize(self.normalize);
+            .with_normalize(self.normalize)
+            .with_scale(self.routed_scale);
         if self.capacity_factor != 0.0 {
             router = router.with_capacity(self.capacity_factor, self.drop);
         }
         let cfg = MoeConfig {
             channels,
-            hidden,
+            hidden: if self.expert_hidden > 0 {
+                self.expert_hidden
+            } else {
+                hidden
+            },
             router,
-            shared_expert: self.shared_expert,
+            expert: Expert::Gelu,
+            shared_experts: self.shared_experts,
             aux: (self.balance == Balance::Aux).then_some(AuxLoss {
                 coef: self.aux_coef,
                 scope: AuxScope::Batch,
@@ -126,13 +153,13 @@ impl MoeOptions {
     }
 
     /// Experts a token is computed by: its `top_k` routed ones and the
-    /// shared expert (0 for a dense model).
+    /// shared ones (0 for a dense model).
     #[must_use]
     pub fn active_experts(&self) -> usize {
         if self.experts == 0 {
             0
         } else {
-            self.top_k + usize::from(self.shared_expert)
+            self.top_k + self.shared_experts
         }
     }
 
@@ -154,6 +181,25 @@ impl MoeOptions {
             }
         }
         self.config(1, 1).map(|_| ())
+    }
+}
+
+/// `shared_experts` as a count, or in its older spelling a flag
+/// (`shared_expert = true`: one).
+#[cfg(feature = "serde")]
+fn count_or_flag<'de, D: serde::Deserializer<'de>>(d: D) -> std::result::Result<usize, D::Error> {
+    #[derive(serde::Deserialize)]
+    #[serde(untagged)]
+    enum CountOrFlag {
+        Count(usize),
+        Flag(bool),
+    }
+    match <CountOrFlag as serde::Deserialize>::deserialize(d) {
+        Ok(CountOrFlag::Count(n)) => Ok(n),
+        Ok(CountOrFlag::Flag(b)) => Ok(usize::from(b)),
+        Err(_) => Err(serde::de::Error::custom(
+            "expected a count of shared experts (or, as `shared_expert`, true or false)",
+        )),
     }
 }
 

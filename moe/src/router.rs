@@ -94,6 +94,9 @@ pub struct Router {
     /// renormalised to sum to 1 (`g_i = s_i / Σ_{j∈chosen} s_j`) or are
     /// the raw scores `s_i`.
     pub normalize: bool,
+    /// A factor on every gate weight, after any renormalisation
+    /// (DeepSeek-V3's `routed_scaling_factor`, 2.5 there; 1: none).
+    pub scale: f64,
     /// The algorithm.
     pub kind: RouterKind,
 }
@@ -107,6 +110,7 @@ impl Router {
             top_k,
             gate: Gate::Softmax,
             normalize: false,
+            scale: 1.0,
             kind: RouterKind::Dropless,
         }
     }
@@ -132,6 +136,13 @@ impl Router {
     #[must_use]
     pub fn with_normalize(mut self, normalize: bool) -> Self {
         self.normalize = normalize;
+        self
+    }
+
+    /// Sets the factor on every gate weight (see [`scale`](Self::scale)).
+    #[must_use]
+    pub fn with_scale(mut self, scale: f64) -> Self {
+        self.scale = scale;
         self
     }
 
@@ -163,6 +174,12 @@ impl Router {
                     "is {}; must be between 1 and the number of experts ({})",
                     self.top_k, self.experts
                 ),
+            });
+        }
+        if !(self.scale.is_finite() && self.scale > 0.0) {
+            return Err(Error::Config {
+                field: "routed_scale",
+                reason: format!("is {}; must be a positive number", self.scale),
             });
         }
         if let RouterKind::Capacity {
@@ -221,6 +238,11 @@ impl Router {
             Gate::Sigmoid => "sigmoid",
         };
         let norm = if self.normalize { "-norm" } else { "" };
+        let scale = if self.scale == 1.0 {
+            String::new()
+        } else {
+            format!("-x{}", self.scale)
+        };
         let kind = match self.kind {
             RouterKind::Dropless => "dropless".to_string(),
             RouterKind::Capacity {
@@ -235,7 +257,10 @@ impl Router {
                 format!("expert-choice-cap{capacity_factor}")
             }
         };
-        format!("top{}/{}-{gate}{norm}-{kind}", self.top_k, self.experts)
+        format!(
+            "top{}/{}-{gate}{norm}{scale}-{kind}",
+            self.top_k, self.experts
+        )
     }
 
     /// Routes `N = Σ seq_lens` tokens given their router logits `(N, E)`.
@@ -272,6 +297,7 @@ impl Router {
             slots,
             gate_fn: self.gate,
             normalize: self.normalize,
+            scale: self.scale,
             chosen: vec![DROPPED; n * slots],
             kept: vec![false; n * slots],
             gate: vec![T::ZERO; n * slots],
@@ -301,6 +327,7 @@ impl Router {
 
     fn top_k_into<T: Real>(&self, r: &mut Routing<T>, n: usize, bias: Option<&[T]>) {
         let (e, k) = (self.experts, self.top_k);
+        let scale = T::from_f64(self.scale);
         let mut sel = vec![0u32; k];
         let mut key = vec![T::ZERO; e];
         for t in 0..n {
@@ -322,7 +349,8 @@ impl Router {
                 let g = s[j as usize];
                 r.chosen[t * k + i] = j;
                 r.kept[t * k + i] = true;
-                r.gate[t * k + i] = if self.normalize { g / total } else { g };
+                let g = if self.normalize { g / total } else { g };
+                r.gate[t * k + i] = if self.scale == 1.0 { g } else { g * scale };
             }
         }
     }
@@ -403,6 +431,12 @@ impl Router {
                 }
             }
         }
+        if self.scale != 1.0 {
+            let scale = T::from_f64(self.scale);
+            for x in &mut r.gate {
+                *x *= scale;
+            }
+        }
     }
 }
 
@@ -473,6 +507,8 @@ pub struct Routing<T> {
     pub gate_fn: Gate,
     /// Whether gates were renormalised over the chosen experts.
     pub normalize: bool,
+    /// The factor on every gate weight ([`Router::scale`]).
+    pub scale: f64,
     /// (N, slots): the expert each slot chose before any capacity drop
     /// ([`DROPPED`] for an expert-choice slot whose expert did not pick
     /// the token).
@@ -528,20 +564,31 @@ impl<T: Real> Routing<T> {
         check(OP, "dlogits", dlogits, n * e)?;
         check(OP, "dgate", dgate, n * k)?;
         let mut ds = vec![T::ZERO; e];
+        // With a scale σ the gates are σ·ĝ: the chain rule multiplies the
+        // gates' gradient by σ.
+        let scale = T::from_f64(self.scale);
+        let mut dgs = vec![T::ZERO; k];
         for t in 0..n {
             ds.fill(T::ZERO);
             let s = &self.scores[t * e..(t + 1) * e];
             let ch = &self.chosen[t * k..(t + 1) * k];
-            let dg = &dgate[t * k..(t + 1) * k];
+            let dg_raw = &dgate[t * k..(t + 1) * k];
+            let mut dg = dg_raw;
+            if self.scale != 1.0 {
+                for (d, &x) in dgs.iter_mut().zip(dg) {
+                    *d = x * scale;
+                }
+                dg = &dgs;
+            }
             if self.normalize {
                 // g_i = s_i / S over the chosen set:
-                // ds_j = (dg_j - Σ_i dg_i g_i) / S.
+                // ds_j = (σ·dg_j - Σ_i dg_i g_i) / S (g_i the scaled gates).
                 let mut total = T::ZERO;
                 let mut dot = T::ZERO;
                 for (i, &j) in ch.iter().enumerate() {
                     if j != DROPPED {
                         total += s[j as usize];
-                        dot += dg[i] * self.gate[t * k + i];
+                        dot += dg_raw[i] * self.gate[t * k + i];
                     }
                 }
                 for (i, &j) in ch.iter().enumerate() {

@@ -209,7 +209,9 @@ pub fn model_of(config: &Config) -> Result<ModelSpec, PlanError> {
     }
     if m.moe.experts > 0 {
         spec = spec.with_moe(m.moe.experts, m.moe.top_k);
-        spec.shared_experts = usize::from(m.moe.shared_expert);
+        spec.shared_experts = m.moe.shared_experts;
+        spec.expert_hidden = m.moe.expert_hidden;
+        spec.first_dense = m.first_dense;
     }
     Ok(spec)
 }
@@ -218,11 +220,25 @@ pub fn model_of(config: &Config) -> Result<ModelSpec, PlanError> {
 /// (`weft_model::partition_layers`, whose stages `weft plan` predicts).
 #[must_use]
 pub fn feed_forwards(config: &Config) -> weft_pipeline::FeedForwards {
-    let m = &config.model.moe;
-    let moe = (m.experts > 0).then_some((m.experts, m.active_experts()));
-    config.model.swiglu().map_or(moe.into(), |s| {
-        weft_pipeline::FfnShape::swiglu(s.hidden).into()
-    })
+    use weft_pipeline::FfnShape;
+    let (m, e) = (&config.model, &config.model.moe);
+    let dense = m.swiglu().map(|s| FfnShape::swiglu(s.hidden));
+    // experts as wide as the dense block unless set apart (0: GPT-2's 4·C)
+    let width = if e.expert_hidden > 0 {
+        e.expert_hidden
+    } else {
+        dense.map_or(0, |d| d.hidden)
+    };
+    let expert = if dense.is_some() {
+        FfnShape::swiglu(width)
+    } else {
+        FfnShape::mlp(width)
+    };
+    weft_pipeline::FeedForwards {
+        dense,
+        moe: (e.experts > 0).then(|| expert.experts(e.experts, e.active_experts())),
+        first_dense: m.first_dense,
+    }
 }
 
 /// The layout a job runs: its `[parallel]` table and micro-batch size.

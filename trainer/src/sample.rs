@@ -311,19 +311,8 @@ fn build_model(
             m.capacity_factor
         )));
     }
-    let moe = m
-        .config(cfg.n_embd, 4 * cfg.n_embd)
-        .map_err(crate::config::library_error)?;
-    let (mut model, stats) = match moe {
-        None => match config.model.swiglu() {
-            Some(gated) => (Gpt::with_ffn(cfg, Box::new(gated))?, None),
-            None => (Gpt::new(cfg)?, None),
-        },
-        Some(moe_cfg) => {
-            let (ffn, stats) = weft_model::MoeFfn::new(moe_cfg)?;
-            (Gpt::with_ffn(cfg, Box::new(ffn))?, Some(stats))
-        }
-    };
+    let (ffn, stats) = config.model.ffn(None)?;
+    let mut model = Gpt::from_blocks(weft_model::GptBlocks::new(cfg, ffn)?);
     // decode in the run's arithmetic: the training forward's bits
     model.set_precision(config.train.precision);
     model.set_doc_boundary(config.data.doc_boundary(ids.end_of_text));

@@ -260,6 +260,55 @@ fn init_from_a_hugging_face_folder_on_any_layout() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// A small Qwen3-MoE run (`model.arch = "qwen3-moe"`): fine-grained
+/// SwiGLU experts, the first layer dense, bias balancing; it learns,
+/// logs every layer's expert load, and resumes bit for bit.
+#[test]
+fn qwen3_moe_trains_and_resumes_bit_for_bit() {
+    let dir = std::env::temp_dir().join(format!("weft-qwen3moe-train-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let cfg = |name: &str| {
+        let mut c = tiny(&dir, name);
+        c.model.arch = weft_trainer::config::Arch::Qwen3Moe;
+        c.model.n_layer = 2;
+        c.model.n_head = 4;
+        c.model.n_kv_head = 2;
+        c.model.first_dense = 1;
+        c.model.moe.experts = 4;
+        c.model.moe.top_k = 2;
+        c.model.moe.expert_hidden = 24;
+        c.checkpoint.every = 20;
+        c
+    };
+    let whole = train(&cfg("whole"), false, &mut Silent).unwrap();
+    let floor = whole.floor.unwrap();
+    assert!(
+        whole.final_eval_loss - floor < 0.5 * (whole.initial_eval_loss - floor),
+        "gap {} of initial {}",
+        whole.final_eval_loss - floor,
+        whole.initial_eval_loss - floor
+    );
+    let resolved = Config::from_toml(
+        &std::fs::read_to_string(whole.run_dir.join("config.toml")).unwrap(),
+        "x",
+    )
+    .unwrap();
+    assert_eq!(resolved, cfg("whole"));
+    let load = std::fs::read_to_string(whole.run_dir.join("expert_load.jsonl")).unwrap();
+    assert!(load.lines().count() >= 60, "{load}");
+    let crashed = std::panic::catch_unwind(|| {
+        let _ = train(&cfg("crashy"), false, &mut CrashAfter(46));
+    });
+    assert!(crashed.is_err());
+    let resumed = train(&cfg("crashy"), true, &mut Silent).unwrap();
+    assert_eq!(losses(&whole.run_dir), losses(&resumed.run_dir));
+    assert_eq!(
+        whole.final_eval_loss.to_bits(),
+        resumed.final_eval_loss.to_bits()
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 #[test]
 fn bad_data_is_a_clear_error() {
     let dir = std::env::temp_dir().join(format!("weft-train-bad-{}", std::process::id()));

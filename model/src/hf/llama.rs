@@ -166,7 +166,7 @@ pub(super) fn read_config(path: &Path, obj: &Map<String, Value>) -> Result<(GptC
     let sliding_window = read_window(path, obj, kind, n_layer)?;
     let (qkv_bias, qk_norm) = match kind {
         "qwen2" => (true, false),
-        "qwen3" => (flag("attention_bias", false)?, true),
+        "qwen3" | "qwen3_moe" => (flag("attention_bias", false)?, true),
         _ => (flag("attention_bias", false)?, false),
     };
     // Llama's `attention_bias` puts a bias on o_proj too; Qwen's does not.
@@ -314,7 +314,7 @@ pub(super) fn source(name: &str) -> Option<Source> {
         "attn.c_proj.bias" => one(format!("{p}self_attn.o_proj.bias"), false),
         "mlp.gate_up.weight" => stack(&["mlp.gate_proj.weight", "mlp.up_proj.weight"], true),
         "mlp.c_proj.weight" => one(format!("{p}mlp.down_proj.weight"), true),
-        _ => None,
+        _ => super::qwen3_moe::source(&p, what),
     }
 }
 

@@ -3,10 +3,12 @@
 //! `model.safetensors.index.json`), for GPT-2 (`GPT2LMHeadModel`)
 //! and the Llama family (`LlamaForCausalLM`, `MistralForCausalLM`,
 //! `Qwen2ForCausalLM`, `Qwen3ForCausalLM`; names and layouts mapped as
-//! the `llama` module's table shows).
+//! the `llama` module's table shows), and Qwen3-MoE
+//! (`Qwen3MoeForCausalLM`, the `qwen3_moe` module).
 
 mod files;
 mod llama;
+mod qwen3_moe;
 
 pub use files::MAX_SHARD_BYTES;
 use files::Weights;
@@ -188,6 +190,8 @@ enum Family {
     Gpt2(GptConfig),
     /// A Llama-family model and its gated feed-forward block.
     Llama(GptConfig, SwiGlu),
+    /// A Qwen3-MoE model and its mixture of experts.
+    Moe(GptConfig, Arc<dyn FeedForward>),
 }
 
 fn read_family(path: &Path) -> Result<Family> {
@@ -200,6 +204,10 @@ fn read_family(path: &Path) -> Result<Family> {
     })?;
     let kind = v.get("model_type").and_then(Value::as_str);
     match (kind, v.as_object()) {
+        (Some(qwen3_moe::MODEL_TYPE), Some(obj)) => {
+            let (cfg, ffn) = qwen3_moe::read_config(path, obj)?;
+            Ok(Family::Moe(cfg, ffn))
+        }
         (Some(k), Some(obj)) if llama::MODEL_TYPES.contains(&k) => {
             let (cfg, ffn) = llama::read_config(path, obj)?;
             Ok(Family::Llama(cfg, ffn))
@@ -223,12 +231,19 @@ pub(crate) fn read_folder_config(dir: &Path) -> Result<(GptConfig, Option<SwiGlu
     Ok(match read_family(&dir.join("config.json"))? {
         Family::Gpt2(cfg) => (cfg, None),
         Family::Llama(cfg, ffn) => (cfg, Some(ffn)),
+        Family::Moe(..) => {
+            return Err(fmt_err(
+                dir,
+                "starting from a Qwen3-MoE folder (model.init_from) is not supported yet; \
+                 GPT-2 and the dense Llama family are",
+            ));
+        }
     })
 }
 
-/// Reads a Llama-family folder's `config.json`: the model's shape and its
-/// feed-forward block (transformers' field names; unsupported settings
-/// are errors naming the field).
+/// Reads a Llama-family (or Qwen3-MoE) folder's `config.json`: the
+/// model's shape and its feed-forward block (transformers' field names;
+/// unsupported settings are errors naming the field).
 ///
 /// # Errors
 /// [`Error::Io`] if unreadable, [`Error::Format`] naming the field, or if
@@ -236,6 +251,7 @@ pub(crate) fn read_folder_config(dir: &Path) -> Result<(GptConfig, Option<SwiGlu
 pub fn read_llama_config(path: &Path) -> Result<(GptConfig, Arc<dyn FeedForward>)> {
     match read_family(path)? {
         Family::Llama(cfg, ffn) => Ok((cfg, Arc::new(ffn))),
+        Family::Moe(cfg, ffn) => Ok((cfg, ffn)),
         Family::Gpt2(_) => Err(fmt_err(
             path,
             format!(
@@ -270,6 +286,10 @@ fn params_from(layout: &ParamLayout, stored: &Weights) -> Result<Vec<f32>> {
     let mut used = std::collections::HashSet::new();
     let mut out = vec![0.0f32; layout.len()];
     for spec in layout.specs() {
+        if let Some(data) = qwen3_moe::read_tensor(stored, &mut used, spec)? {
+            out[spec.range()].copy_from_slice(&data);
+            continue;
+        }
         let src = llama::source(&spec.name).ok_or_else(|| {
             llama::shape_error(path, &spec.name, "has no transformers counterpart".into())
         })?;
@@ -346,10 +366,14 @@ fn llama_tensors(model: &Gpt, buffer: &[f32]) -> Vec<(String, Vec<usize>, Vec<f3
     let cfg = model.config();
     let mut out = Vec::new();
     for spec in model.layout().specs() {
+        let p = &buffer[spec.range()];
+        if let Some(tensors) = qwen3_moe::write_tensor(spec, p) {
+            out.extend(tensors);
+            continue;
+        }
         let Some(src) = llama::source(&spec.name) else {
             continue;
         };
-        let p = &buffer[spec.range()];
         let (rows, cols, data) = match spec.shape.as_slice() {
             [a, b] if src.transpose => (*b, *a, llama::transpose(p, *a, *b)),
             [a, b] => (*a, *b, p.to_vec()),
@@ -403,6 +427,11 @@ pub fn load(dir: &Path) -> Result<Gpt> {
         Family::Gpt2(cfg) => cfg,
         Family::Llama(cfg, ffn) => {
             let mut model = Gpt::with_ffn(cfg, Box::new(ffn))?;
+            model.params = params_from(model.layout(), &stored)?;
+            return Ok(model);
+        }
+        Family::Moe(cfg, ffn) => {
+            let mut model = Gpt::from_blocks(crate::GptBlocks::new(cfg, ffn)?);
             model.params = params_from(model.layout(), &stored)?;
             return Ok(model);
         }
@@ -577,6 +606,12 @@ pub fn save_sharded(model: &Gpt, dir: &Path, max_shard_bytes: u64) -> Result<()>
             })
             .collect();
         (tensors, config_json(model.config()))
+    } else if let Some(moe) = model.blocks().ffn().moe() {
+        qwen3_moe::check_exportable(model, moe, dir)?;
+        (
+            llama_tensors(model, &model.params),
+            qwen3_moe::config_json(model.config(), moe),
+        )
     } else {
         let hidden = model
             .layout()
@@ -616,11 +651,8 @@ pub fn export_with(
     read: &mut TensorReader<'_>,
     dir: &Path,
 ) -> Result<()> {
-    let cfg = opts.gpt_config(vocab);
-    let mut model = match opts.swiglu() {
-        Some(ffn) => Gpt::with_ffn(cfg, Box::new(ffn))?,
-        None => Gpt::new(cfg)?,
-    };
+    let (ffn, _) = opts.ffn(None)?;
+    let mut model = Gpt::from_blocks(crate::GptBlocks::new(opts.gpt_config(vocab), ffn)?);
     for spec in model.layout().specs().to_vec() {
         let data = read(&spec.name, &spec.shape)
             .map_err(|e| fmt_err(dir, format!("tensor `{}`: {e}", spec.name)))?;

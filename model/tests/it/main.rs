@@ -4,4 +4,5 @@ mod hf_io;
 mod hf_python;
 mod invariance;
 mod llama_reference;
+mod qwen3moe_reference;
 mod reference;

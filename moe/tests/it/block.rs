@@ -1,4 +1,4 @@
-use weft_moe::{AuxLoss, AuxScope, DropPolicy, Gate, MoeBlock, MoeConfig, Router};
+use weft_moe::{AuxLoss, AuxScope, DropPolicy, Expert, Gate, MoeBlock, MoeConfig, Router};
 
 use crate::Rng;
 
@@ -7,14 +7,15 @@ fn configs() -> Vec<MoeConfig> {
         channels: 4,
         hidden: 6,
         router: Router::top_k(4, 2),
-        shared_expert: false,
+        expert: Expert::Gelu,
+        shared_experts: 0,
         aux: None,
     };
     vec![
         base,
         MoeConfig {
             router: Router::top_k(4, 2).with_normalize(true),
-            shared_expert: true,
+            shared_experts: 1,
             aux: Some(AuxLoss::new(0.1)),
             ..base
         },
@@ -30,7 +31,33 @@ fn configs() -> Vec<MoeConfig> {
         },
         MoeConfig {
             router: Router::top_k(4, 1).with_capacity(1.0, DropPolicy::ByPosition),
-            shared_expert: true,
+            shared_experts: 1,
+            ..base
+        },
+        // Fine-grained SwiGLU experts: Qwen3-MoE's softmax router ...
+        MoeConfig {
+            hidden: 3,
+            router: Router::top_k(6, 2).with_normalize(true),
+            expert: Expert::SwiGlu,
+            ..base
+        },
+        // ... and DeepSeek-V3's: sigmoid scores, normalised and scaled,
+        // two shared experts.
+        MoeConfig {
+            hidden: 3,
+            router: Router::top_k(6, 3)
+                .with_gate(Gate::Sigmoid)
+                .with_normalize(true)
+                .with_scale(2.5),
+            expert: Expert::SwiGlu,
+            shared_experts: 2,
+            ..base
+        },
+        MoeConfig {
+            router: Router::top_k(5, 2).with_scale(0.7),
+            expert: Expert::SwiGlu,
+            shared_experts: 1,
+            aux: Some(AuxLoss::new(0.1)),
             ..base
         },
     ]
@@ -119,7 +146,8 @@ fn grouped_forward_equals_per_token_reference() {
         channels: c,
         hidden: h,
         router: Router::top_k(e, k).with_normalize(true),
-        shared_expert: true,
+        expert: Expert::Gelu,
+        shared_experts: 1,
         aux: None,
     };
     let block = MoeBlock::new(cfg).unwrap();

@@ -1,5 +1,5 @@
 use weft_collectives::LocalCluster;
-use weft_moe::{AuxLoss, ExpertParallel, MoeBlock, MoeConfig, Router};
+use weft_moe::{AuxLoss, Expert, ExpertParallel, MoeBlock, MoeConfig, Router};
 
 use crate::Rng;
 
@@ -7,13 +7,28 @@ use crate::Rng;
 /// gradients as the unsharded block (ep = 1) run on each rank's tokens.
 #[test]
 fn expert_parallel_matches_ep1() {
-    let cfg = MoeConfig {
+    let gelu = MoeConfig {
         channels: 6,
         hidden: 10,
         router: Router::top_k(8, 2).with_normalize(true),
-        shared_expert: true,
+        expert: Expert::Gelu,
+        shared_experts: 1,
         aux: Some(AuxLoss::new(0.05)),
     };
+    // Fine-grained SwiGLU experts, two shared, scaled gates.
+    let swiglu = MoeConfig {
+        hidden: 4,
+        router: gelu.router.with_scale(2.5),
+        expert: Expert::SwiGlu,
+        shared_experts: 2,
+        ..gelu
+    };
+    for cfg in [gelu, swiglu] {
+        expert_parallel_matches_ep1_for(cfg);
+    }
+}
+
+fn expert_parallel_matches_ep1_for(cfg: MoeConfig) {
     let block = MoeBlock::new(cfg).unwrap();
     let mut full = vec![0.0f64; block.num_params()];
     block.init(&mut full, 17, 1.0).unwrap();
@@ -108,15 +123,28 @@ fn ep_must_divide_experts() {
 /// the one keeping everything, in f32 and for every rank.
 #[test]
 fn flat_saved_recompute_is_bitwise_the_full_save() {
-    let cfg = MoeConfig {
+    let gelu = MoeConfig {
         channels: 8,
         hidden: 12,
         router: Router::top_k(8, 3)
             .with_gate(weft_moe::Gate::Sigmoid)
             .with_normalize(true),
-        shared_expert: true,
+        expert: Expert::Gelu,
+        shared_experts: 1,
         aux: Some(AuxLoss::new(0.01)),
     };
+    let swiglu = MoeConfig {
+        hidden: 5,
+        expert: Expert::SwiGlu,
+        shared_experts: 2,
+        ..gelu
+    };
+    for cfg in [gelu, swiglu] {
+        flat_saved_recompute_is_bitwise_the_full_save_for(cfg);
+    }
+}
+
+fn flat_saved_recompute_is_bitwise_the_full_save_for(cfg: MoeConfig) {
     let block = MoeBlock::new(cfg).unwrap();
     let mut full = vec![0.0f32; block.num_params()];
     block.init(&mut full, 5, 1.0).unwrap();

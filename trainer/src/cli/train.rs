@@ -21,9 +21,9 @@ pub(crate) struct TrainArgs {
     /// after the file). Keys: run.{name,dir,trace_steps};
     /// model.{arch,n_layer,n_head,n_embd,block_size,n_kv_head,head_dim,
     /// ffn_hidden,rope_theta,sliding_window,global_every,tied_embeddings,
-    /// norm_eps,vocab_size,init_from}; model.moe.{experts,
-    /// top_k,gate,normalize,balance,aux_coef,bias_rate,shared_expert,
-    /// capacity_factor,drop}; data.{source,val_fraction,doc_mask,
+    /// norm_eps,vocab_size,init_from,first_dense}; model.moe.{experts,top_k,
+    /// gate,normalize,balance,aux_coef,bias_rate,expert_hidden,shared_experts,
+    /// routed_scale,capacity_factor,drop}; data.{source,val_fraction,doc_mask,
     /// synthetic.*}; train.{steps,batch_size,micro_batch_size,seed,
     /// eval_every,eval_sequences,spike_factor,spike_window,
     /// straggler_factor,straggler_window,rewind,nonfinite_limit,

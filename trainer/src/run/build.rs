@@ -8,9 +8,7 @@ use std::sync::Arc;
 
 use weft_collectives::Communicator;
 use weft_kernels::Precision;
-use weft_model::{
-    FeedForward, GptConfig, Init, MoeFfn, ParallelGpt, ParallelPlan, RankMemory, TrainModel,
-};
+use weft_model::{FeedForward, GptConfig, Init, ParallelGpt, ParallelPlan, RankMemory, TrainModel};
 
 use crate::config::Config;
 use crate::ranks::agree;
@@ -141,16 +139,6 @@ fn arch_name(config: &Config) -> String {
     format!("{name} ({})", parts.join(", "))
 }
 
-/// The dense feed-forward block of a job's model: GPT-2's MLP, or the
-/// Llama-like families' gated MLP.
-#[must_use]
-pub fn dense_ffn(config: &Config) -> Arc<dyn FeedForward> {
-    match config.model.swiglu() {
-        Some(s) => Arc::new(s),
-        None => Arc::new(weft_model::Mlp),
-    }
-}
-
 /// The layout's name in the start-up report: the `[parallel]` layout and
 /// the precision.
 pub(crate) fn layout_name(config: &Config) -> String {
@@ -187,13 +175,10 @@ fn rank_ffn(
     mesh: &weft_parallel::ParallelMesh,
 ) -> Result<(Arc<dyn FeedForward>, Option<MoeRun>), TrainError> {
     let m = &config.model.moe;
-    let Some(moe_cfg) = m.config(cfg.n_embd, 4 * cfg.n_embd)? else {
-        return Ok((dense_ffn(config), None));
-    };
-    let (ffn, stats) = if mesh.dims().ep > 1 {
-        MoeFfn::with_expert_parallel(moe_cfg, weft_model::expert_group(mesh))?
-    } else {
-        MoeFfn::new(moe_cfg)?
+    let group = (mesh.dims().ep > 1).then(|| weft_model::expert_group(mesh));
+    let (ffn, stats) = config.model.ffn(group)?;
+    let Some(stats) = stats else {
+        return Ok((ffn, None));
     };
     let run = MoeRun {
         stats,
@@ -201,7 +186,7 @@ fn rank_ffn(
         experts: m.experts,
         balancer: m.bias_balancer(),
     };
-    Ok((Arc::new(ffn), Some(run)))
+    Ok((ffn, Some(run)))
 }
 
 /// The model's parallelization plan for this job
