@@ -52,6 +52,20 @@ pub enum Arch {
     Qwen3Moe,
 }
 
+impl Arch {
+    /// The name `model.arch` takes (`"gpt2"`, `"qwen3-moe"`, ...).
+    #[must_use]
+    pub fn name(self) -> &'static str {
+        match self {
+            Arch::Gpt2 => "gpt2",
+            Arch::Llama => "llama",
+            Arch::Qwen3 => "qwen3",
+            Arch::Mistral => "mistral",
+            Arch::Qwen3Moe => "qwen3-moe",
+        }
+    }
+}
+
 /// A training job's `[model]` table: a decoder-only transformer's shape,
 /// its family ([`Arch`]) and the keys that override the family's
 /// defaults; [`gpt_config`](Self::gpt_config) and

@@ -390,9 +390,9 @@ pub(crate) fn ckpt(command: CkptCommand) -> Result<()> {
                 weft_model::hf::export_with(&o, vocab, &mut read, &hf)
                     .with_context(|| format!("exporting to {}", hf.display()))?;
                 progress::say(&format!(
-                    "wrote {} ({:?} family) and config.json",
+                    "wrote {} ({}) and config.json",
                     hf.display(),
-                    o.arch
+                    o.arch.name()
                 ));
                 return Ok(());
             }

@@ -118,7 +118,7 @@ pub fn model_config(config: &Config, vocab: usize) -> GptConfig {
 /// apart: grouped-query heads, the gated MLP's width, a window.
 fn arch_name(config: &Config) -> String {
     let m = &config.model;
-    let mut name = format!("{:?}", m.arch).to_lowercase();
+    let mut name = m.arch.name().to_owned();
     if let Some(dir) = &m.init_from {
         name = format!("{name} from {}", dir.display());
     }
