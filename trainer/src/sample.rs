@@ -170,6 +170,49 @@ impl Sampler {
         })
     }
 
+    /// A Hugging Face folder's model (GPT-2 or the Llama family, as
+    /// [`weft_model::hf::load`] reads it) with `tokenizer` (default: the
+    /// folder's `tokenizer.json`, else GPT-2's BPE for a 50,257-token
+    /// model). Its [`config`](Self::config) is the default one with the
+    /// folder's context length; [`step`](Self::step) is 0.
+    ///
+    /// # Errors
+    /// [`SampleError::Model`] for a folder weft cannot load,
+    /// [`SampleError::Tokenizer`] without a tokenizer or with one whose
+    /// vocabulary is larger than the model's.
+    pub fn open_hf(dir: &Path, tokenizer: Option<&Path>) -> Result<Self, SampleError> {
+        let model = weft_model::hf::load(dir)?;
+        let v = model.config().vocab_size;
+        let own = dir.join("tokenizer.json");
+        let text = match tokenizer.or(own.is_file().then_some(own.as_path())) {
+            Some(path) => weft_data::Tokenizer::from_file(path, None),
+            None if v == weft_data::GPT2_VOCAB => weft_data::Tokenizer::gpt2(),
+            None => {
+                return Err(SampleError::Tokenizer(format!(
+                    "{} has no tokenizer.json and its {v}-token vocabulary is not GPT-2's: \
+                     give one with --tokenizer FILE",
+                    dir.display()
+                )));
+            }
+        }
+        .map_err(|e| SampleError::Tokenizer(e.to_string()))?;
+        if text.vocab_size() > v {
+            return Err(SampleError::Tokenizer(format!(
+                "its {} ids do not fit the model's {v}-token vocabulary",
+                text.vocab_size()
+            )));
+        }
+        let mut config = Config::default();
+        config.model.block_size = model.config().block_size;
+        Ok(Sampler {
+            config,
+            model,
+            vocab: Vocab::Text(text),
+            step: 0,
+            moe: None,
+        })
+    }
+
     /// The run's configuration.
     pub fn config(&self) -> &Config {
         &self.config

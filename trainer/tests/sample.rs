@@ -138,3 +138,61 @@ fn bad_runs_and_prompts_are_clear_errors() {
     assert!(sampler.generate(&[99], &SampleOptions::default()).is_err());
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// `weft sample --hf-model DIR`: a Hugging Face folder (here a GPT-2 that
+/// weft saved, so GPT-2's BPE is its tokenizer) continued greedily as the
+/// training forward's argmax continues it; a folder without a tokenizer
+/// weft can tell is an error naming `--tokenizer`.
+#[test]
+fn a_hugging_face_folder_samples_as_its_forward_continues() {
+    let dir = std::env::temp_dir().join(format!("weft-sample-hf-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let cfg = weft_model::GptConfig {
+        n_layer: 1,
+        n_head: 2,
+        n_embd: 16,
+        vocab_size: 50257,
+        block_size: 16,
+        tied_embeddings: true,
+        layer_norm_epsilon: 1e-5,
+        arch: weft_model::BlockArch::GPT2,
+    };
+    let mut m = weft_model::Gpt::new(cfg).unwrap();
+    m.init_gpt2(3);
+    weft_model::hf::save(&m, &dir).unwrap();
+    let sampler = Sampler::open_hf(&dir, None).unwrap();
+    let prompt = sampler.encode_prompt(Some("Hello world")).unwrap();
+    assert_eq!(prompt, [15496, 995], "GPT-2's BPE");
+    let opts = SampleOptions {
+        tokens: 6,
+        temperature: 0.0,
+        ..SampleOptions::default()
+    };
+    let out = sampler.generate(&prompt, &opts).unwrap();
+    assert_eq!(out, greedy_by_full_forward(&sampler, &prompt, 6));
+    // the command line prints the same text
+    let cli = std::process::Command::new(env!("CARGO_BIN_EXE_weft"))
+        .args(["sample", "--hf-model"])
+        .arg(&dir)
+        .args([
+            "--prompt",
+            "Hello world",
+            "--tokens",
+            "6",
+            "--temperature",
+            "0",
+        ])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&cli.stdout);
+    let want = format!("{}{}", sampler.render(&prompt), sampler.render(&out));
+    assert!(text.contains(&want), "{text} vs {want}");
+    // a 101-token model: no tokenizer to guess
+    let fixture = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../model/tests/fixtures/l2_h4_c32_v101_tied");
+    match Sampler::open_hf(&fixture, None) {
+        Err(SampleError::Tokenizer(e)) => assert!(e.contains("--tokenizer"), "{e}"),
+        other => panic!("{other:?}"),
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -12,8 +12,15 @@ use crate::progress;
 #[derive(clap::Args, Debug)]
 pub(crate) struct SampleArgs {
     /// The run folder (e.g. runs/NAME), with config.toml and checkpoints/.
-    #[arg(long, value_name = "DIR")]
-    run: PathBuf,
+    #[arg(long, value_name = "DIR", required_unless_present = "hf_model")]
+    run: Option<PathBuf>,
+    /// A Hugging Face folder (GPT-2 or the Llama family) instead of a run.
+    #[arg(long, value_name = "DIR", conflicts_with = "run")]
+    hf_model: Option<PathBuf>,
+    /// With --hf-model: its tokenizer.json (default: the folder's own,
+    /// else GPT-2's BPE for a 50,257-token model).
+    #[arg(long, value_name = "FILE", requires = "hf_model")]
+    tokenizer: Option<PathBuf>,
     /// What to continue: text, or for a synthetic run token ids separated
     /// by spaces or commas (default: <|endoftext|>, or token 0). At most
     /// model.block_size tokens.
@@ -103,6 +110,8 @@ pub(crate) struct CompareArgs {
 pub(crate) fn sample(a: SampleArgs) -> Result<()> {
     let SampleArgs {
         run,
+        hf_model,
+        tokenizer,
         prompt,
         tokens,
         temperature,
@@ -111,7 +120,18 @@ pub(crate) fn sample(a: SampleArgs) -> Result<()> {
     } = a;
 
     use weft_trainer::sample::{SampleOptions, Sampler};
-    let sampler = Sampler::open(&run)?;
+    let (sampler, source) = match (run, hf_model) {
+        (Some(run), _) => {
+            let s = Sampler::open(&run)?;
+            let source = format!("{}: step {} checkpoint", run.display(), s.step());
+            (s, source)
+        }
+        (None, Some(dir)) => (
+            Sampler::open_hf(&dir, tokenizer.as_deref())?,
+            dir.display().to_string(),
+        ),
+        (None, None) => anyhow::bail!("give --run DIR or --hf-model DIR"),
+    };
     let prompt = sampler.encode_prompt(prompt.as_deref())?;
     let opts = SampleOptions {
         tokens,
@@ -122,10 +142,8 @@ pub(crate) fn sample(a: SampleArgs) -> Result<()> {
     let out = sampler.generate(&prompt, &opts)?;
     let (kv, total) = sampler.memory();
     progress::say(&format!(
-        "{}: step {} checkpoint, {} prompt tokens, {} generated (temperature {temperature}{}); \
+        "{source}, {} prompt tokens, {} generated (temperature {temperature}{}); \
          key/value cache {:.1} KiB, decoder {:.1} KiB",
-        run.display(),
-        sampler.step(),
         prompt.len(),
         out.len(),
         if top_k > 0 {
