@@ -60,7 +60,7 @@ pub(crate) enum DataCommand {
         #[arg(long, value_name = "FILE", default_value = "gpt2")]
         tokenizer: String,
         /// The token appended after every document (a tokenizer.json's;
-        /// default: the first of <|endoftext|>, <|end_of_text|>, </s>, <eos> it has).
+        /// default: the first of `<|endoftext|>`, `<|end_of_text|>`, `</s>`, `<eos>` it has).
         #[arg(long, value_name = "TOKEN")]
         eot: Option<String>,
     },

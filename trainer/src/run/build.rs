@@ -407,7 +407,7 @@ mod gpu {
         // the host holds the parameters and moments at checkpoints
         check_model_floor(config)?;
         let data = weft_data::Dataset::open(&config.data, &config.dataset_options())?;
-        let init = super::setup::initial_params(config, &data)?;
+        let init = crate::run::setup::initial_params(config, &data)?;
         let faults = FaultPlan::new(&opts.faults);
         let job = Job {
             config,
