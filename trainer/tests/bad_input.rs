@@ -93,14 +93,20 @@ const CASES: &[(&[&str], &str)] = &[
         "key `model.init_from`: /nonexistent/hf-folder: not a directory",
     ),
     (
+        &["train", "--set", "model.first_dense=1"],
+        "key `model.first_dense`: = 1 must be less than n_layer = 2 and needs moe.experts > 0",
+    ),
+    (
         &[
             "train",
             "--set",
-            "model.arch=qwen3",
+            "model.arch=qwen3-moe",
             "--set",
             "model.moe.experts=4",
+            "--set",
+            "model.moe.shared_experts=1",
         ],
-        "key `model.moe.experts`: a mixture of experts is built for model.arch = \"gpt2\" only",
+        "key `model.moe.shared_experts`: Qwen3-MoE has no shared experts",
     ),
     (
         &[
@@ -113,8 +119,16 @@ const CASES: &[(&[&str], &str)] = &[
         "key `model.rope_theta`",
     ),
     (
-        &["plan", "--set", "model.arch=llama"],
-        "key `model.arch`: the planner models GPT-2 blocks only so far",
+        &[
+            "plan",
+            "--set",
+            "model.arch=llama",
+            "--set",
+            "model.n_kv_head=1",
+            "--set",
+            "parallel.tp=2",
+        ],
+        "key `parallel.tp`: must divide the model's key/value heads (1;",
     ),
     // values out of range: the key and the range
     (
