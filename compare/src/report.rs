@@ -166,8 +166,10 @@ pub fn load_group(path: &Path) -> Result<Group, CompareError> {
     })
 }
 
+/// A run folder's file (`None` when absent), through the bounded reader
+/// every weft tool uses: a link to `/dev/zero` or a FIFO is refused.
 fn read(path: &Path) -> Result<Option<String>, CompareError> {
-    match std::fs::read_to_string(path) {
+    match weft_trace::input::read_to_string(path, weft_trace::input::LOG_BYTES) {
         Ok(t) => Ok(Some(t)),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
         Err(source) => Err(CompareError::Io {

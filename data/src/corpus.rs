@@ -93,7 +93,7 @@ const LLMC_HEADER: usize = 256 * 4;
 fn starts_with(path: &Path, magic: &[u8]) -> bool {
     use std::io::Read;
     let mut head = vec![0u8; magic.len()];
-    std::fs::File::open(path)
+    weft_trace::input::open(path)
         .and_then(|mut f| f.read_exact(&mut head))
         .is_ok()
         && head == magic

@@ -151,6 +151,27 @@ pub enum DataError {
     /// Text data holds no text.
     #[error("data {0} is empty")]
     EmptyText(PathBuf),
+    /// An option out of the range this machine can use.
+    #[error("{name}: {what}")]
+    Setting {
+        /// The option (`--threads`).
+        name: &'static str,
+        /// What is wrong, with the bound.
+        what: String,
+    },
+    /// An input changed while it was being prepared: the tokens written
+    /// may not be the file's content now.
+    #[error(
+        "{path}: changed while it was being prepared ({then} bytes when listed, {now} now, or a new modification time); prepare it again once nothing writes it"
+    )]
+    InputChanged {
+        /// The input.
+        path: PathBuf,
+        /// Its size when the inputs were listed.
+        then: u64,
+        /// Its size after it was read.
+        now: u64,
+    },
     /// The synthetic corpus' settings are unusable.
     #[error(transparent)]
     Synthetic(#[from] crate::synthetic::SpecError),

@@ -77,6 +77,12 @@ pub struct InputFile {
     pub path: String,
     /// Its size in bytes (compressed, for `.gz`).
     pub bytes: u64,
+    /// Its modification time, nanoseconds since the Unix epoch, when it
+    /// was read (with the size, what identifies an input's content: an
+    /// input edited in place is prepared again). Absent in indexes of
+    /// earlier weft versions.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub modified_ns: Option<u64>,
 }
 
 /// One shard of a prepared folder.
@@ -148,7 +154,8 @@ impl Index {
     /// An unreadable file, bad JSON, another format or version, or totals
     /// that disagree with the shards.
     pub fn read(path: &Path) -> Result<Self> {
-        let text = std::fs::read_to_string(path).map_err(io(path))?;
+        let text = weft_trace::input::read_to_string(path, weft_trace::input::INDEX_BYTES)
+            .map_err(io(path))?;
         let index: Index = serde_json::from_str(&text).map_err(|e| format(path, e.to_string()))?;
         if index.format != FORMAT || index.version != VERSION {
             return Err(format(
@@ -158,6 +165,21 @@ impl Index {
                     index.format, index.version
                 ),
             ));
+        }
+        // a shard is a file of the folder: a name such as `../outside.bin`
+        // or an absolute path is refused, as checkpoint manifests do
+        for s in &index.shards {
+            for name in [&s.bin, &s.idx] {
+                let mut parts = Path::new(name).components();
+                let plain = matches!(parts.next(), Some(std::path::Component::Normal(_)))
+                    && parts.next().is_none();
+                if !plain {
+                    return Err(format(
+                        path,
+                        format!("shard file {name:?} is not a plain file name inside the folder"),
+                    ));
+                }
+            }
         }
         let (docs, toks): (u64, u64) = index
             .shards

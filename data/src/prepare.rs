@@ -18,6 +18,7 @@
 //! with the same inputs: the recorded shards are verified against their
 //! checksums and kept, and tokenizing continues after the last one.
 
+use std::collections::HashSet;
 use std::io::{BufRead, Read};
 use std::ops::ControlFlow;
 use std::path::{Path, PathBuf};
@@ -105,26 +106,47 @@ struct Input {
     path: PathBuf,
     shown: String,
     bytes: u64,
+    modified_ns: Option<u64>,
     kind: Kind,
     gz: bool,
 }
 
+/// The size and modification time (ns since the epoch, where the system
+/// has it) of `path`: what identifies an input's content.
+fn identity(path: &Path) -> Result<(u64, Option<u64>)> {
+    let meta = std::fs::metadata(path).map_err(io(path))?;
+    let ns = meta
+        .modified()
+        .ok()
+        .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+        .and_then(|d| u64::try_from(d.as_nanos()).ok());
+    Ok((meta.len(), ns))
+}
+
+/// The kind of input `path` names, by its name's ending (a name that is
+/// not UTF-8 is read like any other).
 fn kind_of(path: &Path) -> Option<(Kind, bool)> {
-    let name = path.file_name()?.to_str()?;
-    let (stem, gz) = match name.strip_suffix(".gz") {
+    let name = path.file_name()?.as_encoded_bytes();
+    let (stem, gz) = match name.strip_suffix(b".gz") {
         Some(s) => (s, true),
         None => (name, false),
     };
-    if stem.ends_with(".txt") {
+    if stem.ends_with(b".txt") {
         Some((Kind::Txt, gz))
-    } else if stem.ends_with(".jsonl") {
+    } else if stem.ends_with(b".jsonl") {
         Some((Kind::Jsonl, gz))
     } else {
         None
     }
 }
 
-fn walk(dir: &Path, out: &mut Vec<PathBuf>) -> Result<()> {
+/// The inputs under `dir`, each real folder and file once (`seen` holds
+/// the canonical paths visited: a link loop such as `ln -s . in/loop` or
+/// two links to one file add nothing).
+fn walk(dir: &Path, out: &mut Vec<PathBuf>, seen: &mut HashSet<PathBuf>) -> Result<()> {
+    if !seen.insert(std::fs::canonicalize(dir).map_err(io(dir))?) {
+        return Ok(());
+    }
     let mut entries: Vec<PathBuf> = std::fs::read_dir(dir)
         .map_err(io(dir))?
         .map(|e| e.map(|e| e.path()).map_err(io(dir)))
@@ -133,14 +155,13 @@ fn walk(dir: &Path, out: &mut Vec<PathBuf>) -> Result<()> {
     for p in entries {
         let hidden = p
             .file_name()
-            .and_then(|n| n.to_str())
-            .is_some_and(|n| n.starts_with('.'));
+            .is_some_and(|n| n.as_encoded_bytes().starts_with(b"."));
         if hidden {
             continue;
         }
         if p.is_dir() {
-            walk(&p, out)?;
-        } else if kind_of(&p).is_some() {
+            walk(&p, out, seen)?;
+        } else if kind_of(&p).is_some() && seen.insert(std::fs::canonicalize(&p).map_err(io(&p))?) {
             out.push(p);
         }
     }
@@ -149,11 +170,12 @@ fn walk(dir: &Path, out: &mut Vec<PathBuf>) -> Result<()> {
 
 fn list_inputs(inputs: &[PathBuf]) -> Result<Vec<Input>> {
     let mut out = Vec::new();
+    let mut seen = HashSet::new();
     for arg in inputs {
         let meta = std::fs::metadata(arg).map_err(io(arg))?;
         let files = if meta.is_dir() {
             let mut v = Vec::new();
-            walk(arg, &mut v)?;
+            walk(arg, &mut v, &mut seen)?;
             v
         } else {
             if kind_of(arg).is_none() {
@@ -163,11 +185,12 @@ fn list_inputs(inputs: &[PathBuf]) -> Result<Vec<Input>> {
         };
         for path in files {
             let (kind, gz) = kind_of(&path).expect("listed by kind");
-            let bytes = std::fs::metadata(&path).map_err(io(&path))?.len();
+            let (bytes, modified_ns) = identity(&path)?;
             out.push(Input {
                 shown: path.display().to_string(),
                 path,
                 bytes,
+                modified_ns,
                 kind,
                 gz,
             });
@@ -194,6 +217,9 @@ impl<R: Read> Read for Counting<R> {
     }
 }
 
+/// The most tokenizer threads per core `--threads` may ask for.
+pub const MAX_THREADS_PER_CORE: usize = 4;
+
 /// Calls `each` with every document of `input` (empty ones included).
 fn documents(
     input: &Input,
@@ -201,7 +227,8 @@ fn documents(
     count: &Arc<AtomicU64>,
     each: &mut dyn FnMut(String) -> Result<ControlFlow<()>>,
 ) -> Result<ControlFlow<()>> {
-    let file = std::fs::File::open(&input.path).map_err(io(&input.path))?;
+    use weft_trace::input::{DOCUMENT_BYTES, Limited, read_line};
+    let file = weft_trace::input::open(&input.path).map_err(io(&input.path))?;
     let raw = Counting {
         inner: file,
         count: count.clone(),
@@ -216,8 +243,12 @@ fn documents(
     };
     match input.kind {
         Kind::Txt => {
+            // One document: bounded (a small .txt.gz may inflate to GBs).
+            let what = "the text (one document per .txt; split it into several files)";
             let mut bytes = Vec::new();
-            reader.read_to_end(&mut bytes).map_err(io(&input.path))?;
+            Limited::new(reader, DOCUMENT_BYTES, what)
+                .read_to_end(&mut bytes)
+                .map_err(io(&input.path))?;
             let text = String::from_utf8(bytes).map_err(|e| DataError::NotUtf8 {
                 path: input.path.clone(),
                 offset: e.utf8_error().valid_up_to(),
@@ -229,10 +260,13 @@ fn documents(
             let mut number = 0u64;
             let mut offset = 0usize;
             loop {
-                line.clear();
-                let n = reader
-                    .read_until(b'\n', &mut line)
-                    .map_err(io(&input.path))?;
+                let n = read_line(&mut reader, &mut line, DOCUMENT_BYTES).map_err(|e| {
+                    DataError::BadJsonl {
+                        path: input.path.clone(),
+                        line: number + 1,
+                        what: e.to_string(),
+                    }
+                })?;
                 if n == 0 {
                     return Ok(ControlFlow::Continue(()));
                 }
@@ -367,9 +401,15 @@ fn first_difference(a: &Settings, b: &Settings) -> String {
     }
     for (x, y) in a.inputs.iter().zip(&b.inputs) {
         if x != y {
+            let when = |t: Option<u64>| t.map_or("?".into(), |t| t.to_string());
             return format!(
-                "input {} ({} bytes) vs {} ({} bytes)",
-                x.path, x.bytes, y.path, y.bytes
+                "input {} ({} bytes, modified at {} ns) vs {} ({} bytes, modified at {} ns)",
+                x.path,
+                x.bytes,
+                when(x.modified_ns),
+                y.path,
+                y.bytes,
+                when(y.modified_ns)
             );
         }
     }
@@ -392,6 +432,16 @@ pub fn prepare(
     progress: &mut dyn FnMut(&Progress) -> ControlFlow<()>,
 ) -> Result<PrepareReport> {
     let started = Instant::now();
+    let cores = std::thread::available_parallelism().map_or(1, usize::from);
+    if options.threads > MAX_THREADS_PER_CORE * cores {
+        return Err(DataError::Setting {
+            name: "--threads",
+            what: format!(
+                "{} tokenizer threads, more than {MAX_THREADS_PER_CORE} per core of this machine's {cores}",
+                options.threads
+            ),
+        });
+    }
     let files = list_inputs(inputs)?;
     let tok = options.tokenizer.load()?;
     let hf = tok.file().is_some();
@@ -406,6 +456,7 @@ pub fn prepare(
             .map(|f| InputFile {
                 path: f.shown.clone(),
                 bytes: f.bytes,
+                modified_ns: f.modified_ns,
             })
             .collect(),
     };
@@ -568,6 +619,15 @@ pub fn prepare(
             stopped = true;
             break 'files;
         }
+        // what was read is what the index records, or nothing is kept
+        let now = identity(&f.path)?;
+        if now != (f.bytes, f.modified_ns) {
+            return Err(DataError::InputChanged {
+                path: f.path.clone(),
+                then: f.bytes,
+                now: now.0,
+            });
+        }
     }
     if !stopped && run_batch(&mut batch, &mut writer, &mut shown)?.is_break() {
         stopped = true;
@@ -584,7 +644,7 @@ pub fn prepare(
     index.write(&out.join(INDEX))?;
     let _ = std::fs::remove_file(out.join(PARTIAL));
     // Files of an interrupted run that the index does not name.
-    let named: std::collections::HashSet<&str> = index
+    let named: HashSet<&str> = index
         .shards
         .iter()
         .flat_map(|s| [s.bin.as_str(), s.idx.as_str()])

@@ -14,10 +14,12 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use crate::error::{DataError, Result, format, io};
 
-/// A read-only private mapping of a whole file.
+/// A read-only private mapping of a whole file, and the open file (to
+/// check its length before a read: see [`Mapped::check_length`]).
 pub(crate) struct Mapped {
     ptr: *const u8,
     len: usize,
+    file: std::fs::File,
 }
 
 // SAFETY: the mapping is read-only and owned by this value; reading it
@@ -30,7 +32,7 @@ impl Mapped {
     /// Maps `path` whole (an empty file maps to no bytes).
     pub(crate) fn open(path: &Path) -> Result<Self> {
         use std::os::fd::AsRawFd;
-        let f = std::fs::File::open(path).map_err(io(path))?;
+        let f = weft_trace::input::open(path).map_err(io(path))?;
         let len = f.metadata().map_err(io(path))?.len();
         let len =
             usize::try_from(len).map_err(|_| format(path, "larger than the address space"))?;
@@ -38,11 +40,11 @@ impl Mapped {
             return Ok(Self {
                 ptr: std::ptr::NonNull::<u8>::dangling().as_ptr(),
                 len: 0,
+                file: f,
             });
         }
         // SAFETY: a fresh read-only private mapping of an open file of
-        // `len` bytes, checked against MAP_FAILED. The descriptor may close
-        // afterwards: the mapping keeps the file.
+        // `len` bytes, checked against MAP_FAILED.
         let ptr = unsafe {
             libc::mmap(
                 std::ptr::null_mut(),
@@ -62,7 +64,28 @@ impl Mapped {
         Ok(Self {
             ptr: ptr.cast(),
             len,
+            file: f,
         })
+    }
+
+    /// Checks that the file still holds the first `end` bytes of the
+    /// mapping. Reading a page of a mapping past the end of its file kills
+    /// the process with SIGBUS, so a file truncated after it was mapped
+    /// (data rewritten while a run reads it) is found here, before the
+    /// read, and named. A truncation in the microseconds between this
+    /// check and the read cannot be caught without a signal handler.
+    pub(crate) fn check_length(&self, path: &Path, end: usize) -> Result<()> {
+        let now = self.file.metadata().map_err(io(path))?.len();
+        if now < end as u64 {
+            return Err(format(
+                path,
+                format!(
+                    "the file shrank to {now} bytes after it was opened ({} then): it was truncated or rewritten while being read; prepare it again, and do not rewrite data a run is reading",
+                    self.len
+                ),
+            ));
+        }
+        Ok(())
     }
 
     /// The mapped bytes.
@@ -213,7 +236,17 @@ impl Shard {
         self.tokens == 0
     }
 
-    fn token_bytes(&self, start: u64, end: u64) -> &[u8] {
+    /// The bytes of tokens `start..end`, once the file is checked to
+    /// still hold them ([`Mapped::check_length`]).
+    fn token_bytes(&self, start: u64, end: u64) -> Result<&[u8]> {
+        let s = self.dtype.size();
+        self.map
+            .check_length(&self.path, self.base + end as usize * s)?;
+        Ok(self.raw_bytes(start, end))
+    }
+
+    /// The bytes of tokens `start..end`, unchecked.
+    fn raw_bytes(&self, start: u64, end: u64) -> &[u8] {
         let s = self.dtype.size();
         &self.map.bytes()[self.base + start as usize * s..self.base + end as usize * s]
     }
@@ -236,7 +269,7 @@ impl Shard {
                 i as u64 * b.tokens,
                 ((i as u64 + 1) * b.tokens).min(self.tokens),
             );
-            let found = xxhash_rust::xxh3::xxh3_64(self.token_bytes(s, e));
+            let found = xxhash_rust::xxh3::xxh3_64(self.token_bytes(s, e)?);
             if found != b.sums[i] {
                 return Err(DataError::Corrupt {
                     path: self.path.clone(),
@@ -274,7 +307,7 @@ impl Shard {
         debug_assert!(start <= end && end <= self.tokens);
         self.check_blocks(start, end)?;
         let first = out.len();
-        let bytes = self.token_bytes(start, end);
+        let bytes = self.token_bytes(start, end)?;
         match self.dtype {
             Dtype::U16 => out.extend(
                 bytes
@@ -299,9 +332,10 @@ impl Shard {
     }
 
     /// The token at `i` (unchecked against blocks: for finding document
-    /// boundaries, never for training).
+    /// boundaries when a corpus is opened, never for training; the length
+    /// was checked by [`open`](Self::open) just before).
     pub(crate) fn peek(&self, i: u64) -> u32 {
-        let b = self.token_bytes(i, i + 1);
+        let b = self.raw_bytes(i, i + 1);
         match self.dtype {
             Dtype::U16 => u32::from(u16::from_le_bytes([b[0], b[1]])),
             Dtype::U32 => u32::from_le_bytes([b[0], b[1], b[2], b[3]]),
@@ -378,5 +412,37 @@ impl Stream {
             let p = Arc::as_ptr(&s.shard);
             (last.replace(p) != Some(p)).then_some(&s.shard)
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A shard truncated after it was mapped (data rewritten during a
+    /// run) is an error naming the file, never a SIGBUS death.
+    #[test]
+    fn a_shard_truncated_after_mapping_is_an_error_not_a_signal() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("shard.bin");
+        let tokens: Vec<u8> = (0..1u16 << 14).flat_map(u16::to_le_bytes).collect();
+        std::fs::write(&path, &tokens).unwrap();
+        let shard = Shard::open(&path, 0, Dtype::U16, 1 << 14, 1 << 16, None).unwrap();
+        let mut out = Vec::new();
+        shard.read(0, 1 << 14, &mut out).unwrap();
+        assert_eq!(out.len(), 1 << 14);
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(&path)
+            .unwrap()
+            .set_len(100)
+            .unwrap();
+        let err = shard.read(8000, 9000, &mut out).unwrap_err().to_string();
+        assert!(
+            err.contains("shard.bin: the file shrank to 100 bytes"),
+            "{err}"
+        );
+        // what is still in the file reads
+        shard.read(0, 50, &mut out).unwrap();
     }
 }

@@ -70,6 +70,11 @@ pub struct BlendEntry {
     pub weight: f64,
 }
 
+/// The smallest share of a blend one dataset may have (its weight over
+/// the weights' sum): a dataset drawn less often than this would not be
+/// reached in any real run, and waiting for it would not end.
+pub const MIN_BLEND_SHARE: f64 = 1e-6;
+
 /// The value of `data.source` that names the synthetic corpus.
 pub const SYNTHETIC: &str = "synthetic";
 
@@ -265,6 +270,7 @@ impl DataSpec {
                 );
             }
             Source::Blend(entries) => {
+                let total: f64 = entries.iter().map(|b| b.weight).sum();
                 for (i, b) in entries.iter().enumerate() {
                     if b.path.is_empty() {
                         return bad(format!("blend[{i}].path"), "must name a dataset".into());
@@ -273,6 +279,19 @@ impl DataSpec {
                         return bad(
                             format!("blend[{i}].weight"),
                             format!("must be a positive number (got {})", b.weight),
+                        );
+                    }
+                    // shares are weights over their sum: a sum that
+                    // overflows, or a share the interleave would never
+                    // reach, is refused (it would drop or never end)
+                    if !total.is_finite() || b.weight / total < MIN_BLEND_SHARE {
+                        return bad(
+                            format!("blend[{i}].weight"),
+                            format!(
+                                "= {:e} is a share of {:e} of the weights' sum {total:e}; each share must be at least {MIN_BLEND_SHARE:e} and the sum finite",
+                                b.weight,
+                                b.weight / total
+                            ),
                         );
                     }
                 }
@@ -307,10 +326,10 @@ struct DataTable {
     synthetic: SyntheticSpec,
     blend: Vec<BlendEntry>,
     doc_mask: bool,
-    /// `""`: unset.
-    tokenizer: String,
-    /// `""`: unset.
-    eot: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    tokenizer: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    eot: Option<String>,
 }
 
 impl Default for DataTable {
@@ -336,8 +355,13 @@ impl TryFrom<DataTable> for DataSpec {
                 ),
             });
         };
-        let eot = (!t.eot.is_empty()).then_some(t.eot.as_str());
-        let tokenizer = (!t.tokenizer.is_empty()).then(|| TokenizerSpec::named(&t.tokenizer, eot));
+        // "" is unset too (job files written before these keys were optional)
+        let eot = t.eot.as_deref().filter(|e| !e.is_empty());
+        let tokenizer = t
+            .tokenizer
+            .as_deref()
+            .filter(|n| !n.is_empty())
+            .map(|n| TokenizerSpec::named(n, eot));
         if eot.is_some() && !matches!(tokenizer, Some(TokenizerSpec::File { .. })) {
             return Err(DataSpecError {
                 field: "eot".into(),
@@ -362,10 +386,10 @@ impl From<DataSpec> for DataTable {
             Source::Blend(b) => (SYNTHETIC.to_owned(), b),
         };
         let (tokenizer, eot) = match s.tokenizer {
-            None => (String::new(), String::new()),
-            Some(TokenizerSpec::Gpt2) => (GPT2.to_owned(), String::new()),
+            None => (None, None),
+            Some(TokenizerSpec::Gpt2) => (Some(GPT2.to_owned()), None),
             Some(TokenizerSpec::File { path, eot }) => {
-                (path.to_string_lossy().into_owned(), eot.unwrap_or_default())
+                (Some(path.to_string_lossy().into_owned()), eot)
             }
         };
         DataTable {
@@ -406,6 +430,14 @@ mod tests {
         );
         let e = parse("eot = \"</s>\"\n").unwrap_err();
         assert!(e.contains("data.eot: names the end-of-text"), "{e}");
+        // unset keys are left out, and the old spelling of unset reads as it
+        let text = toml::to_string(&DataSpec::default()).unwrap();
+        assert!(
+            !text.contains("tokenizer") && !text.contains("eot"),
+            "{text}"
+        );
+        let old = parse("tokenizer = \"\"\neot = \"\"\n").unwrap();
+        assert_eq!(old, DataSpec::default());
         for spec in [DataSpec::default(), s, blend, tok] {
             let text = toml::to_string(&spec).unwrap();
             assert_eq!(parse(&text).unwrap(), spec, "{text}");

@@ -67,6 +67,13 @@ impl Default for SyntheticSpec {
     }
 }
 
+/// The most tokens (regular and markers) a synthetic language has.
+pub const MAX_VOCAB: usize = 1 << 20;
+
+/// The most entries of a synthetic language's transition table
+/// (tokens × successors).
+pub const MAX_TABLE: usize = 1 << 24;
+
 /// Why a [`SyntheticSpec`] is unusable.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 #[error("data.synthetic.{field}: {problem}")]
@@ -150,7 +157,29 @@ impl SyntheticLanguage {
         if spec.copy_length == 0 {
             return bad("copy_length", "must be at least 1".into());
         }
-        let vocab = (spec.regular + spec.copy_tokens) as usize;
+        // sizes checked before the tables are allocated
+        let vocab = spec.regular as usize + spec.copy_tokens as usize;
+        if vocab > MAX_VOCAB {
+            return bad(
+                if spec.regular as usize > MAX_VOCAB / 2 {
+                    "regular"
+                } else {
+                    "copy_tokens"
+                },
+                format!(
+                    "regular + copy_tokens = {vocab} tokens, more than the synthetic corpus's bound of {MAX_VOCAB}"
+                ),
+            );
+        }
+        if vocab * spec.successors as usize > MAX_TABLE {
+            return bad(
+                "successors",
+                format!(
+                    "is {}: a transition table of {vocab} × {} entries, more than the bound of {MAX_TABLE}",
+                    spec.successors, spec.successors
+                ),
+            );
+        }
         let mut rng = Pcg64::seed_from_u64(spec.seed);
         let mut pool: Vec<u32> = (0..spec.regular).collect();
         let successors = (0..vocab)

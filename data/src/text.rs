@@ -227,9 +227,11 @@ impl TextData {
         seed: u64,
     ) -> Result<Self> {
         let read = |p: &Path| {
-            std::fs::read(p).map_err(|source| DataError::Read {
-                path: p.to_owned(),
-                source,
+            weft_trace::input::read(p, weft_trace::input::CORPUS_BYTES).map_err(|source| {
+                DataError::Read {
+                    path: p.to_owned(),
+                    source,
+                }
             })
         };
         let meta = std::fs::metadata(path).map_err(|source| DataError::Read {

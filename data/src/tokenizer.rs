@@ -173,7 +173,8 @@ impl Tokenizer {
     /// WordLevel and Unigram; pre-tokenizer regexes run on the pure-Rust
     /// `fancy-regex`), an empty vocabulary, or no such end-of-text token.
     pub fn from_file(path: &Path, eot: Option<&str>) -> Result<Self> {
-        let bytes = std::fs::read(path).map_err(|e| bad(path, format!("cannot read: {e}")))?;
+        let bytes = weft_trace::input::read(path, weft_trace::input::INDEX_BYTES)
+            .map_err(|e| bad(path, format!("cannot read: {e}")))?;
         Self::from_bytes(path, bytes, eot)
     }
 

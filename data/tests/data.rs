@@ -273,6 +273,82 @@ fn bad_inputs_are_clear_errors() {
     assert!(matches!(e, DataError::Empty), "{e}");
 }
 
+/// Folder walks visit each real folder and file once (a link loop adds
+/// nothing) and read names that are not UTF-8; an input edited in place
+/// is never called prepared; an index naming a file outside its folder is
+/// refused; `--threads` is bounded by the machine's cores.
+#[cfg(unix)]
+#[test]
+fn walks_stale_inputs_and_paths_outside_the_folder() {
+    use std::os::unix::ffi::OsStrExt;
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path().join("in");
+    std::fs::create_dir_all(root.join("sub")).unwrap();
+    std::fs::write(root.join("a.txt"), "alpha beta gamma").unwrap();
+    std::fs::write(root.join("sub/b.txt"), "delta epsilon").unwrap();
+    let odd = std::ffi::OsStr::from_bytes(b"caf\xe9.txt");
+    std::fs::write(root.join(odd), "zeta eta theta").unwrap();
+    std::os::unix::fs::symlink(".", root.join("loop")).unwrap();
+    std::os::unix::fs::symlink("sub", root.join("again")).unwrap();
+    std::os::unix::fs::symlink("a.txt", root.join("twice.txt")).unwrap();
+    let out = tmp.path().join("p");
+    let r = prepare(
+        std::slice::from_ref(&root),
+        &out,
+        &small_shards(1),
+        &mut go(),
+    )
+    .unwrap();
+    assert_eq!(
+        r.documents, 3,
+        "a.txt, sub/b.txt and the non-UTF-8 name, once each"
+    );
+
+    // edited in place, same size: not "already prepared"
+    std::thread::sleep(std::time::Duration::from_millis(20));
+    std::fs::write(root.join("a.txt"), "ALPHA beta gamma").unwrap();
+    let e = prepare(
+        std::slice::from_ref(&root),
+        &out,
+        &small_shards(1),
+        &mut go(),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        e.contains("holds a preparation of other inputs") && e.contains("a.txt"),
+        "{e}"
+    );
+
+    // an index naming a shard outside the folder
+    let index = out.join("index.json");
+    let text = std::fs::read_to_string(&index).unwrap();
+    std::fs::write(
+        &index,
+        text.replace("\"shard-00000.bin\"", "\"../outside.bin\""),
+    )
+    .unwrap();
+    let e = Corpus::open(&out, 0.1).unwrap_err().to_string();
+    assert!(
+        e.contains("index.json") && e.contains("\"../outside.bin\" is not a plain file name"),
+        "{e}"
+    );
+
+    // thread fan-out
+    let many = PrepareOptions {
+        threads: 100_000,
+        ..PrepareOptions::default()
+    };
+    let e = prepare(&[root], &tmp.path().join("q"), &many, &mut go())
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("--threads: 100000 tokenizer threads, more than 4 per core"),
+        "{e}"
+    );
+    assert!(!tmp.path().join("q").exists());
+}
+
 #[test]
 fn damaged_shards_are_never_trained_on() {
     let tmp = tempfile::tempdir().unwrap();

@@ -46,7 +46,7 @@ pub fn append_event(run_dir: &Path, event: &RunEvent) -> std::io::Result<()> {
 /// compare` read the file with errors naming its lines instead.
 #[must_use]
 pub fn read_events(run_dir: &Path) -> Vec<RunEvent> {
-    std::fs::read_to_string(run_dir.join("events.jsonl"))
+    weft_trace::input::read_to_string(run_dir.join("events.jsonl"), weft_trace::input::LOG_BYTES)
         .unwrap_or_default()
         .lines()
         .filter_map(|l| serde_json::from_str(l).ok())

@@ -170,7 +170,7 @@ impl SkipList {
     /// ([`io::ErrorKind::InvalidData`], naming the file).
     pub fn read(run_dir: &Path) -> io::Result<Self> {
         let path = run_dir.join(Self::FILE);
-        match std::fs::read_to_string(&path) {
+        match weft_trace::input::read_to_string(&path, weft_trace::input::CONFIG_BYTES) {
             Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(Self::default()),
             Err(e) => Err(e),
             Ok(text) => serde_json::from_str(&text).map_err(|e| {

@@ -21,7 +21,8 @@ pub fn heartbeat(run_dir: &Path, rank: usize, step: u64) {
 
 /// The fields of world rank `rank`'s heartbeat.
 fn read(run_dir: &Path, rank: usize) -> Option<String> {
-    std::fs::read_to_string(run_dir.join("heartbeats").join(format!("rank-{rank}"))).ok()
+    let path = run_dir.join("heartbeats").join(format!("rank-{rank}"));
+    weft_trace::input::read_to_string(path, weft_trace::input::CONFIG_BYTES).ok()
 }
 
 /// The last step world rank `rank`'s heartbeat names, if any.

@@ -25,6 +25,8 @@
 //!   failures, restarts and end, and the ranks' rewinds, stragglers and
 //!   drilled faults ([`EventKind`]).
 //! * [`Summary`] — `summary.json`, a finished run's figures.
+//! * [`input`] — how every weft reader opens a file a user named: regular
+//!   files only, with bounds on file, line and decompressed sizes.
 //!
 //! # Schema
 //! `*.jsonl` files hold one JSON object per line, each a complete record;
@@ -68,6 +70,7 @@ mod chrome;
 mod events;
 mod expert;
 pub mod float;
+pub mod input;
 mod metrics;
 mod summary;
 

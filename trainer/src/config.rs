@@ -24,6 +24,7 @@ use serde::{Deserialize, Serialize};
 use weft_data::{DataSpec, DatasetOptions};
 use weft_kernels::Precision;
 use weft_parallel::{BatchSplit, ModelShape, ParallelLayout};
+use weft_trace::input;
 
 /// The whole job configuration.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
@@ -361,12 +362,13 @@ impl Config {
             None => Config::default(),
             Some(path) => {
                 let origin = path.display().to_string();
-                let text = std::fs::read_to_string(path).map_err(|e| ConfigError {
-                    origin: origin.clone(),
-                    position: None,
-                    key: None,
-                    message: format!("cannot read: {e}"),
-                })?;
+                let text =
+                    input::read_to_string(path, input::CONFIG_BYTES).map_err(|e| ConfigError {
+                        origin: origin.clone(),
+                        position: None,
+                        key: None,
+                        message: format!("cannot read: {e}"),
+                    })?;
                 Self::from_toml(&text, &origin)?
             }
         };
@@ -435,7 +437,7 @@ impl Config {
             };
         }
         // a key missing from the table is unknown, or an optional key left
-        // unset (`model.tied_embeddings`, `model.init_from`): parsing decides
+        // unset (`model.tied_embeddings`, `data.tokenizer`): parsing decides
         let unset = (!node.contains_key(*last)).then(|| known(node));
         // A TOML value, or failing that a bare string (`run.name=foo`).
         let parsed = toml::from_str::<toml::Table>(&format!("v = {value}"))
@@ -490,8 +492,8 @@ impl Config {
         weft_numerics::DynamicLossScaler::new(self.train.loss_scale.scaler())
             .map_err(|e| self.loss_scale_error(e))?;
         let t = &self.train;
-        if t.eval_sequences == 0 {
-            return bad("train.eval_sequences", "must be at least 1".into());
+        if !(1..=1 << 20).contains(&t.eval_sequences) {
+            return bad("train.eval_sequences", "must be in 1..=1048576".into());
         }
         if t.spike_factor.is_nan() || t.spike_factor <= 1.0 {
             return bad(

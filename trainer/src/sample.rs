@@ -82,6 +82,9 @@ pub enum SampleError {
     /// The model cannot be decoded token by token.
     #[error("{0}")]
     Unsupported(String),
+    /// The run's model is larger than this machine's memory.
+    #[error(transparent)]
+    Memory(Box<crate::train::TrainError>),
 }
 
 /// How to continue a prompt.
@@ -148,6 +151,7 @@ impl Sampler {
         };
         // the model's vocabulary and document boundary, as training had them
         let ids = config.data.token_ids().map_err(tokenizer)?;
+        crate::run::setup::check_model_floor(&config).map_err(|e| SampleError::Memory(e.into()))?;
         let (mut model, moe) = build_model(&config, ids)?;
         let root = run_dir.join("checkpoints");
         if !root.is_dir() {
@@ -295,6 +299,12 @@ impl Sampler {
     /// [`SampleError::Prompt`] for an empty prompt, one longer than
     /// `block_size`, or an id outside the vocabulary.
     pub fn generate(&self, prompt: &[u32], opts: &SampleOptions) -> Result<Vec<u32>, SampleError> {
+        if opts.tokens > 1 << 20 {
+            return Err(SampleError::Option {
+                option: "tokens",
+                reason: format!("is {}, at most 1048576 per sample", opts.tokens),
+            });
+        }
         if !(opts.temperature >= 0.0 && opts.temperature.is_finite()) {
             return Err(SampleError::Option {
                 option: "temperature",

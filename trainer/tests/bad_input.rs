@@ -22,6 +22,18 @@ const FILES: &[(&str, &[u8])] = &[
     ("empty.txt", b""),
     ("notutf8.toml", b"[train]\nsteps = \xff\xfe\n"),
     ("hosts.txt", b"localhost slots=2\n"),
+    (
+        "bigrun/config.toml",
+        b"[model]\nn_embd = 65536\nn_head = 1\n",
+    ),
+    (
+        "blend_inf.toml",
+        b"[[data.blend]]\npath = \"a\"\nweight = 1e308\n[[data.blend]]\npath = \"b\"\nweight = 1e308\n",
+    ),
+    (
+        "blend_tiny.toml",
+        b"[[data.blend]]\npath = \"a\"\nweight = 1e-300\n[[data.blend]]\npath = \"b\"\nweight = 1\n",
+    ),
 ];
 
 /// (arguments, words the error must contain).
@@ -82,11 +94,15 @@ const CASES: &[(&[&str], &str)] = &[
             "--set",
             "model.arch=llama",
             "--set",
-            "model.n_kv_head=1",
+            "model.n_kv_head=2",
             "--set",
-            "parallel.tp=2",
+            "model.n_head=6",
+            "--set",
+            "model.n_embd=96",
+            "--set",
+            "parallel.tp=3",
         ],
-        "key `parallel.tp`: must divide the model's key/value heads (1;",
+        "key `parallel.tp`: must divide the model's key/value heads (2) or be a multiple of them",
     ),
     (
         &["train", "--init-from", "/nonexistent/hf-folder"],
@@ -124,11 +140,15 @@ const CASES: &[(&[&str], &str)] = &[
             "--set",
             "model.arch=llama",
             "--set",
-            "model.n_kv_head=1",
+            "model.n_kv_head=2",
             "--set",
-            "parallel.tp=2",
+            "model.n_head=6",
+            "--set",
+            "model.n_embd=96",
+            "--set",
+            "parallel.tp=3",
         ],
-        "key `parallel.tp`: must divide the model's key/value heads (1;",
+        "key `parallel.tp`: must divide the model's key/value heads (2) or be a multiple of them",
     ),
     // values out of range: the key and the range
     (
@@ -247,6 +267,123 @@ const CASES: &[(&[&str], &str)] = &[
         &["train", "--set", "model.block_size=100000000"],
         "this machine has",
     ),
+    // numbers sizing allocations or loops: refused before either
+    (
+        &["sample", "--run", "r", "--tokens", "18446744073709551615"],
+        "18446744073709551615 is not in 0..=1048576",
+    ),
+    (
+        &["sample", "--run", "bigrun"],
+        "the largest part is the blocks' parameters: model.n_layer (2) × 12 × model.n_embd² (65536²)",
+    ),
+    (
+        &["moe", "audit", "--experts", "100000000"],
+        "`experts` = 100000000: a trial's logits (batch 4 × seq_len 32 × experts) exceed the audit's bound",
+    ),
+    (
+        &["moe", "audit", "--trials", "18446744073709551615"],
+        "`trials` = 18446744073709551615: at most 1048576",
+    ),
+    (
+        &[
+            "pipeline",
+            "--schedule",
+            "1f1b",
+            "--stages",
+            "100000",
+            "--microbatches",
+            "100000",
+        ],
+        "the bound on a schedule's size",
+    ),
+    (
+        &[
+            "plan",
+            "--layers",
+            "2",
+            "--hidden",
+            "64",
+            "--heads",
+            "2",
+            "--seq",
+            "64",
+            "--vocab",
+            "100",
+            "--gpus",
+            "0",
+            "--cluster",
+            "this-machine",
+            "--global-batch",
+            "8",
+        ],
+        "--gpus 0: plan for at least 1 GPU",
+    ),
+    (
+        &[
+            "plan",
+            "--layers",
+            "2",
+            "--hidden",
+            "64",
+            "--heads",
+            "2",
+            "--seq",
+            "64",
+            "--vocab",
+            "100",
+            "--global-batch",
+            "9223372036854775808",
+        ],
+        "passes in all, more than the search's bound of 33554432",
+    ),
+    (
+        &[
+            "plan",
+            "--layers",
+            "10000",
+            "--hidden",
+            "100000",
+            "--heads",
+            "100",
+            "--seq",
+            "2048",
+            "--vocab",
+            "50000",
+            "--global-batch",
+            "1024",
+            "--gpus",
+            "65536",
+        ],
+        "passes in all, more than the search's bound of 33554432",
+    ),
+    (
+        &["train", "--set", "data.synthetic.regular=4000000000"],
+        "key `data.synthetic.regular`: regular + copy_tokens = 4000000006 tokens, more than the synthetic corpus's bound of 1048576",
+    ),
+    (
+        &["train", "--set", "train.eval_sequences=1000000000000"],
+        "key `train.eval_sequences`: must be in 1..=1048576",
+    ),
+    (
+        &[
+            "data",
+            "prepare",
+            "empty.txt",
+            "--out",
+            "p",
+            "--threads",
+            "100000",
+        ],
+        "--threads: 100000 tokenizer threads, more than 4 per core",
+    ),
+    (
+        &["train", "--config", "blend_inf.toml"],
+        "key `data.blend[0].weight`: = 1e308 is a share of 0e0 of the weights' sum inf",
+    ),
+    (
+        &["train", "--config", "blend_tiny.toml"],
+        "key `data.blend[0].weight`: = 1e-300 is a share of 1e-300 of the weights' sum 1e0; each share must be at least 1e-6",
+    ),
     // data and run folders
     (
         &["train", "--data", "missing.txt"],
@@ -350,6 +487,7 @@ fn every_bad_input_gets_a_clear_error() {
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
     for (name, bytes) in FILES {
+        std::fs::create_dir_all(dir.join(name).parent().unwrap()).unwrap();
         std::fs::write(dir.join(name), bytes).unwrap();
     }
     let mut wrong = Vec::new();
@@ -370,7 +508,7 @@ fn every_bad_input_gets_a_clear_error() {
     let left: Vec<_> = std::fs::read_dir(&dir)
         .unwrap()
         .filter_map(|e| e.ok()?.file_name().into_string().ok())
-        .filter(|n| !FILES.iter().any(|(f, _)| f == n) && n != "cache")
+        .filter(|n| !FILES.iter().any(|(f, _)| f.split('/').next() == Some(n)) && n != "cache")
         .collect();
     assert!(left.is_empty(), "refused commands wrote {left:?}");
     assert!(
@@ -380,5 +518,98 @@ fn every_bad_input_gets_a_clear_error() {
         CASES.len(),
         wrong.join("\n")
     );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// `n` gzip members of one MiB of `fill` each (readers of `.gz` read
+/// concatenated members): a small file that inflates to `n` MiB.
+fn gzip_bomb(prefix: &[u8], fill: u8, n: usize) -> Vec<u8> {
+    use std::io::Write;
+    let mut one = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::best());
+    one.write_all(&vec![fill; 1 << 20]).unwrap();
+    let one = one.finish().unwrap();
+    let mut head = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
+    head.write_all(prefix).unwrap();
+    let mut out = head.finish().unwrap();
+    for _ in 0..n {
+        out.extend_from_slice(&one);
+    }
+    out
+}
+
+/// Inputs that never end, block the open, or inflate without bound: each
+/// refused by the one bounded reader (weft_trace::input), naming the file
+/// and the bound, before memory grows or the process hangs.
+#[cfg(unix)]
+#[test]
+fn unbounded_inputs_are_refused_naming_the_file_and_the_bound() {
+    let dir = std::env::temp_dir().join(format!("weft-unbounded-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(dir.join("run")).unwrap();
+    let mkfifo = |name: &str| {
+        let ok = Command::new("mkfifo").arg(dir.join(name)).status().unwrap();
+        assert!(ok.success());
+    };
+    mkfifo("fifo.toml");
+    mkfifo("fifo.txt");
+    // 3 MB of gzip that inflates to 300 MiB: one document, or one line
+    std::fs::write(dir.join("bomb.txt.gz"), gzip_bomb(b"", b'a', 300)).unwrap();
+    std::fs::write(
+        dir.join("line.jsonl.gz"),
+        gzip_bomb(b"{\"text\": \"", b'a', 300),
+    )
+    .unwrap();
+    // a run whose events.jsonl never ends
+    let record =
+        r#"{"step":1,"loss":2.0,"lr":0.001,"grad_norm":1.0,"tokens_per_s":1.0,"time_s":1.0}"#;
+    std::fs::write(dir.join("run/metrics.jsonl"), format!("{record}\n")).unwrap();
+    std::os::unix::fs::symlink("/dev/zero", dir.join("run/events.jsonl")).unwrap();
+    let cases: &[(&[&str], &str)] = &[
+        (
+            &["train", "--config", "/dev/zero"],
+            "/dev/zero: cannot read: not a regular file (a character device)",
+        ),
+        (
+            &["train", "--config", "fifo.toml"],
+            "fifo.toml: cannot read: not a regular file (a FIFO",
+        ),
+        (
+            &["train", "--data", "/dev/zero"],
+            "/dev/zero: not a regular file (a character device)",
+        ),
+        (
+            &["train", "--data", "fifo.txt"],
+            "fifo.txt: not a regular file (a FIFO",
+        ),
+        (
+            &["data", "prepare", "fifo.txt", "--out", "p1"],
+            "fifo.txt: not a regular file (a FIFO",
+        ),
+        (
+            &["data", "prepare", "bomb.txt.gz", "--out", "p2"],
+            "bomb.txt.gz: the text (one document per .txt; split it into several files) is larger than weft's bound of 256 MiB",
+        ),
+        (
+            &["data", "prepare", "line.jsonl.gz", "--out", "p3"],
+            "line.jsonl.gz:1: a line is larger than weft's bound of 256 MiB",
+        ),
+        (
+            &["compare", "run", "run"],
+            "events.jsonl: not a regular file (a character device)",
+        ),
+    ];
+    let mut wrong = Vec::new();
+    for (args, says) in cases {
+        let (code, err) = run(&dir, args);
+        let clear =
+            matches!(code, Some(c) if c != 0) && err.contains(says) && !err.contains("panicked");
+        if !clear {
+            wrong.push(format!(
+                "weft {}\n  exit {code:?}, expected {says:?}, got:\n{err}",
+                args.join(" ")
+            ));
+        }
+    }
+    assert!(wrong.is_empty(), "{}", wrong.join("\n"));
     std::fs::remove_dir_all(&dir).unwrap();
 }

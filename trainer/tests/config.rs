@@ -64,6 +64,21 @@ fn overrides_apply_and_are_checked() {
     assert!(e.contains("KEY=VALUE"), "{e}");
     let e = c.with_override("nosuch.key=1").unwrap_err().to_string();
     assert!(e.contains("unknown section `nosuch`"), "{e}");
+    // optional keys left unset are set, and unknown ones still refused
+    let t = c
+        .with_override("data.source=corpus.txt")
+        .and_then(|c| c.with_override("data.tokenizer=t/tokenizer.json"))
+        .and_then(|c| c.with_override("data.eot=</s>"))
+        .unwrap();
+    assert_eq!(
+        t.data.tokenizer,
+        Some(weft_data::TokenizerSpec::named(
+            "t/tokenizer.json",
+            Some("</s>")
+        ))
+    );
+    let e = c.with_override("data.tokeniser=x").unwrap_err().to_string();
+    assert!(e.contains("unknown key") && e.contains("doc_mask"), "{e}");
 }
 
 #[test]

@@ -27,8 +27,9 @@ pub(crate) struct SampleArgs {
     #[arg(long, value_name = "TEXT")]
     prompt: Option<String>,
     /// Tokens to generate (past block_size the context slides by half a
-    /// block).
-    #[arg(long, value_name = "N", default_value_t = 100)]
+    /// block; at most 2^20).
+    #[arg(long, value_name = "N", default_value_t = 100,
+          value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(0..=1 << 20))]
     tokens: usize,
     /// Softmax temperature; 0 always picks the most likely token (greedy).
     #[arg(long, value_name = "T", default_value_t = 1.0)]

@@ -183,6 +183,7 @@ fn rank_ffn(
     let run = MoeRun {
         stats,
         layers: cfg.n_layer,
+        first_dense: config.model.first_dense,
         experts: m.experts,
         balancer: m.bias_balancer(),
     };

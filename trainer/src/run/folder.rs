@@ -10,7 +10,7 @@ use std::time::Duration;
 use weft_collectives::Communicator;
 use weft_model::StepOutcome;
 use weft_supervise::lock::RunLock;
-use weft_trace::{BatchPosition, MetricsEvent, MetricsEventKind, MetricsRecord, Summary};
+use weft_trace::{BatchPosition, MetricsEvent, MetricsEventKind, MetricsRecord, Summary, input};
 
 use crate::config::Config;
 use crate::ranks::agree;
@@ -124,7 +124,8 @@ impl Kept {
         step: u64,
     ) -> Result<Self, TrainError> {
         let path = run_dir.join("metrics.jsonl");
-        let text = agree(world, std::fs::read_to_string(&path).map_err(io_err(&path)))?;
+        let text = input::read_to_string(&path, input::LOG_BYTES).map_err(io_err(&path));
+        let text = agree(world, text)?;
         let lines = text
             .lines()
             .filter(|l| parse(l).is_some_and(|p| p.step() <= step))
