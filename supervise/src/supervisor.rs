@@ -7,7 +7,7 @@ use std::process::{Child, Command, ExitStatus};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use weft_trace::{EventKind, RunEvent};
+use weft_trace::{EventKind, RunEvent, input};
 
 use crate::events::{append_event, read_events, stamped};
 use crate::fault::Fault;
@@ -155,6 +155,12 @@ fn describe(status: ExitStatus) -> String {
     }
 }
 
+/// How long a launcher may go on after its output named a failure before
+/// it counts as stuck and is killed: `mpirun` tears a job down in well
+/// under a second when its daemons answer, and waits without end on the
+/// daemon of a node that died silently (powered off, its link down).
+const TEARDOWN_GRACE: Duration = Duration::from_secs(20);
+
 /// The rank a failure message names: Open MPI's ("... process rank 1 with
 /// PID 4242 on node vm exited on signal 9") or the collectives' watchdog's
 /// ("... ranks \[1\] did not arrive ...").
@@ -169,7 +175,16 @@ fn rank_named(line: &str) -> Option<usize> {
     digits.parse().ok()
 }
 
-/// The host Open MPI's message names ("... on node vm exited ...").
+/// Whether a launcher line names what failed: a rank ([`rank_named`]) or
+/// a whole node whose daemon Open MPI lost (`Remote daemon: [[55631,0],2]
+/// on node n1`, when every process of a node is killed or its link goes
+/// down; the `HNP daemon` line before it names `mpirun`'s own node).
+fn names_failure(line: &str) -> bool {
+    rank_named(line).is_some() || line.trim_start().starts_with("Remote daemon:")
+}
+
+/// The host Open MPI's message names ("... on node vm exited ...", or the
+/// lost daemon's "Remote daemon: ... on node n1").
 fn host_named(line: &str) -> Option<String> {
     let rest = &line[line.find(" on node ")? + " on node ".len()..];
     rest.split_whitespace().next().map(str::to_owned)
@@ -318,11 +333,19 @@ impl Supervisor {
             std::thread::spawn(move || {
                 use std::io::BufRead;
                 for line in std::io::BufReader::new(err).lines().map_while(Result::ok) {
-                    if rank_named(&line).is_some() {
-                        failed
+                    if names_failure(&line) {
+                        let mut f = failed
                             .lock()
-                            .unwrap_or_else(std::sync::PoisonError::into_inner)
-                            .get_or_insert_with(|| line.clone());
+                            .unwrap_or_else(std::sync::PoisonError::into_inner);
+                        // the first line naming a failure, unless a lost
+                        // node comes after it: the ranks that time out
+                        // waiting on a dead node name whoever they waited
+                        // for, the node's loss is the cause
+                        if f.as_deref()
+                            .is_none_or(|l| rank_named(l).is_some() && rank_named(&line).is_none())
+                        {
+                            *f = Some(line.clone());
+                        }
                     }
                     let _ = writeln!(std::io::stderr().lock(), "{line}");
                 }
@@ -348,9 +371,11 @@ impl Supervisor {
         if excluded.is_empty() {
             return Ok(Some(file.clone()));
         }
-        let text = std::fs::read_to_string(file).map_err(|source| SuperviseError::Hostfile {
-            path: file.clone(),
-            source,
+        let text = input::read_to_string(file, input::CONFIG_BYTES).map_err(|source| {
+            SuperviseError::Hostfile {
+                path: file.clone(),
+                source,
+            }
         })?;
         let out = self.run_dir.join(format!("hostfile.attempt-{attempt}"));
         let _ = std::fs::create_dir_all(&self.run_dir);
@@ -401,6 +426,8 @@ impl Supervisor {
             let mut beats: Vec<(Option<u64>, Instant)> = vec![(None, started); world];
             let mut forwarded = false;
             let mut running = false;
+            // when the launcher's output first named a failure
+            let mut named_since: Option<Instant> = None;
             let (failure, rank) = loop {
                 if crate::stop::requested() && !forwarded {
                     // asked to stop: the job saves and stops (a launcher
@@ -472,6 +499,27 @@ impl Supervisor {
                             step,
                             after_s: started.elapsed().as_secs_f64(),
                         },
+                    );
+                }
+                // a failure reported (a rank's death, a lost node, a
+                // collective that timed out) while the launcher has not
+                // ended after a grace: it is stuck tearing down (mpirun
+                // waits on a dead node's daemon that no longer answers)
+                if named_since.is_none() && run.named().is_some() {
+                    named_since = Some(Instant::now());
+                }
+                if let Some(since) = named_since
+                    && since.elapsed() > TEARDOWN_GRACE.min(self.heartbeat_timeout)
+                {
+                    signal(run.child.id(), true, libc::SIGKILL);
+                    run.reap();
+                    let named = run.named().as_deref().and_then(rank_named);
+                    break (
+                        format!(
+                            "a failure was reported and the launcher did not end within {:.0} s",
+                            since.elapsed().as_secs_f64()
+                        ),
+                        named,
                     );
                 }
                 // a rank silent too long: the job is hung
@@ -643,5 +691,15 @@ mod tests {
             .as_deref(),
             Some("vm")
         );
+        // a node lost whole: its daemon's line, not mpirun's own node's
+        let lost = [
+            "ORTE has lost communication with a remote daemon.",
+            "",
+            "  HNP daemon   : [[55631,0],0] on node head",
+            "  Remote daemon: [[55631,0],2] on node n1",
+        ];
+        let first = lost.iter().find(|l| super::names_failure(l)).unwrap();
+        assert_eq!(rank_named(first), None);
+        assert_eq!(super::host_named(first).as_deref(), Some("n1"));
     }
 }

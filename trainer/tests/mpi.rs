@@ -525,6 +525,251 @@ fn a_hostfile_launch_runs_as_documented() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// A cluster of network-namespace nodes made by `scripts/cluster.sh`,
+/// taken down when dropped.
+struct Cluster {
+    name: String,
+    /// The `mpirun` prefix `up` printed on its last line.
+    prefix: Vec<String>,
+}
+
+fn cluster_script() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/cluster.sh")
+}
+
+impl Cluster {
+    /// `cluster.sh up --nodes N --link RATE`, or `None` (a printed skip)
+    /// where this machine cannot make network namespaces (not root, or no
+    /// `ip`/`unshare`).
+    fn up(nodes: usize, link: &str) -> Option<Cluster> {
+        let can = Command::new("unshare")
+            .args(["--net", "true"])
+            .status()
+            .is_ok_and(|s| s.success())
+            && Command::new("ip")
+                .arg("-V")
+                .output()
+                .is_ok_and(|o| o.status.success());
+        if !can {
+            assert!(
+                std::env::var_os("WEFT_REQUIRE_ALL").is_none(),
+                "network namespaces cannot be made here, and WEFT_REQUIRE_ALL is set"
+            );
+            let msg = "SKIPPED: network namespaces cannot be made here (needs root, iproute2)\n";
+            let _ = std::io::Write::write_all(&mut std::io::stderr(), msg.as_bytes());
+            return None;
+        }
+        let name = format!("t{}", std::process::id() % 10_000_000);
+        let o = Command::new("bash")
+            .arg(cluster_script())
+            .args(["up", "--name", &name, "--nodes", &nodes.to_string()])
+            .args(["--link", link])
+            .output()
+            .unwrap();
+        let out = text(&o);
+        assert!(o.status.success(), "cluster.sh up:\n{out}");
+        let last = String::from_utf8_lossy(&o.stdout)
+            .lines()
+            .last()
+            .unwrap_or_default()
+            .to_owned();
+        assert!(
+            last.contains("mpirun"),
+            "up's last line is the prefix:\n{out}"
+        );
+        Some(Cluster {
+            name,
+            prefix: last.split_whitespace().map(str::to_owned).collect(),
+        })
+    }
+
+    fn script(&self, args: &[&str]) -> Output {
+        Command::new("bash")
+            .arg(cluster_script())
+            .args(args)
+            .args(["--name", &self.name])
+            .output()
+            .unwrap()
+    }
+
+    /// `PREFIX -np N --map-by slot weft train`.
+    fn mpirun(&self, np: usize) -> Command {
+        let mut c = Command::new(&self.prefix[0]);
+        c.args(&self.prefix[1..])
+            .args(["-np", &np.to_string(), "--map-by", "slot", WEFT, "train"]);
+        c
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        let o = self.script(&["down"]);
+        assert!(o.status.success(), "cluster.sh down:\n{}", text(&o));
+    }
+}
+
+#[test]
+fn across_namespace_nodes_layouts_equal_the_thread_ranks_bit_for_bit() {
+    let Some(_) = launcher() else { return };
+    let _g = SERIAL
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    let Some(cluster) = Cluster::up(2, "1gbit") else {
+        return;
+    };
+    let dir = tmp("cluster");
+    // tp inside a node, dp across; FSDP over all four ranks; stages
+    // across nodes
+    let layouts: [(&str, &[&str]); 3] = [
+        ("dp2tp2", &["parallel.dp=2", "parallel.tp=2"]),
+        ("fsdp4", &["parallel.dp=4", "parallel.fsdp=\"full\""]),
+        ("pp2dp2", &["parallel.pp=2", "parallel.dp=2"]),
+    ];
+    for (name, sets) in layouts {
+        let t = threads(&job(&dir, &format!("{name}-threads"), 6, sets));
+        assert!(t.status.success(), "{name} on threads:\n{}", text(&t));
+        let p = cluster
+            .mpirun(4)
+            .args(job(&dir, &format!("{name}-nodes"), 6, sets))
+            .output()
+            .unwrap();
+        let out = text(&p);
+        assert!(p.status.success(), "{name} across nodes:\n{out}");
+        assert!(
+            out.contains("4 processes over mpi") && out.contains("2 nodes: n0 [0-1], n1 [2-3]"),
+            "{name}: the start-up report shows which ranks share a node:\n{out}"
+        );
+        assert_eq!(
+            metrics(&dir.join(format!("{name}-threads"))),
+            metrics(&dir.join(format!("{name}-nodes"))),
+            "{name}: threads vs 4 processes on 2 nodes"
+        );
+    }
+    let status = text(&cluster.script(&["status"]));
+    assert!(
+        status.contains("n1: 10.213.0.2/24 link UP, 0 process(es)"),
+        "{status}"
+    );
+    drop(cluster);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A supervised data-parallel job over 4 ranks on nodes n0 and n1 of a
+/// three-node cluster (n2 spare) with `fault` done to the cluster once
+/// the job is past step 50: it ends with the fault-free run's bits, after
+/// one restart whose failure names node n1 and which leaves n1 out.
+fn supervised_across_nodes_survives(case: &str, fault: impl FnOnce(&Cluster)) {
+    let Some(_) = launcher() else { return };
+    let _g = SERIAL
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    let Some(cluster) = Cluster::up(3, "1gbit") else {
+        return;
+    };
+    let dir = tmp(case);
+    let extra = [
+        "parallel.dp=4",
+        "checkpoint.every=40",
+        "train.eval_every=40",
+        "parallel.timeout_s=10",
+    ];
+    let reference = threads(&job(&dir, "reference", 120, &extra));
+    assert!(reference.status.success(), "{}", text(&reference));
+    let state = format!("/run/{}-cluster", cluster.name);
+    let launch = std::fs::read_to_string(format!("{state}/launch")).unwrap();
+    // n0 and n1 hold the four ranks; n2, last in the hostfile, is spare
+    let job_ = Command::new(WEFT)
+        .args(["train", "--supervise", "--restart-backoff", "0.1"])
+        .args(["--hostfile", &format!("{state}/hostfile"), "--spares", "1"])
+        .args([
+            "--launch",
+            &format!(
+                "{} -np {{n}} --hostfile {{hostfile}} --map-by slot",
+                launch.trim()
+            ),
+        ])
+        .args(job(&dir, "supervised", 120, &extra))
+        .stdout(std::fs::File::create(dir.join("out.log")).unwrap())
+        .stderr(std::fs::File::create(dir.join("err.log")).unwrap())
+        .spawn()
+        .unwrap();
+    let metrics_file = dir.join("supervised/metrics.jsonl");
+    let t0 = Instant::now();
+    let mut job_ = job_;
+    while !std::fs::read_to_string(&metrics_file).is_ok_and(|m| m.contains("\"step\":50,")) {
+        assert!(
+            t0.elapsed() < Duration::from_secs(240),
+            "{case}: the supervised job never reached step 50"
+        );
+        assert!(
+            job_.try_wait().unwrap().is_none(),
+            "{case}: the job ended early"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    fault(&cluster);
+    let (code, _, _) = finish(job_, Duration::from_secs(300));
+    let out = std::fs::read_to_string(dir.join("out.log")).unwrap()
+        + &std::fs::read_to_string(dir.join("err.log")).unwrap();
+    assert_eq!(code, Some(0), "{case}: {out}");
+    let ev = events(&dir.join("supervised"));
+    let kinds: Vec<&str> = ev.iter().map(|e| e["event"].as_str().unwrap()).collect();
+    assert_eq!(
+        kinds.iter().filter(|k| **k == "restart").count(),
+        1,
+        "{case}: {ev:?}"
+    );
+    let failure = ev.iter().find(|e| e["event"] == "failure").unwrap();
+    assert_eq!(
+        failure["host"], "n1",
+        "{case}: node n1, as mpirun names it: {ev:?}"
+    );
+    let restart = ev.iter().find(|e| e["event"] == "restart").unwrap();
+    assert_eq!(
+        restart["excluded_hosts"],
+        serde_json::json!(["n1"]),
+        "{case}: {ev:?}"
+    );
+    assert_eq!(
+        restart["action"], "a spare took over (0 left)",
+        "{case}: {ev:?}"
+    );
+    assert!(
+        out.contains("2 nodes: n0 [0-1], n2 [2-3]"),
+        "{case}: the restart runs on n0 and the spare n2:\n{out}"
+    );
+    assert_eq!(
+        metrics(&dir.join("supervised")),
+        metrics(&dir.join("reference")),
+        "{case}: the fault-free run's bits"
+    );
+    drop(cluster);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_dead_node_is_replaced_by_the_spare_node_bit_for_bit() {
+    // node n1 dies: its processes killed, its link down
+    supervised_across_nodes_survives("dead-node", |c| {
+        let o = c.script(&["kill-node", "n1"]);
+        assert!(o.status.success(), "{}", text(&o));
+    });
+}
+
+#[test]
+fn a_link_flap_fails_the_attempt_and_the_job_recovers_bit_for_bit() {
+    // node n1's link down for 15 s, then up again: longer than mpirun's
+    // keepalive (about 6 s) and parallel.timeout_s (10 s), so the attempt
+    // fails, naming n1, and the job goes on without it
+    supervised_across_nodes_survives("link-flap", |c| {
+        let o = c.script(&["link", "n1", "down"]);
+        assert!(o.status.success(), "{}", text(&o));
+        std::thread::sleep(Duration::from_secs(15));
+        let o = c.script(&["link", "n1", "up"]);
+        assert!(o.status.success(), "{}", text(&o));
+    });
+}
+
 /// The supervisor's events of a run.
 fn events(run: &Path) -> Vec<serde_json::Value> {
     std::fs::read_to_string(run.join("events.jsonl"))
