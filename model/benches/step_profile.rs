@@ -3,35 +3,44 @@
 //! runs), with its count per step, milliseconds per step and GFLOP/s, and
 //! the sum beside a measured whole step.
 //!
-//! `cargo bench -p weft-model --bench step_profile -- [a|b] [--reps N] [--cpu]`
+//! `cargo bench -p weft-model --bench step_profile -- [a|b|l] [--reps N] [--cpu]`
 //!
 //! `--cpu` times each op by the CPU time of all threads divided by the
 //! thread count rather than by the wall clock: steadier on a shared
 //! machine (time spent descheduled does not count).
 //!
 //! Configurations as in `train_step`: (a) n_layer 4, n_embd 256, n_head 4,
-//! seq 256, batch 8, vocab 50304; (b) GPT-2 small at seq 256, batch 4. The
+//! seq 256, batch 8, vocab 50304; (b) GPT-2 small at seq 256, batch 4; (l)
+//! the Llama-shaped model at GPT-2-small scale (12 layers, 768 channels,
+//! 12 query heads over 4 key/value heads, SwiGLU 2048, RMSNorm, rotary
+//! positions, untied, vocab 32000), seq 256, batch 4. The
 //! forward's linear layers run in the model's default (batch-invariant)
 //! mode, the backward's as whole-batch GEMMs, as [`weft_model::Gpt`] does.
 
 use std::time::Instant;
 
 use weft_kernels::{
-    AdamW, Mode, Precision, attention_backward, attention_forward, encoder_backward,
+    AdamW, Heads, Mode, Precision, Rope, attention_backward, attention_forward, encoder_backward,
     encoder_forward, fused_classifier_backward, fused_classifier_forward, gelu_backward,
     gelu_forward, layernorm_backward, layernorm_forward, matmul_backward_input,
     matmul_backward_weight, matmul_backward_wt_input, matmul_backward_wt_weight, matmul_forward,
-    matmul_forward_wt, residual_forward,
+    matmul_forward_wt, residual_forward, rmsnorm_backward, rmsnorm_forward, rope_backward,
+    rope_forward, swiglu_backward, swiglu_forward,
 };
 use weft_model::{Gpt, GptConfig};
 
 struct Shape {
     l: usize,
     nh: usize,
+    /// Key/value heads (`nh`: multi-head attention).
+    nkv: usize,
     c: usize,
     v: usize,
     b: usize,
     t: usize,
+    /// The gated MLP's width (SwiGLU, with RMSNorm and rotary positions:
+    /// the Llama family), or `None` for GPT-2's GELU MLP and layernorms.
+    swiglu: Option<usize>,
 }
 
 /// Pseudo-random values uniform in [-0.5, 0.5) times `scale` (weights
@@ -97,8 +106,24 @@ fn time(reps: usize, mut f: impl FnMut()) -> f64 {
 
 #[allow(clippy::too_many_lines, clippy::cast_precision_loss)]
 fn profile(s: &Shape, reps: usize) -> Vec<Row> {
-    let Shape { l, nh, c, v, b, t } = *s;
+    let Shape {
+        l,
+        nh,
+        nkv,
+        c,
+        v,
+        b,
+        t,
+        swiglu,
+    } = *s;
     let n = b * t;
+    let ckv = c / nh * nkv;
+    // The MLP's hidden width and its first product's width (gate|up side
+    // by side for SwiGLU).
+    let (hidden, fc_out) = match swiglu {
+        Some(h) => (h, 2 * h),
+        None => (4 * c, 4 * c),
+    };
     let inv = Mode::BatchInvariant;
     let thr = Mode::Throughput;
     let mut rows = Vec::new();
@@ -116,10 +141,10 @@ fn profile(s: &Shape, reps: usize) -> Vec<Row> {
     };
     // Linear layers: (name, in, out, forward mode as the model runs it).
     let linears = [
-        ("attn.c_attn", c, 3 * c, inv),
+        ("attn.c_attn", c, c + 2 * ckv, inv),
         ("attn.c_proj", c, c, inv),
-        ("mlp.c_fc", c, 4 * c, thr),
-        ("mlp.c_proj", 4 * c, c, thr),
+        ("mlp.c_fc", c, fc_out, thr),
+        ("mlp.c_proj", hidden, c, thr),
     ];
     for (name, ic, oc, mode) in linears {
         let x = data(n * ic, 1, 1.0);
@@ -206,19 +231,21 @@ fn profile(s: &Shape, reps: usize) -> Vec<Row> {
     }
     // Attention.
     {
-        let qkv = data(n * 3 * c, 7, 1.0);
+        let w = c + 2 * ckv;
+        let heads = Heads { q: nh, kv: nkv };
+        let qkv = data(n * w, 7, 1.0);
         let mut out = vec![0.0f32; n * c];
         let mut att = vec![0.0f32; b * nh * t * t];
         let f = 2.0 * (b * nh * t * t * (c / nh)) as f64; // causal: half of 2 GEMMs
         let ms = time(reps, || {
-            attention_forward(&mut out, &mut att, &qkv, None, b, t, c, nh).unwrap();
+            attention_forward(&mut out, &mut att, &qkv, None, b, t, c, heads).unwrap();
         });
-        push(format!("attention fwd T={t} NH={nh}"), l, ms, f);
+        push(format!("attention fwd T={t} NH={nh} NKV={nkv}"), l, ms, f);
         let dout = data(n * c, 8, 1.0);
-        let mut dqkv = vec![0.0f32; n * 3 * c];
+        let mut dqkv = vec![0.0f32; n * w];
         let mut datt = vec![0.0f32; b * nh * t * t];
         let ms = time(reps, || {
-            attention_backward(&mut dqkv, &mut datt, &dout, &qkv, &att, b, t, c, nh).unwrap();
+            attention_backward(&mut dqkv, &mut datt, &dout, &qkv, &att, b, t, c, heads).unwrap();
         });
         push("attention bwd".into(), l, ms, 2.0 * f);
     }
@@ -228,30 +255,70 @@ fn profile(s: &Shape, reps: usize) -> Vec<Row> {
         let w = data(c, 10, 1.0);
         let bb = data(c, 11, 1.0);
         let mut out = vec![0.0f32; n * c];
-        let mut mean = vec![0.0f32; n];
-        let mut rstd = vec![0.0f32; n];
-        let ms = time(reps, || {
-            layernorm_forward(&mut out, &mut mean, &mut rstd, &x, &w, &bb, n, c, 1e-5).unwrap();
-        });
-        push("layernorm fwd".into(), 2 * l + 1, ms, 0.0);
-        let mut dx = vec![0.0f32; n * c];
-        let mut dw = vec![0.0f32; c];
-        let mut db = vec![0.0f32; c];
-        let ms = time(reps, || {
-            layernorm_backward(&mut dx, &mut dw, &mut db, &x, &x, &w, &mean, &rstd, n, c).unwrap();
-        });
-        push("layernorm bwd".into(), 2 * l + 1, ms, 0.0);
+        if swiglu.is_some() {
+            let mut rstd = vec![0.0f32; n];
+            let ms = time(reps, || {
+                rmsnorm_forward(&mut out, &mut rstd, &x, &w, n, c, 1e-5).unwrap();
+            });
+            push("rmsnorm fwd".into(), 2 * l + 1, ms, 0.0);
+            let mut dx = vec![0.0f32; n * c];
+            let mut dw = vec![0.0f32; c];
+            let ms = time(reps, || {
+                rmsnorm_backward(&mut dx, &mut dw, &x, &x, &w, &rstd, n, c).unwrap();
+            });
+            push("rmsnorm bwd".into(), 2 * l + 1, ms, 0.0);
+            // Rotary positions on the query and key heads of each Q|K|V row.
+            let hs = c / nh;
+            let table = Rope::new(hs, hs, 500_000.0).table::<f32>(t).unwrap();
+            let wq = c + 2 * ckv;
+            let mut qkv = data(n * wq, 15, 1.0);
+            let pos: Vec<u32> = (0..n).map(|i| (i % t) as u32).collect();
+            let ms = time(reps, || {
+                rope_forward(&mut qkv, &table, &pos, n, wq, nh + nkv).unwrap();
+            });
+            push("rope fwd (q, k)".into(), l, ms, 0.0);
+            let ms = time(reps, || {
+                rope_backward(&mut qkv, &table, &pos, n, wq, nh + nkv).unwrap();
+            });
+            push("rope bwd (q, k)".into(), l, ms, 0.0);
+        } else {
+            let mut mean = vec![0.0f32; n];
+            let mut rstd = vec![0.0f32; n];
+            let ms = time(reps, || {
+                layernorm_forward(&mut out, &mut mean, &mut rstd, &x, &w, &bb, n, c, 1e-5).unwrap();
+            });
+            push("layernorm fwd".into(), 2 * l + 1, ms, 0.0);
+            let mut dx = vec![0.0f32; n * c];
+            let mut dw = vec![0.0f32; c];
+            let mut db = vec![0.0f32; c];
+            let ms = time(reps, || {
+                layernorm_backward(&mut dx, &mut dw, &mut db, &x, &x, &w, &mean, &rstd, n, c)
+                    .unwrap();
+            });
+            push("layernorm bwd".into(), 2 * l + 1, ms, 0.0);
+        }
+        let dx = data(n * c, 16, 1.0);
         let ms = time(reps, || residual_forward(&mut out, &x, &dx, n * c).unwrap());
         push("residual fwd".into(), 2 * l, ms, 0.0);
-        let h = data(n * 4 * c, 12, 1.0);
-        let mut g = vec![0.0f32; n * 4 * c];
-        let ms = time(reps, || gelu_forward(&mut g, &h, n * 4 * c).unwrap());
-        push("gelu fwd".into(), l, ms, 0.0);
-        let mut dg = vec![0.0f32; n * 4 * c];
-        let ms = time(reps, || gelu_backward(&mut dg, &h, &g, n * 4 * c).unwrap());
-        push("gelu bwd".into(), l, ms, 0.0);
+        let h = data(n * fc_out, 12, 1.0);
+        let mut g = vec![0.0f32; n * hidden];
+        let mut dg = vec![0.0f32; n * fc_out];
+        let dact = data(n * hidden, 17, 1.0);
+        if swiglu.is_some() {
+            let ms = time(reps, || swiglu_forward(&mut g, &h, n, hidden).unwrap());
+            push("swiglu fwd".into(), l, ms, 0.0);
+            let ms = time(reps, || {
+                swiglu_backward(&mut dg, &h, &dact, n, hidden).unwrap();
+            });
+            push("swiglu bwd".into(), l, ms, 0.0);
+        } else {
+            let ms = time(reps, || gelu_forward(&mut g, &h, n * hidden).unwrap());
+            push("gelu fwd".into(), l, ms, 0.0);
+            let ms = time(reps, || gelu_backward(&mut dg, &h, &g, n * hidden).unwrap());
+            push("gelu bwd".into(), l, ms, 0.0);
+        }
         // Backward buffer zeroing per block (dln x2, datty, dqkv, MLP scratch).
-        let mut z = vec![0.0f32; n * (2 * c + c + 3 * c + 8 * c)];
+        let mut z = vec![0.0f32; n * (2 * c + c + (c + 2 * ckv) + 2 * fc_out)];
         let ms = time(reps, || z.fill(0.0));
         push("zero fills (bwd scratch)".into(), l, ms, 0.0);
         let tokens: Vec<u32> = (0..n).map(|i| (i * 31 % v) as u32).collect();
@@ -271,8 +338,24 @@ fn profile(s: &Shape, reps: usize) -> Vec<Row> {
     rows
 }
 
-fn config(which: &str) -> (GptConfig, usize, usize) {
+/// The configuration, its SwiGLU width (the Llama family) if any, B and T.
+fn config(which: &str) -> (GptConfig, Option<usize>, usize, usize) {
     match which {
+        "l" => (
+            GptConfig {
+                n_layer: 12,
+                n_head: 12,
+                n_embd: 768,
+                vocab_size: 32000,
+                block_size: 1024,
+                tied_embeddings: false,
+                layer_norm_epsilon: 1e-5,
+                arch: weft_model::BlockArch::llama(4, 500_000.0),
+            },
+            Some(2048),
+            4,
+            256,
+        ),
         "a" => (
             GptConfig {
                 n_layer: 4,
@@ -284,10 +367,11 @@ fn config(which: &str) -> (GptConfig, usize, usize) {
                 layer_norm_epsilon: 1e-5,
                 arch: weft_model::BlockArch::GPT2,
             },
+            None,
             8,
             256,
         ),
-        _ => (GptConfig::gpt2_small(), 4, 256),
+        _ => (GptConfig::gpt2_small(), None, 4, 256),
     }
 }
 
@@ -337,18 +421,25 @@ fn main() {
     };
     println!("GEMM peak (1024^3 f32 through matmul_forward): {peak:.1} GFLOP/s");
     for w in which {
-        let (cfg, b, t) = config(&w);
+        let (cfg, swiglu, b, t) = config(&w);
         let s = Shape {
             l: cfg.n_layer,
             nh: cfg.n_head,
+            nkv: cfg.n_kv_head(),
             c: cfg.n_embd,
             v: cfg.vocab_size,
             b,
             t,
+            swiglu,
         };
         let mut rows = profile(&s, reps);
         // AdamW and zero_grad over the whole model, as the step runs them.
-        let mut model = Gpt::new(cfg.clone()).unwrap();
+        let mut model = match swiglu {
+            Some(hidden) => {
+                Gpt::with_ffn(cfg.clone(), Box::new(weft_model::SwiGlu { hidden })).unwrap()
+            }
+            None => Gpt::new(cfg.clone()).unwrap(),
+        };
         model.init_gpt2(1);
         let mut st = model.adamw_state();
         let hp = AdamW::default();
