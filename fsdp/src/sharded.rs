@@ -1040,11 +1040,12 @@ impl Fsdp {
             let unit = &self.plan.units()[u];
             let held = unit.shard_in_model(self.rank);
             let shard_start = unit.range.start + unit.shard(self.rank).start;
+            let coords = self.plan.coords();
             for s in self.plan.specs() {
                 let r = s.range();
                 let (a, b) = (r.start.max(held.start), r.end.min(held.end));
                 if a < b {
-                    norm.add(&s.placements, &g[a - shard_start..b - shard_start]);
+                    norm.add_spec(s, &coords, a..b, &g[a - shard_start..b - shard_start]);
                 }
             }
         }

@@ -2,7 +2,7 @@
 
 use std::ops::Range;
 
-use weft_parallel::{ParamLayout, ParamSpec};
+use weft_parallel::{Coords, ParamLayout, ParamSpec};
 
 use crate::error::{Error, Result};
 
@@ -156,6 +156,7 @@ pub struct UnitPlan {
     units: Vec<Unit>,
     n: usize,
     specs: Vec<ParamSpec>,
+    coords: Coords,
     total: usize,
 }
 
@@ -226,6 +227,7 @@ impl UnitPlan {
             units: out,
             n,
             specs: layout.specs().to_vec(),
+            coords: layout.coords(),
             total: layout.len(),
         })
     }
@@ -258,6 +260,11 @@ impl UnitPlan {
     /// The tensors of the buffer, in order.
     pub fn specs(&self) -> &[ParamSpec] {
         &self.specs
+    }
+
+    /// The sharding coordinates of the layout the plan was made from.
+    pub fn coords(&self) -> Coords {
+        self.coords
     }
 
     /// The decay mask of unit `u`'s padded buffer as runs of

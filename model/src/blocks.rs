@@ -726,10 +726,13 @@ impl GptBlocks {
         (self.config.n_head / tp, self.config.q_dim() / tp)
     }
 
-    /// Key/value heads and their width on this rank.
+    /// Key/value heads and their width on this rank: `n_kv_head / tp`,
+    /// or with more ranks than key/value heads a copy of the one its
+    /// query heads read.
     fn kv_heads(&self) -> (usize, usize) {
         let tp = self.tp.as_ref().map_or(1, TensorParallel::size);
-        (self.config.n_kv_head() / tp, self.config.kv_dim() / tp)
+        let nkv = (self.config.n_kv_head() / tp).max(1);
+        (nkv, nkv * self.config.head_dim())
     }
 
     /// Columns of the fused query, key and value projection on this rank.

@@ -31,7 +31,8 @@ struct Raw {
 /// # Errors
 /// [`Error::Io`], or [`Error::Format`] naming the field and row.
 pub fn read_tokens(path: &Path) -> Result<TokenBatch> {
-    let text = std::fs::read_to_string(path).map_err(io(path))?;
+    let text =
+        weft_trace::input::read_to_string(path, weft_trace::input::LOG_BYTES).map_err(io(path))?;
     let bad = |reason: String| Error::Format {
         path: path.to_path_buf(),
         reason,

@@ -28,6 +28,10 @@ pub(crate) struct UnitMap {
     /// gradients a rank's backward leaves partial over the tensor-parallel
     /// group (the layernorms under sequence parallelism).
     partial: Vec<Vec<Range<usize>>>,
+    /// Per unit, the ranges (from the unit's start) of the key/value
+    /// copies whose gradients are partial over their replica group (more
+    /// tensor-parallel ranks than key/value heads).
+    copied: Vec<Vec<Range<usize>>>,
     /// Per unit, with expert parallelism, the ranges of the tensors the
     /// expert group replicates (all but the experts): their gradients are
     /// summed over the expert group before FSDP reduces the unit over the
@@ -115,6 +119,28 @@ pub(crate) fn units(
         unit.keep_f32 = merged(kept);
     }
     let partial = within(&out, &|s| s.grad_placements.tp == Placement::Partial);
+    let copied = out
+        .iter()
+        .map(|u| {
+            let mut rs = Vec::new();
+            for s in layout
+                .specs()
+                .iter()
+                .filter(|s| s.grad_placements.tp_copies() > 1)
+            {
+                let r = s.range();
+                if r.start < u.range.start || r.end > u.range.end {
+                    continue;
+                }
+                // (the layout checked its placements: no error)
+                for run in s.copied_runs(&layout.coords()).unwrap_or_default() {
+                    let a = s.offset + run.local - u.range.start;
+                    rs.push(a..a + run.len);
+                }
+            }
+            merged(rs)
+        })
+        .collect();
     let ep_replicated = if experts {
         within(&out, &|s| s.placements.ep == Placement::Replicate)
     } else {
@@ -122,6 +148,7 @@ pub(crate) fn units(
     };
     let map = UnitMap {
         partial,
+        copied,
         ep_replicated,
         embed: ranges.embed.is_some(),
         first_layer: ranges.first_layer,
@@ -189,7 +216,8 @@ fn reduce_ranges(
 /// and adds its part of `wte`'s gradient into that unit's buffer. Under
 /// sequence parallelism a unit's partial gradients are summed over the
 /// tensor-parallel group before FSDP reduces the unit over its
-/// data-parallel group.
+/// data-parallel group, and copied key/value heads' gradients over their
+/// replica group.
 pub(crate) struct Sharded<'a> {
     pub(crate) fsdp: &'a mut Fsdp,
     pub(crate) map: &'a UnitMap,
@@ -229,6 +257,12 @@ impl ParamStore for Sharded<'_> {
         {
             let g = self.fsdp.grads_mut(u, self.mb)?;
             reduce_ranges(g, &self.map.partial[u], |buf| tp.all_reduce(buf))?;
+        }
+        if let Some(tp) = self.tp
+            && !self.map.copied[u].is_empty()
+        {
+            let g = self.fsdp.grads_mut(u, self.mb)?;
+            reduce_ranges(g, &self.map.copied[u], |buf| tp.kv_all_reduce(buf))?;
         }
         if let Some((ep, exact)) = self.ep
             && !self.map.ep_replicated[u].is_empty()

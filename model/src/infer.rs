@@ -561,7 +561,8 @@ impl Decoder<'_> {
         let block = self.capacity();
         self.reset();
         let mut context: Vec<u32> = prompt.to_vec();
-        let mut out = Vec::with_capacity(n);
+        // `n` comes from the user: grow as tokens come, not from it
+        let mut out = Vec::with_capacity(n.min(block));
         let mut logits = self.prefill(&context)?.to_vec();
         after_forward();
         for i in 0..n {

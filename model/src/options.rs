@@ -372,13 +372,26 @@ impl ModelOptions {
             block_size: want.block_size,
             ..model.config().clone()
         };
-        if got != want || model.config().block_size < want.block_size {
+        let (ffn, _) = self.ffn(None)?;
+        let ours = crate::param_layout(&want, ffn.as_ref(), &crate::Sharding::SINGLE)?;
+        let shapes = |l: &crate::ParamLayout| -> Vec<(String, Vec<usize>)> {
+            l.specs()
+                .iter()
+                .map(|s| (s.name.clone(), s.shape.clone()))
+                .collect()
+        };
+        if got != want
+            || model.config().block_size < want.block_size
+            || shapes(&ours) != shapes(model.layout())
+        {
             return Err(Error::Config {
                 field: "init_from",
                 reason: format!(
-                    "{} holds {:?}, but the run trains {want:?}",
+                    "{} holds {:?} ({} parameters), but the run trains {want:?} ({} parameters)",
                     dir.display(),
-                    model.config()
+                    model.config(),
+                    model.layout().len(),
+                    ours.len()
                 ),
             });
         }
@@ -390,11 +403,18 @@ impl ModelOptions {
     /// head size, gated width, rotary base, window, tied embeddings, norm
     /// epsilon and vocabulary from its `config.json` (for GPT-2 also the
     /// context length, its position table's size; the Llama-like families
-    /// keep `block_size`, the training context). A key set to something
-    /// other than its default and other than the folder's is an error
-    /// naming it, and so is a `config.json` setting no key expresses (rope
-    /// scaling, q/k/v biases): the model built is exactly the folder's.
-    /// Without `init_from`, the table unchanged.
+    /// keep `block_size`, the training context); for Qwen3-MoE also the
+    /// mixture of experts: `moe.experts` (`num_experts`), `moe.top_k`
+    /// (`num_experts_per_tok`), `moe.expert_hidden`
+    /// (`moe_intermediate_size`), `moe.normalize` (`norm_topk_prob`),
+    /// softmax gates, no shared experts, dropless, unscaled, and
+    /// `first_dense` (`mlp_only_layers`); how the run balances its
+    /// experts (`moe.balance`, `moe.aux_coef`, `moe.bias_rate`) stays the
+    /// table's. A key set to something other than its default and other
+    /// than the folder's is an error naming it, and so is a `config.json`
+    /// setting no key expresses (rope scaling, q/k/v biases, layer
+    /// patterns other than the first layers dense): the model built is
+    /// exactly the folder's. Without `init_from`, the table unchanged.
     ///
     /// # Errors
     /// [`Error::Config`] naming the key; the folder's [`Error::Io`] or
@@ -403,44 +423,9 @@ impl ModelOptions {
         let Some(dir) = &self.init_from else {
             return Ok(self.clone());
         };
-        let (cfg, ffn) = crate::hf::read_folder_config(dir)?;
+        let family = crate::hf::read_folder_config(dir)?;
+        let theirs = self.folder_options(&family);
         let d = Self::default();
-        let a = &cfg.arch;
-        let family = match ffn {
-            None => Arch::Gpt2,
-            Some(_) if a.qk_norm => Arch::Qwen3,
-            Some(_) => Arch::Llama,
-        };
-        let theirs = Self {
-            arch: family,
-            n_layer: cfg.n_layer,
-            n_head: cfg.n_head,
-            n_embd: cfg.n_embd,
-            block_size: if family == Arch::Gpt2 {
-                cfg.block_size
-            } else {
-                self.block_size
-            },
-            n_kv_head: if family == Arch::Gpt2 {
-                0
-            } else {
-                cfg.n_kv_head()
-            },
-            head_dim: a.head_dim.unwrap_or(0),
-            ffn_hidden: ffn.map_or(0, |f| f.hidden),
-            rope_theta: match a.positions {
-                crate::Positions::Rotary(r) => r.theta,
-                crate::Positions::Learned => 0.0,
-            },
-            sliding_window: a.sliding_window.map_or(0, |w| w.window),
-            global_every: a.sliding_window.and_then(|w| w.global_every).unwrap_or(0),
-            tied_embeddings: Some(cfg.tied_embeddings),
-            norm_eps: cfg.layer_norm_epsilon,
-            vocab_size: cfg.vocab_size,
-            init_from: self.init_from.clone(),
-            first_dense: self.first_dense,
-            moe: self.moe.clone(),
-        };
         let conflict = |key: &'static str, ours: String, folder: String| {
             Err(Error::Config {
                 field: key,
@@ -452,12 +437,12 @@ impl ModelOptions {
             })
         };
         macro_rules! agree {
-            ($($key:ident),*) => {$(
-                if self.$key != d.$key && self.$key != theirs.$key {
+            ($($($key:ident).+),*) => {$(
+                if self.$($key).+ != d.$($key).+ && self.$($key).+ != theirs.$($key).+ {
                     return conflict(
-                        stringify!($key),
-                        format!("{:?}", self.$key),
-                        format!("{:?}", theirs.$key),
+                        stringify!($($key).+),
+                        format!("{:?}", self.$($key).+),
+                        format!("{:?}", theirs.$($key).+),
                     );
                 }
             )*};
@@ -475,18 +460,38 @@ impl ModelOptions {
             global_every,
             tied_embeddings,
             norm_eps,
-            vocab_size
+            vocab_size,
+            first_dense,
+            moe.experts,
+            moe.top_k,
+            moe.gate,
+            moe.normalize,
+            moe.expert_hidden,
+            moe.shared_experts,
+            moe.routed_scale,
+            moe.capacity_factor
         );
-        if family == Arch::Gpt2 {
-            agree!(block_size);
-        }
+        let (cfg, folder_moe) = match &family {
+            crate::hf::Family::Gpt2(cfg) => {
+                agree!(block_size);
+                (cfg.clone(), None)
+            }
+            crate::hf::Family::Llama(cfg, _) => (cfg.clone(), None),
+            crate::hf::Family::Moe(cfg, _, ffn) => (cfg.clone(), ffn.moe()),
+        };
         // what the keys express must be the whole folder's model
         let built = theirs.gpt_config(cfg.vocab_size);
         let want = crate::GptConfig {
             block_size: built.block_size,
             ..cfg
         };
-        if built != want {
+        let built_moe = theirs.moe_config()?.map(|c| MoeConfig { aux: None, ..c });
+        let same_moe = match (folder_moe, &built_moe) {
+            (None, None) => true,
+            (Some(f), Some(b)) => f.config() == b && f.first_dense() == theirs.first_dense,
+            _ => false,
+        };
+        if built != want || !same_moe {
             return Err(Error::Config {
                 field: "init_from",
                 reason: format!(
@@ -494,12 +499,77 @@ impl ModelOptions {
                      scaling, q/k/v or output biases, or another block setting): \
                      {:?} against {:?}",
                     dir.join("config.json").display(),
-                    want.arch,
-                    built.arch
+                    (want.arch, folder_moe.map(|m| m.config())),
+                    (built.arch, built_moe)
                 ),
             });
         }
         Ok(theirs)
+    }
+
+    /// The table with the shape of the folder `family` describes (the
+    /// keys [`resolve_init_from`](Self::resolve_init_from) takes from
+    /// it); the others stay this table's.
+    fn folder_options(&self, family: &crate::hf::Family) -> Self {
+        use crate::hf::Family;
+        let (cfg, gated, moe) = match family {
+            Family::Gpt2(cfg) => (cfg, None, None),
+            Family::Llama(cfg, s) => (cfg, Some(s), None),
+            Family::Moe(cfg, s, ffn) => (cfg, Some(s), ffn.moe()),
+        };
+        let a = &cfg.arch;
+        let arch = match (gated, moe) {
+            (None, _) => Arch::Gpt2,
+            (Some(_), Some(_)) => Arch::Qwen3Moe,
+            (Some(_), None) if a.qk_norm => Arch::Qwen3,
+            (Some(_), None) => Arch::Llama,
+        };
+        let gpt2 = arch == Arch::Gpt2;
+        let mut theirs = Self {
+            arch,
+            n_layer: cfg.n_layer,
+            n_head: cfg.n_head,
+            n_embd: cfg.n_embd,
+            block_size: if gpt2 {
+                cfg.block_size
+            } else {
+                self.block_size
+            },
+            n_kv_head: if gpt2 { 0 } else { cfg.n_kv_head() },
+            head_dim: a.head_dim.unwrap_or(0),
+            ffn_hidden: gated.map_or(0, |f| f.hidden),
+            rope_theta: match a.positions {
+                crate::Positions::Rotary(r) => r.theta,
+                crate::Positions::Learned => 0.0,
+            },
+            sliding_window: a.sliding_window.map_or(0, |w| w.window),
+            global_every: a.sliding_window.and_then(|w| w.global_every).unwrap_or(0),
+            tied_embeddings: Some(cfg.tied_embeddings),
+            norm_eps: cfg.layer_norm_epsilon,
+            vocab_size: cfg.vocab_size,
+            init_from: self.init_from.clone(),
+            first_dense: 0,
+            moe: MoeOptions {
+                experts: 0,
+                ..self.moe.clone()
+            },
+        };
+        if let Some(m) = moe {
+            let (c, r) = (m.config(), &m.config().router);
+            theirs.first_dense = m.first_dense();
+            theirs.moe = MoeOptions {
+                experts: r.experts,
+                top_k: r.top_k,
+                gate: r.gate,
+                normalize: r.normalize,
+                expert_hidden: c.hidden,
+                shared_experts: c.shared_experts,
+                routed_scale: r.scale,
+                capacity_factor: 0.0,
+                ..self.moe.clone()
+            };
+        }
+        theirs
     }
 }
 

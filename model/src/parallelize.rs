@@ -259,12 +259,12 @@ impl ParallelGpt {
         plan: &ParallelPlan,
         mesh: &ParallelMesh,
     ) -> Result<GptBlocks> {
-        if mesh.dims().tp > 1 {
-            GptBlocks::with_tp(
-                config,
-                ffn,
-                TensorParallel::new(mesh.group_arc(DimSet::TP), plan.tp),
-            )
+        let tp = mesh.dims().tp;
+        if tp > 1 {
+            let copies = crate::kv_copies(config.n_head, config.n_kv_head(), tp)?;
+            let group = TensorParallel::new(mesh.group_arc(DimSet::TP), plan.tp)
+                .with_kv_copies(mesh.copies_group_arc(DimSet::NONE, copies)?);
+            GptBlocks::with_tp(config, ffn, group)
         } else {
             GptBlocks::new(config, ffn)
         }

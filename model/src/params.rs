@@ -55,15 +55,18 @@ impl Sharding {
 /// why): `wte` and `lm_head` by vocabulary rows; `attn.c_attn` by heads
 /// (each of Q, K, V by columns: a strided shard, whose Q block is
 /// `n_head / n_kv_head` times as wide as K's and V's under grouped-query
-/// attention, so a rank holds its query heads and their key/value heads); `attn.c_proj.weight` by
+/// attention, so a rank holds its query heads and their key/value heads —
+/// with more ranks than key/value heads a copy of the one they read,
+/// [`Placement::with_copies`], whose gradient the copies sum); `attn.c_proj.weight` by
 /// rows; the feed-forward block's own ([`Mlp`]: `c_fc` by columns,
 /// `c_proj.weight` by rows); everything else replicated, the layernorms'
 /// gradients partial under sequence parallelism.
 ///
 /// # Errors
 /// [`Error::Config`] if the configuration is inconsistent or does not
-/// split over the coordinates (`tp` must divide `n_head` and
-/// `n_kv_head`; the vocabulary must have at least `tp` tokens).
+/// split over the coordinates (`tp` must divide `n_head`, and divide
+/// `n_kv_head` or be a multiple of it: [`kv_copies`]; the vocabulary must
+/// have at least `tp` tokens).
 pub fn param_layout(
     cfg: &GptConfig,
     ffn: &dyn FeedForward,
@@ -88,17 +91,7 @@ pub fn param_layout(
         });
     }
     let (q_dim, kv_dim) = (cfg.q_dim(), cfg.kv_dim());
-    if !cfg.n_kv_head().is_multiple_of(tp) {
-        return Err(Error::Config {
-            field: "num_key_value_heads",
-            reason: format!(
-                "= {} is not divisible by tp = {tp}: each rank holds whole key/value \
-                 heads with their query heads (replicating key/value heads over \
-                 tp > num_key_value_heads is not supported; use tp <= {0} dividing it)",
-                cfg.n_kv_head()
-            ),
-        });
-    }
+    let copies = kv_copies(cfg.n_head, cfg.n_kv_head(), tp)?;
     let rep = Placements::REPLICATED;
     let tp_ = |p: Placement| Placements::tp(p);
     let ln_grad = if sharding.sequence_parallel && tp > 1 {
@@ -127,8 +120,10 @@ pub fn param_layout(
     // Q, K and V side by side: three blocks of heads to shard, Q
     // `n_head / n_kv_head` times as wide as K or V
     let group = cfg.n_head / cfg.n_kv_head();
-    let qkv_split = Placement::strided_lead(1, 3, group);
-    let qkv_bias_split = Placement::strided_lead(0, 3, group);
+    // (with more ranks than key/value heads, each of K and V is cut into
+    // its heads, each held by `copies` consecutive ranks)
+    let qkv_split = Placement::strided_lead(1, 3, group).with_copies(copies);
+    let qkv_bias_split = Placement::strided_lead(0, 3, group).with_copies(copies);
     for l in 0..cfg.n_layer {
         let p = format!("transformer.h.{l}.");
         ln(&mut b, format!("{p}ln_1"))?;
@@ -177,6 +172,40 @@ pub fn param_layout(
         b.push("lm_head.weight", &[v, c], true, tp_(Placement::shard(0)))?;
     }
     Ok(b.finish()?)
+}
+
+/// Ranks holding a copy of each key/value head at tensor-parallel degree
+/// `tp`: 1 when `tp` divides `n_kv_head` (each rank holds `n_kv_head / tp`
+/// whole heads), `tp / n_kv_head` when `tp` is a multiple of it (each rank
+/// a copy of the one head its query heads read, as Megatron and vLLM
+/// replicate key/value heads).
+///
+/// # Errors
+/// [`Error::Config`] naming `num_key_value_heads` if neither divides the
+/// other, or `n_head` if `tp` does not divide `n_head`.
+pub fn kv_copies(n_head: usize, n_kv_head: usize, tp: usize) -> Result<usize> {
+    if tp == 0 || !n_head.is_multiple_of(tp) {
+        return Err(Error::Config {
+            field: "n_head",
+            reason: format!(
+                "= {n_head} is not divisible by tp = {tp} (heads stay whole on one rank)"
+            ),
+        });
+    }
+    if n_kv_head > 0 && n_kv_head.is_multiple_of(tp) {
+        return Ok(1);
+    }
+    if n_kv_head > 0 && tp.is_multiple_of(n_kv_head) {
+        return Ok(tp / n_kv_head);
+    }
+    Err(Error::Config {
+        field: "num_key_value_heads",
+        reason: format!(
+            "= {n_kv_head} and tp = {tp} (n_head = {n_head}): tp must divide the key/value \
+             heads (each rank holds whole ones with the query heads that read them) or be a \
+             multiple of them (each rank holds a copy of the one its query heads read)"
+        ),
+    })
 }
 
 /// The layout of a dense GPT-2 on one rank.
@@ -473,8 +502,27 @@ mod tests {
         let runs = t.runs(&sharding(1, 2).coords).unwrap();
         let whole: Vec<_> = runs.iter().take(3).map(|r| r.whole).collect();
         assert_eq!(whole, [8, 20, 28], "{runs:?}");
-        // more ranks than key/value heads: refused, naming the field
-        let e = param_layout(&cfg, &Mlp, &sharding(0, 4)).unwrap_err();
+        // more ranks than key/value heads: each holds its query head and a
+        // copy of the key/value head it reads (rank 3: query head 3, columns
+        // 12..16; key/value head 1, columns 20..24 and 28..32)
+        let l = param_layout(&cfg, &Mlp, &sharding(3, 4)).unwrap();
+        let t = l.get("transformer.h.0.attn.c_attn.weight").unwrap();
+        assert_eq!(t.shape, vec![16, 12]);
+        assert_eq!(t.placements.tp_copies(), 2);
+        let runs = t.runs(&sharding(3, 4).coords).unwrap();
+        let whole: Vec<_> = runs.iter().take(3).map(|r| r.whole).collect();
+        assert_eq!(whole, [12, 20, 28], "{runs:?}");
+        // neither dividing the other: refused, naming the field and counts
+        let cfg3 = GptConfig {
+            n_head: 6,
+            n_embd: 24,
+            arch: crate::BlockArch::llama(3, 1e4),
+            ..cfg
+        };
+        let e = param_layout(&cfg3, &Mlp, &sharding(0, 2)).unwrap_err();
         assert!(e.to_string().contains("num_key_value_heads"), "{e}");
+        assert!(e.to_string().contains("= 3 and tp = 2 (n_head = 6)"), "{e}");
+        assert_eq!(kv_copies(8, 1, 4).unwrap(), 4);
+        assert_eq!(kv_copies(8, 4, 2).unwrap(), 1);
     }
 }

@@ -641,7 +641,8 @@ impl GptStage {
                     if !coords.owns(spec) {
                         continue;
                     }
-                    for run in spec.runs(&sharding)? {
+                    // (copied key/value heads by the first of their ranks)
+                    for run in spec.first_runs(&sharding)? {
                         let l = spec.offset + run.local..spec.offset + run.local + run.len;
                         out.push(OwnedPart {
                             name: spec.name.clone(),
@@ -681,7 +682,7 @@ impl GptStage {
                         {
                             continue;
                         }
-                        for run in spec.runs(&sharding)? {
+                        for run in spec.first_runs(&sharding)? {
                             let l0 = spec.offset + run.local;
                             let (a, b) = (l0.max(held.start), (l0 + run.len).min(held.end));
                             if a >= b {

@@ -184,6 +184,39 @@ impl SplitMix {
     }
 }
 
+/// The most router logits one trial draws (batch × seq_len × experts):
+/// 2^24, 128 MiB of `f64`, held about three times over.
+pub const MAX_AUDIT_LOGITS: usize = 1 << 24;
+
+/// The most trials an audit runs.
+pub const MAX_AUDIT_TRIALS: usize = 1 << 20;
+
+/// Refuses audit sizes whose buffers or run time no machine has, before
+/// anything is allocated.
+fn check_size(experts: usize, opts: &AuditOptions) -> Result<()> {
+    let logits = opts
+        .batch
+        .checked_mul(opts.seq_len)
+        .and_then(|n| n.checked_mul(experts))
+        .filter(|&n| n <= MAX_AUDIT_LOGITS);
+    if logits.is_none() {
+        return Err(crate::Error::Config {
+            field: "experts",
+            reason: format!(
+                "= {experts}: a trial's logits (batch {} × seq_len {} × experts) exceed the audit's bound of {MAX_AUDIT_LOGITS} values",
+                opts.batch, opts.seq_len
+            ),
+        });
+    }
+    if opts.trials > MAX_AUDIT_TRIALS {
+        return Err(crate::Error::Config {
+            field: "trials",
+            reason: format!("= {}: at most {MAX_AUDIT_TRIALS}", opts.trials),
+        });
+    }
+    Ok(())
+}
+
 /// Token `t`'s kept (expert, gate) pairs, in slot order.
 fn outcome(r: &crate::router::Routing<f64>, t: usize) -> (Vec<usize>, Vec<u64>) {
     let k = r.slots;
@@ -203,11 +236,13 @@ fn outcome(r: &crate::router::Routing<f64>, t: usize) -> (Vec<usize>, Vec<u64>) 
 ///
 /// # Errors
 /// [`Error::Config`](crate::Error::Config) if the router is invalid or
-/// `opts` has fewer than 2 sequences or 2 tokens per sequence;
+/// `opts` has fewer than 2 sequences or 2 tokens per sequence, or sizes
+/// over [`MAX_AUDIT_LOGITS`] or [`MAX_AUDIT_TRIALS`];
 /// [`Error::ShapeMismatch`](crate::Error::ShapeMismatch) for a bias of the
 /// wrong length.
 pub fn audit(router: &Router, bias: Option<&[f64]>, opts: &AuditOptions) -> Result<AuditReport> {
     router.validate()?;
+    check_size(router.experts, opts)?;
     if opts.batch < 2 || opts.seq_len < 2 {
         return Err(crate::Error::Config {
             field: "audit batch/seq_len",
@@ -291,6 +326,7 @@ pub fn audit(router: &Router, bias: Option<&[f64]>, opts: &AuditOptions) -> Resu
 /// # Errors
 /// As [`audit`].
 pub fn audit_suite(experts: usize, top_k: usize, opts: &AuditOptions) -> Result<Vec<AuditReport>> {
+    check_size(experts, opts)?;
     let mut rng = SplitMix::new(opts.seed ^ 0xb1a5);
     let bias: Vec<f64> = (0..experts).map(|_| rng.sym(0.5)).collect();
     let base = Router::top_k(experts, top_k);

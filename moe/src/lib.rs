@@ -106,7 +106,10 @@ mod stats;
 /// dependency.
 pub use weft_collectives;
 
-pub use audit::{AuditOptions, AuditReport, Perturbation, PerturbationResult, audit, audit_suite};
+pub use audit::{
+    AuditOptions, AuditReport, MAX_AUDIT_LOGITS, MAX_AUDIT_TRIALS, Perturbation,
+    PerturbationResult, audit, audit_suite,
+};
 pub use balance::{AuxLoss, AuxScope, BiasBalancer};
 pub use block::{Expert, MoeBlock, MoeConfig, MoeForward, TensorSpec};
 pub use ep::{EpSaved, ExpertParallel};

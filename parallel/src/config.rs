@@ -243,7 +243,8 @@ pub struct ModelShape {
     /// Attention (query) heads (a tensor-parallel rank holds whole heads).
     pub heads: usize,
     /// Key/value heads: `heads` for multi-head attention, fewer for
-    /// grouped-query attention (a rank holds whole ones too).
+    /// grouped-query attention (a rank holds whole ones too, or with `tp`
+    /// a multiple of them a copy of one).
     pub kv_heads: usize,
     /// Routed experts per layer (0: dense).
     pub experts: usize,
@@ -411,12 +412,13 @@ impl ParallelLayout {
                 ),
             );
         }
-        if !shape.kv_heads.is_multiple_of(self.tp) {
+        if !(shape.kv_heads.is_multiple_of(self.tp) || self.tp.is_multiple_of(shape.kv_heads)) {
             return bad(
                 "tp",
                 format!(
-                    "must divide the model's key/value heads ({}; each rank holds whole \
-                     key/value heads with the query heads that read them), got {}",
+                    "must divide the model's key/value heads ({}) or be a multiple of them \
+                     (each rank holds whole key/value heads with the query heads that read \
+                     them, or a copy of the one its query heads read), got {}",
                     shape.kv_heads, self.tp
                 ),
             );
@@ -599,15 +601,26 @@ mod tests {
     fn each_rule_names_its_setting() {
         let one = ParallelLayout::default();
         assert_eq!(field(ParallelLayout { tp: 3, ..one }, 32, 0), "tp");
-        // more tensor-parallel ranks than key/value heads
-        let gqa = ModelShape {
-            kv_heads: 2,
+        // more tensor-parallel ranks than key/value heads: copies of them
+        // when tp is a multiple of them, refused when neither divides
+        let gqa = |kv_heads| ModelShape {
+            kv_heads,
             ..shape()
         };
+        assert!(
+            ParallelLayout { tp: 4, ..one }
+                .check(&gqa(2), 32, 0)
+                .is_ok()
+        );
+        assert!(
+            ParallelLayout { tp: 8, ..one }
+                .check(&gqa(1), 32, 0)
+                .is_ok()
+        );
         let e = ParallelLayout { tp: 4, ..one }
-            .check(&gqa, 32, 0)
+            .check(&gqa(3), 32, 0)
             .unwrap_err();
-        assert!(e.to_string().contains("key/value heads (2"), "{e}");
+        assert!(e.to_string().contains("key/value heads (3)"), "{e}");
         assert_eq!(field(ParallelLayout { dp: 0, ..one }, 32, 0), "dp");
         assert_eq!(
             field(

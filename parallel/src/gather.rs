@@ -15,6 +15,17 @@ fn buffer_runs(
     local: &ParamLayout,
     whole: &ParamLayout,
 ) -> Result<Vec<(usize, usize, usize)>> {
+    buffer_runs_of(spec, local, whole, false)
+}
+
+/// [`buffer_runs`], only the runs this rank holds first (`first`:
+/// leaving copies to the lowest tensor-parallel rank holding them).
+fn buffer_runs_of(
+    spec: &ParamSpec,
+    local: &ParamLayout,
+    whole: &ParamLayout,
+    first: bool,
+) -> Result<Vec<(usize, usize, usize)>> {
     let w = whole
         .get(&spec.name)
         .ok_or_else(|| layout_err(&spec.name, "not in the whole model's layout"))?;
@@ -27,8 +38,12 @@ fn buffer_runs(
             ),
         ));
     }
-    Ok(spec
-        .runs(&local.coords())?
+    let runs = if first {
+        spec.first_runs(&local.coords())?
+    } else {
+        spec.runs(&local.coords())?
+    };
+    Ok(runs
         .into_iter()
         .map(|r| (w.offset + r.whole, spec.offset + r.local, r.len))
         .collect())
@@ -109,7 +124,7 @@ pub fn gather_whole(
     let mut mine = Vec::new();
     for spec in local.specs() {
         if coords.owns(spec) {
-            mine.extend(buffer_runs(spec, local, whole)?);
+            mine.extend(buffer_runs_of(spec, local, whole, true)?);
         }
     }
     if world.rank() != 0 {

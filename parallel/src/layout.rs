@@ -5,7 +5,7 @@ use std::collections::HashMap;
 use std::ops::Range;
 
 use crate::error::{Result, layout_err};
-use crate::placement::{Coords, Placements, Run, local_shape, runs};
+use crate::placement::{Coords, Placements, Run, copied_runs, first_runs, local_shape, runs};
 
 /// One named tensor inside a rank's flat parameter buffer.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -53,6 +53,26 @@ impl ParamSpec {
     /// As [`runs`].
     pub fn runs(&self, c: &Coords) -> Result<Vec<Run>> {
         runs(&self.global_shape, &self.placements, c)
+    }
+
+    /// [`runs`](Self::runs) less the copies a lower tensor-parallel rank
+    /// holds first ([`first_runs`]): the elements this rank writes to a
+    /// checkpoint and counts in the gradient norm.
+    ///
+    /// # Errors
+    /// As [`runs`].
+    pub fn first_runs(&self, c: &Coords) -> Result<Vec<Run>> {
+        first_runs(&self.global_shape, &self.placements, c)
+    }
+
+    /// The runs other tensor-parallel ranks hold copies of
+    /// ([`copied_runs`]): where the gradient is partial over the replica
+    /// group. Empty for a tensor without copies.
+    ///
+    /// # Errors
+    /// As [`runs`].
+    pub fn copied_runs(&self, c: &Coords) -> Result<Vec<Run>> {
+        copied_runs(&self.global_shape, &self.placements, c)
     }
 }
 

@@ -23,9 +23,14 @@
 //!   innermost, so a tp group is consecutive ranks — Megatron's order) with
 //!   the communicator of every group of dimensions ([`DimSet`]) built once.
 //! * [`Placement`] / [`Placements`]: replicated, sharded along a dimension
-//!   (optionally strided: fused Q|K|V), or partial (a gradient still to be
-//!   summed), per sharding [`Axis`]. [`runs`] maps a rank's elements to the
-//!   whole tensor's.
+//!   (optionally strided: fused Q|K|V; with [copies](Placement::with_copies)
+//!   of the key/value blocks on consecutive ranks when `tp` exceeds the
+//!   key/value heads), or partial (a gradient still to be summed), per
+//!   sharding [`Axis`]. [`runs`] maps a rank's elements to the whole
+//!   tensor's, [`first_runs`] the ones it holds first (each element once
+//!   over the ranks: what checkpoints write), [`copied_runs`] the copies
+//!   (whose gradients are partial over their replica group,
+//!   [`ParallelMesh::copies_group`]).
 //! * [`ParamLayout`] / [`ParamSpec`] / [`LayoutBuilder`]: a rank's
 //!   parameters in one flat buffer under their names, with local and whole
 //!   shapes, decay and placements. Gradients, moments and checkpoints share
@@ -104,5 +109,7 @@ pub use layout::{LayoutBuilder, ParamLayout, ParamSpec};
 pub use mesh::{DimSet, MeshCoords, MeshTraffic, ParallelDims, ParallelMesh, TrafficAxis};
 pub use norm::{GradNorm, add_squares, merge_exact};
 pub use optim::{AdamWState, adamw_runs};
-pub use placement::{Axis, Coords, Placement, Placements, Run, local_shape, runs};
+pub use placement::{
+    Axis, Coords, Placement, Placements, Run, copied_runs, first_runs, local_shape, runs,
+};
 pub use reduce::{GradReducer, reduce_group};

@@ -135,11 +135,20 @@ impl ParallelDims {
                 .collect();
             groups.push(Arc::from(mesh.group(&names)?));
         }
+        let coords = self.coords_of(world.rank());
+        let mut copies = Vec::new();
+        for g in (2..self.tp).filter(|g| self.tp.is_multiple_of(*g)) {
+            for dims in [DimSet::NONE, DimSet::EDP, DimSet::DP] {
+                let (color, key) = copies_split(&coords, dims, g);
+                copies.push((g, dims, Arc::from(world.split(color, key)?)));
+            }
+        }
         Ok(ParallelMesh {
             dims: *self,
-            coords: self.coords_of(world.rank()),
+            coords,
             mesh,
             groups,
+            copies,
         })
     }
 }
@@ -153,6 +162,31 @@ impl fmt::Display for ParallelDims {
         }
         write!(f, " tp={}", self.tp)
     }
+}
+
+/// The split of the group of [`ParallelMesh::copies_group`]: `(color,
+/// key)`, the color the coordinates outside the group and the tp block,
+/// the key the coordinates inside it, row-major in mesh order.
+fn copies_split(c: &MeshCoords, dims: DimSet, g: usize) -> (u32, u32) {
+    let d = c.dims;
+    let (mut color, mut key) = (0usize, 0usize);
+    for (set, at, size) in [
+        (DimSet::PP, c.pp, d.pp),
+        (DimSet::EDP, c.edp, d.dp / d.ep),
+        (DimSet::EP, c.ep, d.ep),
+    ] {
+        if dims.contains(set) {
+            key = key * size + at;
+        } else {
+            color = color * size + at;
+        }
+    }
+    color = color * (d.tp / g) + c.tp / g;
+    key = key * g + c.tp % g;
+    (
+        u32::try_from(color).unwrap_or(u32::MAX),
+        u32::try_from(key).unwrap_or(u32::MAX),
+    )
 }
 
 /// A rank's place in the mesh.
@@ -255,6 +289,9 @@ pub struct ParallelMesh {
     coords: MeshCoords,
     mesh: Mesh,
     groups: Vec<Arc<dyn Communicator>>,
+    /// `(copies, dims, group)` of every [`copies_group`](Self::copies_group)
+    /// between one rank and the whole tensor-parallel group.
+    copies: Vec<(usize, DimSet, Arc<dyn Communicator>)>,
 }
 
 impl fmt::Debug for ParallelMesh {
@@ -286,6 +323,53 @@ impl ParallelMesh {
     /// (ordered by their coordinates, row-major in mesh order).
     pub fn group(&self, dims: DimSet) -> &dyn Communicator {
         &*self.groups[usize::from(dims.0)]
+    }
+
+    /// The group of ranks that differ from this one along `dims` (without
+    /// [`DimSet::TP`]) and along the tensor-parallel axis within this
+    /// rank's block of `copies` consecutive tp ranks: the ranks holding
+    /// the same copied key/value part (a [`Placement::Shard`] with
+    /// `copies`), over which its partial gradients are summed. `copies =
+    /// 1` is [`group`](Self::group)`(dims)`, `copies = tp` is `dims` with
+    /// the whole tp group.
+    ///
+    /// # Errors
+    /// [`Error::Dims`] if `copies` does not divide `tp` or `dims` holds
+    /// the tp axis or the pipeline.
+    pub fn copies_group(&self, dims: DimSet, copies: usize) -> Result<&dyn Communicator> {
+        Ok(&**self.copies_handle(dims, copies)?)
+    }
+
+    /// [`copies_group`](Self::copies_group) as a shared handle.
+    ///
+    /// # Errors
+    /// As [`copies_group`](Self::copies_group).
+    pub fn copies_group_arc(&self, dims: DimSet, copies: usize) -> Result<Arc<dyn Communicator>> {
+        Ok(Arc::clone(self.copies_handle(dims, copies)?))
+    }
+
+    fn copies_handle(&self, dims: DimSet, copies: usize) -> Result<&Arc<dyn Communicator>> {
+        let tp = self.dims.tp;
+        if copies == 0 || !tp.is_multiple_of(copies) {
+            return Err(Error::Dims {
+                field: "tp",
+                reason: format!("= {tp} is not a multiple of {copies} copies of a key/value head"),
+            });
+        }
+        if copies == 1 {
+            return Ok(&self.groups[usize::from(dims.0)]);
+        }
+        if copies == tp {
+            return Ok(&self.groups[usize::from(dims.with(DimSet::TP).0)]);
+        }
+        self.copies
+            .iter()
+            .find(|(g, d, _)| *g == copies && *d == dims)
+            .map(|(_, _, c)| c)
+            .ok_or_else(|| Error::Dims {
+                field: "tp",
+                reason: format!("no group of {copies} copies over {dims:?}"),
+            })
     }
 
     /// [`group`](Self::group) as a shared handle (for layers that keep
@@ -339,6 +423,9 @@ impl ParallelMesh {
         for (i, g) in self.groups.iter().enumerate() {
             #[allow(clippy::cast_possible_truncation)]
             t.add(TrafficAxis::of(DimSet(i as u8)), &g.group_traffic());
+        }
+        for (_, dims, g) in &self.copies {
+            t.add(TrafficAxis::of(dims.with(DimSet::TP)), &g.group_traffic());
         }
         t
     }

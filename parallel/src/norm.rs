@@ -1,12 +1,14 @@
 //! The global gradient norm, exactly, whatever the layout.
 
+use std::ops::Range;
+
 use weft_collectives::Communicator;
 use weft_numerics::ExactSum;
 
 use crate::error::{Error, Result};
-use crate::layout::ParamLayout;
+use crate::layout::{ParamLayout, ParamSpec};
 use crate::mesh::{DimSet, ParallelMesh};
-use crate::placement::Placements;
+use crate::placement::{Coords, Placements};
 
 /// Adds every `g²` of `grads` (exact in f64) to `sum`.
 pub fn add_squares(sum: &mut ExactSum, grads: &[f32]) {
@@ -74,7 +76,10 @@ fn class(p: &Placements) -> usize {
 /// over which ranks hold different elements of a tensor — and each class is
 /// merged over the group of ranks holding its distinct parts (the pipeline
 /// stages, and the `tp` / `ep` ranks where the class is sharded there).
-/// Ranks that replicate elements hold identical sums and are counted once.
+/// Ranks that replicate elements hold identical sums and are counted once;
+/// copies of a key/value head inside a `tp`-sharded tensor
+/// ([`Placement::with_copies`](crate::Placement::with_copies)) are added
+/// by the first rank holding them only ([`add_spec`](Self::add_spec)).
 /// The total, rounded once, is the bits one rank holding the whole model
 /// would compute, for every layout.
 ///
@@ -132,8 +137,34 @@ impl GradNorm {
     /// Adds every tensor of a gradient buffer laid out by `layout`.
     pub fn add_layout(&mut self, layout: &ParamLayout, grads: &[f32]) {
         for s in layout.specs() {
-            if let Some(g) = grads.get(s.range()) {
-                self.add(&s.placements, g);
+            self.add_spec(s, &layout.coords(), 0..grads.len(), grads);
+        }
+    }
+
+    /// Adds the squares of `grads`, elements `held` of a rank's buffer (at
+    /// coordinates `c`), of the parts of tensor `spec` inside `held`. The
+    /// copies a lower tensor-parallel rank holds too (grouped-query
+    /// attention's replicated key/value heads) are left to that rank
+    /// ([`ParamSpec::first_runs`]), so every element counts once.
+    pub fn add_spec(&mut self, spec: &ParamSpec, c: &Coords, held: Range<usize>, grads: &[f32]) {
+        let r = spec.range();
+        let (a, b) = (r.start.max(held.start), r.end.min(held.end));
+        if a >= b {
+            return;
+        }
+        let at = |x: usize| x - held.start;
+        if spec.placements.tp_copies() == 1 {
+            if let Some(g) = grads.get(at(a)..at(b)) {
+                self.add(&spec.placements, g);
+            }
+            return;
+        }
+        // (a layout checked its placements at its coordinates: no error)
+        for run in spec.first_runs(c).unwrap_or_default() {
+            let l = spec.offset + run.local;
+            let (x, y) = (l.max(a), (l + run.len).min(b));
+            if let Some(g) = grads.get(at(x)..at(y.max(x))) {
+                self.add(&spec.placements, g);
             }
         }
     }

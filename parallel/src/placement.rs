@@ -51,6 +51,18 @@ pub enum Placement {
     /// equal except the first, which is `lead` times as wide as each of the
     /// others: grouped-query attention's fused `[C, Cq + 2·Ckv]` is 3
     /// blocks with `lead = n_head / n_kv_head`.
+    ///
+    /// With `copies > 1` the blocks after the first are split over only
+    /// `size / copies` parts, each held, identically, by `copies`
+    /// consecutive ranks (rank `r` holds part `r / copies`): grouped-query
+    /// attention with more tensor-parallel ranks than key/value heads,
+    /// where each rank holds its query heads and a copy of the one
+    /// key/value head they read (Megatron's and vLLM's replicated kv
+    /// heads). As a *gradient* placement the copies are partial sums over
+    /// their `copies` ranks (each replica's backward sees only its own
+    /// query heads), which [`GradReducer`](crate::GradReducer) sums so that
+    /// the copies stay equal; [`first_runs`] names the elements a rank
+    /// holds first, which checkpoints write and the gradient norm counts.
     Shard {
         /// The dimension cut.
         dim: usize,
@@ -59,6 +71,9 @@ pub enum Placement {
         /// The first block's width in units of each other block's (1:
         /// equal blocks).
         lead: usize,
+        /// Ranks holding each part of the blocks after the first (1: no
+        /// copies; must divide the axis' size).
+        copies: usize,
     },
     /// Every rank holds a tensor of the whole shape whose sum over the
     /// axis is the value: a gradient that still needs a reduction over the
@@ -74,6 +89,7 @@ impl Placement {
             dim,
             blocks: 1,
             lead: 1,
+            copies: 1,
         }
     }
 
@@ -83,6 +99,7 @@ impl Placement {
             dim,
             blocks,
             lead: 1,
+            copies: 1,
         }
     }
 
@@ -91,7 +108,40 @@ impl Placement {
     /// `Q|K|V` projection of grouped-query attention, `Q` being
     /// `n_head / n_kv_head` times as wide as `K` or `V`.
     pub const fn strided_lead(dim: usize, blocks: usize, lead: usize) -> Self {
-        Placement::Shard { dim, blocks, lead }
+        Placement::Shard {
+            dim,
+            blocks,
+            lead,
+            copies: 1,
+        }
+    }
+
+    /// This placement with the parts of the blocks after the first each
+    /// held by `copies` consecutive ranks (see [`Placement::Shard`]): the
+    /// fused `Q|K|V` of grouped-query attention over `tp = copies ·
+    /// n_kv_head` ranks. Other placements are returned unchanged.
+    #[must_use]
+    pub const fn with_copies(self, copies: usize) -> Self {
+        match self {
+            Placement::Shard {
+                dim, blocks, lead, ..
+            } => Placement::Shard {
+                dim,
+                blocks,
+                lead,
+                copies,
+            },
+            other => other,
+        }
+    }
+
+    /// Ranks of the axis holding each copy of a replicated part: a
+    /// shard's `copies` when it has blocks after the first, else 1.
+    pub fn copies(self) -> usize {
+        match self {
+            Placement::Shard { blocks, copies, .. } if blocks > 1 => copies.max(1),
+            _ => 1,
+        }
     }
 
     /// Whether ranks of the axis hold different elements.
@@ -102,20 +152,25 @@ impl Placement {
 
 impl fmt::Display for Placement {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
+        match *self {
             Placement::Replicate => f.write_str("Replicate"),
             Placement::Shard {
                 dim,
-                blocks: 1,
-                lead: 1,
-            } => write!(f, "Shard({dim})"),
-            Placement::Shard {
-                dim,
                 blocks,
-                lead: 1,
-            } => write!(f, "Shard({dim}, {blocks} blocks)"),
-            Placement::Shard { dim, blocks, lead } => {
-                write!(f, "Shard({dim}, {blocks} blocks, the first {lead}x)")
+                lead,
+                copies,
+            } => {
+                write!(f, "Shard({dim}")?;
+                if blocks != 1 {
+                    write!(f, ", {blocks} blocks")?;
+                }
+                if lead != 1 {
+                    write!(f, ", the first {lead}x")?;
+                }
+                if copies != 1 {
+                    write!(f, ", the others' parts on {copies} ranks each")?;
+                }
+                f.write_str(")")
             }
             Placement::Partial => f.write_str("Partial"),
         }
@@ -160,6 +215,12 @@ impl Placements {
             Axis::Tp => self.tp = p,
             Axis::Ep => self.ep = p,
         }
+    }
+
+    /// Ranks holding each copy of a replicated part on the
+    /// tensor-parallel axis ([`Placement::copies`]; 1: none).
+    pub fn tp_copies(&self) -> usize {
+        self.tp.copies()
     }
 
     /// Whether no axis shards the tensor.
@@ -212,12 +273,32 @@ pub struct Run {
     pub len: usize,
 }
 
-/// Per dimension, the whole tensor's index ranges a rank holds, in the
-/// order it stores them.
-fn held(global: &[usize], p: &Placements, c: &Coords) -> Result<Vec<Vec<Range<usize>>>> {
-    let mut idx: Vec<Vec<Range<usize>>> = global
+/// How a held range is copied: whether other ranks hold copies of it
+/// (`shared`), and whether a lower rank holds it first (`later`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+struct Mark {
+    shared: bool,
+    later: bool,
+}
+
+impl Mark {
+    fn or(self, o: Mark) -> Mark {
+        Mark {
+            shared: self.shared || o.shared,
+            later: self.later || o.later,
+        }
+    }
+}
+
+/// Of one dimension, the whole tensor's index ranges a rank holds, in the
+/// order it stores them, each marked by how it is copied.
+type Held = Vec<(Range<usize>, Mark)>;
+
+/// Per dimension, the ranges a rank holds ([`Held`]).
+fn held(global: &[usize], p: &Placements, c: &Coords) -> Result<Vec<Held>> {
+    let mut idx: Vec<Held> = global
         .iter()
-        .map(|&n| std::iter::once(0..n).collect())
+        .map(|&n| vec![(0..n, Mark::default())])
         .collect();
     for axis in Axis::ALL {
         let (rank, size) = c.get(axis);
@@ -227,7 +308,13 @@ fn held(global: &[usize], p: &Placements, c: &Coords) -> Result<Vec<Vec<Range<us
                 format!("rank {rank} of {size}"),
             ));
         }
-        let Placement::Shard { dim, blocks, lead } = p.get(axis) else {
+        let Placement::Shard {
+            dim,
+            blocks,
+            lead,
+            copies,
+        } = p.get(axis)
+        else {
             continue;
         };
         let cur = idx.get(dim).ok_or_else(|| {
@@ -239,7 +326,13 @@ fn held(global: &[usize], p: &Placements, c: &Coords) -> Result<Vec<Vec<Range<us
                 ),
             )
         })?;
-        let total: usize = cur.iter().map(Range::len).sum();
+        if copies == 0 || !size.is_multiple_of(copies) {
+            return Err(layout_err(
+                format!("{} placement", axis.name()),
+                format!("parts held by {copies} ranks each do not divide {size} ranks"),
+            ));
+        }
+        let total: usize = cur.iter().map(|(r, _)| r.len()).sum();
         // widths in units: the first block `lead`, every other one
         let units = if blocks == 0 || lead == 0 {
             0
@@ -267,16 +360,28 @@ fn held(global: &[usize], p: &Placements, c: &Coords) -> Result<Vec<Vec<Range<us
             } else {
                 ((lead + b - 1) * unit, unit)
             };
-            let part = shard_range(blen, size, rank);
+            // the blocks after the first: `size / copies` parts, each on
+            // `copies` consecutive ranks, the first of which holds it first
+            let (part, copy) = if b == 0 {
+                (shard_range(blen, size, rank), Mark::default())
+            } else {
+                (
+                    shard_range(blen, size / copies, rank / copies),
+                    Mark {
+                        shared: copies > 1,
+                        later: !rank.is_multiple_of(copies),
+                    },
+                )
+            };
             let (start, end) = (at + part.start, at + part.end);
             // positions start..end of the current local index space, mapped
             // back to the whole tensor's indices
             let mut at = 0;
-            for r in cur {
+            for (r, was) in cur {
                 let (lo, hi) = (at, at + r.len());
                 let (a, e) = (start.max(lo), end.min(hi));
                 if a < e {
-                    next.push(r.start + (a - lo)..r.start + (e - lo));
+                    next.push((r.start + (a - lo)..r.start + (e - lo), was.or(copy)));
                 }
                 at = hi;
             }
@@ -292,11 +397,11 @@ fn held(global: &[usize], p: &Placements, c: &Coords) -> Result<Vec<Vec<Range<us
 /// # Errors
 /// [`Error::Layout`](crate::Error::Layout) if a placement shards a
 /// dimension the tensor does not have, a dimension does not divide into its
-/// blocks, or a coordinate is out of range.
+/// blocks, copies do not divide the axis, or a coordinate is out of range.
 pub fn local_shape(global: &[usize], p: &Placements, c: &Coords) -> Result<Vec<usize>> {
     Ok(held(global, p, c)?
         .iter()
-        .map(|rs| rs.iter().map(Range::len).sum())
+        .map(|rs| rs.iter().map(|(r, _)| r.len()).sum())
         .collect())
 }
 
@@ -308,6 +413,38 @@ pub fn local_shape(global: &[usize], p: &Placements, c: &Coords) -> Result<Vec<u
 /// # Errors
 /// As [`local_shape`].
 pub fn runs(global: &[usize], p: &Placements, c: &Coords) -> Result<Vec<Run>> {
+    runs_where(global, p, c, |_| true)
+}
+
+/// [`runs`] less the copies a lower rank of the axis holds too (the parts
+/// of a [`Placement::Shard`] with `copies > 1` on every rank of a replica
+/// group but its first): over all ranks of a sharded axis, every element
+/// once. What a checkpoint writes and the gradient norm counts. The
+/// `local` offsets are as in [`runs`] (they no longer tile the part when
+/// copies are left out).
+///
+/// # Errors
+/// As [`local_shape`].
+pub fn first_runs(global: &[usize], p: &Placements, c: &Coords) -> Result<Vec<Run>> {
+    runs_where(global, p, c, |m| !m.later)
+}
+
+/// The part of [`runs`] that other ranks hold copies of (the parts of a
+/// [`Placement::Shard`] with `copies > 1`): the elements whose gradients
+/// are partial over their replica group. Empty without copies.
+///
+/// # Errors
+/// As [`local_shape`].
+pub fn copied_runs(global: &[usize], p: &Placements, c: &Coords) -> Result<Vec<Run>> {
+    runs_where(global, p, c, |m| m.shared)
+}
+
+fn runs_where(
+    global: &[usize],
+    p: &Placements,
+    c: &Coords,
+    keep: impl Fn(Mark) -> bool,
+) -> Result<Vec<Run>> {
     let idx = held(global, p, c)?;
     let d = global.len();
     let mut out: Vec<Run> = Vec::new();
@@ -332,10 +469,14 @@ pub fn runs(global: &[usize], p: &Placements, c: &Coords) -> Result<Vec<Run>> {
     for i in (0..d - 1).rev() {
         stride[i] = stride[i + 1] * global[i + 1];
     }
-    // the outer dimensions' held indices, expanded
-    let outer: Vec<Vec<usize>> = idx[..d - 1]
+    // the outer dimensions' held indices, expanded, with their copy marks
+    let outer: Vec<Vec<(usize, Mark)>> = idx[..d - 1]
         .iter()
-        .map(|rs| rs.iter().flat_map(Clone::clone).collect())
+        .map(|rs| {
+            rs.iter()
+                .flat_map(|(r, copy)| r.clone().map(move |i| (i, *copy)))
+                .collect()
+        })
         .collect();
     let mut pos = vec![0usize; d - 1];
     let mut local = 0;
@@ -343,13 +484,17 @@ pub fn runs(global: &[usize], p: &Placements, c: &Coords) -> Result<Vec<Run>> {
         return Ok(out);
     }
     loop {
-        let base: usize = pos
-            .iter()
-            .enumerate()
-            .map(|(i, &p)| outer[i][p] * stride[i])
-            .sum();
-        for r in &idx[d - 1] {
-            push(base + r.start, local, r.len());
+        let mut base = 0;
+        let mut mark = Mark::default();
+        for (i, &p) in pos.iter().enumerate() {
+            let (at, m) = outer[i][p];
+            base += at * stride[i];
+            mark = mark.or(m);
+        }
+        for (r, m) in &idx[d - 1] {
+            if keep(mark.or(*m)) {
+                push(base + r.start, local, r.len());
+            }
             local += r.len();
         }
         // next outer index, row-major
@@ -499,6 +644,94 @@ mod tests {
                 assert!(seen.iter().all(|&s| s == 1), "{g:?} {p:?} tp={tp} ep={ep}");
             }
         }
+    }
+
+    /// Grouped-query `Q|K|V` of `[1, 16]` (heads of width 2: 4 query heads
+    /// reading 2 key/value heads, Q = 0..8, K = 8..12, V = 12..16, lead 2)
+    /// over tp = 4: each rank holds
+    /// its query head and a copy of the key/value head it reads, ranks 0
+    /// and 1 sharing head 0, ranks 2 and 3 head 1.
+    #[test]
+    fn replicated_key_value_parts_are_held_by_consecutive_ranks() {
+        let p = Placements::tp(Placement::strided_lead(1, 3, 2).with_copies(2));
+        assert_eq!(p.tp_copies(), 2);
+        assert_eq!(
+            p.tp.to_string(),
+            "Shard(1, 3 blocks, the first 2x, the others' parts on 2 ranks each)"
+        );
+        let at = |r| Coords {
+            tp: (r, 4),
+            ..Coords::SINGLE
+        };
+        let want: [&[f32]; 4] = [
+            &[0., 1., 8., 9., 12., 13.],
+            &[2., 3., 8., 9., 12., 13.],
+            &[4., 5., 10., 11., 14., 15.],
+            &[6., 7., 10., 11., 14., 15.],
+        ];
+        for (r, w) in want.iter().enumerate() {
+            assert_eq!(local_shape(&[1, 16], &p, &at(r)).unwrap(), [1, 6]);
+            assert_eq!(cut(&[1, 16], &p, &at(r)), *w, "rank {r}");
+        }
+        // the second of a pair holds its query columns first, the key and
+        // value columns as copies
+        let first = first_runs(&[1, 16], &p, &at(1)).unwrap();
+        assert_eq!(
+            first,
+            [Run {
+                whole: 2,
+                local: 0,
+                len: 2
+            }]
+        );
+        let first = first_runs(&[1, 16], &p, &at(2)).unwrap();
+        let whole: Vec<_> = first.iter().map(|r| (r.whole, r.local, r.len)).collect();
+        assert_eq!(whole, [(4, 0, 2), (10, 2, 2), (14, 4, 2)]);
+        // the copied runs, on every rank of a pair: the key and value ones
+        for r in [2, 3] {
+            let c = copied_runs(&[1, 16], &p, &at(r)).unwrap();
+            let whole: Vec<_> = c.iter().map(|r| (r.whole, r.local, r.len)).collect();
+            assert_eq!(whole, [(10, 2, 2), (14, 4, 2)]);
+        }
+        let plain = Placements::tp(Placement::strided_lead(1, 3, 2));
+        assert!(copied_runs(&[1, 16], &plain, &at(2)).unwrap().is_empty());
+        // a bias and a two-row weight: the first runs of every rank cover
+        // each element once, the runs every copy
+        for g in [&[16][..], &[3, 16]] {
+            let p = if g.len() == 1 {
+                Placements::tp(Placement::strided_lead(0, 3, 2).with_copies(2))
+            } else {
+                p
+            };
+            let total: usize = g.iter().product();
+            let (mut once, mut all) = (vec![0u8; total], vec![0u8; total]);
+            for r in 0..4 {
+                let rs = runs(g, &p, &at(r)).unwrap();
+                assert_eq!(rs.iter().map(|r| r.len).sum::<usize>(), 6 * total / 16);
+                for x in rs {
+                    all[x.whole..x.whole + x.len]
+                        .iter_mut()
+                        .for_each(|s| *s += 1);
+                }
+                for x in first_runs(g, &p, &at(r)).unwrap() {
+                    once[x.whole..x.whole + x.len]
+                        .iter_mut()
+                        .for_each(|s| *s += 1);
+                }
+            }
+            assert!(once.iter().all(|&s| s == 1), "{g:?} {once:?}");
+            // query columns once, key and value columns twice
+            for (i, &n) in all.iter().enumerate() {
+                assert_eq!(n, if i % 16 < 8 { 1 } else { 2 }, "{g:?} element {i}");
+            }
+        }
+        // multi-query: one key/value head copied on every rank
+        let mqa = Placements::tp(Placement::strided_lead(1, 3, 4).with_copies(4));
+        assert_eq!(cut(&[1, 6 * 2], &mqa, &at(3)), [6., 7., 8., 9., 10., 11.]);
+        // copies that do not divide the axis
+        let bad = Placements::tp(Placement::strided_lead(1, 3, 2).with_copies(3));
+        let e = local_shape(&[1, 16], &bad, &at(0)).unwrap_err();
+        assert!(e.to_string().contains("3 ranks each"), "{e}");
     }
 
     #[test]

@@ -35,6 +35,10 @@ pub fn reduce_group(grad_placements: &Placements) -> DimSet {
 #[derive(Debug)]
 struct Part {
     group: DimSet,
+    /// With `> 1`, the group also spans this rank's replica group of
+    /// `copies` consecutive tp ranks ([`ParallelMesh::copies_group`]):
+    /// copied key/value parts, whose gradients are partial there.
+    copies: usize,
     /// Element ranges of the buffer, in order.
     ranges: Vec<Range<usize>>,
     /// Exact partial sums, one set per contribution range (the ranges the
@@ -91,7 +95,12 @@ fn scatter(ranges: &[Range<usize>], buf: &[f32], grads: &mut [f32]) {
 
 /// Turns micro-batch gradients into the gradient of the global batch's
 /// mean loss, on every layout: summed over the ranks of each tensor's
-/// [`reduce_group`], divided by the global number of micro-batches.
+/// [`reduce_group`], divided by the global number of micro-batches. The
+/// copied parts of a tensor placed with copies on `tp` (grouped-query
+/// attention's key/value heads when `tp > n_kv_head`:
+/// [`Placement::Shard`]'s `copies`) are partial over their replica group
+/// and summed over it as well, in the same reduction, so every copy ends
+/// with the same bits.
 ///
 /// Exact (the reproducible mode): every micro-batch's gradient is folded
 /// into an exact partial sum ([`ExactPartial`]) and the group's partials
@@ -127,24 +136,53 @@ pub struct GradReducer {
 impl GradReducer {
     /// A reducer for gradient buffers laid out by `layout`; `exact`
     /// selects the reproducible sums.
+    ///
+    /// # Panics
+    /// Never for a layout [`ParamLayout::new`] accepted (it checks every
+    /// placement at the layout's coordinates).
     pub fn new(layout: &ParamLayout, exact: bool) -> Self {
-        let mut by_group: BTreeMap<DimSet, Vec<Range<usize>>> = BTreeMap::new();
-        for s in layout.specs() {
-            let rs = by_group
-                .entry(reduce_group(&s.grad_placements))
-                .or_default();
+        let mut by_group: BTreeMap<(DimSet, usize), Vec<Range<usize>>> = BTreeMap::new();
+        let mut add = |key: (DimSet, usize), r: Range<usize>| {
+            let rs = by_group.entry(key).or_default();
             match rs.last_mut() {
-                Some(last) if last.end == s.offset => last.end = s.range().end,
-                _ => rs.push(s.range()),
+                Some(last) if last.end == r.start => last.end = r.end,
+                _ => rs.push(r),
+            }
+        };
+        let coords = layout.coords();
+        for s in layout.specs() {
+            let group = reduce_group(&s.grad_placements);
+            let copies = s.grad_placements.tp_copies();
+            if copies == 1 {
+                add((group, 1), s.range());
+                continue;
+            }
+            // the copied parts summed over their replica group too, the
+            // rest as the tensor's placement says
+            let copied = s
+                .copied_runs(&coords)
+                .expect("ParamLayout::new checked the placements at these coordinates");
+            let mut at = s.offset;
+            for r in copied {
+                let (a, b) = (s.offset + r.local, s.offset + r.local + r.len);
+                if at < a {
+                    add((group, 1), at..a);
+                }
+                add((group, copies), a..b);
+                at = b;
+            }
+            if at < s.range().end {
+                add((group, 1), at..s.range().end);
             }
         }
         // each part's bucket, allocated once: every gradient passes
         // through it at the step's end
         let parts = by_group
             .into_iter()
-            .map(|(group, ranges)| Part {
+            .map(|((group, copies), ranges)| Part {
                 buf: Vec::with_capacity(ranges.iter().map(Range::len).sum()),
                 group,
+                copies,
                 ranges,
                 partials: BTreeMap::new(),
                 wire: Vec::new(),
@@ -279,7 +317,8 @@ impl GradReducer {
     ///
     /// # Errors
     /// A collective error, or [`Error::Comm`](crate::Error::Comm) for a
-    /// divisor beyond 2^32 − 1.
+    /// divisor beyond 2^32 − 1; [`Error::Dims`](crate::Error::Dims) if
+    /// `mesh` has no group for a tensor's copies.
     pub fn finish(
         &mut self,
         grads: &mut [f32],
@@ -290,7 +329,11 @@ impl GradReducer {
         #[allow(clippy::cast_precision_loss)]
         let inv = 1.0 / m as f32;
         for part in &mut self.parts {
-            let comm = mesh.map(|ms| ms.group(part.group)).filter(|c| c.size() > 1);
+            let comm = match mesh {
+                Some(ms) => Some(ms.copies_group(part.group, part.copies)?),
+                None => None,
+            }
+            .filter(|c| c.size() > 1);
             if self.exact {
                 for (&(a, b), partials) in &mut part.partials {
                     let inside = within(&part.ranges, &(a..b));

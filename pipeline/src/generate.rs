@@ -40,6 +40,12 @@ pub enum ScheduleKind {
 
 const NAMES: &str = "gpipe, 1f1b, interleaved, zb-h1, zb-h2, zb-v";
 
+/// The most forward passes (stages × micro-batches × chunks) a generated
+/// schedule holds: 2^21, a few hundred MiB of actions and timeline. Far
+/// above any real job's; it stops sizes typed by mistake from allocating
+/// without bound.
+pub const MAX_SCHEDULE_PASSES: usize = 1 << 21;
+
 impl ScheduleKind {
     /// Every kind.
     pub const ALL: [Self; 6] = [
@@ -97,8 +103,21 @@ impl ScheduleKind {
     /// [`Error::InvalidParameter`] naming the parameter when the kind does
     /// not allow the combination (zero stages or micro-batches; chunks other
     /// than 1 for single-chunk schedules or other than 2 for ZB-V;
-    /// interleaving with `m` not a multiple of `p`).
+    /// interleaving with `m` not a multiple of `p`; more than
+    /// [`MAX_SCHEDULE_PASSES`] forward passes in all).
     pub fn generate(self, stages: usize, microbatches: usize, chunks: usize) -> Result<Schedule> {
+        let passes = stages
+            .checked_mul(microbatches)
+            .and_then(|n| n.checked_mul(chunks));
+        if passes.is_none_or(|n| n > MAX_SCHEDULE_PASSES) {
+            return Err(Error::InvalidParameter {
+                name: "microbatches",
+                value: microbatches.to_string(),
+                expected: format!(
+                    "stages × micro-batches × chunks ({stages} × {microbatches} × {chunks}) at most {MAX_SCHEDULE_PASSES}, the bound on a schedule's size"
+                ),
+            });
+        }
         let want = |v: usize| {
             if chunks == v {
                 Ok(())

@@ -114,7 +114,8 @@ pub use execute::{
     gather_timelines, peak_in_flight_per_chunk,
 };
 pub use generate::{
-    ScheduleKind, gpipe, interleaved, list_schedule, one_f_one_b, zb_h1, zb_h2, zb_v,
+    MAX_SCHEDULE_PASSES, ScheduleKind, gpipe, interleaved, list_schedule, one_f_one_b, zb_h1,
+    zb_h2, zb_v,
 };
 pub use job_trace::{BubbleLog, StepBubble, StepTrace, step_trace};
 pub use partition::{

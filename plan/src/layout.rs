@@ -195,12 +195,12 @@ impl Layout {
                 format!("the vocabulary ({}) cannot be split over tp", model.vocab),
             );
         }
-        if !model.kv_heads().is_multiple_of(p.tp) {
+        if !(model.kv_heads().is_multiple_of(p.tp) || p.tp.is_multiple_of(model.kv_heads())) {
             return bad(
                 "tp",
                 format!(
-                    "must divide the model's key/value heads ({}; each rank keeps whole \
-                     key/value heads), got {}",
+                    "must divide the model's key/value heads ({}) or be a multiple of them \
+                     (each rank keeps whole key/value heads, or a copy of one), got {}",
                     model.kv_heads(),
                     p.tp
                 ),

@@ -54,12 +54,14 @@
 //!   found on one-rank references, predicted against measured.
 //! * [`published`]: Narayanan et al. 2021's Table 1 (Megatron-LM, 1.7B to
 //!   1T parameters on up to 3072 A100s) predicted with one set of
-//!   constants: every row within 15%, the worst +8.0% (`tests/plan.rs`).
+//!   constants: every row within 9%, the worst +8.0% (`tests/plan.rs`).
 //!
 //! The memory of weft's own layouts is not estimated but counted: the
 //! [`Accounting::Weft`] model mirrors every buffer `weft train` allocates,
 //! and the trainer's tests check it byte for byte against the start-up
-//! report layout by layout.
+//! report layout by layout, for GPT-2, its mixture of experts and the
+//! Llama family (grouped-query attention, SwiGLU, RMSNorm, QK-norm,
+//! Qwen3-MoE's experts after dense first layers).
 //!
 //! # What it does not model
 //! Stragglers and noisy neighbours, network contention between jobs and

@@ -287,14 +287,18 @@ impl Shares {
         } else {
             2 * c * f / t + f / t + c
         };
-        // norms; c_attn (C, (Cq + 2·Ckv)/tp) and its bias; QK-norm's
-        // gains; c_proj (Cq/tp, C) and (GPT-2) its bias
-        let (q, kv) = (u(model.q_dim()), u(model.kv_dim()));
+        // norms; c_attn (C, Cq/tp + 2·Ckv_rank) and its bias (Ckv_rank:
+        // Ckv/tp, or one copied head's HS when tp exceeds the key/value
+        // heads); QK-norm's gains; c_proj (Cq/tp, C) and (GPT-2) its bias
+        let (q, kv) = (
+            u(model.q_dim()),
+            u(model.kv_dim_per_rank(layout.parallel.tp)),
+        );
         let gpt2 = model.block == crate::model::Block::Gpt2;
         let norm = if gpt2 { 2 * c } else { c };
         let attention = 2 * norm
-            + c * (q + 2 * kv) / t
-            + if model.qkv_bias { (q + 2 * kv) / t } else { 0 }
+            + c * (q / t + 2 * kv)
+            + if model.qkv_bias { q / t + 2 * kv } else { 0 }
             + if model.qk_norm {
                 2 * u(model.head_dim())
             } else {
@@ -378,15 +382,16 @@ fn tokens(model: &ModelSpec, layout: &Layout) -> u64 {
 /// for split backwards (`weight_inputs_len`). In bf16 the inputs that only
 /// products read (ln_1's output, the attention output, and with the dense
 /// MLP ln_2's output and the GELU output) are kept in bf16: two per float.
-/// `moe`: the block runs the mixture of experts. Counted exactly for
-/// GPT-2's blocks; for the Llama family's (Q, K and V of their own widths,
-/// SwiGLU's gate, up and product in place of the MLP's two) an estimate.
-fn weft_block_floats(
-    model: &ModelSpec,
-    layout: &Layout,
-    precision: Precision,
-    moe: bool,
-) -> (u64, u64, u64) {
+/// Every block plans the same buffers: a mixture of experts whose first
+/// layers are dense saves the larger of the two blocks' activations in
+/// each layer, the dense block's scratch and (layer 0's) split inputs,
+/// and ln_2's output in f32 (the router reads it). Counted exactly for
+/// GPT-2's blocks and the Llama family's: Q, K and V of their own widths;
+/// RMSNorm's one statistic per row (LayerNorm's two); rotary positions'
+/// `B·T` position ids; QK-norm's raw queries and keys and their per-head
+/// statistics; SwiGLU's gate and up (`2·F`) and product in place of the
+/// MLP's two.
+fn weft_block_floats(model: &ModelSpec, layout: &Layout, precision: Precision) -> (u64, u64, u64) {
     let linear = |len: u64| {
         if precision == Precision::Bf16 {
             len.div_ceil(2)
@@ -403,15 +408,27 @@ fn weft_block_floats(
     // the query (and attention output) width and Q, K, V's on this rank
     let (ca, qkv) = (
         u(model.q_dim()) / tp,
-        u(model.q_dim() + 2 * model.kv_dim()) / tp,
+        u(model.q_dim()) / tp + 2 * u(model.kv_dim_per_rank(layout.parallel.tp)),
     );
     let att = b * nh * t * t;
     let hid = u(model.ffn_hidden) / tp;
     // SwiGLU keeps its gate and up outputs and their product
     let gated = if model.swiglu { n * hid } else { 0 };
+    let llama = model.block == crate::model::Block::Llama;
+    // a norm's statistics: LayerNorm's mean and 1/std, RMSNorm's 1/rms
+    let stats = if llama { rows } else { 2 * rows };
+    // QK-norm: the raw queries and keys, and a statistic per head
+    let (qk_raw, qk_rstd) = if model.qk_norm {
+        let kv = u(model.kv_dim()) / tp;
+        (n * (ca + kv), n * (nh + u(model.kv_heads()) / tp))
+    } else {
+        (0, 0)
+    };
+    // rotary positions: one id per token
+    let pos = if llama { n } else { 0 };
     // ln_2's output, in bf16 when the dense MLP alone reads it
-    let ln2 = if moe { n * c } else { linear(n * c) };
-    let (ffn_saved, ffn_scratch, ffn_split) = if moe {
+    let ln2 = if model.is_moe() { n * c } else { linear(n * c) };
+    let experts = {
         let (e, k, f) = (
             u(model.experts),
             u(model.top_k),
@@ -424,30 +441,45 @@ fn weft_block_floats(
             e + k * (2 * f + c) + shared
         };
         (n * per_token, 0, 0)
-    } else {
-        let split = n * hid + if sp { n * c } else { 0 };
+    };
+    let dense = {
+        // the first product's output: the MLP's F, SwiGLU's gate and up
+        let split = n * hid + gated + if sp { n * c } else { 0 };
         let input = n * hid
             + if layout.parallel.tp > 1 { n * c } else { 0 }
             + if sp { rows * c } else { 0 };
         (
             n * hid + gated + linear(n * hid),
-            (input + split).max(n * c),
+            (input + split).max(n * c).max(n * hid),
             split,
         )
     };
+    let (ffn_saved, ffn_scratch, ffn_split) = match (model.is_moe(), model.first_dense) {
+        (false, _) => dense,
+        (true, 0) => experts,
+        (true, _) => (experts.0.max(dense.0), dense.1, dense.2),
+    };
     let block = linear(n * c)
-        + 2 * rows
+        + stats
         + n * qkv
         + linear(n * ca)
         + att
         + rows * c
         + ln2
-        + 2 * rows
+        + stats
         + ffn_saved
-        + rows * c;
-    let scratch =
-        2 * n * c + n * ca + n * qkv + att + ffn_scratch + if sp { rows * c + n * c } else { 0 };
-    let weight_inputs = 3 * rows * c + n * c + n * qkv + ffn_split;
+        + rows * c
+        + qk_raw
+        + qk_rstd
+        + pos;
+    let scratch = n * c.max(ca)
+        + n * c
+        + n * ca
+        + n * qkv
+        + att
+        + ffn_scratch
+        + if sp { rows * c + n * c } else { 0 };
+    let weight_inputs = 3 * rows * c + n * c + n * qkv + ffn_split + qk_raw;
     (block, scratch, weight_inputs)
 }
 
@@ -458,23 +490,26 @@ fn weft_chunk(model: &ModelSpec, layout: &Layout, recipe: &Recipe, chunk: &Chunk
     let sp = layout.parallel.sequence_parallel && layout.parallel.tp > 1;
     let n = b * t;
     let rows = if sp { n / tp } else { n };
-    let dense = weft_block_floats(model, layout, recipe.precision, false);
-    let moe = weft_block_floats(model, layout, recipe.precision, true);
-    let kind = |l: usize| if model.is_moe_layer(l) { moe } else { dense };
+    let (block, scratch, split) = weft_block_floats(model, layout, recipe.precision);
+    let layers = u(chunk.layers);
     let v_loc = u(model.vocab.div_ceil(layout.parallel.tp));
-    let mut per_slot = 2 * rows * c + chunk.blocks().map(|l| kind(l).0).sum::<u64>();
+    let mut per_slot = 2 * rows * c + layers * block;
     if chunk.embed {
         per_slot += n;
     }
     if chunk.head {
         // targets, ln_f, its statistics, logits, losses, row statistics
-        per_slot += n + n * c + 2 * rows + n * v_loc + n + 2 * n;
+        let stats = if model.block == crate::model::Block::Llama {
+            rows
+        } else {
+            2 * rows
+        };
+        per_slot += n + n * c + stats + n * v_loc + n + 2 * n;
     }
     if layout.schedule().splits_backward() && layout.parallel.pp > 1 {
-        per_slot += chunk.blocks().map(|l| kind(l).2).sum::<u64>();
+        per_slot += layers * split;
     }
-    // the shared working buffers: the widest kind of block the chunk holds
-    let scratch = chunk.blocks().map(|l| kind(l).1).max().unwrap_or(dense.1);
+    // and the shared working buffers
     let acts = u(chunk.slots.max(1)) * per_slot + scratch;
     let units = shares.units(chunk);
     let params: u64 = units.iter().sum();

@@ -250,6 +250,21 @@ impl ModelSpec {
         self.kv_heads() * self.head_dim()
     }
 
+    /// The key (and value) width one of `tp` tensor-parallel ranks holds:
+    /// `Ckv / tp` when `tp` divides the key/value heads, one head's `HS`
+    /// when `tp` is a multiple of them (each rank a copy of the head its
+    /// query heads read: the copies cost memory and their gradients a sum
+    /// over the copies).
+    #[must_use]
+    pub fn kv_dim_per_rank(&self, tp: usize) -> usize {
+        let tp = tp.max(1);
+        if self.kv_heads() >= tp {
+            self.kv_dim() / tp
+        } else {
+            self.head_dim()
+        }
+    }
+
     /// An expert's width, Fe.
     #[must_use]
     pub fn expert_width(&self) -> usize {
@@ -757,6 +772,9 @@ mod tests {
         m.kv_heads = 3;
         assert!(m.validate().unwrap_err().to_string().contains("kv_heads"));
         m.kv_heads = 2;
+        // a tp rank's key/value width: its share, or one copied head
+        assert_eq!(m.kv_dim_per_rank(2), m.kv_dim() / 2);
+        assert_eq!(m.kv_dim_per_rank(4), m.head_dim());
         m.validate().unwrap();
         m.global_every = 2;
         assert!(

@@ -238,18 +238,6 @@ pub fn memory_per_stage(req: &Request, layout: &Layout) -> Result<Vec<Memory>> {
 pub fn predict(req: &Request, layout: &Layout) -> Result<Prediction> {
     req.validate()?;
     layout.validate(&req.model, req.batch, req.cluster.gpus)?;
-    if layout.parallel.tp > 1 && crate::search::weft_gqa(req) {
-        return Err(Error::InvalidLayout {
-            layout: layout.to_string(),
-            field: "tp",
-            reason: format!(
-                "weft does not split grouped-query attention ({} key/value heads for {} \
-                 heads) over tensor parallelism yet: use tp = 1",
-                req.model.kv_heads(),
-                req.model.heads
-            ),
-        });
-    }
     predict_valid(req, layout)
 }
 

@@ -119,9 +119,7 @@ pub fn table(req: &Request, preds: &[Prediction], top: usize) -> String {
             preds.len() - n
         ));
     }
-    if let Some(p) = preds.iter().take(n).find(|p| p.layout.parallel.pp > 1)
-        && let Ok(Some(cmp)) = crate::predict::split_comparison(&req.model, &p.layout, req.batch)
-    {
+    if let Some((p, cmp)) = pipeline_split(req, &preds[..n]) {
         s.push_str(&format!(
             "\nPipeline split of {} by per-layer FLOPs (stage busy: forward and backward FLOPs per token \
              of every micro-batch; weft train cuts the chosen split{}):\n{cmp}\n",
@@ -197,6 +195,56 @@ struct JsonLayout<'a> {
     reason: String,
 }
 
+/// One split of the JSON output's pipeline comparison.
+#[derive(Serialize)]
+struct JsonSplit {
+    /// Layers of each virtual stage.
+    layers: Vec<usize>,
+    /// Busy time (forward and backward FLOPs per token of every
+    /// micro-batch) of each pipeline stage.
+    stage_busy: Vec<f64>,
+    /// The busiest stage's busy time over the idlest's.
+    busy_spread: f64,
+    /// Simulated makespan of one iteration, in the same units.
+    makespan: f64,
+    /// Simulated idle time over stages × makespan.
+    bubble_fraction: f64,
+}
+
+impl From<&weft_pipeline::Partition> for JsonSplit {
+    fn from(p: &weft_pipeline::Partition) -> Self {
+        let (lo, hi) = p
+            .stage_busy
+            .iter()
+            .fold((f64::INFINITY, 0.0f64), |(lo, hi), &b| {
+                (lo.min(b), hi.max(b))
+            });
+        JsonSplit {
+            layers: p.layers_per_chunk(),
+            stage_busy: p.stage_busy.clone(),
+            busy_spread: if lo > 0.0 { hi / lo } else { f64::INFINITY },
+            makespan: p.makespan,
+            bubble_fraction: p.bubble_fraction,
+        }
+    }
+}
+
+/// The JSON output's pipeline comparison: the text's "Pipeline split"
+/// paragraph ([`crate::predict::split_comparison`]).
+#[derive(Serialize)]
+struct JsonSplitComparison {
+    /// The layout (the first shown with pipeline stages).
+    layout: String,
+    /// What the busy times count.
+    units: &'static str,
+    /// The equal-layer split.
+    equal: JsonSplit,
+    /// The split by per-layer cost (`weft train`'s).
+    chosen: JsonSplit,
+    /// `chosen.makespan / equal.makespan − 1` (negative: time saved).
+    makespan_change: f64,
+}
+
 /// The JSON document.
 #[derive(Serialize)]
 struct JsonPlan<'a> {
@@ -206,13 +254,29 @@ struct JsonPlan<'a> {
     recipe: &'a Recipe,
     layouts: Vec<JsonLayout<'a>>,
     #[serde(skip_serializing_if = "Option::is_none")]
+    pipeline_split: Option<JsonSplitComparison>,
+    #[serde(skip_serializing_if = "Option::is_none")]
     explain: Option<&'a Explanation>,
     #[serde(skip_serializing_if = "Option::is_none")]
     budget: Option<&'a BudgetReport>,
 }
 
+/// The first of `shown` with pipeline stages, and its split comparison
+/// (as the table's paragraph shows it).
+fn pipeline_split<'a>(
+    req: &Request,
+    shown: &'a [Prediction],
+) -> Option<(&'a Prediction, weft_pipeline::SplitComparison)> {
+    let p = shown.iter().find(|p| p.layout.parallel.pp > 1)?;
+    let cmp = crate::predict::split_comparison(&req.model, &p.layout, req.batch).ok()??;
+    Some((p, cmp))
+}
+
 /// `weft plan --json`: the request, the best `top` layouts (0: all) with
-/// why each wins or loses, and the explanation and budget when asked.
+/// why each wins or loses, the pipeline split comparison of the first of
+/// them with pipeline stages (`pipeline_split`: the equal-layer split
+/// against the one by per-layer cost, as the table's paragraph), and the
+/// explanation and budget when asked.
 #[must_use]
 pub fn json(
     req: &Request,
@@ -240,6 +304,13 @@ pub fn json(
                 reason: reason(p, &preds[0]),
             })
             .collect(),
+        pipeline_split: pipeline_split(req, &preds[..top]).map(|(p, cmp)| JsonSplitComparison {
+            layout: p.layout.to_string(),
+            units: "forward and backward FLOPs per token, summed over micro-batches",
+            equal: (&cmp.equal).into(),
+            chosen: (&cmp.chosen).into(),
+            makespan_change: cmp.makespan_change(),
+        }),
         explain,
         budget,
     };

@@ -80,7 +80,10 @@ pub fn enumerate(req: &Request, c: &Constraints) -> Vec<Layout> {
         if !pin(c.tp, tp) || !m.heads.is_multiple_of(tp) || m.vocab < tp {
             continue;
         }
-        if !m.kv_heads().is_multiple_of(tp) || (tp > 1 && weft_gqa(req)) {
+        // each tensor-parallel rank holds whole key/value heads, or a copy
+        // of the one its query heads read
+        let kv_split = m.kv_heads().is_multiple_of(tp) || tp.is_multiple_of(m.kv_heads());
+        if !kv_split {
             continue;
         }
         for pp in divisors(g / tp) {
@@ -100,10 +103,14 @@ pub fn enumerate(req: &Request, c: &Constraints) -> Vec<Layout> {
                 vec![1]
             };
             let per_rank = req.batch / dp;
-            let mut mbss: Vec<usize> = divisors(per_rank)
-                .into_iter()
-                .filter(|d| (d.is_power_of_two() || *d == per_rank) && *d <= max_mbs)
+            // powers of two dividing it, and itself, up to max_mbs (not
+            // from its divisors: a batch of 2^63 has 2^31.5 to try)
+            let mut mbss: Vec<usize> = (0..usize::BITS)
+                .map(|k| 1usize << k)
+                .chain([per_rank])
+                .filter(|&d| d <= max_mbs.min(per_rank) && per_rank.is_multiple_of(d))
                 .collect();
+            mbss.dedup();
             if let Some(b) = c.micro_batch_size {
                 mbss = vec![b];
             }
@@ -177,6 +184,10 @@ pub fn enumerate(req: &Request, c: &Constraints) -> Vec<Layout> {
     out
 }
 
+/// The most forward passes (stages × chunks × micro-batches, summed over
+/// the distinct schedules) one search generates: 2^25.
+pub const MAX_SEARCH_PASSES: u128 = 1 << 25;
+
 /// Best first: the layouts that fit by step time, then those that do not
 /// by how much they need.
 fn order(a: &Prediction, b: &Prediction) -> std::cmp::Ordering {
@@ -201,6 +212,32 @@ fn order(a: &Prediction, b: &Prediction) -> std::cmp::Ordering {
 pub fn search(req: &Request, c: &Constraints) -> Result<Vec<Prediction>> {
     req.validate()?;
     let layouts = enumerate(req, c);
+    // every distinct schedule is generated (and kept) once: bound their
+    // passes in all before generating any
+    let mut keys = std::collections::HashSet::new();
+    let passes: u128 = layouts
+        .iter()
+        .filter(|l| {
+            keys.insert((
+                l.schedule(),
+                l.parallel.pp,
+                l.chunks(),
+                l.micro_batches(req.batch),
+            ))
+        })
+        .map(|l| (l.parallel.pp * l.chunks()) as u128 * l.micro_batches(req.batch) as u128)
+        .sum();
+    if passes > MAX_SEARCH_PASSES {
+        return Err(Error::InvalidRequest {
+            field: "gpus",
+            reason: format!(
+                "the {} layouts of {} GPUs with a global batch of {} have schedules of {passes} passes in all, more than the search's bound of {MAX_SEARCH_PASSES}: pin --pp, --dp or --micro-batch, or plan fewer GPUs",
+                layouts.len(),
+                req.cluster.gpus,
+                req.batch
+            ),
+        });
+    }
     if layouts.is_empty() {
         if c.is_single() {
             // say why the pinned layout is refused
@@ -363,10 +400,4 @@ pub fn reason(p: &Prediction, best: &Prediction) -> String {
             _ => t.dp_exposed,
         })
     )
-}
-
-/// Whether `req` is weft's own run of a grouped-query attention model,
-/// which weft does not split over tensor parallelism yet.
-pub(crate) fn weft_gqa(req: &Request) -> bool {
-    req.recipe.accounting == crate::Accounting::Weft && req.model.kv_heads() != req.model.heads
 }

@@ -1,5 +1,5 @@
 //! The planner against the world and against itself: Narayanan et al.
-//! 2021's published throughput (every row within 15% with one set of
+//! 2021's published throughput (every row within 9% with one set of
 //! constants), and invariants of the search, the memory model and the
 //! crossover that any correct planner keeps.
 #![allow(clippy::print_stderr)]
@@ -15,18 +15,19 @@ use weft_plan::{
 };
 
 /// Narayanan et al. 2021, Table 1: the planner's prediction of every
-/// row's teraFLOP/s per GPU within 15% of the published figure, with the
+/// row's teraFLOP/s per GPU within 9% of the published figure (the
+/// largest error is +8.0%, as docs/planning.md says), with the
 /// `a100-80gb` preset's constants for all rows; and every row fits its
 /// 80 GB GPUs, as it did on Selene.
 #[test]
-fn megatron_2021_table_1_within_15_percent() {
+fn megatron_2021_table_1_within_9_percent() {
     let a100 = Cluster::preset("a100-80gb", 8).unwrap();
     let rows = compare(&MEGATRON_2021, &a100).unwrap();
     eprintln!("{}", table(&rows));
     let mut worst: f64 = 0.0;
     for r in &rows {
         assert!(
-            r.error.abs() <= 0.15,
+            r.error.abs() <= 0.09,
             "{}: predicted {:.1} TFLOP/s against {} published ({:+.1}%)",
             r.run.name,
             r.predicted_tflops,
@@ -182,17 +183,36 @@ fn llama_3_8b_plans_with_grouped_query_attention() {
     // K and V of each token: 4·(Cq + Ckv) bytes per token instead of 8·Cq
     assert!(g.memory.activations < m.memory.activations);
     assert!(g.time.compute < m.time.compute);
-    // tp must divide the key/value heads
+    // tp a multiple of the key/value heads: each rank a copy of one, K
+    // and V one head wide (HS = 128) where multi-head attention's rank
+    // holds 4096/16 = 256 columns of each
+    let on16 = |m: &ModelSpec| {
+        predict(
+            &Request {
+                cluster: Cluster::preset("h100", 16).unwrap(),
+                ..req(m)
+            },
+            &Layout::degrees(1, 16, 1),
+        )
+    };
+    let (g16, m16) = (on16(&gqa).unwrap(), on16(&mha).unwrap());
+    assert_eq!(
+        m16.memory.params - g16.memory.params,
+        2 * (32 * 2 * 4096 * (256 - 128))
+    );
+    // neither dividing the other is refused: 12 heads over 4 key/value
+    // heads at tp 3
+    let odd = ModelSpec::llama(2, 768, 12, 4, 2048, 256, 32000);
     let e = predict(
         &Request {
-            cluster: Cluster::preset("h100", 16).unwrap(),
-            ..req(&gqa)
+            cluster: Cluster::preset("h100", 3).unwrap(),
+            ..req(&odd)
         },
-        &Layout::degrees(1, 16, 1),
+        &Layout::degrees(1, 3, 1),
     )
     .unwrap_err()
     .to_string();
-    assert!(e.contains("key/value heads"), "{e}");
+    assert!(e.contains("key/value heads (4)"), "{e}");
 }
 
 /// Sliding windows (Mistral-style, every layer; and 5 local : 1 global)

@@ -60,6 +60,14 @@ pub struct PlanArgs {
     /// Override a key of the job, as `weft train --set` does.
     #[arg(long = "set", value_name = "KEY=VALUE")]
     pub sets: Vec<String>,
+    /// The model's family (gpt2, llama, qwen3, mistral, qwen3-moe), whose
+    /// defaults the dimension flags override, as `--set model.arch=...`
+    /// with the flags as `model.*` keys would (default: GPT-2).
+    #[arg(long)]
+    pub arch: Option<String>,
+    /// Key/value heads (grouped-query attention: a family other than GPT-2).
+    #[arg(long)]
+    pub kv_heads: Option<usize>,
     /// Transformer layers, L.
     #[arg(long)]
     pub layers: Option<usize>,
@@ -397,31 +405,62 @@ fn usage(msg: impl Into<String>) -> PlanError {
     PlanError::Usage(msg.into())
 }
 
+/// With `--arch` (or `--kv-heads`), the dimension flags as the job's
+/// `model.*` keys: the family's defaults fill in the rest.
+fn arch_sets(args: &PlanArgs) -> Vec<String> {
+    if args.arch.is_none() && args.kv_heads.is_none() {
+        return Vec::new();
+    }
+    let gpt2 = args.arch.as_deref().is_none_or(|a| a == "gpt2");
+    let flags = [
+        ("n_layer", args.layers),
+        ("n_embd", args.hidden),
+        ("n_head", args.heads),
+        ("block_size", args.seq),
+        ("vocab_size", args.vocab),
+        ("n_kv_head", args.kv_heads),
+        // GPT-2's MLP width is no key of the job (the flag sets it below)
+        ("ffn_hidden", args.ffn_hidden.filter(|_| !gpt2)),
+        ("moe.experts", args.experts),
+        ("moe.top_k", args.top_k),
+    ];
+    let arch = args.arch.iter().map(|a| format!("model.arch={a:?}"));
+    let keys = flags.map(|(k, v)| v.map(|v| format!("model.{k}={v}")));
+    arch.chain(keys.into_iter().flatten()).collect()
+}
+
 /// The request `args` describe (the model, batch, cluster and recipe),
 /// and the job configuration when one is given.
 ///
 /// # Errors
 /// A bad configuration, cluster file or preset, or a missing dimension.
 pub fn request(args: &PlanArgs) -> Result<(Request, Option<Config>), PlanError> {
-    let config = if args.config.is_some() || !args.sets.is_empty() {
-        Some(Config::load(args.config.as_deref(), &args.sets)?)
+    let job = args.config.is_some() || !args.sets.is_empty();
+    let family = args.arch.is_some() || args.kv_heads.is_some();
+    // without a job, the dimensions are required (any family)
+    let need = |v: Option<usize>, flag: &str| {
+        v.ok_or_else(|| usage(format!("{flag} is required without --config (the model's dimensions: --layers --hidden --heads --seq --vocab)")))
+    };
+    let dims = if job {
+        None
+    } else {
+        Some(ModelSpec::gpt(
+            need(args.layers, "--layers")?,
+            need(args.hidden, "--hidden")?,
+            need(args.heads, "--heads")?,
+            need(args.seq, "--seq")?,
+            need(args.vocab, "--vocab")?,
+        ))
+    };
+    let sets: Vec<String> = args.sets.iter().cloned().chain(arch_sets(args)).collect();
+    let config = if job || family {
+        Some(Config::load(args.config.as_deref(), &sets)?)
     } else {
         None
     };
-    let mut model = match &config {
-        Some(c) => model_of(c)?,
-        None => {
-            let need = |v: Option<usize>, flag: &str| {
-                v.ok_or_else(|| usage(format!("{flag} is required without --config (the model's dimensions: --layers --hidden --heads --seq --vocab)")))
-            };
-            ModelSpec::gpt(
-                need(args.layers, "--layers")?,
-                need(args.hidden, "--hidden")?,
-                need(args.heads, "--heads")?,
-                need(args.seq, "--seq")?,
-                need(args.vocab, "--vocab")?,
-            )
-        }
+    let mut model = match (&config, dims) {
+        (Some(c), _) => model_of(c)?,
+        (None, d) => d.ok_or_else(|| usage("--config or the model's dimensions"))?,
     };
     if let Some(v) = args.layers {
         model.layers = v;
@@ -454,11 +493,16 @@ pub fn request(args: &PlanArgs) -> Result<(Request, Option<Config>), PlanError> 
         model.top_k = k;
     }
     model.validate()?;
+    // with --arch alone, nothing but the model comes from a job
+    let config = config.filter(|_| job);
     let batch = match (args.global_batch, &config) {
         (Some(b), _) => b,
         (None, Some(c)) => c.train.batch_size,
         (None, None) => return Err(usage("--global-batch is required without --config")),
     };
+    if args.gpus == Some(0) {
+        return Err(usage("--gpus 0: plan for at least 1 GPU (rank)"));
+    }
     let this_machine = args.cluster == "this-machine";
     let cluster = if this_machine {
         let ranks = args

@@ -504,6 +504,51 @@ fn tensor_parallel_equals_one_rank_to_rounding_and_resumes_bit_for_bit() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// Key/value heads replicated over tensor parallelism (a Llama-family
+/// model with 4 query heads and one key/value head at tp 4: every rank
+/// holds a copy of it): the run follows one rank to rounding, resumes bit
+/// for bit from its own checkpoint (each copy written once, read into
+/// every replica), and its checkpoint resumes at tp 1 and tp 2, and one
+/// rank's at tp 4, each following the one-rank run to rounding.
+#[test]
+fn replicated_key_value_heads_resume_on_other_layouts() {
+    let dir = tmp("kvcopies");
+    let llama = [
+        "model.arch=llama",
+        "model.n_head=4",
+        "model.n_kv_head=1",
+        "checkpoint.every=3",
+    ];
+    let with = |extra: &[&'static str]| -> Vec<&'static str> {
+        llama.iter().chain(extra).copied().collect()
+    };
+    let (tp1, tp2, tp4) = (
+        with(&[]),
+        with(&["parallel.tp=2"]),
+        with(&["parallel.tp=4"]),
+    );
+    let one = train(&config(&dir, "one", &tp1), false, &mut Silent).unwrap();
+    let four = train(&config(&dir, "four", &tp4), false, &mut Silent).unwrap();
+    close(&one.run_dir, &four.run_dir, ROUNDING);
+    for (from, to, name, exact) in [
+        (&four.run_dir, &tp4, "4-to-4", true),
+        (&four.run_dir, &tp1, "4-to-1", false),
+        (&four.run_dir, &tp2, "4-to-2", false),
+        (&one.run_dir, &tp4, "1-to-4", false),
+    ] {
+        let again = dir.join(name);
+        copy_dir(from, &again);
+        std::fs::remove_dir_all(again.join("checkpoints/step-00000006")).unwrap();
+        let resumed = train(&config(&dir, name, to), true, &mut Silent).unwrap();
+        if exact {
+            assert_eq!(trace(&resumed.run_dir), trace(&four.run_dir), "{name}");
+        } else {
+            close(&one.run_dir, &resumed.run_dir, ROUNDING);
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 #[test]
 fn tensor_parallel_moe_follows_the_single_rank_run() {
     let dir = tmp("tp-moe");

@@ -44,7 +44,6 @@ fn tmp(name: &str) -> std::path::PathBuf {
 /// real run of it: equal in every category (the goal is 5%).
 #[test]
 fn planned_memory_is_what_weft_train_allocates() {
-    let dir = tmp("memory");
     let layouts: &[&[&str]] = &[
         &[],
         &["parallel.dp=2"],
@@ -97,9 +96,54 @@ fn planned_memory_is_what_weft_train_allocates() {
         ],
         &["train.precision=\"bf16\"", "model.moe.experts=4"],
     ];
+    check_memory(&[], layouts);
+}
+
+/// The same byte-for-byte check for the other families: a Llama-shaped
+/// job (grouped-query heads, SwiGLU, untied head, RMSNorm) and a
+/// Qwen3-MoE-shaped one (QK-norm, fine-grained SwiGLU experts, the first
+/// layer dense), over the layouts where their tensors differ from GPT-2's.
+#[test]
+fn planned_memory_of_llama_and_qwen3_moe_shapes_is_what_weft_train_allocates() {
+    let llama = ["model.arch=\"llama\"", "model.n_kv_head=2"];
+    check_memory(
+        &llama,
+        &[
+            &[],
+            &["parallel.dp=2", "parallel.fsdp=\"full\""],
+            &["parallel.tp=2"],
+            &["parallel.tp=2", "parallel.sequence_parallel=true"],
+            &["parallel.pp=2"],
+            &["train.precision=\"bf16\""],
+        ],
+    );
+    let qwen3_moe = [
+        "model.arch=\"qwen3-moe\"",
+        "model.n_kv_head=2",
+        "model.first_dense=1",
+        "model.moe.experts=4",
+        "model.moe.top_k=2",
+        "model.moe.expert_hidden=16",
+    ];
+    check_memory(
+        &qwen3_moe,
+        &[
+            &[],
+            &["parallel.dp=2", "parallel.ep=2"],
+            &["parallel.tp=2"],
+            &["parallel.pp=2"],
+            &["train.precision=\"bf16\""],
+        ],
+    );
+}
+
+/// Each layout of `layouts` over the job `base`: the planner's rank-0
+/// memory equals, in every category, what the run allocates.
+fn check_memory(base: &[&str], layouts: &[&[&str]]) {
+    let dir = tmp(&format!("memory{}", base.len()));
     let mut worst = 0.0f64;
     for sets in layouts {
-        let cfg = job(sets);
+        let cfg = job(&[base, sets].concat());
         let layout = layout_of(&cfg).unwrap();
         // a cluster of this machine's size; memory does not depend on it
         let mut cluster = weft_plan::Cluster::preset("h100", layout.world()).unwrap();
@@ -314,6 +358,172 @@ fn json_lists_layouts_best_first_with_their_figures() {
         last_fit = fits;
     }
     assert!(layouts[0]["reason"].as_str().unwrap().starts_with("best"));
+}
+
+/// `--json` carries the table's pipeline split comparison: the first
+/// shown layout with pipeline stages, the equal-layer split against the
+/// one by per-layer cost (here a Mistral-shaped job whose windowed and
+/// global layers differ), with the same figures as the text.
+#[test]
+fn json_has_the_pipeline_split_comparison() {
+    let args = [
+        "--set",
+        "model.arch=\"mistral\"",
+        "--set",
+        "model.n_layer=12",
+        "--set",
+        "model.n_kv_head=2",
+        "--set",
+        "model.block_size=128",
+        "--set",
+        "model.sliding_window=8",
+        "--set",
+        "model.global_every=3",
+        "--set",
+        "train.batch_size=8",
+        "--pp",
+        "4",
+        "--tp",
+        "1",
+        "--gpus",
+        "4",
+    ];
+    let (ok, out, err) = weft(&[&args[..], &["--json"]].concat());
+    assert!(ok, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let split = &v["pipeline_split"];
+    assert_eq!(split["layout"], v["layouts"][0]["name"], "{split}");
+    let layers = |s: &serde_json::Value| -> Vec<usize> {
+        s["layers"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| usize::try_from(x.as_u64().unwrap()).unwrap())
+            .collect()
+    };
+    let (equal, chosen) = (layers(&split["equal"]), layers(&split["chosen"]));
+    assert_eq!(equal, [3, 3, 3, 3]);
+    assert_eq!(chosen.iter().sum::<usize>(), 12);
+    assert_ne!(chosen, equal, "unequal layers move the cuts");
+    let change = split["makespan_change"].as_f64().unwrap();
+    let makespan = |s: &serde_json::Value| s["makespan"].as_f64().unwrap();
+    assert!(change < 0.0, "{split}");
+    let want = makespan(&split["chosen"]) / makespan(&split["equal"]) - 1.0;
+    assert!((change - want).abs() < 1e-12);
+    for s in [&split["equal"], &split["chosen"]] {
+        assert_eq!(s["stage_busy"].as_array().unwrap().len(), 4);
+        assert!(s["busy_spread"].as_f64().unwrap() >= 1.0);
+    }
+    // the text shows the same comparison
+    let (ok, text, err) = weft(&args);
+    assert!(ok, "{err}");
+    for line in [
+        format!("equal   layers {equal:?}"),
+        format!("chosen  layers {chosen:?}"),
+        format!(
+            "changes the makespan by {:+.2}% against the equal split",
+            100.0 * change
+        ),
+    ] {
+        assert!(text.contains(&line), "{line}: {text}");
+    }
+    // a layout without pipeline stages has no comparison
+    let (ok, out, err) = weft(&[&args[..14], &["--pp", "1", "--json"]].concat());
+    assert!(ok, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert!(v.get("pipeline_split").is_none(), "{out}");
+}
+
+/// `--arch` with the dimension flags (and `--kv-heads`) plans another
+/// family's shape as the same keys under `--set` do: Llama 3 8B counts
+/// its published 8,030,261,248 parameters; Mistral's window and
+/// Qwen3-MoE's experts come with their family.
+#[test]
+fn arch_and_the_dimension_flags_plan_other_families() {
+    let dims = [
+        "--layers",
+        "32",
+        "--hidden",
+        "4096",
+        "--heads",
+        "32",
+        "--ffn-hidden",
+        "14336",
+        "--seq",
+        "8192",
+        "--vocab",
+        "128256",
+        "--global-batch",
+        "512",
+        "--gpus",
+        "64",
+        "--json",
+        "--top",
+        "1",
+    ];
+    let model = |args: &[&str]| {
+        let (ok, out, err) = weft(args);
+        assert!(ok, "{err}");
+        let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+        v["model"].clone()
+    };
+    let flags = model(&[&["--arch", "llama", "--kv-heads", "8"], &dims[..]].concat());
+    let mut keys: Vec<String> = [
+        "arch=\"llama\"",
+        "n_layer=32",
+        "n_embd=4096",
+        "n_head=32",
+        "n_kv_head=8",
+        "ffn_hidden=14336",
+        "block_size=8192",
+    ]
+    .iter()
+    .flat_map(|k| ["--set".to_owned(), format!("model.{k}")])
+    .collect();
+    keys.extend(dims[10..].iter().map(|s| (*s).to_owned())); // --vocab on
+    let sets = model(&keys.iter().map(String::as_str).collect::<Vec<_>>());
+    assert_eq!(flags, sets);
+    assert_eq!(
+        (flags["kv_heads"].as_u64(), flags["swiglu"].as_bool()),
+        (Some(8), Some(true))
+    );
+    let spec: weft_plan::ModelSpec = serde_json::from_value(flags).unwrap();
+    assert_eq!(spec.params(), 8_030_261_248.0);
+    assert!(!spec.tied_embeddings);
+    let mistral = model(&[&["--arch", "mistral", "--kv-heads", "8"], &dims[..]].concat());
+    assert_eq!(mistral["window"], 4096);
+    let moe = model(
+        &[
+            &["--arch", "qwen3-moe", "--experts", "8", "--top-k", "2"],
+            &dims[..],
+        ]
+        .concat(),
+    );
+    assert_eq!(
+        (moe["experts"].as_u64(), moe["top_k"].as_u64()),
+        (Some(8), Some(2))
+    );
+    assert_eq!(moe["qk_norm"], true);
+    // what is missing or does not belong to the family is named
+    for (args, want) in [
+        (
+            &["--arch", "llama", "--global-batch", "8"][..],
+            "--layers is required",
+        ),
+        (GPT2_XL, ""),
+        (
+            &[GPT2_XL, &["--kv-heads", "5"]].concat()[..],
+            "model.n_kv_head",
+        ),
+        (
+            &[GPT2_XL, &["--arch", "gpt2", "--kv-heads", "5"]].concat()[..],
+            "model.n_kv_head",
+        ),
+    ] {
+        let (ok, _, err) = weft(args);
+        assert_eq!(ok, want.is_empty(), "{args:?}: {err}");
+        assert!(err.contains(want), "{want}: {err}");
+    }
 }
 
 #[test]

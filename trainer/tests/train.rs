@@ -260,6 +260,106 @@ fn init_from_a_hugging_face_folder_on_any_layout() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// `model.init_from` of a Qwen3-MoE folder: the folder sets the mixture
+/// of experts (experts, top-k, widths, the dense first layer) and its
+/// initial weights. A folder holding the seed's initialisation trains
+/// bit for bit as the seeded run on one rank and over pipeline stages,
+/// bit for bit as the seeded ep=2 run with expert parallelism, and within
+/// rounding over tensor parallelism; transformers' own folder
+/// (`Qwen3MoeForCausalLM.save_pretrained`, the model crate's fixture,
+/// whose loss the model crate checks against transformers) starts the
+/// same on one rank and on ep=2.
+#[test]
+fn init_from_a_qwen3_moe_folder_on_any_layout() {
+    let dir = std::env::temp_dir().join(format!("weft-init-moe-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let base = |name: &str, sets: &[&str]| {
+        let mut c = tiny(&dir, name);
+        c.model.arch = weft_trainer::config::Arch::Qwen3Moe;
+        (c.model.n_layer, c.model.n_head, c.model.n_kv_head) = (2, 4, 2);
+        c.model.first_dense = 1;
+        (c.model.moe.experts, c.model.moe.top_k) = (4, 2);
+        c.model.moe.expert_hidden = 24;
+        (c.train.steps, c.train.eval_every) = (6, 3);
+        c.train.micro_batch_size = 4;
+        c.parallel.reproducible = true;
+        sets.iter().fold(c, |c, s| c.with_override(s).unwrap())
+    };
+    let seeded = base("seeded", &[]);
+    let data = weft_data::Dataset::open(&seeded.data, &seeded.dataset_options()).unwrap();
+    let cfg = seeded.model.gpt_config(data.vocab_size());
+    let (ffn, _) = seeded.model.ffn(None).unwrap();
+    let blocks = weft_model::GptBlocks::new(cfg, ffn).unwrap();
+    let mut m = weft_model::Gpt::from_blocks(blocks);
+    m.init_gpt2(seeded.train.seed);
+    let hf = dir.join("hf");
+    weft_model::hf::save(&m, &hf).unwrap();
+    let from = |name: &str, folder: &std::path::Path, sets: &[&str]| {
+        let mut s = vec![
+            format!("run.dir={:?}", dir.display().to_string()),
+            format!("run.name={name}"),
+            format!("model.init_from={:?}", folder.display().to_string()),
+            "model.block_size=32".into(),
+            "train.batch_size=8".into(),
+            "train.micro_batch_size=4".into(),
+            "parallel.reproducible=true".into(),
+            "train.steps=6".into(),
+            "train.eval_every=3".into(),
+            "train.eval_sequences=16".into(),
+            "optim.warmup_steps=5".into(),
+            "optim.lr=1e-2".into(),
+            "data.synthetic.regular=40".into(),
+            "data.synthetic.successors=3".into(),
+        ];
+        s.extend(sets.iter().map(|x| (*x).to_string()));
+        Config::load(None, &s).unwrap()
+    };
+    let one = from("one", &hf, &[]);
+    assert_eq!(one.model.arch, weft_trainer::config::Arch::Qwen3Moe);
+    assert_eq!(one.model.moe, seeded.model.moe);
+    assert_eq!(one.model.first_dense, 1);
+    let run = |c: &Config| train(c, false, &mut Silent).unwrap();
+    let a = run(&seeded);
+    assert_eq!(losses(&a.run_dir), losses(&run(&one).run_dir), "1 rank");
+    let pp = ["parallel.pp=2", "parallel.dp=2"];
+    assert_eq!(
+        losses(&a.run_dir),
+        losses(&run(&from("pp", &hf, &pp)).run_dir),
+        "pp=2"
+    );
+    let ep = ["parallel.dp=2", "parallel.ep=2"];
+    let (seeded_ep, from_ep) = (run(&base("seeded-ep", &ep)), run(&from("ep", &hf, &ep)));
+    assert_eq!(losses(&seeded_ep.run_dir), losses(&from_ep.run_dir), "ep=2");
+    let near = |x: f64, y: f64| (x - y).abs() <= 1e-5 * y.abs();
+    assert!(near(from_ep.final_eval_loss, a.final_eval_loss));
+    let tp = run(&from("tp", &hf, &["parallel.tp=2"]));
+    assert!(
+        near(tp.final_eval_loss, a.final_eval_loss),
+        "tp=2 {} vs {}",
+        tp.final_eval_loss,
+        a.final_eval_loss
+    );
+    // transformers' folder (8 experts, top-2, the first layer dense)
+    let theirs = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../model/tests/fixtures-qwen3moe/top2of8_norm_dense0");
+    let small = [
+        "model.block_size=16",
+        "data.synthetic.regular=20",
+        "train.steps=2",
+        "train.eval_every=0",
+    ];
+    let t1 = run(&from("theirs", &theirs, &small));
+    let t2 = run(&from("theirs-ep", &theirs, &[&small[..], &ep].concat()));
+    assert!(t1.initial_eval_loss.is_finite());
+    assert!(
+        near(t2.initial_eval_loss, t1.initial_eval_loss),
+        "{} vs {}",
+        t2.initial_eval_loss,
+        t1.initial_eval_loss
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 /// A small Qwen3-MoE run (`model.arch = "qwen3-moe"`): fine-grained
 /// SwiGLU experts, the first layer dense, bias balancing; it learns,
 /// logs every layer's expert load, and resumes bit for bit.
@@ -294,8 +394,19 @@ fn qwen3_moe_trains_and_resumes_bit_for_bit() {
     )
     .unwrap();
     assert_eq!(resolved, cfg("whole"));
+    // one record per step for the expert layer (1), none for the dense
+    // layer 0; every token routed to its 2 experts; the viewer reads it
     let load = std::fs::read_to_string(whole.run_dir.join("expert_load.jsonl")).unwrap();
-    assert!(load.lines().count() >= 60, "{load}");
+    let (records, warnings) = weft_compare::load::parse_expert_load("x", &load).unwrap();
+    assert!(warnings.is_empty(), "{warnings:?}");
+    assert_eq!(records.len(), 60, "{load}");
+    for r in &records {
+        assert_eq!((r.layer, r.kept() + r.dropped), (1, 2 * 8 * 32), "{r:?}");
+    }
+    let seen = weft_viz_web::expert::ExpertLoad::new("x", &records).unwrap();
+    assert_eq!((seen.layers.as_slice(), seen.steps.len()), (&[1][..], 60));
+    let curves = seen.curves(weft_viz_web::expert::LayerSel::All);
+    assert!(curves.max_vio.iter().all(|v| v.is_finite()));
     let crashed = std::panic::catch_unwind(|| {
         let _ = train(&cfg("crashy"), false, &mut CrashAfter(46));
     });
@@ -380,7 +491,13 @@ fn a_resumed_run_continues_bit_for_bit() {
     std::fs::write(&config, often.to_toml()).unwrap();
     let run = dir.join("killed");
     let mut x = 0x2545_f491_4f6c_dd1du64;
-    for attempt in 0..5 {
+    // kills that landed mid-run (a checkpoint there, no summary yet) and
+    // were resumed and compared: the test proves nothing without them
+    let mut mid_run = 0;
+    for attempt in 0..12 {
+        if attempt >= 5 && mid_run >= 1 {
+            break;
+        }
         let _ = std::fs::remove_dir_all(&run);
         x ^= x << 13;
         x ^= x >> 7;
@@ -397,9 +514,14 @@ fn a_resumed_run_continues_bit_for_bit() {
         while !run.join("heartbeats/rank-0").exists() && t.elapsed().as_secs() < 60 {
             std::thread::sleep(std::time::Duration::from_millis(5));
         }
+        assert!(
+            run.join("heartbeats/rank-0").exists(),
+            "attempt {attempt}: no heartbeat in 60 s"
+        );
         std::thread::sleep(std::time::Duration::from_millis(x % 400));
         child.kill().unwrap(); // SIGKILL
         child.wait().unwrap();
+        let unfinished = !run.join("summary.json").exists();
         let resumed = std::process::Command::new(weft)
             .args(["train", "--resume"])
             .arg(&run)
@@ -416,7 +538,12 @@ fn a_resumed_run_continues_bit_for_bit() {
             continue;
         }
         assert_eq!(losses(&run), losses(&whole.run_dir), "attempt {attempt}");
+        mid_run += usize::from(unfinished);
     }
+    assert!(
+        mid_run >= 1,
+        "no kill landed mid-run with a checkpoint to resume from"
+    );
     // And the in-process path: a run that fails mid-step (its observer
     // panics in step 46) resumes from step 40.
     let crashed = std::panic::catch_unwind(|| {

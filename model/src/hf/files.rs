@@ -80,7 +80,7 @@ fn dtype_of(path: &Path, name: &str, s: &str) -> Result<Dtype> {
 /// Reads one safetensors file's header: its tensors, checked against the
 /// file's size.
 fn header(path: &Path, file: usize) -> Result<Vec<(String, Entry)>> {
-    let f = File::open(path).map_err(io(path))?;
+    let f = weft_trace::input::open(path).map_err(io(path))?;
     let size = f.metadata().map_err(io(path))?.len();
     let bad = |reason: String| fmt_err(path, format!("not a valid safetensors file: {reason}"));
     let mut n = [0u8; 8];
@@ -187,7 +187,8 @@ impl Weights {
             };
             return Err(fmt_err(&single, format!("file not found: {hint}")));
         }
-        let text = std::fs::read_to_string(&index).map_err(io(&index))?;
+        let text = weft_trace::input::read_to_string(&index, weft_trace::input::INDEX_BYTES)
+            .map_err(io(&index))?;
         let v: Value = serde_json::from_str(&text)
             .map_err(|e| fmt_err(&index, format!("not valid JSON ({e})")))?;
         let map = v
@@ -246,6 +247,16 @@ impl Weights {
     }
 
     /// The tensors' names.
+    /// The values the files hold, all tensors together (each tensor's
+    /// length was checked against its file's size when the header was
+    /// read, so this is bounded by the files on disk).
+    pub(crate) fn elements(&self) -> u64 {
+        self.tensors
+            .values()
+            .map(|e| e.shape.iter().product::<usize>() as u64)
+            .sum()
+    }
+
     pub(crate) fn names(&self) -> impl Iterator<Item = &String> {
         self.tensors.keys()
     }

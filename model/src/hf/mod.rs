@@ -46,7 +46,8 @@ fn fmt_err(path: &Path, reason: impl Into<String>) -> Error {
 /// # Errors
 /// [`Error::Io`] if unreadable, [`Error::Format`] naming the field otherwise.
 pub fn read_config(path: &Path) -> Result<GptConfig> {
-    let text = std::fs::read_to_string(path).map_err(io(path))?;
+    let text = weft_trace::input::read_to_string(path, weft_trace::input::CONFIG_BYTES)
+        .map_err(io(path))?;
     let v: Value = serde_json::from_str(&text)
         .map_err(|e| fmt_err(path, format!("not valid JSON ({e}); expected a GPT2Config")))?;
     let obj = v
@@ -185,17 +186,20 @@ fn to_f32(path: &Path, name: &str, dtype: Dtype, d: &[u8]) -> Result<Vec<f32>> {
 }
 
 /// What a `config.json` describes.
-enum Family {
+pub(crate) enum Family {
     /// `GPT2LMHeadModel`.
     Gpt2(GptConfig),
     /// A Llama-family model and its gated feed-forward block.
     Llama(GptConfig, SwiGlu),
-    /// A Qwen3-MoE model and its mixture of experts.
-    Moe(GptConfig, Arc<dyn FeedForward>),
+    /// A Qwen3-MoE model: its dense layers' gated block
+    /// (`intermediate_size`, used only by the first dense layers) and its
+    /// mixture of experts (a [`MoeFfn`](crate::MoeFfn)).
+    Moe(GptConfig, SwiGlu, Arc<dyn FeedForward>),
 }
 
 fn read_family(path: &Path) -> Result<Family> {
-    let text = std::fs::read_to_string(path).map_err(io(path))?;
+    let text = weft_trace::input::read_to_string(path, weft_trace::input::CONFIG_BYTES)
+        .map_err(io(path))?;
     let v: Value = serde_json::from_str(&text).map_err(|e| {
         fmt_err(
             path,
@@ -204,10 +208,7 @@ fn read_family(path: &Path) -> Result<Family> {
     })?;
     let kind = v.get("model_type").and_then(Value::as_str);
     match (kind, v.as_object()) {
-        (Some(qwen3_moe::MODEL_TYPE), Some(obj)) => {
-            let (cfg, ffn) = qwen3_moe::read_config(path, obj)?;
-            Ok(Family::Moe(cfg, ffn))
-        }
+        (Some(qwen3_moe::MODEL_TYPE), Some(obj)) => qwen3_moe::read_config(path, obj),
         (Some(k), Some(obj)) if llama::MODEL_TYPES.contains(&k) => {
             let (cfg, ffn) = llama::read_config(path, obj)?;
             Ok(Family::Llama(cfg, ffn))
@@ -216,29 +217,19 @@ fn read_family(path: &Path) -> Result<Family> {
     }
 }
 
-/// A Hugging Face folder's model (`config.json`): its shape and, for the
-/// Llama family, its gated feed-forward block (`None` for GPT-2).
+/// A Hugging Face folder's model (`config.json`): its shape and its
+/// feed-forward blocks.
 ///
 /// # Errors
 /// As [`load`]'s reading of `config.json`.
-pub(crate) fn read_folder_config(dir: &Path) -> Result<(GptConfig, Option<SwiGlu>)> {
+pub(crate) fn read_folder_config(dir: &Path) -> Result<Family> {
     if !dir.is_dir() {
         return Err(fmt_err(
             dir,
             "not a directory; expected a Hugging Face folder with config.json and model.safetensors",
         ));
     }
-    Ok(match read_family(&dir.join("config.json"))? {
-        Family::Gpt2(cfg) => (cfg, None),
-        Family::Llama(cfg, ffn) => (cfg, Some(ffn)),
-        Family::Moe(..) => {
-            return Err(fmt_err(
-                dir,
-                "starting from a Qwen3-MoE folder (model.init_from) is not supported yet; \
-                 GPT-2 and the dense Llama family are",
-            ));
-        }
-    })
+    read_family(&dir.join("config.json"))
 }
 
 /// Reads a Llama-family (or Qwen3-MoE) folder's `config.json`: the
@@ -251,7 +242,7 @@ pub(crate) fn read_folder_config(dir: &Path) -> Result<(GptConfig, Option<SwiGlu
 pub fn read_llama_config(path: &Path) -> Result<(GptConfig, Arc<dyn FeedForward>)> {
     match read_family(path)? {
         Family::Llama(cfg, ffn) => Ok((cfg, Arc::new(ffn))),
-        Family::Moe(cfg, ffn) => Ok((cfg, ffn)),
+        Family::Moe(cfg, _, ffn) => Ok((cfg, ffn)),
         Family::Gpt2(_) => Err(fmt_err(
             path,
             format!(
@@ -402,6 +393,35 @@ fn llama_tensors(model: &Gpt, buffer: &[f32]) -> Vec<(String, Vec<usize>, Vec<f3
     out
 }
 
+/// Refuses a `config.json` whose dimensions ask for far more parameters
+/// than the weight files hold — before the model is allocated from them
+/// (`n_embd = 65536` or `n_layer = 2^40` would abort the process). Every
+/// family's layer holds at least its attention's query and output
+/// projections (about `2·n_embd²` values, at least a quarter of that with
+/// a narrow `head_dim`), and the embedding `vocab_size·n_embd`; the bound
+/// leaves that factor of 4 as margin, so the shape checks that follow stay
+/// the ones that name a wrong tensor.
+fn fits_the_files(path: &Path, c: &GptConfig, stored: u64) -> Result<()> {
+    #[allow(clippy::cast_precision_loss)]
+    let (layers, embd, vocab, have) = (
+        c.n_layer as f64,
+        c.n_embd as f64,
+        c.vocab_size as f64,
+        stored as f64,
+    );
+    let floor = (layers * embd * embd / 2.0).max(vocab * embd);
+    if floor > 4.0 * have {
+        return Err(fmt_err(
+            path,
+            format!(
+                "n_layer = {}, n_embd = {} and vocab_size = {} need at least {floor:.3e} parameters, but the folder's weight files hold {stored}: the config does not describe these weights",
+                c.n_layer, c.n_embd, c.vocab_size
+            ),
+        ));
+    }
+    Ok(())
+}
+
 /// Loads a Hugging Face GPT-2 folder (`config.json` + `model.safetensors`).
 ///
 /// Tensor names may carry the `transformer.` prefix or not (both
@@ -423,6 +443,8 @@ pub fn load(dir: &Path) -> Result<Gpt> {
     }
     let family = read_family(&dir.join("config.json"))?;
     let stored = Weights::folder(dir)?;
+    let (Family::Gpt2(c) | Family::Llama(c, _) | Family::Moe(c, _, _)) = &family;
+    fits_the_files(&dir.join("config.json"), c, stored.elements())?;
     let cfg = match family {
         Family::Gpt2(cfg) => cfg,
         Family::Llama(cfg, ffn) => {
@@ -430,7 +452,7 @@ pub fn load(dir: &Path) -> Result<Gpt> {
             model.params = params_from(model.layout(), &stored)?;
             return Ok(model);
         }
-        Family::Moe(cfg, ffn) => {
+        Family::Moe(cfg, _, ffn) => {
             let mut model = Gpt::from_blocks(crate::GptBlocks::new(cfg, ffn)?);
             model.params = params_from(model.layout(), &stored)?;
             return Ok(model);

@@ -38,7 +38,6 @@ use weft_moe::{Expert, Gate, MoeConfig, Router, RouterKind};
 use super::{fmt_err, llama};
 use crate::config::GptConfig;
 use crate::error::{Error, Result};
-use crate::ffn::FeedForward;
 use crate::gpt::Gpt;
 use crate::moe_ffn::MoeFfn;
 
@@ -46,12 +45,9 @@ use crate::moe_ffn::MoeFfn;
 pub(super) const MODEL_TYPE: &str = "qwen3_moe";
 
 /// Reads a Qwen3-MoE `config.json` object: the model's shape and its
-/// feed-forward block (a [`MoeFfn`] whose first layers are dense, or the
-/// dense [`SwiGlu`](crate::SwiGlu) with no experts).
-pub(super) fn read_config(
-    path: &Path,
-    obj: &Map<String, Value>,
-) -> Result<(GptConfig, Arc<dyn FeedForward>)> {
+/// feed-forward block (a [`MoeFfn`] whose first layers are dense, or,
+/// with no experts, the dense Llama family's).
+pub(super) fn read_config(path: &Path, obj: &Map<String, Value>) -> Result<super::Family> {
     let (cfg, dense) = llama::read_config(path, obj)?;
     let bad = |field: &str, reason: String| fmt_err(path, format!("field `{field}` {reason}"));
     let uint = |names: &[&str], default: Option<usize>| -> Result<usize> {
@@ -78,7 +74,22 @@ pub(super) fn read_config(
     };
     let experts = uint(&["num_experts", "num_local_experts"], None)?;
     if experts == 0 {
-        return Ok((cfg, Arc::new(dense)));
+        return Ok(super::Family::Llama(cfg, dense));
+    }
+    // Qwen2-MoE's and DeepSeek's shared experts are no Qwen3-MoE keys;
+    // a config.json that sets them describes another model.
+    for key in ["shared_expert_intermediate_size", "n_shared_experts"] {
+        if obj
+            .get(key)
+            .is_some_and(|x| !x.is_null() && x.as_u64() != Some(0))
+        {
+            return Err(bad(
+                key,
+                "is set: Qwen3-MoE has no shared experts, and weft reads none from a \
+                 qwen3_moe config.json"
+                    .into(),
+            ));
+        }
     }
     let top_k = uint(&["num_experts_per_tok"], None)?;
     let hidden = uint(&["moe_intermediate_size"], None)?;
@@ -141,7 +152,7 @@ pub(super) fn read_config(
         )
     })?;
     let ffn = ffn.with_first_dense(first_dense, Arc::new(dense));
-    Ok((cfg, Arc::new(ffn)))
+    Ok(super::Family::Moe(cfg, dense, Arc::new(ffn)))
 }
 
 /// The transformers tensors of weft's router weight (`transformer.h.{l}.`

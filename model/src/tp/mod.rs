@@ -48,9 +48,24 @@
 //! of 3 blocks — again `Q_l|K_l|V_l`, which is what the attention kernel
 //! expects for `n_head/tp` heads. With grouped-query attention the
 //! three blocks are unequal (`Q` is `n_head / n_kv_head` times as wide as
-//! `K` or `V`: [`Placement::strided_lead`](weft_parallel::Placement::strided_lead)),
-//! `tp` divides `n_kv_head`, and a rank's query heads are exactly the ones
-//! that read its `n_kv_head/tp` key/value heads. `ln_1`, `ln_2`, `ln_f`, `wpe` and the
+//! `K` or `V`: [`Placement::strided_lead`](weft_parallel::Placement::strided_lead)).
+//! When `tp` divides `n_kv_head`, a rank's query heads are exactly the ones
+//! that read its `n_kv_head/tp` key/value heads. When `tp` is a multiple
+//! `g · n_kv_head` of them (and divides `n_head`), key/value heads are
+//! *replicated*, as Megatron-LM and vLLM do: rank `r` holds query heads
+//! `r·n_head/tp..` and a copy of the one key/value head `r / g` they read,
+//! the `g` consecutive ranks of a replica group holding identical copies
+//! of its `K` and `V` columns (and q/k/v biases)
+//! ([`Placement::with_copies`](weft_parallel::Placement::with_copies)).
+//! The forward needs nothing more: each copy computes the same keys and
+//! values. In the backward each copy's gradient comes from its own query
+//! heads only — a partial sum over the replica group, which
+//! `weft_parallel::GradReducer` (or, under FSDP, a sum over the group
+//! before FSDP's reduction) adds up so that the copies stay equal; the
+//! input gradient of `attn.c_attn` needs no change (the group's partial key
+//! and value gradients add up to the whole one in the all-reduce it already
+//! has). A checkpoint writes each copy once and reads it into every
+//! replica. Neither dividing the other is refused. `ln_1`, `ln_2`, `ln_f`, `wpe` and the
 //! row-parallel biases are replicated. A mixture-of-experts feed-forward
 //! block is replicated over `tp` (its experts may be sharded over `ep`
 //! instead): every tensor-parallel rank runs it on the whole (gathered)
@@ -146,6 +161,9 @@ impl CommClock {
 #[derive(Clone)]
 pub struct TensorParallel {
     comm: Arc<dyn Communicator>,
+    /// The ranks holding copies of this rank's key/value heads (more ranks
+    /// than key/value heads), if they are more than this one.
+    kv: Option<Arc<dyn Communicator>>,
     opts: TpOptions,
     clock: Arc<CommClock>,
 }
@@ -165,9 +183,31 @@ impl TensorParallel {
     pub fn new(comm: Arc<dyn Communicator>, opts: TpOptions) -> Self {
         TensorParallel {
             comm,
+            kv: None,
             opts,
             clock: Arc::default(),
         }
+    }
+
+    /// This group with `kv`, the ranks holding copies of this rank's
+    /// key/value heads when `tp` is a multiple of `n_kv_head`
+    /// ([`ParallelMesh::copies_group_arc`](weft_parallel::ParallelMesh::copies_group_arc)
+    /// of `tp / n_kv_head`): an FSDP-sharded model sums their partial
+    /// gradients over it before reducing over the data-parallel group.
+    #[must_use]
+    pub fn with_kv_copies(mut self, kv: Arc<dyn Communicator>) -> Self {
+        self.kv = (kv.size() > 1).then_some(kv);
+        self
+    }
+
+    /// Sums `x` over the ranks holding copies of this rank's key/value
+    /// heads (nothing without copies).
+    pub(crate) fn kv_all_reduce(&self, x: &mut [f32]) -> Result<()> {
+        if let Some(kv) = &self.kv {
+            self.clock
+                .time(|| kv.all_reduce_with(x, &self.opts.sum()))?;
+        }
+        Ok(())
     }
 
     /// The tp degree.

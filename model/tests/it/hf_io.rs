@@ -173,6 +173,23 @@ fn malformed_folders_give_clear_errors() {
     let e = hf::load(&dir).unwrap_err().to_string();
     assert!(e.contains("not valid JSON"), "{e}");
 
+    // Dimensions no weight file here holds: refused before the model is
+    // allocated from them (the process would abort), naming config.json.
+    for (layers, embd) in [(1u64, 65536u64), (1 << 40, 16)] {
+        std::fs::write(
+            dir.join("config.json"),
+            format!(
+                r#"{{"n_layer": {layers}, "n_head": 2, "n_embd": {embd}, "vocab_size": 53, "n_positions": 8}}"#
+            ),
+        )
+        .unwrap();
+        let e = hf::load(&dir).unwrap_err().to_string();
+        assert!(
+            e.contains("config.json") && e.contains("the config does not describe these weights"),
+            "{e}"
+        );
+    }
+
     // Garbage weights file.
     copy_config(&src, &dir);
     std::fs::write(dir.join("model.safetensors"), b"definitely not safetensors").unwrap();

@@ -147,3 +147,87 @@ fn unsupported_qwen3_moe_configs_name_the_field() -> Result<()> {
     assert!(err.contains("moe_intermediate_size"), "{err}");
     Ok(())
 }
+
+/// `model.init_from` (`weft train --init-from DIR`) of transformers'
+/// folders: the `[model]` table resolved from `config.json` (family,
+/// experts, top-k, widths, `norm_topk_prob`, the dense first layers)
+/// builds, with the folder's weights as initial parameters, the model
+/// transformers computes: the loss to the same 1e-6. A key that
+/// contradicts the folder is refused naming it.
+#[test]
+fn init_from_transformers_folders_builds_their_model() -> Result<()> {
+    use weft_model::{Arch, GptBlocks, ModelOptions};
+    for dir in fixtures() {
+        let name = dir.file_name().unwrap().to_string_lossy().to_string();
+        let json: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("config.json"))?)?;
+        let tokens = weft_model::eval::read_tokens(&dir.join("tokens.json"))?;
+        let table = ModelOptions {
+            init_from: Some(dir.clone()),
+            block_size: tokens.t,
+            ..ModelOptions::default()
+        };
+        let m = table.resolve_init_from().with_context(|| name.clone())?;
+        m.validate()?;
+        assert_eq!(m.arch, Arch::Qwen3Moe, "{name}");
+        let n = |k: &str| usize::try_from(json[k].as_u64().unwrap()).unwrap();
+        let experts = json
+            .get("num_experts")
+            .or_else(|| json.get("num_local_experts"))
+            .and_then(serde_json::Value::as_u64)
+            .unwrap();
+        assert_eq!(m.moe.experts as u64, experts, "{name}");
+        assert_eq!(m.moe.top_k, n("num_experts_per_tok"), "{name}");
+        assert_eq!(m.moe.expert_hidden, n("moe_intermediate_size"), "{name}");
+        assert_eq!(m.ffn_hidden, n("intermediate_size"), "{name}");
+        assert_eq!(m.moe.normalize, json["norm_topk_prob"] == true, "{name}");
+        assert_eq!(
+            m.first_dense,
+            json["mlp_only_layers"].as_array().map_or(0, Vec::len),
+            "{name}"
+        );
+        let vocab = n("vocab_size");
+        let params = m.initial_params(vocab)?.unwrap();
+        let (ffn, stats) = m.ffn(None)?;
+        assert!(stats.is_some(), "{name}");
+        let mut model = weft_model::Gpt::from_blocks(GptBlocks::new(m.gpt_config(vocab), ffn)?);
+        model.params = params;
+        let (loss, want) = fixture_loss(&mut model, &dir)?;
+        let rel = (loss - want).abs() / want;
+        #[allow(clippy::print_stderr)]
+        {
+            eprintln!(
+                "{name} from [model]: loss {loss:.9} vs transformers {want:.9} (rel {rel:.1e})"
+            );
+        }
+        assert!(rel < 1e-6, "{name}: loss {loss} against {want}");
+        // a key that contradicts the folder names itself
+        let bad = ModelOptions {
+            moe: weft_moe::MoeOptions {
+                top_k: m.moe.top_k + 1,
+                ..m.moe.clone()
+            },
+            ..table.clone()
+        };
+        let err = bad.resolve_init_from().unwrap_err().to_string();
+        assert!(
+            err.contains("moe.top_k") && err.contains("config.json"),
+            "{err}"
+        );
+    }
+    // a dense folder refuses experts
+    let llama = fixture_dirs("tests/fixtures-llama", 1).remove(0);
+    let err = ModelOptions {
+        init_from: Some(llama),
+        moe: weft_moe::MoeOptions {
+            experts: 4,
+            ..weft_moe::MoeOptions::default()
+        },
+        ..ModelOptions::default()
+    }
+    .resolve_init_from()
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("moe.experts"), "{err}");
+    Ok(())
+}

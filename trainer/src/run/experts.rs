@@ -1,5 +1,5 @@
 //! Mixture-of-experts runs: each step's expert load over the global batch
-//! into `expert_load.jsonl` (one record per layer), the auxiliary-loss-free
+//! into `expert_load.jsonl` (one record per expert layer), the auxiliary-loss-free
 //! bias balancing after an applied update, and the step's MaxVio.
 
 use std::io::{BufWriter, Write};
@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use weft_collectives::Communicator;
 use weft_model::{MoeStats, TrainModel};
 use weft_moe::BiasBalancer;
-use weft_trace::ExpertLoadRecord;
+use weft_trace::{ExpertLoadRecord, input};
 
 use crate::ranks::agree;
 use crate::run::folder::io_err;
@@ -20,6 +20,8 @@ pub(crate) struct MoeRun {
     pub stats: MoeStats,
     /// Layers of the model.
     pub layers: usize,
+    /// The first layers, dense: no expert load to log.
+    pub first_dense: usize,
     /// Experts per layer.
     pub experts: usize,
     /// The selection-bias balancer (`balance = "bias"`).
@@ -55,7 +57,7 @@ impl Experts {
             if world.rank() != 0 {
                 return Ok(Some(BufWriter::new(Box::new(std::io::sink()))));
             }
-            let kept: String = std::fs::read_to_string(&path)
+            let kept: String = input::read_to_string(&path, input::LOG_BYTES)
                 .unwrap_or_default()
                 .lines()
                 .filter(|l| {
@@ -81,8 +83,8 @@ impl Experts {
         }
     }
 
-    /// After step `step` (1-based): every layer's load over the global
-    /// batch logged, the selection biases moved when the update was
+    /// After step `step` (1-based): every expert layer's load over the
+    /// global batch logged (under its index in the model), the selection biases moved when the update was
     /// `applied`; returns the step's MaxVio averaged over layers.
     /// Collective over the model's data-parallel and pipeline groups.
     ///
@@ -99,7 +101,7 @@ impl Experts {
         };
         let loads = moe.stats.step_loads(mesh, moe.layers, moe.experts)?;
         let mut vios = Vec::new();
-        for (l, st) in loads.iter().enumerate() {
+        for (l, st) in loads.iter().enumerate().skip(moe.first_dense) {
             let rec = st.to_record(step, u32::try_from(l).unwrap_or(u32::MAX));
             if let Some(log) = self.log.as_mut() {
                 let line = serde_json::to_string(&rec).unwrap_or_default();
