@@ -9,7 +9,8 @@
 #   scripts/cluster.sh exec NODE -- COMMAND...    (run a command on a node)
 #   scripts/cluster.sh kill-node NODE             (the node dies: every process on
 #                                                  it killed, its link down)
-#   scripts/cluster.sh revive NODE                (a dead node back: link up)
+#   scripts/cluster.sh revive NODE                (a dead node back: its namespace made
+#                                                  anew, link up)
 #   scripts/cluster.sh link NODE down|up          (take its link down / up: a flap)
 #   scripts/cluster.sh down [--name NAME]
 #
@@ -30,7 +31,8 @@
 # interfaces and routes are never touched. State lives in
 # /run/NAME-cluster: the hostfile, the launch agent (Open MPI's rsh
 # launcher calls it as `agent HOST COMMAND...`; it enters the node's
-# namespace), and the `mpirun` prefix.
+# namespace), the `mpirun` prefix (`mpirun`, and `launch` without the
+# hostfile), the link rate and this script's path.
 #
 # `up` is idempotent (an existing cluster of the same name is taken down
 # first) and ends by printing, on its last line, the command prefix that
@@ -230,6 +232,8 @@ EOF
     # "$(cat $state/launch) -np {n} --hostfile {hostfile}"`).
     echo "${prefix/ --hostfile $state\/hostfile/}" >"$state/launch"
     echo "$rate" >"$state/rate"
+    # this script, for tools that do node faults (`weft chaos --cluster`)
+    realpath "$0" >"$state/script"
     trap - ERR
     echo "cluster '$name': $nodes node(s) n0..n$((nodes - 1)) on $subnet.0/24, each link $rate both ways; head $subnet.254"
     echo "hostfile: $state/hostfile; take it down with: scripts/cluster.sh down$([ "$name" = weft ] || echo " --name $name")"
@@ -313,8 +317,17 @@ kill-node | revive)
         ip -n "$ns" link set dev eth0 down
         echo "node ${positional[0]}: dead ($(echo "$pids" | grep -c . || true) process(es) killed, link down)"
     else
-        ip -n "$ns" link set dev eth0 up
-        echo "node ${positional[0]}: back (link up)"
+        # a fresh node in its place: the namespace made anew (its old
+        # network stack, sockets and link gone with it), same name and
+        # address, its link limited again at the cluster's rate
+        rate=$(cat "$state/rate")
+        # the old link's switch port goes first (its peer with it): a
+        # namespace lives on while a killed process in it is still exiting
+        ip -n "$sw" link delete "p-${positional[0]}" 2>/dev/null || true
+        ip netns delete "$ns"
+        ip netns add "$ns"
+        add_port "$ns" "$subnet.$((${positional[0]#n} + 1))" limited
+        echo "node ${positional[0]}: back (namespace made anew, link up at $rate)"
     fi
     ;;
 link)

@@ -2,7 +2,8 @@
 //! fault-free, then `trials` times under `weft train --supervise` with
 //! one fault each, drawn from a seeded generator (a killed or hung rank,
 //! gradients made non-finite, a garbage batch, a checkpoint that rots
-//! before a kill, a crash while saving), and reports per trial whether the
+//! before a kill, a crash while saving; on a cluster of namespaces also a
+//! node that dies and a link that flaps), and reports per trial whether the
 //! fault was detected (and how long after it fired), whether the run
 //! recovered, the restarts and rewinds it took, the steps and seconds it
 //! lost, the restart's cost, and whether its final state — every step's
@@ -20,8 +21,48 @@ use std::time::{Duration, Instant};
 
 use weft_trace::{EventKind, MetricsEvent, MetricsEventKind, MetricsRecord};
 
+use crate::cluster::{DrillCluster, NodeFault, NodeFaultKind, last_step};
 use crate::events::read_events;
 use crate::fault::{Fault, FaultKind};
+
+/// The kinds of fault a drill draws, by the names `--faults` takes: the
+/// job's own (injected with `--inject`) and, on a cluster, the nodes'.
+pub const DRILL_FAULTS: [&str; 8] = [
+    "kill",
+    "hang",
+    "nan",
+    "spike",
+    "corrupt-checkpoint",
+    "crash-during-save",
+    "node-kill",
+    "link-flap",
+];
+
+/// The least heartbeat timeout of a drill on a cluster (see
+/// [`Drill::cluster`]).
+const CLUSTER_HEARTBEAT: Duration = Duration::from_secs(30);
+
+/// A trial's fault: injected into the job, or done to a node.
+#[derive(Clone, Debug, PartialEq)]
+enum Planned {
+    /// `--inject` faults (a rotten checkpoint comes with the kill that
+    /// makes the run need it).
+    Inject(Vec<Fault>),
+    /// A node's or a link's fault, done by the drill.
+    Node(NodeFault),
+}
+
+impl std::fmt::Display for Planned {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Planned::Inject(faults) => {
+                let names: Vec<String> = faults.iter().map(ToString::to_string).collect();
+                f.write_str(&names.join(" + "))
+            }
+            Planned::Node(n) => n.fmt(f),
+        }
+    }
+}
 
 /// What a drill runs.
 #[derive(Clone, Debug)]
@@ -45,6 +86,16 @@ pub struct Drill {
     /// interval, ranks and non-finite limit (the trainer reads them from
     /// the configuration [`Drill::job_sets`] make).
     pub job: DrillJob,
+    /// The kinds drawn, by their [`DRILL_FAULTS`] names; empty: every kind
+    /// that can happen (the nodes' only with a cluster). Each round of as
+    /// many trials as kinds draws every kind once, in a seeded order.
+    pub kinds: Vec<String>,
+    /// A cluster of namespaces to run every job on (its hostfile, one node
+    /// spare: `--spares 1`; a heartbeat timeout of at least 30 s, so the
+    /// launcher names a lost node first), and to kill nodes and flap links
+    /// of. [`Drill::launch`] must be its launch (see
+    /// [`DrillCluster::launch`]).
+    pub cluster: Option<DrillCluster>,
 }
 
 /// The settings of a drill's job that decide which faults can happen
@@ -111,6 +162,13 @@ pub enum ChaosError {
          remove it, or give another --dir"
     )]
     Exists(PathBuf),
+    /// The cluster cannot hold the drill, or a node fault could not be
+    /// done.
+    #[error("{0}")]
+    Cluster(String),
+    /// A fault kind unknown, or not possible here.
+    #[error("--faults: {0}")]
+    Kinds(String),
     /// A file could not be read or written.
     #[error("{path}: {source}")]
     Io {
@@ -221,10 +279,12 @@ impl Drill {
         c.arg("--set")
             .arg(format!("run.dir={:?}", self.dir.display().to_string()))
             .arg("--set")
-            .arg(format!("run.name={name}"))
-            .args(extra)
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped());
+            .arg(format!("run.name={name}"));
+        if let Some(cluster) = &self.cluster {
+            // the first nodes hold the job, the rest are spare
+            c.arg("--hostfile").arg(cluster.hostfile());
+        }
+        c.args(extra).stdout(Stdio::null()).stderr(Stdio::piped());
         c
     }
 
@@ -262,22 +322,20 @@ impl Drill {
         Ok(t.elapsed().as_secs_f64())
     }
 
-    /// The fault of a trial: kind, rank and step drawn from `rng` for a
+    /// The faults of a trial of kind `kind`: rank and step drawn from `rng` for a
     /// run of `steps` steps with checkpoints every `every`, `ranks` ranks
     /// and `limit` non-finite steps making a rewind. Spikes are drawn from
     /// the second half, where the loss has settled enough for a garbage
     /// batch to stand out against the rolling median. A rotten checkpoint
     /// is followed by a kill, which makes the run need it.
-    fn draw(rng: &mut Rng, steps: u64, every: u64, ranks: usize, limit: u64) -> Vec<Fault> {
-        let kinds = [
-            FaultKind::Kill,
-            FaultKind::Hang,
-            FaultKind::Nan,
-            FaultKind::Spike,
-            FaultKind::CorruptCheckpoint,
-            FaultKind::CrashDuringSave,
-        ];
-        let kind = kinds[usize::try_from(rng.next() % kinds.len() as u64).unwrap_or(0)];
+    fn draw(
+        rng: &mut Rng,
+        kind: FaultKind,
+        steps: u64,
+        every: u64,
+        ranks: usize,
+        limit: u64,
+    ) -> Vec<Fault> {
         let rank = usize::try_from(rng.next() % ranks.max(1) as u64).unwrap_or(0);
         let fault = |kind, step| Fault {
             kind,
@@ -305,6 +363,61 @@ impl Drill {
             }
             FaultKind::CrashDuringSave => vec![fault(kind, every * rng.range(1, saves.max(1)))],
             _ => vec![fault(kind, rng.range(2, steps))],
+        }
+    }
+
+    /// The kinds the drill draws: [`Drill::kinds`], checked, or every
+    /// kind that can happen.
+    fn kinds(&self) -> Result<Vec<&'static str>, ChaosError> {
+        let node_kinds = [
+            NodeFaultKind::NodeKill.name(),
+            NodeFaultKind::LinkFlap.name(),
+        ];
+        if self.kinds.is_empty() {
+            return Ok(DRILL_FAULTS
+                .iter()
+                .copied()
+                .filter(|k| self.cluster.is_some() || !node_kinds.contains(k))
+                .collect());
+        }
+        let mut out = Vec::new();
+        for k in &self.kinds {
+            let Some(&known) = DRILL_FAULTS.iter().find(|d| *d == k) else {
+                return Err(ChaosError::Kinds(format!(
+                    "'{k}' is no fault kind (kinds: {})",
+                    DRILL_FAULTS.join(", ")
+                )));
+            };
+            if node_kinds.contains(&known) && self.cluster.is_none() {
+                return Err(ChaosError::Kinds(format!(
+                    "'{k}' needs a cluster of nodes (--cluster NAME, made by scripts/cluster.sh up)"
+                )));
+            }
+            if !out.contains(&known) {
+                out.push(known);
+            }
+        }
+        Ok(out)
+    }
+
+    /// A node fault of kind `kind` (a [`NodeFaultKind`] name): one of the
+    /// `busy` nodes that hold the job, from step 2 to the middle of the
+    /// run (the drill sees steps as they are logged; a fault late in a
+    /// fast job could miss it), a flap of 10 to 20 seconds: longer than
+    /// the drill's `parallel.timeout_s`, so the attempt fails.
+    fn draw_node(&self, rng: &mut Rng, kind: &str, steps: u64, busy: usize) -> NodeFault {
+        let kind = if kind == NodeFaultKind::NodeKill.name() {
+            NodeFaultKind::NodeKill
+        } else {
+            NodeFaultKind::LinkFlap
+        };
+        let nodes = self.cluster.as_ref().map_or(&[][..], |c| &c.nodes[..]);
+        let i = usize::try_from(rng.next() % busy.max(1) as u64).unwrap_or(0);
+        NodeFault {
+            kind,
+            node: nodes.get(i).map_or_else(|| "n0".into(), |n| n.0.clone()),
+            step: rng.range(2, (steps / 2).max(2)),
+            seconds: rng.range(10, 20),
         }
     }
 
@@ -351,6 +464,11 @@ impl Drill {
                 return Err(ChaosError::Exists(self.dir.join(&*name)));
             }
         }
+        let kinds = self.kinds()?;
+        let busy = match &self.cluster {
+            Some(c) => c.busy_nodes(self.job.ranks)?,
+            None => 0,
+        };
         let reference_s = self.reference("reference", &[])?;
         let clean = fingerprint(&self.dir.join("reference"));
         let mut rng = Rng(self.seed);
@@ -363,17 +481,51 @@ impl Drill {
         let every = every.max(1);
         let limit = reference_s * 10.0 + 60.0 + self.heartbeat_timeout.as_secs_f64() * 3.0;
         let mut trials = Vec::new();
+        let mut deck: Vec<&str> = Vec::new();
         for i in 0..self.trials {
-            let faults = Self::draw(&mut rng, steps, every, ranks, nonfinite_limit);
+            if deck.is_empty() {
+                // a round: every kind once, in a seeded order
+                deck.clone_from(&kinds);
+                for k in (1..deck.len()).rev() {
+                    let j = usize::try_from(rng.next() % (k as u64 + 1)).unwrap_or(0);
+                    deck.swap(k, j);
+                }
+            }
+            let kind = deck.pop().unwrap_or("kill");
+            let planned = match FaultKind::ALL.iter().find(|(_, n)| *n == kind) {
+                Some(&(k, _)) => Planned::Inject(Self::draw(
+                    &mut rng,
+                    k,
+                    steps,
+                    every,
+                    ranks,
+                    nonfinite_limit,
+                )),
+                None => Planned::Node(self.draw_node(&mut rng, kind, steps, busy)),
+            };
+            let faults = match &planned {
+                Planned::Inject(f) => f.clone(),
+                Planned::Node(_) => Vec::new(),
+            };
             let name = format!("trial-{i}");
             let run = self.dir.join(&name);
+            // on a cluster, a node lost is named by mpirun (about 6 s) or
+            // the collectives' timeout (parallel.timeout_s) before the
+            // heartbeats would name no one, and its spare node takes over
+            let heartbeat = match &self.cluster {
+                Some(_) => self.heartbeat_timeout.max(CLUSTER_HEARTBEAT),
+                None => self.heartbeat_timeout,
+            };
             let mut extra: Vec<OsString> = vec![
                 "--supervise".into(),
                 "--restart-backoff".into(),
                 "0.1".into(),
                 "--heartbeat-timeout".into(),
-                self.heartbeat_timeout.as_secs_f64().to_string().into(),
+                heartbeat.as_secs_f64().to_string().into(),
             ];
+            if self.cluster.is_some() {
+                extra.extend(["--spares".into(), "1".into()]);
+            }
             if let Some(l) = &self.launch {
                 extra.extend(["--launch".into(), l.into()]);
             }
@@ -390,6 +542,7 @@ impl Drill {
                     source,
                 })?;
             let (mut status, mut hung) = (None, false);
+            let mut node = NodeState::new(&planned);
             while status.is_none() {
                 status = child.try_wait().ok().flatten();
                 if status.is_none() && t.elapsed().as_secs_f64() > limit {
@@ -397,7 +550,14 @@ impl Drill {
                     status = child.wait().ok();
                     hung = true;
                 }
+                if let (Some(c), Planned::Node(f)) = (&self.cluster, &planned) {
+                    node.advance(c, f, &run)?;
+                }
                 std::thread::sleep(Duration::from_millis(50));
+            }
+            if let (Some(c), Planned::Node(f)) = (&self.cluster, &planned) {
+                // the node whole again for the next trial
+                node.restore(c, f)?;
             }
             let wall = t.elapsed().as_secs_f64();
             let ev = read_events(&run);
@@ -407,7 +567,14 @@ impl Drill {
             // kill, hang or crash, a rewind after bad data, a restart that
             // passed over the rotten checkpoint — timed from the last
             // fault fired to the first answer after it
-            let fired: Vec<f64> = times("fault").collect();
+            let fired: Vec<f64> = match &planned {
+                Planned::Inject(_) => times("fault").collect(),
+                Planned::Node(_) => node.fired.into_iter().collect(),
+            };
+            let needed = match &planned {
+                Planned::Inject(f) => f.len(),
+                Planned::Node(_) => 1,
+            };
             let answered = |kind: FaultKind| {
                 match kind {
                 FaultKind::Nan | FaultKind::Spike => at("rewind").next().is_some(),
@@ -421,8 +588,9 @@ impl Drill {
                 .iter()
                 .copied()
                 .reduce(f64::max)
-                .filter(|_| fired.len() >= faults.len())
+                .filter(|_| fired.len() >= needed)
                 .filter(|_| faults.iter().all(|f| answered(f.kind)))
+                .filter(|_| matches!(planned, Planned::Inject(_)) || at("failure").next().is_some())
                 .and_then(|last| {
                     times("failure")
                         .chain(times("rewind"))
@@ -469,11 +637,7 @@ impl Drill {
             };
             let got = fingerprint(&run);
             let trial = Trial {
-                fault: faults
-                    .iter()
-                    .map(ToString::to_string)
-                    .collect::<Vec<_>>()
-                    .join(" + "),
+                fault: planned.to_string(),
                 detected_after_s,
                 recovered,
                 hung,
@@ -488,6 +652,71 @@ impl Drill {
             trials.push(trial);
         }
         Ok(trials)
+    }
+}
+
+/// Where a trial's node fault stands.
+struct NodeState {
+    /// When it was done (seconds since the Unix epoch, as events are).
+    fired: Option<f64>,
+    /// A flapped link's time to come back up.
+    up_at: Option<Instant>,
+    /// Whether there is nothing left to do.
+    done: bool,
+}
+
+impl NodeState {
+    fn new(planned: &Planned) -> Self {
+        NodeState {
+            fired: None,
+            up_at: None,
+            done: !matches!(planned, Planned::Node(_)),
+        }
+    }
+
+    /// Does the fault once `run` is past its step; brings a flapped link
+    /// back up when its time is over.
+    fn advance(&mut self, c: &DrillCluster, f: &NodeFault, run: &Path) -> Result<(), ChaosError> {
+        if self.done {
+            return Ok(());
+        }
+        if self.fired.is_none() {
+            if last_step(run).is_some_and(|s| s >= f.step) {
+                let args: &[&str] = match f.kind {
+                    NodeFaultKind::NodeKill => &["kill-node", &f.node],
+                    NodeFaultKind::LinkFlap => &["link", &f.node, "down"],
+                };
+                c.run(args)?;
+                self.fired = Some(
+                    std::time::SystemTime::now()
+                        .duration_since(std::time::UNIX_EPOCH)
+                        .map_or(0.0, |d| d.as_secs_f64()),
+                );
+                match f.kind {
+                    NodeFaultKind::NodeKill => self.done = true,
+                    NodeFaultKind::LinkFlap => {
+                        self.up_at = Some(Instant::now() + Duration::from_secs(f.seconds));
+                    }
+                }
+            }
+        } else if self.up_at.is_some_and(|t| Instant::now() >= t) {
+            c.run(&["link", &f.node, "up"])?;
+            self.up_at = None;
+            self.done = true;
+        }
+        Ok(())
+    }
+
+    /// After the trial: a killed node revived, a link still down brought
+    /// up.
+    fn restore(&mut self, c: &DrillCluster, f: &NodeFault) -> Result<(), ChaosError> {
+        if self.up_at.take().is_some() {
+            c.run(&["link", &f.node, "up"])?;
+        }
+        if self.fired.is_some() && f.kind == NodeFaultKind::NodeKill {
+            c.run(&["revive", &f.node])?;
+        }
+        Ok(())
     }
 }
 
@@ -578,8 +807,9 @@ mod tests {
     fn the_drill_draws_every_kind_of_fault_where_it_can_happen() {
         let mut rng = Rng(7);
         let mut seen = std::collections::BTreeSet::new();
-        for _ in 0..400 {
-            let faults = Drill::draw(&mut rng, 60, 10, 2, 3);
+        for i in 0..400 {
+            let kind = FaultKind::ALL[[0, 1, 2, 3, 5, 6][i % 6]].0;
+            let faults = Drill::draw(&mut rng, kind, 60, 10, 2, 3);
             let f = faults[0];
             seen.insert(f.kind.name());
             assert!(f.rank < 2);

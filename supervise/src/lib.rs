@@ -65,6 +65,7 @@
 #![deny(missing_docs)]
 
 mod chaos;
+mod cluster;
 pub mod events;
 mod fault;
 pub mod health;
@@ -73,7 +74,10 @@ pub mod lock;
 pub mod stop;
 mod supervisor;
 
-pub use chaos::{ChaosError, Drill, DrillJob, Trial, table_header, table_row, table_totals};
+pub use chaos::{
+    ChaosError, DRILL_FAULTS, Drill, DrillJob, Trial, table_header, table_row, table_totals,
+};
+pub use cluster::{DrillCluster, NodeFault, NodeFaultKind};
 pub use fault::{Fault, FaultKind};
 pub use heartbeat::{heartbeat, host_name};
 

@@ -48,7 +48,8 @@ pub struct Supervisor {
     /// as Open MPI's `host slots=N`): a failed rank's host is left out of
     /// the copy each restart passes as `{hostfile}`, so the launcher
     /// places the job on the hosts left (spare nodes listed there take
-    /// over).
+    /// over). At each later failure a host left out earlier that answers
+    /// the launcher again (the node came back) rejoins it, a spare again.
     pub hostfile: Option<PathBuf>,
     /// The run folder the job writes.
     pub run_dir: PathBuf,
@@ -160,6 +161,10 @@ fn describe(status: ExitStatus) -> String {
 /// under a second when its daemons answer, and waits without end on the
 /// daemon of a node that died silently (powered off, its link down).
 const TEARDOWN_GRACE: Duration = Duration::from_secs(20);
+
+/// How long a host left out after a failure has to answer the launcher
+/// before it counts as still down (see `Supervisor::answers`).
+const PROBE_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// The rank a failure message names: Open MPI's ("... process rank 1 with
 /// PID 4242 on node vm exited on signal 9") or the collectives' watchdog's
@@ -388,6 +393,59 @@ impl Supervisor {
         Ok(Some(out))
     }
 
+    /// Whether host `host` answers: the launcher run on it alone (`{n}` =
+    /// 1, `{hostfile}` a file naming only it) with `true` as the command,
+    /// ended within [`PROBE_TIMEOUT`]. A node that died and came back
+    /// (repaired, or recreated by the scheduler) answers; one still down
+    /// does not (the launcher cannot reach it, and is stopped).
+    fn answers(&self, host: &str) -> bool {
+        use std::os::unix::process::CommandExt;
+        let file = self.run_dir.join("hostfile.probe");
+        if std::fs::write(&file, format!("{host} slots=1\n")).is_err() {
+            return false;
+        }
+        let words: Vec<String> = self
+            .launch
+            .iter()
+            .map(|w| {
+                w.replace("{n}", "1")
+                    .replace("{hostfile}", &file.to_string_lossy())
+            })
+            .collect();
+        let Some((program, args)) = words.split_first() else {
+            return false;
+        };
+        let mut cmd = Command::new(program);
+        cmd.args(args)
+            .arg("true")
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .process_group(0);
+        crate::die_with_parent(&mut cmd, libc::SIGKILL);
+        let Ok(mut child) = cmd.spawn() else {
+            return false;
+        };
+        let t0 = Instant::now();
+        let ok = loop {
+            match child.try_wait() {
+                Ok(Some(status)) => break status.success(),
+                Ok(None) if t0.elapsed() < PROBE_TIMEOUT => {
+                    std::thread::sleep(Duration::from_millis(50));
+                }
+                _ => {
+                    signal(child.id(), true, libc::SIGTERM);
+                    std::thread::sleep(Duration::from_millis(500));
+                    signal(child.id(), true, libc::SIGKILL);
+                    let _ = child.wait();
+                    break false;
+                }
+            }
+        };
+        let _ = std::fs::remove_file(&file);
+        ok
+    }
+
     /// Runs the job to the end, restarting it after failures.
     ///
     /// # Errors
@@ -560,6 +618,17 @@ impl Supervisor {
                 .as_deref()
                 .and_then(host_named)
                 .or_else(|| rank.and_then(|r| beat_host(&self.run_dir, r)));
+            // hosts left out earlier that answer again (the node came
+            // back) rejoin the hostfile, each a spare again
+            let back: Vec<String> = excluded
+                .iter()
+                .filter(|h| Some(*h) != host.as_ref() && self.answers(h))
+                .cloned()
+                .collect();
+            if !back.is_empty() {
+                excluded.retain(|h| !back.contains(h));
+                spares = spares.map(|k| k + u32::try_from(back.len()).unwrap_or(u32::MAX));
+            }
             if let (Some(file), Some(h)) = (&self.hostfile, &host)
                 && !excluded.contains(h)
             {
@@ -617,6 +686,11 @@ impl Supervisor {
                         ));
                     }
                 },
+            };
+            let action = if back.is_empty() {
+                action
+            } else {
+                format!("{} back: {action}", back.join(", "))
             };
             std::thread::sleep(backoff);
             backoff = backoff.saturating_mul(2);

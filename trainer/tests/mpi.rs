@@ -654,11 +654,28 @@ fn across_namespace_nodes_layouts_equal_the_thread_ranks_bit_for_bit() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// A fault done to the cluster once a supervised job is past a step, and
+/// what the restart it causes must show.
+struct NodeFault {
+    /// The step the job must be past.
+    after_step: u64,
+    /// What is done to the cluster.
+    fault: Box<dyn FnOnce(&Cluster)>,
+    /// The node the failure names (and the restart leaves out).
+    host: &'static str,
+    /// The restart's `excluded_hosts`.
+    excluded: &'static [&'static str],
+    /// The restart's `action`.
+    action: &'static str,
+    /// The start-up report's node line of the attempt after it.
+    nodes: &'static str,
+}
+
 /// A supervised data-parallel job over 4 ranks on nodes n0 and n1 of a
-/// three-node cluster (n2 spare) with `fault` done to the cluster once
-/// the job is past step 50: it ends with the fault-free run's bits, after
-/// one restart whose failure names node n1 and which leaves n1 out.
-fn supervised_across_nodes_survives(case: &str, fault: impl FnOnce(&Cluster)) {
+/// three-node cluster (n2 spare, `--spares 1`) with each of `faults`
+/// done to the cluster in turn: it ends with the fault-free run's bits,
+/// after one restart per fault, each as the fault says.
+fn supervised_across_nodes_survives(case: &str, faults: Vec<NodeFault>) {
     let Some(_) = launcher() else { return };
     let _g = SERIAL
         .lock()
@@ -673,12 +690,12 @@ fn supervised_across_nodes_survives(case: &str, fault: impl FnOnce(&Cluster)) {
         "train.eval_every=40",
         "parallel.timeout_s=10",
     ];
-    let reference = threads(&job(&dir, "reference", 120, &extra));
+    let reference = threads(&job(&dir, "reference", 160, &extra));
     assert!(reference.status.success(), "{}", text(&reference));
     let state = format!("/run/{}-cluster", cluster.name);
     let launch = std::fs::read_to_string(format!("{state}/launch")).unwrap();
     // n0 and n1 hold the four ranks; n2, last in the hostfile, is spare
-    let job_ = Command::new(WEFT)
+    let mut job_ = Command::new(WEFT)
         .args(["train", "--supervise", "--restart-backoff", "0.1"])
         .args(["--hostfile", &format!("{state}/hostfile"), "--spares", "1"])
         .args([
@@ -688,56 +705,67 @@ fn supervised_across_nodes_survives(case: &str, fault: impl FnOnce(&Cluster)) {
                 launch.trim()
             ),
         ])
-        .args(job(&dir, "supervised", 120, &extra))
+        .args(job(&dir, "supervised", 160, &extra))
         .stdout(std::fs::File::create(dir.join("out.log")).unwrap())
         .stderr(std::fs::File::create(dir.join("err.log")).unwrap())
         .spawn()
         .unwrap();
     let metrics_file = dir.join("supervised/metrics.jsonl");
     let t0 = Instant::now();
-    let mut job_ = job_;
-    while !std::fs::read_to_string(&metrics_file).is_ok_and(|m| m.contains("\"step\":50,")) {
-        assert!(
-            t0.elapsed() < Duration::from_secs(240),
-            "{case}: the supervised job never reached step 50"
-        );
-        assert!(
-            job_.try_wait().unwrap().is_none(),
-            "{case}: the job ended early"
-        );
-        std::thread::sleep(Duration::from_millis(100));
+    let mut expected = Vec::new();
+    for f in faults {
+        let mark = format!("\"step\":{},", f.after_step);
+        while !std::fs::read_to_string(&metrics_file).is_ok_and(|m| m.contains(&mark)) {
+            assert!(
+                t0.elapsed() < Duration::from_secs(400),
+                "{case}: the supervised job never reached step {}",
+                f.after_step
+            );
+            assert!(
+                job_.try_wait().unwrap().is_none(),
+                "{case}: the job ended early"
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        (f.fault)(&cluster);
+        expected.push((f.host, f.excluded, f.action, f.nodes));
     }
-    fault(&cluster);
     let (code, _, _) = finish(job_, Duration::from_secs(300));
     let out = std::fs::read_to_string(dir.join("out.log")).unwrap()
         + &std::fs::read_to_string(dir.join("err.log")).unwrap();
     assert_eq!(code, Some(0), "{case}: {out}");
     let ev = events(&dir.join("supervised"));
-    let kinds: Vec<&str> = ev.iter().map(|e| e["event"].as_str().unwrap()).collect();
-    assert_eq!(
-        kinds.iter().filter(|k| **k == "restart").count(),
-        1,
-        "{case}: {ev:?}"
-    );
-    let failure = ev.iter().find(|e| e["event"] == "failure").unwrap();
-    assert_eq!(
-        failure["host"], "n1",
-        "{case}: node n1, as mpirun names it: {ev:?}"
-    );
-    let restart = ev.iter().find(|e| e["event"] == "restart").unwrap();
-    assert_eq!(
-        restart["excluded_hosts"],
-        serde_json::json!(["n1"]),
-        "{case}: {ev:?}"
-    );
-    assert_eq!(
-        restart["action"], "a spare took over (0 left)",
-        "{case}: {ev:?}"
-    );
+    let of = |kind: &str| -> Vec<&serde_json::Value> {
+        ev.iter().filter(|e| e["event"] == kind).collect()
+    };
+    let (failures, restarts) = (of("failure"), of("restart"));
+    assert_eq!(restarts.len(), expected.len(), "{case}: {ev:?}");
+    // each attempt's start-up report, in order: which nodes it ran on
+    let reports: Vec<&str> = out
+        .lines()
+        .filter_map(|l| l.find("2 nodes: ").map(|i| &l[i..]))
+        .collect();
+    assert_eq!(reports.len(), 1 + expected.len(), "{case}:\n{out}");
     assert!(
-        out.contains("2 nodes: n0 [0-1], n2 [2-3]"),
-        "{case}: the restart runs on n0 and the spare n2:\n{out}"
+        reports[0].starts_with("2 nodes: n0 [0-1], n1 [2-3]"),
+        "{case}:\n{out}"
     );
+    for (i, (host, excluded, action, nodes)) in expected.into_iter().enumerate() {
+        assert_eq!(
+            failures[i]["host"], host,
+            "{case}: failure {i} names node {host}, as mpirun names it: {ev:?}"
+        );
+        assert_eq!(
+            restarts[i]["excluded_hosts"],
+            serde_json::json!(excluded),
+            "{case}: restart {i}: {ev:?}"
+        );
+        assert_eq!(restarts[i]["action"], action, "{case}: restart {i}: {ev:?}");
+        assert!(
+            reports[i + 1].starts_with(nodes),
+            "{case}: restart {i} runs on {nodes}:\n{out}"
+        );
+    }
     assert_eq!(
         metrics(&dir.join("supervised")),
         metrics(&dir.join("reference")),
@@ -747,27 +775,113 @@ fn supervised_across_nodes_survives(case: &str, fault: impl FnOnce(&Cluster)) {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-#[test]
-fn a_dead_node_is_replaced_by_the_spare_node_bit_for_bit() {
-    // node n1 dies: its processes killed, its link down
-    supervised_across_nodes_survives("dead-node", |c| {
-        let o = c.script(&["kill-node", "n1"]);
-        assert!(o.status.success(), "{}", text(&o));
-    });
+/// `cluster.sh ARGS` done to the cluster, which must succeed.
+fn cluster_does(args: &'static [&'static str]) -> Box<dyn FnOnce(&Cluster)> {
+    Box::new(move |c: &Cluster| {
+        let o = c.script(args);
+        assert!(o.status.success(), "{args:?}: {}", text(&o));
+    })
 }
 
 #[test]
-fn a_link_flap_fails_the_attempt_and_the_job_recovers_bit_for_bit() {
-    // node n1's link down for 15 s, then up again: longer than mpirun's
-    // keepalive (about 6 s) and parallel.timeout_s (10 s), so the attempt
-    // fails, naming n1, and the job goes on without it
-    supervised_across_nodes_survives("link-flap", |c| {
-        let o = c.script(&["link", "n1", "down"]);
-        assert!(o.status.success(), "{}", text(&o));
-        std::thread::sleep(Duration::from_secs(15));
-        let o = c.script(&["link", "n1", "up"]);
-        assert!(o.status.success(), "{}", text(&o));
-    });
+fn a_dead_node_is_replaced_by_the_spare_and_is_a_spare_again_once_revived() {
+    // node n1 dies (its processes killed, its link down): the spare n2
+    // takes over. n1 comes back; then n2 dies: the supervisor finds n1
+    // answering again and runs on it
+    supervised_across_nodes_survives(
+        "dead-node",
+        vec![
+            NodeFault {
+                after_step: 50,
+                fault: cluster_does(&["kill-node", "n1"]),
+                host: "n1",
+                excluded: &["n1"],
+                action: "a spare took over (0 left)",
+                nodes: "2 nodes: n0 [0-1], n2 [2-3]",
+            },
+            NodeFault {
+                after_step: 100,
+                fault: Box::new(|c: &Cluster| {
+                    let o = c.script(&["revive", "n1"]);
+                    assert!(o.status.success(), "revive: {}", text(&o));
+                    let o = c.script(&["kill-node", "n2"]);
+                    assert!(o.status.success(), "kill-node n2: {}", text(&o));
+                }),
+                host: "n2",
+                excluded: &["n2"],
+                action: "n1 back: a spare took over (0 left)",
+                nodes: "2 nodes: n0 [0-1], n1 [2-3]",
+            },
+        ],
+    );
+}
+
+/// `weft chaos --cluster`: a node killed and a link flapped (down 10 to
+/// 20 s, longer than the drill's `parallel.timeout_s` of 5 s, so the
+/// attempt fails rather than rides through) in a data-parallel job over
+/// nodes n0 and n1, n2 spare: each detected, naming the node, recovered
+/// on the spare node, and bitwise the fault-free run; the killed node is
+/// revived after its trial.
+#[test]
+fn weft_chaos_kills_nodes_and_flaps_links_on_the_cluster() {
+    let Some(_) = launcher() else { return };
+    let _g = SERIAL
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    let Some(cluster) = Cluster::up(3, "1gbit") else {
+        return;
+    };
+    let dir = tmp("chaos-cluster");
+    let o = Command::new(WEFT)
+        .args(["chaos", "--cluster", &cluster.name, "--trials", "2"])
+        .args(["--faults", "node-kill,link-flap", "--seed", "3"])
+        .args(["--set", "parallel.dp=4", "--set", "train.steps=80"])
+        .args(["--set", "checkpoint.every=20"])
+        .arg("--dir")
+        .arg(&dir)
+        .output()
+        .unwrap();
+    let out = text(&o);
+    assert!(o.status.success(), "weft chaos --cluster:\n{out}");
+    assert!(
+        out.contains("detected 2/2, recovered 2/2, hung 0, bitwise 2/2"),
+        "{out}"
+    );
+    let mut kinds = Vec::new();
+    for trial in 0..2 {
+        let row = out
+            .lines()
+            .find(|l| l.trim_start().starts_with(&format!("{trial}  ")))
+            .unwrap_or_else(|| panic!("trial {trial}'s row:\n{out}"));
+        let fault = row.split_whitespace().nth(1).unwrap();
+        let (kind, rest) = fault.split_once(":node=").unwrap();
+        kinds.push(kind.to_owned());
+        // the node the fault was done to is the one the failure names
+        let node = rest.split(',').next().unwrap();
+        let ev = events(&dir.join(format!("trial-{trial}")));
+        let failure = ev.iter().find(|e| e["event"] == "failure").unwrap();
+        assert_eq!(failure["host"], node, "{fault}: {ev:?}");
+        let restart = ev.iter().find(|e| e["event"] == "restart").unwrap();
+        assert_eq!(
+            restart["action"], "a spare took over (0 left)",
+            "{fault}: {ev:?}"
+        );
+    }
+    kinds.sort();
+    assert_eq!(
+        kinds,
+        ["link-flap", "node-kill"],
+        "one trial of each kind:\n{out}"
+    );
+    let status = text(&cluster.script(&["status"]));
+    assert!(
+        ["n0", "n1", "n2"]
+            .iter()
+            .all(|n| status.contains(&format!("{n}: 10.213.0.")) && !status.contains("link DOWN")),
+        "every node back after the drill:\n{status}"
+    );
+    drop(cluster);
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// The supervisor's events of a run.

@@ -79,8 +79,18 @@ pub(crate) struct ChaosArgs {
     #[arg(long, value_name = "SECONDS", default_value_t = 3.0)]
     heartbeat_timeout: f64,
     /// Run every job under a launcher, e.g. --launch 'mpirun -np {n}'.
-    #[arg(long, value_name = "COMMAND")]
+    #[arg(long, value_name = "COMMAND", conflicts_with = "cluster")]
     launch: Option<String>,
+    /// Run every job on the cluster of network namespaces NAME made by
+    /// `scripts/cluster.sh up --name NAME` (its first nodes hold the job,
+    /// one node spare), and draw node-kill and link-flap faults too.
+    #[arg(long, value_name = "NAME")]
+    cluster: Option<String>,
+    /// Draw only these kinds of fault (comma-separated: kill, hang, nan,
+    /// spike, corrupt-checkpoint, crash-during-save, node-kill,
+    /// link-flap; default: every kind that can happen).
+    #[arg(long, value_name = "KINDS", value_delimiter = ',')]
+    faults: Vec<String>,
 }
 
 /// `weft compare`'s options.
@@ -172,6 +182,8 @@ pub(crate) fn chaos(a: ChaosArgs) -> Result<()> {
         dir,
         heartbeat_timeout,
         launch,
+        cluster,
+        faults,
     } = a;
 
     let heartbeat = std::time::Duration::try_from_secs_f64(heartbeat_timeout)
@@ -183,6 +195,13 @@ pub(crate) fn chaos(a: ChaosArgs) -> Result<()> {
     let dir = dir.unwrap_or_else(|| {
         PathBuf::from("runs").join(format!("chaos-{}", weft_trainer::train::timestamp_name()))
     });
+    let cluster = cluster
+        .map(|name| weft_supervise::DrillCluster::open(&name))
+        .transpose()?;
+    let launch = match &cluster {
+        Some(c) => Some(c.launch()?),
+        None => launch,
+    };
     let mut drill = weft_supervise::Drill {
         weft: std::env::current_exe()?,
         sets,
@@ -197,6 +216,8 @@ pub(crate) fn chaos(a: ChaosArgs) -> Result<()> {
             ranks: 1,
             nonfinite_limit: 1,
         },
+        kinds: faults,
+        cluster,
     };
     // the drill's job, for where its faults can happen
     let config = weft_trainer::config::Config::load(None, &drill.job_sets())?;
