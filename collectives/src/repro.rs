@@ -1215,7 +1215,9 @@ fn exact_rd_all_reduce<C: Communicator + ?Sized>(
     if m <= 1 {
         return Ok(());
     }
-    let mut scratch = take_buf(enc.capacity());
+    // as much as the encoding holds, not its capacity: a request by
+    // capacity fed each call's grown buffers into the next call's
+    let mut scratch = take_buf(enc.len());
     let result = exact_rd_rounds(c, ctx, tag0, members, me, enc, len, &mut scratch);
     give_back(scratch);
     result
@@ -1340,7 +1342,8 @@ fn take_buf(cap: usize) -> Vec<u8> {
         }
     });
     v.clear();
-    v.reserve(cap);
+    // exactly: `reserve` may double a pooled buffer's capacity
+    v.reserve_exact(cap);
     v
 }
 

@@ -589,3 +589,31 @@ fn reduce_scatter_add_exact_refuses_a_wrong_accumulator_and_a_mixed_up_call() {
     .unwrap();
     assert!(out.iter().all(Result::is_err), "{out:?}");
 }
+
+/// Repeated exact hierarchical all-reduces keep their scratch bounded:
+/// the recursive-doubling rounds across domains once asked the buffer
+/// pool for as much as their encoding's *capacity*, which `Vec::reserve`
+/// then doubled, so each call's buffers grew the next call's request and
+/// a few dozen calls of 1 MiB asked for tens of gigabytes. Forty calls of
+/// 64 Ki elements over two domains of two ranks, each bitwise the exact
+/// sum.
+#[test]
+fn repeated_hierarchical_exact_all_reduces_stay_bounded() {
+    let cols = data(11, 4, 1 << 16);
+    let want = bits(&exact(&cols));
+    LocalCluster::builder(4)
+        .topology(Topology::new(2))
+        .run_each(|comm| {
+            let opts = ReduceOptions::new(ReduceOp::Sum)
+                .algorithm(Algorithm::Hierarchical)
+                .reproducible(true);
+            for _ in 0..40 {
+                let mut b = cols[comm.rank()].clone();
+                comm.all_reduce_with(&mut b, &opts)?;
+                assert_eq!(bits(&b), want);
+            }
+            Ok::<_, weft_collectives::Error>(())
+        })
+        .into_iter()
+        .for_each(|r| r.unwrap().unwrap());
+}
