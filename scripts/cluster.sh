@@ -220,6 +220,11 @@ EOF
     local prefix="$state/enter-head mpirun --allow-run-as-root --hostfile $state/hostfile"
     prefix+=" --mca plm_rsh_agent $state/agent --mca plm_rsh_no_tree_spawn 1"
     prefix+=" --mca pml ob1 --mca btl self,vader,tcp --mca btl_tcp_if_include eth0 --mca oob_tcp_if_include eth0"
+    # Two TCP connections per pair of ranks: over one, Open MPI's TCP
+    # transport moves about 0.65 of the link each way when both directions
+    # carry data (a ring's every step), over two about 0.9 (one connection
+    # alone carries the link's full rate both ways: `measure`'s streams).
+    prefix+=" --mca btl_tcp_links 2"
     # A node that dies silently (its link down) is noticed by mpirun's
     # keepalive probes on its daemon's connection within about 6 s
     # (idle 3 s, then 3 probes 1 s apart), before the ranks' collectives
