@@ -135,8 +135,10 @@ impl Algorithm {
     /// The default policy: `Auto` becomes [`RecursiveDoubling`](Self::RecursiveDoubling)
     /// up to [`SMALL_MESSAGE_BYTES`], else [`Hierarchical`](Self::Hierarchical)
     /// when the group spans two or more domains with at least two ranks in
-    /// each and the same count everywhere, else [`Ring`](Self::Ring). Other
-    /// values are returned unchanged.
+    /// each and the same count everywhere (and the reduction is not
+    /// reproducible: the exact hierarchical form sends twice the bytes
+    /// between domains, so exact sums take the ring), else
+    /// [`Ring`](Self::Ring). Other values are returned unchanged.
     pub fn resolve(self, bytes: usize, hierarchical_possible: bool) -> Algorithm {
         match self {
             Algorithm::Auto if bytes <= SMALL_MESSAGE_BYTES => Algorithm::RecursiveDoubling,
