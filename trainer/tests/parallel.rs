@@ -122,13 +122,9 @@ fn plain_reductions_agree_to_rounding() {
         &mut Silent,
     )
     .unwrap();
-    let d = (one.final_eval_loss - two.final_eval_loss).abs();
-    assert!(
-        d < 1e-3,
-        "{} vs {}",
-        one.final_eval_loss,
-        two.final_eval_loss
-    );
+    // every loss, gradient norm and validation loss within ROUNDING (the
+    // split changes the sums' rounding, nothing more)
+    close(&one.run_dir, &two.run_dir, ROUNDING);
     // Without exact sums the split shows in the last bits: what the
     // reproducible mode removes.
     assert_ne!(trace(&one.run_dir), trace(&two.run_dir));
