@@ -459,6 +459,7 @@ fn check(layout: Layout, model: Model, one: &Run) {
         assert_eq!(got.losses, one.losses, "{what}: losses");
         assert_eq!(got.norms, one.norms, "{what}: norms");
         assert_eq!(got.eval.to_bits(), one.eval.to_bits(), "{what}: eval");
+        assert_eq!(got.params.len(), one.params.len(), "{what}: parameters");
         assert!(
             got.params
                 .iter()

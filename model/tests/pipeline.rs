@@ -233,8 +233,20 @@ fn check(kind: ScheduleKind, p: usize, v: usize) {
             let bubble = measured.timeline.bubble_fraction();
             assert!((0.0..1.0).contains(&bubble), "{what}: bubble {bubble}");
             measured.to_trace().check().unwrap();
+            // The prediction is the schedule simulated with the measured
+            // mean cost of each stage's actions: each stage's busy time is
+            // the measured one (the means times their counts), and no
+            // stage of either finishes before its own work is done.
             let predicted = measured.predicted(&schedule).unwrap();
-            assert!(predicted.makespan() > 0.0);
+            for s in 0..p {
+                let (got, want) = (measured.timeline.busy(s), predicted.busy(s));
+                assert!(
+                    (got - want).abs() <= 1e-9 * want.max(1e-12),
+                    "{what}: stage {s} busy {got} measured vs {want} predicted"
+                );
+                assert!(measured.timeline.makespan() >= got, "{what}: stage {s}");
+                assert!(predicted.makespan() >= want, "{what}: stage {s}");
+            }
         }
     }
 }

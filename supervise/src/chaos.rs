@@ -444,6 +444,11 @@ impl Drill {
                 j.steps, j.nonfinite_limit
             )));
         }
+        let kinds = self.kinds()?;
+        let busy = match &self.cluster {
+            Some(c) => c.busy_nodes(self.job.ranks)?,
+            None => 0,
+        };
         std::fs::create_dir_all(&self.dir).map_err(|source| ChaosError::Io {
             path: self.dir.clone(),
             source,
@@ -464,11 +469,6 @@ impl Drill {
                 return Err(ChaosError::Exists(self.dir.join(&*name)));
             }
         }
-        let kinds = self.kinds()?;
-        let busy = match &self.cluster {
-            Some(c) => c.busy_nodes(self.job.ranks)?,
-            None => 0,
-        };
         let reference_s = self.reference("reference", &[])?;
         let clean = fingerprint(&self.dir.join("reference"));
         let mut rng = Rng(self.seed);

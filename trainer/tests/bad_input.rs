@@ -451,6 +451,18 @@ const CASES: &[(&[&str], &str)] = &[
         "key `train.steps`",
     ),
     (
+        &["chaos", "--trials", "1", "--faults", "bogus"],
+        "--faults: 'bogus' is no fault kind (kinds: kill, hang",
+    ),
+    (
+        &["chaos", "--trials", "1", "--faults", "node-kill"],
+        "--faults: 'node-kill' needs a cluster of nodes (--cluster NAME",
+    ),
+    (
+        &["chaos", "--trials", "1", "--cluster", "nosuch"],
+        "cluster 'nosuch': ",
+    ),
+    (
         &["chaos", "--trials", "1", "--set", "checkpoint.every=60"],
         "the drill's job: train.steps = 60 with checkpoint.every = 60: the drill needs two checkpoints",
     ),

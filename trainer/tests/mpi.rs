@@ -176,7 +176,13 @@ fn every_axis_over_processes_equals_the_thread_ranks_bit_for_bit() {
         if name.ends_with("-plain") {
             // plain sums over MPI are the library's MPI_Allreduce, in its
             // own order: equal within rounding, not bitwise
+            assert_eq!(a.len(), b.len(), "{name}: records");
             for (x, y) in a.iter().zip(&b) {
+                assert_eq!(
+                    x.split(' ').count(),
+                    y.split(' ').count(),
+                    "{name}: {x} vs {y}"
+                );
                 for (u, v) in x.split(' ').zip(y.split(' ')) {
                     let (u, v) = (u.parse::<f64>(), v.parse::<f64>());
                     if let (Ok(u), Ok(v)) = (u, v) {

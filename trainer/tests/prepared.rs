@@ -149,6 +149,7 @@ fn prepared_data_is_the_same_sequences_on_every_layout_and_after_a_resume() {
             reference[1].split(' ').nth(1),
             "{name}"
         );
+        assert_eq!(t.len(), reference.len(), "{name}: records");
         for (x, y) in t.iter().zip(&reference) {
             if let (Some(a), Some(b)) = (loss(x), loss(y)) {
                 assert!((a - b).abs() < 1e-6 * b, "{name}: {x} vs {y}");
