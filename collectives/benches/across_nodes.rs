@@ -40,6 +40,9 @@
 //! and t_hier = 2(N−1)/N·S/B + 2(k−1)/k·S/B_in.
 #![allow(clippy::print_stdout, clippy::print_stderr, missing_docs)]
 
+mod common;
+use common::Op;
+
 use std::time::{Duration, Instant};
 
 use half::bf16;
@@ -51,30 +54,6 @@ fn gradient(elems: usize, r: usize) -> Vec<f32> {
     (0..elems)
         .map(|i| ((i * 31 + r * 7) as f32 * 1e-3).sin())
         .collect()
-}
-
-#[derive(Clone, Copy, PartialEq)]
-enum Op {
-    AllReduce,
-    ReduceScatter,
-    AllGather,
-}
-
-impl Op {
-    fn name(self) -> &'static str {
-        match self {
-            Op::AllReduce => "all_reduce",
-            Op::ReduceScatter => "reduce_scatter",
-            Op::AllGather => "all_gather",
-        }
-    }
-    fn bus_factor(self, n: usize) -> f64 {
-        let n = n as f64;
-        match self {
-            Op::AllReduce => 2.0 * (n - 1.0) / n,
-            _ => (n - 1.0) / n,
-        }
-    }
 }
 
 /// How one call is made.
