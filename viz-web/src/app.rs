@@ -17,8 +17,14 @@ use crate::web;
 
 /// Width of the drawings in SVG user units (they scale to the page).
 const W: f64 = 1200.0;
-/// Width of the lane-name column of the timeline.
+/// Width of the label column of the expert charts, and the least width of
+/// the timeline's label columns ([`label_columns`]).
 const LEFT: f64 = 132.0;
+/// Width of one character of a lane name (11 px, semi-bold) in SVG units:
+/// an upper estimate over the fonts a browser picks for `system-ui`.
+const NAME_CHAR_W: f64 = 6.6;
+/// Width of one character of a group label (10 px).
+const GROUP_CHAR_W: f64 = 6.2;
 /// Height of one lane.
 const LANE_H: f64 = 26.0;
 /// Height of the time axis.
@@ -537,6 +543,9 @@ fn PipelineView(p: &PipelineProps) -> Html {
         .chain(p.b.clone())
         .enumerate()
         .collect();
+    // one label column for both timelines, so that their time axes align
+    let cols = label_columns(timelines.iter().map(|(_, tl)| &**tl));
+    let left = cols.left;
     let charts = timelines.iter().map(|(which, tl)| {
         let which = *which;
         let node = wraps[which.min(1)].clone();
@@ -550,7 +559,7 @@ fn PipelineView(p: &PipelineProps) -> Html {
             move |e: MouseEvent| {
                 let Some((fx, fy)) = web::relative_pos(&e, &node) else { return };
                 let (t0, t1) = *window;
-                let t = t0 + (fx * W - LEFT) / (W - LEFT) * (t1 - t0);
+                let t = t0 + (fx * W - left) / (W - left) * (t1 - t0);
                 if let Some((start_t, w0)) = *drag.borrow() {
                     let dt = start_t - t;
                     let span = w0.1 - w0.0;
@@ -576,7 +585,7 @@ fn PipelineView(p: &PipelineProps) -> Html {
             move |e: MouseEvent| {
                 if let Some((fx, _)) = web::relative_pos(&e, &node) {
                     let (t0, t1) = *window;
-                    *drag.borrow_mut() = Some((t0 + (fx * W - LEFT) / (W - LEFT) * (t1 - t0), (t0, t1)));
+                    *drag.borrow_mut() = Some((t0 + (fx * W - left) / (W - left) * (t1 - t0), (t0, t1)));
                 }
             }
         };
@@ -592,7 +601,7 @@ fn PipelineView(p: &PipelineProps) -> Html {
                 let m: &MouseEvent = &e;
                 let Some((fx, _)) = web::relative_pos(m, &node) else { return };
                 let (t0, t1) = *window;
-                let at = t0 + ((fx * W - LEFT) / (W - LEFT)).clamp(0.0, 1.0) * (t1 - t0);
+                let at = t0 + ((fx * W - left) / (W - left)).clamp(0.0, 1.0) * (t1 - t0);
                 window.set(zoomed((t0, t1), full, if dy < 0.0 { 0.8 } else { 1.25 }, at));
             }
         };
@@ -634,7 +643,7 @@ fn PipelineView(p: &PipelineProps) -> Html {
                     <div id={format!("step-bubbles-{which}")} class="stats mono">{ steps }</div>
                 }
                 <div ref={node} {onmousemove} {onmousedown} {onmouseup} {onwheel} class="svg-wrap">
-                    { timeline_svg(tl, which, (t0, t1), cursor, hover.as_ref().filter(|h| h.which == which)) }
+                    { timeline_svg(tl, which, cols, (t0, t1), cursor, hover.as_ref().filter(|h| h.which == which)) }
                 </div>
             </section>
         }
@@ -713,21 +722,67 @@ fn zoomed(window: (f64, f64), full: (f64, f64), factor: f64, at: f64) -> (f64, f
     (s, s + span)
 }
 
+/// Where the timeline's labels go: group labels (mesh coordinates) in
+/// the first column, lane names in the second, the time axis after both.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct LabelColumns {
+    /// Width of the group column (0 without groups).
+    group: f64,
+    /// Where the time axis starts.
+    left: f64,
+}
+
+/// Label columns wide enough for the lane names and group labels of
+/// `timelines` (at least [`LEFT`], at most half the drawing; longer names
+/// are cut by [`fit_label`]).
+fn label_columns<'a>(timelines: impl IntoIterator<Item = &'a Timeline>) -> LabelColumns {
+    let (mut name, mut group) = (0, 0);
+    for l in timelines.into_iter().flat_map(|t| &t.lanes) {
+        name = name.max(l.name.chars().count());
+        group = group.max(l.group.as_deref().map_or(0, |g| g.chars().count()));
+    }
+    #[allow(clippy::cast_precision_loss)]
+    let group = if group > 0 {
+        group as f64 * GROUP_CHAR_W + 14.0
+    } else {
+        0.0
+    };
+    #[allow(clippy::cast_precision_loss)]
+    let left = (group + name as f64 * NAME_CHAR_W + 10.0).clamp(LEFT, W / 2.0);
+    LabelColumns { group, left }
+}
+
+/// `text` cut to fit `width` at `char_w` per character (with an
+/// ellipsis), and whether it was cut.
+fn fit_label(text: &str, width: f64, char_w: f64) -> (String, bool) {
+    #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+    let max = (width / char_w).floor().max(1.0) as usize;
+    if text.chars().count() <= max {
+        (text.to_owned(), false)
+    } else {
+        let mut s: String = text.chars().take(max - 1).collect();
+        s.push('…');
+        (s, true)
+    }
+}
+
 fn timeline_svg(
     tl: &Timeline,
     which: usize,
+    cols: LabelColumns,
     (t0, t1): (f64, f64),
     cursor: f64,
     hover: Option<&Hover>,
 ) -> Html {
-    let inner = W - LEFT;
+    let left = cols.left;
+    let inner = W - left;
     let rects = tl.layout(t0, t1, inner);
     #[allow(clippy::cast_precision_loss)]
     let h = AXIS_H + LANE_H * tl.lanes.len() as f64;
     let drawn: usize = rects.iter().map(Vec::len).sum();
     let ticks = timeline::ticks(t0 - tl.start.min(t0), t1 - tl.start.min(t0), 8);
     let base = tl.start.min(t0);
-    let px = |t: f64| LEFT + (t - t0) / (t1 - t0) * inner;
+    let px = |t: f64| left + (t - t0) / (t1 - t0) * inner;
     let axis = ticks.iter().map(|&t| {
         let x = px(t + base);
         html! { <g class="tick"><line x1={f(x)} x2={f(x)} y1={f(AXIS_H - 4.0)} y2={f(h)} /><text x={f(x + 2.0)} y="12">{ timeline::format_us(t) }</text></g> }
@@ -735,7 +790,7 @@ fn timeline_svg(
     // Each step's window (what its bubble is measured over) as a bar under
     // the axis; the gaps between bars are outside every step.
     let windows = tl.steps.iter().filter(|s| s.end >= t0 && s.start <= t1).map(|s| {
-        let (x0, x1) = (px(s.start).max(LEFT), px(s.end).min(W));
+        let (x0, x1) = (px(s.start).max(left), px(s.end).min(W));
         let title = format!(
             "step {}: bubble {:.2}%{}, makespan {}",
             s.step,
@@ -757,17 +812,25 @@ fn timeline_svg(
         let boundary = (starts_group && i > 0).then(|| html! {
             <line class="group-sep" x1="0" x2={f(W)} y1={f(y + 1.0)} y2={f(y + 1.0)} />
         });
-        let group_label = starts_group.then(|| html! {
-            <text class="group-name" x={f(LEFT - 4.0)} y={f(y + 10.0)}>{ lane.group.clone().unwrap_or_default() }</text>
+        // the group's label in its own column, beside the group's lanes
+        let group_label = starts_group.then(|| {
+            let n = tl.lanes[i..].iter().take_while(|l| l.group == lane.group).count();
+            #[allow(clippy::cast_precision_loss)]
+            let bottom = y + LANE_H * n as f64;
+            html! { <g>
+                <line class="group-bracket" x1={f(cols.group - 5.0)} x2={f(cols.group - 5.0)} y1={f(y + 4.0)} y2={f(bottom - 4.0)} />
+                <text class="group-name" x="4" y={f((y + bottom) / 2.0 + 4.0)}>{ lane.group.clone().unwrap_or_default() }</text>
+            </g> }
         });
+        let (name, cut) = fit_label(&lane.name, left - cols.group - 8.0, NAME_CHAR_W);
         let slices = rs.iter().map(|r| {
             let hovered = hover.is_some_and(|h| h.lane == i && Some(h.event) == r.slice);
             let class = classes!("slice", r.kind.class(), hovered.then_some("hover"), (r.merged > 1).then_some("merged"));
             let label = r.label.as_ref().map(|l| html! {
-                <text class="slice-label" x={f(LEFT + r.x + r.w / 2.0)} y={f(y + LANE_H / 2.0 + 4.0)}>{ l.clone() }</text>
+                <text class="slice-label" x={f(left + r.x + r.w / 2.0)} y={f(y + LANE_H / 2.0 + 4.0)}>{ l.clone() }</text>
             });
             html! { <>
-                <rect class={class} x={f(LEFT + r.x)} y={f(y + 2.0)} width={f(r.w)} height={f(LANE_H - 4.0)}
+                <rect class={class} x={f(left + r.x)} y={f(y + 2.0)} width={f(r.w)} height={f(LANE_H - 4.0)}
                       data-n={r.merged.to_string()} />
                 { label.unwrap_or_default() }
             </> }
@@ -775,8 +838,10 @@ fn timeline_svg(
         html! {
             <g class="lane" data-lane={i.to_string()} data-slices={rs.len().to_string()}
                data-group={lane.group.clone().unwrap_or_default()}>
-                <rect class="lane-bg" x={f(LEFT)} y={f(y + 2.0)} width={f(inner)} height={f(LANE_H - 4.0)} />
-                <text class="lane-name" x="4" y={f(y + LANE_H / 2.0 + 4.0)}>{ lane.name.clone() }</text>
+                <rect class="lane-bg" x={f(left)} y={f(y + 2.0)} width={f(inner)} height={f(LANE_H - 4.0)} />
+                <text class="lane-name" x={f(cols.group + 4.0)} y={f(y + LANE_H / 2.0 + 4.0)}>{ name }
+                    if cut { <title>{ lane.name.clone() }</title> }
+                </text>
                 { boundary.unwrap_or_default() }
                 { group_label.unwrap_or_default() }
                 { for slices }
@@ -784,7 +849,7 @@ fn timeline_svg(
         }
     });
     let cx = px(cursor);
-    let cursor_html = (LEFT..=W).contains(&cx).then(|| html! {
+    let cursor_html = (left..=W).contains(&cx).then(|| html! {
         <line id={format!("cursor-{which}")} class="cursor" x1={f(cx)} x2={f(cx)} y1="0" y2={f(h)} />
     });
     html! {

@@ -278,6 +278,47 @@ async fn ranks_are_grouped_by_mesh_coordinate() {
     assert_eq!(count(&html, "data-group=\"pp 1\""), 2, "{html}");
 }
 
+/// The value of `attr` of the first element of class `class` in `html`.
+fn attr_of(html: &str, class: &str, attr: &str) -> f64 {
+    let at = html
+        .find(&format!("class=\"{class}\""))
+        .unwrap_or_else(|| panic!("no {class}"));
+    let tag = &html[html[..at].rfind('<').unwrap()..at];
+    let v = tag.split(&format!(" {attr}=\"")).nth(1).unwrap();
+    v.split('"').next().unwrap().parse().unwrap()
+}
+
+#[tokio::test]
+async fn lane_names_and_group_labels_each_fit_their_column() {
+    let mut run = Run::default();
+    run.ingest("trace.json", MESH_TRACE);
+    let html = render(run, None).await;
+    let names: Vec<&str> = html
+        .split("class=\"lane-name\"")
+        .skip(1)
+        .map(|t| t.split('>').nth(1).unwrap().split('<').next().unwrap())
+        .collect();
+    assert_eq!(names.len(), 5);
+    let longest = names.iter().map(|n| n.chars().count()).max().unwrap();
+    assert!(longest >= "rank 0: pp 0, dp 0, tp 0 / ".len(), "{names:?}");
+    // 6.5 SVG units a character: about the width of 11 px system-ui text
+    #[allow(clippy::cast_precision_loss)]
+    let name_w = 6.5 * longest as f64;
+    let name_x = attr_of(&html, "lane-name", "x");
+    let timeline_x = attr_of(&html, "lane-bg", "x");
+    assert!(
+        name_x + name_w <= timeline_x,
+        "lane names ({name_x} + {name_w}) run over the timeline at {timeline_x}"
+    );
+    let group_x = attr_of(&html, "group-name", "x");
+    assert!(
+        group_x + 6.0 * "pp 0".len() as f64 <= name_x,
+        "group labels ({group_x}) run into the lane names at {name_x}"
+    );
+    // the second group's label sits beside its lanes, not above a name
+    assert_eq!(count(&html, "class=\"group-bracket\""), 2);
+}
+
 /// `metrics.jsonl` of `steps` steps whose loss is `loss(step)`, with an
 /// eval at step 10.
 fn metrics(steps: u32, loss: impl Fn(u32) -> f64) -> String {
