@@ -100,14 +100,18 @@ def expected(run):
         layers.add(r["layer"])
         acc = load.setdefault(r["step"], [0] * experts)
         load[r["step"]] = [a + b for a, b in zip(acc, tpe)]
-    n_events, nonfinite, torn = 0, 0, False
+    # evaluations are the loss chart's curve; every other event is a
+    # health event
+    n_events, n_evals, nonfinite, torn = 0, 0, 0, False
     for line in open(os.path.join(run, "metrics.jsonl")):
         try:
             r = json.loads(line)
         except ValueError:
             torn = True
             continue
-        if "event" in r:
+        if r.get("event") == "eval":
+            n_evals += 1
+        elif "event" in r:
             n_events += 1
         elif not isinstance(r.get("loss"), (int, float)) or r["loss"] != r["loss"]:
             nonfinite += 1
@@ -139,7 +143,7 @@ def expected(run):
             "bubble": bubble, "predicted": predicted, "marks": marks, "averaged": other.get("bubble_steps", marks),
             "step_bubbles": step_bubbles,
             "load": load, "layers": len(layers), "experts": experts,
-            "events": n_events, "nonfinite": nonfinite, "torn": torn}
+            "events": n_events, "evals": n_evals, "nonfinite": nonfinite, "torn": torn}
 
 try:
     call("POST", S + "/url", {"url": page})
@@ -233,6 +237,11 @@ try:
         wait_for("return document.querySelectorAll('.chart svg').length==4", "metrics charts")
         ev = js("return document.querySelectorAll('.chart line.event').length")
         check(ev == 4 * exp["events"], f"{exp['events']} health events marked on each of 4 charts ({ev})")
+        dots = js("return document.querySelectorAll('.chart g.evals circle.point').length")
+        curves = js("return document.querySelectorAll('.chart path.eval-series').length")
+        check(dots == exp["evals"] and curves == (exp["evals"] > 0),
+              f"{exp['evals']} evaluations drawn as the loss chart's eval curve ({curves} curve, {dots} dots)")
+        check(js("return document.querySelectorAll('.ev-eval').length") == 0, "evaluations are not health events")
         nf = js("return +document.querySelector('.chart svg').dataset.nonfinite")
         check(nf == exp["nonfinite"], f"{nf} non-finite loss steps marked")
         warn = js("return document.querySelector('.warning')?.textContent || ''")
@@ -241,6 +250,17 @@ try:
         else:
             check("metrics.jsonl" not in warn, "no warning for a complete metrics.jsonl: " + repr(warn))
         shot(mode + "-metrics.png")
+        # the last 10% of the steps: fewer points on the loss chart; log y
+        pts = js("return +document.querySelector('.chart svg').dataset.points")
+        js("const r=document.getElementById('range');r.value='10';r.dispatchEvent(new Event('change',{bubbles:true}))")
+        fewer = wait_for("const n=+document.querySelector('.chart svg').dataset.points;return n<%d&&n" % pts, "last 10%", 5)
+        check(0 < fewer < pts, f"last 10% of the steps: {fewer} of {pts} loss points drawn")
+        click("#log-loss")
+        wait_for("return document.querySelector('.chart h3').textContent.includes('log scale')", "log-scale loss", 5)
+        check(True, "log-scale loss")
+        shot(mode + "-metrics-zoomed.png")
+        js("const r=document.getElementById('range');r.value='100';r.dispatchEvent(new Event('change',{bubbles:true}))")
+        click("#log-loss")
         click("#tab-overview")
         wait_for("return document.querySelector('pre.config')", "overview")
         shot(mode + "-overview.png")

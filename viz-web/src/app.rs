@@ -11,6 +11,7 @@ use weft_compare::stats::{self, StepDiff};
 use weft_trace::MetricsEventKind;
 
 use crate::expert::{ExpertLoad, LayerSel};
+use crate::plot;
 use crate::run::{NamedRun, Run, Runs, Slot};
 use crate::timeline::{self, SliceKind, Timeline};
 use crate::web;
@@ -206,6 +207,11 @@ pub fn App(props: &AppProps) -> Html {
                             name: n.name.clone(),
                             log: Rc::clone(n.run.metrics.get()?),
                             markers: n.run.markers(),
+                            tokens_per_step: n
+                                .run
+                                .config
+                                .get()
+                                .and_then(|c| plot::tokens_per_step(c)),
                         })
                     })
                     .collect();
@@ -303,10 +309,15 @@ fn OverviewView(p: &OverviewProps) -> Html {
         status(
             FileKind::RUN_FILES[1],
             st(&r.metrics, |m| {
+                let evals = m
+                    .events
+                    .iter()
+                    .filter(|e| matches!(e.kind, MetricsEventKind::Eval { .. }))
+                    .count();
                 format!(
-                    "{} steps, {} health events",
+                    "{} steps, {evals} evaluations, {} health events",
                     m.records.len(),
-                    m.events.len()
+                    m.events.len() - evals
                 )
             }),
         ),
@@ -370,7 +381,12 @@ fn OverviewView(p: &OverviewProps) -> Html {
                 <section class="card">
                     <h2>{ "summary.json" }</h2>
                     <table class="summary">
-                        { for s.iter().map(|(k, v)| html! { <tr><td>{ k.clone() }</td><td>{ v.clone() }</td></tr> }) }
+                        { for s.iter().map(|(k, v)| {
+                            // the full value on hover, where it is shortened
+                            let short = plot::short_number(v);
+                            let title = (short != *v).then(|| v.clone());
+                            html! { <tr><td>{ k.clone() }</td><td {title}>{ short }</td></tr> }
+                        }) }
                     </table>
                 </section>
             }
@@ -1023,8 +1039,14 @@ struct ChartOpts<'a> {
     floor: Option<f64>,
     floor_label: Option<&'a str>,
     log_y: bool,
+    /// Health and recovery events: a vertical line each.
     events: &'a [Marker],
-    points: &'a [(f64, f64)],
+    /// The first step shown (the steps before it are left out).
+    from: Option<f64>,
+    /// Fit the y-axis to the values between [`plot::INLIER_QUANTILES`].
+    ignore_outliers: bool,
+    /// Tokens trained per step: a second row of x-axis labels.
+    tokens_per_step: Option<u64>,
     /// An `id` for the chart's card.
     id: Option<&'static str>,
     /// Extra classes of the chart's card.
@@ -1032,11 +1054,16 @@ struct ChartOpts<'a> {
 }
 
 /// One curve of a chart.
+#[derive(Default)]
 struct Series<'a> {
     xs: &'a [f64],
+    /// The values drawn (smoothed, where `raw` is given).
     ys: &'a [f64],
-    /// Its dots (eval losses), drawn in its colour.
-    points: &'a [(f64, f64)],
+    /// The values before smoothing, drawn faintly behind `ys`.
+    raw: Option<&'a [f64]>,
+    /// Its evaluations (step, loss): a dashed curve with dots, in its
+    /// colour.
+    evals: &'a [(f64, f64)],
     /// The run it belongs to (its colour) and the run's name, when the
     /// chart draws several runs.
     run: Option<(usize, &'a str)>,
@@ -1044,115 +1071,239 @@ struct Series<'a> {
     diff: Option<(usize, f64)>,
 }
 
+/// Width of a chart in SVG units.
 const CH_W: f64 = 580.0;
-const CH_H: f64 = 170.0;
+/// Width of the y-axis labels.
 const CH_L: f64 = 56.0;
+/// Margin above the plot.
+const CH_T: f64 = 6.0;
+/// Height of the plot.
+const CH_P: f64 = 140.0;
+/// Height of one row of x-axis labels.
+const CH_ROW: f64 = 13.0;
 
 /// A chart of one curve.
 fn line_chart(title: &str, xs: &[f64], ys: &[f64], o: &ChartOpts<'_>) -> Html {
     let one = Series {
         xs,
         ys,
-        points: o.points,
-        run: None,
-        diff: None,
+        ..Series::default()
     };
     multi_chart(title, &[one], o)
 }
 
-/// A chart of several curves on shared axes (fitted to all of them).
-fn multi_chart(title: &str, series: &[Series<'_>], o: &ChartOpts<'_>) -> Html {
-    let xs_all: Vec<f64> = series.iter().flat_map(|s| s.xs.iter().copied()).collect();
-    let ys_all: Vec<f64> = series.iter().flat_map(|s| s.ys.iter().copied()).collect();
-    let extra: Vec<f64> = o
-        .floor
-        .into_iter()
-        .chain(series.iter().flat_map(|s| s.points.iter().map(|p| p.1)))
+/// The points of `xs`, `ys` at steps from `from` on.
+fn from_step(xs: &[f64], ys: &[f64], from: f64) -> (Vec<f64>, Vec<f64>) {
+    xs.iter()
+        .zip(ys)
+        .filter(|(x, _)| **x >= from)
+        .map(|(x, y)| (*x, *y))
+        .unzip()
+}
+
+/// The part of a [`Series`] a chart shows: its points from a step on.
+struct Shown {
+    xs: Vec<f64>,
+    ys: Vec<f64>,
+    raw: Option<Vec<f64>>,
+    evals: Vec<(f64, f64)>,
+}
+
+impl Shown {
+    fn of(s: &Series<'_>, from: f64) -> Self {
+        let (xs, ys) = from_step(s.xs, s.ys, from);
+        Self {
+            xs,
+            ys,
+            raw: s.raw.map(|r| from_step(s.xs, r, from).1),
+            evals: s.evals.iter().copied().filter(|p| p.0 >= from).collect(),
+        }
+    }
+}
+
+/// The `id` of a chart's clip path, from its title.
+fn clip_id(title: &str) -> String {
+    let s: String = title
+        .chars()
+        .map(|c| if c.is_ascii_alphanumeric() { c } else { '-' })
         .collect();
-    let frame = Frame::fit(CH_W - CH_L, CH_H - 22.0, &xs_all, &ys_all, &extra, o.log_y);
+    format!("clip-{s}")
+}
+
+/// A chart of several curves on shared axes (fitted to all of them, or
+/// to most of their values with [`ChartOpts::ignore_outliers`]; what runs
+/// past the plot is clipped).
+#[allow(clippy::too_many_lines)]
+fn multi_chart(title: &str, series: &[Series<'_>], o: &ChartOpts<'_>) -> Html {
+    let from = o.from.unwrap_or(f64::NEG_INFINITY);
+    let shown: Vec<Shown> = series.iter().map(|s| Shown::of(s, from)).collect();
+    // every point drawn, evaluations included, fits the axes
+    let (xs_all, mut ys_all): (Vec<f64>, Vec<f64>) = shown
+        .iter()
+        .flat_map(|s| {
+            s.xs.iter()
+                .copied()
+                .zip(s.ys.iter().copied())
+                .chain(s.evals.iter().copied())
+        })
+        .unzip();
+    let mut extra: Vec<f64> = o.floor.into_iter().collect();
+    if o.ignore_outliers {
+        // the noise of the raw values belongs to the range, the evaluations too
+        let pool: Vec<f64> = shown
+            .iter()
+            .flat_map(|s| {
+                let ys = s.raw.as_ref().unwrap_or(&s.ys).iter().copied();
+                ys.chain(s.evals.iter().map(|p| p.1))
+            })
+            .collect();
+        if let Some((lo, hi)) = plot::inlier_range(&pool, o.log_y) {
+            for y in &mut ys_all {
+                *y = y.clamp(lo, hi);
+            }
+            extra.extend([lo, hi]);
+        }
+    }
+    let plot_w = CH_W - CH_L;
+    let frame = Frame::fit(plot_w, CH_P, &xs_all, &ys_all, &extra, o.log_y);
+    let rows = if o.tokens_per_step.is_some() {
+        2.0
+    } else {
+        1.0
+    };
+    let ch_h = CH_T + CH_P + 4.0 + rows * CH_ROW;
     let mut n = 0;
+    let colour = |s: &Series<'_>| s.run.map(|(i, _)| run_colour(i));
+    let raws = series.iter().zip(&shown).filter_map(|(s, sh)| {
+        let (d, _) = chart::path(&frame, &sh.xs, sh.raw.as_deref()?);
+        let style = colour(s).map(|c| format!("stroke:{c}"));
+        Some(html! { <path class="raw" {d} {style} /> })
+    });
     let paths: Vec<Html> = series
         .iter()
-        .map(|s| {
-            let (d, drawn) = chart::path(&frame, s.xs, s.ys);
+        .zip(&shown)
+        .map(|(s, sh)| {
+            let (d, drawn) = chart::path(&frame, &sh.xs, &sh.ys);
             n += drawn;
-            let style = s.run.map(|(i, _)| format!("stroke:{}", run_colour(i)));
+            let style = colour(s).map(|c| format!("stroke:{c}"));
             let run = s.run.map(|(_, name)| name.to_owned());
             let steps = s.diff.map(|(k, _)| k.to_string());
             let max_abs = s.diff.map(|(_, m)| format!("{m:?}"));
             html! { <path class="series" {d} {style} data-run={run} data-steps={steps} data-max-abs={max_abs} /> }
         })
         .collect();
+    let evals = series.iter().zip(&shown).filter(|(_, sh)| !sh.evals.is_empty()).map(|(s, sh)| {
+        let ev = &sh.evals;
+        let (xs, ys): (Vec<f64>, Vec<f64>) = ev.iter().copied().unzip();
+        let (d, _) = chart::path(&frame, &xs, &ys);
+        let stroke = colour(s).map(|c| format!("stroke:{c}"));
+        let fill = colour(s).map(|c| format!("fill:{c}"));
+        let dots = ev.iter().filter_map(|(x, y)| {
+            let py = frame.py(*y)?;
+            Some(html! { <circle class="point" cx={f(frame.px(*x))} cy={f(py)} r="3" style={fill.clone()}>
+                <title>{ format!("step {x}: eval loss {}", plot::short_number(&format!("{y:?}"))) }</title></circle> })
+        });
+        html! { <g class="evals" data-points={ev.len().to_string()}><path class="eval-series" {d} style={stroke} />{ for dots }</g> }
+    });
     let yt = if o.log_y {
-        let (a, b) = (
-            frame.y.0.log10().ceil() as i32,
-            frame.y.1.log10().floor() as i32,
-        );
-        (a..=b).map(|k| 10f64.powi(k)).collect()
+        plot::log_ticks(frame.y.0, frame.y.1)
     } else {
         timeline::ticks(frame.y.0, frame.y.1, 4)
     };
-    let yticks = yt.into_iter().filter_map(|v| {
-        let y = frame.py(v)? + 6.0;
-        Some(html! { <g class="tick"><line x1={f(CH_L)} x2={f(CH_W)} y1={f(y)} y2={f(y)} /><text x={f(CH_L - 4.0)} y={f(y + 4.0)} text-anchor="end">{ chart::fmt_value(v) }</text></g> })
+    // one number of decimals, but on a log axis over decades (0.01, 1, 100)
+    let decades = o.log_y
+        && yt
+            .first()
+            .zip(yt.last())
+            .is_some_and(|(a, b)| b / a >= 10.0);
+    let ylabels = plot::tick_labels(&yt, !decades);
+    let yticks = yt.into_iter().zip(ylabels).filter_map(|(v, label)| {
+        let y = frame.py(v)? + CH_T;
+        Some(html! { <g class="tick"><line x1={f(CH_L)} x2={f(CH_W)} y1={f(y)} y2={f(y)} /><text x={f(CH_L - 4.0)} y={f(y + 4.0)} text-anchor="end">{ label }</text></g> })
     });
+    let row_y = |r: f64| CH_T + CH_P + r * CH_ROW;
     let xt = timeline::ticks(frame.x.0, frame.x.1, 6).into_iter().map(|v| {
         let x = CH_L + frame.px(v);
-        html! { <text class="axis-label" x={f(x.min(CH_W - 2.0))} y={f(CH_H - 2.0)} text-anchor={if x > CH_W - 16.0 { "end" } else { "middle" }}>{ chart::fmt_value(v) }</text> }
+        let anchor = if x > CH_W - 16.0 { "end" } else { "middle" };
+        let x = f(x.min(CH_W - 2.0));
+        #[allow(clippy::cast_precision_loss)]
+        let tokens = o.tokens_per_step.map(|t| html! {
+            <text class="axis-label tokens" x={x.clone()} y={f(row_y(2.0))} text-anchor={anchor}>{ plot::fmt_count(v * t as f64) }</text>
+        });
+        html! { <>
+            <text class="axis-label" x={x.clone()} y={f(row_y(1.0))} text-anchor={anchor}>{ chart::fmt_value(v) }</text>
+            { tokens.unwrap_or_default() }
+        </> }
     });
-    let bad: Vec<f64> = series
+    let axis_titles = html! { <>
+        <text class="axis-title" x={f(CH_L - 8.0)} y={f(row_y(1.0))} text-anchor="end">{ "step" }</text>
+        if o.tokens_per_step.is_some() {
+            <text class="axis-title" x={f(CH_L - 8.0)} y={f(row_y(2.0))} text-anchor="end">{ "tokens" }</text>
+        }
+    </> };
+    let in_x = |x: f64| x >= frame.x.0 && x <= frame.x.1;
+    let bad: Vec<f64> = shown
         .iter()
-        .flat_map(|s| s.xs.iter().zip(s.ys))
+        .flat_map(|s| s.xs.iter().zip(s.raw.as_ref().unwrap_or(&s.ys)))
         .filter(|(_, y)| !y.is_finite())
         .map(|(x, _)| *x)
         .collect();
     let bad_marks = bad.iter().take(500).map(|x| {
         let px = CH_L + frame.px(*x);
-        html! { <line class="nonfinite" x1={f(px)} x2={f(px)} y1="6" y2="14"><title>{ format!("step {x}: not finite") }</title></line> }
+        html! { <line class="nonfinite" x1={f(px)} x2={f(px)} y1={f(CH_T)} y2={f(CH_T + 8.0)}><title>{ format!("step {x}: not finite") }</title></line> }
     });
-    let events = o.events.iter().map(|e| {
+    #[allow(clippy::cast_precision_loss)]
+    let events: Vec<&Marker> = o.events.iter().filter(|e| in_x(e.step as f64)).collect();
+    let event_lines = events.iter().map(|e| {
         #[allow(clippy::cast_precision_loss)]
         let px = CH_L + frame.px(e.step as f64);
-        let detail: Vec<String> = e.detail.iter().map(|(k, v)| format!("{k}={v}")).collect();
-        html! { <line class={classes!("event", format!("ev-{}", e.kind))} x1={f(px)} x2={f(px)} y1="6" y2={f(CH_H - 16.0)}>
-            <title>{ format!("step {}: {} {}", e.step, e.kind, detail.join(" ")) }</title></line> }
+        html! { <line class={classes!("event", format!("ev-{}", e.kind))} x1={f(px)} x2={f(px)} y1={f(CH_T)} y2={f(CH_T + CH_P)}>
+            <title>{ format!("step {}: {} {}", e.step, e.kind, detail_text(e)) }</title></line> }
     });
     let floor = o.floor.and_then(|v| frame.py(v)).map(|y| html! {
-        <g><line class="floor" x1={f(CH_L)} x2={f(CH_W)} y1={f(y + 6.0)} y2={f(y + 6.0)} />
-        <text class="floor-label" x={f(CH_W - 4.0)} y={f(y + 2.0)} text-anchor="end">{ o.floor_label.unwrap_or("") }</text></g>
+        <g><line class="floor" x1={f(CH_L)} x2={f(CH_W)} y1={f(y + CH_T)} y2={f(y + CH_T)} />
+        <text class="floor-label" x={f(CH_W - 4.0)} y={f(y + CH_T - 4.0)} text-anchor="end">{ o.floor_label.unwrap_or("") }</text></g>
     });
-    let points = series.iter().flat_map(|s| {
-        let style = s.run.map(|(i, _)| format!("fill:{}", run_colour(i)));
-        s.points.iter().filter_map(move |(x, y)| {
-            let py = frame.py(*y)? + 6.0;
-            Some(html! { <circle class="point" cx={f(CH_L + frame.px(*x))} cy={f(py)} r="3" style={style.clone()} /> })
-        })
-    });
-    let cursor = o.cursor.map(|c| {
+    let cursor = o.cursor.filter(|c| in_x(*c)).map(|c| {
         let x = CH_L + frame.px(c);
-        html! { <line class="cursor" x1={f(x)} x2={f(x)} y1="6" y2={f(CH_H - 16.0)} /> }
+        html! { <line class="cursor" x1={f(x)} x2={f(x)} y1={f(CH_T)} y2={f(CH_T + CH_P)} /> }
     });
     // the first curve's last value
     let last = series
         .first()
-        .and_then(|s| s.ys.iter().rev().find(|y| y.is_finite()))
+        .and_then(|s| s.raw.unwrap_or(s.ys).iter().rev().find(|y| y.is_finite()))
         .map(|y| chart::fmt_value(*y))
         .unwrap_or_default();
+    let clip = clip_id(title);
     html! {
         <section class={classes!("card", "chart", o.class)} id={o.id}>
             <h3>{ title.to_owned() }<span class="last mono">{ last }</span></h3>
-            <svg viewBox={format!("0 0 {CH_W} {CH_H}")} data-points={n.to_string()} data-series={series.len().to_string()} data-nonfinite={bad.len().to_string()} data-events={o.events.len().to_string()}>
+            <svg viewBox={format!("0 0 {CH_W} {ch_h}")} data-points={n.to_string()} data-series={series.len().to_string()} data-nonfinite={bad.len().to_string()} data-events={events.len().to_string()}>
+                <defs><clipPath id={clip.clone()}><rect x="0" y="0" width={f(plot_w)} height={f(CH_P)} /></clipPath></defs>
                 { for yticks }
                 { for xt }
+                { axis_titles }
                 { floor.unwrap_or_default() }
-                { for events }
-                <g transform="translate(56 6)">{ for paths }</g>
-                { for points }
+                { for event_lines }
+                <g transform={format!("translate({CH_L} {CH_T})")} clip-path={format!("url(#{clip})")}>
+                    { for raws }
+                    { for paths }
+                    { for evals }
+                </g>
                 { for bad_marks }
                 { cursor.unwrap_or_default() }
             </svg>
         </section>
     }
+}
+
+/// An event's details as `key=value` text, numbers at a readable precision.
+fn detail_text(e: &Marker) -> String {
+    e.detail
+        .iter()
+        .map(|(k, v)| format!("{k}={}", plot::short_number(v)))
+        .collect::<Vec<_>>()
+        .join("  ")
 }
 
 // ---------------------------------------------------------------- metrics
@@ -1164,8 +1315,10 @@ struct RunMetrics {
     name: String,
     /// Its `metrics.jsonl`.
     log: Rc<MetricsLog>,
-    /// Its events on the step axis ([`Run::markers`]).
+    /// Its health and recovery events on the step axis ([`Run::markers`]).
     markers: Vec<Marker>,
+    /// Tokens per step, from its `config.toml`.
+    tokens_per_step: Option<u64>,
 }
 
 #[derive(Properties, PartialEq)]
@@ -1178,6 +1331,35 @@ struct MetricsProps {
     floor: Option<f64>,
 }
 
+/// How the metrics charts are drawn: the controls above them.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct ChartView {
+    /// The last percent of the steps shown (100: all).
+    percent: u32,
+    /// Smoothing weight of the measured curves ([`plot::smooth`]; 0: none).
+    smoothing: f64,
+    /// The y-axes of measured values fitted to most of them
+    /// ([`plot::inlier_range`]).
+    ignore_outliers: bool,
+    /// The loss on a log axis.
+    log_loss: bool,
+}
+
+impl Default for ChartView {
+    /// TensorBoard's defaults: smoothing 0.6, outliers ignored in scaling.
+    fn default() -> Self {
+        Self {
+            percent: 100,
+            smoothing: 0.6,
+            ignore_outliers: true,
+            log_loss: false,
+        }
+    }
+}
+
+/// The choices of [`ChartView::percent`].
+const RANGES: [u32; 5] = [100, 50, 20, 10, 5];
+
 /// One run's columns for the metrics charts.
 struct Columns {
     xs: Vec<f64>,
@@ -1185,13 +1367,26 @@ struct Columns {
     lr: Vec<f64>,
     grad_norm: Vec<f64>,
     tokens_per_s: Vec<f64>,
+    /// The three measured columns smoothed (empty without smoothing).
+    smooth_loss: Vec<f64>,
+    smooth_grad_norm: Vec<f64>,
+    smooth_tokens_per_s: Vec<f64>,
     evals: Vec<(f64, f64)>,
 }
 
 impl Columns {
     #[allow(clippy::cast_precision_loss)]
-    fn new(m: &MetricsLog) -> Self {
-        let col = |g: fn(&weft_trace::MetricsRecord) -> f64| m.records.iter().map(g).collect();
+    fn new(m: &MetricsLog, smoothing: f64) -> Self {
+        let col = |g: fn(&weft_trace::MetricsRecord) -> f64| -> Vec<f64> {
+            m.records.iter().map(g).collect()
+        };
+        let sm = |v: &[f64]| {
+            if smoothing > 0.0 {
+                plot::smooth(v, smoothing)
+            } else {
+                Vec::new()
+            }
+        };
         let evals = m
             .events
             .iter()
@@ -1200,12 +1395,20 @@ impl Columns {
                 _ => None,
             })
             .collect();
+        let (loss, grad_norm, tokens_per_s) = (
+            col(|r| r.loss),
+            col(|r| r.grad_norm),
+            col(|r| r.tokens_per_s),
+        );
         Self {
             xs: m.records.iter().map(|r| r.step as f64).collect(),
-            loss: col(|r| r.loss),
+            smooth_loss: sm(&loss),
+            smooth_grad_norm: sm(&grad_norm),
+            smooth_tokens_per_s: sm(&tokens_per_s),
+            loss,
             lr: col(|r| r.lr),
-            grad_norm: col(|r| r.grad_norm),
-            tokens_per_s: col(|r| r.tokens_per_s),
+            grad_norm,
+            tokens_per_s,
             evals,
         }
     }
@@ -1217,42 +1420,132 @@ fn loss_by_step(m: &MetricsLog) -> Vec<(u64, f64)> {
     stats::last_per_step(m.records.iter().map(|r| (r.step, r.loss)))
 }
 
+/// The controls of the metrics charts.
+fn chart_controls(view: &UseStateHandle<ChartView>) -> Html {
+    let v = **view;
+    let on_range = {
+        let view = view.clone();
+        Callback::from(move |e: Event| {
+            let s: web_sys::HtmlSelectElement = e.target_unchecked_into();
+            let percent = s.value().parse().unwrap_or(100);
+            view.set(ChartView { percent, ..*view });
+        })
+    };
+    let on_smoothing = {
+        let view = view.clone();
+        Callback::from(move |e: InputEvent| {
+            let i: web_sys::HtmlInputElement = e.target_unchecked_into();
+            let smoothing = i.value().parse().unwrap_or(0.0);
+            view.set(ChartView { smoothing, ..*view });
+        })
+    };
+    let check = |set: fn(&mut ChartView, bool)| {
+        let view = view.clone();
+        Callback::from(move |e: Event| {
+            let i: web_sys::HtmlInputElement = e.target_unchecked_into();
+            let mut v = *view;
+            set(&mut v, i.checked());
+            view.set(v);
+        })
+    };
+    html! {
+        <div class="toolbar chart-controls">
+            <label>{ "steps " }
+                <select id="range" onchange={on_range}>
+                    { for RANGES.iter().map(|p| html! {
+                        <option value={p.to_string()} selected={*p == v.percent}>{ if *p == 100 { "all".to_owned() } else { format!("last {p}%") } }</option>
+                    }) }
+                </select>
+            </label>
+            <label title="exponential moving average, debiased (TensorBoard's); the raw values are drawn faintly behind">{ "smoothing " }
+                <input id="smoothing" type="range" min="0" max="0.99" step="0.01" value={v.smoothing.to_string()} oninput={on_smoothing} />
+                <span class="mono">{ format!("{:.2}", v.smoothing) }</span>
+            </label>
+            <label title="fit the y-axes to the values between the 5th and 95th percentiles: the first steps' loss runs off the top">
+                <input id="ignore-outliers" type="checkbox" checked={v.ignore_outliers} onchange={check(|v, c| v.ignore_outliers = c)} />
+                { " ignore outliers in the y-range" }
+            </label>
+            <label>
+                <input id="log-loss" type="checkbox" checked={v.log_loss} onchange={check(|v, c| v.log_loss = c)} />
+                { " log-scale loss" }
+            </label>
+        </div>
+    }
+}
+
 #[component]
+#[allow(clippy::too_many_lines)]
 fn MetricsView(p: &MetricsProps) -> Html {
     use_render_timer("metrics");
+    let view = use_state(ChartView::default);
+    let v = *view;
     let several = p.runs.len() > 1;
-    let cols: Vec<Columns> = p.runs.iter().map(|r| Columns::new(&r.log)).collect();
-    // every run's events on the charts
+    let cols: Vec<Columns> = p
+        .runs
+        .iter()
+        .map(|r| Columns::new(&r.log, v.smoothing))
+        .collect();
+    // every run's health and recovery events on the charts
     let events: Vec<Marker> = p
         .runs
         .iter()
         .flat_map(|r| r.markers.iter().cloned())
         .collect();
-    let series = |g: fn(&Columns) -> &Vec<f64>, with_evals: bool| -> Vec<Series<'_>> {
+    // a column of every run: `smoothed` (where smoothing is on) over its
+    // raw values, or the raw values alone
+    type Col = fn(&Columns) -> &Vec<f64>;
+    let series = |raw: Col, smoothed: Option<Col>, with_evals: bool| -> Vec<Series<'_>> {
         cols.iter()
             .zip(p.runs.iter())
             .enumerate()
-            .map(|(i, (c, r))| Series {
-                xs: &c.xs,
-                ys: g(c),
-                points: if with_evals { &c.evals } else { &[] },
-                run: several.then_some((i, r.name.as_str())),
-                diff: None,
+            .map(|(i, (c, r))| {
+                let sm = smoothed.map(|g| g(c)).filter(|s| !s.is_empty());
+                Series {
+                    xs: &c.xs,
+                    ys: sm.unwrap_or(raw(c)),
+                    raw: sm.map(|_| raw(c).as_slice()),
+                    evals: if with_evals { &c.evals } else { &[] },
+                    run: several.then_some((i, r.name.as_str())),
+                    diff: None,
+                }
             })
             .collect()
     };
     let any_evals = cols.iter().any(|c| !c.evals.is_empty());
     let floor_label = p.floor.map(|v| format!("entropy floor {v:.3}"));
-    let loss_title = if any_evals {
-        "loss (nats/token); dots: eval"
-    } else {
-        "loss (nats/token)"
-    };
+    let loss_title = format!(
+        "loss (nats/token{}): training{}{}",
+        if v.log_loss { ", log scale" } else { "" },
+        if v.smoothing > 0.0 { ", smoothed" } else { "" },
+        if any_evals {
+            "; dashed with dots: evaluation"
+        } else {
+            ""
+        },
+    );
     let mut kinds: Vec<&str> = events.iter().map(|e| e.kind.as_str()).collect();
     kinds.sort_unstable();
     kinds.dedup();
+    // the steps shown: the last percent of every run's steps
+    let (first, last) = cols
+        .iter()
+        .flat_map(|c| c.xs.iter().copied())
+        .fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), x| {
+            (a.min(x), b.max(x))
+        });
+    let from =
+        (v.percent < 100 && first.is_finite()).then(|| plot::range_start(first, last, v.percent));
+    // the tokens axis, where every run trains the same tokens per step
+    let tokens_per_step = p
+        .runs
+        .first()
+        .and_then(|r| r.tokens_per_step)
+        .filter(|t| p.runs.iter().all(|r| r.tokens_per_step == Some(*t)));
     let ev_opts = || ChartOpts {
         events: &events,
+        from,
+        tokens_per_step,
+        ignore_outliers: v.ignore_outliers,
         ..ChartOpts::default()
     };
     // the loss of each other run against the first, step by step
@@ -1283,9 +1576,9 @@ fn MetricsView(p: &MetricsProps) -> Html {
         .map(|((i, name, d), (xs, ys))| Series {
             xs,
             ys,
-            points: &[],
             run: Some((*i, name)),
             diff: Some((d.points.len(), d.max_abs)),
+            ..Series::default()
         })
         .collect();
     let first_name = p.runs.first().map_or("", |r| r.name.as_str());
@@ -1306,6 +1599,7 @@ fn MetricsView(p: &MetricsProps) -> Html {
     let table_runs = p.runs.iter().filter(|r| !r.markers.is_empty()).count();
     html! {
         <div class="metrics">
+            { chart_controls(&view) }
             if several {
                 <div class="legend run-legend">
                     { for p.runs.iter().enumerate().map(|(i, r)| html! {
@@ -1318,15 +1612,19 @@ fn MetricsView(p: &MetricsProps) -> Html {
             }
             <div class="legend">
                 { for kinds.iter().map(|k| html! { <span class="key"><i class={classes!("sw", format!("ev-{k}"))}></i>{ format!("{k} ({})", events.iter().filter(|e| e.kind == *k).count()) }</span> }) }
-                <span class="hint">{ "vertical lines: health events (hover for details) · red ticks: non-finite values" }</span>
+                if events.is_empty() {
+                    <span class="hint">{ "no health events (restarts, rewinds, skips, spikes, stragglers) · red ticks: non-finite values" }</span>
+                } else {
+                    <span class="hint">{ "vertical lines: health events (hover for details) · red ticks: non-finite values" }</span>
+                }
             </div>
             <div class="grid2">
-                { multi_chart(loss_title, &series(|c| &c.loss, true), &ChartOpts { floor: p.floor, floor_label: floor_label.as_deref(), ..ev_opts() }) }
-                { multi_chart("learning rate", &series(|c| &c.lr, false), &ev_opts()) }
-                { multi_chart("gradient norm (log scale)", &series(|c| &c.grad_norm, false), &ChartOpts { log_y: true, ..ev_opts() }) }
-                { multi_chart("tokens / s", &series(|c| &c.tokens_per_s, false), &ev_opts()) }
+                { multi_chart(&loss_title, &series(|c| &c.loss, Some(|c| &c.smooth_loss), true), &ChartOpts { floor: p.floor, floor_label: floor_label.as_deref(), log_y: v.log_loss, ..ev_opts() }) }
+                { multi_chart("learning rate", &series(|c| &c.lr, None, false), &ChartOpts { ignore_outliers: false, ..ev_opts() }) }
+                { multi_chart("gradient norm (log scale)", &series(|c| &c.grad_norm, Some(|c| &c.smooth_grad_norm), false), &ChartOpts { log_y: true, ..ev_opts() }) }
+                { multi_chart("tokens / s", &series(|c| &c.tokens_per_s, Some(|c| &c.smooth_tokens_per_s), false), &ev_opts()) }
                 if !diffs.is_empty() {
-                    { multi_chart(&format!("loss difference against {first_name} (per step)"), &diff_series, &ChartOpts { floor: Some(0.0), floor_label: Some(&zero_label), id: Some("loss-diff"), class: Some("diff"), ..ChartOpts::default() }) }
+                    { multi_chart(&format!("loss difference against {first_name} (per step)"), &diff_series, &ChartOpts { floor: Some(0.0), floor_label: Some(&zero_label), id: Some("loss-diff"), class: Some("diff"), from, tokens_per_step, ..ChartOpts::default() }) }
                 }
             </div>
             if !diffs.is_empty() {
@@ -1343,7 +1641,7 @@ fn MetricsView(p: &MetricsProps) -> Html {
                             <tr class={format!("ev-row ev-{}", e.kind)}>
                                 if several { <td>{ name.clone() }</td> }
                                 <td class="mono">{ e.step }</td><td>{ e.kind.clone() }</td>
-                                <td class="mono">{ e.detail.iter().map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>().join("  ") }</td></tr>
+                                <td class="mono">{ detail_text(e) }</td></tr>
                         }) }
                     </table>
                 </section>

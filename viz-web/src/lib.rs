@@ -19,6 +19,9 @@
 //!   traces stay responsive.
 //! * [`expert::ExpertLoad`] — the steps × experts matrices, max/mean and
 //!   MaxVio curves, and the heatmap as a BMP image.
+//! * [`plot`] — what the metrics charts compute before drawing, as
+//!   TensorBoard's do: smoothing, a y-range that ignores outliers, the last
+//!   part of a run, log ticks, tokens per step, readable numbers.
 //! * [`run::Run`] — one run's state: one slot per run file;
 //!   [`run::Runs`] — the runs on the page, named, the first the one the
 //!   others are compared with.
@@ -51,6 +54,7 @@
 
 pub mod app;
 pub mod expert;
+pub mod plot;
 pub mod run;
 pub mod timeline;
 mod web;

@@ -7,7 +7,7 @@ use std::rc::Rc;
 
 use weft_compare::load::{self, FileKind, Marker, MetricsLog};
 use weft_compare::{LoadError, Warning};
-use weft_trace::RunEvent;
+use weft_trace::{MetricsEventKind, RunEvent};
 
 use crate::expert::ExpertLoad;
 use crate::timeline::Timeline;
@@ -142,13 +142,20 @@ impl Run {
         [w(&self.metrics), w(&self.expert), w(&self.events)].concat()
     }
 
-    /// The events to mark on the metrics charts, by step: `metrics.jsonl`'s
-    /// (evaluations, skips, spikes, ...) and those of `events.jsonl` that
-    /// have a step (failures, restarts, rewinds, ...); at equal steps the
-    /// metrics file's first.
+    /// The health and recovery events to mark on the metrics charts, by
+    /// step: `metrics.jsonl`'s (skips, overflows, spikes, ...) and those of
+    /// `events.jsonl` that have a step (failures, restarts, rewinds,
+    /// stragglers, ...); at equal steps the metrics file's first.
+    /// Evaluations are not among them: they are the loss chart's
+    /// evaluation curve.
     #[must_use]
     pub fn markers(&self) -> Vec<Marker> {
-        let metrics = self.metrics.get().into_iter().flat_map(|m| &m.events);
+        let metrics = self
+            .metrics
+            .get()
+            .into_iter()
+            .flat_map(|m| &m.events)
+            .filter(|e| !matches!(e.kind, MetricsEventKind::Eval { .. }));
         let events = self.events.get().into_iter().flat_map(|e| e.iter());
         let mut out: Vec<Marker> = metrics
             .map(Marker::of_metrics)
@@ -306,10 +313,23 @@ mod tests {
         );
         e.ingest(
             "metrics.jsonl",
-            "{\"step\":40,\"event\":\"spike\",\"loss\":5,\"median\":2,\"batch\":{\"step\":40,\"micro_batches\":1}}\n",
+            concat!(
+                "{\"step\":40,\"event\":\"eval\",\"val_loss\":2.0}\n",
+                "{\"step\":40,\"event\":\"spike\",\"loss\":5,\"median\":2,\"batch\":{\"step\":40,\"micro_batches\":1}}\n",
+            ),
         );
-        let steps: Vec<u64> = e.markers().iter().map(|m| m.step).collect();
-        assert_eq!(steps, [30, 36, 40, 45]);
+        // the evaluation is the loss chart's curve, not a health event
+        let markers = e.markers();
+        let marks: Vec<(u64, &str)> = markers.iter().map(|m| (m.step, m.kind.as_str())).collect();
+        assert_eq!(
+            marks,
+            [
+                (30, "restart"),
+                (36, "failure"),
+                (40, "spike"),
+                (45, "rewind")
+            ]
+        );
         e.ingest("events.jsonl", "{\"time\":1}\n{\"event\":\"x\"}\n");
         assert!(matches!(
             &e.events,

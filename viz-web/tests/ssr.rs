@@ -167,17 +167,59 @@ async fn metrics_charts_events_and_floor() {
             "{{\"step\":{step},\"loss\":{loss},\"lr\":0.001,\"grad_norm\":1.5,\"tokens_per_s\":900,\"time_s\":{step}}}\n"
         ));
     }
-    text.push_str("{\"step\":7,\"event\":\"skip\",\"loss\":\"NaN\",\"grad_norm\":\"NaN\"}\n{\"step\":10,\"event\":\"eval\",\"val_loss\":2.6}\n");
+    text.push_str(concat!(
+        "{\"step\":7,\"event\":\"skip\",\"loss\":\"NaN\",\"grad_norm\":\"NaN\"}\n",
+        "{\"step\":0,\"event\":\"eval\",\"val_loss\":5.598353492328897,\"floor\":1.674503751393173}\n",
+        "{\"step\":10,\"event\":\"eval\",\"val_loss\":2.6,\"floor\":1.674503751393173}\n",
+        "{\"step\":12,\"event\":\"spike\",\"loss\":5.123456789012345,\"median\":2.0000001,\"batch\":{\"step\":12,\"micro_batches\":1}}\n",
+    ));
     run.ingest("metrics.jsonl", &text);
     run.ingest("summary.json", "{\"data\":{\"entropy_floor\":1.9}}");
-    let html = render(run, Some(Tab::Metrics)).await;
+    run.ingest(
+        "config.toml",
+        "[model]\nblock_size = 64\n\n[train]\nbatch_size = 32\n",
+    );
+    let html = render(run.clone(), Some(Tab::Metrics)).await;
     assert_eq!(count(&html, "class=\"card chart\""), 4);
     assert_eq!(count(&html, "class=\"event ev-skip\""), 4, "on every chart");
-    assert_eq!(count(&html, "class=\"event ev-eval\""), 4);
+    assert_eq!(
+        count(&html, "class=\"event ev-spike\""),
+        4,
+        "on every chart"
+    );
+    // evaluations are the loss chart's curve, not health events
+    assert_eq!(count(&html, "ev-eval"), 0, "{html}");
+    assert_eq!(count(&html, "class=\"eval-series\""), 1);
+    assert_eq!(count(&html, "class=\"point\""), 2, "the eval losses");
+    assert!(html.contains("health events (2)"));
+    assert!(!html.contains("val_loss="), "{html}");
+    // details at a readable precision
+    assert!(html.contains("loss=5.123  median=2"), "{html}");
+    assert!(!html.contains("5.1234"), "{html}");
     assert!(html.contains("data-nonfinite=\"1\""));
     assert!(html.contains("entropy floor 1.900"));
-    assert_eq!(count(&html, "class=\"point\""), 1, "the eval loss");
-    assert!(html.contains("health events (2)"));
+    // smoothing on by default: each measured curve over its raw values
+    assert_eq!(
+        count(&html, "class=\"raw\""),
+        3,
+        "loss, grad norm, tokens/s"
+    );
+    assert!(html.contains("id=\"smoothing\""));
+    assert!(html.contains("id=\"log-loss\""));
+    assert!(html.contains("id=\"ignore-outliers\""));
+    assert!(
+        html.contains("<option value=\"10\">last 10%</option>"),
+        "{html}"
+    );
+    // both axes labelled: steps, and tokens (32 × 64 = 2048 per step)
+    assert_eq!(count(&html, ">step</text>"), 4);
+    assert_eq!(count(&html, ">tokens</text>"), 4);
+    assert!(html.contains(">20.5k</text>"), "step 10: {html}");
+    let overview = render(run, Some(Tab::Overview)).await;
+    assert!(
+        overview.contains("20 steps, 2 evaluations, 2 health events"),
+        "{overview}"
+    );
 }
 
 #[tokio::test]
@@ -220,11 +262,18 @@ async fn recovery_events_join_the_metrics_timeline() {
 async fn overview_lists_files_config_and_summary() {
     let mut run = Run::default();
     run.ingest("config.toml", "[train]\nsteps = 10\n");
-    run.ingest("summary.json", "{\"steps\":10}");
+    run.ingest(
+        "summary.json",
+        "{\"steps\":10,\"final_eval_loss\":1.736581316228694}",
+    );
     run.ingest("metrics.jsonl", "{\"step\":1}\n{\"step\":2}\n");
     let html = render(run, None).await;
     assert!(html.contains("steps = 10"));
     assert!(html.contains("<td>steps</td><td>10</td>"), "{html}");
+    assert!(
+        html.contains("<td>final_eval_loss</td><td title=\"1.736581316228694\">1.737</td>"),
+        "numbers at a readable precision, in full on hover: {html}"
+    );
     assert!(
         html.contains("metrics.jsonl, line 1: missing field `loss`"),
         "{html}"
@@ -387,7 +436,15 @@ async fn several_runs_overlay_their_metrics_with_a_legend_and_a_difference_chart
     assert!(html.contains("first differs at step 5 (bit for bit equal for 4 steps before)"));
     assert!(html.contains("15 common steps, 5 in one run only"));
     assert_eq!(count(&html, "class=\"point\""), 2, "each run's eval");
-    assert!(html.contains("health events (2)"));
+    assert_eq!(
+        count(&html, "class=\"eval-series\""),
+        2,
+        "each run's eval curve"
+    );
+    assert!(
+        !html.contains("<h2>health events"),
+        "evaluations are no health events"
+    );
 }
 
 #[tokio::test]
