@@ -532,8 +532,17 @@ fn float_type(dtype: Dtype) -> ffi::MPI_Datatype {
     }
 }
 
+/// How long [`poll_until`] yields between polls before it sleeps.
+const SPIN: Duration = Duration::from_micros(500);
+/// How long it sleeps between polls after [`SPIN`].
+const NAP: Duration = Duration::from_micros(50);
+
 /// Polls `f` (under the MPI lock) until it returns `true` or `deadline`;
-/// yields between polls, then sleeps briefly once the wait is long.
+/// yields between polls for the first [`SPIN`] (what a message between
+/// ranks of one node takes), then sleeps [`NAP`] between polls: a wait on
+/// a slow link must not spin on cores that ranks share with their
+/// compute (on nodes that share one machine's cores, a spinning wait
+/// took a rank's core from the others' products).
 fn poll_until(env: &Env, deadline: Instant, mut f: impl FnMut() -> Result<bool>) -> Result<bool> {
     let start = Instant::now();
     loop {
@@ -548,8 +557,8 @@ fn poll_until(env: &Env, deadline: Instant, mut f: impl FnMut() -> Result<bool>)
         if now >= deadline {
             return Ok(false);
         }
-        if now - start > Duration::from_millis(20) {
-            std::thread::sleep(Duration::from_micros(100));
+        if now - start > SPIN {
+            std::thread::sleep(NAP);
         } else {
             std::thread::yield_now();
         }
