@@ -17,6 +17,7 @@
 
 use serde::Serialize;
 
+use crate::cluster::Link;
 use crate::layout::Layout;
 use crate::machine::MachineProfile;
 use crate::memory::Memory;
@@ -40,6 +41,19 @@ pub struct Measured {
     pub steps: usize,
     /// Memory of rank 0 as the built model allocated it.
     pub memory: Memory,
+    /// FSDP's communication per step, where the run traced it: seconds
+    /// its collectives were in flight and seconds the step waited on
+    /// them (the exposed part), each rank's mean (of the quietest round).
+    pub fsdp: Option<FsdpTime>,
+}
+
+/// FSDP's communication of a step as a run's trace measured it.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+pub struct FsdpTime {
+    /// Seconds its all-gathers and reduce-scatters were in flight.
+    pub comm_s: f64,
+    /// Seconds the training thread waited on them.
+    pub exposed_s: f64,
 }
 
 impl Measured {
@@ -57,6 +71,7 @@ impl Measured {
             round_step_s: vec![median],
             steps: timed.len(),
             memory,
+            fsdp: None,
         })
     }
 
@@ -73,6 +88,7 @@ impl Measured {
             round_step_s: rounds.iter().map(|m| m.step_s).collect(),
             steps: q.steps,
             memory: q.memory,
+            fsdp: q.fsdp,
         })
     }
 }
@@ -90,17 +106,98 @@ pub struct Job {
     pub batch: usize,
     /// What its ranks hold and compute.
     pub recipe: Recipe,
+    /// Ranks per node when its ranks run on nodes of their own network
+    /// ([`Runner::network`]); 0 when they share one machine's memory.
+    pub per_node: usize,
+}
+
+/// One layout to calibrate: its `--set` arguments, and where its ranks go.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Trial {
+    /// The `--set` arguments of the layout over the base job.
+    pub sets: Vec<String>,
+    /// Ranks per node on a cluster of nodes (0: every rank in one
+    /// process, on thread ranks).
+    pub per_node: usize,
+    /// Part of the communication crossover ([`Calibration::crossover`]):
+    /// pure FSDP over more and more nodes at one global batch.
+    pub crossover: bool,
+}
+
+impl Trial {
+    /// A layout on thread ranks of one process.
+    #[must_use]
+    pub fn threads(sets: &[&str]) -> Self {
+        Trial {
+            sets: sets.iter().map(|s| (*s).to_owned()).collect(),
+            per_node: 0,
+            crossover: false,
+        }
+    }
+
+    /// A layout whose ranks run `per_node` to a node.
+    #[must_use]
+    pub fn nodes(sets: &[&str], per_node: usize) -> Self {
+        Trial {
+            per_node,
+            ..Trial::threads(sets)
+        }
+    }
+}
+
+/// The links of a cluster of nodes whose ranks share this machine's
+/// cores (`scripts/cluster.sh`'s namespaces): measured by all-reducing
+/// between two ranks of one node, and between two nodes of one rank each.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+pub struct Network {
+    /// Between two ranks of one node.
+    pub intra: Link,
+    /// Between two nodes, one rank on each: the node's whole link.
+    pub node: Link,
+}
+
+impl Network {
+    /// The best of several measurements: the highest bandwidths, the
+    /// median latencies (differences of timings, which noise moves either
+    /// way). `None` when `nets` is empty.
+    #[must_use]
+    pub fn best(nets: &[Network]) -> Option<Network> {
+        let median = |mut v: Vec<f64>| {
+            v.sort_by(f64::total_cmp);
+            v[v.len() / 2]
+        };
+        if nets.is_empty() {
+            return None;
+        }
+        let best = |f: fn(&Network) -> Link| Link {
+            bandwidth: nets.iter().map(|n| f(n).bandwidth).fold(0.0, f64::max),
+            latency: median(nets.iter().map(|n| f(n).latency).collect()),
+        };
+        Some(Network {
+            intra: best(|n| n.intra),
+            node: best(|n| n.node),
+        })
+    }
 }
 
 /// What runs the layouts of a calibration.
 pub trait Runner {
     /// A job's or a run's failure; the planner's errors convert into it.
     type Error: From<crate::Error>;
-    /// The job `sets` (`--set` arguments) make of the base job, checked.
+    /// The job `trial` makes of the base job, checked.
     ///
     /// # Errors
     /// The settings are wrong for the job.
-    fn job(&mut self, sets: &[String]) -> Result<Job, Self::Error>;
+    fn job(&mut self, trial: &Trial) -> Result<Job, Self::Error>;
+    /// The links between and inside nodes, measured, when the runner runs
+    /// jobs on nodes of their own network; `None` (the default) when
+    /// every rank shares one machine's memory.
+    ///
+    /// # Errors
+    /// The measurement failed.
+    fn network(&mut self) -> Result<Option<Network>, Self::Error> {
+        Ok(None)
+    }
     /// Runs `job` for `steps` steps: [`Measured::of_run`] of its step
     /// times and rank 0's memory.
     ///
@@ -119,8 +216,9 @@ pub struct Plan {
     pub tokens: usize,
     /// Whether the job sums reproducibly (the all-reduce is measured so).
     pub reproducible: bool,
-    /// The layouts, as `--set` arguments ([`layouts`] by default).
-    pub layouts: Vec<Vec<String>>,
+    /// The layouts ([`layouts`] on one machine, [`node_layouts`] on a
+    /// cluster of nodes).
+    pub layouts: Vec<Trial>,
     /// Steps per run (the first fifth is not timed).
     pub steps: u64,
     /// Rounds: each runs every layout, then measures the machine.
@@ -134,6 +232,8 @@ pub struct CalibrationRow {
     pub sets: Vec<String>,
     /// Kernel threads of each rank.
     pub threads: usize,
+    /// Ranks per node (0: one machine's thread ranks).
+    pub per_node: usize,
     /// Whether this is the one-rank reference its pool size's efficiency
     /// was measured on (its prediction then matches by construction).
     pub reference: bool,
@@ -153,19 +253,55 @@ pub struct CalibrationRow {
 }
 
 /// The layouts `--calibrate` runs: dp=1, dp=2, dp=2 with FSDP (ZeRO-3),
-/// tp=2, pp=2 (1F1B), as `--set` arguments.
+/// tp=2, pp=2 (1F1B), on thread ranks.
 #[must_use]
-pub fn layouts() -> Vec<Vec<String>> {
+pub fn layouts() -> Vec<Trial> {
     [
-        vec![],
-        vec!["parallel.dp=2"],
-        vec!["parallel.dp=2", "parallel.fsdp=\"full\""],
-        vec!["parallel.tp=2"],
-        vec!["parallel.pp=2"],
+        &[][..],
+        &["parallel.dp=2"],
+        &["parallel.dp=2", "parallel.fsdp=\"full\""],
+        &["parallel.tp=2"],
+        &["parallel.pp=2"],
     ]
     .into_iter()
-    .map(|v| v.into_iter().map(str::to_owned).collect())
+    .map(Trial::threads)
     .collect()
+}
+
+/// The layouts `--calibrate` runs on a cluster of `nodes` nodes (2 or
+/// more) of two ranks each: dp across two nodes (one rank each), FSDP
+/// full and hybrid (shard inside a node, replicate across) over two nodes
+/// of two ranks, pp across two nodes, tp inside a node with dp across;
+/// then the communication crossover, pure FSDP at one rank per node over
+/// 1, 2, 4 … nodes (up to `nodes`) at the job's global batch.
+#[must_use]
+pub fn node_layouts(nodes: usize) -> Vec<Trial> {
+    let mut trials = vec![
+        Trial::nodes(&["parallel.dp=2"], 1),
+        Trial::nodes(&["parallel.dp=4", "parallel.fsdp=\"full\""], 2),
+        Trial::nodes(
+            &[
+                "parallel.dp=4",
+                "parallel.fsdp=\"hybrid\"",
+                "parallel.hybrid_shard=2",
+            ],
+            2,
+        ),
+        Trial::nodes(&["parallel.pp=2"], 1),
+        Trial::nodes(&["parallel.tp=2", "parallel.dp=2"], 2),
+    ];
+    let mut n = 1;
+    while n <= nodes {
+        let dp = format!("parallel.dp={n}");
+        let mut t = Trial::nodes(&[&dp, "parallel.fsdp=\"full\""], 1);
+        if n == 1 {
+            t.sets[1] = "parallel.fsdp=\"none\"".into();
+        }
+        t.crossover = true;
+        trials.push(t);
+        n *= 2;
+    }
+    trials
 }
 
 /// What `--calibrate` found.
@@ -182,9 +318,60 @@ pub struct Calibration {
     /// wake-ups, copies and zeroing, the exact sums — makes it less than
     /// 1. Every layout is predicted at its pool's.
     pub efficiency: Vec<PoolEfficiency>,
+    /// The links of the cluster of nodes the layouts ran on (the best of
+    /// every round's measurement), where they ran on one.
+    pub network: Option<Network>,
     /// Each layout, predicted from `machine` against its quietest round;
     /// the references (one rank, a pool of each size) first, flagged.
     pub layouts: Vec<CalibrationRow>,
+    /// The communication crossover: pure FSDP at one rank per node over
+    /// 1, 2, 4 … nodes at one global batch, predicted against measured.
+    pub crossover: Vec<CrossoverRow>,
+}
+
+/// One node count of the communication crossover.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct CrossoverRow {
+    /// Nodes (one rank each).
+    pub nodes: usize,
+    /// Predicted seconds per step of compute (and everything but FSDP's
+    /// exposed communication).
+    pub predicted_compute_s: f64,
+    /// Predicted seconds per step of exposed communication.
+    pub predicted_exposed_s: f64,
+    /// Measured: the step less the exposed communication.
+    pub measured_compute_s: f64,
+    /// Measured seconds per step the training thread waited on FSDP's
+    /// collectives (0 on one node).
+    pub measured_exposed_s: f64,
+}
+
+impl CrossoverRow {
+    /// Exposed communication over compute, predicted.
+    #[must_use]
+    pub fn predicted_ratio(&self) -> f64 {
+        self.predicted_exposed_s / self.predicted_compute_s
+    }
+    /// Exposed communication over compute, measured.
+    #[must_use]
+    pub fn measured_ratio(&self) -> f64 {
+        self.measured_exposed_s / self.measured_compute_s
+    }
+}
+
+/// The node count where exposed communication overtakes compute, from
+/// `(nodes, exposed/compute)` pairs in order: linear in the node count
+/// between the last point below 1 and the first at or above; `None` when
+/// no point reaches 1.
+#[must_use]
+pub fn crossover_nodes(points: &[(usize, f64)]) -> Option<f64> {
+    let i = points.iter().position(|p| p.1 >= 1.0)?;
+    if i == 0 {
+        return Some(points[0].0 as f64);
+    }
+    let ((n0, r0), (n1, r1)) = (points[i - 1], points[i]);
+    let (n0, n1) = (n0 as f64, n1 as f64);
+    Some(n0 + (1.0 - r0) / (r1 - r0) * (n1 - n0))
 }
 
 /// A pool size's step efficiency ([`Calibration::efficiency`]).
@@ -196,27 +383,30 @@ pub struct PoolEfficiency {
     pub efficiency: f64,
 }
 
-/// The settings of a one-rank job with pools of `threads` threads: the
-/// reference of that pool size.
-fn reference_sets(threads: usize) -> Vec<String> {
-    [
-        "parallel.dp=1",
-        "parallel.tp=1",
-        "parallel.pp=1",
-        "parallel.ep=1",
-        "parallel.fsdp=\"none\"",
-        "parallel.sequence_parallel=false",
-    ]
-    .iter()
-    .map(|s| (*s).to_owned())
-    .chain([format!("parallel.threads={threads}")])
-    .collect()
+/// A one-rank job with pools of `threads` threads: the reference of that
+/// pool size (on a node of its own when `nodes`).
+fn reference(threads: usize, nodes: bool) -> Trial {
+    let mut t = Trial::nodes(
+        &[
+            "parallel.dp=1",
+            "parallel.tp=1",
+            "parallel.pp=1",
+            "parallel.ep=1",
+            "parallel.fsdp=\"none\"",
+            "parallel.sequence_parallel=false",
+        ],
+        usize::from(nodes),
+    );
+    t.sets.push(format!("parallel.threads={threads}"));
+    t
 }
 
-/// A job and whether it is its pool's reference.
+/// A job, whether it is its pool's reference, and whether it is part of
+/// the crossover.
 struct Entry {
     job: Job,
     reference: bool,
+    crossover: bool,
 }
 
 /// The plan's layouts and a one-rank reference for each pool size they
@@ -224,25 +414,28 @@ struct Entry {
 /// and the pool sizes.
 fn entries<R: Runner>(runner: &mut R, plan: &Plan) -> Result<(Vec<Entry>, Vec<usize>), R::Error> {
     let mut jobs = Vec::with_capacity(plan.layouts.len() + 2);
-    for sets in &plan.layouts {
+    for trial in &plan.layouts {
         jobs.push(Entry {
-            job: runner.job(sets)?,
+            job: runner.job(trial)?,
             reference: false,
+            crossover: trial.crossover,
         });
     }
+    let nodes = plan.layouts.iter().any(|t| t.per_node > 0);
     let mut pools: Vec<usize> = jobs.iter().map(|e| e.job.threads).collect();
     pools.sort_unstable();
     pools.dedup();
     for &t in &pools {
         if let Some(e) = jobs
             .iter_mut()
-            .find(|e| e.job.layout.world() == 1 && e.job.threads == t)
+            .find(|e| e.job.layout.world() == 1 && e.job.threads == t && !e.crossover)
         {
             e.reference = true;
         } else {
             jobs.push(Entry {
-                job: runner.job(&reference_sets(t))?,
+                job: runner.job(&reference(t, nodes))?,
                 reference: true,
+                crossover: false,
             });
         }
     }
@@ -277,6 +470,7 @@ pub fn calibrate<R: Runner>(
     let steps = plan.steps;
     let (jobs, pools) = entries(runner, plan)?;
     let mut profiles = Vec::with_capacity(rounds);
+    let mut nets = Vec::with_capacity(rounds);
     let mut runs: Vec<Vec<Measured>> = vec![Vec::with_capacity(rounds); jobs.len()];
     for round in 1..=rounds {
         for (e, got) in jobs.iter().zip(&mut runs) {
@@ -299,12 +493,28 @@ pub fn calibrate<R: Runner>(
             plan.tokens,
             plan.reproducible,
         ));
+        if let Some(net) = runner.network()? {
+            say(&format!(
+                "calibrate     round {round}/{rounds}: links: between nodes {:.1} MB/s + {:.0} µs, in a node {:.1} MB/s + {:.0} µs",
+                net.node.bandwidth / 1e6,
+                net.node.latency * 1e6,
+                net.intra.bandwidth / 1e6,
+                net.intra.latency * 1e6
+            ));
+            nets.push(net);
+        }
     }
     let machine = MachineProfile::best(&profiles).expect("at least one round");
+    let network = Network::best(&nets);
     let request = |j: &Job, efficiency: f64| Request {
         model: plan.model.clone(),
         batch: j.batch,
-        cluster: machine.cluster_at(j.layout.world(), j.threads, efficiency),
+        cluster: match network {
+            Some(net) if j.per_node > 0 => {
+                machine.cluster_on_nodes(j.layout.world(), j.per_node, j.threads, efficiency, &net)
+            }
+            _ => machine.cluster_at(j.layout.world(), j.threads, efficiency),
+        },
         recipe: j.recipe,
     };
     let measured: Vec<Measured> = runs.iter().filter_map(|r| Measured::quietest(r)).collect();
@@ -324,6 +534,7 @@ pub fn calibrate<R: Runner>(
         });
     }
     let mut rows = Vec::with_capacity(jobs.len());
+    let mut crossover = Vec::new();
     for (e, measured) in jobs.iter().zip(measured) {
         let j = &e.job;
         let eff = efficiency
@@ -331,10 +542,21 @@ pub fn calibrate<R: Runner>(
             .find(|p| p.threads == j.threads)
             .map_or(1.0, |p| p.efficiency);
         let predicted = predict(&request(j, eff), &j.layout)?;
+        if e.crossover {
+            let exposed = measured.fsdp.map_or(0.0, |f| f.exposed_s);
+            crossover.push(CrossoverRow {
+                nodes: j.layout.world(),
+                predicted_compute_s: predicted.step_s - predicted.time.dp_exposed,
+                predicted_exposed_s: predicted.time.dp_exposed,
+                measured_compute_s: measured.step_s - exposed,
+                measured_exposed_s: exposed,
+            });
+        }
         let total = measured.memory.total() as f64;
         rows.push(CalibrationRow {
             sets: j.sets.clone(),
             threads: j.threads,
+            per_node: j.per_node,
             reference: e.reference,
             step_error: (predicted.step_s - measured.step_s) / measured.step_s,
             fastest_error: (predicted.step_s - measured.best_step_s) / measured.best_step_s,
@@ -347,7 +569,9 @@ pub fn calibrate<R: Runner>(
         machine,
         rounds,
         efficiency,
+        network,
         layouts: rows,
+        crossover,
     })
 }
 
@@ -376,6 +600,7 @@ pub fn table(cal: &Calibration) -> String {
     let mut s = format!(
         "this machine (best of {} round(s)): {} ({} cores); {}; all-reduce between 2 thread ranks{}: α {:.1} µs, β {:.2} GB/s\n\
          weft train's step reaches {} of these product and memory rates (measured on one rank, the reference; every other layout is predicted)\n\n\
+         {}\
          | layout | threads per rank | predicted step | measured step (median{}) | error | fastest step | error | each round's median | predicted memory (rank 0) | measured memory | error |\n\
          |---|---|---|---|---|---|---|---|---|---|---|\n",
         cal.rounds,
@@ -399,6 +624,14 @@ pub fn table(cal: &Calibration) -> String {
             ))
             .collect::<Vec<_>>()
             .join(", "),
+        cal.network.map_or_else(String::new, |n| format!(
+            "links of the cluster of nodes (best of every round; ranks on nodes share this machine's cores): \
+             between two nodes {:.1} MB/s + {:.0} µs, between two ranks of a node {:.1} MB/s + {:.0} µs\n\n",
+            n.node.bandwidth / 1e6,
+            n.node.latency * 1e6,
+            n.intra.bandwidth / 1e6,
+            n.intra.latency * 1e6
+        )),
         if cal.rounds > 1 {
             ", quietest round"
         } else {
@@ -413,8 +646,16 @@ pub fn table(cal: &Calibration) -> String {
             .map(|t| format!("{:.1}", 1e3 * t))
             .collect();
         s.push_str(&format!(
-            "| {}{} | {} | {:.2} ms | {:.2} ms | {:+.1}% | {:.2} ms | {:+.1}% | {} ms | {} | {} | {:+.2}% |\n",
+            "| {}{}{} | {} | {:.2} ms | {:.2} ms | {:+.1}% | {:.2} ms | {:+.1}% | {} ms | {} | {} | {:+.2}% |\n",
             r.predicted.layout,
+            match r.per_node {
+                0 => String::new(),
+                p => format!(
+                    " on {} node{}",
+                    r.predicted.layout.world().div_ceil(p),
+                    if r.predicted.layout.world() > p { "s" } else { "" }
+                ),
+            },
             if r.reference { " (reference)" } else { "" },
             r.threads,
             1e3 * r.predicted.step_s,
@@ -428,5 +669,73 @@ pub fn table(cal: &Calibration) -> String {
             100.0 * r.memory_error
         ));
     }
+    if !cal.crossover.is_empty() {
+        s.push_str(
+            "\ncommunication crossover (pure FSDP, one rank per node, one global batch): \
+             exposed communication against compute per step\n\n\
+             | nodes | predicted compute | predicted exposed | predicted ratio | measured compute | measured exposed | measured ratio |\n\
+             |---|---|---|---|---|---|---|\n",
+        );
+        for r in &cal.crossover {
+            s.push_str(&format!(
+                "| {} | {:.1} ms | {:.1} ms | {:.2} | {:.1} ms | {:.1} ms | {:.2} |\n",
+                r.nodes,
+                1e3 * r.predicted_compute_s,
+                1e3 * r.predicted_exposed_s,
+                r.predicted_ratio(),
+                1e3 * r.measured_compute_s,
+                1e3 * r.measured_exposed_s,
+                r.measured_ratio()
+            ));
+        }
+        let at = |f: fn(&CrossoverRow) -> f64| {
+            let pts: Vec<(usize, f64)> = cal.crossover.iter().map(|r| (r.nodes, f(r))).collect();
+            crossover_nodes(&pts).map_or_else(
+                || format!("beyond {} nodes", pts.last().map_or(0, |p| p.0)),
+                |n| format!("at {n:.1} nodes"),
+            )
+        };
+        s.push_str(&format!(
+            "\nexposed communication overtakes compute: predicted {}, measured {}\n",
+            at(CrossoverRow::predicted_ratio),
+            at(CrossoverRow::measured_ratio)
+        ));
+    }
     s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The crossover interpolates linearly between the points around 1.
+    #[test]
+    fn crossover_interpolates_between_the_points_around_one() {
+        assert_eq!(crossover_nodes(&[(1, 0.0), (2, 0.5), (4, 1.5)]), Some(3.0));
+        assert_eq!(crossover_nodes(&[(1, 0.0), (2, 0.4)]), None);
+        assert_eq!(crossover_nodes(&[(1, 1.2), (2, 2.0)]), Some(1.0));
+        assert_eq!(crossover_nodes(&[]), None);
+    }
+
+    /// The network's best takes the highest bandwidth and the median
+    /// latency of each link.
+    #[test]
+    fn network_best_takes_bandwidth_s_best_and_latency_s_median() {
+        let net = |b: f64, a: f64| Network {
+            intra: Link {
+                bandwidth: 10.0 * b,
+                latency: a,
+            },
+            node: Link {
+                bandwidth: b,
+                latency: 2.0 * a,
+            },
+        };
+        let best = Network::best(&[net(1.0, 5.0), net(3.0, 1.0), net(2.0, 9.0)]).unwrap();
+        assert_eq!(best.node.bandwidth, 3.0);
+        assert_eq!(best.intra.bandwidth, 30.0);
+        assert_eq!(best.node.latency, 10.0);
+        assert_eq!(best.intra.latency, 5.0);
+        assert!(Network::best(&[]).is_none());
+    }
 }

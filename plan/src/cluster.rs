@@ -109,6 +109,25 @@ pub enum Device {
     /// CPU ranks of one machine: a collective takes the cores that compute,
     /// so nothing overlaps.
     Cpu,
+    /// CPU ranks on nodes of their own network whose cores are one
+    /// machine's (`scripts/cluster.sh`'s namespaces, MPI processes): the
+    /// machine's rates are shared out over every rank as for [`Cpu`](Self::Cpu),
+    /// and a collective inside a node takes the cores; one that spans
+    /// nodes waits on the link, which the cores do not, so it overlaps
+    /// with compute as on GPUs. It runs as one ring over the group (weft's
+    /// exact sums and the MPI library's all-gather): each ring step crosses
+    /// a node's link once per direction, at the whole link's rate
+    /// (`inter` times the ranks per node).
+    CpuNodes,
+}
+
+impl Device {
+    /// Whether the ranks share one machine's cores and memory (the
+    /// cluster's rates and memory are the machine's, shared out).
+    #[must_use]
+    pub fn shares_machine(self) -> bool {
+        matches!(self, Device::Cpu | Device::CpuNodes)
+    }
 }
 
 /// A cluster: its accelerators, their memory and arithmetic, and the links.
@@ -526,7 +545,7 @@ impl fmt::Display for Cluster {
              links {:.0} GB/s + {:.1} µs in a node, {:.1} GB/s + {:.1} µs between nodes",
             self.name,
             self.gpus,
-            if self.device == Device::Cpu {
+            if self.device.shares_machine() {
                 "ranks"
             } else {
                 "GPUs"

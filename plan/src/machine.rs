@@ -213,6 +213,59 @@ fn triad_bandwidth() -> f64 {
     3.0 * 4.0 * n as f64 / t
 }
 
+/// Elements of the large all-reduce of a link's measurement (8 MiB).
+const LINK_BIG: usize = 2 << 20;
+/// Elements of the small one (1 KiB).
+const LINK_TINY: usize = 256;
+
+/// The fastest of 10 all-reduces of `len` `f32`s, each after a barrier.
+fn back_to_back(
+    comm: &(impl weft_collectives::Communicator + ?Sized),
+    len: usize,
+    opts: &weft_collectives::ReduceOptions,
+) -> weft_collectives::Result<f64> {
+    use weft_collectives::CommunicatorExt;
+    let mut buf = vec![1e-3f32; len];
+    let mut best = f64::INFINITY;
+    for _ in 0..10 {
+        comm.barrier()?;
+        let t = Instant::now();
+        comm.all_reduce_with(&mut buf, opts)?;
+        best = best.min(t.elapsed().as_secs_f64());
+    }
+    Ok(best)
+}
+
+/// The link between the two ranks of `comm` (of any backend: MPI
+/// processes on two nodes, say) as its all-reduce meets it: β from 8 MiB
+/// all-reduces back to back less 1 KiB ones (two ranks: `2α + S/β`, so
+/// the difference is the transfer alone), α from the 1 KiB ones (half
+/// their time). `reproducible`: in weft's exact sums. Every rank must
+/// call it; each returns its own timing.
+///
+/// # Errors
+/// A collective's failure, or `comm` not of two ranks.
+pub fn link_between(
+    comm: &(impl weft_collectives::Communicator + ?Sized),
+    reproducible: bool,
+) -> weft_collectives::Result<Link> {
+    use weft_collectives::{ReduceOp, ReduceOptions};
+    if comm.size() != 2 {
+        return Err(weft_collectives::Error::InvalidArgument {
+            op: weft_collectives::OpKind::AllReduce,
+            arg: "comm",
+            reason: format!("a link is measured between 2 ranks, not {}", comm.size()),
+        });
+    }
+    let opts = ReduceOptions::new(ReduceOp::Sum).reproducible(reproducible);
+    let big = back_to_back(comm, LINK_BIG, &opts)?;
+    let tiny = back_to_back(comm, LINK_TINY, &opts)?;
+    Ok(Link {
+        bandwidth: 4.0 * LINK_BIG as f64 / (big - tiny).max(1e-9),
+        latency: tiny / 2.0,
+    })
+}
+
 /// The thread backend's all-reduce between two ranks as a training step
 /// meets it: β from 8 MiB back to back, less 1 KiB back to back (two
 /// ranks: `2α + S/β`, so the difference is the transfer alone); α from
@@ -231,22 +284,10 @@ fn all_reduce_link(reproducible: bool, shape: (usize, usize, usize)) -> Link {
             .fold(0.0f64, f64::max)
     };
     let back_to_back = |len: usize| {
-        slowest(
-            LocalCluster::builder(2).run_each(|comm| -> weft_collectives::Result<f64> {
-                let mut buf = vec![1e-3f32; len];
-                let mut best = f64::INFINITY;
-                for _ in 0..10 {
-                    comm.barrier()?;
-                    let t = Instant::now();
-                    comm.all_reduce_with(&mut buf, &opts)?;
-                    best = best.min(t.elapsed().as_secs_f64());
-                }
-                Ok(best)
-            }),
-        )
+        slowest(LocalCluster::builder(2).run_each(|comm| back_to_back(&comm, len, &opts)))
     };
-    let big = back_to_back(2 << 20);
-    let tiny = back_to_back(256);
+    let big = back_to_back(LINK_BIG);
+    let tiny = back_to_back(LINK_TINY);
     // each iteration: a product, then a small all-reduce, timed on each
     // rank; their mean is what the synchronisation costs the ranks'
     // lockstep: the exchange, the sleeping peer's wake-up, and half the
@@ -283,7 +324,7 @@ fn all_reduce_link(reproducible: bool, shape: (usize, usize, usize)) -> Link {
     };
     sync.sort_by(f64::total_cmp);
     let small = sync[sync.len() / 2].max(1e-7);
-    let big_bytes = 8.0 * 1024.0 * 1024.0;
+    let big_bytes = 4.0 * LINK_BIG as f64;
     // two ranks: all-reduce = 2α + S/β (2(n−1)/n = 1)
     Link {
         bandwidth: big_bytes / (big - tiny).max(1e-9),
@@ -446,6 +487,35 @@ impl MachineProfile {
                 link: 1.0,
             },
             device: Device::Cpu,
+        }
+    }
+}
+
+impl MachineProfile {
+    /// [`cluster_at`](Self::cluster_at) for ranks on nodes of their own
+    /// network that share this machine's cores ([`Device::CpuNodes`]),
+    /// `per_node` to a node, over the links `net` measured: `inter` is a
+    /// rank's share of its node's link.
+    #[must_use]
+    pub fn cluster_on_nodes(
+        &self,
+        ranks: usize,
+        per_node: usize,
+        threads: usize,
+        efficiency: f64,
+        net: &crate::calibrate::Network,
+    ) -> Cluster {
+        let per_node = per_node.clamp(1, ranks.max(1));
+        Cluster {
+            name: format!("nodes of this machine ({})", self.cpu),
+            gpus_per_node: per_node,
+            intra: net.intra,
+            inter: Link {
+                bandwidth: net.node.bandwidth / per_node as f64,
+                latency: net.node.latency,
+            },
+            device: Device::CpuNodes,
+            ..self.cluster_at(ranks, threads, efficiency)
         }
     }
 }

@@ -50,7 +50,7 @@ impl Request {
     /// Bytes of memory one rank has.
     #[must_use]
     pub fn capacity(&self) -> u64 {
-        let per = if self.cluster.device == Device::Cpu {
+        let per = if self.cluster.device.shares_machine() {
             self.cluster.memory / self.cluster.gpus.max(1) as f64
         } else {
             self.cluster.memory
@@ -62,7 +62,7 @@ impl Request {
     #[must_use]
     pub fn peak_per_gpu(&self) -> f64 {
         let p = self.cluster.peak.of(self.recipe.precision);
-        if self.cluster.device == Device::Cpu {
+        if self.cluster.device.shares_machine() {
             p / self.cluster.gpus.max(1) as f64
         } else {
             p
@@ -301,7 +301,17 @@ fn step_time(req: &Request, layout: &Layout, g: &Geometry, exact: bool) -> Resul
     let model = &req.model;
     let c = &req.cluster;
     let mach = Machine::new(c, &req.recipe);
-    let cpu = c.device == Device::Cpu;
+    // FSDP's collectives wait on the cores (CPU ranks of one machine, or
+    // a shard group inside one node of CPU nodes), or on links the
+    // compute does not need
+    let fsdp_on_cores = match c.device {
+        Device::Gpu => false,
+        Device::Cpu => true,
+        Device::CpuNodes => {
+            let n = layout.shard_group();
+            crate::time::Group::strided(n, layout.parallel.tp, c.gpus_per_node).nodes() <= 1
+        }
+    };
     let m = layout.micro_batches(req.batch) as f64;
     let nvs = g.layers.len();
     // per virtual stage: its chunk and costs
@@ -338,7 +348,7 @@ fn step_time(req: &Request, layout: &Layout, g: &Geometry, exact: bool) -> Resul
             if layout.shards_params() || layout.shards_grads() {
                 let (f, b) = fsdp_per_microbatch(&mach, model, layout, chunk);
                 ct.dp_total = f + b;
-                if cpu || !req.recipe.overlap_grad_reduce && !layout.shards_params() {
+                if fsdp_on_cores || !req.recipe.overlap_grad_reduce && !layout.shards_params() {
                     ct.f_dp = f;
                     ct.b_dp = b;
                 } else {
@@ -347,8 +357,8 @@ fn step_time(req: &Request, layout: &Layout, g: &Geometry, exact: bool) -> Resul
                     // compute stay exposed
                     let units = (chunk.layers + usize::from(chunk.embed) + usize::from(chunk.head))
                         .max(1) as f64;
-                    ct.f_dp = (f - ct.f_compute).max(0.0) + f / units;
-                    ct.b_dp = (b - ct.b_compute - ct.w_compute).max(0.0) + b / units;
+                    ct.f_dp = ((f - ct.f_compute).max(0.0) + f / units).min(f);
+                    ct.b_dp = ((b - ct.b_compute - ct.w_compute).max(0.0) + b / units).min(b);
                 }
             }
             shapes.push((key, ct));
@@ -482,7 +492,7 @@ fn step_time(req: &Request, layout: &Layout, g: &Geometry, exact: bool) -> Resul
         }
         done.push((sig, window));
         let (overlappable, exposed) = dp_step(&mach, model, layout, chunks);
-        let hidden_part = if !cpu
+        let hidden_part = if c.device == Device::Gpu
             && req.recipe.overlap_grad_reduce
             && layout.sharding() != Some(Strategy::Full)
         {

@@ -32,7 +32,10 @@
 //!   unit's compute (only what exceeds the compute is exposed); ZeRO-1/2's
 //!   all-gather of updated parameters and the optimizer step are exposed.
 //!   On CPU ranks nothing overlaps: a collective runs on the cores that
-//!   compute.
+//!   compute. CPU ranks on nodes of one machine's network
+//!   ([`Device::CpuNodes`]) overlap FSDP's collectives that span nodes as
+//!   GPUs do (they wait on the link, not on the cores), and run them as
+//!   one ring whose steps cross each node's link.
 //! * **Bubble.** The per-micro-batch costs of every virtual stage go to
 //!   [`weft_pipeline::simulate`] for the layout's schedule; its makespan is
 //!   the pipeline's part of the step.
@@ -93,7 +96,7 @@ impl Group {
         }
     }
 
-    fn nodes(self) -> usize {
+    pub(crate) fn nodes(self) -> usize {
         self.n.div_ceil(self.per_node)
     }
 }
@@ -116,11 +119,26 @@ fn direct(c: &Cluster, n: usize) -> bool {
     c.device == Device::Cpu && (3..=16).contains(&n)
 }
 
+/// `factor` phases of one ring over a group `g` that spans nodes of
+/// [`Device::CpuNodes`]: its `n − 1` steps each cross a node's link once
+/// per direction, at the link's rate the group's ranks of a node have
+/// between them (`inter` per rank).
+fn ring_across(c: &Cluster, g: Group, bytes: f64, factor: f64) -> f64 {
+    let link = Link {
+        bandwidth: c.inter.bandwidth * g.per_node as f64,
+        latency: c.inter.latency,
+    };
+    ring(g.n, bytes, link, c.efficiency.link, factor, false)
+}
+
 /// Seconds of an all-reduce of `bytes` over `g`.
 pub(crate) fn all_reduce(c: &Cluster, g: Group, bytes: f64) -> f64 {
     let eff = c.efficiency.link;
     if g.nodes() <= 1 {
         return ring(g.n, bytes, c.intra, eff, 2.0, direct(c, g.n));
+    }
+    if c.device == Device::CpuNodes {
+        return ring_across(c, g, bytes, 2.0);
     }
     let k = g.nodes();
     let p = g.per_node;
@@ -135,6 +153,9 @@ pub(crate) fn reduce_scatter(c: &Cluster, g: Group, bytes: f64) -> f64 {
     let eff = c.efficiency.link;
     if g.nodes() <= 1 {
         return ring(g.n, bytes, c.intra, eff, 1.0, direct(c, g.n));
+    }
+    if c.device == Device::CpuNodes {
+        return ring_across(c, g, bytes, 1.0);
     }
     let k = g.nodes();
     let p = g.per_node;
@@ -207,7 +228,7 @@ pub(crate) struct Machine<'a> {
 impl<'a> Machine<'a> {
     pub(crate) fn new(cluster: &'a Cluster, recipe: &'a Recipe) -> Self {
         // CPU ranks split the machine's cores and memory bandwidth
-        let share = if cluster.device == Device::Cpu {
+        let share = if cluster.device.shares_machine() {
             cluster.gpus.max(1) as f64
         } else {
             1.0
@@ -545,5 +566,47 @@ mod tests {
         // two ranks: one step either way
         let two = Group { n: 2, per_node: 2 };
         assert!((all_reduce(&cpu, two, s) - all_reduce(&gpu, two, s)).abs() < 1e-12);
+    }
+
+    /// CPU nodes: a group over 2 nodes of 2 ranks runs one ring whose 3
+    /// steps each cross a node's link (2 ranks' shares of it) with `S/4`:
+    /// an all-reduce moves `2 · 3/4 · S` over the link, half again the
+    /// hierarchical form's `2 · 1/2 · S`; inside a node, as CPU ranks.
+    #[test]
+    fn cpu_nodes_run_one_ring_across_the_nodes_links() {
+        let gpu = Cluster::preset("h100", 8).unwrap();
+        let nodes = Cluster {
+            device: Device::CpuNodes,
+            gpus: 4,
+            gpus_per_node: 2,
+            inter: Link {
+                bandwidth: 60e6,
+                latency: 20e-6,
+            },
+            ..gpu.clone()
+        };
+        let g = Group { n: 4, per_node: 2 };
+        let s = 64e6;
+        let (a, e) = (nodes.inter.latency, nodes.efficiency.link);
+        let link = 2.0 * nodes.inter.bandwidth * e;
+        let ar = 2.0 * (3.0 * a + 3.0 / 4.0 * s / link);
+        assert!((all_reduce(&nodes, g, s) - ar).abs() < 1e-12);
+        assert!((reduce_scatter(&nodes, g, s) - ar / 2.0).abs() < 1e-12);
+        let hier = Cluster {
+            device: Device::Gpu,
+            ..nodes.clone()
+        };
+        assert!(all_reduce(&nodes, g, s) > all_reduce(&hier, g, s));
+        // one rank per node: the whole link
+        let across = Group { n: 2, per_node: 1 };
+        let one = 2.0 * (a + s / 2.0 / (nodes.inter.bandwidth * e));
+        assert!((all_reduce(&nodes, across, s) - one).abs() < 1e-12);
+        // inside a node: as CPU ranks of one machine
+        let cpu = Cluster {
+            device: Device::Cpu,
+            ..nodes.clone()
+        };
+        let inside = Group { n: 2, per_node: 2 };
+        assert_eq!(all_reduce(&nodes, inside, s), all_reduce(&cpu, inside, s));
     }
 }

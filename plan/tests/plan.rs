@@ -451,3 +451,44 @@ fn plots_draw_every_strategy_and_every_layout() {
         preds.len()
     );
 }
+
+/// CPU nodes that share one machine's cores: FSDP's collectives across
+/// nodes wait on the link and overlap with compute (less exposed than
+/// sent); a shard group inside a node waits on the cores (all exposed);
+/// compute is the machine's shared out, as for thread ranks.
+#[test]
+fn cpu_nodes_overlap_fsdp_across_nodes_only() {
+    let mut req = small_request(4, Accounting::Weft);
+    req.cluster.device = Device::CpuNodes;
+    req.cluster.gpus_per_node = 2;
+    req.cluster.inter.bandwidth = 120e6 / 2.0;
+    req.cluster.inter.latency = 30e-6;
+    // a CPU's rates (the machine's, shared out): compute outlasts the
+    // gathers
+    req.cluster.peak.fp32 = 100e9;
+    req.cluster.memory_bandwidth = 30e9;
+    let layout = |fsdp: &str| {
+        let mut l = Layout::degrees(4, 1, 1);
+        l.parallel.fsdp = Some(fsdp.parse().unwrap());
+        l.parallel.hybrid_shard = 2;
+        l.micro_batch_size = 8;
+        l
+    };
+    let full = predict(&req, &layout("full")).unwrap();
+    assert!(full.time.dp_comm > 0.0);
+    assert!(full.time.dp_exposed < full.time.dp_comm, "{:?}", full.time);
+    // hybrid: the shard group is a node's two ranks, on the cores
+    let hybrid = predict(&req, &layout("hybrid")).unwrap();
+    let threads = Request {
+        cluster: Cluster {
+            device: Device::Cpu,
+            ..req.cluster.clone()
+        },
+        ..req.clone()
+    };
+    let cpu_full = predict(&threads, &layout("full")).unwrap();
+    assert_eq!(cpu_full.time.dp_exposed, cpu_full.time.dp_comm);
+    assert!(hybrid.time.dp_exposed > 0.0);
+    // the compute is the machine's, shared out over the ranks
+    assert_eq!(full.time.compute, cpu_full.time.compute);
+}
