@@ -656,8 +656,73 @@ fn across_namespace_nodes_layouts_equal_the_thread_ranks_bit_for_bit() {
         status.contains("n1: 10.213.0.2/24 link UP, 0 process(es)"),
         "{status}"
     );
+    calibrates_on_the_cluster(&cluster);
     drop(cluster);
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// `weft plan --calibrate --launch PREFIX` on a two-node cluster of 1
+/// Gbit/s links: the links measured (between nodes about the link's rate,
+/// inside a node several times it), every layout across nodes run and
+/// predicted, the crossover over 1 and 2 nodes with FSDP's exposed
+/// communication read from the trace.
+fn calibrates_on_the_cluster(cluster: &Cluster) {
+    let o = Command::new(WEFT)
+        .args(["plan", "--calibrate", "--launch", &cluster.prefix.join(" ")])
+        .args([
+            "--nodes",
+            "2",
+            "--calibrate-steps",
+            "5",
+            "--calibrate-rounds",
+            "1",
+        ])
+        .arg("--json")
+        .args(job(&tmp("calibrate"), "calibrate", 5, &[]))
+        .output()
+        .unwrap();
+    let out = text(&o);
+    assert!(o.status.success(), "plan --calibrate --launch:\n{out}");
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let net = &v["network"];
+    let node = net["node"]["bandwidth"].as_f64().unwrap();
+    let intra = net["intra"]["bandwidth"].as_f64().unwrap();
+    // 1 Gbit/s is 125 MB/s; TCP through the switch reaches about 0.96
+    assert!(
+        (60e6..=130e6).contains(&node),
+        "between nodes {node} B/s:\n{out}"
+    );
+    assert!(
+        intra > 2.0 * node,
+        "in a node {intra} B/s, between {node}:\n{out}"
+    );
+    let rows = v["layouts"].as_array().unwrap();
+    let sets: Vec<String> = rows.iter().map(|r| r["sets"].to_string()).collect();
+    for want in [
+        "parallel.dp=2",
+        "hybrid_shard=2",
+        "parallel.pp=2",
+        "parallel.tp=2",
+    ] {
+        assert!(sets.iter().any(|s| s.contains(want)), "{want} in {sets:?}");
+    }
+    for r in rows {
+        let e = r["step_error"].as_f64().unwrap();
+        assert!(e.is_finite() && e > -1.0, "{r}");
+        assert!(r["per_node"].as_u64().unwrap() >= 1, "{r}");
+    }
+    let cross = v["crossover"].as_array().unwrap();
+    let nodes: Vec<u64> = cross.iter().map(|r| r["nodes"].as_u64().unwrap()).collect();
+    assert_eq!(nodes, [1, 2], "{out}");
+    assert_eq!(cross[0]["measured_exposed_s"].as_f64(), Some(0.0), "{out}");
+    assert!(
+        cross[1]["measured_exposed_s"].as_f64().unwrap() > 0.0,
+        "{out}"
+    );
+    assert!(
+        cross[1]["predicted_exposed_s"].as_f64().unwrap() > 0.0,
+        "{out}"
+    );
 }
 
 /// A fault done to the cluster once a supervised job is past a step, and

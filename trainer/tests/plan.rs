@@ -249,7 +249,7 @@ fn calibration_runs_the_layouts_and_reports_them() {
         "model.n_embd=64",
     ]);
     let mut lines = Vec::new();
-    let cal = calibrate(&base, 12, 2, &mut |l| {
+    let cal = calibrate(&base, 12, 2, None, &mut |l| {
         lines.push(l.to_owned());
     })
     .unwrap();
