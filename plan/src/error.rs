@@ -77,6 +77,10 @@ pub enum Error {
     /// The pipeline simulator refused a schedule.
     #[error("pipeline schedule: {0}")]
     Pipeline(#[from] weft_pipeline::Error),
+    /// A calibration job on a cluster of nodes could not be started, or
+    /// failed, or left no figures ([`launch`](crate::launch)).
+    #[error("{0}")]
+    Launch(String),
 }
 
 /// The planner's result type.

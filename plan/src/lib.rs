@@ -51,7 +51,9 @@
 //! * [`calibrate`]: the planner against this machine — layouts run by the
 //!   caller ([`calibrate::Runner`]; the trainer runs `weft train`), the
 //!   machine measured in rounds, the step's share of the measured rates
-//!   found on one-rank references, predicted against measured.
+//!   found on one-rank references, predicted against measured; on a
+//!   cluster of nodes ([`launch::Launched`]: MPI jobs under a launcher),
+//!   with the links measured and the communication crossover of FSDP.
 //! * [`published`]: Narayanan et al. 2021's Table 1 (Megatron-LM, 1.7B to
 //!   1T parameters on up to 3072 A100s) predicted with one set of
 //!   constants: every row within 9%, the worst +8.0% (`tests/plan.rs`).
@@ -113,6 +115,7 @@ pub mod calibrate;
 pub mod cluster;
 mod error;
 pub mod explain;
+pub mod launch;
 pub mod layout;
 pub mod machine;
 pub mod memory;

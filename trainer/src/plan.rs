@@ -7,13 +7,13 @@
 
 use std::path::{Path, PathBuf};
 
-use weft_plan::calibrate::{self, Calibration, FsdpTime, Job, Measured, Network, Runner, Trial};
+use weft_plan::calibrate::{self, Calibration, Job, Measured, Runner, Trial};
+use weft_plan::launch::Launched;
 use weft_plan::machine::MachineProfile;
 use weft_plan::memory::Memory;
 use weft_plan::search::{Constraints, search};
 use weft_plan::{
-    Accounting, Cluster, Layout, Link, ModelSpec, Precision, Recipe, Request, ScheduleKind,
-    Strategy,
+    Accounting, Cluster, Layout, ModelSpec, Precision, Recipe, Request, ScheduleKind, Strategy,
 };
 
 use crate::config::{Config, ConfigError};
@@ -184,21 +184,18 @@ pub struct PlanArgs {
     /// each layout's quietest round.
     #[arg(long, default_value_t = 3)]
     pub calibrate_rounds: usize,
-    /// With `--calibrate`: run the layouts as MPI jobs on a cluster of
-    /// nodes whose ranks share this machine's cores (`scripts/cluster.sh`),
-    /// each started as this prefix (Open MPI's `mpirun`) followed by `-np N --map-by ppr:P:node --bind-to none
-    /// weft train ...` (the prefix `cluster.sh up` prints), and measure the
-    /// links between and inside its nodes. The weft binary must be built
-    /// with `--features mpi`.
+    /// With `--calibrate`: run the layouts as MPI jobs (`PREFIX -np N
+    /// --map-by ppr:P:node weft train`, Open MPI) on the nodes of
+    /// `scripts/cluster.sh`, which share this machine's cores, and measure
+    /// their links (weft built `--features mpi`).
     #[arg(long, value_name = "PREFIX", requires = "calibrate")]
     pub launch: Option<String>,
     /// With `--launch`: the cluster's nodes (the crossover runs pure FSDP
     /// on 1, 2, 4 … of them).
     #[arg(long, default_value_t = 2, requires = "launch")]
     pub nodes: usize,
-    /// Measure the link between the two ranks of the MPI job this process
-    /// is one of, and print it as JSON (what `--calibrate --launch` starts
-    /// on two nodes, and on one).
+    /// Print the link between the two ranks of this MPI job as JSON
+    /// (what `--calibrate --launch` starts).
     #[arg(long, hide = true)]
     pub probe_link: bool,
     /// Print the published Megatron-LM runs (Narayanan et al. 2021, Table 1)
@@ -390,221 +387,6 @@ fn job_of(base: &Config, trial: &Trial) -> Result<Job, PlanError> {
     })
 }
 
-/// `--calibrate --launch`'s runner: each layout an MPI job of `weft
-/// train` processes started by the launcher prefix on a cluster of nodes,
-/// its figures read from its run folder (step times from
-/// `metrics.jsonl`, rank 0's memory from `summary.json`, FSDP's
-/// communication from `trace.json` where it is traced).
-pub struct Launched {
-    /// The job the layouts' settings apply to.
-    pub base: Config,
-    /// The launcher prefix (`mpirun --hostfile ...`).
-    pub prefix: String,
-    /// Where the job file and the runs' folders go.
-    pub dir: PathBuf,
-}
-
-/// `s` quoted for a POSIX shell.
-fn quoted(s: &str) -> String {
-    format!("'{}'", s.replace('\'', "'\\''"))
-}
-
-impl Launched {
-    /// Runs `args` of this weft binary as `ranks` processes, `per_node`
-    /// to a node and bound to no core (Open MPI's `--map-by ppr:P:node
-    /// --bind-to none`: their pools share this machine's cores), under the
-    /// prefix: its standard output.
-    fn launch(&self, ranks: usize, per_node: usize, args: &[String]) -> Result<String, PlanError> {
-        let exe = std::env::current_exe().map_err(|e| usage(format!("this weft's path: {e}")))?;
-        let mut line = format!(
-            "{} -np {ranks} --map-by ppr:{per_node}:node --bind-to none {}",
-            self.prefix,
-            quoted(&exe.display().to_string())
-        );
-        for a in args {
-            line.push(' ');
-            line.push_str(&quoted(a));
-        }
-        let out = std::process::Command::new("bash")
-            .args(["-c", &line])
-            .stdin(std::process::Stdio::null())
-            .output()
-            .map_err(|e| usage(format!("cannot run `{line}`: {e}")))?;
-        if !out.status.success() {
-            let err = String::from_utf8_lossy(&out.stderr);
-            let tail: Vec<&str> = err.lines().rev().take(12).collect();
-            let tail: Vec<&str> = tail.into_iter().rev().collect();
-            return Err(usage(format!(
-                "`{line}` failed ({}):\n{}",
-                out.status,
-                tail.join("\n")
-            )));
-        }
-        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
-    }
-
-    /// The link between two ranks placed `per_node` to a node.
-    fn probe(&self, per_node: usize) -> Result<Link, PlanError> {
-        let mut args = vec!["plan".to_owned(), "--probe-link".to_owned()];
-        args.extend([
-            "--set".to_owned(),
-            format!("parallel.reproducible={}", self.base.parallel.reproducible),
-        ]);
-        let out = self.launch(2, per_node, &args)?;
-        out.lines()
-            .rev()
-            .find_map(|l| serde_json::from_str::<Link>(l.trim()).ok())
-            .ok_or_else(|| usage(format!("the link probe printed no measurement:\n{out}")))
-    }
-}
-
-impl Runner for Launched {
-    type Error = PlanError;
-
-    fn job(&mut self, trial: &Trial) -> Result<Job, PlanError> {
-        if trial.per_node == 0 {
-            return Err(usage("a launched layout needs its ranks per node"));
-        }
-        job_of(&self.base, trial)
-    }
-
-    fn network(&mut self) -> Result<Option<Network>, PlanError> {
-        Ok(Some(Network {
-            node: self.probe(1)?,
-            intra: self.probe(2)?,
-        }))
-    }
-
-    fn run(&mut self, job: &Job, steps: u64) -> Result<Measured, PlanError> {
-        let layout = job.layout.to_string().replace([' ', '/'], "_");
-        let name = format!("calibrate-{layout}");
-        let config = self.dir.join("job.toml");
-        if !config.is_file() {
-            std::fs::write(&config, self.base.to_toml())
-                .map_err(|e| usage(format!("cannot write {}: {e}", config.display())))?;
-        }
-        let fsdp = job.layout.shards_params();
-        let mut args = vec![
-            "train".to_owned(),
-            "--config".to_owned(),
-            config.display().to_string(),
-        ];
-        let run = [
-            format!("train.steps={steps}"),
-            "train.eval_every=0".to_owned(),
-            "train.eval_sequences=1".to_owned(),
-            "checkpoint.every=0".to_owned(),
-            format!("run.dir={:?}", self.dir.display().to_string()),
-            format!("run.name={name:?}"),
-            format!("run.trace_steps={}", if fsdp { steps } else { 0 }),
-        ];
-        let threads = format!("parallel.threads={}", job.threads);
-        let pinned = job.sets.iter().any(|s| s.starts_with("parallel.threads="));
-        for s in job
-            .sets
-            .iter()
-            .chain(&run)
-            .chain((!pinned).then_some(&threads))
-        {
-            args.extend(["--set".to_owned(), s.clone()]);
-        }
-        let per_node = job.per_node.min(job.layout.world());
-        self.launch(job.layout.world(), per_node, &args)
-            .map_err(|e| PlanError::Train {
-                layout: layout.clone(),
-                source: Box::new(TrainError::Backend(e.to_string())),
-            })?;
-        let folder = self.dir.join(&name);
-        let measured = read_launched(&folder, &self.base, steps);
-        let _ = std::fs::remove_dir_all(&folder);
-        measured.map_err(|e| usage(format!("{layout}: {e}")))
-    }
-}
-
-/// A launched run's figures from its folder.
-fn read_launched(folder: &Path, base: &Config, steps: u64) -> Result<Measured, String> {
-    let read = |f: &str| {
-        std::fs::read_to_string(folder.join(f))
-            .map_err(|e| format!("{}: {e}", folder.join(f).display()))
-    };
-    let tokens = (base.train.batch_size * base.model.block_size) as f64;
-    let mut step_s = Vec::new();
-    // the steps' records (evaluations and events have lines of their own)
-    for line in read("metrics.jsonl")?.lines() {
-        if let Ok(r) = serde_json::from_str::<weft_trace::MetricsRecord>(line) {
-            step_s.push(tokens / r.tokens_per_s);
-        }
-    }
-    let summary: weft_trace::Summary =
-        serde_json::from_str(&read("summary.json")?).map_err(|e| format!("summary.json: {e}"))?;
-    let m = summary.memory;
-    let memory = Memory {
-        params: m.params,
-        grads: m.grads,
-        optimizer: m.optimizer,
-        activations: m.activations,
-        buffers: m.comm,
-    };
-    let mut measured = Measured::of_run(&step_s, memory).ok_or("no step was timed")?;
-    if folder.join("trace.json").is_file() {
-        measured.fsdp = Some(fsdp_time(&read("trace.json")?, steps / 5)?);
-    }
-    Ok(measured)
-}
-
-/// FSDP's communication per step and rank in a `trace.json`: its
-/// collectives' spans in flight and the waits on them, the first `skip`
-/// steps not counted.
-fn fsdp_time(trace: &str, skip: u64) -> Result<FsdpTime, String> {
-    let v: serde_json::Value =
-        serde_json::from_str(trace).map_err(|e| format!("trace.json: {e}"))?;
-    let events = v
-        .get("traceEvents")
-        .and_then(serde_json::Value::as_array)
-        .ok_or("trace.json: no traceEvents")?;
-    let (mut comm, mut wait) = (0.0, 0.0);
-    let mut ranks = std::collections::BTreeSet::new();
-    let mut steps = std::collections::BTreeSet::new();
-    for e in events {
-        let field = |k: &str| e.get(k);
-        if field("ph").and_then(serde_json::Value::as_str) != Some("X")
-            || field("cat").and_then(serde_json::Value::as_str) != Some("fsdp.comm")
-        {
-            continue;
-        }
-        let step = e
-            .pointer("/args/step")
-            .and_then(serde_json::Value::as_u64)
-            .unwrap_or(0);
-        if step <= skip {
-            continue;
-        }
-        let dur = field("dur")
-            .and_then(serde_json::Value::as_f64)
-            .unwrap_or(0.0)
-            * 1e-6;
-        let name = field("name")
-            .and_then(serde_json::Value::as_str)
-            .unwrap_or("");
-        ranks.insert(
-            field("pid")
-                .and_then(serde_json::Value::as_u64)
-                .unwrap_or(0),
-        );
-        steps.insert(step);
-        if name.starts_with("wait") {
-            wait += dur;
-        } else if matches!(name, "all_gather" | "reduce_scatter") {
-            comm += dur;
-        }
-    }
-    let per = (ranks.len() * steps.len()).max(1) as f64;
-    Ok(FsdpTime {
-        comm_s: comm / per,
-        exposed_s: wait / per,
-    })
-}
-
 /// `weft plan --probe-link`: the link between the two ranks of this MPI
 /// job, as JSON on rank 0's standard output.
 ///
@@ -624,7 +406,7 @@ pub fn probe_link(reproducible: bool) -> Result<String, PlanError> {
 /// `weft plan --calibrate` of the job `base`: [`weft_plan::calibrate`]
 /// over [`calibrate::layouts`], each run [`Calibrator`]'s way; with a
 /// launcher `prefix`, over [`calibrate::node_layouts`] of `nodes` nodes,
-/// each run [`Launched`]'s way.
+/// each an MPI job ([`Launched`]).
 ///
 /// # Errors
 /// The job's or a layout's configuration; the planner's; a run's.
@@ -652,14 +434,20 @@ pub fn calibrate(
     };
     let dir = std::env::temp_dir().join(format!("weft-plan-calibrate-{}", std::process::id()));
     let cal = if let Some((prefix, _)) = launch {
+        let job_file = dir.join("job.toml");
         std::fs::create_dir_all(&dir)
-            .map_err(|e| usage(format!("cannot make {}: {e}", dir.display())))?;
+            .and_then(|()| std::fs::write(&job_file, base.to_toml()))
+            .map_err(|e| usage(format!("cannot write {}: {e}", job_file.display())))?;
         let mut runner = Launched {
-            base: base.clone(),
             prefix: prefix.to_owned(),
+            exe: std::env::current_exe().map_err(|e| usage(format!("this weft's path: {e}")))?,
+            job_file,
             dir: dir.clone(),
+            tokens_per_step: (base.train.batch_size * base.model.block_size) as f64,
+            reproducible: base.parallel.reproducible,
+            job: |t: &Trial| job_of(base, t).map_err(|e| weft_plan::Error::Launch(e.to_string())),
         };
-        calibrate::calibrate(&mut runner, &plan, say)
+        calibrate::calibrate(&mut runner, &plan, say).map_err(PlanError::from)
     } else {
         let mut runner = Calibrator {
             base: base.clone(),
