@@ -43,6 +43,36 @@ fn quoted(s: &str) -> String {
 }
 
 impl<J> Launched<J> {
+    /// A runner of this process's own binary under `prefix`, its job file
+    /// (`job_toml`) written into `dir`, which is made.
+    ///
+    /// # Errors
+    /// [`Error::Launch`] when the folder or the file cannot be written, or
+    /// this binary's path is unknown.
+    pub fn new(
+        prefix: &str,
+        dir: &Path,
+        job_toml: &str,
+        tokens_per_step: f64,
+        reproducible: bool,
+        job: J,
+    ) -> Result<Self> {
+        let job_file = dir.join("job.toml");
+        std::fs::create_dir_all(dir)
+            .and_then(|()| std::fs::write(&job_file, job_toml))
+            .map_err(|e| launch_error(format!("cannot write {}: {e}", job_file.display())))?;
+        Ok(Launched {
+            prefix: prefix.to_owned(),
+            exe: std::env::current_exe()
+                .map_err(|e| launch_error(format!("this binary's path: {e}")))?,
+            job_file,
+            dir: dir.to_owned(),
+            tokens_per_step,
+            reproducible,
+            job,
+        })
+    }
+
     /// Runs `args` of `exe` as `ranks` processes, `per_node` to a node and
     /// bound to no core (`--map-by ppr:P:node --bind-to none`: their pools
     /// share this machine's cores), under the prefix: its standard output.

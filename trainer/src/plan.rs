@@ -192,8 +192,8 @@ pub struct PlanArgs {
     pub launch: Option<String>,
     /// With `--launch`: the cluster's nodes (the crossover runs pure FSDP
     /// on 1, 2, 4 … of them).
-    #[arg(long, default_value_t = 2, requires = "launch")]
-    pub nodes: usize,
+    #[arg(long, default_value_t = 2, requires = "launch", value_parser = clap::value_parser!(u64).range(2..))]
+    pub nodes: u64,
     /// Print the link between the two ranks of this MPI job as JSON
     /// (what `--calibrate --launch` starts).
     #[arg(long, hide = true)]
@@ -396,8 +396,9 @@ pub fn probe_link(reproducible: bool) -> Result<String, PlanError> {
     let procs = crate::ranks::connect().map_err(|e| usage(e.to_string()))?;
     let link = weft_plan::machine::link_between(procs.world(), reproducible)
         .map_err(|e| usage(format!("measuring the link: {e}")))?;
+    let json = serde_json::to_string(&link).unwrap_or_default();
     Ok(if procs.rank() == 0 {
-        serde_json::to_string(&link).unwrap_or_default()
+        json
     } else {
         String::new()
     })
@@ -434,20 +435,12 @@ pub fn calibrate(
     };
     let dir = std::env::temp_dir().join(format!("weft-plan-calibrate-{}", std::process::id()));
     let cal = if let Some((prefix, _)) = launch {
-        let job_file = dir.join("job.toml");
-        std::fs::create_dir_all(&dir)
-            .and_then(|()| std::fs::write(&job_file, base.to_toml()))
-            .map_err(|e| usage(format!("cannot write {}: {e}", job_file.display())))?;
-        let mut runner = Launched {
-            prefix: prefix.to_owned(),
-            exe: std::env::current_exe().map_err(|e| usage(format!("this weft's path: {e}")))?,
-            job_file,
-            dir: dir.clone(),
-            tokens_per_step: (base.train.batch_size * base.model.block_size) as f64,
-            reproducible: base.parallel.reproducible,
-            job: |t: &Trial| job_of(base, t).map_err(|e| weft_plan::Error::Launch(e.to_string())),
-        };
-        calibrate::calibrate(&mut runner, &plan, say).map_err(PlanError::from)
+        let tokens = (base.train.batch_size * base.model.block_size) as f64;
+        let job = |t: &Trial| job_of(base, t).map_err(|e| weft_plan::Error::Launch(e.to_string()));
+        let (toml, exact) = (base.to_toml(), base.parallel.reproducible);
+        let r = Launched::new(prefix, &dir, &toml, tokens, exact, job);
+        r.and_then(|mut r| calibrate::calibrate(&mut r, &plan, say))
+            .map_err(PlanError::from)
     } else {
         let mut runner = Calibrator {
             base: base.clone(),
@@ -685,17 +678,11 @@ pub fn run(args: &PlanArgs, say: &mut dyn FnMut(&str)) -> Result<String, PlanErr
     }
     if args.calibrate {
         let base = Config::load(args.config.as_deref(), &args.sets)?;
-        if args.launch.is_some() && args.nodes < 2 {
-            return Err(usage(format!(
-                "--nodes {}: a cluster to calibrate on has 2 or more",
-                args.nodes
-            )));
-        }
         let cal = calibrate(
             &base,
             args.calibrate_steps.max(5),
             args.calibrate_rounds.max(1),
-            args.launch.as_deref().map(|p| (p, args.nodes)),
+            args.launch.as_deref().map(|p| (p, args.nodes as usize)),
             say,
         )?;
         if args.json {
