@@ -151,8 +151,9 @@ mod fsdp_choice {
 ///
 /// let layout = ParallelLayout { dp: 2, tp: 2, fsdp: Some(Strategy::Full), ..ParallelLayout::default() };
 /// let shape = ModelShape { layers: 4, heads: 4, kv_heads: 4, experts: 0, seq: 64 };
-/// let split = layout.check(&shape, 32, 0)?; // 32 sequences per step, micro-batch chosen
-/// assert_eq!((split.micro, split.per_rank), (16, 1));
+/// // 32 sequences of 64 tokens per step, micro-batches chosen: 512 tokens
+/// let split = layout.check(&shape, 32, 0)?;
+/// assert_eq!((split.micro, split.per_rank), (8, 2));
 /// assert_eq!(layout.world_size(), 4);
 /// let e = ParallelLayout { tp: 3, ..layout }.check(&shape, 32, 0).unwrap_err();
 /// assert!(e.to_string().starts_with("parallel.tp:"));
@@ -261,7 +262,56 @@ pub struct BatchSplit {
     pub global: usize,
     /// Micro-batches each data-parallel rank runs (and accumulates).
     pub per_rank: usize,
+    /// The micro-batch size was chosen (`micro_batch_size = 0`) from this
+    /// layout, because the layout-free default
+    /// ([`DEFAULT_MICRO_TOKENS`]) could not be shared by its
+    /// data-parallel ranks: a run of another layout is bitwise this one
+    /// only with `micro_batch_size` set to [`micro`](Self::micro).
+    pub by_layout: bool,
 }
+
+/// Tokens of a default micro-batch (`micro_batch_size = 0`): the largest
+/// divisor of the batch whose sequences hold at most this many tokens (at
+/// least one sequence), whatever the layout. A micro-batch's weight
+/// gradients sum over its tokens inside the products, so its size is
+/// part of a run's bits (the exact sums make every split of the batch
+/// over ranks bitwise equal only for one micro-batch size); a default
+/// that does not depend on the layout keeps runs that change only the
+/// layout bitwise equal. 512 tokens keep the products large enough on
+/// CPU ranks (the default job's step costs the same at 8 sequences of 64
+/// tokens as at 32).
+pub const DEFAULT_MICRO_TOKENS: usize = 512;
+
+impl BatchSplit {
+    /// The split for the start-up report: `4 micro-batches of 8
+    /// sequences (2 per data-parallel rank)`, and, chosen from the layout,
+    /// which setting makes another layout's run bitwise this one.
+    #[must_use]
+    pub fn describe(&self) -> String {
+        let s = |n: usize| if n == 1 { "" } else { "s" };
+        let mut d = format!(
+            "{} micro-batch{} of {} sequence{} ({} per data-parallel rank)",
+            self.global,
+            if self.global == 1 { "" } else { "es" },
+            self.micro,
+            s(self.micro),
+            self.per_rank
+        );
+        if self.by_layout {
+            d.push_str(&format!(
+                "; chosen from this layout, whose data-parallel ranks cannot share the default \
+                 micro-batches: another layout's run is bitwise this one with \
+                 train.micro_batch_size = {}",
+                self.micro
+            ));
+        }
+        d
+    }
+}
+
+/// The most micro-batches a step's batch may be cut into (a pipeline
+/// schedule holds an action per micro-batch and stage).
+pub const MAX_MICRO_BATCHES: usize = 1 << 20;
 
 /// The largest degree a layout takes on any axis, and the largest world
 /// (`dp · tp · pp`) it may make.
@@ -307,22 +357,35 @@ impl ParallelLayout {
         }
     }
 
-    /// How a global batch of `batch` sequences is cut: in micro-batches of
-    /// `micro_batch_size` sequences, or with 0 one chosen for the layout —
-    /// as many per data-parallel rank as there are pipeline stages (so
-    /// the pipeline has one micro-batch per stage in flight), else one
-    /// per rank.
+    /// How a global batch of `batch` sequences of `seq` tokens is cut: in
+    /// micro-batches of `micro_batch_size` sequences, or with 0 the
+    /// layout-free default ([`DEFAULT_MICRO_TOKENS`]); where its
+    /// micro-batches cannot be shared equally by the data-parallel ranks,
+    /// one chosen for the layout ([`BatchSplit::by_layout`]: as many per
+    /// data-parallel rank as there are pipeline stages, else one per rank).
     ///
     /// # Errors
     /// [`Error::Batch`] naming `batch_size` or `micro_batch_size` and the
     /// sizes and degrees that conflict, when the batch does not split.
-    pub fn batch_split(&self, batch: usize, micro_batch_size: usize) -> Result<BatchSplit> {
+    pub fn batch_split(
+        &self,
+        batch: usize,
+        micro_batch_size: usize,
+        seq: usize,
+    ) -> Result<BatchSplit> {
         let (dp, pp) = (self.dp.max(1), self.pp.max(1));
         let bad = |field, reason| Err(Error::Batch { field, reason });
         if batch == 0 {
             return bad("batch_size", "must be at least 1".into());
         }
+        let cap = (DEFAULT_MICRO_TOKENS / seq.max(1)).max(1);
+        let free = (1..=cap.min(batch))
+            .rev()
+            .find(|&d| batch.is_multiple_of(d))
+            .unwrap_or(1);
+        let by_layout = micro_batch_size == 0 && !(batch / free).is_multiple_of(dp);
         let micro = match micro_batch_size {
+            0 if !by_layout => free,
             0 if batch.is_multiple_of(dp * pp) => batch / (dp * pp),
             0 if batch.is_multiple_of(dp) => batch / dp,
             0 => {
@@ -342,6 +405,15 @@ impl ParallelLayout {
             );
         }
         let global = batch / micro;
+        if global > MAX_MICRO_BATCHES {
+            return bad(
+                "batch_size",
+                format!(
+                    "= {batch} sequences make {global} micro-batches of {micro} per step, more than \
+                     {MAX_MICRO_BATCHES}; use a smaller batch_size or a larger micro_batch_size"
+                ),
+            );
+        }
         if !global.is_multiple_of(dp) {
             return bad(
                 "micro_batch_size",
@@ -355,6 +427,7 @@ impl ParallelLayout {
             micro,
             global,
             per_rank: global / dp,
+            by_layout,
         })
     }
 
@@ -402,7 +475,7 @@ impl ParallelLayout {
                 ),
             );
         }
-        let split = self.batch_split(batch, micro_batch_size)?;
+        let split = self.batch_split(batch, micro_batch_size, shape.seq)?;
         if !shape.heads.is_multiple_of(self.tp) {
             return bad(
                 "tp",
@@ -572,24 +645,33 @@ mod tests {
 
     #[test]
     fn the_global_batch_splits_over_any_layout_by_default() {
-        let split = |l: ParallelLayout, micro| l.batch_split(32, micro).unwrap();
-        let s = |micro, global, per_rank| BatchSplit {
+        // 32 sequences of 64 tokens: micro-batches of 8 (512 tokens)
+        let split = |l: ParallelLayout, micro| l.batch_split(32, micro, 64).unwrap();
+        let s = |micro, global, per_rank, by_layout| BatchSplit {
             micro,
             global,
             per_rank,
+            by_layout,
         };
         let one = ParallelLayout::default();
-        assert_eq!(split(one, 0), s(32, 1, 1));
-        assert_eq!(split(ParallelLayout { dp: 2, ..one }, 0), s(16, 2, 1));
-        assert_eq!(split(ParallelLayout { pp: 2, ..one }, 0), s(16, 2, 2));
+        assert_eq!(split(one, 0), s(8, 4, 4, false));
+        // the same micro-batches on every layout they can be shared by
+        assert_eq!(split(ParallelLayout { dp: 2, ..one }, 0), s(8, 4, 2, false));
+        assert_eq!(split(ParallelLayout { pp: 2, ..one }, 0), s(8, 4, 4, false));
         let three = ParallelLayout {
             pp: 2,
             tp: 2,
             dp: 2,
             ..one
         };
-        assert_eq!(split(three, 0), s(8, 4, 2));
-        assert_eq!(split(ParallelLayout { dp: 2, ..one }, 4), s(4, 8, 4));
+        assert_eq!(split(three, 0), s(8, 4, 2, false));
+        assert_eq!(split(ParallelLayout { dp: 4, ..one }, 0), s(8, 4, 1, false));
+        // 8 ranks cannot share 4 micro-batches: chosen from the layout
+        assert_eq!(split(ParallelLayout { dp: 8, ..one }, 0), s(4, 8, 1, true));
+        assert_eq!(split(ParallelLayout { dp: 2, ..one }, 4), s(4, 8, 4, false));
+        // long sequences: one per micro-batch; short ones: the divisor
+        let b = |batch, seq| one.batch_split(batch, 0, seq).unwrap().micro;
+        assert_eq!((b(32, 1024), b(32, 256), b(12, 64), b(7, 64)), (1, 2, 6, 7));
         assert_eq!(field(ParallelLayout { dp: 3, ..one }, 32, 0), "batch_size");
         assert_eq!(
             field(ParallelLayout { dp: 4, ..one }, 32, 16),

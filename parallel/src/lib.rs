@@ -102,7 +102,10 @@ mod optim;
 mod placement;
 mod reduce;
 
-pub use config::{BatchSplit, MAX_DEGREE, ModelShape, ParallelLayout, Strategy};
+pub use config::{
+    BatchSplit, DEFAULT_MICRO_TOKENS, MAX_DEGREE, MAX_MICRO_BATCHES, ModelShape, ParallelLayout,
+    Strategy,
+};
 pub use error::{Error, Result};
 pub use gather::{extract, gather_whole};
 pub use layout::{LayoutBuilder, ParamLayout, ParamSpec};

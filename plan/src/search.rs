@@ -239,6 +239,20 @@ pub fn search(req: &Request, c: &Constraints) -> Result<Vec<Prediction>> {
         });
     }
     if layouts.is_empty() {
+        let largest = c
+            .micro_batch_size
+            .unwrap_or(c.max_micro_batch.unwrap_or(64))
+            .max(1);
+        if req.batch / largest > weft_parallel::MAX_MICRO_BATCHES {
+            return Err(Error::InvalidRequest {
+                field: "global_batch",
+                reason: format!(
+                    "{} sequences in micro-batches of at most {largest} make more than {} micro-batches per step",
+                    req.batch,
+                    weft_parallel::MAX_MICRO_BATCHES
+                ),
+            });
+        }
         if c.is_single() {
             // say why the pinned layout is refused
             let l = Layout {

@@ -109,8 +109,9 @@ pub struct TrainConfig {
     /// Sequences per optimizer step: the global batch, whatever the
     /// layout.
     pub batch_size: usize,
-    /// Sequences per micro-batch (0: chosen from the layout, see
-    /// [`Config::batch_split`]); gradient accumulation follows.
+    /// Sequences per micro-batch (0: micro-batches of at most 512 tokens
+    /// whatever the layout, see [`Config::batch_split`]); gradient
+    /// accumulation follows.
     pub micro_batch_size: usize,
     /// Seed of initialization and data order.
     pub seed: u64,
@@ -574,7 +575,11 @@ impl Config {
     /// `train.micro_batch_size` when the batch does not split.
     pub fn batch_split(&self) -> Result<BatchSplit, ConfigError> {
         self.parallel
-            .batch_split(self.train.batch_size, self.train.micro_batch_size)
+            .batch_split(
+                self.train.batch_size,
+                self.train.micro_batch_size,
+                self.model.block_size,
+            )
             .map_err(library_error)
     }
 

@@ -112,8 +112,9 @@ impl Observer for Terminal {
             si(info.activation_bytes as f64).trim()
         ));
         say(&format!(
-            "work            {} tokens/step, {}FLOP/token (6N + attention), {} steps",
+            "work            {} tokens/step in {}, {}FLOP/token (6N + attention), {} steps",
             info.tokens_per_step,
+            info.micro_batches,
             si(info.flops_per_token),
             info.steps
         ));

@@ -210,6 +210,8 @@ pub struct RunInfo {
     pub vocab: usize,
     /// Tokens per optimizer step.
     pub tokens_per_step: usize,
+    /// How the step's batch is cut ([`weft_parallel::BatchSplit::describe`]).
+    pub micro_batches: String,
     /// Training FLOPs per token: 6·N for the matmuls (N: the parameters a
     /// token is multiplied by — not the position table, and only the k of E
     /// routed experts) plus 6·L·T·Cq for causal attention (forward and

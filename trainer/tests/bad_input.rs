@@ -261,6 +261,16 @@ const CASES: &[(&[&str], &str)] = &[
     ),
     (
         &["train", "--set", "train.batch_size=1000000000"],
+        "125000000 micro-batches of 8 per step",
+    ),
+    (
+        &[
+            "train",
+            "--set",
+            "train.batch_size=1000000000",
+            "--set",
+            "train.micro_batch_size=1000000000",
+        ],
         "this machine has",
     ),
     (
@@ -334,7 +344,7 @@ const CASES: &[(&[&str], &str)] = &[
             "--global-batch",
             "9223372036854775808",
         ],
-        "passes in all, more than the search's bound of 33554432",
+        "make more than 1048576 micro-batches per step",
     ),
     (
         &[

@@ -157,16 +157,20 @@ fn the_global_batch_splits_over_any_layout_by_default() {
         let sets: Vec<String> = sets.iter().map(|s| (*s).to_owned()).collect();
         Config::load(None, &sets).map(|c| c.batch_split().unwrap())
     };
-    let s = |micro, global, per_rank| BatchSplit {
+    let s = |micro, global, per_rank, by_layout| BatchSplit {
         micro,
         global,
         per_rank,
+        by_layout,
     };
-    assert_eq!(split(&[]).unwrap(), s(32, 1, 1));
+    // 32 sequences of 64 tokens: micro-batches of 512 tokens on any
+    // layout that can share them
+    assert_eq!(split(&[]).unwrap(), s(8, 4, 4, false));
     assert_eq!(
         split(&["parallel.pp=2", "parallel.tp=2", "parallel.dp=2"]).unwrap(),
-        s(8, 4, 2)
+        s(8, 4, 2, false)
     );
+    assert_eq!(split(&["parallel.dp=8"]).unwrap(), s(4, 8, 1, true));
     let e = split(&["parallel.dp=3"]).unwrap_err().to_string();
     assert!(
         e.contains("key `train.batch_size`") && e.contains("dp = 3"),

@@ -59,6 +59,10 @@ impl<M: TrainModel> Built<M> {
             params: layout.len(),
             vocab: model_config(config, job.data.vocab_size()).vocab_size,
             tokens_per_step: t.batch_size * config.model.block_size,
+            micro_batches: config
+                .batch_split()
+                .map(|b| b.describe())
+                .unwrap_or_default(),
             flops_per_token: flops_per_token(config, layout),
             peak_flops: r.peak,
             peak_source: r.peak_source.clone(),
