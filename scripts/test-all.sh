@@ -7,10 +7,11 @@
 # install step checks first. Uses a shared cargo target dir outside the clone
 # (override with CARGO_TARGET_DIR) so repeated runs and fresh clones reuse
 # earlier builds. Exits non-zero if any step fails; the last line is
-# "summary: N passed, M failed, K skipped", where N and M count the tests
-# run by cargo and M also counts each failed step (a failed fmt, clippy or
-# doc check counts as one failure); a test that prints a line starting
-# `SKIPPED:` counts as skipped, not passed.
+# "summary: N passed, M failed, K skipped", where N and M count the
+# distinct tests run by cargo (one run by several steps counts once; the
+# line before gives the runs) and M also counts each failed step (a failed
+# fmt, clippy or doc check counts as one failure); a test that prints a
+# line starting `SKIPPED:` counts as skipped, not passed.
 set -uo pipefail
 
 cd "$(dirname "$0")/.."
@@ -144,15 +145,14 @@ if [ -n "$left" ]; then
 fi
 
 # ----------------------------------------------------------------- summary
-passed=0
-failed=0
-while read -r p f; do
-    passed=$((passed + p))
-    failed=$((failed + f))
-done < <(cat "$log_dir"/*.log | sed -nE 's/^test result: [A-Za-z]+\. ([0-9]+) passed; ([0-9]+) failed.*/\1 \2/p')
+# Distinct tests (scripts/count-tests.awk): a crate the steps test again
+# (the SIMD baseline, other features) counts once; a test that fails in
+# any run is a failure. The runs are counted beside them.
+read -r passed failed runs < <(cat "$log_dir"/*.log | awk -f scripts/count-tests.awk)
 failed=$((failed + ${#failed_steps[@]}))
 # a test that printed SKIPPED ran nothing it names: a skip, not a pass
-skipped=$(cat "$log_dir"/*.log | grep -c '^SKIPPED:' || true)
+# (each distinct message once, as its test)
+skipped=$(cat "$log_dir"/*.log | grep '^SKIPPED:' | sort -u | wc -l)
 passed=$((passed - skipped))
 
 say "done"
@@ -161,7 +161,8 @@ if [ ${#failed_steps[@]} -gt 0 ]; then
 fi
 if [ "$skipped" -gt 0 ]; then
     echo "skipped:"
-    cat "$log_dir"/*.log | grep '^SKIPPED:' | sed 's/^/  /'
+    cat "$log_dir"/*.log | grep '^SKIPPED:' | sort -u | sed 's/^/  /'
 fi
+echo "test runs: $runs over every step (tests run in more than one step count once below)"
 echo "summary: $passed passed, $failed failed, $skipped skipped"
 [ "$failed" -eq 0 ]

@@ -57,3 +57,41 @@ fn trainer_checkpoint_exports_to_a_loadable_hf_model() {
     );
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// `scripts/count-tests.awk` (the test command's summary) counts distinct
+/// tests: a binary run again (the SIMD baseline, other features: another
+/// hash) counts once, a test that fails in any run is a failure, a binary
+/// without libtest's per-test lines counts its `test result` line, and
+/// doc-tests are named by their crate.
+#[test]
+fn the_test_summary_counts_distinct_tests() {
+    let log = "\
+     Running unittests src/lib.rs (/t/debug/deps/weft_numerics-0123abcd)
+test a::one ... ok
+test a::two ... ok
+test a::three ... ignored
+test result: ok. 2 passed; 0 failed; 1 ignored
+     Running unittests src/lib.rs (/t/debug/deps/weft_numerics-4567ef01)
+test a::one ... ok
+test a::two ... FAILED
+test result: FAILED. 1 passed; 1 failed; 0 ignored
+     Running tests/mpi.rs (/t/debug/deps/mpi-89abcdef)
+mpi tests: 997 checks passed on each of 4 ranks in 7.1s
+test result: ok. 3 passed; 0 failed; 0 ignored
+   Doc-tests weft_numerics
+test numerics/src/lib.rs - (line 10) ... ok
+test result: ok. 1 passed; 0 failed; 0 ignored
+";
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../scripts/count-tests.awk");
+    let mut child = std::process::Command::new("awk")
+        .args(["-f", script])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("awk runs");
+    std::io::Write::write_all(child.stdin.as_mut().unwrap(), log.as_bytes()).unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(out.status.success());
+    // passed: a::one, mpi #1-#3, the doc-test; failed: a::two; runs: 8
+    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "5 1 8");
+}
