@@ -360,9 +360,10 @@ impl ParallelLayout {
     /// How a global batch of `batch` sequences of `seq` tokens is cut: in
     /// micro-batches of `micro_batch_size` sequences, or with 0 the
     /// layout-free default ([`DEFAULT_MICRO_TOKENS`]); where its
-    /// micro-batches cannot be shared equally by the data-parallel ranks,
-    /// one chosen for the layout ([`BatchSplit::by_layout`]: as many per
-    /// data-parallel rank as there are pipeline stages, else one per rank).
+    /// micro-batches cannot be shared equally by the data-parallel ranks
+    /// (or, for the interleaved schedule, in multiples of `pp`), one chosen
+    /// for the layout ([`BatchSplit::by_layout`]: as many per data-parallel
+    /// rank as there are pipeline stages, else one per rank).
     ///
     /// # Errors
     /// [`Error::Batch`] naming `batch_size` or `micro_batch_size` and the
@@ -383,7 +384,14 @@ impl ParallelLayout {
             .rev()
             .find(|&d| batch.is_multiple_of(d))
             .unwrap_or(1);
-        let by_layout = micro_batch_size == 0 && !(batch / free).is_multiple_of(dp);
+        // shared equally by the data-parallel ranks, and for the
+        // interleaved schedule a multiple of pp on each
+        let per_rank = batch / free / dp;
+        let fits = (batch / free).is_multiple_of(dp)
+            && (pp == 1
+                || self.pp_schedule != ScheduleKind::Interleaved
+                || per_rank.is_multiple_of(pp) && per_rank > 0);
+        let by_layout = micro_batch_size == 0 && !fits;
         let micro = match micro_batch_size {
             0 if !by_layout => free,
             0 if batch.is_multiple_of(dp * pp) => batch / (dp * pp),

@@ -80,6 +80,55 @@ fn data_parallel_is_bitwise_the_single_rank_run() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// On defaults (`train.micro_batch_size = 0`) the micro-batches do not
+/// depend on the layout, so changing only the layout changes no bit: one
+/// rank, dp 2, and pp 3 × dp 2 with full sharding (the cases) are
+/// bitwise equal; where the data-parallel ranks cannot share the default
+/// micro-batches (dp 4 of 2), the start-up report names the setting to pin.
+#[test]
+fn layouts_on_default_micro_batches_are_bitwise_the_single_rank_run() {
+    let dir = tmp("default-micro");
+    // 16 sequences of 64 tokens: default micro-batches of 8 (512 tokens)
+    let defaults = [
+        "train.micro_batch_size=0",
+        "model.n_layer=3",
+        "model.block_size=64",
+        "train.batch_size=16",
+        "train.steps=3",
+    ];
+    let run = |name: &str, layout: &[&str]| {
+        let sets: Vec<&str> = defaults.iter().chain(layout).copied().collect();
+        let mut info = Info::default();
+        let s = train(&config(&dir, name, &sets), false, &mut info).unwrap();
+        (trace(&s.run_dir), info.0.unwrap().micro_batches)
+    };
+    let (one, split) = run("one", &[]);
+    assert_eq!(
+        split,
+        "2 micro-batches of 8 sequences (2 per data-parallel rank)"
+    );
+    for (name, layout) in [
+        ("dp2", &["parallel.dp=2"][..]),
+        (
+            "pp3dp2",
+            &["parallel.pp=3", "parallel.dp=2", "parallel.fsdp=\"full\""],
+        ),
+    ] {
+        let (got, split) = run(name, layout);
+        assert_eq!(got, one, "{name} on defaults");
+        assert!(
+            split.starts_with("2 micro-batches of 8 sequences"),
+            "{split}"
+        );
+    }
+    let (_, split) = run("dp4", &["parallel.dp=4"]);
+    assert!(
+        split.contains("chosen from this layout") && split.contains("train.micro_batch_size = 4"),
+        "{split}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 #[test]
 fn data_parallel_moe_balances_on_the_global_batch() {
     let dir = tmp("moe");
