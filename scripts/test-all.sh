@@ -129,9 +129,14 @@ step test-mpi env OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 \
 step viz-e2e bash viz-web/e2e.sh
 # The numerics, kernels and collectives tests, and the model's bitwise ones, on the
 # baseline (non-AVX) code paths the run-time dispatch would pick on an
-# older CPU; the binaries are already built.
+# older CPU (every AVX-512 path obeys WEFT_SIMD); the binaries are already
+# built.
 step test-simd-baseline env WEFT_SIMD=baseline cargo test -p weft-numerics -p weft-kernels -p weft-collectives --locked
 step test-simd-baseline-model env WEFT_SIMD=baseline cargo test -p weft-model --locked -- bitwise
+# ... and the layout matrix, the pipeline schedules and the documentation's
+# examples on them (their test names do not say "bitwise")
+step test-simd-baseline-layouts env WEFT_SIMD=baseline cargo test -p weft-model --locked \
+    --test compose --test pipeline --test docs
 
 # ------------------------------------------------- nothing left running
 # Every process the steps started (weft, the examples, test binaries: all
@@ -162,6 +167,11 @@ fi
 if [ "$skipped" -gt 0 ]; then
     echo "skipped:"
     cat "$log_dir"/*.log | grep '^SKIPPED:' | sort -u | sed 's/^/  /'
+fi
+# code paths this machine could not test (a CPU feature it lacks)
+if grep -q '^UNTESTED:' "$log_dir"/*.log; then
+    echo "not tested on this machine:"
+    cat "$log_dir"/*.log | grep '^UNTESTED:' | sort -u | sed 's/^UNTESTED: /  /'
 fi
 echo "test runs: $runs over every step (tests run in more than one step count once below)"
 echo "summary: $passed passed, $failed failed, $skipped skipped"

@@ -326,7 +326,9 @@ fn as_instruction_rounds(x: f32) -> bf16 {
 /// `d = s` rounded to bf16: `vcvtneps2bf16` where the CPU has it.
 fn round_row(d: &mut [bf16], s: &[f32]) {
     #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx512bf16") {
+    if weft_numerics::simd::level() == weft_numerics::simd::Level::Avx512
+        && std::arch::is_x86_feature_detected!("avx512bf16")
+    {
         // SAFETY: the CPU has AVX512-BF16 (checked just above).
         unsafe { x86::round(d, s) };
         return;
@@ -2119,6 +2121,28 @@ mod tests {
         }
     }
 
+    /// Prints (past the harness's capture) each bf16 path this machine
+    /// cannot test — the CPU lacks it, or `WEFT_SIMD` caps it — as a line
+    /// `UNTESTED: ...`, which the test command lists.
+    fn untested_paths() {
+        let have = available_paths();
+        for (path, needs) in [
+            (Bf16Path::Amx, "AMX-BF16 with the OS's tile state"),
+            (
+                Bf16Path::Avx512Bf16,
+                "AVX512-BF16 (and WEFT_SIMD not below avx512)",
+            ),
+        ] {
+            if !have.contains(&path) {
+                let line = format!(
+                    "UNTESTED: the {} bf16 GEMM path: this machine lacks {needs}\n",
+                    path.name()
+                );
+                let _ = std::io::Write::write_all(&mut std::io::stderr(), line.as_bytes());
+            }
+        }
+    }
+
     #[test]
     fn every_layout_and_remainder_matches_an_f64_reference() {
         // remainders of MR (8), NR (32) and the pair (odd k), k past one
@@ -2138,6 +2162,7 @@ mod tests {
             (9, 1100, 40),
             (70, 600, 100),
         ];
+        untested_paths();
         for path in available_paths() {
             for (s, &(m, n, k)) in shapes.iter().enumerate() {
                 for (a_t, b_t) in [(false, false), (false, true), (true, false), (true, true)] {

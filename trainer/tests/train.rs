@@ -454,7 +454,13 @@ fn sizes_no_machine_has_are_refused_before_anything_is_allocated() {
         "model.n_embd",
     );
     // the layout's prediction: activations
-    run(&|c| c.train.batch_size = 1 << 30, "train.micro_batch_size");
+    run(
+        &|c| {
+            c.train.batch_size = 1 << 30;
+            c.train.micro_batch_size = 1 << 30;
+        },
+        "train.micro_batch_size",
+    );
     run(&|c| c.model.block_size = 100_000_000, "model.block_size");
 }
 

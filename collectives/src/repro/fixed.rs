@@ -350,6 +350,7 @@ multiversion! {
             && pow2
             && T::DTYPE == weft_numerics::Dtype::F32
             && size_of::<T>() == 4
+            && weft_numerics::simd::level() == weft_numerics::simd::Level::Avx512
             && std::arch::is_x86_feature_detected!("avx512f");
         for (k, blk) in io.chunks_mut(BLOCK).enumerate() {
             let (start, bl) = (k * BLOCK, blk.len());
@@ -689,6 +690,7 @@ multiversion! {
         let merge_lanes = lanes_dtype
             && T::DTYPE == weft_numerics::Dtype::F32
             && size_of::<T>() == 4
+            && weft_numerics::simd::level() == weft_numerics::simd::Level::Avx512
             && std::arch::is_x86_feature_detected!("avx512f")
             && std::arch::is_x86_feature_detected!("avx512dq")
             && std::arch::is_x86_feature_detected!("avx512vl");
