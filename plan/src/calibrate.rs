@@ -154,12 +154,15 @@ pub struct Network {
     pub intra: Link,
     /// Between two nodes, one rank on each: the node's whole link.
     pub node: Link,
+    /// Seconds of the whole machine's cores per byte sent between the
+    /// two nodes, measured while `node` was ([`Cluster::network_cpu`](crate::cluster::Cluster::network_cpu)).
+    pub cpu_per_byte: f64,
 }
 
 impl Network {
     /// The best of several measurements: the highest bandwidths, the
-    /// median latencies (differences of timings, which noise moves either
-    /// way). `None` when `nets` is empty.
+    /// median latencies and cost to the cores (differences of timings and
+    /// counts, which noise moves either way). `None` when `nets` is empty.
     #[must_use]
     pub fn best(nets: &[Network]) -> Option<Network> {
         let median = |mut v: Vec<f64>| {
@@ -176,6 +179,7 @@ impl Network {
         Some(Network {
             intra: best(|n| n.intra),
             node: best(|n| n.node),
+            cpu_per_byte: median(nets.iter().map(|n| n.cpu_per_byte).collect()),
         })
     }
 }
@@ -495,9 +499,10 @@ pub fn calibrate<R: Runner>(
         ));
         if let Some(net) = runner.network()? {
             say(&format!(
-                "calibrate     round {round}/{rounds}: links: between nodes {:.1} MB/s + {:.0} µs, in a node {:.1} MB/s + {:.0} µs",
+                "calibrate     round {round}/{rounds}: links: between nodes {:.1} MB/s + {:.0} µs ({:.1} ns of the machine a byte), in a node {:.1} MB/s + {:.0} µs",
                 net.node.bandwidth / 1e6,
                 net.node.latency * 1e6,
+                net.cpu_per_byte * 1e9,
                 net.intra.bandwidth / 1e6,
                 net.intra.latency * 1e6
             ));
@@ -546,8 +551,11 @@ pub fn calibrate<R: Runner>(
             let exposed = measured.fsdp.map_or(0.0, |f| f.exposed_s);
             crossover.push(CrossoverRow {
                 nodes: j.layout.world(),
-                predicted_compute_s: predicted.step_s - predicted.time.dp_exposed,
-                predicted_exposed_s: predicted.time.dp_exposed,
+                // the cores' part of the network slows the compute: a
+                // trace counts it there
+                predicted_compute_s: predicted.step_s - predicted.time.dp_exposed
+                    + predicted.time.dp_cores,
+                predicted_exposed_s: predicted.time.dp_exposed - predicted.time.dp_cores,
                 measured_compute_s: measured.step_s - exposed,
                 measured_exposed_s: exposed,
             });
@@ -626,9 +634,11 @@ pub fn table(cal: &Calibration) -> String {
             .join(", "),
         cal.network.map_or_else(String::new, |n| format!(
             "links of the cluster of nodes (best of every round; ranks on nodes share this machine's cores): \
-             between two nodes {:.1} MB/s + {:.0} µs, between two ranks of a node {:.1} MB/s + {:.0} µs\n\n",
+             between two nodes {:.1} MB/s + {:.0} µs, each byte between nodes {:.2} ns of the machine's cores; \
+             between two ranks of a node {:.1} MB/s + {:.0} µs\n\n",
             n.node.bandwidth / 1e6,
             n.node.latency * 1e6,
+            n.cpu_per_byte * 1e9,
             n.intra.bandwidth / 1e6,
             n.intra.latency * 1e6
         )),
@@ -718,10 +728,11 @@ mod tests {
     }
 
     /// The network's best takes the highest bandwidth and the median
-    /// latency of each link.
+    /// latency of each link, and the median cost to the cores.
     #[test]
     fn network_best_takes_bandwidth_s_best_and_latency_s_median() {
         let net = |b: f64, a: f64| Network {
+            cpu_per_byte: a * 1e-9,
             intra: Link {
                 bandwidth: 10.0 * b,
                 latency: a,
@@ -736,6 +747,7 @@ mod tests {
         assert_eq!(best.intra.bandwidth, 30.0);
         assert_eq!(best.node.latency, 10.0);
         assert_eq!(best.intra.latency, 5.0);
+        assert_eq!(best.cpu_per_byte, 5e-9);
         assert!(Network::best(&[]).is_none());
     }
 }

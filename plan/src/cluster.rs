@@ -13,6 +13,7 @@
 //! memory_gib = 80              # per GPU
 //! memory_bandwidth_gbs = 3350  # per GPU, GB/s
 //! launch_overhead_us = 4       # fixed cost of each kernel launch
+//! network_cpu_ns_per_byte = 0  # CPU nodes of one machine: the cores' time per byte between nodes
 //! [peak_tflops]                # dense, per GPU
 //! fp32 = 67
 //! bf16 = 989
@@ -156,6 +157,12 @@ pub struct Cluster {
     pub efficiency: Efficiency,
     /// GPUs, or CPU ranks.
     pub device: Device,
+    /// Seconds of the whole machine's cores each byte sent between nodes
+    /// takes ([`Device::CpuNodes`]: the nodes' network is software on the
+    /// cores that compute, the kernel's TCP over virtual links, and the
+    /// MPI library's copies and polls); 0 where a NIC moves the bytes.
+    #[serde(default)]
+    pub network_cpu: f64,
 }
 
 const GB: f64 = 1e9;
@@ -203,6 +210,7 @@ impl Cluster {
             },
             efficiency: Efficiency::GPU,
             device: Device::Gpu,
+            network_cpu: 0.0,
         };
         let a100 = Peak {
             fp32: 19.5 * TFLOPS,
@@ -308,6 +316,7 @@ impl Cluster {
         }
         for (key, v) in [
             ("launch_overhead_us", self.launch_overhead),
+            ("network_cpu_ns_per_byte", self.network_cpu),
             ("intra_node.latency_us", self.intra.latency),
             ("inter_node.latency_us", self.inter.latency),
         ] {
@@ -480,6 +489,11 @@ impl Cluster {
                     .unwrap_or(Efficiency::GPU.link),
             },
             device: file.device.or(b.map(|c| c.device)).unwrap_or_default(),
+            network_cpu: file
+                .network_cpu_ns_per_byte
+                .map(|v| v * 1e-9)
+                .or(b.map(|c| c.network_cpu))
+                .unwrap_or(0.0),
         };
         // a range error points at the key's line when the file has it
         cluster.validate_from(&at(None)).map_err(|e| match e {
@@ -513,6 +527,7 @@ impl Cluster {
             memory_bandwidth_gbs: Some(self.memory_bandwidth / GB),
             launch_overhead_us: Some(self.launch_overhead / US),
             device: Some(self.device),
+            network_cpu_ns_per_byte: (self.network_cpu != 0.0).then_some(self.network_cpu * 1e9),
             peak_tflops: Some(PeakFile {
                 fp32: Some(self.peak.fp32 / TFLOPS),
                 bf16: Some(self.peak.bf16 / TFLOPS),
@@ -577,6 +592,8 @@ struct ClusterFile {
     memory_bandwidth_gbs: Option<f64>,
     launch_overhead_us: Option<f64>,
     device: Option<Device>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    network_cpu_ns_per_byte: Option<f64>,
     peak_tflops: Option<PeakFile>,
     intra_node: Option<LinkFile>,
     inter_node: Option<LinkFile>,

@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
 use crate::calibrate::{FsdpTime, Job, Measured, Network, Runner, Trial};
-use crate::cluster::Link;
+use crate::machine::LinkCost;
 use crate::memory::Memory;
 use crate::{Error, Result};
 
@@ -104,7 +104,7 @@ impl<J> Launched<J> {
     }
 
     /// The link between two ranks placed `per_node` to a node.
-    fn probe(&self, per_node: usize) -> Result<Link> {
+    fn probe(&self, per_node: usize) -> Result<LinkCost> {
         let args = [
             "plan".to_owned(),
             "--probe-link".to_owned(),
@@ -114,7 +114,7 @@ impl<J> Launched<J> {
         let out = self.launch(2, per_node, &args)?;
         out.lines()
             .rev()
-            .find_map(|l| serde_json::from_str::<Link>(l.trim()).ok())
+            .find_map(|l| serde_json::from_str::<LinkCost>(l.trim()).ok())
             .ok_or_else(|| launch_error(format!("the link probe printed no measurement:\n{out}")))
     }
 }
@@ -130,9 +130,11 @@ impl<J: FnMut(&Trial) -> Result<Job>> Runner for Launched<J> {
     }
 
     fn network(&mut self) -> Result<Option<Network>> {
+        let node = self.probe(1)?;
         Ok(Some(Network {
-            node: self.probe(1)?,
-            intra: self.probe(2)?,
+            node: node.link,
+            cpu_per_byte: node.cpu_per_byte,
+            intra: self.probe(2)?.link,
         }))
     }
 

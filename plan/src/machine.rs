@@ -19,7 +19,7 @@
 
 use std::time::Instant;
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::cluster::{Cluster, Device, Efficiency, Link, Peak, Precision};
 use crate::model::ModelSpec;
@@ -218,7 +218,11 @@ const LINK_BIG: usize = 2 << 20;
 /// Elements of the small one (1 KiB).
 const LINK_TINY: usize = 256;
 
-/// The fastest of 10 all-reduces of `len` `f32`s, each after a barrier.
+/// All-reduces a link's measurement times back to back.
+const BACK_TO_BACK: usize = 10;
+
+/// The fastest of [`BACK_TO_BACK`] all-reduces of `len` `f32`s, each after
+/// a barrier.
 fn back_to_back(
     comm: &(impl weft_collectives::Communicator + ?Sized),
     len: usize,
@@ -227,7 +231,7 @@ fn back_to_back(
     use weft_collectives::CommunicatorExt;
     let mut buf = vec![1e-3f32; len];
     let mut best = f64::INFINITY;
-    for _ in 0..10 {
+    for _ in 0..BACK_TO_BACK {
         comm.barrier()?;
         let t = Instant::now();
         comm.all_reduce_with(&mut buf, opts)?;
@@ -236,20 +240,64 @@ fn back_to_back(
     Ok(best)
 }
 
+/// A link as two ranks' all-reduce meets it, and what its bytes cost the
+/// cores of the machine both ranks run on ([`link_between`]).
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct LinkCost {
+    /// α and β.
+    pub link: Link,
+    /// Seconds of the whole machine's cores per byte sent over the link:
+    /// what moving it takes from compute on nodes that share one machine
+    /// ([`Cluster::network_cpu`]).
+    pub cpu_per_byte: f64,
+}
+
+/// Products a rank's pool of `threads` completes per second, on its own
+/// thread, until `stop` (or for `alone` seconds when `stop` is `None`).
+fn product_rate(threads: usize, stop: Option<&std::sync::atomic::AtomicBool>, alone: f64) -> f64 {
+    use std::sync::atomic::Ordering;
+    const SHAPE: (usize, usize, usize) = (128, 128, 128);
+    let Ok(pool) = rayon::ThreadPoolBuilder::new().num_threads(threads).build() else {
+        return 0.0;
+    };
+    let (m, k, n) = SHAPE;
+    let (a, w, mut out) = (vec![0.5f32; m * k], vec![0.25f32; k * n], vec![0f32; m * n]);
+    let start = Instant::now();
+    let mut done = 0usize;
+    loop {
+        pool.install(|| product(&mut out, &a, &w, SHAPE));
+        done += 1;
+        let over = match stop {
+            Some(s) => s.load(Ordering::Relaxed),
+            None => start.elapsed().as_secs_f64() >= alone,
+        };
+        if over {
+            return done as f64 / start.elapsed().as_secs_f64();
+        }
+    }
+}
+
 /// The link between the two ranks of `comm` (of any backend: MPI
 /// processes on two nodes, say) as its all-reduce meets it: β from 8 MiB
 /// all-reduces back to back less 1 KiB ones (two ranks: `2α + S/β`, so
 /// the difference is the transfer alone), α from the 1 KiB ones (half
-/// their time). `reproducible`: in weft's exact sums. Every rank must
-/// call it; each returns its own timing.
+/// their time); and what the bytes take from compute on the machine's
+/// cores: each rank's products (a pool of half the cores, so the two
+/// ranks fill the machine) run alone, then beside the 8 MiB all-reduces
+/// again; the share of their rate lost, over the all-reduces' time and
+/// the bytes both ranks sent (each `S` an all-reduce), is
+/// [`LinkCost::cpu_per_byte`] (on ranks of one machine: the kernel's
+/// network stack, the MPI library's copies and its waits' polls).
+/// `reproducible`: in weft's exact sums. Every rank must call it; each
+/// returns its own timing.
 ///
 /// # Errors
 /// A collective's failure, or `comm` not of two ranks.
 pub fn link_between(
     comm: &(impl weft_collectives::Communicator + ?Sized),
     reproducible: bool,
-) -> weft_collectives::Result<Link> {
-    use weft_collectives::{ReduceOp, ReduceOptions};
+) -> weft_collectives::Result<LinkCost> {
+    use weft_collectives::{CommunicatorExt, ReduceOp, ReduceOptions};
     if comm.size() != 2 {
         return Err(weft_collectives::Error::InvalidArgument {
             op: weft_collectives::OpKind::AllReduce,
@@ -260,9 +308,32 @@ pub fn link_between(
     let opts = ReduceOptions::new(ReduceOp::Sum).reproducible(reproducible);
     let big = back_to_back(comm, LINK_BIG, &opts)?;
     let tiny = back_to_back(comm, LINK_TINY, &opts)?;
-    Ok(Link {
-        bandwidth: 4.0 * LINK_BIG as f64 / (big - tiny).max(1e-9),
-        latency: tiny / 2.0,
+    // the products alone, both ranks at once, then beside the transfers
+    let threads = (cores() / 2).max(1);
+    comm.barrier()?;
+    let alone = product_rate(threads, None, 0.5);
+    comm.barrier()?;
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    let (beside, seconds) = std::thread::scope(|s| {
+        let rate = s.spawn(|| product_rate(threads, Some(&stop), 0.0));
+        let t = Instant::now();
+        let r = back_to_back(comm, LINK_BIG, &opts);
+        let seconds = t.elapsed().as_secs_f64();
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        let beside = rate.join().unwrap_or(0.0);
+        r.map(|_| (beside, seconds))
+    })?;
+    // both ranks' loss: their mean share of the machine's cores
+    let mut lost = [((1.0 - beside / alone.max(1e-9)).max(0.0) * seconds) as f32];
+    comm.all_reduce_with(&mut lost, &ReduceOptions::new(ReduceOp::Sum))?;
+    let sent = (BACK_TO_BACK * 2 * 4 * LINK_BIG) as f64;
+    let cpu_per_byte = f64::from(lost[0]) / 2.0 / sent;
+    Ok(LinkCost {
+        link: Link {
+            bandwidth: 4.0 * LINK_BIG as f64 / (big - tiny).max(1e-9),
+            latency: tiny / 2.0,
+        },
+        cpu_per_byte,
     })
 }
 
@@ -487,6 +558,7 @@ impl MachineProfile {
                 link: 1.0,
             },
             device: Device::Cpu,
+            network_cpu: 0.0,
         }
     }
 }
@@ -515,6 +587,7 @@ impl MachineProfile {
                 latency: net.node.latency,
             },
             device: Device::CpuNodes,
+            network_cpu: net.cpu_per_byte,
             ..self.cluster_at(ranks, threads, efficiency)
         }
     }
@@ -523,6 +596,28 @@ impl MachineProfile {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Between two thread ranks: a link with a positive rate, and one
+    /// cost to the cores per byte that both ranks report alike (they
+    /// sum their losses), finite and not negative.
+    #[test]
+    fn link_between_measures_the_link_and_its_cost_to_the_cores() {
+        let costs: Vec<LinkCost> = weft_collectives::LocalCluster::builder(2)
+            .run_each(|comm| link_between(&comm, true))
+            .into_iter()
+            .map(|r| r.unwrap().unwrap())
+            .collect();
+        assert_eq!(costs.len(), 2);
+        for c in &costs {
+            assert!(
+                c.link.bandwidth.is_finite() && c.link.bandwidth > 0.0,
+                "{c:?}"
+            );
+            assert!(c.link.latency.is_finite() && c.link.latency > 0.0, "{c:?}");
+            assert!(c.cpu_per_byte.is_finite() && c.cpu_per_byte >= 0.0, "{c:?}");
+        }
+        assert_eq!(costs[0].cpu_per_byte, costs[1].cpu_per_byte);
+    }
 
     /// The best of several measurements takes each figure's best, and α's
     /// median.

@@ -12,8 +12,8 @@ use crate::layout::Layout;
 use crate::memory::{Accounting, Chunk, Memory, Recipe, stage_memory};
 use crate::model::ModelSpec;
 use crate::time::{
-    ChunkTime, Machine, StepTime, block_activation_bytes, chunk_time, dp_step, fsdp_per_microbatch,
-    optimizer_time,
+    ChunkTime, FsdpTime, Machine, StepTime, block_activation_bytes, chunk_time, dp_step,
+    fsdp_per_microbatch, optimizer_time,
 };
 
 /// What to plan: a model, a global batch, a cluster and a recipe.
@@ -297,6 +297,35 @@ pub(crate) fn predict_with(
     })
 }
 
+/// FSDP's communication of one micro-batch on a chunk: all of it, and
+/// what stays exposed. `hidden`: prefetched under the compute of the
+/// previous unit, where the first unit's transfer and what exceeds the
+/// compute stay exposed; the part that takes the cores
+/// ([`crate::time::network_cpu`]) hides only behind the first unit's
+/// transfer (the cores wait for it) and lengthens the compute the rest
+/// hides behind. Otherwise all of it is exposed.
+fn fsdp_exposed(ct: &mut ChunkTime, t: &FsdpTime, chunk: &Chunk, hidden: bool) {
+    ct.dp_total = t.forward + t.backward;
+    if !hidden {
+        ct.f_dp = t.forward;
+        ct.b_dp = t.backward;
+        return;
+    }
+    let units = (chunk.layers + usize::from(chunk.embed) + usize::from(chunk.head)).max(1) as f64;
+    let exposed = |all: f64, cpu: f64, compute: f64| {
+        let (link, cores) = (all - cpu, cpu * (1.0 - 1.0 / units));
+        (
+            cores,
+            ((link - compute - cores).max(0.0) + link / units).min(link),
+        )
+    };
+    let (f_cores, f_link) = exposed(t.forward, t.forward_cpu, ct.f_compute);
+    let (b_cores, b_link) = exposed(t.backward, t.backward_cpu, ct.b_compute + ct.w_compute);
+    ct.f_dp = f_cores + f_link;
+    ct.b_dp = b_cores + b_link;
+    ct.dp_cores = f_cores + b_cores;
+}
+
 fn step_time(req: &Request, layout: &Layout, g: &Geometry, exact: bool) -> Result<StepTime> {
     let model = &req.model;
     let c = &req.cluster;
@@ -346,20 +375,10 @@ fn step_time(req: &Request, layout: &Layout, g: &Geometry, exact: bool) -> Resul
             }
             let mut ct = chunk_time(&mach, model, layout, chunk, &act);
             if layout.shards_params() || layout.shards_grads() {
-                let (f, b) = fsdp_per_microbatch(&mach, model, layout, chunk);
-                ct.dp_total = f + b;
-                if fsdp_on_cores || !req.recipe.overlap_grad_reduce && !layout.shards_params() {
-                    ct.f_dp = f;
-                    ct.b_dp = b;
-                } else {
-                    // prefetched under the compute of the previous unit:
-                    // the first unit's transfer and what exceeds the
-                    // compute stay exposed
-                    let units = (chunk.layers + usize::from(chunk.embed) + usize::from(chunk.head))
-                        .max(1) as f64;
-                    ct.f_dp = ((f - ct.f_compute).max(0.0) + f / units).min(f);
-                    ct.b_dp = ((b - ct.b_compute - ct.w_compute).max(0.0) + b / units).min(b);
-                }
+                let fsdp = fsdp_per_microbatch(&mach, model, layout, chunk);
+                let hidden =
+                    !fsdp_on_cores && (req.recipe.overlap_grad_reduce || layout.shards_params());
+                fsdp_exposed(&mut ct, &fsdp, chunk, hidden);
             }
             shapes.push((key, ct));
             vs_time[vs] = ct;
@@ -384,7 +403,9 @@ fn step_time(req: &Request, layout: &Layout, g: &Geometry, exact: bool) -> Resul
         {
             bytes /= layout.parallel.tp as f64;
         }
-        link.latency + bytes / (link.bandwidth * c.efficiency.link)
+        // between CPU nodes the bytes also take the machine's cores
+        let cores = if crosses { bytes * c.network_cpu } else { 0.0 };
+        link.latency + bytes / (link.bandwidth * c.efficiency.link) + cores
     } else {
         0.0
     };
@@ -467,6 +488,7 @@ fn step_time(req: &Request, layout: &Layout, g: &Geometry, exact: bool) -> Resul
         t.ep_comm += m * (ct.f_ep + ct.b_ep);
         t.dp_comm += m * ct.dp_total;
         t.dp_exposed += m * (ct.f_dp + ct.b_dp);
+        t.dp_cores += m * ct.dp_cores;
     }
     t.bubble = (makespan - t.compute - t.tp_comm - t.ep_comm - t.dp_exposed).max(0.0);
     // once per step on every stage: the gradient reduction (overlapping

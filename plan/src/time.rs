@@ -35,7 +35,10 @@
 //!   compute. CPU ranks on nodes of one machine's network
 //!   ([`Device::CpuNodes`]) overlap FSDP's collectives that span nodes as
 //!   GPUs do (they wait on the link, not on the cores), and run them as
-//!   one ring whose steps cross each node's link.
+//!   one ring whose steps cross each node's link. Their bytes between
+//!   nodes also take the machine's cores (the network is software on
+//!   them, [`Cluster::network_cpu`]): that part delays the compute of
+//!   every rank and hides behind nothing.
 //! * **Bubble.** The per-micro-batch costs of every virtual stage go to
 //!   [`weft_pipeline::simulate`] for the layout's schedule; its makespan is
 //!   the pipeline's part of the step.
@@ -66,6 +69,11 @@ pub struct StepTime {
     pub dp_comm: f64,
     /// The part of `dp_comm` not hidden behind compute.
     pub dp_exposed: f64,
+    /// Of `dp_exposed`, what FSDP's bytes between CPU nodes take from the
+    /// machine's cores ([`Cluster::network_cpu`]): it slows the compute
+    /// rather than waiting on a link (a trace shows it as compute).
+    #[serde(default)]
+    pub dp_cores: f64,
     /// The optimizer step (and the gradient norm and zeroing).
     pub optimizer: f64,
     /// The step: pipeline makespan + exposed data-parallel time + optimizer.
@@ -128,7 +136,23 @@ fn ring_across(c: &Cluster, g: Group, bytes: f64, factor: f64) -> f64 {
         bandwidth: c.inter.bandwidth * g.per_node as f64,
         latency: c.inter.latency,
     };
-    ring(g.n, bytes, link, c.efficiency.link, factor, false)
+    ring(g.n, bytes, link, c.efficiency.link, factor, false) + network_cpu(c, g, bytes, factor)
+}
+
+/// Seconds by which `factor` ring phases over `g` delay every rank of
+/// [`Device::CpuNodes`] through the cores their bytes between nodes take
+/// ([`Cluster::network_cpu`]): of the ring's `n` edges, one per node
+/// crosses a link, each carrying `(n − 1)/n` of the bytes a phase, so a
+/// rank sends on average `(n − 1)/n · nodes/n` of them across; every
+/// rank of the job sends alike and shares the machine, which is busy for
+/// all of their bytes. 0 inside a node or where a NIC moves the bytes.
+pub(crate) fn network_cpu(c: &Cluster, g: Group, bytes: f64, factor: f64) -> f64 {
+    if c.device != Device::CpuNodes || g.nodes() <= 1 || g.n <= 1 {
+        return 0.0;
+    }
+    let n = g.n as f64;
+    let per_rank = factor * (n - 1.0) / n * bytes * g.nodes() as f64 / n;
+    per_rank * c.gpus as f64 * c.network_cpu
 }
 
 /// Seconds of an all-reduce of `bytes` over `g`.
@@ -197,6 +221,8 @@ pub(crate) struct ChunkTime {
     pub b_dp: f64,
     /// FSDP's per-micro-batch communication in total (exposed or hidden).
     pub dp_total: f64,
+    /// Of `f_dp + b_dp`, the cores' part ([`network_cpu`]).
+    pub dp_cores: f64,
 }
 
 impl ChunkTime {
@@ -439,15 +465,16 @@ pub(crate) fn stage_params(model: &ModelSpec, layout: &Layout, chunks: &[Chunk])
     (total - experts, experts)
 }
 
-/// FSDP's per-micro-batch communication of one chunk: `(forward,
-/// backward)` seconds in total (gathers, and the gradients'
-/// reduce-scatter in the backward).
+/// FSDP's per-micro-batch communication of one chunk: the forward's and
+/// backward's seconds in total (gathers, and the gradients'
+/// reduce-scatter in the backward), and the part of each that takes the
+/// cores.
 pub(crate) fn fsdp_per_microbatch(
     mach: &Machine<'_>,
     model: &ModelSpec,
     layout: &Layout,
     chunk: &Chunk,
-) -> (f64, f64) {
+) -> FsdpTime {
     let c = mach.cluster;
     let recipe = mach.recipe;
     let shares = crate::memory::Shares::of(model, layout);
@@ -455,20 +482,37 @@ pub(crate) fn fsdp_per_microbatch(
     let group = Group::strided(n, layout.parallel.tp, c.gpus_per_node);
     let pb = recipe.param_bytes() as f64;
     let gb = recipe.grad_wire_bytes() as f64;
-    let mut f = 0.0;
-    let mut b = 0.0;
+    let mut t = FsdpTime::default();
     // each unit is a collective of its own: its latency is paid per unit
     for &unit in &shares.units(chunk) {
         let unit = unit as f64;
         if layout.shards_params() {
-            f += reduce_scatter(c, group, unit * pb);
-            b += reduce_scatter(c, group, unit * pb);
+            t.forward += reduce_scatter(c, group, unit * pb);
+            t.backward += reduce_scatter(c, group, unit * pb);
+            t.forward_cpu += network_cpu(c, group, unit * pb, 1.0);
+            t.backward_cpu += network_cpu(c, group, unit * pb, 1.0);
         }
         if layout.shards_grads() {
-            b += reduce_scatter(c, group, unit * gb);
+            t.backward += reduce_scatter(c, group, unit * gb);
+            t.backward_cpu += network_cpu(c, group, unit * gb, 1.0);
         }
     }
-    (f, b)
+    t
+}
+
+/// FSDP's collectives of one micro-batch on one virtual stage, in
+/// seconds ([`fsdp_per_microbatch`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub(crate) struct FsdpTime {
+    /// The forward's gathers, all of their time.
+    pub forward: f64,
+    /// The backward's gathers and reduce-scatters.
+    pub backward: f64,
+    /// Of `forward`, the cores' part ([`network_cpu`]): it overlaps
+    /// nothing.
+    pub forward_cpu: f64,
+    /// Of `backward`.
+    pub backward_cpu: f64,
 }
 
 /// Data-parallel communication once per step for a stage's parameters:
@@ -608,5 +652,37 @@ mod tests {
         };
         let inside = Group { n: 2, per_node: 2 };
         assert_eq!(all_reduce(&nodes, inside, s), all_reduce(&cpu, inside, s));
+    }
+
+    /// CPU nodes whose network takes the machine's cores: a ring over 2
+    /// nodes of 2 ranks has 2 of its 4 edges across, each carrying 3/4 of
+    /// the bytes a phase; the job's 4 ranks send alike, so the machine is
+    /// busy `4 · 3/4 · 2/4 · S · c` a phase and every rank waits that out
+    /// on top of the link's time. Inside a node, and on GPUs, nothing.
+    #[test]
+    fn cpu_nodes_pay_the_network_s_cores() {
+        let gpu = Cluster::preset("h100", 8).unwrap();
+        let free = Cluster {
+            device: Device::CpuNodes,
+            gpus: 4,
+            gpus_per_node: 2,
+            ..gpu.clone()
+        };
+        let busy = Cluster {
+            network_cpu: 4e-9,
+            ..free.clone()
+        };
+        let g = Group { n: 4, per_node: 2 };
+        let s = 64e6;
+        let cores = 4.0 * 3.0 / 4.0 * 2.0 / 4.0 * s * 4e-9;
+        assert!((network_cpu(&busy, g, s, 1.0) - cores).abs() < 1e-12);
+        assert!((reduce_scatter(&busy, g, s) - reduce_scatter(&free, g, s) - cores).abs() < 1e-12);
+        assert!((all_reduce(&busy, g, s) - all_reduce(&free, g, s) - 2.0 * cores).abs() < 1e-12);
+        assert_eq!(network_cpu(&busy, Group { n: 2, per_node: 2 }, s, 1.0), 0.0);
+        let gpus = Cluster {
+            device: Device::Gpu,
+            ..busy.clone()
+        };
+        assert_eq!(network_cpu(&gpus, g, s, 1.0), 0.0);
     }
 }
