@@ -133,13 +133,14 @@ fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let Some(link) = arg(&args, "--link") else {
         eprintln!(
-            "usage (under the cluster's mpirun): across_nodes --link MB/s [--max-mib 64] [--min-mib 1]\n\
+            "usage (under the cluster's mpirun): across_nodes --link MB/s [--max-mib 64] [--min-mib 1 (0.0625 = 64 KiB)]\n\
              --link: the rate `scripts/cluster.sh measure` reached, MB/s one way"
         );
         std::process::exit(2);
     };
-    let max_mib = arg(&args, "--max-mib").unwrap_or(64.0) as usize;
-    let min_mib = arg(&args, "--min-mib").unwrap_or(1.0) as usize;
+    // sizes in KiB, from --min-mib (fractions allowed: 0.0625 is 64 KiB)
+    let max_kib = (arg(&args, "--max-mib").unwrap_or(64.0) * 1024.0) as usize;
+    let min_kib = ((arg(&args, "--min-mib").unwrap_or(1.0) * 1024.0) as usize).max(1);
     let comm = MpiComm::builder()
         .timeout(Duration::from_secs(600))
         .init()
@@ -206,9 +207,9 @@ fn main() {
     };
     let plain = ReduceOptions::new(ReduceOp::Sum);
     for op in [Op::AllReduce, Op::ReduceScatter, Op::AllGather] {
-        let mut mib = min_mib.max(1);
-        while mib <= max_mib {
-            let bytes = mib << 20;
+        let mut kib = min_kib;
+        while kib <= max_kib {
+            let bytes = kib << 10;
             let iters = iters_for(bytes);
             let t_weft = time(&comm, op, bytes, How::Weft(plain), iters);
             let ring = plain.algorithm(Algorithm::Ring);
@@ -219,7 +220,7 @@ fn main() {
                 println!(
                     "{:<15} {:>6} {:>9.1} {:>9.1} {:>9.1} {:>6.1} MB/s {:>6.1} MB/s {:>6.1} MB/s {:>10.2} {:>8.2}x",
                     op.name(),
-                    mib,
+                    mib_label(kib),
                     t_weft * 1e3,
                     t_ring * 1e3,
                     t_lib * 1e3,
@@ -230,7 +231,7 @@ fn main() {
                     t_lib / t_weft
                 );
             }
-            mib *= 4;
+            kib *= 4;
         }
     }
     if me == 0 {
@@ -251,9 +252,9 @@ fn main() {
         );
     }
     let hier_possible = k > 1;
-    let mut mib = min_mib.max(1);
-    while mib <= max_mib {
-        let bytes = mib << 20;
+    let mut kib = min_kib.max(1024);
+    while kib <= max_kib {
+        let bytes = kib << 10;
         let iters = iters_for(bytes);
         let ring = plain.algorithm(Algorithm::Ring);
         let t_flat = time(&comm, Op::AllReduce, bytes, How::Weft(ring), iters);
@@ -284,7 +285,7 @@ fn main() {
             };
             println!(
                 "{:<6} {:>9.1} {:>10} {:>9} {:>9} {:>10.1} {:>10.1} {:>7.2}x {:>9.1} {:>9.1} {:>7.2}x",
-                mib,
+                mib_label(kib),
                 t_flat * 1e3,
                 hier_ms,
                 hier_x,
@@ -297,6 +298,18 @@ fn main() {
                 t_plain / t_bf16
             );
         }
-        mib *= 4;
+        kib *= 4;
+    }
+}
+
+/// A size in KiB as MiB for the tables: whole MiB as integers, below as
+/// a fraction (`0.25`).
+fn mib_label(kib: usize) -> String {
+    if kib.is_multiple_of(1024) {
+        (kib / 1024).to_string()
+    } else {
+        format!("{:.4}", kib as f64 / 1024.0)
+            .trim_end_matches('0')
+            .to_string()
     }
 }

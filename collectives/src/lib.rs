@@ -239,7 +239,8 @@
 //!   an MPI library, `mpicc` and libclang to build — on Debian
 //!   `libopenmpi-dev openmpi-bin libclang-dev`). Every algorithm of this
 //!   crate runs over MPI point-to-point; `Auto` f32/f64 all-reduces
-//!   below 2 MiB (`NATIVE_ALL_REDUCE_BELOW`) and `Auto` all-gathers use the
+//!   below 2 MiB (`NATIVE_ALL_REDUCE_BELOW`; 64 KiB when a group spans
+//!   nodes, `NATIVE_ALL_REDUCE_BELOW_ACROSS_NODES`) and `Auto` all-gathers use the
 //!   library's own (`MPI_Iallreduce`, `MPI_Iallgatherv`, polled so the
 //!   timeout still holds), larger all-reduces and every reduce-scatter this
 //!   crate's ring, measured faster than the library's non-blocking calls
@@ -283,6 +284,7 @@ pub use mesh::Mesh;
 #[cfg(feature = "mpi")]
 pub use mpi_backend::{
     MPI_DEFAULT_TIMEOUT, MPI_MAX_TAG, MpiComm, MpiCommBuilder, NATIVE_ALL_REDUCE_BELOW,
+    NATIVE_ALL_REDUCE_BELOW_ACROSS_NODES,
 };
 #[cfg(feature = "nccl")]
 pub use nccl_backend::{NCCL_DEFAULT_TIMEOUT, NcclComm, NcclId, nccl_available};

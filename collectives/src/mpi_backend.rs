@@ -9,7 +9,8 @@
 //! reported as [`Error::Mismatch`] as on the local backend.
 //!
 //! Under [`Algorithm::Auto`], an `f32`/`f64` sum or average all-reduce of
-//! less than [`NATIVE_ALL_REDUCE_BELOW`] bytes is handed to the MPI
+//! less than [`NATIVE_ALL_REDUCE_BELOW`] bytes
+//! ([`NATIVE_ALL_REDUCE_BELOW_ACROSS_NODES`] when the group spans nodes) is handed to the MPI
 //! library's own `MPI_Iallreduce` (every size to the blocking
 //! `MPI_Allreduce` with [`MpiCommBuilder::blocking_native`]), after an
 //! exchange of signatures that catches mismatched calls; larger ones run
@@ -49,6 +50,15 @@ use std::ffi::{c_int, c_void};
 /// ring's time: fewer steps). [`MpiComm::library_all_reduce`] calls the
 /// library at any size.
 pub const NATIVE_ALL_REDUCE_BELOW: usize = 2 << 20;
+
+/// [`NATIVE_ALL_REDUCE_BELOW`] for a group whose ranks span more than one
+/// node (topology domain): 64 KiB. Measured with `benches/across_nodes.rs`
+/// on a namespace cluster (1 Gbit/s links, messages up to 1 MiB sent
+/// eagerly, AMD EPYC with 2 cores): one rank a node, the ring took
+/// 0.33-0.56x the library's non-blocking time at 256 KiB-1 MiB on 2 and 4
+/// nodes and 0.47-1.0x at 64 KiB; the library's algorithms pay the link's
+/// latency more times than the ring's 2(n-1) steps of S/n.
+pub const NATIVE_ALL_REDUCE_BELOW_ACROSS_NODES: usize = 64 << 10;
 use std::mem::MaybeUninit;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -948,11 +958,26 @@ impl MpiComm {
         )
     }
 
+    /// Bytes below which an [`Algorithm::Auto`] all-reduce calls the MPI
+    /// library: [`NATIVE_ALL_REDUCE_BELOW`] when the group's ranks share a
+    /// node, [`NATIVE_ALL_REDUCE_BELOW_ACROSS_NODES`] when they span
+    /// several.
+    fn native_all_reduce_below(&self) -> usize {
+        let t = self.group.env.topology;
+        let m = &self.group.members;
+        if m.iter().any(|&r| t.domain_of(r) != t.domain_of(m[0])) {
+            NATIVE_ALL_REDUCE_BELOW_ACROSS_NODES
+        } else {
+            NATIVE_ALL_REDUCE_BELOW
+        }
+    }
+
     /// The MPI library's own all-reduce (sum or average) of `buf` (f32 or
     /// f64) at any size: `MPI_Iallreduce` (`MPI_Allreduce` with
     /// [`with_blocking_native`](Self::with_blocking_native)).
     /// [`all_reduce`](crate::CommunicatorExt::all_reduce) calls it only
-    /// below [`NATIVE_ALL_REDUCE_BELOW`] bytes (or always when blocking);
+    /// below [`NATIVE_ALL_REDUCE_BELOW`] bytes
+    /// ([`NATIVE_ALL_REDUCE_BELOW_ACROSS_NODES`] across nodes; always when blocking);
     /// on a network where the library's tuned algorithms win at every
     /// size, call this instead.
     ///
@@ -1378,7 +1403,7 @@ impl Communicator for MpiComm {
             && sig.wire.is_none()
             && matches!(opts.op, ReduceOp::Sum | ReduceOp::Avg)
             && matches!(dtype, Dtype::F32 | Dtype::F64)
-            && (self.blocking_native || buf.bytes().len() < NATIVE_ALL_REDUCE_BELOW)
+            && (self.blocking_native || buf.bytes().len() < self.native_all_reduce_below())
             && self.size() > 1;
         let ctx = self.begin(sig)?;
         if !native {

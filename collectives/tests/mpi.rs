@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use weft_collectives::repro::ExactPartial;
 use weft_collectives::{
-    Algorithm, Communicator, CommunicatorExt, Element, Error, Mesh, MpiComm, ReduceOp,
+    Algorithm, Communicator, CommunicatorExt, Element, Error, LinkClass, Mesh, MpiComm, ReduceOp,
     ReduceOptions, Topology, bf16, f16, shard_range,
 };
 use weft_numerics::ExactSum;
@@ -207,7 +207,8 @@ fn every_op_matches_the_serial_reference(c: &MpiComm, checks: &mut usize) {
 
 fn native_all_reduce_and_its_traffic(c: &MpiComm, checks: &mut usize) {
     let (n, r) = (c.size(), c.rank());
-    let len = 1 << 18;
+    // 32 KiB: below both thresholds, one node or several
+    let len = 1 << 13;
     let cols: Vec<Vec<f64>> = (0..n).map(|q| contribution(99, q, len)).collect();
     let mut b: Vec<f32> = conv(&cols[r]);
     let before = c.traffic();
@@ -266,6 +267,29 @@ fn native_all_reduce_and_its_traffic(c: &MpiComm, checks: &mut usize) {
         2 * (n - 1) * s / n
     );
     *checks += 3;
+    // a group spanning nodes runs this crate's algorithm from 64 KiB (the
+    // hierarchical one here: bytes inside and between domains; the
+    // library's call counts all its bytes on one link class)
+    if spans_domains(n) {
+        let len = weft_collectives::NATIVE_ALL_REDUCE_BELOW_ACROSS_NODES / 4;
+        let mut x: Vec<f32> = conv(&contribution(5, r, len));
+        let before = c.traffic();
+        c.all_reduce(&mut x, ReduceOp::Sum)
+            .expect("all_reduce across domains");
+        let t = c.traffic().since(&before);
+        for class in LinkClass::ALL {
+            assert!(
+                t.sent(weft_collectives::OpKind::AllReduce, class) > 0,
+                "64 KiB across domains is weft's algorithm: {class:?} bytes"
+            );
+        }
+        let cols: Vec<Vec<f64>> = (0..n).map(|q| contribution(5, q, len)).collect();
+        assert_eq!(
+            bits(&x),
+            bits(&conv::<f32>(&reference(ReduceOp::Sum, &cols)))
+        );
+        *checks += 2;
+    }
     // from NATIVE_ALL_REDUCE_BELOW bytes `Auto` runs this crate's
     // algorithm (the bits of an explicit one), the library's all-reduce
     // is still there at any size, and blocking `Auto` calls the library

@@ -59,8 +59,8 @@
 //! (the same mesh, the same algorithms and reduction order; `tests/mpi.rs`
 //! compares dp, fsdp, tp with sp, pp, ep and three composed layouts over 2
 //! and 4 processes), except that plain sums (`parallel.reproducible =
-//! false`) below 2 MiB are the MPI library's `MPI_Iallreduce`, equal to
-//! rounding.
+//! false`) below 2 MiB (64 KiB when a group spans nodes) are the MPI
+//! library's `MPI_Iallreduce`, equal to rounding.
 //!
 //! # Example
 //! ```
