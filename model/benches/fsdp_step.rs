@@ -83,6 +83,7 @@ fn bench(
             precision,
             grad_wire: weft_collectives::Dtype::F32,
             doc_boundary: None,
+            recompute: weft_model::Recompute::None,
             fsdp: fc.cloned(),
             pipeline: None,
             batch: b,

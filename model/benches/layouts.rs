@@ -94,6 +94,7 @@ fn bench(
                 precision: weft_kernels::Precision::F32,
                 grad_wire: weft_collectives::Dtype::F32,
                 doc_boundary: None,
+                recompute: weft_model::Recompute::None,
                 fsdp: fsdp.map(|strategy| FsdpConfig {
                     strategy,
                     reproducible,

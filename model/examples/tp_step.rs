@@ -63,6 +63,7 @@ fn main() -> anyhow::Result<()> {
                     precision: weft_kernels::Precision::F32,
                     grad_wire: weft_collectives::Dtype::F32,
                     doc_boundary: None,
+                    recompute: weft_model::Recompute::None,
                     fsdp: None,
                     pipeline: None,
                     batch: B,

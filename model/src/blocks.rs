@@ -29,6 +29,7 @@ use crate::error::{Error, Result};
 use crate::ffn::{Dims, FeedForward};
 use crate::params::{BlockLayout, Pieces, Sharding, param_layout};
 use crate::tp::{TensorParallel, VocabShard, split_err};
+use weft_parallel::Recompute;
 
 /// The computation of a GPT-2, separated from its parameters: the
 /// embedding, one transformer block and the head as functions over
@@ -108,6 +109,7 @@ pub struct GptBlocks {
     precision: Precision,
     loss_scale: f32,
     doc_boundary: Option<u32>,
+    recompute: Recompute,
     /// Rotary positions' table for `block_size` positions, if rotary.
     rope: Option<Arc<RopeTable<f32>>>,
 }
@@ -305,6 +307,9 @@ pub struct BlockScratch {
     /// parameter gradients. Empty unless such a block needs them.
     sink_x: Vec<f32>,
     sink_p: Vec<f32>,
+    /// One block's activations for recomputation, when the blocks'
+    /// [`Recompute`] recomputes any.
+    pub(crate) replay: Option<Box<BlockActs>>,
 }
 
 impl BlockScratch {
@@ -325,6 +330,7 @@ impl BlockScratch {
         .iter()
         .map(|v| v.len())
         .sum::<usize>()
+            + self.replay.as_ref().map_or(0, |a| a.bytes())
     }
 }
 
@@ -513,6 +519,7 @@ impl GptBlocks {
             precision: Precision::default(),
             loss_scale: 1.0,
             doc_boundary: None,
+            recompute: Recompute::None,
         })
     }
 
@@ -595,6 +602,21 @@ impl GptBlocks {
         } else {
             Precision::F32
         }
+    }
+
+    /// Which blocks recompute their forward in the backward (see
+    /// [`set_recompute`](Self::set_recompute)).
+    pub fn recompute(&self) -> Recompute {
+        self.recompute
+    }
+
+    /// Activation recomputation ([`Recompute`]): the blocks it names keep
+    /// only their output in the forward ([`block_acts_for`](Self::block_acts_for))
+    /// and run their forward again into the working buffers'
+    /// [`BlockActs`] before their backward. Plan activations and working
+    /// buffers ([`scratch`](Self::scratch)) after setting it.
+    pub fn set_recompute(&mut self, recompute: Recompute) {
+        self.recompute = recompute;
     }
 
     /// The token that ends a document when documents are masked (see
@@ -987,6 +1009,7 @@ impl GptBlocks {
             loss_scale: self.loss_scale,
             layer,
             tp: self.tp.as_ref(),
+            replay: false,
         }
     }
 
@@ -1081,6 +1104,60 @@ impl GptBlocks {
         })
     }
 
+    /// Plans block `layer`'s activations: [`block_acts`](Self::block_acts),
+    /// or for a block that [recomputes](Self::set_recompute) only its
+    /// output, `rows·C` floats ([`kept_len`](Self::kept_len)).
+    ///
+    /// # Errors
+    /// As [`block_acts`](Self::block_acts).
+    pub fn block_acts_for(&self, layer: usize, b: usize, t: usize) -> Result<BlockActs> {
+        if !self.recompute.recomputes(layer) {
+            return self.block_acts(b, t);
+        }
+        let out = self.kept_len(b, t)?;
+        Ok(BlockActs {
+            b,
+            t,
+            layer,
+            ln1: LinearAct::F32(Vec::new()),
+            ln1_mean: Vec::new(),
+            ln1_rstd: Vec::new(),
+            qkv: Vec::new(),
+            qk_raw: Vec::new(),
+            qk_rstd: Vec::new(),
+            pos: Vec::new(),
+            atty: LinearAct::F32(Vec::new()),
+            att: Vec::new(),
+            res2: Vec::new(),
+            ln2: LinearAct::F32(Vec::new()),
+            ln2_mean: Vec::new(),
+            ln2_rstd: Vec::new(),
+            ffn_saved: Vec::new(),
+            out: vec![0.0; out],
+        })
+    }
+
+    /// Floats a recomputed block keeps: its output, `rows·C`.
+    ///
+    /// # Errors
+    /// As [`block_acts`](Self::block_acts).
+    pub fn kept_len(&self, b: usize, t: usize) -> Result<usize> {
+        Ok(self.block_act_lens(b, t)?[11])
+    }
+
+    /// Floats of block `layer`'s activations as
+    /// [`block_acts_for`](Self::block_acts_for) plans them.
+    ///
+    /// # Errors
+    /// As [`block_acts_len`](Self::block_acts_len).
+    pub fn block_acts_len_for(&self, layer: usize, b: usize, t: usize) -> Result<usize> {
+        if self.recompute.recomputes(layer) {
+            self.kept_len(b, t)
+        } else {
+            self.block_acts_len(b, t)
+        }
+    }
+
     /// Lengths of [`HeadActs`]' buffers: targets, `lnf`, its statistics,
     /// logits, losses, row statistics.
     fn head_act_lens(&self, b: usize, t: usize) -> Result<[usize; 7]> {
@@ -1155,13 +1232,26 @@ impl GptBlocks {
     /// Floats of the shared working buffers, what
     /// [`scratch`](Self::scratch) allocates: two `B·T·C`, the attention's
     /// gradients (as large as its q, k, v, output and probabilities), the
-    /// feed-forward block's [`scratch_len`](FeedForward::scratch_len), and
-    /// under sequence parallelism `rows·C` + `B·T·C` for the gathers.
+    /// feed-forward block's [`scratch_len`](FeedForward::scratch_len),
+    /// under sequence parallelism `rows·C` + `B·T·C` for the gathers, and
+    /// with [recomputation](Self::set_recompute) one block's activations
+    /// ([`block_acts_len`](Self::block_acts_len)).
     ///
     /// # Errors
     /// As [`scratch`](Self::scratch).
     pub fn scratch_len(&self, b: usize, t: usize) -> Result<usize> {
-        sum("the working buffers", &self.scratch_lens(b, t)?)
+        let replay = if self.recompute == Recompute::None {
+            0
+        } else {
+            self.block_acts_len(b, t)?
+        };
+        sum(
+            "the working buffers",
+            &[
+                sum("the working buffers", &self.scratch_lens(b, t)?)?,
+                replay,
+            ],
+        )
     }
 
     /// Plans the shared working buffers.
@@ -1181,6 +1271,11 @@ impl GptBlocks {
             full: vec![0.0; l[7]],
             sink_x: Vec::new(),
             sink_p: Vec::new(),
+            replay: if self.recompute == Recompute::None {
+                None
+            } else {
+                Some(Box::new(self.block_acts(b, t)?))
+            },
         })
     }
 
@@ -1354,6 +1449,39 @@ impl GptBlocks {
         docs: Option<&[u32]>,
         scratch: &mut BlockScratch,
     ) -> Result<()> {
+        self.forward_block(layer, acts, inp, params, docs, scratch, false)
+    }
+
+    /// [`block_forward`](Self::block_forward) again, for the backward of a
+    /// block that [recomputes](Self::set_recompute): the same bits, and a
+    /// feed-forward block that keeps statistics does not count them twice
+    /// ([`Dims::replay`]).
+    ///
+    /// # Errors
+    /// As [`block_forward`](Self::block_forward).
+    pub(crate) fn block_replay(
+        &self,
+        layer: usize,
+        acts: &mut BlockActs,
+        inp: &[f32],
+        params: &[f32],
+        docs: Option<&[u32]>,
+        scratch: &mut BlockScratch,
+    ) -> Result<()> {
+        self.forward_block(layer, acts, inp, params, docs, scratch, true)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn forward_block(
+        &self,
+        layer: usize,
+        acts: &mut BlockActs,
+        inp: &[f32],
+        params: &[f32],
+        docs: Option<&[u32]>,
+        scratch: &mut BlockScratch,
+        replay: bool,
+    ) -> Result<()> {
         check_len("block parameters", params.len(), self.layer_len(layer))?;
         acts.layer = layer;
         let (b, t) = (acts.b, acts.t);
@@ -1510,7 +1638,10 @@ impl GptBlocks {
             &mut scratch.ffn_scratch,
             acts.ln2.input(),
             &p[blk.ffn.start..],
-            self.dims(b, t, mode, layer),
+            Dims {
+                replay,
+                ..self.dims(b, t, mode, layer)
+            },
         )?;
         residual_forward(&mut acts.out, &acts.res2, y, rows * c)?;
         Ok(())

@@ -231,7 +231,8 @@ pub(crate) struct ChunkActs {
     pub(crate) t: usize,
     pub(crate) tokens: Vec<u32>,       // (B,T) on the embedding chunk
     pub(crate) input: Vec<f32>,        // (rows,C) the embedding's output or the received input
-    pub(crate) layers: Vec<BlockActs>, // one per block of the chunk
+    pub(crate) layers: Vec<BlockActs>, // one per block of the chunk (a recomputed one: its output)
+    pub(crate) docs: Vec<u32>, // (B,T) document starts, kept for recomputation under masking
     pub(crate) head: Option<HeadActs>,
     pub(crate) saved: Vec<WeightInputs>, // per block, for a split backward
     pub(crate) dres: Vec<f32>,           // (rows,C) gradient of the residual stream
@@ -260,8 +261,13 @@ impl ChunkActs {
             layers: spec
                 .layers
                 .clone()
-                .map(|_| bl.block_acts(b, t))
+                .map(|l| bl.block_acts_for(l, b, t))
                 .collect::<Result<_>>()?,
+            docs: if keeps_docs(bl, spec) {
+                vec![0; b * t]
+            } else {
+                Vec::new()
+            },
             head: if spec.head {
                 Some(bl.head_acts(b, t)?)
             } else {
@@ -284,7 +290,7 @@ impl ChunkActs {
         self.layers.iter().map(BlockActs::bytes).sum::<usize>()
             + self.head.as_ref().map_or(0, HeadActs::bytes)
             + self.saved.iter().map(WeightInputs::bytes).sum::<usize>()
-            + 4 * (self.tokens.len() + self.input.len() + self.dres.len())
+            + 4 * (self.tokens.len() + self.docs.len() + self.input.len() + self.dres.len())
     }
 
     /// The chunk's output: the last block's (or the input, for a chunk of
@@ -292,6 +298,28 @@ impl ChunkActs {
     pub(crate) fn output(&self) -> &[f32] {
         self.layers.last().map_or(&self.input, |a| &a.out)
     }
+}
+
+/// Whether a chunk keeps its micro-batch's document starts for the
+/// backward: it recomputes a block under document masking.
+pub(crate) fn keeps_docs(bl: &GptBlocks, spec: &StageSpec) -> bool {
+    bl.doc_boundary().is_some() && bl.recompute().any(spec.layers.clone())
+}
+
+/// Runs `f` with the working buffers' [`BlockActs`] for recomputation
+/// (planned by [`GptBlocks::scratch`] when the blocks recompute any).
+fn with_replay<R>(
+    scratch: &mut BlockScratch,
+    f: impl FnOnce(&mut BlockActs, &mut BlockScratch) -> Result<R>,
+) -> Result<R> {
+    let mut replay = scratch.replay.take().ok_or_else(|| Error::Batch {
+        reason: "a block recomputes but the working buffers were planned without \
+                 recomputation: plan them after set_recompute"
+            .into(),
+    })?;
+    let r = f(&mut replay, scratch);
+    scratch.replay = Some(replay);
+    r
 }
 
 /// What enters a chunk's forward.
@@ -364,15 +392,23 @@ pub(crate) fn forward(
             &prev[i - 1].out
         };
         store.pre_forward(Piece::Block(l))?;
-        bl.block_forward(
-            l,
-            &mut cur[0],
-            inp,
-            store.params(Piece::Block(l))?,
-            docs.as_deref(),
-            scratch,
-        )?;
+        let p = store.params(Piece::Block(l))?;
+        if bl.recompute().recomputes(l) {
+            // forward into the shared buffers; keep only the output
+            with_replay(scratch, |r, scratch| {
+                bl.block_forward(l, r, inp, p, docs.as_deref(), scratch)?;
+                std::mem::swap(&mut r.out, &mut cur[0].out);
+                Ok(())
+            })?;
+        } else {
+            bl.block_forward(l, &mut cur[0], inp, p, docs.as_deref(), scratch)?;
+        }
         store.post_forward(Piece::Block(l))?;
+    }
+    if !acts.docs.is_empty()
+        && let Some(d) = &docs
+    {
+        acts.docs.copy_from_slice(d);
     }
     let Some(head) = &mut acts.head else {
         return Ok(None);
@@ -447,6 +483,30 @@ fn embed_backward(
     store.post_backward(Piece::Embed)
 }
 
+/// Runs `f` (a backward half of block `l`) on the block's activations:
+/// `kept` as the forward left them, or, for a block that recomputes,
+/// its forward run again from `inp` into the working buffers' own.
+#[allow(clippy::too_many_arguments)]
+fn replayed(
+    bl: &GptBlocks,
+    l: usize,
+    kept: &BlockActs,
+    inp: &[f32],
+    p: &[f32],
+    docs: &[u32],
+    scratch: &mut BlockScratch,
+    f: impl FnOnce(&BlockActs, &mut BlockScratch) -> Result<()>,
+) -> Result<()> {
+    if !bl.recompute().recomputes(l) {
+        return f(kept, scratch);
+    }
+    let docs = (!docs.is_empty()).then_some(docs);
+    with_replay(scratch, |r, scratch| {
+        bl.block_replay(l, r, inp, p, docs, scratch)?;
+        f(r, scratch)
+    })
+}
+
 /// The whole backward of the micro-batch in `acts` (`dout`: the gradient
 /// of the chunk's output, `None` with the head); afterwards `acts.dres`
 /// holds the gradient of the chunk's input. `extra`: as [`embed_backward`].
@@ -468,7 +528,16 @@ pub(crate) fn backward(
         };
         store.pre_backward(Piece::Block(l))?;
         let (p, g) = store.view(Piece::Block(l))?;
-        bl.block_backward(&mut acts.dres, g, &acts.layers[i], inp, p, scratch)?;
+        replayed(
+            bl,
+            l,
+            &acts.layers[i],
+            inp,
+            p,
+            &acts.docs,
+            scratch,
+            |a, s| bl.block_backward(&mut acts.dres, g, a, inp, p, s),
+        )?;
         store.post_backward(Piece::Block(l))?;
     }
     if spec.embed {
@@ -501,13 +570,16 @@ pub(crate) fn backward_input(
         };
         store.pre_backward(Piece::Block(l))?;
         let p = store.params(Piece::Block(l))?;
-        bl.block_backward_input(
-            &mut acts.dres,
-            &mut acts.saved[i],
+        let saved = &mut acts.saved[i];
+        replayed(
+            bl,
+            l,
             &acts.layers[i],
             inp,
             p,
+            &acts.docs,
             scratch,
+            |a, s| bl.block_backward_input(&mut acts.dres, saved, a, inp, p, s),
         )?;
     }
     Ok(())
@@ -529,7 +601,17 @@ pub(crate) fn backward_weight(
             &acts.layers[i - 1].out
         };
         let (p, g) = store.view(Piece::Block(l))?;
-        bl.block_backward_weight(g, &mut acts.saved[i], &acts.layers[i], inp, p, scratch)?;
+        let saved = &mut acts.saved[i];
+        replayed(
+            bl,
+            l,
+            &acts.layers[i],
+            inp,
+            p,
+            &acts.docs,
+            scratch,
+            |a, s| bl.block_backward_weight(g, saved, a, inp, p, s),
+        )?;
         store.post_backward(Piece::Block(l))?;
     }
     if spec.embed {

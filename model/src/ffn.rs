@@ -74,6 +74,10 @@ pub struct Dims<'a> {
     /// The tensor-parallel group, when the block is split over one (see
     /// the module docs).
     pub tp: Option<&'a TensorParallel>,
+    /// The forward is a [recomputation](crate::Recompute) for the backward:
+    /// compute the same, but do not count statistics again (a mixture of
+    /// experts' load and auxiliary loss).
+    pub replay: bool,
 }
 
 impl Dims<'_> {

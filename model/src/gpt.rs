@@ -169,6 +169,13 @@ impl Gpt {
         self.blocks.set_precision(precision);
     }
 
+    /// Activation recomputation (default none; see
+    /// [`GptBlocks::set_recompute`]): plan [`activations`](Self::activations)
+    /// after setting it.
+    pub fn set_recompute(&mut self, recompute: crate::Recompute) {
+        self.blocks.set_recompute(recompute);
+    }
+
     /// Document masking (default off; see
     /// [`GptBlocks::set_doc_boundary`]).
     pub fn set_doc_boundary(&mut self, boundary: Option<u32>) {

@@ -169,6 +169,7 @@ impl<'m> Decoder<'m> {
                 loss_scale: 1.0,
                 layer: 0,
                 tp: None,
+                replay: false,
             })),
             ffn_scratch: z(model.blocks().ffn().scratch_len(&Dims {
                 b: 1,
@@ -179,6 +180,7 @@ impl<'m> Decoder<'m> {
                 loss_scale: 1.0,
                 layer: 0,
                 tp: None,
+                replay: false,
             })),
             logits: z(v),
         }
@@ -329,6 +331,7 @@ impl<'m> Decoder<'m> {
             loss_scale: 1.0,
             layer,
             tp: None,
+            replay: false,
         };
         let saved = ffn.saved_len(&dims(0));
         let layer = bl.block_layout();

@@ -119,7 +119,7 @@
 //!                           reproducible: true, tp: TpOptions::default(),
 //!                           precision: weft_kernels::Precision::F32,
 //!                           grad_wire: weft_collectives::Dtype::F32,
-//!                           doc_boundary: None };
+//!                           doc_boundary: None, recompute: weft_model::Recompute::None };
 //! let losses = |tp: usize| {
 //!     LocalCluster::run(tp, |comm| {
 //!         let mesh = ParallelDims { tp, ..ParallelDims::SINGLE }.build(&comm)?;
@@ -211,4 +211,5 @@ pub use parallelize::{
 pub use params::{BlockLayout, Sharding, dense_layout, kv_copies, param_layout};
 pub use stage::{GptStage, OwnedPart, ReadTensor, StageSpec, pipeline_stages};
 pub use trainable::{StepTelemetry, TrainModel, read_whole, whole_parts};
+pub use weft_parallel::Recompute;
 pub use weft_parallel::{AdamWState, ParamLayout, ParamSpec};

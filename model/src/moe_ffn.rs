@@ -481,10 +481,12 @@ impl FeedForward for MoeFfn {
             let first = tp.first_row(d.n()) * d.c;
             out.copy_from_slice(&whole[first..first + out.len()]);
         }
-        self.log
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .push((d.layer, f));
+        if !d.replay {
+            self.log
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .push((d.layer, f));
+        }
         Ok(())
     }
 

@@ -43,6 +43,7 @@ use crate::memory::RankMemory;
 use crate::params::{Sharding, param_layout};
 use crate::stage::{GptStage, OwnedPart, ReadTensor, StageSpec};
 use crate::tp::{TensorParallel, TpOptions};
+use weft_parallel::Recompute;
 
 /// How a job is laid out beyond the mesh's degrees: sharding of the
 /// data-parallel group, the pipeline schedule, the micro-batch shape and
@@ -79,6 +80,10 @@ pub struct ParallelPlan {
     /// Document masking: the token that ends a document, or `None` to
     /// attend across documents ([`GptBlocks::set_doc_boundary`]).
     pub doc_boundary: Option<u32>,
+    /// Which blocks recompute their forward in the backward instead of
+    /// keeping its activations ([`GptBlocks::set_recompute`]); the losses,
+    /// gradients and weights are bitwise those without.
+    pub recompute: Recompute,
 }
 
 impl ParallelPlan {
@@ -149,6 +154,7 @@ impl ParallelPlan {
             precision,
             grad_wire: layout.grad_wire,
             doc_boundary,
+            recompute: Recompute::None,
         })
     }
 }
@@ -316,8 +322,11 @@ impl ParallelGpt {
     ) -> Result<RankMemory> {
         let dims = mesh.dims();
         let mut blocks = Self::blocks(config.clone(), ffn, plan, mesh)?;
-        // the precision decides what the activations are kept in
+        // the precision decides what the activations are kept in, the
+        // recomputation which
         blocks.set_precision(plan.precision);
+        blocks.set_recompute(plan.recompute);
+        blocks.set_doc_boundary(plan.doc_boundary);
         let (schedule, layers) = Self::schedule_of(plan, dims, config.n_layer)?;
         let pl = schedule.placement();
         let rank = mesh.coords().pp;
@@ -377,6 +386,7 @@ impl ParallelGpt {
     ) -> Result<Self> {
         blocks.set_precision(plan.precision);
         blocks.set_doc_boundary(plan.doc_boundary);
+        blocks.set_recompute(plan.recompute);
         let dims = mesh.dims();
         let (schedule, layers) = Self::schedule_of(plan, dims, blocks.config().n_layer)?;
         let pl = schedule.placement();

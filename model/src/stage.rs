@@ -1091,10 +1091,12 @@ impl GptStage {
             per_slot.push(product("B·T", &[b, t])?);
         }
         let layers = spec.layers.len();
-        per_slot.push(product(
-            "the blocks' activations",
-            &[layers, blocks.block_acts_len(b, t)?],
-        )?);
+        for l in spec.layers.clone() {
+            per_slot.push(blocks.block_acts_len_for(l, b, t)?);
+        }
+        if chunk::keeps_docs(blocks, spec) {
+            per_slot.push(product("B·T", &[b, t])?);
+        }
         if spec.head {
             per_slot.push(blocks.head_acts_len(b, t)?);
         }

@@ -53,8 +53,8 @@ use weft_fsdp::{FsdpConfig, Strategy};
 use weft_kernels::{AdamW, Precision};
 use weft_model::tp::TpOptions;
 use weft_model::{
-    BlockArch, FeedForward, Gpt, GptConfig, Init, MicroBatch, Mlp, MoeFfn, ParallelGpt,
-    ParallelPlan, SlidingWindow, SwiGlu, expert_group, partition_layers,
+    BlockArch, FeedForward, Gpt, GptConfig, Init, MicroBatch, Mlp, MoeFfn, MoeStats, ParallelGpt,
+    ParallelPlan, Recompute, SlidingWindow, SwiGlu, expert_group, partition_layers,
 };
 use weft_moe::{AuxLoss, Expert, Gate, MoeConfig, Router};
 use weft_parallel::ParallelDims;
@@ -159,21 +159,25 @@ fn fine_moe_config() -> MoeConfig {
 impl Model {
     /// The model's mixture of experts, its experts over `group` if given.
     fn moe_ffn(self, group: Option<Arc<dyn Communicator>>) -> MoeFfn {
+        self.moe_ffn_logged(group).0
+    }
+
+    /// The block and the log its forwards append to.
+    fn moe_ffn_logged(self, group: Option<Arc<dyn Communicator>>) -> (MoeFfn, MoeStats) {
         let cfg = if self == Model::FineMoe {
             fine_moe_config()
         } else {
             moe_config()
         };
-        let ffn = match group {
+        let (ffn, stats) = match group {
             Some(g) => MoeFfn::with_expert_parallel(cfg, g),
             None => MoeFfn::new(cfg),
         }
-        .unwrap()
-        .0;
+        .unwrap();
         if self == Model::FineMoe {
-            ffn.with_first_dense(1, Arc::new(SWIGLU))
+            (ffn.with_first_dense(1, Arc::new(SWIGLU)), stats)
         } else {
-            ffn
+            (ffn, stats)
         }
     }
 }
@@ -230,6 +234,7 @@ struct Layout {
     loss_scale: f32,
     /// Data packed from short documents (`Some`), masked or not.
     docs: Option<bool>,
+    recompute: Recompute,
 }
 
 impl Layout {
@@ -242,6 +247,7 @@ impl Layout {
             precision: Precision::F32,
             loss_scale: 1.0,
             docs: None,
+            recompute: Recompute::None,
         }
     }
     fn sp(self) -> Self {
@@ -259,6 +265,9 @@ impl Layout {
             loss_scale,
             ..self
         }
+    }
+    fn recompute(self, recompute: Recompute) -> Self {
+        Layout { recompute, ..self }
     }
     fn masked(self) -> Self {
         Layout {
@@ -279,6 +288,11 @@ struct Run {
     eval: f64,
     /// The whole model gathered on rank 0 after the last step.
     params: Vec<f32>,
+    /// Rank 0's activation bytes, as planned.
+    activations: usize,
+    /// The mixture of experts' forwards logged on rank 0 (0 for a dense
+    /// model).
+    moe_forwards: usize,
 }
 
 /// `STEPS` steps of `GLOBAL` micro-batches per step on `layout`: rank 0's
@@ -290,11 +304,14 @@ fn run(layout: Layout, model: Model) -> Run {
     let dims = layout.dims;
     let out = LocalCluster::run(dims.world_size(), |comm| {
         let mesh = dims.build(&comm).unwrap();
+        let mut log = None;
         let ffn: Arc<dyn FeedForward> = match model {
             Model::Llama | Model::FewKv => Arc::new(SWIGLU),
             Model::Dense => Arc::new(Mlp),
             Model::Moe | Model::FineMoe => {
-                Arc::new(model.moe_ffn((dims.ep > 1).then(|| expert_group(&mesh))))
+                let (ffn, stats) = model.moe_ffn_logged((dims.ep > 1).then(|| expert_group(&mesh)));
+                log = Some(stats);
+                Arc::new(ffn)
             }
         };
         let per = GLOBAL / dims.dp;
@@ -308,6 +325,7 @@ fn run(layout: Layout, model: Model) -> Run {
             precision: layout.precision,
             grad_wire: weft_collectives::Dtype::F32,
             doc_boundary: (layout.docs == Some(true)).then_some(EOT),
+            recompute: layout.recompute,
             fsdp: layout.fsdp.map(|strategy| FsdpConfig {
                 strategy,
                 hybrid_shard: 2.min(dims.dp / dims.ep),
@@ -376,6 +394,8 @@ fn run(layout: Layout, model: Model) -> Run {
         let eval = g
             .eval_loss(&vmbs)
             .unwrap_or_else(|e| panic!("{layout:?}: eval: {e}"));
+        let activations = g.memory().activations;
+        let moe_forwards = log.map_or(0, |l| l.take().len());
         let len = g.whole_layout().len();
         let mut bufs = [vec![0.0f32; len], vec![0.0; len], vec![0.0; len]];
         {
@@ -387,14 +407,21 @@ fn run(layout: Layout, model: Model) -> Run {
         let (parts, _) = g.owned_parts().unwrap();
         let whole = g.whole_layout().clone();
         let [params, m, v] = bufs;
-        (losses, norms, eval, (params, m, v), (parts, whole))
+        (
+            losses,
+            norms,
+            eval,
+            (params, m, v),
+            (parts, whole),
+            (activations, moe_forwards),
+        )
     })
     .unwrap();
     // A sharded checkpoint's parts: every element of every tensor written
     // by exactly one rank, with the values of the gathered model.
     let ((p, m, v), (_, whole)) = (&out[0].3, &out[0].4);
     let mut written = vec![0u8; whole.len()];
-    for (_, _, _, _, (parts, _)) in &out {
+    for (_, _, _, _, (parts, _), _) in &out {
         for part in parts {
             let spec = whole.get(&part.name).unwrap();
             assert_eq!(part.global_shape, spec.global_shape, "{layout:?}");
@@ -419,21 +446,24 @@ fn run(layout: Layout, model: Model) -> Run {
     }
     let out: Vec<_> = out
         .into_iter()
-        .map(|(l, n, e, (p, _, _), _)| (l, n, e, p))
+        .map(|(l, n, e, (p, _, _), _, k)| (l, n, e, p, k))
         .collect();
-    for (r, (l, n, e, _)) in out.iter().enumerate() {
+    for (r, (l, n, e, _, _)) in out.iter().enumerate() {
         assert_eq!(
             (l, n, e.to_bits()),
             (&out[0].0, &out[0].1, out[0].2.to_bits()),
             "{layout:?}: rank {r} disagrees"
         );
     }
-    let (losses, norms, eval, params) = out.into_iter().next().unwrap();
+    let (losses, norms, eval, params, (activations, moe_forwards)) =
+        out.into_iter().next().unwrap();
     Run {
         losses,
         norms,
         eval,
         params,
+        activations,
+        moe_forwards,
     }
 }
 
@@ -587,6 +617,7 @@ fn layouts(moe: bool) -> Vec<Layout> {
                                 precision: Precision::F32,
                                 loss_scale: 1.0,
                                 docs: None,
+                                recompute: Recompute::None,
                             };
                             out.push(base);
                             if tp > 1 && fsdp.is_none() {
@@ -677,6 +708,86 @@ fn mixed_precision_follows_one_rank(mixed: fn(Layout) -> Layout) {
         }
         for layout in layouts {
             check(mixed(layout), model, &one);
+        }
+    }
+}
+
+/// Recomputation changes no bit: on a layout of each axis, every pipeline
+/// schedule (the split backwards of ZB-H1, ZB-H2 and ZB-V recompute in
+/// both halves), FSDP, tensor parallelism with and without sequence
+/// parallelism, expert parallelism, bf16, fp16 with a loss scale and
+/// document masking, `full` and `every:2` give the losses, gradient
+/// norms, validation loss and final parameters of the same layout
+/// without recomputation, bit for bit; they keep fewer activation bytes
+/// (so the recomputation ran), and a mixture of experts logs each
+/// forward once.
+#[test]
+fn recomputation_changes_no_bit_on_any_layout() {
+    let pp = |kind, chunks| Layout {
+        schedule: Some((kind, chunks)),
+        ..Layout::new(2, 1, 1, 1)
+    };
+    for model in [Model::Dense, Model::Moe, Model::Llama, Model::FineMoe] {
+        let mut layouts = vec![
+            Layout::new(1, 1, 1, 1),
+            Layout::new(1, 1, 1, 1).masked(),
+            Layout::new(1, 1, 1, 1).bf16(),
+            Layout::new(1, 1, 1, 1).fp16(1024.0),
+            Layout {
+                fsdp: Some(Strategy::Full),
+                ..Layout::new(1, 2, 1, 1)
+            },
+            Layout::new(1, 1, 2, 1),
+            Layout::new(1, 1, 2, 1).sp(),
+            Layout {
+                fsdp: Some(Strategy::Hybrid),
+                ..Layout::new(2, 2, 2, 1)
+            }
+            .masked(),
+        ];
+        if model == Model::Dense {
+            layouts.extend([
+                pp(ScheduleKind::GPipe, 1),
+                pp(ScheduleKind::OneFOneB, 1),
+                pp(ScheduleKind::ZbH1, 1),
+                pp(ScheduleKind::ZbH2, 1),
+                pp(ScheduleKind::Interleaved, 2),
+                pp(ScheduleKind::ZbV, 2),
+            ]);
+        } else {
+            layouts.push(pp(ScheduleKind::ZbV, 2));
+        }
+        if model.is_moe() {
+            layouts.push(Layout::new(1, 2, 1, 2));
+            layouts.push(Layout {
+                fsdp: Some(Strategy::Full),
+                schedule: Some((ScheduleKind::ZbH1, 1)),
+                ..Layout::new(2, 2, 1, 2)
+            });
+        }
+        for layout in layouts {
+            let none = run(layout, model);
+            for r in [Recompute::Full, Recompute::Every(2)] {
+                let got = run(layout.recompute(r), model);
+                let what = format!("{layout:?} {model:?} {r}");
+                assert_eq!(got.losses, none.losses, "{what}: losses");
+                assert_eq!(got.norms, none.norms, "{what}: norms");
+                assert_eq!(got.eval.to_bits(), none.eval.to_bits(), "{what}: eval");
+                assert!(
+                    got.params
+                        .iter()
+                        .zip(&none.params)
+                        .all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "{what}: parameters"
+                );
+                assert!(
+                    got.activations < none.activations,
+                    "{what}: {} activation bytes, {} without",
+                    got.activations,
+                    none.activations
+                );
+                assert_eq!(got.moe_forwards, none.moe_forwards, "{what}: MoE log");
+            }
         }
     }
 }

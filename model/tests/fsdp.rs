@@ -87,6 +87,7 @@ fn model_in(
         precision,
         grad_wire: weft_collectives::Dtype::F32,
         doc_boundary: None,
+        recompute: weft_model::Recompute::None,
         reproducible: fsdp.as_ref().is_none_or(|f| f.reproducible),
         fsdp,
         pipeline: None,

@@ -25,7 +25,7 @@ use weft_kernels::{AdamW, Precision};
 use weft_model::tp::TpOptions;
 use weft_model::{
     FeedForward, GptConfig, Init, MicroBatch, Mlp, MoeFfn, ParallelGpt, ParallelPlan, RankMemory,
-    expert_group, partition_layers,
+    Recompute, expert_group, partition_layers,
 };
 use weft_moe::{MoeConfig, Router};
 use weft_parallel::{ParallelDims, TrafficAxis};
@@ -77,6 +77,9 @@ struct Layout {
     moe: bool,
     /// bf16 products (and the products' inputs kept in bf16)
     bf16: bool,
+    recompute: Recompute,
+    /// Document masking (token 0 ends a document).
+    docs: bool,
 }
 
 fn lay(pp: usize, dp: usize, tp: usize, ep: usize) -> Layout {
@@ -87,6 +90,8 @@ fn lay(pp: usize, dp: usize, tp: usize, ep: usize) -> Layout {
         sp: false,
         moe: ep > 1,
         bf16: false,
+        recompute: Recompute::None,
+        docs: false,
     }
 }
 
@@ -168,7 +173,8 @@ fn setup(
             Precision::F32
         },
         grad_wire: weft_collectives::Dtype::F32,
-        doc_boundary: None,
+        doc_boundary: layout.docs.then_some(0),
+        recompute: layout.recompute,
         fsdp: layout.fsdp.map(|strategy| FsdpConfig {
             strategy,
             hybrid_shard: 2.min(dims.dp / dims.ep),
@@ -532,7 +538,25 @@ fn memory_is_what_the_layout_predicts() {
     let fsdp = |l: Layout, s: Strategy| Layout { fsdp: Some(s), ..l };
     let moe = |l: Layout| Layout { moe: true, ..l };
     let bf16 = |l: Layout| Layout { bf16: true, ..l };
+    let full = |l: Layout| Layout {
+        recompute: Recompute::Full,
+        ..l
+    };
     let mut layouts = vec![
+        full(lay(1, 1, 1, 1)),
+        Layout {
+            recompute: Recompute::Every(2),
+            ..bf16(sp(lay(2, 1, 2, 1)))
+        },
+        full(moe(lay(1, 1, 1, 1))),
+        full(fsdp(
+            sched(lay(2, 2, 1, 1), ScheduleKind::ZbH1, 1),
+            Strategy::Full,
+        )),
+        Layout {
+            docs: true,
+            ..full(sched(lay(2, 1, 1, 1), ScheduleKind::ZbV, 2))
+        },
         bf16(lay(1, 1, 1, 1)),
         bf16(sp(lay(2, 1, 2, 1))),
         bf16(moe(lay(1, 1, 1, 1))),

@@ -135,6 +135,7 @@ fn check_case(path: &Path) -> TestResult {
         loss_scale: 1.0,
         layer: 0,
         tp: None,
+        replay: false,
     };
     let mut out = vec![0.0f32; n * c];
     let mut saved = vec![0.0f32; ffn.saved_len(&d)];

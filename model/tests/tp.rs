@@ -670,6 +670,7 @@ fn mlp_step(
         loss_scale: 1.0,
         layer: 0,
         tp,
+        replay: false,
     };
     let rows = d.rows();
     let mut saved = vec![0.0; Mlp.saved_len(&d)];

@@ -100,6 +100,7 @@ mod mesh;
 mod norm;
 mod optim;
 mod placement;
+mod recompute;
 mod reduce;
 
 pub use config::{
@@ -115,4 +116,5 @@ pub use optim::{AdamWState, adamw_runs};
 pub use placement::{
     Axis, Coords, Placement, Placements, Run, copied_runs, first_runs, local_shape, runs,
 };
+pub use recompute::Recompute;
 pub use reduce::{GradReducer, reduce_group};

@@ -257,7 +257,8 @@ pub struct CalibrationRow {
 }
 
 /// The layouts `--calibrate` runs: dp=1, dp=2, dp=2 with FSDP (ZeRO-3),
-/// tp=2, pp=2 (1F1B), on thread ranks.
+/// tp=2, pp=2 (1F1B) on thread ranks, and one rank with full
+/// recomputation (`train.recompute = "full"`).
 #[must_use]
 pub fn layouts() -> Vec<Trial> {
     [
@@ -266,6 +267,7 @@ pub fn layouts() -> Vec<Trial> {
         &["parallel.dp=2", "parallel.fsdp=\"full\""],
         &["parallel.tp=2"],
         &["parallel.pp=2"],
+        &["train.recompute=\"full\""],
     ]
     .into_iter()
     .map(Trial::threads)

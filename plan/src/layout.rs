@@ -1,21 +1,20 @@
 //! Layouts: how a job is split over the GPUs — `weft train`'s `[parallel]`
 //! table itself ([`ParallelLayout`]: `dp`, `fsdp`, `hybrid_shard`, `tp`,
 //! `sequence_parallel`, `pp`, `pp_schedule`, `pp_chunks`, `ep`, ...), with
-//! `train.micro_batch_size` and activation recomputation, which weft does
-//! not run (the planner models it for other frameworks' runs, such as the
-//! published Megatron-LM ones).
+//! `train.micro_batch_size` and activation recomputation
+//! (`train.recompute`: `none`, `full`, `every:K`).
 
 use std::fmt;
 
 use serde::{Deserialize, Serialize};
-use weft_parallel::{ModelShape, ParallelLayout, Strategy};
+use weft_parallel::{ModelShape, ParallelLayout, Recompute, Strategy};
 use weft_pipeline::ScheduleKind;
 
 use crate::error::{Error, Result};
 use crate::model::ModelSpec;
 
 /// One way to run the job: a `[parallel]` layout, the micro-batch size,
-/// and whether activations are recomputed.
+/// and which blocks recompute their activations.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Layout {
     /// The `[parallel]` table: degrees, FSDP strategy, schedule and chunks,
@@ -25,9 +24,10 @@ pub struct Layout {
     pub parallel: ParallelLayout,
     /// Sequences per micro-batch (`train.micro_batch_size`).
     pub micro_batch_size: usize,
-    /// Full activation recomputation (each layer's forward run again in its
-    /// backward, keeping only its input). Not in weft.
-    pub recompute: bool,
+    /// Activation recomputation (`train.recompute`): the blocks whose
+    /// forward runs again in their backward, keeping only their input.
+    #[serde(default)]
+    pub recompute: Recompute,
 }
 
 impl Default for Layout {
@@ -35,7 +35,7 @@ impl Default for Layout {
         Self {
             parallel: ParallelLayout::default(),
             micro_batch_size: 1,
-            recompute: false,
+            recompute: Recompute::None,
         }
     }
 }
@@ -105,14 +105,8 @@ impl Layout {
         self.parallel.shard_group()
     }
 
-    /// Whether weft runs it (no activation recomputation).
-    #[must_use]
-    pub fn weft_runs(&self) -> bool {
-        !self.recompute
-    }
-
     /// `[parallel]` and `[train]` settings of `weft train` for this layout,
-    /// as `--set` arguments (recomputation has none).
+    /// as `--set` arguments.
     #[must_use]
     pub fn train_sets(&self) -> Vec<String> {
         let p = &self.parallel;
@@ -135,6 +129,9 @@ impl Layout {
             if p.pp_schedule == ScheduleKind::Interleaved {
                 v.push(format!("parallel.pp_chunks={}", p.pp_chunks));
             }
+        }
+        if self.recompute != Recompute::None {
+            v.push(format!("train.recompute=\"{}\"", self.recompute));
         }
         if p.sequence_parallel {
             v.push("parallel.sequence_parallel=true".into());
@@ -233,8 +230,10 @@ impl fmt::Display for Layout {
         if p.sequence_parallel {
             f.write_str(" sp")?;
         }
-        if self.recompute {
-            f.write_str(" recompute")?;
+        match self.recompute {
+            Recompute::None => {}
+            Recompute::Full => f.write_str(" recompute")?,
+            r => write!(f, " recompute={r}")?,
         }
         Ok(())
     }

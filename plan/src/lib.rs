@@ -74,8 +74,10 @@
 //! GPU's memory), load imbalance between experts (routing is taken as
 //! balanced), context parallelism, FP8, and weft's GPU kernels (weft
 //! computes on CPUs today; GPU layouts are planned as Megatron-LM runs
-//! them). Activation recomputation is modelled (full only) but weft does
-//! not run it, so the search considers it only when asked.
+//! them). Activation recomputation is modelled as weft runs it
+//! (`train.recompute`: a recomputed block keeps its output and runs its
+//! forward again before its backward, before each half of a split one);
+//! the search tries none and full unless pinned.
 //!
 //! # Example
 //! ```

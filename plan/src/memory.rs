@@ -36,7 +36,7 @@ use std::ops::AddAssign;
 use serde::{Deserialize, Serialize};
 
 use crate::cluster::Precision;
-use weft_parallel::Strategy;
+use weft_parallel::{Recompute, Strategy};
 
 use crate::layout::Layout;
 use crate::model::ModelSpec;
@@ -493,7 +493,19 @@ fn weft_chunk(model: &ModelSpec, layout: &Layout, recipe: &Recipe, chunk: &Chunk
     let (block, scratch, split) = weft_block_floats(model, layout, recipe.precision);
     let layers = u(chunk.layers);
     let v_loc = u(model.vocab.div_ceil(layout.parallel.tp));
-    let mut per_slot = 2 * rows * c + layers * block;
+    // a recomputed block keeps its output; the working buffers gain one
+    // block's activations for the recomputation
+    let recomputed = u(chunk
+        .blocks()
+        .filter(|&l| layout.recompute.recomputes(l))
+        .count());
+    let scratch = scratch
+        + if layout.recompute == Recompute::None {
+            0
+        } else {
+            block
+        };
+    let mut per_slot = 2 * rows * c + (layers - recomputed) * block + recomputed * rows * c;
     if chunk.embed {
         per_slot += n;
     }
@@ -595,7 +607,7 @@ fn mixed_chunk(model: &ModelSpec, layout: &Layout, recipe: &Recipe, chunk: &Chun
             5 * a * s * keys * b
         };
         let sharded = attention + ffn + scores;
-        if layout.recompute {
+        if layout.recompute.recomputes(l) {
             if sp { 2 * sbh / t } else { 2 * sbh }
         } else if sp {
             (replicated + sharded) / t

@@ -31,6 +31,7 @@ use serde::Serialize;
 
 use crate::cluster::{Cluster, Precision};
 use crate::error::Result;
+use weft_parallel::Recompute;
 use weft_pipeline::ScheduleKind;
 
 use crate::layout::Layout;
@@ -201,7 +202,7 @@ impl PublishedRun {
         }
         Layout {
             micro_batch_size: self.micro_batch_size,
-            recompute: true,
+            recompute: Recompute::Full,
             ..l
         }
     }

@@ -8,7 +8,7 @@ use std::rc::Rc;
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
-use weft_parallel::{ParallelLayout, Strategy};
+use weft_parallel::{ParallelLayout, Recompute, Strategy};
 use weft_pipeline::ScheduleKind;
 
 use crate::layout::Layout;
@@ -38,8 +38,8 @@ pub struct Constraints {
     pub micro_batch_size: Option<usize>,
     /// Sequence parallelism.
     pub sequence_parallel: Option<bool>,
-    /// Consider full activation recomputation (not in weft) as well.
-    pub allow_recompute: bool,
+    /// Recomputation: `None` tries none and full, `Some` pins it.
+    pub recompute: Option<Recompute>,
     /// Largest micro-batch size tried (default 64).
     pub max_micro_batch: Option<usize>,
 }
@@ -148,10 +148,9 @@ pub fn enumerate(req: &Request, c: &Constraints) -> Vec<Layout> {
                                 if c.sequence_parallel.is_some_and(|x| x != sp) {
                                     continue;
                                 }
-                                let rcs: &[bool] = if c.allow_recompute {
-                                    &[false, true]
-                                } else {
-                                    &[false]
+                                let rcs: &[Recompute] = match &c.recompute {
+                                    Some(r) => std::slice::from_ref(r),
+                                    None => &[Recompute::None, Recompute::Full],
                                 };
                                 for &recompute in rcs {
                                     let l = Layout {
@@ -269,7 +268,7 @@ pub fn search(req: &Request, c: &Constraints) -> Result<Vec<Prediction>> {
                     ..ParallelLayout::default()
                 },
                 micro_batch_size: c.micro_batch_size.unwrap_or(1),
-                recompute: false,
+                recompute: c.recompute.unwrap_or_default(),
             };
             l.validate(&req.model, req.batch, req.cluster.gpus)?;
         }

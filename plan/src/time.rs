@@ -324,7 +324,7 @@ pub(crate) fn block_activation_bytes(
     };
     let empty = Chunk { layers: 0, ..probe };
     let mut no_recompute = Layout {
-        recompute: false,
+        recompute: weft_parallel::Recompute::None,
         ..*layout
     };
     no_recompute.parallel.fsdp = None;
@@ -382,6 +382,7 @@ pub(crate) fn chunk_time(
             1.0
         };
     let attention_backward = if recipe.flash_attention { 2.5 } else { 2.0 };
+    let split = layout.schedule().splits_backward() && layout.parallel.pp > 1;
 
     let mut ct = ChunkTime::default();
     for l in chunk.blocks() {
@@ -418,10 +419,18 @@ pub(crate) fn chunk_time(
         ct.b_tp += tp_f;
         ct.f_ep += ep_f;
         ct.b_ep += ep_b;
-        if layout.recompute {
+        if layout.recompute.recomputes(l) {
+            // the forward again before the backward; weft's split
+            // backward (zero-bubble schedules) runs it before each half
+            // (its communication counted with the input half's)
             ct.b_compute += block_fwd;
             ct.b_tp += tp_f;
             ct.b_ep += ep_f;
+            if split {
+                ct.w_compute += block_fwd;
+                ct.b_tp += tp_f;
+                ct.b_ep += ep_f;
+            }
         }
     }
     let v_loc = model.vocab.div_ceil(layout.parallel.tp) as f64;

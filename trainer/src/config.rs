@@ -156,6 +156,12 @@ pub struct TrainConfig {
     pub precision: Precision,
     /// Dynamic loss scaling, used with `precision = "fp16"`.
     pub loss_scale: LossScaleConfig,
+    /// Activation recomputation: `"none"` (keep every block's
+    /// activations), `"full"` (every block keeps only its output and runs
+    /// its forward again in the backward: the least memory, about a third
+    /// more compute) or `"every:K"` (blocks 0, K, 2K, … recompute). Bitwise
+    /// the same training on every layout (`weft_model::Recompute`).
+    pub recompute: weft_model::Recompute,
     /// Where the model computes: `"cpu"` (the default), or `"cuda"` /
     /// `"cuda:N"` for GPU `N` (see [`Device::check`]).
     pub device: Device,
@@ -316,6 +322,7 @@ impl Default for TrainConfig {
             skip_batches: Vec::new(),
             precision: Precision::F32,
             loss_scale: LossScaleConfig::default(),
+            recompute: weft_model::Recompute::None,
             device: Device::Cpu,
         }
     }
@@ -619,7 +626,7 @@ impl Config {
     /// as the key that asks for it and why. The GPU loop trains a dense
     /// model on one GPU as one rank (`weft_model::cuda::CudaGpt`), so
     /// every other layout, mixture-of-experts blocks, document masking,
-    /// fp16 (no dynamic loss scaling on the device) and rewinding are
+    /// recomputation, fp16 (no dynamic loss scaling on the device) and rewinding are
     /// refused; `Ok` on the CPU.
     ///
     /// # Errors
@@ -680,6 +687,15 @@ impl Config {
             return Err((
                 "data.doc_mask",
                 why("the GPU model's attention has no document masking yet".into()),
+            ));
+        }
+        if self.train.recompute != weft_model::Recompute::None {
+            return Err((
+                "train.recompute",
+                why(format!(
+                    "= \"{}\": the GPU model keeps every activation (no recomputation yet)",
+                    self.train.recompute
+                )),
             ));
         }
         if self.train.precision == Precision::F16 {

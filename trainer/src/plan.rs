@@ -145,9 +145,10 @@ pub struct PlanArgs {
     /// Pin sequence parallelism on (`true`) or off (`false`).
     #[arg(long, value_name = "BOOL")]
     pub sp: Option<bool>,
-    /// Also consider full activation recomputation (which weft does not run).
-    #[arg(long)]
-    pub recompute: bool,
+    /// Pin activation recomputation: `none`, `full` or `every:K`
+    /// (`train.recompute`; default: try none and full).
+    #[arg(long, value_name = "POLICY")]
+    pub recompute: Option<weft_model::Recompute>,
     /// Layouts to show (0: all).
     #[arg(long, default_value_t = 8)]
     pub top: usize,
@@ -271,7 +272,7 @@ pub fn layout_of(config: &Config) -> Result<Layout, PlanError> {
     Ok(Layout {
         parallel: config.parallel,
         micro_batch_size: config.batch_split()?.micro,
-        recompute: false,
+        recompute: config.train.recompute,
     })
 }
 
@@ -647,7 +648,7 @@ fn constraints(args: &PlanArgs) -> Result<Constraints, PlanError> {
         pp_chunks: args.chunks,
         micro_batch_size: args.micro_batch,
         sequence_parallel: args.sp,
-        allow_recompute: args.recompute,
+        recompute: args.recompute,
         max_micro_batch: None,
     })
 }

@@ -101,9 +101,12 @@ impl Observer for Terminal {
         self.floor = info.floor;
         self.log_every = (info.steps / 20).max(1);
         say(&format!("run folder      {}", info.run_dir.display()));
-        let fp32 = info.fp32_activation_bytes.map_or_else(String::new, |b| {
+        let mut fp32 = info.fp32_activation_bytes.map_or_else(String::new, |b| {
             format!(" ({}B in fp32)", si(b as f64).trim())
         });
+        if let Some((r, b)) = info.without_recompute {
+            fp32 += &format!(" (recompute {r}; {}B without)", si(b as f64).trim());
+        }
         say(&format!(
             "model           {}, {} parameters, vocabulary {}, activations {}B per micro-batch{fp32}",
             info.arch,

@@ -236,6 +236,9 @@ pub struct RunInfo {
     /// the difference is what keeping the products' inputs in bf16
     /// saves. `None` in other precisions (and on the GPU).
     pub fp32_activation_bytes: Option<usize>,
+    /// With `train.recompute`, the policy and the bytes the same layout
+    /// plans for the activations without it. `None` otherwise.
+    pub without_recompute: Option<(weft_model::Recompute, usize)>,
     /// The split over ranks, e.g. `dp=2 tp=2` (`single rank` alone).
     pub layout: String,
     /// The mesh's shape, e.g. `pp=1 × edp=2 × ep=1 × tp=2 (tp innermost)`.

@@ -286,6 +286,53 @@ fn bf16_runs_shard_resume_and_track_fp32() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// `train.recompute`: the start-up report gives the activation bytes
+/// with and without it; `full` and `every:2` train the bits of `none` on
+/// one rank and over pipeline stages with FSDP; a run saved with
+/// recomputation resumes without it bit for bit (the policy is not part
+/// of the model's state).
+#[test]
+fn recomputation_trains_the_same_bits_with_fewer_activations() {
+    let dir = tmp("recompute");
+    // four blocks: `every:2` recomputes two, and keeps one block's
+    // activations for the recomputation
+    let base = ["checkpoint.every=3", "model.n_layer=4"];
+    let none = train(&config(&dir, "r0", &base), false, &mut Silent).unwrap();
+    for (name, policy) in [("r1", "\"full\""), ("r2", "\"every:2\"")] {
+        let set = format!("train.recompute={policy}");
+        let mut info = Info::default();
+        let run = train(
+            &config(&dir, name, &["checkpoint.every=3", "model.n_layer=4", &set]),
+            false,
+            &mut info,
+        )
+        .unwrap();
+        let info = info.0.unwrap();
+        let (r, without) = info.without_recompute.expect("reported");
+        assert_eq!(format!("\"{r}\""), policy);
+        assert!(info.activation_bytes < without, "{policy}: {info:?}");
+        assert_eq!(trace(&run.run_dir), trace(&none.run_dir), "{policy}");
+    }
+    let piped = [
+        "checkpoint.every=3",
+        "model.n_layer=4",
+        "train.recompute=\"full\"",
+        "parallel.pp=2",
+        "parallel.dp=2",
+        "parallel.fsdp=\"full\"",
+        "parallel.pp_schedule=\"zb-h1\"",
+    ];
+    let pp = train(&config(&dir, "r3", &piped), false, &mut Silent).unwrap();
+    assert_eq!(trace(&pp.run_dir), trace(&none.run_dir), "pp x fsdp");
+    // saved with recomputation at step 3, resumed without it
+    let again = dir.join("r1-again");
+    copy_dir(&dir.join("r1"), &again);
+    std::fs::remove_dir_all(again.join("checkpoints/step-00000006")).unwrap();
+    let resumed = train(&config(&dir, "r1-again", &base), true, &mut Silent).unwrap();
+    assert_eq!(trace(&resumed.run_dir), trace(&none.run_dir));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// fp16 with dynamic loss scaling. A first scale of 2^30 overflows fp16
 /// (the logits' gradient times 2^30 is far beyond 65504), so the first
 /// steps are skipped as `overflow` events with the scale backing off by

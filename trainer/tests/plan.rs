@@ -95,6 +95,23 @@ fn planned_memory_is_what_weft_train_allocates() {
             "parallel.fsdp=\"full\"",
         ],
         &["train.precision=\"bf16\"", "model.moe.experts=4"],
+        // recomputation: a block keeps its output, the working buffers
+        // one block's activations
+        &["train.recompute=\"full\""],
+        &[
+            "train.recompute=\"every:2\"",
+            "model.n_layer=4",
+            "parallel.pp=2",
+            "parallel.pp_schedule=\"zb-v\"",
+            "parallel.tp=2",
+            "parallel.sequence_parallel=true",
+        ],
+        &[
+            "train.recompute=\"full\"",
+            "train.precision=\"bf16\"",
+            "parallel.dp=2",
+            "parallel.fsdp=\"full\"",
+        ],
     ];
     check_memory(&[], layouts);
 }
@@ -544,6 +561,8 @@ fn one_pinned_layout_and_the_table() {
                 "1f1b",
                 "--micro-batch",
                 "4",
+                "--recompute",
+                "none",
             ],
         ]
         .concat(),

@@ -36,6 +36,7 @@ pub(crate) struct Built<M> {
 pub(crate) struct Report {
     pub predicted: RankMemory,
     pub fp32_activations: Option<usize>,
+    pub without_recompute: Option<(weft_model::Recompute, usize)>,
     pub layout: String,
     pub mesh: String,
     pub coords: Vec<String>,
@@ -70,6 +71,7 @@ impl<M: TrainModel> Built<M> {
             steps: t.steps,
             activation_bytes: memory.activations,
             fp32_activation_bytes: r.fp32_activations,
+            without_recompute: r.without_recompute,
             layout: r.layout.clone(),
             mesh: r.mesh.clone(),
             coords: r.coords.clone(),
@@ -198,14 +200,17 @@ fn rank_ffn(
 /// ([`ParallelPlan::new`] of its `[parallel]` layout).
 fn plan(job: &Job<'_>, cfg: &GptConfig) -> Result<ParallelPlan, TrainError> {
     let config = job.config;
-    Ok(ParallelPlan::new(
-        cfg,
-        &config.parallel,
-        crate::plan::feed_forwards(config),
-        config.batch_split()?,
-        config.train.precision,
-        config.data.doc_boundary(job.data.end_of_text()),
-    )?)
+    Ok(ParallelPlan {
+        recompute: config.train.recompute,
+        ..ParallelPlan::new(
+            cfg,
+            &config.parallel,
+            crate::plan::feed_forwards(config),
+            config.batch_split()?,
+            config.train.precision,
+            config.data.doc_boundary(job.data.end_of_text()),
+        )?
+    })
 }
 
 /// How the ranks run, for the start-up report.
@@ -270,6 +275,16 @@ pub(crate) fn build_cpu(
     } else {
         None
     };
+    // with recomputation, the activations the same layout keeps without
+    let without_recompute = if plan.recompute == weft_model::Recompute::None {
+        None
+    } else {
+        let none = ParallelPlan {
+            recompute: weft_model::Recompute::None,
+            ..plan.clone()
+        };
+        Some((plan.recompute, agree(world, predict(&none))?.activations))
+    };
     let hosts = job
         .processes
         .map(weft_collectives::processes::Processes::hosts);
@@ -298,6 +313,7 @@ pub(crate) fn build_cpu(
     let report = Report {
         predicted,
         fp32_activations,
+        without_recompute,
         layout: layout_name(config),
         mesh: format!("{} (tp innermost)", shape.join(" × ")),
         coords: (0..dims.world_size())
@@ -459,6 +475,7 @@ mod gpu {
         let report = Report {
             predicted,
             fp32_activations: None,
+            without_recompute: None,
             layout: format!("{} on {device}", layout_name(config)),
             mesh: "one GPU".into(),
             coords: vec![format!("rank 0: {device}")],

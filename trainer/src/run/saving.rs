@@ -102,9 +102,11 @@ impl CkptError {
 /// that only decide how long to go on and what to watch (`train.steps`,
 /// `train.eval_every`, `train.eval_sequences`, `train.spike_*`,
 /// `train.straggler_*`, the rewind settings, `train.skip_batches`, which only changes the batches
-/// of steps to come, and `train.micro_batch_size` and `train.device`,
-/// which like the layout only change rounding), so a run can be resumed
-/// to train longer, past a batch to leave out, or on the other device. (Changing `train.steps` changes the
+/// of steps to come, `train.micro_batch_size` and `train.device`,
+/// which like the layout only change rounding, and `train.recompute`,
+/// which changes nothing), so a run can be resumed to train longer, past
+/// a batch to leave out, on the other device or with another
+/// recomputation. (Changing `train.steps` changes the
 /// learning-rate schedule from the resume point on: the run is then no
 /// longer the uninterrupted run of either length.)
 pub(crate) fn config_hash(config: &Config) -> String {
@@ -137,6 +139,8 @@ pub(crate) fn config_hash(config: &Config) -> String {
     // the GPU runs the same model, data and optimizer to rounding: a
     // checkpoint of either device continues on the other
     c.train.device = d.device;
+    // recomputation changes no bit: a run may resume with another policy
+    c.train.recompute = d.recompute;
     format!(
         "{:016x}",
         xxhash_rust::xxh3::xxh3_64(c.to_toml().as_bytes())
