@@ -637,86 +637,39 @@ impl Config {
             return Ok(());
         };
         let device = self.train.device.name();
-        let p = &self.parallel;
-        let why = |what: String| format!("{what}; use train.device = \"cpu\" for it");
-        for (key, v) in [
-            ("parallel.dp", p.dp),
-            ("parallel.tp", p.tp),
-            ("parallel.pp", p.pp),
-            ("parallel.ep", p.ep),
-        ] {
-            if v != 1 {
-                return Err((
-                    key,
-                    why(format!(
-                        "= {v}: train.device = \"{device}\" trains on one GPU as one rank (parallel.dp = tp = pp = ep = 1)"
-                    )),
-                ));
-            }
+        let (p, t) = (&self.parallel, &self.train);
+        let one_rank = format!("train.device = \"{device}\" trains on one GPU as one rank");
+        let degree = |v: usize| {
+            (v != 1).then(|| format!("= {v}: {one_rank} (parallel.dp = tp = pp = ep = 1)"))
+        };
+        let refusals = [
+            ("parallel.dp", degree(p.dp)),
+            ("parallel.tp", degree(p.tp)),
+            ("parallel.pp", degree(p.pp)),
+            ("parallel.ep", degree(p.ep)),
+            ("parallel.fsdp", p.fsdp.map(|s| format!("= \"{s}\": {one_rank}, holding the whole model (no sharding)"))),
+            ("parallel.backend", matches!(p.backend, weft_collectives::Backend::Mpi | weft_collectives::Backend::Nccl)
+                .then(|| format!("= \"{}\": {one_rank} in this process (\"auto\" or \"threads\")", p.backend.name()))),
+            ("model.moe.experts", (self.model.moe.experts > 0).then(|| format!(
+                "= {}: the GPU model (weft_model::cuda::CudaGpt) has GPT-2's dense MLP blocks only; set it to 0",
+                self.model.moe.experts))),
+            ("data.doc_mask", self.data.doc_mask.then(|| "the GPU model's attention has no document masking yet".into())),
+            ("train.recompute", (t.recompute != weft_model::Recompute::None).then(|| format!(
+                "= \"{}\": the GPU model keeps every activation (no recomputation yet)", t.recompute))),
+            ("train.precision", (t.precision == Precision::F16).then(|| {
+                "= \"fp16\": the GPU loop has no dynamic loss scaling yet; \"bf16\" or \"fp32\" run on the GPU".into()
+            })),
+            ("train.rewind", t.rewind.then(|| {
+                "the GPU loop does not rewind yet (train.skip_batches and the spike and non-finite checks work)".into()
+            })),
+        ];
+        match refusals
+            .into_iter()
+            .find_map(|(key, why)| why.map(|w| (key, w)))
+        {
+            Some((key, why)) => Err((key, format!("{why}; use train.device = \"cpu\" for it"))),
+            None => Ok(()),
         }
-        if let Some(s) = p.fsdp {
-            return Err((
-                "parallel.fsdp",
-                why(format!(
-                    "= \"{s}\": train.device = \"{device}\" holds the whole model on one GPU (no sharding)"
-                )),
-            ));
-        }
-        if matches!(
-            p.backend,
-            weft_collectives::Backend::Mpi | weft_collectives::Backend::Nccl
-        ) {
-            return Err((
-                "parallel.backend",
-                why(format!(
-                    "= \"{}\": train.device = \"{device}\" runs one rank in this process (\"auto\" or \"threads\")",
-                    p.backend.name()
-                )),
-            ));
-        }
-        if self.model.moe.experts > 0 {
-            return Err((
-                "model.moe.experts",
-                why(format!(
-                    "= {}: the GPU model (weft_model::cuda::CudaGpt) has GPT-2's dense MLP blocks only; set it to 0",
-                    self.model.moe.experts
-                )),
-            ));
-        }
-        if self.data.doc_mask {
-            return Err((
-                "data.doc_mask",
-                why("the GPU model's attention has no document masking yet".into()),
-            ));
-        }
-        if self.train.recompute != weft_model::Recompute::None {
-            return Err((
-                "train.recompute",
-                why(format!(
-                    "= \"{}\": the GPU model keeps every activation (no recomputation yet)",
-                    self.train.recompute
-                )),
-            ));
-        }
-        if self.train.precision == Precision::F16 {
-            return Err((
-                "train.precision",
-                why(
-                    "= \"fp16\": the GPU loop has no dynamic loss scaling yet; \"bf16\" or \"fp32\" run on the GPU"
-                        .into(),
-                ),
-            ));
-        }
-        if self.train.rewind {
-            return Err((
-                "train.rewind",
-                why(
-                    "the GPU loop does not rewind yet (train.skip_batches and the spike and non-finite checks work)"
-                        .into(),
-                ),
-            ));
-        }
-        Ok(())
     }
 
     /// The configuration as TOML, as written to the run folder.

@@ -229,6 +229,14 @@ const CASES: &[(&[&str], &str)] = &[
         &["train", "--set", "train.straggler_window=0"],
         "key `train.straggler_window`: must be at least 1",
     ),
+    (
+        &["train", "--set", "train.recompute=\"every:0\""],
+        "key `train.recompute`: unknown recomputation `every:0`: expected `none`, `full` or `every:K`",
+    ),
+    (
+        &["plan", "--recompute", "some"],
+        "unknown recomputation `some`",
+    ),
     // the device: a GPU that is not here (never a panic), and what the
     // GPU loop does not do
     (&["train", "--device", "tpu"], "unknown device `tpu`"),

@@ -291,6 +291,11 @@ fn the_gpu_loop_refuses_what_it_does_not_do() {
         ),
         (&["train.precision=fp16"], "train.precision", "loss scaling"),
         (&["train.rewind=true"], "train.rewind", "does not rewind"),
+        (
+            &["train.recompute=\"full\""],
+            "train.recompute",
+            "no recomputation",
+        ),
     ] {
         let e = cuda(sets).unwrap_err();
         assert!(
