@@ -70,7 +70,12 @@ fn main() {
         "bf16" => Precision::Bf16,
         p => panic!("--precision {p}: expected fp32 or bf16"),
     };
-    let policies = [Recompute::None, Recompute::Every(2), Recompute::Full];
+    let policies = [
+        Recompute::None,
+        Recompute::Selective,
+        Recompute::Every(2),
+        Recompute::Full,
+    ];
     println!(
         "# {name}, {} products, micro-batch {b}, {rounds} rounds (one step of each policy a round), budget {:.0} GiB",
         precision.name(),

@@ -136,7 +136,9 @@ pub struct BlockActs {
     pos: Vec<u32>,      // rotary positions (B·T), empty without
 
     atty: LinearAct,          // (B·T, Ca)
-    att: Vec<f32>,            // (B, NHa, T, T)
+    att: Vec<f32>,            // (B, NHa, T, T); empty under selective recomputation
+    mask: Vec<u32>,           // selective: the attention's row starts (B·T), if `masked`
+    masked: bool,             // selective: the forward's attention had a mask
     res2: Vec<f32>,           // (rows, C)
     ln2: LinearAct,           // (B·T, C), gathered under SP
     ln2_mean: Vec<f32>,       // (rows); empty under RMSNorm
@@ -179,7 +181,7 @@ impl BlockActs {
             .iter()
             .map(|v| v.len())
             .sum::<usize>()
-            + 4 * self.pos.len()
+            + 4 * (self.pos.len() + self.mask.len())
     }
 }
 
@@ -310,6 +312,10 @@ pub struct BlockScratch {
     /// One block's activations for recomputation, when the blocks'
     /// [`Recompute`] recomputes any.
     pub(crate) replay: Option<Box<BlockActs>>,
+    /// Under selective recomputation: one block's attention probabilities
+    /// `(B, NHa, T, T)`, written by each forward and recomputed before
+    /// each attention's backward.
+    att: Vec<f32>,
 }
 
 impl BlockScratch {
@@ -331,6 +337,7 @@ impl BlockScratch {
         .map(|v| v.len())
         .sum::<usize>()
             + self.replay.as_ref().map_or(0, |a| a.bytes())
+            + 4 * self.att.len()
     }
 }
 
@@ -1015,7 +1022,7 @@ impl GptBlocks {
 
     /// The lengths of [`BlockActs`]' buffers, in field order, checked
     /// against overflow (sizes a user sets).
-    fn block_act_lens(&self, b: usize, t: usize) -> Result<[usize; 15]> {
+    fn block_act_lens(&self, b: usize, t: usize) -> Result<[usize; 16]> {
         self.check_shape(b, t)?;
         let c = self.config.n_embd;
         let (nh, ca) = self.heads();
@@ -1032,7 +1039,11 @@ impl GptBlocks {
             rows,
             n * self.qkv_cols(),
             linear(n * ca),
-            product("the attention matrix B·NH·T·T", &[b, nh, t, t])?,
+            if self.recompute.selective() {
+                0
+            } else {
+                self.att_len(b, t)?
+            },
             rows * c,
             LinearAct::slots(n * c, self.ffn_input_precision()),
             mean,
@@ -1046,7 +1057,24 @@ impl GptBlocks {
                 0
             },
             if self.rope.is_some() { n } else { 0 },
+            if self.recompute.selective() && self.masks_attention() {
+                n
+            } else {
+                0
+            },
         ])
+    }
+
+    /// Floats of one block's attention probabilities, `B·(NH/tp)·T²`.
+    fn att_len(&self, b: usize, t: usize) -> Result<usize> {
+        product("the attention matrix B·NH·T·T", &[b, self.heads().0, t, t])
+    }
+
+    /// Whether some block's attention may be masked (document masking,
+    /// or sliding windows): then a selective recomputation keeps each
+    /// block's row starts.
+    fn masks_attention(&self) -> bool {
+        self.doc_boundary.is_some() || self.config.arch.sliding_window.is_some()
     }
 
     /// Floats of one block's activations for `b`×`t` (what
@@ -1101,6 +1129,8 @@ impl GptBlocks {
             qk_raw: z(l[12]),
             qk_rstd: z(l[13]),
             pos: vec![0; l[14]],
+            mask: vec![0; l[15]],
+            masked: false,
         })
     }
 
@@ -1128,6 +1158,8 @@ impl GptBlocks {
             pos: Vec::new(),
             atty: LinearAct::F32(Vec::new()),
             att: Vec::new(),
+            mask: Vec::new(),
+            masked: false,
             res2: Vec::new(),
             ln2: LinearAct::F32(Vec::new()),
             ln2_mean: Vec::new(),
@@ -1222,7 +1254,7 @@ impl GptBlocks {
             n * c,
             n * self.heads().1,
             l[3],
-            l[5],
+            self.att_len(b, t)?,
             self.ffn.scratch_len(&self.dims(b, t, self.mode, 0)),
             sp(self.rows(n) * c),
             sp(n * c),
@@ -1240,16 +1272,22 @@ impl GptBlocks {
     /// # Errors
     /// As [`scratch`](Self::scratch).
     pub fn scratch_len(&self, b: usize, t: usize) -> Result<usize> {
-        let replay = if self.recompute == Recompute::None {
-            0
-        } else {
+        let replay = if self.recompute.any(0..self.config.n_layer) {
             self.block_acts_len(b, t)?
+        } else {
+            0
+        };
+        let att = if self.recompute.selective() {
+            self.att_len(b, t)?
+        } else {
+            0
         };
         sum(
             "the working buffers",
             &[
                 sum("the working buffers", &self.scratch_lens(b, t)?)?,
                 replay,
+                att,
             ],
         )
     }
@@ -1271,11 +1309,19 @@ impl GptBlocks {
             full: vec![0.0; l[7]],
             sink_x: Vec::new(),
             sink_p: Vec::new(),
-            replay: if self.recompute == Recompute::None {
-                None
-            } else {
+            replay: if self.recompute.any(0..self.config.n_layer) {
                 Some(Box::new(self.block_acts(b, t)?))
+            } else {
+                None
             },
+            att: vec![
+                0.0;
+                if self.recompute.selective() {
+                    self.att_len(b, t)?
+                } else {
+                    0
+                }
+            ],
         })
     }
 
@@ -1563,16 +1609,29 @@ impl GptBlocks {
             Some(w) => Some(w?),
             None => None,
         };
+        let mask = starts.as_deref().or(docs);
+        let selective = self.recompute.selective();
         attention_forward(
             acts.atty.target(&mut scratch.tmp),
-            &mut acts.att,
+            if selective {
+                &mut scratch.att
+            } else {
+                &mut acts.att
+            },
             &acts.qkv,
-            starts.as_deref().or(docs),
+            mask,
             b,
             t,
             ca,
             self.attn_heads(),
         )?;
+        if selective {
+            acts.masked = mask.is_some();
+            if let Some(m) = mask {
+                check_len("the kept attention mask", acts.mask.len(), m.len())?;
+                acts.mask.copy_from_slice(m);
+            }
+        }
         acts.atty.settle(&scratch.tmp)?;
         // row-parallel output projection, summed over the group
         let y: &mut [f32] = if self.sp() {
@@ -1645,6 +1704,35 @@ impl GptBlocks {
         )?;
         residual_forward(&mut acts.out, &acts.res2, y, rows * c)?;
         Ok(())
+    }
+
+    /// The attention probabilities of `acts`' block for its backward: the
+    /// kept ones, or under [selective recomputation](Recompute::Selective)
+    /// the forward's kernel run again on the kept queries, keys and values
+    /// and row starts (the same bits), into `att` (its output into `tmp`,
+    /// discarded).
+    fn attention_probs<'a>(
+        &self,
+        acts: &'a BlockActs,
+        tmp: &mut [f32],
+        att: &'a mut [f32],
+    ) -> Result<&'a [f32]> {
+        if !self.recompute.selective() {
+            return Ok(&acts.att);
+        }
+        let (b, t) = (acts.b, acts.t);
+        let ca = self.heads().1;
+        attention_forward(
+            &mut tmp[..b * t * ca],
+            att,
+            &acts.qkv,
+            acts.masked.then_some(&acts.mask[..]),
+            b,
+            t,
+            ca,
+            self.attn_heads(),
+        )?;
+        Ok(att)
     }
 
     /// The whole backward of a block: on entry `dres (rows,C)` holds the
@@ -1722,12 +1810,13 @@ impl GptBlocks {
             self.precision,
         )?;
         weft_kernels::zero(&mut scratch.dqkv);
+        let att = self.attention_probs(acts, &mut scratch.tmp, &mut scratch.att)?;
         attention_backward(
             &mut scratch.dqkv,
             &mut scratch.datt,
             &scratch.datty,
             &acts.qkv,
-            &acts.att,
+            att,
             b,
             t,
             ca,
@@ -1864,12 +1953,13 @@ impl GptBlocks {
             self.precision,
         )?;
         weft_kernels::zero(&mut saved.dqkv);
+        let att = self.attention_probs(acts, &mut scratch.tmp, &mut scratch.att)?;
         attention_backward(
             &mut saved.dqkv,
             &mut scratch.datt,
             &scratch.datty,
             &acts.qkv,
-            &acts.att,
+            att,
             b,
             t,
             ca,

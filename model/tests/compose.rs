@@ -716,7 +716,9 @@ fn mixed_precision_follows_one_rank(mixed: fn(Layout) -> Layout) {
 /// schedule (the split backwards of ZB-H1, ZB-H2 and ZB-V recompute in
 /// both halves), FSDP, tensor parallelism with and without sequence
 /// parallelism, expert parallelism, bf16, fp16 with a loss scale and
-/// document masking, `full` and `every:2` give the losses, gradient
+/// document masking, `full`, `every:2` and `selective` (the attention
+/// probabilities recomputed, sliding windows and document masks kept)
+/// give the losses, gradient
 /// norms, validation loss and final parameters of the same layout
 /// without recomputation, bit for bit; they keep fewer activation bytes
 /// (so the recomputation ran), and a mixture of experts logs each
@@ -767,7 +769,7 @@ fn recomputation_changes_no_bit_on_any_layout() {
         }
         for layout in layouts {
             let none = run(layout, model);
-            for r in [Recompute::Full, Recompute::Every(2)] {
+            for r in [Recompute::Full, Recompute::Every(2), Recompute::Selective] {
                 let got = run(layout.recompute(r), model);
                 let what = format!("{layout:?} {model:?} {r}");
                 assert_eq!(got.losses, none.losses, "{what}: losses");

@@ -557,6 +557,15 @@ fn memory_is_what_the_layout_predicts() {
             docs: true,
             ..full(sched(lay(2, 1, 1, 1), ScheduleKind::ZbV, 2))
         },
+        Layout {
+            recompute: Recompute::Selective,
+            ..sp(lay(2, 2, 2, 1))
+        },
+        Layout {
+            recompute: Recompute::Selective,
+            docs: true,
+            ..bf16(sched(lay(2, 1, 1, 1), ScheduleKind::ZbH1, 1))
+        },
         bf16(lay(1, 1, 1, 1)),
         bf16(sp(lay(2, 1, 2, 1))),
         bf16(moe(lay(1, 1, 1, 1))),

@@ -48,19 +48,33 @@ pub enum Recompute {
     /// layer): between the two in memory and time. `Every(1)` is
     /// [`Full`](Self::Full).
     Every(usize),
+    /// Every block keeps everything but its attention probabilities
+    /// (`B·NH·T²` floats, the activation that grows with the square of
+    /// the sequence) and recomputes them from its kept queries and keys
+    /// before its attention's backward (`"selective"`; Megatron-LM's
+    /// selective recomputation of the attention core): the scores'
+    /// forward again, a few percent of the step.
+    Selective,
 }
 
 impl Recompute {
-    /// Whether block `layer` (its index in the whole model) recomputes.
+    /// Whether block `layer` (its index in the whole model) recomputes
+    /// its whole forward.
     pub fn recomputes(self, layer: usize) -> bool {
         match self {
-            Recompute::None => false,
+            Recompute::None | Recompute::Selective => false,
             Recompute::Full => true,
             Recompute::Every(k) => k > 0 && layer.is_multiple_of(k),
         }
     }
 
-    /// Whether any block of `layers` recomputes.
+    /// Whether the blocks recompute their attention probabilities rather
+    /// than keep them ([`Selective`](Self::Selective)).
+    pub fn selective(self) -> bool {
+        self == Recompute::Selective
+    }
+
+    /// Whether any block of `layers` recomputes its whole forward.
     pub fn any(self, layers: std::ops::Range<usize>) -> bool {
         layers.into_iter().any(|l| self.recomputes(l))
     }
@@ -76,6 +90,7 @@ impl fmt::Display for Recompute {
         match self {
             Recompute::None => f.write_str("none"),
             Recompute::Full => f.write_str("full"),
+            Recompute::Selective => f.write_str("selective"),
             Recompute::Every(k) => write!(f, "every:{k}"),
         }
     }
@@ -84,16 +99,17 @@ impl fmt::Display for Recompute {
 impl FromStr for Recompute {
     type Err = String;
 
-    /// Parses `none`, `full` or `every:K` (K ≥ 1).
+    /// Parses `none`, `full`, `selective` or `every:K` (K ≥ 1).
     fn from_str(s: &str) -> Result<Self, String> {
         match s {
             "none" => Ok(Recompute::None),
             "full" => Ok(Recompute::Full),
+            "selective" => Ok(Recompute::Selective),
             _ => match s.strip_prefix("every:").map(str::parse::<usize>) {
                 Some(Ok(1)) => Ok(Recompute::Full),
                 Some(Ok(k)) if k > 1 => Ok(Recompute::Every(k)),
                 _ => Err(format!(
-                    "unknown recomputation `{s}`: expected `none`, `full` or `every:K` \
+                    "unknown recomputation `{s}`: expected `none`, `full`, `selective` or `every:K` \
                      (K ≥ 1: blocks 0, K, 2K, … recompute)"
                 )),
             },
@@ -122,7 +138,12 @@ mod tests {
 
     #[test]
     fn spellings_round_trip_and_bad_ones_are_named() {
-        for r in [Recompute::None, Recompute::Full, Recompute::Every(3)] {
+        for r in [
+            Recompute::None,
+            Recompute::Full,
+            Recompute::Every(3),
+            Recompute::Selective,
+        ] {
             assert_eq!(r.to_string().parse::<Recompute>(), Ok(r));
         }
         assert_eq!("every:1".parse::<Recompute>(), Ok(Recompute::Full));
@@ -132,5 +153,6 @@ mod tests {
         }
         assert_eq!(Recompute::Every(4).count(0..12), 3);
         assert!(!Recompute::Every(4).any(1..4));
+        assert!(!Recompute::Selective.any(0..4) && Recompute::Selective.selective());
     }
 }

@@ -77,7 +77,7 @@
 //! them). Activation recomputation is modelled as weft runs it
 //! (`train.recompute`: a recomputed block keeps its output and runs its
 //! forward again before its backward, before each half of a split one);
-//! the search tries none and full unless pinned.
+//! the search tries none, selective and full unless pinned.
 //!
 //! # Example
 //! ```

@@ -36,7 +36,7 @@ use std::ops::AddAssign;
 use serde::{Deserialize, Serialize};
 
 use crate::cluster::Precision;
-use weft_parallel::{Recompute, Strategy};
+use weft_parallel::Strategy;
 
 use crate::layout::Layout;
 use crate::model::ModelSpec;
@@ -472,11 +472,22 @@ fn weft_block_floats(model: &ModelSpec, layout: &Layout, precision: Precision) -
         + qk_raw
         + qk_rstd
         + pos;
+    // selective recomputation: the probabilities in the working buffers
+    // once, and each block's row starts where windows mask them (weft
+    // keeps them under document masking too, which the planner does not
+    // model)
+    let selective = layout.recompute.selective();
+    let (block, kept_att) = if selective {
+        (block - att + if model.window > 0 { n } else { 0 }, att)
+    } else {
+        (block, 0)
+    };
     let scratch = n * c.max(ca)
         + n * c
         + n * ca
         + n * qkv
         + att
+        + kept_att
         + ffn_scratch
         + if sp { rows * c + n * c } else { 0 };
     let weight_inputs = 3 * rows * c + n * c + n * qkv + ffn_split + qk_raw;
@@ -500,10 +511,10 @@ fn weft_chunk(model: &ModelSpec, layout: &Layout, recipe: &Recipe, chunk: &Chunk
         .filter(|&l| layout.recompute.recomputes(l))
         .count());
     let scratch = scratch
-        + if layout.recompute == Recompute::None {
-            0
-        } else {
+        + if layout.recompute.any(0..model.layers) {
             block
+        } else {
+            0
         };
     let mut per_slot = 2 * rows * c + (layers - recomputed) * block + recomputed * rows * c;
     if chunk.embed {
@@ -601,7 +612,9 @@ fn mixed_chunk(model: &ModelSpec, layout: &Layout, recipe: &Recipe, chunk: &Chun
             hidden_acts(model.ffn_hidden)
         };
         let keys = u(model.window_of(l).map_or(model.seq, |w| w.min(model.seq)));
-        let scores = if recipe.flash_attention {
+        // selective recomputation keeps none (Korthikanti et al.'s
+        // 34·sbh per layer)
+        let scores = if recipe.flash_attention || layout.recompute.selective() {
             0
         } else {
             5 * a * s * keys * b

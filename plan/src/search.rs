@@ -38,7 +38,8 @@ pub struct Constraints {
     pub micro_batch_size: Option<usize>,
     /// Sequence parallelism.
     pub sequence_parallel: Option<bool>,
-    /// Recomputation: `None` tries none and full, `Some` pins it.
+    /// Recomputation: `None` tries none, selective and full, `Some` pins
+    /// it.
     pub recompute: Option<Recompute>,
     /// Largest micro-batch size tried (default 64).
     pub max_micro_batch: Option<usize>,
@@ -150,7 +151,9 @@ pub fn enumerate(req: &Request, c: &Constraints) -> Vec<Layout> {
                                 }
                                 let rcs: &[Recompute] = match &c.recompute {
                                     Some(r) => std::slice::from_ref(r),
-                                    None => &[Recompute::None, Recompute::Full],
+                                    None => {
+                                        &[Recompute::None, Recompute::Selective, Recompute::Full]
+                                    }
                                 };
                                 for &recompute in rcs {
                                     let l = Layout {

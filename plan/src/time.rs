@@ -419,6 +419,10 @@ pub(crate) fn chunk_time(
         ct.b_tp += tp_f;
         ct.f_ep += ep_f;
         ct.b_ep += ep_b;
+        if layout.recompute.selective() {
+            // the probabilities again before the attention's backward
+            ct.b_compute += attention;
+        }
         if layout.recompute.recomputes(l) {
             // the forward again before the backward; weft's split
             // backward (zero-bubble schedules) runs it before each half

@@ -495,49 +495,52 @@ fn cpu_nodes_overlap_fsdp_across_nodes_only() {
     assert_eq!(full.time.compute, cpu_full.time.compute);
 }
 
-/// Free to choose, the planner reaches Megatron-LM 2021's 1T row (Table
-/// 1: 163 TFLOP/s per GPU on 3072 A100s, tp 8 × pp 64 × dp 6 with full
-/// recomputation): its best layout predicts within 15% of the published
-/// figure; on the published degrees only recomputation fits (as it did
-/// for Megatron-LM), within 20% of it. Measured: free 170 TFLOP/s
-/// (+4.4%: tp 16 × pp 8 × dp 24, ZeRO-1, ZB-H1, sequence parallelism,
-/// which fit without recomputation), the published degrees 137 (-16.1%).
+/// Free to choose among what Megatron-LM had in 2021 (replicas, 1F1B, no
+/// sequence parallelism; recomputation or none), the planner reaches its
+/// 1T row (Table 1: 163 TFLOP/s per GPU on 3072 A100s, tp 8 × pp 64 × dp
+/// 6 with full recomputation) within 15%, counted as the table counts
+/// (Narayanan et al.'s FLOPs of a step over the predicted step time, as
+/// [`compare`] does), and only by recomputing: without it no such layout
+/// fits. Free to use today's techniques too (sequence parallelism,
+/// ZeRO-1, zero-bubble schedules, selective recomputation), its best
+/// step is shorter still.
 #[test]
 #[allow(clippy::print_stderr)]
-fn the_planner_free_to_choose_reaches_the_1t_row() {
+fn the_planner_reaches_the_1t_row_by_recomputing() {
     let a100 = Cluster::preset("a100-80gb", 8).unwrap();
     let row = &MEGATRON_2021[9];
     assert_eq!(row.name, "1T");
     let req = row.request(&a100);
-    let best = |c: &Constraints| search(&req, c).unwrap().into_iter().find(|p| p.fits);
-    let err =
-        |p: &weft_plan::Prediction| (p.tflops_per_gpu - row.tflops_per_gpu) / row.tflops_per_gpu;
-    let free = best(&Constraints::default()).expect("a layout fits");
-    eprintln!(
-        "1T free: {} at {:.0} TFLOP/s per GPU",
-        free.layout, free.tflops_per_gpu
-    );
-    assert!(err(&free).abs() <= 0.15, "{}: {}", free.layout, err(&free));
-    let published = Constraints {
-        dp: Some(6),
-        tp: Some(8),
-        pp: Some(64),
+    let best = |c: Constraints| search(&req, &c).unwrap().into_iter().find(|p| p.fits);
+    let of_2021 = |r| Constraints {
+        fsdp: Some(None),
+        sequence_parallel: Some(false),
+        schedule: Some(ScheduleKind::OneFOneB),
+        recompute: Some(r),
         ..Constraints::default()
     };
-    let p = best(&published).expect("the published degrees fit");
-    eprintln!(
-        "1T published degrees: {} at {:.0} TFLOP/s per GPU",
-        p.layout, p.tflops_per_gpu
-    );
-    assert_eq!(p.layout.recompute, Recompute::Full, "{}", p.layout);
-    assert!(err(&p).abs() <= 0.20, "{}: {}", p.layout, err(&p));
-    let kept = best(&Constraints {
-        recompute: Some(Recompute::None),
-        ..published
-    });
+    // the table's TFLOP/s: its FLOPs of a step over the step
+    let flops = row.model().megatron_flops(row.batch) / row.gpus as f64 / 1e12;
+    let tflops = |p: &weft_plan::Prediction| flops / p.step_s;
+    let full = best(of_2021(Recompute::Full)).expect("a layout fits");
+    let free = best(Constraints::default()).expect("a layout fits");
+    for (what, p) in [("2021's techniques", &full), ("free", &free)] {
+        eprintln!(
+            "1T {what}: {} at {:.0} TFLOP/s per GPU as the table counts ({:+.1}% of {})",
+            p.layout,
+            tflops(p),
+            100.0 * (tflops(p) / row.tflops_per_gpu - 1.0),
+            row.tflops_per_gpu
+        );
+    }
     assert!(
-        kept.is_none(),
-        "{:?} fits",
-        kept.map(|p| p.layout.to_string())
+        (tflops(&full) / row.tflops_per_gpu - 1.0).abs() <= 0.15,
+        "{}",
+        full.layout
     );
+    assert!(
+        best(of_2021(Recompute::None)).is_none(),
+        "fits without recomputing"
+    );
+    assert!(free.step_s <= full.step_s);
 }

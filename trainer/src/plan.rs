@@ -145,8 +145,8 @@ pub struct PlanArgs {
     /// Pin sequence parallelism on (`true`) or off (`false`).
     #[arg(long, value_name = "BOOL")]
     pub sp: Option<bool>,
-    /// Pin activation recomputation: `none`, `full` or `every:K`
-    /// (`train.recompute`; default: try none and full).
+    /// Pin activation recomputation: `none`, `selective`, `full` or `every:K`
+    /// (`train.recompute`; default: try none, selective and full).
     #[arg(long, value_name = "POLICY")]
     pub recompute: Option<weft_model::Recompute>,
     /// Layouts to show (0: all).

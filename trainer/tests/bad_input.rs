@@ -231,7 +231,7 @@ const CASES: &[(&[&str], &str)] = &[
     ),
     (
         &["train", "--set", "train.recompute=\"every:0\""],
-        "key `train.recompute`: unknown recomputation `every:0`: expected `none`, `full` or `every:K`",
+        "key `train.recompute`: unknown recomputation `every:0`: expected `none`, `full`, `selective` or `every:K`",
     ),
     (
         &["plan", "--recompute", "some"],

@@ -287,7 +287,7 @@ fn bf16_runs_shard_resume_and_track_fp32() {
 }
 
 /// `train.recompute`: the start-up report gives the activation bytes
-/// with and without it; `full` and `every:2` train the bits of `none` on
+/// with and without it; `full`, `every:2` and `selective` train the bits of `none` on
 /// one rank and over pipeline stages with FSDP; a run saved with
 /// recomputation resumes without it bit for bit (the policy is not part
 /// of the model's state).
@@ -298,7 +298,11 @@ fn recomputation_trains_the_same_bits_with_fewer_activations() {
     // activations for the recomputation
     let base = ["checkpoint.every=3", "model.n_layer=4"];
     let none = train(&config(&dir, "r0", &base), false, &mut Silent).unwrap();
-    for (name, policy) in [("r1", "\"full\""), ("r2", "\"every:2\"")] {
+    for (name, policy) in [
+        ("r1", "\"full\""),
+        ("r2", "\"every:2\""),
+        ("r4", "\"selective\""),
+    ] {
         let set = format!("train.recompute={policy}");
         let mut info = Info::default();
         let run = train(

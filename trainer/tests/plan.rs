@@ -112,6 +112,11 @@ fn planned_memory_is_what_weft_train_allocates() {
             "parallel.dp=2",
             "parallel.fsdp=\"full\"",
         ],
+        &[
+            "train.recompute=\"selective\"",
+            "parallel.pp=2",
+            "parallel.pp_schedule=\"zb-h1\"",
+        ],
     ];
     check_memory(&[], layouts);
 }
@@ -132,6 +137,13 @@ fn planned_memory_of_llama_and_qwen3_moe_shapes_is_what_weft_train_allocates() {
             &["parallel.tp=2", "parallel.sequence_parallel=true"],
             &["parallel.pp=2"],
             &["train.precision=\"bf16\""],
+            // selective recomputation keeps each block's window starts
+            &[
+                "train.recompute=\"selective\"",
+                "model.sliding_window=4",
+                "parallel.tp=2",
+            ],
+            &["train.recompute=\"full\"", "parallel.pp=2"],
         ],
     );
     let qwen3_moe = [
