@@ -1017,6 +1017,7 @@ impl GptBlocks {
             layer,
             tp: self.tp.as_ref(),
             replay: false,
+            selective: self.recompute.selective(),
         }
     }
 

@@ -78,6 +78,11 @@ pub struct Dims<'a> {
     /// compute the same, but do not count statistics again (a mixture of
     /// experts' load and auxiliary loss).
     pub replay: bool,
+    /// [Selective recomputation](crate::Recompute::Selective): keep no
+    /// activation the backward can recompute cheaply (the dense blocks
+    /// recompute their activation function's output from its kept input
+    /// before the output projection's weight gradient).
+    pub selective: bool,
 }
 
 impl Dims<'_> {
@@ -359,9 +364,15 @@ impl Dense {
 
     fn saved_len(self, d: &Dims<'_>) -> usize {
         // fch, and act(fch): the output projection's input, kept in bf16
-        // (two per float) when the products round it to bf16 anyway
+        // (two per float) when the products round it to bf16 anyway, and
+        // not at all under selective recomputation
         let nh = d.n() * self.h(d);
-        d.n() * self.fc(d) + gelu_slots(nh, d.precision)
+        d.n() * self.fc(d)
+            + if d.selective {
+                0
+            } else {
+                gelu_slots(nh, d.precision)
+            }
     }
 
     fn split_saved_len(self, d: &Dims<'_>) -> usize {
@@ -401,19 +412,31 @@ impl Dense {
         let fb = (!fb.is_empty()).then_some(fb);
         let pb = (!pb.is_empty()).then_some(pb);
         matmul_forward(fch, inp, fw, fb, b, t, c, fc, mode, d.precision)?;
-        if d.precision == Precision::Bf16 {
-            self.act_forward(&mut scratch[..n * h], fch, n, h)?;
-            round_to_bf16_for_products(&mut as_bf16_mut(act_saved)[..n * h], &scratch[..n * h])?;
+        // under selective recomputation the activation lives in the
+        // scratch (the products round it to bf16 as they pack: the bits
+        // of a bf16 copy), after it the row-parallel partial
+        let (act_buf, partial) = scratch.split_at_mut(if d.selective { n * h } else { 0 });
+        let act = if d.selective {
+            self.act_forward(act_buf, fch, n, h)?;
+            LinearInput::Wide(&*act_buf)
         } else {
-            self.act_forward(&mut act_saved[..n * h], fch, n, h)?;
-        }
-        let act = gelu_input(act_saved, n * h, d.precision);
+            if d.precision == Precision::Bf16 {
+                self.act_forward(&mut partial[..n * h], fch, n, h)?;
+                round_to_bf16_for_products(
+                    &mut as_bf16_mut(act_saved)[..n * h],
+                    &partial[..n * h],
+                )?;
+            } else {
+                self.act_forward(&mut act_saved[..n * h], fch, n, h)?;
+            }
+            gelu_input(act_saved, n * h, d.precision)
+        };
         match d.tp {
             None => matmul_forward(out, act, pw, pb, b, t, h, c, mode, d.precision)?,
             Some(tp) => {
                 tp.row_forward(
                     out,
-                    &mut scratch[..n * c],
+                    &mut partial[..n * c],
                     act,
                     pw,
                     pb,
@@ -444,7 +467,7 @@ impl Dense {
         let (first, wsaved) = scratch.split_at_mut(self.input_scratch(&d));
         let wsaved = &mut wsaved[..self.split_saved_len(&d)];
         self.backward_input(dinp, wsaved, first, dout, saved, params, d)?;
-        self.backward_weight(dparams, wsaved, dout, inp, saved, d)
+        self.backward_weight(dparams, wsaved, first, dout, inp, saved, d)
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -494,10 +517,14 @@ impl Dense {
         Ok(())
     }
 
+    /// `act_buf` (`n·h` floats at least) takes the activation recomputed
+    /// under selective recomputation.
+    #[allow(clippy::too_many_arguments)]
     fn backward_weight(
         self,
         dparams: &mut [f32],
         wsaved: &[f32],
+        act_buf: &mut [f32],
         dout: &[f32],
         inp: LinearInput<'_, f32>,
         saved: &[f32],
@@ -506,7 +533,13 @@ impl Dense {
         let Dims { b, t, c, .. } = d;
         let (n, h, fc) = (b * t, self.h(&d), self.fc(&d));
         let (dfw, dfb, dpw, dpb) = self.split_mut(dparams, c, &d);
-        let act = gelu_input(&saved[n * fc..], n * h, d.precision);
+        let act = if d.selective {
+            let a = &mut act_buf[..n * h];
+            self.act_forward(a, &saved[..n * fc], n, h)?;
+            LinearInput::Wide(&*a)
+        } else {
+            gelu_input(&saved[n * fc..], n * h, d.precision)
+        };
         let (dfch, dfull) = wsaved.split_at(n * fc);
         let dy = if d.sequence_parallel() { dfull } else { dout };
         let dpb = (!dpb.is_empty()).then_some(dpb);
@@ -632,7 +665,7 @@ macro_rules! dense_feed_forward {
                 dparams: &mut [f32],
                 wsaved: &[f32],
                 _sink: &mut [f32],
-                _scratch: &mut [f32],
+                scratch: &mut [f32],
                 dout: &[f32],
                 inp: LinearInput<'_, f32>,
                 saved: &[f32],
@@ -640,7 +673,7 @@ macro_rules! dense_feed_forward {
                 d: Dims<'_>,
             ) -> Result<()> {
                 self.dense(d.c)
-                    .backward_weight(dparams, wsaved, dout, inp, saved, d)
+                    .backward_weight(dparams, wsaved, scratch, dout, inp, saved, d)
             }
         }
     };

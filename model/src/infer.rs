@@ -170,6 +170,7 @@ impl<'m> Decoder<'m> {
                 layer: 0,
                 tp: None,
                 replay: false,
+                selective: false,
             })),
             ffn_scratch: z(model.blocks().ffn().scratch_len(&Dims {
                 b: 1,
@@ -181,6 +182,7 @@ impl<'m> Decoder<'m> {
                 layer: 0,
                 tp: None,
                 replay: false,
+                selective: false,
             })),
             logits: z(v),
         }
@@ -332,6 +334,7 @@ impl<'m> Decoder<'m> {
             layer,
             tp: None,
             replay: false,
+            selective: false,
         };
         let saved = ffn.saved_len(&dims(0));
         let layer = bl.block_layout();

@@ -136,6 +136,7 @@ fn check_case(path: &Path) -> TestResult {
         layer: 0,
         tp: None,
         replay: false,
+        selective: false,
     };
     let mut out = vec![0.0f32; n * c];
     let mut saved = vec![0.0f32; ffn.saved_len(&d)];

@@ -671,6 +671,7 @@ fn mlp_step(
         layer: 0,
         tp,
         replay: false,
+        selective: false,
     };
     let rows = d.rows();
     let mut saved = vec![0.0; Mlp.saved_len(&d)];

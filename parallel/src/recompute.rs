@@ -50,10 +50,12 @@ pub enum Recompute {
     Every(usize),
     /// Every block keeps everything but its attention probabilities
     /// (`B·NH·T²` floats, the activation that grows with the square of
-    /// the sequence) and recomputes them from its kept queries and keys
-    /// before its attention's backward (`"selective"`; Megatron-LM's
-    /// selective recomputation of the attention core): the scores'
-    /// forward again, a few percent of the step.
+    /// the sequence) and its MLP's activation output (GELU's, or SwiGLU's
+    /// product), and recomputes them from what it keeps before their
+    /// backward (`"selective"`; Megatron-LM's selective recomputation of
+    /// the attention core, and the activation function as llm.c
+    /// recomputes GELU): the scores' forward and the activation function
+    /// again, a few percent of the step.
     Selective,
 }
 

@@ -448,8 +448,14 @@ fn weft_block_floats(model: &ModelSpec, layout: &Layout, precision: Precision) -
         let input = n * hid
             + if layout.parallel.tp > 1 { n * c } else { 0 }
             + if sp { rows * c } else { 0 };
+        // selective recomputation keeps no activation output
+        let act = if layout.recompute.selective() {
+            0
+        } else {
+            linear(n * hid)
+        };
         (
-            n * hid + gated + linear(n * hid),
+            n * hid + gated + act,
             (input + split).max(n * c).max(n * hid),
             split,
         )

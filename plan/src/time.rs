@@ -420,8 +420,16 @@ pub(crate) fn chunk_time(
         ct.f_ep += ep_f;
         ct.b_ep += ep_b;
         if layout.recompute.selective() {
-            // the probabilities again before the attention's backward
-            ct.b_compute += attention;
+            // the probabilities again before the attention's backward,
+            // and a dense block's activation function (reading its input,
+            // writing its output)
+            let act_fn = if moe {
+                0.0
+            } else {
+                let hid = model.ffn_hidden as f64 / t;
+                n * hid * if model.swiglu { 3.0 } else { 2.0 } * dt
+            };
+            ct.b_compute += attention + mach.memory(act_fn, 1.0);
         }
         if layout.recompute.recomputes(l) {
             // the forward again before the backward; weft's split
