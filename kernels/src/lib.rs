@@ -157,7 +157,7 @@ pub use layernorm::{
     layernorm_backward, layernorm_backward_input, layernorm_backward_weight, layernorm_forward,
 };
 pub use matmul::{
-    LinearInput, matmul_backward, matmul_backward_input, matmul_backward_weight,
+    LinearInput, WT_SUM_ROWS, matmul_backward, matmul_backward_input, matmul_backward_weight,
     matmul_backward_wt, matmul_backward_wt_input, matmul_backward_wt_weight, matmul_forward,
     matmul_forward_wt,
 };

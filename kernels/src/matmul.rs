@@ -547,6 +547,10 @@ pub fn matmul_backward_wt<T: Real>(
 /// The input-gradient half of [`matmul_backward_wt`]:
 /// `dinp (B,T,C) += dout (B,T,OC) · weight`, `weight (OC,C)`.
 ///
+/// Row invariant in both modes, like [`matmul_forward_wt`]: each row's
+/// bits depend on its row of `dout` (and of `dinp`) alone, so a loss
+/// computed in chunks of tokens gets the bits of the whole batch.
+///
 /// # Errors
 /// [`Error::ShapeMismatch`](crate::Error::ShapeMismatch) on a wrong buffer length.
 #[allow(clippy::too_many_arguments)]
@@ -565,22 +569,27 @@ pub fn matmul_backward_wt_input<T: Real>(
     check(OP, "dinp", dinp, b * t * c)?;
     check(OP, "dout", dout, b * t * oc)?;
     check(OP, "weight", weight, c * oc)?;
-    input_grad(
-        dinp,
-        dout,
-        View::rows(weight, c),
-        b,
-        t,
+    let _ = mode; // row invariant: one product over the batch is invariant
+    product(
+        b * t,
         c,
         oc,
-        mode,
+        dinp,
+        true,
+        View::rows(dout, oc),
+        View::rows(weight, c),
         precision,
+        true,
     );
     Ok(())
 }
 
 /// The parameter-gradient half of [`matmul_backward_wt`]:
 /// `dweight (OC,C) += doutᵀ · inp`, `dbias (OC) += Σ dout`.
+///
+/// The reduction over the `B·T` rows runs in blocks of [`WT_SUM_ROWS`]:
+/// calling it on the first `k·WT_SUM_ROWS` rows and then on the rest
+/// gives `dweight` the bits of one call on all of them.
 ///
 /// # Errors
 /// [`Error::ShapeMismatch`](crate::Error::ShapeMismatch) on a wrong buffer length.
@@ -604,11 +613,13 @@ pub fn matmul_backward_wt_weight<T: Real>(
         check(OP, "dbias", db, oc)?;
     }
     // A tall `dweight` (the vocabulary's rows) is computed in row blocks,
-    // so that the block being accumulated stays in cache while the GEMM
-    // walks the whole reduction over B·T rows (one call would stream all of
-    // `dweight` through memory once per reduction block of the GEMM).
+    // so that the block being accumulated stays in cache while the
+    // products walk the whole reduction over B·T rows (one call would
+    // stream all of `dweight` through memory once per reduction block of
+    // the GEMM); the reduction runs as products of `WT_SUM_ROWS` rows each,
+    // in order, so that its bits do not depend on how many rows a call has.
     // (The bf16 products block their own work, and round each operand
-    // once per call: one call.)
+    // once per call: one call per block of the reduction.)
     if precision == Precision::F16 {
         // the f32 products of the rounded operands (the bias from `dout`
         // as it is, as in every precision)
@@ -621,23 +632,26 @@ pub fn matmul_backward_wt_weight<T: Real>(
         }
         return Ok(());
     }
-    let block = match precision {
+    let n = b * t;
+    let slab = match precision {
         Precision::F32 | Precision::F16 => WT_ROW_BLOCK,
         Precision::Bf16 => oc.max(1),
     };
-    for r0 in (0..oc).step_by(block) {
-        let rows = block.min(oc - r0);
-        product(
-            rows,
-            c,
-            b * t,
-            &mut dweight[r0 * c..(r0 + rows) * c],
-            true,
-            View::t(&dout[r0..], oc),
-            View::rows(inp, c),
-            precision,
-            false,
-        );
+    for r0 in (0..oc).step_by(slab) {
+        let rows = slab.min(oc - r0);
+        for k0 in (0..n).step_by(WT_SUM_ROWS) {
+            product(
+                rows,
+                c,
+                WT_SUM_ROWS.min(n - k0),
+                &mut dweight[r0 * c..(r0 + rows) * c],
+                true,
+                View::t(&dout[k0 * oc + r0..], oc),
+                View::rows(&inp[k0 * c..], c),
+                precision,
+                false,
+            );
+        }
     }
     if let Some(db) = dbias {
         bias_backward(db, dout);
@@ -649,6 +663,14 @@ pub fn matmul_backward_wt_weight<T: Real>(
 /// (measured best of 512..16384 for GPT-2's vocabulary at C = 256 and 768
 /// with `model/benches/step_profile.rs`).
 const WT_ROW_BLOCK: usize = 4096;
+
+/// Rows of the reduction over `B·T` that [`matmul_backward_wt_weight`]
+/// sums per product: its weight gradient is the sum, in row order, of the
+/// products of consecutive blocks of this many rows (the last one
+/// shorter). A caller that passes the rows in parts whose lengths are
+/// multiples of it (a loss computed in chunks of tokens) gets the bits of
+/// one call over all of them, in every precision and on every kernel path.
+pub const WT_SUM_ROWS: usize = 1024;
 
 /// `(groups, rows per group)` of an input-gradient GEMM in `mode`.
 fn groups(mode: Mode, b: usize, t: usize) -> (usize, usize) {
@@ -871,6 +893,67 @@ crate::simd::multiversion! {
 mod tests {
     use super::*;
     use crate::testutil::{check_grads, rand_vec};
+
+    /// The head's backward split into parts of whole [`WT_SUM_ROWS`]
+    /// blocks of tokens (a loss computed in chunks) gives the bits of one
+    /// call over all of them: the weight gradient (accumulated into a
+    /// nonzero start, with a vocabulary wider than one row block of
+    /// `dweight`) and the input gradient, in every precision.
+    #[test]
+    fn the_heads_backward_splits_at_whole_row_blocks() {
+        let (c, oc) = (24, WT_ROW_BLOCK + 37);
+        let n = 3 * WT_SUM_ROWS + 29;
+        let (x, w, dy) = (
+            rand_vec(n * c, 1)
+                .iter()
+                .map(|&v| v as f32)
+                .collect::<Vec<_>>(),
+            rand_vec(oc * c, 2)
+                .iter()
+                .map(|&v| v as f32)
+                .collect::<Vec<_>>(),
+            rand_vec(n * oc, 3)
+                .iter()
+                .map(|&v| v as f32 * 1e-2)
+                .collect::<Vec<_>>(),
+        );
+        let differ = |a: &[f32], b: &[f32]| {
+            a.iter()
+                .zip(b)
+                .filter(|(x, y)| x.to_bits() != y.to_bits())
+                .count()
+        };
+        for precision in [Precision::F32, Precision::Bf16, Precision::F16] {
+            let (mut dw, mut dx) = (vec![0.5f32; oc * c], vec![0.25f32; n * c]);
+            matmul_backward_wt_weight(&mut dw, None, &dy, &x, 1, n, c, oc, precision).unwrap();
+            let m = Mode::Throughput;
+            matmul_backward_wt_input(&mut dx, &dy, &w, 1, n, c, oc, m, precision).unwrap();
+            for parts in [
+                &[WT_SUM_ROWS, n - WT_SUM_ROWS][..],
+                &[2 * WT_SUM_ROWS, n - 2 * WT_SUM_ROWS],
+                &[WT_SUM_ROWS; 3],
+            ] {
+                let (mut dw2, mut dx2) = (vec![0.5f32; oc * c], vec![0.25f32; n * c]);
+                let mut r0 = 0;
+                for (i, &len) in parts.iter().enumerate() {
+                    // the last part takes the rows left
+                    let len = if i + 1 == parts.len() { n - r0 } else { len };
+                    let (d, xi) = (&dy[r0 * oc..(r0 + len) * oc], &x[r0 * c..(r0 + len) * c]);
+                    matmul_backward_wt_weight(&mut dw2, None, d, xi, 1, len, c, oc, precision)
+                        .unwrap();
+                    let dxi = &mut dx2[r0 * c..(r0 + len) * c];
+                    matmul_backward_wt_input(dxi, d, &w, 1, len, c, oc, m, precision).unwrap();
+                    r0 += len;
+                }
+                let off = (differ(&dw, &dw2), differ(&dx, &dx2));
+                assert_eq!(
+                    off,
+                    (0, 0),
+                    "{precision:?} in parts {parts:?}: values that differ (dweight, dinp)"
+                );
+            }
+        }
+    }
 
     /// A bf16 input stored by `round_to_bf16_for_products` gives, in
     /// bf16, the bits of the same product of the f32 values (forward, the

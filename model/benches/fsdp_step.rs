@@ -84,6 +84,7 @@ fn bench(
             grad_wire: weft_collectives::Dtype::F32,
             doc_boundary: None,
             recompute: weft_model::Recompute::None,
+            loss_chunk: 0,
             fsdp: fc.cloned(),
             pipeline: None,
             batch: b,

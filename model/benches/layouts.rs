@@ -95,6 +95,7 @@ fn bench(
                 grad_wire: weft_collectives::Dtype::F32,
                 doc_boundary: None,
                 recompute: weft_model::Recompute::None,
+                loss_chunk: 0,
                 fsdp: fsdp.map(|strategy| FsdpConfig {
                     strategy,
                     reproducible,

@@ -1,14 +1,19 @@
-//! Activation recomputation (`train.recompute`): for each policy, the
-//! activation bytes per token a micro-batch plans, the largest micro-batch
-//! whose activations fit a budget, and the training step's time (forward,
-//! backward, AdamW) against keeping every activation, printed as a table.
+//! Activation recomputation (`train.recompute`) and the loss in chunks
+//! (`train.loss_chunk`): for each policy, the activation bytes per token a
+//! micro-batch plans, the largest micro-batch whose activations fit a
+//! budget, and the training step's time (forward, backward, AdamW) against
+//! keeping every activation, printed as a table.
 //!
 //! The policies run in alternation, one step each per round, so a shared
 //! machine's slow spells fall on all of them; the table gives the best
 //! (shortest) step of the rounds and the mean, and the ratios of the
 //! best steps to `none`'s.
 //!
-//! `cargo bench -p weft-model --bench recompute -- [--model gpt2|llama] [--t 256,1024] [--b 1] [--rounds 4] [--budget-gib 8] [--precision fp32|bf16]`
+//! `cargo bench -p weft-model --bench recompute -- [--model gpt2|llama] [--t 256,1024] [--b 1] [--rounds 4] [--budget-gib 8] [--precision fp32|bf16] [--loss-chunk 1024]`
+//!
+//! With `--loss-chunk N` (N > 0, a multiple of 1024) `none` and `full` also
+//! run with the loss in chunks of N tokens (which changes nothing where
+//! the micro-batch has at most N tokens).
 //!
 //! `gpt2` is GPT-2 small (12 × 768, 12 heads, vocab 50257, tied); `llama`
 //! a Llama-shaped model at that scale (12 query heads sharing 4 key/value
@@ -70,12 +75,27 @@ fn main() {
         "bf16" => Precision::Bf16,
         p => panic!("--precision {p}: expected fp32 or bf16"),
     };
-    let policies = [
-        Recompute::None,
-        Recompute::Selective,
-        Recompute::Every(2),
-        Recompute::Full,
+    let chunk: usize = arg(&args, "--loss-chunk").map_or(0, |x| x.parse().expect("--loss-chunk"));
+    let mut policies = vec![
+        (Recompute::None, 0),
+        (Recompute::Selective, 0),
+        (Recompute::Every(2), 0),
+        (Recompute::Full, 0),
     ];
+    if chunk > 0 {
+        policies.extend([(Recompute::None, chunk), (Recompute::Full, chunk)]);
+    }
+    let set = |m: &mut Gpt, (r, c): (Recompute, usize)| {
+        m.set_recompute(r);
+        m.set_loss_chunk(c).unwrap();
+    };
+    let name_of = |(r, c): (Recompute, usize)| {
+        if c == 0 {
+            r.to_string()
+        } else {
+            format!("{r}, loss in chunks of {c}")
+        }
+    };
     println!(
         "# {name}, {} products, micro-batch {b}, {rounds} rounds (one step of each policy a round), budget {:.0} GiB",
         precision.name(),
@@ -104,29 +124,33 @@ fn main() {
             .map(|i| (i + 1).wrapping_mul(2_654_435_761) % v)
             .collect();
         // per policy: bytes per token and the largest micro-batch in the
-        // budget (activations grow linearly in B: one sequence's bytes)
+        // budget (activations grow linearly in B once a micro-batch holds
+        // a whole loss chunk: the bytes of b0 and b0 + 1 sequences give it)
         let mut rows = Vec::new();
-        for &r in &policies {
-            m.set_recompute(r);
-            let acts = m.activations(1, t).unwrap();
-            let per_seq = acts.bytes() as f64;
-            rows.push((
-                r,
-                acts.bytes_per_token(),
-                (budget / per_seq).floor() as usize,
-            ));
+        for &p in &policies {
+            set(&mut m, p);
+            let acts = m.activations(b, t).unwrap();
+            let b0 = p.1.div_ceil(t).max(1);
+            let at = |b: usize| m.activations(b, t).unwrap().bytes() as f64;
+            let (first, slope) = (at(b0), at(b0 + 1) - at(b0));
+            let fit = if first > budget {
+                0
+            } else {
+                b0 + ((budget - first) / slope).floor() as usize
+            };
+            rows.push((name_of(p), acts.bytes_per_token(), fit));
         }
         let mut times = vec![Vec::new(); policies.len()];
         let mut acts: Vec<_> = policies
             .iter()
-            .map(|&r| {
-                m.set_recompute(r);
+            .map(|&p| {
+                set(&mut m, p);
                 m.activations(b, t).unwrap()
             })
             .collect();
         for round in 0..=rounds {
-            for (k, &r) in policies.iter().enumerate() {
-                m.set_recompute(r);
+            for (k, &p) in policies.iter().enumerate() {
+                set(&mut m, p);
                 let start = Instant::now();
                 m.forward(&mut acts[k], &tokens, Some(&targets)).unwrap();
                 m.zero_grad();

@@ -64,6 +64,7 @@ fn main() -> anyhow::Result<()> {
                     grad_wire: weft_collectives::Dtype::F32,
                     doc_boundary: None,
                     recompute: weft_model::Recompute::None,
+                    loss_chunk: 0,
                     fsdp: None,
                     pipeline: None,
                     batch: B,

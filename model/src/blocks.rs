@@ -110,6 +110,8 @@ pub struct GptBlocks {
     loss_scale: f32,
     doc_boundary: Option<u32>,
     recompute: Recompute,
+    /// Tokens per chunk of the head's loss (0: the whole micro-batch).
+    loss_chunk: usize,
     /// Rotary positions' table for `block_size` positions, if rotary.
     rope: Option<Arc<RopeTable<f32>>>,
 }
@@ -255,20 +257,23 @@ impl LinearAct {
 pub struct HeadActs {
     b: usize,
     t: usize,
+    chunk: usize,      // rows of logits held: B·T, or the loss chunk
     targets: Vec<u32>, // (B,T)
     has_targets: bool,
     lnf: Vec<f32>,      // (B·T, C), gathered under SP
     lnf_mean: Vec<f32>, // (rows)
     lnf_rstd: Vec<f32>, // (rows)
-    logits: Vec<f32>,   // (B·T, V_l); holds dlogits after backward
+    logits: Vec<f32>,   // (chunk, V_l); holds dlogits after backward
     losses: Vec<f32>,   // (B·T)
-    stats: Vec<f32>,    // (2·B·T) each row's max logit and sum of exponentials
+    stats: Vec<f32>,    // (2·B·T) each chunk's rows' max logit and sum of exponentials
 }
 
 impl HeadActs {
     /// Logits `(B·T, V)` of the last forward — this rank's vocabulary
     /// columns under tensor parallelism (after a backward they hold the
-    /// logits' gradient instead).
+    /// logits' gradient instead). Under a loss chunk smaller than the
+    /// micro-batch ([`GptBlocks::set_loss_chunk`]) they are not kept:
+    /// this is the last chunk's rows.
     pub fn logits(&self) -> &[f32] {
         &self.logits
     }
@@ -527,6 +532,7 @@ impl GptBlocks {
             loss_scale: 1.0,
             doc_boundary: None,
             recompute: Recompute::None,
+            loss_chunk: 0,
         })
     }
 
@@ -624,6 +630,64 @@ impl GptBlocks {
     /// buffers ([`scratch`](Self::scratch)) after setting it.
     pub fn set_recompute(&mut self, recompute: Recompute) {
         self.recompute = recompute;
+    }
+
+    /// Tokens per chunk of the head's loss (see
+    /// [`set_loss_chunk`](Self::set_loss_chunk)); 0 for the whole
+    /// micro-batch at once.
+    pub fn loss_chunk(&self) -> usize {
+        self.loss_chunk
+    }
+
+    /// The loss without the whole logits: with `tokens > 0`, the head
+    /// computes its logits, cross-entropy and their gradients in chunks
+    /// of `tokens` rows of the micro-batch, holding one chunk's logits
+    /// (`tokens · V/tp` floats) instead of `B·T·V/tp`. The forward keeps
+    /// each row's maximum and sum of exponentials; the backward computes
+    /// each chunk's logits again (one more head forward per micro-batch)
+    /// and takes its gradient. Losses, gradients and weights are the bits
+    /// of the unchunked head: the logits' and input gradient's rows do not
+    /// depend on the other rows, and the weight gradient sums whole blocks
+    /// of [`WT_SUM_ROWS`](weft_kernels::WT_SUM_ROWS) rows in order. Plan
+    /// the head's activations after setting it; a forward without targets
+    /// (logits for sampling) needs the whole micro-batch's logits and is
+    /// refused under a chunk smaller than it.
+    ///
+    /// # Errors
+    /// As [`check_loss_chunk`](Self::check_loss_chunk).
+    pub fn set_loss_chunk(&mut self, tokens: usize) -> Result<()> {
+        Self::check_loss_chunk(tokens)?;
+        self.loss_chunk = tokens;
+        Ok(())
+    }
+
+    /// Checks a loss chunk for [`set_loss_chunk`](Self::set_loss_chunk).
+    ///
+    /// # Errors
+    /// [`Error::Config`] if `tokens` is not a multiple of
+    /// [`WT_SUM_ROWS`](weft_kernels::WT_SUM_ROWS).
+    pub fn check_loss_chunk(tokens: usize) -> Result<()> {
+        if !tokens.is_multiple_of(weft_kernels::WT_SUM_ROWS) {
+            return Err(Error::Config {
+                field: "loss_chunk",
+                reason: format!(
+                    "must be a multiple of {} tokens (the rows the head's weight gradient \
+                     sums at a time), or 0 for the whole micro-batch (got {tokens})",
+                    weft_kernels::WT_SUM_ROWS
+                ),
+            });
+        }
+        Ok(())
+    }
+
+    /// Rows of the head's logits held at once for `n` tokens: the loss
+    /// chunk, or all of them.
+    pub fn head_chunk_rows(&self, n: usize) -> usize {
+        if self.loss_chunk == 0 {
+            n
+        } else {
+            self.loss_chunk.min(n)
+        }
     }
 
     /// The token that ends a document when documents are masked (see
@@ -1203,7 +1267,10 @@ impl GptBlocks {
             product("B·T·C", &[n, c])?,
             if self.layernorm() { rows } else { 0 },
             rows,
-            product("the logits B·T·V", &[n, self.vocab.len()])?,
+            product(
+                "the logits (B·T or the loss chunk)·V",
+                &[self.head_chunk_rows(n), self.vocab.len()],
+            )?,
             n,
             2 * n,
         ])
@@ -1211,7 +1278,8 @@ impl GptBlocks {
 
     /// Floats (and 4-byte targets) of the head's activations, what
     /// [`head_acts`](Self::head_acts) allocates: `B·T·C` for the final
-    /// layernorm's output, `B·T·V/tp` logits, `B·T` targets and losses,
+    /// layernorm's output, `B·T·V/tp` logits (one loss chunk's rows
+    /// under [`set_loss_chunk`](Self::set_loss_chunk)), `B·T` targets and losses,
     /// `2·B·T` row statistics of the cross-entropy, `2·rows` of the
     /// layernorm's.
     ///
@@ -1219,6 +1287,20 @@ impl GptBlocks {
     /// As [`head_acts`](Self::head_acts).
     pub fn head_acts_len(&self, b: usize, t: usize) -> Result<usize> {
         sum("the head's activations", &self.head_act_lens(b, t)?)
+    }
+
+    /// Bytes of the head's activations for micro-batches of `b × t`
+    /// tokens: as planned (one loss chunk's logits under
+    /// [`set_loss_chunk`](Self::set_loss_chunk)), and with the whole
+    /// micro-batch's logits.
+    ///
+    /// # Errors
+    /// As [`head_acts`](Self::head_acts).
+    pub fn head_bytes(&self, b: usize, t: usize) -> Result<(usize, usize)> {
+        let held = self.head_acts_len(b, t)?;
+        let n = b * t;
+        let whole = held + (n - self.head_chunk_rows(n)) * self.vocab.len();
+        Ok((4 * held, 4 * whole))
     }
 
     /// Plans the head's activations.
@@ -1230,6 +1312,7 @@ impl GptBlocks {
         Ok(HeadActs {
             b,
             t,
+            chunk: self.head_chunk_rows(b * t),
             targets: vec![0; l[0]],
             has_targets: false,
             lnf: vec![0.0; l[1]],
@@ -2167,47 +2250,62 @@ impl GptBlocks {
         if let Some(tp) = tp.filter(|tp| tp.sequence_parallel()) {
             tp.all_gather(&rows_buf, &mut acts.lnf)?;
         }
+        let chunk = acts.chunk.max(1);
+        if targets.is_none() && chunk < n {
+            return Err(Error::Batch {
+                reason: format!(
+                    "logits without targets are the whole micro-batch's {n} rows, but the \
+                     head holds a loss chunk of {chunk}: plan the activations without a loss \
+                     chunk to read logits"
+                ),
+            });
+        }
+        acts.has_targets = false;
+        for r0 in (0..n).step_by(chunk) {
+            let len = chunk.min(n - r0);
+            self.chunk_logits(acts, r0, len, lm_head)?;
+            let Some(tg) = targets else { continue };
+            let (tg, logits) = (&tg[r0..r0 + len], &acts.logits[..len * vl]);
+            let losses = &mut acts.losses[r0..r0 + len];
+            let stats = &mut acts.stats[2 * r0..2 * (r0 + len)];
+            match tp {
+                None => fused_classifier_forward(logits, losses, stats, tg, len, vl, vl)?,
+                Some(tp) => self.vocab.cross_entropy(tp, logits, tg, losses, stats)?,
+            }
+        }
+        let Some(tg) = targets else {
+            return Ok(None);
+        };
+        acts.targets.copy_from_slice(tg);
+        acts.has_targets = true;
+        let sum: f64 = acts.losses.iter().map(|&x| f64::from(x)).sum();
+        #[allow(clippy::cast_precision_loss)]
+        Ok(Some(sum / n as f64))
+    }
+
+    /// Rows `r0..r0 + len` of the head's logits, from the final
+    /// layernorm's output, into the front of `acts.logits`.
+    fn chunk_logits(
+        &self,
+        acts: &mut HeadActs,
+        r0: usize,
+        len: usize,
+        lm_head: &[f32],
+    ) -> Result<()> {
+        let (c, vl) = (self.config.n_embd, self.vocab.len());
         matmul_forward_wt(
-            &mut acts.logits,
-            &acts.lnf,
+            &mut acts.logits[..len * vl],
+            &acts.lnf[r0 * c..(r0 + len) * c],
             lm_head,
             None,
-            b,
-            t,
+            1,
+            len,
             c,
             vl,
             self.mode,
             self.precision,
         )?;
-        let Some(tg) = targets else {
-            acts.has_targets = false;
-            return Ok(None);
-        };
-        acts.targets.copy_from_slice(tg);
-        acts.has_targets = true;
-        match tp {
-            None => fused_classifier_forward(
-                &acts.logits,
-                &mut acts.losses,
-                &mut acts.stats,
-                tg,
-                n,
-                vl,
-                vl,
-            )?,
-            Some(tp) => {
-                self.vocab.cross_entropy(
-                    tp,
-                    &acts.logits,
-                    tg,
-                    &mut acts.losses,
-                    &mut acts.stats,
-                )?;
-            }
-        }
-        let sum: f64 = acts.losses.iter().map(|&x| f64::from(x)).sum();
-        #[allow(clippy::cast_precision_loss)]
-        Ok(Some(sum / n as f64))
+        Ok(())
     }
 
     /// Backward of the head for the mean loss of the last
@@ -2253,40 +2351,46 @@ impl GptBlocks {
         #[allow(clippy::cast_precision_loss)]
         let dloss = self.loss_scale / n as f32;
         let tp = self.tp.as_ref();
-        match tp {
-            // One pass from the forward's row statistics: the bits
-            // `fused_classifier` would write.
-            None => fused_classifier_backward(
-                &mut acts.logits,
-                &acts.stats,
-                &acts.targets,
-                dloss,
-                n,
-                vl,
-                vl,
-            )?,
-            Some(_) => self.vocab.cross_entropy_backward(
-                &mut acts.logits,
-                &acts.targets,
-                &acts.stats,
-                dloss,
-            )?,
-        }
         weft_kernels::zero(&mut scratch.dln);
-        matmul_backward_wt(
-            &mut scratch.dln,
-            dlm_head,
-            None,
-            &acts.logits,
-            &acts.lnf,
-            lm_head,
-            b,
-            t,
-            c,
-            vl,
-            mode,
-            self.precision,
-        )?;
+        let chunk = acts.chunk.max(1);
+        for r0 in (0..n).step_by(chunk) {
+            let len = chunk.min(n - r0);
+            if chunk < n {
+                // the forward kept only the rows' statistics
+                self.chunk_logits(acts, r0, len, lm_head)?;
+            }
+            let logits = &mut acts.logits[..len * vl];
+            let (tg, stats) = (
+                &acts.targets[r0..r0 + len],
+                &acts.stats[2 * r0..2 * (r0 + len)],
+            );
+            match tp {
+                // One pass from the forward's row statistics: the bits
+                // `fused_classifier` would write.
+                None => fused_classifier_backward(logits, stats, tg, dloss, len, vl, vl)?,
+                Some(_) => self
+                    .vocab
+                    .cross_entropy_backward(logits, tg, stats, dloss)?,
+            }
+            // rows of the input gradient and whole `WT_SUM_ROWS` blocks of
+            // the weight gradient's sum: the bits of one call on all rows
+            let lnf = &acts.lnf[r0 * c..(r0 + len) * c];
+            let dln = &mut scratch.dln[r0 * c..(r0 + len) * c];
+            matmul_backward_wt(
+                dln,
+                dlm_head,
+                None,
+                logits,
+                lnf,
+                lm_head,
+                1,
+                len,
+                c,
+                vl,
+                mode,
+                self.precision,
+            )?;
+        }
         // the vocabulary-parallel projection's input gradient, summed
         let dln: &[f32] = match tp {
             Some(tp) => tp.column_input_grad(&mut scratch.dln, &mut scratch.rows)?,

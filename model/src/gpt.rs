@@ -176,6 +176,16 @@ impl Gpt {
         self.blocks.set_recompute(recompute);
     }
 
+    /// The loss in chunks of `tokens` (default 0: the whole micro-batch;
+    /// see [`GptBlocks::set_loss_chunk`]): plan
+    /// [`activations`](Self::activations) after setting it.
+    ///
+    /// # Errors
+    /// As [`GptBlocks::set_loss_chunk`].
+    pub fn set_loss_chunk(&mut self, tokens: usize) -> Result<()> {
+        self.blocks.set_loss_chunk(tokens)
+    }
+
     /// Document masking (default off; see
     /// [`GptBlocks::set_doc_boundary`]).
     pub fn set_doc_boundary(&mut self, boundary: Option<u32>) {

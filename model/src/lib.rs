@@ -119,7 +119,8 @@
 //!                           reproducible: true, tp: TpOptions::default(),
 //!                           precision: weft_kernels::Precision::F32,
 //!                           grad_wire: weft_collectives::Dtype::F32,
-//!                           doc_boundary: None, recompute: weft_model::Recompute::None };
+//!                           doc_boundary: None, recompute: weft_model::Recompute::None,
+//!                           loss_chunk: 0 };
 //! let losses = |tp: usize| {
 //!     LocalCluster::run(tp, |comm| {
 //!         let mesh = ParallelDims { tp, ..ParallelDims::SINGLE }.build(&comm)?;

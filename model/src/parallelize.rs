@@ -84,6 +84,9 @@ pub struct ParallelPlan {
     /// keeping its activations ([`GptBlocks::set_recompute`]); the losses,
     /// gradients and weights are bitwise those without.
     pub recompute: Recompute,
+    /// Tokens per chunk of the head's loss, 0 for the whole micro-batch
+    /// ([`GptBlocks::set_loss_chunk`]); bitwise the unchunked loss.
+    pub loss_chunk: usize,
 }
 
 impl ParallelPlan {
@@ -155,6 +158,7 @@ impl ParallelPlan {
             grad_wire: layout.grad_wire,
             doc_boundary,
             recompute: Recompute::None,
+            loss_chunk: 0,
         })
     }
 }
@@ -326,6 +330,7 @@ impl ParallelGpt {
         // recomputation which
         blocks.set_precision(plan.precision);
         blocks.set_recompute(plan.recompute);
+        blocks.set_loss_chunk(plan.loss_chunk)?;
         blocks.set_doc_boundary(plan.doc_boundary);
         let (schedule, layers) = Self::schedule_of(plan, dims, config.n_layer)?;
         let pl = schedule.placement();
@@ -387,6 +392,7 @@ impl ParallelGpt {
         blocks.set_precision(plan.precision);
         blocks.set_doc_boundary(plan.doc_boundary);
         blocks.set_recompute(plan.recompute);
+        blocks.set_loss_chunk(plan.loss_chunk)?;
         let dims = mesh.dims();
         let (schedule, layers) = Self::schedule_of(plan, dims, blocks.config().n_layer)?;
         let pl = schedule.placement();

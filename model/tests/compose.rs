@@ -202,9 +202,9 @@ fn init(model: Model) -> Vec<f32> {
 
 /// Global micro-batch `g` of step `s`; with `docs`, documents of 1 to 5
 /// tokens ending in [`EOT`].
-fn batch(s: usize, g: usize, docs: bool) -> (Vec<u32>, Vec<u32>) {
+fn batch(s: usize, g: usize, docs: bool, b: usize) -> (Vec<u32>, Vec<u32>) {
     let v = gpt_config().vocab_size as u64;
-    let seq: Vec<u32> = (0..B * T + 1)
+    let seq: Vec<u32> = (0..b * T + 1)
         .map(|i| {
             let x = (s as u64 * 1_000_003 + g as u64 * 7919 + i as u64)
                 .wrapping_mul(0x9E37_79B9_7F4A_7C15);
@@ -215,7 +215,7 @@ fn batch(s: usize, g: usize, docs: bool) -> (Vec<u32>, Vec<u32>) {
             }
         })
         .collect();
-    (seq[..B * T].to_vec(), seq[1..].to_vec())
+    (seq[..b * T].to_vec(), seq[1..].to_vec())
 }
 
 /// The end-of-text token of the document-masking tests (the last id).
@@ -235,6 +235,10 @@ struct Layout {
     /// Data packed from short documents (`Some`), masked or not.
     docs: Option<bool>,
     recompute: Recompute,
+    /// Tokens per chunk of the head's loss (0: none).
+    loss_chunk: usize,
+    /// Sequences per micro-batch.
+    batch: usize,
 }
 
 impl Layout {
@@ -248,6 +252,8 @@ impl Layout {
             loss_scale: 1.0,
             docs: None,
             recompute: Recompute::None,
+            loss_chunk: 0,
+            batch: B,
         }
     }
     fn sp(self) -> Self {
@@ -326,6 +332,7 @@ fn run(layout: Layout, model: Model) -> Run {
             grad_wire: weft_collectives::Dtype::F32,
             doc_boundary: (layout.docs == Some(true)).then_some(EOT),
             recompute: layout.recompute,
+            loss_chunk: layout.loss_chunk,
             fsdp: layout.fsdp.map(|strategy| FsdpConfig {
                 strategy,
                 hybrid_shard: 2.min(dims.dp / dims.ep),
@@ -342,7 +349,7 @@ fn run(layout: Layout, model: Model) -> Run {
                 ..FsdpConfig::default()
             }),
             pipeline,
-            batch: B,
+            batch: layout.batch,
             seq: T,
             micro_batches: per,
             reproducible: true,
@@ -363,7 +370,7 @@ fn run(layout: Layout, model: Model) -> Run {
         let (mut losses, mut norms) = (Vec::new(), Vec::new());
         for s in 0..STEPS {
             let data: Vec<_> = (first..first + per)
-                .map(|m| batch(s, m, layout.docs.is_some()))
+                .map(|m| batch(s, m, layout.docs.is_some(), layout.batch))
                 .collect();
             let mbs: Vec<_> = data
                 .iter()
@@ -382,7 +389,7 @@ fn run(layout: Layout, model: Model) -> Run {
         // evaluation through the forward-only schedule: 3 batches, every
         // rank passing all of them
         let val: Vec<_> = (0..3)
-            .map(|k| batch(100, k, layout.docs.is_some()))
+            .map(|k| batch(100, k, layout.docs.is_some(), layout.batch))
             .collect();
         let vmbs: Vec<_> = val
             .iter()
@@ -618,6 +625,8 @@ fn layouts(moe: bool) -> Vec<Layout> {
                                 loss_scale: 1.0,
                                 docs: None,
                                 recompute: Recompute::None,
+                                loss_chunk: 0,
+                                batch: B,
                             };
                             out.push(base);
                             if tp > 1 && fsdp.is_none() {
@@ -790,6 +799,81 @@ fn recomputation_changes_no_bit_on_any_layout() {
                 );
                 assert_eq!(got.moe_forwards, none.moe_forwards, "{what}: MoE log");
             }
+        }
+    }
+}
+
+/// The loss in chunks of tokens changes no bit on any layout: losses,
+/// gradient norms, validation loss and parameters of micro-batches of 1088
+/// tokens (two chunks of 1024: a whole one and a ragged one) equal the
+/// unchunked head's, with fewer activation bytes — one rank, document
+/// masking, bf16, fp16 with a loss scale, FSDP, vocabulary-parallel heads
+/// (tp 2 and 4, sequence-parallel), pipelines with
+/// split backwards, composed layouts, recomputation, expert parallelism.
+#[test]
+fn a_chunked_loss_changes_no_bit_on_any_layout() {
+    let big = |l: Layout| Layout { batch: 136, ..l };
+    let pp = |kind, chunks| Layout {
+        schedule: Some((kind, chunks)),
+        ..Layout::new(2, 1, 1, 1)
+    };
+    for model in [Model::Dense, Model::Moe, Model::Llama] {
+        // the head is the same in every family: the others' blocks on
+        // fewer layouts
+        let mut layouts = vec![
+            Layout::new(1, 1, 2, 1).sp().bf16(),
+            pp(ScheduleKind::ZbV, 2),
+        ];
+        if model == Model::Dense {
+            layouts.extend([
+                Layout::new(1, 1, 1, 1),
+                Layout::new(1, 1, 1, 1).bf16(),
+                Layout::new(1, 1, 1, 1).fp16(1024.0),
+                Layout::new(1, 1, 1, 1).recompute(Recompute::Full),
+                Layout {
+                    fsdp: Some(Strategy::Full),
+                    ..Layout::new(1, 2, 1, 1)
+                },
+                Layout::new(1, 1, 4, 1).sp(),
+                pp(ScheduleKind::ZbH1, 1),
+                Layout {
+                    fsdp: Some(Strategy::Hybrid),
+                    ..Layout::new(2, 2, 2, 1)
+                }
+                .masked(),
+            ]);
+        }
+        if model.is_moe() {
+            layouts.push(Layout::new(1, 2, 1, 2));
+        }
+        for layout in layouts.into_iter().map(big) {
+            let whole = run(layout, model);
+            let got = run(
+                Layout {
+                    loss_chunk: 1024,
+                    ..layout
+                },
+                model,
+            );
+            let what = format!("{layout:?} {model:?}");
+            assert_eq!(got.losses, whole.losses, "{what}: losses");
+            assert_eq!(got.norms, whole.norms, "{what}: norms");
+            assert_eq!(got.eval.to_bits(), whole.eval.to_bits(), "{what}: eval");
+            assert!(
+                got.params
+                    .iter()
+                    .zip(&whole.params)
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                "{what}: parameters"
+            );
+            // (rank 0's bytes: a pipeline's first stage may have no head)
+            let fewer = got.activations < whole.activations;
+            assert!(
+                fewer || (layout.dims.pp > 1 && got.activations == whole.activations),
+                "{what}: {} activation bytes, {} unchunked",
+                got.activations,
+                whole.activations
+            );
         }
     }
 }

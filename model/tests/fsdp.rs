@@ -88,6 +88,7 @@ fn model_in(
         grad_wire: weft_collectives::Dtype::F32,
         doc_boundary: None,
         recompute: weft_model::Recompute::None,
+        loss_chunk: 0,
         reproducible: fsdp.as_ref().is_none_or(|f| f.reproducible),
         fsdp,
         pipeline: None,

@@ -78,6 +78,8 @@ struct Layout {
     /// bf16 products (and the products' inputs kept in bf16)
     bf16: bool,
     recompute: Recompute,
+    /// Tokens per chunk of the head's loss (0: none).
+    loss_chunk: usize,
     /// Document masking (token 0 ends a document).
     docs: bool,
 }
@@ -91,6 +93,7 @@ fn lay(pp: usize, dp: usize, tp: usize, ep: usize) -> Layout {
         moe: ep > 1,
         bf16: false,
         recompute: Recompute::None,
+        loss_chunk: 0,
         docs: false,
     }
 }
@@ -175,6 +178,7 @@ fn setup(
         grad_wire: weft_collectives::Dtype::F32,
         doc_boundary: layout.docs.then_some(0),
         recompute: layout.recompute,
+        loss_chunk: layout.loss_chunk,
         fsdp: layout.fsdp.map(|strategy| FsdpConfig {
             strategy,
             hybrid_shard: 2.min(dims.dp / dims.ep),

@@ -28,6 +28,11 @@ pub struct Layout {
     /// forward runs again in their backward, keeping only their input.
     #[serde(default)]
     pub recompute: Recompute,
+    /// Tokens per chunk of the head's loss (`train.loss_chunk`; 0: the
+    /// whole micro-batch): the head holds one chunk's logits and computes
+    /// them again in the backward.
+    #[serde(default)]
+    pub loss_chunk: usize,
 }
 
 impl Default for Layout {
@@ -36,6 +41,7 @@ impl Default for Layout {
             parallel: ParallelLayout::default(),
             micro_batch_size: 1,
             recompute: Recompute::None,
+            loss_chunk: 0,
         }
     }
 }
@@ -132,6 +138,9 @@ impl Layout {
         }
         if self.recompute != Recompute::None {
             v.push(format!("train.recompute=\"{}\"", self.recompute));
+        }
+        if self.loss_chunk > 0 {
+            v.push(format!("train.loss_chunk={}", self.loss_chunk));
         }
         if p.sequence_parallel {
             v.push("parallel.sequence_parallel=true".into());
@@ -234,6 +243,9 @@ impl fmt::Display for Layout {
             Recompute::None => {}
             Recompute::Full => f.write_str(" recompute")?,
             r => write!(f, " recompute={r}")?,
+        }
+        if self.loss_chunk > 0 {
+            write!(f, " loss-chunk={}", self.loss_chunk)?;
         }
         Ok(())
     }

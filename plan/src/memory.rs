@@ -533,7 +533,12 @@ fn weft_chunk(model: &ModelSpec, layout: &Layout, recipe: &Recipe, chunk: &Chunk
         } else {
             2 * rows
         };
-        per_slot += n + n * c + stats + n * v_loc + n + 2 * n;
+        // (one loss chunk's logits, or the micro-batch's)
+        let logit_rows = match u(layout.loss_chunk) {
+            0 => n,
+            k => k.min(n),
+        };
+        per_slot += n + n * c + stats + logit_rows * v_loc + n + 2 * n;
     }
     if layout.schedule().splits_backward() && layout.parallel.pp > 1 {
         per_slot += layers * split;

@@ -41,6 +41,9 @@ pub struct Constraints {
     /// Recomputation: `None` tries none, selective and full, `Some` pins
     /// it.
     pub recompute: Option<Recompute>,
+    /// Tokens per chunk of the head's loss of every layout (0, the
+    /// default: the whole micro-batch).
+    pub loss_chunk: usize,
     /// Largest micro-batch size tried (default 64).
     pub max_micro_batch: Option<usize>,
 }
@@ -171,6 +174,7 @@ pub fn enumerate(req: &Request, c: &Constraints) -> Vec<Layout> {
                                         },
                                         micro_batch_size: mbs,
                                         recompute,
+                                        loss_chunk: c.loss_chunk,
                                     };
                                     if l.validate(m, req.batch, g).is_ok() {
                                         out.push(l);
@@ -272,6 +276,7 @@ pub fn search(req: &Request, c: &Constraints) -> Result<Vec<Prediction>> {
                 },
                 micro_batch_size: c.micro_batch_size.unwrap_or(1),
                 recompute: c.recompute.unwrap_or_default(),
+                loss_chunk: c.loss_chunk,
             };
             l.validate(&req.model, req.batch, req.cluster.gpus)?;
         }

@@ -462,6 +462,10 @@ pub(crate) fn chunk_time(
         ct.f_compute += logits + elem;
         ct.b_compute += logits + elem;
         ct.w_compute += logits;
+        if layout.loss_chunk > 0 && (layout.loss_chunk as f64) < n {
+            // chunks keep no logits: the backward computes them again
+            ct.b_compute += logits;
+        }
         if layout.parallel.tp > 1 {
             // the vocabulary-parallel loss: maxima, sums and the targets'
             // logits of every token

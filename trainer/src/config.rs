@@ -163,6 +163,12 @@ pub struct TrainConfig {
     /// more compute) or `"every:K"` (blocks 0, K, 2K, … recompute). Bitwise
     /// the same training on every layout (`weft_model::Recompute`).
     pub recompute: weft_model::Recompute,
+    /// The loss in chunks of this many tokens (a multiple of 1024), each
+    /// chunk's logits freed after its loss and gradient: the head holds
+    /// `loss_chunk · V` logits instead of the micro-batch's `B·T·V`, for
+    /// one more head forward a step. 0 (the default): the whole
+    /// micro-batch. Bitwise the same training.
+    pub loss_chunk: usize,
     /// Where the model computes: `"cpu"` (the default), or `"cuda"` /
     /// `"cuda:N"` for GPU `N` (see [`Device::check`]).
     pub device: Device,
@@ -324,6 +330,7 @@ impl Default for TrainConfig {
             precision: Precision::F32,
             loss_scale: LossScaleConfig::default(),
             recompute: weft_model::Recompute::None,
+            loss_chunk: 0,
             device: Device::Cpu,
         }
     }
@@ -501,6 +508,11 @@ impl Config {
         weft_numerics::DynamicLossScaler::new(self.train.loss_scale.scaler())
             .map_err(|e| self.loss_scale_error(e))?;
         let t = &self.train;
+        if let Err(weft_model::Error::Config { reason, .. }) =
+            weft_model::GptBlocks::check_loss_chunk(t.loss_chunk)
+        {
+            return bad("train.loss_chunk", reason);
+        }
         if !(1..=1 << 20).contains(&t.eval_sequences) {
             return bad("train.eval_sequences", "must be in 1..=1048576".into());
         }
@@ -657,6 +669,8 @@ impl Config {
             ("data.doc_mask", self.data.doc_mask.then(|| "the GPU model's attention has no document masking yet".into())),
             ("train.recompute", (t.recompute != weft_model::Recompute::None).then(|| format!(
                 "= \"{}\": the GPU model keeps every activation (no recomputation yet)", t.recompute))),
+            ("train.loss_chunk", (t.loss_chunk != 0).then(|| format!(
+                "= {}: the GPU model computes the whole micro-batch's logits (no chunked loss yet)", t.loss_chunk))),
             ("train.precision", (t.precision == Precision::F16).then(|| {
                 "= \"fp16\": the GPU loop has no dynamic loss scaling yet; \"bf16\" or \"fp32\" run on the GPU".into()
             })),
@@ -732,40 +746,20 @@ pub fn library_error(e: impl Into<LibraryError>) -> ConfigError {
 }
 
 /// The libraries whose checks [`library_error`] maps to keys.
-#[derive(Debug)]
+#[derive(Debug, thiserror::Error)]
 pub enum LibraryError {
     /// `weft-model`: `[model]`.
-    Model(weft_model::Error),
+    #[error(transparent)]
+    Model(#[from] weft_model::Error),
     /// `weft-moe`: `[model.moe]`.
-    Moe(weft_moe::Error),
+    #[error(transparent)]
+    Moe(#[from] weft_moe::Error),
     /// `weft-parallel`: `[parallel]` and the batch split.
-    Parallel(weft_parallel::Error),
+    #[error(transparent)]
+    Parallel(#[from] weft_parallel::Error),
     /// `weft-kernels`: `[optim]`.
-    Kernels(weft_kernels::Error),
-}
-
-impl From<weft_kernels::Error> for LibraryError {
-    fn from(e: weft_kernels::Error) -> Self {
-        LibraryError::Kernels(e)
-    }
-}
-
-impl From<weft_model::Error> for LibraryError {
-    fn from(e: weft_model::Error) -> Self {
-        LibraryError::Model(e)
-    }
-}
-
-impl From<weft_moe::Error> for LibraryError {
-    fn from(e: weft_moe::Error) -> Self {
-        LibraryError::Moe(e)
-    }
-}
-
-impl From<weft_parallel::Error> for LibraryError {
-    fn from(e: weft_parallel::Error) -> Self {
-        LibraryError::Parallel(e)
-    }
+    #[error(transparent)]
+    Kernels(#[from] weft_kernels::Error),
 }
 
 fn known(t: &toml::Table) -> String {

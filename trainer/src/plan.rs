@@ -149,6 +149,10 @@ pub struct PlanArgs {
     /// (`train.recompute`; default: try none, selective and full).
     #[arg(long, value_name = "POLICY")]
     pub recompute: Option<weft_model::Recompute>,
+    /// The loss in chunks of N tokens in every layout (`train.loss_chunk`;
+    /// a multiple of 1024; default 0, the whole micro-batch).
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    pub loss_chunk: usize,
     /// Layouts to show (0: all).
     #[arg(long, default_value_t = 8)]
     pub top: usize,
@@ -273,6 +277,7 @@ pub fn layout_of(config: &Config) -> Result<Layout, PlanError> {
         parallel: config.parallel,
         micro_batch_size: config.batch_split()?.micro,
         recompute: config.train.recompute,
+        loss_chunk: config.train.loss_chunk,
     })
 }
 
@@ -649,6 +654,10 @@ fn constraints(args: &PlanArgs) -> Result<Constraints, PlanError> {
         micro_batch_size: args.micro_batch,
         sequence_parallel: args.sp,
         recompute: args.recompute,
+        loss_chunk: match weft_model::GptBlocks::check_loss_chunk(args.loss_chunk) {
+            Ok(()) => args.loss_chunk,
+            Err(e) => return Err(usage(format!("--loss-chunk {}: {e}", args.loss_chunk))),
+        },
         max_micro_batch: None,
     })
 }

@@ -107,6 +107,10 @@ impl Observer for Terminal {
         if let Some((r, b)) = info.without_recompute {
             fp32 += &format!(" (recompute {r}; {}B without)", si(b as f64).trim());
         }
+        if let Some((n, held, whole)) = info.loss_chunk {
+            let [h, w] = [held, whole].map(|b| si(b as f64).trim().to_owned());
+            fp32 += &format!(" (loss in chunks of {n} tokens: the head {h}B, {w}B whole)");
+        }
         say(&format!(
             "model           {}, {} parameters, vocabulary {}, activations {}B per micro-batch{fp32}",
             info.arch,
@@ -138,13 +142,9 @@ impl Observer for Terminal {
         self.peak_source.clone_from(&info.peak_source);
         say(&format!("backend         {}", info.backend));
         for (i, d) in info.data_shares.iter().enumerate() {
+            let key = if i == 0 { "data" } else { "" };
             say(&format!(
-                "{}{}: {:.1}% of the run's {} sequences (weight {:.3}), {:.2} epochs",
-                if i == 0 {
-                    "data            "
-                } else {
-                    "                "
-                },
+                "{key:16}{}: {:.1}% of the run's {} sequences (weight {:.3}), {:.2} epochs",
                 d.path,
                 100.0 * d.fraction,
                 info.data_shares.iter().map(|d| d.samples).sum::<u64>(),
@@ -158,6 +158,7 @@ impl Observer for Terminal {
             );
         }
         let m = &info.memory;
+        let predicted = info.predicted_memory == *m;
         say(&format!(
             "ranks           {}; per rank: params {}B, grads {}B, AdamW {}B, activations {}B, comm buffers {}B (total {}B{})",
             info.layout,
@@ -167,13 +168,13 @@ impl Observer for Terminal {
             si(m.activations as f64),
             si(m.comm as f64),
             si(m.total() as f64),
-            if info.predicted_memory == *m {
+            if predicted {
                 ", as predicted from the layout"
             } else {
                 ""
             }
         ));
-        if info.predicted_memory != *m {
+        if !predicted {
             say(&format!(
                 "                predicted from the layout: {}",
                 info.predicted_memory

@@ -194,7 +194,7 @@ impl TrainError {
 }
 
 /// What a run is about to do, reported once at the start.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, Default, PartialEq)]
 pub struct RunInfo {
     /// The run folder.
     pub run_dir: PathBuf,
@@ -239,6 +239,9 @@ pub struct RunInfo {
     /// With `train.recompute`, the policy and the bytes the same layout
     /// plans for the activations without it. `None` otherwise.
     pub without_recompute: Option<(weft_model::Recompute, usize)>,
+    /// With `train.loss_chunk`: the tokens per chunk, and the head's
+    /// activation bytes per micro-batch with and without the chunk.
+    pub loss_chunk: Option<(usize, usize, usize)>,
     /// The split over ranks, e.g. `dp=2 tp=2` (`single rank` alone).
     pub layout: String,
     /// The mesh's shape, e.g. `pp=1 × edp=2 × ep=1 × tp=2 (tp innermost)`.

@@ -337,6 +337,66 @@ fn recomputation_trains_the_same_bits_with_fewer_activations() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// `train.loss_chunk`: the start-up report gives the head's activation
+/// bytes with and without it; micro-batches of 1088 tokens in chunks of
+/// 1024 train the bits of the whole micro-batch's loss, on one rank and
+/// over tp × pp with a split backward; a run saved with chunks resumes
+/// without them bit for bit; a chunk that is not whole blocks is refused.
+#[test]
+fn a_chunked_loss_trains_the_same_bits_with_a_smaller_head() {
+    let dir = tmp("loss-chunk");
+    let base = [
+        "model.block_size=64",
+        "train.batch_size=34",
+        "train.micro_batch_size=17",
+        "checkpoint.every=3",
+    ];
+    let with = |extra: &[&'static str]| -> Vec<&'static str> {
+        base.iter().chain(extra).copied().collect()
+    };
+    let whole = train(&config(&dir, "c0", &base), false, &mut Silent).unwrap();
+    let mut info = Info::default();
+    let chunked = with(&["train.loss_chunk=1024"]);
+    let run = train(&config(&dir, "c1", &chunked), false, &mut info).unwrap();
+    let info = info.0.unwrap();
+    let (n, head, unchunked) = info.loss_chunk.expect("reported");
+    assert_eq!(n, 1024);
+    // at least the logits of the 64 tokens past the chunk fewer (vocabulary 40)
+    assert!(
+        head < unchunked && unchunked - head >= 64 * 4 * 40,
+        "{info:?}"
+    );
+    assert_eq!(trace(&run.run_dir), trace(&whole.run_dir));
+    let layout = [
+        "parallel.tp=2",
+        "parallel.sequence_parallel=true",
+        "parallel.pp=2",
+        "parallel.pp_schedule=\"zb-h1\"",
+    ];
+    let laid = train(&config(&dir, "c2", &with(&layout)), false, &mut Silent).unwrap();
+    let mut both = with(&layout);
+    both.push("train.loss_chunk=1024");
+    let laid_chunked = train(&config(&dir, "c3", &both), false, &mut Silent).unwrap();
+    assert_eq!(
+        trace(&laid_chunked.run_dir),
+        trace(&laid.run_dir),
+        "tp x pp"
+    );
+    // saved with chunks at step 3, resumed without them
+    let again = dir.join("c1-again");
+    copy_dir(&dir.join("c1"), &again);
+    std::fs::remove_dir_all(again.join("checkpoints/step-00000006")).unwrap();
+    let resumed = train(&config(&dir, "c1-again", &base), true, &mut Silent).unwrap();
+    assert_eq!(trace(&resumed.run_dir), trace(&whole.run_dir));
+    let sets = ["train.loss_chunk=1000".to_owned()];
+    let err = Config::load(None, &sets).unwrap_err().to_string();
+    assert!(
+        err.contains("train.loss_chunk") && err.contains("multiple of 1024"),
+        "{err}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// fp16 with dynamic loss scaling. A first scale of 2^30 overflows fp16
 /// (the logits' gradient times 2^30 is far beyond 65504), so the first
 /// steps are skipped as `overflow` events with the scale backing off by

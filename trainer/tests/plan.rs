@@ -117,6 +117,24 @@ fn planned_memory_is_what_weft_train_allocates() {
             "parallel.pp=2",
             "parallel.pp_schedule=\"zb-h1\"",
         ],
+        // the loss in chunks: one chunk's logits (micro-batches of 8 × 160
+        // tokens in chunks of 1024)
+        &["model.block_size=160", "train.loss_chunk=1024"],
+        &[
+            "model.block_size=160",
+            "train.loss_chunk=1024",
+            "train.recompute=\"full\"",
+            "parallel.tp=2",
+            "parallel.sequence_parallel=true",
+            "train.precision=\"bf16\"",
+        ],
+        &[
+            "model.block_size=160",
+            "train.loss_chunk=1024",
+            "train.batch_size=16",
+            "parallel.dp=2",
+            "parallel.fsdp=\"full\"",
+        ],
     ];
     check_memory(&[], layouts);
 }
@@ -144,6 +162,7 @@ fn planned_memory_of_llama_and_qwen3_moe_shapes_is_what_weft_train_allocates() {
                 "parallel.tp=2",
             ],
             &["train.recompute=\"full\"", "parallel.pp=2"],
+            &["model.block_size=160", "train.loss_chunk=1024"],
         ],
     );
     let qwen3_moe = [

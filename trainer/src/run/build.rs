@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use weft_collectives::Communicator;
 use weft_kernels::Precision;
-use weft_model::{FeedForward, GptConfig, Init, ParallelGpt, ParallelPlan, RankMemory, TrainModel};
+use weft_model::{FeedForward, GptConfig, Init, ParallelGpt, ParallelPlan, TrainModel};
 
 use crate::config::Config;
 use crate::ranks::agree;
@@ -28,21 +28,9 @@ pub(crate) struct Built<M> {
     pub moe: Option<MoeRun>,
     /// The first of this rank's micro-batches of a step's batch.
     pub first_micro: usize,
-    /// The report's lines about the layout and the device.
-    pub report: Report,
-}
-
-/// What the start-up report says about where a model runs.
-pub(crate) struct Report {
-    pub predicted: RankMemory,
-    pub fp32_activations: Option<usize>,
-    pub without_recompute: Option<(weft_model::Recompute, usize)>,
-    pub layout: String,
-    pub mesh: String,
-    pub coords: Vec<String>,
-    pub backend: String,
-    pub peak: f64,
-    pub peak_source: String,
+    /// The report's lines about the layout, the device and the memory
+    /// predicted (the rest of the report is filled by [`Self::info`]).
+    pub report: RunInfo,
 }
 
 impl<M: TrainModel> Built<M> {
@@ -52,7 +40,6 @@ impl<M: TrainModel> Built<M> {
         let t = &config.train;
         let layout = self.model.whole_layout();
         let memory = self.model.memory();
-        let r = &self.report;
         RunInfo {
             run_dir: run_dir.to_owned(),
             precision: t.precision,
@@ -65,21 +52,13 @@ impl<M: TrainModel> Built<M> {
                 .map(|b| b.describe())
                 .unwrap_or_default(),
             flops_per_token: flops_per_token(config, layout),
-            peak_flops: r.peak,
-            peak_source: r.peak_source.clone(),
             floor: job.data.val_floor(t.eval_sequences),
             steps: t.steps,
             activation_bytes: memory.activations,
-            fp32_activation_bytes: r.fp32_activations,
-            without_recompute: r.without_recompute,
-            layout: r.layout.clone(),
-            mesh: r.mesh.clone(),
-            coords: r.coords.clone(),
-            backend: r.backend.clone(),
-            predicted_memory: r.predicted,
             data_shares: job.data.shares(t.steps * t.batch_size as u64),
             doc_mask: config.data.doc_mask,
             memory,
+            ..self.report.clone()
         }
     }
 }
@@ -202,6 +181,7 @@ fn plan(job: &Job<'_>, cfg: &GptConfig) -> Result<ParallelPlan, TrainError> {
     let config = job.config;
     Ok(ParallelPlan {
         recompute: config.train.recompute,
+        loss_chunk: config.train.loss_chunk,
         ..ParallelPlan::new(
             cfg,
             &config.parallel,
@@ -310,17 +290,22 @@ pub(crate) fn build_cpu(
         .iter()
         .map(|(n, s)| format!("{n}={s}"))
         .collect();
-    let report = Report {
-        predicted,
-        fp32_activations,
+    let report = RunInfo {
+        predicted_memory: predicted,
+        fp32_activation_bytes: fp32_activations,
         without_recompute,
+        loss_chunk: match model.stages().first().filter(|_| plan.loss_chunk > 0) {
+            Some(s) => Some(s.blocks().head_bytes(plan.batch, plan.seq)?),
+            None => None,
+        }
+        .map(|(held, whole)| (plan.loss_chunk, held, whole)),
         layout: layout_name(config),
         mesh: format!("{} (tp innermost)", shape.join(" × ")),
         coords: (0..dims.world_size())
             .map(|r| format!("rank {r}: {}{}", dims.coords_of(r), host_of(r)))
             .collect(),
         backend: backend_line(job, dims),
-        peak: if world.rank() == 0 {
+        peak_flops: if world.rank() == 0 {
             job.peak
         } else {
             f64::NAN
@@ -333,6 +318,7 @@ pub(crate) fn build_cpu(
         } else {
             "measured on this machine".into()
         },
+        ..RunInfo::default()
     };
     Ok(Built {
         model,
@@ -393,7 +379,7 @@ mod gpu {
     use weft_model::cuda::CudaGpt;
     use weft_model::{Gpt, RankMemory};
 
-    use super::{Built, Report, layout_name, model_config};
+    use super::{Built, RunInfo, layout_name, model_config};
     use crate::config::{Config, Device};
     use crate::run::faults::FaultPlan;
     use crate::run::setup::{Job, check_device, check_model_floor, device_error, gib};
@@ -472,16 +458,15 @@ mod gpu {
             Mode::Throughput,
             t.precision,
         )?;
-        let report = Report {
-            predicted,
-            fp32_activations: None,
-            without_recompute: None,
+        let report = RunInfo {
+            predicted_memory: predicted,
             layout: format!("{} on {device}", layout_name(config)),
             mesh: "one GPU".into(),
             coords: vec![format!("rank 0: {device}")],
             backend: format!("one thread of this process, computing on {device}"),
-            peak,
+            peak_flops: peak,
             peak_source,
+            ..RunInfo::default()
         };
         Ok(Built {
             model,

@@ -103,10 +103,10 @@ impl CkptError {
 /// `train.eval_every`, `train.eval_sequences`, `train.spike_*`,
 /// `train.straggler_*`, the rewind settings, `train.skip_batches`, which only changes the batches
 /// of steps to come, `train.micro_batch_size` and `train.device`,
-/// which like the layout only change rounding, and `train.recompute`,
-/// which changes nothing), so a run can be resumed to train longer, past
-/// a batch to leave out, on the other device or with another
-/// recomputation. (Changing `train.steps` changes the
+/// which like the layout only change rounding, and `train.recompute` and
+/// `train.loss_chunk`, which change nothing), so a run can be resumed to
+/// train longer, past a batch to leave out, on the other device or with
+/// another recomputation or loss chunk. (Changing `train.steps` changes the
 /// learning-rate schedule from the resume point on: the run is then no
 /// longer the uninterrupted run of either length.)
 pub(crate) fn config_hash(config: &Config) -> String {
@@ -139,8 +139,10 @@ pub(crate) fn config_hash(config: &Config) -> String {
     // the GPU runs the same model, data and optimizer to rounding: a
     // checkpoint of either device continues on the other
     c.train.device = d.device;
-    // recomputation changes no bit: a run may resume with another policy
+    // recomputation and the loss's chunks change no bit: a run may resume
+    // with other ones
     c.train.recompute = d.recompute;
+    c.train.loss_chunk = d.loss_chunk;
     format!(
         "{:016x}",
         xxhash_rust::xxh3::xxh3_64(c.to_toml().as_bytes())
