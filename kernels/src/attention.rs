@@ -945,12 +945,21 @@ pub fn attention_decode<T: Real>(
     Ok(())
 }
 
+/// Floats of [`attention_backward`]'s `scratch` for `b` sequences of `t`
+/// tokens: one block of query rows' score gradients (`min(64, T)` rows of
+/// `T`) per work item (sequence, key/value head) — not the `B·NH·T²` of
+/// every score gradient, which the backward never holds at once.
+pub fn attention_backward_scratch_len(b: usize, t: usize, heads: impl Into<Heads>) -> usize {
+    b * heads.into().kv * BLOCK.min(t) * t
+}
+
 /// Backward of [`attention_forward`], accumulating into
-/// `dqkv (B,T,C+2·Ckv)`. `scratch (B,NH,T,T)` is overwritten: its lower
-/// triangle with the score gradients, the rest with unspecified values.
-/// Work items are (sequence, key/value head): the query heads of a group
-/// add their key and value gradients into one accumulator, in head order,
-/// before it is added to `dqkv`.
+/// `dqkv (B,T,C+2·Ckv)`. `scratch` (at least
+/// [`attention_backward_scratch_len`] floats) is overwritten with
+/// unspecified values: each work item, (sequence, key/value head), takes
+/// the score gradients of one block of query rows at a time in its part
+/// of it. The query heads of a group add their key and value gradients
+/// into one accumulator, in head order, before it is added to `dqkv`.
 ///
 /// # Errors
 /// As [`attention_forward`].
@@ -971,7 +980,18 @@ pub fn attention_backward<T: Real>(
     let (hs, ckv) = dims(OP, c, heads)?;
     let (nh, nkv, g, w) = (heads.q, heads.kv, heads.group(), c + 2 * ckv);
     check(OP, "dqkv", dqkv, b * t * w)?;
-    check(OP, "scratch", scratch, b * nh * t * t)?;
+    // (a longer scratch, such as the `B·NH·T²` of earlier versions, is
+    // used in part)
+    let rows = BLOCK.min(t);
+    let need = b * nkv * rows * t;
+    if scratch.len() < need {
+        return Err(Error::ShapeMismatch {
+            op: OP,
+            buffer: "scratch",
+            expected: need,
+            got: scratch.len(),
+        });
+    }
     check(OP, "dout", dout, b * t * c)?;
     check(OP, "qkv", qkv, b * t * w)?;
     check(OP, "att", att, b * nh * t * t)?;
@@ -990,10 +1010,10 @@ pub fn attention_backward<T: Real>(
     // in j; their columns would walk a single cache set), added to dK, dV
     // after the group's last query head.
     let tp = nblocks * NR;
-    scratch
-        .par_chunks_mut(g * t * t)
+    scratch[..need]
+        .par_chunks_mut(rows * t)
         .enumerate()
-        .for_each(|(bk, dg)| {
+        .for_each(|(bk, d)| {
             let (bb, kh) = (bk / nkv, bk % nkv);
             let x = &qkv[bb * t * w..(bb + 1) * t * w];
             let go = &dout[bb * t * c..(bb + 1) * t * c];
@@ -1005,7 +1025,9 @@ pub fn attention_backward<T: Real>(
                 let (qc, gc) = rest.split_at_mut(BLOCK * hs);
                 dkt.fill(T::ZERO);
                 dvt.fill(T::ZERO);
-                for (hh, d) in dg.chunks_mut(t * t).enumerate() {
+                // `d` holds the score gradients of the block of query rows
+                // being computed (row `i` of the block at `(i - i0)·T`)
+                for hh in 0..g {
                     let h = kh * g + hh;
                     let bh = bb * nh + h;
                     let p = &att[bh * t * t..(bh + 1) * t * t];
@@ -1026,8 +1048,8 @@ pub fn attention_backward<T: Real>(
                         for kb in 0..=blk {
                             let k0 = kb * NR;
                             let ia = i0.max(k0);
-                            // SAFETY: rows `ia..i1` of `dout` and of `d` are in
-                            // bounds; `d` is ours.
+                            // SAFETY: rows `ia..i1` of `dout` and the block's
+                            // rows of `d` are in bounds; `d` is ours.
                             unsafe {
                                 dots(
                                     &vt[kb * hs * NR..],
@@ -1036,14 +1058,15 @@ pub fn attention_backward<T: Real>(
                                     hs,
                                     (ia, i1),
                                     (go[ia * c + h * hs..].as_ptr(), c),
-                                    (dp.wrapping_add(ia * t + k0), t),
+                                    (dp.wrapping_add((ia - i0) * t + k0), t),
                                     T::ONE,
                                 );
                             }
                         }
                         for i in i0..i1 {
                             // SAFETY: row `i` of `d`, ours (no tile is running).
-                            let dr = unsafe { std::slice::from_raw_parts_mut(dp.add(i * t), t) };
+                            let dr =
+                                unsafe { std::slice::from_raw_parts_mut(dp.add((i - i0) * t), t) };
                             score_grad_row(&mut dr[..=i], &p[i * t..=i * t + i], scale);
                             // The tiles of this block read up to column `i1`.
                             dr[i + 1..i1].fill(T::ZERO);
@@ -1059,7 +1082,7 @@ pub fn attention_backward<T: Real>(
                                 weighted(
                                     m,
                                     r0 + m,
-                                    (dp.wrapping_add(r0 * t), t, 1),
+                                    (dp.wrapping_add((r0 - i0) * t), t, 1),
                                     (k, hs),
                                     hs,
                                     (dx.get().add((bb * t + r0) * w + h * hs), w),
@@ -1072,9 +1095,11 @@ pub fn attention_backward<T: Real>(
                             let kw = NR.min(i1 - k0);
                             for d0 in (0..hs).step_by(MR) {
                                 let m = MR.min(hs - d0);
+                                // the block's rows: of `d` from its start, of
+                                // `p` from row `i0`
                                 let tiles = [
                                     (qc[d0..].as_ptr(), hs, dp.cast_const(), &mut *dkt),
-                                    (gc[d0..].as_ptr(), hs, p.as_ptr(), &mut *dvt),
+                                    (gc[d0..].as_ptr(), hs, p[i0 * t..].as_ptr(), &mut *dvt),
                                 ];
                                 for (a, acs, b, out) in tiles {
                                     let tile = Tile {
@@ -1084,7 +1109,7 @@ pub fn attention_backward<T: Real>(
                                         a,
                                         ars: 1,
                                         acs,
-                                        b: b.wrapping_add(i0 * t + k0),
+                                        b: b.wrapping_add(k0),
                                         ldb: t,
                                         c: out[d0 * tp + k0..].as_mut_ptr(),
                                         ldc: tp,

@@ -145,7 +145,8 @@ mod testutil;
 
 pub use adamw::{AdamW, AdamWConfig, adamw_update};
 pub use attention::{
-    Heads, attention_backward, attention_decode, attention_forward, doc_starts, window_starts,
+    Heads, attention_backward, attention_backward_scratch_len, attention_decode, attention_forward,
+    doc_starts, window_starts,
 };
 pub use embedding::{check_tokens, encoder_backward, encoder_forward};
 pub use error::{Error, Result};

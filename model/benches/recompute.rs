@@ -11,7 +11,7 @@
 //!
 //! `cargo bench -p weft-model --bench recompute -- [--model gpt2|llama] [--t 256,1024] [--b 1] [--rounds 4] [--budget-gib 8] [--precision fp32|bf16] [--loss-chunk 1024]`
 //!
-//! With `--loss-chunk N` (N > 0, a multiple of 1024) `none` and `full` also
+//! `--rounds 0` prints the bytes without timing any step. With `--loss-chunk N` (N > 0, a multiple of 1024) `none` and `full` also
 //! run with the loss in chunks of N tokens (which changes nothing where
 //! the micro-batch has at most N tokens).
 //!
@@ -148,7 +148,8 @@ fn main() {
                 m.activations(b, t).unwrap()
             })
             .collect();
-        for round in 0..=rounds {
+        // (`--rounds 0`: the bytes alone)
+        for round in 0..rounds.min(1) + rounds {
             for (k, &p) in policies.iter().enumerate() {
                 set(&mut m, p);
                 let start = Instant::now();
@@ -165,12 +166,19 @@ fn main() {
         let best = |k: usize| times[k].iter().copied().fold(f64::INFINITY, f64::min);
         let mean = |k: usize| times[k].iter().sum::<f64>() / times[k].len() as f64;
         for (k, (r, bytes, fit)) in rows.iter().enumerate() {
+            let times = if rounds == 0 {
+                "- | - | -".to_owned()
+            } else {
+                format!(
+                    "{:.3} | {:.3} | {:.2}x",
+                    best(k),
+                    mean(k),
+                    best(k) / best(0)
+                )
+            };
             println!(
-                "| {t} | {r} | {bytes} | {:.3} | {fit} | {:.3} | {:.3} | {:.2}x |",
+                "| {t} | {r} | {bytes} | {:.3} | {fit} | {times} |",
                 *bytes as f64 / rows[0].1 as f64,
-                best(k),
-                mean(k),
-                best(k) / best(0)
             );
         }
     }

@@ -303,7 +303,7 @@ pub struct BlockScratch {
     dln: Vec<f32>,         // (B·T, C)
     datty: Vec<f32>,       // (B·T, Ca)
     dqkv: Vec<f32>,        // (B·T, 3Ca)
-    datt: Vec<f32>,        // (B, NHa, T, T)
+    datt: Vec<f32>,        // the attention backward's scratch: (B·NKVa·min(64, T), T)
     ffn_scratch: Vec<f32>, // the feed-forward block's scratch_len
     /// Under sequence parallelism: the rank's rows `(rows, C)`, and the
     /// gathered whole `(B·T, C)`.
@@ -1338,7 +1338,7 @@ impl GptBlocks {
             n * c,
             n * self.heads().1,
             l[3],
-            self.att_len(b, t)?,
+            weft_kernels::attention_backward_scratch_len(b, t, self.attn_heads()),
             self.ffn.scratch_len(&self.dims(b, t, self.mode, 0)),
             sp(self.rows(n) * c),
             sp(n * c),
@@ -1347,7 +1347,9 @@ impl GptBlocks {
 
     /// Floats of the shared working buffers, what
     /// [`scratch`](Self::scratch) allocates: two `B·T·C`, the attention's
-    /// gradients (as large as its q, k, v, output and probabilities), the
+    /// gradients (as large as its q, k, v and output) and its backward's
+    /// scratch (a block of 64 query rows' score gradients per sequence and
+    /// key/value head: [`weft_kernels::attention_backward_scratch_len`]), the
     /// feed-forward block's [`scratch_len`](FeedForward::scratch_len),
     /// under sequence parallelism `rows·C` + `B·T·C` for the gathers, and
     /// with [recomputation](Self::set_recompute) one block's activations

@@ -781,16 +781,7 @@ fn recomputation_changes_no_bit_on_any_layout() {
             for r in [Recompute::Full, Recompute::Every(2), Recompute::Selective] {
                 let got = run(layout.recompute(r), model);
                 let what = format!("{layout:?} {model:?} {r}");
-                assert_eq!(got.losses, none.losses, "{what}: losses");
-                assert_eq!(got.norms, none.norms, "{what}: norms");
-                assert_eq!(got.eval.to_bits(), none.eval.to_bits(), "{what}: eval");
-                assert!(
-                    got.params
-                        .iter()
-                        .zip(&none.params)
-                        .all(|(a, b)| a.to_bits() == b.to_bits()),
-                    "{what}: parameters"
-                );
+                assert_same_bits(&got, &none, &what);
                 assert!(
                     got.activations < none.activations,
                     "{what}: {} activation bytes, {} without",
@@ -856,16 +847,7 @@ fn a_chunked_loss_changes_no_bit_on_any_layout() {
                 model,
             );
             let what = format!("{layout:?} {model:?}");
-            assert_eq!(got.losses, whole.losses, "{what}: losses");
-            assert_eq!(got.norms, whole.norms, "{what}: norms");
-            assert_eq!(got.eval.to_bits(), whole.eval.to_bits(), "{what}: eval");
-            assert!(
-                got.params
-                    .iter()
-                    .zip(&whole.params)
-                    .all(|(a, b)| a.to_bits() == b.to_bits()),
-                "{what}: parameters"
-            );
+            assert_same_bits(&got, &whole, &what);
             // (rank 0's bytes: a pipeline's first stage may have no head)
             let fewer = got.activations < whole.activations;
             assert!(
@@ -876,6 +858,21 @@ fn a_chunked_loss_changes_no_bit_on_any_layout() {
             );
         }
     }
+}
+
+/// The losses, gradient norms, validation loss and final parameters of
+/// two runs are the same bits.
+fn assert_same_bits(got: &Run, want: &Run, what: &str) {
+    assert_eq!(got.losses, want.losses, "{what}: losses");
+    assert_eq!(got.norms, want.norms, "{what}: norms");
+    assert_eq!(got.eval.to_bits(), want.eval.to_bits(), "{what}: eval");
+    assert!(
+        got.params
+            .iter()
+            .zip(&want.params)
+            .all(|(a, b)| a.to_bits() == b.to_bits()),
+        "{what}: parameters"
+    );
 }
 
 fn one_precision(mixed: fn(Layout) -> Layout) -> Precision {

@@ -488,11 +488,14 @@ fn weft_block_floats(model: &ModelSpec, layout: &Layout, precision: Precision) -
     } else {
         (block, 0)
     };
+    // the attention backward's scratch: 64 query rows' score gradients
+    // per sequence and key/value head (weft_kernels::attention_backward_scratch_len)
+    let nkv = u(model.kv_dim_per_rank(layout.parallel.tp) / model.head_dim().max(1));
     let scratch = n * c.max(ca)
         + n * c
         + n * ca
         + n * qkv
-        + att
+        + b * nkv * t.min(64) * t
         + kept_att
         + ffn_scratch
         + if sp { rows * c + n * c } else { 0 };
