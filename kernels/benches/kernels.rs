@@ -120,7 +120,7 @@ fn attention(c: &mut Criterion) {
         });
         let dout = data(b * t * C);
         let mut dqkv = vec![0.0f32; b * t * 3 * C];
-        let mut scratch = vec![0.0f32; b * NH * t * t];
+        let mut scratch = vec![0.0f32; weft_kernels::attention_backward_scratch_len(b, t, NH)];
         g.throughput(Throughput::Elements(2 * fwd_flops as u64));
         g.bench_function(format!("bwd/B={b}/T={t}"), |bch| {
             bch.iter(|| {
