@@ -273,7 +273,7 @@ impl HeadActs {
     /// columns under tensor parallelism (after a backward they hold the
     /// logits' gradient instead). Under a loss chunk smaller than the
     /// micro-batch ([`GptBlocks::set_loss_chunk`]) they are not kept:
-    /// this is the last chunk's rows.
+    /// this buffer holds one chunk's rows, the last chunk's at its start.
     pub fn logits(&self) -> &[f32] {
         &self.logits
     }

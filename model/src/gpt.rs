@@ -65,7 +65,8 @@ impl Activations {
         self.bytes() / (self.chunk.b * self.chunk.t).max(1)
     }
     /// Logits `(B,T,V)` of the last forward (after a backward they hold the
-    /// logits' gradient instead).
+    /// logits' gradient instead; under a loss chunk, one chunk's: see
+    /// [`HeadActs::logits`]).
     pub fn logits(&self) -> &[f32] {
         self.chunk.head.as_ref().map_or(&[], HeadActs::logits)
     }
