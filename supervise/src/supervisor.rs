@@ -618,6 +618,22 @@ impl Supervisor {
                 .as_deref()
                 .and_then(host_named)
                 .or_else(|| rank.and_then(|r| beat_host(&self.run_dir, r)));
+            // a survivor may report first (the link to a dead peer broke):
+            // when the named host answers the launcher and another host of
+            // the hostfile does not, the silent one is the node that failed
+            let host = match (&self.hostfile, host) {
+                (Some(file), Some(h)) if self.answers(&h) => {
+                    let text = std::fs::read_to_string(file).unwrap_or_default();
+                    let silent = without_hosts(&text, &excluded)
+                        .lines()
+                        .filter_map(|l| l.split_whitespace().next())
+                        .filter(|c| !c.starts_with('#') && *c != h)
+                        .find(|c| !self.answers(c))
+                        .map(str::to_owned);
+                    Some(silent.unwrap_or(h))
+                }
+                (_, h) => h,
+            };
             // hosts left out earlier that answer again (the node came
             // back) rejoin the hostfile, each a spare again
             let back: Vec<String> = excluded
