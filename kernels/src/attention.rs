@@ -7,51 +7,62 @@
 //! have `NKV` heads of `HS` channels (`Ckv = NKV·HS`), and query head `h`
 //! reads key/value head `h / (NH/NKV)` (grouped-query attention,
 //! transformers' `repeat_kv`); multi-head attention is `NKV = NH`
-//! (`Ckv = C`, the `(B,T,3C)` of GPT-2). The forward saves the attention
-//! probabilities `att (B,NH,T,T)` (zero above the diagonal) for the
-//! backward.
+//! (`Ckv = C`, the `(B,T,3C)` of GPT-2). The forward keeps each row's
+//! log-sum-exp of its scores, `lse (B,NH,T)`, for the backward, never the
+//! `(T,T)` probabilities: the backward computes them again a block at a
+//! time (flash attention's way, on the CPU).
 //!
 //! # How it runs
 //!
-//! Every product (`QKᵀ`, `PV`; `dO·Vᵀ`, `dS·K`, `Qᵀ·dS`, `dOᵀ·P`) is a
-//! sequence of register tiles — up to 6 rows by 64 columns, 24 AVX-512
-//! accumulators — over the causal part only: a block of 64 query rows
-//! meets only the keys at or before its last row. Forward and backward run
-//! per (sequence, head) in parallel, block of query rows after block, each
-//! block's rows of the `(T,T)` matrices in cache from one product to the
-//! next: `QKᵀ`, the softmax and `PV` in the forward; `dO·Vᵀ`, the score
-//! gradients `dS`, `dQ += dS·K` and the block's share of `dKᵀ += Qᵀ·dS`
-//! and `dVᵀ += dOᵀ·P` in the backward. The last two go to per-head
-//! accumulators, added to `dK`, `dV` at the end, because they read rows of
-//! `dS` and `P` (contiguous along the keys; a column of a `(T,T)` matrix
-//! would walk a single cache set). The operand a tile reads as vectors
+//! The keys are cut into *leaves* of 64 positions, the query rows into
+//! blocks of 64. For a block of query rows and a leaf at or before it, the
+//! forward computes the scores `QKᵀ`, each row's maximum `m` over the
+//! keys it sees in the leaf, `e^(s - m)`, their sum `l` and
+//! `Σ e^(s - m)·v`: the leaf's *partial*. Partials merge (online softmax:
+//! the larger maximum, both sums rescaled to it) in a fixed tree, and the
+//! output is `Σ / l`, `lse = m + ln l`. The backward walks the same blocks
+//! and leaves: `P = e^(s - lse)`, `dP = dO·Vᵀ`,
+//! `dS = P ⊙ (dP - rowsum(dO ⊙ O))` scaled; each leaf's `dQ = dS·K` merges
+//! (adds) over the key leaves in the tree, and each leaf's `dKᵀ = Qᵀ·dS`
+//! and `dVᵀ = dOᵀ·P` over the query blocks in the tree, the query heads
+//! of a group adding into one key/value partial in head order. Forward
+//! and backward run per (sequence, head) and per (sequence, key/value
+//! head) in parallel.
+//!
+//! Every product is a sequence of register tiles — up to 6 rows by 64
+//! columns, 24 AVX-512 accumulators. The operand a tile reads as vectors
 //! must be contiguous along the tile's columns, so the keys (values for
 //! `dO·Vᵀ`) are transposed once per head with 16×16 in-register
-//! transposes. The transposed keys and the two accumulators live in a
-//! per-thread buffer that grows once to the longest sequence (`3·HS·T`
-//! elements); nothing else is allocated, and no GEMM library is involved.
+//! transposes into a per-thread buffer that grows once to the longest
+//! sequence; no GEMM library is involved.
 //!
 //! # Summation order
 //!
-//! Each element of each product is one running sum over its reduction index
-//! in increasing order (`acc = a·b + acc`, fused on AVX-512 for `f32`,
-//! separate multiply and add otherwise), started from zero, then scaled
-//! (scores by `1/sqrt(HS)`) or added to the gradient buffer. Nothing else
-//! enters it: not the batch, the head count, the tile it sits in or the
-//! thread that runs it; zero probabilities above the diagonal leave the
-//! sums they enter unchanged. So one sequence gives the same bits alone or
-//! anywhere in a batch, and [`attention_decode`], which runs the very same
-//! tile code on one query row, reproduces the forward's row bit for bit.
-//! (The AVX-512 kernel and the portable one differ in the last bits, as any
-//! two machines with and without FMA would; the choice is made once per
-//! process by [`weft_numerics::simd::level`], so a trainer and a decoder in
-//! the same process always agree.)
+//! Each element of a leaf's products is one running sum over its reduction
+//! index in increasing order (`acc = a·b + acc`, fused on AVX-512 for
+//! `f32`, separate multiply and add otherwise), started from zero, then
+//! scaled; a leaf's maximum and sum of exponentials run over the row's
+//! visible keys of the leaf in 16 lanes. Partials merge in one tree over
+//! the leaves (key leaves for the output and `dQ`, query blocks for `dK`
+//! and `dV`): a node is a run of leaves whose length is a power of two and
+//! whose first leaf is a multiple of it, its two halves merge left with
+//! right, and leaves that see nothing (after a row, or before its start)
+//! are empty partials that change nothing. Nothing else enters a result:
+//! not the batch, the head count, the sequence's length past the row, the
+//! tile or the thread. So one sequence gives the same bits alone or
+//! anywhere in a batch; [`attention_decode`] reproduces the forward's row
+//! bit for bit; and a run of leaves that is a node (`2^k` leaves from a
+//! multiple of `2^k`, such as a context-parallel rank's slice of a
+//! sequence) can be computed on its own, anywhere, and merged later into
+//! the same bits. (The AVX-512 kernel and the portable one differ in the
+//! last bits, as any two machines with and without FMA would; the choice
+//! is made once per process by [`weft_numerics::simd::level`], so a
+//! trainer and a decoder in the same process always agree.)
 
 use rayon::prelude::*;
 
 use crate::Real;
 use crate::error::{Error, Result, check};
-use crate::softmax::softmax_in_place;
 
 /// Rows (queries, or keys in the dK/dV pass) of one parallel work item.
 const BLOCK: usize = 64;
@@ -229,115 +240,6 @@ mod avx512 {
             };
         }
         go!(1 2 3 4 5 6);
-    }
-
-    /// Replaces `x` by its softmax: the maximum, `e^(x - max)` (the
-    /// polynomial of [`crate::real::exp_f32`], with fused multiply-adds),
-    /// their sum over 16 lanes and a reciprocal; the last partial vector
-    /// masked.
-    #[target_feature(enable = "avx512f")]
-    #[allow(clippy::cast_possible_truncation, clippy::excessive_precision)]
-    pub(super) fn softmax(x: &mut [f32]) {
-        let n = x.len();
-        let p = x.as_mut_ptr();
-        let lanes = |i: usize| -> __mmask16 {
-            if i + 16 <= n {
-                0xffff
-            } else {
-                (1u16 << (n - i)) - 1
-            }
-        };
-        let mut m = _mm512_set1_ps(f32::NEG_INFINITY);
-        for i in (0..n).step_by(16) {
-            let k = lanes(i);
-            // SAFETY: the unmasked lanes are `x[i..]`, in bounds.
-            let v = unsafe { _mm512_maskz_loadu_ps(k, p.add(i)) };
-            m = _mm512_mask_max_ps(m, k, m, v);
-        }
-        let m = _mm512_set1_ps(_mm512_reduce_max_ps(m));
-        let mut s = _mm512_setzero_ps();
-        for i in (0..n).step_by(16) {
-            let k = lanes(i);
-            // SAFETY: as above.
-            let v = unsafe { _mm512_maskz_loadu_ps(k, p.add(i)) };
-            let e = exp(_mm512_sub_ps(v, m));
-            s = _mm512_mask_add_ps(s, k, s, e);
-            // SAFETY: as above; `x` is ours.
-            unsafe { _mm512_mask_storeu_ps(p.add(i), k, e) };
-        }
-        let inv = _mm512_set1_ps(1.0 / _mm512_reduce_add_ps(s));
-        for i in (0..n).step_by(16) {
-            let k = lanes(i);
-            // SAFETY: as above.
-            unsafe {
-                let v = _mm512_maskz_loadu_ps(k, p.add(i));
-                _mm512_mask_storeu_ps(p.add(i), k, _mm512_mul_ps(v, inv));
-            }
-        }
-    }
-
-    /// [`super::score_grad_row`] for `f32` (`d` and `p` of one length).
-    #[target_feature(enable = "avx512f")]
-    pub(super) fn score_grad_row(d: &mut [f32], p: &[f32], scale: f32) {
-        let n = d.len().min(p.len());
-        let (dp, pp) = (d.as_mut_ptr(), p.as_ptr());
-        let lanes = |i: usize| -> __mmask16 {
-            if i + 16 <= n {
-                0xffff
-            } else {
-                (1u16 << (n - i)) - 1
-            }
-        };
-        let mut acc = _mm512_setzero_ps();
-        for i in (0..n).step_by(16) {
-            let k = lanes(i);
-            // SAFETY: the unmasked lanes are `d[i..]`, `p[i..]`, in bounds.
-            let (x, y) = unsafe {
-                (
-                    _mm512_maskz_loadu_ps(k, dp.add(i)),
-                    _mm512_maskz_loadu_ps(k, pp.add(i)),
-                )
-            };
-            acc = _mm512_fmadd_ps(x, y, acc);
-        }
-        let dot = _mm512_set1_ps(_mm512_reduce_add_ps(acc));
-        let scale = _mm512_set1_ps(scale);
-        for i in (0..n).step_by(16) {
-            let k = lanes(i);
-            // SAFETY: as above; `d` is ours.
-            unsafe {
-                let (x, y) = (
-                    _mm512_maskz_loadu_ps(k, dp.add(i)),
-                    _mm512_maskz_loadu_ps(k, pp.add(i)),
-                );
-                let g = _mm512_mul_ps(_mm512_mul_ps(y, _mm512_sub_ps(x, dot)), scale);
-                _mm512_mask_storeu_ps(dp.add(i), k, g);
-            }
-        }
-    }
-
-    /// `e^x` per lane (see [`softmax`]).
-    #[target_feature(enable = "avx512f")]
-    #[inline]
-    #[allow(clippy::excessive_precision)]
-    fn exp(x: __m512) -> __m512 {
-        let c = _mm512_set1_ps;
-        let x = _mm512_min_ps(_mm512_max_ps(x, c(-87.0)), c(88.0));
-        let magic = c(12_582_912.0);
-        let z = _mm512_fmadd_ps(x, c(std::f32::consts::LOG2_E), magic);
-        let n = _mm512_sub_ps(z, magic);
-        let ni = _mm512_sub_epi32(_mm512_castps_si512(z), _mm512_castps_si512(magic));
-        let r = _mm512_fnmadd_ps(n, c(0.693_359_4), x);
-        let r = _mm512_fnmadd_ps(n, c(-2.121_944_4e-4), r);
-        let mut q = c(1.987_569_1e-4);
-        q = _mm512_fmadd_ps(q, r, c(1.398_199_9e-3));
-        q = _mm512_fmadd_ps(q, r, c(8.333_452e-3));
-        q = _mm512_fmadd_ps(q, r, c(4.166_579_6e-2));
-        q = _mm512_fmadd_ps(q, r, c(1.666_666_5e-1));
-        q = _mm512_fmadd_ps(q, r, c(5.000_000_1e-1));
-        let y = _mm512_add_ps(_mm512_fmadd_ps(q, _mm512_mul_ps(r, r), r), c(1.0));
-        let scale = _mm512_slli_epi32::<23>(_mm512_add_epi32(ni, _mm512_set1_epi32(127)));
-        _mm512_mul_ps(y, _mm512_castsi512_ps(scale))
     }
 
     /// `dst[e·ldd + k] = src[k·lds + e]` for `k, e < 16` (`+=` with `ADD`).
@@ -605,19 +507,6 @@ fn fast<T: Real>() -> bool {
         && weft_numerics::simd::level() == weft_numerics::simd::Level::Avx512
 }
 
-/// Replaces a row of scores by its softmax.
-fn softmax_row<T: Real>(x: &mut [T]) {
-    #[cfg(target_arch = "x86_64")]
-    if fast::<T>() {
-        // SAFETY: `T` is `f32`.
-        let x = unsafe { std::slice::from_raw_parts_mut(x.as_mut_ptr().cast::<f32>(), x.len()) };
-        // SAFETY: the CPU has AVX-512 F (`fast`).
-        unsafe { avx512::softmax(x) };
-        return;
-    }
-    softmax_in_place(x);
-}
-
 thread_local! {
     /// Each thread's buffer for the transposed keys (or values) of the
     /// head it works on; it grows to the longest sequence seen, once.
@@ -727,18 +616,248 @@ pub fn window_starts(
     Ok(())
 }
 
-/// Forward: `out (B,T,C)`, `att (B,NH,T,T)` from `qkv (B,T,C+2·Ckv)`
-/// (see the module docs for the heads), with scores scaled by
-/// `1/sqrt(HS)` and a causal mask.
+/// A run of leaves `lo..hi` that is a node of the merge tree: its length
+/// a power of two, `lo` a multiple of it (see the module docs).
+fn is_node(lo: usize, hi: usize) -> bool {
+    hi > lo && (hi - lo).is_power_of_two() && lo.is_multiple_of(hi - lo)
+}
+
+/// Two partial results in tree order; `None` is the empty partial (a run
+/// of leaves nothing in which is visible), which changes nothing.
+fn join<P>(a: Option<P>, b: Option<P>, merge: &mut impl FnMut(P, P) -> P) -> Option<P> {
+    match (a, b) {
+        (Some(a), Some(b)) => Some(merge(a, b)),
+        (a, None) => a,
+        (None, b) => b,
+    }
+}
+
+/// Partial results over runs of leaves, merged in the fixed tree as they
+/// arrive in order (leaves one by one, or whole nodes computed
+/// elsewhere): two neighbours that are the halves of a node merge at
+/// once; [`finish`](Self::finish) merges what is left from the right,
+/// which is the tree's order when every later leaf is empty.
+struct Tree<P> {
+    stack: Vec<(usize, usize, Option<P>)>,
+}
+
+impl<P> Tree<P> {
+    fn new() -> Self {
+        Tree { stack: Vec::new() }
+    }
+
+    /// Adds node `lo..hi`, which starts where the last one ended.
+    fn push(&mut self, lo: usize, hi: usize, p: Option<P>, merge: &mut impl FnMut(P, P) -> P) {
+        debug_assert!(is_node(lo, hi));
+        debug_assert!(self.stack.last().is_none_or(|&(_, e, _)| e == lo));
+        self.stack.push((lo, hi, p));
+        while let [.., (a0, a1, _), (b0, b1, _)] = self.stack[..] {
+            if a1 != b0 || a1 - a0 != b1 - b0 || !is_node(a0, b1) {
+                break;
+            }
+            let (_, _, pb) = self.stack.pop().expect("two entries");
+            let (_, _, pa) = self.stack.pop().expect("two entries");
+            self.stack.push((a0, b1, join(pa, pb, merge)));
+        }
+    }
+
+    /// The merge of every pushed leaf (every later one empty).
+    fn finish(mut self, merge: &mut impl FnMut(P, P) -> P) -> Option<P> {
+        let mut acc = None;
+        while let Some((_, _, p)) = self.stack.pop() {
+            acc = join(p, acc, merge);
+        }
+        acc
+    }
+}
+
+/// A buffer of `len` elements from `pool` (contents unspecified).
+fn take<T: Real>(pool: &mut Vec<Vec<T>>, len: usize) -> Vec<T> {
+    let mut v = pool.pop().unwrap_or_default();
+    v.resize(len, T::ZERO);
+    v
+}
+
+/// `a += b` elementwise (`b` back to the pool): the merge of gradient
+/// partials.
+fn add_into<T: Real>(mut a: Vec<T>, b: Vec<T>, pool: &mut Vec<Vec<T>>) -> Vec<T> {
+    add_slices(&mut a, &b);
+    pool.push(b);
+    a
+}
+
+crate::simd::multiversion! {
+    fn add_slices<T: Real>(a: &mut [T], b: &[T]) {
+        for (x, &y) in a.iter_mut().zip(b) {
+            *x += y;
+        }
+    }
+}
+
+crate::simd::multiversion! {
+    /// `x ← e^(x - max x)`; returns `(max x, Σ e^(x - max x))` (16 lanes).
+    fn exp_sum<T: Real>(x: &mut [T]) -> (T, T) {
+        let m = crate::real::max_lanes(x);
+        for v in x.iter_mut() {
+            *v = (*v - m).exp();
+        }
+        (m, crate::real::sum_lanes(x))
+    }
+}
+
+crate::simd::multiversion! {
+    /// The score gradients of one row's visible keys: `p ← e^(s - lse)`
+    /// (the probabilities) and `d ← p · (d - delta) · scale`, `d` holding
+    /// `dO·Vᵀ`.
+    fn probs_and_grads<T: Real>(p: &mut [T], d: &mut [T], lse: T, delta: T, scale: T) {
+        for (p, d) in p.iter_mut().zip(d.iter_mut()) {
+            *p = (*p - lse).exp();
+            *d = *p * (*d - delta) * scale;
+        }
+    }
+}
+
+/// The keys row `i` sees among `k0..k0+kw`: `lo..hi`, empty when none.
+fn visible(start: usize, i: usize, k0: usize, kw: usize) -> (usize, usize) {
+    (start.max(k0), (i + 1).min(k0 + kw))
+}
+
+/// A forward partial of [`BLOCK`] rows: each row's maximum score
+/// `m[BLOCK]` (−∞: nothing seen yet), its sum of `e^(s - m)` `l[BLOCK]`,
+/// and `Σ e^(s - m)·v` `o[BLOCK·HS]`, side by side.
+fn softmax_len(hs: usize) -> usize {
+    BLOCK * (2 + hs)
+}
+
+/// Merges forward partials `b` into `a` (`b` earlier or later in tree
+/// order as the caller passes them: `a` holds the left run): for each of
+/// the first `rows` rows, the larger maximum and both sums rescaled to it.
+/// A row empty on one side takes the other side's values unchanged.
+fn merge_softmax<T: Real>(
+    mut a: Vec<T>,
+    b: Vec<T>,
+    rows: usize,
+    hs: usize,
+    pool: &mut Vec<Vec<T>>,
+) -> Vec<T> {
+    let (am, rest) = a.split_at_mut(BLOCK);
+    let (al, ao) = rest.split_at_mut(BLOCK);
+    let (bm, rest) = b.split_at(BLOCK);
+    let (bl, bo) = rest.split_at(BLOCK);
+    for r in 0..rows {
+        let (ma, mb) = (am[r], bm[r]);
+        let (oa, ob) = (&mut ao[r * hs..(r + 1) * hs], &bo[r * hs..(r + 1) * hs]);
+        if mb == T::NEG_INFINITY {
+            continue;
+        }
+        if ma == T::NEG_INFINITY {
+            (am[r], al[r]) = (mb, bl[r]);
+            oa.copy_from_slice(ob);
+            continue;
+        }
+        let m = if mb > ma { mb } else { ma };
+        let (x, y) = ((ma - m).exp(), (mb - m).exp());
+        am[r] = m;
+        al[r] = al[r] * x + bl[r] * y;
+        rescale_add(oa, x, ob, y);
+    }
+    pool.push(b);
+    a
+}
+
+crate::simd::multiversion! {
+    /// `a ← a·x + b·y`.
+    fn rescale_add<T: Real>(a: &mut [T], x: T, b: &[T], y: T) {
+        for (a, &b) in a.iter_mut().zip(b) {
+            *a = *a * x + b * y;
+        }
+    }
+}
+
+/// The forward partial of query rows `i0..i1` over the leaf of keys
+/// `k0..k0+kw` (packed in `kt`; their values are rows `k0..` of `vals`,
+/// stride `ldv`), or `None` when no row sees any of them. `s` is a
+/// [`BLOCK`]`×`[`NR`] scratch.
+#[allow(clippy::too_many_arguments)]
+fn forward_leaf<T: Real>(
+    kt: &[T],
+    (k0, kw): (usize, usize),
+    (i0, i1): (usize, usize),
+    (q, ldq): (*const T, usize),
+    (vals, ldv): (*const T, usize),
+    starts: &dyn Fn(usize) -> usize,
+    (hs, scale): (usize, T),
+    s: &mut [T],
+    pool: &mut Vec<Vec<T>>,
+) -> Option<Vec<T>> {
+    if (i0..i1).all(|i| {
+        let (lo, hi) = visible(starts(i), i, k0, kw);
+        lo >= hi
+    }) {
+        return None;
+    }
+    // SAFETY: the caller's rows `i0..i1` of `q`; `s` holds `BLOCK` rows of
+    // `NR`, ours.
+    unsafe {
+        dots(
+            kt,
+            k0,
+            kw,
+            hs,
+            (i0, i1),
+            (q, ldq),
+            (s.as_mut_ptr(), NR),
+            scale,
+        );
+    }
+    let mut p = take(pool, softmax_len(hs));
+    for i in i0..i1 {
+        let r = i - i0;
+        let row = &mut s[r * NR..r * NR + kw];
+        let (lo, hi) = visible(starts(i), i, k0, kw);
+        if lo >= hi {
+            row.fill(T::ZERO);
+            (p[r], p[BLOCK + r]) = (T::NEG_INFINITY, T::ZERO);
+            continue;
+        }
+        let (m, l) = exp_sum(&mut row[lo - k0..hi - k0]);
+        row[..lo - k0].fill(T::ZERO);
+        row[hi - k0..].fill(T::ZERO);
+        (p[r], p[BLOCK + r]) = (m, l);
+    }
+    let o = p[2 * BLOCK..].as_mut_ptr();
+    for r0 in (i0..i1).step_by(MR) {
+        let m = MR.min(i1 - r0);
+        // SAFETY: rows `r0-i0..` of `s` hold `kw` probabilities, the
+        // values' rows `k0..k0+kw` are the caller's; the partial's rows
+        // are ours. The keys after the tile's last row weigh zero: their
+        // terms would add exact zeros, so they are left out.
+        unsafe {
+            weighted(
+                m,
+                kw.min(r0 + m - k0),
+                (s[(r0 - i0) * NR..].as_ptr(), NR, 1),
+                (vals, ldv),
+                hs,
+                (o.add((r0 - i0) * hs), hs),
+                Fin::Store(T::ONE),
+            );
+        }
+    }
+    Some(p)
+}
+
+/// Forward: `out (B,T,C)` and each row's log-sum-exp of its scores
+/// `lse (B,NH,T)` (what the backward needs of the softmax) from
+/// `qkv (B,T,C+2·Ckv)` (see the module docs for the heads and the
+/// order of the sums), with scores scaled by `1/sqrt(HS)` and a causal
+/// mask.
 ///
-/// `docs`, when given, is each row's document start `(B,T)`
-/// ([`doc_starts`]): row `i` then attends only to keys
-/// `docs[i]..=i` (document masking; its probabilities before the start are
-/// zero). A document's rows then have the same bits as the same document
-/// alone at the start of a sequence (the masked keys add exact zeros to
-/// sums that start from zero), and [`attention_backward`] needs no mask:
-/// zero probabilities give zero score gradients. The cost is that of the
-/// plain causal forward (the masked scores are computed, then dropped).
+/// `docs`, when given, is each row's first visible key `(B,T)`
+/// ([`doc_starts`], [`window_starts`]): row `i` then attends only to keys
+/// `docs[i]..=i` (document masking, sliding windows). A document's rows
+/// then have the same bits as the same document alone at the start of a
+/// sequence when it starts on a block of 64 (the leaves are the same).
 ///
 /// # Errors
 /// [`Error::ShapeMismatch`] on a wrong buffer length,
@@ -747,7 +866,7 @@ pub fn window_starts(
 #[allow(clippy::too_many_arguments)]
 pub fn attention_forward<T: Real>(
     out: &mut [T],
-    att: &mut [T],
+    lse: &mut [T],
     qkv: &[T],
     docs: Option<&[u32]>,
     b: usize,
@@ -760,112 +879,399 @@ pub fn attention_forward<T: Real>(
     let (hs, ckv) = dims(OP, c, heads)?;
     let (nh, g, w) = (heads.q, heads.group(), c + 2 * ckv);
     check(OP, "out", out, b * t * c)?;
-    check(OP, "att", att, b * nh * t * t)?;
+    check(OP, "lse", lse, b * nh * t)?;
     check(OP, "qkv", qkv, b * t * w)?;
-    if let Some(d) = docs {
-        check(OP, "docs", d, b * t)?;
-        if let Some(r) = (0..b * t).find(|&r| d[r] as usize > r % t) {
-            return Err(Error::InvalidArgument {
-                op: OP,
-                reason: format!(
-                    "row {} of sequence {} starts its document at {}, after itself",
-                    r % t,
-                    r / t,
-                    d[r]
-                ),
-            });
-        }
-    }
+    check_starts(OP, docs, b, t)?;
     if b * t * c == 0 {
         return Ok(());
     }
     #[allow(clippy::cast_precision_loss)]
     let scale = T::from_f64(1.0 / (hs as f64).sqrt());
-    let nblocks = t.div_ceil(BLOCK);
     let out = Shared(out.as_mut_ptr());
-    att.par_chunks_mut(t * t).enumerate().for_each(|(bh, p)| {
+    lse.par_chunks_mut(t).enumerate().for_each(|(bh, lse)| {
         let (bb, h) = (bh / nh, bh % nh);
         let kh = h / g;
         let x = &qkv[bb * t * w..(bb + 1) * t * w];
-        let pp = p.as_mut_ptr();
-        with_pack(2 * nblocks * hs * NR, |buf: &mut [T]| {
-            let (kt, vc) = buf.split_at_mut(nblocks * hs * NR);
-            for blk in 0..nblocks {
-                let (i0, i1) = (blk * BLOCK, (blk * BLOCK + BLOCK).min(t));
-                let keys = &x[i0 * w + c + kh * hs..];
-                pack_block(&mut kt[blk * hs * NR..], keys, w, i1 - i0, hs);
-                for j in i0..i1 {
-                    let v0 = j * w + c + ckv + kh * hs;
-                    let src = &x[v0..v0 + hs];
-                    vc[j * hs..(j + 1) * hs].copy_from_slice(src);
+        let rows = |col| Rows {
+            data: x,
+            ld: w,
+            col,
+            first: 0,
+            len: t,
+        };
+        let starts = |i: usize| docs.map_or(0, |d| d[bb * t + i] as usize);
+        forward_head(
+            (rows(h * hs), rows(c + kh * hs), rows(c + ckv + kh * hs)),
+            &starts,
+            (hs, scale),
+            // (every row sees itself: a block's partial is never empty)
+            &mut |i0, i1, p, pool| {
+                let Some(p) = p else { return };
+                for (i, lse) in lse.iter_mut().enumerate().take(i1).skip(i0) {
+                    // SAFETY: row `i` of sequence `bb`, channels of head
+                    // `h`, are this item's alone.
+                    let dst = unsafe {
+                        std::slice::from_raw_parts_mut(out.get().add((bb * t + i) * c + h * hs), hs)
+                    };
+                    *lse = finalize(&p, i - i0, hs, dst);
                 }
-                for kb in 0..=blk {
-                    let k0 = kb * NR;
-                    let ia = i0.max(k0);
-                    // SAFETY: rows `ia..i1` of the queries and of `p` are
-                    // in bounds; `p` is ours.
-                    unsafe {
-                        dots(
-                            &kt[kb * hs * NR..],
-                            k0,
-                            NR.min(i1 - k0),
-                            hs,
-                            (ia, i1),
-                            (x[ia * w + h * hs..].as_ptr(), w),
-                            (pp.wrapping_add(ia * t + k0), t),
-                            scale,
-                        );
-                    }
-                }
-                for i in i0..i1 {
-                    // SAFETY: row `i` of `p`, ours (no tile is running).
-                    let row = unsafe { std::slice::from_raw_parts_mut(pp.add(i * t), t) };
-                    let s = docs.map_or(0, |d| d[bb * t + i] as usize);
-                    softmax_row(&mut row[s..=i]);
-                    row[..s].fill(T::ZERO);
-                    row[i + 1..].fill(T::ZERO);
-                }
-                let v = vc.as_ptr();
-                for r0 in (i0..i1).step_by(MR) {
-                    let m = MR.min(i1 - r0);
-                    // SAFETY: rows `r0..r0+m` of `p` hold `r0+m ≤ T`
-                    // terms; the values' rows `0..r0+m` are in `x`;
-                    // `out`'s rows `r0..r0+m` of sequence `bb`, channels of
-                    // head `h`, are this item's alone.
-                    unsafe {
-                        weighted(
-                            m,
-                            r0 + m,
-                            (pp.wrapping_add(r0 * t), t, 1),
-                            (v, hs),
-                            hs,
-                            (out.get().add((bb * t + r0) * c + h * hs), c),
-                            Fin::Store(T::ONE),
-                        );
-                    }
-                }
-            }
-        });
+                pool.push(p);
+            },
+        );
     });
     Ok(())
 }
 
+/// One sequence's rows of an operand, by position in the sequence: head
+/// channel `d` of row `i` (`first ≤ i < first + len`) at
+/// `data[(i - first)·ld + col + d]`.
+#[derive(Clone, Copy)]
+struct Rows<'a, T> {
+    data: &'a [T],
+    ld: usize,
+    col: usize,
+    first: usize,
+    len: usize,
+}
+
+impl<'a, T> Rows<'a, T> {
+    /// Rows `0..len` of a sequence.
+    fn whole(data: &'a [T], ld: usize, col: usize, len: usize) -> Self {
+        Rows {
+            data,
+            ld,
+            col,
+            first: 0,
+            len,
+        }
+    }
+    /// Sequence `bb`'s rows at `span` of a batch `(B, span.len, ld)`.
+    fn of_sequence(data: &'a [T], bb: usize, ld: usize, col: usize, span: Span) -> Self {
+        Rows {
+            data: &data[bb * span.len * ld..(bb + 1) * span.len * ld],
+            ld,
+            col,
+            first: span.first,
+            len: span.len,
+        }
+    }
+    fn end(&self) -> usize {
+        self.first + self.len
+    }
+    /// From row `i`, channel 0 of the head, on.
+    fn at(&self, i: usize) -> &'a [T] {
+        &self.data[(i - self.first) * self.ld + self.col..]
+    }
+    /// The same rows, `d` channels further.
+    fn shift(self, d: usize) -> Self {
+        Rows {
+            col: self.col + d,
+            ..self
+        }
+    }
+}
+
+/// The key leaves of `k`: `first..end` in leaf numbers.
+fn leaves<T>(k: &Rows<'_, T>) -> (usize, usize) {
+    (k.first / BLOCK, k.end().div_ceil(BLOCK))
+}
+
+/// The forward partials of one sequence and query head: each block of up
+/// to 64 query rows of `q` (from `q.first`) against the leaves of keys `k`
+/// (values `v`; `k.first` a multiple of 64), merged in the tree over those
+/// leaves; `emit(i0, i1, partial, pool)` for each block (`None`: no row
+/// sees any key).
+#[allow(clippy::type_complexity)]
+fn forward_head<T: Real>(
+    (q, k, v): (Rows<'_, T>, Rows<'_, T>, Rows<'_, T>),
+    starts: &dyn Fn(usize) -> usize,
+    (hs, scale): (usize, T),
+    emit: &mut dyn FnMut(usize, usize, Option<Vec<T>>, &mut Vec<Vec<T>>),
+) {
+    let (l0, l1) = leaves(&k);
+    with_pack(
+        (l1 - l0) * hs * NR + k.len * hs + BLOCK * NR,
+        |buf: &mut [T]| {
+            let (kt, rest) = buf.split_at_mut((l1 - l0) * hs * NR);
+            let (vc, s) = rest.split_at_mut(k.len * hs);
+            for kb in l0..l1 {
+                let k0 = kb * BLOCK;
+                pack_block(
+                    &mut kt[(kb - l0) * hs * NR..],
+                    k.at(k0),
+                    k.ld,
+                    NR.min(k.end() - k0),
+                    hs,
+                );
+            }
+            for j in k.first..k.end() {
+                vc[(j - k.first) * hs..(j - k.first + 1) * hs].copy_from_slice(&v.at(j)[..hs]);
+            }
+            let mut pool = Vec::new();
+            for i0 in (q.first..q.end()).step_by(BLOCK) {
+                let i1 = (i0 + BLOCK).min(q.end());
+                let rows = i1 - i0;
+                let mut tree = Tree::new();
+                for kb in l0..l1.min(i1.div_ceil(BLOCK)) {
+                    let k0 = kb * BLOCK;
+                    let leaf = forward_leaf(
+                        &kt[(kb - l0) * hs * NR..],
+                        (k0, NR.min(k.end() - k0)),
+                        (i0, i1),
+                        (q.at(i0).as_ptr(), q.ld),
+                        (vc[(k0 - k.first) * hs..].as_ptr(), hs),
+                        starts,
+                        (hs, scale),
+                        s,
+                        &mut pool,
+                    );
+                    tree.push(kb, kb + 1, leaf, &mut |a, b| {
+                        merge_softmax(a, b, rows, hs, &mut pool)
+                    });
+                }
+                let p = tree.finish(&mut |a, b| merge_softmax(a, b, rows, hs, &mut pool));
+                emit(i0, i1, p, &mut pool);
+            }
+        },
+    );
+}
+
+/// Row `r` of a forward partial: `out = Σ / l`, and the log-sum-exp
+/// `m + ln l`.
+fn finalize<T: Real>(p: &[T], r: usize, hs: usize, out: &mut [T]) -> T {
+    let (m, l) = (p[r], p[BLOCK + r]);
+    for (d, &o) in out[..hs].iter_mut().zip(&p[2 * BLOCK + r * hs..]) {
+        *d = o / l;
+    }
+    m + l.ln()
+}
+
+/// What [`backward_group`] reads of one sequence and key/value head: the
+/// group's query rows `q`, their output gradients `dout` and outputs `out`
+/// (query head `hh` of the group `hh·HS` channels on from each view's
+/// column), their log-sum-exps `lse(hh, i)`, the keys `k` and values `v`.
+struct GroupIn<'a, T> {
+    q: Rows<'a, T>,
+    dout: Rows<'a, T>,
+    out: Rows<'a, T>,
+    lse: &'a dyn Fn(usize, usize) -> T,
+    k: Rows<'a, T>,
+    v: Rows<'a, T>,
+    starts: &'a dyn Fn(usize) -> usize,
+}
+
+/// The backward of one sequence and key/value head: by blocks of query
+/// rows (`q.first` a multiple of 64), and in each by query head and key
+/// leaf, `s = q·kᵀ·scale`, `p = e^(s - lse)`, `dp = dO·vᵀ`,
+/// `ds = p·(dp - Σ dO·O)·scale`; each leaf's `dQ = ds·k` merges into the
+/// block's tree over the key leaves, given to `emit_dq(hh, i0, i1, dq)`
+/// (rows × HS); each leaf's `dKᵀ = Σ q ds` and `dVᵀ = Σ dO p`, summed over
+/// the group's heads in order, merge into the key leaf's tree over the
+/// query blocks, given to `emit_dkv(k0, kw, partial)` at the end
+/// (`HS`×`NR` of `dKᵀ`, then of `dVᵀ`).
+#[allow(clippy::too_many_lines, clippy::type_complexity)]
+fn backward_group<T: Real>(
+    x: &GroupIn<'_, T>,
+    (g, hs, scale): (usize, usize, T),
+    emit_dq: &mut dyn FnMut(usize, usize, usize, &[T]),
+    emit_dkv: &mut dyn FnMut(usize, usize, &[T]),
+) {
+    let GroupIn {
+        q, dout, out, k, v, ..
+    } = *x;
+    let (l0, l1) = leaves(&k);
+    let nl = l1 - l0;
+    let len = 2 * nl * hs * NR + k.len * hs + 2 * BLOCK * hs + 2 * BLOCK * NR + BLOCK;
+    with_pack(len, |buf: &mut [T]| {
+        let (kt, rest) = buf.split_at_mut(nl * hs * NR);
+        let (vt, rest) = rest.split_at_mut(nl * hs * NR);
+        let (kc, rest) = rest.split_at_mut(k.len * hs);
+        let (qc, rest) = rest.split_at_mut(BLOCK * hs);
+        let (gc, rest) = rest.split_at_mut(BLOCK * hs);
+        let (sp, rest) = rest.split_at_mut(BLOCK * NR);
+        let (sd, delta) = rest.split_at_mut(BLOCK * NR);
+        for kb in l0..l1 {
+            let (k0, at) = (kb * BLOCK, (kb - l0) * hs * NR);
+            let kw = NR.min(k.end() - k0);
+            pack_block(&mut kt[at..], k.at(k0), k.ld, kw, hs);
+            pack_block(&mut vt[at..], v.at(k0), v.ld, kw, hs);
+        }
+        for j in k.first..k.end() {
+            kc[(j - k.first) * hs..(j - k.first + 1) * hs].copy_from_slice(&k.at(j)[..hs]);
+        }
+        let mut pool: Vec<Vec<T>> = Vec::new();
+        let mut kv_trees: Vec<Tree<Vec<T>>> = (l0..l1).map(|_| Tree::new()).collect();
+        for i0 in (q.first..q.end()).step_by(BLOCK) {
+            let (i1, blk) = ((i0 + BLOCK).min(q.end()), i0 / BLOCK);
+            let rows = i1 - i0;
+            let seen = l1.min(i1.div_ceil(BLOCK)).max(l0);
+            let mut kv_leaves: Vec<Option<Vec<T>>> = (l0..seen).map(|_| None).collect();
+            for hh in 0..g {
+                let (qh, gh, oh) = (q.shift(hh * hs), dout.shift(hh * hs), out.shift(hh * hs));
+                for i in i0..i1 {
+                    let r = i - i0;
+                    qc[r * hs..(r + 1) * hs].copy_from_slice(&qh.at(i)[..hs]);
+                    gc[r * hs..(r + 1) * hs].copy_from_slice(&gh.at(i)[..hs]);
+                    delta[r] = crate::real::dot_lanes(&gh.at(i)[..hs], &oh.at(i)[..hs]);
+                }
+                let mut dq_tree = Tree::new();
+                for kb in l0..seen {
+                    let (k0, at) = (kb * BLOCK, (kb - l0) * hs * NR);
+                    let kw = NR.min(k.end() - k0);
+                    if (i0..i1).all(|i| {
+                        let (lo, hi) = visible((x.starts)(i), i, k0, kw);
+                        lo >= hi
+                    }) {
+                        dq_tree.push(kb, kb + 1, None, &mut |a, b| add_into(a, b, &mut pool));
+                        continue;
+                    }
+                    // SAFETY: `qc`, `gc` hold the block's rows; `sp`, `sd`
+                    // `BLOCK` rows of `NR`, ours.
+                    unsafe {
+                        let (sp, sd) = (sp.as_mut_ptr(), sd.as_mut_ptr());
+                        dots(
+                            &kt[at..],
+                            k0,
+                            kw,
+                            hs,
+                            (i0, i1),
+                            (qc.as_ptr(), hs),
+                            (sp, NR),
+                            scale,
+                        );
+                        dots(
+                            &vt[at..],
+                            k0,
+                            kw,
+                            hs,
+                            (i0, i1),
+                            (gc.as_ptr(), hs),
+                            (sd, NR),
+                            T::ONE,
+                        );
+                    }
+                    for i in i0..i1 {
+                        let r = i - i0;
+                        let (lo, hi) = visible((x.starts)(i), i, k0, kw);
+                        let (p, d) = (&mut sp[r * NR..r * NR + kw], &mut sd[r * NR..r * NR + kw]);
+                        if lo >= hi {
+                            p.fill(T::ZERO);
+                            d.fill(T::ZERO);
+                            continue;
+                        }
+                        let (a, z) = (lo - k0, hi - k0);
+                        let l = (x.lse)(hh, i);
+                        probs_and_grads(&mut p[a..z], &mut d[a..z], l, delta[r], scale);
+                        for v in [&mut *p, &mut *d] {
+                            v[..a].fill(T::ZERO);
+                            v[z..].fill(T::ZERO);
+                        }
+                    }
+                    let mut dq = take(&mut pool, BLOCK * hs);
+                    for r0 in (0..rows).step_by(MR) {
+                        let m = MR.min(rows - r0);
+                        // SAFETY: rows `r0..` of `sd` hold `kw` score
+                        // gradients, `kc` the keys `k0..k0+kw`; `dq` is
+                        // ours. (Keys after the tile's last row: zeros,
+                        // left out.)
+                        unsafe {
+                            weighted(
+                                m,
+                                kw.min(i0 + r0 + m - k0),
+                                (sd[r0 * NR..].as_ptr(), NR, 1),
+                                (kc[(k0 - k.first) * hs..].as_ptr(), hs),
+                                hs,
+                                (dq[r0 * hs..].as_mut_ptr(), hs),
+                                Fin::Store(T::ONE),
+                            );
+                        }
+                    }
+                    dq_tree.push(kb, kb + 1, Some(dq), &mut |a, b| add_into(a, b, &mut pool));
+                    let slot = &mut kv_leaves[kb - l0];
+                    let fin = if slot.is_some() {
+                        Fin::Add
+                    } else {
+                        Fin::Store(T::ONE)
+                    };
+                    let leaf = slot.get_or_insert_with(|| take(&mut pool, 2 * hs * NR));
+                    let (dkt, dvt) = leaf.split_at_mut(hs * NR);
+                    for d0 in (0..hs).step_by(MR) {
+                        let tiles = [
+                            (qc[d0..].as_ptr(), sd.as_ptr(), &mut *dkt),
+                            (gc[d0..].as_ptr(), sp.as_ptr(), &mut *dvt),
+                        ];
+                        for (a, bm, acc) in tiles {
+                            let tile = Tile {
+                                m: MR.min(hs - d0),
+                                w: kw,
+                                k: rows,
+                                a,
+                                ars: 1,
+                                acs: hs,
+                                b: bm,
+                                ldb: NR,
+                                c: acc[d0 * NR..].as_mut_ptr(),
+                                ldc: NR,
+                                fin,
+                            };
+                            // SAFETY: channels `d0..` of the block's rows of
+                            // `qc` / `gc`, columns `..kw` of its rows of `sd`
+                            // / `sp`, and rows `d0..` of the leaf (`HS`×`NR`,
+                            // ours).
+                            unsafe { run_tile(&tile) };
+                        }
+                    }
+                }
+                if let Some(dq) = dq_tree.finish(&mut |a, b| add_into(a, b, &mut pool)) {
+                    emit_dq(hh, i0, i1, &dq);
+                    pool.push(dq);
+                }
+            }
+            for (j, tree) in kv_trees.iter_mut().enumerate() {
+                let leaf = kv_leaves.get_mut(j).and_then(Option::take);
+                tree.push(blk, blk + 1, leaf, &mut |a, b| add_into(a, b, &mut pool));
+            }
+        }
+        for (j, tree) in kv_trees.into_iter().enumerate() {
+            let k0 = (l0 + j) * BLOCK;
+            if let Some(p) = tree.finish(&mut |a, b| add_into(a, b, &mut pool)) {
+                emit_dkv(k0, NR.min(k.end() - k0), &p);
+            }
+        }
+    });
+}
+
+/// Checks rows' starts `(B,T)`: none after its row.
+fn check_starts(op: &'static str, docs: Option<&[u32]>, b: usize, t: usize) -> Result<()> {
+    let Some(d) = docs else { return Ok(()) };
+    check(op, "docs", d, b * t)?;
+    if let Some(r) = (0..b * t).find(|&r| d[r] as usize > r % t) {
+        return Err(Error::InvalidArgument {
+            op,
+            reason: format!(
+                "row {} of sequence {} starts its document at {}, after itself",
+                r % t,
+                r / t,
+                d[r]
+            ),
+        });
+    }
+    Ok(())
+}
+
 /// One position of [`attention_forward`] from a key/value cache, for
-/// incremental decoding: the output `out (C)` and probabilities
-/// `att (NH, pos+1)` of the query `q (C)` at position `pos` over the keys
-/// and values `kv (pos+1, 2·Ckv)` (rows `[k | v]`, key/value head `k`
-/// owning channels `k*HS..(k+1)*HS` of each) of positions `start..=pos`:
-/// `start` is the position's first visible key (its document start under
-/// document masking, the window's first key under sliding-window
-/// attention), else 0.
+/// incremental decoding: the output `out (C)` of the query `q (C)` at
+/// position `pos` over the keys and values `kv (pos+1, 2·Ckv)` (rows
+/// `[k | v]`, key/value head `k` owning channels `k*HS..(k+1)*HS` of
+/// each) of positions `start..=pos`: `start` is the position's first
+/// visible key (its document start under document masking, the window's
+/// first key under sliding-window attention), else 0.
 ///
 /// The result is bitwise equal to row `pos` of [`attention_forward`] over
 /// any sequence with the same queries, keys and values up to `pos` (and the
-/// same start): both
-/// run the same tile code (see the module docs on summation order), each
-/// score one running sum over the channels, each output element one over
-/// the keys in position order; the forward's zero probabilities of later
-/// keys change no bit.
+/// same start): both run the same leaves through the same tree (see the
+/// module docs), and the forward's zero probabilities of later keys in
+/// the row's last leaf change no bit.
 ///
 /// # Errors
 /// [`Error::ShapeMismatch`] on a wrong buffer length,
@@ -873,7 +1279,6 @@ pub fn attention_forward<T: Real>(
 #[allow(clippy::too_many_arguments)]
 pub fn attention_decode<T: Real>(
     out: &mut [T],
-    att: &mut [T],
     q: &[T],
     kv: &[T],
     pos: usize,
@@ -893,7 +1298,6 @@ pub fn attention_decode<T: Real>(
         });
     }
     check(OP, "out", out, c)?;
-    check(OP, "att", att, nh * n)?;
     check(OP, "q", q, c)?;
     check(OP, "kv", kv, n * 2 * ckv)?;
     if c == 0 {
@@ -901,75 +1305,58 @@ pub fn attention_decode<T: Real>(
     }
     #[allow(clippy::cast_precision_loss)]
     let scale = T::from_f64(1.0 / (hs as f64).sqrt());
-    let nblocks = n.div_ceil(NR);
-    with_pack(nblocks * hs * NR, |kt: &mut [T]| {
-        for h in 0..nh {
-            let row = &mut att[h * n..(h + 1) * n];
-            for kb in 0..nblocks {
-                let k0 = kb * NR;
-                let kw = NR.min(n - k0);
-                let tile = &mut kt[kb * hs * NR..];
-                pack_block(tile, &kv[k0 * 2 * ckv + h / g * hs..], 2 * ckv, kw, hs);
-                // SAFETY: one query row of `hs` channels; `row` holds the
-                // keys `k0..k0+kw`.
-                unsafe {
-                    dots(
-                        tile,
-                        k0,
-                        kw,
-                        hs,
-                        (pos, n),
-                        (q[h * hs..].as_ptr(), c),
-                        (row[k0..].as_mut_ptr(), n),
-                        scale,
-                    );
+    for h in 0..nh {
+        let kh = h / g;
+        let cache = |col| Rows {
+            data: kv,
+            ld: 2 * ckv,
+            col,
+            first: 0,
+            len: n,
+        };
+        let q = Rows {
+            data: q,
+            ld: c,
+            col: h * hs,
+            first: pos,
+            len: 1,
+        };
+        let o = &mut out[h * hs..];
+        forward_head(
+            (q, cache(kh * hs), cache(ckv + kh * hs)),
+            &|_| start,
+            (hs, scale),
+            // (the position sees itself: its partial is never empty)
+            &mut |_, _, p, pool| {
+                if let Some(p) = p {
+                    finalize(&p, 0, hs, o);
+                    pool.push(p);
                 }
-            }
-            softmax_row(&mut row[start..]);
-            row[..start].fill(T::ZERO);
-            // SAFETY: `row` holds `n` terms, `kv` `n` value rows; `out`'s
-            // channels of head `h` are in bounds.
-            unsafe {
-                weighted(
-                    1,
-                    n,
-                    (row.as_ptr(), n, 1),
-                    (kv[ckv + h / g * hs..].as_ptr(), 2 * ckv),
-                    hs,
-                    (out[h * hs..].as_mut_ptr(), c),
-                    Fin::Store(T::ONE),
-                );
-            }
-        }
-    });
+            },
+        );
+    }
     Ok(())
 }
 
-/// Floats of [`attention_backward`]'s `scratch` for `b` sequences of `t`
-/// tokens: one block of query rows' score gradients (`min(64, T)` rows of
-/// `T`) per work item (sequence, key/value head) — not the `B·NH·T²` of
-/// every score gradient, which the backward never holds at once.
-pub fn attention_backward_scratch_len(b: usize, t: usize, heads: impl Into<Heads>) -> usize {
-    b * heads.into().kv * BLOCK.min(t) * t
-}
-
 /// Backward of [`attention_forward`], accumulating into
-/// `dqkv (B,T,C+2·Ckv)`. `scratch` (at least
-/// [`attention_backward_scratch_len`] floats) is overwritten with
-/// unspecified values: each work item, (sequence, key/value head), takes
-/// the score gradients of one block of query rows at a time in its part
-/// of it. The query heads of a group add their key and value gradients
-/// into one accumulator, in head order, before it is added to `dqkv`.
+/// `dqkv (B,T,C+2·Ckv)` from the output gradient `dout (B,T,C)`, the
+/// forward's inputs `qkv` and `docs` and its results `out` and `lse`.
+/// The probabilities are computed again, a leaf at a time
+/// (`e^(s - lse)`), and never held whole. The query gradients are
+/// merged over the key leaves, and the key and value gradients over the
+/// query blocks, in the tree of the module docs; the query heads of a
+/// group add into one key/value leaf in head order.
 ///
 /// # Errors
 /// As [`attention_forward`].
 #[allow(clippy::too_many_arguments)]
 pub fn attention_backward<T: Real>(
     dqkv: &mut [T],
-    scratch: &mut [T],
     dout: &[T],
     qkv: &[T],
-    att: &[T],
+    out: &[T],
+    lse: &[T],
+    docs: Option<&[u32]>,
     b: usize,
     t: usize,
     c: usize,
@@ -978,194 +1365,465 @@ pub fn attention_backward<T: Real>(
     const OP: &str = "attention_backward";
     let heads = heads.into();
     let (hs, ckv) = dims(OP, c, heads)?;
-    let (nh, nkv, g, w) = (heads.q, heads.kv, heads.group(), c + 2 * ckv);
+    let (nh, nkv, w) = (heads.q, heads.kv, c + 2 * ckv);
     check(OP, "dqkv", dqkv, b * t * w)?;
-    // (a longer scratch, such as the `B·NH·T²` of earlier versions, is
-    // used in part)
-    let rows = BLOCK.min(t);
-    let need = b * nkv * rows * t;
-    if scratch.len() < need {
-        return Err(Error::ShapeMismatch {
-            op: OP,
-            buffer: "scratch",
-            expected: need,
-            got: scratch.len(),
-        });
-    }
     check(OP, "dout", dout, b * t * c)?;
     check(OP, "qkv", qkv, b * t * w)?;
-    check(OP, "att", att, b * nh * t * t)?;
+    check(OP, "out", out, b * t * c)?;
+    check(OP, "lse", lse, b * nh * t)?;
+    check_starts(OP, docs, b, t)?;
     if b * t * c == 0 {
         return Ok(());
     }
     #[allow(clippy::cast_precision_loss)]
     let scale = T::from_f64(1.0 / (hs as f64).sqrt());
-    let nblocks = t.div_ceil(BLOCK);
+    let g = heads.group();
     let dx = Shared(dqkv.as_mut_ptr());
-    // Per (sequence, query head), by blocks of query rows i: dP = dO·Vᵀ, then
-    // dS = P ⊙ (dP - rowsum(dP ⊙ P)) · scale, then dQ[i] += Σ_j dS[i,j] K[j]
-    // and, while the block's rows of dS and P are in cache,
-    // dKᵀ[:, j] += Σ_i Q[i] dS[i, j] and dVᵀ[:, j] += Σ_i dO[i] P[i, j] into
-    // accumulators of the key/value head (rows of dS and P are contiguous
-    // in j; their columns would walk a single cache set), added to dK, dV
-    // after the group's last query head.
-    let tp = nblocks * NR;
-    scratch[..need]
-        .par_chunks_mut(rows * t)
+    (0..b * nkv).into_par_iter().for_each(|bk| {
+        let (bb, kh) = (bk / nkv, bk % nkv);
+        let seq = |data, ld, col| Rows::whole(data, ld, col, t);
+        let x = &qkv[bb * t * w..(bb + 1) * t * w];
+        let lse = |hh: usize, i: usize| lse[(bb * nh + kh * g + hh) * t + i];
+        let starts = |i: usize| docs.map_or(0, |d| d[bb * t + i] as usize);
+        let input = GroupIn {
+            q: seq(x, w, kh * g * hs),
+            dout: seq(&dout[bb * t * c..(bb + 1) * t * c], c, kh * g * hs),
+            out: seq(&out[bb * t * c..(bb + 1) * t * c], c, kh * g * hs),
+            lse: &lse,
+            k: seq(x, w, c + kh * hs),
+            v: seq(x, w, c + ckv + kh * hs),
+            starts: &starts,
+        };
+        // Item `bk` writes only sequence `bb`'s rows of the query heads of
+        // key/value head `kh` and that head's key and value channels.
+        backward_group(
+            &input,
+            (g, hs, scale),
+            &mut |hh, i0, i1, dq| {
+                for i in i0..i1 {
+                    // SAFETY: row `i` of sequence `bb`, channels of query
+                    // head `kh·g + hh`: this item's alone.
+                    let dst = unsafe {
+                        let at = (bb * t + i) * w + (kh * g + hh) * hs;
+                        std::slice::from_raw_parts_mut(dx.get().add(at), hs)
+                    };
+                    add_slices(dst, &dq[(i - i0) * hs..(i - i0 + 1) * hs]);
+                }
+            },
+            &mut |k0, kw, p| {
+                let row = (bb * t + k0) * w + c + kh * hs;
+                // SAFETY: rows `k0..k0+kw` of sequence `bb` of dK and dV,
+                // channels of key/value head `kh`, are this item's alone.
+                unsafe {
+                    transpose_add(dx.get().add(row), w, &p[..hs * NR], NR, kw, hs);
+                    transpose_add(dx.get().add(row + ckv), w, &p[hs * NR..], NR, kw, hs);
+                }
+            },
+        );
+    });
+    Ok(())
+}
+
+/// Positions `first..first + len` of a sequence: where a context-parallel
+/// rank's chunk of query rows, or of keys, sits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Span {
+    /// The first position.
+    pub first: usize,
+    /// How many.
+    pub len: usize,
+}
+
+impl Span {
+    /// One past the last position.
+    pub fn end(self) -> usize {
+        self.first + self.len
+    }
+    /// Its key leaves, `first/64..end/64`, when they are a node of the
+    /// merge tree: `len` a multiple of 64, the leaves a power of two and
+    /// `first` a multiple of their span (see the module docs).
+    fn node(self, op: &'static str) -> Result<(usize, usize)> {
+        let (lo, hi) = (self.first / BLOCK, self.end() / BLOCK);
+        if !self.first.is_multiple_of(BLOCK) || !self.len.is_multiple_of(BLOCK) || !is_node(lo, hi)
+        {
+            return Err(Error::InvalidArgument {
+                op,
+                reason: format!(
+                    "positions {}..{} are not a node of the merge tree (2^k blocks of {BLOCK} from a multiple of 2^k blocks)",
+                    self.first,
+                    self.end()
+                ),
+            });
+        }
+        Ok((lo, hi))
+    }
+}
+
+/// Floats of one chunk's forward partial ([`attention_partial`]): `HS + 2`
+/// per sequence, query head and query row.
+pub fn attention_partial_len(b: usize, rows: usize, c: usize, heads: impl Into<Heads>) -> usize {
+    let heads = heads.into();
+    b * heads.q * rows * (c / heads.q.max(1) + 2)
+}
+
+/// Checks spans of parts: consecutive from position 0, each a node.
+fn check_parts<P>(op: &'static str, parts: &[(P, Span)]) -> Result<Vec<(usize, usize)>> {
+    let mut at = 0;
+    parts
+        .iter()
+        .map(|&(_, s)| {
+            if s.first != at {
+                return Err(Error::InvalidArgument {
+                    op,
+                    reason: format!("a part at position {} after position {at}: parts must follow each other from 0", s.first),
+                });
+            }
+            at = s.end();
+            s.node(op)
+        })
+        .collect()
+}
+
+/// Context parallelism's forward over one chunk of keys: the partial
+/// result `part (B, NH, Tq, HS+2)` (each row's maximum score, sum of
+/// `e^(s - max)` and `Σ e^(s - max)·v`; `-∞, 0, 0…` where the row sees
+/// none of the keys) of the query rows at `q_at` against the keys and
+/// values at `k_at` (a node of the merge tree: a context-parallel chunk of
+/// `2^k·64` positions from a multiple of it).
+///
+/// `q (B, Tq, ldq)` holds head `h`'s queries at channels `h·HS..`; `kv
+/// (B, Tk, ldkv)` key/value head `k`'s keys at `col + k·HS..` and its values
+/// `Ckv` channels further (`(qkv, C+2·Ckv)` and `(qkv, C+2·Ckv, C)` for a
+/// rank's own chunk, `(kv, 2·Ckv, 0)` for keys and values received);
+/// `starts (B, Tq)` each row's first visible key, by position. The
+/// partials of a row's key chunks, merged by [`attention_merge`] in
+/// position order, give bit for bit what [`attention_forward`] gives over
+/// the whole sequence.
+///
+/// # Errors
+/// As [`attention_forward`]; [`Error::InvalidArgument`] if `k_at` is not
+/// a node or `q_at` does not start on a block of 64.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_partial<T: Real>(
+    part: &mut [T],
+    (q, ldq): (&[T], usize),
+    q_at: Span,
+    (kv, ldkv, col): (&[T], usize, usize),
+    k_at: Span,
+    starts: Option<&[u32]>,
+    b: usize,
+    c: usize,
+    heads: impl Into<Heads>,
+) -> Result<()> {
+    const OP: &str = "attention_partial";
+    let heads = heads.into();
+    let (hs, ckv) = dims(OP, c, heads)?;
+    let (nh, g, tq) = (heads.q, heads.group(), q_at.len);
+    k_at.node(OP)?;
+    check_rows(OP, q_at)?;
+    check(OP, "part", part, b * nh * tq * (hs + 2))?;
+    check_operands(
+        OP,
+        (q, ldq, q_at),
+        (kv, ldkv, col, k_at),
+        starts,
+        (b, c, ckv),
+    )?;
+    if part.is_empty() {
+        return Ok(());
+    }
+    #[allow(clippy::cast_precision_loss)]
+    let scale = T::from_f64(1.0 / (hs as f64).sqrt());
+    part.par_chunks_mut(tq * (hs + 2))
         .enumerate()
-        .for_each(|(bk, d)| {
-            let (bb, kh) = (bk / nkv, bk % nkv);
-            let x = &qkv[bb * t * w..(bb + 1) * t * w];
-            let go = &dout[bb * t * c..(bb + 1) * t * c];
-            with_pack(4 * hs * tp + 2 * BLOCK * hs, |buf: &mut [T]| {
-                let (vt, rest) = buf.split_at_mut(hs * tp);
-                let (dkt, rest) = rest.split_at_mut(hs * tp);
-                let (dvt, rest) = rest.split_at_mut(hs * tp);
-                let (kc, rest) = rest.split_at_mut(hs * tp);
-                let (qc, gc) = rest.split_at_mut(BLOCK * hs);
-                dkt.fill(T::ZERO);
-                dvt.fill(T::ZERO);
-                // `d` holds the score gradients of the block of query rows
-                // being computed (row `i` of the block at `(i - i0)·T`)
-                for hh in 0..g {
-                    let h = kh * g + hh;
-                    let bh = bb * nh + h;
-                    let p = &att[bh * t * t..(bh + 1) * t * t];
-                    let dp = d.as_mut_ptr();
-                    for blk in 0..nblocks {
-                        let (i0, i1) = (blk * BLOCK, (blk * BLOCK + BLOCK).min(t));
-                        let values = &x[i0 * w + c + ckv + kh * hs..];
-                        pack_block(&mut vt[blk * hs * NR..], values, w, i1 - i0, hs);
-                        // This block's rows of K (all of them so far, for dQ),
-                        // Q and dO, head `h`, contiguous.
-                        for i in i0..i1 {
-                            let (r, rk) = (i * w + h * hs, i * w + c + kh * hs);
-                            kc[i * hs..(i + 1) * hs].copy_from_slice(&x[rk..rk + hs]);
-                            qc[(i - i0) * hs..(i - i0 + 1) * hs].copy_from_slice(&x[r..r + hs]);
-                            let g = &go[i * c + h * hs..i * c + h * hs + hs];
-                            gc[(i - i0) * hs..(i - i0 + 1) * hs].copy_from_slice(g);
+        .for_each(|(bh, part)| {
+            let (bb, h) = (bh / nh, bh % nh);
+            let kh = h / g;
+            let at = |data, ld, col, span| Rows::of_sequence(data, bb, ld, col, span);
+            let qr = at(q, ldq, h * hs, q_at);
+            let (k, v) = (
+                at(kv, ldkv, col + kh * hs, k_at),
+                at(kv, ldkv, col + ckv + kh * hs, k_at),
+            );
+            let starts = |i: usize| starts.map_or(0, |s| s[bb * tq + i - q_at.first] as usize);
+            forward_head((qr, k, v), &starts, (hs, scale), &mut |i0, i1, p, pool| {
+                for i in i0..i1 {
+                    let (r, row) = (i - i0, &mut part[(i - q_at.first) * (hs + 2)..][..hs + 2]);
+                    match &p {
+                        Some(p) => {
+                            (row[0], row[1]) = (p[r], p[BLOCK + r]);
+                            row[2..].copy_from_slice(&p[2 * BLOCK + r * hs..][..hs]);
                         }
-                        for kb in 0..=blk {
-                            let k0 = kb * NR;
-                            let ia = i0.max(k0);
-                            // SAFETY: rows `ia..i1` of `dout` and the block's
-                            // rows of `d` are in bounds; `d` is ours.
-                            unsafe {
-                                dots(
-                                    &vt[kb * hs * NR..],
-                                    k0,
-                                    NR.min(i1 - k0),
-                                    hs,
-                                    (ia, i1),
-                                    (go[ia * c + h * hs..].as_ptr(), c),
-                                    (dp.wrapping_add((ia - i0) * t + k0), t),
-                                    T::ONE,
-                                );
-                            }
-                        }
-                        for i in i0..i1 {
-                            // SAFETY: row `i` of `d`, ours (no tile is running).
-                            let dr =
-                                unsafe { std::slice::from_raw_parts_mut(dp.add((i - i0) * t), t) };
-                            score_grad_row(&mut dr[..=i], &p[i * t..=i * t + i], scale);
-                            // The tiles of this block read up to column `i1`.
-                            dr[i + 1..i1].fill(T::ZERO);
-                        }
-                        let k = kc.as_ptr();
-                        for r0 in (i0..i1).step_by(MR) {
-                            let m = MR.min(i1 - r0);
-                            // SAFETY: rows `r0..r0+m` of `d` hold `r0+m ≤ T`
-                            // terms, the keys' rows `0..r0+m` are in `x`; dQ's rows
-                            // `r0..r0+m` of sequence `bb`, channels of head `h`,
-                            // are this item's alone.
-                            unsafe {
-                                weighted(
-                                    m,
-                                    r0 + m,
-                                    (dp.wrapping_add((r0 - i0) * t), t, 1),
-                                    (k, hs),
-                                    hs,
-                                    (dx.get().add((bb * t + r0) * w + h * hs), w),
-                                    Fin::Add,
-                                );
-                            }
-                        }
-                        for kb in 0..=blk {
-                            let k0 = kb * NR;
-                            let kw = NR.min(i1 - k0);
-                            for d0 in (0..hs).step_by(MR) {
-                                let m = MR.min(hs - d0);
-                                // the block's rows: of `d` from its start, of
-                                // `p` from row `i0`
-                                let tiles = [
-                                    (qc[d0..].as_ptr(), hs, dp.cast_const(), &mut *dkt),
-                                    (gc[d0..].as_ptr(), hs, p[i0 * t..].as_ptr(), &mut *dvt),
-                                ];
-                                for (a, acs, b, out) in tiles {
-                                    let tile = Tile {
-                                        m,
-                                        w: kw,
-                                        k: i1 - i0,
-                                        a,
-                                        ars: 1,
-                                        acs,
-                                        b: b.wrapping_add(k0),
-                                        ldb: t,
-                                        c: out[d0 * tp + k0..].as_mut_ptr(),
-                                        ldc: tp,
-                                        fin: Fin::Add,
-                                    };
-                                    // SAFETY: channels `d0..d0+m` of the block's
-                                    // rows of the queries / output gradients,
-                                    // columns `k0..k0+kw` of those rows of `d` /
-                                    // `p`, and rows `d0..d0+m`, columns
-                                    // `k0..k0+kw` of the accumulator (`hs`×`tp`,
-                                    // ours) are in bounds.
-                                    unsafe { run_tile(&tile) };
-                                }
-                            }
+                        None => {
+                            row.fill(T::ZERO);
+                            row[0] = T::NEG_INFINITY;
                         }
                     }
                 }
-                let row = bb * t * w + c + kh * hs;
-                // SAFETY: rows `0..T` of sequence `bb` of dK and dV,
-                // channels of key/value head `kh`, are this item's alone.
-                unsafe {
-                    transpose_add(dx.get().add(row), w, dkt, tp, t, hs);
-                    transpose_add(dx.get().add(row + ckv), w, dvt, tp, t, hs);
-                }
+                pool.extend(p);
             });
         });
     Ok(())
 }
 
-/// `d = p ⊙ (d - Σ d ⊙ p) · scale`: a row of score gradients from the
-/// probability gradients `d` and the probabilities `p`.
-fn score_grad_row<T: Real>(d: &mut [T], p: &[T], scale: T) {
-    #[cfg(target_arch = "x86_64")]
-    if fast::<T>() && d.len() == p.len() {
-        // SAFETY: `T` is `f32`.
-        let (d, p, scale) = unsafe {
-            (
-                std::slice::from_raw_parts_mut(d.as_mut_ptr().cast::<f32>(), d.len()),
-                std::slice::from_raw_parts(p.as_ptr().cast::<f32>(), p.len()),
-                *std::ptr::from_ref(&scale).cast::<f32>(),
-            )
-        };
-        // SAFETY: the CPU has AVX-512 F (`fast`).
-        unsafe { avx512::score_grad_row(d, p, scale) };
-        return;
+/// Checks a chunk's queries `(B, Tq, ldq)`, keys and values
+/// `(B, Tk, ldkv)` from column `col`, and its rows' starts.
+#[allow(clippy::type_complexity)]
+fn check_operands<T>(
+    op: &'static str,
+    (q, ldq, q_at): (&[T], usize, Span),
+    (kv, ldkv, col, k_at): (&[T], usize, usize, Span),
+    starts: Option<&[u32]>,
+    (b, c, ckv): (usize, usize, usize),
+) -> Result<()> {
+    check(op, "q", q, b * q_at.len * ldq)?;
+    check(op, "kv", kv, b * k_at.len * ldkv)?;
+    if ldq < c || ldkv < col + 2 * ckv {
+        return Err(Error::InvalidArgument {
+            op,
+            reason: format!(
+                "rows of {ldq} and {ldkv} floats cannot hold {c} query and 2·{ckv} key/value channels"
+            ),
+        });
     }
-    ds_row(d, p, scale);
+    check_starts_at(op, starts, b, q_at)
 }
 
-crate::simd::multiversion! {
-    fn ds_row<T: Real>(d: &mut [T], p: &[T], scale: T) {
-        let dot = crate::real::dot_lanes(d, p);
-        for (d, &p) in d.iter_mut().zip(p) {
-            *d = p * (*d - dot) * scale;
+/// Checks that query rows start on a block of 64.
+fn check_rows(op: &'static str, q_at: Span) -> Result<()> {
+    if !q_at.first.is_multiple_of(BLOCK) {
+        return Err(Error::InvalidArgument {
+            op,
+            reason: format!(
+                "query rows from position {}, not a multiple of {BLOCK}",
+                q_at.first
+            ),
+        });
+    }
+    Ok(())
+}
+
+/// Checks rows' starts `(B,Tq)` of the rows at `q_at`: none after its row.
+fn check_starts_at(op: &'static str, starts: Option<&[u32]>, b: usize, q_at: Span) -> Result<()> {
+    let Some(s) = starts else { return Ok(()) };
+    check(op, "starts", s, b * q_at.len)?;
+    if let Some(r) = (0..b * q_at.len).find(|&r| s[r] as usize > q_at.first + r % q_at.len) {
+        return Err(Error::InvalidArgument {
+            op,
+            reason: format!(
+                "the row at position {} starts at {}, after itself",
+                q_at.first + r % q_at.len,
+                s[r]
+            ),
+        });
+    }
+    Ok(())
+}
+
+/// The output `out (B,Tq,C)` and log-sum-exps `lse (B,NH,Tq)` of `tq` query
+/// rows from their [`attention_partial`]s over key chunks that follow each
+/// other from position 0 (`None`: a chunk none of the rows sees; chunks
+/// past the rows may be left out), merged in the tree order of
+/// [`attention_forward`], whose rows they reproduce bit for bit.
+///
+/// # Errors
+/// [`Error::ShapeMismatch`] on a wrong buffer length;
+/// [`Error::InvalidArgument`] on parts that are not nodes following each
+/// other from 0, or on heads that do not divide `C`.
+pub fn attention_merge<T: Real>(
+    out: &mut [T],
+    lse: &mut [T],
+    parts: &[(Option<&[T]>, Span)],
+    (b, tq): (usize, usize),
+    c: usize,
+    heads: impl Into<Heads>,
+) -> Result<()> {
+    const OP: &str = "attention_merge";
+    let heads = heads.into();
+    let (hs, _) = dims(OP, c, heads)?;
+    let nh = heads.q;
+    check(OP, "out", out, b * tq * c)?;
+    check(OP, "lse", lse, b * nh * tq)?;
+    let nodes = check_parts(OP, parts)?;
+    for (p, _) in parts {
+        if let Some(p) = p {
+            check(OP, "part", p, b * nh * tq * (hs + 2))?;
         }
     }
+    let out = Shared(out.as_mut_ptr());
+    lse.par_chunks_mut(tq.max(1))
+        .enumerate()
+        .for_each(|(bh, lse)| {
+            let (bb, h) = (bh / nh, bh % nh);
+            let mut pool: Vec<Vec<T>> = Vec::new();
+            for r0 in (0..tq).step_by(BLOCK) {
+                let rows = BLOCK.min(tq - r0);
+                let mut tree = Tree::new();
+                for ((p, _), &(lo, hi)) in parts.iter().zip(&nodes) {
+                    let block = p.map(|p| {
+                        let mut v = take(&mut pool, softmax_len(hs));
+                        for r in 0..rows {
+                            let row = &p[(bh * tq + r0 + r) * (hs + 2)..][..hs + 2];
+                            (v[r], v[BLOCK + r]) = (row[0], row[1]);
+                            v[2 * BLOCK + r * hs..][..hs].copy_from_slice(&row[2..]);
+                        }
+                        v
+                    });
+                    tree.push(lo, hi, block, &mut |a, b| {
+                        merge_softmax(a, b, rows, hs, &mut pool)
+                    });
+                }
+                let Some(p) = tree.finish(&mut |a, b| merge_softmax(a, b, rows, hs, &mut pool))
+                else {
+                    continue;
+                };
+                for r in 0..rows {
+                    // SAFETY: row `r0 + r` of sequence `bb`, channels of head
+                    // `h`: this item's alone.
+                    let dst = unsafe {
+                        std::slice::from_raw_parts_mut(
+                            out.get().add((bb * tq + r0 + r) * c + h * hs),
+                            hs,
+                        )
+                    };
+                    lse[r0 + r] = finalize(&p, r, hs, dst);
+                }
+                pool.push(p);
+            }
+        });
+    Ok(())
+}
+
+/// Context parallelism's backward over one chunk of keys: the query
+/// gradients `dq (B,Tq,C)` of the rows at `q_at` from the keys at `k_at`,
+/// and the key and value gradients `dkv (B,Tk,2·Ckv)` (`[dK | dV]`) of the
+/// keys at `k_at` from those rows, both overwritten; from the rows' output
+/// gradients `dout (B,Tq,C)`, queries, outputs `out (B,Tq,C)` and
+/// log-sum-exps `lse (B,NH,Tq)` of the forward (the arguments otherwise
+/// as [`attention_partial`]). The query gradients of a row's key chunks,
+/// and the key and value gradients of a key chunk's query chunks, each
+/// merged by [`attention_grad_merge`] in position order, add to
+/// `dqkv` what [`attention_backward`] adds.
+///
+/// # Errors
+/// As [`attention_partial`]; [`Error::InvalidArgument`] also if `q_at`
+/// is not a node.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_backward_partial<T: Real>(
+    (dq, dkv): (&mut [T], &mut [T]),
+    (dout, out, lse): (&[T], &[T], &[T]),
+    (q, ldq): (&[T], usize),
+    q_at: Span,
+    (kv, ldkv, col): (&[T], usize, usize),
+    k_at: Span,
+    starts: Option<&[u32]>,
+    b: usize,
+    c: usize,
+    heads: impl Into<Heads>,
+) -> Result<()> {
+    const OP: &str = "attention_backward_partial";
+    let heads = heads.into();
+    let (hs, ckv) = dims(OP, c, heads)?;
+    let (nh, nkv, g, tq, tk) = (heads.q, heads.kv, heads.group(), q_at.len, k_at.len);
+    q_at.node(OP)?;
+    k_at.node(OP)?;
+    check(OP, "dq", dq, b * tq * c)?;
+    check(OP, "dkv", dkv, b * tk * 2 * ckv)?;
+    check(OP, "dout", dout, b * tq * c)?;
+    check(OP, "out", out, b * tq * c)?;
+    check(OP, "lse", lse, b * nh * tq)?;
+    check_operands(
+        OP,
+        (q, ldq, q_at),
+        (kv, ldkv, col, k_at),
+        starts,
+        (b, c, ckv),
+    )?;
+    dq.fill(T::ZERO);
+    dkv.fill(T::ZERO);
+    if b * c == 0 {
+        return Ok(());
+    }
+    #[allow(clippy::cast_precision_loss)]
+    let scale = T::from_f64(1.0 / (hs as f64).sqrt());
+    let (dqs, dkvs) = (Shared(dq.as_mut_ptr()), Shared(dkv.as_mut_ptr()));
+    (0..b * nkv).into_par_iter().for_each(|bk| {
+        let (bb, kh) = (bk / nkv, bk % nkv);
+        let at = |data, ld, col, span| Rows::of_sequence(data, bb, ld, col, span);
+        let lse = |hh: usize, i: usize| lse[(bb * nh + kh * g + hh) * tq + i - q_at.first];
+        let starts = |i: usize| starts.map_or(0, |s| s[bb * tq + i - q_at.first] as usize);
+        let input = GroupIn {
+            q: at(q, ldq, kh * g * hs, q_at),
+            dout: at(dout, c, kh * g * hs, q_at),
+            out: at(out, c, kh * g * hs, q_at),
+            lse: &lse,
+            k: at(kv, ldkv, col + kh * hs, k_at),
+            v: at(kv, ldkv, col + ckv + kh * hs, k_at),
+            starts: &starts,
+        };
+        backward_group(
+            &input,
+            (g, hs, scale),
+            &mut |hh, i0, i1, grad| {
+                for i in i0..i1 {
+                    let at = (bb * tq + i - q_at.first) * c + (kh * g + hh) * hs;
+                    // SAFETY: row `i` of sequence `bb`, channels of query
+                    // head `kh·g + hh`: this item's alone.
+                    let dst = unsafe { std::slice::from_raw_parts_mut(dqs.get().add(at), hs) };
+                    dst.copy_from_slice(&grad[(i - i0) * hs..(i - i0 + 1) * hs]);
+                }
+            },
+            &mut |k0, kw, p| {
+                let row = (bb * tk + k0 - k_at.first) * 2 * ckv + kh * hs;
+                // SAFETY: rows `k0..k0+kw` of sequence `bb` of dK and dV
+                // (zeros until now), channels of key/value head `kh`: this
+                // item's alone.
+                unsafe {
+                    transpose_add(dkvs.get().add(row), 2 * ckv, &p[..hs * NR], NR, kw, hs);
+                    transpose_add(
+                        dkvs.get().add(row + ckv),
+                        2 * ckv,
+                        &p[hs * NR..],
+                        NR,
+                        kw,
+                        hs,
+                    );
+                }
+            },
+        );
+    });
+    Ok(())
+}
+
+/// Adds to `dst` the gradient parts of chunks that follow each other from
+/// position 0 (`None`: a chunk that gave nothing), merged in the tree
+/// order of [`attention_backward`]: a row's query gradients over the key
+/// chunks, or a key chunk's key and value gradients over the query
+/// chunks ([`attention_backward_partial`]).
+///
+/// # Errors
+/// [`Error::ShapeMismatch`] if a part is not as long as `dst`;
+/// [`Error::InvalidArgument`] on parts that are not nodes following each
+/// other from 0.
+pub fn attention_grad_merge<T: Real>(dst: &mut [T], parts: &[(Option<&[T]>, Span)]) -> Result<()> {
+    const OP: &str = "attention_grad_merge";
+    let nodes = check_parts(OP, parts)?;
+    for (p, _) in parts {
+        if let Some(p) = p {
+            check(OP, "part", p, dst.len())?;
+        }
+    }
+    let mut pool = Vec::new();
+    let mut tree = Tree::new();
+    for ((p, _), &(lo, hi)) in parts.iter().zip(&nodes) {
+        tree.push(lo, hi, p.map(<[T]>::to_vec), &mut |a, b| {
+            add_into(a, b, &mut pool)
+        });
+    }
+    if let Some(total) = tree.finish(&mut |a, b| add_into(a, b, &mut pool)) {
+        add_slices(dst, &total);
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -1243,7 +1901,7 @@ mod tests {
             let qkv: Vec<f64> = rand_vec(b * t * w, 17).iter().map(|x| x * 2.0).collect();
             for docs in [None, Some(&starts[..])] {
                 let mut out = vec![0.0; b * t * c];
-                let mut att = vec![0.0; b * nh * t * t];
+                let mut att = vec![0.0; b * nh * t];
                 attention_forward(&mut out, &mut att, &qkv, docs, b, t, c, heads).unwrap();
                 let want = naive_gqa(&qkv, docs, b, t, c, (nh, nkv));
                 let worst = out
@@ -1260,22 +1918,22 @@ mod tests {
                 std::slice::from_ref(&qkv),
                 b * t * c,
                 |ins, out| {
-                    let mut att = vec![0.0; b * nh * t * t];
+                    let mut att = vec![0.0; b * nh * t];
                     attention_forward(out, &mut att, &ins[0], Some(&starts), b, t, c, heads)
                         .unwrap();
                 },
                 |ins, dout, g| {
-                    let mut att = vec![0.0; b * nh * t * t];
+                    let mut att = vec![0.0; b * nh * t];
                     let mut out = vec![0.0; b * t * c];
                     attention_forward(&mut out, &mut att, &ins[0], Some(&starts), b, t, c, heads)
                         .unwrap();
-                    let mut scratch = vec![0.0; b * nh * t * t];
                     attention_backward(
                         &mut g[0],
-                        &mut scratch,
                         dout,
                         &ins[0],
+                        &out,
                         &att,
+                        Some(&starts),
                         b,
                         t,
                         c,
@@ -1315,11 +1973,10 @@ mod tests {
         }
         let run = |x: &[f32], heads: Heads, width: usize| {
             let mut out = vec![0.0f32; b * t * c];
-            let mut att = vec![0.0f32; b * nh * t * t];
+            let mut att = vec![0.0f32; b * nh * t];
             attention_forward(&mut out, &mut att, x, None, b, t, c, heads).unwrap();
             let mut dx = vec![0.0f32; b * t * width];
-            let mut s = vec![0.0f32; b * nh * t * t];
-            attention_backward(&mut dx, &mut s, &dout, x, &att, b, t, c, heads).unwrap();
+            attention_backward(&mut dx, &dout, x, &out, &att, None, b, t, c, heads).unwrap();
             (out, dx)
         };
         let (o_g, d_g) = run(&qkv, Heads { q: nh, kv: nkv }, w);
@@ -1362,7 +2019,7 @@ mod tests {
                 assert!(s >= docs[r]);
             }
             let mut out = vec![0.0; b * t * c];
-            let mut att = vec![0.0; b * nh * t * t];
+            let mut att = vec![0.0; b * nh * t];
             attention_forward(&mut out, &mut att, &qkv, Some(&starts), b, t, c, heads).unwrap();
             let want = naive_gqa(&qkv, Some(&starts), b, t, c, (nh, nkv));
             let worst = out
@@ -1378,19 +2035,9 @@ mod tests {
                     .flat_map(|j| x[j * w + c..(j + 1) * w].to_vec())
                     .collect();
                 let mut o1 = vec![0.0; c];
-                let mut a1 = vec![0.0; nh * (pos + 1)];
                 let start = starts[pos] as usize;
-                attention_decode(
-                    &mut o1,
-                    &mut a1,
-                    &x[pos * w..pos * w + c],
-                    &kv,
-                    pos,
-                    start,
-                    c,
-                    heads,
-                )
-                .unwrap();
+                attention_decode(&mut o1, &x[pos * w..pos * w + c], &kv, pos, start, c, heads)
+                    .unwrap();
                 assert_eq!(o1, out[pos * c..(pos + 1) * c], "window {window} pos {pos}");
                 assert_eq!(kv.len(), (pos + 1) * 2 * ckv);
             }
@@ -1407,7 +2054,7 @@ mod tests {
                 .map(|x| x * 2.0)
                 .collect();
             let mut out = vec![0.0; b * t * c];
-            let mut att = vec![0.0; b * nh * t * t];
+            let mut att = vec![0.0; b * nh * t];
             attention_forward(&mut out, &mut att, &qkv, None, b, t, c, nh).unwrap();
             let want = naive(&qkv, None, b, t, c, nh);
             let worst = out
@@ -1427,15 +2074,14 @@ mod tests {
                 &[qkv],
                 b * t * c,
                 |ins, out| {
-                    let mut att = vec![0.0; b * nh * t * t];
+                    let mut att = vec![0.0; b * nh * t];
                     attention_forward(out, &mut att, &ins[0], None, b, t, c, nh).unwrap();
                 },
                 |ins, dout, g| {
-                    let mut att = vec![0.0; b * nh * t * t];
+                    let mut att = vec![0.0; b * nh * t];
                     let mut out = vec![0.0; b * t * c];
                     attention_forward(&mut out, &mut att, &ins[0], None, b, t, c, nh).unwrap();
-                    let mut scratch = vec![0.0; b * nh * t * t];
-                    attention_backward(&mut g[0], &mut scratch, dout, &ins[0], &att, b, t, c, nh)
+                    attention_backward(&mut g[0], dout, &ins[0], &out, &att, None, b, t, c, nh)
                         .unwrap();
                 },
             );
@@ -1453,22 +2099,20 @@ mod tests {
             let dout = rand_vec(b * t * c, 42);
             let run64 = || {
                 let mut out = vec![0.0; b * t * c];
-                let mut att = vec![0.0; b * nh * t * t];
+                let mut att = vec![0.0; b * nh * t];
                 attention_forward(&mut out, &mut att, &qkv, None, b, t, c, nh).unwrap();
                 let mut g = vec![0.0; b * t * 3 * c];
-                let mut s = vec![0.0; b * nh * t * t];
-                attention_backward(&mut g, &mut s, &dout, &qkv, &att, b, t, c, nh).unwrap();
+                attention_backward(&mut g, &dout, &qkv, &out, &att, None, b, t, c, nh).unwrap();
                 (out, g)
             };
             let run32 = || {
                 let f = |x: &[f64]| x.iter().map(|&v| v as f32).collect::<Vec<_>>();
                 let (qkv, dout) = (f(&qkv), f(&dout));
                 let mut out = vec![0.0f32; b * t * c];
-                let mut att = vec![0.0f32; b * nh * t * t];
+                let mut att = vec![0.0f32; b * nh * t];
                 attention_forward(&mut out, &mut att, &qkv, None, b, t, c, nh).unwrap();
                 let mut g = vec![0.0f32; b * t * 3 * c];
-                let mut s = vec![0.0f32; b * nh * t * t];
-                attention_backward(&mut g, &mut s, &dout, &qkv, &att, b, t, c, nh).unwrap();
+                attention_backward(&mut g, &dout, &qkv, &out, &att, None, b, t, c, nh).unwrap();
                 (out, g)
             };
             let ((o64, g64), (o32, g32)) = (run64(), run32());
@@ -1487,7 +2131,7 @@ mod tests {
         }
     }
 
-    /// A sequence's output and probabilities have the same bits alone and
+    /// A sequence's output and log-sum-exps have the same bits alone and
     /// anywhere in a batch (rows across several blocks, a full head tile).
     #[test]
     fn sequence_alone_or_in_a_batch_same_bits() {
@@ -1497,17 +2141,17 @@ mod tests {
             .map(|&x| (x * 2.0) as f32)
             .collect();
         let mut out = vec![0.0f32; b * t * c];
-        let mut att = vec![0.0f32; b * nh * t * t];
+        let mut att = vec![0.0f32; b * nh * t];
         attention_forward(&mut out, &mut att, &qkv, None, b, t, c, nh).unwrap();
         let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
         for s in 0..b {
             let mut o1 = vec![0.0f32; t * c];
-            let mut a1 = vec![0.0f32; nh * t * t];
+            let mut a1 = vec![0.0f32; nh * t];
             let x = &qkv[s * t * 3 * c..(s + 1) * t * 3 * c];
             attention_forward(&mut o1, &mut a1, x, None, 1, t, c, nh).unwrap();
             assert_eq!(bits(&o1), bits(&out[s * t * c..(s + 1) * t * c]), "seq {s}");
-            let a = &att[s * nh * t * t..(s + 1) * nh * t * t];
-            assert_eq!(bits(&a1), bits(a), "seq {s} att");
+            let a = &att[s * nh * t..(s + 1) * nh * t];
+            assert_eq!(bits(&a1), bits(a), "seq {s} lse");
         }
     }
 
@@ -1567,30 +2211,24 @@ mod tests {
                 kv[i * 2 * ckv..(i + 1) * 2 * ckv].copy_from_slice(&qkv[i * w + c..(i + 1) * w]);
             }
             let mut full = vec![0.0f32; t * c];
-            let mut full_att = vec![0.0f32; nh * t * t];
+            let mut full_att = vec![0.0f32; nh * t];
             attention_forward(&mut full, &mut full_att, &qkv, None, 1, t, c, heads).unwrap();
             let checked =
                 (0..t).filter(|&p| t < 200 || p < 70 || (505..520).contains(&p) || p + 1 == t);
             for pos in checked {
                 let n = pos + 1;
                 let mut out = vec![0.0f32; n * c];
-                let mut att = vec![0.0f32; nh * n * n];
+                let mut att = vec![0.0f32; nh * n];
                 attention_forward(&mut out, &mut att, &qkv[..n * w], None, 1, n, c, heads).unwrap();
                 let mut o1 = vec![0.0f32; c];
-                let mut a1 = vec![0.0f32; nh * n];
                 let q = &qkv[pos * w..pos * w + c];
-                attention_decode(&mut o1, &mut a1, q, &kv[..n * 2 * ckv], pos, 0, c, heads)
-                    .unwrap();
+                attention_decode(&mut o1, q, &kv[..n * 2 * ckv], pos, 0, c, heads).unwrap();
                 let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
                 assert_eq!(
                     bits(&o1),
                     bits(&out[pos * c..]),
                     "C={c} NH={nh} NKV={nkv} pos={pos}: out"
                 );
-                for h in 0..nh {
-                    let row = &att[h * n * n + pos * n..h * n * n + (pos + 1) * n];
-                    assert_eq!(bits(&a1[h * n..(h + 1) * n]), bits(row), "pos={pos} h={h}");
-                }
                 assert_eq!(
                     bits(&o1),
                     bits(&full[pos * c..(pos + 1) * c]),
@@ -1632,7 +2270,7 @@ mod tests {
             .map(|x| x * 2.0)
             .collect();
         let mut out = vec![0.0; b * t * c];
-        let mut att = vec![0.0; b * nh * t * t];
+        let mut att = vec![0.0; b * nh * t];
         attention_forward(&mut out, &mut att, &qkv, Some(&starts), b, t, c, nh).unwrap();
         let want = naive(&qkv, Some(&starts), b, t, c, nh);
         let worst = out
@@ -1647,24 +2285,36 @@ mod tests {
             &[rand_vec(b * t * 3 * c, 14)],
             b * t * c,
             |ins, out| {
-                let mut att = vec![0.0; b * nh * t * t];
+                let mut att = vec![0.0; b * nh * t];
                 attention_forward(out, &mut att, &ins[0], Some(&starts), b, t, c, nh).unwrap();
             },
             |ins, dout, g| {
-                let mut att = vec![0.0; b * nh * t * t];
+                let mut att = vec![0.0; b * nh * t];
                 let mut out = vec![0.0; b * t * c];
                 attention_forward(&mut out, &mut att, &ins[0], Some(&starts), b, t, c, nh).unwrap();
-                let mut scratch = vec![0.0; b * nh * t * t];
-                attention_backward(&mut g[0], &mut scratch, dout, &ins[0], &att, b, t, c, nh)
-                    .unwrap();
+                attention_backward(
+                    &mut g[0],
+                    dout,
+                    &ins[0],
+                    &out,
+                    &att,
+                    Some(&starts),
+                    b,
+                    t,
+                    c,
+                    nh,
+                )
+                .unwrap();
             },
         );
     }
 
-    /// Every document of a packed sequence gets the bits it gets alone, and
-    /// the decoder reproduces each masked row from the cache.
+    /// Every document of a packed sequence that starts on a leaf (a
+    /// multiple of 64) gets the bits it gets alone, one that starts inside
+    /// a leaf the same values to rounding (its keys fall into other
+    /// leaves); the decoder reproduces each masked row from the cache.
     #[test]
-    fn a_packed_document_attends_as_it_does_alone_bitwise() {
+    fn a_packed_document_attends_as_it_does_alone() {
         let (b, t, c, nh) = (2, 150, 128, 2);
         let ends: [&[usize]; 2] = [&[10, 63, 64, 130], &[]];
         let (_, starts) = with_boundaries(b, t, &ends);
@@ -1673,7 +2323,7 @@ mod tests {
             .map(|&x| (x * 2.0) as f32)
             .collect();
         let mut out = vec![0.0f32; b * t * c];
-        let mut att = vec![0.0f32; b * nh * t * t];
+        let mut att = vec![0.0f32; b * nh * t];
         attention_forward(&mut out, &mut att, &qkv, Some(&starts), b, t, c, nh).unwrap();
         let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
         for (bb, e) in ends.iter().enumerate() {
@@ -1684,23 +2334,20 @@ mod tests {
             for w in cuts.windows(2).filter(|w| w[0] < w[1]) {
                 let (s, n) = (w[0], w[1] - w[0]);
                 let x = &qkv[(bb * t + s) * 3 * c..(bb * t + s + n) * 3 * c];
-                let mut o1 = vec![0.0f32; n * c];
-                let mut a1 = vec![0.0f32; nh * n * n];
+                let (mut o1, mut a1) = (vec![0.0f32; n * c], vec![0.0f32; nh * n]);
                 attention_forward(&mut o1, &mut a1, x, None, 1, n, c, nh).unwrap();
                 let packed = &out[(bb * t + s) * c..(bb * t + s + n) * c];
-                assert_eq!(bits(&o1), bits(packed), "sequence {bb}, document at {s}");
-                for h in 0..nh {
-                    for i in 0..n {
-                        let row = &att[((bb * nh + h) * t + s + i) * t..][..t];
+                let lse: Vec<f32> = (0..nh)
+                    .flat_map(|h| att[(bb * nh + h) * t + s..][..n].to_vec())
+                    .collect();
+                if s % 64 == 0 {
+                    assert_eq!(bits(&o1), bits(packed), "sequence {bb}, document at {s}");
+                    assert_eq!(bits(&a1), bits(&lse), "sequence {bb}, document at {s}");
+                } else {
+                    for (x, y) in o1.iter().chain(&a1).zip(packed.iter().chain(&lse)) {
                         assert!(
-                            row[..s].iter().all(|&p| p == 0.0),
-                            "row {i} sees before {s}"
-                        );
-                        let alone = &a1[(h * n + i) * n..][..n];
-                        assert_eq!(
-                            bits(&row[s..s + n]),
-                            bits(alone),
-                            "seq {bb} doc {s} row {i}"
+                            (x - y).abs() <= 1e-5 * (1.0 + y.abs()),
+                            "{x} vs {y} (at {s})"
                         );
                     }
                 }
@@ -1713,10 +2360,9 @@ mod tests {
                 .flat_map(|i| x[i * 3 * c + c..(i + 1) * 3 * c].iter().copied())
                 .collect();
             let mut o1 = vec![0.0f32; c];
-            let mut a1 = vec![0.0f32; nh * (pos + 1)];
             let q = &x[pos * 3 * c..pos * 3 * c + c];
             let start = starts[pos] as usize;
-            attention_decode(&mut o1, &mut a1, q, &kv, pos, start, c, nh).unwrap();
+            attention_decode(&mut o1, q, &kv, pos, start, c, nh).unwrap();
             assert_eq!(
                 bits(&o1),
                 bits(&out[pos * c..(pos + 1) * c]),
@@ -1729,29 +2375,246 @@ mod tests {
     fn a_document_start_after_its_row_is_an_error() {
         let (t, c) = (3, 2);
         let qkv = [0.0f32; 3 * 3 * 2];
-        let (mut out, mut att) = ([0.0f32; 6], [0.0f32; 9]);
+        let (mut out, mut att) = ([0.0f32; 6], [0.0f32; 3]);
         let err =
             attention_forward(&mut out, &mut att, &qkv, Some(&[0, 2, 0]), 1, t, c, 1).unwrap_err();
         assert!(err.to_string().contains("row 1 of sequence 0"), "{err}");
-        let err = attention_decode(
-            &mut [0.0f32; 2],
-            &mut [0.0; 2],
-            &[0.0; 2],
-            &[0.0; 8],
-            1,
-            2,
-            c,
+        let err = attention_decode(&mut [0.0f32; 2], &[0.0; 2], &[0.0; 8], 1, 2, c, 1).unwrap_err();
+        assert!(matches!(err, Error::InvalidArgument { .. }), "{err}");
+    }
+
+    /// The merge tree: a node computed on its own (a chunk of `2^k` leaves
+    /// from a multiple of `2^k`, as a context-parallel rank holds) and
+    /// pushed whole gives the bits of its leaves pushed one by one, with
+    /// an order-sensitive merge (f32 sums of mixed magnitudes) and empty
+    /// leaves anywhere; trailing empty leaves change nothing.
+    #[test]
+    fn a_node_computed_apart_merges_into_the_same_bits() {
+        let leaves: Vec<Option<f32>> = rand_vec(32, 7)
+            .iter()
+            .enumerate()
+            .map(|(i, &x)| (i % 7 != 3).then(|| (x as f32) * 10f32.powi((i % 9) as i32 - 4)))
+            .collect();
+        let mut add = |a: f32, b: f32| a + b;
+        let whole = |n: usize, add: &mut dyn FnMut(f32, f32) -> f32| {
+            let mut tree = Tree::new();
+            for (i, &x) in leaves[..n].iter().enumerate() {
+                tree.push(i, i + 1, x, &mut |a, b| add(a, b));
+            }
+            tree.finish(&mut |a, b| add(a, b))
+        };
+        let all = whole(32, &mut add).unwrap();
+        let naive: f32 = leaves.iter().flatten().sum();
+        assert_ne!(
+            all.to_bits(),
+            naive.to_bits(),
+            "the test's merge is order-sensitive"
+        );
+        for chunk in [1, 2, 4, 8, 16, 32] {
+            let mut tree = Tree::new();
+            for lo in (0..32).step_by(chunk) {
+                let mut part = Tree::new();
+                for (i, &x) in leaves.iter().enumerate().skip(lo).take(chunk) {
+                    part.push(i, i + 1, x, &mut add);
+                }
+                tree.push(lo, lo + chunk, part.finish(&mut add), &mut add);
+            }
+            assert_eq!(
+                tree.finish(&mut add).unwrap().to_bits(),
+                all.to_bits(),
+                "chunks of {chunk}"
+            );
+        }
+        // a prefix: the leaves after it empty
+        for n in [1, 5, 17, 31] {
+            let mut padded = Tree::new();
+            for (i, &x) in leaves.iter().enumerate() {
+                padded.push(i, i + 1, if i < n { x } else { None }, &mut add);
+            }
+            let (a, b) = (whole(n, &mut add), padded.finish(&mut add));
+            assert_eq!(a.map(f32::to_bits), b.map(f32::to_bits), "prefix {n}");
+        }
+        assert!(is_node(4, 8) && is_node(0, 1) && !is_node(2, 6) && !is_node(0, 3));
+    }
+
+    /// Context parallelism's ring, simulated: `cp` ranks each hold query
+    /// chunks `r` and `2·cp-1-r` of every sequence (the causal load
+    /// balance), meet the key chunks in ring order (their own first), keep
+    /// a partial per key chunk and merge in position order; then the
+    /// backward's partials, the query gradients merged over key chunks and
+    /// the key and value gradients over query chunks at their owner. Every
+    /// output, log-sum-exp and gradient is bitwise the one-rank kernel's:
+    /// grouped-query heads, document starts, a sliding window.
+    #[test]
+    fn context_parallel_chunks_merge_into_the_one_rank_bits() {
+        #[allow(clippy::type_complexity)]
+        let cases: [(usize, usize, usize, Heads, Option<usize>, &[usize]); 4] = [
+            (2, 256, 32, Heads { q: 4, kv: 2 }, None, &[]),
+            (4, 512, 64, Heads { q: 4, kv: 1 }, None, &[40, 200, 301]),
+            (2, 512, 32, Heads { q: 2, kv: 2 }, Some(150), &[]),
+            (4, 1024, 16, Heads { q: 2, kv: 1 }, Some(100), &[700]),
+        ];
+        for (cp, t, c, heads, window, ends) in cases {
+            let b = 2;
+            let (hs, nh) = (c / heads.q, heads.q);
+            let ckv = hs * heads.kv;
+            let w = c + 2 * ckv;
+            let qkv: Vec<f32> = rand_vec(b * t * w, 61)
+                .iter()
+                .map(|&x| (x * 2.0) as f32)
+                .collect();
+            let dout: Vec<f32> = rand_vec(b * t * c, 62).iter().map(|&x| x as f32).collect();
+            let (_, docs) = with_boundaries(b, t, &[ends, &[]]);
+            let mut starts = docs.clone();
+            if let Some(win) = window {
+                window_starts(&mut starts, Some(&docs), win, b, t).unwrap();
+            }
+            let mask = (window.is_some() || !ends.is_empty()).then_some(&starts[..]);
+            let (mut out, mut lse) = (vec![0.0f32; b * t * c], vec![0.0f32; b * nh * t]);
+            attention_forward(&mut out, &mut lse, &qkv, mask, b, t, c, heads).unwrap();
+            let mut dqkv = vec![0.0f32; b * t * w];
+            attention_backward(&mut dqkv, &dout, &qkv, &out, &lse, mask, b, t, c, heads).unwrap();
+            // chunk `k`'s rows of a (B, T, width) buffer, and of lse
+            let s = t / (2 * cp);
+            let span = |k: usize| Span {
+                first: k * s,
+                len: s,
+            };
+            let rows = |x: &[f32], width: usize, k: usize| -> Vec<f32> {
+                (0..b)
+                    .flat_map(|bb| {
+                        x[(bb * t + k * s) * width..(bb * t + (k + 1) * s) * width].to_vec()
+                    })
+                    .collect()
+            };
+            let lse_of = |x: &[f32], k: usize| -> Vec<f32> {
+                (0..b * nh)
+                    .flat_map(|bh| x[bh * t + k * s..bh * t + (k + 1) * s].to_vec())
+                    .collect()
+            };
+            let starts_of = |k: usize| {
+                mask.map(|m| {
+                    rows(
+                        m.iter().map(|&v| v as f32).collect::<Vec<_>>().as_slice(),
+                        1,
+                        k,
+                    )
+                    .iter()
+                    .map(|&v| v as u32)
+                    .collect::<Vec<u32>>()
+                })
+            };
+            let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+            let n = 2 * cp;
+            let x: Vec<Vec<f32>> = (0..n).map(|k| rows(&qkv, w, k)).collect();
+            let (mut dq_parts, mut dkv_parts) = (vec![vec![None; n]; n], vec![vec![None; n]; n]);
+            for r in 0..cp {
+                for qc in [r, n - 1 - r] {
+                    let st = starts_of(qc);
+                    // the key chunks in ring order: this rank's, then its
+                    // neighbours' going back around the ring
+                    let mut parts: Vec<Option<Vec<f32>>> = vec![None; n];
+                    for step in 0..cp {
+                        let from = (r + cp - step) % cp;
+                        for kc in [from, n - 1 - from] {
+                            if kc > qc {
+                                continue;
+                            }
+                            let mut p = vec![0.0f32; attention_partial_len(b, s, c, heads)];
+                            attention_partial(
+                                &mut p,
+                                (&x[qc], w),
+                                span(qc),
+                                (&x[kc], w, c),
+                                span(kc),
+                                st.as_deref(),
+                                b,
+                                c,
+                                heads,
+                            )
+                            .unwrap();
+                            parts[kc] = Some(p);
+                        }
+                    }
+                    let merged: Vec<(Option<&[f32]>, Span)> =
+                        (0..=qc).map(|k| (parts[k].as_deref(), span(k))).collect();
+                    let (mut o, mut l) = (vec![0.0f32; b * s * c], vec![0.0f32; b * nh * s]);
+                    attention_merge(&mut o, &mut l, &merged, (b, s), c, heads).unwrap();
+                    let what = format!("cp={cp} T={t} chunk {qc}");
+                    assert_eq!(bits(&o), bits(&rows(&out, c, qc)), "{what}: out");
+                    assert_eq!(bits(&l), bits(&lse_of(&lse, qc)), "{what}: lse");
+                    for kc in 0..=qc {
+                        let (mut dq, mut dkv) =
+                            (vec![0.0f32; b * s * c], vec![0.0f32; b * s * 2 * ckv]);
+                        attention_backward_partial(
+                            (&mut dq, &mut dkv),
+                            (&rows(&dout, c, qc), &o, &l),
+                            (&x[qc], w),
+                            span(qc),
+                            (&x[kc], w, c),
+                            span(kc),
+                            st.as_deref(),
+                            b,
+                            c,
+                            heads,
+                        )
+                        .unwrap();
+                        dq_parts[qc][kc] = Some(dq);
+                        dkv_parts[kc][qc] = Some(dkv);
+                    }
+                }
+            }
+            for k in 0..n {
+                let what = format!("cp={cp} T={t} chunk {k}");
+                let mut dq = vec![0.0f32; b * s * c];
+                let parts: Vec<(Option<&[f32]>, Span)> = (0..=k)
+                    .map(|j| (dq_parts[k][j].as_deref(), span(j)))
+                    .collect();
+                attention_grad_merge(&mut dq, &parts).unwrap();
+                let mut dkv = vec![0.0f32; b * s * 2 * ckv];
+                let parts: Vec<(Option<&[f32]>, Span)> = (0..n)
+                    .map(|j| (dkv_parts[k][j].as_deref(), span(j)))
+                    .collect();
+                attention_grad_merge(&mut dkv, &parts).unwrap();
+                let want = rows(&dqkv, w, k);
+                for row in 0..b * s {
+                    assert_eq!(
+                        bits(&dq[row * c..(row + 1) * c]),
+                        bits(&want[row * w..row * w + c]),
+                        "{what} row {row}: dq"
+                    );
+                    assert_eq!(
+                        bits(&dkv[row * 2 * ckv..(row + 1) * 2 * ckv]),
+                        bits(&want[row * w + c..(row + 1) * w]),
+                        "{what} row {row}: dk, dv"
+                    );
+                }
+            }
+        }
+        // a chunk that is not a node of the tree is refused
+        let err = attention_partial(
+            &mut [0.0f32; 0],
+            (&[], 8),
+            Span { first: 0, len: 0 },
+            (&[], 24, 8),
+            Span {
+                first: 64,
+                len: 192,
+            },
+            None,
+            0,
+            8,
             1,
         )
         .unwrap_err();
-        assert!(matches!(err, Error::InvalidArgument { .. }), "{err}");
+        assert!(err.to_string().contains("not a node"), "{err}");
     }
 
     #[test]
     fn heads_must_divide_channels() {
         let err = attention_forward(
             &mut [0.0f32; 5],
-            &mut [0.0; 2],
+            &mut [0.0; 1],
             &[0.0; 15],
             None,
             1,

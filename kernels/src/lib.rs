@@ -8,7 +8,7 @@
 //! in the spirit of llm.c: arguments go outputs, inputs, weights, then
 //! dimensions (B batch, T sequence, C channels, OC output channels, NH
 //! heads, V vocabulary); a forward saves what its backward needs (layernorm
-//! saves `mean` and `rstd`, attention its probabilities); a backward
+//! saves `mean` and `rstd`, attention each row's log-sum-exp); a backward
 //! *accumulates* (`+=`) into gradient buffers. The caller owns every
 //! activation and gradient buffer, so the hot path allocates nothing of its
 //! own (the GEMM library keeps a per-thread packing buffer). Each function
@@ -24,7 +24,8 @@
 //! | GELU, tanh approximation | [`gelu_forward`] | [`gelu_backward`] |
 //! | SwiGLU gate, `silu(gate) ⊙ up` | [`swiglu_forward`] | [`swiglu_backward`] |
 //! | rotary positions ([`Rope`]: θ, partial rotary, Llama-3 scaling), in place | [`rope_forward`] | [`rope_backward`] |
-//! | causal multi-head or grouped-query ([`Heads`]) attention, optionally masked at document boundaries ([`doc_starts`]) or to a sliding window ([`window_starts`]) | [`attention_forward`] (one position from a key/value cache: [`attention_decode`]) | [`attention_backward`] |
+//! | causal multi-head or grouped-query ([`Heads`]) attention, optionally masked at document boundaries ([`doc_starts`]) or to a sliding window ([`window_starts`]), flash-style (no `T×T` buffer) | [`attention_forward`] (one position from a key/value cache: [`attention_decode`]) | [`attention_backward`] |
+//! | the same by chunks of keys, for context parallelism: a chunk's partials, merged in position order into the bits of the whole | [`attention_partial`], [`attention_merge`] | [`attention_backward_partial`], [`attention_grad_merge`] |
 //! | softmax | [`softmax_forward`] | [`softmax_backward`] |
 //! | cross-entropy | [`crossentropy_forward`] | [`crossentropy_softmax_backward`] |
 //! | softmax + cross-entropy, fused, in place | [`fused_classifier`] | (same call) |
@@ -145,8 +146,9 @@ mod testutil;
 
 pub use adamw::{AdamW, AdamWConfig, adamw_update};
 pub use attention::{
-    Heads, attention_backward, attention_backward_scratch_len, attention_decode, attention_forward,
-    doc_starts, window_starts,
+    Heads, Span, attention_backward, attention_backward_partial, attention_decode,
+    attention_forward, attention_grad_merge, attention_merge, attention_partial,
+    attention_partial_len, doc_starts, window_starts,
 };
 pub use embedding::{check_tokens, encoder_backward, encoder_forward};
 pub use error::{Error, Result};

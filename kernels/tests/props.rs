@@ -40,55 +40,73 @@ proptest! {
     }
 
     /// Attention of a sequence does not depend on the other sequences, and
-    /// each row of the saved probabilities is causal and sums to 1.
+    /// a row does not depend on later positions: changing every query, key
+    /// and value after row `k` changes no bit of rows `..=k` (outputs and
+    /// log-sum-exps).
     #[test]
-    fn attention_is_per_sequence_and_causal(b in 1usize..4, t in 1usize..70, nh in 1usize..4, hs in 1usize..9, seed in 0u64..1000) {
+    fn attention_is_per_sequence_and_causal(b in 1usize..4, t in 1usize..140, nh in 1usize..4, hs in 1usize..9, seed in 0u64..1000) {
         let c = nh * hs;
         let pos = (seed as usize) % b;
         let qkv = vals(b * t * 3 * c, seed);
         let mut out = vec![0.0f32; b * t * c];
-        let mut att = vec![0.0f32; b * nh * t * t];
-        attention_forward(&mut out, &mut att, &qkv, None, b, t, c, nh).unwrap();
-        let mut out1 = vec![0.0f32; t * c];
-        let mut att1 = vec![0.0f32; nh * t * t];
-        attention_forward(&mut out1, &mut att1, &qkv[pos * t * 3 * c..(pos + 1) * t * 3 * c], None, 1, t, c, nh).unwrap();
-        prop_assert!(out1.iter().zip(&out[pos * t * c..(pos + 1) * t * c]).all(|(a, b)| a.to_bits() == b.to_bits()));
-        for (r, row) in att1.chunks(t).enumerate() {
-            let i = r % t;
-            prop_assert!(row[i + 1..].iter().all(|&p| p == 0.0));
-            let s: f32 = row.iter().sum();
-            prop_assert!((s - 1.0).abs() < 1e-5, "row sums to {}", s);
+        let mut lse = vec![0.0f32; b * nh * t];
+        attention_forward(&mut out, &mut lse, &qkv, None, b, t, c, nh).unwrap();
+        let mut x1 = qkv[pos * t * 3 * c..(pos + 1) * t * 3 * c].to_vec();
+        let (mut out1, mut lse1) = (vec![0.0f32; t * c], vec![0.0f32; nh * t]);
+        attention_forward(&mut out1, &mut lse1, &x1, None, 1, t, c, nh).unwrap();
+        let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+        prop_assert_eq!(bits(&out1), bits(&out[pos * t * c..(pos + 1) * t * c]));
+        prop_assert_eq!(bits(&lse1), bits(&lse[pos * nh * t..(pos + 1) * nh * t]));
+        let k = (seed as usize / 7) % t;
+        for v in &mut x1[(k + 1) * 3 * c..] {
+            *v = -3.0 * *v + 0.5;
+        }
+        let (mut out2, mut lse2) = (vec![0.0f32; t * c], vec![0.0f32; nh * t]);
+        attention_forward(&mut out2, &mut lse2, &x1, None, 1, t, c, nh).unwrap();
+        prop_assert_eq!(bits(&out2[..(k + 1) * c]), bits(&out1[..(k + 1) * c]));
+        for h in 0..nh {
+            prop_assert_eq!(bits(&lse2[h * t..h * t + k + 1]), bits(&lse1[h * t..h * t + k + 1]));
         }
     }
 
-    /// Under document masking each row's probabilities are zero outside
-    /// its document (before the boundary token that precedes it, and after
-    /// itself) and sum to 1 inside, and the last document's rows are
-    /// bitwise those it gets alone.
+    /// Under document masking a row sees only its document (from one past
+    /// the boundary token before it): changing every query, key and value
+    /// before the last document changes no bit of its rows, and they
+    /// equal the document alone to rounding (bitwise when it starts on a
+    /// leaf of 64 keys).
     #[test]
-    fn doc_masked_attention_stays_inside_documents(t in 1usize..90, nh in 1usize..3, hs in 1usize..9, every in 1u64..9, seed in 0u64..1000) {
+    fn doc_masked_attention_stays_inside_documents(t in 1usize..150, nh in 1usize..3, hs in 1usize..9, every in 1u64..40, seed in 0u64..1000) {
         let c = nh * hs;
-        let qkv = vals(t * 3 * c, seed);
+        let mut qkv = vals(t * 3 * c, seed);
         let tokens: Vec<u32> = (0..t as u64).map(|i| u32::from((i * 7 + seed) % every == 0)).collect();
         let mut starts = vec![0u32; t];
         doc_starts(&mut starts, &tokens, 1, 1, t).unwrap();
-        let mut out = vec![0.0f32; t * c];
-        let mut att = vec![0.0f32; nh * t * t];
-        attention_forward(&mut out, &mut att, &qkv, Some(&starts), 1, t, c, nh).unwrap();
-        for (r, row) in att.chunks(t).enumerate() {
-            let i = r % t;
-            let s0 = starts[i] as usize;
+        for (i, &s0) in starts.iter().enumerate() {
+            let s0 = s0 as usize;
             prop_assert!(s0 <= i && (s0 == 0 || tokens[s0 - 1] == 1));
-            prop_assert!(row[..s0].iter().chain(&row[i + 1..]).all(|&p| p == 0.0));
-            let s: f32 = row.iter().sum();
-            prop_assert!((s - 1.0).abs() < 1e-5, "row sums to {}", s);
         }
+        let run = |x: &[f32]| {
+            let (mut out, mut lse) = (vec![0.0f32; t * c], vec![0.0f32; nh * t]);
+            attention_forward(&mut out, &mut lse, x, Some(&starts), 1, t, c, nh).unwrap();
+            out
+        };
+        let out = run(&qkv);
         let last = starts[t - 1] as usize;
+        for v in &mut qkv[..last * 3 * c] {
+            *v = 2.0 * *v - 1.0;
+        }
+        let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+        prop_assert_eq!(bits(&run(&qkv)[last * c..]), bits(&out[last * c..]));
         let n = t - last;
         let mut alone = vec![0.0f32; n * c];
-        let mut a1 = vec![0.0f32; nh * n * n];
+        let mut a1 = vec![0.0f32; nh * n];
         attention_forward(&mut alone, &mut a1, &qkv[last * 3 * c..], None, 1, n, c, nh).unwrap();
-        prop_assert!(alone.iter().zip(&out[last * c..]).all(|(a, b)| a.to_bits() == b.to_bits()));
+        if last.is_multiple_of(64) {
+            prop_assert_eq!(bits(&alone), bits(&out[last * c..]));
+        }
+        for (a, b) in alone.iter().zip(&out[last * c..]) {
+            prop_assert!((a - b).abs() <= 1e-5 * (1.0 + b.abs()), "{} vs {}", a, b);
+        }
     }
 
     /// The fused classifier's gradient rows sum to zero (softmax minus a

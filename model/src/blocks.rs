@@ -137,10 +137,10 @@ pub struct BlockActs {
     qk_rstd: Vec<f32>,  // QK-norm's statistics: (B·T·(NHa+NKVa))
     pos: Vec<u32>,      // rotary positions (B·T), empty without
 
-    atty: LinearAct,          // (B·T, Ca)
-    att: Vec<f32>,            // (B, NHa, T, T); empty under selective recomputation
-    mask: Vec<u32>,           // selective: the attention's row starts (B·T), if `masked`
-    masked: bool,             // selective: the forward's attention had a mask
+    atty: Vec<f32>,           // (B·T, Ca), f32 in every precision
+    lse: Vec<f32>,            // (B, NHa, T) each row's log-sum-exp of its scores
+    mask: Vec<u32>,           // the attention's row starts (B·T), if `masked`
+    masked: bool,             // the forward's attention had a mask
     res2: Vec<f32>,           // (rows, C)
     ln2: LinearAct,           // (B·T, C), gathered under SP
     ln2_mean: Vec<f32>,       // (rows); empty under RMSNorm
@@ -165,7 +165,6 @@ impl BlockActs {
     /// Bytes held.
     pub fn bytes(&self) -> usize {
         self.ln1.bytes()
-            + self.atty.bytes()
             + self.ln2.bytes()
             + 4 * [
                 &self.ln1_mean,
@@ -173,7 +172,8 @@ impl BlockActs {
                 &self.qkv,
                 &self.qk_raw,
                 &self.qk_rstd,
-                &self.att,
+                &self.atty,
+                &self.lse,
                 &self.res2,
                 &self.ln2_mean,
                 &self.ln2_rstd,
@@ -188,8 +188,8 @@ impl BlockActs {
 }
 
 /// A saved activation that only linear layers' products read (the
-/// inputs of the attention's QKV and output projections, and of a
-/// feed-forward block that only multiplies its input): `f32`, or in
+/// input of the attention's QKV projection, and of a feed-forward block
+/// that only multiplies its input): `f32`, or in
 /// [`Precision::Bf16`] bf16 rounded as the products round their operands
 /// ([`round_to_bf16_for_products`]) — half the bytes, the same results.
 /// A bf16 one holds whole 4-byte slots (an even number of values), so
@@ -303,7 +303,6 @@ pub struct BlockScratch {
     dln: Vec<f32>,         // (B·T, C)
     datty: Vec<f32>,       // (B·T, Ca)
     dqkv: Vec<f32>,        // (B·T, 3Ca)
-    datt: Vec<f32>,        // the attention backward's scratch: (B·NKVa·min(64, T), T)
     ffn_scratch: Vec<f32>, // the feed-forward block's scratch_len
     /// Under sequence parallelism: the rank's rows `(rows, C)`, and the
     /// gathered whole `(B·T, C)`.
@@ -317,10 +316,6 @@ pub struct BlockScratch {
     /// One block's activations for recomputation, when the blocks'
     /// [`Recompute`] recomputes any.
     pub(crate) replay: Option<Box<BlockActs>>,
-    /// Under selective recomputation: one block's attention probabilities
-    /// `(B, NHa, T, T)`, written by each forward and recomputed before
-    /// each attention's backward.
-    att: Vec<f32>,
 }
 
 impl BlockScratch {
@@ -331,7 +326,6 @@ impl BlockScratch {
             &self.dln,
             &self.datty,
             &self.dqkv,
-            &self.datt,
             &self.ffn_scratch,
             &self.rows,
             &self.full,
@@ -342,7 +336,6 @@ impl BlockScratch {
         .map(|v| v.len())
         .sum::<usize>()
             + self.replay.as_ref().map_or(0, |a| a.bytes())
-            + 4 * self.att.len()
     }
 }
 
@@ -596,9 +589,10 @@ impl GptBlocks {
     /// stay `f32`; layernorm, GELU, attention scores and softmax, the loss
     /// and the embedding are computed in `f32` whatever the precision. In
     /// `Precision::Bf16` the activations that only products read — the
-    /// inputs of the QKV and attention output projections and of the
-    /// dense MLP's output projection — are saved in bf16, rounded as the
-    /// products round them: half their bytes, the same bits. Plan
+    /// input of the QKV projection and of the dense MLP's output
+    /// projection — are saved in bf16, rounded as the products round them:
+    /// half their bytes, the same bits (the attention output, which the
+    /// attention's backward also reads, stays f32). Plan
     /// activations ([`block_acts`](Self::block_acts)) after setting it
     /// (bf16 ones refuse to run in another precision). The decoder ([`Decoder`](crate::Decoder)) reads it
     /// from the model, so sampling reproduces the training forward's bits.
@@ -1103,12 +1097,10 @@ impl GptBlocks {
             mean,
             rows,
             n * self.qkv_cols(),
-            linear(n * ca),
-            if self.recompute.selective() {
-                0
-            } else {
-                self.att_len(b, t)?
-            },
+            // the attention output stays f32: its backward reads it
+            // (`Σ dO·O`); the projection rounds it as it multiplies
+            n * ca,
+            self.lse_len(b, t)?,
             rows * c,
             LinearAct::slots(n * c, self.ffn_input_precision()),
             mean,
@@ -1122,22 +1114,21 @@ impl GptBlocks {
                 0
             },
             if self.rope.is_some() { n } else { 0 },
-            if self.recompute.selective() && self.masks_attention() {
-                n
-            } else {
-                0
-            },
+            if self.masks_attention() { n } else { 0 },
         ])
     }
 
-    /// Floats of one block's attention probabilities, `B·(NH/tp)·T²`.
-    fn att_len(&self, b: usize, t: usize) -> Result<usize> {
-        product("the attention matrix B·NH·T·T", &[b, self.heads().0, t, t])
+    /// Floats of one block's attention log-sum-exps, `B·(NH/tp)·T`.
+    fn lse_len(&self, b: usize, t: usize) -> Result<usize> {
+        product(
+            "the attention's B·NH·T log-sum-exps",
+            &[b, self.heads().0, t],
+        )
     }
 
     /// Whether some block's attention may be masked (document masking,
-    /// or sliding windows): then a selective recomputation keeps each
-    /// block's row starts.
+    /// or sliding windows): then each block keeps its row starts for the
+    /// attention's backward.
     fn masks_attention(&self) -> bool {
         self.doc_boundary.is_some() || self.config.arch.sliding_window.is_some()
     }
@@ -1145,16 +1136,18 @@ impl GptBlocks {
     /// Floats of one block's activations for `b`×`t` (what
     /// [`block_acts`](Self::block_acts) allocates): `B·T·C` for each
     /// layernorm's output, `3·B·T·C/tp` for q, k, v, `B·T·C/tp` for the
-    /// attention output, `B·(NH/tp)·T²` for the attention probabilities,
+    /// attention output, `B·(NH/tp)·T` for the attention's log-sum-exps,
     /// `rows·C` for the residual after attention and for the block's
     /// output, `2·rows` per layernorm's statistics, and the feed-forward
     /// block's [`saved_len`](FeedForward::saved_len) (`2·B·T·4C/tp` for
     /// the dense MLP), where `rows` is `B·T`, or `B·T/tp` under sequence
-    /// parallelism. In `Precision::Bf16` the outputs only products read
-    /// (ln_1's, the attention output, and with a feed-forward block that
+    /// parallelism; under document masking or sliding windows `B·T` row
+    /// starts. In `Precision::Bf16` the outputs only products read (ln_1's,
+    /// and with a feed-forward block that
     /// [only multiplies its input](FeedForward::input_feeds_products_only)
     /// ln_2's; the dense MLP's GELU output in its own count) are bf16, two
-    /// to a float: these counts are 4-byte slots.
+    /// to a float: these counts are 4-byte slots. The attention output
+    /// stays f32: the attention's backward reads it.
     ///
     /// # Errors
     /// As [`block_acts`](Self::block_acts); [`Error::Config`] if a size
@@ -1173,7 +1166,6 @@ impl GptBlocks {
         let l = self.block_act_lens(b, t)?;
         let z = |k: usize| vec![0.0f32; k];
         let n = b * t;
-        let ca = self.heads().1;
         let c = self.config.n_embd;
         Ok(BlockActs {
             b,
@@ -1183,8 +1175,8 @@ impl GptBlocks {
             ln1_mean: z(l[1]),
             ln1_rstd: z(l[2]),
             qkv: z(l[3]),
-            atty: LinearAct::new(n * ca, self.precision),
-            att: z(l[5]),
+            atty: z(l[4]),
+            lse: z(l[5]),
             res2: z(l[6]),
             ln2: LinearAct::new(n * c, self.ffn_input_precision()),
             ln2_mean: z(l[8]),
@@ -1221,8 +1213,8 @@ impl GptBlocks {
             qk_raw: Vec::new(),
             qk_rstd: Vec::new(),
             pos: Vec::new(),
-            atty: LinearAct::F32(Vec::new()),
-            att: Vec::new(),
+            atty: Vec::new(),
+            lse: Vec::new(),
             mask: Vec::new(),
             masked: false,
             res2: Vec::new(),
@@ -1325,9 +1317,9 @@ impl GptBlocks {
     }
 
     /// Lengths of [`BlockScratch`]' planned buffers: `tmp`, `dln`,
-    /// `datty`, `dqkv`, `datt`, the feed-forward block's scratch, and the
+    /// `datty`, `dqkv`, the feed-forward block's scratch, and the
     /// sequence-parallel `rows` and `full`.
-    fn scratch_lens(&self, b: usize, t: usize) -> Result<[usize; 8]> {
+    fn scratch_lens(&self, b: usize, t: usize) -> Result<[usize; 7]> {
         let l = self.block_act_lens(b, t)?;
         let c = self.config.n_embd;
         let n = b * t;
@@ -1338,7 +1330,6 @@ impl GptBlocks {
             n * c,
             n * self.heads().1,
             l[3],
-            weft_kernels::attention_backward_scratch_len(b, t, self.attn_heads()),
             self.ffn.scratch_len(&self.dims(b, t, self.mode, 0)),
             sp(self.rows(n) * c),
             sp(n * c),
@@ -1347,9 +1338,7 @@ impl GptBlocks {
 
     /// Floats of the shared working buffers, what
     /// [`scratch`](Self::scratch) allocates: two `B·T·C`, the attention's
-    /// gradients (as large as its q, k, v and output) and its backward's
-    /// scratch (a block of 64 query rows' score gradients per sequence and
-    /// key/value head: [`weft_kernels::attention_backward_scratch_len`]), the
+    /// gradients (as large as its q, k, v and output), the
     /// feed-forward block's [`scratch_len`](FeedForward::scratch_len),
     /// under sequence parallelism `rows·C` + `B·T·C` for the gathers, and
     /// with [recomputation](Self::set_recompute) one block's activations
@@ -1363,17 +1352,11 @@ impl GptBlocks {
         } else {
             0
         };
-        let att = if self.recompute.selective() {
-            self.att_len(b, t)?
-        } else {
-            0
-        };
         sum(
             "the working buffers",
             &[
                 sum("the working buffers", &self.scratch_lens(b, t)?)?,
                 replay,
-                att,
             ],
         )
     }
@@ -1389,10 +1372,9 @@ impl GptBlocks {
             dln: vec![0.0; l[1]],
             datty: vec![0.0; l[2]],
             dqkv: vec![0.0; l[3]],
-            datt: vec![0.0; l[4]],
-            ffn_scratch: vec![0.0; l[5]],
-            rows: vec![0.0; l[6]],
-            full: vec![0.0; l[7]],
+            ffn_scratch: vec![0.0; l[4]],
+            rows: vec![0.0; l[5]],
+            full: vec![0.0; l[6]],
             sink_x: Vec::new(),
             sink_p: Vec::new(),
             replay: if self.recompute.any(0..self.config.n_layer) {
@@ -1400,14 +1382,6 @@ impl GptBlocks {
             } else {
                 None
             },
-            att: vec![
-                0.0;
-                if self.recompute.selective() {
-                    self.att_len(b, t)?
-                } else {
-                    0
-                }
-            ],
         })
     }
 
@@ -1696,14 +1670,9 @@ impl GptBlocks {
             None => None,
         };
         let mask = starts.as_deref().or(docs);
-        let selective = self.recompute.selective();
         attention_forward(
-            acts.atty.target(&mut scratch.tmp),
-            if selective {
-                &mut scratch.att
-            } else {
-                &mut acts.att
-            },
+            &mut acts.atty,
+            &mut acts.lse,
             &acts.qkv,
             mask,
             b,
@@ -1711,14 +1680,11 @@ impl GptBlocks {
             ca,
             self.attn_heads(),
         )?;
-        if selective {
-            acts.masked = mask.is_some();
-            if let Some(m) = mask {
-                check_len("the kept attention mask", acts.mask.len(), m.len())?;
-                acts.mask.copy_from_slice(m);
-            }
+        acts.masked = mask.is_some();
+        if let Some(m) = mask {
+            check_len("the kept attention mask", acts.mask.len(), m.len())?;
+            acts.mask.copy_from_slice(m);
         }
-        acts.atty.settle(&scratch.tmp)?;
         // row-parallel output projection, summed over the group
         let y: &mut [f32] = if self.sp() {
             &mut scratch.rows
@@ -1728,7 +1694,7 @@ impl GptBlocks {
         match tp {
             None => matmul_forward(
                 y,
-                acts.atty.input(),
+                &acts.atty[..],
                 &p[blk.proj_w.clone()],
                 bias(p, &blk.proj_b),
                 b,
@@ -1741,7 +1707,7 @@ impl GptBlocks {
             Some(tp) => tp.row_forward(
                 y,
                 &mut scratch.full,
-                acts.atty.input(),
+                (&acts.atty).into(),
                 &p[blk.proj_w.clone()],
                 bias(p, &blk.proj_b),
                 (b, t),
@@ -1792,33 +1758,25 @@ impl GptBlocks {
         Ok(())
     }
 
-    /// The attention probabilities of `acts`' block for its backward: the
-    /// kept ones, or under [selective recomputation](Recompute::Selective)
-    /// the forward's kernel run again on the kept queries, keys and values
-    /// and row starts (the same bits), into `att` (its output into `tmp`,
-    /// discarded).
-    fn attention_probs<'a>(
-        &self,
-        acts: &'a BlockActs,
-        tmp: &mut [f32],
-        att: &'a mut [f32],
-    ) -> Result<&'a [f32]> {
-        if !self.recompute.selective() {
-            return Ok(&acts.att);
-        }
+    /// The attention's backward for `acts`' block: `dqkv` from the output
+    /// gradient `datty`, with the kept queries, keys and values, output
+    /// (kept in f32 in every precision), log-sum-exps and row starts.
+    fn attention_backward(&self, dqkv: &mut [f32], datty: &[f32], acts: &BlockActs) -> Result<()> {
         let (b, t) = (acts.b, acts.t);
         let ca = self.heads().1;
-        attention_forward(
-            &mut tmp[..b * t * ca],
-            att,
+        attention_backward(
+            dqkv,
+            datty,
             &acts.qkv,
+            &acts.atty,
+            &acts.lse,
             acts.masked.then_some(&acts.mask[..]),
             b,
             t,
             ca,
             self.attn_heads(),
         )?;
-        Ok(att)
+        Ok(())
     }
 
     /// The whole backward of a block: on entry `dres (rows,C)` holds the
@@ -1886,7 +1844,7 @@ impl GptBlocks {
             dw,
             db,
             dy,
-            acts.atty.input(),
+            &acts.atty[..],
             &p[blk.proj_w.clone()],
             b,
             t,
@@ -1896,18 +1854,7 @@ impl GptBlocks {
             self.precision,
         )?;
         weft_kernels::zero(&mut scratch.dqkv);
-        let att = self.attention_probs(acts, &mut scratch.tmp, &mut scratch.att)?;
-        attention_backward(
-            &mut scratch.dqkv,
-            &mut scratch.datt,
-            &scratch.datty,
-            &acts.qkv,
-            att,
-            b,
-            t,
-            ca,
-            self.attn_heads(),
-        )?;
+        self.attention_backward(&mut scratch.dqkv, &scratch.datty, acts)?;
         if let Some(table) = &self.rope {
             let heads = self.heads().0 + self.kv_heads().0;
             rope_backward(&mut scratch.dqkv, table, &acts.pos, n, cols, heads)?;
@@ -2039,18 +1986,7 @@ impl GptBlocks {
             self.precision,
         )?;
         weft_kernels::zero(&mut saved.dqkv);
-        let att = self.attention_probs(acts, &mut scratch.tmp, &mut scratch.att)?;
-        attention_backward(
-            &mut saved.dqkv,
-            &mut scratch.datt,
-            &scratch.datty,
-            &acts.qkv,
-            att,
-            b,
-            t,
-            ca,
-            self.attn_heads(),
-        )?;
+        self.attention_backward(&mut saved.dqkv, &scratch.datty, acts)?;
         if let Some(table) = &self.rope {
             let heads = self.heads().0 + self.kv_heads().0;
             rope_backward(&mut saved.dqkv, table, &acts.pos, n, cols, heads)?;
@@ -2166,7 +2102,7 @@ impl GptBlocks {
             dw,
             db,
             &saved.dres2,
-            acts.atty.input(),
+            &acts.atty[..],
             b,
             t,
             ca,

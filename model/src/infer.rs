@@ -96,7 +96,7 @@ pub struct Decoder<'m> {
     pos: Vec<u32>,       // (maxT) positions (within their documents) of the fed tokens
     kv: Vec<f32>,        // per layer (its capacity, 2·Ckv): rows [k | v], a ring when windowed
     kv_at: Vec<usize>,   // (L+1) each layer's first float in `kv`
-    win: Vec<f32>,       // (W, 2·Ckv) a windowed layer's keys in position order
+    win: Vec<f32>,       // (W+63, 2·Ckv) a windowed layer's keys in position order
     x: Vec<f32>,         // (maxT, C) residual stream
     res2: Vec<f32>,      // (maxT, C) residual after attention
     ln: Vec<f32>,        // (maxT, C)
@@ -106,7 +106,6 @@ pub struct Decoder<'m> {
     qk_raw: Vec<f32>,    // QK-norm's input (maxT·(NH+NKV), HS), with it
     qk_rstd: Vec<f32>,   // (maxT·(NH+NKV)), with QK-norm
     atty: Vec<f32>,      // (maxT, Cq)
-    att: Vec<f32>,       // (NH, maxT) probabilities of one position
     tmp: Vec<f32>,       // (maxT, C)
     ffn_saved: Vec<f32>, // the feed-forward block's saved_len for maxT
     ffn_scratch: Vec<f32>, // and its scratch_len
@@ -120,7 +119,6 @@ impl<'m> Decoder<'m> {
         let cfg = model.config();
         let GptConfig {
             n_layer: l,
-            n_head: nh,
             n_embd: c,
             vocab_size: v,
             block_size: t,
@@ -136,9 +134,10 @@ impl<'m> Decoder<'m> {
                 Some(*at)
             }))
             .collect();
+        // (and the positions before it back to its first key's leaf of 64)
         let widest = (0..l)
             .filter_map(|layer| cfg.window(layer))
-            .map(|w| w.min(t))
+            .map(|w| (w + 63).min(t))
             .max()
             .unwrap_or(0);
         Decoder {
@@ -158,7 +157,6 @@ impl<'m> Decoder<'m> {
             qk_raw: z(qk),
             qk_rstd: z(qk / cfg.head_dim().max(1)),
             atty: z(t * cq),
-            att: z(nh * t),
             tmp: z(t * c),
             ffn_saved: z(model.blocks().ffn().saved_len(&Dims {
                 b: 1,
@@ -222,7 +220,6 @@ impl<'m> Decoder<'m> {
             &self.rstd,
             &self.qkv,
             &self.atty,
-            &self.att,
             &self.tmp,
             &self.ffn_saved,
             &self.logits,
@@ -395,7 +392,6 @@ impl<'m> Decoder<'m> {
                 let Some(w) = window else {
                     attention_decode(
                         out,
-                        &mut self.att[..nh * (pos + 1)],
                         &row[..cq],
                         &kv[..(pos + 1) * 2 * ckv],
                         pos,
@@ -407,22 +403,25 @@ impl<'m> Decoder<'m> {
                 };
                 let at = row_of(pos);
                 kv[at..at + 2 * ckv].copy_from_slice(&row[cq..]);
-                // the keys it sees, in position order: the same sums as
-                // over the whole cache (the keys before `first` weigh 0)
+                // the keys it sees, in position order from the start of
+                // the first one's leaf of 64 keys: the same leaves and sums
+                // as over the whole cache (the keys before `first` weigh
+                // 0; zeros stand for those the ring no longer holds)
                 let first = starts[i].max((pos + 1).saturating_sub(w));
-                let m = pos + 1 - first;
-                for (j, p) in (first..=pos).enumerate() {
-                    let src = row_of(p);
+                let leaf = first - first % 64;
+                let m = pos + 1 - leaf;
+                self.win[..(first - leaf) * 2 * ckv].fill(0.0);
+                for p in first..=pos {
+                    let (src, j) = (row_of(p), p - leaf);
                     self.win[j * 2 * ckv..(j + 1) * 2 * ckv]
                         .copy_from_slice(&kv[src..src + 2 * ckv]);
                 }
                 attention_decode(
                     out,
-                    &mut self.att[..nh * m],
                     &row[..cq],
                     &self.win[..m * 2 * ckv],
                     m - 1,
-                    0,
+                    first - leaf,
                     cq,
                     heads,
                 )?;

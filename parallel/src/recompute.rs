@@ -48,14 +48,14 @@ pub enum Recompute {
     /// layer): between the two in memory and time. `Every(1)` is
     /// [`Full`](Self::Full).
     Every(usize),
-    /// Every block keeps everything but its attention probabilities
-    /// (`B·NH·T²` floats, the activation that grows with the square of
-    /// the sequence) and its MLP's activation output (GELU's, or SwiGLU's
-    /// product), and recomputes them from what it keeps before their
-    /// backward (`"selective"`; Megatron-LM's selective recomputation of
-    /// the attention core, and the activation function as llm.c
-    /// recomputes GELU): the scores' forward and the activation function
-    /// again, a few percent of the step.
+    /// Every block keeps everything but its MLP's activation output
+    /// (GELU's, or SwiGLU's product), and recomputes it from what it keeps
+    /// before its backward (`"selective"`; the activation function again,
+    /// as llm.c recomputes GELU: a few percent of the step). The attention
+    /// core, which Megatron-LM's selective recomputation targets, keeps no
+    /// `B·NH·T²` probabilities in weft under any policy: its kernel keeps
+    /// each row's log-sum-exp and computes the probabilities again in its
+    /// backward (flash attention's way).
     Selective,
 }
 

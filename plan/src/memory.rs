@@ -8,8 +8,9 @@
 //!   AdamW moments (16 bytes per parameter) plus the gradient reducer's
 //!   f32 buckets (4 more) for replicas; FSDP's padded unit shards (an f32
 //!   shard is its own master copy, so 12 bytes per sharded parameter under
-//!   ZeRO-3); every activation buffer the blocks plan, in f32, including
-//!   the `B·NH·T²` attention probabilities, for as many micro-batches as
+//!   ZeRO-3); every activation buffer the blocks plan, in f32 (the
+//!   attention keeps each row's log-sum-exp, not its `T` probabilities),
+//!   for as many micro-batches as
 //!   the pipeline schedule keeps in flight on the stage; the shared working
 //!   buffers; the tied embedding's copy and exchange between the first and
 //!   last stages. The transient buffers of a step (FSDP's gathered units,
@@ -155,9 +156,8 @@ pub struct Recipe {
     /// Dao et al. 2022): their `5·a·s²·b` bytes of activations and their
     /// memory traffic go, the masked half of the causal products is
     /// skipped, and the backward recomputes the scores (2.5× the forward's
-    /// products instead of 2×). Off: the scores are materialized
-    /// (Megatron-LM 2021, and weft's CPU kernel, which keeps the
-    /// probabilities).
+    /// products instead of 2×), as weft's CPU kernel does. Off: the scores
+    /// are materialized (Megatron-LM 2021).
     pub flash_attention: bool,
 }
 
@@ -171,7 +171,7 @@ impl Recipe {
             precision,
             bf16_grad_wire: false,
             overlap_grad_reduce: false,
-            flash_attention: false,
+            flash_attention: true,
         }
     }
 
@@ -410,7 +410,7 @@ fn weft_block_floats(model: &ModelSpec, layout: &Layout, precision: Precision) -
         u(model.q_dim()) / tp,
         u(model.q_dim()) / tp + 2 * u(model.kv_dim_per_rank(layout.parallel.tp)),
     );
-    let att = b * nh * t * t;
+    let lse = b * nh * t;
     let hid = u(model.ffn_hidden) / tp;
     // SwiGLU keeps its gate and up outputs and their product
     let gated = if model.swiglu { n * hid } else { 0 };
@@ -468,8 +468,9 @@ fn weft_block_floats(model: &ModelSpec, layout: &Layout, precision: Precision) -
     let block = linear(n * c)
         + stats
         + n * qkv
-        + linear(n * ca)
-        + att
+        // the attention output, f32 in every precision
+        + n * ca
+        + lse
         + rows * c
         + ln2
         + stats
@@ -477,26 +478,15 @@ fn weft_block_floats(model: &ModelSpec, layout: &Layout, precision: Precision) -
         + rows * c
         + qk_raw
         + qk_rstd
-        + pos;
-    // selective recomputation: the probabilities in the working buffers
-    // once, and each block's row starts where windows mask them (weft
-    // keeps them under document masking too, which the planner does not
-    // model)
-    let selective = layout.recompute.selective();
-    let (block, kept_att) = if selective {
-        (block - att + if model.window > 0 { n } else { 0 }, att)
-    } else {
-        (block, 0)
-    };
-    // the attention backward's scratch: 64 query rows' score gradients
-    // per sequence and key/value head (weft_kernels::attention_backward_scratch_len)
-    let nkv = u(model.kv_dim_per_rank(layout.parallel.tp) / model.head_dim().max(1));
+        + pos
+        // each block's row starts for the attention's backward where
+        // windows mask it (weft keeps them under document masking too,
+        // which the planner does not model)
+        + if model.window > 0 { n } else { 0 };
     let scratch = n * c.max(ca)
         + n * c
         + n * ca
         + n * qkv
-        + b * nkv * t.min(64) * t
-        + kept_att
         + ffn_scratch
         + if sp { rows * c + n * c } else { 0 };
     let weight_inputs = 3 * rows * c + n * c + n * qkv + ffn_split + qk_raw;

@@ -419,17 +419,12 @@ pub(crate) fn chunk_time(
         ct.b_tp += tp_f;
         ct.f_ep += ep_f;
         ct.b_ep += ep_b;
-        if layout.recompute.selective() {
-            // the probabilities again before the attention's backward,
-            // and a dense block's activation function (reading its input,
-            // writing its output)
-            let act_fn = if moe {
-                0.0
-            } else {
-                let hid = model.ffn_hidden as f64 / t;
-                n * hid * if model.swiglu { 3.0 } else { 2.0 } * dt
-            };
-            ct.b_compute += attention + mach.memory(act_fn, 1.0);
+        if layout.recompute.selective() && !moe {
+            // a dense block's activation function again (reading its
+            // input, writing its output)
+            let hid = model.ffn_hidden as f64 / t;
+            let act_fn = n * hid * if model.swiglu { 3.0 } else { 2.0 } * dt;
+            ct.b_compute += mach.memory(act_fn, 1.0);
         }
         if layout.recompute.recomputes(l) {
             // the forward again before the backward; weft's split

@@ -157,8 +157,8 @@ pub struct TrainConfig {
     /// Dynamic loss scaling, used with `precision = "fp16"`.
     pub loss_scale: LossScaleConfig,
     /// Activation recomputation: `"none"` (keep every block's
-    /// activations), `"selective"` (recompute the attention probabilities
-    /// and the MLP's activation), `"full"` (every block keeps only its output and runs
+    /// activations), `"selective"` (recompute the MLP's activation),
+    /// `"full"` (every block keeps only its output and runs
     /// its forward again in the backward: the least memory, about a third
     /// more compute) or `"every:K"` (blocks 0, K, 2K, … recompute). Bitwise
     /// the same training on every layout (`weft_model::Recompute`).
