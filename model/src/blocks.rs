@@ -299,7 +299,7 @@ impl HeadActs {
 /// [`GptBlocks::scratch`].
 #[derive(Clone, Debug)]
 pub struct BlockScratch {
-    tmp: Vec<f32>,         // (B·T, max(C, Cq)) block outputs before the residual add
+    tmp: Vec<f32>,         // (B·T, C) block outputs before the residual add, bf16 staging
     dln: Vec<f32>,         // (B·T, C)
     datty: Vec<f32>,       // (B·T, Ca)
     dqkv: Vec<f32>,        // (B·T, 3Ca)
@@ -1325,8 +1325,7 @@ impl GptBlocks {
         let n = b * t;
         let sp = |k: usize| if self.sp() { k } else { 0 };
         Ok([
-            // also the bf16 staging of the attention output, `Cq` wide
-            n * c.max(self.heads().1),
+            n * c,
             n * c,
             n * self.heads().1,
             l[3],

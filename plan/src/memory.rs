@@ -483,12 +483,8 @@ fn weft_block_floats(model: &ModelSpec, layout: &Layout, precision: Precision) -
         // windows mask it (weft keeps them under document masking too,
         // which the planner does not model)
         + if model.window > 0 { n } else { 0 };
-    let scratch = n * c.max(ca)
-        + n * c
-        + n * ca
-        + n * qkv
-        + ffn_scratch
-        + if sp { rows * c + n * c } else { 0 };
+    let scratch =
+        2 * n * c + n * ca + n * qkv + ffn_scratch + if sp { rows * c + n * c } else { 0 };
     let weight_inputs = 3 * rows * c + n * c + n * qkv + ffn_split + qk_raw;
     (block, scratch, weight_inputs)
 }
