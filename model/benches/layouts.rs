@@ -223,7 +223,13 @@ fn main() -> anyhow::Result<()> {
         layer_norm_epsilon: 1e-5,
         arch: weft_model::BlockArch::GPT2,
     };
-    let d = |pp, dp, tp| ParallelDims { pp, dp, tp, ep: 1 };
+    let d = |pp, dp, tp| ParallelDims {
+        pp,
+        dp,
+        tp,
+        ep: 1,
+        cp: 1,
+    };
     let layouts: Vec<(&str, ParallelDims, Option<Strategy>)> = vec![
         ("1 rank", d(1, 1, 1), None),
         ("dp2", d(1, 2, 1), None),

@@ -18,13 +18,14 @@ use weft_kernels::{
     matmul_backward, matmul_backward_input, matmul_backward_weight, matmul_backward_wt,
     matmul_forward, matmul_forward_wt, residual_forward, rmsnorm_backward, rmsnorm_backward_input,
     rmsnorm_backward_weight, rmsnorm_forward, rope_backward, rope_forward,
-    round_to_bf16_for_products, window_starts,
+    round_to_bf16_for_products,
 };
 use weft_numerics::bf16;
 use weft_parallel::{Coords, ParamLayout};
 
 use crate::chunk::{Lm, PieceRanges};
 use crate::config::{GptConfig, Norm};
+use crate::cp::{ContextParallel, RingIn};
 use crate::error::{Error, Result};
 use crate::ffn::{Dims, FeedForward};
 use crate::params::{BlockLayout, Pieces, Sharding, param_layout};
@@ -104,6 +105,9 @@ pub struct GptBlocks {
     pieces: Pieces,
     blk: BlockLayout,
     tp: Option<TensorParallel>,
+    /// The context-parallel group: each sequence's rows are this rank's
+    /// chunks of it (see [`crate::cp`]).
+    cp: Option<ContextParallel>,
     vocab: VocabShard,
     mode: Mode,
     precision: Precision,
@@ -115,6 +119,10 @@ pub struct GptBlocks {
     /// Rotary positions' table for `block_size` positions, if rotary.
     rope: Option<Arc<RopeTable<f32>>>,
 }
+
+/// A rank's tokens of a micro-batch and their positions
+/// ([`GptBlocks::embed_rows`]).
+type EmbedRows<'a> = (std::borrow::Cow<'a, [u32]>, Option<Vec<u32>>);
 
 /// What one block's forward keeps for its backward, for one micro-batch of
 /// `B` sequences of `T` tokens; plan it with [`GptBlocks::block_acts`].
@@ -519,6 +527,7 @@ impl GptBlocks {
             layout,
             pieces,
             tp,
+            cp: None,
             vocab,
             mode: Mode::default(),
             precision: Precision::default(),
@@ -527,6 +536,66 @@ impl GptBlocks {
             recompute: Recompute::None,
             loss_chunk: 0,
         })
+    }
+
+    /// Splits every sequence over the context-parallel group `cp` (see
+    /// the [`cp`](crate::cp) module): from then on a micro-batch's `t` is
+    /// this rank's rows of each sequence, `T / cp`, while tokens and
+    /// targets are still given whole (`B·T`). A group of one rank (or
+    /// `None`) is no split.
+    pub fn set_context_parallel(&mut self, cp: Option<ContextParallel>) {
+        self.cp = cp.filter(|c| c.size() > 1);
+    }
+
+    /// The context-parallel group, if sequences are split.
+    pub fn context_parallel(&self) -> Option<&ContextParallel> {
+        self.cp.as_ref()
+    }
+
+    /// The tokens of a whole sequence of which this rank holds `t` rows:
+    /// `t · cp`.
+    pub fn whole_seq(&self, t: usize) -> usize {
+        t * self.cp.as_ref().map_or(1, ContextParallel::size)
+    }
+
+    /// The position in its whole sequence of row `i` of a rank's `t` rows.
+    fn position(&self, i: usize, t: usize) -> usize {
+        self.cp.as_ref().map_or(i, |cp| cp.position(i, t))
+    }
+
+    /// This rank's rows `(B, t)` of a per-token buffer of whole sequences
+    /// (`(B, t · cp)`): the buffer itself without context parallelism.
+    ///
+    /// # Errors
+    /// [`Error::Batch`] on a wrong length.
+    pub(crate) fn local_rows<'a, T: Copy>(
+        &self,
+        whole: &'a [T],
+        b: usize,
+        t: usize,
+    ) -> Result<std::borrow::Cow<'a, [T]>> {
+        match &self.cp {
+            None => Ok(std::borrow::Cow::Borrowed(whole)),
+            Some(cp) => Ok(std::borrow::Cow::Owned(cp.local(whole, b, t)?)),
+        }
+    }
+
+    /// The document starts `(B, t)` of this rank's rows, by position in
+    /// the whole sequence, from the micro-batch's whole `tokens` under
+    /// document masking; `None` without it.
+    ///
+    /// # Errors
+    /// [`Error::Batch`] if `tokens` is not `B·t·cp` long.
+    pub(crate) fn row_starts(
+        &self,
+        tokens: &[u32],
+        b: usize,
+        t: usize,
+    ) -> Result<Option<Vec<u32>>> {
+        let Some(starts) = self.doc_starts(tokens, b, self.whole_seq(t))? else {
+            return Ok(None);
+        };
+        Ok(Some(self.local_rows(&starts, b, t)?.into_owned()))
     }
 
     /// This rank's parameter layout (names, shapes, offsets, placements).
@@ -719,17 +788,19 @@ impl GptBlocks {
         Ok(Some(starts))
     }
 
-    /// Each row's position `(B,T)` under document masking (its distance
-    /// from its document's start); `None` without it (row `i` of a
-    /// sequence is at position `i`).
-    fn doc_positions(&self, tokens: &[u32], b: usize, t: usize) -> Result<Option<Vec<u32>>> {
-        Ok(self.doc_starts(tokens, b, t)?.map(|mut s| {
-            for (r, x) in s.iter_mut().enumerate() {
-                // `r % t < 2^32`: `t` is at most the position table.
-                *x = (r % t) as u32 - *x;
-            }
-            s
-        }))
+    /// The embedding's view of a micro-batch's whole `tokens`: this
+    /// rank's rows of them, and each row's position `(B,t)` (its
+    /// distance from its document's start under document masking); the
+    /// positions are `None` when row `i` of a sequence is at position `i`
+    /// (one rank of the sequence, no masking).
+    fn embed_rows<'a>(&self, tokens: &'a [u32], b: usize, t: usize) -> Result<EmbedRows<'a>> {
+        check_len("tokens", tokens.len(), b * self.whole_seq(t))?;
+        let starts = self.row_starts(tokens, b, t)?;
+        let rows = self.local_rows(tokens, b, t)?;
+        if starts.is_none() && self.cp.is_none() {
+            return Ok((rows, None));
+        }
+        Ok((rows, Some(self.row_positions(starts.as_deref(), b * t, t))))
     }
 
     /// The factor the backward's gradients carry (see
@@ -1011,15 +1082,34 @@ impl GptBlocks {
 
     /// Each row's rotary position `(B·T)`: its index in its sequence, or
     /// in its document under document masking (`docs`, its start).
-    fn rope_positions(docs: Option<&[u32]>, n: usize, t: usize) -> Vec<u32> {
+    fn row_positions(&self, docs: Option<&[u32]>, n: usize, t: usize) -> Vec<u32> {
         (0..n)
             .map(|r| {
-                // `r % t < 2^32`: `t` is at most the position table.
+                // a position is below the position table's length
                 #[allow(clippy::cast_possible_truncation)]
-                let i = (r % t) as u32;
+                let i = self.position(r % t, t) as u32;
                 i - docs.map_or(0, |d| d[r])
             })
             .collect()
+    }
+
+    /// Each row's first visible key `(B,t)` under a sliding window of `w`
+    /// (and its document's start): [`weft_kernels::window_starts`] by the
+    /// rows' positions in their whole sequences.
+    fn window_rows(&self, docs: Option<&[u32]>, w: usize, b: usize, t: usize) -> Result<Vec<u32>> {
+        let mut starts = vec![0u32; b * t];
+        if w == 0 {
+            return Err(Error::Config {
+                field: "sliding_window",
+                reason: "the window must hold at least one key".into(),
+            });
+        }
+        for (r, s) in starts.iter_mut().enumerate() {
+            let first = (self.position(r % t, t) + 1).saturating_sub(w);
+            let doc = docs.map_or(0, |d| d[r] as usize);
+            *s = u32::try_from(first.max(doc)).unwrap_or(u32::MAX);
+        }
+        Ok(starts)
     }
 
     /// The rows of `n` tokens a rank's residual stream holds.
@@ -1433,6 +1523,9 @@ impl GptBlocks {
     /// wpe[pos]`; `params` is the embedding slice (`wte` then `wpe`).
     /// Vocabulary-parallel under tensor parallelism: each rank's rows of
     /// `wte`, summed over the group (exact: one non-zero term per element).
+    /// `tokens` are the micro-batch's whole sequences, `B·T` (`T = t` but
+    /// under [context parallelism](Self::set_context_parallel), which
+    /// embeds this rank's `t` rows of each).
     ///
     /// # Errors
     /// [`Error::Batch`] on a wrong slice length; a kernel error for a token
@@ -1449,10 +1542,11 @@ impl GptBlocks {
         self.check_shape(b, t)?;
         let c = self.config.n_embd;
         let (wte, wpe) = params.split_at(self.wte_len());
+        let (tokens, positions) = self.embed_rows(tokens, b, t)?;
+        let tokens = &tokens[..];
         if wpe.is_empty() {
             // Rotary positions: the token embedding alone.
             let n = b * t;
-            check_len("tokens", tokens.len(), n)?;
             let Some(tp) = &self.tp else {
                 self.vocab.embed(out, tokens, wte, c)?;
                 return Ok(());
@@ -1467,13 +1561,11 @@ impl GptBlocks {
             }
             return Ok(());
         }
-        let positions = self.doc_positions(tokens, b, t)?;
         let Some(tp) = &self.tp else {
             encoder_forward(out, tokens, positions.as_deref(), wte, wpe, b, t, c)?;
             return Ok(());
         };
         let n = b * t;
-        check_len("tokens", tokens.len(), n)?;
         let mut all = vec![0.0f32; n * c];
         self.vocab.embed(&mut all, tokens, wte, c)?;
         if tp.sequence_parallel() {
@@ -1497,7 +1589,8 @@ impl GptBlocks {
     /// Backward of [`embed_forward`](Self::embed_forward), accumulating into
     /// the embedding's gradient slice (`dwte` then `dwpe`) from this rank's
     /// rows of the output gradient. The embedding has no input gradient, so
-    /// this is a weight-only (W) step.
+    /// this is a weight-only (W) step. `tokens` as
+    /// [`embed_forward`](Self::embed_forward)'s.
     ///
     /// # Errors
     /// [`Error::Batch`] on a wrong slice length; a kernel error for a token
@@ -1514,7 +1607,8 @@ impl GptBlocks {
         self.check_shape(b, t)?;
         let c = self.config.n_embd;
         let (dwte, dwpe) = grads.split_at_mut(self.wte_len());
-        let positions = self.doc_positions(tokens, b, t)?;
+        let (tokens, positions) = self.embed_rows(tokens, b, t)?;
+        let tokens = &tokens[..];
         let dwpe = (!dwpe.is_empty()).then_some(dwpe);
         let Some(tp) = &self.tp else {
             match dwpe {
@@ -1652,33 +1746,36 @@ impl GptBlocks {
                 n,
             )?;
         }
+        if let Some(d) = docs {
+            check_len("document starts", d.len(), n)?;
+        }
         if let Some(table) = &self.rope {
-            if let Some(d) = docs {
-                check_len("document starts", d.len(), n)?;
-            }
-            acts.pos = Self::rope_positions(docs, n, t);
+            acts.pos = self.row_positions(docs, n, t);
             let heads = self.heads().0 + self.kv_heads().0;
             rope_forward(&mut acts.qkv, table, &acts.pos, n, cols, heads)?;
         }
-        let window = self.config.window(layer).map(|w| {
-            let mut starts = vec![0u32; n];
-            window_starts(&mut starts, docs, w, b, t).map(|()| starts)
-        });
-        let starts = match window {
-            Some(w) => Some(w?),
+        let starts = match self.config.window(layer) {
+            Some(w) => Some(self.window_rows(docs, w, b, t)?),
             None => None,
         };
         let mask = starts.as_deref().or(docs);
-        attention_forward(
-            &mut acts.atty,
-            &mut acts.lse,
-            &acts.qkv,
-            mask,
-            b,
-            t,
-            ca,
-            self.attn_heads(),
-        )?;
+        match &self.cp {
+            None => attention_forward(
+                &mut acts.atty,
+                &mut acts.lse,
+                &acts.qkv,
+                mask,
+                b,
+                t,
+                ca,
+                self.attn_heads(),
+            )?,
+            Some(cp) => cp.forward(
+                &mut acts.atty,
+                &mut acts.lse,
+                &self.ring_in(&acts.qkv, mask, layer, b, t),
+            )?,
+        }
         acts.masked = mask.is_some();
         if let Some(m) = mask {
             check_len("the kept attention mask", acts.mask.len(), m.len())?;
@@ -1763,19 +1860,47 @@ impl GptBlocks {
     fn attention_backward(&self, dqkv: &mut [f32], datty: &[f32], acts: &BlockActs) -> Result<()> {
         let (b, t) = (acts.b, acts.t);
         let ca = self.heads().1;
+        let mask = acts.masked.then_some(&acts.mask[..]);
+        if let Some(cp) = &self.cp {
+            return cp.backward(
+                dqkv,
+                (datty, &acts.atty, &acts.lse),
+                &self.ring_in(&acts.qkv, mask, acts.layer, b, t),
+            );
+        }
         attention_backward(
             dqkv,
             datty,
             &acts.qkv,
             &acts.atty,
             &acts.lse,
-            acts.masked.then_some(&acts.mask[..]),
+            mask,
             b,
             t,
             ca,
             self.attn_heads(),
         )?;
         Ok(())
+    }
+
+    /// The ring's view of a block's attention inputs on this rank.
+    fn ring_in<'a>(
+        &self,
+        qkv: &'a [f32],
+        starts: Option<&'a [u32]>,
+        layer: usize,
+        b: usize,
+        t: usize,
+    ) -> RingIn<'a> {
+        RingIn {
+            qkv,
+            starts,
+            b,
+            t,
+            c: self.heads().1,
+            heads: self.attn_heads(),
+            window: self.config.window(layer),
+        }
     }
 
     /// The whole backward of a block: on entry `dres (rows,C)` holds the

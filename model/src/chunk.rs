@@ -229,10 +229,10 @@ impl ParamStore for Resident<'_> {
 pub(crate) struct ChunkActs {
     pub(crate) b: usize,
     pub(crate) t: usize,
-    pub(crate) tokens: Vec<u32>,       // (B,T) on the embedding chunk
-    pub(crate) input: Vec<f32>,        // (rows,C) the embedding's output or the received input
+    pub(crate) tokens: Vec<u32>, // (B,T·cp) on the embedding chunk: whole sequences
+    pub(crate) input: Vec<f32>,  // (rows,C) the embedding's output or the received input
     pub(crate) layers: Vec<BlockActs>, // one per block of the chunk (a recomputed one: its output)
-    pub(crate) docs: Vec<u32>, // (B,T) document starts, kept for recomputation under masking
+    pub(crate) docs: Vec<u32>,   // (B,T) document starts, kept for recomputation under masking
     pub(crate) head: Option<HeadActs>,
     pub(crate) saved: Vec<WeightInputs>, // per block, for a split backward
     pub(crate) dres: Vec<f32>,           // (rows,C) gradient of the residual stream
@@ -253,7 +253,7 @@ impl ChunkActs {
             b,
             t,
             tokens: if spec.embed {
-                vec![0; b * t]
+                vec![0; b * bl.whole_seq(t)]
             } else {
                 Vec::new()
             },
@@ -357,13 +357,17 @@ pub(crate) fn forward(
     targets: Option<&[u32]>,
 ) -> Result<Option<f64>> {
     let (b, t) = (acts.b, acts.t);
-    let docs = bl.doc_starts(tokens, b, t)?;
+    let docs = bl.row_starts(tokens, b, t)?;
+    let targets = match targets {
+        Some(tg) => {
+            check_len("targets", tg.len(), b * bl.whole_seq(t))?;
+            Some(bl.local_rows(tg, b, t)?)
+        }
+        None => None,
+    };
     match (input, spec.embed) {
         (ChunkInput::Tokens(tok), true) => {
-            check_len("tokens", tok.len(), b * t)?;
-            if let Some(tg) = targets {
-                check_len("targets", tg.len(), b * t)?;
-            }
+            check_len("tokens", tok.len(), b * bl.whole_seq(t))?;
             acts.tokens.copy_from_slice(tok);
             store.pre_forward(Piece::Embed)?;
             bl.embed_forward(&mut acts.input, tok, store.params(Piece::Embed)?, b, t)?;
@@ -420,7 +424,7 @@ pub(crate) fn forward(
         last,
         store.params(Piece::Head)?,
         store.lm_head()?,
-        targets,
+        targets.as_deref(),
     )?;
     store.post_forward(Piece::Head)?;
     Ok(loss)

@@ -175,6 +175,7 @@
 mod blocks;
 mod chunk;
 mod config;
+pub mod cp;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 mod error;

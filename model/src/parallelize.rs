@@ -36,6 +36,7 @@ use weft_parallel::{
 use weft_pipeline::{Executor, RankTimeline, Schedule};
 
 use crate::config::GptConfig;
+use crate::cp::ContextParallel;
 use crate::error::{Error, Result};
 use crate::ffn::FeedForward;
 use crate::gpt::{GptBlocks, MicroBatch};
@@ -270,14 +271,48 @@ impl ParallelGpt {
         mesh: &ParallelMesh,
     ) -> Result<GptBlocks> {
         let tp = mesh.dims().tp;
-        if tp > 1 {
+        let mut blocks = if tp > 1 {
             let copies = crate::kv_copies(config.n_head, config.n_kv_head(), tp)?;
             let group = TensorParallel::new(mesh.group_arc(DimSet::TP), plan.tp)
                 .with_kv_copies(mesh.copies_group_arc(DimSet::NONE, copies)?);
-            GptBlocks::with_tp(config, ffn, group)
+            GptBlocks::with_tp(config, ffn, group)?
         } else {
-            GptBlocks::new(config, ffn)
+            GptBlocks::new(config, ffn)?
+        };
+        Self::split_sequences(&mut blocks, plan, mesh)?;
+        Ok(blocks)
+    }
+
+    /// Splits the sequences of `blocks` over the mesh's context-parallel
+    /// group (when it has several ranks and the blocks are not split yet),
+    /// and returns the rows of each sequence a rank holds.
+    ///
+    /// # Errors
+    /// [`Error::Config`] when the sequence does not cut into `2·cp`
+    /// chunks of `64·2^k` positions.
+    fn split_sequences(
+        blocks: &mut GptBlocks,
+        plan: &ParallelPlan,
+        mesh: &ParallelMesh,
+    ) -> Result<usize> {
+        let cp = mesh.dims().cp;
+        if cp <= 1 {
+            return Ok(plan.seq);
         }
+        mesh.dims().context_chunk(plan.seq)?;
+        if blocks.ffn().moe().is_some() {
+            return Err(Error::Config {
+                field: "cp",
+                reason: "context parallelism does not compose with a mixture of experts yet: \
+                         the router's capacity and auxiliary loss are functions of whole \
+                         sequences' tokens, which no cp rank holds"
+                    .into(),
+            });
+        }
+        if blocks.context_parallel().is_none() {
+            blocks.set_context_parallel(Some(ContextParallel::new(mesh.group_arc(DimSet::CP))));
+        }
+        Ok(plan.seq / cp)
     }
 
     /// The training schedule and the layers of each virtual stage.
@@ -338,10 +373,11 @@ impl ParallelGpt {
         let peak = weft_pipeline::peak_in_flight_per_chunk(&schedule, rank);
         let split = schedule.splits_backward();
         let experts = dims.ep > 1;
+        let seq = plan.seq / dims.cp.max(1);
         let shard = match &plan.fsdp {
             None => None,
             Some(cfg) => {
-                let group = if experts { dims.dp / dims.ep } else { dims.dp };
+                let group = if experts { dims.dp / dims.ep } else { dims.dp } * dims.cp;
                 let n = if cfg.strategy == weft_fsdp::Strategy::Hybrid {
                     if cfg.hybrid_shard == 0 {
                         mesh.world().topology().ranks_per_domain().min(group)
@@ -361,7 +397,7 @@ impl ParallelGpt {
                 &blocks,
                 &spec,
                 plan.batch,
-                plan.seq,
+                seq,
                 slots.max(1),
                 split,
                 shard,
@@ -393,6 +429,7 @@ impl ParallelGpt {
         blocks.set_doc_boundary(plan.doc_boundary);
         blocks.set_recompute(plan.recompute);
         blocks.set_loss_chunk(plan.loss_chunk)?;
+        let seq = Self::split_sequences(&mut blocks, plan, &mesh)?;
         let dims = mesh.dims();
         let (schedule, layers) = Self::schedule_of(plan, dims, blocks.config().n_layer)?;
         let pl = schedule.placement();
@@ -407,14 +444,7 @@ impl ParallelGpt {
         };
         for (c, &slots) in peak.iter().enumerate() {
             let spec = StageSpec::nth(&layers, pl.virtual_stage(rank, c))?;
-            let mut st = GptStage::new(
-                blocks.clone(),
-                spec,
-                plan.batch,
-                plan.seq,
-                slots.max(1),
-                split,
-            )?;
+            let mut st = GptStage::new(blocks.clone(), spec, plan.batch, seq, slots.max(1), split)?;
             match init {
                 Init::Whole(p) => st.load_state(&whole, p, &zeros, &zeros, 0)?,
                 Init::Gpt2 { seed } => st.init_gpt2(seed)?,
@@ -553,7 +583,10 @@ impl ParallelGpt {
             st.set_loss_scale(loss_scale);
         }
         let m = batches.len();
-        let global = m * self.mesh.dims().dp;
+        // every context-parallel rank's loss is its rows' mean: one
+        // contribution each, as a data-parallel rank's
+        let dims = self.mesh.dims();
+        let global = m * dims.dp * dims.cp;
         for st in self.ex.stages_mut() {
             st.begin_step(m)?;
         }
@@ -574,7 +607,9 @@ impl ParallelGpt {
             .collect();
         self.mesh.pp().broadcast(&mut mine, head)?;
         let mut all = vec![0.0f64; global];
-        self.mesh.dp().all_gather(&mine, &mut all)?;
+        self.mesh
+            .group(DimSet::DP.with(DimSet::CP))
+            .all_gather(&mine, &mut all)?;
         let mut loss = 0.0;
         for l in &all {
             loss += l;
@@ -646,15 +681,18 @@ impl ParallelGpt {
         if let Some(first) = batches.first() {
             run.resize(per, *first);
         }
+        // a stage's rows of each sequence, and the whole sequence's tokens
         let seq = self.ex.stages()[0].batch_shape().1;
+        let cp = self.mesh.dims().cp;
+        let whole = seq * cp;
         let train_shape = self.ex.stages()[0].batch_shape();
         let mut local = vec![0.0f64; per];
         let mut at = 0;
         while at < run.len() {
-            let b = run[at].tokens.len() / seq.max(1);
+            let b = run[at].tokens.len() / whole.max(1);
             let len = run[at..]
                 .iter()
-                .take_while(|x| x.tokens.len() == b * seq)
+                .take_while(|x| x.tokens.len() == b * whole)
                 .count();
             let losses = self.forward_only(&run[at..at + len], b, seq)?;
             for (i, l) in losses.into_iter().enumerate() {
@@ -669,6 +707,18 @@ impl ParallelGpt {
         for st in self.ex.stages_mut() {
             st.set_batch_shape(train_shape.0, train_shape.1)?;
             st.set_eval(false);
+        }
+        if cp > 1 {
+            // each context-parallel rank's figure is its rows' mean: the
+            // sequences' is their mean
+            self.mesh
+                .cp()
+                .all_reduce(&mut local, weft_collectives::ReduceOp::Sum)?;
+            #[allow(clippy::cast_precision_loss)]
+            let ranks = cp as f64;
+            for x in &mut local {
+                *x /= ranks;
+            }
         }
         let mut all = vec![0.0f64; per * ranks];
         self.mesh.dp().all_gather(&local, &mut all)?;

@@ -458,14 +458,13 @@ impl GptStage {
         let reproducible = cfg.reproducible;
         let (units, map) =
             crate::fsdp::units(&self.ranges, &self.layout, self.blocks.wte_len(), experts);
-        let group = if experts {
-            mesh.group(DimSet::EDP)
-        } else {
-            mesh.dp()
-        };
+        // sharded over the ranks holding the same parameters: the
+        // data-parallel group (an expert group's replicas) with the
+        // context-parallel ranks
+        let group = mesh.group(if experts { DimSet::EDP } else { DimSet::DP }.with(DimSet::CP));
         let mut fsdp = weft_fsdp::Fsdp::new(group, &self.layout, units, cfg, params)?;
         if experts {
-            fsdp.set_data_parallel_size(dims.dp)?;
+            fsdp.set_data_parallel_size(dims.dp * dims.cp)?;
         }
         fsdp.load_whole(params, &opt.m, &opt.v, opt.step)?;
         fsdp.record_activations(self.activation_bytes());

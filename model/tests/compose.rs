@@ -244,7 +244,13 @@ struct Layout {
 impl Layout {
     fn new(pp: usize, dp: usize, tp: usize, ep: usize) -> Self {
         Layout {
-            dims: ParallelDims { pp, dp, tp, ep },
+            dims: ParallelDims {
+                pp,
+                dp,
+                tp,
+                ep,
+                cp: 1,
+            },
             schedule: (pp > 1).then_some((ScheduleKind::OneFOneB, 1)),
             fsdp: None,
             sp: false,
@@ -626,7 +632,13 @@ fn layouts(moe: bool) -> Vec<Layout> {
                     for &fsdp in &fsdps {
                         for &ep in &eps {
                             let base = Layout {
-                                dims: ParallelDims { pp, dp, tp, ep },
+                                dims: ParallelDims {
+                                    pp,
+                                    dp,
+                                    tp,
+                                    ep,
+                                    cp: 1,
+                                },
                                 schedule,
                                 fsdp,
                                 sp: false,

@@ -86,7 +86,13 @@ struct Layout {
 
 fn lay(pp: usize, dp: usize, tp: usize, ep: usize) -> Layout {
     Layout {
-        dims: ParallelDims { pp, dp, tp, ep },
+        dims: ParallelDims {
+            pp,
+            dp,
+            tp,
+            ep,
+            cp: 1,
+        },
         schedule: (pp > 1).then_some((ScheduleKind::OneFOneB, 1)),
         fsdp: None,
         sp: false,
@@ -346,7 +352,7 @@ fn rs(k: usize, bytes: usize) -> u64 {
 /// for a dense GPT with tied embeddings in the plain (non-reproducible)
 /// mode. `N = B·T` tokens per micro-batch, `m` micro-batches per
 /// pipeline, `S` (virtual) stages holding `L_s` blocks.
-fn formula(layout: Layout) -> [u64; 5] {
+fn formula(layout: Layout) -> [u64; 6] {
     let c = gpt_config();
     let ParallelDims { pp, dp, tp, .. } = layout.dims;
     let (n, cc, v, t) = (B * T, c.n_embd, c.vocab_size, c.block_size);
@@ -356,7 +362,7 @@ fn formula(layout: Layout) -> [u64; 5] {
     let sched = kind.generate(pp, m, chunks).unwrap();
     let layers = partition_layers(&c, layout.moe.then_some((4, 3)), &sched).unwrap();
     let vs = layers.len();
-    let mut axes = [0u64; 5];
+    let mut axes = [0u64; 6];
     // tp: per micro-batch, an N·C all-reduce for the embedding, four per
     // block (two forward, two backward), one for the head's input
     // gradient, and the cross-entropy's 3N floats (maxima, sums), all by
@@ -403,7 +409,7 @@ fn formula(layout: Layout) -> [u64; 5] {
                 let ln = 4 * cc * l + if s + 1 == vs { 2 * cc } else { 0 };
                 p -= ln;
                 if r == 0 {
-                    axes[4] += ar(dp * tp, 4 * ln);
+                    axes[5] += ar(dp * tp, 4 * ln);
                 }
             }
             axes[1] += ar(dp, 4 * p);
@@ -476,7 +482,7 @@ fn each_axis_sends_what_the_formulas_say() {
         if l.fsdp.is_some() {
             want[1] = fsdp;
         }
-        want[3] = ep;
+        want[4] = ep;
         for (i, (a, ops, scalars)) in got.iter().enumerate() {
             if *a == TrafficAxis::Dp {
                 // the scalars on dp: every micro-batch's f64 loss gathered

@@ -193,6 +193,12 @@ pub struct ParallelLayout {
     /// Expert-parallel degree (mixture-of-experts models): experts are
     /// sharded over groups of `ep` data-parallel ranks.
     pub ep: usize,
+    /// Context-parallel degree: every sequence is cut into `2·cp` chunks
+    /// and each of `cp` ranks holds two of them (`r` and `2·cp − 1 − r`,
+    /// the same attention work on each); attention passes keys and values
+    /// around the ranks (ring attention). The sequence length must be
+    /// `2·cp` chunks of `64·2^k` tokens.
+    pub cp: usize,
     /// Reproducible reductions: micro-batch gradients are summed exactly
     /// and rounded once, so every split of the global batch over ranks
     /// gives bitwise the same result. Off: plain f32 accumulation (faster).
@@ -227,6 +233,7 @@ impl Default for ParallelLayout {
             pp_schedule: ScheduleKind::OneFOneB,
             pp_chunks: 2,
             ep: 1,
+            cp: 1,
             reproducible: true,
             grad_wire: Dtype::F32,
             backend: Backend::Auto,
@@ -318,10 +325,10 @@ pub const MAX_MICRO_BATCHES: usize = 1 << 20;
 pub const MAX_DEGREE: usize = 1 << 20;
 
 impl ParallelLayout {
-    /// Ranks in the job: `dp · tp · pp`.
+    /// Ranks in the job: `dp · cp · tp · pp`.
     #[must_use]
     pub fn world_size(&self) -> usize {
-        self.dp * self.tp * self.pp
+        self.dp * self.cp * self.tp * self.pp
     }
 
     /// The mesh's degrees.
@@ -332,6 +339,7 @@ impl ParallelLayout {
             dp: self.dp,
             tp: self.tp,
             ep: self.ep,
+            cp: self.cp,
         }
     }
 
@@ -346,14 +354,16 @@ impl ParallelLayout {
         }
     }
 
-    /// The size of the group the sharding shards over: `dp / ep` (the
-    /// expert group's replicas), `hybrid_shard` for HSDP, 1 for replicas.
+    /// The size of the group the sharding shards over: `dp / ep · cp`
+    /// (the expert group's replicas with the context-parallel ranks,
+    /// which hold the same parameters), `hybrid_shard` for HSDP, 1 for
+    /// replicas.
     #[must_use]
     pub fn shard_group(&self) -> usize {
         match self.fsdp {
             None => 1,
             Some(Strategy::Hybrid) => self.hybrid_shard,
-            Some(_) => self.dp / self.ep.max(1),
+            Some(_) => self.dp / self.ep.max(1) * self.cp,
         }
     }
 
@@ -462,6 +472,7 @@ impl ParallelLayout {
             ("tp", self.tp),
             ("pp", self.pp),
             ("ep", self.ep),
+            ("cp", self.cp),
             ("pp_chunks", self.pp_chunks),
             ("hybrid_shard", self.hybrid_shard),
         ] {
@@ -473,13 +484,26 @@ impl ParallelLayout {
             .dp
             .checked_mul(self.tp)
             .and_then(|w| w.checked_mul(self.pp))
+            .and_then(|w| w.checked_mul(self.cp))
             .filter(|&w| w <= MAX_DEGREE);
         if world.is_none() {
             return bad(
                 "dp",
                 format!(
-                    "dp · tp · pp = {} · {} · {} ranks is more than {MAX_DEGREE}",
-                    self.dp, self.tp, self.pp
+                    "dp · cp · tp · pp = {} · {} · {} · {} ranks is more than {MAX_DEGREE}",
+                    self.dp, self.cp, self.tp, self.pp
+                ),
+            );
+        }
+        self.dims().context_chunk(shape.seq)?;
+        if self.cp > 1 && shape.experts > 0 {
+            return bad(
+                "cp",
+                format!(
+                    "= {} splits sequences, which a mixture-of-experts model does not compose \
+                     with yet (its router's capacity and auxiliary loss are functions of whole \
+                     sequences); use cp = 1",
+                    self.cp
                 ),
             );
         }
@@ -551,13 +575,13 @@ impl ParallelLayout {
             );
         }
         self.dims().validate()?;
-        let group = self.dp / self.ep;
+        let group = self.dp / self.ep * self.cp;
         if self.fsdp == Some(Strategy::Hybrid) && !group.is_multiple_of(self.hybrid_shard) {
             return bad(
                 "hybrid_shard",
                 format!(
-                    "must divide the sharded group, dp / ep = {} / {} = {group} (got {})",
-                    self.dp, self.ep, self.hybrid_shard
+                    "must divide the sharded group, dp / ep · cp = {} / {} · {} = {group} (got {})",
+                    self.dp, self.ep, self.cp, self.hybrid_shard
                 ),
             );
         }
@@ -598,6 +622,7 @@ impl fmt::Display for ParallelLayout {
             ("tp", self.tp),
             ("pp", self.pp),
             ("ep", self.ep),
+            ("cp", self.cp),
         ]
         .iter()
         .filter(|(_, n)| *n > 1)

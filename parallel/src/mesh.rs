@@ -10,8 +10,9 @@ use crate::layout::ParamSpec;
 use crate::placement::{Axis, Coords, Placement};
 
 /// The degrees of a parallel layout: pipeline stages, data-parallel ranks
-/// (of which `ep` consecutive ones share out the experts), and
-/// tensor-parallel ranks. World size `pp · dp · tp`.
+/// (of which `ep` consecutive ones share out the experts), context-parallel
+/// ranks (each holding a slice of every sequence) and tensor-parallel
+/// ranks. World size `pp · dp · cp · tp`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct ParallelDims {
     /// Pipeline stages.
@@ -23,6 +24,10 @@ pub struct ParallelDims {
     /// Expert-parallel ranks, a divisor of `dp`: groups of `ep`
     /// consecutive data-parallel ranks share out each layer's experts.
     pub ep: usize,
+    /// Context-parallel ranks: each holds two of `2·cp` chunks of every
+    /// sequence of the micro-batches its data-parallel rank runs, and
+    /// the attention passes keys and values around them.
+    pub cp: usize,
 }
 
 impl Default for ParallelDims {
@@ -38,11 +43,12 @@ impl ParallelDims {
         dp: 1,
         tp: 1,
         ep: 1,
+        cp: 1,
     };
 
-    /// Ranks in the job: `pp · dp · tp`.
+    /// Ranks in the job: `pp · dp · cp · tp`.
     pub fn world_size(&self) -> usize {
-        self.pp * self.dp * self.tp
+        self.pp * self.dp * self.cp * self.tp
     }
 
     /// Checks the degrees against each other.
@@ -55,6 +61,7 @@ impl ParallelDims {
             ("dp", self.dp),
             ("tp", self.tp),
             ("ep", self.ep),
+            ("cp", self.cp),
         ] {
             if v == 0 {
                 return Err(Error::Dims {
@@ -75,23 +82,60 @@ impl ParallelDims {
         Ok(())
     }
 
+    /// The tokens of each of the `2·cp` chunks a sequence of `seq` tokens
+    /// is cut into under context parallelism (`seq` itself with `cp = 1`):
+    /// each must be `64·2^k` tokens, a node of the attention's merge tree
+    /// (`weft_kernels::Span`), so that the chunks' partial results merge
+    /// into the one-rank bits.
+    ///
+    /// # Errors
+    /// [`Error::Dims`] naming `cp` when `seq` does not cut so.
+    pub fn context_chunk(&self, seq: usize) -> Result<usize> {
+        if self.cp <= 1 {
+            return Ok(seq);
+        }
+        let n = 2 * self.cp;
+        let chunk = seq / n;
+        if chunk * n == seq
+            && chunk >= 64
+            && chunk.is_multiple_of(64)
+            && (chunk / 64).is_power_of_two()
+        {
+            return Ok(chunk);
+        }
+        let fit = n * 64 * (seq / (n * 64)).max(1).next_power_of_two();
+        Err(Error::Dims {
+            field: "cp",
+            reason: format!(
+                "= {} cuts each sequence into 2·cp = {n} chunks, which must be 64·2^k tokens each \
+                 (the attention's merge tree); a sequence of {seq} tokens does not cut so: use \
+                 2·cp·64·2^k tokens (e.g. {fit}) or another cp",
+                self.cp
+            ),
+        })
+    }
+
     /// The mesh dimensions, slowest first: `pp`, `edp` (the data-parallel
-    /// replicas of one expert group, `dp / ep`), `ep`, `tp`.
-    pub fn mesh_dims(&self) -> [(&'static str, usize); 4] {
+    /// replicas of one expert group, `dp / ep`), `ep`, `cp`, `tp`.
+    pub fn mesh_dims(&self) -> [(&'static str, usize); 5] {
         [
             ("pp", self.pp),
             ("edp", self.dp / self.ep.max(1)),
             ("ep", self.ep),
+            ("cp", self.cp),
             ("tp", self.tp),
         ]
     }
 
     /// The coordinates of world rank `rank`: tensor parallel innermost
-    /// (consecutive ranks), then the expert group, then its replicas, the
-    /// pipeline outermost — Megatron's `tp-ep-dp-pp` order.
+    /// (consecutive ranks), then context parallel, then the expert group,
+    /// then its replicas, the pipeline outermost — Megatron's
+    /// `tp-cp-ep-dp-pp` order.
     pub fn coords_of(&self, rank: usize) -> MeshCoords {
         let tp = rank % self.tp;
         let rest = rank / self.tp;
+        let cp = rest % self.cp;
+        let rest = rest / self.cp;
         let ep = rest % self.ep;
         let rest = rest / self.ep;
         let edp = rest % (self.dp / self.ep);
@@ -100,6 +144,7 @@ impl ParallelDims {
             pp,
             edp,
             ep,
+            cp,
             tp,
             dims: *self,
         }
@@ -116,9 +161,10 @@ impl ParallelDims {
             return Err(Error::Dims {
                 field: "dp",
                 reason: format!(
-                    "pp · dp · tp = {} · {} · {} = {} ranks, but the world has {}",
+                    "pp · dp · cp · tp = {} · {} · {} · {} = {} ranks, but the world has {}",
                     self.pp,
                     self.dp,
+                    self.cp,
                     self.tp,
                     self.world_size(),
                     world.size()
@@ -127,9 +173,9 @@ impl ParallelDims {
         }
         let dims = self.mesh_dims();
         let mesh = Mesh::new(world, &dims)?;
-        let mut groups = Vec::with_capacity(16);
-        for mask in 0..16u8 {
-            let names: Vec<&str> = (0..4)
+        let mut groups = Vec::with_capacity(32);
+        for mask in 0..32u8 {
+            let names: Vec<&str> = (0..5)
                 .filter(|b| mask & (1 << b) != 0)
                 .map(|b| dims[b].0)
                 .collect();
@@ -138,7 +184,12 @@ impl ParallelDims {
         let coords = self.coords_of(world.rank());
         let mut copies = Vec::new();
         for g in (2..self.tp).filter(|g| self.tp.is_multiple_of(*g)) {
-            for dims in [DimSet::NONE, DimSet::EDP, DimSet::DP] {
+            let with_cp = [DimSet::EDP, DimSet::DP].map(|d| d.with(DimSet::CP));
+            let with_cp = if self.cp > 1 { &with_cp[..] } else { &[] };
+            for &dims in [DimSet::NONE, DimSet::EDP, DimSet::DP]
+                .iter()
+                .chain(with_cp)
+            {
                 let (color, key) = copies_split(&coords, dims, g);
                 copies.push((g, dims, Arc::from(world.split(color, key)?)));
             }
@@ -154,11 +205,15 @@ impl ParallelDims {
 }
 
 impl fmt::Display for ParallelDims {
-    /// `pp=2 dp=4 (ep=2) tp=2`.
+    /// `pp=2 dp=4 (ep=2) tp=2`, with ` cp=2` before `tp` when it splits
+    /// sequences.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "pp={} dp={}", self.pp, self.dp)?;
         if self.ep > 1 {
             write!(f, " (ep={})", self.ep)?;
+        }
+        if self.cp > 1 {
+            write!(f, " cp={}", self.cp)?;
         }
         write!(f, " tp={}", self.tp)
     }
@@ -174,6 +229,7 @@ fn copies_split(c: &MeshCoords, dims: DimSet, g: usize) -> (u32, u32) {
         (DimSet::PP, c.pp, d.pp),
         (DimSet::EDP, c.edp, d.dp / d.ep),
         (DimSet::EP, c.ep, d.ep),
+        (DimSet::CP, c.cp, d.cp),
     ] {
         if dims.contains(set) {
             key = key * size + at;
@@ -198,6 +254,9 @@ pub struct MeshCoords {
     pub edp: usize,
     /// Index in the expert group.
     pub ep: usize,
+    /// Index in the context-parallel group (which chunks of each
+    /// sequence this rank holds).
+    pub cp: usize,
     /// Index in the tensor-parallel group.
     pub tp: usize,
     /// The degrees.
@@ -221,10 +280,11 @@ impl MeshCoords {
     /// Whether this rank writes `spec`'s tensor when a whole model is
     /// assembled: it is the first of the ranks holding the same part of
     /// it (index 0 of every axis that replicates it — the data-parallel
-    /// ranks and, unless it is sharded there, the tp and ep ranks).
+    /// and context-parallel ranks and, unless it is sharded there, the tp
+    /// and ep ranks).
     pub fn owns(&self, spec: &ParamSpec) -> bool {
         let first = |axis: Axis, idx: usize| idx == 0 || spec.placements.get(axis).is_shard();
-        self.edp == 0 && first(Axis::Ep, self.ep) && first(Axis::Tp, self.tp)
+        self.edp == 0 && self.cp == 0 && first(Axis::Ep, self.ep) && first(Axis::Tp, self.tp)
     }
 }
 
@@ -234,6 +294,9 @@ impl fmt::Display for MeshCoords {
         write!(f, "pp {}, dp {}", self.pp, self.dp())?;
         if self.dims.ep > 1 {
             write!(f, " (edp {}, ep {})", self.edp, self.ep)?;
+        }
+        if self.dims.cp > 1 {
+            write!(f, ", cp {}", self.cp)?;
         }
         write!(f, ", tp {}", self.tp)
     }
@@ -253,12 +316,15 @@ impl DimSet {
     pub const EDP: DimSet = DimSet(2);
     /// The expert group.
     pub const EP: DimSet = DimSet(4);
+    /// The context-parallel group (the ranks sharing each sequence).
+    pub const CP: DimSet = DimSet(8);
     /// The tensor-parallel group.
-    pub const TP: DimSet = DimSet(8);
-    /// The data-parallel group (`edp` and `ep`).
+    pub const TP: DimSet = DimSet(16);
+    /// The data-parallel group (`edp` and `ep`): the ranks that run
+    /// different micro-batches.
     pub const DP: DimSet = DimSet(2 | 4);
     /// Every rank.
-    pub const ALL: DimSet = DimSet(15);
+    pub const ALL: DimSet = DimSet(31);
 
     /// Both sets together.
     #[must_use]
@@ -281,9 +347,10 @@ impl DimSet {
 }
 
 /// The device mesh of a job: [`weft_collectives::Mesh`] over dimensions
-/// `pp`, `edp`, `ep`, `tp` (slowest first, so a tensor-parallel group is
-/// `tp` consecutive ranks), with the communicator of every group of
-/// dimensions built once.
+/// `pp`, `edp`, `ep`, `cp`, `tp` (slowest first, so a tensor-parallel
+/// group is `tp` consecutive ranks and a context-parallel group the next
+/// nearest), with the communicator of every group of dimensions built
+/// once.
 pub struct ParallelMesh {
     dims: ParallelDims,
     coords: MeshCoords,
@@ -403,15 +470,22 @@ impl ParallelMesh {
         self.group(DimSet::EP)
     }
 
-    /// The group whose ranks see different data and hold the same
-    /// elements of a tensor placed `placements` on `ep`: the whole
+    /// The context-parallel group: the ranks holding the chunks of the
+    /// same sequences.
+    pub fn cp(&self) -> &dyn Communicator {
+        self.group(DimSet::CP)
+    }
+
+    /// The group whose ranks see different tokens and hold the same
+    /// elements of a tensor placed `ep` on the expert axis: the whole
     /// data-parallel group, or (for an expert shard) the replicas of the
-    /// expert group.
+    /// expert group, each with the context-parallel ranks, which hold the
+    /// same parameters and compute on other tokens of the same sequences.
     pub fn data_group_of(&self, ep: Placement) -> DimSet {
         if ep.is_shard() {
-            DimSet::EDP
+            DimSet::EDP.with(DimSet::CP)
         } else {
-            DimSet::DP
+            DimSet::DP.with(DimSet::CP)
         }
     }
 
@@ -449,7 +523,7 @@ impl ParallelMesh {
 /// ([`ParallelMesh::traffic`]), by the axis it serves.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct MeshTraffic {
-    axes: [Traffic; 5],
+    axes: [Traffic; 6],
 }
 
 /// The parallel axes whose traffic [`MeshTraffic`] tells apart.
@@ -464,6 +538,9 @@ pub enum TrafficAxis {
     /// The pipeline group (activations and their gradients between
     /// stages, the tied embedding, the losses).
     Pp,
+    /// The context-parallel group (ring attention's keys, values and
+    /// their gradients).
+    Cp,
     /// The expert group (tokens to their experts and back).
     Ep,
     /// Groups of several axes together (the gradient norm's merges,
@@ -473,10 +550,11 @@ pub enum TrafficAxis {
 
 impl TrafficAxis {
     /// Every axis, in report order.
-    pub const ALL: [TrafficAxis; 5] = [
+    pub const ALL: [TrafficAxis; 6] = [
         TrafficAxis::Tp,
         TrafficAxis::Dp,
         TrafficAxis::Pp,
+        TrafficAxis::Cp,
         TrafficAxis::Ep,
         TrafficAxis::Other,
     ];
@@ -487,16 +565,20 @@ impl TrafficAxis {
             TrafficAxis::Tp => "tp",
             TrafficAxis::Dp => "dp",
             TrafficAxis::Pp => "pp",
+            TrafficAxis::Cp => "cp",
             TrafficAxis::Ep => "ep",
             TrafficAxis::Other => "other",
         }
     }
 
     fn of(dims: DimSet) -> TrafficAxis {
+        const DP_CP: DimSet = DimSet::DP.with(DimSet::CP);
+        const EDP_CP: DimSet = DimSet::EDP.with(DimSet::CP);
         match dims {
             DimSet::TP => TrafficAxis::Tp,
-            DimSet::DP | DimSet::EDP => TrafficAxis::Dp,
+            DimSet::DP | DimSet::EDP | DP_CP | EDP_CP => TrafficAxis::Dp,
             DimSet::PP => TrafficAxis::Pp,
+            DimSet::CP => TrafficAxis::Cp,
             DimSet::EP => TrafficAxis::Ep,
             _ => TrafficAxis::Other,
         }
@@ -555,6 +637,7 @@ mod tests {
             dp: 4,
             tp: 2,
             ep: 2,
+            cp: 1,
         };
         assert_eq!(d.world_size(), 16);
         let c = d.coords_of(0b1011);
@@ -576,6 +659,7 @@ mod tests {
             dp: 2,
             tp: 2,
             ep: 1,
+            cp: 1,
         };
         let out = LocalCluster::run(8, |comm| {
             let mesh = d.build(&comm)?;

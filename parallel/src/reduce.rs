@@ -13,16 +13,17 @@ use crate::layout::ParamLayout;
 use crate::mesh::{DimSet, ParallelMesh};
 use crate::placement::{Placement, Placements};
 
-/// Where a gradient element is summed: the ranks that saw different data
-/// and hold the same element — the data-parallel group, or for an expert
-/// shard the replicas of its expert group — and, for a gradient left
-/// partial over `tp` (a layernorm under sequence parallelism), the
-/// tensor-parallel group too.
+/// Where a gradient element is summed: the ranks that saw different
+/// tokens and hold the same element — the data-parallel group, or for an
+/// expert shard the replicas of its expert group, each with the
+/// context-parallel ranks (other tokens of the same sequences) — and, for
+/// a gradient left partial over `tp` (a layernorm under sequence
+/// parallelism), the tensor-parallel group too.
 pub fn reduce_group(grad_placements: &Placements) -> DimSet {
     let data = if grad_placements.ep.is_shard() {
-        DimSet::EDP
+        DimSet::EDP.with(DimSet::CP)
     } else {
-        DimSet::DP
+        DimSet::DP.with(DimSet::CP)
     };
     if grad_placements.tp == Placement::Partial {
         data.with(DimSet::TP)

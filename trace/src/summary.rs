@@ -92,6 +92,10 @@ pub struct AxisBytes {
     pub dp: f64,
     /// The pipeline groups.
     pub pp: f64,
+    /// The context-parallel groups (ring attention's keys, values and
+    /// their gradients; absent from summaries written before it).
+    #[serde(default)]
+    pub cp: f64,
     /// The expert groups.
     pub ep: f64,
     /// Groups of several axes.

@@ -362,6 +362,7 @@ impl Observer for Terminal {
                 ("tp", p.tp),
                 ("dp", p.dp),
                 ("pp", p.pp),
+                ("cp", p.cp),
                 ("ep", p.ep),
                 ("other", p.other),
             ]
@@ -377,7 +378,7 @@ impl Observer for Terminal {
                 } else {
                     parts.join(", ")
                 },
-                si(sc.tp + sc.dp + sc.pp + sc.ep + sc.other)
+                si(sc.tp + sc.dp + sc.pp + sc.cp + sc.ep + sc.other)
             ));
         }
         if let Some(v) = s.final_max_vio {

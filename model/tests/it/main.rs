@@ -1,5 +1,6 @@
 //! weft-model integration tests, compiled into one binary (fixtures in `tests/fixtures`).
 
+mod cp;
 mod hf_io;
 mod hf_python;
 mod invariance;

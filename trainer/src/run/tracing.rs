@@ -14,6 +14,9 @@ use weft_parallel::{ParallelDims, TrafficAxis};
 use weft_pipeline::{BubbleLog, Schedule};
 use weft_trace::{AxisBytes, PipelineBubble, StepTraffic, Trace, TraceEvent};
 
+/// The parallel axes whose traffic a run counts.
+const AXES: usize = TrafficAxis::ALL.len();
+
 use crate::ranks::tags;
 use crate::run::folder::io_err;
 use crate::train::TrainError;
@@ -29,7 +32,7 @@ pub(crate) struct Tracer {
     bubbles: BubbleLog,
     /// Bytes this rank sent per axis over the steps (payload, then
     /// scalars), and the steps counted.
-    traffic: [f64; 10],
+    traffic: [f64; 2 * AXES],
     steps: u64,
 }
 
@@ -69,7 +72,7 @@ impl Tracer {
             trace_steps,
             trace: Trace::new(),
             bubbles: BubbleLog::default(),
-            traffic: [0.0; 10],
+            traffic: [0.0; 2 * AXES],
             steps: 0,
         }
     }
@@ -91,7 +94,7 @@ impl Tracer {
         if let Some(tr) = &telemetry.traffic {
             for (i, a) in TrafficAxis::ALL.into_iter().enumerate() {
                 self.traffic[i] += tr.payload.sent(a) as f64;
-                self.traffic[5 + i] += tr.scalars.sent(a) as f64;
+                self.traffic[AXES + i] += tr.scalars.sent(a) as f64;
             }
         }
         self.steps += 1;
@@ -171,18 +174,19 @@ impl Tracer {
         #[allow(clippy::cast_precision_loss)]
         let n = self.steps.max(1) as f64;
         let axis = |k: usize| {
-            let [tp, dp, pp, ep, other] = std::array::from_fn(|i| self.traffic[k + i] / n);
+            let [tp, dp, pp, cp, ep, other] = std::array::from_fn(|i| self.traffic[k + i] / n);
             AxisBytes {
                 tp,
                 dp,
                 pp,
+                cp,
                 ep,
                 other,
             }
         };
         Ok((self.dims.world_size() > 1).then(|| StepTraffic {
             payload: axis(0),
-            scalars: axis(5),
+            scalars: axis(AXES),
         }))
     }
 
