@@ -34,8 +34,8 @@
 //! gradient sums its tokens in one product per rank, and the ranks'
 //! products are added after rounding (see `docs/parallel.md`).
 
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Instant;
 
 use weft_collectives::{Communicator, CommunicatorExt};
@@ -69,15 +69,41 @@ impl std::fmt::Debug for ContextParallel {
 }
 
 /// Nanoseconds of the ring: the exchanges' own time (on their helper
-/// threads) and the time the attention waited for them.
+/// threads) and the time the attention waited for them; and their spans
+/// since the last [`ContextParallel::take_spans`].
 #[derive(Debug, Default)]
 struct RingClock {
     exchange: AtomicU64,
     waited: AtomicU64,
+    spans: Mutex<Vec<RingSpan>>,
 }
 
-fn nanos(t0: Instant) -> u64 {
-    u64::try_from(t0.elapsed().as_nanos()).unwrap_or(u64::MAX)
+/// The most spans kept between two [`ContextParallel::take_spans`] (a
+/// caller that never takes them keeps a bounded log).
+const MAX_SPANS: usize = 1 << 16;
+
+impl RingClock {
+    fn record(&self, wait: bool, start: Instant, end: Instant) {
+        let ns = u64::try_from(end.saturating_duration_since(start).as_nanos()).unwrap_or(u64::MAX);
+        let total = if wait { &self.waited } else { &self.exchange };
+        total.fetch_add(ns, Ordering::Relaxed);
+        let mut spans = self.spans.lock().unwrap_or_else(PoisonError::into_inner);
+        if spans.len() < MAX_SPANS {
+            spans.push(RingSpan { wait, start, end });
+        }
+    }
+}
+
+/// One timed piece of the ring, for a run's trace: an exchange in flight
+/// (on its helper thread), or the attention waiting for one.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RingSpan {
+    /// The attention waiting (the exposed part), else an exchange.
+    pub wait: bool,
+    /// When it started.
+    pub start: Instant,
+    /// When it ended.
+    pub end: Instant,
 }
 
 /// The ring's time so far on one rank ([`ContextParallel::ring_time`]).
@@ -155,6 +181,12 @@ impl ContextParallel {
         }
     }
 
+    /// The ring's spans since the last call (exchanges and waits, in
+    /// the order they ended), for a trace.
+    pub fn take_spans(&self) -> Vec<RingSpan> {
+        std::mem::take(&mut *self.clock.spans.lock().unwrap_or_else(PoisonError::into_inner))
+    }
+
     /// The chunks of rank `x`: `[x, 2·cp − 1 − x]`.
     fn chunks_of(&self, x: usize) -> [usize; 2] {
         [x, 2 * self.size() - 1 - x]
@@ -214,7 +246,7 @@ impl ContextParallel {
         let timed = |c: &dyn Communicator| {
             let t0 = Instant::now();
             let r = exchange(c);
-            clock.exchange.fetch_add(nanos(t0), Ordering::Relaxed);
+            clock.record(false, t0, Instant::now());
             r
         };
         match self.comm.detach() {
@@ -227,14 +259,14 @@ impl ContextParallel {
                         reason: "the context-parallel exchange thread panicked".into(),
                     })
                 });
-                clock.waited.fetch_add(nanos(t0), Ordering::Relaxed);
+                clock.record(true, t0, Instant::now());
                 ex?;
                 out
             }),
             None => {
                 let t0 = Instant::now();
                 timed(&*self.comm)?;
-                clock.waited.fetch_add(nanos(t0), Ordering::Relaxed);
+                clock.record(true, t0, Instant::now());
                 compute()
             }
         }
@@ -433,13 +465,13 @@ impl ContextParallel {
         // the last step's gradients go out while the others' come in: each
         // rank sends its parts of a chunk in the order of its query chunks
         let comm = &*self.comm;
+        let t0 = Instant::now();
         for (peer, data) in &last {
             comm.send(*peer, TAG_DKV, data)?;
         }
         // every other rank's parts of this rank's chunks, in the order it
         // computed them (its ring step `s` held this rank's chunks, the
         // first chunk's parts then the second's, by its query chunks)
-        let t0 = Instant::now();
         for s in 1..cp {
             let from = (me + s) % cp;
             for (k, j) in mine.into_iter().enumerate() {
@@ -452,7 +484,10 @@ impl ContextParallel {
                 }
             }
         }
-        self.clock.waited.fetch_add(nanos(t0), Ordering::Relaxed);
+        // nothing left to compute: in flight and waited for at once
+        let end = Instant::now();
+        self.clock.record(false, t0, end);
+        self.clock.record(true, t0, end);
         let mut gq = vec![0.0f32; dq_len];
         let mut gkv = vec![0.0f32; dkv_len];
         for half in 0..2 {

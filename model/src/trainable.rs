@@ -32,6 +32,9 @@ pub struct StepTelemetry {
     /// Each model chunk's FSDP spans (compute, communication, waits), by
     /// chunk; `None` for a chunk that is not sharded.
     pub fsdp: Vec<Option<weft_fsdp::SpanLog>>,
+    /// The context-parallel ring's exchanges and waits (empty without
+    /// context parallelism).
+    pub cp: Vec<crate::cp::RingSpan>,
 }
 
 /// A model one training loop trains: `weft train` runs one loop for every
@@ -260,10 +263,18 @@ impl TrainModel for crate::ParallelGpt {
                 })
             })
             .collect();
+        // every chunk's blocks share the rank's one ring log
+        let cp = self
+            .stages()
+            .first()
+            .and_then(|st| st.blocks().context_parallel())
+            .map(crate::cp::ContextParallel::take_spans)
+            .unwrap_or_default();
         StepTelemetry {
             traffic,
             timeline,
             fsdp,
+            cp,
         }
     }
 }

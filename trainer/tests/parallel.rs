@@ -738,6 +738,71 @@ fn tensor_parallel_moe_follows_the_single_rank_run() {
 /// another: bit for bit where the layouts are bitwise-equivalent (8 ranks
 /// of pp × dp × FSDP and 1 rank), to rounding where tensor parallelism
 /// changes the sums (1 rank to pp × dp × tp on 8 ranks).
+/// Context parallelism through `weft train`: cp = 2 (and cp = 2 with
+/// dp = 2) follows one rank to rounding (the weight gradients sum each
+/// rank's tokens apart: not bitwise), holds about half the activations a
+/// rank, resumes bit for bit from its own checkpoint, its checkpoint
+/// resumes on one rank and one rank's on cp = 2 × dp = 2, and its trace
+/// has the ring's lanes.
+#[test]
+fn context_parallel_follows_one_rank_and_resumes_across_layouts() {
+    let dir = tmp("cp");
+    let base = [
+        "checkpoint.every=3",
+        "model.block_size=256",
+        "run.trace_steps=2",
+    ];
+    let with = |extra: &[&'static str]| -> Vec<&'static str> {
+        base.iter().chain(extra).copied().collect()
+    };
+    let cp2 = with(&["parallel.cp=2"]);
+    let cp2dp2 = with(&["parallel.cp=2", "parallel.dp=2"]);
+    let mut info1 = Info::default();
+    let one = train(&config(&dir, "one", &with(&[])), false, &mut info1).unwrap();
+    let mut info2 = Info::default();
+    let two = train(&config(&dir, "cp2", &cp2), false, &mut info2).unwrap();
+    close(&one.run_dir, &two.run_dir, ROUNDING);
+    let (m1, m2) = (info1.0.unwrap(), info2.0.unwrap());
+    assert_eq!(m2.layout, "cp=2 reproducible sums");
+    assert_eq!(m1.memory.params, m2.memory.params, "parameters replicated");
+    let (a1, a2) = (m1.memory.activations, m2.memory.activations);
+    assert!(a2 < a1 * 6 / 10 && a2 > a1 / 3, "activations {a1} -> {a2}");
+    let four = train(&config(&dir, "cp2dp2", &cp2dp2), false, &mut Silent).unwrap();
+    close(&one.run_dir, &four.run_dir, ROUNDING);
+    let t: weft_trace::Trace =
+        serde_json::from_str(&std::fs::read_to_string(two.run_dir.join("trace.json")).unwrap())
+            .unwrap();
+    for lane in ["exchange kv", "wait kv"] {
+        assert!(
+            t.trace_events.iter().any(|e| e.name == lane),
+            "no {lane} spans in the trace"
+        );
+    }
+    for (from, to, name, exact) in [
+        (&two.run_dir, &cp2, "cp2-again", true),
+        (&two.run_dir, &with(&[]), "cp2-to-1", false),
+        (&one.run_dir, &cp2dp2, "1-to-cp2dp2", false),
+    ] {
+        let again = dir.join(name);
+        copy_dir(from, &again);
+        std::fs::remove_dir_all(again.join("checkpoints/step-00000006")).unwrap();
+        let resumed = train(&config(&dir, name, to), true, &mut Silent).unwrap();
+        if exact {
+            assert_eq!(trace(&resumed.run_dir), trace(from), "{name}");
+        } else {
+            close(&one.run_dir, &resumed.run_dir, ROUNDING);
+        }
+    }
+    let e = Config::load(
+        None,
+        &["parallel.cp=3".into(), "model.block_size=256".into()],
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("parallel.cp") && e.contains("64"), "{e}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 #[test]
 fn a_run_resumes_on_another_layout() {
     let dir = tmp("relayout");
