@@ -44,6 +44,8 @@ use weft_kernels::{
     attention_partial, attention_partial_len,
 };
 
+use weft_parallel::ContextChunks;
+
 use crate::error::{Error, Result};
 
 /// Tags of the ring's messages (one per purpose; messages of a (peer,
@@ -184,19 +186,29 @@ impl ContextParallel {
     /// The ring's spans since the last call (exchanges and waits, in
     /// the order they ended), for a trace.
     pub fn take_spans(&self) -> Vec<RingSpan> {
-        std::mem::take(&mut *self.clock.spans.lock().unwrap_or_else(PoisonError::into_inner))
+        std::mem::take(
+            &mut *self
+                .clock
+                .spans
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner),
+        )
     }
 
-    /// The chunks of rank `x`: `[x, 2·cp − 1 − x]`.
-    fn chunks_of(&self, x: usize) -> [usize; 2] {
-        [x, 2 * self.size() - 1 - x]
+    /// The group's chunks of `h` positions, for a layer of `window`.
+    fn chunks(&self, h: usize, window: Option<usize>) -> ContextChunks {
+        ContextChunks {
+            cp: self.size(),
+            len: h,
+            window,
+        }
     }
 
     /// The position in the whole sequence of row `i` of this rank's `t`
     /// rows of it.
     pub fn position(&self, i: usize, t: usize) -> usize {
         let h = t / 2;
-        let chunk = self.chunks_of(self.rank())[usize::from(i >= h)];
+        let chunk = self.chunks(h, None).of_rank(self.rank())[usize::from(i >= h)];
         chunk * h + i % h.max(1)
     }
 
@@ -218,20 +230,6 @@ impl ContextParallel {
         Ok((0..b * t)
             .map(|r| whole[(r / t) * seq + self.position(r % t, t)])
             .collect())
-    }
-
-    /// Whether rank `x` reads key chunk `j` of `h` positions: some query
-    /// chunk of its sees a key of it.
-    fn reads(&self, x: usize, j: usize, h: usize, window: Option<usize>) -> bool {
-        self.chunks_of(x).into_iter().any(|q| sees(q, j, h, window))
-    }
-
-    /// Which of holder `hold`'s chunks the ranks after `me` on the ring
-    /// still read before the chunks come back round (`left` of them).
-    fn wanted(&self, hold: usize, me: usize, left: usize, h: usize, w: Option<usize>) -> [bool; 2] {
-        let n = self.size();
-        self.chunks_of(hold)
-            .map(|j| (1..=left).any(|d| self.reads((me + d) % n, j, h, w)))
     }
 
     /// Runs `exchange` (a message to the next rank and one from the
@@ -294,25 +292,15 @@ impl ContextParallel {
     /// the next step's exchange (the backward's key/value gradients).
     fn ring(&self, x: &RingIn<'_>, ckv: usize, visit: &mut Visit<'_>) -> Result<Mail> {
         let (n, me, h) = (self.size(), self.rank(), x.t / 2);
+        let chunks = self.chunks(h, x.window);
         let len = x.b * h * 2 * ckv;
         let mut cur: [Option<Vec<f32>>; 2] = Self::own_kv(x, ckv).map(Some);
         let mut outbox: Vec<(usize, Vec<f32>)> = Vec::new();
+        let prev = (me + n - 1) % n;
         for step in 0..n {
             let hold = (me + n - step) % n;
-            let last = step + 1 == n;
             // what goes on to the next rank, and what comes from the previous
-            let send = if last {
-                [false; 2]
-            } else {
-                self.wanted(hold, me, n - 1 - step, h, x.window)
-            };
-            let prev = (me + n - 1) % n;
-            let next_hold = (hold + n - 1) % n;
-            let recv = if last {
-                [false; 2]
-            } else {
-                self.wanted(next_hold, prev, n - 1 - step, h, x.window)
-            };
+            let (send, recv) = (chunks.sent(me, step), chunks.sent(prev, step));
             let mut incoming: [Option<Vec<f32>>; 2] = recv.map(|r| r.then(|| vec![0.0f32; len]));
             let sending: Vec<&[f32]> = (0..2)
                 .filter(|&k| send[k])
@@ -321,7 +309,7 @@ impl ContextParallel {
             let mail = std::mem::take(&mut outbox);
             let inbox = &mut incoming;
             let next = (me + 1) % n;
-            let reads = self.chunks_of(hold).map(|j| self.reads(me, j, h, x.window));
+            let reads = chunks.of_rank(hold).map(|j| chunks.reads(me, j));
             let view: [Option<&[f32]>; 2] =
                 std::array::from_fn(|k| cur[k].as_deref().filter(|_| reads[k]));
             outbox = self.overlapped(
@@ -353,7 +341,8 @@ impl ContextParallel {
         let ckv = hs * heads.kv;
         let w = x.c + 2 * ckv;
         let n = 2 * self.size();
-        let mine = self.chunks_of(self.rank());
+        let chunks = self.chunks(h, x.window);
+        let mine = chunks.of_rank(self.rank());
         let span = |k: usize| Span {
             first: k * h,
             len: h,
@@ -365,10 +354,10 @@ impl ContextParallel {
         // parts[half][chunk]
         let mut parts: [Vec<Option<Vec<f32>>>; 2] = [vec![None; n], vec![None; n]];
         self.ring(x, ckv, &mut |hold, kv| {
-            for (k, j) in self.chunks_of(hold).into_iter().enumerate() {
+            for (k, j) in chunks.of_rank(hold).into_iter().enumerate() {
                 let Some(kv) = kv[k] else { continue };
                 for half in 0..2 {
-                    if !sees(mine[half], j, h, x.window) {
+                    if !chunks.sees(mine[half], j) {
                         continue;
                     }
                     let mut p = vec![0.0f32; plen];
@@ -415,7 +404,8 @@ impl ContextParallel {
         let w = x.c + 2 * ckv;
         let (cp, me) = (self.size(), self.rank());
         let n = 2 * cp;
-        let mine = self.chunks_of(me);
+        let chunks = self.chunks(h, x.window);
+        let mine = chunks.of_rank(me);
         let span = |k: usize| Span {
             first: k * h,
             len: h,
@@ -430,13 +420,12 @@ impl ContextParallel {
         // dq[half][key chunk], dkv[own half][query chunk]
         let mut dq: [Vec<Option<Vec<f32>>>; 2] = [vec![None; n], vec![None; n]];
         let mut dkv: [Vec<Option<Vec<f32>>>; 2] = [vec![None; n], vec![None; n]];
-        let owner = |j: usize| if j < cp { j } else { n - 1 - j };
         let last = self.ring(x, ckv, &mut |hold, kv| {
             let mut mail = Vec::new();
-            for (k, j) in self.chunks_of(hold).into_iter().enumerate() {
+            for (k, j) in chunks.of_rank(hold).into_iter().enumerate() {
                 let Some(kv) = kv[k] else { continue };
                 for half in 0..2 {
-                    if !sees(mine[half], j, h, x.window) {
+                    if !chunks.sees(mine[half], j) {
                         continue;
                     }
                     let (mut gq, mut gkv) = (vec![0.0f32; dq_len], vec![0.0f32; dkv_len]);
@@ -456,7 +445,7 @@ impl ContextParallel {
                     if hold == me {
                         dkv[k][mine[half]] = Some(gkv);
                     } else {
-                        mail.push((owner(j), gkv));
+                        mail.push((chunks.owner(j), gkv));
                     }
                 }
             }
@@ -475,8 +464,8 @@ impl ContextParallel {
         for s in 1..cp {
             let from = (me + s) % cp;
             for (k, j) in mine.into_iter().enumerate() {
-                for qc in self.chunks_of(from) {
-                    if sees(qc, j, h, x.window) {
+                for qc in chunks.of_rank(from) {
+                    if chunks.sees(qc, j) {
                         let mut buf = vec![0.0f32; dkv_len];
                         comm.recv(from, TAG_DKV, &mut buf)?;
                         dkv[k][qc] = Some(buf);
@@ -506,13 +495,6 @@ impl ContextParallel {
         }
         Ok(())
     }
-}
-
-/// Whether query chunk `q` sees a key of chunk `j`, chunks of `h`
-/// positions: not after it (causal) and not entirely before the window
-/// of its first row.
-fn sees(q: usize, j: usize, h: usize, window: Option<usize>) -> bool {
-    j <= q && window.is_none_or(|w| (j + 1) * h + w >= q * h + 2)
 }
 
 /// Half `half` (0: the first `t/2` rows of each sequence, 1: the rest)

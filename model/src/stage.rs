@@ -1087,7 +1087,8 @@ impl GptStage {
         let nc = blocks.residual_len(b, t);
         let mut per_slot = vec![2 * nc];
         if spec.embed {
-            per_slot.push(product("B·T", &[b, t])?);
+            // whole sequences' tokens, on every context-parallel rank
+            per_slot.push(product("B·T", &[b, blocks.whole_seq(t)])?);
         }
         let layers = spec.layers.len();
         for l in spec.layers.clone() {

@@ -93,6 +93,7 @@
 #![deny(missing_docs)]
 
 mod config;
+mod context;
 mod error;
 mod gather;
 mod layout;
@@ -107,6 +108,7 @@ pub use config::{
     BatchSplit, DEFAULT_MICRO_TOKENS, MAX_DEGREE, MAX_MICRO_BATCHES, ModelShape, ParallelLayout,
     Strategy,
 };
+pub use context::ContextChunks;
 pub use error::{Error, Result};
 pub use gather::{extract, gather_whole};
 pub use layout::{LayoutBuilder, ParamLayout, ParamSpec};

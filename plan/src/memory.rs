@@ -372,9 +372,15 @@ pub(crate) fn stage_memory(
     m
 }
 
-/// Tokens of a micro-batch, B·T.
+/// Tokens of a micro-batch on one rank, B·T/cp.
 fn tokens(model: &ModelSpec, layout: &Layout) -> u64 {
-    u(layout.micro_batch_size * model.seq)
+    u(layout.micro_batch_size * rank_seq(model, layout))
+}
+
+/// Rows of each sequence one rank holds: `T / cp` (context parallelism
+/// gives each rank two of `2·cp` chunks).
+pub(crate) fn rank_seq(model: &ModelSpec, layout: &Layout) -> usize {
+    model.seq / layout.parallel.cp.max(1)
 }
 
 /// Floats of one block's activations on a rank, as weft's blocks plan them
@@ -399,7 +405,11 @@ fn weft_block_floats(model: &ModelSpec, layout: &Layout, precision: Precision) -
             len
         }
     };
-    let (b, t, c) = (u(layout.micro_batch_size), u(model.seq), u(model.hidden));
+    let (b, t, c) = (
+        u(layout.micro_batch_size),
+        u(rank_seq(model, layout)),
+        u(model.hidden),
+    );
     let tp = u(layout.parallel.tp);
     let sp = layout.parallel.sequence_parallel && layout.parallel.tp > 1;
     let n = b * t;
@@ -491,7 +501,11 @@ fn weft_block_floats(model: &ModelSpec, layout: &Layout, precision: Precision) -
 
 fn weft_chunk(model: &ModelSpec, layout: &Layout, recipe: &Recipe, chunk: &Chunk) -> Memory {
     let shares = Shares::of(model, layout);
-    let (b, t, c) = (u(layout.micro_batch_size), u(model.seq), u(model.hidden));
+    let (b, t, c) = (
+        u(layout.micro_batch_size),
+        u(rank_seq(model, layout)),
+        u(model.hidden),
+    );
     let tp = u(layout.parallel.tp);
     let sp = layout.parallel.sequence_parallel && layout.parallel.tp > 1;
     let n = b * t;
@@ -513,7 +527,8 @@ fn weft_chunk(model: &ModelSpec, layout: &Layout, recipe: &Recipe, chunk: &Chunk
         };
     let mut per_slot = 2 * rows * c + (layers - recomputed) * block + recomputed * rows * c;
     if chunk.embed {
-        per_slot += n;
+        // the micro-batch's tokens, whole sequences on every cp rank
+        per_slot += n * u(layout.parallel.cp);
     }
     if chunk.head {
         // targets, ln_f, its statistics, logits, losses, row statistics
@@ -582,8 +597,10 @@ fn weft_chunk(model: &ModelSpec, layout: &Layout, recipe: &Recipe, chunk: &Chunk
 
 fn mixed_chunk(model: &ModelSpec, layout: &Layout, recipe: &Recipe, chunk: &Chunk) -> Memory {
     let shares = Shares::of(model, layout);
+    // a rank's rows of each sequence (its keys still reach back to the
+    // whole sequence's)
     let (s, b, h, a) = (
-        u(model.seq),
+        u(rank_seq(model, layout)),
         u(layout.micro_batch_size),
         u(model.hidden),
         u(model.heads),

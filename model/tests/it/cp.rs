@@ -16,7 +16,8 @@
 //!   product per rank, and the ranks' rounded sums are then added (the
 //!   one-rank product rounds the sum of all the tokens once).
 //! * A checkpoint saved under cp writes every element once
-//!   (`owned_parts`), with the gathered model's values.
+//!   (`owned_parts`), with the gathered model's values; each rank's memory
+//!   is what `ParallelGpt::predict_memory` predicted.
 
 use std::sync::Arc;
 
@@ -331,8 +332,11 @@ fn run(layout: Layout, model: Model) -> Run {
                 ..TpOptions::default()
             },
         };
+        let predicted =
+            ParallelGpt::predict_memory(&model.config(), model.ffn(), &plan, &mesh).unwrap();
         let mut g = ParallelGpt::new(model.config(), model.ffn(), Init::Whole(&p0), &plan, mesh)
             .unwrap_or_else(|e| panic!("{layout:?}: {e}"));
+        assert_eq!(predicted, g.memory(), "{layout:?}: memory predicted and built");
         let first = g.mesh().coords().dp() * per;
         let hp = AdamW {
             lr: 1e-3,
