@@ -420,27 +420,35 @@ impl ContextParallel {
         // dq[half][key chunk], dkv[own half][query chunk]
         let mut dq: [Vec<Option<Vec<f32>>>; 2] = [vec![None; n], vec![None; n]];
         let mut dkv: [Vec<Option<Vec<f32>>>; 2] = [vec![None; n], vec![None; n]];
+        // query chunk `mine[half]` against key chunk `j`: (dq, [dK | dV])
+        let pair = |half: usize, j: usize, kv: &[f32]| -> Result<(Vec<f32>, Vec<f32>)> {
+            let (mut gq, mut gkv) = (vec![0.0f32; dq_len], vec![0.0f32; dkv_len]);
+            attention_backward_partial(
+                (&mut gq, &mut gkv),
+                (&dq_in[half], &o[half], &l[half]),
+                (&q[half], w),
+                span(mine[half]),
+                (kv, 2 * ckv, 0),
+                span(j),
+                starts[half].as_deref(),
+                x.b,
+                x.c,
+                heads,
+            )?;
+            Ok((gq, gkv))
+        };
+        // the diagonal of the rank's later chunk waits until after the
+        // ring, to hide the last step's gradient parts on their way
+        let deferred = |hold: usize, k: usize, half: usize| hold == me && k == 1 && half == 1;
         let last = self.ring(x, ckv, &mut |hold, kv| {
             let mut mail = Vec::new();
             for (k, j) in chunks.of_rank(hold).into_iter().enumerate() {
                 let Some(kv) = kv[k] else { continue };
                 for half in 0..2 {
-                    if !chunks.sees(mine[half], j) {
+                    if !chunks.sees(mine[half], j) || deferred(hold, k, half) {
                         continue;
                     }
-                    let (mut gq, mut gkv) = (vec![0.0f32; dq_len], vec![0.0f32; dkv_len]);
-                    attention_backward_partial(
-                        (&mut gq, &mut gkv),
-                        (&dq_in[half], &o[half], &l[half]),
-                        (&q[half], w),
-                        span(mine[half]),
-                        (kv, 2 * ckv, 0),
-                        span(j),
-                        starts[half].as_deref(),
-                        x.b,
-                        x.c,
-                        heads,
-                    )?;
+                    let (gq, gkv) = pair(half, j, kv)?;
                     dq[half][j] = Some(gq);
                     if hold == me {
                         dkv[k][mine[half]] = Some(gkv);
@@ -451,32 +459,40 @@ impl ContextParallel {
             }
             Ok(mail)
         })?;
-        // the last step's gradients go out while the others' come in: each
-        // rank sends its parts of a chunk in the order of its query chunks
-        let comm = &*self.comm;
-        let t0 = Instant::now();
-        for (peer, data) in &last {
-            comm.send(*peer, TAG_DKV, data)?;
-        }
-        // every other rank's parts of this rank's chunks, in the order it
-        // computed them (its ring step `s` held this rank's chunks, the
-        // first chunk's parts then the second's, by its query chunks)
-        for s in 1..cp {
-            let from = (me + s) % cp;
-            for (k, j) in mine.into_iter().enumerate() {
-                for qc in chunks.of_rank(from) {
-                    if chunks.sees(qc, j) {
-                        let mut buf = vec![0.0f32; dkv_len];
-                        comm.recv(from, TAG_DKV, &mut buf)?;
-                        dkv[k][qc] = Some(buf);
+        // the last step's parts go out and every other rank's parts of
+        // this rank's chunks come in — in the order each computed them
+        // (its ring step `s` held this rank's chunks: the first chunk's
+        // parts then the second's, by its query chunks) — while the
+        // deferred diagonal computes
+        let mut got: Vec<(usize, usize, Vec<f32>)> = Vec::new();
+        let inbox = &mut got;
+        let own = Self::own_kv(x, ckv);
+        let (gq, gkv) = self.overlapped(
+            move |c| {
+                for (peer, data) in &last {
+                    c.send(*peer, TAG_DKV, data)?;
+                }
+                for s in 1..cp {
+                    let from = (me + s) % cp;
+                    for (k, j) in mine.into_iter().enumerate() {
+                        for qc in chunks.of_rank(from) {
+                            if chunks.sees(qc, j) {
+                                let mut buf = vec![0.0f32; dkv_len];
+                                c.recv(from, TAG_DKV, &mut buf)?;
+                                inbox.push((k, qc, buf));
+                            }
+                        }
                     }
                 }
-            }
+                Ok(())
+            },
+            || pair(1, mine[1], &own[1]),
+        )?;
+        dq[1][mine[1]] = Some(gq);
+        dkv[1][mine[1]] = Some(gkv);
+        for (k, qc, buf) in got {
+            dkv[k][qc] = Some(buf);
         }
-        // nothing left to compute: in flight and waited for at once
-        let end = Instant::now();
-        self.clock.record(false, t0, end);
-        self.clock.record(true, t0, end);
         let mut gq = vec![0.0f32; dq_len];
         let mut gkv = vec![0.0f32; dkv_len];
         for half in 0..2 {

@@ -5,7 +5,9 @@
 //! communication crossover — so pipeline (and tensor) parallelism, or
 //! hierarchical sharding, must be mixed in; a larger batch moves the crossover right, a sparser model
 //! (a mixture of experts) moves it left; tensor parallelism belongs on the
-//! fastest links.
+//! fastest links; and a micro-batch holds at least one sequence, so once
+//! one sequence's activations outgrow a GPU only splitting the sequence
+//! (context parallelism) trains it.
 
 use std::fmt::{self, Write as _};
 
@@ -89,6 +91,73 @@ pub struct Explanation {
     /// The best layout with tensor parallelism inside a node, and the same
     /// with tensor parallelism across two nodes (when the heads allow).
     pub tp_placement: Option<(Prediction, Prediction)>,
+    /// The batch floor: the longest sequence each context-parallel degree
+    /// trains.
+    pub sequence_floor: Vec<SequenceFloor>,
+    /// At twice the longest sequence FSDP alone trains (its tokens): the sequence split
+    /// over two ranks by context parallelism, and the same two ranks
+    /// splitting the layers by tensor parallelism (with sequence
+    /// parallelism), both fully sharded with full recomputation.
+    pub cp_against_tp: Option<(usize, Prediction, Prediction)>,
+}
+
+/// The longest sequence one context-parallel degree trains on the
+/// cluster: FSDP over the rest of the GPUs, one sequence per micro-batch,
+/// full recomputation (the least memory a sequence can take without
+/// splitting it further).
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct SequenceFloor {
+    /// The context-parallel degree.
+    pub cp: usize,
+    /// The longest sequence that fits (the model's length doubled while
+    /// it fits), if any; with its prediction.
+    pub longest: Option<(usize, Prediction)>,
+}
+
+/// Doublings of the sequence tried by [`sequence_floor`]: up to 2^12
+/// times the model's.
+const MAX_DOUBLINGS: u32 = 12;
+
+/// The layout of the batch floor at `cp`: FSDP over `gpus / cp` ranks
+/// (replicas on one), one sequence per micro-batch, full recomputation;
+/// with `tp`, the sequence's layers split over `tp` ranks instead.
+fn floor_layout(gpus: usize, cp: usize, tp: usize) -> Layout {
+    let mut l = Layout::degrees(gpus / (cp * tp), tp, 1);
+    l.parallel.cp = cp;
+    l.parallel.sequence_parallel = tp > 1;
+    if gpus / tp > 1 {
+        l.parallel.fsdp = Some(Strategy::Full);
+    }
+    l.micro_batch_size = 1;
+    l.recompute = weft_parallel::Recompute::Full;
+    l
+}
+
+/// `req` with its model's sequence `seq` tokens long.
+fn with_seq(req: &Request, seq: usize) -> Request {
+    Request {
+        model: ModelSpec {
+            seq,
+            ..req.model.clone()
+        },
+        ..req.clone()
+    }
+}
+
+/// The batch floor for `cp` ranks a sequence ([`SequenceFloor`]).
+fn sequence_floor(req: &Request, cp: usize) -> SequenceFloor {
+    let g = req.cluster.gpus;
+    let mut longest = None;
+    for k in 0..=MAX_DOUBLINGS {
+        let seq = req.model.seq << k;
+        match predict(&with_seq(req, seq), &floor_layout(g, cp, 1)) {
+            Ok(p) if p.fits => longest = Some((seq, p)),
+            // a sequence cp cannot cut: try the next
+            Err(_) => {}
+            Ok(_) => break,
+        }
+    }
+    SequenceFloor { cp, longest }
 }
 
 fn pure_dp(fsdp: Option<Strategy>) -> Constraints {
@@ -96,6 +165,7 @@ fn pure_dp(fsdp: Option<Strategy>) -> Constraints {
         tp: Some(1),
         pp: Some(1),
         ep: Some(1),
+        cp: Some(1),
         fsdp: Some(fsdp),
         ..Constraints::default()
     }
@@ -239,6 +309,26 @@ pub fn explain(req: &Request) -> Result<Explanation> {
     } else {
         None
     };
+    // the batch floor: the longest sequence of each cp (dense models)
+    let sequence_floor: Vec<SequenceFloor> = if m.is_moe() {
+        Vec::new()
+    } else {
+        [1usize, 2, 4, 8]
+            .into_iter()
+            .filter(|&cp| cp <= g && g.is_multiple_of(cp) && req.batch.is_multiple_of(g / cp))
+            .map(|cp| sequence_floor(req, cp))
+            .collect()
+    };
+    let cp_against_tp = sequence_floor
+        .first()
+        .and_then(|f| f.longest.as_ref())
+        .filter(|_| g >= 2 && m.heads.is_multiple_of(2) && req.batch.is_multiple_of(g / 2))
+        .and_then(|(seq, _)| {
+            let r = with_seq(req, 2 * seq);
+            let cp = predict(&r, &floor_layout(g, 2, 1)).ok()?;
+            let tp = predict(&r, &floor_layout(g, 1, 2)).ok()?;
+            Some((2 * seq, cp, tp))
+        });
     Ok(Explanation {
         params: m.params(),
         flops_per_token: m.flops_per_token(),
@@ -254,6 +344,8 @@ pub fn explain(req: &Request) -> Result<Explanation> {
         best,
         beyond,
         tp_placement,
+        sequence_floor,
+        cp_against_tp,
     })
 }
 
@@ -429,6 +521,45 @@ impl fmt::Display for Explanation {
                 secs(across.step_s),
                 secs(inside.time.tp_comm),
                 secs(across.time.tp_comm)
+            );
+        }
+        if let Some(first) = self.sequence_floor.first() {
+            let line = |f: &SequenceFloor| match &f.longest {
+                Some((seq, p)) => format!(
+                    "cp = {}: {seq} tokens ({} per GPU)",
+                    f.cp,
+                    bytes(p.memory.total())
+                ),
+                None => format!("cp = {}: none", f.cp),
+            };
+            let rest: Vec<String> = self.sequence_floor.iter().skip(1).map(line).collect();
+            let _ = writeln!(
+                s,
+                "9. The batch floor: a micro-batch holds at least one sequence, so more data-parallel ranks stop helping once one sequence's activations outgrow a GPU. With FSDP and full recomputation the longest sequence is {}; context parallelism splits each sequence over cp ranks (activations per GPU ∝ T/cp, keys and values passed around a ring behind the attention): {}.",
+                line(first),
+                if rest.is_empty() {
+                    "no split fits this cluster".to_owned()
+                } else {
+                    rest.join(", ")
+                }
+            );
+        }
+        if let Some((seq, cp, tp)) = &self.cp_against_tp {
+            let _ = writeln!(
+                s,
+                "   Past it, at {} tokens: the sequence over 2 ranks ({}) steps in {} with {} of its ring exposed; the layers over 2 ranks instead ({}) in {} with {} of tensor-parallel traffic on the critical path{}",
+                seq,
+                cp.layout,
+                secs(cp.step_s),
+                secs(cp.time.cp_exposed),
+                tp.layout,
+                secs(tp.step_s),
+                secs(tp.time.tp_comm),
+                if cp.step_s <= tp.step_s {
+                    ": cp first, tp on the fastest links."
+                } else {
+                    ": here tp wins (its group on fast links)."
+                }
             );
         }
         f.write_str(s.trim_end())

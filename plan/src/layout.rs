@@ -61,7 +61,7 @@ impl Layout {
         }
     }
 
-    /// GPUs the layout needs: `dp · tp · pp`.
+    /// GPUs the layout needs: `dp · cp · tp · pp`.
     #[must_use]
     pub fn world(&self) -> usize {
         self.parallel.world_size()
@@ -121,6 +121,7 @@ impl Layout {
             format!("parallel.tp={}", p.tp),
             format!("parallel.pp={}", p.pp),
             format!("parallel.ep={}", p.ep),
+            format!("parallel.cp={}", p.cp),
             format!(
                 "parallel.fsdp=\"{}\"",
                 p.fsdp.map_or("none", Strategy::name)
@@ -217,12 +218,15 @@ impl Layout {
 }
 
 impl fmt::Display for Layout {
-    /// `dp=4 tp=2 pp=2 fsdp=full 1f1b mbs=2 sp`.
+    /// `dp=4 tp=2 pp=2 cp=2 fsdp=full 1f1b mbs=2 sp`.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let p = &self.parallel;
         write!(f, "dp={} tp={} pp={}", p.dp, p.tp, p.pp)?;
         if p.ep > 1 {
             write!(f, " ep={}", p.ep)?;
+        }
+        if p.cp > 1 {
+            write!(f, " cp={}", p.cp)?;
         }
         match p.fsdp {
             None => {}

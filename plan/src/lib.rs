@@ -28,7 +28,7 @@
 //! * [`Layout`]: `weft train`'s `[parallel]` table itself
 //!   ([`weft_parallel::ParallelLayout`]: dp, FSDP [`Strategy`] and hybrid
 //!   shard, tp with sequence parallelism, pp with its
-//!   [`weft_pipeline::ScheduleKind`] and chunks, ep), the micro-batch size,
+//!   [`weft_pipeline::ScheduleKind`] and chunks, ep, cp), the micro-batch size,
 //!   and activation recomputation for other frameworks' runs. Its checks
 //!   are the trainer's ([`weft_parallel::ParallelLayout::check`]).
 //! * [`predict()`]: one layout → [`Prediction`]: [`Memory`] per GPU by
@@ -43,7 +43,9 @@
 //! * [`explain::explain`]: the chain for this model — where plain data
 //!   parallelism stops fitting, FSDP against it, the GPU count where
 //!   communication overtakes compute and how it moves with the batch and
-//!   with sparsity, tensor parallelism inside against across nodes.
+//!   with sparsity, tensor parallelism inside against across nodes, and
+//!   the batch floor: the longest sequence each context-parallel degree
+//!   trains, and cp against tp past it.
 //! * [`budget`]: a compute budget → the Chinchilla-optimal size and tokens
 //!   (Hoffmann et al. 2022) and the days a layout takes. [`report`]: the
 //!   table, the budget's paragraph and the JSON `weft plan` prints;
@@ -72,7 +74,7 @@
 //! element-wise traffic, memory fragmentation and the framework's own
 //! allocations (a layout "fits" when its counted bytes are within the
 //! GPU's memory), load imbalance between experts (routing is taken as
-//! balanced), context parallelism, FP8, and weft's GPU kernels (weft
+//! balanced), FP8, and weft's GPU kernels (weft
 //! computes on CPUs today; GPU layouts are planned as Megatron-LM runs
 //! them). Activation recomputation is modelled as weft runs it
 //! (`train.recompute`: a recomputed block keeps its output and runs its

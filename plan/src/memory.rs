@@ -11,7 +11,9 @@
 //!   ZeRO-3); every activation buffer the blocks plan, in f32 (the
 //!   attention keeps each row's log-sum-exp, not its `T` probabilities),
 //!   for as many micro-batches as
-//!   the pipeline schedule keeps in flight on the stage; the shared working
+//!   the pipeline schedule keeps in flight on the stage (a
+//!   context-parallel rank's `T/cp` rows of each sequence, and the whole
+//!   sequences' tokens); the shared working
 //!   buffers; the tied embedding's copy and exchange between the first and
 //!   last stages. The transient buffers of a step (FSDP's gathered units,
 //!   pipeline messages, collective scratch) are not counted, as weft's

@@ -388,7 +388,7 @@ fn step_time(req: &Request, layout: &Layout, g: &Geometry, exact: bool) -> Resul
     // rows under sequence parallelism; across nodes Megatron-LM sends
     // 1/tp from each tensor-parallel rank and gathers over NVLink)
     let p2p = if layout.parallel.pp > 1 {
-        let rows = (layout.micro_batch_size * model.seq) as f64
+        let rows = (layout.micro_batch_size * crate::memory::rank_seq(model, layout)) as f64
             / if layout.parallel.sequence_parallel {
                 layout.parallel.tp as f64
             } else {
@@ -486,11 +486,14 @@ fn step_time(req: &Request, layout: &Layout, g: &Geometry, exact: bool) -> Resul
         t.compute += m * ct.compute();
         t.tp_comm += m * (ct.f_tp + ct.b_tp);
         t.ep_comm += m * (ct.f_ep + ct.b_ep);
+        t.cp_comm += m * ct.cp_total;
+        t.cp_exposed += m * (ct.f_cp + ct.b_cp);
         t.dp_comm += m * ct.dp_total;
         t.dp_exposed += m * (ct.f_dp + ct.b_dp);
         t.dp_cores += m * ct.dp_cores;
     }
-    t.bubble = (makespan - t.compute - t.tp_comm - t.ep_comm - t.dp_exposed).max(0.0);
+    t.bubble =
+        (makespan - t.compute - t.tp_comm - t.ep_comm - t.cp_exposed - t.dp_exposed).max(0.0);
     // once per step on every stage: the gradient reduction (overlapping
     // the last micro-batch's backward when the recipe does), the exposed
     // collectives, the optimizer; the step ends with the slowest stage

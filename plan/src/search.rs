@@ -25,6 +25,8 @@ pub struct Constraints {
     pub pp: Option<usize>,
     /// Expert-parallel degree.
     pub ep: Option<usize>,
+    /// Context-parallel degree (sequences split over `cp` ranks).
+    pub cp: Option<usize>,
     /// Sharding of the data-parallel group (`Some(None)`: replicas).
     pub fsdp: Option<Option<Strategy>>,
     /// Ranks per sharding group with [`Strategy::Hybrid`] (default: the
@@ -90,11 +92,30 @@ pub fn enumerate(req: &Request, c: &Constraints) -> Vec<Layout> {
         if !kv_split {
             continue;
         }
-        for pp in divisors(g / tp) {
+        // sequences split over cp ranks where they cut into 2·cp chunks
+        // of 64·2^k tokens (dense models)
+        let cps: Vec<usize> = divisors(g / tp)
+            .into_iter()
+            .filter(|&cp| {
+                pin(c.cp, cp)
+                    && (cp == 1
+                        || !m.is_moe()
+                            && weft_parallel::ParallelDims {
+                                cp,
+                                ..weft_parallel::ParallelDims::SINGLE
+                            }
+                            .context_chunk(m.seq)
+                            .is_ok())
+            })
+            .collect();
+        for (cp, pp) in cps
+            .iter()
+            .flat_map(|&cp| divisors(g / (tp * cp)).into_iter().map(move |pp| (cp, pp)))
+        {
             if !pin(c.pp, pp) || pp > m.layers {
                 continue;
             }
-            let dp = g / (tp * pp);
+            let dp = g / (tp * cp * pp);
             if !pin(c.dp, dp) || !req.batch.is_multiple_of(dp) {
                 continue;
             }
@@ -122,7 +143,7 @@ pub fn enumerate(req: &Request, c: &Constraints) -> Vec<Layout> {
                 if !pin(c.ep, ep) {
                     continue;
                 }
-                let group = dp / ep;
+                let group = dp / ep * cp;
                 let node = (req.cluster.gpus_per_node / tp).max(1);
                 let mut shardings = vec![(None, 1)];
                 if group > 1 {
@@ -165,6 +186,7 @@ pub fn enumerate(req: &Request, c: &Constraints) -> Vec<Layout> {
                                             tp,
                                             pp,
                                             ep,
+                                            cp,
                                             fsdp,
                                             hybrid_shard,
                                             pp_schedule,
@@ -370,6 +392,7 @@ pub fn reason(p: &Prediction, best: &Prediction) -> String {
         ("compute", t.compute),
         ("tensor-parallel communication", t.tp_comm),
         ("expert all-to-all", t.ep_comm),
+        ("exposed context-parallel ring", t.cp_exposed),
         ("pipeline bubble", t.bubble),
         ("exposed data-parallel communication", t.dp_exposed),
         ("optimizer step", t.optimizer),
@@ -395,6 +418,7 @@ pub fn reason(p: &Prediction, best: &Prediction) -> String {
         ("compute", t.compute - b.compute),
         ("tensor-parallel communication", t.tp_comm - b.tp_comm),
         ("expert all-to-all", t.ep_comm - b.ep_comm),
+        ("exposed context-parallel ring", t.cp_exposed - b.cp_exposed),
         ("pipeline bubble", t.bubble - b.bubble),
         (
             "exposed data-parallel communication",
@@ -416,6 +440,7 @@ pub fn reason(p: &Prediction, best: &Prediction) -> String {
             "compute" => t.compute,
             "tensor-parallel communication" => t.tp_comm,
             "expert all-to-all" => t.ep_comm,
+            "exposed context-parallel ring" => t.cp_exposed,
             "pipeline bubble" => t.bubble,
             "optimizer step" => t.optimizer,
             _ => t.dp_exposed,

@@ -94,6 +94,7 @@ pub fn strategies(req: &Request) -> Vec<(String, Vec<(usize, Prediction)>)> {
         tp: Some(1),
         pp: Some(1),
         ep: Some(1),
+        cp: Some(1),
         fsdp: Some(s),
         ..Constraints::default()
     };

@@ -21,9 +21,16 @@
 //!   over `k` nodes with `g` ranks in each runs hierarchically: a
 //!   reduce-scatter inside the node, the all-reduce of the `S/g` shard
 //!   between nodes (each GPU on its own network port), an all-gather
-//!   inside the node. The mesh is `pp × dp × tp` with `tp` innermost
+//!   inside the node. The mesh is `pp × dp × cp × tp` with `tp` innermost
 //!   (Megatron-LM's and weft's order), so a tensor-parallel group is
-//!   consecutive ranks and a data-parallel group strides over them.
+//!   consecutive ranks, a context-parallel group strides over them, and
+//!   the gradients sum over the data- and context-parallel ranks together.
+//! * **Context parallelism's ring**: each rank computes on
+//!   `T/cp` rows of each sequence (the attention's keys still reach over
+//!   the whole sequence); per block, `cp − 1` steps pass key/value chunks
+//!   on, in the forward and again in the backward with the key/value
+//!   gradient parts, each step hidden behind its share of the attention
+//!   where the exchange runs beside the compute.
 //! * **Overlap.** Tensor- and expert-parallel collectives sit on the
 //!   critical path (the layer waits for them). Pipeline transfers delay
 //!   the next stage (the simulator's latency). On GPUs the data-parallel
@@ -62,6 +69,13 @@ pub struct StepTime {
     pub tp_comm: f64,
     /// Expert-parallel all-to-alls (on the critical path).
     pub ep_comm: f64,
+    /// Context parallelism's ring (keys and values, and their gradients
+    /// back to their owners), hidden or not.
+    #[serde(default)]
+    pub cp_comm: f64,
+    /// The part of `cp_comm` not hidden behind the attention it feeds.
+    #[serde(default)]
+    pub cp_exposed: f64,
     /// Pipeline idle time: the bubble and the transfers between stages.
     pub bubble: f64,
     /// Data-parallel collectives in total (gradient reduction, FSDP's
@@ -215,6 +229,12 @@ pub(crate) struct ChunkTime {
     pub f_ep: f64,
     /// Backward.
     pub b_ep: f64,
+    /// The context-parallel ring's exposed time, forward.
+    pub f_cp: f64,
+    /// Backward.
+    pub b_cp: f64,
+    /// The ring's time in total (exposed or hidden).
+    pub cp_total: f64,
     /// FSDP's exposed per-micro-batch communication, forward.
     pub f_dp: f64,
     /// Backward.
@@ -227,10 +247,10 @@ pub(crate) struct ChunkTime {
 
 impl ChunkTime {
     pub(crate) fn forward(&self) -> f64 {
-        self.f_compute + self.f_tp + self.f_ep + self.f_dp
+        self.f_compute + self.f_tp + self.f_ep + self.f_cp + self.f_dp
     }
     pub(crate) fn backward_input(&self) -> f64 {
-        self.b_compute + self.b_tp + self.b_ep + self.b_dp
+        self.b_compute + self.b_tp + self.b_ep + self.b_cp + self.b_dp
     }
     pub(crate) fn backward_weight(&self) -> f64 {
         self.w_compute
@@ -347,7 +367,11 @@ pub(crate) fn chunk_time(
     let c = mach.cluster;
     let recipe = mach.recipe;
     let dt = recipe.activation_bytes() as f64;
-    let (b, s) = (layout.micro_batch_size as f64, model.seq as f64);
+    // a rank's rows of each sequence under context parallelism
+    let (b, s) = (
+        layout.micro_batch_size as f64,
+        crate::memory::rank_seq(model, layout) as f64,
+    );
     let n = b * s;
     let h = model.hidden as f64;
     let t = layout.parallel.tp as f64;
@@ -413,6 +437,16 @@ pub(crate) fn chunk_time(
         // the scores recomputed under flash attention), the element-wise
         // backward
         ct.b_compute += gemm_f + attention_backward * attention + 2.0 * elem_f;
+        let ring = ring_time(
+            mach,
+            model,
+            layout,
+            l,
+            (attention, attention_backward * attention),
+        );
+        ct.f_cp += ring.forward_exposed;
+        ct.b_cp += ring.backward_exposed;
+        ct.cp_total += ring.total;
         // weight gradients
         ct.w_compute += gemm_f;
         ct.f_tp += tp_f;
@@ -469,6 +503,94 @@ pub(crate) fn chunk_time(
         }
     }
     ct
+}
+
+/// Context parallelism's ring for one block and micro-batch
+/// ([`ring_time`]), in seconds.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub(crate) struct RingTime {
+    /// Every exchange of the forward and the backward.
+    pub total: f64,
+    /// What the forward's attention waits for.
+    pub forward_exposed: f64,
+    /// What the backward's waits for.
+    pub backward_exposed: f64,
+}
+
+/// The ring of block `layer` on the busiest rank of a context-parallel
+/// group: at each of `cp − 1` steps the key/value chunks a later rank
+/// still reads ([`weft_parallel::ContextChunks::sent`]: `2·Ckv` of a rank's
+/// kv heads a row, in the activations' dtype) go to the next rank, one
+/// message of the link between the group's ranks; the backward sends them
+/// again with the key/value gradient parts of the step before (f32, to
+/// their owners), and the last step's parts while the rank computes the
+/// diagonal of its later chunk, kept for last (a quarter of a chunk pair
+/// of the `2·cp` pairs' work a rank has: `1/(4·cp)` of its attention). A
+/// step's exchange hides behind that step's attention (`attention.0`
+/// forward, `attention.1` backward, spread evenly over the `cp` steps)
+/// where the exchange runs beside the compute — on GPUs and across CPU
+/// nodes; CPU ranks of one machine copy on the cores that compute, so
+/// nothing hides.
+pub(crate) fn ring_time(
+    mach: &Machine<'_>,
+    model: &ModelSpec,
+    layout: &Layout,
+    layer: usize,
+    attention: (f64, f64),
+) -> RingTime {
+    let cp = layout.parallel.cp;
+    if cp <= 1 {
+        return RingTime::default();
+    }
+    let c = mach.cluster;
+    let len = model.seq / (2 * cp);
+    let chunks = weft_parallel::ContextChunks {
+        cp,
+        len,
+        window: model.window_of(layer).filter(|&w| w < model.seq),
+    };
+    let rows = (layout.micro_batch_size * len) as f64;
+    let kv = rows * 2.0 * model.kv_dim_per_rank(layout.parallel.tp) as f64;
+    let (kv_bytes, grad_bytes) = (kv * mach.recipe.activation_bytes() as f64, kv * 4.0);
+    let group = Group::strided(cp, layout.parallel.tp, c.gpus_per_node);
+    let link = if group.nodes() > 1 { c.inter } else { c.intra };
+    let send = |bytes: f64| {
+        if bytes > 0.0 {
+            link.latency + bytes / (link.bandwidth * c.efficiency.link)
+        } else {
+            0.0
+        }
+    };
+    let overlaps = c.device != Device::Cpu;
+    let cpf = cp as f64;
+    let diagonal = attention.1 / (4.0 * cpf);
+    let (f_step, b_step) = (attention.0 / cpf, (attention.1 - diagonal) / cpf);
+    let hide = |x: f64, behind: f64| if overlaps { (x - behind).max(0.0) } else { x };
+    let mut worst = RingTime::default();
+    for me in 0..cp {
+        let mut r = RingTime::default();
+        for step in 0..cp {
+            let n = chunks.sent(me, step).iter().filter(|&&s| s).count() as f64;
+            let f = send(n * kv_bytes);
+            // the kv again, with the gradient parts of the step before
+            let b = send(
+                n * kv_bytes + chunks.grad_parts(me, step.saturating_sub(1)) as f64 * grad_bytes,
+            );
+            r.total += f + b;
+            r.forward_exposed += hide(f, f_step);
+            r.backward_exposed += hide(b, b_step);
+        }
+        // the last step's gradient parts, behind the deferred diagonal
+        let last = send(chunks.grad_parts(me, cp - 1) as f64 * grad_bytes);
+        r.total += last;
+        r.backward_exposed += hide(last, diagonal);
+        if r.forward_exposed + r.backward_exposed > worst.forward_exposed + worst.backward_exposed
+            || me == 0
+        {
+            worst = r;
+        }
+    }
+    worst
 }
 
 /// Parameters of each kind on one rank of a stage holding `chunks`:
@@ -548,10 +670,13 @@ pub(crate) fn dp_step(
     let (dense, experts) = stage_params(model, layout, chunks);
     let gb = recipe.grad_wire_bytes() as f64;
     let pb = recipe.param_bytes() as f64;
-    let dp = Group::strided(layout.parallel.dp, layout.parallel.tp, c.gpus_per_node);
+    // gradients sum over the data-parallel ranks with the context-parallel
+    // ones (cp innermost after tp)
+    let cp = layout.parallel.cp.max(1);
+    let dp = Group::strided(layout.parallel.dp * cp, layout.parallel.tp, c.gpus_per_node);
     let edp = Group::strided(
-        layout.parallel.dp / layout.parallel.ep,
-        layout.parallel.tp * layout.parallel.ep,
+        layout.parallel.dp / layout.parallel.ep * cp,
+        layout.parallel.tp,
         c.gpus_per_node,
     );
     let n = layout.shard_group();
@@ -570,7 +695,7 @@ pub(crate) fn dp_step(
         Some(Strategy::Hybrid) => {
             let s = layout.parallel.hybrid_shard;
             let replicas = Group::strided(
-                layout.parallel.dp / layout.parallel.ep / s,
+                layout.parallel.dp / layout.parallel.ep * cp / s,
                 layout.parallel.tp * s,
                 c.gpus_per_node,
             );

@@ -512,7 +512,9 @@ fn the_planner_reaches_the_1t_row_by_recomputing() {
     assert_eq!(row.name, "1T");
     let req = row.request(&a100);
     let best = |c: Constraints| search(&req, &c).unwrap().into_iter().find(|p| p.fits);
+    // (2021's techniques: no context parallelism either)
     let of_2021 = |r| Constraints {
+        cp: Some(1),
         fsdp: Some(None),
         sequence_parallel: Some(false),
         schedule: Some(ScheduleKind::OneFOneB),
@@ -543,4 +545,80 @@ fn the_planner_reaches_the_1t_row_by_recomputing() {
         "fits without recomputing"
     );
     assert!(free.step_s <= full.step_s);
+}
+
+/// Context parallelism in the planner: a rank's activations shrink as
+/// `T/cp` (Llama 3 8B at 32k tokens on 8 H100s, FSDP over the rest, one
+/// sequence per micro-batch), the ring hides behind the attention on
+/// GPUs at long sequences (at least 80% of it) and behind nothing on CPU
+/// ranks of one machine; a pinned cp is the only one searched; and the
+/// batch floor's longest sequence grows with cp.
+#[test]
+fn context_parallelism_divides_activations_and_hides_its_ring() {
+    let model = ModelSpec::llama(32, 4096, 32, 8, 14336, 32_768, 128_256);
+    let req = Request {
+        model: model.clone(),
+        batch: 8,
+        cluster: Cluster::preset("h100", 8).unwrap(),
+        recipe: Recipe::mixed(),
+    };
+    let layout = |cp: usize| {
+        let mut l = Layout::degrees(8 / cp, 1, 1);
+        l.parallel.cp = cp;
+        l.parallel.fsdp = Some(weft_plan::Strategy::Full);
+        l.micro_batch_size = 1;
+        l
+    };
+    let one = predict(&req, &layout(1)).unwrap();
+    for cp in [2usize, 4, 8] {
+        let p = predict(&req, &layout(cp)).unwrap();
+        let ratio = p.memory.activations as f64 / one.memory.activations as f64;
+        let want = 1.0 / cp as f64;
+        eprintln!(
+            "cp {cp}: activations {:.3} of cp 1's, ring {:.1} ms, exposed {:.1} ms",
+            ratio,
+            1e3 * p.time.cp_comm,
+            1e3 * p.time.cp_exposed
+        );
+        assert!((ratio / want - 1.0).abs() < 0.05, "cp {cp}: {ratio}");
+        assert!(p.time.cp_comm > 0.0);
+        assert!(
+            p.time.cp_exposed <= 0.2 * p.time.cp_comm,
+            "cp {cp}: {} of {} exposed",
+            p.time.cp_exposed,
+            p.time.cp_comm
+        );
+    }
+    assert_eq!(one.time.cp_comm, 0.0);
+    // on CPU ranks of one machine the ring's copies take the cores
+    let mut cpu = req.clone();
+    cpu.cluster.device = Device::Cpu;
+    let p = predict(&cpu, &layout(2)).unwrap();
+    assert!(p.time.cp_comm > 0.0 && (p.time.cp_exposed / p.time.cp_comm - 1.0).abs() < 1e-12);
+    // a pinned cp is the only one searched
+    let pinned = enumerate(
+        &req,
+        &Constraints {
+            cp: Some(4),
+            ..Constraints::default()
+        },
+    );
+    assert!(!pinned.is_empty() && pinned.iter().all(|l| l.parallel.cp == 4));
+    // the batch floor: Llama 3 8B from 8k tokens on 8 H100s
+    let floor = Request {
+        model: ModelSpec::llama(32, 4096, 32, 8, 14336, 8192, 128_256),
+        batch: 8,
+        cluster: Cluster::preset("h100", 8).unwrap(),
+        recipe: Recipe::mixed(),
+    };
+    let e = weft_plan::explain::explain(&floor).unwrap();
+    let longest: Vec<usize> = e
+        .sequence_floor
+        .iter()
+        .map(|f| f.longest.as_ref().map_or(0, |l| l.0))
+        .collect();
+    eprintln!("longest sequences by cp 1, 2, 4, 8: {longest:?}\n{e}");
+    assert_eq!(longest.len(), 4);
+    assert!(longest.windows(2).all(|w| w[1] > w[0]), "{longest:?}");
+    assert!(e.to_string().contains("9. The batch floor"));
 }

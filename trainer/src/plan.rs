@@ -127,6 +127,9 @@ pub struct PlanArgs {
     /// Pin the expert-parallel degree.
     #[arg(long)]
     pub ep: Option<usize>,
+    /// Pin the context-parallel degree (each sequence split over cp ranks).
+    #[arg(long)]
+    pub cp: Option<usize>,
     /// Pin the sharding: none, optimizer, grad_op, full, hybrid.
     #[arg(long)]
     pub fsdp: Option<String>,
@@ -647,6 +650,7 @@ fn constraints(args: &PlanArgs) -> Result<Constraints, PlanError> {
         tp: args.tp,
         pp: args.pp,
         ep: args.ep,
+        cp: args.cp,
         fsdp,
         hybrid_shard: args.hybrid_shard,
         schedule,

@@ -135,6 +135,16 @@ fn planned_memory_is_what_weft_train_allocates() {
             "parallel.dp=2",
             "parallel.fsdp=\"full\"",
         ],
+        // context parallelism: a rank's rows of each sequence, the whole
+        // sequences' tokens
+        &["model.block_size=256", "parallel.cp=2"],
+        &[
+            "model.block_size=512",
+            "parallel.cp=4",
+            "parallel.dp=2",
+            "parallel.fsdp=\"full\"",
+            "train.recompute=\"selective\"",
+        ],
     ];
     check_memory(&[], layouts);
 }
@@ -163,6 +173,12 @@ fn planned_memory_of_llama_and_qwen3_moe_shapes_is_what_weft_train_allocates() {
             ],
             &["train.recompute=\"full\"", "parallel.pp=2"],
             &["model.block_size=160", "train.loss_chunk=1024"],
+            &[
+                "model.block_size=256",
+                "model.sliding_window=100",
+                "parallel.cp=2",
+                "parallel.tp=2",
+            ],
         ],
     );
     let qwen3_moe = [

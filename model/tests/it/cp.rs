@@ -336,7 +336,11 @@ fn run(layout: Layout, model: Model) -> Run {
             ParallelGpt::predict_memory(&model.config(), model.ffn(), &plan, &mesh).unwrap();
         let mut g = ParallelGpt::new(model.config(), model.ffn(), Init::Whole(&p0), &plan, mesh)
             .unwrap_or_else(|e| panic!("{layout:?}: {e}"));
-        assert_eq!(predicted, g.memory(), "{layout:?}: memory predicted and built");
+        assert_eq!(
+            predicted,
+            g.memory(),
+            "{layout:?}: memory predicted and built"
+        );
         let first = g.mesh().coords().dp() * per;
         let hp = AdamW {
             lr: 1e-3,
