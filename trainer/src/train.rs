@@ -134,13 +134,15 @@ pub enum TrainError {
     /// The launcher started another number of processes than the layout
     /// has ranks.
     #[error(
-        "the layout needs {layout} ranks (parallel.dp · tp · pp = {dp} · {tp} · {pp}) but {launcher} started {launched} process(es): launch with `mpirun -np {layout}` or change [parallel]"
+        "the layout needs {layout} ranks (parallel.dp · cp · tp · pp = {dp} · {cp} · {tp} · {pp}) but {launcher} started {launched} process(es): launch with `mpirun -np {layout}` or change [parallel]"
     )]
     WorldSize {
-        /// `dp · tp · pp`.
+        /// `dp · cp · tp · pp`.
         layout: usize,
         /// `parallel.dp`.
         dp: usize,
+        /// `parallel.cp`.
+        cp: usize,
         /// `parallel.tp`.
         tp: usize,
         /// `parallel.pp`.

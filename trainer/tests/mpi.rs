@@ -131,7 +131,16 @@ fn every_axis_over_processes_equals_the_thread_ranks_bit_for_bit() {
         "parallel.dp=2",
         "parallel.ep=2",
     ];
-    let layouts: [(&str, usize, &[&str]); 9] = [
+    let cp = ["model.block_size=256", "parallel.cp=2"];
+    let cp_fsdp = [
+        "model.block_size=256",
+        "parallel.cp=2",
+        "parallel.dp=2",
+        "parallel.fsdp=\"full\"",
+    ];
+    let layouts: [(&str, usize, &[&str]); 11] = [
+        ("cp2", 2, &cp),
+        ("cp2dp2-fsdp", 4, &cp_fsdp),
         ("dp2", 2, &["parallel.dp=2"]),
         ("fsdp2", 2, &["parallel.dp=2", "parallel.fsdp=\"full\""]),
         (
@@ -323,7 +332,7 @@ fn set_up_errors_are_reported_once_and_every_process_exits() {
             "world-size",
             2,
             &["parallel.dp=4"],
-            "the layout needs 4 ranks (parallel.dp · tp · pp = 4 · 1 · 1) but Open MPI started 2 process(es)",
+            "the layout needs 4 ranks (parallel.dp · cp · tp · pp = 4 · 1 · 1 · 1) but Open MPI started 2 process(es)",
         ),
         (
             "threads-forced",

@@ -31,7 +31,7 @@ pub(crate) struct TrainArgs {
     /// optim.{lr,min_lr_ratio,warmup_steps,weight_decay,
     /// beta1,beta2,eps,grad_clip}; checkpoint.{every,keep_last,
     /// keep_every}; parallel.{dp,fsdp,hybrid_shard,tp,sequence_parallel,
-    /// ep,pp,pp_schedule,pp_chunks,reproducible,grad_wire,backend,
+    /// ep,cp,pp,pp_schedule,pp_chunks,reproducible,grad_wire,backend,
     /// timeout_s,threads}
     /// (ranks are threads, or processes under `mpirun`;
     /// `--print-config` shows every key with its default).

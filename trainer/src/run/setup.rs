@@ -147,6 +147,7 @@ pub(crate) fn start_processes(
             return Err(TrainError::WorldSize {
                 layout: dims.world_size(),
                 dp: dims.dp,
+                cp: dims.cp,
                 tp: dims.tp,
                 pp: dims.pp,
                 launched: world.size(),
