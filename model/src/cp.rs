@@ -45,6 +45,7 @@ use weft_kernels::{
 };
 
 use weft_parallel::ContextChunks;
+use weft_trace::TraceEvent;
 
 use crate::error::{Error, Result};
 
@@ -136,6 +137,39 @@ type Mail = Vec<(usize, Vec<f32>)>;
 
 /// What the ring does with each holder's chunks ([`ContextParallel::ring`]).
 type Visit<'a> = dyn FnMut(usize, [Option<&[f32]>; 2]) -> Result<Mail> + 'a;
+
+/// The trace threads of the ring: its exchanges in flight, and the
+/// attention's waits for them.
+const RING_TIDS: (u64, u64) = (90, 91);
+
+/// The ring's spans of training step `step` as trace lanes of process 0
+/// (the caller sets the rank): `cp ring` (`exchange kv`: an exchange in
+/// flight, on its helper thread) and `cp wait` (`wait kv`: the attention
+/// blocked on one, the exposed part), on a clock that started at
+/// `origin`; nothing without spans.
+pub fn ring_lanes(spans: &[RingSpan], origin: Instant, step: u64) -> Vec<TraceEvent> {
+    if spans.is_empty() {
+        return Vec::new();
+    }
+    let us = |t: Instant| t.saturating_duration_since(origin).as_secs_f64() * 1e6;
+    let mut out = vec![
+        TraceEvent::thread_name(0, RING_TIDS.0, "cp ring"),
+        TraceEvent::thread_name(0, RING_TIDS.1, "cp wait"),
+    ];
+    for s in spans {
+        let (name, tid) = if s.wait {
+            ("wait kv", RING_TIDS.1)
+        } else {
+            ("exchange kv", RING_TIDS.0)
+        };
+        out.push(
+            TraceEvent::complete(name, us(s.start), us(s.end) - us(s.start), 0, tid)
+                .with_cat("cp.comm")
+                .with_arg("step", i64::try_from(step).unwrap_or(i64::MAX)),
+        );
+    }
+    out
+}
 
 /// One rank's attention inputs for the ring, in its local layout.
 pub(crate) struct RingIn<'a> {

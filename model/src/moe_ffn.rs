@@ -61,7 +61,7 @@ use weft_moe::weft_collectives::Communicator;
 use weft_moe::{ExpertParallel, MoeBlock, MoeConfig, MoeForward};
 
 use crate::error::{Error, Result};
-use weft_parallel::{Placement, Placements};
+use weft_parallel::{DimSet, Placement, Placements};
 
 use crate::ffn::{Dims, FeedForward, ParamShape, wide_input};
 use weft_kernels::LinearInput;
@@ -167,8 +167,9 @@ impl MoeStats {
             flat.extend(s.tokens_per_expert.iter().map(|&x| x as f64));
             flat.extend([s.dropped as f64, s.tokens as f64, s.entropy_sum]);
         }
-        // Counts are small integers, exact in f64 in any order.
-        for group in [mesh.dp(), mesh.pp()] {
+        // Counts are small integers, exact in f64 in any order; the
+        // context-parallel ranks routed other tokens of the same sequences
+        for group in [mesh.group(DimSet::DP.with(DimSet::CP)), mesh.pp()] {
             if group.size() > 1 {
                 group.all_reduce(&mut flat, ReduceOp::Sum)?;
             }
@@ -197,6 +198,15 @@ pub(crate) fn moe_err(e: weft_moe::Error) -> Error {
 }
 
 impl MoeFfn {
+    /// Whether every token's routing and loss are its own: dropless
+    /// token-choice top-k without the auxiliary loss (the selection bias
+    /// balances). Only such a block runs under context parallelism, whose
+    /// ranks each hold part of every sequence.
+    pub fn per_token(&self) -> bool {
+        let cfg = self.config();
+        cfg.aux.is_none() && cfg.router.kind == weft_moe::RouterKind::Dropless
+    }
+
     /// A block with configuration `cfg` (its `channels` must equal the
     /// model's `n_embd`) and the handle on its statistics.
     ///

@@ -267,6 +267,30 @@ impl ModelOptions {
         Ok((Arc::new(ffn), Some(stats)))
     }
 
+    /// Checks that the model runs with its sequences split over `cp`
+    /// context-parallel ranks: a mixture of experts must route each token
+    /// on its own (dropless, balanced by the selection bias).
+    ///
+    /// # Errors
+    /// [`Error::Config`] naming `cp` with what composes.
+    pub fn check_context_parallel(&self, cp: usize) -> Result<()> {
+        let moe = &self.moe;
+        if cp > 1
+            && moe.experts > 0
+            && (moe.balance != weft_moe::Balance::Bias || moe.capacity_factor > 0.0)
+        {
+            return Err(Error::Config {
+                field: "cp",
+                reason: format!(
+                    "= {cp} splits every sequence over ranks, which composes with per-token \
+                     routing only: model.moe.balance = \"bias\" and capacity_factor = 0 (a \
+                     capacity and the auxiliary loss are functions of whole sequences)"
+                ),
+            });
+        }
+        Ok(())
+    }
+
     /// Checks the table: the model's own checks (heads, key/value heads,
     /// rotary settings, windows), the Llama-like families' keys left unset
     /// on GPT-2, `model.arch = "qwen3-moe"` with experts, `first_dense`

@@ -300,12 +300,13 @@ impl ParallelGpt {
             return Ok(plan.seq);
         }
         mesh.dims().context_chunk(plan.seq)?;
-        if blocks.ffn().moe().is_some() {
+        if blocks.ffn().moe().is_some_and(|m| !m.per_token()) {
             return Err(Error::Config {
                 field: "cp",
-                reason: "context parallelism does not compose with a mixture of experts yet: \
-                         the router's capacity and auxiliary loss are functions of whole \
-                         sequences' tokens, which no cp rank holds"
+                reason: "context parallelism composes with a mixture of experts whose routing is \
+                         per token (dropless top-k, balanced by the selection bias): a capacity \
+                         and the auxiliary loss are functions of whole sequences' tokens, which \
+                         no cp rank holds"
                     .into(),
             });
         }

@@ -496,17 +496,6 @@ impl ParallelLayout {
             );
         }
         self.dims().context_chunk(shape.seq)?;
-        if self.cp > 1 && shape.experts > 0 {
-            return bad(
-                "cp",
-                format!(
-                    "= {} splits sequences, which a mixture-of-experts model does not compose \
-                     with yet (its router's capacity and auxiliary loss are functions of whole \
-                     sequences); use cp = 1",
-                    self.cp
-                ),
-            );
-        }
         let split = self.batch_split(batch, micro_batch_size, shape.seq)?;
         if !shape.heads.is_multiple_of(self.tp) {
             return bad(

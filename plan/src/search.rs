@@ -93,19 +93,18 @@ pub fn enumerate(req: &Request, c: &Constraints) -> Vec<Layout> {
             continue;
         }
         // sequences split over cp ranks where they cut into 2·cp chunks
-        // of 64·2^k tokens (dense models)
+        // of 64·2^k tokens
         let cps: Vec<usize> = divisors(g / tp)
             .into_iter()
             .filter(|&cp| {
                 pin(c.cp, cp)
                     && (cp == 1
-                        || !m.is_moe()
-                            && weft_parallel::ParallelDims {
-                                cp,
-                                ..weft_parallel::ParallelDims::SINGLE
-                            }
-                            .context_chunk(m.seq)
-                            .is_ok())
+                        || weft_parallel::ParallelDims {
+                            cp,
+                            ..weft_parallel::ParallelDims::SINGLE
+                        }
+                        .context_chunk(m.seq)
+                        .is_ok())
             })
             .collect();
         for (cp, pp) in cps

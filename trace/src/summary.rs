@@ -102,6 +102,21 @@ pub struct AxisBytes {
     pub other: f64,
 }
 
+impl From<[f64; 6]> for AxisBytes {
+    /// The bytes of `[tp, dp, pp, cp, ep, other]` (the order of
+    /// `weft_parallel::TrafficAxis::ALL`).
+    fn from([tp, dp, pp, cp, ep, other]: [f64; 6]) -> Self {
+        AxisBytes {
+            tp,
+            dp,
+            pp,
+            cp,
+            ep,
+            other,
+        }
+    }
+}
+
 /// Bytes one rank holds, by category.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct MemoryBytes {

@@ -498,6 +498,11 @@ impl Config {
             }
         }
         self.model.moe.validate().map_err(library_error)?;
+        if let Err(weft_model::Error::Config { reason, .. }) =
+            self.model.check_context_parallel(p.cp)
+        {
+            return bad("parallel.cp", reason);
+        }
         self.parallel
             .check(
                 &self.model_shape(),

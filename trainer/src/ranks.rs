@@ -26,7 +26,7 @@
 //! (`weft-collectives`' [`Processes`], feature `mpi`), and
 //! [`train_processes`](crate::train::train_processes) runs this process's
 //! rank. The world size comes from the launcher and must equal the
-//! layout's `dp · tp · pp`. Ranks on one node (same host name) form one
+//! layout's `dp · cp · tp · pp`. Ranks on one node (same host name) form one
 //! domain of the collectives' topology — the hierarchical collectives'
 //! intra-node level — and share the node's cores out between their kernel
 //! pools. Rank order is the launcher's: with the default by-slot mapping

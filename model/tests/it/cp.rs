@@ -9,12 +9,14 @@
 //! * Whole training runs on cp layouts (with dp, FSDP full and hybrid, tp
 //!   with and without sequence parallelism, every pipeline schedule, bf16,
 //!   recomputation, document masking, a Llama-family block with
-//!   grouped-query attention and sliding windows) follow one rank to
-//!   rounding over 50 steps: every step's loss and gradient norm within
+//!   grouped-query attention and sliding windows, a mixture of experts
+//!   routed per token with its experts replicated, over ep and under tp)
+//!   follow one rank to rounding over 50 steps: every step's loss and gradient norm within
 //!   [`tolerance`], the final parameters within [`PARAMS`] in relative L2
 //!   distance. Not bitwise: a parameter's gradient sums its tokens in one
 //!   product per rank, and the ranks' rounded sums are then added (the
-//!   one-rank product rounds the sum of all the tokens once).
+//!   one-rank product rounds the sum of all the tokens once). Layouts of
+//!   the same cp without tp or ep are bitwise each other.
 //! * A checkpoint saved under cp writes every element once
 //!   (`owned_parts`), with the gathered model's values; each rank's memory
 //!   is what `ParallelGpt::predict_memory` predicted.
@@ -27,9 +29,10 @@ use weft_kernels::{AdamW, Precision};
 use weft_model::cp::ContextParallel;
 use weft_model::tp::TpOptions;
 use weft_model::{
-    BlockArch, FeedForward, Gpt, GptBlocks, GptConfig, Init, MicroBatch, Mlp, ParallelGpt,
-    ParallelPlan, Recompute, SlidingWindow, SwiGlu, partition_layers,
+    BlockArch, FeedForward, Gpt, GptBlocks, GptConfig, Init, MicroBatch, Mlp, MoeFfn, ParallelGpt,
+    ParallelPlan, Recompute, SlidingWindow, SwiGlu, expert_group, partition_layers,
 };
+use weft_moe::{MoeConfig, Router};
 use weft_parallel::ParallelDims;
 use weft_pipeline::ScheduleKind;
 
@@ -52,6 +55,10 @@ enum Model {
     /// 4 query heads reading 2 key/value heads, a window of 100 keys on
     /// every other layer (across the chunks' boundaries), SwiGLU.
     Llama,
+    /// GPT-2 with a mixture of experts routed per token (dropless top-2
+    /// of 4, a shared expert, no auxiliary loss), the router scaled up so
+    /// that no choice is near a tie.
+    Moe,
 }
 
 impl Model {
@@ -66,7 +73,7 @@ impl Model {
             layer_norm_epsilon: 1e-5,
             arch: BlockArch::GPT2,
         };
-        if self == Model::Dense {
+        if self != Model::Llama {
             return base;
         }
         let mut arch = BlockArch::llama(2, 10_000.0);
@@ -84,9 +91,22 @@ impl Model {
     }
 
     fn ffn(self) -> Arc<dyn FeedForward> {
+        self.ffn_over(None)
+    }
+
+    /// The feed-forward block, its experts over `ep` if given.
+    fn ffn_over(self, ep: Option<Arc<dyn Communicator>>) -> Arc<dyn FeedForward> {
         match self {
             Model::Dense => Arc::new(Mlp),
             Model::Llama => Arc::new(SWIGLU),
+            Model::Moe => {
+                let (ffn, _) = match ep {
+                    Some(g) => MoeFfn::with_expert_parallel(moe_config(), g),
+                    None => MoeFfn::new(moe_config()),
+                }
+                .unwrap();
+                Arc::new(ffn)
+            }
         }
     }
 
@@ -94,9 +114,30 @@ impl Model {
         let mut m = match self {
             Model::Dense => Gpt::new(self.config()).unwrap(),
             Model::Llama => Gpt::with_ffn(self.config(), Box::new(SWIGLU)).unwrap(),
+            Model::Moe => Gpt::with_ffn(
+                self.config(),
+                Box::new(MoeFfn::new(moe_config()).unwrap().0),
+            )
+            .unwrap(),
         };
         m.init_gpt2(5);
+        for spec in m.layout().specs().to_vec() {
+            if spec.name.ends_with("mlp.router.weight") {
+                m.params[spec.range()].iter_mut().for_each(|x| *x *= 30.0);
+            }
+        }
         m.params
+    }
+}
+
+/// The mixture of experts: dropless top-2 of 4 experts and a shared one,
+/// balanced by the selection bias (no auxiliary loss).
+fn moe_config() -> MoeConfig {
+    MoeConfig {
+        router: Router::top_k(4, 2).with_normalize(true),
+        shared_experts: 1,
+        aux: None,
+        ..MoeConfig::new(32, 4, 2)
     }
 }
 
@@ -299,7 +340,8 @@ fn run(layout: Layout, model: Model) -> Run {
         let per = GLOBAL / dims.dp;
         let pipeline = layout.schedule.map(|(kind, chunks)| {
             let s = kind.generate(dims.pp, per, chunks).unwrap();
-            let layers = partition_layers(&model.config(), None, &s).unwrap();
+            let experts = (model == Model::Moe).then_some((4, 3));
+            let layers = partition_layers(&model.config(), experts, &s).unwrap();
             (s, layers)
         });
         let plan = ParallelPlan {
@@ -332,9 +374,10 @@ fn run(layout: Layout, model: Model) -> Run {
                 ..TpOptions::default()
             },
         };
+        let ffn = model.ffn_over((dims.ep > 1).then(|| expert_group(&mesh)));
         let predicted =
-            ParallelGpt::predict_memory(&model.config(), model.ffn(), &plan, &mesh).unwrap();
-        let mut g = ParallelGpt::new(model.config(), model.ffn(), Init::Whole(&p0), &plan, mesh)
+            ParallelGpt::predict_memory(&model.config(), ffn.clone(), &plan, &mesh).unwrap();
+        let mut g = ParallelGpt::new(model.config(), ffn, Init::Whole(&p0), &plan, mesh)
             .unwrap_or_else(|e| panic!("{layout:?}: {e}"));
         assert_eq!(
             predicted,
@@ -556,9 +599,20 @@ fn context_parallel_layouts_follow_one_rank() {
             },
         ));
     }
+    // a mixture of experts routed per token: with its experts replicated,
+    // shared out over ep, and under tp
+    let ep2 = |mut x: Layout| {
+        x.dims.ep = 2;
+        x
+    };
+    cases.extend([
+        (Model::Moe, l(1, 1, 2, 1)),
+        (Model::Moe, ep2(l(1, 2, 2, 1))),
+        (Model::Moe, l(1, 1, 2, 2)),
+    ]);
     let mut ones = std::collections::HashMap::new();
-    // the first run of each (model, cp, precision, masking) without tp:
-    // every other layout of it without tp is bitwise this one
+    // the first run of each (model, cp, precision, masking) without tp or
+    // ep: every other layout of it without them is bitwise this one
     let mut firsts: std::collections::HashMap<_, Run> = std::collections::HashMap::new();
     let mut checked = 0;
     for &(model, layout) in &cases {
@@ -581,7 +635,7 @@ fn context_parallel_layouts_follow_one_rank() {
         });
         let got = run(layout, model);
         checked += 1;
-        if layout.dims.tp == 1 {
+        if layout.dims.tp == 1 && layout.dims.ep == 1 {
             let key = (
                 model as usize,
                 layout.dims.cp,
@@ -632,7 +686,7 @@ fn context_parallel_layouts_follow_one_rank() {
         println!(
             "{what}: loss {worst:.1e}, norm {worst_norm:.1e}, eval {e:.1e}, parameters {p:.1e}"
         );
-        if layout.dims.tp == 1 {
+        if layout.dims.tp == 1 && layout.dims.ep == 1 {
             let key = (
                 model as usize,
                 layout.dims.cp,

@@ -62,38 +62,6 @@ pub(crate) fn work_time(step_s: f64, in_step: f64, telemetry: &StepTelemetry) ->
     step_s - blocked
 }
 
-/// The trace threads of the context-parallel ring: its exchanges in
-/// flight, and the attention's waits for them.
-const RING_TIDS: (u64, u64) = (90, 91);
-
-/// The ring's spans of step `step` as trace lanes of process 0 (the
-/// caller sets the rank): `cp ring` (an exchange in flight, on its helper
-/// thread) and `cp wait` (the attention blocked on one: the exposed
-/// part), on a clock that started at `origin`.
-fn ring_lanes(spans: &[weft_model::cp::RingSpan], origin: Instant, step: u64) -> Vec<TraceEvent> {
-    if spans.is_empty() {
-        return Vec::new();
-    }
-    let us = |t: Instant| t.saturating_duration_since(origin).as_secs_f64() * 1e6;
-    let mut out = vec![
-        TraceEvent::thread_name(0, RING_TIDS.0, "cp ring"),
-        TraceEvent::thread_name(0, RING_TIDS.1, "cp wait"),
-    ];
-    for s in spans {
-        let (name, tid) = if s.wait {
-            ("wait kv", RING_TIDS.1)
-        } else {
-            ("exchange kv", RING_TIDS.0)
-        };
-        out.push(
-            TraceEvent::complete(name, us(s.start), us(s.end) - us(s.start), 0, tid)
-                .with_cat("cp.comm")
-                .with_arg("step", i64::try_from(step).unwrap_or(i64::MAX)),
-        );
-    }
-    out
-}
-
 impl Tracer {
     /// A tracer for a run of layout `dims`, its clock started at `origin`,
     /// tracing the first `trace_steps` steps of the attempt.
@@ -141,7 +109,7 @@ impl Tracer {
             }
         }
         if traced {
-            fsdp.extend(ring_lanes(&telemetry.cp, self.origin, step));
+            fsdp.extend(weft_model::cp::ring_lanes(&telemetry.cp, self.origin, step));
         }
         let lanes = self.dims.world_size() > 1 || !fsdp.is_empty();
         let (Some(schedule), Some(local), true, true) =
@@ -208,17 +176,7 @@ impl Tracer {
         }
         #[allow(clippy::cast_precision_loss)]
         let n = self.steps.max(1) as f64;
-        let axis = |k: usize| {
-            let [tp, dp, pp, cp, ep, other] = std::array::from_fn(|i| self.traffic[k + i] / n);
-            AxisBytes {
-                tp,
-                dp,
-                pp,
-                cp,
-                ep,
-                other,
-            }
-        };
+        let axis = |k: usize| AxisBytes::from(std::array::from_fn(|i| self.traffic[k + i] / n));
         Ok((self.dims.world_size() > 1).then(|| StepTraffic {
             payload: axis(0),
             scalars: axis(AXES),
