@@ -60,6 +60,10 @@ use weft_moe::{AuxLoss, Expert, Gate, MoeConfig, Router};
 use weft_parallel::ParallelDims;
 use weft_pipeline::ScheduleKind;
 
+#[path = "common/whole.rs"]
+mod whole;
+use whole::{params_difference, rel};
+
 const B: usize = 2;
 const T: usize = 8;
 const STEPS: usize = 3;
@@ -409,57 +413,28 @@ fn run(layout: Layout, model: Model) -> Run {
             .unwrap_or_else(|e| panic!("{layout:?}: eval: {e}"));
         let activations = g.memory().activations;
         let moe_forwards = log.map_or(0, |l| l.take().len());
-        let len = g.whole_layout().len();
-        let mut bufs = [vec![0.0f32; len], vec![0.0; len], vec![0.0; len]];
-        {
-            let [a, b, c] = &mut bufs;
-            let root = comm.rank() == 0;
-            g.gather_whole(root.then_some([&mut a[..], &mut b[..], &mut c[..]]))
-                .unwrap();
-        }
-        let (parts, _) = g.owned_parts().unwrap();
-        let whole = g.whole_layout().clone();
-        let [params, m, v] = bufs;
+        let (bufs, parts) = whole::gather(&g, comm.rank() == 0);
         (
             losses,
             norms,
             eval,
-            (params, m, v),
-            (parts, whole),
+            bufs,
+            (parts, g.whole_layout().clone()),
             (activations, moe_forwards),
         )
     })
     .unwrap();
     // A sharded checkpoint's parts: every element of every tensor written
     // by exactly one rank, with the values of the gathered model.
-    let ((p, m, v), (_, whole)) = (&out[0].3, &out[0].4);
-    let mut written = vec![0u8; whole.len()];
-    for (_, _, _, _, (parts, _), _) in &out {
-        for part in parts {
-            let spec = whole.get(&part.name).unwrap();
-            assert_eq!(part.global_shape, spec.global_shape, "{layout:?}");
-            let at = spec.offset + part.whole;
-            for (k, want) in [p, m, v].into_iter().enumerate() {
-                let got = &part.values[k];
-                assert!(
-                    got.iter()
-                        .zip(&want[at..at + got.len()])
-                        .all(|(a, b)| a.to_bits() == b.to_bits()),
-                    "{layout:?}: {} values",
-                    part.name
-                );
-            }
-            for w in &mut written[at..at + part.values[0].len()] {
-                *w += 1;
-            }
-        }
-    }
-    if let Some(i) = written.iter().position(|&w| w != 1) {
-        panic!("{layout:?}: element {i} written {} times", written[i]);
-    }
+    whole::check_parts(
+        &out[0].4.1,
+        &out[0].3,
+        out.iter().map(|o| &o.4.0[..]),
+        &format!("{layout:?}"),
+    );
     let out: Vec<_> = out
         .into_iter()
-        .map(|(l, n, e, (p, _, _), _, k)| (l, n, e, p, k))
+        .map(|(l, n, e, [p, _, _], _, k)| (l, n, e, p, k))
         .collect();
     for (r, (l, n, e, _, _)) in out.iter().enumerate() {
         assert_eq!(
@@ -489,10 +464,6 @@ fn tolerance(layout: Layout) -> f64 {
         Precision::F32 => 1e-5,
         Precision::Bf16 | Precision::F16 => 1e-3,
     }
-}
-
-fn rel(a: f64, b: f64) -> f64 {
-    (a - b).abs() / b.abs().max(1e-12)
 }
 
 /// `layout` against `one`, bitwise or to rounding as the module docs say.
@@ -561,16 +532,6 @@ fn check(layout: Layout, model: Model, one: &Run) {
         "{what}: parameters {p:.1e} from one rank's (relative L2)"
     );
     println!("{what}: worst relative difference {worst:.1e}, parameters {p:.1e}");
-}
-
-/// The relative L2 distance `‖a − b‖ / ‖b‖` of two parameter vectors.
-fn params_difference(a: &[f32], b: &[f32]) -> f64 {
-    let (mut d, mut n) = (0.0f64, 0.0f64);
-    for (&x, &y) in a.iter().zip(b) {
-        d += (f64::from(x) - f64::from(y)).powi(2);
-        n += f64::from(y).powi(2);
-    }
-    (d / n.max(1e-300)).sqrt()
 }
 
 /// The parameters of a tensor- or expert-parallel layout after the

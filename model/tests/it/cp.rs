@@ -36,6 +36,10 @@ use weft_moe::{MoeConfig, Router};
 use weft_parallel::ParallelDims;
 use weft_pipeline::ScheduleKind;
 
+#[path = "../common/whole.rs"]
+mod whole;
+use whole::{params_difference, rel};
+
 /// The model's positions, and the tokens per sequence of the row test
 /// and the cp = 4 runs (2·cp chunks of 64); cp = 2 runs train on half.
 const T: usize = 512;
@@ -421,43 +425,17 @@ fn run(layout: Layout, model: Model) -> Run {
         let eval = g
             .eval_loss(&vmbs)
             .unwrap_or_else(|e| panic!("{layout:?}: eval: {e}"));
-        let len = g.whole_layout().len();
-        let mut bufs = [vec![0.0f32; len], vec![0.0; len], vec![0.0; len]];
-        {
-            let [a, b, c] = &mut bufs;
-            let root = comm.rank() == 0;
-            g.gather_whole(root.then_some([&mut a[..], &mut b[..], &mut c[..]]))
-                .unwrap();
-        }
-        let (parts, _) = g.owned_parts().unwrap();
+        let (bufs, parts) = whole::gather(&g, comm.rank() == 0);
         (losses, norms, eval, bufs, parts, g.whole_layout().clone())
     })
     .unwrap();
     // every element of the checkpoint written once, with the gathered values
-    let (bufs, whole) = (&out[0].3, &out[0].5);
-    let mut written = vec![0u8; whole.len()];
-    for (_, _, _, _, parts, _) in &out {
-        for part in parts {
-            let spec = whole.get(&part.name).unwrap();
-            let at = spec.offset + part.whole;
-            for (k, want) in bufs.iter().enumerate() {
-                let got = &part.values[k];
-                assert!(
-                    got.iter()
-                        .zip(&want[at..at + got.len()])
-                        .all(|(a, b)| a.to_bits() == b.to_bits()),
-                    "{layout:?}: {} values",
-                    part.name
-                );
-            }
-            for w in &mut written[at..at + part.values[0].len()] {
-                *w += 1;
-            }
-        }
-    }
-    if let Some(i) = written.iter().position(|&w| w != 1) {
-        panic!("{layout:?}: element {i} written {} times", written[i]);
-    }
+    whole::check_parts(
+        &out[0].5,
+        &out[0].3,
+        out.iter().map(|o| &o.4[..]),
+        &format!("{layout:?}"),
+    );
     for (r, o) in out.iter().enumerate() {
         assert_eq!(
             (&o.0, &o.1, o.2.to_bits()),
@@ -494,19 +472,6 @@ fn tolerance(p: Precision) -> (f64, f64) {
 
 /// The final parameters against one rank's, relative L2 distance.
 const PARAMS: f64 = 1e-3;
-
-fn rel(a: f64, b: f64) -> f64 {
-    (a - b).abs() / b.abs().max(1e-12)
-}
-
-fn params_difference(a: &[f32], b: &[f32]) -> f64 {
-    let (mut d, mut n) = (0.0f64, 0.0f64);
-    for (&x, &y) in a.iter().zip(b) {
-        d += (f64::from(x) - f64::from(y)).powi(2);
-        n += f64::from(y).powi(2);
-    }
-    (d / n.max(1e-300)).sqrt()
-}
 
 /// Every cp layout over 50 steps against one rank (see the module docs).
 #[test]
