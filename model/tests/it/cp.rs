@@ -291,6 +291,16 @@ fn rows_of(
     (outs, grads)
 }
 
+/// Micro-batches of `(tokens, targets)` pairs.
+fn micro_batches(data: &[(Vec<u32>, Vec<u32>)]) -> Vec<MicroBatch<'_>> {
+    data.iter()
+        .map(|(a, b)| MicroBatch {
+            tokens: a,
+            targets: b,
+        })
+        .collect()
+}
+
 /// A cp layout: the mesh, the pipeline schedule (kind, chunks per
 /// stage), FSDP, sequence parallelism, precision, recomputation, masking.
 #[derive(Clone, Copy, Debug)]
@@ -399,15 +409,8 @@ fn run(layout: Layout, model: Model) -> Run {
             let data: Vec<_> = (first..first + per)
                 .map(|m| batch(s, m, layout.docs, (1, layout.seq)))
                 .collect();
-            let mbs: Vec<_> = data
-                .iter()
-                .map(|(a, b)| MicroBatch {
-                    tokens: a,
-                    targets: b,
-                })
-                .collect();
             let r = g
-                .train_step(&mbs, &hp, 1.0)
+                .train_step(&micro_batches(&data), &hp, 1.0)
                 .unwrap_or_else(|e| panic!("{layout:?}: {e}"));
             losses.push(r.loss);
             norms.push(r.grad_norm);
@@ -415,15 +418,8 @@ fn run(layout: Layout, model: Model) -> Run {
         let val: Vec<_> = (0..3)
             .map(|k| batch(100, k, layout.docs, (1, layout.seq)))
             .collect();
-        let vmbs: Vec<_> = val
-            .iter()
-            .map(|(a, b)| MicroBatch {
-                tokens: a,
-                targets: b,
-            })
-            .collect();
         let eval = g
-            .eval_loss(&vmbs)
+            .eval_loss(&micro_batches(&val))
             .unwrap_or_else(|e| panic!("{layout:?}: eval: {e}"));
         let (bufs, parts) = whole::gather(&g, comm.rank() == 0);
         (losses, norms, eval, bufs, parts, g.whole_layout().clone())
