@@ -27,9 +27,11 @@
 //! The backward passes the keys and values around the ring again; each
 //! rank computes its query gradients and the key/value gradients of the
 //! chunk it holds ([`weft_kernels::attention_backward_partial`]), sends
-//! the latter to the chunk's owner, and each owner merges what it gets in
-//! the tree order ([`weft_kernels::attention_grad_merge`]): bit for bit
-//! the one-rank backward too. What keeps a whole cp run from being
+//! the latter to the chunk's owner during the next step's exchange (the
+//! last step's while it computes the diagonal of its later chunk, kept
+//! for last), and each owner merges what it gets in the tree order
+//! ([`weft_kernels::attention_grad_merge`]): bit for bit the one-rank
+//! backward too. What keeps a whole cp run from being
 //! bitwise the one-rank run is outside attention: each parameter's
 //! gradient sums its tokens in one product per rank, and the ranks'
 //! products are added after rounding (see `docs/parallel.md`).
