@@ -62,6 +62,8 @@ fn sampling_a_trained_run_is_deterministic_and_greedy_follows_the_forward() {
     for (name, extra) in [
         ("dense", &[][..]),
         ("moe", &["model.moe.experts=4", "model.moe.top_k=2"][..]),
+        // trained with its sequences split over two ranks, decoded on one
+        ("cp2", &["parallel.cp=2", "model.block_size=256"][..]),
     ] {
         let summary = train(&config(&dir, name, extra), false, &mut Silent).unwrap();
         let sampler = Sampler::open(&summary.run_dir).unwrap();
