@@ -36,7 +36,6 @@
 //! gradient sums its tokens in one product per rank, and the ranks'
 //! products are added after rounding (see `docs/parallel.md`).
 
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Instant;
 
@@ -73,13 +72,11 @@ impl std::fmt::Debug for ContextParallel {
     }
 }
 
-/// Nanoseconds of the ring: the exchanges' own time (on their helper
-/// threads) and the time the attention waited for them; and their spans
-/// since the last [`ContextParallel::take_spans`].
+/// The ring's spans since the last [`ContextParallel::take_spans`]: its
+/// exchanges (on their helper threads) and the attention's waits for
+/// them.
 #[derive(Debug, Default)]
 struct RingClock {
-    exchange: AtomicU64,
-    waited: AtomicU64,
     spans: Mutex<Vec<RingSpan>>,
 }
 
@@ -89,9 +86,6 @@ const MAX_SPANS: usize = 1 << 16;
 
 impl RingClock {
     fn record(&self, wait: bool, start: Instant, end: Instant) {
-        let ns = u64::try_from(end.saturating_duration_since(start).as_nanos()).unwrap_or(u64::MAX);
-        let total = if wait { &self.waited } else { &self.exchange };
-        total.fetch_add(ns, Ordering::Relaxed);
         let mut spans = self.spans.lock().unwrap_or_else(PoisonError::into_inner);
         if spans.len() < MAX_SPANS {
             spans.push(RingSpan { wait, start, end });
@@ -109,29 +103,6 @@ pub struct RingSpan {
     pub start: Instant,
     /// When it ended.
     pub end: Instant,
-}
-
-/// The ring's time so far on one rank ([`ContextParallel::ring_time`]).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct RingTime {
-    /// Nanoseconds the exchanges took, measured where they ran (a helper
-    /// thread beside the computation).
-    pub exchange_ns: u64,
-    /// Nanoseconds the attention waited for an exchange to finish: the
-    /// part of `exchange_ns` not hidden behind the computation.
-    pub waited_ns: u64,
-}
-
-impl RingTime {
-    /// The share of the exchanges' time hidden behind computation
-    /// (1 when nothing was exchanged).
-    #[allow(clippy::cast_precision_loss)]
-    pub fn hidden_share(&self) -> f64 {
-        if self.exchange_ns == 0 {
-            return 1.0;
-        }
-        1.0 - (self.waited_ns.min(self.exchange_ns) as f64 / self.exchange_ns as f64)
-    }
 }
 
 /// Messages `(peer, data)` to send.
@@ -208,15 +179,6 @@ impl ContextParallel {
     /// This rank's place in the group.
     pub fn rank(&self) -> usize {
         self.comm.rank()
-    }
-
-    /// The ring's time on this rank so far (take two and subtract for a
-    /// step).
-    pub fn ring_time(&self) -> RingTime {
-        RingTime {
-            exchange_ns: self.clock.exchange.load(Ordering::Relaxed),
-            waited_ns: self.clock.waited.load(Ordering::Relaxed),
-        }
     }
 
     /// The ring's spans since the last call (exchanges and waits, in
