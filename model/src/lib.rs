@@ -44,12 +44,16 @@
 //! * [`tp`]: tensor parallelism as sharding styles of the block's linear
 //!   layers (column-, row- and vocabulary-parallel; sequence parallelism);
 //!   [`Gpt::shard_of`] is a rank's shard of a whole model.
+//! * [`cp`]: context parallelism — each rank `T/cp` rows of every
+//!   sequence, attention as a ring whose rows are bitwise the one-rank
+//!   rows ([`GptBlocks::set_context_parallel`]).
 //! * [`GptStage`]: a pipeline stage, an implementation of
 //!   `weft_pipeline::Stage` (the tied embedding is a shared parameter);
 //!   its parameters resident or fully sharded with `weft-fsdp`, whose
 //!   hooks the block loop calls.
 //! * [`ParallelGpt`]: the plan applied over a `weft_parallel::ParallelMesh`
-//!   — tp sharding, pipeline stages, replicas or FSDP — with one training
+//!   — tp sharding, pipeline stages, sequences over cp, replicas or FSDP —
+//!   with one training
 //!   step, evaluation, whole-model gather and load for every layout (what
 //!   `weft train` runs on each rank). Example below.
 //! * [`hf`]: load and save a Hugging Face folder (`config.json` +

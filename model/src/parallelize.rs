@@ -12,9 +12,10 @@
 //!    schedule. Without pipeline parallelism the whole model is one stage.
 //!    Either way the step runs through `weft-pipeline`'s executor (with
 //!    one stage, 1F1B is forward, backward, forward, backward…).
-//! 2. **Tensor and expert parallelism** are properties of the blocks the
-//!    stages run ([`GptBlocks`] sharded by the layout's placements, the
-//!    feed-forward block's expert group): the model code is the same.
+//! 2. **Tensor, expert and context parallelism** are properties of the
+//!    blocks the stages run ([`GptBlocks`] sharded by the layout's
+//!    placements, the feed-forward block's expert group, the sequences'
+//!    rows over the cp group: [`crate::cp`]): the model code is the same.
 //! 3. **Data parallelism** — each stage's gradients are reduced over each
 //!    tensor's data-parallel group by `weft-parallel`'s [`GradReducer`]
 //!    (exact or plain), or the stage is fully sharded over the group
