@@ -53,9 +53,8 @@
 //!   hooks the block loop calls.
 //! * [`ParallelGpt`]: the plan applied over a `weft_parallel::ParallelMesh`
 //!   — tp sharding, pipeline stages, sequences over cp, replicas or FSDP —
-//!   with one training
-//!   step, evaluation, whole-model gather and load for every layout (what
-//!   `weft train` runs on each rank). Example below.
+//!   with one training step, evaluation, whole-model gather and load for
+//!   every layout (what `weft train` runs on each rank). Example below.
 //! * [`hf`]: load and save a Hugging Face folder (`config.json` +
 //!   `model.safetensors`) of GPT-2 or of the Llama family (names and
 //!   `[out, in]` layouts mapped); [`eval`]: the computation behind `weft
