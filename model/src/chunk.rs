@@ -358,6 +358,9 @@ pub(crate) fn forward(
 ) -> Result<Option<f64>> {
     let (b, t) = (acts.b, acts.t);
     let docs = bl.row_starts(tokens, b, t)?;
+    if let (ChunkInput::Tokens(tok), true) = (&input, spec.embed) {
+        check_len("tokens", tok.len(), b * bl.whole_seq(t))?;
+    }
     let targets = match targets {
         Some(tg) => {
             check_len("targets", tg.len(), b * bl.whole_seq(t))?;
@@ -367,7 +370,6 @@ pub(crate) fn forward(
     };
     match (input, spec.embed) {
         (ChunkInput::Tokens(tok), true) => {
-            check_len("tokens", tok.len(), b * bl.whole_seq(t))?;
             acts.tokens.copy_from_slice(tok);
             store.pre_forward(Piece::Embed)?;
             bl.embed_forward(&mut acts.input, tok, store.params(Piece::Embed)?, b, t)?;

@@ -332,6 +332,12 @@ impl DimSet {
         DimSet(self.0 | other.0)
     }
 
+    /// This set less `other`'s dimensions.
+    #[must_use]
+    pub const fn without(self, other: DimSet) -> DimSet {
+        DimSet(self.0 & !other.0)
+    }
+
     /// Whether `other` is inside this set.
     pub const fn contains(self, other: DimSet) -> bool {
         self.0 & other.0 == other.0
@@ -417,6 +423,12 @@ impl ParallelMesh {
 
     fn copies_handle(&self, dims: DimSet, copies: usize) -> Result<&Arc<dyn Communicator>> {
         let tp = self.dims.tp;
+        // a context-parallel axis of one rank is no dimension
+        let dims = if self.dims.cp <= 1 {
+            dims.without(DimSet::CP)
+        } else {
+            dims
+        };
         if copies == 0 || !tp.is_multiple_of(copies) {
             return Err(Error::Dims {
                 field: "tp",

@@ -454,8 +454,9 @@ fn run(layout: Layout, model: Model) -> Run {
 /// 50 steps, most in the elements whose gradient is itself rounding noise
 /// (each moves by about `lr` a step whatever the noise's size), which the
 /// norm sees first. The same runs on tp = 2 instead of cp drift as far
-/// (measured on the masked Llama-family model: cp = 4 at most 1.6e-7 in
-/// the loss and 1.0e-4 in the norm, tp = 2 1.3e-7 and 1.9e-4); at a
+/// (measured on the masked Llama-family model with four micro-batches a
+/// step: cp = 4 at most 1.6e-7 in the loss and 1.0e-4 in the norm, tp = 2
+/// 1.3e-7 and 1.9e-4); at a
 /// learning rate where the one-rank run itself is unstable (3e-3 here)
 /// both drift to 1% by step 50. In bf16 such a difference can move an
 /// operand's bf16 rounding by a whole bf16 step (2⁻⁸).
@@ -504,6 +505,8 @@ fn context_parallel_layouts_follow_one_rank() {
                 ..l(1, 1, 2, 2)
             },
         ),
+        // tp 4 over 2 key/value heads: each copied on two ranks
+        (Model::Llama, l(1, 1, 2, 4)),
         (
             d,
             Layout {
