@@ -403,8 +403,12 @@ impl Drill {
     /// A node fault of kind `kind` (a [`NodeFaultKind`] name): one of the
     /// `busy` nodes that hold the job, from step 2 to the middle of the
     /// run (the drill sees steps as they are logged; a fault late in a
-    /// fast job could miss it), a flap of 10 to 20 seconds: longer than
-    /// the drill's `parallel.timeout_s`, so the attempt fails.
+    /// fast job could miss it), a flap of 30 to 40 seconds: longer than
+    /// the drill's `parallel.timeout_s`, so the attempt fails, and than
+    /// the launcher's teardown and the supervisor's probes after it, so
+    /// the flapped node is still silent when the supervisor asks which
+    /// node failed (a flap of 16 s healed during the probes, and the
+    /// survivor that reported the failure was blamed).
     fn draw_node(&self, rng: &mut Rng, kind: &str, steps: u64, busy: usize) -> NodeFault {
         let kind = if kind == NodeFaultKind::NodeKill.name() {
             NodeFaultKind::NodeKill
@@ -417,7 +421,7 @@ impl Drill {
             kind,
             node: nodes.get(i).map_or_else(|| "n0".into(), |n| n.0.clone()),
             step: rng.range(2, (steps / 2).max(2)),
-            seconds: rng.range(10, 20),
+            seconds: rng.range(30, 40),
         }
     }
 
