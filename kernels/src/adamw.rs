@@ -5,6 +5,7 @@ use rayon::prelude::*;
 
 use crate::Real;
 use crate::error::{Error, Result, check};
+use crate::schedule::{DecayShape, LrSchedule, Schedule};
 
 /// AdamW hyper-parameters.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -35,19 +36,30 @@ impl Default for AdamW {
 }
 
 /// AdamW over a run, as a job's `[optim]` table sets it: the peak
-/// learning rate with linear warmup then cosine decay to a floor, the
+/// learning rate with linear warmup then a [`Schedule`] (cosine decay to
+/// a floor by default; linear, constant, or warmup-stable-decay), the
 /// other hyper-parameters, and the global gradient-norm clip. With the
 /// `serde` feature it (de)serializes key for key, defaults filled in,
-/// unknown keys refused.
+/// unknown keys refused. The keys that shape the learning rate are those
+/// of [`LrSchedule`] ([`lr_schedule`](Self::lr_schedule)).
 ///
 /// ```
-/// use weft_kernels::AdamWConfig;
+/// use weft_kernels::{AdamWConfig, DecayShape, Schedule};
 /// let o = AdamWConfig { lr: 1.0, min_lr_ratio: 0.1, warmup_steps: 10, ..Default::default() };
 /// assert_eq!(o.lr_at(4, 110), 0.5);
 /// assert_eq!(o.lr_at(9, 110), 1.0);
 /// assert!((o.lr_at(109, 110) - 0.1).abs() < 1e-12);
 /// assert_eq!(o.at(0.5).lr, 0.5);
 /// assert!(AdamWConfig { beta2: 1.0, ..Default::default() }.validate().is_err());
+///
+/// // Warmup-stable-decay: the last 20 of 110 steps decay as 1 − √p.
+/// let w = AdamWConfig { schedule: Schedule::Wsd, decay_shape: DecayShape::Sqrt, decay_steps: 20, ..o };
+/// w.validate()?;
+/// w.check_steps(110)?;
+/// assert_eq!(w.decay_start(110), Some(90));
+/// assert_eq!(w.lr_at(89, 110), 1.0);
+/// assert_eq!(w.lr_at(109, 110), 0.1);
+/// # Ok::<(), weft_kernels::Error>(())
 /// ```
 #[derive(Clone, Debug, PartialEq)]
 #[cfg_attr(
@@ -62,6 +74,26 @@ pub struct AdamWConfig {
     pub min_lr_ratio: f64,
     /// Linear warmup steps.
     pub warmup_steps: u64,
+    /// What follows warmup: `"cosine"` (the default), `"wsd"`,
+    /// `"linear"` or `"constant"`; see [`LrSchedule::lr_at`].
+    pub schedule: Schedule,
+    /// The shape of a `"wsd"` decay: `"linear"` (the default), `"cosine"`
+    /// or `"sqrt"` (1 − √p). Linear is the default of the published
+    /// implementations (Hägele et al.'s `wsd_schedule`, torchtitan), so a
+    /// recipe ported from them means the same here; Hägele et al. find
+    /// `"sqrt"` reaches a lower final loss at the same decay length.
+    /// Refused with the other schedules unless left at its default.
+    pub decay_shape: DecayShape,
+    /// The length of a `"wsd"` decay as a fraction of the run, in
+    /// (0, 1], used when `decay_steps` is 0: `round(decay_fraction ·
+    /// train.steps)` steps (default 0.2). Refused with the other
+    /// schedules unless left at its default.
+    pub decay_fraction: f64,
+    /// The length of a `"wsd"` decay in steps (0, the default: use
+    /// `decay_fraction`). At most `train.steps − warmup_steps`
+    /// ([`check_steps`](Self::check_steps)). Refused with the other
+    /// schedules.
+    pub decay_steps: u64,
     /// Decoupled weight decay (not applied to biases and layernorms).
     pub weight_decay: f64,
     /// Adam β₁.
@@ -76,12 +108,17 @@ pub struct AdamWConfig {
 
 impl Default for AdamWConfig {
     /// A small model's: peak 4e-3, a floor of a tenth, 50 warmup steps,
-    /// decay 0.1, betas (0.9, 0.95), ε 1e-8, clip at norm 1.
+    /// cosine decay, decay 0.1, betas (0.9, 0.95), ε 1e-8, clip at norm
+    /// 1 (the `"wsd"` keys: a linear decay over the last fifth).
     fn default() -> Self {
         Self {
             lr: 4e-3,
             min_lr_ratio: 0.1,
             warmup_steps: 50,
+            schedule: Schedule::Cosine,
+            decay_shape: DecayShape::Linear,
+            decay_fraction: LrSchedule::DEFAULT_DECAY_FRACTION,
+            decay_steps: 0,
             weight_decay: 0.1,
             beta1: 0.9,
             beta2: 0.95,
@@ -92,29 +129,49 @@ impl Default for AdamWConfig {
 }
 
 impl AdamWConfig {
-    /// The learning rate of optimizer step `step` (0-based) of `total`:
-    ///
-    /// * warmup (`step < warmup_steps`): `lr · (step + 1) / warmup_steps`,
-    ///   so the first step already moves and the last warmup step reaches
-    ///   `lr`;
-    /// * then cosine decay from `lr` at the end of warmup to
-    ///   `lr · min_lr_ratio` at the last step:
-    ///   `min + ½·(1 + cos(π·p))·(lr − min)` with `p` going from 0 to 1.
+    /// The keys that shape the learning rate.
     #[must_use]
-    #[allow(clippy::cast_precision_loss)]
+    pub fn lr_schedule(&self) -> LrSchedule {
+        LrSchedule {
+            lr: self.lr,
+            min_lr_ratio: self.min_lr_ratio,
+            warmup_steps: self.warmup_steps,
+            schedule: self.schedule,
+            decay_shape: self.decay_shape,
+            decay_fraction: self.decay_fraction,
+            decay_steps: self.decay_steps,
+        }
+    }
+
+    /// The learning rate of optimizer step `step` (0-based) of `total`
+    /// ([`LrSchedule::lr_at`] has the formulas). Every schedule warms up
+    /// as `lr · (step + 1) / warmup_steps`; the default, cosine, then
+    /// decays from `lr` at the end of warmup to `lr · min_lr_ratio` at
+    /// the last step as `min + ½·(1 + cos(π·p))·(lr − min)`, `p` going
+    /// from 0 to 1.
+    #[must_use]
     pub fn lr_at(&self, step: u64, total: u64) -> f64 {
-        let peak = self.lr;
-        let floor = peak * self.min_lr_ratio;
-        let warmup = self.warmup_steps;
-        if step < warmup {
-            return peak * (step + 1) as f64 / warmup as f64;
-        }
-        let decay_steps = total.saturating_sub(warmup).saturating_sub(1);
-        if decay_steps == 0 {
-            return peak;
-        }
-        let p = ((step - warmup) as f64 / decay_steps as f64).min(1.0);
-        floor + 0.5 * (1.0 + (std::f64::consts::PI * p).cos()) * (peak - floor)
+        self.lr_schedule().lr_at(step, total)
+    }
+
+    /// The first decay step of a `"wsd"` run of `total` steps (`None`
+    /// for the other schedules): the learning rate of every step before
+    /// it depends only on `lr` and `warmup_steps`, so a checkpoint taken
+    /// before it can be continued with another `train.steps` or decay
+    /// ([`LrSchedule::decay_start`] states the condition).
+    #[must_use]
+    pub fn decay_start(&self, total: u64) -> Option<u64> {
+        self.lr_schedule().decay_start(total)
+    }
+
+    /// Checks the schedule against a run of `total` steps, once its
+    /// length is known: a `"wsd"` decay must have at least one step and
+    /// fit after warmup ([`LrSchedule::check_steps`]).
+    ///
+    /// # Errors
+    /// [`Error::Config`] naming `decay_steps` or `decay_fraction`.
+    pub fn check_steps(&self, total: u64) -> Result<()> {
+        self.lr_schedule().check_steps(total)
     }
 
     /// The update's hyper-parameters at learning rate `lr`.
@@ -130,24 +187,15 @@ impl AdamWConfig {
         }
     }
 
-    /// Checks every setting's range.
+    /// Checks every setting's range, and that the decay keys are set
+    /// only with `schedule = "wsd"` ([`LrSchedule::validate`]); the run's
+    /// length is checked by [`check_steps`](Self::check_steps).
     ///
     /// # Errors
     /// [`Error::Config`] naming the first setting out of range.
     pub fn validate(&self) -> Result<()> {
         let bad = |field, reason: String| Err(Error::Config { field, reason });
-        if !(self.lr.is_finite() && self.lr > 0.0) {
-            return bad(
-                "lr",
-                format!("must be a finite value > 0 (got {})", self.lr),
-            );
-        }
-        if !(0.0..=1.0).contains(&self.min_lr_ratio) {
-            return bad(
-                "min_lr_ratio",
-                format!("must be in [0, 1] (got {})", self.min_lr_ratio),
-            );
-        }
+        self.lr_schedule().validate()?;
         for (field, b) in [("beta1", self.beta1), ("beta2", self.beta2)] {
             if !(0.0..1.0).contains(&b) {
                 return bad(field, format!("must be in [0, 1) (got {b})"));
@@ -354,6 +402,62 @@ mod tests {
             );
         }
         assert!(AdamWConfig::default().validate().is_ok());
+    }
+
+    #[test]
+    fn schedule_keys_reach_the_schedule() {
+        let o = AdamWConfig {
+            lr: 2.0,
+            min_lr_ratio: 0.25,
+            warmup_steps: 5,
+            schedule: Schedule::Wsd,
+            decay_shape: DecayShape::Cosine,
+            decay_fraction: 0.5,
+            ..Default::default()
+        };
+        assert!(o.validate().is_ok());
+        assert_eq!(o.decay_start(40), Some(20));
+        for step in 0..45 {
+            assert_eq!(o.lr_at(step, 40), o.lr_schedule().lr_at(step, 40));
+        }
+        assert_eq!(o.lr_at(39, 40), 0.5);
+        assert!(o.check_steps(9).is_err());
+        // Decay keys with another schedule are refused, by name.
+        let bad = AdamWConfig {
+            decay_steps: 100,
+            ..Default::default()
+        };
+        assert!(matches!(
+            bad.validate(),
+            Err(Error::Config {
+                field: "decay_steps",
+                ..
+            })
+        ));
+        assert_eq!(AdamWConfig::default().decay_start(1000), None);
+    }
+
+    #[cfg(feature = "serde")]
+    #[test]
+    fn optim_table_keys() {
+        use serde::Deserialize;
+        use serde::de::value::{Error as DeError, MapDeserializer};
+        let table = |kv: Vec<(&'static str, &'static str)>| {
+            AdamWConfig::deserialize(MapDeserializer::<_, DeError>::new(kv.into_iter()))
+        };
+        let o = table(vec![("schedule", "wsd"), ("decay_shape", "sqrt")]).unwrap();
+        assert_eq!(o.schedule, Schedule::Wsd);
+        assert_eq!(o.decay_shape, DecayShape::Sqrt);
+        assert_eq!(
+            AdamWConfig {
+                schedule: Schedule::Cosine,
+                decay_shape: DecayShape::Linear,
+                ..o
+            },
+            AdamWConfig::default()
+        );
+        assert!(table(vec![("schedule", "step")]).is_err());
+        assert!(table(vec![("decay", "sqrt")]).is_err());
     }
 
     /// Algorithm 2 of the paper (with η = 1 schedule multiplier and the

@@ -33,6 +33,8 @@
 //! | token + position embedding | [`encoder_forward`] | [`encoder_backward`] |
 //! | residual add | [`residual_forward`] | [`residual_backward`] |
 //! | AdamW update | [`adamw_update`] with [`AdamW`] | |
+//! | Muon update (momentum, Newton–Schulz orthogonalisation, scaled step; torch's `Muon`) | [`muon_update`] with [`Muon`] = [`muon_momentum`] + [`newton_schulz`] + [`muon_apply`] | |
+//! | learning-rate schedule: linear warmup, then cosine, linear, constant or warmup-stable-decay ([`Schedule`], [`DecayShape`]; checked against PyTorch's schedulers) | [`LrSchedule::lr_at`] (a job's `[optim]`: [`AdamWConfig::lr_at`]) | |
 //!
 //! Mixed precision: every linear layer's products take a [`Precision`].
 //! [`Precision::Bf16`] rounds their operands to bf16 as they are packed
@@ -121,6 +123,8 @@
 //!   needs only libnvrtc; `scripts/gpu-check.sh` runs the GPU side.
 //! * `serde` (off by default): [`Precision`] (de)serializes as `"fp32"`,
 //!   `"bf16"` or `"fp16"`, the names a job file uses.
+//!   [`AdamWConfig`] (de)serializes as a job's `[optim]` table, its
+//!   [`Schedule`] and [`DecayShape`] by their lowercase names.
 #![deny(missing_docs)]
 
 mod adamw;
@@ -134,11 +138,13 @@ mod gemm_bf16;
 mod held;
 mod layernorm;
 mod matmul;
+mod muon;
 mod peak;
 mod pointwise;
 mod real;
 mod rmsnorm;
 mod rope;
+mod schedule;
 mod simd;
 mod softmax;
 #[cfg(test)]
@@ -164,6 +170,9 @@ pub use matmul::{
     matmul_backward_wt, matmul_backward_wt_input, matmul_backward_wt_weight, matmul_forward,
     matmul_forward_wt,
 };
+pub use muon::{
+    Muon, MuonScale, WeightShape, muon_apply, muon_momentum, muon_update, newton_schulz,
+};
 pub use peak::fma_peak_gflops;
 pub use pointwise::{
     gelu_backward, gelu_forward, residual_backward, residual_forward, swiglu_backward,
@@ -174,6 +183,7 @@ pub use rmsnorm::{
     rmsnorm_backward, rmsnorm_backward_input, rmsnorm_backward_weight, rmsnorm_forward,
 };
 pub use rope::{Llama3Scaling, Rope, RopeTable, rope_backward, rope_forward};
+pub use schedule::{DecayShape, LrSchedule, Schedule};
 pub use softmax::{
     crossentropy_forward, crossentropy_softmax_backward, fused_classifier,
     fused_classifier_backward, fused_classifier_forward, softmax_backward, softmax_forward,
