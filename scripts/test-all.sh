@@ -51,12 +51,13 @@ fi
 # Python with safetensors, numpy, torch and transformers: an independent
 # reader of our checkpoint files (bf16 included) and the check that
 # transformers loads our Hugging Face export (checkpoint's interop tests,
-# through WEFT_PYTHON). torch from the package index is its CUDA build
-# (about 5.6 GiB with its libraries, two minutes once; cached after).
+# through WEFT_PYTHON); and tensorboard, whose reader checks the event
+# files that weft-trace writes. torch from the package index is its CUDA
+# build (about 5.6 GiB with its libraries, two minutes once; cached after).
 venv="${WEFT_VENV:-$HOME/.cache/weft-venv}"
-if ! "$venv/bin/python" -c "import safetensors, numpy, torch, transformers" >/dev/null 2>&1; then
+if ! "$venv/bin/python" -c "import safetensors, numpy, torch, transformers, tensorboard" >/dev/null 2>&1; then
     { [ -x "$venv/bin/pip" ] || python3 -m venv "$venv"; } \
-        && "$venv/bin/pip" install -q safetensors numpy torch transformers \
+        && "$venv/bin/pip" install -q safetensors numpy torch transformers tensorboard \
         || { echo "cannot set up $venv" >&2; exit 1; }
 fi
 export WEFT_PYTHON="$venv/bin/python"

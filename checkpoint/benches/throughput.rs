@@ -1,12 +1,11 @@
 //! Save and load throughput against the disk's own sequential bandwidth,
-//! measured in the same run on a same-sized file, and the training-step
-//! stall of an async save against a synchronous one, on a real model step.
+//! measured in the same run on a same-sized file. (The training loop's
+//! stall per save, background against synchronous, is measured on `weft
+//! train` itself: `scripts/bench-save-stall.sh`.)
 //!
 //! `cargo bench -p weft-checkpoint --bench throughput` (env:
 //! `WEFT_BENCH_MB` data size, default 512; `WEFT_BENCH_DIR` where to write,
-//! default the temp dir; `WEFT_BENCH_MODEL` `small` (GPT-2 small, default),
-//! `tiny` (4 layers, 256 wide) or `none`). Prints tables; nothing is
-//! asserted.
+//! default the temp dir). Prints tables; nothing is asserted.
 //!
 //! Throughput is measured twice, with the same page-cache state for the
 //! raw baseline and the checkpoint:
@@ -29,11 +28,9 @@ use std::path::Path;
 use std::time::Instant;
 
 use weft_checkpoint::{
-    AsyncSaver, Checkpoint, Dtype, Layout, OwnedShard, ReadRequest, Region, SaveOptions, ShardData,
+    Checkpoint, Dtype, Layout, OwnedShard, ReadRequest, Region, SaveOptions, ShardData,
     TargetLayout, TrainerState, load_shards, save,
 };
-use weft_kernels::AdamW;
-use weft_model::{AdamWState, Gpt, GptConfig};
 
 const MB: usize = 1 << 20;
 
@@ -310,188 +307,6 @@ fn tempfile_ck(
     ck
 }
 
-fn f32_bytes(x: &[f32]) -> &[u8] {
-    // SAFETY: f32 has no padding and every bit pattern is a valid u8; the
-    // slice covers exactly the same memory with the same lifetime, and u8
-    // has alignment 1.
-    unsafe { std::slice::from_raw_parts(x.as_ptr().cast::<u8>(), size_of_val(x)) }
-}
-
-/// The training state a checkpoint holds: parameters and AdamW moments.
-fn model_state<'a>(
-    model: &'a Gpt,
-    opt: &'a AdamWState,
-    names: &'a [(String, String, String, Vec<u64>)],
-) -> Vec<ShardData<'a>> {
-    let mut out = Vec::new();
-    for (spec, (p, m, v, shape)) in model.layout().specs().iter().zip(names) {
-        let r = spec.range();
-        for (name, data) in [
-            (p, model.param(&spec.name).unwrap()),
-            (m, &opt.m[r.clone()]),
-            (v, &opt.v[r.clone()]),
-        ] {
-            out.push(ShardData::full(name, Dtype::F32, shape, f32_bytes(data)));
-        }
-    }
-    out
-}
-
-fn step_stall(dir: &Path, which: &str) {
-    let (cfg, b, t) = match which {
-        "tiny" => (
-            GptConfig {
-                n_layer: 4,
-                n_head: 4,
-                n_embd: 256,
-                vocab_size: 50304,
-                block_size: 1024,
-                tied_embeddings: true,
-                layer_norm_epsilon: 1e-5,
-                arch: weft_model::BlockArch::GPT2,
-            },
-            8,
-            256,
-        ),
-        _ => (GptConfig::gpt2_small(), 4, 256),
-    };
-    let mut model = Gpt::new(cfg.clone()).unwrap();
-    model.init_gpt2(1);
-    let mut acts = model.activations(b, t).unwrap();
-    let mut opt = model.adamw_state();
-    let hp = AdamW {
-        lr: 1e-4,
-        weight_decay: 0.1,
-        ..AdamW::default()
-    };
-    let v = u32::try_from(cfg.vocab_size).unwrap();
-    let n = (b * t) as u32;
-    let tokens: Vec<u32> = (0..n).map(|i| i.wrapping_mul(2_654_435_761) % v).collect();
-    let targets: Vec<u32> = (0..n)
-        .map(|i| (i + 1).wrapping_mul(2_654_435_761) % v)
-        .collect();
-    let names: Vec<(String, String, String, Vec<u64>)> = model
-        .layout()
-        .specs()
-        .iter()
-        .map(|s| {
-            (
-                format!("model.{}", s.name),
-                format!("optim.m.{}", s.name),
-                format!("optim.v.{}", s.name),
-                s.shape.iter().map(|&d| d as u64).collect(),
-            )
-        })
-        .collect();
-    let mut step = |model: &mut Gpt, opt: &mut AdamWState| {
-        let t0 = Instant::now();
-        model.forward(&mut acts, &tokens, Some(&targets)).unwrap();
-        model.zero_grad();
-        model.backward(&mut acts).unwrap();
-        model.adamw_step(opt, &hp).unwrap();
-        t0.elapsed().as_secs_f64()
-    };
-    step(&mut model, &mut opt); // warm-up
-    let layout = Layout::flat("dp", 1);
-    let state = TrainerState::default();
-    let opts = SaveOptions::default();
-    let bytes: usize = model_state(&model, &opt, &names)
-        .iter()
-        .map(|s| s.data.len())
-        .sum();
-    let plain: Vec<f64> = (0..2).map(|_| step(&mut model, &mut opt)).collect();
-    let base = plain.iter().copied().fold(f64::MAX, f64::min);
-
-    let root = dir.join("async");
-    // First without reserve(): the first save allocates its buffers.
-    let mut saver = AsyncSaver::new(&root, opts.clone()).unwrap();
-    let shards = model_state(&model, &opt, &names);
-    let t0 = Instant::now();
-    saver.save_from(100, &layout, &[shards], &state);
-    let unreserved = t0.elapsed().as_secs_f64();
-    saver.wait().unwrap().unwrap();
-    drop(saver);
-    fs::remove_dir_all(&root).unwrap();
-    // As a trainer does: reserve() once at start-up, then save in the loop.
-    let mut saver = AsyncSaver::new(&root, opts.clone()).unwrap();
-    let shards = model_state(&model, &opt, &names);
-    let t0 = Instant::now();
-    saver.reserve(&[shards]);
-    let reserve = t0.elapsed().as_secs_f64();
-    let mut stalls = Vec::new();
-    let mut during = Vec::new();
-    for s in 0..2u64 {
-        let shards = model_state(&model, &opt, &names);
-        let t0 = Instant::now();
-        if let Some(prev) = saver.save_from(s, &layout, &[shards], &state) {
-            prev.unwrap();
-        }
-        stalls.push(t0.elapsed().as_secs_f64());
-        // The steps that run while the save is written.
-        for _ in 0..2 {
-            let busy = !saver.is_idle();
-            let d = step(&mut model, &mut opt);
-            if busy {
-                during.push(d);
-            }
-        }
-    }
-    let outcome = saver.wait().unwrap().unwrap();
-    drop(saver);
-    fs::remove_dir_all(&root).unwrap();
-
-    let root = dir.join("sync");
-    let shards = model_state(&model, &opt, &names);
-    let t0 = Instant::now();
-    save(&root, 9, &layout, &[shards], &state, &opts).unwrap();
-    let sync = t0.elapsed().as_secs_f64();
-    fs::remove_dir_all(&root).unwrap();
-
-    let mean_during = if during.is_empty() {
-        base
-    } else {
-        during.iter().sum::<f64>() / during.len() as f64
-    };
-    println!();
-    println!(
-        "step stall: {} ({} layers, {} wide), batch {b} x {t}, one step = forward + backward + \
-         AdamW = {:.0} ms (best of {}); a save holds parameters + AdamW moments = {:.0} MiB",
-        if which == "tiny" {
-            "tiny GPT"
-        } else {
-            "GPT-2 small"
-        },
-        cfg.n_layer,
-        cfg.n_embd,
-        base * 1e3,
-        plain.len(),
-        bytes as f64 / MB as f64
-    );
-    println!("| save                                   | stall (ms) | % of a step |");
-    println!("|----------------------------------------|------------|-------------|");
-    let row = |name: &str, s: f64| {
-        println!(
-            "| {name:38} | {:10.1} | {:10.2}% |",
-            s * 1e3,
-            s / base * 100.0
-        );
-    };
-    row("synchronous save", sync);
-    row("async, first save without reserve()", unreserved);
-    row("reserve() at start-up (not in a step)", reserve);
-    row("async, first save after reserve()", stalls[0]);
-    row("async, later saves (reused buffers)", stalls[1]);
-    println!(
-        "async copy into reused buffers: {:.2} GB/s; background write {:.2} s; steps run while \
-         writing: {} of mean {:.0} ms ({:+.1}% vs a quiet step)",
-        bytes as f64 / 1e9 / stalls[1],
-        outcome.write_seconds,
-        during.len(),
-        mean_during * 1e3,
-        (mean_during / base - 1.0) * 100.0
-    );
-}
-
 fn main() {
     let mb: usize = std::env::var("WEFT_BENCH_MB")
         .ok()
@@ -500,7 +315,6 @@ fn main() {
     let base = std::env::var_os("WEFT_BENCH_DIR")
         .map(Into::into)
         .unwrap_or_else(std::env::temp_dir);
-    let model = std::env::var("WEFT_BENCH_MODEL").unwrap_or_else(|_| "small".into());
     let dir = base.join(format!("weft-ckpt-bench-{}", std::process::id()));
     fs::create_dir_all(&dir).unwrap();
     println!(
@@ -511,9 +325,6 @@ fn main() {
             .trim()
     );
     throughput(&dir, mb);
-    if model != "none" {
-        step_stall(&dir, &model);
-    }
     println!(
         "load average at end: {}",
         fs::read_to_string("/proc/loadavg")

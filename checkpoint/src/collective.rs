@@ -334,3 +334,388 @@ pub fn set_aside(dir: &Path) -> Result<PathBuf, String> {
     }
     Err("too many earlier copies set aside".into())
 }
+
+/// How a background save ended.
+#[derive(Debug)]
+pub struct Finished {
+    /// The step saved.
+    pub step: u64,
+    /// The save's outcome, the same on every rank.
+    pub result: Result<(), CollectiveError>,
+    /// Seconds from its start to its end (writing, committing, retention).
+    pub seconds: f64,
+    /// Seconds the caller waited for it, when a new save or
+    /// [`Background::wait`] had to (0 when it had ended already).
+    pub waited: f64,
+}
+
+/// A save running on its thread.
+struct InFlight {
+    step: u64,
+    handle: std::thread::JoinHandle<(Result<(), CollectiveError>, f64)>,
+}
+
+/// Collective saves that run on a thread of their own while the ranks
+/// train on, one at a time, over a communicator group of their own (split
+/// from the job's, so that their messages never meet the training step's).
+///
+/// The training loop copies its state (the only part of a save it waits
+/// for) and hands the copy to [`Background::start`] in a closure that
+/// saves it, typically with [`save`] over the group it is given. A save
+/// started while the previous one still runs first waits for it (the
+/// wait is reported in [`Finished::waited`]); [`Background::wait`]
+/// waits for the save in flight, and dropping the saver does too, so a
+/// run never ends with a save half done. The outcome of a save is
+/// collective like [`save`]'s: every rank learns the same one, when it
+/// next starts one or waits.
+///
+/// ```
+/// use weft_checkpoint::collective::{Background, SaveSpec, save};
+/// use weft_checkpoint::{CollectiveError, FlatRun, Retention, SaveOptions, TrainerState};
+/// use weft_collectives::{Communicator, LocalCluster};
+///
+/// let root = tempfile::tempdir()?;
+/// let root = root.path().to_owned();
+/// let out = LocalCluster::run(2, |world| {
+///     let mut saver = Background::new(&world)?;
+///     for step in [10u64, 20] {
+///         // the copy of this rank's state the save owns
+///         let mine = vec![step as f32 + world.rank() as f32; 2];
+///         let (root, rank) = (root.clone(), world.rank());
+///         let previous = saver.start(step, move |group| {
+///             let runs = [FlatRun { name: "w", global_shape: &[4], start: 2 * rank, values: vec![&mine] }];
+///             let spec = SaveSpec {
+///                 step, runs: &runs, name: &|_, n| n.to_owned(), mesh: &[("dp", 2)],
+///                 state: &TrainerState::default(), retention: Retention::new(2, None),
+///             };
+///             save(group, &root, &spec, &SaveOptions::default(), &mut || {})
+///         })?;
+///         // ... the training step goes on here ...
+///         if let Some(done) = previous {
+///             done.result?; // step 10's outcome, learned when step 20 starts
+///         }
+///     }
+///     let last = saver.wait().expect("a save in flight");
+///     assert_eq!(last.step, 20);
+///     last.result
+/// });
+/// for r in out? {
+///     r?;
+/// }
+/// assert!(root.join("step-00000020").is_dir());
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+pub struct Background {
+    group: std::sync::Arc<dyn Communicator>,
+    pending: Option<InFlight>,
+}
+
+impl std::fmt::Debug for Background {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Background")
+            .field("in_flight", &self.in_flight())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Background {
+    /// A saver over a group split from `world` (collective over `world`:
+    /// every rank creates its saver at the same point).
+    ///
+    /// # Errors
+    /// The split's collective error.
+    pub fn new(world: &dyn Communicator) -> Result<Self, CollectiveError> {
+        let key = u32::try_from(world.rank()).unwrap_or(u32::MAX);
+        Ok(Background {
+            group: std::sync::Arc::from(world.split(0, key)?),
+            pending: None,
+        })
+    }
+
+    /// The step being saved, if a save has not been waited for.
+    #[must_use]
+    pub fn in_flight(&self) -> Option<u64> {
+        self.pending.as_ref().map(|p| p.step)
+    }
+
+    /// Starts saving checkpoint `step` with `save`, run on a thread of its
+    /// own over the saver's group, after waiting for the previous save;
+    /// returns that one's outcome (`None` if there was none).
+    ///
+    /// # Errors
+    /// [`CollectiveError::Checkpoint`] if the thread cannot start.
+    pub fn start<F>(&mut self, step: u64, save: F) -> Result<Option<Finished>, CollectiveError>
+    where
+        F: FnOnce(&dyn Communicator) -> Result<(), CollectiveError> + Send + 'static,
+    {
+        let previous = self.wait();
+        let group = std::sync::Arc::clone(&self.group);
+        let handle = std::thread::Builder::new()
+            .name(format!("weft-save-{step}"))
+            .spawn(move || {
+                let t0 = std::time::Instant::now();
+                let r = save(&*group);
+                (r, t0.elapsed().as_secs_f64())
+            })
+            .map_err(|e| Error::Background {
+                step,
+                reason: format!("cannot start its thread: {e}"),
+            })?;
+        self.pending = Some(InFlight { step, handle });
+        Ok(previous)
+    }
+
+    /// Waits for the save in flight; returns its outcome (`None` if there
+    /// is none).
+    pub fn wait(&mut self) -> Option<Finished> {
+        let InFlight { step, handle } = self.pending.take()?;
+        let t0 = std::time::Instant::now();
+        let done = handle.is_finished();
+        let (result, seconds) = handle.join().unwrap_or_else(|p| {
+            let reason = p
+                .downcast_ref::<&str>()
+                .map(|s| (*s).to_owned())
+                .or_else(|| p.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "its thread panicked".into());
+            (Err(Error::Background { step, reason }.into()), 0.0)
+        });
+        Some(Finished {
+            step,
+            result,
+            seconds,
+            waited: if done {
+                0.0
+            } else {
+                t0.elapsed().as_secs_f64()
+            },
+        })
+    }
+}
+
+impl Drop for Background {
+    /// Waits for the save in flight: a run never leaves one half done.
+    fn drop(&mut self) {
+        let _ = self.wait();
+    }
+}
+
+/// A [`FlatRun`] that owns its values: a rank's copy of its part of a
+/// tensor, which outlives the training step.
+#[derive(Clone, Debug, PartialEq)]
+pub struct OwnedRun {
+    /// The tensor.
+    pub name: String,
+    /// The whole tensor's shape.
+    pub global_shape: Vec<usize>,
+    /// The run's first element, in the whole tensor's flat order.
+    pub start: usize,
+    /// The run's values, one array per kind (all the same length).
+    pub values: Vec<Vec<f32>>,
+}
+
+/// A rank's checkpoint, copied out of the training state and ready to
+/// write (by [`Saver`], or [`Staged::write`] over any group).
+#[derive(Clone, Debug)]
+pub struct Staged {
+    /// The step it is taken after.
+    pub step: u64,
+    /// This rank's parts of the tensors.
+    pub runs: Vec<OwnedRun>,
+    /// The name a run's `k`-th value array of tensor `name` is saved under.
+    pub name: fn(usize, &str) -> String,
+    /// The mesh's dimensions, slowest first, as the manifest records them.
+    pub mesh: Vec<(&'static str, usize)>,
+    /// The trainer state (rank 0's is committed).
+    pub state: TrainerState,
+    /// Which checkpoints to keep once it is committed.
+    pub retention: Retention,
+}
+
+impl Staged {
+    /// Bytes of its values (`f32`).
+    #[must_use]
+    pub fn bytes(&self) -> u64 {
+        let values = self.runs.iter().flat_map(|r| &r.values);
+        values.map(|v| 4 * v.len() as u64).sum()
+    }
+
+    /// Writes it as checkpoint `self.step` under `root`, collectively over
+    /// `group` ([`save`]); `after_write` runs between this rank's write and
+    /// the commit.
+    ///
+    /// # Errors
+    /// As [`save`].
+    pub fn write(
+        &self,
+        group: &dyn Communicator,
+        root: &Path,
+        opts: &SaveOptions,
+        after_write: &mut dyn FnMut(),
+    ) -> Result<(), CollectiveError> {
+        let runs: Vec<FlatRun<'_>> = self
+            .runs
+            .iter()
+            .map(|r| FlatRun {
+                name: &r.name,
+                global_shape: &r.global_shape,
+                start: r.start,
+                values: r.values.iter().map(Vec::as_slice).collect(),
+            })
+            .collect();
+        let spec = SaveSpec {
+            step: self.step,
+            runs: &runs,
+            name: &self.name,
+            mesh: &self.mesh,
+            state: &self.state,
+            retention: self.retention.clone(),
+        };
+        save(group, root, &spec, opts, after_write)
+    }
+}
+
+/// What a committed checkpoint cost the training loop.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Saved {
+    /// Its step.
+    pub step: u64,
+    /// Whether it was written in the background.
+    pub background: bool,
+    /// Seconds the loop stood still for it: the copy, the wait for its
+    /// end when the next save (or the end) came first, and for a
+    /// synchronous save the write.
+    pub stall_s: f64,
+    /// Of those, seconds waiting for it to end.
+    pub waited_s: f64,
+    /// Seconds from the start of its write to its commit and retention.
+    pub write_s: f64,
+    /// Bytes of this rank's copy.
+    pub bytes: u64,
+}
+
+/// What runs on the writing thread around a save: `after_write` between
+/// this rank's write and the commit, `after_commit` with the committed
+/// folder (fault drills' hooks).
+pub struct SaveHooks {
+    /// Between this rank's write and the commit.
+    pub after_write: Box<dyn FnMut() + Send>,
+    /// After a successful commit, with the checkpoint's folder.
+    pub after_commit: Box<dyn FnOnce(&Path) + Send>,
+}
+
+impl Default for SaveHooks {
+    fn default() -> Self {
+        Self {
+            after_write: Box::new(|| {}),
+            after_commit: Box::new(|_| {}),
+        }
+    }
+}
+
+/// A training loop's checkpoints under one root: written in the
+/// background ([`Background`]: the loop waits only for its copy, one save
+/// in flight) or with every rank stopped for the whole write, and
+/// reported ([`Saved`]) once committed — for a background save when the
+/// next save starts or [`Saver::wait`] is called, the same on every rank.
+#[derive(Debug)]
+pub struct Saver {
+    root: PathBuf,
+    opts: SaveOptions,
+    background: Option<Background>,
+    /// The save in flight: its step, the copy's seconds, its bytes.
+    started: Option<(u64, f64, u64)>,
+}
+
+impl Saver {
+    /// Checkpoints under `root`, in the background or not. Collective over
+    /// `world` (the background's group is split from it).
+    ///
+    /// # Errors
+    /// The split's.
+    pub fn new(
+        world: &dyn Communicator,
+        root: &Path,
+        opts: SaveOptions,
+        background: bool,
+    ) -> Result<Self, CollectiveError> {
+        Ok(Saver {
+            root: root.to_owned(),
+            opts,
+            background: if background {
+                Some(Background::new(world)?)
+            } else {
+                None
+            },
+            started: None,
+        })
+    }
+
+    /// Saves `staged`, which the loop took `copy_s` seconds to copy:
+    /// starts writing it in the background (after waiting for the
+    /// previous save, whose report it returns), or writes it now over
+    /// `world` and returns its report. Collective over `world`.
+    ///
+    /// # Errors
+    /// The save's (in the background, the previous save's), as [`save`].
+    pub fn save(
+        &mut self,
+        world: &dyn Communicator,
+        staged: Staged,
+        copy_s: f64,
+        mut hooks: SaveHooks,
+    ) -> Result<Option<Saved>, CollectiveError> {
+        let (step, bytes) = (staged.step, staged.bytes());
+        let (root, opts) = (self.root.clone(), self.opts.clone());
+        let write = move |group: &dyn Communicator| {
+            staged.write(group, &root, &opts, &mut *hooks.after_write)?;
+            (hooks.after_commit)(&root.join(crate::step_dir_name(step)));
+            Ok(())
+        };
+        let Some(bg) = &mut self.background else {
+            let t0 = std::time::Instant::now();
+            write(world)?;
+            let write_s = t0.elapsed().as_secs_f64();
+            return Ok(Some(Saved {
+                step,
+                background: false,
+                stall_s: copy_s + write_s,
+                waited_s: 0.0,
+                write_s,
+                bytes,
+            }));
+        };
+        let previous = bg.start(step, write)?;
+        let earlier = self.started.replace((step, copy_s, bytes));
+        Self::report(previous, earlier)
+    }
+
+    /// Waits for the save in flight and returns its report (`None` if
+    /// there is none).
+    ///
+    /// # Errors
+    /// The save's.
+    pub fn wait(&mut self) -> Result<Option<Saved>, CollectiveError> {
+        let done = self.background.as_mut().and_then(Background::wait);
+        Self::report(done, self.started.take())
+    }
+
+    /// The report of the background save `started` (step, copy seconds,
+    /// bytes) that ended as `done`.
+    fn report(
+        done: Option<Finished>,
+        started: Option<(u64, f64, u64)>,
+    ) -> Result<Option<Saved>, CollectiveError> {
+        let (Some(done), Some((step, copy_s, bytes))) = (done, started) else {
+            return Ok(None);
+        };
+        done.result?;
+        Ok(Some(Saved {
+            step,
+            background: true,
+            stall_s: copy_s + done.waited,
+            waited_s: done.waited,
+            write_s: done.seconds,
+            bytes,
+        }))
+    }
+}

@@ -130,7 +130,8 @@ pub enum Error {
         /// Each candidate tried and why it was rejected.
         failures: Vec<(PathBuf, String)>,
     },
-    /// A background (async) save could not run to completion.
+    /// A background save ([`crate::collective::Background`]) could not run
+    /// to completion.
     #[error("background save of step {step} failed: {reason}")]
     Background {
         /// The step being saved.

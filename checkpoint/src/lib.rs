@@ -16,16 +16,16 @@
 //!   one tensor: a [`Region`] (row range, column range, or any box) of the
 //!   global tensor. [`SaveOptions`] carries the checksum chunk size and a
 //!   [`FaultHook`] for fault injection.
-//! * [`AsyncSaver`]: copies the state to host buffers ([`OwnedShard`]) and
-//!   writes it on a background tokio runtime while training continues; the
-//!   next save waits for the previous one. The copy is split by bytes over
-//!   [`SaveOptions::threads`] threads into buffers reused from save to save
-//!   ([`AsyncSaver::reserve`] maps them before the first).
 //! * [`collective`]: a job of many ranks over a `weft-collectives`
 //!   communicator — [`collective::save`] (rank 0 prepares, every rank
 //!   writes the runs of whole tensors it owns, rank 0 commits; one
-//!   outcome on every rank) and [`collective::pick_latest`] (rank 0
-//!   verifies and picks, every rank opens it).
+//!   outcome on every rank), [`collective::Background`] (the same save on
+//!   a thread and a communicator group of its own while the ranks train
+//!   on, one save at a time), [`collective::Saver`] (a training loop's
+//!   checkpoints, in the background or not, each reported with what it
+//!   cost the loop: [`collective::Saved`]) and [`collective::pick_latest`]
+//!   (rank 0 verifies and picks, every rank opens it);
+//!   [`link_checkpoint`] gives a branching run another run's checkpoint.
 //! * Loading: [`Checkpoint::open`] validates the manifest and every file's
 //!   header, [`Checkpoint::read_region`] reads any box of any tensor, touching
 //!   only the overlapping shards' byte ranges and verifying their checksums;
@@ -211,30 +211,6 @@
 //!   the overlapping byte ranges of the old shards are read. [`reshard()`]
 //!   rewrites a whole checkpoint for a new layout.
 //!
-//! # Saving from a training loop
-//! ```no_run
-//! # use weft_checkpoint::*;
-//! # fn shards() -> Vec<Vec<ShardData<'static>>> { vec![] }
-//! let mut saver = AsyncSaver::new("run/checkpoints".as_ref(), SaveOptions::default())?
-//!     .with_retention(Retention::new(3, Some(1000)));
-//! // Map the host buffers once, outside the loop, so that even the first
-//! // save's copy does not take page faults inside a step.
-//! saver.reserve(&shards());
-//! for step in 1..=10_000u64 {
-//!     // ... forward, backward, optimizer step ...
-//!     if step % 500 == 0 {
-//!         let state = TrainerState { optimizer_step: step, ..Default::default() };
-//!         // Blocks only to copy into host buffers (and if the previous save
-//!         // is still writing); returns the previous save's result.
-//!         if let Some(prev) = saver.save_from(step, &Layout::flat("dp", 1), &shards(), &state) {
-//!             prev?;
-//!         }
-//!     }
-//! }
-//! saver.wait().transpose()?;
-//! # Ok::<(), weft_checkpoint::Error>(())
-//! ```
-//!
 //! # Testing, fuzzing, benchmarks
 //! * `cargo test -p weft-checkpoint`: unit, property, fault-injection,
 //!   SIGKILL, corruption and bounded fuzz tests. Two interop tests run an
@@ -246,15 +222,14 @@
 //!   `safetensors_header`, `open_checkpoint`).
 //! * `cargo bench -p weft-checkpoint --bench throughput`: save and load
 //!   GB/s next to the disk's raw sequential write and read measured in the
-//!   same run, and the step stall of async vs sync saves.
+//!   same run.
 //!
 //! # Crate features
-//! None. Saving in the background uses a private tokio runtime; the
-//! collective save uses `weft-collectives`.
+//! None. The collective saves (and saving in the background) use
+//! `weft-collectives`.
 
 #![deny(missing_docs)]
 
-mod async_save;
 mod checksum;
 pub mod collective;
 mod dtype;
@@ -269,7 +244,6 @@ mod retention;
 mod safetensors;
 mod write;
 
-pub use async_save::{AsyncSaver, SaveOutcome, Snapshot};
 pub use collective::CollectiveError;
 pub use dtype::{Dtype, UnknownDtype};
 pub use error::{Error, Result};
@@ -290,6 +264,6 @@ pub use retention::{Retention, RetentionReport};
 pub use safetensors::{HeaderEntry, MAX_HEADER_BYTES, SafetensorsHeader, header_len, parse_header};
 pub use write::{
     Committed, FaultHook, FaultPoint, LATEST_FILE, OwnedShard, RankReport, ReportedShard,
-    SaveOptions, ShardData, SharedSave, build_manifest, commit, parse_step_dir, prepare, save,
-    step_dir_name, write_rank_file,
+    SaveOptions, ShardData, SharedSave, build_manifest, commit, link_checkpoint, parse_step_dir,
+    prepare, save, step_dir_name, write_rank_file,
 };

@@ -243,6 +243,32 @@ impl Checkpoint {
         self.read_region(name, &Region::full(&t.shape))
     }
 
+    /// The whole `f32` tensor `name` into `out`, which must hold exactly
+    /// its elements.
+    ///
+    /// # Errors
+    /// As [`Checkpoint::read_region`]; [`Error::InvalidShard`] for a
+    /// tensor of another dtype or size.
+    pub fn read_f32(&self, name: &str, out: &mut [f32]) -> Result<()> {
+        let t = self.tensor(name)?;
+        let elements = t.shape.iter().product::<u64>();
+        if t.dtype != Dtype::F32 || elements != out.len() as u64 {
+            return Err(Error::InvalidShard {
+                tensor: name.to_owned(),
+                reason: format!(
+                    "{} of {elements} elements, expected f32 of {}",
+                    t.dtype,
+                    out.len()
+                ),
+            });
+        }
+        let bytes = self.read_tensor(name)?;
+        for (d, c) in out.iter_mut().zip(bytes.chunks_exact(4)) {
+            *d = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+        }
+        Ok(())
+    }
+
     /// The part `region` of tensor `name`, row-major bytes. Reads only the
     /// byte ranges it needs from the shards that overlap `region`, and
     /// verifies the checksum of every chunk it reads.

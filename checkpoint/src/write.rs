@@ -205,8 +205,8 @@ impl<'a> ShardData<'a> {
     }
 }
 
-/// An owned [`ShardData`]: a host copy that outlives the training step, for
-/// asynchronous saves.
+/// An owned [`ShardData`]: a host copy that outlives the training step
+/// (what [`crate::load_shards`] returns).
 #[derive(Clone, Debug, PartialEq)]
 pub struct OwnedShard {
     /// The tensor's global name.
@@ -870,4 +870,41 @@ impl SharedSave {
             &self.opts,
         )
     }
+}
+
+/// Puts checkpoint `src` (a `step-NNNNNNNN` folder of another run) under
+/// `root` as its own, for a run that branches from it: every byte is
+/// verified first, then each file is hard-linked (copied where links
+/// cannot be made: another file system) into a staging folder that is
+/// renamed into place, so `root` never holds half of it. Checkpoint files
+/// are never written after their commit, so the two runs can share them.
+/// Returns the new folder.
+///
+/// # Errors
+/// `src` is not a checkpoint that verifies; `root` already has that step;
+/// an I/O error.
+pub fn link_checkpoint(src: &Path, root: &Path) -> Result<PathBuf> {
+    let ckpt = crate::Checkpoint::open(src)?;
+    ckpt.verify()?;
+    let name = step_dir_name(ckpt.step());
+    let dst = root.join(&name);
+    if dst.exists() {
+        return Err(Error::Io {
+            op: "link a checkpoint to",
+            path: dst,
+            source: io::Error::from(io::ErrorKind::AlreadyExists),
+        });
+    }
+    let staging = root.join(format!("{name}.tmp"));
+    let _ = fs::remove_dir_all(&staging);
+    fs::create_dir_all(&staging).ctx("create folder", &staging)?;
+    for entry in fs::read_dir(src).ctx("list", src)? {
+        let entry = entry.ctx("list", src)?;
+        let (from, to) = (entry.path(), staging.join(entry.file_name()));
+        if fs::hard_link(&from, &to).is_err() {
+            fs::copy(&from, &to).ctx("copy to", &to)?;
+        }
+    }
+    fs::rename(&staging, &dst).ctx("rename to", &dst)?;
+    Ok(dst)
 }

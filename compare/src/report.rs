@@ -224,8 +224,11 @@ pub fn load_run(dir: &Path) -> Result<RunData, CompareError> {
         let (evs, w) = load::parse_events("events.jsonl", &text).map_err(|e| malformed(dir, &e))?;
         warn(w);
         // the events with a place on the step axis (not an attempt's
-        // start, nor the end)
-        for e in evs.iter().filter(|e| e.kind.step().is_some()) {
+        // start, nor the end), checkpoints aside: a run's routine
+        let health = |e: &&weft_trace::RunEvent| {
+            e.kind.step().is_some() && !matches!(e.kind, weft_trace::EventKind::Checkpoint { .. })
+        };
+        for e in evs.iter().filter(health) {
             *events.entry(e.kind.name().to_owned()).or_default() += 1;
         }
     }

@@ -10,6 +10,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use weft_data::{Corpus, DataError, END_OF_TEXT, Format, Index, Loader, PrepareOptions, prepare};
+use weft_testkit::python;
 
 /// 60 text files (two folders deep), a .jsonl, a .jsonl.gz and a .txt.gz,
 /// plus files that are not inputs.
@@ -478,36 +479,9 @@ fn blends_give_their_weights() {
     assert!(e.to_string().contains("block size"), "{e}");
 }
 
-/// A Python with numpy, or None (reason printed past the harness).
-fn python() -> Option<PathBuf> {
-    let mut candidates = Vec::new();
-    if let Some(p) = std::env::var_os("WEFT_PYTHON") {
-        candidates.push(PathBuf::from(p));
-    }
-    if let Some(h) = std::env::var_os("HOME") {
-        candidates.push(Path::new(&h).join(".cache/weft-venv/bin/python"));
-    }
-    candidates.push("python3".into());
-    for c in candidates {
-        let ok = Command::new(&c)
-            .args(["-c", "import numpy"])
-            .output()
-            .is_ok_and(|o| o.status.success());
-        if ok {
-            return Some(c);
-        }
-    }
-    assert!(
-        std::env::var_os("WEFT_REQUIRE_ALL").is_none(),
-        "no Python with numpy (WEFT_PYTHON or ~/.cache/weft-venv), and WEFT_REQUIRE_ALL is set"
-    );
-    let _ = std::io::stderr().write_all(b"SKIPPED: no Python with numpy (set WEFT_PYTHON)\n");
-    None
-}
-
 #[test]
 fn megatron_and_llmc_files_read_as_written() {
-    let Some(py) = python() else { return };
+    let Some(py) = python("numpy") else { return };
     let tmp = tempfile::tempdir().unwrap();
     let root = corpus(tmp.path());
     let out = tmp.path().join("p");

@@ -816,6 +816,21 @@ impl ParallelGpt {
         Ok((out, step))
     }
 
+    /// Bytes of [`owned_parts`](Self::owned_parts) (parameters and both
+    /// AdamW moments, f32), counted without copying: the host copy a
+    /// checkpoint is saved from.
+    ///
+    /// # Errors
+    /// A layout error.
+    pub fn owned_bytes(&self) -> Result<usize> {
+        let coords = self.mesh.coords();
+        let mut n = 0;
+        for st in self.ex.stages() {
+            n += st.owned_elements(&coords)?;
+        }
+        Ok(3 * 4 * n)
+    }
+
     /// Loads this rank's part of a saved model — parameters and AdamW
     /// moments, from `read` (see [`GptStage::load_with`]), saved by any
     /// layout — and the optimizer step. Collective over the data-parallel

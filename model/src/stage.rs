@@ -232,6 +232,11 @@ pub struct OwnedPart {
     pub values: [Vec<f32>; 3],
 }
 
+/// What [`GptStage::for_each_owned`] calls with each run a rank owns:
+/// its tensor, its first element in the whole tensor, and its
+/// parameters' and AdamW moments' values.
+type OwnedVisitor<'a> = dyn FnMut(&ParamSpec, usize, [&[f32]; 3]) + 'a;
+
 /// Reads a whole tensor of a checkpoint: `(which, name, out)`, `which` 0
 /// for the parameters, 1 and 2 for the AdamW moments.
 pub type ReadTensor<'a> = dyn FnMut(
@@ -632,8 +637,39 @@ impl GptStage {
     /// # Errors
     /// A layout error.
     pub fn owned_parts(&self, coords: &weft_parallel::MeshCoords) -> Result<Vec<OwnedPart>> {
-        let sharding = self.layout.coords();
         let mut out = Vec::new();
+        self.for_each_owned(coords, &mut |spec, whole, [p, m, v]| {
+            out.push(OwnedPart {
+                name: spec.name.clone(),
+                global_shape: spec.global_shape.clone(),
+                whole,
+                values: [p.to_vec(), m.to_vec(), v.to_vec()],
+            });
+        })?;
+        Ok(out)
+    }
+
+    /// The elements of [`owned_parts`](Self::owned_parts), counted without
+    /// copying them (each part holds them three times: parameters and
+    /// both moments).
+    ///
+    /// # Errors
+    /// A layout error.
+    pub fn owned_elements(&self, coords: &weft_parallel::MeshCoords) -> Result<usize> {
+        let mut n = 0;
+        self.for_each_owned(coords, &mut |_, _, [p, _, _]| n += p.len())?;
+        Ok(n)
+    }
+
+    /// Calls `f(spec, whole, [params, m, v])` for every run
+    /// [`owned_parts`](Self::owned_parts) copies, `whole` its first
+    /// element in the whole tensor.
+    fn for_each_owned(
+        &self,
+        coords: &weft_parallel::MeshCoords,
+        f: &mut OwnedVisitor<'_>,
+    ) -> Result<()> {
+        let sharding = self.layout.coords();
         match &self.store {
             Store::Resident { params, opt, .. } => {
                 for spec in self.layout.specs() {
@@ -643,16 +679,11 @@ impl GptStage {
                     // (copied key/value heads by the first of their ranks)
                     for run in spec.first_runs(&sharding)? {
                         let l = spec.offset + run.local..spec.offset + run.local + run.len;
-                        out.push(OwnedPart {
-                            name: spec.name.clone(),
-                            global_shape: spec.global_shape.clone(),
-                            whole: run.whole,
-                            values: [
-                                params[l.clone()].to_vec(),
-                                opt.m[l.clone()].to_vec(),
-                                opt.v[l].to_vec(),
-                            ],
-                        });
+                        f(
+                            spec,
+                            run.whole,
+                            [&params[l.clone()], &opt.m[l.clone()], &opt.v[l]],
+                        );
                     }
                 }
             }
@@ -660,7 +691,7 @@ impl GptStage {
                 // the first of a shard's replicas (hybrid sharding's
                 // replicate groups) writes it
                 if fsdp.dp_rank() / fsdp.shard_size() != 0 {
-                    return Ok(out);
+                    return Ok(());
                 }
                 let rank = fsdp.shard_rank();
                 for (u, unit) in fsdp.plan().units().iter().enumerate() {
@@ -688,22 +719,17 @@ impl GptStage {
                                 continue;
                             }
                             let s = a - shard_start..b - shard_start;
-                            out.push(OwnedPart {
-                                name: spec.name.clone(),
-                                global_shape: spec.global_shape.clone(),
-                                whole: run.whole + (a - l0),
-                                values: [
-                                    master[s.clone()].to_vec(),
-                                    m[s.clone()].to_vec(),
-                                    v[s].to_vec(),
-                                ],
-                            });
+                            f(
+                                spec,
+                                run.whole + (a - l0),
+                                [&master[s.clone()], &m[s.clone()], &v[s]],
+                            );
                         }
                     }
                 }
             }
         }
-        Ok(out)
+        Ok(())
     }
 
     /// Loads this stage's part of a checkpoint: `read(which, name, out)`

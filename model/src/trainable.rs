@@ -90,6 +90,21 @@ pub trait TrainModel {
     /// The model's.
     fn owned_parts(&self) -> Result<(Vec<OwnedPart>, u32)>;
 
+    /// Bytes of [`owned_parts`](Self::owned_parts)' values: the host copy a
+    /// checkpoint is saved from. By default counted from a copy; models
+    /// count without one.
+    ///
+    /// # Errors
+    /// The model's.
+    fn owned_bytes(&self) -> Result<usize> {
+        let (parts, _) = self.owned_parts()?;
+        Ok(parts
+            .iter()
+            .flat_map(|p| &p.values)
+            .map(|v| 4 * v.len())
+            .sum())
+    }
+
     /// Loads this rank's part of a saved model through `read`, and the
     /// optimizer step.
     ///
@@ -231,6 +246,10 @@ impl TrainModel for crate::ParallelGpt {
 
     fn owned_parts(&self) -> Result<(Vec<OwnedPart>, u32)> {
         crate::ParallelGpt::owned_parts(self)
+    }
+
+    fn owned_bytes(&self) -> Result<usize> {
+        crate::ParallelGpt::owned_bytes(self)
     }
 
     fn load_with(&mut self, step: u32, read: &mut ReadTensor<'_>) -> Result<()> {

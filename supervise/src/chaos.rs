@@ -537,9 +537,15 @@ impl Drill {
                 extra.extend(["--inject".into(), f.to_string().into()]);
             }
             let t = Instant::now();
+            // the trial's output is kept beside its run folder
+            let log = self.dir.join(format!("{name}.log"));
+            let log = std::fs::File::create(&log).map_err(|source| ChaosError::Io {
+                path: log.clone(),
+                source,
+            })?;
             let mut child = self
                 .train(&name, &extra)
-                .stderr(Stdio::null())
+                .stderr(log)
                 .spawn()
                 .map_err(|source| ChaosError::Io {
                     path: self.weft.clone(),

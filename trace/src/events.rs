@@ -262,6 +262,29 @@ pub enum EventKind {
         /// Steps per window.
         window_steps: u64,
     },
+    /// A checkpoint was committed (written when the loop learns it: for
+    /// a background save, when the next save starts or the run ends).
+    Checkpoint {
+        /// Its step.
+        step: u64,
+        /// Whether it was written in the background while training went
+        /// on (else every rank stopped for the whole write).
+        background: bool,
+        /// Seconds the training loop stood still for it: the host copy,
+        /// and for a synchronous save the write.
+        #[serde(with = "crate::float")]
+        stall_s: f64,
+        /// Of those, seconds waiting for the previous save to end.
+        #[serde(with = "crate::float")]
+        waited_s: f64,
+        /// Seconds from the start of the write to the commit (and
+        /// retention).
+        #[serde(with = "crate::float")]
+        write_s: f64,
+        /// Bytes of world rank 0's host copy (parameters and optimizer
+        /// state it writes).
+        bytes: u64,
+    },
     /// A kind this reader does not know.
     #[serde(other)]
     Unknown,
@@ -282,6 +305,7 @@ impl EventKind {
             EventKind::Rewind { .. } => "rewind",
             EventKind::Rewound { .. } => "rewound",
             EventKind::Straggler { .. } => "straggler",
+            EventKind::Checkpoint { .. } => "checkpoint",
             EventKind::Unknown => "unknown",
         }
     }
@@ -296,7 +320,8 @@ impl EventKind {
             EventKind::Running { step, .. }
             | EventKind::Rewind { step, .. }
             | EventKind::Rewound { step }
-            | EventKind::Straggler { step, .. } => Some(*step),
+            | EventKind::Straggler { step, .. }
+            | EventKind::Checkpoint { step, .. } => Some(*step),
             EventKind::Failure { last_step, .. } => *last_step,
             EventKind::Restart {
                 from_checkpoint_step,
@@ -325,6 +350,7 @@ mod tests {
             r#"{"time":7.0,"event":"rewound","step":5}"#,
             r#"{"time":8.0,"event":"straggler","step":40,"rank":1,"ratio":2.5,"window_steps":20}"#,
             r#"{"time":9.0,"event":"finished","attempt":1,"restarts":1,"dp":2}"#,
+            r#"{"time":9.5,"event":"checkpoint","step":40,"background":true,"stall_s":0.25,"waited_s":0.0,"write_s":3.5,"bytes":1024}"#,
         ];
         for line in lines {
             let e: RunEvent = serde_json::from_str(line).unwrap();

@@ -27,6 +27,9 @@
 //! * [`Summary`] — `summary.json`, a finished run's figures.
 //! * [`input`] — how every weft reader opens a file a user named: regular
 //!   files only, with bounds on file, line and decompressed sizes.
+//! * [`tensorboard`] — TensorBoard event files ([`EventWriter`]: scalars
+//!   and texts as TFRecords of `Event` protobufs, encoded by hand) and
+//!   [`read_records`], which checks both checksums of every record.
 //!
 //! # Schema
 //! `*.jsonl` files hold one JSON object per line, each a complete record;
@@ -55,7 +58,8 @@
 //!
 //! // One metrics line, with a loss that diverged.
 //! let m = MetricsRecord { step: 7, loss: f64::NAN, lr: 1e-3, grad_norm: 1.5,
-//!                         tokens_per_s: 900.0, time_s: 12.0, loss_scale: None };
+//!                         tokens_per_s: 900.0, time_s: 12.0, loss_scale: None,
+//!                         mfu: Some(0.4), max_vio: None, rss_bytes: None };
 //! let line = serde_json::to_string(&m).unwrap();
 //! assert!(line.contains(r#""loss":"NaN""#));
 //! assert!(serde_json::from_str::<MetricsRecord>(&line).unwrap().loss.is_nan());
@@ -73,9 +77,11 @@ pub mod float;
 pub mod input;
 mod metrics;
 mod summary;
+pub mod tensorboard;
 
 pub use chrome::{ArgValue, DisplayTimeUnit, InstantScope, Phase, Trace, TraceError, TraceEvent};
 pub use events::{BatchPosition, EventKind, MetricsEvent, MetricsEventKind, RunEvent};
 pub use expert::ExpertLoadRecord;
 pub use metrics::MetricsRecord;
 pub use summary::{AxisBytes, MemoryBytes, PipelineBubble, StepTraffic, Summary};
+pub use tensorboard::{EventWriter, RecordError, read_records};

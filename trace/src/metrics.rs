@@ -15,6 +15,9 @@ use serde::{Deserialize, Serialize};
 /// | `tokens_per_s` | number or string | training throughput over the step, in tokens per second |
 /// | `time_s` | number or string | wall-clock seconds since the run (or resumed run) started |
 /// | `loss_scale` | number, optional | the loss scale of the step's backward (dynamic loss scaling, fp16 runs only) |
+/// | `mfu` | number or string, optional | model FLOP/s utilisation of the step: training FLOPs per token × tokens/s over the machine's matmul peak |
+/// | `max_vio` | number or string, optional | mixture of experts: the step's MaxVio, (max − mean)/mean tokens per expert averaged over the expert layers |
+/// | `rss_bytes` | integer, optional | resident memory of the process that writes the log after the step (Linux; every thread rank of that process together) |
 ///
 /// Non-finite values — a diverging loss is the reason this log exists — are
 /// written as the strings `"NaN"`, `"Infinity"` and `"-Infinity"`, since
@@ -43,6 +46,25 @@ pub struct MetricsRecord {
     /// loss scaling (fp16); absent (and not written) otherwise.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub loss_scale: Option<f64>,
+    /// Model FLOP/s utilisation of the step (absent in older logs).
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        with = "crate::float::option"
+    )]
+    pub mfu: Option<f64>,
+    /// The step's MaxVio averaged over the expert layers (mixture of
+    /// experts only).
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        with = "crate::float::option"
+    )]
+    pub max_vio: Option<f64>,
+    /// Resident memory of the writing process after the step, in bytes
+    /// (where the system tells it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rss_bytes: Option<u64>,
 }
 
 impl MetricsRecord {
@@ -76,6 +98,9 @@ mod tests {
             tokens_per_s: 1010.0,
             time_s: 61.25,
             loss_scale: None,
+            mfu: None,
+            max_vio: None,
+            rss_bytes: None,
         }
     }
 
@@ -130,7 +155,7 @@ mod tests {
             step in any::<u64>(), loss in any::<f64>(), lr in any::<f64>(),
             g in any::<f64>(), tps in any::<f64>(), t in any::<f64>(),
         ) {
-            let r = MetricsRecord { step, loss, lr, grad_norm: g, tokens_per_s: tps, time_s: t, loss_scale: None };
+            let r = MetricsRecord { step, loss, lr, grad_norm: g, tokens_per_s: tps, time_s: t, loss_scale: None, mfu: None, max_vio: None, rss_bytes: None };
             let back: MetricsRecord = serde_json::from_str(&serde_json::to_string(&r).unwrap()).unwrap();
             prop_assert_eq!(back.step, r.step);
             for (a, b) in [(back.loss, loss), (back.lr, lr), (back.grad_norm, g),

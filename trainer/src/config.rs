@@ -57,6 +57,10 @@ pub struct CheckpointConfig {
     pub keep_last: usize,
     /// Also keep every checkpoint whose step is a multiple of this (0: none).
     pub keep_every: u64,
+    /// Write checkpoints in the background while training goes on (the
+    /// loop stops only to copy the state; one save at a time); `false`:
+    /// every rank stops for the whole write.
+    pub background: bool,
 }
 
 impl Default for CheckpointConfig {
@@ -65,6 +69,7 @@ impl Default for CheckpointConfig {
             every: 200,
             keep_last: 2,
             keep_every: 0,
+            background: true,
         }
     }
 }
@@ -82,6 +87,10 @@ pub struct RunConfig {
     /// communication tracks — goes to `trace.json`; a trace of every step
     /// would grow without bound on long runs.
     pub trace_steps: u64,
+    /// Write a TensorBoard event file (`events.out.tfevents.*`) in the run
+    /// folder beside `metrics.jsonl`: its numbers as scalars, health
+    /// events, checkpoints and the configuration as texts.
+    pub tensorboard: bool,
 }
 
 impl Default for RunConfig {
@@ -90,6 +99,7 @@ impl Default for RunConfig {
             name: String::new(),
             dir: PathBuf::from("runs"),
             trace_steps: 20,
+            tensorboard: true,
         }
     }
 }
@@ -546,6 +556,7 @@ impl Config {
             );
         }
         self.optim.validate().map_err(library_error)?;
+        self.optim.check_steps(t.steps).map_err(library_error)?;
         if let Err((key, message)) = self.gpu_support() {
             return bad(key, message);
         }

@@ -180,6 +180,18 @@ impl Observer for Terminal {
                 info.predicted_memory
             ));
         }
+        if info.checkpoint_every > 0 {
+            say(&format!(
+                "checkpoints     every {} steps, {}: {}B a rank of host memory to copy the parameters and optimizer state into",
+                info.checkpoint_every,
+                if info.checkpoint_background {
+                    "written in the background while training goes on (one at a time)"
+                } else {
+                    "every rank stopping for the whole write"
+                },
+                si(info.checkpoint_bytes as f64),
+            ));
+        }
         say(&format!(
             "precision       {}",
             precision_line(info.precision)
@@ -307,6 +319,28 @@ impl Observer for Terminal {
                     list.join(", ")
                 )
             }
+            HealthEvent::Run(EventKind::Checkpoint {
+                step,
+                background,
+                stall_s,
+                waited_s,
+                write_s,
+                bytes,
+            }) => format!(
+                "checkpoint step {step}: {}B a rank written in {write_s:.2} s{}; training stood still {:.0} ms{}",
+                si(*bytes as f64),
+                if *background {
+                    " in the background"
+                } else {
+                    ""
+                },
+                stall_s * 1e3,
+                if *waited_s > 0.0 {
+                    format!(" ({:.0} ms of it waiting for the write)", waited_s * 1e3)
+                } else {
+                    String::new()
+                }
+            ),
             HealthEvent::Run(other) => format!("health: {}", other.name()),
         };
         self.line(&s);

@@ -157,8 +157,7 @@ impl Sampler {
         if !root.is_dir() {
             return Err(SampleError::NoCheckpoint(run_dir.to_owned()));
         }
-        let mut opt = model.adamw_state();
-        let restored = match crate::run::saving::restore(&root, &config, &mut model, &mut opt) {
+        let step = match crate::run::saving::restore(&root, &config, &mut model) {
             Ok(r) => r,
             Err(CkptError::Missing(_)) => {
                 return Err(SampleError::NoCheckpoint(run_dir.to_owned()));
@@ -169,7 +168,7 @@ impl Sampler {
             config,
             model,
             vocab,
-            step: restored.step,
+            step,
             moe,
         })
     }

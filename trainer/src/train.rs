@@ -21,7 +21,7 @@ pub use weft_model::RankMemory;
 pub use weft_trace::Summary;
 
 use crate::config::Config;
-pub use crate::run::saving::CkptError;
+pub use crate::run::saving::{CkptError, check_branch_from};
 
 /// Errors that stop a training run.
 #[derive(Debug, thiserror::Error)]
@@ -264,6 +264,13 @@ pub struct RunInfo {
     pub data_shares: Vec<weft_data::Share>,
     /// Whether documents are masked from each other (`data.doc_mask`).
     pub doc_mask: bool,
+    /// Steps between checkpoints (0: only when stopped by a signal).
+    pub checkpoint_every: u64,
+    /// Whether checkpoints are written in the background.
+    pub checkpoint_background: bool,
+    /// Bytes of the host copy each save of rank 0 takes (its parameters
+    /// and optimizer state to write), counted from the layout.
+    pub checkpoint_bytes: usize,
     /// Memory of one rank (rank 0), counted from the buffers it allocated,
     /// so sharding shows: with `parallel.tp = N` the split layers'
     /// parameters, gradients and moments are `1/N` of the model's, with

@@ -770,7 +770,9 @@ fn supervised_across_nodes_survives(case: &str, faults: Vec<NodeFault>) {
         "train.eval_every=40",
         "parallel.timeout_s=10",
     ];
-    let reference = threads(&job(&dir, "reference", 160, &extra));
+    // long enough that the job is still training when a fault lands
+    // (its steps take milliseconds, and its saves do not stop it)
+    let reference = threads(&job(&dir, "reference", 320, &extra));
     assert!(reference.status.success(), "{}", text(&reference));
     let state = format!("/run/{}-cluster", cluster.name);
     let launch = std::fs::read_to_string(format!("{state}/launch")).unwrap();
@@ -785,7 +787,7 @@ fn supervised_across_nodes_survives(case: &str, faults: Vec<NodeFault>) {
                 launch.trim()
             ),
         ])
-        .args(job(&dir, "supervised", 160, &extra))
+        .args(job(&dir, "supervised", 320, &extra))
         .stdout(std::fs::File::create(dir.join("out.log")).unwrap())
         .stderr(std::fs::File::create(dir.join("err.log")).unwrap())
         .spawn()
@@ -971,7 +973,7 @@ fn events(run: &Path) -> Vec<serde_json::Value> {
         .lines()
         .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
         .filter(|e| {
-            !["fault", "running", "rewound", "straggler"]
+            !["fault", "running", "rewound", "straggler", "checkpoint"]
                 .contains(&e["event"].as_str().unwrap_or(""))
         })
         .collect()

@@ -69,6 +69,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             tokens_per_s: 1000.0 + 50.0 * rng.next(),
             time_s: s * 0.8,
             loss_scale: None,
+            mfu: Some(0.35 + 0.02 * rng.next()),
+            max_vio: None,
+            rss_bytes: None,
         };
         writeln!(m, "{}", serde_json::to_string(&r)?)?;
         if step == steps / 3 {

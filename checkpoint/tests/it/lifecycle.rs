@@ -5,10 +5,12 @@ use std::io;
 use std::path::Path;
 use std::sync::Arc;
 
+use weft_checkpoint::collective::{self, Background, SaveSpec};
 use weft_checkpoint::{
-    AsyncSaver, Checkpoint, FaultHook, FaultPoint, Layout, Retention, SaveOptions, Snapshot,
+    Checkpoint, CollectiveError, FaultHook, FaultPoint, FlatRun, Layout, Retention, SaveOptions,
     TrainerState, VerifyLevel, list_checkpoints, load_latest, save,
 };
+use weft_collectives::{Communicator, LocalCluster};
 
 use crate::util::{borrow, model, shard_rows};
 
@@ -100,42 +102,6 @@ fn retention_counts_only_checkpoints_that_verify() {
     assert_eq!(l.checkpoint.step(), 6);
 }
 
-#[test]
-fn async_saves_run_one_at_a_time_and_commit() {
-    let dir = tempfile::tempdir().unwrap();
-    let mut saver = AsyncSaver::new(dir.path(), opts())
-        .unwrap()
-        .with_retention(Retention::new(2, None));
-    assert!(saver.wait().is_none());
-    let mut results = Vec::new();
-    for step in 1..=4u64 {
-        let ranks = shard_rows(&model(step), 3);
-        let layout = Layout::flat("dp", 3);
-        let prev = if step <= 2 {
-            let snap = Snapshot::capture(step, &layout, &borrow(&ranks), &TrainerState::default());
-            assert!(snap.bytes() > 0);
-            drop(ranks); // the training state may change now
-            saver.save(snap)
-        } else {
-            // Reuses the previous save's host buffers.
-            saver.save_from(step, &layout, &borrow(&ranks), &TrainerState::default())
-        };
-        if let Some(prev) = prev {
-            results.push(prev.unwrap().committed.manifest.step);
-        }
-        assert_eq!(saver.in_flight(), Some(step));
-    }
-    let last = saver.wait().unwrap().unwrap();
-    assert_eq!(last.retention.as_ref().unwrap().kept, vec![3, 4]);
-    results.push(last.committed.manifest.step);
-    assert_eq!(results, vec![1, 2, 3, 4]);
-    let l = load_latest(dir.path(), VerifyLevel::Full).unwrap().unwrap();
-    assert_eq!(l.checkpoint.step(), 4);
-    for t in model(4) {
-        assert_eq!(l.checkpoint.read_tensor(&t.name).unwrap(), t.data);
-    }
-}
-
 struct FailWrites;
 impl FaultHook for FailWrites {
     fn before(&self, p: &FaultPoint<'_>) -> io::Result<()> {
@@ -146,60 +112,128 @@ impl FaultHook for FailWrites {
     }
 }
 
+/// Rank `rank`'s half of a 4-element tensor `w` at `step`, saved by a
+/// [`Background`] over `group` (2 ranks) into `root`.
+fn save_half(
+    group: &dyn Communicator,
+    root: &Path,
+    step: u64,
+    opts: &SaveOptions,
+) -> Result<(), CollectiveError> {
+    let rank = group.rank();
+    let mine = [step as f32 * 10.0 + rank as f32; 2];
+    let runs = [FlatRun {
+        name: "w",
+        global_shape: &[4],
+        start: 2 * rank,
+        values: vec![&mine],
+    }];
+    let spec = SaveSpec {
+        step,
+        runs: &runs,
+        name: &|_, n| n.to_owned(),
+        mesh: &[("dp", 2)],
+        state: &TrainerState::default(),
+        retention: Retention::new(2, None),
+    };
+    collective::save(group, root, &spec, opts, &mut || {})
+}
+
+fn w_at(root: &Path, step: u64) -> Vec<f32> {
+    let ck = Checkpoint::open(&root.join(format!("step-{step:08}"))).unwrap();
+    ck.verify().unwrap();
+    ck.read_tensor("w")
+        .unwrap()
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect()
+}
+
 #[test]
-fn failed_background_save_is_reported_and_old_checkpoint_stays() {
+fn background_saves_run_one_at_a_time_and_commit() {
     let dir = tempfile::tempdir().unwrap();
-    save_step(dir.path(), 1);
+    let root = dir.path().to_owned();
+    let out = LocalCluster::run(2, |world| {
+        let mut saver = Background::new(&world).unwrap();
+        assert!(saver.wait().is_none());
+        let mut learned = Vec::new();
+        for step in 1..=4u64 {
+            let root = root.clone();
+            let prev = saver
+                .start(step, move |g| save_half(g, &root, step, &opts()))
+                .unwrap();
+            assert_eq!(saver.in_flight(), Some(step));
+            if let Some(done) = prev {
+                done.result.unwrap();
+                learned.push(done.step);
+            }
+        }
+        let last = saver.wait().unwrap();
+        last.result.unwrap();
+        assert!(last.seconds > 0.0);
+        learned.push(last.step);
+        learned
+    });
+    for learned in out.unwrap() {
+        assert_eq!(learned, vec![1, 2, 3, 4]);
+    }
+    // retention ran after each commit: the newest two are left
+    assert_eq!(
+        list_checkpoints(dir.path())
+            .unwrap()
+            .iter()
+            .map(|(s, _)| *s)
+            .collect::<Vec<_>>(),
+        vec![3, 4]
+    );
+    assert_eq!(w_at(dir.path(), 4), vec![40.0, 40.0, 41.0, 41.0]);
+}
+
+#[test]
+fn failed_background_save_is_reported_on_every_rank_and_old_checkpoint_stays() {
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path().to_owned();
     let failing = SaveOptions {
         fault: Some(Arc::new(FailWrites)),
         ..opts()
     };
-    let mut saver = AsyncSaver::new(dir.path(), failing).unwrap();
-    let ranks = shard_rows(&model(2), 2);
-    saver.save(Snapshot::capture(
-        2,
-        &Layout::flat("dp", 2),
-        &borrow(&ranks),
-        &TrainerState::default(),
-    ));
-    let err = saver.wait().unwrap().unwrap_err().to_string();
-    assert!(err.contains("disk full"), "{err}");
+    let out = LocalCluster::run(2, |world| {
+        let mut saver = Background::new(&world).unwrap();
+        let r1 = root.clone();
+        saver
+            .start(1, move |g| save_half(g, &r1, 1, &opts()))
+            .unwrap();
+        let (r2, failing) = (root.clone(), failing.clone());
+        let first = saver
+            .start(2, move |g| save_half(g, &r2, 2, &failing))
+            .unwrap()
+            .unwrap();
+        first.result.unwrap();
+        saver.wait().unwrap().result.map_err(|e| e.to_string())
+    });
+    let errs: Vec<String> = out.unwrap().into_iter().map(|r| r.unwrap_err()).collect();
+    // rank 0 commits and names the failure; rank 1 learns of it
+    assert!(errs[0].contains("disk full"), "{errs:?}");
+    assert!(errs[1].contains("another rank"), "{errs:?}");
     let l = load_latest(dir.path(), VerifyLevel::Full).unwrap().unwrap();
     assert_eq!(l.checkpoint.step(), 1);
-    Checkpoint::open(l.checkpoint.dir()).unwrap();
 }
 
 #[test]
-fn reserved_buffers_are_used_and_saves_are_exact() {
+fn dropping_the_saver_finishes_the_save_in_flight() {
     let dir = tempfile::tempdir().unwrap();
-    let mut saver = AsyncSaver::new(dir.path(), opts()).unwrap();
-    let layout = Layout::flat("dp", 2);
-    let first = shard_rows(&model(3), 2);
-    assert!(saver.reserve(&borrow(&first)).is_none());
-    for (step, seed) in [(1u64, 3u64), (2, 4)] {
-        let ranks = shard_rows(&model(seed), 2);
-        if let Some(prev) =
-            saver.save_from(step, &layout, &borrow(&ranks), &TrainerState::default())
-        {
-            prev.unwrap();
-        }
-        // Reserving while a save is in flight waits for it and reports it.
-        if step == 1 {
-            let done = saver.reserve(&borrow(&ranks)).unwrap().unwrap();
-            assert_eq!(done.committed.manifest.step, 1);
-        }
-    }
-    saver.wait().unwrap().unwrap();
-    for (step, seed) in [(1u64, 3u64), (2, 4)] {
-        let ck = Checkpoint::open(&dir.path().join(format!("step-{step:08}"))).unwrap();
-        ck.verify().unwrap();
-        for t in model(seed) {
-            assert_eq!(
-                ck.read_tensor(&t.name).unwrap(),
-                t.data,
-                "step {step} {}",
-                t.name
-            );
-        }
-    }
+    let root = dir.path().to_owned();
+    LocalCluster::run(2, |world| {
+        let mut saver = Background::new(&world).unwrap();
+        let root = root.clone();
+        saver
+            .start(7, move |g| {
+                std::thread::sleep(std::time::Duration::from_millis(200));
+                save_half(g, &root, 7, &opts())
+            })
+            .unwrap();
+        // a run that ends (or fails) here still commits its last save
+    })
+    .unwrap();
+    assert_eq!(w_at(dir.path(), 7), vec![70.0, 70.0, 71.0, 71.0]);
 }

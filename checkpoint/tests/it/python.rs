@@ -10,44 +10,10 @@ use weft_checkpoint::{
 };
 
 use crate::util::{Tensor, borrow, model, shard_rows, tensor};
+use weft_testkit::python;
 
 fn script() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/python/weft_ckpt_check.py")
-}
-
-/// A Python with the given modules, or None (reason printed to stderr,
-/// bypassing the test harness's capture so that it shows in CI logs).
-fn python(modules: &str) -> Option<PathBuf> {
-    let mut candidates = Vec::new();
-    if let Some(p) = std::env::var_os("WEFT_PYTHON") {
-        candidates.push(PathBuf::from(p));
-    }
-    if let Some(h) = std::env::var_os("HOME") {
-        candidates.push(Path::new(&h).join(".cache/weft-venv/bin/python"));
-    }
-    candidates.push("python3".into());
-    for c in candidates {
-        let ok = Command::new(&c)
-            .args(["-c", &format!("import {modules}")])
-            .output()
-            .is_ok_and(|o| o.status.success());
-        if ok {
-            return Some(c);
-        }
-    }
-    // The test command installs every module (WEFT_REQUIRE_ALL=1): there a
-    // missing one is a failure, never a pass.
-    assert!(
-        std::env::var_os("WEFT_REQUIRE_ALL").is_none(),
-        "no Python with `{modules}` (WEFT_PYTHON or ~/.cache/weft-venv), and WEFT_REQUIRE_ALL is set"
-    );
-    // Written to the stderr handle directly, past the harness's capture, so
-    // that the reason shows in CI logs (and is counted as a skip).
-    let msg = format!(
-        "SKIPPED: no Python with `{modules}` (set WEFT_PYTHON or create ~/.cache/weft-venv)\n"
-    );
-    let _ = std::io::Write::write_all(&mut std::io::stderr(), msg.as_bytes());
-    None
 }
 
 fn run(py: &Path, args: &[&Path]) -> String {

@@ -5,41 +5,11 @@
 //! weft's greedy decoding equals transformers' `generate`.
 //! Skipped, saying why, without Python.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 
 use weft_model::{eval, hf};
-
-/// A Python with the given modules, or None (reason printed to stderr,
-/// bypassing the test harness's capture so that it shows in CI logs).
-fn python(modules: &str) -> Option<PathBuf> {
-    let mut candidates = Vec::new();
-    if let Some(p) = std::env::var_os("WEFT_PYTHON") {
-        candidates.push(PathBuf::from(p));
-    }
-    if let Some(h) = std::env::var_os("HOME") {
-        candidates.push(Path::new(&h).join(".cache/weft-venv/bin/python"));
-    }
-    candidates.push("python3".into());
-    for c in candidates {
-        let ok = Command::new(&c)
-            .args(["-c", &format!("import {modules}")])
-            .output()
-            .is_ok_and(|o| o.status.success());
-        if ok {
-            return Some(c);
-        }
-    }
-    assert!(
-        std::env::var_os("WEFT_REQUIRE_ALL").is_none(),
-        "no Python with `{modules}` (WEFT_PYTHON or ~/.cache/weft-venv), and WEFT_REQUIRE_ALL is set"
-    );
-    let msg = format!(
-        "SKIPPED: no Python with `{modules}` (set WEFT_PYTHON or create ~/.cache/weft-venv)\n"
-    );
-    let _ = std::io::Write::write_all(&mut std::io::stderr(), msg.as_bytes());
-    None
-}
+use weft_testkit::python;
 
 fn script(py: &Path, args: &[&str]) -> String {
     let s = Path::new(env!("CARGO_MANIFEST_DIR")).join("reference/hf_sharded_check.py");

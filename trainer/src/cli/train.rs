@@ -30,7 +30,7 @@ pub(crate) struct TrainArgs {
     /// max_rewinds,skip_batches,precision,device,loss_scale.*};
     /// optim.{lr,min_lr_ratio,warmup_steps,weight_decay,
     /// beta1,beta2,eps,grad_clip}; checkpoint.{every,keep_last,
-    /// keep_every}; parallel.{dp,fsdp,hybrid_shard,tp,sequence_parallel,
+    /// keep_every,background}; parallel.{dp,fsdp,hybrid_shard,tp,sequence_parallel,
     /// ep,cp,pp,pp_schedule,pp_chunks,reproducible,grad_wire,backend,
     /// timeout_s,threads}
     /// (ranks are threads, or processes under `mpirun`;
@@ -62,6 +62,14 @@ pub(crate) struct TrainArgs {
     /// base configuration (unless --config is given).
     #[arg(long, value_name = "RUN_DIR", num_args = 0..=1)]
     resume: Option<Option<PathBuf>>,
+    /// Start a new run (run.dir/run.name) as a branch of another run's
+    /// checkpoint, `RUN_DIR/checkpoints/step-NNNNNNNN`: its parameters,
+    /// optimizer state and step, and the source run's logs up to it; the
+    /// source's config.toml is the base configuration (unless --config
+    /// is given). A WSD run's stable-phase checkpoint branches into a
+    /// decay, e.g. --set train.steps=1200 --set optim.decay_steps=200.
+    #[arg(long, value_name = "CHECKPOINT", conflicts_with_all = ["resume", "seeds"])]
+    branch: Option<PathBuf>,
     /// Run the job as a child process and restart it from its newest
     /// checkpoint that verifies when it fails (exits in error, is
     /// killed, or its heartbeat stops); events go to
@@ -145,6 +153,9 @@ pub(crate) fn run(a: TrainArgs) -> Result<()> {
                 "--seeds cannot be combined with {what}: run one `weft train` per seed (--set train.seed=S --set run.name=seed-S) instead"
             );
         }
+    }
+    if let Some(ckpt) = a.branch.take() {
+        branch(&mut a, &ckpt)?;
     }
     if a.supervise {
         return supervise(a);
@@ -313,6 +324,71 @@ fn supervise(a: TrainArgs) -> Result<()> {
     if outcome.code != Some(0) {
         return Err(Reported.into());
     }
+    Ok(())
+}
+
+/// `--branch CHECKPOINT`: makes the new run's folder — the source run's
+/// configuration with this command's changes, the checkpoint linked in,
+/// the source's logs up to its step — and turns the command into a
+/// `--resume` of it.
+fn branch(a: &mut TrainArgs, ckpt: &std::path::Path) -> Result<()> {
+    if weft_collectives::processes::LauncherEnv::detect().is_some() {
+        anyhow::bail!(
+            "--branch makes the run folder: run it once without a launcher (or with --supervise --launch)"
+        );
+    }
+    let step = ckpt
+        .file_name()
+        .and_then(|n| n.to_str())
+        .and_then(weft_checkpoint::parse_step_dir);
+    let source = ckpt.parent().and_then(std::path::Path::parent);
+    let (Some(step), Some(source)) = (step, source) else {
+        anyhow::bail!(
+            "--branch {}: expected a checkpoint folder RUN_DIR/checkpoints/step-NNNNNNNN",
+            ckpt.display()
+        );
+    };
+    let base = a
+        .config
+        .take()
+        .unwrap_or_else(|| source.join("config.toml"));
+    let cfg = Config::load(Some(&base), &a.sets)?;
+    if cfg.run.name.is_empty() {
+        anyhow::bail!("--branch needs the new run's name (--set run.name=NAME)");
+    }
+    let run = cfg.run.dir.join(&cfg.run.name);
+    if run.exists() {
+        anyhow::bail!("--branch: run folder {} exists already", run.display());
+    }
+    weft_trainer::train::check_branch_from(ckpt, &cfg)?;
+    std::fs::create_dir_all(&run).with_context(|| format!("creating {}", run.display()))?;
+    weft_checkpoint::link_checkpoint(ckpt, &run.join("checkpoints"))
+        .with_context(|| format!("--branch {}", ckpt.display()))?;
+    for log in ["metrics.jsonl", "expert_load.jsonl"] {
+        let Ok(text) = std::fs::read_to_string(source.join(log)) else {
+            continue;
+        };
+        let upto = |l: &&str| {
+            let v = serde_json::from_str::<serde_json::Value>(l);
+            v.is_ok_and(|v| v["step"].as_u64().is_some_and(|s| s <= step))
+        };
+        let kept: String = text
+            .lines()
+            .filter(upto)
+            .map(|l| format!("{l}\n"))
+            .collect();
+        std::fs::write(run.join(log), kept).with_context(|| format!("writing {log}"))?;
+    }
+    let config = run.join("config.toml");
+    std::fs::write(&config, cfg.to_toml())
+        .with_context(|| format!("writing {}", config.display()))?;
+    progress::say(&format!(
+        "branched      {} from {} (step {step})",
+        run.display(),
+        ckpt.display()
+    ));
+    a.sets.clear();
+    a.resume = Some(Some(run));
     Ok(())
 }
 

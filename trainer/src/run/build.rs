@@ -57,6 +57,9 @@ impl<M: TrainModel> Built<M> {
             activation_bytes: memory.activations,
             data_shares: job.data.shares(t.steps * t.batch_size as u64),
             doc_mask: config.data.doc_mask,
+            checkpoint_every: config.checkpoint.every,
+            checkpoint_background: config.checkpoint.background,
+            checkpoint_bytes: self.model.owned_bytes().unwrap_or(0),
             memory,
             ..self.report.clone()
         }

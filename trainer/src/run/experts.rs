@@ -85,7 +85,8 @@ impl Experts {
 
     /// After step `step` (1-based): every expert layer's load over the
     /// global batch logged (under its index in the model), the selection biases moved when the update was
-    /// `applied`; returns the step's MaxVio averaged over layers.
+    /// `applied`; returns the step's MaxVio averaged over layers, and on
+    /// world rank 0 the records logged.
     /// Collective over the model's data-parallel and pipeline groups.
     ///
     /// # Errors
@@ -95,10 +96,11 @@ impl Experts {
         model: &mut M,
         step: u64,
         applied: bool,
-    ) -> Result<Option<f64>, TrainError> {
+    ) -> Result<(Option<f64>, Vec<ExpertLoadRecord>), TrainError> {
         let (Some(moe), Some(mesh)) = (&self.moe, model.mesh()) else {
-            return Ok(None);
+            return Ok((None, Vec::new()));
         };
+        let mut records = Vec::new();
         let loads = moe.stats.step_loads(mesh, moe.layers, moe.experts)?;
         let mut vios = Vec::new();
         for (l, st) in loads.iter().enumerate().skip(moe.first_dense) {
@@ -106,6 +108,7 @@ impl Experts {
             if let Some(log) = self.log.as_mut() {
                 let line = serde_json::to_string(&rec).unwrap_or_default();
                 writeln!(log, "{line}").map_err(io_err(&self.path))?;
+                records.push(rec);
             }
             vios.extend(st.max_vio());
         }
@@ -113,7 +116,8 @@ impl Experts {
             model.balance_experts(balancer, &loads)?;
         }
         #[allow(clippy::cast_precision_loss)]
-        Ok((!vios.is_empty()).then(|| vios.iter().sum::<f64>() / vios.len() as f64))
+        let max_vio = (!vios.is_empty()).then(|| vios.iter().sum::<f64>() / vios.len() as f64);
+        Ok((max_vio, records))
     }
 
     /// Writes what is buffered.

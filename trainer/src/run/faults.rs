@@ -123,29 +123,57 @@ impl FaultPlan {
         .product()
     }
 
-    /// Kills world rank `rank` while it saves the checkpoint of step
-    /// `step` of run `run_dir`, if a `crash-during-save` fault says so.
-    pub fn during_save(&self, run_dir: &Path, step: u64, rank: usize) {
-        let hit =
-            |f: &Fault| f.kind == FaultKind::CrashDuringSave && f.rank == rank && f.step == step;
-        if let Some(f) = self.take(hit, |_| true).first() {
-            Self::fired(run_dir, f, rank);
+    /// The faults of the save of checkpoint `step` on world rank `rank`
+    /// (a `crash-during-save` of this rank; a `corrupt-checkpoint`, on
+    /// rank 0), taken from the plan to fire where the save runs (on
+    /// its own thread, for a background save).
+    pub fn for_save(&self, step: u64, rank: usize) -> SaveFaults {
+        let hit = |f: &Fault| {
+            f.step == step
+                && (f.kind == FaultKind::CrashDuringSave && f.rank == rank
+                    || f.kind == FaultKind::CorruptCheckpoint && rank == 0)
+        };
+        let taken = self.take(hit, |_| true);
+        let first = |kind| taken.iter().find(|f| f.kind == kind).copied();
+        SaveFaults {
+            crash: first(FaultKind::CrashDuringSave),
+            corrupt: first(FaultKind::CorruptCheckpoint),
+            rank,
+        }
+    }
+}
+
+/// The faults of one save ([`FaultPlan::for_save`]).
+#[derive(Clone, Copy, Debug)]
+pub struct SaveFaults {
+    crash: Option<Fault>,
+    corrupt: Option<Fault>,
+    rank: usize,
+}
+
+impl SaveFaults {
+    /// Whether the save is to be corrupted once committed (a drill then
+    /// waits for its commit, so that the faults after it find it rotten).
+    pub fn corrupts(&self) -> bool {
+        self.corrupt.is_some()
+    }
+
+    /// Kills this process between the rank's write and the commit, if a
+    /// `crash-during-save` fault says so.
+    pub fn during(&self, run_dir: &Path) {
+        if let Some(f) = &self.crash {
+            FaultPlan::fired(run_dir, f, self.rank);
             die();
         }
     }
 
     /// Flips a byte in the middle of the largest file of the committed
-    /// checkpoint `dir` of run `run_dir` (step `step`), if a
-    /// `corrupt-checkpoint` fault says so; on world rank 0 only.
-    pub fn after_save(&self, run_dir: &Path, dir: &Path, step: u64, rank: usize) {
-        let hit = |f: &Fault| f.kind == FaultKind::CorruptCheckpoint && f.step == step;
-        if rank != 0 {
-            return;
-        }
-        let Some(f) = self.take(hit, |_| true).first().copied() else {
+    /// checkpoint `dir`, if a `corrupt-checkpoint` fault says so.
+    pub fn after(&self, run_dir: &Path, dir: &Path) {
+        let Some(f) = &self.corrupt else {
             return;
         };
-        Self::fired(run_dir, &f, rank);
+        FaultPlan::fired(run_dir, f, self.rank);
         let largest = std::fs::read_dir(dir)
             .into_iter()
             .flatten()

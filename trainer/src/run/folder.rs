@@ -302,8 +302,13 @@ impl Metrics {
             tokens_per_s: tps,
             time_s: since_start.as_secs_f64(),
             loss_scale: loss_scale.map(f64::from),
+            mfu: Some(flops / info.peak_flops).filter(|u| u.is_finite()),
+            max_vio,
+            rss_bytes: rss_bytes(),
         };
         self.line(&record)?;
+        // a step's line is in the file once the step is over
+        self.flush()?;
         Ok(StepReport {
             record,
             flops_per_s: flops,
@@ -352,6 +357,15 @@ impl Metrics {
     pub(crate) fn flush(&mut self) -> Result<(), TrainError> {
         self.out.flush().map_err(io_err(&self.path))
     }
+}
+
+/// This process's resident memory in bytes (Linux: `/proc/self/statm`).
+fn rss_bytes() -> Option<u64> {
+    let statm = std::fs::read_to_string("/proc/self/statm").ok()?;
+    let pages: u64 = statm.split_whitespace().nth(1)?.parse().ok()?;
+    // SAFETY: sysconf reads a constant of the system.
+    let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    Some(pages * u64::try_from(page).ok()?)
 }
 
 /// A step whose update was skipped as non-finite.

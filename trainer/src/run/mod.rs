@@ -28,6 +28,7 @@
 //!
 //! Faults to drill the run with come in through a [`faults::FaultPlan`].
 
+pub(crate) mod board;
 pub(crate) mod build;
 pub(crate) mod experts;
 pub(crate) mod faults;
@@ -171,6 +172,11 @@ pub(crate) fn attempt<M: TrainModel>(
     let mut health = Health::new(config, &resumed.kept, resumed.scale)?;
     let floor = data.val_floor(t.eval_sequences);
     let mut metrics = Metrics::open(world, &run_dir, &resumed.kept, floor)?;
+    let board = board::open(config, &run_dir, writer, start_step)?;
+    let observer = &mut board::Tee {
+        inner: observer,
+        board,
+    };
     let val = data.val_batches(t.eval_sequences, split.micro);
     let val = agree(world, val.map_err(TrainError::from))?;
     let val_mbs = micro_batches(&val);
@@ -201,7 +207,7 @@ pub(crate) fn attempt<M: TrainModel>(
         rank,
     };
     // a rewind goes back to the newest checkpoint saved (0: the start)
-    let mut last_saved = start_step;
+    let mut saver = saving::Saver::new(world, config, &run_dir, start_step)?;
     let mut last_step_time = Duration::ZERO;
     for step in start_step + 1..=t.steps {
         job.faults.before_step(&run_dir, step, rank);
@@ -224,16 +230,17 @@ pub(crate) fn attempt<M: TrainModel>(
             scale.unwrap_or(1.0),
             last_step_time,
         )?;
-        let max_vio = experts.step(model, step, done.out.applied)?;
+        let (max_vio, loads) = experts.step(model, step, done.out.applied)?;
+        observer.experts(&loads);
         let position = (batch, split.global);
         let checked = health.check(step, &done.out, position, scale, &mut metrics, observer)?;
         if let Some(cause) = checked {
             metrics.flush()?;
             experts.flush()?;
-            health::rewind(
-                world, &run_dir, config, skips, step, cause, last_saved, observer,
-            )?;
-            return Ok(Attempt::Rewind { to: last_saved });
+            saver.wait(world, observer)?;
+            let to = saver.committed;
+            health::rewind(world, &run_dir, config, skips, step, cause, to, observer)?;
+            return Ok(Attempt::Rewind { to });
         }
         let telemetry = model.take_telemetry();
         let work = work_time(began.elapsed().as_secs_f64(), done.in_step, &telemetry);
@@ -245,6 +252,7 @@ pub(crate) fn attempt<M: TrainModel>(
         weft_supervise::heartbeat(&run_dir, rank, step);
         stragglers.step(world, step, work, &run_dir, observer)?;
         observer.step(&report);
+        observer.check()?;
         let last = step == t.steps;
         if last || (t.eval_every > 0 && step.is_multiple_of(t.eval_every)) {
             metrics.eval(observer, step, model.eval_loss(&val_mbs)?)?;
@@ -256,13 +264,21 @@ pub(crate) fn attempt<M: TrainModel>(
             // everything logged so far belongs to the checkpoint
             metrics.flush()?;
             experts.flush()?;
-            save(job, world, &run_dir, model, &built.gpt, &health, step)?;
-            last_saved = step;
+            let req = saving::SaveRequest {
+                step,
+                loss_scale: health.scaler_state(),
+                model: &built.gpt,
+                mesh: config.parallel.dims().mesh_dims().to_vec(),
+            };
+            saver.save(world, config, &*model, req, job.faults, observer)?;
         }
         if stop {
+            // the save in flight ends before the run does
+            saver.wait(world, observer)?;
             return Err(TrainError::Stopped { step, run: run_dir });
         }
     }
+    saver.wait(world, observer)?;
     metrics.flush()?;
     experts.flush()?;
     let summary = Summary {
@@ -274,34 +290,6 @@ pub(crate) fn attempt<M: TrainModel>(
     };
     tracer.write(writer, &run_dir)?;
     folder::finish(writer, &summary, observer)?;
+    observer.check()?;
     Ok(Attempt::Finished(Box::new(summary)))
-}
-
-/// Saves checkpoint `step`: each rank writes its own parts, rank 0
-/// commits; then a `corrupt-checkpoint` fault may rot it. Collective over
-/// `world`.
-fn save<M: TrainModel>(
-    job: &Job<'_>,
-    world: &dyn Communicator,
-    run_dir: &std::path::Path,
-    model: &M,
-    gpt: &weft_model::GptConfig,
-    health: &Health,
-    step: u64,
-) -> Result<(), TrainError> {
-    let root = run_dir.join("checkpoints");
-    let (parts, opt_step) = model.owned_parts()?;
-    let mesh = job.config.parallel.dims().mesh_dims();
-    let req = saving::SaveRequest {
-        step,
-        parts: &parts,
-        opt_step,
-        loss_scale: health.scaler_state(),
-        model: gpt,
-        mesh: &mesh,
-    };
-    saving::save_sharded(world, &root, job.config, &req, job.faults)?;
-    let dir = root.join(weft_checkpoint::step_dir_name(step));
-    job.faults.after_save(run_dir, &dir, step, world.rank());
-    Ok(())
 }

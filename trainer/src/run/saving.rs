@@ -9,26 +9,31 @@
 //! continues bit for bit.
 //!
 //! Each rank writes only the parts of the tensors it owns
-//! ([`save_sharded`]: its tensor-, expert- and pipeline-parallel part, its
-//! FSDP shards — each element by exactly one rank, as boxes of the whole
-//! tensors), in parallel; rank 0 commits the manifest, which records the
-//! layout (the mesh's `pp × edp × ep × tp`). Loading
+//! ([`Saver`]: its tensor-, expert- and pipeline-parallel part, its FSDP
+//! shards — each element by exactly one rank, as boxes of the whole
+//! tensors), in parallel, by default on a thread of its own while the
+//! ranks train on (the loop stops only to copy its state); rank 0
+//! commits the manifest, which records the layout (the mesh's `pp × edp ×
+//! ep × cp × tp`). Loading
 //! ([`restore_sharded`]) reads, on every rank, the parts its own layout
 //! holds — of a checkpoint saved by any layout. No rank assembles the
 //! whole model.
 
 use std::path::{Path, PathBuf};
 
-use weft_checkpoint::collective::{self, CollectiveError, SaveSpec};
-use weft_checkpoint::{
-    FlatRun, Region, Retention, SaveOptions, TrainerState, VerifyLevel, load_latest,
-};
+use std::time::Instant;
+
+use weft_checkpoint::collective::{self, CollectiveError, OwnedRun, SaveHooks, Saved, Staged};
+use weft_checkpoint::{Retention, SaveOptions, TrainerState, VerifyLevel, load_latest};
 use weft_collectives::Communicator;
-use weft_model::{AdamWState, Gpt, GptConfig, OwnedPart, ReadTensor, TrainModel};
+use weft_model::{Gpt, GptConfig, ReadTensor, TrainModel};
 use weft_numerics::LossScalerState;
+
+use weft_trace::EventKind;
 
 use crate::config::Config;
 use crate::run::faults::FaultPlan;
+use crate::train::{HealthEvent, Observer, TrainError};
 
 /// Checkpoint errors, with the checkpoint folder they concern.
 #[derive(Debug, thiserror::Error)]
@@ -61,6 +66,16 @@ pub enum CkptError {
         saved: String,
         /// Hash of this run's configuration.
         current: String,
+    },
+    /// A checkpoint cannot continue with this run's learning-rate decay.
+    #[error("checkpoint {root}: step {step}: {reason}")]
+    Branch {
+        /// The checkpoints folder.
+        root: PathBuf,
+        /// The checkpoint's step.
+        step: u64,
+        /// Why.
+        reason: String,
     },
     /// A tensor is missing or has the wrong size.
     #[error("checkpoint {root}: tensor {name}: {reason}")]
@@ -108,7 +123,11 @@ impl CkptError {
 /// train longer, past a batch to leave out, on the other device or with
 /// another recomputation or loss chunk. (Changing `train.steps` changes the
 /// learning-rate schedule from the resume point on: the run is then no
-/// longer the uninterrupted run of either length.)
+/// longer the uninterrupted run of either length.) With `optim.schedule =
+/// "wsd"` the decay's keys (`decay_shape`, `decay_fraction`,
+/// `decay_steps`, `min_lr_ratio`) are left out too: a checkpoint of the
+/// stable phase branches into any decay ([`check_branch`] refuses one
+/// taken after its own run's decay began).
 pub(crate) fn config_hash(config: &Config) -> String {
     let mut c = config.clone();
     c.run = Default::default();
@@ -143,6 +162,13 @@ pub(crate) fn config_hash(config: &Config) -> String {
     // with other ones
     c.train.recompute = d.recompute;
     c.train.loss_chunk = d.loss_chunk;
+    if c.optim.schedule == weft_kernels::Schedule::Wsd {
+        let o = weft_kernels::AdamWConfig::default();
+        c.optim.decay_shape = o.decay_shape;
+        c.optim.decay_fraction = o.decay_fraction;
+        c.optim.decay_steps = o.decay_steps;
+        c.optim.min_lr_ratio = o.min_lr_ratio;
+    }
     format!(
         "{:016x}",
         xxhash_rust::xxh3::xxh3_64(c.to_toml().as_bytes())
@@ -175,6 +201,12 @@ fn trainer_state(
     state
         .extra
         .insert("adamw_t".into(), serde_json::json!(opt_step));
+    // where this run's decay begins, and which decay: another decay
+    // branches only from a checkpoint before it (see `check_branch`)
+    if let Some(start) = config.optim.decay_start(config.train.steps) {
+        let decay = serde_json::json!({ "start": start, "decay": decay_of(config) });
+        state.extra.insert("wsd_decay".into(), decay);
+    }
     if let Some(ls) = loss_scale {
         state.extra.insert(
             "loss_scale".into(),
@@ -207,60 +239,148 @@ fn trainer_state(
 pub(crate) struct SaveRequest<'a> {
     /// The step it is taken after.
     pub step: u64,
-    /// This rank's parts of the tensors (its [`TrainModel::owned_parts`]).
-    pub parts: &'a [OwnedPart],
-    /// The optimizer's step count.
-    pub opt_step: u32,
     /// The fp16 loss scaler's state.
     pub loss_scale: Option<LossScalerState>,
     /// The model's shape, for `weft ckpt export`.
     pub model: &'a GptConfig,
     /// The mesh's dimensions, slowest first, as the manifest records them.
-    pub mesh: &'a [(&'static str, usize)],
+    pub mesh: Vec<(&'static str, usize)>,
 }
 
-/// Saves checkpoint `req.step` under `root`: rank 0 prepares the staging
-/// folder, every rank writes its own file of `req.parts` into it, rank 0
-/// commits the manifest — the layout of the mesh, the trainer state — and
-/// applies the retention of `[checkpoint]`. A `crash-during-save` fault
-/// of `faults` fires between a rank's write and the commit. Collective
-/// over `world`; every rank returns the same outcome.
-///
-/// # Errors
-/// [`CkptError::Checkpoint`] if preparing, a rank's write, the commit or
-/// the retention failed (naming the failure on the rank that saw it; the
-/// others report [`CkptError::Collective`]); a collective error.
-pub(crate) fn save_sharded(
-    world: &dyn Communicator,
-    root: &Path,
-    config: &Config,
-    req: &SaveRequest<'_>,
-    faults: &FaultPlan,
-) -> Result<(), CkptError> {
-    let runs: Vec<FlatRun<'_>> = req
-        .parts
-        .iter()
-        .map(|p| FlatRun {
-            name: &p.name,
-            global_shape: &p.global_shape,
-            start: p.whole,
-            values: p.values.iter().map(Vec::as_slice).collect(),
+/// The run's checkpoints, each rank writing its own parts and rank 0
+/// committing ([`collective::Saver`]): in the background while the ranks
+/// train on (`checkpoint.background`, the default: the loop stops only to
+/// copy its state, one save in flight, a save that would overlap the
+/// previous one waiting for it), or with every rank stopped for the whole
+/// write. Each committed checkpoint is recorded in `events.jsonl` with
+/// the loop's stall, its write time and its bytes, and reported.
+pub(crate) struct Saver {
+    root: PathBuf,
+    saver: collective::Saver,
+    /// The newest checkpoint known to be committed (0: none).
+    pub(crate) committed: u64,
+}
+
+impl Saver {
+    /// The checkpoints of the run in `run_dir`, the newest committed one
+    /// at `committed`. Collective over `world`.
+    ///
+    /// # Errors
+    /// The split of the background saver's group.
+    pub(crate) fn new(
+        world: &dyn Communicator,
+        config: &Config,
+        run_dir: &Path,
+        committed: u64,
+    ) -> Result<Self, TrainError> {
+        let root = run_dir.join("checkpoints");
+        let background = config.checkpoint.background;
+        let saver = collective::Saver::new(world, &root, SaveOptions::default(), background);
+        Ok(Self {
+            saver: saver.map_err(CkptError::from)?,
+            root,
+            committed,
         })
-        .collect();
-    let c = &config.checkpoint;
-    let spec = SaveSpec {
-        step: req.step,
-        runs: &runs,
-        name: &saved_name,
-        mesh: req.mesh,
-        state: &trainer_state(config, req.step, req.opt_step, req.loss_scale, req.model),
-        retention: Retention::new(c.keep_last, (c.keep_every > 0).then_some(c.keep_every)),
-    };
-    let run_dir = root.parent().unwrap_or(root);
-    collective::save(world, root, &spec, &SaveOptions::default(), &mut || {
-        faults.during_save(run_dir, req.step, world.rank());
-    })
-    .map_err(|e| CkptError::from(e).rooted(root))
+    }
+
+    /// Saves checkpoint `req.step` of `model` (see [`Saver`]): copies
+    /// this rank's parts of it ([`TrainModel::owned_parts`]) and writes
+    /// them; a `crash-during-save` fault fires between this rank's write
+    /// and the commit, a `corrupt-checkpoint` one after the commit.
+    /// Collective over `world`; every rank returns the same outcome.
+    ///
+    /// # Errors
+    /// The save's (or, in the background, the previous save's):
+    /// [`CkptError::Checkpoint`] on the rank that saw the failure,
+    /// [`CkptError::Collective`] on the others.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn save<M: TrainModel + ?Sized>(
+        &mut self,
+        world: &dyn Communicator,
+        config: &Config,
+        model: &M,
+        req: SaveRequest<'_>,
+        faults: &FaultPlan,
+        observer: &mut dyn Observer,
+    ) -> Result<(), TrainError> {
+        let t0 = Instant::now();
+        let (parts, opt_step) = model.owned_parts()?;
+        let runs = parts.into_iter().map(|p| OwnedRun {
+            name: p.name,
+            global_shape: p.global_shape,
+            start: p.whole,
+            values: p.values.into(),
+        });
+        let c = &config.checkpoint;
+        let staged = Staged {
+            step: req.step,
+            runs: runs.collect(),
+            name: saved_name,
+            mesh: req.mesh,
+            state: trainer_state(config, req.step, opt_step, req.loss_scale, req.model),
+            retention: Retention::new(c.keep_last, (c.keep_every > 0).then_some(c.keep_every)),
+        };
+        let copy_s = t0.elapsed().as_secs_f64();
+        let faults = faults.for_save(req.step, world.rank());
+        let rot = faults.corrupts();
+        let run_dir = self.root.parent().unwrap_or(&self.root).to_owned();
+        let dir = run_dir.clone();
+        let hooks = SaveHooks {
+            after_write: Box::new(move || faults.during(&run_dir)),
+            after_commit: Box::new(move |ckpt| faults.after(&dir, ckpt)),
+        };
+        let saved = self.saver.save(world, staged, copy_s, hooks);
+        self.report(world.rank(), saved, observer)?;
+        if rot {
+            // a drill's rotten checkpoint is there before the next step
+            self.wait(world, observer)?;
+        }
+        Ok(())
+    }
+
+    /// Waits for the save in flight, if any, and reports it.
+    ///
+    /// # Errors
+    /// The save's, as [`Saver::save`].
+    pub(crate) fn wait(
+        &mut self,
+        world: &dyn Communicator,
+        observer: &mut dyn Observer,
+    ) -> Result<(), TrainError> {
+        let saved = self.saver.wait();
+        self.report(world.rank(), saved, observer)
+    }
+
+    /// Records a committed checkpoint (world rank 0 writes its line of
+    /// `events.jsonl`) and reports it; names the folder of a failed one.
+    fn report(
+        &mut self,
+        rank: usize,
+        saved: Result<Option<Saved>, CollectiveError>,
+        observer: &mut dyn Observer,
+    ) -> Result<(), TrainError> {
+        let saved = saved.map_err(|e| CkptError::from(e).rooted(&self.root))?;
+        let Some(s) = saved else {
+            return Ok(());
+        };
+        self.committed = s.step;
+        let kind = EventKind::Checkpoint {
+            step: s.step,
+            background: s.background,
+            stall_s: s.stall_s,
+            waited_s: s.waited_s,
+            write_s: s.write_s,
+            bytes: s.bytes,
+        };
+        if rank == 0 {
+            let run_dir = self.root.parent().unwrap_or(&self.root);
+            let line = weft_supervise::events::stamped(kind.clone());
+            weft_supervise::events::append_event(run_dir, &line)
+                .map_err(crate::run::folder::io_err(run_dir))?;
+        }
+        observer.event(&HealthEvent::Run(kind));
+        Ok(())
+    }
 }
 
 /// Loads, on every rank, its part of the newest checkpoint under `root`
@@ -295,9 +415,11 @@ fn restore_with(
     config: &Config,
     load: &mut dyn FnMut(u32, &mut ReadTensor<'_>) -> Result<(), String>,
 ) -> Result<Restored, CkptError> {
-    let picked =
-        collective::pick_latest(world, root, |manifest| check_hash(root, config, manifest))
-            .map_err(|e: CkptError| e.rooted(root))?;
+    let picked = collective::pick_latest(world, root, |manifest| {
+        check_hash(root, config, manifest)?;
+        check_branch(root, config, manifest)
+    })
+    .map_err(|e: CkptError| e.rooted(root))?;
     let (ckpt, skipped) = (picked.checkpoint, picked.skipped);
     let step = ckpt.step();
     let opt_step = ckpt
@@ -311,14 +433,7 @@ fn restore_with(
                     name: &str,
                     out: &mut [f32]|
      -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
-        let bytes = ckpt.read_tensor(&saved_name(which, name))?;
-        if bytes.len() != 4 * out.len() {
-            return Err(format!("{} bytes, expected {}", bytes.len(), 4 * out.len()).into());
-        }
-        for (d, c) in out.iter_mut().zip(bytes.chunks_exact(4)) {
-            *d = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
-        }
-        Ok(())
+        Ok(ckpt.read_f32(&saved_name(which, name), out)?)
     };
     load(opt_step, &mut read).map_err(|reason| CkptError::Tensor {
         root: root.to_owned(),
@@ -331,6 +446,61 @@ fn restore_with(
         skipped,
         loss_scale,
     })
+}
+
+/// A WSD run's decay: its keys and the run's length.
+fn decay_of(config: &Config) -> String {
+    let o = &config.optim;
+    format!(
+        "{} over {} steps (fraction {}) to {} of the peak, of {} steps",
+        o.decay_shape, o.decay_steps, o.decay_fraction, o.min_lr_ratio, config.train.steps
+    )
+}
+
+/// Whether `config` may continue from checkpoint folder `dir` as a branch
+/// (the check a resume makes, before a branch's folder is made).
+///
+/// # Errors
+/// [`CkptError::Branch`]; the checkpoint's manifest cannot be read.
+pub fn check_branch_from(dir: &Path, config: &Config) -> Result<(), CkptError> {
+    let root = dir.parent().unwrap_or(dir);
+    let manifest =
+        weft_checkpoint::Manifest::read(dir).map_err(|source| CkptError::Checkpoint {
+            root: root.to_owned(),
+            source,
+        })?;
+    check_branch(root, config, &manifest)
+}
+
+/// Refuses to continue a checkpoint taken inside its WSD run's decay
+/// with another decay: the learning rates it trained with would be
+/// neither run's. A checkpoint of the stable phase branches into any.
+fn check_branch(
+    root: &Path,
+    config: &Config,
+    ckpt: &weft_checkpoint::Manifest,
+) -> Result<(), CkptError> {
+    let Some(saved) = ckpt.state.extra.get("wsd_decay") else {
+        return Ok(());
+    };
+    let start = saved.get("start").and_then(serde_json::Value::as_u64);
+    let decay = saved.get("decay").and_then(serde_json::Value::as_str);
+    let (Some(start), Some(decay)) = (start, decay) else {
+        return Ok(());
+    };
+    let step = ckpt.step;
+    if step > start && decay != decay_of(config) {
+        return Err(CkptError::Branch {
+            root: root.to_owned(),
+            step,
+            reason: format!(
+                "it was taken inside its run's decay ({decay}, from step {start}); another decay \
+                 ({}) branches from a checkpoint of the stable phase, at step {start} or before",
+                decay_of(config)
+            ),
+        });
+    }
+    Ok(())
 }
 
 /// Refuses a checkpoint saved by another configuration.
@@ -374,70 +544,30 @@ fn loss_scale_of(state: &TrainerState) -> Option<LossScalerState> {
     })
 }
 
-/// Loads the newest checkpoint under `root` that verifies into `model` and
-/// `opt`.
+/// Loads the parameters of the newest checkpoint under `root` that
+/// verifies into `model` (one rank: the sampler's); returns its step.
 ///
 /// # Errors
 /// [`CkptError::Missing`] if there is none; [`CkptError::ConfigMismatch`] if
 /// it belongs to another configuration; [`CkptError::Tensor`] if a tensor is
 /// missing or mis-sized; [`CkptError::Checkpoint`] for I/O or corruption.
-pub(crate) fn restore(
-    root: &Path,
-    config: &Config,
-    model: &mut Gpt,
-    opt: &mut AdamWState,
-) -> Result<Restored, CkptError> {
-    let err = |source| CkptError::Checkpoint {
+pub(crate) fn restore(root: &Path, config: &Config, model: &mut Gpt) -> Result<u64, CkptError> {
+    let loaded = load_latest(root, VerifyLevel::Full).map_err(|source| CkptError::Checkpoint {
         root: root.to_owned(),
         source,
-    };
-    let loaded = load_latest(root, VerifyLevel::Full)
-        .map_err(err)?
-        .ok_or_else(|| CkptError::Missing(root.to_owned()))?;
-    let ckpt = &loaded.checkpoint;
-    let state = &ckpt.manifest().state;
+    })?;
+    let ckpt = loaded
+        .ok_or_else(|| CkptError::Missing(root.to_owned()))?
+        .checkpoint;
     check_hash(root, config, ckpt.manifest())?;
-    let specs = model.layout().specs().to_vec();
-    for spec in &specs {
-        let r = spec.range();
-        let shape: Vec<u64> = spec.shape.iter().map(|&d| d as u64).collect();
-        for (prefix, buf) in [
-            ("", &mut model.params),
-            ("optimizer.exp_avg.", &mut opt.m),
-            ("optimizer.exp_avg_sq.", &mut opt.v),
-        ] {
-            let name = format!("{prefix}{}", spec.name);
-            let bytes = ckpt
-                .read_region(&name, &Region::full(&shape))
-                .map_err(|e| CkptError::Tensor {
-                    root: root.to_owned(),
-                    name: name.clone(),
-                    reason: e.to_string(),
-                })?;
-            if bytes.len() != 4 * r.len() {
-                return Err(CkptError::Tensor {
-                    root: root.to_owned(),
-                    name,
-                    reason: format!("{} bytes, expected {}", bytes.len(), 4 * r.len()),
-                });
-            }
-            for (d, c) in buf[r.clone()].iter_mut().zip(bytes.chunks_exact(4)) {
-                *d = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
-            }
-        }
+    for spec in model.layout().specs().to_vec() {
+        let out = &mut model.params[spec.range()];
+        ckpt.read_f32(&spec.name, out)
+            .map_err(|e| CkptError::Tensor {
+                root: root.to_owned(),
+                name: spec.name.clone(),
+                reason: e.to_string(),
+            })?;
     }
-    opt.step = state
-        .extra
-        .get("adamw_t")
-        .and_then(serde_json::Value::as_u64)
-        .map_or(0, |t| t as u32);
-    Ok(Restored {
-        step: ckpt.step(),
-        skipped: loaded
-            .skipped
-            .iter()
-            .map(|(p, e)| format!("{}: {e}", p.display()))
-            .collect(),
-        loss_scale: loss_scale_of(state),
-    })
+    Ok(ckpt.step())
 }
