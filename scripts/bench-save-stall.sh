@@ -36,15 +36,18 @@ for mode in ("true", "false"):
     # a step's wall time from its tokens/s (the same tokens every step)
     secs = {s: 1024 / r["tokens_per_s"] for s, r in steps.items()}
     saved = {e["step"] for e in ck}
+    # the steps after a save (its stall is in the step that saved, not
+    # in these), and the others (not the first: it warms up)
     after = [secs[s + 1] for s in saved if s + 1 in secs]
-    quiet = [t for s, t in secs.items() if s not in saved and s - 1 not in saved and s > 1]
-    rows[mode] = (ck, after, quiet)
-print(f"| saves | bytes a save | stall per save (s), mean of the saves before the last | the last save's stall (s) | write (s) | step after a save (s) | other steps (s) |")
-print(f"|---|---|---|---|---|---|---|")
+    second = [secs[s + 2] for s in saved if s + 2 in secs]
+    quiet = [t for s, t in secs.items() if s - 1 not in saved and s - 2 not in saved and s > 1]
+    rows[mode] = (ck, after, second, quiet)
+print("| saves | bytes a save | stall per save (s), mean of the saves before the last | the last save's stall (s) | write (s) | 1st step after a save (s) | 2nd step after (s) | other steps (s) |")
+print("|---|---|---|---|---|---|---|---|")
 for mode, name in (("false", "synchronous"), ("true", "background")):
-    ck, after, quiet = rows[mode]
+    ck, after, second, quiet = rows[mode]
     mid = [e["stall_s"] for e in ck[:-1]]
-    print(f"| {name} | {ck[0]['bytes']/1e9:.2f} GB | {st.mean(mid):.3f} | {ck[-1]['stall_s']:.3f} | {st.mean(e['write_s'] for e in ck):.2f} | {st.mean(after):.3f} | {st.mean(quiet):.3f} |")
+    print(f"| {name} | {ck[0]['bytes']/1e9:.2f} GB | {st.mean(mid):.3f} | {ck[-1]['stall_s']:.3f} | {st.mean(e['write_s'] for e in ck):.2f} | {st.mean(after):.3f} | {st.mean(second):.3f} | {st.mean(quiet):.3f} |")
 sync = st.mean(e["stall_s"] for e in rows["false"][0][:-1])
 bg = st.mean(e["stall_s"] for e in rows["true"][0][:-1])
 print(f"\nbackground stall / synchronous stall: {bg / sync:.3f}")

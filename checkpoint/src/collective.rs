@@ -624,6 +624,8 @@ pub struct Saver {
     background: Option<Background>,
     /// The save in flight: its step, the copy's seconds, its bytes.
     started: Option<(u64, f64, u64)>,
+    /// The runs of the last save written, for the next copy to reuse.
+    spent: std::sync::Arc<std::sync::Mutex<Vec<OwnedRun>>>,
 }
 
 impl Saver {
@@ -647,7 +649,22 @@ impl Saver {
                 None
             },
             started: None,
+            spent: std::sync::Arc::default(),
         })
+    }
+
+    /// The runs of the last save written (empty while a save is in
+    /// flight, or before the first): their buffers, for the next copy to
+    /// reuse — memory already mapped, so the copy costs no page faults.
+    pub fn take_runs(&mut self) -> Vec<OwnedRun> {
+        if self.started.is_some() {
+            return Vec::new();
+        }
+        let mut spent = self
+            .spent
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        std::mem::take(&mut *spent)
     }
 
     /// Saves `staged`, which the loop took `copy_s` seconds to copy:
@@ -666,8 +683,13 @@ impl Saver {
     ) -> Result<Option<Saved>, CollectiveError> {
         let (step, bytes) = (staged.step, staged.bytes());
         let (root, opts) = (self.root.clone(), self.opts.clone());
+        let spent = std::sync::Arc::clone(&self.spent);
         let write = move |group: &dyn Communicator| {
-            staged.write(group, &root, &opts, &mut *hooks.after_write)?;
+            let written = staged.write(group, &root, &opts, &mut *hooks.after_write);
+            *spent
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner) = staged.runs;
+            written?;
             (hooks.after_commit)(&root.join(crate::step_dir_name(step)));
             Ok(())
         };

@@ -806,14 +806,27 @@ impl ParallelGpt {
     /// # Errors
     /// A layout error.
     pub fn owned_parts(&self) -> Result<(Vec<OwnedPart>, u32)> {
-        let coords = self.mesh.coords();
         let mut out = Vec::new();
-        let mut step = 0;
+        let step = self.owned_parts_into(&mut out)?;
+        Ok((out, step))
+    }
+
+    /// [`owned_parts`](Self::owned_parts) into `out`, overwriting in place
+    /// the parts a previous call left there (no allocation, no page
+    /// fault: a training loop's saves copy at memory speed); returns the
+    /// optimizer step.
+    ///
+    /// # Errors
+    /// A layout error.
+    pub fn owned_parts_into(&self, out: &mut Vec<OwnedPart>) -> Result<u32> {
+        let coords = self.mesh.coords();
+        let (mut at, mut step) = (0, 0);
         for st in self.ex.stages() {
-            out.extend(st.owned_parts(&coords)?);
+            st.owned_parts_into(&coords, out, &mut at)?;
             step = st.optimizer_step();
         }
-        Ok((out, step))
+        out.truncate(at);
+        Ok(step)
     }
 
     /// Bytes of [`owned_parts`](Self::owned_parts) (parameters and both

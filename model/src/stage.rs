@@ -638,15 +638,48 @@ impl GptStage {
     /// A layout error.
     pub fn owned_parts(&self, coords: &weft_parallel::MeshCoords) -> Result<Vec<OwnedPart>> {
         let mut out = Vec::new();
-        self.for_each_owned(coords, &mut |spec, whole, [p, m, v]| {
-            out.push(OwnedPart {
-                name: spec.name.clone(),
-                global_shape: spec.global_shape.clone(),
-                whole,
-                values: [p.to_vec(), m.to_vec(), v.to_vec()],
-            });
-        })?;
+        self.owned_parts_into(coords, &mut out, &mut 0)?;
         Ok(out)
+    }
+
+    /// [`owned_parts`](Self::owned_parts) into `out` from index `*at` on
+    /// (advanced past them): a part already there for the same run is
+    /// overwritten in place, so a loop that saves again and again copies
+    /// into memory it already holds.
+    ///
+    /// # Errors
+    /// A layout error.
+    pub fn owned_parts_into(
+        &self,
+        coords: &weft_parallel::MeshCoords,
+        out: &mut Vec<OwnedPart>,
+        at: &mut usize,
+    ) -> Result<()> {
+        self.for_each_owned(coords, &mut |spec, whole, values| {
+            let same = |p: &OwnedPart| {
+                p.name == spec.name && p.whole == whole && p.values[0].len() == values[0].len()
+            };
+            match out.get_mut(*at) {
+                Some(p) if same(p) => {
+                    for (d, s) in p.values.iter_mut().zip(values) {
+                        d.copy_from_slice(s);
+                    }
+                }
+                slot => {
+                    let part = OwnedPart {
+                        name: spec.name.clone(),
+                        global_shape: spec.global_shape.clone(),
+                        whole,
+                        values: values.map(<[f32]>::to_vec),
+                    };
+                    match slot {
+                        Some(p) => *p = part,
+                        None => out.push(part),
+                    }
+                }
+            }
+            *at += 1;
+        })
     }
 
     /// The elements of [`owned_parts`](Self::owned_parts), counted without

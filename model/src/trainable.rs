@@ -90,6 +90,18 @@ pub trait TrainModel {
     /// The model's.
     fn owned_parts(&self) -> Result<(Vec<OwnedPart>, u32)>;
 
+    /// [`owned_parts`](Self::owned_parts) into `out`, reusing what a
+    /// previous call left there where the model can (the CPU model
+    /// overwrites its parts in place); returns the optimizer step.
+    ///
+    /// # Errors
+    /// The model's.
+    fn owned_parts_into(&self, out: &mut Vec<OwnedPart>) -> Result<u32> {
+        let (parts, step) = self.owned_parts()?;
+        *out = parts;
+        Ok(step)
+    }
+
     /// Bytes of [`owned_parts`](Self::owned_parts)' values: the host copy a
     /// checkpoint is saved from. By default counted from a copy; models
     /// count without one.
@@ -250,6 +262,10 @@ impl TrainModel for crate::ParallelGpt {
 
     fn owned_bytes(&self) -> Result<usize> {
         crate::ParallelGpt::owned_bytes(self)
+    }
+
+    fn owned_parts_into(&self, out: &mut Vec<OwnedPart>) -> Result<u32> {
+        crate::ParallelGpt::owned_parts_into(self, out)
     }
 
     fn load_with(&mut self, step: u32, read: &mut ReadTensor<'_>) -> Result<()> {

@@ -74,7 +74,9 @@ fn train_tokens(c: Corpus) -> Vec<u32> {
 
 #[test]
 fn hugging_face_tokenizers_give_the_python_ids() {
-    let Some(py) = super::python("numpy") else { return };
+    let Some(py) = super::python("numpy") else {
+        return;
+    };
     let ok = Command::new(&py)
         .args(["-c", "import tokenizers"])
         .output()

@@ -207,7 +207,7 @@ pub(crate) fn attempt<M: TrainModel>(
         rank,
     };
     // a rewind goes back to the newest checkpoint saved (0: the start)
-    let mut saver = saving::Saver::new(world, config, &run_dir, start_step)?;
+    let mut saver = saving::Saver::new(world, config, &*model, &run_dir, start_step)?;
     let mut last_step_time = Duration::ZERO;
     for step in start_step + 1..=t.steps {
         job.faults.before_step(&run_dir, step, rank);

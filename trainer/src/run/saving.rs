@@ -26,7 +26,7 @@ use std::time::Instant;
 use weft_checkpoint::collective::{self, CollectiveError, OwnedRun, SaveHooks, Saved, Staged};
 use weft_checkpoint::{Retention, SaveOptions, TrainerState, VerifyLevel, load_latest};
 use weft_collectives::Communicator;
-use weft_model::{Gpt, GptConfig, ReadTensor, TrainModel};
+use weft_model::{Gpt, GptConfig, OwnedPart, ReadTensor, TrainModel};
 use weft_numerics::LossScalerState;
 
 use weft_trace::EventKind;
@@ -257,28 +257,39 @@ pub(crate) struct SaveRequest<'a> {
 pub(crate) struct Saver {
     root: PathBuf,
     saver: collective::Saver,
+    /// The host copy's buffers, filled once at the start (so that even
+    /// the first save copies into mapped memory) until a save gives its
+    /// own back.
+    reserved: Vec<OwnedPart>,
     /// The newest checkpoint known to be committed (0: none).
     pub(crate) committed: u64,
 }
 
 impl Saver {
-    /// The checkpoints of the run in `run_dir`, the newest committed one
-    /// at `committed`. Collective over `world`.
+    /// The checkpoints of `model`'s run in `run_dir`, the newest
+    /// committed one at `committed`; in the background, with the host
+    /// copy's buffers in place. Collective over `world`.
     ///
     /// # Errors
-    /// The split of the background saver's group.
-    pub(crate) fn new(
+    /// The split of the background saver's group; the model's.
+    pub(crate) fn new<M: TrainModel + ?Sized>(
         world: &dyn Communicator,
         config: &Config,
+        model: &M,
         run_dir: &Path,
         committed: u64,
     ) -> Result<Self, TrainError> {
         let root = run_dir.join("checkpoints");
-        let background = config.checkpoint.background;
-        let saver = collective::Saver::new(world, &root, SaveOptions::default(), background);
+        let c = &config.checkpoint;
+        let saver = collective::Saver::new(world, &root, SaveOptions::default(), c.background);
+        let mut reserved = Vec::new();
+        if c.background && c.every > 0 {
+            model.owned_parts_into(&mut reserved)?;
+        }
         Ok(Self {
             saver: saver.map_err(CkptError::from)?,
             root,
+            reserved,
             committed,
         })
     }
@@ -303,8 +314,21 @@ impl Saver {
         faults: &FaultPlan,
         observer: &mut dyn Observer,
     ) -> Result<(), TrainError> {
+        // the previous save ends first: its buffers take this copy
+        let previous = self.saver.wait();
+        self.report(world.rank(), previous, observer)?;
         let t0 = Instant::now();
-        let (parts, opt_step) = model.owned_parts()?;
+        let spent = self.saver.take_runs().into_iter().map(|r| OwnedPart {
+            name: r.name,
+            global_shape: r.global_shape,
+            whole: r.start,
+            values: r.values.try_into().unwrap_or_default(),
+        });
+        let mut parts: Vec<OwnedPart> = spent.collect();
+        if parts.is_empty() {
+            parts = std::mem::take(&mut self.reserved);
+        }
+        let opt_step = model.owned_parts_into(&mut parts)?;
         let runs = parts.into_iter().map(|p| OwnedRun {
             name: p.name,
             global_shape: p.global_shape,
