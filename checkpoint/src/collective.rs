@@ -156,15 +156,15 @@ fn write_rank(
     spec: &SaveSpec<'_>,
     opts: &SaveOptions,
 ) -> crate::Result<RankReport> {
+    let boxes = boxes_of_runs(spec.runs);
     let mut tensors = Vec::new();
-    for b in boxes_of_runs(spec.runs) {
+    for b in &boxes {
         for (which, values) in b.values.iter().enumerate() {
-            let bytes: Vec<u8> = values.iter().flat_map(|x| x.to_le_bytes()).collect();
             tensors.push((
                 (spec.name)(which, &b.name),
                 b.global_shape.clone(),
                 b.region.clone(),
-                bytes,
+                le_bytes(values),
             ));
         }
     }
@@ -180,6 +180,26 @@ fn write_rank(
         .collect();
     let rank = u32::try_from(rank).unwrap_or(u32::MAX);
     crate::write_rank_file(staging, rank, &shards, opts)
+}
+
+/// The little-endian bytes of `values`: a view of them on a little-endian
+/// machine (no copy: a save's writer then does one pass less over its
+/// rank's data), else a converted copy.
+fn le_bytes(values: &[f32]) -> std::borrow::Cow<'_, [u8]> {
+    #[cfg(target_endian = "little")]
+    {
+        // SAFETY: f32 has no padding and every byte of it is a valid u8;
+        // the slice covers exactly the same memory for the same lifetime,
+        // and u8's alignment (1) divides f32's.
+        let bytes = unsafe {
+            std::slice::from_raw_parts(values.as_ptr().cast::<u8>(), size_of_val(values))
+        };
+        std::borrow::Cow::Borrowed(bytes)
+    }
+    #[cfg(not(target_endian = "little"))]
+    {
+        std::borrow::Cow::Owned(values.iter().flat_map(|x| x.to_le_bytes()).collect())
+    }
 }
 
 /// Rank 0's verdict on a collective step, sent to every rank.
