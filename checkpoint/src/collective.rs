@@ -52,6 +52,7 @@
 //! ```
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use weft_collectives::{Communicator, CommunicatorExt};
 
@@ -94,7 +95,7 @@ pub struct SaveSpec<'a> {
     /// optimizer moments, say).
     pub runs: &'a [FlatRun<'a>],
     /// The name a run's `k`-th value slice of tensor `name` is saved
-    /// under.
+    /// under (an empty slice is not saved).
     pub name: &'a dyn Fn(usize, &str) -> String,
     /// The mesh's dimensions, slowest first, as the manifest records them.
     pub mesh: &'a [(&'a str, usize)],
@@ -160,6 +161,9 @@ fn write_rank(
     let mut tensors = Vec::new();
     for b in &boxes {
         for (which, values) in b.values.iter().enumerate() {
+            if values.is_empty() {
+                continue; // (a tensor without this array: Muon's matrices' second moment)
+            }
             tensors.push((
                 (spec.name)(which, &b.name),
                 b.global_shape.clone(),
@@ -426,7 +430,7 @@ struct InFlight {
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
 pub struct Background {
-    group: std::sync::Arc<dyn Communicator>,
+    group: Arc<dyn Communicator>,
     pending: Option<InFlight>,
 }
 
@@ -447,7 +451,7 @@ impl Background {
     pub fn new(world: &dyn Communicator) -> Result<Self, CollectiveError> {
         let key = u32::try_from(world.rank()).unwrap_or(u32::MAX);
         Ok(Background {
-            group: std::sync::Arc::from(world.split(0, key)?),
+            group: Arc::from(world.split(0, key)?),
             pending: None,
         })
     }
@@ -469,7 +473,7 @@ impl Background {
         F: FnOnce(&dyn Communicator) -> Result<(), CollectiveError> + Send + 'static,
     {
         let previous = self.wait();
-        let group = std::sync::Arc::clone(&self.group);
+        let group = Arc::clone(&self.group);
         let handle = std::thread::Builder::new()
             .name(format!("weft-save-{step}"))
             .spawn(move || {
@@ -529,26 +533,42 @@ pub struct OwnedRun {
     pub global_shape: Vec<usize>,
     /// The run's first element, in the whole tensor's flat order.
     pub start: usize,
-    /// The run's values, one array per kind (all the same length).
+    /// The run's values, one array per kind (the same length, or empty
+    /// where the tensor has no such array).
     pub values: Vec<Vec<f32>>,
 }
 
+/// The name a run's `k`-th value array of tensor `name` is saved under
+/// ([`Staged::name`]).
+pub type SavedName = Arc<dyn Fn(usize, &str) -> String + Send + Sync>;
+
 /// A rank's checkpoint, copied out of the training state and ready to
 /// write (by [`Saver`], or [`Staged::write`] over any group).
-#[derive(Clone, Debug)]
+#[derive(Clone)]
 pub struct Staged {
     /// The step it is taken after.
     pub step: u64,
     /// This rank's parts of the tensors.
     pub runs: Vec<OwnedRun>,
-    /// The name a run's `k`-th value array of tensor `name` is saved under.
-    pub name: fn(usize, &str) -> String,
+    /// The name a run's `k`-th value array of tensor `name` is saved
+    /// under (an empty array is not saved).
+    pub name: SavedName,
     /// The mesh's dimensions, slowest first, as the manifest records them.
     pub mesh: Vec<(&'static str, usize)>,
     /// The trainer state (rank 0's is committed).
     pub state: TrainerState,
     /// Which checkpoints to keep once it is committed.
     pub retention: Retention,
+}
+
+impl std::fmt::Debug for Staged {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Staged")
+            .field("step", &self.step)
+            .field("runs", &self.runs.len())
+            .field("mesh", &self.mesh)
+            .finish_non_exhaustive()
+    }
 }
 
 impl Staged {
@@ -585,7 +605,7 @@ impl Staged {
         let spec = SaveSpec {
             step: self.step,
             runs: &runs,
-            name: &self.name,
+            name: &*self.name,
             mesh: &self.mesh,
             state: &self.state,
             retention: self.retention.clone(),
@@ -645,7 +665,7 @@ pub struct Saver {
     /// The save in flight: its step, the copy's seconds, its bytes.
     started: Option<(u64, f64, u64)>,
     /// The runs of the last save written, for the next copy to reuse.
-    spent: std::sync::Arc<std::sync::Mutex<Vec<OwnedRun>>>,
+    spent: Arc<std::sync::Mutex<Vec<OwnedRun>>>,
 }
 
 impl Saver {
@@ -669,7 +689,7 @@ impl Saver {
                 None
             },
             started: None,
-            spent: std::sync::Arc::default(),
+            spent: Arc::default(),
         })
     }
 
@@ -703,7 +723,7 @@ impl Saver {
     ) -> Result<Option<Saved>, CollectiveError> {
         let (step, bytes) = (staged.step, staged.bytes());
         let (root, opts) = (self.root.clone(), self.opts.clone());
-        let spent = std::sync::Arc::clone(&self.spent);
+        let spent = Arc::clone(&self.spent);
         let write = move |group: &dyn Communicator| {
             let written = staged.write(group, &root, &opts, &mut *hooks.after_write);
             *spent

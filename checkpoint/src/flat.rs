@@ -142,7 +142,8 @@ pub fn boxes_of_runs(runs: &[FlatRun<'_>]) -> Vec<FlatBox> {
             let values = run
                 .values
                 .iter()
-                .map(|v| v[at..at + count].to_vec())
+                // (an empty array stays empty: the tensor has none)
+                .map(|v| v.get(at..at + count).map_or_else(Vec::new, <[f32]>::to_vec))
                 .collect();
             entry.1.push(FlatBox {
                 name: run.name.to_owned(),

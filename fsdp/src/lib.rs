@@ -31,7 +31,8 @@
 //!   reducing each unit's gradients on a worker thread as soon as they are
 //!   ready; [`Fsdp::grad_norm`] (this shard's exact part of the global
 //!   norm) and [`Fsdp::apply`] (AdamW on the shards, `weft_parallel`'s one
-//!   optimizer) end the step.
+//!   optimizer; [`Fsdp::apply_with`] with a [`MuonStep`]: Muon for the
+//!   matrices of a `weft_parallel::MuonPlan` over the shards) end the step.
 //! - [`MemoryReport`]: bytes per [`Category`] from the buffers actually
 //!   allocated, current and peak.
 //! - [`SpanLog`]: compute, communication and wait spans, exported as
@@ -177,6 +178,6 @@ mod wire;
 pub use config::{FsdpConfig, Precision, Strategy};
 pub use error::{Error, Result};
 pub use memory::{Category, MemoryReport};
-pub use sharded::Fsdp;
+pub use sharded::{Fsdp, MuonStep};
 pub use spans::{Span, SpanLog, Track};
 pub use units::{ShardBox, ShardPiece, Unit, UnitPlan, UnitSpec};

@@ -22,6 +22,18 @@ use crate::spans::{SpanLog, Track};
 use crate::units::{UnitPlan, UnitSpec};
 use crate::wire::Bf16Wire;
 
+/// Muon's part of an optimizer step ([`Fsdp::apply_with`]).
+#[derive(Clone, Copy, Debug)]
+pub struct MuonStep<'a> {
+    /// The plan over this rank's shards of the units (buffer `u`: unit
+    /// `u`'s shard, as [`Fsdp::muon_shards`] lists them).
+    pub plan: &'a weft_parallel::MuonPlan,
+    /// Muon's hyper-parameters.
+    pub hp: &'a weft_kernels::Muon,
+    /// Newton–Schulz's precision.
+    pub precision: weft_kernels::Precision,
+}
+
 /// Per-unit state of this rank.
 #[derive(Debug)]
 struct UnitState {
@@ -419,6 +431,23 @@ impl Fsdp {
     /// If `u` is out of range.
     pub fn optimizer_range(&self, u: usize) -> Range<usize> {
         self.plan.units()[u].shard(self.rank)
+    }
+
+    /// This rank's shards as a [`MuonPlan`](weft_parallel::MuonPlan)'s
+    /// buffers: per unit, the range of the model's layout its shard
+    /// holds (padding left out) and the layout element at its position 0.
+    #[must_use]
+    pub fn muon_shards(&self) -> Vec<(Range<usize>, usize)> {
+        self.plan
+            .units()
+            .iter()
+            .map(|u| {
+                (
+                    u.shard_in_model(self.rank),
+                    u.range.start + u.shard(self.rank).start,
+                )
+            })
+            .collect()
     }
 
     /// Unit `u`'s f32 master weights and AdamW moments `(master, m, v)` on
@@ -1067,6 +1096,24 @@ impl Fsdp {
     /// # Errors
     /// A kernel or collective error; [`Error::Order`] outside a step.
     pub fn apply(&mut self, clip_coef: f32, hp: &AdamW) -> Result<()> {
+        self.apply_with(clip_coef, hp, None)
+    }
+
+    /// [`apply`](Self::apply) with Muon taking the matrices of `muon`'s
+    /// plan (its buffers: this rank's shards of the units, in order) and
+    /// AdamW the rest: per unit, AdamW and Muon's momentum (its Nesterov
+    /// input left in the second-moment buffer, which Muon's elements do
+    /// not use); then the plan's collective orthogonalisation, and
+    /// Muon's weight step.
+    ///
+    /// # Errors
+    /// As [`apply`](Self::apply); the plan's.
+    pub fn apply_with(
+        &mut self,
+        clip_coef: f32,
+        hp: &AdamW,
+        muon: Option<MuonStep<'_>>,
+    ) -> Result<()> {
         if !matches!(self.phase, Phase::Train { .. }) {
             return Err(phase_err("apply", self.phase));
         }
@@ -1092,6 +1139,11 @@ impl Fsdp {
                     (a < e).then(|| (a - opt.start..e - opt.start, decay))
                 })
                 .collect();
+            let base = self.plan.units()[u].range.start + opt.start;
+            let runs = match &muon {
+                Some(m) => m.plan.adamw_runs(runs, base),
+                None => runs,
+            };
             let st = &mut self.units[u];
             weft_parallel::adamw_runs(
                 runs,
@@ -1102,10 +1154,24 @@ impl Fsdp {
                 hp,
                 self.step,
             )?;
+            if let Some(m) = &muon {
+                m.plan.momentum(u, &g, &mut st.m, &mut st.v, m.hp)?;
+            }
             self.mem.free(Category::Gradients, gb);
         }
         self.spans
             .push(Track::Compute, "optimizer", None, None, t2, Instant::now());
+        if let Some(m) = &muon {
+            let t3 = Instant::now();
+            let mut updates: Vec<&mut [f32]> =
+                self.units.iter_mut().map(|s| &mut s.v[..]).collect();
+            m.plan.orthogonalize(&mut updates, m.hp, m.precision)?;
+            for (u, st) in self.units.iter_mut().enumerate() {
+                m.plan.apply(u, &mut st.master, &st.v, m.hp)?;
+            }
+            self.spans
+                .push(Track::Compute, "muon", None, None, t3, Instant::now());
+        }
         for u in 0..self.plan.units().len() {
             self.refresh_compute_params(u)?;
         }

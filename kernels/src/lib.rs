@@ -33,8 +33,9 @@
 //! | token + position embedding | [`encoder_forward`] | [`encoder_backward`] |
 //! | residual add | [`residual_forward`] | [`residual_backward`] |
 //! | AdamW update | [`adamw_update`] with [`AdamW`] | |
+//! | a run's optimizer (AdamW, or Muon for the hidden matrices and AdamW for the rest) and each step's hyper-parameters | [`OptimConfig::step_at`] → [`OptimStep`] | |
 //! | Muon update (momentum, Newton–Schulz orthogonalisation, scaled step; torch's `Muon`) | [`muon_update`] with [`Muon`] = [`muon_momentum`] + [`newton_schulz`] + [`muon_apply`] | |
-//! | learning-rate schedule: linear warmup, then cosine, linear, constant or warmup-stable-decay ([`Schedule`], [`DecayShape`]; checked against PyTorch's schedulers) | [`LrSchedule::lr_at`] (a job's `[optim]`: [`AdamWConfig::lr_at`]) | |
+//! | learning-rate schedule: linear warmup, then cosine, linear, constant or warmup-stable-decay ([`Schedule`], [`DecayShape`]; checked against PyTorch's schedulers) | [`LrSchedule::lr_at`] (a job's `[optim]`: [`OptimConfig::lr_at`]) | |
 //!
 //! Mixed precision: every linear layer's products take a [`Precision`].
 //! [`Precision::Bf16`] rounds their operands to bf16 as they are packed
@@ -123,8 +124,9 @@
 //!   needs only libnvrtc; `scripts/gpu-check.sh` runs the GPU side.
 //! * `serde` (off by default): [`Precision`] (de)serializes as `"fp32"`,
 //!   `"bf16"` or `"fp16"`, the names a job file uses.
-//!   [`AdamWConfig`] (de)serializes as a job's `[optim]` table, its
-//!   [`Schedule`] and [`DecayShape`] by their lowercase names.
+//!   [`OptimConfig`] (de)serializes as a job's `[optim]` table, its
+//!   [`Optimizer`], [`Schedule`] and [`DecayShape`] by their lowercase
+//!   names, [`MuonScale`] as `"original"` or `"match_rms_adamw"`.
 #![deny(missing_docs)]
 
 mod adamw;
@@ -139,6 +141,7 @@ mod held;
 mod layernorm;
 mod matmul;
 mod muon;
+mod optim;
 mod peak;
 mod pointwise;
 mod real;
@@ -150,7 +153,7 @@ mod softmax;
 #[cfg(test)]
 mod testutil;
 
-pub use adamw::{AdamW, AdamWConfig, adamw_update};
+pub use adamw::{AdamW, adamw_update};
 pub use attention::{
     Heads, Span, attention_backward, attention_backward_partial, attention_decode,
     attention_forward, attention_grad_merge, attention_merge, attention_partial,
@@ -173,6 +176,7 @@ pub use matmul::{
 pub use muon::{
     Muon, MuonScale, WeightShape, muon_apply, muon_momentum, muon_update, newton_schulz,
 };
+pub use optim::{OptimConfig, OptimStep, Optimizer};
 pub use peak::fma_peak_gflops;
 pub use pointwise::{
     gelu_backward, gelu_forward, residual_backward, residual_forward, swiglu_backward,

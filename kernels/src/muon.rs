@@ -50,6 +50,11 @@ use crate::gemm_bf16;
 /// `adjust_lr_fn`), `A` being fan-out (rows of torch's `[out, in]`) and
 /// `B` fan-in.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[cfg_attr(
+    feature = "serde",
+    derive(serde::Serialize, serde::Deserialize),
+    serde(rename_all = "snake_case")
+)]
 pub enum MuonScale {
     /// Keller Jordan's original: `sqrt(max(1, A/B))` (torch's
     /// `"original"`, its default when `adjust_lr_fn` is `None`).
@@ -59,6 +64,7 @@ pub enum MuonScale {
     /// (Liu et al. 2025, "Muon is Scalable for LLM Training"; torch's
     /// `"match_rms_adamw"`). weft's default.
     #[default]
+    #[cfg_attr(feature = "serde", serde(rename = "match_rms_adamw"))]
     MatchRmsAdamW,
 }
 
@@ -494,12 +500,12 @@ pub fn newton_schulz(
     if bf {
         round_all(&mut x);
     }
-    let norm = round(
-        x.par_iter()
-            .map(|&v| f64::from(v) * f64::from(v))
-            .sum::<f64>()
-            .sqrt() as f32,
-    );
+    // (fixed chunks summed in order: the same bits whatever the threads)
+    let squares: Vec<f64> = x
+        .par_chunks(CHUNK)
+        .map(|c| c.iter().map(|&v| f64::from(v) * f64::from(v)).sum::<f64>())
+        .collect();
+    let norm = round(squares.iter().sum::<f64>().sqrt() as f32);
     let norm = norm.max(round(hp.eps as f32));
     x.par_chunks_mut(CHUNK).for_each(|c| {
         for v in c {

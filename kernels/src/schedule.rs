@@ -164,7 +164,7 @@ impl std::str::FromStr for DecayShape {
 
 /// A learning-rate schedule, everything but the run's length: the keys of
 /// a job's `[optim]` table that shape the rate
-/// ([`AdamWConfig::lr_schedule`](crate::AdamWConfig::lr_schedule) builds
+/// ([`OptimConfig::lr_schedule`](crate::OptimConfig::lr_schedule) builds
 /// it), each field named as its key. The functions of the step take the
 /// run's length `total` (its number of optimizer steps) as an argument.
 ///

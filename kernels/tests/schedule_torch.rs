@@ -28,7 +28,7 @@ use std::io::Write;
 use std::path::Path;
 use std::process::{Command, Stdio};
 
-use weft_kernels::{AdamWConfig, DecayShape, Schedule};
+use weft_kernels::{DecayShape, OptimConfig, Schedule};
 use weft_testkit::python;
 
 const TOL: f64 = 1e-12;
@@ -40,12 +40,12 @@ fn report(msg: &str) {
 
 struct Run {
     name: &'static str,
-    cfg: AdamWConfig,
+    cfg: OptimConfig,
     total: u64,
 }
 
-fn opt(schedule: Schedule, lr: f64, min_lr_ratio: f64, warmup_steps: u64) -> AdamWConfig {
-    AdamWConfig {
+fn opt(schedule: Schedule, lr: f64, min_lr_ratio: f64, warmup_steps: u64) -> OptimConfig {
+    OptimConfig {
         lr,
         min_lr_ratio,
         warmup_steps,
@@ -54,8 +54,8 @@ fn opt(schedule: Schedule, lr: f64, min_lr_ratio: f64, warmup_steps: u64) -> Ada
     }
 }
 
-fn wsd(lr: f64, ratio: f64, warmup: u64, shape: DecayShape, decay_steps: u64) -> AdamWConfig {
-    AdamWConfig {
+fn wsd(lr: f64, ratio: f64, warmup: u64, shape: DecayShape, decay_steps: u64) -> OptimConfig {
+    OptimConfig {
         decay_shape: shape,
         decay_steps,
         ..opt(Schedule::Wsd, lr, ratio, warmup)

@@ -1109,10 +1109,17 @@ impl crate::TrainModel for CudaGpt {
     fn train_step(
         &mut self,
         batches: &[MicroBatch<'_>],
-        hp: &AdamW,
+        hp: &weft_kernels::OptimStep,
         clip: f64,
         loss_scale: f32,
     ) -> Result<StepOutcome> {
+        if hp.muon.is_some() {
+            return Err(Error::Config {
+                field: "optim.name",
+                reason: "the GPU model trains with AdamW only".into(),
+            });
+        }
+        let hp = &hp.adamw;
         if loss_scale != 1.0 {
             return Err(Error::Config {
                 field: "loss_scale",

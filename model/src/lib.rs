@@ -213,7 +213,9 @@ pub use options::{Arch, ModelOptions};
 pub use parallelize::{
     Init, ParallelGpt, ParallelPlan, StepOutcome, StepTraffic, expert_group, partition_layers,
 };
-pub use params::{BlockLayout, Sharding, dense_layout, kv_copies, param_layout};
+pub use params::{
+    BlockLayout, Sharding, dense_layout, is_muon_tensor, kv_copies, muon_matrices, param_layout,
+};
 pub use stage::{GptStage, OwnedPart, ReadTensor, StageSpec, pipeline_stages};
 pub use trainable::{StepTelemetry, TrainModel, read_whole, whole_parts};
 pub use weft_parallel::Recompute;

@@ -29,7 +29,7 @@
 use std::sync::Arc;
 
 use weft_collectives::{Communicator, CommunicatorExt};
-use weft_kernels::{AdamW, Precision};
+use weft_kernels::{OptimStep, Precision};
 use weft_parallel::{
     DimSet, GradNorm, GradReducer, MeshTraffic, ParallelDims, ParallelMesh, ParamLayout,
     TrafficAxis,
@@ -551,7 +551,7 @@ impl ParallelGpt {
     pub fn train_step(
         &mut self,
         batches: &[MicroBatch<'_>],
-        hp: &AdamW,
+        hp: &(impl Into<OptimStep> + Copy),
         clip: f64,
     ) -> Result<StepOutcome> {
         self.train_step_scaled(batches, hp, clip, 1.0)
@@ -572,10 +572,11 @@ impl ParallelGpt {
     pub fn train_step_scaled(
         &mut self,
         batches: &[MicroBatch<'_>],
-        hp: &AdamW,
+        hp: &(impl Into<OptimStep> + Copy),
         clip: f64,
         loss_scale: f32,
     ) -> Result<StepOutcome> {
+        let hp = &(*hp).into();
         if !(loss_scale.is_finite() && loss_scale > 0.0) {
             return Err(Error::Batch {
                 reason: format!("loss scale {loss_scale} must be finite and positive"),
@@ -829,8 +830,31 @@ impl ParallelGpt {
         Ok(step)
     }
 
-    /// Bytes of [`owned_parts`](Self::owned_parts) (parameters and both
-    /// AdamW moments, f32), counted without copying: the host copy a
+    /// Plans Muon for the hidden matrices of every stage this rank holds
+    /// ([`GptStage::use_muon`]), over the ranks holding the same stage
+    /// (the mesh less its pipeline axis), so that steps take
+    /// [`OptimStep::muon`]; returns Muon's work and traffic per step over
+    /// the job's ranks (each rank's summed over its stages), with
+    /// `ns_steps` Newton–Schulz iterations. Collective over the mesh.
+    ///
+    /// # Errors
+    /// The plans'; a collective error.
+    pub fn use_muon(&mut self, ns_steps: usize) -> Result<weft_parallel::MuonCost> {
+        let group = self.mesh.group_arc(DimSet::ALL.without(DimSet::PP));
+        let mut sum = weft_parallel::MuonTraffic::default();
+        for st in self.ex.stages_mut() {
+            let t = st.use_muon(group.clone())?.traffic(ns_steps);
+            sum.matrices += t.matrices;
+            sum.owned += t.owned;
+            sum.flops += t.flops;
+            sum.sent += t.sent;
+            sum.received += t.received;
+        }
+        Ok(weft_parallel::MuonCost::over(self.mesh.world(), sum)?)
+    }
+
+    /// Bytes of [`owned_parts`](Self::owned_parts) (parameters and
+    /// optimizer state, f32), counted without copying: the host copy a
     /// checkpoint is saved from.
     ///
     /// # Errors
@@ -841,7 +865,7 @@ impl ParallelGpt {
         for st in self.ex.stages() {
             n += st.owned_elements(&coords)?;
         }
-        Ok(3 * 4 * n)
+        Ok(4 * n)
     }
 
     /// Loads this rank's part of a saved model — parameters and AdamW

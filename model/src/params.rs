@@ -5,7 +5,7 @@
 
 use std::ops::Range;
 
-use weft_parallel::{Coords, LayoutBuilder, ParamLayout, Placement, Placements};
+use weft_parallel::{Coords, LayoutBuilder, MuonMatrix, ParamLayout, Placement, Placements};
 
 use crate::config::{GptConfig, Norm, Positions};
 use crate::error::{Error, Result};
@@ -360,6 +360,51 @@ impl Pieces {
             block,
         })
     }
+}
+
+/// Whether Muon takes tensor `spec` ([`muon_matrices`]): a weight of
+/// two or more dimensions in the transformer blocks, not a router.
+#[must_use]
+pub fn is_muon_tensor(spec: &weft_parallel::ParamSpec) -> bool {
+    let n = spec.name.as_str();
+    n.starts_with("transformer.h.")
+        && n.ends_with(".weight")
+        && spec.global_shape.len() >= 2
+        && !n.contains(".router.")
+}
+
+/// The matrices Muon takes among `layout`'s tensors (their whole
+/// shapes): every weight of two or more dimensions in the transformer
+/// blocks — `c_attn`'s Q, K and V one by one (as separate projections
+/// are in Llama-style models and in Megatron's split of its fused QKV),
+/// a SwiGLU `gate_up`'s gate and up halves one by one, an expert
+/// tensor's experts one by one — and not the routers, embeddings, head,
+/// norms or biases, which AdamW keeps.
+///
+/// # Errors
+/// [`Error::Config`] if a tensor's shape does not fit its split.
+pub fn muon_matrices(cfg: &GptConfig, layout: &ParamLayout) -> Result<Vec<MuonMatrix>> {
+    let hd = cfg.head_dim();
+    let (q, kv) = (cfg.n_head * hd, cfg.n_kv_head() * hd);
+    let mut out = Vec::new();
+    for spec in layout.specs().iter().filter(|s| is_muon_tensor(s)) {
+        let (n, shape) = (spec.name.as_str(), &spec.global_shape);
+        let width = shape[shape.len() - 1];
+        let blocks = if n.ends_with(".attn.c_attn.weight") {
+            vec![q, kv, kv]
+        } else if n.ends_with(".gate_up.weight") {
+            vec![width / 2, width / 2]
+        } else {
+            Vec::new()
+        };
+        out.extend(
+            MuonMatrix::of_tensor(n, shape, &blocks).map_err(|e| Error::Config {
+                field: "optim.name",
+                reason: format!("Muon: {e}"),
+            })?,
+        );
+    }
+    Ok(out)
 }
 
 #[cfg(test)]

@@ -27,9 +27,9 @@ use std::ops::Range;
 use std::sync::Arc;
 
 use weft_collectives::Communicator;
-use weft_kernels::AdamW;
+use weft_kernels::{OptimStep, Precision};
 use weft_parallel::{
-    AdamWState, DimSet, GradNorm, GradReducer, ParallelMesh, ParamLayout, ParamSpec,
+    AdamWState, DimSet, GradNorm, GradReducer, MuonPlan, ParallelMesh, ParamLayout, ParamSpec,
 };
 
 use crate::chunk::{self, ChunkActs, ChunkInput, Lm, ParamStore, PieceRanges, Resident};
@@ -327,6 +327,9 @@ pub struct GptStage {
     split: bool,
     /// Whether forwards are evaluation (no backward follows).
     eval: bool,
+    /// With Muon ([`use_muon`](Self::use_muon)): its plan over this
+    /// stage's buffers, and Newton–Schulz's precision.
+    muon: Option<(MuonPlan, Precision)>,
 }
 
 impl GptStage {
@@ -415,6 +418,7 @@ impl GptStage {
             t,
             split,
             eval: false,
+            muon: None,
         })
     }
 
@@ -452,6 +456,12 @@ impl GptStage {
     /// # Errors
     /// [`Error::Config`] if the stage is already sharded; FSDP's errors.
     pub fn shard(&mut self, mesh: &ParallelMesh, cfg: weft_fsdp::FsdpConfig) -> Result<()> {
+        if self.muon.is_some() {
+            return Err(Error::Config {
+                field: "fsdp",
+                reason: "shard a stage before planning Muon over it".into(),
+            });
+        }
         let Store::Resident { params, opt, .. } = &self.store else {
             return Err(Error::Config {
                 field: "fsdp",
@@ -682,15 +692,18 @@ impl GptStage {
         })
     }
 
-    /// The elements of [`owned_parts`](Self::owned_parts), counted without
-    /// copying them (each part holds them three times: parameters and
-    /// both moments).
+    /// The values of [`owned_parts`](Self::owned_parts), counted without
+    /// copying them (a part holds its elements three times: parameters
+    /// and both AdamW moments; twice for Muon's matrices: parameters and
+    /// momentum).
     ///
     /// # Errors
     /// A layout error.
     pub fn owned_elements(&self, coords: &weft_parallel::MeshCoords) -> Result<usize> {
         let mut n = 0;
-        self.for_each_owned(coords, &mut |_, _, [p, _, _]| n += p.len())?;
+        self.for_each_owned(coords, &mut |_, _, [p, m, v]| {
+            n += p.len() + m.len() + v.len();
+        })?;
         Ok(n)
     }
 
@@ -710,13 +723,11 @@ impl GptStage {
                         continue;
                     }
                     // (copied key/value heads by the first of their ranks)
+                    let muon = self.is_muon(&spec.range());
                     for run in spec.first_runs(&sharding)? {
                         let l = spec.offset + run.local..spec.offset + run.local + run.len;
-                        f(
-                            spec,
-                            run.whole,
-                            [&params[l.clone()], &opt.m[l.clone()], &opt.v[l]],
-                        );
+                        let v = if muon { &[][..] } else { &opt.v[l.clone()] };
+                        f(spec, run.whole, [&params[l.clone()], &opt.m[l], v]);
                     }
                 }
             }
@@ -745,6 +756,7 @@ impl GptStage {
                         {
                             continue;
                         }
+                        let muon = self.is_muon(&r);
                         for run in spec.first_runs(&sharding)? {
                             let l0 = spec.offset + run.local;
                             let (a, b) = (l0.max(held.start), (l0 + run.len).min(held.end));
@@ -752,11 +764,8 @@ impl GptStage {
                                 continue;
                             }
                             let s = a - shard_start..b - shard_start;
-                            f(
-                                spec,
-                                run.whole + (a - l0),
-                                [&master[s.clone()], &m[s.clone()], &v[s]],
-                            );
+                            let v = if muon { &[][..] } else { &v[s.clone()] };
+                            f(spec, run.whole + (a - l0), [&master[s.clone()], &m[s], v]);
                         }
                     }
                 }
@@ -780,6 +789,9 @@ impl GptStage {
         let mut local: [Vec<f32>; 3] = std::array::from_fn(|_| vec![0.0; self.layout.len()]);
         for (which, buf) in local.iter_mut().enumerate() {
             for spec in self.layout.specs() {
+                if which == 2 && self.is_muon(&spec.range()) {
+                    continue; // Muon's scratch: not saved
+                }
                 let mut whole = vec![0.0f32; spec.global_numel()];
                 read(which, &spec.name, &mut whole).map_err(|source| Error::Load {
                     tensor: spec.name.clone(),
@@ -945,13 +957,63 @@ impl GptStage {
         Ok(())
     }
 
-    /// The AdamW update with the gradients times `clip_coef` — over the
-    /// resident layout's tensors, or FSDP's shards — by `weft-parallel`'s
-    /// one AdamW.
+    /// Plans Muon for this stage's hidden matrices
+    /// ([`muon_matrices`](crate::muon_matrices)) over `group` — the ranks
+    /// holding the same stage, every one of them calling this (after
+    /// [`shard`](Self::shard), when the stage is sharded) — so that
+    /// [`apply`](Self::apply) takes Muon's hyper-parameters. Newton–Schulz
+    /// runs in bf16 when the stage's products do, else in f32.
     ///
     /// # Errors
-    /// A kernel or FSDP error.
-    pub fn apply(&mut self, clip_coef: f32, hp: &AdamW) -> Result<()> {
+    /// The plan's ([`MuonPlan::new`]).
+    pub fn use_muon(&mut self, group: Arc<dyn Communicator>) -> Result<&MuonPlan> {
+        let matrices = crate::params::muon_matrices(self.blocks.config(), &self.layout)?;
+        let shards = match &self.store {
+            Store::Resident { params, .. } => vec![(0..params.len(), 0)],
+            Store::Sharded { fsdp, .. } => fsdp.muon_shards(),
+        };
+        let plan = MuonPlan::new(group, &self.layout, &shards, matrices)?;
+        let precision = match self.blocks.precision() {
+            Precision::Bf16 => Precision::Bf16,
+            _ => Precision::F32,
+        };
+        Ok(&self.muon.insert((plan, precision)).0)
+    }
+
+    /// The Muon plan of [`use_muon`](Self::use_muon), if any.
+    pub fn muon(&self) -> Option<&MuonPlan> {
+        self.muon.as_ref().map(|(p, _)| p)
+    }
+
+    /// Whether the layout range `r` (a tensor's) is Muon's: its second
+    /// optimizer buffer is then Muon's scratch, not saved.
+    fn is_muon(&self, r: &Range<usize>) -> bool {
+        self.muon.as_ref().is_some_and(|(p, _)| p.is_muon(r))
+    }
+
+    /// The optimizer step with the gradients times `clip_coef` — over the
+    /// resident layout's tensors, or FSDP's shards — by `weft-parallel`'s
+    /// one AdamW, and with Muon ([`use_muon`](Self::use_muon)) Muon's
+    /// collective step for the hidden matrices.
+    ///
+    /// # Errors
+    /// [`Error::Config`] if `hp` and [`use_muon`](Self::use_muon)
+    /// disagree on Muon; a kernel, collective or FSDP error.
+    pub fn apply(&mut self, clip_coef: f32, hp: &OptimStep) -> Result<()> {
+        let muon = match (&self.muon, &hp.muon) {
+            (Some((plan, precision)), Some(m)) => Some((plan, m, *precision)),
+            (None, None) => None,
+            (planned, _) => {
+                return Err(Error::Config {
+                    field: "optim.name",
+                    reason: if planned.is_some() {
+                        "the stage is planned for Muon but the step has no Muon settings".into()
+                    } else {
+                        "a Muon step on a stage without a Muon plan (GptStage::use_muon)".into()
+                    },
+                });
+            }
+        };
         match &mut self.store {
             Store::Resident {
                 params, grads, opt, ..
@@ -959,9 +1021,28 @@ impl GptStage {
                 if clip_coef != 1.0 {
                     grads.iter_mut().for_each(|g| *g *= clip_coef);
                 }
-                opt.step(self.layout.decay_runs(), params, grads, hp)?;
+                match muon {
+                    None => opt.step(self.layout.decay_runs(), params, grads, &hp.adamw)?,
+                    Some((plan, m, precision)) => {
+                        let runs = plan.adamw_runs(self.layout.decay_runs(), 0);
+                        let step = opt.step + 1;
+                        let (mo, v) = (&mut opt.m, &mut opt.v);
+                        weft_parallel::adamw_runs(runs, params, grads, mo, v, &hp.adamw, step)?;
+                        plan.momentum(0, grads, mo, v, m)?;
+                        plan.orthogonalize(&mut [&mut v[..]], m, precision)?;
+                        plan.apply(0, params, v, m)?;
+                        opt.step = step;
+                    }
+                }
             }
-            Store::Sharded { fsdp, .. } => fsdp.apply(clip_coef, hp)?,
+            Store::Sharded { fsdp, .. } => {
+                let muon = muon.map(|(plan, hp, precision)| weft_fsdp::MuonStep {
+                    plan,
+                    hp,
+                    precision,
+                });
+                fsdp.apply_with(clip_coef, &hp.adamw, muon)?;
+            }
         }
         self.refresh_shared_wte()
     }

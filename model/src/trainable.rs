@@ -10,7 +10,7 @@
 //! have — a mesh, a pipeline schedule, per-step traffic and timelines —
 //! comes through provided methods that default to nothing.
 
-use weft_kernels::AdamW;
+use weft_kernels::OptimStep;
 use weft_moe::{BiasBalancer, LoadStats};
 use weft_parallel::{AdamWState, ParallelMesh, ParamLayout};
 use weft_pipeline::{RankTimeline, Schedule};
@@ -53,10 +53,25 @@ pub trait TrainModel {
     fn train_step(
         &mut self,
         batches: &[MicroBatch<'_>],
-        hp: &AdamW,
+        hp: &OptimStep,
         clip: f64,
         loss_scale: f32,
     ) -> Result<StepOutcome>;
+
+    /// Makes steps take Muon for the hidden matrices
+    /// ([`OptimStep::muon`]), with `ns_steps` Newton–Schulz iterations;
+    /// returns Muon's work and traffic per step over the model's ranks.
+    /// Collective over them. By default Muon is refused.
+    ///
+    /// # Errors
+    /// [`Error::Config`] for a model without Muon; the model's.
+    fn use_muon(&mut self, ns_steps: usize) -> Result<weft_parallel::MuonCost> {
+        let _ = ns_steps;
+        Err(Error::Config {
+            field: "optim.name",
+            reason: "this model trains with AdamW only".into(),
+        })
+    }
 
     /// Mean loss over `batches` (forward passes only).
     ///
@@ -233,11 +248,15 @@ impl TrainModel for crate::ParallelGpt {
     fn train_step(
         &mut self,
         batches: &[MicroBatch<'_>],
-        hp: &AdamW,
+        hp: &OptimStep,
         clip: f64,
         loss_scale: f32,
     ) -> Result<StepOutcome> {
         self.train_step_scaled(batches, hp, clip, loss_scale)
+    }
+
+    fn use_muon(&mut self, ns_steps: usize) -> Result<weft_parallel::MuonCost> {
+        crate::ParallelGpt::use_muon(self, ns_steps)
     }
 
     fn eval_loss(&mut self, batches: &[MicroBatch<'_>]) -> Result<f64> {

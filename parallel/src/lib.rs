@@ -42,6 +42,10 @@
 //!   the whole model from every rank's shards.
 //! * [`AdamWState`] / [`adamw_runs`]: AdamW over a layout's (or a shard's)
 //!   runs of tensors.
+//! * [`MuonPlan`] / [`MuonMatrix`]: Muon over any layout's buffers — the
+//!   element-wise steps on the pieces a rank holds, Newton–Schulz on each
+//!   whole matrix at one owner rank (gathered and scattered back with two
+//!   all-to-alls), the owners sharing the work.
 //!
 //! # Example
 //! Two tensor-parallel ranks each hold half of a row-sharded embedding and
@@ -98,6 +102,7 @@ mod error;
 mod gather;
 mod layout;
 mod mesh;
+mod muon;
 mod norm;
 mod optim;
 mod placement;
@@ -113,6 +118,7 @@ pub use error::{Error, Result};
 pub use gather::{extract, gather_whole};
 pub use layout::{LayoutBuilder, ParamLayout, ParamSpec};
 pub use mesh::{DimSet, MeshCoords, MeshTraffic, ParallelDims, ParallelMesh, TrafficAxis};
+pub use muon::{MuonCost, MuonMatrix, MuonPlan, MuonTraffic};
 pub use norm::{GradNorm, add_squares, merge_exact};
 pub use optim::{AdamWState, adamw_runs};
 pub use placement::{

@@ -161,6 +161,12 @@ pub struct Recipe {
     /// products instead of 2×), as weft's CPU kernel does. Off: the scores
     /// are materialized (Megatron-LM 2021).
     pub flash_attention: bool,
+    /// Muon for the hidden matrices (`optim.name = "muon"`): the optimizer
+    /// step adds Newton–Schulz on whole matrices, shared by the ranks of a
+    /// stage, and the exchange that gathers each matrix to the rank that
+    /// orthogonalises it and scatters the update back.
+    #[serde(default)]
+    pub muon: bool,
 }
 
 impl Recipe {
@@ -174,6 +180,7 @@ impl Recipe {
             bf16_grad_wire: false,
             overlap_grad_reduce: false,
             flash_attention: true,
+            muon: false,
         }
     }
 
@@ -187,6 +194,7 @@ impl Recipe {
             bf16_grad_wire: true,
             overlap_grad_reduce: true,
             flash_attention: true,
+            muon: false,
         }
     }
 

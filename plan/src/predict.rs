@@ -13,7 +13,7 @@ use crate::memory::{Accounting, Chunk, Memory, Recipe, stage_memory};
 use crate::model::ModelSpec;
 use crate::time::{
     ChunkTime, FsdpTime, Machine, StepTime, block_activation_bytes, chunk_time, dp_step,
-    fsdp_per_microbatch, optimizer_time,
+    fsdp_per_microbatch, muon_time, optimizer_time,
 };
 
 /// What to plan: a model, a global batch, a cluster and a recipe.
@@ -526,11 +526,17 @@ fn step_time(req: &Request, layout: &Layout, g: &Geometry, exact: bool) -> Resul
             0.0
         };
         let dp_exposed = overlappable - hidden_part + exposed;
-        let opt = optimizer_time(&mach, model, layout, chunks);
+        let muon = if req.recipe.muon {
+            muon_time(&mach, model, layout, chunks)
+        } else {
+            (0.0, 0.0)
+        };
+        let opt = optimizer_time(&mach, model, layout, chunks) + muon.0;
         if dp_exposed + opt > tail {
             tail = dp_exposed + opt;
             tail_dp = (overlappable + exposed, dp_exposed);
             tail_opt = opt;
+            (t.muon, t.muon_bytes) = muon;
         }
     }
     t.dp_comm += tail_dp.0;

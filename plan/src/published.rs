@@ -223,6 +223,7 @@ impl PublishedRun {
                 bf16_grad_wire: true,
                 overlap_grad_reduce: self.overlap_grad_reduce,
                 flash_attention: false,
+                muon: false,
             },
         }
     }

@@ -16,6 +16,16 @@ fn secs(s: f64) -> String {
     }
 }
 
+/// Bytes in the unit that reads best (B, KB, MB, GB).
+fn bytes_text(b: f64) -> String {
+    match b {
+        b if b >= 1e9 => format!("{:.2} GB", b / 1e9),
+        b if b >= 1e6 => format!("{:.1} MB", b / 1e6),
+        b if b >= 1e3 => format!("{:.1} KB", b / 1e3),
+        b => format!("{b:.0} B"),
+    }
+}
+
 fn gib(b: u64) -> String {
     crate::memory::bytes(b)
 }
@@ -106,8 +116,17 @@ pub fn table(req: &Request, preds: &[Prediction], top: usize) -> String {
     }
     s.push('\n');
     for (i, p) in preds.iter().take(n).enumerate() {
+        let muon = if p.time.muon > 0.0 {
+            format!(
+                "; Muon adds {} a step (Newton–Schulz shared by the stage's ranks; each rank sends {} to gather matrices and scatter their updates)",
+                secs(p.time.muon),
+                bytes_text(p.time.muon_bytes)
+            )
+        } else {
+            String::new()
+        };
         s.push_str(&format!(
-            "{}. {}: {}\n",
+            "{}. {}: {}{muon}\n",
             i + 1,
             p.layout,
             reason(p, &preds[0])

@@ -88,8 +88,17 @@ pub struct StepTime {
     /// rather than waiting on a link (a trace shows it as compute).
     #[serde(default)]
     pub dp_cores: f64,
-    /// The optimizer step (and the gradient norm and zeroing).
+    /// The optimizer step (and the gradient norm and zeroing; with Muon,
+    /// its Newton–Schulz and exchange, `muon`).
     pub optimizer: f64,
+    /// Of `optimizer`, Muon's Newton–Schulz and exchange
+    /// ([`Recipe::muon`](crate::Recipe)).
+    #[serde(default)]
+    pub muon: f64,
+    /// Bytes a rank sends per step in Muon's exchange (on average over
+    /// the ranks of the busiest stage).
+    #[serde(default)]
+    pub muon_bytes: f64,
     /// The step: pipeline makespan + exposed data-parallel time + optimizer.
     pub total: f64,
     /// Idle fraction of the pipeline: `bubble / makespan`.
@@ -705,6 +714,71 @@ pub(crate) fn dp_step(
             )
         }
     }
+}
+
+/// Muon's part of a stage's optimizer step (`Recipe::muon`):
+/// `(seconds, bytes a rank sends)`. Newton–Schulz (five iterations of
+/// `4·m²·k + 2·m³` FLOPs on each `m × k` matrix, `m ≤ k`) of the
+/// stage's hidden matrices — Q, K, V, O and the feed-forward ones, each
+/// expert's — shared by the `g` ranks of the stage; and two all-to-alls
+/// over them: each matrix of `M` elements, cut into `s` pieces (tensor
+/// parallelism, the optimizer shards), gathers `4·M·(s − 1)/s` bytes to
+/// its owner and scatters `4·M·(h − 1)/s` back to its `h` holders —
+/// exact where the pieces are tensor-parallel slices or replicas; under
+/// FSDP an upper bound, the shards being contiguous runs of the layout
+/// (a matrix inside one rank's shard is orthogonalised there and moves
+/// nothing).
+pub(crate) fn muon_time(
+    mach: &Machine<'_>,
+    model: &ModelSpec,
+    layout: &Layout,
+    chunks: &[Chunk],
+) -> (f64, f64) {
+    let p = &layout.parallel;
+    let c = model.hidden as f64;
+    let (q, kv) = (model.q_dim() as f64, model.kv_dim() as f64);
+    let ns = |m: f64, k: f64| {
+        let (m, k) = (m.min(k), m.max(k));
+        5.0 * (4.0 * m * m * k + 2.0 * m * m * m)
+    };
+    let mlp = |f: f64| {
+        let n = if model.swiglu { 3.0 } else { 2.0 };
+        (n * ns(c, f), n * c * f)
+    };
+    // (flops, elements) of the stage's dense and expert matrices
+    let (mut dense, mut experts) = ((0.0, 0.0), (0.0, 0.0));
+    for ch in chunks {
+        for l in ch.blocks() {
+            dense.0 += ns(c, q) + 2.0 * ns(c, kv) + ns(q, c);
+            dense.1 += 2.0 * c * q + 2.0 * c * kv;
+            if model.is_moe_layer(l) {
+                let (f, e) = mlp(model.expert_width() as f64);
+                let n = (model.experts + model.shared_experts) as f64;
+                experts.0 += n * f;
+                experts.1 += n * e;
+            } else {
+                let (f, e) = mlp(model.ffn_hidden as f64);
+                dense.0 += f;
+                dense.1 += e;
+            }
+        }
+    }
+    let g = (p.dp * p.cp.max(1) * p.tp) as f64;
+    let shards = if layout.sharding().is_some() {
+        layout.shard_group() as f64
+    } else {
+        1.0
+    };
+    // dense matrices: cut over tp and the shards, held by every rank;
+    // experts: whole over tp, each held by the ranks of its expert group
+    let moved = |elems: f64, s: f64, h: f64| 4.0 * elems * ((s - 1.0) + (h - 1.0)) / s;
+    let bytes = (moved(dense.1, p.tp as f64 * shards, g)
+        + moved(experts.1, shards, g / p.ep.max(1) as f64))
+        / g;
+    let group = Group::strided(p.dp * p.cp.max(1) * p.tp, 1, mach.cluster.gpus_per_node);
+    let flops = (dense.0 + experts.0) / g;
+    let secs = flops / mach.flops + 2.0 * all_to_all(mach.cluster, group, bytes / 2.0);
+    (secs, bytes)
 }
 
 /// The optimizer step of a stage: AdamW over the parameters the rank

@@ -39,7 +39,7 @@ pub struct Config {
     /// Steps, batch and evaluation.
     pub train: TrainConfig,
     /// Optimizer and learning-rate schedule.
-    pub optim: weft_kernels::AdamWConfig,
+    pub optim: weft_kernels::OptimConfig,
     /// Periodic checkpoints.
     pub checkpoint: CheckpointConfig,
     /// How the job is split over ranks.
@@ -683,6 +683,7 @@ impl Config {
                 "= {}: the GPU model (weft_model::cuda::CudaGpt) has GPT-2's dense MLP blocks only; set it to 0",
                 self.model.moe.experts))),
             ("data.doc_mask", self.data.doc_mask.then(|| "the GPU model's attention has no document masking yet".into())),
+            ("optim.name", (self.optim.name == weft_kernels::Optimizer::Muon).then(|| "= \"muon\": the GPU model trains with AdamW only".into())),
             ("train.recompute", (t.recompute != weft_model::Recompute::None).then(|| format!(
                 "= \"{}\": the GPU model keeps every activation (no recomputation yet)", t.recompute))),
             ("train.loss_chunk", (t.loss_chunk != 0).then(|| format!(

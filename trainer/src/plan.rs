@@ -289,6 +289,7 @@ pub fn layout_of(config: &Config) -> Result<Layout, PlanError> {
 pub fn recipe_of(config: &Config) -> Recipe {
     let mut r = Recipe::weft(config.train.precision);
     r.bf16_grad_wire = config.parallel.grad_wire == weft_numerics::Dtype::BF16;
+    r.muon = config.optim.name == weft_kernels::Optimizer::Muon;
     r
 }
 
@@ -600,7 +601,11 @@ pub fn request(args: &PlanArgs) -> Result<(Request, Option<Config>), PlanError> 
         Accounting::Weft => config
             .as_ref()
             .map_or(Recipe::weft(Precision::F32), recipe_of),
-        Accounting::Mixed => Recipe::mixed(),
+        Accounting::Mixed => Recipe {
+            // a job file's optimizer counts on any cluster
+            muon: config.as_ref().is_some_and(|c| recipe_of(c).muon),
+            ..Recipe::mixed()
+        },
     };
     if let Some(p) = &args.precision {
         recipe.precision = p

@@ -180,6 +180,13 @@ impl Observer for Terminal {
                 info.predicted_memory
             ));
         }
+        if let Some(m) = &info.muon {
+            let (f, s, r, t) = (si(m.flops), si(m.sent), si(m.received), si(m.total));
+            say(&format!(
+                "optimizer       Muon for {} hidden matrices (Q, K, V, gate and up, each expert's, one by one), AdamW for the rest; per step a rank does at most {f}FLOP of Newton–Schulz and, gathering matrices to the rank that orthogonalises each and scattering the updates back, sends up to {s}B and receives up to {r}B ({t}B over all {} ranks)",
+                m.matrices, m.ranks
+            ));
+        }
         if info.checkpoint_every > 0 {
             say(&format!(
                 "checkpoints     every {} steps, {}: {}B a rank of host memory to copy the parameters and optimizer state into",

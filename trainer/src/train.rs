@@ -271,6 +271,8 @@ pub struct RunInfo {
     /// Bytes of the host copy each save of rank 0 takes (its parameters
     /// and optimizer state to write), counted from the layout.
     pub checkpoint_bytes: usize,
+    /// With `optim.name = "muon"`: what Muon costs each step.
+    pub muon: Option<weft_parallel::MuonCost>,
     /// Memory of one rank (rank 0), counted from the buffers it allocated,
     /// so sharding shows: with `parallel.tp = N` the split layers'
     /// parameters, gradients and moments are `1/N` of the model's, with

@@ -311,3 +311,41 @@ fn the_gpu_loop_refuses_what_it_does_not_do() {
         }
     }
 }
+
+#[test]
+fn muon_settings_need_muon_and_are_range_checked_by_name() {
+    let err = |sets: &[&str]| {
+        let sets: Vec<String> = sets.iter().map(|s| (*s).to_owned()).collect();
+        Config::load(None, &sets)
+            .and_then(|c| c.validate())
+            .map(|()| String::new())
+            .unwrap_or_else(|e| e.to_string())
+    };
+    let e = err(&["optim.muon_lr=0.02"]);
+    assert!(
+        e.contains("optim.muon_lr") && e.contains("name = \"muon\""),
+        "{e}"
+    );
+    let e = err(&["optim.name=muon", "optim.muon_momentum=1.5"]);
+    assert!(
+        e.contains("optim.muon_momentum") && e.contains("[0, 1)"),
+        "{e}"
+    );
+    let e = err(&["optim.name=lion"]);
+    assert!(e.contains("optim.name") && e.contains("muon"), "{e}");
+    let e = err(&["optim.name=muon", "optim.muon_scale=huge"]);
+    assert!(
+        e.contains("match_rms_adamw") && e.contains("original"),
+        "{e}"
+    );
+    assert_eq!(
+        err(&[
+            "optim.name=muon",
+            "optim.muon_lr=0.02",
+            "optim.muon_scale=original"
+        ]),
+        ""
+    );
+    let e = err(&["optim.name=muon", "train.device=cuda"]);
+    assert!(e.contains("optim.name") && e.contains("AdamW only"), "{e}");
+}

@@ -236,6 +236,74 @@ fn check_memory(base: &[&str], layouts: &[&[&str]]) {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// With `optim.name = "muon"` the planner's bytes a rank sends per step
+/// in Muon's exchange (gathering each matrix to its owner, scattering the
+/// update back) are what the trainer's plan moves (the start-up report's
+/// total over the ranks, per rank) on data- and tensor-parallel layouts,
+/// and a bound on it under FSDP (whose contiguous shards leave most
+/// matrices whole on one rank); a one-rank run moves nothing.
+#[test]
+fn planned_muon_exchange_is_what_weft_train_moves() {
+    #[derive(Default)]
+    struct Start(Option<weft_parallel::MuonCost>);
+    impl weft_trainer::train::Observer for Start {
+        fn start(&mut self, info: &weft_trainer::train::RunInfo) {
+            self.0 = info.muon;
+        }
+    }
+    let dir = tmp("muon");
+    for (i, sets) in [
+        &[][..],
+        &["parallel.dp=2"],
+        &["parallel.dp=2", "parallel.fsdp=\"full\""],
+        &["parallel.tp=2"],
+        &[
+            "parallel.dp=2",
+            "parallel.tp=2",
+            "parallel.fsdp=\"optimizer\"",
+        ],
+        &["parallel.dp=2", "parallel.tp=2"],
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let mut cfg = job(&[&["optim.name=muon"][..], sets].concat());
+        let layout = layout_of(&cfg).unwrap();
+        let mut cluster = weft_plan::Cluster::preset("h100", layout.world()).unwrap();
+        cluster.device = weft_plan::Device::Cpu;
+        let req = Request {
+            model: model_of(&cfg).unwrap(),
+            batch: cfg.train.batch_size,
+            cluster,
+            recipe: recipe_of(&cfg),
+        };
+        let planned = weft_plan::predict(&req, &layout).unwrap().time.muon_bytes;
+        cfg.train.steps = 1;
+        cfg.train.eval_every = 0;
+        cfg.run.dir = dir.clone();
+        cfg.run.name = format!("muon-{i}");
+        let mut start = Start::default();
+        weft_trainer::train::train(&cfg, false, &mut start).unwrap();
+        let cost = start.0.expect("a Muon run reports its cost");
+        #[allow(clippy::cast_precision_loss)]
+        let moved = cost.total / cost.ranks as f64;
+        eprintln!("{layout:40} Muon bytes a rank sends: planned {planned}, moved {moved}");
+        assert_eq!(cost.matrices, 2 * 6, "{layout}");
+        if cfg.parallel.fsdp.is_some() {
+            assert!(
+                moved <= planned && moved > 0.0,
+                "{layout}: planned {planned}, moved {moved}"
+            );
+        } else {
+            assert!(
+                (planned - moved).abs() <= 1e-9 * moved.max(1.0),
+                "{layout}: planned {planned}, moved {moved}"
+            );
+        }
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 /// The stages `weft train` cuts (`ParallelPlan::new`, as the run builds
 /// it) are the ones `weft plan` predicts: GPT-2, its mixture of experts,
 /// and Llama-family jobs whose layers differ in cost — 2 local : 1 global

@@ -1713,3 +1713,66 @@ fn a_wsd_run_branches_into_decays_from_its_stable_phase() {
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// `optim.name = "muon"`: Muon for the hidden matrices, AdamW for the
+/// rest. A run learns; killed and resumed it continues bit for bit; its
+/// checkpoints hold each matrix's momentum under torch's name and no
+/// second moment for it; a bf16 run sharded over two FSDP ranks (each
+/// matrix gathered to its owner) trains and resumes bit for bit too.
+#[test]
+fn muon_runs_learn_save_their_momentum_and_resume_bit_for_bit() {
+    let dir = std::env::temp_dir().join(format!("weft-muon-train-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let cfg = |name: &str, sharded: bool| {
+        let mut c = tiny(&dir, name);
+        c.model.n_layer = 2;
+        c.optim.name = weft_kernels::Optimizer::Muon;
+        c.optim.lr = 3e-3;
+        c.optim.muon_lr = Some(1e-2);
+        c.checkpoint.every = 20;
+        if sharded {
+            c.train.precision = weft_kernels::Precision::Bf16;
+            c.parallel.dp = 2;
+            c.parallel.fsdp = Some(weft_parallel::Strategy::Full);
+        }
+        c
+    };
+    for sharded in [false, true] {
+        let whole = train(&cfg("whole", sharded), false, &mut Silent).unwrap();
+        let floor = whole.floor.unwrap();
+        assert!(
+            whole.final_eval_loss - floor < 0.5 * (whole.initial_eval_loss - floor),
+            "sharded {sharded}: gap {} of initial {}",
+            whole.final_eval_loss - floor,
+            whole.initial_eval_loss - floor
+        );
+        let crashed = std::panic::catch_unwind(|| {
+            let _ = train(&cfg("crashy", sharded), false, &mut CrashAfter(46));
+        });
+        assert!(crashed.is_err());
+        let resumed = train(&cfg("crashy", sharded), true, &mut Silent).unwrap();
+        assert_eq!(
+            losses(&whole.run_dir),
+            losses(&resumed.run_dir),
+            "sharded {sharded}"
+        );
+        let ckpt =
+            weft_checkpoint::Checkpoint::open(&whole.run_dir.join("checkpoints/step-00000060"))
+                .unwrap();
+        let names = &ckpt.manifest().tensors;
+        for (name, muon) in [
+            ("transformer.h.1.attn.c_attn.weight", true),
+            ("transformer.h.0.mlp.c_proj.weight", true),
+            ("transformer.wte.weight", false),
+            ("transformer.h.0.attn.c_attn.bias", false),
+        ] {
+            let has = |k: &str| names.contains_key(&format!("optimizer.{k}.{name}"));
+            assert_eq!(
+                (has("momentum_buffer"), has("exp_avg"), has("exp_avg_sq")),
+                (muon, !muon, !muon),
+                "{name}"
+            );
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}

@@ -28,8 +28,10 @@ pub(crate) struct TrainArgs {
     /// eval_every,eval_sequences,spike_factor,spike_window,
     /// straggler_factor,straggler_window,rewind,nonfinite_limit,
     /// max_rewinds,skip_batches,precision,device,loss_scale.*};
-    /// optim.{lr,min_lr_ratio,warmup_steps,weight_decay,
-    /// beta1,beta2,eps,grad_clip}; checkpoint.{every,keep_last,
+    /// optim.{name,lr,min_lr_ratio,warmup_steps,schedule,decay_shape,
+    /// decay_fraction,decay_steps,weight_decay,beta1,beta2,eps,grad_clip,
+    /// muon_lr,muon_weight_decay,muon_momentum,muon_nesterov,muon_ns_steps,
+    /// muon_scale}; checkpoint.{every,keep_last,
     /// keep_every,background}; parallel.{dp,fsdp,hybrid_shard,tp,sequence_parallel,
     /// ep,cp,pp,pp_schedule,pp_chunks,reproducible,grad_wire,backend,
     /// timeout_s,threads}

@@ -279,10 +279,17 @@ pub(crate) fn build_cpu(
             seed: config.train.seed,
         },
     };
-    let model = agree(
+    let mut model = agree(
         world,
         ParallelGpt::new(cfg.clone(), ffn, init, &plan, mesh).map_err(TrainError::from),
     )?;
+    let muon = match config.optim.name {
+        weft_kernels::Optimizer::Muon => {
+            let cost = model.use_muon(config.optim.muon_ns_steps);
+            Some(agree(world, cost.map_err(TrainError::from))?)
+        }
+        weft_kernels::Optimizer::AdamW => None,
+    };
     let host_of = |r: usize| {
         job.processes
             .and_then(|p| p.hosts().get(r))
@@ -308,6 +315,7 @@ pub(crate) fn build_cpu(
             .map(|r| format!("rank {r}: {}{}", dims.coords_of(r), host_of(r)))
             .collect(),
         backend: backend_line(job, dims),
+        muon,
         peak_flops: if world.rank() == 0 {
             job.peak
         } else {

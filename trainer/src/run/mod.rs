@@ -218,7 +218,7 @@ pub(crate) fn attempt<M: TrainModel>(
         let micros = built.first_micro..built.first_micro + split.per_rank;
         let scale = health.loss_scale();
         experts.forget();
-        let hp = config.optim.at(lr);
+        let hp = config.optim.step_at(step - 1, t.steps);
         let clip = config.optim.grad_clip;
         let done = step::step(
             model,

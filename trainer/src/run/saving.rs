@@ -3,7 +3,9 @@
 //! A checkpoint holds every parameter under its Hugging Face GPT-2 name
 //! (so `weft ckpt export --hf` can turn it into a `transformers` folder),
 //! the AdamW moments under `optimizer.exp_avg.<name>` and
-//! `optimizer.exp_avg_sq.<name>`, and in its trainer state the optimizer
+//! `optimizer.exp_avg_sq.<name>` (a Muon run's hidden matrices: their
+//! momentum under `optimizer.momentum_buffer.<name>`, [`saved_names`]),
+//! and in its trainer state the optimizer
 //! step and a hash of the configuration. Data batches are pure functions of
 //! the step, so the step is the whole data-loader position: a resumed run
 //! continues bit for bit.
@@ -19,8 +21,10 @@
 //! holds — of a checkpoint saved by any layout. No rank assembles the
 //! whole model.
 
+use std::collections::HashSet;
 use std::path::{Path, PathBuf};
 
+use std::sync::Arc;
 use std::time::Instant;
 
 use weft_checkpoint::collective::{self, CollectiveError, OwnedRun, SaveHooks, Saved, Staged};
@@ -163,7 +167,7 @@ pub(crate) fn config_hash(config: &Config) -> String {
     c.train.recompute = d.recompute;
     c.train.loss_chunk = d.loss_chunk;
     if c.optim.schedule == weft_kernels::Schedule::Wsd {
-        let o = weft_kernels::AdamWConfig::default();
+        let o = weft_kernels::OptimConfig::default();
         c.optim.decay_shape = o.decay_shape;
         c.optim.decay_fraction = o.decay_fraction;
         c.optim.decay_steps = o.decay_steps;
@@ -175,13 +179,28 @@ pub(crate) fn config_hash(config: &Config) -> String {
     )
 }
 
-/// The names a tensor's parameters and AdamW moments are saved under.
-fn saved_name(which: usize, name: &str) -> String {
-    match which {
+/// The names a tensor's parameters and optimizer state are saved under,
+/// by the run's optimizer: a tensor AdamW steps has its moments
+/// `optimizer.exp_avg.<name>` and `optimizer.exp_avg_sq.<name>`; one
+/// Muon steps (`optim.name = "muon"`, [`weft_model::is_muon_tensor`] in
+/// `layout`) its momentum `optimizer.momentum_buffer.<name>` (torch's
+/// name for it) and nothing else.
+fn saved_names(config: &Config, layout: &weft_model::ParamLayout) -> collective::SavedName {
+    let muon: HashSet<String> = match config.optim.name {
+        weft_kernels::Optimizer::Muon => layout
+            .specs()
+            .iter()
+            .filter(|s| weft_model::is_muon_tensor(s))
+            .map(|s| s.name.clone())
+            .collect(),
+        weft_kernels::Optimizer::AdamW => HashSet::new(),
+    };
+    Arc::new(move |which, name| match which {
         0 => name.to_owned(),
+        1 if muon.contains(name) => format!("optimizer.momentum_buffer.{name}"),
         1 => format!("optimizer.exp_avg.{name}"),
         _ => format!("optimizer.exp_avg_sq.{name}"),
-    }
+    })
 }
 
 /// The trainer state a checkpoint of `step` records.
@@ -339,7 +358,7 @@ impl Saver {
         let staged = Staged {
             step: req.step,
             runs: runs.collect(),
-            name: saved_name,
+            name: saved_names(config, model.whole_layout()),
             mesh: req.mesh,
             state: trainer_state(config, req.step, opt_step, req.loss_scale, req.model),
             retention: Retention::new(c.keep_last, (c.keep_every > 0).then_some(c.keep_every)),
@@ -421,7 +440,8 @@ pub(crate) fn restore_sharded<M: TrainModel + ?Sized>(
     config: &Config,
     model: &mut M,
 ) -> Result<Restored, CkptError> {
-    restore_with(world, root, config, &mut |opt_step, read| {
+    let names = saved_names(config, model.whole_layout());
+    restore_with(world, root, config, &*names, &mut |opt_step, read| {
         model.load_with(opt_step, read).map_err(|e| e.to_string())
     })
 }
@@ -437,6 +457,7 @@ fn restore_with(
     world: &dyn Communicator,
     root: &Path,
     config: &Config,
+    saved_name: &dyn Fn(usize, &str) -> String,
     load: &mut dyn FnMut(u32, &mut ReadTensor<'_>) -> Result<(), String>,
 ) -> Result<Restored, CkptError> {
     let picked = collective::pick_latest(world, root, |manifest| {

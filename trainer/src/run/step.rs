@@ -5,7 +5,7 @@
 use std::time::{Duration, Instant};
 
 use weft_data::{Batch, Dataset};
-use weft_kernels::AdamW;
+use weft_kernels::OptimStep;
 use weft_model::{MicroBatch, StepOutcome, TrainModel};
 
 use crate::run::faults::FaultPlan;
@@ -49,7 +49,7 @@ pub(crate) struct StepDone {
 /// faults of the step — `slow` sleeps the last step's own time `last`
 /// again per unit of its factor, `spike` garbles the batch, `nan` makes
 /// the first parameter this rank holds NaN for the step (put back
-/// after) — and AdamW at `hp`, the loss scaled by `loss_scale`.
+/// after) — and the optimizer at `hp`, the loss scaled by `loss_scale`.
 ///
 /// # Errors
 /// The data's and the model's.
@@ -59,7 +59,7 @@ pub(crate) fn step<M: TrainModel + ?Sized>(
     input: &StepInput<'_>,
     step: u64,
     (batch, micros, micro): (u64, std::ops::Range<usize>, usize),
-    hp: &AdamW,
+    hp: &OptimStep,
     clip: f64,
     loss_scale: f32,
     last: Duration,
