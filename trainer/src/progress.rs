@@ -80,7 +80,7 @@ fn precision_line(p: weft_kernels::Precision) -> String {
     use weft_kernels::Precision;
     let n = match p {
         Precision::F32 => {
-            return "fp32 products; 16 B per parameter: f32 weights 4, gradients 4, AdamW moments 8; activations f32".into();
+            return "fp32 products; 16 B per parameter: f32 weights 4, gradients 4, optimizer state 8 (two AdamW moments, or Muon's momentum and update); activations f32".into();
         }
         Precision::Bf16 => "bf16",
         Precision::F16 => "fp16",
@@ -91,7 +91,7 @@ fn precision_line(p: weft_kernels::Precision) -> String {
         "activations f32"
     };
     format!(
-        "{n} products (operands rounded to {n}, f32 accumulation); 16 B per parameter: f32 weights 4 (the masters: products read them as {n}, no {n} copy is kept), f32 gradients 4, f32 AdamW moments 8; {activations}; the products' rounded and packed operand copies come on top (reported at the end)"
+        "{n} products (operands rounded to {n}, f32 accumulation); 16 B per parameter: f32 weights 4 (the masters: products read them as {n}, no {n} copy is kept), f32 gradients 4, f32 optimizer state 8 (two AdamW moments, or Muon's momentum and update); {activations}; the products' rounded and packed operand copies come on top (reported at the end)"
     )
 }
 
@@ -160,7 +160,7 @@ impl Observer for Terminal {
         let m = &info.memory;
         let predicted = info.predicted_memory == *m;
         say(&format!(
-            "ranks           {}; per rank: params {}B, grads {}B, AdamW {}B, activations {}B, comm buffers {}B (total {}B{})",
+            "ranks           {}; per rank: params {}B, grads {}B, optimizer state {}B, activations {}B, comm buffers {}B (total {}B{})",
             info.layout,
             si(m.params as f64),
             si(m.grads as f64),
