@@ -523,8 +523,13 @@ impl ParallelLayout {
                 format!("must be a number of seconds > 0 (got {})", self.timeout_s),
             );
         }
-        let cores = std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get);
-        if self.threads > cores {
+        // (asked only for a pinned count: the question reads cgroup files,
+        // and a planner checks many layouts)
+        if self.threads > 1
+            && let cores =
+                std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get)
+            && self.threads > cores
+        {
             return bad(
                 "threads",
                 format!(

@@ -154,12 +154,15 @@ pub(crate) fn run_engine(
         .map(|l| Vec::with_capacity(l.len()))
         .collect();
 
-    // The inputs of `a` on `stage`: Ok(ready time) or Err(missing action, its stage).
+    // The inputs of `a` on `stage`: Ok(ready time) or Err(missing action,
+    // its stage); the missing backward's kind as its stage lists it only
+    // when `name` (a search of that list: for the deadlock's report).
     let ready = |stage: usize,
                  a: &Action,
                  fwd: &[Option<f64>],
                  grad: &[Option<f64>],
-                 bin: &[Option<f64>]|
+                 bin: &[Option<f64>],
+                 name: bool|
      -> std::result::Result<f64, (Action, usize)> {
         let vs = placement.virtual_stage(stage, a.chunk);
         let mb = a.microbatch;
@@ -197,9 +200,8 @@ pub(crate) fn run_engine(
                 if vs + 1 < nvs {
                     // Name the kind the producer stage actually lists.
                     let (ps, pc) = placement.location(vs + 1);
-                    let kind = schedule.stages()[ps]
-                        .iter()
-                        .find(|x| {
+                    let listed = || {
+                        schedule.stages()[ps].iter().find(|x| {
                             x.microbatch == mb
                                 && x.chunk == pc
                                 && matches!(
@@ -207,6 +209,10 @@ pub(crate) fn run_engine(
                                     ActionKind::Backward | ActionKind::BackwardInput
                                 )
                         })
+                    };
+                    let kind = name
+                        .then(listed)
+                        .flatten()
                         .map_or(ActionKind::Backward, |x| x.kind);
                     need(grad, vs + 1, kind)?;
                 }
@@ -222,7 +228,7 @@ pub(crate) fn run_engine(
             let list = &schedule.stages()[stage];
             while ptr[stage] < list.len() {
                 let a = list[ptr[stage]];
-                let Ok(t) = ready(stage, &a, &fwd, &grad, &bin) else {
+                let Ok(t) = ready(stage, &a, &fwd, &grad, &bin, false) else {
                     break;
                 };
                 let vs = placement.virtual_stage(stage, a.chunk);
@@ -261,7 +267,7 @@ pub(crate) fn run_engine(
             let list = &schedule.stages()[s];
             let step = ptr[s];
             let a = *list.get(step)?;
-            let (waits_for, on_stage) = ready(s, &a, &fwd, &grad, &bin).err()?;
+            let (waits_for, on_stage) = ready(s, &a, &fwd, &grad, &bin, true).err()?;
             Some((step, a, waits_for, on_stage))
         })
         .collect();

@@ -350,4 +350,21 @@ mod tests {
             && w.on_stage == 0));
         assert!(err.to_string().starts_with("deadlock: stage"), "{err}");
     }
+
+    #[test]
+    fn a_deadlock_names_the_backward_its_producer_lists() {
+        // split backwards: stage 0 waits for stage 1's input gradient B0
+        // (not a whole BW0, which stage 1 does not list)
+        let s = sched(2, 2, &["F0 B0 F1 W0 B1 W1", "F0 F1 B0 W0 B1 W1"]);
+        let err = validate(&s).unwrap_err();
+        let Error::Deadlock { cycle } = &err else {
+            panic!("{err}")
+        };
+        assert!(
+            cycle.iter().any(|w| w.stage == 0
+                && w.waits_for == Action::backward_input(0, 0)
+                && w.on_stage == 1),
+            "{err}"
+        );
+    }
 }

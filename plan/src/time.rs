@@ -418,6 +418,9 @@ pub(crate) fn chunk_time(
     let split = layout.schedule().splits_backward() && layout.parallel.pp > 1;
 
     let mut ct = ChunkTime::default();
+    // the ring's (and the attention's) cost depends on a block only
+    // through its window: computed once for each window of the chunk
+    let mut rings: Vec<(Option<usize>, f64, RingTime)> = Vec::new();
     for l in chunk.blocks() {
         // one block, forward: products (Q, K and V at their widths; the
         // output projection)
@@ -437,7 +440,22 @@ pub(crate) fn chunk_time(
         } else {
             gemm_f += ffn(n, model.ffn_hidden as f64 / t);
         }
-        let attention = mach.flops_time(4.0 * n * attended_keys(model, recipe, l) * q / t);
+        let window = model.window_of(l);
+        let (attention, ring) = match rings.iter().find(|r| r.0 == window) {
+            Some(&(_, attention, ring)) => (attention, ring),
+            None => {
+                let attention = mach.flops_time(4.0 * n * attended_keys(model, recipe, l) * q / t);
+                let ring = ring_time(
+                    mach,
+                    model,
+                    layout,
+                    l,
+                    (attention, attention_backward * attention),
+                );
+                rings.push((window, attention, ring));
+                (attention, ring)
+            }
+        };
         let elem_f = mach.memory(2.0 * act(l), 10.0);
         let (ep_f, ep_b) = if moe { (ep_f, ep_b) } else { (0.0, 0.0) };
         let block_fwd = gemm_f + attention + elem_f;
@@ -446,13 +464,6 @@ pub(crate) fn chunk_time(
         // the scores recomputed under flash attention), the element-wise
         // backward
         ct.b_compute += gemm_f + attention_backward * attention + 2.0 * elem_f;
-        let ring = ring_time(
-            mach,
-            model,
-            layout,
-            l,
-            (attention, attention_backward * attention),
-        );
         ct.f_cp += ring.forward_exposed;
         ct.b_cp += ring.backward_exposed;
         ct.cp_total += ring.total;
