@@ -124,20 +124,70 @@ step test-mpi env OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 \
 # The browser visualizer: build the WebAssembly page from source into
 # viz-web/dist/ (installing the wasm32 target and the wasm-bindgen-cli
 # matching Cargo.lock when missing), then drive it in headless Chromium
-# against served run folders; screenshots go to viz-web/e2e-out/. (The
+# against served run folders; screenshots go to viz-web/e2e-out/. Its
+# examples and weft binary are the test step's (the same features). (The
 # committed page that `weft viz` embeds is checked against its sources by
 # viz-web's unit tests in the test step.)
-step viz-e2e bash viz-web/e2e.sh
-# The numerics, kernels and collectives tests, and the model's bitwise ones, on the
-# baseline (non-AVX) code paths the run-time dispatch would pick on an
-# older CPU (every AVX-512 path obeys WEFT_SIMD); the binaries are already
-# built.
-step test-simd-baseline env WEFT_SIMD=baseline cargo test -p weft-numerics -p weft-kernels -p weft-collectives --locked
-step test-simd-baseline-model env WEFT_SIMD=baseline cargo test -p weft-model --locked -- bitwise
+step viz-e2e env WEFT_E2E_FEATURES=weft-trainer/mpi bash viz-web/e2e.sh
+# The test step's binaries ("package target folder executable" lines),
+# which the steps below run again with nothing compiled: a `cargo test -p`
+# resolves other features than the test step's and builds them all again.
+binaries="$log_dir/binaries"
+cargo test --workspace --locked --features weft-trainer/mpi --no-run --message-format=json 2>/dev/null \
+    | "$WEFT_PYTHON" -c '
+import json, os, sys
+for line in sys.stdin:
+    m = json.loads(line)
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["profile"]["test"]:
+        source, _, fragment = m["package_id"].rpartition("#")
+        # "...#name@version", or "...#version" where the folder is the name
+        package = fragment.split("@")[0] if "@" in fragment else source.rstrip("/").rsplit("/", 1)[-1]
+        print(package, m["target"]["name"], os.path.dirname(m["manifest_path"]), m["executable"])
+' >"$binaries"
+# run_built PACKAGE [TARGET...] [-- ARGS...]: the test step's binaries of
+# PACKAGE (every one, or the TARGETs), each in its package's folder as
+# cargo runs them, with ARGS.
+run_built() {
+    local package=$1 targets=() status=0 found=0
+    shift
+    while [ $# -gt 0 ] && [ "$1" != -- ]; do targets+=("$1"); shift; done
+    [ $# -gt 0 ] && shift
+    while read -r p t dir exe; do
+        [ "$p" = "$package" ] || continue
+        [ ${#targets[@]} -eq 0 ] || [[ " ${targets[*]} " == *" $t "* ]] || continue
+        found=$((found + 1))
+        printf '     Running %s (%s)\n' "$t" "$exe"
+        (cd "$dir" && "$exe" "$@" </dev/null) || status=1
+    done <"$binaries"
+    if [ "$found" -eq 0 ]; then
+        echo "no test binary of $package ${targets[*]} was built" >&2
+        return 1
+    fi
+    return $status
+}
+# The numerics, kernels and collectives tests, and the model's bitwise
+# ones, on the baseline (non-AVX) code paths the run-time dispatch would
+# pick on an older CPU (every AVX-512 path obeys WEFT_SIMD) ...
+simd_baseline() {
+    local status=0
+    for package in weft-numerics weft-kernels weft-collectives; do
+        WEFT_SIMD=baseline run_built "$package" || status=1
+    done
+    return $status
+}
+simd_baseline_model() { WEFT_SIMD=baseline run_built weft-model -- bitwise; }
 # ... and the layout matrix, the pipeline schedules and the documentation's
-# examples on them (their test names do not say "bitwise")
-step test-simd-baseline-layouts env WEFT_SIMD=baseline cargo test -p weft-model --locked \
-    --test compose --test pipeline --test docs
+# examples on them (their test names do not say "bitwise"): the dense,
+# Llama-family, mixed-precision, masked and Muon matrices (the MoE ones,
+# recomputation's and the chunked loss's run the same kernels again).
+simd_baseline_layouts() {
+    WEFT_SIMD=baseline run_built weft-model compose pipeline docs -- \
+        --skip every_moe_layout --skip every_fine_grained_moe_layout \
+        --skip recomputation_changes_no_bit --skip a_chunked_loss_changes_no_bit
+}
+step test-simd-baseline simd_baseline
+step test-simd-baseline-model simd_baseline_model
+step test-simd-baseline-layouts simd_baseline_layouts
 
 # ------------------------------------------------- nothing left running
 # Every process the steps started (weft, the examples, test binaries: all

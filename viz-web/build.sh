@@ -15,8 +15,11 @@
 # Idempotent: installs the wasm32 target and the wasm-bindgen-cli whose
 # version equals the lock file's wasm-bindgen only when missing. Respects
 # CARGO_TARGET_DIR. No tool here downloads binaries of its own. Paths are
-# remapped (source tree -> /weft, cargo home -> /cargo) so the wasm does not
-# depend on where the tree or the cargo home is.
+# remapped (cargo home -> /cargo, and with --commit the source tree ->
+# /weft) so the committed wasm does not depend on where the tree or the
+# cargo home is. (Other builds leave the tree's path alone: remapping it
+# changes the flags of every crate with the tree's place, and a build from
+# a fresh clone would compile every dependency again.)
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 root="$(cd "$here/.." && pwd)"
@@ -53,7 +56,11 @@ if [ "$have" != "$want" ]; then
   cargo install wasm-bindgen-cli --version "=$want"
 fi
 
-export CARGO_TARGET_WASM32_UNKNOWN_UNKNOWN_RUSTFLAGS="--remap-path-prefix=$root=/weft --remap-path-prefix=${CARGO_HOME:-$HOME/.cargo}=/cargo"
+remap="--remap-path-prefix=${CARGO_HOME:-$HOME/.cargo}=/cargo"
+if [ "$commit" = 1 ]; then
+  remap="--remap-path-prefix=$root=/weft $remap"
+fi
+export CARGO_TARGET_WASM32_UNKNOWN_UNKNOWN_RUSTFLAGS="$remap"
 cargo build -p weft-viz-web --target wasm32-unknown-unknown --profile viz-page
 # Built whole in a fresh folder, then moved into place: a failed build
 # leaves the old page as it was.

@@ -36,9 +36,10 @@ if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null; the
 fi
 dist="${E2E_DIST:-$here/dist}"
 WEFT_VIZ_DIST="$dist" "$here/build.sh"
-cargo build -p weft-viz-web --examples
-cargo build -p weft-pipeline --example schedules
-cargo build -p weft-trainer --bin weft
+# the examples and the binary, in one build of the whole workspace (with
+# $WEFT_E2E_FEATURES, e.g. the features the test run before it built with:
+# then nothing is compiled again)
+cargo build --workspace --examples --bins ${WEFT_E2E_FEATURES:+--features "$WEFT_E2E_FEATURES"}
 ex="$CARGO_TARGET_DIR/debug/examples"
 weft="$CARGO_TARGET_DIR/debug/weft"
 
