@@ -11,8 +11,9 @@
 //!   [`Warning`]), and [`load::Marker`]s for showing events on a step
 //!   axis.
 //! * [`stats`] — curves aligned by step, their per-step difference
-//!   ([`stats::StepDiff`]), Welch's interval for two groups of seeds
-//!   ([`stats::Welch`]) and the [`stats::Verdict`].
+//!   ([`stats::StepDiff`]), the interval on two groups of seeds (paired
+//!   by seed, [`stats::Paired`], where both ran the same seeds; Welch's,
+//!   [`stats::Welch`], otherwise) and the [`stats::Verdict`].
 //! * [`Report`] — runs (or groups of seeds, as `weft train --seeds N`
 //!   writes them) against a baseline: configuration differences, curves,
 //!   final figures, throughput, memory, bubble, MaxVio, health events and
@@ -28,7 +29,8 @@
 //! let b = [(1, 3.0), (2, 2.5), (3, 2.0)];
 //! let d = StepDiff::between(&a, &b);
 //! assert_eq!((d.bitwise_span, d.first_differing), (2, Some(3)));
-//! let v = verdict(&d, &[2.30, 2.31, 2.29], &[2.20, 2.21, 2.19], None);
+//! // three seeds a side, not paired by seed (`None`), no tolerance
+//! let v = verdict(&d, &[2.30, 2.31, 2.29], &[2.20, 2.21, 2.19], None, None);
 //! assert!(matches!(v, Verdict::Better { n_a: 3, n_b: 3, .. }), "{v}");
 //! ```
 //!

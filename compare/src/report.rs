@@ -19,9 +19,10 @@
 //!   throughput, memory per rank, pipeline bubble, MaxVio, health events;
 //! * a verdict on the final validation loss
 //!   ([`verdict`]): bitwise identical, equal within
-//!   `--tolerance`, better or worse by `X ± Y` (Welch's 95% interval, with
-//!   two or more seeds on each side) or not distinguishable from the seed
-//!   noise.
+//!   `--tolerance`, better or worse by `X ± Y` (a 95% interval, with two
+//!   or more seeds on each side: paired by seed where both sides ran the
+//!   same seeds, Welch's otherwise or with [`Options::unpaired`]) or not
+//!   distinguishable from the seed noise.
 //!
 //! Output: a table ([`Report`]'s `Display`), JSON ([`Report::to_json`]) and
 //! SVG plots ([`write_plots`]).
@@ -45,7 +46,9 @@ use weft_trace::{MetricsEventKind, Summary};
 
 use crate::chart::{LineChart, Series};
 use crate::load;
-use crate::stats::{StepDiff, Verdict, Welch, last_per_step, mean_series, verdict};
+use crate::stats::{
+    Interval, StepDiff, Verdict, last_per_step, mean_series, pair_by_seed, verdict,
+};
 
 /// Why a run folder could not be compared.
 #[derive(Debug, thiserror::Error)]
@@ -363,6 +366,10 @@ pub struct Options {
     pub tolerance: Option<f64>,
     /// The figure the verdict is on.
     pub metric: Metric,
+    /// Welch's interval even where both groups ran the same seeds
+    /// (default: such groups are paired by seed, see
+    /// [`crate::stats::Paired`]).
+    pub unpaired: bool,
 }
 
 impl RunData {
@@ -413,6 +420,9 @@ pub struct GroupFigures {
     pub tokens_per_step: Option<u64>,
     /// Each run's final figure of the compared metric.
     pub finals: Vec<f64>,
+    /// The seed of each of `finals`' runs, where known.
+    #[serde(skip)]
+    pub final_seeds: Vec<Option<u64>>,
     /// Their mean.
     pub final_mean: Option<f64>,
     /// Their sample standard deviation (0 for one run).
@@ -462,8 +472,10 @@ pub struct Against {
     pub val_max_abs: f64,
     /// Difference of the final figure's means (candidate − baseline).
     pub final_diff: Option<f64>,
-    /// Half-width of Welch's 95% interval (two or more runs a side).
+    /// Half-width of the 95% interval (two or more runs a side).
     pub final_pm: Option<f64>,
+    /// The interval's kind: `paired` (by seed) or `welch`.
+    pub interval: Option<&'static str>,
     /// Throughput ratio (candidate / baseline).
     pub speed: Option<f64>,
     /// The verdict's kind (`bitwise_identical`, `better`, ...).
@@ -502,11 +514,11 @@ fn mean_of(x: impl Iterator<Item = f64>) -> Option<f64> {
 }
 
 fn figures(g: &Group, metric: Metric) -> GroupFigures {
-    let finals: Vec<f64> = g
+    let (final_seeds, finals): (Vec<Option<u64>>, Vec<f64>) = g
         .runs
         .iter()
-        .filter_map(|r| r.final_value(metric))
-        .collect();
+        .filter_map(|r| r.final_value(metric).map(|v| (r.seed, v)))
+        .unzip();
     let (final_mean, final_sd) = spread(&finals).unzip();
     let floor = g.runs.iter().find_map(|r| r.floor);
     let tps: BTreeSet<Option<u64>> = g.runs.iter().map(|r| r.tokens_per_step).collect();
@@ -544,6 +556,7 @@ fn figures(g: &Group, metric: Metric) -> GroupFigures {
         max_vio: mean_of(g.runs.iter().filter_map(|r| r.max_vio)),
         events,
         finals,
+        final_seeds,
     }
 }
 
@@ -610,8 +623,19 @@ impl Report {
                     StepDiff::between(&curve(base, by_tokens, false), &curve(g, by_tokens, false));
                 let dv =
                     StepDiff::between(&curve(base, by_tokens, true), &curve(g, by_tokens, true));
-                let v: Verdict = verdict(&d, &figs[0].finals, &f.finals, opts.tolerance);
-                let w = Welch::new(&figs[0].finals, &f.finals);
+                let seeded = |g: &GroupFigures| -> Vec<(Option<u64>, f64)> {
+                    g.final_seeds
+                        .iter()
+                        .copied()
+                        .zip(g.finals.iter().copied())
+                        .collect()
+                };
+                let pairs = (!opts.unpaired)
+                    .then(|| pair_by_seed(&seeded(&figs[0]), &seeded(f)))
+                    .flatten();
+                let (a, b) = (&figs[0].finals, &f.finals);
+                let v: Verdict = verdict(&d, a, b, pairs.as_deref(), opts.tolerance);
+                let interval = Interval::of(a, b, pairs.as_deref());
                 against.push(Against {
                     config: config_diff(base, g),
                     aligned_by: if by_tokens { "tokens" } else { "step" },
@@ -623,7 +647,8 @@ impl Report {
                     val_shared: dv.points.len(),
                     val_max_abs: dv.max_abs,
                     final_diff: f.final_mean.zip(figs[0].final_mean).map(|(b, a)| b - a),
-                    final_pm: w.map(|w| w.half_width),
+                    final_pm: interval.map(|i| i.half_width()),
+                    interval: interval.map(|i| i.kind()),
                     speed: f.tokens_per_s.zip(figs[0].tokens_per_s).map(|(b, a)| b / a),
                     verdict: v.kind(),
                     verdict_text: v.to_string(),
@@ -800,8 +825,8 @@ impl fmt::Display for Report {
         );
         row(
             "final Δ",
-            cand(&|a| match (a.final_diff, a.final_pm) {
-                (Some(d), Some(pm)) => format!("{d:+.4} ± {pm:.4}"),
+            cand(&|a| match (a.final_diff, a.final_pm.zip(a.interval)) {
+                (Some(d), Some((pm, kind))) => format!("{d:+.4} ± {pm:.4} ({kind})"),
                 (Some(d), None) => format!("{d:+.4}"),
                 _ => "-".into(),
             }),

@@ -58,7 +58,8 @@ enum Command {
     /// step, bitwise-equal span), final loss and its gap to the floor,
     /// throughput, memory, pipeline bubble, MaxVio, health events, and a
     /// verdict: bitwise identical, equal within --tolerance, better or
-    /// worse by X ± Y (Welch's 95% interval over seeds), or not
+    /// worse by X ± Y (a 95% interval over seeds: paired by seed where
+    /// both sides ran the same seeds, Welch's otherwise), or not
     /// distinguishable. A folder of runs (as `weft train --seeds N` writes)
     /// counts as one group of seeds.
     Compare(runs::CompareArgs),

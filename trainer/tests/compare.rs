@@ -166,6 +166,22 @@ fn seed_groups_compare_with_an_interval() {
     // a hundred times lower a learning rate over 48 steps is far worse
     assert_eq!(a.verdict, "worse", "{report}");
     assert_eq!(report.groups[1].seeds, [42, 43, 44]);
+    // the same seeds on both sides: paired by seed; `--unpaired`: Welch's
+    assert_eq!(a.interval, Some("paired"), "{report}");
+    for (flags, kind) in [(&[][..], "paired"), (&["--unpaired"][..], "welch")] {
+        let mut args = vec!["compare".to_owned(), "--json".to_owned()];
+        args.extend(["base", "slow"].map(|g| dir.join(g).display().to_string()));
+        args.extend(flags.iter().map(|f| (*f).to_owned()));
+        let out = weft(&args);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(v["against"][0]["interval"], kind);
+        assert_eq!(v["against"][0]["verdict"], "worse");
+    }
     let out = weft(&["train".into(), "--seeds".into(), "0".into()]);
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("--seeds 0"));

@@ -115,6 +115,11 @@ pub(crate) struct CompareArgs {
     /// train_loss (mean over the last tenth of the steps).
     #[arg(long, default_value = "val_loss")]
     metric: weft_compare::Metric,
+    /// Welch's interval for groups that ran the same seeds too (by
+    /// default their runs are paired by seed: the same initialisation and
+    /// data order on both sides, whose shared noise pairing takes out).
+    #[arg(long)]
+    unpaired: bool,
 }
 
 /// `weft sample`.
@@ -299,6 +304,7 @@ pub(crate) fn compare(a: CompareArgs) -> Result<()> {
         plot,
         tolerance,
         metric,
+        unpaired,
     } = a;
 
     use weft_compare as compare;
@@ -311,7 +317,12 @@ pub(crate) fn compare(a: CompareArgs) -> Result<()> {
         .iter()
         .map(|r| compare::load_group(r))
         .collect::<Result<Vec<_>, _>>()?;
-    let report = compare::Report::new(&groups, &compare::Options { tolerance, metric });
+    let options = compare::Options {
+        tolerance,
+        metric,
+        unpaired,
+    };
+    let report = compare::Report::new(&groups, &options);
     if json {
         progress::say(&report.to_json());
     } else {
