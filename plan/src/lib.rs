@@ -79,7 +79,9 @@
 //! them). Activation recomputation is modelled as weft runs it
 //! (`train.recompute`: a recomputed block keeps its output and runs its
 //! forward again before its backward, before each half of a split one);
-//! the search tries none, selective and full unless pinned.
+//! the search tries none, selective and full unless pinned; so is the
+//! loss in chunks (`train.loss_chunk`), which the search tries beside the
+//! whole micro-batch under weft's accounting.
 //!
 //! # Example
 //! ```

@@ -12,6 +12,7 @@ use weft_parallel::{ParallelLayout, Recompute, Strategy};
 use weft_pipeline::ScheduleKind;
 
 use crate::layout::Layout;
+use crate::memory::Accounting;
 use crate::predict::{Geometry, Prediction, Request, geometry, predict_with};
 
 /// Which layouts to consider: each `Some` pins that setting.
@@ -43,9 +44,11 @@ pub struct Constraints {
     /// Recomputation: `None` tries none, selective and full, `Some` pins
     /// it.
     pub recompute: Option<Recompute>,
-    /// Tokens per chunk of the head's loss of every layout (0, the
-    /// default: the whole micro-batch).
-    pub loss_chunk: usize,
+    /// Tokens per chunk of the head's loss: `None` tries the whole
+    /// micro-batch and, with weft's accounting ([`Accounting::Weft`])
+    /// where a rank's micro-batch has more tokens than it, chunks of
+    /// [`LOSS_CHUNK`]; `Some(n)` pins it (0: the whole micro-batch).
+    pub loss_chunk: Option<usize>,
     /// Largest micro-batch size tried (default 64).
     pub max_micro_batch: Option<usize>,
 }
@@ -74,7 +77,9 @@ fn divisors(n: usize) -> Vec<usize> {
 /// experts and dp, every sharding strategy (hybrid over the ranks of a
 /// node), every schedule (interleaved with two chunks), micro-batch sizes
 /// dividing the per-rank batch (powers of two, and the whole per-rank
-/// batch), sequence parallelism with tp > 1.
+/// batch), sequence parallelism with tp > 1, each recomputation policy,
+/// and (weft's accounting, more than [`LOSS_CHUNK`] tokens a micro-batch
+/// on a rank) the loss whole and in chunks.
 #[must_use]
 pub fn enumerate(req: &Request, c: &Constraints) -> Vec<Layout> {
     let g = req.cluster.gpus;
@@ -178,7 +183,20 @@ pub fn enumerate(req: &Request, c: &Constraints) -> Vec<Layout> {
                                         &[Recompute::None, Recompute::Selective, Recompute::Full]
                                     }
                                 };
-                                for &recompute in rcs {
+                                // chunks of the loss change nothing where a
+                                // micro-batch has no more tokens than one
+                                // (and the GPU recipe's memory, Megatron's,
+                                // holds the whole micro-batch's logits)
+                                let rows = mbs * m.seq / cp;
+                                let weft = req.recipe.accounting == Accounting::Weft;
+                                let chunks: &[usize] = match &c.loss_chunk {
+                                    Some(k) => std::slice::from_ref(k),
+                                    None if weft && rows > LOSS_CHUNK => &[0, LOSS_CHUNK],
+                                    None => &[0],
+                                };
+                                for (&recompute, &loss_chunk) in
+                                    rcs.iter().flat_map(|r| chunks.iter().map(move |k| (r, k)))
+                                {
                                     let l = Layout {
                                         parallel: ParallelLayout {
                                             dp,
@@ -195,7 +213,7 @@ pub fn enumerate(req: &Request, c: &Constraints) -> Vec<Layout> {
                                         },
                                         micro_batch_size: mbs,
                                         recompute,
-                                        loss_chunk: c.loss_chunk,
+                                        loss_chunk,
                                     };
                                     if l.validate(m, req.batch, g).is_ok() {
                                         out.push(l);
@@ -210,6 +228,12 @@ pub fn enumerate(req: &Request, c: &Constraints) -> Vec<Layout> {
     }
     out
 }
+
+/// The loss chunk a search tries beside the whole micro-batch
+/// ([`Constraints::loss_chunk`]): the smallest `train.loss_chunk`, the
+/// rows the head's weight gradient sums at a time
+/// (`weft_kernels::WT_SUM_ROWS`).
+pub const LOSS_CHUNK: usize = weft_kernels::WT_SUM_ROWS;
 
 /// The most forward passes (stages × chunks × micro-batches, summed over
 /// the distinct schedules) one search generates: 2^25.
@@ -297,7 +321,7 @@ pub fn search(req: &Request, c: &Constraints) -> Result<Vec<Prediction>> {
                 },
                 micro_batch_size: c.micro_batch_size.unwrap_or(1),
                 recompute: c.recompute.unwrap_or_default(),
-                loss_chunk: c.loss_chunk,
+                loss_chunk: c.loss_chunk.unwrap_or(0),
             };
             l.validate(&req.model, req.batch, req.cluster.gpus)?;
         }

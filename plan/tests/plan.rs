@@ -105,6 +105,7 @@ fn search_ranks_fitting_layouts_by_step_time_and_explains_them() {
             schedule: Some(ScheduleKind::OneFOneB),
             sequence_parallel: Some(false),
             recompute: Some(Recompute::None),
+            loss_chunk: Some(0),
             ..Constraints::default()
         },
     )
@@ -514,6 +515,7 @@ fn the_planner_reaches_the_1t_row_by_recomputing() {
     let best = |c: Constraints| search(&req, &c).unwrap().into_iter().find(|p| p.fits);
     // (2021's techniques: no context parallelism either)
     let of_2021 = |r| Constraints {
+        loss_chunk: Some(0),
         cp: Some(1),
         fsdp: Some(None),
         sequence_parallel: Some(false),
@@ -621,4 +623,60 @@ fn context_parallelism_divides_activations_and_hides_its_ring() {
     assert_eq!(longest.len(), 4);
     assert!(longest.windows(2).all(|w| w[1] > w[0]), "{longest:?}");
     assert!(e.to_string().contains("9. The batch floor"));
+}
+
+/// The loss in chunks is searched under weft's accounting: with a 256k
+/// vocabulary and 8,192-token sequences one micro-batch's f32 logits are
+/// 7.8 GB, and chunks of 1,024 tokens keep one chunk's. At 8 layers on a
+/// 40 GB GPU the best layout chunks the loss instead of recomputing every
+/// block (the pinned whole-batch search must recompute, and is slower); at
+/// 12 layers nothing fits without chunks. The activations a chunk saves
+/// are the micro-batch's logits but one chunk's: `(8192 − 1024)·V` floats.
+#[test]
+fn the_search_chunks_the_loss_where_the_logits_do_not_fit() {
+    use weft_plan::search::LOSS_CHUNK;
+    let req = |layers| Request {
+        model: ModelSpec::llama(layers, 2048, 32, 8, 8192, 8192, 256_000),
+        batch: 16,
+        cluster: Cluster::preset("a100-40gb", 1).unwrap(),
+        recipe: Recipe::weft(Precision::Bf16),
+    };
+    let best = |r: &Request, c: &Constraints| search(r, c).unwrap().into_iter().find(|p| p.fits);
+    let whole = Constraints {
+        loss_chunk: Some(0),
+        ..Constraints::default()
+    };
+    let r8 = req(8);
+    let free = best(&r8, &Constraints::default()).expect("a layout fits");
+    let pinned = best(&r8, &whole).expect("a layout fits");
+    assert_eq!(
+        (free.layout.loss_chunk, free.layout.recompute),
+        (LOSS_CHUNK, Recompute::None),
+        "{}",
+        free.layout
+    );
+    assert_eq!(
+        pinned.layout.recompute,
+        Recompute::Full,
+        "{}",
+        pinned.layout
+    );
+    assert!(free.step_s < pinned.step_s);
+    let unchunked = predict(
+        &r8,
+        &Layout {
+            loss_chunk: 0,
+            ..free.layout
+        },
+    )
+    .unwrap();
+    assert!(!unchunked.fits);
+    assert_eq!(
+        unchunked.memory.activations - free.memory.activations,
+        4 * (8192 - 1024) * 256_000
+    );
+    let r12 = req(12);
+    assert!(best(&r12, &whole).is_none());
+    let chunked = best(&r12, &Constraints::default()).expect("a layout fits with chunks");
+    assert_eq!(chunked.layout.loss_chunk, LOSS_CHUNK);
 }

@@ -152,10 +152,12 @@ pub struct PlanArgs {
     /// (`train.recompute`; default: try none, selective and full).
     #[arg(long, value_name = "POLICY")]
     pub recompute: Option<weft_model::Recompute>,
-    /// The loss in chunks of N tokens in every layout (`train.loss_chunk`;
-    /// a multiple of 1024; default 0, the whole micro-batch).
-    #[arg(long, value_name = "N", default_value_t = 0)]
-    pub loss_chunk: usize,
+    /// Pin the loss in chunks of N tokens (`train.loss_chunk`; a multiple
+    /// of 1024; 0: the whole micro-batch; default: try the whole
+    /// micro-batch and, where a micro-batch holds more tokens, chunks of
+    /// 1024).
+    #[arg(long, value_name = "N")]
+    pub loss_chunk: Option<usize>,
     /// Layouts to show (0: all).
     #[arg(long, default_value_t = 8)]
     pub top: usize,
@@ -663,9 +665,14 @@ fn constraints(args: &PlanArgs) -> Result<Constraints, PlanError> {
         micro_batch_size: args.micro_batch,
         sequence_parallel: args.sp,
         recompute: args.recompute,
-        loss_chunk: match weft_model::GptBlocks::check_loss_chunk(args.loss_chunk) {
-            Ok(()) => args.loss_chunk,
-            Err(e) => return Err(usage(format!("--loss-chunk {}: {e}", args.loss_chunk))),
+        loss_chunk: match args.loss_chunk.map(weft_model::GptBlocks::check_loss_chunk) {
+            Some(Err(e)) => {
+                return Err(usage(format!(
+                    "--loss-chunk {}: {e}",
+                    args.loss_chunk.unwrap_or(0)
+                )));
+            }
+            _ => args.loss_chunk,
         },
         max_micro_batch: None,
     })
