@@ -105,8 +105,9 @@ step doc env RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --locked
 step doc-private env RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --locked --document-private-items
 # Every test, with the trainer's MPI support built in: its tests/mpi.rs runs
 # `weft train` under `mpirun -np 2` and `-np 4` against the thread ranks,
-# and kills and stops ranks of running jobs.
-step test cargo test --workspace --locked --features weft-trainer/mpi
+# and kills and stops ranks of running jobs. Every test binary runs even
+# after one fails, so that the summary counts every failure.
+step test cargo test --workspace --locked --no-fail-fast --features weft-trainer/mpi
 # The CUDA backend without a GPU: NVRTC compiles every kernel source for
 # sm_80 and sm_90 (a missing libnvrtc fails, under WEFT_REQUIRE_ALL), the
 # no-GPU path gives typed errors, and the GPU-vs-CPU tests print SKIPPED.
