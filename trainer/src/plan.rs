@@ -652,6 +652,11 @@ fn constraints(args: &PlanArgs) -> Result<Constraints, PlanError> {
             ))
         })?),
     };
+    if let Some(n) = args.loss_chunk
+        && let Err(e) = weft_model::GptBlocks::check_loss_chunk(n)
+    {
+        return Err(usage(format!("--loss-chunk {n}: {e}")));
+    }
     Ok(Constraints {
         dp: args.dp,
         tp: args.tp,
@@ -665,15 +670,7 @@ fn constraints(args: &PlanArgs) -> Result<Constraints, PlanError> {
         micro_batch_size: args.micro_batch,
         sequence_parallel: args.sp,
         recompute: args.recompute,
-        loss_chunk: match args.loss_chunk.map(weft_model::GptBlocks::check_loss_chunk) {
-            Some(Err(e)) => {
-                return Err(usage(format!(
-                    "--loss-chunk {}: {e}",
-                    args.loss_chunk.unwrap_or(0)
-                )));
-            }
-            _ => args.loss_chunk,
-        },
+        loss_chunk: args.loss_chunk,
         max_micro_batch: None,
     })
 }

@@ -237,6 +237,10 @@ const CASES: &[(&[&str], &str)] = &[
         &["plan", "--recompute", "some"],
         "unknown recomputation `some`",
     ),
+    (
+        &["plan", "--set", "train.steps=1", "--loss-chunk", "1000"],
+        "--loss-chunk 1000: invalid config: `loss_chunk` must be a multiple of 1024 tokens",
+    ),
     // the device: a GPU that is not here (never a panic), and what the
     // GPU loop does not do
     (&["train", "--device", "tpu"], "unknown device `tpu`"),

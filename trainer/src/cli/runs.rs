@@ -298,37 +298,26 @@ pub(crate) fn viz(a: VizArgs) -> Result<()> {
 
 /// `weft compare`.
 pub(crate) fn compare(a: CompareArgs) -> Result<()> {
-    let CompareArgs {
-        runs,
-        json,
-        plot,
-        tolerance,
-        metric,
-        unpaired,
-    } = a;
-
     use weft_compare as compare;
-    if let Some(t) = tolerance
+    if let Some(t) = a.tolerance
         && !(t.is_finite() && t >= 0.0)
     {
         anyhow::bail!("--tolerance {t}: a finite number >= 0");
     }
-    let groups = runs
-        .iter()
-        .map(|r| compare::load_group(r))
-        .collect::<Result<Vec<_>, _>>()?;
+    let groups = a.runs.iter().map(|r| compare::load_group(r));
+    let groups = groups.collect::<Result<Vec<_>, _>>()?;
     let options = compare::Options {
-        tolerance,
-        metric,
-        unpaired,
+        tolerance: a.tolerance,
+        metric: a.metric,
+        unpaired: a.unpaired,
     };
     let report = compare::Report::new(&groups, &options);
-    if json {
+    if a.json {
         progress::say(&report.to_json());
     } else {
         progress::say(report.to_string().trim_end());
     }
-    if let Some(dir) = plot {
+    if let Some(dir) = a.plot {
         for f in compare::write_plots(&report, &dir)? {
             progress::say(&format!("wrote {}", f.display()));
         }
